@@ -1,0 +1,524 @@
+// CPU kernels of the dynamic hash table (torch.ops.torchrec_ext.hash_*) and of `route`.
+//
+// Speed comes from memory-level parallelism: a bucket's 32 digests are matched with two SIMD
+// compares, and the buckets of key i + kPrefetchDistance are prefetched while key i is probed.
+// Lookups run in parallel over keys. Mutations are grouped by stripe (a stable counting sort)
+// and each stripe is applied by one thread in batch order, so the result equals applying the
+// keys one at a time, whatever the thread count.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#include "hash_table_layout.h"
+
+namespace torchrec_ext {
+namespace {
+
+constexpr int kPrefetchDistance = 16;
+constexpr int64_t kGrainKeys = 4096;
+
+struct TableRef {
+  uint8_t* digests;
+  int64_t* keys;
+  int64_t* scores;
+  TableGeometry geo;
+};
+
+inline uint32_t lowest_bit(uint32_t m) { return static_cast<uint32_t>(__builtin_ctz(m)); }
+
+// Bit i set when slot i of the bucket holds `tag` (the pin bit is ignored).
+inline uint32_t match_tag(const uint8_t* d, uint8_t tag) {
+#if defined(__SSE2__)
+  const __m128i mask = _mm_set1_epi8(static_cast<char>(kTagMask));
+  const __m128i want = _mm_set1_epi8(static_cast<char>(tag));
+  const __m128i lo = _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d)), mask);
+  const __m128i hi = _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 16)), mask);
+  return static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(lo, want))) |
+         (static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(hi, want))) << 16);
+#else
+  uint32_t m = 0;
+  for (int i = 0; i < kSlotsPerBucket; ++i) m |= static_cast<uint32_t>((d[i] & kTagMask) == tag) << i;
+  return m;
+#endif
+}
+
+// Bit i set when slot i is empty.
+inline uint32_t match_empty(const uint8_t* d) {
+#if defined(__SSE2__)
+  const __m128i zero = _mm_setzero_si128();
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(d));
+  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 16));
+  return static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(lo, zero))) |
+         (static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(hi, zero))) << 16);
+#else
+  uint32_t m = 0;
+  for (int i = 0; i < kSlotsPerBucket; ++i) m |= static_cast<uint32_t>(d[i] == 0) << i;
+  return m;
+#endif
+}
+
+inline void prefetch_buckets(const TableRef& t, const KeyPlace& p) {
+  __builtin_prefetch(t.digests + p.bucket1 * kSlotsPerBucket);
+  __builtin_prefetch(t.digests + p.bucket2 * kSlotsPerBucket);
+}
+
+// Once a key's digests are cached: prefetch the key lines its tag matches. For mutations
+// (kWrite) also the score lines, and for a key with no match (likely new) the lines of the free
+// slot it will most likely take.
+template <bool kWrite>
+inline void prefetch_matches(const TableRef& t, const KeyPlace& p) {
+  bool matched = false;
+  for (const int64_t bucket : {p.bucket1, p.bucket2}) {
+    const int64_t base = bucket * kSlotsPerBucket;
+    for (uint32_t m = match_tag(t.digests + base, p.tag); m != 0; m &= m - 1) {
+      const int64_t row = base + lowest_bit(m);
+      __builtin_prefetch(t.keys + row);
+      if (kWrite) __builtin_prefetch(t.scores + row, 1);
+      matched = true;
+    }
+  }
+  if (kWrite && !matched) {
+    const uint32_t free1 = match_empty(t.digests + p.bucket1 * kSlotsPerBucket);
+    const uint32_t free2 = match_empty(t.digests + p.bucket2 * kSlotsPerBucket);
+    const int64_t row = __builtin_popcount(free1) >= __builtin_popcount(free2)
+                            ? p.bucket1 * kSlotsPerBucket + (free1 ? lowest_bit(free1) : 0)
+                            : p.bucket2 * kSlotsPerBucket + lowest_bit(free2);
+    __builtin_prefetch(t.keys + row, 1);
+    __builtin_prefetch(t.scores + row, 1);
+  }
+}
+
+inline int64_t probe_bucket(const TableRef& t, int64_t bucket, uint8_t tag, int64_t key) {
+  const int64_t base = bucket * kSlotsPerBucket;
+  for (uint32_t m = match_tag(t.digests + base, tag); m != 0; m &= m - 1) {
+    const int64_t row = base + lowest_bit(m);
+    if (t.keys[row] == key) return row;
+  }
+  return -1;
+}
+
+// Row holding `key`, or -1.
+inline int64_t probe(const TableRef& t, const KeyPlace& p, int64_t key) {
+  const int64_t row = probe_bucket(t, p.bucket1, p.tag, key);
+  if (row >= 0 || p.bucket2 == p.bucket1) return row;
+  return probe_bucket(t, p.bucket2, p.tag, key);
+}
+
+// Visits keys key_at(0..count-1) as a three-stage software pipeline, so the DRAM misses of
+// many keys overlap: the buckets of key j + 2D are prefetched, the key lines matching key
+// j + D's tag are prefetched (its digests arrived meanwhile), and key j is handed to
+// visit(j, key, place) with its lines in cache.
+template <bool kWrite, typename KeyAt, typename Visit>
+inline void for_each_prefetched(const TableRef& t, int64_t count, KeyAt key_at, Visit visit) {
+  constexpr int64_t D = kPrefetchDistance;
+  constexpr int64_t kRing = 4 * D;  // holds positions j .. j + 2D
+  static_assert((kRing & (kRing - 1)) == 0, "ring size must be a power of two");
+  KeyPlace ring[kRing];
+  auto fetch_buckets = [&](int64_t j) {
+    ring[j & (kRing - 1)] = place_key(key_at(j), t.geo);
+    prefetch_buckets(t, ring[j & (kRing - 1)]);
+  };
+  for (int64_t j = 0; j < std::min(count, 2 * D); ++j) fetch_buckets(j);
+  for (int64_t j = 0; j < std::min(count, D); ++j) prefetch_matches<kWrite>(t, ring[j & (kRing - 1)]);
+  for (int64_t j = 0; j < count; ++j) {
+    if (j + 2 * D < count) fetch_buckets(j + 2 * D);
+    if (j + D < count) prefetch_matches<kWrite>(t, ring[(j + D) & (kRing - 1)]);
+    visit(j, key_at(j), ring[j & (kRing - 1)]);
+  }
+}
+
+void check_table(const char* op, const at::Tensor& digests, const at::Tensor& slot_keys,
+                 int64_t capacity) {
+  TORCH_CHECK(capacity > 0, op, ": capacity must be > 0, got ", capacity);
+  const TableGeometry g = make_geometry(capacity);
+  TORCH_CHECK(digests.scalar_type() == at::kByte && digests.is_contiguous() &&
+                  digests.numel() == g.num_slots(),
+              op, ": digests must be a contiguous uint8 tensor of ", g.num_slots(),
+              " slots for capacity ", capacity, ", got ", digests.scalar_type(), " of ",
+              digests.numel());
+  TORCH_CHECK(slot_keys.scalar_type() == at::kLong && slot_keys.is_contiguous() &&
+                  slot_keys.numel() == g.num_slots(),
+              op, ": slot_keys must be a contiguous int64 tensor of ", g.num_slots(), " slots");
+}
+
+void check_size(const char* op, const at::Tensor& size) {
+  TORCH_CHECK(size.scalar_type() == at::kLong && size.numel() == 1,
+              op, ": size must be a one-element int64 tensor, got ", size.scalar_type(), " of ",
+              size.numel());
+}
+
+void check_keys(const char* op, const at::Tensor& keys) {
+  TORCH_CHECK(keys.dim() == 1, op, ": keys must be 1-D, got shape ", keys.sizes());
+  TORCH_CHECK(keys.scalar_type() == at::kLong, op, ": keys must be int64, got ",
+              keys.scalar_type());
+}
+
+TableRef table_ref(const at::Tensor& digests, const at::Tensor& slot_keys,
+                   const at::Tensor* slot_scores, int64_t capacity) {
+  return TableRef{digests.data_ptr<uint8_t>(), slot_keys.data_ptr<int64_t>(),
+                  slot_scores ? slot_scores->data_ptr<int64_t>() : nullptr,
+                  make_geometry(capacity)};
+}
+
+// A batch grouped by stripe with a stable counting sort: position j of the grouping holds key
+// keys[j] = input[order[j]]; group s owns positions [offsets[s], offsets[s + 1]), in batch
+// order. A group is a run of whole stripes (at most kMaxGroups groups, so the scatter writes to
+// few places at once); keys of one stripe keep their batch order, which is all that matters,
+// since different stripes never touch the same buckets.
+constexpr int64_t kMaxGroups = 256;
+
+struct StripeGroups {
+  std::vector<int64_t> order;
+  std::vector<int64_t> keys;
+  std::vector<int64_t> offsets;
+};
+
+StripeGroups group_by_stripe(const int64_t* keys, int64_t n, const TableGeometry& g) {
+  const int64_t P = std::min(g.num_stripes, kMaxGroups);
+  const int64_t chunks = std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), (n + kGrainKeys - 1) / kGrainKeys));
+  const int64_t chunk_len = (n + chunks - 1) / chunks;
+  std::vector<int32_t> stripe_of(n);
+  std::vector<int64_t> cursors(chunks * P, 0);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      int64_t* count = cursors.data() + c * P;
+      for (int64_t i = c * chunk_len, e = std::min(n, (c + 1) * chunk_len); i < e; ++i) {
+        const int32_t s = static_cast<int32_t>(place_key(keys[i], g).stripe * P / g.num_stripes);
+        stripe_of[i] = s;
+        ++count[s];
+      }
+    }
+  });
+  StripeGroups out{std::vector<int64_t>(n), std::vector<int64_t>(n), std::vector<int64_t>(P + 1)};
+  int64_t running = 0;
+  for (int64_t s = 0; s < P; ++s) {
+    out.offsets[s] = running;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t k = cursors[c * P + s];
+      cursors[c * P + s] = running;  // now chunk c's write cursor in stripe s
+      running += k;
+    }
+  }
+  out.offsets[P] = running;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      int64_t* cursor = cursors.data() + c * P;
+      for (int64_t i = c * chunk_len, e = std::min(n, (c + 1) * chunk_len); i < e; ++i) {
+        const int64_t j = cursor[stripe_of[i]]++;
+        out.order[j] = i;
+        out.keys[j] = keys[i];
+      }
+    }
+  });
+  return out;
+}
+
+// Runs fn(stripe_begin, stripe_end) on ranges of whole stripes, in parallel: one thread owns a
+// stripe, so it applies that stripe's keys in batch order, and its prefetch pipeline runs on
+// across the stripe boundaries of its range.
+template <typename Fn>
+void for_each_stripe_range(const StripeGroups& groups, Fn fn) {
+  const int64_t P = static_cast<int64_t>(groups.offsets.size()) - 1;
+  at::parallel_for(0, P, 1, [&](int64_t s0, int64_t s1) {
+    if (groups.offsets[s1] > groups.offsets[s0]) fn(s0, s1);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> hash_find_cpu(const at::Tensor& digests,
+                                                 const at::Tensor& slot_keys,
+                                                 const at::Tensor& keys, int64_t capacity) {
+  check_table("hash_find", digests, slot_keys, capacity);
+  check_keys("hash_find", keys);
+  const at::Tensor k = keys.contiguous();
+  const int64_t n = k.numel();
+  at::Tensor rows = at::empty({n}, k.options());
+  at::Tensor found = at::empty({n}, k.options().dtype(at::kBool));
+  const TableRef t = table_ref(digests, slot_keys, nullptr, capacity);
+  const int64_t* kp = k.data_ptr<int64_t>();
+  int64_t* rp = rows.data_ptr<int64_t>();
+  bool* fp = found.data_ptr<bool>();
+  at::parallel_for(0, n, kGrainKeys, [&](int64_t begin, int64_t end) {
+    for_each_prefetched</*kWrite=*/false>(
+        t, end - begin, [&](int64_t j) { return kp[begin + j]; },
+        [&](int64_t j, int64_t key, const KeyPlace& p) {
+          const int64_t row = probe(t, p, key);
+          rp[begin + j] = row;
+          fp[begin + j] = row >= 0;
+        });
+  });
+  return {rows, found};
+}
+
+// Slot that a new key takes in a pair of buckets with no free slot: the lowest-score slot not
+// held by this call (the first on ties), or -1 when every slot is held.
+inline int64_t pick_victim(const TableRef& t, const KeyPlace& p) {
+  int64_t victim = -1;
+  const int num_buckets = p.bucket2 == p.bucket1 ? 1 : 2;
+  for (int c = 0; c < num_buckets; ++c) {
+    const int64_t bucket = c == 0 ? p.bucket1 : p.bucket2;
+    const int64_t base = bucket * kSlotsPerBucket;
+    for (uint32_t m = t.geo.usable_mask(bucket); m != 0; m &= m - 1) {
+      const int64_t r = base + lowest_bit(m);
+      if ((t.digests[r] & kPinBit) == 0 && (victim < 0 || t.scores[r] < t.scores[victim])) {
+        victim = r;
+      }
+    }
+  }
+  return victim;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
+    at::Tensor& digests, at::Tensor& slot_keys, at::Tensor& slot_scores, at::Tensor& size,
+    const at::Tensor& keys, const std::optional<at::Tensor>& scores, int64_t capacity,
+    int64_t policy_id, int64_t clock, int64_t epoch, bool assign) {
+  check_table("hash_upsert", digests, slot_keys, capacity);
+  check_keys("hash_upsert", keys);
+  check_size("hash_upsert", size);
+  const TableGeometry geo = make_geometry(capacity);
+  TORCH_CHECK(slot_scores.scalar_type() == at::kLong && slot_scores.is_contiguous() &&
+                  slot_scores.numel() == geo.num_slots(),
+              "hash_upsert: slot_scores must be a contiguous int64 tensor of ", geo.num_slots(),
+              " slots");
+  TORCH_CHECK(policy_id >= 0 && policy_id <= static_cast<int64_t>(Policy::kCustom),
+              "hash_upsert: unknown policy id ", policy_id);
+  TORCH_CHECK(epoch >= 0 && epoch < (int64_t{1} << 31),
+              "hash_upsert: epoch must be in [0, 2^31), got ", epoch);
+  const Policy policy = static_cast<Policy>(policy_id);
+  const at::Tensor k = keys.contiguous();
+  const int64_t n = k.numel();
+  at::Tensor given;
+  if (scores.has_value()) {
+    given = scores->contiguous();
+    TORCH_CHECK(given.scalar_type() == at::kLong && given.dim() == 1 && given.numel() == n,
+                "hash_upsert: scores must be a 1-D int64 tensor of ", n, " elements, got ",
+                given.scalar_type(), " of shape ", given.sizes());
+  }
+  TORCH_CHECK(policy != Policy::kCustom || scores.has_value(),
+              "hash_upsert: the custom policy needs scores");
+
+  at::Tensor rows = at::empty({n}, k.options());
+  at::Tensor inserted = at::zeros({n}, k.options().dtype(at::kBool));
+  at::Tensor evicted = at::zeros({n}, k.options().dtype(at::kBool));
+  at::Tensor evicted_key = at::empty({n}, k.options());
+  const TableRef t = table_ref(digests, slot_keys, &slot_scores, capacity);
+  const int64_t* gp = scores.has_value() ? given.data_ptr<int64_t>() : nullptr;
+  int64_t* rp = rows.data_ptr<int64_t>();
+  bool* ip = inserted.data_ptr<bool>();
+  bool* evp = evicted.data_ptr<bool>();
+  int64_t* ekp = evicted_key.data_ptr<int64_t>();
+  std::atomic<int64_t> size_delta{0};
+
+  const StripeGroups groups = group_by_stripe(k.data_ptr<int64_t>(), n, geo);
+  // Applies key `key` (input position i) and returns its row (-1: refused). Keys touched by
+  // this call are pinned so a later key of the same stripe cannot evict them.
+  auto apply = [&](int64_t i, int64_t key, const KeyPlace& p, int64_t& added) -> int64_t {
+    const bool has_given = gp != nullptr;
+    const int64_t g = has_given ? gp[i] : 0;
+    int64_t row = probe(t, p, key);
+    if (row >= 0) {
+      t.scores[row] = (assign && has_given)
+                          ? g
+                          : touched_score(policy, false, t.scores[row], has_given, g, clock, epoch);
+      t.digests[row] |= kPinBit;
+      return row;
+    }
+    const int64_t new_score =
+        (assign && has_given) ? g : touched_score(policy, true, 0, has_given, g, clock, epoch);
+    const int64_t base1 = p.bucket1 * kSlotsPerBucket, base2 = p.bucket2 * kSlotsPerBucket;
+    const uint32_t free1 = match_empty(t.digests + base1) & geo.usable_mask(p.bucket1);
+    const uint32_t free2 = p.bucket2 == p.bucket1
+                               ? 0u
+                               : match_empty(t.digests + base2) & geo.usable_mask(p.bucket2);
+    if (free1 | free2) {
+      // Two-choice: the emptier bucket (the first on ties), its lowest free slot.
+      row = __builtin_popcount(free1) >= __builtin_popcount(free2) ? base1 + lowest_bit(free1)
+                                                                   : base2 + lowest_bit(free2);
+      ++added;
+    } else {
+      if (policy == Policy::kNone) return -1;
+      row = pick_victim(t, p);
+      if (row < 0 || new_score < t.scores[row]) return -1;
+      evp[i] = true;
+      ekp[i] = t.keys[row];
+    }
+    ip[i] = true;
+    t.keys[row] = key;
+    t.scores[row] = new_score;
+    t.digests[row] = static_cast<uint8_t>(p.tag | kPinBit);
+    return row;
+  };
+  for_each_stripe_range(groups, [&](int64_t s0, int64_t s1) {
+    const int64_t begin = groups.offsets[s0], end = groups.offsets[s1];
+    const int64_t* order = groups.order.data();
+    int64_t added = 0;
+    int64_t stripe = s0;
+    for_each_prefetched</*kWrite=*/true>(
+        t, end - begin, [&](int64_t j) { return groups.keys[begin + j]; },
+        [&](int64_t j, int64_t key, const KeyPlace& p) {
+          const int64_t i = order[begin + j];
+          rp[i] = apply(i, key, p, added);
+          // Last key of its group: release the group's pins while its lines are still cached.
+          if (begin + j + 1 == groups.offsets[stripe + 1]) {
+            for (int64_t q = groups.offsets[stripe]; q <= begin + j; ++q) {
+              const int64_t r = rp[order[q]];
+              if (r >= 0) t.digests[r] &= kTagMask;
+            }
+            do ++stripe; while (stripe < s1 && groups.offsets[stripe + 1] == groups.offsets[stripe]);
+          }
+        });
+    size_delta += added;
+  });
+  *size.data_ptr<int64_t>() += size_delta.load();
+
+  const at::Tensor evicted_at = evicted.nonzero().squeeze(1);
+  return {rows, inserted, evicted_key.index_select(0, evicted_at), rows.index_select(0, evicted_at)};
+}
+
+at::Tensor hash_erase_cpu(at::Tensor& digests, const at::Tensor& slot_keys, at::Tensor& size,
+                          const at::Tensor& keys, int64_t capacity) {
+  check_table("hash_erase", digests, slot_keys, capacity);
+  check_keys("hash_erase", keys);
+  check_size("hash_erase", size);
+  const TableGeometry geo = make_geometry(capacity);
+  const at::Tensor k = keys.contiguous();
+  const int64_t n = k.numel();
+  at::Tensor erased = at::zeros({n}, k.options().dtype(at::kBool));
+  const TableRef t = table_ref(digests, slot_keys, nullptr, capacity);
+  bool* ep = erased.data_ptr<bool>();
+  std::atomic<int64_t> size_delta{0};
+  const StripeGroups groups = group_by_stripe(k.data_ptr<int64_t>(), n, geo);
+  for_each_stripe_range(groups, [&](int64_t s0, int64_t s1) {
+    const int64_t begin = groups.offsets[s0], end = groups.offsets[s1];
+    int64_t removed = 0;
+    for_each_prefetched</*kWrite=*/false>(
+        t, end - begin, [&](int64_t j) { return groups.keys[begin + j]; },
+        [&](int64_t j, int64_t key, const KeyPlace& p) {
+          const int64_t row = probe(t, p, key);
+          if (row >= 0) {
+            t.digests[row] = 0;
+            ep[groups.order[begin + j]] = true;
+            ++removed;
+          }
+        });
+    size_delta -= removed;
+  });
+  *size.data_ptr<int64_t>() += size_delta.load();
+  return erased;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hash_export_cpu(const at::Tensor& digests,
+                                                               const at::Tensor& slot_keys,
+                                                               const at::Tensor& slot_scores,
+                                                               int64_t capacity, int64_t start,
+                                                               int64_t end) {
+  check_table("hash_export", digests, slot_keys, capacity);
+  const TableGeometry geo = make_geometry(capacity);
+  TORCH_CHECK(0 <= start && start <= end && end <= geo.num_slots(),
+              "hash_export: need 0 <= start <= end <= ", geo.num_slots(), ", got start=", start,
+              " end=", end);
+  const uint8_t* d = digests.data_ptr<uint8_t>();
+  const int64_t* sk = slot_keys.data_ptr<int64_t>();
+  const int64_t* ss = slot_scores.data_ptr<int64_t>();
+  const int64_t last = std::min(end, capacity);
+  int64_t live = 0;
+  for (int64_t r = start; r < last; ++r) live += d[r] != 0;
+  auto opts = slot_keys.options();
+  at::Tensor out_keys = at::empty({live}, opts), out_rows = at::empty({live}, opts),
+             out_scores = at::empty({live}, opts);
+  int64_t* ok = out_keys.data_ptr<int64_t>();
+  int64_t* orow = out_rows.data_ptr<int64_t>();
+  int64_t* os = out_scores.data_ptr<int64_t>();
+  for (int64_t r = start, j = 0; r < last; ++r) {
+    if (d[r] != 0) {
+      ok[j] = sk[r];
+      orow[j] = r;
+      os[j] = ss[r];
+      ++j;
+    }
+  }
+  return {out_keys, out_rows, out_scores};
+}
+
+void hash_restore_cpu(at::Tensor& digests, at::Tensor& slot_keys, at::Tensor& slot_scores,
+                      at::Tensor& size, const at::Tensor& keys, const at::Tensor& rows,
+                      const at::Tensor& scores, int64_t capacity) {
+  check_table("hash_restore", digests, slot_keys, capacity);
+  check_keys("hash_restore", keys);
+  const TableGeometry geo = make_geometry(capacity);
+  const int64_t n = keys.numel();
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.numel() == n,
+              "hash_restore: rows must be a 1-D int64 tensor of ", n, " elements");
+  TORCH_CHECK(scores.scalar_type() == at::kLong && scores.dim() == 1 && scores.numel() == n,
+              "hash_restore: scores must be a 1-D int64 tensor of ", n, " elements");
+  const at::Tensor k = keys.contiguous(), r = rows.contiguous(), s = scores.contiguous();
+  const int64_t* kp = k.data_ptr<int64_t>();
+  const int64_t* rp = r.data_ptr<int64_t>();
+  const int64_t* sp = s.data_ptr<int64_t>();
+  uint8_t* d = digests.data_ptr<uint8_t>();
+  // Validate everything before the first write, so a bad state leaves the table unchanged.
+  std::vector<int64_t> sorted_keys(kp, kp + n);
+  std::sort(sorted_keys.begin(), sorted_keys.end());
+  const auto dup = std::adjacent_find(sorted_keys.begin(), sorted_keys.end());
+  TORCH_CHECK(dup == sorted_keys.end(), "hash_restore: key ", dup == sorted_keys.end() ? 0 : *dup,
+              " appears twice");
+  std::vector<uint8_t> taken(static_cast<size_t>(geo.num_slots()), 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t row = rp[i];
+    TORCH_CHECK(row >= 0 && row < capacity, "hash_restore: row ", row, " of key ", kp[i],
+                " is outside [0, ", capacity, ")");
+    const KeyPlace p = place_key(kp[i], geo);
+    const int64_t bucket = row / kSlotsPerBucket;
+    TORCH_CHECK(bucket == p.bucket1 || bucket == p.bucket2, "hash_restore: key ", kp[i],
+                " cannot live in row ", row, " (its buckets are ", p.bucket1, " and ", p.bucket2,
+                "); was the state saved with another capacity or version?");
+    TORCH_CHECK(!taken[row] && d[row] == 0, "hash_restore: row ", row, " is given twice or already occupied");
+    taken[row] = 1;
+  }
+  int64_t* sk = slot_keys.data_ptr<int64_t>();
+  int64_t* ss = slot_scores.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const KeyPlace p = place_key(kp[i], geo);
+    d[rp[i]] = p.tag;
+    sk[rp[i]] = kp[i];
+    ss[rp[i]] = sp[i];
+  }
+  *size.data_ptr<int64_t>() += n;
+}
+
+at::Tensor route_cpu(const at::Tensor& keys, int64_t world_size) {
+  check_keys("route", keys);
+  TORCH_CHECK(world_size > 0 && world_size < (int64_t{1} << 31),
+              "route: world_size must be in [1, 2^31), got ", world_size);
+  const at::Tensor k = keys.contiguous();
+  at::Tensor ranks = at::empty_like(k);
+  const int64_t* kp = k.data_ptr<int64_t>();
+  int64_t* out = ranks.data_ptr<int64_t>();
+  at::parallel_for(0, k.numel(), kGrainKeys, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) out[i] = route_key(kp[i], world_size);
+  });
+  return ranks;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchrec_ext, CPU, m) {
+  m.impl("hash_find", &hash_find_cpu);
+  m.impl("hash_upsert", &hash_upsert_cpu);
+  m.impl("hash_erase", &hash_erase_cpu);
+  m.impl("hash_export", &hash_export_cpu);
+  m.impl("hash_restore", &hash_restore_cpu);
+  m.impl("route", &route_cpu);
+}
+
+}  // namespace torchrec_ext

@@ -1,0 +1,60 @@
+"""Builds torchrec_ext._C: the C++ CPU kernels always, plus the CUDA kernels when torch was
+built with CUDA and nvcc is found (or FORCE_CUDA=1). Says which it did."""
+import glob
+import os
+
+from setuptools import setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+import torch
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _want_cuda() -> bool:
+    if os.environ.get("FORCE_CUDA", "0") == "1":
+        return True
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+def _extension():
+    cpu_sources = sorted(glob.glob("csrc/*.cpp"))
+    cuda_binding = [s for s in cpu_sources if s.endswith("_cuda.cpp")]
+    cpu_sources = [s for s in cpu_sources if s not in cuda_binding]
+    # at::parallel_for is a header template: without -fopenmp it compiles to a serial loop.
+    # The OpenMP runtime it links (libgomp.so.1) is the one torch already loaded.
+    cxx_flags = ["-O3", "-fvisibility=hidden", "-fopenmp"]
+    link_flags = ["-fopenmp"]
+    if _want_cuda():
+        sources = cpu_sources + cuda_binding + sorted(glob.glob("csrc/*.cu"))
+        print(f"torchrec_ext: building CPU + CUDA kernels ({len(sources)} sources, CUDA_HOME={CUDA_HOME})")
+        return CUDAExtension(
+            "torchrec_ext._C",
+            sources,
+            include_dirs=[os.path.join(ROOT, "csrc")],
+            define_macros=[("TORCHREC_EXT_WITH_CUDA", "1")],
+            extra_link_args=link_flags,
+            extra_compile_args={
+                "cxx": cxx_flags,
+                "nvcc": ["-O3", "--expt-relaxed-constexpr",
+                         os.environ.get("TORCHREC_EXT_NVCC_ARCH", "-gencode=arch=compute_90,code=sm_90")],
+            },
+        )
+    print(f"torchrec_ext: building CPU kernels only ({len(cpu_sources)} sources; "
+          f"torch CUDA={torch.version.cuda}, nvcc home={CUDA_HOME}; FORCE_CUDA=1 to force CUDA)")
+    return CppExtension(
+        "torchrec_ext._C",
+        cpu_sources,
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        extra_compile_args={"cxx": cxx_flags},
+        extra_link_args=link_flags,
+    )
+
+
+setup(
+    packages=["torchrec_ext", "torchrec_ext.triton_kernels"],
+    # The Triton kernels live in the top-level triton_kernels/ folder but install as
+    # torchrec_ext.triton_kernels, so they never shadow Triton's own `triton_kernels` package.
+    package_dir={"torchrec_ext": "torchrec_ext", "torchrec_ext.triton_kernels": "triton_kernels"},
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)

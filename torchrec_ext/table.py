@@ -1,0 +1,329 @@
+"""One dynamic table's index: a hash table from raw int64 ids to rows in ``[0, capacity)``.
+
+The index owns no embedding vectors: rows address value storage (vectors, optimizer state)
+kept by the caller, which must (re)initialise the rows reported as inserted.
+
+Concurrency: a ``HashTable`` may be shared by threads. Lookups (``find``, ``export``, ``size``)
+run concurrently with each other; mutations (``find_or_insert``, ``insert_or_assign``,
+``erase``, ``clear``, ``load_state_dict``, ``set_epoch``) run one at a time and exclude lookups
+while they run. So every call is atomic: a ``find`` overlapping an insert sees the table as it
+was before that insert or after it, never half of it.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Dict, Iterator, NamedTuple, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from torchrec_ext import ops
+
+SLOTS_PER_BUCKET = 32
+_BUCKETS_PER_STRIPE = 64
+_MAX_STRIPES = 1 << 16
+
+# Ids in csrc/hash_table_layout.h's Policy enum.
+POLICIES: Dict[str, int] = {"none": 0, "lru": 1, "lfu": 2, "epoch_lru": 3, "epoch_lfu": 4, "custom": 5}
+# Policies whose find_or_insert takes caller scores (custom: the score; lfu kinds: increments).
+_SCORED_TOUCH = {"custom", "lfu", "epoch_lfu"}
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def table_geometry(capacity: int) -> Tuple[int, int]:
+    """(num_buckets, num_stripes) of a table of ``capacity`` rows (mirrors make_geometry in C++)."""
+    num_buckets = -(-capacity // SLOTS_PER_BUCKET)
+    return num_buckets, min(max(num_buckets // _BUCKETS_PER_STRIPE, 1), _MAX_STRIPES)
+
+
+class InsertResult(NamedTuple):
+    """What ``find_or_insert`` / ``insert_or_assign`` did.
+
+    rows: row of each key, -1 where it was refused (its buckets full and nothing evictable).
+    inserted: True where the key was new (at its first occurrence in the batch only), so
+        ``rows[inserted]`` are exactly the rows the caller must initialise.
+    evicted_keys / evicted_rows: keys pushed out to make room, and the rows they held (now
+        given to a new key of this batch).
+    """
+
+    rows: Tensor
+    inserted: Tensor
+    evicted_keys: Tensor
+    evicted_rows: Tensor
+
+
+class _ReadWriteLock:
+    """Many readers or one writer; a waiting writer blocks new readers (no writer starvation)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+
+    @contextmanager
+    def read(self):
+        with self._cond:
+            while self._writer or self._writers_waiting:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if self._readers == 0:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def write(self):
+        with self._cond:
+            self._writers_waiting += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._writers_waiting -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+class HashTable:
+    """Maps raw int64 keys to rows in ``[0, capacity)``, evicting by score when full.
+
+    Every int64 is a valid key (-1, 0, INT64_MIN, INT64_MAX included). Duplicates in one batch
+    get one row; a key keeps its row until erased or evicted. A key may live in one of two
+    buckets of 32 slots; when both are full an insert evicts the lowest-score slot of the two
+    (the first on ties) if the new key's score is not lower, else it is refused (row -1).
+    Keys touched by the call in flight are never evicted by that same call.
+
+    Policies (the score a touch leaves):
+      ``lru``       logical clock of the last touch (advances by one per mutating call)
+      ``lfu``       touch count (1 per occurrence, or the caller's ``scores`` as increments)
+      ``epoch_lru`` ``epoch << 32 | clock``; ``set_epoch`` moves the epoch
+      ``epoch_lfu`` ``epoch << 32 | count within the epoch``
+      ``custom``    the caller's ``scores`` (required)
+      ``none``      clock as ``lru``, but nothing is evicted: inserts into full buckets are refused
+    Results are deterministic for a given sequence of calls, whatever the thread count.
+    """
+
+    def __init__(self, capacity: int, *, policy: str = "lru", device: Union[str, torch.device, None] = None):
+        if not isinstance(capacity, int) or isinstance(capacity, bool):
+            raise TypeError(f"HashTable: capacity must be an int, got {type(capacity).__name__}")
+        if capacity <= 0:
+            raise ValueError(f"HashTable: capacity must be > 0, got {capacity}")
+        if policy not in POLICIES:
+            raise ValueError(f"HashTable: policy must be one of {sorted(POLICIES)}, got {policy!r}")
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        if not ops.has_kernel("hash_find", device):
+            raise ValueError(
+                f"HashTable: device {device} has no torchrec_ext kernels in this build "
+                "(CUDA kernels are built only when torch has CUDA and nvcc is found, or FORCE_CUDA=1)"
+            )
+        self._capacity = capacity
+        self.policy = policy
+        self.device = device
+        self.num_buckets, self.num_stripes = table_geometry(capacity)
+        num_slots = self.num_buckets * SLOTS_PER_BUCKET
+        self._digests = torch.zeros(num_slots, dtype=torch.uint8, device=device)
+        self._slot_keys = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self._slot_scores = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self._size = torch.zeros(1, dtype=torch.int64, device=device)
+        self._clock = 0
+        self._epoch = 0
+        self._lock = _ReadWriteLock()
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def clock(self) -> int:
+        """Logical clock: the number of ``find_or_insert`` / ``insert_or_assign`` calls so far."""
+        return self._clock
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        if not isinstance(epoch, int) or not 0 <= epoch < 2**31:
+            raise ValueError(f"HashTable.set_epoch: epoch must be an int in [0, 2**31), got {epoch!r}")
+        with self._lock.write():
+            self._epoch = epoch
+
+    def size(self) -> int:
+        with self._lock.read():
+            return int(self._size)
+
+    def load_factor(self) -> float:
+        return self.size() / self._capacity
+
+    def metadata_bytes_per_slot(self) -> float:
+        """Index bytes per slot: the digest, key and score arrays (1 + 8 + 8 B per slot)."""
+        arrays = (self._digests, self._slot_keys, self._slot_scores)
+        return sum(t.numel() * t.element_size() for t in arrays) / self._digests.numel()
+
+    def __repr__(self) -> str:
+        return f"HashTable(capacity={self._capacity}, policy={self.policy!r}, device={self.device}, size={self.size()})"
+
+    # ------------------------------------------------------------------ operations
+
+    def find(self, keys: Tensor) -> Tuple[Tensor, Tensor]:
+        """Rows of ``keys`` (-1 where absent) and a bool mask of which were found. Read-only."""
+        keys = self._check_keys("find", keys)
+        with self._lock.read():
+            return ops.hash_find(self._digests, self._slot_keys, keys, self._capacity)
+
+    def find_or_insert(self, keys: Tensor, scores: Optional[Tensor] = None) -> InsertResult:
+        """Rows of ``keys``, inserting the missing ones; touches every key's score by the policy.
+
+        ``scores``: required for ``custom`` (the score to store); for ``lfu`` / ``epoch_lfu``
+        optional non-negative increments (default 1 per occurrence); not accepted otherwise.
+        """
+        keys = self._check_keys("find_or_insert", keys)
+        if scores is not None and self.policy not in _SCORED_TOUCH:
+            raise ValueError(
+                f"HashTable.find_or_insert: scores are only taken by policies {sorted(_SCORED_TOUCH)}, "
+                f"this table's policy is {self.policy!r}"
+            )
+        scores = self._check_scores("find_or_insert", scores, keys, increments=self.policy != "custom")
+        return self._upsert(keys, scores, assign=False)
+
+    def insert_or_assign(self, keys: Tensor, scores: Optional[Tensor] = None) -> InsertResult:
+        """Like ``find_or_insert``, but given ``scores`` are stored as they are, for any policy."""
+        keys = self._check_keys("insert_or_assign", keys)
+        scores = self._check_scores("insert_or_assign", scores, keys, increments=False)
+        return self._upsert(keys, scores, assign=True)
+
+    def erase(self, keys: Tensor) -> Tensor:
+        """Removes ``keys``; returns a bool mask, True where a key was removed (first occurrence)."""
+        keys = self._check_keys("erase", keys)
+        with self._lock.write():
+            return ops.hash_erase(self._digests, self._slot_keys, self._size, keys, self._capacity)
+
+    def export(self, page_size: int = 1 << 20) -> Iterator[Tuple[Tensor, Tensor, Tensor]]:
+        """Pages of live ``(keys, rows, scores)`` in row order, each scanning ``page_size`` slots.
+
+        Each page is read atomically; a table mutated between pages gives pages of different
+        moments, as any paged scan does.
+        """
+        if not isinstance(page_size, int) or page_size <= 0:
+            raise ValueError(f"HashTable.export: page_size must be an int > 0, got {page_size!r}")
+        for start in range(0, self._capacity, page_size):
+            with self._lock.read():
+                yield ops.hash_export(
+                    self._digests, self._slot_keys, self._slot_scores, self._capacity, start,
+                    min(start + page_size, self._digests.numel()),
+                )
+
+    def clone(self) -> "HashTable":
+        """An independent copy (same keys, rows, scores, clock and epoch)."""
+        twin = HashTable.__new__(HashTable)
+        with self._lock.read():
+            twin.__dict__.update(self.__dict__)
+            for name in ("_digests", "_slot_keys", "_slot_scores", "_size"):
+                setattr(twin, name, getattr(self, name).clone())
+        twin._lock = _ReadWriteLock()
+        return twin
+
+    def clear(self) -> None:
+        with self._lock.write():
+            self._digests.zero_()
+            self._size.zero_()
+
+    def state_dict(self) -> Dict[str, object]:
+        """Live keys, their rows and scores, plus what reproduces placement and scoring."""
+        with self._lock.read():
+            keys, rows, scores = ops.hash_export(
+                self._digests, self._slot_keys, self._slot_scores, self._capacity, 0, self._digests.numel()
+            )
+            return {
+                "capacity": self._capacity,
+                "policy": self.policy,
+                "clock": self._clock,
+                "epoch": self._epoch,
+                "keys": keys,
+                "rows": rows,
+                "scores": scores,
+            }
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        """Restores a ``state_dict`` of a table of the same capacity: same keys at the same rows."""
+        missing = {"capacity", "policy", "clock", "epoch", "keys", "rows", "scores"} - set(state)
+        if missing:
+            raise ValueError(f"HashTable.load_state_dict: state is missing {sorted(missing)}")
+        if state["capacity"] != self._capacity:
+            raise ValueError(
+                f"HashTable.load_state_dict: state was saved with capacity {state['capacity']}, "
+                f"this table has capacity {self._capacity}; rows are only valid for the same capacity"
+            )
+        if state["policy"] != self.policy:
+            raise ValueError(
+                f"HashTable.load_state_dict: state was saved with policy {state['policy']!r}, "
+                f"this table has policy {self.policy!r}"
+            )
+        keys = self._check_keys("load_state_dict", state["keys"])
+        rows = torch.as_tensor(state["rows"], dtype=torch.int64).to(self.device)
+        scores = torch.as_tensor(state["scores"], dtype=torch.int64).to(self.device)
+        # Build into fresh storage and swap only on success: a bad state leaves the table as it was.
+        digests = torch.zeros_like(self._digests)
+        slot_keys = torch.zeros_like(self._slot_keys)
+        slot_scores = torch.zeros_like(self._slot_scores)
+        size = torch.zeros_like(self._size)
+        try:
+            ops.hash_restore(digests, slot_keys, slot_scores, size, keys, rows, scores, self._capacity)
+        except RuntimeError as e:
+            raise ValueError(f"HashTable.load_state_dict: {e}") from None
+        with self._lock.write():
+            self._digests, self._slot_keys, self._slot_scores = digests, slot_keys, slot_scores
+            self._size = size
+            self._clock = int(state["clock"])
+            self._epoch = int(state["epoch"])
+
+    # ------------------------------------------------------------------ internals
+
+    def _upsert(self, keys: Tensor, scores: Optional[Tensor], assign: bool) -> InsertResult:
+        with self._lock.write():
+            self._clock += 1
+            return InsertResult(
+                *ops.hash_upsert(
+                    self._digests, self._slot_keys, self._slot_scores, self._size, keys, scores,
+                    self._capacity, POLICIES[self.policy], self._clock, self._epoch, assign,
+                )
+            )
+
+    def _check_keys(self, op: str, keys: object) -> Tensor:
+        if not isinstance(keys, Tensor):
+            raise TypeError(f"HashTable.{op}: keys must be a torch.Tensor, got {type(keys).__name__}")
+        if keys.dtype not in _INT_DTYPES:
+            raise TypeError(f"HashTable.{op}: keys must be an integer tensor (int64 preferred), got {keys.dtype}")
+        if keys.dim() != 1:
+            raise ValueError(f"HashTable.{op}: keys must be 1-D, got shape {tuple(keys.shape)}")
+        if keys.device != self.device:
+            raise ValueError(f"HashTable.{op}: keys are on {keys.device}, the table is on {self.device}")
+        return keys.to(torch.int64).contiguous()
+
+    def _check_scores(self, op: str, scores: Optional[Tensor], keys: Tensor, increments: bool) -> Optional[Tensor]:
+        if scores is None:
+            if self.policy == "custom":
+                raise ValueError(f"HashTable.{op}: the 'custom' policy needs scores, one per key")
+            return None
+        if not isinstance(scores, Tensor) or scores.dtype not in _INT_DTYPES:
+            raise TypeError(f"HashTable.{op}: scores must be an integer tensor, got {getattr(scores, 'dtype', type(scores).__name__)}")
+        if scores.shape != keys.shape:
+            raise ValueError(
+                f"HashTable.{op}: scores must have one entry per key, shape {tuple(keys.shape)}, got {tuple(scores.shape)}"
+            )
+        if scores.device != self.device:
+            raise ValueError(f"HashTable.{op}: scores are on {scores.device}, the table is on {self.device}")
+        scores = scores.to(torch.int64).contiguous()
+        if increments and scores.numel() and int(scores.min()) < 0:
+            raise ValueError(f"HashTable.{op}: {self.policy} increments must be >= 0, got {int(scores.min())}")
+        return scores

@@ -362,7 +362,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
     const int64_t begin = groups.offsets[s0], end = groups.offsets[s1];
     const int64_t* order = groups.order.data();
     int64_t added = 0;
-    int64_t stripe = s0;
+    int64_t stripe = s0;  // the group whose last key releases its pins: skip empty ones
+    while (groups.offsets[stripe + 1] == groups.offsets[stripe]) ++stripe;
     for_each_prefetched</*kWrite=*/true>(
         t, end - begin, [&](int64_t j) { return groups.keys[begin + j]; },
         [&](int64_t j, int64_t key, const KeyPlace& p) {

@@ -1,37 +1,52 @@
 #!/usr/bin/env bash
 # Sets up .venv in the checkout: pinned torch, the fbgemm variant matching the machine,
-# torchrec without its declared deps (it names the 500 MB CUDA fbgemm-gpu) plus its real
-# deps, triton, torchx, pytest, and this package in editable mode built against that torch.
-# Idempotent: a second run checks the stamp and only rebuilds the extension if sources changed.
+# torchrec without its declared deps (it names the 500 MB CUDA fbgemm-gpu) plus its real deps,
+# triton, torchx, pytest, and this package in editable mode built against that torch.
+# Idempotent: dependencies install once (stamp file); the extension rebuilds when its sources change.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${TORCHREC_EXT_VENV:-.venv}
 TORCH_VERSION=2.13.0
 FBGEMM_VERSION=1.8.0
 TORCHREC_VERSION=1.8.0
-STAMP="$VENV/.torchrec_ext_deps_v1"
+DEPS_STAMP="$VENV/.torchrec_ext_deps_v1"
+BUILD_STAMP="$VENV/.torchrec_ext_build"
+
+pip_install() {
+  # This machine's pip config names local mirrors that may be absent; keep their warnings out.
+  "$VENV/bin/python" -m pip install -q "$@" 2> >(grep -v "^WARNING: Location" >&2)
+}
 
 if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating $VENV"
   python3 -m venv "$VENV"
 fi
-PY="$VENV/bin/python"
 
-if [ ! -f "$STAMP" ]; then
-  "$PY" -m pip install -q --upgrade pip setuptools wheel ninja
-  # An unpinned torch pulls the newest CUDA build (GBs); pin it first so nothing upgrades it.
-  "$PY" -m pip install -q "torch==$TORCH_VERSION"
+if [ ! -f "$DEPS_STAMP" ]; then
+  echo "setup: installing torch $TORCH_VERSION, fbgemm, torchrec $TORCHREC_VERSION and friends"
+  pip_install --upgrade pip setuptools wheel ninja
+  # An unpinned torch pulls the newest CUDA build (GBs): pin it, and repeat the pin below so
+  # no later install can move it.
+  pip_install "torch==$TORCH_VERSION"
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    FBGEMM="fbgemm-gpu==$FBGEMM_VERSION"
+    fbgemm="fbgemm-gpu==$FBGEMM_VERSION"
   else
-    FBGEMM="fbgemm-gpu-cpu==$FBGEMM_VERSION"
+    fbgemm="fbgemm-gpu-cpu==$FBGEMM_VERSION"
   fi
-  "$PY" -m pip install -q "$FBGEMM" "torch==$TORCH_VERSION"
-  "$PY" -m pip install -q --no-deps "torchrec==$TORCHREC_VERSION"
-  "$PY" -m pip install -q "torch==$TORCH_VERSION" tensordict "torchmetrics==1.0.3" tqdm \
-      pyre-extensions typing-inspect iopath "triton==3.6.0" "torchx==0.7.0" pytest numpy matplotlib
-  touch "$STAMP"
+  pip_install "$fbgemm" "torch==$TORCH_VERSION"
+  pip_install --no-deps "torchrec==$TORCHREC_VERSION"
+  pip_install "torch==$TORCH_VERSION" tensordict "torchmetrics==1.0.3" tqdm pyre-extensions \
+    typing-inspect iopath "triton==3.6.0" "torchx==0.7.0" pytest numpy matplotlib
+  touch "$DEPS_STAMP"
 fi
 
-# Editable install of this package, compiled against the venv's torch (no build isolation,
-# so the extension's ABI matches the torch that will load it).
-"$PY" -m pip install -q --no-build-isolation --no-deps -e .
+# Editable install compiled against the venv's torch (no build isolation, so the extension's
+# ABI matches the torch that loads it); skipped when sources are unchanged since the last build.
+sources_hash=$(cat setup.py pyproject.toml csrc/* | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$BUILD_STAMP" 2>/dev/null)" != "$sources_hash" ] || ! "$VENV/bin/python" -c "import torchrec_ext" 2>/dev/null; then
+  echo "setup: building torchrec_ext"
+  pip_install --no-build-isolation --no-deps -e .
+  echo "$sources_hash" > "$BUILD_STAMP"
+  "$VENV/bin/python" -c "import torch; from torchrec_ext import ops; \
+print('setup: torchrec_ext built with', 'CPU + CUDA' if ops.has_kernel('hash_find', torch.device('cuda')) else 'CPU-only', 'kernels')"
+fi

@@ -1,0 +1,248 @@
+// CUDA kernels of the dynamic hash table ops (torch.ops.torchrec_ext.hash_*) and of `route`:
+// the torch side. Validates inputs as the CPU kernels do (plus: every tensor on the table's
+// GPU), groups mutation batches by stripe with a stable ATen sort, launches the kernels of
+// hash_table_cuda.cu on the current stream, and compacts the variable-length outputs (evicted
+// keys, export) with ATen. hash_restore (state_dict load: rare, all validation) runs the CPU
+// kernel on host copies. Compiled only in CUDA builds (setup.py).
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <initializer_list>
+#include <utility>
+
+#include "hash_table_cuda.h"
+#include "hash_table_layout.h"
+
+namespace torchrec_ext {
+namespace {
+
+cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+void check_table(const char* op, const at::Tensor& digests, const at::Tensor& slot_keys,
+                 int64_t capacity) {
+  TORCH_CHECK(capacity > 0, op, ": capacity must be > 0, got ", capacity);
+  const TableGeometry g = make_geometry(capacity);
+  TORCH_CHECK(digests.scalar_type() == at::kByte && digests.is_contiguous() &&
+                  digests.numel() == g.num_slots(),
+              op, ": digests must be a contiguous uint8 tensor of ", g.num_slots(),
+              " slots for capacity ", capacity, ", got ", digests.scalar_type(), " of ",
+              digests.numel());
+  TORCH_CHECK(slot_keys.scalar_type() == at::kLong && slot_keys.is_contiguous() &&
+                  slot_keys.numel() == g.num_slots(),
+              op, ": slot_keys must be a contiguous int64 tensor of ", g.num_slots(), " slots");
+}
+
+void check_slot_scores(const char* op, const at::Tensor& slot_scores, int64_t capacity) {
+  const TableGeometry g = make_geometry(capacity);
+  TORCH_CHECK(slot_scores.scalar_type() == at::kLong && slot_scores.is_contiguous() &&
+                  slot_scores.numel() == g.num_slots(),
+              op, ": slot_scores must be a contiguous int64 tensor of ", g.num_slots(), " slots");
+}
+
+void check_size(const char* op, const at::Tensor& size) {
+  TORCH_CHECK(size.scalar_type() == at::kLong && size.numel() == 1,
+              op, ": size must be a one-element int64 tensor, got ", size.scalar_type(), " of ",
+              size.numel());
+}
+
+void check_keys(const char* op, const at::Tensor& keys) {
+  TORCH_CHECK(keys.dim() == 1, op, ": keys must be 1-D, got shape ", keys.sizes());
+  TORCH_CHECK(keys.scalar_type() == at::kLong, op, ": keys must be int64, got ",
+              keys.scalar_type());
+}
+
+// The kernels take raw pointers: a tensor on the host or on another GPU would be an illegal
+// access there, so every tensor of a call must be on the table's GPU.
+void check_devices(const char* op, const at::Tensor& digests,
+                   std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors) {
+  TORCH_CHECK(digests.is_cuda(), op, ": digests must be a CUDA tensor, got one on ",
+              digests.device());
+  for (const auto& [name, tensor] : tensors) {
+    TORCH_CHECK(tensor->device() == digests.device(), op, ": ", name, " must be on ",
+                digests.device(), " like the table, got ", tensor->device());
+  }
+}
+
+// A batch grouped by stripe: the j-th key of the grouping is keys[order[j]], of stripe
+// sorted_stripes[j]. The sort is stable, so each stripe keeps its keys in batch order, the
+// order in which the kernels apply them.
+struct StripeGroups {
+  at::Tensor sorted_stripes;  // int32, ascending
+  at::Tensor order;           // int64 batch positions
+};
+
+StripeGroups group_by_stripe(const at::Tensor& keys, int64_t capacity) {
+  at::Tensor stripes = at::empty({keys.numel()}, keys.options().dtype(at::kInt));
+  C10_CUDA_CHECK(launch_key_stripes(keys.const_data_ptr<int64_t>(), keys.numel(), capacity,
+                                    stripes.mutable_data_ptr<int32_t>(), current_stream()));
+  auto [sorted_stripes, order] = at::sort(stripes, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  return {sorted_stripes, order};
+}
+
+// ---------------------------------------------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> hash_find_cuda(const at::Tensor& digests,
+                                                  const at::Tensor& slot_keys,
+                                                  const at::Tensor& keys, int64_t capacity) {
+  check_table("hash_find", digests, slot_keys, capacity);
+  check_keys("hash_find", keys);
+  check_devices("hash_find", digests, {{"slot_keys", &slot_keys}, {"keys", &keys}});
+  const c10::cuda::CUDAGuard device_guard(digests.device());
+  const at::Tensor k = keys.contiguous();
+  const int64_t n = k.numel();
+  at::Tensor rows = at::empty({n}, k.options());
+  at::Tensor found = at::empty({n}, k.options().dtype(at::kBool));
+  C10_CUDA_CHECK(launch_hash_find(digests.const_data_ptr<uint8_t>(),
+                                  slot_keys.const_data_ptr<int64_t>(), capacity,
+                                  k.const_data_ptr<int64_t>(), n, rows.mutable_data_ptr<int64_t>(),
+                                  found.mutable_data_ptr<bool>(), current_stream()));
+  return {rows, found};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cuda(
+    at::Tensor& digests, at::Tensor& slot_keys, at::Tensor& slot_scores, at::Tensor& size,
+    const at::Tensor& keys, const std::optional<at::Tensor>& scores, int64_t capacity,
+    int64_t policy_id, int64_t clock, int64_t epoch, bool assign) {
+  check_table("hash_upsert", digests, slot_keys, capacity);
+  check_keys("hash_upsert", keys);
+  check_size("hash_upsert", size);
+  check_slot_scores("hash_upsert", slot_scores, capacity);
+  TORCH_CHECK(policy_id >= 0 && policy_id <= static_cast<int64_t>(Policy::kCustom),
+              "hash_upsert: unknown policy id ", policy_id);
+  TORCH_CHECK(epoch >= 0 && epoch < (int64_t{1} << 31),
+              "hash_upsert: epoch must be in [0, 2^31), got ", epoch);
+  const int64_t n = keys.numel();
+  at::Tensor given;
+  if (scores.has_value()) {
+    given = scores->contiguous();
+    TORCH_CHECK(given.scalar_type() == at::kLong && given.dim() == 1 && given.numel() == n,
+                "hash_upsert: scores must be a 1-D int64 tensor of ", n, " elements, got ",
+                given.scalar_type(), " of shape ", given.sizes());
+  }
+  TORCH_CHECK(static_cast<Policy>(policy_id) != Policy::kCustom || scores.has_value(),
+              "hash_upsert: the custom policy needs scores");
+  check_devices("hash_upsert", digests,
+                {{"slot_keys", &slot_keys}, {"slot_scores", &slot_scores}, {"size", &size},
+                 {"keys", &keys}});
+  if (scores.has_value()) check_devices("hash_upsert", digests, {{"scores", &given}});
+  const c10::cuda::CUDAGuard device_guard(digests.device());
+
+  const at::Tensor k = keys.contiguous();
+  at::Tensor rows = at::empty({n}, k.options());
+  at::Tensor inserted = at::zeros({n}, k.options().dtype(at::kBool));
+  at::Tensor evicted = at::zeros({n}, k.options().dtype(at::kBool));
+  at::Tensor evicted_key = at::empty({n}, k.options());
+  if (n > 0) {
+    const StripeGroups groups = group_by_stripe(k, capacity);
+    C10_CUDA_CHECK(launch_hash_upsert(
+        digests.mutable_data_ptr<uint8_t>(), slot_keys.mutable_data_ptr<int64_t>(),
+        slot_scores.mutable_data_ptr<int64_t>(), size.mutable_data_ptr<int64_t>(), capacity,
+        k.const_data_ptr<int64_t>(), given.defined() ? given.const_data_ptr<int64_t>() : nullptr,
+        groups.sorted_stripes.const_data_ptr<int32_t>(), groups.order.const_data_ptr<int64_t>(), n,
+        policy_id, clock, epoch, assign, rows.mutable_data_ptr<int64_t>(),
+        inserted.mutable_data_ptr<bool>(), evicted.mutable_data_ptr<bool>(),
+        evicted_key.mutable_data_ptr<int64_t>(), current_stream()));
+  }
+  // Evictions in batch position order, as the CPU kernel reports them.
+  const at::Tensor evicted_at = evicted.nonzero().squeeze(1);
+  return {rows, inserted, evicted_key.index_select(0, evicted_at), rows.index_select(0, evicted_at)};
+}
+
+at::Tensor hash_erase_cuda(at::Tensor& digests, const at::Tensor& slot_keys, at::Tensor& size,
+                           const at::Tensor& keys, int64_t capacity) {
+  check_table("hash_erase", digests, slot_keys, capacity);
+  check_keys("hash_erase", keys);
+  check_size("hash_erase", size);
+  check_devices("hash_erase", digests,
+                {{"slot_keys", &slot_keys}, {"size", &size}, {"keys", &keys}});
+  const c10::cuda::CUDAGuard device_guard(digests.device());
+  const at::Tensor k = keys.contiguous();
+  const int64_t n = k.numel();
+  at::Tensor erased = at::zeros({n}, k.options().dtype(at::kBool));
+  if (n > 0) {
+    const StripeGroups groups = group_by_stripe(k, capacity);
+    C10_CUDA_CHECK(launch_hash_erase(
+        digests.mutable_data_ptr<uint8_t>(), slot_keys.const_data_ptr<int64_t>(),
+        size.mutable_data_ptr<int64_t>(), capacity, k.const_data_ptr<int64_t>(),
+        groups.sorted_stripes.const_data_ptr<int32_t>(), groups.order.const_data_ptr<int64_t>(), n,
+        erased.mutable_data_ptr<bool>(), current_stream()));
+  }
+  return erased;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hash_export_cuda(const at::Tensor& digests,
+                                                                const at::Tensor& slot_keys,
+                                                                const at::Tensor& slot_scores,
+                                                                int64_t capacity, int64_t start,
+                                                                int64_t end) {
+  check_table("hash_export", digests, slot_keys, capacity);
+  check_slot_scores("hash_export", slot_scores, capacity);
+  const TableGeometry geo = make_geometry(capacity);
+  TORCH_CHECK(0 <= start && start <= end && end <= geo.num_slots(),
+              "hash_export: need 0 <= start <= end <= ", geo.num_slots(), ", got start=", start,
+              " end=", end);
+  check_devices("hash_export", digests, {{"slot_keys", &slot_keys}, {"slot_scores", &slot_scores}});
+  const c10::cuda::CUDAGuard device_guard(digests.device());
+  // Rows past capacity are never used; live rows come out ascending, as on CPU.
+  const int64_t last = std::min(end, capacity);
+  const int64_t first = std::min(start, last);
+  at::Tensor rows = digests.slice(0, first, last).ne(0).nonzero().squeeze(1).add_(first);
+  return {slot_keys.index_select(0, rows), rows, slot_scores.index_select(0, rows)};
+}
+
+void hash_restore_cuda(at::Tensor& digests, at::Tensor& slot_keys, at::Tensor& slot_scores,
+                       at::Tensor& size, const at::Tensor& keys, const at::Tensor& rows,
+                       const at::Tensor& scores, int64_t capacity) {
+  check_table("hash_restore", digests, slot_keys, capacity);
+  check_slot_scores("hash_restore", slot_scores, capacity);
+  check_size("hash_restore", size);
+  check_devices("hash_restore", digests,
+                {{"slot_keys", &slot_keys}, {"slot_scores", &slot_scores}, {"size", &size},
+                 {"keys", &keys}, {"rows", &rows}, {"scores", &scores}});
+  // The CPU kernel validates everything before its first write; the table is copied back only
+  // when it succeeds, so a bad state leaves this one unchanged too.
+  static const auto restore_cpu =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("torchrec_ext::hash_restore", "")
+          .typed<void(at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+                      const at::Tensor&, const at::Tensor&, int64_t)>();
+  at::Tensor host_digests = digests.cpu(), host_keys = slot_keys.cpu(),
+             host_scores = slot_scores.cpu(), host_size = size.cpu();
+  restore_cpu.call(host_digests, host_keys, host_scores, host_size, keys.cpu(), rows.cpu(),
+                   scores.cpu(), capacity);
+  digests.copy_(host_digests);
+  slot_keys.copy_(host_keys);
+  slot_scores.copy_(host_scores);
+  size.copy_(host_size);
+}
+
+at::Tensor route_cuda(const at::Tensor& keys, int64_t world_size) {
+  check_keys("route", keys);
+  TORCH_CHECK(world_size > 0 && world_size < (int64_t{1} << 31),
+              "route: world_size must be in [1, 2^31), got ", world_size);
+  TORCH_CHECK(keys.is_cuda(), "route: keys must be a CUDA tensor, got one on ", keys.device());
+  const c10::cuda::CUDAGuard device_guard(keys.device());
+  const at::Tensor k = keys.contiguous();
+  at::Tensor ranks = at::empty_like(k);
+  C10_CUDA_CHECK(launch_route(k.const_data_ptr<int64_t>(), k.numel(), world_size,
+                              ranks.mutable_data_ptr<int64_t>(), current_stream()));
+  return ranks;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchrec_ext, CUDA, m) {
+  m.impl("hash_find", &hash_find_cuda);
+  m.impl("hash_upsert", &hash_upsert_cuda);
+  m.impl("hash_erase", &hash_erase_cuda);
+  m.impl("hash_export", &hash_export_cuda);
+  m.impl("hash_restore", &hash_restore_cuda);
+  m.impl("route", &route_cuda);
+}
+
+}  // namespace torchrec_ext

@@ -1,0 +1,368 @@
+// CUDA kernels of the dynamic hash table (torch.ops.torchrec_ext.hash_*) and of `route`.
+//
+// A bucket has 32 slots, so a warp covers one: lane l owns slot l of both candidate buckets of
+// a key. A probe is one coalesced digest load per bucket and a __ballot_sync; every choice the
+// CPU kernel makes by scanning a bucket (first match, emptier bucket, lowest free slot,
+// lowest-score victim) becomes a ballot or a warp reduction over the same scan order.
+//
+// Lookups are read-only and take one warp per key, all in parallel. Mutations must equal
+// applying the keys one at a time in batch order, bit for bit as on CPU (same rows, flags,
+// evictions and scores). Different stripes never share a bucket, so it suffices to apply each
+// stripe's keys serially: the binding sorts positions by stripe with a stable sort and here one
+// warp walks one stripe's keys in batch order. No locks and no table atomics, and the results
+// do not depend on scheduling. The walk is latency-bound, so a warp loads and hashes 32 keys at
+// a time and prefetches their digest lines into L2 before applying them one by one.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "hash_table_cuda.h"
+#include "hash_table_layout.h"
+
+namespace torchrec_ext {
+namespace {
+
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullMask = 0xFFFFFFFFu;
+static_assert(kSlotsPerBucket == kWarpSize, "a warp covers a bucket: lane l owns slot l");
+constexpr int kSlotMask = kSlotsPerBucket - 1;
+// Victim candidates are numbered c * 32 + slot for bucket c = 0, 1: the CPU's scan order.
+constexpr int kNoVictim = 2 * kSlotsPerBucket;
+
+constexpr int kFindThreads = 256;
+constexpr int kStripeThreads = 128;
+constexpr int kElementwiseThreads = 256;
+constexpr int64_t kMaxBlocks = int64_t{1} << 16;  // larger inputs use grid-stride loops
+
+__device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x) & (kWarpSize - 1); }
+
+__device__ __forceinline__ int64_t global_thread() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+
+__device__ __forceinline__ int64_t global_threads() {
+  return static_cast<int64_t>(gridDim.x) * blockDim.x;
+}
+
+__device__ __forceinline__ int64_t shfl64(int64_t v, int src_lane) {
+  return static_cast<int64_t>(__shfl_sync(kFullMask, static_cast<long long>(v), src_lane));
+}
+
+__device__ __forceinline__ int64_t shfl_xor64(int64_t v, int lane_mask) {
+  return static_cast<int64_t>(__shfl_xor_sync(kFullMask, static_cast<long long>(v), lane_mask));
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// This lane's slot in each of a key's candidate buckets.
+struct LaneSlots {
+  int64_t row1;
+  int64_t row2;
+  uint8_t d1;
+  uint8_t d2;
+  bool two;  // bucket2 != bucket1 (a one-bucket stripe gives both the same bucket)
+};
+
+__device__ __forceinline__ LaneSlots load_slots(const uint8_t* digests, const KeyPlace& p,
+                                                int lane) {
+  LaneSlots s;
+  s.row1 = p.bucket1 * kSlotsPerBucket + lane;
+  s.row2 = p.bucket2 * kSlotsPerBucket + lane;
+  s.two = p.bucket2 != p.bucket1;
+  s.d1 = digests[s.row1];
+  s.d2 = s.two ? digests[s.row2] : uint8_t{0};
+  return s;
+}
+
+// Row holding `key`, or -1: the lowest matching slot of bucket1, else of bucket2, as the CPU
+// probe (the pin bit is ignored). Only lanes whose tag matches read their slot's key, and both
+// buckets' key reads are issued before either ballot.
+__device__ __forceinline__ int64_t warp_probe(const int64_t* slot_keys, const KeyPlace& p,
+                                              const LaneSlots& s, int64_t key) {
+  const bool hit1 = (s.d1 & kTagMask) == p.tag && slot_keys[s.row1] == key;
+  const bool hit2 = s.two && (s.d2 & kTagMask) == p.tag && slot_keys[s.row2] == key;
+  const uint32_t m1 = __ballot_sync(kFullMask, hit1);
+  const uint32_t m2 = __ballot_sync(kFullMask, hit2);
+  if (m1 != 0) return p.bucket1 * kSlotsPerBucket + (__ffs(static_cast<int>(m1)) - 1);
+  if (m2 != 0) return p.bucket2 * kSlotsPerBucket + (__ffs(static_cast<int>(m2)) - 1);
+  return -1;
+}
+
+// Keeps the lexicographic minimum of (score, candidate): the lowest score, the first on ties.
+__device__ __forceinline__ void keep_lower(int64_t& score, int& cand, int64_t s, int c) {
+  if (s < score || (s == score && c < cand)) {
+    score = s;
+    cand = c;
+  }
+}
+
+// Start of stripe `stripe`'s run in the ascending stripe ids (every lane gets the same answer).
+__device__ __forceinline__ int64_t lower_bound(const int32_t* sorted, int64_t n, int64_t stripe) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (sorted[mid] < stripe) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// One key of a stripe's walk, as every lane of the warp sees it.
+struct StripeKey {
+  int64_t pos;    // batch position: where its results go
+  int64_t key;
+  int64_t given;  // caller's score or increment (0 when none)
+  KeyPlace place;
+};
+
+// Calls visit(k) with the whole warp for the grouped positions [begin, end), in order. Per
+// chunk of 32, lane l loads and hashes key l and prefetches its digest lines, so the serial
+// walk waits only on the table. The __syncwarp after each key makes the writer lane's stores
+// visible to every lane's reads of the next key, which may hit the same bucket.
+template <typename Visit>
+__device__ __forceinline__ void walk_stripe(const uint8_t* digests, const int64_t* keys,
+                                            const int64_t* given, const int64_t* order,
+                                            const TableGeometry& geo, int64_t begin, int64_t end,
+                                            int lane, Visit&& visit) {
+  for (int64_t chunk = begin; chunk < end; chunk += kWarpSize) {
+    StripeKey mine{};
+    if (chunk + lane < end) {
+      mine.pos = order[chunk + lane];
+      mine.key = keys[mine.pos];
+      mine.given = given != nullptr ? given[mine.pos] : 0;
+      mine.place = place_key(mine.key, geo);
+      prefetch_l2(digests + mine.place.bucket1 * kSlotsPerBucket);
+      prefetch_l2(digests + mine.place.bucket2 * kSlotsPerBucket);
+    }
+    const int count = end - chunk < kWarpSize ? static_cast<int>(end - chunk) : kWarpSize;
+    for (int t = 0; t < count; ++t) {
+      StripeKey k{};
+      k.pos = shfl64(mine.pos, t);
+      k.key = shfl64(mine.key, t);
+      k.given = shfl64(mine.given, t);
+      k.place.bucket1 = shfl64(mine.place.bucket1, t);
+      k.place.bucket2 = shfl64(mine.place.bucket2, t);
+      k.place.tag = static_cast<uint8_t>(__shfl_sync(kFullMask, static_cast<int>(mine.place.tag), t));
+      visit(k);
+      __syncwarp();
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+__global__ void hash_find_kernel(const uint8_t* digests, const int64_t* slot_keys,
+                                 TableGeometry geo, const int64_t* keys, int64_t n, int64_t* rows,
+                                 bool* found) {
+  const int lane = lane_id();
+  const int64_t num_warps = global_threads() / kWarpSize;
+  for (int64_t i = global_thread() / kWarpSize; i < n; i += num_warps) {
+    const int64_t key = keys[i];
+    const KeyPlace p = place_key(key, geo);
+    const int64_t row = warp_probe(slot_keys, p, load_slots(digests, p, lane), key);
+    if (lane == 0) {
+      rows[i] = row;
+      found[i] = row >= 0;
+    }
+  }
+}
+
+__global__ void key_stripes_kernel(const int64_t* keys, int64_t n, TableGeometry geo,
+                                   int32_t* stripes) {
+  for (int64_t i = global_thread(); i < n; i += global_threads()) {
+    stripes[i] = static_cast<int32_t>(place_key(keys[i], geo).stripe);
+  }
+}
+
+// One warp per stripe. Keys touched by this call are pinned (digest bit 7) so that a later key
+// of the same stripe cannot evict them; the warp releases its pins once the stripe is done.
+__global__ void hash_upsert_kernel(uint8_t* digests, int64_t* slot_keys, int64_t* slot_scores,
+                                   int64_t* size, TableGeometry geo, const int64_t* keys,
+                                   const int64_t* given, const int32_t* sorted_stripes,
+                                   const int64_t* order, int64_t n, Policy policy, int64_t clock,
+                                   int64_t epoch, bool assign, int64_t* rows, bool* inserted,
+                                   bool* evicted, int64_t* evicted_keys) {
+  const int64_t stripe = global_thread() / kWarpSize;
+  if (stripe >= geo.num_stripes) return;
+  const int lane = lane_id();
+  const int64_t begin = lower_bound(sorted_stripes, n, stripe);
+  const int64_t end = lower_bound(sorted_stripes, n, stripe + 1);
+  const bool has_given = given != nullptr;
+  int64_t added = 0;  // warp-uniform: every decision below comes from a ballot or reduction
+
+  walk_stripe(digests, keys, given, order, geo, begin, end, lane, [&](const StripeKey& k) {
+    const KeyPlace& p = k.place;
+    const LaneSlots s = load_slots(digests, p, lane);
+    const int64_t hit = warp_probe(slot_keys, p, s, k.key);
+    if (hit >= 0) {
+      if (lane == (hit & kSlotMask)) {
+        slot_scores[hit] = assign && has_given ? k.given
+                                               : touched_score(policy, false, slot_scores[hit],
+                                                               has_given, k.given, clock, epoch);
+        digests[hit] |= kPinBit;
+        rows[k.pos] = hit;
+      }
+      return;
+    }
+    const int64_t new_score = assign && has_given
+                                  ? k.given
+                                  : touched_score(policy, true, 0, has_given, k.given, clock, epoch);
+    const uint32_t usable1 = geo.usable_mask(p.bucket1);
+    const uint32_t usable2 = s.two ? geo.usable_mask(p.bucket2) : 0u;
+    const uint32_t free1 = __ballot_sync(kFullMask, s.d1 == 0) & usable1;
+    const uint32_t free2 = __ballot_sync(kFullMask, s.d2 == 0) & usable2;
+    int64_t row = -1;
+    bool evicts = false;
+    if ((free1 | free2) != 0) {
+      // Two-choice: the emptier bucket (bucket1 on ties), its lowest free slot.
+      row = __popc(free1) >= __popc(free2)
+                ? p.bucket1 * kSlotsPerBucket + (__ffs(static_cast<int>(free1)) - 1)
+                : p.bucket2 * kSlotsPerBucket + (__ffs(static_cast<int>(free2)) - 1);
+      ++added;
+    } else if (policy != Policy::kNone) {
+      // Both full: the lowest-score slot not pinned by this call, the first on ties.
+      int64_t score = INT64_MAX;
+      int cand = kNoVictim;
+      if (((usable1 >> lane) & 1u) && (s.d1 & kPinBit) == 0) {
+        keep_lower(score, cand, slot_scores[s.row1], lane);
+      }
+      if (((usable2 >> lane) & 1u) && (s.d2 & kPinBit) == 0) {
+        keep_lower(score, cand, slot_scores[s.row2], kSlotsPerBucket + lane);
+      }
+      for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) {
+        keep_lower(score, cand, shfl_xor64(score, offset), __shfl_xor_sync(kFullMask, cand, offset));
+      }
+      if (cand != kNoVictim && new_score >= score) {
+        row = (cand < kSlotsPerBucket ? p.bucket1 : p.bucket2) * kSlotsPerBucket + (cand & kSlotMask);
+        evicts = true;
+      }
+    }
+    // The lane owning the chosen slot writes it (lane 0 reports a refusal).
+    if (lane != (row >= 0 ? static_cast<int>(row & kSlotMask) : 0)) return;
+    rows[k.pos] = row;
+    if (row < 0) return;
+    if (evicts) {
+      evicted[k.pos] = true;
+      evicted_keys[k.pos] = slot_keys[row];
+    }
+    inserted[k.pos] = true;
+    slot_keys[row] = k.key;
+    slot_scores[row] = new_score;
+    digests[row] = static_cast<uint8_t>(p.tag | kPinBit);
+  });
+
+  // Every row returned for this stripe is pinned; duplicates of a key clear the same digest to
+  // the same value, so lanes may race on it.
+  for (int64_t j = begin + lane; j < end; j += kWarpSize) {
+    const int64_t row = rows[order[j]];
+    if (row >= 0) digests[row] &= kTagMask;
+  }
+  if (lane == 0 && added != 0) {
+    atomicAdd(reinterpret_cast<unsigned long long*>(size), static_cast<unsigned long long>(added));
+  }
+}
+
+// One warp per stripe, in batch order, so only the first of duplicate keys reports the erase.
+__global__ void hash_erase_kernel(uint8_t* digests, const int64_t* slot_keys, int64_t* size,
+                                  TableGeometry geo, const int64_t* keys,
+                                  const int32_t* sorted_stripes, const int64_t* order, int64_t n,
+                                  bool* erased) {
+  const int64_t stripe = global_thread() / kWarpSize;
+  if (stripe >= geo.num_stripes) return;
+  const int lane = lane_id();
+  const int64_t begin = lower_bound(sorted_stripes, n, stripe);
+  const int64_t end = lower_bound(sorted_stripes, n, stripe + 1);
+  int64_t removed = 0;  // warp-uniform
+
+  walk_stripe(digests, keys, nullptr, order, geo, begin, end, lane, [&](const StripeKey& k) {
+    const int64_t row = warp_probe(slot_keys, k.place, load_slots(digests, k.place, lane), k.key);
+    if (row < 0) return;
+    ++removed;
+    if (lane == (row & kSlotMask)) {
+      digests[row] = 0;
+      erased[k.pos] = true;
+    }
+  });
+
+  if (lane == 0 && removed != 0) {
+    // Two's complement: adding the wrapped negative count subtracts it.
+    atomicAdd(reinterpret_cast<unsigned long long*>(size), static_cast<unsigned long long>(-removed));
+  }
+}
+
+__global__ void route_kernel(const int64_t* keys, int64_t n, int64_t world_size, int64_t* ranks) {
+  for (int64_t i = global_thread(); i < n; i += global_threads()) {
+    ranks[i] = route_key(keys[i], world_size);
+  }
+}
+
+// Blocks for `threads` threads of `block` each, capped: the kernels loop over the rest.
+unsigned int capped_grid(int64_t threads, int block) {
+  return static_cast<unsigned int>(std::min<int64_t>((threads + block - 1) / block, kMaxBlocks));
+}
+
+// One warp per stripe, uncapped: a stripe kernel has no grid-stride loop (<= 2^16 stripes).
+unsigned int stripe_grid(const TableGeometry& geo) {
+  constexpr int64_t kWarpsPerBlock = kStripeThreads / kWarpSize;
+  return static_cast<unsigned int>((geo.num_stripes + kWarpsPerBlock - 1) / kWarpsPerBlock);
+}
+
+}  // namespace
+
+cudaError_t launch_hash_find(const uint8_t* digests, const int64_t* slot_keys, int64_t capacity,
+                             const int64_t* keys, int64_t n, int64_t* rows, bool* found,
+                             cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  hash_find_kernel<<<capped_grid(n * kWarpSize, kFindThreads), kFindThreads, 0, stream>>>(
+      digests, slot_keys, make_geometry(capacity), keys, n, rows, found);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_key_stripes(const int64_t* keys, int64_t n, int64_t capacity, int32_t* stripes,
+                               cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  key_stripes_kernel<<<capped_grid(n, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(
+      keys, n, make_geometry(capacity), stripes);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_hash_upsert(uint8_t* digests, int64_t* slot_keys, int64_t* slot_scores,
+                               int64_t* size, int64_t capacity, const int64_t* keys,
+                               const int64_t* given, const int32_t* sorted_stripes,
+                               const int64_t* order, int64_t n, int64_t policy, int64_t clock,
+                               int64_t epoch, bool assign, int64_t* rows, bool* inserted,
+                               bool* evicted, int64_t* evicted_keys, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  const TableGeometry geo = make_geometry(capacity);
+  hash_upsert_kernel<<<stripe_grid(geo), kStripeThreads, 0, stream>>>(
+      digests, slot_keys, slot_scores, size, geo, keys, given, sorted_stripes, order, n,
+      static_cast<Policy>(policy), clock, epoch, assign, rows, inserted, evicted, evicted_keys);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_hash_erase(uint8_t* digests, const int64_t* slot_keys, int64_t* size,
+                              int64_t capacity, const int64_t* keys,
+                              const int32_t* sorted_stripes, const int64_t* order, int64_t n,
+                              bool* erased, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  const TableGeometry geo = make_geometry(capacity);
+  hash_erase_kernel<<<stripe_grid(geo), kStripeThreads, 0, stream>>>(
+      digests, slot_keys, size, geo, keys, sorted_stripes, order, n, erased);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_route(const int64_t* keys, int64_t n, int64_t world_size, int64_t* ranks,
+                         cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  route_kernel<<<capped_grid(n, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(
+      keys, n, world_size, ranks);
+  return cudaGetLastError();
+}
+
+}  // namespace torchrec_ext

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <mutex>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -175,30 +176,43 @@ TableRef table_ref(const at::Tensor& digests, const at::Tensor& slot_keys,
 // since different stripes never touch the same buckets.
 constexpr int64_t kMaxGroups = 256;
 
+// The buffers live on as thread-local scratch, so a steady stream of calls does not pay for
+// fresh pages (faulting in ~20 MB per million keys) on every call.
 struct StripeGroups {
   std::vector<int64_t> order;
   std::vector<int64_t> keys;
   std::vector<int64_t> offsets;
+  std::vector<int32_t> group_of;  // per input position, during the sort
 };
 
-StripeGroups group_by_stripe(const int64_t* keys, int64_t n, const TableGeometry& g) {
+template <typename T>
+void grow(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+}
+
+const StripeGroups& group_by_stripe(const int64_t* keys, int64_t n, const TableGeometry& g) {
+  thread_local StripeGroups scratch;
+  StripeGroups& out = scratch;  // the caller's instance: worker threads below must not see their own
   const int64_t P = std::min(g.num_stripes, kMaxGroups);
   const int64_t chunks = std::max<int64_t>(
       1, std::min<int64_t>(at::get_num_threads(), (n + kGrainKeys - 1) / kGrainKeys));
   const int64_t chunk_len = (n + chunks - 1) / chunks;
-  std::vector<int32_t> stripe_of(n);
+  grow(out.group_of, n);
+  grow(out.order, n);
+  grow(out.keys, n);
+  out.offsets.assign(P + 1, 0);
+  int32_t* group_of = out.group_of.data();
   std::vector<int64_t> cursors(chunks * P, 0);
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       int64_t* count = cursors.data() + c * P;
       for (int64_t i = c * chunk_len, e = std::min(n, (c + 1) * chunk_len); i < e; ++i) {
         const int32_t s = static_cast<int32_t>(place_key(keys[i], g).stripe * P / g.num_stripes);
-        stripe_of[i] = s;
+        group_of[i] = s;
         ++count[s];
       }
     }
   });
-  StripeGroups out{std::vector<int64_t>(n), std::vector<int64_t>(n), std::vector<int64_t>(P + 1)};
   int64_t running = 0;
   for (int64_t s = 0; s < P; ++s) {
     out.offsets[s] = running;
@@ -213,7 +227,7 @@ StripeGroups group_by_stripe(const int64_t* keys, int64_t n, const TableGeometry
     for (int64_t c = c0; c < c1; ++c) {
       int64_t* cursor = cursors.data() + c * P;
       for (int64_t i = c * chunk_len, e = std::min(n, (c + 1) * chunk_len); i < e; ++i) {
-        const int64_t j = cursor[stripe_of[i]]++;
+        const int64_t j = cursor[group_of[i]]++;
         out.order[j] = i;
         out.keys[j] = keys[i];
       }
@@ -309,20 +323,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
 
   at::Tensor rows = at::empty({n}, k.options());
   at::Tensor inserted = at::zeros({n}, k.options().dtype(at::kBool));
-  at::Tensor evicted = at::zeros({n}, k.options().dtype(at::kBool));
-  at::Tensor evicted_key = at::empty({n}, k.options());
   const TableRef t = table_ref(digests, slot_keys, &slot_scores, capacity);
   const int64_t* gp = scores.has_value() ? given.data_ptr<int64_t>() : nullptr;
   int64_t* rp = rows.data_ptr<int64_t>();
   bool* ip = inserted.data_ptr<bool>();
-  bool* evp = evicted.data_ptr<bool>();
-  int64_t* ekp = evicted_key.data_ptr<int64_t>();
+  // (input position, evicted key) pairs; few, so gathered per thread and merged at the end.
+  std::vector<std::pair<int64_t, int64_t>> evictions;
+  std::mutex evictions_mutex;
   std::atomic<int64_t> size_delta{0};
 
-  const StripeGroups groups = group_by_stripe(k.data_ptr<int64_t>(), n, geo);
+  const StripeGroups& groups = group_by_stripe(k.data_ptr<int64_t>(), n, geo);
   // Applies key `key` (input position i) and returns its row (-1: refused). Keys touched by
   // this call are pinned so a later key of the same stripe cannot evict them.
-  auto apply = [&](int64_t i, int64_t key, const KeyPlace& p, int64_t& added) -> int64_t {
+  auto apply = [&](int64_t i, int64_t key, const KeyPlace& p, int64_t& added,
+                   std::vector<std::pair<int64_t, int64_t>>& evicted) -> int64_t {
     const bool has_given = gp != nullptr;
     const int64_t g = has_given ? gp[i] : 0;
     int64_t row = probe(t, p, key);
@@ -349,8 +363,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
       if (policy == Policy::kNone) return -1;
       row = pick_victim(t, p);
       if (row < 0 || new_score < t.scores[row]) return -1;
-      evp[i] = true;
-      ekp[i] = t.keys[row];
+      evicted.emplace_back(i, t.keys[row]);
     }
     ip[i] = true;
     t.keys[row] = key;
@@ -362,13 +375,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
     const int64_t begin = groups.offsets[s0], end = groups.offsets[s1];
     const int64_t* order = groups.order.data();
     int64_t added = 0;
+    std::vector<std::pair<int64_t, int64_t>> evicted;
     int64_t stripe = s0;  // the group whose last key releases its pins: skip empty ones
     while (groups.offsets[stripe + 1] == groups.offsets[stripe]) ++stripe;
     for_each_prefetched</*kWrite=*/true>(
         t, end - begin, [&](int64_t j) { return groups.keys[begin + j]; },
         [&](int64_t j, int64_t key, const KeyPlace& p) {
           const int64_t i = order[begin + j];
-          rp[i] = apply(i, key, p, added);
+          rp[i] = apply(i, key, p, added, evicted);
           // Last key of its group: release the group's pins while its lines are still cached.
           if (begin + j + 1 == groups.offsets[stripe + 1]) {
             for (int64_t q = groups.offsets[stripe]; q <= begin + j; ++q) {
@@ -379,11 +393,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
           }
         });
     size_delta += added;
+    if (!evicted.empty()) {
+      std::lock_guard<std::mutex> lock(evictions_mutex);
+      evictions.insert(evictions.end(), evicted.begin(), evicted.end());
+    }
   });
   *size.data_ptr<int64_t>() += size_delta.load();
 
-  const at::Tensor evicted_at = evicted.nonzero().squeeze(1);
-  return {rows, inserted, evicted_key.index_select(0, evicted_at), rows.index_select(0, evicted_at)};
+  std::sort(evictions.begin(), evictions.end());  // batch order
+  const int64_t m = static_cast<int64_t>(evictions.size());
+  at::Tensor evicted_keys = at::empty({m}, k.options());
+  at::Tensor evicted_rows = at::empty({m}, k.options());
+  for (int64_t e = 0; e < m; ++e) {
+    evicted_keys.data_ptr<int64_t>()[e] = evictions[e].second;
+    evicted_rows.data_ptr<int64_t>()[e] = rp[evictions[e].first];
+  }
+  return {rows, inserted, evicted_keys, evicted_rows};
 }
 
 at::Tensor hash_erase_cpu(at::Tensor& digests, const at::Tensor& slot_keys, at::Tensor& size,
@@ -398,7 +423,7 @@ at::Tensor hash_erase_cpu(at::Tensor& digests, const at::Tensor& slot_keys, at::
   const TableRef t = table_ref(digests, slot_keys, nullptr, capacity);
   bool* ep = erased.data_ptr<bool>();
   std::atomic<int64_t> size_delta{0};
-  const StripeGroups groups = group_by_stripe(k.data_ptr<int64_t>(), n, geo);
+  const StripeGroups& groups = group_by_stripe(k.data_ptr<int64_t>(), n, geo);
   for_each_stripe_range(groups, [&](int64_t s0, int64_t s1) {
     const int64_t begin = groups.offsets[s0], end = groups.offsets[s1];
     int64_t removed = 0;

@@ -1,0 +1,95 @@
+"""Runs a function on N real ranks (processes, gloo process group over a file store) and a
+small TorchRec DLRM workload shared by the distributed tests."""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Callable, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, fn: Callable, world_size: int, init_file: str, args: tuple) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, *args) -> None:
+    """fn(rank, world_size, *args) on each rank; a failure on any rank fails the caller."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_entry, args=(fn, world_size, os.path.join(d, "init"), args), nprocs=world_size, join=True)
+
+
+NUM_TABLES, ROWS, DIM, DENSE_IN = 3, 64, 8, 4
+
+
+def make_batches(rank: int, batch_size: int, num_full: int, last: int, seed: int = 0) -> List["Batch"]:
+    """num_full batches of batch_size, then one of `last` rows (0: none), different per rank."""
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    sizes = [batch_size] * num_full + ([last] if last else [])
+    batches = []
+    for b in sizes:
+        lengths = torch.randint(0, 4, (NUM_TABLES * b,), generator=gen)
+        values = torch.randint(0, ROWS, (int(lengths.sum()),), generator=gen)
+        batches.append(Batch(
+            dense_features=torch.randn(b, DENSE_IN, generator=gen),
+            sparse_features=KeyedJaggedTensor.from_lengths_sync(
+                keys=[f"f{i}" for i in range(NUM_TABLES)], values=values, lengths=lengths),
+            labels=torch.randint(0, 2, (b,), generator=gen).float(),
+        ))
+    return batches
+
+
+def make_dmp_dlrm(world_size: int, seed: int = 0):
+    """A DLRM over 3 tables sharded row-wise / table-wise / row-wise, fused Adagrad on the
+    tables, dense Adagrad; returns (dmp, optimizer)."""
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.models.dlrm import DLRM, DLRMTrain
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    torch.manual_seed(seed)
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{i}"])
+              for i in range(NUM_TABLES)]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    model = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN,
+                           dense_arch_layer_sizes=[16, DIM], over_arch_layer_sizes=[16, 1]))
+    apply_optimizer_in_backward(torch.optim.Adagrad, model.model.sparse_arch.parameters(), {"lr": 0.05})
+    plan = construct_module_sharding_plan(
+        ebc, per_param_sharding={"t0": row_wise(), "t1": table_wise(rank=world_size - 1), "t2": row_wise()},
+        local_size=world_size, world_size=world_size, device_type="cpu")
+    dmp = DistributedModelParallel(
+        model, device=torch.device("cpu"), plan=ShardingPlan({"model.sparse_arch.embedding_bag_collection": plan}),
+        sharders=[EmbeddingBagCollectionSharder()])
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda params: torch.optim.Adagrad(params, lr=0.05))
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
+
+
+def local_state(dmp) -> dict:
+    """Every parameter this rank holds (local shards of sharded tables), by name."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    out = {}
+    for name, value in dmp.state_dict().items():
+        if isinstance(value, ShardedTensor):
+            for i, shard in enumerate(value.local_shards()):
+                out[f"{name}#{i}"] = shard.tensor.detach().clone()
+        elif isinstance(value, torch.Tensor):
+            out[name] = value.detach().clone()
+    return out

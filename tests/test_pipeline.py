@@ -1,0 +1,163 @@
+"""torchrec_ext.pipeline.TrainPipeline: the same losses and parameters as a plain loop, on 2
+real CPU ranks (gloo), with each stage on or off; worker failures surface; nothing hangs."""
+import threading
+import traceback
+
+import pytest
+import torch
+
+from dist_helpers import local_state, make_batches, make_dmp_dlrm, run_ranks
+from torchrec_ext.pipeline import BatchPrefetcher, PipelineOptions, TrainPipeline
+
+VARIANTS = {
+    "all_stages": PipelineOptions(),
+    "no_threads": PipelineOptions(prefetch_threads=0, threaded_input_dist=False),
+    "ddp_allreduce": PipelineOptions(flat_dense_allreduce=False, prefetch_threads=3),
+    "graph_options_on_cpu": PipelineOptions(graph_modules=("model.dense_arch", "model.over_arch")),
+}
+
+
+def _plain_loop(dmp, optimizer, batches):
+    losses = []
+    for batch in batches:
+        optimizer.zero_grad()
+        loss, _ = dmp(batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach().clone())
+    return losses
+
+
+def _pipelined(dmp, optimizer, batches, options):
+    losses = []
+    with TrainPipeline(dmp, optimizer, torch.device("cpu"), options) as pipeline:
+        it = iter(batches)
+        while True:
+            try:
+                loss, _, _ = pipeline.progress(it)
+            except StopIteration:
+                break
+            losses.append(loss.detach().clone())
+        host = pipeline.drain_host_outputs()
+        # The helper thread's collectives ran on their own process group, not the modules' own.
+        assert bool(pipeline._dist_groups) == options.threaded_input_dist
+    assert [step for step, _ in host] == list(range(len(batches)))
+    assert all(torch.equal(out[0], loss) for (_, out), loss in zip(host, losses))
+    return losses
+
+
+def _compare_with_plain_loop(rank, world_size):
+    batches = make_batches(rank, batch_size=16, num_full=6, last=10)  # last partial batch
+    reference_model, reference_opt = make_dmp_dlrm(world_size)
+    want_losses = _plain_loop(reference_model, reference_opt, batches)
+    want_state = local_state(reference_model)
+    assert want_losses[-1] < want_losses[0] + 1.0  # it trains (sanity, not the oracle)
+    for name, options in VARIANTS.items():
+        model, optimizer = make_dmp_dlrm(world_size)
+        losses = _pipelined(model, optimizer, batches, options)
+        assert len(losses) == len(want_losses), name
+        for step, (got, want) in enumerate(zip(losses, want_losses)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{name}: loss of step {step}")
+        state = local_state(model)
+        assert state.keys() == want_state.keys()
+        for key in want_state:
+            torch.testing.assert_close(state[key], want_state[key], rtol=0, atol=0, msg=f"{name}: {key}")
+
+
+def test_pipeline_equals_plain_loop_on_two_ranks():
+    run_ranks(_compare_with_plain_loop, 2)
+
+
+class _FailingLoader:
+    def __init__(self, batches, fail_at):
+        self._it, self._i, self._fail_at = iter(batches), 0, fail_at
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._i == self._fail_at:
+            raise_from_loader()
+        self._i += 1
+        return next(self._it)
+
+
+def raise_from_loader():
+    raise KeyError("bad record in shard 7")
+
+
+def _worker_error_reaches_caller(rank, world_size):
+    batches = make_batches(rank, batch_size=8, num_full=5, last=0)
+    model, optimizer = make_dmp_dlrm(world_size)
+    pipeline = TrainPipeline(model, optimizer, torch.device("cpu"), PipelineOptions(timeout_s=60))
+    it = _FailingLoader(batches, fail_at=3)
+    steps = 0
+    with pytest.raises(KeyError, match="bad record in shard 7") as info:
+        while True:
+            pipeline.progress(it)
+            steps += 1
+    assert "raise_from_loader" in "".join(traceback.format_tb(info.value.__traceback__))
+    assert steps <= 3
+    pipeline.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("torchrec_ext-")]
+
+
+def test_worker_exception_reaches_caller_with_traceback_and_threads_join():
+    run_ranks(_worker_error_reaches_caller, 2)
+
+
+def test_unknown_graph_module_is_a_clear_error():
+    run_ranks(_unknown_graph_module, 1)
+
+
+def _unknown_graph_module(rank, world_size):
+    model, optimizer = make_dmp_dlrm(world_size)
+    with pytest.raises(ValueError, match="graph_modules names 'model.no_such_arch'"):
+        TrainPipeline(model, optimizer, torch.device("cpu"), PipelineOptions(graph_modules=("model.no_such_arch",)))
+
+
+# ----------------------------------------------------------------- the prefetcher on its own
+
+
+class _Item:
+    def __init__(self, value):
+        self.value = value
+
+    def to(self, device, non_blocking=False):
+        return self
+
+    def record_stream(self, stream):
+        pass
+
+
+def test_prefetcher_keeps_order_with_many_threads():
+    items = [_Item(i) for i in range(200)]
+    prefetcher = BatchPrefetcher(iter(items), torch.device("cpu"), num_threads=4, depth=3)
+    got = []
+    with pytest.raises(StopIteration):
+        while True:
+            got.append(prefetcher.next().batch.value)
+    assert got == list(range(200))
+    prefetcher.close()
+
+
+def test_prefetcher_times_out_instead_of_hanging():
+    release = threading.Event()
+
+    def slow():
+        release.wait(10)
+        yield _Item(0)
+
+    prefetcher = BatchPrefetcher(slow(), torch.device("cpu"), num_threads=1, timeout_s=0.2)
+    with pytest.raises(TimeoutError, match="no batch within"):
+        prefetcher.next()
+    release.set()
+    assert prefetcher.next().batch.value == 0
+    prefetcher.close()
+
+
+def test_prefetcher_close_joins_blocked_workers():
+    prefetcher = BatchPrefetcher(iter([_Item(i) for i in range(100)]), torch.device("cpu"), num_threads=3, depth=2)
+    prefetcher.next()
+    prefetcher.close(timeout_s=10)
+    assert not any(t.is_alive() for t in prefetcher._threads)

@@ -1,0 +1,160 @@
+"""The dense (data-parallel) half of a step, done by the pipeline instead of DDP's hooks.
+
+``FlatGradSync`` all-reduces every dense gradient in one flat buffer after the backward, and on
+CUDA captures that work (flatten, all-reduce, unflatten, and the dense optimizer step when the
+optimizer is capturable) in a CUDA graph replayed every step. ``GraphedForward`` captures a
+dense submodule's forward and backward (``torch.cuda.make_graphed_callables``) for the batch
+shape it first sees, and runs eagerly for any other shape (the last partial batch).
+"""
+import logging
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+logger = logging.getLogger(__name__)
+
+
+def data_parallel_parameters(ddp: DistributedDataParallel) -> List[nn.Parameter]:
+    """The parameters DDP would all-reduce: all but the ones it was told to ignore (the
+    sharded embedding tables, updated by their fused optimizers)."""
+    ignored = set(getattr(ddp, "parameters_to_ignore", ()))
+    return [p for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored]
+
+
+# DDP checks a hook's annotations, so they are real types here (no postponed annotations).
+def _leave_bucket_as_is(_state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+def silence_ddp(ddp: DistributedDataParallel) -> None:
+    """Makes DDP's gradient buckets skip their all-reduce, so the caller can do it instead.
+
+    A communication hook rather than ``no_sync``: it keeps DDP's own bookkeeping intact under
+    every DDP mode (TorchRec builds DDP with ``static_graph=True``, where ``no_sync`` breaks)."""
+    try:
+        ddp.register_comm_hook(None, _leave_bucket_as_is)
+    except RuntimeError as e:
+        raise ValueError(
+            "TrainPipeline: cannot take over DDP's all-reduce (a communication hook is already registered, "
+            f"or the model already ran a backward): {e}. Build the pipeline before training, or pass "
+            "PipelineOptions(flat_dense_allreduce=False)"
+        ) from None
+
+
+class FlatGradSync:
+    """Averages dense gradients over ``group`` with one all-reduce of a flat buffer.
+
+    Averaging divides before the sum, as DDP's default hook does, so results match DDP's bit for
+    bit where the division by the world size is exact (powers of two).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        group: Optional[dist.ProcessGroup],
+        *,
+        capture: bool = False,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        warmup_steps: int = 3,
+    ) -> None:
+        self._params = list(params)
+        self._group = group
+        self._world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self._capture = capture
+        self._optimizer = optimizer
+        self._warmup_steps = warmup_steps
+        self._steps = 0
+        self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self._flat: Optional[torch.Tensor] = None
+
+    @property
+    def steps_optimizer(self) -> bool:
+        """True when the captured graph also runs the dense optimizer step."""
+        return self._capture and self._optimizer is not None
+
+    def __call__(self) -> None:
+        """Syncs the gradients of the step just run (and steps the optimizer if captured)."""
+        self._steps += 1
+        if not self._capture or self._steps <= self._warmup_steps:
+            self._sync()
+            if self.steps_optimizer:
+                self._optimizer.step()
+            return
+        if self._graph is None:
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph):
+                self._sync()
+                if self.steps_optimizer:
+                    self._optimizer.step()
+        self._graph.replay()
+
+    def _grads(self) -> List[torch.Tensor]:
+        for p in self._params:
+            if p.grad is None:  # every rank must reduce the same buffer
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in self._params]
+
+    def _sync(self) -> None:
+        if self._world == 1 or not self._params:
+            return
+        grads = self._grads()
+        if self._flat is None:
+            self._flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
+        views = self._flat.split([g.numel() for g in grads])
+        for view, grad in zip(views, grads):
+            view.copy_(grad.reshape(-1))
+        self._flat.div_(self._world)
+        dist.all_reduce(self._flat, group=self._group)
+        for view, grad in zip(views, grads):
+            grad.copy_(view.view_as(grad))
+
+
+class _CapturedForward(nn.Module):
+    """What make_graphed_callables captures: the module's original forward. The module is a
+    child here so its parameters are the callable's parameters."""
+
+    def __init__(self, module: nn.Module, original_forward) -> None:
+        super().__init__()
+        self.module = module
+        self._original_forward = original_forward
+
+    def forward(self, *args):
+        return self._original_forward(*args)
+
+
+class GraphedForward:
+    """Replaces ``module.forward``: CUDA training calls run through graphs (forward and
+    backward) captured at the first such call; calls with other input shapes, in eval mode or
+    on CPU run the original forward. The module, its parameters and state-dict keys stay as
+    they were."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+        self._original = module.forward
+        self._graphed: Optional[nn.Module] = None
+        self._signature: Optional[Tuple] = None
+        module.forward = self
+
+    @staticmethod
+    def _signature_of(args) -> Tuple:
+        return tuple((tuple(a.shape), a.dtype, a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args)
+
+    def __call__(self, *args):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if not self._module.training or not tensors or not tensors[0].is_cuda:
+            return self._original(*args)
+        signature = self._signature_of(args)
+        if self._graphed is None:
+            sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                           for a in args)
+            self._graphed = torch.cuda.make_graphed_callables(_CapturedForward(self._module, self._original), sample)
+            self._signature = signature
+            logger.info("captured %s in CUDA graphs for inputs %s", type(self._module).__name__, signature)
+        if signature != self._signature:
+            return self._original(*args)
+        return self._graphed(*args)

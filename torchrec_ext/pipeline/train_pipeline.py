@@ -1,0 +1,276 @@
+"""A train pipeline for DistributedModelParallel models, built on TorchRec's
+``TrainPipelineSparseDist`` (model rewriting, pipelined forwards, fused input-dist splits) and
+adding what it leaves on the table:
+
+(a) a pool of threads that pull batches ahead, pin them and copy them to the device on their
+    own copy streams (``BatchPrefetcher``);
+(b) the sparse input distribution of batch i+1 launched from a helper thread, on its own stream
+    and its own process group (a clone of the modules' group: two threads issuing collectives
+    on one group would interleave them differently on each rank), overlapping batch i's step;
+(c) the dense gradients all-reduced in one flat buffer instead of by DDP's buckets, that work (and
+    the dense optimizer step when capturable) captured in a CUDA graph, and chosen dense
+    submodules' forward + backward captured too (static shapes; other shapes run eagerly);
+(d) the embedding backward and fused update, run by autograd as usual;
+(e) each step's outputs copied to pinned host memory on a side stream and surfaced by
+    ``pop_host_outputs()`` once copied: no device-wide synchronisation per step.
+
+On CPU the same API gives the same results: the threads still overlap batch preparation and
+input distribution; streams, graphs and pinned memory are skipped. Every stage can be switched
+off to bisect a problem. Losses and parameters equal a plain ``loss.backward(); opt.step()``
+loop on the same data.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
+from torchrec.distributed.train_pipeline.utils import _override_input_dist_forwards, _rewrite_model
+
+from torchrec_ext.pipeline.dense_sync import FlatGradSync, GraphedForward, data_parallel_parameters, silence_ddp
+from torchrec_ext.pipeline.host_outputs import HostOutputs
+from torchrec_ext.pipeline.prefetch import BatchPrefetcher, ReadyBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PipelineOptions:
+    """Switches for each stage (defaults: everything on that the device supports)."""
+
+    prefetch_threads: int = 2          # (a) 0: load batches inline on the train thread
+    prefetch_depth: Optional[int] = None  # batches ahead; default 2 per thread
+    threaded_input_dist: bool = True   # (b) launch input dists from a helper thread
+    flat_dense_allreduce: bool = True  # (c) all-reduce dense grads ourselves (False: DDP's hooks)
+    graph_dense_sync: bool = True      # (c) CUDA only: capture that all-reduce in a CUDA graph
+    graph_optimizer_step: bool = False  # (c) CUDA only: capture the dense optimizer step too
+    graph_modules: Sequence[str] = field(default_factory=tuple)  # (c) dense submodules to capture
+    pinned_outputs: bool = True        # (e) CUDA only: pinned D2H copies of step outputs
+    timeout_s: float = 600.0           # bound on every wait for a worker
+
+
+def _find_ddp(model: nn.Module) -> Optional[DistributedDataParallel]:
+    wrapped = getattr(model, "_dmp_wrapped_module", model)
+    return wrapped if isinstance(wrapped, DistributedDataParallel) else None
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)  # DMP.module is the user's model
+
+
+class TrainPipeline(TrainPipelineSparseDist):
+    """``progress(dataloader_iter)`` runs one training step and returns the model output,
+    raising ``StopIteration`` once the iterator is drained; ``close()`` joins its threads.
+
+    The model's forward takes a batch and returns ``(loss, output)``, as TorchRec pipelines
+    expect; batches are TorchRec ``Pipelineable`` (e.g. ``torchrec.datasets.utils.Batch``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        options: Optional[PipelineOptions] = None,
+        execute_all_batches: bool = True,
+    ) -> None:
+        super().__init__(model, optimizer, device, execute_all_batches=execute_all_batches,
+                         dmp_collection_sync_interval_batches=None)
+        self.options = options = options or PipelineOptions()
+        if options.prefetch_threads < 0:
+            raise ValueError(f"TrainPipeline: prefetch_threads must be >= 0, got {options.prefetch_threads}")
+        cuda = device.type == "cuda"
+        self._memcpy_stream = None  # copies are the prefetcher's; it hands over events instead
+        self._ready: Deque[Optional[ReadyBatch]] = deque()
+        self._prefetcher: Optional[BatchPrefetcher] = None
+        self._prefetch_source: Optional[Iterator[Any]] = None
+        self._dist_worker = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchrec_ext-input-dist")
+            if options.threaded_input_dist else None
+        )
+        self._dist_future: Optional[Future] = None
+        self._dist_groups: Dict[Any, dist.ProcessGroup] = {}
+        self._ddp = _find_ddp(model)
+        self._grad_sync: Optional[FlatGradSync] = None
+        if options.flat_dense_allreduce and self._ddp is not None:
+            capture = cuda and options.graph_dense_sync
+            captured_optimizer = optimizer if (capture and options.graph_optimizer_step) else None
+            if captured_optimizer is not None and not all(g.get("capturable", False) for g in optimizer.param_groups):
+                raise ValueError("TrainPipeline: graph_optimizer_step needs an optimizer built with capturable=True")
+            silence_ddp(self._ddp)
+            self._grad_sync = FlatGradSync(
+                data_parallel_parameters(self._ddp), self._ddp.process_group, capture=capture,
+                optimizer=captured_optimizer,
+            )
+        graph_modules = self._resolve_modules(options.graph_modules)
+        if graph_modules and cuda:
+            for module in graph_modules:
+                GraphedForward(module)
+        elif graph_modules:
+            logger.info("TrainPipeline: graph_modules run eagerly on %s (CUDA graphs need a GPU)", device)
+        self._host_outputs = HostOutputs(device, pinned=options.pinned_outputs)
+        self._step = 0
+
+    # ------------------------------------------------------------------ public API
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        self._ensure_prefetcher(dataloader_iter)
+        if not self._model_attached:
+            self.attach(self._model)
+        self.fill_pipeline(dataloader_iter)
+        self._join_input_dist()  # batch i's input dist, launched during step i-1
+        if not self.batches:
+            raise StopIteration
+        self._set_module_context(self.contexts[0])
+        training = self._model.training
+        if training:
+            # Graph replays read the gradients in place: keep their storage across steps.
+            self._optimizer.zero_grad(set_to_none=self._grad_sync is None or not self.options.graph_dense_sync)
+        self._ready[0].wait(self._current_stream())
+        if len(self.batches) >= 2:
+            self._launch_input_dist(self._ready[1], self.batches[1], self.contexts[1])
+        self.enqueue_batch(dataloader_iter)  # batch i+2 (already prefetched, usually)
+
+        losses, output = self._model_fwd(self.batches[0])
+        if training:
+            self._backward(losses)
+            if self._grad_sync is not None:
+                self._grad_sync()
+            if self._grad_sync is None or not self._grad_sync.steps_optimizer:
+                self._optimizer.step()
+        self._host_outputs.push(self._step, output)
+        self._step += 1
+        self.dequeue_batch()
+        return output
+
+    def pop_host_outputs(self) -> List[Tuple[int, Any]]:
+        """(step, output on the host) for every step whose device-to-host copy has finished."""
+        return self._host_outputs.pop_ready()
+
+    def drain_host_outputs(self) -> List[Tuple[int, Any]]:
+        """Like pop_host_outputs, but first waits for the copies still in flight."""
+        return self._host_outputs.drain()
+
+    def close(self) -> None:
+        """Joins the prefetch and input-dist threads. Safe to call twice."""
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
+        if self._dist_worker is not None:
+            self._dist_worker.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "TrainPipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ batches
+
+    def _ensure_prefetcher(self, dataloader_iter: Iterator[Any]) -> None:
+        if dataloader_iter is self._prefetch_source:
+            return
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+        self._prefetch_source = dataloader_iter
+        self._prefetcher = (
+            BatchPrefetcher(dataloader_iter, self._device, num_threads=self.options.prefetch_threads,
+                            depth=self.options.prefetch_depth, timeout_s=self.options.timeout_s)
+            if self.options.prefetch_threads > 0 else None
+        )
+
+    def _next_ready(self, dataloader_iter: Iterator[Any]) -> Optional[ReadyBatch]:
+        if self._prefetcher is not None:
+            try:
+                return self._prefetcher.next()
+            except StopIteration:
+                return None
+        batch = self._next_batch(dataloader_iter)  # inline: TorchRec's own exhaustion handling
+        return None if batch is None else ReadyBatch(batch.to(self._device, non_blocking=True), None)
+
+    def enqueue_batch(self, dataloader_iter: Iterator[Any]) -> bool:
+        ready = self._next_ready(dataloader_iter)
+        if ready is None:
+            return False
+        self._batch_count += 1
+        self._ready.append(ready)
+        self.batches.append(ready.batch)
+        self.contexts.append(self._create_context())
+        return True
+
+    def dequeue_batch(self) -> None:
+        self._ready.popleft()
+        super().dequeue_batch()
+
+    def _current_stream(self) -> Optional[torch.cuda.Stream]:
+        return torch.cuda.current_stream(self._device) if self._device.type == "cuda" else None
+
+    # ------------------------------------------------------------------ input dist
+
+    def _launch_input_dist(self, ready: ReadyBatch, batch: Any, context: TrainPipelineContext) -> None:
+        def run() -> None:
+            ready.wait(self._data_dist_stream)
+            self.start_sparse_data_dist(batch, context)
+            self.wait_sparse_data_dist(context)
+
+        if self._dist_worker is None:
+            run()
+        else:
+            self._dist_future = self._dist_worker.submit(run)
+
+    def _join_input_dist(self) -> None:
+        if self._dist_future is not None:
+            future, self._dist_future = self._dist_future, None
+            future.result(timeout=self.options.timeout_s)  # re-raises the worker's exception
+
+    def _pipeline_model(self, batch, context, pipelined_forward=None) -> None:
+        # As TorchRec's, plus: once the input dists exist (the first start creates them), move
+        # their collectives to a clone of their process group when a helper thread issues them.
+        (self._pipelined_modules, self._model, self._original_forwards, self._pipelined_postprocs, _) = _rewrite_model(
+            model=self._model,
+            context=context,
+            dist_stream=self._data_dist_stream,
+            default_stream=torch.get_device_module(self._device).current_stream(),
+            batch=batch,
+            apply_jit=self._apply_jit,
+            pipelined_forward=pipelined_forward or self._pipelined_forward_type,
+            pipeline_postproc=self._pipeline_postproc,
+        )
+        self.start_sparse_data_dist(batch, context)
+        if self._dist_worker is not None:
+            self._move_input_dists_to_own_groups()
+        self._original_kjt_dist_forwards = _override_input_dist_forwards(self._pipelined_modules)
+
+    def _move_input_dists_to_own_groups(self) -> None:
+        for module in self._pipelined_modules:
+            for child in module.modules():
+                for input_dist in getattr(child, "_input_dists", []):
+                    kjt_all_to_all = getattr(input_dist, "_dist", None)
+                    if kjt_all_to_all is None or getattr(kjt_all_to_all, "_pg", None) is None:
+                        continue
+                    pg = kjt_all_to_all._pg
+                    if pg not in self._dist_groups:
+                        # Collective call: every rank builds the same pipeline, in the same order.
+                        self._dist_groups[pg] = dist.new_group(
+                            ranks=dist.get_process_group_ranks(pg), backend=dist.get_backend(pg))
+                    kjt_all_to_all._pg = self._dist_groups[pg]
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def _resolve_modules(self, names: Sequence[str]) -> List[nn.Module]:
+        root = _unwrapped(self._model)
+        modules = []
+        for name in names:
+            try:
+                modules.append(root.get_submodule(name))
+            except AttributeError:
+                raise ValueError(f"TrainPipeline: graph_modules names {name!r}, which the model does not have") from None
+        return modules

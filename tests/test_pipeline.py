@@ -64,6 +64,26 @@ def _compare_with_plain_loop(rank, world_size):
             torch.testing.assert_close(state[key], want_state[key], rtol=0, atol=0, msg=f"{name}: {key}")
 
 
+def _pipeline_then_plain_loop(rank, world_size):
+    # The pipeline takes over DDP's all-reduce only while it runs: the same model trained on
+    # afterwards by a plain loop must still average its dense gradients.
+    batches = make_batches(rank, batch_size=16, num_full=6, last=0)
+    reference_model, reference_opt = make_dmp_dlrm(world_size)
+    want_losses = _plain_loop(reference_model, reference_opt, batches)
+    model, optimizer = make_dmp_dlrm(world_size)
+    losses = _pipelined(model, optimizer, batches[:3], PipelineOptions())
+    losses += _plain_loop(model, optimizer, batches[3:])
+    for got, want in zip(losses, want_losses):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    want_state, state = local_state(reference_model), local_state(model)
+    for key in want_state:
+        torch.testing.assert_close(state[key], want_state[key], rtol=0, atol=0, msg=key)
+
+
+def test_model_trains_correctly_after_the_pipeline_is_done():
+    run_ranks(_pipeline_then_plain_loop, 2)
+
+
 def test_pipeline_equals_plain_loop_on_two_ranks():
     run_ranks(_compare_with_plain_loop, 2)
 

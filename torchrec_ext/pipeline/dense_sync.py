@@ -12,6 +12,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 logger = logging.getLogger(__name__)
@@ -24,26 +25,42 @@ def data_parallel_parameters(ddp: DistributedDataParallel) -> List[nn.Parameter]
     return [p for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored]
 
 
+class DdpTakeover:
+    """A communication hook on DDP that skips its all-reduce while ``skip`` is set (the
+    pipeline then all-reduces itself) and does DDP's default all-reduce otherwise, so the model
+    trains correctly outside the pipeline too.
+
+    A hook rather than ``no_sync``: it keeps DDP's own bookkeeping intact under every DDP mode
+    (TorchRec builds DDP with ``static_graph=True``, where ``no_sync`` breaks). DDP takes one
+    hook for life, so one takeover per DDP module serves every pipeline built on it."""
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup]) -> None:
+        self.process_group = process_group
+        self.skip = False
+
+    @classmethod
+    def of(cls, ddp: DistributedDataParallel) -> "DdpTakeover":
+        takeover = getattr(ddp, "_torchrec_ext_takeover", None)
+        if takeover is None:
+            takeover = cls(ddp.process_group)
+            try:
+                ddp.register_comm_hook(takeover, _takeover_hook)
+            except RuntimeError as e:
+                raise ValueError(
+                    f"TrainPipeline: cannot take over DDP's all-reduce ({e}); the model already has a "
+                    "communication hook. Pass PipelineOptions(flat_dense_allreduce=False) to keep DDP's"
+                ) from None
+            ddp._torchrec_ext_takeover = takeover
+        return takeover
+
+
 # DDP checks a hook's annotations, so they are real types here (no postponed annotations).
-def _leave_bucket_as_is(_state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _takeover_hook(state: DdpTakeover, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    if not state.skip:
+        return default_hooks.allreduce_hook(state.process_group, bucket)
     done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     done.set_result(bucket.buffer())
     return done
-
-
-def silence_ddp(ddp: DistributedDataParallel) -> None:
-    """Makes DDP's gradient buckets skip their all-reduce, so the caller can do it instead.
-
-    A communication hook rather than ``no_sync``: it keeps DDP's own bookkeeping intact under
-    every DDP mode (TorchRec builds DDP with ``static_graph=True``, where ``no_sync`` breaks)."""
-    try:
-        ddp.register_comm_hook(None, _leave_bucket_as_is)
-    except RuntimeError as e:
-        raise ValueError(
-            "TrainPipeline: cannot take over DDP's all-reduce (a communication hook is already registered, "
-            f"or the model already ran a backward): {e}. Build the pipeline before training, or pass "
-            "PipelineOptions(flat_dense_allreduce=False)"
-        ) from None
 
 
 class FlatGradSync:

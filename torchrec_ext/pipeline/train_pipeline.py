@@ -35,7 +35,7 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
 from torchrec.distributed.train_pipeline.utils import _override_input_dist_forwards, _rewrite_model
 
-from torchrec_ext.pipeline.dense_sync import FlatGradSync, GraphedForward, data_parallel_parameters, silence_ddp
+from torchrec_ext.pipeline.dense_sync import DdpTakeover, FlatGradSync, GraphedForward, data_parallel_parameters
 from torchrec_ext.pipeline.host_outputs import HostOutputs
 from torchrec_ext.pipeline.prefetch import BatchPrefetcher, ReadyBatch
 
@@ -98,14 +98,16 @@ class TrainPipeline(TrainPipelineSparseDist):
         )
         self._dist_future: Optional[Future] = None
         self._dist_groups: Dict[Any, dist.ProcessGroup] = {}
+        self._moved_input_dists: List[Tuple[Any, dist.ProcessGroup]] = []
         self._ddp = _find_ddp(model)
         self._grad_sync: Optional[FlatGradSync] = None
+        self._takeover: Optional[DdpTakeover] = None
         if options.flat_dense_allreduce and self._ddp is not None:
             capture = cuda and options.graph_dense_sync
             captured_optimizer = optimizer if (capture and options.graph_optimizer_step) else None
             if captured_optimizer is not None and not all(g.get("capturable", False) for g in optimizer.param_groups):
                 raise ValueError("TrainPipeline: graph_optimizer_step needs an optimizer built with capturable=True")
-            silence_ddp(self._ddp)
+            self._takeover = DdpTakeover.of(self._ddp)
             self._grad_sync = FlatGradSync(
                 data_parallel_parameters(self._ddp), self._ddp.process_group, capture=capture,
                 optimizer=captured_optimizer,
@@ -139,9 +141,15 @@ class TrainPipeline(TrainPipelineSparseDist):
             self._launch_input_dist(self._ready[1], self.batches[1], self.contexts[1])
         self.enqueue_batch(dataloader_iter)  # batch i+2 (already prefetched, usually)
 
-        losses, output = self._model_fwd(self.batches[0])
-        if training:
-            self._backward(losses)
+        if self._takeover is not None:
+            self._takeover.skip = True  # DDP's buckets leave the all-reduce to _grad_sync
+        try:
+            losses, output = self._model_fwd(self.batches[0])
+            if training:
+                self._backward(losses)
+        finally:
+            if self._takeover is not None:
+                self._takeover.skip = False
             if self._grad_sync is not None:
                 self._grad_sync()
             if self._grad_sync is None or not self._grad_sync.steps_optimizer:
@@ -160,12 +168,19 @@ class TrainPipeline(TrainPipelineSparseDist):
         return self._host_outputs.drain()
 
     def close(self) -> None:
-        """Joins the prefetch and input-dist threads. Safe to call twice."""
+        """Joins the prefetch and input-dist threads and gives the model back as it was (its
+        sharded modules' forwards and input-dist process groups restored), so it can be trained
+        or evaluated without the pipeline. Safe to call twice."""
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None
         if self._dist_worker is not None:
             self._dist_worker.shutdown(wait=True, cancel_futures=True)
+        for kjt_all_to_all, pg in self._moved_input_dists:
+            kjt_all_to_all._pg = pg
+        self._moved_input_dists.clear()
+        if self._model_attached and self._pipelined_modules:
+            self.detach()
 
     def __enter__(self) -> "TrainPipeline":
         return self
@@ -261,6 +276,7 @@ class TrainPipeline(TrainPipelineSparseDist):
                         # Collective call: every rank builds the same pipeline, in the same order.
                         self._dist_groups[pg] = dist.new_group(
                             ranks=dist.get_process_group_ranks(pg), backend=dist.get_backend(pg))
+                    self._moved_input_dists.append((kjt_all_to_all, pg))
                     kjt_all_to_all._pg = self._dist_groups[pg]
 
     # ------------------------------------------------------------------ CUDA graphs

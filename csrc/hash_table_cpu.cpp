@@ -89,11 +89,21 @@ inline void prefetch_matches(const TableRef& t, const KeyPlace& p) {
   if (kWrite && !matched) {
     const uint32_t free1 = match_empty(t.digests + p.bucket1 * kSlotsPerBucket);
     const uint32_t free2 = match_empty(t.digests + p.bucket2 * kSlotsPerBucket);
-    const int64_t row = __builtin_popcount(free1) >= __builtin_popcount(free2)
-                            ? p.bucket1 * kSlotsPerBucket + (free1 ? lowest_bit(free1) : 0)
-                            : p.bucket2 * kSlotsPerBucket + lowest_bit(free2);
-    __builtin_prefetch(t.keys + row, 1);
-    __builtin_prefetch(t.scores + row, 1);
+    if (free1 | free2) {
+      const int64_t row = __builtin_popcount(free1) >= __builtin_popcount(free2)
+                              ? p.bucket1 * kSlotsPerBucket + lowest_bit(free1)
+                              : p.bucket2 * kSlotsPerBucket + lowest_bit(free2);
+      __builtin_prefetch(t.keys + row, 1);
+      __builtin_prefetch(t.scores + row, 1);
+    } else {
+      // An eviction is coming: the victim search reads every score of both buckets.
+      constexpr int kScoresPerLine = 64 / sizeof(int64_t);
+      for (const int64_t bucket : {p.bucket1, p.bucket2}) {
+        for (int slot = 0; slot < kSlotsPerBucket; slot += kScoresPerLine) {
+          __builtin_prefetch(t.scores + bucket * kSlotsPerBucket + slot, 1);
+        }
+      }
+    }
   }
 }
 

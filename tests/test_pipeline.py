@@ -10,7 +10,8 @@ from dist_helpers import local_state, make_batches, make_dmp_dlrm, run_ranks
 from torchrec_ext.pipeline import BatchPrefetcher, PipelineOptions, TrainPipeline
 
 VARIANTS = {
-    "all_stages": PipelineOptions(),
+    "all_stages": PipelineOptions(flat_dense_allreduce=True),
+    "defaults": PipelineOptions(),
     "no_threads": PipelineOptions(prefetch_threads=0, threaded_input_dist=False),
     "ddp_allreduce": PipelineOptions(flat_dense_allreduce=False, prefetch_threads=3),
     "graph_options_on_cpu": PipelineOptions(graph_modules=("model.dense_arch", "model.over_arch")),
@@ -71,7 +72,7 @@ def _pipeline_then_plain_loop(rank, world_size):
     reference_model, reference_opt = make_dmp_dlrm(world_size)
     want_losses = _plain_loop(reference_model, reference_opt, batches)
     model, optimizer = make_dmp_dlrm(world_size)
-    losses = _pipelined(model, optimizer, batches[:3], PipelineOptions())
+    losses = _pipelined(model, optimizer, batches[:3], PipelineOptions(flat_dense_allreduce=True))
     losses += _plain_loop(model, optimizer, batches[3:])
     for got, want in zip(losses, want_losses):
         torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -49,7 +49,10 @@ class PipelineOptions:
     prefetch_threads: int = 2          # (a) 0: load batches inline on the train thread
     prefetch_depth: Optional[int] = None  # batches ahead; default 2 per thread
     threaded_input_dist: bool = True   # (b) launch input dists from a helper thread
-    flat_dense_allreduce: bool = True  # (c) all-reduce dense grads ourselves (False: DDP's hooks)
+    # (c) all-reduce dense grads in one flat buffer after the backward (False: DDP's buckets).
+    # None: on CUDA, where the flat buffer is what a graph can capture; on CPU DDP's buckets
+    # overlap their all-reduce with the backward, which a flat one cannot.
+    flat_dense_allreduce: Optional[bool] = None
     graph_dense_sync: bool = True      # (c) CUDA only: capture that all-reduce in a CUDA graph
     graph_optimizer_step: bool = False  # (c) CUDA only: capture the dense optimizer step too
     graph_modules: Sequence[str] = field(default_factory=tuple)  # (c) dense submodules to capture
@@ -102,7 +105,8 @@ class TrainPipeline(TrainPipelineSparseDist):
         self._ddp = _find_ddp(model)
         self._grad_sync: Optional[FlatGradSync] = None
         self._takeover: Optional[DdpTakeover] = None
-        if options.flat_dense_allreduce and self._ddp is not None:
+        flat = cuda if options.flat_dense_allreduce is None else options.flat_dense_allreduce
+        if flat and self._ddp is not None:
             capture = cuda and options.graph_dense_sync
             captured_optimizer = optimizer if (capture and options.graph_optimizer_step) else None
             if captured_optimizer is not None and not all(g.get("capturable", False) for g in optimizer.param_groups):

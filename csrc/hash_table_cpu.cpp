@@ -18,6 +18,7 @@
 #include <emmintrin.h>
 #endif
 
+#include "hash_table_checks.h"
 #include "hash_table_layout.h"
 
 namespace torchrec_ext {
@@ -146,31 +147,8 @@ inline void for_each_prefetched(const TableRef& t, int64_t count, KeyAt key_at, 
   }
 }
 
-void check_table(const char* op, const at::Tensor& digests, const at::Tensor& slot_keys,
-                 int64_t capacity) {
-  TORCH_CHECK(capacity > 0, op, ": capacity must be > 0, got ", capacity);
-  const TableGeometry g = make_geometry(capacity);
-  TORCH_CHECK(digests.scalar_type() == at::kByte && digests.is_contiguous() &&
-                  digests.numel() == g.num_slots(),
-              op, ": digests must be a contiguous uint8 tensor of ", g.num_slots(),
-              " slots for capacity ", capacity, ", got ", digests.scalar_type(), " of ",
-              digests.numel());
-  TORCH_CHECK(slot_keys.scalar_type() == at::kLong && slot_keys.is_contiguous() &&
-                  slot_keys.numel() == g.num_slots(),
-              op, ": slot_keys must be a contiguous int64 tensor of ", g.num_slots(), " slots");
-}
 
-void check_size(const char* op, const at::Tensor& size) {
-  TORCH_CHECK(size.scalar_type() == at::kLong && size.numel() == 1,
-              op, ": size must be a one-element int64 tensor, got ", size.scalar_type(), " of ",
-              size.numel());
-}
 
-void check_keys(const char* op, const at::Tensor& keys) {
-  TORCH_CHECK(keys.dim() == 1, op, ": keys must be 1-D, got shape ", keys.sizes());
-  TORCH_CHECK(keys.scalar_type() == at::kLong, op, ": keys must be int64, got ",
-              keys.scalar_type());
-}
 
 TableRef table_ref(const at::Tensor& digests, const at::Tensor& slot_keys,
                    const at::Tensor* slot_scores, int64_t capacity) {
@@ -309,32 +287,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
   check_table("hash_upsert", digests, slot_keys, capacity);
   check_keys("hash_upsert", keys);
   check_size("hash_upsert", size);
+  check_slot_scores("hash_upsert", slot_scores, capacity);
   const TableGeometry geo = make_geometry(capacity);
-  TORCH_CHECK(slot_scores.scalar_type() == at::kLong && slot_scores.is_contiguous() &&
-                  slot_scores.numel() == geo.num_slots(),
-              "hash_upsert: slot_scores must be a contiguous int64 tensor of ", geo.num_slots(),
-              " slots");
-  TORCH_CHECK(policy_id >= 0 && policy_id <= static_cast<int64_t>(Policy::kCustom),
-              "hash_upsert: unknown policy id ", policy_id);
-  TORCH_CHECK(epoch >= 0 && epoch < (int64_t{1} << 31),
-              "hash_upsert: epoch must be in [0, 2^31), got ", epoch);
   const Policy policy = static_cast<Policy>(policy_id);
   const at::Tensor k = keys.contiguous();
   const int64_t n = k.numel();
-  at::Tensor given;
-  if (scores.has_value()) {
-    given = scores->contiguous();
-    TORCH_CHECK(given.scalar_type() == at::kLong && given.dim() == 1 && given.numel() == n,
-                "hash_upsert: scores must be a 1-D int64 tensor of ", n, " elements, got ",
-                given.scalar_type(), " of shape ", given.sizes());
-  }
-  TORCH_CHECK(policy != Policy::kCustom || scores.has_value(),
-              "hash_upsert: the custom policy needs scores");
+  const at::Tensor given = check_upsert_args(n, scores, policy_id, epoch);
 
   at::Tensor rows = at::empty({n}, k.options());
   at::Tensor inserted = at::zeros({n}, k.options().dtype(at::kBool));
   const TableRef t = table_ref(digests, slot_keys, &slot_scores, capacity);
-  const int64_t* gp = scores.has_value() ? given.data_ptr<int64_t>() : nullptr;
+  const int64_t* gp = given.defined() ? given.data_ptr<int64_t>() : nullptr;
   int64_t* rp = rows.data_ptr<int64_t>();
   bool* ip = inserted.data_ptr<bool>();
   // (input position, evicted key) pairs; few, so gathered per thread and merged at the end.
@@ -459,6 +422,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hash_export_cpu(const at::Tensor&
                                                                int64_t capacity, int64_t start,
                                                                int64_t end) {
   check_table("hash_export", digests, slot_keys, capacity);
+  check_slot_scores("hash_export", slot_scores, capacity);
   const TableGeometry geo = make_geometry(capacity);
   TORCH_CHECK(0 <= start && start <= end && end <= geo.num_slots(),
               "hash_export: need 0 <= start <= end <= ", geo.num_slots(), ", got start=", start,
@@ -490,6 +454,8 @@ void hash_restore_cpu(at::Tensor& digests, at::Tensor& slot_keys, at::Tensor& sl
                       at::Tensor& size, const at::Tensor& keys, const at::Tensor& rows,
                       const at::Tensor& scores, int64_t capacity) {
   check_table("hash_restore", digests, slot_keys, capacity);
+  check_slot_scores("hash_restore", slot_scores, capacity);
+  check_size("hash_restore", size);
   check_keys("hash_restore", keys);
   const TableGeometry geo = make_geometry(capacity);
   const int64_t n = keys.numel();

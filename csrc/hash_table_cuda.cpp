@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "hash_table_cuda.h"
+#include "hash_table_checks.h"
 #include "hash_table_layout.h"
 
 namespace torchrec_ext {
@@ -23,38 +24,9 @@ namespace {
 
 cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
-void check_table(const char* op, const at::Tensor& digests, const at::Tensor& slot_keys,
-                 int64_t capacity) {
-  TORCH_CHECK(capacity > 0, op, ": capacity must be > 0, got ", capacity);
-  const TableGeometry g = make_geometry(capacity);
-  TORCH_CHECK(digests.scalar_type() == at::kByte && digests.is_contiguous() &&
-                  digests.numel() == g.num_slots(),
-              op, ": digests must be a contiguous uint8 tensor of ", g.num_slots(),
-              " slots for capacity ", capacity, ", got ", digests.scalar_type(), " of ",
-              digests.numel());
-  TORCH_CHECK(slot_keys.scalar_type() == at::kLong && slot_keys.is_contiguous() &&
-                  slot_keys.numel() == g.num_slots(),
-              op, ": slot_keys must be a contiguous int64 tensor of ", g.num_slots(), " slots");
-}
 
-void check_slot_scores(const char* op, const at::Tensor& slot_scores, int64_t capacity) {
-  const TableGeometry g = make_geometry(capacity);
-  TORCH_CHECK(slot_scores.scalar_type() == at::kLong && slot_scores.is_contiguous() &&
-                  slot_scores.numel() == g.num_slots(),
-              op, ": slot_scores must be a contiguous int64 tensor of ", g.num_slots(), " slots");
-}
 
-void check_size(const char* op, const at::Tensor& size) {
-  TORCH_CHECK(size.scalar_type() == at::kLong && size.numel() == 1,
-              op, ": size must be a one-element int64 tensor, got ", size.scalar_type(), " of ",
-              size.numel());
-}
 
-void check_keys(const char* op, const at::Tensor& keys) {
-  TORCH_CHECK(keys.dim() == 1, op, ": keys must be 1-D, got shape ", keys.sizes());
-  TORCH_CHECK(keys.scalar_type() == at::kLong, op, ": keys must be int64, got ",
-              keys.scalar_type());
-}
 
 // The kernels take raw pointers: a tensor on the host or on another GPU would be an illegal
 // access there, so every tensor of a call must be on the table's GPU.
@@ -112,24 +84,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cuda(
   check_keys("hash_upsert", keys);
   check_size("hash_upsert", size);
   check_slot_scores("hash_upsert", slot_scores, capacity);
-  TORCH_CHECK(policy_id >= 0 && policy_id <= static_cast<int64_t>(Policy::kCustom),
-              "hash_upsert: unknown policy id ", policy_id);
-  TORCH_CHECK(epoch >= 0 && epoch < (int64_t{1} << 31),
-              "hash_upsert: epoch must be in [0, 2^31), got ", epoch);
   const int64_t n = keys.numel();
-  at::Tensor given;
-  if (scores.has_value()) {
-    given = scores->contiguous();
-    TORCH_CHECK(given.scalar_type() == at::kLong && given.dim() == 1 && given.numel() == n,
-                "hash_upsert: scores must be a 1-D int64 tensor of ", n, " elements, got ",
-                given.scalar_type(), " of shape ", given.sizes());
-  }
-  TORCH_CHECK(static_cast<Policy>(policy_id) != Policy::kCustom || scores.has_value(),
-              "hash_upsert: the custom policy needs scores");
+  const at::Tensor given = check_upsert_args(n, scores, policy_id, epoch);
   check_devices("hash_upsert", digests,
                 {{"slot_keys", &slot_keys}, {"slot_scores", &slot_scores}, {"size", &size},
                  {"keys", &keys}});
-  if (scores.has_value()) check_devices("hash_upsert", digests, {{"scores", &given}});
+  if (given.defined()) check_devices("hash_upsert", digests, {{"scores", &given}});
   const c10::cuda::CUDAGuard device_guard(digests.device());
 
   const at::Tensor k = keys.contiguous();

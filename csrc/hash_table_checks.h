@@ -1,0 +1,64 @@
+// Input checks shared by the CPU and CUDA kernels of the hash table ops: the ops are public
+// (torch.ops.torchrec_ext.*), so each validates its tensors with a TORCH_CHECK naming the op,
+// the argument, the constraint and the value seen, whatever the backend.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <optional>
+
+#include "hash_table_layout.h"
+
+namespace torchrec_ext {
+
+inline void check_table(const char* op, const at::Tensor& digests, const at::Tensor& slot_keys,
+                        int64_t capacity) {
+  TORCH_CHECK(capacity > 0, op, ": capacity must be > 0, got ", capacity);
+  const TableGeometry g = make_geometry(capacity);
+  TORCH_CHECK(digests.scalar_type() == at::kByte && digests.is_contiguous() &&
+                  digests.numel() == g.num_slots(),
+              op, ": digests must be a contiguous uint8 tensor of ", g.num_slots(),
+              " slots for capacity ", capacity, ", got ", digests.scalar_type(), " of ",
+              digests.numel());
+  TORCH_CHECK(slot_keys.scalar_type() == at::kLong && slot_keys.is_contiguous() &&
+                  slot_keys.numel() == g.num_slots(),
+              op, ": slot_keys must be a contiguous int64 tensor of ", g.num_slots(), " slots");
+}
+
+inline void check_slot_scores(const char* op, const at::Tensor& slot_scores, int64_t capacity) {
+  const TableGeometry g = make_geometry(capacity);
+  TORCH_CHECK(slot_scores.scalar_type() == at::kLong && slot_scores.is_contiguous() &&
+                  slot_scores.numel() == g.num_slots(),
+              op, ": slot_scores must be a contiguous int64 tensor of ", g.num_slots(), " slots");
+}
+
+inline void check_size(const char* op, const at::Tensor& size) {
+  TORCH_CHECK(size.scalar_type() == at::kLong && size.numel() == 1, op,
+              ": size must be a one-element int64 tensor, got ", size.scalar_type(), " of ",
+              size.numel());
+}
+
+inline void check_keys(const char* op, const at::Tensor& keys) {
+  TORCH_CHECK(keys.dim() == 1, op, ": keys must be 1-D, got shape ", keys.sizes());
+  TORCH_CHECK(keys.scalar_type() == at::kLong, op, ": keys must be int64, got ",
+              keys.scalar_type());
+}
+
+// hash_upsert's scalar arguments and optional scores; returns the scores made contiguous
+// (undefined when none were given).
+inline at::Tensor check_upsert_args(int64_t n, const std::optional<at::Tensor>& scores,
+                                    int64_t policy_id, int64_t epoch) {
+  TORCH_CHECK(policy_id >= 0 && policy_id <= static_cast<int64_t>(Policy::kCustom),
+              "hash_upsert: unknown policy id ", policy_id);
+  TORCH_CHECK(epoch >= 0 && epoch < (int64_t{1} << 31),
+              "hash_upsert: epoch must be in [0, 2^31), got ", epoch);
+  TORCH_CHECK(static_cast<Policy>(policy_id) != Policy::kCustom || scores.has_value(),
+              "hash_upsert: the custom policy needs scores");
+  if (!scores.has_value()) return at::Tensor();
+  at::Tensor given = scores->contiguous();
+  TORCH_CHECK(given.scalar_type() == at::kLong && given.dim() == 1 && given.numel() == n,
+              "hash_upsert: scores must be a 1-D int64 tensor of ", n, " elements, got ",
+              given.scalar_type(), " of shape ", given.sizes());
+  return given;
+}
+
+}  // namespace torchrec_ext

@@ -43,6 +43,11 @@ inline void check_keys(const char* op, const at::Tensor& keys) {
               keys.scalar_type());
 }
 
+inline void check_world_size(const char* op, int64_t world_size) {
+  TORCH_CHECK(world_size > 0 && world_size < (int64_t{1} << 31), op,
+              ": world_size must be in [1, 2^31), got ", world_size);
+}
+
 // hash_upsert's scalar arguments and optional scores; returns the scores made contiguous
 // (undefined when none were given).
 inline at::Tensor check_upsert_args(int64_t n, const std::optional<at::Tensor>& scores,

@@ -500,8 +500,7 @@ void hash_restore_cpu(at::Tensor& digests, at::Tensor& slot_keys, at::Tensor& sl
 
 at::Tensor route_cpu(const at::Tensor& keys, int64_t world_size) {
   check_keys("route", keys);
-  TORCH_CHECK(world_size > 0 && world_size < (int64_t{1} << 31),
-              "route: world_size must be in [1, 2^31), got ", world_size);
+  check_world_size("route", world_size);
   const at::Tensor k = keys.contiguous();
   at::Tensor ranks = at::empty_like(k);
   const int64_t* kp = k.data_ptr<int64_t>();

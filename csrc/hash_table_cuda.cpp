@@ -183,8 +183,7 @@ void hash_restore_cuda(at::Tensor& digests, at::Tensor& slot_keys, at::Tensor& s
 
 at::Tensor route_cuda(const at::Tensor& keys, int64_t world_size) {
   check_keys("route", keys);
-  TORCH_CHECK(world_size > 0 && world_size < (int64_t{1} << 31),
-              "route: world_size must be in [1, 2^31), got ", world_size);
+  check_world_size("route", world_size);
   TORCH_CHECK(keys.is_cuda(), "route: keys must be a CUDA tensor, got one on ", keys.device());
   const c10::cuda::CUDAGuard device_guard(keys.device());
   const at::Tensor k = keys.contiguous();

@@ -19,7 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, Iterator, List
 
 import torch
 import torch.distributed as dist
@@ -40,26 +40,28 @@ class Config:
     warmup: int = 5
     rounds: int = 3
     seed: int = 0
+    ablation: int = 0  # 1: also time ours with each stage switched off
+    in_memory: int = 0  # 1: batches built before timing (0: built as the loop asks, like a reader)
 
 
-def make_batches(cfg: Config, rank: int, count: int):
+def batch_stream(cfg: Config, rank: int, count: int) -> Iterator:
+    """`count` synthetic batches built as they are asked for, as a real reader builds them
+    (costing the loop a few ms each unless something overlaps it)."""
     from torchrec.datasets.utils import Batch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + rank)
-    batches = []
     for _ in range(count):
         lengths = torch.randint(1, cfg.max_bag + 1, (cfg.tables * cfg.batch,), generator=gen)
         u = torch.rand(int(lengths.sum()), generator=gen, dtype=torch.float64)
         zipf_rank = torch.floor((1.0 - u).pow(-1.0 / 0.05)).clamp(max=2.0**40).long()  # tail ~ rank^-1.05
         ids = (zipf_rank * 0x9E3779B97F4A7C15) & ((1 << 40) - 1)
-        batches.append(Batch(
+        yield Batch(
             dense_features=torch.randn(cfg.batch, cfg.dense_in, generator=gen),
             sparse_features=KeyedJaggedTensor.from_lengths_sync(
                 keys=[f"f{i}" for i in range(cfg.tables)], values=ids % cfg.rows, lengths=lengths),
             labels=torch.randint(0, 2, (cfg.batch,), generator=gen).float(),
-        ))
-    return batches
+        )
 
 
 def make_model(cfg: Config, device: torch.device):
@@ -98,9 +100,9 @@ def synchronize() -> None:
     dist.barrier()
 
 
-def time_loop(step: Callable, batches, warmup: int) -> float:
-    """Seconds per step over batches[warmup:], `step` consuming batches from one iterator."""
-    it = iter(batches)
+def time_loop(step: Callable, source: Callable[[], Iterator], warmup: int) -> float:
+    """Seconds per step after `warmup` steps, `step` consuming one iterator from `source()`."""
+    it = source()
     for _ in range(warmup):
         step(it)
     synchronize()
@@ -126,22 +128,31 @@ def plain_loop(model, optimizer, device) -> Callable:
     return step
 
 
-def time_candidates(cfg: Config, device, batches, shared, ours) -> Dict[str, float]:
+def time_candidates(cfg: Config, device, source, shared, ours) -> Dict[str, float]:
     """One round: seconds per step of each loop. TorchRec's pipelines are detached after their
     run (they rewrite the shared model's sharded forwards)."""
     from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 
-    from torchrec_ext.pipeline import TrainPipeline
+    from torchrec_ext.pipeline import PipelineOptions, TrainPipeline
 
-    out = {"plain loop": time_loop(plain_loop(*shared, device), batches, cfg.warmup)}
+    out = {"plain loop": time_loop(plain_loop(*shared, device), source, cfg.warmup)}
     for name, cls in (("TorchRec TrainPipelineBase", TrainPipelineBase),
                       ("TorchRec TrainPipelineSparseDist", TrainPipelineSparseDist)):
         pipeline = cls(shared[0], shared[1], device)
-        out[name] = time_loop(pipeline.progress, batches, cfg.warmup)
+        out[name] = time_loop(pipeline.progress, source, cfg.warmup)
         if hasattr(pipeline, "detach"):
             pipeline.detach()
-    with TrainPipeline(ours[0], ours[1], device) as pipeline:
-        out["torchrec_ext TrainPipeline"] = time_loop(pipeline.progress, batches, cfg.warmup)
+    variants = {"torchrec_ext TrainPipeline": PipelineOptions()}
+    if cfg.ablation:  # each thread stage forced on and off, whatever the defaults chose here
+        variants.update({
+            "  ours, prefetch + input-dist threads": PipelineOptions(prefetch_threads=2, threaded_input_dist=True),
+            "  ours, prefetch threads only": PipelineOptions(prefetch_threads=2, threaded_input_dist=False),
+            "  ours, input-dist thread only": PipelineOptions(prefetch_threads=0, threaded_input_dist=True),
+            "  ours, no threads": PipelineOptions(prefetch_threads=0, threaded_input_dist=False),
+        })
+    for name, options in variants.items():
+        with TrainPipeline(ours[0], ours[1], device, options) as pipeline:
+            out[name] = time_loop(pipeline.progress, source, cfg.warmup)
     return out
 
 
@@ -154,11 +165,16 @@ def worker(cfg: Config, save_results: bool) -> None:
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // dist.get_world_size()))
     rank = dist.get_rank()
-    batches = make_batches(cfg, rank, cfg.warmup + cfg.steps)
+    count = cfg.warmup + cfg.steps
+    if cfg.in_memory:
+        batches = list(batch_stream(cfg, rank, count))
+        source = lambda: iter(batches)  # noqa: E731
+    else:
+        source = lambda: batch_stream(cfg, rank, count)  # noqa: E731
     shared, ours = make_model(cfg, device), make_model(cfg, device)
     times: Dict[str, List[float]] = {}
     for r in range(cfg.rounds):
-        for name, seconds in time_candidates(cfg, device, batches, shared, ours).items():
+        for name, seconds in time_candidates(cfg, device, source, shared, ours).items():
             times.setdefault(name, []).append(seconds)
         if rank == 0:
             print(f"round {r}: " + ", ".join(f"{n} {t[-1] * 1e3:.1f} ms" for n, t in times.items()), flush=True)
@@ -168,11 +184,12 @@ def worker(cfg: Config, save_results: bool) -> None:
         rows = [[name, f"{ms * 1e3:.1f}", f"{ms / base:.3f}"] for name, ms in med.items()]
         text = (f"DLRM_DCN step time, {dist.get_world_size()} ranks on {device.type} ({backend}), "
                 f"{cfg.tables} tables x {cfg.rows:,} rows x dim {cfg.dim} row-wise, batch {cfg.batch} per rank, "
-                f"median of {cfg.rounds} rounds of {cfg.steps} steps\n\n"
+                f"median of {cfg.rounds} rounds of {cfg.steps} steps, batches "
+                f"{'prebuilt in memory' if cfg.in_memory else 'built as the loop asks (a reader)'}\n\n"
                 + markdown_table(["loop", "ms / step", "× TrainPipelineSparseDist"], rows))
         print(text)
         if save_results:
-            save(f"pipeline_{device.type}", {"config": dataclasses.asdict(cfg), "ms_per_step": {k: v * 1e3 for k, v in med.items()},
+            save(f"pipeline_{device.type}{'_in_memory' if cfg.in_memory else ''}", {"config": dataclasses.asdict(cfg), "ms_per_step": {k: v * 1e3 for k, v in med.items()},
                                              "world_size": dist.get_world_size()}, text)
     dist.destroy_process_group()
 

@@ -10,11 +10,11 @@ from dist_helpers import local_state, make_batches, make_dmp_dlrm, run_ranks
 from torchrec_ext.pipeline import BatchPrefetcher, PipelineOptions, TrainPipeline
 
 VARIANTS = {
-    "all_stages": PipelineOptions(flat_dense_allreduce=True),
+    "all_stages": PipelineOptions(prefetch_threads=2, threaded_input_dist=True, flat_dense_allreduce=True),
     "defaults": PipelineOptions(),
     "no_threads": PipelineOptions(prefetch_threads=0, threaded_input_dist=False),
-    "ddp_allreduce": PipelineOptions(flat_dense_allreduce=False, prefetch_threads=3),
-    "graph_options_on_cpu": PipelineOptions(graph_modules=("model.dense_arch", "model.over_arch")),
+    "ddp_allreduce": PipelineOptions(flat_dense_allreduce=False, prefetch_threads=3, threaded_input_dist=True),
+    "graph_options_on_cpu": PipelineOptions(graph_modules=("model.dense_arch", "model.over_arch"), threaded_input_dist=True),
 }
 
 
@@ -41,7 +41,7 @@ def _pipelined(dmp, optimizer, batches, options):
             losses.append(loss.detach().clone())
         host = pipeline.drain_host_outputs()
         # The helper thread's collectives ran on their own process group, not the modules' own.
-        assert bool(pipeline._dist_groups) == options.threaded_input_dist
+        assert bool(pipeline._dist_groups) == pipeline.options.threaded_input_dist
     assert [step for step, _ in host] == list(range(len(batches)))
     assert all(torch.equal(out[0], loss) for (_, out), loss in zip(host, losses))
     return losses
@@ -72,7 +72,8 @@ def _pipeline_then_plain_loop(rank, world_size):
     reference_model, reference_opt = make_dmp_dlrm(world_size)
     want_losses = _plain_loop(reference_model, reference_opt, batches)
     model, optimizer = make_dmp_dlrm(world_size)
-    losses = _pipelined(model, optimizer, batches[:3], PipelineOptions(flat_dense_allreduce=True))
+    losses = _pipelined(model, optimizer, batches[:3],
+                        PipelineOptions(prefetch_threads=2, threaded_input_dist=True, flat_dense_allreduce=True))
     losses += _plain_loop(model, optimizer, batches[3:])
     for got, want in zip(losses, want_losses):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -80,8 +81,24 @@ def _pipeline_then_plain_loop(rank, world_size):
     for key in want_state:
         torch.testing.assert_close(state[key], want_state[key], rtol=0, atol=0, msg=key)
 
+    # Eval mode: forward only, the outputs of a plain no-grad forward.
+    model.eval()
+    with torch.no_grad():
+        want_logits = [model(b)[1][1] for b in batches]
+    pipeline = TrainPipeline(model, optimizer, torch.device("cpu"))
+    it = iter(batches)
+    with torch.no_grad():
+        got_logits = [pipeline.progress(it)[1] for _ in batches]
+    with pytest.raises(StopIteration):
+        pipeline.progress(it)
+    pipeline.close()
+    for got, want in zip(got_logits, want_logits):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="progress\\(\\) after close\\(\\)"):
+        pipeline.progress(iter(batches))
 
-def test_model_trains_correctly_after_the_pipeline_is_done():
+
+def test_model_trains_and_evaluates_correctly_around_the_pipeline():
     run_ranks(_pipeline_then_plain_loop, 2)
 
 
@@ -110,7 +127,8 @@ def raise_from_loader():
 def _worker_error_reaches_caller(rank, world_size):
     batches = make_batches(rank, batch_size=8, num_full=5, last=0)
     model, optimizer = make_dmp_dlrm(world_size)
-    pipeline = TrainPipeline(model, optimizer, torch.device("cpu"), PipelineOptions(timeout_s=60))
+    pipeline = TrainPipeline(model, optimizer, torch.device("cpu"),
+                             PipelineOptions(prefetch_threads=2, threaded_input_dist=True, timeout_s=60))
     it = _FailingLoader(batches, fail_at=3)
     steps = 0
     with pytest.raises(KeyError, match="bad record in shard 7") as info:

@@ -1,0 +1,49 @@
+"""A single daemon helper thread that runs submitted jobs in order, returning futures.
+
+Unlike ``concurrent.futures.ThreadPoolExecutor``, whose threads the interpreter joins at exit
+without a bound, ``close`` waits a bounded time and then leaves a stuck thread (say, a
+collective whose peer died) to die with the process."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Callable, Optional
+
+logger = logging.getLogger(__name__)
+
+
+class HelperThread:
+    def __init__(self, name: str) -> None:
+        self._jobs: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], object]) -> Future:
+        future: Future = Future()
+        self._jobs.put((fn, future))
+        return future
+
+    def close(self, timeout_s: float) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=timeout_s)
+        if self._thread.is_alive():
+            logger.warning("%s did not finish within %.0f s; leaving it behind", self._thread.name, timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, future = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - re-raised by future.result() in the caller
+                future.set_exception(e)

@@ -24,7 +24,7 @@ def zipf_ids(n: int, vocab: int, alpha: float, gen: torch.Generator) -> torch.Te
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--capacity", type=int, default=1 << 20)
+    parser.add_argument("--capacity", type=int, default=1 << 18)
     parser.add_argument("--vocab", type=int, default=4 << 20, help="distinct ids in the stream")
     parser.add_argument("--batch", type=int, default=1 << 17)
     parser.add_argument("--steps", type=int, default=20)

@@ -430,23 +430,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hash_export_cpu(const at::Tensor&
   const uint8_t* d = digests.data_ptr<uint8_t>();
   const int64_t* sk = slot_keys.data_ptr<int64_t>();
   const int64_t* ss = slot_scores.data_ptr<int64_t>();
-  const int64_t last = std::min(end, capacity);
-  int64_t live = 0;
-  for (int64_t r = start; r < last; ++r) live += d[r] != 0;
+  const int64_t last = std::max(start, std::min(end, capacity));
+  // Two passes over fixed chunks (count, then fill at each chunk's offset): parallel, and the
+  // output stays in row order whatever the thread count.
+  constexpr int64_t kChunk = int64_t{1} << 16;
+  const int64_t chunks = (last - start + kChunk - 1) / kChunk;
+  std::vector<int64_t> offset(chunks + 1, 0);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      int64_t live = 0;
+      for (int64_t r = start + c * kChunk, e = std::min(last, r + kChunk); r < e; ++r) live += d[r] != 0;
+      offset[c + 1] = live;
+    }
+  });
+  for (int64_t c = 0; c < chunks; ++c) offset[c + 1] += offset[c];
   auto opts = slot_keys.options();
-  at::Tensor out_keys = at::empty({live}, opts), out_rows = at::empty({live}, opts),
-             out_scores = at::empty({live}, opts);
+  at::Tensor out_keys = at::empty({offset[chunks]}, opts), out_rows = at::empty({offset[chunks]}, opts),
+             out_scores = at::empty({offset[chunks]}, opts);
   int64_t* ok = out_keys.data_ptr<int64_t>();
   int64_t* orow = out_rows.data_ptr<int64_t>();
   int64_t* os = out_scores.data_ptr<int64_t>();
-  for (int64_t r = start, j = 0; r < last; ++r) {
-    if (d[r] != 0) {
-      ok[j] = sk[r];
-      orow[j] = r;
-      os[j] = ss[r];
-      ++j;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      int64_t j = offset[c];
+      for (int64_t r = start + c * kChunk, e = std::min(last, r + kChunk); r < e; ++r) {
+        if (d[r] != 0) {
+          ok[j] = sk[r];
+          orow[j] = r;
+          os[j] = ss[r];
+          ++j;
+        }
+      }
     }
-  }
+  });
   return {out_keys, out_rows, out_scores};
 }
 

@@ -1,0 +1,137 @@
+// A CPU emulator of the CUDA warp features our kernels use, so CI (no GPU) runs the real
+// hash_table_cuda.cu code paths: each warp is 32 ucontext fibers, run lane by lane up to their
+// next warp collective (__ballot_sync, __shfl_sync, __syncwarp); the scheduler checks all 32
+// lanes reached the same collective (divergence aborts, as it would deadlock or corrupt on a
+// GPU), then computes it. Launches run their warps one after another.
+//
+// What it cannot show: memory-ordering and timing effects between warps (warps never overlap
+// here), and speed. Included first by the emulated kernels file that build.py generates.
+#pragma once
+#include <cuda_runtime_api.h>
+#include <ucontext.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <vector>
+
+#undef __global__
+#undef __device__
+#undef __forceinline__
+#define __global__
+#define __device__
+#define __forceinline__ inline
+
+struct Dim { unsigned x = 0; };
+Dim threadIdx, blockIdx, blockDim, gridDim;
+
+namespace emu {
+enum Kind { kDone = 0, kBallot = 1, kShfl = 2, kSync = 3 };
+struct Lane {
+  ucontext_t ctx;
+  int kind;
+  long long val;
+  int src;
+  long long result;
+};
+struct Warp {
+  ucontext_t sched;
+  Lane lanes[32];
+  const std::function<void()>* body;
+};
+Warp* g_warp;
+int g_lane;
+std::vector<std::vector<char>> g_stacks(32, std::vector<char>(1 << 18));
+long long g_collectives = 0;
+
+long long collective(int kind, long long v, int src) {
+  Lane& L = g_warp->lanes[g_lane];
+  L.kind = kind; L.val = v; L.src = src;
+  swapcontext(&L.ctx, &g_warp->sched);
+  return L.result;
+}
+void lane_entry() {
+  (*g_warp->body)();
+  g_warp->lanes[g_lane].kind = kDone;
+}
+void run_warp(unsigned block, unsigned warp, const std::function<void()>& body) {
+  Warp w;
+  w.body = &body;
+  g_warp = &w;
+  bool done[32] = {};
+  for (int l = 0; l < 32; ++l) {
+    getcontext(&w.lanes[l].ctx);
+    w.lanes[l].ctx.uc_stack.ss_sp = g_stacks[l].data();
+    w.lanes[l].ctx.uc_stack.ss_size = g_stacks[l].size();
+    w.lanes[l].ctx.uc_link = &w.sched;
+    makecontext(&w.lanes[l].ctx, lane_entry, 0);
+  }
+  for (;;) {
+    int ndone = 0;
+    for (int l = 0; l < 32; ++l) {
+      if (done[l]) { ++ndone; continue; }
+      g_lane = l;
+      threadIdx.x = warp * 32 + l;
+      blockIdx.x = block;
+      swapcontext(&w.sched, &w.lanes[l].ctx);
+      if (w.lanes[l].kind == kDone) { done[l] = true; ++ndone; }
+    }
+    if (ndone == 32) return;
+    const int kind = w.lanes[0].kind;
+    for (int l = 0; l < 32; ++l) {
+      if (done[l] || w.lanes[l].kind != kind) {
+        std::fprintf(stderr, "EMU: divergent warp collective (lane %d kind %d vs lane 0 kind %d)\n", l,
+                     done[l] ? -1 : w.lanes[l].kind, kind);
+        std::abort();
+      }
+    }
+    ++g_collectives;
+    if (kind == kBallot) {
+      long long m = 0;
+      for (int l = 0; l < 32; ++l) m |= (w.lanes[l].val ? 1ll : 0ll) << l;
+      for (int l = 0; l < 32; ++l) w.lanes[l].result = m;
+    } else if (kind == kShfl) {
+      long long vals[32];
+      for (int l = 0; l < 32; ++l) vals[l] = w.lanes[l].val;
+      for (int l = 0; l < 32; ++l) w.lanes[l].result = vals[w.lanes[l].src & 31];
+    }
+  }
+}
+}  // namespace emu
+
+inline unsigned __ballot_sync(unsigned mask, bool pred) {
+  if (mask != 0xFFFFFFFFu) std::abort();
+  return static_cast<unsigned>(emu::collective(emu::kBallot, pred, 0));
+}
+template <typename T>
+inline T __shfl_sync(unsigned mask, T v, int src) {
+  static_assert(sizeof(T) <= 8, "");
+  if (mask != 0xFFFFFFFFu) std::abort();
+  return static_cast<T>(emu::collective(emu::kShfl, static_cast<long long>(v), src));
+}
+template <typename T>
+inline T __shfl_xor_sync(unsigned mask, T v, int m) {
+  return __shfl_sync(mask, v, static_cast<int>(threadIdx.x & 31) ^ m);
+}
+inline void __syncwarp() { emu::collective(emu::kSync, 0, 0); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+  const unsigned long long old = *p;
+  *p = old + v;
+  return old;
+}
+inline void emu_prefetch(const void*) {}
+inline cudaError_t emu_last_error() { return cudaSuccess; }
+template <typename F>
+void emu_launch(unsigned grid, unsigned block, cudaStream_t, F f) {
+  if (grid == 0 || block % 32 != 0) std::abort();
+  gridDim.x = grid;
+  blockDim.x = block;
+  const std::function<void()> body = f;
+  for (unsigned b = 0; b < grid; ++b)
+    for (unsigned w = 0; w < block / 32; ++w) emu::run_warp(b, w, body);
+}
+
+
+extern "C" long long emu_collectives() { return emu::g_collectives; }

@@ -47,11 +47,9 @@ def fill(table: HashTable, load_factor: float, batch: int, gen: torch.Generator)
     last free slots fill as new keys keep arriving)."""
     target = int(load_factor * table.capacity)
     while table.size() < target:
-        want = target - table.size()
-        keys = random_keys(max(min(batch, want), 1) if load_factor < 1.0 else batch, gen, str(table.device))
-        if load_factor < 1.0:
-            keys = keys[:want]
-        table.find_or_insert(keys)
+        # Below 1.0 insert exactly the missing count; at 1.0 keep full batches coming.
+        n = batch if load_factor >= 1.0 else min(batch, target - table.size())
+        table.find_or_insert(random_keys(n, gen, str(table.device)))
 
 
 class DictIndex:

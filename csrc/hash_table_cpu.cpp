@@ -147,9 +147,6 @@ inline void for_each_prefetched(const TableRef& t, int64_t count, KeyAt key_at, 
   }
 }
 
-
-
-
 TableRef table_ref(const at::Tensor& digests, const at::Tensor& slot_keys,
                    const at::Tensor* slot_scores, int64_t capacity) {
   return TableRef{digests.data_ptr<uint8_t>(), slot_keys.data_ptr<int64_t>(),

@@ -29,7 +29,7 @@ def run_ranks(fn: Callable, world_size: int, *args) -> None:
 NUM_TABLES, ROWS, DIM, DENSE_IN = 3, 64, 8, 4
 
 
-def make_batches(rank: int, batch_size: int, num_full: int, last: int, seed: int = 0) -> List["Batch"]:
+def make_batches(rank: int, batch_size: int, num_full: int, last: int, seed: int = 0) -> List:
     """num_full batches of batch_size, then one of `last` rows (0: none), different per rank."""
     from torchrec.datasets.utils import Batch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor

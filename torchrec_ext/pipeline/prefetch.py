@@ -98,11 +98,6 @@ class BatchPrefetcher:
         for t in self._threads:
             t.join(timeout=timeout_s)
 
-    @property
-    def exhausted(self) -> bool:
-        with self._cond:
-            return self._end is not None and self._handed >= self._end
-
     # ------------------------------------------------------------------ worker side
 
     def _work(self) -> None:

@@ -114,7 +114,7 @@ class TrainPipeline(TrainPipelineSparseDist):
         )
         cuda = device.type == "cuda"
         self._memcpy_stream = None  # copies are the prefetcher's; it hands over events instead
-        self._ready: Deque[Optional[ReadyBatch]] = deque()
+        self._ready: Deque[ReadyBatch] = deque()
         self._prefetcher: Optional[BatchPrefetcher] = None
         self._prefetch_source: Optional[Iterator[Any]] = None
         self._dist_worker = HelperThread("torchrec_ext-input-dist") if options.threaded_input_dist else None

@@ -31,10 +31,6 @@ class HelperThread:
         if self._thread.is_alive():
             logger.warning("%s did not finish within %.0f s; leaving it behind", self._thread.name, timeout_s)
 
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
     def _run(self) -> None:
         while True:
             job = self._jobs.get()

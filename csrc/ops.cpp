@@ -26,6 +26,33 @@ TORCH_LIBRARY(torchrec_ext, m) {
       "Tensor keys, Tensor rows, Tensor scores, int capacity) -> ()");
   // Owning rank of each key for row-wise sharding (hash independent of the bucket hash).
   m.def("route(Tensor keys, int world_size) -> Tensor");
+
+  // ---- embedding ops (csrc/embedding_cpu.cpp; CUDA: triton_kernels/, registered from Python).
+  // Tables live in one flat float32 buffer, table t's [capacity_t, dim_t] rows at element
+  // table_offsets[t]; a row of -1 reads as zeros and takes no update (see reference.py).
+  // Unique ids of each segment [segment_offsets[s], segment_offsets[s+1]), first-occurrence
+  // order, concatenated; each id's index into them; counts; where each segment's uniques start.
+  m.def(
+      "dedup_segments(Tensor ids, Tensor segment_offsets) "
+      "-> (Tensor unique, Tensor inverse, Tensor counts, Tensor unique_offsets)");
+  // Writes the initial vector of ids[i] (a pure function of seed, id, element) into rows[i].
+  m.def("init_rows(Tensor(a!) table, Tensor rows, Tensor ids, int seed, int kind, float[] params) -> ()");
+  // [batch_size, total_dim]: sum/mean (per feature) of each bag's rows, feature f at column feature_col[f].
+  m.def(
+      "pooled_lookup(Tensor weights, Tensor table_offsets, Tensor table_dims, Tensor feature_table, "
+      "Tensor feature_col, Tensor feature_mean, Tensor rows, Tensor offsets, Tensor? per_sample_weights, "
+      "int batch_size, int total_dim) -> Tensor");
+  // [num_ids, dim]: each id's row.
+  m.def(
+      "sequence_lookup(Tensor weights, Tensor table_offsets, int dim, Tensor feature_table, "
+      "Tensor feature_value_offsets, Tensor rows) -> Tensor");
+  // Backward of a lookup (pooled when offsets are given, else sequence) fused with one optimizer
+  // step (0 sgd, 1 adagrad, 2 rowwise_adagrad, 3 adam) on each unique row, in place.
+  m.def(
+      "fused_update(Tensor grad, Tensor(a!) weights, Tensor(b!)[] states, Tensor table_offsets, "
+      "Tensor table_dims, Tensor state_row_offsets, Tensor unique_rows, Tensor unique_table, "
+      "Tensor inverse, Tensor? offsets, Tensor? per_sample_weights, Tensor feature_col, "
+      "Tensor feature_mean, int batch_size, int optimizer, float[] hparams, int step) -> ()");
 }
 
 PyMODINIT_FUNC PyInit__C(void) {

@@ -73,3 +73,22 @@ def test_concurrent_writers_serialize():
     assert table.size() == 16000
     rows = torch.cat([table.find(s)[0] for s in sets])
     assert (rows >= 0).all() and rows.unique().numel() == 16000
+
+
+def test_mutating_between_export_pages_does_not_deadlock():
+    # Regression: export used to hold the read lock across its yield, so erasing what a page
+    # returned (as ttl sweeps do) waited forever for the lock.
+    table = HashTable(4096, policy="lru")
+    table.find_or_insert(torch.arange(3000))
+    done = []
+
+    def sweep():
+        for keys, _, _ in table.export(page_size=1024):
+            table.erase(keys[::2])
+        done.append(True)
+
+    worker = threading.Thread(target=sweep, daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert done, "export + erase deadlocked"
+    assert table.size() == 1500

@@ -1,12 +1,14 @@
 """Typed wrappers over ``torch.ops.torchrec_ext.*`` and their fake kernels.
 
-The schemas live in ``csrc/ops.cpp``; CPU kernels in ``csrc/hash_table_cpu.cpp`` and CUDA kernels
-in ``csrc/hash_table_cuda.cu``. The fake kernels give output shapes and dtypes without data so
-the ops trace under ``torch.fx`` / ``torch.compile``.
+The schemas live in ``csrc/ops.cpp``. Hash table ops: CPU kernels in ``csrc/hash_table_cpu.cpp``,
+CUDA kernels in ``csrc/hash_table_cuda.cu``. Embedding ops: CPU kernels in
+``csrc/embedding_cpu.cpp``; their CUDA kernels are the Triton ones in ``triton_kernels/``,
+registered below when Triton and a GPU are present. The fake kernels give output shapes and
+dtypes without data so the ops trace under ``torch.fx`` / ``torch.compile``.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -84,6 +86,47 @@ def route(keys: Tensor, world_size: int) -> Tensor:
     return _ops.route.default(keys, world_size)
 
 
+def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-segment unique ids (first-occurrence order), inverse, counts, unique_offsets."""
+    return _ops.dedup_segments.default(ids, segment_offsets)
+
+
+def init_rows(table: Tensor, rows: Tensor, ids: Tensor, seed: int, kind: int, params: Sequence[float]) -> None:
+    """Writes each id's initial vector (a pure function of seed, id, element) into its row."""
+    _ops.init_rows.default(table, rows, ids, seed, kind, list(params))
+
+
+def pooled_lookup(
+    weights: Tensor, table_offsets: Tensor, table_dims: Tensor, feature_table: Tensor,
+    feature_col: Tensor, feature_mean: Tensor, rows: Tensor, offsets: Tensor,
+    per_sample_weights: Optional[Tensor], batch_size: int, total_dim: int,
+) -> Tensor:
+    return _ops.pooled_lookup.default(
+        weights, table_offsets, table_dims, feature_table, feature_col, feature_mean, rows, offsets,
+        per_sample_weights, batch_size, total_dim,
+    )
+
+
+def sequence_lookup(
+    weights: Tensor, table_offsets: Tensor, dim: int, feature_table: Tensor,
+    feature_value_offsets: Tensor, rows: Tensor,
+) -> Tensor:
+    return _ops.sequence_lookup.default(weights, table_offsets, dim, feature_table, feature_value_offsets, rows)
+
+
+def fused_update(
+    grad: Tensor, weights: Tensor, states: List[Tensor], table_offsets: Tensor, table_dims: Tensor,
+    state_row_offsets: Tensor, unique_rows: Tensor, unique_table: Tensor, inverse: Tensor,
+    offsets: Optional[Tensor], per_sample_weights: Optional[Tensor], feature_col: Tensor,
+    feature_mean: Tensor, batch_size: int, optimizer: int, hparams: Sequence[float], step: int,
+) -> None:
+    _ops.fused_update.default(
+        grad, weights, states, table_offsets, table_dims, state_row_offsets, unique_rows, unique_table,
+        inverse, offsets, per_sample_weights, feature_col, feature_mean, batch_size, optimizer,
+        [float(h) for h in hparams], step,
+    )
+
+
 # ----------------------------------------------------------------------------- fake kernels
 
 
@@ -122,3 +165,32 @@ def _hash_restore_fake(digests, slot_keys, slot_scores, size, keys, rows, scores
 @torch.library.register_fake("torchrec_ext::route")
 def _route_fake(keys, world_size):
     return torch.empty_like(keys)
+
+
+@torch.library.register_fake("torchrec_ext::dedup_segments")
+def _dedup_segments_fake(ids, segment_offsets):
+    num_unique = torch.library.get_ctx().new_dynamic_size()
+    return ids.new_empty(num_unique), torch.empty_like(ids), ids.new_empty(num_unique), torch.empty_like(segment_offsets)
+
+
+@torch.library.register_fake("torchrec_ext::init_rows")
+def _init_rows_fake(table, rows, ids, seed, kind, params):
+    return None
+
+
+@torch.library.register_fake("torchrec_ext::pooled_lookup")
+def _pooled_lookup_fake(weights, table_offsets, table_dims, feature_table, feature_col, feature_mean, rows,
+                        offsets, per_sample_weights, batch_size, total_dim):
+    return weights.new_empty(batch_size, total_dim)
+
+
+@torch.library.register_fake("torchrec_ext::sequence_lookup")
+def _sequence_lookup_fake(weights, table_offsets, dim, feature_table, feature_value_offsets, rows):
+    return weights.new_empty(rows.shape[0], dim)
+
+
+@torch.library.register_fake("torchrec_ext::fused_update")
+def _fused_update_fake(grad, weights, states, table_offsets, table_dims, state_row_offsets, unique_rows,
+                       unique_table, inverse, offsets, per_sample_weights, feature_col, feature_mean,
+                       batch_size, optimizer, hparams, step):
+    return None

@@ -5,6 +5,7 @@ a time, plain dicts), so a disagreement with a kernel points at a bug in one of 
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 _MASK64 = (1 << 64) - 1
@@ -160,3 +161,254 @@ class ReferenceHashTable:
 
     def size(self) -> int:
         return len(self.row_of)
+
+
+# =============================================================================================
+# Embedding kernels: dedup, initial vectors, pooled / sequence lookup, backward + fused update.
+#
+# Storage convention shared with csrc/embedding_cpu.cpp and triton_kernels/: all tables of a
+# module live in one flat float32 buffer; table t's [capacity_t, dim_t] rows start at element
+# table_offsets[t]. Row-wise optimizer state (one float per row) starts at state_row_offsets[t].
+# A row of -1 means "no row" (refused, not admitted, or unseen in eval): it reads as zeros and
+# takes no update. Bags are KJT-ordered: bag g = f * batch_size + b is sample b of feature f.
+# =============================================================================================
+
+import torch
+from torch import Tensor
+
+GOLDEN = 0x9E3779B97F4A7C15
+INITIALIZERS = {"uniform": 0, "normal": 1, "truncated_normal": 2, "constant": 3}
+OPTIMIZERS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3}
+# Optimizer state buffers per kind: elementwise ones are shaped like the weights, row-wise ones
+# hold one float per row.
+OPTIMIZER_STATES = {"sgd": (), "adagrad": ("momentum1",), "rowwise_adagrad": ("momentum1",), "adam": ("momentum1", "momentum2")}
+ROWWISE_STATE = {"rowwise_adagrad"}
+TRUNC_NORMAL_ATTEMPTS = 16
+
+
+def dedup_ids(ids: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """(unique ids in first-occurrence order, inverse index of each id, count of each unique)."""
+    first: Dict[int, int] = {}
+    inverse = []
+    for v in ids.tolist():
+        inverse.append(first.setdefault(v, len(first)))
+    unique = torch.tensor(list(first), dtype=torch.int64)
+    inv = torch.tensor(inverse, dtype=torch.int64)
+    return unique, inv, torch.bincount(inv, minlength=len(first)).to(torch.int64)
+
+
+def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``dedup_ids`` within each segment [segment_offsets[s], segment_offsets[s+1]) (one table's ids).
+
+    Returns the segments' unique ids concatenated, each id's index into that concatenation,
+    the counts, and unique_offsets (where each segment's uniques start).
+    """
+    uniques, inverses, counts, unique_offsets = [], [], [], [0]
+    bounds = segment_offsets.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        u, inv, c = dedup_ids(ids[start:end])
+        uniques.append(u)
+        inverses.append(inv + unique_offsets[-1])
+        counts.append(c)
+        unique_offsets.append(unique_offsets[-1] + u.numel())
+    cat = lambda parts: torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+    return cat(uniques), cat(inverses), cat(counts), torch.tensor(unique_offsets, dtype=torch.int64)
+
+
+def table_seed(seed: int, table_name: str) -> int:
+    """64-bit seed of one table: FNV-1a of its name mixed with the user's seed (as int64)."""
+    h = 0xCBF29CE484222325
+    for byte in table_name.encode():
+        h = ((h ^ byte) * 0x100000001B3) & _MASK64
+    h = _fmix64(h ^ _fmix64((seed & _MASK64) ^ GOLDEN))
+    return h - (1 << 64) if h >> 63 else h
+
+
+def _u64(x: int) -> Tensor:
+    """A uint64 constant as the int64 tensor with the same bits."""
+    return torch.tensor(x - (1 << 64) if x >> 63 else x, dtype=torch.int64)
+
+
+def _srl(x: Tensor, s: int) -> Tensor:
+    """Logical right shift of int64 bit patterns."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def fmix64_tensor(x: Tensor) -> Tensor:
+    """MurmurHash3's 64-bit finaliser on int64 bit patterns (wrapping arithmetic)."""
+    x = x ^ _srl(x, 33)
+    x = x * _u64(0xFF51AFD7ED558CCD)
+    x = x ^ _srl(x, 33)
+    x = x * _u64(0xC4CEB9FE1A85EC53)
+    return x ^ _srl(x, 33)
+
+
+def random_bits(ids: Tensor, dim: int, seed: int, attempt: int = 0) -> Tensor:
+    """[n, dim] int64 random bits: element j of id k is fmix64(row_key(k) + (attempt*2^32 + j + 1) * GOLDEN)."""
+    row_key = fmix64_tensor(ids.to(torch.int64) ^ _u64(seed & _MASK64)).unsqueeze(1)
+    counters = torch.arange(dim, dtype=torch.int64, device=ids.device) + (attempt << 32) + 1
+    return fmix64_tensor(row_key + counters * _u64(GOLDEN))
+
+
+def _box_muller(bits: Tensor) -> Tensor:
+    u1 = (_srl(bits, 32).double() + 0.5) * 2.0**-32
+    u2 = (bits & 0xFFFFFFFF).double() * 2.0**-32
+    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)
+
+
+def init_vectors(ids: Tensor, dim: int, seed: int, kind: str, params: Sequence[float]) -> Tensor:
+    """Initial [n, dim] float32 vectors of ``ids``: a pure function of (seed, id, element).
+
+    kind/params: uniform (low, high), normal (mean, std), truncated_normal (mean, std, low, high:
+    redrawn up to 16 times, then clamped), constant (value,). Arithmetic in float64, then cast.
+    """
+    if kind == "constant":
+        return torch.full((ids.numel(), dim), params[0], dtype=torch.float32, device=ids.device)
+    bits = random_bits(ids, dim, seed)
+    if kind == "uniform":
+        low, high = params[0], params[1]
+        return (low + (high - low) * (_srl(bits, 40).double() * 2.0**-24)).float()
+    mean, std = params[0], params[1]
+    values = mean + std * _box_muller(bits)
+    if kind == "truncated_normal":
+        low, high = params[2], params[3]
+        for attempt in range(1, TRUNC_NORMAL_ATTEMPTS):
+            outside = (values < low) | (values > high)
+            if not bool(outside.any()):
+                break
+            redraw = mean + std * _box_muller(random_bits(ids, dim, seed, attempt))
+            values = torch.where(outside, redraw, values)
+        values = values.clamp(low, high)
+    return values.float()
+
+
+def _table_rows(weights: Tensor, table_offsets: Tensor, table_dims: Tensor, capacities: Sequence[int]) -> List[Tensor]:
+    """[capacity_t, dim_t] views of each table inside the flat buffer."""
+    views = []
+    for t, cap in enumerate(capacities):
+        off, dim = int(table_offsets[t]), int(table_dims[t])
+        views.append(weights[off:off + cap * dim].view(cap, dim))
+    return views
+
+
+def _capacities(weights: Tensor, table_offsets: Tensor, table_dims: Tensor) -> List[int]:
+    ends = table_offsets.tolist()[1:] + [weights.numel()]
+    return [(end - off) // dim for off, end, dim in zip(table_offsets.tolist(), ends, table_dims.tolist())]
+
+
+def _bag_of_values(offsets: Tensor, num_values: int) -> Tensor:
+    lengths = (offsets[1:] - offsets[:-1]).clamp(min=0)
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)[:num_values]
+
+
+def pooled_lookup(
+    weights: Tensor, table_offsets: Tensor, table_dims: Tensor,
+    feature_table: Tensor, feature_col: Tensor, feature_mean: Tensor,
+    rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
+    batch_size: int, total_dim: int,
+) -> Tensor:
+    """[batch_size, total_dim] pooled output: feature f's bags land in columns feature_col[f]...
+
+    Each bag sums (or, where feature_mean[f], averages over its length) the rows of its ids,
+    scaled by per_sample_weights when given. Rows of -1 read as zeros; empty bags are zeros.
+    """
+    tables = _table_rows(weights, table_offsets, table_dims, _capacities(weights, table_offsets, table_dims))
+    out = torch.zeros(batch_size, total_dim, dtype=torch.float32, device=weights.device)
+    for f in range(feature_table.numel()):
+        t, col = int(feature_table[f]), int(feature_col[f])
+        dim = int(table_dims[t])
+        for b in range(batch_size):
+            start, end = int(offsets[f * batch_size + b]), int(offsets[f * batch_size + b + 1])
+            acc = torch.zeros(dim, dtype=torch.float32, device=weights.device)
+            for i in range(start, end):
+                r = int(rows[i])
+                if r >= 0:
+                    scale = 1.0 if per_sample_weights is None else float(per_sample_weights[i])
+                    acc += scale * tables[t][r]
+            if bool(feature_mean[f]) and end > start:
+                acc /= end - start
+            out[b, col:col + dim] = acc
+    return out
+
+
+def sequence_lookup(
+    weights: Tensor, table_offsets: Tensor, dim: int, feature_table: Tensor,
+    feature_value_offsets: Tensor, rows: Tensor,
+) -> Tensor:
+    """[num_values, dim]: the row of each id (zeros for -1); values of feature f are
+    [feature_value_offsets[f], feature_value_offsets[f + 1]) and read table feature_table[f]."""
+    out = torch.zeros(rows.numel(), dim, dtype=torch.float32, device=weights.device)
+    for f in range(feature_table.numel()):
+        base = int(table_offsets[int(feature_table[f])])
+        for i in range(int(feature_value_offsets[f]), int(feature_value_offsets[f + 1])):
+            r = int(rows[i])
+            if r >= 0:
+                out[i] = weights[base + r * dim: base + (r + 1) * dim]
+    return out
+
+
+def fused_update(
+    grad: Tensor, weights: Tensor, states: List[Tensor],
+    table_offsets: Tensor, table_dims: Tensor, state_row_offsets: Tensor,
+    unique_rows: Tensor, unique_table: Tensor, inverse: Tensor,
+    offsets: Optional[Tensor], per_sample_weights: Optional[Tensor],
+    feature_col: Tensor, feature_mean: Tensor, batch_size: int,
+    optimizer: str, hparams: Sequence[float], step: int,
+) -> None:
+    """Backward of a lookup fused with the optimizer step, in place on weights and states.
+
+    Value i belongs to unique row inverse[i]. Its gradient is, for a pooled lookup (offsets
+    given), grad[b, col:col+dim] of its bag g = f * batch_size + b times its per-sample weight
+    and 1/len(bag) for mean features; for a sequence lookup (offsets None), grad[i]. Gradients
+    are summed per unique row, then each unique row with row >= 0 takes one step of
+    ``optimizer`` with hparams (lr, eps, beta1, beta2, weight_decay, lr_decay), ``step`` being
+    the 1-based step count (Adam's bias correction, Adagrad's lr decay). The update rules are
+    torch.optim's SGD / Adagrad / Adam and torchrec.optim.RowWiseAdagrad on the touched rows.
+    """
+    lr, eps, beta1, beta2, weight_decay, lr_decay = hparams
+    n = inverse.numel()
+    if offsets is None:
+        value_grads = grad[:n].float()
+    else:
+        bags = _bag_of_values(offsets, n)
+        feature, sample = bags // batch_size, bags % batch_size
+        lengths = (offsets[1:] - offsets[:-1]).to(torch.float32)
+        scale = torch.ones(n, dtype=torch.float32, device=grad.device)
+        if per_sample_weights is not None:
+            scale = scale * per_sample_weights.float()
+        mean = feature_mean[feature]
+        scale = torch.where(mean, scale / lengths[bags].clamp(min=1), scale)
+        value_grads = [scale[i] * grad[sample[i], int(feature_col[feature[i]]):][: int(table_dims[int(unique_table[int(inverse[i])])])]
+                       for i in range(n)]
+    for u in range(unique_rows.numel()):
+        r, t = int(unique_rows[u]), int(unique_table[u])
+        if r < 0:
+            continue
+        dim = int(table_dims[t])
+        g = torch.zeros(dim, dtype=torch.float32, device=grad.device)
+        for i in (inverse == u).nonzero().flatten().tolist():
+            g += value_grads[i][:dim]
+        w = weights[int(table_offsets[t]) + r * dim:][:dim]
+        elem = slice(int(table_offsets[t]) + r * dim, int(table_offsets[t]) + (r + 1) * dim)
+        if weight_decay != 0:
+            g = g + weight_decay * w
+        if optimizer == "sgd":
+            w.add_(g, alpha=-lr)
+        elif optimizer == "adagrad":
+            s = states[0][elem]
+            s.addcmul_(g, g)
+            clr = lr / (1 + (step - 1) * lr_decay)
+            w.addcdiv_(g, s.sqrt().add_(eps), value=-clr)
+        elif optimizer == "rowwise_adagrad":
+            s = states[0][int(state_row_offsets[t]) + r:][:1]
+            s += g.pow(2).mean()
+            clr = lr / (1 + (step - 1) * lr_decay)
+            w.addcdiv_(g, s.sqrt().add_(eps), value=-clr)
+        elif optimizer == "adam":
+            m, v = states[0][elem], states[1][elem]
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+            w.addcdiv_(m, (v.sqrt() / math.sqrt(bc2)).add_(eps), value=-lr / bc1)
+        else:
+            raise ValueError(f"fused_update: optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")

@@ -217,11 +217,13 @@ class HashTable:
         if not isinstance(page_size, int) or page_size <= 0:
             raise ValueError(f"HashTable.export: page_size must be an int > 0, got {page_size!r}")
         for start in range(0, self._capacity, page_size):
+            # The lock is released before yielding: a caller may mutate the table between pages.
             with self._lock.read():
-                yield ops.hash_export(
+                page = ops.hash_export(
                     self._digests, self._slot_keys, self._slot_scores, self._capacity, start,
                     min(start + page_size, self._digests.numel()),
                 )
+            yield page
 
     def clone(self) -> "HashTable":
         """An independent copy (same keys, rows, scores, clock and epoch)."""

@@ -1,0 +1,340 @@
+"""Train-step time of one embedding layer on the "dlrm-small" workload of ANCHORS.md, in one
+process: torchrec_ext's DynamicEmbeddingBagCollection against TorchRec's fused EBC and TorchRec's
+managed-collision EBC, with the memory each keeps per live row.
+
+Workload: 8 tables, dim 64, 4096 bags per table, bag lengths uniform in 1..7 (~131k ids per step),
+raw ids Zipf(1.05) over 2^40 (`torchrec_ext.data.dlrm_small_batch`, each table its own hot ids);
+one step = forward + backward of sum(output) + the fused optimizer update. Every step gets a fresh
+batch, built before timing. Systems:
+
+- ebc:  TorchRec EmbeddingBagCollection, 1M rows per table, ids mod 1M, under
+        DistributedModelParallel with world size 1 (gloo, in-process), fused Adagrad given by
+        apply_optimizer_in_backward; the planner's pick is checked to be fbgemm's CPU TBE
+        (table_wise / fused, EXACT_ADAGRAD).
+- mch:  TorchRec ManagedCollisionEmbeddingBagCollection: MCHManagedCollisionModule (LFU,
+        1M slots per table, eviction every step) over an unsharded EBC, SGD applied in backward
+        (the MC sharder is row-wise only, which TorchRec's EBC sharder does not offer on CPU).
+- ours: torchrec_ext.DynamicEmbeddingBagCollection, capacity 2^20 per table, fused Adagrad.
+
+Memory per live row: bytes of vectors + optimizer state + index metadata over the rows that hold
+an id (a fixed table's rows all count as live).
+
+    python benchmarks/bench_lookup.py                                 # all systems, saves results/lookup_cpu.*
+    python benchmarks/bench_lookup.py --systems ebc,ours --repeats 5 --no-save
+    python benchmarks/bench_lookup.py --batch-size 256 --rows 10000 --capacity 16384 \
+        --repeats 2 --warmup 1 --no-save                              # smoke
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+import sys
+import tempfile
+import time
+import traceback
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import markdown_table, median_seconds, save  # noqa: E402
+
+try:
+    from torchrec_ext.data import dlrm_small_batch  # noqa: E402
+except Exception:  # torchrec_ext's own import broken mid-edit: load the data generator on its own
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location("_bench_synthetic", os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "..", "torchrec_ext", "data", "synthetic.py"))
+    _synthetic = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_synthetic)
+    dlrm_small_batch = _synthetic.dlrm_small_batch
+
+SYSTEMS = ("ebc", "mch", "ours")
+LABELS = {
+    "ebc": "TorchRec EBC, DMP world 1, fused Adagrad (fbgemm CPU TBE), ids mod rows",
+    "mch": "TorchRec ManagedCollision EBC (MCH, LFU), SGD in backward",
+    "ours": "torchrec_ext DynamicEmbeddingBagCollection, fused Adagrad",
+}
+
+
+@dataclasses.dataclass
+class Config:
+    num_tables: int = 8
+    dim: int = 64
+    batch_size: int = 4096
+    max_bag: int = 7
+    alpha: float = 1.05
+    id_bits: int = 40
+    rows: int = 1_000_000  # EBC rows and MCH slots per table
+    capacity: int = 1 << 20  # our rows per table
+    lr: float = 0.01
+    repeats: int = 10
+    warmup: int = 3
+    steps_per_repeat: int = 5
+    mch_repeats: int = 3  # MCH takes ~0.6 s a step
+    mch_warmup: int = 1
+    mch_eviction_interval: int = 1
+    systems: Tuple[str, ...] = SYSTEMS
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class Built:
+    """A system ready to time: `step(batch)` runs one train step; `memory()` gives
+    (bytes of vectors + optimizer state + index metadata, live rows, rows it can hold)."""
+    step: Callable[[object], None]
+    memory: Callable[[], Tuple[int, int, int]]
+    batch_of: Callable[[object], object] = lambda kjt: kjt  # input transform, applied before timing
+    note: str = ""
+
+
+def tensor_bytes(*objs) -> int:
+    """Bytes of the distinct storages under tensors, ShardedTensors, dicts and lists."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    seen: Dict[int, int] = {}
+
+    def visit(o) -> None:
+        if isinstance(o, ShardedTensor):
+            for shard in o.local_shards():
+                visit(shard.tensor)
+        elif isinstance(o, torch.Tensor):
+            if o.device.type != "meta":
+                s = o.untyped_storage()
+                seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
+        elif isinstance(o, dict):
+            for v in o.values():
+                visit(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                visit(v)
+
+    for o in objs:
+        visit(o)
+    return sum(seen.values())
+
+
+def tables(cfg: Config, cls=None, num_embeddings: Optional[int] = None) -> list:
+    from torchrec import EmbeddingBagConfig
+
+    cls = cls or EmbeddingBagConfig
+    return [cls(name=f"t{t}", embedding_dim=cfg.dim, num_embeddings=num_embeddings or cfg.rows,
+                feature_names=[f"f{t}"]) for t in range(cfg.num_tables)]
+
+
+def build_ebc(cfg: Config) -> Built:
+    import torch.distributed as dist
+    from torchrec import EmbeddingBagCollection
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    if not dist.is_initialized():
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="bench_lookup_"), "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    configs = tables(cfg)
+    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": cfg.lr})
+    sharder = EmbeddingBagCollectionSharder()
+    topology = Topology(world_size=1, local_world_size=1, compute_device="cpu")
+
+    def plan_with(constraints):
+        planner = EmbeddingShardingPlanner(topology=topology, batch_size=cfg.batch_size, constraints=constraints)
+        plan = planner.collective_plan(ebc, [sharder], dist.GroupMember.WORLD)
+        return plan, {(p.sharding_type, p.compute_kernel) for p in plan.plan[""].values()}
+
+    plan, picked = plan_with(None)
+    note = f"planner picked {sorted(picked)}"
+    if picked != {("table_wise", "fused")}:
+        plan, picked = plan_with({c.name: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])
+                                  for c in configs})
+        note += f"; constrained to {sorted(picked)}"
+    dmp = DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    # The sharded EBC keeps its lookups in a plain list (not submodules): walk them for the TBEs.
+    kernels = [(type(m).__name__, getattr(m, "optimizer", None)) for lookup in getattr(dmp.module, "_lookups", [])
+               for m in lookup.modules() if type(m).__name__ == "SplitTableBatchedEmbeddingBagsCodegen"]
+    if not kernels or any(getattr(opt, "name", None) != "EXACT_ADAGRAD" for _, opt in kernels):
+        raise RuntimeError(f"ebc: expected fbgemm TBEs with EXACT_ADAGRAD, got {kernels} ({note})")
+    note += f"; {len(kernels)} SplitTableBatchedEmbeddingBagsCodegen, {kernels[0][1].name}"
+
+    def step(kjt) -> None:
+        dmp(kjt).values().sum().backward()
+
+    def memory() -> Tuple[int, int, int]:
+        rows = cfg.rows * cfg.num_tables
+        return tensor_bytes(dmp.state_dict(), dmp.fused_optimizer.state_dict()["state"]), rows, rows
+
+    def batch_of(kjt):
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+        return KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().remainder(cfg.rows), lengths=kjt.lengths())
+
+    return Built(step, memory, batch_of, note)
+
+
+def build_mch(cfg: Config) -> Built:
+    from torchrec import EmbeddingBagCollection
+    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+    from torchrec.modules.mc_modules import LFU_EvictionPolicy, ManagedCollisionCollection, MCHManagedCollisionModule
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    configs = tables(cfg)
+    mchs = {c.name: MCHManagedCollisionModule(zch_size=cfg.rows, device=torch.device("cpu"),
+                                              eviction_policy=LFU_EvictionPolicy(),
+                                              eviction_interval=cfg.mch_eviction_interval)
+            for c in configs}
+    module = ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables=configs, device=torch.device("cpu")),
+                                                    ManagedCollisionCollection(mchs, configs))
+    apply_optimizer_in_backward(torch.optim.SGD, module._embedding_module.parameters(), {"lr": cfg.lr})
+    empty = torch.iinfo(torch.int64).max
+
+    def step(kjt) -> None:
+        out, _ = module(kjt)
+        out.values().sum().backward()
+
+    def memory() -> Tuple[int, int, int]:
+        history = [m._history_accumulator for m in mchs.values() if hasattr(m, "_history_accumulator")]
+        live = sum(int((m._mch_sorted_raw_ids != empty).sum()) for m in mchs.values())
+        return tensor_bytes(list(module.parameters()), list(module.buffers()), history), live, cfg.rows * cfg.num_tables
+
+    return Built(step, memory, note=f"eviction every {cfg.mch_eviction_interval} step(s)")
+
+
+def build_ours(cfg: Config) -> Built:
+    from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
+
+    module = DynamicEmbeddingBagCollection(tables(cfg, DynamicEmbeddingBagConfig, cfg.capacity),
+                                           optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": cfg.lr})
+    module.train()
+
+    def step(kjt) -> None:
+        module(kjt).values().sum().backward()
+
+    def memory() -> Tuple[int, int, int]:
+        return module.storage_bytes(), module.num_live_rows(), cfg.capacity * cfg.num_tables
+
+    return Built(step, memory)
+
+
+BUILDERS = {"ebc": build_ebc, "mch": build_mch, "ours": build_ours}
+
+
+def time_system(name: str, built: Built, cfg: Config, raw: List) -> Dict[str, object]:
+    repeats, warmup = (cfg.mch_repeats, cfg.mch_warmup) if name == "mch" else (cfg.repeats, cfg.warmup)
+    batches = [built.batch_of(kjt) for kjt in raw[: (warmup + repeats) * cfg.steps_per_repeat]]
+    n = cfg.steps_per_repeat
+    chunks: Iterator[List] = (batches[i: i + n] for i in range(0, len(batches), n))
+
+    def run(chunk: List) -> None:
+        for kjt in chunk:
+            built.step(kjt)
+
+    sec = median_seconds(run, repeats, warmup=warmup, setup=lambda: next(chunks)) / cfg.steps_per_repeat
+    nbytes, live, slots = built.memory()
+    ids_per_step = sum(int(b.values().numel()) for b in batches) / len(batches)
+    return {"ms_per_step": sec * 1e3, "ids_per_s": ids_per_step / sec,
+            "bytes": nbytes, "live_rows": live, "slots": slots,
+            "bytes_per_live_row": nbytes / live if live else None, "repeats": repeats, "warmup": warmup,
+            "note": built.note}
+
+
+def run(cfg: Config) -> Tuple[Dict[str, Dict[str, object]], Dict[str, object]]:
+    steps = (max(cfg.warmup + cfg.repeats, cfg.mch_warmup + cfg.mch_repeats)) * cfg.steps_per_repeat
+    make = lambda i: dlrm_small_batch(i, cfg.num_tables, cfg.batch_size, cfg.max_bag, cfg.seed,  # noqa: E731
+                                      alpha=cfg.alpha, id_bits=cfg.id_bits)
+    raw = [make(0)]  # the first call also imports torchrec's KJT: not timed
+    start = time.perf_counter()
+    raw += [make(i) for i in range(1, steps)]
+    gen_ms = (time.perf_counter() - start) / max(steps - 1, 1) * 1e3
+    first = raw[0]
+    unique = sum(int(torch.unique(jt.values()).numel()) for jt in first.to_dict().values()) / first.values().numel()
+    data = {"ids_per_step": int(first.values().numel()), "unique_fraction_per_table": unique,
+            "batch_build_ms": gen_ms, "batches": steps}
+    print(f"{steps} batches of {data['ids_per_step']:,} ids ({unique:.0%} distinct per table), "
+          f"built in {gen_ms:.1f} ms each", flush=True)
+    results: Dict[str, Dict[str, object]] = {}
+    for name in cfg.systems:
+        if name == "ours":
+            try:  # ours is optional while it is being written; the baselines still run
+                from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig  # noqa: F401
+            except Exception as e:
+                results[name] = {"error": f"not available ({type(e).__name__}: {e})"}
+                print(f"ours: {results[name]['error']}", flush=True)
+                continue
+        try:
+            built = BUILDERS[name](cfg)
+            results[name] = time_system(name, built, cfg, raw)
+            del built
+        except Exception as e:
+            if name != "ours":
+                raise
+            traceback.print_exc()
+            results[name] = {"error": f"failed ({type(e).__name__}: {e})"}
+            print(f"ours: {results[name]['error']}", flush=True)
+            continue
+        finally:
+            gc.collect()  # free one system's tables before building the next
+        r = results[name]
+        print(f"{name}: {r['ms_per_step']:.1f} ms/step, {r['bytes'] / 2**20:,.0f} MiB over {r['live_rows']:,} live rows"
+              + (f" ({r['note']})" if r["note"] else ""), flush=True)
+    return results, data
+
+
+def report(cfg: Config, results: Dict[str, Dict[str, object]], data: Dict[str, object]) -> str:
+    base = results.get("ebc", {}).get("ms_per_step")
+    rows = []
+    for name, r in results.items():
+        if "error" in r:
+            rows.append([name, LABELS[name], "n/a", "", "", "", "", "", r["error"]])
+            continue
+        ratio = f"{r['ms_per_step'] / base:.2f}" if base else ""
+        per_row = f"{r['bytes_per_live_row']:.0f}" if r["bytes_per_live_row"] else ""
+        rows.append([name, LABELS[name], f"{r['ms_per_step']:.1f}", ratio, f"{r['ids_per_s'] / 1e6:.2f}",
+                     per_row, f"{r['bytes'] / r['slots']:.0f}", f"{r['live_rows']:,} / {r['slots']:,}",
+                     f"{r['bytes'] / 2**20:,.0f}"])
+    title = (f"dlrm-small train step on cpu ({torch.get_num_threads()} threads): "
+             f"{cfg.num_tables} tables x dim {cfg.dim}, "
+             f"batch {cfg.batch_size} per table, bags 1..{cfg.max_bag}, ids Zipf({cfg.alpha}) over 2^{cfg.id_bits} "
+             f"({data['ids_per_step']:,} ids/step, {data['unique_fraction_per_table']:.0%} distinct per table); "
+             f"median of {cfg.repeats} repeats x {cfg.steps_per_repeat} steps after {cfg.warmup} warm-up repeats "
+             f"(mch: {cfg.mch_repeats} after {cfg.mch_warmup}); a fresh batch every step")
+    header = ["system", "what", "ms / step", "× fused EBC", "M ids/s", "bytes / live row", "bytes / row of capacity",
+              "live rows / capacity", "MiB"]
+    notes = [f"- {name}: {r['note']}" for name, r in results.items() if r.get("note")]
+    return "\n".join([title, "", markdown_table(header, rows), ""] + notes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(Config):
+        if f.name == "systems":
+            continue
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    parser.add_argument("--no-save", action="store_true",
+                        help="print only; write nothing under results/ (a run where a system failed never saves)")
+    args = parser.parse_args()
+    systems = tuple(s for s in args.systems.split(",") if s)
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or not systems:
+        parser.error(f"--systems: unknown {unknown}, choose from {','.join(SYSTEMS)}")
+    cfg = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if f.name != "systems"},
+                 systems=systems)
+    results, data = run(cfg)
+    text = report(cfg, results, data)
+    print(text)
+    if any("error" in r for r in results.values()):
+        print("not saved: " + ", ".join(f"{n} {r['error']}" for n, r in results.items() if "error" in r))
+    elif not args.no_save:
+        save("lookup_cpu", {"config": dataclasses.asdict(cfg), "data": data, "results": results}, text)
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

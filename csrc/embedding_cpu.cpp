@@ -1,0 +1,584 @@
+// CPU kernels of the embedding ops: per-table id dedup, per-id initial vectors, multi-table
+// pooled and sequence lookups, and the backward fused with the optimizer step.
+//
+// Storage convention (shared with torchrec_ext/reference.py and triton_kernels/): all tables of
+// a module live in one flat float32 buffer; table t's [capacity_t, dim_t] rows start at element
+// table_offsets[t]. A row of -1 reads as zeros and takes no update. Bags are KJT-ordered: bag
+// g = f * batch_size + b is sample b of lookup feature f.
+//
+// The backward never materialises a per-id gradient: values are grouped by unique row (a
+// counting sort of `inverse`), and each unique row sums its values' output gradients and takes
+// its optimizer step in one pass, in parallel over unique rows (no two threads share a row).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+#include "hash_table_layout.h"
+
+namespace torchrec_ext {
+namespace {
+
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
+constexpr int kTruncNormalAttempts = 16;
+enum class Init : int64_t { kUniform = 0, kNormal = 1, kTruncatedNormal = 2, kConstant = 3 };
+enum class Optim : int64_t { kSgd = 0, kAdagrad = 1, kRowwiseAdagrad = 2, kAdam = 3 };
+
+void check_long_1d(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.dim() == 1 && t.scalar_type() == at::kLong && t.is_contiguous(), op, ": ", name,
+              " must be a contiguous 1-D int64 tensor, got ", t.scalar_type(), " of shape ",
+              t.sizes());
+}
+
+void check_weights(const char* op, const at::Tensor& weights) {
+  TORCH_CHECK(weights.dim() == 1 && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
+              op, ": weights must be a contiguous 1-D float32 buffer, got ", weights.scalar_type(),
+              " of shape ", weights.sizes());
+}
+
+// Per-table capacities from the flat layout; checks that the tables tile the buffer in order.
+std::vector<int64_t> table_capacities(const char* op, const at::Tensor& weights,
+                                      const at::Tensor& table_offsets, const at::Tensor& table_dims) {
+  check_long_1d(op, "table_offsets", table_offsets);
+  check_long_1d(op, "table_dims", table_dims);
+  const int64_t T = table_offsets.numel();
+  TORCH_CHECK(table_dims.numel() == T, op, ": table_dims must have one entry per table (", T,
+              "), got ", table_dims.numel());
+  const int64_t* off = table_offsets.data_ptr<int64_t>();
+  const int64_t* dim = table_dims.data_ptr<int64_t>();
+  std::vector<int64_t> caps(T);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t end = t + 1 < T ? off[t + 1] : weights.numel();
+    TORCH_CHECK(dim[t] > 0, op, ": table_dims[", t, "] must be > 0, got ", dim[t]);
+    TORCH_CHECK(off[t] >= 0 && end >= off[t] && end <= weights.numel() && (end - off[t]) % dim[t] == 0,
+                op, ": table ", t, " spans elements [", off[t], ", ", end,
+                ") of a buffer of ", weights.numel(), ", not a whole number of rows of dim ", dim[t]);
+    caps[t] = (end - off[t]) / dim[t];
+  }
+  return caps;
+}
+
+void check_rows_in_tables(const char* op, const int64_t* rows, const int64_t* table_of_row,
+                          int64_t n, const std::vector<int64_t>& caps) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = table_of_row[i];
+    TORCH_CHECK(t >= 0 && t < static_cast<int64_t>(caps.size()), op, ": table index ", t,
+                " out of range [0, ", caps.size(), ")");
+    TORCH_CHECK(rows[i] >= -1 && rows[i] < caps[t], op, ": row ", rows[i], " out of range [-1, ",
+                caps[t], ") of table ", t);
+  }
+}
+
+// ------------------------------------------------------------------------------------ dedup
+
+// Open addressing over a power-of-two array at most half full; each slot holds a unique index
+// (-1 = empty) and the id, so a probe touches one cache line.
+struct DedupSlot {
+  int64_t id;
+  int64_t index;
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_segments_cpu(
+    const at::Tensor& ids_in, const at::Tensor& segment_offsets_in) {
+  const char* op = "dedup_segments";
+  TORCH_CHECK(ids_in.dim() == 1 && ids_in.scalar_type() == at::kLong, op,
+              ": ids must be a 1-D int64 tensor, got ", ids_in.scalar_type(), " of shape ",
+              ids_in.sizes());
+  const at::Tensor ids = ids_in.contiguous();
+  const at::Tensor seg = segment_offsets_in.contiguous();
+  check_long_1d(op, "segment_offsets", seg);
+  TORCH_CHECK(seg.numel() >= 1, op, ": segment_offsets needs at least one entry");
+  const int64_t S = seg.numel() - 1;
+  const int64_t n = ids.numel();
+  const int64_t* so = seg.data_ptr<int64_t>();
+  TORCH_CHECK(so[0] == 0 && so[S] == n, op, ": segment_offsets must run from 0 to the number of ids (",
+              n, "), got ", so[0], " .. ", so[S]);
+  for (int64_t s = 0; s < S; ++s)
+    TORCH_CHECK(so[s] <= so[s + 1], op, ": segment_offsets must be non-decreasing, got ", so[s],
+                " then ", so[s + 1]);
+
+  const int64_t* id = ids.data_ptr<int64_t>();
+  at::Tensor inverse = at::empty({n}, ids.options());
+  at::Tensor local_unique = at::empty({n}, ids.options());  // segment s's uniques at [so[s], ...)
+  at::Tensor local_count = at::zeros({n}, ids.options());
+  std::vector<int64_t> num_unique(S, 0);
+  int64_t* inv = inverse.data_ptr<int64_t>();
+  int64_t* lu = local_unique.data_ptr<int64_t>();
+  int64_t* lc = local_count.data_ptr<int64_t>();
+
+  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+    std::vector<DedupSlot> slots;
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t base = so[s], len = so[s + 1] - so[s];
+      uint64_t size = 16;
+      while (size < 2 * static_cast<uint64_t>(len)) size <<= 1;
+      slots.assign(size, DedupSlot{0, -1});
+      const uint64_t mask = size - 1;
+      int64_t count = 0;
+      for (int64_t i = 0; i < len; ++i) {
+        const int64_t key = id[base + i];
+        uint64_t pos = fmix64(static_cast<uint64_t>(key)) & mask;
+        while (slots[pos].index >= 0 && slots[pos].id != key) pos = (pos + 1) & mask;
+        if (slots[pos].index < 0) {
+          slots[pos] = DedupSlot{key, count};
+          lu[base + count] = key;
+          ++count;
+        }
+        const int64_t u = slots[pos].index;
+        inv[base + i] = u;  // local index for now; made global below
+        ++lc[base + u];
+      }
+      num_unique[s] = count;
+    }
+  });
+
+  at::Tensor unique_offsets = at::empty({S + 1}, ids.options());
+  int64_t* uo = unique_offsets.data_ptr<int64_t>();
+  uo[0] = 0;
+  for (int64_t s = 0; s < S; ++s) uo[s + 1] = uo[s] + num_unique[s];
+  at::Tensor unique = at::empty({uo[S]}, ids.options());
+  at::Tensor counts = at::empty({uo[S]}, ids.options());
+  int64_t* uq = unique.data_ptr<int64_t>();
+  int64_t* ct = counts.data_ptr<int64_t>();
+  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      std::copy(lu + so[s], lu + so[s] + num_unique[s], uq + uo[s]);
+      std::copy(lc + so[s], lc + so[s] + num_unique[s], ct + uo[s]);
+      for (int64_t i = so[s]; i < so[s + 1]; ++i) inv[i] += uo[s];
+    }
+  });
+  return {unique, inverse, counts, unique_offsets};
+}
+
+// ---------------------------------------------------------------------------- initial rows
+
+inline uint64_t row_key(int64_t id, uint64_t seed) { return fmix64(static_cast<uint64_t>(id) ^ seed); }
+
+inline uint64_t element_bits(uint64_t key, int64_t j, int64_t attempt) {
+  const uint64_t counter = (static_cast<uint64_t>(attempt) << 32) + static_cast<uint64_t>(j) + 1;
+  return fmix64(key + counter * kGolden);
+}
+
+inline double box_muller(uint64_t bits) {
+  const double u1 = (static_cast<double>(bits >> 32) + 0.5) * 0x1p-32;
+  const double u2 = static_cast<double>(bits & 0xFFFFFFFFull) * 0x1p-32;
+  return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
+}
+
+// Writes the initial vector of ids[i] into row rows[i] of `table` ([capacity, dim]) for every
+// i with rows[i] >= 0: a pure function of (seed, id, element), see reference.init_vectors.
+void init_rows_cpu(const at::Tensor& table, const at::Tensor& rows_in, const at::Tensor& ids_in,
+                   int64_t seed, int64_t kind, at::ArrayRef<double> params) {
+  const char* op = "init_rows";
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kFloat && table.is_contiguous(), op,
+              ": table must be a contiguous 2-D float32 tensor, got ", table.scalar_type(),
+              " of shape ", table.sizes());
+  const at::Tensor rows = rows_in.contiguous(), ids = ids_in.contiguous();
+  check_long_1d(op, "rows", rows);
+  check_long_1d(op, "ids", ids);
+  TORCH_CHECK(rows.numel() == ids.numel(), op, ": rows and ids must have the same length, got ",
+              rows.numel(), " and ", ids.numel());
+  TORCH_CHECK(kind >= 0 && kind <= 3, op, ": unknown initializer kind ", kind);
+  const size_t need = kind == 3 ? 1 : kind == 2 ? 4 : 2;
+  TORCH_CHECK(params.size() >= need, op, ": initializer kind ", kind, " needs ", need,
+              " parameters, got ", params.size());
+  const int64_t cap = table.size(0), dim = table.size(1), n = rows.numel();
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(r[i] >= -1 && r[i] < cap, op, ": row ", r[i], " out of range [-1, ", cap, ")");
+  float* w = table.data_ptr<float>();
+  const Init init = static_cast<Init>(kind);
+  const uint64_t s = static_cast<uint64_t>(seed);
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (r[i] < 0) continue;
+      float* out = w + r[i] * dim;
+      const uint64_t key = row_key(id[i], s);
+      switch (init) {
+        case Init::kConstant:
+          for (int64_t j = 0; j < dim; ++j) out[j] = static_cast<float>(params[0]);
+          break;
+        case Init::kUniform: {
+          const double low = params[0], span = params[1] - params[0];
+          for (int64_t j = 0; j < dim; ++j)
+            out[j] = static_cast<float>(low + span * (static_cast<double>(element_bits(key, j, 0) >> 40) * 0x1p-24));
+          break;
+        }
+        case Init::kNormal:
+          for (int64_t j = 0; j < dim; ++j)
+            out[j] = static_cast<float>(params[0] + params[1] * box_muller(element_bits(key, j, 0)));
+          break;
+        case Init::kTruncatedNormal:
+          for (int64_t j = 0; j < dim; ++j) {
+            double v = params[0] + params[1] * box_muller(element_bits(key, j, 0));
+            for (int attempt = 1; attempt < kTruncNormalAttempts && (v < params[2] || v > params[3]); ++attempt)
+              v = params[0] + params[1] * box_muller(element_bits(key, j, attempt));
+            out[j] = static_cast<float>(std::min(std::max(v, params[2]), params[3]));
+          }
+          break;
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------- lookups
+
+struct FeatureLayout {
+  const int64_t* table;
+  const int64_t* col;
+  const bool* mean;
+  int64_t count;
+};
+
+FeatureLayout check_features(const char* op, const at::Tensor& feature_table, const at::Tensor& feature_col,
+                             const at::Tensor& feature_mean, int64_t num_tables,
+                             const int64_t* table_dims, int64_t total_dim) {
+  check_long_1d(op, "feature_table", feature_table);
+  check_long_1d(op, "feature_col", feature_col);
+  const int64_t F = feature_table.numel();
+  TORCH_CHECK(feature_col.numel() == F && feature_mean.numel() == F &&
+                  feature_mean.scalar_type() == at::kBool && feature_mean.is_contiguous(),
+              op, ": feature_col and feature_mean (bool) must have one entry per feature (", F, ")");
+  const int64_t* ft = feature_table.data_ptr<int64_t>();
+  const int64_t* fc = feature_col.data_ptr<int64_t>();
+  for (int64_t f = 0; f < F; ++f) {
+    TORCH_CHECK(ft[f] >= 0 && ft[f] < num_tables, op, ": feature_table[", f, "] = ", ft[f],
+                " is not a table in [0, ", num_tables, ")");
+    TORCH_CHECK(fc[f] >= 0 && fc[f] + table_dims[ft[f]] <= total_dim, op, ": feature ", f,
+                "'s columns [", fc[f], ", ", fc[f] + table_dims[ft[f]], ") exceed total_dim ", total_dim);
+  }
+  return {ft, fc, feature_mean.data_ptr<bool>(), F};
+}
+
+void check_bags(const char* op, const at::Tensor& offsets, int64_t num_bags, int64_t num_values) {
+  check_long_1d(op, "offsets", offsets);
+  TORCH_CHECK(offsets.numel() == num_bags + 1, op, ": offsets must have num_features * batch_size + 1 = ",
+              num_bags + 1, " entries, got ", offsets.numel());
+  const int64_t* o = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(o[0] == 0 && o[num_bags] == num_values, op, ": offsets must run from 0 to the number of ids (",
+              num_values, "), got ", o[0], " .. ", o[num_bags]);
+  for (int64_t g = 0; g < num_bags; ++g)
+    TORCH_CHECK(o[g] <= o[g + 1], op, ": offsets must be non-decreasing (bag ", g, " has length ",
+                o[g + 1] - o[g], ")");
+}
+
+const float* check_per_sample_weights(const char* op, const std::optional<at::Tensor>& psw,
+                                      int64_t num_values, at::Tensor& holder) {
+  if (!psw.has_value()) return nullptr;
+  holder = psw->contiguous();
+  TORCH_CHECK(holder.dim() == 1 && holder.scalar_type() == at::kFloat && holder.numel() == num_values, op,
+              ": per_sample_weights must be a 1-D float32 tensor with one weight per id (", num_values,
+              "), got ", holder.scalar_type(), " of shape ", holder.sizes());
+  return holder.data_ptr<float>();
+}
+
+at::Tensor pooled_lookup_cpu(const at::Tensor& weights, const at::Tensor& table_offsets,
+                             const at::Tensor& table_dims, const at::Tensor& feature_table,
+                             const at::Tensor& feature_col, const at::Tensor& feature_mean,
+                             const at::Tensor& rows_in, const at::Tensor& offsets_in,
+                             const std::optional<at::Tensor>& per_sample_weights, int64_t batch_size,
+                             int64_t total_dim) {
+  const char* op = "pooled_lookup";
+  check_weights(op, weights);
+  const std::vector<int64_t> caps = table_capacities(op, weights, table_offsets, table_dims);
+  const int64_t* dims = table_dims.data_ptr<int64_t>();
+  const int64_t* toff = table_offsets.data_ptr<int64_t>();
+  TORCH_CHECK(batch_size >= 0 && total_dim >= 0, op, ": batch_size and total_dim must be >= 0, got ",
+              batch_size, " and ", total_dim);
+  const FeatureLayout fl = check_features(op, feature_table, feature_col, feature_mean, caps.size(), dims, total_dim);
+  const at::Tensor rows = rows_in.contiguous(), offsets = offsets_in.contiguous();
+  check_long_1d(op, "rows", rows);
+  const int64_t n = rows.numel(), num_bags = fl.count * batch_size;
+  check_bags(op, offsets, num_bags, n);
+  at::Tensor psw_holder;
+  const float* psw = check_per_sample_weights(op, per_sample_weights, n, psw_holder);
+  const int64_t* r = rows.data_ptr<int64_t>();
+  const int64_t* o = offsets.data_ptr<int64_t>();
+  for (int64_t f = 0; f < fl.count; ++f)
+    for (int64_t i = o[f * batch_size]; i < o[(f + 1) * batch_size]; ++i)
+      TORCH_CHECK(r[i] >= -1 && r[i] < caps[fl.table[f]], op, ": row ", r[i], " of id ", i,
+                  " out of range [-1, ", caps[fl.table[f]], ") of table ", fl.table[f]);
+
+  at::Tensor out = at::empty({batch_size, total_dim}, weights.options());
+  float* y = out.data_ptr<float>();
+  const float* w = weights.data_ptr<float>();
+  // Columns no feature writes (none, when the caller tiles total_dim) stay zero.
+  int64_t covered = 0;
+  for (int64_t f = 0; f < fl.count; ++f) covered += dims[fl.table[f]];
+  if (covered != total_dim) out.zero_();
+  at::parallel_for(0, num_bags, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t f = g / batch_size, b = g % batch_size, t = fl.table[f], dim = dims[t];
+      float* acc = y + b * total_dim + fl.col[f];
+      const float* base = w + toff[t];
+      for (int64_t d = 0; d < dim; ++d) acc[d] = 0.f;
+      for (int64_t i = o[g]; i < o[g + 1]; ++i) {
+        if (i + 4 < o[g + 1] && r[i + 4] >= 0) __builtin_prefetch(base + r[i + 4] * dim);
+        if (r[i] < 0) continue;
+        const float* row = base + r[i] * dim;
+        if (psw != nullptr) {
+          const float s = psw[i];
+          for (int64_t d = 0; d < dim; ++d) acc[d] += s * row[d];
+        } else {
+          for (int64_t d = 0; d < dim; ++d) acc[d] += row[d];
+        }
+      }
+      const int64_t len = o[g + 1] - o[g];
+      if (fl.mean[f] && len > 0) {
+        const float scale = 1.f / static_cast<float>(len);
+        for (int64_t d = 0; d < dim; ++d) acc[d] *= scale;
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor sequence_lookup_cpu(const at::Tensor& weights, const at::Tensor& table_offsets, int64_t dim,
+                               const at::Tensor& feature_table, const at::Tensor& feature_value_offsets_in,
+                               const at::Tensor& rows_in) {
+  const char* op = "sequence_lookup";
+  check_weights(op, weights);
+  TORCH_CHECK(dim > 0, op, ": dim must be > 0, got ", dim);
+  const at::Tensor dims = at::full({table_offsets.numel()}, dim, table_offsets.options());
+  const std::vector<int64_t> caps = table_capacities(op, weights, table_offsets, dims);
+  check_long_1d(op, "feature_table", feature_table);
+  const at::Tensor rows = rows_in.contiguous(), fvo = feature_value_offsets_in.contiguous();
+  check_long_1d(op, "rows", rows);
+  check_long_1d(op, "feature_value_offsets", fvo);
+  const int64_t F = feature_table.numel(), n = rows.numel();
+  TORCH_CHECK(fvo.numel() == F + 1, op, ": feature_value_offsets must have num_features + 1 = ", F + 1,
+              " entries, got ", fvo.numel());
+  const int64_t* fo = fvo.data_ptr<int64_t>();
+  const int64_t* ft = feature_table.data_ptr<int64_t>();
+  const int64_t* r = rows.data_ptr<int64_t>();
+  TORCH_CHECK(fo[0] == 0 && fo[F] == n, op, ": feature_value_offsets must run from 0 to the number of ids (",
+              n, "), got ", fo[0], " .. ", fo[F]);
+  for (int64_t f = 0; f < F; ++f) {
+    TORCH_CHECK(fo[f] <= fo[f + 1], op, ": feature_value_offsets must be non-decreasing");
+    TORCH_CHECK(ft[f] >= 0 && ft[f] < static_cast<int64_t>(caps.size()), op, ": feature_table[", f,
+                "] = ", ft[f], " is not a table");
+    for (int64_t i = fo[f]; i < fo[f + 1]; ++i)
+      TORCH_CHECK(r[i] >= -1 && r[i] < caps[ft[f]], op, ": row ", r[i], " out of range [-1, ",
+                  caps[ft[f]], ") of table ", ft[f]);
+  }
+  at::Tensor out = at::empty({n, dim}, weights.options());
+  float* y = out.data_ptr<float>();
+  const float* w = weights.data_ptr<float>();
+  const int64_t* toff = table_offsets.data_ptr<int64_t>();
+  for (int64_t f = 0; f < F; ++f) {
+    const float* base = w + toff[ft[f]];
+    at::parallel_for(fo[f], fo[f + 1], 256, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        float* dst = y + i * dim;
+        if (r[i] < 0) {
+          std::fill(dst, dst + dim, 0.f);
+        } else {
+          std::copy(base + r[i] * dim, base + (r[i] + 1) * dim, dst);
+        }
+      }
+    });
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------- backward + optimizer
+
+// Scalars derived once per call, in double and then rounded, as torch.optim does with its
+// Python-float step sizes.
+struct Hyper {
+  float lr, eps, beta1, beta2, weight_decay;
+  float clr;        // Adagrad kinds: lr / (1 + (step - 1) * lr_decay)
+  float step_size;  // Adam: lr / (1 - beta1^step)
+  float bc2_sqrt;   // Adam: sqrt(1 - beta2^step)
+};
+
+// One optimizer step on a row of `dim` floats with gradient g (modified in place).
+inline void apply_step(Optim kind, const Hyper& h, float* w, float* g, float* s0, float* s1, int64_t dim) {
+  if (h.weight_decay != 0.f)
+    for (int64_t d = 0; d < dim; ++d) g[d] += h.weight_decay * w[d];
+  switch (kind) {
+    case Optim::kSgd:
+      for (int64_t d = 0; d < dim; ++d) w[d] -= h.lr * g[d];
+      break;
+    case Optim::kAdagrad: {
+      const float clr = h.clr;
+      for (int64_t d = 0; d < dim; ++d) {
+        s0[d] += g[d] * g[d];
+        w[d] -= clr * g[d] / (std::sqrt(s0[d]) + h.eps);
+      }
+      break;
+    }
+    case Optim::kRowwiseAdagrad: {
+      float sq = 0.f;
+      for (int64_t d = 0; d < dim; ++d) sq += g[d] * g[d];
+      *s0 += sq / static_cast<float>(dim);
+      const float clr = h.clr;
+      const float denom = std::sqrt(*s0) + h.eps;
+      for (int64_t d = 0; d < dim; ++d) w[d] -= clr * g[d] / denom;
+      break;
+    }
+    case Optim::kAdam: {
+      const float step_size = h.step_size, bc2_sqrt = h.bc2_sqrt;
+      for (int64_t d = 0; d < dim; ++d) {
+        s0[d] += (1.f - h.beta1) * (g[d] - s0[d]);
+        s1[d] = h.beta2 * s1[d] + (1.f - h.beta2) * g[d] * g[d];
+        w[d] -= step_size * s0[d] / (std::sqrt(s1[d]) / bc2_sqrt + h.eps);
+      }
+      break;
+    }
+  }
+}
+
+void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::TensorList states,
+                      const at::Tensor& table_offsets, const at::Tensor& table_dims,
+                      const at::Tensor& state_row_offsets, const at::Tensor& unique_rows_in,
+                      const at::Tensor& unique_table_in, const at::Tensor& inverse_in,
+                      const std::optional<at::Tensor>& offsets_opt,
+                      const std::optional<at::Tensor>& per_sample_weights, const at::Tensor& feature_col,
+                      const at::Tensor& feature_mean, int64_t batch_size, int64_t optimizer,
+                      at::ArrayRef<double> hparams, int64_t step) {
+  const char* op = "fused_update";
+  check_weights(op, weights);
+  const std::vector<int64_t> caps = table_capacities(op, weights, table_offsets, table_dims);
+  const int64_t T = caps.size();
+  const int64_t* dims = table_dims.data_ptr<int64_t>();
+  const int64_t* toff = table_offsets.data_ptr<int64_t>();
+  TORCH_CHECK(optimizer >= 0 && optimizer <= 3, op, ": unknown optimizer id ", optimizer);
+  TORCH_CHECK(hparams.size() == 6, op, ": hparams must be (lr, eps, beta1, beta2, weight_decay, lr_decay), got ",
+              hparams.size(), " values");
+  TORCH_CHECK(step >= 1, op, ": step must be >= 1, got ", step);
+  const Optim kind = static_cast<Optim>(optimizer);
+  const size_t want_states = kind == Optim::kSgd ? 0 : kind == Optim::kAdam ? 2 : 1;
+  TORCH_CHECK(states.size() == want_states, op, ": optimizer ", optimizer, " needs ", want_states,
+              " state buffers, got ", states.size());
+  check_long_1d(op, "state_row_offsets", state_row_offsets);
+  TORCH_CHECK(state_row_offsets.numel() == T, op, ": state_row_offsets must have one entry per table");
+  const int64_t* sro = state_row_offsets.data_ptr<int64_t>();
+  for (const at::Tensor& s : states) {
+    TORCH_CHECK(s.dim() == 1 && s.scalar_type() == at::kFloat && s.is_contiguous(), op,
+                ": optimizer states must be contiguous 1-D float32 buffers");
+    if (kind == Optim::kRowwiseAdagrad) {
+      for (int64_t t = 0; t < T; ++t)
+        TORCH_CHECK(sro[t] >= 0 && sro[t] + caps[t] <= s.numel(), op, ": row-wise state of table ", t,
+                    " [", sro[t], ", ", sro[t] + caps[t], ") exceeds its buffer of ", s.numel());
+    } else {
+      TORCH_CHECK(s.numel() == weights.numel(), op, ": element-wise optimizer state must match weights (",
+                  weights.numel(), " elements), got ", s.numel());
+    }
+  }
+  const at::Tensor unique_rows = unique_rows_in.contiguous(), unique_table = unique_table_in.contiguous();
+  const at::Tensor inverse = inverse_in.contiguous();
+  check_long_1d(op, "unique_rows", unique_rows);
+  check_long_1d(op, "unique_table", unique_table);
+  check_long_1d(op, "inverse", inverse);
+  const int64_t U = unique_rows.numel(), n = inverse.numel();
+  TORCH_CHECK(unique_table.numel() == U, op, ": unique_table must have one entry per unique row");
+  const int64_t* ur = unique_rows.data_ptr<int64_t>();
+  const int64_t* ut = unique_table.data_ptr<int64_t>();
+  const int64_t* inv = inverse.data_ptr<int64_t>();
+  check_rows_in_tables(op, ur, ut, U, caps);
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(inv[i] >= 0 && inv[i] < U, op, ": inverse[", i, "] = ", inv[i], " out of range [0, ", U, ")");
+  int64_t max_dim = 1;
+  for (int64_t t = 0; t < T; ++t) max_dim = std::max(max_dim, dims[t]);
+
+  const at::Tensor grad = grad_in.contiguous();
+  TORCH_CHECK(grad.dim() == 2 && grad.scalar_type() == at::kFloat, op,
+              ": grad must be a 2-D float32 tensor, got ", grad.scalar_type(), " of shape ", grad.sizes());
+  const float* gr = grad.data_ptr<float>();
+  const int64_t gcols = grad.size(1);
+
+  // Per value: the grad row it reads, its first column and its scale.
+  const bool pooled = offsets_opt.has_value();
+  std::vector<int64_t> src(n);
+  std::vector<float> scale(pooled ? n : 0);
+  if (pooled) {
+    const at::Tensor offsets = offsets_opt->contiguous();
+    const int64_t F = feature_col.numel();
+    check_long_1d(op, "feature_col", feature_col);
+    TORCH_CHECK(feature_mean.scalar_type() == at::kBool && feature_mean.numel() == F, op,
+                ": feature_mean must be a bool tensor with one entry per feature");
+    check_bags(op, offsets, F * batch_size, n);
+    TORCH_CHECK(grad.size(0) == batch_size, op, ": grad must have batch_size = ", batch_size,
+                " rows, got ", grad.size(0));
+    at::Tensor psw_holder;
+    const float* psw = check_per_sample_weights(op, per_sample_weights, n, psw_holder);
+    const int64_t* o = offsets.data_ptr<int64_t>();
+    const int64_t* fc = feature_col.data_ptr<int64_t>();
+    const bool* fm = feature_mean.data_ptr<bool>();
+    at::parallel_for(0, F * batch_size, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t f = g / batch_size, b = g % batch_size, len = o[g + 1] - o[g];
+        for (int64_t i = o[g]; i < o[g + 1]; ++i) {
+          TORCH_CHECK(fc[f] + dims[ut[inv[i]]] <= gcols, op, ": feature ", f, "'s columns exceed grad's ", gcols);
+          src[i] = b * gcols + fc[f];
+          float s = psw != nullptr ? psw[i] : 1.f;
+          if (fm[f]) s = s / static_cast<float>(std::max<int64_t>(len, 1));
+          scale[i] = s;
+        }
+      }
+    });
+  } else {
+    TORCH_CHECK(grad.size(0) >= n, op, ": sequence grad must have one row per id (", n, "), got ", grad.size(0));
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(dims[ut[inv[i]]] <= gcols, op, ": grad has ", gcols, " columns, table needs ", dims[ut[inv[i]]]);
+      src[i] = i * gcols;
+    }
+  }
+
+  // Counting sort of values by unique row (stable: each row sums its values in id order).
+  std::vector<int64_t> start(U + 1, 0), order(n);
+  for (int64_t i = 0; i < n; ++i) ++start[inv[i] + 1];
+  for (int64_t u = 0; u < U; ++u) start[u + 1] += start[u];
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t i = 0; i < n; ++i) order[fill[inv[i]]++] = i;
+  }
+
+  const double lr = hparams[0], beta1 = hparams[2], beta2 = hparams[3], lr_decay = hparams[5];
+  const Hyper h{static_cast<float>(lr), static_cast<float>(hparams[1]), static_cast<float>(beta1),
+                static_cast<float>(beta2), static_cast<float>(hparams[4]),
+                static_cast<float>(lr / (1.0 + static_cast<double>(step - 1) * lr_decay)),
+                static_cast<float>(lr / (1.0 - std::pow(beta1, static_cast<double>(step)))),
+                static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step))))};
+  float* w = weights.data_ptr<float>();
+  float* s0 = want_states > 0 ? states[0].data_ptr<float>() : nullptr;
+  float* s1 = want_states > 1 ? states[1].data_ptr<float>() : nullptr;
+  at::parallel_for(0, U, 32, [&](int64_t begin, int64_t end) {
+    std::vector<float> g(max_dim);
+    for (int64_t u = begin; u < end; ++u) {
+      if (ur[u] < 0) continue;
+      const int64_t t = ut[u], dim = dims[t];
+      std::fill(g.begin(), g.begin() + dim, 0.f);
+      for (int64_t k = start[u]; k < start[u + 1]; ++k) {
+        const int64_t i = order[k];
+        const float* gi = gr + src[i];
+        if (pooled) {
+          const float s = scale[i];
+          for (int64_t d = 0; d < dim; ++d) g[d] += s * gi[d];
+        } else {
+          for (int64_t d = 0; d < dim; ++d) g[d] += gi[d];
+        }
+      }
+      const int64_t elem = toff[t] + ur[u] * dim;
+      float* state0 = s0 == nullptr ? nullptr : kind == Optim::kRowwiseAdagrad ? s0 + sro[t] + ur[u] : s0 + elem;
+      float* state1 = s1 == nullptr ? nullptr : s1 + elem;
+      apply_step(kind, h, w + elem, g.data(), state0, state1, dim);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchrec_ext, CPU, m) {
+  m.impl("dedup_segments", &dedup_segments_cpu);
+  m.impl("init_rows", &init_rows_cpu);
+  m.impl("pooled_lookup", &pooled_lookup_cpu);
+  m.impl("sequence_lookup", &sequence_lookup_cpu);
+  m.impl("fused_update", &fused_update_cpu);
+}
+
+}  // namespace torchrec_ext

@@ -1,0 +1,171 @@
+"""The C++ CPU embedding kernels against the pure-PyTorch references in torchrec_ext/reference.py."""
+import pytest
+import torch
+
+from torchrec_ext import ops
+from torchrec_ext import reference as ref
+
+EXTREME_IDS = [0, -1, 2**63 - 1, -(2**63), 12345]
+
+
+def _layout(caps, dims):
+    offsets, total = [], 0
+    for cap, dim in zip(caps, dims):
+        offsets.append(total)
+        total += cap * dim
+    row_offsets = torch.tensor([0] + list(torch.tensor(caps).cumsum(0)[:-1].tolist()), dtype=torch.int64)
+    return torch.tensor(offsets, dtype=torch.int64), torch.tensor(dims, dtype=torch.int64), total, row_offsets
+
+
+def _bags(num_bags, max_len, allow_empty=True):
+    lengths = torch.randint(0 if allow_empty else 1, max_len + 1, (num_bags,))
+    return torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+
+
+def test_dedup_segments_matches_reference():
+    ids = torch.cat([torch.randint(-5, 5, (50,)), torch.tensor(EXTREME_IDS * 3), torch.randint(-(2**62), 2**62, (40,))])
+    segments = torch.tensor([0, 0, 20, 20, 75, ids.numel()])
+    got = ops.dedup_segments(ids, segments)
+    want = ref.dedup_segments(ids, segments)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_dedup_segments_rejects_bad_offsets():
+    with pytest.raises(RuntimeError, match="segment_offsets must run from 0"):
+        ops.dedup_segments(torch.arange(4), torch.tensor([0, 3]))
+    with pytest.raises(RuntimeError, match="non-decreasing"):
+        ops.dedup_segments(torch.arange(4), torch.tensor([0, 3, 2, 4]))
+
+
+@pytest.mark.parametrize("kind,params", [
+    ("uniform", (-0.3, 0.7)), ("normal", (0.5, 2.0)), ("truncated_normal", (0.0, 1.0, -0.5, 0.25)), ("constant", (0.125,)),
+])
+def test_init_rows_matches_reference(kind, params):
+    cap, dim = 40, 13
+    ids = torch.tensor(EXTREME_IDS + list(range(100, 120)))
+    rows = torch.randperm(cap)[: ids.numel()]
+    rows[3] = -1
+    table = torch.full((cap, dim), 7.0)
+    seed = ref.table_seed(42, "table_a")
+    ops.init_rows(table, rows, ids, seed, ref.INITIALIZERS[kind], params)
+    want = ref.init_vectors(ids, dim, seed, kind, params)
+    keep = rows >= 0
+    torch.testing.assert_close(table[rows[keep]], want[keep], rtol=1e-6, atol=1e-6)
+    untouched = torch.ones(cap, dtype=torch.bool)
+    untouched[rows[keep]] = False
+    assert torch.all(table[untouched] == 7.0)
+    if kind == "truncated_normal":
+        assert table[rows[keep]].min() >= -0.5 and table[rows[keep]].max() <= 0.25
+
+
+def test_init_is_a_function_of_seed_and_id_only():
+    ids = torch.tensor([5, 9, 5])
+    seed = ref.table_seed(0, "t")
+    a, b = torch.zeros(3, 8), torch.zeros(3, 8)
+    ops.init_rows(a, torch.tensor([0, 1, 2]), ids, seed, 1, (0.0, 1.0))
+    ops.init_rows(b, torch.tensor([2, 0, 1]), ids.flip(0), seed, 1, (0.0, 1.0))
+    assert torch.equal(a[0], a[2]) and torch.equal(a[0], b[1]) and torch.equal(a[1], b[0])
+    assert not torch.equal(a[0], a[1])
+    other = torch.zeros(1, 8)
+    ops.init_rows(other, torch.tensor([0]), torch.tensor([5]), ref.table_seed(0, "u"), 1, (0.0, 1.0))
+    assert not torch.equal(other[0], a[0])
+
+
+def _pooled_case(weighted, batch_size=7):
+    caps, dims = [11, 5, 9], [4, 12, 8]
+    table_offsets, table_dims, total, _ = _layout(caps, dims)
+    weights = torch.randn(total)
+    feature_table = torch.tensor([0, 0, 1, 2])
+    feature_dims = table_dims[feature_table]
+    feature_col = torch.cat([torch.zeros(1, dtype=torch.int64), feature_dims.cumsum(0)[:-1]])
+    feature_mean = torch.tensor([False, True, False, True])
+    offsets = _bags(4 * batch_size, 5)
+    n = int(offsets[-1])
+    bag_table = feature_table.repeat_interleave(batch_size)
+    value_table = bag_table.repeat_interleave(offsets[1:] - offsets[:-1])
+    caps_t = torch.tensor(caps)
+    rows = (torch.rand(n) * caps_t[value_table]).long()
+    rows[torch.rand(n) < 0.15] = -1
+    psw = torch.rand(n) if weighted else None
+    return dict(weights=weights, table_offsets=table_offsets, table_dims=table_dims, feature_table=feature_table,
+                feature_col=feature_col, feature_mean=feature_mean, rows=rows, offsets=offsets,
+                per_sample_weights=psw, batch_size=batch_size, total_dim=int(feature_dims.sum()))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_pooled_lookup_matches_reference(weighted):
+    case = _pooled_case(weighted)
+    got = ops.pooled_lookup(**case)
+    torch.testing.assert_close(got, ref.pooled_lookup(**case))
+
+
+def test_pooled_lookup_empty_batch():
+    case = _pooled_case(False, batch_size=0)
+    assert ops.pooled_lookup(**case).shape == (0, case["total_dim"])
+
+
+def test_pooled_lookup_rejects_rows_out_of_range():
+    case = _pooled_case(False)
+    case["rows"] = case["rows"].clone()
+    case["rows"][0] = 10**6
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.pooled_lookup(**case)
+
+
+def test_sequence_lookup_matches_reference():
+    caps, dim = [6, 9], 8
+    table_offsets, _, total, _ = _layout(caps, [dim, dim])
+    weights = torch.randn(total)
+    feature_table = torch.tensor([1, 0, 1])
+    fvo = torch.tensor([0, 4, 4, 11])
+    value_caps = torch.tensor([9] * 4 + [9] * 7)
+    rows = (torch.rand(11) * value_caps).long()
+    rows[2] = -1
+    got = ops.sequence_lookup(weights, table_offsets, dim, feature_table, fvo, rows)
+    assert torch.equal(got, ref.sequence_lookup(weights, table_offsets, dim, feature_table, fvo, rows))
+
+
+@pytest.mark.parametrize("optimizer", list(ref.OPTIMIZERS))
+@pytest.mark.parametrize("pooled", [True, False])
+def test_fused_update_matches_reference(optimizer, pooled):
+    torch.manual_seed(3)
+    if pooled:
+        case = _pooled_case(weighted=True)
+        caps = [11, 5, 9]
+        table_offsets, table_dims, total, row_offsets = _layout(caps, [4, 12, 8])
+        bag_table = case["feature_table"].repeat_interleave(case["batch_size"])
+        offsets = case["offsets"]
+        value_table = bag_table.repeat_interleave(offsets[1:] - offsets[:-1])
+        grad = torch.randn(case["batch_size"], case["total_dim"])
+        extra = dict(offsets=offsets, per_sample_weights=case["per_sample_weights"], feature_col=case["feature_col"],
+                     feature_mean=case["feature_mean"], batch_size=case["batch_size"])
+        rows = case["rows"]
+    else:
+        caps = [6, 9]
+        table_offsets, table_dims, total, row_offsets = _layout(caps, [8, 8])
+        value_table = torch.tensor([1] * 4 + [0] * 7)
+        rows = (torch.rand(11) * torch.tensor(caps)[value_table]).long()
+        grad = torch.randn(11, 8)
+        extra = dict(offsets=None, per_sample_weights=None, feature_col=torch.zeros(0, dtype=torch.int64),
+                     feature_mean=torch.zeros(0, dtype=torch.bool), batch_size=0)
+    # Unique (table, row) pairs, as the module's dedup produces them (a -1 row is a unique too).
+    uniq, inverse = torch.unique(value_table * 1000 + rows + 1, return_inverse=True)
+    unique_table, unique_rows = uniq // 1000, uniq % 1000 - 1
+    weights = torch.randn(total)
+    num_states = len(ref.OPTIMIZER_STATES[optimizer])
+    state_size = sum(caps) if optimizer in ref.ROWWISE_STATE else total
+    states = [torch.rand(state_size) for _ in range(num_states)]
+    hparams = (0.05, 1e-8, 0.9, 0.999, 0.01, 0.1)
+    w_got, s_got = weights.clone(), [s.clone() for s in states]
+    w_want, s_want = weights.clone(), [s.clone() for s in states]
+    for step in (1, 2, 3):
+        common = dict(table_offsets=table_offsets, table_dims=table_dims, state_row_offsets=row_offsets,
+                      unique_rows=unique_rows, unique_table=unique_table, inverse=inverse, hparams=hparams, step=step,
+                      **extra)
+        ops.fused_update(grad, w_got, s_got, optimizer=ref.OPTIMIZERS[optimizer], **common)
+        ref.fused_update(grad, w_want, s_want, optimizer=optimizer, **common)
+    torch.testing.assert_close(w_got, w_want)
+    for a, b in zip(s_got, s_want):
+        torch.testing.assert_close(a, b)
+    assert not torch.equal(w_got, weights)

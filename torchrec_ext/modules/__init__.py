@@ -1,0 +1,11 @@
+"""Dynamic embedding modules: drop-in replacements for TorchRec's EBC and EC."""
+from torchrec_ext.modules.configs import (
+    DynamicEmbeddingBagConfig, DynamicEmbeddingConfig, DynamicTableOptions, Initializer,
+)
+from torchrec_ext.modules.embedding_bag_collection import DynamicEmbeddingBagCollection
+from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
+
+__all__ = [
+    "DynamicEmbeddingBagCollection", "DynamicEmbeddingBagConfig", "DynamicEmbeddingCollection",
+    "DynamicEmbeddingConfig", "DynamicTableOptions", "Initializer",
+]

@@ -1,0 +1,240 @@
+"""What DynamicEmbeddingBagCollection and DynamicEmbeddingCollection share: the per-table
+submodules and their checkpoint format, device moves, optimizer resolution, and the autograd
+functions whose backward is the fused optimizer update.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+from torchrec.optim.fused import EmptyFusedOptimizer
+from torchrec.optim.keyed import KeyedOptimizer
+
+from torchrec_ext import ops
+from torchrec_ext.modules.dynamic_tables import DynamicTables, RowLookup
+from torchrec_ext.modules.features import LookupInput, LookupPlan
+from torchrec_ext.modules.fused_optimizer import (
+    DynamicEmbeddingFusedOptimizer, OptimizerSpec, resolve_optimizer, spec_from_parameter,
+)
+
+_REQUIRED_STATE = ("weight", "weight_id", "metadata", "counters")
+
+
+class DynamicTable(nn.Module):
+    """One dynamic table (``embedding_bags.<name>`` / ``embeddings.<name>``).
+
+    ``weight`` is a [capacity, dim] view of the collection's storage. Its gradient is never
+    materialised: the fused optimizer updates the touched rows during backward. The table's
+    ``state_dict`` holds only its live rows: ``weight`` [n, dim], ``weight_id`` (raw ids),
+    ``metadata`` (eviction scores), ``row`` (placement), ``optimizer.<state>``, ``counters``
+    (index clock, epoch, training step, optimizer step), plus ``last_seen`` with ttl_steps and
+    ``admission_id`` / ``admission_count`` with admit_after > 1.
+    """
+
+    def __init__(self, tables: DynamicTables, index: int):
+        super().__init__()
+        self._tables = tables
+        self._index = index
+        self.weight = nn.Parameter(tables.table_view(index))
+
+    def extra_repr(self) -> str:
+        m = self._tables.meta[self._index]
+        return f"capacity={m.capacity}, dim={m.dim}, policy={m.policy!r}"
+
+    def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        self._tables.check_ready("state_dict")
+        for key, value in self._tables.table_state(self._index).items():
+            destination[prefix + key] = value
+
+    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str]) -> None:
+        expected = self._tables.state_keys(self._index)
+        mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        missing = [k for k in expected if k not in mine and k != "row"]
+        missing_keys.extend(prefix + k for k in missing)
+        if strict:
+            unexpected_keys.extend(prefix + k for k in mine if k not in expected)
+        if any(k in missing for k in _REQUIRED_STATE):
+            return
+        try:
+            self._tables.load_table_state(self._index, {k: v for k, v in mine.items() if k in expected},
+                                          where="load_state_dict")
+        except (ValueError, RuntimeError, KeyError) as e:
+            error_msgs.append(str(e))
+
+
+class DynamicCollectionMixin:
+    """Storage, optimizer and device handling shared by the two dynamic collections.
+
+    The host class is an ``nn.Module`` that calls ``_init_dynamic`` in its constructor.
+    """
+
+    _tables: DynamicTables
+    _plan: LookupPlan
+
+    def _init_dynamic(self, configs: Sequence[BaseEmbeddingConfig], device: Optional[torch.device],
+                      container: str, optimizer: Any, optimizer_kwargs: Optional[Mapping[str, Any]]) -> None:
+        where = type(self).__name__
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self._tables = DynamicTables(configs, self._device)
+        self._container = container
+        setattr(self, container, nn.ModuleDict({cfg.name: DynamicTable(self._tables, t) for t, cfg in enumerate(configs)}))
+        self._plan = LookupPlan.of(configs)
+        self._optimizer_spec: Optional[OptimizerSpec] = (
+            None if optimizer is None else resolve_optimizer(optimizer, optimizer_kwargs, where))
+        if optimizer is None and optimizer_kwargs:
+            raise ValueError(f"{where}: optimizer_kwargs given without an optimizer")
+        self._fused: Optional[DynamicEmbeddingFusedOptimizer] = None
+        if self._optimizer_spec is not None:
+            self._ensure_optimizer()
+
+    # ------------------------------------------------------------------ tables
+
+    def _table_modules(self) -> List[DynamicTable]:
+        return list(getattr(self, self._container).values())
+
+    def _bind_parameters(self) -> None:
+        for t, table in enumerate(self._table_modules()):
+            view, old = self._tables.table_view(t), table.weight
+            if old.device == view.device and old.dtype == view.dtype:
+                old.data = view
+            else:  # set_data cannot change device or dtype: a new Parameter keeping the old's markers
+                table.weight = nn.Parameter(view, requires_grad=old.requires_grad)
+                table.weight.__dict__.update(old.__dict__)
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: D401  (nn.Module hook)
+        # Storage moves as a whole and the table parameters are re-pointed at it, so they stay
+        # views of one buffer whatever .to() / .cuda() / to_empty() did.
+        self._tables.apply(fn)
+        self._device = self._tables.device
+        self._bind_parameters()
+        if self._fused is not None:
+            self._fused = None
+            self._ensure_optimizer()
+        return self
+
+    def reset_parameters(self) -> None:
+        """Forgets every id (rows are initialised when ids arrive); a no-op on the meta device."""
+        if self._tables.device.type == "meta":
+            return
+        self._tables.reset()
+        if self._fused is not None:
+            self._fused = None
+            self._ensure_optimizer()
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def num_live_rows(self) -> int:
+        """Ids that hold a row now, over all tables."""
+        return self._tables.num_live_rows()
+
+    def storage_bytes(self) -> int:
+        """Bytes of vectors, optimizer state and index metadata, over all tables."""
+        return self._tables.storage_bytes()
+
+    # ------------------------------------------------------------------ optimizer
+
+    def _ensure_optimizer(self) -> Optional[DynamicEmbeddingFusedOptimizer]:
+        """The fused optimizer: from apply_optimizer_in_backward when set, else the constructor's."""
+        where = type(self).__name__
+        params = {f"{self._container}.{m.name}.weight": table.weight
+                  for m, table in zip(self._tables.meta, self._table_modules())}
+        specs = {name: spec_from_parameter(p, where) for name, p in params.items()}
+        chosen = {s for s in specs.values() if s is not None}
+        if len(chosen) > 1:
+            raise ValueError(f"{where}: all tables of one module must use the same fused optimizer, got "
+                             + ", ".join(f"{n}: {s}" for n, s in specs.items()))
+        if chosen and any(s is None for s in specs.values()):
+            raise ValueError(f"{where}: apply_optimizer_in_backward was applied to only some tables' parameters: "
+                             f"{sorted(n for n, s in specs.items() if s is None)} have none")
+        spec = next(iter(chosen)) if chosen else self._optimizer_spec
+        if spec is None:
+            return None
+        if self._fused is not None and self._fused.spec == spec:
+            return self._fused
+        self._tables.set_optimizer(spec)
+        state: Dict[Tensor, Dict[str, Any]] = {}
+        for (name, param), m, t in zip(params.items(), self._tables.meta, range(len(params))):
+            entry = {f"{m.name}.{k}": v for k, v in self._tables.state_views(t).items()}
+            entry[f"{m.name}.step"] = self._tables.optimizer_step
+            state[param] = entry
+            # TorchRec's own markers: its sharders and in_backward_optimizer_filter read them.
+            if not getattr(param, "_optimizer_classes", None):
+                param._optimizer_classes = [spec.torch_class()]
+                param._optimizer_kwargs = [spec.torch_kwargs()]
+        self._fused = DynamicEmbeddingFusedOptimizer(params, state, spec)
+        for param in params.values():
+            param._in_backward_optimizers = [self._fused]
+        return self._fused
+
+    @property
+    def fused_optimizer(self) -> KeyedOptimizer:
+        """The tables' optimizer as a TorchRec KeyedOptimizer (empty until one is chosen)."""
+        fused = self._ensure_optimizer()
+        return fused if fused is not None else EmptyFusedOptimizer()
+
+    def _hyperparams(self):
+        fused = self._ensure_optimizer()
+        return None if fused is None else fused.hyperparams()
+
+    # ------------------------------------------------------------------ lookup
+
+    def _lookup_rows(self, batch: LookupInput) -> RowLookup:
+        self._tables.check_ready(type(self).__name__)
+        if self.training:
+            self._ensure_optimizer()
+        return self._tables.lookup(batch.ids, batch.segment_offsets, self.training)
+
+    def _differentiable_params(self) -> List[Tensor]:
+        params = [t.weight for t in self._table_modules()]
+        return params if torch.is_grad_enabled() and any(p.requires_grad for p in params) else []
+
+
+class PooledLookupFunction(torch.autograd.Function):
+    """Pooled lookup whose backward is the fused optimizer update (no gradient is returned)."""
+
+    @staticmethod
+    def forward(ctx, owner: DynamicCollectionMixin, lookup: RowLookup, batch: LookupInput, *params: Tensor) -> Tensor:
+        tables, plan = owner._tables, owner._plan
+        table_offsets, table_dims, _ = tables.layout()
+        feature_table, feature_col, feature_mean = plan.tensors(tables.device)
+        offsets = torch.zeros(batch.lengths.numel() + 1, dtype=torch.int64, device=batch.lengths.device)
+        torch.cumsum(batch.lengths, 0, out=offsets[1:])
+        ctx.owner, ctx.lookup, ctx.batch, ctx.offsets = owner, lookup, batch, offsets
+        ctx.num_params = len(params)
+        return ops.pooled_lookup(tables.weights, table_offsets, table_dims, feature_table, feature_col, feature_mean,
+                                 lookup.rows, offsets, batch.weights, batch.batch_size, plan.total_dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        owner, batch = ctx.owner, ctx.batch
+        _, feature_col, feature_mean = owner._plan.tensors(owner._tables.device)
+        owner._tables.apply_gradients(grad.contiguous(), ctx.lookup, ctx.offsets, batch.weights, feature_col,
+                                      feature_mean, batch.batch_size, owner._hyperparams())
+        return (None, None, None) + (None,) * ctx.num_params
+
+
+class SequenceLookupFunction(torch.autograd.Function):
+    """Sequence lookup ([num_ids, dim]) whose backward is the fused optimizer update."""
+
+    @staticmethod
+    def forward(ctx, owner: DynamicCollectionMixin, lookup: RowLookup, batch: LookupInput, *params: Tensor) -> Tensor:
+        tables, plan = owner._tables, owner._plan
+        table_offsets, _, _ = tables.layout()
+        feature_table, _, _ = plan.tensors(tables.device)
+        ctx.owner, ctx.lookup = owner, lookup
+        ctx.num_params = len(params)
+        return ops.sequence_lookup(tables.weights, table_offsets, plan.dims[0] if plan.dims else 1, feature_table,
+                                   batch.feature_value_offsets, lookup.rows)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        owner = ctx.owner
+        empty = torch.zeros(0, dtype=torch.int64, device=grad.device)
+        owner._tables.apply_gradients(grad.contiguous(), ctx.lookup, None, None, empty, empty.bool(), 0,
+                                      owner._hyperparams())
+        return (None, None, None) + (None,) * ctx.num_params

@@ -1,0 +1,165 @@
+"""Configs of dynamic tables: TorchRec's EmbeddingBagConfig / EmbeddingConfig plus what a
+dynamic table needs (eviction policy, initializer, admission, time-to-live, seed).
+
+``num_embeddings`` is the table's capacity in rows. A plain TorchRec config is accepted
+everywhere a dynamic one is and means the defaults.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+import torch
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType, EmbeddingBagConfig, EmbeddingConfig
+
+from torchrec_ext.reference import INITIALIZERS
+from torchrec_ext.table import POLICIES
+
+
+@dataclass(frozen=True)
+class Initializer:
+    """How a new id's vector is drawn: a pure function of (seed, table, id).
+
+    kind: ``uniform`` on [low, high] (default: TorchRec's +-sqrt(1 / num_embeddings), or the
+    config's weight_init_min/max); ``normal`` (mean, std); ``truncated_normal`` (mean, std,
+    cut to [low, high], default mean -+ 2 std); ``constant`` (value).
+    """
+
+    kind: str = "uniform"
+    low: Optional[float] = None
+    high: Optional[float] = None
+    mean: float = 0.0
+    std: float = 1.0
+    value: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in INITIALIZERS:
+            raise ValueError(f"Initializer: kind must be one of {sorted(INITIALIZERS)}, got {self.kind!r}")
+        if self.std < 0 or not math.isfinite(self.std):
+            raise ValueError(f"Initializer: std must be finite and >= 0, got {self.std}")
+        if self.low is not None and self.high is not None and self.low > self.high:
+            raise ValueError(f"Initializer: low must be <= high, got low={self.low}, high={self.high}")
+
+    def kernel_params(self, default_low: float, default_high: float) -> Tuple[int, Tuple[float, ...]]:
+        """(kind id, params) as csrc/embedding_cpu.cpp's init_rows takes them."""
+        if self.kind == "uniform":
+            low = default_low if self.low is None else self.low
+            high = default_high if self.high is None else self.high
+            return INITIALIZERS["uniform"], (low, high)
+        if self.kind == "normal":
+            return INITIALIZERS["normal"], (self.mean, self.std)
+        if self.kind == "truncated_normal":
+            low = self.mean - 2 * self.std if self.low is None else self.low
+            high = self.mean + 2 * self.std if self.high is None else self.high
+            return INITIALIZERS["truncated_normal"], (self.mean, self.std, low, high)
+        return INITIALIZERS["constant"], (self.value,)
+
+
+@dataclass(kw_only=True)
+class DynamicTableOptions:
+    """The fields a dynamic table adds to a TorchRec config.
+
+    eviction_policy: which rows go first when the table is full: lru, lfu, epoch_lru,
+        epoch_lfu, or none (a full table refuses new ids, which then read as zeros).
+    initializer: an ``Initializer`` or its kind name; None means TorchRec's default (uniform).
+    admit_after: an id gets a row only once it has been seen this many times (1: at once).
+        Ids waiting for admission read as zeros and are counted in a side table of
+        ``admission_capacity`` ids (default: the capacity) that forgets the rarest first.
+    ttl_steps: rows unseen for more than this many training steps are evicted (None: never).
+    seed: with the table name, fixes every id's initial vector.
+    """
+
+    eviction_policy: str = "lru"
+    initializer: Union[Initializer, str, None] = None
+    admit_after: int = 1
+    admission_capacity: Optional[int] = None
+    ttl_steps: Optional[int] = None
+    seed: int = 0
+
+    def _check_dynamic_fields(self) -> None:
+        name = type(self).__name__
+        if self.eviction_policy not in POLICIES or self.eviction_policy == "custom":
+            allowed = sorted(set(POLICIES) - {"custom"})
+            raise ValueError(f"{name}: eviction_policy must be one of {allowed}, got {self.eviction_policy!r}")
+        if isinstance(self.initializer, str):
+            self.initializer = Initializer(self.initializer)
+        elif self.initializer is not None and not isinstance(self.initializer, Initializer):
+            raise TypeError(f"{name}: initializer must be an Initializer, a kind name or None, got {self.initializer!r}")
+        if not _is_int(self.admit_after) or self.admit_after < 1:
+            raise ValueError(f"{name}: admit_after must be an int >= 1, got {self.admit_after!r}")
+        if self.admission_capacity is not None and (not _is_int(self.admission_capacity) or self.admission_capacity < 1):
+            raise ValueError(f"{name}: admission_capacity must be an int >= 1 or None, got {self.admission_capacity!r}")
+        if self.ttl_steps is not None and (not _is_int(self.ttl_steps) or self.ttl_steps < 1):
+            raise ValueError(f"{name}: ttl_steps must be an int >= 1 or None, got {self.ttl_steps!r}")
+        if not _is_int(self.seed):
+            raise TypeError(f"{name}: seed must be an int, got {self.seed!r}")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass
+class DynamicEmbeddingBagConfig(EmbeddingBagConfig, DynamicTableOptions):
+    """``EmbeddingBagConfig`` of a dynamic table; ``num_embeddings`` is its capacity in rows."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_dynamic_fields()
+
+
+@dataclass
+class DynamicEmbeddingConfig(EmbeddingConfig, DynamicTableOptions):
+    """``EmbeddingConfig`` of a dynamic table; ``num_embeddings`` is its capacity in rows."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_dynamic_fields()
+
+
+def options_of(config: BaseEmbeddingConfig) -> DynamicTableOptions:
+    """The dynamic options of any config: a plain TorchRec one gets the defaults."""
+    if isinstance(config, DynamicTableOptions):
+        return config
+    return DynamicTableOptions()
+
+
+def initializer_of(config: BaseEmbeddingConfig) -> Tuple[int, Tuple[float, ...]]:
+    """(kind id, params) of the config's initializer, TorchRec's defaults filling the gaps.
+
+    A plain config's ``init_fn`` acts on a whole tensor, so it cannot make an id's vector a
+    function of the id alone: only TorchRec's default uniform init_fn is understood, and any
+    other must be expressed as a DynamicEmbedding*Config ``initializer``.
+    """
+    low = config.get_weight_init_min()
+    high = config.get_weight_init_max()
+    init = options_of(config).initializer
+    if init is None:
+        fn = config.init_fn
+        if isinstance(fn, functools.partial) and fn.func is torch.nn.init.uniform_:
+            low, high = fn.keywords.get("a", low), fn.keywords.get("b", high)
+        elif fn is not None:
+            raise ValueError(
+                f"table {config.name!r}: a custom init_fn cannot initialise rows id by id; use "
+                "DynamicEmbeddingBagConfig / DynamicEmbeddingConfig(initializer=Initializer(...)) instead"
+            )
+        init = Initializer("uniform")
+    return init.kernel_params(low, high)
+
+
+def check_table_config(config: object, expected: type, module: str) -> None:
+    """Checks what a dynamic table cannot serve, naming the table and the field."""
+    if not isinstance(config, expected):
+        raise TypeError(f"{module}: tables must be {expected.__name__}s, got {type(config).__name__}")
+    if not config.name:
+        raise ValueError(f"{module}: every table needs a name, got {config!r}")
+    if not _is_int(config.num_embeddings) or config.num_embeddings < 1:
+        raise ValueError(f"{module}: table {config.name!r} num_embeddings (capacity) must be an int >= 1, "
+                         f"got {config.num_embeddings!r}")
+    if not _is_int(config.embedding_dim) or config.embedding_dim < 1:
+        raise ValueError(f"{module}: table {config.name!r} embedding_dim must be an int >= 1, got {config.embedding_dim!r}")
+    if config.data_type != DataType.FP32:
+        raise ValueError(f"{module}: table {config.name!r} data_type must be FP32 (dynamic tables store "
+                         f"float32 rows), got {config.data_type}")

@@ -1,0 +1,391 @@
+"""The storage and id-to-row logic shared by the dynamic embedding modules.
+
+``DynamicTables`` holds a module's tables: one flat float32 buffer of all vectors (table t's
+[capacity_t, dim_t] rows at element ``table_offsets[t]``, the layout the kernels take), the
+optimizer state in the same layout, and one ``HashTable`` per table mapping raw ids to rows.
+
+Per training batch it deduplicates each table's ids, admits ids seen often enough, inserts the
+unseen ones (evicting by the table's policy when full), initialises the rows of new ids (a pure
+function of seed, table and id) and clears their optimizer state. In eval nothing is inserted:
+unseen ids get row -1, which the kernels read as zeros.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+
+from torchrec_ext import ops
+from torchrec_ext.modules.configs import initializer_of, options_of
+from torchrec_ext.modules.fused_optimizer import OptimizerSpec
+from torchrec_ext.reference import INITIALIZERS, OPTIMIZER_STATES, ROWWISE_STATE, init_vectors, table_seed
+from torchrec_ext.table import HashTable
+
+_SCORED_BY_COUNT = {"lfu", "epoch_lfu"}
+_INITIALIZER_NAMES = {v: k for k, v in INITIALIZERS.items()}
+
+
+class RowLookup(NamedTuple):
+    """Rows of one batch's ids, and the grouping the fused backward needs.
+
+    rows: row of each id (-1: none). unique_rows / unique_table: each table's distinct ids'
+    rows and tables, tables in order. inverse: each id's index into unique_rows.
+    """
+
+    rows: Tensor
+    unique_rows: Tensor
+    unique_table: Tensor
+    inverse: Tensor
+
+
+@dataclass
+class _TableMeta:
+    name: str
+    capacity: int
+    dim: int
+    policy: str
+    seed: int
+    init_kind: int
+    init_params: Tuple[float, ...]
+    admit_after: int
+    admission_capacity: int
+    ttl_steps: Optional[int]
+
+
+class DynamicTables:
+    """All dynamic tables of one module: vectors, optimizer state and the id -> row indexes."""
+
+    def __init__(self, configs: Sequence[BaseEmbeddingConfig], device: torch.device):
+        self.meta: List[_TableMeta] = []
+        for cfg in configs:
+            opts = options_of(cfg)
+            kind, params = initializer_of(cfg)
+            self.meta.append(_TableMeta(
+                name=cfg.name, capacity=cfg.num_embeddings, dim=cfg.embedding_dim, policy=opts.eviction_policy,
+                seed=table_seed(opts.seed, cfg.name), init_kind=kind, init_params=params,
+                admit_after=opts.admit_after, admission_capacity=opts.admission_capacity or cfg.num_embeddings,
+                ttl_steps=opts.ttl_steps,
+            ))
+        sizes = [m.capacity * m.dim for m in self.meta]
+        starts = torch.tensor([0] + sizes[:-1], dtype=torch.int64).cumsum(0) if sizes else torch.zeros(0, dtype=torch.int64)
+        row_starts = torch.tensor([0] + [m.capacity for m in self.meta][:-1], dtype=torch.int64).cumsum(0)
+        # Layout descriptors live on the CPU and are copied to the storage's device as needed.
+        self.table_offsets = starts
+        self.state_row_offsets = row_starts
+        self.table_dims = torch.tensor([m.dim for m in self.meta], dtype=torch.int64)
+        self.weights = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+        self.optimizer: Optional[OptimizerSpec] = None
+        self.states: List[Tensor] = []
+        self.optimizer_step = torch.zeros((), dtype=torch.int64)
+        self.train_step = 0  # training batches seen: the clock of ttl_steps
+        self._device_layout: Dict[torch.device, Tuple[Tensor, Tensor, Tensor]] = {}
+        self.indexes: List[Optional[HashTable]] = []
+        self.last_seen: List[Optional[Tensor]] = []
+        self.admission: List[Optional[Tuple[HashTable, Tensor]]] = []
+        self._build_indexes()
+
+    # ------------------------------------------------------------------ storage
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights.device
+
+    def table_view(self, t: int) -> Tensor:
+        m = self.meta[t]
+        start = int(self.table_offsets[t])
+        return self.weights[start:start + m.capacity * m.dim].view(m.capacity, m.dim)
+
+    def state_views(self, t: int) -> Dict[str, Tensor]:
+        """This table's optimizer state: [capacity, dim] per element-wise state, [capacity] row-wise."""
+        if self.optimizer is None:
+            return {}
+        m = self.meta[t]
+        views = {}
+        for name, buf in zip(OPTIMIZER_STATES[self.optimizer.kind], self.states):
+            if self.optimizer.kind in ROWWISE_STATE:
+                start = int(self.state_row_offsets[t])
+                views[name] = buf[start:start + m.capacity]
+            else:
+                start = int(self.table_offsets[t])
+                views[name] = buf[start:start + m.capacity * m.dim].view(m.capacity, m.dim)
+        return views
+
+    def layout(self) -> Tuple[Tensor, Tensor, Tensor]:
+        """(table_offsets, table_dims, state_row_offsets) on the storage's device."""
+        dev = self.device
+        if dev not in self._device_layout:
+            self._device_layout[dev] = tuple(t.to(dev) for t in (self.table_offsets, self.table_dims, self.state_row_offsets))
+        return self._device_layout[dev]
+
+    def set_optimizer(self, spec: OptimizerSpec) -> None:
+        """Allocates (or keeps, when the kind is unchanged) the optimizer state for ``spec``."""
+        if self.optimizer is not None and self.optimizer.kind == spec.kind:
+            self.optimizer = spec
+            return
+        size = int(sum(m.capacity for m in self.meta)) if spec.kind in ROWWISE_STATE else self.weights.numel()
+        self.states = [torch.full((size,), spec.initial_accumulator_value if name == "momentum1" and spec.kind != "adam" else 0.0,
+                                  dtype=torch.float32, device=self.device)
+                       for name in OPTIMIZER_STATES[spec.kind]]
+        self.optimizer = spec
+
+    def apply(self, fn) -> None:
+        """Applies a tensor function (``Module._apply``'s) to the storage and moves the indexes."""
+        old_device = self.device
+        self.weights = fn(self.weights)
+        self.states = [fn(s) for s in self.states]
+        if self.device != old_device:
+            self._build_indexes(carry_from=old_device)
+
+    def reset(self) -> None:
+        """Forgets every id: empty indexes, cleared optimizer state and counters."""
+        self._build_indexes()
+        if self.optimizer is not None:
+            spec, self.optimizer = self.optimizer, None
+            self.set_optimizer(spec)
+        self.optimizer_step.zero_()
+        self.train_step = 0
+
+    def _build_indexes(self, carry_from: Optional[torch.device] = None) -> None:
+        device = self.device
+        if device.type == "meta":
+            self.indexes = [None] * len(self.meta)
+            self.last_seen = [None] * len(self.meta)
+            self.admission = [None] * len(self.meta)
+            return
+        old = self.indexes if carry_from is not None and carry_from.type != "meta" else None
+        self.indexes, self.last_seen, self.admission = [], [], []
+        for t, m in enumerate(self.meta):
+            index = HashTable(m.capacity, policy=m.policy, device=device)
+            if old is not None and old[t] is not None:
+                state = old[t].state_dict()
+                index.load_state_dict({k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in state.items()})
+            self.indexes.append(index)
+            self.last_seen.append(torch.zeros(m.capacity, dtype=torch.int64, device=device) if m.ttl_steps else None)
+            self.admission.append(
+                (HashTable(m.admission_capacity, policy="lfu", device=device),
+                 torch.zeros(m.admission_capacity, dtype=torch.int64, device=device)) if m.admit_after > 1 else None)
+
+    def check_ready(self, where: str) -> None:
+        if self.device.type == "meta":
+            raise RuntimeError(
+                f"{where}: the module is on the meta device; materialise it first "
+                "(module.to_empty(device=...) then module.reset_parameters())"
+            )
+
+    # ------------------------------------------------------------------ ids -> rows
+
+    def lookup(self, ids: Tensor, segment_offsets: Tensor, training: bool) -> RowLookup:
+        """Rows of ``ids``, table t's ids being ``ids[segment_offsets[t]:segment_offsets[t+1]]``."""
+        unique, inverse, counts, unique_offsets = ops.dedup_segments(ids, segment_offsets)
+        if training:
+            self.train_step += 1
+        bounds = unique_offsets.tolist()
+        parts = []
+        for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            keys = unique[start:end]
+            parts.append(self._rows_for(t, keys, counts[start:end], training) if end > start else keys)
+        unique_rows = torch.cat(parts) if parts else unique
+        table_of = torch.arange(len(self.meta), device=ids.device)
+        unique_table = torch.repeat_interleave(table_of, unique_offsets[1:] - unique_offsets[:-1])
+        return RowLookup(unique_rows[inverse], unique_rows, unique_table, inverse)
+
+    def _rows_for(self, t: int, keys: Tensor, counts: Tensor, training: bool) -> Tensor:
+        m, index = self.meta[t], self.indexes[t]
+        if not training:
+            rows, found = index.find(keys)
+            return self._mask_expired(t, rows, found)
+        rows = torch.full_like(keys, -1)
+        candidates = None
+        if m.admit_after > 1:
+            known_rows, found = index.find(keys)
+            candidates = found | self._admit(t, keys, counts, ~found)
+            keys, counts = keys[candidates], counts[candidates]
+        scores = counts if m.policy in _SCORED_BY_COUNT else None
+        result = index.find_or_insert(keys, scores)
+        fresh = result.inserted
+        if m.ttl_steps is not None:
+            live = result.rows >= 0
+            expired = live & ~fresh & (self.last_seen[t][result.rows.clamp(min=0)] < self.train_step - m.ttl_steps)
+            fresh = fresh | expired
+            self.last_seen[t][result.rows[live]] = self.train_step
+            if self.train_step % m.ttl_steps == 0:
+                self._erase_expired(t)
+        if bool(fresh.any()):
+            self._initialise(t, result.rows[fresh], keys[fresh])
+        if candidates is None:
+            return result.rows
+        rows[candidates] = result.rows
+        return rows
+
+    def _admit(self, t: int, keys: Tensor, counts: Tensor, unseen: Tensor) -> Tensor:
+        """Counts sightings of ids without a row; True where an id reached admit_after now."""
+        admitted = torch.zeros_like(unseen)
+        if not bool(unseen.any()):
+            return admitted
+        counter, seen = self.admission[t]
+        pending, pending_counts = keys[unseen], counts[unseen]
+        result = counter.find_or_insert(pending, pending_counts)
+        live = result.rows >= 0
+        new_rows = result.rows[result.inserted]
+        seen[new_rows] = 0
+        seen[result.rows[live]] += pending_counts[live]
+        ready = torch.zeros_like(live)
+        ready[live] = seen[result.rows[live]] >= self.meta[t].admit_after
+        counter.erase(pending[ready])
+        admitted[unseen] = ready
+        return admitted
+
+    def _mask_expired(self, t: int, rows: Tensor, found: Tensor) -> Tensor:
+        m = self.meta[t]
+        if m.ttl_steps is None:
+            return rows
+        expired = found & (self.last_seen[t][rows.clamp(min=0)] < self.train_step - m.ttl_steps)
+        return torch.where(expired, torch.full_like(rows, -1), rows)
+
+    def _erase_expired(self, t: int) -> None:
+        """Frees the rows of ids unseen for more than ttl_steps (reads of them are already masked)."""
+        m, index = self.meta[t], self.indexes[t]
+        for keys, rows, _ in index.export():
+            stale = self.last_seen[t][rows] < self.train_step - m.ttl_steps
+            if bool(stale.any()):
+                index.erase(keys[stale])
+
+    def _initialise(self, t: int, rows: Tensor, keys: Tensor) -> None:
+        m = self.meta[t]
+        table = self.table_view(t)
+        if table.device.type == "cpu":
+            ops.init_rows(table, rows, keys, m.seed, m.init_kind, m.init_params)
+        else:  # on GPUs the vectorised reference is the kernel: new ids are few per step
+            table[rows] = init_vectors(keys, m.dim, m.seed, _INITIALIZER_NAMES[m.init_kind], m.init_params)
+        if self.optimizer is not None:
+            fill = self.optimizer.initial_accumulator_value if self.optimizer.kind != "adam" else 0.0
+            for name, view in self.state_views(t).items():
+                view[rows] = fill if name == "momentum1" else 0.0
+
+    # ------------------------------------------------------------------ backward
+
+    def apply_gradients(self, grad: Tensor, lookup: RowLookup, offsets: Optional[Tensor],
+                        per_sample_weights: Optional[Tensor], feature_col: Tensor, feature_mean: Tensor,
+                        batch_size: int, hyperparams: Tuple[float, ...]) -> None:
+        """The fused backward: per unique row, sum its ids' gradients and take one optimizer step."""
+        if self.optimizer is None:
+            raise RuntimeError(
+                "dynamic embedding backward: no fused optimizer; pass optimizer=... to the module or call "
+                "torchrec.optim.apply_optimizer_in_backward(cls, module.parameters(), kwargs) before training"
+            )
+        self.optimizer_step += 1
+        table_offsets, table_dims, state_row_offsets = self.layout()
+        ops.fused_update(
+            grad, self.weights, self.states, table_offsets, table_dims, state_row_offsets,
+            lookup.unique_rows, lookup.unique_table, lookup.inverse, offsets, per_sample_weights,
+            feature_col, feature_mean, batch_size, self.optimizer.kind_id, hyperparams, int(self.optimizer_step),
+        )
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def table_state(self, t: int) -> Dict[str, Tensor]:
+        """Table t's live rows: vectors, ids, scores, rows, optimizer state, counters."""
+        m, index = self.meta[t], self.indexes[t]
+        state = index.state_dict()
+        keys, rows, scores = state["keys"], state["rows"], state["scores"]
+        out = {
+            "weight": self.table_view(t)[rows].clone(),
+            "weight_id": keys,
+            "metadata": scores,
+            "row": rows,
+            "counters": torch.tensor([state["clock"], state["epoch"], self.train_step, int(self.optimizer_step)]),
+        }
+        for name, view in self.state_views(t).items():
+            out[f"optimizer.{name}"] = view[rows].clone()
+        if m.ttl_steps is not None:
+            out["last_seen"] = self.last_seen[t][rows].clone()
+        if m.admit_after > 1:
+            counter, seen = self.admission[t]
+            pending = counter.state_dict()
+            out["admission_id"] = pending["keys"]
+            out["admission_count"] = seen[pending["rows"]].clone()
+        return out
+
+    def state_keys(self, t: int) -> List[str]:
+        m = self.meta[t]
+        keys = ["weight", "weight_id", "metadata", "row", "counters"]
+        keys += [f"optimizer.{name}" for name in self.state_views(t)]
+        keys += ["last_seen"] if m.ttl_steps is not None else []
+        keys += ["admission_id", "admission_count"] if m.admit_after > 1 else []
+        return keys
+
+    def load_table_state(self, t: int, state: Dict[str, Tensor], where: str) -> None:
+        """Rebuilds table t from ``table_state`` output; checks everything before changing anything."""
+        m = self.meta[t]
+        ids = state["weight_id"].to(torch.int64)
+        n = ids.numel()
+        vectors = state["weight"]
+        if vectors.dim() != 2 or vectors.shape != (n, m.dim):
+            raise ValueError(f"{where}: table {m.name!r} weight must be [{n}, {m.dim}] (one row per weight_id), "
+                             f"got {tuple(vectors.shape)}")
+        for key in ("metadata", "row") + (("last_seen",) if m.ttl_steps is not None else ()):
+            if key in state and state[key].shape != (n,):
+                raise ValueError(f"{where}: table {m.name!r} {key} must have {n} entries, got {tuple(state[key].shape)}")
+        for name, view in self.state_views(t).items():
+            got = state[f"optimizer.{name}"]
+            want = (n,) + tuple(view.shape[1:])
+            if tuple(got.shape) != want:
+                raise ValueError(f"{where}: table {m.name!r} optimizer.{name} must be {list(want)}, got {list(got.shape)}")
+        clock, epoch, train_step, optimizer_step = (int(v) for v in state["counters"].tolist())
+        device = self.device
+        index = HashTable(m.capacity, policy=m.policy, device=device)
+        scores = state["metadata"].to(torch.int64).to(device)
+        if "row" in state and int(ids.numel()) <= m.capacity:
+            try:
+                index.load_state_dict({"capacity": m.capacity, "policy": m.policy, "clock": clock, "epoch": epoch,
+                                       "keys": ids.to(device), "rows": state["row"].to(torch.int64).to(device),
+                                       "scores": scores})
+                rows = state["row"].to(torch.int64).to(device)
+            except ValueError:
+                rows = None  # saved with another capacity: place the ids afresh below
+        else:
+            rows = None
+        if rows is None:
+            index = HashTable(m.capacity, policy=m.policy, device=device)
+            rows = index.insert_or_assign(ids.to(device), scores).rows
+            if bool((rows < 0).any()):
+                raise ValueError(f"{where}: table {m.name!r} cannot hold the checkpoint's {n} ids in capacity {m.capacity}")
+            index._clock, index._epoch = clock, epoch
+        self.indexes[t] = index
+        self.table_view(t)[rows] = vectors.to(device, torch.float32)
+        for name, view in self.state_views(t).items():
+            view[rows] = state[f"optimizer.{name}"].to(device, torch.float32)
+        if m.ttl_steps is not None:
+            self.last_seen[t].zero_()
+            self.last_seen[t][rows] = state["last_seen"].to(device)
+        if m.admit_after > 1:
+            counter = HashTable(m.admission_capacity, policy="lfu", device=device)
+            seen = torch.zeros(m.admission_capacity, dtype=torch.int64, device=device)
+            pending_ids = state["admission_id"].to(device)
+            pending_counts = state["admission_count"].to(device)
+            pending_rows = counter.insert_or_assign(pending_ids, pending_counts).rows
+            keep = pending_rows >= 0
+            seen[pending_rows[keep]] = pending_counts[keep]
+            self.admission[t] = (counter, seen)
+        self.train_step = train_step
+        self.optimizer_step.fill_(optimizer_step)
+
+    # ------------------------------------------------------------------ accounting
+
+    def num_live_rows(self) -> int:
+        return sum(index.size() for index in self.indexes if index is not None)
+
+    def storage_bytes(self) -> int:
+        """Bytes of vectors, optimizer state and index metadata (digest, key, score per slot)."""
+        total = self.weights.numel() * 4 + sum(s.numel() * s.element_size() for s in self.states)
+        for index, last_seen, admission in zip(self.indexes, self.last_seen, self.admission):
+            if index is not None:
+                total += int(index.metadata_bytes_per_slot() * index.num_buckets * 32)
+            if last_seen is not None:
+                total += last_seen.numel() * 8
+            if admission is not None:
+                total += int(admission[0].metadata_bytes_per_slot() * admission[0].num_buckets * 32) + admission[1].numel() * 8
+        return total

@@ -1,0 +1,70 @@
+"""DynamicEmbeddingBagCollection: TorchRec's EmbeddingBagCollection over dynamic tables."""
+from __future__ import annotations
+
+from typing import Any, List, Mapping, Optional
+
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from torchrec_ext.modules.base import DynamicCollectionMixin, PooledLookupFunction
+from torchrec_ext.modules.configs import check_table_config
+from torchrec_ext.modules.features import check_and_arrange
+
+
+class DynamicEmbeddingBagCollection(DynamicCollectionMixin, EmbeddingBagCollectionInterface):
+    """Drop-in for ``torchrec.EmbeddingBagCollection`` whose tables take raw int64 ids.
+
+    Each table maps any id to a row of its own, up to ``num_embeddings`` rows (its capacity),
+    then evicts by its policy (see ``DynamicEmbeddingBagConfig``). In training mode unseen ids
+    get a row, initialised as a pure function of (seed, table, id); in eval mode nothing is
+    inserted and unseen ids pool as zeros. The tables train with a fused optimizer applied
+    during backward: pass ``optimizer`` (torch.optim.SGD / Adagrad / Adam,
+    torchrec.optim.RowWiseAdagrad, or their names) and ``optimizer_kwargs``, or call
+    ``torchrec.optim.apply_optimizer_in_backward`` on this module's parameters.
+
+    Output, like EmbeddingBagCollection's: a KeyedTensor keyed by feature name (``feature@table``
+    where a feature feeds several tables), tables in order, [batch_size, sum of dims].
+
+    Example::
+
+        ebc = DynamicEmbeddingBagCollection(
+            tables=[DynamicEmbeddingBagConfig(name="t1", embedding_dim=64, num_embeddings=1 << 20,
+                                              feature_names=["f1"])],
+            optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": 0.01})
+        pooled = ebc(kjt)  # KeyedTensor; kjt values are raw ids, any int64
+    """
+
+    def __init__(self, tables: List[EmbeddingBagConfig], is_weighted: bool = False,
+                 device: Optional[torch.device] = None, optimizer: Any = None,
+                 optimizer_kwargs: Optional[Mapping[str, Any]] = None) -> None:
+        super().__init__()
+        where = type(self).__name__
+        if not isinstance(tables, (list, tuple)) or not tables:
+            raise ValueError(f"{where}: tables must be a non-empty list of EmbeddingBagConfig, got {tables!r}")
+        names = set()
+        for cfg in tables:
+            check_table_config(cfg, EmbeddingBagConfig, where)
+            if cfg.name in names:
+                raise ValueError(f"Duplicate table name {cfg.name}")
+            names.add(cfg.name)
+            if cfg.pooling not in (PoolingType.SUM, PoolingType.MEAN):
+                raise ValueError(f"{where}: table {cfg.name!r} pooling must be SUM or MEAN, got {cfg.pooling}")
+            if not cfg.feature_names:
+                cfg.feature_names = [cfg.name]
+        self._embedding_bag_configs = list(tables)
+        self._is_weighted = bool(is_weighted)
+        self._init_dynamic(tables, device, "embedding_bags", optimizer, optimizer_kwargs)
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        batch = check_and_arrange(features, self._plan, self._is_weighted, type(self).__name__)
+        lookup = self._lookup_rows(batch)
+        pooled = PooledLookupFunction.apply(self, lookup, batch, *self._differentiable_params())
+        return KeyedTensor(keys=self._plan.embedding_names, length_per_key=self._plan.dims, values=pooled, key_dim=1)
+
+    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+        return self._embedding_bag_configs
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted

@@ -1,0 +1,74 @@
+"""DynamicEmbeddingCollection: TorchRec's EmbeddingCollection over dynamic tables."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional
+
+import torch
+from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingCollectionInterface, get_embedding_names_by_table
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+
+from torchrec_ext.modules.base import DynamicCollectionMixin, SequenceLookupFunction
+from torchrec_ext.modules.configs import check_table_config
+from torchrec_ext.modules.features import check_and_arrange
+
+
+class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInterface):
+    """Drop-in for ``torchrec.EmbeddingCollection`` whose tables take raw int64 ids.
+
+    Same tables, semantics and optimizers as ``DynamicEmbeddingBagCollection``, without
+    pooling: ``forward`` returns, per feature (``feature@table`` where a feature feeds several
+    tables), a JaggedTensor of one vector per id with the feature's lengths (and the ids as
+    weights when ``need_indices``). All tables share one embedding_dim, as in TorchRec.
+    """
+
+    def __init__(self, tables: List[EmbeddingConfig], device: Optional[torch.device] = None,
+                 need_indices: bool = False, optimizer: Any = None,
+                 optimizer_kwargs: Optional[Mapping[str, Any]] = None) -> None:
+        super().__init__()
+        where = type(self).__name__
+        if not isinstance(tables, (list, tuple)) or not tables:
+            raise ValueError(f"{where}: tables must be a non-empty list of EmbeddingConfig, got {tables!r}")
+        names = set()
+        for cfg in tables:
+            check_table_config(cfg, EmbeddingConfig, where)
+            if cfg.name in names:
+                raise ValueError(f"Duplicate table name {cfg.name}")
+            names.add(cfg.name)
+            if cfg.embedding_dim != tables[0].embedding_dim:
+                raise ValueError(
+                    f"All tables in a EmbeddingCollection are required to have same embedding dimension. "
+                    f"Violating case: {cfg.name}'s embedding_dim {cfg.embedding_dim} != {tables[0].embedding_dim}")
+            if not cfg.feature_names:
+                cfg.feature_names = [cfg.name]
+        self._embedding_configs = list(tables)
+        self._embedding_dim = tables[0].embedding_dim
+        self._need_indices = bool(need_indices)
+        self._embedding_names_by_table = get_embedding_names_by_table(tables)
+        self._init_dynamic(tables, device, "embeddings", optimizer, optimizer_kwargs)
+
+    def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+        batch = check_and_arrange(features, self._plan, False, type(self).__name__)
+        lookup = self._lookup_rows(batch)
+        vectors = SequenceLookupFunction.apply(self, lookup, batch, *self._differentiable_params())
+        counts = (batch.feature_value_offsets[1:] - batch.feature_value_offsets[:-1]).tolist()
+        per_feature = torch.split(vectors, counts)
+        ids = torch.split(batch.ids, counts)
+        lengths = batch.lengths.view(len(counts), batch.batch_size)
+        return {
+            name: JaggedTensor(values=per_feature[i], lengths=lengths[i],
+                               weights=ids[i] if self._need_indices else None)
+            for i, name in enumerate(self._plan.embedding_names)
+        }
+
+    def embedding_configs(self) -> List[EmbeddingConfig]:
+        return self._embedding_configs
+
+    def need_indices(self) -> bool:
+        return self._need_indices
+
+    def embedding_dim(self) -> int:
+        return self._embedding_dim
+
+    def embedding_names_by_table(self) -> List[List[str]]:
+        return self._embedding_names_by_table

@@ -1,0 +1,133 @@
+"""Checks a KeyedJaggedTensor against a module's tables and lays its ids out in lookup order.
+
+Lookup order is the output order of TorchRec's EmbeddingBagCollection: tables in order, each
+table's features in order (a feature read by several tables appears once per table). A
+table's ids are thus contiguous, which is what the per-table dedup and the kernels take.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig, PoolingType
+from torchrec.modules.embedding_modules import get_embedding_names_by_table
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+_ID_DTYPES = (torch.int64, torch.int32)
+
+
+@dataclass
+class LookupPlan:
+    """Where each lookup feature's ids go and where its output lands (built once per module)."""
+
+    features: List[str]            # feature name of each lookup feature
+    tables: List[int]              # table index of each lookup feature
+    embedding_names: List[str]     # output key of each lookup feature
+    dims: List[int]                # output width of each lookup feature
+    mean: List[bool]               # mean pooling per lookup feature
+    num_tables: int
+
+    def __post_init__(self) -> None:
+        self.total_dim = sum(self.dims)
+        self.cols = [sum(self.dims[:i]) for i in range(len(self.dims))]
+        self._tensors: Dict[torch.device, Tuple[Tensor, Tensor, Tensor]] = {}
+
+    @staticmethod
+    def of(configs: Sequence[BaseEmbeddingConfig]) -> "LookupPlan":
+        names = [n for table in get_embedding_names_by_table(configs) for n in table]
+        feats, tables, dims, mean = [], [], [], []
+        for t, cfg in enumerate(configs):
+            for feature in cfg.feature_names:
+                feats.append(feature)
+                tables.append(t)
+                dims.append(cfg.embedding_dim)
+                mean.append(getattr(cfg, "pooling", PoolingType.SUM) == PoolingType.MEAN)
+        return LookupPlan(feats, tables, names, dims, mean, len(configs))
+
+    def tensors(self, device: torch.device) -> Tuple[Tensor, Tensor, Tensor]:
+        """(feature_table, feature_col, feature_mean) on ``device``, as the kernels take them."""
+        if device not in self._tensors:
+            self._tensors[device] = (
+                torch.tensor(self.tables, dtype=torch.int64, device=device),
+                torch.tensor(self.cols, dtype=torch.int64, device=device),
+                torch.tensor(self.mean, dtype=torch.bool, device=device),
+            )
+        return self._tensors[device]
+
+
+@dataclass
+class LookupInput:
+    """One batch's ids in lookup order."""
+
+    ids: Tensor                 # int64, all lookup features' ids
+    lengths: Tensor             # int64, [num_lookup_features * batch_size]
+    weights: Optional[Tensor]   # float32 per-sample weights, or None
+    segment_offsets: Tensor     # where each table's ids start, [num_tables + 1]
+    feature_value_offsets: Tensor  # where each lookup feature's ids start, [num_features + 1]
+    batch_size: int
+
+
+def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, where: str) -> LookupInput:
+    """Validates ``features`` (raising before any table is touched) and arranges its ids."""
+    if not isinstance(features, KeyedJaggedTensor):
+        raise TypeError(f"{where}: features must be a KeyedJaggedTensor, got {type(features).__name__}")
+    keys = features.keys()
+    known = set(plan.features)
+    unknown = [k for k in keys if k not in known]
+    if unknown:
+        raise ValueError(f"{where}: KJT keys {unknown} are not a feature of any table (features: {sorted(known)})")
+    missing = sorted(known - set(keys))
+    if missing:
+        raise ValueError(f"{where}: KJT lacks the features {missing} that the tables read")
+    if features.variable_stride_per_key():
+        raise ValueError(f"{where}: KJTs with a variable batch size per feature are not supported")
+    values = features.values()
+    if values.dtype not in _ID_DTYPES:
+        raise TypeError(f"{where}: ids (KJT values) must be int64 or int32, got {values.dtype}")
+    lengths = features.lengths()
+    if lengths.dtype not in _ID_DTYPES or lengths.is_floating_point():
+        raise TypeError(f"{where}: KJT lengths must be integers, got {lengths.dtype}")
+    batch_size = features.stride()
+    if lengths.numel() != len(keys) * batch_size:
+        raise ValueError(f"{where}: KJT lengths must have num_keys * batch_size = {len(keys) * batch_size} "
+                         f"entries, got {lengths.numel()}")
+    if lengths.numel() and int(lengths.min()) < 0:
+        raise ValueError(f"{where}: KJT lengths must be >= 0, got a length of {int(lengths.min())}")
+    total = int(lengths.sum()) if lengths.numel() else 0
+    if total != values.numel():
+        raise ValueError(f"{where}: KJT lengths sum to {total} but there are {values.numel()} ids")
+    weights = features.weights_or_none()
+    if is_weighted and weights is None:
+        raise ValueError(f"{where}: the module is weighted (is_weighted=True) but the KJT has no weights")
+    if not is_weighted and weights is not None:
+        raise ValueError(f"{where}: the KJT has weights but the module is unweighted (is_weighted=False)")
+    if weights is not None:
+        if not weights.is_floating_point() or weights.shape != values.shape:
+            raise ValueError(f"{where}: KJT weights must be floats, one per id ({values.numel()}), got "
+                             f"{weights.dtype} of shape {tuple(weights.shape)}")
+        if not bool(torch.isfinite(weights).all()):
+            raise ValueError(f"{where}: KJT weights must be finite, got NaN or inf")
+        weights = weights.float()
+
+    lengths = lengths.to(torch.int64)
+    per_key = lengths.view(len(keys), batch_size).sum(1).tolist() if batch_size else [0] * len(keys)
+    key_start = {k: sum(per_key[:i]) for i, k in enumerate(keys)}
+    key_index = {k: i for i, k in enumerate(keys)}
+    value_counts = [per_key[key_index[f]] for f in plan.features]
+    if list(keys) == plan.features:
+        ids, arranged_lengths, arranged_weights = values, lengths, weights
+    else:
+        order = [key_index[f] for f in plan.features]
+        ids = torch.cat([values[key_start[f]:key_start[f] + n] for f, n in zip(plan.features, value_counts)])
+        arranged_lengths = lengths.view(len(keys), batch_size)[order].reshape(-1)
+        arranged_weights = None if weights is None else torch.cat(
+            [weights[key_start[f]:key_start[f] + n] for f, n in zip(plan.features, value_counts)])
+    table_counts = [0] * plan.num_tables
+    for t, n in zip(plan.tables, value_counts):
+        table_counts[t] += n
+    segment_offsets = torch.tensor([0] + table_counts, dtype=torch.int64).cumsum(0)
+    feature_value_offsets = torch.tensor([0] + value_counts, dtype=torch.int64).cumsum(0)
+    return LookupInput(ids.to(torch.int64), arranged_lengths, arranged_weights,
+                       segment_offsets.to(values.device), feature_value_offsets.to(values.device), batch_size)

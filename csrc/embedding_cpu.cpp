@@ -23,6 +23,13 @@ namespace {
 
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
 constexpr int kTruncNormalAttempts = 16;
+constexpr int64_t kPrefetchDistance = 8;  // ids (or unique rows) ahead: covers DRAM latency
+
+inline void prefetch_row(const float* row, int64_t dim, int rw = 0) {
+  for (int64_t d = 0; d < dim; d += 16) {
+    if (rw) __builtin_prefetch(row + d, 1); else __builtin_prefetch(row + d, 0);
+  }
+}
 enum class Init : int64_t { kUniform = 0, kNormal = 1, kTruncatedNormal = 2, kConstant = 3 };
 enum class Optim : int64_t { kSgd = 0, kAdagrad = 1, kRowwiseAdagrad = 2, kAdam = 3 };
 
@@ -156,21 +163,60 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_segments_cpu(
 
 inline uint64_t row_key(int64_t id, uint64_t seed) { return fmix64(static_cast<uint64_t>(id) ^ seed); }
 
-inline uint64_t element_bits(uint64_t key, int64_t j, int64_t attempt) {
-  const uint64_t counter = (static_cast<uint64_t>(attempt) << 32) + static_cast<uint64_t>(j) + 1;
+// 64 random bits for elements 2p and 2p+1 of a row (one hash feeds two elements).
+inline uint64_t pair_bits(uint64_t key, int64_t pair, int64_t attempt) {
+  const uint64_t counter = (static_cast<uint64_t>(attempt) << 32) + static_cast<uint64_t>(pair) + 1;
   return fmix64(key + counter * kGolden);
 }
 
-inline double box_muller(uint64_t bits) {
+// Box-Muller on the two halves of `bits`: two independent standard normals.
+inline void box_muller(uint64_t bits, double* z0, double* z1) {
   const double u1 = (static_cast<double>(bits >> 32) + 0.5) * 0x1p-32;
   const double u2 = static_cast<double>(bits & 0xFFFFFFFFull) * 0x1p-32;
-  return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
+  const double r = std::sqrt(-2.0 * std::log(u1));
+  *z0 = r * std::cos(2.0 * M_PI * u2);
+  *z1 = r * std::sin(2.0 * M_PI * u2);
+}
+
+void init_vector(float* out, int64_t dim, uint64_t key, Init init, at::ArrayRef<double> p) {
+  if (init == Init::kConstant) {
+    std::fill(out, out + dim, static_cast<float>(p[0]));
+    return;
+  }
+  if (init == Init::kUniform) {
+    const double low = p[0], span = p[1] - p[0];
+    for (int64_t j = 0; j < dim; j += 2) {
+      const uint64_t bits = pair_bits(key, j / 2, 0);
+      out[j] = static_cast<float>(low + span * (static_cast<double>(bits >> 40) * 0x1p-24));
+      if (j + 1 < dim) out[j + 1] = static_cast<float>(low + span * (static_cast<double>((bits & 0xFFFFFFFFull) >> 8) * 0x1p-24));
+    }
+    return;
+  }
+  for (int64_t j = 0; j < dim; j += 2) {
+    double z[2];
+    box_muller(pair_bits(key, j / 2, 0), &z[0], &z[1]);
+    for (int64_t e = 0; e < 2 && j + e < dim; ++e) {
+      double v = p[0] + p[1] * z[e];
+      if (init == Init::kTruncatedNormal) {
+        // Redraw out-of-range elements from the pair's next attempts; clamp after the last.
+        for (int attempt = 1; attempt < kTruncNormalAttempts && (v < p[2] || v > p[3]); ++attempt) {
+          double r[2];
+          box_muller(pair_bits(key, j / 2, attempt), &r[0], &r[1]);
+          v = p[0] + p[1] * r[e];
+        }
+        v = std::min(std::max(v, p[2]), p[3]);
+      }
+      out[j + e] = static_cast<float>(v);
+    }
+  }
 }
 
 // Writes the initial vector of ids[i] into row rows[i] of `table` ([capacity, dim]) for every
-// i with rows[i] >= 0: a pure function of (seed, id, element), see reference.init_vectors.
+// i with rows[i] >= 0 (a pure function of seed, id, element; see reference.init_vectors), and
+// resets those rows of each optimizer state ([capacity, width]) to its initial value.
 void init_rows_cpu(const at::Tensor& table, const at::Tensor& rows_in, const at::Tensor& ids_in,
-                   int64_t seed, int64_t kind, at::ArrayRef<double> params) {
+                   int64_t seed, int64_t kind, at::ArrayRef<double> params, at::TensorList states,
+                   at::ArrayRef<double> state_values) {
   const char* op = "init_rows";
   TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kFloat && table.is_contiguous(), op,
               ": table must be a contiguous 2-D float32 tensor, got ", table.scalar_type(),
@@ -185,6 +231,11 @@ void init_rows_cpu(const at::Tensor& table, const at::Tensor& rows_in, const at:
   TORCH_CHECK(params.size() >= need, op, ": initializer kind ", kind, " needs ", need,
               " parameters, got ", params.size());
   const int64_t cap = table.size(0), dim = table.size(1), n = rows.numel();
+  TORCH_CHECK(state_values.size() == states.size(), op, ": one state value per state, got ",
+              state_values.size(), " values for ", states.size(), " states");
+  for (const at::Tensor& s : states)
+    TORCH_CHECK(s.dim() == 2 && s.size(0) == cap && s.scalar_type() == at::kFloat && s.is_contiguous(), op,
+                ": optimizer states must be contiguous float32 [", cap, ", width] tensors, got ", s.sizes());
   const int64_t* r = rows.data_ptr<int64_t>();
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
@@ -192,33 +243,14 @@ void init_rows_cpu(const at::Tensor& table, const at::Tensor& rows_in, const at:
   float* w = table.data_ptr<float>();
   const Init init = static_cast<Init>(kind);
   const uint64_t s = static_cast<uint64_t>(seed);
-  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       if (r[i] < 0) continue;
-      float* out = w + r[i] * dim;
-      const uint64_t key = row_key(id[i], s);
-      switch (init) {
-        case Init::kConstant:
-          for (int64_t j = 0; j < dim; ++j) out[j] = static_cast<float>(params[0]);
-          break;
-        case Init::kUniform: {
-          const double low = params[0], span = params[1] - params[0];
-          for (int64_t j = 0; j < dim; ++j)
-            out[j] = static_cast<float>(low + span * (static_cast<double>(element_bits(key, j, 0) >> 40) * 0x1p-24));
-          break;
-        }
-        case Init::kNormal:
-          for (int64_t j = 0; j < dim; ++j)
-            out[j] = static_cast<float>(params[0] + params[1] * box_muller(element_bits(key, j, 0)));
-          break;
-        case Init::kTruncatedNormal:
-          for (int64_t j = 0; j < dim; ++j) {
-            double v = params[0] + params[1] * box_muller(element_bits(key, j, 0));
-            for (int attempt = 1; attempt < kTruncNormalAttempts && (v < params[2] || v > params[3]); ++attempt)
-              v = params[0] + params[1] * box_muller(element_bits(key, j, attempt));
-            out[j] = static_cast<float>(std::min(std::max(v, params[2]), params[3]));
-          }
-          break;
+      init_vector(w + r[i] * dim, dim, row_key(id[i], s), init, params);
+      for (size_t k = 0; k < states.size(); ++k) {
+        const int64_t width = states[k].size(1);
+        float* row = states[k].data_ptr<float>() + r[i] * width;
+        std::fill(row, row + width, static_cast<float>(state_values[k]));
       }
     }
   });
@@ -309,6 +341,8 @@ at::Tensor pooled_lookup_cpu(const at::Tensor& weights, const at::Tensor& table_
   int64_t covered = 0;
   for (int64_t f = 0; f < fl.count; ++f) covered += dims[fl.table[f]];
   if (covered != total_dim) out.zero_();
+  std::vector<int64_t> feature_end(fl.count);
+  for (int64_t f = 0; f < fl.count; ++f) feature_end[f] = o[(f + 1) * batch_size];
   at::parallel_for(0, num_bags, 64, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t f = g / batch_size, b = g % batch_size, t = fl.table[f], dim = dims[t];
@@ -316,7 +350,9 @@ at::Tensor pooled_lookup_cpu(const at::Tensor& weights, const at::Tensor& table_
       const float* base = w + toff[t];
       for (int64_t d = 0; d < dim; ++d) acc[d] = 0.f;
       for (int64_t i = o[g]; i < o[g + 1]; ++i) {
-        if (i + 4 < o[g + 1] && r[i + 4] >= 0) __builtin_prefetch(base + r[i + 4] * dim);
+        // Rows are scattered: fetch a few ids ahead, across bag ends, within this feature.
+        const int64_t ahead = i + kPrefetchDistance;
+        if (ahead < feature_end[f] && r[ahead] >= 0) prefetch_row(base + r[ahead] * dim, dim);
         if (r[i] < 0) continue;
         const float* row = base + r[i] * dim;
         if (psw != nullptr) {
@@ -485,11 +521,23 @@ void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::
   int64_t max_dim = 1;
   for (int64_t t = 0; t < T; ++t) max_dim = std::max(max_dim, dims[t]);
 
-  const at::Tensor grad = grad_in.contiguous();
-  TORCH_CHECK(grad.dim() == 2 && grad.scalar_type() == at::kFloat, op,
-              ": grad must be a 2-D float32 tensor, got ", grad.scalar_type(), " of shape ", grad.sizes());
+  TORCH_CHECK(grad_in.dim() == 2 && grad_in.scalar_type() == at::kFloat, op,
+              ": grad must be a 2-D float32 tensor, got ", grad_in.scalar_type(), " of shape ", grad_in.sizes());
+  // Rows may be strided (even broadcast, stride 0, as the gradient of a sum is); columns must
+  // be dense for the vector loops.
+  at::Tensor grad = grad_in;
+  int64_t grow = grad_in.stride(0);
+  if (grad_in.stride(1) != 1 || grad_in.size(0) == 0) {
+    if (grad_in.stride(0) == 0 && grad_in.size(0) > 0) {
+      grad = grad_in.select(0, 0).contiguous();  // one row broadcast to all: keep it once
+      grow = 0;
+    } else {
+      grad = grad_in.contiguous();
+      grow = grad_in.size(1);
+    }
+  }
   const float* gr = grad.data_ptr<float>();
-  const int64_t gcols = grad.size(1);
+  const int64_t gcols = grad_in.size(1);
 
   // Per value: the grad row it reads, its first column and its scale.
   const bool pooled = offsets_opt.has_value();
@@ -502,8 +550,8 @@ void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::
     TORCH_CHECK(feature_mean.scalar_type() == at::kBool && feature_mean.numel() == F, op,
                 ": feature_mean must be a bool tensor with one entry per feature");
     check_bags(op, offsets, F * batch_size, n);
-    TORCH_CHECK(grad.size(0) == batch_size, op, ": grad must have batch_size = ", batch_size,
-                " rows, got ", grad.size(0));
+    TORCH_CHECK(grad_in.size(0) == batch_size, op, ": grad must have batch_size = ", batch_size,
+                " rows, got ", grad_in.size(0));
     at::Tensor psw_holder;
     const float* psw = check_per_sample_weights(op, per_sample_weights, n, psw_holder);
     const int64_t* o = offsets.data_ptr<int64_t>();
@@ -514,7 +562,7 @@ void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::
         const int64_t f = g / batch_size, b = g % batch_size, len = o[g + 1] - o[g];
         for (int64_t i = o[g]; i < o[g + 1]; ++i) {
           TORCH_CHECK(fc[f] + dims[ut[inv[i]]] <= gcols, op, ": feature ", f, "'s columns exceed grad's ", gcols);
-          src[i] = b * gcols + fc[f];
+          src[i] = b * grow + fc[f];
           float s = psw != nullptr ? psw[i] : 1.f;
           if (fm[f]) s = s / static_cast<float>(std::max<int64_t>(len, 1));
           scale[i] = s;
@@ -522,10 +570,10 @@ void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::
       }
     });
   } else {
-    TORCH_CHECK(grad.size(0) >= n, op, ": sequence grad must have one row per id (", n, "), got ", grad.size(0));
+    TORCH_CHECK(grad_in.size(0) >= n, op, ": sequence grad must have one row per id (", n, "), got ", grad_in.size(0));
     for (int64_t i = 0; i < n; ++i) {
       TORCH_CHECK(dims[ut[inv[i]]] <= gcols, op, ": grad has ", gcols, " columns, table needs ", dims[ut[inv[i]]]);
-      src[i] = i * gcols;
+      src[i] = i * grow;
     }
   }
 
@@ -547,9 +595,21 @@ void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::
   float* w = weights.data_ptr<float>();
   float* s0 = want_states > 0 ? states[0].data_ptr<float>() : nullptr;
   float* s1 = want_states > 1 ? states[1].data_ptr<float>() : nullptr;
+  const bool rowwise_state = kind == Optim::kRowwiseAdagrad;
   at::parallel_for(0, U, 32, [&](int64_t begin, int64_t end) {
     std::vector<float> g(max_dim);
     for (int64_t u = begin; u < end; ++u) {
+      // The rows a few unique ids ahead: weights and state are read and written at random.
+      const int64_t ahead = u + kPrefetchDistance;
+      if (ahead < end && ur[ahead] >= 0) {
+        const int64_t dim_a = dims[ut[ahead]], elem_a = toff[ut[ahead]] + ur[ahead] * dim_a;
+        prefetch_row(w + elem_a, dim_a, 1);
+        if (s0 != nullptr) {
+          if (rowwise_state) __builtin_prefetch(s0 + sro[ut[ahead]] + ur[ahead], 1);
+          else prefetch_row(s0 + elem_a, dim_a, 1);
+        }
+        if (s1 != nullptr) prefetch_row(s1 + elem_a, dim_a, 1);
+      }
       if (ur[u] < 0) continue;
       const int64_t t = ut[u], dim = dims[t];
       std::fill(g.begin(), g.begin() + dim, 0.f);

@@ -35,8 +35,11 @@ TORCH_LIBRARY(torchrec_ext, m) {
   m.def(
       "dedup_segments(Tensor ids, Tensor segment_offsets) "
       "-> (Tensor unique, Tensor inverse, Tensor counts, Tensor unique_offsets)");
-  // Writes the initial vector of ids[i] (a pure function of seed, id, element) into rows[i].
-  m.def("init_rows(Tensor(a!) table, Tensor rows, Tensor ids, int seed, int kind, float[] params) -> ()");
+  // Writes the initial vector of ids[i] (a pure function of seed, id, element) into rows[i]
+  // and resets those rows of each optimizer state ([capacity, width]) to state_values.
+  m.def(
+      "init_rows(Tensor(a!) table, Tensor rows, Tensor ids, int seed, int kind, float[] params, "
+      "Tensor(b!)[] states, float[] state_values) -> ()");
   // [batch_size, total_dim]: sum/mean (per feature) of each bag's rows, feature f at column feature_col[f].
   m.def(
       "pooled_lookup(Tensor weights, Tensor table_offsets, Tensor table_dims, Tensor feature_table, "

@@ -208,7 +208,7 @@ def test_fused_updates_equal_torch_optimizer_on_dense_ebc(optimizer, kwargs, via
     for c in configs:
         ids, vecs = rows[c.name]
         want = dense.embedding_bags[c.name].weight.detach()[[maps[c.name][k] for k in ids.tolist()]]
-        torch.testing.assert_close(vecs, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(vecs, want, rtol=1e-5, atol=1e-5)  # Adam divides by tiny moments
     assert ours.embedding_bags.t1.weight.grad is None
 
 

@@ -91,9 +91,12 @@ def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> Tuple[Tensor, Tensor
     return _ops.dedup_segments.default(ids, segment_offsets)
 
 
-def init_rows(table: Tensor, rows: Tensor, ids: Tensor, seed: int, kind: int, params: Sequence[float]) -> None:
-    """Writes each id's initial vector (a pure function of seed, id, element) into its row."""
-    _ops.init_rows.default(table, rows, ids, seed, kind, list(params))
+def init_rows(table: Tensor, rows: Tensor, ids: Tensor, seed: int, kind: int, params: Sequence[float],
+              states: Sequence[Tensor] = (), state_values: Sequence[float] = ()) -> None:
+    """Writes each id's initial vector (a pure function of seed, id, element) into its row, and
+    resets those rows of each optimizer state ([capacity, width]) to its value."""
+    _ops.init_rows.default(table, rows, ids, seed, kind, [float(p) for p in params], list(states),
+                           [float(v) for v in state_values])
 
 
 def pooled_lookup(
@@ -174,7 +177,7 @@ def _dedup_segments_fake(ids, segment_offsets):
 
 
 @torch.library.register_fake("torchrec_ext::init_rows")
-def _init_rows_fake(table, rows, ids, seed, kind, params):
+def _init_rows_fake(table, rows, ids, seed, kind, params, states, state_values):
     return None
 
 

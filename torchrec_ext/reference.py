@@ -243,31 +243,37 @@ def fmix64_tensor(x: Tensor) -> Tensor:
     return x ^ _srl(x, 33)
 
 
-def random_bits(ids: Tensor, dim: int, seed: int, attempt: int = 0) -> Tensor:
-    """[n, dim] int64 random bits: element j of id k is fmix64(row_key(k) + (attempt*2^32 + j + 1) * GOLDEN)."""
+def pair_bits(ids: Tensor, num_pairs: int, seed: int, attempt: int = 0) -> Tensor:
+    """[n, num_pairs] int64 random bits; pair p of id k feeds its elements 2p and 2p+1:
+    fmix64(fmix64(k ^ seed) + (attempt * 2^32 + p + 1) * GOLDEN)."""
     row_key = fmix64_tensor(ids.to(torch.int64) ^ _u64(seed & _MASK64)).unsqueeze(1)
-    counters = torch.arange(dim, dtype=torch.int64, device=ids.device) + (attempt << 32) + 1
+    counters = torch.arange(num_pairs, dtype=torch.int64, device=ids.device) + (attempt << 32) + 1
     return fmix64_tensor(row_key + counters * _u64(GOLDEN))
 
 
 def _box_muller(bits: Tensor) -> Tensor:
+    """[n, 2 * pairs] normals: r cos(theta), r sin(theta) from each pair's high and low 32 bits."""
     u1 = (_srl(bits, 32).double() + 0.5) * 2.0**-32
     u2 = (bits & 0xFFFFFFFF).double() * 2.0**-32
-    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)
+    r = torch.sqrt(-2.0 * torch.log(u1))
+    return torch.stack([r * torch.cos(2.0 * math.pi * u2), r * torch.sin(2.0 * math.pi * u2)], dim=2).flatten(1)
 
 
 def init_vectors(ids: Tensor, dim: int, seed: int, kind: str, params: Sequence[float]) -> Tensor:
     """Initial [n, dim] float32 vectors of ``ids``: a pure function of (seed, id, element).
 
     kind/params: uniform (low, high), normal (mean, std), truncated_normal (mean, std, low, high:
-    redrawn up to 16 times, then clamped), constant (value,). Arithmetic in float64, then cast.
+    an element out of range is redrawn from its pair's next attempts, up to 16 draws, then
+    clamped), constant (value,). One 64-bit hash feeds two elements; float64, then cast.
     """
     if kind == "constant":
         return torch.full((ids.numel(), dim), params[0], dtype=torch.float32, device=ids.device)
-    bits = random_bits(ids, dim, seed)
+    num_pairs = (dim + 1) // 2
+    bits = pair_bits(ids, num_pairs, seed)
     if kind == "uniform":
         low, high = params[0], params[1]
-        return (low + (high - low) * (_srl(bits, 40).double() * 2.0**-24)).float()
+        u = torch.stack([_srl(bits, 40), (bits & 0xFFFFFFFF) >> 8], dim=2).flatten(1).double() * 2.0**-24
+        return (low + (high - low) * u)[:, :dim].float()
     mean, std = params[0], params[1]
     values = mean + std * _box_muller(bits)
     if kind == "truncated_normal":
@@ -276,10 +282,10 @@ def init_vectors(ids: Tensor, dim: int, seed: int, kind: str, params: Sequence[f
             outside = (values < low) | (values > high)
             if not bool(outside.any()):
                 break
-            redraw = mean + std * _box_muller(random_bits(ids, dim, seed, attempt))
+            redraw = mean + std * _box_muller(pair_bits(ids, num_pairs, seed, attempt))
             values = torch.where(outside, redraw, values)
         values = values.clamp(low, high)
-    return values.float()
+    return values[:, :dim].float()
 
 
 def _table_rows(weights: Tensor, table_offsets: Tensor, table_dims: Tensor, capacities: Sequence[int]) -> List[Tensor]:

@@ -213,7 +213,7 @@ class PooledLookupFunction(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         owner, batch = ctx.owner, ctx.batch
         _, feature_col, feature_mean = owner._plan.tensors(owner._tables.device)
-        owner._tables.apply_gradients(grad.contiguous(), ctx.lookup, ctx.offsets, batch.weights, feature_col,
+        owner._tables.apply_gradients(grad, ctx.lookup, ctx.offsets, batch.weights, feature_col,
                                       feature_mean, batch.batch_size, owner._hyperparams())
         return (None, None, None) + (None,) * ctx.num_params
 
@@ -235,6 +235,6 @@ class SequenceLookupFunction(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         owner = ctx.owner
         empty = torch.zeros(0, dtype=torch.int64, device=grad.device)
-        owner._tables.apply_gradients(grad.contiguous(), ctx.lookup, None, None, empty, empty.bool(), 0,
+        owner._tables.apply_gradients(grad, ctx.lookup, None, None, empty, empty.bool(), 0,
                                       owner._hyperparams())
         return (None, None, None) + (None,) * ctx.num_params

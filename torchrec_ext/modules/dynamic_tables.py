@@ -11,6 +11,8 @@ unseen ids get row -1, which the kernels read as zeros.
 """
 from __future__ import annotations
 
+import ctypes
+import sys
 from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -55,6 +57,34 @@ class _TableMeta:
     ttl_steps: Optional[int]
 
 
+def _allocate(numel: int, value: float, device: torch.device) -> Tensor:
+    """A float32 buffer filled with ``value``; on CPU backed by transparent huge pages where the
+    kernel offers them, since rows are touched at random and 4 KiB pages make each a TLB miss."""
+    buf = torch.empty(numel, dtype=torch.float32, device=device)
+    if device.type == "cpu" and numel * 4 >= _HUGE_PAGE:
+        _advise_huge_pages(buf)
+    if device.type != "meta":
+        buf.fill_(value)
+    return buf
+
+
+_HUGE_PAGE = 2 << 20
+
+
+def _advise_huge_pages(buf: Tensor) -> None:
+    start = -(-buf.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+    end = (buf.data_ptr() + buf.numel() * buf.element_size()) // _HUGE_PAGE * _HUGE_PAGE
+    if end > start and _libc is not None:
+        _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)  # best effort
+
+
+_MADV_HUGEPAGE = 14
+try:
+    _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+except OSError:  # pragma: no cover
+    _libc = None
+
+
 class DynamicTables:
     """All dynamic tables of one module: vectors, optimizer state and the id -> row indexes."""
 
@@ -76,7 +106,7 @@ class DynamicTables:
         self.table_offsets = starts
         self.state_row_offsets = row_starts
         self.table_dims = torch.tensor([m.dim for m in self.meta], dtype=torch.int64)
-        self.weights = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+        self.weights = _allocate(sum(sizes), 0.0, device)
         self.optimizer: Optional[OptimizerSpec] = None
         self.states: List[Tensor] = []
         self.optimizer_step = torch.zeros((), dtype=torch.int64)
@@ -126,10 +156,8 @@ class DynamicTables:
             self.optimizer = spec
             return
         size = int(sum(m.capacity for m in self.meta)) if spec.kind in ROWWISE_STATE else self.weights.numel()
-        self.states = [torch.full((size,), spec.initial_accumulator_value if name == "momentum1" and spec.kind != "adam" else 0.0,
-                                  dtype=torch.float32, device=self.device)
-                       for name in OPTIMIZER_STATES[spec.kind]]
         self.optimizer = spec
+        self.states = [_allocate(size, self._initial_state_value(name), self.device) for name in OPTIMIZER_STATES[spec.kind]]
 
     def apply(self, fn) -> None:
         """Applies a tensor function (``Module._apply``'s) to the storage and moves the indexes."""
@@ -254,16 +282,22 @@ class DynamicTables:
                 index.erase(keys[stale])
 
     def _initialise(self, t: int, rows: Tensor, keys: Tensor) -> None:
+        """New ids' rows: their initial vectors, and the optimizer's initial state."""
         m = self.meta[t]
         table = self.table_view(t)
+        states = [v if v.dim() == 2 else v.unsqueeze(1) for v in self.state_views(t).values()]
+        fills = [self._initial_state_value(name) for name in self.state_views(t)]
         if table.device.type == "cpu":
-            ops.init_rows(table, rows, keys, m.seed, m.init_kind, m.init_params)
-        else:  # on GPUs the vectorised reference is the kernel: new ids are few per step
-            table[rows] = init_vectors(keys, m.dim, m.seed, _INITIALIZER_NAMES[m.init_kind], m.init_params)
-        if self.optimizer is not None:
-            fill = self.optimizer.initial_accumulator_value if self.optimizer.kind != "adam" else 0.0
-            for name, view in self.state_views(t).items():
-                view[rows] = fill if name == "momentum1" else 0.0
+            ops.init_rows(table, rows, keys, m.seed, m.init_kind, m.init_params, states, fills)
+            return
+        # On GPUs the vectorised reference is the kernel: new ids are few per step.
+        table[rows] = init_vectors(keys, m.dim, m.seed, _INITIALIZER_NAMES[m.init_kind], m.init_params)
+        for state, fill in zip(states, fills):
+            state[rows] = fill
+
+    def _initial_state_value(self, name: str) -> float:
+        # Adagrad kinds start their accumulator at initial_accumulator_value; Adam's moments at 0.
+        return self.optimizer.initial_accumulator_value if self.optimizer.kind != "adam" else 0.0
 
     # ------------------------------------------------------------------ backward
 

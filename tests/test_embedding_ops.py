@@ -169,3 +169,32 @@ def test_fused_update_matches_reference(optimizer, pooled):
     for a, b in zip(s_got, s_want):
         torch.testing.assert_close(a, b)
     assert not torch.equal(w_got, weights)
+
+
+# ------------------------------------------------ torch kernels (the CUDA implementations), run on CPU here
+
+def test_torch_dedup_segments_matches_reference():
+    from torchrec_ext import torch_kernels
+
+    ids = torch.cat([torch.randint(-5, 5, (60,)), torch.tensor(EXTREME_IDS * 2), torch.randint(-(2**62), 2**62, (30,))])
+    for segments in (torch.tensor([0, 0, 20, 20, 75, ids.numel()]), torch.tensor([0, ids.numel()])):
+        for got, want in zip(torch_kernels.dedup_segments(ids, segments), ref.dedup_segments(ids, segments)):
+            assert torch.equal(got, want)
+    empty = torch.zeros(0, dtype=torch.int64)
+    for got, want in zip(torch_kernels.dedup_segments(empty, torch.tensor([0, 0])), ops.dedup_segments(empty, torch.tensor([0, 0]))):
+        assert torch.equal(got, want)
+
+
+def test_torch_init_rows_matches_cpu_kernel():
+    from torchrec_ext import torch_kernels
+
+    ids = torch.tensor(EXTREME_IDS + list(range(7)))
+    rows = torch.randperm(20)[: ids.numel()]
+    rows[1] = -1
+    for kind, params in (("uniform", (-1.0, 1.0)), ("truncated_normal", (0.0, 1.0, -0.3, 0.6))):
+        a, b = torch.zeros(20, 9), torch.zeros(20, 9)
+        sa, sb = torch.ones(20, 9), torch.ones(20, 9)
+        ops.init_rows(a, rows, ids, 11, ref.INITIALIZERS[kind], params, [sa], [0.25])
+        torch_kernels.init_rows(b, rows, ids, 11, ref.INITIALIZERS[kind], params, [sb], [0.25])
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        assert torch.equal(sa, sb)

@@ -197,3 +197,27 @@ def _fused_update_fake(grad, weights, states, table_offsets, table_dims, state_r
                        unique_table, inverse, offsets, per_sample_weights, feature_col, feature_mean,
                        batch_size, optimizer, hparams, step):
     return None
+
+
+# ----------------------------------------------------------------------------- CUDA kernels in Python
+
+def _register_python_cuda_kernels() -> None:
+    """dedup_segments / init_rows run as torch ops on GPUs; the lookups and the fused update
+    are Triton kernels (imported only where Triton and a GPU are present)."""
+    from torchrec_ext import torch_kernels
+
+    torch.library.register_kernel("torchrec_ext::dedup_segments", "cuda", torch_kernels.dedup_segments)
+    torch.library.register_kernel("torchrec_ext::init_rows", "cuda", torch_kernels.init_rows)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return
+    from torchrec_ext.triton_kernels import embedding_lookup, embedding_update
+
+    torch.library.register_kernel("torchrec_ext::pooled_lookup", "cuda", embedding_lookup.pooled_lookup)
+    torch.library.register_kernel("torchrec_ext::sequence_lookup", "cuda", embedding_lookup.sequence_lookup)
+    torch.library.register_kernel("torchrec_ext::fused_update", "cuda", embedding_update.fused_update)
+
+
+if torch.cuda.is_available():
+    _register_python_cuda_kernels()

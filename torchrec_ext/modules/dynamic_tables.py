@@ -23,11 +23,10 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec_ext import ops
 from torchrec_ext.modules.configs import initializer_of, options_of
 from torchrec_ext.modules.fused_optimizer import OptimizerSpec
-from torchrec_ext.reference import INITIALIZERS, OPTIMIZER_STATES, ROWWISE_STATE, init_vectors, table_seed
+from torchrec_ext.reference import OPTIMIZER_STATES, ROWWISE_STATE, table_seed
 from torchrec_ext.table import HashTable
 
 _SCORED_BY_COUNT = {"lfu", "epoch_lfu"}
-_INITIALIZER_NAMES = {v: k for k, v in INITIALIZERS.items()}
 
 
 class RowLookup(NamedTuple):
@@ -287,13 +286,7 @@ class DynamicTables:
         table = self.table_view(t)
         states = [v if v.dim() == 2 else v.unsqueeze(1) for v in self.state_views(t).values()]
         fills = [self._initial_state_value(name) for name in self.state_views(t)]
-        if table.device.type == "cpu":
-            ops.init_rows(table, rows, keys, m.seed, m.init_kind, m.init_params, states, fills)
-            return
-        # On GPUs the vectorised reference is the kernel: new ids are few per step.
-        table[rows] = init_vectors(keys, m.dim, m.seed, _INITIALIZER_NAMES[m.init_kind], m.init_params)
-        for state, fill in zip(states, fills):
-            state[rows] = fill
+        ops.init_rows(table, rows, keys, m.seed, m.init_kind, m.init_params, states, fills)
 
     def _initial_state_value(self, name: str) -> float:
         # Adagrad kinds start their accumulator at initial_accumulator_value; Adam's moments at 0.

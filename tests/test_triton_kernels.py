@@ -1,0 +1,320 @@
+"""The Triton embedding kernels (triton_kernels/embedding_lookup.py, embedding_update.py) against
+the references in torchrec_ext/reference.py: pooled and sequence lookups, and the backward fused
+with every optimizer over several steps (weights and optimizer states).
+
+Each check runs in two variants: `interp`, on CPU tensors under TRITON_INTERPRET=1, and `cuda`, on
+a GPU (skipped without one). TRITON_INTERPRET is read when triton is imported, and another test of
+the same pytest process may have imported triton already, so test_interpreter_run runs this file
+again in a child pytest with TRITON_INTERPRET=1: the `interp` variants exist only there, the
+`cuda` ones only in the parent. Gathers are compared bit for bit, sums and updates with assert_close.
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from torchrec_ext import reference as ref
+
+_CHILD_FLAG = "TORCHREC_EXT_TRITON_INTERPRET_CHILD"
+_IN_CHILD = os.environ.get(_CHILD_FLAG) == "1"
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The child run has the `interp` variants only, the parent the `cuda` ones only.
+TARGETS = ["interp"] if _IN_CHILD else [pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() or not _HAS_TRITON, reason="needs a CUDA GPU and triton"))]
+
+
+def test_interpreter_run():
+    """Runs every `interp` variant of this file in a child pytest with TRITON_INTERPRET=1."""
+    if _IN_CHILD:
+        pytest.skip("this is the child run")
+    _need_triton()
+    env = dict(os.environ, TRITON_INTERPRET="1", **{_CHILD_FLAG: "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+        cwd=_REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, f"child pytest under TRITON_INTERPRET=1 failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
+    assert " passed" in proc.stdout, proc.stdout[-4000:]
+
+
+def _device(target):
+    return torch.device("cpu") if target == "interp" else torch.device("cuda")
+
+
+def _need_triton():
+    # Imported only when a test runs, never at collection: other tests of this process may still
+    # want to import triton themselves under TRITON_INTERPRET=1.
+    pytest.importorskip("triton", reason="triton is not importable", exc_type=ImportError)
+
+
+def _lookup():
+    _need_triton()
+    from torchrec_ext.triton_kernels import embedding_lookup
+
+    return embedding_lookup
+
+
+def _update():
+    _need_triton()
+    from torchrec_ext.triton_kernels import embedding_update
+
+    return embedding_update
+
+
+# ---- fixtures: tables, batches --------------------------------------------------------------
+
+DIMS = [4, 12, 16]  # one non-power-of-two dim
+# A table wider than one block of columns (128 for lookups, 256 for updates): several column
+# blocks, the ones past a narrow table's dim read and write nothing.
+WIDE_DIMS = [4, 12, 260]
+CAPS = [6, 5, 4]  # small capacities: many duplicate ids
+FEATURE_TABLE = [0, 1, 1, 2, 0]  # several features per table
+FEATURE_MEAN = [False, True, False, True, True]
+
+
+def _tables(gen, dims=DIMS, caps=CAPS):
+    offsets = [0]
+    for cap, dim in zip(caps, dims):
+        offsets.append(offsets[-1] + cap * dim)
+    weights = torch.randn(offsets[-1], generator=gen)
+    row_offsets = [0]
+    for cap in caps:
+        row_offsets.append(row_offsets[-1] + cap)
+    return (weights, torch.tensor(offsets[:-1]), torch.tensor(dims), torch.tensor(row_offsets[:-1]))
+
+
+def _features(dims=DIMS, feature_table=FEATURE_TABLE, feature_mean=FEATURE_MEAN, gap=3):
+    cols, col = [], 0
+    for t in feature_table:
+        cols.append(col)
+        col += dims[t]
+    # `gap` columns no feature writes: they must come out zero.
+    return torch.tensor(feature_table), torch.tensor(cols), torch.tensor(feature_mean), col + gap
+
+
+def _bags(gen, batch_size, feature_table=FEATURE_TABLE, caps=CAPS, max_len=5, weighted=False):
+    """KJT-ordered bags: lengths 0..max_len (some empty), rows with duplicates and -1s."""
+    num_bags = len(feature_table) * batch_size
+    lengths = torch.randint(0, max_len + 1, (num_bags,), generator=gen)
+    lengths[::4] = 0  # empty bags for sure
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    bag_of_value = torch.repeat_interleave(torch.arange(num_bags), lengths)
+    value_table = torch.tensor(feature_table)[bag_of_value // batch_size]
+    cap = torch.tensor(caps)[value_table]
+    rows = (torch.rand(bag_of_value.numel(), generator=gen) * (cap + 1)).long() - 1  # -1 .. cap-1
+    psw = torch.rand(rows.numel(), generator=gen) + 0.5 if weighted else None
+    return rows, offsets, psw, value_table
+
+
+def _dedup(rows, value_table, gen, caps=CAPS):
+    """(unique_rows, unique_table, inverse) in first-occurrence order of (table, row), -1 rows
+    included (they must be skipped), plus one unique row no value refers to (an empty group)."""
+    first = {}
+    inverse = [first.setdefault((t, r), len(first)) for t, r in zip(value_table.tolist(), rows.tolist())]
+    t = int(torch.randint(0, len(caps), (1,), generator=gen))
+    unused = [r for r in range(caps[t]) if (t, r) not in first]
+    if unused:
+        first[(t, unused[0])] = len(first)
+    keys = list(first)
+    return (torch.tensor([r for _, r in keys], dtype=torch.int64), torch.tensor([t for t, _ in keys], dtype=torch.int64),
+            torch.tensor(inverse, dtype=torch.int64))
+
+
+def _on(device, *tensors):
+    return [None if t is None else t.to(device) for t in tensors]
+
+
+# ---- lookups --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("batch_size", [1, 3, 5])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dims", [DIMS, WIDE_DIMS], ids=["narrow", "wide"])
+def test_pooled_lookup(target, batch_size, weighted, dims):
+    device = _device(target)
+    gen = torch.Generator().manual_seed(batch_size * 2 + weighted)
+    weights, table_offsets, table_dims, _ = _tables(gen, dims=dims)
+    feature_table, feature_col, feature_mean, total_dim = _features(dims=dims)
+    rows, offsets, psw, _ = _bags(gen, batch_size, weighted=weighted)
+    args = (table_offsets, table_dims, feature_table, feature_col, feature_mean, rows, offsets, psw)
+    expected = ref.pooled_lookup(weights, *args, batch_size, total_dim)
+    got = _lookup().pooled_lookup(*_on(device, weights, *args), batch_size, total_dim)
+    assert got.shape == (batch_size, total_dim) and got.dtype == torch.float32 and got.device.type == device.type
+    torch.testing.assert_close(got.cpu(), expected)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_pooled_lookup_single_ids_exact(target):
+    """Bags of at most one id, sum and mean: no rounding anywhere, so bit-exact."""
+    device = _device(target)
+    gen = torch.Generator().manual_seed(7)
+    weights, table_offsets, table_dims, _ = _tables(gen)
+    feature_table, feature_col, feature_mean, total_dim = _features()
+    rows, offsets, _, _ = _bags(gen, 7, max_len=1)
+    args = (table_offsets, table_dims, feature_table, feature_col, feature_mean, rows, offsets, None)
+    expected = ref.pooled_lookup(weights, *args, 7, total_dim)
+    assert torch.equal(_lookup().pooled_lookup(*_on(device, weights, *args), 7, total_dim).cpu(), expected)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_pooled_lookup_long_bags_and_int32_ids(target):
+    """Bags longer than one block of ids; int32 rows and offsets."""
+    device = _device(target)
+    gen = torch.Generator().manual_seed(11)
+    weights, table_offsets, table_dims, _ = _tables(gen)
+    feature_table, feature_col, feature_mean, total_dim = _features()
+    rows, offsets, psw, _ = _bags(gen, 2, max_len=70, weighted=True)
+    args = (table_offsets, table_dims, feature_table, feature_col, feature_mean, rows, offsets, psw)
+    expected = ref.pooled_lookup(weights, *args, 2, total_dim)
+    args32 = (table_offsets, table_dims, feature_table, feature_col, feature_mean, rows.int(), offsets.int(), psw)
+    torch.testing.assert_close(_lookup().pooled_lookup(*_on(device, weights, *args32), 2, total_dim).cpu(), expected)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("dim", [12, 16])
+def test_sequence_lookup_exact(target, dim):
+    device = _device(target)
+    gen = torch.Generator().manual_seed(dim)
+    caps = [6, 5, 4]
+    weights, table_offsets, _, _ = _tables(gen, dims=[dim] * 3, caps=caps)
+    feature_table = torch.tensor([0, 2, 1, 0])
+    lengths = torch.tensor([3, 0, 37, 4])  # an empty feature; one longer than a block
+    fvo = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    cap = torch.tensor(caps)[torch.repeat_interleave(feature_table, lengths)]
+    rows = (torch.rand(int(fvo[-1]), generator=gen) * (cap + 1)).long() - 1
+    expected = ref.sequence_lookup(weights, table_offsets, dim, feature_table, fvo, rows)
+    got = _lookup().sequence_lookup(*_on(device, weights, table_offsets), dim, *_on(device, feature_table, fvo, rows))
+    assert got.shape == (rows.numel(), dim) and got.dtype == torch.float32
+    assert torch.equal(got.cpu(), expected)
+    assert torch.equal(got.cpu()[rows < 0], torch.zeros(int((rows < 0).sum()), dim))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_empty_inputs(target):
+    device = _device(target)
+    gen = torch.Generator().manual_seed(3)
+    weights, table_offsets, table_dims, _ = _tables(gen)
+    feature_table, feature_col, feature_mean, total_dim = _features()
+    offsets = torch.zeros(len(FEATURE_TABLE) * 3 + 1, dtype=torch.int64)
+    rows = torch.zeros(0, dtype=torch.int64)
+    got = _lookup().pooled_lookup(*_on(device, weights, table_offsets, table_dims, feature_table, feature_col,
+                                       feature_mean, rows, offsets), None, 3, total_dim)
+    assert torch.equal(got.cpu(), torch.zeros(3, total_dim))
+    got = _lookup().sequence_lookup(*_on(device, weights, table_offsets), 4,
+                                    *_on(device, torch.tensor([0]), torch.tensor([0, 0]), rows))
+    assert got.shape == (0, 4)
+
+
+# ---- fused backward + optimizer -------------------------------------------------------------
+
+HPARAMS = {  # (lr, eps, beta1, beta2, weight_decay, lr_decay)
+    "plain": (0.1, 1e-8, 0.9, 0.999, 0.0, 0.0),
+    "decayed": (0.05, 1e-3, 0.3, 0.8, 0.01, 0.1),  # weight decay, lr decay, beta1 < 0.5 (other lerp formula)
+}
+
+
+def _states(optimizer, weights, caps, gen):
+    if optimizer == "sgd":
+        return []
+    if optimizer == "adagrad":
+        return [torch.rand(weights.numel(), generator=gen) * 0.1]
+    if optimizer == "rowwise_adagrad":
+        return [torch.rand(sum(caps), generator=gen) * 0.1]
+    return [torch.randn(weights.numel(), generator=gen) * 0.1, torch.rand(weights.numel(), generator=gen) * 0.01]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("hp", list(HPARAMS))
+@pytest.mark.parametrize("mode", ["pooled", "pooled_weighted", "sequence"])
+@pytest.mark.parametrize("optimizer", list(ref.OPTIMIZERS))
+@pytest.mark.parametrize("dims", [DIMS, WIDE_DIMS], ids=["narrow", "wide"])
+def test_fused_update(target, optimizer, mode, hp, dims):
+    device = _device(target)
+    gen = torch.Generator().manual_seed(list(ref.OPTIMIZERS).index(optimizer) * 10 + len(mode))
+    weights, table_offsets, table_dims, state_row_offsets = _tables(gen, dims=dims)
+    feature_table, feature_col, feature_mean, total_dim = _features(dims=dims)
+    states = _states(optimizer, weights, CAPS, gen)
+    # Copies: on CPU .to() would return the very tensors the reference updates in place.
+    weights_k, states_k = weights.to(device, copy=True), [s.to(device, copy=True) for s in states]
+    update = _update()
+    batch_size = 3
+    for step in (1, 2, 3):
+        rows, offsets, psw, value_table = _bags(gen, batch_size, weighted=mode == "pooled_weighted")
+        unique_rows, unique_table, inverse = _dedup(rows, value_table, gen)
+        if mode == "sequence":
+            grad = torch.randn(rows.numel(), max(dims), generator=gen)
+            offsets = psw = None
+        else:
+            grad = torch.randn(batch_size, total_dim, generator=gen)
+        args = (table_offsets, table_dims, state_row_offsets, unique_rows, unique_table, inverse, offsets, psw,
+                feature_col, feature_mean)
+        tail = (batch_size, optimizer, HPARAMS[hp], step)
+        ref.fused_update(grad, weights, states, *args, *tail)
+        # The int id of the optimizer works as well as its name.
+        opt = ref.OPTIMIZERS[optimizer] if step == 2 else optimizer
+        update.fused_update(grad.to(device), weights_k, states_k, *_on(device, *args), batch_size, opt, HPARAMS[hp], step)
+        torch.testing.assert_close(weights_k.cpu(), weights, msg=lambda m: f"weights after step {step}: {m}")
+        for i, (got, want) in enumerate(zip(states_k, states)):
+            torch.testing.assert_close(got.cpu(), want, msg=lambda m: f"state {i} after step {step}: {m}")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("layout", ["broadcast", "strided"])
+def test_fused_update_non_contiguous_grad(target, layout):
+    """Gradients of sum() (a broadcast row, stride 0) or every other column of a wider buffer."""
+    device = _device(target)
+    gen = torch.Generator().manual_seed(13)
+    weights, table_offsets, table_dims, state_row_offsets = _tables(gen)
+    feature_table, feature_col, feature_mean, total_dim = _features()
+    states = _states("adagrad", weights, CAPS, gen)
+    weights_k, states_k = weights.to(device, copy=True), [s.to(device, copy=True) for s in states]
+    rows, offsets, psw, value_table = _bags(gen, 3, weighted=True)
+    unique_rows, unique_table, inverse = _dedup(rows, value_table, gen)
+    if layout == "broadcast":
+        grad = torch.randn(1, total_dim, generator=gen).expand(3, total_dim)
+    else:
+        grad = torch.randn(3, 2 * total_dim, generator=gen)[:, ::2]
+    args = (table_offsets, table_dims, state_row_offsets, unique_rows, unique_table, inverse, offsets, psw,
+            feature_col, feature_mean, 3, "adagrad", HPARAMS["decayed"], 1)
+    ref.fused_update(grad, weights, states, *args)
+    _update().fused_update(grad.to(device), weights_k, states_k, *_on(device, *args[:10]), *args[10:])
+    torch.testing.assert_close(weights_k.cpu(), weights)
+    torch.testing.assert_close(states_k[0].cpu(), states[0])
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_fused_update_untouched_rows_and_skipped_rows(target):
+    """Rows no value touches, and unique rows of -1, keep their weights and states bit for bit."""
+    device = _device(target)
+    gen = torch.Generator().manual_seed(5)
+    weights, table_offsets, table_dims, state_row_offsets = _tables(gen)
+    states = _states("adam", weights, CAPS, gen)
+    before = [weights.clone()] + [s.clone() for s in states]
+    # Copies: on CPU .to() would return the very tensors the reference updates in place.
+    weights_k, states_k = weights.to(device, copy=True), [s.to(device, copy=True) for s in states]
+    unique_rows, unique_table = torch.tensor([-1, 2, -1]), torch.tensor([0, 1, 2])
+    inverse = torch.tensor([0, 1, 2, 1])
+    grad = torch.randn(4, 16, generator=gen)
+    args = (table_offsets, table_dims, state_row_offsets, unique_rows, unique_table, inverse, None, None,
+            torch.tensor([0]), torch.tensor([False]))
+    _update().fused_update(grad.to(device), weights_k, states_k, *_on(device, *args), 1, "adam",
+                           HPARAMS["plain"], 1)
+    touched = torch.zeros(weights.numel(), dtype=torch.bool)
+    start = int(table_offsets[1]) + 2 * 12
+    touched[start:start + 12] = True
+    for got, want in zip([weights_k] + states_k, before):
+        assert torch.equal(got.cpu()[~touched], want[~touched])
+        assert not torch.equal(got.cpu()[touched], want[touched])
+
+
+def test_optimizer_ids_match_reference():
+    assert _update().OPTIMIZERS == ref.OPTIMIZERS
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        _update().fused_update(torch.zeros(1, 4), torch.zeros(4), [], torch.tensor([0]), torch.tensor([4]),
+                               torch.tensor([0]), torch.tensor([0]), torch.tensor([0]), torch.tensor([0]), None,
+                               None, torch.tensor([0]), torch.tensor([False]), 1, "lamb", HPARAMS["plain"], 1)

@@ -1,0 +1,231 @@
+"""Triton forward kernels of the embedding lookups: pooled (EmbeddingBagCollection) and sequence
+(EmbeddingCollection), for every table and feature of a module in one launch each.
+
+Storage convention (the same as torchrec_ext.reference and csrc/): all tables of a module live in
+one flat float32 buffer ``weights``; table t's [capacity_t, dim_t] rows start at element
+``table_offsets[t]``. A row of -1 means "no row" and reads as zeros. Bags are KJT-ordered: bag
+``g = f * batch_size + b`` is sample b of feature f, its ids are ``rows[offsets[g]:offsets[g + 1]]``.
+
+* ``pooled_lookup``: out[b, feature_col[f] : feature_col[f] + dim] is the sum of the rows of bag
+  (f, b), each scaled by its per-sample weight when given, divided by the bag's length (-1 rows
+  included) where ``feature_mean[f]``. Empty bags are zeros.
+* ``sequence_lookup``: out[i] is the row of value i (zeros for -1); the values of feature f are
+  ``[feature_value_offsets[f], feature_value_offsets[f + 1])`` and read table ``feature_table[f]``.
+
+The public functions have the signatures and semantics of the references of the same name in
+torchrec_ext/reference.py. Every offset is computed in int64: a flat buffer of several tables
+easily passes 2**31 elements.
+
+Loops over a bag's ids are ``while`` loops between the bag's own (loaded) bounds: they compile to
+scf.while on a GPU and run in TRITON_INTERPRET=1 too, whereas ``range()`` with a non-constexpr
+bound does not run in Triton 3.6's interpreter with NumPy 2.4 (even a scalar argument: the
+interpreter holds it as a 1-element array, which int() refuses). It also means no host-side
+maximum bag length (no device sync) and no idle iterations for short bags.
+"""
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _pooled_lookup_fwd_kernel(
+    weights_ptr,  # float32 flat buffer of all tables
+    table_offsets_ptr,  # [T] int: first element of each table
+    table_dims_ptr,  # [T] int
+    feature_table_ptr,  # [F] int
+    feature_col_ptr,  # [F] int: first output column of each feature
+    feature_mean_ptr,  # [F] int32: 1 = mean pooling, 0 = sum
+    rows_ptr,  # [n] int: row of each value inside its table, -1 = none
+    offsets_ptr,  # [F * batch_size + 1] int: bag boundaries
+    psw_ptr,  # [n] per-sample weights (unused unless HAS_WEIGHTS)
+    out_ptr,  # [batch_size, total_dim] float32
+    batch_size,
+    total_dim,
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One program per (bag, block of BLOCK_D columns); it walks the bag's ids BLOCK_N at a time.
+    bag = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1).to(tl.int64)
+    feature = bag // batch_size
+    sample = bag - feature * batch_size
+
+    table = tl.load(feature_table_ptr + feature).to(tl.int64)
+    col = tl.load(feature_col_ptr + feature).to(tl.int64)
+    is_mean = tl.load(feature_mean_ptr + feature)
+    dim = tl.load(table_dims_ptr + table).to(tl.int64)
+    base = tl.load(table_offsets_ptr + table).to(tl.int64)
+    start = tl.load(offsets_ptr + bag).to(tl.int64)
+    end = tl.load(offsets_ptr + bag + 1).to(tl.int64)
+
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = d < dim
+    # Column blocks past this table's dim (the grid covers the widest table) read nothing.
+    stop = tl.where(pid_d * BLOCK_D < dim, end, start)
+
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    i = start
+    while i < stop:
+        idx = i + tl.arange(0, BLOCK_N)
+        in_bag = idx < stop
+        row = tl.load(rows_ptr + idx, mask=in_bag, other=-1).to(tl.int64)
+        present = in_bag & (row >= 0)  # -1 rows read as zeros
+        vals = tl.load(
+            weights_ptr + base + row[:, None] * dim + d[None, :],
+            mask=present[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        if HAS_WEIGHTS:
+            w = tl.load(psw_ptr + idx, mask=present, other=0.0).to(tl.float32)
+            vals = vals * w[:, None]
+        acc += tl.sum(vals, axis=0)
+        i += BLOCK_N
+
+    # Mean divides by the bag's full length, -1 rows included; empty bags stay zero.
+    length = tl.maximum(end - start, 1).to(tl.float32)
+    acc = tl.where((is_mean != 0) & (end > start), tl.div_rn(acc, length), acc)
+    tl.store(out_ptr + sample * total_dim + col + d, acc, mask=d_mask)
+
+
+@triton.jit
+def _sequence_lookup_fwd_kernel(
+    weights_ptr,  # float32 flat buffer of all tables
+    table_offsets_ptr,  # [T] int
+    feature_table_ptr,  # [F] int
+    feature_value_offsets_ptr,  # [F + 1] int: values of feature f
+    rows_ptr,  # [n] int, -1 = none
+    out_ptr,  # [n, dim] float32
+    dim,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One program per (block of BLOCK_N values of one feature, feature, block of columns).
+    pid_n = tl.program_id(0).to(tl.int64)
+    feature = tl.program_id(1).to(tl.int64)
+    pid_d = tl.program_id(2).to(tl.int64)
+
+    start = tl.load(feature_value_offsets_ptr + feature).to(tl.int64)
+    end = tl.load(feature_value_offsets_ptr + feature + 1).to(tl.int64)
+    table = tl.load(feature_table_ptr + feature).to(tl.int64)
+    base = tl.load(table_offsets_ptr + table).to(tl.int64)
+
+    idx = start + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_feature = idx < end
+    row = tl.load(rows_ptr + idx, mask=in_feature, other=-1).to(tl.int64)
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = d < dim
+    # A plain copy: no arithmetic on the values, so the output is bit-exact.
+    vals = tl.load(
+        weights_ptr + base + row[:, None] * dim + d[None, :],
+        mask=(in_feature & (row >= 0))[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    tl.store(out_ptr + idx[:, None] * dim + d[None, :], vals, mask=in_feature[:, None] & d_mask[None, :])
+
+
+def _blocks(max_dim: int, max_block_d: int = 128, tile: int = 2048):
+    """(BLOCK_D, BLOCK_N, num_warps): columns per program, ids per loop step (tile <= ``tile``)."""
+    block_d = min(triton.next_power_of_2(max(max_dim, 1)), max_block_d)
+    block_n = max(1, min(32, tile // block_d))
+    num_warps = 4 if block_d * block_n >= 2048 else 2
+    return block_d, block_n, num_warps
+
+
+def _meta(t: Tensor, device: torch.device, dtype: torch.dtype = torch.int64) -> Tensor:
+    """A small index tensor on the kernel's device, contiguous (a no-op when it already is)."""
+    return torch.as_tensor(t).to(device=device, dtype=dtype).contiguous()
+
+
+def _check_weights(weights: Tensor, what: str) -> None:
+    if weights.dtype != torch.float32 or not weights.is_contiguous():
+        raise ValueError(f"{what}: weights must be a contiguous float32 buffer, got {weights.dtype}")
+
+
+def pooled_lookup_forward(
+    weights: Tensor, table_offsets: Tensor, table_dims: Tensor,
+    feature_table: Tensor, feature_col: Tensor, feature_mean: Tensor,
+    rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
+    batch_size: int, total_dim: int,
+) -> Tensor:
+    """Launcher of _pooled_lookup_fwd_kernel: grid (bags, column blocks of the widest table)."""
+    _check_weights(weights, "pooled_lookup")
+    device = weights.device
+    # zeros, not empty: columns no feature covers must read as zeros, as in the reference.
+    out = torch.zeros(batch_size, total_dim, dtype=torch.float32, device=device)
+    num_features = feature_table.numel()
+    num_bags = num_features * batch_size
+    if num_bags == 0 or total_dim == 0:
+        return out
+    # Read before the move: no device sync when the caller keeps table_dims on the host.
+    max_dim = int(torch.as_tensor(table_dims).max()) if table_dims.numel() else 0
+    if max_dim == 0:
+        return out
+    table_dims = _meta(table_dims, device)
+    rows = rows.to(device).contiguous()
+    has_weights = per_sample_weights is not None
+    psw = per_sample_weights.to(device).contiguous() if has_weights else rows  # dummy, never read
+    block_d, block_n, num_warps = _blocks(max_dim)
+    grid = (num_bags, triton.cdiv(max_dim, block_d))
+    _pooled_lookup_fwd_kernel[grid](
+        weights, _meta(table_offsets, device), table_dims,
+        _meta(feature_table, device), _meta(feature_col, device), _meta(feature_mean, device, torch.int32),
+        rows, _meta(offsets, device), psw, out,
+        batch_size, total_dim,
+        HAS_WEIGHTS=has_weights, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps,
+    )
+    return out
+
+
+def sequence_lookup_forward(
+    weights: Tensor, table_offsets: Tensor, dim: int, feature_table: Tensor,
+    feature_value_offsets: Tensor, rows: Tensor,
+) -> Tensor:
+    """Launcher of _sequence_lookup_fwd_kernel: grid (value blocks of the longest feature,
+    features, column blocks). The longest feature is read on the host: one small device sync."""
+    _check_weights(weights, "sequence_lookup")
+    device = weights.device
+    n = rows.numel()
+    # zeros: values outside every feature's range stay zero, as in the reference.
+    out = torch.zeros(n, dim, dtype=torch.float32, device=device)
+    num_features = feature_table.numel()
+    if n == 0 or dim == 0 or num_features == 0:
+        return out
+    fvo = _meta(feature_value_offsets, device)
+    max_len = int((fvo[1:] - fvo[:-1]).max())
+    if max_len <= 0:
+        return out
+    block_d, block_n, num_warps = _blocks(dim, max_block_d=256, tile=4096)
+    # Value blocks on axis 0: the only axis allowed more than 65535 programs.
+    grid = (triton.cdiv(max_len, block_n), num_features, triton.cdiv(dim, block_d))
+    _sequence_lookup_fwd_kernel[grid](
+        weights, _meta(table_offsets, device), _meta(feature_table, device), fvo,
+        rows.to(device).contiguous(), out, dim,
+        BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps,
+    )
+    return out
+
+
+def pooled_lookup(
+    weights: Tensor, table_offsets: Tensor, table_dims: Tensor,
+    feature_table: Tensor, feature_col: Tensor, feature_mean: Tensor,
+    rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
+    batch_size: int, total_dim: int,
+) -> Tensor:
+    """[batch_size, total_dim] float32 pooled output: feature f's bags land in columns
+    feature_col[f]...; sum (or mean where feature_mean[f]) of the rows of each bag, scaled by
+    per_sample_weights when given. Rows of -1 read as zeros; empty bags are zeros."""
+    return pooled_lookup_forward(weights, table_offsets, table_dims, feature_table, feature_col,
+                                 feature_mean, rows, offsets, per_sample_weights, batch_size, total_dim)
+
+
+def sequence_lookup(
+    weights: Tensor, table_offsets: Tensor, dim: int, feature_table: Tensor,
+    feature_value_offsets: Tensor, rows: Tensor,
+) -> Tensor:
+    """[num_values, dim] float32: the row of each id (zeros for -1); values of feature f are
+    [feature_value_offsets[f], feature_value_offsets[f + 1]) and read table feature_table[f]."""
+    return sequence_lookup_forward(weights, table_offsets, dim, feature_table, feature_value_offsets, rows)

@@ -1,0 +1,244 @@
+"""Triton backward of the embedding lookups fused with the optimizer step (sparse update).
+
+Value i of a lookup belongs to unique row ``inverse[i]``. Its gradient is, for a pooled lookup
+(``offsets`` given), ``grad[b, col:col + dim]`` of its bag g = f * batch_size + b, times its
+per-sample weight and 1/len(bag) for mean features; for a sequence lookup (``offsets`` None),
+``grad[i]``. The gradients are summed per unique row and every unique row >= 0 takes one step of
+the optimizer, in place on ``weights`` and the optimizer ``states``: torch.optim's SGD, Adagrad,
+Adam and torchrec's RowWiseAdagrad restricted to the touched rows, with hparams
+(lr, eps, beta1, beta2, weight_decay, lr_decay) and 1-based ``step``. Same signature and
+semantics as torchrec_ext.reference.fused_update; storage convention in embedding_lookup.py.
+
+How: the host groups the values by unique row with torch ops (a stable sort of ``inverse``,
+then segment bounds by binary search; no device sync, no per-value [n, dim] gradient). Then one
+program per (unique row, block of columns) sums its values' gradients straight from ``grad`` and
+applies the update. Row-wise Adagrad needs mean(g^2) over the whole row, so it runs with one
+block covering the widest table. Per-row sums run in value order, BLOCK_N values at a time.
+"""
+import math
+from typing import List, Optional, Sequence, Union
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# Ids of the optimizers, as torchrec_ext.reference.OPTIMIZERS (a test checks they agree).
+OPTIMIZERS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3}
+_SGD, _ADAGRAD, _ROWWISE_ADAGRAD, _ADAM = 0, 1, 2, 3
+_NUM_STATES = {_SGD: 0, _ADAGRAD: 1, _ROWWISE_ADAGRAD: 1, _ADAM: 2}
+
+
+@triton.jit
+def _fused_update_bwd_kernel(
+    grad_ptr,  # pooled: [batch_size, total_dim]; sequence: [n, >= dim]; any float dtype
+    grad_stride,  # elements between two rows of grad
+    weights_ptr,  # float32 flat buffer of all tables, updated in place
+    state1_ptr,  # momentum1: like weights (adagrad, adam) or one float per row (rowwise)
+    state2_ptr,  # momentum2 (adam), like weights
+    table_offsets_ptr,  # [T] int
+    table_dims_ptr,  # [T] int
+    state_row_offsets_ptr,  # [T] int: first row-wise state of each table
+    unique_rows_ptr,  # [U] int, < 0 = skip
+    unique_table_ptr,  # [U] int
+    seg_ptr,  # [U + 1] int64: values of unique u are order[seg[u]:seg[u + 1]]
+    order_ptr,  # [n] int64: value indices, grouped by unique row, ascending within a group
+    bag_ptr,  # [n] int64: bag of order[k] (pooled only)
+    offsets_ptr,  # [num_bags + 1] int (pooled only)
+    psw_ptr,  # [n] per-sample weights (HAS_WEIGHTS only)
+    feature_col_ptr,  # [F] int (pooled only)
+    feature_mean_ptr,  # [F] int32 (pooled only)
+    batch_size,
+    lr,  # sgd / adam: lr; adagrads: lr already decayed for this step
+    eps,
+    lerp_weight,  # adam: 1 - beta1
+    beta2,
+    one_minus_beta2,
+    adam_step_size,  # lr / (1 - beta1^step)
+    sqrt_bc2,  # sqrt(1 - beta2^step)
+    weight_decay,
+    OPTIMIZER: tl.constexpr,
+    POOLED: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    HAS_WEIGHT_DECAY: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    u = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1).to(tl.int64)
+    row = tl.load(unique_rows_ptr + u).to(tl.int64)
+    table = tl.load(unique_table_ptr + u).to(tl.int64)
+    live = row >= 0  # unique rows < 0 take no update
+    safe_table = tl.where(live, table, 0)  # tables of skipped rows may be anything
+    dim = tl.load(table_dims_ptr + safe_table).to(tl.int64)
+    base = tl.load(table_offsets_ptr + safe_table).to(tl.int64)
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = (d < dim) & live
+
+    # ---- sum of the gradients of this row's values -------------------------------------
+    seg_start = tl.load(seg_ptr + u)
+    seg_end = tl.load(seg_ptr + u + 1)
+    seg_end = tl.where(live & (pid_d * BLOCK_D < dim), seg_end, seg_start)  # nothing to read
+    g = tl.zeros([BLOCK_D], dtype=tl.float32)
+    k = seg_start
+    while k < seg_end:
+        kk = k + tl.arange(0, BLOCK_N)
+        k_mask = kk < seg_end
+        value = tl.load(order_ptr + kk, mask=k_mask, other=0)
+        if POOLED:
+            bag = tl.load(bag_ptr + kk, mask=k_mask, other=0)
+            feature = bag // batch_size
+            sample = bag - feature * batch_size
+            col = tl.load(feature_col_ptr + feature, mask=k_mask, other=0).to(tl.int64)
+            if HAS_WEIGHTS:
+                scale = tl.load(psw_ptr + value, mask=k_mask, other=0.0).to(tl.float32)
+            else:
+                scale = tl.full([BLOCK_N], 1.0, tl.float32)
+            is_mean = tl.load(feature_mean_ptr + feature, mask=k_mask, other=0)
+            length = (tl.load(offsets_ptr + bag + 1, mask=k_mask, other=1)
+                      - tl.load(offsets_ptr + bag, mask=k_mask, other=0))
+            length = tl.maximum(length, 1).to(tl.float32)
+            scale = tl.where(is_mean != 0, tl.div_rn(scale, length), scale)
+            src = grad_ptr + sample * grad_stride + col
+        else:
+            src = grad_ptr + value * grad_stride
+        vals = tl.load(src[:, None] + d[None, :], mask=k_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+        if POOLED:
+            vals = scale[:, None] * vals
+        g += tl.sum(vals, axis=0)
+        k += BLOCK_N
+
+    # ---- optimizer step, in the reference's operation order ----------------------------
+    elem = base + row * dim + d
+    w = tl.load(weights_ptr + elem, mask=d_mask, other=0.0)
+    if HAS_WEIGHT_DECAY:
+        g = g + weight_decay * w
+    if OPTIMIZER == 0:  # sgd
+        w = w - lr * g
+    elif OPTIMIZER == 1:  # adagrad: state += g^2; w -= clr * g / (sqrt(state) + eps)
+        s = tl.load(state1_ptr + elem, mask=d_mask, other=0.0)
+        s = s + g * g
+        tl.store(state1_ptr + elem, s, mask=d_mask)
+        w = w - tl.div_rn(lr * g, tl.sqrt_rn(s) + eps)
+    elif OPTIMIZER == 2:  # rowwise_adagrad: state += mean(g^2) over the row (one block holds it)
+        state_at = tl.load(state_row_offsets_ptr + safe_table).to(tl.int64) + row
+        s = tl.load(state1_ptr + state_at, mask=live, other=0.0)
+        s = s + tl.div_rn(tl.sum(g * g, axis=0), tl.maximum(dim, 1).to(tl.float32))
+        tl.store(state1_ptr + state_at, s, mask=live)
+        w = w - tl.div_rn(lr * g, tl.sqrt_rn(s) + eps)
+    else:  # adam
+        m = tl.load(state1_ptr + elem, mask=d_mask, other=0.0)
+        v = tl.load(state2_ptr + elem, mask=d_mask, other=0.0)
+        # torch.lerp's two formulas, picked by the weight as torch does.
+        m = tl.where(lerp_weight < 0.5, m + lerp_weight * (g - m), g - (g - m) * (1.0 - lerp_weight))
+        v = v * beta2 + one_minus_beta2 * g * g
+        tl.store(state1_ptr + elem, m, mask=d_mask)
+        tl.store(state2_ptr + elem, v, mask=d_mask)
+        w = w - tl.div_rn(adam_step_size * m, tl.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps)
+    tl.store(weights_ptr + elem, w, mask=d_mask)
+
+
+def _optimizer_id(optimizer: Union[str, int]) -> int:
+    if isinstance(optimizer, str) and optimizer in OPTIMIZERS:
+        return OPTIMIZERS[optimizer]
+    if isinstance(optimizer, int) and not isinstance(optimizer, bool) and optimizer in OPTIMIZERS.values():
+        return optimizer
+    raise ValueError(f"fused_update: optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
+
+
+def _meta(t: Tensor, device: torch.device, dtype: torch.dtype = torch.int64) -> Tensor:
+    return torch.as_tensor(t).to(device=device, dtype=dtype).contiguous()
+
+
+def fused_update_backward(
+    grad: Tensor, weights: Tensor, states: List[Tensor],
+    table_offsets: Tensor, table_dims: Tensor, state_row_offsets: Tensor,
+    unique_rows: Tensor, unique_table: Tensor, inverse: Tensor,
+    offsets: Optional[Tensor], per_sample_weights: Optional[Tensor],
+    feature_col: Tensor, feature_mean: Tensor, batch_size: int,
+    optimizer: Union[str, int], hparams: Sequence[float], step: int,
+) -> None:
+    """Launcher of _fused_update_bwd_kernel: groups the values by unique row, then one program
+    per (unique row, column block)."""
+    opt = _optimizer_id(optimizer)
+    lr, eps, beta1, beta2, weight_decay, lr_decay = (float(h) for h in hparams)
+    if weights.dtype != torch.float32 or not weights.is_contiguous():
+        raise ValueError("fused_update: weights must be a contiguous float32 buffer")
+    if len(states) < _NUM_STATES[opt]:
+        raise ValueError(f"fused_update: {optimizer!r} needs {_NUM_STATES[opt]} state buffers, got {len(states)}")
+    for s in states[:_NUM_STATES[opt]]:
+        if s.dtype != torch.float32 or not s.is_contiguous() or s.device != weights.device:
+            raise ValueError("fused_update: states must be contiguous float32 buffers on the weights' device")
+    num_unique = unique_rows.numel()
+    if num_unique == 0:
+        return
+    device = weights.device
+    max_dim = int(torch.as_tensor(table_dims).max())  # before the move: no sync for host dims
+    if max_dim <= 0:
+        return
+
+    # Group values by unique row: a stable sort keeps each row's values in ascending order, and
+    # seg[u] = first position of u in the sorted inverse (searchsorted: no bincount, no sync).
+    inverse = inverse.to(device=device, dtype=torch.int64)
+    sorted_inverse, order = torch.sort(inverse, stable=True)
+    seg = torch.searchsorted(sorted_inverse, torch.arange(num_unique + 1, device=device, dtype=torch.int64))
+
+    pooled = offsets is not None
+    has_weights = pooled and per_sample_weights is not None
+    if pooled:
+        offsets = _meta(offsets, device)
+        # Bag of each value, as the reference's repeat_interleave of the bag lengths: value i
+        # lies in the bag whose [offsets[g], offsets[g + 1]) holds offsets[0] + i.
+        bag = torch.searchsorted(offsets, offsets[:1] + order, right=True) - 1
+        feature_col_t = _meta(feature_col, device)
+        feature_mean_t = _meta(feature_mean, device, torch.int32)
+    else:
+        bag = offsets = feature_col_t = feature_mean_t = order  # dummies, never read
+    psw = per_sample_weights.to(device).contiguous() if has_weights else order
+    if grad.stride(-1) != 1:
+        grad = grad.contiguous()
+    grad_stride = grad.stride(0) if grad.dim() > 1 else 1
+
+    if opt in (_ADAGRAD, _ROWWISE_ADAGRAD):
+        lr = lr / (1 + (step - 1) * lr_decay)
+    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
+    adam_step_size = lr / bc1 if opt == _ADAM else 0.0
+    sqrt_bc2 = math.sqrt(bc2) if opt == _ADAM else 1.0
+
+    if opt == _ROWWISE_ADAGRAD:
+        block_d = triton.next_power_of_2(max_dim)  # the whole row in one block, for mean(g^2)
+    else:
+        block_d = min(triton.next_power_of_2(max_dim), 256)
+    block_n = max(1, min(16, 4096 // block_d))
+    num_warps = 8 if block_d >= 1024 else 4 if block_d >= 256 else 2
+    state1 = states[0] if _NUM_STATES[opt] >= 1 else weights  # dummies, never read
+    state2 = states[1] if _NUM_STATES[opt] >= 2 else weights
+    grid = (num_unique, triton.cdiv(max_dim, block_d))
+    _fused_update_bwd_kernel[grid](
+        grad, grad_stride, weights, state1, state2,
+        _meta(table_offsets, device), _meta(table_dims, device), _meta(state_row_offsets, device),
+        unique_rows.to(device).contiguous(), unique_table.to(device).contiguous(),
+        seg, order, bag, offsets, psw, feature_col_t, feature_mean_t,
+        batch_size,
+        lr, eps, 1.0 - beta1, beta2, 1.0 - beta2, adam_step_size, sqrt_bc2, weight_decay,
+        OPTIMIZER=opt, POOLED=pooled, HAS_WEIGHTS=has_weights, HAS_WEIGHT_DECAY=weight_decay != 0,
+        BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps,
+    )
+
+
+def fused_update(
+    grad: Tensor, weights: Tensor, states: List[Tensor],
+    table_offsets: Tensor, table_dims: Tensor, state_row_offsets: Tensor,
+    unique_rows: Tensor, unique_table: Tensor, inverse: Tensor,
+    offsets: Optional[Tensor], per_sample_weights: Optional[Tensor],
+    feature_col: Tensor, feature_mean: Tensor, batch_size: int,
+    optimizer: Union[str, int], hparams: Sequence[float], step: int,
+) -> None:
+    """Backward of a lookup fused with the optimizer step, in place on weights and states.
+
+    ``optimizer``: a name of OPTIMIZERS ("sgd", "adagrad", "rowwise_adagrad", "adam") or its id.
+    hparams: (lr, eps, beta1, beta2, weight_decay, lr_decay); ``step`` is 1-based.
+    """
+    fused_update_backward(grad, weights, states, table_offsets, table_dims, state_row_offsets,
+                          unique_rows, unique_table, inverse, offsets, per_sample_weights,
+                          feature_col, feature_mean, batch_size, optimizer, hparams, step)

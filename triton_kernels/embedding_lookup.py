@@ -145,13 +145,16 @@ def _check_weights(weights: Tensor, what: str) -> None:
         raise ValueError(f"{what}: weights must be a contiguous float32 buffer, got {weights.dtype}")
 
 
-def pooled_lookup_forward(
+def pooled_lookup(
     weights: Tensor, table_offsets: Tensor, table_dims: Tensor,
     feature_table: Tensor, feature_col: Tensor, feature_mean: Tensor,
     rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
     batch_size: int, total_dim: int,
 ) -> Tensor:
-    """Launcher of _pooled_lookup_fwd_kernel: grid (bags, column blocks of the widest table)."""
+    """[batch_size, total_dim] float32 pooled output: feature f's bags land in columns
+    feature_col[f]...; sum (or mean where feature_mean[f]) of the rows of each bag, scaled by
+    per_sample_weights when given. Rows of -1 read as zeros; empty bags are zeros."""
+    # Launcher of _pooled_lookup_fwd_kernel: grid (bags, column blocks of the widest table).
     _check_weights(weights, "pooled_lookup")
     device = weights.device
     # zeros, not empty: columns no feature covers must read as zeros, as in the reference.
@@ -180,12 +183,14 @@ def pooled_lookup_forward(
     return out
 
 
-def sequence_lookup_forward(
+def sequence_lookup(
     weights: Tensor, table_offsets: Tensor, dim: int, feature_table: Tensor,
     feature_value_offsets: Tensor, rows: Tensor,
 ) -> Tensor:
-    """Launcher of _sequence_lookup_fwd_kernel: grid (value blocks of the longest feature,
-    features, column blocks). The longest feature is read on the host: one small device sync."""
+    """[num_values, dim] float32: the row of each id (zeros for -1); values of feature f are
+    [feature_value_offsets[f], feature_value_offsets[f + 1]) and read table feature_table[f]."""
+    # Grid: (value blocks of the longest feature, features, column blocks); the longest feature
+    # is read on the host: one small device sync.
     _check_weights(weights, "sequence_lookup")
     device = weights.device
     n = rows.numel()
@@ -207,25 +212,3 @@ def sequence_lookup_forward(
         BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps,
     )
     return out
-
-
-def pooled_lookup(
-    weights: Tensor, table_offsets: Tensor, table_dims: Tensor,
-    feature_table: Tensor, feature_col: Tensor, feature_mean: Tensor,
-    rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
-    batch_size: int, total_dim: int,
-) -> Tensor:
-    """[batch_size, total_dim] float32 pooled output: feature f's bags land in columns
-    feature_col[f]...; sum (or mean where feature_mean[f]) of the rows of each bag, scaled by
-    per_sample_weights when given. Rows of -1 read as zeros; empty bags are zeros."""
-    return pooled_lookup_forward(weights, table_offsets, table_dims, feature_table, feature_col,
-                                 feature_mean, rows, offsets, per_sample_weights, batch_size, total_dim)
-
-
-def sequence_lookup(
-    weights: Tensor, table_offsets: Tensor, dim: int, feature_table: Tensor,
-    feature_value_offsets: Tensor, rows: Tensor,
-) -> Tensor:
-    """[num_values, dim] float32: the row of each id (zeros for -1); values of feature f are
-    [feature_value_offsets[f], feature_value_offsets[f + 1]) and read table feature_table[f]."""
-    return sequence_lookup_forward(weights, table_offsets, dim, feature_table, feature_value_offsets, rows)

@@ -150,7 +150,7 @@ def _meta(t: Tensor, device: torch.device, dtype: torch.dtype = torch.int64) -> 
     return torch.as_tensor(t).to(device=device, dtype=dtype).contiguous()
 
 
-def fused_update_backward(
+def fused_update(
     grad: Tensor, weights: Tensor, states: List[Tensor],
     table_offsets: Tensor, table_dims: Tensor, state_row_offsets: Tensor,
     unique_rows: Tensor, unique_table: Tensor, inverse: Tensor,
@@ -158,8 +158,12 @@ def fused_update_backward(
     feature_col: Tensor, feature_mean: Tensor, batch_size: int,
     optimizer: Union[str, int], hparams: Sequence[float], step: int,
 ) -> None:
-    """Launcher of _fused_update_bwd_kernel: groups the values by unique row, then one program
-    per (unique row, column block)."""
+    """Backward of a lookup fused with the optimizer step, in place on weights and states.
+
+    ``optimizer``: a name of OPTIMIZERS ("sgd", "adagrad", "rowwise_adagrad", "adam") or its id.
+    hparams: (lr, eps, beta1, beta2, weight_decay, lr_decay); ``step`` is 1-based.
+    """
+    # Groups the values by unique row, then one program per (unique row, column block).
     opt = _optimizer_id(optimizer)
     lr, eps, beta1, beta2, weight_decay, lr_decay = (float(h) for h in hparams)
     if weights.dtype != torch.float32 or not weights.is_contiguous():
@@ -224,21 +228,3 @@ def fused_update_backward(
         OPTIMIZER=opt, POOLED=pooled, HAS_WEIGHTS=has_weights, HAS_WEIGHT_DECAY=weight_decay != 0,
         BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps,
     )
-
-
-def fused_update(
-    grad: Tensor, weights: Tensor, states: List[Tensor],
-    table_offsets: Tensor, table_dims: Tensor, state_row_offsets: Tensor,
-    unique_rows: Tensor, unique_table: Tensor, inverse: Tensor,
-    offsets: Optional[Tensor], per_sample_weights: Optional[Tensor],
-    feature_col: Tensor, feature_mean: Tensor, batch_size: int,
-    optimizer: Union[str, int], hparams: Sequence[float], step: int,
-) -> None:
-    """Backward of a lookup fused with the optimizer step, in place on weights and states.
-
-    ``optimizer``: a name of OPTIMIZERS ("sgd", "adagrad", "rowwise_adagrad", "adam") or its id.
-    hparams: (lr, eps, beta1, beta2, weight_decay, lr_decay); ``step`` is 1-based.
-    """
-    fused_update_backward(grad, weights, states, table_offsets, table_dims, state_row_offsets,
-                          unique_rows, unique_table, inverse, offsets, per_sample_weights,
-                          feature_col, feature_mean, batch_size, optimizer, hparams, step)

@@ -149,8 +149,22 @@ def initializer_of(config: BaseEmbeddingConfig) -> Tuple[int, Tuple[float, ...]]
     return init.kernel_params(low, high)
 
 
-def check_table_config(config: object, expected: type, module: str) -> None:
-    """Checks what a dynamic table cannot serve, naming the table and the field."""
+def check_tables(tables: object, expected: type, module: str) -> None:
+    """Checks what a dynamic module cannot serve, naming the table and the field; gives tables
+    without feature_names their own name as feature, as TorchRec's modules do."""
+    if not isinstance(tables, (list, tuple)) or not tables:
+        raise ValueError(f"{module}: tables must be a non-empty list of {expected.__name__}, got {tables!r}")
+    names = set()
+    for config in tables:
+        _check_table(config, expected, module)
+        if config.name in names:
+            raise ValueError(f"Duplicate table name {config.name}")
+        names.add(config.name)
+        if not config.feature_names:
+            config.feature_names = [config.name]
+
+
+def _check_table(config: object, expected: type, module: str) -> None:
     if not isinstance(config, expected):
         raise TypeError(f"{module}: tables must be {expected.__name__}s, got {type(config).__name__}")
     if not config.name:

@@ -9,7 +9,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_ext.modules.base import DynamicCollectionMixin, PooledLookupFunction
-from torchrec_ext.modules.configs import check_table_config
+from torchrec_ext.modules.configs import check_tables
 from torchrec_ext.modules.features import check_and_arrange
 
 
@@ -41,18 +41,10 @@ class DynamicEmbeddingBagCollection(DynamicCollectionMixin, EmbeddingBagCollecti
                  optimizer_kwargs: Optional[Mapping[str, Any]] = None) -> None:
         super().__init__()
         where = type(self).__name__
-        if not isinstance(tables, (list, tuple)) or not tables:
-            raise ValueError(f"{where}: tables must be a non-empty list of EmbeddingBagConfig, got {tables!r}")
-        names = set()
+        check_tables(tables, EmbeddingBagConfig, where)
         for cfg in tables:
-            check_table_config(cfg, EmbeddingBagConfig, where)
-            if cfg.name in names:
-                raise ValueError(f"Duplicate table name {cfg.name}")
-            names.add(cfg.name)
             if cfg.pooling not in (PoolingType.SUM, PoolingType.MEAN):
                 raise ValueError(f"{where}: table {cfg.name!r} pooling must be SUM or MEAN, got {cfg.pooling}")
-            if not cfg.feature_names:
-                cfg.feature_names = [cfg.name]
         self._embedding_bag_configs = list(tables)
         self._is_weighted = bool(is_weighted)
         self._init_dynamic(tables, device, "embedding_bags", optimizer, optimizer_kwargs)

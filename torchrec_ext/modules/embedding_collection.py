@@ -9,7 +9,7 @@ from torchrec.modules.embedding_modules import EmbeddingCollectionInterface, get
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from torchrec_ext.modules.base import DynamicCollectionMixin, SequenceLookupFunction
-from torchrec_ext.modules.configs import check_table_config
+from torchrec_ext.modules.configs import check_tables
 from torchrec_ext.modules.features import check_and_arrange
 
 
@@ -27,20 +27,12 @@ class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInte
                  optimizer_kwargs: Optional[Mapping[str, Any]] = None) -> None:
         super().__init__()
         where = type(self).__name__
-        if not isinstance(tables, (list, tuple)) or not tables:
-            raise ValueError(f"{where}: tables must be a non-empty list of EmbeddingConfig, got {tables!r}")
-        names = set()
+        check_tables(tables, EmbeddingConfig, where)
         for cfg in tables:
-            check_table_config(cfg, EmbeddingConfig, where)
-            if cfg.name in names:
-                raise ValueError(f"Duplicate table name {cfg.name}")
-            names.add(cfg.name)
             if cfg.embedding_dim != tables[0].embedding_dim:
                 raise ValueError(
                     f"All tables in a EmbeddingCollection are required to have same embedding dimension. "
                     f"Violating case: {cfg.name}'s embedding_dim {cfg.embedding_dim} != {tables[0].embedding_dim}")
-            if not cfg.feature_names:
-                cfg.feature_names = [cfg.name]
         self._embedding_configs = list(tables)
         self._embedding_dim = tables[0].embedding_dim
         self._need_indices = bool(need_indices)

@@ -1,0 +1,45 @@
+"""Sharders that let DistributedModelParallel and the planner shard our dynamic modules.
+
+They offer ``table_wise`` and ``row_wise`` (ids spread by ``ops.route``), with TorchRec's
+``customized_kernel`` compute kernel, which the planner accepts with our estimators
+(``torchrec_ext.distributed.planner``).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Type
+
+import torch
+from torch import nn
+from torchrec.distributed.embedding_types import BaseEmbeddingSharder, EmbeddingComputeKernel
+from torchrec.distributed.sharding_plan import get_default_sharders
+from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharder, ShardingEnv, ShardingType
+
+from torchrec_ext.distributed.embeddingbag import ShardedDynamicEmbeddingBagCollection
+from torchrec_ext.modules import DynamicEmbeddingBagCollection
+
+SHARDING_TYPES = [ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value]
+
+
+class DynamicEmbeddingBagCollectionSharder(BaseEmbeddingSharder[DynamicEmbeddingBagCollection]):
+    def shard(self, module: DynamicEmbeddingBagCollection, params: EmbeddingModuleShardingPlan, env: ShardingEnv,
+              device: Optional[torch.device] = None, module_fqn: Optional[str] = None) -> ShardedDynamicEmbeddingBagCollection:
+        return ShardedDynamicEmbeddingBagCollection(module, params, env, device)
+
+    @property
+    def module_type(self) -> Type[DynamicEmbeddingBagCollection]:
+        return DynamicEmbeddingBagCollection
+
+    def shardable_parameters(self, module: DynamicEmbeddingBagCollection) -> Dict[str, nn.Parameter]:
+        return {name: table.weight for name, table in module.embedding_bags.items()}
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return list(SHARDING_TYPES)
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        return [EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value]
+
+
+def get_sharders() -> List[ModuleSharder[nn.Module]]:
+    """Our sharders plus TorchRec's defaults: for DistributedModelParallel(model, sharders=...)
+    on models mixing dynamic and stock TorchRec tables."""
+    return [DynamicEmbeddingBagCollectionSharder()] + list(get_default_sharders())

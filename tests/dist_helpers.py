@@ -49,9 +49,10 @@ def make_batches(rank: int, batch_size: int, num_full: int, last: int, seed: int
     return batches
 
 
-def make_dmp_dlrm(world_size: int, seed: int = 0):
+def make_dmp_dlrm(world_size: int, seed: int = 0, dynamic: bool = False):
     """A DLRM over 3 tables sharded row-wise / table-wise / row-wise, fused Adagrad on the
-    tables, dense Adagrad; returns (dmp, optimizer)."""
+    tables, dense Adagrad; returns (dmp, optimizer). dynamic: torchrec_ext's
+    DynamicEmbeddingBagCollection and sharder instead of TorchRec's EBC."""
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
@@ -66,16 +67,26 @@ def make_dmp_dlrm(world_size: int, seed: int = 0):
     torch.manual_seed(seed)
     tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{i}"])
               for i in range(NUM_TABLES)]
-    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    if dynamic:
+        from torchrec_ext import DynamicEmbeddingBagCollection
+        from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
+
+        ebc = DynamicEmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+        sharder, sharders, kernel = DynamicEmbeddingBagCollectionSharder(), get_sharders(), "customized_kernel"
+    else:
+        ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+        sharder, kernel = EmbeddingBagCollectionSharder(), None
+        sharders = [sharder]
     model = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN,
                            dense_arch_layer_sizes=[16, DIM], over_arch_layer_sizes=[16, 1]))
     apply_optimizer_in_backward(torch.optim.Adagrad, model.model.sparse_arch.parameters(), {"lr": 0.05})
     plan = construct_module_sharding_plan(
-        ebc, per_param_sharding={"t0": row_wise(), "t1": table_wise(rank=world_size - 1), "t2": row_wise()},
-        local_size=world_size, world_size=world_size, device_type="cpu")
+        ebc, per_param_sharding={"t0": row_wise(compute_kernel=kernel), "t1": table_wise(rank=world_size - 1, compute_kernel=kernel),
+                                 "t2": row_wise(compute_kernel=kernel)},
+        sharder=sharder, local_size=world_size, world_size=world_size, device_type="cpu")
     dmp = DistributedModelParallel(
         model, device=torch.device("cpu"), plan=ShardingPlan({"model.sparse_arch.embedding_bag_collection": plan}),
-        sharders=[EmbeddingBagCollectionSharder()])
+        sharders=sharders)
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda params: torch.optim.Adagrad(params, lr=0.05))
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])

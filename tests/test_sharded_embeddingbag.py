@@ -115,3 +115,51 @@ def _check_against_unsharded(rank, world_size, sharding, weighted, optimizer):
 ])
 def test_sharded_equals_unsharded_on_two_ranks(sharding, weighted, optimizer):
     run_ranks(_check_against_unsharded, WORLD, sharding, weighted, optimizer)
+
+
+def _pipelines_equal_plain_loop(rank, world_size):
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    from dist_helpers import local_state, make_batches, make_dmp_dlrm
+    from torchrec_ext.distributed import ShardedDynamicEmbeddingBagCollection
+    from torchrec_ext.pipeline import TrainPipeline
+
+    batches = make_batches(rank, batch_size=16, num_full=5, last=0)
+    reference, reference_opt = make_dmp_dlrm(world_size, dynamic=True)
+    assert isinstance(reference.module.model.sparse_arch.embedding_bag_collection, ShardedDynamicEmbeddingBagCollection)
+    fused_keys = set(reference.fused_optimizer.params)
+    assert "model.sparse_arch.embedding_bag_collection.embedding_bags.t0.weight" in fused_keys
+    want = []
+    for batch in batches:
+        reference_opt.zero_grad()
+        loss, _ = reference(batch)
+        loss.backward()
+        reference_opt.step()
+        want.append(loss.detach().clone())
+    want_state = local_state(reference)
+    for make_pipeline in (lambda m, o: TrainPipelineSparseDist(m, o, torch.device("cpu")),
+                          lambda m, o: TrainPipeline(m, o, torch.device("cpu"))):
+        model, optimizer = make_dmp_dlrm(world_size, dynamic=True)
+        pipeline = make_pipeline(model, optimizer)
+        it, losses = iter(batches), []
+        while True:
+            try:
+                out = pipeline.progress(it)
+            except StopIteration:
+                break
+            losses.append(out[0].detach().clone())
+        # The sharded module really was pipelined (not run unpipelined after a failed rewrite).
+        assert [type(m).__name__ for m in pipeline._pipelined_modules] == ["ShardedDynamicEmbeddingBagCollection"]
+        if hasattr(pipeline, "close"):
+            pipeline.close()
+        assert len(losses) == len(want)
+        for got, expected in zip(losses, want):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        state = local_state(model)
+        assert state.keys() == want_state.keys()
+        for key in want_state:
+            torch.testing.assert_close(state[key], want_state[key], rtol=0, atol=0, msg=key)
+
+
+def test_torchrec_and_our_pipelines_equal_plain_loop():
+    run_ranks(_pipelines_equal_plain_loop, WORLD)

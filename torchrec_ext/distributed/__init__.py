@@ -1,5 +1,11 @@
 """Sharding of the dynamic modules: sharders, sharded modules, planner."""
+from torchrec_ext.distributed.embedding import ShardedDynamicEmbeddingCollection
 from torchrec_ext.distributed.embeddingbag import ShardedDynamicEmbeddingBagCollection
-from torchrec_ext.distributed.sharders import DynamicEmbeddingBagCollectionSharder, get_sharders
+from torchrec_ext.distributed.sharders import (
+    DynamicEmbeddingBagCollectionSharder, DynamicEmbeddingCollectionSharder, get_sharders,
+)
 
-__all__ = ["DynamicEmbeddingBagCollectionSharder", "ShardedDynamicEmbeddingBagCollection", "get_sharders"]
+__all__ = [
+    "DynamicEmbeddingBagCollectionSharder", "DynamicEmbeddingCollectionSharder", "ShardedDynamicEmbeddingBagCollection",
+    "ShardedDynamicEmbeddingCollection", "get_sharders",
+]

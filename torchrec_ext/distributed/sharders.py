@@ -14,13 +14,24 @@ from torchrec.distributed.embedding_types import BaseEmbeddingSharder, Embedding
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharder, ShardingEnv, ShardingType
 
+from torchrec_ext.distributed.embedding import ShardedDynamicEmbeddingCollection
 from torchrec_ext.distributed.embeddingbag import ShardedDynamicEmbeddingBagCollection
-from torchrec_ext.modules import DynamicEmbeddingBagCollection
+from torchrec_ext.modules import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection
 
 SHARDING_TYPES = [ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value]
 
 
-class DynamicEmbeddingBagCollectionSharder(BaseEmbeddingSharder[DynamicEmbeddingBagCollection]):
+class _DynamicSharder:
+    """What both sharders share: sharding types and kernel."""
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return list(SHARDING_TYPES)
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        return [EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value]
+
+
+class DynamicEmbeddingBagCollectionSharder(_DynamicSharder, BaseEmbeddingSharder[DynamicEmbeddingBagCollection]):
     def shard(self, module: DynamicEmbeddingBagCollection, params: EmbeddingModuleShardingPlan, env: ShardingEnv,
               device: Optional[torch.device] = None, module_fqn: Optional[str] = None) -> ShardedDynamicEmbeddingBagCollection:
         return ShardedDynamicEmbeddingBagCollection(module, params, env, device)
@@ -32,14 +43,21 @@ class DynamicEmbeddingBagCollectionSharder(BaseEmbeddingSharder[DynamicEmbedding
     def shardable_parameters(self, module: DynamicEmbeddingBagCollection) -> Dict[str, nn.Parameter]:
         return {name: table.weight for name, table in module.embedding_bags.items()}
 
-    def sharding_types(self, compute_device_type: str) -> List[str]:
-        return list(SHARDING_TYPES)
 
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        return [EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value]
+class DynamicEmbeddingCollectionSharder(_DynamicSharder, BaseEmbeddingSharder[DynamicEmbeddingCollection]):
+    def shard(self, module: DynamicEmbeddingCollection, params: EmbeddingModuleShardingPlan, env: ShardingEnv,
+              device: Optional[torch.device] = None, module_fqn: Optional[str] = None) -> ShardedDynamicEmbeddingCollection:
+        return ShardedDynamicEmbeddingCollection(module, params, env, device)
+
+    @property
+    def module_type(self) -> Type[DynamicEmbeddingCollection]:
+        return DynamicEmbeddingCollection
+
+    def shardable_parameters(self, module: DynamicEmbeddingCollection) -> Dict[str, nn.Parameter]:
+        return {name: table.weight for name, table in module.embeddings.items()}
 
 
 def get_sharders() -> List[ModuleSharder[nn.Module]]:
     """Our sharders plus TorchRec's defaults: for DistributedModelParallel(model, sharders=...)
     on models mixing dynamic and stock TorchRec tables."""
-    return [DynamicEmbeddingBagCollectionSharder()] + list(get_default_sharders())
+    return [DynamicEmbeddingBagCollectionSharder(), DynamicEmbeddingCollectionSharder()] + list(get_default_sharders())

@@ -159,9 +159,10 @@ class DynamicCollectionMixin:
         self._tables.set_optimizer(spec)
         state: Dict[Tensor, Dict[str, Any]] = {}
         for (name, param), m, t in zip(params.items(), self._tables.meta, range(len(params))):
-            entry = {f"{m.name}.{k}": v for k, v in self._tables.state_views(t).items()}
-            entry[f"{m.name}.step"] = self._tables.optimizer_step
-            state[param] = entry
+            # The per-row state (momenta) lives with the rows in the module's state_dict, which is
+            # what stays consistent with the ids; here only the step count, which Adam's bias
+            # correction and Adagrad's lr decay need.
+            state[param] = {f"{m.name}.step": self._tables.optimizer_step}
             # TorchRec's own markers: its sharders and in_backward_optimizer_filter read them.
             if not getattr(param, "_optimizer_classes", None):
                 param._optimizer_classes = [spec.torch_class()]

@@ -147,8 +147,8 @@ class DynamicEmbeddingFusedOptimizer(FusedOptimizer):
 
     Updates happen in backward; ``step()`` / ``zero_grad()`` do nothing, and the hyper-parameters
     of ``param_groups[0]`` (which LR schedulers change) are read at every backward. ``state``
-    holds, per table parameter, views of the optimizer state over all capacity rows and the
-    step count, keyed ``<table>.<name>`` as TorchRec's fused optimizers key them.
+    holds, per table parameter, the step count (``<table>.step``); the per-row state (momenta)
+    is saved with the rows themselves, in the module's ``state_dict`` (``optimizer.<name>``).
     """
 
     def __init__(self, params: Dict[str, Tensor], state: Dict[Tensor, Dict[str, Tensor]], spec: OptimizerSpec):

@@ -1,0 +1,170 @@
+"""ShardedDynamicEmbeddingCollection: a DynamicEmbeddingCollection sharded across ranks.
+
+The same routing as ShardedDynamicEmbeddingBagCollection (row-wise by ``ops.route``, table-wise
+to the owner, one KJTAllToAll). The lookup rank returns one vector per id, and an
+all-to-all brings the vectors back to the rank of their batch, where they are put back in
+the input's order: ``forward`` gives, per feature, a JaggedTensor as the unsharded module does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Type
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.nn.functional import all_to_all_single
+from torchrec.distributed.embedding_sharding import EmbeddingShardingContext, KJTListSplitsAwaitable
+from torchrec.distributed.embedding_types import KJTList
+from torchrec.distributed.types import LazyAwaitable, ParameterSharding, ShardedModule, ShardingEnv
+from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
+from torchrec.optim.keyed import KeyedOptimizer
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+from torchrec.streamable import Multistreamable
+
+from torchrec_ext.distributed.embeddingbag import _RoutedInputDist, check_plan, local_configs_for
+from torchrec_ext.distributed.routing import bucketize, destination_ranks
+from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
+from torchrec_ext.modules.features import LookupPlan, check_and_arrange
+
+
+@dataclass
+class SequenceShardingContext(Multistreamable):
+    """What the output dist needs from the input dist of the same batch."""
+
+    sharding_contexts: List[EmbeddingShardingContext] = field(default_factory=lambda: [EmbeddingShardingContext()])
+    order: Optional[Tensor] = None           # routed position -> input position of each id
+    sent_per_rank: List[int] = field(default_factory=list)
+    lengths: Optional[Tensor] = None         # input lengths, lookup-slot major
+    ids: Optional[Tensor] = None             # input ids (the weights when need_indices)
+    batch_size: int = 0
+    received_lengths: Optional[Tensor] = None  # [slots, world, batch] lengths of the ids received
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        for t in (self.order, self.lengths, self.ids, self.received_lengths):
+            if t is not None:
+                t.record_stream(stream)
+
+
+class _SequenceAwaitable(LazyAwaitable[Dict[str, JaggedTensor]]):
+    def __init__(self, result: Dict[str, JaggedTensor]):
+        super().__init__()
+        self._result = result
+
+    def _wait_impl(self) -> Dict[str, JaggedTensor]:
+        return self._result
+
+
+class ShardedDynamicEmbeddingCollection(
+    ShardedModule[KJTList, List[Tensor], Dict[str, JaggedTensor], SequenceShardingContext], FusedOptimizerModule
+):
+    def __init__(self, module: DynamicEmbeddingCollection, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
+                 env: ShardingEnv, device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        self._env = env
+        self._world_size, self._rank = env.world_size, env.rank
+        configs = module.embedding_configs()
+        self._owners = check_plan(type(self).__name__, configs, table_name_to_parameter_sharding, self._world_size)
+        self._embedding_configs = configs
+        self._dim = module.embedding_dim()
+        self._need_indices = module.need_indices()
+        self._plan = LookupPlan.of(configs)
+        self._slot_owner = [self._owners[configs[t].name] for t in self._plan.tables]
+        local_configs, spec, device = local_configs_for(module, configs, self._owners, self._plan, self._rank,
+                                                        self._world_size, device, pooled=False)
+        self._local: Optional[DynamicEmbeddingCollection] = None
+        if local_configs:
+            local = DynamicEmbeddingCollection(local_configs, device=device,
+                                               optimizer=None if spec is None else spec.kind,
+                                               optimizer_kwargs=None if spec is None else spec.torch_kwargs())
+            object.__setattr__(self, "_local", local)
+            self.embeddings = local.embeddings
+        else:
+            self.embeddings = nn.ModuleDict()
+        self._local_names = [] if self._local is None else [n for cfg in local_configs for n in cfg.feature_names]
+        self._device = device
+        self._input_dists = nn.ModuleList([_RoutedInputDist(env.process_group, len(self._plan.embedding_names), self._world_size)])
+
+    @property
+    def unsharded_module_type(self) -> Type[DynamicEmbeddingCollection]:
+        return DynamicEmbeddingCollection
+
+    def create_context(self) -> SequenceShardingContext:
+        return SequenceShardingContext()
+
+    def input_dist(self, ctx: SequenceShardingContext, features: KeyedJaggedTensor) -> KJTListSplitsAwaitable:
+        batch = check_and_arrange(features, self._plan, False, type(self).__name__)
+        counts = (batch.feature_value_offsets[1:] - batch.feature_value_offsets[:-1]).tolist()
+        destinations = destination_ranks(batch.ids, counts, self._slot_owner, self._world_size)
+        routed = bucketize(self._plan.embedding_names, batch.ids, batch.lengths, None, destinations,
+                           batch.batch_size, self._world_size)
+        ctx.order = _routed_order(destinations, batch.lengths, len(self._plan.embedding_names), batch.batch_size)
+        ctx.sent_per_rank = torch.bincount(destinations, minlength=self._world_size).tolist()
+        ctx.lengths, ctx.batch_size = batch.lengths, batch.batch_size
+        ctx.ids = batch.ids
+        return KJTListSplitsAwaitable([self._input_dists[0](routed)], ctx)
+
+    def compute(self, ctx: SequenceShardingContext, dist_input: KJTList) -> List[Tensor]:
+        received = dist_input[0]  # keys: every slot's output name, feature-major then source rank
+        names, stride = self._plan.embedding_names, received.stride()
+        lengths = received.lengths().view(len(names), self._world_size, stride // max(self._world_size, 1))
+        ctx.received_lengths = lengths
+        if self._local is None:
+            return [torch.zeros(0, self._dim, device=self._device, requires_grad=True)]
+        slots = [names.index(n) for n in self._local_names]
+        local_kjt = KeyedJaggedTensor(keys=self._local_names, values=received.values(),
+                                      lengths=lengths[slots].reshape(-1), stride=stride)
+        self._local.train(self.training)
+        out = self._local(local_kjt)
+        return [torch.cat([out[n].values() for n in self._local_names])]
+
+    def output_dist(self, ctx: SequenceShardingContext, output: List[Tensor]) -> LazyAwaitable[Dict[str, JaggedTensor]]:
+        vectors = output[0]
+        # Received ids are slot-major then source-major: regroup by source to send them back.
+        per_slot_source = ctx.received_lengths.sum(-1)  # [slots, world]
+        back = _source_major_order(per_slot_source)
+        send_counts = per_slot_source.sum(0).tolist()
+        returned = all_to_all_single(
+            vectors.new_empty(sum(ctx.sent_per_rank), self._dim), vectors[back],
+            output_split_sizes=ctx.sent_per_rank, input_split_sizes=send_counts, group=self._env.process_group)
+        restored = returned[torch.argsort(ctx.order)]  # back to the input's order
+        per_slot = (ctx.lengths.view(len(self._plan.embedding_names), ctx.batch_size).sum(1)).tolist()
+        pieces = torch.split(restored, per_slot)
+        ids = torch.split(ctx.ids, per_slot)
+        lengths = ctx.lengths.view(len(per_slot), ctx.batch_size)
+        return _SequenceAwaitable({
+            name: JaggedTensor(values=pieces[i], lengths=lengths[i], weights=ids[i] if self._need_indices else None)
+            for i, name in enumerate(self._plan.embedding_names)
+        })
+
+    def compute_and_output_dist(self, ctx: SequenceShardingContext, input: KJTList) -> LazyAwaitable[Dict[str, JaggedTensor]]:
+        return self.output_dist(ctx, self.compute(ctx, input))
+
+    @property
+    def fused_optimizer(self) -> KeyedOptimizer:
+        return self._local.fused_optimizer if self._local is not None else EmptyFusedOptimizer()
+
+    def embedding_configs(self):
+        return self._embedding_configs
+
+    @property
+    def local_module(self) -> Optional[DynamicEmbeddingCollection]:
+        return self._local
+
+
+def _routed_order(destinations: Tensor, lengths: Tensor, num_slots: int, batch_size: int) -> Tensor:
+    """Input position of each routed id (bucketize's stable sort by destination, then bag)."""
+    bag = torch.repeat_interleave(torch.arange(num_slots * batch_size, device=lengths.device), lengths,
+                                  output_size=destinations.numel())
+    return torch.argsort(destinations * (num_slots * batch_size) + bag, stable=True)
+
+
+def _source_major_order(counts: Tensor) -> Tensor:
+    """Positions, in a slot-major layout of segments counts[slot, source], listed source-major."""
+    slots, sources = counts.shape
+    flat = counts.reshape(-1)
+    starts = torch.cumsum(flat, 0) - flat  # slot-major segment starts
+    order = starts.view(slots, sources).t().reshape(-1)
+    sizes = counts.t().reshape(-1)
+    total = int(sizes.sum())
+    seg_begin = torch.cumsum(sizes, 0) - sizes
+    return torch.repeat_interleave(order - seg_begin, sizes, output_size=total) + torch.arange(total, device=counts.device)

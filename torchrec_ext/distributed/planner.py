@@ -1,0 +1,457 @@
+"""Planning models that hold dynamic tables with TorchRec's ``EmbeddingShardingPlanner``.
+
+TorchRec's planner enumerates sharding options from the sharders, then asks its estimators for
+each shard's storage and perf. Its stock estimators do not know our tables: a dynamic table's
+``num_embeddings`` is a hash-table capacity with index metadata, per-row extras and an optional
+admission side table, and TorchRec's perf estimator refuses the ``customized_kernel`` our
+sharders use. The two estimators here handle the options of our modules and hand every other
+option to TorchRec's own estimators, so a model mixing dynamic and stock tables plans in one go:
+
+    planner = make_planner(Topology(world_size=2, compute_device="cpu"), batch_size=512)
+    plan = planner.plan(model, get_sharders())
+
+Storage of one rank's share of a table (``rows``: the capacity for table_wise, ``ceil(capacity /
+world_size)`` for row_wise, as ``ops.route`` spreads ids evenly):
+
+    rows * (dim * 4 + optimizer state per row)        vectors + state: sgd / none 0, adagrad dim*4,
+                                                      rowwise_adagrad 4, adam 2*dim*4
+    + 17 * round_up(rows, 32)                         index: digest (1 B) + key (8) + score (8) per slot
+    + 8 * rows                   if ttl_steps         last-seen step per row
+    + 17 * round_up(a, 32) + 8 * a  if admit_after>1  admission side table of ``a`` ids (the table's
+                                                      admission_capacity, default its capacity,
+                                                      split like the rows) and their counts
+    + ids in * 8 + outputs * dim * 4                  input / output buffers of a training step
+
+on the compute device's memory (ddr on CPU, hbm on CUDA). The perf model is described above
+``DynamicEmbeddingPerfEstimator``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from torch import nn
+from torchrec.distributed.planner.constants import BIGINT_DTYPE, DDR_MEM_BW, NUM_POOLINGS
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.planner.planners import EmbeddingShardingPlanner
+from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
+from torchrec.distributed.planner.types import (
+    CollectiveType, ParameterConstraints, Perf, PlannerError, PlannerErrorType, SharderDataMap, ShardEstimator,
+    ShardingOption, Storage, Topology,
+)
+from torchrec.distributed.planner.utils import extract_comm_data_type_size
+from torchrec.distributed.types import ModuleSharder, PipelineType, ShardingPlan, ShardingType
+
+from torchrec_ext.modules.configs import options_of
+from torchrec_ext.modules.embedding_bag_collection import DynamicEmbeddingBagCollection
+from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
+
+__all__ = [
+    "DynamicEmbeddingPerfEstimator", "DynamicEmbeddingStorageEstimator", "dynamic_table_bytes", "is_dynamic_option",
+    "make_planner",
+]
+
+DYNAMIC_MODULE_TYPES = (DynamicEmbeddingBagCollection, DynamicEmbeddingCollection)
+SUPPORTED_SHARDING_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value)
+
+# ---------------------------------------------------------------------------- byte model
+FLOAT_BYTES = 4  # rows and optimizer state are float32
+SLOTS_PER_BUCKET = 32  # the hash index allocates whole buckets of 32 slots
+INDEX_BYTES_PER_SLOT = 17  # digest (uint8) + key (int64) + score (int64), see HashTable.metadata_bytes_per_slot
+TTL_BYTES_PER_ROW = 8  # int64 last-seen training step per row
+ADMISSION_COUNT_BYTES = 8  # int64 sighting count per admission slot (besides its own 17 B index slot)
+ID_BYTES = BIGINT_DTYPE  # ids travel and are buffered as int64
+WEIGHT_BYTES = 4  # per-id float32 weight of a weighted EBC
+
+
+def optimizer_state_bytes_per_row(kind: Optional[str], dim: int) -> int:
+    """Bytes of fused-optimizer state per row for an optimizer kind (None: no optimizer)."""
+    if kind is None or kind == "sgd":
+        return 0
+    if kind == "adagrad":
+        return dim * FLOAT_BYTES
+    if kind == "rowwise_adagrad":
+        return FLOAT_BYTES
+    if kind == "adam":
+        return 2 * dim * FLOAT_BYTES
+    raise ValueError(f"dynamic table planner: unknown optimizer kind {kind!r}; "
+                     "expected one of 'sgd', 'adagrad', 'rowwise_adagrad', 'adam' or None")
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _share(n: int, parts: int) -> int:
+    return -(-n // parts)
+
+
+def dynamic_table_bytes(capacity: int, dim: int, optimizer_kind: Optional[str], *, ttl: bool = False,
+                        admit_after: int = 1, admission_capacity: Optional[int] = None, parts: int = 1) -> int:
+    """Bytes one rank holds of a dynamic table split over ``parts`` ranks (1: table_wise), without
+    the step's IO buffers: what ``DynamicEmbeddingBagCollection.storage_bytes()`` reports for a
+    module holding that share."""
+    rows = _share(capacity, parts)
+    total = rows * (dim * FLOAT_BYTES + optimizer_state_bytes_per_row(optimizer_kind, dim))
+    total += INDEX_BYTES_PER_SLOT * _round_up(rows, SLOTS_PER_BUCKET)
+    if ttl:
+        total += TTL_BYTES_PER_ROW * rows
+    if admit_after > 1:
+        pending = _share(admission_capacity if admission_capacity is not None else capacity, parts)
+        total += INDEX_BYTES_PER_SLOT * _round_up(pending, SLOTS_PER_BUCKET) + ADMISSION_COUNT_BYTES * pending
+    return total
+
+
+# ---------------------------------------------------------------------------- option helpers
+
+def is_dynamic_option(option: ShardingOption) -> bool:
+    """Whether a sharding option belongs to one of our dynamic modules."""
+    return isinstance(option.module[1], DYNAMIC_MODULE_TYPES)
+
+
+def _configs(module: nn.Module) -> Sequence[Any]:
+    if isinstance(module, DynamicEmbeddingCollection):
+        return module.embedding_configs()
+    return module.embedding_bag_configs()
+
+
+def _optimizer_kind(module: nn.Module) -> Optional[str]:
+    # The module resolves its optimizer from apply_optimizer_in_backward markers or its
+    # constructor arguments; None means no optimizer state is allocated.
+    fused = module._ensure_optimizer()
+    return None if fused is None else fused.spec.kind
+
+
+@dataclass(frozen=True)
+class _TableInfo:
+    name: str
+    capacity: int
+    dim: int
+    optimizer_kind: Optional[str]
+    ttl: bool
+    admit_after: int
+    admission_capacity: Optional[int]
+    pooled: bool
+    weighted: bool
+
+
+class _TableCache:
+    """Per-estimate cache of what the byte and perf models need about each dynamic table."""
+
+    def __init__(self) -> None:
+        self._modules: Dict[int, Tuple[Optional[str], Dict[str, Any]]] = {}
+
+    def info(self, option: ShardingOption) -> _TableInfo:
+        module = option.module[1]
+        if id(module) not in self._modules:
+            self._modules[id(module)] = (_optimizer_kind(module), {c.name: c for c in _configs(module)})
+        kind, configs = self._modules[id(module)]
+        config = configs.get(option.name)
+        if config is None:
+            raise ValueError(f"dynamic table planner: module {option.path or '<root>'!r} "
+                             f"({type(module).__name__}) has no table named {option.name!r}")
+        opts = options_of(config)
+        return _TableInfo(
+            name=option.name, capacity=int(config.num_embeddings), dim=int(config.embedding_dim),
+            optimizer_kind=kind, ttl=opts.ttl_steps is not None, admit_after=opts.admit_after,
+            admission_capacity=opts.admission_capacity, pooled=not isinstance(module, DynamicEmbeddingCollection),
+            weighted=bool(getattr(module, "is_weighted", lambda: False)()),
+        )
+
+
+def _check_sharding_type(option: ShardingOption) -> None:
+    if option.sharding_type not in SUPPORTED_SHARDING_TYPES:
+        raise ValueError(f"dynamic table planner: table {option.name!r} ({option.path or '<root>'}) has sharding type "
+                         f"{option.sharding_type!r}; dynamic tables support {list(SUPPORTED_SHARDING_TYPES)}")
+
+
+@dataclass(frozen=True)
+class _StepVolume:
+    """Per-step volumes of one table as one shard sees them (counts of ids / output rows)."""
+
+    local_ids: float  # ids of this table in one rank's batch: sum(pooling factor * num_poolings * batch size)
+    shard_ids: float  # ids this shard looks up: every rank's ids (table_wise) or 1/world_size of them (row_wise)
+    shard_outputs: float  # output rows this shard writes (pooled: one per bag of the global batch)
+
+
+def _step_volume(option: ShardingOption, constraints: Optional[Dict[str, ParameterConstraints]],
+                 world_size: int, pooled: bool) -> _StepVolume:
+    constraint = constraints.get(option.name) if constraints else None
+    input_lengths = list(option.input_lengths)
+    num_poolings = (list(option.num_poolings) if option.num_poolings is not None
+                    and len(option.num_poolings) == len(input_lengths)
+                    else list(constraint.num_poolings) if constraint is not None and constraint.num_poolings
+                    else [NUM_POOLINGS] * len(input_lengths))
+    batch_sizes = (list(constraint.batch_sizes) if constraint is not None and constraint.batch_sizes
+                   else [option.batch_size] * len(input_lengths))
+    if not len(input_lengths) == len(num_poolings) == len(batch_sizes):
+        raise ValueError(f"dynamic table planner: table {option.name!r}: pooling_factors, num_poolings and "
+                         f"batch_sizes constraints must have the same length, got {len(input_lengths)}, "
+                         f"{len(num_poolings)}, {len(batch_sizes)}")
+    local_ids = sum(il * npool * bs for il, npool, bs in zip(input_lengths, num_poolings, batch_sizes))
+    # A pooled bag yields one output row if it can hold an id at all (TorchRec's min(1, length)).
+    local_bags = sum(min(1.0, il) * npool * bs for il, npool, bs in zip(input_lengths, num_poolings, batch_sizes))
+    if option.sharding_type == ShardingType.TABLE_WISE.value:
+        shard_ids = local_ids * world_size
+        shard_outputs = (local_bags if pooled else local_ids) * world_size
+    else:  # row_wise: ids spread evenly over ranks; pooled partial sums cover every rank's bags
+        shard_ids = local_ids
+        shard_outputs = local_bags * world_size if pooled else local_ids
+    return _StepVolume(local_ids=local_ids, shard_ids=shard_ids, shard_outputs=shard_outputs)
+
+
+# ---------------------------------------------------------------------------- storage
+
+class DynamicEmbeddingStorageEstimator(ShardEstimator):
+    """Per-shard storage of dynamic tables from the byte model in this module's docstring; any
+    other sharding option goes to TorchRec's ``EmbeddingStorageEstimator``.
+
+    Args:
+        topology: the planner's topology: its compute device decides hbm (cuda, mtia) or ddr (cpu).
+        constraints: per-table ``ParameterConstraints`` (pooling_factors, num_poolings, batch_sizes
+            size the IO buffers).
+        pipeline_type, run_embedding_at_peak_memory: passed to TorchRec's estimator for stock tables.
+        is_inference: no IO buffers are counted (as TorchRec does for inference).
+    """
+
+    def __init__(self, topology: Topology, constraints: Optional[Dict[str, ParameterConstraints]] = None,
+                 pipeline_type: PipelineType = PipelineType.NONE, run_embedding_at_peak_memory: bool = False,
+                 is_inference: bool = False) -> None:
+        self._topology = topology
+        self._constraints = constraints
+        self._is_inference = is_inference
+        self._delegate = EmbeddingStorageEstimator(
+            topology=topology, constraints=constraints, pipeline_type=pipeline_type,
+            run_embedding_at_peak_memory=run_embedding_at_peak_memory, is_inference=is_inference)
+
+    def estimate(self, sharding_options: List[ShardingOption], sharder_data_map: Optional[SharderDataMap] = None) -> None:
+        ours = [o for o in sharding_options if is_dynamic_option(o)]
+        others = [o for o in sharding_options if not is_dynamic_option(o)]
+        if others:
+            self._delegate.estimate(others, sharder_data_map=sharder_data_map)
+        cache = _TableCache()
+        for option in ours:
+            _check_sharding_type(option)
+            table = cache.info(option)
+            for shard, nbytes in zip(option.shards, self.shard_bytes(option, table)):
+                shard.storage = self._on_device(nbytes)
+
+    def shard_bytes(self, option: ShardingOption, table: _TableInfo) -> List[int]:
+        world_size = self._topology.world_size
+        parts = world_size if option.sharding_type == ShardingType.ROW_WISE.value else 1
+        resident = dynamic_table_bytes(table.capacity, table.dim, table.optimizer_kind, ttl=table.ttl,
+                                       admit_after=table.admit_after, admission_capacity=table.admission_capacity,
+                                       parts=parts)
+        io = 0
+        if not self._is_inference:
+            volume = _step_volume(option, self._constraints, world_size, table.pooled)
+            id_bytes = ID_BYTES + (WEIGHT_BYTES if table.weighted else 0)
+            io = math.ceil(volume.shard_ids * id_bytes) + math.ceil(volume.shard_outputs * table.dim * FLOAT_BYTES)
+        # Every rank of a row_wise table holds an even share, whatever sizes TorchRec's row split
+        # gave the shards: ids are spread by hash, not by row range.
+        return [resident + io] * len(option.shards)
+
+    def _on_device(self, nbytes: int) -> Storage:
+        if self._topology.compute_device in ("cuda", "mtia"):
+            return Storage(hbm=nbytes, ddr=0)
+        return Storage(hbm=0, ddr=nbytes)
+
+
+# ---------------------------------------------------------------------------- perf
+#
+# Times are in ms, like TorchRec's (its bandwidths are bytes/ms). Each per-id cost is expressed
+# as "bytes-equivalent": the bytes the compute device's memory bandwidth would stream in that
+# time, so costs scale with Topology.ddr_mem_bw (cpu) / hbm_mem_bw (cuda) as TorchRec's do.
+# They are calibrated so that at TorchRec's default DDR_MEM_BW (51 GB/s) they reproduce what our
+# CPU module does on a 2-core machine:
+#   hash find_or_insert ~20 M keys/s (50 ns/id), find ~70 M keys/s (14 ns/id);
+#   training step (lookup + fused update) ~5 M ids/s at dim 64 with adagrad, and measured as
+#   85 ns + 1.77 ns * dim per id for dims 16..128 (adagrad).
+# The 85 ns intercept is the find_or_insert (50 ns) plus ~35 ns of per-id work in the update
+# (dedup of touched rows, bookkeeping). The slope moves 24 B per dim with adagrad (4 B row read
+# forward; grad 4 + row read/write 8 + state read/write 8 backward): 1.77 ns / 24 B is 4x the
+# streaming cost at 51 GB/s, the price of touching rows at random.
+
+_REFERENCE_BW = DDR_MEM_BW  # bytes/ms the constants below were normalised to
+
+
+def _ns_as_bytes(ns: float) -> float:
+    return ns * _REFERENCE_BW / 1e6
+
+
+HASH_INSERT_BYTES = _ns_as_bytes(50.0)  # find_or_insert per id (training lookups): ~20 M keys/s on 2 cores
+HASH_FIND_BYTES = _ns_as_bytes(14.0)  # find per id (inference lookups): ~70 M keys/s on 2 cores
+UPDATE_OVERHEAD_BYTES = _ns_as_bytes(35.0)  # per id in the fused update besides the row/state bytes
+ROUTE_BYTES = _ns_as_bytes(15.0)  # row_wise: route(id) hash + bucketing by rank on the sending rank (~13 ns/id measured)
+RANDOM_ROW_FACTOR = 4.0  # row / state bytes touched at random cost 4x streamed bytes
+
+
+class DynamicEmbeddingPerfEstimator(ShardEstimator):
+    """Per-shard perf of dynamic tables from a bandwidth model; any other sharding option goes to
+    TorchRec's ``EmbeddingPerfEstimator``.
+
+    Per shard and step (``ids``: ids the shard looks up: all ranks' for table_wise, 1/world_size
+    of them for row_wise; ``outs``: output rows it writes; ``bw``: the device memory bandwidth):
+
+        fwd_compute = (ids * (8 + probe + 4 * dim*4) + outs * dim*4 [+ row_wise: local ids * route]) / bw
+        bwd_compute = (outs * dim*4 + ids * (update overhead + 4 * (dim*4 + 2 * (dim*4 + state)))) / bw
+        fwd_comms   = outs * dim * comm dtype size / reduce-scatter (pooled) or all-to-all bw
+        bwd_comms   = the same volume / all-gather (pooled) or all-to-all bw
+        input_dist_comms = ids * 8 (+4 if weighted) / all-to-all bw
+
+    ``probe`` is find_or_insert in training and find for inference (no backward then). Comms are 0
+    with one rank. The constants are justified above their definitions.
+    """
+
+    def __init__(self, topology: Topology, constraints: Optional[Dict[str, ParameterConstraints]] = None,
+                 is_inference: bool = False) -> None:
+        self._topology = topology
+        self._constraints = constraints
+        self._is_inference = is_inference
+        self._delegate = EmbeddingPerfEstimator(topology=topology, constraints=constraints, is_inference=is_inference)
+
+    def estimate(self, sharding_options: List[ShardingOption], sharder_data_map: Optional[SharderDataMap] = None) -> None:
+        ours = [o for o in sharding_options if is_dynamic_option(o)]
+        others = [o for o in sharding_options if not is_dynamic_option(o)]
+        if others:
+            self._delegate.estimate(others, sharder_data_map=sharder_data_map)
+        cache = _TableCache()
+        for option in ours:
+            _check_sharding_type(option)
+            table = cache.info(option)
+            sharder_data = sharder_data_map.get(option.module_type_key) if sharder_data_map else None
+            perf = self.shard_perf(option, table, sharder_data)
+            for shard in option.shards:
+                shard.perf = Perf(fwd_compute=perf.fwd_compute, fwd_comms=perf.fwd_comms, bwd_compute=perf.bwd_compute,
+                                  bwd_comms=perf.bwd_comms, input_dist_comms=perf.input_dist_comms)
+
+    def _device_bw(self) -> float:
+        if self._topology.compute_device in ("cuda", "mtia"):
+            return self._topology.hbm_mem_bw
+        return self._topology.ddr_mem_bw
+
+    def _comms_bw(self, collective: CollectiveType) -> float:
+        return self._topology.comms_bandwidths.get_bw(
+            local_world_size=self._topology.local_world_size, world_size=self._topology.world_size,
+            collective_type=collective)
+
+    def _comm_sizes(self, option: ShardingOption, sharder_data: Any) -> Tuple[float, float, float, float]:
+        # (fwd a2a, bwd a2a, fwd reduce-scatter, bwd reduce-scatter) element sizes, honouring the
+        # sharder's qcomm codecs as TorchRec does; float32 without them.
+        if sharder_data is None:
+            return (FLOAT_BYTES,) * 4
+        return extract_comm_data_type_size(option, sharder_data)
+
+    def shard_perf(self, option: ShardingOption, table: _TableInfo, sharder_data: Any = None) -> Perf:
+        world_size = self._topology.world_size
+        volume = _step_volume(option, self._constraints, world_size, table.pooled)
+        row_bytes = table.dim * FLOAT_BYTES
+        id_bytes = ID_BYTES + (WEIGHT_BYTES if table.weighted else 0)
+        bw = self._device_bw()
+        probe = HASH_FIND_BYTES if self._is_inference else HASH_INSERT_BYTES
+        fwd_bytes = (volume.shard_ids * (id_bytes + probe + RANDOM_ROW_FACTOR * row_bytes)
+                     + volume.shard_outputs * row_bytes)
+        if option.sharding_type == ShardingType.ROW_WISE.value and world_size > 1:
+            fwd_bytes += volume.local_ids * ROUTE_BYTES
+        fwd_compute = fwd_bytes / bw
+        bwd_compute = 0.0
+        if not self._is_inference:
+            state = optimizer_state_bytes_per_row(table.optimizer_kind, table.dim)
+            update_bytes = row_bytes + 2 * (row_bytes + state)  # grad in, row and state read + written
+            bwd_compute = (volume.shard_outputs * row_bytes
+                           + volume.shard_ids * (UPDATE_OVERHEAD_BYTES + RANDOM_ROW_FACTOR * update_bytes)) / bw
+        fwd_comms = bwd_comms = input_dist = 0.0
+        if world_size > 1:
+            fwd_a2a, bwd_a2a, fwd_rs, bwd_rs = self._comm_sizes(option, sharder_data)
+            a2a_bw = self._comms_bw(CollectiveType.ALL_TO_ALL)
+            out_elems = volume.shard_outputs * table.dim
+            if table.pooled:  # partial pools are reduce-scattered to their batch's rank; grads all-gathered back
+                fwd_comms = out_elems * fwd_rs / self._comms_bw(CollectiveType.REDUCE_SCATTER)
+                bwd_comms = 0.0 if self._is_inference else out_elems * bwd_rs / self._comms_bw(CollectiveType.ALL_GATHER)
+            else:  # looked-up rows go back to the requesting ranks, gradients come the other way
+                fwd_comms = out_elems * fwd_a2a / a2a_bw
+                bwd_comms = 0.0 if self._is_inference else out_elems * bwd_a2a / a2a_bw
+            input_dist = volume.shard_ids * id_bytes / a2a_bw
+        return Perf(fwd_compute=fwd_compute, fwd_comms=fwd_comms, bwd_compute=bwd_compute, bwd_comms=bwd_comms,
+                    input_dist_comms=input_dist)
+
+
+# ---------------------------------------------------------------------------- planner
+
+def _tier(topology: Topology) -> str:
+    return "hbm" if topology.compute_device in ("cuda", "mtia") else "ddr"
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1024**3:.3f} GB"
+
+
+class _DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
+    """TorchRec's planner; when it finds no plan, it names the tables that fit on no rank."""
+
+    def plan(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> ShardingPlan:
+        try:
+            return super().plan(module, sharders)
+        except PlannerError as error:
+            detail = self._oversized_tables(module, sharders)
+            if not detail:
+                raise
+            raise PlannerError(detail + "\n\nTorchRec's planner reported:\n" + str(error),
+                               error_type=PlannerErrorType.INSUFFICIENT_STORAGE) from error
+
+    def _oversized_tables(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> Optional[str]:
+        options = self._enumerator.enumerate(module=module, sharders=sharders)  # cached by the enumerator
+        reserved = self._storage_reservation.last_reserved_topology or self._topology
+        tier = _tier(self._topology)
+        capacity = max(getattr(d.storage, tier) for d in reserved.devices)
+        hardware = max(getattr(d.storage, tier) for d in self._topology.devices)
+        best: Dict[str, Tuple[int, ShardingOption]] = {}
+        for option in options:
+            need = max(getattr(s.storage, tier) for s in option.shards)
+            if option.fqn not in best or need < best[option.fqn][0]:
+                best[option.fqn] = (need, option)
+        too_big = [(fqn, need, option) for fqn, (need, option) in best.items() if need > capacity]
+        if not too_big:
+            return None
+        lines = [f"Insufficient memory: {len(too_big)} table(s) fit on no rank "
+                 f"({self._topology.compute_device}: {tier} per rank {hardware} B = {_gb(hardware)}, "
+                 f"{capacity} B = {_gb(capacity)} left after the storage reservation):"]
+        for fqn, need, option in sorted(too_big):
+            lines.append(f"  table {option.name!r} ({fqn}): needs {need} B = {_gb(need)} of {tier} on one rank "
+                         f"even with its smallest option ({option.sharding_type}, {option.compute_kernel}, "
+                         f"{len(option.shards)} shard(s))")
+        hint = "Reduce the table's capacity (num_embeddings) or dimension, use a lighter optimizer"
+        if any(option.sharding_type != ShardingType.ROW_WISE.value for _, _, option in too_big):
+            hint += ", allow row_wise sharding (constraints)"
+        lines.append(hint + ", or add ranks / memory per rank.")
+        return "\n".join(lines)
+
+
+def make_planner(topology: Topology, batch_size: int, constraints: Optional[Dict[str, ParameterConstraints]] = None,
+                 **kwargs: Any) -> EmbeddingShardingPlanner:
+    """TorchRec's ``EmbeddingShardingPlanner`` with our estimators, for models holding dynamic
+    tables, stock TorchRec tables, or both.
+
+    ``constraints`` (per table name: sharding_types, compute_kernels, pooling_factors,
+    num_poolings, batch_sizes, ...) are applied by TorchRec's enumerator and passed to both
+    estimators. Other keyword arguments go to ``EmbeddingShardingPlanner`` (proposer, partitioner,
+    storage_reservation, performance_model, stats, debug, callbacks, timeout_seconds, ...);
+    ``is_inference`` and ``pipeline_type`` go to the estimators. When no plan exists because a
+    table fits on no rank, ``plan()`` raises ``PlannerError`` naming the table, its bytes and the
+    per-rank capacity.
+    """
+    if "enumerator" in kwargs:
+        raise TypeError("make_planner builds the enumerator itself (with the dynamic-table estimators); "
+                        "use EmbeddingShardingPlanner directly to pass your own")
+    is_inference = bool(kwargs.pop("is_inference", False))
+    pipeline_type = kwargs.pop("pipeline_type", PipelineType.NONE)
+    enumerator = EmbeddingEnumerator(
+        topology=topology, batch_size=batch_size, constraints=constraints,
+        estimator=[
+            DynamicEmbeddingPerfEstimator(topology, constraints, is_inference=is_inference),
+            DynamicEmbeddingStorageEstimator(topology, constraints, pipeline_type=pipeline_type,
+                                             is_inference=is_inference),
+        ])
+    return _DynamicEmbeddingShardingPlanner(topology=topology, batch_size=batch_size, enumerator=enumerator,
+                                            constraints=constraints, **kwargs)

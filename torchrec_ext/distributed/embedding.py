@@ -23,6 +23,7 @@ from torchrec.streamable import Multistreamable
 
 from torchrec_ext.distributed.embeddingbag import _RoutedInputDist, check_plan, local_configs_for
 from torchrec_ext.distributed.routing import bucketize, destination_ranks
+from torchrec_ext.distributed.sharded_state import ShardedDynamicState
 from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
 from torchrec_ext.modules.features import LookupPlan, check_and_arrange
 
@@ -55,7 +56,8 @@ class _SequenceAwaitable(LazyAwaitable[Dict[str, JaggedTensor]]):
 
 
 class ShardedDynamicEmbeddingCollection(
-    ShardedModule[KJTList, List[Tensor], Dict[str, JaggedTensor], SequenceShardingContext], FusedOptimizerModule
+    ShardedDynamicState, ShardedModule[KJTList, List[Tensor], Dict[str, JaggedTensor], SequenceShardingContext],
+    FusedOptimizerModule,
 ):
     def __init__(self, module: DynamicEmbeddingCollection, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
                  env: ShardingEnv, device: Optional[torch.device] = None) -> None:
@@ -83,6 +85,7 @@ class ShardedDynamicEmbeddingCollection(
         self._local_names = [] if self._local is None else [n for cfg in local_configs for n in cfg.feature_names]
         self._device = device
         self._input_dists = nn.ModuleList([_RoutedInputDist(env.process_group, len(self._plan.embedding_names), self._world_size)])
+        self._init_sharded_state("embeddings", configs, None if spec is None else spec.kind)
 
     @property
     def unsharded_module_type(self) -> Type[DynamicEmbeddingCollection]:

@@ -31,10 +31,8 @@ from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from torch.distributed._shard.sharded_tensor import ShardedTensor
-
 from torchrec_ext.distributed.routing import bucketize, destination_ranks
-from torchrec_ext.distributed.sharded_state import PENDING_KEYS, gather_counts, local_rows, owned_mask, row_keys, sharded_rows
+from torchrec_ext.distributed.sharded_state import ShardedDynamicState
 from torchrec_ext.modules.configs import (
     DynamicEmbeddingBagConfig, DynamicEmbeddingConfig, Initializer, initializer_of, options_of,
 )
@@ -135,7 +133,8 @@ class _PooledAwaitable(LazyAwaitable[KeyedTensor]):
 
 
 class ShardedDynamicEmbeddingBagCollection(
-    ShardedModule[KJTList, List[Tensor], KeyedTensor, EmbeddingBagCollectionContext], FusedOptimizerModule
+    ShardedDynamicState, ShardedModule[KJTList, List[Tensor], KeyedTensor, EmbeddingBagCollectionContext],
+    FusedOptimizerModule,
 ):
     def __init__(self, module: DynamicEmbeddingBagCollection, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
                  env: ShardingEnv, device: Optional[torch.device] = None) -> None:
@@ -173,9 +172,7 @@ class ShardedDynamicEmbeddingBagCollection(
         self._device = device
         self._input_dists = nn.ModuleList([_RoutedInputDist(env.process_group, len(self._plan.embedding_names), self._world_size)])
         self._output_dist = RwPooledEmbeddingDist(env.process_group, self._plan.dims)
-        self._optimizer_kind = None if spec is None else spec.kind
-        self._register_state_dict_hook(ShardedDynamicEmbeddingBagCollection._sharded_state_dict)
-        self._register_load_state_dict_pre_hook(self._route_loaded_state, with_module=False)
+        self._init_sharded_state("embedding_bags", configs, None if spec is None else spec.kind)
 
     # ------------------------------------------------------------------ TorchRec contract
 
@@ -242,62 +239,6 @@ class ShardedDynamicEmbeddingBagCollection(
 
     def is_weighted(self) -> bool:
         return self._is_weighted
-
-    # ------------------------------------------------------------------ checkpoint (see sharded_state)
-
-    @staticmethod
-    def _sharded_state_dict(module: "ShardedDynamicEmbeddingBagCollection", state_dict, prefix: str, local_metadata) -> None:
-        pg, world, rank = module._env.process_group, module._world_size, module._rank
-        configs = module._embedding_bag_configs
-        local = {}
-        for cfg in configs:
-            keys = [k for k in state_dict if k.startswith(f"{prefix}embedding_bags.{cfg.name}.")]
-            local[cfg.name] = {k[len(f"{prefix}embedding_bags.{cfg.name}."):]: state_dict.pop(k) for k in keys}
-        row_counts = [int(local[c.name]["weight_id"].numel()) if local[c.name] else 0 for c in configs]
-        pending_counts = [int(local[c.name]["admission_id"].numel()) if "admission_id" in local[c.name] else 0
-                          for c in configs]
-        counts = gather_counts(row_counts + pending_counts, world, pg)
-        for i, cfg in enumerate(configs):
-            opts = options_of(cfg)
-            mine = local[cfg.name]
-            base = f"{prefix}embedding_bags.{cfg.name}."
-            for key, (trailing, dtype) in row_keys(cfg.embedding_dim, module._optimizer_kind, opts.ttl_steps is not None).items():
-                tensor = mine.get(key, torch.empty((0,) + trailing, dtype=dtype))
-                state_dict[base + key] = sharded_rows(tensor, [c[i] for c in counts], rank, pg)
-            if opts.admit_after > 1:
-                for key in PENDING_KEYS:
-                    tensor = mine.get(key, torch.empty(0, dtype=torch.int64))
-                    state_dict[base + key] = sharded_rows(tensor, [c[len(configs) + i] for c in counts], rank, pg)
-            counters = mine.get("counters", torch.zeros(4, dtype=torch.int64)).view(1, 4)
-            state_dict[base + "counters"] = sharded_rows(counters, [1] * world, rank, pg)
-
-    def _route_loaded_state(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
-        for cfg in self._embedding_bag_configs:
-            base = f"{prefix}embedding_bags.{cfg.name}."
-            keys = [k for k in list(state_dict) if k.startswith(base)]
-            owner = self._owners[cfg.name]
-            if owner >= 0 and owner != self._rank:  # another rank's table-wise table
-                for k in keys:
-                    del state_dict[k]
-                continue
-            if base + "weight_id" not in state_dict:
-                continue  # reported as missing by the table itself
-            ids = state_dict[base + "weight_id"]
-            mine = None if isinstance(ids, ShardedTensor) else owned_mask(ids, owner, self._rank, self._world_size)
-            pending = state_dict.get(base + "admission_id")
-            pending_mine = None if pending is None or isinstance(pending, ShardedTensor) else \
-                owned_mask(pending, owner, self._rank, self._world_size)
-            for k in keys:
-                name = k[len(base):]
-                if name == "counters":
-                    value = state_dict[k]
-                    rows = local_rows(value, None).view(-1, 4)
-                    state_dict[k] = rows.max(0).values if rows.numel() else torch.zeros(4, dtype=torch.int64)
-                elif name in PENDING_KEYS:
-                    state_dict[k] = local_rows(state_dict[k], pending_mine)
-                else:
-                    state_dict[k] = local_rows(state_dict[k], mine)
-            state_dict.pop(base + "row", None)  # placement is per rank: rows are re-inserted
 
     @property
     def local_module(self) -> Optional[DynamicEmbeddingBagCollection]:

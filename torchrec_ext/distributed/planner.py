@@ -225,7 +225,8 @@ class DynamicEmbeddingStorageEstimator(ShardEstimator):
             topology=topology, constraints=constraints, pipeline_type=pipeline_type,
             run_embedding_at_peak_memory=run_embedding_at_peak_memory, is_inference=is_inference)
 
-    def estimate(self, sharding_options: List[ShardingOption], sharder_data_map: Optional[SharderDataMap] = None) -> None:
+    def estimate(self, sharding_options: List[ShardingOption],
+                 sharder_data_map: Optional[SharderDataMap] = None) -> None:
         ours = [o for o in sharding_options if is_dynamic_option(o)]
         others = [o for o in sharding_options if not is_dynamic_option(o)]
         if others:
@@ -283,7 +284,7 @@ def _ns_as_bytes(ns: float) -> float:
 HASH_INSERT_BYTES = _ns_as_bytes(50.0)  # find_or_insert per id (training lookups): ~20 M keys/s on 2 cores
 HASH_FIND_BYTES = _ns_as_bytes(14.0)  # find per id (inference lookups): ~70 M keys/s on 2 cores
 UPDATE_OVERHEAD_BYTES = _ns_as_bytes(35.0)  # per id in the fused update besides the row/state bytes
-ROUTE_BYTES = _ns_as_bytes(15.0)  # row_wise: route(id) hash + bucketing by rank on the sending rank (~13 ns/id measured)
+ROUTE_BYTES = _ns_as_bytes(15.0)  # row_wise: route(id) hash + bucketing by rank on the sender (~13 ns/id measured)
 RANDOM_ROW_FACTOR = 4.0  # row / state bytes touched at random cost 4x streamed bytes
 
 
@@ -311,7 +312,8 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
         self._is_inference = is_inference
         self._delegate = EmbeddingPerfEstimator(topology=topology, constraints=constraints, is_inference=is_inference)
 
-    def estimate(self, sharding_options: List[ShardingOption], sharder_data_map: Optional[SharderDataMap] = None) -> None:
+    def estimate(self, sharding_options: List[ShardingOption],
+                 sharder_data_map: Optional[SharderDataMap] = None) -> None:
         ours = [o for o in sharding_options if is_dynamic_option(o)]
         others = [o for o in sharding_options if not is_dynamic_option(o)]
         if others:
@@ -368,7 +370,8 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
             out_elems = volume.shard_outputs * table.dim
             if table.pooled:  # partial pools are reduce-scattered to their batch's rank; grads all-gathered back
                 fwd_comms = out_elems * fwd_rs / self._comms_bw(CollectiveType.REDUCE_SCATTER)
-                bwd_comms = 0.0 if self._is_inference else out_elems * bwd_rs / self._comms_bw(CollectiveType.ALL_GATHER)
+                if not self._is_inference:
+                    bwd_comms = out_elems * bwd_rs / self._comms_bw(CollectiveType.ALL_GATHER)
             else:  # looked-up rows go back to the requesting ranks, gradients come the other way
                 fwd_comms = out_elems * fwd_a2a / a2a_bw
                 bwd_comms = 0.0 if self._is_inference else out_elems * bwd_a2a / a2a_bw

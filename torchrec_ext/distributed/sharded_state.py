@@ -21,6 +21,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
 
 from torchrec_ext import ops
+from torchrec_ext.modules.configs import options_of
 from torchrec_ext.reference import OPTIMIZER_STATES, ROWWISE_STATE
 
 ROW_KEYS = ("weight", "weight_id", "metadata")
@@ -46,7 +47,9 @@ def sharded_rows(local: Tensor, counts: Sequence[int], rank: int, pg) -> Sharded
     metas = [ShardMetadata([offsets[r]] + [0] * len(trailing), [counts[r]] + trailing, f"rank:{r}/{device}")
              for r in range(len(counts))]
     global_meta = ShardedTensorMetadata(metas, torch.Size([sum(counts)] + trailing), TensorProperties.create_from_tensor(local))
-    return ShardedTensor._init_from_local_shards_and_global_metadata([Shard(local, metas[rank])], global_meta, process_group=pg)
+    tensor = ShardedTensor._init_from_local_shards_and_global_metadata([Shard(local, metas[rank])], global_meta, process_group=pg)
+    tensor.dynamic_rows = True  # checkpoint loading reads these whole (see distributed.checkpoint)
+    return tensor
 
 
 def gather_counts(local_counts: List[int], world_size: int, pg) -> List[List[int]]:
@@ -71,3 +74,69 @@ def owned_mask(ids: Tensor, owner: int, rank: int, world_size: int) -> Tensor:
     if owner < 0:
         return ops.route(ids.to(torch.int64).contiguous(), world_size) == rank
     return torch.full((ids.numel(),), owner == rank, dtype=torch.bool)
+
+
+class ShardedDynamicState:
+    """State-dict hooks of the sharded dynamic modules (the layout described above). The host
+    is a ShardedModule with ``_env``, ``_world_size``, ``_rank`` and ``_owners`` (table -> rank,
+    -1 for row-wise) that calls ``_init_sharded_state`` in its constructor."""
+
+    def _init_sharded_state(self, container: str, configs, optimizer_kind: Optional[str]) -> None:
+        self._container, self._state_configs, self._optimizer_kind = container, configs, optimizer_kind
+        self._register_state_dict_hook(ShardedDynamicState._sharded_state_dict)
+        self._register_load_state_dict_pre_hook(self._route_loaded_state, with_module=False)
+
+    @staticmethod
+    def _sharded_state_dict(module: "ShardedDynamicState", state_dict, prefix: str, local_metadata) -> None:
+        pg, world, rank = module._env.process_group, module._world_size, module._rank
+        configs, container = module._state_configs, module._container
+        local = {}
+        for cfg in configs:
+            keys = [k for k in state_dict if k.startswith(f"{prefix}{container}.{cfg.name}.")]
+            local[cfg.name] = {k[len(f"{prefix}{container}.{cfg.name}."):]: state_dict.pop(k) for k in keys}
+        row_counts = [int(local[c.name]["weight_id"].numel()) if local[c.name] else 0 for c in configs]
+        pending_counts = [int(local[c.name]["admission_id"].numel()) if "admission_id" in local[c.name] else 0
+                          for c in configs]
+        counts = gather_counts(row_counts + pending_counts, world, pg)
+        for i, cfg in enumerate(configs):
+            opts = options_of(cfg)
+            mine = local[cfg.name]
+            base = f"{prefix}{container}.{cfg.name}."
+            for key, (trailing, dtype) in row_keys(cfg.embedding_dim, module._optimizer_kind, opts.ttl_steps is not None).items():
+                tensor = mine.get(key, torch.empty((0,) + trailing, dtype=dtype))
+                state_dict[base + key] = sharded_rows(tensor, [c[i] for c in counts], rank, pg)
+            if opts.admit_after > 1:
+                for key in PENDING_KEYS:
+                    tensor = mine.get(key, torch.empty(0, dtype=torch.int64))
+                    state_dict[base + key] = sharded_rows(tensor, [c[len(configs) + i] for c in counts], rank, pg)
+            counters = mine.get("counters", torch.zeros(4, dtype=torch.int64)).view(1, 4)
+            state_dict[base + "counters"] = sharded_rows(counters, [1] * world, rank, pg)
+
+    def _route_loaded_state(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
+        for cfg in self._embedding_bag_configs:
+            base = f"{prefix}{container}.{cfg.name}."
+            keys = [k for k in list(state_dict) if k.startswith(base)]
+            owner = self._owners[cfg.name]
+            if owner >= 0 and owner != self._rank:  # another rank's table-wise table
+                for k in keys:
+                    del state_dict[k]
+                continue
+            if base + "weight_id" not in state_dict:
+                continue  # reported as missing by the table itself
+            ids = state_dict[base + "weight_id"]
+            mine = None if isinstance(ids, ShardedTensor) else owned_mask(ids, owner, self._rank, self._world_size)
+            pending = state_dict.get(base + "admission_id")
+            pending_mine = None if pending is None or isinstance(pending, ShardedTensor) else \
+                owned_mask(pending, owner, self._rank, self._world_size)
+            for k in keys:
+                name = k[len(base):]
+                if name == "counters":
+                    value = state_dict[k]
+                    rows = local_rows(value, None).view(-1, 4)
+                    state_dict[k] = rows.max(0).values if rows.numel() else torch.zeros(4, dtype=torch.int64)
+                elif name in PENDING_KEYS:
+                    state_dict[k] = local_rows(state_dict[k], pending_mine)
+                else:
+                    state_dict[k] = local_rows(state_dict[k], mine)
+            state_dict.pop(base + "row", None)  # placement is per rank: rows are re-inserted
+

@@ -163,3 +163,33 @@ def _pipelines_equal_plain_loop(rank, world_size):
 
 def test_torchrec_and_our_pipelines_equal_plain_loop():
     run_ranks(_pipelines_equal_plain_loop, WORLD)
+
+
+def _bad_plans(rank, world_size):
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+
+    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
+
+    def shard(generators, plan_world=world_size):
+        model = _Model(DynamicEmbeddingBagCollection(_configs(), optimizer="sgd"))
+        plan = construct_module_sharding_plan(model.ebc, generators, sharder=DynamicEmbeddingBagCollectionSharder(),
+                                              local_size=plan_world, world_size=plan_world, device_type="cpu")
+        return DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                        device=torch.device("cpu"), plan=ShardingPlan({"ebc": plan}), sharders=get_sharders())
+
+    kernel = "customized_kernel"
+    with pytest.raises(ValueError, match=r"table 't1' asks for sharding type 'column_wise'; dynamic tables support"):
+        shard({"t1": column_wise(ranks=[0, 1], compute_kernel=kernel), "t2": row_wise(compute_kernel=kernel),
+               "t3": row_wise(compute_kernel=kernel)})
+    with pytest.raises(ValueError, match=r"planned on ranks \[.*3.*\], but the process group has world size 2"):
+        shard({t: table_wise(rank=3, compute_kernel=kernel) for t in ("t1", "t2", "t3")}, plan_world=4)
+    with pytest.raises(ValueError, match=r"ranks \[0, 1, 2\], but the process group has world size 2"):
+        shard({t: row_wise(compute_kernel=kernel) for t in ("t1", "t2", "t3")}, plan_world=3)
+    with pytest.raises(ValueError, match=r"row-wise table 't1' must span all 2 ranks, got \[0\]"):
+        shard({t: row_wise(compute_kernel=kernel) for t in ("t1", "t2", "t3")}, plan_world=1)
+
+
+def test_plans_we_cannot_serve_are_clear_errors():
+    run_ranks(_bad_plans, WORLD)

@@ -20,7 +20,8 @@ world_size)`` for row_wise, as ``ops.route`` spreads ids evenly):
     + 17 * round_up(a, 32) + 8 * a  if admit_after>1  admission side table of ``a`` ids (the table's
                                                       admission_capacity, default its capacity,
                                                       split like the rows) and their counts
-    + ids in * 8 + outputs * dim * 4                  input / output buffers of a training step
+    + ids * 8 (12 if weighted) + outputs * dim * 4    input / output buffers of a training step: ids
+                                                      the shard looks up, output rows it writes
 
 on the compute device's memory (ddr on CPU, hbm on CUDA). The perf model is described above
 ``DynamicEmbeddingPerfEstimator``.
@@ -235,10 +236,10 @@ class DynamicEmbeddingStorageEstimator(ShardEstimator):
         for option in ours:
             _check_sharding_type(option)
             table = cache.info(option)
-            for shard, nbytes in zip(option.shards, self.shard_bytes(option, table)):
+            for shard, nbytes in zip(option.shards, self._shard_bytes(option, table)):
                 shard.storage = self._on_device(nbytes)
 
-    def shard_bytes(self, option: ShardingOption, table: _TableInfo) -> List[int]:
+    def _shard_bytes(self, option: ShardingOption, table: _TableInfo) -> List[int]:
         world_size = self._topology.world_size
         parts = world_size if option.sharding_type == ShardingType.ROW_WISE.value else 1
         resident = dynamic_table_bytes(table.capacity, table.dim, table.optimizer_kind, ttl=table.ttl,
@@ -323,7 +324,7 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
             _check_sharding_type(option)
             table = cache.info(option)
             sharder_data = sharder_data_map.get(option.module_type_key) if sharder_data_map else None
-            perf = self.shard_perf(option, table, sharder_data)
+            perf = self._shard_perf(option, table, sharder_data)
             for shard in option.shards:
                 shard.perf = Perf(fwd_compute=perf.fwd_compute, fwd_comms=perf.fwd_comms, bwd_compute=perf.bwd_compute,
                                   bwd_comms=perf.bwd_comms, input_dist_comms=perf.input_dist_comms)
@@ -345,7 +346,7 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
             return (FLOAT_BYTES,) * 4
         return extract_comm_data_type_size(option, sharder_data)
 
-    def shard_perf(self, option: ShardingOption, table: _TableInfo, sharder_data: Any = None) -> Perf:
+    def _shard_perf(self, option: ShardingOption, table: _TableInfo, sharder_data: Any = None) -> Perf:
         world_size = self._topology.world_size
         volume = _step_volume(option, self._constraints, world_size, table.pooled)
         row_bytes = table.dim * FLOAT_BYTES

@@ -193,3 +193,44 @@ def _bad_plans(rank, world_size):
 
 def test_plans_we_cannot_serve_are_clear_errors():
     run_ranks(_bad_plans, WORLD)
+
+
+class _Mixed(nn.Module):
+    def __init__(self, dynamic, stock):
+        super().__init__()
+        self.dynamic, self.stock = dynamic, stock
+
+    def forward(self, kjt_dynamic, kjt_stock):
+        return self.dynamic(kjt_dynamic).values().sum() + self.stock(kjt_stock).values().sum()
+
+
+def _planned_mixed_model(rank, world_size):
+    from torchrec import EmbeddingBagCollection
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.planner import Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.optim import apply_optimizer_in_backward
+
+    from torchrec_ext.distributed import ShardedDynamicEmbeddingBagCollection, get_sharders, make_planner
+
+    dynamic = DynamicEmbeddingBagCollection(_configs(), optimizer="adagrad")
+    stock = EmbeddingBagCollection([EmbeddingBagConfig(name="s1", embedding_dim=4, num_embeddings=100, feature_names=["g"])])
+    apply_optimizer_in_backward(torch.optim.SGD, stock.parameters(), {"lr": 0.1})
+    model = _Mixed(dynamic, stock)
+    constraints = {"t1": ParameterConstraints(sharding_types=["row_wise"]), "t2": ParameterConstraints(sharding_types=["table_wise"])}
+    planner = make_planner(Topology(world_size=world_size, compute_device="cpu"), batch_size=BATCH, constraints=constraints)
+    plan = planner.collective_plan(model, get_sharders(), dist.group.WORLD)
+    ours = plan.plan["dynamic"]
+    assert ours["t1"].sharding_type == "row_wise" and ours["t2"].sharding_type == "table_wise"
+    assert {p.compute_kernel for p in ours.values()} == {"customized_kernel"}
+    assert "s1" in plan.plan["stock"]
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=get_sharders())
+    assert isinstance(dmp.module.dynamic, ShardedDynamicEmbeddingBagCollection)
+    stock_kjt = KeyedJaggedTensor(keys=["g"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 0, 2, 0, 0, 0]))
+    for step in range(2):
+        dmp(_rank_batch(step, rank, False), stock_kjt).backward()
+    assert dmp.module.dynamic.local_module.num_live_rows() > 0
+
+
+def test_planner_plans_a_mixed_model_that_dmp_trains():
+    run_ranks(_planned_mixed_model, WORLD)

@@ -178,18 +178,31 @@ inline void box_muller(uint64_t bits, double* z0, double* z1) {
   *z1 = r * std::sin(2.0 * M_PI * u2);
 }
 
+// The default initializer, on every new row: written so the compiler vectorises the hashes
+// (64-bit multiplies need AVX-512DQ, hence the clone for x86-64-v4 picked at load time).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("arch=x86-64-v4", "default")))
+#endif
+void uniform_vector(float* out, int64_t dim, uint64_t key, double low, double span) {
+  const int64_t pairs = dim / 2;
+  for (int64_t q = 0; q < pairs; ++q) {
+    const uint64_t bits = fmix64(key + static_cast<uint64_t>(q + 1) * kGolden);
+    out[2 * q] = static_cast<float>(low + span * (static_cast<double>(bits >> 40) * 0x1p-24));
+    out[2 * q + 1] = static_cast<float>(low + span * (static_cast<double>((bits & 0xFFFFFFFFull) >> 8) * 0x1p-24));
+  }
+  if (dim % 2) {
+    const uint64_t bits = pair_bits(key, pairs, 0);
+    out[dim - 1] = static_cast<float>(low + span * (static_cast<double>(bits >> 40) * 0x1p-24));
+  }
+}
+
 void init_vector(float* out, int64_t dim, uint64_t key, Init init, at::ArrayRef<double> p) {
   if (init == Init::kConstant) {
     std::fill(out, out + dim, static_cast<float>(p[0]));
     return;
   }
   if (init == Init::kUniform) {
-    const double low = p[0], span = p[1] - p[0];
-    for (int64_t j = 0; j < dim; j += 2) {
-      const uint64_t bits = pair_bits(key, j / 2, 0);
-      out[j] = static_cast<float>(low + span * (static_cast<double>(bits >> 40) * 0x1p-24));
-      if (j + 1 < dim) out[j + 1] = static_cast<float>(low + span * (static_cast<double>((bits & 0xFFFFFFFFull) >> 8) * 0x1p-24));
-    }
+    uniform_vector(out, dim, key, p[0], p[1] - p[0]);
     return;
   }
   for (int64_t j = 0; j < dim; j += 2) {
@@ -245,6 +258,13 @@ void init_rows_cpu(const at::Tensor& table, const at::Tensor& rows_in, const at:
   const uint64_t s = static_cast<uint64_t>(seed);
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
+      // New rows are scattered over the table: start fetching a few rows ahead for writing.
+      const int64_t ahead = i + kPrefetchDistance;
+      if (ahead < end && r[ahead] >= 0) {
+        prefetch_row(w + r[ahead] * dim, dim, 1);
+        for (const at::Tensor& st : states)
+          prefetch_row(st.data_ptr<float>() + r[ahead] * st.size(1), st.size(1), 1);
+      }
       if (r[i] < 0) continue;
       init_vector(w + r[i] * dim, dim, row_key(id[i], s), init, params);
       for (size_t k = 0; k < states.size(); ++k) {
@@ -598,6 +618,7 @@ void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::
   const bool rowwise_state = kind == Optim::kRowwiseAdagrad;
   at::parallel_for(0, U, 32, [&](int64_t begin, int64_t end) {
     std::vector<float> g(max_dim);
+    const int64_t n_end = start[end];  // this chunk's values end here
     for (int64_t u = begin; u < end; ++u) {
       // The rows a few unique ids ahead: weights and state are read and written at random.
       const int64_t ahead = u + kPrefetchDistance;
@@ -614,6 +635,8 @@ void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::
       const int64_t t = ut[u], dim = dims[t];
       std::fill(g.begin(), g.begin() + dim, 0.f);
       for (int64_t k = start[u]; k < start[u + 1]; ++k) {
+        // Values are grouped by row, so their gradient rows come in random order: fetch ahead.
+        if (k + kPrefetchDistance < n_end) prefetch_row(gr + src[order[k + kPrefetchDistance]], dims[ut[u]]);
         const int64_t i = order[k];
         const float* gi = gr + src[i];
         if (pooled) {

@@ -24,13 +24,14 @@ from torchrec_ext import ops
 from torchrec_ext.modules.configs import options_of
 from torchrec_ext.reference import OPTIMIZER_STATES, ROWWISE_STATE
 
-ROW_KEYS = ("weight", "weight_id", "metadata")
+ROW_KEYS = ("weight", "weight_id", "metadata", "row")
 PENDING_KEYS = ("admission_id", "admission_count")
 
 
 def row_keys(dim: int, optimizer: Optional[str], ttl: bool) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
     """Per-row keys of one table and their (trailing shape, dtype)."""
-    keys = {"weight": ((dim,), torch.float32), "weight_id": ((), torch.int64), "metadata": ((), torch.int64)}
+    keys = {"weight": ((dim,), torch.float32), "weight_id": ((), torch.int64), "metadata": ((), torch.int64),
+            "row": ((), torch.int64)}
     if optimizer is not None:
         for name in OPTIMIZER_STATES[optimizer]:
             keys[f"optimizer.{name}"] = ((() if optimizer in ROWWISE_STATE else (dim,)), torch.float32)
@@ -40,14 +41,18 @@ def row_keys(dim: int, optimizer: Optional[str], ttl: bool) -> Dict[str, Tuple[T
 
 
 def sharded_rows(local: Tensor, counts: Sequence[int], rank: int, pg) -> ShardedTensor:
-    """A ShardedTensor along dim 0 whose rank r shard has counts[r] rows."""
+    """A ShardedTensor along dim 0 whose rank r shard has counts[r] rows (ranks with none hold
+    no shard, as DCP could take an empty shard at a shared offset for the real one; an empty
+    tensor is one empty shard on rank 0)."""
     trailing = list(local.shape[1:])
     offsets = [sum(counts[:r]) for r in range(len(counts))]
     device = local.device.type
-    metas = [ShardMetadata([offsets[r]] + [0] * len(trailing), [counts[r]] + trailing, f"rank:{r}/{device}")
-             for r in range(len(counts))]
-    global_meta = ShardedTensorMetadata(metas, torch.Size([sum(counts)] + trailing), TensorProperties.create_from_tensor(local))
-    tensor = ShardedTensor._init_from_local_shards_and_global_metadata([Shard(local, metas[rank])], global_meta, process_group=pg)
+    metas = {r: ShardMetadata([offsets[r]] + [0] * len(trailing), [counts[r]] + trailing, f"rank:{r}/{device}")
+             for r in range(len(counts)) if counts[r] > 0 or (r == 0 and not any(counts))}
+    global_meta = ShardedTensorMetadata(list(metas.values()), torch.Size([sum(counts)] + trailing),
+                                        TensorProperties.create_from_tensor(local))
+    shards = [Shard(local, metas[rank])] if rank in metas else []
+    tensor = ShardedTensor._init_from_local_shards_and_global_metadata(shards, global_meta, process_group=pg)
     tensor.dynamic_rows = True  # checkpoint loading reads these whole (see distributed.checkpoint)
     return tensor
 
@@ -113,8 +118,8 @@ class ShardedDynamicState:
             state_dict[base + "counters"] = sharded_rows(counters, [1] * world, rank, pg)
 
     def _route_loaded_state(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
-        for cfg in self._embedding_bag_configs:
-            base = f"{prefix}{container}.{cfg.name}."
+        for cfg in self._state_configs:
+            base = f"{prefix}{self._container}.{cfg.name}."
             keys = [k for k in list(state_dict) if k.startswith(base)]
             owner = self._owners[cfg.name]
             if owner >= 0 and owner != self._rank:  # another rank's table-wise table
@@ -128,15 +133,20 @@ class ShardedDynamicState:
             pending = state_dict.get(base + "admission_id")
             pending_mine = None if pending is None or isinstance(pending, ShardedTensor) else \
                 owned_mask(pending, owner, self._rank, self._world_size)
+            counters = state_dict.get(base + "counters")
+            saved_world = None if counters is None else int(counters.size(0))
+            same_layout = saved_world == self._world_size
             for k in keys:
                 name = k[len(base):]
                 if name == "counters":
-                    value = state_dict[k]
-                    rows = local_rows(value, None).view(-1, 4)
-                    state_dict[k] = rows.max(0).values if rows.numel() else torch.zeros(4, dtype=torch.int64)
+                    rows = local_rows(state_dict[k], None).view(-1, 4)
+                    if isinstance(state_dict[k], ShardedTensor) or not same_layout:
+                        state_dict[k] = rows.max(0).values if rows.numel() else torch.zeros(4, dtype=torch.int64)
+                    else:  # the same ranks: each takes its own clocks back
+                        state_dict[k] = rows[self._rank]
                 elif name in PENDING_KEYS:
                     state_dict[k] = local_rows(state_dict[k], pending_mine)
                 else:
                     state_dict[k] = local_rows(state_dict[k], mine)
-            state_dict.pop(base + "row", None)  # placement is per rank: rows are re-inserted
-
+            if not same_layout:
+                state_dict.pop(base + "row", None)  # placement of another world size: re-insert

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -363,31 +364,37 @@ class DynamicTables:
                 raise ValueError(f"{where}: table {m.name!r} optimizer.{name} must be {list(want)}, got {list(got.shape)}")
         clock, epoch, train_step, optimizer_step = (int(v) for v in state["counters"].tolist())
         device = self.device
-        index = HashTable(m.capacity, policy=m.policy, device=device)
+        ids = ids.to(device)
         scores = state["metadata"].to(torch.int64).to(device)
-        if "row" in state and int(ids.numel()) <= m.capacity:
-            try:
+        index, rows = None, None
+        if "row" in state and n <= m.capacity:
+            index = HashTable(m.capacity, policy=m.policy, device=device)
+            try:  # the same placement, when saved at this capacity
                 index.load_state_dict({"capacity": m.capacity, "policy": m.policy, "clock": clock, "epoch": epoch,
-                                       "keys": ids.to(device), "rows": state["row"].to(torch.int64).to(device),
-                                       "scores": scores})
+                                       "keys": ids, "rows": state["row"].to(torch.int64).to(device), "scores": scores})
                 rows = state["row"].to(torch.int64).to(device)
             except ValueError:
-                rows = None  # saved with another capacity: place the ids afresh below
-        else:
-            rows = None
-        if rows is None:
+                index = None
+        keep = None
+        if index is None:
+            # Placed afresh, highest scores first: what does not fit is what eviction would drop.
             index = HashTable(m.capacity, policy=m.policy, device=device)
-            rows = index.insert_or_assign(ids.to(device), scores).rows
-            if bool((rows < 0).any()):
-                raise ValueError(f"{where}: table {m.name!r} cannot hold the checkpoint's {n} ids in capacity {m.capacity}")
+            order = torch.argsort(scores, descending=True, stable=True)
+            index.insert_or_assign(ids[order], scores[order])
+            rows, keep = index.find(ids)
+            if not bool(keep.all()):
+                warnings.warn(f"{where}: table {m.name!r} keeps {int(keep.sum())} of the checkpoint's {n} ids; "
+                              f"the {n - int(keep.sum())} with the lowest scores do not fit in capacity {m.capacity}")
+            rows = rows[keep]
             index._clock, index._epoch = clock, epoch
+        pick = (lambda x: x) if keep is None else (lambda x: x[keep.to(x.device)])
         self.indexes[t] = index
-        self.table_view(t)[rows] = vectors.to(device, torch.float32)
+        self.table_view(t)[rows] = pick(vectors.to(device, torch.float32))
         for name, view in self.state_views(t).items():
-            view[rows] = state[f"optimizer.{name}"].to(device, torch.float32)
+            view[rows] = pick(state[f"optimizer.{name}"].to(device, torch.float32))
         if m.ttl_steps is not None:
             self.last_seen[t].zero_()
-            self.last_seen[t][rows] = state["last_seen"].to(device)
+            self.last_seen[t][rows] = pick(state["last_seen"].to(device))
         if m.admit_after > 1:
             counter = HashTable(m.admission_capacity, policy="lfu", device=device)
             seen = torch.zeros(m.admission_capacity, dtype=torch.int64, device=device)

@@ -64,3 +64,11 @@ def evaluate(model: torch.nn.Module, batches: List, device: torch.device,
     logloss = F.binary_cross_entropy_with_logits(all_logits.double(), all_labels.double(), reduction="mean")
     return {"auc": rank_auc(all_logits, all_labels), "logloss": float(logloss),
             "ctr": float(all_labels.double().mean()), "samples": int(n)}
+
+
+def oracle_auc(hidden_logits: List[torch.Tensor], batches: List, device: torch.device,
+               group: Optional[dist.ProcessGroup] = None) -> float:
+    """AUC of the data's own hidden model on the eval batches of every rank (the ceiling)."""
+    scores = torch.cat([h.float().flatten() for h in hidden_logits]).to(device)
+    labels = torch.cat([b.labels.float().flatten() for b in batches]).to(device)
+    return rank_auc(gather_cat(scores, group), gather_cat(labels, group))

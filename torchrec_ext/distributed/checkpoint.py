@@ -9,8 +9,12 @@ Loading handles state whose tensor shapes change as training goes: a dynamic tab
 ``optimizer.*`` ...), so the tensors of the model being resumed have other sizes than the
 checkpoint's. ``load_checkpoint`` reads the checkpoint's metadata first and replaces every
 plain tensor of the destination whose stored size (or dtype) differs by an empty tensor of the
-stored size, then lets DCP fill the destination. Values DCP stores as bytes (ints, lists,
-dicts without tensors) come back as they were saved.
+stored size, and every ShardedTensor of a sharded dynamic table (``dynamic_rows``, rows per
+rank vary) by a full tensor of the stored size, then lets DCP fill the destination (the sharded
+module's load hook keeps the rows this rank owns, whatever the world size at save time). Values
+DCP stores as bytes (ints, strings, lists and dicts without tensors) come back as they were
+saved; keep such values terminal (e.g. JSON strings): a list that held dicts at save time and is
+empty in the destination has another structure to DCP.
 
     state = {"model": dmp.state_dict(), "optim": optimizer.state_dict(), "step": step}
     save_checkpoint(ckpt_dir, step, state, keep=2)
@@ -32,6 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint._traverse import set_element, traverse_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
@@ -123,7 +128,15 @@ def fit_to_checkpoint(state: Dict[str, Any], metadata: Metadata) -> Dict[str, An
             missing.append(fqn)
             return
         md = stored[fqn]
-        if type(value) is torch.Tensor and isinstance(md, TensorStorageMetadata):  # not ShardedTensor / DTensor
+        if not isinstance(md, TensorStorageMetadata):
+            return
+        if isinstance(value, ShardedTensor):
+            # Rows of a sharded dynamic table (dynamic_rows): how many each rank held at save time
+            # need not match now, so read the whole tensor; the module's load hook keeps this
+            # rank's rows (by routing). Other ShardedTensors load as they are when sizes match.
+            if getattr(value, "dynamic_rows", False) or tuple(value.size()) != tuple(md.size):
+                replace.append((path, torch.empty(tuple(md.size), dtype=md.properties.dtype)))
+        elif type(value) is torch.Tensor:
             if tuple(value.shape) != tuple(md.size) or value.dtype != md.properties.dtype:
                 replace.append((path, torch.empty(tuple(md.size), dtype=md.properties.dtype, device=value.device)))
 

@@ -1,0 +1,363 @@
+"""Train-step time of one row-wise sharded embedding layer on 2 ranks (torchrun; CPU: gloo, one
+thread per rank): torchrec_ext's ShardedDynamicEmbeddingBagCollection against TorchRec's
+ShardedEmbeddingBagCollection (fbgemm CPU TBE, fused Adagrad), both under
+DistributedModelParallel with a manual row-wise plan, on the "dlrm-small" tables of ANCHORS.md.
+
+Workload: 8 tables, dim 64, batch 2048 bags per table per rank (the 2-rank setup of ANCHORS.md:
+4096 in all, as in the one-process anchor), bag lengths uniform in 1..7 (~65k ids per rank per
+step), raw ids Zipf(1.05) over 2^40 (`torchrec_ext.data.dlrm_small_batch`; rank r takes steps
+r, W + r, 2W + r, ... of one stream, so the ranks share the hot ids). One step = forward +
+backward of sum(output) + the fused Adagrad update (lr 0.01). Every step gets a fresh batch, built
+before timing; each timed repeat starts and ends at a barrier, and the slower rank's median is
+reported. Systems (each the only child `.ebc` of a tiny wrapper that DMP shards):
+
+- ebc:       TorchRec EmbeddingBagCollection, 1M rows per table, ids mod 1M, row_wise / fused
+             (a sharder subclass adds row_wise for cpu, which TorchRec's offers only for cuda),
+             Adagrad via apply_optimizer_in_backward; checked to be fbgemm TBEs with EXACT_ADAGRAD.
+- ours:      torchrec_ext.DynamicEmbeddingBagCollection, capacity 2^20 per table (2^19 per rank),
+             row_wise / customized_kernel with torchrec_ext's sharders, raw ids.
+- ours-full: the same, every rank's tables first filled to capacity (negative ids, which the
+             generator never makes, inserted by no-grad training-mode forwards), so every new
+             id evicts.
+
+    python benchmarks/bench_sharded.py                       # re-launches itself under torchrun, 2 ranks
+    python benchmarks/bench_sharded.py --systems ebc,ours --repeats 5 --no-save
+    python benchmarks/bench_sharded.py --batch-size 256 --rows 10000 --capacity 16384 \
+        --repeats 2 --warmup 1 --no-save                     # smoke
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+import subprocess
+import sys
+import time
+import warnings
+from typing import Callable, Dict, Iterator, List, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import markdown_table, median_seconds, save  # noqa: E402
+
+SYSTEMS = ("ebc", "ours", "ours-full")
+LABELS = {
+    "ebc": "TorchRec EBC row_wise, fused Adagrad (fbgemm CPU TBE), ids mod rows",
+    "ours": "torchrec_ext DynamicEmbeddingBagCollection row_wise, fused Adagrad, raw ids",
+    "ours-full": "the same, tables filled to capacity first (every new id evicts)",
+}
+
+
+@dataclasses.dataclass
+class Config:
+    num_tables: int = 8
+    dim: int = 64
+    batch_size: int = 2048  # bags per table per rank
+    max_bag: int = 7
+    alpha: float = 1.05
+    id_bits: int = 40
+    rows: int = 1_000_000  # EBC rows per table (all ranks)
+    capacity: int = 1 << 20  # our rows per table (all ranks)
+    lr: float = 0.01
+    repeats: int = 10
+    warmup: int = 3
+    steps_per_repeat: int = 5
+    systems: Tuple[str, ...] = SYSTEMS
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class Built:
+    """A sharded system ready to time: `step(batch)` runs one train step; `memory()` gives this
+    rank's (bytes of vectors + optimizer state [+ index metadata], live rows, rows it can hold)."""
+    step: Callable[[object], None]
+    memory: Callable[[], Tuple[int, int, int]]
+    batch_of: Callable[[object], object] = lambda kjt: kjt  # input transform, applied before timing
+    note: str = ""
+
+
+class Wrapper(nn.Module):
+    """DMP shards a child module: the embedding collection is `.ebc`."""
+
+    def __init__(self, ebc: nn.Module):
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, kjt):
+        return self.ebc(kjt)
+
+
+def tensor_bytes(*objs) -> int:
+    """Bytes of the distinct storages under tensors, ShardedTensors (local shards), dicts, lists."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    seen: Dict[int, int] = {}
+
+    def visit(o) -> None:
+        if isinstance(o, ShardedTensor):
+            for shard in o.local_shards():
+                visit(shard.tensor)
+        elif isinstance(o, torch.Tensor):
+            if o.device.type != "meta":
+                s = o.untyped_storage()
+                seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
+        elif isinstance(o, dict):
+            for v in o.values():
+                visit(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                visit(v)
+
+    for o in objs:
+        visit(o)
+    return sum(seen.values())
+
+
+def tables(cfg: Config, cls=None, num_embeddings: int = 0) -> list:
+    from torchrec import EmbeddingBagConfig
+
+    cls = cls or EmbeddingBagConfig
+    return [cls(name=f"t{t}", embedding_dim=cfg.dim, num_embeddings=num_embeddings or cfg.rows,
+                feature_names=[f"f{t}"]) for t in range(cfg.num_tables)]
+
+
+def build_ebc(cfg: Config) -> Built:
+    from torchrec import EmbeddingBagCollection
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    class RowWiseCpuSharder(EmbeddingBagCollectionSharder):
+        """TorchRec's EBC sharder offers row_wise only for cuda; fbgemm's CPU TBE runs it fine."""
+
+        def sharding_types(self, compute_device_type: str) -> List[str]:
+            types = list(super().sharding_types(compute_device_type))
+            return types + ["row_wise"] if "row_wise" not in types else types
+
+    world = dist.get_world_size()
+    model = Wrapper(EmbeddingBagCollection(tables=tables(cfg), device=torch.device("meta")))
+    apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), {"lr": cfg.lr})
+    sharder = RowWiseCpuSharder()
+    plan = construct_module_sharding_plan(
+        model.ebc, {f"t{t}": row_wise(compute_kernel="fused") for t in range(cfg.num_tables)}, sharder=sharder,
+        local_size=world, world_size=world, device_type="cpu")
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=ShardingPlan({"ebc": plan}),
+                                   sharders=[sharder])
+    sharded = dmp.module.ebc
+    picked = sorted({(p.sharding_type, p.compute_kernel) for p in plan.values()})
+    # The sharded EBC keeps its lookups in a plain list (not submodules): walk them for the TBEs.
+    kernels = [getattr(m, "optimizer", None) for lookup in getattr(sharded, "_lookups", [])
+               for m in lookup.modules() if type(m).__name__ == "SplitTableBatchedEmbeddingBagsCodegen"]
+    if picked != [("row_wise", "fused")] or not kernels or any(getattr(o, "name", None) != "EXACT_ADAGRAD" for o in kernels):
+        raise RuntimeError(f"ebc: expected row_wise/fused fbgemm TBEs with EXACT_ADAGRAD, got {picked}, {kernels}")
+    note = f"{type(sharded).__name__}, plan {picked}, {len(kernels)} SplitTableBatchedEmbeddingBagsCodegen per rank, {kernels[0].name}"
+
+    def step(kjt) -> None:
+        dmp(kjt).values().sum().backward()
+
+    def memory() -> Tuple[int, int, int]:
+        rows = -(-cfg.rows // world) * cfg.num_tables
+        return tensor_bytes(dmp.state_dict(), dmp.fused_optimizer.state_dict()["state"]), rows, rows
+
+    def batch_of(kjt):
+        return KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().remainder(cfg.rows), lengths=kjt.lengths())
+
+    return Built(step, memory, batch_of, note)
+
+
+def build_ours(cfg: Config, prefill: bool = False) -> Built:
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
+    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    # On meta: the unsharded module never allocates its full tables; each rank's share is
+    # allocated on cpu when DMP shards it.
+    model = Wrapper(DynamicEmbeddingBagCollection(tables(cfg, DynamicEmbeddingBagConfig, cfg.capacity),
+                                                  device=torch.device("meta"), optimizer=torch.optim.Adagrad,
+                                                  optimizer_kwargs={"lr": cfg.lr}))
+    plan = construct_module_sharding_plan(
+        model.ebc, {f"t{t}": row_wise(compute_kernel="customized_kernel") for t in range(cfg.num_tables)},
+        sharder=DynamicEmbeddingBagCollectionSharder(), local_size=world, world_size=world, device_type="cpu")
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=ShardingPlan({"ebc": plan}),
+                                   sharders=get_sharders())
+    dmp.train()
+    sharded = dmp.module.ebc
+    local = sharded.local_module
+    local_slots = sum(m.capacity for m in local._tables.meta)
+    note = f"{type(sharded).__name__}, {local_slots // cfg.num_tables:,} rows per table per rank"
+    if prefill:
+        # Rank r sends capacity / W fresh negative ids per table (disjoint across ranks), so the
+        # ranks together send each table `capacity` ids: ~its local capacity lands on every rank
+        # (routing is a hash); then a top-up of capacity / (4W) more per rank fills what the hash
+        # left short. Negative ids never come from the generator ([0, 2^40)): the workload's ids
+        # all arrive at full tables and evict these (least recently used) ones.
+        keys = [f"f{t}" for t in range(cfg.num_tables)]
+        share = -(-cfg.capacity // world)
+        start = time.perf_counter()
+        with torch.no_grad():
+            for base, n in ((0, share), (world * share, max(1, share // 4))):
+                ids = -1 - (base + rank * n + torch.arange(n, dtype=torch.int64))
+                for t in range(cfg.num_tables):
+                    lengths = torch.zeros(cfg.num_tables, dtype=torch.int64)
+                    lengths[t] = n
+                    dmp(KeyedJaggedTensor(keys=keys, values=ids, lengths=lengths)).values()
+        load = local.num_live_rows() / local_slots
+        note += f"; local load factor {load:.3f} before timing (filled in {time.perf_counter() - start:.0f} s)"
+
+    def step(kjt) -> None:
+        dmp(kjt).values().sum().backward()
+
+    def memory() -> Tuple[int, int, int]:
+        return local.storage_bytes(), local.num_live_rows(), local_slots
+
+    return Built(step, memory, note=note)
+
+
+BUILDERS = {"ebc": build_ebc, "ours": build_ours, "ours-full": lambda cfg: build_ours(cfg, prefill=True)}
+
+
+def time_system(built: Built, cfg: Config, raw: List) -> Dict[str, object]:
+    """This rank's median seconds per step, etc.; every repeat starts and ends at a barrier."""
+    batches = [built.batch_of(kjt) for kjt in raw[: (cfg.warmup + cfg.repeats) * cfg.steps_per_repeat]]
+    n = cfg.steps_per_repeat
+    chunks: Iterator[List] = (batches[i: i + n] for i in range(0, len(batches), n))
+
+    def setup() -> List:
+        dist.barrier()
+        return next(chunks)
+
+    def run(chunk: List) -> None:
+        for kjt in chunk:
+            built.step(kjt)
+        dist.barrier()
+
+    sec = median_seconds(run, cfg.repeats, warmup=cfg.warmup, setup=setup) / n
+    nbytes, live, slots = built.memory()
+    ids_per_step = sum(int(b.values().numel()) for b in batches) / len(batches)
+    return {"sec": sec, "ids_per_step": ids_per_step, "bytes": nbytes, "live_rows": live, "slots": slots}
+
+
+def gather(obj) -> List:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def run(cfg: Config) -> Tuple[Dict[str, Dict[str, object]], Dict[str, object]]:
+    from torchrec_ext.data import dlrm_small_batch
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    steps = (cfg.warmup + cfg.repeats) * cfg.steps_per_repeat
+    make = lambda i: dlrm_small_batch(i * world + rank, cfg.num_tables, cfg.batch_size, cfg.max_bag,  # noqa: E731
+                                      cfg.seed, alpha=cfg.alpha, id_bits=cfg.id_bits)
+    raw = [make(0)]  # the first call also imports torchrec's KJT: not timed
+    start = time.perf_counter()
+    raw += [make(i) for i in range(1, steps)]
+    gen_ms = (time.perf_counter() - start) / max(steps - 1, 1) * 1e3
+    first = raw[0]
+    unique = sum(int(torch.unique(jt.values()).numel()) for jt in first.to_dict().values()) / first.values().numel()
+    data = {"ids_per_step_per_rank": int(first.values().numel()), "unique_fraction_per_table": unique,
+            "batch_build_ms": gen_ms, "batches_per_rank": steps}
+    if rank == 0:
+        print(f"{steps} batches per rank of {data['ids_per_step_per_rank']:,} ids ({unique:.0%} distinct per table), "
+              f"built in {gen_ms:.1f} ms each", flush=True)
+    results: Dict[str, Dict[str, object]] = {}
+    for name in cfg.systems:
+        start = time.perf_counter()
+        built = BUILDERS[name](cfg)
+        build_s = time.perf_counter() - start
+        mine = time_system(built, cfg, raw)
+        note = built.note
+        del built
+        gc.collect()  # free one system's tables before building the next
+        per_rank = gather(dict(mine, note=note))
+        sec = max(r["sec"] for r in per_rank)  # the ranks wait on each other: the slower one is the step
+        ids = sum(r["ids_per_step"] for r in per_rank)
+        results[name] = {
+            "ms_per_step": sec * 1e3, "ms_per_step_per_rank": [r["sec"] * 1e3 for r in per_rank],
+            "ids_per_s": ids / sec, "bytes_per_rank": [r["bytes"] for r in per_rank],
+            "live_rows": sum(r["live_rows"] for r in per_rank), "slots": sum(r["slots"] for r in per_rank),
+            "build_s": build_s, "note": "; ".join(dict.fromkeys(r["note"] for r in per_rank)),
+        }
+        if rank == 0:
+            r = results[name]
+            print(f"{name}: {r['ms_per_step']:.1f} ms/step (ranks: "
+                  + ", ".join(f"{ms:.1f}" for ms in r["ms_per_step_per_rank"])
+                  + f"), built in {build_s:.0f} s, {r['live_rows']:,} / {r['slots']:,} rows live"
+                  + (f" ({r['note']})" if r["note"] else ""), flush=True)
+    return results, data
+
+
+def report(cfg: Config, results: Dict[str, Dict[str, object]], data: Dict[str, object]) -> str:
+    world = dist.get_world_size()
+    base = results.get("ebc", {}).get("ms_per_step")
+    rows = []
+    for name, r in results.items():
+        ratio = f"{r['ms_per_step'] / base:.2f}" if base else ""
+        rows.append([name, LABELS[name], f"{r['ms_per_step']:.1f}", ratio, f"{r['ids_per_s'] / 1e6:.2f}",
+                     f"{r['live_rows']:,} / {r['slots']:,}", f"{max(r['bytes_per_rank']) / 2**20:,.0f}"])
+    title = (f"dlrm-small train step, {world} ranks on cpu (torchrun, gloo, {torch.get_num_threads()} thread(s) per rank), "
+             f"row_wise under DistributedModelParallel: {cfg.num_tables} tables x dim {cfg.dim}, "
+             f"batch {cfg.batch_size} per table per rank, bags 1..{cfg.max_bag}, ids Zipf({cfg.alpha}) over 2^{cfg.id_bits} "
+             f"({data['ids_per_step_per_rank']:,} ids/step per rank, {data['unique_fraction_per_table']:.0%} distinct "
+             f"per table); median of {cfg.repeats} repeats x {cfg.steps_per_repeat} steps after {cfg.warmup} warm-up "
+             f"repeats, slower rank; a fresh batch every step")
+    header = ["system", "what", "ms / step", "× row-wise EBC", "M ids/s (all ranks)", "live rows / capacity (all ranks)",
+              "MiB per rank"]
+    notes = [f"- {name}: {r['note']}" for name, r in results.items() if r.get("note")]
+    return "\n".join([title, "", markdown_table(header, rows), ""] + notes)
+
+
+def worker(cfg: Config, save_results: bool) -> None:
+    dist.init_process_group("gloo")
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch's deprecation notes on gloo collectives
+    torch.set_num_threads(1)  # 2 ranks on 2 cores
+    results, data = run(cfg)
+    if dist.get_rank() == 0:
+        text = report(cfg, results, data)
+        print(text)
+        if save_results:
+            save("sharded_cpu", {"config": dataclasses.asdict(cfg), "world_size": dist.get_world_size(),
+                                 "threads_per_rank": torch.get_num_threads(), "data": data, "results": results}, text)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(Config):
+        if f.name == "systems":
+            continue
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
+    parser.add_argument("--no-save", action="store_true", help="print only; write nothing under results/")
+    args = parser.parse_args()
+    systems = tuple(s for s in args.systems.split(",") if s)
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or not systems:
+        parser.error(f"--systems: unknown {unknown}, choose from {','.join(SYSTEMS)}")
+    if "RANK" not in os.environ:  # re-launch under torchrun
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+               os.path.abspath(__file__)] + sys.argv[1:]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        sys.exit(subprocess.call(cmd, env=env))
+    cfg = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if f.name != "systems"},
+                 systems=systems)
+    worker(cfg, save_results=not args.no_save)
+
+
+if __name__ == "__main__":
+    main()

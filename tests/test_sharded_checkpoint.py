@@ -1,0 +1,160 @@
+"""Sharded dynamic tables through torch.distributed.checkpoint: a 2-rank checkpoint reloads on
+2 ranks (identical lookups and training after), on 1 rank and back to 2 (rows re-routed); a
+checkpoint of other tables is refused. (Interrupted saves: tests/test_train.py.)"""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec import KeyedJaggedTensor
+
+from dist_helpers import run_ranks
+from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
+
+BATCH, KEYS = 6, ["f1", "f2"]
+
+
+def _configs(dim=8):
+    return [DynamicEmbeddingBagConfig(name="t1", embedding_dim=dim, num_embeddings=512, feature_names=["f1"], eviction_policy="lfu"),
+            DynamicEmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=256, feature_names=["f2"], ttl_steps=50)]
+
+
+class _Model(nn.Module):
+    def __init__(self, ebc):
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, kjt):
+        return self.ebc(kjt)
+
+
+def _batch(step, rank):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    lengths = torch.randint(0, 4, (len(KEYS) * BATCH,), generator=gen)
+    values = torch.randint(-(2**40), 2**40, (int(lengths.sum()),), generator=gen) % 97 * (2**33) - 5
+    return KeyedJaggedTensor(keys=KEYS, values=values, lengths=lengths, stride=BATCH)
+
+
+def _dmp(world_size, dim=8):
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.optim.keyed import CombinedOptimizer
+
+    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
+
+    model = _Model(DynamicEmbeddingBagCollection(_configs(dim), optimizer="adam", optimizer_kwargs={"lr": 0.05}))
+    gens = {"t1": row_wise(compute_kernel="customized_kernel"), "t2": table_wise(rank=world_size - 1, compute_kernel="customized_kernel")}
+    plan = construct_module_sharding_plan(model.ebc, gens, sharder=DynamicEmbeddingBagCollectionSharder(),
+                                          local_size=world_size, world_size=world_size, device_type="cpu")
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
+                                   plan=ShardingPlan({"ebc": plan}), sharders=get_sharders())
+    return dmp, CombinedOptimizer([dmp.fused_optimizer])
+
+
+def _eval_global(dmp, rank, world_size, steps=(100, 101)):
+    """This rank's outputs on fixed eval batches, each rank taking the samples of the ranks
+    it stands for (on 1 rank: all 2 ranks' samples)."""
+    dmp.eval()
+    outs = []
+    for step in steps:
+        parts = [_batch(step, r) for r in range(2)]
+        mine = parts if world_size == 1 else [parts[rank]]
+        kjt = KeyedJaggedTensor.from_jt_dict({k: _cat([p.to_dict()[k] for p in mine]) for k in KEYS})
+        outs.append(dmp(kjt).values().detach().clone())
+    dmp.train()
+    return outs
+
+
+def _cat(jts):
+    from torchrec import JaggedTensor
+
+    return JaggedTensor(values=torch.cat([j.values() for j in jts]), lengths=torch.cat([j.lengths() for j in jts]))
+
+
+def _train(dmp, optimizer, rank, steps):
+    for step in steps:
+        optimizer.zero_grad()
+        dmp(_batch(step, rank)).values().sum().backward()
+        optimizer.step()
+
+
+def _rows(dmp):
+    local = dmp.module.ebc.local_module
+    sd = local.state_dict() if local is not None else {}
+    mine = {k: v for k, v in sd.items() if k.endswith((".weight", ".weight_id"))}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    rows = {}
+    for part in everyone:
+        for t in ("t1", "t2"):
+            if f"embedding_bags.{t}.weight_id" in part:
+                rows.setdefault(t, {}).update(zip(part[f"embedding_bags.{t}.weight_id"].tolist(),
+                                                  part[f"embedding_bags.{t}.weight"].tolist()))
+    return rows
+
+
+def _save_on_two(rank, world_size, root):
+    from torchrec_ext.distributed.checkpoint import save_checkpoint
+
+    dmp, opt = _dmp(world_size)
+    _train(dmp, opt, rank, range(4))
+    save_checkpoint(root, 4, {"model": dmp.state_dict(), "optim": opt.state_dict()})
+    torch.save(_eval_global(dmp, rank, world_size), os.path.join(root, f"eval_{rank}.pt"))
+    _train(dmp, opt, rank, range(4, 7))
+    rows = _rows(dmp)
+    if rank == 0:
+        torch.save(rows, os.path.join(root, "rows_after.pt"))
+
+
+def _load_on_two(rank, world_size, root, step):
+    from torchrec_ext.distributed.checkpoint import load_checkpoint
+
+    dmp, opt = _dmp(world_size)
+    state = load_checkpoint(os.path.join(root, f"step_{step}"), {"model": dmp.state_dict(), "optim": opt.state_dict()})
+    dmp.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+    want = torch.load(os.path.join(root, f"eval_{rank}.pt"))
+    for got, expected in zip(_eval_global(dmp, rank, world_size), want):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    if step == 4:
+        _train(dmp, opt, rank, range(4, 7))
+        want_rows = torch.load(os.path.join(root, "rows_after.pt"))
+        got_rows = _rows(dmp)
+        for t in want_rows:
+            assert got_rows[t].keys() == want_rows[t].keys()
+            for k in want_rows[t]:
+                torch.testing.assert_close(torch.tensor(got_rows[t][k]), torch.tensor(want_rows[t][k]))
+
+
+def _load_on_one_then_save(rank, world_size, root):
+    from torchrec_ext.distributed.checkpoint import load_checkpoint, save_checkpoint
+
+    dmp, opt = _dmp(world_size)
+    state = load_checkpoint(os.path.join(root, "step_4"), {"model": dmp.state_dict(), "optim": opt.state_dict()})
+    dmp.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+    got = _eval_global(dmp, rank, world_size)
+    want = [torch.load(os.path.join(root, f"eval_{r}.pt")) for r in range(2)]
+    for i, out in enumerate(got):  # one rank's output: rank 0's samples, then rank 1's
+        torch.testing.assert_close(out, torch.cat([want[0][i], want[1][i]]), rtol=0, atol=0)
+    save_checkpoint(root, 5, {"model": dmp.state_dict(), "optim": opt.state_dict()})
+
+
+def _mismatched_tables(rank, world_size, root):
+    from torchrec_ext.distributed.checkpoint import load_checkpoint
+
+    dmp, opt = _dmp(world_size, dim=16)
+    state = load_checkpoint(os.path.join(root, "step_4"), {"model": dmp.state_dict(), "optim": opt.state_dict()})
+    with pytest.raises(RuntimeError, match=r"table 't1' weight must be \[\d+, 16\]"):
+        dmp.load_state_dict(state["model"])
+
+
+def test_checkpoint_reloads_on_two_ranks_one_rank_and_back(tmp_path):
+    root = str(tmp_path)
+    run_ranks(_save_on_two, 2, root)
+    run_ranks(_load_on_two, 2, root, 4)           # same world: lookups and further training identical
+    run_ranks(_load_on_one_then_save, 1, root)    # 2 -> 1: rows re-routed to the one rank
+    run_ranks(_load_on_two, 2, root, 5)           # 1 -> 2: re-routed again, same lookups
+    run_ranks(_mismatched_tables, 1, root)

@@ -1,0 +1,61 @@
+"""Process group and device of the training job: one process, or one per rank under torchrun."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(name: str, local_rank: int) -> torch.device:
+    """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda`` (this rank's GPU) or ``cuda:N``."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: CUDA is not available here (torch {torch.__version__})")
+        if name == "cuda":
+            return torch.device("cuda", local_rank % torch.cuda.device_count())
+        return torch.device(name)
+    if name == "cpu":
+        return torch.device("cpu")
+    raise ValueError(f"--device: expected auto, cpu, cuda or cuda:N, got {name!r}")
+
+
+def init_runtime(device_name: str) -> Runtime:
+    """Initialises the default process group: from torchrun's environment when WORLD_SIZE > 1
+    (gloo on CPU, nccl on CUDA), else an in-process group of one. Returns rank, sizes, device."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    device = resolve_device(device_name, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        if world_size > 1:
+            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return Runtime(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                   local_world_size=local_world_size, device=device, backend=backend)
+
+
+def shutdown() -> None:
+    """Destroys the default process group, if any."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -38,7 +38,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_table, median_seconds, save  # noqa: E402
+from common import markdown_table, median_seconds, save, tensor_bytes  # noqa: E402
 
 from torchrec_ext.data import dlrm_small_batch  # noqa: E402
 
@@ -82,30 +82,6 @@ class Built:
     note: str = ""
 
 
-def tensor_bytes(*objs) -> int:
-    """Bytes of the distinct storages under tensors, ShardedTensors, dicts and lists."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    seen: Dict[int, int] = {}
-
-    def visit(o) -> None:
-        if isinstance(o, ShardedTensor):
-            for shard in o.local_shards():
-                visit(shard.tensor)
-        elif isinstance(o, torch.Tensor):
-            if o.device.type != "meta":
-                s = o.untyped_storage()
-                seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
-        elif isinstance(o, dict):
-            for v in o.values():
-                visit(v)
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                visit(v)
-
-    for o in objs:
-        visit(o)
-    return sum(seen.values())
 
 
 def tables(cfg: Config, cls=None, num_embeddings: Optional[int] = None) -> list:

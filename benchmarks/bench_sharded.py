@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_table, median_seconds, save  # noqa: E402
+from common import markdown_table, median_seconds, save, tensor_bytes  # noqa: E402
 
 SYSTEMS = ("ebc", "ours", "ours-full")
 LABELS = {
@@ -91,30 +91,6 @@ class Wrapper(nn.Module):
         return self.ebc(kjt)
 
 
-def tensor_bytes(*objs) -> int:
-    """Bytes of the distinct storages under tensors, ShardedTensors (local shards), dicts, lists."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    seen: Dict[int, int] = {}
-
-    def visit(o) -> None:
-        if isinstance(o, ShardedTensor):
-            for shard in o.local_shards():
-                visit(shard.tensor)
-        elif isinstance(o, torch.Tensor):
-            if o.device.type != "meta":
-                s = o.untyped_storage()
-                seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
-        elif isinstance(o, dict):
-            for v in o.values():
-                visit(v)
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                visit(v)
-
-    for o in objs:
-        visit(o)
-    return sum(seen.values())
 
 
 def tables(cfg: Config, cls=None, num_embeddings: int = 0) -> list:

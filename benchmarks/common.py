@@ -56,3 +56,29 @@ def save(name: str, record: Dict[str, object], markdown: str) -> None:
         f.write(json.dumps(record) + "\n")
     with open(os.path.join(RESULTS_DIR, f"{name}.md"), "w") as f:
         f.write(markdown + "\n")
+
+
+def tensor_bytes(*objs) -> int:
+    """Bytes of the distinct storages under tensors, ShardedTensors (local shards), dicts, lists."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    seen: Dict[int, int] = {}
+
+    def visit(o) -> None:
+        if isinstance(o, ShardedTensor):
+            for shard in o.local_shards():
+                visit(shard.tensor)
+        elif isinstance(o, torch.Tensor):
+            if o.device.type != "meta":
+                storage = o.untyped_storage()
+                seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        elif isinstance(o, dict):
+            for v in o.values():
+                visit(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                visit(v)
+
+    for o in objs:
+        visit(o)
+    return sum(seen.values())

@@ -29,6 +29,18 @@ def run_ranks(fn: Callable, world_size: int, *args) -> None:
 NUM_TABLES, ROWS, DIM, DENSE_IN = 3, 64, 8, 4
 
 
+class ModelWith(torch.nn.Module):
+    """A model whose one child, ``.<name>``, is the module DMP shards; forward feeds it the KJT."""
+
+    def __init__(self, name: str, module: torch.nn.Module):
+        super().__init__()
+        self._child = name
+        setattr(self, name, module)
+
+    def forward(self, kjt):
+        return getattr(self, self._child)(kjt)
+
+
 def make_batches(rank: int, batch_size: int, num_full: int, last: int, seed: int = 0) -> List:
     """num_full batches of batch_size, then one of `last` rows (0: none), different per rank."""
     from torchrec.datasets.utils import Batch

@@ -6,10 +6,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torchrec import KeyedJaggedTensor
 
-from dist_helpers import run_ranks
+from dist_helpers import ModelWith, run_ranks
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 
 BATCH, KEYS = 6, ["f1", "f2"]
@@ -19,14 +18,6 @@ def _configs(dim=8):
     return [DynamicEmbeddingBagConfig(name="t1", embedding_dim=dim, num_embeddings=512, feature_names=["f1"], eviction_policy="lfu"),
             DynamicEmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=256, feature_names=["f2"], ttl_steps=50)]
 
-
-class _Model(nn.Module):
-    def __init__(self, ebc):
-        super().__init__()
-        self.ebc = ebc
-
-    def forward(self, kjt):
-        return self.ebc(kjt)
 
 
 def _batch(step, rank):
@@ -44,7 +35,7 @@ def _dmp(world_size, dim=8):
 
     from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
 
-    model = _Model(DynamicEmbeddingBagCollection(_configs(dim), optimizer="adam", optimizer_kwargs={"lr": 0.05}))
+    model = ModelWith("ebc", DynamicEmbeddingBagCollection(_configs(dim), optimizer="adam", optimizer_kwargs={"lr": 0.05}))
     gens = {"t1": row_wise(compute_kernel="customized_kernel"), "t2": table_wise(rank=world_size - 1, compute_kernel="customized_kernel")}
     plan = construct_module_sharding_plan(model.ebc, gens, sharder=DynamicEmbeddingBagCollectionSharder(),
                                           local_size=world_size, world_size=world_size, device_type="cpu")

@@ -3,10 +3,9 @@ global batch: the same sequences and, after training, the same table contents.""
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torchrec import EmbeddingConfig, KeyedJaggedTensor
 
-from dist_helpers import run_ranks
+from dist_helpers import ModelWith, run_ranks
 from torchrec_ext import DynamicEmbeddingCollection, DynamicEmbeddingConfig
 
 WORLD, BATCH, KEYS = 2, 5, ["f1", "f2", "f3"]
@@ -16,14 +15,6 @@ def _configs():
     return [DynamicEmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=256, feature_names=["f1", "f2"]),
             EmbeddingConfig(name="t2", embedding_dim=4, num_embeddings=128, feature_names=["f3", "f1"])]
 
-
-class _Model(nn.Module):
-    def __init__(self, ec):
-        super().__init__()
-        self.ec = ec
-
-    def forward(self, kjt):
-        return self.ec(kjt)
 
 
 def _rank_batch(step, rank):
@@ -42,7 +33,7 @@ def _check(rank, world_size, sharding):
     from torchrec_ext.distributed import DynamicEmbeddingCollectionSharder, get_sharders
 
     make = lambda: DynamicEmbeddingCollection(_configs(), need_indices=True, optimizer="adagrad", optimizer_kwargs={"lr": 0.2})
-    reference, model = make(), _Model(make())
+    reference, model = make(), ModelWith("ec", make())
     gens = {"row_wise": {"t1": row_wise(compute_kernel="customized_kernel"), "t2": row_wise(compute_kernel="customized_kernel")},
             "mixed": {"t1": row_wise(compute_kernel="customized_kernel"),
                       "t2": table_wise(rank=1, compute_kernel="customized_kernel")}}[sharding]

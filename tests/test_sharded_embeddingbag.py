@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 
-from dist_helpers import run_ranks
+from dist_helpers import ModelWith, run_ranks
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, Initializer
 
 WORLD = 2
@@ -23,14 +23,6 @@ def _configs():
         EmbeddingBagConfig(name="t3", embedding_dim=6, num_embeddings=128, feature_names=["f1"]),  # f1 shared
     ]
 
-
-class _Model(nn.Module):
-    def __init__(self, ebc):
-        super().__init__()
-        self.ebc = ebc
-
-    def forward(self, kjt):
-        return self.ebc(kjt)
 
 
 def _rank_batch(step: int, rank: int, weighted: bool) -> KeyedJaggedTensor:
@@ -68,7 +60,7 @@ def _check_against_unsharded(rank, world_size, sharding, weighted, optimizer):
     make = lambda: DynamicEmbeddingBagCollection(_configs(), is_weighted=weighted, optimizer=optimizer,
                                                  optimizer_kwargs={"lr": 0.1})
     reference = make()
-    model = _Model(make())
+    model = ModelWith("ebc", make())
     generators = {
         "row_wise": {t: row_wise(compute_kernel="customized_kernel") for t in ("t1", "t2", "t3")},
         "table_wise": {"t1": table_wise(rank=0, compute_kernel="customized_kernel"),
@@ -173,7 +165,7 @@ def _bad_plans(rank, world_size):
     from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
 
     def shard(generators, plan_world=world_size):
-        model = _Model(DynamicEmbeddingBagCollection(_configs(), optimizer="sgd"))
+        model = ModelWith("ebc", DynamicEmbeddingBagCollection(_configs(), optimizer="sgd"))
         plan = construct_module_sharding_plan(model.ebc, generators, sharder=DynamicEmbeddingBagCollectionSharder(),
                                               local_size=plan_world, world_size=plan_world, device_type="cpu")
         return DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),

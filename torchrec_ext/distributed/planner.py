@@ -204,6 +204,18 @@ def _step_volume(option: ShardingOption, constraints: Optional[Dict[str, Paramet
 
 # ---------------------------------------------------------------------------- storage
 
+def _ours_after_delegating(sharding_options, delegate, sharder_data_map):
+    """TorchRec's estimator takes the stock tables' options; yields ours with their table info."""
+    others = [o for o in sharding_options if not is_dynamic_option(o)]
+    if others:
+        delegate.estimate(others, sharder_data_map=sharder_data_map)
+    cache = _TableCache()
+    for option in sharding_options:
+        if is_dynamic_option(option):
+            _check_sharding_type(option)
+            yield option, cache.info(option)
+
+
 class DynamicEmbeddingStorageEstimator(ShardEstimator):
     """Per-shard storage of dynamic tables from the byte model in this module's docstring; any
     other sharding option goes to TorchRec's ``EmbeddingStorageEstimator``.
@@ -228,14 +240,7 @@ class DynamicEmbeddingStorageEstimator(ShardEstimator):
 
     def estimate(self, sharding_options: List[ShardingOption],
                  sharder_data_map: Optional[SharderDataMap] = None) -> None:
-        ours = [o for o in sharding_options if is_dynamic_option(o)]
-        others = [o for o in sharding_options if not is_dynamic_option(o)]
-        if others:
-            self._delegate.estimate(others, sharder_data_map=sharder_data_map)
-        cache = _TableCache()
-        for option in ours:
-            _check_sharding_type(option)
-            table = cache.info(option)
+        for option, table in _ours_after_delegating(sharding_options, self._delegate, sharder_data_map):
             for shard, nbytes in zip(option.shards, self._shard_bytes(option, table)):
                 shard.storage = self._on_device(nbytes)
 
@@ -315,14 +320,7 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
 
     def estimate(self, sharding_options: List[ShardingOption],
                  sharder_data_map: Optional[SharderDataMap] = None) -> None:
-        ours = [o for o in sharding_options if is_dynamic_option(o)]
-        others = [o for o in sharding_options if not is_dynamic_option(o)]
-        if others:
-            self._delegate.estimate(others, sharder_data_map=sharder_data_map)
-        cache = _TableCache()
-        for option in ours:
-            _check_sharding_type(option)
-            table = cache.info(option)
+        for option, table in _ours_after_delegating(sharding_options, self._delegate, sharder_data_map):
             sharder_data = sharder_data_map.get(option.module_type_key) if sharder_data_map else None
             perf = self._shard_perf(option, table, sharder_data)
             for shard in option.shards:

@@ -2,6 +2,7 @@
 small TorchRec DLRM workload shared by the distributed tests."""
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 from typing import Callable, List
@@ -16,6 +17,10 @@ def _entry(rank: int, fn: Callable, world_size: int, init_file: str, args: tuple
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        # Every rank done with its collectives, and the models holding the group freed, before
+        # the group goes: tearing it down under a peer's last collective aborts that peer.
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -56,6 +56,8 @@ def init_runtime(device_name: str) -> Runtime:
 
 
 def shutdown() -> None:
-    """Destroys the default process group, if any."""
+    """Destroys the default process group, if any, once every rank has reached this point
+    (tearing it down under a peer's last collective aborts that peer)."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()

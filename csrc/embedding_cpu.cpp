@@ -16,6 +16,10 @@
 #include <cmath>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
 #include "hash_table_layout.h"
 
 namespace torchrec_ext {
@@ -237,6 +241,20 @@ void init_vector(float* out, int64_t dim, uint64_t key, Init init, at::ArrayRef<
   }
 }
 
+// Fills a row that will not be read again this step (optimizer state, read at backward) with
+// non-temporal stores where it is 16-byte aligned: no read-for-ownership of lines about to be
+// overwritten, and no eviction of the rows the lookup is about to read.
+void fill_streaming(float* row, int64_t width, float value) {
+#if defined(__SSE2__)
+  if (reinterpret_cast<uintptr_t>(row) % 16 == 0 && width % 4 == 0) {
+    const __m128 v = _mm_set1_ps(value);
+    for (int64_t j = 0; j < width; j += 4) _mm_stream_ps(row + j, v);
+    return;
+  }
+#endif
+  std::fill(row, row + width, value);
+}
+
 // Writes the initial vector of ids[i] into row rows[i] of `table` ([capacity, dim]) for every
 // i with rows[i] >= 0 (a pure function of seed, id, element; see reference.init_vectors), and
 // resets those rows of each optimizer state ([capacity, width]) to its initial value.
@@ -273,19 +291,18 @@ void init_rows_cpu(const at::Tensor& table, const at::Tensor& rows_in, const at:
     for (int64_t i = begin; i < end; ++i) {
       // New rows are scattered over the table: start fetching a few rows ahead for writing.
       const int64_t ahead = i + kPrefetchDistance;
-      if (ahead < end && r[ahead] >= 0) {
-        prefetch_row(w + r[ahead] * dim, dim, 1);
-        for (const at::Tensor& st : states)
-          prefetch_row(st.data_ptr<float>() + r[ahead] * st.size(1), st.size(1), 1);
-      }
+      if (ahead < end && r[ahead] >= 0) prefetch_row(w + r[ahead] * dim, dim, 1);  // states are streamed
       if (r[i] < 0) continue;
       init_vector(w + r[i] * dim, dim, row_key(id[i], s), init, params);
       for (size_t k = 0; k < states.size(); ++k) {
         const int64_t width = states[k].size(1);
         float* row = states[k].data_ptr<float>() + r[i] * width;
-        std::fill(row, row + width, static_cast<float>(state_values[k]));
+        fill_streaming(row, width, static_cast<float>(state_values[k]));
       }
     }
+#if defined(__SSE2__)
+    _mm_sfence();  // streamed stores visible before the op returns
+#endif
   });
 }
 

@@ -8,8 +8,11 @@ Workload: 8 tables, dim 64, batch 2048 bags per table per rank (the 2-rank setup
 step), raw ids Zipf(1.05) over 2^40 (`torchrec_ext.data.dlrm_small_batch`; rank r takes steps
 r, W + r, 2W + r, ... of one stream, so the ranks share the hot ids). One step = forward +
 backward of sum(output) + the fused Adagrad update (lr 0.01). Every step gets a fresh batch, built
-before timing; each timed repeat starts and ends at a barrier, and the slower rank's median is
-reported. Systems (each the only child `.ebc` of a tiny wrapper that DMP shards):
+before timing. All systems are built first and held at once (~2 GiB each per rank at the
+defaults); each round times `steps_per_repeat` steps of every system in turn (order rotated each
+round, every run between two barriers), so drift in a shared machine's load hits them alike; the
+median over rounds of the slower rank is reported. Systems (each the only child `.ebc` of a
+tiny wrapper that DMP shards):
 
 - ebc:       TorchRec EmbeddingBagCollection, 1M rows per table, ids mod 1M, row_wise / fused
              (a sharder subclass adds row_wise for cpu, which TorchRec's offers only for cuda),
@@ -31,18 +34,19 @@ import argparse
 import dataclasses
 import gc
 import os
+import statistics
 import subprocess
 import sys
 import time
 import warnings
-from typing import Callable, Dict, Iterator, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_table, median_seconds, save, tensor_bytes  # noqa: E402
+from common import markdown_table, save, tensor_bytes  # noqa: E402
 
 SYSTEMS = ("ebc", "ours", "ours-full")
 LABELS = {
@@ -131,9 +135,11 @@ def build_ebc(cfg: Config) -> Built:
     # The sharded EBC keeps its lookups in a plain list (not submodules): walk them for the TBEs.
     kernels = [getattr(m, "optimizer", None) for lookup in getattr(sharded, "_lookups", [])
                for m in lookup.modules() if type(m).__name__ == "SplitTableBatchedEmbeddingBagsCodegen"]
-    if picked != [("row_wise", "fused")] or not kernels or any(getattr(o, "name", None) != "EXACT_ADAGRAD" for o in kernels):
+    if picked != [("row_wise", "fused")] or not kernels or \
+            any(getattr(o, "name", None) != "EXACT_ADAGRAD" for o in kernels):
         raise RuntimeError(f"ebc: expected row_wise/fused fbgemm TBEs with EXACT_ADAGRAD, got {picked}, {kernels}")
-    note = f"{type(sharded).__name__}, plan {picked}, {len(kernels)} SplitTableBatchedEmbeddingBagsCodegen per rank, {kernels[0].name}"
+    note = (f"{type(sharded).__name__}, plan {picked}, {len(kernels)} SplitTableBatchedEmbeddingBagsCodegen "
+            f"per rank, {kernels[0].name}")
 
     def step(kjt) -> None:
         dmp(kjt).values().sum().backward()
@@ -181,7 +187,6 @@ def build_ours(cfg: Config, prefill: bool = False) -> Built:
         # all arrive at full tables and evict these (least recently used) ones.
         keys = [f"f{t}" for t in range(cfg.num_tables)]
         share = -(-cfg.capacity // world)
-        start = time.perf_counter()
         with torch.no_grad():
             for base, n in ((0, share), (world * share, max(1, share // 4))):
                 ids = -1 - (base + rank * n + torch.arange(n, dtype=torch.int64))
@@ -189,8 +194,8 @@ def build_ours(cfg: Config, prefill: bool = False) -> Built:
                     lengths = torch.zeros(cfg.num_tables, dtype=torch.int64)
                     lengths[t] = n
                     dmp(KeyedJaggedTensor(keys=keys, values=ids, lengths=lengths)).values()
-        load = local.num_live_rows() / local_slots
-        note += f"; local load factor {load:.3f} before timing (filled in {time.perf_counter() - start:.0f} s)"
+        load = min(gather(local.num_live_rows() / local_slots))
+        note += f"; load factor {load:.3f} (lowest rank) before timing"
 
     def step(kjt) -> None:
         dmp(kjt).values().sum().backward()
@@ -204,25 +209,32 @@ def build_ours(cfg: Config, prefill: bool = False) -> Built:
 BUILDERS = {"ebc": build_ebc, "ours": build_ours, "ours-full": lambda cfg: build_ours(cfg, prefill=True)}
 
 
-def time_system(built: Built, cfg: Config, raw: List) -> Dict[str, object]:
-    """This rank's median seconds per step, etc.; every repeat starts and ends at a barrier."""
-    batches = [built.batch_of(kjt) for kjt in raw[: (cfg.warmup + cfg.repeats) * cfg.steps_per_repeat]]
+def time_systems(built: Dict[str, Built], cfg: Config, raw: List) -> Dict[str, Dict[str, object]]:
+    """This rank's median seconds per step of each system. Rounds interleave the systems (in an
+    order rotated every round), so drift in the machine's load hits them alike; each timed repeat
+    of `steps_per_repeat` steps starts and ends at a barrier."""
     n = cfg.steps_per_repeat
-    chunks: Iterator[List] = (batches[i: i + n] for i in range(0, len(batches), n))
-
-    def setup() -> List:
-        dist.barrier()
-        return next(chunks)
-
-    def run(chunk: List) -> None:
-        for kjt in chunk:
-            built.step(kjt)
-        dist.barrier()
-
-    sec = median_seconds(run, cfg.repeats, warmup=cfg.warmup, setup=setup) / n
-    nbytes, live, slots = built.memory()
-    ids_per_step = sum(int(b.values().numel()) for b in batches) / len(batches)
-    return {"sec": sec, "ids_per_step": ids_per_step, "bytes": nbytes, "live_rows": live, "slots": slots}
+    rounds = cfg.warmup + cfg.repeats
+    batches = {name: [b.batch_of(kjt) for kjt in raw[: rounds * n]] for name, b in built.items()}
+    names = list(built)
+    times: Dict[str, List[float]] = {name: [] for name in names}
+    for i in range(rounds):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            chunk = batches[name][i * n: (i + 1) * n]
+            dist.barrier()
+            start = time.perf_counter()
+            for kjt in chunk:
+                built[name].step(kjt)
+            dist.barrier()
+            if i >= cfg.warmup:
+                times[name].append(time.perf_counter() - start)
+    out = {}
+    for name in names:
+        nbytes, live, slots = built[name].memory()
+        ids_per_step = sum(int(b.values().numel()) for b in batches[name]) / len(batches[name])
+        out[name] = {"sec": statistics.median(times[name]) / n, "ids_per_step": ids_per_step, "bytes": nbytes,
+                     "live_rows": live, "slots": slots, "note": built[name].note}
+    return out
 
 
 def gather(obj) -> List:
@@ -249,29 +261,32 @@ def run(cfg: Config) -> Tuple[Dict[str, Dict[str, object]], Dict[str, object]]:
     if rank == 0:
         print(f"{steps} batches per rank of {data['ids_per_step_per_rank']:,} ids ({unique:.0%} distinct per table), "
               f"built in {gen_ms:.1f} ms each", flush=True)
+    built: Dict[str, Built] = {}
+    build_s: Dict[str, float] = {}
+    for name in cfg.systems:  # all held at once (~2 GiB per system per rank at the defaults)
+        start = time.perf_counter()
+        built[name] = BUILDERS[name](cfg)
+        build_s[name] = time.perf_counter() - start
+    mine = time_systems(built, cfg, raw)
+    del built
+    gc.collect()
+    per_rank = gather(mine)
     results: Dict[str, Dict[str, object]] = {}
     for name in cfg.systems:
-        start = time.perf_counter()
-        built = BUILDERS[name](cfg)
-        build_s = time.perf_counter() - start
-        mine = time_system(built, cfg, raw)
-        note = built.note
-        del built
-        gc.collect()  # free one system's tables before building the next
-        per_rank = gather(dict(mine, note=note))
-        sec = max(r["sec"] for r in per_rank)  # the ranks wait on each other: the slower one is the step
-        ids = sum(r["ids_per_step"] for r in per_rank)
+        ranks = [p[name] for p in per_rank]
+        sec = max(r["sec"] for r in ranks)  # the ranks wait on each other: the slower one is the step
+        ids = sum(r["ids_per_step"] for r in ranks)
         results[name] = {
-            "ms_per_step": sec * 1e3, "ms_per_step_per_rank": [r["sec"] * 1e3 for r in per_rank],
-            "ids_per_s": ids / sec, "bytes_per_rank": [r["bytes"] for r in per_rank],
-            "live_rows": sum(r["live_rows"] for r in per_rank), "slots": sum(r["slots"] for r in per_rank),
-            "build_s": build_s, "note": "; ".join(dict.fromkeys(r["note"] for r in per_rank)),
+            "ms_per_step": sec * 1e3, "ms_per_step_per_rank": [r["sec"] * 1e3 for r in ranks],
+            "ids_per_s": ids / sec, "bytes_per_rank": [r["bytes"] for r in ranks],
+            "live_rows": sum(r["live_rows"] for r in ranks), "slots": sum(r["slots"] for r in ranks),
+            "build_s": build_s[name], "note": "; ".join(dict.fromkeys(r["note"] for r in ranks)),
         }
         if rank == 0:
             r = results[name]
             print(f"{name}: {r['ms_per_step']:.1f} ms/step (ranks: "
                   + ", ".join(f"{ms:.1f}" for ms in r["ms_per_step_per_rank"])
-                  + f"), built in {build_s:.0f} s, {r['live_rows']:,} / {r['slots']:,} rows live"
+                  + f"), built in {r['build_s']:.0f} s, {r['live_rows']:,} / {r['slots']:,} rows live"
                   + (f" ({r['note']})" if r["note"] else ""), flush=True)
     return results, data
 
@@ -284,14 +299,15 @@ def report(cfg: Config, results: Dict[str, Dict[str, object]], data: Dict[str, o
         ratio = f"{r['ms_per_step'] / base:.2f}" if base else ""
         rows.append([name, LABELS[name], f"{r['ms_per_step']:.1f}", ratio, f"{r['ids_per_s'] / 1e6:.2f}",
                      f"{r['live_rows']:,} / {r['slots']:,}", f"{max(r['bytes_per_rank']) / 2**20:,.0f}"])
-    title = (f"dlrm-small train step, {world} ranks on cpu (torchrun, gloo, {torch.get_num_threads()} thread(s) per rank), "
-             f"row_wise under DistributedModelParallel: {cfg.num_tables} tables x dim {cfg.dim}, "
-             f"batch {cfg.batch_size} per table per rank, bags 1..{cfg.max_bag}, ids Zipf({cfg.alpha}) over 2^{cfg.id_bits} "
+    title = (f"dlrm-small train step, {world} ranks on cpu (torchrun, gloo, {torch.get_num_threads()} thread(s) "
+             f"per rank), row_wise under DistributedModelParallel: {cfg.num_tables} tables x dim {cfg.dim}, "
+             f"batch {cfg.batch_size} per table per rank, bags 1..{cfg.max_bag}, "
+             f"ids Zipf({cfg.alpha}) over 2^{cfg.id_bits} "
              f"({data['ids_per_step_per_rank']:,} ids/step per rank, {data['unique_fraction_per_table']:.0%} distinct "
-             f"per table); median of {cfg.repeats} repeats x {cfg.steps_per_repeat} steps after {cfg.warmup} warm-up "
-             f"repeats, slower rank; a fresh batch every step")
-    header = ["system", "what", "ms / step", "× row-wise EBC", "M ids/s (all ranks)", "live rows / capacity (all ranks)",
-              "MiB per rank"]
+             f"per table); median of {cfg.repeats} rounds x {cfg.steps_per_repeat} steps after {cfg.warmup} warm-up "
+             f"rounds, the systems interleaved within each round, slower rank; a fresh batch every step")
+    header = ["system", "what", "ms / step", "× row-wise EBC", "M ids/s (all ranks)",
+              "live rows / capacity (all ranks)", "MiB per rank"]
     notes = [f"- {name}: {r['note']}" for name, r in results.items() if r.get("note")]
     return "\n".join([title, "", markdown_table(header, rows), ""] + notes)
 

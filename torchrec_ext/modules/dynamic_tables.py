@@ -107,6 +107,7 @@ class DynamicTables:
         self.state_row_offsets = row_starts
         self.table_dims = torch.tensor([m.dim for m in self.meta], dtype=torch.int64)
         self.weights = _allocate(sum(sizes), 0.0, device)
+        self._init_views: Optional[list] = None
         self.optimizer: Optional[OptimizerSpec] = None
         self.states: List[Tensor] = []
         self.optimizer_step = torch.zeros((), dtype=torch.int64)
@@ -154,16 +155,19 @@ class DynamicTables:
         """Allocates (or keeps, when the kind is unchanged) the optimizer state for ``spec``."""
         if self.optimizer is not None and self.optimizer.kind == spec.kind:
             self.optimizer = spec
+            self._init_views = None  # the fill values may have changed
             return
         size = int(sum(m.capacity for m in self.meta)) if spec.kind in ROWWISE_STATE else self.weights.numel()
         self.optimizer = spec
         self.states = [_allocate(size, self._initial_state_value(name), self.device) for name in OPTIMIZER_STATES[spec.kind]]
+        self._init_views = None
 
     def apply(self, fn) -> None:
         """Applies a tensor function (``Module._apply``'s) to the storage and moves the indexes."""
         old_device = self.device
         self.weights = fn(self.weights)
         self.states = [fn(s) for s in self.states]
+        self._init_views = None
         if self.device != old_device:
             self._build_indexes(carry_from=old_device)
 
@@ -241,8 +245,8 @@ class DynamicTables:
             self.last_seen[t][result.rows[live]] = self.train_step
             if self.train_step % m.ttl_steps == 0:
                 self._erase_expired(t)
-        if bool(fresh.any()):
-            self._initialise(t, result.rows[fresh], keys[fresh])
+        # Rows of -1 are skipped by init_rows: no mask-and-gather of the fresh ids needed.
+        self._initialise(t, torch.where(fresh, result.rows, -1), keys)
         if candidates is None:
             return result.rows
         rows[candidates] = result.rows
@@ -282,11 +286,15 @@ class DynamicTables:
                 index.erase(keys[stale])
 
     def _initialise(self, t: int, rows: Tensor, keys: Tensor) -> None:
-        """New ids' rows: their initial vectors, and the optimizer's initial state."""
+        """New ids' rows (rows[i] >= 0): their initial vectors, and the optimizer's initial state."""
         m = self.meta[t]
-        table = self.table_view(t)
-        states = [v if v.dim() == 2 else v.unsqueeze(1) for v in self.state_views(t).values()]
-        fills = [self._initial_state_value(name) for name in self.state_views(t)]
+        if self._init_views is None:  # per-table views, built once per storage and optimizer
+            self._init_views = []
+            for i in range(len(self.meta)):
+                views = self.state_views(i)
+                self._init_views.append((self.table_view(i), [v if v.dim() == 2 else v.unsqueeze(1) for v in views.values()],
+                                         [self._initial_state_value(name) for name in views]))
+        table, states, fills = self._init_views[t]
         ops.init_rows(table, rows, keys, m.seed, m.init_kind, m.init_params, states, fills)
 
     def _initial_state_value(self, name: str) -> float:

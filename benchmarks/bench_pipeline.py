@@ -128,32 +128,44 @@ def plain_loop(model, optimizer, device) -> Callable:
     return step
 
 
-def time_candidates(cfg: Config, device, source, shared, ours) -> Dict[str, float]:
+def time_candidates(cfg: Config, device, source, shared, ours, round_index: int) -> Dict[str, float]:
     """One round: seconds per step of each loop. TorchRec's pipelines are detached after their
-    run (they rewrite the shared model's sharded forwards)."""
+    run (they rewrite the shared model's sharded forwards). The loops take turns in an order
+    rotated every round, so none always runs first after the other model warmed the caches."""
     from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 
     from torchrec_ext.pipeline import PipelineOptions, TrainPipeline
 
-    out = {"plain loop": time_loop(plain_loop(*shared, device), source, cfg.warmup)}
-    for name, cls in (("TorchRec TrainPipelineBase", TrainPipelineBase),
-                      ("TorchRec TrainPipelineSparseDist", TrainPipelineSparseDist)):
-        pipeline = cls(shared[0], shared[1], device)
-        out[name] = time_loop(pipeline.progress, source, cfg.warmup)
-        if hasattr(pipeline, "detach"):
-            pipeline.detach()
-    variants = {"torchrec_ext TrainPipeline": PipelineOptions()}
+    def torchrec_loop(cls):
+        def run() -> float:
+            pipeline = cls(shared[0], shared[1], device)
+            seconds = time_loop(pipeline.progress, source, cfg.warmup)
+            if hasattr(pipeline, "detach"):
+                pipeline.detach()
+            return seconds
+        return run
+
+    def our_loop(options):
+        def run() -> float:
+            with TrainPipeline(ours[0], ours[1], device, options) as pipeline:
+                return time_loop(pipeline.progress, source, cfg.warmup)
+        return run
+
+    loops = {"plain loop": lambda: time_loop(plain_loop(*shared, device), source, cfg.warmup),
+             "TorchRec TrainPipelineBase": torchrec_loop(TrainPipelineBase),
+             "TorchRec TrainPipelineSparseDist": torchrec_loop(TrainPipelineSparseDist),
+             "torchrec_ext TrainPipeline": our_loop(PipelineOptions())}
     if cfg.ablation:  # each thread stage forced on and off, whatever the defaults chose here
-        variants.update({
-            "  ours, prefetch + input-dist threads": PipelineOptions(prefetch_threads=2, threaded_input_dist=True),
-            "  ours, prefetch threads only": PipelineOptions(prefetch_threads=2, threaded_input_dist=False),
-            "  ours, input-dist thread only": PipelineOptions(prefetch_threads=0, threaded_input_dist=True),
-            "  ours, no threads": PipelineOptions(prefetch_threads=0, threaded_input_dist=False),
+        loops.update({
+            "  ours, prefetch + input-dist threads": our_loop(PipelineOptions(prefetch_threads=2, threaded_input_dist=True)),
+            "  ours, prefetch threads only": our_loop(PipelineOptions(prefetch_threads=2, threaded_input_dist=False)),
+            "  ours, input-dist thread only": our_loop(PipelineOptions(prefetch_threads=0, threaded_input_dist=True)),
+            "  ours, no threads": our_loop(PipelineOptions(prefetch_threads=0, threaded_input_dist=False)),
         })
-    for name, options in variants.items():
-        with TrainPipeline(ours[0], ours[1], device, options) as pipeline:
-            out[name] = time_loop(pipeline.progress, source, cfg.warmup)
-    return out
+    names = list(loops)
+    shift = round_index % len(names)
+    timed = {name: loops[name]() for name in names[shift:] + names[:shift]}
+    return {name: timed[name] for name in names}
 
 
 def worker(cfg: Config, save_results: bool) -> None:
@@ -174,7 +186,7 @@ def worker(cfg: Config, save_results: bool) -> None:
     shared, ours = make_model(cfg, device), make_model(cfg, device)
     times: Dict[str, List[float]] = {}
     for r in range(cfg.rounds):
-        for name, seconds in time_candidates(cfg, device, source, shared, ours).items():
+        for name, seconds in time_candidates(cfg, device, source, shared, ours, r).items():
             times.setdefault(name, []).append(seconds)
         if rank == 0:
             print(f"round {r}: " + ", ".join(f"{n} {t[-1] * 1e3:.1f} ms" for n, t in times.items()), flush=True)

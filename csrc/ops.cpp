@@ -26,6 +26,12 @@ TORCH_LIBRARY(torchrec_ext, m) {
       "Tensor keys, Tensor rows, Tensor scores, int capacity) -> ()");
   // Owning rank of each key for row-wise sharding (hash independent of the bucket hash).
   m.def("route(Tensor keys, int world_size) -> Tensor");
+  // Input routing of sharded tables (csrc/routing_cpu.cpp): each id of bag g = slot * batch_size
+  // + sample goes to route(id) (slot_owner -1) or to its slot's owner; returns the ids regrouped
+  // destination-major then by bag, the [world_size * bags] lengths, and each routed id's input position.
+  m.def(
+      "route_bucketize(Tensor ids, Tensor lengths, int[] slot_owner, int world_size, int batch_size) "
+      "-> (Tensor values, Tensor lengths, Tensor order)");
 
   // ---- embedding ops (csrc/embedding_cpu.cpp; CUDA: triton_kernels/, registered from Python).
   // Tables live in one flat float32 buffer, table t's [capacity_t, dim_t] rows at element

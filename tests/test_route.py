@@ -45,3 +45,31 @@ def test_route_rejects_bad_input():
         ops.route(torch.arange(3).int(), 2)
     with pytest.raises(ValueError, match="keys must be 1-D"):
         ops.route(torch.zeros(2, 2, dtype=torch.int64), 2)
+
+
+@pytest.mark.parametrize("world_size,batch_size", [(1, 3), (2, 5), (4, 1), (3, 0)])
+def test_route_bucketize_matches_the_torch_version(world_size, batch_size):
+    from torchrec_ext import torch_kernels
+
+    owners = [-1, min(1, world_size - 1), -1, 0]
+    lengths = torch.randint(0, 4, (len(owners) * batch_size,))
+    ids = torch.randint(-(2**62), 2**62, (int(lengths.sum()),))
+    got = ops.route_bucketize(ids, lengths, owners, world_size, batch_size)
+    want = torch_kernels.route_bucketize(ids, lengths, owners, world_size, batch_size)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    values, routed_lengths, order = got
+    assert torch.equal(values, ids[order]) and int(routed_lengths.sum()) == ids.numel()
+    # Every id lands in its destination's block: its owner, or route(id) for row-wise slots.
+    bags = len(owners) * batch_size
+    block = torch.repeat_interleave(torch.arange(world_size * bags) // max(bags, 1), routed_lengths)
+    slot = torch.repeat_interleave(torch.arange(bags), lengths) // max(batch_size, 1)
+    owner = torch.tensor(owners)[slot][order]
+    assert torch.equal(block, torch.where(owner < 0, ops.route(values, world_size), owner))
+
+
+def test_route_bucketize_rejects_bad_input():
+    with pytest.raises(RuntimeError, match="lengths sum to 3 but there are 2 ids"):
+        ops.route_bucketize(torch.tensor([1, 2]), torch.tensor([1, 2]), [-1], 2, 2)
+    with pytest.raises(RuntimeError, match=r"slot_owner\[0\] must be -1 \(row-wise\) or a rank in \[0, 2\), got 5"):
+        ops.route_bucketize(torch.tensor([1]), torch.tensor([1]), [5], 2, 1)

@@ -130,6 +130,17 @@ def fused_update(
     )
 
 
+def route_bucketize(ids: Tensor, lengths: Tensor, slot_owner: Sequence[int], world_size: int,
+                    batch_size: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """Ids regrouped by destination rank then bag (row-wise slots: owner -1, routed by hash),
+    the routed lengths, and each routed id's input position. CPU kernel; elsewhere torch ops."""
+    if ids.device.type == "cpu":
+        return _ops.route_bucketize.default(ids, lengths, list(slot_owner), world_size, batch_size)
+    from torchrec_ext import torch_kernels
+
+    return torch_kernels.route_bucketize(ids, lengths, slot_owner, world_size, batch_size)
+
+
 # ----------------------------------------------------------------------------- fake kernels
 
 
@@ -168,6 +179,11 @@ def _hash_restore_fake(digests, slot_keys, slot_scores, size, keys, rows, scores
 @torch.library.register_fake("torchrec_ext::route")
 def _route_fake(keys, world_size):
     return torch.empty_like(keys)
+
+
+@torch.library.register_fake("torchrec_ext::route_bucketize")
+def _route_bucketize_fake(ids, lengths, slot_owner, world_size, batch_size):
+    return torch.empty_like(ids), lengths.new_empty(world_size * lengths.shape[0]), torch.empty_like(ids)
 
 
 @torch.library.register_fake("torchrec_ext::dedup_segments")

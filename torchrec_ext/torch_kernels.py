@@ -52,3 +52,17 @@ def init_rows(table: Tensor, rows: Tensor, ids: Tensor, seed: int, kind: int, pa
     table[rows] = init_vectors(ids, table.shape[1], seed, _INITIALIZER_NAMES[kind], params).to(table.device)
     for state, value in zip(states, state_values):
         state[rows] = value
+
+
+def route_bucketize(ids: Tensor, lengths: Tensor, slot_owner: Sequence[int], world_size: int,
+                    batch_size: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """Same contract as the C++ op (a stable sort by destination, then bag)."""
+    from torchrec_ext import ops
+
+    bags = len(slot_owner) * batch_size
+    bag = torch.repeat_interleave(torch.arange(bags, device=ids.device), lengths, output_size=ids.numel())
+    owner = torch.tensor(list(slot_owner), dtype=torch.int64, device=ids.device)[bag // max(batch_size, 1)]
+    dest = torch.where(owner < 0, ops.route(ids, world_size), owner)
+    bucket = dest * bags + bag
+    order = torch.argsort(bucket, stable=True)
+    return ids[order], torch.bincount(bucket, minlength=world_size * bags), order

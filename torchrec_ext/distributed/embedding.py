@@ -22,7 +22,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from torchrec.streamable import Multistreamable
 
 from torchrec_ext.distributed.embeddingbag import _RoutedInputDist, check_plan, local_configs_for
-from torchrec_ext.distributed.routing import bucketize, destination_ranks
+from torchrec_ext.distributed.routing import route_ids
 from torchrec_ext.distributed.sharded_state import ShardedDynamicState
 from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
 from torchrec_ext.modules.features import LookupPlan, check_and_arrange
@@ -96,12 +96,9 @@ class ShardedDynamicEmbeddingCollection(
 
     def input_dist(self, ctx: SequenceShardingContext, features: KeyedJaggedTensor) -> KJTListSplitsAwaitable:
         batch = check_and_arrange(features, self._plan, False, type(self).__name__)
-        counts = (batch.feature_value_offsets[1:] - batch.feature_value_offsets[:-1]).tolist()
-        destinations = destination_ranks(batch.ids, counts, self._slot_owner, self._world_size)
-        routed = bucketize(self._plan.embedding_names, batch.ids, batch.lengths, None, destinations,
-                           batch.batch_size, self._world_size)
-        ctx.order = _routed_order(destinations, batch.lengths, len(self._plan.embedding_names), batch.batch_size)
-        ctx.sent_per_rank = torch.bincount(destinations, minlength=self._world_size).tolist()
+        routed, ctx.order = route_ids(self._plan.embedding_names, batch.ids, batch.lengths, None, self._slot_owner,
+                                      batch.batch_size, self._world_size)
+        ctx.sent_per_rank = routed.lengths().view(self._world_size, -1).sum(1).tolist()
         ctx.lengths, ctx.batch_size = batch.lengths, batch.batch_size
         ctx.ids = batch.ids
         return KJTListSplitsAwaitable([self._input_dists[0](routed)], ctx)
@@ -152,13 +149,6 @@ class ShardedDynamicEmbeddingCollection(
     @property
     def local_module(self) -> Optional[DynamicEmbeddingCollection]:
         return self._local
-
-
-def _routed_order(destinations: Tensor, lengths: Tensor, num_slots: int, batch_size: int) -> Tensor:
-    """Input position of each routed id (bucketize's stable sort by destination, then bag)."""
-    bag = torch.repeat_interleave(torch.arange(num_slots * batch_size, device=lengths.device), lengths,
-                                  output_size=destinations.numel())
-    return torch.argsort(destinations * (num_slots * batch_size) + bag, stable=True)
 
 
 def _source_major_order(counts: Tensor) -> Tensor:

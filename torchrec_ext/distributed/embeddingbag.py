@@ -31,7 +31,7 @@ from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from torchrec_ext.distributed.routing import bucketize, destination_ranks
+from torchrec_ext.distributed.routing import route_ids
 from torchrec_ext.distributed.sharded_state import ShardedDynamicState
 from torchrec_ext.modules.configs import (
     DynamicEmbeddingBagConfig, DynamicEmbeddingConfig, Initializer, initializer_of, options_of,
@@ -185,10 +185,8 @@ class ShardedDynamicEmbeddingBagCollection(
 
     def input_dist(self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor) -> KJTListSplitsAwaitable:
         batch = check_and_arrange(features, self._plan, self._is_weighted, type(self).__name__)
-        counts = (batch.feature_value_offsets[1:] - batch.feature_value_offsets[:-1]).tolist()
-        destinations = destination_ranks(batch.ids, counts, self._slot_owner, self._world_size)
-        routed = bucketize(self._plan.embedding_names, batch.ids, batch.lengths, batch.weights, destinations,
-                           batch.batch_size, self._world_size)
+        routed, _ = route_ids(self._plan.embedding_names, batch.ids, batch.lengths, batch.weights, self._slot_owner,
+                              batch.batch_size, self._world_size)
         ctx.divisor = self._mean_divisor(batch.lengths, batch.batch_size)
         return KJTListSplitsAwaitable([self._input_dists[0](routed)], ctx)
 

@@ -215,13 +215,13 @@ class DynamicTables:
         if training:
             self.train_step += 1
         bounds = unique_offsets.tolist()
-        parts = []
+        # Each table writes its rows into its slice of one buffer (no concatenation after).
+        unique_rows = torch.empty_like(unique)
         for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-            keys = unique[start:end]
-            parts.append(self._rows_for(t, keys, counts[start:end], training) if end > start else keys)
-        unique_rows = torch.cat(parts) if parts else unique
+            if end > start:
+                unique_rows[start:end] = self._rows_for(t, unique[start:end], counts[start:end], training)
         table_of = torch.arange(len(self.meta), device=ids.device)
-        unique_table = torch.repeat_interleave(table_of, unique_offsets[1:] - unique_offsets[:-1])
+        unique_table = torch.repeat_interleave(table_of, unique_offsets[1:] - unique_offsets[:-1], output_size=unique.numel())
         return RowLookup(unique_rows[inverse], unique_rows, unique_table, inverse)
 
     def _rows_for(self, t: int, keys: Tensor, counts: Tensor, training: bool) -> Tensor:
@@ -229,10 +229,9 @@ class DynamicTables:
         if not training:
             rows, found = index.find(keys)
             return self._mask_expired(t, rows, found)
-        rows = torch.full_like(keys, -1)
         candidates = None
         if m.admit_after > 1:
-            known_rows, found = index.find(keys)
+            _, found = index.find(keys)
             candidates = found | self._admit(t, keys, counts, ~found)
             keys, counts = keys[candidates], counts[candidates]
         scores = counts if m.policy in _SCORED_BY_COUNT else None
@@ -249,6 +248,7 @@ class DynamicTables:
         self._initialise(t, torch.where(fresh, result.rows, -1), keys)
         if candidates is None:
             return result.rows
+        rows = torch.full_like(candidates, -1, dtype=torch.int64)
         rows[candidates] = result.rows
         return rows
 

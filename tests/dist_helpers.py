@@ -109,6 +109,18 @@ def make_dmp_dlrm(world_size: int, seed: int = 0, dynamic: bool = False):
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
 
 
+def plain_loop(dmp, optimizer, batches) -> List[torch.Tensor]:
+    """The losses of a plain sequential loop over ``batches``: the pipelines' oracle."""
+    losses = []
+    for batch in batches:
+        optimizer.zero_grad()
+        loss, _ = dmp(batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach().clone())
+    return losses
+
+
 def local_state(dmp) -> dict:
     """Every parameter this rank holds (local shards of sharded tables), by name."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor

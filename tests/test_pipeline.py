@@ -6,7 +6,7 @@ import traceback
 import pytest
 import torch
 
-from dist_helpers import local_state, make_batches, make_dmp_dlrm, run_ranks
+from dist_helpers import local_state, make_batches, make_dmp_dlrm, plain_loop, run_ranks
 from torchrec_ext.pipeline import BatchPrefetcher, PipelineOptions, TrainPipeline
 
 VARIANTS = {
@@ -16,17 +16,6 @@ VARIANTS = {
     "ddp_allreduce": PipelineOptions(flat_dense_allreduce=False, prefetch_threads=3, threaded_input_dist=True),
     "graph_options_on_cpu": PipelineOptions(graph_modules=("model.dense_arch", "model.over_arch"), threaded_input_dist=True),
 }
-
-
-def _plain_loop(dmp, optimizer, batches):
-    losses = []
-    for batch in batches:
-        optimizer.zero_grad()
-        loss, _ = dmp(batch)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.detach().clone())
-    return losses
 
 
 def _pipelined(dmp, optimizer, batches, options):
@@ -50,7 +39,7 @@ def _pipelined(dmp, optimizer, batches, options):
 def _compare_with_plain_loop(rank, world_size):
     batches = make_batches(rank, batch_size=16, num_full=6, last=10)  # last partial batch
     reference_model, reference_opt = make_dmp_dlrm(world_size)
-    want_losses = _plain_loop(reference_model, reference_opt, batches)
+    want_losses = plain_loop(reference_model, reference_opt, batches)
     want_state = local_state(reference_model)
     assert want_losses[-1] < want_losses[0] + 1.0  # it trains (sanity, not the oracle)
     for name, options in VARIANTS.items():
@@ -70,11 +59,11 @@ def _pipeline_then_plain_loop(rank, world_size):
     # afterwards by a plain loop must still average its dense gradients.
     batches = make_batches(rank, batch_size=16, num_full=6, last=0)
     reference_model, reference_opt = make_dmp_dlrm(world_size)
-    want_losses = _plain_loop(reference_model, reference_opt, batches)
+    want_losses = plain_loop(reference_model, reference_opt, batches)
     model, optimizer = make_dmp_dlrm(world_size)
     losses = _pipelined(model, optimizer, batches[:3],
                         PipelineOptions(prefetch_threads=2, threaded_input_dist=True, flat_dense_allreduce=True))
-    losses += _plain_loop(model, optimizer, batches[3:])
+    losses += plain_loop(model, optimizer, batches[3:])
     for got, want in zip(losses, want_losses):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     want_state, state = local_state(reference_model), local_state(model)

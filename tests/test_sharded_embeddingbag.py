@@ -112,7 +112,7 @@ def test_sharded_equals_unsharded_on_two_ranks(sharding, weighted, optimizer):
 def _pipelines_equal_plain_loop(rank, world_size):
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    from dist_helpers import local_state, make_batches, make_dmp_dlrm
+    from dist_helpers import local_state, make_batches, make_dmp_dlrm, plain_loop
     from torchrec_ext.distributed import ShardedDynamicEmbeddingBagCollection
     from torchrec_ext.pipeline import TrainPipeline
 
@@ -121,13 +121,7 @@ def _pipelines_equal_plain_loop(rank, world_size):
     assert isinstance(reference.module.model.sparse_arch.embedding_bag_collection, ShardedDynamicEmbeddingBagCollection)
     fused_keys = set(reference.fused_optimizer.params)
     assert "model.sparse_arch.embedding_bag_collection.embedding_bags.t0.weight" in fused_keys
-    want = []
-    for batch in batches:
-        reference_opt.zero_grad()
-        loss, _ = reference(batch)
-        loss.backward()
-        reference_opt.step()
-        want.append(loss.detach().clone())
+    want = plain_loop(reference, reference_opt, batches)
     want_state = local_state(reference)
     for make_pipeline in (lambda m, o: TrainPipelineSparseDist(m, o, torch.device("cpu")),
                           lambda m, o: TrainPipeline(m, o, torch.device("cpu"))):

@@ -178,6 +178,7 @@ from torch import Tensor
 
 GOLDEN = 0x9E3779B97F4A7C15
 INITIALIZERS = {"uniform": 0, "normal": 1, "truncated_normal": 2, "constant": 3}
+INITIALIZER_NAMES = {kind: name for name, kind in INITIALIZERS.items()}
 OPTIMIZERS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3}
 # Optimizer state buffers per kind: elementwise ones are shaped like the weights, row-wise ones
 # hold one float per row.

@@ -165,10 +165,10 @@ class HashTable:
     def load_factor(self) -> float:
         return self.size() / self._capacity
 
-    def metadata_bytes_per_slot(self) -> float:
-        """Index bytes per slot: the digest, key and score arrays (1 + 8 + 8 B per slot)."""
+    def metadata_bytes(self) -> int:
+        """Bytes of the index: the digest, key and score arrays (1 + 8 + 8 B per slot)."""
         arrays = (self._digests, self._slot_keys, self._slot_scores)
-        return sum(t.numel() * t.element_size() for t in arrays) / self._digests.numel()
+        return sum(t.numel() * t.element_size() for t in arrays)
 
     def __repr__(self) -> str:
         return f"HashTable(capacity={self._capacity}, policy={self.policy!r}, device={self.device}, size={self.size()})"

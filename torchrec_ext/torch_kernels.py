@@ -11,9 +11,7 @@ from typing import Sequence, Tuple
 import torch
 from torch import Tensor
 
-from torchrec_ext.reference import INITIALIZERS, init_vectors
-
-_INITIALIZER_NAMES = {v: k for k, v in INITIALIZERS.items()}
+from torchrec_ext.reference import INITIALIZER_NAMES, init_vectors
 
 
 def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -49,7 +47,7 @@ def init_rows(table: Tensor, rows: Tensor, ids: Tensor, seed: int, kind: int, pa
     """Same contract as the C++ op, through the vectorised reference RNG."""
     keep = rows >= 0
     rows, ids = rows[keep], ids[keep]
-    table[rows] = init_vectors(ids, table.shape[1], seed, _INITIALIZER_NAMES[kind], params).to(table.device)
+    table[rows] = init_vectors(ids, table.shape[1], seed, INITIALIZER_NAMES[kind], params).to(table.device)
     for state, value in zip(states, state_values):
         state[rows] = value
 

@@ -11,21 +11,19 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Type
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.nn.functional import all_to_all_single
 from torchrec.distributed.embedding_sharding import EmbeddingShardingContext, KJTListSplitsAwaitable
 from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.types import LazyAwaitable, ParameterSharding, ShardedModule, ShardingEnv
-from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
-from torchrec.optim.keyed import KeyedOptimizer
+from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from torchrec.streamable import Multistreamable
 
-from torchrec_ext.distributed.embeddingbag import _RoutedInputDist, check_plan, local_configs_for
 from torchrec_ext.distributed.routing import route_ids
-from torchrec_ext.distributed.sharded_state import ShardedDynamicState
+from torchrec_ext.distributed.sharded_base import ShardedDynamicBase
 from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
-from torchrec_ext.modules.features import LookupPlan, check_and_arrange
+from torchrec_ext.modules.features import check_and_arrange
 
 
 @dataclass
@@ -56,36 +54,19 @@ class _SequenceAwaitable(LazyAwaitable[Dict[str, JaggedTensor]]):
 
 
 class ShardedDynamicEmbeddingCollection(
-    ShardedDynamicState, ShardedModule[KJTList, List[Tensor], Dict[str, JaggedTensor], SequenceShardingContext],
+    ShardedDynamicBase, ShardedModule[KJTList, List[Tensor], Dict[str, JaggedTensor], SequenceShardingContext],
     FusedOptimizerModule,
 ):
     def __init__(self, module: DynamicEmbeddingCollection, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
                  env: ShardingEnv, device: Optional[torch.device] = None) -> None:
         super().__init__()
-        self._env = env
-        self._world_size, self._rank = env.world_size, env.rank
         configs = module.embedding_configs()
-        self._owners = check_plan(type(self).__name__, configs, table_name_to_parameter_sharding, self._world_size)
         self._embedding_configs = configs
         self._dim = module.embedding_dim()
         self._need_indices = module.need_indices()
-        self._plan = LookupPlan.of(configs)
-        self._slot_owner = [self._owners[configs[t].name] for t in self._plan.tables]
-        local_configs, spec, device = local_configs_for(module, configs, self._owners, self._plan, self._rank,
-                                                        self._world_size, device, pooled=False)
-        self._local: Optional[DynamicEmbeddingCollection] = None
-        if local_configs:
-            local = DynamicEmbeddingCollection(local_configs, device=device,
-                                               optimizer=None if spec is None else spec.kind,
-                                               optimizer_kwargs=None if spec is None else spec.torch_kwargs())
-            object.__setattr__(self, "_local", local)
-            self.embeddings = local.embeddings
-        else:
-            self.embeddings = nn.ModuleDict()
-        self._local_names = [] if self._local is None else [n for cfg in local_configs for n in cfg.feature_names]
-        self._device = device
-        self._input_dists = nn.ModuleList([_RoutedInputDist(env.process_group, len(self._plan.embedding_names), self._world_size)])
-        self._init_sharded_state("embeddings", configs, None if spec is None else spec.kind)
+        self._init_sharding(module, configs, table_name_to_parameter_sharding, env, device, "embeddings", pooled=False)
+        self._local_names = [] if self._local is None else [
+            name for cfg in self._local.embedding_configs() for name in cfg.feature_names]
 
     @property
     def unsharded_module_type(self) -> Type[DynamicEmbeddingCollection]:
@@ -139,16 +120,8 @@ class ShardedDynamicEmbeddingCollection(
     def compute_and_output_dist(self, ctx: SequenceShardingContext, input: KJTList) -> LazyAwaitable[Dict[str, JaggedTensor]]:
         return self.output_dist(ctx, self.compute(ctx, input))
 
-    @property
-    def fused_optimizer(self) -> KeyedOptimizer:
-        return self._local.fused_optimizer if self._local is not None else EmptyFusedOptimizer()
-
     def embedding_configs(self):
         return self._embedding_configs
-
-    @property
-    def local_module(self) -> Optional[DynamicEmbeddingCollection]:
-        return self._local
 
 
 def _source_major_order(counts: Tensor) -> Tensor:

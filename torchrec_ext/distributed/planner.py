@@ -44,9 +44,12 @@ from torchrec.distributed.planner.types import (
 from torchrec.distributed.planner.utils import extract_comm_data_type_size
 from torchrec.distributed.types import ModuleSharder, PipelineType, ShardingPlan, ShardingType
 
+from torchrec_ext.distributed.sharded_base import SUPPORTED_SHARDING_TYPES, local_capacity
 from torchrec_ext.modules.configs import options_of
 from torchrec_ext.modules.embedding_bag_collection import DynamicEmbeddingBagCollection
 from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
+from torchrec_ext.reference import OPTIMIZER_STATES, ROWWISE_STATE
+from torchrec_ext.table import SLOTS_PER_BUCKET, table_geometry
 
 __all__ = [
     "DynamicEmbeddingPerfEstimator", "DynamicEmbeddingStorageEstimator", "dynamic_table_bytes", "is_dynamic_option",
@@ -54,12 +57,10 @@ __all__ = [
 ]
 
 DYNAMIC_MODULE_TYPES = (DynamicEmbeddingBagCollection, DynamicEmbeddingCollection)
-SUPPORTED_SHARDING_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value)
 
 # ---------------------------------------------------------------------------- byte model
 FLOAT_BYTES = 4  # rows and optimizer state are float32
-SLOTS_PER_BUCKET = 32  # the hash index allocates whole buckets of 32 slots
-INDEX_BYTES_PER_SLOT = 17  # digest (uint8) + key (int64) + score (int64), see HashTable.metadata_bytes_per_slot
+INDEX_BYTES_PER_SLOT = 17  # digest (uint8) + key (int64) + score (int64), see HashTable.metadata_bytes
 TTL_BYTES_PER_ROW = 8  # int64 last-seen training step per row
 ADMISSION_COUNT_BYTES = 8  # int64 sighting count per admission slot (besides its own 17 B index slot)
 ID_BYTES = BIGINT_DTYPE  # ids travel and are buffered as int64
@@ -68,24 +69,18 @@ WEIGHT_BYTES = 4  # per-id float32 weight of a weighted EBC
 
 def optimizer_state_bytes_per_row(kind: Optional[str], dim: int) -> int:
     """Bytes of fused-optimizer state per row for an optimizer kind (None: no optimizer)."""
-    if kind is None or kind == "sgd":
+    if kind is None:
         return 0
-    if kind == "adagrad":
-        return dim * FLOAT_BYTES
-    if kind == "rowwise_adagrad":
-        return FLOAT_BYTES
-    if kind == "adam":
-        return 2 * dim * FLOAT_BYTES
-    raise ValueError(f"dynamic table planner: unknown optimizer kind {kind!r}; "
-                     "expected one of 'sgd', 'adagrad', 'rowwise_adagrad', 'adam' or None")
+    if kind not in OPTIMIZER_STATES:
+        raise ValueError(f"dynamic table planner: unknown optimizer kind {kind!r}; "
+                         f"expected one of {sorted(OPTIMIZER_STATES)} or None")
+    per_state = FLOAT_BYTES if kind in ROWWISE_STATE else dim * FLOAT_BYTES
+    return len(OPTIMIZER_STATES[kind]) * per_state
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def _share(n: int, parts: int) -> int:
-    return -(-n // parts)
+def _index_slots(capacity: int) -> int:
+    """Slots the hash index allocates for ``capacity`` rows (whole buckets)."""
+    return table_geometry(capacity)[0] * SLOTS_PER_BUCKET
 
 
 def dynamic_table_bytes(capacity: int, dim: int, optimizer_kind: Optional[str], *, ttl: bool = False,
@@ -93,14 +88,14 @@ def dynamic_table_bytes(capacity: int, dim: int, optimizer_kind: Optional[str], 
     """Bytes one rank holds of a dynamic table split over ``parts`` ranks (1: table_wise), without
     the step's IO buffers: what ``DynamicEmbeddingBagCollection.storage_bytes()`` reports for a
     module holding that share."""
-    rows = _share(capacity, parts)
+    rows = local_capacity(capacity, parts)
     total = rows * (dim * FLOAT_BYTES + optimizer_state_bytes_per_row(optimizer_kind, dim))
-    total += INDEX_BYTES_PER_SLOT * _round_up(rows, SLOTS_PER_BUCKET)
+    total += INDEX_BYTES_PER_SLOT * _index_slots(rows)
     if ttl:
         total += TTL_BYTES_PER_ROW * rows
     if admit_after > 1:
-        pending = _share(admission_capacity if admission_capacity is not None else capacity, parts)
-        total += INDEX_BYTES_PER_SLOT * _round_up(pending, SLOTS_PER_BUCKET) + ADMISSION_COUNT_BYTES * pending
+        pending = local_capacity(admission_capacity if admission_capacity is not None else capacity, parts)
+        total += INDEX_BYTES_PER_SLOT * _index_slots(pending) + ADMISSION_COUNT_BYTES * pending
     return total
 
 

@@ -24,7 +24,6 @@ from torchrec_ext import ops
 from torchrec_ext.modules.configs import options_of
 from torchrec_ext.reference import OPTIMIZER_STATES, ROWWISE_STATE
 
-ROW_KEYS = ("weight", "weight_id", "metadata", "row")
 PENDING_KEYS = ("admission_id", "admission_count")
 
 

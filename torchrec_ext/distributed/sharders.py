@@ -12,20 +12,20 @@ import torch
 from torch import nn
 from torchrec.distributed.embedding_types import BaseEmbeddingSharder, EmbeddingComputeKernel
 from torchrec.distributed.sharding_plan import get_default_sharders
-from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharder, ShardingEnv, ShardingType
+from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharder, ShardingEnv
 
 from torchrec_ext.distributed.embedding import ShardedDynamicEmbeddingCollection
 from torchrec_ext.distributed.embeddingbag import ShardedDynamicEmbeddingBagCollection
+from torchrec_ext.distributed.sharded_base import SUPPORTED_SHARDING_TYPES
 from torchrec_ext.modules import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection
 
-SHARDING_TYPES = [ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value]
 
 
 class _DynamicSharder:
     """What both sharders share: sharding types and kernel."""
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
-        return list(SHARDING_TYPES)
+        return list(SUPPORTED_SHARDING_TYPES)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         return [EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value]

@@ -110,9 +110,7 @@ class DynamicCollectionMixin:
         self._tables.apply(fn)
         self._device = self._tables.device
         self._bind_parameters()
-        if self._fused is not None:
-            self._fused = None
-            self._ensure_optimizer()
+        self._rebuild_fused_optimizer()
         return self
 
     def reset_parameters(self) -> None:
@@ -120,9 +118,7 @@ class DynamicCollectionMixin:
         if self._tables.device.type == "meta":
             return
         self._tables.reset()
-        if self._fused is not None:
-            self._fused = None
-            self._ensure_optimizer()
+        self._rebuild_fused_optimizer()
 
     @property
     def device(self) -> torch.device:
@@ -158,7 +154,7 @@ class DynamicCollectionMixin:
             return self._fused
         self._tables.set_optimizer(spec)
         state: Dict[Tensor, Dict[str, Any]] = {}
-        for (name, param), m, t in zip(params.items(), self._tables.meta, range(len(params))):
+        for param, m in zip(params.values(), self._tables.meta):
             # The per-row state (momenta) lives with the rows in the module's state_dict, which is
             # what stays consistent with the ids; here only the step count, which Adam's bias
             # correction and Adagrad's lr decay need.
@@ -171,6 +167,12 @@ class DynamicCollectionMixin:
         for param in params.values():
             param._in_backward_optimizers = [self._fused]
         return self._fused
+
+    def _rebuild_fused_optimizer(self) -> None:
+        """After the storage was replaced: the optimizer's state views must point at the new one."""
+        if self._fused is not None:
+            self._fused = None
+            self._ensure_optimizer()
 
     @property
     def fused_optimizer(self) -> KeyedOptimizer:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType, EmbeddingBagConfig, EmbeddingConfig
 
-from torchrec_ext.reference import INITIALIZERS
+from torchrec_ext.reference import INITIALIZER_NAMES, INITIALIZERS
 from torchrec_ext.table import POLICIES
 
 
@@ -55,6 +55,15 @@ class Initializer:
             high = self.mean + 2 * self.std if self.high is None else self.high
             return INITIALIZERS["truncated_normal"], (self.mean, self.std, low, high)
         return INITIALIZERS["constant"], (self.value,)
+
+    @staticmethod
+    def from_kernel_params(kind: int, params: Sequence[float]) -> "Initializer":
+        """The Initializer whose ``kernel_params`` are (kind, params), every default resolved."""
+        name = INITIALIZER_NAMES[kind]
+        if name == "constant":
+            return Initializer("constant", value=params[0])
+        fields = ("low", "high") if name == "uniform" else ("mean", "std", "low", "high")
+        return Initializer(name, **dict(zip(fields, params)))
 
 
 @dataclass(kw_only=True)

@@ -425,9 +425,10 @@ class DynamicTables:
         total = self.weights.numel() * 4 + sum(s.numel() * s.element_size() for s in self.states)
         for index, last_seen, admission in zip(self.indexes, self.last_seen, self.admission):
             if index is not None:
-                total += int(index.metadata_bytes_per_slot() * index.num_buckets * 32)
+                total += index.metadata_bytes()
             if last_seen is not None:
-                total += last_seen.numel() * 8
+                total += last_seen.numel() * last_seen.element_size()
             if admission is not None:
-                total += int(admission[0].metadata_bytes_per_slot() * admission[0].num_buckets * 32) + admission[1].numel() * 8
+                counter, seen = admission
+                total += counter.metadata_bytes() + seen.numel() * seen.element_size()
         return total

@@ -1,0 +1,129 @@
+"""What both sharded dynamic modules share: reading the plan, the configs and construction of
+this rank's share of the tables, the input dist holder, and the fused optimizer they expose.
+
+Each rank holds a plain Dynamic* module with its share of the tables: a 1/W slice (by
+capacity) of every row-wise table and the whole of each table-wise table placed on it. Its
+per-table submodules are the sharded module's, so state_dict keys stay those of the unsharded
+module ("embedding_bags.<table>.*" / "embeddings.<table>.*").
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+from torchrec.distributed.dist_data import KJTAllToAll
+from torchrec.distributed.types import Awaitable, ParameterSharding, ShardingEnv, ShardingType
+from torchrec.modules.embedding_configs import PoolingType
+from torchrec.optim.fused import EmptyFusedOptimizer
+from torchrec.optim.keyed import KeyedOptimizer
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_ext.distributed.sharded_state import ShardedDynamicState
+from torchrec_ext.modules.configs import (
+    DynamicEmbeddingBagConfig, DynamicEmbeddingConfig, Initializer, initializer_of, options_of,
+)
+from torchrec_ext.modules.features import LookupPlan
+
+SUPPORTED_SHARDING_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value)
+
+
+def local_capacity(capacity: int, world_size: int) -> int:
+    """Rows a rank holds of a row-wise table: an even share (ids spread evenly under the hash)."""
+    return -(-capacity // world_size)
+
+
+def check_plan(where: str, configs, plan: Dict[str, ParameterSharding], world_size: int) -> Dict[str, int]:
+    """Owner rank per table (-1: row-wise); clear errors for what the plan asks that we cannot do."""
+    owners = {}
+    for cfg in configs:
+        sharding = plan.get(cfg.name)
+        if sharding is None:
+            raise ValueError(f"{where}: the sharding plan has no entry for table {cfg.name!r}")
+        if sharding.sharding_type not in SUPPORTED_SHARDING_TYPES:
+            raise ValueError(f"{where}: table {cfg.name!r} asks for sharding type {sharding.sharding_type!r}; "
+                             f"dynamic tables support {list(SUPPORTED_SHARDING_TYPES)}")
+        ranks = sharding.ranks or []
+        if any(r < 0 or r >= world_size for r in ranks):
+            raise ValueError(f"{where}: table {cfg.name!r} is planned on ranks {ranks}, but the process group has "
+                             f"world size {world_size}: the plan was made for another world size")
+        if sharding.sharding_type == "table_wise":
+            if len(ranks) != 1:
+                raise ValueError(f"{where}: table-wise table {cfg.name!r} needs exactly one rank, got {ranks}")
+            owners[cfg.name] = ranks[0]
+        else:
+            if ranks and sorted(ranks) != list(range(world_size)):
+                raise ValueError(f"{where}: row-wise table {cfg.name!r} must span all {world_size} ranks, got {ranks}")
+            owners[cfg.name] = -1
+    return owners
+
+
+def _local_config(cfg, share: int, feature_names: List[str], pooled: bool):
+    """The config of this rank's share: same name, seed and initial vectors, its own capacity,
+    features renamed to their output names, sum pooling (mean is applied after the reduce)."""
+    opts = options_of(cfg)
+    # Resolved against the global capacity (TorchRec's default bounds depend on it): the same
+    # vectors as the unsharded module.
+    init = Initializer.from_kernel_params(*initializer_of(cfg))
+    fields = dict(
+        name=cfg.name, embedding_dim=cfg.embedding_dim, num_embeddings=local_capacity(cfg.num_embeddings, share),
+        feature_names=feature_names, eviction_policy=opts.eviction_policy, initializer=init,
+        admit_after=opts.admit_after,
+        admission_capacity=None if opts.admission_capacity is None else local_capacity(opts.admission_capacity, share),
+        ttl_steps=opts.ttl_steps, seed=opts.seed,
+    )
+    return DynamicEmbeddingBagConfig(pooling=PoolingType.SUM, **fields) if pooled else DynamicEmbeddingConfig(**fields)
+
+
+class RoutedInputDist(nn.Module):
+    """Holds the KJTAllToAll (TorchRec's pipelines look for ``_dist`` and fuse its splits)."""
+
+    def __init__(self, pg, num_keys: int, world_size: int):
+        super().__init__()
+        self._dist = KJTAllToAll(pg, splits=[num_keys] * world_size)
+
+    def forward(self, routed: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        return self._dist(routed)
+
+
+class ShardedDynamicBase(ShardedDynamicState):
+    """The construction both sharded modules share; the host is a ShardedModule that calls
+    ``_init_sharding`` in its constructor."""
+
+    def _init_sharding(self, module, configs, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
+                       env: ShardingEnv, device: Optional[torch.device], container: str, pooled: bool,
+                       **local_kwargs) -> None:
+        self._env = env
+        self._world_size, self._rank = env.world_size, env.rank
+        self._owners = check_plan(type(self).__name__, configs, table_name_to_parameter_sharding, self._world_size)
+        self._plan = LookupPlan.of(configs)
+        self._slot_owner = [self._owners[configs[t].name] for t in self._plan.tables]
+        local_configs = []
+        for t, cfg in enumerate(configs):
+            owner = self._owners[cfg.name]
+            if owner < 0 or owner == self._rank:
+                slots = [self._plan.embedding_names[i] for i, tt in enumerate(self._plan.tables) if tt == t]
+                local_configs.append(_local_config(cfg, 1 if owner >= 0 else self._world_size, slots, pooled))
+        fused = module._ensure_optimizer()
+        spec = None if fused is None else fused.spec
+        device = torch.device(device) if device is not None else module.device
+        self._device = torch.device("cpu") if device.type == "meta" else device
+        # This rank's tables: a plain module (not a child), whose table submodules are ours.
+        self._local = None
+        if local_configs:
+            local = type(module)(local_configs, device=self._device, optimizer=None if spec is None else spec.kind,
+                                 optimizer_kwargs=None if spec is None else spec.torch_kwargs(), **local_kwargs)
+            object.__setattr__(self, "_local", local)
+        setattr(self, container, getattr(self._local, container) if self._local is not None else nn.ModuleDict())
+        self._input_dists = nn.ModuleList([RoutedInputDist(env.process_group, len(self._plan.embedding_names),
+                                                           self._world_size)])
+        self._init_sharded_state(container, configs, None if spec is None else spec.kind)
+
+    @property
+    def fused_optimizer(self) -> KeyedOptimizer:
+        return self._local.fused_optimizer if self._local is not None else EmptyFusedOptimizer()
+
+    @property
+    def local_module(self):
+        """This rank's share of the tables, as a plain Dynamic* module (None: no table here)."""
+        return self._local

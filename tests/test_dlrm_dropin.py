@@ -24,6 +24,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from modules_helpers import copied_ebc, live_rows, remap_kjt
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 from torchrec_ext.data import CriteoTsvReader, SyntheticCriteo
+from torchrec_ext.train_utils.metrics import rank_auc
 
 CRITEO_SAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
                              "criteo_kaggle_sample")
@@ -111,25 +112,12 @@ def _logits(model: torch.nn.Module, batch) -> torch.Tensor:
     return model(batch.dense_features, batch.sparse_features).squeeze(-1)
 
 
-def rank_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """ROC AUC by the rank-sum (Mann-Whitney) formula, ties given their average rank."""
-    scores, positive = scores.double().flatten(), labels.flatten() > 0.5
-    order = scores.argsort()
-    _, inverse, counts = torch.unique_consecutive(scores[order], return_inverse=True, return_counts=True)
-    ends = counts.cumsum(0).double()
-    ranks = torch.empty_like(scores)
-    ranks[order] = (ends - (counts.double() - 1) / 2)[inverse]  # average of 1-based ranks start..end
-    n_pos = int(positive.sum())
-    n_neg = positive.numel() - n_pos
-    return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
-
-
 def _bce(p: float) -> float:
     """Log loss of always predicting p, on labels with click rate p (the label entropy)."""
     return -(p * math.log(p) + (1 - p) * math.log(1 - p))
 
 
-def test_rank_auc_matches_pair_counting():
+def test_rank_auc_matches_pair_counting():  # the job's AUC, used as this file's oracle too
     g = torch.Generator().manual_seed(3)
     scores = torch.randint(0, 6, (300,), generator=g).float()  # many ties
     labels = (torch.rand(300, generator=g) < 0.3).float()

@@ -112,8 +112,8 @@ def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, whe
         weights = weights.float()
 
     lengths = lengths.to(torch.int64)
-    per_key = lengths.view(len(keys), batch_size).sum(1).tolist() if batch_size else [0] * len(keys)
-    key_start = {k: sum(per_key[:i]) for i, k in enumerate(keys)}
+    per_key = features.length_per_key()  # TorchRec's own (cached on the KJT)
+    key_start = dict(zip(keys, features.offset_per_key()))
     key_index = {k: i for i, k in enumerate(keys)}
     value_counts = [per_key[key_index[f]] for f in plan.features]
     if list(keys) == plan.features:

@@ -6,6 +6,12 @@
 // table_offsets[t]. A row of -1 reads as zeros and takes no update. Bags are KJT-ordered: bag
 // g = f * batch_size + b is sample b of lookup feature f.
 //
+// New rows: a training batch's new ids get rows whose initial vectors are not yet written
+// there. The lookups read them from `new_vectors` (one [n_t, dim_t] block per table; row
+// -2 - j is block t's vector j), and the fused update writes each one to its row together with
+// the row's first step. A new row thus costs one scattered write instead of three scattered
+// passes (initialise, read back in backward, write the step).
+//
 // The backward never materialises a per-id gradient: values are grouped by unique row (a
 // counting sort of `inverse`), and each unique row sums its values' output gradients and takes
 // its optimizer step in one pass, in parallel over unique rows (no two threads share a row).
@@ -255,6 +261,18 @@ void fill_streaming(float* row, int64_t width, float value) {
   std::fill(row, row + width, value);
 }
 
+// Copies a row that will not be read again soon (a new row's first step) with non-temporal
+// stores where aligned: the line is written without being read first.
+void copy_streaming(float* dst, const float* src, int64_t width) {
+#if defined(__SSE2__)
+  if (reinterpret_cast<uintptr_t>(dst) % 16 == 0 && width % 4 == 0) {
+    for (int64_t j = 0; j < width; j += 4) _mm_stream_ps(dst + j, _mm_loadu_ps(src + j));
+    return;
+  }
+#endif
+  std::copy(src, src + width, dst);
+}
+
 // Writes the initial vector of ids[i] into row rows[i] of `table` ([capacity, dim]) for every
 // i with rows[i] >= 0 (a pure function of seed, id, element; see reference.init_vectors), and
 // resets those rows of each optimizer state ([capacity, width]) to its initial value.
@@ -307,6 +325,39 @@ void init_rows_cpu(const at::Tensor& table, const at::Tensor& rows_in, const at:
 }
 
 // ------------------------------------------------------------------------------- lookups
+
+// The initial vectors of the batch's new rows, one [n_t, dim_t] block per table (or none).
+struct NewVectors {
+  std::vector<const float*> data;
+  std::vector<int64_t> count;
+
+  bool empty() const { return data.empty(); }
+  // Where row `r` of table t is read from: the table (r >= 0) or block t (r <= -2).
+  const float* source(const float* table_base, int64_t t, int64_t r, int64_t dim) const {
+    return r >= 0 ? table_base + r * dim : data[t] + (-2 - r) * dim;
+  }
+};
+
+NewVectors check_new_vectors(const char* op, at::TensorList new_vectors, const int64_t* dims, int64_t T) {
+  NewVectors nv;
+  if (new_vectors.empty()) return nv;
+  TORCH_CHECK(static_cast<int64_t>(new_vectors.size()) == T, op, ": new_vectors must have one block per table (",
+              T, "), got ", new_vectors.size());
+  for (int64_t t = 0; t < T; ++t) {
+    const at::Tensor& v = new_vectors[t];
+    TORCH_CHECK(v.dim() == 2 && v.size(1) == dims[t] && v.scalar_type() == at::kFloat && v.is_contiguous(), op,
+                ": new_vectors[", t, "] must be a contiguous float32 [n, ", dims[t], "] tensor, got ",
+                v.scalar_type(), " of shape ", v.sizes());
+    nv.data.push_back(v.data_ptr<float>());
+    nv.count.push_back(v.size(0));
+  }
+  return nv;
+}
+
+// A row is valid when it is -1 (no row), in [0, capacity), or names a new vector of its table.
+inline bool valid_row(int64_t r, int64_t cap, const NewVectors& nv, int64_t t) {
+  return (r >= -1 && r < cap) || (r <= -2 && !nv.empty() && -2 - r < nv.count[t]);
+}
 
 struct FeatureLayout {
   const int64_t* table;
@@ -362,7 +413,7 @@ at::Tensor pooled_lookup_cpu(const at::Tensor& weights, const at::Tensor& table_
                              const at::Tensor& feature_col, const at::Tensor& feature_mean,
                              const at::Tensor& rows_in, const at::Tensor& offsets_in,
                              const std::optional<at::Tensor>& per_sample_weights, int64_t batch_size,
-                             int64_t total_dim) {
+                             int64_t total_dim, at::TensorList new_vectors) {
   const char* op = "pooled_lookup";
   check_weights(op, weights);
   const std::vector<int64_t> caps = table_capacities(op, weights, table_offsets, table_dims);
@@ -371,6 +422,7 @@ at::Tensor pooled_lookup_cpu(const at::Tensor& weights, const at::Tensor& table_
   TORCH_CHECK(batch_size >= 0 && total_dim >= 0, op, ": batch_size and total_dim must be >= 0, got ",
               batch_size, " and ", total_dim);
   const FeatureLayout fl = check_features(op, feature_table, feature_col, feature_mean, caps.size(), dims, total_dim);
+  const NewVectors nv = check_new_vectors(op, new_vectors, dims, caps.size());
   const at::Tensor rows = rows_in.contiguous(), offsets = offsets_in.contiguous();
   check_long_1d(op, "rows", rows);
   const int64_t n = rows.numel(), num_bags = fl.count * batch_size;
@@ -381,8 +433,9 @@ at::Tensor pooled_lookup_cpu(const at::Tensor& weights, const at::Tensor& table_
   const int64_t* o = offsets.data_ptr<int64_t>();
   for (int64_t f = 0; f < fl.count; ++f)
     for (int64_t i = o[f * batch_size]; i < o[(f + 1) * batch_size]; ++i)
-      TORCH_CHECK(r[i] >= -1 && r[i] < caps[fl.table[f]], op, ": row ", r[i], " of id ", i,
-                  " out of range [-1, ", caps[fl.table[f]], ") of table ", fl.table[f]);
+      TORCH_CHECK(valid_row(r[i], caps[fl.table[f]], nv, fl.table[f]), op, ": row ", r[i], " of id ", i,
+                  " out of range [-1, ", caps[fl.table[f]], ") of table ", fl.table[f],
+                  nv.empty() ? "" : " (or a new vector: -2 - j for j below the table's new_vectors count)");
 
   at::Tensor out = at::empty({batch_size, total_dim}, weights.options());
   float* y = out.data_ptr<float>();
@@ -403,8 +456,8 @@ at::Tensor pooled_lookup_cpu(const at::Tensor& weights, const at::Tensor& table_
         // Rows are scattered: fetch a few ids ahead, across bag ends, within this feature.
         const int64_t ahead = i + kPrefetchDistance;
         if (ahead < feature_end[f] && r[ahead] >= 0) prefetch_row(base + r[ahead] * dim, dim);
-        if (r[i] < 0) continue;
-        add_scaled(acc, base + r[i] * dim, psw != nullptr ? psw[i] : 1.f, dim);
+        if (r[i] == -1) continue;
+        add_scaled(acc, nv.source(base, t, r[i], dim), psw != nullptr ? psw[i] : 1.f, dim);
       }
       const int64_t len = o[g + 1] - o[g];
       if (fl.mean[f] && len > 0) {
@@ -418,12 +471,13 @@ at::Tensor pooled_lookup_cpu(const at::Tensor& weights, const at::Tensor& table_
 
 at::Tensor sequence_lookup_cpu(const at::Tensor& weights, const at::Tensor& table_offsets, int64_t dim,
                                const at::Tensor& feature_table, const at::Tensor& feature_value_offsets_in,
-                               const at::Tensor& rows_in) {
+                               const at::Tensor& rows_in, at::TensorList new_vectors) {
   const char* op = "sequence_lookup";
   check_weights(op, weights);
   TORCH_CHECK(dim > 0, op, ": dim must be > 0, got ", dim);
   const at::Tensor dims = at::full({table_offsets.numel()}, dim, table_offsets.options());
   const std::vector<int64_t> caps = table_capacities(op, weights, table_offsets, dims);
+  const NewVectors nv = check_new_vectors(op, new_vectors, dims.data_ptr<int64_t>(), caps.size());
   check_long_1d(op, "feature_table", feature_table);
   const at::Tensor rows = rows_in.contiguous(), fvo = feature_value_offsets_in.contiguous();
   check_long_1d(op, "rows", rows);
@@ -441,22 +495,25 @@ at::Tensor sequence_lookup_cpu(const at::Tensor& weights, const at::Tensor& tabl
     TORCH_CHECK(ft[f] >= 0 && ft[f] < static_cast<int64_t>(caps.size()), op, ": feature_table[", f,
                 "] = ", ft[f], " is not a table");
     for (int64_t i = fo[f]; i < fo[f + 1]; ++i)
-      TORCH_CHECK(r[i] >= -1 && r[i] < caps[ft[f]], op, ": row ", r[i], " out of range [-1, ",
-                  caps[ft[f]], ") of table ", ft[f]);
+      TORCH_CHECK(valid_row(r[i], caps[ft[f]], nv, ft[f]), op, ": row ", r[i], " out of range [-1, ",
+                  caps[ft[f]], ") of table ", ft[f],
+                  nv.empty() ? "" : " (or a new vector: -2 - j for j below the table's new_vectors count)");
   }
   at::Tensor out = at::empty({n, dim}, weights.options());
   float* y = out.data_ptr<float>();
   const float* w = weights.data_ptr<float>();
   const int64_t* toff = table_offsets.data_ptr<int64_t>();
   for (int64_t f = 0; f < F; ++f) {
-    const float* base = w + toff[ft[f]];
+    const int64_t t = ft[f];
+    const float* base = w + toff[t];
     at::parallel_for(fo[f], fo[f + 1], 256, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         float* dst = y + i * dim;
-        if (r[i] < 0) {
+        if (r[i] == -1) {
           std::fill(dst, dst + dim, 0.f);
         } else {
-          std::copy(base + r[i] * dim, base + (r[i] + 1) * dim, dst);
+          const float* src = nv.source(base, t, r[i], dim);
+          std::copy(src, src + dim, dst);
         }
       }
     });
@@ -520,7 +577,8 @@ void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::
                       const std::optional<at::Tensor>& offsets_opt,
                       const std::optional<at::Tensor>& per_sample_weights, const at::Tensor& feature_col,
                       const at::Tensor& feature_mean, int64_t batch_size, int64_t optimizer,
-                      at::ArrayRef<double> hparams, int64_t step) {
+                      at::ArrayRef<double> hparams, int64_t step, at::TensorList new_vectors,
+                      const std::optional<at::Tensor>& unique_new_opt, at::ArrayRef<double> state_init) {
   const char* op = "fused_update";
   check_weights(op, weights);
   const std::vector<int64_t> caps = table_capacities(op, weights, table_offsets, table_dims);
@@ -563,6 +621,25 @@ void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::
   check_rows_in_tables(op, ur, ut, U, caps);
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(inv[i] >= 0 && inv[i] < U, op, ": inverse[", i, "] = ", inv[i], " out of range [0, ", U, ")");
+  // New rows: unique row u with unique_new[u] = j >= 0 first takes vector j of its table's
+  // new_vectors block and state_init, then its step.
+  const NewVectors nv = check_new_vectors(op, new_vectors, dims, T);
+  at::Tensor unique_new;
+  const int64_t* un = nullptr;
+  if (unique_new_opt.has_value()) {
+    unique_new = unique_new_opt->contiguous();
+    check_long_1d(op, "unique_new", unique_new);
+    TORCH_CHECK(unique_new.numel() == U, op, ": unique_new must have one entry per unique row (", U, "), got ",
+                unique_new.numel());
+    TORCH_CHECK(!nv.empty(), op, ": unique_new needs new_vectors");
+    TORCH_CHECK(state_init.size() == states.size(), op, ": state_init must give one initial value per state (",
+                states.size(), "), got ", state_init.size());
+    un = unique_new.data_ptr<int64_t>();
+    for (int64_t u = 0; u < U; ++u)
+      TORCH_CHECK(un[u] == -1 || (un[u] >= 0 && un[u] < nv.count[ut[u]] && ur[u] >= 0), op, ": unique_new[", u,
+                  "] = ", un[u], " is neither -1 nor a vector of table ", ut[u], "'s new_vectors (",
+                  nv.count[ut[u]], ") for a row >= 0");
+  }
   int64_t max_dim = 1;
   for (int64_t t = 0; t < T; ++t) max_dim = std::max(max_dim, dims[t]);
 
@@ -642,12 +719,13 @@ void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::
   float* s1 = want_states > 1 ? states[1].data_ptr<float>() : nullptr;
   const bool rowwise_state = kind == Optim::kRowwiseAdagrad;
   at::parallel_for(0, U, 32, [&](int64_t begin, int64_t end) {
-    std::vector<float> g(max_dim);
+    std::vector<float> g(max_dim), fresh_w(max_dim), fresh_s0(max_dim), fresh_s1(max_dim);
     const int64_t n_end = start[end];  // this chunk's values end here
     for (int64_t u = begin; u < end; ++u) {
-      // The rows a few unique ids ahead: weights and state are read and written at random.
+      // The rows a few unique ids ahead: weights and state are read and written at random
+      // (new rows are only written: nothing to fetch).
       const int64_t ahead = u + kPrefetchDistance;
-      if (ahead < end && ur[ahead] >= 0) {
+      if (ahead < end && ur[ahead] >= 0 && (un == nullptr || un[ahead] < 0)) {
         const int64_t dim_a = dims[ut[ahead]], elem_a = toff[ut[ahead]] + ur[ahead] * dim_a;
         prefetch_row(w + elem_a, dim_a, 1);
         if (s0 != nullptr) {
@@ -668,8 +746,26 @@ void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::
       const int64_t elem = toff[t] + ur[u] * dim;
       float* state0 = s0 == nullptr ? nullptr : kind == Optim::kRowwiseAdagrad ? s0 + sro[t] + ur[u] : s0 + elem;
       float* state1 = s1 == nullptr ? nullptr : s1 + elem;
+      if (un != nullptr && un[u] >= 0) {
+        // A new row: the step runs on its initial vector and state, and the results are
+        // streamed to the row (never read from memory).
+        const float* init = nv.data[t] + un[u] * dim;
+        std::copy(init, init + dim, fresh_w.data());
+        const int64_t width0 = rowwise_state ? 1 : dim;
+        if (state0 != nullptr) std::fill(fresh_s0.begin(), fresh_s0.begin() + width0, static_cast<float>(state_init[0]));
+        if (state1 != nullptr) std::fill(fresh_s1.begin(), fresh_s1.begin() + dim, static_cast<float>(state_init[1]));
+        apply_step(kind, h, fresh_w.data(), g.data(), state0 != nullptr ? fresh_s0.data() : nullptr,
+                   state1 != nullptr ? fresh_s1.data() : nullptr, dim);
+        copy_streaming(w + elem, fresh_w.data(), dim);
+        if (state0 != nullptr) copy_streaming(state0, fresh_s0.data(), width0);
+        if (state1 != nullptr) copy_streaming(state1, fresh_s1.data(), dim);
+        continue;
+      }
       apply_step(kind, h, w + elem, g.data(), state0, state1, dim);
     }
+#if defined(__SSE2__)
+    _mm_sfence();  // streamed rows visible before the op returns
+#endif
   });
 }
 

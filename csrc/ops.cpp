@@ -47,21 +47,24 @@ TORCH_LIBRARY(torchrec_ext, m) {
       "init_rows(Tensor(a!) table, Tensor rows, Tensor ids, int seed, int kind, float[] params, "
       "Tensor(b!)[] states, float[] state_values) -> ()");
   // [batch_size, total_dim]: sum/mean (per feature) of each bag's rows, feature f at column feature_col[f].
+  // Row -2 - j of table t reads new_vectors[t][j] (a new row's initial vector, not yet written).
   m.def(
       "pooled_lookup(Tensor weights, Tensor table_offsets, Tensor table_dims, Tensor feature_table, "
       "Tensor feature_col, Tensor feature_mean, Tensor rows, Tensor offsets, Tensor? per_sample_weights, "
-      "int batch_size, int total_dim) -> Tensor");
-  // [num_ids, dim]: each id's row.
+      "int batch_size, int total_dim, Tensor[] new_vectors) -> Tensor");
+  // [num_ids, dim]: each id's row (rows -2 - j as in pooled_lookup).
   m.def(
       "sequence_lookup(Tensor weights, Tensor table_offsets, int dim, Tensor feature_table, "
-      "Tensor feature_value_offsets, Tensor rows) -> Tensor");
+      "Tensor feature_value_offsets, Tensor rows, Tensor[] new_vectors) -> Tensor");
   // Backward of a lookup (pooled when offsets are given, else sequence) fused with one optimizer
-  // step (0 sgd, 1 adagrad, 2 rowwise_adagrad, 3 adam) on each unique row, in place.
+  // step (0 sgd, 1 adagrad, 2 rowwise_adagrad, 3 adam) on each unique row, in place. A unique
+  // row with unique_new[u] = j >= 0 is new: it first takes new_vectors[t][j] and state_init.
   m.def(
       "fused_update(Tensor grad, Tensor(a!) weights, Tensor(b!)[] states, Tensor table_offsets, "
       "Tensor table_dims, Tensor state_row_offsets, Tensor unique_rows, Tensor unique_table, "
       "Tensor inverse, Tensor? offsets, Tensor? per_sample_weights, Tensor feature_col, "
-      "Tensor feature_mean, int batch_size, int optimizer, float[] hparams, int step) -> ()");
+      "Tensor feature_mean, int batch_size, int optimizer, float[] hparams, int step, "
+      "Tensor[] new_vectors, Tensor? unique_new, float[] state_init) -> ()");
 }
 
 PyMODINIT_FUNC PyInit__C(void) {

@@ -126,9 +126,8 @@ def test_sequence_lookup_matches_reference():
     assert torch.equal(got, ref.sequence_lookup(weights, table_offsets, dim, feature_table, fvo, rows))
 
 
-@pytest.mark.parametrize("optimizer", list(ref.OPTIMIZERS))
-@pytest.mark.parametrize("pooled", [True, False])
-def test_fused_update_matches_reference(optimizer, pooled):
+def _update_case(optimizer, pooled):
+    """A fused_update case: grad, weights, states and the op's other arguments but step."""
     torch.manual_seed(3)
     if pooled:
         case = _pooled_case(weighted=True)
@@ -156,19 +155,141 @@ def test_fused_update_matches_reference(optimizer, pooled):
     num_states = len(ref.OPTIMIZER_STATES[optimizer])
     state_size = sum(caps) if optimizer in ref.ROWWISE_STATE else total
     states = [torch.rand(state_size) for _ in range(num_states)]
-    hparams = (0.05, 1e-8, 0.9, 0.999, 0.01, 0.1)
+    common = dict(table_offsets=table_offsets, table_dims=table_dims, state_row_offsets=row_offsets,
+                  unique_rows=unique_rows, unique_table=unique_table, inverse=inverse,
+                  hparams=(0.05, 1e-8, 0.9, 0.999, 0.01, 0.1), **extra)
+    return grad, weights, states, common
+
+
+@pytest.mark.parametrize("optimizer", list(ref.OPTIMIZERS))
+@pytest.mark.parametrize("pooled", [True, False])
+def test_fused_update_matches_reference(optimizer, pooled):
+    grad, weights, states, common = _update_case(optimizer, pooled)
     w_got, s_got = weights.clone(), [s.clone() for s in states]
     w_want, s_want = weights.clone(), [s.clone() for s in states]
     for step in (1, 2, 3):
-        common = dict(table_offsets=table_offsets, table_dims=table_dims, state_row_offsets=row_offsets,
-                      unique_rows=unique_rows, unique_table=unique_table, inverse=inverse, hparams=hparams, step=step,
-                      **extra)
-        ops.fused_update(grad, w_got, s_got, optimizer=ref.OPTIMIZERS[optimizer], **common)
-        ref.fused_update(grad, w_want, s_want, optimizer=optimizer, **common)
+        ops.fused_update(grad, w_got, s_got, optimizer=ref.OPTIMIZERS[optimizer], step=step, **common)
+        ref.fused_update(grad, w_want, s_want, optimizer=optimizer, step=step, **common)
     torch.testing.assert_close(w_got, w_want)
     for a, b in zip(s_got, s_want):
         torch.testing.assert_close(a, b)
     assert not torch.equal(w_got, weights)
+
+
+# ------------------------------------------------ new rows: initial vectors read from new_vectors
+
+def _new_vectors(table_dims, counts):
+    return [torch.randn(n, int(d)) for n, d in zip(counts, table_dims)]
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_pooled_lookup_reads_new_rows_from_new_vectors(weighted):
+    case = _pooled_case(weighted)
+    counts = [3, 0, 2]
+    case["new_vectors"] = _new_vectors(case["table_dims"], counts)
+    bag_table = case["feature_table"].repeat_interleave(case["batch_size"])
+    value_table = bag_table.repeat_interleave(case["offsets"][1:] - case["offsets"][:-1])
+    rows = case["rows"].clone()
+    for t, n in enumerate(counts):
+        pick = (value_table == t) & (torch.rand(rows.numel()) < 0.4)
+        if n:
+            rows[pick] = -2 - torch.randint(0, n, (int(pick.sum()),))
+    case["rows"] = rows
+    assert bool((rows <= -2).any())
+    got = ops.pooled_lookup(**case)
+    torch.testing.assert_close(got, ref.pooled_lookup(**case))
+    # Independently: the same as a plain lookup in tables that hold those vectors after their rows.
+    blocks, starts, moved = [], [], rows.clone()
+    for t, cap in enumerate([11, 5, 9]):
+        base, dim = int(case["table_offsets"][t]), int(case["table_dims"][t])
+        starts.append(sum(b.numel() for b in blocks))
+        blocks.append(torch.cat([case["weights"][base:base + cap * dim], case["new_vectors"][t].flatten()]))
+        virtual = (value_table == t) & (rows <= -2)
+        moved[virtual] = cap + (-2 - rows[virtual])
+    plain = dict(case, weights=torch.cat(blocks), table_offsets=torch.tensor(starts), rows=moved, new_vectors=())
+    torch.testing.assert_close(got, ops.pooled_lookup(**plain))
+
+
+def test_sequence_lookup_reads_new_rows_from_new_vectors():
+    caps, dim = [6, 9], 8
+    table_offsets, table_dims, total, _ = _layout(caps, [dim, dim])
+    weights = torch.randn(total)
+    feature_table, fvo = torch.tensor([1, 0, 1]), torch.tensor([0, 4, 4, 11])
+    rows = (torch.rand(11) * 9).long()
+    rows[[1, 5, 9]] = torch.tensor([-2, -3, -2])
+    rows[2] = -1
+    new_vectors = _new_vectors(table_dims, [0, 2])
+    got = ops.sequence_lookup(weights, table_offsets, dim, feature_table, fvo, rows, new_vectors)
+    assert torch.equal(got, ref.sequence_lookup(weights, table_offsets, dim, feature_table, fvo, rows, new_vectors))
+    assert torch.equal(got[1], new_vectors[1][0]) and torch.equal(got[5], new_vectors[1][1])
+
+
+@pytest.mark.parametrize("optimizer", list(ref.OPTIMIZERS))
+@pytest.mark.parametrize("pooled", [True, False])
+def test_fused_update_writes_new_rows_then_steps(optimizer, pooled):
+    grad, weights, states, common = _update_case(optimizer, pooled)
+    unique_rows, unique_table, dims = common["unique_rows"], common["unique_table"], common["table_dims"]
+    # Every other unique row with a row is new; each table numbers its new rows from 0.
+    unique_new = torch.full_like(unique_rows, -1)
+    counts = [0] * dims.numel()
+    for u in range(0, unique_rows.numel(), 2):
+        if unique_rows[u] >= 0:
+            t = int(unique_table[u])
+            unique_new[u], counts[t] = counts[t], counts[t] + 1
+    new_vectors = _new_vectors(dims, counts)
+    state_init = [0.25, 0.5][:len(states)]  # (Adam with v = 0 would amplify float rounding)
+    new = dict(new_vectors=new_vectors, unique_new=unique_new, state_init=state_init)
+    w_got, s_got = weights.clone(), [s.clone() for s in states]
+    w_want, s_want = weights.clone(), [s.clone() for s in states]
+    ops.fused_update(grad, w_got, s_got, optimizer=ref.OPTIMIZERS[optimizer], step=1, **common, **new)
+    ref.fused_update(grad, w_want, s_want, optimizer=optimizer, step=1, **common, **new)
+    torch.testing.assert_close(w_got, w_want)
+    for a, b in zip(s_got, s_want):
+        torch.testing.assert_close(a, b)
+    # Independently: identical bits to writing the new rows first, then a plain update.
+    w_eager, s_eager = weights.clone(), [s.clone() for s in states]
+    for u in (unique_new >= 0).nonzero().flatten().tolist():
+        t, r, j = int(unique_table[u]), int(unique_rows[u]), int(unique_new[u])
+        dim, base = int(dims[t]), int(common["table_offsets"][t])
+        w_eager[base + r * dim: base + (r + 1) * dim] = new_vectors[t][j]
+        for state, value in zip(s_eager, state_init):
+            if optimizer in ref.ROWWISE_STATE:
+                state[int(common["state_row_offsets"][t]) + r] = value
+            else:
+                state[base + r * dim: base + (r + 1) * dim] = value
+    ops.fused_update(grad, w_eager, s_eager, optimizer=ref.OPTIMIZERS[optimizer], step=1, **common)
+    assert torch.equal(w_got, w_eager)
+    for a, b in zip(s_got, s_eager):
+        assert torch.equal(a, b)
+
+
+def test_new_rows_bad_input_is_a_clear_error():
+    case = _pooled_case(False)
+    with pytest.raises(RuntimeError, match="out of range"):  # -2 without new_vectors
+        ops.pooled_lookup(**dict(case, rows=torch.where(case["rows"] == 0, -2, case["rows"])))
+    vectors = _new_vectors(case["table_dims"], [1, 1, 1])
+    with pytest.raises(RuntimeError, match="out of range"):  # vector 1 of a 1-vector block
+        ops.pooled_lookup(**dict(case, rows=torch.full_like(case["rows"], -3), new_vectors=vectors))
+    with pytest.raises(RuntimeError, match="one block per table"):
+        ops.pooled_lookup(**dict(case, new_vectors=vectors[:2]))
+    with pytest.raises(RuntimeError, match=r"new_vectors\[1\] must be a contiguous float32 \[n, 12\]"):
+        ops.pooled_lookup(**dict(case, new_vectors=[vectors[0], torch.zeros(1, 4), vectors[2]]))
+    grad, weights, states, common = _update_case("adagrad", True)
+    unique_new = torch.full_like(common["unique_rows"], -1)
+    with pytest.raises(RuntimeError, match="unique_new needs new_vectors"):
+        ops.fused_update(grad, weights, states, optimizer=1, step=1, **common, unique_new=unique_new, state_init=[0.0])
+    vectors = _new_vectors(common["table_dims"], [1, 1, 1])
+    with pytest.raises(RuntimeError, match="state_init must give one initial value per state"):
+        ops.fused_update(grad, weights, states, optimizer=1, step=1, **common, new_vectors=vectors,
+                         unique_new=unique_new, state_init=[])
+    missing = common["unique_rows"].eq(-1).nonzero().flatten()[:1]
+    assert missing.numel() == 1
+    unique_new[missing] = 0
+    before = weights.clone()
+    with pytest.raises(RuntimeError, match="for a row >= 0"):  # a new vector needs a row to go to
+        ops.fused_update(grad, weights, states, optimizer=1, step=1, **common, new_vectors=vectors,
+                         unique_new=unique_new, state_init=[0.0])
+    assert torch.equal(weights, before)
 
 
 # ------------------------------------------------ torch kernels (the CUDA implementations), run on CPU here

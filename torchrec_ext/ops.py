@@ -103,18 +103,21 @@ def pooled_lookup(
     weights: Tensor, table_offsets: Tensor, table_dims: Tensor, feature_table: Tensor,
     feature_col: Tensor, feature_mean: Tensor, rows: Tensor, offsets: Tensor,
     per_sample_weights: Optional[Tensor], batch_size: int, total_dim: int,
+    new_vectors: Sequence[Tensor] = (),
 ) -> Tensor:
+    """Row -2 - j of table t reads ``new_vectors[t][j]`` (CPU only; see fused_update)."""
     return _ops.pooled_lookup.default(
         weights, table_offsets, table_dims, feature_table, feature_col, feature_mean, rows, offsets,
-        per_sample_weights, batch_size, total_dim,
+        per_sample_weights, batch_size, total_dim, list(new_vectors),
     )
 
 
 def sequence_lookup(
     weights: Tensor, table_offsets: Tensor, dim: int, feature_table: Tensor,
-    feature_value_offsets: Tensor, rows: Tensor,
+    feature_value_offsets: Tensor, rows: Tensor, new_vectors: Sequence[Tensor] = (),
 ) -> Tensor:
-    return _ops.sequence_lookup.default(weights, table_offsets, dim, feature_table, feature_value_offsets, rows)
+    return _ops.sequence_lookup.default(weights, table_offsets, dim, feature_table, feature_value_offsets, rows,
+                                        list(new_vectors))
 
 
 def fused_update(
@@ -122,11 +125,14 @@ def fused_update(
     state_row_offsets: Tensor, unique_rows: Tensor, unique_table: Tensor, inverse: Tensor,
     offsets: Optional[Tensor], per_sample_weights: Optional[Tensor], feature_col: Tensor,
     feature_mean: Tensor, batch_size: int, optimizer: int, hparams: Sequence[float], step: int,
+    new_vectors: Sequence[Tensor] = (), unique_new: Optional[Tensor] = None, state_init: Sequence[float] = (),
 ) -> None:
+    """A unique row u with ``unique_new[u] = j >= 0`` is new: it first takes ``new_vectors[t][j]``
+    and ``state_init`` (one value per state), then its step (CPU only)."""
     _ops.fused_update.default(
         grad, weights, states, table_offsets, table_dims, state_row_offsets, unique_rows, unique_table,
         inverse, offsets, per_sample_weights, feature_col, feature_mean, batch_size, optimizer,
-        [float(h) for h in hparams], step,
+        [float(h) for h in hparams], step, list(new_vectors), unique_new, [float(v) for v in state_init],
     )
 
 
@@ -199,19 +205,19 @@ def _init_rows_fake(table, rows, ids, seed, kind, params, states, state_values):
 
 @torch.library.register_fake("torchrec_ext::pooled_lookup")
 def _pooled_lookup_fake(weights, table_offsets, table_dims, feature_table, feature_col, feature_mean, rows,
-                        offsets, per_sample_weights, batch_size, total_dim):
+                        offsets, per_sample_weights, batch_size, total_dim, new_vectors=()):
     return weights.new_empty(batch_size, total_dim)
 
 
 @torch.library.register_fake("torchrec_ext::sequence_lookup")
-def _sequence_lookup_fake(weights, table_offsets, dim, feature_table, feature_value_offsets, rows):
+def _sequence_lookup_fake(weights, table_offsets, dim, feature_table, feature_value_offsets, rows, new_vectors=()):
     return weights.new_empty(rows.shape[0], dim)
 
 
 @torch.library.register_fake("torchrec_ext::fused_update")
 def _fused_update_fake(grad, weights, states, table_offsets, table_dims, state_row_offsets, unique_rows,
                        unique_table, inverse, offsets, per_sample_weights, feature_col, feature_mean,
-                       batch_size, optimizer, hparams, step):
+                       batch_size, optimizer, hparams, step, new_vectors=(), unique_new=None, state_init=()):
     return None
 
 

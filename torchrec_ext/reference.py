@@ -312,12 +312,13 @@ def pooled_lookup(
     weights: Tensor, table_offsets: Tensor, table_dims: Tensor,
     feature_table: Tensor, feature_col: Tensor, feature_mean: Tensor,
     rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
-    batch_size: int, total_dim: int,
+    batch_size: int, total_dim: int, new_vectors: Sequence[Tensor] = (),
 ) -> Tensor:
     """[batch_size, total_dim] pooled output: feature f's bags land in columns feature_col[f]...
 
     Each bag sums (or, where feature_mean[f], averages over its length) the rows of its ids,
     scaled by per_sample_weights when given. Rows of -1 read as zeros; empty bags are zeros.
+    Row -2 - j of table t reads new_vectors[t][j] (a new row's initial vector, not yet written).
     """
     tables = _table_rows(weights, table_offsets, table_dims, _capacities(weights, table_offsets, table_dims))
     out = torch.zeros(batch_size, total_dim, dtype=torch.float32, device=weights.device)
@@ -329,9 +330,9 @@ def pooled_lookup(
             acc = torch.zeros(dim, dtype=torch.float32, device=weights.device)
             for i in range(start, end):
                 r = int(rows[i])
-                if r >= 0:
+                if r != -1:
                     scale = 1.0 if per_sample_weights is None else float(per_sample_weights[i])
-                    acc += scale * tables[t][r]
+                    acc += scale * (tables[t][r] if r >= 0 else new_vectors[t][-2 - r])
             if bool(feature_mean[f]) and end > start:
                 acc /= end - start
             out[b, col:col + dim] = acc
@@ -340,17 +341,21 @@ def pooled_lookup(
 
 def sequence_lookup(
     weights: Tensor, table_offsets: Tensor, dim: int, feature_table: Tensor,
-    feature_value_offsets: Tensor, rows: Tensor,
+    feature_value_offsets: Tensor, rows: Tensor, new_vectors: Sequence[Tensor] = (),
 ) -> Tensor:
-    """[num_values, dim]: the row of each id (zeros for -1); values of feature f are
-    [feature_value_offsets[f], feature_value_offsets[f + 1]) and read table feature_table[f]."""
+    """[num_values, dim]: the row of each id (zeros for -1; new_vectors[t][j] for -2 - j); values
+    of feature f are [feature_value_offsets[f], feature_value_offsets[f + 1]) and read table
+    feature_table[f]."""
     out = torch.zeros(rows.numel(), dim, dtype=torch.float32, device=weights.device)
     for f in range(feature_table.numel()):
-        base = int(table_offsets[int(feature_table[f])])
+        t = int(feature_table[f])
+        base = int(table_offsets[t])
         for i in range(int(feature_value_offsets[f]), int(feature_value_offsets[f + 1])):
             r = int(rows[i])
             if r >= 0:
                 out[i] = weights[base + r * dim: base + (r + 1) * dim]
+            elif r <= -2:
+                out[i] = new_vectors[t][-2 - r]
     return out
 
 
@@ -361,8 +366,12 @@ def fused_update(
     offsets: Optional[Tensor], per_sample_weights: Optional[Tensor],
     feature_col: Tensor, feature_mean: Tensor, batch_size: int,
     optimizer: str, hparams: Sequence[float], step: int,
+    new_vectors: Sequence[Tensor] = (), unique_new: Optional[Tensor] = None, state_init: Sequence[float] = (),
 ) -> None:
     """Backward of a lookup fused with the optimizer step, in place on weights and states.
+
+    New rows first: a unique row u with unique_new[u] = j >= 0 takes new_vectors[t][j] and each
+    state its state_init value over that row, then the step below.
 
     Value i belongs to unique row inverse[i]. Its gradient is, for a pooled lookup (offsets
     given), grad[b, col:col+dim] of its bag g = f * batch_size + b times its per-sample weight
@@ -373,6 +382,16 @@ def fused_update(
     torch.optim's SGD / Adagrad / Adam and torchrec.optim.RowWiseAdagrad on the touched rows.
     """
     lr, eps, beta1, beta2, weight_decay, lr_decay = hparams
+    if unique_new is not None:
+        for u in (unique_new >= 0).nonzero().flatten().tolist():
+            r, t, j = int(unique_rows[u]), int(unique_table[u]), int(unique_new[u])
+            dim, off = int(table_dims[t]), int(table_offsets[t])
+            weights[off + r * dim: off + (r + 1) * dim] = new_vectors[t][j]
+            for state, value in zip(states, state_init):
+                if optimizer == "rowwise_adagrad":
+                    state[int(state_row_offsets[t]) + r] = value
+                else:
+                    state[off + r * dim: off + (r + 1) * dim] = value
     n = inverse.numel()
     if offsets is None:
         value_grads = grad[:n].float()

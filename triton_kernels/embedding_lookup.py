@@ -22,7 +22,7 @@ bound does not run in Triton 3.6's interpreter with NumPy 2.4 (even a scalar arg
 interpreter holds it as a 1-element array, which int() refuses). It also means no host-side
 maximum bag length (no device sync) and no idle iterations for short bags.
 """
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import triton
@@ -140,6 +140,13 @@ def _meta(t: Tensor, device: torch.device, dtype: torch.dtype = torch.int64) -> 
     return torch.as_tensor(t).to(device=device, dtype=dtype).contiguous()
 
 
+def check_no_new_vectors(new_vectors: Sequence[Tensor], what: str) -> None:
+    # Deferred initial vectors are a CPU-kernel path; on GPUs the module writes new rows eagerly.
+    if len(new_vectors):
+        raise ValueError(f"{what}: new_vectors is supported by the CPU kernels only; the GPU kernels read every "
+                         f"row from the table (got {len(new_vectors)} blocks)")
+
+
 def _check_weights(weights: Tensor, what: str) -> None:
     if weights.dtype != torch.float32 or not weights.is_contiguous():
         raise ValueError(f"{what}: weights must be a contiguous float32 buffer, got {weights.dtype}")
@@ -149,13 +156,14 @@ def pooled_lookup(
     weights: Tensor, table_offsets: Tensor, table_dims: Tensor,
     feature_table: Tensor, feature_col: Tensor, feature_mean: Tensor,
     rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
-    batch_size: int, total_dim: int,
+    batch_size: int, total_dim: int, new_vectors: Sequence[Tensor] = (),
 ) -> Tensor:
     """[batch_size, total_dim] float32 pooled output: feature f's bags land in columns
     feature_col[f]...; sum (or mean where feature_mean[f]) of the rows of each bag, scaled by
     per_sample_weights when given. Rows of -1 read as zeros; empty bags are zeros."""
     # Launcher of _pooled_lookup_fwd_kernel: grid (bags, column blocks of the widest table).
     _check_weights(weights, "pooled_lookup")
+    check_no_new_vectors(new_vectors, "pooled_lookup")
     device = weights.device
     # zeros, not empty: columns no feature covers must read as zeros, as in the reference.
     out = torch.zeros(batch_size, total_dim, dtype=torch.float32, device=device)
@@ -185,10 +193,11 @@ def pooled_lookup(
 
 def sequence_lookup(
     weights: Tensor, table_offsets: Tensor, dim: int, feature_table: Tensor,
-    feature_value_offsets: Tensor, rows: Tensor,
+    feature_value_offsets: Tensor, rows: Tensor, new_vectors: Sequence[Tensor] = (),
 ) -> Tensor:
     """[num_values, dim] float32: the row of each id (zeros for -1); values of feature f are
     [feature_value_offsets[f], feature_value_offsets[f + 1]) and read table feature_table[f]."""
+    check_no_new_vectors(new_vectors, "sequence_lookup")
     # Grid: (value blocks of the longest feature, features, column blocks); the longest feature
     # is read on the host: one small device sync.
     _check_weights(weights, "sequence_lookup")

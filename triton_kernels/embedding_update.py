@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .embedding_lookup import check_no_new_vectors
+
 # Ids of the optimizers, as torchrec_ext.reference.OPTIMIZERS (a test checks they agree).
 OPTIMIZERS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3}
 _SGD, _ADAGRAD, _ROWWISE_ADAGRAD, _ADAM = 0, 1, 2, 3
@@ -157,6 +159,7 @@ def fused_update(
     offsets: Optional[Tensor], per_sample_weights: Optional[Tensor],
     feature_col: Tensor, feature_mean: Tensor, batch_size: int,
     optimizer: Union[str, int], hparams: Sequence[float], step: int,
+    new_vectors: Sequence[Tensor] = (), unique_new: Optional[Tensor] = None, state_init: Sequence[float] = (),
 ) -> None:
     """Backward of a lookup fused with the optimizer step, in place on weights and states.
 
@@ -164,6 +167,9 @@ def fused_update(
     hparams: (lr, eps, beta1, beta2, weight_decay, lr_decay); ``step`` is 1-based.
     """
     # Groups the values by unique row, then one program per (unique row, column block).
+    check_no_new_vectors(new_vectors, "fused_update")
+    if unique_new is not None:
+        raise ValueError("fused_update: unique_new is supported by the CPU kernels only")
     opt = _optimizer_id(optimizer)
     lr, eps, beta1, beta2, weight_decay, lr_decay = (float(h) for h in hparams)
     if weights.dtype != torch.float32 or not weights.is_contiguous():

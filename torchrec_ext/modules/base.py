@@ -26,7 +26,9 @@ class DynamicTable(nn.Module):
     """One dynamic table (``embedding_bags.<name>`` / ``embeddings.<name>``).
 
     ``weight`` is a [capacity, dim] view of the collection's storage. Its gradient is never
-    materialised: the fused optimizer updates the touched rows during backward. The table's
+    materialised: the fused optimizer updates the touched rows during backward. On CPU the rows
+    of a training batch's new ids are written by that backward too (or by the next lookup or
+    ``state_dict``), so read ``weight`` directly only after the backward. The table's
     ``state_dict`` holds only its live rows: ``weight`` [n, dim], ``weight_id`` (raw ids),
     ``metadata`` (eviction scores), ``row`` (placement), ``optimizer.<state>``, ``counters``
     (index clock, epoch, training step, optimizer step), plus ``last_seen`` with ttl_steps and
@@ -190,7 +192,8 @@ class DynamicCollectionMixin:
         self._tables.check_ready(type(self).__name__)
         if self.training:
             self._ensure_optimizer()
-        return self._tables.lookup(batch.ids, batch.segment_offsets, self.training)
+        return self._tables.lookup(batch.ids, batch.segment_offsets, self.training,
+                                   backward_follows=bool(self._differentiable_params()))
 
     def _differentiable_params(self) -> List[Tensor]:
         params = [t.weight for t in self._table_modules()]
@@ -210,7 +213,8 @@ class PooledLookupFunction(torch.autograd.Function):
         ctx.owner, ctx.lookup, ctx.batch, ctx.offsets = owner, lookup, batch, offsets
         ctx.num_params = len(params)
         return ops.pooled_lookup(tables.weights, table_offsets, table_dims, feature_table, feature_col, feature_mean,
-                                 lookup.rows, offsets, batch.weights, batch.batch_size, plan.total_dim)
+                                 lookup.rows, offsets, batch.weights, batch.batch_size, plan.total_dim,
+                                 lookup.new.vectors if lookup.new is not None else ())
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -232,7 +236,8 @@ class SequenceLookupFunction(torch.autograd.Function):
         ctx.owner, ctx.lookup = owner, lookup
         ctx.num_params = len(params)
         return ops.sequence_lookup(tables.weights, table_offsets, plan.dims[0] if plan.dims else 1, feature_table,
-                                   batch.feature_value_offsets, lookup.rows)
+                                   batch.feature_value_offsets, lookup.rows,
+                                   lookup.new.vectors if lookup.new is not None else ())
 
     @staticmethod
     def backward(ctx, grad: Tensor):

@@ -8,6 +8,13 @@ Per training batch it deduplicates each table's ids, admits ids seen often enoug
 unseen ones (evicting by the table's policy when full), initialises the rows of new ids (a pure
 function of seed, table and id) and clears their optimizer state. In eval nothing is inserted:
 unseen ids get row -1, which the kernels read as zeros.
+
+On CPU, when a backward will follow, new rows are not written by the lookup: their initial
+vectors go to a small dense block (``NewRows``) that the lookup kernels read, and the fused
+update writes each one to its row with the row's first step. New ids are most of a batch's
+distinct ids on heavy-tailed data, and their rows are scattered over gigabytes: this saves two
+of the three passes over them. Anything else that reads the tables first writes the pending
+rows (``write_new_rows``), so the deferral is never visible.
 """
 from __future__ import annotations
 
@@ -30,17 +37,33 @@ from torchrec_ext.table import HashTable
 _SCORED_BY_COUNT = {"lfu", "epoch_lfu"}
 
 
+@dataclass
+class NewRows:
+    """New ids' rows from one training lookup, their initial values not yet written there.
+
+    vectors[t]: [n_t, dim_t] initial vectors of table t's new ids; rows[t]: their rows;
+    unique_new: per unique id of the lookup, its index into its table's vectors (-1: not new).
+    """
+
+    vectors: List[Tensor]
+    rows: List[Tensor]
+    unique_new: Tensor
+    written: bool = False
+
+
 class RowLookup(NamedTuple):
     """Rows of one batch's ids, and the grouping the fused backward needs.
 
-    rows: row of each id (-1: none). unique_rows / unique_table: each table's distinct ids'
-    rows and tables, tables in order. inverse: each id's index into unique_rows.
+    rows: the row each id is read from (-1: none, zeros; -2 - j: vector j of its table's
+    ``new.vectors``). unique_rows / unique_table: each table's distinct ids' rows and tables,
+    tables in order. inverse: each id's index into unique_rows. new: rows still to be written.
     """
 
     rows: Tensor
     unique_rows: Tensor
     unique_table: Tensor
     inverse: Tensor
+    new: Optional[NewRows] = None
 
 
 @dataclass
@@ -114,6 +137,12 @@ class DynamicTables:
         self.train_step = 0  # training batches seen: the clock of ttl_steps
         self._device_layout: Dict[torch.device, Tuple[Tensor, Tensor, Tensor]] = {}
         self.indexes: List[Optional[HashTable]] = []
+        self._new_rows: Optional[NewRows] = None
+        self.defer_new_rows = True  # False: lookups write new rows themselves (as on GPUs)
+        # Holds NewRows.vectors; reused by every lookup (its previous contents are written by
+        # then), since a fresh allocation per batch page-faults megabytes each time.
+        self._new_vector_buffer = torch.empty(0, dtype=torch.float32)
+        self._new_vector_used = 0
         self.last_seen: List[Optional[Tensor]] = []
         self.admission: List[Optional[Tuple[HashTable, Tensor]]] = []
         self._build_indexes()
@@ -153,6 +182,7 @@ class DynamicTables:
 
     def set_optimizer(self, spec: OptimizerSpec) -> None:
         """Allocates (or keeps, when the kind is unchanged) the optimizer state for ``spec``."""
+        self.write_new_rows()
         if self.optimizer is not None and self.optimizer.kind == spec.kind:
             self.optimizer = spec
             self._init_views = None  # the fill values may have changed
@@ -164,6 +194,7 @@ class DynamicTables:
 
     def apply(self, fn) -> None:
         """Applies a tensor function (``Module._apply``'s) to the storage and moves the indexes."""
+        self.write_new_rows()
         old_device = self.device
         self.weights = fn(self.weights)
         self.states = [fn(s) for s in self.states]
@@ -173,6 +204,7 @@ class DynamicTables:
 
     def reset(self) -> None:
         """Forgets every id: empty indexes, cleared optimizer state and counters."""
+        self._new_rows = None
         self._build_indexes()
         if self.optimizer is not None:
             spec, self.optimizer = self.optimizer, None
@@ -209,26 +241,62 @@ class DynamicTables:
 
     # ------------------------------------------------------------------ ids -> rows
 
-    def lookup(self, ids: Tensor, segment_offsets: Tensor, training: bool) -> RowLookup:
-        """Rows of ``ids``, table t's ids being ``ids[segment_offsets[t]:segment_offsets[t+1]]``."""
+    def lookup(self, ids: Tensor, segment_offsets: Tensor, training: bool, backward_follows: bool = False) -> RowLookup:
+        """Rows of ``ids``, table t's ids being ``ids[segment_offsets[t]:segment_offsets[t+1]]``.
+
+        backward_follows: the caller will run the fused update on this lookup, which may then
+        write the new rows (CPU; see ``NewRows``) instead of the lookup writing them now.
+        """
+        self.write_new_rows()
         unique, inverse, counts, unique_offsets = ops.dedup_segments(ids, segment_offsets)
         if training:
             self.train_step += 1
+        new = None
+        if training and backward_follows and self.defer_new_rows and self.device.type == "cpu":
+            new = NewRows(vectors=[self.weights.new_empty(0, m.dim) for m in self.meta],
+                          rows=[unique.new_empty(0) for _ in self.meta], unique_new=torch.full_like(unique, -1))
+            most = unique.numel() * max(m.dim for m in self.meta)
+            if self._new_vector_buffer.numel() < most:
+                self._new_vector_buffer = _allocate(max(most, 2 * self._new_vector_buffer.numel()), 0.0, self.device)
+            self._new_vector_used = 0
         bounds = unique_offsets.tolist()
         # Each table writes its rows into its slice of one buffer (no concatenation after).
         unique_rows = torch.empty_like(unique)
         for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
             if end > start:
-                unique_rows[start:end] = self._rows_for(t, unique[start:end], counts[start:end], training)
+                keys = unique[start:end]
+                rows, fresh = self._rows_for(t, keys, counts[start:end], training)
+                unique_rows[start:end] = rows
+                if fresh is not None:
+                    self._initialise(t, rows, fresh, keys, new, start)
         table_of = torch.arange(len(self.meta), device=ids.device)
         unique_table = torch.repeat_interleave(table_of, unique_offsets[1:] - unique_offsets[:-1], output_size=unique.numel())
-        return RowLookup(unique_rows[inverse], unique_rows, unique_table, inverse)
+        if new is None:
+            return RowLookup(unique_rows[inverse], unique_rows, unique_table, inverse)
+        self._new_rows = new
+        read_from = torch.where(new.unique_new >= 0, -2 - new.unique_new, unique_rows)
+        return RowLookup(read_from[inverse], unique_rows, unique_table, inverse, new)
 
-    def _rows_for(self, t: int, keys: Tensor, counts: Tensor, training: bool) -> Tensor:
+    def write_new_rows(self) -> None:
+        """Writes the pending new rows of the last training lookup (initial vectors, initial
+        optimizer state), when its fused update has not."""
+        new, self._new_rows = self._new_rows, None
+        if new is None or new.written:
+            return
+        for t, (rows, vectors) in enumerate(zip(new.rows, new.vectors)):
+            if rows.numel():
+                table, states, fills = self._init_view(t)
+                table[rows] = vectors
+                for state, fill in zip(states, fills):
+                    state[rows] = fill
+        new.written = True
+
+    def _rows_for(self, t: int, keys: Tensor, counts: Tensor, training: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        """Rows of table t's distinct ``keys``, and in training which of them are new (rows to initialise)."""
         m, index = self.meta[t], self.indexes[t]
         if not training:
             rows, found = index.find(keys)
-            return self._mask_expired(t, rows, found)
+            return self._mask_expired(t, rows, found), None
         candidates = None
         if m.admit_after > 1:
             _, found = index.find(keys)
@@ -244,13 +312,13 @@ class DynamicTables:
             self.last_seen[t][result.rows[live]] = self.train_step
             if self.train_step % m.ttl_steps == 0:
                 self._erase_expired(t)
-        # Rows of -1 are skipped by init_rows: no mask-and-gather of the fresh ids needed.
-        self._initialise(t, torch.where(fresh, result.rows, -1), keys)
         if candidates is None:
-            return result.rows
+            return result.rows, fresh
         rows = torch.full_like(candidates, -1, dtype=torch.int64)
         rows[candidates] = result.rows
-        return rows
+        fresh_all = torch.zeros_like(candidates)
+        fresh_all[candidates] = fresh
+        return rows, fresh_all
 
     def _admit(self, t: int, keys: Tensor, counts: Tensor, unseen: Tensor) -> Tensor:
         """Counts sightings of ids without a row; True where an id reached admit_after now."""
@@ -285,17 +353,33 @@ class DynamicTables:
             if bool(stale.any()):
                 index.erase(keys[stale])
 
-    def _initialise(self, t: int, rows: Tensor, keys: Tensor) -> None:
-        """New ids' rows (rows[i] >= 0): their initial vectors, and the optimizer's initial state."""
+    def _initialise(self, t: int, rows: Tensor, fresh: Tensor, keys: Tensor, new: Optional[NewRows],
+                    start: int) -> None:
+        """The rows of table t's new ids (``fresh``): their initial vectors and optimizer state,
+        written now, or into ``new`` (whose unique ids start at ``start`` for this table)."""
         m = self.meta[t]
+        if new is None:
+            # Rows of -1 are skipped by init_rows: no mask-and-gather of the new ids needed.
+            table, states, fills = self._init_view(t)
+            ops.init_rows(table, torch.where(fresh, rows, -1), keys, m.seed, m.init_kind, m.init_params, states, fills)
+            return
+        which = fresh.nonzero().squeeze(1)
+        slots = torch.arange(which.numel(), device=which.device)
+        start_elem, self._new_vector_used = self._new_vector_used, self._new_vector_used + which.numel() * m.dim
+        new.vectors[t] = self._new_vector_buffer[start_elem:self._new_vector_used].view(which.numel(), m.dim)
+        ops.init_rows(new.vectors[t], slots, keys[which], m.seed, m.init_kind, m.init_params)
+        new.rows[t] = rows[which]
+        new.unique_new[start + which] = slots
+
+    def _init_view(self, t: int) -> Tuple[Tensor, List[Tensor], List[float]]:
+        """Table t's [capacity, dim] rows, its states as [capacity, width], and their initial values."""
         if self._init_views is None:  # per-table views, built once per storage and optimizer
             self._init_views = []
             for i in range(len(self.meta)):
                 views = self.state_views(i)
                 self._init_views.append((self.table_view(i), [v if v.dim() == 2 else v.unsqueeze(1) for v in views.values()],
                                          [self._initial_state_value(name) for name in views]))
-        table, states, fills = self._init_views[t]
-        ops.init_rows(table, rows, keys, m.seed, m.init_kind, m.init_params, states, fills)
+        return self._init_views[t]
 
     def _initial_state_value(self, name: str) -> float:
         # Adagrad kinds start their accumulator at initial_accumulator_value; Adam's moments at 0.
@@ -314,16 +398,22 @@ class DynamicTables:
             )
         self.optimizer_step += 1
         table_offsets, table_dims, state_row_offsets = self.layout()
+        new = lookup.new if lookup.new is not None and not lookup.new.written else None
         ops.fused_update(
             grad, self.weights, self.states, table_offsets, table_dims, state_row_offsets,
             lookup.unique_rows, lookup.unique_table, lookup.inverse, offsets, per_sample_weights,
             feature_col, feature_mean, batch_size, self.optimizer.kind_id, hyperparams, int(self.optimizer_step),
+            new.vectors if new is not None else (), new.unique_new if new is not None else None,
+            [self._initial_state_value(name) for name in OPTIMIZER_STATES[self.optimizer.kind]] if new is not None else (),
         )
+        if new is not None:
+            new.written = True
 
     # ------------------------------------------------------------------ checkpoint
 
     def table_state(self, t: int) -> Dict[str, Tensor]:
         """Table t's live rows: vectors, ids, scores, rows, optimizer state, counters."""
+        self.write_new_rows()
         m, index = self.meta[t], self.indexes[t]
         state = index.state_dict()
         keys, rows, scores = state["keys"], state["rows"], state["scores"]
@@ -355,6 +445,7 @@ class DynamicTables:
 
     def load_table_state(self, t: int, state: Dict[str, Tensor], where: str) -> None:
         """Rebuilds table t from ``table_state`` output; checks everything before changing anything."""
+        self.write_new_rows()
         m = self.meta[t]
         ids = state["weight_id"].to(torch.int64)
         n = ids.numel()

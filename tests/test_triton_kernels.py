@@ -318,3 +318,22 @@ def test_optimizer_ids_match_reference():
         _update().fused_update(torch.zeros(1, 4), torch.zeros(4), [], torch.tensor([0]), torch.tensor([4]),
                                torch.tensor([0]), torch.tensor([0]), torch.tensor([0]), torch.tensor([0]), None,
                                None, torch.tensor([0]), torch.tensor([False]), 1, "lamb", HPARAMS["plain"], 1)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_new_vectors_are_refused_by_the_gpu_kernels(target):
+    # The modules write new rows at lookup time on GPUs; the kernels say so if handed new_vectors.
+    device = _device(target)
+    on = lambda *ts: _on(device, *ts)  # noqa: E731
+    weights, block = torch.zeros(8, device=device), [torch.zeros(1, 4, device=device)]
+    layout = on(torch.tensor([0]), torch.tensor([4]), torch.tensor([0]), torch.tensor([0]), torch.tensor([False]))
+    with pytest.raises(ValueError, match="CPU kernels only"):
+        _lookup().pooled_lookup(weights, *layout, *on(torch.tensor([-2]), torch.tensor([0, 1])), None, 1, 4, block)
+    with pytest.raises(ValueError, match="CPU kernels only"):
+        _lookup().sequence_lookup(weights, *on(torch.tensor([0])), 4,
+                                  *on(torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([-2])), block)
+    with pytest.raises(ValueError, match="CPU kernels only"):
+        _update().fused_update(torch.zeros(1, 4, device=device), weights, [], *on(torch.tensor([0]), torch.tensor([4]),
+                               torch.tensor([0]), torch.tensor([0]), torch.tensor([0]), torch.tensor([0])), None, None,
+                               *on(torch.tensor([0]), torch.tensor([False])), 1, "sgd", HPARAMS["plain"], 1, block,
+                               on(torch.tensor([0]))[0], [])

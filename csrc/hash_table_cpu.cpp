@@ -97,11 +97,13 @@ inline void prefetch_matches(const TableRef& t, const KeyPlace& p) {
       __builtin_prefetch(t.keys + row, 1);
       __builtin_prefetch(t.scores + row, 1);
     } else {
-      // An eviction is coming: the victim search reads every score of both buckets.
+      // An eviction is coming: the victim search reads every score of both buckets, and the
+      // victim's key (reported as evicted, then overwritten) is in one of their key lines.
       constexpr int kScoresPerLine = 64 / sizeof(int64_t);
       for (const int64_t bucket : {p.bucket1, p.bucket2}) {
         for (int slot = 0; slot < kSlotsPerBucket; slot += kScoresPerLine) {
           __builtin_prefetch(t.scores + bucket * kSlotsPerBucket + slot, 1);
+          __builtin_prefetch(t.keys + bucket * kSlotsPerBucket + slot, 1);
         }
       }
     }
@@ -370,13 +372,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
   });
   *size.data_ptr<int64_t>() += size_delta.load();
 
-  std::sort(evictions.begin(), evictions.end());  // batch order
+  // In batch order: an input position evicts at most once, so a pass over the positions
+  // places them (no sort).
   const int64_t m = static_cast<int64_t>(evictions.size());
   at::Tensor evicted_keys = at::empty({m}, k.options());
   at::Tensor evicted_rows = at::empty({m}, k.options());
-  for (int64_t e = 0; e < m; ++e) {
-    evicted_keys.data_ptr<int64_t>()[e] = evictions[e].second;
-    evicted_rows.data_ptr<int64_t>()[e] = rp[evictions[e].first];
+  if (m > 0) {
+    std::vector<int64_t> eviction_at(n, -1);
+    for (int64_t e = 0; e < m; ++e) eviction_at[evictions[e].first] = e;
+    int64_t* ek = evicted_keys.data_ptr<int64_t>();
+    int64_t* er = evicted_rows.data_ptr<int64_t>();
+    for (int64_t i = 0, out = 0; i < n; ++i) {
+      if (eviction_at[i] < 0) continue;
+      ek[out] = evictions[eviction_at[i]].second;
+      er[out++] = rp[i];
+    }
   }
   return {rows, inserted, evicted_keys, evicted_rows};
 }

@@ -67,6 +67,19 @@ inline uint32_t match_empty(const uint8_t* d) {
 #endif
 }
 
+// Bit i set when slot i is pinned (the pin bit is the digest's sign bit).
+static_assert(kPinBit == 0x80, "match_pinned reads the pin bit as the sign bit of each digest");
+inline uint32_t match_pinned(const uint8_t* d) {
+#if defined(__SSE2__)
+  return static_cast<uint32_t>(_mm_movemask_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d)))) |
+         (static_cast<uint32_t>(_mm_movemask_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 16)))) << 16);
+#else
+  uint32_t m = 0;
+  for (int i = 0; i < kSlotsPerBucket; ++i) m |= static_cast<uint32_t>((d[i] & kPinBit) != 0) << i;
+  return m;
+#endif
+}
+
 inline void prefetch_buckets(const TableRef& t, const KeyPlace& p) {
   __builtin_prefetch(t.digests + p.bucket1 * kSlotsPerBucket);
   __builtin_prefetch(t.digests + p.bucket2 * kSlotsPerBucket);
@@ -264,15 +277,17 @@ std::tuple<at::Tensor, at::Tensor> hash_find_cpu(const at::Tensor& digests,
 // Slot that a new key takes in a pair of buckets with no free slot: the lowest-score slot not
 // held by this call (the first on ties), or -1 when every slot is held.
 inline int64_t pick_victim(const TableRef& t, const KeyPlace& p) {
-  int64_t victim = -1;
+  int64_t victim = -1, lowest = 0;
   const int num_buckets = p.bucket2 == p.bucket1 ? 1 : 2;
   for (int c = 0; c < num_buckets; ++c) {
     const int64_t bucket = c == 0 ? p.bucket1 : p.bucket2;
     const int64_t base = bucket * kSlotsPerBucket;
-    for (uint32_t m = t.geo.usable_mask(bucket); m != 0; m &= m - 1) {
+    for (uint32_t m = t.geo.usable_mask(bucket) & ~match_pinned(t.digests + base); m != 0; m &= m - 1) {
       const int64_t r = base + lowest_bit(m);
-      if ((t.digests[r] & kPinBit) == 0 && (victim < 0 || t.scores[r] < t.scores[victim])) {
+      const int64_t score = t.scores[r];
+      if (victim < 0 || score < lowest) {
         victim = r;
+        lowest = score;
       }
     }
   }

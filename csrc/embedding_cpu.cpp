@@ -354,9 +354,11 @@ NewVectors check_new_vectors(const char* op, at::TensorList new_vectors, const i
   return nv;
 }
 
-// A row is valid when it is -1 (no row), in [0, capacity), or names a new vector of its table.
-inline bool valid_row(int64_t r, int64_t cap, const NewVectors& nv, int64_t t) {
-  return (r >= -1 && r < cap) || (r <= -2 && !nv.empty() && -2 - r < nv.count[t]);
+// Row r of id i in table t must be -1 (no row), in [0, capacity), or name a new vector of t.
+inline void check_lookup_row(const char* op, int64_t r, int64_t i, int64_t cap, const NewVectors& nv, int64_t t) {
+  TORCH_CHECK((r >= -1 && r < cap) || (r <= -2 && !nv.empty() && -2 - r < nv.count[t]), op, ": row ", r,
+              " of id ", i, " out of range [-1, ", cap, ") of table ", t,
+              nv.empty() ? "" : " (or a new vector: -2 - j for j below the table's new_vectors count)");
 }
 
 struct FeatureLayout {
@@ -433,9 +435,7 @@ at::Tensor pooled_lookup_cpu(const at::Tensor& weights, const at::Tensor& table_
   const int64_t* o = offsets.data_ptr<int64_t>();
   for (int64_t f = 0; f < fl.count; ++f)
     for (int64_t i = o[f * batch_size]; i < o[(f + 1) * batch_size]; ++i)
-      TORCH_CHECK(valid_row(r[i], caps[fl.table[f]], nv, fl.table[f]), op, ": row ", r[i], " of id ", i,
-                  " out of range [-1, ", caps[fl.table[f]], ") of table ", fl.table[f],
-                  nv.empty() ? "" : " (or a new vector: -2 - j for j below the table's new_vectors count)");
+      check_lookup_row(op, r[i], i, caps[fl.table[f]], nv, fl.table[f]);
 
   at::Tensor out = at::empty({batch_size, total_dim}, weights.options());
   float* y = out.data_ptr<float>();
@@ -495,9 +495,7 @@ at::Tensor sequence_lookup_cpu(const at::Tensor& weights, const at::Tensor& tabl
     TORCH_CHECK(ft[f] >= 0 && ft[f] < static_cast<int64_t>(caps.size()), op, ": feature_table[", f,
                 "] = ", ft[f], " is not a table");
     for (int64_t i = fo[f]; i < fo[f + 1]; ++i)
-      TORCH_CHECK(valid_row(r[i], caps[ft[f]], nv, ft[f]), op, ": row ", r[i], " out of range [-1, ",
-                  caps[ft[f]], ") of table ", ft[f],
-                  nv.empty() ? "" : " (or a new vector: -2 - j for j below the table's new_vectors count)");
+      check_lookup_row(op, r[i], i, caps[ft[f]], nv, ft[f]);
   }
   at::Tensor out = at::empty({n, dim}, weights.options());
   float* y = out.data_ptr<float>();

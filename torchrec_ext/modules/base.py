@@ -214,7 +214,7 @@ class PooledLookupFunction(torch.autograd.Function):
         ctx.num_params = len(params)
         return ops.pooled_lookup(tables.weights, table_offsets, table_dims, feature_table, feature_col, feature_mean,
                                  lookup.rows, offsets, batch.weights, batch.batch_size, plan.total_dim,
-                                 lookup.new.vectors if lookup.new is not None else ())
+                                 lookup.new_vectors)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -236,8 +236,7 @@ class SequenceLookupFunction(torch.autograd.Function):
         ctx.owner, ctx.lookup = owner, lookup
         ctx.num_params = len(params)
         return ops.sequence_lookup(tables.weights, table_offsets, plan.dims[0] if plan.dims else 1, feature_table,
-                                   batch.feature_value_offsets, lookup.rows,
-                                   lookup.new.vectors if lookup.new is not None else ())
+                                   batch.feature_value_offsets, lookup.rows, lookup.new_vectors)
 
     @staticmethod
     def backward(ctx, grad: Tensor):

@@ -65,6 +65,11 @@ class RowLookup(NamedTuple):
     inverse: Tensor
     new: Optional[NewRows] = None
 
+    @property
+    def new_vectors(self) -> List[Tensor]:
+        """The blocks the lookup kernels read rows -2 - j from (none when no row is pending)."""
+        return self.new.vectors if self.new is not None else []
+
 
 @dataclass
 class _TableMeta:
@@ -140,9 +145,10 @@ class DynamicTables:
         self._new_rows: Optional[NewRows] = None
         self.defer_new_rows = True  # False: lookups write new rows themselves (as on GPUs)
         # Holds NewRows.vectors; reused by every lookup (its previous contents are written by
-        # then), since a fresh allocation per batch page-faults megabytes each time.
+        # then), since a fresh allocation per batch page-faults megabytes each time. Table t's
+        # block starts at its first unique id times the widest dim, so blocks never overlap.
         self._new_vector_buffer = torch.empty(0, dtype=torch.float32)
-        self._new_vector_used = 0
+        self._widest = max((m.dim for m in self.meta), default=0)
         self.last_seen: List[Optional[Tensor]] = []
         self.admission: List[Optional[Tuple[HashTable, Tensor]]] = []
         self._build_indexes()
@@ -189,7 +195,7 @@ class DynamicTables:
             return
         size = int(sum(m.capacity for m in self.meta)) if spec.kind in ROWWISE_STATE else self.weights.numel()
         self.optimizer = spec
-        self.states = [_allocate(size, self._initial_state_value(name), self.device) for name in OPTIMIZER_STATES[spec.kind]]
+        self.states = [_allocate(size, value, self.device) for value in self._initial_state_values()]
         self._init_views = None
 
     def apply(self, fn) -> None:
@@ -255,10 +261,9 @@ class DynamicTables:
         if training and backward_follows and self.defer_new_rows and self.device.type == "cpu":
             new = NewRows(vectors=[self.weights.new_empty(0, m.dim) for m in self.meta],
                           rows=[unique.new_empty(0) for _ in self.meta], unique_new=torch.full_like(unique, -1))
-            most = unique.numel() * max(m.dim for m in self.meta)
+            most = unique.numel() * self._widest
             if self._new_vector_buffer.numel() < most:
                 self._new_vector_buffer = _allocate(max(most, 2 * self._new_vector_buffer.numel()), 0.0, self.device)
-            self._new_vector_used = 0
         bounds = unique_offsets.tolist()
         # Each table writes its rows into its slice of one buffer (no concatenation after).
         unique_rows = torch.empty_like(unique)
@@ -365,8 +370,8 @@ class DynamicTables:
             return
         which = fresh.nonzero().squeeze(1)
         slots = torch.arange(which.numel(), device=which.device)
-        start_elem, self._new_vector_used = self._new_vector_used, self._new_vector_used + which.numel() * m.dim
-        new.vectors[t] = self._new_vector_buffer[start_elem:self._new_vector_used].view(which.numel(), m.dim)
+        first = start * self._widest
+        new.vectors[t] = self._new_vector_buffer[first:first + which.numel() * m.dim].view(which.numel(), m.dim)
         ops.init_rows(new.vectors[t], slots, keys[which], m.seed, m.init_kind, m.init_params)
         new.rows[t] = rows[which]
         new.unique_new[start + which] = slots
@@ -378,12 +383,17 @@ class DynamicTables:
             for i in range(len(self.meta)):
                 views = self.state_views(i)
                 self._init_views.append((self.table_view(i), [v if v.dim() == 2 else v.unsqueeze(1) for v in views.values()],
-                                         [self._initial_state_value(name) for name in views]))
+                                         self._initial_state_values()))
         return self._init_views[t]
 
-    def _initial_state_value(self, name: str) -> float:
-        # Adagrad kinds start their accumulator at initial_accumulator_value; Adam's moments at 0.
-        return self.optimizer.initial_accumulator_value if self.optimizer.kind != "adam" else 0.0
+    def _initial_state_values(self) -> List[float]:
+        """One initial value per optimizer state buffer, in ``self.states`` order (none without an
+        optimizer): Adagrad kinds start their accumulator at initial_accumulator_value, Adam's
+        moments at 0."""
+        if self.optimizer is None:
+            return []
+        value = self.optimizer.initial_accumulator_value if self.optimizer.kind != "adam" else 0.0
+        return [value] * len(OPTIMIZER_STATES[self.optimizer.kind])
 
     # ------------------------------------------------------------------ backward
 
@@ -403,8 +413,7 @@ class DynamicTables:
             grad, self.weights, self.states, table_offsets, table_dims, state_row_offsets,
             lookup.unique_rows, lookup.unique_table, lookup.inverse, offsets, per_sample_weights,
             feature_col, feature_mean, batch_size, self.optimizer.kind_id, hyperparams, int(self.optimizer_step),
-            new.vectors if new is not None else (), new.unique_new if new is not None else None,
-            [self._initial_state_value(name) for name in OPTIMIZER_STATES[self.optimizer.kind]] if new is not None else (),
+            *(() if new is None else (new.vectors, new.unique_new, self._initial_state_values())),
         )
         if new is not None:
             new.written = True

@@ -26,19 +26,18 @@ an id (a fixed table's rows all count as live).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import os
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_table, median_seconds, save, tensor_bytes  # noqa: E402
+from common import Built, markdown_table, median_seconds, parse_config, save, small_tables, tensor_bytes  # noqa: E402
 
 from torchrec_ext.data import dlrm_small_batch  # noqa: E402
 
@@ -72,26 +71,6 @@ class Config:
     seed: int = 0
 
 
-@dataclasses.dataclass
-class Built:
-    """A system ready to time: `step(batch)` runs one train step; `memory()` gives
-    (bytes of vectors + optimizer state + index metadata, live rows, rows it can hold)."""
-    step: Callable[[object], None]
-    memory: Callable[[], Tuple[int, int, int]]
-    batch_of: Callable[[object], object] = lambda kjt: kjt  # input transform, applied before timing
-    note: str = ""
-
-
-
-
-def tables(cfg: Config, cls=None, num_embeddings: Optional[int] = None) -> list:
-    from torchrec import EmbeddingBagConfig
-
-    cls = cls or EmbeddingBagConfig
-    return [cls(name=f"t{t}", embedding_dim=cfg.dim, num_embeddings=num_embeddings or cfg.rows,
-                feature_names=[f"f{t}"]) for t in range(cfg.num_tables)]
-
-
 def build_ebc(cfg: Config) -> Built:
     import torch.distributed as dist
     from torchrec import EmbeddingBagCollection
@@ -104,7 +83,7 @@ def build_ebc(cfg: Config) -> Built:
     if not dist.is_initialized():
         store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="bench_lookup_"), "store"), 1)
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    configs = tables(cfg)
+    configs = small_tables(cfg)
     ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
     apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": cfg.lr})
     sharder = EmbeddingBagCollectionSharder()
@@ -149,7 +128,7 @@ def build_mch(cfg: Config) -> Built:
     from torchrec.modules.mc_modules import LFU_EvictionPolicy, ManagedCollisionCollection, MCHManagedCollisionModule
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    configs = tables(cfg)
+    configs = small_tables(cfg)
     mchs = {c.name: MCHManagedCollisionModule(zch_size=cfg.rows, device=torch.device("cpu"),
                                               eviction_policy=LFU_EvictionPolicy(),
                                               eviction_interval=cfg.mch_eviction_interval)
@@ -175,7 +154,7 @@ def build_ours(cfg: Config, prefill: bool = False) -> Built:
     from torchrec import KeyedJaggedTensor
     from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 
-    module = DynamicEmbeddingBagCollection(tables(cfg, DynamicEmbeddingBagConfig, cfg.capacity),
+    module = DynamicEmbeddingBagCollection(small_tables(cfg, DynamicEmbeddingBagConfig, cfg.capacity),
                                            optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": cfg.lr})
     module.train()
     note = ""
@@ -270,25 +249,11 @@ def report(cfg: Config, results: Dict[str, Dict[str, object]], data: Dict[str, o
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(Config):
-        if f.name == "systems":
-            continue
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
-    parser.add_argument("--no-save", action="store_true",
-                        help="print only; write nothing under results/")
-    args = parser.parse_args()
-    systems = tuple(s for s in args.systems.split(",") if s)
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown or not systems:
-        parser.error(f"--systems: unknown {unknown}, choose from {','.join(SYSTEMS)}")
-    cfg = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if f.name != "systems"},
-                 systems=systems)
+    cfg, save_results = parse_config(Config, __doc__, systems=SYSTEMS)
     results, data = run(cfg)
     text = report(cfg, results, data)
     print(text)
-    if not args.no_save:
+    if save_results:
         save("lookup_cpu", {"config": dataclasses.asdict(cfg), "data": data, "results": results}, text)
     import torch.distributed as dist
     if dist.is_initialized():

@@ -12,11 +12,9 @@ all-reduce) gets its own, built identically.
     python benchmarks/bench_pipeline.py                 # re-launches itself under torchrun, 2 ranks
     python benchmarks/bench_pipeline.py --rows 10000 --batch 256 --steps 5 --rounds 1 --no-save   # smoke
 """
-import argparse
 import dataclasses
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Callable, Dict, Iterator, List
@@ -25,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_table, save  # noqa: E402
+from common import markdown_table, parse_config, save  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -207,18 +205,8 @@ def worker(cfg: Config, save_results: bool) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(Config):
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default)
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--no-save", action="store_true")
-    args = parser.parse_args()
-    if "RANK" not in os.environ:  # re-launch under torchrun
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-               os.path.abspath(__file__)] + sys.argv[1:]
-        sys.exit(subprocess.call(cmd))
-    cfg = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
-    worker(cfg, save_results=not args.no_save)
+    cfg, save_results = parse_config(Config, __doc__, ranks=True)
+    worker(cfg, save_results)
 
 
 if __name__ == "__main__":

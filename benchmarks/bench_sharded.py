@@ -30,23 +30,21 @@ tiny wrapper that DMP shards):
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import os
 import statistics
-import subprocess
 import sys
 import time
 import warnings
-from typing import Callable, Dict, List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_table, save, tensor_bytes  # noqa: E402
+from common import Built, markdown_table, parse_config, save, small_tables, tensor_bytes  # noqa: E402
 
 SYSTEMS = ("ebc", "ours", "ours-full")
 LABELS = {
@@ -74,16 +72,6 @@ class Config:
     seed: int = 0
 
 
-@dataclasses.dataclass
-class Built:
-    """A sharded system ready to time: `step(batch)` runs one train step; `memory()` gives this
-    rank's (bytes of vectors + optimizer state [+ index metadata], live rows, rows it can hold)."""
-    step: Callable[[object], None]
-    memory: Callable[[], Tuple[int, int, int]]
-    batch_of: Callable[[object], object] = lambda kjt: kjt  # input transform, applied before timing
-    note: str = ""
-
-
 class Wrapper(nn.Module):
     """DMP shards a child module: the embedding collection is `.ebc`."""
 
@@ -95,14 +83,6 @@ class Wrapper(nn.Module):
         return self.ebc(kjt)
 
 
-
-
-def tables(cfg: Config, cls=None, num_embeddings: int = 0) -> list:
-    from torchrec import EmbeddingBagConfig
-
-    cls = cls or EmbeddingBagConfig
-    return [cls(name=f"t{t}", embedding_dim=cfg.dim, num_embeddings=num_embeddings or cfg.rows,
-                feature_names=[f"f{t}"]) for t in range(cfg.num_tables)]
 
 
 def build_ebc(cfg: Config) -> Built:
@@ -122,7 +102,7 @@ def build_ebc(cfg: Config) -> Built:
             return types + ["row_wise"] if "row_wise" not in types else types
 
     world = dist.get_world_size()
-    model = Wrapper(EmbeddingBagCollection(tables=tables(cfg), device=torch.device("meta")))
+    model = Wrapper(EmbeddingBagCollection(tables=small_tables(cfg), device=torch.device("meta")))
     apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), {"lr": cfg.lr})
     sharder = RowWiseCpuSharder()
     plan = construct_module_sharding_plan(
@@ -166,7 +146,7 @@ def build_ours(cfg: Config, prefill: bool = False) -> Built:
     world, rank = dist.get_world_size(), dist.get_rank()
     # On meta: the unsharded module never allocates its full tables; each rank's share is
     # allocated on cpu when DMP shards it.
-    model = Wrapper(DynamicEmbeddingBagCollection(tables(cfg, DynamicEmbeddingBagConfig, cfg.capacity),
+    model = Wrapper(DynamicEmbeddingBagCollection(small_tables(cfg, DynamicEmbeddingBagConfig, cfg.capacity),
                                                   device=torch.device("meta"), optimizer=torch.optim.Adagrad,
                                                   optimizer_kwargs={"lr": cfg.lr}))
     plan = construct_module_sharding_plan(
@@ -328,27 +308,8 @@ def worker(cfg: Config, save_results: bool) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(Config):
-        if f.name == "systems":
-            continue
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
-    parser.add_argument("--no-save", action="store_true", help="print only; write nothing under results/")
-    args = parser.parse_args()
-    systems = tuple(s for s in args.systems.split(",") if s)
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown or not systems:
-        parser.error(f"--systems: unknown {unknown}, choose from {','.join(SYSTEMS)}")
-    if "RANK" not in os.environ:  # re-launch under torchrun
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-               os.path.abspath(__file__)] + sys.argv[1:]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        sys.exit(subprocess.call(cmd, env=env))
-    cfg = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if f.name != "systems"},
-                 systems=systems)
-    worker(cfg, save_results=not args.no_save)
+    cfg, save_results = parse_config(Config, __doc__, systems=SYSTEMS, ranks=True)
+    worker(cfg, save_results)
 
 
 if __name__ == "__main__":

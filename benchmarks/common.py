@@ -1,12 +1,17 @@
-"""Shared benchmark plumbing: median-of-repeats timing, results files, machine description."""
+"""Shared benchmark plumbing: median-of-repeats timing, results files, machine description, the
+dlrm-small tables, and the command line (one flag per Config field, optional torchrun relaunch)."""
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -82,3 +87,51 @@ def tensor_bytes(*objs) -> int:
     for o in objs:
         visit(o)
     return sum(seen.values())
+
+
+@dataclasses.dataclass
+class Built:
+    """A system ready to time: `step(batch)` runs one train step; `memory()` gives (bytes of
+    vectors + optimizer state [+ index metadata], live rows, rows it can hold), per rank when sharded."""
+    step: Callable[[object], None]
+    memory: Callable[[], Tuple[int, int, int]]
+    batch_of: Callable[[object], object] = lambda kjt: kjt  # input transform, applied before timing
+    note: str = ""
+
+
+def small_tables(cfg, config_cls=None, num_embeddings: Optional[int] = None) -> list:
+    """cfg.num_tables tables t<i> of cfg.dim, each read by one feature f<i>; cfg.rows rows unless given."""
+    from torchrec import EmbeddingBagConfig
+
+    config_cls = config_cls or EmbeddingBagConfig
+    return [config_cls(name=f"t{t}", embedding_dim=cfg.dim, num_embeddings=num_embeddings or cfg.rows,
+                       feature_names=[f"f{t}"]) for t in range(cfg.num_tables)]
+
+
+def parse_config(config_cls, description: str, systems: Sequence[str] = (), ranks: bool = False):
+    """(config, save_results) from the command line: one --flag per field of the `config_cls`
+    dataclass (its type and default) and --no-save; with `systems`, --systems picks a comma-separated
+    subset of them (the `systems` field); with `ranks`, --nproc, and a script not yet running as a
+    rank re-launches itself under torchrun with that many ranks (one thread each)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    fields = [f for f in dataclasses.fields(config_cls) if f.name != "systems"]
+    for f in fields:
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    if systems:
+        parser.add_argument("--systems", default=",".join(systems), help=f"comma-separated subset of {','.join(systems)}")
+    if ranks:
+        parser.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
+    parser.add_argument("--no-save", action="store_true", help="print only; write nothing under results/")
+    args = parser.parse_args()
+    chosen = {}
+    if systems:
+        picked = tuple(s for s in args.systems.split(",") if s)
+        unknown = [s for s in picked if s not in systems]
+        if unknown or not picked:
+            parser.error(f"--systems: unknown {unknown}, choose from {','.join(systems)}")
+        chosen["systems"] = picked
+    if ranks and "RANK" not in os.environ:  # re-launch under torchrun
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+               os.path.abspath(sys.argv[0])] + sys.argv[1:]
+        sys.exit(subprocess.call(cmd, env=dict(os.environ, OMP_NUM_THREADS="1")))
+    return config_cls(**{f.name: getattr(args, f.name) for f in fields}, **chosen), not args.no_save

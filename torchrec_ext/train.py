@@ -12,9 +12,12 @@ TrainPipeline, the default), ``torchrec`` (TorchRec's TrainPipelineSparseDist) o
 (forward, backward, step). Rank 0 shows a progress bar (steps/s, global samples/s, loss).
 Every ``--eval-every`` steps all ranks score their share of the held-out data and AUC / log loss
 are computed over all of it. ``--checkpoint-every`` saves model, optimizer and step with
-torch.distributed.checkpoint into ``<run-dir>/checkpoints/step_<k>``; ``--resume`` continues from
-the newest one, data stream position included. At the end ``<run-dir>`` holds ``summary.json``,
-``history.json`` (loss per step, evals) and ``curves.png``.
+torch.distributed.checkpoint into ``<run-dir>/checkpoints/step_<k>`` with a manifest (size and
+SHA-256 of every file); ``--resume`` continues from the newest one that verifies, data stream
+position included, and says which newer ones it skipped and why. A checkpoint directory must come
+from a trusted writer (see torchrec_ext.distributed.checkpoint). While the job runs it holds the
+lock of ``<run-dir>/.lock``: a second job on the same run directory is refused. At the end
+``<run-dir>`` holds ``summary.json``, ``history.json`` (loss per step, evals) and ``curves.png``.
 """
 from __future__ import annotations
 
@@ -27,16 +30,17 @@ import platform
 import sys
 import time
 import warnings
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from torchrec_ext.distributed.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from torchrec_ext.distributed.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from torchrec_ext.train_utils.data import StreamConfig, TrainStream, eval_batches, parse_data_spec
 from torchrec_ext.train_utils.metrics import evaluate, oracle_auc
 from torchrec_ext.train_utils.model import ModelConfig, build_model, make_optimizer, shard_model
 from torchrec_ext.train_utils.report import plot_curves, write_json
+from torchrec_ext.train_utils.run_lock import RunDirBusy, RunDirLock
 from torchrec_ext.train_utils.runtime import Runtime, init_runtime, shutdown
 
 PIPELINES = ("ours", "torchrec", "plain")
@@ -153,7 +157,9 @@ class _Log:
             print(message, flush=True)
 
 
-def _resolve_run_dir(args: argparse.Namespace, rt: Runtime) -> str:
+def _resolve_run_dir(args: argparse.Namespace, rt: Runtime) -> Tuple[str, Optional[RunDirLock]]:
+    """The run directory, created, and its lock (held by rank 0; None on other ranks). Every
+    rank raises RunDirBusy when another job holds it."""
     run_dir = args.run_dir
     if run_dir is None:
         holder: List[Any] = [None]
@@ -166,10 +172,17 @@ def _resolve_run_dir(args: argparse.Namespace, rt: Runtime) -> str:
             holder[0] = run_dir
         dist.broadcast_object_list(holder, src=0)
         run_dir = holder[0]
+    lock, busy = None, [None]
     if rt.is_main:
         os.makedirs(run_dir, exist_ok=True)
-    dist.barrier()
-    return run_dir
+        try:
+            lock = RunDirLock(run_dir)
+        except RunDirBusy as e:
+            busy[0] = str(e)
+    dist.broadcast_object_list(busy, src=0)
+    if busy[0]:
+        raise RunDirBusy(busy[0])
+    return run_dir, lock
 
 
 def _resume_config(args: argparse.Namespace, rt: Runtime) -> Dict[str, Any]:
@@ -189,6 +202,17 @@ def _check_resume_config(saved: Dict[str, Any], now: Dict[str, Any], path: str, 
     if changed:
         log("warning: resuming with " + ", ".join(f"{k} {saved[k]} -> {now[k]}" for k in changed)
             + ": the data stream does not continue exactly where the checkpoint left it")
+
+
+def _json_entry(value: Any, name: str, path: str) -> Any:
+    """A checkpoint entry the job stored as JSON text, decoded (clear error when it is not)."""
+    try:
+        if not isinstance(value, str):
+            raise TypeError(type(value).__name__)
+        return json.loads(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--resume: checkpoint {path}: entry {name!r} is not the JSON text the job writes "
+                         f"({e})") from None
 
 
 def _plan_summary(dmp: torch.nn.Module) -> str:
@@ -331,10 +355,19 @@ def _global_mean(losses: List[torch.Tensor], device: torch.device) -> List[float
 
 def train(args: argparse.Namespace, rt: Runtime) -> Dict[str, Any]:
     wall_start = time.perf_counter()
-    log = _Log(rt)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    run_dir = _resolve_run_dir(args, rt)
+    run_dir, lock = _resolve_run_dir(args, rt)
+    try:
+        return _train(args, rt, run_dir, wall_start)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(args: argparse.Namespace, rt: Runtime, run_dir: str, wall_start: float) -> Dict[str, Any]:
+    """The job in ``run_dir`` (whose lock this job holds)."""
+    log = _Log(rt)
     ckpt_dir = os.path.join(run_dir, "checkpoints")
 
     cfg = StreamConfig(batch_size=args.batch_size, eval_batch_size=args.eval_batch_size,
@@ -359,16 +392,24 @@ def train(args: argparse.Namespace, rt: Runtime) -> Dict[str, Any]:
     start = 0
     position = 0  # global batches consumed (one per rank per step): where the data stream stands
     resume_config = _resume_config(args, rt)
+    resumed_from: Optional[str] = None
+    skipped: List[Tuple[str, str]] = []
     if args.resume:
-        found = latest_checkpoint(ckpt_dir)
+        found, skipped = find_checkpoint(ckpt_dir)  # the newest that verifies against its manifest
+        for _, reason in skipped:
+            log(f"--resume: skipping {reason}")
+        if found is None and skipped:
+            raise ValueError(f"--resume: no checkpoint in {ckpt_dir} verifies (the newest: {skipped[0][1]}); "
+                             "move the damaged ones away to start from step 0")
         if found is None:
             log(f"--resume: no checkpoint in {ckpt_dir}; starting from step 0")
         else:
-            saved = load_checkpoint(found[1], {"config": ""})["config"]  # checked before the model is read
-            _check_resume_config(json.loads(saved), resume_config, found[1], log)
+            # Verified just now: read without hashing again. Config first, before the model is read.
+            saved = load_checkpoint(found[1], {"config": ""}, verify=False)["config"]
+            _check_resume_config(_json_entry(saved, "config", found[1]), resume_config, found[1], log)
             state = load_checkpoint(found[1], {
                 "model": dmp.state_dict(), "optim": optimizer.state_dict(), "step": 0, "data_position": 0,
-                "train_loss": torch.zeros(0, dtype=torch.float64), "evals": ""})
+                "train_loss": torch.zeros(0, dtype=torch.float64), "evals": ""}, verify=False)
             dmp.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optim"])
             start = int(state["step"])
@@ -379,8 +420,10 @@ def train(args: argparse.Namespace, rt: Runtime) -> Dict[str, Any]:
                 log(f"--resume: {position - state['data_position']} batch(es) skipped so that each of the "
                     f"{rt.world_size} ranks starts on a batch of its own")
             train_loss = state["train_loss"].tolist()
-            evals = json.loads(state["evals"])
-            log(f"resumed from {found[1]} at step {start}")
+            evals = _json_entry(state["evals"], "evals", found[1])
+            resumed_from = found[1]
+            log(f"resumed from {found[1]} at step {start}"
+                + (f" (the newest checkpoint that verifies; {len(skipped)} newer skipped)" if skipped else ""))
 
     data_text = args.data_spec.describe() + ("" if args.eval_spec == args.data_spec else
                                              f", eval {args.eval_spec.describe()}")
@@ -474,6 +517,8 @@ def train(args: argparse.Namespace, rt: Runtime) -> Dict[str, Any]:
         "live_rows": _live_rows(dmp),
         "sharding_plan": plan_text,
         "checkpoints": checkpoints,
+        "resumed_from": resumed_from,
+        "skipped_checkpoints": [reason for _, reason in skipped],
         "run_dir": run_dir,
         "args": {k: v for k, v in vars(args).items() if k not in ("data_spec", "eval_spec")},
         "versions": _versions(),

@@ -1,8 +1,21 @@
-"""Checkpoints through ``torch.distributed.checkpoint`` (DCP), in ``<dir>/step_<k>``.
+"""Checkpoints through ``torch.distributed.checkpoint`` (DCP), in ``<dir>/step_<k>``, verified
+before anything in them is read.
 
-A save is written to ``<dir>/.tmp_step_<k>`` and renamed once every rank has finished and the
-metadata is on disk, so an interrupted save leaves the previous checkpoint loadable; only the
-newest ``keep`` checkpoints are kept.
+A save is written to ``<dir>/.tmp_step_<k>``. Once every rank's files and DCP's ``.metadata``
+are on disk, the ranks hash the files (SHA-256, each rank a share) and rank 0 writes
+``MANIFEST.json`` last (every file's size and digest), fsyncs it and renames the directory into
+place; an interrupted save leaves no ``step_<k>``, and only the newest ``keep`` checkpoints are
+kept. A ``.tmp_step_<k>`` (or ``step_<k>``) that is a symlink is refused, never written through.
+
+Reading: ``verify_checkpoint`` checks a directory against its manifest (every listed file
+present, nothing else, no symlinks, sizes and digests equal) and raises ``CheckpointError``
+naming the file otherwise; ``latest_checkpoint`` returns the newest checkpoint that verifies
+(``find_checkpoint`` also says why newer ones were skipped); ``load_checkpoint`` verifies before
+it reads. Nothing is unpickled freely: DCP's ``.metadata`` (a pickle) is read by an unpickler that
+admits only DCP's metadata classes, and non-tensor values load with
+``torch.load(weights_only=True)``. The manifest detects corruption, not forgery: whoever can
+write the run directory can write a matching manifest, so a checkpoint directory must come from a
+trusted writer (a forged one cannot run code when loaded, but may hold any weights).
 
 Loading handles state whose tensor shapes change as training goes: a dynamic table's
 ``state_dict()`` holds its live rows (``weight`` [n, dim], ``weight_id``, ``metadata``,
@@ -12,14 +25,14 @@ plain tensor of the destination whose stored size (or dtype) differs by an empty
 stored size, and every ShardedTensor of a sharded dynamic table (``dynamic_rows``, rows per
 rank vary) by a full tensor of the stored size, then lets DCP fill the destination (the sharded
 module's load hook keeps the rows this rank owns, whatever the world size at save time). Values
-DCP stores as bytes (ints, strings, lists and dicts without tensors) come back as they were
+DCP stores as bytes (ints, floats, strings, lists and dicts of them) come back as they were
 saved; keep such values terminal (e.g. JSON strings): a list that held dicts at save time and is
 empty in the destination has another structure to DCP.
 
     state = {"model": dmp.state_dict(), "optim": optimizer.state_dict(), "step": step}
     save_checkpoint(ckpt_dir, step, state, keep=2)
     ...
-    found = latest_checkpoint(ckpt_dir)                 # (step, path) or None
+    found = latest_checkpoint(ckpt_dir)                 # (step, path) of the newest that verifies, or None
     state = load_checkpoint(found[1], {"model": dmp.state_dict(), "optim": optimizer.state_dict(), "step": 0})
     dmp.load_state_dict(state["model"]); optimizer.load_state_dict(state["optim"])
 
@@ -28,9 +41,14 @@ group a gloo group of one process is created, so a single process works too.
 """
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import os
+import pickle
 import re
 import shutil
+import stat
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -38,10 +56,32 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint._traverse import set_element, traverse_state_dict
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 _NAME = re.compile(r"^step_(\d+)$")
-_METADATA_FILE = ".metadata"  # what FileSystemWriter writes last, once every rank's data is in
+_METADATA_FILE = ".metadata"  # DCP's index of the checkpoint (a pickle), written once every rank's data is in
+MANIFEST_FILE = "MANIFEST.json"  # size and SHA-256 of every other file, written last
+_MANIFEST_FORMAT = "torchrec_ext.checkpoint.manifest/1"
+_MANIFEST_MAX_BYTES = 64 << 20
+_HASH_CHUNK = 1 << 20
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+# The globals DCP's .metadata pickle refers to (torch 2.11-2.13); any other global is refused.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},  # and the dtypes, checked by type
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that is incomplete, corrupted or not safe to read; the message
+    names the directory and the file."""
 
 
 def ensure_process_group() -> dist.ProcessGroup:
@@ -55,44 +95,73 @@ def checkpoint_path(ckpt_dir: str, step: int) -> str:
     return os.path.join(ckpt_dir, f"step_{step}")
 
 
-def list_checkpoints(ckpt_dir: str) -> List[Tuple[int, str]]:
-    """Complete checkpoints under ckpt_dir as (step, path), oldest first."""
+def _step_dirs(ckpt_dir: str) -> List[Tuple[int, str]]:
+    """Every ``step_<k>`` entry under ckpt_dir (verified or not) as (step, path), oldest first."""
     if not os.path.isdir(ckpt_dir):
         return []
-    found = []
-    for name in os.listdir(ckpt_dir):
-        match = _NAME.match(name)
-        path = os.path.join(ckpt_dir, name)
-        if match and os.path.isfile(os.path.join(path, _METADATA_FILE)):
-            found.append((int(match.group(1)), path))
+    found = [(int(m.group(1)), os.path.join(ckpt_dir, name))
+             for name in os.listdir(ckpt_dir) for m in [_NAME.match(name)] if m]
     return sorted(found)
 
 
-def latest_checkpoint(ckpt_dir: str) -> Optional[Tuple[int, str]]:
-    """(step, path) of the newest complete checkpoint under ckpt_dir, or None."""
-    found = list_checkpoints(ckpt_dir)
-    return found[-1] if found else None
+def list_checkpoints(ckpt_dir: str) -> List[Tuple[int, str]]:
+    """Complete checkpoints under ckpt_dir (real directories with a manifest) as (step, path),
+    oldest first. Not verified: see find_checkpoint."""
+    return [(step, path) for step, path in _step_dirs(ckpt_dir)
+            if not os.path.islink(path) and os.path.isfile(os.path.join(path, MANIFEST_FILE))]
+
+
+def find_checkpoint(ckpt_dir: str, process_group: Optional[dist.ProcessGroup] = None
+                    ) -> Tuple[Optional[Tuple[int, str]], List[Tuple[str, str]]]:
+    """(step, path) of the newest checkpoint under ckpt_dir that verifies (None when none does),
+    and the newer ones skipped as (path, reason), newest first. Collective."""
+    pg = process_group or ensure_process_group()
+    candidates = [_step_dirs(ckpt_dir)]
+    dist.broadcast_object_list(candidates, src=dist.get_global_rank(pg, 0), group=pg)  # one list for all ranks
+    skipped: List[Tuple[str, str]] = []
+    for step, path in reversed(candidates[0]):
+        try:
+            verify_checkpoint(path, pg, step=step)
+        except CheckpointError as e:
+            skipped.append((path, str(e)))
+            continue
+        return (step, path), skipped
+    return None, skipped
+
+
+def latest_checkpoint(ckpt_dir: str, process_group: Optional[dist.ProcessGroup] = None
+                      ) -> Optional[Tuple[int, str]]:
+    """(step, path) of the newest checkpoint under ckpt_dir that verifies, or None. Collective."""
+    return find_checkpoint(ckpt_dir, process_group)[0]
 
 
 def save_checkpoint(ckpt_dir: str, step: int, state: Dict[str, Any], keep: int = 2,
                     process_group: Optional[dist.ProcessGroup] = None) -> str:
-    """Saves ``state`` as ``<ckpt_dir>/step_<step>`` (collective); keeps the newest ``keep``
-    checkpoints (0: all). Returns the checkpoint's path."""
+    """Saves ``state`` as ``<ckpt_dir>/step_<step>`` with its manifest (collective); keeps the
+    newest ``keep`` checkpoints (0: all). Returns the checkpoint's path."""
     if keep < 0:
         raise ValueError(f"save_checkpoint: keep must be >= 0, got {keep}")
     pg = process_group or ensure_process_group()
     rank = dist.get_rank(pg)
     final = checkpoint_path(ckpt_dir, step)
     tmp = os.path.join(ckpt_dir, f".tmp_step_{step}")
+    old = os.path.join(ckpt_dir, f".old_step_{step}")
+    error = None
     if rank == 0:
         os.makedirs(ckpt_dir, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
-    dist.barrier(pg)
+        link = next((p for p in (tmp, final, old) if os.path.islink(p)), None)
+        if link is not None:
+            error = (f"save_checkpoint: {link} is a symlink; a checkpoint is never written through one "
+                     "(remove it if it is yours)")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
+    _raise_if_any(error, pg)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=pg)
     dist.barrier(pg)  # every rank's files and the metadata are written
+    digests = _hash_files(tmp, sorted(os.listdir(tmp)), pg)
     if rank == 0:
+        _write_manifest(tmp, step, digests)
         if os.path.exists(final):  # saving a step again (e.g. after resuming from it)
-            old = os.path.join(ckpt_dir, f".old_step_{step}")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
             os.replace(tmp, final)
@@ -107,11 +176,214 @@ def save_checkpoint(ckpt_dir: str, step: int, state: Dict[str, Any], keep: int =
     return final
 
 
+def verify_checkpoint(path: str, process_group: Optional[dist.ProcessGroup] = None,
+                      step: Optional[int] = None) -> None:
+    """Checks checkpoint directory ``path`` against its manifest (collective: each rank hashes a
+    share of the files): every listed file present and nothing else, no symlink or other
+    non-regular entry, sizes and SHA-256 digests equal, and the manifest's step equal to
+    ``step`` when given. Raises CheckpointError naming the first problem found."""
+    pg = process_group or ensure_process_group()
+    error, files = None, {}
+    try:
+        files = _read_manifest(path, step)
+    except CheckpointError as e:
+        error = str(e)
+    except OSError as e:  # e.g. an entry removed while being listed
+        error = f"checkpoint {path}: cannot be read ({e})"
+    _raise_if_any(error, pg)
+    digests = _hash_files(path, sorted(files), pg)
+    for name in sorted(files):
+        if digests[name] != (files[name]["size"], files[name]["sha256"]):
+            raise CheckpointError(f"checkpoint {path}: {name}: its SHA-256 differs from the manifest's "
+                                  "(the file is corrupted)")
+
+
+def _read_manifest(path: str, step: Optional[int]) -> Dict[str, Dict[str, Any]]:
+    """The manifest's files ({name: {"size", "sha256"}}) after the checks that need no hashing:
+    the directory's entries (regular files, exactly the listed ones) and their sizes."""
+    where = f"checkpoint {path}"
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise CheckpointError(f"{where}: cannot be read ({e.strerror})") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise CheckpointError(f"{where}: is a symlink (checkpoints are real directories)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointError(f"{where}: is not a directory")
+    entries: Dict[str, os.stat_result] = {}
+    for name in sorted(os.listdir(path)):
+        st = os.lstat(os.path.join(path, name))
+        if stat.S_ISLNK(st.st_mode):
+            raise CheckpointError(f"{where}: {name} is a symlink (a checkpoint holds regular files only)")
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{where}: {name} is not a regular file")
+        entries[name] = st
+    if MANIFEST_FILE not in entries:
+        raise CheckpointError(f"{where}: no {MANIFEST_FILE} (an interrupted save, or a checkpoint written "
+                              "before checkpoints had manifests)")
+    if entries[MANIFEST_FILE].st_size > _MANIFEST_MAX_BYTES:
+        raise CheckpointError(f"{where}: {MANIFEST_FILE} is {entries[MANIFEST_FILE].st_size} bytes, "
+                              f"more than a manifest's {_MANIFEST_MAX_BYTES}")
+    try:
+        manifest = json.loads(_read_file(os.path.join(path, MANIFEST_FILE)))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{where}: {MANIFEST_FILE} is not valid JSON ({e})") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if (not isinstance(files, dict) or manifest.get("format") != _MANIFEST_FORMAT
+            or not isinstance(manifest.get("step"), int)
+            or not all(_valid_entry(name, entry) for name, entry in files.items())):
+        raise CheckpointError(f"{where}: {MANIFEST_FILE} is malformed (expected format {_MANIFEST_FORMAT!r}, "
+                              "a step, and a size and SHA-256 per file)")
+    if step is not None and manifest["step"] != step:
+        raise CheckpointError(f"{where}: {MANIFEST_FILE} is of step {manifest['step']}, not {step}")
+    for name in sorted(files):
+        if name not in entries:
+            raise CheckpointError(f"{where}: {name} is missing (the manifest lists it)")
+        if entries[name].st_size != files[name]["size"]:
+            raise CheckpointError(f"{where}: {name} is {entries[name].st_size} bytes, the manifest says "
+                                  f"{files[name]['size']} (truncated or overwritten)")
+    extra = sorted(set(entries) - set(files) - {MANIFEST_FILE})
+    if extra:
+        raise CheckpointError(f"{where}: {extra[0]} is not in the manifest (written after the checkpoint)")
+    return files
+
+
+def _valid_entry(name: Any, entry: Any) -> bool:
+    return (isinstance(name, str) and name not in ("", ".", "..", MANIFEST_FILE) and "/" not in name
+            and os.sep not in name and isinstance(entry, dict) and type(entry.get("size")) is int
+            and entry["size"] >= 0 and isinstance(entry.get("sha256"), str) and bool(_SHA256_HEX.match(entry["sha256"])))
+
+
+def _write_manifest(directory: str, step: int, digests: Dict[str, Tuple[int, str]]) -> None:
+    """Writes the manifest of ``directory``'s files (their digests), fsynced, then the directory."""
+    manifest = {"format": _MANIFEST_FORMAT, "step": step,
+                "files": {name: {"size": size, "sha256": digest} for name, (size, digest) in sorted(digests.items())}}
+    fd = os.open(os.path.join(directory, MANIFEST_FILE),
+                 os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(directory)
+
+
+def _hash_files(directory: str, names: List[str], pg: dist.ProcessGroup) -> Dict[str, Tuple[int, str]]:
+    """{name: (size, SHA-256)} of the files ``names`` in ``directory`` (collective: rank r hashes
+    names r, r + world, ...; every rank gets all). A file that cannot be read raises
+    CheckpointError on every rank."""
+    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    mine: Dict[str, Any] = {}
+    error = None
+    for name in names[rank::world]:
+        try:
+            mine[name] = _file_digest(os.path.join(directory, name))
+        except OSError as e:
+            error = f"checkpoint {directory}: {name} cannot be read ({e.strerror})"
+            break
+    _raise_if_any(error, pg)
+    shares: List[Any] = [None] * world
+    dist.all_gather_object(shares, mine, group=pg)
+    return {name: tuple(value) for share in shares for name, value in share.items()}
+
+
+def _file_digest(path: str) -> Tuple[int, str]:
+    """(size, SHA-256 hex digest) of a regular file, opened without following a symlink."""
+    digest, size = hashlib.sha256(), 0
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        buffer = memoryview(bytearray(_HASH_CHUNK))
+        while True:
+            n = f.readinto(buffer)
+            if not n:
+                break
+            digest.update(buffer[:n])
+            size += n
+    return size, digest.hexdigest()
+
+
+def _read_file(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def _raise_if_any(error: Optional[str], pg: dist.ProcessGroup) -> None:
+    """Raises CheckpointError on every rank when any rank found an error (the lowest rank's
+    message), so that no rank goes on to a collective the others have left."""
+    errors: List[Optional[str]] = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(errors, error, group=pg)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise CheckpointError(first)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's .metadata admitting only the classes it is made of: a crafted pickle
+    cannot call anything else (os.system, eval, ...)."""
+
+    def __init__(self, file, where: str):
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CheckpointError(f"{self.where}: refers to {module}.{name}, which is not part of DCP's metadata "
+                              "(refused: unpickling it could run code)")
+
+
 def read_metadata(path: str) -> Metadata:
-    """The DCP metadata of a checkpoint directory (clear error when it is not one)."""
-    if not os.path.isfile(os.path.join(path, _METADATA_FILE)):
-        raise FileNotFoundError(f"load_checkpoint: {path!r} is not a complete checkpoint (no {_METADATA_FILE})")
-    return dcp.FileSystemReader(path).read_metadata()
+    """The DCP metadata of checkpoint directory ``path``, unpickled with only DCP's metadata
+    classes admitted (clear error when it is missing, damaged or refers to anything else).
+    Does not verify the manifest: load_checkpoint does that first."""
+    where = f"checkpoint {path}: {_METADATA_FILE}"
+    file = os.path.join(path, _METADATA_FILE)
+    if not os.path.isfile(file):
+        raise CheckpointError(f"checkpoint {path}: no {_METADATA_FILE} (not a complete checkpoint)")
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(_read_file(file)), where).load()
+    except CheckpointError:
+        raise
+    except Exception as e:  # a damaged pickle raises any of several types
+        raise CheckpointError(f"{where}: cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{where}: holds a {type(metadata).__name__}, not DCP's Metadata")
+    return metadata
+
+
+class _Reader(dcp.FileSystemReader):
+    """DCP's file reader, reading .metadata with the restricted unpickler."""
+
+    def read_metadata(self) -> Metadata:
+        metadata = read_metadata(str(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _Planner(dcp.DefaultLoadPlanner):
+    """DCP's load planner, loading values stored as bytes with torch.load(weights_only=True)
+    (plain data only) instead of a full unpickle."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {self.path}: entry {fqn!r} is not plain data (refused: "
+                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
 
 
 def fit_to_checkpoint(state: Dict[str, Any], metadata: Metadata) -> Dict[str, Any]:
@@ -149,13 +421,23 @@ def fit_to_checkpoint(state: Dict[str, Any], metadata: Metadata) -> Dict[str, An
     return state
 
 
-def load_checkpoint(path: str, state: Dict[str, Any],
-                    process_group: Optional[dist.ProcessGroup] = None) -> Dict[str, Any]:
+def load_checkpoint(path: str, state: Dict[str, Any], process_group: Optional[dist.ProcessGroup] = None,
+                    verify: bool = True) -> Dict[str, Any]:
     """Loads checkpoint ``path`` into ``state`` (collective) and returns it: tensors resized to
-    the stored sizes where they differ, then filled; non-tensor values replaced by the saved ones."""
+    the stored sizes where they differ, then filled; non-tensor values replaced by the saved ones.
+    The directory is verified against its manifest first; ``verify=False`` skips that (only right
+    after find_checkpoint / verify_checkpoint did it); nothing is unpickled freely either way."""
     pg = process_group or ensure_process_group()
+    if verify:
+        verify_checkpoint(path, pg)
     fit_to_checkpoint(state, read_metadata(path))
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=pg)
+    try:
+        dcp.load(state, storage_reader=_Reader(path), planner=_Planner(path), process_group=pg)
+    except CheckpointException as e:  # DCP gathers each rank's failure: raise ours as it was
+        ours = [exc for exc, _ in e.failures.values() if isinstance(exc, CheckpointError)]
+        if ours:
+            raise ours[0] from None
+        raise
     return state
 
 

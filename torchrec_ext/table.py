@@ -116,10 +116,13 @@ class HashTable:
             raise TypeError(f"HashTable: capacity must be an int, got {type(capacity).__name__}")
         if capacity <= 0:
             raise ValueError(f"HashTable: capacity must be > 0, got {capacity}")
-        if policy not in POLICIES:
+        if not isinstance(policy, str) or policy not in POLICIES:
             raise ValueError(f"HashTable: policy must be one of {sorted(POLICIES)}, got {policy!r}")
-        device = torch.device(device) if device is not None else torch.device("cpu")
-        if not ops.has_kernel("hash_find", device):
+        try:
+            device = torch.device(device) if device is not None else torch.device("cpu")
+        except (RuntimeError, TypeError):
+            raise ValueError(f"HashTable: device must be a torch.device or a device string, got {device!r}") from None
+        if device.type not in ("cpu", "cuda") or not ops.has_kernel("hash_find", device):
             raise ValueError(
                 f"HashTable: device {device} has no torchrec_ext kernels in this build "
                 "(CUDA kernels are built only when torch has CUDA and nvcc is found, or FORCE_CUDA=1)"
@@ -153,7 +156,7 @@ class HashTable:
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        if not isinstance(epoch, int) or not 0 <= epoch < 2**31:
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < 2**31:
             raise ValueError(f"HashTable.set_epoch: epoch must be an int in [0, 2**31), got {epoch!r}")
         with self._lock.write():
             self._epoch = epoch
@@ -214,8 +217,11 @@ class HashTable:
         Each page is read atomically; a table mutated between pages gives pages of different
         moments, as any paged scan does.
         """
-        if not isinstance(page_size, int) or page_size <= 0:
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
             raise ValueError(f"HashTable.export: page_size must be an int > 0, got {page_size!r}")
+        return self._pages(page_size)  # checked at the call, not at the first page
+
+    def _pages(self, page_size: int) -> Iterator[Tuple[Tensor, Tensor, Tensor]]:
         for start in range(0, self._capacity, page_size):
             # The lock is released before yielding: a caller may mutate the table between pages.
             with self._lock.read():

@@ -76,7 +76,7 @@ class ShardedDynamicEmbeddingCollection(
         return SequenceShardingContext()
 
     def input_dist(self, ctx: SequenceShardingContext, features: KeyedJaggedTensor) -> KJTListSplitsAwaitable:
-        batch = check_and_arrange(features, self._plan, False, type(self).__name__)
+        batch = check_and_arrange(features, self._plan, False, type(self).__name__, self._device)
         routed, ctx.order = route_ids(self._plan.embedding_names, batch.ids, batch.lengths, None, self._slot_owner,
                                       batch.batch_size, self._world_size)
         ctx.sent_per_rank = routed.lengths().view(self._world_size, -1).sum(1).tolist()

@@ -73,7 +73,7 @@ class ShardedDynamicEmbeddingBagCollection(
         return EmbeddingBagCollectionContext(sharding_contexts=[EmbeddingShardingContext()])
 
     def input_dist(self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor) -> KJTListSplitsAwaitable:
-        batch = check_and_arrange(features, self._plan, self._is_weighted, type(self).__name__)
+        batch = check_and_arrange(features, self._plan, self._is_weighted, type(self).__name__, self._device)
         routed, _ = route_ids(self._plan.embedding_names, batch.ids, batch.lengths, batch.weights, self._slot_owner,
                               batch.batch_size, self._world_size)
         ctx.divisor = self._mean_divisor(batch.lengths, batch.batch_size)

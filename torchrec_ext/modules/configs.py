@@ -35,10 +35,18 @@ class Initializer:
     value: float = 0.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kind, str):
+            raise TypeError(f"Initializer: kind must be a str, one of {sorted(INITIALIZERS)}, got {self.kind!r}")
         if self.kind not in INITIALIZERS:
             raise ValueError(f"Initializer: kind must be one of {sorted(INITIALIZERS)}, got {self.kind!r}")
-        if self.std < 0 or not math.isfinite(self.std):
-            raise ValueError(f"Initializer: std must be finite and >= 0, got {self.std}")
+        # A NaN or infinite setting would make every new row NaN (or inf) at its first lookup.
+        for name in ("mean", "std", "value"):
+            check_finite(getattr(self, name), f"Initializer: {name}")
+        for name in ("low", "high"):
+            if getattr(self, name) is not None:
+                check_finite(getattr(self, name), f"Initializer: {name}")
+        if self.std < 0:
+            raise ValueError(f"Initializer: std must be >= 0, got {self.std}")
         if self.low is not None and self.high is not None and self.low > self.high:
             raise ValueError(f"Initializer: low must be <= high, got low={self.low}, high={self.high}")
 
@@ -89,7 +97,8 @@ class DynamicTableOptions:
 
     def _check_dynamic_fields(self) -> None:
         name = type(self).__name__
-        if self.eviction_policy not in POLICIES or self.eviction_policy == "custom":
+        if not isinstance(self.eviction_policy, str) or self.eviction_policy not in POLICIES \
+                or self.eviction_policy == "custom":
             allowed = sorted(set(POLICIES) - {"custom"})
             raise ValueError(f"{name}: eviction_policy must be one of {allowed}, got {self.eviction_policy!r}")
         if isinstance(self.initializer, str):
@@ -110,11 +119,36 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def check_finite(value: object, what: str) -> None:
+    """Raises unless ``value`` is a finite real number (bools and strings are not numbers)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a finite number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number, got {value!r}")
+
+
+def _check_shape_fields(config: BaseEmbeddingConfig, where: str) -> None:
+    """num_embeddings, embedding_dim and the uniform bounds: what TorchRec's own config does
+    arithmetic on (sqrt(1 / num_embeddings)), so checked before it runs."""
+    if not _is_int(config.num_embeddings) or config.num_embeddings < 1:
+        raise ValueError(f"{where} num_embeddings (capacity) must be an int >= 1, got {config.num_embeddings!r}")
+    if not _is_int(config.embedding_dim) or config.embedding_dim < 1:
+        raise ValueError(f"{where} embedding_dim must be an int >= 1, got {config.embedding_dim!r}")
+    for name in ("weight_init_min", "weight_init_max"):
+        if getattr(config, name) is not None:
+            check_finite(getattr(config, name), f"{where} {name}")
+    if config.weight_init_min is not None and config.weight_init_max is not None \
+            and config.weight_init_min > config.weight_init_max:
+        raise ValueError(f"{where} weight_init_min must be <= weight_init_max, got "
+                         f"{config.weight_init_min} > {config.weight_init_max}")
+
+
 @dataclass
 class DynamicEmbeddingBagConfig(EmbeddingBagConfig, DynamicTableOptions):
     """``EmbeddingBagConfig`` of a dynamic table; ``num_embeddings`` is its capacity in rows."""
 
     def __post_init__(self) -> None:
+        _check_shape_fields(self, type(self).__name__ + ":")
         super().__post_init__()
         self._check_dynamic_fields()
 
@@ -124,6 +158,7 @@ class DynamicEmbeddingConfig(EmbeddingConfig, DynamicTableOptions):
     """``EmbeddingConfig`` of a dynamic table; ``num_embeddings`` is its capacity in rows."""
 
     def __post_init__(self) -> None:
+        _check_shape_fields(self, type(self).__name__ + ":")
         super().__post_init__()
         self._check_dynamic_fields()
 
@@ -155,7 +190,12 @@ def initializer_of(config: BaseEmbeddingConfig) -> Tuple[int, Tuple[float, ...]]
                 "DynamicEmbeddingBagConfig / DynamicEmbeddingConfig(initializer=Initializer(...)) instead"
             )
         init = Initializer("uniform")
-    return init.kernel_params(low, high)
+    kind, params = init.kernel_params(low, high)
+    try:  # the defaults filled in (an init_fn's bounds, a one-sided low / high) must still make sense
+        Initializer.from_kernel_params(kind, params)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"table {config.name!r}: its initializer resolves to {params}, which is invalid: {e}") from None
+    return kind, params
 
 
 def check_tables(tables: object, expected: type, module: str) -> None:
@@ -178,11 +218,7 @@ def _check_table(config: object, expected: type, module: str) -> None:
         raise TypeError(f"{module}: tables must be {expected.__name__}s, got {type(config).__name__}")
     if not config.name:
         raise ValueError(f"{module}: every table needs a name, got {config!r}")
-    if not _is_int(config.num_embeddings) or config.num_embeddings < 1:
-        raise ValueError(f"{module}: table {config.name!r} num_embeddings (capacity) must be an int >= 1, "
-                         f"got {config.num_embeddings!r}")
-    if not _is_int(config.embedding_dim) or config.embedding_dim < 1:
-        raise ValueError(f"{module}: table {config.name!r} embedding_dim must be an int >= 1, got {config.embedding_dim!r}")
+    _check_shape_fields(config, f"{module}: table {config.name!r}")
     if config.data_type != DataType.FP32:
         raise ValueError(f"{module}: table {config.name!r} data_type must be FP32 (dynamic tables store "
                          f"float32 rows), got {config.data_type}")

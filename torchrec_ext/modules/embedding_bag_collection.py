@@ -50,7 +50,7 @@ class DynamicEmbeddingBagCollection(DynamicCollectionMixin, EmbeddingBagCollecti
         self._init_dynamic(tables, device, "embedding_bags", optimizer, optimizer_kwargs)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        batch = check_and_arrange(features, self._plan, self._is_weighted, type(self).__name__)
+        batch = check_and_arrange(features, self._plan, self._is_weighted, type(self).__name__, self.device)
         lookup = self._lookup_rows(batch)
         pooled = PooledLookupFunction.apply(self, lookup, batch, *self._differentiable_params())
         return KeyedTensor(keys=self._plan.embedding_names, length_per_key=self._plan.dims, values=pooled, key_dim=1)

@@ -40,7 +40,7 @@ class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInte
         self._init_dynamic(tables, device, "embeddings", optimizer, optimizer_kwargs)
 
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
-        batch = check_and_arrange(features, self._plan, False, type(self).__name__)
+        batch = check_and_arrange(features, self._plan, False, type(self).__name__, self.device)
         lookup = self._lookup_rows(batch)
         vectors = SequenceLookupFunction.apply(self, lookup, batch, *self._differentiable_params())
         counts = (batch.feature_value_offsets[1:] - batch.feature_value_offsets[:-1]).tolist()

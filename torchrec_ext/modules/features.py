@@ -69,11 +69,20 @@ class LookupInput:
     batch_size: int
 
 
-def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, where: str) -> LookupInput:
-    """Validates ``features`` (raising before any table is touched) and arranges its ids."""
+def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, where: str,
+                      device: Optional[torch.device] = None) -> LookupInput:
+    """Validates ``features`` (raising before any table is touched) and arranges its ids.
+
+    device: where the tables are; the KJT must be there too (not checked for meta tables,
+    which refuse lookups themselves).
+    """
     if not isinstance(features, KeyedJaggedTensor):
         raise TypeError(f"{where}: features must be a KeyedJaggedTensor, got {type(features).__name__}")
     keys = features.keys()
+    if len(set(keys)) != len(keys):
+        # Only one occurrence's ids could be looked up: the others would be dropped silently.
+        repeated = sorted({k for k in keys if keys.count(k) > 1})
+        raise ValueError(f"{where}: KJT keys must be distinct, got {repeated} more than once in keys {list(keys)}")
     known = set(plan.features)
     unknown = [k for k in keys if k not in known]
     if unknown:
@@ -86,7 +95,10 @@ def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, whe
     values = features.values()
     if values.dtype not in _ID_DTYPES:
         raise TypeError(f"{where}: ids (KJT values) must be int64 or int32, got {values.dtype}")
+    if values.dim() != 1:
+        raise ValueError(f"{where}: ids (KJT values) must be 1-D, got shape {tuple(values.shape)}")
     lengths = features.lengths()
+    _check_devices(where, device, values=values, lengths=lengths, weights=features.weights_or_none())
     if lengths.dtype not in _ID_DTYPES or lengths.is_floating_point():
         raise TypeError(f"{where}: KJT lengths must be integers, got {lengths.dtype}")
     batch_size = features.stride()
@@ -104,9 +116,11 @@ def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, whe
     if not is_weighted and weights is not None:
         raise ValueError(f"{where}: the KJT has weights but the module is unweighted (is_weighted=False)")
     if weights is not None:
-        if not weights.is_floating_point() or weights.shape != values.shape:
-            raise ValueError(f"{where}: KJT weights must be floats, one per id ({values.numel()}), got "
-                             f"{weights.dtype} of shape {tuple(weights.shape)}")
+        if not weights.is_floating_point():
+            raise TypeError(f"{where}: KJT weights must be floats, got {weights.dtype}")
+        if weights.shape != values.shape:
+            raise ValueError(f"{where}: KJT weights must be one per id, shape {tuple(values.shape)}, "
+                             f"got {tuple(weights.shape)}")
         if not bool(torch.isfinite(weights).all()):
             raise ValueError(f"{where}: KJT weights must be finite, got NaN or inf")
         weights = weights.float()
@@ -131,3 +145,21 @@ def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, whe
     feature_value_offsets = torch.tensor([0] + value_counts, dtype=torch.int64).cumsum(0)
     return LookupInput(ids.to(torch.int64), arranged_lengths, arranged_weights,
                        segment_offsets.to(values.device), feature_value_offsets.to(values.device), batch_size)
+
+
+def _check_devices(where: str, device: Optional[torch.device], values: Tensor, lengths: Tensor,
+                   weights: Optional[Tensor]) -> None:
+    """Ids, lengths and weights on the tables' device (without one: on the ids' device)."""
+    if device is not None and device.type != "meta":
+        expected, holder = device, "the tables are"
+    elif values.device.type == "meta":
+        raise ValueError(f"{where}: KJT values are on the meta device; ids must hold data to be looked up")
+    else:
+        expected, holder = values.device, "its values are"
+    for name, t in (("values", values), ("lengths", lengths), ("weights", weights)):
+        if t is not None and not _same_device(t.device, expected):
+            raise ValueError(f"{where}: KJT {name} are on {t.device}, {holder} on {expected}")
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)

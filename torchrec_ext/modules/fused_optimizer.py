@@ -10,6 +10,7 @@ on each touched row is exactly that class's update; defaults are that class's ow
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
@@ -39,6 +40,13 @@ _ACCEPTED = {
     "adam": {"lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay"},
 }
 _MUST_BE = {"momentum": 0, "nesterov": False, "maximize": False, "amsgrad": False, "decoupled_weight_decay": False}
+# The hyper-parameters each kind reads from its kwargs (betas aside), all finite and >= 0.
+_SPEC_FIELDS = {
+    "sgd": ("lr", "weight_decay"),
+    "adagrad": ("lr", "eps", "weight_decay", "lr_decay", "initial_accumulator_value"),
+    "rowwise_adagrad": ("lr", "eps", "weight_decay", "lr_decay", "initial_accumulator_value"),
+    "adam": ("lr", "eps", "weight_decay"),
+}
 
 
 @dataclass(frozen=True)
@@ -87,23 +95,34 @@ def resolve_optimizer(optimizer: Any, kwargs: Optional[Mapping[str, Any]], where
             raise ValueError(f"{where}: fused {kind} supports only {name}={allowed!r}, got {kwargs[name]!r}")
     args = dict(_class_defaults(_torch_classes()[kind]))
     args.update(kwargs)
-    lr = args["lr"]
-    if isinstance(lr, Tensor):
-        lr = float(lr)
-    if not isinstance(lr, (int, float)) or lr < 0:
-        raise ValueError(f"{where}: lr must be a float >= 0, got {lr!r}")
-    spec = dict(kind=kind, lr=float(lr), weight_decay=float(args.get("weight_decay", 0.0)))
-    if kind in ("adagrad", "rowwise_adagrad"):
-        spec.update(eps=float(args["eps"]), lr_decay=float(args["lr_decay"]),
-                    initial_accumulator_value=float(args["initial_accumulator_value"]))
+    spec: Dict[str, Any] = dict(kind=kind)
+    for name in _SPEC_FIELDS[kind]:
+        spec[name] = _hyperparam(args[name], f"{where}: {kind} {name}")
     if kind == "adam":
-        beta1, beta2 = args["betas"]
-        if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
-            raise ValueError(f"{where}: adam betas must be in [0, 1), got {args['betas']!r}")
-        spec.update(eps=float(args["eps"]), beta1=float(beta1), beta2=float(beta2))
-    if spec["weight_decay"] < 0 or spec.get("eps", 0.0) < 0:
-        raise ValueError(f"{where}: weight_decay and eps must be >= 0, got {spec['weight_decay']} and {spec.get('eps')}")
+        betas = args["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise TypeError(f"{where}: adam betas must be a pair (beta1, beta2), got {betas!r}")
+        spec["beta1"], spec["beta2"] = (_beta(b, f"{where}: adam betas[{i}]") for i, b in enumerate(betas))
     return OptimizerSpec(**spec)
+
+
+def _hyperparam(value: Any, what: str) -> float:
+    """``value`` as a float, refusing what torch's own optimizers refuse (negative values) and
+    NaN / inf, which would turn every touched row NaN at its first update."""
+    if isinstance(value, Tensor) and value.numel() == 1 and value.is_floating_point():
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a float, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what} must be finite and >= 0, got {value!r}")
+    return float(value)
+
+
+def _beta(value: Any, what: str) -> float:
+    beta = _hyperparam(value, what)
+    if not beta < 1.0:  # beta = 1: Adam's bias correction divides by 1 - beta**t = 0
+        raise ValueError(f"{what} must be in [0, 1), got {value!r}")
+    return beta
 
 
 def _kind_of(optimizer: Any, where: str) -> str:
@@ -156,8 +175,12 @@ class DynamicEmbeddingFusedOptimizer(FusedOptimizer):
         super().__init__(params, state, [dict(spec.param_group(), params=list(params.values()))])
 
     def hyperparams(self) -> Tuple[float, ...]:
+        """The update's hyper-parameters, checked as the constructor's are: LR schedulers and
+        optimizer checkpoints write ``param_groups`` directly."""
         group = self.param_groups[0]
-        return tuple(float(group[name]) for name in _HYPERPARAMS)
+        where = f"{type(self).__name__}: param_groups[0]"
+        return tuple((_beta if name.startswith("beta") else _hyperparam)(group[name], f"{where}[{name!r}]")
+                     for name in _HYPERPARAMS)
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> None:
         if closure is not None:

@@ -20,8 +20,6 @@ from torchrec_ext import (
 )
 
 NAN, INF = float("nan"), float("inf")
-# Cases checked by the all-or-nothing loads of HashTable and the modules, which land separately.
-LOADS_PENDING = pytest.mark.xfail(strict=True, reason="all-or-nothing loads: pending")
 
 
 def _state(obj):
@@ -139,8 +137,8 @@ def _set(**fields):
     return lambda s: s.update(fields)
 
 
-def _case(name, *values, pending=False):
-    return pytest.param(name, *values, id=name, marks=[LOADS_PENDING] if pending else [])
+def _case(name, *values):
+    return pytest.param(name, *values, id=name)
 
 
 HASH_TABLE_STATES = [
@@ -152,18 +150,17 @@ HASH_TABLE_STATES = [
     _case("duplicate keys", lambda s: s.update(keys=torch.cat([s["keys"][:1], s["keys"][:-1]])), ValueError, "appears twice"),
     _case("rows out of range", lambda s: s.update(rows=s["rows"] + 1000), ValueError, r"row 10\d\d .* outside \[0, 256\)"),
     _case("short rows", lambda s: s.update(rows=s["rows"][:5]), ValueError,
-          r"rows must have one entry per key, shape \(100,\), got \(5,\)", pending=True),
+          r"rows must have one entry per key, shape \(100,\), got \(5,\)"),
     _case("short scores", lambda s: s.update(scores=s["scores"][:5]), ValueError,
-          r"scores must have one entry per key, shape \(100,\), got \(5,\)", pending=True),
+          r"scores must have one entry per key, shape \(100,\), got \(5,\)"),
     _case("fractional scores", lambda s: s.update(scores=s["scores"].float() + 0.5), TypeError,
-          "scores must be an integer tensor, got torch.float32", pending=True),
-    _case("str clock", _set(clock="x"), TypeError, "clock must be an int, got 'x'", pending=True),
-    _case("float clock", _set(clock=1.5), TypeError, r"clock must be an int, got 1\.5", pending=True),
-    _case("negative clock", _set(clock=-5), ValueError, r"clock must be in \[0, \d+\), got -5", pending=True),
-    _case("negative epoch", _set(epoch=-1), ValueError, r"epoch must be in \[0, 2147483648\), got -1", pending=True),
-    _case("epoch too big", _set(epoch=2**40), ValueError, r"epoch must be in \[0, 2147483648\), got 1099511627776",
-          pending=True),
-    _case("not a dict", None, TypeError, "state must be a dict .* got list", pending=True),
+          "scores must be an integer tensor, got torch.float32"),
+    _case("str clock", _set(clock="x"), TypeError, "clock must be an int, got 'x'"),
+    _case("float clock", _set(clock=1.5), TypeError, r"clock must be an int, got 1\.5"),
+    _case("negative clock", _set(clock=-5), ValueError, r"clock must be in \[0, \d+\), got -5"),
+    _case("negative epoch", _set(epoch=-1), ValueError, r"epoch must be in \[0, 2147483648\), got -1"),
+    _case("epoch too big", _set(epoch=2**40), ValueError, r"epoch must be in \[0, 2147483648\), got 1099511627776"),
+    _case("not a dict", None, TypeError, "state must be a dict .* got list"),
 ]
 
 
@@ -512,7 +509,6 @@ MODULE_STATES = [
 ]
 
 
-@LOADS_PENDING
 @pytest.mark.parametrize("name,change,error,match", MODULE_STATES)
 def test_module_load_state_dict(name, change, error, match):
     # Two tables: the good one ("a", loaded first) must not be changed by the bad one's failure.

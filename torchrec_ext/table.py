@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Dict, Iterator, NamedTuple, Optional, Tuple, Union
+from collections import deque
+from typing import Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from torchrec_ext import ops
+from torchrec_ext.reference import place
 
 SLOTS_PER_BUCKET = 32
 _BUCKETS_PER_STRIPE = 64
@@ -35,6 +37,112 @@ def table_geometry(capacity: int) -> Tuple[int, int]:
     """(num_buckets, num_stripes) of a table of ``capacity`` rows (mirrors make_geometry in C++)."""
     num_buckets = -(-capacity // SLOTS_PER_BUCKET)
     return num_buckets, min(max(num_buckets // _BUCKETS_PER_STRIPE, 1), _MAX_STRIPES)
+
+
+# Exclusive upper bounds of a table's counters: the clock is stored in int64 scores and the
+# next mutating call adds one; the epoch is shifted left by 32 in epoch_* scores.
+CLOCK_LIMIT = 2**63 - 1
+EPOCH_LIMIT = 2**31
+
+
+def check_counter(where: str, name: str, value: object, limit: int) -> int:
+    """``value`` as an int in [0, limit): a Python int or a one-element integer tensor."""
+    if isinstance(value, Tensor) and value.numel() == 1 and value.dtype in _INT_DTYPES:
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{where}: {name} must be an int, got {value!r} ({type(value).__name__})")
+    if not 0 <= value < limit:
+        raise ValueError(f"{where}: {name} must be in [0, {limit}), got {value}")
+    return value
+
+
+def place_keys(keys: Tensor, scores: Tensor, capacity: int) -> Tensor:
+    """Rows for distinct ``keys`` in an empty table of ``capacity`` rows (-1: not placed), for
+    ``load_state_dict``: every key is placed whenever the two buckets each key may use allow it,
+    and when they do not, the keys left out have the lowest scores of those competing for them.
+
+    A plain insert fills buckets greedily and refuses ~1% of a full table's keys, whose two
+    buckets filled up first although rows are free elsewhere. So keys go in two rounds, the
+    ``capacity`` highest scores first, then the rest; after each round's insert every refused
+    key (highest first) takes an augmenting path: a chain of keys each moved to its other
+    bucket, ending at a free row (breadth-first: the shortest). A key with no such path cannot
+    be placed beside the keys already placed (Kuhn's matching), so the placed count is the most
+    the buckets allow.
+    """
+    order = torch.argsort(scores, descending=True, stable=True)
+    table = HashTable(capacity, policy="none", device=keys.device)
+    rows = torch.full_like(keys, -1)
+    slots = _Slots(keys.cpu(), capacity)
+    for batch in (order[:capacity], order[capacity:]):
+        if batch.numel() == 0 or table.size() == capacity:
+            break
+        rows[batch] = table.insert_or_assign(keys[batch], scores[batch]).rows
+        refused = batch[rows[batch] < 0]
+        if refused.numel():
+            rows = slots.augment(rows.cpu(), refused.tolist()).to(keys.device)
+            placed = rows >= 0  # the moves made, in the table too, for the next round
+            table.load_state_dict({"capacity": capacity, "policy": "none", "clock": 0, "epoch": 0,
+                                   "keys": keys[placed], "rows": rows[placed], "scores": scores[placed]})
+    return rows
+
+
+class _Slots:
+    """Augmenting paths over a table's buckets, for ``place_keys``."""
+
+    def __init__(self, keys: Tensor, capacity: int):
+        self.keys, self.capacity = keys.tolist(), capacity
+        num_buckets, num_stripes = table_geometry(capacity)
+        width, wide = divmod(num_buckets, num_stripes)
+        self.stripe_of = torch.repeat_interleave(
+            torch.arange(num_stripes), torch.tensor([width + 1] * wide + [width] * (num_stripes - wide)))
+        self.buckets: Dict[int, Tuple[int, int]] = {}
+
+    def buckets_of(self, i: int) -> Tuple[int, int]:
+        if i not in self.buckets:
+            b1, b2, _ = place(self.keys[i], self.capacity)
+            self.buckets[i] = (b1, b2)
+        return self.buckets[i]
+
+    def augment(self, rows: Tensor, refused: List[int]) -> Tensor:
+        """``rows`` after placing each of ``refused`` (in order) by an augmenting path, if any."""
+        num_buckets = self.stripe_of.numel()
+        holder = torch.full((num_buckets * SLOTS_PER_BUCKET,), -1, dtype=torch.int64)  # row -> key index
+        placed = (rows >= 0).nonzero().squeeze(1)
+        holder[rows[placed]] = placed
+        holder[self.capacity:] = -2  # the tail of the last bucket is not usable
+        # A key's buckets are in its stripe: where the stripe has no free row, no path exists.
+        free_in_stripe = torch.zeros(int(self.stripe_of.max()) + 1, dtype=torch.int64).index_add_(
+            0, self.stripe_of, (holder.view(num_buckets, SLOTS_PER_BUCKET) == -1).sum(1)).tolist()
+        for i in refused:
+            stripe = int(self.stripe_of[self.buckets_of(i)[0]])
+            if free_in_stripe[stripe] == 0:
+                continue
+            # Breadth-first over buckets; came_from[b] = (key moved into b, the row it leaves).
+            came_from: Dict[int, Optional[Tuple[int, int]]] = {b: None for b in self.buckets_of(i)}
+            queue, target = deque(came_from), None
+            while queue and target is None:
+                b = queue.popleft()
+                held = holder[b * SLOTS_PER_BUCKET:(b + 1) * SLOTS_PER_BUCKET].tolist()
+                if -1 in held:
+                    target = (b, b * SLOTS_PER_BUCKET + held.index(-1))
+                    break
+                for offset, j in enumerate(held):
+                    if j >= 0:
+                        b1, b2 = self.buckets_of(j)
+                        other = b2 if b1 == b else b1
+                        if other not in came_from:
+                            came_from[other] = (j, b * SLOTS_PER_BUCKET + offset)
+                            queue.append(other)
+            if target is None:
+                continue
+            b, free = target
+            while came_from[b] is not None:  # each key of the path moves into the row ahead of it
+                j, left = came_from[b]
+                holder[free], rows[j] = j, free
+                b, free = left // SLOTS_PER_BUCKET, left
+            holder[free], rows[i] = i, free
+            free_in_stripe[stripe] -= 1
+        return rows
 
 
 class InsertResult(NamedTuple):
@@ -263,23 +371,29 @@ class HashTable:
             }
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
-        """Restores a ``state_dict`` of a table of the same capacity: same keys at the same rows."""
+        """Restores a ``state_dict`` of a table of the same capacity: same keys at the same rows.
+
+        Everything is checked (types, ranges, duplicate keys, rows each key may hold) before the
+        table changes: a bad state raises and leaves the table as it was.
+        """
+        where = "HashTable.load_state_dict"
+        if not isinstance(state, Mapping):
+            raise TypeError(f"{where}: state must be a dict (from state_dict()), got {type(state).__name__}")
         missing = {"capacity", "policy", "clock", "epoch", "keys", "rows", "scores"} - set(state)
         if missing:
-            raise ValueError(f"HashTable.load_state_dict: state is missing {sorted(missing)}")
+            raise ValueError(f"{where}: state is missing {sorted(missing)}")
         if state["capacity"] != self._capacity:
             raise ValueError(
-                f"HashTable.load_state_dict: state was saved with capacity {state['capacity']}, "
+                f"{where}: state was saved with capacity {state['capacity']}, "
                 f"this table has capacity {self._capacity}; rows are only valid for the same capacity"
             )
         if state["policy"] != self.policy:
-            raise ValueError(
-                f"HashTable.load_state_dict: state was saved with policy {state['policy']!r}, "
-                f"this table has policy {self.policy!r}"
-            )
+            raise ValueError(f"{where}: state was saved with policy {state['policy']!r}, this table has policy {self.policy!r}")
+        clock = check_counter(where, "clock", state["clock"], CLOCK_LIMIT)
+        epoch = check_counter(where, "epoch", state["epoch"], EPOCH_LIMIT)
         keys = self._check_keys("load_state_dict", state["keys"])
-        rows = torch.as_tensor(state["rows"], dtype=torch.int64).to(self.device)
-        scores = torch.as_tensor(state["scores"], dtype=torch.int64).to(self.device)
+        rows = self._check_entries(where, "rows", state["rows"], keys)
+        scores = self._check_entries(where, "scores", state["scores"], keys)
         # Build into fresh storage and swap only on success: a bad state leaves the table as it was.
         digests = torch.zeros_like(self._digests)
         slot_keys = torch.zeros_like(self._slot_keys)
@@ -288,12 +402,11 @@ class HashTable:
         try:
             ops.hash_restore(digests, slot_keys, slot_scores, size, keys, rows, scores, self._capacity)
         except RuntimeError as e:
-            raise ValueError(f"HashTable.load_state_dict: {e}") from None
+            raise ValueError(f"{where}: {e}") from None
         with self._lock.write():
             self._digests, self._slot_keys, self._slot_scores = digests, slot_keys, slot_scores
             self._size = size
-            self._clock = int(state["clock"])
-            self._epoch = int(state["epoch"])
+            self._clock, self._epoch = clock, epoch
 
     # ------------------------------------------------------------------ internals
 
@@ -317,6 +430,14 @@ class HashTable:
         if keys.device != self.device:
             raise ValueError(f"HashTable.{op}: keys are on {keys.device}, the table is on {self.device}")
         return keys.to(torch.int64).contiguous()
+
+    def _check_entries(self, where: str, name: str, values: object, keys: Tensor) -> Tensor:
+        """A state's per-key ``rows`` / ``scores``: an integer tensor with one entry per key."""
+        if not isinstance(values, Tensor) or values.dtype not in _INT_DTYPES:
+            raise TypeError(f"{where}: {name} must be an integer tensor, got {getattr(values, 'dtype', type(values).__name__)}")
+        if values.shape != keys.shape:
+            raise ValueError(f"{where}: {name} must have one entry per key, shape {tuple(keys.shape)}, got {tuple(values.shape)}")
+        return values.to(self.device, torch.int64).contiguous()
 
     def _check_scores(self, op: str, scores: Optional[Tensor], keys: Tensor, increments: bool) -> Optional[Tensor]:
         if scores is None:

@@ -12,6 +12,7 @@ it). ``torchrec_ext.distributed.checkpoint`` loads DCP checkpoints as full tenso
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -21,6 +22,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
 
 from torchrec_ext import ops
+from torchrec_ext.modules.base import DynamicTableDict
 from torchrec_ext.modules.configs import options_of
 from torchrec_ext.reference import OPTIMIZER_STATES, ROWWISE_STATE
 
@@ -89,6 +91,13 @@ class ShardedDynamicState:
         self._container, self._state_configs, self._optimizer_kind = container, configs, optimizer_kind
         self._register_state_dict_hook(ShardedDynamicState._sharded_state_dict)
         self._register_load_state_dict_pre_hook(self._route_loaded_state, with_module=False)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        # DMP loads a sharded module with this call: its tables' container sees the strictness.
+        tables = getattr(self, self._container)
+        loading = tables.loading(strict) if isinstance(tables, DynamicTableDict) else nullcontext()
+        with loading:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     @staticmethod
     def _sharded_state_dict(module: "ShardedDynamicState", state_dict, prefix: str, local_metadata) -> None:

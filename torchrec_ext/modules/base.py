@@ -4,6 +4,7 @@ functions whose backward is the fused optimizer update.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
@@ -39,6 +40,7 @@ class DynamicTable(nn.Module):
         super().__init__()
         self._tables = tables
         self._index = index
+        self._loaded_by_container = False
         self.weight = nn.Parameter(tables.table_view(index))
 
     def extra_repr(self) -> str:
@@ -52,19 +54,70 @@ class DynamicTable(nn.Module):
 
     def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: Any, strict: bool,
                               missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str]) -> None:
-        expected = self._tables.state_keys(self._index)
-        mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        missing = [k for k in expected if k not in mine and k != "row"]
-        missing_keys.extend(prefix + k for k in missing)
-        if strict:
-            unexpected_keys.extend(prefix + k for k in mine if k not in expected)
-        if any(k in missing for k in _REQUIRED_STATE):
+        if self._loaded_by_container:  # its container loaded every table at once, this one included
+            self._loaded_by_container = False
             return
+        load_tables(self._tables, {self._index: prefix}, state_dict, None, missing_keys, unexpected_keys)
+
+
+class DynamicTableDict(nn.ModuleDict):
+    """The per-table submodules of a collection (``embedding_bags`` / ``embeddings``). It loads
+    a state_dict into all of its tables at once, so a bad table state changes no table."""
+
+    def __init__(self, tables: DynamicTables, modules: Dict[str, DynamicTable]):
+        super().__init__(modules)
+        self._tables = tables
+        self.strict: Optional[bool] = None  # the load_state_dict in progress's, when known
+
+    @contextmanager
+    def loading(self, strict: bool):
+        """For the duration of a load_state_dict(strict=...) that reaches this container."""
+        self.strict = strict
         try:
-            self._tables.load_table_state(self._index, {k: v for k, v in mine.items() if k in expected},
-                                          where="load_state_dict")
-        except (ValueError, RuntimeError, KeyError) as e:
-            error_msgs.append(str(e))
+            yield
+        finally:
+            self.strict = None
+
+    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: Any, strict: bool,
+                              missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str]) -> None:
+        unknown_before = len(unexpected_keys)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)  # reports keys of tables this module does not have
+        tables = {table._index: f"{prefix}{name}." for name, table in self.items()}
+        load_tables(self._tables, tables, state_dict, self.strict, missing_keys, unexpected_keys,
+                    unknown=len(unexpected_keys) > unknown_before)
+        for table in self.values():
+            table._loaded_by_container = True
+
+
+def load_tables(tables: DynamicTables, prefixes: Dict[int, str], state_dict: Mapping[str, Any],
+                strict: Optional[bool], missing_keys: List[str], unexpected_keys: List[str],
+                unknown: bool = False) -> None:
+    """Loads tables (index -> state_dict prefix) from ``state_dict``: all or none.
+
+    Missing and unexpected keys are reported. A module without a fused optimizer ignores the
+    checkpoint's ``optimizer.*`` keys (a training checkpoint loads for eval or serving). With
+    strict=True (or unknown: nested in another module's load_state_dict, whose strictness a
+    submodule cannot see) any missing or unexpected key, or ``unknown`` tables, load nothing: the
+    load raises afterwards. With strict=False the tables whose weight, weight_id, metadata and
+    counters are all there load (other missing state starts at its initial values), the others
+    stay as they were. Bad values raise TypeError / ValueError before any table changes.
+    """
+    states, problems = {}, unknown
+    for t, prefix in prefixes.items():
+        expected = tables.state_keys(t)
+        mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        ignored = [] if tables.optimizer is not None else [k for k in mine if k.startswith("optimizer.")]
+        missing = [k for k in expected if k not in mine and k != "row"]
+        unexpected = [k for k in mine if k not in expected and k not in ignored]
+        missing_keys.extend(prefix + k for k in missing)
+        unexpected_keys.extend(prefix + k for k in unexpected)
+        problems = problems or bool(missing or unexpected)
+        if not any(k in missing for k in _REQUIRED_STATE):
+            states[t] = {k: v for k, v in mine.items() if k in expected}
+    if problems and strict is not False:
+        return
+    tables.load_states(states, where="load_state_dict")
 
 
 class DynamicCollectionMixin:
@@ -82,7 +135,7 @@ class DynamicCollectionMixin:
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self._tables = DynamicTables(configs, self._device)
         self._container = container
-        setattr(self, container, nn.ModuleDict({cfg.name: DynamicTable(self._tables, t) for t, cfg in enumerate(configs)}))
+        setattr(self, container, DynamicTableDict(self._tables, {cfg.name: DynamicTable(self._tables, t) for t, cfg in enumerate(configs)}))
         self._plan = LookupPlan.of(configs)
         self._optimizer_spec: Optional[OptimizerSpec] = (
             None if optimizer is None else resolve_optimizer(optimizer, optimizer_kwargs, where))
@@ -133,6 +186,20 @@ class DynamicCollectionMixin:
     def storage_bytes(self) -> int:
         """Bytes of vectors, optimizer state and index metadata, over all tables."""
         return self._tables.storage_bytes()
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        # The tables' container sees this call's strictness (a submodule's hook is not told it).
+        with getattr(self, self._container).loading(strict):
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        # Runs before the tables load. A fresh module given its optimizer by
+        # apply_optimizer_in_backward allocates the optimizer state only when first needed:
+        # now, so that the checkpoint's optimizer.<state> has rows to go to.
+        self._ensure_optimizer()
+        super()._load_from_state_dict(*args, **kwargs)
 
     # ------------------------------------------------------------------ optimizer
 

@@ -32,9 +32,12 @@ from torchrec_ext import ops
 from torchrec_ext.modules.configs import initializer_of, options_of
 from torchrec_ext.modules.fused_optimizer import OptimizerSpec
 from torchrec_ext.reference import OPTIMIZER_STATES, ROWWISE_STATE, table_seed
-from torchrec_ext.table import HashTable
+from torchrec_ext.table import CLOCK_LIMIT, EPOCH_LIMIT, HashTable, check_counter, place_keys
 
 _SCORED_BY_COUNT = {"lfu", "epoch_lfu"}
+# Optimizer states that sum or average squared gradients: never negative (a square root is taken).
+_SQUARED_STATES = {("adagrad", "momentum1"), ("rowwise_adagrad", "momentum1"), ("adam", "momentum2")}
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 @dataclass
@@ -83,6 +86,52 @@ class _TableMeta:
     admit_after: int
     admission_capacity: int
     ttl_steps: Optional[int]
+
+
+@dataclass
+class _LoadedTable:
+    """One table's checkpoint state, checked and placed: what replaces the table's own."""
+
+    index: HashTable
+    rows: Tensor                          # the row of each kept entry
+    vectors: Tensor                       # their vectors, float32 on the storage's device
+    states: Dict[str, Optional[Tensor]]   # optimizer state per name (None: not saved, initial values)
+    last_seen: Optional[Tensor]
+    admission: Optional[Tuple[HashTable, Tensor]]
+    train_step: int
+    optimizer_step: int
+    warning: Optional[str]                # said once the load is applied (entries that did not fit)
+
+
+def _checked(where: str, key: str, value: object, kind: str, shape: Optional[Tuple[int, ...]],
+             ids: Optional[Tensor] = None, non_negative: bool = False) -> Tensor:
+    """A checkpoint entry as a tensor of the right kind ("int" / "float") and shape (None: any
+    1-D); float entries must be finite (and >= 0 when non_negative). ``ids`` name bad rows."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{where} {key} must be a tensor, got {type(value).__name__}")
+    if kind == "int" and value.dtype not in _INT_DTYPES:
+        raise TypeError(f"{where} {key} must be an integer tensor, got {value.dtype}")
+    if kind == "float" and not value.dtype.is_floating_point:
+        raise TypeError(f"{where} {key} must be a floating-point tensor, got {value.dtype}")
+    if (value.dim() != 1) if shape is None else (tuple(value.shape) != tuple(shape)):
+        want = "1-D" if shape is None else list(shape)
+        raise ValueError(f"{where} {key} must be {want}" + (" (one row per weight_id)" if ids is not None else "")
+                         + f", got {list(value.shape)}")
+    if kind == "float":
+        bad = ~torch.isfinite(value) | ((value < 0) if non_negative else torch.zeros_like(value, dtype=torch.bool))
+        if bool(bad.any()):
+            at = bad.nonzero()[0].tolist()
+            what = "finite and >= 0" if non_negative else "finite"
+            row = f" (weight_id {int(ids[at[0]])})" if ids is not None else ""
+            raise ValueError(f"{where} {key} must be {what}, got {value[tuple(at)].item()} at {at}{row}")
+    return value
+
+
+def _check_distinct(where: str, key: str, ids: Tensor) -> None:
+    ordered = ids.sort().values
+    same = (ordered[1:] == ordered[:-1]).nonzero()
+    if same.numel():
+        raise ValueError(f"{where} {key} must hold distinct ids, got {int(ordered[int(same[0])])} more than once")
 
 
 def _allocate(numel: int, value: float, device: torch.device) -> Tensor:
@@ -452,68 +501,126 @@ class DynamicTables:
         keys += ["admission_id", "admission_count"] if m.admit_after > 1 else []
         return keys
 
-    def load_table_state(self, t: int, state: Dict[str, Tensor], where: str) -> None:
-        """Rebuilds table t from ``table_state`` output; checks everything before changing anything."""
+    def load_states(self, states: Dict[int, Dict[str, Tensor]], where: str) -> None:
+        """Replaces tables by ``table_state`` outputs (table index -> state), all or none: every
+        state is checked and its index built before any table changes. ``row`` may be absent
+        (rows placed afresh), and so may optimizer state, ``last_seen`` and the admission keys
+        (initial values: fresh optimizer state, seen now, nothing pending)."""
+        if not states:
+            return
+        self.check_ready(where)
+        loaded = {t: self._check_table_state(t, state, where) for t, state in states.items()}
         self.write_new_rows()
-        m = self.meta[t]
-        ids = state["weight_id"].to(torch.int64)
+        for t, table in loaded.items():
+            self._replace_table(t, table)
+        self.train_step = max(table.train_step for table in loaded.values())
+        self.optimizer_step.fill_(max(table.optimizer_step for table in loaded.values()))
+        for table in loaded.values():
+            if table.warning is not None:
+                warnings.warn(table.warning)
+
+    def _check_table_state(self, t: int, state: Dict[str, Tensor], where: str) -> "_LoadedTable":
+        """Table t's checkpoint state, checked (types, shapes, finite values, distinct ids, counter
+        ranges) and placed in a new index; raises TypeError / ValueError naming the key."""
+        m, device = self.meta[t], self.device
+        name = f"{where}: table {m.name!r}"
+        ids = _checked(name, "weight_id", state["weight_id"], "int", None)
         n = ids.numel()
-        vectors = state["weight"]
-        if vectors.dim() != 2 or vectors.shape != (n, m.dim):
-            raise ValueError(f"{where}: table {m.name!r} weight must be [{n}, {m.dim}] (one row per weight_id), "
-                             f"got {tuple(vectors.shape)}")
-        for key in ("metadata", "row") + (("last_seen",) if m.ttl_steps is not None else ()):
-            if key in state and state[key].shape != (n,):
-                raise ValueError(f"{where}: table {m.name!r} {key} must have {n} entries, got {tuple(state[key].shape)}")
-        for name, view in self.state_views(t).items():
-            got = state[f"optimizer.{name}"]
-            want = (n,) + tuple(view.shape[1:])
-            if tuple(got.shape) != want:
-                raise ValueError(f"{where}: table {m.name!r} optimizer.{name} must be {list(want)}, got {list(got.shape)}")
-        clock, epoch, train_step, optimizer_step = (int(v) for v in state["counters"].tolist())
-        device = self.device
-        ids = ids.to(device)
-        scores = state["metadata"].to(torch.int64).to(device)
-        index, rows = None, None
-        if "row" in state and n <= m.capacity:
-            index = HashTable(m.capacity, policy=m.policy, device=device)
-            try:  # the same placement, when saved at this capacity
-                index.load_state_dict({"capacity": m.capacity, "policy": m.policy, "clock": clock, "epoch": epoch,
-                                       "keys": ids, "rows": state["row"].to(torch.int64).to(device), "scores": scores})
-                rows = state["row"].to(torch.int64).to(device)
+        vectors = _checked(name, "weight", state["weight"], "float", (n, m.dim), ids)
+        scores = _checked(name, "metadata", state["metadata"], "int", (n,))
+        counters = _checked(name, "counters", state["counters"], "int", (4,)).tolist()
+        clock, epoch, train_step, optimizer_step = (
+            check_counter(where, f"table {m.name!r} counters[{i}] ({what})", value, limit) for i, (what, value, limit) in enumerate(
+                zip(("clock", "epoch", "training step", "optimizer step"), counters,
+                    (CLOCK_LIMIT, EPOCH_LIMIT, CLOCK_LIMIT, CLOCK_LIMIT))))
+        saved_rows = _checked(name, "row", state["row"], "int", (n,)) if "row" in state else None
+        _check_distinct(name, "weight_id", ids)
+        states: Dict[str, Optional[Tensor]] = {}
+        for key, view in self.state_views(t).items():
+            value = state.get(f"optimizer.{key}")
+            if value is not None:
+                value = _checked(name, f"optimizer.{key}", value, "float", (n,) + tuple(view.shape[1:]), ids,
+                                 non_negative=(self.optimizer.kind, key) in _SQUARED_STATES)
+            states[key] = value
+        last_seen = None
+        if m.ttl_steps is not None and "last_seen" in state:
+            last_seen = _checked(name, "last_seen", state["last_seen"], "int", (n,))
+            late = (last_seen < 0) | (last_seen > train_step)
+            if bool(late.any()):
+                i = int(late.nonzero()[0])
+                raise ValueError(f"{name} last_seen must be in [0, training step {train_step}], got {int(last_seen[i])} "
+                                 f"at entry {i} (weight_id {int(ids[i])})")
+        admission = None
+        if m.admit_after > 1:
+            admission = self._checked_admission(t, state, name)
+
+        # Placement: the saved rows when valid at this capacity, else placed afresh.
+        ids, scores = ids.to(device, torch.int64), scores.to(device, torch.int64)
+        index = HashTable(m.capacity, policy=m.policy, device=device)
+        entry = {"capacity": m.capacity, "policy": m.policy, "clock": clock, "epoch": epoch}
+        rows, keep, warning = None, None, None
+        if saved_rows is not None and n <= m.capacity:
+            saved_rows = saved_rows.to(device, torch.int64)
+            try:
+                index.load_state_dict(dict(entry, keys=ids, rows=saved_rows, scores=scores))
+                rows = saved_rows
             except ValueError:
-                index = None
-        keep = None
-        if index is None:
-            # Placed afresh, highest scores first: what does not fit is what eviction would drop.
-            index = HashTable(m.capacity, policy=m.policy, device=device)
-            order = torch.argsort(scores, descending=True, stable=True)
-            index.insert_or_assign(ids[order], scores[order])
-            rows, keep = index.find(ids)
-            if not bool(keep.all()):
-                warnings.warn(f"{where}: table {m.name!r} keeps {int(keep.sum())} of the checkpoint's {n} ids; "
-                              f"the {n - int(keep.sum())} with the lowest scores do not fit in capacity {m.capacity}")
+                pass  # saved at another capacity
+        if rows is None:
+            rows = place_keys(ids, scores, m.capacity)
+            keep = rows >= 0
+            index.load_state_dict(dict(entry, keys=ids[keep], rows=rows[keep], scores=scores[keep]))
+            kept = int(keep.sum())
+            if kept < n:
+                warning = (f"{name}: placed {kept} of the checkpoint's {n} ids in capacity {m.capacity}; the other "
+                           f"{n - kept} (lowest scores first) have no free row in the two 32-row buckets their id "
+                           f"hashes to, in any placement" + (f" ({n} ids > capacity {m.capacity})" if n > m.capacity else ""))
             rows = rows[keep]
-            index._clock, index._epoch = clock, epoch
-        pick = (lambda x: x) if keep is None else (lambda x: x[keep.to(x.device)])
-        self.indexes[t] = index
-        self.table_view(t)[rows] = pick(vectors.to(device, torch.float32))
-        for name, view in self.state_views(t).items():
-            view[rows] = pick(state[f"optimizer.{name}"].to(device, torch.float32))
+            keep = keep.to(vectors.device)
+        pick = (lambda x: x.to(device)) if keep is None else (lambda x: x[keep.to(x.device)].to(device))
+        if m.ttl_steps is not None:
+            last_seen = torch.full((rows.numel(),), train_step, dtype=torch.int64, device=device) \
+                if last_seen is None else pick(last_seen.to(torch.int64))
+        return _LoadedTable(
+            index=index, rows=rows, vectors=pick(vectors.to(torch.float32)),
+            states={k: None if v is None else pick(v.to(torch.float32)) for k, v in states.items()},
+            last_seen=last_seen, admission=admission, train_step=train_step, optimizer_step=optimizer_step,
+            warning=warning,
+        )
+
+    def _checked_admission(self, t: int, state: Dict[str, Tensor], name: str) -> Tuple[HashTable, Tensor]:
+        """Table t's pending-admission counter rebuilt from the state (empty when absent)."""
+        m, device = self.meta[t], self.device
+        counter = HashTable(m.admission_capacity, policy="lfu", device=device)
+        seen = torch.zeros(m.admission_capacity, dtype=torch.int64, device=device)
+        if "admission_id" not in state:
+            return counter, seen
+        pending_ids = _checked(name, "admission_id", state["admission_id"], "int", None)
+        pending_counts = _checked(name, "admission_count", state.get("admission_count"), "int", tuple(pending_ids.shape))
+        _check_distinct(name, "admission_id", pending_ids)
+        if pending_counts.numel() and int(pending_counts.min()) < 0:
+            i = int((pending_counts < 0).nonzero()[0])
+            raise ValueError(f"{name} admission_count must be >= 0, got {int(pending_counts[i])} at entry {i} "
+                             f"(admission_id {int(pending_ids[i])})")
+        pending_ids, pending_counts = pending_ids.to(device, torch.int64), pending_counts.to(device, torch.int64)
+        # A bounded counter: sightings that do not fit are dropped, as a full counter drops them.
+        pending_rows = counter.insert_or_assign(pending_ids, pending_counts).rows
+        live = pending_rows >= 0
+        seen[pending_rows[live]] = pending_counts[live]
+        return counter, seen
+
+    def _replace_table(self, t: int, table: "_LoadedTable") -> None:
+        m, rows = self.meta[t], table.rows
+        self.indexes[t] = table.index
+        self.table_view(t)[rows] = table.vectors
+        for (key, view), fill in zip(self.state_views(t).items(), self._initial_state_values()):
+            value = table.states[key]
+            view[rows] = fill if value is None else value
         if m.ttl_steps is not None:
             self.last_seen[t].zero_()
-            self.last_seen[t][rows] = pick(state["last_seen"].to(device))
+            self.last_seen[t][rows] = table.last_seen
         if m.admit_after > 1:
-            counter = HashTable(m.admission_capacity, policy="lfu", device=device)
-            seen = torch.zeros(m.admission_capacity, dtype=torch.int64, device=device)
-            pending_ids = state["admission_id"].to(device)
-            pending_counts = state["admission_count"].to(device)
-            pending_rows = counter.insert_or_assign(pending_ids, pending_counts).rows
-            keep = pending_rows >= 0
-            seen[pending_rows[keep]] = pending_counts[keep]
-            self.admission[t] = (counter, seen)
-        self.train_step = train_step
-        self.optimizer_step.fill_(optimizer_step)
+            self.admission[t] = table.admission
 
     # ------------------------------------------------------------------ accounting
 

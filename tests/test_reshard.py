@@ -1,0 +1,191 @@
+"""Rows placed on load: every row the target's capacity can hold is placed (a plain insert of a
+full table's ids refuses ~1% of them), also when resharding full tables 2 -> 1 -> 2 -> 4 -> 2
+ranks; where a rank is given more ids than it holds, the warning gives the true numbers."""
+import os
+import re
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+from torchrec import KeyedJaggedTensor
+
+from dist_helpers import ModelWith, run_ranks
+from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
+from torchrec_ext import HashTable, reference
+
+
+def _most_placeable(keys, capacity):
+    """Oracle: an upper bound on how many keys fit, from the reference placement: a key may only
+    use the buckets of its stripe, so each stripe holds at most its slots."""
+    buckets, stripes = reference.geometry(capacity)
+    width, wide = divmod(buckets, stripes)
+    first_of = [s * width + min(s, wide) for s in range(stripes)] + [buckets]
+    per_stripe = Counter(max(s for s in range(stripes) if first_of[s] <= reference.place(k, capacity)[0])
+                         for k in keys.tolist())
+    rows_of = [min(first_of[s + 1] * reference.SLOTS, capacity) - first_of[s] * reference.SLOTS for s in range(stripes)]
+    return sum(min(n, rows_of[s]) for s, n in per_stripe.items())
+
+
+@pytest.mark.parametrize("capacity, n", [(256, 256), (2048, 2048), (2000, 2000), (2048, 2100), (8192, 8192)])
+def test_place_keys_places_every_key_that_fits(capacity, n):
+    from torchrec_ext.table import place_keys
+
+    gen = torch.Generator().manual_seed(capacity + n)
+    keys = torch.randint(-(2**62), 2**62, (n,), generator=gen)
+    assert keys.unique().numel() == n
+    scores = torch.randint(0, 1000, (n,), generator=gen)
+    rows = place_keys(keys, scores, capacity)
+    placed = rows >= 0
+    assert int(placed.sum()) == _most_placeable(keys, capacity)  # the upper bound, reached
+    table = HashTable(capacity)  # the placement is valid: each key in one of its buckets, rows distinct
+    table.load_state_dict({"capacity": capacity, "policy": "lru", "clock": 0, "epoch": 0,
+                           "keys": keys[placed], "rows": rows[placed], "scores": scores[placed]})
+    found_rows, found = table.find(keys)
+    assert torch.equal(found, placed) and torch.equal(found_rows[placed], rows[placed])
+    if n > capacity:  # one stripe: what is left out has the lowest scores
+        assert int(scores[~placed].max()) <= int(scores[placed].min())
+
+
+def _full_module(capacity, seed=0):
+    module = DynamicEmbeddingBagCollection(
+        [DynamicEmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=capacity, feature_names=["f"])],
+        optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    gen = torch.Generator().manual_seed(seed)
+    while module.num_live_rows() < capacity:
+        ids = torch.randint(-(2**62), 2**62, (capacity,), generator=gen)
+        module(KeyedJaggedTensor(keys=["f"], values=ids, lengths=torch.tensor([capacity]))).values().sum().backward()
+    return module
+
+
+def test_full_table_reloaded_without_its_rows_keeps_every_row():
+    """What a reshard does (placement saved for another table: rows placed afresh) on one table
+    of capacity 2048 holding 2048 ids."""
+    source = _full_module(2048)
+    state = {k: v for k, v in source.state_dict().items() if not k.endswith(".row")}
+    target = DynamicEmbeddingBagCollection(source.embedding_bag_configs(), optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "do not fit" warning
+        target.load_state_dict(state, strict=False)
+    got, want = target.state_dict(), source.state_dict()
+    assert got["embedding_bags.t.weight_id"].numel() == 2048
+    order_got, order_want = (torch.argsort(s["embedding_bags.t.weight_id"]) for s in (got, want))
+    for key in ("weight_id", "weight", "metadata", "optimizer.momentum1"):
+        assert torch.equal(got[f"embedding_bags.t.{key}"][order_got], want[f"embedding_bags.t.{key}"][order_want]), key
+
+
+# ----------------------------------------------------------------------------- resharding on ranks
+
+CAPACITY = {"t1": 1024, "t2": 256}  # row-wise, table-wise: each rank's share one stripe (< 4096 rows)
+KEYS = ["f1", "f2"]
+
+
+def _dmp(world_size):
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+
+    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
+
+    configs = [DynamicEmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=CAPACITY["t1"], feature_names=["f1"]),
+               DynamicEmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=CAPACITY["t2"], feature_names=["f2"],
+                                         eviction_policy="lfu")]
+    model = ModelWith("ebc", DynamicEmbeddingBagCollection(configs, optimizer="adam", optimizer_kwargs={"lr": 0.05}))
+    gens = {"t1": row_wise(compute_kernel="customized_kernel"), "t2": table_wise(rank=world_size - 1, compute_kernel="customized_kernel")}
+    plan = construct_module_sharding_plan(model.ebc, gens, sharder=DynamicEmbeddingBagCollectionSharder(),
+                                          local_size=world_size, world_size=world_size, device_type="cpu")
+    return DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
+                                    plan=ShardingPlan({"ebc": plan}), sharders=get_sharders())
+
+
+def _local_rows(dmp):
+    """{table: {id: weight + optimizer state}} of this rank, and its tables' capacities."""
+    local = dmp.module.ebc.local_module
+    rows, capacity = {}, {}
+    if local is not None:
+        state = local.state_dict()
+        for cfg in local.embedding_bag_configs():
+            p = f"embedding_bags.{cfg.name}."
+            values = torch.cat([state[p + k] for k in ("weight", "optimizer.momentum1", "optimizer.momentum2")], dim=1)
+            rows[cfg.name] = dict(zip(state[p + "weight_id"].tolist(), values))
+            capacity[cfg.name] = cfg.num_embeddings
+    return rows, capacity
+
+
+def _fill(dmp, rank, seed):
+    """Trains on fresh ids until every table of every rank is full."""
+    gen = torch.Generator().manual_seed(seed * 100 + rank)
+    for _ in range(20):
+        rows, capacity = _local_rows(dmp)
+        full = all(len(rows[t]) == capacity[t] for t in rows)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, full)
+        if all(everyone):
+            return
+        lengths = torch.tensor([2 * CAPACITY["t1"] // 8] * 8 + [CAPACITY["t2"] // 8] * 8)
+        values = torch.randint(-(2**62), 2**62, (int(lengths.sum()),), generator=gen)
+        dmp(KeyedJaggedTensor(keys=KEYS, values=values, lengths=lengths, stride=8)).values().sum().backward()
+    raise AssertionError("tables did not fill up")
+
+
+def _reshard_step(rank, world_size, root, load_from, save_as):
+    """Loads checkpoint ``load_from`` (if any) and checks every rank's rows against the saved
+    ones; fills the tables; saves ``save_as`` with the saved rows beside it."""
+    from torchrec_ext.distributed.checkpoint import load_checkpoint, save_checkpoint
+
+    dmp = _dmp(world_size)
+    if load_from is not None:
+        state = load_checkpoint(os.path.join(root, f"step_{load_from}"), {"model": dmp.state_dict()})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dmp.load_state_dict(state["model"])
+        said = [str(w.message) for w in caught if "placed" in str(w.message)]
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, (_local_rows(dmp), said))
+        _check_resharded(torch.load(os.path.join(root, f"rows_{load_from}.pt")), everyone, world_size)
+    if save_as is None:
+        return
+    _fill(dmp, rank, save_as)
+    save_checkpoint(root, save_as, {"model": dmp.state_dict()})
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, _local_rows(dmp)[0])
+    if rank == 0:
+        saved = {t: {} for t in CAPACITY}
+        for rows in everyone:
+            for t, r in rows.items():
+                saved[t].update(r)
+        torch.save(saved, os.path.join(root, f"rows_{save_as}.pt"))
+
+
+def _check_resharded(saved, everyone, world_size):
+    for t, rows in saved.items():
+        for rank, ((got_rows, capacity), said) in enumerate(everyone):
+            if t == "t1":  # row-wise: the ids the reference routing sends to this rank
+                routed = {i for i in rows if reference.route(i, world_size) == rank}
+            else:  # table-wise, on the last rank
+                routed = set(rows) if rank == world_size - 1 else set()
+            if not routed:
+                assert t not in got_rows or not got_rows[t]
+                continue
+            got, cap = got_rows[t], capacity[t]
+            assert set(got) <= routed
+            assert len(got) == min(len(routed), cap), (t, rank, len(got), len(routed), cap)  # all that fit
+            for i, value in got.items():
+                assert torch.equal(value, rows[i]), (t, i)
+            mine = [s for s in said if f"table {t!r}" in s]
+            if len(routed) > cap:
+                assert len(mine) == 1 and re.search(
+                    rf"placed {cap} of the checkpoint's {len(routed)} ids in capacity {cap};.*\({len(routed)} ids > capacity {cap}\)",
+                    mine[0]), mine
+            else:
+                assert not mine
+
+
+def test_reshard_full_tables_2_1_2_4_2(tmp_path):
+    root = str(tmp_path)
+    run_ranks(_reshard_step, 2, root, None, 1)  # full tables on 2 ranks
+    run_ranks(_reshard_step, 1, root, 1, 2)     # 2 -> 1: every row fits
+    run_ranks(_reshard_step, 2, root, 2, 3)     # 1 -> 2: a rank given more ids than its share keeps its share
+    run_ranks(_reshard_step, 4, root, 3, 4)     # 2 -> 4
+    run_ranks(_reshard_step, 2, root, 4, None)  # 4 -> 2

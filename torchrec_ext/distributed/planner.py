@@ -28,6 +28,7 @@ on the compute device's memory (ddr on CPU, hbm on CUDA). The perf model is desc
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -57,6 +58,10 @@ __all__ = [
 ]
 
 DYNAMIC_MODULE_TYPES = (DynamicEmbeddingBagCollection, DynamicEmbeddingCollection)
+# TorchRec 1.6 hands estimators the sharders themselves (name -> ModuleSharder) and its
+# extract_comm_data_type_size takes (sharder, option); from 1.7 on they get picklable snapshots
+# (SharderDataMap) and it takes (option, sharder_data). Both go through unchanged.
+_COMM_SIZES_TAKE_SHARDER_FIRST = next(iter(inspect.signature(extract_comm_data_type_size).parameters)) == "sharder"
 
 # ---------------------------------------------------------------------------- byte model
 FLOAT_BYTES = 4  # rows and optimizer state are float32
@@ -203,7 +208,7 @@ def _ours_after_delegating(sharding_options, delegate, sharder_data_map):
     """TorchRec's estimator takes the stock tables' options; yields ours with their table info."""
     others = [o for o in sharding_options if not is_dynamic_option(o)]
     if others:
-        delegate.estimate(others, sharder_data_map=sharder_data_map)
+        delegate.estimate(others, sharder_data_map)  # positional: the parameter's name differs in TorchRec 1.6
     cache = _TableCache()
     for option in sharding_options:
         if is_dynamic_option(option):
@@ -337,6 +342,8 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
         # sharder's qcomm codecs as TorchRec does; float32 without them.
         if sharder_data is None:
             return (FLOAT_BYTES,) * 4
+        if _COMM_SIZES_TAKE_SHARDER_FIRST:
+            return extract_comm_data_type_size(sharder_data, option)
         return extract_comm_data_type_size(option, sharder_data)
 
     def _shard_perf(self, option: ShardingOption, table: _TableInfo, sharder_data: Any = None) -> Perf:

@@ -1,9 +1,16 @@
 """Builds torchrec_ext._C: the C++ CPU kernels always, plus the CUDA kernels when torch was
-built with CUDA and nvcc is found (or FORCE_CUDA=1). Says which it did."""
+built with CUDA and nvcc is found (or FORCE_CUDA=1). Says which it did.
+
+The toolkit is torch's CUDA_HOME: $CUDA_HOME (or $CUDA_PATH), else the folder above the nvcc on
+PATH, else /usr/local/cuda (torch.utils.cpp_extension._find_cuda_home). GPU architectures: sm_90
+SASS plus compute_90 PTX (which newer GPUs JIT-compile) by default; TORCH_CUDA_ARCH_LIST
+("9.0+PTX", "8.0;9.0", ...) when set, turned into -gencode flags by torch's BuildExtension;
+TORCHREC_EXT_NVCC_ARCH (nvcc flags, space-separated) over both."""
 import glob
 import os
+import shlex
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 import torch
 
@@ -14,6 +21,14 @@ def _want_cuda() -> bool:
     if os.environ.get("FORCE_CUDA", "0") == "1":
         return True
     return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+def _nvcc_arch_flags() -> list:
+    if "TORCHREC_EXT_NVCC_ARCH" in os.environ:
+        return shlex.split(os.environ["TORCHREC_EXT_NVCC_ARCH"])
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return []  # BuildExtension derives -gencode flags from the list when none are given
+    return ["-gencode=arch=compute_90,code=[sm_90,compute_90]"]
 
 
 def _extension():
@@ -38,8 +53,7 @@ def _extension():
             extra_link_args=link_flags,
             extra_compile_args={
                 "cxx": cxx_flags,
-                "nvcc": ["-O3", "--expt-relaxed-constexpr",
-                         os.environ.get("TORCHREC_EXT_NVCC_ARCH", "-gencode=arch=compute_90,code=sm_90")],
+                "nvcc": ["-O3", "--expt-relaxed-constexpr"] + _nvcc_arch_flags(),
             },
         )
     print(f"torchrec_ext: building CPU kernels only ({len(cpu_sources)} sources; "
@@ -54,10 +68,7 @@ def _extension():
 
 
 setup(
-    packages=["torchrec_ext", "torchrec_ext.triton_kernels"],
-    # The Triton kernels live in the top-level triton_kernels/ folder but install as
-    # torchrec_ext.triton_kernels, so they never shadow Triton's own `triton_kernels` package.
-    package_dir={"torchrec_ext": "torchrec_ext", "torchrec_ext.triton_kernels": "triton_kernels"},
+    packages=find_packages(include=["torchrec_ext", "torchrec_ext.*"]),
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

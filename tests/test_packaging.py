@@ -1,37 +1,80 @@
-"""The Triton kernels folder is importable only as torchrec_ext.triton_kernels: run from the
-repository root, a bare `import triton_kernels` gets Triton's own package (or nothing), never ours."""
+"""torchrec_ext imports without the editable install: from a plain copy of the checkout with the
+extension built in place, and from what a wheel would hold (setup.py build_py + the built _C).
+Both run where CUDA looks available, the path on which ops.py imports the Triton kernels."""
+import glob
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import torchrec_ext._C
+from build_helpers import ROOT, setup_arguments
+
+# Drops the editable install's import hook, stubs a GPU (ops.py then registers the Triton kernels
+# as CUDA kernels, as on a GPU machine), imports, and says where every torchrec_ext module came from.
+IMPORT_CHECK = """
+import sys
+sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+import torch
+torch.cuda.is_available = lambda: True
+import torchrec_ext, torchrec_ext.ops, torchrec_ext.triton_kernels.embedding_lookup
+import torchrec_ext.distributed, torchrec_ext.pipeline, torchrec_ext.train_utils, torchrec_ext.data, torchrec_ext.train
+print(torchrec_ext.ops.has_kernel("pooled_lookup", torch.device("cuda")))
+for name, module in sorted(sys.modules.items()):
+    if name.startswith("torchrec_ext"):
+        print(name, getattr(module, "__file__", None))
+"""
 
 
-def _python(code: str, extra_path: str = "") -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=extra_path)
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+def _checkout_copy(destination: str) -> str:
+    """The source tree as a fresh checkout has it, plus the built extension in place."""
+    shutil.copytree(ROOT, destination, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "runs", "*.egg-info", "__pycache__", ".pytest_cache", "*.so"))
+    shutil.copy2(torchrec_ext._C.__file__, os.path.join(destination, "torchrec_ext"))
+    return destination
 
 
-def test_our_kernels_import_under_the_package_name():
-    proc = _python("import torchrec_ext.triton_kernels as k; print(k.__name__)")
+def _wheel_contents(destination: str, checkout: str) -> str:
+    """The Python files a wheel would hold (setup.py's build_py), plus the built extension."""
+    proc = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "-d", destination], cwd=checkout,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "torchrec_ext.triton_kernels"
+    shutil.copy2(torchrec_ext._C.__file__, os.path.join(destination, "torchrec_ext"))
+    return destination
 
 
-def test_bare_triton_kernels_is_not_shadowed(tmp_path):
-    real = tmp_path / "triton_kernels"
-    real.mkdir()
-    (real / "__init__.py").write_text("ORIGIN = 'triton'\n")
-    proc = _python("import triton_kernels; print(triton_kernels.ORIGIN)", extra_path=str(tmp_path))
+def _python_files(root: str) -> set:
+    return {os.path.relpath(p, root) for p in glob.glob(os.path.join(root, "torchrec_ext", "**", "*.py"), recursive=True)}
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory) -> dict:
+    checkout = _checkout_copy(str(tmp_path_factory.mktemp("checkout") / "torchrec_ext_src"))
+    return {"checkout": checkout, "wheel": _wheel_contents(str(tmp_path_factory.mktemp("wheel")), checkout)}
+
+
+def test_setup_names_every_subpackage():
+    packages = setup_arguments()["packages"]
+    on_disk = {os.path.relpath(os.path.dirname(p), ROOT).replace(os.sep, ".")
+               for p in glob.glob(os.path.join(ROOT, "torchrec_ext", "**", "__init__.py"), recursive=True)}
+    assert sorted(packages) == sorted(on_disk)
+
+
+def test_wheel_holds_every_python_file(layouts):
+    assert _python_files(layouts["wheel"]) == _python_files(layouts["checkout"])
+
+
+@pytest.mark.parametrize("layout", ["checkout", "wheel"])
+def test_imports_from_pythonpath_without_the_editable_finder(layouts, layout):
+    root = layouts[layout]
+    proc = subprocess.run([sys.executable, "-c", IMPORT_CHECK], cwd=root, env=dict(os.environ, PYTHONPATH=root),
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "triton"
-
-
-def test_bare_triton_kernels_absent_is_module_not_found(tmp_path):
-    installed = subprocess.run([sys.executable, "-c", "import triton_kernels"], cwd=tmp_path, capture_output=True)
-    if installed.returncode == 0:
-        pytest.skip("Triton's triton_kernels is installed here")
-    proc = _python("import triton_kernels")
-    assert proc.returncode != 0 and "No module named 'triton_kernels'" in proc.stderr
+    registered, *modules = proc.stdout.splitlines()
+    assert registered == "True"  # the Triton lookup is the op's CUDA kernel
+    assert "torchrec_ext.triton_kernels.embedding_update" in {line.split()[0] for line in modules}
+    for line in modules:
+        name, path = line.split(maxsplit=1)
+        assert path.startswith(root + os.sep), f"{name} loaded from {path}, outside {root}"

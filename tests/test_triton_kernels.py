@@ -1,6 +1,7 @@
-"""The Triton embedding kernels (triton_kernels/embedding_lookup.py, embedding_update.py) against
-the references in torchrec_ext/reference.py: pooled and sequence lookups, and the backward fused
-with every optimizer over several steps (weights and optimizer states).
+"""The Triton embedding kernels (torchrec_ext/triton_kernels/: embedding_lookup.py,
+embedding_update.py) against the references in torchrec_ext/reference.py: pooled and sequence
+lookups, and the backward fused with every optimizer over several steps (weights and optimizer
+states).
 
 Each check runs in two variants: `interp`, on CPU tensors under TRITON_INTERPRET=1, and `cuda`, on
 a GPU (skipped without one). TRITON_INTERPRET is read when triton is imported, and another test of

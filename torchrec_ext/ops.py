@@ -2,9 +2,9 @@
 
 The schemas live in ``csrc/ops.cpp``. Hash table ops: CPU kernels in ``csrc/hash_table_cpu.cpp``,
 CUDA kernels in ``csrc/hash_table_cuda.cu``. Embedding ops: CPU kernels in
-``csrc/embedding_cpu.cpp``; their CUDA kernels are the Triton ones in ``triton_kernels/``,
-registered below when Triton and a GPU are present. The fake kernels give output shapes and
-dtypes without data so the ops trace under ``torch.fx`` / ``torch.compile``.
+``csrc/embedding_cpu.cpp``; their CUDA kernels are the Triton ones in the ``triton_kernels``
+subpackage, registered below when Triton and a GPU are present. The fake kernels give output
+shapes and dtypes without data so the ops trace under ``torch.fx`` / ``torch.compile``.
 """
 from __future__ import annotations
 

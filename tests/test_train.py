@@ -6,6 +6,8 @@
 - bad arguments fail fast with a message naming the problem;
 - the real Criteo sample (skipped when absent) and 2 ranks under torchrun (skipped without
   torchrec_ext.distributed's sharders and planner);
+- all of the above on CPU; on CUDA (skipped without a GPU) a short run, then a checkpoint and
+  resume; more ranks per node than GPUs is refused by name;
 - checkpoints: an interrupted save leaves the previous one loadable, tensors whose sizes
   changed are resized from the checkpoint's metadata; the torchx component builds the launch.
 """
@@ -28,8 +30,11 @@ TINY = ["--batch-size", "128", "--capacity", "2048", "--embedding-dim", "8", "--
 
 
 def _run(args, timeout=120, launcher=None):
+    """The job in a subprocess, on CPU unless ``args`` name a --device (the default, auto, would
+    pick a GPU where there is one)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    cmd = (launcher or [sys.executable]) + ["-m", "torchrec_ext.train"] + args
+    device = [] if "--device" in args else ["--device", "cpu"]
+    cmd = (launcher or [sys.executable]) + ["-m", "torchrec_ext.train"] + args + device
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -183,6 +188,29 @@ def test_two_ranks_under_torchrun_resume_then_one_rank(tmp_path):
     assert len(losses) == 26 and min(losses[20:]) > 0.3  # fresh data: no memorised batches
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_short_run_then_checkpoint_and_resume(tmp_path):
+    full, split = str(tmp_path / "full"), str(tmp_path / "split")
+    common = ["--eval-every", "30", "--checkpoint-every", "30", "--keep-checkpoints", "1", "--device", "cuda"] + TINY
+    _ok(_run(["--steps", "60", "--run-dir", full] + common, timeout=300))
+    summary = _load(full, "summary.json")
+    assert summary["status"] == "completed" and summary["device"] == "cuda:0" and summary["world_size"] == 1
+    assert summary["final_eval"]["auc"] > summary["initial_eval"]["auc"] + 0.05, summary["evals"]
+    assert summary["train_loss"]["last"] < summary["train_loss"]["first"]
+
+    first = _ok(_run(["--steps", "30", "--run-dir", split, "--pipeline", "plain"] + common, timeout=300))
+    assert "checkpoints/step_30" in first.stdout
+    second = _ok(_run(["--steps", "60", "--run-dir", split, "--resume"] + common, timeout=300))
+    assert "resumed from" in second.stdout and "at step 30" in second.stdout
+    want, got = _load(full, "history.json"), _load(split, "history.json")
+    # Close, not bitwise: CUDA reductions (atomics in the dense backward) may round differently.
+    assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-4, abs=1e-5)
+    resumed = _load(split, "summary.json")
+    assert resumed["device"] == "cuda:0" and resumed["start_step"] == 30
+    assert resumed["final_eval"]["auc"] == pytest.approx(summary["final_eval"]["auc"], abs=1e-3)
+    assert sorted(os.listdir(os.path.join(split, "checkpoints"))) == ["step_60"]
+
+
 # ----------------------------------------------------------------------------- pieces
 
 
@@ -239,3 +267,54 @@ def test_torchx_component_launches_torchrun_with_the_job_args():
     assert two_nodes.num_replicas == 2 and two_nodes.resource.gpu == 8
     # The rendezvous host is expanded by bash on each node (torchx turns $$ into $, ${rank0_env} into its variable).
     assert " $${${rank0_env}:=localhost}:29500 " in two_nodes.args[1]
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretends this machine has ``n`` visible GPUs (``gpus(n)``): resolve_device only asks torch.cuda."""
+    def have(n):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    return have
+
+
+def test_each_rank_of_a_node_gets_its_own_gpu(gpus):
+    from torchrec_ext.train_utils.runtime import resolve_device
+
+    gpus(2)
+    assert [resolve_device("cuda", r, 2) for r in (0, 1)] == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert resolve_device("auto", 1, 2) == torch.device("cuda", 1)
+    assert resolve_device("cuda:1", 0, 1) == torch.device("cuda", 1)
+    assert resolve_device("cpu", 3, 4) == torch.device("cpu")
+    gpus(0)
+    assert resolve_device("auto", 1, 2) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("name, local_rank, local_world_size, message", [
+    ("cuda", 1, 2, "--device cuda: 2 ranks on this node but 1 visible GPU(s); start at most 1 per node"),
+    ("auto", 0, 2, "--device auto: 2 ranks on this node but 1 visible GPU(s)"),
+    ("cuda", 1, 1, "--device cuda: 2 ranks on this node but 1 visible GPU(s)"),  # LOCAL_WORLD_SIZE unset
+    ("cuda:1", 0, 1, "--device cuda:1: this node has 1 visible GPU(s), cuda:0 to cuda:0"),
+    ("cuda:0", 0, 2, "--device cuda:0 puts all 2 ranks of this node on one GPU"),
+    ("cuda0", 0, 1, "--device: expected auto, cpu, cuda or cuda:N, got 'cuda0'"),
+])
+def test_more_ranks_per_node_than_gpus_is_refused(gpus, name, local_rank, local_world_size, message):
+    from torchrec_ext.train_utils.runtime import resolve_device
+
+    gpus(1)
+    with pytest.raises(ValueError) as info:
+        resolve_device(name, local_rank, local_world_size)
+    assert message in str(info.value)
+
+
+def test_job_refuses_two_ranks_on_one_gpu_before_any_process_group(gpus, monkeypatch, capsys):
+    from torchrec_ext.train import main
+
+    gpus(1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(SystemExit) as info:
+        main(["--device", "cuda", "--verbose"])
+    assert info.value.code == 2 and not dist.is_initialized()
+    assert "--device cuda: 2 ranks on this node but 1 visible GPU(s)" in capsys.readouterr().err

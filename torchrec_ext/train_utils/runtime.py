@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+
 import torch
 import torch.distributed as dist
 
@@ -21,19 +23,33 @@ class Runtime:
         return self.rank == 0
 
 
-def resolve_device(name: str, local_rank: int) -> torch.device:
-    """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda`` (this rank's GPU) or ``cuda:N``."""
+def resolve_device(name: str, local_rank: int, local_world_size: int = 1) -> torch.device:
+    """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda`` (GPU ``local_rank`` of this node)
+    or ``cuda:N`` (one rank per node). Each rank of a node needs a GPU of its own: two ranks on one
+    GPU fail in NCCL or silently share it, so more ranks per node than visible GPUs is refused."""
+    given = name
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: CUDA is not available here (torch {torch.__version__})")
-        if name == "cuda":
-            return torch.device("cuda", local_rank % torch.cuda.device_count())
-        return torch.device(name)
     if name == "cpu":
         return torch.device("cpu")
-    raise ValueError(f"--device: expected auto, cpu, cuda or cuda:N, got {name!r}")
+    if not re.fullmatch(r"cuda(:\d+)?", name):
+        raise ValueError(f"--device: expected auto, cpu, cuda or cuda:N, got {name!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {given}: CUDA is not available here (torch {torch.__version__})")
+    gpus = torch.cuda.device_count()
+    if name == "cuda":
+        ranks = max(local_world_size, local_rank + 1)
+        if ranks > gpus:
+            raise ValueError(f"--device {given}: {ranks} ranks on this node but {gpus} visible GPU(s); "
+                             f"start at most {gpus} per node (torchrun --nproc_per_node), one GPU each")
+        return torch.device("cuda", local_rank)
+    index = int(name.split(":")[1])
+    if index >= gpus:
+        raise ValueError(f"--device {given}: this node has {gpus} visible GPU(s), cuda:0 to cuda:{gpus - 1}")
+    if local_world_size > 1:
+        raise ValueError(f"--device {given} puts all {local_world_size} ranks of this node on one GPU; "
+                         f"use --device cuda (local rank i takes GPU i)")
+    return torch.device(name)
 
 
 def init_runtime(device_name: str) -> Runtime:
@@ -42,7 +58,7 @@ def init_runtime(device_name: str) -> Runtime:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-    device = resolve_device(device_name, local_rank)
+    device = resolve_device(device_name, local_rank, local_world_size)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)

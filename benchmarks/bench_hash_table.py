@@ -7,6 +7,7 @@ and insert_or_assign: half present, half new; each timed call starts from a copy
 at that load factor (the copy is not timed), so every repeat sees the same state.
 
     python benchmarks/bench_hash_table.py                    # 16M slots, 1M keys per call
+    python benchmarks/bench_hash_table.py --load-factors 1.0   # full tables only (every new key evicts)
     python benchmarks/bench_hash_table.py --capacity 65536 --batch 4096 --no-save   # smoke
 """
 from __future__ import annotations
@@ -152,10 +153,12 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=Config.capacity)
     parser.add_argument("--batch", type=int, default=Config.batch)
     parser.add_argument("--repeats", type=int, default=Config.repeats)
+    parser.add_argument("--load-factors", type=float, nargs="+", default=list(Config.load_factors))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-save", action="store_true", help="print only; write nothing under results/")
     args = parser.parse_args()
-    cfg = Config(capacity=args.capacity, batch=args.batch, repeats=args.repeats, device=args.device)
+    cfg = Config(capacity=args.capacity, batch=args.batch, repeats=args.repeats, device=args.device,
+                 load_factors=tuple(args.load_factors))
     results = run(cfg)
     text = report(cfg, results)
     print(text)

@@ -3,8 +3,10 @@
 // Speed comes from memory-level parallelism: a bucket's 32 digests are matched with two SIMD
 // compares, and the buckets of key i + kPrefetchDistance are prefetched while key i is probed.
 // Lookups run in parallel over keys. Mutations are grouped by stripe (a stable counting sort)
-// and each stripe is applied by one thread in batch order, so the result equals applying the
-// keys one at a time, whatever the thread count.
+// and each stripe is applied by one thread in batch order, so results do not depend on the
+// thread count. An upsert applies a stripe's keys in two passes: first every key that already
+// holds a row is touched and pinned, then the others are inserted one at a time in batch order
+// (no key of the call can be evicted by the call).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -26,6 +28,7 @@ namespace {
 
 constexpr int kPrefetchDistance = 16;
 constexpr int64_t kGrainKeys = 4096;
+constexpr int64_t kPassKeys = 2048;  // upsert: keys per run of its passes (see hash_upsert_cpu)
 
 struct TableRef {
   uint8_t* digests;
@@ -85,40 +88,44 @@ inline void prefetch_buckets(const TableRef& t, const KeyPlace& p) {
   __builtin_prefetch(t.digests + p.bucket2 * kSlotsPerBucket);
 }
 
-// Once a key's digests are cached: prefetch the key lines its tag matches. For mutations
-// (kWrite) also the score lines, and for a key with no match (likely new) the lines of the free
-// slot it will most likely take.
-template <bool kWrite>
+// What a pass over keys will read and write once it visits a key, so what to prefetch.
+enum class Prefetch {
+  kFind,    // find, erase: the key lines its tag matches
+  kTouch,   // upsert's first pass: also the score lines of those matches (a found key's score
+            // is rewritten)
+  kInsert,  // upsert's second pass (keys absent when the call began): also the lines of the free
+            // slot the key will most likely take, or, in a full pair, every score line (the
+            // victim search) and key line (the victim's key is reported, then overwritten)
+};
+
+// Once a key's digests are cached: prefetch the lines `kMode` says the visit will touch.
+template <Prefetch kMode>
 inline void prefetch_matches(const TableRef& t, const KeyPlace& p) {
-  bool matched = false;
   for (const int64_t bucket : {p.bucket1, p.bucket2}) {
     const int64_t base = bucket * kSlotsPerBucket;
     for (uint32_t m = match_tag(t.digests + base, p.tag); m != 0; m &= m - 1) {
       const int64_t row = base + lowest_bit(m);
       __builtin_prefetch(t.keys + row);
-      if (kWrite) __builtin_prefetch(t.scores + row, 1);
-      matched = true;
+      if (kMode == Prefetch::kTouch) __builtin_prefetch(t.scores + row, 1);
     }
   }
-  if (kWrite && !matched) {
-    const uint32_t free1 = match_empty(t.digests + p.bucket1 * kSlotsPerBucket);
-    const uint32_t free2 = match_empty(t.digests + p.bucket2 * kSlotsPerBucket);
-    if (free1 | free2) {
-      const int64_t row = __builtin_popcount(free1) >= __builtin_popcount(free2)
-                              ? p.bucket1 * kSlotsPerBucket + lowest_bit(free1)
-                              : p.bucket2 * kSlotsPerBucket + lowest_bit(free2);
-      __builtin_prefetch(t.keys + row, 1);
-      __builtin_prefetch(t.scores + row, 1);
-    } else {
-      // An eviction is coming: the victim search reads every score of both buckets, and the
-      // victim's key (reported as evicted, then overwritten) is in one of their key lines.
-      constexpr int kScoresPerLine = 64 / sizeof(int64_t);
-      for (const int64_t bucket : {p.bucket1, p.bucket2}) {
-        for (int slot = 0; slot < kSlotsPerBucket; slot += kScoresPerLine) {
-          __builtin_prefetch(t.scores + bucket * kSlotsPerBucket + slot, 1);
-          __builtin_prefetch(t.keys + bucket * kSlotsPerBucket + slot, 1);
-        }
-      }
+  if (kMode != Prefetch::kInsert) return;
+  // A tag match here is a collision or a repeat of a key this pass inserted: the key is new.
+  const uint32_t free1 = match_empty(t.digests + p.bucket1 * kSlotsPerBucket);
+  const uint32_t free2 = match_empty(t.digests + p.bucket2 * kSlotsPerBucket);
+  if (free1 | free2) {
+    const int64_t row = __builtin_popcount(free1) >= __builtin_popcount(free2)
+                            ? p.bucket1 * kSlotsPerBucket + lowest_bit(free1)
+                            : p.bucket2 * kSlotsPerBucket + lowest_bit(free2);
+    __builtin_prefetch(t.keys + row, 1);
+    __builtin_prefetch(t.scores + row, 1);
+    return;
+  }
+  constexpr int kScoresPerLine = 64 / sizeof(int64_t);
+  for (const int64_t bucket : {p.bucket1, p.bucket2}) {
+    for (int slot = 0; slot < kSlotsPerBucket; slot += kScoresPerLine) {
+      __builtin_prefetch(t.scores + bucket * kSlotsPerBucket + slot, 1);
+      __builtin_prefetch(t.keys + bucket * kSlotsPerBucket + slot, 1);
     }
   }
 }
@@ -143,7 +150,7 @@ inline int64_t probe(const TableRef& t, const KeyPlace& p, int64_t key) {
 // many keys overlap: the buckets of key j + 2D are prefetched, the key lines matching key
 // j + D's tag are prefetched (its digests arrived meanwhile), and key j is handed to
 // visit(j, key, place) with its lines in cache.
-template <bool kWrite, typename KeyAt, typename Visit>
+template <Prefetch kMode, typename KeyAt, typename Visit>
 inline void for_each_prefetched(const TableRef& t, int64_t count, KeyAt key_at, Visit visit) {
   constexpr int64_t D = kPrefetchDistance;
   constexpr int64_t kRing = 4 * D;  // holds positions j .. j + 2D
@@ -154,10 +161,10 @@ inline void for_each_prefetched(const TableRef& t, int64_t count, KeyAt key_at, 
     prefetch_buckets(t, ring[j & (kRing - 1)]);
   };
   for (int64_t j = 0; j < std::min(count, 2 * D); ++j) fetch_buckets(j);
-  for (int64_t j = 0; j < std::min(count, D); ++j) prefetch_matches<kWrite>(t, ring[j & (kRing - 1)]);
+  for (int64_t j = 0; j < std::min(count, D); ++j) prefetch_matches<kMode>(t, ring[j & (kRing - 1)]);
   for (int64_t j = 0; j < count; ++j) {
     if (j + 2 * D < count) fetch_buckets(j + 2 * D);
-    if (j + D < count) prefetch_matches<kWrite>(t, ring[(j + D) & (kRing - 1)]);
+    if (j + D < count) prefetch_matches<kMode>(t, ring[(j + D) & (kRing - 1)]);
     visit(j, key_at(j), ring[j & (kRing - 1)]);
   }
 }
@@ -263,7 +270,7 @@ std::tuple<at::Tensor, at::Tensor> hash_find_cpu(const at::Tensor& digests,
   int64_t* rp = rows.data_ptr<int64_t>();
   bool* fp = found.data_ptr<bool>();
   at::parallel_for(0, n, kGrainKeys, [&](int64_t begin, int64_t end) {
-    for_each_prefetched</*kWrite=*/false>(
+    for_each_prefetched<Prefetch::kFind>(
         t, end - begin, [&](int64_t j) { return kp[begin + j]; },
         [&](int64_t j, int64_t key, const KeyPlace& p) {
           const int64_t row = probe(t, p, key);
@@ -320,20 +327,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
   std::atomic<int64_t> size_delta{0};
 
   const StripeGroups& groups = group_by_stripe(k.data_ptr<int64_t>(), n, geo);
-  // Applies key `key` (input position i) and returns its row (-1: refused). Keys touched by
-  // this call are pinned so a later key of the same stripe cannot evict them.
-  auto apply = [&](int64_t i, int64_t key, const KeyPlace& p, int64_t& added,
-                   std::vector<std::pair<int64_t, int64_t>>& evicted) -> int64_t {
-    const bool has_given = gp != nullptr;
+  const int64_t* order = groups.order.data();
+  const bool has_given = gp != nullptr;
+  // Gives the key of input position i, found at `row`, its touched score and pins the row.
+  auto touch = [&](int64_t i, int64_t row) {
     const int64_t g = has_given ? gp[i] : 0;
+    t.scores[row] = (assign && has_given)
+                        ? g
+                        : touched_score(policy, false, t.scores[row], has_given, g, clock, epoch);
+    t.digests[row] |= kPinBit;
+  };
+  // Inserts the key of input position i, absent when the call began, and returns its row (-1:
+  // refused). Every key of this call that holds a row is pinned by now, so none is a victim.
+  auto insert = [&](int64_t i, int64_t key, const KeyPlace& p, int64_t& added,
+                    std::vector<std::pair<int64_t, int64_t>>& evicted) -> int64_t {
     int64_t row = probe(t, p, key);
-    if (row >= 0) {
-      t.scores[row] = (assign && has_given)
-                          ? g
-                          : touched_score(policy, false, t.scores[row], has_given, g, clock, epoch);
-      t.digests[row] |= kPinBit;
+    if (row >= 0) {  // a repeat of a key inserted earlier in this pass
+      touch(i, row);
       return row;
     }
+    const int64_t g = has_given ? gp[i] : 0;
     const int64_t new_score =
         (assign && has_given) ? g : touched_score(policy, true, 0, has_given, g, clock, epoch);
     const int64_t base1 = p.bucket1 * kSlotsPerBucket, base2 = p.bucket2 * kSlotsPerBucket;
@@ -359,26 +372,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
     return row;
   };
   for_each_stripe_range(groups, [&](int64_t s0, int64_t s1) {
-    const int64_t begin = groups.offsets[s0], end = groups.offsets[s1];
-    const int64_t* order = groups.order.data();
     int64_t added = 0;
     std::vector<std::pair<int64_t, int64_t>> evicted;
-    int64_t stripe = s0;  // the group whose last key releases its pins: skip empty ones
-    while (groups.offsets[stripe + 1] == groups.offsets[stripe]) ++stripe;
-    for_each_prefetched</*kWrite=*/true>(
-        t, end - begin, [&](int64_t j) { return groups.keys[begin + j]; },
-        [&](int64_t j, int64_t key, const KeyPlace& p) {
-          const int64_t i = order[begin + j];
-          rp[i] = apply(i, key, p, added, evicted);
-          // Last key of its group: release the group's pins while its lines are still cached.
-          if (begin + j + 1 == groups.offsets[stripe + 1]) {
-            for (int64_t q = groups.offsets[stripe]; q <= begin + j; ++q) {
-              const int64_t r = rp[order[q]];
-              if (r >= 0) t.digests[r] &= kTagMask;
+    std::vector<int64_t> absent;  // grouped positions of the keys the first pass did not find
+    // Runs of whole groups of at least kPassKeys keys (pins never matter across stripes): long
+    // enough for the prefetch pipelines, short enough that the later passes find the lines of
+    // the first one still cached.
+    for (int64_t g0 = s0; g0 < s1;) {
+      int64_t g1 = g0 + 1;
+      while (g1 < s1 && groups.offsets[g1] - groups.offsets[g0] < kPassKeys) ++g1;
+      const int64_t begin = groups.offsets[g0], end = groups.offsets[g1];
+      g0 = g1;
+      // Pass 1: every key that holds a row is touched and pinned before any key is inserted,
+      // so a new key early in the batch cannot evict a resident key that comes later.
+      absent.clear();
+      for_each_prefetched<Prefetch::kTouch>(
+          t, end - begin, [&](int64_t j) { return groups.keys[begin + j]; },
+          [&](int64_t j, int64_t key, const KeyPlace& p) {
+            const int64_t row = probe(t, p, key);
+            if (row < 0) {
+              absent.push_back(begin + j);
+              return;
             }
-            do ++stripe; while (stripe < s1 && groups.offsets[stripe + 1] == groups.offsets[stripe]);
-          }
-        });
+            touch(order[begin + j], row);
+            rp[order[begin + j]] = row;
+          });
+      // Pass 2: the keys absent when the call began, in batch order.
+      for_each_prefetched<Prefetch::kInsert>(
+          t, static_cast<int64_t>(absent.size()), [&](int64_t j) { return groups.keys[absent[j]]; },
+          [&](int64_t j, int64_t key, const KeyPlace& p) {
+            const int64_t i = order[absent[j]];
+            rp[i] = insert(i, key, p, added, evicted);
+          });
+      // Every row returned for these keys is pinned: release them.
+      for (int64_t q = begin; q < end; ++q) {
+        const int64_t r = rp[order[q]];
+        if (r >= 0) t.digests[r] &= kTagMask;
+      }
+    }
     size_delta += added;
     if (!evicted.empty()) {
       std::lock_guard<std::mutex> lock(evictions_mutex);
@@ -422,7 +453,7 @@ at::Tensor hash_erase_cpu(at::Tensor& digests, const at::Tensor& slot_keys, at::
   for_each_stripe_range(groups, [&](int64_t s0, int64_t s1) {
     const int64_t begin = groups.offsets[s0], end = groups.offsets[s1];
     int64_t removed = 0;
-    for_each_prefetched</*kWrite=*/false>(
+    for_each_prefetched<Prefetch::kFind>(
         t, end - begin, [&](int64_t j) { return groups.keys[begin + j]; },
         [&](int64_t j, int64_t key, const KeyPlace& p) {
           const int64_t row = probe(t, p, key);

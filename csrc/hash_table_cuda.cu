@@ -5,13 +5,15 @@
 // CPU kernel makes by scanning a bucket (first match, emptier bucket, lowest free slot,
 // lowest-score victim) becomes a ballot or a warp reduction over the same scan order.
 //
-// Lookups are read-only and take one warp per key, all in parallel. Mutations must equal
-// applying the keys one at a time in batch order, bit for bit as on CPU (same rows, flags,
-// evictions and scores). Different stripes never share a bucket, so it suffices to apply each
-// stripe's keys serially: the binding sorts positions by stripe with a stable sort and here one
-// warp walks one stripe's keys in batch order. No locks and no table atomics, and the results
-// do not depend on scheduling. The walk is latency-bound, so a warp loads and hashes 32 keys at
-// a time and prefetches their digest lines into L2 before applying them one by one.
+// Lookups are read-only and take one warp per key, all in parallel. Mutations must give the CPU
+// kernels' results bit for bit (same rows, flags, evictions and scores): an upsert first touches
+// and pins every key of the batch that holds a row, then inserts the others one at a time in
+// batch order; an erase applies its keys in batch order. Different stripes never share a bucket,
+// so it suffices to apply each stripe's keys serially: the binding sorts positions by stripe with
+// a stable sort and here one warp walks one stripe's keys in batch order. No locks and no table
+// atomics, and the results do not depend on scheduling. The walk is latency-bound, so a warp
+// loads and hashes 32 keys at a time and prefetches their digest lines into L2 before applying
+// them one by one.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -121,27 +123,37 @@ struct StripeKey {
   KeyPlace place;
 };
 
-// Calls visit(k) with the whole warp for the grouped positions [begin, end), in order. Per
-// chunk of 32, lane l loads and hashes key l and prefetches its digest lines, so the serial
-// walk waits only on the table. The __syncwarp after each key makes the writer lane's stores
-// visible to every lane's reads of the next key, which may hit the same bucket.
-template <typename Visit>
+// Every position of a walk.
+struct AllPositions {
+  __device__ __forceinline__ bool operator()(int64_t) const { return true; }
+};
+
+// Calls visit(k) with the whole warp for the grouped positions [begin, end) whose batch position
+// `wanted` accepts, in order. Per chunk of 32, lane l loads and hashes key l and prefetches its
+// digest lines, so the serial walk waits only on the table. The __syncwarp after each key makes
+// the writer lane's stores visible to every lane's reads of the next key, which may hit the same
+// bucket, and to the next walk's reads of the outputs.
+template <typename Wanted, typename Visit>
 __device__ __forceinline__ void walk_stripe(const uint8_t* digests, const int64_t* keys,
                                             const int64_t* given, const int64_t* order,
                                             const TableGeometry& geo, int64_t begin, int64_t end,
-                                            int lane, Visit&& visit) {
+                                            int lane, Wanted&& wanted, Visit&& visit) {
   for (int64_t chunk = begin; chunk < end; chunk += kWarpSize) {
     StripeKey mine{};
+    bool mine_wanted = false;
     if (chunk + lane < end) {
       mine.pos = order[chunk + lane];
+      mine_wanted = wanted(mine.pos);
+    }
+    if (mine_wanted) {
       mine.key = keys[mine.pos];
       mine.given = given != nullptr ? given[mine.pos] : 0;
       mine.place = place_key(mine.key, geo);
       prefetch_l2(digests + mine.place.bucket1 * kSlotsPerBucket);
       prefetch_l2(digests + mine.place.bucket2 * kSlotsPerBucket);
     }
-    const int count = end - chunk < kWarpSize ? static_cast<int>(end - chunk) : kWarpSize;
-    for (int t = 0; t < count; ++t) {
+    for (uint32_t todo = __ballot_sync(kFullMask, mine_wanted); todo != 0; todo &= todo - 1) {
+      const int t = __ffs(static_cast<int>(todo)) - 1;
       StripeKey k{};
       k.pos = shfl64(mine.pos, t);
       k.key = shfl64(mine.key, t);
@@ -180,8 +192,19 @@ __global__ void key_stripes_kernel(const int64_t* keys, int64_t n, TableGeometry
   }
 }
 
-// One warp per stripe. Keys touched by this call are pinned (digest bit 7) so that a later key
-// of the same stripe cannot evict them; the warp releases its pins once the stripe is done.
+// Gives the key found at `row` its touched score and pins it (the lane owning the row writes).
+__device__ __forceinline__ void touch_slot(int64_t* slot_scores, uint8_t* digests, int64_t row,
+                                           const StripeKey& k, Policy policy, bool has_given,
+                                           int64_t clock, int64_t epoch, bool assign) {
+  slot_scores[row] = assign && has_given
+                         ? k.given
+                         : touched_score(policy, false, slot_scores[row], has_given, k.given, clock, epoch);
+  digests[row] |= kPinBit;
+}
+
+// One warp per stripe, two walks over its keys. The first touches and pins (digest bit 7) every
+// key that holds a row and marks the others (row -1); the second inserts those in batch order,
+// so a new key never evicts a key of the same call. The warp releases its pins at the end.
 __global__ void hash_upsert_kernel(uint8_t* digests, int64_t* slot_keys, int64_t* slot_scores,
                                    int64_t* size, TableGeometry geo, const int64_t* keys,
                                    const int64_t* given, const int32_t* sorted_stripes,
@@ -196,16 +219,22 @@ __global__ void hash_upsert_kernel(uint8_t* digests, int64_t* slot_keys, int64_t
   const bool has_given = given != nullptr;
   int64_t added = 0;  // warp-uniform: every decision below comes from a ballot or reduction
 
-  walk_stripe(digests, keys, given, order, geo, begin, end, lane, [&](const StripeKey& k) {
+  // Walk 1: keys holding a row are touched and pinned; the others get row -1 for walk 2.
+  walk_stripe(digests, keys, given, order, geo, begin, end, lane, AllPositions{}, [&](const StripeKey& k) {
+    const int64_t hit = warp_probe(slot_keys, k.place, load_slots(digests, k.place, lane), k.key);
+    if (lane != (hit >= 0 ? static_cast<int>(hit & kSlotMask) : 0)) return;
+    rows[k.pos] = hit;
+    if (hit >= 0) touch_slot(slot_scores, digests, hit, k, policy, has_given, clock, epoch, assign);
+  });
+  // Walk 2: the keys absent when the call began, in batch order.
+  auto absent = [&](int64_t pos) { return rows[pos] < 0; };
+  walk_stripe(digests, keys, given, order, geo, begin, end, lane, absent, [&](const StripeKey& k) {
     const KeyPlace& p = k.place;
     const LaneSlots s = load_slots(digests, p, lane);
     const int64_t hit = warp_probe(slot_keys, p, s, k.key);
-    if (hit >= 0) {
+    if (hit >= 0) {  // a repeat of a key inserted earlier in this walk
       if (lane == (hit & kSlotMask)) {
-        slot_scores[hit] = assign && has_given ? k.given
-                                               : touched_score(policy, false, slot_scores[hit],
-                                                               has_given, k.given, clock, epoch);
-        digests[hit] |= kPinBit;
+        touch_slot(slot_scores, digests, hit, k, policy, has_given, clock, epoch, assign);
         rows[k.pos] = hit;
       }
       return;
@@ -243,10 +272,9 @@ __global__ void hash_upsert_kernel(uint8_t* digests, int64_t* slot_keys, int64_t
         evicts = true;
       }
     }
-    // The lane owning the chosen slot writes it (lane 0 reports a refusal).
-    if (lane != (row >= 0 ? static_cast<int>(row & kSlotMask) : 0)) return;
+    // The lane owning the chosen slot writes it (a refusal keeps walk 1's row -1).
+    if (row < 0 || lane != static_cast<int>(row & kSlotMask)) return;
     rows[k.pos] = row;
-    if (row < 0) return;
     if (evicts) {
       evicted[k.pos] = true;
       evicted_keys[k.pos] = slot_keys[row];
@@ -280,7 +308,7 @@ __global__ void hash_erase_kernel(uint8_t* digests, const int64_t* slot_keys, in
   const int64_t end = lower_bound(sorted_stripes, n, stripe + 1);
   int64_t removed = 0;  // warp-uniform
 
-  walk_stripe(digests, keys, nullptr, order, geo, begin, end, lane, [&](const StripeKey& k) {
+  walk_stripe(digests, keys, nullptr, order, geo, begin, end, lane, AllPositions{}, [&](const StripeKey& k) {
     const int64_t row = warp_probe(slot_keys, k.place, load_slots(digests, k.place, lane), k.key);
     if (row < 0) return;
     ++removed;

@@ -76,3 +76,32 @@ def test_emulated_route_matches_cpu(emulated):
     keys = torch.randint(I64MIN, I64MAX, (3000,))
     for world in (1, 3, 8, 2**31 - 1):
         assert torch.equal(torch.ops.torchrec_ext.route(keys, world), emulated.route(keys, world))
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "epoch_lfu"])
+def test_emulated_upsert_never_evicts_keys_of_its_own_batch(emulated, policy):
+    """A full table, then a batch of new keys followed by resident keys (issue 11): the CUDA
+    kernel must pin the residents first, as the dict model does, and agree with the CPU kernel."""
+    from torchrec_ext.reference import POLICIES, ReferenceHashTable
+
+    capacity, policy_id = 64 * 32 * 2, POLICIES.index(policy)
+    rng = random.Random(policy_id)
+    model, state, twin = ReferenceHashTable(capacity, policy), _table(capacity), _table(capacity)
+    for clock in range(1, 7):
+        if clock <= 3:  # fill: fresh keys until the table is full
+            batch = [rng.randrange(I64MIN, I64MAX) for _ in range(capacity)]
+        else:  # new keys first, then resident keys (one of them twice)
+            resident = rng.sample([k for k, _, _ in model.export()], capacity // 2)
+            batch = [rng.randrange(I64MIN, I64MAX) for _ in range(capacity // 2)] + resident + resident[:1]
+        before = {k: r for k, r, _ in model.export()}
+        want_rows, want_inserted, want_keys, want_evicted_rows = model.upsert(batch)
+        args = (torch.tensor(batch, dtype=torch.int64), None, capacity, policy_id, clock, 0, False)
+        got, cpu_got = emulated.hash_upsert(*twin, *args), torch.ops.torchrec_ext.hash_upsert(*state, *args)
+        _same(cpu_got, got, "upsert")
+        assert got[0].tolist() == want_rows and got[1].tolist() == want_inserted
+        assert got[2].tolist() == want_keys and got[3].tolist() == want_evicted_rows
+        assert all(got[0][i].item() == before[k] for i, k in enumerate(batch) if k in before)
+        assert not set(got[2].tolist()) & set(batch)
+        _same(state, twin, "table after upsert")
+        assert not (twin[0] & 0x80).any(), "the emulated kernels left rows pinned"
+    assert state[3].item() == capacity and cpu_got[2].numel() > 0

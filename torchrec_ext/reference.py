@@ -98,23 +98,37 @@ class ReferenceHashTable:
         return rows, [r >= 0 for r in rows]
 
     def upsert(self, keys: Sequence[int], scores: Optional[Sequence[int]] = None, assign: bool = False):
-        """find_or_insert (assign=False) or insert_or_assign (assign=True), one key at a time."""
+        """find_or_insert (assign=False) or insert_or_assign (assign=True).
+
+        First every key that holds a row is touched and pinned (in batch order), then the others
+        are inserted one at a time in batch order: a new key never evicts a key of its own call.
+        """
         self.clock += 1
-        rows, inserted, evicted = [], [], []
+        rows: List[Optional[int]] = [None] * len(keys)
+        inserted = [False] * len(keys)
+        evicted = []
         pinned = set()
-        for i, key in enumerate(keys):
+
+        def touch(i: int, row: int) -> None:
             given = None if scores is None else scores[i]
-            row = self.row_of.get(key, -1)
-            if row >= 0:
-                old = self.score_at[row]
-                self.score_at[row] = given if (assign and given is not None) else touched_score(
-                    self.policy, old, given, self.clock, self.epoch)
-                pinned.add(row)
-                rows.append(row)
-                inserted.append(False)
+            self.score_at[row] = given if (assign and given is not None) else touched_score(
+                self.policy, self.score_at[row], given, self.clock, self.epoch)
+            pinned.add(row)
+            rows[i] = row
+
+        for i, key in enumerate(keys):
+            if key in self.row_of:
+                touch(i, self.row_of[key])
+        for i, key in enumerate(keys):
+            if rows[i] is not None:
                 continue
+            if key in self.row_of:  # a repeat of a key inserted earlier in this pass
+                touch(i, self.row_of[key])
+                continue
+            given = None if scores is None else scores[i]
             new_score = given if (assign and given is not None) else touched_score(
                 self.policy, None, given, self.clock, self.epoch)
+            rows[i] = -1
             free = [[r for r in self._usable_rows(b) if r not in self.key_at] for b in self._candidate_buckets(key)]
             if any(free):
                 # The bucket with more free slots, the first on ties; its lowest free slot.
@@ -122,8 +136,6 @@ class ReferenceHashTable:
                 row = chosen[0]
             else:
                 if self.policy == "none":
-                    rows.append(-1)
-                    inserted.append(False)
                     continue
                 victim = None
                 for b in self._candidate_buckets(key):
@@ -131,8 +143,6 @@ class ReferenceHashTable:
                         if r not in pinned and (victim is None or self.score_at[r] < self.score_at[victim]):
                             victim = r
                 if victim is None or new_score < self.score_at[victim]:
-                    rows.append(-1)
-                    inserted.append(False)
                     continue
                 row = victim
                 evicted.append((self.key_at[row], row))
@@ -141,8 +151,8 @@ class ReferenceHashTable:
             self.key_at[row] = key
             self.score_at[row] = new_score
             pinned.add(row)
-            rows.append(row)
-            inserted.append(True)
+            rows[i] = row
+            inserted[i] = True
         return rows, inserted, [k for k, _ in evicted], [r for _, r in evicted]
 
     def erase(self, keys: Sequence[int]) -> List[bool]:

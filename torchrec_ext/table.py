@@ -207,7 +207,8 @@ class HashTable:
     get one row; a key keeps its row until erased or evicted. A key may live in one of two
     buckets of 32 slots; when both are full an insert evicts the lowest-score slot of the two
     (the first on ties) if the new key's score is not lower, else it is refused (row -1).
-    Keys touched by the call in flight are never evicted by that same call.
+    A call never evicts its own keys: every key of the batch that already holds a row is
+    touched and pinned first, then the new keys are inserted one at a time in batch order.
 
     Policies (the score a touch leaves):
       ``lru``       logical clock of the last touch (advances by one per mutating call)

@@ -447,9 +447,11 @@ def _train(args: argparse.Namespace, rt: Runtime, run_dir: str, wall_start: floa
         state = {"model": dmp.state_dict(), "optim": optimizer.state_dict(), "step": step, "data_position": position,
                  "train_loss": torch.tensor(train_loss, dtype=torch.float64), "evals": json.dumps(evals),
                  "config": json.dumps(resume_config)}
+        began = time.perf_counter()
         path = save_checkpoint(ckpt_dir, step, state, keep=args.keep_checkpoints)
         checkpoints.append(path)
-        log(f"step {step}: checkpoint {path}")
+        size = sum(entry.stat().st_size for entry in os.scandir(path)) if rt.is_main else 0
+        log(f"step {step}: checkpoint {path} ({size / 2**20:.1f} MiB in {time.perf_counter() - began:.2f} s)")
 
     if start == 0 and not any(e["step"] == 0 for e in evals):
         run_eval(0)

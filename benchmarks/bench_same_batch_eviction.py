@@ -5,9 +5,9 @@ of a batch is pinned before any key of the batch is inserted.
 
 Workload: a HashTable kept full (filled with fresh ids until size == capacity), then calls of
 `batch` distinct ids (a module deduplicates per table), half drawn from the resident ids and half
-new, in random order. Measured per call: lost resident ids / resident ids of the batch, averaged
-over `calls` calls (the table stays full: every new id evicts or is refused), and the call's
-throughput (median over the calls). Each (policy, batch, capacity) case starts from a fresh table.
+new, in random order. Measured: lost resident ids / resident ids of the batch over `calls` calls
+(the table stays full: every new id evicts or is refused). Each (policy, batch, capacity) case
+starts from a fresh table. Speed is bench_hash_table.py's job.
 
     python benchmarks/bench_same_batch_eviction.py                       # saves results/same_batch_eviction_cpu.*
     python benchmarks/bench_same_batch_eviction.py --label before-fix    # tag a run (kept as a row in the report)
@@ -18,9 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import statistics
 import sys
-import time
 from typing import Dict, List
 
 import torch
@@ -55,36 +53,24 @@ def full_table(capacity: int, policy: str, gen: torch.Generator, device: str) ->
     return table
 
 
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def measure(policy: str, batch: int, capacity: int, cfg: Config, gen: torch.Generator) -> Dict[str, object]:
     table = full_table(capacity, policy, gen, cfg.device)
     lost = resident_seen = 0
-    seconds: List[float] = []
     for call in range(cfg.warmup_calls + cfg.calls):
         live = torch.cat([page[0] for page in table.export()])
         hits = live[torch.randperm(live.numel(), generator=gen)[: batch // 2].to(live.device)]
         keys = torch.cat([hits, random_keys(batch - hits.numel(), gen, cfg.device)])
         keys = keys[torch.randperm(batch, generator=gen).to(keys.device)]
         rows_before, resident = table.find(keys)
-        synchronize(cfg.device)
-        start = time.perf_counter()
         result = table.find_or_insert(keys)
-        synchronize(cfg.device)
-        elapsed = time.perf_counter() - start
         if call < cfg.warmup_calls:
             continue
-        seconds.append(elapsed)
         moved = resident & ((result.rows != rows_before) | result.inserted)
         lost += int(moved.sum())
         resident_seen += int(resident.sum())
     assert table.size() == capacity, "the table must stay full"
     return {"policy": policy, "batch": batch, "capacity": capacity, "calls": cfg.calls,
-            "resident_ids": resident_seen, "lost_ids": lost, "lost_percent": 100.0 * lost / resident_seen,
-            "keys_per_s": batch / statistics.median(seconds)}
+            "resident_ids": resident_seen, "lost_ids": lost, "lost_percent": 100.0 * lost / resident_seen}
 
 
 def run(cfg: Config) -> List[Dict[str, object]]:
@@ -95,7 +81,7 @@ def run(cfg: Config) -> List[Dict[str, object]]:
             r = measure(policy, batch, capacity, cfg, gen)
             results.append(r)
             print(f"{policy} batch {batch} / capacity {capacity}: {r['lost_percent']:.2f}% of resident ids lost "
-                  f"per call ({r['lost_ids']} of {r['resident_ids']}), {r['keys_per_s'] / 1e6:.2f} M keys/s", flush=True)
+                  f"per call ({r['lost_ids']} of {r['resident_ids']})", flush=True)
     return results
 
 
@@ -117,10 +103,10 @@ def earlier_runs(cfg: Config) -> List[Dict[str, object]]:
 
 
 def report(cfg: Config, results: List[Dict[str, object]], earlier: List[Dict[str, object]]) -> str:
-    header = ["run", "policy", "batch", "capacity", "resident ids lost per call", "lost / resident ids", "M keys/s"]
+    header = ["run", "policy", "batch", "capacity", "resident ids lost per call", "lost / resident ids"]
     runs = [(r["config"]["label"], r["time"], r["results"]) for r in earlier] + [(cfg.label, "this run", results)]
     rows = [[f"{label} ({when})", r["policy"], f"{r['batch']:,}", f"{r['capacity']:,}", f"{r['lost_percent']:.2f}%",
-             f"{r['lost_ids']:,} / {r['resident_ids']:,}", f"{r['keys_per_s'] / 1e6:.2f}"]
+             f"{r['lost_ids']:,} / {r['resident_ids']:,}"]
             for label, when, rs in runs for r in rs]
     where = f"{cfg.device} ({torch.get_num_threads()} threads)" if cfg.device == "cpu" else torch.cuda.get_device_name()
     title = (f"Resident ids lost to their own find_or_insert call, full HashTable on {where}: batches of distinct ids, half resident and half new in random order, "

@@ -28,6 +28,16 @@ def _most_placeable(keys, capacity):
     return sum(min(n, rows_of[s]) for s, n in per_stripe.items())
 
 
+@pytest.mark.parametrize("capacity", [1, 33, 2048, 5000, 3 * 2**21 + 7])
+def test_bucket_pairs_equal_the_reference_placement(capacity):
+    from torchrec_ext.table import bucket_pairs
+
+    keys = torch.cat([torch.randint(-(2**63), 2**63 - 1, (500,), generator=torch.Generator().manual_seed(capacity)),
+                      torch.tensor([0, -1, 2**63 - 1, -(2**63)])])
+    b1, b2 = bucket_pairs(keys, capacity)
+    assert list(zip(b1.tolist(), b2.tolist())) == [reference.place(k, capacity)[:2] for k in keys.tolist()]
+
+
 @pytest.mark.parametrize("capacity, n", [(256, 256), (2048, 2048), (2000, 2000), (2048, 2100), (8192, 8192)])
 def test_place_keys_places_every_key_that_fits(capacity, n):
     from torchrec_ext.table import place_keys

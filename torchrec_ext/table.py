@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from torchrec_ext import ops
-from torchrec_ext.reference import place
+from torchrec_ext.reference import fmix64_tensor
 
 SLOTS_PER_BUCKET = 32
 _BUCKETS_PER_STRIPE = 64
@@ -72,13 +72,14 @@ def place_keys(keys: Tensor, scores: Tensor, capacity: int) -> Tensor:
     order = torch.argsort(scores, descending=True, stable=True)
     table = HashTable(capacity, policy="none", device=keys.device)
     rows = torch.full_like(keys, -1)
-    slots = _Slots(keys.cpu(), capacity)
+    slots = None
     for batch in (order[:capacity], order[capacity:]):
         if batch.numel() == 0 or table.size() == capacity:
             break
         rows[batch] = table.insert_or_assign(keys[batch], scores[batch]).rows
         refused = batch[rows[batch] < 0]
         if refused.numel():
+            slots = slots or _Slots(keys.cpu(), capacity)
             rows = slots.augment(rows.cpu(), refused.tolist()).to(keys.device)
             placed = rows >= 0  # the moves made, in the table too, for the next round
             table.load_state_dict({"capacity": capacity, "policy": "none", "clock": 0, "epoch": 0,
@@ -87,21 +88,20 @@ def place_keys(keys: Tensor, scores: Tensor, capacity: int) -> Tensor:
 
 
 class _Slots:
-    """Augmenting paths over a table's buckets, for ``place_keys``."""
+    """Augmenting paths over a table's buckets, for ``place_keys``. A key's two buckets are in
+    its stripe, so paths never leave it: each stripe is worked on as small Python lists, built
+    when a refused key of that stripe first needs them."""
 
     def __init__(self, keys: Tensor, capacity: int):
-        self.keys, self.capacity = keys.tolist(), capacity
+        self.capacity = capacity
+        self.bucket1, self.bucket2 = bucket_pairs(keys, capacity)
         num_buckets, num_stripes = table_geometry(capacity)
         width, wide = divmod(num_buckets, num_stripes)
-        self.stripe_of = torch.repeat_interleave(
-            torch.arange(num_stripes), torch.tensor([width + 1] * wide + [width] * (num_stripes - wide)))
-        self.buckets: Dict[int, Tuple[int, int]] = {}
-
-    def buckets_of(self, i: int) -> Tuple[int, int]:
-        if i not in self.buckets:
-            b1, b2, _ = place(self.keys[i], self.capacity)
-            self.buckets[i] = (b1, b2)
-        return self.buckets[i]
+        widths = [width + 1] * wide + [width] * (num_stripes - wide)
+        self.stripe_of = torch.repeat_interleave(torch.arange(num_stripes), torch.tensor(widths))
+        self.stripe_start = [0]
+        for w in widths:
+            self.stripe_start.append(self.stripe_start[-1] + w)
 
     def augment(self, rows: Tensor, refused: List[int]) -> Tensor:
         """``rows`` after placing each of ``refused`` (in order) by an augmenting path, if any."""
@@ -110,39 +110,86 @@ class _Slots:
         placed = (rows >= 0).nonzero().squeeze(1)
         holder[rows[placed]] = placed
         holder[self.capacity:] = -2  # the tail of the last bucket is not usable
-        # A key's buckets are in its stripe: where the stripe has no free row, no path exists.
-        free_in_stripe = torch.zeros(int(self.stripe_of.max()) + 1, dtype=torch.int64).index_add_(
-            0, self.stripe_of, (holder.view(num_buckets, SLOTS_PER_BUCKET) == -1).sum(1)).tolist()
+        stripes: Dict[int, "_Stripe"] = {}
         for i in refused:
-            stripe = int(self.stripe_of[self.buckets_of(i)[0]])
-            if free_in_stripe[stripe] == 0:
-                continue
-            # Breadth-first over buckets; came_from[b] = (key moved into b, the row it leaves).
-            came_from: Dict[int, Optional[Tuple[int, int]]] = {b: None for b in self.buckets_of(i)}
-            queue, target = deque(came_from), None
-            while queue and target is None:
-                b = queue.popleft()
-                held = holder[b * SLOTS_PER_BUCKET:(b + 1) * SLOTS_PER_BUCKET].tolist()
-                if -1 in held:
-                    target = (b, b * SLOTS_PER_BUCKET + held.index(-1))
-                    break
-                for offset, j in enumerate(held):
-                    if j >= 0:
-                        b1, b2 = self.buckets_of(j)
-                        other = b2 if b1 == b else b1
-                        if other not in came_from:
-                            came_from[other] = (j, b * SLOTS_PER_BUCKET + offset)
-                            queue.append(other)
-            if target is None:
-                continue
-            b, free = target
-            while came_from[b] is not None:  # each key of the path moves into the row ahead of it
-                j, left = came_from[b]
-                holder[free], rows[j] = j, free
-                b, free = left // SLOTS_PER_BUCKET, left
-            holder[free], rows[i] = i, free
-            free_in_stripe[stripe] -= 1
+            b1, b2 = int(self.bucket1[i]), int(self.bucket2[i])
+            s = int(self.stripe_of[b1])
+            if s not in stripes:
+                first, end = self.stripe_start[s] * SLOTS_PER_BUCKET, self.stripe_start[s + 1] * SLOTS_PER_BUCKET
+                stripes[s] = _Stripe(first, holder[first:end], self.bucket1, self.bucket2)
+            for j, row in stripes[s].place(i, b1, b2):
+                rows[j] = row
         return rows
+
+
+class _Stripe:
+    """One stripe's rows (which key holds each) and its keys' bucket pairs, as Python lists."""
+
+    def __init__(self, first_row: int, holder: Tensor, bucket1: Tensor, bucket2: Tensor):
+        self.first_row = first_row
+        self.holder = holder.tolist()
+        held = holder[holder >= 0]
+        self.pairs = dict(zip(held.tolist(), zip(bucket1[held].tolist(), bucket2[held].tolist())))
+        self.free = self.holder.count(-1)
+
+    def place(self, i: int, b1: int, b2: int) -> List[Tuple[int, int]]:
+        """Key i placed by the shortest augmenting path: the (key, new row) moves, [] if none."""
+        if self.free == 0:
+            return []
+        holder, first = self.holder, self.first_row
+        # Breadth-first over buckets; came_from[b] = (key moved into b, the row it leaves).
+        came_from: Dict[int, Optional[Tuple[int, int]]] = {b1: None, b2: None}
+        queue, target = deque(came_from), None
+        while queue:
+            b = queue.popleft()
+            start = b * SLOTS_PER_BUCKET - first
+            held = holder[start:start + SLOTS_PER_BUCKET]
+            if -1 in held:
+                target = (b, b * SLOTS_PER_BUCKET + held.index(-1))
+                break
+            for offset, j in enumerate(held):
+                if j >= 0:
+                    p1, p2 = self.pairs[j]
+                    other = p2 if p1 == b else p1
+                    if other not in came_from:
+                        came_from[other] = (j, b * SLOTS_PER_BUCKET + offset)
+                        queue.append(other)
+        if target is None:
+            return []
+        b, free = target
+        moves = []
+        while came_from[b] is not None:  # each key of the path moves into the row ahead of it
+            j, left = came_from[b]
+            holder[free - first] = j
+            moves.append((j, free))
+            b, free = left // SLOTS_PER_BUCKET, left
+        holder[free - first] = i
+        self.pairs[i] = (b1, b2)
+        self.free -= 1
+        return moves + [(i, free)]
+
+
+def bucket_pairs(keys: Tensor, capacity: int) -> Tuple[Tensor, Tensor]:
+    """The two buckets each key may use in a table of ``capacity`` rows: ``place_key`` of
+    csrc/hash_table_layout.h on int64 bit patterns, vectorised (``reference.place`` is the
+    one-key oracle, and ``load_state_dict`` refuses any row outside a key's buckets)."""
+    num_buckets, num_stripes = table_geometry(capacity)
+    low = 0xFFFFFFFF
+    h = fmix64_tensor(keys.to(torch.int64) ^ _as_int64(0x9E3779B97F4A7C15))
+    h2 = fmix64_tensor(h ^ _as_int64(0xC2B2AE3D27D4EB4F))
+    stripe = ((h2 & low) * num_stripes) >> 32
+    width, wide = divmod(num_buckets, num_stripes)
+    begin = stripe * width + torch.clamp(stripe, max=wide)
+    widths = width + (stripe < wide).to(torch.int64)
+    off1 = ((h & low) * widths) >> 32
+    off2 = (((h2 >> 32) & low) * (widths - 1)) >> 32
+    off2 = torch.where(widths > 1, off2 + (off2 >= off1).to(torch.int64), off1)
+    return begin + off1, begin + off2
+
+
+def _as_int64(x: int) -> int:
+    """A uint64 constant as the int64 with the same bits."""
+    return x - (1 << 64) if x >> 63 else x
 
 
 class InsertResult(NamedTuple):

@@ -98,8 +98,8 @@ def load_tables(tables: DynamicTables, prefixes: Dict[int, str], state_dict: Map
     Missing and unexpected keys are reported. A module without a fused optimizer ignores the
     checkpoint's ``optimizer.*`` keys (a training checkpoint loads for eval or serving). With
     strict=True (or unknown: nested in another module's load_state_dict, whose strictness a
-    submodule cannot see) any missing or unexpected key, or ``unknown`` tables, load nothing: the
-    load raises afterwards. With strict=False the tables whose weight, weight_id, metadata and
+    submodule cannot see) any missing or unexpected key, or ``unknown`` tables, load nothing (a
+    strict load then raises, listing them). With strict=False the tables whose weight, weight_id, metadata and
     counters are all there load (other missing state starts at its initial values), the others
     stay as they were. Bad values raise TypeError / ValueError before any table changes.
     """

@@ -1,10 +1,13 @@
 """torchrec_ext.pipeline.TrainPipeline: the same losses and parameters as a plain loop, on 2
 real CPU ranks (gloo), with each stage on or off; worker failures surface; nothing hangs."""
+import os
 import threading
+import time
 import traceback
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dist_helpers import local_state, make_batches, make_dmp_dlrm, plain_loop, run_ranks
 from torchrec_ext.pipeline import BatchPrefetcher, PipelineOptions, TrainPipeline
@@ -189,3 +192,69 @@ def test_prefetcher_close_joins_blocked_workers():
     prefetcher.next()
     prefetcher.close(timeout_s=10)
     assert not any(t.is_alive() for t in prefetcher._threads)
+
+
+@pytest.mark.parametrize("fails_in", ["loader", "copy"])
+def test_prefetcher_hands_out_every_earlier_batch_before_the_error(fails_in):
+    # Batch 0 is still being copied when batch 5 fails (the loader raises, or its copy does):
+    # batches 0-4 come out first, in order, then the error.
+    failed = threading.Event()
+
+    class SlowCopy(_Item):
+        def to(self, device, non_blocking=False):
+            failed.wait(10)
+            time.sleep(0.2)  # the failure is recorded meanwhile
+            return self
+
+    class FailingCopy(_Item):
+        def to(self, device, non_blocking=False):
+            failed.set()
+            raise OSError("copy of batch 5 failed")
+
+    def loader():
+        yield SlowCopy(0)
+        yield from (_Item(i) for i in range(1, 5))
+        if fails_in == "copy":
+            yield FailingCopy(5)
+        failed.set()
+        raise KeyError("bad record in batch 5")
+
+    prefetcher = BatchPrefetcher(loader(), torch.device("cpu"), num_threads=3, depth=8)
+    got = []
+    with pytest.raises(KeyError if fails_in == "loader" else OSError, match="batch 5"):
+        while True:
+            got.append(prefetcher.next().batch.value)
+    assert got == [0, 1, 2, 3, 4]
+    prefetcher.close()
+
+
+def _threads_fds_groups():
+    return (len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd")),
+            len(dist.distributed_c10d._world.pg_map))
+
+
+def _segments_reuse_one_process_group(rank, world_size):
+    # The job builds a pipeline per train segment (between evals and checkpoints). With the
+    # input dist on a helper thread each pipeline needs its own process group: 12 segments must
+    # not leave 12 groups (each with its threads and sockets) behind, and the reused group must
+    # still train exactly like a plain loop.
+    segments = [make_batches(rank, batch_size=8, num_full=2, last=0, seed=s) for s in range(12)]
+    reference_model, reference_opt = make_dmp_dlrm(world_size)
+    want = plain_loop(reference_model, reference_opt, [b for seg in segments for b in seg])
+    model, optimizer = make_dmp_dlrm(world_size)
+    options = PipelineOptions(prefetch_threads=2, threaded_input_dist=True)
+    got, counts = [], []
+    for batches in segments:
+        got += _pipelined(model, optimizer, batches, options)
+        counts.append(_threads_fds_groups())
+    # Exact for files and groups; a joined thread may take a moment more to leave /proc.
+    first, last = counts[0], counts[-1]
+    assert last[1:] == first[1:] and last[0] <= first[0] + 1, \
+        f"threads, open files, process groups after each segment: {counts}"
+    for step, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g, w, rtol=0, atol=0, msg=f"loss of step {step}")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads and files in /proc")
+def test_pipelines_built_per_segment_do_not_leak_process_groups_threads_or_files():
+    run_ranks(_segments_reuse_one_process_group, 2)

@@ -29,6 +29,7 @@ import os
 import platform
 import sys
 import time
+import traceback
 import warnings
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -41,7 +42,7 @@ from torchrec_ext.train_utils.metrics import evaluate, oracle_auc
 from torchrec_ext.train_utils.model import ModelConfig, build_model, make_optimizer, shard_model
 from torchrec_ext.train_utils.report import plot_curves, write_json
 from torchrec_ext.train_utils.run_lock import RunDirBusy, RunDirLock
-from torchrec_ext.train_utils.runtime import Runtime, init_runtime, shutdown
+from torchrec_ext.train_utils.runtime import Runtime, exit_now, init_runtime, shutdown
 
 PIPELINES = ("ours", "torchrec", "plain")
 # Arguments a resumed run must share with the checkpoint (they shape the model or its tables).
@@ -94,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ours: torchrec_ext.pipeline.TrainPipeline; torchrec: TrainPipelineSparseDist; "
                         "plain: forward, backward, step")
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads per rank (default: torch's)")
+    g.add_argument("--collective-timeout", type=float, default=300.0,
+                   help="seconds a rank waits in a collective for its peers before the job fails")
     g = p.add_argument_group("evaluation, checkpoints, output")
     g.add_argument("--eval-every", type=int, default=250, help="eval every N steps (0: only at start and end)")
     g.add_argument("--run-dir", default=None, help="output directory (default: runs/<timestamp>)")
@@ -116,6 +119,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
+    if not (math.isfinite(args.collective_timeout) and args.collective_timeout > 0):
+        parser.error(f"--collective-timeout must be a finite number > 0, got {args.collective_timeout}")
     for name in ("lr", "embedding_lr"):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value >= 0):
@@ -560,20 +565,39 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.verbose:
         _quiet_third_party()
     try:
-        rt = init_runtime(args.device)
+        rt = init_runtime(args.device, collective_timeout_s=args.collective_timeout)
     except ValueError as e:
         build_parser().error(str(e))
+    failed = True
     try:
         train(args, rt)
-    except ValueError as e:  # bad input found after start-up (e.g. too little data, incompatible checkpoint)
+        failed = False
+    except ValueError as e:  # bad input found after start-up (e.g. too little data, a malformed data line)
         if args.verbose:
             raise
         print(f"torchrec_ext.train: error: {e} (--verbose shows where)", file=sys.stderr, flush=True)
         return 2
     finally:
-        shutdown()
+        # A failed rank (its own error, or a peer's seen as a failed collective) aborts its process
+        # groups rather than wait for peers that may never come: every rank then ends within seconds.
+        shutdown(failed=failed)
     return 0
 
 
+def _command_line() -> None:
+    """``python -m torchrec_ext.train``: main(), and a failed run ends the process at once (its
+    process groups already aborted by main; see runtime.exit_now)."""
+    try:
+        code = main()
+    except SystemExit:
+        raise  # argument errors, found before any process group
+    except BaseException:  # noqa: BLE001 - reported, then the process ends
+        traceback.print_exc()
+        exit_now(1)
+    if code:
+        exit_now(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _command_line()

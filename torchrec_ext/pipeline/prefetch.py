@@ -4,7 +4,8 @@ and copy them to the device on their own copy streams, and hand them over in dat
 The dataloader iterator is not assumed thread-safe: ``next()`` is called under a lock. What the
 workers overlap is everything after it: pinning, the host-to-device copy, and (for iterators
 that release the GIL) their own work. A worker's exception reaches the consumer unchanged, with
-its original traceback; every wait is bounded, so nothing hangs.
+its original traceback, in its place in the order: every batch pulled before the failing one is
+handed out first. Every wait is bounded, so nothing hangs.
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ class BatchPrefetcher:
         self._handed = 0  # batches given to the consumer so far
         self._end: Optional[int] = None  # number of batches the iterator had, once known
         self._error: Optional[BaseException] = None
+        self._error_at = 0  # sequence number of the batch whose pull or copy failed
         self._closed = False
         self._slots = threading.Semaphore(depth or 2 * num_threads)  # bounds batches ahead
         self._threads: List[threading.Thread] = [
@@ -75,7 +77,7 @@ class BatchPrefetcher:
                     self._handed += 1
                     self._slots.release()
                     return ready
-                if self._error is not None:
+                if self._error is not None and self._handed >= self._error_at:
                     raise self._error
                 if self._end is not None and self._handed >= self._end:
                     raise StopIteration
@@ -117,13 +119,13 @@ class BatchPrefetcher:
                         self._cond.notify_all()
                     return
                 except BaseException as e:  # noqa: BLE001 - handed to the consumer as is
-                    self._fail(e)
+                    self._fail(seq, e)
                     return
                 self._pulled += 1
             try:
                 ready = self._to_device(batch, stream)
             except BaseException as e:  # noqa: BLE001
-                self._fail(e)
+                self._fail(seq, e)
                 return
             with self._cond:
                 self._ready[seq] = ready
@@ -140,8 +142,10 @@ class BatchPrefetcher:
             copied.record(stream)
         return ReadyBatch(batch, copied)
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, seq: int, error: BaseException) -> None:
+        # Batches before seq may still be copying on other workers: the consumer gets them
+        # first. Of two failures the earlier batch's wins.
         with self._cond:
-            if self._error is None:
-                self._error = error
+            if self._error is None or seq < self._error_at:
+                self._error, self._error_at = error, seq
             self._cond.notify_all()

@@ -6,7 +6,8 @@ adding what it leaves on the table:
     own copy streams (``BatchPrefetcher``);
 (b) the sparse input distribution of batch i+1 launched from a helper thread, on its own stream
     and its own process group (a clone of the modules' group: two threads issuing collectives
-    on one group would interleave them differently on each rank), overlapping batch i's step;
+    on one group would interleave them differently on each rank; borrowed from a per-process
+    pool, so a pipeline per segment does not add a group per segment), overlapping batch i's step;
 (c) the dense gradients all-reduced in one flat buffer instead of by DDP's buckets, that work (and
     the dense optimizer step when capturable) captured in a CUDA graph, and chosen dense
     submodules' forward + backward captured too (static shapes; other shapes run eagerly);
@@ -36,12 +37,14 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
 from torchrec.distributed.train_pipeline.utils import _override_input_dist_forwards, _rewrite_model
 
+from torchrec_ext.pipeline import groups
 from torchrec_ext.pipeline.dense_sync import DdpTakeover, FlatGradSync, GraphedForward, data_parallel_parameters
 from torchrec_ext.pipeline.host_outputs import HostOutputs
 from torchrec_ext.pipeline.prefetch import BatchPrefetcher, ReadyBatch
 from torchrec_ext.pipeline.worker import HelperThread
 
 logger = logging.getLogger(__name__)
+_CLOSE_ON_ERROR_S = 5.0  # wait for the threads when a with-block exits on an exception
 
 
 @dataclasses.dataclass
@@ -119,7 +122,7 @@ class TrainPipeline(TrainPipelineSparseDist):
         self._prefetch_source: Optional[Iterator[Any]] = None
         self._dist_worker = HelperThread("torchrec_ext-input-dist") if options.threaded_input_dist else None
         self._dist_future: Optional[Future] = None
-        self._dist_groups: Dict[Any, dist.ProcessGroup] = {}
+        self._dist_groups: Dict[Any, dist.ProcessGroup] = {}  # the modules' group -> ours, borrowed
         self._moved_input_dists: List[Tuple[Any, dist.ProcessGroup]] = []
         self._ddp = _find_ddp(model)
         self._grad_sync: Optional[FlatGradSync] = None
@@ -194,27 +197,38 @@ class TrainPipeline(TrainPipelineSparseDist):
         """Like pop_host_outputs, but first waits for the copies still in flight."""
         return self._host_outputs.drain()
 
-    def close(self) -> None:
-        """Joins the prefetch and input-dist threads and gives the model back as it was (its
-        sharded modules' forwards and input-dist process groups restored), so it can be trained
-        or evaluated without the pipeline. Safe to call twice."""
+    def close(self, timeout_s: Optional[float] = None) -> None:
+        """Joins the prefetch and input-dist threads (waiting at most ``timeout_s`` for each; default:
+        the prefetcher's own bound and ``options.timeout_s``), gives back the input-dist process
+        groups and gives the model back as it was (its sharded modules' forwards and input-dist
+        groups restored), so it can be trained or evaluated without the pipeline. Safe to call twice."""
         self._closed = True
         if self._prefetcher is not None:
-            self._prefetcher.close()
+            if timeout_s is None:
+                self._prefetcher.close()
+            else:
+                self._prefetcher.close(timeout_s)
             self._prefetcher = None
+        worker_done = True
         if self._dist_worker is not None:
-            self._dist_worker.close(self.options.timeout_s)
+            worker_done = self._dist_worker.close(self.options.timeout_s if timeout_s is None else timeout_s)
         for kjt_all_to_all, pg in self._moved_input_dists:
             kjt_all_to_all._pg = pg
         self._moved_input_dists.clear()
+        if worker_done:  # a helper thread left behind may still use its group: not reused then
+            for source, group in self._dist_groups.items():
+                groups.give_back(source, group)
+        self._dist_groups.clear()
         if self._model_attached and self._pipelined_modules:
             self.detach()
 
     def __enter__(self) -> "TrainPipeline":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        # Leaving on an error: the job is failing, and a helper thread stuck in a collective whose
+        # peer is gone must not hold the error back for the full timeout.
+        self.close(None if exc_type is None else min(self.options.timeout_s, _CLOSE_ON_ERROR_S))
 
     # ------------------------------------------------------------------ batches
 
@@ -301,9 +315,8 @@ class TrainPipeline(TrainPipelineSparseDist):
                         continue
                     pg = kjt_all_to_all._pg
                     if pg not in self._dist_groups:
-                        # Collective call: every rank builds the same pipeline, in the same order.
-                        self._dist_groups[pg] = dist.new_group(
-                            ranks=dist.get_process_group_ranks(pg), backend=dist.get_backend(pg))
+                        # May create a group (a collective): every rank builds the same pipelines.
+                        self._dist_groups[pg] = groups.borrow(pg)
                     self._moved_input_dists.append((kjt_all_to_all, pg))
                     kjt_all_to_all._pg = self._dist_groups[pg]
 

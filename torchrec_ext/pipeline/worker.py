@@ -25,11 +25,14 @@ class HelperThread:
         self._jobs.put((fn, future))
         return future
 
-    def close(self, timeout_s: float) -> None:
+    def close(self, timeout_s: float) -> bool:
+        """Lets queued jobs finish and joins the thread; False if it was left behind."""
         self._jobs.put(None)
         self._thread.join(timeout=timeout_s)
         if self._thread.is_alive():
             logger.warning("%s did not finish within %.0f s; leaving it behind", self._thread.name, timeout_s)
+            return False
+        return True
 
     def _run(self) -> None:
         while True:

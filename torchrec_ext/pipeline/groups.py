@@ -1,0 +1,61 @@
+"""Clones of process groups for collectives issued from helper threads, kept per process.
+
+A pipeline whose helper thread issues collectives needs a group of its own (two threads
+interleaving collectives on one group mismatch across ranks). Each gloo/nccl group holds threads,
+sockets and buffers until the process ends (destroying one while a peer may still be in its last
+collective on it aborts that peer), and a job builds a pipeline per train segment. So a pipeline
+borrows a clone here and gives it back at close(): the next pipeline reuses it, and only
+pipelines alive at the same time get different clones.
+
+Borrowing may create a group, which is a collective call: every rank must borrow and give back
+in the same order, as SPMD code building the same pipelines does.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+_lock = threading.Lock()
+# source group -> its clones not borrowed now (weak: a destroyed world's groups are not kept alive)
+_idle: "weakref.WeakKeyDictionary[dist.ProcessGroup, List[dist.ProcessGroup]]" = weakref.WeakKeyDictionary()
+
+
+def _registered(group: dist.ProcessGroup) -> bool:
+    """False once destroy_process_group() has dropped the group."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
+def _timeout(group: dist.ProcessGroup):
+    """The group's collective timeout (a clone keeps the job's bound, not the backend default)."""
+    device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    try:
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None  # new_group's default
+
+
+def borrow(source: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A group with the ranks, backend and timeout of ``source`` that no other borrower holds."""
+    with _lock:
+        idle = _idle.setdefault(source, [])
+        while idle:
+            group = idle.pop()
+            if _registered(group):
+                return group
+    return dist.new_group(ranks=dist.get_process_group_ranks(source), backend=dist.get_backend(source),
+                          timeout=_timeout(source))
+
+
+def give_back(source: dist.ProcessGroup, group: dist.ProcessGroup) -> None:
+    """Returns a borrowed group; the next borrow for ``source`` gets it."""
+    with _lock:
+        if _registered(source) and _registered(group):
+            _idle.setdefault(source, []).append(group)

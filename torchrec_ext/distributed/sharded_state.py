@@ -6,6 +6,13 @@ live rows of all ranks: ``weight`` [n, dim], ``weight_id``, ``metadata`` (scores
 features are on, and ``counters`` [world_size, 4]. Sizes come from an all-gather of each rank's
 live-row counts, so every rank must call ``state_dict()`` together (as a DCP save does).
 
+Devices: every shard of rank r (rows, counters, the empty placeholders of tables it does not
+hold) lies on rank r's table device, and placements name it with its index (``rank:r/cuda:1``:
+torch tells ``cuda`` from ``cuda:1`` and refuses a shard whose device differs from its
+placement). Each rank's device index travels in the same all-gather, so all ranks build the same
+metadata. That all-gather runs on the CPU when the group has a CPU backend (gloo, or
+``cpu:gloo,cuda:nccl``), else on the table device (NCCL has no CPU backend).
+
 Loading takes either those ShardedTensors (same world size and plan: each rank keeps its local
 shards) or full tensors of the whole table (any world size: each rank keeps the ids routed to
 it). ``torchrec_ext.distributed.checkpoint`` loads DCP checkpoints as full tensors.
@@ -41,29 +48,73 @@ def row_keys(dim: int, optimizer: Optional[str], ttl: bool) -> Dict[str, Tuple[T
     return keys
 
 
-def sharded_rows(local: Tensor, counts: Sequence[int], rank: int, pg) -> ShardedTensor:
-    """A ShardedTensor along dim 0 whose rank r shard has counts[r] rows (ranks with none hold
-    no shard, as DCP could take an empty shard at a shared offset for the real one; an empty
-    tensor is one empty shard on rank 0)."""
-    trailing = list(local.shape[1:])
+def shard_device(device) -> torch.device:
+    """``device`` with its index: ``cuda`` means this process's current CUDA device."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def placement(rank: int, device) -> str:
+    """The placement of rank ``rank``'s shard on ``device`` (``rank:1/cuda:1``, ``rank:0/cpu``)."""
+    return f"rank:{rank}/{shard_device(device)}"
+
+
+def collective_device(pg, device) -> torch.device:
+    """Where a tensor for a collective on ``pg`` goes: the CPU when the group has a CPU backend
+    (host-side data stays there), else ``device`` (an NCCL group takes CUDA tensors only)."""
+    backend = str(dist.get_backend(pg))
+    if ":" in backend:  # per device type, e.g. "cpu:gloo,cuda:nccl"
+        has_cpu = any(pair.split(":")[0].strip() == "cpu" for pair in backend.split(","))
+    else:
+        has_cpu = "cpu" in dist.Backend.backend_capability.get(backend, ["cpu"])
+    return torch.device("cpu") if has_cpu else shard_device(device)
+
+
+def rows_metadata(counts: Sequence[int], trailing: Sequence[int], properties: TensorProperties,
+                  devices: Sequence[torch.device]) -> ShardedTensorMetadata:
+    """Metadata of a ShardedTensor along dim 0 whose rank r shard has counts[r] rows on
+    devices[r] (ranks with none hold no shard, as DCP could take an empty shard at a shared
+    offset for the real one; an empty tensor is one empty shard on rank 0)."""
+    if len(devices) != len(counts):
+        raise ValueError(f"rows_metadata: devices must name one device per rank ({len(counts)}), got {len(devices)}")
+    trailing = list(trailing)
     offsets = [sum(counts[:r]) for r in range(len(counts))]
-    device = local.device.type
-    metas = {r: ShardMetadata([offsets[r]] + [0] * len(trailing), [counts[r]] + trailing, f"rank:{r}/{device}")
-             for r in range(len(counts)) if counts[r] > 0 or (r == 0 and not any(counts))}
-    global_meta = ShardedTensorMetadata(list(metas.values()), torch.Size([sum(counts)] + trailing),
-                                        TensorProperties.create_from_tensor(local))
-    shards = [Shard(local, metas[rank])] if rank in metas else []
-    tensor = ShardedTensor._init_from_local_shards_and_global_metadata(shards, global_meta, process_group=pg)
+    shards = [ShardMetadata([offsets[r]] + [0] * len(trailing), [counts[r]] + trailing, placement(r, devices[r]))
+              for r in range(len(counts)) if counts[r] > 0 or (r == 0 and not any(counts))]
+    return ShardedTensorMetadata(shards, torch.Size([sum(counts)] + trailing), properties)
+
+
+def sharded_tensor(local: Tensor, metadata: ShardedTensorMetadata, rank: int, pg) -> ShardedTensor:
+    """The ShardedTensor of ``metadata`` holding ``local`` as rank ``rank``'s shard (moved to
+    its placement's device; ignored when the metadata gives this rank none)."""
+    mine = [m for m in metadata.shards_metadata if m.placement.rank() == rank]
+    shards = [Shard(local.to(m.placement.device()).contiguous(), m) for m in mine]
+    tensor = ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata, process_group=pg)
     tensor.dynamic_rows = True  # checkpoint loading reads these whole (see distributed.checkpoint)
     return tensor
 
 
-def gather_counts(local_counts: List[int], world_size: int, pg) -> List[List[int]]:
-    """counts[r][i]: rank r's local_counts[i] (one all-gather)."""
-    mine = torch.tensor(local_counts, dtype=torch.int64)
+def sharded_rows(local: Tensor, counts: Sequence[int], rank: int, pg, devices: Sequence[torch.device]) -> ShardedTensor:
+    """A ShardedTensor along dim 0 whose rank r shard has counts[r] rows on devices[r]; this
+    rank's is ``local``."""
+    metadata = rows_metadata(counts, local.shape[1:], TensorProperties.create_from_tensor(local), devices)
+    return sharded_tensor(local, metadata, rank, pg)
+
+
+def gather_counts(local_counts: List[int], device: torch.device, world_size: int, pg
+                  ) -> Tuple[List[List[int]], List[torch.device]]:
+    """counts[r][i]: rank r's local_counts[i], and rank r's shard device (one all-gather, of a
+    tensor on the group's collective device). ``device`` is this rank's."""
+    device = shard_device(device)
+    index = -1 if device.index is None else device.index
+    mine = torch.tensor(list(local_counts) + [index], dtype=torch.int64, device=collective_device(pg, device))
     everyone = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(everyone, mine, group=pg)
-    return [t.tolist() for t in everyone]
+    rows = [t.tolist() for t in everyone]
+    devices = [torch.device(device.type) if row[-1] < 0 else torch.device(device.type, row[-1]) for row in rows]
+    return [row[:-1] for row in rows], devices
 
 
 def local_rows(value, mine) -> Tensor:
@@ -84,8 +135,9 @@ def owned_mask(ids: Tensor, owner: int, rank: int, world_size: int) -> Tensor:
 
 class ShardedDynamicState:
     """State-dict hooks of the sharded dynamic modules (the layout described above). The host
-    is a ShardedModule with ``_env``, ``_world_size``, ``_rank`` and ``_owners`` (table -> rank,
-    -1 for row-wise) that calls ``_init_sharded_state`` in its constructor."""
+    is a ShardedModule with ``_env``, ``_world_size``, ``_rank``, ``_owners`` (table -> rank,
+    -1 for row-wise), ``_device`` and ``_local`` (its tables' module or None) that calls
+    ``_init_sharded_state`` in its constructor."""
 
     def _init_sharded_state(self, container: str, configs, optimizer_kind: Optional[str]) -> None:
         self._container, self._state_configs, self._optimizer_kind = container, configs, optimizer_kind
@@ -99,6 +151,11 @@ class ShardedDynamicState:
         with loading:
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
+    def _shard_device(self) -> torch.device:
+        """The device of this rank's shards: its tables' storage (the sharding device without tables)."""
+        local = getattr(self, "_local", None)
+        return shard_device(local.device if local is not None else self._device)
+
     @staticmethod
     def _sharded_state_dict(module: "ShardedDynamicState", state_dict, prefix: str, local_metadata) -> None:
         pg, world, rank = module._env.process_group, module._world_size, module._rank
@@ -110,20 +167,21 @@ class ShardedDynamicState:
         row_counts = [int(local[c.name]["weight_id"].numel()) if local[c.name] else 0 for c in configs]
         pending_counts = [int(local[c.name]["admission_id"].numel()) if "admission_id" in local[c.name] else 0
                           for c in configs]
-        counts = gather_counts(row_counts + pending_counts, world, pg)
+        counts, devices = gather_counts(row_counts + pending_counts, module._shard_device(), world, pg)
         for i, cfg in enumerate(configs):
             opts = options_of(cfg)
             mine = local[cfg.name]
             base = f"{prefix}{container}.{cfg.name}."
+            # Placeholders of tables this rank does not hold are moved to its device with the rest.
             for key, (trailing, dtype) in row_keys(cfg.embedding_dim, module._optimizer_kind, opts.ttl_steps is not None).items():
                 tensor = mine.get(key, torch.empty((0,) + trailing, dtype=dtype))
-                state_dict[base + key] = sharded_rows(tensor, [c[i] for c in counts], rank, pg)
+                state_dict[base + key] = sharded_rows(tensor, [c[i] for c in counts], rank, pg, devices)
             if opts.admit_after > 1:
                 for key in PENDING_KEYS:
                     tensor = mine.get(key, torch.empty(0, dtype=torch.int64))
-                    state_dict[base + key] = sharded_rows(tensor, [c[len(configs) + i] for c in counts], rank, pg)
+                    state_dict[base + key] = sharded_rows(tensor, [c[len(configs) + i] for c in counts], rank, pg, devices)
             counters = mine.get("counters", torch.zeros(4, dtype=torch.int64)).view(1, 4)
-            state_dict[base + "counters"] = sharded_rows(counters, [1] * world, rank, pg)
+            state_dict[base + "counters"] = sharded_rows(counters, [1] * world, rank, pg, devices)
 
     def _route_loaded_state(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
         for cfg in self._state_configs:

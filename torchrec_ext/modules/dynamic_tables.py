@@ -483,7 +483,9 @@ class DynamicTables:
             "weight_id": keys,
             "metadata": scores,
             "row": rows,
-            "counters": torch.tensor([state["clock"], state["epoch"], self.train_step, int(self.optimizer_step)]),
+            # on the storage's device, as every other key (one device per rank's checkpoint shards)
+            "counters": torch.tensor([state["clock"], state["epoch"], self.train_step, int(self.optimizer_step)],
+                                     device=self.device),
         }
         for name, view in self.state_views(t).items():
             out[f"optimizer.{name}"] = view[rows].clone()

@@ -82,15 +82,16 @@ def _die_with_launcher() -> None:
 
 def init_runtime(device_name: str, collective_timeout_s: float = 300.0) -> Runtime:
     """Initialises the default process group: from torchrun's environment when WORLD_SIZE > 1
-    (gloo on CPU, nccl on CUDA), else an in-process group of one. A collective that waits longer
-    than ``collective_timeout_s`` for a peer fails. Returns rank, sizes, device."""
+    (gloo on CPU; on CUDA nccl for CUDA tensors and gloo for host-side ones: NCCL has no CPU
+    backend), else an in-process group of one. A collective that waits longer than
+    ``collective_timeout_s`` for a peer fails. Returns rank, sizes, device."""
     if not collective_timeout_s > 0:
         raise ValueError(f"collective_timeout_s must be > 0, got {collective_timeout_s}")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
     device = resolve_device(device_name, local_rank, local_world_size)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     _die_with_launcher()

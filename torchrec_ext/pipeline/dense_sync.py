@@ -5,15 +5,24 @@ CUDA captures that work (flatten, all-reduce, unflatten, and the dense optimizer
 optimizer is capturable) in a CUDA graph replayed every step. ``GraphedForward`` captures a
 dense submodule's forward and backward (``torch.cuda.make_graphed_callables``) for the batch
 shape it first sees, and runs eagerly for any other shape (the last partial batch).
+
+Both belong to the model, not to a pipeline: one ``FlatGradSync`` per DDP module and one
+``GraphedForward`` per submodule, shared by every pipeline built on that model (a job builds one
+per train segment), so a segment replays the graphs the first one captured. Every capture runs
+with the process's helper threads held off the device (``DEVICE_WORK``).
 """
 import logging
-from typing import List, Optional, Sequence, Tuple
+import weakref
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
+
+from torchrec_ext.pipeline.quiesce import DEVICE_WORK, DeviceWorkGate
+from torchrec_ext.pipeline.streams import ReplayFence
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +77,11 @@ class FlatGradSync:
 
     Averaging divides before the sum, as DDP's default hook does, so results match DDP's bit for
     bit where the division by the world size is exact (powers of two).
+
+    With ``capture``, steps after the warm-up replay a CUDA graph of that work (and of the dense
+    optimizer step when given one), captured when there is work to capture: not at world size 1
+    without an optimizer step. The graph reads the gradients where they were at capture; should
+    they move (set to None and re-made outside the pipeline), it is captured again.
     """
 
     def __init__(
@@ -87,28 +101,54 @@ class FlatGradSync:
         self._warmup_steps = warmup_steps
         self._steps = 0
         self._graph: Optional[torch.cuda.CUDAGraph] = None
+        self._graphed_grads: List[int] = []  # data_ptr of each gradient the graph reads
         self._flat: Optional[torch.Tensor] = None
+
+    @classmethod
+    def of(cls, ddp: DistributedDataParallel, *, capture: bool,
+           optimizer: Optional[torch.optim.Optimizer]) -> "FlatGradSync":
+        """The DDP module's sync (one per module: pipelines built on it share its graph); a new
+        one when asked for another capture setting or optimizer."""
+        sync = _grad_syncs.get(ddp)
+        if sync is None or sync._capture != capture or sync._optimizer is not optimizer:
+            sync = cls(data_parallel_parameters(ddp), ddp.process_group, capture=capture, optimizer=optimizer)
+            _grad_syncs[ddp] = sync
+        return sync
 
     @property
     def steps_optimizer(self) -> bool:
         """True when the captured graph also runs the dense optimizer step."""
         return self._capture and self._optimizer is not None
 
-    def __call__(self) -> None:
-        """Syncs the gradients of the step just run (and steps the optimizer if captured)."""
+    @property
+    def graphed(self) -> bool:
+        """Whether steps after the warm-up replay a graph: only when it would hold work."""
+        return self.steps_optimizer or (self._capture and self._world > 1 and bool(self._params))
+
+    def __call__(self, gate: DeviceWorkGate = DEVICE_WORK, timeout_s: float = 600.0) -> None:
+        """Syncs the gradients of the step just run (and steps the optimizer if captured). A
+        capture holds ``gate`` closed, waiting at most ``timeout_s`` for the helper threads."""
         self._steps += 1
-        if not self._capture or self._steps <= self._warmup_steps:
-            self._sync()
-            if self.steps_optimizer:
-                self._optimizer.step()
+        if not self.graphed or self._steps <= self._warmup_steps:
+            self._step_eagerly()
             return
-        if self._graph is None:
-            self._graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self._graph):
-                self._sync()
-                if self.steps_optimizer:
-                    self._optimizer.step()
+        grads = [g.data_ptr() for g in self._grads()]
+        if self._graph is None or grads != self._graphed_grads:
+            if self._graph is not None:
+                logger.info("FlatGradSync: gradients moved since the capture; capturing again")
+            self._graph = None
+            graph = torch.cuda.CUDAGraph()
+            with gate.closed(timeout_s):
+                # thread_local: a helper thread's CUDA call cannot invalidate this capture.
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    self._step_eagerly()
+            self._graph, self._graphed_grads = graph, grads
         self._graph.replay()
+
+    def _step_eagerly(self) -> None:
+        self._sync()
+        if self.steps_optimizer:
+            self._optimizer.step()
 
     def _grads(self) -> List[torch.Tensor]:
         for p in self._params:
@@ -131,6 +171,10 @@ class FlatGradSync:
             grad.copy_(view.view_as(grad))
 
 
+# DDP module -> its FlatGradSync (weak: a dropped model takes its graph with it)
+_grad_syncs: "weakref.WeakKeyDictionary[DistributedDataParallel, FlatGradSync]" = weakref.WeakKeyDictionary()
+
+
 class _CapturedForward(nn.Module):
     """What make_graphed_callables captures: the module's original forward. The module is a
     child here so its parameters are the callable's parameters."""
@@ -148,20 +192,33 @@ class GraphedForward:
     """Replaces ``module.forward``: CUDA training calls run through graphs (forward and
     backward) captured at the first such call; calls with other input shapes, in eval mode or
     on CPU run the original forward. The module, its parameters and state-dict keys stay as
-    they were."""
+    they were. ``install`` puts one on a module once: later pipelines reuse it and its graphs.
+
+    A replay overwrites the graph's static outputs, which the previous step's outputs alias:
+    ``outputs_read`` collects the events of reads still under way on other streams (the pinned
+    copy of a step's outputs), and the next replay waits for them."""
 
     def __init__(self, module: nn.Module) -> None:
         self._module = module
         self._original = module.forward
         self._graphed: Optional[nn.Module] = None
         self._signature: Optional[Tuple] = None
+        self.outputs_read = ReplayFence()
+        self.gate: DeviceWorkGate = DEVICE_WORK
+        self.capture_timeout_s = 600.0
         module.forward = self
+
+    @classmethod
+    def install(cls, module: nn.Module) -> "GraphedForward":
+        """The module's GraphedForward: the one already in place, or a new one."""
+        current = module.__dict__.get("forward")
+        return current if isinstance(current, GraphedForward) else cls(module)
 
     @staticmethod
     def _signature_of(args) -> Tuple:
         return tuple((tuple(a.shape), a.dtype, a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args)
 
-    def __call__(self, *args):
+    def __call__(self, *args: Any):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if not self._module.training or not tensors or not tensors[0].is_cuda:
             return self._original(*args)
@@ -169,9 +226,14 @@ class GraphedForward:
         if self._graphed is None:
             sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
                            for a in args)
-            self._graphed = torch.cuda.make_graphed_callables(_CapturedForward(self._module, self._original), sample)
+            # make_graphed_callables captures in global mode (it takes no capture_error_mode):
+            # holding the helper threads off the device is what keeps the capture valid.
+            with self.gate.closed(self.capture_timeout_s):
+                self._graphed = torch.cuda.make_graphed_callables(
+                    _CapturedForward(self._module, self._original), sample)
             self._signature = signature
             logger.info("captured %s in CUDA graphs for inputs %s", type(self._module).__name__, signature)
         if signature != self._signature:
             return self._original(*args)
+        self.outputs_read.before_replay(torch.cuda.current_stream())
         return self._graphed(*args)

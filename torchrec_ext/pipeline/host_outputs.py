@@ -17,13 +17,15 @@ class HostOutputs:
         self._stream = torch.cuda.Stream(device) if self._cuda else None
         self._pending: Deque[Tuple[int, Any, Optional[torch.cuda.Event]]] = deque()
 
-    def push(self, step: int, output: Any) -> None:
-        """Starts copying ``output`` (any pytree of tensors) of step ``step`` to the host."""
+    def push(self, step: int, output: Any) -> Optional[torch.cuda.Event]:
+        """Starts copying ``output`` (any pytree of tensors) of step ``step`` to the host;
+        returns the event the copy records when done (None on CPU, where it is done at once):
+        whatever overwrites ``output`` in place (a graph replay) must wait for it."""
         leaves, spec = pytree.tree_flatten(output)
         if not self._cuda:
             host = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves]
             self._pending.append((step, pytree.tree_unflatten(host, spec), None))
-            return
+            return None
         self._stream.wait_stream(torch.cuda.current_stream())
         host = []
         with torch.cuda.stream(self._stream):
@@ -38,6 +40,7 @@ class HostOutputs:
             copied = torch.cuda.Event()
             copied.record(self._stream)
         self._pending.append((step, pytree.tree_unflatten(host, spec), copied))
+        return copied
 
     def pop_ready(self) -> List[Tuple[int, Any]]:
         """(step, host output) of every step whose copy has finished, oldest first; never blocks."""

@@ -6,6 +6,10 @@ workers overlap is everything after it: pinning, the host-to-device copy, and (f
 that release the GIL) their own work. A worker's exception reaches the consumer unchanged, with
 its original traceback, in its place in the order: every batch pulled before the failing one is
 handed out first. Every wait is bounded, so nothing hangs.
+
+A worker's device work (its copy stream, pinning, the copy) runs inside the process's
+``DeviceWorkGate``: a CUDA graph capture holds it closed, and workers finish the batch in hand
+and park. Pulling from the dataloader is host work and goes on.
 """
 from __future__ import annotations
 
@@ -15,20 +19,38 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
+from torchrec_ext.pipeline.quiesce import DEVICE_WORK, DeviceWorkGate
+from torchrec_ext.pipeline.streams import CudaStreams, device_streams, record_event
+
 
 @dataclass
 class ReadyBatch:
-    """A batch on the device, and the event its copy recorded (None on CPU)."""
+    """A batch on the device, the event its copy recorded and the streams that made it (None on CPU)."""
 
     batch: Any
-    copied: Optional[torch.cuda.Event]
+    copied: Any = None
+    streams: Optional[CudaStreams] = None
 
-    def wait(self, stream: Optional[torch.cuda.Stream]) -> Any:
+    def wait(self, stream: Any) -> Any:
         """Makes ``stream`` wait for the copy and tells the allocator the batch is used there."""
         if self.copied is not None and stream is not None:
             stream.wait_event(self.copied)
-            self.batch.record_stream(stream)
+            self.streams.mark_used(self.batch, stream)
         return self.batch
+
+
+def copy_to_device(batch: Any, device: torch.device, streams: Optional[CudaStreams], stream: Any,
+                   pin: bool) -> ReadyBatch:
+    """Copies ``batch`` to ``device`` on ``stream`` without blocking the host: pinned first (a
+    non-blocking copy from pageable memory is neither asynchronous nor ordered by an event), then
+    an event recorded after the copy, which every reader of the batch waits for."""
+    if streams is None:
+        return ReadyBatch(batch.to(device, non_blocking=False))
+    with streams.use(stream):
+        if pin and hasattr(batch, "pin_memory"):
+            batch = batch.pin_memory()
+        batch = batch.to(device, non_blocking=True)
+        return ReadyBatch(batch, record_event(streams, stream), streams)
 
 
 class BatchPrefetcher:
@@ -41,13 +63,18 @@ class BatchPrefetcher:
         depth: Optional[int] = None,
         pin_memory: bool = True,
         timeout_s: float = 600.0,
+        streams: Optional[CudaStreams] = None,
+        gate: DeviceWorkGate = DEVICE_WORK,
     ) -> None:
+        """``streams``: where each worker makes its copy stream (default: the device's; on CPU
+        none, and batches are copied with a plain ``.to(device)``)."""
         if num_threads < 1:
             raise ValueError(f"BatchPrefetcher: num_threads must be >= 1, got {num_threads}")
         self._iter = dataloader_iter
         self._device = device
-        self._cuda = device.type == "cuda"
-        self._pin = pin_memory and self._cuda
+        self._streams = streams if streams is not None else device_streams(device, None)
+        self._gate = gate
+        self._pin = pin_memory and device.type == "cuda"
         self._timeout_s = timeout_s
         self._pull_lock = threading.Lock()  # serialises next(dataloader_iter) and numbering
         self._cond = threading.Condition()  # guards everything below
@@ -103,7 +130,7 @@ class BatchPrefetcher:
     # ------------------------------------------------------------------ worker side
 
     def _work(self) -> None:
-        stream = torch.cuda.Stream(self._device) if self._cuda else None
+        stream = None  # made at the first copy, inside the gate
         while True:
             self._slots.acquire()
             with self._pull_lock:
@@ -123,24 +150,16 @@ class BatchPrefetcher:
                     return
                 self._pulled += 1
             try:
-                ready = self._to_device(batch, stream)
+                with self._gate.working():
+                    if stream is None and self._streams is not None:
+                        stream = self._streams.new_stream()
+                    ready = copy_to_device(batch, self._device, self._streams, stream, self._pin)
             except BaseException as e:  # noqa: BLE001
                 self._fail(seq, e)
                 return
             with self._cond:
                 self._ready[seq] = ready
                 self._cond.notify_all()
-
-    def _to_device(self, batch: Any, stream: Optional[torch.cuda.Stream]) -> ReadyBatch:
-        if not self._cuda:
-            return ReadyBatch(batch.to(self._device, non_blocking=False), None)
-        with torch.cuda.stream(stream):
-            if self._pin and hasattr(batch, "pin_memory"):
-                batch = batch.pin_memory()
-            batch = batch.to(self._device, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(stream)
-        return ReadyBatch(batch, copied)
 
     def _fail(self, seq: int, error: BaseException) -> None:
         # Batches before seq may still be copying on other workers: the consumer gets them

@@ -4,13 +4,17 @@ adding what it leaves on the table:
 
 (a) a pool of threads that pull batches ahead, pin them and copy them to the device on their
     own copy streams (``BatchPrefetcher``);
-(b) the sparse input distribution of batch i+1 launched from a helper thread, on its own stream
-    and its own process group (a clone of the modules' group: two threads issuing collectives
-    on one group would interleave them differently on each rank; borrowed from a per-process
-    pool, so a pipeline per segment does not add a group per segment), overlapping batch i's step;
+(b) the sparse input distribution of batch i+1 launched from a helper thread, overlapping batch
+    i's step, after the batch's copy, on a stream of its own (batch i's forward waits for batch
+    i's input dist by its event, not for batch i+1's) and its own process group (a clone of the
+    modules' group: two threads issuing collectives on one group would interleave them
+    differently on each rank; borrowed from a per-process pool, so a pipeline per segment does
+    not add a group per segment);
 (c) the dense gradients all-reduced in one flat buffer instead of by DDP's buckets, that work (and
     the dense optimizer step when capturable) captured in a CUDA graph, and chosen dense
-    submodules' forward + backward captured too (static shapes; other shapes run eagerly);
+    submodules' forward + backward captured too (static shapes; other shapes run eagerly); the
+    graphs belong to the model (shared by its pipelines), and each capture parks the helper
+    threads first (``quiesce.DEVICE_WORK``);
 (d) the embedding backward and fused update, run by autograd as usual;
 (e) each step's outputs copied to pinned host memory on a side stream and surfaced by
     ``pop_host_outputs()`` once copied: no device-wide synchronisation per step.
@@ -27,6 +31,7 @@ import logging
 import os
 from collections import deque
 from concurrent.futures import Future
+from contextlib import nullcontext
 from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -35,12 +40,19 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
-from torchrec.distributed.train_pipeline.utils import _override_input_dist_forwards, _rewrite_model
+from torchrec.distributed.train_pipeline.utils import (
+    _override_input_dist_forwards,
+    _rewrite_model,
+    _start_data_dist,
+    use_context_for_postprocs,
+)
 
 from torchrec_ext.pipeline import groups
-from torchrec_ext.pipeline.dense_sync import DdpTakeover, FlatGradSync, GraphedForward, data_parallel_parameters
+from torchrec_ext.pipeline.dense_sync import DdpTakeover, FlatGradSync, GraphedForward
 from torchrec_ext.pipeline.host_outputs import HostOutputs
-from torchrec_ext.pipeline.prefetch import BatchPrefetcher, ReadyBatch
+from torchrec_ext.pipeline.prefetch import BatchPrefetcher, ReadyBatch, copy_to_device
+from torchrec_ext.pipeline.quiesce import DEVICE_WORK
+from torchrec_ext.pipeline.streams import device_streams, record_event
 from torchrec_ext.pipeline.worker import HelperThread
 
 logger = logging.getLogger(__name__)
@@ -116,12 +128,17 @@ class TrainPipeline(TrainPipelineSparseDist):
             threaded_input_dist=spare if options.threaded_input_dist is None else options.threaded_input_dist,
         )
         cuda = device.type == "cuda"
-        self._memcpy_stream = None  # copies are the prefetcher's; it hands over events instead
-        self._ready: Deque[ReadyBatch] = deque()
+        self._memcpy_stream = None  # copies are ours (prefetcher or inline); they hand over events instead
+        self._streams = device_streams(device, self._data_dist_stream)
+        # Input dists launched a step ahead run here, not on the main thread's data-dist stream.
+        self._ahead_dist_stream = self._streams.new_stream() if self._streams is not None else None
+        self._inline_copy_stream = self._streams.new_stream() if self._streams is not None else None
+        self._ready: Deque[ReadyBatch] = deque()  # parallel to self.batches / self.contexts
         self._prefetcher: Optional[BatchPrefetcher] = None
         self._prefetch_source: Optional[Iterator[Any]] = None
-        self._dist_worker = HelperThread("torchrec_ext-input-dist") if options.threaded_input_dist else None
-        self._dist_future: Optional[Future] = None
+        self._gate = DEVICE_WORK  # CUDA graph captures hold the helper threads off the device with it
+        self._dist_worker = HelperThread("torchrec_ext-input-dist", self._gate) if options.threaded_input_dist else None
+        self._dist_future: Optional[Future] = None  # batch i+1's input dist, resolving to its event
         self._dist_groups: Dict[Any, dist.ProcessGroup] = {}  # the modules' group -> ours, borrowed
         self._moved_input_dists: List[Tuple[Any, dist.ProcessGroup]] = []
         self._ddp = _find_ddp(model)
@@ -134,14 +151,13 @@ class TrainPipeline(TrainPipelineSparseDist):
             if captured_optimizer is not None and not all(g.get("capturable", False) for g in optimizer.param_groups):
                 raise ValueError("TrainPipeline: graph_optimizer_step needs an optimizer built with capturable=True")
             self._takeover = DdpTakeover.of(self._ddp)
-            self._grad_sync = FlatGradSync(
-                data_parallel_parameters(self._ddp), self._ddp.process_group, capture=capture,
-                optimizer=captured_optimizer,
-            )
+            self._grad_sync = FlatGradSync.of(self._ddp, capture=capture, optimizer=captured_optimizer)
         graph_modules = self._resolve_modules(options.graph_modules)
+        self._graphed_forwards: List[GraphedForward] = []
         if graph_modules and cuda:
-            for module in graph_modules:
-                GraphedForward(module)
+            self._graphed_forwards = [GraphedForward.install(module) for module in graph_modules]
+            for graphed in self._graphed_forwards:
+                graphed.gate, graphed.capture_timeout_s = self._gate, options.timeout_s
         elif graph_modules:
             logger.info("TrainPipeline: graph_modules run eagerly on %s (CUDA graphs need a GPU)", device)
         self._host_outputs = HostOutputs(device, pinned=options.pinned_outputs)
@@ -181,10 +197,13 @@ class TrainPipeline(TrainPipelineSparseDist):
                 self._takeover.skip = False
         if training:
             if self._grad_sync is not None:
-                self._grad_sync()
+                self._grad_sync(self._gate, self.options.timeout_s)
             if self._grad_sync is None or not self._grad_sync.steps_optimizer:
                 self._optimizer.step()
-        self._host_outputs.push(self._step, output)
+        copied = self._host_outputs.push(self._step, output)
+        if copied is not None:
+            for graphed in self._graphed_forwards:  # the output may alias a graph's static outputs
+                graphed.outputs_read.read_by(copied)
         self._step += 1
         self.dequeue_batch()
         return output
@@ -240,7 +259,8 @@ class TrainPipeline(TrainPipelineSparseDist):
         self._prefetch_source = dataloader_iter
         self._prefetcher = (
             BatchPrefetcher(dataloader_iter, self._device, num_threads=self.options.prefetch_threads,
-                            depth=self.options.prefetch_depth, timeout_s=self.options.timeout_s)
+                            depth=self.options.prefetch_depth, timeout_s=self.options.timeout_s,
+                            streams=self._streams, gate=self._gate)
             if self.options.prefetch_threads > 0 else None
         )
 
@@ -251,7 +271,10 @@ class TrainPipeline(TrainPipelineSparseDist):
             except StopIteration:
                 return None
         batch = self._next_batch(dataloader_iter)  # inline: TorchRec's own exhaustion handling
-        return None if batch is None else ReadyBatch(batch.to(self._device, non_blocking=True), None)
+        if batch is None:
+            return None
+        return copy_to_device(batch, self._device, self._streams, self._inline_copy_stream,
+                              pin=self._device.type == "cuda")
 
     def enqueue_batch(self, dataloader_iter: Iterator[Any]) -> bool:
         ready = self._next_ready(dataloader_iter)
@@ -268,25 +291,70 @@ class TrainPipeline(TrainPipelineSparseDist):
         super().dequeue_batch()
 
     def _current_stream(self) -> Optional[torch.cuda.Stream]:
-        return torch.cuda.current_stream(self._device) if self._device.type == "cuda" else None
+        return self._streams.current() if self._streams is not None else None
+
+    def _ready_of(self, context: TrainPipelineContext) -> ReadyBatch:
+        for ready, queued in zip(self._ready, self.contexts):
+            if queued is context:
+                return ready
+        raise AssertionError(f"TrainPipeline: no queued batch for context {context.index}")
 
     # ------------------------------------------------------------------ input dist
 
+    def start_sparse_data_dist(self, batch: Optional[Any], context: TrainPipelineContext) -> None:
+        """TorchRec's entry (fill_pipeline: the first batch's, a new iterator's input dist), on
+        the main thread's data-dist stream, ordered after the batch's host-to-device copy."""
+        if batch is not None:
+            self._start_input_dist(self._ready_of(context), batch, context, self._main_dist_stream())
+
+    def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
+        self._wait_input_dist(context, self._main_dist_stream())
+
+    def _start_input_dist(self, ready: ReadyBatch, batch: Any, context: TrainPipelineContext,
+                          stream: Optional[torch.cuda.Stream]) -> None:
+        """As TorchRec's start_sparse_data_dist, on ``stream``, after the batch's copy."""
+        with self._on(stream):
+            ready.wait(stream)
+            with use_context_for_postprocs(self._pipelined_postprocs, context):
+                _start_data_dist(self._pipelined_modules, batch, context)
+
+    def _wait_input_dist(self, context: TrainPipelineContext, stream: Optional[torch.cuda.Stream]) -> None:
+        """As TorchRec's wait_sparse_data_dist, on ``stream``."""
+        with self._on(stream):
+            for names, awaitable in context.fused_splits_awaitables:
+                for name, request in zip(names, awaitable.wait()):
+                    context.input_dist_tensors_requests[name] = request
+        context.input_dist_splits_requests.clear()
+        context.fused_splits_awaitables.clear()
+
+    def _main_dist_stream(self) -> Optional[torch.cuda.Stream]:
+        return self._streams.main_dist if self._streams is not None else None
+
+    def _on(self, stream: Optional[torch.cuda.Stream]):
+        return self._streams.use(stream) if self._streams is not None and stream is not None else nullcontext()
+
     def _launch_input_dist(self, ready: ReadyBatch, batch: Any, context: TrainPipelineContext) -> None:
-        def run() -> None:
-            ready.wait(self._data_dist_stream)
-            self.start_sparse_data_dist(batch, context)
-            self.wait_sparse_data_dist(context)
+        """Batch i+1's input dist, during batch i's step, on the ahead stream; resolves to an
+        event the main data-dist stream waits for once batch i+1 is up."""
+        stream = self._ahead_dist_stream
+
+        def run() -> Any:
+            self._start_input_dist(ready, batch, context, stream)
+            self._wait_input_dist(context, stream)
+            return record_event(self._streams, stream) if self._streams is not None else None
 
         if self._dist_worker is None:
-            run()
+            self._dist_future = Future()
+            self._dist_future.set_result(run())
         else:
             self._dist_future = self._dist_worker.submit(run)
 
     def _join_input_dist(self) -> None:
         if self._dist_future is not None:
             future, self._dist_future = self._dist_future, None
-            future.result(timeout=self.options.timeout_s)  # re-raises the worker's exception
+            done = future.result(timeout=self.options.timeout_s)  # re-raises the worker's exception
+            if done is not None:
+                self._streams.main_dist.wait_event(done)
 
     def _pipeline_model(self, batch, context, pipelined_forward=None) -> None:
         # As TorchRec's, plus: once the input dists exist (the first start creates them), move

@@ -2,20 +2,27 @@
 
 Unlike ``concurrent.futures.ThreadPoolExecutor``, whose threads the interpreter joins at exit
 without a bound, ``close`` waits a bounded time and then leaves a stuck thread (say, a
-collective whose peer died) to die with the process."""
+collective whose peer died) to die with the process.
+
+With a ``gate``, each job runs inside ``gate.working()``: a CUDA graph capture holding the gate
+closed waits for the job under way and keeps the next one parked until it reopens."""
 from __future__ import annotations
 
 import logging
 import queue
 import threading
 from concurrent.futures import Future
+from contextlib import nullcontext
 from typing import Callable, Optional
+
+from torchrec_ext.pipeline.quiesce import DeviceWorkGate
 
 logger = logging.getLogger(__name__)
 
 
 class HelperThread:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, gate: Optional[DeviceWorkGate] = None) -> None:
+        self._gate = gate
         self._jobs: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -43,6 +50,8 @@ class HelperThread:
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                future.set_result(fn())
+                with self._gate.working() if self._gate is not None else nullcontext():
+                    result = fn()
+                future.set_result(result)
             except BaseException as e:  # noqa: BLE001 - re-raised by future.result() in the caller
                 future.set_exception(e)

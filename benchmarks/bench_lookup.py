@@ -15,6 +15,13 @@ batch, built before timing. Systems:
         1M slots per table, eviction every step) over an unsharded EBC, SGD applied in backward
         (the MC sharder is row-wise only, which TorchRec's EBC sharder does not offer on CPU).
 - ours: torchrec_ext.DynamicEmbeddingBagCollection, capacity 2^20 per table, fused Adagrad.
+- ours-sgd: the same with fused SGD.
+- dense: one torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True) per table, ids mod rows,
+         torch.optim.SGD over its sparse gradients (the plain-PyTorch way; the GPU baseline when
+         fbgemm's CUDA kernels, hence TorchRec's EBC, are absent).
+
+--device cuda runs every system on the GPU (ebc then needs fbgemm's CUDA build and NCCL; mch is
+CPU-only here). On the GPU: --systems ours,ours-sgd,dense[,ebc].
 
 Memory per live row: bytes of vectors + optimizer state + index metadata over the rows that hold
 an id (a fixed table's rows all count as live).
@@ -41,12 +48,14 @@ from common import Built, markdown_table, median_seconds, parse_config, save, sm
 
 from torchrec_ext.data import dlrm_small_batch  # noqa: E402
 
-SYSTEMS = ("ebc", "mch", "ours", "ours-full")
+SYSTEMS = ("ebc", "mch", "ours", "ours-full", "ours-sgd", "dense")
 LABELS = {
     "ebc": "TorchRec EBC, DMP world 1, fused Adagrad (fbgemm CPU TBE), ids mod rows",
     "mch": "TorchRec ManagedCollision EBC (MCH, LFU), SGD in backward",
     "ours": "torchrec_ext DynamicEmbeddingBagCollection, fused Adagrad",
     "ours-full": "the same, tables filled to capacity first (every new id evicts)",
+    "ours-sgd": "torchrec_ext DynamicEmbeddingBagCollection, fused SGD",
+    "dense": "torch.nn.EmbeddingBag(sparse=True) per table + torch.optim.SGD, ids mod rows",
 }
 
 
@@ -67,8 +76,9 @@ class Config:
     mch_repeats: int = 3  # MCH takes ~0.6 s a step
     mch_warmup: int = 1
     mch_eviction_interval: int = 1
-    systems: Tuple[str, ...] = SYSTEMS
+    systems: Tuple[str, ...] = ("ebc", "mch", "ours", "ours-full")
     seed: int = 0
+    device: str = "cpu"
 
 
 def build_ebc(cfg: Config) -> Built:
@@ -80,14 +90,15 @@ def build_ebc(cfg: Config) -> Built:
     from torchrec.distributed.planner.types import ParameterConstraints
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
+    device = torch.device(cfg.device)
     if not dist.is_initialized():
         store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="bench_lookup_"), "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
     configs = small_tables(cfg)
     ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
     apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": cfg.lr})
     sharder = EmbeddingBagCollectionSharder()
-    topology = Topology(world_size=1, local_world_size=1, compute_device="cpu")
+    topology = Topology(world_size=1, local_world_size=1, compute_device=device.type)
 
     def plan_with(constraints):
         planner = EmbeddingShardingPlanner(topology=topology, batch_size=cfg.batch_size, constraints=constraints)
@@ -100,7 +111,7 @@ def build_ebc(cfg: Config) -> Built:
         plan, picked = plan_with({c.name: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])
                                   for c in configs})
         note += f"; constrained to {sorted(picked)}"
-    dmp = DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    dmp = DistributedModelParallel(ebc, device=device, plan=plan, sharders=[sharder])
     # The sharded EBC keeps its lookups in a plain list (not submodules): walk them for the TBEs.
     kernels = [(type(m).__name__, getattr(m, "optimizer", None)) for lookup in getattr(dmp.module, "_lookups", [])
                for m in lookup.modules() if type(m).__name__ == "SplitTableBatchedEmbeddingBagsCodegen"]
@@ -117,7 +128,8 @@ def build_ebc(cfg: Config) -> Built:
 
     def batch_of(kjt):
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-        return KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().remainder(cfg.rows), lengths=kjt.lengths())
+        return KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().remainder(cfg.rows),
+                                 lengths=kjt.lengths()).to(device)
 
     return Built(step, memory, batch_of, note)
 
@@ -150,12 +162,13 @@ def build_mch(cfg: Config) -> Built:
     return Built(step, memory, note=f"eviction every {cfg.mch_eviction_interval} step(s)")
 
 
-def build_ours(cfg: Config, prefill: bool = False) -> Built:
+def build_ours(cfg: Config, prefill: bool = False, optimizer=torch.optim.Adagrad) -> Built:
     from torchrec import KeyedJaggedTensor
     from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 
-    module = DynamicEmbeddingBagCollection(small_tables(cfg, DynamicEmbeddingBagConfig, cfg.capacity),
-                                           optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": cfg.lr})
+    device = torch.device(cfg.device)
+    module = DynamicEmbeddingBagCollection(small_tables(cfg, DynamicEmbeddingBagConfig, cfg.capacity), device=device,
+                                           optimizer=optimizer, optimizer_kwargs={"lr": cfg.lr})
     module.train()
     note = ""
     if prefill:
@@ -166,7 +179,8 @@ def build_ours(cfg: Config, prefill: bool = False) -> Built:
             for t in range(cfg.num_tables):
                 lengths = torch.zeros(cfg.num_tables, dtype=torch.int64)
                 lengths[t] = cfg.capacity
-                module(KeyedJaggedTensor(keys=[f"f{i}" for i in range(cfg.num_tables)], values=ids, lengths=lengths))
+                module(KeyedJaggedTensor(keys=[f"f{i}" for i in range(cfg.num_tables)], values=ids,
+                                         lengths=lengths).to(device))
         note = f"load factor {module.num_live_rows() / (cfg.capacity * cfg.num_tables):.3f} before timing"
 
     def step(kjt) -> None:
@@ -175,11 +189,38 @@ def build_ours(cfg: Config, prefill: bool = False) -> Built:
     def memory() -> Tuple[int, int, int]:
         return module.storage_bytes(), module.num_live_rows(), cfg.capacity * cfg.num_tables
 
-    return Built(step, memory, note=note)
+    return Built(step, memory, lambda kjt: kjt.to(device), note=note)
+
+
+def build_dense(cfg: Config) -> Built:
+    """nn.EmbeddingBag(sparse=True) per table + SGD: each step's gradient is a sparse tensor of the
+    ids' rows, which SGD applies to those rows only."""
+    device = torch.device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    bags = torch.nn.ModuleList(torch.nn.EmbeddingBag(cfg.rows, cfg.dim, mode="sum", sparse=True, device=device)
+                               for _ in range(cfg.num_tables))
+    optimizer = torch.optim.SGD(bags.parameters(), lr=cfg.lr)
+
+    def batch_of(kjt):  # (ids mod rows, offsets) per table, on the device
+        return [(jt.values().remainder(cfg.rows).to(device), jt.offsets()[:-1].to(device))
+                for jt in kjt.to_dict().values()]
+
+    def step(per_table) -> None:
+        out = torch.cat([bag(ids, offsets) for bag, (ids, offsets) in zip(bags, per_table)], dim=1)
+        out.sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def memory() -> Tuple[int, int, int]:
+        rows = cfg.rows * cfg.num_tables
+        return tensor_bytes(list(bags.parameters())), rows, rows
+
+    return Built(step, memory, batch_of, "no optimizer state (SGD)")
 
 
 BUILDERS = {"ebc": build_ebc, "mch": build_mch, "ours": build_ours,
-            "ours-full": lambda cfg: build_ours(cfg, prefill=True)}
+            "ours-full": lambda cfg: build_ours(cfg, prefill=True),
+            "ours-sgd": lambda cfg: build_ours(cfg, optimizer=torch.optim.SGD), "dense": build_dense}
 
 
 def time_system(name: str, built: Built, cfg: Config, raw: List) -> Dict[str, object]:
@@ -194,7 +235,7 @@ def time_system(name: str, built: Built, cfg: Config, raw: List) -> Dict[str, ob
 
     sec = median_seconds(run, repeats, warmup=warmup, setup=lambda: next(chunks)) / cfg.steps_per_repeat
     nbytes, live, slots = built.memory()
-    ids_per_step = sum(int(b.values().numel()) for b in batches) / len(batches)
+    ids_per_step = sum(int(kjt.values().numel()) for kjt in raw[: len(batches)]) / len(batches)
     return {"ms_per_step": sec * 1e3, "ids_per_s": ids_per_step / sec,
             "bytes": nbytes, "live_rows": live, "slots": slots,
             "bytes_per_live_row": nbytes / live if live else None, "repeats": repeats, "warmup": warmup,
@@ -229,21 +270,24 @@ def run(cfg: Config) -> Tuple[Dict[str, Dict[str, object]], Dict[str, object]]:
 
 def report(cfg: Config, results: Dict[str, Dict[str, object]], data: Dict[str, object]) -> str:
     base = results.get("ebc", {}).get("ms_per_step")
+    dense = results.get("dense", {}).get("ms_per_step")
     rows = []
     for name, r in results.items():
         ratio = f"{r['ms_per_step'] / base:.2f}" if base else ""
         per_row = f"{r['bytes_per_live_row']:.0f}" if r["bytes_per_live_row"] else ""
         rows.append([name, LABELS[name], f"{r['ms_per_step']:.1f}", ratio, f"{r['ids_per_s'] / 1e6:.2f}",
                      per_row, f"{r['bytes'] / r['slots']:.0f}", f"{r['live_rows']:,} / {r['slots']:,}",
-                     f"{r['bytes'] / 2**20:,.0f}"])
-    title = (f"dlrm-small train step on cpu ({torch.get_num_threads()} threads): "
+                     f"{r['bytes'] / 2**20:,.0f}"] + ([f"{r['ms_per_step'] / dense:.2f}"] if dense else []))
+    where = (f"cuda ({torch.cuda.get_device_name(torch.device(cfg.device))})" if cfg.device.startswith("cuda")
+             else f"cpu ({torch.get_num_threads()} threads)")
+    title = (f"dlrm-small train step on {where}: "
              f"{cfg.num_tables} tables x dim {cfg.dim}, "
              f"batch {cfg.batch_size} per table, bags 1..{cfg.max_bag}, ids Zipf({cfg.alpha}) over 2^{cfg.id_bits} "
              f"({data['ids_per_step']:,} ids/step, {data['unique_fraction_per_table']:.0%} distinct per table); "
              f"median of {cfg.repeats} repeats x {cfg.steps_per_repeat} steps after {cfg.warmup} warm-up repeats "
              f"(mch: {cfg.mch_repeats} after {cfg.mch_warmup}); a fresh batch every step")
     header = ["system", "what", "ms / step", "× fused EBC", "M ids/s", "bytes / live row", "bytes / row of capacity",
-              "live rows / capacity", "MiB"]
+              "live rows / capacity", "MiB"] + (["× dense EmbeddingBag + SGD"] if dense else [])
     notes = [f"- {name}: {r['note']}" for name, r in results.items() if r.get("note")]
     return "\n".join([title, "", markdown_table(header, rows), ""] + notes)
 
@@ -254,7 +298,7 @@ def main() -> None:
     text = report(cfg, results, data)
     print(text)
     if save_results:
-        save("lookup_cpu", {"config": dataclasses.asdict(cfg), "data": data, "results": results}, text)
+        save(f"lookup_{cfg.device.split(':')[0]}", {"config": dataclasses.asdict(cfg), "data": data, "results": results}, text)
     import torch.distributed as dist
     if dist.is_initialized():
         dist.destroy_process_group()

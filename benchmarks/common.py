@@ -15,7 +15,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# BENCH_RESULTS_DIR redirects every benchmark's results (scripts/gpu_check.sh points it at its OUT_DIR).
+RESULTS_DIR = os.environ.get("BENCH_RESULTS_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1,
@@ -42,9 +43,27 @@ def machine() -> Dict[str, object]:
         "cpu_threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name()
     return info
+
+
+def fbgemm_cuda_reason() -> Optional[str]:
+    """None when fbgemm's CUDA kernels run here (so stock TorchRec tables can run on the GPU), else why
+    not: fbgemm-gpu-cpu registers its ops for CPU only, and a CUDA call then raises."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+        torch.ops.fbgemm.asynchronous_complete_cumsum(torch.ones(2, dtype=torch.int64, device="cuda"))
+    except Exception as e:  # ImportError, NotImplementedError, RuntimeError: all mean "not here"
+        return f"fbgemm CUDA ops unavailable ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
+    return None
 
 
 def markdown_table(header: List[str], rows: List[List[object]]) -> str:
@@ -118,7 +137,8 @@ def parse_config(config_cls, description: str, systems: Sequence[str] = (), rank
     for f in fields:
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     if systems:
-        parser.add_argument("--systems", default=",".join(systems), help=f"comma-separated subset of {','.join(systems)}")
+        default = getattr(config_cls, "systems", None) or systems  # the config's default subset, if it has one
+        parser.add_argument("--systems", default=",".join(default), help=f"comma-separated subset of {','.join(systems)}")
     if ranks:
         parser.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
     parser.add_argument("--no-save", action="store_true", help="print only; write nothing under results/")
@@ -131,7 +151,12 @@ def parse_config(config_cls, description: str, systems: Sequence[str] = (), rank
             parser.error(f"--systems: unknown {unknown}, choose from {','.join(systems)}")
         chosen["systems"] = picked
     if ranks and "RANK" not in os.environ:  # re-launch under torchrun
+        # The ranks do not need --nproc, and torchrun's parser would reject it even after the script
+        # ("ambiguous option: --nproc could match --nproc-per-node, --nproc_per_node").
+        argv = sys.argv[1:]
+        rest = [a for i, a in enumerate(argv)
+                if not (a == "--nproc" or a.startswith("--nproc=") or (i > 0 and argv[i - 1] == "--nproc"))]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-               os.path.abspath(sys.argv[0])] + sys.argv[1:]
+               os.path.abspath(sys.argv[0])] + rest
         sys.exit(subprocess.call(cmd, env=dict(os.environ, OMP_NUM_THREADS="1")))
     return config_cls(**{f.name: getattr(args, f.name) for f in fields}, **chosen), not args.no_save

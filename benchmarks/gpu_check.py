@@ -1,0 +1,418 @@
+"""The GPU check's measurements (run by scripts/gpu_check.sh after the build and the test suite):
+host syncs of one training step, a profile of one step, pooled-lookup bandwidth against the
+device's copy bandwidth, and the GPU benchmarks. Writes OUT_DIR/gpu_check.md and appends one JSON
+row per step to OUT_DIR/gpu_check.jsonl (each with the device name and torch / triton / torchrec
+versions). A step that fails is reported and the others still run; the exit status is 1 when any
+step failed, 0 otherwise ("not runnable", e.g. TorchRec's CUDA pipeline without fbgemm's CUDA
+build, is not a failure).
+
+Steps:
+- env:       versions, device, whether the CUDA kernels were built, whether fbgemm's CUDA ops exist.
+- syncs:     torch.cuda.set_sync_debug_mode("warn") over one training step (forward + backward with
+             the fused optimizer) of a DynamicEmbeddingBagCollection on the dlrm-small tables;
+             every synchronizing call is counted, grouped by the innermost torchrec_ext frame.
+- profile:   torch.profiler over `profile_steps` steps: kernels per step, GPU busy fraction
+             (sum of kernel durations per step / step wall time measured without the profiler;
+             the union of kernel intervals too, which discounts overlap).
+- bandwidth: device copy bandwidth (a large tensor copy: bytes read + written / time) and the
+             pooled lookup's achieved GB/s, counting (unique rows x dim x 4 B) + output bytes,
+             for the pooled-lookup kernel alone (profiler time) and for a whole eval forward.
+- hash_table, lookup, pipeline: benchmarks/bench_hash_table.py --hkv, bench_lookup.py
+             (ours / ours-sgd / dense EmbeddingBag + SGD, + TorchRec's EBC when fbgemm's CUDA
+             ops exist), bench_pipeline.py --nproc 1 (when TorchRec's pipeline runs here), each
+             in its own process, its results written to OUT_DIR.
+
+    python benchmarks/gpu_check.py --out-dir benchmarks/results/gpu             # on a GPU
+    python benchmarks/gpu_check.py --out-dir /tmp/gc --device cpu --smoke      # the code paths on CPU, tiny sizes
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from common import fbgemm_cuda_reason, markdown_table, median_seconds, small_tables  # noqa: E402
+
+STEPS = ("env", "syncs", "profile", "bandwidth", "hash_table", "lookup", "pipeline")
+
+
+class NotRunnable(Exception):
+    """The step cannot run on this machine (reported, not a failure)."""
+
+
+@dataclasses.dataclass
+class Sizes:
+    """dlrm-small (ANCHORS.md) on a GPU; --smoke shrinks everything so CPU runs take seconds."""
+    num_tables: int = 8
+    dim: int = 64
+    batch_size: int = 4096
+    max_bag: int = 7
+    capacity: int = 1 << 20
+    profile_steps: int = 5
+    copy_bytes: int = 1 << 30
+    bench_timeout_s: int = 420
+    hash_args: Tuple[str, ...] = ("--hkv",)
+    lookup_args: Tuple[str, ...] = ()
+    pipeline_args: Tuple[str, ...] = ("--nproc", "1", "--rounds", "3", "--steps", "20")
+
+    @classmethod
+    def smoke(cls) -> "Sizes":
+        return cls(num_tables=2, dim=8, batch_size=64, max_bag=3, capacity=4096, profile_steps=2,
+                   copy_bytes=1 << 22, bench_timeout_s=300,
+                   hash_args=("--hkv", "--capacity", "65536", "--batch", "4096", "--repeats", "2", "--dims", "8"),
+                   lookup_args=("--num-tables", "2", "--dim", "8", "--batch-size", "64", "--rows", "4096",
+                                "--capacity", "4096", "--repeats", "2", "--warmup", "1", "--steps-per-repeat", "2"),
+                   pipeline_args=("--nproc", "1", "--rows", "1000", "--batch", "64", "--steps", "3",
+                                  "--warmup", "1", "--rounds", "1"))
+
+
+def versions() -> Dict[str, object]:
+    info: Dict[str, object] = {"torch": torch.__version__, "python": sys.version.split()[0],
+                               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    for name in ("triton", "torchrec", "fbgemm_gpu"):
+        try:
+            info[name] = __import__(name).__version__
+        except Exception as e:  # not installed, or fails to import: say so in the row
+            info[name] = f"not importable ({type(e).__name__})"
+    return info
+
+
+# ---- the module under test -------------------------------------------------------------------
+
+def make_module(sizes: Sizes, device: torch.device):
+    from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
+
+    module = DynamicEmbeddingBagCollection(small_tables(sizes, DynamicEmbeddingBagConfig, sizes.capacity),
+                                           device=device, optimizer=torch.optim.Adagrad,
+                                           optimizer_kwargs={"lr": 0.01})
+    return module.train()
+
+
+def batches(sizes: Sizes, device: torch.device, count: int) -> List:
+    from torchrec_ext.data import dlrm_small_batch
+
+    return [dlrm_small_batch(i, sizes.num_tables, sizes.batch_size, sizes.max_bag).to(device) for i in range(count)]
+
+
+def train_step(module, kjt) -> None:
+    module(kjt).values().sum().backward()  # the fused optimizer updates the touched rows in backward
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- steps -------------------------------------------------------------------------------------
+
+def step_env(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Dict, str]:
+    from torchrec_ext import ops
+
+    row = dict(versions())
+    row["cuda_kernels_built"] = bool(torch.cuda.is_available() and ops.has_kernel("hash_find", torch.device("cuda")))
+    row["fbgemm_cuda"] = fbgemm_cuda_reason() or "yes"
+    if device.type == "cuda" and not row["cuda_kernels_built"]:
+        raise RuntimeError("torchrec_ext's CUDA kernels are not built (ops.has_kernel('hash_find', cuda) is False): "
+                           "see the build log")
+    text = "\n".join(f"- {k}: {v}" for k, v in row.items())
+    return row, text
+
+
+class SyncRecorder:
+    """Counts the warnings issued while active (set_sync_debug_mode("warn") issues one per
+    synchronizing call), each under the innermost torchrec_ext frame of the live stack, else the
+    innermost Python frame outside the warnings machinery."""
+
+    def __init__(self) -> None:
+        self.sites: collections.Counter = collections.Counter()
+        self.messages: collections.Counter = collections.Counter()
+        self._catch = warnings.catch_warnings()
+
+    def __enter__(self) -> "SyncRecorder":
+        self._catch.__enter__()
+        warnings.simplefilter("always")
+        warnings.showwarning = self._record
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._catch.__exit__(*exc)
+
+    def _record(self, message, category, filename, lineno, file=None, line=None) -> None:
+        frames = [f for f in traceback.extract_stack()[:-1] if os.path.basename(f.filename) != "warnings.py"]
+        ours = [f for f in frames if os.path.join("torchrec_ext", "") in f.filename]
+        where = (ours or frames)[-1]
+        self.sites[f"{os.path.relpath(where.filename, os.path.dirname(HERE))}:{where.lineno} ({where.name})"] += 1
+        self.messages[str(message).splitlines()[0][:120]] += 1
+
+
+def step_syncs(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Dict, str]:
+    module = make_module(sizes, device)
+    *warm, measured = batches(sizes, device, 3)
+    for kjt in warm:  # first steps compile the Triton kernels and allocate
+        train_step(module, kjt)
+    synchronize(device)
+    if device.type != "cuda":
+        train_step(module, measured)
+        return {"syncs": None, "note": "cpu: no host-device syncs to report"}, "n/a on cpu (the step ran)"
+    with SyncRecorder() as recorder:
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            train_step(module, measured)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    sites, messages = recorder.sites, recorder.messages
+    synchronize(device)
+    total = sum(sites.values())
+    row = {"syncs": total, "sites": dict(sites.most_common()), "messages": dict(messages.most_common())}
+    text = (f"{total} synchronizing call(s) in one training step (forward + backward + fused Adagrad), "
+            f"{sizes.num_tables} tables x dim {sizes.dim}, batch {sizes.batch_size}:\n\n"
+            + (markdown_table(["site (innermost torchrec_ext frame)", "syncs"], [[s, n] for s, n in sites.most_common()])
+               if total else "(none)"))
+    return row, text
+
+
+def kernel_events(prof) -> List:
+    """The profiler's device-side kernel events (memcpy / memset excluded)."""
+    from torch.autograd import DeviceType
+
+    return [e for e in prof.events() if e.device_type == DeviceType.CUDA
+            and not e.name.startswith(("Memcpy", "Memset", "[memcpy]", "[memset]"))]
+
+
+def busy_time_us(events) -> Tuple[float, float]:
+    """(sum of durations, union of [start, end) intervals) in microseconds."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+    total = sum(end - start for start, end in spans)
+    union, cur_start, cur_end = 0.0, None, None
+    for start, end in spans:
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                union += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        union += cur_end - cur_start
+    return total, union
+
+
+def step_profile(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Dict, str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    module = make_module(sizes, device)
+    data = batches(sizes, device, 2 + 2 * sizes.profile_steps)
+    for kjt in data[:2]:
+        train_step(module, kjt)
+    synchronize(device)
+    start = time.perf_counter()
+    for kjt in data[2: 2 + sizes.profile_steps]:
+        train_step(module, kjt)
+    synchronize(device)
+    wall_ms = (time.perf_counter() - start) / sizes.profile_steps * 1e3
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for kjt in data[2 + sizes.profile_steps:]:
+            train_step(module, kjt)
+        synchronize(device)
+    kernels = kernel_events(prof)
+    total_us, union_us = busy_time_us(kernels)
+    n = sizes.profile_steps
+    by_name = collections.Counter()
+    for e in kernels:
+        by_name[e.name[:90]] += e.time_range.elapsed_us()
+    row = {"steps": n, "wall_ms_per_step": wall_ms, "kernels_per_step": len(kernels) / n,
+           "kernel_ms_per_step": total_us / n / 1e3, "busy_fraction": total_us / n / 1e3 / wall_ms,
+           "busy_fraction_union": union_us / n / 1e3 / wall_ms,
+           "top_kernels_us_per_step": {k: v / n for k, v in by_name.most_common(10)}}
+    if device.type != "cuda":
+        row["note"] = "cpu: no kernels recorded (profiler CPU activity only)"
+    text = (f"{n} profiled training steps: {row['kernels_per_step']:.1f} kernels per step, "
+            f"{row['kernel_ms_per_step']:.3f} ms of kernels per step in {wall_ms:.3f} ms wall (unprofiled): "
+            f"GPU busy {row['busy_fraction']:.1%} (sum of kernel durations), {row['busy_fraction_union']:.1%} "
+            f"(union of kernel intervals)\n\n"
+            + markdown_table(["kernel", "µs / step"], [[k, f"{v:.1f}"] for k, v in row["top_kernels_us_per_step"].items()]))
+    return row, text
+
+
+def step_bandwidth(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Dict, str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    src = torch.empty(sizes.copy_bytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    copy_s = median_seconds(lambda: dst.copy_(src), repeats=10, warmup=2)
+    copy_gbps = 2 * sizes.copy_bytes / copy_s / 1e9  # read + written
+    del src, dst
+
+    module = make_module(sizes, device)
+    data = batches(sizes, device, 3)
+    for kjt in data[:2]:  # insert the ids (training mode), so the eval lookup finds rows
+        train_step(module, kjt)
+    module.eval()
+    probe = data[0]
+    unique_rows = sum(int(torch.unique(jt.values()).numel()) for jt in probe.to_dict().values())
+    out_bytes = sizes.batch_size * sizes.num_tables * sizes.dim * 4
+    lookup_bytes = unique_rows * sizes.dim * 4 + out_bytes
+    with torch.no_grad():
+        forward_s = median_seconds(lambda: module(probe), repeats=10, warmup=2)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            module(probe)
+            synchronize(device)
+    pooled = [e for e in kernel_events(prof) if "pooled" in e.name]
+    kernel_us = sum(e.time_range.elapsed_us() for e in pooled)
+    row = {"copy_bytes": sizes.copy_bytes, "copy_GBps": copy_gbps, "unique_rows": unique_rows,
+           "output_bytes": out_bytes, "lookup_bytes": lookup_bytes,
+           "forward_ms": forward_s * 1e3, "forward_GBps": lookup_bytes / forward_s / 1e9,
+           "pooled_kernel_us": kernel_us or None,
+           "pooled_kernel_GBps": lookup_bytes / (kernel_us * 1e-6) / 1e9 if kernel_us else None}
+    kernel_text = (f"pooled-lookup kernel alone {kernel_us:.1f} µs: {row['pooled_kernel_GBps']:.0f} GB/s "
+                   f"({row['pooled_kernel_GBps'] / copy_gbps:.1%} of copy)" if kernel_us
+                   else "pooled-lookup kernel: not seen by the profiler (cpu)")
+    text = (f"Device copy bandwidth {copy_gbps:.0f} GB/s ({sizes.copy_bytes / 2**20:.0f} MiB tensor copy, bytes read + "
+            f"written). Pooled lookup, eval forward of {sizes.num_tables} tables x dim {sizes.dim}, batch "
+            f"{sizes.batch_size}: bytes counted = unique rows ({unique_rows:,}) x dim x 4 B + output "
+            f"({out_bytes:,} B) = {lookup_bytes / 1e6:.1f} MB. Whole forward (dedup, hash find, pooling) "
+            f"{forward_s * 1e3:.3f} ms: {row['forward_GBps']:.0f} GB/s ({row['forward_GBps'] / copy_gbps:.1%} of copy); "
+            + kernel_text + ".")
+    return row, text
+
+
+def run_bench(name: str, script: str, args: List[str], sizes: Sizes, out_dir: str,
+              results_file: str) -> Tuple[Dict, str]:
+    """Runs one benchmark in its own process (a CUDA error there cannot poison this one), results to out_dir."""
+    log = os.path.join(out_dir, f"{name}.log")
+    cmd = [sys.executable, os.path.join(HERE, script)] + args
+    env = dict(os.environ, BENCH_RESULTS_DIR=out_dir)
+    with open(log, "w") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        try:
+            rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=sizes.bench_timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = f"timed out after {sizes.bench_timeout_s} s"
+    if rc != 0:
+        with open(log) as f:
+            tail = "".join(f.readlines()[-15:])
+        raise RuntimeError(f"{script} exited {rc}; last lines of {log}:\n{tail}")
+    md = os.path.join(out_dir, f"{results_file}.md")
+    row = {"command": " ".join(cmd[1:]), "log": log, "results": md}
+    with open(os.path.join(out_dir, f"{results_file}.jsonl")) as f:
+        row["record"] = json.loads(f.readlines()[-1])
+    with open(md) as f:
+        return row, f.read().strip()
+
+
+def step_hash_table(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Dict, str]:
+    return run_bench("hash_table", "bench_hash_table.py", list(sizes.hash_args) + ["--device", device.type],
+                     sizes, out_dir, f"hash_table_{device.type}_hkv")
+
+
+def step_lookup(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Dict, str]:
+    systems = "ours,ours-sgd,dense"
+    reason = fbgemm_cuda_reason() if device.type == "cuda" else None
+    if device.type == "cuda" and reason is None:
+        systems += ",ebc"
+    row, text = run_bench("lookup", "bench_lookup.py",
+                          list(sizes.lookup_args) + ["--device", device.type, "--systems", systems],
+                          sizes, out_dir, f"lookup_{device.type}")
+    if reason:
+        row["ebc"] = f"not run: {reason}"
+        text += f"\n\nTorchRec EBC not run: {reason}."
+    return row, text
+
+
+def step_pipeline(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Dict, str]:
+    if device.type == "cuda":
+        reason = fbgemm_cuda_reason()
+        if reason:  # TorchRec's sharded EBC (the benchmark's model) needs fbgemm's CUDA TBE
+            raise NotRunnable(f"TorchRec's sharded EBC on CUDA needs fbgemm's CUDA build: {reason}")
+    return run_bench("pipeline", "bench_pipeline.py", list(sizes.pipeline_args), sizes, out_dir,
+                     f"pipeline_{device.type}")
+
+
+STEP_FUNCS: Dict[str, Callable[[Sizes, torch.device, str], Tuple[Dict, str]]] = {
+    "env": step_env, "syncs": step_syncs, "profile": step_profile, "bandwidth": step_bandwidth,
+    "hash_table": step_hash_table, "lookup": step_lookup, "pipeline": step_pipeline}
+
+
+def run_steps(steps: List[str], sizes: Sizes, device: torch.device, out_dir: str,
+              inject_failure: Optional[str] = None) -> List[Dict[str, object]]:
+    common = versions()
+    rows = []
+    for name in steps:
+        start = time.perf_counter()
+        print(f"== {name}", flush=True)
+        try:
+            if name == inject_failure:
+                raise RuntimeError("failure injected by --inject-failure")
+            result, text = STEP_FUNCS[name](sizes, device, out_dir)
+            status = "ok"
+        except NotRunnable as e:
+            result, text, status = {"reason": str(e)}, f"not runnable: {e}", "not runnable"
+        except Exception as e:  # reported, and the remaining steps still run
+            tb = traceback.format_exc()
+            result, text, status = {"error": f"{type(e).__name__}: {e}"}, f"FAILED\n\n```\n{tb.strip()}\n```", "failed"
+        seconds = time.perf_counter() - start
+        print(f"   {status} in {seconds:.1f} s", flush=True)
+        rows.append(dict(common, step=name, status=status, seconds=round(seconds, 2), result=result,
+                         text=text, time=time.strftime("%Y-%m-%dT%H:%M:%S")))
+    return rows
+
+
+def write_report(rows: List[Dict[str, object]], out_dir: str, sizes: Sizes) -> str:
+    head = rows[0] if rows else versions()
+    lines = [f"# GPU check: {head['device']}", "",
+             f"torch {head['torch']}, triton {head['triton']}, torchrec {head['torchrec']}, fbgemm_gpu "
+             f"{head['fbgemm_gpu']}, Python {head['python']}; {time.strftime('%Y-%m-%d %H:%M')}; sizes: "
+             f"{sizes.num_tables} tables x dim {sizes.dim}, batch {sizes.batch_size}, capacity {sizes.capacity:,} per table",
+             "", markdown_table(["step", "status", "seconds"], [[r["step"], r["status"], r["seconds"]] for r in rows])]
+    for r in rows:
+        lines += ["", f"## {r['step']} ({r['status']})", "", str(r["text"])]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(out_dir, "gpu_check.jsonl"), "a") as f:
+        for r in rows:
+            f.write(json.dumps({k: v for k, v in r.items() if k != "text"}, default=str) + "\n")
+    return text
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (seconds on CPU): exercises the code paths")
+    parser.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)}")
+    parser.add_argument("--inject-failure", default=None, help=argparse.SUPPRESS)  # tests: this step raises
+    args = parser.parse_args()
+    steps = [s for s in args.steps.split(",") if s]
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown:
+        parser.error(f"--steps: unknown {unknown}, choose from {','.join(STEPS)}")
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    os.makedirs(args.out_dir, exist_ok=True)
+    sizes = Sizes.smoke() if args.smoke else Sizes()
+    rows = run_steps(steps, sizes, device, args.out_dir, args.inject_failure)
+    print(write_report(rows, args.out_dir, sizes))
+    failed = [r["step"] for r in rows if r["status"] == "failed"]
+    if failed:
+        print(f"gpu_check: FAILED steps: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

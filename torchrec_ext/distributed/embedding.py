@@ -1,7 +1,7 @@
 """ShardedDynamicEmbeddingCollection: a DynamicEmbeddingCollection sharded across ranks.
 
 The same routing as ShardedDynamicEmbeddingBagCollection (row-wise by ``ops.route``, table-wise
-to the owner, one KJTAllToAll). The lookup rank returns one vector per id, and an
+to the owner, one routed all-to-all: input_dist.py). The lookup rank returns one vector per id, and an
 all-to-all brings the vectors back to the rank of their batch, where they are put back in
 the input's order: ``forward`` gives, per feature, a JaggedTensor as the unsharded module does.
 """
@@ -20,6 +20,7 @@ from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from torchrec.streamable import Multistreamable
 
+from torchrec_ext.distributed.input_dist import transpose_segments
 from torchrec_ext.distributed.routing import route_ids
 from torchrec_ext.distributed.sharded_base import ShardedDynamicBase
 from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
@@ -82,7 +83,7 @@ class ShardedDynamicEmbeddingCollection(
         ctx.sent_per_rank = routed.lengths().view(self._world_size, -1).sum(1).tolist()
         ctx.lengths, ctx.batch_size = batch.lengths, batch.batch_size
         ctx.ids = batch.ids
-        return KJTListSplitsAwaitable([self._input_dists[0](routed)], ctx)
+        return KJTListSplitsAwaitable([self._input_dists[0](routed, ctx.sharding_contexts[0])], ctx)
 
     def compute(self, ctx: SequenceShardingContext, dist_input: KJTList) -> List[Tensor]:
         received = dist_input[0]  # keys: every slot's output name, feature-major then source rank
@@ -102,7 +103,7 @@ class ShardedDynamicEmbeddingCollection(
         vectors = output[0]
         # Received ids are slot-major then source-major: regroup by source to send them back.
         per_slot_source = ctx.received_lengths.sum(-1)  # [slots, world]
-        back = _source_major_order(per_slot_source)
+        back = transpose_segments(per_slot_source)
         send_counts = per_slot_source.sum(0).tolist()
         returned = all_to_all_single(
             vectors.new_empty(sum(ctx.sent_per_rank), self._dim), vectors[back],
@@ -123,14 +124,3 @@ class ShardedDynamicEmbeddingCollection(
     def embedding_configs(self):
         return self._embedding_configs
 
-
-def _source_major_order(counts: Tensor) -> Tensor:
-    """Positions, in a slot-major layout of segments counts[slot, source], listed source-major."""
-    slots, sources = counts.shape
-    flat = counts.reshape(-1)
-    starts = torch.cumsum(flat, 0) - flat  # slot-major segment starts
-    order = starts.view(slots, sources).t().reshape(-1)
-    sizes = counts.t().reshape(-1)
-    total = int(sizes.sum())
-    seg_begin = torch.cumsum(sizes, 0) - sizes
-    return torch.repeat_interleave(order - seg_begin, sizes, output_size=total) + torch.arange(total, device=counts.device)

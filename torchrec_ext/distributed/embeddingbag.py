@@ -4,7 +4,8 @@ Each rank holds a local DynamicEmbeddingBagCollection with its share of the tabl
 sharded_base). One step:
 
     input_dist   ids routed per lookup slot (ops.route for row-wise, the owner for table-wise),
-                 then TorchRec's KJTAllToAll: each rank receives its ids from all W ranks
+                 then exchanged by all_to_all_single and regrouped with torch ops (input_dist.py,
+                 no fbgemm kernel): each rank receives its ids from all W ranks
     compute      the local module pools them (sum; mean is applied after the reduce) and inserts
                  unseen ids in training, exactly as the unsharded module does
     output_dist  TorchRec's row-wise reduce-scatter sums the partial pools back to their batch's
@@ -77,7 +78,7 @@ class ShardedDynamicEmbeddingBagCollection(
         routed, _ = route_ids(self._plan.embedding_names, batch.ids, batch.lengths, batch.weights, self._slot_owner,
                               batch.batch_size, self._world_size)
         ctx.divisor = self._mean_divisor(batch.lengths, batch.batch_size)
-        return KJTListSplitsAwaitable([self._input_dists[0](routed)], ctx)
+        return KJTListSplitsAwaitable([self._input_dists[0](routed, ctx.sharding_contexts[0])], ctx)
 
     def compute(self, ctx: EmbeddingBagCollectionContext, dist_input: KJTList) -> List[Tensor]:
         received = dist_input[0]  # keys: every slot's output name; stride: batch_size * world_size

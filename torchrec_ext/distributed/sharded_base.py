@@ -12,13 +12,12 @@ from typing import Dict, List, Optional
 
 import torch
 from torch import nn
-from torchrec.distributed.dist_data import KJTAllToAll
-from torchrec.distributed.types import Awaitable, ParameterSharding, ShardingEnv, ShardingType
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.optim.fused import EmptyFusedOptimizer
 from torchrec.optim.keyed import KeyedOptimizer
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_ext.distributed.input_dist import RoutedInputDist
 from torchrec_ext.distributed.sharded_state import ShardedDynamicState
 from torchrec_ext.modules.configs import (
     DynamicEmbeddingBagConfig, DynamicEmbeddingConfig, Initializer, initializer_of, options_of,
@@ -73,17 +72,6 @@ def _local_config(cfg, share: int, feature_names: List[str], pooled: bool):
         ttl_steps=opts.ttl_steps, seed=opts.seed,
     )
     return DynamicEmbeddingBagConfig(pooling=PoolingType.SUM, **fields) if pooled else DynamicEmbeddingConfig(**fields)
-
-
-class RoutedInputDist(nn.Module):
-    """Holds the KJTAllToAll (TorchRec's pipelines look for ``_dist`` and fuse its splits)."""
-
-    def __init__(self, pg, num_keys: int, world_size: int):
-        super().__init__()
-        self._dist = KJTAllToAll(pg, splits=[num_keys] * world_size)
-
-    def forward(self, routed: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
-        return self._dist(routed)
 
 
 class ShardedDynamicBase(ShardedDynamicState):

@@ -387,6 +387,17 @@ class HashTable:
                 )
             yield page
 
+    def __getstate__(self) -> Dict[str, object]:
+        # A lock cannot be pickled or deep-copied; a copy gets a fresh one (``__setstate__``).
+        with self._lock.read():
+            state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: Dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._lock = _ReadWriteLock()
+
     def clone(self) -> "HashTable":
         """An independent copy (same keys, rows, scores, clock and epoch)."""
         twin = HashTable.__new__(HashTable)

@@ -145,6 +145,20 @@ class DynamicCollectionMixin:
         if self._optimizer_spec is not None:
             self._ensure_optimizer()
 
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        # deepcopy clones each Parameter on its own (nn.Parameter.__deepcopy__), dropping its
+        # attributes: re-point the copy's table parameters at the copy's storage, and give
+        # them back the fused optimizer's markers (the copied optimizer already holds them).
+        super().__setstate__(state)
+        self._bind_parameters()
+        if self._fused is not None:
+            for table in self._table_modules():
+                param = table.weight
+                if not getattr(param, "_optimizer_classes", None):
+                    param._optimizer_classes = [self._fused.spec.torch_class()]
+                    param._optimizer_kwargs = [self._fused.spec.torch_kwargs()]
+                param._in_backward_optimizers = [self._fused]
+
     # ------------------------------------------------------------------ tables
 
     def _table_modules(self) -> List[DynamicTable]:

@@ -205,6 +205,15 @@ class DynamicTables:
         self.admission: List[Optional[Tuple[HashTable, Tensor]]] = []
         self._build_indexes()
 
+    def __getstate__(self) -> Dict[str, object]:
+        """For deepcopy / pickle / torch.save: pending new rows are written first, so the copy
+        holds every row its indexes name; caches and the scratch buffer are not carried."""
+        self.write_new_rows()
+        state = dict(self.__dict__)
+        state["_init_views"] = None
+        state["_new_vector_buffer"] = torch.empty(0, dtype=torch.float32)
+        return state
+
     # ------------------------------------------------------------------ storage
 
     @property

@@ -1,0 +1,191 @@
+"""Copying, tracing and exporting modules that hold our collections, as TorchRec users do with
+theirs (issue 14, item 4).
+
+- copy.deepcopy, pickle and torch.save(module) of a trained DynamicEmbeddingBagCollection /
+  DynamicEmbeddingCollection / TorchRec DLRM over ours: the copy has the same state (rows,
+  optimizer state, counters, index), its fused optimizer holds the copy's parameters, and it
+  trains identically to the original, and independently of it. Oracle: the original module.
+"""
+import copy
+import io
+import pickle
+import threading
+
+import pytest
+import torch
+from torchrec import EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor
+from torchrec.models.dlrm import DLRM
+from torchrec.optim import apply_optimizer_in_backward
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from modules_helpers import random_kjt
+from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection, HashTable
+
+FEATURES = ["f0", "f1", "f2"]
+DIM, CAPACITY, BATCH, DENSE_IN = 4, 64, 8, 5
+ID_POOL = torch.randint(-(2**62), 2**62, (200,), generator=torch.Generator().manual_seed(3))
+
+
+def _ebc(**kwargs) -> DynamicEmbeddingBagCollection:
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=CAPACITY, feature_names=[f])
+              for i, f in enumerate(FEATURES)]
+    return DynamicEmbeddingBagCollection(tables, **kwargs)
+
+
+def _ec() -> DynamicEmbeddingCollection:
+    tables = [EmbeddingConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=CAPACITY, feature_names=[f])
+              for i, f in enumerate(FEATURES)]
+    return DynamicEmbeddingCollection(tables, optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.05})
+
+
+def _dlrm(ebc) -> DLRM:
+    return DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN,
+                dense_arch_layer_sizes=[8, DIM], over_arch_layer_sizes=[8, 1])
+
+
+class _Model:
+    """A module under test with one training step: forward, loss, backward (fused update),
+    and for the DLRM a dense optimizer step over the copy's own parameters."""
+
+    def __init__(self, kind: str, module: torch.nn.Module):
+        self.kind, self.module = kind, module
+        self.dense = None
+        if kind == "dlrm":
+            params = [p for _, p in in_backward_optimizer_filter(module.named_parameters())]
+            self.dense = torch.optim.SGD(params, lr=0.1)
+
+    def forward(self, batch):
+        dense, kjt = batch
+        if self.kind == "dlrm":
+            return self.module(dense, kjt)
+        out = self.module(kjt)
+        if self.kind == "ebc":
+            return out.values()
+        return torch.cat([jt.values() for jt in out.values()])
+
+    def step(self, batch) -> torch.Tensor:
+        self.module.train()
+        if self.dense is not None:
+            self.dense.zero_grad()
+        out = self.forward(batch)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        if self.dense is not None:
+            self.dense.step()
+        return out.detach()
+
+
+def _make(kind: str) -> _Model:
+    torch.manual_seed(0)
+    if kind == "ebc":
+        return _Model(kind, _ebc(optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": 0.1}))
+    if kind == "ec":
+        return _Model(kind, _ec())
+    ebc = _ebc()  # the optimizer the TorchRec way: markers on the parameters
+    apply_optimizer_in_backward(torch.optim.Adagrad, ebc.parameters(), {"lr": 0.1})
+    return _Model(kind, _dlrm(ebc))
+
+
+def _batch(seed: int):
+    torch.manual_seed(seed)
+    return torch.randn(BATCH, DENSE_IN), random_kjt(FEATURES, BATCH, ID_POOL)
+
+
+def _collection(model: _Model):
+    return model.module.sparse_arch.embedding_bag_collection if model.kind == "dlrm" else model.module
+
+
+def _state(model: _Model):
+    return {k: v.clone() for k, v in model.module.state_dict().items()}
+
+
+def _assert_same_state(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def _deepcopy(m):
+    return copy.deepcopy(m)
+
+
+def _pickle(m):
+    return pickle.loads(pickle.dumps(m))
+
+
+def _torch_save(m):
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+COPIES = {"deepcopy": _deepcopy, "pickle": _pickle, "torch.save": _torch_save}
+
+
+@pytest.mark.parametrize("how", list(COPIES))
+@pytest.mark.parametrize("kind", ["ebc", "ec", "dlrm"])
+def test_copy_of_trained_module_trains_identically_and_independently(kind, how):
+    original = _make(kind)
+    for seed in range(4):
+        original.step(_batch(seed))
+    # Copied between a training forward and its backward: the new rows of that batch are
+    # pending (CPU defers their write to the fused update); the copy must hold them too.
+    # (Its backward is then dropped: both go on from the same state.)
+    pending = original.forward(_batch(4))
+    assert _collection(original)._tables._new_rows is not None
+    copied = _Model(kind, COPIES[how](original.module))
+    del pending
+    ours, theirs = _collection(original), _collection(copied)
+    assert theirs is not ours and theirs._tables is not ours._tables
+    assert theirs.num_live_rows() == ours.num_live_rows() > 0
+    assert theirs._tables._new_rows is None  # written before copying, not carried as pending
+    _assert_same_state(_state(copied), _state(original))  # rows, ids, scores, optimizer state, counters
+
+    # The copy's fused optimizer holds the copy's parameters, and its parameters view its storage.
+    copy_params = dict(theirs.named_parameters())
+    fused = theirs.fused_optimizer
+    assert fused is not ours.fused_optimizer
+    assert all(any(p is q for q in copy_params.values()) for p in fused.params.values())
+    for table in theirs._table_modules():
+        assert table.weight.data_ptr() >= theirs._tables.weights.data_ptr()
+        assert table.weight._in_backward_optimizers == [theirs._fused]
+
+    # Same next step, same outputs and state.
+    for seed in (5, 6):
+        torch.testing.assert_close(copied.step(_batch(seed)), original.step(_batch(seed)), rtol=0, atol=0)
+    _assert_same_state(_state(copied), _state(original))
+
+    # Independent: training the copy leaves the original as it was.
+    before = _state(original)
+    copied.step(_batch(7))
+    _assert_same_state(_state(original), before)
+    assert any(not torch.equal(v, before[k]) for k, v in _state(copied).items())
+
+
+def test_copy_keeps_a_changed_learning_rate():
+    original = _make("ebc")
+    original.step(_batch(0))
+    original.module.fused_optimizer.param_groups[0]["lr"] = 0.5  # as an LR scheduler does
+    copied = _Model("ebc", copy.deepcopy(original.module))
+    assert copied.module.fused_optimizer.param_groups[0]["lr"] == 0.5
+    torch.testing.assert_close(copied.step(_batch(1)), original.step(_batch(1)), rtol=0, atol=0)
+    _assert_same_state(_state(copied), _state(original))
+
+
+@pytest.mark.parametrize("how", list(COPIES))
+def test_hash_table_copies_with_its_own_lock(how):
+    table = HashTable(256, policy="lfu")
+    table.find_or_insert(ID_POOL[:100])
+    table.set_epoch(3)
+    twin = COPIES[how](table)
+    want, got = table.state_dict(), twin.state_dict()
+    assert {k: v for k, v in got.items() if not torch.is_tensor(v)} == {k: v for k, v in want.items() if not torch.is_tensor(v)}
+    for k in ("keys", "rows", "scores"):
+        assert torch.equal(got[k], want[k])
+    assert twin._lock is not table._lock
+    # Each lock works on its own: the copy is usable while the original's lock is held.
+    with table._lock.write():
+        done = threading.Event()
+        threading.Thread(target=lambda: (twin.find_or_insert(ID_POOL[100:110]), done.set())).start()
+        assert done.wait(10)
+    assert twin.size() == 110 and table.size() == 100

@@ -13,7 +13,11 @@ import threading
 
 import pytest
 import torch
+import torch.fx
+import torchrec
+import torchrec.fx as torchrec_fx
 from torchrec import EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor
+from torchrec.models.deepfm import SimpleDeepFMNN
 from torchrec.models.dlrm import DLRM
 from torchrec.optim import apply_optimizer_in_backward
 from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -56,7 +60,7 @@ class _Model:
 
     def forward(self, batch):
         dense, kjt = batch
-        if self.kind == "dlrm":
+        if self.kind in ("dlrm", "seq"):
             return self.module(dense, kjt)
         out = self.module(kjt)
         if self.kind == "ebc":
@@ -189,3 +193,75 @@ def test_hash_table_copies_with_its_own_lock(how):
         threading.Thread(target=lambda: (twin.find_or_insert(ID_POOL[100:110]), done.set())).start()
         assert done.wait(10)
     assert twin.size() == 110 and table.size() == 100
+
+
+# ----------------------------------------------------------------------------- torch.fx / torchrec.fx
+
+TRACERS = {"torch.fx": torch.fx.symbolic_trace, "torchrec.fx": torchrec_fx.symbolic_trace}
+
+
+def _deepfm(ebc) -> SimpleDeepFMNN:
+    return SimpleDeepFMNN(num_dense_features=DENSE_IN, embedding_bag_collection=ebc, hidden_layer_size=8,
+                          deep_fm_dimension=4)
+
+
+class _SequenceModel(torch.nn.Module):
+    """A model over an EmbeddingCollection: the mean of each feature's vectors."""
+
+    def __init__(self, ec):
+        super().__init__()
+        self.ec = ec
+
+    def forward(self, dense: torch.Tensor, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        per_feature = self.ec(kjt)
+        return dense.sum(1, keepdim=True) + torch.cat([per_feature[f].values() for f in FEATURES]).sum()
+
+
+def _traceable(arch: str, ours: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if arch == "sequence":
+        ec = _ec() if ours else torchrec.EmbeddingCollection(
+            tables=[EmbeddingConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=CAPACITY, feature_names=[f])
+                    for i, f in enumerate(FEATURES)])
+        return _SequenceModel(ec)
+    ebc = _ebc(optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": 0.1}) if ours else torchrec.EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=CAPACITY, feature_names=[f])
+                for i, f in enumerate(FEATURES)])
+    return _dlrm(ebc) if arch == "dlrm" else _deepfm(ebc)
+
+
+@pytest.mark.parametrize("tracer", list(TRACERS))
+@pytest.mark.parametrize("arch", ["dlrm", "deepfm", "sequence"])
+def test_symbolic_trace_of_model_holding_ours_gives_its_outputs(arch, tracer):
+    # TorchRec's own modules trace in the same models with the same tracer (ids < num_embeddings).
+    theirs = _traceable(arch, ours=False).eval()
+    small = (torch.randn(BATCH, DENSE_IN), random_kjt(FEATURES, BATCH, torch.arange(CAPACITY)))
+    torch.testing.assert_close(TRACERS[tracer](theirs)(*small), theirs(*small))
+
+    model = _traceable(arch, ours=True)
+    trained = _Model("dlrm" if arch != "sequence" else "seq", model)
+    for seed in range(3):
+        trained.step(_batch(seed))
+    twin = copy.deepcopy(model)
+    gm = TRACERS[tracer](model)
+    assert isinstance(gm, torch.fx.GraphModule)
+    leaves = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    assert any(t.endswith("embedding_bag_collection") or t == "ec" for t in leaves), leaves
+
+    # Eval: ids seen in training and never seen, same outputs as the module (and no insertion).
+    model.eval(), gm.eval(), twin.eval()
+    live = sum(m.num_live_rows() for m in model.modules() if hasattr(m, "num_live_rows"))
+    for seed in (10, 11):
+        batch = _batch(seed)
+        torch.testing.assert_close(gm(*batch), twin(*batch), rtol=0, atol=0)
+    assert sum(m.num_live_rows() for m in model.modules() if hasattr(m, "num_live_rows")) == live
+
+    # Training through the traced graph inserts and updates rows as the module itself does.
+    gm.train(), twin.train()
+    for seed in (12, 13):
+        batch = _batch(seed)
+        a, b = gm(*batch), twin(*batch)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        a.sum().backward(), b.sum().backward()
+    traced = {k: v for k, v in gm.state_dict().items() if not k.startswith("_tensor_constant")}  # DLRM's triu indices
+    _assert_same_state(traced, twin.state_dict())

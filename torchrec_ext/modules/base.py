@@ -269,6 +269,14 @@ class DynamicCollectionMixin:
 
     # ------------------------------------------------------------------ lookup
 
+    def _traced_call(self, features: torch.fx.Proxy, output_type: type) -> torch.fx.Proxy:
+        """Under torch.fx / torchrec.fx symbolic tracing: this module as one ``call_module``
+        node (a leaf), since ids -> rows depends on the ids' values and the tables' contents,
+        which a symbolic trace cannot follow. The traced graph calls this module at run time."""
+        tracer = features.tracer
+        return tracer.create_proxy("call_module", tracer.path_of_module(self), (features,), {},
+                                   type_expr=output_type)
+
     def _lookup_rows(self, batch: LookupInput) -> RowLookup:
         self._tables.check_ready(type(self).__name__)
         if self.training:

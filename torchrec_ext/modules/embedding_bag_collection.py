@@ -50,6 +50,8 @@ class DynamicEmbeddingBagCollection(DynamicCollectionMixin, EmbeddingBagCollecti
         self._init_dynamic(tables, device, "embedding_bags", optimizer, optimizer_kwargs)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if isinstance(features, torch.fx.Proxy):  # symbolic tracing: a leaf
+            return self._traced_call(features, KeyedTensor)
         batch = check_and_arrange(features, self._plan, self._is_weighted, type(self).__name__, self.device)
         lookup = self._lookup_rows(batch)
         pooled = PooledLookupFunction.apply(self, lookup, batch, *self._differentiable_params())

@@ -40,6 +40,8 @@ class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInte
         self._init_dynamic(tables, device, "embeddings", optimizer, optimizer_kwargs)
 
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+        if isinstance(features, torch.fx.Proxy):  # symbolic tracing: a leaf
+            return self._traced_call(features, dict)
         batch = check_and_arrange(features, self._plan, False, type(self).__name__, self.device)
         lookup = self._lookup_rows(batch)
         vectors = SequenceLookupFunction.apply(self, lookup, batch, *self._differentiable_params())

@@ -7,6 +7,7 @@ everywhere a dynamic one is and means the defaults.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
@@ -173,36 +174,74 @@ def options_of(config: BaseEmbeddingConfig) -> DynamicTableOptions:
 def initializer_of(config: BaseEmbeddingConfig) -> Tuple[int, Tuple[float, ...]]:
     """(kind id, params) of the config's initializer, TorchRec's defaults filling the gaps.
 
-    A plain config's ``init_fn`` acts on a whole tensor, so it cannot make an id's vector a
-    function of the id alone: only TorchRec's default uniform init_fn is understood, and any
-    other must be expressed as a DynamicEmbedding*Config ``initializer``.
+    A DynamicEmbedding*Config's ``initializer`` wins; otherwise the config's ``init_fn`` (TorchRec
+    sets a uniform one by default) is read by ``initializer_from_init_fn``.
     """
-    low = config.get_weight_init_min()
-    high = config.get_weight_init_max()
     init = options_of(config).initializer
     if init is None:
-        fn = config.init_fn
-        if isinstance(fn, functools.partial) and fn.func is torch.nn.init.uniform_:
-            low, high = fn.keywords.get("a", low), fn.keywords.get("b", high)
-        elif fn is not None:
-            raise ValueError(
-                f"table {config.name!r}: a custom init_fn cannot initialise rows id by id; use "
-                "DynamicEmbeddingBagConfig / DynamicEmbeddingConfig(initializer=Initializer(...)) instead"
-            )
-        init = Initializer("uniform")
-    kind, params = init.kernel_params(low, high)
-    try:  # the defaults filled in (an init_fn's bounds, a one-sided low / high) must still make sense
+        init = initializer_from_init_fn(config.init_fn, config.name)
+    kind, params = init.kernel_params(config.get_weight_init_min(), config.get_weight_init_max())
+    try:  # the defaults filled in (a one-sided low / high) must still make sense
         Initializer.from_kernel_params(kind, params)
     except (TypeError, ValueError) as e:
         raise type(e)(f"table {config.name!r}: its initializer resolves to {params}, which is invalid: {e}") from None
     return kind, params
 
 
+# The torch.nn.init functions an init_fn may be (or be a functools.partial of): our initializer
+# kind, and which of the function's arguments fills which Initializer field.
+_TORCH_INITS = {
+    torch.nn.init.uniform_: ("uniform", {"a": "low", "b": "high"}),
+    torch.nn.init.normal_: ("normal", {"mean": "mean", "std": "std"}),
+    torch.nn.init.trunc_normal_: ("truncated_normal", {"mean": "mean", "std": "std", "a": "low", "b": "high"}),
+    torch.nn.init.constant_: ("constant", {"val": "value"}),
+}
+_ACCEPTED_INIT_FNS = ("torch.nn.init.uniform_, normal_, trunc_normal_ or constant_, or a functools.partial of "
+                      "one with its arguments (e.g. partial(torch.nn.init.normal_, mean=0.0, std=0.01))")
+
+
+def initializer_from_init_fn(init_fn: object, table: str) -> Initializer:
+    """The Initializer drawing what ``init_fn`` draws, with torch's semantics (uniform_ on [a, b],
+    trunc_normal_ cut to the absolute bounds [a, b], torch's defaults for arguments left out),
+    but per id, a pure function of (seed, table, id). None means TorchRec's default uniform.
+
+    An init_fn acts on a whole tensor, so only these four, whose draw is per element, can be
+    replayed id by id; any other callable is refused.
+    """
+    if init_fn is None:
+        return Initializer("uniform")
+    partial = isinstance(init_fn, functools.partial)
+    func = init_fn.func if partial else init_fn
+    args, kwargs = (init_fn.args, init_fn.keywords) if partial else ((), {})
+    if func not in _TORCH_INITS:
+        raise ValueError(f"table {table!r}: init_fn {init_fn!r} cannot initialise rows id by id; an init_fn must be "
+                         f"{_ACCEPTED_INIT_FNS}. Other initialisations: DynamicEmbeddingBagConfig / "
+                         "DynamicEmbeddingConfig(initializer=Initializer(...))")
+    where = f"table {table!r}: init_fn {init_fn!r}"
+    weight = object()  # stands for the tensor, which follows a partial's positional arguments
+    try:
+        bound = inspect.signature(func).bind(*args, weight, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"{where} does not fit torch.nn.init.{func.__name__}'s arguments: {e}") from None
+    if bound.arguments.get("tensor") is not weight:
+        raise TypeError(f"{where}: a partial's positional arguments come before the tensor, so torch would take "
+                        f"{args[0]!r} for the tensor; pass them by keyword")
+    bound.apply_defaults()
+    if bound.arguments.get("generator") is not None:
+        raise ValueError(f"{where}: a generator cannot be honoured; each id's vector is drawn from the config's seed, "
+                         f"the table name and the id, got generator={bound.arguments['generator']!r}")
+    kind, fields = _TORCH_INITS[func]
+    try:
+        return Initializer(kind, **{field: bound.arguments[arg] for arg, field in fields.items()})
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{where}: {e}") from None
+
+
 def check_tables(tables: object, expected: type, module: str) -> None:
     """Checks what a dynamic module cannot serve, naming the table and the field; gives tables
     without feature_names their own name as feature, as TorchRec's modules do."""
-    if not isinstance(tables, (list, tuple)) or not tables:
-        raise ValueError(f"{module}: tables must be a non-empty list of {expected.__name__}, got {tables!r}")
+    if not isinstance(tables, (list, tuple)):  # [] is fine: an empty module, as in TorchRec
+        raise ValueError(f"{module}: tables must be a list of {expected.__name__}, got {tables!r}")
     names = set()
     for config in tables:
         _check_table(config, expected, module)

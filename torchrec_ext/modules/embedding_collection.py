@@ -20,10 +20,16 @@ class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInte
     pooling: ``forward`` returns, per feature (``feature@table`` where a feature feeds several
     tables), a JaggedTensor of one vector per id with the feature's lengths (and the ids as
     weights when ``need_indices``). All tables share one embedding_dim, as in TorchRec.
+
+    The constructor takes EmbeddingCollection's arguments in its order, then ``optimizer`` and
+    ``optimizer_kwargs``. ``use_gather_select`` and ``use_gather_select_per_sharding`` are
+    TorchRec's hints on how to select rows (a gather instead of an index lookup): accepted,
+    returned by their getters, and otherwise no-ops, as our kernels do one gather whatever they say.
     """
 
     def __init__(self, tables: List[EmbeddingConfig], device: Optional[torch.device] = None,
-                 need_indices: bool = False, optimizer: Any = None,
+                 need_indices: bool = False, use_gather_select: bool = False,
+                 use_gather_select_per_sharding: Optional[Dict[str, bool]] = None, optimizer: Any = None,
                  optimizer_kwargs: Optional[Mapping[str, Any]] = None) -> None:
         super().__init__()
         where = type(self).__name__
@@ -33,9 +39,14 @@ class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInte
                 raise ValueError(
                     f"All tables in a EmbeddingCollection are required to have same embedding dimension. "
                     f"Violating case: {cfg.name}'s embedding_dim {cfg.embedding_dim} != {tables[0].embedding_dim}")
+        if use_gather_select_per_sharding is not None and not isinstance(use_gather_select_per_sharding, dict):
+            raise TypeError(f"{where}: use_gather_select_per_sharding must be a dict of sharding type -> bool or "
+                            f"None, got {use_gather_select_per_sharding!r}")
         self._embedding_configs = list(tables)
-        self._embedding_dim = tables[0].embedding_dim
+        self._embedding_dim = tables[0].embedding_dim if tables else -1  # TorchRec's value without tables
         self._need_indices = bool(need_indices)
+        self._use_gather_select = bool(use_gather_select)
+        self._use_gather_select_per_sharding = use_gather_select_per_sharding
         self._embedding_names_by_table = get_embedding_names_by_table(tables)
         self._init_dynamic(tables, device, "embeddings", optimizer, optimizer_kwargs)
 
@@ -66,3 +77,11 @@ class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInte
 
     def embedding_names_by_table(self) -> List[List[str]]:
         return self._embedding_names_by_table
+
+    def use_gather_select(self) -> bool:
+        """TorchRec's row-selection hint, as given (a no-op here)."""
+        return self._use_gather_select
+
+    def use_gather_select_per_sharding(self) -> Optional[Dict[str, bool]]:
+        """TorchRec's per-sharding row-selection hint, as given (a no-op here)."""
+        return self._use_gather_select_per_sharding

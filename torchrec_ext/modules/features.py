@@ -3,6 +3,9 @@
 Lookup order is the output order of TorchRec's EmbeddingBagCollection: tables in order, each
 table's features in order (a feature read by several tables appears once per table). A
 table's ids are thus contiguous, which is what the per-table dedup and the kernels take.
+
+As in TorchRec, one KJT may feed several modules: keys no table reads are ignored, and so are
+the weights of an unweighted module (EmbeddingCollection never reads weights).
 """
 from __future__ import annotations
 
@@ -83,11 +86,7 @@ def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, whe
         # Only one occurrence's ids could be looked up: the others would be dropped silently.
         repeated = sorted({k for k in keys if keys.count(k) > 1})
         raise ValueError(f"{where}: KJT keys must be distinct, got {repeated} more than once in keys {list(keys)}")
-    known = set(plan.features)
-    unknown = [k for k in keys if k not in known]
-    if unknown:
-        raise ValueError(f"{where}: KJT keys {unknown} are not a feature of any table (features: {sorted(known)})")
-    missing = sorted(known - set(keys))
+    missing = sorted(set(plan.features) - set(keys))
     if missing:
         raise ValueError(f"{where}: KJT lacks the features {missing} that the tables read")
     if features.variable_stride_per_key():
@@ -98,7 +97,8 @@ def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, whe
     if values.dim() != 1:
         raise ValueError(f"{where}: ids (KJT values) must be 1-D, got shape {tuple(values.shape)}")
     lengths = features.lengths()
-    _check_devices(where, device, values=values, lengths=lengths, weights=features.weights_or_none())
+    _check_devices(where, device, values=values, lengths=lengths,
+                   weights=features.weights_or_none() if is_weighted else None)
     if lengths.dtype not in _ID_DTYPES or lengths.is_floating_point():
         raise TypeError(f"{where}: KJT lengths must be integers, got {lengths.dtype}")
     batch_size = features.stride()
@@ -110,20 +110,15 @@ def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, whe
     total = int(lengths.sum()) if lengths.numel() else 0
     if total != values.numel():
         raise ValueError(f"{where}: KJT lengths sum to {total} but there are {values.numel()} ids")
-    weights = features.weights_or_none()
-    if is_weighted and weights is None:
-        raise ValueError(f"{where}: the module is weighted (is_weighted=True) but the KJT has no weights")
-    if not is_weighted and weights is not None:
-        raise ValueError(f"{where}: the KJT has weights but the module is unweighted (is_weighted=False)")
-    if weights is not None:
+    weights = features.weights_or_none() if is_weighted else None  # an unweighted module reads none
+    if is_weighted:
+        if weights is None:
+            raise ValueError(f"{where}: the module is weighted (is_weighted=True) but the KJT has no weights")
         if not weights.is_floating_point():
             raise TypeError(f"{where}: KJT weights must be floats, got {weights.dtype}")
         if weights.shape != values.shape:
             raise ValueError(f"{where}: KJT weights must be one per id, shape {tuple(values.shape)}, "
                              f"got {tuple(weights.shape)}")
-        if not bool(torch.isfinite(weights).all()):
-            raise ValueError(f"{where}: KJT weights must be finite, got NaN or inf")
-        weights = weights.float()
 
     lengths = lengths.to(torch.int64)
     per_key = features.length_per_key()  # TorchRec's own (cached on the KJT)
@@ -132,12 +127,17 @@ def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, whe
     value_counts = [per_key[key_index[f]] for f in plan.features]
     if list(keys) == plan.features:
         ids, arranged_lengths, arranged_weights = values, lengths, weights
-    else:
-        order = [key_index[f] for f in plan.features]
-        ids = torch.cat([values[key_start[f]:key_start[f] + n] for f, n in zip(plan.features, value_counts)])
-        arranged_lengths = lengths.view(len(keys), batch_size)[order].reshape(-1)
-        arranged_weights = None if weights is None else torch.cat(
-            [weights[key_start[f]:key_start[f] + n] for f, n in zip(plan.features, value_counts)])
+    else:  # the read features' ids in lookup order; other keys' ids are left out
+        order = torch.tensor([key_index[f] for f in plan.features], dtype=torch.int64, device=lengths.device)
+        spans = [(key_start[f], n) for f, n in zip(plan.features, value_counts)]
+        ids = _gather_spans(values, spans)
+        arranged_lengths = lengths.view(len(keys), batch_size).index_select(0, order).reshape(-1)
+        arranged_weights = None if weights is None else _gather_spans(weights, spans)
+    if arranged_weights is not None:
+        # Only the weights that are read must be finite, as TorchRec reads no others.
+        if not bool(torch.isfinite(arranged_weights).all()):
+            raise ValueError(f"{where}: KJT weights must be finite, got NaN or inf")
+        arranged_weights = arranged_weights.float()
     table_counts = [0] * plan.num_tables
     for t, n in zip(plan.tables, value_counts):
         table_counts[t] += n
@@ -145,6 +145,11 @@ def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, whe
     feature_value_offsets = torch.tensor([0] + value_counts, dtype=torch.int64).cumsum(0)
     return LookupInput(ids.to(torch.int64), arranged_lengths, arranged_weights,
                        segment_offsets.to(values.device), feature_value_offsets.to(values.device), batch_size)
+
+
+def _gather_spans(t: Tensor, spans: Sequence[Tuple[int, int]]) -> Tensor:
+    """The (start, length) slices of ``t``, concatenated (empty when there are none)."""
+    return torch.cat([t[start:start + n] for start, n in spans]) if spans else t[:0]
 
 
 def _check_devices(where: str, device: Optional[torch.device], values: Tensor, lengths: Tensor,

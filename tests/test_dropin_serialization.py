@@ -265,3 +265,44 @@ def test_symbolic_trace_of_model_holding_ours_gives_its_outputs(arch, tracer):
         a.sum().backward(), b.sum().backward()
     traced = {k: v for k, v in gm.state_dict().items() if not k.startswith("_tensor_constant")}  # DLRM's triu indices
     _assert_same_state(traced, twin.state_dict())
+
+
+# ----------------------------------------------------------------------------- torch.export
+
+def _same_shapes_batch(seed: int, pool: torch.Tensor):
+    """A batch of the shapes of ``_batch(0)`` (ids count, batch size) with other ids and lengths."""
+    dense, kjt = _batch(0)
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.zeros(kjt.lengths().numel(), dtype=torch.int64)
+    for _ in range(kjt.values().numel()):
+        lengths[torch.randint(0, lengths.numel(), (1,), generator=g)] += 1
+    values = pool[torch.randint(0, pool.numel(), (kjt.values().numel(),), generator=g)]
+    return torch.randn(dense.shape, generator=g), KeyedJaggedTensor(keys=FEATURES, values=values, lengths=lengths,
+                                                                    stride=BATCH)
+
+
+@pytest.mark.parametrize("arch", ["dlrm", "sequence"])
+def test_export_in_eval_gives_the_models_outputs(arch):
+    model = _traceable(arch, ours=True)
+    trained = _Model("dlrm" if arch != "sequence" else "seq", model)
+    for seed in range(3):
+        trained.step(_batch(seed))
+    model.eval()
+    collection = next(m for m in model.modules() if hasattr(m, "num_live_rows"))
+    live = collection.num_live_rows()
+    seen = torch.cat([ids for ids, _, _ in collection._tables.indexes[0].export()])
+    ep = torch.export.export(model, _batch(0), strict=False)
+    exported = ep.module()
+    for seed in (20, 21, 22):
+        # Ids seen in training (rows) and never seen (zeros), lengths other than the example's.
+        batch = _same_shapes_batch(seed, torch.cat([seen, ID_POOL]))
+        torch.testing.assert_close(exported(*batch), model(*batch), rtol=0, atol=0)
+    assert collection.num_live_rows() == live  # eval: nothing inserted, when exporting or running
+
+    # The KJT checks are the program's runtime asserts: negative lengths are still refused.
+    dense, kjt = _batch(0)
+    lengths = kjt.lengths().clone()
+    lengths[0], lengths[1] = lengths[0] + lengths[1] + 1, -1
+    bad = KeyedJaggedTensor(keys=FEATURES, values=kjt.values(), lengths=lengths, stride=BATCH)
+    with pytest.raises(RuntimeError, match="u0 >= 0|lengths must be >= 0"):
+        exported(dense, bad)

@@ -328,8 +328,13 @@ class DynamicTables:
         bounds = unique_offsets.tolist()
         # Each table writes its rows into its slice of one buffer (no concatenation after).
         unique_rows = torch.empty_like(unique)
+        exporting = torch.compiler.is_compiling()  # bounds are symbolic: tell what the op guarantees
         for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-            if end > start:
+            if exporting:
+                torch._check(0 <= start)
+                torch._check(start <= end)
+                torch._check(end <= unique.numel())
+            if exporting or end > start:  # an empty slice costs nothing to trace
                 keys = unique[start:end]
                 rows, fresh = self._rows_for(t, keys, counts[start:end], training)
                 unique_rows[start:end] = rows

@@ -105,11 +105,17 @@ def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, whe
     if lengths.numel() != len(keys) * batch_size:
         raise ValueError(f"{where}: KJT lengths must have num_keys * batch_size = {len(keys) * batch_size} "
                          f"entries, got {lengths.numel()}")
-    if lengths.numel() and int(lengths.min()) < 0:
-        raise ValueError(f"{where}: KJT lengths must be >= 0, got a length of {int(lengths.min())}")
-    total = int(lengths.sum()) if lengths.numel() else 0
-    if total != values.numel():
-        raise ValueError(f"{where}: KJT lengths sum to {total} but there are {values.numel()} ids")
+    if torch.compiler.is_compiling():
+        # torch.export / compile: values are symbolic, so these checks become the program's runtime asserts.
+        if lengths.numel():
+            torch._check(lengths.min().item() >= 0, lambda: f"{where}: KJT lengths must be >= 0")
+            torch._check(lengths.sum().item() == values.numel(), lambda: f"{where}: KJT lengths must sum to the ids' count")
+    else:
+        if lengths.numel() and int(lengths.min()) < 0:
+            raise ValueError(f"{where}: KJT lengths must be >= 0, got a length of {int(lengths.min())}")
+        total = int(lengths.sum()) if lengths.numel() else 0
+        if total != values.numel():
+            raise ValueError(f"{where}: KJT lengths sum to {total} but there are {values.numel()} ids")
     weights = features.weights_or_none() if is_weighted else None  # an unweighted module reads none
     if is_weighted:
         if weights is None:

@@ -298,6 +298,12 @@ def test_export_in_eval_gives_the_models_outputs(arch):
         batch = _same_shapes_batch(seed, torch.cat([seen, ID_POOL]))
         torch.testing.assert_close(exported(*batch), model(*batch), rtol=0, atol=0)
     assert collection.num_live_rows() == live  # eval: nothing inserted, when exporting or running
+    buf = io.BytesIO()  # torch.export.save / load: the same program, tables included
+    torch.export.save(ep, buf)
+    buf.seek(0)
+    with torch.serialization.safe_globals([KeyedJaggedTensor]):  # the saved example inputs hold a KJT
+        loaded = torch.export.load(buf)
+    torch.testing.assert_close(loaded.module()(*batch), model(*batch), rtol=0, atol=0)
 
     # The KJT checks are the program's runtime asserts: negative lengths are still refused.
     dense, kjt = _batch(0)
@@ -306,3 +312,13 @@ def test_export_in_eval_gives_the_models_outputs(arch):
     bad = KeyedJaggedTensor(keys=FEATURES, values=kjt.values(), lengths=lengths, stride=BATCH)
     with pytest.raises(RuntimeError, match="u0 >= 0|lengths must be >= 0"):
         exported(dense, bad)
+
+
+# ----------------------------------------------------------------------------- torch.jit.script
+
+@pytest.mark.parametrize("arch", ["dlrm", "sequence"])
+def test_jit_script_refuses_with_a_message_pointing_to_export(arch):
+    model = _traceable(arch, ours=True)
+    name = "DynamicEmbeddingBagCollection" if arch == "dlrm" else "DynamicEmbeddingCollection"
+    with pytest.raises(TypeError, match=rf"{name} cannot be compiled by torch.jit.script.*torch.export.export"):
+        torch.jit.script(model)

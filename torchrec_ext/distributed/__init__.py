@@ -2,11 +2,15 @@
 from torchrec_ext.distributed.embedding import ShardedDynamicEmbeddingCollection
 from torchrec_ext.distributed.embeddingbag import ShardedDynamicEmbeddingBagCollection
 from torchrec_ext.distributed.planner import (
-    DynamicEmbeddingPerfEstimator, DynamicEmbeddingStorageEstimator, make_planner,
+    DynamicEmbeddingPerfEstimator, DynamicEmbeddingStorageEstimator, install_default_planner_hook, make_planner,
 )
 from torchrec_ext.distributed.sharders import (
     DynamicEmbeddingBagCollectionSharder, DynamicEmbeddingCollectionSharder, get_sharders,
 )
+
+# TorchRec's default planner (DistributedModelParallel without a plan) costs our tables with our
+# estimators and refuses models whose dynamic modules have no sharder: see planner.py.
+install_default_planner_hook()
 
 __all__ = [
     "DynamicEmbeddingBagCollectionSharder", "DynamicEmbeddingCollectionSharder", "DynamicEmbeddingPerfEstimator",

@@ -43,6 +43,7 @@ from torchrec.distributed.planner.types import (
     ShardingOption, Storage, Topology,
 )
 from torchrec.distributed.planner.utils import extract_comm_data_type_size
+from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, PipelineType, ShardingPlan, ShardingType
 
 from torchrec_ext.distributed.sharded_base import SUPPORTED_SHARDING_TYPES, local_capacity
@@ -54,7 +55,7 @@ from torchrec_ext.table import SLOTS_PER_BUCKET, table_geometry
 
 __all__ = [
     "DynamicEmbeddingPerfEstimator", "DynamicEmbeddingStorageEstimator", "dynamic_table_bytes", "is_dynamic_option",
-    "make_planner",
+    "check_dynamic_modules_have_sharders", "install_default_planner_hook", "make_planner",
 ]
 
 DYNAMIC_MODULE_TYPES = (DynamicEmbeddingBagCollection, DynamicEmbeddingCollection)
@@ -459,3 +460,78 @@ def make_planner(topology: Topology, batch_size: int, constraints: Optional[Dict
         ])
     return _DynamicEmbeddingShardingPlanner(topology=topology, batch_size=batch_size, enumerator=enumerator,
                                             constraints=constraints, **kwargs)
+
+
+# ---------------------------------------------------------------------------- TorchRec's default planner
+#
+# DistributedModelParallel(model, sharders=...) without a plan, and any EmbeddingShardingPlanner
+# built without an enumerator, enumerate with TorchRec's default estimators, which refuse our
+# ``customized_kernel`` (and would under-count our tables' storage). TorchRec 1.8 has no registry
+# for estimators (its perf-estimator factory only swaps hardware coefficients), so the hook below
+# wraps ``EmbeddingEnumerator``: when it was built with the default estimators, the options of our
+# modules go to our estimators and every other option to TorchRec's, exactly as before. It also
+# refuses, at planning time, a model holding our modules when the sharders cannot shard them
+# (TorchRec would silently leave them out of the plan and DDP-wrap them).
+
+_MISSING_SHARDER_HINT = ("pass sharders=torchrec_ext.distributed.get_sharders() (our sharders plus TorchRec's "
+                         "defaults) to DistributedModelParallel / the planner")
+
+
+def check_dynamic_modules_have_sharders(module: nn.Module, sharders: Sequence[ModuleSharder[nn.Module]]) -> None:
+    """Raise if ``module`` holds a dynamic module that none of ``sharders`` shards (it would be
+    left out of the plan and wrapped by DDP)."""
+    sharded_types = {sharder.module_type for sharder in sharders}
+    missing = [f"{path or '<root>'} ({type(child).__name__})" for path, child in module.named_modules()
+               if isinstance(child, DYNAMIC_MODULE_TYPES) and type(child) not in sharded_types]
+    if missing:
+        raise PlannerError(f"dynamic table planner: no sharder for {', '.join(missing)}; TorchRec would leave "
+                           f"it out of the plan and wrap it in DistributedDataParallel. {_MISSING_SHARDER_HINT}.",
+                           error_type=PlannerErrorType.OTHER)
+
+
+def _default_planner_estimators(topology: Topology, constraints: Optional[Dict[str, ParameterConstraints]]
+                                ) -> List[ShardEstimator]:
+    return [DynamicEmbeddingPerfEstimator(topology, constraints),
+            DynamicEmbeddingStorageEstimator(topology, constraints)]
+
+
+def install_default_planner_hook() -> None:
+    """Let TorchRec's default ``EmbeddingEnumerator`` (hence ``EmbeddingShardingPlanner()`` and
+    ``DistributedModelParallel`` without a plan) cost our tables with our estimators, and refuse
+    models whose dynamic modules have no sharder. Idempotent; runs on ``import torchrec_ext.distributed``."""
+    if getattr(EmbeddingEnumerator, "_torchrec_ext_hooked", False):
+        return
+    original_init, original_enumerate = EmbeddingEnumerator.__init__, EmbeddingEnumerator.enumerate
+    original_populate = EmbeddingEnumerator.populate_estimates
+
+    def __init__(self, topology, batch_size, constraints=None, estimator=None, *args, **kwargs):
+        original_init(self, topology, batch_size, constraints, estimator, *args, **kwargs)
+        # Only the defaults are extended; estimators a caller passes are theirs to choose.
+        self._dynamic_estimators = None if estimator else _default_planner_estimators(topology, constraints)
+
+    def enumerate(self, module, sharders):
+        check_dynamic_modules_have_sharders(module, sharders)
+        return original_enumerate(self, module, sharders)
+
+    def populate_estimates(self, sharding_options):
+        ours = getattr(self, "_dynamic_estimators", None)
+        if not ours or not any(is_dynamic_option(o) for o in sharding_options):
+            return original_populate(self, sharding_options)
+        original_populate(self, [o for o in sharding_options if not is_dynamic_option(o)])
+        dynamic = [o for o in sharding_options if is_dynamic_option(o)]
+        for estimator in ours:
+            estimator.estimate(dynamic, self._sharder_data_map)
+
+    original_collective_plan = EmbeddingShardingPlanner.collective_plan
+
+    def collective_plan(self, module, sharders=None, pg=None):
+        # Every rank checks before rank 0 plans: an error raised on rank 0 alone would leave the
+        # others waiting for its broadcast.
+        check_dynamic_modules_have_sharders(module, sharders if sharders is not None else get_default_sharders())
+        return original_collective_plan(self, module, sharders, pg)
+
+    EmbeddingEnumerator.__init__ = __init__
+    EmbeddingEnumerator.enumerate = enumerate
+    EmbeddingShardingPlanner.collective_plan = collective_plan
+    EmbeddingEnumerator.populate_estimates = populate_estimates
+    EmbeddingEnumerator._torchrec_ext_hooked = True

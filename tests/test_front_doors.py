@@ -1,0 +1,202 @@
+"""TorchRec's own front doors with our modules, on 2 gloo ranks: DistributedModelParallel with
+our sharders and no plan, TorchRec's default EmbeddingShardingPlanner, construct_module_sharding_plan
+and the composable shard(); and DMP with TorchRec's default sharders refusing our modules at
+construction instead of leaving them out of the plan."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+
+from dist_helpers import ModelWith, run_ranks
+from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
+
+WORLD = 2
+BATCH = 4
+KEYS = ["f1", "f2"]
+
+
+def _dynamic():
+    return DynamicEmbeddingBagCollection([
+        DynamicEmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=64, feature_names=["f1"]),
+        DynamicEmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=32, feature_names=["f2"]),
+    ], optimizer="sgd", optimizer_kwargs={"lr": 0.5})
+
+
+def _stock():
+    torch.manual_seed(0)
+    return EmbeddingBagCollection([EmbeddingBagConfig(name="s1", embedding_dim=4, num_embeddings=16, feature_names=["g"])])
+
+
+class _Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dyn, self.stock = _dynamic(), _stock()
+
+    def forward(self, kjt, stock_kjt):
+        return torch.cat([self.dyn(kjt).values(), self.stock(stock_kjt).values()], dim=1)
+
+
+def _batch(step, rank, keys=KEYS, rows=1000):
+    gen = torch.Generator().manual_seed(step * 10 + rank)
+    lengths = torch.randint(0, 3, (len(keys) * BATCH,), generator=gen)
+    values = torch.randint(0, rows, (int(lengths.sum()),), generator=gen)
+    return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, stride=BATCH)
+
+
+def _global(kjts, keys=KEYS):
+    per_key = [k.to_dict() for k in kjts]
+    return KeyedJaggedTensor(keys=keys, values=torch.cat([jt[key].values() for key in keys for jt in per_key]),
+                             lengths=torch.cat([jt[key].lengths() for key in keys for jt in per_key]),
+                             stride=BATCH * len(kjts))
+
+
+def _train_and_compare(rank, world_size, sharded, reference, steps=3):
+    """Forward + backward of the sharded model on each rank's batch equal the unsharded module on
+    the global batch (the later steps' outputs check the updates of the earlier backwards)."""
+    for step in range(steps):
+        kjts = [_batch(step, r) for r in range(world_size)]
+        out = sharded(kjts[rank]).values()
+        want = reference(_global(kjts)).values()
+        torch.testing.assert_close(out, want[rank * BATCH:(rank + 1) * BATCH], rtol=1e-5, atol=1e-5)
+        out.sum().backward()
+        want.sum().backward()
+
+
+# ------------------------------------------------------------------ DMP with our sharders, no plan
+
+def _dmp_without_plan(rank, world_size):
+    from torchrec.distributed import DistributedModelParallel
+
+    from torchrec_ext.distributed import ShardedDynamicEmbeddingBagCollection, get_sharders
+
+    model, reference = _Mixed(), _Mixed()
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=get_sharders())
+    assert isinstance(dmp.module.dyn, ShardedDynamicEmbeddingBagCollection)
+    assert set(dmp.plan.plan["dyn"]) == {"t1", "t2"} and "s1" in dmp.plan.plan["stock"]
+    assert {p.compute_kernel for p in dmp.plan.plan["dyn"].values()} == {"customized_kernel"}
+    _copy_stock_table(dmp, reference.stock)  # TorchRec's sharded stock table draws its own initial rows
+    stock_kjts = [_batch(0, r, ["g"], 16) for r in range(world_size)]
+    for step in range(3):
+        kjts = [_batch(step, r) for r in range(world_size)]
+        out = dmp(kjts[rank], stock_kjts[rank])
+        dyn_want = reference.dyn(_global(kjts)).values()[rank * BATCH:(rank + 1) * BATCH]
+        torch.testing.assert_close(out[:, :8], dyn_want, rtol=1e-5, atol=1e-5)
+        if step == 0:  # the stock table trains with TorchRec's own optimizer: compare its first forward only
+            stock_want = reference.stock(_global(stock_kjts, ["g"])).values()[rank * BATCH:(rank + 1) * BATCH]
+            torch.testing.assert_close(out[:, 8:], stock_want, rtol=1e-5, atol=1e-5)
+        out[:, :8].sum().backward()
+        reference.dyn(_global(kjts)).values().sum().backward()
+
+
+def _copy_stock_table(dmp, stock):
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    weight = dmp.state_dict()["stock.embedding_bags.s1.weight"]
+    if isinstance(weight, ShardedTensor):
+        full = torch.empty(weight.size()) if dist.get_rank() == 0 else None
+        weight.gather(dst=0, out=full)
+        weight = full if full is not None else torch.empty(weight.size())
+        dist.broadcast(weight, src=0)
+    stock.embedding_bags["s1"].weight.data.copy_(weight)
+
+
+def test_dmp_with_our_sharders_and_no_plan_plans_shards_and_trains():
+    run_ranks(_dmp_without_plan, WORLD)
+
+
+# ------------------------------------------------------------------ TorchRec's default planner
+
+def test_default_planner_costs_our_tables_with_our_estimators():
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+
+    from torchrec_ext.distributed import get_sharders, make_planner
+
+    topology = Topology(world_size=WORLD, compute_device="cpu")
+    plan = EmbeddingShardingPlanner(topology=topology, batch_size=64).plan(_Mixed(), get_sharders())
+    assert set(plan.plan["dyn"]) == {"t1", "t2"} and "s1" in plan.plan["stock"]
+    # Oracle: the options make_planner's enumerator (our estimators, passed explicitly) costs.
+    model = _Mixed()
+    default = EmbeddingEnumerator(topology=topology, batch_size=64).enumerate(model, get_sharders())
+    explicit = make_planner(topology, batch_size=64)._enumerator.enumerate(model, get_sharders())
+    key = lambda o: (o.fqn, o.sharding_type, o.compute_kernel)
+    want = {key(o): [(s.storage, s.perf) for s in o.shards] for o in explicit}
+    assert {key(o) for o in default} == set(want)
+    for option in default:
+        assert [(s.storage, s.perf) for s in option.shards] == want[key(option)], option.fqn
+
+
+def _default_planner_collective(rank, world_size):
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+
+    from torchrec_ext.distributed import get_sharders
+
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world_size, compute_device="cpu"))
+    plan = planner.collective_plan(_Mixed(), get_sharders(), dist.group.WORLD)
+    assert set(plan.plan["dyn"]) == {"t1", "t2"}
+    assert {p.sharding_type for p in plan.plan["dyn"].values()} <= {"table_wise", "row_wise"}
+
+
+def test_default_planner_collective_plan_covers_our_module():
+    run_ranks(_default_planner_collective, WORLD)
+
+
+# ------------------------------------------------------------------ construct_module_sharding_plan + DMP
+
+def _constructed_plan(rank, world_size):
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.types import ShardingPlan
+
+    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
+
+    model, reference = ModelWith("ebc", _dynamic()), _dynamic()
+    module_plan = construct_module_sharding_plan(model.ebc, {"t1": row_wise(), "t2": table_wise(rank=1)},
+                                                 sharder=DynamicEmbeddingBagCollectionSharder(),
+                                                 local_size=world_size, world_size=world_size, device_type="cpu")
+    assert module_plan["t1"].sharding_type == "row_wise" and module_plan["t2"].ranks == [1]
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=ShardingPlan({"ebc": module_plan}),
+                                   sharders=get_sharders())
+    _train_and_compare(rank, world_size, dmp, reference)
+
+
+def test_construct_module_sharding_plan_and_dmp():
+    run_ranks(_constructed_plan, WORLD)
+
+
+# ------------------------------------------------------------------ composable shard()
+
+def _composable_shard(rank, world_size):
+    from torchrec.distributed.shard import shard
+    from torchrec.distributed.sharding_plan import row_wise, table_wise
+
+    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder
+
+    module, reference = _dynamic(), _dynamic()
+    sharded = shard(module, plan={"t1": row_wise(), "t2": table_wise(rank=0)},
+                    sharder=DynamicEmbeddingBagCollectionSharder(), device=torch.device("cpu"))
+    _train_and_compare(rank, world_size, sharded, reference)
+
+
+@pytest.mark.xfail(strict=True, raises=Exception, reason="our sharded modules rename parameters (FQNs), which "
+                   "torch's composable contract refuses")
+def test_composable_shard():
+    run_ranks(_composable_shard, WORLD)
+
+
+# ------------------------------------------------------------------ missing sharders are loud
+
+def _dmp_default_sharders(rank, world_size):
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.planner.types import PlannerError
+
+    import torchrec_ext.distributed  # noqa: F401  (installs the planner hook)
+
+    with pytest.raises(PlannerError, match=r"torchrec_ext\.distributed\.get_sharders\(\).*") as error:
+        DistributedModelParallel(_Mixed(), device=torch.device("cpu"))
+    assert "dyn (DynamicEmbeddingBagCollection)" in str(error.value)
+
+
+def test_dmp_with_default_sharders_refuses_our_modules_at_construction():
+    run_ranks(_dmp_default_sharders, WORLD)

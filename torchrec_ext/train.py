@@ -41,7 +41,7 @@ from torchrec_ext.train_utils.data import StreamConfig, TrainStream, eval_batche
 from torchrec_ext.train_utils.metrics import evaluate, oracle_auc
 from torchrec_ext.train_utils.model import ModelConfig, build_model, make_optimizer, shard_model
 from torchrec_ext.train_utils.report import plot_curves, write_json
-from torchrec_ext.train_utils.run_lock import RunDirBusy, RunDirLock
+from torchrec_ext.train_utils.run_lock import RunDirLock, RunDirLockError
 from torchrec_ext.train_utils.runtime import Runtime, exit_now, init_runtime, shutdown
 
 PIPELINES = ("ours", "torchrec", "plain")
@@ -164,7 +164,7 @@ class _Log:
 
 def _resolve_run_dir(args: argparse.Namespace, rt: Runtime) -> Tuple[str, Optional[RunDirLock]]:
     """The run directory, created, and its lock (held by rank 0; None on other ranks). Every
-    rank raises RunDirBusy when another job holds it."""
+    rank raises RunDirLockError when another job holds it or it cannot be taken."""
     run_dir = args.run_dir
     if run_dir is None:
         holder: List[Any] = [None]
@@ -182,11 +182,11 @@ def _resolve_run_dir(args: argparse.Namespace, rt: Runtime) -> Tuple[str, Option
         os.makedirs(run_dir, exist_ok=True)
         try:
             lock = RunDirLock(run_dir)
-        except RunDirBusy as e:
+        except RunDirLockError as e:  # rank 0 alone: every rank ends with its message
             busy[0] = str(e)
     dist.broadcast_object_list(busy, src=0)
     if busy[0]:
-        raise RunDirBusy(busy[0])
+        raise RunDirLockError(busy[0])
     return run_dir, lock
 
 

@@ -4,18 +4,23 @@ before anything in them is read.
 A save is written to ``<dir>/.tmp_step_<k>``. Once every rank's files and DCP's ``.metadata``
 are on disk, the ranks hash the files (SHA-256, each rank a share) and rank 0 writes
 ``MANIFEST.json`` last (every file's size and digest), fsyncs it and renames the directory into
-place; an interrupted save leaves no ``step_<k>``, and only the newest ``keep`` checkpoints are
-kept. A ``.tmp_step_<k>`` (or ``step_<k>``) that is a symlink is refused, never written through.
+place; an interrupted save leaves no ``step_<k>``. Rotation: of the checkpoints of steps up to
+the one just saved, the newest ``keep`` are kept (the one just saved always among them) and
+older ones deleted; checkpoints of later steps (damaged ones a resume skipped, say) are neither
+counted nor deleted, and a save of their step replaces them. A ``.tmp_step_<k>`` (or
+``step_<k>``) that is a symlink is refused, never written through.
 
 Reading: ``verify_checkpoint`` checks a directory against its manifest (every listed file
 present, nothing else, no symlinks, sizes and digests equal) and raises ``CheckpointError``
 naming the file otherwise; ``latest_checkpoint`` returns the newest checkpoint that verifies
 (``find_checkpoint`` also says why newer ones were skipped); ``load_checkpoint`` verifies before
 it reads. Nothing is unpickled freely: DCP's ``.metadata`` (a pickle) is read by an unpickler that
-admits only DCP's metadata classes, and non-tensor values load with
-``torch.load(weights_only=True)``. The manifest detects corruption, not forgery: whoever can
-write the run directory can write a matching manifest, so a checkpoint directory must come from a
-trusted writer (a forged one cannot run code when loaded, but may hold any weights).
+admits only DCP's metadata classes, every entry it lists must lie inside one of the
+checkpoint's own files (a bare file name, offset and length within its size), and non-tensor
+values load with ``torch.load(weights_only=True)``. The manifest detects corruption, not
+forgery: whoever can write the run directory can write a matching manifest, so a checkpoint
+directory must come from a trusted writer (a forged one cannot run code or read files outside it
+when loaded, but may hold any weights).
 
 Loading handles state whose tensor shapes change as training goes: a dynamic table's
 ``state_dict()`` holds its live rows (``weight`` [n, dim], ``weight_id``, ``metadata``,
@@ -66,6 +71,7 @@ _MANIFEST_FORMAT = "torchrec_ext.checkpoint.manifest/1"
 _MANIFEST_MAX_BYTES = 64 << 20
 _HASH_CHUNK = 1 << 20
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+_PATH_CLASSES = {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}
 # The globals DCP's .metadata pickle refers to (torch 2.11-2.13); any other global is refused.
 _METADATA_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {
@@ -74,7 +80,8 @@ _METADATA_GLOBALS = {
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},  # and the dtypes, checked by type
-    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "pathlib": _PATH_CLASSES,
+    "pathlib._local": _PATH_CLASSES,  # where Python 3.13 defines (and pickles) them
     "collections": {"OrderedDict"},
 }
 
@@ -116,10 +123,9 @@ def find_checkpoint(ckpt_dir: str, process_group: Optional[dist.ProcessGroup] = 
     """(step, path) of the newest checkpoint under ckpt_dir that verifies (None when none does),
     and the newer ones skipped as (path, reason), newest first. Collective."""
     pg = process_group or ensure_process_group()
-    candidates = [_step_dirs(ckpt_dir)]
-    dist.broadcast_object_list(candidates, src=dist.get_global_rank(pg, 0), group=pg)  # one list for all ranks
+    candidates = _from_first_rank(_step_dirs(ckpt_dir) if dist.get_rank(pg) == 0 else None, pg)
     skipped: List[Tuple[str, str]] = []
-    for step, path in reversed(candidates[0]):
+    for step, path in reversed(candidates):
         try:
             verify_checkpoint(path, pg, step=step)
         except CheckpointError as e:
@@ -137,8 +143,9 @@ def latest_checkpoint(ckpt_dir: str, process_group: Optional[dist.ProcessGroup] 
 
 def save_checkpoint(ckpt_dir: str, step: int, state: Dict[str, Any], keep: int = 2,
                     process_group: Optional[dist.ProcessGroup] = None) -> str:
-    """Saves ``state`` as ``<ckpt_dir>/step_<step>`` with its manifest (collective); keeps the
-    newest ``keep`` checkpoints (0: all). Returns the checkpoint's path."""
+    """Saves ``state`` as ``<ckpt_dir>/step_<step>`` with its manifest (collective); of the
+    checkpoints of steps <= ``step`` keeps the newest ``keep`` (0: all), never deleting a later
+    step's. Returns the checkpoint's path."""
     if keep < 0:
         raise ValueError(f"save_checkpoint: keep must be >= 0, got {keep}")
     pg = process_group or ensure_process_group()
@@ -158,7 +165,9 @@ def save_checkpoint(ckpt_dir: str, step: int, state: Dict[str, Any], keep: int =
     _raise_if_any(error, pg)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=pg)
     dist.barrier(pg)  # every rank's files and the metadata are written
-    digests = _hash_files(tmp, sorted(os.listdir(tmp)), pg)
+    # One listing for all ranks: a rank with a stale view would shift the shares and leave a file unhashed.
+    names = _from_first_rank(sorted(os.listdir(tmp)) if rank == 0 else None, pg)
+    digests = _hash_files(tmp, names, pg)
     if rank == 0:
         _write_manifest(tmp, step, digests)
         if os.path.exists(final):  # saving a step again (e.g. after resuming from it)
@@ -169,8 +178,9 @@ def save_checkpoint(ckpt_dir: str, step: int, state: Dict[str, Any], keep: int =
         else:
             os.replace(tmp, final)
         _fsync_dir(ckpt_dir)
-        if keep:
-            for _, path in list_checkpoints(ckpt_dir)[:-keep]:
+        if keep:  # counted up to this step: later ones (e.g. damaged, skipped by a resume) must not push it out
+            upto = [path for saved, path in list_checkpoints(ckpt_dir) if saved <= step]
+            for path in upto[:-keep]:
                 shutil.rmtree(path, ignore_errors=True)
     dist.barrier(pg)
     return final
@@ -308,6 +318,13 @@ def _read_file(path: str) -> bytes:
         return f.read()
 
 
+def _from_first_rank(value: Any, pg: dist.ProcessGroup) -> Any:
+    """Rank 0's ``value`` on every rank: one view of the file system for all ranks."""
+    holder = [value]
+    dist.broadcast_object_list(holder, src=dist.get_global_rank(pg, 0), group=pg)
+    return holder[0]
+
+
 def _raise_if_any(error: Optional[str], pg: dist.ProcessGroup) -> None:
     """Raises CheckpointError on every rank when any rank found an error (the lowest rank's
     message), so that no rank goes on to a collective the others have left."""
@@ -354,11 +371,47 @@ def read_metadata(path: str) -> Metadata:
     return metadata
 
 
-class _Reader(dcp.FileSystemReader):
-    """DCP's file reader, reading .metadata with the restricted unpickler."""
+def _check_storage(path: str, metadata: Metadata) -> None:
+    """Raises CheckpointError unless every entry of ``metadata`` lies inside one of checkpoint
+    ``path``'s own files: DCP reads an entry at ``<path>/<relative_path>``, so a forged .metadata
+    naming an absolute path or ``..`` would read any file (another run's weights, a FIFO that
+    hangs, /dev/zero with a huge length)."""
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        raise CheckpointError(f"checkpoint {path}: {_METADATA_FILE}: its storage_data is a "
+                              f"{type(storage).__name__}, not a dict")
+    sizes: Dict[str, int] = {}
+    for index, info in storage.items():
+        where = f"checkpoint {path}: {_METADATA_FILE}: entry {getattr(index, 'fqn', index)!r}"
+        name = getattr(info, "relative_path", None)
+        if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or os.sep in name
+                or (os.altsep is not None and os.altsep in name)):
+            raise CheckpointError(f"{where} is stored at {name!r}, not a file name of the checkpoint "
+                                  "(refused: it would read outside the checkpoint)")
+        if name not in sizes:
+            try:
+                st = os.lstat(os.path.join(path, name))
+            except OSError:
+                st = None
+            if st is None or not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"{where} is stored in {name}, which the checkpoint does not hold")
+            sizes[name] = st.st_size
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+            raise CheckpointError(f"{where}: offset {offset!r} and length {length!r} in {name} "
+                                  "are not non-negative integers")
+        if offset + length > sizes[name]:
+            raise CheckpointError(f"{where}: bytes {offset}..{offset + length} lie beyond the end of {name} "
+                                  f"({sizes[name]} bytes)")
 
-    def read_metadata(self) -> Metadata:
+
+class _Reader(dcp.FileSystemReader):
+    """DCP's file reader, reading .metadata with the restricted unpickler and refusing entries
+    outside the checkpoint's files."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_metadata(str(self.path))
+        _check_storage(str(self.path), metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -430,7 +483,9 @@ def load_checkpoint(path: str, state: Dict[str, Any], process_group: Optional[di
     pg = process_group or ensure_process_group()
     if verify:
         verify_checkpoint(path, pg)
-    fit_to_checkpoint(state, read_metadata(path))
+    metadata = read_metadata(path)
+    _check_storage(path, metadata)  # here for a clear error; DCP would wrap the _Reader's in its own
+    fit_to_checkpoint(state, metadata)
     try:
         dcp.load(state, storage_reader=_Reader(path), planner=_Planner(path), process_group=pg)
     except CheckpointException as e:  # DCP gathers each rank's failure: raise ours as it was

@@ -246,11 +246,15 @@ def test_learning_rate_changes_through_fused_optimizer():
     assert not torch.equal(after["embedding_bags.t1.weight"], module.state_dict()["embedding_bags.t1.weight"])
 
 
-def test_backward_without_optimizer_is_a_clear_error():
+def test_backward_without_optimizer_trains_with_torchrecs_sharded_default():
+    kjt = random_kjt(["f1", "f2", "f3"], 3, IDS, allow_empty=False)
     module = DynamicEmbeddingBagCollection(_configs())
-    out = module(random_kjt(["f1", "f2", "f3"], 3, IDS, allow_empty=False))
-    with pytest.raises(RuntimeError, match="no fused optimizer"):
-        out.values().sum().backward()
+    explicit = DynamicEmbeddingBagCollection(_configs(), optimizer="sgd", optimizer_kwargs={"lr": 0.01})
+    with pytest.warns(UserWarning, match="EXACT_SGD, learning_rate=0.01"):
+        module(kjt).values().sum().backward()
+    explicit(kjt).values().sum().backward()
+    got, want = module.state_dict(), explicit.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 # ----------------------------------------------------------------------------- checkpoint

@@ -8,7 +8,7 @@ the input's order: ``forward`` gives, per feature, a JaggedTensor as the unshard
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Type
+from typing import Any, Dict, List, Optional, Type
 
 import torch
 from torch import Tensor
@@ -59,13 +59,15 @@ class ShardedDynamicEmbeddingCollection(
     FusedOptimizerModule,
 ):
     def __init__(self, module: DynamicEmbeddingCollection, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
-                 env: ShardingEnv, device: Optional[torch.device] = None) -> None:
+                 env: ShardingEnv, device: Optional[torch.device] = None,
+                 fused_params: Optional[Dict[str, Any]] = None) -> None:
         super().__init__()
         configs = module.embedding_configs()
         self._embedding_configs = configs
         self._dim = module.embedding_dim()
         self._need_indices = module.need_indices()
-        self._init_sharding(module, configs, table_name_to_parameter_sharding, env, device, "embeddings", pooled=False)
+        self._init_sharding(module, configs, table_name_to_parameter_sharding, env, device, "embeddings", pooled=False,
+                            fused_params=fused_params)
         self._local_names = [] if self._local is None else [
             name for cfg in self._local.embedding_configs() for name in cfg.feature_names]
 

@@ -16,7 +16,7 @@ both types runs one all-to-all and one reduce-scatter per step.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Type
+from typing import Any, Dict, List, Optional, Type
 
 import torch
 from torch import Tensor
@@ -51,13 +51,14 @@ class ShardedDynamicEmbeddingBagCollection(
     FusedOptimizerModule,
 ):
     def __init__(self, module: DynamicEmbeddingBagCollection, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
-                 env: ShardingEnv, device: Optional[torch.device] = None) -> None:
+                 env: ShardingEnv, device: Optional[torch.device] = None,
+                 fused_params: Optional[Dict[str, Any]] = None) -> None:
         super().__init__()
         configs = module.embedding_bag_configs()
         self._embedding_bag_configs = configs
         self._is_weighted = module.is_weighted()
         self._init_sharding(module, configs, table_name_to_parameter_sharding, env, device, "embedding_bags",
-                            pooled=True, is_weighted=self._is_weighted)
+                            pooled=True, is_weighted=self._is_weighted, fused_params=fused_params)
         self._local_slots = [i for i, owner in enumerate(self._slot_owner) if owner < 0 or owner == self._rank]
         local_cols = [c for i in self._local_slots for c in range(self._plan.cols[i], self._plan.cols[i] + self._plan.dims[i])]
         self._all_local = local_cols == list(range(self._plan.total_dim))

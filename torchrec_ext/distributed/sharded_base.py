@@ -8,7 +8,7 @@ module ("embedding_bags.<table>.*" / "embeddings.<table>.*").
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -23,6 +23,7 @@ from torchrec_ext.modules.configs import (
     DynamicEmbeddingBagConfig, DynamicEmbeddingConfig, Initializer, initializer_of, options_of,
 )
 from torchrec_ext.modules.features import LookupPlan
+from torchrec_ext.modules.fused_optimizer import DEFAULT_OPTIMIZER, OptimizerSpec, spec_from_fused_params
 
 SUPPORTED_SHARDING_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value)
 
@@ -74,13 +75,22 @@ def _local_config(cfg, share: int, feature_names: List[str], pooled: bool):
     return DynamicEmbeddingBagConfig(pooling=PoolingType.SUM, **fields) if pooled else DynamicEmbeddingConfig(**fields)
 
 
+def sharded_optimizer(module, fused_params: Optional[Dict[str, Any]], where: str) -> OptimizerSpec:
+    """The fused optimizer of a sharded module, in TorchRec's precedence: the one chosen on the
+    module (apply_optimizer_in_backward, or its constructor), else the sharder's ``fused_params``,
+    else TorchRec's sharded default (fbgemm's EXACT_SGD, learning rate 0.01). ``fused_params`` are
+    checked in every case, so an unsupported one is refused at sharding time."""
+    from_sharder = spec_from_fused_params(fused_params, where)
+    return module._chosen_spec() or from_sharder or DEFAULT_OPTIMIZER
+
+
 class ShardedDynamicBase(ShardedDynamicState):
     """The construction both sharded modules share; the host is a ShardedModule that calls
     ``_init_sharding`` in its constructor."""
 
     def _init_sharding(self, module, configs, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
                        env: ShardingEnv, device: Optional[torch.device], container: str, pooled: bool,
-                       **local_kwargs) -> None:
+                       fused_params: Optional[Dict[str, Any]] = None, **local_kwargs) -> None:
         self._env = env
         self._world_size, self._rank = env.world_size, env.rank
         self._owners = check_plan(type(self).__name__, configs, table_name_to_parameter_sharding, self._world_size)
@@ -92,20 +102,19 @@ class ShardedDynamicBase(ShardedDynamicState):
             if owner < 0 or owner == self._rank:
                 slots = [self._plan.embedding_names[i] for i, tt in enumerate(self._plan.tables) if tt == t]
                 local_configs.append(_local_config(cfg, 1 if owner >= 0 else self._world_size, slots, pooled))
-        fused = module._ensure_optimizer()
-        spec = None if fused is None else fused.spec
+        spec = sharded_optimizer(module, fused_params, type(self).__name__)
         device = torch.device(device) if device is not None else module.device
         self._device = torch.device("cpu") if device.type == "meta" else device
         # This rank's tables: a plain module (not a child), whose table submodules are ours.
         self._local = None
         if local_configs:
-            local = type(module)(local_configs, device=self._device, optimizer=None if spec is None else spec.kind,
-                                 optimizer_kwargs=None if spec is None else spec.torch_kwargs(), **local_kwargs)
+            local = type(module)(local_configs, device=self._device, optimizer=spec.kind,
+                                 optimizer_kwargs=spec.torch_kwargs(), **local_kwargs)
             object.__setattr__(self, "_local", local)
         setattr(self, container, getattr(self._local, container) if self._local is not None else nn.ModuleDict())
         self._input_dists = nn.ModuleList([RoutedInputDist(env.process_group, len(self._plan.embedding_names),
                                                            self._world_size)])
-        self._init_sharded_state(container, configs, None if spec is None else spec.kind)
+        self._init_sharded_state(container, configs, spec.kind)
 
     @property
     def fused_optimizer(self) -> KeyedOptimizer:

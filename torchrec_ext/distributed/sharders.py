@@ -2,11 +2,12 @@
 
 They offer ``table_wise`` and ``row_wise`` (ids spread by ``ops.route``), with TorchRec's
 ``customized_kernel`` compute kernel, which the planner accepts with our estimators
-(``torchrec_ext.distributed.planner``).
+(``torchrec_ext.distributed.planner``). Their ``fused_params`` choose the tables' fused
+optimizer as TorchRec's sharders' do (``sharded_base.sharded_optimizer``).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Type
+from typing import Any, Dict, List, Optional, Type
 
 import torch
 from torch import nn
@@ -17,12 +18,17 @@ from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharde
 from torchrec_ext.distributed.embedding import ShardedDynamicEmbeddingCollection
 from torchrec_ext.distributed.embeddingbag import ShardedDynamicEmbeddingBagCollection
 from torchrec_ext.distributed.sharded_base import SUPPORTED_SHARDING_TYPES
+from torchrec_ext.modules.fused_optimizer import spec_from_fused_params
 from torchrec_ext.modules import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection
 
 
 
 class _DynamicSharder:
-    """What both sharders share: sharding types and kernel."""
+    """What both sharders share: sharding types, kernel, and fused_params checked up front."""
+
+    def __init__(self, fused_params: Optional[Dict[str, Any]] = None, *args: Any, **kwargs: Any) -> None:
+        spec_from_fused_params(fused_params, type(self).__name__)  # unsupported ones refused now
+        super().__init__(fused_params, *args, **kwargs)
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
         return list(SUPPORTED_SHARDING_TYPES)
@@ -34,7 +40,7 @@ class _DynamicSharder:
 class DynamicEmbeddingBagCollectionSharder(_DynamicSharder, BaseEmbeddingSharder[DynamicEmbeddingBagCollection]):
     def shard(self, module: DynamicEmbeddingBagCollection, params: EmbeddingModuleShardingPlan, env: ShardingEnv,
               device: Optional[torch.device] = None, module_fqn: Optional[str] = None) -> ShardedDynamicEmbeddingBagCollection:
-        return ShardedDynamicEmbeddingBagCollection(module, params, env, device)
+        return ShardedDynamicEmbeddingBagCollection(module, params, env, device, fused_params=self.fused_params)
 
     @property
     def module_type(self) -> Type[DynamicEmbeddingBagCollection]:
@@ -47,7 +53,7 @@ class DynamicEmbeddingBagCollectionSharder(_DynamicSharder, BaseEmbeddingSharder
 class DynamicEmbeddingCollectionSharder(_DynamicSharder, BaseEmbeddingSharder[DynamicEmbeddingCollection]):
     def shard(self, module: DynamicEmbeddingCollection, params: EmbeddingModuleShardingPlan, env: ShardingEnv,
               device: Optional[torch.device] = None, module_fqn: Optional[str] = None) -> ShardedDynamicEmbeddingCollection:
-        return ShardedDynamicEmbeddingCollection(module, params, env, device)
+        return ShardedDynamicEmbeddingCollection(module, params, env, device, fused_params=self.fused_params)
 
     @property
     def module_type(self) -> Type[DynamicEmbeddingCollection]:

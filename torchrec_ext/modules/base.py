@@ -4,6 +4,7 @@ functions whose backward is the fused optimizer update.
 """
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
@@ -17,7 +18,7 @@ from torchrec_ext import ops
 from torchrec_ext.modules.dynamic_tables import DynamicTables, RowLookup
 from torchrec_ext.modules.features import LookupInput, LookupPlan
 from torchrec_ext.modules.fused_optimizer import (
-    DynamicEmbeddingFusedOptimizer, OptimizerSpec, resolve_optimizer, spec_from_parameter,
+    DEFAULT_OPTIMIZER, DynamicEmbeddingFusedOptimizer, OptimizerSpec, resolve_optimizer, spec_from_parameter,
 )
 
 _REQUIRED_STATE = ("weight", "weight_id", "metadata", "counters")
@@ -142,6 +143,8 @@ class DynamicCollectionMixin:
         if optimizer is None and optimizer_kwargs:
             raise ValueError(f"{where}: optimizer_kwargs given without an optimizer")
         self._fused: Optional[DynamicEmbeddingFusedOptimizer] = None
+        self._warned_default = False
+        self._fused_is_default = False  # the tables train with DEFAULT_OPTIMIZER, none was chosen
         if self._optimizer_spec is not None:
             self._ensure_optimizer()
 
@@ -152,9 +155,10 @@ class DynamicCollectionMixin:
         super().__setstate__(state)
         self._bind_parameters()
         if self._fused is not None:
+            chosen = not self._fused_is_default
             for table in self._table_modules():
                 param = table.weight
-                if not getattr(param, "_optimizer_classes", None):
+                if chosen and not getattr(param, "_optimizer_classes", None):
                     param._optimizer_classes = [self._fused.spec.torch_class()]
                     param._optimizer_kwargs = [self._fused.spec.torch_kwargs()]
                 param._in_backward_optimizers = [self._fused]
@@ -219,18 +223,25 @@ class DynamicCollectionMixin:
     def _load_from_state_dict(self, *args, **kwargs) -> None:
         # Runs before the tables load. A fresh module given its optimizer by
         # apply_optimizer_in_backward allocates the optimizer state only when first needed:
-        # now, so that the checkpoint's optimizer.<state> has rows to go to.
+        # now, so that the checkpoint's optimizer.<state> has rows to go to. A module training
+        # with the default (which holds no per-row state) loads as one without an optimizer.
+        if self._fused is not None and self._fused_is_default:
+            self._fused = None
+            self._tables.optimizer = None  # the default (SGD) allocated no state to free
         self._ensure_optimizer()
         super()._load_from_state_dict(*args, **kwargs)
 
     # ------------------------------------------------------------------ optimizer
 
-    def _ensure_optimizer(self) -> Optional[DynamicEmbeddingFusedOptimizer]:
-        """The fused optimizer: from apply_optimizer_in_backward when set, else the constructor's."""
+    def _table_params(self) -> Dict[str, Tensor]:
+        return {f"{self._container}.{m.name}.weight": table.weight
+                for m, table in zip(self._tables.meta, self._table_modules())}
+
+    def _chosen_spec(self) -> Optional[OptimizerSpec]:
+        """The optimizer chosen for the tables: apply_optimizer_in_backward's when set, else the
+        constructor's (or fuse_embedding_optimizer's); None when none was chosen."""
         where = type(self).__name__
-        params = {f"{self._container}.{m.name}.weight": table.weight
-                  for m, table in zip(self._tables.meta, self._table_modules())}
-        specs = {name: spec_from_parameter(p, where) for name, p in params.items()}
+        specs = {name: spec_from_parameter(p, where) for name, p in self._table_params().items()}
         chosen = {s for s in specs.values() if s is not None}
         if len(chosen) > 1:
             raise ValueError(f"{where}: all tables of one module must use the same fused optimizer, got "
@@ -238,9 +249,28 @@ class DynamicCollectionMixin:
         if chosen and any(s is None for s in specs.values()):
             raise ValueError(f"{where}: apply_optimizer_in_backward was applied to only some tables' parameters: "
                              f"{sorted(n for n, s in specs.items() if s is None)} have none")
-        spec = next(iter(chosen)) if chosen else self._optimizer_spec
+        return next(iter(chosen)) if chosen else self._optimizer_spec
+
+    def _ensure_optimizer(self, default: bool = False) -> Optional[DynamicEmbeddingFusedOptimizer]:
+        """The fused optimizer of the chosen spec; with none chosen, DEFAULT_OPTIMIZER when
+        ``default`` (a backward follows) or one already in use, else None."""
+        spec = self._chosen_spec()
+        is_default = spec is None and (default or self._fused is not None)
+        if is_default:
+            spec = DEFAULT_OPTIMIZER
+            if not self._warned_default:
+                self._warned_default = True
+                warnings.warn(
+                    f"{type(self).__name__}: no fused optimizer was chosen, so the tables train with TorchRec's "
+                    f"sharded default (EmbOptimType.EXACT_SGD, learning_rate={DEFAULT_OPTIMIZER.lr}); the table "
+                    "weights get no .grad, so a dense torch.optim optimizer skips them. Choose one with "
+                    "torchrec.optim.apply_optimizer_in_backward(cls, module.parameters(), kwargs), the module's "
+                    "optimizer= / optimizer_kwargs= arguments or torchrec_ext.modules.fuse_embedding_optimizer",
+                    stacklevel=4)
         if spec is None:
             return None
+        self._fused_is_default = is_default
+        params = self._table_params()
         if self._fused is not None and self._fused.spec == spec:
             return self._fused
         self._tables.set_optimizer(spec)
@@ -250,8 +280,9 @@ class DynamicCollectionMixin:
             # what stays consistent with the ids; here only the step count, which Adam's bias
             # correction and Adagrad's lr decay need.
             state[param] = {f"{m.name}.step": self._tables.optimizer_step}
-            # TorchRec's own markers: its sharders and in_backward_optimizer_filter read them.
-            if not getattr(param, "_optimizer_classes", None):
+            # TorchRec's own markers: its sharders read them (the default sets none, so that a
+            # sharder's fused_params still apply).
+            if not is_default and not getattr(param, "_optimizer_classes", None):
                 param._optimizer_classes = [spec.torch_class()]
                 param._optimizer_kwargs = [spec.torch_kwargs()]
         self._fused = DynamicEmbeddingFusedOptimizer(params, state, spec)
@@ -259,11 +290,20 @@ class DynamicCollectionMixin:
             param._in_backward_optimizers = [self._fused]
         return self._fused
 
+    def _set_fused_optimizer(self, cls: Any, kwargs: Optional[Mapping[str, Any]], spec: OptimizerSpec) -> None:
+        """fuse_embedding_optimizer's: ``spec`` (resolved from ``cls(**kwargs)``) replaces the
+        optimizer chosen before, apply_optimizer_in_backward's included."""
+        self._optimizer_spec = spec
+        for param in self._table_params().values():
+            param._optimizer_classes = [cls if isinstance(cls, type) else spec.torch_class()]
+            param._optimizer_kwargs = [dict(kwargs or {}) if isinstance(cls, type) else spec.torch_kwargs()]
+        self._ensure_optimizer()
+
     def _rebuild_fused_optimizer(self) -> None:
         """After the storage was replaced: the optimizer's state views must point at the new one."""
         if self._fused is not None:
             self._fused = None
-            self._ensure_optimizer()
+            self._ensure_optimizer(default=self._fused_is_default)
 
     @property
     def fused_optimizer(self) -> KeyedOptimizer:
@@ -287,10 +327,10 @@ class DynamicCollectionMixin:
 
     def _lookup_rows(self, batch: LookupInput) -> RowLookup:
         self._tables.check_ready(type(self).__name__)
-        if self.training:
-            self._ensure_optimizer()
-        return self._tables.lookup(batch.ids, batch.segment_offsets, self.training,
-                                   backward_follows=bool(self._differentiable_params()))
+        backward_follows = bool(self._differentiable_params())
+        if self.training or backward_follows:
+            self._ensure_optimizer(default=backward_follows)
+        return self._tables.lookup(batch.ids, batch.segment_offsets, self.training, backward_follows=backward_follows)
 
     def _differentiable_params(self) -> List[Tensor]:
         params = [t.weight for t in self._table_modules()]

@@ -1,21 +1,24 @@
 """Fused optimizers of dynamic tables: which update rule, its hyper-parameters, and the
 TorchRec ``KeyedOptimizer`` that exposes them (learning-rate changes, checkpoints).
 
-An optimizer is chosen the TorchRec way, ``torchrec.optim.apply_optimizer_in_backward(cls,
-params, kwargs)`` on the module's parameters, or with the module's ``optimizer`` /
-``optimizer_kwargs`` arguments. The classes understood are torch.optim.SGD, Adagrad and Adam,
-and torchrec.optim.RowWiseAdagrad (also as names, or as fbgemm EmbOptimType values). The update
-on each touched row is exactly that class's update; defaults are that class's own.
+An optimizer is chosen the TorchRec ways: ``torchrec.optim.apply_optimizer_in_backward(cls,
+params, kwargs)`` on the module's parameters, the module's ``optimizer`` / ``optimizer_kwargs``
+arguments, ``fuse_embedding_optimizer(model, cls, kwargs, device)``, or the sharder's
+``fused_params`` (``{"optimizer": EmbOptimType..., "learning_rate": ...}``). The classes
+understood are torch.optim.SGD, Adagrad and Adam, and torchrec.optim.RowWiseAdagrad (also as
+names, or as fbgemm EmbOptimType values). The update on each touched row is exactly that
+class's update; defaults are that class's own (fbgemm's TBE defaults for ``fused_params``).
+With none chosen, the tables train with ``DEFAULT_OPTIMIZER``, as TorchRec's sharded tables do.
 """
 from __future__ import annotations
 
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Type
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torchrec.optim.fused import FusedOptimizer
 
 from torchrec_ext.reference import OPTIMIZERS
@@ -140,6 +143,87 @@ def _kind_of(optimizer: Any, where: str) -> str:
         f"{where}: optimizer must be torch.optim.SGD/Adagrad/Adam, torchrec.optim.RowWiseAdagrad, "
         f"one of {sorted(OPTIMIZERS)} or an EmbOptimType of those, got {optimizer!r}"
     )
+
+
+# What TorchRec's sharded tables train with when no optimizer is given: fbgemm's TBE defaults
+# (optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.01), which TorchRec's sharders keep.
+DEFAULT_OPTIMIZER = OptimizerSpec(kind="sgd", lr=0.01)
+
+# fused_params keys that tune fbgemm's kernels and caches but not the values trained: ignored.
+_FUSED_PARAMS_HINTS = {"cache_load_factor", "cache_algorithm", "cache_reserved_memory", "cache_precision",
+                       "prefetch_pipeline", "enforce_hbm", "bounds_check_mode", "stochastic_rounding",
+                       "gather_uvm_cache_stats", "record_cache_metrics"}
+# fbgemm's TBE defaults for the optimizer keys of fused_params.
+_FUSED_PARAMS_DEFAULTS = {"learning_rate": 0.01, "eps": 1.0e-8, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0}
+
+
+def spec_from_fused_params(fused_params: Optional[Mapping[str, Any]], where: str) -> Optional[OptimizerSpec]:
+    """The spec a TorchRec sharder's ``fused_params`` ask for (None when none are given).
+
+    ``optimizer`` (an EmbOptimType, or its name) defaults to EXACT_SGD and ``learning_rate``,
+    ``eps``, ``beta1``, ``beta2``, ``weight_decay`` to fbgemm's TBE defaults, as TorchRec's
+    sharded tables do. fbgemm applies ``weight_decay`` only with ``weight_decay_mode`` L2 (the
+    decay torch's optimizers apply); other modes, other optimizers and other keys that change
+    the trained values are refused, naming what is supported.
+    """
+    if fused_params is None:
+        return None
+    unknown = sorted(set(fused_params) - set(_FUSED_PARAMS_DEFAULTS) - _FUSED_PARAMS_HINTS
+                     - {"optimizer", "weight_decay_mode"})
+    if unknown:
+        raise ValueError(f"{where}: fused_params {unknown} are not supported by dynamic tables; they take "
+                         f"'optimizer', 'weight_decay_mode', {sorted(_FUSED_PARAMS_DEFAULTS)} "
+                         f"(and ignore the kernel hints {sorted(_FUSED_PARAMS_HINTS)})")
+    optimizer = fused_params.get("optimizer", "EXACT_SGD")
+    name = optimizer if isinstance(optimizer, str) else getattr(optimizer, "name", None)
+    if name not in _EMB_OPTIM_TYPES:
+        raise ValueError(f"{where}: fused_params optimizer {optimizer!r} is not supported by dynamic tables; "
+                         f"they support EmbOptimType {sorted(_EMB_OPTIM_TYPES)}")
+    args = {**_FUSED_PARAMS_DEFAULTS, **{k: v for k, v in fused_params.items() if k in _FUSED_PARAMS_DEFAULTS}}
+    mode = fused_params.get("weight_decay_mode")
+    mode_name = None if mode is None else (mode if isinstance(mode, str) else getattr(mode, "name", repr(mode)))
+    if mode_name not in (None, "NONE", "L2"):
+        raise ValueError(f"{where}: fused_params weight_decay_mode {mode!r} is not supported by dynamic tables; "
+                         "they support WeightDecayMode.NONE and L2")
+    if mode_name != "L2" and args["weight_decay"] != 0:
+        raise ValueError(f"{where}: fused_params weight_decay={args['weight_decay']!r} without weight_decay_mode="
+                         "WeightDecayMode.L2 does nothing in fbgemm; set weight_decay_mode L2 (torch's decay) "
+                         "or leave weight_decay out")
+    kind = _EMB_OPTIM_TYPES[name]
+    kwargs: Dict[str, Any] = {"lr": args["learning_rate"], "weight_decay": args["weight_decay"]}
+    if kind != "sgd":
+        kwargs["eps"] = args["eps"]
+    if kind == "adam":
+        kwargs["betas"] = (args["beta1"], args["beta2"])
+    return resolve_optimizer(kind, kwargs, f"{where}: fused_params")
+
+
+def fuse_embedding_optimizer(model: nn.Module, optimizer_type: Type[torch.optim.Optimizer],
+                             optimizer_kwargs: Dict[str, Any], device: Optional[torch.device] = None,
+                             location: Any = None) -> nn.Module:
+    """``torchrec.modules.fused_embedding_modules.fuse_embedding_optimizer`` for models that
+    hold dynamic collections (TorchRec's skips them: it replaces only its own EBC / EC).
+
+    Each dynamic collection in ``model`` (``model`` itself included) keeps its rows and gets the
+    fused optimizer ``optimizer_type(**optimizer_kwargs)``, replacing any chosen before (as
+    TorchRec's fresh fused modules do), and moves to ``device`` when given. ``location`` (an
+    fbgemm EmbeddingLocation) is accepted and ignored: dynamic tables live on their device. The
+    rest of the model goes to TorchRec's function. Returns the model, as TorchRec's does.
+    """
+    from torchrec.modules.fused_embedding_modules import fuse_embedding_optimizer as torchrec_fuse
+
+    from torchrec_ext.modules.base import DynamicCollectionMixin
+
+    dynamic = [m for m in model.modules() if isinstance(m, DynamicCollectionMixin)]
+    # Checked once, before any module changes.
+    spec = resolve_optimizer(optimizer_type, optimizer_kwargs, "fuse_embedding_optimizer")
+    for module in dynamic:
+        module._set_fused_optimizer(optimizer_type, optimizer_kwargs, spec)
+        if device is not None and module.device != torch.device(device):
+            module.to(device)
+    if isinstance(model, DynamicCollectionMixin):
+        return model
+    return torchrec_fuse(model, optimizer_type, optimizer_kwargs, device, location)
 
 
 def _class_defaults(cls: type) -> Dict[str, Any]:

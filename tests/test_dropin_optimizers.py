@@ -1,0 +1,209 @@
+"""Optimizers the TorchRec ways (issue 14, item 2).
+
+- With no fused optimizer chosen, the tables train with TorchRec's sharded default (fbgemm's
+  EXACT_SGD, learning rate 0.01), so a plain ``torch.optim.X(model.parameters())`` loop trains
+  the whole DLRM; oracle: the same model given that optimizer explicitly.
+- A sharder's ``fused_params`` (2 gloo ranks) give the same tables as the unsharded module
+  trained with the equivalent ``apply_optimizer_in_backward``; the module's own choice wins.
+- ``fuse_embedding_optimizer`` sets our modules' fused optimizer (same rows as
+  ``apply_optimizer_in_backward``) and still replaces TorchRec's own EBCs.
+- Unsupported optimizers and fused_params are refused with a clear message.
+"""
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.models.dlrm import DLRM
+from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+from torchrec.optim import RowWiseAdagrad, apply_optimizer_in_backward
+
+from dist_helpers import ModelWith, run_ranks
+from torchrec_ext import DynamicEmbeddingBagCollection
+from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder
+from torchrec_ext.modules import fuse_embedding_optimizer
+
+FEATURES = ["f0", "f1"]
+DIM, BATCH, DENSE_IN = 4, 8, 3
+
+
+def _tables():
+    return [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=64, feature_names=[f])
+            for i, f in enumerate(FEATURES)]
+
+
+def _batch(step: int, rank: int = 0, batch: int = BATCH):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    lengths = torch.randint(1, 4, (len(FEATURES) * batch,), generator=gen)
+    ids = torch.randint(0, 20, (int(lengths.sum()),), generator=gen)
+    kjt = KeyedJaggedTensor.from_lengths_sync(FEATURES, ids, lengths)
+    return torch.randn(batch, DENSE_IN, generator=gen), kjt, torch.randint(0, 2, (batch,), generator=gen).float()
+
+
+def _dlrm(ebc):
+    torch.manual_seed(0)
+    return DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN, dense_arch_layer_sizes=[8, DIM],
+                over_arch_layer_sizes=[8, 1])
+
+
+def _rows(ebc):
+    sd = ebc.state_dict()
+    return {t.name: dict(zip(sd[f"embedding_bags.{t.name}.weight_id"].tolist(), sd[f"embedding_bags.{t.name}.weight"]))
+            for t in _tables()}
+
+
+def _assert_rows_equal(got, want, what=""):
+    assert got.keys() == want.keys()
+    for t in want:
+        assert got[t].keys() == want[t].keys(), t
+        for i in want[t]:
+            torch.testing.assert_close(got[t][i], want[t][i], rtol=1e-5, atol=1e-5, msg=lambda m: f"{what} {t}[{i}]: {m}")
+
+
+def _dense_loop(model, steps, make_optimizer):
+    """The plain loop a TorchRec user writes over an unsharded model."""
+    optimizer = make_optimizer(model.parameters())
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    losses = []
+    for step in range(steps):
+        dense, kjt, labels = _batch(step % 4)
+        optimizer.zero_grad()
+        loss = loss_fn(model(dense, kjt).squeeze(-1), labels)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_dense_optimizer_loop_trains_dlrm_with_the_default_fused_optimizer():
+    model = _dlrm(DynamicEmbeddingBagCollection(_tables()))
+    ebc = model.sparse_arch.embedding_bag_collection
+    with torch.no_grad():  # first rows, inserted in eval: trained ones must differ from them
+        ebc(_batch(0)[1])
+    before = _rows(ebc)
+    adagrad = lambda params: torch.optim.Adagrad(params, lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = _dense_loop(model, 24, adagrad)
+    default_warnings = [w for w in caught if "EXACT_SGD" in str(w.message)]
+    assert len(default_warnings) == 1 and "apply_optimizer_in_backward" in str(default_warnings[0].message)
+    assert sum(losses[-4:]) < sum(losses[:4])
+    assert all(t.weight.grad is None for t in ebc.embedding_bags.values())  # the dense Adagrad skipped them
+    after = _rows(ebc)
+    assert any(not torch.equal(after[t][i], before[t][i]) for t in before for i in before[t])
+    # Oracle: the same model given TorchRec's sharded default explicitly (SGD, lr 0.01).
+    explicit = _dlrm(DynamicEmbeddingBagCollection(_tables(), optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.01}))
+    with torch.no_grad():
+        explicit.sparse_arch.embedding_bag_collection(_batch(0)[1])
+    assert _dense_loop(explicit, 24, adagrad) == losses
+    _assert_rows_equal(after, _rows(explicit.sparse_arch.embedding_bag_collection))
+    assert ebc.fused_optimizer.param_groups[0]["lr"] == 0.01  # exposed for schedulers, as sharded TorchRec
+
+
+def test_fuse_embedding_optimizer_sets_ours_and_replaces_torchrec_ebcs():
+    class TwoCollections(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dynamic = DynamicEmbeddingBagCollection(_tables())
+            self.stock = EmbeddingBagCollection(_tables())
+
+    model = TwoCollections()
+    apply_optimizer_in_backward(torch.optim.SGD, model.dynamic.parameters(), {"lr": 0.5})  # replaced below
+    out = fuse_embedding_optimizer(model, torch.optim.Adagrad, {"lr": 0.2, "eps": 1e-3}, torch.device("cpu"))
+    assert out is model and isinstance(model.stock, FusedEmbeddingBagCollection)
+    reference = DynamicEmbeddingBagCollection(_tables())
+    apply_optimizer_in_backward(torch.optim.Adagrad, reference.parameters(), {"lr": 0.2, "eps": 1e-3})
+    for step in range(4):
+        kjt = _batch(step)[1]
+        weights = torch.randn(BATCH, DIM * len(FEATURES), generator=torch.Generator().manual_seed(step))
+        for module in (model.dynamic, reference):
+            (module(kjt).values() * weights).sum().backward()
+    _assert_rows_equal(_rows(model.dynamic), _rows(reference))
+    assert model.dynamic.fused_optimizer.spec.kind == "adagrad"
+    # A collection passed on its own comes back, with its optimizer set.
+    alone = DynamicEmbeddingBagCollection(_tables())
+    assert fuse_embedding_optimizer(alone, RowWiseAdagrad, {"lr": 0.1}, torch.device("cpu")) is alone
+    assert alone.fused_optimizer.spec.kind == "rowwise_adagrad"
+
+
+def test_unsupported_optimizers_are_refused_clearly():
+    with pytest.raises(ValueError, match=r"fused_params optimizer .*LAMB.* not supported.*EXACT_ROWWISE_ADAGRAD"):
+        DynamicEmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.LAMB})
+    with pytest.raises(ValueError, match=r"fused_params \['momentum'\] are not supported"):
+        DynamicEmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "momentum": 0.9})
+    with pytest.raises(ValueError, match=r"weight_decay=0.1 without weight_decay_mode=WeightDecayMode.L2"):
+        DynamicEmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.ADAM, "weight_decay": 0.1})
+    with pytest.raises(ValueError, match=r"learning_rate|lr must be finite and >= 0"):
+        DynamicEmbeddingBagCollectionSharder(fused_params={"optimizer": "EXACT_ADAGRAD", "learning_rate": -1.0})
+    module = DynamicEmbeddingBagCollection(_tables())
+    with pytest.raises(ValueError, match="optimizer must be torch.optim.SGD/Adagrad/Adam"):
+        fuse_embedding_optimizer(ModelWith("ebc", module), torch.optim.RMSprop, {"lr": 0.1}, torch.device("cpu"))
+    assert module._chosen_spec() is None and module._fused is None  # nothing changed
+
+
+# ----------------------------------------------------------------------------- sharded
+
+_CASES = [  # (sharder fused_params, equivalent apply_optimizer_in_backward, module's own choice)
+    ({"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.1, "weight_decay_mode": "L2",
+      "prefetch_pipeline": True},  # eps: fbgemm's default, 1e-8
+     (torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-8}), None),
+    # The module's apply_optimizer_in_backward wins over the sharder's fused_params, as in TorchRec.
+    ({"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.3},
+     (torch.optim.Adagrad, {"lr": 0.2}), (torch.optim.Adagrad, {"lr": 0.2})),
+]
+
+
+def _fused_params_match_unsharded(rank, world_size):
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+
+    for fused_params, (cls, kwargs), own in _CASES:
+        reference = DynamicEmbeddingBagCollection(_tables())
+        apply_optimizer_in_backward(cls, reference.parameters(), kwargs)
+        model = ModelWith("ebc", DynamicEmbeddingBagCollection(_tables()))
+        if own is not None:
+            apply_optimizer_in_backward(own[0], model.ebc.parameters(), own[1])
+        sharder = DynamicEmbeddingBagCollectionSharder(fused_params=fused_params)
+        plan = construct_module_sharding_plan(
+            model.ebc, {"t0": row_wise(compute_kernel="customized_kernel"),
+                        "t1": table_wise(rank=1, compute_kernel="customized_kernel")},
+            sharder=sharder, local_size=world_size, world_size=world_size, device_type="cpu")
+        dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                       device=torch.device("cpu"), plan=ShardingPlan({"ebc": plan}), sharders=[sharder])
+        for step in range(3):
+            kjts = [_batch(step, r)[1] for r in range(world_size)]
+            weights = [torch.randn(BATCH, DIM * len(FEATURES), generator=torch.Generator().manual_seed(10 * step + r))
+                       for r in range(world_size)]
+            (dmp(kjts[rank]).values() * weights[rank]).sum().backward()
+            whole = _global(kjts)
+            (reference(whole).values() * torch.cat(weights)).sum().backward()
+        local = dmp.module.ebc.local_module
+        mine = {t: {i: v.tolist() for i, v in rows.items()} for t, rows in _rows_partial(local).items()}
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, mine)
+        merged = {}
+        for part in gathered:
+            for t, rows in part.items():
+                merged.setdefault(t, {}).update({i: torch.tensor(v) for i, v in rows.items()})
+        _assert_rows_equal(merged, _rows(reference), f"fused_params={fused_params}, module's own={own}:")
+
+
+def _rows_partial(module):
+    sd = module.state_dict()
+    names = {k.split(".")[1] for k in sd if k.endswith(".weight_id")}
+    return {t: dict(zip(sd[f"embedding_bags.{t}.weight_id"].tolist(), sd[f"embedding_bags.{t}.weight"])) for t in names}
+
+
+def _global(kjts):
+    """Every rank's samples, rank after rank."""
+    per_key = [k.to_dict() for k in kjts]
+    values = torch.cat([jt[key].values() for key in FEATURES for jt in per_key])
+    lengths = torch.cat([jt[key].lengths() for key in FEATURES for jt in per_key])
+    return KeyedJaggedTensor(keys=FEATURES, values=values, lengths=lengths, stride=BATCH * len(kjts))
+
+
+def test_sharder_fused_params_train_as_apply_optimizer_in_backward_on_two_ranks():
+    run_ranks(_fused_params_match_unsharded, 2)

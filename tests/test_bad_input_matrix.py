@@ -8,6 +8,7 @@ import os
 import tempfile
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -305,8 +306,8 @@ def _number_cases(kind, names):
     for name in names:
         for bad in (NAN, INF, -1.0):
             yield kind, {name: bad}, ValueError, f"{kind} {name} must be finite and >= 0, got {bad!r}"
-        yield kind, {name: "0.1"}, TypeError, f"{kind} {name} must be a float, got '0.1'"
-        yield kind, {name: True}, TypeError, f"{kind} {name} must be a float, got True"
+        yield kind, {name: "0.1"}, TypeError, f"{kind} {name} must be a finite number, got '0.1'"
+        yield kind, {name: True}, TypeError, f"{kind} {name} must be a finite number, got True"
 
 
 OPTIMIZER_SETTINGS = [
@@ -321,7 +322,7 @@ OPTIMIZER_SETTINGS = [
     (torch.optim.Adam, {"betas": (0.9, 1.0)}, ValueError, r"adam betas\[1\] must be in \[0, 1\), got 1.0"),
     ("adam", {"betas": 0.9}, TypeError, r"adam betas must be a pair \(beta1, beta2\), got 0.9"),
     ("adam", {"betas": (0.9,)}, TypeError, r"adam betas must be a pair \(beta1, beta2\), got \(0.9,\)"),
-    ("adam", {"betas": ("a", 0.9)}, TypeError, r"adam betas\[0\] must be a float, got 'a'"),
+    ("adam", {"betas": ("a", 0.9)}, TypeError, r"adam betas\[0\] must be a finite number, got 'a'"),
     ("sgd", {"betas": (0.9, 0.9)}, TypeError, r"sgd does not take \['betas'\]"),
     (torch.optim.Adagrad, {"momentum": 0.9}, TypeError, r"adagrad does not take \['momentum'\]"),
     ("adam", {"lr_decay": 0.1}, TypeError, r"adam does not take \['lr_decay'\]"),
@@ -369,7 +370,7 @@ def test_apply_optimizer_in_backward_settings_refused_at_forward(cls, kwargs, ma
     ("lr", NAN, ValueError, r"\['lr'\] must be finite and >= 0, got nan"),
     ("lr", -0.1, ValueError, r"\['lr'\] must be finite and >= 0, got -0.1"),
     ("weight_decay", INF, ValueError, r"\['weight_decay'\] must be finite and >= 0, got inf"),
-    ("lr", "0.1", TypeError, r"\['lr'\] must be a float, got '0.1'"),
+    ("lr", "0.1", TypeError, r"\['lr'\] must be a finite number, got '0.1'"),
 ])
 def test_param_groups_written_directly_are_checked_before_the_update(name, value, error, match):
     # An LR scheduler or an optimizer checkpoint writes param_groups; the backward refuses bad
@@ -379,6 +380,26 @@ def test_param_groups_written_directly_are_checked_before_the_update(name, value
     ebc.fused_optimizer.param_groups[0][name] = value
     _raises_and_unchanged(ebc, lambda m: out.backward(), error,
                           f"DynamicEmbeddingFusedOptimizer: param_groups\\[0\\]{match}")
+
+
+def test_settings_accept_any_real_number():
+    # NumPy scalars and one-element float tensors are numbers too (stored as plain floats).
+    init = Initializer("normal", mean=np.float32(0.5), std=torch.tensor(0.25))
+    assert (init.mean, init.std) == (0.5, 0.25) and type(init.std) is float
+    module = DynamicEmbeddingBagCollection(_small_tables(), optimizer="adagrad",
+                                           optimizer_kwargs={"lr": np.float64(0.1), "eps": torch.tensor(1e-8)})
+    assert module.fused_optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("name,value", [("lr", NAN), ("weight_decay", -1.0)])
+def test_param_groups_written_directly_are_refused_at_the_training_forward(name, value):
+    # New ids in a training forward would be inserted before the backward's check: the forward
+    # itself refuses the settings first, so no id is inserted.
+    ebc = _trained_ebc()
+    ebc.fused_optimizer.param_groups[0][name] = value
+    kjt = KeyedJaggedTensor(keys=["f"], values=torch.tensor([1001, 1002]), lengths=torch.tensor([1, 1]))
+    _raises_and_unchanged(ebc, lambda m: m(kjt), ValueError,
+                          f"DynamicEmbeddingFusedOptimizer: param_groups\\[0\\]\\['{name}'\\] must be finite")
 
 
 # ---------------------------------------------------------------------------- module forward

@@ -120,6 +120,26 @@ def test_checkpoint_without_optimizer_state_into_a_module_with_one():
         assert bool((state[f"embedding_bags.{t}.optimizer.momentum1"] == 0.5).all())
 
 
+def test_nested_load_never_leaves_the_tables_silently_unloaded():
+    """A collection inside another module is not told the load's strictness: incomplete state
+    must raise (saying why) and change nothing, under strict=False too; complete state loads."""
+    trained = DynamicEmbeddingBagCollection(_configs())
+    with torch.no_grad():
+        trained(_batch(0))
+    checkpoint = {f"0.{k}": v for k, v in _snapshot(trained).items()}  # no optimizer state
+    model = torch.nn.Sequential(DynamicEmbeddingBagCollection(_configs(), optimizer="adagrad",
+                                                              optimizer_kwargs={"lr": 0.1}))
+    before, counters = _snapshot(model[0]), _counters(model[0])
+    for strict in (True, False):
+        with pytest.raises(RuntimeError, match=r"not loaded: .*nested in another module"):
+            model.load_state_dict(checkpoint, strict=strict)
+        _assert_module_unchanged(model[0], before, counters)
+
+    serving = torch.nn.Sequential(DynamicEmbeddingBagCollection(_configs()))  # optimizer.* not expected
+    serving.load_state_dict(checkpoint, strict=False)
+    _assert_same_state({f"0.{k}": v for k, v in _snapshot(serving[0]).items()}, checkpoint)
+
+
 # ----------------------------------------------------------------------------- bad module states (finding 7)
 
 def _dup(v):

@@ -30,7 +30,7 @@ _MAX_STRIPES = 1 << 16
 POLICIES: Dict[str, int] = {"none": 0, "lru": 1, "lfu": 2, "epoch_lru": 3, "epoch_lfu": 4, "custom": 5}
 # Policies whose find_or_insert takes caller scores (custom: the score; lfu kinds: increments).
 _SCORED_TOUCH = {"custom", "lfu", "epoch_lfu"}
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def table_geometry(capacity: int) -> Tuple[int, int]:
@@ -47,7 +47,7 @@ EPOCH_LIMIT = 2**31
 
 def check_counter(where: str, name: str, value: object, limit: int) -> int:
     """``value`` as an int in [0, limit): a Python int or a one-element integer tensor."""
-    if isinstance(value, Tensor) and value.numel() == 1 and value.dtype in _INT_DTYPES:
+    if isinstance(value, Tensor) and value.numel() == 1 and value.dtype in INT_DTYPES:
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{where}: {name} must be an int, got {value!r} ({type(value).__name__})")
@@ -482,7 +482,7 @@ class HashTable:
     def _check_keys(self, op: str, keys: object) -> Tensor:
         if not isinstance(keys, Tensor):
             raise TypeError(f"HashTable.{op}: keys must be a torch.Tensor, got {type(keys).__name__}")
-        if keys.dtype not in _INT_DTYPES:
+        if keys.dtype not in INT_DTYPES:
             raise TypeError(f"HashTable.{op}: keys must be an integer tensor (int64 preferred), got {keys.dtype}")
         if keys.dim() != 1:
             raise ValueError(f"HashTable.{op}: keys must be 1-D, got shape {tuple(keys.shape)}")
@@ -492,7 +492,7 @@ class HashTable:
 
     def _check_entries(self, where: str, name: str, values: object, keys: Tensor) -> Tensor:
         """A state's per-key ``rows`` / ``scores``: an integer tensor with one entry per key."""
-        if not isinstance(values, Tensor) or values.dtype not in _INT_DTYPES:
+        if not isinstance(values, Tensor) or values.dtype not in INT_DTYPES:
             raise TypeError(f"{where}: {name} must be an integer tensor, got {getattr(values, 'dtype', type(values).__name__)}")
         if values.shape != keys.shape:
             raise ValueError(f"{where}: {name} must have one entry per key, shape {tuple(keys.shape)}, got {tuple(values.shape)}")
@@ -503,7 +503,7 @@ class HashTable:
             if self.policy == "custom":
                 raise ValueError(f"HashTable.{op}: the 'custom' policy needs scores, one per key")
             return None
-        if not isinstance(scores, Tensor) or scores.dtype not in _INT_DTYPES:
+        if not isinstance(scores, Tensor) or scores.dtype not in INT_DTYPES:
             raise TypeError(f"HashTable.{op}: scores must be an integer tensor, got {getattr(scores, 'dtype', type(scores).__name__)}")
         if scores.shape != keys.shape:
             raise ValueError(

@@ -58,7 +58,8 @@ class DynamicTable(nn.Module):
         if self._loaded_by_container:  # its container loaded every table at once, this one included
             self._loaded_by_container = False
             return
-        load_tables(self._tables, {self._index: prefix}, state_dict, None, missing_keys, unexpected_keys)
+        load_tables(self._tables, {self._index: prefix}, state_dict, None, missing_keys, unexpected_keys,
+                    error_msgs)
 
 
 class DynamicTableDict(nn.ModuleDict):
@@ -85,7 +86,7 @@ class DynamicTableDict(nn.ModuleDict):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)  # reports keys of tables this module does not have
         tables = {table._index: f"{prefix}{name}." for name, table in self.items()}
-        load_tables(self._tables, tables, state_dict, self.strict, missing_keys, unexpected_keys,
+        load_tables(self._tables, tables, state_dict, self.strict, missing_keys, unexpected_keys, error_msgs,
                     unknown=len(unexpected_keys) > unknown_before)
         for table in self.values():
             table._loaded_by_container = True
@@ -93,16 +94,17 @@ class DynamicTableDict(nn.ModuleDict):
 
 def load_tables(tables: DynamicTables, prefixes: Dict[int, str], state_dict: Mapping[str, Any],
                 strict: Optional[bool], missing_keys: List[str], unexpected_keys: List[str],
-                unknown: bool = False) -> None:
+                error_msgs: List[str], unknown: bool = False) -> None:
     """Loads tables (index -> state_dict prefix) from ``state_dict``: all or none.
 
     Missing and unexpected keys are reported. A module without a fused optimizer ignores the
     checkpoint's ``optimizer.*`` keys (a training checkpoint loads for eval or serving). With
     strict=True (or unknown: nested in another module's load_state_dict, whose strictness a
     submodule cannot see) any missing or unexpected key, or ``unknown`` tables, load nothing (a
-    strict load then raises, listing them). With strict=False the tables whose weight, weight_id, metadata and
-    counters are all there load (other missing state starts at its initial values), the others
-    stay as they were. Bad values raise TypeError / ValueError before any table changes.
+    strict load then raises, listing them; an unknown-strictness load raises too, saying why, so a
+    nested strict=False load never leaves the tables silently unloaded). With strict=False the
+    tables whose weight, weight_id, metadata and counters are all there load (other missing state
+    starts at its initial values), the others stay as they were. Bad values raise TypeError / ValueError before any table changes.
     """
     states, problems = {}, unknown
     for t, prefix in prefixes.items():
@@ -117,6 +119,12 @@ def load_tables(tables: DynamicTables, prefixes: Dict[int, str], state_dict: Map
         if not any(k in missing for k in _REQUIRED_STATE):
             states[t] = {k: v for k, v in mine.items() if k in expected}
     if problems and strict is not False:
+        if strict is None:
+            error_msgs.append(
+                f"tables {sorted(prefixes.values())} not loaded: their keys are incomplete or unexpected (see "
+                "the missing / unexpected keys), and a dynamic collection nested in another module cannot see "
+                "the load's strictness, so it loads none of them; call load_state_dict(..., strict=False) on "
+                "the collection itself to load the complete tables, or pass the complete state")
         return
     tables.load_states(states, where="load_state_dict")
 
@@ -329,7 +337,9 @@ class DynamicCollectionMixin:
         self._tables.check_ready(type(self).__name__)
         backward_follows = bool(self._differentiable_params())
         if self.training or backward_follows:
-            self._ensure_optimizer(default=backward_follows)
+            fused = self._ensure_optimizer(default=backward_follows)
+            if backward_follows and fused is not None:
+                fused.hyperparams()  # settings written since (by a scheduler) are refused before any id is inserted
         return self._tables.lookup(batch.ids, batch.segment_offsets, self.training, backward_follows=backward_follows)
 
     def _differentiable_params(self) -> List[Tensor]:

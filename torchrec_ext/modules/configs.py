@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
 
@@ -41,11 +42,10 @@ class Initializer:
         if self.kind not in INITIALIZERS:
             raise ValueError(f"Initializer: kind must be one of {sorted(INITIALIZERS)}, got {self.kind!r}")
         # A NaN or infinite setting would make every new row NaN (or inf) at its first lookup.
-        for name in ("mean", "std", "value"):
-            check_finite(getattr(self, name), f"Initializer: {name}")
-        for name in ("low", "high"):
-            if getattr(self, name) is not None:
-                check_finite(getattr(self, name), f"Initializer: {name}")
+        for name in ("low", "high", "mean", "std", "value"):
+            if getattr(self, name) is not None or name not in ("low", "high"):
+                # Frozen: the checked value is stored as a plain float (the kernels take floats).
+                object.__setattr__(self, name, check_finite(getattr(self, name), f"Initializer: {name}"))
         if self.std < 0:
             raise ValueError(f"Initializer: std must be >= 0, got {self.std}")
         if self.low is not None and self.high is not None and self.low > self.high:
@@ -120,12 +120,18 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def check_finite(value: object, what: str) -> None:
-    """Raises unless ``value`` is a finite real number (bools and strings are not numbers)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+def check_finite(value: object, what: str, minimum: Optional[float] = None) -> float:
+    """``value`` as a float; raises unless it is a finite real number (a Python or NumPy scalar
+    or a one-element floating-point tensor; bools and strings are not numbers), >= ``minimum``
+    when one is given."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{what} must be a finite number, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{what} must be a finite number, got {value!r}")
+    if not math.isfinite(value) or (minimum is not None and value < minimum):
+        rule = "a finite number" if minimum is None else f"finite and >= {minimum:g}"
+        raise ValueError(f"{what} must be {rule}, got {value!r}")
+    return float(value)
 
 
 def _check_shape_fields(config: BaseEmbeddingConfig, where: str) -> None:

@@ -32,12 +32,11 @@ from torchrec_ext import ops
 from torchrec_ext.modules.configs import initializer_of, options_of
 from torchrec_ext.modules.fused_optimizer import OptimizerSpec
 from torchrec_ext.reference import OPTIMIZER_STATES, ROWWISE_STATE, table_seed
-from torchrec_ext.table import CLOCK_LIMIT, EPOCH_LIMIT, HashTable, check_counter, place_keys
+from torchrec_ext.table import CLOCK_LIMIT, EPOCH_LIMIT, INT_DTYPES, HashTable, check_counter, place_keys
 
 _SCORED_BY_COUNT = {"lfu", "epoch_lfu"}
 # Optimizer states that sum or average squared gradients: never negative (a square root is taken).
 _SQUARED_STATES = {("adagrad", "momentum1"), ("rowwise_adagrad", "momentum1"), ("adam", "momentum2")}
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 @dataclass
@@ -109,7 +108,7 @@ def _checked(where: str, key: str, value: object, kind: str, shape: Optional[Tup
     1-D); float entries must be finite (and >= 0 when non_negative). ``ids`` name bad rows."""
     if not isinstance(value, Tensor):
         raise TypeError(f"{where} {key} must be a tensor, got {type(value).__name__}")
-    if kind == "int" and value.dtype not in _INT_DTYPES:
+    if kind == "int" and value.dtype not in INT_DTYPES:
         raise TypeError(f"{where} {key} must be an integer tensor, got {value.dtype}")
     if kind == "float" and not value.dtype.is_floating_point:
         raise TypeError(f"{where} {key} must be a floating-point tensor, got {value.dtype}")

@@ -13,7 +13,6 @@ With none chosen, the tables train with ``DEFAULT_OPTIMIZER``, as TorchRec's sha
 from __future__ import annotations
 
 import inspect
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Type
 
@@ -21,6 +20,7 @@ import torch
 from torch import Tensor, nn
 from torchrec.optim.fused import FusedOptimizer
 
+from torchrec_ext.modules.configs import check_finite
 from torchrec_ext.reference import OPTIMIZERS
 
 _HYPERPARAMS = ("lr", "eps", "beta1", "beta2", "weight_decay", "lr_decay")
@@ -112,13 +112,7 @@ def resolve_optimizer(optimizer: Any, kwargs: Optional[Mapping[str, Any]], where
 def _hyperparam(value: Any, what: str) -> float:
     """``value`` as a float, refusing what torch's own optimizers refuse (negative values) and
     NaN / inf, which would turn every touched row NaN at its first update."""
-    if isinstance(value, Tensor) and value.numel() == 1 and value.is_floating_point():
-        value = float(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{what} must be a float, got {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{what} must be finite and >= 0, got {value!r}")
-    return float(value)
+    return check_finite(value, what, minimum=0.0)
 
 
 def _beta(value: Any, what: str) -> float:

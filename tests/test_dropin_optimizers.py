@@ -4,7 +4,8 @@
   EXACT_SGD, learning rate 0.01), so a plain ``torch.optim.X(model.parameters())`` loop trains
   the whole DLRM; oracle: the same model given that optimizer explicitly.
 - A sharder's ``fused_params`` (2 gloo ranks) give the same tables as the unsharded module
-  trained with the equivalent ``apply_optimizer_in_backward``; the module's own choice wins.
+  trained with the equivalent ``apply_optimizer_in_backward`` on the mean of the ranks' losses
+  (TorchRec's sharded gradient scale); the module's own choice wins.
 - ``fuse_embedding_optimizer`` sets our modules' fused optimizer (same rows as
   ``apply_optimizer_in_backward``) and still replaces TorchRec's own EBCs.
 - Unsupported optimizers and fused_params are refused with a clear message.
@@ -152,6 +153,17 @@ _CASES = [  # (sharder fused_params, equivalent apply_optimizer_in_backward, mod
     # The module's apply_optimizer_in_backward wins over the sharder's fused_params, as in TorchRec.
     ({"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.3},
      (torch.optim.Adagrad, {"lr": 0.2}), (torch.optim.Adagrad, {"lr": 0.2})),
+    # Updates that scale with the gradient (SGD, weight decay, a large eps): Adagrad and Adam at
+    # a tiny eps are blind to a gradient off by a constant factor, these are not.
+    (None, (torch.optim.SGD, {"lr": 0.01}), None),  # TorchRec's sharded default
+    ({"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.3},
+     (torch.optim.SGD, {"lr": 0.05}), (torch.optim.SGD, {"lr": 0.05})),
+    ({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1, "eps": 1e-3},
+     (RowWiseAdagrad, {"lr": 0.1, "eps": 1e-3}), None),
+    ({"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.1, "weight_decay": 0.01, "weight_decay_mode": "L2"},
+     (torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-8, "weight_decay": 0.01}), None),
+    ({"optimizer": EmbOptimType.ADAM, "learning_rate": 0.01, "weight_decay": 0.01, "weight_decay_mode": "L2"},
+     (torch.optim.Adam, {"lr": 0.01, "eps": 1e-8, "weight_decay": 0.01}), None),
 ]
 
 
@@ -160,6 +172,11 @@ def _fused_params_match_unsharded(rank, world_size):
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
+    # The batches hold ids of the row-wise table looked up on both ranks in one step (their owner
+    # sums both ranks' gradients) and ids first seen after step 0 (inserted mid-training).
+    t0_ids = [[set(_batch(step, r)[1]["f0"].values().tolist()) for r in range(world_size)] for step in range(3)]
+    assert all(set.intersection(*ranks) for ranks in t0_ids)
+    assert set.union(*t0_ids[2]) - set.union(*t0_ids[0], *t0_ids[1])
     for fused_params, (cls, kwargs), own in _CASES:
         reference = DynamicEmbeddingBagCollection(_tables())
         apply_optimizer_in_backward(cls, reference.parameters(), kwargs)
@@ -178,8 +195,12 @@ def _fused_params_match_unsharded(rank, world_size):
             weights = [torch.randn(BATCH, DIM * len(FEATURES), generator=torch.Generator().manual_seed(10 * step + r))
                        for r in range(world_size)]
             (dmp(kjts[rank]).values() * weights[rank]).sum().backward()
+            # TorchRec's sharded output dists divide the gradient they send back by the world size
+            # (comm_ops.GRADIENT_DIVISION, "equivalent to running on a single rank", as DDP averages
+            # dense gradients): W ranks each back-propagating its own loss train as one module on
+            # the mean of those losses. TorchRec's own sharded EBC does the same.
             whole = _global(kjts)
-            (reference(whole).values() * torch.cat(weights)).sum().backward()
+            ((reference(whole).values() * torch.cat(weights)).sum() / world_size).backward()
         local = dmp.module.ebc.local_module
         mine = {t: {i: v.tolist() for i, v in rows.items()} for t, rows in _rows_partial(local).items()}
         gathered = [None] * world_size

@@ -9,7 +9,9 @@ sharded_base). One step:
     compute      the local module pools them (sum; mean is applied after the reduce) and inserts
                  unseen ids in training, exactly as the unsharded module does
     output_dist  TorchRec's row-wise reduce-scatter sums the partial pools back to their batch's
-                 rank; its backward all-gathers the gradient for the local fused update
+                 rank; its backward all-gathers the gradient for the local fused update,
+                 divided by the world size (TorchRec's gradient division: the ranks train
+                 on the mean of their losses)
 
 Table-wise tables ride the same path with all their ids sent to one rank, so a model mixing
 both types runs one all-to-all and one reduce-scatter per step.

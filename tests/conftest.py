@@ -1,5 +1,9 @@
+import os
+import tempfile
+
 import pytest
 import torch
+import torch.distributed as dist
 
 
 def _cuda_usable() -> bool:
@@ -22,3 +26,17 @@ def pytest_generate_tests(metafunc):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A one-rank gloo group in this process, for checks that run before any collective (no peer
+    is needed)."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'init')}", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()

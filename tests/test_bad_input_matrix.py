@@ -4,8 +4,6 @@ it was given to is unchanged (state_dict equal before and after).
 
 Cases that build nothing (constructors, configs, Initializer) have no object to compare.
 """
-import os
-import tempfile
 from functools import partial
 
 import numpy as np
@@ -518,20 +516,6 @@ def test_ec_forward_ignores(case):
 def test_not_a_kjt():
     _raises_and_unchanged(_ebc(), lambda m: m({"f": torch.tensor([1])}), TypeError,
                           "features must be a KeyedJaggedTensor, got dict")
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    """A one-rank gloo group in this process: the sharded modules' input checks run before any
-    collective, so no peer is needed."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'init')}", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("sharding", ["table_wise", "row_wise"])

@@ -4,8 +4,6 @@ an empty module, the standard torch.nn.init init_fns are honoured id by id, and 
 constructors take every argument TorchRec's take.
 """
 import inspect
-import os
-import tempfile
 from functools import partial
 
 import pytest
@@ -127,18 +125,6 @@ def test_empty_modules_like_torchrec():
     pooled = ebc(kjt)
     assert pooled.keys() == [] and pooled.length_per_key() == []
     assert pooled.values().shape == (2, 0) and pooled.values().dtype == torch.float32
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'init')}", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("sharding", ["table_wise", "row_wise"])

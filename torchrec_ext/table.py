@@ -59,7 +59,9 @@ def check_counter(where: str, name: str, value: object, limit: int) -> int:
 def place_keys(keys: Tensor, scores: Tensor, capacity: int) -> Tensor:
     """Rows for distinct ``keys`` in an empty table of ``capacity`` rows (-1: not placed), for
     ``load_state_dict``: every key is placed whenever the two buckets each key may use allow it,
-    and when they do not, the keys left out have the lowest scores of those competing for them.
+    and when they do not, as many keys as the buckets allow are placed, higher scores first in
+    each round (a lower-score key placed in the first round is never unseated for a refused one,
+    so which keys are left out is not guaranteed to be the lowest-scoring).
 
     A plain insert fills buckets greedily and refuses ~1% of a full table's keys, whose two
     buckets filled up first although rows are free elsewhere. So keys go in two rounds, the

@@ -104,7 +104,8 @@ def load_tables(tables: DynamicTables, prefixes: Dict[int, str], state_dict: Map
     strict load then raises, listing them; an unknown-strictness load raises too, saying why, so a
     nested strict=False load never leaves the tables silently unloaded). With strict=False the
     tables whose weight, weight_id, metadata and counters are all there load (other missing state
-    starts at its initial values), the others stay as they were. Bad values raise TypeError / ValueError before any table changes.
+    starts at its initial values), the others stay as they were. Bad values raise TypeError /
+    ValueError before any table changes.
     """
     states, problems = {}, unknown
     for t, prefix in prefixes.items():

@@ -591,7 +591,7 @@ class DynamicTables:
             kept = int(keep.sum())
             if kept < n:
                 warning = (f"{name}: placed {kept} of the checkpoint's {n} ids in capacity {m.capacity}; the other "
-                           f"{n - kept} (lowest scores first) have no free row in the two 32-row buckets their id "
+                           f"{n - kept} have no free row in the two 32-row buckets their id "
                            f"hashes to, in any placement" + (f" ({n} ids > capacity {m.capacity})" if n > m.capacity else ""))
             rows = rows[keep]
             keep = keep.to(vectors.device)

@@ -172,13 +172,21 @@ void float_row_to_bf16(uint16_t* out, const float* x, int64_t dim) {
 // Stochastic rounding of one float32 with 16 random bits r (reference.round_to_storage): the
 // bit pattern plus r scaled to the D bits the conversion drops, truncated, is exactly a value
 // of the target grid; in expectation it is x. bfloat16 drops 16 bits; float16 13, or up to 23
-// in its subnormal range; below 2^-24 the two neighbours are 0 and 2^-24. Branch-free (selects),
-// so the row loops vectorise.
+// in its subnormal range; below 2^-24 the two neighbours are 0 and 2^-24. A finite x never
+// rounds up to inf where round-to-nearest keeps it finite (|x| below the dtype's overflow
+// boundary): it takes the largest finite value instead. Branch-free (selects), so the row loops
+// vectorise.
+constexpr uint32_t kBf16OverflowBoundary = 0x7F7F8000u;  // |x| from which bfloat16 rounds to inf
+constexpr uint32_t kHalfOverflowBoundary = 0x477FF000u;  // 65520: |x| from which float16 rounds to inf
+constexpr uint32_t kHalfMax = 0x477FE000u;               // 65504, the largest float16, as float32 bits
 inline uint16_t bf16_stochastic(float x, uint32_t r) {
   const uint32_t u = float_to_bits(x);
-  const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+  const uint32_t a = u & 0x7FFFFFFFu;
+  const bool nan = a > 0x7F800000u;
   // (a finite pattern plus r never carries into the sign; inf plus r truncates back to inf)
-  return nan ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>((u + r) >> 16);
+  const uint32_t t = (u + r) >> 16;
+  const bool overflow = (t & 0x7FFFu) == 0x7F80u && a < kBf16OverflowBoundary;
+  return nan ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(overflow ? t - 1 : t);
 }
 // The float16 grid value half_stochastic rounds x to, as a float32 (inf and NaN: x itself), for
 // a hardware conversion to take exactly.
@@ -190,6 +198,7 @@ inline float half_stochastic_grid(float x, uint32_t r) {
   uint32_t t = (a + scaled) & ~((1u << dropped) - 1u);
   const uint32_t tiny = std::fabs(x) * 0x1p40f > static_cast<float>(r) ? 0x33800000u : 0u;
   t = a < 0x33800000u ? tiny : t;
+  t = t >= 0x47800000u && a < kHalfOverflowBoundary ? kHalfMax : t;
   return a >= 0x7F800000u ? x : bits_to_float(t | sign);
 }
 inline uint16_t half_stochastic(float x, uint32_t r) {
@@ -201,6 +210,7 @@ inline uint16_t half_stochastic(float x, uint32_t r) {
   uint32_t t = (a + scaled) & ~((1u << dropped) - 1u);
   const uint32_t tiny = std::fabs(x) * 0x1p40f > static_cast<float>(r) ? 0x33800000u : 0u;
   t = a < 0x33800000u ? tiny : t;
+  t = t >= 0x47800000u && a < kHalfOverflowBoundary ? kHalfMax : t;
   // t is exactly a float16 value: its bits directly (no rounding left to do).
   const uint32_t normal = (t >> 13) - 0x1C000u;                                   // rebias 127 -> 15
   const uint32_t subnormal = static_cast<uint32_t>(bits_to_float(t) * 0x1p24f);  // multiples of 2^-24

@@ -198,7 +198,8 @@ def _stochastic_case(x, dtype, ids, seed, step):
 
 
 VALUES = torch.tensor([1.0, 1.0 + 2**-12, -3.3, 0.1, -7.77e-4, 6.1e-5, -1e-5, 3.1e-6, -2e-7, 4e-8, -1e-8, 3e-10,
-                       65500.0, -65519.0, 70000.0, 1e30, 0.0, 2.0**-24, float("inf")])  # (-0.0: 0 - (-0.0) is +0.0)
+                       65500.0, -65519.0, 65510.0, 70000.0, 1e30, 3.3892e38, -3.3895e38, 0.0, 2.0**-24,
+                       float("inf")])  # (-0.0: 0 - (-0.0) is +0.0)
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -234,6 +235,24 @@ def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour(dtype):
     assert bool(((got.mean(0) - x.double()).abs() <= 5 * gap * 0.5 / n**0.5).all()), (got.mean(0) - x.double())
     # Round to nearest, by contrast, is biased on these values: its error is far larger on average.
     assert float((got.mean(0) - x.double()).abs().mean()) < float((nearest - x.double()).abs().mean()) / 4
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_stochastic_rounding_stays_finite_where_round_to_nearest_does(dtype):
+    """Just below the largest finite value's rounding boundary, round to nearest gives the largest
+    finite value; stochastic rounding must not round up to inf there (it has no finite neighbour
+    above): every result is finite and one of the two grid values around x."""
+    top = torch.finfo(dtype).max
+    x = torch.tensor([top * (1 + 2.0**-12), -top * (1 + 2.0**-11), top * (1 + 2.0**-9 - 2.0**-20)])
+    if dtype == torch.float16:
+        x = torch.tensor([65505.0, -65510.0, 65519.9])
+    assert bool(x.to(dtype).isfinite().all())  # the premise: round to nearest keeps them finite
+    got = _stochastic_case(x, dtype, torch.arange(4000), 7, 3).float()
+    assert bool(got.isfinite().all())
+    assert bool((got.abs() == top).all())  # the neighbour below; the one above would be inf
+    beyond = torch.tensor([65520.0 if dtype == torch.float16 else 3.397e38])
+    above = _stochastic_case(beyond, dtype, torch.arange(64), 7, 3).float()  # where round to nearest gives inf
+    assert bool(above.isinf().any()) and bool(((above == top) | above.isinf()).all())
 
 
 @pytest.mark.parametrize("dtype", HALF)

@@ -392,6 +392,12 @@ def rounding_bits(ids: Tensor, dim: int, seed: int, step: int) -> Tensor:
     return torch.stack([_srl(bits, 16 * e) & 0xFFFF for e in range(4)], dim=2).flatten(1)[:, :dim]
 
 
+# float32 bit patterns of each half dtype's largest finite value and of the magnitude from which
+# round to nearest gives inf (stochastic rounding below it stays finite)
+BF16_MAX_BITS, BF16_OVERFLOW_BOUNDARY = 0x7F7F0000, 0x7F7F8000
+HALF_MAX_BITS, HALF_OVERFLOW_BOUNDARY = 0x477FE000, 0x477FF000
+
+
 def round_to_storage(x: Tensor, dtype: torch.dtype, bits: Optional[Tensor] = None) -> Tensor:
     """float32 ``x`` in the storage dtype: round to nearest even (``bits`` None, or float32), else
     stochastic rounding with 16 random bits per element (``rounding_bits``):
@@ -401,7 +407,9 @@ def round_to_storage(x: Tensor, dtype: torch.dtype, bits: Optional[Tensor] = Non
     (up to 23) below, in the subnormal range; the pattern plus r scaled to D bits (r >> (16 - D),
     or r << (D - 16)), truncated to a multiple of 2^D, which is then exactly a float16. |x| < 2^-24
     rounds to 2^-24 when r < |x| * 2^40, else to 0. Inf and NaN round to nearest. Truncation is
-    toward zero in magnitude; the sign is kept."""
+    toward zero in magnitude; the sign is kept. A finite x below the dtype's overflow boundary
+    (where round to nearest turns to inf: 65520 for float16) never rounds up to inf: it takes
+    the dtype's largest finite value."""
     if dtype == torch.float32:
         return x.float()
     if bits is None:
@@ -411,6 +419,7 @@ def round_to_storage(x: Tensor, dtype: torch.dtype, bits: Optional[Tensor] = Non
     special = a >= 0x7F800000
     if dtype == torch.bfloat16:
         t = (a + bits) & 0xFFFF0000
+        t = torch.where((t == 0x7F800000) & (a < BF16_OVERFLOW_BOUNDARY), torch.full_like(a, BF16_MAX_BITS), t)
     else:
         dropped = torch.clamp(126 - (a >> 23), min=13)
         scaled = torch.where(dropped >= 16, bits << (dropped - 16).clamp(min=0), bits >> (16 - dropped).clamp(min=0))
@@ -418,6 +427,7 @@ def round_to_storage(x: Tensor, dtype: torch.dtype, bits: Optional[Tensor] = Non
         tiny = a < 0x33800000
         away = bits.double() < x.double().abs() * 2.0**40
         t = torch.where(tiny, torch.where(away, torch.full_like(a, 0x33800000), torch.zeros_like(a)), t)
+        t = torch.where((t >= 0x47800000) & (a < HALF_OVERFLOW_BOUNDARY), torch.full_like(a, HALF_MAX_BITS), t)
     rounded = (t | sign).to(torch.int32).view(torch.float32).to(dtype)  # exact: t is on the dtype's grid
     return torch.where(special, x.float().to(dtype), rounded)
 

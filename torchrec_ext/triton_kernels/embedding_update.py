@@ -64,8 +64,10 @@ def _round_stochastic(w, r, TO_HALF: tl.constexpr):
         t = (a + scaled) & ~((tl.full(a.shape, 1, tl.int64) << dropped) - 1)
         away = r.to(tl.float32) < tl.abs(w) * 1099511627776.0  # 2^40
         t = tl.where(a < 0x33800000, tl.where(away, 0x33800000, 0), t)
+        t = tl.where((t >= 0x47800000) & (a < 0x477FF000), 0x477FE000, t)  # finite stays finite
     else:
         t = (a + r) & 0xFFFF0000
+        t = tl.where((t == 0x7F800000) & (a < 0x7F7F8000), 0x7F7F0000, t)  # (reference.BF16_MAX_BITS)
     rounded = (t | sign).to(tl.int32).to(tl.float32, bitcast=True)
     return tl.where(a >= 0x7F800000, w, rounded)  # inf, NaN: to nearest (the cast below)
 

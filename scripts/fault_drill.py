@@ -33,37 +33,11 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, EVERY = 30, 10
-JOB = [
-    "--steps",
-    str(STEPS),
-    "--checkpoint-every",
-    str(EVERY),
-    "--keep-checkpoints",
-    "2",
-    "--eval-every",
-    "10",
-    "--batch-size",
-    "128",
-    "--capacity",
-    "8192",
-    "--embedding-dim",
-    "8",
-    "--dense-arch",
-    "32",
-    "--over-arch",
-    "32",
-    "--dcn-rank",
-    "8",
-    "--eval-batch-size",
-    "512",
-    "--eval-batches",
-    "2",
-    "--threads",
-    "1",
-    "--no-progress",
-    "--device",
-    "cpu",
-]
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from job_helpers import TINY_BATCHES, TINY_MODEL  # noqa: E402  (the job tests' tiny model)
+
+JOB = ["--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--keep-checkpoints", "2", "--eval-every", "10"] \
+    + TINY_BATCHES + ["--capacity", "8192"] + TINY_MODEL + ["--device", "cpu"]
 SAVE_PHASES = ("begin", "metadata", "hashing", "manifest", "rename", "prune")
 # Kills by the clock, measured from a line of the job's output: early in training, while
 # training after the first checkpoint, and as the second save starts (its eval line comes first).

@@ -34,53 +34,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from dist_helpers import run_ranks
+from job_helpers import ROOT, TINY, job_ok, run_job
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = [
-    "--batch-size",
-    "128",
-    "--capacity",
-    "2048",
-    "--embedding-dim",
-    "8",
-    "--dense-arch",
-    "32",
-    "--over-arch",
-    "32",
-    "--dcn-rank",
-    "8",
-    "--eval-batch-size",
-    "512",
-    "--eval-batches",
-    "2",
-    "--threads",
-    "1",
-    "--no-progress",
-    "--device",
-    "cpu",
-]
 JOB = ["--eval-every", "10", "--checkpoint-every", "10", "--keep-checkpoints", "2"] + TINY
 TABLE = "model.model.sparse_arch.embedding_bag_collection.embedding_bags.t_cat_0"
 DATA_FILE = "__0_0.distcp"
-
-
-def _run(args, timeout=120):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    return subprocess.run(
-        [sys.executable, "-m", "torchrec_ext.train"] + args,
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def _ok(proc):
-    assert proc.returncode == 0, (
-        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
-    )
-    return proc
 
 
 def _refused(proc):
@@ -100,7 +58,7 @@ def _history(run_dir):
 def reference(tmp_path_factory):
     """A finished 20-step run with checkpoints step_10 and step_20 (never modified: tests copy it)."""
     run_dir = str(tmp_path_factory.mktemp("reference") / "run")
-    _ok(_run(["--steps", "20", "--run-dir", run_dir] + JOB))
+    job_ok(run_job(["--steps", "20", "--run-dir", run_dir] + JOB))
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_10", "step_20"]
     return run_dir
 
@@ -257,7 +215,7 @@ def test_damaged_checkpoint_is_a_clear_error_naming_the_file(run_copy, process_g
 
 def test_resume_falls_back_to_the_previous_verified_checkpoint_and_continues_exactly(reference, run_copy):
     _damage(_ckpt(run_copy, 20), "flipped weight")
-    proc = _ok(_run(["--steps", "20", "--run-dir", run_copy, "--resume"] + JOB))
+    proc = job_ok(run_job(["--steps", "20", "--run-dir", run_copy, "--resume"] + JOB))
     out = proc.stdout
     assert f"skipping checkpoint {_ckpt(run_copy, 20)}: {DATA_FILE}: its SHA-256 differs" in out, out[-2000:]
     assert (
@@ -322,7 +280,8 @@ def test_second_job_on_a_locked_run_dir_is_refused(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     first = subprocess.Popen(
         [sys.executable, "-m", "torchrec_ext.train", "--steps", "1000000", "--eval-every", "0", "--run-dir", run_dir]
-        + TINY,
+        + TINY
+        + ["--device", "cpu"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -334,7 +293,7 @@ def test_second_job_on_a_locked_run_dir_is_refused(tmp_path):
         while _lock_holder(lock_file) != str(first.pid):
             assert first.poll() is None and time.monotonic() < deadline, "the first job did not take the lock"
             time.sleep(0.2)
-        stderr = _refused(_run(["--steps", "5", "--run-dir", run_dir] + TINY))
+        stderr = _refused(run_job(["--steps", "5", "--run-dir", run_dir] + TINY))
         assert f"run directory {run_dir} is in use by another job (pid {first.pid}" in stderr, stderr[-2000:]
         assert first.poll() is None  # the first job still runs
     finally:

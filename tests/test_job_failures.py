@@ -16,7 +16,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -24,25 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-TINY = [
-    "--capacity",
-    "2048",
-    "--embedding-dim",
-    "8",
-    "--dense-arch",
-    "32",
-    "--over-arch",
-    "32",
-    "--dcn-rank",
-    "8",
-    "--threads",
-    "1",
-    "--no-progress",
-    "--device",
-    "cpu",
-]
+from job_helpers import ROOT, TINY_MODEL, TORCHRUN
+
+TINY = ["--capacity", "2048"] + TINY_MODEL + ["--device", "cpu"]
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="follows processes through /proc")
 

@@ -13,53 +13,15 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from job_helpers import ROOT, TINY, TORCHRUN, job_ok, run_job
+
 CRITEO_SAMPLE = os.path.join(ROOT, "..", "shared", "data", "criteo_kaggle_sample")
-# Small everything: ~0.1 s of training per 10 steps on one core.
-TINY = [
-    "--batch-size",
-    "128",
-    "--capacity",
-    "2048",
-    "--embedding-dim",
-    "8",
-    "--dense-arch",
-    "32",
-    "--over-arch",
-    "32",
-    "--dcn-rank",
-    "8",
-    "--eval-batch-size",
-    "512",
-    "--eval-batches",
-    "2",
-    "--threads",
-    "1",
-    "--no-progress",
-]
-
-
-def _run(args, timeout=120, launcher=None):
-    """The job in a subprocess, on CPU unless ``args`` name a --device (the default, auto, would
-    pick a GPU where there is one)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    device = [] if "--device" in args else ["--device", "cpu"]
-    cmd = (launcher or [sys.executable]) + ["-m", "torchrec_ext.train"] + args + device
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _ok(proc):
-    assert proc.returncode == 0, (
-        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
-    )
-    return proc
 
 
 def _load(run_dir, name):
@@ -69,7 +31,7 @@ def _load(run_dir, name):
 
 def test_short_run_writes_summary_and_plot_and_auc_rises(tmp_path):
     run_dir = str(tmp_path / "run")
-    proc = _ok(_run(["--steps", "60", "--eval-every", "30", "--run-dir", run_dir] + TINY))
+    proc = job_ok(run_job(["--steps", "60", "--eval-every", "30", "--run-dir", run_dir] + TINY))
     summary = _load(run_dir, "summary.json")
     assert summary["status"] == "completed" and summary["steps"] == 60 and summary["steps_this_run"] == 60
     assert summary["world_size"] == 1 and summary["pipeline"] == "ours" and summary["device"] == "cpu"
@@ -98,10 +60,10 @@ def test_short_run_writes_summary_and_plot_and_auc_rises(tmp_path):
 def test_resumed_run_ends_exactly_like_the_uninterrupted_one(tmp_path):
     full, split = str(tmp_path / "full"), str(tmp_path / "split")
     common = ["--eval-every", "10", "--checkpoint-every", "10", "--keep-checkpoints", "1"] + TINY
-    _ok(_run(["--steps", "20", "--run-dir", full] + common))
-    first = _ok(_run(["--steps", "10", "--run-dir", split, "--pipeline", "plain"] + common))
+    job_ok(run_job(["--steps", "20", "--run-dir", full] + common))
+    first = job_ok(run_job(["--steps", "10", "--run-dir", split, "--pipeline", "plain"] + common))
     assert "checkpoints/step_10" in first.stdout
-    second = _ok(_run(["--steps", "20", "--run-dir", split, "--resume", "--pipeline", "torchrec"] + common))
+    second = job_ok(run_job(["--steps", "20", "--run-dir", split, "--resume", "--pipeline", "torchrec"] + common))
     assert "resumed from" in second.stdout and "at step 10" in second.stdout
 
     want, got = _load(full, "history.json"), _load(split, "history.json")
@@ -116,11 +78,11 @@ def test_resumed_run_ends_exactly_like_the_uninterrupted_one(tmp_path):
     assert sorted(os.listdir(os.path.join(full, "checkpoints"))) == ["step_20"]
 
     # Resuming a finished run trains nothing more and reports the same result.
-    again = _ok(_run(["--steps", "20", "--run-dir", split, "--resume"] + common))
+    again = job_ok(run_job(["--steps", "20", "--run-dir", split, "--resume"] + common))
     assert "at step 20" in again.stdout
     assert _load(split, "summary.json")["final_eval"] == summary["final_eval"]
     # A checkpoint of another model shape is refused by name.
-    bad = _run(["--steps", "30", "--run-dir", split, "--resume"] + common + ["--embedding-dim", "16"])
+    bad = run_job(["--steps", "30", "--run-dir", split, "--resume"] + common + ["--embedding-dim", "16"])
     assert bad.returncode == 2 and "--embedding-dim 8" in bad.stderr, bad.stderr[-2000:]
 
 
@@ -150,7 +112,7 @@ def test_bad_arguments_are_clear_errors(args, message, capsys):
 
 
 def test_bad_data_fails_fast_from_the_command_line(tmp_path):
-    proc = _run(["--data", "criteo-tsv:/nonexistent/day_0.tsv", "--run-dir", str(tmp_path / "r")])
+    proc = run_job(["--data", "criteo-tsv:/nonexistent/day_0.tsv", "--run-dir", str(tmp_path / "r")])
     assert proc.returncode == 2
     assert "--data: no such file: /nonexistent/day_0.tsv" in proc.stderr
     assert "Traceback" not in proc.stderr and not os.path.exists(tmp_path / "r")
@@ -161,8 +123,8 @@ def test_trains_on_real_criteo_sample(tmp_path):
     run_dir = str(tmp_path / "criteo")
     train, dev = os.path.join(CRITEO_SAMPLE, "train.tsv"), os.path.join(CRITEO_SAMPLE, "dev.tsv")
     # 7,200 rows = 28 batches of 256: 40 steps go round the file once and a half.
-    _ok(
-        _run(
+    job_ok(
+        run_job(
             [
                 "--data",
                 f"criteo-tsv:{train}",
@@ -199,8 +161,8 @@ def test_trains_on_real_criteo_sample(tmp_path):
 
     # Without --eval-data the last batches of the train files are held out.
     held = str(tmp_path / "held")
-    _ok(
-        _run(
+    job_ok(
+        run_job(
             [
                 "--data",
                 f"criteo-tsv:{train}",
@@ -223,7 +185,7 @@ def test_trains_on_real_criteo_sample(tmp_path):
         )
     )
     assert [e["samples"] for e in _load(held, "summary.json")["evals"]] == [1024, 1024]
-    too_few = _run(
+    too_few = run_job(
         [
             "--data",
             f"criteo-tsv:{dev}",
@@ -243,11 +205,10 @@ def test_trains_on_real_criteo_sample(tmp_path):
 
 def test_two_ranks_under_torchrun_resume_then_one_rank(tmp_path):
     run_dir = str(tmp_path / "two")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     # Capacity for every id of 2 ranks x 20 steps: one rank must hold the rows of both later.
     common = ["--run-dir", run_dir, "--eval-every", "10", "--checkpoint-every", "10"] + TINY + ["--capacity", "8192"]
-    _ok(_run(["--steps", "10"] + common, launcher=torchrun, timeout=150))
-    _ok(_run(["--steps", "20", "--resume"] + common, launcher=torchrun, timeout=150))
+    job_ok(run_job(["--steps", "10"] + common, launcher=TORCHRUN, timeout=150))
+    job_ok(run_job(["--steps", "20", "--resume"] + common, launcher=TORCHRUN, timeout=150))
     summary = _load(run_dir, "summary.json")
     assert summary["world_size"] == 2 and summary["global_batch_size"] == 256 and summary["start_step"] == 10
     assert [e["samples"] for e in summary["evals"]] == [2048] * 3  # both ranks' shares
@@ -255,8 +216,8 @@ def test_two_ranks_under_torchrun_resume_then_one_rank(tmp_path):
 
     # The 2-rank checkpoint continues on 1 rank: rows re-routed, the data stream goes on at global
     # batch 40 (a rank that restarted at its own batch 20 would see batches it trained on).
-    one = _ok(
-        _run(
+    one = job_ok(
+        run_job(
             ["--steps", "26", "--resume", "--eval-every", "0", "--run-dir", run_dir, "--checkpoint-every", "10"]
             + TINY
             + ["--capacity", "8192"]
@@ -274,15 +235,15 @@ def test_two_ranks_under_torchrun_resume_then_one_rank(tmp_path):
 def test_cuda_short_run_then_checkpoint_and_resume(tmp_path):
     full, split = str(tmp_path / "full"), str(tmp_path / "split")
     common = ["--eval-every", "30", "--checkpoint-every", "30", "--keep-checkpoints", "1", "--device", "cuda"] + TINY
-    _ok(_run(["--steps", "60", "--run-dir", full] + common, timeout=300))
+    job_ok(run_job(["--steps", "60", "--run-dir", full] + common, timeout=300))
     summary = _load(full, "summary.json")
     assert summary["status"] == "completed" and summary["device"] == "cuda:0" and summary["world_size"] == 1
     assert summary["final_eval"]["auc"] > summary["initial_eval"]["auc"] + 0.05, summary["evals"]
     assert summary["train_loss"]["last"] < summary["train_loss"]["first"]
 
-    first = _ok(_run(["--steps", "30", "--run-dir", split, "--pipeline", "plain"] + common, timeout=300))
+    first = job_ok(run_job(["--steps", "30", "--run-dir", split, "--pipeline", "plain"] + common, timeout=300))
     assert "checkpoints/step_30" in first.stdout
-    second = _ok(_run(["--steps", "60", "--run-dir", split, "--resume"] + common, timeout=300))
+    second = job_ok(run_job(["--steps", "60", "--run-dir", split, "--resume"] + common, timeout=300))
     assert "resumed from" in second.stdout and "at step 30" in second.stdout
     want, got = _load(full, "history.json"), _load(split, "history.json")
     # Close, not bitwise: CUDA reductions (atomics in the dense backward) may round differently.

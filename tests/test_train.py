@@ -100,6 +100,13 @@ def test_resumed_run_ends_exactly_like_the_uninterrupted_one(tmp_path):
         (["--eval-seed", "0"], "--eval-seed must differ from --seed"),
         (["--dense-arch", "64,x"], "expected comma-separated layer sizes"),
         (["--pipeline", "fast"], "invalid choice: 'fast'"),
+        (["--data-type", "int8"], "invalid choice: 'int8'"),
+        (["--admit-probability", "0.5"], "--admit-probability applies to --admission probabilistic"),
+        (["--admission", "probabilistic"], "--admission probabilistic needs --admit-probability"),
+        (["--admission", "probabilistic", "--admit-probability", "1.5"], "admit_probability in (0, 1], got 1.5"),
+        (["--admission", "bloom", "--admit-after", "99"], "admit_after must be <= 15, got 99"),
+        (["--admission", "counter", "--bloom-fpr", "0.01"], "--bloom-fpr applies to --admission bloom"),
+        (["--data-type", "fp16", "--embedding-dim", "1"], "needs embedding_dim >= 2"),
     ],
 )
 def test_bad_arguments_are_clear_errors(args, message, capsys):
@@ -109,6 +116,27 @@ def test_bad_arguments_are_clear_errors(args, message, capsys):
         parse_args(args)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_table_flags_reach_every_table_and_a_resume_must_keep_them(tmp_path):
+    """--data-type and --admission build the tables they name (the checkpoint's rows are half
+    precision, ids seen once have no row), and resuming with other table flags is refused."""
+    import torch.distributed.checkpoint as dcp
+
+    run_dir = str(tmp_path / "run")
+    flags = ["--data-type", "bf16", "--admission", "bloom", "--admit-after", "3"]
+    common = ["--run-dir", run_dir, "--eval-every", "10", "--checkpoint-every", "10"] + TINY
+    job_ok(run_job(["--steps", "10"] + common + flags))
+    checkpoint = os.path.join(run_dir, "checkpoints", "step_10")
+    metadata = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    weights = {k: v for k, v in metadata.items() if k.endswith(".weight") and ".t_cat_" in k}
+    assert len(weights) == 26 and {v.properties.dtype for v in weights.values()} == {torch.bfloat16}
+    # Admission after 3 sightings: far fewer rows than distinct ids (10 steps x 128 samples).
+    rows = {k: v.size[0] for k, v in weights.items()}
+    assert 0 < sum(rows.values()) < 26 * 10 * 128 // 2, rows
+    refused = run_job(["--steps", "20", "--resume"] + common + ["--data-type", "fp16", "--admission", "bloom"])
+    assert refused.returncode != 0
+    assert "--data-type bf16" in refused.stderr and "--admit-after 3" in refused.stderr, refused.stderr[-2000:]
 
 
 def test_bad_data_fails_fast_from_the_command_line(tmp_path):

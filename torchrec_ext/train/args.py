@@ -7,6 +7,10 @@ from __future__ import annotations
 import argparse
 import math
 
+from torchrec.modules.embedding_configs import DataType
+
+from torchrec_ext import DynamicEmbeddingBagConfig
+from torchrec_ext.modules.configs import check_tables
 from torchrec_ext.train.data import parse_data_spec
 
 DESCRIPTION = (
@@ -15,6 +19,7 @@ DESCRIPTION = (
     "Adagrad on the tables and dense Adagrad."
 )
 PIPELINES = ("ours", "torchrec", "plain")
+DATA_TYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16, "bf16": DataType.BF16}
 
 
 def _sizes(text: str) -> list[int]:
@@ -39,6 +44,33 @@ def build_parser() -> argparse.ArgumentParser:
     _add_training_args(p.add_argument_group("training"))
     _add_output_args(p.add_argument_group("evaluation, checkpoints, output"))
     return p
+
+
+def table_options(args: argparse.Namespace) -> dict:
+    """The dynamic-table fields the table flags set (DynamicEmbeddingBagConfig keywords), checked by
+    building one config (its error names the field and value)."""
+    counted = args.admission in ("counter", "bloom")
+    if args.admit_after is not None and not counted:
+        raise ValueError(f"--admit-after applies to --admission counter or bloom, got --admission {args.admission}")
+    if args.admit_probability is not None and args.admission != "probabilistic":
+        raise ValueError(f"--admit-probability applies to --admission probabilistic, got --admission {args.admission}")
+    if args.bloom_fpr is not None and args.admission != "bloom":
+        raise ValueError(f"--bloom-fpr applies to --admission bloom, got --admission {args.admission}")
+    options = {"data_type": DATA_TYPES[args.data_type]}
+    if args.admission != "none":
+        options["admission"] = args.admission
+    if counted:
+        options["admit_after"] = 2 if args.admit_after is None else args.admit_after
+    if args.admission == "bloom":
+        options["bloom_fpr"] = 0.01 if args.bloom_fpr is None else args.bloom_fpr
+    if args.admission == "probabilistic":
+        if args.admit_probability is None:
+            raise ValueError("--admission probabilistic needs --admit-probability (in (0, 1])")
+        options["admit_probability"] = args.admit_probability
+    probe = DynamicEmbeddingBagConfig(name="t", embedding_dim=args.embedding_dim, num_embeddings=max(1, args.capacity),
+                                      feature_names=["f"], **options)
+    check_tables([probe], DynamicEmbeddingBagConfig, "the tables")
+    return options
 
 
 def _add_data_args(g: argparse._ArgumentGroup) -> None:
@@ -69,6 +101,14 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--over-arch", type=_sizes, default=[128, 64], help="over arch hidden sizes (then 1)")
     g.add_argument("--dcn-layers", type=int, default=2)
     g.add_argument("--dcn-rank", type=int, default=16, help="DCN low-rank dimension")
+    g.add_argument("--data-type", default="fp32", choices=tuple(DATA_TYPES), help="the tables' row storage")
+    g.add_argument("--admission", default="none", choices=("none", "counter", "bloom", "probabilistic"),
+                   help="which unseen ids get a row (DynamicEmbeddingBagConfig.admission)")
+    g.add_argument("--admit-after", type=int, default=None,
+                   help="counter / bloom: sightings before an id gets a row (default 2)")
+    g.add_argument("--admit-probability", type=float, default=None, help="probabilistic: the fraction admitted")
+    g.add_argument("--bloom-fpr", type=float, default=None,
+                   help="bloom: the filter's false-positive target (default 0.01)")
 
 
 def _add_training_args(g: argparse._ArgumentGroup) -> None:
@@ -156,6 +196,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             )
     elif args.eval_spec is None:
         args.eval_spec = args.data_spec  # held out: the last --eval-batches batches of each rank
+    try:
+        args.table_options = table_options(args)
+    except (TypeError, ValueError) as e:
+        parser.error(str(e))
     if args.resume and args.run_dir is None:
         parser.error("--resume needs --run-dir (the directory of the run to continue)")
     return args

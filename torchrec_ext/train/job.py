@@ -123,6 +123,7 @@ def build(args: argparse.Namespace, rt: Runtime, run_dir: str) -> Run:
             dcn_rank=args.dcn_rank,
             embedding_lr=args.embedding_lr,
             seed=args.seed,
+            table_options=args.table_options,
         )
     )
     dmp = shard_model(model, rt.device, args.batch_size)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ class ModelConfig:
     dcn_rank: int = 16
     embedding_lr: float = 0.02
     seed: int = 0
+    table_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # more config fields, each table
 
 
 def build_model(cfg: ModelConfig) -> DLRMTrain:
@@ -43,6 +45,7 @@ def build_model(cfg: ModelConfig) -> DLRMTrain:
             feature_names=[feature],
             eviction_policy=cfg.eviction_policy,
             seed=cfg.seed,
+            **cfg.table_options,
         )
         for feature in DEFAULT_CAT_NAMES
     ]

@@ -17,7 +17,8 @@ import torch
 from torchrec_ext.distributed.checkpoint import PendingCheckpoint, find_checkpoint, load_checkpoint, save_checkpoint
 
 # Arguments a resumed run must share with the checkpoint (they shape the model or its tables).
-MODEL_ARGS = ("embedding_dim", "capacity", "eviction", "dense_arch", "over_arch", "dcn_layers", "dcn_rank")
+MODEL_ARGS = ("embedding_dim", "capacity", "eviction", "dense_arch", "over_arch", "dcn_layers", "dcn_rank", "data_type",
+              "admission", "admit_after", "admit_probability", "bloom_fpr")
 # Arguments that decide what the data stream yields at a given step: a change is allowed but warned about.
 STREAM_ARGS = ("data", "batch_size", "seed", "truth_seed")
 

@@ -17,21 +17,22 @@ AUC: mean and standard deviation over `seeds` seeds (model init and the tables' 
 
     python benchmarks/quality_admission.py            # writes results/quality_admission_cpu.*
 """
+
 from __future__ import annotations
 
 import dataclasses
 import os
 import statistics
 import sys
-from typing import Dict, List
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_table, parse_config, save  # noqa: E402
+from common import markdown_table, parse_config, save
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "criteo_kaggle_sample",
-                    "train.tsv")
+DATA = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "criteo_kaggle_sample", "train.tsv"
+)
 
 
 @dataclasses.dataclass
@@ -57,8 +58,8 @@ def batches(cfg: Config):
     return every[:train_batches], every[train_batches:]
 
 
-def distinct_ids(train) -> Dict[str, int]:
-    seen: Dict[str, set] = {}
+def distinct_ids(train) -> dict[str, int]:
+    seen: dict[str, set] = {}
     for b in train:
         for key, jt in b.sparse_features.to_dict().items():
             seen.setdefault(key, set()).update(jt.values().tolist())
@@ -71,10 +72,13 @@ def has_fallback_rows() -> bool:
     return "fallback_rows" in {f.name for f in dataclasses.fields(DynamicEmbeddingBagConfig)}
 
 
-def arms(cfg: Config) -> List[Dict[str, object]]:
-    strategies = [("none", {}), ("counter", {"admission": "counter", "admit_after": cfg.admit_after}),
-                  ("bloom", {"admission": "bloom", "admit_after": cfg.admit_after, "bloom_fpr": 0.01}),
-                  ("probabilistic", {"admission": "probabilistic", "admit_probability": cfg.p})]
+def arms(cfg: Config) -> list[dict[str, object]]:
+    strategies = [
+        ("none", {}),
+        ("counter", {"admission": "counter", "admit_after": cfg.admit_after}),
+        ("bloom", {"admission": "bloom", "admit_after": cfg.admit_after, "bloom_fpr": 0.01}),
+        ("probabilistic", {"admission": "probabilistic", "admit_probability": cfg.p}),
+    ]
     out = []
     for name, options in strategies:
         out.append({"name": name, "options": options, "fallback": False})
@@ -86,20 +90,28 @@ def arms(cfg: Config) -> List[Dict[str, object]]:
 class ModuloEBC(torch.nn.Module):
     """TorchRec's EmbeddingBagCollection reading id mod its rows: the fixed-vocabulary baseline."""
 
-    def __init__(self, rows: Dict[str, int], dim: int):
+    def __init__(self, rows: dict[str, int], dim: int):
         from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
         super().__init__()
         self.rows = rows
-        self.ebc = EmbeddingBagCollection([EmbeddingBagConfig(name=f"t_{k}", embedding_dim=dim, num_embeddings=n,
-                                                              feature_names=[k]) for k, n in rows.items()])
+        self.ebc = EmbeddingBagCollection(
+            [
+                EmbeddingBagConfig(name=f"t_{k}", embedding_dim=dim, num_embeddings=n, feature_names=[k])
+                for k, n in rows.items()
+            ]
+        )
         self.embedding_bag_configs = self.ebc.embedding_bag_configs
 
     def forward(self, features):
         from torchrec import KeyedJaggedTensor
 
-        moduli = torch.cat([torch.full((int(n),), self.rows[k], dtype=torch.int64)
-                            for k, n in zip(features.keys(), features.length_per_key())])
+        moduli = torch.cat(
+            [
+                torch.full((int(n),), self.rows[k], dtype=torch.int64)
+                for k, n in zip(features.keys(), features.length_per_key())
+            ]
+        )
         return self.ebc(KeyedJaggedTensor(features.keys(), features.values() % moduli, lengths=features.lengths()))
 
 
@@ -108,16 +120,33 @@ def dlrm(ebc, dim: int):
 
     from torchrec_ext.data import INT_FEATURE_COUNT
 
-    return DLRMTrain(DLRM_DCN(embedding_bag_collection=ebc, dense_in_features=INT_FEATURE_COUNT,
-                              dense_arch_layer_sizes=[64, dim], over_arch_layer_sizes=[128, 64, 1],
-                              dcn_num_layers=2, dcn_low_rank_dim=16))
+    return DLRMTrain(
+        DLRM_DCN(
+            embedding_bag_collection=ebc,
+            dense_in_features=INT_FEATURE_COUNT,
+            dense_arch_layer_sizes=[64, dim],
+            over_arch_layer_sizes=[128, 64, 1],
+            dcn_num_layers=2,
+            dcn_low_rank_dim=16,
+        )
+    )
 
 
-def ours(cfg: Config, capacities: Dict[str, int], options: Dict[str, object], seed: int):
+def ours(cfg: Config, capacities: dict[str, int], options: dict[str, object], seed: int):
     from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 
-    tables = [DynamicEmbeddingBagConfig(name=f"t_{k}", embedding_dim=cfg.dim, num_embeddings=n, feature_names=[k],
-                                        eviction_policy="lru", seed=seed, **options) for k, n in capacities.items()]
+    tables = [
+        DynamicEmbeddingBagConfig(
+            name=f"t_{k}",
+            embedding_dim=cfg.dim,
+            num_embeddings=n,
+            feature_names=[k],
+            eviction_policy="lru",
+            seed=seed,
+            **options,
+        )
+        for k, n in capacities.items()
+    ]
     return DynamicEmbeddingBagCollection(tables, optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": cfg.lr})
 
 
@@ -174,30 +203,44 @@ def main() -> None:
         torch.manual_seed(seed)
         ebc = ModuloEBC(baseline_rows, cfg.dim)
         aucs.append(train_and_eval(cfg, dlrm(ebc, cfg.dim), train, held, fused_tables=False))
-    results.append(dict(arm="TorchRec EBC, id mod rows", fallback=False,
-                        bytes=sum(baseline_rows.values()) * row_bytes, aucs=aucs))
+    results.append(
+        dict(arm="TorchRec EBC, id mod rows", fallback=False, bytes=sum(baseline_rows.values()) * row_bytes, aucs=aucs)
+    )
 
     def fmt(r):
         mean = statistics.mean(r["aucs"])
         sd = statistics.stdev(r["aucs"]) if len(r["aucs"]) > 1 else 0.0
-        return [r["arm"], "rows" if r["fallback"] else ("-" if r["arm"].startswith("TorchRec") else "zeros"),
-                f"{r['bytes'] / 1e6:.2f}", f"{mean:.4f} ± {sd:.4f}"]
+        return [
+            r["arm"],
+            "rows" if r["fallback"] else ("-" if r["arm"].startswith("TorchRec") else "zeros"),
+            f"{r['bytes'] / 1e6:.2f}",
+            f"{mean:.4f} ± {sd:.4f}",
+        ]
 
-    text = [f"# Admission and fallback rows: held-out AUC on the Criteo sample ({cfg.train} train lines x "
-            f"{cfg.epochs} epochs, {sum(b.labels.numel() for b in held)} held out)", "",
-            f"Tables at {cfg.fraction:g} of each feature's distinct training ids ({total_capacity} rows over 26 "
-            f"tables for {sum(distinct.values())} distinct ids), dim {cfg.dim}, LRU eviction; AUC mean ± sd over "
-            f"{cfg.seeds} seeds.", "",
-            markdown_table(["admission", "ids without a row read", "table MB", "held-out AUC"], [fmt(r) for r in results]),
-            ""]
+    text = [
+        f"# Admission and fallback rows: held-out AUC on the Criteo sample ({cfg.train} train lines x "
+        f"{cfg.epochs} epochs, {sum(b.labels.numel() for b in held)} held out)",
+        "",
+        f"Tables at {cfg.fraction:g} of each feature's distinct training ids ({total_capacity} rows over 26 "
+        f"tables for {sum(distinct.values())} distinct ids), dim {cfg.dim}, LRU eviction; AUC mean ± sd over "
+        f"{cfg.seeds} seeds.",
+        "",
+        markdown_table(["admission", "ids without a row read", "table MB", "held-out AUC"], [fmt(r) for r in results]),
+        "",
+    ]
     if not has_fallback_rows():
-        text.append("Fallback rows: not in this build (DynamicEmbeddingBagConfig has no fallback_rows), so no arm "
-                    "with them ran.")
+        text.append(
+            "Fallback rows: not in this build (DynamicEmbeddingBagConfig has no fallback_rows), so no arm "
+            "with them ran."
+        )
     text.append(f"`python benchmarks/quality_admission.py {' '.join(sys.argv[1:])}`".replace(" `", "`"))
     print("\n".join(text))
     if save_results:
-        save("quality_admission_cpu", dict(config=dataclasses.asdict(cfg), capacities=capacities,
-                                           baseline_rows=baseline_rows, results=results), "\n".join(text))
+        save(
+            "quality_admission_cpu",
+            dict(config=dataclasses.asdict(cfg), capacities=capacities, baseline_rows=baseline_rows, results=results),
+            "\n".join(text),
+        )
 
 
 if __name__ == "__main__":

@@ -10,8 +10,19 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 # The model (tables sized apart: --capacity), small batches and evals, and all three. Later
 # occurrences of a flag win, so a test may append overrides.
-TINY_MODEL = ["--embedding-dim", "8", "--dense-arch", "32", "--over-arch", "32", "--dcn-rank", "8", "--threads", "1",
-              "--no-progress"]
+TINY_MODEL = [
+    "--embedding-dim",
+    "8",
+    "--dense-arch",
+    "32",
+    "--over-arch",
+    "32",
+    "--dcn-rank",
+    "8",
+    "--threads",
+    "1",
+    "--no-progress",
+]
 TINY_BATCHES = ["--batch-size", "128", "--eval-batch-size", "512", "--eval-batches", "2"]
 TINY = ["--capacity", "2048"] + TINY_MODEL + TINY_BATCHES
 
@@ -27,5 +38,7 @@ def run_job(args, timeout=120, launcher=None):
 
 def job_ok(proc):
     """``proc`` exited 0 (else its output tails, to read why)."""
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    )
     return proc

@@ -56,7 +56,11 @@ def table_options(args: argparse.Namespace) -> dict:
         raise ValueError(f"--admit-probability applies to --admission probabilistic, got --admission {args.admission}")
     if args.bloom_fpr is not None and args.admission != "bloom":
         raise ValueError(f"--bloom-fpr applies to --admission bloom, got --admission {args.admission}")
+    if args.round_to_nearest and args.data_type == "fp32":
+        raise ValueError("--round-to-nearest applies to --data-type fp16 or bf16, got --data-type fp32")
     options = {"data_type": DATA_TYPES[args.data_type]}
+    if args.round_to_nearest:
+        options["stochastic_rounding"] = False
     if args.admission != "none":
         options["admission"] = args.admission
     if counted:
@@ -102,6 +106,8 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--dcn-layers", type=int, default=2)
     g.add_argument("--dcn-rank", type=int, default=16, help="DCN low-rank dimension")
     g.add_argument("--data-type", default="fp32", choices=tuple(DATA_TYPES), help="the tables' row storage")
+    g.add_argument("--round-to-nearest", action="store_true",
+                   help="fp16 / bf16: the fused update rounds rows to nearest (default: stochastically)")
     g.add_argument("--admission", default="none", choices=("none", "counter", "bloom", "probabilistic"),
                    help="which unseen ids get a row (DynamicEmbeddingBagConfig.admission)")
     g.add_argument("--admit-after", type=int, default=None,

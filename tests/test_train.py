@@ -52,6 +52,10 @@ def test_short_run_writes_summary_and_plot_and_auc_rises(tmp_path):
     assert summary["args"]["data"] == "synthetic" and summary["args"]["batch_size"] == 128
     history = _load(run_dir, "history.json")
     assert len(history["train_loss"]) == 60 and history["evals"] == summary["evals"]
+    # The tables' totals at each segment's end (drawn in curves.png's lower panels), the last one
+    # the summary's.
+    assert [t["step"] for t in history["tables"]] == [30, 60]
+    assert history["tables"][-1]["inserts"] == summary["table_totals"]["inserts"] > history["tables"][0]["inserts"]
     with open(os.path.join(run_dir, "curves.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert "eval AUC" in proc.stdout and not os.path.exists(os.path.join(run_dir, "checkpoints"))

@@ -75,6 +75,7 @@ class Run:
     position: int = 0  # global batches consumed (one per rank per step): where the data stream stands
     train_loss: list[float] = dataclasses.field(default_factory=list)
     evals: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    tables: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # table totals at each segment's end
     checkpoints: list[str] = dataclasses.field(default_factory=list)
     resumed_from: str | None = None
     skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)
@@ -261,6 +262,7 @@ def _log_tables(run: Run, step: int) -> None:
     """One line of the tables' totals over ranks (collective: every rank ends its segment here)."""
     totals = summarize_table_stats(model_table_stats(run.dmp))
     if totals is not None:
+        run.tables.append({"step": step, **totals})
         hit = "n/a" if totals["hit_rate"] is None else f"{totals['hit_rate']:.1%}"
         run.log(f"step {step}: tables {totals['occupancy']:.1%} full, {totals['inserts']:,} inserts, "
                 f"{totals['evictions']:,} evictions, {totals['rejections']:,} admission rejections, "
@@ -318,7 +320,9 @@ def write_report(run: Run, summary: dict[str, Any]) -> None:
     if not run.rt.is_main:
         return
     write_json(
-        os.path.join(run.run_dir, "history.json"), {"train_loss": run.train_loss, "evals": run.evals}, indent=None
+        os.path.join(run.run_dir, "history.json"),
+        {"train_loss": run.train_loss, "evals": run.evals, "tables": run.tables},
+        indent=None,
     )
     plot_curves(
         os.path.join(run.run_dir, "curves.png"),
@@ -326,6 +330,7 @@ def write_report(run: Run, summary: dict[str, Any]) -> None:
         run.evals,
         f"DLRM_DCN on dynamic tables: {run.data_text()}, {run.ranks_text()}, {run.args.pipeline} pipeline",
         run.ceiling,
+        run.tables,
     )
     write_json(os.path.join(run.run_dir, "summary.json"), summary)
     final, rate = summary["final_eval"], summary["steps_per_s"]

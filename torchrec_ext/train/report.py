@@ -47,16 +47,29 @@ def _jsonable(value: Any) -> Any:
 
 
 def plot_curves(
-    path: str, train_loss: Sequence[float], evals: Sequence[dict[str, Any]], title: str, ceiling: float | None = None
+    path: str,
+    train_loss: Sequence[float],
+    evals: Sequence[dict[str, Any]],
+    title: str,
+    ceiling: float | None = None,
+    tables: Sequence[dict[str, Any]] = (),
 ) -> None:
     """Train loss of steps 1, 2, ... (raw and smoothed) and eval AUC / log loss per eval step;
-    ``ceiling``: the AUC of the data's hidden model, drawn as a dashed line."""
+    ``ceiling``: the AUC of the data's hidden model, drawn as a dashed line. ``tables``: the
+    tables' totals at steps (``distributed.table_stats.summarize`` plus "step"), drawn below in a
+    panel per family: occupancy, churn (inserts, evictions, rejections per step), lookup hit rate."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_auc) = plt.subplots(1, 2, figsize=(12, 4.5))
+    if tables:
+        fig = plt.figure(figsize=(12, 8))
+        grid = fig.add_gridspec(2, 6)
+        ax_loss, ax_auc = fig.add_subplot(grid[0, :3]), fig.add_subplot(grid[0, 3:])
+        _plot_tables(tables, [fig.add_subplot(grid[1, 2 * i : 2 * i + 2]) for i in range(3)])
+    else:
+        fig, (ax_loss, ax_auc) = plt.subplots(1, 2, figsize=(12, 4.5))
     steps = list(range(1, len(train_loss) + 1))
     if train_loss:
         ax_loss.plot(steps, train_loss, color="tab:blue", alpha=0.25, linewidth=0.8, label="train loss")
@@ -83,3 +96,25 @@ def plot_curves(
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_tables(tables: Sequence[dict[str, Any]], axes: Sequence[Any]) -> None:
+    """Occupancy, churn per step between two points (counters are cumulative) and hit rate."""
+    ax_occ, ax_churn, ax_hit = axes
+    steps = [t["step"] for t in tables]
+    ax_occ.plot(steps, [100 * t["occupancy"] for t in tables], "o-", color="tab:purple")
+    ax_occ.set_ylabel("tables full (%)")
+    for key, color in (("inserts", "tab:blue"), ("evictions", "tab:red"), ("rejections", "tab:gray")):
+        rates = [(b[key] - a[key]) / max(1, b["step"] - a["step"]) for a, b in zip(tables, tables[1:])]
+        if any(rates):
+            ax_churn.plot(steps[1:], rates, "o-", color=color, label=key)
+    ax_churn.set_ylabel("per step")
+    if ax_churn.get_legend_handles_labels()[0]:
+        ax_churn.legend()
+    hits = [(t["step"], 100 * t["hit_rate"]) for t in tables if t["hit_rate"] is not None]
+    if hits:
+        ax_hit.plot(*zip(*hits), "o-", color="tab:green")
+    ax_hit.set_ylabel("lookup hit rate (%)")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)

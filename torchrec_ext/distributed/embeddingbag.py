@@ -77,7 +77,10 @@ class ShardedDynamicEmbeddingBagCollection(
         return EmbeddingBagCollectionContext(sharding_contexts=[EmbeddingShardingContext()])
 
     def input_dist(self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor) -> KJTListSplitsAwaitable:
-        batch = check_and_arrange(features, self._plan, self._is_weighted, type(self).__name__, self._device)
+        # A variable batch size per feature: each feature's bags repeated into the full batch, as
+        # routing sends one batch of every feature (the output is what TorchRec's expansion gives).
+        batch = check_and_arrange(features, self._plan, self._is_weighted, type(self).__name__, self._device,
+                                  variable_batch="expand")
         routed, _ = route_ids(self._plan.embedding_names, batch.ids, batch.lengths, batch.weights, self._slot_owner,
                               batch.batch_size, self._world_size)
         ctx.divisor = self._mean_divisor(batch.lengths, batch.batch_size)

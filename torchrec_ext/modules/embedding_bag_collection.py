@@ -10,7 +10,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_ext.modules.base import DynamicCollectionMixin, PooledLookupFunction
 from torchrec_ext.modules.configs import check_tables
-from torchrec_ext.modules.features import check_and_arrange
+from torchrec_ext.modules.features import check_and_arrange, expand_pooled
 
 
 class DynamicEmbeddingBagCollection(DynamicCollectionMixin, EmbeddingBagCollectionInterface):
@@ -56,12 +56,15 @@ class DynamicEmbeddingBagCollection(DynamicCollectionMixin, EmbeddingBagCollecti
             features = weighted_features
         if isinstance(features, torch.fx.Proxy):  # symbolic tracing: a leaf
             return self._traced_call(features, KeyedTensor)
-        batch = check_and_arrange(features, self._plan, self._is_weighted, type(self).__name__, self.device)
+        batch = check_and_arrange(features, self._plan, self._is_weighted, type(self).__name__, self.device,
+                                  variable_batch="pool")
         if self.device.type == "meta":  # shapes only, as TorchRec's module on meta
             pooled = torch.empty(batch.batch_size, self._plan.total_dim, device=self.device)
         else:
             lookup = self._lookup_rows(batch)
             pooled = PooledLookupFunction.apply(self, lookup, batch, *self._differentiable_params())
+        if batch.expand is not None:  # a variable batch size per feature
+            pooled = expand_pooled(pooled, batch.expand, self._plan)
         return KeyedTensor(keys=self._plan.embedding_names, length_per_key=self._plan.dims, values=pooled, key_dim=1)
 
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:

@@ -56,7 +56,8 @@ class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInte
         # not know; an EmbeddingCollection reads no weights (TorchRec gives its own EC only features).
         if isinstance(features, torch.fx.Proxy):  # symbolic tracing: a leaf
             return self._traced_call(features, dict)
-        batch = check_and_arrange(features, self._plan, False, type(self).__name__, self.device)
+        batch = check_and_arrange(features, self._plan, False, type(self).__name__, self.device,
+                                  variable_batch="pool")
         if self.device.type == "meta":  # shapes only, as TorchRec's module on meta
             vectors = torch.empty(batch.ids.numel(), self._embedding_dim, device=self.device)
             counts = batch.value_counts
@@ -67,6 +68,8 @@ class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInte
         per_feature = torch.split(vectors, counts)
         ids = torch.split(batch.ids, counts)
         lengths = batch.lengths.view(len(counts), batch.batch_size)
+        if batch.feature_bags is not None:  # a variable batch size per feature: each its own bags, as in TorchRec
+            lengths = [lengths[i, :n] for i, n in enumerate(batch.feature_bags)]
         return {
             name: JaggedTensor(values=per_feature[i], lengths=lengths[i],
                                weights=ids[i] if self._need_indices else None)

@@ -71,14 +71,24 @@ class LookupInput:
     feature_value_offsets: Tensor  # where each lookup feature's ids start, [num_features + 1]
     batch_size: int
     value_counts: List[int] = field(default_factory=list)  # ids per lookup feature (host side)
+    # A KJT with a variable batch size per feature, looked up at its own strides (each feature's
+    # bags padded with empty ones to the largest): feature_bags[i] bags of lookup feature i are
+    # real, and row b of its pooled output is pooled row expand[i, b].
+    expand: Optional[Tensor] = None
+    feature_bags: Optional[List[int]] = None
 
 
 def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, where: str,
-                      device: Optional[torch.device] = None) -> LookupInput:
+                      device: Optional[torch.device] = None, variable_batch: Optional[str] = None) -> LookupInput:
     """Validates ``features`` (raising before any table is touched) and arranges its ids.
 
     device: where the tables are; the KJT must be there too (not checked for meta tables,
     which compute shapes only). Meta ids (shape inference) are not checked by value.
+    variable_batch: what a KJT with a variable batch size per feature (TorchRec's VBE:
+    ``stride_per_key_per_rank`` and ``inverse_indices``) becomes: None refuses it; "pool" pools
+    each feature's bags as given and says how to expand the pooled rows (``LookupInput.expand``,
+    as TorchRec's EmbeddingBagCollection expands them); "expand" repeats each feature's bags
+    into the full batch first (for routing, which needs one batch size).
     """
     if not isinstance(features, KeyedJaggedTensor):
         raise TypeError(f"{where}: features must be a KeyedJaggedTensor, got {type(features).__name__}")
@@ -90,7 +100,8 @@ def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, whe
     missing = sorted(set(plan.features) - set(keys))
     if missing:
         raise ValueError(f"{where}: KJT lacks the features {missing} that the tables read")
-    if features.variable_stride_per_key():
+    variable = features.variable_stride_per_key()
+    if variable and variable_batch is None:
         raise ValueError(f"{where}: KJTs with a variable batch size per feature are not supported")
     values = features.values()
     if values.dtype not in _ID_DTYPES:
@@ -102,10 +113,16 @@ def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, whe
                    weights=features.weights_or_none() if is_weighted else None)
     if lengths.dtype not in _ID_DTYPES or lengths.is_floating_point():
         raise TypeError(f"{where}: KJT lengths must be integers, got {lengths.dtype}")
-    batch_size = features.stride()
-    if lengths.numel() != len(keys) * batch_size:
-        raise ValueError(f"{where}: KJT lengths must have num_keys * batch_size = {len(keys) * batch_size} "
-                         f"entries, got {lengths.numel()}")
+    if variable:
+        strides, inverse = _variable_batch(features, where)
+        if lengths.numel() != sum(strides):
+            raise ValueError(f"{where}: KJT lengths must have one entry per bag, sum(stride_per_key) = "
+                             f"{sum(strides)}, got {lengths.numel()}")
+    else:
+        batch_size = features.stride()
+        if lengths.numel() != len(keys) * batch_size:
+            raise ValueError(f"{where}: KJT lengths must have num_keys * batch_size = {len(keys) * batch_size} "
+                             f"entries, got {lengths.numel()}")
     if torch.compiler.is_compiling():
         # torch.export / compile: values are symbolic, so these checks become the program's runtime asserts.
         if lengths.numel():
@@ -132,7 +149,13 @@ def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, whe
     key_start = dict(zip(keys, features.offset_per_key()))
     key_index = {k: i for i, k in enumerate(keys)}
     value_counts = [per_key[key_index[f]] for f in plan.features]
-    if list(keys) == plan.features:
+    expand = feature_bags = None
+    if variable:
+        feature_bags = [strides[key_index[f]] for f in plan.features]
+        ids, arranged_lengths, arranged_weights, value_counts, batch_size, expand = _arrange_variable_batch(
+            values, lengths, weights, plan, key_index, key_start, value_counts, strides, inverse,
+            variable_batch == "expand")
+    elif list(keys) == plan.features:
         ids, arranged_lengths, arranged_weights = values, lengths, weights
     else:  # the read features' ids in lookup order; other keys' ids are left out
         order = torch.tensor([key_index[f] for f in plan.features], dtype=torch.int64, device=lengths.device)
@@ -152,7 +175,80 @@ def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, whe
     feature_value_offsets = torch.tensor([0] + value_counts, dtype=torch.int64).cumsum(0)
     return LookupInput(ids.to(torch.int64), arranged_lengths, arranged_weights,
                        segment_offsets.to(values.device), feature_value_offsets.to(values.device), batch_size,
-                       value_counts)
+                       value_counts, expand, feature_bags)
+
+
+def _variable_batch(features: KeyedJaggedTensor, where: str) -> Tuple[List[int], Tensor]:
+    """(bags of each key, inverse indices [num_keys, batch]) of a KJT with a variable batch size
+    per feature, checked: row b of key k's output is its bag inverse[k, b]."""
+    strides = [int(s) for s in features.stride_per_key()]
+    found = features.inverse_indices_or_none()
+    if found is None:
+        raise ValueError(f"{where}: a KJT with a variable batch size per feature needs inverse_indices (which "
+                         "of its bags each sample reads), got none")
+    inverse_keys, inverse = found
+    if list(inverse_keys) != list(features.keys()):
+        raise ValueError(f"{where}: KJT inverse_indices must name the KJT's keys {list(features.keys())} in order, "
+                         f"got {list(inverse_keys)}")
+    if inverse.dim() != 2 or inverse.shape[0] != len(strides) or inverse.is_floating_point():
+        raise ValueError(f"{where}: KJT inverse_indices must be an integer tensor [num_keys = {len(strides)}, "
+                         f"batch_size], got {inverse.dtype} of shape {tuple(inverse.shape)}")
+    if inverse.numel() and not inverse.is_meta:
+        limit = torch.tensor(strides, device=inverse.device).unsqueeze(1)
+        if bool(((inverse < 0) | (inverse >= limit)).any()):
+            bad = int(((inverse < 0) | (inverse >= limit)).any(1).int().argmax())
+            raise ValueError(f"{where}: KJT inverse_indices of key {features.keys()[bad]!r} must lie in "
+                             f"[0, {strides[bad]}) (its bags), got values in [{int(inverse[bad].min())}, "
+                             f"{int(inverse[bad].max())}]")
+    return strides, inverse.to(torch.int64)
+
+
+def _arrange_variable_batch(values: Tensor, lengths: Tensor, weights: Optional[Tensor], plan: LookupPlan,
+                            key_index: Dict[str, int], key_start: Dict[str, int], value_counts: List[int],
+                            strides: List[int], inverse: Tensor, expand_bags: bool):
+    """The read features' ids in lookup order, each feature's bags either repeated into the full
+    batch (``expand_bags``) or as given, padded with empty bags to the largest stride (the pooled
+    rows then expand as ``expand`` says). Returns (ids, lengths, weights, value_counts,
+    batch_size, expand)."""
+    bag_start = [0]
+    for s in strides:
+        bag_start.append(bag_start[-1] + s)
+    batch = inverse.shape[1]
+    width = max((strides[key_index[f]] for f in plan.features), default=0)
+    ids, lens, wts, counts = [], [], [], []
+    for f, n in zip(plan.features, value_counts):
+        k = key_index[f]
+        bags = lengths[bag_start[k]:bag_start[k] + strides[k]]
+        v = values[key_start[f]:key_start[f] + n]
+        w = None if weights is None else weights[key_start[f]:key_start[f] + n]
+        if expand_bags:
+            picked = bags.index_select(0, inverse[k])
+            first = (torch.cumsum(bags, 0) - bags).index_select(0, inverse[k])  # where each picked bag starts
+            out_start = torch.cumsum(picked, 0) - picked
+            total = int(picked.sum()) if picked.numel() else 0
+            at = torch.repeat_interleave(first - out_start, picked, output_size=total) + torch.arange(
+                total, device=values.device)
+            v, w, bags = v.index_select(0, at), None if w is None else w.index_select(0, at), picked
+        else:
+            bags = torch.cat([bags, bags.new_zeros(width - strides[k])])
+        ids.append(v)
+        lens.append(bags)
+        wts.append(w)
+        counts.append(v.numel())
+    expand = None if expand_bags else inverse[[key_index[f] for f in plan.features]]
+    return (_cat(ids, values), _cat(lens, lengths), None if weights is None else _cat(wts, weights), counts,
+            batch if expand_bags else width, expand)
+
+
+def _cat(parts: List[Tensor], like: Tensor) -> Tensor:
+    return torch.cat(parts) if parts else like[:0]
+
+
+def expand_pooled(pooled: Tensor, expand: Tensor, plan: LookupPlan) -> Tensor:
+    """[batch, total_dim] from rows pooled at each feature's own batch size: lookup feature i's
+    columns of row b are its pooled row expand[i, b] (TorchRec's VBE expansion)."""
+    return torch.cat([pooled[:, c:c + d].index_select(0, expand[i]) for i, (c, d) in enumerate(zip(plan.cols, plan.dims))],
+                     dim=1) if plan.dims else pooled.new_zeros(expand.shape[1], 0)
 
 
 def _gather_spans(t: Tensor, spans: Sequence[Tuple[int, int]]) -> Tensor:

@@ -117,6 +117,7 @@ def build(args: argparse.Namespace, rt: Runtime, run_dir: str) -> Run:
             embedding_dim=args.embedding_dim,
             capacity=args.capacity,
             eviction_policy=args.eviction,
+            fallback_rows=args.fallback_rows,
             dense_arch=tuple(args.dense_arch),
             over_arch=tuple(args.over_arch),
             dcn_layers=args.dcn_layers,

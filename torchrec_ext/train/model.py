@@ -24,6 +24,7 @@ class ModelConfig:
     embedding_dim: int = 16
     capacity: int = 100_000  # rows per table
     eviction_policy: str = "lru"
+    fallback_rows: int | None = None  # learned fallback rows per table (None: ids without a row read zeros)
     dense_arch: Sequence[int] = (64,)  # hidden sizes; the last layer outputs embedding_dim
     over_arch: Sequence[int] = (128, 64)  # hidden sizes; then 1 logit
     dcn_layers: int = 2
@@ -42,6 +43,7 @@ def build_model(cfg: ModelConfig) -> DLRMTrain:
             num_embeddings=cfg.capacity,
             feature_names=[feature],
             eviction_policy=cfg.eviction_policy,
+            fallback_rows=cfg.fallback_rows,
             seed=cfg.seed,
         )
         for feature in DEFAULT_CAT_NAMES

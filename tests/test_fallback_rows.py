@@ -391,6 +391,16 @@ def _sharded_equals_unsharded(rank, world_size, sharding, optimizer, root):
     reference = DynamicEmbeddingBagCollection(_sharded_configs(), optimizer=optimizer, optimizer_kwargs={"lr": LR})
     dmp = _sharded(world_size, sharding, optimizer)
     _train_both(rank, world_size, dmp, reference, 4)
+    # Eval reads the fallback rows too (never-seen ids included), on the rank each id routes to.
+    dmp.eval()
+    reference.eval()
+    kjts = [_rank_batch(1000 + r, r) for r in range(world_size)]
+    with torch.no_grad():
+        torch.testing.assert_close(dmp(kjts[rank]).values(),
+                                   reference(_global_batch(kjts)).values()[rank * BATCH:(rank + 1) * BATCH],
+                                   rtol=1e-5, atol=1e-5)
+    dmp.train()
+    reference.train()
     # Every rank's copy of the fallback rows (and their state) equals the unsharded table's.
     got, want = _fallback_state(dmp.state_dict()), _fallback_state(reference.state_dict())
     assert set(got) == set(want) and len(want) == (4 if optimizer == "adagrad" else 2)
@@ -479,3 +489,60 @@ def test_planner_counts_the_fallback_rows_and_their_state():
             cfg = module.embedding_bag_configs()[0]
             assert dynamic_table_bytes(300, DIM, "adam", parts=parts, admission=cfg,
                                        element_bytes=element_bytes) == module.storage_bytes()
+
+
+@pytest.mark.parametrize("optimizer,dtype", [("sgd", "FP32"), ("adam", "FP16"), ("rowwise_adagrad", "BF16"),
+                                             ("ftrl", "FP32"), ("adamw", "FP32")])
+def test_replicated_fallback_step_on_one_rank_equals_the_fused_step(optimizer, dtype):
+    """The sharded path (fallback gradients summed apart, then stepped) with a one-rank sum
+    trains exactly as the plain fused update: two tables of other dims, pooled sum and mean."""
+    from torchrec.modules.embedding_configs import DataType
+
+    kwargs = {"lr": LR} if optimizer != "ftrl" else {"lr": LR, "initial_accumulator_value": 0.1}
+
+    def make():
+        cfgs = [DynamicEmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=64, feature_names=[f],
+                                          fallback_rows=k, admission="counter", admit_after=2, pooling=p,
+                                          data_type=getattr(DataType, dtype))
+                for n, d, f, k, p in (("a", 4, "f", 3, PoolingType.SUM), ("b", 8, "g", 2, PoolingType.MEAN))]
+        return DynamicEmbeddingBagCollection(cfgs, optimizer=optimizer, optimizer_kwargs=kwargs)
+
+    plain, split = make(), make()
+    split._tables.replicated_fallback = ([0, 1], lambda tensor: None)  # what a one-rank all_reduce does
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(3):
+        lengths = torch.randint(0, 4, (2 * 5,), generator=gen)
+        values = torch.tensor(POOL)[torch.randint(0, len(POOL), (int(lengths.sum()),), generator=gen)]
+        kjt = KeyedJaggedTensor(keys=["f", "g"], values=values, lengths=lengths)
+        grad_out = torch.randn(5, 12, generator=gen)
+        for m in (plain, split):
+            (m(kjt).values() * grad_out).sum().backward()
+    for t in range(2):
+        assert plain._tables.fallback_view(t).abs().sum() > 0
+        torch.testing.assert_close(split._tables.fallback_view(t), plain._tables.fallback_view(t), rtol=0, atol=1e-6)
+    want = plain.state_dict()
+    for key, value in split.state_dict().items():
+        torch.testing.assert_close(value, want[key], rtol=0, atol=1e-6, msg=key)
+
+
+def test_replicated_fallback_step_of_a_sequence_collection_equals_the_fused_step():
+    def make():
+        cfgs = [DynamicEmbeddingConfig(name=n, embedding_dim=DIM, num_embeddings=64, feature_names=[f], fallback_rows=k,
+                                       admission="counter", admit_after=2) for n, f, k in (("a", "f", 3), ("b", "g", 2))]
+        return DynamicEmbeddingCollection(cfgs, optimizer="adagrad", optimizer_kwargs={"lr": LR})
+
+    plain, split = make(), make()
+    split._tables.replicated_fallback = ([0, 1], lambda tensor: None)
+    gen = torch.Generator().manual_seed(12)
+    for _ in range(3):
+        lengths = torch.randint(0, 4, (2 * 5,), generator=gen)
+        values = torch.tensor(POOL)[torch.randint(0, len(POOL), (int(lengths.sum()),), generator=gen)]
+        kjt = KeyedJaggedTensor(keys=["f", "g"], values=values, lengths=lengths)
+        grad_out = torch.randn(int(lengths.sum()), DIM, generator=gen)
+        for m in (plain, split):
+            out = m(kjt)
+            (torch.cat([out["f"].values(), out["g"].values()]) * grad_out).sum().backward()
+    want = plain.state_dict()
+    assert want["embeddings.a.fallback_weight"].abs().sum() > 0
+    for key, value in split.state_dict().items():
+        torch.testing.assert_close(value, want[key], rtol=0, atol=1e-6, msg=key)

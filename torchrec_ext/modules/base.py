@@ -49,7 +49,8 @@ class DynamicTable(nn.Module):
 
     def extra_repr(self) -> str:
         m = self._tables.meta[self._index]
-        return f"capacity={m.capacity}, dim={m.dim}, policy={m.policy!r}, dtype={m.dtype}"
+        fallback = f", fallback_rows={m.fallback_rows}" if m.fallback_rows else ""
+        return f"capacity={m.capacity}, dim={m.dim}, policy={m.policy!r}, dtype={m.dtype}{fallback}"
 
     def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
         for key, value in self._tables.table_state(self._index).items():

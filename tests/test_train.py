@@ -138,6 +138,7 @@ def test_resumed_run_ends_exactly_like_the_uninterrupted_one(tmp_path):
         (["--eval-seed", "0"], "--eval-seed must differ from --seed"),
         (["--dense-arch", "64,x"], "expected comma-separated layer sizes"),
         (["--pipeline", "fast"], "invalid choice: 'fast'"),
+        (["--fallback-rows", "0"], "--fallback-rows must be >= 1, got 0"),
     ],
 )
 def test_bad_arguments_are_clear_errors(args, message, capsys):

@@ -443,28 +443,37 @@ class DynamicTables:
         the fused update steps each unique row once: (unique_rows, unique_table, inverse,
         unique_ids) after the merge, the id of a fallback row being its slot (stochastic
         rounding draws its bits per row, whichever ids read it). ``new.unique_new`` follows."""
-        capacity, count, seed = self._on_device()[5][unique_table].unbind(1)
-        which = ((unique_rows < 0) & (count > 0)).nonzero().squeeze(1)
+        layout = self._on_device()[5]
+        which = ((unique_rows < 0) & (layout[:, 1].index_select(0, unique_table) > 0)).nonzero().squeeze(1)
         if which.numel() == 0:
             return unique_rows, unique_table, inverse, unique
-        slot = fallback_slots(unique[which], seed[which], count[which])
+        table = unique_table.index_select(0, which)
+        capacity, count, seed = layout.index_select(0, table).unbind(1)
+        slot = fallback_slots(unique.index_select(0, which), seed, count)
         rows, ids = unique_rows.clone(), unique.clone()
-        rows[which] = capacity[which] + slot
+        rows[which] = capacity + slot
         ids[which] = slot
-        # Each unique reading a fallback row is represented by the first one reading that row.
-        groups, group = torch.unique(unique_table[which] * self._fallback_max + slot, return_inverse=True)
-        if groups.numel() == which.numel():  # every fallback row read by one unique: nothing to merge
+        # Each unique reading a fallback row is represented by the first one reading that row:
+        # found by a scatter over every (table, fallback row) when those are few, else by a sort.
+        n, code = unique.numel(), table * self._fallback_max + slot
+        if len(self.meta) * self._fallback_max <= 4 * which.numel() + (1 << 16):
+            first = torch.full((len(self.meta) * self._fallback_max,), n, dtype=torch.int64, device=which.device)
+            first = first.scatter_reduce_(0, code, which, "amin")[code]
+        else:
+            groups, group = torch.unique(code, return_inverse=True)
+            first = torch.full((groups.numel(),), n, dtype=torch.int64, device=which.device)
+            first = first.scatter_reduce_(0, group, which, "amin")[group]
+        if bool((first == which).all()):  # every fallback row read by one unique: nothing to merge
             return rows, unique_table, inverse, ids
-        n = unique.numel()
-        first = torch.full((groups.numel(),), n, dtype=torch.int64, device=which.device)
-        first.scatter_reduce_(0, group, which, "amin")
         rep = torch.arange(n, device=which.device)
-        rep[which] = first[group]
+        rep[which] = first
         keep = rep == torch.arange(n, device=which.device)
         position = keep.cumsum(0) - 1  # tables stay in order: a representative precedes its merged uniques
+        kept = keep.nonzero().squeeze(1)
         if new is not None:
-            new.unique_new = new.unique_new[keep]  # fallback rows are never new: only re-indexed
-        return rows[keep], unique_table[keep], position[rep][inverse], ids[keep]
+            new.unique_new = new.unique_new.index_select(0, kept)  # fallback rows are never new: only re-indexed
+        return (rows.index_select(0, kept), unique_table.index_select(0, kept),
+                position.index_select(0, rep).index_select(0, inverse), ids.index_select(0, kept))
 
     def write_new_rows(self) -> None:
         """Writes the pending new rows of the last training lookup (initial vectors, initial

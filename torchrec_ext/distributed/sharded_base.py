@@ -127,7 +127,8 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
                 # Every rank holds a copy of a row-wise table's fallback rows (an id reads its slot
                 # on the rank it routes to); their gradients are summed over the ranks before each
                 # step, so the copies stay equal to the unsharded table's rows.
-                local._tables.replicated_fallback = (replicated, functools.partial(dist.all_reduce, group=env.process_group))
+                all_reduce = functools.partial(dist.all_reduce, group=env.process_group)
+                local._tables.replicated_fallback = (replicated, all_reduce)
         setattr(self, container, getattr(self._local, container) if self._local is not None else nn.ModuleDict())
         self._input_dists = nn.ModuleList([RoutedInputDist(env.process_group, len(self._plan.embedding_names),
                                                            self._world_size)])

@@ -250,7 +250,8 @@ class ShardedDynamicState:
                                                                    else (cfg.embedding_dim,)), torch.float32
             here = collective_device(self._env.process_group, device)
             tensor = mine[name].to(here) if owner == self._rank else torch.empty(shape, dtype=dtype, device=here)
-            dist.broadcast(tensor, src=dist.get_global_rank(self._env.process_group, owner), group=self._env.process_group)
+            pg = self._env.process_group
+            dist.broadcast(tensor, src=dist.get_global_rank(pg, owner), group=pg)
             out[base + name] = tensor.to(device)
         return out
 

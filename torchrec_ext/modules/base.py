@@ -114,7 +114,8 @@ def load_tables(tables: DynamicTables, prefixes: Dict[int, str], state_dict: Map
     for t, prefix in prefixes.items():
         expected = tables.state_keys(t)
         mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        ignored = [] if tables.optimizer is not None else [k for k in mine if k.startswith(("optimizer.", "fallback_optimizer."))]
+        ignored = [] if tables.optimizer is not None else \
+            [k for k in mine if k.startswith(("optimizer.", "fallback_optimizer."))]
         missing = [k for k in expected if k not in mine and k != "row"]
         unexpected = [k for k in mine if k not in expected and k not in ignored]
         missing_keys.extend(prefix + k for k in missing)

@@ -16,11 +16,12 @@ The layout is safetensors' (readable by any safetensors reader, or by hand):
     [rest]     the tensors' bytes, little-endian, C order, back to back in header order
 
 The "delta" string: {"format_version": 1, "since": {"stream", "version"}, "token": {...},
-"source": {"module", "tables": {name: {"dim", "dtype"}}, ...}, "tables": {name: {"n", "m",
-"optimizer": [state names], "scores": bool[, "fallback": k, "fallback_optimizer": [names]]}}}. ``sha256`` is the SHA-256 of the "delta" string's
-UTF-8 bytes followed by the data section; the tensor entries are checked against the "delta"
-string (names, counts, dims), so every byte of the file is covered. A reader refuses a file
-whose digest, sizes or entries do not match (``DeltaError``: truncated or corrupted).
+"source": {"module", "tables": {name: {"dim", "dtype"[, "fallback_rows"]}}, ...}, "tables": {name:
+{"n", "m", "optimizer": [state names], "scores": bool[, "fallback": k, "fallback_optimizer": [state
+names]]}}}. ``sha256`` is the SHA-256 of the "delta" string's UTF-8 bytes followed by the data
+section; the tensor entries are checked against the "delta" string (names, counts, dims), so
+every byte of the file is covered. A reader refuses a file whose digest, sizes or entries do not
+match (``DeltaError``: truncated or corrupted).
 """
 
 from __future__ import annotations

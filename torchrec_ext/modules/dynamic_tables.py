@@ -13,6 +13,12 @@ unseen ones (evicting by the table's policy when full), initialises the rows of 
 function of seed, table and id) and clears their optimizer state. In eval nothing is inserted:
 unseen ids get row -1, which the kernels read as zeros.
 
+Fallback rows (a config's ``fallback_rows=K``): K rows of the table's storage after its capacity
+rows, which the index never hands out. A distinct id without a row (-1 above) reads row
+``capacity + reference.fallback_slots(id)`` instead, in training and eval; the distinct ids
+reading one fallback row are merged into one unique row of the lookup, so the fused update takes
+one step of that row on their summed gradient, with its own optimizer state, as for any row.
+
 On CPU, when a backward will follow, new rows are not written by the lookup: their initial
 vectors go to a small dense block (``NewRows``) that the lookup kernels read, and the fused
 update writes each one to its row with the row's first step. New ids are most of a batch's
@@ -44,6 +50,9 @@ from torchrec_ext.reference import (
 from torchrec_ext.table import CLOCK_LIMIT, EPOCH_LIMIT, INT_DTYPES, HashTable, check_counter, place_keys
 
 _SCORED_BY_COUNT = {"lfu", "epoch_lfu"}
+# SGD hyper-parameters (lr, eps, beta1, beta2, weight_decay, lr_decay) whose step on a zeroed row
+# leaves the row's summed gradient in it.
+_MINUS_ONE_SGD = (-1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 # Optimizer states that sum or average squared gradients: never negative (a square root is taken).
 _SQUARED_STATES = {("adagrad", "momentum1"), ("rowwise_adagrad", "momentum1"), ("adam", "momentum2"),
                    ("adamw", "momentum2"), ("ftrl", "accumulator")}
@@ -123,7 +132,7 @@ class _LoadedTable:
     warning: Optional[str]                # said once the load is applied (entries that did not fit)
     dtype_warning: Optional[str] = None   # said once the load is applied (vectors converted to the table's dtype)
     fallback: Optional[Tensor] = None     # the fallback rows (None: not saved, initial values: zeros)
-    fallback_states: Dict[str, Optional[Tensor]] = None  # their optimizer state per name (None: initial values)
+    fallback_states: Optional[Dict[str, Optional[Tensor]]] = None  # their optimizer state (None: initial values)
 
 
 def _checked(where: str, key: str, value: object, kind: str, shape: Optional[Tuple[int, ...]],
@@ -646,11 +655,12 @@ class DynamicTables:
         table = lookup.unique_table
         replicated = (lookup.unique_rows >= capacity[table]) & flags[table]
         local = torch.where(replicated, lookup.unique_rows - capacity[table], -1)
-        buffer = torch.zeros(words + sum(self.meta[t].fallback_rows for t in tables), dtype=torch.float32, device=device)
+        reads = sum(self.meta[t].fallback_rows for t in tables)
+        buffer = torch.zeros(words + reads, dtype=torch.float32, device=device)
         ops.fused_update(
             grad, buffer[:words], [], torch.tensor(word_starts, dtype=torch.int64, device=device), self.layout()[1],
             torch.zeros(len(self.meta), dtype=torch.int64, device=device), local, table, lookup.inverse, offsets,
-            per_sample_weights, feature_col, feature_mean, batch_size, OPTIMIZERS["sgd"], (-1.0, 0.0, 0.0, 0.0, 0.0, 0.0), 1,
+            per_sample_weights, feature_col, feature_mean, batch_size, OPTIMIZERS["sgd"], _MINUS_ONE_SGD, 1,
         )
         read = replicated.nonzero().squeeze(1)
         starts = torch.tensor(row_starts, dtype=torch.int64, device=device)
@@ -891,11 +901,16 @@ class DynamicTables:
             self.last_seen[t][rows] = table.last_seen
         if table.admission is not None:
             self.admission[t] = table.admission
-        if m.fallback_rows:
-            self.fallback_view(t).copy_(table.fallback) if table.fallback is not None else self.fallback_view(t).zero_()
+        if m.fallback_rows:  # what was not saved starts over: zero rows, initial optimizer state
+            if table.fallback is not None:
+                self.fallback_view(t).copy_(table.fallback)
+            else:
+                self.fallback_view(t).zero_()
             for (key, view), fill in zip(self.state_views(t, fallback=True).items(), self._initial_state_values()):
-                value = table.fallback_states[key]
-                view.copy_(value) if value is not None else view.fill_(fill)
+                if table.fallback_states[key] is not None:
+                    view.copy_(table.fallback_states[key])
+                else:
+                    view.fill_(fill)
 
     # ------------------------------------------------------------------ accounting
 

@@ -112,6 +112,7 @@ def test_resumed_run_ends_exactly_like_the_uninterrupted_one(tmp_path):
         (["--admission", "counter", "--bloom-fpr", "0.01"], "--bloom-fpr applies to --admission bloom"),
         (["--data-type", "fp16", "--embedding-dim", "1"], "needs embedding_dim >= 2"),
         (["--round-to-nearest"], "--round-to-nearest applies to --data-type fp16 or bf16"),
+        (["--fallback-rows", "0"], "--fallback-rows must be >= 1, got 0"),
     ],
 )
 def test_bad_arguments_are_clear_errors(args, message, capsys):

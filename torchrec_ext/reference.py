@@ -379,6 +379,23 @@ def rounding_seed(table_seed: int) -> int:
     return h - (1 << 64) if h >> 63 else h
 
 
+FALLBACK_GOLDEN = 0x8CB92BA72F3D8DD7  # the fallback-row hash's constant (neither the bucket's nor the route's)
+
+
+def fallback_seed(table_seed: int) -> int:
+    """A table's fallback-row hash seed (as int64): from the table seed, so the choice of
+    fallback row is a stream of its own, independent of the bucket hash (``fmix64(id ^ GOLDEN)``)
+    and of the routing hash (unseeded), and the same for every shard of the table."""
+    h = _fmix64((table_seed ^ FALLBACK_GOLDEN) & _MASK64)
+    return h - (1 << 64) if h >> 63 else h
+
+
+def fallback_slots(ids: Tensor, seeds: Tensor, num_rows: Tensor) -> Tensor:
+    """Which of its table's ``num_rows`` fallback rows each id reads: ``fmix64(id ^ seed) >> 1``
+    modulo num_rows (``seeds``: ``fallback_seed`` of each id's table; both broadcast with ids)."""
+    return _srl(fmix64_tensor(ids.to(torch.int64) ^ seeds), 1) % num_rows
+
+
 def rounding_bits(ids: Tensor, dim: int, seed: int, step: int) -> Tensor:
     """[n, dim] int64 in [0, 2^16): the random bits stochastic rounding adds to element d of the
     row of each id at optimizer step ``step``, for a table whose rounding seed is ``seed``:

@@ -4,6 +4,10 @@ As a source, each rank exports its own share: its local module's delta, a stream
 (``delta_token()`` gives this rank's token; a replica follows one token per source rank). As a
 replica, at any world size, each rank applies every share of the source, keeping the rows it
 owns (``route(id) == rank`` for row-wise tables, all or none for table-wise ones).
+
+Fallback rows: every rank holds an equal copy of a row-wise table's, so only rank 0's share
+carries them (a replica following the ranks' streams in any interleaving never takes an older
+copy over a newer one); every replica rank keeps them whole.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ class ShardedDeltaMixin:
     ) -> Delta:
         """This rank's share of the delta since ``since`` (this rank's token)."""
         delta = self._delta_local("export_delta").export_delta(since, include_optimizer_state, include_scores)
+        if self._rank != 0:
+            for name, table in delta.tables.items():
+                if self._owners[name] < 0:  # rank 0 exports the copy every rank holds
+                    table.fallback_slots, table.fallback_weights, table.fallback_optimizer = None, None, {}
         delta.source.update(module=type(self).__name__, rank=self._rank, world_size=self._world_size)
         return delta
 
@@ -66,6 +74,9 @@ class ShardedDeltaMixin:
                 tombstones=table.tombstones[gone],
                 optimizer={k: v[keep] for k, v in table.optimizer.items()},
                 scores=None if table.scores is None else table.scores[keep],
+                fallback_slots=table.fallback_slots,
+                fallback_weights=table.fallback_weights,
+                fallback_optimizer=table.fallback_optimizer,
             )
         local.apply_delta(
             Delta(

@@ -102,13 +102,14 @@ def dynamic_table_bytes(capacity: int, dim: int, optimizer_kind: Optional[str], 
     module holding that share. ``admission``: the table's options, whose admission strategy is
     counted; without them, ``admit_after`` > 1 means the counter of ``admission_capacity`` ids.
     ``element_bytes``: of the table's data_type (4 FP32, 2 FP16/BF16)."""
+    if admission is None:
+        admission = DynamicTableOptions(admit_after=admit_after, admission_capacity=admission_capacity)
     rows = local_capacity(capacity, parts)
-    total = 4 * -(-rows * dim * element_bytes // 4) + rows * optimizer_state_bytes_per_row(optimizer_kind, dim)
+    stored = rows + (admission.fallback_rows or 0)  # every shard holds the table's fallback rows
+    total = 4 * -(-stored * dim * element_bytes // 4) + stored * optimizer_state_bytes_per_row(optimizer_kind, dim)
     total += INDEX_BYTES_PER_SLOT * _index_slots(rows)
     if ttl:
         total += TTL_BYTES_PER_ROW * rows
-    if admission is None:
-        admission = DynamicTableOptions(admit_after=admit_after, admission_capacity=admission_capacity)
     return total + admission_bytes(admission, admission.admission_strategy, capacity, parts)
 
 

@@ -8,9 +8,11 @@ module ("embedding_bags.<table>.*" / "embeddings.<table>.*").
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import PoolingType
@@ -75,6 +77,7 @@ def _local_config(cfg, share: int, feature_names: List[str], pooled: bool, stoch
         name=cfg.name, embedding_dim=cfg.embedding_dim, num_embeddings=local_capacity(cfg.num_embeddings, share),
         feature_names=feature_names, eviction_policy=opts.eviction_policy, initializer=init,
         ttl_steps=opts.ttl_steps, seed=opts.seed, **local_admission_fields(opts, cfg.num_embeddings, share),
+        fallback_rows=opts.fallback_rows,
         data_type=cfg.data_type,
         stochastic_rounding=opts.stochastic_rounding if stochastic_rounding is None else stochastic_rounding,
     )
@@ -102,9 +105,11 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
         self._owners = check_plan(type(self).__name__, configs, table_name_to_parameter_sharding, self._world_size)
         self._plan = LookupPlan.of(configs)
         self._slot_owner = [self._owners[configs[t].name] for t in self._plan.tables]
-        local_configs = []
+        local_configs, replicated = [], []
         for t, cfg in enumerate(configs):
             owner = self._owners[cfg.name]
+            if owner < 0 and options_of(cfg).fallback_rows:
+                replicated.append(len(local_configs))
             if owner < 0 or owner == self._rank:
                 slots = [self._plan.embedding_names[i] for i, tt in enumerate(self._plan.tables) if tt == t]
                 local_configs.append(_local_config(cfg, 1 if owner >= 0 else self._world_size, slots, pooled,
@@ -118,6 +123,12 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
             local = type(module)(local_configs, device=self._device, optimizer=spec.kind,
                                  optimizer_kwargs=spec.torch_kwargs(), **local_kwargs)
             object.__setattr__(self, "_local", local)
+            if replicated and self._world_size > 1:
+                # Every rank holds a copy of a row-wise table's fallback rows (an id reads its slot
+                # on the rank it routes to); their gradients are summed over the ranks before each
+                # step, so the copies stay equal to the unsharded table's rows.
+                all_reduce = functools.partial(dist.all_reduce, group=env.process_group)
+                local._tables.replicated_fallback = (replicated, all_reduce)
         setattr(self, container, getattr(self._local, container) if self._local is not None else nn.ModuleDict())
         self._input_dists = nn.ModuleList([RoutedInputDist(env.process_group, len(self._plan.embedding_names),
                                                            self._world_size)])

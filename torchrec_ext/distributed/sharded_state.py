@@ -225,9 +225,35 @@ class ShardedDynamicState:
                 tensor = mine.get("admission_bloom", torch.empty(0, nbytes, dtype=torch.uint8))
                 state_dict[base + "admission_bloom"] = sharded_rows(tensor, [c[6 * len(configs) + i] for c in counts],
                                                                     rank, pg, devices)
+            if opts.fallback_rows:
+                state_dict.update(module._fallback_state(cfg, base, mine, counters_device))
             first = 2 * len(configs) + 4 * i
             state_dict[base + "counters"] = torch.tensor([max(c[first + j] for c in counts) for j in range(4)],
                                                          dtype=torch.int64, device=counters_device)
+
+    def _fallback_state(self, cfg, base: str, mine: Dict[str, Tensor], device: torch.device) -> Dict[str, Tensor]:
+        """A table's fallback rows and their optimizer state: plain tensors, the same on every
+        rank (a replicated tensor to DCP, as counters). A row-wise table's ranks each hold an equal
+        copy; a table-wise table's owner sends its rows to the others (collective)."""
+        names = ["fallback_weight"] + [f"fallback_{k}" for k in row_keys(1, self._optimizer_kind, False)
+                                       if k.startswith("optimizer.")]
+        owner = self._owners[cfg.name]
+        out = {}
+        for name in names:
+            if owner < 0:
+                out[base + name] = mine[name]
+                continue
+            if name == "fallback_weight":
+                shape, dtype = (options_of(cfg).fallback_rows, cfg.embedding_dim), storage_dtype_of(cfg)
+            else:
+                shape, dtype = (options_of(cfg).fallback_rows,) + (() if self._optimizer_kind in ROWWISE_STATE
+                                                                   else (cfg.embedding_dim,)), torch.float32
+            here = collective_device(self._env.process_group, device)
+            tensor = mine[name].to(here) if owner == self._rank else torch.empty(shape, dtype=dtype, device=here)
+            pg = self._env.process_group
+            dist.broadcast(tensor, src=dist.get_global_rank(pg, owner), group=pg)
+            out[base + name] = tensor.to(device)
+        return out
 
     def _local_filters(self, filters, owner: int) -> Tensor:
         """A Bloom admission checkpoint [filters, bytes] for this rank: its own filter when saved
@@ -274,6 +300,8 @@ class ShardedDynamicState:
                     state_dict[k] = local_rows(state_dict[k], pending_mine)
                 elif name == "admission_bloom":
                     state_dict[k] = self._local_filters(state_dict[k], owner)
+                elif name.startswith("fallback_"):
+                    pass  # the table's fallback rows: every rank holding it takes them whole
                 else:
                     state_dict[k] = local_rows(state_dict[k], mine)
             if not same_layout:

@@ -46,10 +46,11 @@ def model_table_stats(model: nn.Module, reduce: bool = True, group=None) -> Dict
 
 
 def summarize(stats: Dict[str, TableStats]) -> Optional[Dict[str, float]]:
-    """Totals over tables for a progress line: occupancy, evictions, rejections, refused, hit rate."""
+    """Totals over tables for a progress line: occupancy, evictions, rejections, refused, fallback
+    reads, hit rate."""
     if not stats:
         return None
     total = merge_table_stats([{"all": s} for s in stats.values()])["all"]
     return {"occupancy": total.load_factor, "evictions": total.evictions, "rejections": total.admission_rejections,
             "refused": total.refused, "hit_rate": total.hit_rate, "inserts": total.inserts,
-            "ttl_expiries": total.ttl_expiries}
+            "ttl_expiries": total.ttl_expiries, "fallback_reads": total.fallback_reads}

@@ -49,7 +49,8 @@ class DynamicTable(nn.Module):
 
     def extra_repr(self) -> str:
         m = self._tables.meta[self._index]
-        return f"capacity={m.capacity}, dim={m.dim}, policy={m.policy!r}, dtype={m.dtype}"
+        fallback = f", fallback_rows={m.fallback_rows}" if m.fallback_rows else ""
+        return f"capacity={m.capacity}, dim={m.dim}, policy={m.policy!r}, dtype={m.dtype}{fallback}"
 
     def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
         for key, value in self._tables.table_state(self._index).items():
@@ -113,7 +114,8 @@ def load_tables(tables: DynamicTables, prefixes: Dict[int, str], state_dict: Map
     for t, prefix in prefixes.items():
         expected = tables.state_keys(t)
         mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        ignored = [] if tables.optimizer is not None else [k for k in mine if k.startswith("optimizer.")]
+        ignored = [] if tables.optimizer is not None else \
+            [k for k in mine if k.startswith(("optimizer.", "fallback_optimizer."))]
         missing = [k for k in expected if k not in mine and k != "row"]
         unexpected = [k for k in mine if k not in expected and k not in ignored]
         missing_keys.extend(prefix + k for k in missing)

@@ -99,6 +99,12 @@ class DynamicTableOptions:
     bloom_hashes: ``bloom``: counters per id (None: the fewest reaching the target, or the best for
         the budget); a row-wise shard keeps its table's, so filters fold and tile across world sizes.
     ttl_steps: rows unseen for more than this many training steps are evicted (None: never).
+    fallback_rows: K >= 1 shared rows that ids without a row of their own (not admitted, refused
+        by a full table, evicted or expired, unseen in eval) read instead of zeros: an id reads
+        row ``reference.fallback_slots`` (a hash of the id, independent of the bucket and routing
+        hashes) of K. They start at zero and train with the fused optimizer like any row (their own
+        optimizer state); checkpoints hold them (``fallback_weight``, ``fallback_optimizer.*``).
+        None: no fallback rows (such ids read zeros and learn nothing).
     seed: with the table name, fixes every id's initial vector (and the rounding bits below).
     stochastic_rounding: how the fused update writes FP16 / BF16 rows (``data_type``): rounded
         stochastically (True, as fbgemm does; unbiased, a pure function of seed, table, id,
@@ -117,6 +123,7 @@ class DynamicTableOptions:
     bloom_decay_steps: Optional[int] = None
     bloom_hashes: Optional[int] = None
     ttl_steps: Optional[int] = None
+    fallback_rows: Optional[int] = None
     seed: int = 0
     stochastic_rounding: bool = True
 
@@ -136,6 +143,7 @@ class DynamicTableOptions:
             raise ValueError(f"{name}: admission_capacity must be an int >= 1 or None, got {self.admission_capacity!r}")
         if self.ttl_steps is not None and (not _is_int(self.ttl_steps) or self.ttl_steps < 1):
             raise ValueError(f"{name}: ttl_steps must be an int >= 1 or None, got {self.ttl_steps!r}")
+        check_fallback_rows(self.fallback_rows, f"{name}: table {getattr(self, 'name', None)!r}")
         if not _is_int(self.seed):
             raise TypeError(f"{name}: seed must be an int, got {self.seed!r}")
         if not isinstance(self.stochastic_rounding, bool):
@@ -146,6 +154,12 @@ class DynamicTableOptions:
     def admission_strategy(self) -> Optional[str]:
         """The admission in force: ``admission``, or ``"counter"`` when only admit_after > 1 is given."""
         return self.admission if self.admission is not None else ("counter" if self.admit_after > 1 else None)
+
+
+def check_fallback_rows(value: object, where: str) -> None:
+    """Raises unless ``value`` is None or an int >= 1 (a table's ``fallback_rows``)."""
+    if value is not None and (not _is_int(value) or value < 1):
+        raise ValueError(f"{where} fallback_rows must be an int >= 1 (or None: no fallback rows), got {value!r}")
 
 
 def _is_int(x: object) -> bool:
@@ -305,6 +319,8 @@ def _check_table(config: object, expected: type, module: str) -> None:
     if not config.name:
         raise ValueError(f"{module}: every table needs a name, got {config!r}")
     _check_shape_fields(config, f"{module}: table {config.name!r}")
+    # Checked again here: a config's fields may have been changed since it was built.
+    check_fallback_rows(options_of(config).fallback_rows, f"{module}: table {config.name!r}")
     if config.data_type not in STORAGE_DATA_TYPES:
         raise ValueError(f"{module}: table {config.name!r} data_type must be one of "
                          f"{[d.name for d in STORAGE_DATA_TYPES]} (a trainable dynamic table stores its vectors in "

@@ -10,15 +10,18 @@ The layout is safetensors' (readable by any safetensors reader, or by hand):
                 "<table>/weights":    {"dtype": "F32" | "F16" | "BF16", "shape": [n, dim], ...},
                 "<table>/tombstones": {"dtype": "I64", "shape": [m], ...},
                 "<table>/scores":     {"dtype": "I64", "shape": [n], ...}                  (optional)
-                "<table>/optimizer.<state>": {"dtype": "F32", "shape": [n, dim] or [n], ...} (optional)}
+                "<table>/optimizer.<state>": {"dtype": "F32", "shape": [n, dim] or [n], ...} (optional)
+                "<table>/fallback_slots", "<table>/fallback_weights" [k, dim], "<table>/fallback_optimizer.<state>"
+                                      (tables with fallback rows: the ones written since)}
     [rest]     the tensors' bytes, little-endian, C order, back to back in header order
 
 The "delta" string: {"format_version": 1, "since": {"stream", "version"}, "token": {...},
-"source": {"module", "tables": {name: {"dim", "dtype"}}, ...}, "tables": {name: {"n", "m",
-"optimizer": [state names], "scores": bool}}}. ``sha256`` is the SHA-256 of the "delta" string's
-UTF-8 bytes followed by the data section; the tensor entries are checked against the "delta"
-string (names, counts, dims), so every byte of the file is covered. A reader refuses a file
-whose digest, sizes or entries do not match (``DeltaError``: truncated or corrupted).
+"source": {"module", "tables": {name: {"dim", "dtype"[, "fallback_rows"]}}, ...}, "tables": {name:
+{"n", "m", "optimizer": [state names], "scores": bool[, "fallback": k, "fallback_optimizer": [state
+names]]}}}. ``sha256`` is the SHA-256 of the "delta" string's UTF-8 bytes followed by the data
+section; the tensor entries are checked against the "delta" string (names, counts, dims), so
+every byte of the file is covered. A reader refuses a file whose digest, sizes or entries do not
+match (``DeltaError``: truncated or corrupted).
 """
 
 from __future__ import annotations
@@ -50,6 +53,12 @@ def _entries(delta: Delta) -> list[tuple[str, Tensor]]:
         if table.scores is not None:
             out.append((f"{name}/scores", table.scores))
         out += [(f"{name}/optimizer.{key}", value) for key, value in table.optimizer.items()]
+        if table.fallback_slots is not None:
+            out += [
+                (f"{name}/fallback_slots", table.fallback_slots),
+                (f"{name}/fallback_weights", table.fallback_weights),
+            ]
+            out += [(f"{name}/fallback_optimizer.{key}", value) for key, value in table.fallback_optimizer.items()]
     return out
 
 
@@ -67,6 +76,11 @@ def _description(delta: Delta) -> str:
                     "optimizer": list(t.optimizer),
                     "scores": t.scores is not None,
                 }
+                | (
+                    {}
+                    if t.fallback_slots is None
+                    else {"fallback": int(t.fallback_slots.numel()), "fallback_optimizer": list(t.fallback_optimizer)}
+                )
                 for name, t in delta.tables.items()
             },
         },
@@ -189,6 +203,17 @@ def _build(info: dict[str, object], header: dict[str, dict[str, object]], data: 
             if entry["dtype"] not in ("F32", "F16", "BF16"):
                 raise ValueError(f"{name}/optimizer.{key} has dtype {entry['dtype']}, not a float")
             table.optimizer[key] = tensor(f"{name}/optimizer.{key}", entry["dtype"], [n] + list(entry["shape"][1:2]))
+        if "fallback" in t:
+            k = int(t["fallback"])
+            table.fallback_slots = tensor(f"{name}/fallback_slots", "I64", [k])
+            table.fallback_weights = tensor(f"{name}/fallback_weights", code, [k, dim])
+            for key in t["fallback_optimizer"]:
+                entry = header[f"{name}/fallback_optimizer.{key}"]
+                if entry["dtype"] != "F32":
+                    raise ValueError(f"{name}/fallback_optimizer.{key} has dtype {entry['dtype']}, not F32")
+                table.fallback_optimizer[key] = tensor(
+                    f"{name}/fallback_optimizer.{key}", "F32", [k] + list(entry["shape"][1:2])
+                )
         tables[name] = table
     if header:
         raise ValueError(f"entries not in the description: {sorted(header)}")

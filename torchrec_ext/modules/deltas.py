@@ -61,13 +61,18 @@ class DeltaToken:
 class TableDelta:
     """One table's change: ``ids`` int64 [n] with their ``weights`` [n, dim] (storage dtype),
     optionally ``optimizer`` state per name ([n, dim] or [n]) and ``scores`` int64 [n]; and
-    ``tombstones`` int64 [m], ids no longer live (each id once over ``ids`` and ``tombstones``)."""
+    ``tombstones`` int64 [m], ids no longer live (each id once over ``ids`` and ``tombstones``).
+    A table with fallback rows adds the ones written since: ``fallback_slots`` int64 [k] (distinct,
+    in [0, fallback_rows)), their ``fallback_weights`` [k, dim] and ``fallback_optimizer`` state."""
 
     ids: Tensor
     weights: Tensor
     tombstones: Tensor
     optimizer: dict[str, Tensor] = field(default_factory=dict)
     scores: Tensor | None = None
+    fallback_slots: Tensor | None = None
+    fallback_weights: Tensor | None = None
+    fallback_optimizer: dict[str, Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -96,7 +101,7 @@ class DeltaLog:
         self.stream = uuid.uuid4().hex
         self.current = 1  # the version stamped on writes now; every token issued is < current
         self.floor = 0  # tokens older than this were released: their tombstones are gone
-        total = sum(m.capacity for m in tables.meta)
+        total = sum(m.rows for m in tables.meta)  # fallback rows included: their writes are versioned too
         self.max_tombstones = max_tombstones or max(2 * total, DEFAULT_MIN_TOMBSTONES)
         self.row_starts = tables.state_row_offsets.to(tables.device)
         # 0: written before tracking. One extra slot at the end takes the stamps of rows -1 (none),
@@ -110,10 +115,12 @@ class DeltaLog:
         if self.version.device != device:  # the module moved
             self.version, self.row_starts = self.version.to(device), self.row_starts.to(device)
 
-    def table_versions(self, tables: DynamicTables, t: int) -> Tensor:
+    def table_versions(self, tables: DynamicTables, t: int, fallback: bool = False) -> Tensor:
+        """Versions of table t's rows (fallback: of its fallback rows)."""
         self._on(tables.device)
-        start = int(tables.state_row_offsets[t])
-        return self.version[start : start + tables.meta[t].capacity]
+        m = tables.meta[t]
+        start = int(tables.state_row_offsets[t]) + (m.capacity if fallback else 0)
+        return self.version[start : start + (m.fallback_rows if fallback else m.capacity)]
 
     # ------------------------------------------------------------------ hooks (DynamicTables)
 
@@ -238,6 +245,14 @@ def export_delta(
             table.optimizer = {name: view.index_select(0, rows) for name, view in tables.state_views(t).items()}
         if include_scores:
             table.scores = scores[live]
+        if m.fallback_rows:
+            slots = (log.table_versions(tables, t, fallback=True) > since.version).nonzero().squeeze(1)
+            table.fallback_slots = slots
+            table.fallback_weights = tables.fallback_view(t).index_select(0, slots)
+            if include_optimizer_state:
+                table.fallback_optimizer = {
+                    name: view.index_select(0, slots) for name, view in tables.state_views(t, fallback=True).items()
+                }
         out[m.name] = table
     return Delta(since=since, token=log.token(), source=describe(tables, module_name), tables=out)
 
@@ -246,7 +261,9 @@ def describe(tables: DynamicTables, module_name: str) -> dict[str, object]:
     return {
         "module": module_name,
         "tables": {
-            m.name: {"dim": m.dim, "dtype": dtype_name(tables.table_view(t).dtype)} for t, m in enumerate(tables.meta)
+            m.name: {"dim": m.dim, "dtype": dtype_name(tables.table_view(t).dtype)}
+            | ({"fallback_rows": m.fallback_rows} if m.fallback_rows else {})
+            for t, m in enumerate(tables.meta)
         },
     }
 
@@ -318,6 +335,11 @@ def check_delta(tables: DynamicTables, followed: dict[str, DeltaToken], delta: o
                 f"{where}: table {name!r} of the delta's source has dim {info.get('dim')} dtype "
                 f"{info.get('dtype')}, this module's has dim {m.dim} dtype {dtype_name(view.dtype)}"
             )
+        if info.get("fallback_rows", 0) != m.fallback_rows:
+            raise DeltaError(
+                f"{where}: table {name!r} of the delta's source has fallback_rows {info.get('fallback_rows')}, "
+                f"this module's has {m.fallback_rows or None}"
+            )
         check_table_delta(tables, t, table, f"{where}: table {name!r}")
 
 
@@ -345,6 +367,28 @@ def check_table_delta(tables: DynamicTables, t: int, table: TableDelta, name: st
             _checked(name, f"optimizer.{key}", value, "float", (ids.numel(),) + tuple(states[key].shape[1:]), ids)
     # One sort: every id once, among ids and tombstones together (an id is live or removed).
     _check_distinct(name, "ids and tombstones (each id once: live or removed)", torch.cat([ids, table.tombstones]))
+    if table.fallback_slots is not None:
+        m = tables.meta[t]
+        slots = _checked(name, "fallback_slots", table.fallback_slots, "int", None)
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= m.fallback_rows):
+            raise DeltaError(f"{name} fallback_slots must be in [0, {m.fallback_rows}), got {slots.tolist()}")
+        _check_distinct(name, "fallback_slots", slots)
+        if not isinstance(table.fallback_weights, Tensor) or table.fallback_weights.dtype != view.dtype:
+            raise DeltaError(
+                f"{name} fallback_weights must be a {dtype_name(view.dtype)} tensor (this module's storage), "
+                f"got {getattr(table.fallback_weights, 'dtype', type(table.fallback_weights).__name__)}"
+            )
+        _checked(name, "fallback_weights", table.fallback_weights, "float", (slots.numel(), view.shape[1]))
+        fallback_states = tables.state_views(t, fallback=True)
+        for key, value in table.fallback_optimizer.items():
+            if key in fallback_states:
+                _checked(
+                    name,
+                    f"fallback_optimizer.{key}",
+                    value,
+                    "float",
+                    (slots.numel(),) + tuple(fallback_states[key].shape[1:]),
+                )
 
 
 def apply_delta(tables: DynamicTables, followed: dict[str, DeltaToken], delta: Delta) -> None:
@@ -384,9 +428,18 @@ def apply_delta(tables: DynamicTables, followed: dict[str, DeltaToken], delta: D
                 view[rows[p.inserted]] = fill
         if m.ttl_steps is not None:
             tables.last_seen[p.t][rows] = tables.train_step
+        slots = p.table.fallback_slots
+        if slots is not None and slots.numel():
+            slots = slots.to(device)
+            tables.fallback_view(p.t)[slots] = p.table.fallback_weights.to(device)
+            for key, view in tables.state_views(p.t, fallback=True).items():
+                if key in p.table.fallback_optimizer:
+                    view[slots] = p.table.fallback_optimizer[key].to(device, view.dtype)
         if tables.delta_log is not None:  # a replica may itself be a source
             tables.delta_log.removed(p.t, p.table.tombstones.to(device))
             tables.delta_log.written(p.t, rows)
+            if slots is not None and slots.numel():
+                tables.delta_log.written(p.t, m.capacity + slots)
     followed[delta.since.stream] = delta.token
 
 

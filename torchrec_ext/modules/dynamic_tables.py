@@ -13,6 +13,12 @@ unseen ones (evicting by the table's policy when full), initialises the rows of 
 function of seed, table and id) and clears their optimizer state. In eval nothing is inserted:
 unseen ids get row -1, which the kernels read as zeros.
 
+Fallback rows (a config's ``fallback_rows=K``): K rows of the table's storage after its capacity
+rows, which the index never hands out. A distinct id without a row (-1 above) reads row
+``capacity + reference.fallback_slots(id)`` instead, in training and eval; the distinct ids
+reading one fallback row are merged into one unique row of the lookup, so the fused update takes
+one step of that row on their summed gradient, with its own optimizer state, as for any row.
+
 On CPU, when a backward will follow, new rows are not written by the lookup: their initial
 vectors go to a small dense block (``NewRows``) that the lookup kernels read, and the fused
 update writes each one to its row with the row's first step. New ids are most of a batch's
@@ -38,11 +44,15 @@ from torchrec_ext.modules.configs import initializer_of, options_of, storage_dty
 from torchrec_ext.modules.fused_optimizer import OptimizerSpec
 from torchrec_ext.modules.table_stats import MAX_AGE_BINS, TableCounters, TableStats
 from torchrec_ext.reference import (
-    OPTIMIZER_STATES, ROWWISE_STATE, dense_state_offsets, dtype_code, rounding_seed, table_seed, table_words,
+    OPTIMIZER_STATES, OPTIMIZERS, ROWWISE_STATE, dense_state_offsets, dtype_code, fallback_seed, fallback_slots,
+    rounding_seed, table_seed, table_words,
 )
 from torchrec_ext.table import CLOCK_LIMIT, EPOCH_LIMIT, INT_DTYPES, HashTable, check_counter, place_keys
 
 _SCORED_BY_COUNT = {"lfu", "epoch_lfu"}
+# SGD hyper-parameters (lr, eps, beta1, beta2, weight_decay, lr_decay) whose step on a zeroed row
+# leaves the row's summed gradient in it.
+_MINUS_ONE_SGD = (-1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 # Optimizer states that sum or average squared gradients: never negative (a square root is taken).
 _SQUARED_STATES = {("adagrad", "momentum1"), ("rowwise_adagrad", "momentum1"), ("adam", "momentum2"),
                    ("adamw", "momentum2"), ("ftrl", "accumulator")}
@@ -98,6 +108,13 @@ class _TableMeta:
     ttl_steps: Optional[int]
     dtype: torch.dtype = torch.float32  # storage dtype of the vectors
     rounding_seed: int = 0              # stochastic rounding of half rows: the stream's seed; 0: to nearest
+    fallback_rows: int = 0              # K shared rows after the capacity rows (0: none)
+    fallback_seed: int = 0              # the fallback-row hash's seed
+
+    @property
+    def rows(self) -> int:
+        """Rows of storage: the index's capacity rows, then the fallback rows."""
+        return self.capacity + self.fallback_rows
 
 
 @dataclass
@@ -114,6 +131,8 @@ class _LoadedTable:
     optimizer_step: int
     warning: Optional[str]                # said once the load is applied (entries that did not fit)
     dtype_warning: Optional[str] = None   # said once the load is applied (vectors converted to the table's dtype)
+    fallback: Optional[Tensor] = None     # the fallback rows (None: not saved, initial values: zeros)
+    fallback_states: Optional[Dict[str, Optional[Tensor]]] = None  # their optimizer state (None: initial values)
 
 
 def _checked(where: str, key: str, value: object, kind: str, shape: Optional[Tuple[int, ...]],
@@ -193,24 +212,36 @@ class DynamicTables:
                 admission=opts.admission_strategy, options=opts,
                 ttl_steps=opts.ttl_steps, dtype=dtype,
                 rounding_seed=rounding_seed(seed) if dtype != torch.float32 and opts.stochastic_rounding else 0,
+                fallback_rows=opts.fallback_rows or 0, fallback_seed=fallback_seed(seed),
             ))
-        sizes = [table_words(m.capacity, m.dim, m.dtype) for m in self.meta]
+        # Fallback rows are rows of their table's storage after its capacity rows: the kernels
+        # read, pool and step them as any row; only the index never hands them out.
+        sizes = [table_words(m.rows, m.dim, m.dtype) for m in self.meta]
         # Layout descriptors and counters live on the CPU (named explicitly, so that a module
         # built under ``with torch.device("meta")`` keeps them); layouts are copied to the
         # storage's device as needed.
         cpu = torch.device("cpu")
         starts = torch.tensor([0] + sizes[:-1], dtype=torch.int64, device=cpu).cumsum(0) if sizes \
             else torch.zeros(0, dtype=torch.int64, device=cpu)
-        row_starts = torch.tensor([0] + [m.capacity for m in self.meta][:-1], dtype=torch.int64, device=cpu).cumsum(0)
+        row_starts = torch.tensor([0] + [m.rows for m in self.meta][:-1], dtype=torch.int64, device=cpu).cumsum(0)
         self.table_offsets = starts
         self.state_row_offsets = row_starts
         self.table_dims = torch.tensor([m.dim for m in self.meta], dtype=torch.int64, device=cpu)
-        self.dense_state_offsets = dense_state_offsets([m.capacity for m in self.meta], [m.dim for m in self.meta])
+        self.dense_state_offsets = dense_state_offsets([m.rows for m in self.meta], [m.dim for m in self.meta])
         # The kernels' dtype arguments: None for an all-float32 module (the kernels' default).
         half = any(m.dtype != torch.float32 for m in self.meta)
         self.table_dtypes = torch.tensor([dtype_code(m.dtype) for m in self.meta], device=cpu) if half else None
         self.rounding_seeds = torch.tensor([m.rounding_seed for m in self.meta], device=cpu) \
             if any(m.rounding_seed for m in self.meta) else None
+        # Per table: capacity, fallback rows and fallback seed (None: no table has fallback rows).
+        self.fallback_layout = torch.tensor([[m.capacity, m.fallback_rows, m.fallback_seed] for m in self.meta],
+                                            dtype=torch.int64, device=cpu) \
+            if any(m.fallback_rows for m in self.meta) else None
+        # Set by a row-wise sharded module: (tables whose fallback rows every rank holds a copy of,
+        # all_reduce(tensor) summing over the ranks). Their gradients are summed over the ranks
+        # before the step, so every copy takes the unsharded table's step.
+        self.replicated_fallback: Optional[Tuple[List[int], object]] = None
+        self._fallback_max = max((m.fallback_rows for m in self.meta), default=0)
         self.weights = _allocate(sum(sizes), 0.0, device)
         self._init_views: Optional[list] = None
         self.optimizer: Optional[OptimizerSpec] = None
@@ -249,24 +280,33 @@ class DynamicTables:
 
     def table_view(self, t: int) -> Tensor:
         """Table t's [capacity, dim] rows, in its storage dtype (a view of the word buffer)."""
+        return self._storage_view(t)[:self.meta[t].capacity]
+
+    def fallback_view(self, t: int) -> Tensor:
+        """Table t's [fallback_rows, dim] fallback rows (after its capacity rows)."""
+        return self._storage_view(t)[self.meta[t].capacity:]
+
+    def _storage_view(self, t: int) -> Tensor:
         m = self.meta[t]
         start = int(self.table_offsets[t])
-        words = self.weights[start:start + table_words(m.capacity, m.dim, m.dtype)]
-        return words.view(m.dtype)[:m.capacity * m.dim].view(m.capacity, m.dim)
+        words = self.weights[start:start + table_words(m.rows, m.dim, m.dtype)]
+        return words.view(m.dtype)[:m.rows * m.dim].view(m.rows, m.dim)
 
-    def state_views(self, t: int) -> Dict[str, Tensor]:
-        """This table's optimizer state: [capacity, dim] per element-wise state, [capacity] row-wise."""
+    def state_views(self, t: int, fallback: bool = False) -> Dict[str, Tensor]:
+        """This table's optimizer state: [capacity, dim] per element-wise state, [capacity] row-wise
+        (fallback: the fallback rows' state, [fallback_rows, dim] / [fallback_rows])."""
         if self.optimizer is None:
             return {}
         m = self.meta[t]
+        first, count = (m.capacity, m.fallback_rows) if fallback else (0, m.capacity)
         views = {}
         for name, buf in zip(OPTIMIZER_STATES[self.optimizer.kind], self.states):
             if self.optimizer.kind in ROWWISE_STATE:
-                start = int(self.state_row_offsets[t])
-                views[name] = buf[start:start + m.capacity]
+                start = int(self.state_row_offsets[t]) + first
+                views[name] = buf[start:start + count]
             else:
-                start = self.dense_state_offsets[t]
-                views[name] = buf[start:start + m.capacity * m.dim].view(m.capacity, m.dim)
+                start = self.dense_state_offsets[t] + first * m.dim
+                views[name] = buf[start:start + count * m.dim].view(count, m.dim)
         return views
 
     def layout(self) -> Tuple[Tensor, Tensor, Tensor]:
@@ -275,13 +315,14 @@ class DynamicTables:
 
     def dtype_layout(self) -> Tuple[Optional[Tensor], Optional[Tensor]]:
         """(table_dtypes, rounding_seeds) on the storage's device, each None when not needed."""
-        return self._on_device()[3:]
+        return self._on_device()[3:5]
 
     def _on_device(self) -> Tuple[Optional[Tensor], ...]:
         dev = self.device
         if dev not in self._device_layout:
             self._device_layout[dev] = tuple(None if t is None else t.to(dev) for t in (
-                self.table_offsets, self.table_dims, self.state_row_offsets, self.table_dtypes, self.rounding_seeds))
+                self.table_offsets, self.table_dims, self.state_row_offsets, self.table_dtypes, self.rounding_seeds,
+                self.fallback_layout))
         return self._device_layout[dev]
 
     def set_optimizer(self, spec: OptimizerSpec) -> None:
@@ -291,7 +332,7 @@ class DynamicTables:
             self.optimizer = spec
             self._init_views = None  # the fill values may have changed
             return
-        size = sum(m.capacity * (1 if spec.kind in ROWWISE_STATE else m.dim) for m in self.meta)
+        size = sum(m.rows * (1 if spec.kind in ROWWISE_STATE else m.dim) for m in self.meta)
         self.optimizer = spec
         self.states = [_allocate(size, value, self.device) for value in self._initial_state_values()]
         self._init_views = None
@@ -312,6 +353,8 @@ class DynamicTables:
         if self.delta_log is not None:
             self.delta_log.replaced(self, range(len(self.meta)), [None] * len(self.meta))
         self._build_indexes()
+        for t in range(len(self.meta)):
+            self.fallback_view(t).zero_()
         if self.optimizer is not None:
             spec, self.optimizer = self.optimizer, None
             self.set_optimizer(spec)
@@ -391,12 +434,55 @@ class DynamicTables:
         unique_table = torch.repeat_interleave(table_of, unique_offsets[1:] - unique_offsets[:-1], output_size=unique.numel())
         if training and not exporting:
             self.counters.count_batch(unique_rows, inserted, unique_table, counts)
-        unique_ids = unique if self.rounding_seeds is not None else None
+        unique_ids = unique
+        if self.fallback_layout is not None:
+            unique_rows, unique_table, inverse, unique_ids = self._read_fallback(unique, unique_rows, unique_table,
+                                                                                 inverse, new)
+        unique_ids = unique_ids if self.rounding_seeds is not None else None
         if new is None:
             return RowLookup(unique_rows[inverse], unique_rows, unique_table, inverse, unique_ids=unique_ids)
         self._new_rows = new
         read_from = torch.where(new.unique_new >= 0, -2 - new.unique_new, unique_rows)
         return RowLookup(read_from[inverse], unique_rows, unique_table, inverse, new, unique_ids)
+
+    def _read_fallback(self, unique: Tensor, unique_rows: Tensor, unique_table: Tensor, inverse: Tensor,
+                       new: Optional[NewRows]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Unique ids without a row (-1) of tables with fallback rows read their fallback row
+        instead. The uniques reading one fallback row are merged into the first of them, since
+        the fused update steps each unique row once: (unique_rows, unique_table, inverse,
+        unique_ids) after the merge, the id of a fallback row being its slot (stochastic
+        rounding draws its bits per row, whichever ids read it). ``new.unique_new`` follows."""
+        layout = self._on_device()[5]
+        which = ((unique_rows < 0) & (layout[:, 1].index_select(0, unique_table) > 0)).nonzero().squeeze(1)
+        if which.numel() == 0:
+            return unique_rows, unique_table, inverse, unique
+        table = unique_table.index_select(0, which)
+        capacity, count, seed = layout.index_select(0, table).unbind(1)
+        slot = fallback_slots(unique.index_select(0, which), seed, count)
+        rows, ids = unique_rows.clone(), unique.clone()
+        rows[which] = capacity + slot
+        ids[which] = slot
+        # Each unique reading a fallback row is represented by the first one reading that row:
+        # found by a scatter over every (table, fallback row) when those are few, else by a sort.
+        n, code = unique.numel(), table * self._fallback_max + slot
+        if len(self.meta) * self._fallback_max <= 4 * which.numel() + (1 << 16):
+            first = torch.full((len(self.meta) * self._fallback_max,), n, dtype=torch.int64, device=which.device)
+            first = first.scatter_reduce_(0, code, which, "amin")[code]
+        else:
+            groups, group = torch.unique(code, return_inverse=True)
+            first = torch.full((groups.numel(),), n, dtype=torch.int64, device=which.device)
+            first = first.scatter_reduce_(0, group, which, "amin")[group]
+        if bool((first == which).all()):  # every fallback row read by one unique: nothing to merge
+            return rows, unique_table, inverse, ids
+        rep = torch.arange(n, device=which.device)
+        rep[which] = first
+        keep = rep == torch.arange(n, device=which.device)
+        position = keep.cumsum(0) - 1  # tables stay in order: a representative precedes its merged uniques
+        kept = keep.nonzero().squeeze(1)
+        if new is not None:
+            new.unique_new = new.unique_new.index_select(0, kept)  # fallback rows are never new: only re-indexed
+        return (rows.index_select(0, kept), unique_table.index_select(0, kept),
+                position.index_select(0, rep).index_select(0, inverse), ids.index_select(0, kept))
 
     def write_new_rows(self) -> None:
         """Writes the pending new rows of the last training lookup (initial vectors, initial
@@ -523,9 +609,14 @@ class DynamicTables:
         table_offsets, table_dims, state_row_offsets = self.layout()
         table_dtypes, rounding_seeds = self.dtype_layout()
         new = lookup.new if lookup.new is not None and not lookup.new.written else None
+        unique_rows, summed = lookup.unique_rows, None
+        if self.replicated_fallback is not None:  # those rows step below, on the ranks' summed gradient
+            replicated, summed = self._sum_replicated_fallback_gradients(
+                grad, lookup, offsets, per_sample_weights, feature_col, feature_mean, batch_size)
+            unique_rows = unique_rows.masked_fill(replicated, -1)
         ops.fused_update(
             grad, self.weights, self.states, table_offsets, table_dims, state_row_offsets,
-            lookup.unique_rows, lookup.unique_table, lookup.inverse, offsets, per_sample_weights,
+            unique_rows, lookup.unique_table, lookup.inverse, offsets, per_sample_weights,
             feature_col, feature_mean, batch_size, self.optimizer.kind_id, hyperparams, int(self.optimizer_step),
             *(((), None, ()) if new is None else (new.vectors, new.unique_new, self._initial_state_values())),
             table_dtypes=table_dtypes, unique_ids=lookup.unique_ids, rounding_seeds=rounding_seeds,
@@ -533,7 +624,75 @@ class DynamicTables:
         if new is not None:
             new.written = True
         if self.delta_log is not None:
-            self.delta_log.updated(lookup.unique_rows, lookup.unique_table)
+            self.delta_log.updated(unique_rows, lookup.unique_table)
+        if summed is not None:
+            self._step_replicated_fallback(summed, hyperparams)
+
+    def _replicated_fallback_layout(self) -> Tuple[List[int], List[int], int]:
+        """Where each table's fallback gradients go in the buffer the ranks sum: (word start,
+        row start of the read counts after the gradients, words of gradients); tables whose
+        fallback rows are not replicated take no room."""
+        tables = set(self.replicated_fallback[0])
+        rows = [m.fallback_rows if t in tables else 0 for t, m in enumerate(self.meta)]
+        words = [k * m.dim for k, m in zip(rows, self.meta)]
+        word_starts = [sum(words[:t]) for t in range(len(words))]
+        return word_starts, [sum(rows[:t]) for t in range(len(rows))], sum(words)
+
+    def _sum_replicated_fallback_gradients(self, grad: Tensor, lookup: RowLookup, offsets: Optional[Tensor],
+                                           per_sample_weights: Optional[Tensor], feature_col: Tensor,
+                                           feature_mean: Tensor, batch_size: int) -> Tuple[Tensor, Tensor]:
+        """Which uniques read a replicated fallback row, and the buffer holding, summed over the
+        ranks, each such row's gradient and how many ranks read it (0: it takes no step).
+
+        The gradients are the fused kernel's own sums: a plain SGD step of learning rate -1 on a
+        zeroed copy of those rows leaves each row's summed gradient in it."""
+        tables, all_reduce = self.replicated_fallback
+        word_starts, row_starts, words = self._replicated_fallback_layout()
+        device = self.device
+        flags = torch.zeros(len(self.meta), dtype=torch.bool, device=device)
+        flags[tables] = True
+        capacity = self._on_device()[5][:, 0]
+        table = lookup.unique_table
+        replicated = (lookup.unique_rows >= capacity[table]) & flags[table]
+        local = torch.where(replicated, lookup.unique_rows - capacity[table], -1)
+        reads = sum(self.meta[t].fallback_rows for t in tables)
+        buffer = torch.zeros(words + reads, dtype=torch.float32, device=device)
+        ops.fused_update(
+            grad, buffer[:words], [], torch.tensor(word_starts, dtype=torch.int64, device=device), self.layout()[1],
+            torch.zeros(len(self.meta), dtype=torch.int64, device=device), local, table, lookup.inverse, offsets,
+            per_sample_weights, feature_col, feature_mean, batch_size, OPTIMIZERS["sgd"], _MINUS_ONE_SGD, 1,
+        )
+        read = replicated.nonzero().squeeze(1)
+        starts = torch.tensor(row_starts, dtype=torch.int64, device=device)
+        buffer[words + starts[table[read]] + local[read]] = 1.0
+        all_reduce(buffer)
+        return replicated, buffer
+
+    def _step_replicated_fallback(self, summed: Tensor, hyperparams: Tuple[float, ...]) -> None:
+        """One optimizer step of each replicated fallback row some rank read, on the summed
+        gradient: every rank takes the same step, the one the unsharded table takes."""
+        table_offsets, table_dims, state_row_offsets = self.layout()
+        table_dtypes, rounding_seeds = self.dtype_layout()
+        word_starts, row_starts, words = self._replicated_fallback_layout()
+        device = self.device
+        for t in self.replicated_fallback[0]:
+            m = self.meta[t]
+            read = summed[words + row_starts[t]:words + row_starts[t] + m.fallback_rows].nonzero().squeeze(1)
+            if read.numel() == 0:
+                continue
+            grad = summed[word_starts[t]:word_starts[t] + m.fallback_rows * m.dim].view(m.fallback_rows, m.dim)[read]
+            rows, n = m.capacity + read, read.numel()
+            no_features = torch.zeros(0, dtype=torch.int64, device=device)
+            # A sequence-shaped update: gradient row i is fallback row read[i]'s whole gradient;
+            # its id for stochastic rounding is its slot, as in the unsharded lookup.
+            ops.fused_update(
+                grad, self.weights, self.states, table_offsets, table_dims, state_row_offsets, rows,
+                torch.full((n,), t, dtype=torch.int64, device=device), torch.arange(n, device=device), None, None,
+                no_features, no_features.bool(), 0, self.optimizer.kind_id, hyperparams, int(self.optimizer_step),
+                table_dtypes=table_dtypes, unique_ids=read, rounding_seeds=rounding_seeds,
+            )
+            if self.delta_log is not None:
+                self.delta_log.updated(rows, torch.full((n,), t, dtype=torch.int64, device=device))
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -560,6 +719,10 @@ class DynamicTables:
             out["last_seen"] = self.last_seen[t][rows].clone()
         if self.admission[t] is not None:
             out.update(self.admission[t].state())
+        if m.fallback_rows:
+            out["fallback_weight"] = self.fallback_view(t).clone()
+            for name, view in self.state_views(t, fallback=True).items():
+                out[f"fallback_optimizer.{name}"] = view.clone()
         return out
 
     def _shape_only_state(self, t: int) -> Dict[str, Tensor]:
@@ -580,6 +743,11 @@ class DynamicTables:
             elif key.startswith("optimizer."):
                 view = self.state_views(t)[key[len("optimizer."):]]
                 out[key] = torch.empty((0,) + tuple(view.shape[1:]), dtype=view.dtype, device=meta)
+            elif key == "fallback_weight":  # fixed size: the fallback rows themselves
+                out[key] = torch.empty(m.fallback_rows, m.dim, dtype=m.dtype, device=meta)
+            elif key.startswith("fallback_optimizer."):
+                view = self.state_views(t, fallback=True)[key[len("fallback_optimizer."):]]
+                out[key] = torch.empty(view.shape, dtype=view.dtype, device=meta)
             else:  # ids, scores, rows, last_seen, admission ids and counts
                 out[key] = torch.empty(0, dtype=torch.int64, device=meta)
         return out
@@ -590,6 +758,8 @@ class DynamicTables:
         keys += [f"optimizer.{name}" for name in self.state_views(t)]
         keys += ["last_seen"] if m.ttl_steps is not None else []
         keys += {"counter": ["admission_id", "admission_count"], "bloom": ["admission_bloom"]}.get(m.admission, [])
+        if m.fallback_rows:
+            keys += ["fallback_weight"] + [f"fallback_optimizer.{name}" for name in self.state_views(t)]
         return keys
 
     def load_states(self, states: Dict[int, Dict[str, Tensor]], where: str) -> None:
@@ -645,6 +815,7 @@ class DynamicTables:
                 raise ValueError(f"{name} last_seen must be in [0, training step {train_step}], got {int(last_seen[i])} "
                                  f"at entry {i} (weight_id {int(ids[i])})")
         admission = None if self.admission[t] is None else self.admission[t].checked_state(state, name)
+        fallback, fallback_states = self._checked_fallback(t, state, name)
 
         # Placement: the saved rows when valid at this capacity, else placed afresh.
         ids, scores = ids.to(device, torch.int64), scores.to(device, torch.int64)
@@ -678,7 +849,31 @@ class DynamicTables:
             states={k: None if v is None else pick(v.to(torch.float32)) for k, v in states.items()},
             last_seen=last_seen, admission=admission, train_step=train_step, optimizer_step=optimizer_step,
             warning=warning, dtype_warning=self._dtype_warning(t, vectors, ids, name),
+            fallback=fallback, fallback_states=fallback_states,
         )
+
+    def _checked_fallback(self, t: int, state: Dict[str, Tensor], name: str
+                          ) -> Tuple[Optional[Tensor], Dict[str, Optional[Tensor]]]:
+        """Table t's saved fallback rows and their optimizer state, checked and converted (None
+        where not saved)."""
+        m, device = self.meta[t], self.device
+        if not m.fallback_rows:
+            return None, {}
+        fallback = state.get("fallback_weight")
+        if fallback is not None:
+            fallback = _checked(name, "fallback_weight", fallback, "float", (m.fallback_rows, m.dim))
+            fallback = fallback.to(device, m.dtype)
+            if not bool(torch.isfinite(fallback.float().sum())):
+                raise ValueError(f"{name} fallback_weight holds values beyond the range of the table's data_type "
+                                 f"({m.dtype})")
+        states: Dict[str, Optional[Tensor]] = {}
+        for key, view in self.state_views(t, fallback=True).items():
+            value = state.get(f"fallback_optimizer.{key}")
+            if value is not None:
+                value = _checked(name, f"fallback_optimizer.{key}", value, "float", tuple(view.shape),
+                                 non_negative=(self.optimizer.kind, key) in _SQUARED_STATES).to(device, torch.float32)
+            states[key] = value
+        return fallback, states
 
     def _dtype_warning(self, t: int, vectors: Tensor, ids: Tensor, name: str) -> Optional[str]:
         """None when the checkpoint's vectors have table t's storage dtype; else what converting
@@ -706,6 +901,16 @@ class DynamicTables:
             self.last_seen[t][rows] = table.last_seen
         if table.admission is not None:
             self.admission[t] = table.admission
+        if m.fallback_rows:  # what was not saved starts over: zero rows, initial optimizer state
+            if table.fallback is not None:
+                self.fallback_view(t).copy_(table.fallback)
+            else:
+                self.fallback_view(t).zero_()
+            for (key, view), fill in zip(self.state_views(t, fallback=True).items(), self._initial_state_values()):
+                if table.fallback_states[key] is not None:
+                    view.copy_(table.fallback_states[key])
+                else:
+                    view.fill_(fill)
 
     # ------------------------------------------------------------------ accounting
 
@@ -729,4 +934,4 @@ class DynamicTables:
         if self.counters is None:  # on meta: nothing counted
             return {m.name: TableStats(capacity=m.capacity) for m in self.meta}
         return self.counters.stats([m.name for m in self.meta], [m.capacity for m in self.meta],
-                                   [index.size() for index in self.indexes])
+                                   [index.size() for index in self.indexes], [m.fallback_rows for m in self.meta])

@@ -36,6 +36,8 @@ class TableStats:
     after expiry or swept). admission_rejections: distinct ids of a batch the admission refused
     (counted once per batch they appear in). refused: distinct ids of a batch a full table
     refused a row (policy ``none``, or every slot of their buckets pinned by the batch).
+    fallback_reads: training id occurrences read from a fallback row (``fallback_rows``): those
+    of ids without a row (not admitted, refused); 0 for a table without fallback rows.
     evicted_ages: count of evicted rows per age in training steps since last read (the last
     bin holds the older ones), or None when the table keeps no last-read step (no ttl_steps).
     """
@@ -49,6 +51,7 @@ class TableStats:
     ttl_expiries: int = 0
     admission_rejections: int = 0
     refused: int = 0
+    fallback_reads: int = 0
     evicted_ages: Optional[List[int]] = field(default=None, repr=False)
 
     @property
@@ -141,7 +144,8 @@ class TableCounters:
             bins = self.ages[t].numel()
             self.ages[t] += torch.bincount(ages.clamp(0, bins - 1), minlength=bins)
 
-    def stats(self, names: List[str], capacities: List[int], live_rows: List[int]) -> Dict[str, TableStats]:
+    def stats(self, names: List[str], capacities: List[int], live_rows: List[int],
+              fallback_rows: List[int]) -> Dict[str, TableStats]:
         counts = self.counts.tolist()  # the one read of the device counters
         out = {}
         for t, name in enumerate(names):
@@ -151,7 +155,7 @@ class TableCounters:
                 live_rows=live_rows[t], capacity=capacities[t], lookups=sum(c[_OCCURRENCES:_OCCURRENCES + _CODES]),
                 hits=c[_OCCURRENCES + 1], inserts=c[_DISTINCT + 2], evictions=self.evictions[t],
                 ttl_expiries=c[_EXPIRED] + self.swept[t], admission_rejections=c[_REJECTED],
-                refused=no_row - c[_REJECTED],
+                refused=no_row - c[_REJECTED], fallback_reads=c[_OCCURRENCES] if fallback_rows[t] else 0,
                 evicted_ages=None if self.ages[t] is None else self.ages[t].tolist(),
             )
         return out

@@ -67,6 +67,8 @@ def table_options(args: argparse.Namespace) -> dict:
         options["admit_after"] = 2 if args.admit_after is None else args.admit_after
     if args.admission == "bloom":
         options["bloom_fpr"] = 0.01 if args.bloom_fpr is None else args.bloom_fpr
+    if args.fallback_rows is not None:
+        options["fallback_rows"] = args.fallback_rows
     if args.admission == "probabilistic":
         if args.admit_probability is None:
             raise ValueError("--admission probabilistic needs --admit-probability (in (0, 1])")
@@ -101,6 +103,8 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--embedding-dim", type=int, default=16)
     g.add_argument("--capacity", type=int, default=100_000, help="rows per dynamic table")
     g.add_argument("--eviction", default="lru", choices=("lru", "lfu", "epoch_lru", "epoch_lfu", "none"))
+    g.add_argument("--fallback-rows", type=int, default=None,
+                   help="K learned fallback rows per table, read by ids without a row (default: none, they read zeros)")
     g.add_argument("--dense-arch", type=_sizes, default=[64], help="dense arch hidden sizes (then embedding-dim)")
     g.add_argument("--over-arch", type=_sizes, default=[128, 64], help="over arch hidden sizes (then 1)")
     g.add_argument("--dcn-layers", type=int, default=2)
@@ -177,6 +181,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ):
         if getattr(args, name) < low:
             parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    if args.fallback_rows is not None and args.fallback_rows < 1:
+        parser.error(f"--fallback-rows must be >= 1, got {args.fallback_rows}")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     if not (math.isfinite(args.collective_timeout) and args.collective_timeout > 0):

@@ -266,7 +266,7 @@ def _log_tables(run: Run, step: int) -> None:
         hit = "n/a" if totals["hit_rate"] is None else f"{totals['hit_rate']:.1%}"
         run.log(f"step {step}: tables {totals['occupancy']:.1%} full, {totals['inserts']:,} inserts, "
                 f"{totals['evictions']:,} evictions, {totals['rejections']:,} admission rejections, "
-                f"{totals['refused']:,} refused, lookup hit rate {hit}")
+                f"{totals['refused']:,} refused, {totals['fallback_reads']:,} fallback reads, lookup hit rate {hit}")
 
 
 def summarize(run: Run, progress: Progress, wall_start: float) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from torchrec_ext.distributed.checkpoint import PendingCheckpoint, find_checkpoi
 
 # Arguments a resumed run must share with the checkpoint (they shape the model or its tables).
 MODEL_ARGS = ("embedding_dim", "capacity", "eviction", "dense_arch", "over_arch", "dcn_layers", "dcn_rank", "data_type",
-              "admission", "admit_after", "admit_probability", "bloom_fpr")
+              "admission", "admit_after", "admit_probability", "bloom_fpr", "fallback_rows")
 # Arguments that decide what the data stream yields at a given step: a change is allowed but warned about.
 STREAM_ARGS = ("data", "batch_size", "seed", "truth_seed")
 

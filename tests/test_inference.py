@@ -4,6 +4,7 @@ Oracles: the trained model in eval mode (float32 rows: bit for bit), TorchRec's 
 EmbeddingBagCollection holding the same rows (int8), the source module a replica follows through
 its deltas, and rows written whole (every element equal) that a torn read would show.
 """
+
 import json
 import os
 import subprocess
@@ -15,13 +16,15 @@ import torch
 from torch.export import Dim
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor, PoolingType
 from torchrec.models.dlrm import DLRM_DCN
-from torchrec.modules.embedding_configs import DataType
 from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
 
 from modules_helpers import remap_kjt
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, DynamicEmbeddingCollection
 from torchrec_ext.inference import (
-    InferenceEmbeddingBagCollection, InferenceEmbeddingCollection, convert_to_inference, load_inference_checkpoint,
+    InferenceEmbeddingBagCollection,
+    InferenceEmbeddingCollection,
+    convert_to_inference,
+    load_inference_checkpoint,
 )
 from torchrec_ext.modules import DeltaError
 from torchrec_ext.modules.deltas import Delta, DeltaToken, TableDelta
@@ -34,17 +37,25 @@ TOLERANCE = {torch.float16: dict(rtol=2e-3, atol=2e-3), "int8": dict(rtol=0.02, 
 def _tables(dim=8, capacity=128, cls=DynamicEmbeddingBagConfig, **kwargs):
     pooled = cls is DynamicEmbeddingBagConfig
     extra = [dict(pooling=PoolingType.SUM), dict(pooling=PoolingType.MEAN)] if pooled else [{}, {}]
-    return [cls(name="t0", embedding_dim=dim, num_embeddings=capacity, feature_names=["f0"], **extra[0], **kwargs),
-            cls(name="t1", embedding_dim=dim, num_embeddings=capacity, feature_names=["f1", "f2"], **extra[1],
-                **kwargs)]
+    return [
+        cls(name="t0", embedding_dim=dim, num_embeddings=capacity, feature_names=["f0"], **extra[0], **kwargs),
+        cls(name="t1", embedding_dim=dim, num_embeddings=capacity, feature_names=["f1", "f2"], **extra[1], **kwargs),
+    ]
 
 
 def _dlrm(capacity=128):
     torch.manual_seed(0)
-    ebc = DynamicEmbeddingBagCollection(_tables(capacity=capacity, eviction_policy="lru"), optimizer="adagrad",
-                                        optimizer_kwargs={"lr": 0.1})
-    return DLRM_DCN(embedding_bag_collection=ebc, dense_in_features=DENSE_IN, dense_arch_layer_sizes=[16, 8],
-                    over_arch_layer_sizes=[8, 1], dcn_num_layers=2, dcn_low_rank_dim=4)
+    ebc = DynamicEmbeddingBagCollection(
+        _tables(capacity=capacity, eviction_policy="lru"), optimizer="adagrad", optimizer_kwargs={"lr": 0.1}
+    )
+    return DLRM_DCN(
+        embedding_bag_collection=ebc,
+        dense_in_features=DENSE_IN,
+        dense_arch_layer_sizes=[16, 8],
+        over_arch_layer_sizes=[8, 1],
+        dcn_num_layers=2,
+        dcn_low_rank_dim=4,
+    )
 
 
 def _kjt(seed, batch, pool=300, max_len=4):
@@ -96,8 +107,9 @@ def test_served_dlrm_gives_the_trained_models_eval_outputs(data_type):
 @pytest.mark.parametrize("data_type", [None, "int8"], ids=["fp32", "int8"])
 def test_served_sequence_collection_gives_the_trained_outputs(data_type):
     torch.manual_seed(0)
-    ec = DynamicEmbeddingCollection(_tables(cls=EmbeddingConfig), optimizer="sgd", optimizer_kwargs={"lr": 0.5},
-                                    need_indices=True)
+    ec = DynamicEmbeddingCollection(
+        _tables(cls=EmbeddingConfig), optimizer="sgd", optimizer_kwargs={"lr": 0.5}, need_indices=True
+    )
     for step in range(4):
         sum(jt.values().sum() for jt in ec(_kjt(step, 16)).values()).backward()
     ec.eval()
@@ -125,15 +137,23 @@ def test_int8_rows_read_as_torchrecs_quantized_ebc_holding_the_same_rows():
         ids, vectors = sd[f"embedding_bags.{cfg.name}.weight_id"], sd[f"embedding_bags.{cfg.name}.weight"]
         maps[cfg.name] = {k: i for i, k in enumerate(ids.tolist())}
         float_ebc_rows[cfg.name] = torch.cat([vectors, torch.zeros(1, cfg.embedding_dim)])
-        configs.append(EmbeddingBagConfig(name=cfg.name, embedding_dim=cfg.embedding_dim, num_embeddings=ids.numel() + 1,
-                                          feature_names=list(cfg.feature_names), pooling=cfg.pooling))
+        configs.append(
+            EmbeddingBagConfig(
+                name=cfg.name,
+                embedding_dim=cfg.embedding_dim,
+                num_embeddings=ids.numel() + 1,
+                feature_names=list(cfg.feature_names),
+                pooling=cfg.pooling,
+            )
+        )
     float_ebc = EmbeddingBagCollection(configs)
     with torch.no_grad():
         for name, rows in float_ebc_rows.items():
             float_ebc.embedding_bags[name].weight.copy_(rows)
     float_ebc.qconfig = torch.quantization.QConfig(
         activation=torch.quantization.PlaceholderObserver,
-        weight=torch.quantization.PlaceholderObserver.with_args(dtype=torch.qint8))
+        weight=torch.quantization.PlaceholderObserver.with_args(dtype=torch.qint8),
+    )
     theirs = QuantEmbeddingBagCollection.from_float(float_ebc)
     feature_table = {"f0": "t0", "f1": "t1", "f2": "t1"}
     for seed in (3, 4, 60):
@@ -149,8 +169,9 @@ def test_unseen_ids_read_the_configured_default():
     model = _trained_dlrm()
     default = torch.arange(8, dtype=torch.float32)
     served = _ebc_of(convert_to_inference(model, defaults={"t0": default}))
-    unseen = KeyedJaggedTensor(keys=FEATURES, values=torch.tensor([1, 3, 5, 7]), lengths=torch.tensor([2, 1, 1]),
-                               stride=1)
+    unseen = KeyedJaggedTensor(
+        keys=FEATURES, values=torch.tensor([1, 3, 5, 7]), lengths=torch.tensor([2, 1, 1]), stride=1
+    )
     out = served(unseen).to_dict()
     torch.testing.assert_close(out["f0"][0], 2 * default)  # two unseen ids, summed
     assert torch.equal(out["f1"], torch.zeros(1, 8)) and torch.equal(out["f2"], torch.zeros(1, 8))
@@ -199,10 +220,16 @@ def test_a_state_or_checkpoint_of_another_model_is_refused_naming_the_table(tmp_
     with pytest.raises(ValueError, match=r"table 't0' capacity must be an int >= its"):
         convert_to_inference(model, capacity={"t0": 2})
     # A checkpoint of a model with other tables
-    other = DLRM_DCN(embedding_bag_collection=DynamicEmbeddingBagCollection(
-        [DynamicEmbeddingBagConfig(name="u0", embedding_dim=8, num_embeddings=16, feature_names=FEATURES)]),
-        dense_in_features=DENSE_IN, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[8, 1], dcn_num_layers=2,
-        dcn_low_rank_dim=4)
+    other = DLRM_DCN(
+        embedding_bag_collection=DynamicEmbeddingBagCollection(
+            [DynamicEmbeddingBagConfig(name="u0", embedding_dim=8, num_embeddings=16, feature_names=FEATURES)]
+        ),
+        dense_in_features=DENSE_IN,
+        dense_arch_layer_sizes=[16, 8],
+        over_arch_layer_sizes=[8, 1],
+        dcn_num_layers=2,
+        dcn_low_rank_dim=4,
+    )
     path = save_checkpoint(str(tmp_path), 1, {"model": other.state_dict()})
     with pytest.raises(ValueError, match=r"table 't0'.*not in checkpoint"):
         load_inference_checkpoint(path, _dlrm())
@@ -214,7 +241,7 @@ def test_a_serving_module_refuses_to_train():
     with pytest.raises(RuntimeError, match="InferenceEmbeddingBagCollection is read-only: it does not insert ids"):
         served(*_batch(1))
     with pytest.raises(RuntimeError, match="read-only: it has no optimizer"):
-        _ebc_of(served).fused_optimizer
+        _ = _ebc_of(served).fused_optimizer
     assert list(_ebc_of(served).parameters()) == []  # nothing for an optimizer to step
 
 
@@ -254,8 +281,9 @@ def test_exported_model_runs_after_load_in_a_fresh_process(tmp_path):
         torch.save({"inputs": inputs, "outputs": outputs}, name + ".io")
         names.append(name)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path))
-    done = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, *names], capture_output=True, text=True, env=env,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", _FRESH_PROCESS, *names], capture_output=True, text=True, env=env, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [True] * 6
 
@@ -289,16 +317,24 @@ def test_a_serving_replica_follows_the_training_source_through_its_deltas():
 
 def _constant_delta(since, table, ids, values, dim, dtype="float32", tombstones=None):
     weights = values.to(torch.float32).unsqueeze(1).expand(ids.numel(), dim).contiguous()
-    return Delta(since=DeltaToken("src", since), token=DeltaToken("src", since + 1),
-                 source={"module": "DynamicEmbeddingBagCollection", "tables": {table: {"dim": dim, "dtype": dtype}}},
-                 tables={table: TableDelta(ids=ids, weights=weights.to(getattr(torch, dtype)),
-                                           tombstones=torch.zeros(0, dtype=torch.int64) if tombstones is None
-                                           else tombstones)})
+    return Delta(
+        since=DeltaToken("src", since),
+        token=DeltaToken("src", since + 1),
+        source={"module": "DynamicEmbeddingBagCollection", "tables": {table: {"dim": dim, "dtype": dtype}}},
+        tables={
+            table: TableDelta(
+                ids=ids,
+                weights=weights.to(getattr(torch, dtype)),
+                tombstones=torch.zeros(0, dtype=torch.int64) if tombstones is None else tombstones,
+            )
+        },
+    )
 
 
 def _serving_ebc(dim, capacity, data_type=None):
     ebc = DynamicEmbeddingBagCollection(
-        [EmbeddingBagConfig(name="t0", embedding_dim=dim, num_embeddings=capacity, feature_names=["f0"])])
+        [EmbeddingBagConfig(name="t0", embedding_dim=dim, num_embeddings=capacity, feature_names=["f0"])]
+    )
     served = convert_to_inference(ebc.eval(), data_type=data_type)
     served.follow_deltas(DeltaToken("src", 1))
     return served
@@ -329,10 +365,11 @@ def test_readers_see_each_row_before_or_after_an_update_never_half(data_type):
         t.start()
     version = 1
     for k in range(40):  # every row rewritten whole (all elements equal), ids removed and back
-        keep = ids[k % 2::2] if k % 5 else ids
-        gone = ids[(k + 1) % 2::2] if k % 5 else torch.zeros(0, dtype=torch.int64)
-        served.apply_delta(_constant_delta(version, "t0", keep, torch.full((keep.numel(),), float(k + 1)), dim,
-                                           tombstones=gone))
+        keep = ids[k % 2 :: 2] if k % 5 else ids
+        gone = ids[(k + 1) % 2 :: 2] if k % 5 else torch.zeros(0, dtype=torch.int64)
+        served.apply_delta(
+            _constant_delta(version, "t0", keep, torch.full((keep.numel(),), float(k + 1)), dim, tombstones=gone)
+        )
         version += 1
     stop.set()
     for t in threads:
@@ -347,8 +384,11 @@ def test_bad_deltas_are_refused_and_change_nothing():
     first = torch.tensor([1, 2, 3])
     served.apply_delta(_constant_delta(1, "t0", first, torch.tensor([1.0, 2.0, 3.0]), 4))
     before = served.vectors("t0", first)
-    with pytest.raises(DeltaError, match=r"table 't0' of the delta's source has dim 8 dtype float32, this module's "
-                                          r"has dim 4 dtype float32"):
+    with pytest.raises(
+        DeltaError,
+        match=r"table 't0' of the delta's source has dim 8 dtype float32, this module's "
+        r"has dim 4 dtype float32",
+    ):
         served.apply_delta(_constant_delta(2, "t0", first, torch.zeros(3), 8))
     with pytest.raises(DeltaError, match="dim 4 dtype float16, this module's has dim 4 dtype float32"):
         served.apply_delta(_constant_delta(2, "t0", first, torch.zeros(3), 4, dtype="float16"))

@@ -14,10 +14,12 @@ deltas will bring) and its ids' rows, stored as the trained table's dtype or ``d
 A state or checkpoint that does not fit the model (a table missing, another dim, bad values) is
 refused with a ValueError naming the table, before anything is built.
 """
+
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -33,16 +35,25 @@ from torchrec_ext.modules.features import LookupPlan
 from torchrec_ext.table import HashTable, place_keys
 
 DYNAMIC_MODULES = (DynamicEmbeddingBagCollection, DynamicEmbeddingCollection)
-_DATA_TYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16,
-               DataType.INT8: INT8}
+_DATA_TYPES = {
+    DataType.FP32: torch.float32,
+    DataType.FP16: torch.float16,
+    DataType.BF16: torch.bfloat16,
+    DataType.INT8: INT8,
+}
 _NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": INT8}
-DataTypeArg = Union[None, str, torch.dtype, DataType]
-PerTable = Union[None, Any, Mapping[str, Any]]
+DataTypeArg = None | str | torch.dtype | DataType
+PerTable = Any  # None, one value for every table, or table name -> value
 
 
-def convert_to_inference(model: nn.Module, *, state_dict: Optional[Mapping[str, Any]] = None,
-                         data_type: DataTypeArg = None, defaults: Optional[Mapping[str, Any]] = None,
-                         capacity: PerTable = None) -> nn.Module:
+def convert_to_inference(
+    model: nn.Module,
+    *,
+    state_dict: Mapping[str, Any] | None = None,
+    data_type: DataTypeArg = None,
+    defaults: Mapping[str, Any] | None = None,
+    capacity: PerTable = None,
+) -> nn.Module:
     """A copy of ``model`` (or of a dynamic collection itself) whose dynamic collections are
     serving modules, in eval mode.
 
@@ -59,11 +70,15 @@ def convert_to_inference(model: nn.Module, *, state_dict: Optional[Mapping[str, 
     """
     dynamic = {path: m for path, m in model.named_modules() if isinstance(m, DYNAMIC_MODULES)}
     if not dynamic:
-        raise ValueError(f"convert_to_inference: {type(model).__name__} holds no DynamicEmbeddingBagCollection "
-                         "or DynamicEmbeddingCollection to convert")
+        raise ValueError(
+            f"convert_to_inference: {type(model).__name__} holds no DynamicEmbeddingBagCollection "
+            "or DynamicEmbeddingCollection to convert"
+        )
     where = "convert_to_inference"
-    served = {path: serving_module(m, _state_source(m, path, state_dict, where), where, data_type, defaults, capacity)
-              for path, m in dynamic.items()}
+    served = {
+        path: serving_module(m, _state_source(m, path, state_dict, where), where, data_type, defaults, capacity)
+        for path, m in dynamic.items()
+    }
     if "" in served:  # the model is a dynamic collection itself
         return served[""].eval()
     copy_of = copy.deepcopy(model, {id(m): served[path] for path, m in dynamic.items()})
@@ -83,7 +98,7 @@ def load_inference_checkpoint(path: str, model: nn.Module, key: str = "model", *
     verify_checkpoint(path)
     stored = read_metadata(path).state_dict_metadata
     dynamic = {p: m for p, m in model.named_modules() if isinstance(m, DYNAMIC_MODULES)}
-    request: Dict[str, Any] = {}
+    request: dict[str, Any] = {}
     for name, value in model.state_dict().items():
         if not _under(name, list(dynamic)):
             # On meta (structure only): a host tensor of the same size for DCP to fill.
@@ -95,20 +110,29 @@ def load_inference_checkpoint(path: str, model: nn.Module, key: str = "model", *
                 if f"{key}.{prefix}{entry}" in stored:
                     request[prefix + entry] = torch.empty(0)  # sized to the checkpoint's by load_checkpoint
                 elif entry in ("weight", "weight_id"):
-                    raise ValueError(f"{where}: table {cfg.name!r} ({prefix[:-1]}) is not in checkpoint {path!r} "
-                                     f"(no {key}.{prefix}{entry}): a checkpoint of another model?")
+                    raise ValueError(
+                        f"{where}: table {cfg.name!r} ({prefix[:-1]}) is not in checkpoint {path!r} "
+                        f"(no {key}.{prefix}{entry}): a checkpoint of another model?"
+                    )
     missing = sorted(n for n in request if f"{key}.{n}" not in stored)
     if missing:
-        raise ValueError(f"{where}: checkpoint {path!r} has no {key}.{missing[0]}" +
-                         (f" and {len(missing) - 1} more dense entries" if len(missing) > 1 else "") +
-                         ": a checkpoint of another model?")
+        raise ValueError(
+            f"{where}: checkpoint {path!r} has no {key}.{missing[0]}"
+            + (f" and {len(missing) - 1} more dense entries" if len(missing) > 1 else "")
+            + ": a checkpoint of another model?"
+        )
     state = load_checkpoint(path, {key: request}, verify=False)[key]
     return convert_to_inference(model, state_dict=state, **kwargs)
 
 
-def serving_module(module: nn.Module, table_state: Callable[[str], Mapping[str, Any]], where: str,
-                   data_type: DataTypeArg = None, defaults: Optional[Mapping[str, Any]] = None,
-                   capacity: PerTable = None) -> nn.Module:
+def serving_module(
+    module: nn.Module,
+    table_state: Callable[[str], Mapping[str, Any]],
+    where: str,
+    data_type: DataTypeArg = None,
+    defaults: Mapping[str, Any] | None = None,
+    capacity: PerTable = None,
+) -> nn.Module:
     """The serving form of one dynamic collection, its tables' states given by name
     (``weight``, ``weight_id``; optional ``row``, ``counters``, ``last_seen``)."""
     configs = _configs(module)
@@ -116,12 +140,21 @@ def serving_module(module: nn.Module, table_state: Callable[[str], Mapping[str, 
     for arg, given in (("defaults", defaults), ("capacity", capacity if isinstance(capacity, Mapping) else None)):
         unknown = sorted(set(given or {}) - set(names))
         if unknown:
-            raise ValueError(f"{where}: {arg} names tables {unknown} that {type(module).__name__} does not have "
-                             f"(its tables: {names})")
+            raise ValueError(
+                f"{where}: {arg} names tables {unknown} that {type(module).__name__} does not have "
+                f"(its tables: {names})"
+            )
     loaded = [_table_rows(cfg, table_state(cfg.name), where) for cfg in configs]  # every table checked first
-    metas = [ServingTable(cfg.name, _capacity_of(cfg, capacity, ids.numel(), where), cfg.embedding_dim,
-                          _serving_dtype(data_type, cfg, where), _source_dtype(cfg, vectors))
-             for cfg, (ids, vectors, _) in zip(configs, loaded)]
+    metas = [
+        ServingTable(
+            cfg.name,
+            _capacity_of(cfg, capacity, ids.numel(), where),
+            cfg.embedding_dim,
+            _serving_dtype(data_type, cfg, where),
+            _source_dtype(cfg, vectors),
+        )
+        for cfg, (ids, vectors, _) in zip(configs, loaded)
+    ]
     placed = [_placed_index(m, ids, rows, where) for m, (ids, _, rows) in zip(metas, loaded)]
     default_vectors = [_default_vector(m, (defaults or {}).get(m.name), where) for m in metas]
     pooled = isinstance(module, DynamicEmbeddingBagCollection)
@@ -139,9 +172,12 @@ def serving_module(module: nn.Module, table_state: Callable[[str], Mapping[str, 
 # ---------------------------------------------------------------------- helpers
 
 
-def _configs(module: nn.Module) -> List[BaseEmbeddingConfig]:
-    return module.embedding_bag_configs() if isinstance(module, DynamicEmbeddingBagCollection) \
+def _configs(module: nn.Module) -> list[BaseEmbeddingConfig]:
+    return (
+        module.embedding_bag_configs()
+        if isinstance(module, DynamicEmbeddingBagCollection)
         else module.embedding_configs()
+    )
 
 
 def _table_prefix(module: nn.Module, path: str, table: str) -> str:
@@ -152,8 +188,9 @@ def _under(key: str, paths: Sequence[str]) -> bool:
     return any(p == "" or key.startswith(p + ".") for p in paths)
 
 
-def _state_source(module: nn.Module, path: str, state_dict: Optional[Mapping[str, Any]],
-                  where: str) -> Callable[[str], Mapping[str, Any]]:
+def _state_source(
+    module: nn.Module, path: str, state_dict: Mapping[str, Any] | None, where: str
+) -> Callable[[str], Mapping[str, Any]]:
     """Table name -> its state: from ``state_dict`` (refusing tables the module lacks), or the
     module's rows now."""
     if state_dict is None:
@@ -163,28 +200,37 @@ def _state_source(module: nn.Module, path: str, state_dict: Optional[Mapping[str
         return lambda name: tables.table_state(index_of[name])
     container = f"{path}.{module._container}." if path else f"{module._container}."
     names = {cfg.name for cfg in _configs(module)}
-    extra = sorted({k[len(container):].split(".")[0] for k in state_dict if k.startswith(container)} - names)
+    extra = sorted({k[len(container) :].split(".")[0] for k in state_dict if k.startswith(container)} - names)
     if extra:
-        raise ValueError(f"{where}: the state_dict has tables {extra} under {container[:-1]!r}, which "
-                         f"{type(module).__name__} does not have (its tables: {sorted(names)}): a state_dict "
-                         "of another model?")
-    return lambda name: {k[len(prefix):]: v for prefix in [_table_prefix(module, path, name)]
-                         for k, v in state_dict.items() if k.startswith(prefix)}
+        raise ValueError(
+            f"{where}: the state_dict has tables {extra} under {container[:-1]!r}, which "
+            f"{type(module).__name__} does not have (its tables: {sorted(names)}): a state_dict "
+            "of another model?"
+        )
+    return lambda name: {
+        k[len(prefix) :]: v
+        for prefix in [_table_prefix(module, path, name)]
+        for k, v in state_dict.items()
+        if k.startswith(prefix)
+    }
 
 
-def _table_rows(cfg: BaseEmbeddingConfig, state: Mapping[str, Any], where: str
-                ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+def _table_rows(cfg: BaseEmbeddingConfig, state: Mapping[str, Any], where: str) -> tuple[Tensor, Tensor, Tensor | None]:
     """A table's live (ids, vectors, saved rows or None), checked against its config. Ids past
     their TTL at the saved step are left out: the trained module reads them as unseen."""
     name = f"{where}: table {cfg.name!r}"
     for key in ("weight", "weight_id"):
         if key not in state:
-            raise ValueError(f"{name}: the state has no {key!r} for this table (the model's table is missing from "
-                             "it: a state_dict or checkpoint of another model?)")
+            raise ValueError(
+                f"{name}: the state has no {key!r} for this table (the model's table is missing from "
+                "it: a state_dict or checkpoint of another model?)"
+            )
     weight = state["weight"]
     if isinstance(weight, Tensor) and weight.dim() == 2 and weight.shape[1] != cfg.embedding_dim:
-        raise ValueError(f"{name}: the state's weight has dim {weight.shape[1]}, the model's table has embedding_dim "
-                         f"{cfg.embedding_dim} (a state_dict or checkpoint of another model?)")
+        raise ValueError(
+            f"{name}: the state's weight has dim {weight.shape[1]}, the model's table has embedding_dim "
+            f"{cfg.embedding_dim} (a state_dict or checkpoint of another model?)"
+        )
     ids = _checked(name, "weight_id", state["weight_id"], "int", None).to(torch.int64).cpu()
     vectors = _checked(name, "weight", weight, "float", (ids.numel(), cfg.embedding_dim), ids).cpu()
     _check_distinct(name, "weight_id", ids)
@@ -194,7 +240,7 @@ def _table_rows(cfg: BaseEmbeddingConfig, state: Mapping[str, Any], where: str
     ttl = options_of(cfg).ttl_steps
     if ttl is not None and "last_seen" in state and "counters" in state:
         train_step = int(_checked(name, "counters", state["counters"], "int", (4,))[2])
-        live = (_checked(name, "last_seen", state["last_seen"], "int", (ids.numel(),)).cpu() >= train_step - ttl)
+        live = _checked(name, "last_seen", state["last_seen"], "int", (ids.numel(),)).cpu() >= train_step - ttl
         ids, vectors, rows = ids[live], vectors[live], None if rows is None else rows[live]
     return ids, vectors, rows
 
@@ -202,11 +248,18 @@ def _table_rows(cfg: BaseEmbeddingConfig, state: Mapping[str, Any], where: str
 def _serving_dtype(data_type: DataTypeArg, cfg: BaseEmbeddingConfig, where: str) -> torch.dtype:
     if data_type is None:
         return STORAGE_DATA_TYPES.get(cfg.data_type, torch.float32)
-    dtype = _DATA_TYPES.get(data_type) if isinstance(data_type, DataType) else \
-        _NAMES.get(data_type.lower()) if isinstance(data_type, str) else data_type
+    dtype = (
+        _DATA_TYPES.get(data_type)
+        if isinstance(data_type, DataType)
+        else _NAMES.get(data_type.lower())
+        if isinstance(data_type, str)
+        else data_type
+    )
     if dtype not in SERVING_DTYPES:
-        raise ValueError(f"{where}: data_type must be one of float32, float16, bfloat16, int8 (a torch dtype, "
-                         f"TorchRec DataType or its name), got {data_type!r}")
+        raise ValueError(
+            f"{where}: data_type must be one of float32, float16, bfloat16, int8 (a torch dtype, "
+            f"TorchRec DataType or its name), got {data_type!r}"
+        )
     return dtype
 
 
@@ -216,19 +269,31 @@ def _source_dtype(cfg: BaseEmbeddingConfig, vectors: Tensor) -> torch.dtype:
 
 
 def _capacity_of(cfg: BaseEmbeddingConfig, capacity: PerTable, live: int, where: str) -> int:
-    value = capacity.get(cfg.name, cfg.num_embeddings) if isinstance(capacity, Mapping) else \
-        cfg.num_embeddings if capacity is None else capacity
+    value = (
+        capacity.get(cfg.name, cfg.num_embeddings)
+        if isinstance(capacity, Mapping)
+        else cfg.num_embeddings
+        if capacity is None
+        else capacity
+    )
     if not isinstance(value, int) or isinstance(value, bool) or value < max(live, 1):
-        raise ValueError(f"{where}: table {cfg.name!r} capacity must be an int >= its {live} live ids (and >= 1), "
-                         f"got {value!r}")
+        raise ValueError(
+            f"{where}: table {cfg.name!r} capacity must be an int >= its {live} live ids (and >= 1), got {value!r}"
+        )
     return value
 
 
-def _placed_index(m: ServingTable, ids: Tensor, rows: Optional[Tensor], where: str) -> Tuple[HashTable, Tensor]:
+def _placed_index(m: ServingTable, ids: Tensor, rows: Tensor | None, where: str) -> tuple[HashTable, Tensor]:
     """The table's index holding ``ids``: at their saved rows when valid at this capacity, else placed afresh."""
     index = HashTable(m.capacity, policy="none")
-    entry = {"capacity": m.capacity, "policy": "none", "clock": 0, "epoch": 0, "keys": ids,
-             "scores": torch.zeros_like(ids)}
+    entry = {
+        "capacity": m.capacity,
+        "policy": "none",
+        "clock": 0,
+        "epoch": 0,
+        "keys": ids,
+        "scores": torch.zeros_like(ids),
+    }
     if rows is not None:
         try:
             index.load_state_dict(dict(entry, rows=rows))
@@ -238,8 +303,10 @@ def _placed_index(m: ServingTable, ids: Tensor, rows: Optional[Tensor], where: s
     rows = place_keys(ids, entry["scores"], m.capacity)
     refused = int((rows < 0).sum())
     if refused:
-        raise ValueError(f"{where}: table {m.name!r}: {refused} of its {ids.numel()} ids find no row at capacity "
-                         f"{m.capacity} (their buckets are full); convert with more capacity (capacity=...)")
+        raise ValueError(
+            f"{where}: table {m.name!r}: {refused} of its {ids.numel()} ids find no row at capacity "
+            f"{m.capacity} (their buckets are full); convert with more capacity (capacity=...)"
+        )
     index.load_state_dict(dict(entry, rows=rows))
     return index, rows
 
@@ -252,8 +319,10 @@ def _default_vector(m: ServingTable, value: Any, where: str) -> Tensor:
     if vector.numel() == 1:
         vector = vector.expand(m.dim)
     if vector.numel() != m.dim or not bool(torch.isfinite(vector).all()):
-        raise ValueError(f"{where}: defaults[{m.name!r}] must be one finite value or {m.dim} of them (the table's "
-                         f"dim), got {value!r}")
+        raise ValueError(
+            f"{where}: defaults[{m.name!r}] must be one finite value or {m.dim} of them (the table's "
+            f"dim), got {value!r}"
+        )
     return vector.clone()
 
 
@@ -263,8 +332,10 @@ def _load_dense(model: nn.Module, state_dict: Mapping[str, Any], dynamic: Sequen
     given = {k: v for k, v in state_dict.items() if not _under(k, dynamic)}
     missing, unexpected = sorted(expected - set(given)), sorted(set(given) - expected)
     if missing or unexpected:
-        raise ValueError(f"{where}: the state_dict does not fit the model's dense part: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]} (a state_dict of another model?)")
+        raise ValueError(
+            f"{where}: the state_dict does not fit the model's dense part: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]} (a state_dict of another model?)"
+        )
     on_meta = any(v.is_meta for v in model.state_dict().values())
     try:
         model.load_state_dict(given, strict=True, assign=on_meta)

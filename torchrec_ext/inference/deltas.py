@@ -9,9 +9,8 @@ tables. Only then, under the tables' write lock, the changed rows are copied in 
 indexes swapped in: lookups, which hold the read lock, see the delta wholly or not at all, and a
 refused delta changes nothing.
 """
-from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from __future__ import annotations
 
 import torch
 from torch import Tensor
@@ -32,16 +31,16 @@ class _SourceShape:
     def table_view(self, t: int) -> Tensor:
         return self._views[t]
 
-    def state_views(self, t: int) -> Dict[str, Tensor]:
+    def state_views(self, t: int) -> dict[str, Tensor]:
         return {}
 
 
-def apply_delta(tables: InferenceTables, followed: Dict[str, DeltaToken], delta: Delta) -> None:
+def apply_delta(tables: InferenceTables, followed: dict[str, DeltaToken], delta: Delta) -> None:
     """Makes ``tables`` hold the delta's rows and drop its tombstones: all tables or none."""
     with tables.applying:  # one apply_delta at a time builds its copies of the indexes
         check_delta(_SourceShape(tables), followed, delta)
         names = {m.name: t for t, m in enumerate(tables.meta)}
-        prepared: List[Tuple[int, HashTable, Tensor, Tensor]] = []
+        prepared: list[tuple[int, HashTable, Tensor, Tensor]] = []
         for name, table in delta.tables.items():
             t = names[name]
             index = tables.indexes[t].clone()
@@ -53,7 +52,8 @@ def apply_delta(tables: InferenceTables, followed: Dict[str, DeltaToken], delta:
                 raise DeltaError(
                     f"apply_delta: table {name!r}: {lost} of the delta's {table.ids.numel()} ids find no row at "
                     f"capacity {tables.meta[t].capacity} (their buckets are full of live ids); nothing was "
-                    f"applied: convert with more capacity (capacity=...)")
+                    f"applied: convert with more capacity (capacity=...)"
+                )
             prepared.append((t, index, result.rows, tables.encode(t, table.weights.cpu())))
         with tables.lock.write():  # nothing below can fail
             for t, index, rows, encoded in prepared:

@@ -7,16 +7,19 @@ table does not hold reads the table's default row: zeros unless configured), and
 training module through its deltas (``follow_deltas`` / ``apply_delta``), while serving.
 Build them with ``torchrec_ext.inference.convert``.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import nullcontext
-from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from torchrec.modules.embedding_modules import (
-    EmbeddingBagCollectionInterface, EmbeddingCollectionInterface, get_embedding_names_by_table,
+    EmbeddingBagCollectionInterface,
+    EmbeddingCollectionInterface,
+    get_embedding_names_by_table,
 )
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
@@ -39,7 +42,8 @@ class _ServingMixin:
             raise RuntimeError(
                 f"{where} is read-only: it does not insert ids or train (no optimizer, no gradients). Call "
                 "model.eval() before serving (the converters return models in eval mode); train the dynamic "
-                "collection it was converted from and ship its deltas here with apply_delta")
+                "collection it was converted from and ship its deltas here with apply_delta"
+            )
         return check_and_arrange(features, self._tables.plan, weighted, where, _CPU)
 
     def _reading(self):
@@ -48,8 +52,10 @@ class _ServingMixin:
 
     @property
     def fused_optimizer(self):
-        raise RuntimeError(f"{type(self).__name__} is read-only: it has no optimizer (it serves rows; train the "
-                           "dynamic collection it was converted from)")
+        raise RuntimeError(
+            f"{type(self).__name__} is read-only: it has no optimizer (it serves rows; train the "
+            "dynamic collection it was converted from)"
+        )
 
     # ------------------------------------------------------------------ deltas
 
@@ -63,7 +69,7 @@ class _ServingMixin:
         or not at all. New ids are inserted, tombstoned ids removed; refused whole otherwise."""
         serving_deltas.apply_delta(self._tables, self._followed_deltas(), delta)
 
-    def _followed_deltas(self) -> Dict[str, DeltaToken]:
+    def _followed_deltas(self) -> dict[str, DeltaToken]:
         if "_delta_followed" not in self.__dict__:
             self.__dict__["_delta_followed"] = {}
         return self.__dict__["_delta_followed"]
@@ -93,13 +99,13 @@ class InferenceEmbeddingBagCollection(_ServingMixin, EmbeddingBagCollectionInter
     """The serving form of a DynamicEmbeddingBagCollection: pooled lookups of raw ids,
     read-only; a KeyedTensor keyed as the trained module's output."""
 
-    def __init__(self, tables: List[EmbeddingBagConfig], storage: InferenceTables, is_weighted: bool = False):
+    def __init__(self, tables: list[EmbeddingBagConfig], storage: InferenceTables, is_weighted: bool = False):
         super().__init__()
         self._embedding_bag_configs = list(tables)
         self._is_weighted = bool(is_weighted)
         self._tables = storage
 
-    def forward(self, features: KeyedJaggedTensor, weighted_features: Optional[KeyedJaggedTensor] = None) -> KeyedTensor:
+    def forward(self, features: KeyedJaggedTensor, weighted_features: KeyedJaggedTensor | None = None) -> KeyedTensor:
         if weighted_features is not None and self._is_weighted:
             features = weighted_features
         batch = self._arrange(features, self._is_weighted)
@@ -108,7 +114,7 @@ class InferenceEmbeddingBagCollection(_ServingMixin, EmbeddingBagCollectionInter
         plan = self._tables.plan
         return KeyedTensor(keys=plan.embedding_names, length_per_key=plan.dims, values=pooled, key_dim=1)
 
-    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._embedding_bag_configs
 
     def is_weighted(self) -> bool:
@@ -119,7 +125,7 @@ class InferenceEmbeddingCollection(_ServingMixin, EmbeddingCollectionInterface):
     """The serving form of a DynamicEmbeddingCollection: per feature, a JaggedTensor of one
     vector per id (and the ids as weights when ``need_indices``), read-only."""
 
-    def __init__(self, tables: List[EmbeddingConfig], storage: InferenceTables, need_indices: bool = False):
+    def __init__(self, tables: list[EmbeddingConfig], storage: InferenceTables, need_indices: bool = False):
         super().__init__()
         self._embedding_configs = list(tables)
         self._need_indices = bool(need_indices)
@@ -127,8 +133,9 @@ class InferenceEmbeddingCollection(_ServingMixin, EmbeddingCollectionInterface):
         self._embedding_names_by_table = get_embedding_names_by_table(tables)
         self._tables = storage
 
-    def forward(self, features: KeyedJaggedTensor,
-                weighted_features: Optional[KeyedJaggedTensor] = None) -> Dict[str, JaggedTensor]:
+    def forward(
+        self, features: KeyedJaggedTensor, weighted_features: KeyedJaggedTensor | None = None
+    ) -> dict[str, JaggedTensor]:
         batch = self._arrange(features, False)
         with self._reading():
             vectors = self._tables.sequence(batch)
@@ -136,11 +143,14 @@ class InferenceEmbeddingCollection(_ServingMixin, EmbeddingCollectionInterface):
         per_feature = torch.split(vectors, counts)
         ids = torch.split(batch.ids, counts)
         lengths = batch.lengths.view(len(counts), batch.batch_size)
-        return {name: JaggedTensor(values=per_feature[i], lengths=lengths[i],
-                                   weights=ids[i] if self._need_indices else None)
-                for i, name in enumerate(self._tables.plan.embedding_names)}
+        return {
+            name: JaggedTensor(
+                values=per_feature[i], lengths=lengths[i], weights=ids[i] if self._need_indices else None
+            )
+            for i, name in enumerate(self._tables.plan.embedding_names)
+        }
 
-    def embedding_configs(self) -> List[EmbeddingConfig]:
+    def embedding_configs(self) -> list[EmbeddingConfig]:
         return self._embedding_configs
 
     def need_indices(self) -> bool:
@@ -149,7 +159,7 @@ class InferenceEmbeddingCollection(_ServingMixin, EmbeddingCollectionInterface):
     def embedding_dim(self) -> int:
         return self._embedding_dim
 
-    def embedding_names_by_table(self) -> List[List[str]]:
+    def embedding_names_by_table(self) -> list[list[str]]:
         return self._embedding_names_by_table
 
 

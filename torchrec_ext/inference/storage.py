@@ -19,11 +19,12 @@ table) wholly before or wholly after an update. Under torch.compile / export no 
 a compiled or exported program is a snapshot, and nothing may mutate the eager tables while
 one of its lookups runs.
 """
+
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -67,20 +68,24 @@ class InferenceTables:
     """All tables of one serving module: rows, default rows, indexes, the readers/writer lock."""
 
     def __init__(self, tables: Sequence[ServingTable], plan: LookupPlan, pooled: bool):
-        self.meta: List[ServingTable] = list(tables)
+        self.meta: list[ServingTable] = list(tables)
         self.plan = plan
         self.lock = _ReadWriteLock()
         self.applying = threading.Lock()  # held by apply_delta from its checks to its publish
-        self.indexes: List[HashTable] = [HashTable(m.capacity, policy="none") for m in self.meta]
+        self.indexes: list[HashTable] = [HashTable(m.capacity, policy="none") for m in self.meta]
         self.default_rows = [m.capacity for m in self.meta]  # the row each table's unseen ids read
         dtypes = {m.dtype for m in self.meta}
         odd = [m.name for m in self.meta if m.dtype == INT8 and m.dim % 2]
         if odd:  # fbgemm's float16 scale and bias follow the int8 values: they must stay 2-byte aligned
-            raise ValueError(f"inference tables: int8 rows need an even embedding_dim (fbgemm's row-wise layout), "
-                             f"tables {odd} have an odd one; keep them as float16 or float32")
+            raise ValueError(
+                f"inference tables: int8 rows need an even embedding_dim (fbgemm's row-wise layout), "
+                f"tables {odd} have an odd one; keep them as float16 or float32"
+            )
         if INT8 in dtypes and len(dtypes) > 1:
-            raise ValueError(f"inference tables: int8 rows cannot be mixed with float rows in one module, got "
-                             f"{ {m.name: str(m.dtype) for m in self.meta} }")
+            raise ValueError(
+                f"inference tables: int8 rows cannot be mixed with float rows in one module, got "
+                f"{ {m.name: str(m.dtype) for m in self.meta} }"
+            )
         self.int8 = dtypes == {INT8}
         self._build_int8(pooled) if self.int8 else self._build_float()
 
@@ -109,18 +114,41 @@ class InferenceTables:
         self.divide_means = pooled and len(means) > 1
         tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
             [(m.name, m.capacity + 1, m.dim, SparseType.INT8, EmbeddingLocation.HOST) for m in self.meta],
-            feature_table_map=list(self.plan.tables), device="cpu", pooling_mode=mode, output_dtype=SparseType.FP32)
+            feature_table_map=list(self.plan.tables),
+            device="cpu",
+            pooling_mode=mode,
+            output_dtype=SparseType.FP32,
+        )
         tbe.initialize_weights()
-        self.tbe = {name: getattr(tbe, name) for name in (
-            "weights_host", "weights_uvm", "weights_placements", "weights_offsets", "weights_tys", "D_offsets",
-            "total_D", "max_int2_D", "max_int4_D", "max_int8_D", "max_float16_D", "max_float32_D",
-            "row_alignment", "max_float8_D", "fp8_exponent_bits", "fp8_exponent_bias")}
+        self.tbe = {
+            name: getattr(tbe, name)
+            for name in (
+                "weights_host",
+                "weights_uvm",
+                "weights_placements",
+                "weights_offsets",
+                "weights_tys",
+                "D_offsets",
+                "total_D",
+                "max_int2_D",
+                "max_int4_D",
+                "max_int8_D",
+                "max_float16_D",
+                "max_float32_D",
+                "row_alignment",
+                "max_float8_D",
+                "fp8_exponent_bits",
+                "fp8_exponent_bias",
+            )
+        }
         self.pooling_mode = int(mode.value)
         row_bytes = [w.shape[1] + s.shape[1] for w, s in tbe.split_embedding_weights()]
         starts = [int(tbe.weights_physical_offsets[t]) for t in range(len(self.meta))]
         host = self.tbe["weights_host"]
-        self._int8_views = [host[s:s + (m.capacity + 1) * b].view(m.capacity + 1, b)[:, :_SCALE_BIAS_BYTES + m.dim]
-                            for m, s, b in zip(self.meta, starts, row_bytes)]
+        self._int8_views = [
+            host[s : s + (m.capacity + 1) * b].view(m.capacity + 1, b)[:, : _SCALE_BIAS_BYTES + m.dim]
+            for m, s, b in zip(self.meta, starts, row_bytes)
+        ]
         for m, view in zip(self.meta, self._int8_views):  # every row reads zeros until written
             view[:] = quantize_rows(torch.zeros(1, m.dim))
         self.feature_mean = torch.tensor(self.plan.mean)
@@ -131,8 +159,8 @@ class InferenceTables:
             return self._int8_views[t]
         m = self.meta[t]
         start = int(self.table_offsets[t])
-        words = self.weights[start:start + table_words(m.capacity + 1, m.dim, m.dtype)]
-        return words.view(m.dtype)[:(m.capacity + 1) * m.dim].view(m.capacity + 1, m.dim)
+        words = self.weights[start : start + table_words(m.capacity + 1, m.dim, m.dtype)]
+        return words.view(m.dtype)[: (m.capacity + 1) * m.dim].view(m.capacity + 1, m.dim)
 
     def encode(self, t: int, vectors: Tensor) -> Tensor:
         """Float vectors [n, dim] as table t stores them (rounded to nearest, or quantized)."""
@@ -169,7 +197,7 @@ class InferenceTables:
         for t, n in enumerate(counts):
             end = start + n
             if exporting:  # the counts are symbolic: say what the KJT checks guarantee
-                torch._check(0 <= start)
+                torch._check(start >= 0)
                 torch._check(start <= end)
                 torch._check(end <= batch.ids.numel())
             found_rows, found = self.indexes[t].find(batch.ids[start:end])
@@ -183,14 +211,30 @@ class InferenceTables:
         torch.cumsum(batch.lengths, 0, out=offsets[1:])
         rows = self.rows_of(batch)
         if not self.int8:
-            return ops.pooled_lookup(self.weights, self.table_offsets, self.table_dims, self.feature_table,
-                                     self.feature_col, self.feature_mean, rows, offsets, batch.weights,
-                                     batch.batch_size, self.plan.total_dim, (), self.table_dtypes)
+            return ops.pooled_lookup(
+                self.weights,
+                self.table_offsets,
+                self.table_dims,
+                self.feature_table,
+                self.feature_col,
+                self.feature_mean,
+                rows,
+                offsets,
+                batch.weights,
+                batch.batch_size,
+                self.plan.total_dim,
+                (),
+                self.table_dtypes,
+            )
         out = self._fbgemm_lookup(rows, offsets, batch.weights)
         if self.divide_means:
             lengths = batch.lengths.view(-1, batch.batch_size).clamp(min=1).to(out.dtype)
-            per_col = torch.repeat_interleave(torch.where(self.feature_mean.unsqueeze(1), lengths, 1.0),
-                                              torch.tensor(self.plan.dims), dim=0, output_size=self.plan.total_dim)
+            per_col = torch.repeat_interleave(
+                torch.where(self.feature_mean.unsqueeze(1), lengths, 1.0),
+                torch.tensor(self.plan.dims),
+                dim=0,
+                output_size=self.plan.total_dim,
+            )
             out = out / per_col.t()
         return out
 
@@ -199,21 +243,44 @@ class InferenceTables:
         rows = self.rows_of(batch)
         if not self.int8:
             dim = self.meta[0].dim if self.meta else 1
-            return ops.sequence_lookup(self.weights, self.table_offsets, dim, self.feature_table,
-                                       batch.feature_value_offsets, rows, (), self.table_dtypes)
+            return ops.sequence_lookup(
+                self.weights,
+                self.table_offsets,
+                dim,
+                self.feature_table,
+                batch.feature_value_offsets,
+                rows,
+                (),
+                self.table_dtypes,
+            )
         offsets = torch.zeros(batch.lengths.numel() + 1, dtype=torch.int64)
         torch.cumsum(batch.lengths, 0, out=offsets[1:])
         return self._fbgemm_lookup(rows, offsets, None)
 
-    def _fbgemm_lookup(self, rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor]) -> Tensor:
+    def _fbgemm_lookup(self, rows: Tensor, offsets: Tensor, per_sample_weights: Tensor | None) -> Tensor:
         tbe = self.tbe
         return torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
-            dev_weights=tbe["weights_host"], uvm_weights=tbe["weights_uvm"],
-            weights_placements=tbe["weights_placements"], weights_offsets=tbe["weights_offsets"],
-            weights_tys=tbe["weights_tys"], D_offsets=tbe["D_offsets"], total_D=tbe["total_D"],
-            max_int2_D=tbe["max_int2_D"], max_int4_D=tbe["max_int4_D"], max_int8_D=tbe["max_int8_D"],
-            max_float16_D=tbe["max_float16_D"], max_float32_D=tbe["max_float32_D"], indices=rows, offsets=offsets,
-            pooling_mode=self.pooling_mode, indice_weights=per_sample_weights, output_dtype=0,  # SparseType.FP32
-            lxu_cache_weights=None, lxu_cache_locations=None, row_alignment=tbe["row_alignment"],
-            max_float8_D=tbe["max_float8_D"], fp8_exponent_bits=tbe["fp8_exponent_bits"],
-            fp8_exponent_bias=tbe["fp8_exponent_bias"])
+            dev_weights=tbe["weights_host"],
+            uvm_weights=tbe["weights_uvm"],
+            weights_placements=tbe["weights_placements"],
+            weights_offsets=tbe["weights_offsets"],
+            weights_tys=tbe["weights_tys"],
+            D_offsets=tbe["D_offsets"],
+            total_D=tbe["total_D"],
+            max_int2_D=tbe["max_int2_D"],
+            max_int4_D=tbe["max_int4_D"],
+            max_int8_D=tbe["max_int8_D"],
+            max_float16_D=tbe["max_float16_D"],
+            max_float32_D=tbe["max_float32_D"],
+            indices=rows,
+            offsets=offsets,
+            pooling_mode=self.pooling_mode,
+            indice_weights=per_sample_weights,
+            output_dtype=0,  # SparseType.FP32
+            lxu_cache_weights=None,
+            lxu_cache_locations=None,
+            row_alignment=tbe["row_alignment"],
+            max_float8_D=tbe["max_float8_D"],
+            fp8_exponent_bits=tbe["fp8_exponent_bits"],
+            fp8_exponent_bias=tbe["fp8_exponent_bias"],
+        )

@@ -163,7 +163,7 @@ def serving_module(
         storage.indexes[t] = index
         view = storage.row_view(t)
         view[rows] = storage.encode(t, vectors)
-        view[storage.default_rows[t]] = storage.encode(t, default.unsqueeze(0))[0]
+        storage.set_default(t, default)
     if pooled:
         return InferenceEmbeddingBagCollection(configs, storage, module.is_weighted())
     return InferenceEmbeddingCollection(configs, storage, module.need_indices())

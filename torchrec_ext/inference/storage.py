@@ -74,6 +74,9 @@ class InferenceTables:
         self.applying = threading.Lock()  # held by apply_delta from its checks to its publish
         self.indexes: list[HashTable] = [HashTable(m.capacity, policy="none") for m in self.meta]
         self.default_rows = [m.capacity for m in self.meta]  # the row each table's unseen ids read
+        # Float rows read row -1 as zeros (the kernels' "no row"): a table whose default is zeros
+        # keeps the find's -1, as the trained module does, and skips mapping it to the default row.
+        self._maps_default = [False] * len(self.meta)
         dtypes = {m.dtype for m in self.meta}
         odd = [m.name for m in self.meta if m.dtype == INT8 and m.dim % 2]
         if odd:  # fbgemm's float16 scale and bias follow the int8 values: they must stay 2-byte aligned
@@ -153,6 +156,11 @@ class InferenceTables:
             view[:] = quantize_rows(torch.zeros(1, m.dim))
         self.feature_mean = torch.tensor(self.plan.mean)
 
+    def set_default(self, t: int, vector: Tensor) -> None:
+        """What the ids table t does not hold read: float32 ``vector`` [dim]."""
+        self.row_view(t)[self.default_rows[t]] = self.encode(t, vector.unsqueeze(0))[0]
+        self._maps_default[t] = self.int8 or bool(vector.any())
+
     def row_view(self, t: int) -> Tensor:
         """Table t's ``capacity + 1`` stored rows: [.., dim] in its dtype, or [.., 4 + dim] uint8 int8 rows."""
         if self.int8:
@@ -189,7 +197,7 @@ class InferenceTables:
     def rows_of(self, batch: LookupInput) -> Tensor:
         """Each id's row: its table's row for it, else the table's default row."""
         exporting = torch.compiler.is_compiling()
-        rows = torch.empty_like(batch.ids)
+        per_table = []
         counts = [0] * len(self.meta)
         for t, n in zip(self.plan.tables, batch.value_counts):
             counts[t] = counts[t] + n
@@ -200,10 +208,17 @@ class InferenceTables:
                 torch._check(start >= 0)
                 torch._check(start <= end)
                 torch._check(end <= batch.ids.numel())
-            found_rows, found = self.indexes[t].find(batch.ids[start:end])
-            rows[start:end] = torch.where(found, found_rows, self.default_rows[t])
+            # The index's arrays directly (no per-index lock or checks): the caller holds this
+            # module's read lock, and apply_delta never mutates a published index, it swaps in a new one.
+            digests, slot_keys = self.indexes[t].lookup_arrays()
+            found_rows, found = ops.hash_find(digests, slot_keys, batch.ids[start:end], self.meta[t].capacity)
+            per_table.append(
+                torch.where(found, found_rows, self.default_rows[t])
+                if self._maps_default[t] or self.int8
+                else found_rows
+            )
             start = end
-        return rows
+        return torch.cat(per_table) if per_table else batch.ids.new_empty(0)
 
     def pooled(self, batch: LookupInput) -> Tensor:
         """float32 [batch_size, total_dim]: every feature's bags, pooled (sum or mean)."""

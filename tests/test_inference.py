@@ -16,6 +16,7 @@ import torch
 from torch.export import Dim
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor, PoolingType
 from torchrec.models.dlrm import DLRM_DCN
+from torchrec.modules.embedding_configs import DataType
 from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
 
 from modules_helpers import remap_kjt
@@ -402,3 +403,28 @@ def test_bad_deltas_are_refused_and_change_nothing():
     assert torch.equal(served.vectors("t0", first), before) and served.num_live_rows() == 3
     served.apply_delta(_constant_delta(2, "t0", torch.tensor([4]), torch.tensor([4.0]), 4, tombstones=first[:1]))
     assert torch.equal(served.vectors("t0", torch.tensor([1, 4])), torch.tensor([[0.0] * 4, [4.0] * 4]))
+
+
+def test_half_rows_and_expired_ids_serve_as_the_trained_module_reads_them():
+    torch.manual_seed(0)
+    tables = [
+        DynamicEmbeddingBagConfig(
+            name="t0", embedding_dim=8, num_embeddings=256, feature_names=["f0"], data_type=DataType.FP16
+        ),
+        DynamicEmbeddingBagConfig(
+            name="t1", embedding_dim=8, num_embeddings=256, feature_names=["f1", "f2"], ttl_steps=2
+        ),
+    ]
+    ebc = DynamicEmbeddingBagCollection(tables, optimizer="sgd", optimizer_kwargs={"lr": 0.1})
+    for step in range(7):  # ids drift: t1's old ones expire (masked before they are swept)
+        kjt = _kjt(step, 16, pool=40)
+        shifted = KeyedJaggedTensor(keys=FEATURES, values=kjt.values() + 1000 * step, lengths=kjt.lengths(), stride=16)
+        ebc(shifted).values().sum().backward()
+    ebc.eval()
+    served = convert_to_inference(ebc)
+    assert served._tables.meta[0].dtype == torch.float16  # kept as trained
+    for step in range(7):
+        kjt = _kjt(step, 16, pool=40)
+        shifted = KeyedJaggedTensor(keys=FEATURES, values=kjt.values() + 1000 * step, lengths=kjt.lengths(), stride=16)
+        torch.testing.assert_close(served(shifted).values(), ebc(shifted).values(), rtol=0, atol=0)
+    assert served.num_live_rows() < ebc.num_live_rows()  # expired ids left out

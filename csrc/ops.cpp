@@ -52,7 +52,7 @@ TORCH_LIBRARY(torchrec_ext, m) {
   m.def(
       "pooled_lookup(Tensor weights, Tensor table_offsets, Tensor table_dims, Tensor feature_table, "
       "Tensor feature_col, Tensor feature_mean, Tensor rows, Tensor offsets, Tensor? per_sample_weights, "
-      "int batch_size, int total_dim, Tensor[] new_vectors, Tensor? table_dtypes=None) -> Tensor");
+      "SymInt batch_size, int total_dim, Tensor[] new_vectors, Tensor? table_dtypes=None) -> Tensor");
   // [num_ids, dim]: each id's row (rows -2 - j as in pooled_lookup).
   m.def(
       "sequence_lookup(Tensor weights, Tensor table_offsets, int dim, Tensor feature_table, "

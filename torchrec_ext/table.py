@@ -347,6 +347,11 @@ class HashTable:
         with self._lock.read():
             return ops.hash_find(self._digests, self._slot_keys, keys, self._capacity)
 
+    def lookup_arrays(self) -> Tuple[Tensor, Tensor]:
+        """(digests, slot_keys), as ``ops.hash_find`` takes them, for a caller that keeps mutations
+        away itself: a serving module never mutates an index it published (it swaps in a new one)."""
+        return self._digests, self._slot_keys
+
     def find_or_insert(self, keys: Tensor, scores: Optional[Tensor] = None) -> InsertResult:
         """Rows of ``keys``, inserting the missing ones; touches every key's score by the policy.
 

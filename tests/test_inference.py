@@ -428,3 +428,48 @@ def test_half_rows_and_expired_ids_serve_as_the_trained_module_reads_them():
         shifted = KeyedJaggedTensor(keys=FEATURES, values=kjt.values() + 1000 * step, lengths=kjt.lengths(), stride=16)
         torch.testing.assert_close(served(shifted).values(), ebc(shifted).values(), rtol=0, atol=0)
     assert served.num_live_rows() < ebc.num_live_rows()  # expired ids left out
+
+
+@pytest.mark.parametrize("data_type", [None, "int8"], ids=["fp32", "int8"])
+def test_fallback_rows_serve_and_follow_deltas_as_the_trained_module_reads_them(data_type, tmp_path):
+    """A table with learned fallback rows (issue 18): ids without a row (not admitted, never seen)
+    read the same fallback row in serving as in training's eval, converted from the module, a
+    state_dict or a checkpoint, and deltas carry the fallback rows' updates to the replica."""
+    from torchrec_ext.distributed.checkpoint import ensure_process_group, save_checkpoint
+
+    torch.manual_seed(0)
+    source = DynamicEmbeddingBagCollection(_tables(fallback_rows=8, admission="counter", admit_after=3),
+                                           optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    for step in range(4):
+        source(_kjt(step, 16)).values().pow(2).sum().backward()
+    source.eval()
+    token = source.delta_token()
+    ensure_process_group()
+    path = save_checkpoint(str(tmp_path), 1, {"model": source.state_dict()})
+    skeleton = DynamicEmbeddingBagCollection(_tables(fallback_rows=8, admission="counter", admit_after=3),
+                                             optimizer="adagrad", optimizer_kwargs={"lr": 0.1}, device=torch.device("meta"))
+    served = [convert_to_inference(source, data_type=data_type),
+              convert_to_inference(skeleton, state_dict=source.state_dict(), data_type=data_type),
+              load_inference_checkpoint(path, skeleton, data_type=data_type)]
+    tolerance = dict(rtol=0, atol=0) if data_type is None else TOLERANCE["int8"]
+    for seed in range(3):
+        kjt = _kjt(50 + seed, 16, pool=900)
+        want = source(kjt).values()
+        assert want.abs().sum() > 0
+        for replica in served:
+            torch.testing.assert_close(replica(kjt).values(), want, **tolerance)
+    replica = served[0]
+    replica.follow_deltas(token)
+    source.train()
+    for step in range(4, 8):
+        source(_kjt(step, 16)).values().pow(2).sum().backward()
+        delta = source.export_delta(since=token)
+        token = delta.token
+        assert any(t.fallback_slots is not None and t.fallback_slots.numel() for t in delta.tables.values())
+        replica.apply_delta(delta)
+    source.eval()
+    for seed in range(3):
+        kjt = _kjt(70 + seed, 16, pool=900)
+        torch.testing.assert_close(replica(kjt).values(), source(kjt).values(), **tolerance)
+    with pytest.raises(ValueError, match="defaults names tables .* learned fallback rows"):
+        convert_to_inference(source, defaults={"t0": 1.0})

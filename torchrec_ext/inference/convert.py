@@ -32,6 +32,7 @@ from torchrec_ext.modules.dynamic_tables import _check_distinct, _checked
 from torchrec_ext.modules.embedding_bag_collection import DynamicEmbeddingBagCollection
 from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
 from torchrec_ext.modules.features import LookupPlan
+from torchrec_ext.reference import fallback_seed, table_seed
 from torchrec_ext.table import HashTable, place_keys
 
 DYNAMIC_MODULES = (DynamicEmbeddingBagCollection, DynamicEmbeddingCollection)
@@ -106,7 +107,7 @@ def load_inference_checkpoint(path: str, model: nn.Module, key: str = "model", *
     for p, m in dynamic.items():
         for cfg in _configs(m):
             prefix = _table_prefix(m, p, cfg.name)
-            for entry in ("weight", "weight_id", "counters", "last_seen"):
+            for entry in ("weight", "weight_id", "counters", "last_seen", "fallback_weight"):
                 if f"{key}.{prefix}{entry}" in stored:
                     request[prefix + entry] = torch.empty(0)  # sized to the checkpoint's by load_checkpoint
                 elif entry in ("weight", "weight_id"):
@@ -152,9 +153,16 @@ def serving_module(
             cfg.embedding_dim,
             _serving_dtype(data_type, cfg, where),
             _source_dtype(cfg, vectors),
+            options_of(cfg).fallback_rows or 0,
+            fallback_seed(table_seed(options_of(cfg).seed, cfg.name)),
         )
         for cfg, (ids, vectors, _) in zip(configs, loaded)
     ]
+    fallback = [_fallback_rows(m, table_state(m.name), where) for m in metas]
+    given = sorted(m.name for m in metas if m.fallback_rows and m.name in (defaults or {}))
+    if given:
+        raise ValueError(f"{where}: defaults names tables {given} that have learned fallback rows (their unseen ids "
+                         "read those, as in training)")
     placed = [_placed_index(m, ids, rows, where) for m, (ids, _, rows) in zip(metas, loaded)]
     default_vectors = [_default_vector(m, (defaults or {}).get(m.name), where) for m in metas]
     pooled = isinstance(module, DynamicEmbeddingBagCollection)
@@ -163,7 +171,10 @@ def serving_module(
         storage.indexes[t] = index
         view = storage.row_view(t)
         view[rows] = storage.encode(t, vectors)
-        storage.set_default(t, default)
+        if fallback[t] is not None:
+            storage.set_fallback(t, torch.arange(metas[t].fallback_rows), fallback[t])
+        else:
+            storage.set_default(t, default)
     if pooled:
         return InferenceEmbeddingBagCollection(configs, storage, module.is_weighted())
     return InferenceEmbeddingCollection(configs, storage, module.need_indices())
@@ -309,6 +320,17 @@ def _placed_index(m: ServingTable, ids: Tensor, rows: Tensor | None, where: str)
         )
     index.load_state_dict(dict(entry, rows=rows))
     return index, rows
+
+
+def _fallback_rows(m: ServingTable, state: Mapping[str, Any], where: str) -> Tensor | None:
+    """A table's trained fallback rows, float [fallback_rows, dim] (None: it has none)."""
+    if not m.fallback_rows:
+        return None
+    name = f"{where}: table {m.name!r}"
+    if "fallback_weight" not in state:
+        raise ValueError(f"{name}: the table has fallback_rows={m.fallback_rows} but the state has no "
+                         "'fallback_weight' (a state of another model?)")
+    return _checked(name, "fallback_weight", state["fallback_weight"], "float", (m.fallback_rows, m.dim)).cpu()
 
 
 def _default_vector(m: ServingTable, value: Any, where: str) -> Tensor:

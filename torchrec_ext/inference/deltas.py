@@ -31,7 +31,7 @@ class _SourceShape:
     def table_view(self, t: int) -> Tensor:
         return self._views[t]
 
-    def state_views(self, t: int) -> dict[str, Tensor]:
+    def state_views(self, t: int, fallback: bool = False) -> dict[str, Tensor]:
         return {}
 
 
@@ -41,6 +41,7 @@ def apply_delta(tables: InferenceTables, followed: dict[str, DeltaToken], delta:
         check_delta(_SourceShape(tables), followed, delta)
         names = {m.name: t for t, m in enumerate(tables.meta)}
         prepared: list[tuple[int, HashTable, Tensor, Tensor]] = []
+        fallback: list[tuple[int, Tensor, Tensor]] = []  # (table, fallback rows, encoded vectors)
         for name, table in delta.tables.items():
             t = names[name]
             index = tables.indexes[t].clone()
@@ -55,8 +56,13 @@ def apply_delta(tables: InferenceTables, followed: dict[str, DeltaToken], delta:
                     f"applied: convert with more capacity (capacity=...)"
                 )
             prepared.append((t, index, result.rows, tables.encode(t, table.weights.cpu())))
+            if table.fallback_slots is not None and table.fallback_slots.numel():
+                rows = tables.meta[t].capacity + table.fallback_slots.cpu().to(torch.int64)
+                fallback.append((t, rows, tables.encode(t, table.fallback_weights.cpu().float())))
         with tables.lock.write():  # nothing below can fail
             for t, index, rows, encoded in prepared:
                 tables.row_view(t)[rows] = encoded
                 tables.indexes[t] = index
+            for t, rows, encoded in fallback:
+                tables.row_view(t)[rows] = encoded
         followed[delta.since.stream] = delta.token

@@ -1,8 +1,10 @@
 """The rows and id -> row indexes of a read-only (serving) module, and their lookups.
 
 ``InferenceTables`` holds, per table, a ``HashTable`` (policy ``none``: nothing is ever evicted)
-and ``capacity + 1`` rows: the ids' rows and, last, the table's *default row*, which every id the
-table does not hold reads (zeros unless a default vector is configured). Rows are kept as
+and ``capacity`` rows for the ids, then the rows the ids the table does not hold read: one
+*default row* (zeros unless a default vector is configured), or the trained table's K learned
+fallback rows (``fallback_rows``: an id reads row ``capacity + reference.fallback_slots(id)``, as
+in training). Rows are kept as
 
 - float32 / float16 / bfloat16: the training storage layout (one flat buffer of 4-byte words, as
   ``DynamicTables``), read by our ``pooled_lookup`` / ``sequence_lookup`` kernels, so float32
@@ -31,7 +33,7 @@ from torch import Tensor
 
 from torchrec_ext import ops
 from torchrec_ext.modules.features import LookupInput, LookupPlan
-from torchrec_ext.reference import STORAGE_DTYPES, dtype_code, table_words
+from torchrec_ext.reference import STORAGE_DTYPES, dtype_code, fallback_slots, table_words
 from torchrec_ext.table import HashTable, _ReadWriteLock
 
 INT8 = torch.int8
@@ -41,14 +43,22 @@ _SCALE_BIAS_BYTES = 4  # fbgemm's int8 rows: float16 scale, float16 bias, then t
 
 @dataclass
 class ServingTable:
-    """One table as served: ``capacity`` rows for ids (+1 default row), vectors of ``dim``
-    stored as ``dtype``; ``source_dtype`` is the trained table's (the dtype its deltas carry)."""
+    """One table as served: ``capacity`` rows for ids, then its default row or its
+    ``fallback_rows`` fallback rows (chosen by ``fallback_seed``), vectors of ``dim`` stored as
+    ``dtype``; ``source_dtype`` is the trained table's (the dtype its deltas carry)."""
 
     name: str
     capacity: int
     dim: int
     dtype: torch.dtype
     source_dtype: torch.dtype
+    fallback_rows: int = 0
+    fallback_seed: int = 0
+
+    @property
+    def rows(self) -> int:
+        """Stored rows: the ids', then the default row or the fallback rows."""
+        return self.capacity + max(1, self.fallback_rows)
 
 
 def quantize_rows(vectors: Tensor) -> Tensor:
@@ -95,7 +105,7 @@ class InferenceTables:
     # ------------------------------------------------------------------ storage
 
     def _build_float(self) -> None:
-        sizes = [table_words(m.capacity + 1, m.dim, m.dtype) for m in self.meta]
+        sizes = [table_words(m.rows, m.dim, m.dtype) for m in self.meta]
         self.table_offsets = torch.tensor([0] + sizes[:-1], dtype=torch.int64).cumsum(0)
         self.table_dims = torch.tensor([m.dim for m in self.meta], dtype=torch.int64)
         half = any(m.dtype != torch.float32 for m in self.meta)
@@ -116,7 +126,7 @@ class InferenceTables:
         mode = PoolingMode.NONE if not pooled else PoolingMode.MEAN if means == {True} else PoolingMode.SUM
         self.divide_means = pooled and len(means) > 1
         tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
-            [(m.name, m.capacity + 1, m.dim, SparseType.INT8, EmbeddingLocation.HOST) for m in self.meta],
+            [(m.name, m.rows, m.dim, SparseType.INT8, EmbeddingLocation.HOST) for m in self.meta],
             feature_table_map=list(self.plan.tables),
             device="cpu",
             pooling_mode=mode,
@@ -149,7 +159,7 @@ class InferenceTables:
         starts = [int(tbe.weights_physical_offsets[t]) for t in range(len(self.meta))]
         host = self.tbe["weights_host"]
         self._int8_views = [
-            host[s : s + (m.capacity + 1) * b].view(m.capacity + 1, b)[:, : _SCALE_BIAS_BYTES + m.dim]
+            host[s : s + m.rows * b].view(m.rows, b)[:, : _SCALE_BIAS_BYTES + m.dim]
             for m, s, b in zip(self.meta, starts, row_bytes)
         ]
         for m, view in zip(self.meta, self._int8_views):  # every row reads zeros until written
@@ -161,14 +171,27 @@ class InferenceTables:
         self.row_view(t)[self.default_rows[t]] = self.encode(t, vector.unsqueeze(0))[0]
         self._maps_default[t] = self.int8 or bool(vector.any())
 
+    def set_fallback(self, t: int, slots: Tensor, vectors: Tensor) -> None:
+        """Fallback rows ``slots`` of table t hold float ``vectors`` [n, dim]."""
+        self.row_view(t)[self.meta[t].capacity + slots] = self.encode(t, vectors)
+        self._maps_default[t] = True
+
+    def _unseen_rows(self, t: int, ids: Tensor, rows: Tensor, found: Tensor) -> Tensor:
+        """``rows`` with each id not found given the row its table serves unseen ids."""
+        m = self.meta[t]
+        if m.fallback_rows:
+            seed = torch.tensor(m.fallback_seed, dtype=torch.int64)
+            return torch.where(found, rows, m.capacity + fallback_slots(ids, seed, m.fallback_rows))
+        return torch.where(found, rows, self.default_rows[t])
+
     def row_view(self, t: int) -> Tensor:
-        """Table t's ``capacity + 1`` stored rows: [.., dim] in its dtype, or [.., 4 + dim] uint8 int8 rows."""
+        """Table t's stored rows: [.., dim] in its dtype, or [.., 4 + dim] uint8 int8 rows."""
         if self.int8:
             return self._int8_views[t]
         m = self.meta[t]
         start = int(self.table_offsets[t])
-        words = self.weights[start : start + table_words(m.capacity + 1, m.dim, m.dtype)]
-        return words.view(m.dtype)[: (m.capacity + 1) * m.dim].view(m.capacity + 1, m.dim)
+        words = self.weights[start : start + table_words(m.rows, m.dim, m.dtype)]
+        return words.view(m.dtype)[: m.rows * m.dim].view(m.rows, m.dim)
 
     def encode(self, t: int, vectors: Tensor) -> Tensor:
         """Float vectors [n, dim] as table t stores them (rounded to nearest, or quantized)."""
@@ -182,7 +205,7 @@ class InferenceTables:
         """float32 [n, dim]: what each id reads (its row, or the table's default row)."""
         with self.lock.read():
             rows, found = self.indexes[t].find(ids)
-            return self.decode(t, self.row_view(t)[torch.where(found, rows, self.default_rows[t])])
+            return self.decode(t, self.row_view(t)[self._unseen_rows(t, ids, rows, found)])
 
     def num_live_rows(self) -> int:
         return sum(index.size() for index in self.indexes)
@@ -213,7 +236,7 @@ class InferenceTables:
             digests, slot_keys = self.indexes[t].lookup_arrays()
             found_rows, found = ops.hash_find(digests, slot_keys, batch.ids[start:end], self.meta[t].capacity)
             per_table.append(
-                torch.where(found, found_rows, self.default_rows[t])
+                self._unseen_rows(t, batch.ids[start:end], found_rows, found)
                 if self._maps_default[t] or self.int8
                 else found_rows
             )

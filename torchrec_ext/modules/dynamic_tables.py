@@ -211,7 +211,7 @@ class DynamicTables:
         self.table_dtypes = torch.tensor([dtype_code(m.dtype) for m in self.meta], device=cpu) if half else None
         self.rounding_seeds = torch.tensor([m.rounding_seed for m in self.meta], device=cpu) \
             if any(m.rounding_seed for m in self.meta) else None
-        self.weights = _allocate(sum(sizes), 0.0, device)
+        self.weights = self._allocate_buffer("weights", sum(sizes), 0.0, device)
         self._init_views: Optional[list] = None
         self.optimizer: Optional[OptimizerSpec] = None
         self.states: List[Tensor] = []
@@ -293,8 +293,14 @@ class DynamicTables:
             return
         size = sum(m.capacity * (1 if spec.kind in ROWWISE_STATE else m.dim) for m in self.meta)
         self.optimizer = spec
-        self.states = [_allocate(size, value, self.device) for value in self._initial_state_values()]
+        self.states = [self._allocate_buffer(name, size, value, self.device)
+                       for name, value in zip(OPTIMIZER_STATES[spec.kind], self._initial_state_values())]
         self._init_views = None
+
+    def _allocate_buffer(self, name: str, numel: int, value: float, device: torch.device) -> Tensor:
+        """The flat buffer ``name`` ("weights" or an optimizer state) of ``numel`` elements, filled
+        with ``value`` (a hook: tiered tables keep these in a cache over a backing store)."""
+        return _allocate(numel, value, device)
 
     def apply(self, fn) -> None:
         """Applies a tensor function (``Module._apply``'s) to the storage and moves the indexes."""

@@ -38,6 +38,9 @@ class TableStats:
     refused a row (policy ``none``, or every slot of their buckets pinned by the batch).
     evicted_ages: count of evicted rows per age in training steps since last read (the last
     bin holds the older ones), or None when the table keeps no last-read step (no ttl_steps).
+    cache_*: tables with host or file backing (``tiered_tables``): cache slots, rows found in the
+    cache / brought in (lookups and prefetches; cache_hit_rate), dirty rows written back, and
+    bytes moved between the tiers; 0 for all-resident tables.
     """
 
     live_rows: int = 0
@@ -49,6 +52,11 @@ class TableStats:
     ttl_expiries: int = 0
     admission_rejections: int = 0
     refused: int = 0
+    cache_slots: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cache_write_backs: int = 0
+    cache_bytes_moved: int = 0
     evicted_ages: Optional[List[int]] = field(default=None, repr=False)
 
     @property
@@ -58,6 +66,11 @@ class TableStats:
     @property
     def hit_rate(self) -> Optional[float]:
         return self.hits / self.lookups if self.lookups else None
+
+    @property
+    def cache_hit_rate(self) -> Optional[float]:
+        seen = self.cache_hits + self.cache_misses
+        return self.cache_hits / seen if seen else None
 
     def _age_quantile(self, q: float) -> Optional[int]:
         if not self.evicted_ages or not sum(self.evicted_ages):
@@ -97,7 +110,7 @@ class TableStats:
         """Counters and derived figures as plain numbers (for logs and JSON; no histogram)."""
         out = {k: v for k, v in asdict(self).items() if k != "evicted_ages"}
         out.update(load_factor=self.load_factor, hit_rate=self.hit_rate, evicted_age_mean=self.evicted_age_mean,
-                   evicted_age_p50=self.evicted_age_p50, evicted_age_p99=self.evicted_age_p99)
+                   evicted_age_p50=self.evicted_age_p50, evicted_age_p99=self.evicted_age_p99, cache_hit_rate=self.cache_hit_rate)
         return out
 
 

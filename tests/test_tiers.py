@@ -210,6 +210,9 @@ def test_bad_backings_are_clear_errors(tmp_path, monkeypatch):
         module.to("meta")
     with pytest.raises(ValueError, match="deltas .* are not supported"):
         module.delta_token()
+    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder
+    with pytest.raises(ValueError, match=r"host or file backing cannot be sharded yet, got \{'a': 'host'\}"):
+        DynamicEmbeddingBagCollectionSharder().shard(module, {}, None)
 
 
 def test_backing_files_name_their_tables_and_are_not_shared(tmp_path, monkeypatch):
@@ -232,6 +235,14 @@ def test_backing_files_name_their_tables_and_are_not_shared(tmp_path, monkeypatc
     (tmp_path / "a.weights.rows").write_bytes(b"not a table" * 100)
     with pytest.raises(ValueError, match="is not a tiered table's backing file"):
         DynamicEmbeddingBagCollection(cfg(4))
+    # a full disk: refused when the file is made (its space is reserved), no file left behind
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(tier_store.os, "posix_fallocate", full)
+    with pytest.raises(ValueError, match=r"cannot reserve \d+ bytes for backing file .*No space left on device"):
+        DynamicEmbeddingBagCollection([DynamicEmbeddingBagConfig(
+            name="z", embedding_dim=4, num_embeddings=10, feature_names=["f"], backing=f"file:{tmp_path}")])
+    assert not (tmp_path / "z.weights.rows").exists()
 
 
 def test_checkpoints_round_trip_between_tiered_and_resident_and_a_reopened_file(tmp_path):
@@ -294,16 +305,17 @@ def test_table_stats_count_the_tier_traffic():
                                          backing="host", cache_load_factor=0.25)]
     module = DynamicEmbeddingBagCollection(configs, optimizer="adagrad")
     kjt = lambda ids: KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor(ids), torch.tensor([len(ids)]))
-    module(kjt(list(range(16)))).values().sum().backward()          # 16 new rows: misses, nothing read
-    module(kjt(list(range(8)))).values().sum().backward()            # 8 hits
-    module(kjt(list(range(16, 24)))).values().sum().backward()       # 8 new rows: 8 dirty rows written back
-    s = module.table_stats()["a"]
     row_bytes = 4 * 4 + 4 * 4  # a float32 vector of 4, an Adagrad state of 4
-    assert (s.cache_slots, s.cache_hits, s.cache_misses, s.cache_write_backs) == (16, 8, 24, 8)
-    assert s.cache_bytes_moved == 8 * row_bytes and s.cache_hit_rate == 8 / 32
+    module(kjt(list(range(16)))).values().sum().backward()      # 16 new rows fill the 16 slots: no miss, no read
+    module(kjt(list(range(8)))).values().sum().backward()       # 8 hits
+    module(kjt(list(range(16, 24)))).values().sum().backward()  # 8 new rows evict ids 8..15: 8 written back
+    module(kjt(list(range(8, 16)))).values().sum().backward()   # 8 misses read; ids 0..7 written back
+    s = module.table_stats()["a"]
+    assert (s.cache_slots, s.cache_hits, s.cache_misses, s.cache_write_backs) == (16, 8, 8, 16)
+    assert s.cache_bytes_moved == (8 + 16) * row_bytes and s.cache_hit_rate == 0.5
     module.state_dict()  # writes back the 16 dirty rows still cached
     s = module.table_stats()["a"]
-    assert s.cache_write_backs == 24 and s.cache_bytes_moved == 24 * row_bytes
+    assert s.cache_write_backs == 32 and s.cache_bytes_moved == (8 + 32) * row_bytes
 
 
 def test_a_copy_of_a_file_backed_module_is_independent(tmp_path):

@@ -39,8 +39,9 @@ class TableStats:
     evicted_ages: count of evicted rows per age in training steps since last read (the last
     bin holds the older ones), or None when the table keeps no last-read step (no ttl_steps).
     cache_*: tables with host or file backing (``tiered_tables``): cache slots, rows found in the
-    cache / brought in (lookups and prefetches; cache_hit_rate), dirty rows written back, and
-    bytes moved between the tiers; 0 for all-resident tables.
+    cache / read from the backing store (lookups and prefetches; rows new to their id are
+    neither; cache_hit_rate), dirty rows written back, bytes moved between the tiers; 0 for
+    all-resident tables.
     """
 
     live_rows: int = 0

@@ -62,8 +62,7 @@ class _Mover:
             cache.index_copy_(0, slots, backing.index_select(0, rows))
 
     def write(self, slots: Tensor, rows: Tensor) -> None:
-        order = rows.argsort()
-        slots, rows = slots[order], rows[order]
+        # Unsorted: writes land in the page cache, which the kernel writes out in its own order.
         for cache, backing in self.pairs:
             backing.index_copy_(0, rows, cache.index_select(0, slots))
 
@@ -71,7 +70,9 @@ class _Mover:
 class RowCache:
     """Which rows of one table sit in its cache slots: row -> slot, slot -> row, the clock of
     each slot's last use (least recently used goes first), dirty slots (newer than the backing
-    store) and pins (batches in flight holding the slot), plus the tier's counters."""
+    store) and pins (batches in flight holding the slot), plus the tier's counters: hits (rows
+    found in the cache), misses (rows read from the backing store; a row new to its id is
+    neither), write-backs (dirty rows written to the backing store) and bytes moved both ways."""
 
     def __init__(self, capacity: int, slots: int):
         self.slots = slots
@@ -109,8 +110,9 @@ class RowCache:
             self._evict(victims, mover)
             read = torch.ones_like(want, dtype=torch.bool) if fresh is None else ~fresh[live][missing]
             mover.read(victims[read], want[read])
-            self.misses += want.numel()
-            self.bytes_moved += int(read.sum()) * mover.row_bytes
+            reads = int(read.sum())  # rows new to their id take a slot but are not misses: nothing is read
+            self.misses += reads
+            self.bytes_moved += reads * mover.row_bytes
             self.row_of[victims] = want
             self.slot_of[want] = victims.to(torch.int32)
             self.dirty[victims] = False

@@ -58,6 +58,7 @@ class Config:
     steps_per_repeat: int = 3
     seed: int = 0
     backing_dir: str = ""  # default: a fresh directory under the system's temp dir (local disk here)
+    threads: int = 0  # torch threads (0: torch's default); 1 steadies the timing on a machine other sessions load
 
 
 def _build(cfg: Config, backing: str) -> DynamicEmbeddingBagCollection:
@@ -174,6 +175,8 @@ def report(cfg: Config, r: Dict[str, object]) -> str:
 
 def main() -> None:
     cfg, save_results = parse_config(Config, __doc__)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     result = run(cfg)
     text = report(cfg, result)
     print(text)

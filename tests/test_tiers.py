@@ -117,28 +117,31 @@ def test_sequence_tiered_tables_equal_all_resident_tables_with_eval_lookups(tmp_
 
 
 def test_rows_of_batches_in_flight_stay_cached_until_their_update_lands(tmp_path):
-    # Two forwards before their backwards (as a pipeline runs them): the second batch's misses
-    # must not evict the first's rows, whose update is pending. The cache holds 60 of 256 rows.
+    # Batch 1's forward, an eval batch, batch 2's forward, then both backwards (as a pipeline may
+    # order them). Batch 1's slots are then the least recently used: batch 2's misses would take
+    # them, were they not held until batch 1's update lands.
     configs = lambda tier: [DynamicEmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=256, feature_names=["f"],
                                                       **({} if tier is None else {"backing": tier,
                                                                                   "cache_load_factor": 60 / 256}))]
     make = lambda tier: DynamicEmbeddingBagCollection(configs(tier), optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
     resident, tiered = make(None), make(f"file:{tmp_path}")
+    kjt = lambda ids: KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.tensor([ids.numel()]))
+    for start in range(0, 200, 20):  # ids 0..199 get rows
+        _train_step((resident, tiered), kjt(torch.arange(start, start + 20)))
     gen = torch.Generator().manual_seed(2)
-    batch = lambda: KeyedJaggedTensor.from_lengths_sync(["f"], torch.randperm(150, generator=gen)[:28],
-                                                        torch.full((4,), 7))
-    pending = {}
-    for step in range(30):
-        kjt = batch()
+    for step in range(12):
+        ids = torch.randperm(200, generator=gen)
+        first, looked_at, second = ids[:20], ids[20:50], ids[50:70]
         for m in (resident, tiered):
-            out = m(kjt).values()
-            if m in pending:
-                pending[m].backward()
-            pending[m] = (out * out).sum()
-    for m in (resident, tiered):
-        pending[m].backward()
+            pending = m(kjt(first)).values().square().sum()
+            with torch.no_grad():
+                m.eval()
+                m(kjt(looked_at))
+                m.train()
+            m(kjt(second)).values().square().sum().backward()
+            pending.backward()
     _assert_same_state(resident, tiered)
-    assert tiered._tables.caches[0].pins.sum() == 0 and not tiered._tables._pinned
+    assert not tiered._tables.caches[0].pinned and not tiered._tables._pinned
 
 
 def test_a_dropped_graph_releases_its_rows(tmp_path):
@@ -152,7 +155,7 @@ def test_a_dropped_graph_releases_its_rows(tmp_path):
                 out.sum().backward()
         del outs  # the other batches' graphs are dropped without a backward
     gc.collect()
-    assert all(int(c.pins.sum()) == 0 for c in tiered._tables.caches)
+    assert not any(c.pinned for c in tiered._tables.caches) and not tiered._tables._pinned
     _assert_same_state(resident, tiered)
 
 

@@ -80,17 +80,29 @@ class RowCache:
         self.row_of = torch.full((slots,), -1, dtype=torch.int64)
         self.last_used = torch.zeros(slots, dtype=torch.int64)
         self.dirty = torch.zeros(slots, dtype=torch.bool)
-        self.pins = torch.zeros(slots, dtype=torch.int32)
-        self.pinned_at_most = 0   # slots of the pin records held: a bound on the pinned slots
-        self.generation = 0       # bumped by forget(): pin records of before no longer count
+        # Slots held by batches in flight, per batch (usually none between steps: a training
+        # step's update lands before the next lookup). Kept as lists, not counts per slot, so a
+        # step pays nothing to pin and unpin.
+        self.pinned: Dict[int, Tensor] = {}
+        self._next_pin = 0
         self.hits = self.misses = self.write_backs = self.bytes_moved = 0
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.slot_of, self.row_of, self.last_used, self.dirty, self.pins))
+        return sum(t.numel() * t.element_size() for t in (self.slot_of, self.row_of, self.last_used, self.dirty))
+
+    def pinned_at_most(self) -> int:
+        """A bound on the slots batches in flight hold (exact when they share none)."""
+        return sum(slots.numel() for slots in self.pinned.values())
+
+    def pinned_mask(self) -> Tensor:
+        mask = torch.zeros(self.slots, dtype=torch.bool)
+        for slots in self.pinned.values():
+            mask[slots] = True
+        return mask
 
     def room(self) -> int:
         """Slots no batch in flight holds."""
-        return self.slots - (int((self.pins > 0).sum()) if self.pinned_at_most else 0)
+        return self.slots - (int(self.pinned_mask().sum()) if self.pinned else 0)
 
     def hold(self, rows: Tensor, fresh: Optional[Tensor], modifies: bool, clock: int, mover: _Mover,
              best_effort: bool = False) -> Tensor:
@@ -133,7 +145,8 @@ class RowCache:
         or one of ``held`` (the batch's own hits)."""
         key = self.last_used.clone()
         key[self.row_of < 0] = -1
-        key[self.pins > 0] = _NEVER
+        for slots in self.pinned.values():
+            key[slots] = _NEVER
         key[held[held >= 0]] = _NEVER
         if best_effort:
             k = min(k, int((key < _NEVER).sum()))
@@ -161,34 +174,27 @@ class RowCache:
             mover.write(dirty, self.row_of[dirty])
             self.write_backs += dirty.numel()
             self.bytes_moved += dirty.numel() * mover.row_bytes
-            self.dirty[dirty] = self.pins[dirty] > 0
+            self.dirty[dirty] = self.pinned_mask()[dirty] if self.pinned else False
 
-    def pin(self, slots: Tensor) -> Tuple[int, Tensor]:
-        self.pins[slots] += 1
-        self.pinned_at_most += slots.numel()
-        return self.generation, slots
+    def pin(self, slots: Tensor) -> int:
+        """Holds ``slots`` until ``unpin`` of the token returned."""
+        self._next_pin += 1
+        self.pinned[self._next_pin] = slots
+        return self._next_pin
 
-    def unpin(self, record: Tuple[int, Tensor]) -> None:
-        generation, slots = record
-        if generation == self.generation:
-            self.pins[slots] -= 1
-            self.pinned_at_most -= slots.numel()
+    def unpin(self, token: int) -> None:
+        self.pinned.pop(token, None)  # gone already when the cache was emptied since
 
     def forget(self) -> None:
         """Empties the cache without writing back (its rows were replaced or reset)."""
         self.slot_of.fill_(-1)
         self.row_of.fill_(-1)
         self.dirty.zero_()
-        self.pins.zero_()
-        self.pinned_at_most = 0
-        self.generation += 1
+        self.pinned = {}
 
     def __getstate__(self) -> Dict[str, object]:
         # A copy has no batch in flight.
-        state = dict(self.__dict__)
-        state["pins"] = torch.zeros_like(self.pins)
-        state["pinned_at_most"] = 0
-        return state
+        return dict(self.__dict__, pinned={})
 
 
 class TieredTables(DynamicTables):
@@ -353,7 +359,7 @@ class TieredTables(DynamicTables):
         bounds = segment_offsets.tolist()
         for t, cache in enumerate(self.caches):
             start, end = bounds[t], bounds[t + 1]
-            if end - start <= cache.slots - cache.pinned_at_most:
+            if end - start <= cache.slots - cache.pinned_at_most():
                 continue
             room = cache.room()
             distinct = int(torch.unique(ids[start:end]).numel())

@@ -6,9 +6,12 @@ raw ids Zipf(1.05) over 2^40 (``torchrec_ext.data.dlrm_small_batch``); fused Ada
 forward + backward of sum(output) + the fused update. Systems, built side by side:
 
 - resident: DynamicEmbeddingBagCollection, capacity rows per table (backing="device").
-- tiered:   the same with backing="file:<dir>" (a file on local disk, memory-mapped) and
+- file:     the same with backing="file:<dir>" (a file on local disk, memory-mapped) and
             cache_load_factor (0.2: the table holds 5x the cache's rows); no prefetch (the
-            pipeline's prefetch is not built yet): every miss is filled inside the step.
+            pipeline's prefetch is not built yet): every miss is filled, every dirty victim
+            written back, inside the step.
+- host:     the same with backing="host" (the backing store a host tensor): what the tier's
+            bookkeeping and copies cost without the file's page-cache writes.
 
 Both train on the same batches; after ``warmup_steps`` (so that the cache is full and evicting),
 the two are timed in turn chunk by chunk (rotating order, so both see the same machine load):
@@ -18,7 +21,7 @@ rows new to their id are neither), rows read / written back and bytes moved per 
 memory (``storage_bytes``: rows in the module's buffer + index) of each, the backing file's size,
 and the process's resident memory split into anonymous and file pages (both modules included).
 
-    python benchmarks/bench_tiers.py                      # saves results/tiers_cpu.{md,jsonl}
+    python benchmarks/bench_tiers.py --threads 1          # saves results/tiers_cpu.{md,jsonl}
     python benchmarks/bench_tiers.py --capacity 65536 --batch-size 512 --warmup-steps 5 --repeats 3 --no-save  # smoke
 """
 from __future__ import annotations
@@ -31,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -59,6 +62,10 @@ class Config:
     seed: int = 0
     backing_dir: str = ""  # default: a fresh directory under the system's temp dir (local disk here)
     threads: int = 0  # torch threads (0: torch's default); 1 steadies the timing on a machine other sessions load
+    systems: Tuple[str, ...] = ("resident", "file", "host")
+
+
+SYSTEMS = ("resident", "file", "host")
 
 
 def _build(cfg: Config, backing: str) -> DynamicEmbeddingBagCollection:
@@ -106,13 +113,14 @@ def _run(cfg: Config, directory: str) -> Dict[str, object]:
     make = lambda i: dlrm_small_batch(i, cfg.num_tables, cfg.batch_size, cfg.max_bag, cfg.seed,  # noqa: E731
                                       alpha=cfg.alpha, id_bits=cfg.id_bits)
     batches = [make(i) for i in range(total)]
-    systems = {"resident": _build(cfg, "device"), "tiered": _build(cfg, f"file:{directory}")}
+    backings = {"resident": "device", "file": f"file:{directory}", "host": "host"}
+    systems = {name: _build(cfg, backings[name]) for name in cfg.systems}
+    tiered = [name for name in systems if name != "resident"]
     uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     for i, kjt in enumerate(batches[:cfg.warmup_steps]):
         for module in systems.values():
             _step(module, kjt)
-    tiered = systems["tiered"]
-    before = _tier_counters(tiered)
+    before = {name: _tier_counters(systems[name]) for name in tiered}
     times: Dict[str, List[float]] = {name: [] for name in systems}
     names = list(systems)
     for r in range(cfg.repeats):
@@ -123,24 +131,27 @@ def _run(cfg: Config, directory: str) -> Dict[str, object]:
             for kjt in chunk:
                 _step(systems[name], kjt)
             times[name].append((time.perf_counter() - start) / n)
-    after = _tier_counters(tiered)
     uptime_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     timed = cfg.repeats * n
-    delta = {k: after[k] - before[k] for k in after}
-    seen = delta["cache_hits"] + delta["cache_misses"]
+    tiers = {}
+    for name in tiered:
+        after = _tier_counters(systems[name])
+        delta = {k: after[k] - before[name][k] for k in after}
+        seen = delta["cache_hits"] + delta["cache_misses"]
+        tiers[name] = {"hit_rate": delta["cache_hits"] / seen if seen else None, "cache_rows": after["cache_slots"],
+                       "backing_bytes": systems[name]._tables.backing_bytes(),
+                       "per_step": {"hits": delta["cache_hits"] / timed, "misses_read": delta["cache_misses"] / timed,
+                                    "write_backs": delta["cache_write_backs"] / timed,
+                                    "new_rows": delta["inserts"] / timed,
+                                    "bytes_moved": delta["cache_bytes_moved"] / timed}}
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     backing_file_bytes = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
     return {
         "ms_per_step": ms, "ms_per_step_each_repeat": {k: [x * 1e3 for x in v] for k, v in times.items()},
-        "ratio": ms["tiered"] / ms["resident"],
-        "hit_rate": delta["cache_hits"] / seen if seen else None,
-        "per_step": {"hits": delta["cache_hits"] / timed, "misses_read": delta["cache_misses"] / timed,
-                     "write_backs": delta["cache_write_backs"] / timed, "new_rows": delta["inserts"] / timed,
-                     "bytes_moved": delta["cache_bytes_moved"] / timed},
-        "cache_rows": after["cache_slots"], "capacity_rows": cfg.capacity * cfg.num_tables,
+        "tiers": tiers, "capacity_rows": cfg.capacity * cfg.num_tables,
         "live_rows": {name: m.num_live_rows() for name, m in systems.items()},
         "fast_memory_bytes": {name: m.storage_bytes() for name, m in systems.items()},
-        "backing_bytes": tiered._tables.backing_bytes(), "backing_file_bytes": backing_file_bytes,
+        "backing_file_bytes": backing_file_bytes,
         "process_memory": _memory_status(), "ids_per_step": int(batches[0].values().numel()),
         "uptime_before": uptime_before, "uptime_after": uptime_after, "backing_dir": directory,
     }
@@ -148,33 +159,39 @@ def _run(cfg: Config, directory: str) -> Dict[str, object]:
 
 def report(cfg: Config, r: Dict[str, object]) -> str:
     mib = lambda b: f"{b / 2**20:,.0f}"  # noqa: E731
-    title = (f"Tiered vs all-resident dynamic tables, dlrm-small train step on cpu ({torch.get_num_threads()} threads): "
-             f"{cfg.num_tables} tables x dim {cfg.dim}, capacity {cfg.capacity:,} rows each, batch {cfg.batch_size} per "
-             f"table, bags 1..{cfg.max_bag}, ids Zipf({cfg.alpha}) over 2^{cfg.id_bits} ({r['ids_per_step']:,} ids/step), "
-             f"fused Adagrad; tiered: file backing on local disk, cache_load_factor {cfg.cache_load_factor}, no prefetch. "
-             f"{cfg.warmup_steps} warm-up steps, then median of {cfg.repeats} chunks x {cfg.steps_per_repeat} steps, "
-             "the two timed in turn on the same batches")
-    rows = [[name, f"{r['ms_per_step'][name]:.1f}", f"{r['ms_per_step'][name] / r['ms_per_step']['resident']:.2f}",
-             f"{r['live_rows'][name]:,}", mib(r["fast_memory_bytes"][name])] for name in ("resident", "tiered")]
-    per = r["per_step"]
+    title = (f"Tiered vs all-resident dynamic tables, dlrm-small train step on cpu ({torch.get_num_threads()} "
+             f"thread{'s' if torch.get_num_threads() > 1 else ''}): {cfg.num_tables} tables x dim {cfg.dim}, capacity "
+             f"{cfg.capacity:,} rows each, batch {cfg.batch_size} per table, bags 1..{cfg.max_bag}, ids Zipf({cfg.alpha}) "
+             f"over 2^{cfg.id_bits} ({r['ids_per_step']:,} ids/step), fused Adagrad; tiered: cache_load_factor "
+             f"{cfg.cache_load_factor}, no prefetch. {cfg.warmup_steps} warm-up steps, then median of {cfg.repeats} chunks "
+             f"x {cfg.steps_per_repeat} steps, the systems timed in turn (rotating order) on the same batches")
+    base = r["ms_per_step"].get("resident")
+    rows = []
+    for name, ms in r["ms_per_step"].items():
+        tier = r["tiers"].get(name)
+        rows.append([name, f"{ms:.1f}", f"{ms / base:.2f}" if base else "", f"{r['live_rows'][name]:,}",
+                     mib(r["fast_memory_bytes"][name]), mib(tier["backing_bytes"]) if tier else "",
+                     f"{tier['hit_rate']:.3f}" if tier else ""])
+    lines = [title, "", markdown_table(["system", "ms / step", "× resident", "live rows", "fast memory MiB",
+                                        "backing MiB", "cache hit rate"], rows), ""]
+    for name, tier in r["tiers"].items():
+        per = tier["per_step"]
+        lines.append(f"- {name}: cache {tier['cache_rows']:,} rows of {r['capacity_rows']:,} "
+                     f"({r['capacity_rows'] / tier['cache_rows']:.1f}x fewer than the tables hold); per timed step "
+                     f"{per['hits']:,.0f} rows found in the cache, {per['misses_read']:,.0f} read from the backing store, "
+                     f"{per['new_rows']:,.0f} new rows initialised in the cache, {per['write_backs']:,.0f} written back, "
+                     f"{per['bytes_moved'] / 2**20:.1f} MiB moved")
     mem = r["process_memory"]
-    lines = [title, "", markdown_table(["system", "ms / step", "× resident", "live rows", "fast memory MiB"], rows), "",
-             f"- tiered cache: {r['cache_rows']:,} rows of {r['capacity_rows']:,} "
-             f"({r['capacity_rows'] / r['cache_rows']:.1f}x fewer than the table holds); hit rate "
-             f"{r['hit_rate']:.3f} over the timed steps",
-             f"- per timed step: {per['hits']:,.0f} rows found in the cache, {per['misses_read']:,.0f} read from the "
-             f"file, {per['new_rows']:,.0f} new rows initialised in the cache, {per['write_backs']:,.0f} written back, "
-             f"{per['bytes_moved'] / 2**20:.1f} MiB moved",
-             f"- backing store {mib(r['backing_bytes'])} MiB ({mib(r['backing_file_bytes'])} MiB of files with headers); "
-             f"process memory at the end (both modules): VmRSS {mib(mem.get('VmRSS', 0))} MiB = anonymous "
-             f"{mib(mem.get('RssAnon', 0))} + file pages {mib(mem.get('RssFile', 0))} MiB",
-             f"- machine load: before `{r['uptime_before']}`; after `{r['uptime_after']}` (2 cores shared with other "
-             "sessions: only the ratio of this run means anything)"]
+    lines += [f"- backing files {mib(r['backing_file_bytes'])} MiB (with headers); process memory at the end (all "
+              f"systems): VmRSS {mib(mem.get('VmRSS', 0))} MiB = anonymous {mib(mem.get('RssAnon', 0))} + file pages "
+              f"{mib(mem.get('RssFile', 0))} MiB",
+              f"- machine load: before `{r['uptime_before']}`; after `{r['uptime_after']}` (2 cores shared with other "
+              "sessions: only the ratios of this run mean anything)"]
     return "\n".join(lines)
 
 
 def main() -> None:
-    cfg, save_results = parse_config(Config, __doc__)
+    cfg, save_results = parse_config(Config, __doc__, systems=SYSTEMS)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     result = run(cfg)

@@ -390,7 +390,8 @@ class TieredTables(DynamicTables):
         """Brings the rows of ``ids`` that their tables hold into the cache (as much as fits
         next to the batches in flight), so that their lookup finds them there. Reads the index
         only (no id is inserted, no eviction score moves): lookups give the same results with
-        or without it."""
+        or without it. Call it between steps or before a forward, not concurrently with one (the
+        cache is not locked)."""
         self.check_ready("prefetch")
         self.write_new_rows()  # pending new rows are written to their slots before any slot moves
         unique, _, _, unique_offsets = ops.dedup_segments(ids, segment_offsets)

@@ -4,7 +4,7 @@ A module's tiered tables (``tiered_tables.TieredTables``) keep each of their fla
 vectors' words, each optimizer state) whole here, in the layout an all-resident module's buffer
 has, and only a cache of hot rows in the module's own buffer.
 
-``backing="host"``: a host tensor. ``backing="file:<dir>"``: one file per buffer,
+``backing="host"``: host tensors (allocated by the tables, as their cache). ``backing="file:<dir>"``: one file per buffer,
 ``<dir>/<tables>.<buffer>.rows``: a 4 KiB header (magic, layout version, the tables' names,
 capacities, dims and dtypes, the buffer's name and length) and then the buffer, mapped
 MAP_SHARED (``torch.from_file``), so that reading and writing rows of the tensor is the file's
@@ -55,11 +55,9 @@ class BackingStore:
                 raise ValueError(f"{where}: backing directory {self.directory!r} is not writable (backing={backing!r})")
         self.where = where
 
-    def allocate(self, name: str, numel: int, value: float, fill: bool) -> Tensor:
-        """Buffer ``name`` of ``numel`` float32 elements; filled with ``value`` when ``fill``
-        (otherwise its elements are unspecified: zeros in a new file)."""
-        if self.directory is None:
-            return torch.full((numel,), value, dtype=torch.float32)
+    def map(self, name: str, numel: int, value: float, fill: bool) -> Tensor:
+        """Buffer ``name`` of ``numel`` float32 elements, mapped from its file (file backing);
+        filled with ``value`` when ``fill`` (otherwise unspecified: zeros in a new file)."""
         buf = self._map(name, numel)
         if fill:
             buf.fill_(value)

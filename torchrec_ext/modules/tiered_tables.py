@@ -242,7 +242,10 @@ class TieredTables(DynamicTables):
         # numel is the buffer at full capacity: the backing store's. Its contents matter only
         # where rows are live (new rows are initialised): a fresh file needs no filling.
         live = bool(getattr(self, "indexes", None)) and self.num_live_rows() > 0
-        self.backing[name] = self.store.allocate(name, numel, value, fill=live)
+        if self.store.directory is None:  # host memory, on huge pages where offered (rows are touched at random)
+            self.backing[name] = _allocate(numel, value, torch.device("cpu"))
+        else:
+            self.backing[name] = self.store.map(name, numel, value, fill=live)
         self._movers = None
         if name == "weights":
             cached = sum(table_words(s, m.dim, m.dtype) for s, m in zip(self.slots, self.meta))

@@ -333,3 +333,15 @@ def test_a_copy_of_a_file_backed_module_is_independent(tmp_path):
     _train_step((resident, tiered, twin), kjt)
     _assert_same_state(resident, tiered)
     _assert_same_state(resident, twin)
+
+
+def test_reset_parameters_empties_the_cache_as_the_tables(tmp_path):
+    resident, tiered = _bag_pair("file", tmp_path, "adagrad")
+    batches = [random_kjt(["f0", "f1", "f2", "f3"], 6, POOL[i * 100:(i + 3) * 100], 5) for i in range(6)]
+    for i, kjt in enumerate(batches):
+        if i == 3:
+            for m in (resident, tiered):
+                m.reset_parameters()
+            assert not any(bool((c.row_of >= 0).any()) for c in tiered._tables.caches)
+        _train_step((resident, tiered), kjt)
+    _assert_same_state(resident, tiered)

@@ -19,6 +19,7 @@ from torchrec_ext.modules.deltas import DeltaMixin
 from torchrec_ext.modules.dynamic_tables import DynamicTables, RowLookup
 from torchrec_ext.modules.features import LookupInput, LookupPlan
 from torchrec_ext.modules.table_stats import TableStats
+from torchrec_ext.modules.tiered_tables import tables_for
 from torchrec_ext.modules.fused_optimizer import (
     DEFAULT_OPTIMIZER, DynamicEmbeddingFusedOptimizer, OptimizerSpec, resolve_optimizer, spec_from_parameter,
 )
@@ -149,7 +150,7 @@ class DynamicCollectionMixin(DeltaMixin):
         # Without a device, torch's default one, as TorchRec's modules (so ``with torch.device("meta"):``
         # builds a meta module).
         self._device = torch.device(device) if device is not None else torch.get_default_device()
-        self._tables = DynamicTables(configs, self._device)
+        self._tables = tables_for(configs, self._device)  # tiered when a table has host or file backing
         self._container = container
         setattr(self, container, DynamicTableDict(self._tables, {cfg.name: DynamicTable(self._tables, t) for t, cfg in enumerate(configs)}))
         self._plan = LookupPlan.of(configs)

@@ -109,6 +109,12 @@ class DynamicTableOptions:
     stochastic_rounding: how the fused update writes FP16 / BF16 rows (``data_type``): rounded
         stochastically (True, as fbgemm does; unbiased, a pure function of seed, table, id,
         element and optimizer step) or to nearest even (False). FP32 tables ignore it.
+    backing: where all of the table's rows (vectors and optimizer state) live: ``"device"`` (the
+        module's buffer, as before), ``"host"`` (host memory) or ``"file:<dir>"`` (a file in that
+        directory, memory-mapped); with host or file backing only ``cache_load_factor`` of the
+        rows are kept in the module's buffer (``torchrec_ext.modules.tiered_tables``).
+    cache_load_factor: the fraction in (0, 1] of the capacity kept hot with host or file backing
+        (None: 0.2, TorchRec's default).
     """
 
     eviction_policy: str = "lru"
@@ -126,6 +132,8 @@ class DynamicTableOptions:
     fallback_rows: Optional[int] = None
     seed: int = 0
     stochastic_rounding: bool = True
+    backing: str = "device"
+    cache_load_factor: Optional[float] = None
 
     def _check_dynamic_fields(self) -> None:
         name = type(self).__name__
@@ -149,6 +157,7 @@ class DynamicTableOptions:
         if not isinstance(self.stochastic_rounding, bool):
             raise TypeError(f"{name}: stochastic_rounding must be a bool, got {self.stochastic_rounding!r}")
         check_admission_options(self, getattr(self, "num_embeddings", 1), name)
+        check_backing_options(self, name)
 
     @property
     def admission_strategy(self) -> Optional[str]:
@@ -160,6 +169,30 @@ def check_fallback_rows(value: object, where: str) -> None:
     """Raises unless ``value`` is None or an int >= 1 (a table's ``fallback_rows``)."""
     if value is not None and (not _is_int(value) or value < 1):
         raise ValueError(f"{where} fallback_rows must be an int >= 1 (or None: no fallback rows), got {value!r}")
+
+
+DEFAULT_CACHE_LOAD_FACTOR = 0.2
+
+
+def check_backing_options(opts: "DynamicTableOptions", where: str) -> None:
+    """Checks ``backing`` and ``cache_load_factor`` (the directory itself is checked when the
+    table is built, on the machine that opens it)."""
+    backing = opts.backing
+    if not isinstance(backing, str) or not (backing in ("device", "host") or
+                                            (backing.startswith("file:") and len(backing) > len("file:"))):
+        raise ValueError(f"{where}: backing must be \"device\", \"host\" or \"file:<dir>\", got {backing!r}")
+    if backing != "device" and opts.fallback_rows:
+        raise ValueError(f"{where}: fallback_rows applies to backing=\"device\" tables for now (a tiered table "
+                         f"caches its id rows only), got fallback_rows={opts.fallback_rows!r} with backing={backing!r}")
+    factor = opts.cache_load_factor
+    if factor is None:
+        return
+    if backing == "device":
+        raise ValueError(f"{where}: cache_load_factor applies to backing=\"host\" or \"file:<dir>\" (a device-backed "
+                         f"table keeps all its rows in the module's buffer), got cache_load_factor={factor!r}")
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor <= 1:
+        raise ValueError(f"{where}: cache_load_factor must be a number in (0, 1] (the fraction of rows kept hot), "
+                         f"got {factor!r}")
 
 
 def _is_int(x: object) -> bool:

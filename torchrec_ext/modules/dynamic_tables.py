@@ -242,7 +242,7 @@ class DynamicTables:
         # before the step, so every copy takes the unsharded table's step.
         self.replicated_fallback: Optional[Tuple[List[int], object]] = None
         self._fallback_max = max((m.fallback_rows for m in self.meta), default=0)
-        self.weights = _allocate(sum(sizes), 0.0, device)
+        self.weights = self._allocate_buffer("weights", sum(sizes), 0.0, device)
         self._init_views: Optional[list] = None
         self.optimizer: Optional[OptimizerSpec] = None
         self.states: List[Tensor] = []
@@ -334,8 +334,14 @@ class DynamicTables:
             return
         size = sum(m.rows * (1 if spec.kind in ROWWISE_STATE else m.dim) for m in self.meta)
         self.optimizer = spec
-        self.states = [_allocate(size, value, self.device) for value in self._initial_state_values()]
+        self.states = [self._allocate_buffer(name, size, value, self.device)
+                       for name, value in zip(OPTIMIZER_STATES[spec.kind], self._initial_state_values())]
         self._init_views = None
+
+    def _allocate_buffer(self, name: str, numel: int, value: float, device: torch.device) -> Tensor:
+        """The flat buffer ``name`` ("weights" or an optimizer state) of ``numel`` elements, filled
+        with ``value`` (a hook: tiered tables keep these in a cache over a backing store)."""
+        return _allocate(numel, value, device)
 
     def apply(self, fn) -> None:
         """Applies a tensor function (``Module._apply``'s) to the storage and moves the indexes."""

@@ -40,6 +40,10 @@ class TableStats:
     of ids without a row (not admitted, refused); 0 for a table without fallback rows.
     evicted_ages: count of evicted rows per age in training steps since last read (the last
     bin holds the older ones), or None when the table keeps no last-read step (no ttl_steps).
+    cache_*: tables with host or file backing (``tiered_tables``): cache slots, rows found in the
+    cache / read from the backing store (lookups and prefetches; rows new to their id are
+    neither; cache_hit_rate), dirty rows written back, bytes moved between the tiers; 0 for
+    all-resident tables.
     """
 
     live_rows: int = 0
@@ -52,6 +56,11 @@ class TableStats:
     admission_rejections: int = 0
     refused: int = 0
     fallback_reads: int = 0
+    cache_slots: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    cache_write_backs: int = 0
+    cache_bytes_moved: int = 0
     evicted_ages: Optional[List[int]] = field(default=None, repr=False)
 
     @property
@@ -61,6 +70,11 @@ class TableStats:
     @property
     def hit_rate(self) -> Optional[float]:
         return self.hits / self.lookups if self.lookups else None
+
+    @property
+    def cache_hit_rate(self) -> Optional[float]:
+        seen = self.cache_hits + self.cache_misses
+        return self.cache_hits / seen if seen else None
 
     def _age_quantile(self, q: float) -> Optional[int]:
         if not self.evicted_ages or not sum(self.evicted_ages):
@@ -100,7 +114,7 @@ class TableStats:
         """Counters and derived figures as plain numbers (for logs and JSON; no histogram)."""
         out = {k: v for k, v in asdict(self).items() if k != "evicted_ages"}
         out.update(load_factor=self.load_factor, hit_rate=self.hit_rate, evicted_age_mean=self.evicted_age_mean,
-                   evicted_age_p50=self.evicted_age_p50, evicted_age_p99=self.evicted_age_p99)
+                   evicted_age_p50=self.evicted_age_p50, evicted_age_p99=self.evicted_age_p99, cache_hit_rate=self.cache_hit_rate)
         return out
 
 

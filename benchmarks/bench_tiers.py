@@ -1,0 +1,205 @@
+"""Train-step time of a tiered table (issue 16: host or file backing, a cache of hot rows) against
+the same table all-resident, in one process, on the "dlrm-small" workload of bench_lookup.py.
+
+Workload: 8 tables, dim 64, 4096 bags per table, bag lengths uniform in 1..7 (~131k ids per step),
+raw ids Zipf(1.05) over 2^40 (``torchrec_ext.data.dlrm_small_batch``); fused Adagrad; one step =
+forward + backward of sum(output) + the fused update. Systems, built side by side:
+
+- resident: DynamicEmbeddingBagCollection, capacity rows per table (backing="device").
+- file:     the same with backing="file:<dir>" (a file on local disk, memory-mapped) and
+            cache_load_factor (0.2: the table holds 5x the cache's rows); no prefetch (the
+            pipeline's prefetch is not built yet): every miss is filled, every dirty victim
+            written back, inside the step.
+- host:     the same with backing="host" (the backing store a host tensor): what the tier's
+            bookkeeping and copies cost without the file's page-cache writes.
+
+Both train on the same batches; after ``warmup_steps`` (so that the cache is full and evicting),
+the two are timed in turn chunk by chunk (rotating order, so both see the same machine load):
+median ms per step of ``repeats`` chunks of ``steps_per_repeat`` steps. Reported for the timed
+steps: the tiered tables' cache hit rate (rows found in the cache over rows that held values;
+rows new to their id are neither), rows read / written back and bytes moved per step; fast
+memory (``storage_bytes``: rows in the module's buffer + index) of each, the backing file's size,
+and the process's resident memory split into anonymous and file pages (both modules included).
+
+    python benchmarks/bench_tiers.py --threads 1          # saves results/tiers_cpu.{md,jsonl}
+    python benchmarks/bench_tiers.py --capacity 65536 --batch-size 512 --warmup-steps 5 --repeats 3 --no-save  # smoke
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Tuple
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import markdown_table, parse_config, save, small_tables  # noqa: E402
+
+from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig  # noqa: E402
+from torchrec_ext.data import dlrm_small_batch  # noqa: E402
+
+
+@dataclasses.dataclass
+class Config:
+    num_tables: int = 8
+    dim: int = 64
+    batch_size: int = 4096
+    max_bag: int = 7
+    alpha: float = 1.05
+    id_bits: int = 40
+    capacity: int = 1 << 20  # rows per table
+    cache_load_factor: float = 0.2
+    lr: float = 0.01
+    warmup_steps: int = 40
+    repeats: int = 10
+    steps_per_repeat: int = 3
+    seed: int = 0
+    backing_dir: str = ""  # default: a fresh directory under the system's temp dir (local disk here)
+    threads: int = 0  # torch threads (0: torch's default); 1 steadies the timing on a machine other sessions load
+    systems: Tuple[str, ...] = ("resident", "file", "host")
+
+
+SYSTEMS = ("resident", "file", "host")
+
+
+def _build(cfg: Config, backing: str) -> DynamicEmbeddingBagCollection:
+    tables = small_tables(cfg, DynamicEmbeddingBagConfig, cfg.capacity)
+    if backing != "device":
+        for table in tables:
+            table.backing, table.cache_load_factor = backing, cfg.cache_load_factor
+    return DynamicEmbeddingBagCollection(tables, optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": cfg.lr})
+
+
+def _step(module: DynamicEmbeddingBagCollection, kjt) -> None:
+    module(kjt).values().sum().backward()
+
+
+def _tier_counters(module) -> Dict[str, int]:
+    stats = module.table_stats().values()
+    return {k: sum(getattr(s, k) for s in stats) for k in ("cache_hits", "cache_misses", "cache_write_backs",
+                                                           "cache_bytes_moved", "cache_slots", "inserts")}
+
+
+def _memory_status() -> Dict[str, int]:
+    """VmRSS / RssAnon / RssFile of this process, in bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def run(cfg: Config) -> Dict[str, object]:
+    directory = cfg.backing_dir or tempfile.mkdtemp(prefix="bench_tiers_")
+    made = not cfg.backing_dir
+    try:
+        return _run(cfg, directory)
+    finally:
+        if made:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _run(cfg: Config, directory: str) -> Dict[str, object]:
+    n = cfg.steps_per_repeat
+    total = cfg.warmup_steps + cfg.repeats * n
+    make = lambda i: dlrm_small_batch(i, cfg.num_tables, cfg.batch_size, cfg.max_bag, cfg.seed,  # noqa: E731
+                                      alpha=cfg.alpha, id_bits=cfg.id_bits)
+    batches = [make(i) for i in range(total)]
+    backings = {"resident": "device", "file": f"file:{directory}", "host": "host"}
+    systems = {name: _build(cfg, backings[name]) for name in cfg.systems}
+    tiered = [name for name in systems if name != "resident"]
+    uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    for i, kjt in enumerate(batches[:cfg.warmup_steps]):
+        for module in systems.values():
+            _step(module, kjt)
+    before = {name: _tier_counters(systems[name]) for name in tiered}
+    times: Dict[str, List[float]] = {name: [] for name in systems}
+    names = list(systems)
+    for r in range(cfg.repeats):
+        chunk = batches[cfg.warmup_steps + r * n: cfg.warmup_steps + (r + 1) * n]
+        for k in range(len(names)):
+            name = names[(r + k) % len(names)]
+            start = time.perf_counter()
+            for kjt in chunk:
+                _step(systems[name], kjt)
+            times[name].append((time.perf_counter() - start) / n)
+    uptime_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    timed = cfg.repeats * n
+    tiers = {}
+    for name in tiered:
+        after = _tier_counters(systems[name])
+        delta = {k: after[k] - before[name][k] for k in after}
+        seen = delta["cache_hits"] + delta["cache_misses"]
+        tiers[name] = {"hit_rate": delta["cache_hits"] / seen if seen else None, "cache_rows": after["cache_slots"],
+                       "backing_bytes": systems[name]._tables.backing_bytes(),
+                       "per_step": {"hits": delta["cache_hits"] / timed, "misses_read": delta["cache_misses"] / timed,
+                                    "write_backs": delta["cache_write_backs"] / timed,
+                                    "new_rows": delta["inserts"] / timed,
+                                    "bytes_moved": delta["cache_bytes_moved"] / timed}}
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    backing_file_bytes = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
+    return {
+        "ms_per_step": ms, "ms_per_step_each_repeat": {k: [x * 1e3 for x in v] for k, v in times.items()},
+        "tiers": tiers, "capacity_rows": cfg.capacity * cfg.num_tables,
+        "live_rows": {name: m.num_live_rows() for name, m in systems.items()},
+        "fast_memory_bytes": {name: m.storage_bytes() for name, m in systems.items()},
+        "backing_file_bytes": backing_file_bytes,
+        "process_memory": _memory_status(), "ids_per_step": int(batches[0].values().numel()),
+        "uptime_before": uptime_before, "uptime_after": uptime_after, "backing_dir": directory,
+    }
+
+
+def report(cfg: Config, r: Dict[str, object]) -> str:
+    mib = lambda b: f"{b / 2**20:,.0f}"  # noqa: E731
+    title = (f"Tiered vs all-resident dynamic tables, dlrm-small train step on cpu ({torch.get_num_threads()} "
+             f"thread{'s' if torch.get_num_threads() > 1 else ''}): {cfg.num_tables} tables x dim {cfg.dim}, capacity "
+             f"{cfg.capacity:,} rows each, batch {cfg.batch_size} per table, bags 1..{cfg.max_bag}, ids Zipf({cfg.alpha}) "
+             f"over 2^{cfg.id_bits} ({r['ids_per_step']:,} ids/step), fused Adagrad; tiered: cache_load_factor "
+             f"{cfg.cache_load_factor}, no prefetch. {cfg.warmup_steps} warm-up steps, then median of {cfg.repeats} chunks "
+             f"x {cfg.steps_per_repeat} steps, the systems timed in turn (rotating order) on the same batches")
+    base = r["ms_per_step"].get("resident")
+    rows = []
+    for name, ms in r["ms_per_step"].items():
+        tier = r["tiers"].get(name)
+        rows.append([name, f"{ms:.1f}", f"{ms / base:.2f}" if base else "", f"{r['live_rows'][name]:,}",
+                     mib(r["fast_memory_bytes"][name]), mib(tier["backing_bytes"]) if tier else "",
+                     f"{tier['hit_rate']:.3f}" if tier else ""])
+    lines = [title, "", markdown_table(["system", "ms / step", "× resident", "live rows", "fast memory MiB",
+                                        "backing MiB", "cache hit rate"], rows), ""]
+    for name, tier in r["tiers"].items():
+        per = tier["per_step"]
+        lines.append(f"- {name}: cache {tier['cache_rows']:,} rows of {r['capacity_rows']:,} "
+                     f"({r['capacity_rows'] / tier['cache_rows']:.1f}x fewer than the tables hold); per timed step "
+                     f"{per['hits']:,.0f} rows found in the cache, {per['misses_read']:,.0f} read from the backing store, "
+                     f"{per['new_rows']:,.0f} new rows initialised in the cache, {per['write_backs']:,.0f} written back, "
+                     f"{per['bytes_moved'] / 2**20:.1f} MiB moved")
+    mem = r["process_memory"]
+    lines += [f"- backing files {mib(r['backing_file_bytes'])} MiB (with headers); process memory at the end (all "
+              f"systems): VmRSS {mib(mem.get('VmRSS', 0))} MiB = anonymous {mib(mem.get('RssAnon', 0))} + file pages "
+              f"{mib(mem.get('RssFile', 0))} MiB",
+              f"- machine load: before `{r['uptime_before']}`; after `{r['uptime_after']}` (2 cores shared with other "
+              "sessions: only the ratios of this run mean anything)"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    cfg, save_results = parse_config(Config, __doc__, systems=SYSTEMS)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    result = run(cfg)
+    text = report(cfg, result)
+    print(text)
+    if save_results:
+        save("tiers_cpu", {"config": dataclasses.asdict(cfg), "results": result}, text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,348 @@
+"""Tables larger than fast memory (issue 16, first slice, CPU): host or file backing with a cache
+of hot rows (torchrec_ext/modules/tiered_tables.py, tier_store.py).
+
+Oracle: the same module all-resident (backing="device", today's tables), fed the same batches.
+A tiered table must give the same outputs, rows, optimizer states, eviction scores and counters,
+bit for bit, over many steps with cache misses, write-backs, index evictions, TTL, admission,
+half-precision rows and optimizers with state.
+"""
+import copy
+import gc
+import os
+
+import pytest
+import torch
+from torchrec import DataType, KeyedJaggedTensor
+
+from modules_helpers import random_kjt
+from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, DynamicEmbeddingCollection
+from torchrec_ext.modules import DynamicEmbeddingConfig
+from torchrec_ext.modules import tier_store
+from torchrec_ext.modules.features import check_and_arrange
+from torchrec_ext.modules.tiered_tables import TieredTables
+
+POOL = torch.randint(-(2**62), 2**62, (900,), generator=torch.Generator().manual_seed(3))
+
+
+def _bag_configs(tier=None, factor=None, policies=("lru", "lfu")):
+    extra = {} if tier is None else {"backing": tier, "cache_load_factor": factor}
+    return [
+        DynamicEmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=256, feature_names=["f0", "f1"],
+                                  eviction_policy=policies[0], ttl_steps=6, **extra),
+        DynamicEmbeddingBagConfig(name="b", embedding_dim=6, num_embeddings=320, feature_names=["f2"],
+                                  eviction_policy=policies[1], data_type=DataType.FP16, admit_after=2, **extra),
+        DynamicEmbeddingBagConfig(name="c", embedding_dim=4, num_embeddings=200, feature_names=["f3"],
+                                  admission="bloom", admit_after=2, data_type=DataType.BF16, **extra),
+    ]
+
+
+def _seq_configs(tier=None, factor=None):
+    extra = {} if tier is None else {"backing": tier, "cache_load_factor": factor}
+    return [DynamicEmbeddingConfig(name="s", embedding_dim=8, num_embeddings=300, feature_names=["g0", "g1"],
+                                   eviction_policy="lfu", ttl_steps=5, **extra),
+            DynamicEmbeddingConfig(name="h", embedding_dim=8, num_embeddings=200, feature_names=["g2"],
+                                   data_type=DataType.FP16, admission="counter", admit_after=2, **extra)]
+
+
+def _backing(kind, tmp_path):
+    return "host" if kind == "host" else f"file:{tmp_path}"
+
+
+def _bag_pair(kind, tmp_path, optimizer, factor=0.3, weighted=False):
+    make = lambda configs: DynamicEmbeddingBagCollection(configs, is_weighted=weighted, optimizer=optimizer,
+                                                        optimizer_kwargs={"lr": 0.05})
+    return make(_bag_configs()), make(_bag_configs(_backing(kind, tmp_path), factor))
+
+
+def _train_step(modules, kjt):
+    for module in modules:
+        module(kjt).values().sum().backward()
+
+
+def _assert_same_state(resident, tiered):
+    a, b = resident.state_dict(), tiered.state_dict()
+    assert list(a) == list(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
+def _assert_same_stats(resident, tiered):
+    for (name, a), b in zip(resident.table_stats().items(), tiered.table_stats().values()):
+        b = b.as_dict()
+        for key, value in a.as_dict().items():
+            if not key.startswith("cache_"):
+                assert b[key] == value, (name, key)
+
+
+@pytest.mark.parametrize("kind,optimizer,weighted", [("host", "adam", False), ("file", "adagrad", True),
+                                                     ("file", "rowwise_adagrad", False)])
+def test_pooled_tiered_tables_equal_all_resident_tables_bit_for_bit(tmp_path, kind, optimizer, weighted):
+    resident, tiered = _bag_pair(kind, tmp_path, optimizer, weighted=weighted)
+    assert isinstance(tiered._tables, TieredTables)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(60):
+        kjt = random_kjt(["f0", "f1", "f2", "f3"], 6, POOL[torch.randint(0, 700, (400,), generator=gen)], 5,
+                         weighted=weighted)
+        if step % 11 == 5:  # a training forward without backward: new rows initialised by the lookup itself
+            with torch.no_grad():
+                assert torch.equal(resident(kjt).values(), tiered(kjt).values()), step
+        outs = [m(kjt).values() for m in (resident, tiered)]
+        assert torch.equal(outs[0], outs[1]), step
+        grad = torch.randn(outs[0].shape, generator=gen)
+        for out in outs:
+            out.backward(grad)
+        if step % 20 == 19:  # a checkpoint mid-training (write-back of dirty rows), training goes on
+            _assert_same_state(resident, tiered)
+    _assert_same_state(resident, tiered)
+    _assert_same_stats(resident, tiered)
+    stats = tiered.table_stats()["a"]
+    assert stats.cache_misses > stats.cache_slots and stats.cache_write_backs > 0 and stats.evictions > 0
+    assert tiered.storage_bytes() < resident.storage_bytes()
+
+
+@pytest.mark.parametrize("kind", ["host", "file"])
+def test_sequence_tiered_tables_equal_all_resident_tables_with_eval_lookups(tmp_path, kind):
+    make = lambda configs: DynamicEmbeddingCollection(configs, optimizer="adam", optimizer_kwargs={"lr": 0.05})
+    resident, tiered = make(_seq_configs()), make(_seq_configs(_backing(kind, tmp_path), 0.25))
+    gen = torch.Generator().manual_seed(1)
+    for step in range(50):
+        kjt = random_kjt(["g0", "g1", "g2"], 5, POOL[torch.randint(0, 500, (300,), generator=gen)], 6)
+        for m in (resident, tiered):
+            m.train(step % 7 != 3)  # some eval lookups: nothing inserted, misses still brought in
+        outs = [m(kjt) for m in (resident, tiered)]
+        for name in outs[0]:
+            assert torch.equal(outs[0][name].values(), outs[1][name].values()), (step, name)
+        if step % 7 != 3:
+            for out in outs:
+                sum((jt.values() ** 2).sum() for jt in out.values()).backward()
+    _assert_same_state(resident, tiered)
+    _assert_same_stats(resident, tiered)
+
+
+def test_rows_of_batches_in_flight_stay_cached_until_their_update_lands(tmp_path):
+    # Batch 1's forward, an eval batch, batch 2's forward, then both backwards (as a pipeline may
+    # order them). Batch 1's slots are then the least recently used: batch 2's misses would take
+    # them, were they not held until batch 1's update lands.
+    configs = lambda tier: [DynamicEmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=256, feature_names=["f"],
+                                                      **({} if tier is None else {"backing": tier,
+                                                                                  "cache_load_factor": 60 / 256}))]
+    make = lambda tier: DynamicEmbeddingBagCollection(configs(tier), optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    resident, tiered = make(None), make(f"file:{tmp_path}")
+    kjt = lambda ids: KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.tensor([ids.numel()]))
+    for start in range(0, 200, 20):  # ids 0..199 get rows
+        _train_step((resident, tiered), kjt(torch.arange(start, start + 20)))
+    gen = torch.Generator().manual_seed(2)
+    for step in range(12):
+        ids = torch.randperm(200, generator=gen)
+        first, looked_at, second = ids[:20], ids[20:50], ids[50:70]
+        for m in (resident, tiered):
+            pending = m(kjt(first)).values().square().sum()
+            with torch.no_grad():
+                m.eval()
+                m(kjt(looked_at))
+                m.train()
+            m(kjt(second)).values().square().sum().backward()
+            pending.backward()
+    _assert_same_state(resident, tiered)
+    assert not tiered._tables.caches[0].pinned and not tiered._tables._pinned
+
+
+def test_a_dropped_graph_releases_its_rows(tmp_path):
+    resident, tiered = _bag_pair("host", tmp_path, "adam", factor=0.2)
+    gen = torch.Generator().manual_seed(4)
+    for step in range(25):
+        kjt = random_kjt(["f0", "f1", "f2", "f3"], 4, POOL[torch.randint(0, 700, (400,), generator=gen)], 4)
+        outs = [m(kjt).values() for m in (resident, tiered)]
+        if step % 3:
+            for out in outs:
+                out.sum().backward()
+        del outs  # the other batches' graphs are dropped without a backward
+    gc.collect()
+    assert not any(c.pinned for c in tiered._tables.caches) and not tiered._tables._pinned
+    _assert_same_state(resident, tiered)
+
+
+def test_a_cache_too_small_for_a_batch_is_a_clear_error_and_changes_nothing(tmp_path):
+    configs = [DynamicEmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=100, feature_names=["f"],
+                                         backing="host", cache_load_factor=0.1)]
+    module = DynamicEmbeddingBagCollection(configs, optimizer="sgd", optimizer_kwargs={"lr": 0.1})
+    module(KeyedJaggedTensor.from_lengths_sync(["f"], torch.arange(10), torch.tensor([10]))).values().sum().backward()
+    before = module.state_dict()
+    step = module._tables.train_step
+    ids = torch.arange(100, 111)
+    with pytest.raises(ValueError, match=r"table 'a': the batch has 11 distinct ids, more than the 10 cache slots .*"
+                                         r"cache_load_factor 0.1 of capacity 100"):
+        module(KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.tensor([11])))
+    assert module._tables.train_step == step
+    after = module.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # repeated ids count once: 20 ids, 10 distinct, fit
+    module(KeyedJaggedTensor.from_lengths_sync(["f"], torch.arange(10).repeat(2), torch.tensor([20])))
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("cache_load_factor", 0.0, r"cache_load_factor must be a number in \(0, 1\]"),
+    ("cache_load_factor", 1.5, r"cache_load_factor must be a number in \(0, 1\]"),
+    ("cache_load_factor", True, r"cache_load_factor must be a number in \(0, 1\]"),
+    ("backing", "disk", r"backing must be \"device\", \"host\" or \"file:<dir>\", got 'disk'"),
+    ("backing", "file:", r"backing must be"),
+    ("fallback_rows", 4, r"fallback_rows applies to backing=\"device\" tables for now"),
+])
+def test_bad_tier_options_are_clear_errors(field, value, message):
+    kwargs = {"backing": "host", field: value}
+    with pytest.raises(ValueError, match=message):
+        DynamicEmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=10, feature_names=["f"], **kwargs)
+
+
+def test_cache_load_factor_without_a_backing_is_refused():
+    with pytest.raises(ValueError, match="cache_load_factor applies to backing"):
+        DynamicEmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=10, cache_load_factor=0.5)
+
+
+def test_bad_backings_are_clear_errors(tmp_path, monkeypatch):
+    cfg = lambda backing, name="a": DynamicEmbeddingBagConfig(name=name, embedding_dim=4, num_embeddings=10,
+                                                               feature_names=[name], backing=backing)
+    with pytest.raises(ValueError, match="backing directory .*nowhere' does not exist"):
+        DynamicEmbeddingBagCollection([cfg(f"file:{tmp_path}/nowhere")])
+    monkeypatch.setattr(tier_store.os, "access", lambda path, mode: False)  # as for a non-root user
+    with pytest.raises(ValueError, match="is not writable"):
+        DynamicEmbeddingBagCollection([cfg(f"file:{tmp_path}")])
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="must share one backing"):
+        DynamicEmbeddingBagCollection([cfg("host"), cfg("device", "b")])
+    with pytest.raises(ValueError, match="run on the CPU in this version"):
+        DynamicEmbeddingBagCollection([cfg("host")], device=torch.device("meta"))
+    module = DynamicEmbeddingBagCollection([cfg("host")])
+    with pytest.raises(ValueError, match="cannot move them to meta"):
+        module.to("meta")
+    with pytest.raises(ValueError, match="deltas .* are not supported"):
+        module.delta_token()
+    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder
+    with pytest.raises(ValueError, match=r"host or file backing cannot be sharded yet, got \{'a': 'host'\}"):
+        DynamicEmbeddingBagCollectionSharder().shard(module, {}, None)
+
+
+def test_backing_files_name_their_tables_and_are_not_shared(tmp_path, monkeypatch):
+    cfg = lambda dim: [DynamicEmbeddingBagConfig(name="a", embedding_dim=dim, num_embeddings=10, feature_names=["f"],
+                                                 backing=f"file:{tmp_path}")]
+    first = DynamicEmbeddingBagCollection(cfg(4), optimizer="adagrad")
+    assert sorted(os.listdir(tmp_path)) == ["a.momentum1.rows", "a.weights.rows"]
+    with open(tmp_path / "a.weights.rows", "rb") as f:
+        assert f.read(8) == tier_store.MAGIC
+    with pytest.raises(ValueError, match="in use by another live module"):
+        DynamicEmbeddingBagCollection(cfg(4))
+    del first
+    gc.collect()
+    with pytest.raises(ValueError, match=r"holds tables \[\{'name': 'a', 'capacity': 10, 'dim': 4"):
+        DynamicEmbeddingBagCollection(cfg(8))  # the file of another table
+    monkeypatch.setattr(tier_store, "LAYOUT_VERSION", 2)
+    with pytest.raises(ValueError, match="has layout version 1, this build reads version 2"):
+        DynamicEmbeddingBagCollection(cfg(4))
+    monkeypatch.undo()
+    (tmp_path / "a.weights.rows").write_bytes(b"not a table" * 100)
+    with pytest.raises(ValueError, match="is not a tiered table's backing file"):
+        DynamicEmbeddingBagCollection(cfg(4))
+    # a full disk: refused when the file is made (its space is reserved), no file left behind
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(tier_store.os, "posix_fallocate", full)
+    with pytest.raises(ValueError, match=r"cannot reserve \d+ bytes for backing file .*No space left on device"):
+        DynamicEmbeddingBagCollection([DynamicEmbeddingBagConfig(
+            name="z", embedding_dim=4, num_embeddings=10, feature_names=["f"], backing=f"file:{tmp_path}")])
+    assert not (tmp_path / "z.weights.rows").exists()
+
+
+def test_checkpoints_round_trip_between_tiered_and_resident_and_a_reopened_file(tmp_path):
+    resident, tiered = _bag_pair("file", tmp_path, "adam")
+    gen = torch.Generator().manual_seed(5)
+    batches = [random_kjt(["f0", "f1", "f2", "f3"], 6, POOL[torch.randint(0, 700, (400,), generator=gen)], 5)
+               for _ in range(30)]
+    for kjt in batches[:20]:
+        _train_step((resident, tiered), kjt)
+    _assert_same_state(resident, tiered)
+    saved = tiered.state_dict()
+    del tiered
+    gc.collect()
+    make = lambda configs: DynamicEmbeddingBagCollection(configs, optimizer="adam", optimizer_kwargs={"lr": 0.05})
+    # The oracle: a resident module loaded from the checkpoint (a loaded admission table orders its
+    # entries afresh, so it is compared with a module loaded the same way).
+    loaded = make(_bag_configs())
+    loaded.load_state_dict(saved)
+    # reopened from its directory with the checkpoint
+    reopened = make(_bag_configs(f"file:{tmp_path}", 0.3))
+    reopened.load_state_dict(saved)
+    # a resident checkpoint into a host-backed module: the backing store filled, the cache empty
+    host = make(_bag_configs("host", 0.2))
+    host.load_state_dict(resident.state_dict())
+    assert all(int((c.row_of >= 0).sum()) == 0 for c in host._tables.caches)
+    for kjt in batches[20:]:
+        outs = [m(kjt).values() for m in (loaded, reopened, host)]
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+        for out in outs:
+            out.sum().backward()
+    _assert_same_state(loaded, reopened)
+    _assert_same_state(loaded, host)
+
+
+def test_prefetch_brings_a_batch_in_and_changes_no_result(tmp_path):
+    resident, tiered = _bag_pair("file", tmp_path, "adagrad", factor=0.5)
+    tables = tiered._tables
+    gen = torch.Generator().manual_seed(6)
+    for step in range(25):
+        kjt = random_kjt(["f0", "f1", "f2", "f3"], 6, POOL[torch.randint(0, 400, (300,), generator=gen)], 5)
+        batch = check_and_arrange(kjt, tiered._plan, False, "test", tiered.device)
+        tables.prefetch(batch.ids, batch.segment_offsets)  # what a pipeline would run ahead
+        bounds = batch.segment_offsets.tolist()
+        unknown = 0  # distinct ids holding no live row yet: the only ones the lookup may miss
+        for t, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+            keys = batch.ids[s:e].unique()
+            rows, found = tables.indexes[t].find(keys)
+            unknown += int((tables._mask_expired(t, rows, found) < 0).sum())
+        misses = sum(c.misses for c in tables.caches)
+        outs = [m(kjt).values() for m in (resident, tiered)]
+        assert torch.equal(outs[0], outs[1]), step
+        assert sum(c.misses for c in tables.caches) - misses <= unknown
+        for out in outs:
+            out.sum().backward()
+    _assert_same_state(resident, tiered)
+
+
+def test_table_stats_count_the_tier_traffic():
+    configs = [DynamicEmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=64, feature_names=["f"],
+                                         backing="host", cache_load_factor=0.25)]
+    module = DynamicEmbeddingBagCollection(configs, optimizer="adagrad")
+    kjt = lambda ids: KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor(ids), torch.tensor([len(ids)]))
+    row_bytes = 4 * 4 + 4 * 4  # a float32 vector of 4, an Adagrad state of 4
+    module(kjt(list(range(16)))).values().sum().backward()      # 16 new rows fill the 16 slots: no miss, no read
+    module(kjt(list(range(8)))).values().sum().backward()       # 8 hits
+    module(kjt(list(range(16, 24)))).values().sum().backward()  # 8 new rows evict ids 8..15: 8 written back
+    module(kjt(list(range(8, 16)))).values().sum().backward()   # 8 misses read; ids 0..7 written back
+    s = module.table_stats()["a"]
+    assert (s.cache_slots, s.cache_hits, s.cache_misses, s.cache_write_backs) == (16, 8, 8, 16)
+    assert s.cache_bytes_moved == (8 + 16) * row_bytes and s.cache_hit_rate == 0.5
+    module.state_dict()  # writes back the 16 dirty rows still cached
+    s = module.table_stats()["a"]
+    assert s.cache_write_backs == 32 and s.cache_bytes_moved == (8 + 32) * row_bytes
+
+
+def test_a_copy_of_a_file_backed_module_is_independent(tmp_path):
+    resident, tiered = _bag_pair("file", tmp_path, "adam")
+    kjt = random_kjt(["f0", "f1", "f2", "f3"], 6, POOL[:200], 5)
+    _train_step((resident, tiered), kjt)
+    twin = copy.deepcopy(tiered)
+    assert twin._tables.store._files == {}
+    _train_step((resident, tiered, twin), kjt)
+    _assert_same_state(resident, tiered)
+    _assert_same_state(resident, twin)
+
+
+def test_reset_parameters_empties_the_cache_as_the_tables(tmp_path):
+    resident, tiered = _bag_pair("file", tmp_path, "adagrad")
+    batches = [random_kjt(["f0", "f1", "f2", "f3"], 6, POOL[i * 100:(i + 3) * 100], 5) for i in range(6)]
+    for i, kjt in enumerate(batches):
+        if i == 3:
+            for m in (resident, tiered):
+                m.reset_parameters()
+            assert not any(bool((c.row_of >= 0).any()) for c in tiered._tables.caches)
+        _train_step((resident, tiered), kjt)
+    _assert_same_state(resident, tiered)

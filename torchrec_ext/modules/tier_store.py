@@ -1,0 +1,146 @@
+"""The backing store of tiered tables: every row of a module's tables, in host memory or in files.
+
+A module's tiered tables (``tiered_tables.TieredTables``) keep each of their flat buffers (the
+vectors' words, each optimizer state) whole here, in the layout an all-resident module's buffer
+has, and only a cache of hot rows in the module's own buffer.
+
+``backing="host"``: host tensors (allocated by the tables, as their cache). ``backing="file:<dir>"``: one file per buffer,
+``<dir>/<tables>.<buffer>.rows``: a 4 KiB header (magic, layout version, the tables' names,
+capacities, dims and dtypes, the buffer's name and length) and then the buffer, mapped
+MAP_SHARED (``torch.from_file``), so that reading and writing rows of the tensor is the file's
+I/O and the page cache decides what stays in RAM. The file's space is reserved when it is
+created (``posix_fallocate``): a full disk is an error then, not a SIGBUS in the middle of a
+training step. Each file is locked (``flock``) while its module lives, so two live modules never
+share rows; a file of other tables or of another layout version is refused, one of the same
+tables is reused (its rows are overwritten before any is read: a fresh index names no row).
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+LAYOUT_VERSION = 1
+MAGIC = b"TRXTIER\0"
+HEADER_BYTES = 4096  # a page: the rows after it stay page-aligned
+
+
+def parse_backing(backing: str) -> Optional[str]:
+    """The directory of a ``"file:<dir>"`` backing; None for ``"host"``."""
+    return backing[len("file:"):] if backing.startswith("file:") else None
+
+
+class BackingStore:
+    """The backing buffers of one module's tables (see the module docstring).
+
+    tables: per table (name, capacity, dim, storage dtype), which the files' headers name.
+    """
+
+    def __init__(self, backing: str, tables: List[tuple], where: str):
+        self.backing = backing
+        self.directory = parse_backing(backing)
+        self.tables = [{"name": n, "capacity": c, "dim": d, "dtype": str(dt).replace("torch.", "")}
+                       for n, c, d, dt in tables]
+        self._files: Dict[str, object] = {}  # buffer name -> its open, locked file
+        if self.directory is not None:
+            if not os.path.isdir(self.directory):
+                raise ValueError(f"{where}: backing directory {self.directory!r} does not exist (backing={backing!r})")
+            if not os.access(self.directory, os.W_OK | os.X_OK):
+                raise ValueError(f"{where}: backing directory {self.directory!r} is not writable (backing={backing!r})")
+        self.where = where
+
+    def map(self, name: str, numel: int, value: float, fill: bool) -> Tensor:
+        """Buffer ``name`` of ``numel`` float32 elements, mapped from its file (file backing);
+        filled with ``value`` when ``fill`` (otherwise unspecified: zeros in a new file)."""
+        buf = self._map(name, numel)
+        if fill:
+            buf.fill_(value)
+        return buf
+
+    def path(self, name: str) -> str:
+        names = "+".join(re.sub(r"[^A-Za-z0-9_.-]", "_", t["name"]) for t in self.tables)
+        if len(names) > 120:  # long or many names: a digest of them instead
+            names = "tables-" + hashlib.sha1(names.encode()).hexdigest()[:16]
+        return os.path.join(self.directory, f"{names}.{name}.rows")
+
+    def _header(self, name: str, numel: int) -> dict:
+        return {"layout_version": LAYOUT_VERSION, "buffer": name, "numel": numel, "tables": self.tables}
+
+    def _map(self, name: str, numel: int) -> Tensor:
+        path, header = self.path(name), self._header(name, numel)
+        old = self._files.pop(name, None)
+        if old is not None:  # ours, re-allocated (a new optimizer's state): start it afresh
+            old.close()
+            os.unlink(path)
+        exists = os.path.exists(path) and os.path.getsize(path) > 0
+        try:
+            f = open(path, "r+b" if exists else "w+b")
+        except OSError as e:
+            raise ValueError(f"{self.where}: cannot open backing file {path!r}: {e}") from None
+        try:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                raise ValueError(f"{self.where}: backing file {path!r} is in use by another live module (each "
+                                 "tiered module needs files of its own: another directory, or free the other "
+                                 "module first)") from None
+            if exists:
+                self._check_header(path, f.read(HEADER_BYTES), header)
+            else:
+                text = MAGIC + json.dumps(header).encode()
+                if len(text) > HEADER_BYTES:
+                    raise ValueError(f"{self.where}: the backing file header of {len(self.tables)} tables is longer "
+                                     f"than {HEADER_BYTES} bytes; give the module fewer tables")
+                f.write(text.ljust(HEADER_BYTES, b"\0"))
+                f.flush()
+                try:
+                    os.posix_fallocate(f.fileno(), 0, HEADER_BYTES + 4 * numel)
+                except OSError as e:
+                    f.close()
+                    os.unlink(path)
+                    raise ValueError(f"{self.where}: cannot reserve {HEADER_BYTES + 4 * numel} bytes for backing file "
+                                     f"{path!r}: {e}") from None
+        except BaseException:
+            if not f.closed:
+                f.close()
+            raise
+        self._files[name] = f
+        whole = torch.from_file(path, shared=True, size=HEADER_BYTES // 4 + numel, dtype=torch.float32)
+        return whole[HEADER_BYTES // 4:]
+
+    def _check_header(self, path: str, raw: bytes, want: dict) -> None:
+        if not raw.startswith(MAGIC):
+            raise ValueError(f"{self.where}: {path!r} is not a tiered table's backing file (no {MAGIC!r} header)")
+        try:
+            have = json.loads(raw[len(MAGIC):].rstrip(b"\0").decode())
+        except ValueError:
+            raise ValueError(f"{self.where}: backing file {path!r} has an unreadable header") from None
+        if have.get("layout_version") != LAYOUT_VERSION:
+            raise ValueError(f"{self.where}: backing file {path!r} has layout version {have.get('layout_version')!r}, "
+                             f"this build reads version {LAYOUT_VERSION}")
+        for key in ("tables", "buffer", "numel"):
+            if have.get(key) != want[key]:
+                raise ValueError(f"{self.where}: backing file {path!r} holds {key} {have.get(key)!r}, not this "
+                                 f"module's {want[key]!r}: a file of other tables; use another directory")
+        if os.path.getsize(path) < HEADER_BYTES + 4 * want["numel"]:
+            raise ValueError(f"{self.where}: backing file {path!r} is {os.path.getsize(path)} bytes, shorter than "
+                             f"its header says ({HEADER_BYTES + 4 * want['numel']})")
+
+    def close(self) -> None:
+        """Releases the files' locks (the mapped tensors stay valid while referenced)."""
+        for f in self._files.values():
+            f.close()
+        self._files = {}
+
+    def __getstate__(self) -> Dict[str, object]:
+        # A copy (deepcopy / pickle) gets its buffers as host tensors: it holds no file.
+        state = dict(self.__dict__)
+        state["_files"] = {}
+        state["directory"] = None
+        return state

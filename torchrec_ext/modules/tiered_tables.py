@@ -1,0 +1,452 @@
+"""Tables larger than fast memory: every row in a backing store, the hot ones in a cache.
+
+``TieredTables`` is ``DynamicTables`` whose tables (``backing="host"`` or ``"file:<dir>"``) keep
+all their rows, vectors and optimizer state, in a ``BackingStore`` (tier_store.py) and
+``ceil(cache_load_factor * capacity)`` of them in the module's buffer: the cache. The hash-table
+index (ids -> rows), eviction scores, ``last_seen`` and admission stay whole in fast memory (they
+are small), so which id holds which row, and which id is evicted, expired or admitted, is decided
+exactly as in an all-resident table: only where a row's payload sits changes.
+
+Per lookup, each table's rows are translated to cache slots (``RowCache.hold``) before the
+kernels run: a row not in the cache takes the least recently used slot that no batch in flight
+holds (its row written back first when dirty) and is read from the backing store, unless it is
+new to its id (then it is initialised in the slot, as the all-resident table initialises its row).
+The kernels then run unchanged on the cache, with slots for rows. A training lookup's slots stay
+pinned until its fused update lands (or its autograd graph is dropped), so an update always
+finds its rows. ``prefetch`` stages the rows a batch will read before its lookup: what a
+pipeline can run while the previous batch computes (not yet called by ``TrainPipeline``).
+
+``table_view`` / ``state_views`` (the tables' parameters, ``state_dict``, loading) are views of
+the backing store: ``state_dict`` writes the dirty rows back first; loading fills the backing
+store and empties the cache.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+
+from torchrec_ext import ops
+from torchrec_ext.modules.configs import DEFAULT_CACHE_LOAD_FACTOR, options_of, storage_dtype_of
+from torchrec_ext.modules.dynamic_tables import DynamicTables, RowLookup, _allocate
+from torchrec_ext.modules.table_stats import TableStats
+from torchrec_ext.modules.tier_store import BackingStore
+from torchrec_ext.reference import OPTIMIZER_STATES, ROWWISE_STATE, dense_state_offsets, table_words
+
+_NEVER = torch.iinfo(torch.int64).max  # the eviction key of a slot that must stay
+
+
+def tables_for(configs: Sequence[BaseEmbeddingConfig], device: torch.device) -> DynamicTables:
+    """A module's tables: ``TieredTables`` when its tables have host or file backing."""
+    if any(options_of(cfg).backing != "device" for cfg in configs):
+        return TieredTables(configs, device)
+    return DynamicTables(configs, device)
+
+
+class _Mover:
+    """Copies rows of one table between its cache slots and the backing store: the vectors and
+    each optimizer state, in their storage dtypes (bit for bit)."""
+
+    def __init__(self, pairs: List[Tuple[Tensor, Tensor]]):
+        self.pairs = pairs  # (cache view, backing view), rows first
+        self.row_bytes = sum(c.element_size() * (c.shape[1] if c.dim() == 2 else 1) for c, _ in pairs)
+
+    def read(self, slots: Tensor, rows: Tensor) -> None:
+        order = rows.argsort()  # ascending rows: the file is read front to back
+        slots, rows = slots[order], rows[order]
+        for cache, backing in self.pairs:
+            cache.index_copy_(0, slots, backing.index_select(0, rows))
+
+    def write(self, slots: Tensor, rows: Tensor) -> None:
+        # Unsorted: writes land in the page cache, which the kernel writes out in its own order.
+        for cache, backing in self.pairs:
+            backing.index_copy_(0, rows, cache.index_select(0, slots))
+
+
+class RowCache:
+    """Which rows of one table sit in its cache slots: row -> slot, slot -> row, the clock of
+    each slot's last use (least recently used goes first), dirty slots (newer than the backing
+    store) and pins (batches in flight holding the slot), plus the tier's counters: hits (rows
+    found in the cache), misses (rows read from the backing store; a row new to its id is
+    neither), write-backs (dirty rows written to the backing store) and bytes moved both ways."""
+
+    def __init__(self, capacity: int, slots: int):
+        self.slots = slots
+        self.slot_of = torch.full((capacity,), -1, dtype=torch.int32)  # 4 bytes per row of the table
+        self.row_of = torch.full((slots,), -1, dtype=torch.int64)
+        self.last_used = torch.zeros(slots, dtype=torch.int64)
+        self.dirty = torch.zeros(slots, dtype=torch.bool)
+        # Slots held by batches in flight, per batch (usually none between steps: a training
+        # step's update lands before the next lookup). Kept as lists, not counts per slot, so a
+        # step pays nothing to pin and unpin.
+        self.pinned: Dict[int, Tensor] = {}
+        self._next_pin = 0
+        self.hits = self.misses = self.write_backs = self.bytes_moved = 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.slot_of, self.row_of, self.last_used, self.dirty))
+
+    def pinned_at_most(self) -> int:
+        """A bound on the slots batches in flight hold (exact when they share none)."""
+        return sum(slots.numel() for slots in self.pinned.values())
+
+    def pinned_mask(self) -> Tensor:
+        mask = torch.zeros(self.slots, dtype=torch.bool)
+        for slots in self.pinned.values():
+            mask[slots] = True
+        return mask
+
+    def room(self) -> int:
+        """Slots no batch in flight holds."""
+        return self.slots - (int(self.pinned_mask().sum()) if self.pinned else 0)
+
+    def hold(self, rows: Tensor, fresh: Optional[Tensor], modifies: bool, clock: int, mover: _Mover,
+             best_effort: bool = False) -> Tensor:
+        """The slots of ``rows`` (distinct; -1: none), missing ones brought in. ``fresh``: rows
+        new to their id (initialised in the slot, not read); ``modifies``: the batch's update
+        will write every row (else only fresh ones are written). best_effort: bring in only what
+        fits in the slots no batch holds (a prefetch); otherwise not fitting is an error."""
+        live = (rows >= 0).nonzero().squeeze(1)
+        r = rows[live]
+        s = self.slot_of[r].to(torch.int64)
+        missing = (s < 0).nonzero().squeeze(1)
+        self.hits += r.numel() - missing.numel()
+        if missing.numel():
+            victims = self._victims(s, missing.numel(), best_effort)
+            missing = missing[:victims.numel()]
+            want = r[missing]
+            self._evict(victims, mover)
+            read = torch.ones_like(want, dtype=torch.bool) if fresh is None else ~fresh[live][missing]
+            mover.read(victims[read], want[read])
+            reads = int(read.sum())  # rows new to their id take a slot but are not misses: nothing is read
+            self.misses += reads
+            self.bytes_moved += reads * mover.row_bytes
+            self.row_of[victims] = want
+            self.slot_of[want] = victims.to(torch.int32)
+            self.dirty[victims] = False
+            s[missing] = victims
+            if best_effort:
+                live, s = live[s >= 0], s[s >= 0]
+        self.last_used[s] = clock
+        if modifies:
+            self.dirty[s] = True
+        elif fresh is not None:
+            self.dirty[s[fresh[live]]] = True
+        out = torch.full_like(rows, -1)
+        out[live] = s
+        return out
+
+    def _victims(self, held: Tensor, k: int, best_effort: bool) -> Tensor:
+        """k slots to take, free ones first, then the least recently used, never a pinned slot
+        or one of ``held`` (the batch's own hits)."""
+        key = self.last_used.clone()
+        key[self.row_of < 0] = -1
+        for slots in self.pinned.values():
+            key[slots] = _NEVER
+        key[held[held >= 0]] = _NEVER
+        if best_effort:
+            k = min(k, int((key < _NEVER).sum()))
+        victims = torch.topk(key, k, largest=False, sorted=False).indices
+        if bool((key[victims] == _NEVER).any()):  # TieredTables.lookup checked the room first
+            raise RuntimeError(f"tiered table cache: {k} rows to bring in, fewer free slots of {self.slots}")
+        return victims
+
+    def _evict(self, victims: Tensor, mover: _Mover) -> None:
+        old = self.row_of[victims]
+        gone = old >= 0
+        back = gone & self.dirty[victims]
+        if bool(back.any()):
+            mover.write(victims[back], old[back])
+            n = int(back.sum())
+            self.write_backs += n
+            self.bytes_moved += n * mover.row_bytes
+        self.slot_of[old[gone]] = -1
+
+    def flush(self, mover: _Mover) -> None:
+        """Writes every dirty row back; rows held by a batch in flight stay dirty (their update
+        is still to land)."""
+        dirty = (self.dirty & (self.row_of >= 0)).nonzero().squeeze(1)
+        if dirty.numel():
+            mover.write(dirty, self.row_of[dirty])
+            self.write_backs += dirty.numel()
+            self.bytes_moved += dirty.numel() * mover.row_bytes
+            self.dirty[dirty] = self.pinned_mask()[dirty] if self.pinned else False
+
+    def pin(self, slots: Tensor) -> int:
+        """Holds ``slots`` until ``unpin`` of the token returned."""
+        self._next_pin += 1
+        self.pinned[self._next_pin] = slots
+        return self._next_pin
+
+    def unpin(self, token: int) -> None:
+        self.pinned.pop(token, None)  # gone already when the cache was emptied since
+
+    def forget(self) -> None:
+        """Empties the cache without writing back (its rows were replaced or reset)."""
+        self.slot_of.fill_(-1)
+        self.row_of.fill_(-1)
+        self.dirty.zero_()
+        self.pinned = {}
+
+    def __getstate__(self) -> Dict[str, object]:
+        # A copy has no batch in flight.
+        return dict(self.__dict__, pinned={})
+
+
+class TieredTables(DynamicTables):
+    """``DynamicTables`` over a backing store, the hot rows cached (see the module docstring)."""
+
+    def __init__(self, configs: Sequence[BaseEmbeddingConfig], device: torch.device):
+        device = torch.device(device)
+        names = [cfg.name for cfg in configs]
+        where = f"tables {names}"
+        backings = {cfg.name: options_of(cfg).backing for cfg in configs}
+        if len(set(backings.values())) > 1:
+            raise ValueError(f"{where}: the tables of one module must share one backing (put tables of other "
+                             f"backings in a module of their own), got {backings}")
+        backing = next(iter(backings.values()))
+        if device.type != "cpu":
+            raise ValueError(f"{where}: tables with backing={backing!r} run on the CPU in this version (a device "
+                             f"cache over host or file backing is not built yet), got device {device}")
+        self.store = BackingStore(backing, [(cfg.name, cfg.num_embeddings, cfg.embedding_dim, storage_dtype_of(cfg))
+                                            for cfg in configs], where)
+        factors = [options_of(cfg).cache_load_factor for cfg in configs]
+        self.cache_load_factors = [DEFAULT_CACHE_LOAD_FACTOR if f is None else float(f) for f in factors]
+        # ceil, with a margin for the float product (0.2 * 1000 must be 200 slots, not 201)
+        self.slots = [min(cfg.num_embeddings, max(1, math.ceil(f * cfg.num_embeddings - 1e-9)))
+                      for cfg, f in zip(configs, self.cache_load_factors)]
+        self.backing: Dict[str, Tensor] = {}
+        self._movers: Optional[List[_Mover]] = None
+        super().__init__(configs, device)
+        # The parent laid out the tables at full capacity: that is the backing store's layout.
+        # The cache (self.weights / self.states, which the kernels take) holds slots per table.
+        self._backing_layout = (self.table_offsets, self.state_row_offsets, self.dense_state_offsets)
+        dims = [m.dim for m in self.meta]
+        words = [table_words(s, m.dim, m.dtype) for s, m in zip(self.slots, self.meta)]
+        self.table_offsets = torch.tensor([0] + words[:-1], dtype=torch.int64).cumsum(0)
+        self.state_row_offsets = torch.tensor([0] + self.slots[:-1], dtype=torch.int64).cumsum(0)
+        self.dense_state_offsets = dense_state_offsets(self.slots, dims)
+        self._device_layout = {}
+        self.caches = [RowCache(m.capacity, s) for m, s in zip(self.meta, self.slots)]
+        self._clock = 0
+        self._holding: Optional[Tuple[bool, list]] = None  # the lookup in progress: (modifies, pin records)
+        self._pinned: Dict[int, weakref.finalize] = {}      # lookups whose update is pending -> their pins
+
+    # ------------------------------------------------------------------ storage
+
+    def _allocate_buffer(self, name: str, numel: int, value: float, device: torch.device) -> Tensor:
+        # numel is the buffer at full capacity: the backing store's. Its contents matter only
+        # where rows are live (new rows are initialised): a fresh file needs no filling.
+        live = bool(getattr(self, "indexes", None)) and self.num_live_rows() > 0
+        if self.store.directory is None:  # host memory, on huge pages where offered (rows are touched at random)
+            self.backing[name] = _allocate(numel, value, torch.device("cpu"))
+        else:
+            self.backing[name] = self.store.map(name, numel, value, fill=live)
+        self._movers = None
+        if name == "weights":
+            cached = sum(table_words(s, m.dim, m.dtype) for s, m in zip(self.slots, self.meta))
+        else:
+            rowwise = self.optimizer.kind in ROWWISE_STATE
+            cached = sum(s * (1 if rowwise else m.dim) for s, m in zip(self.slots, self.meta))
+        return _allocate(cached, value, device)
+
+    def _views(self, t: int, cached: bool) -> Tuple[Tensor, Dict[str, Tensor]]:
+        """Table t's rows and optimizer states: of the cache ([slots, dim]) or the backing store
+        ([capacity, dim]); row-wise states 1-D."""
+        m = self.meta[t]
+        n = self.slots[t] if cached else m.capacity
+        offsets, row_offsets, dense = (self.table_offsets, self.state_row_offsets, self.dense_state_offsets) \
+            if cached else self._backing_layout
+        words = self.weights if cached else self.backing["weights"]
+        start = int(offsets[t])
+        table = words[start:start + table_words(n, m.dim, m.dtype)].view(m.dtype)[:n * m.dim].view(n, m.dim)
+        states = {}
+        if self.optimizer is not None:
+            names = OPTIMIZER_STATES[self.optimizer.kind]
+            buffers = self.states if cached else [self.backing[name] for name in names]
+            for name, buf in zip(names, buffers):
+                if self.optimizer.kind in ROWWISE_STATE:
+                    states[name] = buf[int(row_offsets[t]):int(row_offsets[t]) + n]
+                else:
+                    states[name] = buf[dense[t]:dense[t] + n * m.dim].view(n, m.dim)
+        return table, states
+
+    def table_view(self, t: int) -> Tensor:
+        """Table t's [capacity, dim] rows in the backing store (current after ``flush``)."""
+        return self._views(t, cached=False)[0]
+
+    def state_views(self, t: int) -> Dict[str, Tensor]:
+        """Table t's optimizer state in the backing store (current after ``flush``)."""
+        return self._views(t, cached=False)[1]
+
+    def _init_view(self, t: int) -> Tuple[Tensor, List[Tensor], List[float]]:
+        # New rows are initialised where the kernels will read them: in their cache slots.
+        if self._init_views is None:
+            self._init_views = []
+            for i in range(len(self.meta)):
+                table, states = self._views(i, cached=True)
+                self._init_views.append((table, [v if v.dim() == 2 else v.unsqueeze(1) for v in states.values()],
+                                         self._initial_state_values()))
+        return self._init_views[t]
+
+    def _mover(self, t: int) -> _Mover:
+        if self._movers is None:
+            self._movers = []
+            for i in range(len(self.meta)):
+                (cache, cache_states), (backing, backing_states) = self._views(i, True), self._views(i, False)
+                self._movers.append(_Mover([(cache, backing)] + [(cache_states[k], backing_states[k])
+                                                                 for k in cache_states]))
+        return self._movers[t]
+
+    def set_optimizer(self, spec) -> None:
+        super().set_optimizer(spec)
+        self._movers = None
+
+    def apply(self, fn) -> None:
+        probe = fn(torch.zeros(1))
+        if probe.device.type != "cpu":
+            raise ValueError(f"tables {[m.name for m in self.meta]}: tables with backing={self.store.backing!r} run on "
+                             f"the CPU in this version; cannot move them to {probe.device}")
+        super().apply(fn)
+        self._movers = None
+
+    def reset(self) -> None:
+        super().reset()
+        for cache in self.caches:
+            cache.forget()
+
+    def flush(self, tables: Optional[Sequence[int]] = None) -> None:
+        """Writes the cache's dirty rows (and pending new rows) to the backing store."""
+        self.write_new_rows()
+        for t in range(len(self.meta)) if tables is None else tables:
+            self.caches[t].flush(self._mover(t))
+
+    # ------------------------------------------------------------------ ids -> slots
+
+    def lookup(self, ids: Tensor, segment_offsets: Tensor, training: bool, backward_follows: bool = False) -> RowLookup:
+        self._check_room(ids, segment_offsets)
+        self._clock += 1
+        modifies = training and backward_follows
+        self._holding = (modifies, [])
+        try:
+            result = super().lookup(ids, segment_offsets, training, backward_follows)
+        except BaseException:
+            self._unpin(self._holding[1])
+            raise
+        finally:
+            held, self._holding = self._holding[1], None
+        if modifies:  # pinned until the update lands, or the lookup (its autograd graph) is dropped
+            key = id(result.unique_rows)
+            self._pinned[key] = weakref.finalize(result.unique_rows, self._release, key, held)
+        else:
+            self._unpin(held)
+        return result
+
+    def _rows_for(self, t: int, keys: Tensor, counts: Tensor, training: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        rows, fresh = super()._rows_for(t, keys, counts, training)
+        modifies, held = self._holding if self._holding is not None else (False, None)
+        cache = self.caches[t]
+        slots = cache.hold(rows, fresh, modifies, self._clock, self._mover(t))
+        if held is not None:
+            held.append((t, cache.pin(slots[slots >= 0])))
+        return slots, fresh
+
+    def _check_room(self, ids: Tensor, segment_offsets: Tensor) -> None:
+        """Each table's cache must hold a batch's distinct ids next to the batches in flight:
+        checked before anything changes (a count of ids bounds the distinct ones; exact only
+        when that bound does not fit)."""
+        bounds = segment_offsets.tolist()
+        for t, cache in enumerate(self.caches):
+            start, end = bounds[t], bounds[t + 1]
+            if end - start <= cache.slots - cache.pinned_at_most():
+                continue
+            room = cache.room()
+            distinct = int(torch.unique(ids[start:end]).numel())
+            if distinct > room:
+                m = self.meta[t]
+                held = f", {cache.slots - room} of them held by batches whose update is pending" \
+                    if room < cache.slots else ""
+                raise ValueError(
+                    f"table {m.name!r}: the batch has {distinct} distinct ids, more than the {room} cache slots free "
+                    f"for it (the cache holds {cache.slots} rows: cache_load_factor {self.cache_load_factors[t]} of "
+                    f"capacity {m.capacity}{held}); raise cache_load_factor or split the batch")
+
+    def _unpin(self, held: list) -> None:
+        for t, record in held:
+            self.caches[t].unpin(record)
+
+    def _release(self, key: int, held: list) -> None:
+        self._pinned.pop(key, None)
+        self._unpin(held)
+
+    def apply_gradients(self, grad: Tensor, lookup: RowLookup, *args, **kwargs) -> None:
+        super().apply_gradients(grad, lookup, *args, **kwargs)
+        release = self._pinned.get(id(lookup.unique_rows))
+        if release is not None:
+            release()
+
+    def prefetch(self, ids: Tensor, segment_offsets: Tensor) -> None:
+        """Brings the rows of ``ids`` that their tables hold into the cache (as much as fits
+        next to the batches in flight), so that their lookup finds them there. Reads the index
+        only (no id is inserted, no eviction score moves): lookups give the same results with
+        or without it. Call it between steps or before a forward, not concurrently with one (the
+        cache is not locked)."""
+        self.check_ready("prefetch")
+        self.write_new_rows()  # pending new rows are written to their slots before any slot moves
+        unique, _, _, unique_offsets = ops.dedup_segments(ids, segment_offsets)
+        bounds = unique_offsets.tolist()
+        self._clock += 1
+        for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if end > start:
+                rows, found = self.indexes[t].find(unique[start:end])
+                rows = self._mask_expired(t, rows, found)  # an expired row is re-initialised, not read
+                self.caches[t].hold(rows, None, False, self._clock, self._mover(t), best_effort=True)
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def table_state(self, t: int) -> Dict[str, Tensor]:
+        if self.device.type != "meta":
+            self.flush([t])
+        return super().table_state(t)
+
+    def _replace_table(self, t: int, table) -> None:
+        super()._replace_table(t, table)  # into the backing store
+        self.caches[t].forget()
+
+    def __getstate__(self) -> Dict[str, object]:
+        state = super().__getstate__()
+        state["_pinned"], state["_movers"], state["_holding"] = {}, None, None
+        return state
+
+    @property
+    def delta_log(self):
+        return self.__dict__.get("_delta_log")
+
+    @delta_log.setter
+    def delta_log(self, value) -> None:
+        if value is not None:
+            raise ValueError(f"tables {[m.name for m in self.meta]}: deltas (delta_token / export_delta) of tables with "
+                             f"backing={self.store.backing!r} are not supported in this version")
+        self.__dict__["_delta_log"] = None
+
+    # ------------------------------------------------------------------ accounting
+
+    def storage_bytes(self) -> int:
+        """Bytes in fast memory: the cache, the index and its metadata, the cache's maps (the
+        backing store is ``backing_bytes``)."""
+        return super().storage_bytes() + sum(cache.nbytes() for cache in self.caches)
+
+    def backing_bytes(self) -> int:
+        return sum(buf.numel() * buf.element_size() for buf in self.backing.values())
+
+    def table_stats(self) -> Dict[str, TableStats]:
+        stats = super().table_stats()
+        for m, cache in zip(self.meta, self.caches):
+            s = stats[m.name]
+            s.cache_slots, s.cache_hits, s.cache_misses = cache.slots, cache.hits, cache.misses
+            s.cache_write_backs, s.cache_bytes_moved = cache.write_backs, cache.bytes_moved
+        return stats

@@ -359,8 +359,9 @@ class DynamicTables:
         if self.delta_log is not None:
             self.delta_log.replaced(self, range(len(self.meta)), [None] * len(self.meta))
         self._build_indexes()
-        for t in range(len(self.meta)):
-            self.fallback_view(t).zero_()
+        for t, m in enumerate(self.meta):
+            if m.fallback_rows:
+                self.fallback_view(t).zero_()
         if self.optimizer is not None:
             spec, self.optimizer = self.optimizer, None
             self.set_optimizer(spec)

@@ -7,13 +7,15 @@
 //
 // Lookups are read-only and take one warp per key, all in parallel. Mutations must give the CPU
 // kernels' results bit for bit (same rows, flags, evictions and scores): an upsert first touches
-// and pins every key of the batch that holds a row, then inserts the others one at a time in
-// batch order; an erase applies its keys in batch order. Different stripes never share a bucket,
-// so it suffices to apply each stripe's keys serially: the binding sorts positions by stripe with
-// a stable sort and here one warp walks one stripe's keys in batch order. No locks and no table
-// atomics, and the results do not depend on scheduling. The walk is latency-bound, so a warp
-// loads and hashes 32 keys at a time and prefetches their digest lines into L2 before applying
-// them one by one.
+// and pins every key of the batch that holds a row (one launch, every stripe), then inserts the
+// others one at a time in batch order per stripe, in the phases of upsert_phase (one launch each:
+// a key of stripe s may evict in stripe s + 1, so stripes that share buckets never run at once),
+// window by window of the batch (upsert_window), then releases its pins (one launch); an erase applies each stripe's keys in batch order. A key
+// found (touched, erased) writes only its own slot, so those walks run on every stripe at once.
+// The binding sorts positions by stripe with a stable sort and here one warp walks one stripe's
+// keys in batch order. No locks and no table atomics, and the results do not depend on
+// scheduling. The walk is latency-bound, so a warp loads and hashes 32 keys at a time and
+// prefetches their digest lines into L2 before applying them one by one.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -202,32 +204,50 @@ __device__ __forceinline__ void touch_slot(int64_t* slot_scores, uint8_t* digest
   digests[row] |= kPinBit;
 }
 
-// One warp per stripe, two walks over its keys. The first touches and pins (digest bit 7) every
-// key that holds a row and marks the others (row -1); the second inserts those in batch order,
-// so a new key never evicts a key of the same call. The warp releases its pins at the end.
-__global__ void hash_upsert_kernel(uint8_t* digests, int64_t* slot_keys, int64_t* slot_scores,
-                                   int64_t* size, TableGeometry geo, const int64_t* keys,
-                                   const int64_t* given, const int32_t* sorted_stripes,
-                                   const int64_t* order, int64_t n, Policy policy, int64_t clock,
-                                   int64_t epoch, bool assign, int64_t* rows, bool* inserted,
-                                   bool* evicted, int64_t* evicted_keys) {
+// Upsert, pass 1: one warp per stripe touches and pins (digest bit 7) every key of the stripe
+// that holds a row and marks the others (row -1) for pass 2. A key writes only its own slot (pin
+// bit and score); other warps' probes read that digest with the pin bit masked out and never its
+// score, so every stripe runs at once.
+__global__ void hash_touch_kernel(uint8_t* digests, const int64_t* slot_keys, int64_t* slot_scores,
+                                  TableGeometry geo, const int64_t* keys, const int64_t* given,
+                                  const int32_t* sorted_stripes, const int64_t* order, int64_t n,
+                                  Policy policy, int64_t clock, int64_t epoch, bool assign,
+                                  int64_t* rows) {
   const int64_t stripe = global_thread() / kWarpSize;
   if (stripe >= geo.num_stripes) return;
   const int lane = lane_id();
   const int64_t begin = lower_bound(sorted_stripes, n, stripe);
   const int64_t end = lower_bound(sorted_stripes, n, stripe + 1);
   const bool has_given = given != nullptr;
-  int64_t added = 0;  // warp-uniform: every decision below comes from a ballot or reduction
-
-  // Walk 1: keys holding a row are touched and pinned; the others get row -1 for walk 2.
   walk_stripe(digests, keys, given, order, geo, begin, end, lane, AllPositions{}, [&](const StripeKey& k) {
     const int64_t hit = warp_probe(slot_keys, k.place, load_slots(digests, k.place, lane), k.key);
     if (lane != (hit >= 0 ? static_cast<int>(hit & kSlotMask) : 0)) return;
     rows[k.pos] = hit;
     if (hit >= 0) touch_slot(slot_scores, digests, hit, k, policy, has_given, clock, epoch, assign);
   });
-  // Walk 2: the keys absent when the call began, in batch order.
-  auto absent = [&](int64_t pos) { return rows[pos] < 0; };
+}
+
+// Upsert, pass 2, phase `phase` of the window [window_begin, window_end) of batch positions: warp
+// w walks stripe phase_stripe(phase, w) and inserts the window's keys absent when the call began,
+// in batch order, so a new key never evicts a key of the same call (all pinned by pass 1). The
+// stripes of one phase share no bucket.
+__global__ void hash_insert_kernel(uint8_t* digests, int64_t* slot_keys, int64_t* slot_scores,
+                                   int64_t* size, TableGeometry geo, const int64_t* keys,
+                                   const int64_t* given, const int32_t* sorted_stripes,
+                                   const int64_t* order, int64_t n, int phase,
+                                   int64_t window_begin, int64_t window_end, Policy policy,
+                                   int64_t clock, int64_t epoch, bool assign, int64_t* rows,
+                                   bool* inserted, bool* evicted, int64_t* evicted_keys) {
+  const int64_t w = global_thread() / kWarpSize;
+  if (w >= phase_stripes(phase, geo.num_stripes)) return;
+  const int64_t stripe = phase_stripe(phase, w, geo.num_stripes);
+  const int lane = lane_id();
+  const int64_t begin = lower_bound(sorted_stripes, n, stripe);
+  const int64_t end = lower_bound(sorted_stripes, n, stripe + 1);
+  const bool has_given = given != nullptr;
+  int64_t added = 0;  // warp-uniform: every decision below comes from a ballot or reduction
+
+  auto absent = [&](int64_t pos) { return pos >= window_begin && pos < window_end && rows[pos] < 0; };
   walk_stripe(digests, keys, given, order, geo, begin, end, lane, absent, [&](const StripeKey& k) {
     const KeyPlace& p = k.place;
     const LaneSlots s = load_slots(digests, p, lane);
@@ -272,7 +292,7 @@ __global__ void hash_upsert_kernel(uint8_t* digests, int64_t* slot_keys, int64_t
         evicts = true;
       }
     }
-    // The lane owning the chosen slot writes it (a refusal keeps walk 1's row -1).
+    // The lane owning the chosen slot writes it (a refusal keeps pass 1's row -1).
     if (row < 0 || lane != static_cast<int>(row & kSlotMask)) return;
     rows[k.pos] = row;
     if (evicts) {
@@ -285,18 +305,24 @@ __global__ void hash_upsert_kernel(uint8_t* digests, int64_t* slot_keys, int64_t
     digests[row] = static_cast<uint8_t>(p.tag | kPinBit);
   });
 
-  // Every row returned for this stripe is pinned; duplicates of a key clear the same digest to
-  // the same value, so lanes may race on it.
-  for (int64_t j = begin + lane; j < end; j += kWarpSize) {
-    const int64_t row = rows[order[j]];
-    if (row >= 0) digests[row] &= kTagMask;
-  }
   if (lane == 0 && added != 0) {
     atomicAdd(reinterpret_cast<unsigned long long*>(size), static_cast<unsigned long long>(added));
   }
 }
 
-// One warp per stripe, in batch order, so only the first of duplicate keys reports the erase.
+// Upsert, the end: every row returned is pinned; release them. Duplicates of a key clear the
+// same digest to the same value, so threads may race on it.
+__global__ void hash_release_kernel(uint8_t* digests, const int64_t* rows, int64_t n) {
+  for (int64_t i = global_thread(); i < n; i += global_threads()) {
+    const int64_t row = rows[i];
+    if (row >= 0) digests[row] &= kTagMask;
+  }
+}
+
+// One warp per stripe, in batch order, so only the first of duplicate keys reports the erase. A
+// key erased clears only its own slot (and its digest's tag bits, which other warps' probes
+// compare, go from its tag to 0: they never matched another key there), so every stripe runs at
+// once.
 __global__ void hash_erase_kernel(uint8_t* digests, const int64_t* slot_keys, int64_t* size,
                                   TableGeometry geo, const int64_t* keys,
                                   const int32_t* sorted_stripes, const int64_t* order, int64_t n,
@@ -336,9 +362,9 @@ unsigned int capped_grid(int64_t threads, int block) {
 }
 
 // One warp per stripe, uncapped: a stripe kernel has no grid-stride loop (<= 2^16 stripes).
-unsigned int stripe_grid(const TableGeometry& geo) {
+unsigned int stripe_grid(int64_t stripes) {
   constexpr int64_t kWarpsPerBlock = kStripeThreads / kWarpSize;
-  return static_cast<unsigned int>((geo.num_stripes + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  return static_cast<unsigned int>((stripes + kWarpsPerBlock - 1) / kWarpsPerBlock);
 }
 
 }  // namespace
@@ -368,9 +394,23 @@ cudaError_t launch_hash_upsert(uint8_t* digests, int64_t* slot_keys, int64_t* sl
                                bool* evicted, int64_t* evicted_keys, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const TableGeometry geo = make_geometry(capacity);
-  hash_upsert_kernel<<<stripe_grid(geo), kStripeThreads, 0, stream>>>(
-      digests, slot_keys, slot_scores, size, geo, keys, given, sorted_stripes, order, n,
-      static_cast<Policy>(policy), clock, epoch, assign, rows, inserted, evicted, evicted_keys);
+  const Policy p = static_cast<Policy>(policy);
+  hash_touch_kernel<<<stripe_grid(geo.num_stripes), kStripeThreads, 0, stream>>>(
+      digests, slot_keys, slot_scores, geo, keys, given, sorted_stripes, order, n, p, clock, epoch,
+      assign, rows);
+  // Windows and phases come from n and the geometry (no host sync).
+  const int64_t window = upsert_window(capacity);
+  for (int64_t begin = 0; begin < n; begin += window) {
+    for (int k = 0; k < upsert_phase_count(geo.num_stripes); ++k) {
+      const int phase = upsert_phase_at(k, clock, geo.num_stripes);
+      hash_insert_kernel<<<stripe_grid(phase_stripes(phase, geo.num_stripes)), kStripeThreads, 0, stream>>>(
+          digests, slot_keys, slot_scores, size, geo, keys, given, sorted_stripes, order, n, phase,
+          begin, std::min(n, begin + window), p, clock, epoch, assign, rows, inserted, evicted,
+          evicted_keys);
+    }
+  }
+  hash_release_kernel<<<capped_grid(n, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(
+      digests, rows, n);
   return cudaGetLastError();
 }
 
@@ -380,7 +420,7 @@ cudaError_t launch_hash_erase(uint8_t* digests, const int64_t* slot_keys, int64_
                               bool* erased, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const TableGeometry geo = make_geometry(capacity);
-  hash_erase_kernel<<<stripe_grid(geo), kStripeThreads, 0, stream>>>(
+  hash_erase_kernel<<<stripe_grid(geo.num_stripes), kStripeThreads, 0, stream>>>(
       digests, slot_keys, size, geo, keys, sorted_stripes, order, n, erased);
   return cudaGetLastError();
 }

@@ -5,7 +5,9 @@
 // GPU), then computes it. Launches run their warps one after another.
 //
 // What it cannot show: memory-ordering and timing effects between warps (warps never overlap
-// here), and speed. Included first by the emulated kernels file that build.py generates.
+// here), and speed. It can show results that depend on the order of a launch's warps (a race on
+// a GPU): with TORCHREC_EMU_REVERSE_WARPS set, launches run their warps last to first.
+// Included first by the emulated kernels file that build.py generates.
 #pragma once
 #include <cuda_runtime_api.h>
 #include <ucontext.h>
@@ -129,8 +131,12 @@ void emu_launch(unsigned grid, unsigned block, cudaStream_t, F f) {
   gridDim.x = grid;
   blockDim.x = block;
   const std::function<void()> body = f;
-  for (unsigned b = 0; b < grid; ++b)
-    for (unsigned w = 0; w < block / 32; ++w) emu::run_warp(b, w, body);
+  const bool reverse = std::getenv("TORCHREC_EMU_REVERSE_WARPS") != nullptr;
+  const unsigned per_block = block / 32, warps = grid * per_block;
+  for (unsigned i = 0; i < warps; ++i) {
+    const unsigned w = reverse ? warps - 1 - i : i;
+    emu::run_warp(w / per_block, w % per_block, body);
+  }
 }
 
 

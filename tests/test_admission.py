@@ -304,3 +304,21 @@ def test_counter_admission_is_the_default_with_admit_after():
     module(_kjt([1, 2, 2, 3], 2)).values().sum().backward()
     assert _ids_with_rows(module) == {2}
     assert math.isclose(module.table_stats()["t"].hit_rate, 0.0)
+
+
+@pytest.mark.parametrize("parts", [2, 3, 5, 6])
+def test_row_wise_shard_filters_keep_the_tables_false_positive_rate(parts):
+    """Each shard's filter holds its share of the ids at the table's false-positive target, for
+    any world size (not only powers of two): the independent formula (1 - e^(-k n / m))^k."""
+    import math
+
+    from torchrec_ext.modules.admission import bloom_geometry, local_bloom_geometry
+
+    for expected in (1709, 100_000):
+        opts = DynamicEmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=expected, feature_names=["f"],
+                                         admission="bloom", admit_after=2, bloom_fpr=0.01)
+        whole = bloom_geometry(expected, None, 0.01, "t", None)
+        local = local_bloom_geometry(opts, expected, parts)
+        n, m, k = local.expected_ids, local.counters, local.hashes
+        assert n == -(-expected // parts) and k == whole.hashes
+        assert (1 - math.exp(-k * n / m)) ** k <= 0.01

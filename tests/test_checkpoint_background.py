@@ -124,8 +124,9 @@ _train(dmp, opt, 0, range(2))
 ckpt.save_checkpoint({root!r} + "/ckpt", 2, {{"model": dmp.state_dict(), "step": 2}}, keep=1)
 _train(dmp, opt, 0, range(2, 4))
 ckpt._hash_files = lambda *a: os._exit(9)   # the process dies with the data written, no manifest yet
-ckpt.save_checkpoint({root!r} + "/ckpt", 4, {{"model": dmp.state_dict(), "step": 4}}, keep=1, blocking=False)
-_train(dmp, opt, 0, range(4, 100))
+pending = ckpt.save_checkpoint({root!r} + "/ckpt", 4, {{"model": dmp.state_dict(), "step": 4}}, keep=1, blocking=False)
+_train(dmp, opt, 0, range(4, 8))  # training goes on while the worker writes ...
+pending.wait()                     # ... until the worker's process dies under it
 """
 
 

@@ -277,3 +277,18 @@ def test_sharder_fused_params_stochastic_rounding_wins_over_the_configs(tmp_path
         got = dict(zip(sharded[name][0].tolist(), sharded[name][1]))
         assert set(got) == set(ids.tolist())
         assert torch.equal(torch.stack([got[i] for i in ids.tolist()]), vectors), name
+
+
+def test_half_precision_dim_one_tables_are_refused():
+    """A 2-byte row is as small as the word padding after an odd number of rows, so the kernels
+    could not size the table from its words: refused by name (FP32 dim-1 tables are fine)."""
+    from torchrec.modules.embedding_configs import DataType
+
+    from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
+
+    for data_type in (DataType.FP16, DataType.BF16):
+        with pytest.raises(ValueError, match=r"table 'w' data_type .* needs embedding_dim >= 2.*got embedding_dim 1"):
+            DynamicEmbeddingBagCollection([DynamicEmbeddingBagConfig(name="w", embedding_dim=1, num_embeddings=33,
+                                                                     feature_names=["f"], data_type=data_type)])
+    DynamicEmbeddingBagCollection([DynamicEmbeddingBagConfig(name="w", embedding_dim=1, num_embeddings=33,
+                                                             feature_names=["f"])])

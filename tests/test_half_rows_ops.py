@@ -232,8 +232,8 @@ def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour(dtype):
     # <= 1/4 of the gap squared); fixed seeds, so the check is deterministic, never flaky.
     gap = ulp
     assert bool(((got.mean(0) - x.double()).abs() <= 5 * gap * 0.5 / n**0.5).all()), (got.mean(0) - x.double())
-    # Round to nearest, by contrast, is biased on these values: the means differ.
-    assert not torch.equal(nearest, got.mean(0))
+    # Round to nearest, by contrast, is biased on these values: its error is far larger on average.
+    assert float((got.mean(0) - x.double()).abs().mean()) < float((nearest - x.double()).abs().mean()) / 4
 
 
 @pytest.mark.parametrize("dtype", HALF)

@@ -397,13 +397,20 @@ def admission_bytes(opts, name: Optional[str], capacity: int, parts: int = 1) ->
 
 
 def local_bloom_geometry(opts, capacity: int, parts: int) -> BloomGeometry:
-    """One row-wise shard's filter: the table's budget and expected ids divided by ``parts``."""
+    """One row-wise shard's filter: the table's expected ids divided by ``parts``, and at least its
+    share of the counters, rounded up to a power of two (filters must be powers of two to fold and
+    tile): the shard keeps the table's false-positive rate, at up to twice its share of the bytes
+    when ``parts`` is not a power of two."""
     whole = bloom_geometry(opts.bloom_expected_ids or capacity, opts.bloom_bytes, opts.bloom_fpr, "admission",
                            opts.bloom_hashes)
     if parts == 1:
         return whole
     expected = -(-whole.expected_ids // parts)
-    counters = max(2, whole.counters >> (parts - 1).bit_length())  # a power of two <= whole / parts
+    share = -(-whole.counters // parts)
+    counters = max(2, 1 << (share - 1).bit_length())  # the power of two >= whole / parts
+    if opts.bloom_fpr is not None:  # the share of ids is rounded up: keep the target exactly
+        while bloom_fpr(counters, whole.hashes, expected) > opts.bloom_fpr:
+            counters *= 2
     return BloomGeometry(counters, whole.hashes, expected)  # the same hashes: filters fold and tile
 
 

@@ -309,3 +309,9 @@ def _check_table(config: object, expected: type, module: str) -> None:
         raise ValueError(f"{module}: table {config.name!r} data_type must be one of "
                          f"{[d.name for d in STORAGE_DATA_TYPES]} (a trainable dynamic table stores its vectors in "
                          f"float32, float16 or bfloat16), got {config.data_type}")
+    if config.embedding_dim == 1 and STORAGE_DATA_TYPES[config.data_type] != torch.float32:
+        # The kernels read a table's rows from its span of 4-byte words: a 2-byte row could not be
+        # told from the padding after an odd number of rows.
+        raise ValueError(f"{module}: table {config.name!r} data_type {config.data_type.name} needs embedding_dim "
+                         ">= 2 (a one-element half-precision row is smaller than the word padding), got "
+                         "embedding_dim 1: use DataType.FP32 for dim-1 tables")

@@ -471,6 +471,9 @@ class DynamicTables:
                     self.delta_log.removed(t, keys[stale])
                 self.counters.swept[t] += int(stale.sum())
 
+    # Training-only and data-dependent throughout (which ids are new): run eagerly under torch.compile
+    # (a graph break; Dynamo cannot size the half-precision block views it carves).
+    @torch.compiler.disable
     def _initialise(self, t: int, rows: Tensor, fresh: Tensor, keys: Tensor, new: Optional[NewRows],
                     start: int) -> None:
         """The rows of table t's new ids (``fresh``): their initial vectors and optimizer state,

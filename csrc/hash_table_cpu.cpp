@@ -4,12 +4,13 @@
 // compares, and the buckets of key i + kPrefetchDistance are prefetched while key i is probed.
 // Lookups run in parallel over keys. Mutations are grouped by stripe (a stable counting sort)
 // and each stripe's keys are applied by one thread in batch order, so results do not depend on
-// the thread count. An upsert runs two passes: first every key of the batch that already holds a
-// row is touched and pinned (each key writes only its own slot: all stripes in parallel), then,
-// once that is done everywhere, the others are inserted one at a time in batch order per stripe,
-// in the phases of upsert_phase (a key may evict in the next stripe, so stripes that share
-// buckets are never applied at once), window by window of the batch (upsert_window). No key of
-// the call can be evicted by the call.
+// the thread count. A key of stripe s lives in stripe s or s + 1, so a mutating pass runs phase by
+// phase (upsert_phase: the stripes of one phase share no bucket, so no two threads touch the same
+// bucket at once). An upsert runs two passes: first every key of the batch that already holds a
+// row is touched and pinned, then, once that is done everywhere, the others are inserted one at
+// a time in batch order per stripe, window by window of the batch (upsert_window) and phase by
+// phase within a window. No key of the call can be evicted by the call. Small passes run on the
+// calling thread (kInlineKeys).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -252,14 +253,35 @@ const StripeGroups& group_by_stripe(const int64_t* keys, int64_t n, const TableG
   return out;
 }
 
-// Runs fn(g0, g1) on ranges of the groups [first, last), in parallel: one thread owns a group,
-// so it applies each of its stripes' keys in batch order, and its prefetch pipeline runs on
-// across the group boundaries of its range.
+// A pass over fewer keys than this runs on the calling thread: a parallel region would cost
+// about as much as it saves, and on a busy machine far more (it waits for a descheduled worker:
+// milliseconds). An upsert of a batch much larger than its table runs a few dozen insert passes
+// (windows times phases), most of them small. Releasing a pin is a few cached byte writes, so
+// the release pass runs inline below kInlineReleases.
+constexpr int64_t kInlineKeys = 2048;
+constexpr int64_t kInlineReleases = 16 * kInlineKeys;
+
+// Runs fn(g0, g1) on ranges of the groups [first, last) that hold `work` keys to apply, in
+// parallel unless work < kInlineKeys: one thread owns a group, so it applies each of its stripes'
+// keys in batch order, and its prefetch pipeline runs on across the group boundaries of its range.
 template <typename Fn>
-void for_each_group_range(const StripeGroups& groups, int64_t first, int64_t last, Fn fn) {
-  at::parallel_for(first, last, 1, [&](int64_t g0, int64_t g1) {
-    if (groups.offsets[g1] > groups.offsets[g0]) fn(g0, g1);
-  });
+void for_each_group_range(int64_t first, int64_t last, int64_t work, Fn fn, int64_t inline_below = kInlineKeys) {
+  if (work <= 0) return;
+  if (work < inline_below) {
+    fn(first, last);
+    return;
+  }
+  at::parallel_for(first, last, 1, fn);
+}
+
+// Runs fn(g0, g1) on the groups of each phase in turn (see for_each_group_range).
+template <typename Fn>
+void for_each_phase_group_range(const StripeGroups& groups, Fn fn) {
+  const int64_t R = groups.ranges();
+  for (int phase = 0; phase < kUpsertPhases; ++phase) {
+    const int64_t g0 = phase * R, g1 = g0 + R;
+    for_each_group_range(g0, g1, groups.offsets[g1] - groups.offsets[g0], fn);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -344,7 +366,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
   const Policy policy = static_cast<Policy>(policy_id);
   const at::Tensor k = keys.contiguous();
   const int64_t n = k.numel();
-  const at::Tensor given = check_upsert_args(n, scores, policy_id, epoch);
+  const at::Tensor given = check_upsert_args(n, scores, policy_id, clock, epoch);
 
   at::Tensor rows = at::empty({n}, k.options());
   at::Tensor inserted = at::zeros({n}, k.options().dtype(at::kBool));
@@ -402,19 +424,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
     t.digests[row] = static_cast<uint8_t>(p.tag | kPinBit);
     return row;
   };
-  // Pass 1, every stripe at once: every key that holds a row is touched and pinned before any
-  // key is inserted, so a new key cannot evict a resident key of the call, wherever either comes
-  // in the batch and whichever stripe the new key evicts in. A key writes only its own slot (the
-  // digest's pin bit and the score); other threads' probes read that digest with the pin bit
-  // masked out and never its score, so they find what they would have found anyway. The keys
-  // not found are kept, with their places, for pass 2: group g's at absent[offsets[g] + k].
+  // Pass 1, phase by phase: every key that holds a row is touched and pinned before any key is
+  // inserted, so a new key cannot evict a resident key of the call, wherever either comes in the
+  // batch and whichever stripe the new key evicts in. The keys not found are kept, with their
+  // places, for pass 2: group g's at absent[offsets[g] + k].
   const int64_t G = groups.groups(), R = groups.ranges();
   const int64_t* offsets = groups.offsets.data();
   thread_local std::vector<AbsentKey> absent_scratch;
   grow(absent_scratch, n);
   AbsentKey* absent = absent_scratch.data();
   std::vector<int64_t> absent_count(G, 0);
-  for_each_group_range(groups, 0, G, [&](int64_t g0, int64_t g1) {
+  for_each_phase_group_range(groups, [&](int64_t g0, int64_t g1) {
     const int64_t begin = offsets[g0];
     int64_t g = g0;
     for_each_prefetched<Prefetch::kTouch>(
@@ -433,20 +453,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
   });
   // Pass 2: the keys absent when the call began, one at a time in batch order per stripe, window
   // by window of the batch and phase by phase within a window (the first phase rotating with
-  // the clock): the stripes of one phase never share a bucket, so they run in parallel.
-  const int64_t window = upsert_window(capacity);
+  // the clock). With one phase the windows do not change that order: one window.
+  const int phases = upsert_phase_count(geo.num_stripes);
   std::vector<int64_t> done(G, 0), upto(G, 0);  // per group: absent keys applied, in this window
-  for (int64_t window_end = window; window_end - window < n; window_end += window) {
-    for (int k = 0; k < upsert_phase_count(geo.num_stripes); ++k) {
-      const int phase = upsert_phase_at(k, clock, geo.num_stripes);
-      for_each_group_range(groups, phase * R, (phase + 1) * R, [&](int64_t g0, int64_t g1) {
+  for (int64_t begin = 0, window_end; begin < n; begin = window_end) {
+    window_end = phases == 1 ? n : std::min(n, begin + upsert_window(capacity, begin));
+    for (int k = 0; k < phases; ++k) {
+      const int64_t first = upsert_phase_at(k, clock, geo.num_stripes) * R, last = first + R;
+      int64_t work = 0;
+      for (int64_t g = first; g < last; ++g) {  // a group's absent keys are in batch order
+        const AbsentKey* a = absent + offsets[g];
+        upto[g] = std::partition_point(a + done[g], a + absent_count[g],
+                                       [&](const AbsentKey& x) { return order[x.at] < window_end; }) - a;
+        work += upto[g] - done[g];
+      }
+      for_each_group_range(first, last, work, [&](int64_t g0, int64_t g1) {
         int64_t added = 0, count = 0;
+        for (int64_t g = g0; g < g1; ++g) count += upto[g] - done[g];
+        if (count == 0) return;
         std::vector<std::pair<int64_t, int64_t>> evicted;
-        for (int64_t g = g0; g < g1; ++g) {  // a group's absent keys are in batch order
-          int64_t& end = upto[g];
-          for (end = done[g]; end < absent_count[g] && order[absent[offsets[g] + end].at] < window_end;) ++end;
-          count += end - done[g];
-        }
         AbsentWalk ahead{absent, offsets, done.data(), upto.data(), g0, done[g0]}, behind = ahead;
         for_each_prefetched<Prefetch::kInsert>(
             t, count, [&](int64_t) { return ahead.next().place; },
@@ -455,23 +480,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
               const int64_t i = order[at];
               rp[i] = insert(i, groups.keys[at], p, added, evicted);
             });
-        for (int64_t g = g0; g < g1; ++g) done[g] = upto[g];
         size_delta += added;
         if (!evicted.empty()) {
           std::lock_guard<std::mutex> lock(evictions_mutex);
           evictions.insert(evictions.end(), evicted.begin(), evicted.end());
         }
       });
+      std::copy(upto.begin() + first, upto.begin() + last, done.begin() + first);
     }
   }
-  // Every row returned is pinned: release them (duplicates of a key share a group, so one thread
-  // clears each row).
-  for_each_group_range(groups, 0, G, [&](int64_t g0, int64_t g1) {
+  // Every row returned is pinned: release them, every stripe at once (a key clears only its own
+  // digest's pin bit and reads no other byte; the duplicates of a key share a group, so one
+  // thread clears each row).
+  for_each_group_range(0, G, n, [&](int64_t g0, int64_t g1) {
     for (int64_t q = offsets[g0]; q < offsets[g1]; ++q) {
       const int64_t r = rp[order[q]];
       if (r >= 0) t.digests[r] &= kTagMask;
     }
-  });
+  }, kInlineReleases);
   *size.data_ptr<int64_t>() += size_delta.load();
 
   // In batch order: an input position evicts at most once, so a pass over the positions
@@ -506,8 +532,7 @@ at::Tensor hash_erase_cpu(at::Tensor& digests, const at::Tensor& slot_keys, at::
   bool* ep = erased.data_ptr<bool>();
   std::atomic<int64_t> size_delta{0};
   const StripeGroups& groups = group_by_stripe(k.data_ptr<int64_t>(), n, geo);
-  // A key writes only its own slot, so every stripe runs at once (as upsert's pass 1).
-  for_each_group_range(groups, 0, groups.groups(), [&](int64_t g0, int64_t g1) {
+  for_each_phase_group_range(groups, [&](int64_t g0, int64_t g1) {
     const int64_t begin = groups.offsets[g0], end = groups.offsets[g1];
     int64_t removed = 0;
     for_each_prefetched<Prefetch::kFind>(

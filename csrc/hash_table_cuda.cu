@@ -7,11 +7,11 @@
 //
 // Lookups are read-only and take one warp per key, all in parallel. Mutations must give the CPU
 // kernels' results bit for bit (same rows, flags, evictions and scores): an upsert first touches
-// and pins every key of the batch that holds a row (one launch, every stripe), then inserts the
-// others one at a time in batch order per stripe, in the phases of upsert_phase (one launch each:
-// a key of stripe s may evict in stripe s + 1, so stripes that share buckets never run at once),
-// window by window of the batch (upsert_window), then releases its pins (one launch); an erase applies each stripe's keys in batch order. A key
-// found (touched, erased) writes only its own slot, so those walks run on every stripe at once.
+// and pins every key of the batch that holds a row, then inserts the others one at a time in
+// batch order per stripe, window by window of the batch (upsert_window), then releases its pins;
+// an erase applies each stripe's keys in batch order. A key of stripe s lives in stripe s or
+// s + 1, so the touch, insert and erase walks run phase by phase (upsert_phase, one launch each:
+// the stripes of one phase share no bucket, so no two warps touch the same bucket at once).
 // The binding sorts positions by stripe with a stable sort and here one warp walks one stripe's
 // keys in batch order. No locks and no table atomics, and the results do not depend on
 // scheduling. The walk is latency-bound, so a warp loads and hashes 32 keys at a time and
@@ -103,12 +103,14 @@ __device__ __forceinline__ void keep_lower(int64_t& score, int& cand, int64_t s,
   }
 }
 
-// Start of stripe `stripe`'s run in the ascending stripe ids (every lane gets the same answer).
-__device__ __forceinline__ int64_t lower_bound(const int32_t* sorted, int64_t n, int64_t stripe) {
-  int64_t lo = 0, hi = n;
+// First index in [lo, hi) of the ascending `sorted` whose value is >= v, else hi (every lane gets
+// the same answer): where a stripe's run starts in the sorted stripe ids, or a window's slice in
+// a stripe's ascending batch positions.
+template <typename T>
+__device__ __forceinline__ int64_t lower_bound(const T* sorted, int64_t lo, int64_t hi, int64_t v) {
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
-    if (sorted[mid] < stripe) {
+    if (sorted[mid] < v) {
       lo = mid + 1;
     } else {
       hi = mid;
@@ -124,6 +126,13 @@ struct StripeKey {
   int64_t given;  // caller's score or increment (0 when none)
   KeyPlace place;
 };
+
+// The stripe that this warp walks in phase `phase` (the warp's index among the phase's stripes),
+// or -1 for a warp beyond them.
+__device__ __forceinline__ int64_t phase_warp_stripe(int phase, const TableGeometry& geo) {
+  const int64_t w = global_thread() / kWarpSize;
+  return w < phase_stripes(phase, geo.num_stripes) ? phase_stripe(phase, w, geo.num_stripes) : -1;
+}
 
 // Every position of a walk.
 struct AllPositions {
@@ -204,20 +213,18 @@ __device__ __forceinline__ void touch_slot(int64_t* slot_scores, uint8_t* digest
   digests[row] |= kPinBit;
 }
 
-// Upsert, pass 1: one warp per stripe touches and pins (digest bit 7) every key of the stripe
-// that holds a row and marks the others (row -1) for pass 2. A key writes only its own slot (pin
-// bit and score); other warps' probes read that digest with the pin bit masked out and never its
-// score, so every stripe runs at once.
+// Upsert, pass 1, phase `phase`: warp w walks stripe phase_stripe(phase, w), touches and pins
+// (digest bit 7) every key of the stripe that holds a row and marks the others (row -1) for pass 2.
 __global__ void hash_touch_kernel(uint8_t* digests, const int64_t* slot_keys, int64_t* slot_scores,
                                   TableGeometry geo, const int64_t* keys, const int64_t* given,
                                   const int32_t* sorted_stripes, const int64_t* order, int64_t n,
-                                  Policy policy, int64_t clock, int64_t epoch, bool assign,
-                                  int64_t* rows) {
-  const int64_t stripe = global_thread() / kWarpSize;
-  if (stripe >= geo.num_stripes) return;
+                                  int phase, Policy policy, int64_t clock, int64_t epoch,
+                                  bool assign, int64_t* rows) {
+  const int64_t stripe = phase_warp_stripe(phase, geo);
+  if (stripe < 0) return;
   const int lane = lane_id();
-  const int64_t begin = lower_bound(sorted_stripes, n, stripe);
-  const int64_t end = lower_bound(sorted_stripes, n, stripe + 1);
+  const int64_t begin = lower_bound(sorted_stripes, 0, n, stripe);
+  const int64_t end = lower_bound(sorted_stripes, begin, n, stripe + 1);
   const bool has_given = given != nullptr;
   walk_stripe(digests, keys, given, order, geo, begin, end, lane, AllPositions{}, [&](const StripeKey& k) {
     const int64_t hit = warp_probe(slot_keys, k.place, load_slots(digests, k.place, lane), k.key);
@@ -229,8 +236,9 @@ __global__ void hash_touch_kernel(uint8_t* digests, const int64_t* slot_keys, in
 
 // Upsert, pass 2, phase `phase` of the window [window_begin, window_end) of batch positions: warp
 // w walks stripe phase_stripe(phase, w) and inserts the window's keys absent when the call began,
-// in batch order, so a new key never evicts a key of the same call (all pinned by pass 1). The
-// stripes of one phase share no bucket.
+// in batch order, so a new key never evicts a key of the same call (all pinned by pass 1). A
+// stripe's positions ascend, so the window's slice of them is found by binary search: a launch
+// costs its window's keys, not the stripe's.
 __global__ void hash_insert_kernel(uint8_t* digests, int64_t* slot_keys, int64_t* slot_scores,
                                    int64_t* size, TableGeometry geo, const int64_t* keys,
                                    const int64_t* given, const int32_t* sorted_stripes,
@@ -238,16 +246,17 @@ __global__ void hash_insert_kernel(uint8_t* digests, int64_t* slot_keys, int64_t
                                    int64_t window_begin, int64_t window_end, Policy policy,
                                    int64_t clock, int64_t epoch, bool assign, int64_t* rows,
                                    bool* inserted, bool* evicted, int64_t* evicted_keys) {
-  const int64_t w = global_thread() / kWarpSize;
-  if (w >= phase_stripes(phase, geo.num_stripes)) return;
-  const int64_t stripe = phase_stripe(phase, w, geo.num_stripes);
+  const int64_t stripe = phase_warp_stripe(phase, geo);
+  if (stripe < 0) return;
   const int lane = lane_id();
-  const int64_t begin = lower_bound(sorted_stripes, n, stripe);
-  const int64_t end = lower_bound(sorted_stripes, n, stripe + 1);
+  const int64_t first = lower_bound(sorted_stripes, 0, n, stripe);
+  const int64_t last = lower_bound(sorted_stripes, first, n, stripe + 1);
+  const int64_t begin = lower_bound(order, first, last, window_begin);
+  const int64_t end = lower_bound(order, begin, last, window_end);
   const bool has_given = given != nullptr;
   int64_t added = 0;  // warp-uniform: every decision below comes from a ballot or reduction
 
-  auto absent = [&](int64_t pos) { return pos >= window_begin && pos < window_end && rows[pos] < 0; };
+  auto absent = [&](int64_t pos) { return rows[pos] < 0; };
   walk_stripe(digests, keys, given, order, geo, begin, end, lane, absent, [&](const StripeKey& k) {
     const KeyPlace& p = k.place;
     const LaneSlots s = load_slots(digests, p, lane);
@@ -310,28 +319,37 @@ __global__ void hash_insert_kernel(uint8_t* digests, int64_t* slot_keys, int64_t
   }
 }
 
-// Upsert, the end: every row returned is pinned; release them. Duplicates of a key clear the
-// same digest to the same value, so threads may race on it.
-__global__ void hash_release_kernel(uint8_t* digests, const int64_t* rows, int64_t n) {
-  for (int64_t i = global_thread(); i < n; i += global_threads()) {
-    const int64_t row = rows[i];
-    if (row >= 0) digests[row] &= kTagMask;
+// Upsert, the end: every row returned is pinned; release them. One warp per stripe, every stripe
+// at once (a key clears only its own digest's pin bit and reads no other byte), 32 positions at a
+// time. The duplicates of a key hold one row and share a stripe: only the lowest lane holding a
+// row clears it, and __syncwarp orders the rounds, so no two threads write a byte concurrently.
+__global__ void hash_release_kernel(uint8_t* digests, const int64_t* rows,
+                                    const int32_t* sorted_stripes, const int64_t* order, int64_t n,
+                                    int64_t num_stripes) {
+  const int64_t stripe = global_thread() / kWarpSize;
+  if (stripe >= num_stripes) return;
+  const int lane = lane_id();
+  const int64_t begin = lower_bound(sorted_stripes, 0, n, stripe);
+  const int64_t end = lower_bound(sorted_stripes, begin, n, stripe + 1);
+  for (int64_t j = begin; j < end; j += kWarpSize) {
+    const int64_t row = j + lane < end ? rows[order[j + lane]] : -1;
+    const unsigned same = __match_any_sync(kFullMask, static_cast<unsigned long long>(row));
+    if (row >= 0 && lane == __ffs(static_cast<int>(same)) - 1) digests[row] &= kTagMask;
+    __syncwarp();
   }
 }
 
-// One warp per stripe, in batch order, so only the first of duplicate keys reports the erase. A
-// key erased clears only its own slot (and its digest's tag bits, which other warps' probes
-// compare, go from its tag to 0: they never matched another key there), so every stripe runs at
-// once.
+// Phase `phase`: warp w walks stripe phase_stripe(phase, w) in batch order, so only the first of
+// duplicate keys reports the erase.
 __global__ void hash_erase_kernel(uint8_t* digests, const int64_t* slot_keys, int64_t* size,
                                   TableGeometry geo, const int64_t* keys,
                                   const int32_t* sorted_stripes, const int64_t* order, int64_t n,
-                                  bool* erased) {
-  const int64_t stripe = global_thread() / kWarpSize;
-  if (stripe >= geo.num_stripes) return;
+                                  int phase, bool* erased) {
+  const int64_t stripe = phase_warp_stripe(phase, geo);
+  if (stripe < 0) return;
   const int lane = lane_id();
-  const int64_t begin = lower_bound(sorted_stripes, n, stripe);
-  const int64_t end = lower_bound(sorted_stripes, n, stripe + 1);
+  const int64_t begin = lower_bound(sorted_stripes, 0, n, stripe);
+  const int64_t end = lower_bound(sorted_stripes, begin, n, stripe + 1);
   int64_t removed = 0;  // warp-uniform
 
   walk_stripe(digests, keys, nullptr, order, geo, begin, end, lane, AllPositions{}, [&](const StripeKey& k) {
@@ -395,22 +413,25 @@ cudaError_t launch_hash_upsert(uint8_t* digests, int64_t* slot_keys, int64_t* sl
   if (n == 0) return cudaSuccess;
   const TableGeometry geo = make_geometry(capacity);
   const Policy p = static_cast<Policy>(policy);
-  hash_touch_kernel<<<stripe_grid(geo.num_stripes), kStripeThreads, 0, stream>>>(
-      digests, slot_keys, slot_scores, geo, keys, given, sorted_stripes, order, n, p, clock, epoch,
-      assign, rows);
-  // Windows and phases come from n and the geometry (no host sync).
-  const int64_t window = upsert_window(capacity);
-  for (int64_t begin = 0; begin < n; begin += window) {
-    for (int k = 0; k < upsert_phase_count(geo.num_stripes); ++k) {
+  const int phases = upsert_phase_count(geo.num_stripes);
+  for (int phase = 0; phase < phases; ++phase) {
+    hash_touch_kernel<<<stripe_grid(phase_stripes(phase, geo.num_stripes)), kStripeThreads, 0, stream>>>(
+        digests, slot_keys, slot_scores, geo, keys, given, sorted_stripes, order, n, phase, p,
+        clock, epoch, assign, rows);
+  }
+  // Windows and phases come from n and the geometry (no host sync). With one phase the windows
+  // do not change the order (each stripe's keys in batch order): one window.
+  for (int64_t begin = 0, end; begin < n; begin = end) {
+    end = phases == 1 ? n : std::min(n, begin + upsert_window(capacity, begin));
+    for (int k = 0; k < phases; ++k) {
       const int phase = upsert_phase_at(k, clock, geo.num_stripes);
       hash_insert_kernel<<<stripe_grid(phase_stripes(phase, geo.num_stripes)), kStripeThreads, 0, stream>>>(
           digests, slot_keys, slot_scores, size, geo, keys, given, sorted_stripes, order, n, phase,
-          begin, std::min(n, begin + window), p, clock, epoch, assign, rows, inserted, evicted,
-          evicted_keys);
+          begin, end, p, clock, epoch, assign, rows, inserted, evicted, evicted_keys);
     }
   }
-  hash_release_kernel<<<capped_grid(n, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(
-      digests, rows, n);
+  hash_release_kernel<<<stripe_grid(geo.num_stripes), kStripeThreads, 0, stream>>>(
+      digests, rows, sorted_stripes, order, n, geo.num_stripes);
   return cudaGetLastError();
 }
 
@@ -420,8 +441,10 @@ cudaError_t launch_hash_erase(uint8_t* digests, const int64_t* slot_keys, int64_
                               bool* erased, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const TableGeometry geo = make_geometry(capacity);
-  hash_erase_kernel<<<stripe_grid(geo.num_stripes), kStripeThreads, 0, stream>>>(
-      digests, slot_keys, size, geo, keys, sorted_stripes, order, n, erased);
+  for (int phase = 0; phase < upsert_phase_count(geo.num_stripes); ++phase) {
+    hash_erase_kernel<<<stripe_grid(phase_stripes(phase, geo.num_stripes)), kStripeThreads, 0, stream>>>(
+        digests, slot_keys, size, geo, keys, sorted_stripes, order, n, phase, erased);
+  }
   return cudaGetLastError();
 }
 

@@ -124,15 +124,20 @@ TREXT_HD KeyPlace place_key(int64_t key, const TableGeometry& g) {
   return p;
 }
 
-// Insertions of an upsert run in phases, so that the stripes applied at once never share a bucket:
-// a key of stripe s touches stripes s and s + 1, so phase 0 applies the even stripes, phase 1 the
-// odd ones, and phase 2 the last stripe when S is odd and >= 3 (it wraps onto stripe 0).
+// Mutations run in phases, so that the stripes applied at once never share a bucket: a key of
+// stripe s touches stripes s and s + 1, so phase 0 applies the even stripes, phase 1 the odd
+// ones, and phase 2 the last stripe when S is odd and >= 3 (it wraps onto stripe 0). Every pass
+// that writes the table (an upsert's touch and insert passes, an erase) runs phase by phase, so
+// no thread (warp) ever reads or writes a digest, key or score byte of a bucket that another
+// thread writes at the same time: the kernels need no atomics and have no data race. Passes that
+// write only the slots of their own keys without reading others' (the release of an upsert's
+// pins) run on every stripe at once: all occurrences of a key are applied by one thread.
 // A phase's new keys take free rows and cheap victims before the next phase's; so that no class
 // of stripes is favoured (a batch of more new keys than rows would otherwise fill the table with
-// even stripes' keys only), the batch is cut into windows of upsert_window(capacity) positions,
-// applied one after another (phases within each), and the first phase rotates with the clock.
+// even stripes' keys only), the batch is cut into windows (upsert_window), applied one after
+// another (phases within each), and the first phase rotates with the clock.
 constexpr int kUpsertPhases = 3;
-constexpr int64_t kUpsertWindowsPerCapacity = 8;
+constexpr int64_t kUpsertWindowFraction = 8;
 
 TREXT_HD int upsert_phase_count(int64_t num_stripes) {
   return num_stripes == 1 ? 1 : (num_stripes >= 3 && (num_stripes & 1)) ? 3 : 2;
@@ -144,10 +149,18 @@ TREXT_HD int upsert_phase_at(int k, int64_t clock, int64_t num_stripes) {
   return static_cast<int>((static_cast<uint64_t>(clock) + static_cast<uint64_t>(k)) % count);
 }
 
-// Batch positions per window: ceil(capacity / 8), so a window's new keys can fill at most ~1/8
-// of the table before the phases of the next window run.
-TREXT_HD int64_t upsert_window(int64_t capacity) {
-  return (capacity + kUpsertWindowsPerCapacity - 1) / kUpsertWindowsPerCapacity;
+// Batch positions of the window that starts at position `begin`: an eighth of the capacity or of
+// the positions before it, whichever is more. The rows one phase's new keys of a window can take
+// ahead of the other phases' are then at most ~1/8 of the capacity or of the rows the new keys of
+// earlier windows took (new keys spread through the batch), so the classes of stripes share the
+// rows evenly for any batch size; yet a batch of n positions has only ~8 + 8.5 ln(n / capacity)
+// windows beyond its first `capacity` positions (20 at n = 4 * capacity, 55 at 256 *): the passes
+// (parallel regions, kernel launches) grow with the log of the batch, not with the batch.
+TREXT_HD int64_t upsert_window(int64_t capacity, int64_t begin) {
+  const int64_t by_capacity = (capacity + kUpsertWindowFraction - 1) / kUpsertWindowFraction;
+  const int64_t by_batch = (begin + kUpsertWindowFraction - 1) / kUpsertWindowFraction;
+  const int64_t w = by_capacity > by_batch ? by_capacity : by_batch;
+  return w > 0 ? w : 1;
 }
 
 TREXT_HD int upsert_phase(int64_t stripe, int64_t num_stripes) {

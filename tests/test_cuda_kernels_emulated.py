@@ -90,10 +90,48 @@ def test_emulated_cuda_kernels_match_cpu(emulated, capacity, policy):
     _same(restored, restored_twin, "restore")
 
 
+def test_emulated_upsert_refuses_a_negative_clock(emulated):
+    state = _table(4096)
+    with pytest.raises(RuntimeError, match="hash_upsert: clock must be >= 0, got -3"):
+        emulated.hash_upsert(*state, torch.arange(10), None, 4096, 1, -3, 0, False)
+    assert not any(t.any() for t in state)
+
+
 def test_emulated_route_matches_cpu(emulated):
     keys = torch.randint(I64MIN, I64MAX, (3000,))
     for world in (1, 3, 8, 2**31 - 1):
         assert torch.equal(torch.ops.torchrec_ext.route(keys, world), emulated.route(keys, world))
+
+
+def test_emulated_upsert_of_a_batch_larger_than_the_table(emulated):
+    """Batches of 1.5x the capacity (new, resident and repeated keys; 3 stripes) into a full
+    table: their windows grow past the first `capacity` positions, each window-phase launch walks
+    only its slice of a stripe's positions, and the results equal the CPU kernel's and the dict
+    model's, also with each launch's warps run in reverse order."""
+    from torchrec_ext.reference import ReferenceHashTable, upsert_windows
+
+    capacity = 64 * 32 * 3 + 5
+    rng = random.Random(capacity)
+    model, state, twin = ReferenceHashTable(capacity, "lru"), _table(capacity), _table(capacity)
+    for clock in (1, 2):
+        live = [k for k, _, _ in model.export()]
+        batch = [rng.randrange(I64MIN, I64MAX) for _ in range(3 * capacity // 2 - len(live) // 2)]
+        batch += rng.sample(live, len(live) // 2) + batch[:100]
+        rng.shuffle(batch)
+        starts = upsert_windows(capacity, len(batch))
+        assert starts[-1] - starts[-2] > -(-capacity // 8)
+        args = (torch.tensor(batch, dtype=torch.int64), None, capacity, 1, clock, 0, False)
+        backward = [t.clone() for t in twin]
+        got = emulated.hash_upsert(*twin, *args)
+        _same(torch.ops.torchrec_ext.hash_upsert(*state, *args), got, "upsert")
+        assert [t.tolist() for t in got] == list(model.upsert(batch))
+        if clock == 2:
+            with _reversed_warps():
+                _same(got, emulated.hash_upsert(*backward, *args), "upsert, warps reversed")
+            _same(twin, backward, "table after upsert, warps reversed")
+        _same(state, twin, "table after upsert")
+        assert not (twin[0] & 0x80).any(), "the emulated kernels left rows pinned"
+    assert state[3].item() == capacity and got[2].numel() > 0
 
 
 @pytest.mark.parametrize("policy, capacity", [("lru", 64 * 32 * 2), ("lfu", 64 * 32 * 2), ("epoch_lfu", 64 * 32 * 2),

@@ -4,13 +4,16 @@ odd stripes, the last stripe of an odd ring), each stripe's in batch order. Chec
 dict model in torchrec_ext.reference for 1, 2, 3, 4 and 5 stripes, on 1 and 2 threads (which
 must give the same results), with full tables where new keys of neighbouring stripes compete
 for the same buckets and evict."""
+import bisect
+import math
 import random
 
 import pytest
 import torch
 
 from torchrec_ext import HashTable
-from torchrec_ext.reference import ReferenceHashTable, geometry, insert_order, place, stripe_of, upsert_phase
+from torchrec_ext.reference import (ReferenceHashTable, geometry, insert_order, place, stripe_of, upsert_phase,
+                                    upsert_windows)
 from torchrec_ext.table import bucket_pairs
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -41,15 +44,25 @@ def test_bucket2_lies_in_the_next_stripe(capacity):
         assert {stripe_of_bucket[y] for y in b2.tolist()} == set(range(stripes))
 
 
-def test_insert_order_windows_and_rotating_phases():
-    capacity = 64 * 32 * 3 + 5  # 3 stripes: phases 0, 1, 2; windows of 769 positions
+# 3 stripes (phases 0, 1, 2): windows of ceil(6149 / 8) = 769 positions, or an eighth of the
+# positions before them once that is more (from position 6153 on).
+@pytest.mark.parametrize("n", [2000, 40_000])
+def test_insert_order_windows_and_rotating_phases(n):
+    capacity = 64 * 32 * 3 + 5
+    starts = upsert_windows(capacity, n)
+    ends = starts[1:] + [n]
+    assert starts[0] == 0 and all(e - b == max(769, -(-b // 8)) for b, e in zip(starts, ends[:-1]))
+    assert 0 < ends[-1] - starts[-1] <= max(769, -(-starts[-1] // 8))
+    if n > capacity:  # ~8 + 8.5 ln(n / capacity) windows, not n / 769
+        assert len(starts) <= 9 + 8.5 * math.log(n / capacity) < n / 769
+    window_of = [bisect.bisect_right(starts, i) - 1 for i in range(n)]
     rng = random.Random(1)
-    keys = [rng.randrange(INT64_MIN, INT64_MAX) for _ in range(2000)]
+    keys = [rng.randrange(INT64_MIN, INT64_MAX) for _ in range(n)]
     phase = [upsert_phase(stripe_of(k, capacity), 3) for k in keys]
     for clock in (3, 4, 5):
         order = insert_order(keys, capacity, clock)
         assert sorted(order) == list(range(len(keys)))
-        ranks = [(i // 769, (phase[i] - clock) % 3, i) for i in order]
+        ranks = [(window_of[i], (phase[i] - clock) % 3, i) for i in order]
         assert ranks == sorted(ranks)
         assert phase[order[0]] == clock % 3  # the first phase rotates with the clock
 
@@ -121,6 +134,38 @@ def test_kernels_match_reference_on_one_and_two_threads(capacity, policy):
     assert all(torch.equal(one[1][k], two[1][k]) for k in ("keys", "rows", "scores"))
 
 
+@pytest.mark.parametrize("capacity, policy", [(4096, "lru"), (64 * 32 * 3 + 5, "lfu")])
+def test_kernels_match_reference_on_batches_far_larger_than_the_table(capacity, policy):
+    """Batches of 5 to 9 times the capacity (resident and repeated keys mixed in): their windows
+    grow past the first `capacity` positions (an eighth of the positions before them), and the
+    kernels, on 1 and 2 threads, give the dict model's results, in which the window bounds decide
+    which new keys take the rows."""
+    runs = []
+    for threads in (1, 2):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            rng = random.Random(capacity)
+            table, model = HashTable(capacity, policy=policy), ReferenceHashTable(capacity, policy)
+            results = []
+            for step in range(4):
+                live = [k for k, _, _ in model.export()]
+                n = rng.choice([5, 7, 9]) * capacity
+                batch = [rng.randrange(INT64_MIN, INT64_MAX) for _ in range(n - len(live) // 2)]
+                batch += rng.sample(live, len(live) // 2) + batch[: n // 10]
+                rng.shuffle(batch)
+                assert len(upsert_windows(capacity, len(batch))) < len(batch) / -(-capacity // 8)
+                got = table.find_or_insert(_keys(batch))
+                assert [t.tolist() for t in got] == list(model.upsert(batch)), step
+                results.append(tuple(got))
+            assert list(zip(*[table.state_dict()[k].tolist() for k in ("keys", "rows", "scores")])) == model.export()
+            runs.append(results)
+        finally:
+            torch.set_num_threads(before)
+    for a, b in zip(*runs):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 @pytest.mark.parametrize("clock", [0, 1])
 def test_phase_order_decides_which_new_key_gets_a_contested_slot(clock):
     """Two stripes: a new key of stripe 1 early in the batch and one of stripe 0 later, whose only
@@ -160,17 +205,20 @@ def test_phase_order_decides_which_new_key_gets_a_contested_slot(clock):
     assert got.rows.tolist()[winner] == b * 32 + 31 and got.rows.tolist()[1 - winner] == -1
 
 
+@pytest.mark.parametrize("times", [2, 64])
 @pytest.mark.parametrize("policy", ["lru", "lfu", "none"])
-def test_a_batch_of_more_new_keys_than_rows_fills_every_stripe_evenly(policy):
-    """A full table, then batches of twice its capacity in fresh keys (as a warm-up does): the
-    keys kept come from every stripe alike. Were all of a phase's keys inserted before the next
+def test_a_batch_of_more_new_keys_than_rows_fills_every_stripe_evenly(policy, times):
+    """A full table, then batches of 2 or 64 times its capacity in fresh keys (as a warm-up does):
+    the keys kept come from every stripe alike. Were all of a phase's keys inserted before the next
     phase's, the first phase's stripes (even ones) would take every row, and a reshard of such a
-    table could not place its ids (their buckets miss the odd stripes of the new geometry)."""
+    table could not place its ids (their buckets miss the odd stripes of the new geometry). At 64x,
+    windows of a fixed share of the batch (64 * capacity / 32 positions) would let one phase's
+    keys of the first window take nearly every row."""
     capacity = 8192  # 4 stripes
     table = HashTable(capacity, policy=policy)
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):
-        table.find_or_insert(torch.randint(-(2**62), 2**62, (2 * capacity,), generator=gen))
+        table.find_or_insert(torch.randint(-(2**62), 2**62, (times * capacity,), generator=gen))
     assert table.size() == capacity
     keys = table.state_dict()["keys"]
     stripes = torch.tensor([stripe_of(k, capacity) for k in keys.tolist()])

@@ -5,6 +5,7 @@ a time, plain dicts), so a disagreement with a kernel points at a bug in one of 
 """
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -75,19 +76,34 @@ def upsert_phase(stripe: int, stripes: int) -> int:
     return stripe % 2
 
 
+def upsert_window(capacity: int, begin: int) -> int:
+    """Batch positions of an upsert's insert window starting at position ``begin``: an eighth
+    of the capacity or of the positions before it, whichever is more."""
+    return max(-(-capacity // 8), -(-begin // 8), 1)
+
+
+def upsert_windows(capacity: int, n: int) -> List[int]:
+    """First batch positions of the insert windows of an upsert of ``n`` keys."""
+    starts, begin = [], 0
+    while begin < n:
+        starts.append(begin)
+        begin += upsert_window(capacity, begin)
+    return starts
+
+
 def insert_order(keys: Sequence[int], capacity: int, clock: int) -> List[int]:
     """The order in which an upsert (of logical clock ``clock``) inserts the keys at positions
-    0..n-1 that hold no row: window by window of ceil(capacity / 8) batch positions; within a
-    window phase by phase, the call's first phase being ``clock`` mod the number of phases (1, 2,
-    or 3 on an odd ring), so no class of stripes takes free rows and cheap victims first call
-    after call; within a phase, in batch order."""
+    0..n-1 that hold no row: window by window (``upsert_windows``); within a window phase by
+    phase, the call's first phase being ``clock`` mod the number of phases (1, 2, or 3 on an odd
+    ring), so no class of stripes takes free rows and cheap victims first call after call;
+    within a phase, in batch order."""
     _, stripes = geometry(capacity)
     phases = 1 if stripes == 1 else 3 if stripes >= 3 and stripes % 2 == 1 else 2
-    window = -(-capacity // 8)
+    starts = upsert_windows(capacity, len(keys))
 
     def rank(i: int) -> Tuple[int, int, int]:
         phase = upsert_phase(stripe_of(keys[i], capacity), stripes)
-        return i // window, (phase - clock) % phases, i
+        return bisect.bisect_right(starts, i) - 1, (phase - clock) % phases, i
 
     return sorted(range(len(keys)), key=rank)
 

@@ -28,7 +28,7 @@ struct Dim { unsigned x = 0; };
 Dim threadIdx, blockIdx, blockDim, gridDim;
 
 namespace emu {
-enum Kind { kDone = 0, kBallot = 1, kShfl = 2, kSync = 3 };
+enum Kind { kDone = 0, kBallot = 1, kShfl = 2, kSync = 3, kMatch = 4 };
 struct Lane {
   ucontext_t ctx;
   int kind;
@@ -96,6 +96,12 @@ void run_warp(unsigned block, unsigned warp, const std::function<void()>& body) 
       long long vals[32];
       for (int l = 0; l < 32; ++l) vals[l] = w.lanes[l].val;
       for (int l = 0; l < 32; ++l) w.lanes[l].result = vals[w.lanes[l].src & 31];
+    } else if (kind == kMatch) {
+      for (int l = 0; l < 32; ++l) {
+        long long m = 0;
+        for (int o = 0; o < 32; ++o) m |= (w.lanes[o].val == w.lanes[l].val ? 1ll : 0ll) << o;
+        w.lanes[l].result = m;
+      }
     }
   }
 }
@@ -116,6 +122,10 @@ inline T __shfl_xor_sync(unsigned mask, T v, int m) {
   return __shfl_sync(mask, v, static_cast<int>(threadIdx.x & 31) ^ m);
 }
 inline void __syncwarp() { emu::collective(emu::kSync, 0, 0); }
+inline unsigned __match_any_sync(unsigned mask, unsigned long long v) {
+  if (mask != 0xFFFFFFFFu) std::abort();
+  return static_cast<unsigned>(emu::collective(emu::kMatch, static_cast<long long>(v), 0));
+}
 inline int __ffs(int x) { return __builtin_ffs(x); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {

@@ -427,14 +427,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
   // Pass 1, phase by phase: every key that holds a row is touched and pinned before any key is
   // inserted, so a new key cannot evict a resident key of the call, wherever either comes in the
   // batch and whichever stripe the new key evicts in. The keys not found are kept, with their
-  // places, for pass 2: group g's at absent[offsets[g] + k].
+  // places, for pass 2: group g's at absent[offsets[g] + k]. The phases run in the reverse of
+  // pass 2's order, so pass 2 starts on the keys whose lines pass 1 touched last (still cached).
   const int64_t G = groups.groups(), R = groups.ranges();
   const int64_t* offsets = groups.offsets.data();
+  const int phases = upsert_phase_count(geo.num_stripes);
   thread_local std::vector<AbsentKey> absent_scratch;
   grow(absent_scratch, n);
   AbsentKey* absent = absent_scratch.data();
   std::vector<int64_t> absent_count(G, 0);
-  for_each_phase_group_range(groups, [&](int64_t g0, int64_t g1) {
+  auto touch_groups = [&](int64_t g0, int64_t g1) {
     const int64_t begin = offsets[g0];
     int64_t g = g0;
     for_each_prefetched<Prefetch::kTouch>(
@@ -450,11 +452,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
           touch(order[at], row);
           rp[order[at]] = row;
         });
-  });
+  };
+  for (int k = phases - 1; k >= 0; --k) {
+    const int64_t first = upsert_phase_at(k, clock, geo.num_stripes) * R, last = first + R;
+    for_each_group_range(first, last, offsets[last] - offsets[first], touch_groups);
+  }
   // Pass 2: the keys absent when the call began, one at a time in batch order per stripe, window
   // by window of the batch and phase by phase within a window (the first phase rotating with
   // the clock). With one phase the windows do not change that order: one window.
-  const int phases = upsert_phase_count(geo.num_stripes);
   std::vector<int64_t> done(G, 0), upto(G, 0);  // per group: absent keys applied, in this window
   for (int64_t begin = 0, window_end; begin < n; begin = window_end) {
     window_end = phases == 1 ? n : std::min(n, begin + upsert_window(capacity, begin));

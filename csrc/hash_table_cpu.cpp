@@ -258,7 +258,7 @@ const StripeGroups& group_by_stripe(const int64_t* keys, int64_t n, const TableG
 // milliseconds). An upsert of a batch much larger than its table runs a few dozen insert passes
 // (windows times phases), most of them small. Releasing a pin is a few cached byte writes, so
 // the release pass runs inline below kInlineReleases.
-constexpr int64_t kInlineKeys = 2048;
+constexpr int64_t kInlineKeys = 512;
 constexpr int64_t kInlineReleases = 16 * kInlineKeys;
 
 // Runs fn(g0, g1) on ranges of the groups [first, last) that hold `work` keys to apply, in

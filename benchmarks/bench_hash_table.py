@@ -232,7 +232,7 @@ def report(cfg: Config, results: List[Dict[str, object]]) -> str:
         return report_values(cfg, results)
     header = ["load factor"] + [f"{op} M keys/s (× dict, × sorted)" for op in OPS]
     rows = []
-    for r in results:
+    for r in (results if cfg.baselines else []):
         cells = [f"{r['load_factor']:.2f}"]
         for op in OPS:
             ours = r[f"{op}_keys_per_s"]

@@ -2,10 +2,11 @@
 `load_state_dict` when rows are re-inserted, as after a change of world size) leaves out of an
 empty table of `capacity` rows, at a given load (ids / capacity).
 
-A key's two candidate buckets lie in one stripe of ~2,048 slots, so a table of one stripe places
-every id up to load 1.0, while in a larger one the ids a reshard routes in fill stripes unevenly
-(binomially) and a nearly full table overflows some. place_keys places the most the buckets allow
-(augmenting paths), so what is lost here is the layout's limit, not the loader's.
+A key's first bucket lies in its stripe of ~2,048 slots and its second in the next stripe on the
+ring, so the ids a reshard routes in, which fill stripes unevenly (binomially), flow to the
+neighbour stripes: place_keys places the most the buckets allow (augmenting paths, which may cross
+stripes), and with no more ids than rows that is every id (w.h.p.). Exactly full tables are the
+slow case (the last ids need long paths).
 
     python benchmarks/bench_reshard_placement.py              # saves results/reshard_placement_cpu.*
     python benchmarks/bench_reshard_placement.py --no-save    # print only

@@ -51,9 +51,11 @@ inline void check_world_size(const char* op, int64_t world_size) {
 // hash_upsert's scalar arguments and optional scores; returns the scores made contiguous
 // (undefined when none were given).
 inline at::Tensor check_upsert_args(int64_t n, const std::optional<at::Tensor>& scores,
-                                    int64_t policy_id, int64_t epoch) {
+                                    int64_t policy_id, int64_t clock, int64_t epoch) {
   TORCH_CHECK(policy_id >= 0 && policy_id <= static_cast<int64_t>(Policy::kCustom),
               "hash_upsert: unknown policy id ", policy_id);
+  // The clock is an LRU score and picks the call's first insert phase: never negative.
+  TORCH_CHECK(clock >= 0, "hash_upsert: clock must be >= 0, got ", clock);
   TORCH_CHECK(epoch >= 0 && epoch < (int64_t{1} << 31),
               "hash_upsert: epoch must be in [0, 2^31), got ", epoch);
   TORCH_CHECK(static_cast<Policy>(policy_id) != Policy::kCustom || scores.has_value(),

@@ -3,10 +3,14 @@
 // Speed comes from memory-level parallelism: a bucket's 32 digests are matched with two SIMD
 // compares, and the buckets of key i + kPrefetchDistance are prefetched while key i is probed.
 // Lookups run in parallel over keys. Mutations are grouped by stripe (a stable counting sort)
-// and each stripe is applied by one thread in batch order, so results do not depend on the
-// thread count. An upsert applies a stripe's keys in two passes: first every key that already
-// holds a row is touched and pinned, then the others are inserted one at a time in batch order
-// (no key of the call can be evicted by the call).
+// and each stripe's keys are applied by one thread in batch order, so results do not depend on
+// the thread count. A key of stripe s lives in stripe s or s + 1, so a mutating pass runs phase by
+// phase (upsert_phase: the stripes of one phase share no bucket, so no two threads touch the same
+// bucket at once). An upsert runs two passes: first every key of the batch that already holds a
+// row is touched and pinned, then, once that is done everywhere, the others are inserted one at
+// a time in batch order per stripe, window by window of the batch (upsert_window) and phase by
+// phase within a window. No key of the call can be evicted by the call. Small passes run on the
+// calling thread (kInlineKeys).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -28,7 +32,6 @@ namespace {
 
 constexpr int kPrefetchDistance = 16;
 constexpr int64_t kGrainKeys = 4096;
-constexpr int64_t kPassKeys = 2048;  // upsert: keys per run of its passes (see hash_upsert_cpu)
 
 struct TableRef {
   uint8_t* digests;
@@ -146,18 +149,18 @@ inline int64_t probe(const TableRef& t, const KeyPlace& p, int64_t key) {
   return probe_bucket(t, p.bucket2, p.tag, key);
 }
 
-// Visits keys key_at(0..count-1) as a three-stage software pipeline, so the DRAM misses of
-// many keys overlap: the buckets of key j + 2D are prefetched, the key lines matching key
-// j + D's tag are prefetched (its digests arrived meanwhile), and key j is handed to
-// visit(j, key, place) with its lines in cache.
-template <Prefetch kMode, typename KeyAt, typename Visit>
-inline void for_each_prefetched(const TableRef& t, int64_t count, KeyAt key_at, Visit visit) {
+// Visits the keys of places place_at(0..count-1) as a three-stage software pipeline, so the
+// DRAM misses of many keys overlap: the buckets of key j + 2D are prefetched, the key lines
+// matching key j + D's tag are prefetched (its digests arrived meanwhile), and key j is handed to
+// visit(j, place) with its lines in cache.
+template <Prefetch kMode, typename PlaceAt, typename Visit>
+inline void for_each_prefetched(const TableRef& t, int64_t count, PlaceAt place_at, Visit visit) {
   constexpr int64_t D = kPrefetchDistance;
   constexpr int64_t kRing = 4 * D;  // holds positions j .. j + 2D
   static_assert((kRing & (kRing - 1)) == 0, "ring size must be a power of two");
   KeyPlace ring[kRing];
   auto fetch_buckets = [&](int64_t j) {
-    ring[j & (kRing - 1)] = place_key(key_at(j), t.geo);
+    ring[j & (kRing - 1)] = place_at(j);
     prefetch_buckets(t, ring[j & (kRing - 1)]);
   };
   for (int64_t j = 0; j < std::min(count, 2 * D); ++j) fetch_buckets(j);
@@ -165,7 +168,7 @@ inline void for_each_prefetched(const TableRef& t, int64_t count, KeyAt key_at, 
   for (int64_t j = 0; j < count; ++j) {
     if (j + 2 * D < count) fetch_buckets(j + 2 * D);
     if (j + D < count) prefetch_matches<kMode>(t, ring[(j + D) & (kRing - 1)]);
-    visit(j, key_at(j), ring[j & (kRing - 1)]);
+    visit(j, ring[j & (kRing - 1)]);
   }
 }
 
@@ -177,11 +180,13 @@ TableRef table_ref(const at::Tensor& digests, const at::Tensor& slot_keys,
 }
 
 // A batch grouped by stripe with a stable counting sort: position j of the grouping holds key
-// keys[j] = input[order[j]]; group s owns positions [offsets[s], offsets[s + 1]), in batch
-// order. A group is a run of whole stripes (at most kMaxGroups groups, so the scatter writes to
-// few places at once); keys of one stripe keep their batch order, which is all that matters,
-// since different stripes never touch the same buckets.
-constexpr int64_t kMaxGroups = 256;
+// keys[j] = input[order[j]]; group g owns positions [offsets[g], offsets[g + 1]), in batch
+// order. Groups are phase-major: phase f's groups are [f * R, (f + 1) * R) (R = ranges()), and
+// group f * R + r holds the keys of the stripes of phase f among the r-th of R runs of whole
+// stripes (R <= kMaxRanges, so the scatter writes to few places at once). Keys of one stripe
+// keep their batch order and share a group, which is all that matters: the stripes applied at
+// once (one phase) never share a bucket.
+constexpr int64_t kMaxRanges = 128;
 
 // The buffers live on as thread-local scratch, so a steady stream of calls does not pay for
 // fresh pages (faulting in ~20 MB per million keys) on every call.
@@ -190,6 +195,9 @@ struct StripeGroups {
   std::vector<int64_t> keys;
   std::vector<int64_t> offsets;
   std::vector<int32_t> group_of;  // per input position, during the sort
+
+  int64_t groups() const { return static_cast<int64_t>(offsets.size()) - 1; }
+  int64_t ranges() const { return groups() / kUpsertPhases; }
 };
 
 template <typename T>
@@ -200,7 +208,8 @@ void grow(std::vector<T>& v, int64_t n) {
 const StripeGroups& group_by_stripe(const int64_t* keys, int64_t n, const TableGeometry& g) {
   thread_local StripeGroups scratch;
   StripeGroups& out = scratch;  // the caller's instance: worker threads below must not see their own
-  const int64_t P = std::min(g.num_stripes, kMaxGroups);
+  const int64_t R = std::min(g.num_stripes, kMaxRanges);
+  const int64_t P = kUpsertPhases * R;
   const int64_t chunks = std::max<int64_t>(
       1, std::min<int64_t>(at::get_num_threads(), (n + kGrainKeys - 1) / kGrainKeys));
   const int64_t chunk_len = (n + chunks - 1) / chunks;
@@ -214,7 +223,8 @@ const StripeGroups& group_by_stripe(const int64_t* keys, int64_t n, const TableG
     for (int64_t c = c0; c < c1; ++c) {
       int64_t* count = cursors.data() + c * P;
       for (int64_t i = c * chunk_len, e = std::min(n, (c + 1) * chunk_len); i < e; ++i) {
-        const int32_t s = static_cast<int32_t>(place_key(keys[i], g).stripe * P / g.num_stripes);
+        const int64_t stripe = place_key(keys[i], g).stripe;
+        const int32_t s = static_cast<int32_t>(upsert_phase(stripe, g.num_stripes) * R + stripe * R / g.num_stripes);
         group_of[i] = s;
         ++count[s];
       }
@@ -243,15 +253,35 @@ const StripeGroups& group_by_stripe(const int64_t* keys, int64_t n, const TableG
   return out;
 }
 
-// Runs fn(stripe_begin, stripe_end) on ranges of whole stripes, in parallel: one thread owns a
-// stripe, so it applies that stripe's keys in batch order, and its prefetch pipeline runs on
-// across the stripe boundaries of its range.
+// A pass over fewer keys than this runs on the calling thread: a parallel region would cost
+// about as much as it saves, and on a busy machine far more (it waits for a descheduled worker:
+// milliseconds). An upsert of a batch much larger than its table runs a few dozen insert passes
+// (windows times phases), most of them small. Releasing a pin is a few cached byte writes, so
+// the release pass runs inline below kInlineReleases.
+constexpr int64_t kInlineKeys = 512;
+constexpr int64_t kInlineReleases = 16 * kInlineKeys;
+
+// Runs fn(g0, g1) on ranges of the groups [first, last) that hold `work` keys to apply, in
+// parallel unless work < kInlineKeys: one thread owns a group, so it applies each of its stripes'
+// keys in batch order, and its prefetch pipeline runs on across the group boundaries of its range.
 template <typename Fn>
-void for_each_stripe_range(const StripeGroups& groups, Fn fn) {
-  const int64_t P = static_cast<int64_t>(groups.offsets.size()) - 1;
-  at::parallel_for(0, P, 1, [&](int64_t s0, int64_t s1) {
-    if (groups.offsets[s1] > groups.offsets[s0]) fn(s0, s1);
-  });
+void for_each_group_range(int64_t first, int64_t last, int64_t work, Fn fn, int64_t inline_below = kInlineKeys) {
+  if (work <= 0) return;
+  if (work < inline_below) {
+    fn(first, last);
+    return;
+  }
+  at::parallel_for(first, last, 1, fn);
+}
+
+// Runs fn(g0, g1) on the groups of each phase in turn (see for_each_group_range).
+template <typename Fn>
+void for_each_phase_group_range(const StripeGroups& groups, Fn fn) {
+  const int64_t R = groups.ranges();
+  for (int phase = 0; phase < kUpsertPhases; ++phase) {
+    const int64_t g0 = phase * R, g1 = g0 + R;
+    for_each_group_range(g0, g1, groups.offsets[g1] - groups.offsets[g0], fn);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -271,9 +301,9 @@ std::tuple<at::Tensor, at::Tensor> hash_find_cpu(const at::Tensor& digests,
   bool* fp = found.data_ptr<bool>();
   at::parallel_for(0, n, kGrainKeys, [&](int64_t begin, int64_t end) {
     for_each_prefetched<Prefetch::kFind>(
-        t, end - begin, [&](int64_t j) { return kp[begin + j]; },
-        [&](int64_t j, int64_t key, const KeyPlace& p) {
-          const int64_t row = probe(t, p, key);
+        t, end - begin, [&](int64_t j) { return place_key(kp[begin + j], t.geo); },
+        [&](int64_t j, const KeyPlace& p) {
+          const int64_t row = probe(t, p, kp[begin + j]);
           rp[begin + j] = row;
           fp[begin + j] = row >= 0;
         });
@@ -301,6 +331,29 @@ inline int64_t pick_victim(const TableRef& t, const KeyPlace& p) {
   return victim;
 }
 
+// A key of an upsert's batch that held no row when the call began: its position in the
+// grouping and its place (so pass 2 does not hash it again).
+struct AbsentKey {
+  int64_t at;
+  KeyPlace place;
+};
+
+// Absent keys [first[g], last[g]) of each group from `g` on, as one sequence (for one prefetch
+// pipeline); group g's k-th absent key is absent[offsets[g] + k].
+struct AbsentWalk {
+  const AbsentKey* absent;
+  const int64_t* offsets;
+  const int64_t* first;
+  const int64_t* last;
+  int64_t g;
+  int64_t k;
+
+  const AbsentKey& next() {
+    while (k == last[g]) k = first[++g];
+    return absent[offsets[g] + k++];
+  }
+};
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
     at::Tensor& digests, at::Tensor& slot_keys, at::Tensor& slot_scores, at::Tensor& size,
     const at::Tensor& keys, const std::optional<at::Tensor>& scores, int64_t capacity,
@@ -313,7 +366,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
   const Policy policy = static_cast<Policy>(policy_id);
   const at::Tensor k = keys.contiguous();
   const int64_t n = k.numel();
-  const at::Tensor given = check_upsert_args(n, scores, policy_id, epoch);
+  const at::Tensor given = check_upsert_args(n, scores, policy_id, clock, epoch);
 
   at::Tensor rows = at::empty({n}, k.options());
   at::Tensor inserted = at::zeros({n}, k.options().dtype(at::kBool));
@@ -371,51 +424,85 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
     t.digests[row] = static_cast<uint8_t>(p.tag | kPinBit);
     return row;
   };
-  for_each_stripe_range(groups, [&](int64_t s0, int64_t s1) {
-    int64_t added = 0;
-    std::vector<std::pair<int64_t, int64_t>> evicted;
-    std::vector<int64_t> absent;  // grouped positions of the keys the first pass did not find
-    // Runs of whole groups of at least kPassKeys keys (pins never matter across stripes): long
-    // enough for the prefetch pipelines, short enough that the later passes find the lines of
-    // the first one still cached.
-    for (int64_t g0 = s0; g0 < s1;) {
-      int64_t g1 = g0 + 1;
-      while (g1 < s1 && groups.offsets[g1] - groups.offsets[g0] < kPassKeys) ++g1;
-      const int64_t begin = groups.offsets[g0], end = groups.offsets[g1];
-      g0 = g1;
-      // Pass 1: every key that holds a row is touched and pinned before any key is inserted,
-      // so a new key early in the batch cannot evict a resident key that comes later.
-      absent.clear();
-      for_each_prefetched<Prefetch::kTouch>(
-          t, end - begin, [&](int64_t j) { return groups.keys[begin + j]; },
-          [&](int64_t j, int64_t key, const KeyPlace& p) {
-            const int64_t row = probe(t, p, key);
-            if (row < 0) {
-              absent.push_back(begin + j);
-              return;
-            }
-            touch(order[begin + j], row);
-            rp[order[begin + j]] = row;
-          });
-      // Pass 2: the keys absent when the call began, in batch order.
-      for_each_prefetched<Prefetch::kInsert>(
-          t, static_cast<int64_t>(absent.size()), [&](int64_t j) { return groups.keys[absent[j]]; },
-          [&](int64_t j, int64_t key, const KeyPlace& p) {
-            const int64_t i = order[absent[j]];
-            rp[i] = insert(i, key, p, added, evicted);
-          });
-      // Every row returned for these keys is pinned: release them.
-      for (int64_t q = begin; q < end; ++q) {
-        const int64_t r = rp[order[q]];
-        if (r >= 0) t.digests[r] &= kTagMask;
+  // Pass 1, phase by phase: every key that holds a row is touched and pinned before any key is
+  // inserted, so a new key cannot evict a resident key of the call, wherever either comes in the
+  // batch and whichever stripe the new key evicts in. The keys not found are kept, with their
+  // places, for pass 2: group g's at absent[offsets[g] + k]. The phases run in the reverse of
+  // pass 2's order, so pass 2 starts on the keys whose lines pass 1 touched last (still cached).
+  const int64_t G = groups.groups(), R = groups.ranges();
+  const int64_t* offsets = groups.offsets.data();
+  const int phases = upsert_phase_count(geo.num_stripes);
+  thread_local std::vector<AbsentKey> absent_scratch;
+  grow(absent_scratch, n);
+  AbsentKey* absent = absent_scratch.data();
+  std::vector<int64_t> absent_count(G, 0);
+  auto touch_groups = [&](int64_t g0, int64_t g1) {
+    const int64_t begin = offsets[g0];
+    int64_t g = g0;
+    for_each_prefetched<Prefetch::kTouch>(
+        t, offsets[g1] - begin, [&](int64_t j) { return place_key(groups.keys[begin + j], geo); },
+        [&](int64_t j, const KeyPlace& p) {
+          const int64_t at = begin + j;
+          while (at >= offsets[g + 1]) ++g;
+          const int64_t row = probe(t, p, groups.keys[at]);
+          if (row < 0) {
+            absent[offsets[g] + absent_count[g]++] = AbsentKey{at, p};
+            return;
+          }
+          touch(order[at], row);
+          rp[order[at]] = row;
+        });
+  };
+  for (int k = phases - 1; k >= 0; --k) {
+    const int64_t first = upsert_phase_at(k, clock, geo.num_stripes) * R, last = first + R;
+    for_each_group_range(first, last, offsets[last] - offsets[first], touch_groups);
+  }
+  // Pass 2: the keys absent when the call began, one at a time in batch order per stripe, window
+  // by window of the batch and phase by phase within a window (the first phase rotating with
+  // the clock). With one phase the windows do not change that order: one window.
+  std::vector<int64_t> done(G, 0), upto(G, 0);  // per group: absent keys applied, in this window
+  for (int64_t begin = 0, window_end; begin < n; begin = window_end) {
+    window_end = phases == 1 ? n : std::min(n, begin + upsert_window(capacity, begin));
+    for (int k = 0; k < phases; ++k) {
+      const int64_t first = upsert_phase_at(k, clock, geo.num_stripes) * R, last = first + R;
+      int64_t work = 0;
+      for (int64_t g = first; g < last; ++g) {  // a group's absent keys are in batch order
+        const AbsentKey* a = absent + offsets[g];
+        upto[g] = std::partition_point(a + done[g], a + absent_count[g],
+                                       [&](const AbsentKey& x) { return order[x.at] < window_end; }) - a;
+        work += upto[g] - done[g];
       }
+      for_each_group_range(first, last, work, [&](int64_t g0, int64_t g1) {
+        int64_t added = 0, count = 0;
+        for (int64_t g = g0; g < g1; ++g) count += upto[g] - done[g];
+        if (count == 0) return;
+        std::vector<std::pair<int64_t, int64_t>> evicted;
+        AbsentWalk ahead{absent, offsets, done.data(), upto.data(), g0, done[g0]}, behind = ahead;
+        for_each_prefetched<Prefetch::kInsert>(
+            t, count, [&](int64_t) { return ahead.next().place; },
+            [&](int64_t, const KeyPlace& p) {
+              const int64_t at = behind.next().at;
+              const int64_t i = order[at];
+              rp[i] = insert(i, groups.keys[at], p, added, evicted);
+            });
+        size_delta += added;
+        if (!evicted.empty()) {
+          std::lock_guard<std::mutex> lock(evictions_mutex);
+          evictions.insert(evictions.end(), evicted.begin(), evicted.end());
+        }
+      });
+      std::copy(upto.begin() + first, upto.begin() + last, done.begin() + first);
     }
-    size_delta += added;
-    if (!evicted.empty()) {
-      std::lock_guard<std::mutex> lock(evictions_mutex);
-      evictions.insert(evictions.end(), evicted.begin(), evicted.end());
+  }
+  // Every row returned is pinned: release them, every stripe at once (a key clears only its own
+  // digest's pin bit and reads no other byte; the duplicates of a key share a group, so one
+  // thread clears each row).
+  for_each_group_range(0, G, n, [&](int64_t g0, int64_t g1) {
+    for (int64_t q = offsets[g0]; q < offsets[g1]; ++q) {
+      const int64_t r = rp[order[q]];
+      if (r >= 0) t.digests[r] &= kTagMask;
     }
-  });
+  }, kInlineReleases);
   *size.data_ptr<int64_t>() += size_delta.load();
 
   // In batch order: an input position evicts at most once, so a pass over the positions
@@ -450,13 +537,13 @@ at::Tensor hash_erase_cpu(at::Tensor& digests, const at::Tensor& slot_keys, at::
   bool* ep = erased.data_ptr<bool>();
   std::atomic<int64_t> size_delta{0};
   const StripeGroups& groups = group_by_stripe(k.data_ptr<int64_t>(), n, geo);
-  for_each_stripe_range(groups, [&](int64_t s0, int64_t s1) {
-    const int64_t begin = groups.offsets[s0], end = groups.offsets[s1];
+  for_each_phase_group_range(groups, [&](int64_t g0, int64_t g1) {
+    const int64_t begin = groups.offsets[g0], end = groups.offsets[g1];
     int64_t removed = 0;
     for_each_prefetched<Prefetch::kFind>(
-        t, end - begin, [&](int64_t j) { return groups.keys[begin + j]; },
-        [&](int64_t j, int64_t key, const KeyPlace& p) {
-          const int64_t row = probe(t, p, key);
+        t, end - begin, [&](int64_t j) { return place_key(groups.keys[begin + j], geo); },
+        [&](int64_t j, const KeyPlace& p) {
+          const int64_t row = probe(t, p, groups.keys[begin + j]);
           if (row >= 0) {
             t.digests[row] = 0;
             ep[groups.order[begin + j]] = true;

@@ -85,7 +85,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cuda(
   check_size("hash_upsert", size);
   check_slot_scores("hash_upsert", slot_scores, capacity);
   const int64_t n = keys.numel();
-  const at::Tensor given = check_upsert_args(n, scores, policy_id, epoch);
+  const at::Tensor given = check_upsert_args(n, scores, policy_id, clock, epoch);
   check_devices("hash_upsert", digests,
                 {{"slot_keys", &slot_keys}, {"slot_scores", &slot_scores}, {"size", &size},
                  {"keys", &keys}});

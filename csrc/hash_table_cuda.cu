@@ -8,12 +8,14 @@
 // Lookups are read-only and take one warp per key, all in parallel. Mutations must give the CPU
 // kernels' results bit for bit (same rows, flags, evictions and scores): an upsert first touches
 // and pins every key of the batch that holds a row, then inserts the others one at a time in
-// batch order; an erase applies its keys in batch order. Different stripes never share a bucket,
-// so it suffices to apply each stripe's keys serially: the binding sorts positions by stripe with
-// a stable sort and here one warp walks one stripe's keys in batch order. No locks and no table
-// atomics, and the results do not depend on scheduling. The walk is latency-bound, so a warp
-// loads and hashes 32 keys at a time and prefetches their digest lines into L2 before applying
-// them one by one.
+// batch order per stripe, window by window of the batch (upsert_window), then releases its pins;
+// an erase applies each stripe's keys in batch order. A key of stripe s lives in stripe s or
+// s + 1, so the touch, insert and erase walks run phase by phase (upsert_phase, one launch each:
+// the stripes of one phase share no bucket, so no two warps touch the same bucket at once).
+// The binding sorts positions by stripe with a stable sort and here one warp walks one stripe's
+// keys in batch order. No locks and no table atomics, and the results do not depend on
+// scheduling. The walk is latency-bound, so a warp loads and hashes 32 keys at a time and
+// prefetches their digest lines into L2 before applying them one by one.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -101,12 +103,14 @@ __device__ __forceinline__ void keep_lower(int64_t& score, int& cand, int64_t s,
   }
 }
 
-// Start of stripe `stripe`'s run in the ascending stripe ids (every lane gets the same answer).
-__device__ __forceinline__ int64_t lower_bound(const int32_t* sorted, int64_t n, int64_t stripe) {
-  int64_t lo = 0, hi = n;
+// First index in [lo, hi) of the ascending `sorted` whose value is >= v, else hi (every lane gets
+// the same answer): where a stripe's run starts in the sorted stripe ids, or a window's slice in
+// a stripe's ascending batch positions.
+template <typename T>
+__device__ __forceinline__ int64_t lower_bound(const T* sorted, int64_t lo, int64_t hi, int64_t v) {
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
-    if (sorted[mid] < stripe) {
+    if (sorted[mid] < v) {
       lo = mid + 1;
     } else {
       hi = mid;
@@ -122,6 +126,13 @@ struct StripeKey {
   int64_t given;  // caller's score or increment (0 when none)
   KeyPlace place;
 };
+
+// The stripe that this warp walks in phase `phase` (the warp's index among the phase's stripes),
+// or -1 for a warp beyond them.
+__device__ __forceinline__ int64_t phase_warp_stripe(int phase, const TableGeometry& geo) {
+  const int64_t w = global_thread() / kWarpSize;
+  return w < phase_stripes(phase, geo.num_stripes) ? phase_stripe(phase, w, geo.num_stripes) : -1;
+}
 
 // Every position of a walk.
 struct AllPositions {
@@ -202,31 +213,49 @@ __device__ __forceinline__ void touch_slot(int64_t* slot_scores, uint8_t* digest
   digests[row] |= kPinBit;
 }
 
-// One warp per stripe, two walks over its keys. The first touches and pins (digest bit 7) every
-// key that holds a row and marks the others (row -1); the second inserts those in batch order,
-// so a new key never evicts a key of the same call. The warp releases its pins at the end.
-__global__ void hash_upsert_kernel(uint8_t* digests, int64_t* slot_keys, int64_t* slot_scores,
-                                   int64_t* size, TableGeometry geo, const int64_t* keys,
-                                   const int64_t* given, const int32_t* sorted_stripes,
-                                   const int64_t* order, int64_t n, Policy policy, int64_t clock,
-                                   int64_t epoch, bool assign, int64_t* rows, bool* inserted,
-                                   bool* evicted, int64_t* evicted_keys) {
-  const int64_t stripe = global_thread() / kWarpSize;
-  if (stripe >= geo.num_stripes) return;
+// Upsert, pass 1, phase `phase`: warp w walks stripe phase_stripe(phase, w), touches and pins
+// (digest bit 7) every key of the stripe that holds a row and marks the others (row -1) for pass 2.
+__global__ void hash_touch_kernel(uint8_t* digests, const int64_t* slot_keys, int64_t* slot_scores,
+                                  TableGeometry geo, const int64_t* keys, const int64_t* given,
+                                  const int32_t* sorted_stripes, const int64_t* order, int64_t n,
+                                  int phase, Policy policy, int64_t clock, int64_t epoch,
+                                  bool assign, int64_t* rows) {
+  const int64_t stripe = phase_warp_stripe(phase, geo);
+  if (stripe < 0) return;
   const int lane = lane_id();
-  const int64_t begin = lower_bound(sorted_stripes, n, stripe);
-  const int64_t end = lower_bound(sorted_stripes, n, stripe + 1);
+  const int64_t begin = lower_bound(sorted_stripes, 0, n, stripe);
+  const int64_t end = lower_bound(sorted_stripes, begin, n, stripe + 1);
   const bool has_given = given != nullptr;
-  int64_t added = 0;  // warp-uniform: every decision below comes from a ballot or reduction
-
-  // Walk 1: keys holding a row are touched and pinned; the others get row -1 for walk 2.
   walk_stripe(digests, keys, given, order, geo, begin, end, lane, AllPositions{}, [&](const StripeKey& k) {
     const int64_t hit = warp_probe(slot_keys, k.place, load_slots(digests, k.place, lane), k.key);
     if (lane != (hit >= 0 ? static_cast<int>(hit & kSlotMask) : 0)) return;
     rows[k.pos] = hit;
     if (hit >= 0) touch_slot(slot_scores, digests, hit, k, policy, has_given, clock, epoch, assign);
   });
-  // Walk 2: the keys absent when the call began, in batch order.
+}
+
+// Upsert, pass 2, phase `phase` of the window [window_begin, window_end) of batch positions: warp
+// w walks stripe phase_stripe(phase, w) and inserts the window's keys absent when the call began,
+// in batch order, so a new key never evicts a key of the same call (all pinned by pass 1). A
+// stripe's positions ascend, so the window's slice of them is found by binary search: a launch
+// costs its window's keys, not the stripe's.
+__global__ void hash_insert_kernel(uint8_t* digests, int64_t* slot_keys, int64_t* slot_scores,
+                                   int64_t* size, TableGeometry geo, const int64_t* keys,
+                                   const int64_t* given, const int32_t* sorted_stripes,
+                                   const int64_t* order, int64_t n, int phase,
+                                   int64_t window_begin, int64_t window_end, Policy policy,
+                                   int64_t clock, int64_t epoch, bool assign, int64_t* rows,
+                                   bool* inserted, bool* evicted, int64_t* evicted_keys) {
+  const int64_t stripe = phase_warp_stripe(phase, geo);
+  if (stripe < 0) return;
+  const int lane = lane_id();
+  const int64_t first = lower_bound(sorted_stripes, 0, n, stripe);
+  const int64_t last = lower_bound(sorted_stripes, first, n, stripe + 1);
+  const int64_t begin = lower_bound(order, first, last, window_begin);
+  const int64_t end = lower_bound(order, begin, last, window_end);
+  const bool has_given = given != nullptr;
+  int64_t added = 0;  // warp-uniform: every decision below comes from a ballot or reduction
+
   auto absent = [&](int64_t pos) { return rows[pos] < 0; };
   walk_stripe(digests, keys, given, order, geo, begin, end, lane, absent, [&](const StripeKey& k) {
     const KeyPlace& p = k.place;
@@ -272,7 +301,7 @@ __global__ void hash_upsert_kernel(uint8_t* digests, int64_t* slot_keys, int64_t
         evicts = true;
       }
     }
-    // The lane owning the chosen slot writes it (a refusal keeps walk 1's row -1).
+    // The lane owning the chosen slot writes it (a refusal keeps pass 1's row -1).
     if (row < 0 || lane != static_cast<int>(row & kSlotMask)) return;
     rows[k.pos] = row;
     if (evicts) {
@@ -285,27 +314,42 @@ __global__ void hash_upsert_kernel(uint8_t* digests, int64_t* slot_keys, int64_t
     digests[row] = static_cast<uint8_t>(p.tag | kPinBit);
   });
 
-  // Every row returned for this stripe is pinned; duplicates of a key clear the same digest to
-  // the same value, so lanes may race on it.
-  for (int64_t j = begin + lane; j < end; j += kWarpSize) {
-    const int64_t row = rows[order[j]];
-    if (row >= 0) digests[row] &= kTagMask;
-  }
   if (lane == 0 && added != 0) {
     atomicAdd(reinterpret_cast<unsigned long long*>(size), static_cast<unsigned long long>(added));
   }
 }
 
-// One warp per stripe, in batch order, so only the first of duplicate keys reports the erase.
+// Upsert, the end: every row returned is pinned; release them. One warp per stripe, every stripe
+// at once (a key clears only its own digest's pin bit and reads no other byte), 32 positions at a
+// time. The duplicates of a key hold one row and share a stripe: only the lowest lane holding a
+// row clears it, and __syncwarp orders the rounds, so no two threads write a byte concurrently.
+__global__ void hash_release_kernel(uint8_t* digests, const int64_t* rows,
+                                    const int32_t* sorted_stripes, const int64_t* order, int64_t n,
+                                    int64_t num_stripes) {
+  const int64_t stripe = global_thread() / kWarpSize;
+  if (stripe >= num_stripes) return;
+  const int lane = lane_id();
+  const int64_t begin = lower_bound(sorted_stripes, 0, n, stripe);
+  const int64_t end = lower_bound(sorted_stripes, begin, n, stripe + 1);
+  for (int64_t j = begin; j < end; j += kWarpSize) {
+    const int64_t row = j + lane < end ? rows[order[j + lane]] : -1;
+    const unsigned same = __match_any_sync(kFullMask, static_cast<unsigned long long>(row));
+    if (row >= 0 && lane == __ffs(static_cast<int>(same)) - 1) digests[row] &= kTagMask;
+    __syncwarp();
+  }
+}
+
+// Phase `phase`: warp w walks stripe phase_stripe(phase, w) in batch order, so only the first of
+// duplicate keys reports the erase.
 __global__ void hash_erase_kernel(uint8_t* digests, const int64_t* slot_keys, int64_t* size,
                                   TableGeometry geo, const int64_t* keys,
                                   const int32_t* sorted_stripes, const int64_t* order, int64_t n,
-                                  bool* erased) {
-  const int64_t stripe = global_thread() / kWarpSize;
-  if (stripe >= geo.num_stripes) return;
+                                  int phase, bool* erased) {
+  const int64_t stripe = phase_warp_stripe(phase, geo);
+  if (stripe < 0) return;
   const int lane = lane_id();
-  const int64_t begin = lower_bound(sorted_stripes, n, stripe);
-  const int64_t end = lower_bound(sorted_stripes, n, stripe + 1);
+  const int64_t begin = lower_bound(sorted_stripes, 0, n, stripe);
+  const int64_t end = lower_bound(sorted_stripes, begin, n, stripe + 1);
   int64_t removed = 0;  // warp-uniform
 
   walk_stripe(digests, keys, nullptr, order, geo, begin, end, lane, AllPositions{}, [&](const StripeKey& k) {
@@ -336,9 +380,9 @@ unsigned int capped_grid(int64_t threads, int block) {
 }
 
 // One warp per stripe, uncapped: a stripe kernel has no grid-stride loop (<= 2^16 stripes).
-unsigned int stripe_grid(const TableGeometry& geo) {
+unsigned int stripe_grid(int64_t stripes) {
   constexpr int64_t kWarpsPerBlock = kStripeThreads / kWarpSize;
-  return static_cast<unsigned int>((geo.num_stripes + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  return static_cast<unsigned int>((stripes + kWarpsPerBlock - 1) / kWarpsPerBlock);
 }
 
 }  // namespace
@@ -368,9 +412,26 @@ cudaError_t launch_hash_upsert(uint8_t* digests, int64_t* slot_keys, int64_t* sl
                                bool* evicted, int64_t* evicted_keys, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const TableGeometry geo = make_geometry(capacity);
-  hash_upsert_kernel<<<stripe_grid(geo), kStripeThreads, 0, stream>>>(
-      digests, slot_keys, slot_scores, size, geo, keys, given, sorted_stripes, order, n,
-      static_cast<Policy>(policy), clock, epoch, assign, rows, inserted, evicted, evicted_keys);
+  const Policy p = static_cast<Policy>(policy);
+  const int phases = upsert_phase_count(geo.num_stripes);
+  for (int phase = 0; phase < phases; ++phase) {
+    hash_touch_kernel<<<stripe_grid(phase_stripes(phase, geo.num_stripes)), kStripeThreads, 0, stream>>>(
+        digests, slot_keys, slot_scores, geo, keys, given, sorted_stripes, order, n, phase, p,
+        clock, epoch, assign, rows);
+  }
+  // Windows and phases come from n and the geometry (no host sync). With one phase the windows
+  // do not change the order (each stripe's keys in batch order): one window.
+  for (int64_t begin = 0, end; begin < n; begin = end) {
+    end = phases == 1 ? n : std::min(n, begin + upsert_window(capacity, begin));
+    for (int k = 0; k < phases; ++k) {
+      const int phase = upsert_phase_at(k, clock, geo.num_stripes);
+      hash_insert_kernel<<<stripe_grid(phase_stripes(phase, geo.num_stripes)), kStripeThreads, 0, stream>>>(
+          digests, slot_keys, slot_scores, size, geo, keys, given, sorted_stripes, order, n, phase,
+          begin, end, p, clock, epoch, assign, rows, inserted, evicted, evicted_keys);
+    }
+  }
+  hash_release_kernel<<<stripe_grid(geo.num_stripes), kStripeThreads, 0, stream>>>(
+      digests, rows, sorted_stripes, order, n, geo.num_stripes);
   return cudaGetLastError();
 }
 
@@ -380,8 +441,10 @@ cudaError_t launch_hash_erase(uint8_t* digests, const int64_t* slot_keys, int64_
                               bool* erased, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const TableGeometry geo = make_geometry(capacity);
-  hash_erase_kernel<<<stripe_grid(geo), kStripeThreads, 0, stream>>>(
-      digests, slot_keys, size, geo, keys, sorted_stripes, order, n, erased);
+  for (int phase = 0; phase < upsert_phase_count(geo.num_stripes); ++phase) {
+    hash_erase_kernel<<<stripe_grid(phase_stripes(phase, geo.num_stripes)), kStripeThreads, 0, stream>>>(
+        digests, slot_keys, size, geo, keys, sorted_stripes, order, n, phase, erased);
+  }
   return cudaGetLastError();
 }
 

@@ -3,6 +3,8 @@ emulator (tests/cuda_emulation), against the CPU kernels: every output and every
 state must match after each call, for every policy, with duplicates, extreme keys, evictions,
 refusals, erase, export and restore. What this cannot check (memory ordering between
 concurrently running warps, speed) needs a real GPU: tests parametrised over `device` do that."""
+import contextlib
+import os
 import random
 
 import pytest
@@ -25,13 +27,23 @@ def _same(a, b, what):
         assert torch.equal(x, y), what
 
 
+@contextlib.contextmanager
+def _reversed_warps():
+    os.environ["TORCHREC_EMU_REVERSE_WARPS"] = "1"  # read by the emulator at each launch
+    try:
+        yield
+    finally:
+        del os.environ["TORCHREC_EMU_REVERSE_WARPS"]
+
+
 def _table(capacity):
     slots = -(-capacity // 32) * 32
     return [torch.zeros(slots, dtype=torch.uint8), torch.zeros(slots, dtype=torch.int64),
             torch.zeros(slots, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
 
 
-@pytest.mark.parametrize("capacity", [1, 33, 64 * 32 * 2, 64 * 32 * 5 + 7])
+# 1 stripe (1, 33), 2, 3 and 5 stripes (odd rings: three insert phases).
+@pytest.mark.parametrize("capacity", [1, 33, 64 * 32 * 2, 64 * 32 * 3 + 5, 64 * 32 * 5 + 7])
 @pytest.mark.parametrize("policy", range(6))
 def test_emulated_cuda_kernels_match_cpu(emulated, capacity, policy):
     cpu = torch.ops.torchrec_ext
@@ -51,7 +63,13 @@ def test_emulated_cuda_kernels_match_cpu(emulated, capacity, policy):
             if rng.random() < 0.2:
                 epoch = rng.randrange(0, 2**31)
             args = (keys, scores, capacity, policy, step + 1 + rng.choice([0, 2**32]), epoch, rng.random() < 0.4)
-            _same(cpu.hash_upsert(*state, *args), emulated.hash_upsert(*twin, *args), "upsert")
+            backward = [t.clone() for t in twin]
+            got = emulated.hash_upsert(*twin, *args)
+            _same(cpu.hash_upsert(*state, *args), got, "upsert")
+            if step % 3 == 0:  # the same call with each launch's warps run last to first
+                with _reversed_warps():
+                    _same(got, emulated.hash_upsert(*backward, *args), "upsert, warps reversed")
+                _same(twin, backward, "table after upsert, warps reversed")
         elif op == "erase":
             _same([cpu.hash_erase(state[0], state[1], state[3], keys, capacity)],
                   [emulated.hash_erase(twin[0], twin[1], twin[3], keys, capacity)], "erase")
@@ -72,19 +90,62 @@ def test_emulated_cuda_kernels_match_cpu(emulated, capacity, policy):
     _same(restored, restored_twin, "restore")
 
 
+def test_emulated_upsert_refuses_a_negative_clock(emulated):
+    state = _table(4096)
+    with pytest.raises(RuntimeError, match="hash_upsert: clock must be >= 0, got -3"):
+        emulated.hash_upsert(*state, torch.arange(10), None, 4096, 1, -3, 0, False)
+    assert not any(t.any() for t in state)
+
+
 def test_emulated_route_matches_cpu(emulated):
     keys = torch.randint(I64MIN, I64MAX, (3000,))
     for world in (1, 3, 8, 2**31 - 1):
         assert torch.equal(torch.ops.torchrec_ext.route(keys, world), emulated.route(keys, world))
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "epoch_lfu"])
-def test_emulated_upsert_never_evicts_keys_of_its_own_batch(emulated, policy):
+def test_emulated_upsert_of_a_batch_larger_than_the_table(emulated):
+    """Batches of 1.5x the capacity (new, resident and repeated keys; 3 stripes) into a full
+    table: their windows grow past the first `capacity` positions, each window-phase launch walks
+    only its slice of a stripe's positions, and the results equal the CPU kernel's and the dict
+    model's, also with each launch's warps run in reverse order."""
+    from torchrec_ext.reference import ReferenceHashTable, upsert_windows
+
+    capacity = 64 * 32 * 3 + 5
+    rng = random.Random(capacity)
+    model, state, twin = ReferenceHashTable(capacity, "lru"), _table(capacity), _table(capacity)
+    for clock in (1, 2):
+        live = [k for k, _, _ in model.export()]
+        batch = [rng.randrange(I64MIN, I64MAX) for _ in range(3 * capacity // 2 - len(live) // 2)]
+        batch += rng.sample(live, len(live) // 2) + batch[:100]
+        rng.shuffle(batch)
+        starts = upsert_windows(capacity, len(batch))
+        assert starts[-1] - starts[-2] > -(-capacity // 8)
+        args = (torch.tensor(batch, dtype=torch.int64), None, capacity, 1, clock, 0, False)
+        backward = [t.clone() for t in twin]
+        got = emulated.hash_upsert(*twin, *args)
+        _same(torch.ops.torchrec_ext.hash_upsert(*state, *args), got, "upsert")
+        assert [t.tolist() for t in got] == list(model.upsert(batch))
+        if clock == 2:
+            with _reversed_warps():
+                _same(got, emulated.hash_upsert(*backward, *args), "upsert, warps reversed")
+            _same(twin, backward, "table after upsert, warps reversed")
+        _same(state, twin, "table after upsert")
+        assert not (twin[0] & 0x80).any(), "the emulated kernels left rows pinned"
+    assert state[3].item() == capacity and got[2].numel() > 0
+
+
+@pytest.mark.parametrize("policy, capacity", [("lru", 64 * 32 * 2), ("lfu", 64 * 32 * 2), ("epoch_lfu", 64 * 32 * 2),
+                                              ("lru", 64 * 32 * 3 + 5)])
+def test_emulated_upsert_never_evicts_keys_of_its_own_batch(emulated, policy, capacity, monkeypatch):
     """A full table, then a batch of new keys followed by resident keys (issue 11): the CUDA
-    kernel must pin the residents first, as the dict model does, and agree with the CPU kernel."""
+    kernel must pin the residents first and insert the new keys phase by phase (a new key may
+    evict in the next stripe), as the dict model does, and agree with the CPU kernel, also with
+    each launch's warps run in reverse order (a result depending on it would be a race on a GPU)."""
     from torchrec_ext.reference import POLICIES, ReferenceHashTable
 
-    capacity, policy_id = 64 * 32 * 2, POLICIES.index(policy)
+    if policy == "lfu" or capacity % 2:
+        monkeypatch.setenv("TORCHREC_EMU_REVERSE_WARPS", "1")
+    policy_id = POLICIES.index(policy)
     rng = random.Random(policy_id)
     model, state, twin = ReferenceHashTable(capacity, policy), _table(capacity), _table(capacity)
     for clock in range(1, 7):

@@ -132,3 +132,15 @@ def test_kernels_check_their_inputs_too():
         torch.ops.torchrec_ext.hash_find(digests, torch.zeros(32, dtype=torch.int64), torch.arange(3).int(), 32)
     with pytest.raises(RuntimeError, match="route: world_size must be in"):
         torch.ops.torchrec_ext.route(torch.arange(3), 0)
+
+
+@pytest.mark.parametrize("clock", [-1, -(2**63)])
+def test_upsert_op_refuses_a_negative_clock(table, clock):
+    """The op itself refuses a negative clock (HashTable never passes one; a caller of the op
+    might): it is an LRU score, and it picks the call's first insert phase."""
+    before = _snapshot(table)
+    with pytest.raises(RuntimeError, match=f"hash_upsert: clock must be >= 0, got {clock}"):
+        torch.ops.torchrec_ext.hash_upsert(
+            table._digests, table._slot_keys, table._slot_scores, table._size, torch.arange(200, 300),
+            None, table.capacity, 1, clock, 0, False)
+    _assert_unchanged(table, before)

@@ -1,10 +1,10 @@
 """Rows placed on load: every row the target's capacity can hold is placed (a plain insert of a
-full table's ids refuses ~1% of them), also when resharding full tables 2 -> 1 -> 2 -> 4 -> 2
-ranks; where a rank is given more ids than it holds, the warning gives the true numbers."""
+full table's ids refuses ~1% of them), also when resharding full tables of several stripes
+2 -> 1 -> 2 -> 4 -> 2 ranks (issue 11, finding 6); where a rank is given more ids than it holds,
+the warning gives the true numbers."""
 import os
 import re
 import warnings
-from collections import Counter
 
 import pytest
 import torch
@@ -17,18 +17,12 @@ from torchrec_ext import HashTable, reference
 
 
 def _most_placeable(keys, capacity):
-    """Oracle: an upper bound on how many keys fit, from the reference placement: a key may only
-    use the buckets of its stripe, so each stripe holds at most its slots."""
-    buckets, stripes = reference.geometry(capacity)
-    width, wide = divmod(buckets, stripes)
-    first_of = [s * width + min(s, wide) for s in range(stripes)] + [buckets]
-    per_stripe = Counter(max(s for s in range(stripes) if first_of[s] <= reference.place(k, capacity)[0])
-                         for k in keys.tolist())
-    rows_of = [min(first_of[s + 1] * reference.SLOTS, capacity) - first_of[s] * reference.SLOTS for s in range(stripes)]
-    return sum(min(n, rows_of[s]) for s, n in per_stripe.items())
+    """Oracle: no placement holds more than min(keys, rows); with each key's second bucket in the
+    next stripe on the ring, that bound is reached (w.h.p.) whatever the stripe count."""
+    return min(keys.numel(), capacity)
 
 
-@pytest.mark.parametrize("capacity", [1, 33, 2048, 5000, 3 * 2**21 + 7])
+@pytest.mark.parametrize("capacity", [1, 33, 2048, 4096, 5000, 6144, 3 * 2**21 + 7])
 def test_bucket_pairs_equal_the_reference_placement(capacity):
     from torchrec_ext.table import bucket_pairs
 
@@ -38,7 +32,10 @@ def test_bucket_pairs_equal_the_reference_placement(capacity):
     assert list(zip(b1.tolist(), b2.tolist())) == [reference.place(k, capacity)[:2] for k in keys.tolist()]
 
 
-@pytest.mark.parametrize("capacity, n", [(256, 256), (2048, 2048), (2000, 2000), (2048, 2100), (8192, 8192)])
+# Full tables of 1 stripe (256, 2000, 2048 rows), 2 (4096), 3 (6144: an odd ring), 4 (8192), 32
+# (65536) and 48 (100000) stripes; and more ids than rows.
+@pytest.mark.parametrize("capacity, n", [(256, 256), (2048, 2048), (2000, 2000), (2048, 2100), (4096, 4096),
+                                         (6144, 6144), (8192, 8192), (8192, 8500), (65536, 65536), (100000, 100000)])
 def test_place_keys_places_every_key_that_fits(capacity, n):
     from torchrec_ext.table import place_keys
 
@@ -54,7 +51,7 @@ def test_place_keys_places_every_key_that_fits(capacity, n):
                            "keys": keys[placed], "rows": rows[placed], "scores": scores[placed]})
     found_rows, found = table.find(keys)
     assert torch.equal(found, placed) and torch.equal(found_rows[placed], rows[placed])
-    if n > capacity:  # one stripe: what is left out has the lowest scores
+    if n > capacity and capacity <= 2048:  # one stripe: what is left out has the lowest scores
         assert int(scores[~placed].max()) <= int(scores[placed].min())
 
 
@@ -87,7 +84,10 @@ def test_full_table_reloaded_without_its_rows_keeps_every_row():
 
 # ----------------------------------------------------------------------------- resharding on ranks
 
-CAPACITY = {"t1": 1024, "t2": 256}  # row-wise, table-wise: each rank's share one stripe (< 4096 rows)
+# Row-wise t1: a rank's share is 16384 / 8192 / 4096 rows (8 / 4 / 2 stripes) on 1 / 2 / 4 ranks;
+# table-wise t2: 6144 rows (3 stripes, an odd ring). Full, each overflows some stripe when its
+# ids are re-routed: rows must flow to the neighbour stripes for every row to be placed.
+CAPACITY = {"t1": 16384, "t2": 6144}
 KEYS = ["f1", "f2"]
 
 
@@ -124,7 +124,8 @@ def _local_rows(dmp):
             kind = local.fused_optimizer.spec.kind
             values = torch.cat([state[p + k] for k in ["weight"] + [f"optimizer.{n}" for n in reference.OPTIMIZER_STATES[kind]]],
                                dim=1)
-            rows[cfg.name] = dict(zip(state[p + "weight_id"].tolist(), values))
+            # Lists, not row views: pickling a view (all_gather_object) copies its whole storage.
+            rows[cfg.name] = dict(zip(state[p + "weight_id"].tolist(), values.tolist()))
             capacity[cfg.name] = cfg.num_embeddings
     return rows, capacity
 
@@ -169,7 +170,7 @@ def _reshard_step(rank, world_size, root, load_from, save_as, optimizer="adam", 
         saved = torch.load(os.path.join(root, f"rows_{load_from}.pt"))
         for t, dt in zip(("t1", "t2"), data_types):  # what the tables hold: the saved weight in their dtype
             dtype = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}[dt]
-            saved[t] = {i: torch.cat([v[:4].to(dtype).float(), v[4:]]) for i, v in saved[t].items()}
+            saved[t] = {i: torch.tensor(v[:4]).to(dtype).float().tolist() + v[4:] for i, v in saved[t].items()}
         _check_resharded(saved, everyone, world_size)
     if save_as is None:
         return
@@ -203,7 +204,7 @@ def _check_resharded(saved, everyone, world_size):
             assert set(got) <= routed
             assert len(got) == min(len(routed), cap), (t, rank, len(got), len(routed), cap)  # all that fit
             for i, value in got.items():
-                assert torch.equal(value, rows[i]), (t, i)
+                assert value == rows[i], (t, i)  # weight and optimizer state, bit for bit
             mine = [s for s in said if f"table {t!r}" in s]
             if len(routed) > cap:
                 assert len(mine) == 1 and re.search(

@@ -5,6 +5,7 @@ a time, plain dicts), so a disagreement with a kernel points at a bug in one of 
 """
 from __future__ import annotations
 
+import bisect
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -33,22 +34,78 @@ def geometry(capacity: int) -> Tuple[int, int]:
     return buckets, min(max(buckets // 64, 1), 1 << 16)
 
 
+def _stripe_span(stripe: int, buckets: int, stripes: int) -> Tuple[int, int]:
+    """(first bucket, bucket count) of a stripe: the first ``buckets % stripes`` have one more."""
+    width, wide = divmod(buckets, stripes)
+    return stripe * width + min(stripe, wide), width + (stripe < wide)
+
+
+def stripe_of(key: int, capacity: int) -> int:
+    """The stripe of a key: the stripe of its bucket1."""
+    _, stripes = geometry(capacity)
+    h = _fmix64((key & _MASK64) ^ 0x9E3779B97F4A7C15)
+    return _fastrange32(_fmix64(h ^ 0xC2B2AE3D27D4EB4F), stripes)
+
+
 def place(key: int, capacity: int) -> Tuple[int, int, int]:
-    """(bucket1, bucket2, tag) of a key: two candidate buckets within the key's stripe."""
+    """(bucket1, bucket2, tag) of a key: bucket1 in the key's stripe s, bucket2 in the next
+    stripe (s + 1) mod S; with one stripe, two distinct buckets of it (when it has two)."""
     buckets, stripes = geometry(capacity)
     h = _fmix64((key & _MASK64) ^ 0x9E3779B97F4A7C15)
     h2 = _fmix64(h ^ 0xC2B2AE3D27D4EB4F)
     stripe = _fastrange32(h2, stripes)
-    width, wide = divmod(buckets, stripes)  # the first `wide` stripes have one bucket more
-    begin = stripe * width + min(stripe, wide)
-    width += stripe < wide
+    begin, width = _stripe_span(stripe, buckets, stripes)
     off1 = _fastrange32(h, width)
+    if stripes > 1:
+        begin2, width2 = _stripe_span((stripe + 1) % stripes, buckets, stripes)
+        return begin + off1, begin2 + _fastrange32(h2 >> 32, width2), (h >> 57) % 127 + 1
     off2 = off1
     if width > 1:
         off2 = _fastrange32(h2 >> 32, width - 1)
         if off2 >= off1:
             off2 += 1
     return begin + off1, begin + off2, (h >> 57) % 127 + 1
+
+
+def upsert_phase(stripe: int, stripes: int) -> int:
+    """The phase in which an upsert inserts the new keys of a stripe: 0 for even stripes, 1 for
+    odd ones, 2 for the last stripe of an odd ring of three or more (it wraps onto stripe 0).
+    A key of stripe s may use stripes s and s + 1, so stripes of one phase share no bucket."""
+    if stripes >= 3 and stripes % 2 == 1 and stripe == stripes - 1:
+        return 2
+    return stripe % 2
+
+
+def upsert_window(capacity: int, begin: int) -> int:
+    """Batch positions of an upsert's insert window starting at position ``begin``: an eighth
+    of the capacity or of the positions before it, whichever is more."""
+    return max(-(-capacity // 8), -(-begin // 8), 1)
+
+
+def upsert_windows(capacity: int, n: int) -> List[int]:
+    """First batch positions of the insert windows of an upsert of ``n`` keys."""
+    starts, begin = [], 0
+    while begin < n:
+        starts.append(begin)
+        begin += upsert_window(capacity, begin)
+    return starts
+
+
+def insert_order(keys: Sequence[int], capacity: int, clock: int) -> List[int]:
+    """The order in which an upsert (of logical clock ``clock``) inserts the keys at positions
+    0..n-1 that hold no row: window by window (``upsert_windows``); within a window phase by
+    phase, the call's first phase being ``clock`` mod the number of phases (1, 2, or 3 on an odd
+    ring), so no class of stripes takes free rows and cheap victims first call after call;
+    within a phase, in batch order."""
+    _, stripes = geometry(capacity)
+    phases = 1 if stripes == 1 else 3 if stripes >= 3 and stripes % 2 == 1 else 2
+    starts = upsert_windows(capacity, len(keys))
+
+    def rank(i: int) -> Tuple[int, int, int]:
+        phase = upsert_phase(stripe_of(keys[i], capacity), stripes)
+        return bisect.bisect_right(starts, i) - 1, (phase - clock) % phases, i
+
+    return sorted(range(len(keys)), key=rank)
 
 
 def route(key: int, world_size: int) -> int:
@@ -120,7 +177,9 @@ class ReferenceHashTable:
         """find_or_insert (assign=False) or insert_or_assign (assign=True).
 
         First every key that holds a row is touched and pinned (in batch order), then the others
-        are inserted one at a time in batch order: a new key never evicts a key of its own call.
+        are inserted one at a time, in ``insert_order``: a new key never evicts a key of its own
+        call. (Stripes of one phase share no bucket, so the kernels apply them in parallel: this
+        order is the one their results equal.)
         """
         self.clock += 1
         rows: List[Optional[int]] = [None] * len(keys)
@@ -138,7 +197,8 @@ class ReferenceHashTable:
         for i, key in enumerate(keys):
             if key in self.row_of:
                 touch(i, self.row_of[key])
-        for i, key in enumerate(keys):
+        for i in insert_order(keys, self.capacity, self.clock):
+            key = keys[i]
             if rows[i] is not None:
                 continue
             if key in self.row_of:  # a repeat of a key inserted earlier in this pass
@@ -164,7 +224,7 @@ class ReferenceHashTable:
                 if victim is None or new_score < self.score_at[victim]:
                     continue
                 row = victim
-                evicted.append((self.key_at[row], row))
+                evicted.append((i, self.key_at[row], row))
                 del self.row_of[self.key_at[row]]
             self.row_of[key] = row
             self.key_at[row] = key
@@ -172,7 +232,8 @@ class ReferenceHashTable:
             pinned.add(row)
             rows[i] = row
             inserted[i] = True
-        return rows, inserted, [k for k, _ in evicted], [r for _, r in evicted]
+        evicted.sort()  # reported in batch order (an input position evicts at most once)
+        return rows, inserted, [k for _, k, _ in evicted], [r for _, _, r in evicted]
 
     def erase(self, keys: Sequence[int]) -> List[bool]:
         out = []

@@ -58,8 +58,9 @@ def check_counter(where: str, name: str, value: object, limit: int) -> int:
 
 def place_keys(keys: Tensor, scores: Tensor, capacity: int) -> Tensor:
     """Rows for distinct ``keys`` in an empty table of ``capacity`` rows (-1: not placed), for
-    ``load_state_dict``: every key is placed whenever the two buckets each key may use allow it,
-    and when they do not, as many keys as the buckets allow are placed, higher scores first in
+    ``load_state_dict``: every key is placed whenever the two buckets each key may use allow it
+    (w.h.p. whenever there are no more keys than rows: a key's second bucket lies in the next
+    stripe on the ring, so no stripe has to hold its keys alone), and when they do not, as many keys as the buckets allow are placed, higher scores first in
     each round (a lower-score key placed in the first round is never unseated for a refused one,
     so which keys are left out is not guaranteed to be the lowest-scoring).
 
@@ -67,7 +68,7 @@ def place_keys(keys: Tensor, scores: Tensor, capacity: int) -> Tensor:
     buckets filled up first although rows are free elsewhere. So keys go in two rounds, the
     ``capacity`` highest scores first, then the rest; after each round's insert every refused
     key (highest first) takes an augmenting path: a chain of keys each moved to its other
-    bucket, ending at a free row (breadth-first: the shortest). A key with no such path cannot
+    bucket, ending at a free row (breadth-first: the shortest; it may cross stripes). A key with no such path cannot
     be placed beside the keys already placed (Kuhn's matching), so the placed count is the most
     the buckets allow.
     """
@@ -90,85 +91,118 @@ def place_keys(keys: Tensor, scores: Tensor, capacity: int) -> Tensor:
 
 
 class _Slots:
-    """Augmenting paths over a table's buckets, for ``place_keys``. A key's two buckets are in
-    its stripe, so paths never leave it: each stripe is worked on as small Python lists, built
-    when a refused key of that stripe first needs them."""
+    """Augmenting paths over a table's buckets, for ``place_keys``, Hopcroft-Karp style. A key's
+    buckets lie in its stripe and the next on the ring, so rows flow from stripes given more keys
+    than slots to stripes with room along paths that may cross many stripes: a breadth-first
+    search per key would explore all of them. Instead, in phases, every bucket gets its distance
+    to a free row (one multi-source search, vectorised), and each refused key walks down the
+    distances (a depth-first descent in Python, buckets found to lead nowhere marked dead);
+    distances gone stale after moves only make a descent fail, and the key is retried in the
+    next phase, on fresh ones."""
+
+    _FAR = 1 << 40  # no known path to a free row
 
     def __init__(self, keys: Tensor, capacity: int):
         self.capacity = capacity
-        self.bucket1, self.bucket2 = bucket_pairs(keys, capacity)
-        num_buckets, num_stripes = table_geometry(capacity)
-        width, wide = divmod(num_buckets, num_stripes)
-        widths = [width + 1] * wide + [width] * (num_stripes - wide)
-        self.stripe_of = torch.repeat_interleave(torch.arange(num_stripes), torch.tensor(widths))
-        self.stripe_start = [0]
-        for w in widths:
-            self.stripe_start.append(self.stripe_start[-1] + w)
+        self.num_buckets = table_geometry(capacity)[0]
+        bucket1, bucket2 = bucket_pairs(keys, capacity)
+        self.bucket1, self.pair_sum = bucket1, bucket1 + bucket2  # a key in bucket b may move to pair_sum - b
+        self.bucket1_list, self.pair_sum_list = bucket1.tolist(), self.pair_sum.tolist()
+        # The keys of each bucket's pairs (static): bucket t's are key_of_pair[begin[t]:end[t]].
+        touched = torch.cat([bucket1, bucket2])
+        self.key_of_pair = torch.argsort(touched, stable=True) % keys.numel()
+        self.pair_end = torch.bincount(touched, minlength=self.num_buckets).cumsum(0)
+        self.pair_begin = torch.cat([torch.zeros(1, dtype=torch.int64), self.pair_end[:-1]])
+        self.usable = torch.full((self.num_buckets,), SLOTS_PER_BUCKET, dtype=torch.int64)
+        self.usable[-1] = capacity - (self.num_buckets - 1) * SLOTS_PER_BUCKET
 
     def augment(self, rows: Tensor, refused: List[int]) -> Tensor:
         """``rows`` after placing each of ``refused`` (in order) by an augmenting path, if any."""
-        num_buckets = self.stripe_of.numel()
-        holder = torch.full((num_buckets * SLOTS_PER_BUCKET,), -1, dtype=torch.int64)  # row -> key index
+        holder = torch.full((self.num_buckets * SLOTS_PER_BUCKET,), -1, dtype=torch.int64)  # row -> key index
         placed = (rows >= 0).nonzero().squeeze(1)
         holder[rows[placed]] = placed
         holder[self.capacity:] = -2  # the tail of the last bucket is not usable
-        stripes: Dict[int, "_Stripe"] = {}
-        for i in refused:
-            b1, b2 = int(self.bucket1[i]), int(self.bucket2[i])
-            s = int(self.stripe_of[b1])
-            if s not in stripes:
-                first, end = self.stripe_start[s] * SLOTS_PER_BUCKET, self.stripe_start[s + 1] * SLOTS_PER_BUCKET
-                stripes[s] = _Stripe(first, holder[first:end], self.bucket1, self.bucket2)
-            for j, row in stripes[s].place(i, b1, b2):
-                rows[j] = row
-        return rows
-
-
-class _Stripe:
-    """One stripe's rows (which key holds each) and its keys' bucket pairs, as Python lists."""
-
-    def __init__(self, first_row: int, holder: Tensor, bucket1: Tensor, bucket2: Tensor):
-        self.first_row = first_row
-        self.holder = holder.tolist()
-        held = holder[holder >= 0]
-        self.pairs = dict(zip(held.tolist(), zip(bucket1[held].tolist(), bucket2[held].tolist())))
-        self.free = self.holder.count(-1)
-
-    def place(self, i: int, b1: int, b2: int) -> List[Tuple[int, int]]:
-        """Key i placed by the shortest augmenting path: the (key, new row) moves, [] if none."""
-        if self.free == 0:
-            return []
-        holder, first = self.holder, self.first_row
-        # Breadth-first over buckets; came_from[b] = (key moved into b, the row it leaves).
-        came_from: Dict[int, Optional[Tuple[int, int]]] = {b1: None, b2: None}
-        queue, target = deque(came_from), None
-        while queue:
-            b = queue.popleft()
-            start = b * SLOTS_PER_BUCKET - first
-            held = holder[start:start + SLOTS_PER_BUCKET]
-            if -1 in held:
-                target = (b, b * SLOTS_PER_BUCKET + held.index(-1))
+        self.holder, self.row_of, self.rows = holder.tolist(), rows.tolist(), rows.clone()
+        free = self.holder.count(-1)
+        # A phase that places nothing ran on exact distances throughout: its keys have no path.
+        pending = refused
+        while pending and free:
+            dist, self.moved = self._distances(pending), {}
+            failed = []
+            for i in pending:
+                if free and self._place(i, dist):
+                    free -= 1
+                else:
+                    failed.append(i)
+            if self.moved:
+                self.rows[torch.tensor(list(self.moved))] = torch.tensor(list(self.moved.values()))
+            if len(failed) == len(pending):
                 break
-            for offset, j in enumerate(held):
-                if j >= 0:
-                    p1, p2 = self.pairs[j]
-                    other = p2 if p1 == b else p1
-                    if other not in came_from:
-                        came_from[other] = (j, b * SLOTS_PER_BUCKET + offset)
-                        queue.append(other)
-        if target is None:
-            return []
-        b, free = target
-        moves = []
-        while came_from[b] is not None:  # each key of the path moves into the row ahead of it
-            j, left = came_from[b]
-            holder[free - first] = j
-            moves.append((j, free))
-            b, free = left // SLOTS_PER_BUCKET, left
-        holder[free - first] = i
-        self.pairs[i] = (b1, b2)
-        self.free -= 1
-        return moves + [(i, free)]
+            pending = failed
+        return self.rows
+
+    def _distances(self, keys: List[int]) -> List[int]:
+        """Per bucket, the fewest moves to a free row (0: it has one): a breadth-first search back
+        from the buckets with a free row, vectorised level by level (bucket b is one move from t
+        when a key of b has t as its other bucket); it stops once both buckets of each of ``keys``
+        have a distance (walks from them need no longer ones) or nothing more is reachable."""
+        where = torch.div(self.rows, SLOTS_PER_BUCKET, rounding_mode="floor")  # -1: not placed
+        held = torch.bincount(where[where >= 0], minlength=self.num_buckets)
+        index = torch.tensor(keys, dtype=torch.int64)
+        starts = torch.cat([self.bucket1[index], self.pair_sum[index] - self.bucket1[index]])
+        dist = torch.full((self.num_buckets,), self._FAR, dtype=torch.int64)
+        frontier, level = (held < self.usable).nonzero().squeeze(1), 0
+        while frontier.numel():
+            dist[frontier] = level
+            if bool((dist[starts] < self._FAR).all()):
+                break
+            first = self.pair_begin[frontier]
+            counts = self.pair_end[frontier] - first
+            # Positions first[f] .. first[f] + counts[f] - 1 for every frontier bucket f.
+            shift = torch.repeat_interleave(first - (counts.cumsum(0) - counts), counts)
+            pair_keys = self.key_of_pair[shift + torch.arange(shift.numel())]
+            source = where[pair_keys]
+            source = source[(source >= 0) & (source != torch.repeat_interleave(frontier, counts))]
+            frontier, level = source[dist[source] == self._FAR].unique(), level + 1
+        return dist.tolist()
+
+    def _place(self, i: int, dist: List[int]) -> bool:
+        """Places key i by walking down ``dist`` from one of its buckets to a free row, moving each
+        key of the path to its other bucket; False (nothing changed) if no walk gets there."""
+        holder, far = self.holder, self._FAR
+        b1 = self.bucket1_list[i]
+        b2 = self.pair_sum_list[i] - b1
+        for start in sorted({b1, b2}, key=lambda b: dist[b]):  # the nearer bucket first
+            stack = [[start, 0]]  # [bucket, next slot to try]; a key left each bucket but the last
+            while stack:
+                b, k = stack[-1]
+                d, base = dist[b], b * SLOTS_PER_BUCKET
+                if d == 0:
+                    if -1 in holder[base:base + SLOTS_PER_BUCKET]:
+                        self._apply(i, stack, holder.index(-1, base, base + SLOTS_PER_BUCKET))
+                        return True
+                    dist[b] = far  # its free row was taken since the distances were computed
+                    stack.pop()
+                    continue
+                for slot in range(k, SLOTS_PER_BUCKET):
+                    j = holder[base + slot]
+                    if j >= 0 and dist[self.pair_sum_list[j] - b] == d - 1:
+                        stack[-1][1] = slot + 1
+                        stack.append([self.pair_sum_list[j] - b, 0])
+                        break
+                else:
+                    dist[b] = far  # leads nowhere with these distances
+                    stack.pop()
+        return False
+
+    def _apply(self, i: int, stack: List[List[int]], free_row: int) -> None:
+        """Each key of the path moves into the row ahead of it; key i takes the first."""
+        for b, k in reversed(stack[:-1]):
+            left = b * SLOTS_PER_BUCKET + k - 1
+            j = self.holder[left]
+            self.holder[free_row], self.row_of[j], self.moved[j] = j, free_row, free_row
+            free_row = left
+        self.holder[free_row], self.row_of[i], self.moved[i] = i, free_row, free_row
 
 
 def bucket_pairs(keys: Tensor, capacity: int) -> Tuple[Tensor, Tensor]:
@@ -179,11 +213,17 @@ def bucket_pairs(keys: Tensor, capacity: int) -> Tuple[Tensor, Tensor]:
     low = 0xFFFFFFFF
     h = fmix64_tensor(keys.to(torch.int64) ^ _as_int64(0x9E3779B97F4A7C15))
     h2 = fmix64_tensor(h ^ _as_int64(0xC2B2AE3D27D4EB4F))
-    stripe = ((h2 & low) * num_stripes) >> 32
     width, wide = divmod(num_buckets, num_stripes)
-    begin = stripe * width + torch.clamp(stripe, max=wide)
-    widths = width + (stripe < wide).to(torch.int64)
+
+    def span(stripe: Tensor) -> Tuple[Tensor, Tensor]:  # first bucket and bucket count
+        return stripe * width + torch.clamp(stripe, max=wide), width + (stripe < wide).to(torch.int64)
+
+    stripe = ((h2 & low) * num_stripes) >> 32
+    begin, widths = span(stripe)
     off1 = ((h & low) * widths) >> 32
+    if num_stripes > 1:  # bucket2 in the next stripe on the ring
+        begin2, widths2 = span(torch.where(stripe + 1 == num_stripes, 0, stripe + 1))
+        return begin + off1, begin2 + ((((h2 >> 32) & low) * widths2) >> 32)
     off2 = (((h2 >> 32) & low) * (widths - 1)) >> 32
     off2 = torch.where(widths > 1, off2 + (off2 >= off1).to(torch.int64), off1)
     return begin + off1, begin + off2
@@ -254,10 +294,13 @@ class HashTable:
 
     Every int64 is a valid key (-1, 0, INT64_MIN, INT64_MAX included). Duplicates in one batch
     get one row; a key keeps its row until erased or evicted. A key may live in one of two
-    buckets of 32 slots; when both are full an insert evicts the lowest-score slot of the two
-    (the first on ties) if the new key's score is not lower, else it is refused (row -1).
-    A call never evicts its own keys: every key of the batch that already holds a row is
-    touched and pinned first, then the new keys are inserted one at a time in batch order.
+    buckets of 32 slots (the first in its stripe of ~2,048 slots, the second in the next stripe
+    on the ring); when both are full an insert evicts the lowest-score slot of the two (the first
+    on ties) if the new key's score is not lower, else it is refused (row -1). A call never
+    evicts its own keys: every key of the batch that already holds a row is touched and pinned
+    first, then the new keys are inserted one at a time, window by window of the batch and phase
+    by phase of stripes within a window, in batch order within a phase
+    (``torchrec_ext.reference.insert_order`` states it exactly).
 
     Policies (the score a touch leaves):
       ``lru``       logical clock of the last touch (advances by one per mutating call)

@@ -5,7 +5,9 @@
 // GPU), then computes it. Launches run their warps one after another.
 //
 // What it cannot show: memory-ordering and timing effects between warps (warps never overlap
-// here), and speed. Included first by the emulated kernels file that build.py generates.
+// here), and speed. It can show results that depend on the order of a launch's warps (a race on
+// a GPU): with TORCHREC_EMU_REVERSE_WARPS set, launches run their warps last to first.
+// Included first by the emulated kernels file that build.py generates.
 #pragma once
 #include <cuda_runtime_api.h>
 #include <ucontext.h>
@@ -26,7 +28,7 @@ struct Dim { unsigned x = 0; };
 Dim threadIdx, blockIdx, blockDim, gridDim;
 
 namespace emu {
-enum Kind { kDone = 0, kBallot = 1, kShfl = 2, kSync = 3 };
+enum Kind { kDone = 0, kBallot = 1, kShfl = 2, kSync = 3, kMatch = 4 };
 struct Lane {
   ucontext_t ctx;
   int kind;
@@ -94,6 +96,12 @@ void run_warp(unsigned block, unsigned warp, const std::function<void()>& body) 
       long long vals[32];
       for (int l = 0; l < 32; ++l) vals[l] = w.lanes[l].val;
       for (int l = 0; l < 32; ++l) w.lanes[l].result = vals[w.lanes[l].src & 31];
+    } else if (kind == kMatch) {
+      for (int l = 0; l < 32; ++l) {
+        long long m = 0;
+        for (int o = 0; o < 32; ++o) m |= (w.lanes[o].val == w.lanes[l].val ? 1ll : 0ll) << o;
+        w.lanes[l].result = m;
+      }
     }
   }
 }
@@ -114,6 +122,10 @@ inline T __shfl_xor_sync(unsigned mask, T v, int m) {
   return __shfl_sync(mask, v, static_cast<int>(threadIdx.x & 31) ^ m);
 }
 inline void __syncwarp() { emu::collective(emu::kSync, 0, 0); }
+inline unsigned __match_any_sync(unsigned mask, unsigned long long v) {
+  if (mask != 0xFFFFFFFFu) std::abort();
+  return static_cast<unsigned>(emu::collective(emu::kMatch, static_cast<long long>(v), 0));
+}
 inline int __ffs(int x) { return __builtin_ffs(x); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
@@ -129,8 +141,12 @@ void emu_launch(unsigned grid, unsigned block, cudaStream_t, F f) {
   gridDim.x = grid;
   blockDim.x = block;
   const std::function<void()> body = f;
-  for (unsigned b = 0; b < grid; ++b)
-    for (unsigned w = 0; w < block / 32; ++w) emu::run_warp(b, w, body);
+  const bool reverse = std::getenv("TORCHREC_EMU_REVERSE_WARPS") != nullptr;
+  const unsigned per_block = block / 32, warps = grid * per_block;
+  for (unsigned i = 0; i < warps; ++i) {
+    const unsigned w = reverse ? warps - 1 - i : i;
+    emu::run_warp(w / per_block, w % per_block, body);
+  }
 }
 
 

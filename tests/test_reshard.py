@@ -5,6 +5,7 @@ the warning gives the true numbers. The placement (the C++ op hash_place) keeps 
 the pure-Python oracle keeps (by score, highest first), deterministically; checkpoints of the
 per-stripe layout (before the ring: no layout in their counters) still load, saying so."""
 import os
+import random
 import re
 import warnings
 
@@ -84,6 +85,27 @@ def test_place_keys_keeps_what_the_reference_keeps(capacity, n, crowded):
     placed = rows >= 0  # and the rows are a valid placement
     HashTable(capacity).load_state_dict({"capacity": capacity, "policy": "lru", "clock": 0, "epoch": 0,
                                          "keys": keys[placed], "rows": rows[placed], "scores": scores[placed]})
+
+
+@pytest.mark.parametrize("capacity", [1, 2, 33, 100, 500, 4100])
+def test_place_keys_keeps_what_the_reference_keeps_small_and_crowded(capacity):
+    """Tables of one bucket, a part-usable last bucket and 2 stripes, with random loads up to 1.3,
+    ties, and ids crowded into the lower half of the buckets."""
+    from torchrec_ext.table import place_keys
+
+    rng = random.Random(capacity)
+    for _ in range(10):
+        n = rng.randint(0, int(capacity * 1.3) + 2)
+        keys = torch.tensor(rng.sample(range(-(2**40), 2**40), n), dtype=torch.int64)
+        if rng.random() < 0.4 and n:
+            b1, _ = reference.bucket_pairs(keys, capacity)
+            keys = keys[b1 <= b1.median()]
+        scores = torch.randint(0, rng.choice([1, 3, 1000]), (keys.numel(),))
+        rows = place_keys(keys, scores, capacity)
+        assert (rows >= 0).tolist() == reference.place_keys(keys.tolist(), scores.tolist(), capacity)
+        placed = rows >= 0
+        HashTable(capacity).load_state_dict({"capacity": capacity, "policy": "lru", "clock": 0, "epoch": 0,
+                                             "keys": keys[placed], "rows": rows[placed], "scores": scores[placed]})
 
 
 def test_place_keys_is_deterministic_whatever_the_thread_count():

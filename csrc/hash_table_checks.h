@@ -4,7 +4,9 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <optional>
+#include <vector>
 
 #include "hash_table_layout.h"
 
@@ -41,6 +43,14 @@ inline void check_keys(const char* op, const at::Tensor& keys) {
   TORCH_CHECK(keys.dim() == 1, op, ": keys must be 1-D, got shape ", keys.sizes());
   TORCH_CHECK(keys.scalar_type() == at::kLong, op, ": keys must be int64, got ",
               keys.scalar_type());
+}
+
+// Keys that each take a row of their own (a state to restore, keys to place) must be distinct.
+inline void check_distinct_keys(const char* op, const int64_t* keys, int64_t n) {
+  std::vector<int64_t> sorted(keys, keys + n);
+  std::sort(sorted.begin(), sorted.end());
+  const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+  TORCH_CHECK(dup == sorted.end(), op, ": key ", dup == sorted.end() ? 0 : *dup, " appears twice");
 }
 
 inline void check_world_size(const char* op, int64_t world_size) {

@@ -625,11 +625,7 @@ void hash_restore_cpu(at::Tensor& digests, at::Tensor& slot_keys, at::Tensor& sl
   const int64_t* sp = s.data_ptr<int64_t>();
   uint8_t* d = digests.data_ptr<uint8_t>();
   // Validate everything before the first write, so a bad state leaves the table unchanged.
-  std::vector<int64_t> sorted_keys(kp, kp + n);
-  std::sort(sorted_keys.begin(), sorted_keys.end());
-  const auto dup = std::adjacent_find(sorted_keys.begin(), sorted_keys.end());
-  TORCH_CHECK(dup == sorted_keys.end(), "hash_restore: key ", dup == sorted_keys.end() ? 0 : *dup,
-              " appears twice");
+  check_distinct_keys("hash_restore", kp, n);
   std::vector<uint8_t> taken(static_cast<size_t>(geo.num_slots()), 0);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t row = rp[i];

@@ -76,6 +76,8 @@ struct TableGeometry {
   }
 };
 
+// make_geometry and place_key decide which rows a key may hold: a change to either must bump
+// LAYOUT_VERSION in torchrec_ext/table.py (saved rows of another layout are re-placed on load).
 TREXT_HD TableGeometry make_geometry(int64_t capacity) {
   TableGeometry g;
   g.capacity = capacity;

@@ -568,7 +568,7 @@ MODULE_STATES = [
     _case("optimizer shape", lambda s: s.update({P + "optimizer.momentum1": s[P + "optimizer.momentum1"][:, :2]}),
           ValueError, r"optimizer.momentum1 must be \[3, 4\]"),
     _case("counters short", lambda s: s.update({P + "counters": s[P + "counters"][:2]}), ValueError,
-          r"counters must be \[4\], got \[2\]"),
+          r"counters must be \[5\], got \[2\]"),
     _case("counters negative", lambda s: s.update({P + "counters": -s[P + "counters"] - 1}), ValueError,
           r"counters\[0\] \(clock\) must be in .* got -"),
     _case("weight int dtype", lambda s: s.update({P + "weight": s[P + "weight"].long()}), TypeError,

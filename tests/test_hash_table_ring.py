@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from torchrec_ext import HashTable
-from torchrec_ext.reference import (ReferenceHashTable, geometry, insert_order, place, stripe_of, upsert_phase,
-                                    upsert_windows)
-from torchrec_ext.table import bucket_pairs
+from torchrec_ext.reference import (ReferenceHashTable, bucket_pairs, geometry, insert_order, place, stripe_of,
+                                    upsert_phase, upsert_windows)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Capacities giving 1, 2, 3, 4 and 5 stripes (the odd ones have an uneven last bucket or stripe).

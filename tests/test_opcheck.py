@@ -31,6 +31,8 @@ def _hash_cases():
     yield "hash_export", (t._digests, t._slot_keys, t._slot_scores, CAPACITY, 0, t._digests.numel())
     yield "hash_restore", (empty._digests, empty._slot_keys, empty._slot_scores, empty._size,
                            live_keys, live_rows, live_scores, CAPACITY)
+    yield "hash_place", (live_keys, live_scores, CAPACITY)
+    yield "hash_place", (keys, torch.arange(keys.numel()) % 7, 64)  # more keys than rows: some left out
     yield "route", (keys, 4)
     yield "route_bucketize", (keys, torch.tensor([50, 60]), [-1], 2, 2)
 

@@ -1,8 +1,11 @@
 """Rows placed on load: every row the target's capacity can hold is placed (a plain insert of a
 full table's ids refuses ~1% of them), also when resharding full tables of several stripes
 2 -> 1 -> 2 -> 4 -> 2 ranks (issue 11, finding 6); where a rank is given more ids than it holds,
-the warning gives the true numbers."""
+the warning gives the true numbers. The placement (the C++ op hash_place) keeps exactly the ids
+the pure-Python oracle keeps (by score, highest first), deterministically; checkpoints of the
+per-stripe layout (before the ring: no layout in their counters) still load, saying so."""
 import os
+import random
 import re
 import warnings
 
@@ -24,7 +27,7 @@ def _most_placeable(keys, capacity):
 
 @pytest.mark.parametrize("capacity", [1, 33, 2048, 4096, 5000, 6144, 3 * 2**21 + 7])
 def test_bucket_pairs_equal_the_reference_placement(capacity):
-    from torchrec_ext.table import bucket_pairs
+    from torchrec_ext.reference import bucket_pairs
 
     keys = torch.cat([torch.randint(-(2**63), 2**63 - 1, (500,), generator=torch.Generator().manual_seed(capacity)),
                       torch.tensor([0, -1, 2**63 - 1, -(2**63)])])
@@ -35,7 +38,8 @@ def test_bucket_pairs_equal_the_reference_placement(capacity):
 # Full tables of 1 stripe (256, 2000, 2048 rows), 2 (4096), 3 (6144: an odd ring), 4 (8192), 32
 # (65536) and 48 (100000) stripes; and more ids than rows.
 @pytest.mark.parametrize("capacity, n", [(256, 256), (2048, 2048), (2000, 2000), (2048, 2100), (4096, 4096),
-                                         (6144, 6144), (8192, 8192), (8192, 8500), (65536, 65536), (100000, 100000)])
+                                         (6144, 6144), (8192, 8192), (8192, 8500), (65536, 65536), (100000, 100000),
+                                         (262144, 262144)])
 def test_place_keys_places_every_key_that_fits(capacity, n):
     from torchrec_ext.table import place_keys
 
@@ -53,6 +57,88 @@ def test_place_keys_places_every_key_that_fits(capacity, n):
     assert torch.equal(found, placed) and torch.equal(found_rows[placed], rows[placed])
     if n > capacity and capacity <= 2048:  # one stripe: what is left out has the lowest scores
         assert int(scores[~placed].max()) <= int(scores[placed].min())
+
+
+# Ids the kernel's placement must keep exactly as the oracle does (its kept set is unique): full
+# and overfull tables of 1, 2 and 3 stripes, and ids crowded into stripes 0-1 of a 4-stripe table
+# (their buckets hold 4,096 rows: 404 are left out although the table has 8,192), with scores
+# drawn from few values so that ties are decided by position.
+def _crowded(capacity, n, gen):
+    keys = torch.randint(-(2**62), 2**62, (8 * n,), generator=gen).unique()
+    b1, _ = reference.bucket_pairs(keys, capacity)
+    return keys[b1 < 64][:n]  # bucket1 in stripe 0 (64 buckets), bucket2 in stripe 1
+
+
+@pytest.mark.parametrize("capacity, n, crowded", [(100, 130, False), (2048, 2048, False), (2048, 2300, False),
+                                                  (4096, 4400, False), (6144, 6144, False), (8192, 4500, True)])
+def test_place_keys_keeps_what_the_reference_keeps(capacity, n, crowded):
+    from torchrec_ext.table import place_keys
+
+    gen = torch.Generator().manual_seed(capacity + n)
+    keys = _crowded(capacity, n, gen) if crowded else torch.randint(-(2**62), 2**62, (n,), generator=gen).unique()
+    assert keys.numel() == n
+    scores = torch.randint(0, 5, (n,), generator=gen)
+    rows = place_keys(keys, scores, capacity)
+    kept = reference.place_keys(keys.tolist(), scores.tolist(), capacity)
+    assert (rows >= 0).tolist() == kept
+    assert sum(kept) == min(n, capacity) - (404 if crowded else 0)
+    placed = rows >= 0  # and the rows are a valid placement
+    HashTable(capacity).load_state_dict({"capacity": capacity, "policy": "lru", "clock": 0, "epoch": 0,
+                                         "keys": keys[placed], "rows": rows[placed], "scores": scores[placed]})
+
+
+@pytest.mark.parametrize("capacity", [1, 2, 33, 100, 500, 4100])
+def test_place_keys_keeps_what_the_reference_keeps_small_and_crowded(capacity):
+    """Tables of one bucket, a part-usable last bucket and 2 stripes, with random loads up to 1.3,
+    ties, and ids crowded into the lower half of the buckets."""
+    from torchrec_ext.table import place_keys
+
+    rng = random.Random(capacity)
+    for _ in range(10):
+        n = rng.randint(0, int(capacity * 1.3) + 2)
+        keys = torch.tensor(rng.sample(range(-(2**40), 2**40), n), dtype=torch.int64)
+        if rng.random() < 0.4 and n:
+            b1, _ = reference.bucket_pairs(keys, capacity)
+            keys = keys[b1 <= b1.median()]
+        scores = torch.randint(0, rng.choice([1, 3, 1000]), (keys.numel(),))
+        rows = place_keys(keys, scores, capacity)
+        assert (rows >= 0).tolist() == reference.place_keys(keys.tolist(), scores.tolist(), capacity)
+        placed = rows >= 0
+        HashTable(capacity).load_state_dict({"capacity": capacity, "policy": "lru", "clock": 0, "epoch": 0,
+                                             "keys": keys[placed], "rows": rows[placed], "scores": scores[placed]})
+
+
+def test_place_keys_is_deterministic_whatever_the_thread_count():
+    from torchrec_ext.table import place_keys
+
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randint(-(2**62), 2**62, (70000,), generator=gen).unique()
+    scores = torch.randint(0, 100, (keys.numel(),), generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 1):
+            torch.set_num_threads(n)
+            results.append(place_keys(keys, scores, 65536))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, results[0]) for r in results)
+    assert int((results[0] >= 0).sum()) == 65536
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (lambda k, s, c: (torch.cat([k, k[:1]]), torch.cat([s, s[:1]]), c), ValueError, r"place_keys: .*key -?\d+ appears twice"),
+    (lambda k, s, c: (k, s[:-1], c), ValueError, r"place_keys: scores must have one entry per key"),
+    (lambda k, s, c: (k.float(), s, c), TypeError, r"place_keys: keys must be an integer tensor, got torch.float32"),
+    (lambda k, s, c: (k, s, 0), ValueError, r"place_keys: capacity must be an int > 0, got 0"),
+    (lambda k, s, c: (k.view(2, -1), s, c), ValueError, r"place_keys: keys must be 1-D"),
+])
+def test_place_keys_refuses_bad_input(change, error, match):
+    from torchrec_ext.table import place_keys
+
+    keys = torch.arange(10) * 7919
+    with pytest.raises(error, match=match):
+        place_keys(*change(keys, torch.zeros(10, dtype=torch.int64), 64))
 
 
 def _full_module(capacity, seed=0):
@@ -80,6 +166,134 @@ def test_full_table_reloaded_without_its_rows_keeps_every_row():
     order_got, order_want = (torch.argsort(s["embedding_bags.t.weight_id"]) for s in (got, want))
     for key in ("weight_id", "weight", "metadata", "optimizer.momentum1"):
         assert torch.equal(got[f"embedding_bags.t.{key}"][order_got], want[f"embedding_bags.t.{key}"][order_want]), key
+
+
+# ----------------------------------------------------------------------------- layout versions
+
+def _layout1_buckets(key, capacity):
+    """Where layout 1 (per-stripe buckets, before the ring) let a key live: both buckets in its stripe."""
+    buckets, stripes = reference.geometry(capacity)
+    h = reference._fmix64((key & reference._MASK64) ^ 0x9E3779B97F4A7C15)
+    h2 = reference._fmix64(h ^ 0xC2B2AE3D27D4EB4F)
+    begin, width = reference._stripe_span(reference._fastrange32(h2, stripes), buckets, stripes)
+    off1 = reference._fastrange32(h, width)
+    off2 = reference._fastrange32(h2 >> 32, width - 1) if width > 1 else off1
+    return begin + off1, begin + off2 + int(width > 1 and off2 >= off1)
+
+
+def _layout1_state(module, capacity, marker):
+    """``module``'s state as a layout-1 checkpoint: each id in the first free row of its layout-1
+    buckets (ids finding none left out), counters without the layout (``marker`` None) or with
+    layout ``marker``."""
+    state, p = module.state_dict(), "embedding_bags.t."
+    taken, keep, rows = set(), [], []
+    for i, key in enumerate(state[p + "weight_id"].tolist()):
+        free = [r for b in _layout1_buckets(key, capacity) for r in range(32 * b, min(32 * b + 32, capacity))
+                if r not in taken]
+        if free:
+            taken.add(free[0])
+            keep.append(i)
+            rows.append(free[0])
+    old = {k: v[torch.tensor(keep)] for k, v in state.items() if not k.endswith("counters")}
+    old[p + "row"] = torch.tensor(rows)
+    old[p + "counters"] = state[p + "counters"][:4] if marker is None else \
+        torch.cat([state[p + "counters"][:4], torch.tensor([marker])])
+    return old
+
+
+def _module_with(capacity, n):
+    module = DynamicEmbeddingBagCollection(
+        [DynamicEmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=capacity, feature_names=["f"])],
+        optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    ids = torch.randint(-(2**62), 2**62, (n,), generator=torch.Generator().manual_seed(n))
+    module(KeyedJaggedTensor(keys=["f"], values=ids, lengths=torch.tensor([n]))).values().sum().backward()
+    return module
+
+
+@pytest.mark.parametrize("capacity, marker", [(8192, None), (8192, 1), (2048, None)])
+def test_checkpoint_of_the_per_stripe_layout_loads_and_says_its_rows_were_renewed(capacity, marker):
+    """A checkpoint written before the ring (counters without a layout, or layout 1) loads: every
+    id keeps its vector, score and optimizer state; where its rows do not fit the ring (4 stripes)
+    the ids get new rows and one warning names the table and both layouts. A table of one stripe
+    has the same buckets in both layouts: its rows load as saved, silently."""
+    from torchrec_ext.table import LAYOUT_VERSION
+
+    old = _layout1_state(_module_with(capacity, capacity * 3 // 4), capacity, marker)
+    target = DynamicEmbeddingBagCollection(
+        [DynamicEmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=capacity, feature_names=["f"])],
+        optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        target.load_state_dict(old)
+    said = [str(w.message) for w in caught if "layout" in str(w.message)]
+    p = "embedding_bags.t."
+    got = target.state_dict()
+    if capacity > 2048:
+        assert len(said) == 1 and re.search(r"table 't'.* rows follow hash-table layout 1 \(per-stripe buckets.*"
+                                            rf"this table's layout is {LAYOUT_VERSION} \(ring of stripes", said[0]), said
+        assert not torch.equal(got[p + "row"].sort().values, old[p + "row"].sort().values)
+    else:
+        assert said == []
+        assert torch.equal(got[p + "row"], old[p + "row"][torch.argsort(old[p + "row"])])
+    order_got, order_old = torch.argsort(got[p + "weight_id"]), torch.argsort(old[p + "weight_id"])
+    for key in ("weight_id", "weight", "metadata", "optimizer.momentum1"):
+        assert torch.equal(got[p + key][order_got], old[p + key][order_old]), key
+    assert got[p + "counters"].tolist() == old[p + "counters"][:4].tolist() + [LAYOUT_VERSION]
+
+
+@pytest.fixture
+def one_process_group():
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+def test_dcp_checkpoint_of_the_per_stripe_layout_loads(tmp_path, one_process_group):
+    """The same through a DCP checkpoint, as a resumed job reads it: its counters [4] are read
+    as stored (the module's own are [5]), then the ids are given new rows, said once."""
+    from torchrec_ext.distributed.checkpoint import load_checkpoint, save_checkpoint
+
+    old = _layout1_state(_module_with(8192, 6000), 8192, None)
+    save_checkpoint(str(tmp_path), 1, {"model": old})
+    target = DynamicEmbeddingBagCollection(
+        [DynamicEmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=8192, feature_names=["f"])],
+        optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    state = load_checkpoint(os.path.join(str(tmp_path), "step_1"), {"model": target.state_dict()})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        target.load_state_dict(state["model"])
+    assert [str(w.message).count("table 't'") for w in caught if "layout 1" in str(w.message)] == [1]
+    p = "embedding_bags.t."
+    got = target.state_dict()
+    order_got, order_old = torch.argsort(got[p + "weight_id"]), torch.argsort(old[p + "weight_id"])
+    for key in ("weight_id", "weight", "metadata", "optimizer.momentum1"):
+        assert torch.equal(got[p + key][order_got], old[p + key][order_old]), key
+
+
+def test_hash_table_state_names_its_layout():
+    """A table's state says which layout its rows follow; rows of another layout that do not fit
+    are refused naming both layouts (place_keys re-places them)."""
+    from torchrec_ext.table import LAYOUT_VERSION
+
+    table = HashTable(8192)
+    table.find_or_insert(torch.randint(-(2**62), 2**62, (6000,), generator=torch.Generator().manual_seed(1)))
+    state = table.state_dict()
+    assert state["layout"] == LAYOUT_VERSION
+    HashTable(8192).load_state_dict(state)
+    # A key in its layout-1 bucket2, which the ring does not give it.
+    i = next(i for i, k in enumerate(state["keys"].tolist())
+             if _layout1_buckets(k, 8192)[1] not in reference.place(k, 8192)[:2])
+    key = int(state["keys"][i])
+    old = dict(state, layout=1, keys=state["keys"][i:i + 1], scores=state["scores"][i:i + 1],
+               rows=torch.tensor([32 * _layout1_buckets(key, 8192)[1]]))
+    fresh = HashTable(8192)
+    with pytest.raises(ValueError, match=rf"key {key} cannot live in row .*the state's rows follow layout 1, this "
+                                         rf"table's is {LAYOUT_VERSION}: re-place its keys with place_keys"):
+        fresh.load_state_dict(old)
+    assert fresh.size() == 0
 
 
 # ----------------------------------------------------------------------------- resharding on ranks

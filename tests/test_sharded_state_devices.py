@@ -112,7 +112,7 @@ def _state_placements_on_fake_cuda(rank, world_size):
         layout[key] = [(p, m.shard_offsets, m.shard_sizes) for p, m in zip(placements, meta.shards_metadata)]
     # Counters are the unsharded module's [4], replicated: the same on every rank (rank 0 too, which
     # does not hold t2), on its tables' device.
-    assert all(type(c) is torch.Tensor and c.shape == (4,) and c.device.type == "cpu" for c in counters.values())
+    assert all(type(c) is torch.Tensor and c.shape == (5,) and c.device.type == "cpu" for c in counters.values())
     everyone = [None] * world_size
     dist.all_gather_object(everyone, (layout, {k: c.tolist() for k, c in counters.items()}))
     assert all(other == everyone[0] for other in everyone)  # every rank built the same metadata and counters

@@ -1,7 +1,8 @@
 """Typed wrappers over ``torch.ops.torchrec_ext.*`` and their fake kernels.
 
 The schemas live in ``csrc/ops.cpp``. Hash table ops: CPU kernels in ``csrc/hash_table_cpu.cpp``,
-CUDA kernels in ``csrc/hash_table_cuda.cu``. Embedding ops: CPU kernels in
+CUDA kernels in ``csrc/hash_table_cuda.cu``; the placement search of a load (``hash_place``) is
+CPU only, in ``csrc/placement_cpu.cpp``. Embedding ops: CPU kernels in
 ``csrc/embedding_cpu.cpp``; their CUDA kernels are the Triton ones in the ``triton_kernels``
 subpackage, registered below when Triton and a GPU are present. The fake kernels give output
 shapes and dtypes without data so the ops trace under ``torch.fx`` / ``torch.compile``.
@@ -111,6 +112,27 @@ def hash_restore(
     row, the table empty) and writes nothing on error.
     """
     _ops.hash_restore.default(digests, slot_keys, slot_scores, size, keys, rows, scores, capacity)
+
+
+def hash_place(keys: Tensor, scores: Tensor, capacity: int) -> Tensor:
+    """Rows for distinct ``keys`` in an empty table of ``capacity`` rows, each in one of the
+    key's two buckets (what ``hash_restore`` accepts). CPU kernel (``csrc/placement_cpu.cpp``).
+
+    Keys are taken by priority, higher ``scores`` first (ties: lower position first): a free slot
+    of their buckets, else augmenting paths that move placed keys to their other bucket, else a
+    trade for a placed key of lower priority. So a key is left out exactly when it cannot be
+    placed beside the higher-priority keys that are placed: every key is placed whenever some placement holds them all, and otherwise the
+    most keys the buckets allow, the highest-priority ones kept. Deterministic.
+
+    Args:
+        keys: int64 ``[n]``, distinct.
+        scores: int64 ``[n]``, each key's priority.
+        capacity: the table's rows (> 0).
+
+    Returns:
+        rows: int64 ``[n]``, each key's row, -1 where it was left out.
+    """
+    return _ops.hash_place.default(keys, scores, capacity)
 
 
 def route(keys: Tensor, world_size: int) -> Tensor:
@@ -287,6 +309,11 @@ def _hash_export_fake(digests, slot_keys, slot_scores, capacity, start, end):
 @torch.library.register_fake("torchrec_ext::hash_restore")
 def _hash_restore_fake(digests, slot_keys, slot_scores, size, keys, rows, scores, capacity):
     return None
+
+
+@torch.library.register_fake("torchrec_ext::hash_place")
+def _hash_place_fake(keys, scores, capacity):
+    return torch.empty_like(keys)
 
 
 @torch.library.register_fake("torchrec_ext::route")

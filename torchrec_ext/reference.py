@@ -67,6 +67,41 @@ def place(key: int, capacity: int) -> Tuple[int, int, int]:
     return begin + off1, begin + off2, (h >> 57) % 127 + 1
 
 
+def place_keys(keys: Sequence[int], scores: Sequence[int], capacity: int) -> List[bool]:
+    """Which of distinct ``keys`` an empty table of ``capacity`` rows holds when they are placed
+    by priority (higher score first, then earlier position): each is kept iff it fits beside the
+    keys kept before it, found by a breadth-first augmenting path over buckets (a held key may
+    move to its other bucket; Kuhn's algorithm, one key at a time). The kept set is the greedy
+    basis of the matroid of placeable sets: unique, whichever rows the keys end up in."""
+    buckets, _ = geometry(capacity)
+    room = [min(SLOTS, capacity - b * SLOTS) for b in range(buckets)]
+    pairs = [place(k, capacity)[:2] for k in keys]
+    held: List[List[int]] = [[] for _ in range(buckets)]  # key indices in each bucket
+    kept = [False] * len(keys)
+    for i in sorted(range(len(keys)), key=lambda i: (-scores[i], i)):
+        parent: Dict[int, Optional[Tuple[int, int]]] = {b: None for b in pairs[i]}
+        queue, end = list(parent), None
+        for b in queue:  # grows while it is walked
+            if len(held[b]) < room[b]:
+                end = b
+                break
+            for j in held[b]:
+                other = sum(pairs[j]) - b
+                if other not in parent:
+                    parent[other] = (b, j)
+                    queue.append(other)
+        if end is None:
+            continue
+        while parent[end] is not None:  # each key of the path moves one bucket on
+            before, j = parent[end]
+            held[before].remove(j)
+            held[end].append(j)
+            end = before
+        held[end].append(i)
+        kept[i] = True
+    return kept
+
+
 def upsert_phase(stripe: int, stripes: int) -> int:
     """The phase in which an upsert inserts the new keys of a stripe: 0 for even stripes, 1 for
     odd ones, 2 for the last stripe of an odd ring of three or more (it wraps onto stripe 0).
@@ -342,6 +377,29 @@ def fmix64_tensor(x: Tensor) -> Tensor:
     x = x ^ _srl(x, 33)
     x = x * _u64(0xC4CEB9FE1A85EC53)
     return x ^ _srl(x, 33)
+
+
+def bucket_pairs(keys: Tensor, capacity: int) -> Tuple[Tensor, Tensor]:
+    """``place`` of many keys at once: the two buckets each int64 key may use in a table of
+    ``capacity`` rows, vectorised on int64 bit patterns."""
+    num_buckets, num_stripes = geometry(capacity)
+    low = 0xFFFFFFFF
+    h = fmix64_tensor(keys.to(torch.int64) ^ _u64(0x9E3779B97F4A7C15))
+    h2 = fmix64_tensor(h ^ _u64(0xC2B2AE3D27D4EB4F))
+    width, wide = divmod(num_buckets, num_stripes)
+
+    def span(stripe: Tensor) -> Tuple[Tensor, Tensor]:  # first bucket and bucket count
+        return stripe * width + torch.clamp(stripe, max=wide), width + (stripe < wide).to(torch.int64)
+
+    stripe = ((h2 & low) * num_stripes) >> 32
+    begin, widths = span(stripe)
+    off1 = ((h & low) * widths) >> 32
+    if num_stripes > 1:  # bucket2 in the next stripe on the ring
+        begin2, widths2 = span(torch.where(stripe + 1 == num_stripes, 0, stripe + 1))
+        return begin + off1, begin2 + ((((h2 >> 32) & low) * widths2) >> 32)
+    off2 = (((h2 >> 32) & low) * (widths - 1)) >> 32
+    off2 = torch.where(widths > 1, off2 + (off2 >= off1).to(torch.int64), off1)
+    return begin + off1, begin + off2
 
 
 def pair_bits(ids: Tensor, num_pairs: int, seed: int, attempt: int = 0) -> Tensor:

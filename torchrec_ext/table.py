@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from collections import deque
-from typing import Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple, Union
+from typing import Dict, Iterator, Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from torchrec_ext import ops
-from torchrec_ext.reference import fmix64_tensor
 
 SLOTS_PER_BUCKET = 32
 _BUCKETS_PER_STRIPE = 64
@@ -39,10 +37,18 @@ def table_geometry(capacity: int) -> Tuple[int, int]:
     return num_buckets, min(max(num_buckets // _BUCKETS_PER_STRIPE, 1), _MAX_STRIPES)
 
 
+# Which rows a key may hold (csrc/hash_table_layout.h's make_geometry and place_key), saved with
+# every state: rows saved by another layout are re-placed on load. Bump it when either changes.
+LAYOUT_VERSION = 2
+LAYOUTS = {1: "per-stripe buckets: both of a key's buckets in its stripe",
+           2: "ring of stripes: a key's second bucket in the next stripe"}
+
+
 # Exclusive upper bounds of a table's counters: the clock is stored in int64 scores and the
 # next mutating call adds one; the epoch is shifted left by 32 in epoch_* scores.
 CLOCK_LIMIT = 2**63 - 1
 EPOCH_LIMIT = 2**31
+LAYOUT_LIMIT = 2**31
 
 
 def check_counter(where: str, name: str, value: object, limit: int) -> int:
@@ -57,181 +63,37 @@ def check_counter(where: str, name: str, value: object, limit: int) -> int:
 
 
 def place_keys(keys: Tensor, scores: Tensor, capacity: int) -> Tensor:
-    """Rows for distinct ``keys`` in an empty table of ``capacity`` rows (-1: not placed), for
-    ``load_state_dict``: every key is placed whenever the two buckets each key may use allow it
-    (w.h.p. whenever there are no more keys than rows: a key's second bucket lies in the next
-    stripe on the ring, so no stripe has to hold its keys alone), and when they do not, as many keys as the buckets allow are placed, higher scores first in
-    each round (a lower-score key placed in the first round is never unseated for a refused one,
-    so which keys are left out is not guaranteed to be the lowest-scoring).
+    """Rows for distinct ``keys`` in an empty table of ``capacity`` rows (-1: left out), on
+    ``keys``' device: how a load places a checkpoint's ids whose saved rows do not fit the table
+    (saved at another capacity or world size, or with another ``LAYOUT_VERSION``).
 
-    A plain insert fills buckets greedily and refuses ~1% of a full table's keys, whose two
-    buckets filled up first although rows are free elsewhere. So keys go in two rounds, the
-    ``capacity`` highest scores first, then the rest; after each round's insert every refused
-    key (highest first) takes an augmenting path: a chain of keys each moved to its other
-    bucket, ending at a free row (breadth-first: the shortest; it may cross stripes). A key with no such path cannot
-    be placed beside the keys already placed (Kuhn's matching), so the placed count is the most
-    the buckets allow.
+    Every key is placed whenever some placement holds them all, which with no more keys than
+    rows is the case w.h.p. (a key's second bucket lies in the next stripe on the ring, so keys
+    of a crowded stripe move on to its neighbours). Otherwise the most keys the buckets allow are
+    placed, by priority: higher ``scores`` first, then earlier in ``keys``. A key is left out
+    exactly when it cannot be placed beside the higher-priority keys placed, so with more keys
+    than rows the left-out keys are the lowest-priority ones, but for keys whose buckets filled
+    up with higher-priority keys. The search (a free slot of the emptier bucket, then
+    Hopcroft-Karp augmenting paths, then trades of left-out keys for placed ones of lower
+    priority) is ``ops.hash_place``, on the CPU: 1M keys in 0.3 s up to load 0.99, under 3 s
+    full (``benchmarks/results/reshard_placement_cpu.md``). ``reference.place_keys`` is its oracle.
     """
-    order = torch.argsort(scores, descending=True, stable=True)
-    table = HashTable(capacity, policy="none", device=keys.device)
-    rows = torch.full_like(keys, -1)
-    slots = None
-    for batch in (order[:capacity], order[capacity:]):
-        if batch.numel() == 0 or table.size() == capacity:
-            break
-        rows[batch] = table.insert_or_assign(keys[batch], scores[batch]).rows
-        refused = batch[rows[batch] < 0]
-        if refused.numel():
-            slots = slots or _Slots(keys.cpu(), capacity)
-            rows = slots.augment(rows.cpu(), refused.tolist()).to(keys.device)
-            placed = rows >= 0  # the moves made, in the table too, for the next round
-            table.load_state_dict({"capacity": capacity, "policy": "none", "clock": 0, "epoch": 0,
-                                   "keys": keys[placed], "rows": rows[placed], "scores": scores[placed]})
-    return rows
-
-
-class _Slots:
-    """Augmenting paths over a table's buckets, for ``place_keys``, Hopcroft-Karp style. A key's
-    buckets lie in its stripe and the next on the ring, so rows flow from stripes given more keys
-    than slots to stripes with room along paths that may cross many stripes: a breadth-first
-    search per key would explore all of them. Instead, in phases, every bucket gets its distance
-    to a free row (one multi-source search, vectorised), and each refused key walks down the
-    distances (a depth-first descent in Python, buckets found to lead nowhere marked dead);
-    distances gone stale after moves only make a descent fail, and the key is retried in the
-    next phase, on fresh ones."""
-
-    _FAR = 1 << 40  # no known path to a free row
-
-    def __init__(self, keys: Tensor, capacity: int):
-        self.capacity = capacity
-        self.num_buckets = table_geometry(capacity)[0]
-        bucket1, bucket2 = bucket_pairs(keys, capacity)
-        self.bucket1, self.pair_sum = bucket1, bucket1 + bucket2  # a key in bucket b may move to pair_sum - b
-        self.bucket1_list, self.pair_sum_list = bucket1.tolist(), self.pair_sum.tolist()
-        # The keys of each bucket's pairs (static): bucket t's are key_of_pair[begin[t]:end[t]].
-        touched = torch.cat([bucket1, bucket2])
-        self.key_of_pair = torch.argsort(touched, stable=True) % keys.numel()
-        self.pair_end = torch.bincount(touched, minlength=self.num_buckets).cumsum(0)
-        self.pair_begin = torch.cat([torch.zeros(1, dtype=torch.int64), self.pair_end[:-1]])
-        self.usable = torch.full((self.num_buckets,), SLOTS_PER_BUCKET, dtype=torch.int64)
-        self.usable[-1] = capacity - (self.num_buckets - 1) * SLOTS_PER_BUCKET
-
-    def augment(self, rows: Tensor, refused: List[int]) -> Tensor:
-        """``rows`` after placing each of ``refused`` (in order) by an augmenting path, if any."""
-        holder = torch.full((self.num_buckets * SLOTS_PER_BUCKET,), -1, dtype=torch.int64)  # row -> key index
-        placed = (rows >= 0).nonzero().squeeze(1)
-        holder[rows[placed]] = placed
-        holder[self.capacity:] = -2  # the tail of the last bucket is not usable
-        self.holder, self.row_of, self.rows = holder.tolist(), rows.tolist(), rows.clone()
-        free = self.holder.count(-1)
-        # A phase that places nothing ran on exact distances throughout: its keys have no path.
-        pending = refused
-        while pending and free:
-            dist, self.moved = self._distances(pending), {}
-            failed = []
-            for i in pending:
-                if free and self._place(i, dist):
-                    free -= 1
-                else:
-                    failed.append(i)
-            if self.moved:
-                self.rows[torch.tensor(list(self.moved))] = torch.tensor(list(self.moved.values()))
-            if len(failed) == len(pending):
-                break
-            pending = failed
-        return self.rows
-
-    def _distances(self, keys: List[int]) -> List[int]:
-        """Per bucket, the fewest moves to a free row (0: it has one): a breadth-first search back
-        from the buckets with a free row, vectorised level by level (bucket b is one move from t
-        when a key of b has t as its other bucket); it stops once both buckets of each of ``keys``
-        have a distance (walks from them need no longer ones) or nothing more is reachable."""
-        where = torch.div(self.rows, SLOTS_PER_BUCKET, rounding_mode="floor")  # -1: not placed
-        held = torch.bincount(where[where >= 0], minlength=self.num_buckets)
-        index = torch.tensor(keys, dtype=torch.int64)
-        starts = torch.cat([self.bucket1[index], self.pair_sum[index] - self.bucket1[index]])
-        dist = torch.full((self.num_buckets,), self._FAR, dtype=torch.int64)
-        frontier, level = (held < self.usable).nonzero().squeeze(1), 0
-        while frontier.numel():
-            dist[frontier] = level
-            if bool((dist[starts] < self._FAR).all()):
-                break
-            first = self.pair_begin[frontier]
-            counts = self.pair_end[frontier] - first
-            # Positions first[f] .. first[f] + counts[f] - 1 for every frontier bucket f.
-            shift = torch.repeat_interleave(first - (counts.cumsum(0) - counts), counts)
-            pair_keys = self.key_of_pair[shift + torch.arange(shift.numel())]
-            source = where[pair_keys]
-            source = source[(source >= 0) & (source != torch.repeat_interleave(frontier, counts))]
-            frontier, level = source[dist[source] == self._FAR].unique(), level + 1
-        return dist.tolist()
-
-    def _place(self, i: int, dist: List[int]) -> bool:
-        """Places key i by walking down ``dist`` from one of its buckets to a free row, moving each
-        key of the path to its other bucket; False (nothing changed) if no walk gets there."""
-        holder, far = self.holder, self._FAR
-        b1 = self.bucket1_list[i]
-        b2 = self.pair_sum_list[i] - b1
-        for start in sorted({b1, b2}, key=lambda b: dist[b]):  # the nearer bucket first
-            stack = [[start, 0]]  # [bucket, next slot to try]; a key left each bucket but the last
-            while stack:
-                b, k = stack[-1]
-                d, base = dist[b], b * SLOTS_PER_BUCKET
-                if d == 0:
-                    if -1 in holder[base:base + SLOTS_PER_BUCKET]:
-                        self._apply(i, stack, holder.index(-1, base, base + SLOTS_PER_BUCKET))
-                        return True
-                    dist[b] = far  # its free row was taken since the distances were computed
-                    stack.pop()
-                    continue
-                for slot in range(k, SLOTS_PER_BUCKET):
-                    j = holder[base + slot]
-                    if j >= 0 and dist[self.pair_sum_list[j] - b] == d - 1:
-                        stack[-1][1] = slot + 1
-                        stack.append([self.pair_sum_list[j] - b, 0])
-                        break
-                else:
-                    dist[b] = far  # leads nowhere with these distances
-                    stack.pop()
-        return False
-
-    def _apply(self, i: int, stack: List[List[int]], free_row: int) -> None:
-        """Each key of the path moves into the row ahead of it; key i takes the first."""
-        for b, k in reversed(stack[:-1]):
-            left = b * SLOTS_PER_BUCKET + k - 1
-            j = self.holder[left]
-            self.holder[free_row], self.row_of[j], self.moved[j] = j, free_row, free_row
-            free_row = left
-        self.holder[free_row], self.row_of[i], self.moved[i] = i, free_row, free_row
-
-
-def bucket_pairs(keys: Tensor, capacity: int) -> Tuple[Tensor, Tensor]:
-    """The two buckets each key may use in a table of ``capacity`` rows: ``place_key`` of
-    csrc/hash_table_layout.h on int64 bit patterns, vectorised (``reference.place`` is the
-    one-key oracle, and ``load_state_dict`` refuses any row outside a key's buckets)."""
-    num_buckets, num_stripes = table_geometry(capacity)
-    low = 0xFFFFFFFF
-    h = fmix64_tensor(keys.to(torch.int64) ^ _as_int64(0x9E3779B97F4A7C15))
-    h2 = fmix64_tensor(h ^ _as_int64(0xC2B2AE3D27D4EB4F))
-    width, wide = divmod(num_buckets, num_stripes)
-
-    def span(stripe: Tensor) -> Tuple[Tensor, Tensor]:  # first bucket and bucket count
-        return stripe * width + torch.clamp(stripe, max=wide), width + (stripe < wide).to(torch.int64)
-
-    stripe = ((h2 & low) * num_stripes) >> 32
-    begin, widths = span(stripe)
-    off1 = ((h & low) * widths) >> 32
-    if num_stripes > 1:  # bucket2 in the next stripe on the ring
-        begin2, widths2 = span(torch.where(stripe + 1 == num_stripes, 0, stripe + 1))
-        return begin + off1, begin2 + ((((h2 >> 32) & low) * widths2) >> 32)
-    off2 = (((h2 >> 32) & low) * (widths - 1)) >> 32
-    off2 = torch.where(widths > 1, off2 + (off2 >= off1).to(torch.int64), off1)
-    return begin + off1, begin + off2
-
-
-def _as_int64(x: int) -> int:
-    """A uint64 constant as the int64 with the same bits."""
-    return x - (1 << 64) if x >> 63 else x
+    where = "place_keys"
+    for name, value in (("keys", keys), ("scores", scores)):
+        if not isinstance(value, Tensor) or value.dtype not in INT_DTYPES:
+            raise TypeError(f"{where}: {name} must be an integer tensor, got {getattr(value, 'dtype', type(value).__name__)}")
+        if value.dim() != 1:
+            raise ValueError(f"{where}: {name} must be 1-D, got shape {tuple(value.shape)}")
+    if scores.shape != keys.shape:
+        raise ValueError(f"{where}: scores must have one entry per key, shape {tuple(keys.shape)}, got {tuple(scores.shape)}")
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
+        raise ValueError(f"{where}: capacity must be an int > 0, got {capacity!r}")
+    host = (keys.to("cpu", torch.int64).contiguous(), scores.to("cpu", torch.int64).contiguous())
+    try:
+        rows = ops.hash_place(*host, capacity)
+    except RuntimeError as e:  # duplicate keys
+        raise ValueError(f"{where}: {e}") from None
+    return rows.to(keys.device)
 
 
 class InsertResult(NamedTuple):
@@ -489,6 +351,7 @@ class HashTable:
                 "policy": self.policy,
                 "clock": self._clock,
                 "epoch": self._epoch,
+                "layout": LAYOUT_VERSION,
                 "keys": keys,
                 "rows": rows,
                 "scores": scores,
@@ -498,7 +361,9 @@ class HashTable:
         """Restores a ``state_dict`` of a table of the same capacity: same keys at the same rows.
 
         Everything is checked (types, ranges, duplicate keys, rows each key may hold) before the
-        table changes: a bad state raises and leaves the table as it was.
+        table changes: a bad state raises and leaves the table as it was. A state without
+        ``layout`` predates it (layout 1); rows of another layout load only where each still lies
+        in one of its key's buckets (else re-place the keys: ``place_keys``).
         """
         where = "HashTable.load_state_dict"
         if not isinstance(state, Mapping):
@@ -515,6 +380,7 @@ class HashTable:
             raise ValueError(f"{where}: state was saved with policy {state['policy']!r}, this table has policy {self.policy!r}")
         clock = check_counter(where, "clock", state["clock"], CLOCK_LIMIT)
         epoch = check_counter(where, "epoch", state["epoch"], EPOCH_LIMIT)
+        layout = check_counter(where, "layout", state.get("layout", 1), LAYOUT_LIMIT)
         keys = self._check_keys("load_state_dict", state["keys"])
         rows = self._check_entries(where, "rows", state["rows"], keys)
         scores = self._check_entries(where, "scores", state["scores"], keys)
@@ -526,7 +392,9 @@ class HashTable:
         try:
             ops.hash_restore(digests, slot_keys, slot_scores, size, keys, rows, scores, self._capacity)
         except RuntimeError as e:
-            raise ValueError(f"{where}: {e}") from None
+            other = "" if layout == LAYOUT_VERSION else (
+                f" (the state's rows follow layout {layout}, this table's is {LAYOUT_VERSION}: re-place its keys with place_keys)")
+            raise ValueError(f"{where}: {e}{other}") from None
         with self._lock.write():
             self._digests, self._slot_keys, self._slot_scores = digests, slot_keys, slot_scores
             self._size = size

@@ -4,7 +4,7 @@
 live rows of all ranks: ``weight`` [n, dim], ``weight_id``, ``metadata`` (scores),
 ``optimizer.<state>``, plus ``last_seen`` / ``admission_id`` / ``admission_count`` when those
 features are on (``admission_bloom``: [filters, bytes], one Bloom filter per rank holding the table): the unsharded module's keys and logical shapes. ``counters`` is, as unsharded, one
-[4] tensor (clock, epoch, training step, optimizer step), the same on every rank (a replicated
+[5] tensor (clock, epoch, training step, optimizer step, layout), the same on every rank (a replicated
 tensor to DCP): every shard of a table counts the same training batches, so the ranks holding it
 agree (the largest is taken). Sizes and counters come from one all-gather, so every rank must
 call ``state_dict()`` together (as a DCP save does).
@@ -22,7 +22,7 @@ it), e.g. an unsharded module's ``state_dict()``. ``torchrec_ext.distributed.che
 DCP checkpoints as full tensors; ``full_state_dict`` turns a sharded state into full tensors on
 every rank, which an unsharded module loads. Saved rows are kept where they are valid placements
 in this rank's table, else its ids are placed afresh. (Checkpoints of the earlier layout, counters
-[world_size, 4], still load.)
+[world_size, 4], still load, as do counters [4] of states saved before the layout version.)
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ from torchrec_ext import ops
 from torchrec_ext.modules.admission import local_bloom_geometry
 from torchrec_ext.modules.base import DynamicTableDict
 from torchrec_ext.modules.configs import options_of, storage_dtype_of
+from torchrec_ext.modules.dynamic_tables import COUNTERS
 from torchrec_ext.reference import OPTIMIZER_STATES, ROWWISE_STATE
 
 PENDING_KEYS = ("admission_id", "admission_count")
@@ -198,7 +199,8 @@ class ShardedDynamicState:
         pending_counts = [int(local[c.name]["admission_id"].numel()) if "admission_id" in local[c.name] else 0
                           for c in configs]
         # Counters travel in the same all-gather; a rank without the table contributes zeros.
-        counters = [local[c.name]["counters"].tolist() if "counters" in local[c.name] else [0] * 4 for c in configs]
+        width = len(COUNTERS)
+        counters = [local[c.name]["counters"].tolist() if "counters" in local[c.name] else [0] * width for c in configs]
         filter_counts = [int(local[c.name]["admission_bloom"].shape[0]) if "admission_bloom" in local[c.name] else 0
                          for c in configs]
         counts, devices = gather_counts(row_counts + pending_counts + [v for c in counters for v in c] + filter_counts,
@@ -223,12 +225,12 @@ class ShardedDynamicState:
                 parts = world if module._owners[cfg.name] < 0 else 1
                 nbytes = local_bloom_geometry(opts, cfg.num_embeddings, parts).nbytes
                 tensor = mine.get("admission_bloom", torch.empty(0, nbytes, dtype=torch.uint8))
-                state_dict[base + "admission_bloom"] = sharded_rows(tensor, [c[6 * len(configs) + i] for c in counts],
+                state_dict[base + "admission_bloom"] = sharded_rows(tensor, [c[(2 + width) * len(configs) + i] for c in counts],
                                                                     rank, pg, devices)
             if opts.fallback_rows:
                 state_dict.update(module._fallback_state(cfg, base, mine, counters_device))
-            first = 2 * len(configs) + 4 * i
-            state_dict[base + "counters"] = torch.tensor([max(c[first + j] for c in counts) for j in range(4)],
+            first = 2 * len(configs) + width * i
+            state_dict[base + "counters"] = torch.tensor([max(c[first + j] for c in counts) for j in range(width)],
                                                          dtype=torch.int64, device=counters_device)
 
     def _fallback_state(self, cfg, base: str, mine: Dict[str, Tensor], device: torch.device) -> Dict[str, Tensor]:
@@ -295,7 +297,7 @@ class ShardedDynamicState:
                     else:  # the same ranks: each takes its own clocks back
                         state_dict[k] = rows[self._rank]
                 elif name == "counters":
-                    pass  # one [4] for every rank
+                    pass  # one [5] for every rank ([4]: saved before the layout version)
                 elif name in PENDING_KEYS:
                     state_dict[k] = local_rows(state_dict[k], pending_mine)
                 elif name == "admission_bloom":

@@ -250,7 +250,11 @@ def _table_rows(cfg: BaseEmbeddingConfig, state: Mapping[str, Any], where: str) 
         rows = _checked(name, "row", rows, "int", (ids.numel(),)).to(torch.int64).cpu()
     ttl = options_of(cfg).ttl_steps
     if ttl is not None and "last_seen" in state and "counters" in state:
-        train_step = int(_checked(name, "counters", state["counters"], "int", (4,))[2])
+        counters = _checked(name, "counters", state["counters"], "int", None)  # [5] ([4] before the layout version)
+        if counters.numel() not in (4, 5):
+            raise ValueError(f"{name}: counters must have 5 entries (4 in states saved before the layout version), "
+                             f"got {counters.numel()}")
+        train_step = int(counters[2])
         live = _checked(name, "last_seen", state["last_seen"], "int", (ids.numel(),)).cpu() >= train_step - ttl
         ids, vectors, rows = ids[live], vectors[live], None if rows is None else rows[live]
     return ids, vectors, rows

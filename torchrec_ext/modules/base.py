@@ -36,7 +36,9 @@ class DynamicTable(nn.Module):
     ``state_dict``), so read ``weight`` directly only after the backward. The table's
     ``state_dict`` holds only its live rows: ``weight`` [n, dim], ``weight_id`` (raw ids),
     ``metadata`` (eviction scores), ``row`` (placement), ``optimizer.<state>``, ``counters``
-    (index clock, epoch, training step, optimizer step), plus ``last_seen`` with ttl_steps,
+    (index clock, epoch, training step, optimizer step, and the ``LAYOUT_VERSION`` the rows
+    follow; a state saved before it has the first four: layout 1, whose rows are re-placed, saying
+    so, where they do not fit), plus ``last_seen`` with ttl_steps,
     ``admission_id`` / ``admission_count`` with the counter admission and ``admission_bloom``
     (one packed filter per row) with the Bloom filter.
     """

@@ -47,7 +47,9 @@ from torchrec_ext.reference import (
     OPTIMIZER_STATES, OPTIMIZERS, ROWWISE_STATE, dense_state_offsets, dtype_code, fallback_seed, fallback_slots,
     rounding_seed, table_seed, table_words,
 )
-from torchrec_ext.table import CLOCK_LIMIT, EPOCH_LIMIT, INT_DTYPES, HashTable, check_counter, place_keys
+from torchrec_ext.table import (
+    CLOCK_LIMIT, EPOCH_LIMIT, INT_DTYPES, LAYOUT_LIMIT, LAYOUT_VERSION, LAYOUTS, HashTable, check_counter, place_keys,
+)
 
 _SCORED_BY_COUNT = {"lfu", "epoch_lfu"}
 # SGD hyper-parameters (lr, eps, beta1, beta2, weight_decay, lr_decay) whose step on a zeroed row
@@ -133,6 +135,13 @@ class _LoadedTable:
     dtype_warning: Optional[str] = None   # said once the load is applied (vectors converted to the table's dtype)
     fallback: Optional[Tensor] = None     # the fallback rows (None: not saved, initial values: zeros)
     fallback_states: Optional[Dict[str, Optional[Tensor]]] = None  # their optimizer state (None: initial values)
+    layout_warning: Optional[str] = None  # said once the load is applied (rows of another layout re-placed)
+
+
+# A table state's ``counters``: what they are, and the exclusive upper bound of each. ``layout``
+# is the LAYOUT_VERSION its rows follow; states saved before it had the first four only (layout 1).
+COUNTERS = (("clock", CLOCK_LIMIT), ("epoch", EPOCH_LIMIT), ("training step", CLOCK_LIMIT),
+            ("optimizer step", CLOCK_LIMIT), ("layout", LAYOUT_LIMIT))
 
 
 def _checked(where: str, key: str, value: object, kind: str, shape: Optional[Tuple[int, ...]],
@@ -717,8 +726,8 @@ class DynamicTables:
             "metadata": scores,
             "row": rows,
             # on the storage's device, as every other key (one device per rank's checkpoint shards)
-            "counters": torch.tensor([state["clock"], state["epoch"], self.train_step, int(self.optimizer_step)],
-                                     device=self.device),
+            "counters": torch.tensor([state["clock"], state["epoch"], self.train_step, int(self.optimizer_step),
+                                      state["layout"]], device=self.device),
         }
         for name, view in self.state_views(t).items():
             out[f"optimizer.{name}"] = view[rows].clone()
@@ -741,7 +750,7 @@ class DynamicTables:
             if key == "weight":
                 out[key] = torch.empty(0, m.dim, dtype=m.dtype, device=meta)
             elif key == "counters":
-                out[key] = torch.empty(4, dtype=torch.int64, device=meta)
+                out[key] = torch.empty(len(COUNTERS), dtype=torch.int64, device=meta)
             elif key == "admission_bloom":  # one packed filter
                 opts = m.options
                 nbytes = bloom_geometry(opts.bloom_expected_ids or m.capacity, opts.bloom_bytes, opts.bloom_fpr, m.name,
@@ -786,7 +795,7 @@ class DynamicTables:
         self.train_step = max(table.train_step for table in loaded.values())
         self.optimizer_step.fill_(max(table.optimizer_step for table in loaded.values()))
         for table in loaded.values():
-            for said in (table.dtype_warning, table.warning):
+            for said in (table.dtype_warning, table.layout_warning, table.warning):
                 if said is not None:
                     warnings.warn(said)
 
@@ -799,11 +808,11 @@ class DynamicTables:
         n = ids.numel()
         vectors = _checked(name, "weight", state["weight"], "float", (n, m.dim), ids)
         scores = _checked(name, "metadata", state["metadata"], "int", (n,))
-        counters = _checked(name, "counters", state["counters"], "int", (4,)).tolist()
-        clock, epoch, train_step, optimizer_step = (
-            check_counter(where, f"table {m.name!r} counters[{i}] ({what})", value, limit) for i, (what, value, limit) in enumerate(
-                zip(("clock", "epoch", "training step", "optimizer step"), counters,
-                    (CLOCK_LIMIT, EPOCH_LIMIT, CLOCK_LIMIT, CLOCK_LIMIT))))
+        before_layouts = isinstance(state["counters"], Tensor) and tuple(state["counters"].shape) == (len(COUNTERS) - 1,)
+        counters = _checked(name, "counters", state["counters"], "int", (len(COUNTERS) - before_layouts,)).tolist()
+        clock, epoch, train_step, optimizer_step, layout = (
+            check_counter(where, f"table {m.name!r} counters[{i}] ({what})", value, limit)
+            for i, ((what, limit), value) in enumerate(zip(COUNTERS, counters + [1] * before_layouts)))
         saved_rows = _checked(name, "row", state["row"], "int", (n,)) if "row" in state else None
         _check_distinct(name, "weight_id", ids)
         states: Dict[str, Optional[Tensor]] = {}
@@ -824,27 +833,33 @@ class DynamicTables:
         admission = None if self.admission[t] is None else self.admission[t].checked_state(state, name)
         fallback, fallback_states = self._checked_fallback(t, state, name)
 
-        # Placement: the saved rows when valid at this capacity, else placed afresh.
+        # Placement: the saved rows when valid in this table, else placed afresh: silently after a
+        # change of capacity or world size, said once when the rows follow another layout.
         ids, scores = ids.to(device, torch.int64), scores.to(device, torch.int64)
         index = HashTable(m.capacity, policy=m.policy, device=device)
-        entry = {"capacity": m.capacity, "policy": m.policy, "clock": clock, "epoch": epoch}
-        rows, keep, warning = None, None, None
+        entry = {"capacity": m.capacity, "policy": m.policy, "clock": clock, "epoch": epoch, "layout": LAYOUT_VERSION}
+        rows, keep, warning, layout_warning = None, None, None, None
         if saved_rows is not None and n <= m.capacity:
             saved_rows = saved_rows.to(device, torch.int64)
             try:
-                index.load_state_dict(dict(entry, keys=ids, rows=saved_rows, scores=scores))
+                index.load_state_dict(dict(entry, layout=layout, keys=ids, rows=saved_rows, scores=scores))
                 rows = saved_rows
             except ValueError:
-                pass  # saved at another capacity
+                pass  # saved at another capacity, or with another layout
         if rows is None:
+            if saved_rows is not None and layout != LAYOUT_VERSION:
+                layout_warning = (f"{name}: the checkpoint's rows follow hash-table layout {layout} "
+                                  f"({LAYOUTS.get(layout, 'unknown')}), this table's layout is {LAYOUT_VERSION} "
+                                  f"({LAYOUTS[LAYOUT_VERSION]}): its ids were given new rows")
             rows = place_keys(ids, scores, m.capacity)
             keep = rows >= 0
             index.load_state_dict(dict(entry, keys=ids[keep], rows=rows[keep], scores=scores[keep]))
             kept = int(keep.sum())
             if kept < n:
                 warning = (f"{name}: placed {kept} of the checkpoint's {n} ids in capacity {m.capacity}; the other "
-                           f"{n - kept} have no free row in the two 32-row buckets their id "
-                           f"hashes to, in any placement" + (f" ({n} ids > capacity {m.capacity})" if n > m.capacity else ""))
+                           f"{n - kept} were dropped, by eviction score (metadata), highest kept: an id is dropped when "
+                           f"the two 32-row buckets it hashes to have no free row in any placement of the higher-scored "
+                           f"ids kept" + (f" ({n} ids > capacity {m.capacity})" if n > m.capacity else ""))
             rows = rows[keep]
             keep = keep.to(vectors.device)
         pick = (lambda x: x.to(device)) if keep is None else (lambda x: x[keep.to(x.device)].to(device))
@@ -855,7 +870,7 @@ class DynamicTables:
             index=index, rows=rows, vectors=pick(vectors.to(m.dtype)),
             states={k: None if v is None else pick(v.to(torch.float32)) for k, v in states.items()},
             last_seen=last_seen, admission=admission, train_step=train_step, optimizer_step=optimizer_step,
-            warning=warning, dtype_warning=self._dtype_warning(t, vectors, ids, name),
+            warning=warning, dtype_warning=self._dtype_warning(t, vectors, ids, name), layout_warning=layout_warning,
             fallback=fallback, fallback_states=fallback_states,
         )
 

@@ -16,6 +16,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
 from torchrec_ext.modules.base import DynamicCollectionMixin
+from torchrec_ext.table import LAYOUT_VERSION
 
 
 def from_ebc_state_dict(module: Any, state_dict: Mapping[str, Any], prefix: str = "") -> Any:
@@ -68,6 +69,6 @@ def from_ebc_state_dict(module: Any, state_dict: Mapping[str, Any], prefix: str 
                              f"(num_embeddings) {m.capacity}; give the dynamic table at least {n} rows")
         ids = torch.arange(n, dtype=torch.int64)
         states[t] = {"weight": weight.detach(), "weight_id": ids, "metadata": torch.zeros_like(ids),
-                     "counters": torch.zeros(4, dtype=torch.int64)}
+                     "counters": torch.tensor([0, 0, 0, 0, LAYOUT_VERSION])}  # fresh, in this layout
     tables.load_states(states, where=where)  # checked (finite values...) before any table changes
     return module

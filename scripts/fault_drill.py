@@ -195,8 +195,10 @@ def _same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def _history(run_dir: str) -> dict[str, Any]:
+    """Losses and evals (the tables' totals count lookups since the process started)."""
     with open(os.path.join(run_dir, "history.json")) as f:
-        return json.load(f)
+        history = json.load(f)
+    return {k: history[k] for k in ("train_loss", "evals")}
 
 
 def _damage(path: str, how: str) -> None:

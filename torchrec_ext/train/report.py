@@ -56,7 +56,8 @@ def plot_curves(
 ) -> None:
     """Train loss of steps 1, 2, ... (raw and smoothed) and eval AUC / log loss per eval step;
     ``ceiling``: the AUC of the data's hidden model, drawn as a dashed line. ``tables``: the
-    tables' totals at steps (``distributed.table_stats.summarize`` plus "step"), drawn below in a
+    tables' totals at steps (``distributed.table_stats.summarize`` plus "step"; counted since this
+    process started, as ``table_stats()``: a resumed run draws its own steps), drawn below in a
     panel per family: occupancy, churn (inserts, evictions, rejections per step), lookup hit rate."""
     import matplotlib
 

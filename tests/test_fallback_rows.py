@@ -305,7 +305,7 @@ def test_bad_fallback_rows_are_refused_by_name(value):
 def test_fallback_hash_is_independent_of_buckets_and_routing():
     """Ids of one rank and of one bucket spread over all fallback rows (the three hashes differ)."""
     from torchrec_ext import ops
-    from torchrec_ext.table import bucket_pairs
+    from torchrec_ext.reference import bucket_pairs
 
     ids = torch.arange(20000, dtype=torch.int64) * 7919
     slots = torch.tensor([_slot(i, "t", k=8) for i in ids.tolist()])

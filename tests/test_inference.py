@@ -182,7 +182,7 @@ def test_unseen_ids_read_the_configured_default():
         convert_to_inference(model, defaults={"t9": 1.0})
 
 
-def test_state_dict_and_checkpoint_give_the_same_served_model(tmp_path):
+def test_state_dict_and_checkpoint_give_the_same_served_model(tmp_path, one_rank_group):
     from torchrec_ext.distributed.checkpoint import save_checkpoint
 
     model = _trained_dlrm()
@@ -431,11 +431,11 @@ def test_half_rows_and_expired_ids_serve_as_the_trained_module_reads_them():
 
 
 @pytest.mark.parametrize("data_type", [None, "int8"], ids=["fp32", "int8"])
-def test_fallback_rows_serve_and_follow_deltas_as_the_trained_module_reads_them(data_type, tmp_path):
+def test_fallback_rows_serve_and_follow_deltas_as_the_trained_module_reads_them(data_type, tmp_path, one_rank_group):
     """A table with learned fallback rows (issue 18): ids without a row (not admitted, never seen)
     read the same fallback row in serving as in training's eval, converted from the module, a
     state_dict or a checkpoint, and deltas carry the fallback rows' updates to the replica."""
-    from torchrec_ext.distributed.checkpoint import ensure_process_group, save_checkpoint
+    from torchrec_ext.distributed.checkpoint import save_checkpoint
 
     torch.manual_seed(0)
     source = DynamicEmbeddingBagCollection(_tables(fallback_rows=8, admission="counter", admit_after=3),
@@ -444,7 +444,6 @@ def test_fallback_rows_serve_and_follow_deltas_as_the_trained_module_reads_them(
         source(_kjt(step, 16)).values().pow(2).sum().backward()
     source.eval()
     token = source.delta_token()
-    ensure_process_group()
     path = save_checkpoint(str(tmp_path), 1, {"model": source.state_dict()})
     skeleton = DynamicEmbeddingBagCollection(_tables(fallback_rows=8, admission="counter", admit_after=3),
                                              optimizer="adagrad", optimizer_kwargs={"lr": 0.1}, device=torch.device("meta"))

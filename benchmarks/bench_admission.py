@@ -33,7 +33,7 @@ from typing import Dict, List
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_table, median_seconds, parse_config, save, small_tables  # noqa: E402
+from common import DlrmSmall, markdown_table, median_seconds, parse_config, save, small_tables  # noqa: E402
 
 from torchrec_ext.data import dlrm_small_batch  # noqa: E402
 from torchrec_ext.modules.admission import (  # noqa: E402
@@ -50,13 +50,7 @@ STRATEGIES = {
 
 
 @dataclasses.dataclass
-class Config:
-    num_tables: int = 8
-    dim: int = 64
-    batch_size: int = 4096
-    max_bag: int = 7
-    alpha: float = 1.05
-    id_bits: int = 40
+class Config(DlrmSmall):
     capacity: int = 1 << 20
     lr: float = 0.01
     rounds: int = 3

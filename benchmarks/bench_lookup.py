@@ -48,7 +48,7 @@ from typing import Dict, Iterator, List, Tuple
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Built, markdown_table, median_seconds, parse_config, save, small_tables, tensor_bytes  # noqa: E402
+from common import Built, DlrmSmall, markdown_table, median_seconds, parse_config, save, small_tables, tensor_bytes  # noqa: E402
 
 from torchrec_ext.data import dlrm_small_batch  # noqa: E402
 
@@ -70,13 +70,7 @@ LABELS = {
 
 
 @dataclasses.dataclass
-class Config:
-    num_tables: int = 8
-    dim: int = 64
-    batch_size: int = 4096
-    max_bag: int = 7
-    alpha: float = 1.05
-    id_bits: int = 40
+class Config(DlrmSmall):
     rows: int = 1_000_000  # EBC rows and MCH slots per table
     capacity: int = 1 << 20  # our rows per table
     lr: float = 0.01

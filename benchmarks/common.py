@@ -121,6 +121,19 @@ class Built:
     note: str = ""
 
 
+@dataclasses.dataclass
+class DlrmSmall:
+    """The dlrm-small workload (``torchrec_ext.data.dlrm_small_batch``): tables, their dim, bags
+    per table per step, ids per bag, the ids' Zipf exponent and bits; benchmarks extend it."""
+
+    num_tables: int = 8
+    dim: int = 64
+    batch_size: int = 4096
+    max_bag: int = 7
+    alpha: float = 1.05
+    id_bits: int = 40
+
+
 def small_tables(cfg, config_cls=None, num_embeddings: Optional[int] = None) -> list:
     """cfg.num_tables tables t<i> of cfg.dim, each read by one feature f<i>; cfg.rows rows unless given."""
     from torchrec import EmbeddingBagConfig

@@ -241,17 +241,7 @@ def test_checkpoint_of_the_per_stripe_layout_loads_and_says_its_rows_were_renewe
     assert got[p + "counters"].tolist() == old[p + "counters"][:4].tolist() + [LAYOUT_VERSION]
 
 
-@pytest.fixture
-def one_process_group():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
-
-
-def test_dcp_checkpoint_of_the_per_stripe_layout_loads(tmp_path, one_process_group):
+def test_dcp_checkpoint_of_the_per_stripe_layout_loads(tmp_path, one_rank_group):
     """The same through a DCP checkpoint, as a resumed job reads it: its counters [4] are read
     as stored (the module's own are [5]), then the ids are given new rows, said once."""
     from torchrec_ext.distributed.checkpoint import load_checkpoint, save_checkpoint

@@ -714,15 +714,10 @@ def fused_update(
             s += g.pow(2).mean()
             clr = lr / (1 + (step - 1) * lr_decay)
             w.addcdiv_(g, s.sqrt().add_(eps), value=-clr)
-        elif optimizer == "adam":
-            m, v = states[0][elem], states[1][elem]
-            m.lerp_(g, 1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            bc1, bc2 = 1 - beta1**step, 1 - beta2**step
-            w.addcdiv_(m, (v.sqrt() / math.sqrt(bc2)).add_(eps), value=-lr / bc1)
-        elif optimizer == "adamw":
-            # torch.optim.AdamW: decay the weight first (decoupled from the moments), then Adam.
-            w.mul_(1 - lr * weight_decay)
+        elif optimizer in ("adam", "adamw"):
+            if optimizer == "adamw":
+                # torch.optim.AdamW: decay the weight first (decoupled from the moments), then Adam.
+                w.mul_(1 - lr * weight_decay)
             m, v = states[0][elem], states[1][elem]
             m.lerp_(g, 1 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)

@@ -60,11 +60,10 @@ class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInte
                                   variable_batch="pool")
         if self.device.type == "meta":  # shapes only, as TorchRec's module on meta
             vectors = torch.empty(batch.ids.numel(), self._embedding_dim, device=self.device)
-            counts = batch.value_counts
         else:
             lookup = self._lookup_rows(batch)
             vectors = SequenceLookupFunction.apply(self, lookup, batch, *self._differentiable_params())
-            counts = (batch.feature_value_offsets[1:] - batch.feature_value_offsets[:-1]).tolist()
+        counts = batch.value_counts  # ids per lookup feature, host side (no read of the device offsets)
         per_feature = torch.split(vectors, counts)
         ids = torch.split(batch.ids, counts)
         lengths = batch.lengths.view(len(counts), batch.batch_size)

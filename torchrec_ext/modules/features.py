@@ -195,8 +195,9 @@ def _variable_batch(features: KeyedJaggedTensor, where: str) -> Tuple[List[int],
                          f"batch_size], got {inverse.dtype} of shape {tuple(inverse.shape)}")
     if inverse.numel() and not inverse.is_meta:
         limit = torch.tensor(strides, device=inverse.device).unsqueeze(1)
-        if bool(((inverse < 0) | (inverse >= limit)).any()):
-            bad = int(((inverse < 0) | (inverse >= limit)).any(1).int().argmax())
+        outside = ((inverse < 0) | (inverse >= limit)).any(1)  # per key
+        if bool(outside.any()):
+            bad = int(outside.int().argmax())
             raise ValueError(f"{where}: KJT inverse_indices of key {features.keys()[bad]!r} must lie in "
                              f"[0, {strides[bad]}) (its bags), got values in [{int(inverse[bad].min())}, "
                              f"{int(inverse[bad].max())}]")

@@ -346,3 +346,166 @@ def test_reset_parameters_empties_the_cache_as_the_tables(tmp_path):
             assert not any(bool((c.row_of >= 0).any()) for c in tiered._tables.caches)
         _train_step((resident, tiered), kjt)
     _assert_same_state(resident, tiered)
+
+
+# ---------------------------------------------------------------- staging the next batch (prefetch)
+
+def _run_inline(monkeypatch):
+    """Stages run at once, on the train thread, right after the lookup that starts them: before
+    that batch's update lands, the order a worker thread may also take."""
+    from concurrent.futures import Future
+
+    from torchrec_ext.modules import tiered_tables
+
+    def submit(self, stage):
+        future = Future()
+        future.set_result(stage())
+        return future
+    monkeypatch.setattr(tiered_tables._Stager, "submit", submit)
+
+
+@pytest.mark.parametrize("kind,stager", [("file", "thread"), ("host", "inline"), ("file", "inline")])
+def test_staged_tiered_tables_equal_unstaged_and_all_resident_tables(tmp_path, monkeypatch, kind, stager):
+    # Eviction, admission (counter and bloom), TTL, half-precision rows; consecutive batches share
+    # ids (batch i's update writes rows batch i+1 reads), sometimes all of them.
+    if stager == "inline":
+        _run_inline(monkeypatch)
+    make = lambda configs: DynamicEmbeddingBagCollection(configs, optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    resident = make(_bag_configs())
+    unstaged = make(_bag_configs(_backing(kind, tmp_path / "a"), 0.3))
+    staged = make(_bag_configs(_backing(kind, tmp_path / "b"), 0.3))
+    gen = torch.Generator().manual_seed(7)
+    batches = []
+    for step in range(70):
+        if step % 13 == 6:
+            batches.append(batches[-1])  # the same ids twice in a row
+        else:
+            batches.append(random_kjt(["f0", "f1", "f2", "f3"], 6,
+                                      POOL[torch.randint(0, 700, (400,), generator=gen)], 5))
+    per_step = []
+    for step, kjt in enumerate(batches):
+        if step + 1 < len(batches):
+            assert staged.stage_next(batches[step + 1])
+        outs = [m(kjt).values() for m in (resident, unstaged, staged)]
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), step
+        grad = torch.randn(outs[0].shape, generator=gen)
+        for out in outs:
+            out.backward(grad)
+        per_step.append(staged.tier_step_stats())
+        if step % 25 == 24:  # a checkpoint mid-training (joins the stage in flight), training goes on
+            _assert_same_state(resident, staged)
+    _assert_same_state(resident, unstaged)
+    _assert_same_state(resident, staged)
+    _assert_same_stats(resident, staged)
+    assert not resident.stage_next(batches[0])  # all-resident tables: nothing to stage
+    a, b = unstaged.table_stats(), staged.table_stats()
+    for name in a:
+        assert b[name].cache_staged > 0 and b[name].cache_staged_write_backs > 0, name
+        # rows the stage read are found at step time: misses left are rows the stage had no slot for
+        assert b[name].cache_misses < a[name].cache_misses / 4, (name, b[name].cache_misses, a[name].cache_misses)
+    assert sum(s["staged"] for step in per_step[1:] for s in step.values()) == sum(s.cache_staged for s in b.values())
+    assert all(set(s) == {"hits", "misses", "staged", "write_backs", "staged_write_backs", "bytes_moved"}
+               for step in per_step for s in step.values())
+
+
+def test_a_stage_never_takes_the_slots_of_the_batch_in_flight(tmp_path, monkeypatch):
+    # The cache holds 1.5 batches' rows: the stage of batch i+1 must fill and free slots around
+    # batch i's, whose update has not landed when the (inline) stage runs.
+    _run_inline(monkeypatch)
+    configs = lambda tier: [DynamicEmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=256, feature_names=["f"],
+                                                      **({} if tier is None else {"backing": tier,
+                                                                                  "cache_load_factor": 30 / 256}))]
+    make = lambda tier: DynamicEmbeddingBagCollection(configs(tier), optimizer="adam", optimizer_kwargs={"lr": 0.1})
+    resident, tiered = make(None), make(f"file:{tmp_path}")
+    kjt = lambda ids: KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.tensor([ids.numel()]))
+    gen = torch.Generator().manual_seed(8)
+    batches = [kjt(torch.randperm(150, generator=gen)[:20]) for _ in range(40)]
+    for step, batch in enumerate(batches):
+        if step + 1 < len(batches):
+            tiered.stage_next(batches[step + 1])
+        outs = [m(batch).values() for m in (resident, tiered)]
+        assert torch.equal(outs[0], outs[1]), step
+        for out in outs:
+            out.square().sum().backward()
+    _assert_same_state(resident, tiered)
+    assert tiered.table_stats()["a"].cache_staged > 0
+
+
+class _Ranker(torch.nn.Module):
+    """A model the pipeline drives: pooled embeddings and dense features -> a logit; (loss, logits)."""
+
+    def __init__(self, ebc):
+        super().__init__()
+        self.ebc = ebc
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(3 + 8 + 8 + 6 + 4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+    def forward(self, batch):
+        pooled = self.ebc(batch.sparse_features).values()
+        logits = self.mlp(torch.cat([batch.dense_features, pooled], dim=1)).squeeze(1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        return loss, (loss, logits)  # TorchRec pipelines return the second item
+
+
+def _dlrm(ebc):
+    torch.manual_seed(0)
+    model = _Ranker(ebc)
+    return model, torch.optim.Adagrad(model.mlp.parameters(), lr=0.05)
+
+
+def _dlrm_batches(n, seed=9):
+    from torchrec.datasets.utils import Batch
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        kjt = random_kjt(["f0", "f1", "f2", "f3"], 8, POOL[torch.randint(0, 700, (500,), generator=gen)], 5)
+        out.append(Batch(dense_features=torch.randn(8, 3, generator=gen), sparse_features=kjt,
+                         labels=torch.randint(0, 2, (8,), generator=gen).float()))
+    return out
+
+
+def _pipeline_losses(model, optimizer, batches, tier_prefetch):
+    from torchrec_ext.pipeline import PipelineOptions, TrainPipeline
+    options = PipelineOptions(prefetch_threads=0, threaded_input_dist=False, tier_prefetch=tier_prefetch)
+    losses, stats = [], []
+    with TrainPipeline(model, optimizer, torch.device("cpu"), options) as pipeline:
+        it = iter(batches)
+        while True:
+            try:
+                loss, _ = pipeline.progress(it)
+            except StopIteration:
+                break
+            losses.append(loss.detach().clone())
+            stats.append(pipeline.tier_step_stats())
+    return losses, stats
+
+
+@pytest.mark.parametrize("kind", ["file", "host"])
+def test_train_pipeline_stages_tiered_tables_and_equals_the_plain_loop_on_resident_tables(tmp_path, kind):
+    make = lambda configs: DynamicEmbeddingBagCollection(configs, optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
+    batches = _dlrm_batches(40)
+    model, optimizer = _dlrm(make(_bag_configs(policies=("lru", "lru"))))
+    want = []
+    for batch in batches:  # the oracle: a plain loop over the all-resident model
+        optimizer.zero_grad()
+        loss, _ = model(batch)
+        loss.backward()
+        optimizer.step()
+        want.append(loss.detach().clone())
+    results = {}
+    for prefetch in (True, False):
+        directory = tmp_path / str(prefetch)
+        directory.mkdir()
+        tiered, tiered_opt = _dlrm(make(_bag_configs(_backing(kind, directory), 0.3, policies=("lru", "lru"))))
+        losses, stats = _pipeline_losses(tiered, tiered_opt, batches, prefetch)
+        assert len(losses) == len(want)
+        for step, (got, expected) in enumerate(zip(losses, want)):
+            assert torch.equal(got, expected), (prefetch, step)
+        a, b = model.state_dict(), tiered.state_dict()
+        assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+        results[prefetch] = stats
+    staged = sum(s["staged"] for step in results[True] for s in step.values())
+    assert staged > 0 and sum(s["staged"] for step in results[False] for s in step.values()) == 0
+    misses = {p: sum(s["misses"] for step in results[p][1:] for s in step.values()) for p in results}
+    assert misses[True] < misses[False] / 4, misses

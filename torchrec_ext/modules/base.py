@@ -17,9 +17,9 @@ from torchrec.optim.keyed import KeyedOptimizer
 from torchrec_ext import ops
 from torchrec_ext.modules.deltas import DeltaMixin
 from torchrec_ext.modules.dynamic_tables import DynamicTables, RowLookup
-from torchrec_ext.modules.features import LookupInput, LookupPlan
+from torchrec_ext.modules.features import LookupInput, LookupPlan, check_and_arrange
 from torchrec_ext.modules.table_stats import TableStats
-from torchrec_ext.modules.tiered_tables import tables_for
+from torchrec_ext.modules.tiered_tables import TieredTables, tables_for
 from torchrec_ext.modules.fused_optimizer import (
     DEFAULT_OPTIMIZER, DynamicEmbeddingFusedOptimizer, OptimizerSpec, resolve_optimizer, spec_from_parameter,
 )
@@ -237,6 +237,28 @@ class DynamicCollectionMixin(DeltaMixin):
         training lookups ran (``torchrec_ext.modules.table_stats.TableStats``). Cheap: one read of
         a small counter tensor and each table's size."""
         return self._tables.table_stats()
+
+    def stage_next(self, features: Any) -> bool:
+        """Tables with host or file backing: stages the rows of ``features`` (a KJT of the next
+        batch) into the cache while the current batch computes, on a worker thread started once
+        this module's next lookup (the current batch's) has its rows; that batch's update may
+        still be running, the next lookup finds its rows cached (``TieredTables.stage_next``;
+        results are unchanged). False, doing nothing, for all-resident tables. ``TrainPipeline``
+        calls it for the batch after the one it runs."""
+        if not isinstance(self._tables, TieredTables) or self.device.type == "meta":
+            return False
+        batch = check_and_arrange(features, self._plan, getattr(self, "_is_weighted", False), type(self).__name__,
+                                  self.device, variable_batch="pool")
+        self._tables.stage_next(batch.ids, batch.segment_offsets)
+        return True
+
+    def tier_step_stats(self) -> Dict[str, Dict[str, int]]:
+        """Tables with host or file backing, per table: the tier's traffic of the last lookup and
+        of the stage before it: ``hits`` / ``misses`` (rows found in the cache / read from the
+        backing store at step time), ``staged`` (rows the stage read ahead), ``write_backs``
+        (``staged_write_backs`` of them by the stage, off the step), ``bytes_moved``. Empty for
+        all-resident tables."""
+        return dict(getattr(self._tables, "last_step_stats", {}))
 
     # ------------------------------------------------------------------ checkpoint
 

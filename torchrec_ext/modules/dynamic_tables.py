@@ -555,11 +555,13 @@ class DynamicTables:
         fresh_all[candidates] = fresh
         return rows, fresh_all
 
-    def _mask_expired(self, t: int, rows: Tensor, found: Tensor) -> Tensor:
+    def _mask_expired(self, t: int, rows: Tensor, found: Tensor, step: Optional[int] = None) -> Tensor:
+        """-1 for rows expired at ``step`` (default: the current training step)."""
         m = self.meta[t]
         if m.ttl_steps is None:
             return rows
-        expired = found & (self.last_seen[t][rows.clamp(min=0)] < self.train_step - m.ttl_steps)
+        step = self.train_step if step is None else step
+        expired = found & (self.last_seen[t][rows.clamp(min=0)] < step - m.ttl_steps)
         return torch.where(expired, torch.full_like(rows, -1), rows)
 
     def _erase_expired(self, t: int) -> None:

@@ -40,10 +40,11 @@ class TableStats:
     of ids without a row (not admitted, refused); 0 for a table without fallback rows.
     evicted_ages: count of evicted rows per age in training steps since last read (the last
     bin holds the older ones), or None when the table keeps no last-read step (no ttl_steps).
-    cache_*: tables with host or file backing (``tiered_tables``): cache slots, rows found in the
-    cache / read from the backing store (lookups and prefetches; rows new to their id are
-    neither; cache_hit_rate), dirty rows written back, bytes moved between the tiers; 0 for
-    all-resident tables.
+    cache_*: tables with host or file backing (``tiered_tables``): cache slots, rows a lookup
+    found in the cache / read from the backing store (rows new to their id are neither;
+    cache_hit_rate), rows staged (read ahead of their lookup by the pipeline's prefetch),
+    dirty rows written back (cache_staged_write_backs of them by a stage, off the step), bytes
+    moved between the tiers; 0 for all-resident tables.
     """
 
     live_rows: int = 0
@@ -61,6 +62,8 @@ class TableStats:
     cache_misses: int = 0
     cache_write_backs: int = 0
     cache_bytes_moved: int = 0
+    cache_staged: int = 0
+    cache_staged_write_backs: int = 0
     evicted_ages: Optional[List[int]] = field(default=None, repr=False)
 
     @property

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -62,7 +63,9 @@ class _Mover:
             cache.index_copy_(0, slots, backing.index_select(0, rows))
 
     def write(self, slots: Tensor, rows: Tensor) -> None:
-        # Unsorted: writes land in the page cache, which the kernel writes out in its own order.
+        # Ascending rows: consecutive writes fall in one page of the file (one fault) when rows are near.
+        order = rows.argsort()
+        slots, rows = slots[order], rows[order]
         for cache, backing in self.pairs:
             backing.index_copy_(0, rows, cache.index_select(0, slots))
 
@@ -71,8 +74,10 @@ class RowCache:
     """Which rows of one table sit in its cache slots: row -> slot, slot -> row, the clock of
     each slot's last use (least recently used goes first), dirty slots (newer than the backing
     store) and pins (batches in flight holding the slot), plus the tier's counters: hits (rows
-    found in the cache), misses (rows read from the backing store; a row new to its id is
-    neither), write-backs (dirty rows written to the backing store) and bytes moved both ways."""
+    a lookup found in the cache), misses (rows a lookup read from the backing store; a row new
+    to its id is neither), staged (rows read ahead of their lookup by ``stage``/``prefetch``),
+    write-backs (dirty rows written to the backing store; ``staged_write_backs`` of them by a
+    stage, off the step) and bytes moved both ways."""
 
     def __init__(self, capacity: int, slots: int):
         self.slots = slots
@@ -86,6 +91,7 @@ class RowCache:
         self.pinned: Dict[int, Tensor] = {}
         self._next_pin = 0
         self.hits = self.misses = self.write_backs = self.bytes_moved = 0
+        self.staged = self.staged_write_backs = 0
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.slot_of, self.row_of, self.last_used, self.dirty))
@@ -114,16 +120,20 @@ class RowCache:
         r = rows[live]
         s = self.slot_of[r].to(torch.int64)
         missing = (s < 0).nonzero().squeeze(1)
-        self.hits += r.numel() - missing.numel()
+        if not best_effort:
+            self.hits += r.numel() - missing.numel()
         if missing.numel():
             victims = self._victims(s, missing.numel(), best_effort)
             missing = missing[:victims.numel()]
             want = r[missing]
-            self._evict(victims, mover)
+            self._evict(victims, mover, ahead=best_effort)
             read = torch.ones_like(want, dtype=torch.bool) if fresh is None else ~fresh[live][missing]
             mover.read(victims[read], want[read])
             reads = int(read.sum())  # rows new to their id take a slot but are not misses: nothing is read
-            self.misses += reads
+            if best_effort:
+                self.staged += reads
+            else:
+                self.misses += reads
             self.bytes_moved += reads * mover.row_bytes
             self.row_of[victims] = want
             self.slot_of[want] = victims.to(torch.int32)
@@ -140,13 +150,22 @@ class RowCache:
         out[live] = s
         return out
 
+    def _eviction_keys(self, pinned: Optional[Tensor] = None) -> Tensor:
+        """Per slot, the order in which slots are taken: free ones first (-1), then by last use;
+        pinned slots (``pinned``: a mask of them, default the batches in flight now) never."""
+        key = self.last_used.clone()
+        key[self.row_of < 0] = -1
+        if pinned is not None:
+            key[pinned] = _NEVER
+        else:
+            for slots in self.pinned.values():
+                key[slots] = _NEVER
+        return key
+
     def _victims(self, held: Tensor, k: int, best_effort: bool) -> Tensor:
         """k slots to take, free ones first, then the least recently used, never a pinned slot
         or one of ``held`` (the batch's own hits)."""
-        key = self.last_used.clone()
-        key[self.row_of < 0] = -1
-        for slots in self.pinned.values():
-            key[slots] = _NEVER
+        key = self._eviction_keys()
         key[held[held >= 0]] = _NEVER
         if best_effort:
             k = min(k, int((key < _NEVER).sum()))
@@ -155,7 +174,7 @@ class RowCache:
             raise RuntimeError(f"tiered table cache: {k} rows to bring in, fewer free slots of {self.slots}")
         return victims
 
-    def _evict(self, victims: Tensor, mover: _Mover) -> None:
+    def _evict(self, victims: Tensor, mover: _Mover, ahead: bool = False) -> None:
         old = self.row_of[victims]
         gone = old >= 0
         back = gone & self.dirty[victims]
@@ -163,8 +182,38 @@ class RowCache:
             mover.write(victims[back], old[back])
             n = int(back.sum())
             self.write_backs += n
+            if ahead:
+                self.staged_write_backs += n
             self.bytes_moved += n * mover.row_bytes
         self.slot_of[old[gone]] = -1
+
+    def stage(self, rows: Tensor, new_rows: int, pinned: Tensor, clock: int, mover: _Mover) -> None:
+        """Ahead of a lookup (a stage: see ``TieredTables.stage_next``): brings the live ``rows``
+        (distinct) into the cache and frees ``new_rows`` more slots (their dirty rows written
+        back) for the rows the lookup will initialise, as far as slots not ``pinned`` (a mask of
+        the batches in flight when the stage began) and not holding ``rows`` go. Moves data
+        between the tiers only: which id holds which row is the index's, decided in the steps."""
+        s = self.slot_of[rows].to(torch.int64)
+        missing = (s < 0).nonzero().squeeze(1)
+        key = self._eviction_keys(pinned)
+        hits = s[s >= 0]
+        key[hits] = _NEVER
+        take = min(missing.numel() + new_rows, int((key < _NEVER).sum()))
+        if take:
+            victims = torch.topk(key, take, largest=False, sorted=True).indices  # free and oldest first
+            self._evict(victims, mover, ahead=True)
+            fill = victims[:min(missing.numel(), take)]
+            want = rows[missing[:fill.numel()]]
+            freed = victims[fill.numel():]
+            mover.read(fill, want)
+            self.staged += want.numel()
+            self.bytes_moved += want.numel() * mover.row_bytes
+            self.row_of[fill] = want
+            self.slot_of[want] = fill.to(torch.int32)
+            self.row_of[freed] = -1
+            self.dirty[victims] = False
+            self.last_used[fill] = clock
+        self.last_used[hits] = clock
 
     def flush(self, mover: _Mover) -> None:
         """Writes every dirty row back; rows held by a batch in flight stay dirty (their update
@@ -195,6 +244,41 @@ class RowCache:
     def __getstate__(self) -> Dict[str, object]:
         # A copy has no batch in flight.
         return dict(self.__dict__, pinned={})
+
+
+class _Stager:
+    """Runs a module's stages one at a time on a worker thread. On a GPU (a device cache; the
+    tier itself runs on the CPU in this version) each stage runs on a side stream after an
+    event recorded on the train stream when it was submitted (the slots it evicts were last
+    written by kernels queued before), and the stream that joins it waits for the stage's event
+    (the next lookup reads the rows it brought in); the worker also waits for the side stream,
+    so the host sees the written-back rows once the stage is joined."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="torchrec_ext-tier-stage")
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def submit(self, stage) -> Future:
+        if self._stream is None:
+            return self._pool.submit(stage)
+        after = torch.cuda.current_stream(self.device).record_event()
+        side = self._stream
+
+        def on_side_stream():
+            with torch.cuda.stream(side):
+                side.wait_event(after)
+                stage()
+                done = side.record_event()
+            side.synchronize()
+            return done
+
+        return self._pool.submit(on_side_stream)
+
+    def wait(self, staging: Future) -> None:
+        done = staging.result()
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
 
 
 class TieredTables(DynamicTables):
@@ -235,6 +319,11 @@ class TieredTables(DynamicTables):
         self._clock = 0
         self._holding: Optional[Tuple[bool, list]] = None  # the lookup in progress: (modifies, pin records)
         self._pinned: Dict[int, weakref.finalize] = {}      # lookups whose update is pending -> their pins
+        self._stager: Optional[_Stager] = None              # made at the first stage
+        self._stage_request: Optional[Tuple[Tensor, Tensor]] = None  # the next batch's ids, staged after the next lookup
+        self._staging: Optional[Future] = None              # the stage running now
+        self._counted: Optional[List[Dict[str, int]]] = None  # counters at the end of the last lookup
+        self.last_step_stats: Dict[str, Dict[str, int]] = {}
 
     # ------------------------------------------------------------------ storage
 
@@ -315,19 +404,27 @@ class TieredTables(DynamicTables):
         self._movers = None
 
     def reset(self) -> None:
+        self._join_stage()
+        self._stage_request = None
         super().reset()
         for cache in self.caches:
             cache.forget()
 
     def flush(self, tables: Optional[Sequence[int]] = None) -> None:
         """Writes the cache's dirty rows (and pending new rows) to the backing store."""
+        self._join_stage()
         self.write_new_rows()
         for t in range(len(self.meta)) if tables is None else tables:
             self.caches[t].flush(self._mover(t))
 
     # ------------------------------------------------------------------ ids -> slots
 
+    def write_new_rows(self) -> None:
+        self._join_stage()  # whatever reads or moves rows waits for the stage first
+        super().write_new_rows()
+
     def lookup(self, ids: Tensor, segment_offsets: Tensor, training: bool, backward_follows: bool = False) -> RowLookup:
+        self._join_stage()
         self._check_room(ids, segment_offsets)
         self._clock += 1
         modifies = training and backward_follows
@@ -344,6 +441,9 @@ class TieredTables(DynamicTables):
             self._pinned[key] = weakref.finalize(result.unique_rows, self._release, key, held)
         else:
             self._unpin(held)
+        self._count_step()
+        if self._stage_request is not None:
+            self._start_stage()
         return result
 
     def _rows_for(self, t: int, keys: Tensor, counts: Tensor, training: bool) -> Tuple[Tensor, Optional[Tensor]]:
@@ -389,6 +489,66 @@ class TieredTables(DynamicTables):
         if release is not None:
             release()
 
+    # ------------------------------------------------------------------ staging the next batch
+
+    def stage_next(self, ids: Tensor, segment_offsets: Tensor) -> None:
+        """Stages the rows of the next batch (``ids`` by table, as ``lookup`` takes them) into the
+        cache on a worker thread, started when the next lookup (the current batch's) has its
+        rows, so that it overlaps that batch's backward and whatever runs until the next batch's
+        lookup, which then finds its rows cached. What ``TrainPipeline`` calls for the batch
+        after the one it is about to run.
+
+        Exact by construction: the stage reads the index (no id inserted, no score moved, no
+        eviction: those stay in the steps, in step order), and only moves rows between the
+        tiers: it takes no slot of a batch in flight (pinned when it began: the current batch,
+        whose update may still write rows the next batch reads) and brings in rows the index
+        names for the next batch's ids, which the current batch cannot change (nothing between
+        its lookup and the next one touches the index). Every other entry to the tables (a
+        lookup, a checkpoint, stats, loading) waits for the stage first; the fused update does
+        not (it writes only slots the stage does not take)."""
+        self.check_ready("stage_next")
+        if segment_offsets.numel() != len(self.meta) + 1:
+            raise ValueError(f"tables {[m.name for m in self.meta]}: stage_next takes segment_offsets of "
+                             f"{len(self.meta) + 1} entries (one segment per table), got {segment_offsets.numel()}")
+        self._stage_request = (ids, segment_offsets)
+
+    def _start_stage(self) -> None:
+        ids, segment_offsets = self._stage_request
+        self._stage_request = None
+        if self._stager is None:
+            self._stager = _Stager(self.device)
+        # Snapshots taken here, on the train thread: the worker never reads state the step changes.
+        pinned = [cache.pinned_mask() for cache in self.caches]
+        movers = [self._mover(t) for t in range(len(self.meta))]
+        clock, step = self._clock, self.train_step + 1  # the next training lookup's step (for TTL)
+        self._staging = self._stager.submit(lambda: self._stage(ids, segment_offsets, pinned, movers, clock, step))
+
+    def _stage(self, ids: Tensor, segment_offsets: Tensor, pinned: List[Tensor], movers: List[_Mover], clock: int,
+               step: int) -> None:
+        unique, _, _, unique_offsets = ops.dedup_segments(ids, segment_offsets)
+        bounds = unique_offsets.tolist()
+        for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if end > start:
+                rows, found = self.indexes[t].find(unique[start:end])
+                rows = self._mask_expired(t, rows, found, step)  # expired: re-initialised by the lookup, not read
+                live = rows >= 0
+                self.caches[t].stage(rows[live], int(rows.numel() - int(live.sum())), pinned[t], clock, movers[t])
+
+    def _join_stage(self) -> None:
+        """Waits for the stage in flight (re-raising its error)."""
+        if self._staging is not None:
+            staging, self._staging = self._staging, None
+            self._stager.wait(staging)
+
+    def _count_step(self) -> None:
+        """Per table, the tier's traffic since the last lookup ended: this lookup's hits and
+        misses, the rows the stage before it read, write-backs of both, bytes moved."""
+        now = [{"hits": c.hits, "misses": c.misses, "staged": c.staged, "write_backs": c.write_backs,
+                "staged_write_backs": c.staged_write_backs, "bytes_moved": c.bytes_moved} for c in self.caches]
+        before = self._counted or [dict.fromkeys(n, 0) for n in now]
+        self.last_step_stats = {m.name: {k: n[k] - b[k] for k in n} for m, n, b in zip(self.meta, now, before)}
+        self._counted = now
+
     def prefetch(self, ids: Tensor, segment_offsets: Tensor) -> None:
         """Brings the rows of ``ids`` that their tables hold into the cache (as much as fits
         next to the batches in flight), so that their lookup finds them there. Reads the index
@@ -396,7 +556,7 @@ class TieredTables(DynamicTables):
         or without it. Call it between steps or before a forward, not concurrently with one (the
         cache is not locked)."""
         self.check_ready("prefetch")
-        self.write_new_rows()  # pending new rows are written to their slots before any slot moves
+        self.write_new_rows()  # (after the stage in flight)  # pending new rows are written to their slots before any slot moves
         unique, _, _, unique_offsets = ops.dedup_segments(ids, segment_offsets)
         bounds = unique_offsets.tolist()
         self._clock += 1
@@ -414,12 +574,15 @@ class TieredTables(DynamicTables):
         return super().table_state(t)
 
     def _replace_table(self, t: int, table) -> None:
+        self._join_stage()
         super()._replace_table(t, table)  # into the backing store
         self.caches[t].forget()
 
     def __getstate__(self) -> Dict[str, object]:
+        self._join_stage()
         state = super().__getstate__()
         state["_pinned"], state["_movers"], state["_holding"] = {}, None, None
+        state["_stager"], state["_staging"], state["_stage_request"] = None, None, None
         return state
 
     @property
@@ -444,9 +607,11 @@ class TieredTables(DynamicTables):
         return sum(buf.numel() * buf.element_size() for buf in self.backing.values())
 
     def table_stats(self) -> Dict[str, TableStats]:
+        self._join_stage()
         stats = super().table_stats()
         for m, cache in zip(self.meta, self.caches):
             s = stats[m.name]
             s.cache_slots, s.cache_hits, s.cache_misses = cache.slots, cache.hits, cache.misses
             s.cache_write_backs, s.cache_bytes_moved = cache.write_backs, cache.bytes_moved
+            s.cache_staged, s.cache_staged_write_backs = cache.staged, cache.staged_write_backs
         return stats

@@ -17,7 +17,10 @@ adding what it leaves on the table:
     threads first (``quiesce.DEVICE_WORK``);
 (d) the embedding backward and fused update, run by autograd as usual;
 (e) each step's outputs copied to pinned host memory on a side stream and surfaced by
-    ``pop_host_outputs()`` once copied: no device-wide synchronisation per step.
+    ``pop_host_outputs()`` once copied: no device-wide synchronisation per step;
+(f) tiered tables (host or file backing): batch i+1's rows staged into each table's cache while
+    batch i computes (``stage_next``: a worker thread, started once batch i's lookup has its
+    rows), so batch i+1's lookup finds them cached; ``tier_step_stats()`` tells what moved.
 
 On CPU the same API gives the same results: the threads still overlap batch preparation and
 input distribution; streams, graphs and pinned memory are skipped. Every stage can be switched
@@ -39,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
 from torchrec.distributed.train_pipeline.utils import (
     _override_input_dist_forwards,
@@ -47,6 +51,7 @@ from torchrec.distributed.train_pipeline.utils import (
     use_context_for_postprocs,
 )
 
+from torchrec_ext.modules.tiered_tables import TieredTables
 from torchrec_ext.pipeline import groups
 from torchrec_ext.pipeline.dense_sync import DdpTakeover, FlatGradSync, GraphedForward
 from torchrec_ext.pipeline.host_outputs import HostOutputs
@@ -79,6 +84,8 @@ class PipelineOptions:
     graph_modules: Sequence[str] = dataclasses.field(default_factory=tuple)  # (c) dense submodules to capture
     pinned_outputs: bool = True        # (e) CUDA only: pinned D2H copies of step outputs
     timeout_s: float = 600.0           # bound on every wait for a worker
+    # (f) stage the next batch's rows into the caches of tiered tables (host or file backing)
+    tier_prefetch: bool = True
 
 
 def _spare_cores(device: torch.device) -> bool:
@@ -161,6 +168,7 @@ class TrainPipeline(TrainPipelineSparseDist):
         elif graph_modules:
             logger.info("TrainPipeline: graph_modules run eagerly on %s (CUDA graphs need a GPU)", device)
         self._host_outputs = HostOutputs(device, pinned=options.pinned_outputs)
+        self._tiered: Optional[List[nn.Module]] = None  # modules with tiered tables, found at the first step
         self._step = 0
         self._closed = False
 
@@ -188,6 +196,8 @@ class TrainPipeline(TrainPipelineSparseDist):
 
         if self._takeover is not None:
             self._takeover.skip = True  # DDP's buckets leave the all-reduce to _grad_sync
+        if self.options.tier_prefetch and len(self.batches) >= 2:
+            self._stage_next(self._ready[1])  # runs once batch i's lookup has its rows
         try:
             losses, output = self._model_fwd(self.batches[0])
             if training:
@@ -207,6 +217,15 @@ class TrainPipeline(TrainPipelineSparseDist):
         self._step += 1
         self.dequeue_batch()
         return output
+
+    def tier_step_stats(self) -> Dict[str, Dict[str, int]]:
+        """Per tiered table (host or file backing), the last step's tier traffic: cache ``hits``
+        and ``misses`` at step time, rows ``staged`` ahead of it by the pipeline, ``write_backs``
+        (``staged_write_backs`` of them off the step), ``bytes_moved``. Empty without tiered tables."""
+        stats: Dict[str, Dict[str, int]] = {}
+        for module in self._tiered_modules():
+            stats.update(module.tier_step_stats())
+        return stats
 
     def pop_host_outputs(self) -> List[Tuple[int, Any]]:
         """(step, output on the host) for every step whose device-to-host copy has finished."""
@@ -289,6 +308,27 @@ class TrainPipeline(TrainPipelineSparseDist):
     def dequeue_batch(self) -> None:
         self._ready.popleft()
         super().dequeue_batch()
+
+    # ------------------------------------------------------------------ tiered tables
+
+    def _tiered_modules(self) -> List[nn.Module]:
+        if self._tiered is None:
+            self._tiered = [m for m in _unwrapped(self._model).modules()
+                            if hasattr(m, "stage_next") and isinstance(getattr(m, "_tables", None), TieredTables)]
+        return self._tiered
+
+    def _stage_next(self, ready: ReadyBatch) -> None:
+        """Asks each module with tiered tables to stage the rows of ``ready``'s batch, the next one."""
+        modules = self._tiered_modules()
+        if not modules:
+            return
+        batch = ready.wait(self._current_stream())
+        candidates = [v for v in (vars(batch).values() if hasattr(batch, "__dict__") else ())
+                      if isinstance(v, KeyedJaggedTensor)]
+        for module in modules:
+            features = [kjt for kjt in candidates if set(module._plan.features) <= set(kjt.keys())]
+            if features:  # else the model builds the module's KJT itself: its batch runs unstaged
+                module.stage_next(features[0])
 
     def _current_stream(self) -> Optional[torch.cuda.Stream]:
         return self._streams.current() if self._streams is not None else None

@@ -7,11 +7,15 @@ forward + backward of sum(output) + the fused update. Systems, built side by sid
 
 - resident: DynamicEmbeddingBagCollection, capacity rows per table (backing="device").
 - file:     the same with backing="file:<dir>" (a file on local disk, memory-mapped) and
-            cache_load_factor (0.2: the table holds 5x the cache's rows); no prefetch (the
-            pipeline's prefetch is not built yet): every miss is filled, every dirty victim
-            written back, inside the step.
+            cache_load_factor (0.2: the table holds 5x the cache's rows); no prefetch: every
+            miss is filled, every dirty victim written back, inside the step.
 - host:     the same with backing="host" (the backing store a host tensor): what the tier's
             bookkeeping and copies cost without the file's page-cache writes.
+- file+prefetch, host+prefetch: the same, with the pipeline's prefetch: before each step,
+            ``module.stage_next(next batch)`` (what ``TrainPipeline`` calls), so the next batch's
+            misses are filled and slots for its new rows freed (dirty rows written back) on a
+            worker thread while this step's backward runs. The stage in flight at the end of
+            a timed chunk is waited for inside it.
 
 Both train on the same batches; after ``warmup_steps`` (so that the cache is full and evicting),
 the two are timed in turn chunk by chunk (rotating order, so both see the same machine load):
@@ -22,6 +26,7 @@ memory (``storage_bytes``: rows in the module's buffer + index) of each, the bac
 and the process's resident memory split into anonymous and file pages (both modules included).
 
     python benchmarks/bench_tiers.py --threads 1          # saves results/tiers_cpu.{md,jsonl}
+    python benchmarks/bench_tiers.py --threads 1 --systems resident,file+prefetch,host+prefetch,file
     python benchmarks/bench_tiers.py --capacity 65536 --batch-size 512 --warmup-steps 5 --repeats 3 --no-save  # smoke
 """
 from __future__ import annotations
@@ -56,10 +61,10 @@ class Config(DlrmSmall):
     seed: int = 0
     backing_dir: str = ""  # default: a fresh directory under the system's temp dir (local disk here)
     threads: int = 0  # torch threads (0: torch's default); 1 steadies the timing on a machine other sessions load
-    systems: Tuple[str, ...] = ("resident", "file", "host")
+    systems: Tuple[str, ...] = ("resident", "file", "host", "file+prefetch", "host+prefetch")
 
 
-SYSTEMS = ("resident", "file", "host")
+SYSTEMS = ("resident", "file", "host", "file+prefetch", "host+prefetch")
 
 
 def _build(cfg: Config, backing: str) -> DynamicEmbeddingBagCollection:
@@ -70,14 +75,17 @@ def _build(cfg: Config, backing: str) -> DynamicEmbeddingBagCollection:
     return DynamicEmbeddingBagCollection(tables, optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": cfg.lr})
 
 
-def _step(module: DynamicEmbeddingBagCollection, kjt) -> None:
+def _step(module: DynamicEmbeddingBagCollection, kjt, next_kjt=None) -> None:
+    if next_kjt is not None:
+        module.stage_next(next_kjt)  # staged once this step's lookup has its rows
     module(kjt).values().sum().backward()
 
 
 def _tier_counters(module) -> Dict[str, int]:
     stats = module.table_stats().values()
     return {k: sum(getattr(s, k) for s in stats) for k in ("cache_hits", "cache_misses", "cache_write_backs",
-                                                           "cache_bytes_moved", "cache_slots", "inserts")}
+                                                           "cache_bytes_moved", "cache_slots", "inserts",
+                                                           "cache_staged", "cache_staged_write_backs")}
 
 
 def _memory_status() -> Dict[str, int]:
@@ -107,23 +115,33 @@ def _run(cfg: Config, directory: str) -> Dict[str, object]:
     make = lambda i: dlrm_small_batch(i, cfg.num_tables, cfg.batch_size, cfg.max_bag, cfg.seed,  # noqa: E731
                                       alpha=cfg.alpha, id_bits=cfg.id_bits)
     batches = [make(i) for i in range(total)]
-    backings = {"resident": "device", "file": f"file:{directory}", "host": "host"}
-    systems = {name: _build(cfg, backings[name]) for name in cfg.systems}
+    for name in cfg.systems:  # each file-backed system in a directory of its own
+        if name.startswith("file"):
+            os.makedirs(os.path.join(directory, name), exist_ok=True)
+    backing = lambda name: ("device" if name == "resident" else "host" if name.startswith("host")  # noqa: E731
+                            else f"file:{os.path.join(directory, name)}")
+    systems = {name: _build(cfg, backing(name)) for name in cfg.systems}
+    prefetch = {name: name.endswith("+prefetch") for name in systems}
     tiered = [name for name in systems if name != "resident"]
     uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     for i, kjt in enumerate(batches[:cfg.warmup_steps]):
-        for module in systems.values():
-            _step(module, kjt)
+        for name, module in systems.items():
+            _step(module, kjt, batches[i + 1] if prefetch[name] else None)
     before = {name: _tier_counters(systems[name]) for name in tiered}
+    stage_before = {name: systems[name]._tables.stage_seconds() for name in tiered}
     times: Dict[str, List[float]] = {name: [] for name in systems}
     names = list(systems)
     for r in range(cfg.repeats):
         chunk = batches[cfg.warmup_steps + r * n: cfg.warmup_steps + (r + 1) * n]
         for k in range(len(names)):
             name = names[(r + k) % len(names)]
+            first = cfg.warmup_steps + r * n
             start = time.perf_counter()
-            for kjt in chunk:
-                _step(systems[name], kjt)
+            for i, kjt in enumerate(chunk):
+                ahead = first + i + 1
+                _step(systems[name], kjt, batches[ahead] if prefetch[name] and ahead < total else None)
+            if prefetch[name]:
+                systems[name]._tables.wait_for_stage()  # the stage in flight counts in the chunk
             times[name].append((time.perf_counter() - start) / n)
     uptime_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     timed = cfg.repeats * n
@@ -136,10 +154,18 @@ def _run(cfg: Config, directory: str) -> Dict[str, object]:
                        "backing_bytes": systems[name]._tables.backing_bytes(),
                        "per_step": {"hits": delta["cache_hits"] / timed, "misses_read": delta["cache_misses"] / timed,
                                     "write_backs": delta["cache_write_backs"] / timed,
+                                    "staged": delta["cache_staged"] / timed,
+                                    "staged_write_backs": delta["cache_staged_write_backs"] / timed,
                                     "new_rows": delta["inserts"] / timed,
-                                    "bytes_moved": delta["cache_bytes_moved"] / timed}}
+                                    "bytes_moved": delta["cache_bytes_moved"] / timed,
+                                    "stage_ms": 1e3 * (systems[name]._tables.stage_seconds()[0]
+                                                       - stage_before[name][0]) / timed,
+                                    "stage_wait_ms": 1e3 * (systems[name]._tables.stage_seconds()[1]
+                                                            - stage_before[name][1]) / timed}}
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    backing_file_bytes = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
+    backing_file_bytes = {name: sum(os.path.getsize(os.path.join(directory, name, f))
+                                    for f in os.listdir(os.path.join(directory, name)))
+                          for name in systems if name.startswith("file")}
     return {
         "ms_per_step": ms, "ms_per_step_each_repeat": {k: [x * 1e3 for x in v] for k, v in times.items()},
         "tiers": tiers, "capacity_rows": cfg.capacity * cfg.num_tables,
@@ -157,7 +183,8 @@ def report(cfg: Config, r: Dict[str, object]) -> str:
              f"thread{'s' if torch.get_num_threads() > 1 else ''}): {cfg.num_tables} tables x dim {cfg.dim}, capacity "
              f"{cfg.capacity:,} rows each, batch {cfg.batch_size} per table, bags 1..{cfg.max_bag}, ids Zipf({cfg.alpha}) "
              f"over 2^{cfg.id_bits} ({r['ids_per_step']:,} ids/step), fused Adagrad; tiered: cache_load_factor "
-             f"{cfg.cache_load_factor}, no prefetch. {cfg.warmup_steps} warm-up steps, then median of {cfg.repeats} chunks "
+             f"{cfg.cache_load_factor}, +prefetch: the next batch staged on a worker thread. {cfg.warmup_steps} warm-up "
+             f"steps, then median of {cfg.repeats} chunks "
              f"x {cfg.steps_per_repeat} steps, the systems timed in turn (rotating order) on the same batches")
     base = r["ms_per_step"].get("resident")
     rows = []
@@ -172,11 +199,15 @@ def report(cfg: Config, r: Dict[str, object]) -> str:
         per = tier["per_step"]
         lines.append(f"- {name}: cache {tier['cache_rows']:,} rows of {r['capacity_rows']:,} "
                      f"({r['capacity_rows'] / tier['cache_rows']:.1f}x fewer than the tables hold); per timed step "
-                     f"{per['hits']:,.0f} rows found in the cache, {per['misses_read']:,.0f} read from the backing store, "
-                     f"{per['new_rows']:,.0f} new rows initialised in the cache, {per['write_backs']:,.0f} written back, "
-                     f"{per['bytes_moved'] / 2**20:.1f} MiB moved")
+                     f"{per['hits']:,.0f} rows found in the cache, {per['misses_read']:,.0f} read from the backing store "
+                     f"in the step, {per['staged']:,.0f} staged ahead of it, {per['new_rows']:,.0f} new rows initialised in "
+                     f"the cache, {per['write_backs']:,.0f} written back ({per['staged_write_backs']:,.0f} of them by the "
+                     f"stage), {per['bytes_moved'] / 2**20:.1f} MiB moved"
+                     + (f"; the stage took {per['stage_ms']:.1f} ms on its thread, the step waited "
+                        f"{per['stage_wait_ms']:.1f} ms for it" if per["staged"] else ""))
     mem = r["process_memory"]
-    lines += [f"- backing files {mib(r['backing_file_bytes'])} MiB (with headers); process memory at the end (all "
+    files = ", ".join(f"{name} {mib(b)} MiB" for name, b in r["backing_file_bytes"].items()) or "none"
+    lines += [f"- backing files (with headers): {files}; process memory at the end (all "
               f"systems): VmRSS {mib(mem.get('VmRSS', 0))} MiB = anonymous {mib(mem.get('RssAnon', 0))} + file pages "
               f"{mib(mem.get('RssFile', 0))} MiB",
               f"- machine load: before `{r['uptime_before']}`; after `{r['uptime_after']}` (2 cores shared with other "

@@ -361,7 +361,7 @@ def _run_inline(monkeypatch):
         future = Future()
         future.set_result(stage())
         return future
-    monkeypatch.setattr(tiered_tables._Stager, "submit", submit)
+    monkeypatch.setattr(tiered_tables._Stager, "_submit", submit)
 
 
 @pytest.mark.parametrize("kind,stager", [("file", "thread"), ("host", "inline"), ("file", "inline")])
@@ -509,3 +509,54 @@ def test_train_pipeline_stages_tiered_tables_and_equals_the_plain_loop_on_reside
     assert staged > 0 and sum(s["staged"] for step in results[False] for s in step.values()) == 0
     misses = {p: sum(s["misses"] for step in results[p][1:] for s in step.values()) for p in results}
     assert misses[True] < misses[False] / 4, misses
+
+
+@pytest.mark.parametrize("stager", ["inline", "thread"])
+def test_stages_while_the_cache_fills_up_and_overflows(tmp_path, monkeypatch, stager):
+    # Mostly new ids each batch: the first stages find free slots (some left free for the next
+    # batch's new rows), later ones write back and free the least recently used.
+    if stager == "inline":
+        _run_inline(monkeypatch)
+    configs = lambda tier: [DynamicEmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=512, feature_names=["f"],
+                                                      **({} if tier is None else {"backing": tier,
+                                                                                  "cache_load_factor": 0.125}))]
+    make = lambda tier: DynamicEmbeddingBagCollection(configs(tier), optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    resident, tiered = make(None), make(f"file:{tmp_path}")
+    kjt = lambda ids: KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.tensor([ids.numel()]))
+    gen = torch.Generator().manual_seed(10)
+    # 24 ids a batch: 6 of a hot set, 18 from a wide range (new the first time they come)
+    batches = [kjt(torch.cat([torch.randperm(10, generator=gen)[:6], 10 + torch.randperm(2000, generator=gen)[:18]]))
+               for _ in range(30)]
+    for step, batch in enumerate(batches):
+        if step + 1 < len(batches):
+            tiered.stage_next(batches[step + 1])
+        outs = [m(batch).values() for m in (resident, tiered)]
+        assert torch.equal(outs[0], outs[1]), step
+        for out in outs:
+            out.square().sum().backward()
+    _assert_same_state(resident, tiered)
+    stats = tiered.table_stats()["a"]
+    assert stats.cache_staged > 0 and stats.cache_staged_write_backs > 0 and stats.cache_misses == 0
+
+
+@pytest.mark.parametrize("kind,stager", [("host", "inline"), ("file", "thread")])
+def test_staged_tables_equal_resident_tables_on_heavy_tailed_ids(tmp_path, monkeypatch, kind, stager):
+    # dlrm-small ids (Zipf 1.05): most of each batch's ids are new, the cache fills in a few
+    # steps and then every stage writes back and frees slots for the next batch's new rows.
+    from torchrec_ext.data import dlrm_small_batch
+    if stager == "inline":
+        _run_inline(monkeypatch)
+    make = lambda extra: DynamicEmbeddingBagCollection(
+        [DynamicEmbeddingBagConfig(name=f"t{t}", embedding_dim=8, num_embeddings=2048, feature_names=[f"f{t}"],
+                                   **extra) for t in range(2)], optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
+    resident, staged = make({}), make({"backing": _backing(kind, tmp_path), "cache_load_factor": 0.2})
+    batches = [dlrm_small_batch(step, num_tables=2, batch_size=64) for step in range(31)]
+    for step, kjt in enumerate(batches[:-1]):
+        staged.stage_next(batches[step + 1])
+        outs = [m(kjt).values() for m in (resident, staged)]
+        assert torch.equal(outs[0], outs[1]), step
+        for out in outs:
+            out.sum().backward()
+    _assert_same_state(resident, staged)
+    stats = staged.table_stats()["t0"]
+    assert stats.cache_staged_write_backs > 0 and stats.cache_misses == 0

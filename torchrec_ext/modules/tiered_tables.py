@@ -23,6 +23,7 @@ store and empties the cache.
 from __future__ import annotations
 
 import math
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -57,6 +58,8 @@ class _Mover:
         self.row_bytes = sum(c.element_size() * (c.shape[1] if c.dim() == 2 else 1) for c, _ in pairs)
 
     def read(self, slots: Tensor, rows: Tensor) -> None:
+        if rows.numel() == 0:
+            return
         order = rows.argsort()  # ascending rows: the file is read front to back
         slots, rows = slots[order], rows[order]
         for cache, backing in self.pairs:
@@ -64,6 +67,8 @@ class _Mover:
 
     def write(self, slots: Tensor, rows: Tensor) -> None:
         # Ascending rows: consecutive writes fall in one page of the file (one fault) when rows are near.
+        if rows.numel() == 0:
+            return
         order = rows.argsort()
         slots, rows = slots[order], rows[order]
         for cache, backing in self.pairs:
@@ -85,6 +90,9 @@ class RowCache:
         self.row_of = torch.full((slots,), -1, dtype=torch.int64)
         self.last_used = torch.zeros(slots, dtype=torch.int64)
         self.dirty = torch.zeros(slots, dtype=torch.bool)
+        # Slots left free (by a stage, or never filled): a lookup takes them without scanning
+        # every slot for the least recently used. May name slots filled since (checked on use).
+        self.free = torch.arange(slots)
         # Slots held by batches in flight, per batch (usually none between steps: a training
         # step's update lands before the next lookup). Kept as lists, not counts per slot, so a
         # step pays nothing to pin and unpin.
@@ -123,10 +131,11 @@ class RowCache:
         if not best_effort:
             self.hits += r.numel() - missing.numel()
         if missing.numel():
-            victims = self._victims(s, missing.numel(), best_effort)
+            victims, free = self._victims(s, missing.numel(), best_effort)
             missing = missing[:victims.numel()]
             want = r[missing]
-            self._evict(victims, mover, ahead=best_effort)
+            if not free:
+                self._evict(victims, mover, ahead=best_effort)
             read = torch.ones_like(want, dtype=torch.bool) if fresh is None else ~fresh[live][missing]
             mover.read(victims[read], want[read])
             reads = int(read.sum())  # rows new to their id take a slot but are not misses: nothing is read
@@ -162,9 +171,14 @@ class RowCache:
                 key[slots] = _NEVER
         return key
 
-    def _victims(self, held: Tensor, k: int, best_effort: bool) -> Tensor:
+    def _victims(self, held: Tensor, k: int, best_effort: bool) -> Tuple[Tensor, bool]:
         """k slots to take, free ones first, then the least recently used, never a pinned slot
-        or one of ``held`` (the batch's own hits)."""
+        or one of ``held`` (the batch's own hits); and whether all of them are free."""
+        free = self.free[self.row_of[self.free] < 0]  # free slots: never pinned, never a hit
+        if free.numel() >= k:
+            self.free = free[k:]
+            return free[:k], True
+        self.free = free
         key = self._eviction_keys()
         key[held[held >= 0]] = _NEVER
         if best_effort:
@@ -172,7 +186,7 @@ class RowCache:
         victims = torch.topk(key, k, largest=False, sorted=False).indices
         if bool((key[victims] == _NEVER).any()):  # TieredTables.lookup checked the room first
             raise RuntimeError(f"tiered table cache: {k} rows to bring in, fewer free slots of {self.slots}")
-        return victims
+        return victims, False
 
     def _evict(self, victims: Tensor, mover: _Mover, ahead: bool = False) -> None:
         old = self.row_of[victims]
@@ -213,6 +227,8 @@ class RowCache:
             self.row_of[freed] = -1
             self.dirty[victims] = False
             self.last_used[fill] = clock
+            # Every free slot once (a slot listed twice would be handed to two rows).
+            self.free = (self.row_of < 0).nonzero().squeeze(1)
         self.last_used[hits] = clock
 
     def flush(self, mover: _Mover) -> None:
@@ -239,6 +255,7 @@ class RowCache:
         self.slot_of.fill_(-1)
         self.row_of.fill_(-1)
         self.dirty.zero_()
+        self.free = torch.arange(self.slots)
         self.pinned = {}
 
     def __getstate__(self) -> Dict[str, object]:
@@ -258,8 +275,20 @@ class _Stager:
         self.device = device
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="torchrec_ext-tier-stage")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.busy_s = 0.0    # seconds the worker spent staging
+        self.waited_s = 0.0  # seconds the train thread waited for a stage to land
 
     def submit(self, stage) -> Future:
+        def timed():
+            start = time.perf_counter()
+            try:
+                return stage()
+            finally:
+                self.busy_s += time.perf_counter() - start
+
+        return self._submit(timed)
+
+    def _submit(self, stage) -> Future:
         if self._stream is None:
             return self._pool.submit(stage)
         after = torch.cuda.current_stream(self.device).record_event()
@@ -276,7 +305,11 @@ class _Stager:
         return self._pool.submit(on_side_stream)
 
     def wait(self, staging: Future) -> None:
-        done = staging.result()
+        start = time.perf_counter()
+        try:
+            done = staging.result()
+        finally:
+            self.waited_s += time.perf_counter() - start
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
 
@@ -533,6 +566,14 @@ class TieredTables(DynamicTables):
                 rows = self._mask_expired(t, rows, found, step)  # expired: re-initialised by the lookup, not read
                 live = rows >= 0
                 self.caches[t].stage(rows[live], int(rows.numel() - int(live.sum())), pinned[t], clock, movers[t])
+
+    def stage_seconds(self) -> Tuple[float, float]:
+        """(seconds the worker spent staging, seconds the train thread waited for stages) so far."""
+        return (0.0, 0.0) if self._stager is None else (self._stager.busy_s, self._stager.waited_s)
+
+    def wait_for_stage(self) -> None:
+        """Returns once the stage in flight (if any) has landed (benchmarks time it with this)."""
+        self._join_stage()
 
     def _join_stage(self) -> None:
         """Waits for the stage in flight (re-raising its error)."""

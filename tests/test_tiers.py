@@ -560,3 +560,34 @@ def test_staged_tables_equal_resident_tables_on_heavy_tailed_ids(tmp_path, monke
     _assert_same_state(resident, staged)
     stats = staged.table_stats()["t0"]
     assert stats.cache_staged_write_backs > 0 and stats.cache_misses == 0
+
+
+def test_stages_around_eval_lookups_checkpoints_loads_and_resets_of_sequence_tables(tmp_path):
+    # A stage is pending or in flight when the next entry comes: an eval lookup, a state_dict, a
+    # load, a reset. Each waits for it; the results are the resident module's.
+    make = lambda configs: DynamicEmbeddingCollection(configs, optimizer="adam", optimizer_kwargs={"lr": 0.05})
+    resident, staged = make(_seq_configs()), make(_seq_configs(f"file:{tmp_path}", 0.25))
+    gen = torch.Generator().manual_seed(11)
+    batches = [random_kjt(["g0", "g1", "g2"], 5, POOL[torch.randint(0, 500, (300,), generator=gen)], 6)
+               for _ in range(45)]
+    saved = None
+    for step, kjt in enumerate(batches[:-1]):
+        if step == 30:
+            saved = staged.state_dict()  # while the stage of batch 30 may still run
+        if step == 36:
+            for m in (resident, staged):
+                m.load_state_dict(saved)
+        if step == 40:
+            for m in (resident, staged):
+                m.reset_parameters()
+        staged.stage_next(batches[step + 1])
+        for m in (resident, staged):
+            m.train(step % 7 != 3)  # eval lookups start stages too
+        outs = [m(kjt) for m in (resident, staged)]
+        for name in outs[0]:
+            assert torch.equal(outs[0][name].values(), outs[1][name].values()), (step, name)
+        if step % 7 != 3:
+            for out in outs:
+                sum((jt.values() ** 2).sum() for jt in out.values()).backward()
+    _assert_same_state(resident, staged)
+    assert staged.table_stats()["s"].cache_staged > 0

@@ -13,8 +13,11 @@ holds (its row written back first when dirty) and is read from the backing store
 new to its id (then it is initialised in the slot, as the all-resident table initialises its row).
 The kernels then run unchanged on the cache, with slots for rows. A training lookup's slots stay
 pinned until its fused update lands (or its autograd graph is dropped), so an update always
-finds its rows. ``prefetch`` stages the rows a batch will read before its lookup: what a
-pipeline can run while the previous batch computes (not yet called by ``TrainPipeline``).
+finds its rows. ``stage_next`` stages the next batch's rows on a worker thread while the
+current batch's backward runs (what ``TrainPipeline`` calls): it fills the next batch's misses
+and writes back and frees slots for its new rows, around the slots of the batch in flight, so
+the next lookup reads and writes nothing in the backing store. ``prefetch`` does the filling
+synchronously, between steps.
 
 ``table_view`` / ``state_views`` (the tables' parameters, ``state_dict``, loading) are views of
 the backing store: ``state_dict`` writes the dirty rows back first; loading fills the backing
@@ -295,7 +298,7 @@ class _Stager:
         side = self._stream
 
         def on_side_stream():
-            with torch.cuda.stream(side):
+            with torch.cuda.device(self.device), torch.cuda.stream(side):  # (the worker's own current device/stream)
                 side.wait_event(after)
                 stage()
                 done = side.record_event()

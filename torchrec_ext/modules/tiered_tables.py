@@ -127,40 +127,51 @@ class RowCache:
         new to their id (initialised in the slot, not read); ``modifies``: the batch's update
         will write every row (else only fresh ones are written). best_effort: bring in only what
         fits in the slots no batch holds (a prefetch); otherwise not fitting is an error."""
-        live = (rows >= 0).nonzero().squeeze(1)
-        r = rows[live]
-        s = self.slot_of[r].to(torch.int64)
+        # index_select / index_fill_ / index_copy_ rather than t[idx] (index_put_): this runs in the step.
+        every = rows.numel() == 0 or int(rows.min()) >= 0
+        live = None if every else (rows >= 0).nonzero().squeeze(1)
+        r = rows if every else rows.index_select(0, live)
+        s = self.slot_of.index_select(0, r).to(torch.int64)
         missing = (s < 0).nonzero().squeeze(1)
         if not best_effort:
             self.hits += r.numel() - missing.numel()
         if missing.numel():
             victims, free = self._victims(s, missing.numel(), best_effort)
             missing = missing[:victims.numel()]
-            want = r[missing]
+            want = r.index_select(0, missing)
             if not free:
                 self._evict(victims, mover, ahead=best_effort)
-            read = torch.ones_like(want, dtype=torch.bool) if fresh is None else ~fresh[live][missing]
-            mover.read(victims[read], want[read])
-            reads = int(read.sum())  # rows new to their id take a slot but are not misses: nothing is read
+            if fresh is None:
+                reads = want.numel()
+                mover.read(victims, want)
+            else:
+                new = fresh if every else fresh.index_select(0, live)
+                read = ~new.index_select(0, missing)
+                reads = int(read.sum())  # rows new to their id take a slot but are not misses: nothing is read
+                if reads:
+                    mover.read(victims[read], want[read])
             if best_effort:
                 self.staged += reads
             else:
                 self.misses += reads
             self.bytes_moved += reads * mover.row_bytes
-            self.row_of[victims] = want
-            self.slot_of[want] = victims.to(torch.int32)
-            self.dirty[victims] = False
-            s[missing] = victims
+            self.row_of.index_copy_(0, victims, want)
+            self.slot_of.index_copy_(0, want, victims.to(torch.int32))
+            self.dirty.index_fill_(0, victims, False)
+            s.index_copy_(0, missing, victims)
             if best_effort:
-                live, s = live[s >= 0], s[s >= 0]
-        self.last_used[s] = clock
+                kept = (s >= 0).nonzero().squeeze(1)
+                live = (kept if every else live.index_select(0, kept))
+                every, s = False, s.index_select(0, kept)
+        self.last_used.index_fill_(0, s, clock)
         if modifies:
-            self.dirty[s] = True
+            self.dirty.index_fill_(0, s, True)
         elif fresh is not None:
-            self.dirty[s[fresh[live]]] = True
-        out = torch.full_like(rows, -1)
-        out[live] = s
-        return out
+            new = fresh if every else fresh.index_select(0, live)
+            self.dirty.index_fill_(0, s[new], True)
+        if every:
+            return s
+        return torch.full_like(rows, -1).index_copy_(0, live, s)
 
     def _eviction_keys(self, pinned: Optional[Tensor] = None) -> Tensor:
         """Per slot, the order in which slots are taken: free ones first (-1), then by last use;

@@ -351,17 +351,31 @@ def test_reset_parameters_empties_the_cache_as_the_tables(tmp_path):
 # ---------------------------------------------------------------- staging the next batch (prefetch)
 
 def _run_inline(monkeypatch):
-    """Stages run at once, on the train thread, right after the lookup that starts them: before
-    that batch's update lands, the order a worker thread may also take."""
+    """Stages run on the train thread at the end of the lookup that starts them: before that
+    batch's update lands, an order a worker thread may also take."""
     from concurrent.futures import Future
 
     from torchrec_ext.modules import tiered_tables
 
+    pending = []
+
     def submit(self, stage):
         future = Future()
-        future.set_result(stage())
+        pending.append((future, stage))
         return future
+
+    original = tiered_tables.TieredTables.lookup
+
+    def lookup(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            while pending:
+                future, stage = pending.pop()
+                future.set_result(stage())
+
     monkeypatch.setattr(tiered_tables._Stager, "_submit", submit)
+    monkeypatch.setattr(tiered_tables.TieredTables, "lookup", lookup)
 
 
 @pytest.mark.parametrize("kind,stager", [("file", "thread"), ("host", "inline"), ("file", "inline")])

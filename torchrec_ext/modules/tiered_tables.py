@@ -26,6 +26,7 @@ store and empties the cache.
 from __future__ import annotations
 
 import math
+import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -305,13 +306,11 @@ class _Stager:
     def _submit(self, stage) -> Future:
         if self._stream is None:
             return self._pool.submit(stage)
-        after = torch.cuda.current_stream(self.device).record_event()
         side = self._stream
 
         def on_side_stream():
             with torch.cuda.device(self.device), torch.cuda.stream(side):  # (the worker's own current device/stream)
-                side.wait_event(after)
-                stage()
+                stage()  # waits, table by table, for the train stream's event of the handover
                 done = side.record_event()
             side.synchronize()
             return done
@@ -326,6 +325,48 @@ class _Stager:
             self.waited_s += time.perf_counter() - start
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
+
+
+class _Handover:
+    """Tables passed from a lookup on the train thread to the stage on the worker, one at a
+    time, as the lookup is done with each: with the mask of the table's slots pinned then (the
+    batches in flight), the training step the next lookup will run at and, on a GPU, an event of
+    the train stream that the stage's side stream waits for (the slots it evicts were last written
+    by kernels queued before)."""
+
+    def __init__(self, tables: int, device: torch.device):
+        self._ready: List[Optional[Tuple[Tensor, int]]] = [None] * tables
+        self._cancelled = False
+        self._cond = threading.Condition()
+        self._cuda = device.type == "cuda"
+        self._events: Dict[int, object] = {}
+
+    def release(self, t: int, pinned: Tensor, step: int) -> None:
+        if self._cuda:
+            self._events[t] = torch.cuda.current_stream().record_event()
+        with self._cond:
+            self._ready[t] = (pinned, step)
+            self._cond.notify_all()
+
+    def released(self, t: int) -> bool:
+        return self._ready[t] is not None
+
+    def cancel(self) -> None:
+        with self._cond:
+            self._cancelled = True
+            self._cond.notify_all()
+
+    def take(self, t: int) -> Optional[Tuple[Tensor, int]]:
+        """Table t's (pinned mask, step) once handed over; None when the lookup failed."""
+        with self._cond:
+            while self._ready[t] is None and not self._cancelled:
+                self._cond.wait()
+            if self._cancelled:
+                return None
+            taken = self._ready[t]
+        if self._cuda:
+            torch.cuda.current_stream().wait_event(self._events[t])  # the worker's side stream
+        return taken
 
 
 class TieredTables(DynamicTables):
@@ -364,12 +405,13 @@ class TieredTables(DynamicTables):
         self._device_layout = {}
         self.caches = [RowCache(m.capacity, s) for m, s in zip(self.meta, self.slots)]
         self._clock = 0
-        self._holding: Optional[Tuple[bool, list]] = None  # the lookup in progress: (modifies, pin records)
+        # the lookup in progress: (modifies, pin records, the stage waiting for its tables, its own traffic)
+        self._holding: Optional[Tuple[bool, list, Optional[_Handover], Dict[int, Dict[str, int]]]] = None
         self._pinned: Dict[int, weakref.finalize] = {}      # lookups whose update is pending -> their pins
         self._stager: Optional[_Stager] = None              # made at the first stage
         self._stage_request: Optional[Tuple[Tensor, Tensor]] = None  # the next batch's ids, staged after the next lookup
         self._staging: Optional[Future] = None              # the stage running now
-        self._counted: Optional[List[Dict[str, int]]] = None  # counters at the end of the last lookup
+        self._stage_stats: Dict[int, Dict[str, int]] = {}  # per table, the traffic of the stage that ran last
         self.last_step_stats: Dict[str, Dict[str, int]] = {}
 
     # ------------------------------------------------------------------ storage
@@ -467,7 +509,8 @@ class TieredTables(DynamicTables):
     # ------------------------------------------------------------------ ids -> slots
 
     def write_new_rows(self) -> None:
-        self._join_stage()  # whatever reads or moves rows waits for the stage first
+        if self._holding is None:  # (a lookup joined before its stage began)
+            self._join_stage()  # whatever reads or moves rows waits for the stage first
         super().write_new_rows()
 
     def lookup(self, ids: Tensor, segment_offsets: Tensor, training: bool, backward_follows: bool = False) -> RowLookup:
@@ -475,31 +518,46 @@ class TieredTables(DynamicTables):
         self._check_room(ids, segment_offsets)
         self._clock += 1
         modifies = training and backward_follows
-        self._holding = (modifies, [])
+        staged, self._stage_stats = self._stage_stats, {}
+        self.write_new_rows()  # the last batch's pending new rows, into their slots before any moves
+        # The next batch's stage starts now and takes each table once this lookup is done with it.
+        handover = self._start_stage() if self._stage_request is not None else None
+        self._holding = (modifies, [], handover, {})
         try:
             result = super().lookup(ids, segment_offsets, training, backward_follows)
         except BaseException:
             self._unpin(self._holding[1])
+            if handover is not None:
+                handover.cancel()
             raise
         finally:
-            held, self._holding = self._holding[1], None
+            _, held, _, own = self._holding
+            self._holding = None
         if modifies:  # pinned until the update lands, or the lookup (its autograd graph) is dropped
             key = id(result.unique_rows)
             self._pinned[key] = weakref.finalize(result.unique_rows, self._release, key, held)
         else:
             self._unpin(held)
-        self._count_step()
-        if self._stage_request is not None:
-            self._start_stage()
+        if handover is not None:  # the tables this lookup did not reach
+            for t in range(len(self.meta)):
+                if not handover.released(t):
+                    handover.release(t, self.caches[t].pinned_mask(), self.train_step + 1)
+        self._count_step(staged, own)
         return result
 
     def _rows_for(self, t: int, keys: Tensor, counts: Tensor, training: bool) -> Tuple[Tensor, Optional[Tensor]]:
         rows, fresh = super()._rows_for(t, keys, counts, training)
-        modifies, held = self._holding if self._holding is not None else (False, None)
+        modifies, held, handover, own = self._holding if self._holding is not None else (False, None, None, {})
         cache = self.caches[t]
+        before = (cache.hits, cache.misses, cache.write_backs, cache.bytes_moved)
         slots = cache.hold(rows, fresh, modifies, self._clock, self._mover(t))
+        own[t] = {k: now - then for k, now, then in zip(("hits", "misses", "write_backs", "bytes_moved"),
+                                                       (cache.hits, cache.misses, cache.write_backs, cache.bytes_moved),
+                                                       before)}
         if held is not None:
             held.append((t, cache.pin(slots[slots >= 0])))
+        if handover is not None:  # the index and cache of table t are done with: the stage may take it
+            handover.release(t, cache.pinned_mask(), self.train_step + 1)
         return slots, fresh
 
     def _check_room(self, ids: Tensor, segment_offsets: Tensor) -> None:
@@ -540,10 +598,10 @@ class TieredTables(DynamicTables):
 
     def stage_next(self, ids: Tensor, segment_offsets: Tensor) -> None:
         """Stages the rows of the next batch (``ids`` by table, as ``lookup`` takes them) into the
-        cache on a worker thread, started when the next lookup (the current batch's) has its
-        rows, so that it overlaps that batch's backward and whatever runs until the next batch's
-        lookup, which then finds its rows cached. What ``TrainPipeline`` calls for the batch
-        after the one it is about to run.
+        cache on a worker thread, started with the next lookup (the current batch's), taking each
+        table as that lookup is done with it, so that it overlaps the rest of that batch's step
+        and whatever runs until the next batch's lookup, which then finds its rows cached. What
+        ``TrainPipeline`` calls for the batch after the one it is about to run.
 
         Exact by construction: the stage reads the index (no id inserted, no score moved, no
         eviction: those stay in the steps, in step order), and only moves rows between the
@@ -559,35 +617,47 @@ class TieredTables(DynamicTables):
                              f"{len(self.meta) + 1} entries (one segment per table), got {segment_offsets.numel()}")
         self._stage_request = (ids, segment_offsets)
 
-    def _start_stage(self) -> None:
+    def _start_stage(self) -> "_Handover":
         ids, segment_offsets = self._stage_request
         self._stage_request = None
         if self._stager is None:
             self._stager = _Stager(self.device)
-        # Snapshots taken here, on the train thread: the worker never reads state the step changes.
-        pinned = [cache.pinned_mask() for cache in self.caches]
-        movers = [self._mover(t) for t in range(len(self.meta))]
-        clock, step = self._clock, self.train_step + 1  # the next training lookup's step (for TTL)
-        self._staging = self._stager.submit(lambda: self._stage(ids, segment_offsets, pinned, movers, clock, step))
+        handover = _Handover(len(self.meta), self.device)
+        movers = [self._mover(t) for t in range(len(self.meta))]  # built here, on the train thread
+        clock = self._clock
+        self._staging = self._stager.submit(lambda: self._stage(ids, segment_offsets, handover, movers, clock))
+        return handover
 
-    def _stage(self, ids: Tensor, segment_offsets: Tensor, pinned: List[Tensor], movers: List[_Mover], clock: int,
-               step: int) -> None:
-        unique, _, _, unique_offsets = ops.dedup_segments(ids, segment_offsets)
+    def _stage(self, ids: Tensor, segment_offsets: Tensor, handover: "_Handover", movers: List[_Mover],
+               clock: int) -> None:
+        """The worker's part: per table, once the train thread has handed it over (its lookup
+        done with the table's index and cache), the rows of the next batch's ids brought in and
+        slots freed for its new rows, around the slots pinned at the handover."""
+        unique, _, _, unique_offsets = ops.dedup_segments(ids, segment_offsets)  # overlaps the lookup
         bounds = unique_offsets.tolist()
         for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-            if end > start:
-                rows, found = self.indexes[t].find(unique[start:end])
-                rows = self._mask_expired(t, rows, found, step)  # expired: re-initialised by the lookup, not read
-                live = rows >= 0
-                self.caches[t].stage(rows[live], int(rows.numel() - int(live.sum())), pinned[t], clock, movers[t])
-
-    def stage_seconds(self) -> Tuple[float, float]:
-        """(seconds the worker spent staging, seconds the train thread waited for stages) so far."""
-        return (0.0, 0.0) if self._stager is None else (self._stager.busy_s, self._stager.waited_s)
+            taken = handover.take(t)
+            if taken is None:  # the lookup failed: nothing more to stage
+                return
+            if end == start:
+                continue
+            pinned, step = taken
+            rows, found = self.indexes[t].find(unique[start:end])
+            rows = self._mask_expired(t, rows, found, step)  # expired: re-initialised by the lookup, not read
+            live = rows >= 0
+            cache = self.caches[t]
+            before = (cache.staged, cache.staged_write_backs, cache.bytes_moved)
+            cache.stage(rows[live], int(rows.numel() - int(live.sum())), pinned, clock, movers[t])
+            self._stage_stats[t] = {"staged": cache.staged - before[0], "staged_write_backs": cache.staged_write_backs
+                                    - before[1], "bytes_moved": cache.bytes_moved - before[2]}
 
     def wait_for_stage(self) -> None:
         """Returns once the stage in flight (if any) has landed (benchmarks time it with this)."""
         self._join_stage()
+
+    def stage_seconds(self) -> Tuple[float, float]:
+        """(seconds the worker spent staging, seconds the train thread waited for stages) so far."""
+        return (0.0, 0.0) if self._stager is None else (self._stager.busy_s, self._stager.waited_s)
 
     def _join_stage(self) -> None:
         """Waits for the stage in flight (re-raising its error)."""
@@ -595,14 +665,19 @@ class TieredTables(DynamicTables):
             staging, self._staging = self._staging, None
             self._stager.wait(staging)
 
-    def _count_step(self) -> None:
-        """Per table, the tier's traffic since the last lookup ended: this lookup's hits and
-        misses, the rows the stage before it read, write-backs of both, bytes moved."""
-        now = [{"hits": c.hits, "misses": c.misses, "staged": c.staged, "write_backs": c.write_backs,
-                "staged_write_backs": c.staged_write_backs, "bytes_moved": c.bytes_moved} for c in self.caches]
-        before = self._counted or [dict.fromkeys(n, 0) for n in now]
-        self.last_step_stats = {m.name: {k: n[k] - b[k] for k in n} for m, n, b in zip(self.meta, now, before)}
-        self._counted = now
+    def _count_step(self, staged: Dict[int, Dict[str, int]], own: Dict[int, Dict[str, int]]) -> None:
+        """Per table, the tier's traffic of this lookup (hits, misses, its write-backs and bytes)
+        and of the stage that ran for it (rows staged, its write-backs and bytes)."""
+        stats = {}
+        for t, m in enumerate(self.meta):
+            mine = own.get(t, {})
+            ahead = staged.get(t, {})
+            stats[m.name] = {"hits": mine.get("hits", 0), "misses": mine.get("misses", 0),
+                             "staged": ahead.get("staged", 0),
+                             "write_backs": mine.get("write_backs", 0) + ahead.get("staged_write_backs", 0),
+                             "staged_write_backs": ahead.get("staged_write_backs", 0),
+                             "bytes_moved": mine.get("bytes_moved", 0) + ahead.get("bytes_moved", 0)}
+        self.last_step_stats = stats
 
     def prefetch(self, ids: Tensor, segment_offsets: Tensor) -> None:
         """Brings the rows of ``ids`` that their tables hold into the cache (as much as fits
@@ -637,7 +712,7 @@ class TieredTables(DynamicTables):
         self._join_stage()
         state = super().__getstate__()
         state["_pinned"], state["_movers"], state["_holding"] = {}, None, None
-        state["_stager"], state["_staging"], state["_stage_request"] = None, None, None
+        state["_stager"], state["_staging"], state["_stage_request"], state["_stage_stats"] = None, None, None, {}
         return state
 
     @property

@@ -290,16 +290,17 @@ class _Stager:
         self.device = device
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="torchrec_ext-tier-stage")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.busy_s = 0.0    # seconds the worker spent staging
+        self.busy_s = 0.0    # seconds the worker spent staging (not counting waits for the lookup's hand-over)
+        self.handover_s = 0.0  # seconds the worker waited for the lookup to hand tables over
         self.waited_s = 0.0  # seconds the train thread waited for a stage to land
 
     def submit(self, stage) -> Future:
         def timed():
-            start = time.perf_counter()
+            start, handover = time.perf_counter(), self.handover_s
             try:
                 return stage()
             finally:
-                self.busy_s += time.perf_counter() - start
+                self.busy_s += time.perf_counter() - start - (self.handover_s - handover)
 
         return self._submit(timed)
 
@@ -636,7 +637,9 @@ class TieredTables(DynamicTables):
         unique, _, _, unique_offsets = ops.dedup_segments(ids, segment_offsets)  # overlaps the lookup
         bounds = unique_offsets.tolist()
         for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            began = time.perf_counter()
             taken = handover.take(t)
+            self._stager.handover_s += time.perf_counter() - began
             if taken is None:  # the lookup failed: nothing more to stage
                 return
             if end == start:

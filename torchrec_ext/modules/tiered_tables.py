@@ -220,7 +220,7 @@ class RowCache:
         """Ahead of a lookup (a stage: see ``TieredTables.stage_next``): brings the live ``rows``
         (distinct) into the cache and frees ``new_rows`` more slots (their dirty rows written
         back) for the rows the lookup will initialise, as far as slots not ``pinned`` (a mask of
-        the batches in flight when the stage began) and not holding ``rows`` go. Moves data
+        the batches in flight when the table was handed over) and not holding ``rows`` go. Moves data
         between the tiers only: which id holds which row is the index's, decided in the steps."""
         s = self.slot_of[rows].to(torch.int64)
         missing = (s < 0).nonzero().squeeze(1)
@@ -606,12 +606,13 @@ class TieredTables(DynamicTables):
 
         Exact by construction: the stage reads the index (no id inserted, no score moved, no
         eviction: those stay in the steps, in step order), and only moves rows between the
-        tiers: it takes no slot of a batch in flight (pinned when it began: the current batch,
-        whose update may still write rows the next batch reads) and brings in rows the index
-        names for the next batch's ids, which the current batch cannot change (nothing between
-        its lookup and the next one touches the index). Every other entry to the tables (a
-        lookup, a checkpoint, stats, loading) waits for the stage first; the fused update does
-        not (it writes only slots the stage does not take)."""
+        tiers: it takes a table only once the current lookup is done with its index and cache,
+        takes no slot pinned then (the current batch's, whose kernels and update may still read
+        and write rows the next batch also reads, and earlier batches in flight), and brings in
+        rows the index names for the next batch's ids, which nothing changes before the next
+        lookup (the index is touched by lookups only). Every other entry to the tables (a
+        lookup, a checkpoint, stats, loading) waits for the stage first; the lookup kernels and
+        the fused update do not (they touch only pinned slots, which the stage leaves alone)."""
         self.check_ready("stage_next")
         if segment_offsets.numel() != len(self.meta) + 1:
             raise ValueError(f"tables {[m.name for m in self.meta]}: stage_next takes segment_offsets of "

@@ -177,10 +177,9 @@ class RowCache:
     def _eviction_keys(self, pinned: Optional[Tensor] = None) -> Tensor:
         """Per slot, the order in which slots are taken: free ones first (-1), then by last use;
         pinned slots (``pinned``: a mask of them, default the batches in flight now) never."""
-        key = self.last_used.clone()
-        key[self.row_of < 0] = -1
+        key = self.last_used.masked_fill(self.row_of < 0, -1)
         if pinned is not None:
-            key[pinned] = _NEVER
+            key.masked_fill_(pinned, _NEVER)
         else:
             for slots in self.pinned.values():
                 key[slots] = _NEVER
@@ -214,7 +213,7 @@ class RowCache:
             if ahead:
                 self.staged_write_backs += n
             self.bytes_moved += n * mover.row_bytes
-        self.slot_of[old[gone]] = -1
+        self.slot_of.index_fill_(0, old[gone], -1)
 
     def stage(self, rows: Tensor, new_rows: int, pinned: Tensor, clock: int, mover: _Mover) -> None:
         """Ahead of a lookup (a stage: see ``TieredTables.stage_next``): brings the live ``rows``
@@ -222,29 +221,31 @@ class RowCache:
         back) for the rows the lookup will initialise, as far as slots not ``pinned`` (a mask of
         the batches in flight when the table was handed over) and not holding ``rows`` go. Moves data
         between the tiers only: which id holds which row is the index's, decided in the steps."""
-        s = self.slot_of[rows].to(torch.int64)
+        s = self.slot_of.index_select(0, rows).to(torch.int64)
         missing = (s < 0).nonzero().squeeze(1)
         key = self._eviction_keys(pinned)
         hits = s[s >= 0]
-        key[hits] = _NEVER
+        key.index_fill_(0, hits, _NEVER)
         take = min(missing.numel() + new_rows, int((key < _NEVER).sum()))
         if take:
-            victims = torch.topk(key, take, largest=False, sorted=True).indices  # free and oldest first
+            # Free slots and the least recently used; which of them get filled and which are
+            # left free does not matter: all are taken.
+            victims = torch.topk(key, take, largest=False, sorted=False).indices
             self._evict(victims, mover, ahead=True)
             fill = victims[:min(missing.numel(), take)]
-            want = rows[missing[:fill.numel()]]
+            want = rows.index_select(0, missing[:fill.numel()])
             freed = victims[fill.numel():]
             mover.read(fill, want)
             self.staged += want.numel()
             self.bytes_moved += want.numel() * mover.row_bytes
-            self.row_of[fill] = want
-            self.slot_of[want] = fill.to(torch.int32)
-            self.row_of[freed] = -1
-            self.dirty[victims] = False
-            self.last_used[fill] = clock
+            self.row_of.index_copy_(0, fill, want)
+            self.slot_of.index_copy_(0, want, fill.to(torch.int32))
+            self.row_of.index_fill_(0, freed, -1)
+            self.dirty.index_fill_(0, victims, False)
+            self.last_used.index_fill_(0, fill, clock)
             # Every free slot once (a slot listed twice would be handed to two rows).
             self.free = (self.row_of < 0).nonzero().squeeze(1)
-        self.last_used[hits] = clock
+        self.last_used.index_fill_(0, hits, clock)
 
     def flush(self, mover: _Mover) -> None:
         """Writes every dirty row back; rows held by a batch in flight stay dirty (their update

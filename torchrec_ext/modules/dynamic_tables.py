@@ -541,7 +541,10 @@ class DynamicTables:
             self.counters.count_expired(t, expired)
             fresh = fresh | expired
         if self.delta_log is not None:
-            self.delta_log.removed(t, result.evicted_keys)
+            inserted_rows = result.rows[result.inserted]
+            if result.evicted_keys.numel():
+                self.delta_log.removed(t, result.evicted_keys, result.evicted_rows, keys[result.inserted])
+            self.delta_log.inserted(t, inserted_rows)
             self.delta_log.written(t, result.rows[fresh])
         if m.ttl_steps is not None:
             self.last_seen[t][result.rows[live]] = self.train_step
@@ -570,7 +573,7 @@ class DynamicTables:
             if bool(stale.any()):
                 index.erase(keys[stale])
                 if self.delta_log is not None:
-                    self.delta_log.removed(t, keys[stale])
+                    self.delta_log.removed(t, keys[stale], rows[stale])
                 self.counters.swept[t] += int(stale.sum())
 
     # Training-only and data-dependent throughout (which ids are new): run eagerly under torch.compile

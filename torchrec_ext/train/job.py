@@ -15,7 +15,9 @@ are computed over all of it. ``--checkpoint-every`` saves model, optimizer and s
 torch.distributed.checkpoint into ``<run-dir>/checkpoints/step_<k>`` with a manifest (size and
 SHA-256 of every file), written in the background while training goes on (the state is copied at
 the step; ``--blocking-checkpoints`` waits instead; the last one always blocks); ``--resume`` continues from the newest one that verifies, data stream
-position included, and says which newer ones it skipped and why. A checkpoint directory must come
+position included, and says which newer ones it skipped and why. ``--export-deltas-every N
+--serve-dir D`` feeds a serving replica (``python -m torchrec_ext.serve D``): a base checkpoint at
+the start, then every N steps each rank's row delta and the dense parameters (see serve_export). A checkpoint directory must come
 from a trusted writer (see torchrec_ext.distributed.checkpoint). While the job runs it holds the
 lock of ``<run-dir>/.lock``: a second job on the same run directory is refused. At the end
 ``<run-dir>`` holds ``summary.json``, ``history.json`` (loss per step, evals) and ``curves.png``.

@@ -262,6 +262,25 @@ def test_concurrent_readers_see_one_whole_export_never_a_mix(job, tmp_path):
     assert torch.equal(server.predict(batch.dense_features, batch.sparse_features), expected[-1])
 
 
+def test_a_resumed_job_starts_a_new_generation_the_server_rebuilds_from(tmp_path):
+    D, run = str(tmp_path / "D"), str(tmp_path / "run")
+    args = ["--capacity", "256"] + TINY_MODEL + TINY_BATCHES + [
+        "--eval-every", "0", "--checkpoint-every", str(EVERY), "--keep-checkpoints", "0",
+        "--export-deltas-every", str(EVERY), "--serve-dir", D, "--run-dir", run]
+    job_ok(run_job(args + ["--steps", str(2 * EVERY)]))
+    server = Server(D)
+    server.load()
+    server.poll()
+    assert (server.status()["generation"], server.step) == (1, 2 * EVERY)
+    job_ok(run_job(args + ["--steps", str(3 * EVERY), "--resume"]))
+    assert server.poll() == 1  # generation 2: rebuilt from its base (step 6), then its export 1
+    status = server.status()
+    assert (status["generation"], status["base_step"], status["applied_seq"], server.step) == (2, 2 * EVERY, 1, 3 * EVERY)
+    trained = _trained_model(D, os.path.join(run, "checkpoints", f"step_{3 * EVERY}"))
+    for batch in _batches():
+        assert torch.equal(server.predict(batch.dense_features, batch.sparse_features), _scores(trained, batch))
+
+
 # ----------------------------------------------------------------------------- tombstones
 
 

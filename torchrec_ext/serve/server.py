@@ -123,13 +123,13 @@ class Server:
                             f"export {self.seq}, step {self.step}; a new base from the job re-syncs it)"
                         )
                     return applied
-                with open(path) as f:
-                    entry = json.load(f)
-                if entry.get("seq") != self.seq + 1:
-                    self._refuse(f"{path} says it is export {entry.get('seq')}, expected {self.seq + 1}")
                 try:
+                    with open(path) as f:
+                        entry = json.load(f)
+                    if not isinstance(entry, dict) or entry.get("seq") != self.seq + 1:
+                        raise ValueError(f"it says it is export {getattr(entry, 'get', lambda _: None)('seq')}")
                     self._apply(entry)
-                except (DeltaError, ValueError, OSError) as e:
+                except (ValueError, KeyError, TypeError, OSError) as e:  # DeltaError is a ValueError
                     self._refuse(f"export {self.seq + 1} ({path}) refused: {e}")
                 applied += 1
 

@@ -122,7 +122,7 @@ def test_replica_follows_the_job_and_predicts_as_the_trained_model_bit_for_bit(j
     assert server.load() and server.step == 0
     base = _trained_model(D, os.path.join(D, manifest["base"]))
     for batch in _batches():
-        assert torch.equal(server.predict(batch.dense_features, batch.sparse_features), _scores(base, batch))
+        assert torch.equal(server.predict(batch), _scores(base, batch))
     tombstones = 0
     for seq in range(1, STEPS // EVERY + 1):
         _publish(job["D"], D, seq)

@@ -96,7 +96,7 @@ def make_http_server(server: Server, host: str = "127.0.0.1", port: int = 8080) 
                 self._reply(400, {"error": f"Content-Length must be in [1, {MAX_BODY}], got {length}"})
                 return
             body = self.rfile.read(length)
-            if not server.status()["ready"]:
+            if not server.ready:
                 self._reply(503, {"error": "no model yet"})
                 return
             try:

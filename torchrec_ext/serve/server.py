@@ -60,6 +60,7 @@ class Server:
         self.error: str | None = None  # the last refusal (cleared by the next export applied)
         self.rows_applied = 0
         self.requests = 0
+        self._count_lock = threading.Lock()
         self._following: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -195,12 +196,22 @@ class Server:
 
     # ------------------------------------------------------------------ serving
 
-    def predict(self, dense_features: Tensor, sparse_features: KeyedJaggedTensor) -> Tensor:
-        """Click probabilities [batch] of the model at its current export (float32)."""
+    @property
+    def ready(self) -> bool:
+        """Whether a model is loaded (``predict`` answers)."""
+        return self._model is not None
+
+    def predict(self, batch: Any, sparse_features: KeyedJaggedTensor | None = None) -> Tensor:
+        """Click probabilities [batch] (float32) of the model at its current export, for a batch
+        (``.dense_features`` and ``.sparse_features``, as torchrec's ``Batch``) or
+        ``predict(dense_features, sparse_features)``."""
         if self._model is None:
             raise RuntimeError(f"Server.predict: no model yet (nothing in {self.serve_dir}: load() or wait() first)")
+        dense = batch if sparse_features is not None else batch.dense_features
+        sparse = sparse_features if sparse_features is not None else batch.sparse_features
         with self._lock.read(), torch.no_grad():
-            logits = self._model.model(dense_features, sparse_features)  # DLRMTrain.model: DLRM_DCN
+            logits = self._model.model(dense, sparse)  # DLRMTrain.model: DLRM_DCN
+        with self._count_lock:
             self.requests += 1
         return torch.sigmoid(logits.squeeze(-1))
 

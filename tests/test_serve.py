@@ -224,6 +224,17 @@ def test_a_gap_in_the_sequence_is_refused_loudly_and_the_model_keeps_serving(job
         server.poll()
     assert server.step == EVERY
     assert torch.equal(server.predict(batch.dense_features, batch.sparse_features), _scores(trained, batch))
+    # The real export 2, one of its delta files truncated: refused; whole again: applied, then export 3.
+    entry = json.load(open(os.path.join(job["D"], rel, "00000002.json")))
+    shutil.copy(os.path.join(job["D"], rel, "00000002.json"), os.path.join(D, rel, "00000002.json"))
+    victim = os.path.join(D, entry["modules"][SPARSE[:-1]]["deltas"][1])
+    whole = open(victim, "rb").read()
+    open(victim, "wb").write(whole[: len(whole) // 2])
+    with pytest.raises(DeltaError, match="truncated"):
+        server.poll()
+    assert server.step == EVERY and "truncated" in server.status()["error"]
+    open(victim, "wb").write(whole)
+    assert server.poll() == 2 and server.step == STEPS and server.status()["error"] is None
 
 
 def test_concurrent_readers_see_one_whole_export_never_a_mix(job, tmp_path):

@@ -52,17 +52,38 @@ class Config:
 
 def make_serve_dir(cfg: Config, root: str) -> str:
     serve_dir = os.path.join(root, "D")
-    launcher = [sys.executable] if cfg.ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(cfg.ranks)]
+    launcher = (
+        [sys.executable]
+        if cfg.ranks == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(cfg.ranks)]
+    )
     cmd = launcher + [
-        "-m", "torchrec_ext.train", "--device", "cpu", "--no-progress", "--steps", str(cfg.steps),
-        "--capacity", str(cfg.capacity), "--embedding-dim", str(cfg.embedding_dim), "--batch-size", str(cfg.batch_size),
-        "--eval-every", "0", "--eval-batches", "1", "--export-deltas-every", str(cfg.every),
-        "--serve-dir", serve_dir, "--run-dir", os.path.join(root, "run"),
+        "-m",
+        "torchrec_ext.train",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--steps",
+        str(cfg.steps),
+        "--capacity",
+        str(cfg.capacity),
+        "--embedding-dim",
+        str(cfg.embedding_dim),
+        "--batch-size",
+        str(cfg.batch_size),
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+        "--export-deltas-every",
+        str(cfg.every),
+        "--serve-dir",
+        serve_dir,
+        "--run-dir",
+        os.path.join(root, "run"),
     ]
     start = time.perf_counter()
-    subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, cwd=ROOT, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL)
     print(f"job: {cfg.steps} steps, exports every {cfg.every}, in {time.perf_counter() - start:.1f} s", flush=True)
     return serve_dir
 
@@ -144,10 +165,18 @@ def main() -> None:
         apply_rows_per_s=rows_per_s,
         apply_s_per_export=[s for s, _ in applies],
         live_rows=server.status()["live_rows"],
-        busy=dict(n=len(busy), p50_ms=1e3 * percentile(busy, 0.5), p99_ms=1e3 * percentile(busy, 0.99),
-                  qps=len(busy) / (apply_end - apply_start) if busy else None),
-        idle=dict(n=len(idle), p50_ms=1e3 * percentile(idle, 0.5), p99_ms=1e3 * percentile(idle, 0.99),
-                  qps=len(idle) / (idle_end - idle_start) if idle else None),
+        busy=dict(
+            n=len(busy),
+            p50_ms=1e3 * percentile(busy, 0.5),
+            p99_ms=1e3 * percentile(busy, 0.99),
+            qps=len(busy) / (apply_end - apply_start) if busy else None,
+        ),
+        idle=dict(
+            n=len(idle),
+            p50_ms=1e3 * percentile(idle, 0.5),
+            p99_ms=1e3 * percentile(idle, 0.99),
+            qps=len(idle) / (idle_end - idle_start) if idle else None,
+        ),
         torch_threads=torch.get_num_threads(),
         load_average=os.getloadavg(),
     )
@@ -155,14 +184,32 @@ def main() -> None:
         f"# Serving replica: {len(applies)} exports ({rows:,} rows) of a {cfg.ranks}-rank job, 26 tables x "
         f"{cfg.capacity:,} rows x dim {cfg.embedding_dim}; base loaded in {load_s:.2f} s",
         "",
-        markdown_table(["apply", "rows", "seconds", "rows/s"],
-                       [["all exports", f"{rows:,}", f"{apply_s:.3f}", f"{rows_per_s:,.0f}"],
-                        ["median export", "", f"{statistics.median(s for s, _ in applies):.3f}", ""]]),
+        markdown_table(
+            ["apply", "rows", "seconds", "rows/s"],
+            [
+                ["all exports", f"{rows:,}", f"{apply_s:.3f}", f"{rows_per_s:,.0f}"],
+                ["median export", "", f"{statistics.median(s for s, _ in applies):.3f}", ""],
+            ],
+        ),
         "",
         markdown_table(
-            [f"predict, batch {cfg.predict_batch}, {cfg.readers} reader threads", "requests", "p50 ms", "p99 ms", "QPS"],
-            [[k, rec[k]["n"], f"{rec[k]['p50_ms']:.2f}", f"{rec[k]['p99_ms']:.2f}",
-              f"{rec[k]['qps']:.0f}" if rec[k]["qps"] else "n/a"] for k in ("idle", "busy")],
+            [
+                f"predict, batch {cfg.predict_batch}, {cfg.readers} reader threads",
+                "requests",
+                "p50 ms",
+                "p99 ms",
+                "QPS",
+            ],
+            [
+                [
+                    k,
+                    rec[k]["n"],
+                    f"{rec[k]['p50_ms']:.2f}",
+                    f"{rec[k]['p99_ms']:.2f}",
+                    f"{rec[k]['qps']:.0f}" if rec[k]["qps"] else "n/a",
+                ]
+                for k in ("idle", "busy")
+            ],
         ),
         "",
         "busy: requests that ended while exports were being applied (poll: read, check, build aside, publish).",

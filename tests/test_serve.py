@@ -9,6 +9,7 @@ The job runs once (2 gloo ranks, tiny model, 9 steps, tables small enough to evi
 
 import json
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -41,10 +42,27 @@ SPARSE = "model.sparse_arch.embedding_bag_collection."
 def job(tmp_path_factory):
     """The 2-rank job's serve directory D and run directory (checkpoints at every export step)."""
     root = tmp_path_factory.mktemp("serve_job")
-    args = ["--capacity", "256"] + TINY_MODEL + TINY_BATCHES + [
-        "--steps", str(STEPS), "--eval-every", "0", "--checkpoint-every", str(EVERY), "--keep-checkpoints", "0",
-        "--export-deltas-every", str(EVERY), "--serve-dir", str(root / "D"), "--run-dir", str(root / "run"),
-    ]
+    args = (
+        ["--capacity", "256"]
+        + TINY_MODEL
+        + TINY_BATCHES
+        + [
+            "--steps",
+            str(STEPS),
+            "--eval-every",
+            "0",
+            "--checkpoint-every",
+            str(EVERY),
+            "--keep-checkpoints",
+            "0",
+            "--export-deltas-every",
+            str(EVERY),
+            "--serve-dir",
+            str(root / "D"),
+            "--run-dir",
+            str(root / "run"),
+        ]
+    )
     job_ok(run_job(args, timeout=300, launcher=TORCHRUN))
     return {"D": str(root / "D"), "ckpt": str(root / "run" / "checkpoints")}
 
@@ -74,7 +92,7 @@ def _trained_model(serve_dir, checkpoint):
             request[key] = torch.empty(0)
     state = _in_group(lambda: load_checkpoint(checkpoint, {"model": request})["model"])
     ebc = model.model.sparse_arch.embedding_bag_collection
-    ebc.load_state_dict({k[len(SPARSE):]: v for k, v in state.items() if k.startswith(SPARSE)}, strict=False)
+    ebc.load_state_dict({k[len(SPARSE) :]: v for k, v in state.items() if k.startswith(SPARSE)}, strict=False)
     with torch.no_grad():
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
             if not name.startswith(SPARSE):
@@ -87,6 +105,10 @@ def _batches():
     seen = SyntheticCriteo(batch_size=64, num_batches=100, seed=0, truth_seed=0)
     other = SyntheticCriteo(batch_size=64, num_batches=100, seed=7, truth_seed=0)
     return [seen.batch(0), seen.batch(9), other.batch(3)]
+
+
+def _json(path):
+    return json.loads(pathlib.Path(path).read_text())
 
 
 def _scores(model, batch):
@@ -136,7 +158,7 @@ def test_replica_follows_the_job_and_predicts_as_the_trained_model_bit_for_bit(j
         for batch in _batches():
             got = server.predict(batch.dense_features, batch.sparse_features)
             assert torch.equal(got, _scores(trained, batch)), f"step {step}"
-        entry = json.load(open(os.path.join(D, manifest["exports"], f"{seq:08d}.json")))
+        entry = _json(os.path.join(D, manifest["exports"], f"{seq:08d}.json"))
         for f in entry["modules"][SPARSE[:-1]]["deltas"]:
             tombstones += sum(t.tombstones.numel() for t in load_delta(os.path.join(D, f)).tables.values())
     assert tombstones > 0  # the tables evicted: the replica reclaimed rows through tombstones
@@ -157,12 +179,19 @@ def test_http_round_trip(job):
         per_feature = kjt.to_dict()
         body = {
             "dense": batch.dense_features.tolist(),
-            "sparse": {name: [jt.values()[o:o + n].tolist() for o, n in zip(jt.offsets()[:-1].tolist(),
-                                                                              jt.lengths().tolist())]
-                       for name, jt in per_feature.items()},
+            "sparse": {
+                name: [
+                    jt.values()[o : o + n].tolist() for o, n in zip(jt.offsets()[:-1].tolist(), jt.lengths().tolist())
+                ]
+                for name, jt in per_feature.items()
+            },
         }
-        request = urllib.request.Request(url + "/predict", data=json.dumps(body).encode(), method="POST",
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            url + "/predict",
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
         reply = json.load(urllib.request.urlopen(request, timeout=30))
         want = server.predict(batch.dense_features, kjt)
         assert torch.equal(torch.tensor(reply["scores"], dtype=torch.float32), want) and reply["step"] == STEPS
@@ -184,7 +213,11 @@ def test_command_waits_for_the_first_model_then_serves(job, tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "torchrec_ext.serve", D, "--wait", "--port", "0", "--poll-interval", "0.2"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         time.sleep(1.0)
@@ -216,7 +249,7 @@ def test_a_gap_in_the_sequence_is_refused_loudly_and_the_model_keeps_serving(job
     assert torch.equal(server.predict(batch.dense_features, batch.sparse_features), _scores(trained, batch))
     # Export 2's entry naming export 3's deltas: their since is not the followed token.
     rel = read_manifest(D)["exports"]
-    entry = json.load(open(os.path.join(job["D"], rel, "00000003.json")))
+    entry = _json(os.path.join(job["D"], rel, "00000003.json"))
     entry["seq"] = 2
     with open(os.path.join(D, rel, "00000002.json"), "w") as f:
         json.dump(entry, f)
@@ -225,15 +258,15 @@ def test_a_gap_in_the_sequence_is_refused_loudly_and_the_model_keeps_serving(job
     assert server.step == EVERY
     assert torch.equal(server.predict(batch.dense_features, batch.sparse_features), _scores(trained, batch))
     # The real export 2, one of its delta files truncated: refused; whole again: applied, then export 3.
-    entry = json.load(open(os.path.join(job["D"], rel, "00000002.json")))
+    entry = _json(os.path.join(job["D"], rel, "00000002.json"))
     shutil.copy(os.path.join(job["D"], rel, "00000002.json"), os.path.join(D, rel, "00000002.json"))
     victim = os.path.join(D, entry["modules"][SPARSE[:-1]]["deltas"][1])
-    whole = open(victim, "rb").read()
-    open(victim, "wb").write(whole[: len(whole) // 2])
+    whole = pathlib.Path(victim).read_bytes()
+    pathlib.Path(victim).write_bytes(whole[: len(whole) // 2])
     with pytest.raises(DeltaError, match="truncated"):
         server.poll()
     assert server.step == EVERY and "truncated" in server.status()["error"]
-    open(victim, "wb").write(whole)
+    pathlib.Path(victim).write_bytes(whole)
     assert server.poll() == 2 and server.step == STEPS and server.status()["error"] is None
 
 
@@ -244,8 +277,10 @@ def test_concurrent_readers_see_one_whole_export_never_a_mix(job, tmp_path):
     batch = _batches()[1]
     manifest = read_manifest(D)
     expected = [_scores(_trained_model(D, os.path.join(D, manifest["base"])), batch)]
-    expected += [_scores(_trained_model(D, os.path.join(job["ckpt"], f"step_{s}")), batch)
-                 for s in range(EVERY, STEPS + 1, EVERY)]
+    expected += [
+        _scores(_trained_model(D, os.path.join(job["ckpt"], f"step_{s}")), batch)
+        for s in range(EVERY, STEPS + 1, EVERY)
+    ]
     assert all(not torch.equal(a, b) for a, b in zip(expected, expected[1:]))
     server = Server(D)
     server.load()
@@ -275,9 +310,25 @@ def test_concurrent_readers_see_one_whole_export_never_a_mix(job, tmp_path):
 
 def test_a_resumed_job_starts_a_new_generation_the_server_rebuilds_from(tmp_path):
     D, run = str(tmp_path / "D"), str(tmp_path / "run")
-    args = ["--capacity", "256"] + TINY_MODEL + TINY_BATCHES + [
-        "--eval-every", "0", "--checkpoint-every", str(EVERY), "--keep-checkpoints", "0",
-        "--export-deltas-every", str(EVERY), "--serve-dir", D, "--run-dir", run]
+    args = (
+        ["--capacity", "256"]
+        + TINY_MODEL
+        + TINY_BATCHES
+        + [
+            "--eval-every",
+            "0",
+            "--checkpoint-every",
+            str(EVERY),
+            "--keep-checkpoints",
+            "0",
+            "--export-deltas-every",
+            str(EVERY),
+            "--serve-dir",
+            D,
+            "--run-dir",
+            run,
+        ]
+    )
     job_ok(run_job(args + ["--steps", str(2 * EVERY)]))
     server = Server(D)
     server.load()
@@ -286,7 +337,12 @@ def test_a_resumed_job_starts_a_new_generation_the_server_rebuilds_from(tmp_path
     job_ok(run_job(args + ["--steps", str(3 * EVERY), "--resume"]))
     assert server.poll() == 1  # generation 2: rebuilt from its base (step 6), then its export 1
     status = server.status()
-    assert (status["generation"], status["base_step"], status["applied_seq"], server.step) == (2, 2 * EVERY, 1, 3 * EVERY)
+    assert (status["generation"], status["base_step"], status["applied_seq"], server.step) == (
+        2,
+        2 * EVERY,
+        1,
+        3 * EVERY,
+    )
     trained = _trained_model(D, os.path.join(run, "checkpoints", f"step_{3 * EVERY}"))
     for batch in _batches():
         assert torch.equal(server.predict(batch.dense_features, batch.sparse_features), _scores(trained, batch))
@@ -297,10 +353,12 @@ def test_a_resumed_job_starts_a_new_generation_the_server_rebuilds_from(tmp_path
 
 def _tables():
     return [
-        DynamicEmbeddingBagConfig(name="lru", embedding_dim=4, num_embeddings=32, feature_names=["f_lru"],
-                                  eviction_policy="lru"),
-        DynamicEmbeddingBagConfig(name="ttl", embedding_dim=4, num_embeddings=256, feature_names=["f_ttl"],
-                                  ttl_steps=2),
+        DynamicEmbeddingBagConfig(
+            name="lru", embedding_dim=4, num_embeddings=32, feature_names=["f_lru"], eviction_policy="lru"
+        ),
+        DynamicEmbeddingBagConfig(
+            name="ttl", embedding_dim=4, num_embeddings=256, feature_names=["f_ttl"], ttl_steps=2
+        ),
     ]
 
 
@@ -386,5 +444,7 @@ def test_nothing_below_serve_imports_it():
             continue
         for name in files:
             if name.endswith(".py"):
-                text = open(os.path.join(folder, name)).read()
-                assert not re.search(r"^\s*(from|import)\s+torchrec_ext\.serve\b", text, re.M), os.path.join(folder, name)
+                text = pathlib.Path(folder, name).read_text()
+                assert not re.search(r"^\s*(from|import)\s+torchrec_ext\.serve\b", text, re.M), os.path.join(
+                    folder, name
+                )

@@ -82,7 +82,9 @@ def prepare_deltas(tables: InferenceTables, followed: dict[str, DeltaToken], del
         ids = torch.cat([s.ids.cpu() for s in shares])
         tombstones = torch.cat([s.tombstones.cpu() for s in shares])
         if len(shares) > 1:  # each share was checked alone: its ids distinct; across shares too
-            _check_distinct(f"apply_deltas: table {name!r}", "ids and tombstones of the shares", torch.cat([ids, tombstones]))
+            _check_distinct(
+                f"apply_deltas: table {name!r}", "ids and tombstones of the shares", torch.cat([ids, tombstones])
+            )
         index, left_out = tables.indexes[t], tables.left_out[t]
         _, found = index.find(tombstones)
         if left_out is not None and not bool(found.all()):

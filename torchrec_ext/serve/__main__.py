@@ -15,16 +15,21 @@ from torchrec_ext.serve.server import Server
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m torchrec_ext.serve", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m torchrec_ext.serve", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("serve_dir", help="the job's --serve-dir")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080, help="0: any free port (printed)")
     p.add_argument("--poll-interval", type=float, default=1.0, help="seconds between looks for new exports")
     p.add_argument("--wait", action="store_true", help="wait for the job's first model instead of failing")
     p.add_argument("--wait-timeout", type=float, default=None, help="with --wait: give up after this many seconds")
-    p.add_argument("--data-type", default=None, choices=("fp32", "fp16", "bf16", "int8"),
-                   help="how rows are kept (default: as trained; fp32 rows serve the trained outputs bit for bit)")
+    p.add_argument(
+        "--data-type",
+        default=None,
+        choices=("fp32", "fp16", "bf16", "int8"),
+        help="how rows are kept (default: as trained; fp32 rows serve the trained outputs bit for bit)",
+    )
     p.add_argument("--capacity-factor", type=float, default=1.25, help="replica rows per table / trained capacity")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     return p
@@ -42,8 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.wait:
             server.wait(args.wait_timeout)
         elif not server.load():
-            print(f"torchrec_ext.serve: error: {args.serve_dir} has no manifest.json yet (the job writes it at "
-                  "its start; --wait waits for it)", file=sys.stderr)
+            print(
+                f"torchrec_ext.serve: error: {args.serve_dir} has no manifest.json yet (the job writes it at "
+                "its start; --wait waits for it)",
+                file=sys.stderr,
+            )
             return 2
         server.poll()
     except (ValueError, TimeoutError) as e:  # DeltaError is a ValueError

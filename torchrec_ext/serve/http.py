@@ -41,7 +41,9 @@ def batch_from_json(request: Any, feature_names: list[str], dense_in: int) -> tu
         raise ValueError('"sparse" must be an object: feature name -> one list of ids per sample')
     unknown = sorted(set(sparse) - set(feature_names))
     if unknown:
-        raise ValueError(f'"sparse" names features {unknown[:5]} the model does not have (it has {feature_names[:3]}...)')
+        raise ValueError(
+            f'"sparse" names features {unknown[:5]} the model does not have (it has {feature_names[:3]}...)'
+        )
     lengths, values = [], []
     for name in feature_names:
         bags = sparse.get(name, [[]] * batch)

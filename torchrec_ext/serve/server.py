@@ -10,6 +10,7 @@ of the same training step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -167,7 +168,9 @@ class Server:
         own = {k: v for k, v in own.items() if not any(k.startswith(p + ".") for p in self._modules)}
         missing, unexpected = sorted(set(own) - set(dense)), sorted(set(dense) - set(own))
         if missing or unexpected:
-            raise ValueError(f"the dense file does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+            raise ValueError(
+                f"the dense file does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
         for name, value in dense.items():
             if value.shape != own[name].shape:
                 raise ValueError(f"dense {name!r} has shape {tuple(value.shape)}, the model's {tuple(own[name].shape)}")
@@ -176,6 +179,7 @@ class Server:
     def start_following(self, interval: float = 1.0) -> threading.Thread:
         """Polls every ``interval`` seconds in a daemon thread until ``stop()``; refusals are
         logged and kept in ``status()['error']``, and the model keeps serving."""
+
         def follow() -> None:
             while not self._stop.wait(interval):
                 try:
@@ -233,10 +237,8 @@ class Server:
         lag_s = 0.0
         if pending:
             first = os.path.join(self.serve_dir, manifest["exports"], export_name(pending[0]))
-            try:
+            with contextlib.suppress(OSError):  # gone since the listing: no lag to tell
                 lag_s = max(0.0, time.time() - os.path.getmtime(first))
-            except OSError:
-                pass
         return {
             "ready": True,
             "serve_dir": self.serve_dir,

@@ -56,8 +56,8 @@ from torchrec_ext.train.progress import Log, Progress
 from torchrec_ext.train.report import plot_curves, write_json
 from torchrec_ext.train.resume import load_job_state, newest_verified, resume_config, save_job_state
 from torchrec_ext.train.run_lock import claim_run_dir
-from torchrec_ext.train.serve_export import DeltaExporter
 from torchrec_ext.train.runtime import Runtime, exit_now, init_runtime, shutdown
+from torchrec_ext.train.serve_export import DeltaExporter
 
 
 @dataclasses.dataclass

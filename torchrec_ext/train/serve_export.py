@@ -54,9 +54,7 @@ MANIFEST = "manifest.json"
 def model_config_to_json(cfg: ModelConfig) -> dict[str, Any]:
     out = dataclasses.asdict(cfg)
     out["dense_arch"], out["over_arch"] = list(cfg.dense_arch), list(cfg.over_arch)
-    out["table_options"] = {
-        k: (v.name if isinstance(v, DataType) else v) for k, v in dict(cfg.table_options).items()
-    }
+    out["table_options"] = {k: (v.name if isinstance(v, DataType) else v) for k, v in dict(cfg.table_options).items()}
     return out
 
 
@@ -64,8 +62,9 @@ def model_config_from_json(d: Mapping[str, Any]) -> ModelConfig:
     options = dict(d.get("table_options", {}))
     if "data_type" in options:
         options["data_type"] = DataType[options["data_type"]]
-    return ModelConfig(**{**d, "dense_arch": tuple(d["dense_arch"]), "over_arch": tuple(d["over_arch"]),
-                          "table_options": options})
+    return ModelConfig(
+        **{**d, "dense_arch": tuple(d["dense_arch"]), "over_arch": tuple(d["over_arch"]), "table_options": options}
+    )
 
 
 def export_name(seq: int) -> str:

@@ -343,9 +343,19 @@ def test_a_resumed_job_starts_a_new_generation_the_server_rebuilds_from(tmp_path
         1,
         3 * EVERY,
     )
+    assert sorted(n for n in os.listdir(D) if n.startswith("gen_")) == ["gen_1", "gen_2"]  # the previous one kept
     trained = _trained_model(D, os.path.join(run, "checkpoints", f"step_{3 * EVERY}"))
     for batch in _batches():
         assert torch.equal(server.predict(batch.dense_features, batch.sparse_features), _scores(trained, batch))
+
+
+def test_a_new_generation_removes_those_before_the_previous_one(tmp_path):
+    from torchrec_ext.train.serve_export import remove_old_generations
+
+    for name in ("gen_1", "gen_2", "gen_3", "gen_x", "other"):
+        os.makedirs(tmp_path / name)
+    remove_old_generations(str(tmp_path), keep_from=2)
+    assert sorted(os.listdir(tmp_path)) == ["gen_2", "gen_3", "gen_x", "other"]
 
 
 # ----------------------------------------------------------------------------- tombstones

@@ -14,7 +14,8 @@ tokens never reached a replica): so a replica refuses a tombstone of an id it do
 sign that a delta is missing or that it did not start at the token's checkpoint.
 
 How it stays cheap: tracking starts at the first ``delta_token()`` (a module that never asks
-pays nothing). Then each row carries a version (one int64 per row), stamped with the module's
+pays nothing). Then each row carries a version (one int64 per row, and one more: the version at
+which its id got it), stamped with the module's
 write counter by the callers of the kernels, on the touched rows only (one ``scatter_`` per
 step); removed ids go to an append-only log per table. A token is a counter value: export is one
 compare over the versions plus a gather of the changed rows, and the log entries past the token.
@@ -65,7 +66,8 @@ class DeltaToken:
 class TableDelta:
     """One table's change: ``ids`` int64 [n] with their ``weights`` [n, dim] (storage dtype),
     optionally ``optimizer`` state per name ([n, dim] or [n]) and ``scores`` int64 [n]; and
-    ``tombstones`` int64 [m], ids no longer live (each id once over ``ids`` and ``tombstones``).
+    ``tombstones`` int64 [m], ids live at the delta's ``since`` and no longer live (each id once
+    over ``ids`` and ``tombstones``).
     A table with fallback rows adds the ones written since: ``fallback_slots`` int64 [k] (distinct,
     in [0, fallback_rows)), their ``fallback_weights`` [k, dim] and ``fallback_optimizer`` state."""
 

@@ -20,7 +20,8 @@ Exports are numbered 1, 2, ... within a generation; export n of every rank start
 export n - 1 ended at (the manifest's tokens for n = 1), so a reader applies them in order and a
 gap in the numbers (or a delta whose ``since`` is not the token it follows) is a missing export.
 Each start of the job (a fresh run or a ``--resume``) begins a new generation with its own base:
-a token does not outlive the process that issued it. Every rank writes its own deltas; rank 0
+a token does not outlive the process that issued it; generations before the previous one are
+removed then. Every rank writes its own deltas; rank 0
 writes the base's share it holds (with every other rank: save_checkpoint is collective), the
 dense file and the manifests.
 """
@@ -30,6 +31,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import shutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -98,6 +101,15 @@ def read_manifest(serve_dir: str) -> dict[str, Any] | None:
     return manifest
 
 
+def remove_old_generations(serve_dir: str, keep_from: int) -> None:
+    """Deletes ``gen_<k>`` for k < ``keep_from``: a server still on the previous generation reads
+    it until it sees the new manifest; older ones have no reader."""
+    for name in os.listdir(serve_dir):
+        match = re.fullmatch(r"gen_(\d+)", name)
+        if match and int(match.group(1)) < keep_from:
+            shutil.rmtree(os.path.join(serve_dir, name), ignore_errors=True)
+
+
 def delta_modules(model: torch.nn.Module) -> dict[str, ShardedDeltaMixin]:
     """The model's sharded dynamic modules, by their path in the unsharded model."""
     found = {}
@@ -155,6 +167,7 @@ class DeltaExporter:
         if self.rank == 0:
             for sub in ("deltas", "dense", "exports"):
                 os.makedirs(self._dir(sub), exist_ok=True)
+            remove_old_generations(self.serve_dir, keep_from=self.generation - 1)
         base = save_checkpoint(self._dir("base"), step, {"model": self.dmp.state_dict()}, keep=1)
         self.tokens = {path: m.delta_token() for path, m in self.modules.items()}
         everyone: list = [None] * self.world_size

@@ -435,9 +435,9 @@ class TieredTables(DynamicTables):
 
     # ------------------------------------------------------------------ accounting
 
-    def storage_bytes(self) -> int:
+    def storage_bytes(self, maximum: bool = False) -> int:
         """Bytes in fast memory: the cache, the index and its metadata, the cache's maps (the
-        backing store is ``backing_bytes``)."""
+        backing store is ``backing_bytes``). Tiered tables do not grow: ``maximum`` is the same."""
         return super().storage_bytes() + sum(cache.nbytes() for cache in self.caches)
 
     def backing_bytes(self) -> int:

@@ -309,3 +309,40 @@ def test_hash_table_grown_keeps_keys_and_scores_and_maps_rows():
         assert sorted(new["keys"].tolist()) == sorted(ref.row_of)
     with pytest.raises(ValueError, match="capacity must hold the table's"):
         table.grown(10)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_planner_plans_growing_tables_at_the_maximum_or_initial_capacity(world):
+    """Storage of a growing table's shard: by default what a module holding that share reports at
+    its maximum (the preallocated share's storage_bytes()); with plan_capacity="initial", what it
+    reports when built (its rows at the initial capacity, its admission side table at the maximum)."""
+    from torchrec.distributed.planner import Topology
+
+    from test_planner import _enumerate
+    from torchrec_ext.distributed.planner import DynamicEmbeddingStorageEstimator, make_planner
+
+    cases = [(1000, 16, 64, None), (4097, 8, 100, 10), (2048, 4, 2048, None)]  # capacity, dim, initial, ttl
+    configs = [DynamicEmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=cap, feature_names=[f"f{i}"],
+                                         initial_capacity=initial, ttl_steps=ttl, admit_after=2)
+               for i, (cap, dim, initial, ttl) in enumerate(cases)]
+    ebc = DynamicEmbeddingBagCollection(configs, device=torch.device("meta"), optimizer="adagrad",
+                                        optimizer_kwargs={"lr": 0.1})
+    topology = Topology(world_size=world, compute_device="cpu")
+    for plan_capacity in ("maximum", "initial", {"t0": "initial"}):
+        estimator = DynamicEmbeddingStorageEstimator(topology, is_inference=True, plan_capacity=plan_capacity)
+        for o in _enumerate(ebc, world, estimators=[estimator]):
+            cap, dim, initial, ttl = cases[int(o.name[1:])]
+            parts = world if o.sharding_type == "row_wise" else 1
+            share = DynamicEmbeddingBagCollection(
+                [DynamicEmbeddingBagConfig(name="x", embedding_dim=dim, num_embeddings=-(-cap // parts),
+                                           feature_names=["x"], initial_capacity=-(-initial // parts), ttl_steps=ttl,
+                                           admit_after=2)],
+                optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+            initial_here = plan_capacity == "initial" or (isinstance(plan_capacity, dict) and o.name == "t0")
+            want = share.storage_bytes(maximum=not initial_here)
+            assert (want == share.storage_bytes()) == (initial_here or initial == cap)
+            assert all(s.storage.ddr == want for s in o.shards), (plan_capacity, o.name, o.sharding_type)
+    with pytest.raises(ValueError, match=r"plan_capacity must be one of \['maximum', 'initial'\].*got 'minimum'"):
+        DynamicEmbeddingStorageEstimator(topology, plan_capacity="minimum")
+    with pytest.raises(ValueError, match=r"plan_capacity must be one of .*got \{'t0': 'max'\}"):
+        make_planner(topology, batch_size=8, plan_capacity={"t0": "max"})

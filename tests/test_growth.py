@@ -346,3 +346,24 @@ def test_planner_plans_growing_tables_at_the_maximum_or_initial_capacity(world):
         DynamicEmbeddingStorageEstimator(topology, plan_capacity="minimum")
     with pytest.raises(ValueError, match=r"plan_capacity must be one of .*got \{'t0': 'max'\}"):
         make_planner(topology, batch_size=8, plan_capacity={"t0": "max"})
+
+
+def test_a_growing_replica_follows_the_deltas_of_a_preallocated_source():
+    source = DynamicEmbeddingBagCollection(_configs(None), optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
+    replica = DynamicEmbeddingBagCollection(_configs(16), optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
+    token = source.delta_token()
+    replica.load_state_dict(source.state_dict())
+    replica.follow_deltas(token)
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(4):
+        for _ in range(3):
+            source(_batch(gen, spread=600)).values().sum().backward()
+        delta = source.export_delta(since=token, include_optimizer_state=True, include_scores=True)
+        replica.apply_delta(delta)
+        token = delta.token
+    want = _by_id(source)
+    got = _by_id(replica)
+    for name in want:  # counters (training step, clocks) are the source's own
+        for key in ("weight_id", "weight", "metadata", "optimizer.momentum1"):
+            torch.testing.assert_close(got[name][key], want[name][key], rtol=0, atol=0, msg=f"{name}.{key}")
+    assert all(16 < s.capacity < NUM_EMBEDDINGS for s in replica.table_stats().values())

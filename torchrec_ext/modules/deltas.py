@@ -409,6 +409,8 @@ def apply_delta(tables: DynamicTables, followed: dict[str, DeltaToken], delta: D
     tables.write_new_rows()
     names = {m.name: t for t, m in enumerate(tables.meta)}
     device = tables.device
+    # A growing replica first makes room for the delta's ids (growth moves rows, not values).
+    tables.grow({names[name]: table.ids.numel() for name, table in delta.tables.items()})
     prepared: list[_Prepared] = []
     for name, table in delta.tables.items():
         t = names[name]

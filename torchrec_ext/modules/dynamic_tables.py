@@ -29,6 +29,7 @@ rows (``write_new_rows``), so the deferral is never visible.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
 import warnings
 import weakref
@@ -63,8 +64,11 @@ _SQUARED_STATES = {("adagrad", "momentum1"), ("rowwise_adagrad", "momentum1"), (
 
 
 class GrowthError(RuntimeError):
-    """A growing table could not allocate its larger storage: nothing changed, the tables are
-    as they were and still usable (at their current capacity)."""
+    """A growing table could not allocate its larger storage: the tables keep their storage and
+    rows and stay usable (at their current capacity). Raised by a training lookup before it
+    inserts anything, except for tables with admission, which grow once their admitted ids are
+    known: there the lookup's admission counts of that table, and the tables before it in the
+    batch, keep what the lookup did."""
 
 
 @dataclass
@@ -214,6 +218,18 @@ def _allocate(numel: int, value: float, device: torch.device) -> Tensor:
 
 
 _HUGE_PAGE = 2 << 20
+
+
+def _allocate_untouched(numel: int, value: float, device: torch.device) -> Tensor:
+    """As ``_allocate``, but a large zero-filled CPU buffer comes from fresh anonymous pages, which
+    the kernel zeroes when first touched: a growth then commits the pages of the rows it copies and
+    of the rows ids take later, not the whole new capacity at once (nor spends a pass filling it)."""
+    if device.type != "cpu" or value != 0.0 or numel * 4 < _HUGE_PAGE:
+        return _allocate(numel, value, device)
+    pages = mmap.mmap(-1, numel * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = torch.frombuffer(pages, dtype=torch.float32, count=numel)  # keeps ``pages`` alive (unmapped with it)
+    _advise_huge_pages(buf)
+    return buf
 
 
 def _advise_huge_pages(buf: Tensor) -> None:
@@ -403,10 +419,12 @@ class DynamicTables:
                        for name, value in zip(OPTIMIZER_STATES[spec.kind], self._initial_state_values())]
         self._init_views = None
 
-    def _allocate_buffer(self, name: str, numel: int, value: float, device: torch.device) -> Tensor:
+    def _allocate_buffer(self, name: str, numel: int, value: float, device: torch.device,
+                         untouched: bool = False) -> Tensor:
         """The flat buffer ``name`` ("weights" or an optimizer state) of ``numel`` elements, filled
-        with ``value`` (a hook: tiered tables keep these in a cache over a backing store)."""
-        return _allocate(numel, value, device)
+        with ``value`` (a hook: tiered tables keep these in a cache over a backing store);
+        ``untouched``: pages not committed until written, where the platform allows (a growth's)."""
+        return (_allocate_untouched if untouched else _allocate)(numel, value, device)
 
     def apply(self, fn) -> None:
         """Applies a tensor function (``Module._apply``'s) to the storage and moves the indexes."""
@@ -480,8 +498,10 @@ class DynamicTables:
         exporting = torch.compiler.is_compiling()  # bounds are symbolic: tell what the op guarantees
         bounds = unique_offsets.tolist()
         if training and self._growing and not exporting and self.pending_backward == 0:
-            # Room for every distinct id of the batch (a bound on its new ones) before any is inserted.
-            self.grow({t: end - start for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]))})
+            # Room for every distinct id of the batch (a bound on its new ones) before any is
+            # inserted; tables with admission grow in _rows_for, for the ids admitted.
+            self.grow({t: end - start for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]))
+                       if self.admission[t] is None})
         if training:
             self.train_step += 1
         new = None
@@ -539,8 +559,8 @@ class DynamicTables:
 
     def grow(self, incoming: Optional[Dict[int, int]] = None) -> List[int]:
         """Doubles (repeatedly, up to max_capacity) each growing table whose load with
-        ``incoming[t]`` more rows (default 0) would pass its growth_load_factor; returns the tables
-        grown. Only while no lookup awaits its fused update (else a no-op: rows must not move under
+        ``incoming[t]`` more rows would pass its growth_load_factor (``incoming`` None: every table,
+        none incoming; else the tables it names); returns the tables grown. Only while no lookup awaits its fused update (else a no-op: rows must not move under
         it); the lookup and the update that ends the last pending one call it. All tables growing
         at once share one relayout (``_relayout``): their rows move to their keys' new places,
         with their vectors, optimizer state, last-seen steps and delta versions; ids, scores,
@@ -548,11 +568,10 @@ class DynamicTables:
         new storage cannot be allocated."""
         if not self._growing or self.pending_backward or self.device.type == "meta":
             return []
-        incoming = incoming or {}
         targets = {}
         for t, m in enumerate(self.meta):
-            if m.grows:
-                want = m.fit_capacity(self.indexes[t].size() + incoming.get(t, 0))
+            if m.grows and (incoming is None or t in incoming):
+                want = m.fit_capacity(self.indexes[t].size() + (incoming or {}).get(t, 0))
                 if want != m.capacity:
                     targets[t] = want
         if not targets:
@@ -578,13 +597,13 @@ class DynamicTables:
         rowwise = self.optimizer is not None and self.optimizer.kind in ROWWISE_STATE
         state_size = sum((c + m.fallback_rows) * (1 if rowwise else m.dim) for c, m in zip(new_caps, self.meta))
         try:
-            weights = self._allocate_buffer("weights", words, 0.0, device)
-            states = [self._allocate_buffer(name, state_size, value, device) for name, value in
+            weights = self._allocate_buffer("weights", words, 0.0, device, untouched=True)
+            states = [self._allocate_buffer(name, state_size, value, device, untouched=True) for name, value in
                       zip(OPTIMIZER_STATES[self.optimizer.kind] if self.optimizer is not None else (),
                           self._initial_state_values())]
             last_seen = {t: torch.zeros(plans[t][0], dtype=torch.int64, device=device)
                          for t in plans if self.last_seen[t] is not None}
-        except (RuntimeError, MemoryError) as e:
+        except (RuntimeError, MemoryError, OSError) as e:
             names = [self.meta[t].name for t in plans]
             need = words * 4 + len(self.states) * state_size * 4
             raise GrowthError(f"tables {names}: growing to capacities {[plans[t][0] for t in plans]} needs new "
@@ -717,6 +736,11 @@ class DynamicTables:
             unseen = ~found
             admitted = admission.admit(keys, counts, unseen, self.train_step)
             self.counters.count_rejected(t, unseen & ~admitted)
+            if m.grows and self.pending_backward == 0 and not torch.compiler.is_compiling():
+                # Room for the ids admitted now. Only this table's rows move: the rows other
+                # tables gave this batch's ids so far stay theirs (a relayout copies them whole).
+                self.grow({t: int((unseen & admitted).sum())})
+                index = self.indexes[t]
             candidates = found | admitted
             keys, counts = keys[candidates], counts[candidates]
         scores = counts if m.policy in _SCORED_BY_COUNT else None

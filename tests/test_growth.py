@@ -17,7 +17,7 @@ from torchrec_ext import (
     DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, DynamicEmbeddingCollection, DynamicEmbeddingConfig,
     HashTable,
 )
-from torchrec_ext.modules.dynamic_tables import GrowthError
+from torchrec_ext.modules import GrowthError
 from torchrec_ext.reference import ReferenceHashTable
 
 NUM_EMBEDDINGS = 2048
@@ -233,6 +233,23 @@ def test_a_grown_checkpoint_loads_into_fresh_modules():
     assert all(s.capacity < NUM_EMBEDDINGS for s in back.table_stats().values())
 
 
+def test_a_copy_of_a_growing_module_grows_on_its_own():
+    import copy
+
+    module = DynamicEmbeddingBagCollection(_configs(40), optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
+    gen = torch.Generator().manual_seed(12)
+    module(_batch(gen)).values().sum().backward()
+    twin = copy.deepcopy(module)
+    weight = twin.embedding_bags["t0"].weight
+    before = weight.shape[0]
+    kjt = _batch(gen, spread=10 ** 6)
+    for m in (module, twin):
+        m(kjt).values().sum().backward()
+    assert twin.embedding_bags["t0"].weight is weight and weight.shape[0] > before  # re-pointed at its own storage
+    assert weight.data_ptr() != module.embedding_bags["t0"].weight.data_ptr()
+    _assert_same_tables(_by_id(twin), _by_id(module))
+
+
 def test_reset_returns_to_the_initial_capacity():
     module = DynamicEmbeddingBagCollection(_configs(40), optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
     small = module.storage_bytes()
@@ -371,3 +388,24 @@ def test_a_growing_replica_follows_the_deltas_of_a_preallocated_source():
         for key in ("weight_id", "weight", "metadata", "optimizer.momentum1"):
             torch.testing.assert_close(got[name][key], want[name][key], rtol=0, atol=0, msg=f"{name}.{key}")
     assert all(16 < s.capacity < NUM_EMBEDDINGS for s in replica.table_stats().values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_growth_on_cuda_equals_the_preallocated_module_and_stays_on_the_device():
+    device = torch.device("cuda")
+    modules = [DynamicEmbeddingBagCollection(_configs(initial), device=device, optimizer="adagrad",
+                                             optimizer_kwargs={"lr": 0.05}) for initial in (40, None)]
+    gen = torch.Generator().manual_seed(8)
+    for step in range(10):
+        kjt = _batch(gen, spread=700).to(device)
+        outs = []
+        for m in modules:
+            out = m(kjt).values()
+            out.pow(2).sum().backward()
+            outs.append(out.detach())
+        torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0, msg=f"step {step}")
+    tables = modules[0]._tables
+    assert tables.weights.device.type == "cuda" and all(s.device.type == "cuda" for s in tables.states)
+    assert all(i.device.type == "cuda" for i in tables.indexes)
+    assert all(40 < s.capacity < NUM_EMBEDDINGS for s in modules[0].table_stats().values())
+    _assert_same_tables(_by_id(modules[0]), _by_id(modules[1]))

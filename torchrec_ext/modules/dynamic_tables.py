@@ -19,6 +19,13 @@ rows, which the index never hands out. A distinct id without a row (-1 above) re
 reading one fallback row are merged into one unique row of the lookup, so the fused update takes
 one step of that row on their summed gradient, with its own optimizer state, as for any row.
 
+Growth (a config's ``initial_capacity`` < num_embeddings): a table's capacity rows start at
+initial_capacity and double, up to num_embeddings, when a training batch could push its load past
+``growth_load_factor`` (``grow``). Every table's vectors and optimizer state move to new flat
+buffers of the new layout, the grown tables' rows to their keys' places in a rebuilt index
+(``HashTable.grown``), with their last-seen steps and delta versions (``_relayout``). Rows move
+only then, and only while no lookup awaits its fused update (``pending_backward``).
+
 On CPU, when a backward will follow, new rows are not written by the lookup: their initial
 vectors go to a small dense block (``NewRows``) that the lookup kernels read, and the fused
 update writes each one to its row with the row's first step. New ids are most of a batch's

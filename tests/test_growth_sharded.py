@@ -82,6 +82,16 @@ def _grow_under_the_pipeline(rank, world_size):
         assert got[name].keys() == want[name].keys()
         for key in want[name]:
             torch.testing.assert_close(got[name][key], want[name][key], rtol=0, atol=0, msg=f"{name}.{key}")
+    # The grown sharded checkpoint loads into a fresh sharded growing model: each rank's share
+    # grows to fit its ids (to the capacity the saving share had: no id was evicted or expired).
+    fresh, _ = make_dmp_dlrm(world_size, dynamic=True, tables=_tables(INITIAL))
+    fresh.load_state_dict(grown.state_dict())
+    reloaded = _tables_by_id(full_state_dict(fresh.state_dict()))
+    for name in want:
+        for key in want[name]:
+            torch.testing.assert_close(reloaded[name][key], want[name][key], rtol=0, atol=0, msg=f"{name}.{key}")
+    fresh_local = fresh.module.model.sparse_arch.embedding_bag_collection._local
+    assert {n: s.capacity for n, s in fresh_local.table_stats().items()} == {n: s.capacity for n, s in stats.items()}
     # The grown checkpoint loads into an unsharded growing module, which fits its ids.
     state = full_state_dict(grown.state_dict())
     prefix = "model.sparse_arch.embedding_bag_collection."

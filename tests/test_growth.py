@@ -14,7 +14,10 @@ from torchrec import KeyedJaggedTensor
 from torchrec.modules.embedding_configs import DataType
 
 from torchrec_ext import (
-    DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, DynamicEmbeddingCollection, DynamicEmbeddingConfig,
+    DynamicEmbeddingBagCollection,
+    DynamicEmbeddingBagConfig,
+    DynamicEmbeddingCollection,
+    DynamicEmbeddingConfig,
     HashTable,
 )
 from torchrec_ext.modules import GrowthError
@@ -101,9 +104,10 @@ def test_growing_bag_collection_equals_the_preallocated_one(optimizer):
 
 
 def test_growing_sequence_collection_equals_the_preallocated_one():
-    configs = lambda initial: [DynamicEmbeddingConfig(name=f"t{i}", embedding_dim=8, num_embeddings=NUM_EMBEDDINGS,
-                                                      feature_names=[f"f{i}"], initial_capacity=initial)
-                               for i in range(2)]
+    def configs(initial):
+        return [DynamicEmbeddingConfig(name=f"t{i}", embedding_dim=8, num_embeddings=NUM_EMBEDDINGS,
+                                       feature_names=[f"f{i}"], initial_capacity=initial) for i in range(2)]
+
     modules = [DynamicEmbeddingCollection(configs(initial), optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
                for initial in (33, None)]  # not a whole number of buckets
     gen = torch.Generator().manual_seed(5)
@@ -173,7 +177,10 @@ def test_rows_never_move_while_a_backward_is_pending():
                                     initial_capacity=32)
     module = DynamicEmbeddingBagCollection([cfg], optimizer="sgd", optimizer_kwargs={"lr": 0.1})
     tables = module._tables
-    kjt = lambda lo: KeyedJaggedTensor.from_lengths_sync(["f"], torch.arange(lo, lo + 100), torch.full((25,), 4))
+
+    def kjt(lo):
+        return KeyedJaggedTensor.from_lengths_sync(["f"], torch.arange(lo, lo + 100), torch.full((25,), 4))
+
     first = module(kjt(0)).values()  # grows for its 100 ids first, then pends
     capacity, weight = tables.meta[0].capacity, module.embedding_bags["t"].weight
     assert capacity == 256 and tables.pending_backward == 1

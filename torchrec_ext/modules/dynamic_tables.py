@@ -567,8 +567,9 @@ class DynamicTables:
     def grow(self, incoming: Optional[Dict[int, int]] = None) -> List[int]:
         """Doubles (repeatedly, up to max_capacity) each growing table whose load with
         ``incoming[t]`` more rows would pass its growth_load_factor (``incoming`` None: every table,
-        none incoming; else the tables it names); returns the tables grown. Only while no lookup awaits its fused update (else a no-op: rows must not move under
-        it); the lookup and the update that ends the last pending one call it. All tables growing
+        none incoming; else the tables it names); returns the tables grown. Only while no lookup
+        awaits its fused update (else a no-op: rows must not move under it); the lookup and the
+        update that ends the last pending one call it. All tables growing
         at once share one relayout (``_relayout``): their rows move to their keys' new places,
         with their vectors, optimizer state, last-seen steps and delta versions; ids, scores,
         admission and counters are untouched. Raises ``GrowthError`` (nothing changed) when the

@@ -125,7 +125,10 @@ class DynamicTableOptions:
         index's last 32-slot bucket may be partly usable, as for any capacity). Rows move only at a
         growth, between steps; values, scores, optimizer state and admission / TTL state do not
         change (``DynamicTables.grow``). Device backing only.
-    growth_load_factor: the load in (0, 1] past which a growing table doubles (default 0.75).
+    growth_load_factor: the load in (0, 1] past which a growing table doubles (default 0.75; near 1,
+        a key's two full 32-slot buckets may evict before the table grows). A training batch counts
+        its distinct ids as new for this (those admitted, with admission), so a table grows before
+        a batch could push it past the factor.
     """
 
     eviction_policy: str = "lru"

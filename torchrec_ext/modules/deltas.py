@@ -132,6 +132,17 @@ class DeltaLog:
         start = int(tables.state_row_offsets[t]) + (m.capacity if fallback else 0)
         return self.version[start : start + (m.fallback_rows if fallback else m.capacity)]
 
+    def relayout(self, tables: DynamicTables, flat_map: Tensor) -> None:
+        """The tables' rows moved (a growth): ``flat_map[old flat row]`` is the new one (-1: gone).
+        Versions follow their rows, so what was written since a token is still exported."""
+        self._on(flat_map.device)
+        total = sum(m.rows for m in tables.meta)
+        version = torch.zeros(total + 1, dtype=torch.int64, device=flat_map.device)
+        moved = (flat_map >= 0).nonzero().squeeze(1)
+        version.index_copy_(0, flat_map.index_select(0, moved), self.version.index_select(0, moved))
+        self.version, self.no_row = version, total
+        self.row_starts = tables.state_row_offsets.to(flat_map.device)
+
     # ------------------------------------------------------------------ hooks (DynamicTables)
 
     def written(self, t: int, rows: Tensor) -> None:
@@ -438,6 +449,8 @@ def prepare_delta(tables: DynamicTables, followed: dict[str, DeltaToken], delta:
     tables.write_new_rows()
     names = {m.name: t for t, m in enumerate(tables.meta)}
     device = tables.device
+    # A growing replica first makes room for the delta's ids (growth moves rows, not values).
+    tables.grow({names[name]: table.ids.numel() for name, table in delta.tables.items()})
     prepared: list[_Prepared] = []
     for name, table in delta.tables.items():
         t = names[name]

@@ -397,6 +397,35 @@ def test_a_growing_replica_follows_the_deltas_of_a_preallocated_source():
     assert all(16 < s.capacity < NUM_EMBEDDINGS for s in replica.table_stats().values())
 
 
+def test_tombstones_of_a_growing_source_equal_the_preallocated_ones():
+    """Born versions follow their rows through growths: a token taken mid-stream, then growths and
+    TTL expiries; tombstones (ids live at the token, gone now) equal the preallocated module's."""
+    def configs(initial):
+        return [DynamicEmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=NUM_EMBEDDINGS,
+                                          feature_names=[f"f{i}"], initial_capacity=initial, ttl_steps=3)
+                for i in range(3)]
+
+    modules = [DynamicEmbeddingBagCollection(configs(initial), optimizer="sgd", optimizer_kwargs={"lr": 0.05})
+               for initial in (32, None)]
+    gen = torch.Generator().manual_seed(8)
+    tokens, spread = [None, None], 40
+    for step in range(16):
+        if step == 4:
+            tokens = [m.delta_token() for m in modules]
+        kjt = _batch(gen, spread=spread)
+        spread += 60  # new ids keep arriving (growths) while older ones expire (tombstones)
+        for m in modules:
+            m(kjt).values().sum().backward()
+    grown, full = (m.export_delta(since=t) for m, t in zip(modules, tokens))
+    assert all(s.capacity < NUM_EMBEDDINGS for s in modules[0].table_stats().values())
+    total = 0
+    for name in full.tables:
+        want, got = full.tables[name].tombstones.sort().values, grown.tables[name].tombstones.sort().values
+        assert torch.equal(got, want), name
+        total += want.numel()
+    assert total > 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_growth_on_cuda_equals_the_preallocated_module_and_stays_on_the_device():
     device = torch.device("cuda")

@@ -134,13 +134,19 @@ class DeltaLog:
 
     def relayout(self, tables: DynamicTables, flat_map: Tensor) -> None:
         """The tables' rows moved (a growth): ``flat_map[old flat row]`` is the new one (-1: gone).
-        Versions follow their rows, so what was written since a token is still exported."""
+        Write and born versions follow their rows, so what was written since a token is still
+        exported and tombstones still name only ids live at the token."""
         self._on(flat_map.device)
         total = sum(m.rows for m in tables.meta)
-        version = torch.zeros(total + 1, dtype=torch.int64, device=flat_map.device)
         moved = (flat_map >= 0).nonzero().squeeze(1)
-        version.index_copy_(0, flat_map.index_select(0, moved), self.version.index_select(0, moved))
-        self.version, self.no_row = version, total
+        targets = flat_map.index_select(0, moved)
+
+        def follow(per_row: Tensor) -> Tensor:
+            out = torch.zeros(total + 1, dtype=torch.int64, device=flat_map.device)
+            return out.index_copy_(0, targets, per_row.index_select(0, moved))
+
+        # Born versions move too: a tombstone is sent only for ids born at or before a token.
+        self.version, self.born, self.no_row = follow(self.version), follow(self.born), total
         self.row_starts = tables.state_row_offsets.to(flat_map.device)
 
     # ------------------------------------------------------------------ hooks (DynamicTables)

@@ -234,3 +234,21 @@ def test_model_placement_matches_two_candidate_buckets(device):
     for key, row in zip(keys.tolist(), rows):
         b1, b2, _ = place(key, 10_000)
         assert row // 32 in (b1, b2)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "epoch_lru", "epoch_lfu", "none"])
+def test_new_key_score_is_the_score_an_insert_gives_a_new_key(policy, device):
+    # Oracle: the score the table itself stores for a key new to the next call, after calls
+    # that moved the clock and the epoch (and gave held keys other scores).
+    table = HashTable(100, policy=policy, device=device)
+    table.find_or_insert(torch.arange(10, device=device))
+    table.find_or_insert(torch.arange(5, device=device))
+    table.set_epoch(3)
+    for insert in (table.find_or_insert, table.insert_or_assign):
+        expected = table.new_key_score()
+        key = 1000 + table.clock
+        insert(_keys([key, 0], device))
+        state = table.state_dict()
+        assert int(state["scores"][state["keys"] == key]) == expected, insert.__name__
+    with pytest.raises(ValueError, match="custom"):
+        HashTable(10, policy="custom", device=device).new_key_score()

@@ -278,6 +278,21 @@ class HashTable:
         scores = self._check_scores("insert_or_assign", scores, keys, increments=False)
         return self._upsert(keys, scores, assign=True)
 
+    def new_key_score(self) -> int:
+        """The score a key new to the next ``find_or_insert`` / ``insert_or_assign`` without
+        ``scores`` gets (csrc/hash_table_layout.h's touched_score): what a caller that places keys
+        itself (``place_keys``) gives new keys so later evictions rank them as an insert would."""
+        if self.policy == "custom":
+            raise ValueError("HashTable.new_key_score: the 'custom' policy takes every score from the caller")
+        clock = self._clock + 1  # the next mutating call's
+        return {
+            "none": clock,
+            "lru": clock,
+            "lfu": 1,
+            "epoch_lru": (self._epoch << 32) | (clock & 0xFFFFFFFF),
+            "epoch_lfu": (self._epoch << 32) | 1,
+        }[self.policy]
+
     def erase(self, keys: Tensor) -> Tensor:
         """Removes ``keys``; returns a bool mask, True where a key was removed (first occurrence)."""
         keys = self._check_keys("erase", keys)

@@ -30,8 +30,8 @@ class NoRowError(ValueError):
 
     def __init__(self, lost: int, total: int, capacity: int):
         super().__init__(
-            f"{lost} of {total} ids (the held ones the tombstones leave and the delta's new ones) find no "
-            f"row at capacity {capacity}"
+            f"{lost} of {total} ids find no row at capacity {capacity} (the ids held after the delta's "
+            f"tombstones and its new ones)"
         )
         self.lost = lost
 

@@ -454,3 +454,50 @@ def test_a_delta_no_placement_holds_is_refused_whole():
     delta = source.export_delta(since=token)
     assert source.num_live_rows() > 96
     _unchanged(replica, lambda: replica.apply_delta(delta), r"of \d+ ids find no row at capacity 96.*nothing was applied")
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "epoch_lfu"])
+@pytest.mark.parametrize("given_scores", [False, True])
+def test_place_exactly_keeps_every_score_and_leaves_the_index_alone(policy, given_scores):
+    """place_exactly against a dict of what the greedy insert would leave: the held ids' scores
+    (touched ones as the policy touches them), new ids' new_key_score (or the given scores), the
+    clock one call on; every row in one of its key's buckets; the index it was given unchanged."""
+    from torchrec_ext.modules.delta_placement import place_exactly
+    from torchrec_ext.reference import bucket_pairs
+    from torchrec_ext.table import HashTable
+
+    capacity = 256
+    index = HashTable(capacity, policy=policy)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(6):  # full, after evictions
+        index.find_or_insert(torch.randint(0, 4 * capacity, (capacity // 2,), generator=gen))
+    index.set_epoch(2)
+    before = index.state_dict()
+    held = dict(zip(before["keys"].tolist(), before["scores"].tolist()))
+    keys = before["keys"]
+    tombstones, touched = keys[:40], keys[40:60]
+    new = torch.arange(10_000, 10_040)
+    ids = torch.cat([touched, new])
+    scores = torch.arange(ids.numel()) + 7 if given_scores else None
+    expected = {k: s for k, s in held.items() if k not in set(tombstones.tolist())}
+    if given_scores:
+        expected.update(zip(ids.tolist(), scores.tolist()))
+    else:
+        probe = index.clone()
+        probe.insert_or_assign(touched)  # the touch the greedy insert gives held ids
+        expected.update((k, s) for k, s in zip(*(probe.state_dict()[f].tolist() for f in ("keys", "scores")))
+                        if k in set(touched.tolist()))
+        expected.update((k, index.new_key_score()) for k in new.tolist())
+    placed = place_exactly(index, ids, tombstones, scores)
+    after = placed.index.state_dict()
+    assert dict(zip(after["keys"].tolist(), after["scores"].tolist())) == expected
+    assert after["clock"] == before["clock"] + 1 and after["epoch"] == 2
+    first, second = bucket_pairs(after["keys"], capacity)
+    assert bool(((after["rows"] // 32 == first) | (after["rows"] // 32 == second)).all())
+    assert torch.equal(placed.rows, placed.index.find(ids)[0]) and placed.inserted.tolist() == [False] * 20 + [True] * 40
+    old_row = dict(zip(before["keys"].tolist(), before["rows"].tolist()))
+    new_row = dict(zip(after["keys"].tolist(), after["rows"].tolist()))
+    moved = {(old_row[k], new_row[k]) for k in old_row if k in new_row and old_row[k] != new_row[k]}
+    assert moved == set(zip(placed.moved_from.tolist(), placed.moved_to.tolist()))
+    for field in ("keys", "rows", "scores"):
+        assert torch.equal(index.state_dict()[field], before[field])

@@ -8,8 +8,8 @@ filled to capacity by training-mode forwards of ids drawn from 2 x capacity (it 
 `roomy` (twice it), and for each of `deltas` steps the source trains on `changed` x capacity ids
 (half of them new: it evicts as many), exports the delta, and each replica applies it (timed).
 The full replica's time splits into the placement search (`place_exactly`: the index exported,
-the ids placed by place_keys, a new index built) and the rest (greedy attempt, row moves, row
-writes). Medians over the deltas; the replicas' rows are checked against the source's.
+the ids placed by place_keys from the held ids' rows, a new index built) and the rest (greedy
+attempt, moves of the held ids on augmenting paths, row writes). Medians over the deltas; the replicas' rows are checked against the source's.
 
     python benchmarks/bench_delta_placement.py                   # saves results/delta_placement_cpu.*
     python benchmarks/bench_delta_placement.py --capacities 65536 --deltas 3 --no-save   # smoke
@@ -64,12 +64,14 @@ def measure(capacity: int, cfg: Config, gen: torch.Generator) -> dict[str, objec
     from torchrec_ext.modules import delta_placement
 
     searches: list[float] = []
+    moved: list[int] = []
     exact = delta_placement.place_exactly
 
     def timed_exact(*args):
         start = time.perf_counter()
         out = exact(*args)
         searches.append(time.perf_counter() - start)
+        moved.append(out.moved_from.numel())
         return out
 
     delta_placement.place_exactly = timed_exact
@@ -116,6 +118,7 @@ def measure(capacity: int, cfg: Config, gen: torch.Generator) -> dict[str, objec
             replaced=replaced,
             full_s=statistics.median(times["full"]),
             search_s=statistics.median(searches) if searches else 0.0,
+            moved_rows=statistics.median(moved) if moved else 0,
             roomy_s=statistics.median(times["roomy"]),
         )
     finally:
@@ -132,6 +135,7 @@ def main() -> None:
             f"{r['capacity']:,}",
             f"{r['delta_ids']:,} / {r['tombstones']:,}",
             f"{r['replaced']} of {r['deltas']}",
+            f"{r['moved_rows']:,}",
             f"{1e3 * r['full_s']:.1f}",
             f"{1e3 * r['search_s']:.1f}",
             f"{1e3 * r['roomy_s']:.1f}",
@@ -148,6 +152,7 @@ def main() -> None:
                 "capacity",
                 "delta ids / tombstones",
                 "re-placed",
+                "held ids moved",
                 "full replica ms",
                 "of which placement search ms",
                 "replica at 2x capacity ms",

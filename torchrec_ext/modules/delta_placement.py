@@ -6,10 +6,11 @@ there. Inserting a delta's new ids greedily (``insert_or_assign``, after erasing
 mostly works, yet in a full or nearly full table a new id's two buckets can both be full in the
 replica while the source's were not: the greedy insert then refuses (or evicts) a live id. The
 source's placement proves that one holding every id exists, so the replica then re-places its
-whole table (``place_exactly``): ``place_keys``, the placement a load uses, finds a bucket
-assignment whenever one exists. Every held id keeps its score (later evictions on the replica, a
-source in turn, rank them as the source's did); the rows of the ids that move are given so the
-caller moves their vectors, optimizer state and per-row metadata with them.
+table (``place_exactly``): ``place_keys``, the placement a load uses, started from the held ids'
+rows, finds a bucket assignment whenever one exists, moving only the held ids on the augmenting
+paths that make room. Every held id keeps its score (later evictions on the replica, a source in
+turn, rank them as the source's did); the rows of the ids that move are given so the caller moves
+their vectors, optimizer state and per-row metadata with them.
 
 Nothing here touches the index it is given: the plan is built on copies, and the caller publishes
 it (swaps in ``DeltaRows.index``, moves and writes rows) only once every table has one.
@@ -66,9 +67,9 @@ def place_delta(index: HashTable, ids: Tensor, tombstones: Tensor, scores: Tenso
 
 
 def place_exactly(index: HashTable, ids: Tensor, tombstones: Tensor, scores: Tensor | None = None) -> DeltaRows:
-    """``place_delta`` by re-placing the whole table: the ids held after the tombstones, with
-    their scores, and the delta's new ids, placed afresh by ``place_keys``; the clock, epoch and
-    every score end as the greedy insert would have left them."""
+    """``place_delta`` by re-placing the table: the ids held after the tombstones, with their
+    scores, from their rows, and the delta's new ids, placed by ``place_keys``; the clock, epoch
+    and every score end as the greedy insert would have left them."""
     plan = index.clone()
     if tombstones.numel():
         plan.erase(tombstones)
@@ -82,7 +83,8 @@ def place_exactly(index: HashTable, ids: Tensor, tombstones: Tensor, scores: Ten
     new_scores = scores[new] if scores is not None else torch.full_like(ids[new], fresh)
     keys = torch.cat([state["keys"], ids[new]])
     key_scores = torch.cat([state["scores"], new_scores])
-    rows = place_keys(keys, key_scores, index.capacity)
+    # From the held ids' rows: only the ids on the augmenting paths that make room move.
+    rows = place_keys(keys, key_scores, index.capacity, torch.cat([state["rows"], torch.full_like(ids[new], -1)]))
     lost = int((rows < 0).sum())
     if lost:
         raise NoRowError(lost, keys.numel(), index.capacity)

@@ -26,7 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_table, parse_config, save  # noqa: E402
+from common import markdown_table, parse_config, save
 
 
 @dataclasses.dataclass

@@ -349,7 +349,11 @@ def test_a_safetensors_reader_reads_it(tmp_path):
 
 def _full_table(policy, capacity, optimizer="adagrad", ttl_steps=None):
     cfg = DynamicEmbeddingBagConfig(
-        name="t", embedding_dim=4, num_embeddings=capacity, feature_names=["f"], eviction_policy=policy,
+        name="t",
+        embedding_dim=4,
+        num_embeddings=capacity,
+        feature_names=["f"],
+        eviction_policy=policy,
         ttl_steps=ttl_steps,
     )
     kwargs = {"optimizer": optimizer, "optimizer_kwargs": {"lr": 0.1}} if optimizer else {}
@@ -404,8 +408,10 @@ def test_a_replica_of_a_full_table_follows_every_delta(policy, capacity, monkeyp
         token = delta.token
         assert delta.tables["t"].tombstones.numel() > 0 and source.num_live_rows() == capacity
         replica.apply_delta(delta)
-        for got, want in zip(_by_id(replica, "weight", "optimizer.momentum1", "metadata"),
-                             _by_id(source, "weight", "optimizer.momentum1", "metadata")):
+        for got, want in zip(
+            _by_id(replica, "weight", "optimizer.momentum1", "metadata"),
+            _by_id(source, "weight", "optimizer.momentum1", "metadata"),
+        ):
             assert torch.equal(got, want)
         if k % 2:
             second_delta = replica.export_delta(since=second_token)
@@ -455,7 +461,9 @@ def test_a_delta_no_placement_holds_is_refused_whole():
         source(_crowding_batch(step, capacity)).values().sum().backward()
     delta = source.export_delta(since=token)
     assert source.num_live_rows() > 96
-    _unchanged(replica, lambda: replica.apply_delta(delta), r"of \d+ ids find no row at capacity 96.*nothing was applied")
+    _unchanged(
+        replica, lambda: replica.apply_delta(delta), r"of \d+ ids find no row at capacity 96.*nothing was applied"
+    )
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "epoch_lfu"])
@@ -487,8 +495,11 @@ def test_place_exactly_keeps_every_score_and_leaves_the_index_alone(policy, give
     else:
         probe = index.clone()
         probe.insert_or_assign(touched)  # the touch the greedy insert gives held ids
-        expected.update((k, s) for k, s in zip(*(probe.state_dict()[f].tolist() for f in ("keys", "scores")))
-                        if k in set(touched.tolist()))
+        expected.update(
+            (k, s)
+            for k, s in zip(*(probe.state_dict()[f].tolist() for f in ("keys", "scores")))
+            if k in set(touched.tolist())
+        )
         expected.update((k, index.new_key_score()) for k in new.tolist())
     placed = place_exactly(index, ids, tombstones, scores)
     after = placed.index.state_dict()
@@ -496,7 +507,9 @@ def test_place_exactly_keeps_every_score_and_leaves_the_index_alone(policy, give
     assert after["clock"] == before["clock"] + 1 and after["epoch"] == 2
     first, second = bucket_pairs(after["keys"], capacity)
     assert bool(((after["rows"] // 32 == first) | (after["rows"] // 32 == second)).all())
-    assert torch.equal(placed.rows, placed.index.find(ids)[0]) and placed.inserted.tolist() == [False] * 20 + [True] * 40
+    assert (
+        torch.equal(placed.rows, placed.index.find(ids)[0]) and placed.inserted.tolist() == [False] * 20 + [True] * 40
+    )
     old_row = dict(zip(before["keys"].tolist(), before["rows"].tolist()))
     new_row = dict(zip(after["keys"].tolist(), after["rows"].tolist()))
     moved = {(old_row[k], new_row[k]) for k in old_row if k in new_row and old_row[k] != new_row[k]}

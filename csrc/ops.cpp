@@ -26,7 +26,8 @@ TORCH_LIBRARY(torchrec_ext, m) {
       "Tensor keys, Tensor rows, Tensor scores, int capacity) -> ()");
   // Rows for distinct keys in an empty table (-1: left out), higher scores first: a key is left
   // out only when it cannot be placed beside the higher-priority keys placed (placement_cpu.cpp).
-  m.def("hash_place(Tensor keys, Tensor scores, int capacity) -> Tensor rows");
+  // start_rows: a starting placement (-1: not placed); those keys move only to make room.
+  m.def("hash_place(Tensor keys, Tensor scores, int capacity, Tensor? start_rows=None) -> Tensor rows");
   // Owning rank of each key for row-wise sharding (hash independent of the bucket hash).
   m.def("route(Tensor keys, int world_size) -> Tensor");
   // Input routing of sharded tables (csrc/routing_cpu.cpp): each id of bag g = slot * batch_size

@@ -19,6 +19,10 @@
 //     chain of moves; if there is one, u goes in and that key out (to be tried in its turn). A key
 //     with none marks the buckets it searched dead: they hold only keys of higher priority than
 //     every key still to come, and no later exchange passes through them.
+// From a starting placement (start_rows, as a delta replica's held keys): the held keys are put
+// at their rows first, then the others go through steps 1-3 in one round, so held keys move only
+// along the augmenting paths (or trades) that make room; every key is still placed whenever some
+// placement holds them all (a matching is maximum iff no augmenting path is left).
 // Measured (benchmarks/results/reshard_placement_cpu.md): 1M keys in a few seconds at any load.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -27,6 +31,7 @@
 #include <cstdint>
 #include <functional>
 #include <numeric>
+#include <optional>
 #include <queue>
 #include <utility>
 #include <vector>
@@ -83,6 +88,22 @@ class Placement {
     place_round(std::vector<int64_t>(order.begin(), middle));
     place_round(std::vector<int64_t>(middle, order.end()));
   }
+
+  // Starts from a placement: key i holds `row` (checked by the caller: one of its buckets' usable
+  // slots). Returns false when another key holds that row already.
+  bool hold(int64_t i, int64_t row) {
+    const int64_t bucket = row / kSlotsPerBucket;
+    const uint32_t bit = 1u << (row % kSlotsPerBucket);
+    if (!(free_[bucket] & bit)) return false;
+    free_[bucket] &= ~bit;
+    set(row, i);
+    ++placed_;
+    return true;
+  }
+
+  // Places the keys of `order` (priority order) beside the held ones: held keys move only along
+  // the augmenting paths (or trades) that make room for them.
+  void run_from_held(const std::vector<int64_t>& order) { place_round(order); }
 
   const std::vector<int64_t>& rows() const { return row_of_; }
 
@@ -273,7 +294,8 @@ class Placement {
   int64_t placed_ = 0;
 };
 
-at::Tensor hash_place_cpu(const at::Tensor& keys, const at::Tensor& scores, int64_t capacity) {
+at::Tensor hash_place_cpu(const at::Tensor& keys, const at::Tensor& scores, int64_t capacity,
+                          const std::optional<at::Tensor>& start_rows) {
   check_keys("hash_place", keys);
   TORCH_CHECK(capacity > 0, "hash_place: capacity must be > 0, got ", capacity);
   const int64_t n = keys.numel();
@@ -290,8 +312,35 @@ at::Tensor hash_place_cpu(const at::Tensor& keys, const at::Tensor& scores, int6
   std::stable_sort(order.begin(), order.end(),
                    [sp](int64_t a, int64_t b) { return sp[a] > sp[b]; });
   for (int64_t r = 0; r < n; ++r) rank[order[r]] = r;
-  Placement placement(make_geometry(capacity), kp, rank);
-  placement.run(order);
+  const TableGeometry geo = make_geometry(capacity);
+  Placement placement(geo, kp, rank);
+  if (!start_rows.has_value()) {
+    placement.run(order);
+  } else {
+    const at::Tensor& start = *start_rows;
+    TORCH_CHECK(start.scalar_type() == at::kLong && start.dim() == 1 && start.numel() == n,
+                "hash_place: start_rows must be a 1-D int64 tensor of ", n, " elements (one per key), got ",
+                start.scalar_type(), " of shape ", start.sizes());
+    const at::Tensor st = start.contiguous();
+    const int64_t* rp = st.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t row = rp[i];
+      if (row < 0) continue;
+      const KeyPlace p = place_key(kp[i], geo);
+      const int64_t bucket = row / kSlotsPerBucket;
+      TORCH_CHECK(row < capacity && (bucket == p.bucket1 || bucket == p.bucket2),
+                  "hash_place: start_rows[", i, "] = ", row, " is not a row key ", kp[i],
+                  " may hold (its buckets are ", p.bucket1, " and ", p.bucket2, " of ", kSlotsPerBucket,
+                  " rows, capacity ", capacity, ")");
+      TORCH_CHECK(placement.hold(i, row), "hash_place: start_rows[", i, "] = ", row,
+                  " is held by an earlier key already (start rows must be distinct)");
+    }
+    std::vector<int64_t> rest;
+    for (const int64_t i : order) {
+      if (rp[i] < 0) rest.push_back(i);
+    }
+    placement.run_from_held(rest);
+  }
   at::Tensor rows = at::empty({n}, k.options());
   std::copy(placement.rows().begin(), placement.rows().end(), rows.data_ptr<int64_t>());
   return rows;

@@ -342,3 +342,177 @@ def test_a_safetensors_reader_reads_it(tmp_path):
         want.update({f"optimizer.{k}": v for k, v in table.optimizer.items()})
         for field, value in want.items():
             assert torch.equal(got[f"{name}/{field}"], value), (name, field)
+
+
+# ---------------------------------------------------------------------- full replicas
+
+
+def _full_table(policy, capacity, optimizer="adagrad", ttl_steps=None):
+    cfg = DynamicEmbeddingBagConfig(
+        name="t",
+        embedding_dim=4,
+        num_embeddings=capacity,
+        feature_names=["f"],
+        eviction_policy=policy,
+        ttl_steps=ttl_steps,
+    )
+    kwargs = {"optimizer": optimizer, "optimizer_kwargs": {"lr": 0.1}} if optimizer else {}
+    return DynamicEmbeddingBagCollection([cfg], **kwargs)
+
+
+def _crowding_batch(step, capacity):
+    """Half a table of ids from a pool of 8 tables: every step evicts in a full table."""
+    gen = torch.Generator().manual_seed(step)
+    n = capacity // 2
+    values = torch.randint(0, 8 * capacity, (n,), generator=gen) * 7919 + 3
+    return KeyedJaggedTensor(keys=["f"], values=values, lengths=torch.ones(n, dtype=torch.int64), stride=n)
+
+
+def _by_id(module, *keys):
+    sd = module.state_dict()
+    ids = sd["embedding_bags.t.weight_id"]
+    order = ids.argsort()
+    return ids[order], *(sd[f"embedding_bags.t.{k}"][order] for k in keys)
+
+
+@pytest.mark.parametrize(
+    "policy,capacity", [("lru", 128), ("lfu", 128), ("lru", 64 * 32 * 2)], ids=["lru", "lfu", "lru-2-stripes"]
+)
+def test_a_replica_of_a_full_table_follows_every_delta(policy, capacity, monkeypatch):
+    """A full source evicts as it inserts, so its buckets hold what its history left there; a
+    replica at the same capacity that inserted the deltas' ids greedily would find some new id's
+    buckets full: it re-places its table instead, and holds the source's rows, optimizer state and
+    scores per id after every delta (oracle: the source's state_dict); a replica of that replica,
+    following its deltas two at a time, holds them too (rows' versions moved with the rows)."""
+    from torchrec_ext.modules import delta_placement
+
+    replaced = []
+    exact = delta_placement.place_exactly
+    monkeypatch.setattr(delta_placement, "place_exactly", lambda *a: replaced.append(1) or exact(*a))
+    source = _full_table(policy, capacity)
+    step = 0
+    while source.num_live_rows() < capacity:
+        source(_crowding_batch(step, capacity)).values().sum().backward()
+        step += 1
+    base, token = source.state_dict(), source.delta_token()
+    replica = _full_table(policy, capacity, optimizer="adagrad")
+    replica.load_state_dict(base)
+    replica.follow_deltas(token)
+    second_token = replica.delta_token()  # the replica is a source in turn
+    second = _full_table(policy, capacity, optimizer=None)
+    second.load_state_dict(replica.state_dict())
+    second.follow_deltas(second_token)
+    for k in range(12):
+        source(_crowding_batch(step + k, capacity)).values().sum().backward()
+        delta = source.export_delta(since=token, include_optimizer_state=True, include_scores=True)
+        token = delta.token
+        assert delta.tables["t"].tombstones.numel() > 0 and source.num_live_rows() == capacity
+        replica.apply_delta(delta)
+        for got, want in zip(
+            _by_id(replica, "weight", "optimizer.momentum1", "metadata"),
+            _by_id(source, "weight", "optimizer.momentum1", "metadata"),
+        ):
+            assert torch.equal(got, want)
+        if k % 2:
+            second_delta = replica.export_delta(since=second_token)
+            second_token = second_delta.token
+            second.apply_delta(second_delta)
+            assert_same_rows(second, source)
+    assert replaced, "no delta needed a re-placement: the test does not test it"
+
+
+def test_a_re_placed_replica_keeps_its_ids_last_seen_and_clock():
+    """TTL tables keep a training step per row: a re-placement moves it with its id; the clock
+    ends as a greedy insert leaves it (one call per delta)."""
+    capacity = 128
+    source = _full_table("lru", capacity, ttl_steps=1000)
+    step = 0
+    while source.num_live_rows() < capacity:
+        source(_crowding_batch(step, capacity)).values().sum().backward()
+        step += 1
+    base, token = source.state_dict(), source.delta_token()
+    replica = _full_table("lru", capacity, optimizer=None, ttl_steps=1000)
+    replica.load_state_dict(base)
+    replica.follow_deltas(token)
+    for k in range(6):
+        source(_crowding_batch(step + k, capacity)).values().sum().backward()
+        delta = source.export_delta(since=token)
+        token = delta.token
+        ids, last_seen = _by_id(replica, "last_seen")
+        kept = ~torch.isin(ids, torch.cat([delta.tables["t"].ids, delta.tables["t"].tombstones]))
+        clock = replica._tables.indexes[0].clock
+        replica.apply_delta(delta)
+        assert_same_rows(replica, source)
+        after_ids, after_last_seen = _by_id(replica, "last_seen")
+        assert torch.equal(after_last_seen[torch.isin(after_ids, ids[kept])], last_seen[kept])
+        assert replica._tables.indexes[0].clock == clock + 1
+
+
+def test_a_delta_no_placement_holds_is_refused_whole():
+    """More live ids than rows in every placement: refused, naming the count; nothing changes."""
+    capacity = 128
+    source = _full_table("lru", capacity)
+    source(_crowding_batch(0, capacity)).values().sum().backward()
+    base, token = source.state_dict(), source.delta_token()
+    replica = _full_table("lru", 96, optimizer=None)  # holds the base (64 ids), not the source's 128
+    replica.load_state_dict(base)
+    replica.follow_deltas(token)
+    for step in range(1, 4):
+        source(_crowding_batch(step, capacity)).values().sum().backward()
+    delta = source.export_delta(since=token)
+    assert source.num_live_rows() > 96
+    _unchanged(
+        replica, lambda: replica.apply_delta(delta), r"of \d+ ids find no row at capacity 96.*nothing was applied"
+    )
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "epoch_lfu"])
+@pytest.mark.parametrize("given_scores", [False, True])
+def test_place_exactly_keeps_every_score_and_leaves_the_index_alone(policy, given_scores):
+    """place_exactly against a dict of what the greedy insert would leave: the held ids' scores
+    (touched ones as the policy touches them), new ids' new_key_score (or the given scores), the
+    clock one call on; every row in one of its key's buckets; the index it was given unchanged."""
+    from torchrec_ext.modules.delta_placement import place_exactly
+    from torchrec_ext.reference import bucket_pairs
+    from torchrec_ext.table import HashTable
+
+    capacity = 256
+    index = HashTable(capacity, policy=policy)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(6):  # full, after evictions
+        index.find_or_insert(torch.randint(0, 4 * capacity, (capacity // 2,), generator=gen))
+    index.set_epoch(2)
+    before = index.state_dict()
+    held = dict(zip(before["keys"].tolist(), before["scores"].tolist()))
+    keys = before["keys"]
+    tombstones, touched = keys[:40], keys[40:60]
+    new = torch.arange(10_000, 10_040)
+    ids = torch.cat([touched, new])
+    scores = torch.arange(ids.numel()) + 7 if given_scores else None
+    expected = {k: s for k, s in held.items() if k not in set(tombstones.tolist())}
+    if given_scores:
+        expected.update(zip(ids.tolist(), scores.tolist()))
+    else:
+        probe = index.clone()
+        probe.insert_or_assign(touched)  # the touch the greedy insert gives held ids
+        expected.update(
+            (k, s)
+            for k, s in zip(*(probe.state_dict()[f].tolist() for f in ("keys", "scores")))
+            if k in set(touched.tolist())
+        )
+        expected.update((k, index.new_key_score()) for k in new.tolist())
+    placed = place_exactly(index, ids, tombstones, scores)
+    after = placed.index.state_dict()
+    assert dict(zip(after["keys"].tolist(), after["scores"].tolist())) == expected
+    assert after["clock"] == before["clock"] + 1 and after["epoch"] == 2
+    first, second = bucket_pairs(after["keys"], capacity)
+    assert bool(((after["rows"] // 32 == first) | (after["rows"] // 32 == second)).all())
+    assert (
+        torch.equal(placed.rows, placed.index.find(ids)[0]) and placed.inserted.tolist() == [False] * 20 + [True] * 40
+    )
+    old_row = dict(zip(before["keys"].tolist(), before["rows"].tolist()))
+    new_row = dict(zip(after["keys"].tolist(), after["rows"].tolist()))
+    moved = {(old_row[k], new_row[k]) for k in old_row if k in new_row and old_row[k] != new_row[k]}
+    assert moved == set(zip(placed.moved_from.tolist(), placed.moved_to.tolist()))
+    for field in ("keys", "rows", "scores"):
+        assert torch.equal(index.state_dict()[field], before[field])

@@ -177,3 +177,88 @@ def test_sharded_source_replicas_unsharded_and_on_one_and_two_ranks(tmp_path):
 
     run_ranks(_sharded_replica, 1, root)
     run_ranks(_sharded_replica, 2, root)  # each rank keeps the rows it owns of every share
+
+
+# ---------------------------------------------------------------------- full tables
+
+FULL_CAPACITY, FULL_ROUNDS = 256, 6
+
+
+def _crowding_batch(step, rank):
+    """f1: 128 ids a step per rank from 16 tables' worth: t1 fills, then evicts every step."""
+    gen = torch.Generator().manual_seed(5000 + 1000 * step + rank)
+    lengths = torch.cat([torch.full((BATCH,), 16), torch.randint(0, 4, (BATCH,), generator=gen)])
+    f1 = torch.randint(0, 16 * FULL_CAPACITY, (16 * BATCH,), generator=gen) * 104729 - 11
+    f2 = torch.randint(0, 30, (int(lengths[BATCH:].sum()),), generator=gen) + 7 * step
+    return KeyedJaggedTensor(keys=KEYS, values=torch.cat([f1, f2]), lengths=lengths, stride=BATCH)
+
+
+def _full_source(rank, world_size, root):
+    dmp = _dmp(world_size, t1_capacity=FULL_CAPACITY)
+    ebc = dmp.module.ebc
+    for step in range(6):
+        dmp(_crowding_batch(step, rank)).values().sum().backward()
+    base = _full(dmp)
+    assert base["embedding_bags.t1.weight_id"].numel() == FULL_CAPACITY  # every rank's share is full
+    token = ebc.delta_token()
+    if rank == 0:
+        torch.save(base, os.path.join(root, "base.pt"))
+    with open(os.path.join(root, f"token_{rank}.json"), "w") as f:
+        json.dump(token.to_dict(), f)
+    for k in range(FULL_ROUNDS):
+        dmp(_crowding_batch(6 + k, rank)).values().sum().backward()
+        delta = ebc.export_delta(since=token)
+        assert delta.tables["t1"].tombstones.numel() > 0
+        save_delta(delta, os.path.join(root, f"delta_{k}_{rank}.delta"))
+        token = delta.token
+        final = _full(dmp)
+        if rank == 0:
+            assert final["embedding_bags.t1.weight_id"].numel() == FULL_CAPACITY
+            torch.save(final, os.path.join(root, f"after_{k}.pt"))
+
+
+def _apply_full_rounds(replica, root, state):
+    """Applies every share, round by round; the replica holds the source's rows after each."""
+    for k in range(FULL_ROUNDS):
+        for r in (0, 1):
+            replica.apply_delta(load_delta(os.path.join(root, f"delta_{k}_{r}.delta")))
+        _assert_same(state(), torch.load(os.path.join(root, f"after_{k}.pt")))
+
+
+def _full_sharded_replica(rank, world_size, root):
+    from torchrec_ext.modules import delta_placement
+
+    replaced = []
+    exact = delta_placement.place_exactly
+    delta_placement.place_exactly = lambda *a: replaced.append(1) or exact(*a)
+    dmp = _dmp(world_size, optimizer=None, t1_capacity=FULL_CAPACITY)  # the source's capacity
+    ebc = dmp.module.ebc
+    base = torch.load(os.path.join(root, "base.pt"))
+    ebc.load_state_dict({k: v for k, v in base.items() if ".optimizer." not in k})
+    ebc.follow_deltas(_tokens(root))
+    _apply_full_rounds(ebc, root, lambda: _full(dmp))
+    counts = [None] * world_size
+    dist.all_gather_object(counts, len(replaced))
+    assert sum(counts) > 0, "no delta needed a re-placement: the test does not test it"
+
+
+def test_replicas_of_a_full_sharded_table_follow_every_delta(tmp_path, monkeypatch):
+    """Each source rank's share of t1 is full and evicts every step, so its buckets hold what its
+    history left there: replicas at the same total capacity (unsharded, on 1 and on 2 ranks)
+    re-place their tables where a greedy insert of a share's new ids finds their buckets full,
+    and hold the source's rows bit for bit after every round."""
+    from torchrec_ext.modules import delta_placement
+
+    root = str(tmp_path)
+    run_ranks(_full_source, 2, root)
+    replaced = []
+    exact = delta_placement.place_exactly
+    monkeypatch.setattr(delta_placement, "place_exactly", lambda *a: replaced.append(1) or exact(*a))
+    replica = DynamicEmbeddingBagCollection(_configs(t1_capacity=FULL_CAPACITY))
+    replica.load_state_dict(torch.load(os.path.join(root, "base.pt")))
+    replica.follow_deltas(_tokens(root))
+    _apply_full_rounds(replica, root, replica.state_dict)
+    assert replaced, "no delta needed a re-placement: the test does not test it"
+
+    run_ranks(_full_sharded_replica, 1, root)  # another world size
+    run_ranks(_full_sharded_replica, 2, root)

@@ -234,3 +234,67 @@ def test_model_placement_matches_two_candidate_buckets(device):
     for key, row in zip(keys.tolist(), rows):
         b1, b2, _ = place(key, 10_000)
         assert row // 32 in (b1, b2)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "epoch_lru", "epoch_lfu", "none"])
+def test_new_key_score_is_the_score_an_insert_gives_a_new_key(policy, device):
+    # Oracle: the score the table itself stores for a key new to the next call, after calls
+    # that moved the clock and the epoch (and gave held keys other scores).
+    table = HashTable(100, policy=policy, device=device)
+    table.find_or_insert(torch.arange(10, device=device))
+    table.find_or_insert(torch.arange(5, device=device))
+    table.set_epoch(3)
+    for insert in (table.find_or_insert, table.insert_or_assign):
+        expected = table.new_key_score()
+        key = 1000 + table.clock
+        insert(_keys([key, 0], device))
+        state = table.state_dict()
+        assert int(state["scores"][state["keys"] == key]) == expected, insert.__name__
+    with pytest.raises(ValueError, match="custom"):
+        HashTable(10, policy="custom", device=device).new_key_score()
+
+
+def test_place_keys_from_a_start_moves_only_the_keys_that_make_room():
+    """A full table's keys after evictions (a placement of them exists: the table's own), re-placed
+    from an older placement of the survivors, as a delta replica does: every key placed, each in
+    one of its buckets (the reference's), rows distinct, and the survivors keep their rows but for
+    the few on augmenting paths (a placement from nothing moves nearly all)."""
+    from torchrec_ext.reference import bucket_pairs
+    from torchrec_ext.table import place_keys
+
+    capacity = 4096  # 2 stripes
+    table = HashTable(capacity, policy="lru")
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(6):
+        table.find_or_insert(torch.randint(0, 1 << 40, (capacity // 2,), generator=gen))
+    old = table.state_dict()
+    for _ in range(3):  # the table moves on, evicting: its buckets now hold what this history left
+        table.find_or_insert(torch.randint(0, 1 << 40, (capacity // 20,), generator=gen))
+    new = table.state_dict()
+    assert new["keys"].numel() == capacity
+    old_row = dict(zip(old["keys"].tolist(), old["rows"].tolist()))
+    start = torch.tensor([old_row.get(k, -1) for k in new["keys"].tolist()])
+    # The survivors' old rows (the evicted ids' rows free) cannot hold every newcomer greedily...
+    greedy = HashTable(capacity, policy="none")
+    survived = start >= 0
+    greedy.load_state_dict({**old, "policy": "none", "keys": new["keys"][survived], "rows": start[survived],
+                            "scores": new["scores"][survived]})
+    assert bool((greedy.insert_or_assign(new["keys"][~survived]).rows < 0).any())
+    # ... the placement from them does, moving few survivors.
+    rows = place_keys(new["keys"], new["scores"], capacity, start)
+    first, second = bucket_pairs(new["keys"], capacity)
+    assert bool((rows >= 0).all()) and rows.unique().numel() == capacity
+    assert bool(((rows // 32 == first) | (rows // 32 == second)).all())
+    moved = int((rows[survived] != start[survived]).sum())
+    afresh = place_keys(new["keys"], new["scores"], capacity)
+    assert bool((afresh >= 0).all())
+    assert moved < 0.05 * capacity < int((afresh[survived] != start[survived]).sum()), moved
+    bad = start.clone()
+    bad[0] = 32 * next(b for b in range(128) if b not in (int(first[0]), int(second[0])))
+    with pytest.raises(ValueError, match=r"start_rows\[0\] = \d+ is not a row key"):
+        place_keys(new["keys"], new["scores"], capacity, bad)
+    j = int((first == first[0]).nonzero()[1])  # another key of key 0's first bucket
+    bad = torch.full_like(start, -1)
+    bad[0] = bad[j] = 32 * int(first[0])
+    with pytest.raises(ValueError, match=rf"start_rows\[{j}\] = \d+ is held by an earlier key"):
+        place_keys(new["keys"], new["scores"], capacity, bad)

@@ -27,6 +27,7 @@ from torchrec_ext.inference import (
     convert_to_inference,
     load_inference_checkpoint,
 )
+from torchrec_ext.inference.storage import dequantize_rows, quantize_rows
 from torchrec_ext.modules import DeltaError
 from torchrec_ext.modules.deltas import Delta, DeltaToken, TableDelta
 
@@ -472,3 +473,80 @@ def test_fallback_rows_serve_and_follow_deltas_as_the_trained_module_reads_them(
         torch.testing.assert_close(replica(kjt).values(), source(kjt).values(), **tolerance)
     with pytest.raises(ValueError, match="defaults names tables .* learned fallback rows"):
         convert_to_inference(source, defaults={"t0": 1.0})
+
+
+@pytest.mark.parametrize("data_type", [None, "int8"], ids=["fp32", "int8"])
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_serving_replica_of_a_full_table_follows_every_delta(policy, data_type):
+    """The source's table stays full (it evicts at every step): the serving replica, at the same
+    capacity, re-places its table when a greedy insert of a delta's new ids finds their buckets
+    full, and reads each id as the source does, bit for bit, after every delta."""
+    capacity = 128
+    source = DynamicEmbeddingBagCollection(
+        _tables(dim=4, capacity=capacity, eviction_policy=policy), optimizer="adagrad", optimizer_kwargs={"lr": 0.1}
+    )
+
+    def train(step):
+        source(_kjt(step, 64, pool=1000)).values().pow(2).sum().backward()
+
+    step = 0
+    while source.num_live_rows() < 2 * capacity:
+        train(step)
+        step += 1
+    token = source.delta_token()
+    replica = convert_to_inference(source.eval(), data_type=data_type)
+    replica.follow_deltas(token)
+    source.train()
+    # int8: each row as quantizing the source's row gives it, bit for bit
+    served = (lambda w: w) if data_type is None else (lambda w: dequantize_rows(quantize_rows(w)))
+    for k in range(10):
+        train(step + k)
+        delta = source.export_delta(since=token)
+        token = delta.token
+        assert source.num_live_rows() == 2 * capacity and delta.tables["t0"].tombstones.numel() > 0
+        replica.apply_delta(delta)
+        assert replica.num_live_rows() == source.num_live_rows()
+        state = source.state_dict()
+        for t in ("t0", "t1"):
+            ids = state[f"embedding_bags.{t}.weight_id"]
+            assert torch.equal(replica.vectors(t, ids), served(state[f"embedding_bags.{t}.weight"])), (k, t)
+
+
+def test_readers_see_held_ids_through_re_placements(monkeypatch):
+    """A full serving table that re-places its rows for a delta moves every held id's row while
+    readers read: each read of the ids no delta touches still gives their vectors."""
+    from torchrec_ext.modules import delta_placement
+
+    replaced = []
+    exact = delta_placement.place_exactly
+    monkeypatch.setattr(delta_placement, "place_exactly", lambda *a: replaced.append(1) or exact(*a))
+    capacity, dim = 128, 16
+    served = _serving_ebc(dim, capacity)
+    stable = torch.arange(100, dtype=torch.int64) * 31 + 7  # never tombstoned: they read their id
+    churn = torch.arange(1_000_000, 1_000_028, dtype=torch.int64)
+    served.apply_delta(_constant_delta(1, "t0", torch.cat([stable, churn]), torch.cat([stable, churn]).float(), dim))
+    assert served.num_live_rows() == capacity
+    kjt = KeyedJaggedTensor(keys=["f0"], values=stable, lengths=torch.ones(100, dtype=torch.int64), stride=100)
+    want = stable.float().unsqueeze(1).expand(100, dim)
+    wrong, reads, stop = [], [0], threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            if not torch.equal(served(kjt).values(), want):
+                wrong.append(reads[0])
+            reads[0] += 1
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for k in range(30):  # the churned ids replaced by as many new ones: the table stays full
+        fresh = torch.arange(28, dtype=torch.int64) * 7919 + 2_000_000 + 1000 * k
+        served.apply_delta(_constant_delta(2 + k, "t0", fresh, fresh.float(), dim, tombstones=churn))
+        churn = fresh
+    stop.set()
+    for t in threads:
+        t.join()
+    assert served.num_live_rows() == capacity
+    assert torch.equal(served.vectors("t0", churn), churn.float().unsqueeze(1).expand(28, dim))
+    assert replaced, "no delta needed a re-placement: the test does not test it"
+    assert reads[0] > 0 and not wrong, f"{len(wrong)} of {reads[0]} reads saw a held id's row wrong"

@@ -33,6 +33,8 @@ def _hash_cases():
                            live_keys, live_rows, live_scores, CAPACITY)
     yield "hash_place", (live_keys, live_scores, CAPACITY)
     yield "hash_place", (keys, torch.arange(keys.numel()) % 7, 64)  # more keys than rows: some left out
+    start = torch.where(torch.arange(live_keys.numel()) % 2 == 0, live_rows, -1)  # half of them held
+    yield "hash_place", (live_keys, live_scores, CAPACITY, start)
     yield "route", (keys, 4)
     yield "route_bucketize", (keys, torch.tensor([50, 60]), [-1], 2, 2)
 

@@ -114,7 +114,7 @@ def hash_restore(
     _ops.hash_restore.default(digests, slot_keys, slot_scores, size, keys, rows, scores, capacity)
 
 
-def hash_place(keys: Tensor, scores: Tensor, capacity: int) -> Tensor:
+def hash_place(keys: Tensor, scores: Tensor, capacity: int, start_rows: Optional[Tensor] = None) -> Tensor:
     """Rows for distinct ``keys`` in an empty table of ``capacity`` rows, each in one of the
     key's two buckets (what ``hash_restore`` accepts). CPU kernel (``csrc/placement_cpu.cpp``).
 
@@ -128,11 +128,15 @@ def hash_place(keys: Tensor, scores: Tensor, capacity: int) -> Tensor:
         keys: int64 ``[n]``, distinct.
         scores: int64 ``[n]``, each key's priority.
         capacity: the table's rows (> 0).
+        start_rows: optional int64 ``[n]``, a starting placement (-1: none; else one of the key's
+            buckets' rows, distinct): those keys are put there first and move only along the
+            augmenting paths (or trades) that make room for the others. Every key is still placed
+            whenever some placement holds them all; otherwise the most keys the buckets allow.
 
     Returns:
         rows: int64 ``[n]``, each key's row, -1 where it was left out.
     """
-    return _ops.hash_place.default(keys, scores, capacity)
+    return _ops.hash_place.default(keys, scores, capacity, start_rows)
 
 
 def route(keys: Tensor, world_size: int) -> Tensor:
@@ -312,7 +316,7 @@ def _hash_restore_fake(digests, slot_keys, slot_scores, size, keys, rows, scores
 
 
 @torch.library.register_fake("torchrec_ext::hash_place")
-def _hash_place_fake(keys, scores, capacity):
+def _hash_place_fake(keys, scores, capacity, start_rows=None):
     return torch.empty_like(keys)
 
 

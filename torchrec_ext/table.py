@@ -62,7 +62,7 @@ def check_counter(where: str, name: str, value: object, limit: int) -> int:
     return value
 
 
-def place_keys(keys: Tensor, scores: Tensor, capacity: int) -> Tensor:
+def place_keys(keys: Tensor, scores: Tensor, capacity: int, start_rows: Optional[Tensor] = None) -> Tensor:
     """Rows for distinct ``keys`` in an empty table of ``capacity`` rows (-1: left out), on
     ``keys``' device: how a load places a checkpoint's ids whose saved rows do not fit the table
     (saved at another capacity or world size, or with another ``LAYOUT_VERSION``).
@@ -77,21 +77,28 @@ def place_keys(keys: Tensor, scores: Tensor, capacity: int) -> Tensor:
     Hopcroft-Karp augmenting paths, then trades of left-out keys for placed ones of lower
     priority) is ``ops.hash_place``, on the CPU: 1M keys in 0.3 s up to load 0.99, under 3 s
     full (``benchmarks/results/reshard_placement_cpu.md``). ``reference.place_keys`` is its oracle.
+
+    ``start_rows`` (-1: none) starts from a placement, as a delta replica re-placing its table
+    does: those keys are put at their rows first and move only along the augmenting paths that
+    make room for the others, so few rows move. Every key is still placed whenever some placement
+    holds them all; otherwise the most keys the buckets allow (not by priority among the held).
     """
     where = "place_keys"
-    for name, value in (("keys", keys), ("scores", scores)):
+    named = (("keys", keys), ("scores", scores)) + ((("start_rows", start_rows),) if start_rows is not None else ())
+    for name, value in named:
         if not isinstance(value, Tensor) or value.dtype not in INT_DTYPES:
             raise TypeError(f"{where}: {name} must be an integer tensor, got {getattr(value, 'dtype', type(value).__name__)}")
         if value.dim() != 1:
             raise ValueError(f"{where}: {name} must be 1-D, got shape {tuple(value.shape)}")
-    if scores.shape != keys.shape:
-        raise ValueError(f"{where}: scores must have one entry per key, shape {tuple(keys.shape)}, got {tuple(scores.shape)}")
+    for name, value in named[1:]:
+        if value.shape != keys.shape:
+            raise ValueError(f"{where}: {name} must have one entry per key, shape {tuple(keys.shape)}, got {tuple(value.shape)}")
     if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
         raise ValueError(f"{where}: capacity must be an int > 0, got {capacity!r}")
-    host = (keys.to("cpu", torch.int64).contiguous(), scores.to("cpu", torch.int64).contiguous())
+    host = [value.to("cpu", torch.int64).contiguous() for _, value in named]
     try:
-        rows = ops.hash_place(*host, capacity)
-    except RuntimeError as e:  # duplicate keys
+        rows = ops.hash_place(host[0], host[1], capacity, host[2] if len(host) > 2 else None)
+    except RuntimeError as e:  # duplicate keys, start rows a key may not hold
         raise ValueError(f"{where}: {e}") from None
     return rows.to(keys.device)
 
@@ -277,6 +284,21 @@ class HashTable:
         keys = self._check_keys("insert_or_assign", keys)
         scores = self._check_scores("insert_or_assign", scores, keys, increments=False)
         return self._upsert(keys, scores, assign=True)
+
+    def new_key_score(self) -> int:
+        """The score a key new to the next ``find_or_insert`` / ``insert_or_assign`` without
+        ``scores`` gets (csrc/hash_table_layout.h's touched_score): what a caller that places keys
+        itself (``place_keys``) gives new keys so later evictions rank them as an insert would."""
+        if self.policy == "custom":
+            raise ValueError("HashTable.new_key_score: the 'custom' policy takes every score from the caller")
+        clock = self._clock + 1  # the next mutating call's
+        return {
+            "none": clock,
+            "lru": clock,
+            "lfu": 1,
+            "epoch_lru": (self._epoch << 32) | (clock & 0xFFFFFFFF),
+            "epoch_lfu": (self._epoch << 32) | 1,
+        }[self.policy]
 
     def erase(self, keys: Tensor) -> Tensor:
         """Removes ``keys``; returns a bool mask, True where a key was removed (first occurrence)."""

@@ -5,9 +5,10 @@ Each delta is checked as a training replica checks it (order, stream, table name
 source's dtype, tensors). Several deltas (a sharded source's shares of one export, one per rank
 stream, their ids disjoint) may be applied as one: their tables are merged, then every table's
 new index is built on a copy of its index (tombstoned ids erased, the deltas' ids inserted or
-re-assigned: a serving replica follows training, new ids included) and its rows encoded in the
-table's serving dtype, all aside from the tables (``prepare_deltas``). Only then
-(``commit_deltas``), under the tables' write lock, the changed rows are copied in and the new
+re-assigned: a serving replica follows training, new ids included; or, in a full table, the
+table re-placed: ``modules/delta_placement.py``) and its rows encoded in the table's serving
+dtype, all aside from the tables (``prepare_deltas``). Only then (``commit_deltas``), under the
+tables' write lock, the moved and changed rows are copied in and the new
 indexes swapped in: lookups, which hold the read lock, see the deltas wholly or not at all, and a
 refused delta changes nothing. A caller that serves more than the tables (the dense layers of a
 model, see torchrec_ext.serve) commits under its own lock too.
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor
 
 from torchrec_ext.inference.storage import InferenceTables
+from torchrec_ext.modules.delta_placement import NoRowError, place_delta
 from torchrec_ext.modules.deltas import Delta, DeltaError, DeltaToken, TableDelta, check_delta, unheld_tombstones
 from torchrec_ext.modules.dynamic_tables import _check_distinct
 from torchrec_ext.table import HashTable
@@ -52,7 +54,9 @@ class PreparedDeltas:
     vectors, and the tokens the module follows after."""
 
     generation: int  # the tables' commit count when prepared: a commit in between voids this
-    tables: list[tuple[int, HashTable, Tensor, Tensor, Tensor | None]]  # (t, index, rows, encoded, left_out)
+    # (t, index, rows, encoded, left_out, moved): moved = (rows to, their stored rows) of held ids
+    # a re-placement moved, read when prepared (None: none moved)
+    tables: list[tuple[int, HashTable, Tensor, Tensor, Tensor | None, tuple[Tensor, Tensor] | None]]
     fallback: list[tuple[int, Tensor, Tensor]]  # (t, fallback rows, encoded vectors)
     followed: dict[str, DeltaToken]
     rows: int  # rows written
@@ -90,21 +94,20 @@ def prepare_deltas(tables: InferenceTables, followed: dict[str, DeltaToken], del
         if left_out is not None and not bool(found.all()):
             found = found | torch.isin(tombstones, left_out)
         unheld_tombstones(name, tombstones, found)
-        index = index.clone()
-        if tombstones.numel():
-            index.erase(tombstones)
-        result = index.insert_or_assign(ids)
-        lost = int((result.rows < 0).sum())
-        if lost:
+        try:
+            placed = place_delta(index, ids, tombstones)
+        except NoRowError as e:
             raise DeltaError(
-                f"apply_delta: table {name!r}: {lost} of the delta's {ids.numel()} ids find no row at "
-                f"capacity {tables.meta[t].capacity} (their buckets are full of live ids); nothing was "
-                f"applied: convert with more capacity (capacity=...)"
-            )
+                f"apply_delta: table {name!r}: {e}: their buckets are full of live ids in any placement; "
+                f"nothing was applied: convert with more capacity (capacity=...)"
+            ) from None
         if left_out is not None:  # tombstoned now, or held again
             left_out = left_out[~torch.isin(left_out, torch.cat([ids, tombstones]))]
         weights = torch.cat([s.weights.cpu() for s in shares])
-        prepared.tables.append((t, index, result.rows, tables.encode(t, weights), left_out))
+        # A re-placement moves held ids' stored rows as they are (no re-encoding), read now: rows
+        # change only in commits, and a commit in between voids this preparation (generation).
+        moved = None if placed.moved_from is None else (placed.moved_to, tables.row_view(t)[placed.moved_from])
+        prepared.tables.append((t, placed.index, placed.rows, tables.encode(t, weights), left_out, moved))
         prepared.rows += ids.numel()
         for share in shares:
             if share.fallback_slots is not None and share.fallback_slots.numel():
@@ -122,7 +125,9 @@ def commit_deltas(tables: InferenceTables, followed: dict[str, DeltaToken], prep
                 "committed in between); prepare them again"
             )
         with tables.lock.write():  # nothing below can fail
-            for t, index, rows, encoded, left_out in prepared.tables:
+            for t, index, rows, encoded, left_out, moved in prepared.tables:
+                if moved is not None:
+                    tables.row_view(t)[moved[0]] = moved[1]
                 tables.row_view(t)[rows] = encoded
                 tables.indexes[t] = index
                 tables.left_out[t] = left_out

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from torchrec_ext.modules.delta_placement import DeltaRows, NoRowError, place_delta
 from torchrec_ext.modules.dynamic_tables import DynamicTables, _check_distinct, _checked
 
 FORMAT_VERSION = 1
@@ -328,9 +329,7 @@ def follow_deltas(followed: dict[str, DeltaToken], since: DeltaToken | Sequence[
 @dataclass
 class _Prepared:
     t: int
-    index: object
-    rows: Tensor
-    inserted: Tensor
+    placed: DeltaRows
     table: TableDelta
     tombstone_rows: Tensor  # the rows the tombstoned ids held
 
@@ -460,23 +459,19 @@ def prepare_delta(tables: DynamicTables, followed: dict[str, DeltaToken], delta:
     prepared: list[_Prepared] = []
     for name, table in delta.tables.items():
         t = names[name]
-        m, index = tables.meta[t], tables.indexes[t]
+        index = tables.indexes[t]
         ids, tombstones = table.ids.to(device), table.tombstones.to(device)
         tombstone_rows, found = index.find(tombstones)
         unheld_tombstones(name, tombstones, found)
-        # On a copy of the index: the tables change only once every table's rows have found a place.
-        index = index.clone()
-        if tombstones.numel():
-            index.erase(tombstones)
-        result = index.insert_or_assign(ids, None if table.scores is None else table.scores.to(device))
-        lost = int((result.rows < 0).sum()) + result.evicted_keys.numel()
-        if lost:
+        # Planned on copies of the index: the tables change only once every table's rows have a place.
+        try:
+            placed = place_delta(index, ids, tombstones, None if table.scores is None else table.scores.to(device))
+        except NoRowError as e:
             raise DeltaError(
-                f"apply_delta: table {name!r}: {lost} of the delta's {ids.numel()} ids find no row at "
-                f"capacity {m.capacity} (their buckets are full of live ids); nothing was applied: give "
-                f"the replica more capacity"
-            )
-        prepared.append(_Prepared(t, index, result.rows, result.inserted, table, tombstone_rows))
+                f"apply_delta: table {name!r}: {e}: their buckets are full of live ids in any placement; "
+                f"nothing was applied: give the replica more capacity"
+            ) from None
+        prepared.append(_Prepared(t, placed, table, tombstone_rows))
     return prepared
 
 
@@ -484,15 +479,19 @@ def commit_delta(tables: DynamicTables, followed: dict[str, DeltaToken], delta: 
     """Publishes what ``prepare_delta`` built (nothing here can fail)."""
     device = tables.device
     for p in prepared:
-        m, rows = tables.meta[p.t], p.rows
-        tables.indexes[p.t] = p.index
+        m, rows, inserted = tables.meta[p.t], p.placed.rows, p.placed.inserted
+        tables.indexes[p.t] = p.placed.index
+        if tables.delta_log is not None:  # logged first: reads the born versions of the rows they held
+            tables.delta_log.removed(p.t, p.table.tombstones.to(device), p.tombstone_rows)
+        if p.placed.moved_from is not None:  # re-placed: held ids take their rows' contents along
+            move_rows(tables, p.t, p.placed.moved_from, p.placed.moved_to)
         tables.table_view(p.t)[rows] = p.table.weights.to(device)
         for (key, view), fill in zip(tables.state_views(p.t).items(), tables._initial_state_values()):
             value = p.table.optimizer.get(key)
             if value is not None:
                 view[rows] = value.to(device, view.dtype)
             else:
-                view[rows[p.inserted]] = fill
+                view[rows[inserted]] = fill
         if m.ttl_steps is not None:
             tables.last_seen[p.t][rows] = tables.train_step
         slots = p.table.fallback_slots
@@ -503,8 +502,7 @@ def commit_delta(tables: DynamicTables, followed: dict[str, DeltaToken], delta: 
                 if key in p.table.fallback_optimizer:
                     view[slots] = p.table.fallback_optimizer[key].to(device, view.dtype)
         if tables.delta_log is not None:  # a replica may itself be a source
-            tables.delta_log.removed(p.t, p.table.tombstones.to(device), p.tombstone_rows)
-            tables.delta_log.inserted(p.t, rows[p.inserted])
+            tables.delta_log.inserted(p.t, rows[inserted])
             tables.delta_log.written(p.t, rows)
             if slots is not None and slots.numel():
                 tables.delta_log.written(p.t, m.capacity + slots)
@@ -514,6 +512,21 @@ def commit_delta(tables: DynamicTables, followed: dict[str, DeltaToken], delta: 
 def apply_delta(tables: DynamicTables, followed: dict[str, DeltaToken], delta: Delta) -> None:
     """Makes the tables hold the delta's rows and drop its tombstones: all tables or none."""
     commit_delta(tables, followed, delta, prepare_delta(tables, followed, delta))
+
+
+def move_rows(tables: DynamicTables, t: int, moved_from: Tensor, moved_to: Tensor) -> None:
+    """Held ids move from rows ``moved_from`` to rows ``moved_to`` (a re-placement): their vectors,
+    optimizer state, ``last_seen`` and, where the tables are a source too, their rows' write and
+    born versions."""
+    per_row = [tables.table_view(t), *tables.state_views(t).values()]
+    if tables.meta[t].ttl_steps is not None:
+        per_row.append(tables.last_seen[t])
+    log = tables.delta_log
+    if log is not None:
+        start = int(tables.state_row_offsets[t])
+        per_row += [log.table_versions(tables, t), log.born[start : start + tables.meta[t].capacity]]
+    for view in per_row:
+        view[moved_to] = view[moved_from]  # the right side is gathered (a copy) before the scatter
 
 
 class DeltaMixin:

@@ -207,20 +207,23 @@ class CounterAdmission(Admission):
 
     def admit(self, keys: Tensor, counts: Tensor, unseen: Tensor, step: int) -> Tensor:
         admitted = torch.zeros_like(unseen)
-        if not bool(unseen.any()):
+        # Positions and index_select, not boolean masks: a mask index costs a nonzero each time.
+        which = unseen.nonzero().squeeze(1)
+        if which.numel() == 0:
             return admitted
-        pending, pending_counts = keys[unseen], counts[unseen]
+        pending, pending_counts = keys.index_select(0, which), counts.index_select(0, which)
         result = self.counter.find_or_insert(pending, pending_counts)
         live = result.rows >= 0
-        rows = result.rows[live]  # distinct: the keys are
-        # One gather and one scatter: a row new to the counter starts from 0 (its slot may hold an
-        # evicted id's count).
-        seen = torch.where(result.inserted[live], 0, self.seen[rows]) + pending_counts[live]
-        self.seen[rows] = seen
-        ready = torch.zeros_like(live)
-        ready[live] = seen >= self.admit_after
-        self.counter.erase(pending[ready])
-        admitted[unseen] = ready
+        rows = result.rows.clamp(min=0)  # a refused key (no row: full buckets) reads row 0, then is masked out
+        # A row new to the counter starts from 0 (its slot may hold an evicted id's count).
+        seen = torch.where(result.inserted, 0, self.seen.index_select(0, rows)) + pending_counts
+        ready = live & (seen >= self.admit_after)
+        if bool(live.all()):  # the keys are distinct, so are their rows
+            self.seen.index_copy_(0, rows, seen)
+        else:
+            self.seen[result.rows[live]] = seen[live]
+        self.counter.erase(pending.index_select(0, ready.nonzero().squeeze(1)))
+        admitted.index_copy_(0, which, ready)
         return admitted
 
     def state_keys(self) -> List[str]:

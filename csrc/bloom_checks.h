@@ -36,12 +36,19 @@ inline void check_bloom_admit(const at::Tensor& counters, const at::Tensor& keys
               kBloomCounterMax, "] (4-bit counters), got ", admit_after);
 }
 
-// Sighting counts must be >= 0; the first negative one is named. Reads the counts (a device
-// sync on a GPU), so it runs only on a failing minimum.
+// Sighting counts must be >= 0; the first negative one is named. On a GPU the minimum is read
+// back (a device sync); on the host a plain loop (cheaper than a reduction op).
 inline void check_bloom_counts(const at::Tensor& counts) {
-  if (counts.numel() == 0 || counts.min().item<int64_t>() >= 0) return;
-  const int64_t at = (counts < 0).nonzero().select(1, 0)[0].item<int64_t>();
-  TORCH_CHECK(false, "bloom_admit: counts must be >= 0, got ", counts[at].item<int64_t>(), " at entry ", at);
+  if (counts.numel() == 0) return;
+  int64_t at = -1;
+  if (counts.is_cpu()) {
+    const at::Tensor c = counts.contiguous();
+    const int64_t* count = c.const_data_ptr<int64_t>();
+    for (int64_t i = 0, n = c.numel(); i < n && at < 0; ++i) at = count[i] < 0 ? i : -1;
+  } else if (counts.min().item<int64_t>() < 0) {
+    at = (counts < 0).nonzero().select(1, 0)[0].item<int64_t>();
+  }
+  TORCH_CHECK(at < 0, "bloom_admit: counts must be >= 0, got ", counts[at].item<int64_t>(), " at entry ", at);
 }
 
 }  // namespace torchrec_ext

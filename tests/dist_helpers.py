@@ -46,8 +46,9 @@ class ModelWith(torch.nn.Module):
         return getattr(self, self._child)(kjt)
 
 
-def make_batches(rank: int, batch_size: int, num_full: int, last: int, seed: int = 0) -> List:
-    """num_full batches of batch_size, then one of `last` rows (0: none), different per rank."""
+def make_batches(rank: int, batch_size: int, num_full: int, last: int, seed: int = 0, rows: int = ROWS) -> List:
+    """num_full batches of batch_size, then one of `last` rows (0: none), different per rank;
+    ids in [0, rows)."""
     from torchrec.datasets.utils import Batch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -56,7 +57,7 @@ def make_batches(rank: int, batch_size: int, num_full: int, last: int, seed: int
     batches = []
     for b in sizes:
         lengths = torch.randint(0, 4, (NUM_TABLES * b,), generator=gen)
-        values = torch.randint(0, ROWS, (int(lengths.sum()),), generator=gen)
+        values = torch.randint(0, rows, (int(lengths.sum()),), generator=gen)
         batches.append(Batch(
             dense_features=torch.randn(b, DENSE_IN, generator=gen),
             sparse_features=KeyedJaggedTensor.from_lengths_sync(
@@ -66,10 +67,11 @@ def make_batches(rank: int, batch_size: int, num_full: int, last: int, seed: int
     return batches
 
 
-def make_dmp_dlrm(world_size: int, seed: int = 0, dynamic: bool = False):
+def make_dmp_dlrm(world_size: int, seed: int = 0, dynamic: bool = False, tables=None):
     """A DLRM over 3 tables sharded row-wise / table-wise / row-wise, fused Adagrad on the
     tables, dense Adagrad; returns (dmp, optimizer). dynamic: torchrec_ext's
-    DynamicEmbeddingBagCollection and sharder instead of TorchRec's EBC."""
+    DynamicEmbeddingBagCollection and sharder instead of TorchRec's EBC; ``tables``: its 3 configs
+    (t0, t1, t2 of dim DIM reading f0, f1, f2) instead of the plain ones."""
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
@@ -82,8 +84,8 @@ def make_dmp_dlrm(world_size: int, seed: int = 0, dynamic: bool = False):
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     torch.manual_seed(seed)
-    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{i}"])
-              for i in range(NUM_TABLES)]
+    tables = tables or [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS,
+                                           feature_names=[f"f{i}"]) for i in range(NUM_TABLES)]
     if dynamic:
         from torchrec_ext import DynamicEmbeddingBagCollection
         from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders

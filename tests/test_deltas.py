@@ -244,9 +244,11 @@ def test_bad_deltas_are_refused_whole():
     other = _module("ebc", optimizer=None, dim=16)
     other.follow_deltas(token)
     _unchanged(other, lambda: other.apply_delta(d1), "dim 8")
-    # A tombstone of an id the replica does not hold is no error (nothing to remove).
+    # A tombstone of an id the replica does not hold: a source tombstones only ids live at the
+    # delta's since, so the replica missed something (refused, not ignored).
     unknown = _tweaked(d1, tombstones=torch.cat([lru.tombstones, torch.tensor([123456789])]))
-    replica.apply_delta(unknown)
+    _unchanged(replica, lambda: replica.apply_delta(unknown), r"do(es)? not hold.*123456789")
+    replica.apply_delta(d1)
 
 
 def test_too_small_replica_applies_nothing():

@@ -137,8 +137,31 @@ def _sharded_replica(rank, world_size, root):
         raise AssertionError("a delta after a missing one was applied")
     except DeltaError as e:
         assert "missing" in str(e)
+    if world_size == 2:
+        _refused_on_one_rank_applies_nowhere(dmp, root)
     _apply_all(ebc, root)
     _assert_same(_full(dmp), torch.load(os.path.join(root, "final.pt")))
+
+
+def _refused_on_one_rank_applies_nowhere(dmp, root):
+    """A share only rank 1 must refuse (a tombstone of an id it does not hold, routed to it):
+    rank 0, which could apply its part, applies nothing either (all-or-nothing across ranks)."""
+    from torchrec_ext.distributed.sharded_state import owned_mask
+
+    ebc = dmp.module.ebc
+    delta = load_delta(os.path.join(root, "delta_0_0.delta"))  # source rank 0: ids routed to rank 0
+    candidates = torch.arange(10**12, 10**12 + 64, dtype=torch.int64)
+    stranger = candidates[owned_mask(candidates, -1, 1, 2)][:1]
+    table = delta.tables["t1"]
+    table.tombstones = torch.cat([table.tombstones, stranger])
+    assert table.ids.numel() and owned_mask(table.ids, -1, 0, 2).any()  # rank 0 has rows to take from it
+    before = _full(dmp)
+    try:
+        ebc.apply_delta(delta)
+        raise AssertionError("a delta refused on rank 1 was applied")
+    except DeltaError as e:
+        assert "does not hold" in str(e) or "refused on rank(s) [1]" in str(e), str(e)
+    _assert_same(_full(dmp), before)
 
 
 def test_sharded_source_replicas_unsharded_and_on_one_and_two_ranks(tmp_path):

@@ -335,6 +335,38 @@ class HashTable:
         twin._lock = _ReadWriteLock()
         return twin
 
+    def grown(self, capacity: int) -> Tuple["HashTable", Tensor]:
+        """This table's entries rebuilt in a new table of ``capacity`` rows (>= ``size()``), and
+        the row map: ``row_map[old_row]`` is the new row of the key at ``old_row`` (-1: no live key
+        there). Keys, scores, clock and epoch are kept; rows change (a key's buckets depend on the
+        capacity). On the table's device, with no host copy of the entries: the keys are inserted
+        by one ``insert_or_assign`` with their scores; should some not fit (only in tiny tables,
+        both buckets full), every key is re-placed by ``place_keys`` instead. This table is unchanged.
+        """
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
+            raise ValueError(f"HashTable.grown: capacity must be an int > 0, got {capacity!r}")
+        with self._lock.read():
+            keys, rows, scores = ops.hash_export(self._digests, self._slot_keys, self._slot_scores, self._capacity,
+                                                 0, self._digests.numel())
+            clock, epoch = self._clock, self._epoch
+        if keys.numel() > capacity:
+            raise ValueError(f"HashTable.grown: capacity must hold the table's {keys.numel()} keys, got {capacity}")
+        twin = HashTable(capacity, policy=self.policy, device=self.device)
+        twin._epoch = epoch
+        new_rows = twin.insert_or_assign(keys, scores).rows if keys.numel() else keys
+        if keys.numel() and bool((new_rows < 0).any()):  # both buckets full at this capacity: an exact placement
+            twin = HashTable(capacity, policy=self.policy, device=self.device)
+            new_rows = place_keys(keys, scores, capacity)
+            if bool((new_rows < 0).any()):
+                raise ValueError(f"HashTable.grown: {int((new_rows < 0).sum())} of {keys.numel()} keys cannot be "
+                                 f"placed in capacity {capacity}")
+            twin.load_state_dict({"capacity": capacity, "policy": self.policy, "clock": clock, "epoch": epoch,
+                                  "keys": keys, "rows": new_rows, "scores": scores})
+        twin._clock, twin._epoch = clock, epoch
+        row_map = torch.full((self._capacity,), -1, dtype=torch.int64, device=self.device)
+        row_map[rows] = new_rows
+        return twin, row_map
+
     def clear(self) -> None:
         with self._lock.write():
             self._digests.zero_()

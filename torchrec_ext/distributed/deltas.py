@@ -5,6 +5,11 @@ As a source, each rank exports its own share: its local module's delta, a stream
 replica, at any world size, each rank applies every share of the source, keeping the rows it
 owns (``route(id) == rank`` for row-wise tables, all or none for table-wise ones).
 
+A sharded replica applies all or nothing across its ranks: each rank checks its part and builds
+it aside, the ranks exchange whether they could (one all_gather, so ``apply_delta`` is
+collective: every rank calls it with the same delta), and only then each commits; a refusal on
+any rank is raised on every rank, naming it.
+
 Fallback rows: every rank holds an equal copy of a row-wise table's, so only rank 0's share
 carries them (a replica following the ranks' streams in any interleaving never takes an older
 copy over a newer one); every replica rank keeps them whole.
@@ -14,8 +19,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch.distributed as dist
+
 from torchrec_ext.distributed.sharded_state import owned_mask
-from torchrec_ext.modules.deltas import Delta, DeltaError, DeltaToken, TableDelta, check_table_delta
+from torchrec_ext.modules.deltas import (
+    Delta,
+    DeltaError,
+    DeltaToken,
+    TableDelta,
+    check_table_delta,
+    commit_delta,
+    prepare_delta,
+)
 
 
 class ShardedDeltaMixin:
@@ -50,8 +65,31 @@ class ShardedDeltaMixin:
         self._delta_local("follow_deltas").follow_deltas(since)
 
     def apply_delta(self, delta: Delta) -> None:
-        """Replica: applies one share of the source's delta, keeping the rows this rank owns."""
-        local = self._delta_local("apply_delta")
+        """Replica: applies one share of the source's delta, keeping the rows this rank owns; all
+        ranks or none (collective)."""
+        prepared, error = None, None
+        try:
+            local, mine = self._my_share(delta)
+            if local is not None:
+                prepared = (local, mine, prepare_delta(local._tables, local._followed_deltas(), mine))
+        except (DeltaError, TypeError, ValueError) as e:
+            error = e
+        errors: list = [None] * self._world_size
+        dist.all_gather_object(errors, None if error is None else str(error), group=self._env.process_group)
+        refused = {rank: text for rank, text in enumerate(errors) if text is not None}
+        if error is not None:
+            raise error
+        if refused:
+            raise DeltaError(
+                f"apply_delta: refused on rank(s) {sorted(refused)} (e.g. {next(iter(refused.values()))}); "
+                f"nothing was applied on any rank"
+            )
+        if prepared is not None:
+            local, mine, parts = prepared
+            commit_delta(local._tables, local._followed_deltas(), mine, parts)
+
+    def _my_share(self, delta: object):
+        """(this rank's local module or None, the part of ``delta`` it keeps)."""
         if not isinstance(delta, Delta):
             raise TypeError(
                 f"apply_delta: delta must be a Delta (export_delta / load_delta), got {type(delta).__name__}"
@@ -59,6 +97,9 @@ class ShardedDeltaMixin:
         unknown = sorted(set(delta.tables) - set(self._owners))
         if unknown:
             raise DeltaError(f"apply_delta: delta has tables {unknown}, this module has tables {sorted(self._owners)}")
+        local = self._local
+        if local is None:  # this rank holds no table of the module: nothing to keep
+            return None, None
         local_index = {m.name: t for t, m in enumerate(local._tables.meta)}
         mine: dict[str, TableDelta] = {}
         for name, table in delta.tables.items():
@@ -78,12 +119,10 @@ class ShardedDeltaMixin:
                 fallback_weights=table.fallback_weights,
                 fallback_optimizer=table.fallback_optimizer,
             )
-        local.apply_delta(
-            Delta(
-                since=delta.since,
-                token=delta.token,
-                source=delta.source,
-                tables=mine,
-                format_version=delta.format_version,
-            )
+        return local, Delta(
+            since=delta.since,
+            token=delta.token,
+            source=delta.source,
+            tables=mine,
+            format_version=delta.format_version,
         )

@@ -30,6 +30,12 @@ world_size)`` for row_wise, as ``ops.route`` spreads ids evenly):
 
 on the compute device's memory (ddr on CPU, hbm on CUDA). The perf model is described above
 ``DynamicEmbeddingPerfEstimator``.
+
+Growing tables (``initial_capacity`` < num_embeddings) are planned at their maximum, num_embeddings,
+by default, as TorchRec reserves a table's whole ``num_embeddings``: a plan then stays valid once
+the tables are full. ``plan_capacity="initial"`` (``make_planner`` / the storage estimator; or a dict
+of table name -> "maximum" / "initial") plans with the rows the tables start with (their admission
+state still at the maximum), for jobs that know their tables will not fill.
 """
 from __future__ import annotations
 
@@ -96,15 +102,18 @@ def _index_slots(capacity: int) -> int:
 
 def dynamic_table_bytes(capacity: int, dim: int, optimizer_kind: Optional[str], *, ttl: bool = False,
                         admit_after: int = 1, admission_capacity: Optional[int] = None, parts: int = 1,
-                        admission: Optional[DynamicTableOptions] = None, element_bytes: int = FLOAT_BYTES) -> int:
+                        admission: Optional[DynamicTableOptions] = None, element_bytes: int = FLOAT_BYTES,
+                        rows_now: Optional[int] = None) -> int:
     """Bytes one rank holds of a dynamic table split over ``parts`` ranks (1: table_wise), without
     the step's IO buffers: what ``DynamicEmbeddingBagCollection.storage_bytes()`` reports for a
     module holding that share. ``admission``: the table's options, whose admission strategy is
     counted; without them, ``admit_after`` > 1 means the counter of ``admission_capacity`` ids.
-    ``element_bytes``: of the table's data_type (4 FP32, 2 FP16/BF16)."""
+    ``element_bytes``: of the table's data_type (4 FP32, 2 FP16/BF16). ``rows_now``: the table's
+    capacity now when it grows (``initial_capacity``; default ``capacity``): its rows are counted at
+    that capacity, its admission state (sized from num_embeddings) at ``capacity``."""
     if admission is None:
         admission = DynamicTableOptions(admit_after=admit_after, admission_capacity=admission_capacity)
-    rows = local_capacity(capacity, parts)
+    rows = local_capacity(capacity if rows_now is None else rows_now, parts)
     stored = rows + (admission.fallback_rows or 0)  # every shard holds the table's fallback rows
     total = 4 * -(-stored * dim * element_bytes // 4) + stored * optimizer_state_bytes_per_row(optimizer_kind, dim)
     total += INDEX_BYTES_PER_SLOT * _index_slots(rows)
@@ -114,6 +123,19 @@ def dynamic_table_bytes(capacity: int, dim: int, optimizer_kind: Optional[str], 
 
 
 # ---------------------------------------------------------------------------- option helpers
+
+PLAN_CAPACITIES = ("maximum", "initial")
+
+
+def check_plan_capacity(value: Any) -> Any:
+    """``plan_capacity``: "maximum" / "initial", or a dict of table name -> one of them."""
+    values = value.values() if isinstance(value, dict) else [value]
+    bad = [v for v in values if not isinstance(v, str) or v not in PLAN_CAPACITIES]
+    if bad or (isinstance(value, dict) and not all(isinstance(k, str) for k in value)):
+        raise ValueError(f"dynamic table planner: plan_capacity must be one of {list(PLAN_CAPACITIES)} or a dict of "
+                         f"table name -> one of them, got {value!r}")
+    return dict(value) if isinstance(value, dict) else value
+
 
 def is_dynamic_option(option: ShardingOption) -> bool:
     """Whether a sharding option belongs to one of our dynamic modules."""
@@ -146,6 +168,7 @@ class _TableInfo:
     weighted: bool
     options: Optional[DynamicTableOptions] = field(default=None, compare=False)
     element_bytes: int = FLOAT_BYTES  # of the vectors' data_type
+    initial_capacity: Optional[int] = None  # rows a growing table starts with (None: capacity)
 
 
 class _TableCache:
@@ -169,7 +192,7 @@ class _TableCache:
             optimizer_kind=kind, ttl=opts.ttl_steps is not None, admit_after=opts.admit_after,
             admission_capacity=opts.admission_capacity, pooled=not isinstance(module, DynamicEmbeddingCollection),
             weighted=bool(getattr(module, "is_weighted", lambda: False)()), options=opts,
-            element_bytes=storage_dtype_of(config).itemsize,
+            element_bytes=storage_dtype_of(config).itemsize, initial_capacity=opts.initial_capacity,
         )
 
 
@@ -238,11 +261,15 @@ class DynamicEmbeddingStorageEstimator(ShardEstimator):
             size the IO buffers).
         pipeline_type, run_embedding_at_peak_memory: passed to TorchRec's estimator for stock tables.
         is_inference: no IO buffers are counted (as TorchRec does for inference).
+        plan_capacity: the capacity growing tables (``initial_capacity``) are planned with:
+            "maximum" (num_embeddings, the default) or "initial"; or a dict of table name -> either
+            (tables not named: "maximum").
     """
 
     def __init__(self, topology: Topology, constraints: Optional[Dict[str, ParameterConstraints]] = None,
                  pipeline_type: PipelineType = PipelineType.NONE, run_embedding_at_peak_memory: bool = False,
-                 is_inference: bool = False) -> None:
+                 is_inference: bool = False, plan_capacity: Any = "maximum") -> None:
+        self._plan_capacity = check_plan_capacity(plan_capacity)
         self._topology = topology
         self._constraints = constraints
         self._is_inference = is_inference
@@ -259,9 +286,12 @@ class DynamicEmbeddingStorageEstimator(ShardEstimator):
     def _shard_bytes(self, option: ShardingOption, table: _TableInfo) -> List[int]:
         world_size = self._topology.world_size
         parts = world_size if option.sharding_type == ShardingType.ROW_WISE.value else 1
+        initial = self._plan_capacity if isinstance(self._plan_capacity, str) else \
+            self._plan_capacity.get(table.name, "maximum")
         resident = dynamic_table_bytes(table.capacity, table.dim, table.optimizer_kind, ttl=table.ttl,
                                        admit_after=table.admit_after, admission_capacity=table.admission_capacity,
-                                       parts=parts, admission=table.options, element_bytes=table.element_bytes)
+                                       parts=parts, admission=table.options, element_bytes=table.element_bytes,
+                                       rows_now=table.initial_capacity if initial == "initial" else None)
         io = 0
         if not self._is_inference:
             volume = _step_volume(option, self._constraints, world_size, table.pooled)
@@ -454,7 +484,8 @@ def make_planner(topology: Topology, batch_size: int, constraints: Optional[Dict
     num_poolings, batch_sizes, ...) are applied by TorchRec's enumerator and passed to both
     estimators. Other keyword arguments go to ``EmbeddingShardingPlanner`` (proposer, partitioner,
     storage_reservation, performance_model, stats, debug, callbacks, timeout_seconds, ...);
-    ``is_inference`` and ``pipeline_type`` go to the estimators. When no plan exists because a
+    ``is_inference``, ``pipeline_type`` and ``plan_capacity`` (growing tables planned at their
+    "maximum", the default, or "initial" capacity; see the module docstring) go to the estimators. When no plan exists because a
     table fits on no rank, ``plan()`` raises ``PlannerError`` naming the table, its bytes and the
     per-rank capacity.
     """
@@ -463,12 +494,13 @@ def make_planner(topology: Topology, batch_size: int, constraints: Optional[Dict
                         "use EmbeddingShardingPlanner directly to pass your own")
     is_inference = bool(kwargs.pop("is_inference", False))
     pipeline_type = kwargs.pop("pipeline_type", PipelineType.NONE)
+    plan_capacity = kwargs.pop("plan_capacity", "maximum")
     enumerator = EmbeddingEnumerator(
         topology=topology, batch_size=batch_size, constraints=constraints,
         estimator=[
             DynamicEmbeddingPerfEstimator(topology, constraints, is_inference=is_inference),
             DynamicEmbeddingStorageEstimator(topology, constraints, pipeline_type=pipeline_type,
-                                             is_inference=is_inference),
+                                             is_inference=is_inference, plan_capacity=plan_capacity),
         ])
     return _DynamicEmbeddingShardingPlanner(topology=topology, batch_size=batch_size, enumerator=enumerator,
                                             constraints=constraints, **kwargs)

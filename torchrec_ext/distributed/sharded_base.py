@@ -78,6 +78,9 @@ def _local_config(cfg, share: int, feature_names: List[str], pooled: bool, stoch
         feature_names=feature_names, eviction_policy=opts.eviction_policy, initializer=init,
         ttl_steps=opts.ttl_steps, seed=opts.seed, **local_admission_fields(opts, cfg.num_embeddings, share),
         fallback_rows=opts.fallback_rows,
+        # each rank's share grows on its own, from its share of the initial capacity
+        initial_capacity=None if opts.initial_capacity is None else local_capacity(opts.initial_capacity, share),
+        growth_load_factor=opts.growth_load_factor,
         data_type=cfg.data_type,
         stochastic_rounding=opts.stochastic_rounding if stochastic_rounding is None else stochastic_rounding,
     )

@@ -175,6 +175,10 @@ def serving_module(
             storage.set_fallback(t, torch.arange(metas[t].fallback_rows), fallback[t])
         else:
             storage.set_default(t, default)
+    for t, cfg in enumerate(configs):
+        if options_of(cfg).ttl_steps is not None:  # ids left out as expired: the source tombstones them later
+            held = table_state(cfg.name)["weight_id"].to(torch.int64).cpu()
+            storage.left_out[t] = held[~torch.isin(held, loaded[t][0])]
     if pooled:
         return InferenceEmbeddingBagCollection(configs, storage, module.is_weighted())
     return InferenceEmbeddingCollection(configs, storage, module.need_indices())

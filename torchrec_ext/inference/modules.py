@@ -67,7 +67,20 @@ class _ServingMixin:
     def apply_delta(self, delta: Delta) -> None:
         """Applies the next delta of the followed source while lookups go on: they see it wholly
         or not at all. New ids are inserted, tombstoned ids removed; refused whole otherwise."""
-        serving_deltas.apply_delta(self._tables, self._followed_deltas(), delta)
+        serving_deltas.apply_deltas(self._tables, self._followed_deltas(), [delta])
+
+    def apply_deltas(self, deltas: Sequence[Delta]) -> None:
+        """Applies several deltas as one (e.g. every rank's share of a sharded source's export):
+        lookups see all of them or none; refused whole if any is."""
+        serving_deltas.apply_deltas(self._tables, self._followed_deltas(), deltas)
+
+    def prepare_deltas(self, deltas: Sequence[Delta]) -> serving_deltas.PreparedDeltas:
+        """``apply_deltas`` in two steps: this one checks and builds everything aside (the module
+        unchanged); ``commit_deltas`` publishes it, cannot fail but for a commit in between."""
+        return serving_deltas.prepare_deltas(self._tables, self._followed_deltas(), deltas)
+
+    def commit_deltas(self, prepared: serving_deltas.PreparedDeltas) -> None:
+        serving_deltas.commit_deltas(self._tables, self._followed_deltas(), prepared)
 
     def _followed_deltas(self) -> dict[str, DeltaToken]:
         if "_delta_followed" not in self.__dict__:

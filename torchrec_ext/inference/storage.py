@@ -81,8 +81,12 @@ class InferenceTables:
         self.meta: list[ServingTable] = list(tables)
         self.plan = plan
         self.lock = _ReadWriteLock()
-        self.applying = threading.Lock()  # held by apply_delta from its checks to its publish
+        self.applying = threading.RLock()  # held by apply_deltas from its checks to its commit
+        self.generation = 0  # commits of deltas so far: a delta prepared before another's commit is void
         self.indexes: list[HashTable] = [HashTable(m.capacity, policy="none") for m in self.meta]
+        # Per table: ids the conversion left out as expired (TTL; None: none), which the source
+        # still held and will tombstone later.
+        self.left_out: list[Tensor | None] = [None] * len(self.meta)
         self.default_rows = [m.capacity for m in self.meta]  # the row each table's unseen ids read
         # Float rows read row -1 as zeros (the kernels' "no row"): a table whose default is zeros
         # keeps the find's -1, as the trained module does, and skips mapping it to the default row.

@@ -4,6 +4,7 @@ from torchrec_ext.modules.configs import (
 )
 from torchrec_ext.modules.delta_file import load_delta, save_delta
 from torchrec_ext.modules.deltas import Delta, DeltaError, DeltaToken, TableDelta
+from torchrec_ext.modules.dynamic_tables import GrowthError
 from torchrec_ext.modules.embedding_bag_collection import DynamicEmbeddingBagCollection
 from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
 from torchrec_ext.modules.ftrl import Ftrl
@@ -18,5 +19,5 @@ __all__ = [
     "DynamicEmbeddingBagCollection", "DynamicEmbeddingBagConfig", "DynamicEmbeddingCollection",
     "DynamicEmbeddingConfig", "DynamicTableOptions", "Initializer", "DEFAULT_OPTIMIZER", "Ftrl",
     "fuse_embedding_optimizer", "from_ebc_state_dict",
-    "Delta", "DeltaError", "DeltaToken", "TableDelta", "save_delta", "load_delta",
+    "Delta", "DeltaError", "DeltaToken", "TableDelta", "save_delta", "load_delta", "GrowthError",
 ]

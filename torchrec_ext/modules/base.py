@@ -49,11 +49,13 @@ class DynamicTable(nn.Module):
         self._index = index
         self._loaded_by_container = False
         self.weight = nn.Parameter(tables.table_view(index))
+        tables.register_parameter_owner(self)  # ``weight`` follows the storage when a growth replaces it
 
     def extra_repr(self) -> str:
         m = self._tables.meta[self._index]
         fallback = f", fallback_rows={m.fallback_rows}" if m.fallback_rows else ""
-        return f"capacity={m.capacity}, dim={m.dim}, policy={m.policy!r}, dtype={m.dtype}{fallback}"
+        grows = f", max_capacity={m.max_capacity}" if m.max_capacity != m.capacity else ""
+        return f"capacity={m.capacity}{grows}, dim={m.dim}, policy={m.policy!r}, dtype={m.dtype}{fallback}"
 
     def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
         for key, value in self._tables.table_state(self._index).items():
@@ -171,6 +173,8 @@ class DynamicCollectionMixin(DeltaMixin):
         # attributes: re-point the copy's table parameters at the copy's storage, and give
         # them back the fused optimizer's markers (the copied optimizer already holds them).
         super().__setstate__(state)
+        for table in self._table_modules():
+            self._tables.register_parameter_owner(table)
         self._bind_parameters()
         if self._fused is not None:
             chosen = not self._fused_is_default
@@ -227,9 +231,10 @@ class DynamicCollectionMixin(DeltaMixin):
         """Ids that hold a row now, over all tables."""
         return self._tables.num_live_rows()
 
-    def storage_bytes(self) -> int:
-        """Bytes of vectors, optimizer state and index metadata, over all tables."""
-        return self._tables.storage_bytes()
+    def storage_bytes(self, maximum: bool = False) -> int:
+        """Bytes of vectors, optimizer state and index metadata, over all tables, as allocated now;
+        ``maximum``: once every growing table (``initial_capacity``) reached num_embeddings."""
+        return self._tables.storage_bytes(maximum=maximum)
 
     def table_stats(self) -> Dict[str, TableStats]:
         """Per table (by name): live rows, capacity, load factor, inserts, evictions, TTL expiries,

@@ -76,6 +76,9 @@ class Initializer:
         return Initializer(name, **dict(zip(fields, params)))
 
 
+DEFAULT_GROWTH_LOAD_FACTOR = 0.75
+
+
 @dataclass(kw_only=True)
 class DynamicTableOptions:
     """The fields a dynamic table adds to a TorchRec config.
@@ -115,6 +118,17 @@ class DynamicTableOptions:
         rows are kept in the module's buffer (``torchrec_ext.modules.tiered_tables``).
     cache_load_factor: the fraction in (0, 1] of the capacity kept hot with host or file backing
         (None: 0.2, TorchRec's default).
+    initial_capacity: rows of storage the table starts with (vectors, optimizer state and index
+        together), in [1, num_embeddings]; None: num_embeddings (all of it up front). The table
+        doubles them when its load (live rows / current capacity) would pass
+        ``growth_load_factor``, up to num_embeddings; only then does it evict. Any int works (the
+        index's last 32-slot bucket may be partly usable, as for any capacity). Rows move only at a
+        growth, between steps; values, scores, optimizer state and admission / TTL state do not
+        change (``DynamicTables.grow``). Device backing only.
+    growth_load_factor: the load in (0, 1] past which a growing table doubles (default 0.75; near 1,
+        a key's two full 32-slot buckets may evict before the table grows). A training batch counts
+        its distinct ids as new for this (those admitted, with admission), so a table grows before
+        a batch could push it past the factor.
     """
 
     eviction_policy: str = "lru"
@@ -134,6 +148,8 @@ class DynamicTableOptions:
     stochastic_rounding: bool = True
     backing: str = "device"
     cache_load_factor: Optional[float] = None
+    initial_capacity: Optional[int] = None
+    growth_load_factor: float = DEFAULT_GROWTH_LOAD_FACTOR
 
     def _check_dynamic_fields(self) -> None:
         name = type(self).__name__
@@ -158,6 +174,7 @@ class DynamicTableOptions:
             raise TypeError(f"{name}: stochastic_rounding must be a bool, got {self.stochastic_rounding!r}")
         check_admission_options(self, getattr(self, "num_embeddings", 1), name)
         check_backing_options(self, name)
+        check_growth_options(self, getattr(self, "num_embeddings", None), f"{name}: table {getattr(self, 'name', None)!r}")
 
     @property
     def admission_strategy(self) -> Optional[str]:
@@ -172,6 +189,29 @@ def check_fallback_rows(value: object, where: str) -> None:
 
 
 DEFAULT_CACHE_LOAD_FACTOR = 0.2
+
+
+def check_growth_options(opts: "DynamicTableOptions", num_embeddings: Optional[int], where: str) -> None:
+    """Checks ``initial_capacity`` (an int in [1, num_embeddings], or None) and
+    ``growth_load_factor`` (a number in (0, 1]); growth needs device backing."""
+    initial, factor = opts.initial_capacity, opts.growth_load_factor
+    if initial is not None:
+        if not _is_int(initial) or initial < 1 or (_is_int(num_embeddings) and initial > num_embeddings):
+            raise ValueError(f"{where} initial_capacity must be an int in [1, num_embeddings={num_embeddings}] "
+                             f"(None: num_embeddings), got {initial!r}")
+        if opts.backing != "device" and _is_int(num_embeddings) and initial < num_embeddings:
+            raise ValueError(f"{where} initial_capacity < num_embeddings (a growing table) is not supported with "
+                             f"backing={opts.backing!r} (growth needs device backing), got initial_capacity={initial!r}, "
+                             f"num_embeddings={num_embeddings}")
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor <= 1:
+        raise ValueError(f"{where} growth_load_factor must be a number in (0, 1] (the load past which the table "
+                         f"doubles), got {factor!r}")
+
+
+def initial_capacity_of(config: BaseEmbeddingConfig) -> int:
+    """Rows of storage the table starts with: its ``initial_capacity``, else ``num_embeddings``."""
+    initial = options_of(config).initial_capacity
+    return config.num_embeddings if initial is None else initial
 
 
 def check_backing_options(opts: "DynamicTableOptions", where: str) -> None:
@@ -354,6 +394,7 @@ def _check_table(config: object, expected: type, module: str) -> None:
     _check_shape_fields(config, f"{module}: table {config.name!r}")
     # Checked again here: a config's fields may have been changed since it was built.
     check_fallback_rows(options_of(config).fallback_rows, f"{module}: table {config.name!r}")
+    check_growth_options(options_of(config), config.num_embeddings, f"{module}: table {config.name!r}")
     if config.data_type not in STORAGE_DATA_TYPES:
         raise ValueError(f"{module}: table {config.name!r} data_type must be one of "
                          f"{[d.name for d in STORAGE_DATA_TYPES]} (a trainable dynamic table stores its vectors in "

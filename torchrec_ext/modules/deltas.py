@@ -9,8 +9,13 @@ names, dims and dtypes; any capacity that holds the rows; any world size) that l
 source's checkpoint taken at ``token`` calls ``replica.follow_deltas(token)``, then
 ``replica.apply_delta(delta)`` for every delta in order, and holds exactly the source's live rows.
 
+Tombstones name only ids that were live at ``since`` (an id inserted and removed between two
+tokens never reached a replica): so a replica refuses a tombstone of an id it does not hold, a
+sign that a delta is missing or that it did not start at the token's checkpoint.
+
 How it stays cheap: tracking starts at the first ``delta_token()`` (a module that never asks
-pays nothing). Then each row carries a version (one int64 per row), stamped with the module's
+pays nothing). Then each row carries a version (one int64 per row, and one more: the version at
+which its id got it), stamped with the module's
 write counter by the callers of the kernels, on the touched rows only (one ``scatter_`` per
 step); removed ids go to an append-only log per table. A token is a counter value: export is one
 compare over the versions plus a gather of the changed rows, and the log entries past the token.
@@ -61,7 +66,8 @@ class DeltaToken:
 class TableDelta:
     """One table's change: ``ids`` int64 [n] with their ``weights`` [n, dim] (storage dtype),
     optionally ``optimizer`` state per name ([n, dim] or [n]) and ``scores`` int64 [n]; and
-    ``tombstones`` int64 [m], ids no longer live (each id once over ``ids`` and ``tombstones``).
+    ``tombstones`` int64 [m], ids live at the delta's ``since`` and no longer live (each id once
+    over ``ids`` and ``tombstones``).
     A table with fallback rows adds the ones written since: ``fallback_slots`` int64 [k] (distinct,
     in [0, fallback_rows)), their ``fallback_weights`` [k, dim] and ``fallback_optimizer`` state."""
 
@@ -107,13 +113,17 @@ class DeltaLog:
         # 0: written before tracking. One extra slot at the end takes the stamps of rows -1 (none),
         # so a step's rows are stamped without compacting them first.
         self.version = torch.zeros(total + 1, dtype=torch.int64, device=tables.device)
+        # The version at which each row's id got the row (0: before tracking): a removed id was
+        # live at a token iff it got its row at or before the token.
+        self.born = torch.zeros(total + 1, dtype=torch.int64, device=tables.device)
         self.no_row = total
-        self.log: list[list[tuple]] = [[] for _ in tables.meta]  # per table: (version, ids)
+        self.log: list[list[tuple]] = [[] for _ in tables.meta]  # per table: (version, ids, born versions)
         self.logged = 0
 
     def _on(self, device: torch.device) -> None:
         if self.version.device != device:  # the module moved
-            self.version, self.row_starts = self.version.to(device), self.row_starts.to(device)
+            self.version, self.born = self.version.to(device), self.born.to(device)
+            self.row_starts = self.row_starts.to(device)
 
     def table_versions(self, tables: DynamicTables, t: int, fallback: bool = False) -> Tensor:
         """Versions of table t's rows (fallback: of its fallback rows)."""
@@ -121,6 +131,23 @@ class DeltaLog:
         m = tables.meta[t]
         start = int(tables.state_row_offsets[t]) + (m.capacity if fallback else 0)
         return self.version[start : start + (m.fallback_rows if fallback else m.capacity)]
+
+    def relayout(self, tables: DynamicTables, flat_map: Tensor) -> None:
+        """The tables' rows moved (a growth): ``flat_map[old flat row]`` is the new one (-1: gone).
+        Write and born versions follow their rows, so what was written since a token is still
+        exported and tombstones still name only ids live at the token."""
+        self._on(flat_map.device)
+        total = sum(m.rows for m in tables.meta)
+        moved = (flat_map >= 0).nonzero().squeeze(1)
+        targets = flat_map.index_select(0, moved)
+
+        def follow(per_row: Tensor) -> Tensor:
+            out = torch.zeros(total + 1, dtype=torch.int64, device=flat_map.device)
+            return out.index_copy_(0, targets, per_row.index_select(0, moved))
+
+        # Born versions move too: a tombstone is sent only for ids born at or before a token.
+        self.version, self.born, self.no_row = follow(self.version), follow(self.born), total
+        self.row_starts = tables.state_row_offsets.to(flat_map.device)
 
     # ------------------------------------------------------------------ hooks (DynamicTables)
 
@@ -137,14 +164,26 @@ class DeltaLog:
             flat = unique_rows if len(self.log) == 1 else unique_rows + self.row_starts.index_select(0, unique_table)
             self.version.scatter_(0, flat.masked_fill(unique_rows < 0, self.no_row), self.current)
 
-    def removed(self, t: int, ids: Tensor) -> None:
-        """Table t's ``ids`` lost their rows (evicted, expired, erased)."""
+    def inserted(self, t: int, rows: Tensor) -> None:
+        """Table t's ``rows`` (each >= 0) were given to ids they did not hold."""
+        if rows.numel():
+            self._on(rows.device)
+            self.born.scatter_(0, rows + self.row_starts[t], self.current)
+
+    def removed(self, t: int, ids: Tensor, rows: Tensor, inserted_now: Tensor | None = None) -> None:
+        """Table t's ``ids`` lost the ``rows`` they held (evicted, expired, erased), before the
+        rows' new ids (if any) are ``inserted``. ``inserted_now``: ids the same call inserted (an
+        id evicted by a later id of its own batch was never live before it)."""
         if ids.numel():
-            self.log[t].append((self.current, ids.clone()))
+            self._on(rows.device)
+            born = self.born.index_select(0, rows + self.row_starts[t])
+            if inserted_now is not None and inserted_now.numel():
+                born = born.masked_fill(torch.isin(ids, inserted_now), self.current)
+            self.log[t].append((self.current, ids.clone(), born))
             self.logged += ids.numel()
             while self.logged > self.max_tombstones:  # drop the oldest entry; its tokens go stale
                 oldest = min(range(len(self.log)), key=lambda i: self.log[i][0][0] if self.log[i] else math.inf)
-                version, dropped = self.log[oldest].pop(0)
+                version, dropped, _ = self.log[oldest].pop(0)
                 self.logged -= dropped.numel()
                 self.floor = max(self.floor, version)
 
@@ -154,9 +193,10 @@ class DeltaLog:
         for t, new_rows in zip(ts, rows):
             index = tables.indexes[t]
             if index is not None:
-                for keys, _, _ in index.export():
-                    self.removed(t, keys)
+                for keys, old_rows, _ in index.export():
+                    self.removed(t, keys, old_rows)
             if new_rows is not None:
+                self.inserted(t, new_rows)
                 self.written(t, new_rows)
 
     # ------------------------------------------------------------------ tokens
@@ -199,7 +239,9 @@ class DeltaLog:
         self.floor = max(self.floor, before.version)
 
     def tombstones(self, t: int, since: DeltaToken) -> Tensor:
-        entries = [ids for version, ids in self.log[t] if version > since.version]
+        """Ids of table t removed after ``since`` that were live at ``since`` (live again now or
+        not: the caller drops the live ones)."""
+        entries = [ids[born <= since.version] for version, ids, born in self.log[t] if version > since.version]
         return torch.cat(entries).unique() if entries else torch.zeros(0, dtype=torch.int64, device=self.version.device)
 
 
@@ -290,6 +332,20 @@ class _Prepared:
     rows: Tensor
     inserted: Tensor
     table: TableDelta
+    tombstone_rows: Tensor  # the rows the tombstoned ids held
+
+
+def unheld_tombstones(name: str, tombstones: Tensor, found: Tensor) -> None:
+    """Refuses tombstones of ids the replica does not hold: a source tombstones only ids live at
+    the delta's ``since``, which a replica that applied every delta before it holds."""
+    if not bool(found.all()):
+        missing = tombstones[~found]
+        raise DeltaError(
+            f"apply_delta: table {name!r}: {missing.numel()} of the delta's {tombstones.numel()} tombstones name "
+            f"ids this replica does not hold (e.g. {missing[:5].tolist()}): a delta before it is missing or the "
+            "replica did not start from the source's checkpoint at the followed token (inconsistent); nothing "
+            "was applied: re-sync the replica from a checkpoint"
+        )
 
 
 def check_delta(tables: DynamicTables, followed: dict[str, DeltaToken], delta: object) -> None:
@@ -391,22 +447,27 @@ def check_table_delta(tables: DynamicTables, t: int, table: TableDelta, name: st
                 )
 
 
-def apply_delta(tables: DynamicTables, followed: dict[str, DeltaToken], delta: Delta) -> None:
-    """Makes the tables hold the delta's rows and drop its tombstones: all tables or none."""
+def prepare_delta(tables: DynamicTables, followed: dict[str, DeltaToken], delta: Delta) -> list[_Prepared]:
+    """Everything ``apply_delta`` does that can fail, aside from the tables: the checks and each
+    table's new index (on a copy). ``commit_delta`` then publishes it."""
     check_delta(tables, followed, delta)
     tables.check_ready("apply_delta")
     tables.write_new_rows()
     names = {m.name: t for t, m in enumerate(tables.meta)}
     device = tables.device
+    # A growing replica first makes room for the delta's ids (growth moves rows, not values).
+    tables.grow({names[name]: table.ids.numel() for name, table in delta.tables.items()})
     prepared: list[_Prepared] = []
     for name, table in delta.tables.items():
         t = names[name]
         m, index = tables.meta[t], tables.indexes[t]
         ids, tombstones = table.ids.to(device), table.tombstones.to(device)
+        tombstone_rows, found = index.find(tombstones)
+        unheld_tombstones(name, tombstones, found)
         # On a copy of the index: the tables change only once every table's rows have found a place.
         index = index.clone()
         if tombstones.numel():
-            index.erase(tombstones)  # an id not held here is not an error: nothing to remove
+            index.erase(tombstones)
         result = index.insert_or_assign(ids, None if table.scores is None else table.scores.to(device))
         lost = int((result.rows < 0).sum()) + result.evicted_keys.numel()
         if lost:
@@ -415,8 +476,14 @@ def apply_delta(tables: DynamicTables, followed: dict[str, DeltaToken], delta: D
                 f"capacity {m.capacity} (their buckets are full of live ids); nothing was applied: give "
                 f"the replica more capacity"
             )
-        prepared.append(_Prepared(t, index, result.rows, result.inserted, table))
-    for p in prepared:  # nothing below can fail
+        prepared.append(_Prepared(t, index, result.rows, result.inserted, table, tombstone_rows))
+    return prepared
+
+
+def commit_delta(tables: DynamicTables, followed: dict[str, DeltaToken], delta: Delta, prepared: list[_Prepared]) -> None:
+    """Publishes what ``prepare_delta`` built (nothing here can fail)."""
+    device = tables.device
+    for p in prepared:
         m, rows = tables.meta[p.t], p.rows
         tables.indexes[p.t] = p.index
         tables.table_view(p.t)[rows] = p.table.weights.to(device)
@@ -436,11 +503,17 @@ def apply_delta(tables: DynamicTables, followed: dict[str, DeltaToken], delta: D
                 if key in p.table.fallback_optimizer:
                     view[slots] = p.table.fallback_optimizer[key].to(device, view.dtype)
         if tables.delta_log is not None:  # a replica may itself be a source
-            tables.delta_log.removed(p.t, p.table.tombstones.to(device))
+            tables.delta_log.removed(p.t, p.table.tombstones.to(device), p.tombstone_rows)
+            tables.delta_log.inserted(p.t, rows[p.inserted])
             tables.delta_log.written(p.t, rows)
             if slots is not None and slots.numel():
                 tables.delta_log.written(p.t, m.capacity + slots)
     followed[delta.since.stream] = delta.token
+
+
+def apply_delta(tables: DynamicTables, followed: dict[str, DeltaToken], delta: Delta) -> None:
+    """Makes the tables hold the delta's rows and drop its tombstones: all tables or none."""
+    commit_delta(tables, followed, delta, prepare_delta(tables, followed, delta))
 
 
 class DeltaMixin:

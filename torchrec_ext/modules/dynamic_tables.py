@@ -19,6 +19,13 @@ rows, which the index never hands out. A distinct id without a row (-1 above) re
 reading one fallback row are merged into one unique row of the lookup, so the fused update takes
 one step of that row on their summed gradient, with its own optimizer state, as for any row.
 
+Growth (a config's ``initial_capacity`` < num_embeddings): a table's capacity rows start at
+initial_capacity and double, up to num_embeddings, when a training batch could push its load past
+``growth_load_factor`` (``grow``). Every table's vectors and optimizer state move to new flat
+buffers of the new layout, the grown tables' rows to their keys' places in a rebuilt index
+(``HashTable.grown``), with their last-seen steps and delta versions (``_relayout``). Rows move
+only then, and only while no lookup awaits its fused update (``pending_backward``).
+
 On CPU, when a backward will follow, new rows are not written by the lookup: their initial
 vectors go to a small dense block (``NewRows``) that the lookup kernels read, and the fused
 update writes each one to its row with the row's first step. New ids are most of a batch's
@@ -29,8 +36,10 @@ rows (``write_new_rows``), so the deferral is never visible.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -40,7 +49,7 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from torchrec_ext import ops
 from torchrec_ext.modules.admission import Admission, bloom_geometry, make_admission
-from torchrec_ext.modules.configs import initializer_of, options_of, storage_dtype_of
+from torchrec_ext.modules.configs import initial_capacity_of, initializer_of, options_of, storage_dtype_of
 from torchrec_ext.modules.fused_optimizer import OptimizerSpec
 from torchrec_ext.modules.table_stats import MAX_AGE_BINS, TableCounters, TableStats
 from torchrec_ext.reference import (
@@ -48,7 +57,8 @@ from torchrec_ext.reference import (
     rounding_seed, table_seed, table_words,
 )
 from torchrec_ext.table import (
-    CLOCK_LIMIT, EPOCH_LIMIT, INT_DTYPES, LAYOUT_LIMIT, LAYOUT_VERSION, LAYOUTS, HashTable, check_counter, place_keys,
+    CLOCK_LIMIT, EPOCH_LIMIT, INT_DTYPES, LAYOUT_LIMIT, LAYOUT_VERSION, LAYOUTS, SLOTS_PER_BUCKET, HashTable,
+    check_counter, place_keys, table_geometry,
 )
 
 _SCORED_BY_COUNT = {"lfu", "epoch_lfu"}
@@ -58,6 +68,14 @@ _MINUS_ONE_SGD = (-1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 # Optimizer states that sum or average squared gradients: never negative (a square root is taken).
 _SQUARED_STATES = {("adagrad", "momentum1"), ("rowwise_adagrad", "momentum1"), ("adam", "momentum2"),
                    ("adamw", "momentum2"), ("ftrl", "accumulator")}
+
+
+class GrowthError(RuntimeError):
+    """A growing table could not allocate its larger storage: the tables keep their storage and
+    rows and stay usable (at their current capacity). Raised by a training lookup before it
+    inserts anything, except for tables with admission, which grow once their admitted ids are
+    known: there the lookup's admission counts of that table, and the tables before it in the
+    batch, keep what the lookup did."""
 
 
 @dataclass
@@ -99,7 +117,7 @@ class RowLookup(NamedTuple):
 @dataclass
 class _TableMeta:
     name: str
-    capacity: int
+    capacity: int  # rows of storage now (the index's capacity); grows up to max_capacity
     dim: int
     policy: str
     seed: int
@@ -112,6 +130,22 @@ class _TableMeta:
     rounding_seed: int = 0              # stochastic rounding of half rows: the stream's seed; 0: to nearest
     fallback_rows: int = 0              # K shared rows after the capacity rows (0: none)
     fallback_seed: int = 0              # the fallback-row hash's seed
+    max_capacity: int = 0               # num_embeddings: what the table may grow to
+    initial_capacity: int = 0           # what it starts with (and returns to on reset)
+    growth_load_factor: float = 1.0     # the load past which it doubles
+
+    @property
+    def grows(self) -> bool:
+        """Whether the table may still grow."""
+        return self.capacity < self.max_capacity
+
+    def fit_capacity(self, live: int, start: Optional[int] = None) -> int:
+        """The capacity, doubling from ``start`` (default: the current one) up to max_capacity, at
+        which ``live`` rows are within the growth load factor."""
+        capacity = self.capacity if start is None else start
+        while capacity < self.max_capacity and live > self.growth_load_factor * capacity:
+            capacity = min(2 * capacity, self.max_capacity)
+        return capacity
 
     @property
     def rows(self) -> int:
@@ -136,6 +170,7 @@ class _LoadedTable:
     fallback: Optional[Tensor] = None     # the fallback rows (None: not saved, initial values: zeros)
     fallback_states: Optional[Dict[str, Optional[Tensor]]] = None  # their optimizer state (None: initial values)
     layout_warning: Optional[str] = None  # said once the load is applied (rows of another layout re-placed)
+    capacity: int = 0                     # the table's capacity once loaded (a growing table fits its ids)
 
 
 # A table state's ``counters``: what they are, and the exclusive upper bound of each. ``layout``
@@ -192,6 +227,18 @@ def _allocate(numel: int, value: float, device: torch.device) -> Tensor:
 _HUGE_PAGE = 2 << 20
 
 
+def _allocate_untouched(numel: int, value: float, device: torch.device) -> Tensor:
+    """As ``_allocate``, but a large zero-filled CPU buffer comes from fresh anonymous pages, which
+    the kernel zeroes when first touched: a growth then commits the pages of the rows it copies and
+    of the rows ids take later, not the whole new capacity at once (nor spends a pass filling it)."""
+    if device.type != "cpu" or value != 0.0 or numel * 4 < _HUGE_PAGE:
+        return _allocate(numel, value, device)
+    pages = mmap.mmap(-1, numel * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = torch.frombuffer(pages, dtype=torch.float32, count=numel)  # keeps ``pages`` alive (unmapped with it)
+    _advise_huge_pages(buf)
+    return buf
+
+
 def _advise_huge_pages(buf: Tensor) -> None:
     start = -(-buf.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
     end = (buf.data_ptr() + buf.numel() * buf.element_size()) // _HUGE_PAGE * _HUGE_PAGE
@@ -216,36 +263,23 @@ class DynamicTables:
             kind, params = initializer_of(cfg)
             dtype, seed = storage_dtype_of(cfg), table_seed(opts.seed, cfg.name)
             self.meta.append(_TableMeta(
-                name=cfg.name, capacity=cfg.num_embeddings, dim=cfg.embedding_dim, policy=opts.eviction_policy,
+                name=cfg.name, capacity=initial_capacity_of(cfg), dim=cfg.embedding_dim, policy=opts.eviction_policy,
                 seed=seed, init_kind=kind, init_params=params,
                 admission=opts.admission_strategy, options=opts,
                 ttl_steps=opts.ttl_steps, dtype=dtype,
                 rounding_seed=rounding_seed(seed) if dtype != torch.float32 and opts.stochastic_rounding else 0,
                 fallback_rows=opts.fallback_rows or 0, fallback_seed=fallback_seed(seed),
+                max_capacity=cfg.num_embeddings, initial_capacity=initial_capacity_of(cfg),
+                growth_load_factor=float(opts.growth_load_factor),
             ))
-        # Fallback rows are rows of their table's storage after its capacity rows: the kernels
-        # read, pool and step them as any row; only the index never hands them out.
-        sizes = [table_words(m.rows, m.dim, m.dtype) for m in self.meta]
-        # Layout descriptors and counters live on the CPU (named explicitly, so that a module
-        # built under ``with torch.device("meta")`` keeps them); layouts are copied to the
-        # storage's device as needed.
         cpu = torch.device("cpu")
-        starts = torch.tensor([0] + sizes[:-1], dtype=torch.int64, device=cpu).cumsum(0) if sizes \
-            else torch.zeros(0, dtype=torch.int64, device=cpu)
-        row_starts = torch.tensor([0] + [m.rows for m in self.meta][:-1], dtype=torch.int64, device=cpu).cumsum(0)
-        self.table_offsets = starts
-        self.state_row_offsets = row_starts
+        sizes = self._compute_layout()
         self.table_dims = torch.tensor([m.dim for m in self.meta], dtype=torch.int64, device=cpu)
-        self.dense_state_offsets = dense_state_offsets([m.rows for m in self.meta], [m.dim for m in self.meta])
         # The kernels' dtype arguments: None for an all-float32 module (the kernels' default).
         half = any(m.dtype != torch.float32 for m in self.meta)
         self.table_dtypes = torch.tensor([dtype_code(m.dtype) for m in self.meta], device=cpu) if half else None
         self.rounding_seeds = torch.tensor([m.rounding_seed for m in self.meta], device=cpu) \
             if any(m.rounding_seed for m in self.meta) else None
-        # Per table: capacity, fallback rows and fallback seed (None: no table has fallback rows).
-        self.fallback_layout = torch.tensor([[m.capacity, m.fallback_rows, m.fallback_seed] for m in self.meta],
-                                            dtype=torch.int64, device=cpu) \
-            if any(m.fallback_rows for m in self.meta) else None
         # Set by a row-wise sharded module: (tables whose fallback rows every rank holds a copy of,
         # all_reduce(tensor) summing over the ranks). Their gradients are summed over the ranks
         # before the step, so every copy takes the unsharded table's step.
@@ -270,7 +304,36 @@ class DynamicTables:
         self.admission: List[Optional[Admission]] = []
         # Set by the first delta_token() (modules/deltas.py): told of every row write and removal.
         self.delta_log = None
+        # Lookups whose fused update has not run yet (their autograd graph alive): rows must not
+        # move while any is pending, so tables grow only when none is (see ``grow``).
+        self.pending_backward = 0
+        self._pending: Dict[int, weakref.finalize] = {}
+        # The table parameters viewing this storage, re-pointed when a growth replaces it.
+        self._parameter_owners: "weakref.WeakSet" = weakref.WeakSet()
+        self._growing = any(m.grows for m in self.meta)
         self._build_indexes()
+
+    def _compute_layout(self) -> List[int]:
+        """Where each table's rows and optimizer state start in the flat buffers, from the tables'
+        current capacities; returns each table's words of vectors."""
+        # Fallback rows are rows of their table's storage after its capacity rows: the kernels
+        # read, pool and step them as any row; only the index never hands them out.
+        sizes = [table_words(m.rows, m.dim, m.dtype) for m in self.meta]
+        # Layout descriptors and counters live on the CPU (named explicitly, so that a module
+        # built under ``with torch.device("meta")`` keeps them); layouts are copied to the
+        # storage's device as needed.
+        cpu = torch.device("cpu")
+        self.table_offsets = torch.tensor([0] + sizes[:-1], dtype=torch.int64, device=cpu).cumsum(0) if sizes \
+            else torch.zeros(0, dtype=torch.int64, device=cpu)
+        self.state_row_offsets = torch.tensor([0] + [m.rows for m in self.meta][:-1], dtype=torch.int64,
+                                              device=cpu).cumsum(0)
+        self.dense_state_offsets = dense_state_offsets([m.rows for m in self.meta], [m.dim for m in self.meta])
+        # Per table: capacity, fallback rows and fallback seed (None: no table has fallback rows).
+        self.fallback_layout = torch.tensor([[m.capacity, m.fallback_rows, m.fallback_seed] for m in self.meta],
+                                            dtype=torch.int64, device=cpu) \
+            if any(m.fallback_rows for m in self.meta) else None
+        self._device_layout = {}
+        return sizes
 
     def __getstate__(self) -> Dict[str, object]:
         """For deepcopy / pickle / torch.save: pending new rows are written first, so the copy
@@ -279,7 +342,23 @@ class DynamicTables:
         state = dict(self.__dict__)
         state["_init_views"] = None
         state["_new_vector_buffer"] = torch.empty(0, dtype=torch.float32)
+        state["_pending"], state["pending_backward"] = {}, 0  # a copy has no lookup in flight
+        state["_parameter_owners"] = None  # the copy's table modules register themselves
         return state
+
+    def __setstate__(self, state: Dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._parameter_owners = weakref.WeakSet()
+
+    def register_parameter_owner(self, owner: object) -> None:
+        """``owner.weight`` (a table module's parameter, table ``owner._index``) views this storage:
+        re-pointed at the new storage when a growth replaces it."""
+        self._parameter_owners.add(owner)
+
+    def _rebind_parameters(self) -> None:
+        for owner in list(self._parameter_owners):
+            if getattr(owner, "_tables", None) is self:
+                owner.weight.data = self.table_view(owner._index)
 
     # ------------------------------------------------------------------ storage
 
@@ -347,10 +426,12 @@ class DynamicTables:
                        for name, value in zip(OPTIMIZER_STATES[spec.kind], self._initial_state_values())]
         self._init_views = None
 
-    def _allocate_buffer(self, name: str, numel: int, value: float, device: torch.device) -> Tensor:
+    def _allocate_buffer(self, name: str, numel: int, value: float, device: torch.device,
+                         untouched: bool = False) -> Tensor:
         """The flat buffer ``name`` ("weights" or an optimizer state) of ``numel`` elements, filled
-        with ``value`` (a hook: tiered tables keep these in a cache over a backing store)."""
-        return _allocate(numel, value, device)
+        with ``value`` (a hook: tiered tables keep these in a cache over a backing store);
+        ``untouched``: pages not committed until written, where the platform allows (a growth's)."""
+        return (_allocate_untouched if untouched else _allocate)(numel, value, device)
 
     def apply(self, fn) -> None:
         """Applies a tensor function (``Module._apply``'s) to the storage and moves the indexes."""
@@ -363,10 +444,14 @@ class DynamicTables:
             self._build_indexes(carry_from=old_device)
 
     def reset(self) -> None:
-        """Forgets every id: empty indexes, cleared optimizer state and counters."""
+        """Forgets every id: empty indexes, cleared optimizer state and counters; growing tables
+        go back to their initial capacity."""
         self._new_rows = None
         if self.delta_log is not None:
             self.delta_log.replaced(self, range(len(self.meta)), [None] * len(self.meta))
+        shrink = {t: (m.initial_capacity, None) for t, m in enumerate(self.meta) if m.capacity != m.initial_capacity}
+        if shrink and self.device.type != "meta":
+            self._relayout(shrink, {})
         self._build_indexes()
         for t, m in enumerate(self.meta):
             if m.fallback_rows:
@@ -394,7 +479,7 @@ class DynamicTables:
                 index.load_state_dict({k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in state.items()})
             self.indexes.append(index)
             self.last_seen.append(torch.zeros(m.capacity, dtype=torch.int64, device=device) if m.ttl_steps else None)
-            self.admission.append(make_admission(m.options, m.admission, m.capacity, m.seed, device))
+            self.admission.append(make_admission(m.options, m.admission, m.max_capacity, m.seed, device))
         # Ages of evicted rows, in steps since last read: known where last_seen is kept (ttl_steps),
         # and then bounded by about twice the ttl (older rows are swept), the last bin holding the rest.
         self.counters = TableCounters(len(self.meta), [None if m.ttl_steps is None else min(2 * m.ttl_steps + 2, MAX_AGE_BINS)
@@ -417,6 +502,13 @@ class DynamicTables:
         """
         self.write_new_rows()
         unique, inverse, counts, unique_offsets = ops.dedup_segments(ids, segment_offsets)
+        exporting = torch.compiler.is_compiling()  # bounds are symbolic: tell what the op guarantees
+        bounds = unique_offsets.tolist()
+        if training and self._growing and not exporting and self.pending_backward == 0:
+            # Room for every distinct id of the batch (a bound on its new ones) before any is
+            # inserted; tables with admission grow in _rows_for, for the ids admitted.
+            self.grow({t: end - start for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]))
+                       if self.admission[t] is None})
         if training:
             self.train_step += 1
         new = None
@@ -426,11 +518,9 @@ class DynamicTables:
             most = unique.numel() * self._widest
             if self._new_vector_buffer.numel() < most:
                 self._new_vector_buffer = _allocate(max(most, 2 * self._new_vector_buffer.numel()), 0.0, self.device)
-        bounds = unique_offsets.tolist()
         # Each table writes its rows into its slice of one buffer (no concatenation after).
         unique_rows = torch.empty_like(unique)
         inserted = torch.zeros_like(unique, dtype=torch.bool) if training else None  # for the table counters
-        exporting = torch.compiler.is_compiling()  # bounds are symbolic: tell what the op guarantees
         for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
             if exporting:
                 torch._check(0 <= start)
@@ -456,10 +546,137 @@ class DynamicTables:
                                                                                  inverse, new)
         unique_ids = unique_ids if self.rounding_seeds is not None else None
         if new is None:
-            return RowLookup(unique_rows[inverse], unique_rows, unique_table, inverse, unique_ids=unique_ids)
-        self._new_rows = new
-        read_from = torch.where(new.unique_new >= 0, -2 - new.unique_new, unique_rows)
-        return RowLookup(read_from[inverse], unique_rows, unique_table, inverse, new, unique_ids)
+            result = RowLookup(unique_rows[inverse], unique_rows, unique_table, inverse, unique_ids=unique_ids)
+        else:
+            self._new_rows = new
+            read_from = torch.where(new.unique_new >= 0, -2 - new.unique_new, unique_rows)
+            result = RowLookup(read_from[inverse], unique_rows, unique_table, inverse, new, unique_ids)
+        if backward_follows and not exporting:
+            # Pending until its fused update lands, or its autograd graph (which holds it) is dropped.
+            self.pending_backward += 1
+            self._pending[id(result.unique_rows)] = weakref.finalize(result.unique_rows, self._backward_done,
+                                                                     id(result.unique_rows))
+        return result
+
+    def _backward_done(self, key: int) -> None:
+        if self._pending.pop(key, None) is not None:
+            self.pending_backward -= 1
+
+    # ------------------------------------------------------------------ growth
+
+    def grow(self, incoming: Optional[Dict[int, int]] = None) -> List[int]:
+        """Doubles (repeatedly, up to max_capacity) each growing table whose load with
+        ``incoming[t]`` more rows would pass its growth_load_factor (``incoming`` None: every table,
+        none incoming; else the tables it names); returns the tables grown. Only while no lookup
+        awaits its fused update (else a no-op: rows must not move under it); the lookup and the
+        update that ends the last pending one call it. All tables growing
+        at once share one relayout (``_relayout``): their rows move to their keys' new places,
+        with their vectors, optimizer state, last-seen steps and delta versions; ids, scores,
+        admission and counters are untouched. Raises ``GrowthError`` (nothing changed) when the
+        new storage cannot be allocated."""
+        if not self._growing or self.pending_backward or self.device.type == "meta":
+            return []
+        targets = {}
+        for t, m in enumerate(self.meta):
+            if m.grows and (incoming is None or t in incoming):
+                want = m.fit_capacity(self.indexes[t].size() + (incoming or {}).get(t, 0))
+                if want != m.capacity:
+                    targets[t] = want
+        if not targets:
+            return []
+        self.write_new_rows()
+        grown = {t: self.indexes[t].grown(c) for t, c in targets.items()}  # new indexes; nothing changed yet
+        self._relayout({t: (c, grown[t][1]) for t, c in targets.items()}, {t: g[0] for t, g in grown.items()})
+        return sorted(targets)
+
+    def _relayout(self, plans: Dict[int, Tuple[int, Optional[Tensor]]], indexes: Dict[int, HashTable]) -> None:
+        """Gives tables new capacities: ``plans[t] = (capacity, row_map)``, ``row_map[old_row]``
+        the new row of each old row (-1: dropped; None: no row carried, the caller replaces the
+        table). New buffers are allocated first (``GrowthError`` if they cannot be: nothing
+        changed), then every table's vectors and optimizer state are copied over (other tables
+        whole, fallback rows whole), then ``indexes`` replace the tables' indexes. On the storage's
+        device throughout."""
+        self.write_new_rows()
+        device, old_row_starts = self.device, self.state_row_offsets
+        old_views = [(self._storage_view(t), self._all_state_views(t)) for t in range(len(self.meta))]
+        old_caps = [m.capacity for m in self.meta]
+        new_caps = [plans[t][0] if t in plans else m.capacity for t, m in enumerate(self.meta)]
+        words = sum(table_words(c + m.fallback_rows, m.dim, m.dtype) for c, m in zip(new_caps, self.meta))
+        rowwise = self.optimizer is not None and self.optimizer.kind in ROWWISE_STATE
+        state_size = sum((c + m.fallback_rows) * (1 if rowwise else m.dim) for c, m in zip(new_caps, self.meta))
+        try:
+            weights = self._allocate_buffer("weights", words, 0.0, device, untouched=True)
+            states = [self._allocate_buffer(name, state_size, value, device, untouched=True) for name, value in
+                      zip(OPTIMIZER_STATES[self.optimizer.kind] if self.optimizer is not None else (),
+                          self._initial_state_values())]
+            last_seen = {t: torch.zeros(plans[t][0], dtype=torch.int64, device=device)
+                         for t in plans if self.last_seen[t] is not None}
+        except (RuntimeError, MemoryError, OSError) as e:
+            names = [self.meta[t].name for t in plans]
+            need = words * 4 + len(self.states) * state_size * 4
+            raise GrowthError(f"tables {names}: growing to capacities {[plans[t][0] for t in plans]} needs new "
+                              f"storage of {need} bytes (all tables' buffers are reallocated), which could not be "
+                              f"allocated ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the tables "
+                              f"are unchanged, at capacities {[old_caps[t] for t in plans]}") from e
+        # The new layout: from here on nothing can fail.
+        for t, c in enumerate(new_caps):
+            self.meta[t].capacity = c
+        self._compute_layout()
+        self.weights, self.states = weights, states
+        self._init_views = None
+        flat_map = None if self.delta_log is None else \
+            torch.full((sum(old_caps[t] + m.fallback_rows for t, m in enumerate(self.meta)),), -1, dtype=torch.int64,
+                       device=device)
+        for t, m in enumerate(self.meta):
+            (old_vec, old_states), new_vec, new_states = old_views[t], self._storage_view(t), self._all_state_views(t)
+            plan = plans.get(t)
+            old_start = int(old_row_starts[t])
+            new_start = int(self.state_row_offsets[t])
+            if plan is None:  # same rows: whole copies
+                new_vec.copy_(old_vec)
+                for a, b in zip(new_states, old_states):
+                    a.copy_(b)
+                if flat_map is not None:
+                    flat_map[old_start:old_start + m.rows] = torch.arange(new_start, new_start + m.rows, device=device)
+                continue
+            cap_old, cap_new = old_caps[t], plan[0]
+            if m.fallback_rows:
+                new_vec[cap_new:].copy_(old_vec[cap_old:])
+                for a, b in zip(new_states, old_states):
+                    a[cap_new:].copy_(b[cap_old:])
+                if flat_map is not None:
+                    flat_map[old_start + cap_old:old_start + cap_old + m.fallback_rows] = torch.arange(
+                        new_start + cap_new, new_start + cap_new + m.fallback_rows, device=device)
+            row_map = plan[1]
+            if row_map is None:
+                continue
+            src = (row_map >= 0).nonzero().squeeze(1)
+            dst = row_map.index_select(0, src)
+            new_vec.index_copy_(0, dst, old_vec.index_select(0, src))
+            for a, b in zip(new_states, old_states):
+                a.index_copy_(0, dst, b.index_select(0, src))
+            if t in last_seen:
+                last_seen[t].index_copy_(0, dst, self.last_seen[t].index_select(0, src))
+            if flat_map is not None:
+                flat_map[old_start + src] = new_start + dst
+        for t, seen in last_seen.items():
+            self.last_seen[t] = seen
+        for t, index in indexes.items():
+            self.indexes[t] = index
+        if self.delta_log is not None:
+            self.delta_log.relayout(self, flat_map)
+        self._growing = any(m.grows for m in self.meta)
+        self._rebind_parameters()
+
+    def _all_state_views(self, t: int) -> List[Tensor]:
+        """Table t's optimizer state, every row (capacity rows, then fallback rows)."""
+        m = self.meta[t]
+        rowwise = self.optimizer is not None and self.optimizer.kind in ROWWISE_STATE
+        if rowwise:
+            start = int(self.state_row_offsets[t])
+            return [buf[start:start + m.rows] for buf in self.states]
+        start = self.dense_state_offsets[t]
+        return [buf[start:start + m.rows * m.dim].view(m.rows, m.dim) for buf in self.states]
 
     def _read_fallback(self, unique: Tensor, unique_rows: Tensor, unique_table: Tensor, inverse: Tensor,
                        new: Optional[NewRows]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -527,6 +744,11 @@ class DynamicTables:
             unseen = ~found
             admitted = admission.admit(keys, counts, unseen, self.train_step)
             self.counters.count_rejected(t, unseen & ~admitted)
+            if m.grows and self.pending_backward == 0 and not torch.compiler.is_compiling():
+                # Room for the ids admitted now. Only this table's rows move: the rows other
+                # tables gave this batch's ids so far stay theirs (a relayout copies them whole).
+                self.grow({t: int((unseen & admitted).sum())})
+                index = self.indexes[t]
             candidates = found | admitted
             # Positions and index_select / index_copy_, not boolean masks (each a nonzero of its own).
             which = candidates.nonzero().squeeze(1)
@@ -543,7 +765,10 @@ class DynamicTables:
             self.counters.count_expired(t, expired)
             fresh = fresh | expired
         if self.delta_log is not None:
-            self.delta_log.removed(t, result.evicted_keys)
+            inserted_rows = result.rows[result.inserted]
+            if result.evicted_keys.numel():
+                self.delta_log.removed(t, result.evicted_keys, result.evicted_rows, keys[result.inserted])
+            self.delta_log.inserted(t, inserted_rows)
             self.delta_log.written(t, result.rows[fresh])
         if m.ttl_steps is not None:
             self.last_seen[t][result.rows[live]] = self.train_step
@@ -569,7 +794,7 @@ class DynamicTables:
             if bool(stale.any()):
                 index.erase(keys[stale])
                 if self.delta_log is not None:
-                    self.delta_log.removed(t, keys[stale])
+                    self.delta_log.removed(t, keys[stale], rows[stale])
                 self.counters.swept[t] += int(stale.sum())
 
     # Training-only and data-dependent throughout (which ids are new): run eagerly under torch.compile
@@ -642,6 +867,11 @@ class DynamicTables:
             self.delta_log.updated(unique_rows, lookup.unique_table)
         if summed is not None:
             self._step_replicated_fallback(summed, hyperparams)
+        done = self._pending.get(id(lookup.unique_rows))
+        if done is not None:
+            done()
+            if self.pending_backward == 0:
+                self.grow()  # growths put off while this update was pending
 
     def _replicated_fallback_layout(self) -> Tuple[List[int], List[int], int]:
         """Where each table's fallback gradients go in the buffer the ranks sum: (word start,
@@ -752,7 +982,7 @@ class DynamicTables:
                 out[key] = torch.empty(len(COUNTERS), dtype=torch.int64, device=meta)
             elif key == "admission_bloom":  # one packed filter
                 opts = m.options
-                nbytes = bloom_geometry(opts.bloom_expected_ids or m.capacity, opts.bloom_bytes, opts.bloom_fpr, m.name,
+                nbytes = bloom_geometry(opts.bloom_expected_ids or m.max_capacity, opts.bloom_bytes, opts.bloom_fpr, m.name,
                                         opts.bloom_hashes).nbytes
                 out[key] = torch.empty(1, nbytes, dtype=torch.uint8, device=meta)
             elif key.startswith("optimizer."):
@@ -787,6 +1017,9 @@ class DynamicTables:
         self.check_ready(where)
         loaded = {t: self._check_table_state(t, state, where) for t, state in states.items()}
         self.write_new_rows()
+        resized = {t: (table.capacity, None) for t, table in loaded.items() if table.capacity != self.meta[t].capacity}
+        if resized:  # growing tables fit the checkpoint's ids (GrowthError, nothing changed, if they cannot)
+            self._relayout(resized, {})
         if self.delta_log is not None:
             self.delta_log.replaced(self, list(loaded), [table.rows for table in loaded.values()])
         for t, table in loaded.items():
@@ -833,12 +1066,15 @@ class DynamicTables:
         fallback, fallback_states = self._checked_fallback(t, state, name)
 
         # Placement: the saved rows when valid in this table, else placed afresh: silently after a
-        # change of capacity or world size, said once when the rows follow another layout.
+        # change of capacity or world size, said once when the rows follow another layout. A
+        # growing table takes the capacity its ids fit in, doubling from its initial one (that of
+        # the table that saved them, unless it grew for ids since evicted or expired).
         ids, scores = ids.to(device, torch.int64), scores.to(device, torch.int64)
-        index = HashTable(m.capacity, policy=m.policy, device=device)
-        entry = {"capacity": m.capacity, "policy": m.policy, "clock": clock, "epoch": epoch, "layout": LAYOUT_VERSION}
+        capacity = m.fit_capacity(n, start=m.initial_capacity) if m.max_capacity != m.initial_capacity else m.capacity
+        index = HashTable(capacity, policy=m.policy, device=device)
+        entry = {"capacity": capacity, "policy": m.policy, "clock": clock, "epoch": epoch, "layout": LAYOUT_VERSION}
         rows, keep, warning, layout_warning = None, None, None, None
-        if saved_rows is not None and n <= m.capacity:
+        if saved_rows is not None and n <= capacity:
             saved_rows = saved_rows.to(device, torch.int64)
             try:
                 index.load_state_dict(dict(entry, layout=layout, keys=ids, rows=saved_rows, scores=scores))
@@ -850,15 +1086,15 @@ class DynamicTables:
                 layout_warning = (f"{name}: the checkpoint's rows follow hash-table layout {layout} "
                                   f"({LAYOUTS.get(layout, 'unknown')}), this table's layout is {LAYOUT_VERSION} "
                                   f"({LAYOUTS[LAYOUT_VERSION]}): its ids were given new rows")
-            rows = place_keys(ids, scores, m.capacity)
+            rows = place_keys(ids, scores, capacity)
             keep = rows >= 0
             index.load_state_dict(dict(entry, keys=ids[keep], rows=rows[keep], scores=scores[keep]))
             kept = int(keep.sum())
             if kept < n:
-                warning = (f"{name}: placed {kept} of the checkpoint's {n} ids in capacity {m.capacity}; the other "
+                warning = (f"{name}: placed {kept} of the checkpoint's {n} ids in capacity {capacity}; the other "
                            f"{n - kept} were dropped, by eviction score (metadata), highest kept: an id is dropped when "
                            f"the two 32-row buckets it hashes to have no free row in any placement of the higher-scored "
-                           f"ids kept" + (f" ({n} ids > capacity {m.capacity})" if n > m.capacity else ""))
+                           f"ids kept" + (f" ({n} ids > capacity {capacity})" if n > capacity else ""))
             rows = rows[keep]
             keep = keep.to(vectors.device)
         pick = (lambda x: x.to(device)) if keep is None else (lambda x: x[keep.to(x.device)].to(device))
@@ -870,7 +1106,7 @@ class DynamicTables:
             states={k: None if v is None else pick(v.to(torch.float32)) for k, v in states.items()},
             last_seen=last_seen, admission=admission, train_step=train_step, optimizer_step=optimizer_step,
             warning=warning, dtype_warning=self._dtype_warning(t, vectors, ids, name), layout_warning=layout_warning,
-            fallback=fallback, fallback_states=fallback_states,
+            fallback=fallback, fallback_states=fallback_states, capacity=capacity,
         )
 
     def _checked_fallback(self, t: int, state: Dict[str, Tensor], name: str
@@ -938,8 +1174,12 @@ class DynamicTables:
     def num_live_rows(self) -> int:
         return sum(index.size() for index in self.indexes if index is not None)
 
-    def storage_bytes(self) -> int:
-        """Bytes of vectors, optimizer state and index metadata (digest, key, score per slot)."""
+    def storage_bytes(self, maximum: bool = False) -> int:
+        """Bytes of vectors, optimizer state and index metadata (digest, key, score per slot), last-seen
+        steps and admission state, as allocated now; ``maximum``: what they take once every growing
+        table reached num_embeddings (the same for tables that do not grow)."""
+        if maximum:
+            return self._bytes_at([m.max_capacity for m in self.meta])
         total = self.weights.numel() * 4 + sum(s.numel() * s.element_size() for s in self.states)
         for index, last_seen, admission in zip(self.indexes, self.last_seen, self.admission):
             if index is not None:
@@ -950,9 +1190,26 @@ class DynamicTables:
                 total += admission.nbytes()
         return total
 
+    def _bytes_at(self, capacities: Sequence[int]) -> int:
+        """storage_bytes() of these tables at ``capacities`` (the byte model of the planner)."""
+        total = 0
+        per_row = len(self.states) * 4 if self.optimizer is not None else 0
+        for c, m, admission in zip(capacities, self.meta, self.admission):
+            total += table_words(c + m.fallback_rows, m.dim, m.dtype) * 4
+            total += (c + m.fallback_rows) * per_row * (1 if self.optimizer is None or self.optimizer.kind in ROWWISE_STATE
+                                                        else m.dim)
+            total += 17 * SLOTS_PER_BUCKET * table_geometry(c)[0]
+            total += 8 * c if m.ttl_steps else 0
+            total += admission.nbytes() if admission is not None else 0
+        return total
+
     def table_stats(self) -> Dict[str, TableStats]:
-        """Per table: live rows, capacity and the counters of ``TableCounters`` (see ``TableStats``)."""
+        """Per table: live rows, capacity (now) and max_capacity, and the counters of
+        ``TableCounters`` (see ``TableStats``)."""
         if self.counters is None:  # on meta: nothing counted
-            return {m.name: TableStats(capacity=m.capacity) for m in self.meta}
-        return self.counters.stats([m.name for m in self.meta], [m.capacity for m in self.meta],
-                                   [index.size() for index in self.indexes], [m.fallback_rows for m in self.meta])
+            return {m.name: TableStats(capacity=m.capacity, max_capacity=m.max_capacity) for m in self.meta}
+        stats = self.counters.stats([m.name for m in self.meta], [m.capacity for m in self.meta],
+                                    [index.size() for index in self.indexes], [m.fallback_rows for m in self.meta])
+        for m in self.meta:
+            stats[m.name].max_capacity = m.max_capacity
+        return stats

@@ -64,9 +64,9 @@ def from_ebc_state_dict(module: Any, state_dict: Mapping[str, Any], prefix: str 
             raise ValueError(f"{where}: {key} must be a float [N, {m.dim}] tensor (table {m.name!r} has "
                              f"embedding_dim {m.dim}), got {weight.dtype} {list(weight.shape)}")
         n = weight.shape[0]
-        if n > m.capacity:
+        if n > m.max_capacity:  # a growing table grows to fit them
             raise ValueError(f"{where}: {key} has {n} rows, more than table {m.name!r}'s capacity "
-                             f"(num_embeddings) {m.capacity}; give the dynamic table at least {n} rows")
+                             f"(num_embeddings) {m.max_capacity}; give the dynamic table at least {n} rows")
         ids = torch.arange(n, dtype=torch.int64)
         states[t] = {"weight": weight.detach(), "weight_id": ids, "metadata": torch.zeros_like(ids),
                      "counters": torch.tensor([0, 0, 0, 0, LAYOUT_VERSION])}  # fresh, in this layout

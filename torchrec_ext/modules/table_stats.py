@@ -30,6 +30,8 @@ MAX_AGE_BINS = 1 << 16
 class TableStats:
     """One table's (or shard's) counters since the module was built (they are not checkpointed).
 
+    capacity / max_capacity: rows of storage now / what the table may grow to (num_embeddings;
+    the same unless ``initial_capacity`` < num_embeddings); load_factor is live_rows / capacity.
     lookups / hits: training id occurrences, and those whose id had a row (hit_rate = hits /
     lookups). inserts: rows given to ids (new ids, and ids whose row had expired).
     evictions: rows taken from an id for another. ttl_expiries: rows freed by ttl_steps (read
@@ -48,6 +50,7 @@ class TableStats:
 
     live_rows: int = 0
     capacity: int = 0
+    max_capacity: int = 0
     lookups: int = 0
     hits: int = 0
     inserts: int = 0

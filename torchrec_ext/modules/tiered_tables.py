@@ -238,7 +238,8 @@ class TieredTables(DynamicTables):
 
     # ------------------------------------------------------------------ storage
 
-    def _allocate_buffer(self, name: str, numel: int, value: float, device: torch.device) -> Tensor:
+    def _allocate_buffer(self, name: str, numel: int, value: float, device: torch.device,
+                         untouched: bool = False) -> Tensor:
         # numel is the buffer at full capacity: the backing store's. Its contents matter only
         # where rows are live (new rows are initialised): a fresh file needs no filling.
         live = bool(getattr(self, "indexes", None)) and self.num_live_rows() > 0
@@ -435,9 +436,9 @@ class TieredTables(DynamicTables):
 
     # ------------------------------------------------------------------ accounting
 
-    def storage_bytes(self) -> int:
+    def storage_bytes(self, maximum: bool = False) -> int:
         """Bytes in fast memory: the cache, the index and its metadata, the cache's maps (the
-        backing store is ``backing_bytes``)."""
+        backing store is ``backing_bytes``). Tiered tables do not grow: ``maximum`` is the same."""
         return super().storage_bytes() + sum(cache.nbytes() for cache in self.caches)
 
     def backing_bytes(self) -> int:

@@ -155,6 +155,15 @@ def _add_output_args(g: argparse._ArgumentGroup) -> None:
         "and written in the background while training continues; the one at the end always blocks)",
     )
     g.add_argument(
+        "--export-deltas-every",
+        type=int,
+        default=0,
+        help="feed a serving replica: every N steps each rank writes its row delta and rank 0 the dense "
+        "parameters into --serve-dir, after a base checkpoint at the start (0: never; see "
+        "torchrec_ext.train.serve_export, and python -m torchrec_ext.serve to follow it)",
+    )
+    g.add_argument("--serve-dir", default=None, help="where --export-deltas-every writes (a serving process follows it)")
+    g.add_argument(
         "--resume",
         action="store_true",
         help="continue from the newest checkpoint in --run-dir (from step 0 when there is none)",
@@ -178,6 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ("eval_every", 0),
         ("checkpoint_every", 0),
         ("keep_checkpoints", 0),
+        ("export_deltas_every", 0),
     ):
         if getattr(args, name) < low:
             parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
@@ -212,6 +222,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.table_options = table_options(args)
     except (TypeError, ValueError) as e:
         parser.error(str(e))
+    if args.export_deltas_every and not args.serve_dir:
+        parser.error(f"--export-deltas-every {args.export_deltas_every} needs --serve-dir (where the deltas go)")
+    if args.serve_dir and not args.export_deltas_every:
+        parser.error("--serve-dir applies with --export-deltas-every N (N >= 1)")
     if args.resume and args.run_dir is None:
         parser.error("--resume needs --run-dir (the directory of the run to continue)")
     return args

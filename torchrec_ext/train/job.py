@@ -15,7 +15,9 @@ are computed over all of it. ``--checkpoint-every`` saves model, optimizer and s
 torch.distributed.checkpoint into ``<run-dir>/checkpoints/step_<k>`` with a manifest (size and
 SHA-256 of every file), written in the background while training goes on (the state is copied at
 the step; ``--blocking-checkpoints`` waits instead; the last one always blocks); ``--resume`` continues from the newest one that verifies, data stream
-position included, and says which newer ones it skipped and why. A checkpoint directory must come
+position included, and says which newer ones it skipped and why. ``--export-deltas-every N
+--serve-dir D`` feeds a serving replica (``python -m torchrec_ext.serve D``): a base checkpoint at
+the start, then every N steps each rank's row delta and the dense parameters (see serve_export). A checkpoint directory must come
 from a trusted writer (see torchrec_ext.distributed.checkpoint). While the job runs it holds the
 lock of ``<run-dir>/.lock``: a second job on the same run directory is refused. At the end
 ``<run-dir>`` holds ``summary.json``, ``history.json`` (loss per step, evals) and ``curves.png``.
@@ -55,6 +57,7 @@ from torchrec_ext.train.report import plot_curves, write_json
 from torchrec_ext.train.resume import load_job_state, newest_verified, resume_config, save_job_state
 from torchrec_ext.train.run_lock import claim_run_dir
 from torchrec_ext.train.runtime import Runtime, exit_now, init_runtime, shutdown
+from torchrec_ext.train.serve_export import DeltaExporter
 
 
 @dataclasses.dataclass
@@ -80,6 +83,8 @@ class Run:
     resumed_from: str | None = None
     skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     pending_save: tuple[int, PendingCheckpoint, float] | None = None  # (step, its save, when it began)
+    model_config: ModelConfig | None = None
+    exporter: DeltaExporter | None = None  # --export-deltas-every
 
     @property
     def ckpt_dir(self) -> str:
@@ -113,22 +118,22 @@ def build(args: argparse.Namespace, rt: Runtime, run_dir: str) -> Run:
     held_out, hidden_logits = eval_batches(args.eval_spec, cfg, stream)
     ceiling = oracle_auc(hidden_logits, held_out, rt.device) if hidden_logits else None
 
-    model = build_model(
-        ModelConfig(
-            embedding_dim=args.embedding_dim,
-            capacity=args.capacity,
-            eviction_policy=args.eviction,
-            dense_arch=tuple(args.dense_arch),
-            over_arch=tuple(args.over_arch),
-            dcn_layers=args.dcn_layers,
-            dcn_rank=args.dcn_rank,
-            embedding_lr=args.embedding_lr,
-            seed=args.seed,
-            table_options=args.table_options,
-        )
+    model_config = ModelConfig(
+        embedding_dim=args.embedding_dim,
+        capacity=args.capacity,
+        eviction_policy=args.eviction,
+        dense_arch=tuple(args.dense_arch),
+        over_arch=tuple(args.over_arch),
+        dcn_layers=args.dcn_layers,
+        dcn_rank=args.dcn_rank,
+        embedding_lr=args.embedding_lr,
+        seed=args.seed,
+        table_options=args.table_options,
     )
+    model = build_model(model_config)
     dmp = shard_model(model, rt.device, args.batch_size)
     return Run(
+        model_config=model_config,
         args=args,
         rt=rt,
         run_dir=run_dir,
@@ -237,7 +242,7 @@ def train_steps(run: Run, progress: Progress) -> None:
     args, step = run.args, run.start
     while step < args.steps:
         end = args.steps
-        for every in (args.eval_every, args.checkpoint_every):
+        for every in (args.eval_every, args.checkpoint_every, args.export_deltas_every):
             if every:
                 end = min(end, (step // every + 1) * every)
         progress.start_segment()
@@ -252,10 +257,31 @@ def train_steps(run: Run, progress: Progress) -> None:
         run.position += (end - step) * run.rt.world_size
         step = end
         _log_tables(run, step)
+        if args.export_deltas_every and step % args.export_deltas_every == 0:
+            export_deltas(run, step)
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:
             run_eval(run, step)
         if args.checkpoint_every and step % args.checkpoint_every == 0 and step < args.steps:
             save(run, step, blocking=args.blocking_checkpoints)
+
+
+def start_exports(run: Run) -> None:
+    """``--export-deltas-every``: the serve directory's base at the start step (collective)."""
+    began = time.perf_counter()
+    run.exporter = DeltaExporter(run.args.serve_dir, run.dmp, run.model_config, run.rt.rank, run.rt.world_size)
+    base = run.exporter.start(run.start)
+    run.log(f"step {run.start}: serving base {base} (generation {run.exporter.generation}) in "
+            f"{time.perf_counter() - began:.2f} s; deltas every {run.args.export_deltas_every} steps")
+
+
+def export_deltas(run: Run, step: int) -> None:
+    """The next export of deltas and dense parameters into the serve directory (collective)."""
+    if run.exporter is None or run.exporter.last_step == step:
+        return
+    began = time.perf_counter()
+    rows = run.exporter.export(step)
+    run.log(f"step {step}: serving export {run.exporter.seq} ({rows:,} rows on rank {run.rt.rank}) in "
+            f"{time.perf_counter() - began:.2f} s")
 
 
 def _log_tables(run: Run, step: int) -> None:
@@ -363,6 +389,8 @@ def _train_in(run_dir: str, args: argparse.Namespace, rt: Runtime, wall_start: f
     if args.resume:
         restore(run)
     announce(run)
+    if args.export_deltas_every:
+        start_exports(run)
     if run.start == 0 and not any(e["step"] == 0 for e in run.evals):
         run_eval(run, 0)
     progress = Progress(rt, args, run.start, run.log)
@@ -371,6 +399,8 @@ def _train_in(run_dir: str, args: argparse.Namespace, rt: Runtime, wall_start: f
     finally:
         progress.close()
         run.log.bar = None
+    if args.export_deltas_every:
+        export_deltas(run, args.steps)  # the final state, when the last export was before it
     if not run.evals or run.evals[-1]["step"] != args.steps:
         run_eval(run, args.steps)
     if args.checkpoint_every and run.start < args.steps:

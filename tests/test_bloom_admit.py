@@ -9,11 +9,10 @@ import random
 import pytest
 import torch
 
+from cuda_emulation.build import build, cuda_include_dir
 from torchrec_ext import ops
 from torchrec_ext import reference as ref
 from torchrec_ext.modules import admission as adm
-
-from cuda_emulation.build import build, cuda_include_dir
 
 I64MIN, I64MAX = -(2**63), 2**63 - 1
 

@@ -29,8 +29,13 @@ def cuda_include_dir():
     return None
 
 
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 def _emulated_kernels(name: str) -> str:
-    cu = open(os.path.join(CSRC, f"{name}.cu")).read()
+    cu = _read(os.path.join(CSRC, f"{name}.cu"))
     cu = cu.replace("#include <cuda_runtime.h>\n", "")
     prefetch = 'asm volatile("prefetch.global.L2 [%0];" ::"l"(p));'
     assert name != "hash_table_cuda" or prefetch in cu, \
@@ -46,7 +51,7 @@ def _emulated_kernels(name: str) -> str:
 
 
 def _emulated_binding(name: str) -> str:
-    cpp = open(os.path.join(CSRC, f"{name}.cpp")).read()
+    cpp = _read(os.path.join(CSRC, f"{name}.cpp"))
     for header in ("CUDAException", "CUDAGuard", "CUDAStream"):
         cpp = cpp.replace(f"#include <c10/cuda/{header}.h>\n", "")
     cpp = cpp.replace("#include <torch/library.h>\n", '#include <torch/library.h>\n#include "cuda_stubs.h"\n')
@@ -58,7 +63,7 @@ def _emulated_binding(name: str) -> str:
 
 
 def _schemas() -> str:
-    schemas = open(os.path.join(CSRC, "ops.cpp")).read()
+    schemas = _read(os.path.join(CSRC, "ops.cpp"))
     schemas = schemas[schemas.index("TORCH_LIBRARY(torchrec_ext, m)"):schemas.index("PyMODINIT_FUNC")]
     return "#include <torch/library.h>\n" + schemas.replace("TORCH_LIBRARY(torchrec_ext, m)", "TORCH_LIBRARY(torchrec_emu, m)")
 

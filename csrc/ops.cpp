@@ -37,6 +37,15 @@ TORCH_LIBRARY(torchrec_ext, m) {
       "route_bucketize(Tensor ids, Tensor lengths, int[] slot_owner, int world_size, int batch_size) "
       "-> (Tensor values, Tensor lengths, Tensor order)");
 
+  // ---- admission (csrc/bloom_cpu.cpp, csrc/bloom_cuda.cu; cells as bloom_layout.h defines them).
+  // Counting Bloom filter of 4-bit saturating counters, two per byte (low nibble first), in place:
+  // adds each pending key's count (min(count, 15); counts >= 0) to its `hashes` counters, then
+  // returns which pending keys have all of their counters >= admit_after (others: False). All
+  // increments of the call land before any key is decided. pending: bool [n], None = every key.
+  m.def(
+      "bloom_admit(Tensor(a!) counters, Tensor keys, Tensor counts, Tensor? pending, int hash_seed, "
+      "int hashes, int admit_after) -> Tensor");
+
   // ---- embedding ops (csrc/embedding_cpu.cpp; CUDA: triton_kernels/, registered from Python).
   // Tables live in one flat buffer of 4-byte words, table t's [capacity_t, dim_t] rows at word
   // table_offsets[t] in its storage dtype (table_dtypes[t]: 0 float32, 1 float16, 2 bfloat16);

@@ -37,6 +37,9 @@ def _hash_cases():
     yield "hash_place", (live_keys, live_scores, CAPACITY, start)
     yield "route", (keys, 4)
     yield "route_bucketize", (keys, torch.tensor([50, 60]), [-1], 2, 2)
+    filter_bytes = torch.zeros(64, dtype=torch.uint8)
+    yield "bloom_admit", (filter_bytes, keys, torch.ones_like(keys), None, -12345, 3, 2)
+    yield "bloom_admit", (filter_bytes, keys, torch.full_like(keys, 7), keys % 3 == 0, 99, 1, 1)
 
 
 def _embedding_cases():

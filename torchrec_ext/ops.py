@@ -2,7 +2,8 @@
 
 The schemas live in ``csrc/ops.cpp``. Hash table ops: CPU kernels in ``csrc/hash_table_cpu.cpp``,
 CUDA kernels in ``csrc/hash_table_cuda.cu``; the placement search of a load (``hash_place``) is
-CPU only, in ``csrc/placement_cpu.cpp``. Embedding ops: CPU kernels in
+CPU only, in ``csrc/placement_cpu.cpp``. The counting Bloom filter of the bloom admission
+(``bloom_admit``): ``csrc/bloom_cpu.cpp`` and ``csrc/bloom_cuda.cu``. Embedding ops: CPU kernels in
 ``csrc/embedding_cpu.cpp``; their CUDA kernels are the Triton ones in the ``triton_kernels``
 subpackage, registered below when Triton and a GPU are present. The fake kernels give output
 shapes and dtypes without data so the ops trace under ``torch.fx`` / ``torch.compile``.
@@ -154,6 +155,31 @@ def route(keys: Tensor, world_size: int) -> Tensor:
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"route: world_size must be an int >= 1, got {world_size!r}")
     return _ops.route.default(keys, world_size)
+
+
+def bloom_admit(counters: Tensor, keys: Tensor, counts: Tensor, pending: Optional[Tensor], hash_seed: int,
+                hashes: int, admit_after: int) -> Tensor:
+    """One batch of a counting Bloom filter of 4-bit saturating counters, in place.
+
+    Adds each pending key's count to its ``hashes`` counters (``min(counter + count, 15)``),
+    then decides each pending key: admitted when the smallest of its counters, after every
+    increment of the call, is >= ``admit_after``. CPU kernel ``csrc/bloom_cpu.cpp`` (parallel
+    over keys, compare-and-swap on a counter's byte), CUDA kernel ``csrc/bloom_cuda.cu``.
+
+    Args:
+        counters: uint8 ``[bytes]`` (a power of two), two counters per byte, low nibble first (mutated).
+        keys: int64 ``[n]``.
+        counts: int64 ``[n]``, each key's sightings (>= 0).
+        pending: bool ``[n]``, the keys to count and decide, or None for all.
+        hash_seed: int64 bit pattern; a key's cells are double hashing of ``fmix64(key ^ hash_seed)``
+            (``modules.admission.bloom_cells``).
+        hashes: counters per key, in [1, 16].
+        admit_after: in [1, 15].
+
+    Returns:
+        bool ``[n]``: admitted (False where not pending).
+    """
+    return _ops.bloom_admit.default(counters, keys, counts, pending, hash_seed, hashes, admit_after)
 
 
 def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -328,6 +354,11 @@ def _route_fake(keys, world_size):
 @torch.library.register_fake("torchrec_ext::route_bucketize")
 def _route_bucketize_fake(ids, lengths, slot_owner, world_size, batch_size):
     return torch.empty_like(ids), lengths.new_empty(world_size * lengths.shape[0]), torch.empty_like(ids)
+
+
+@torch.library.register_fake("torchrec_ext::bloom_admit")
+def _bloom_admit_fake(counters, keys, counts, pending, hash_seed, hashes, admit_after):
+    return torch.empty_like(keys, dtype=torch.bool)
 
 
 @torch.library.register_fake("torchrec_ext::dedup_segments")

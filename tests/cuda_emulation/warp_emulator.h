@@ -1,5 +1,5 @@
 // A CPU emulator of the CUDA warp features our kernels use, so CI (no GPU) runs the real
-// hash_table_cuda.cu code paths: each warp is 32 ucontext fibers, run lane by lane up to their
+// code paths of csrc/*.cu: each warp is 32 ucontext fibers, run lane by lane up to their
 // next warp collective (__ballot_sync, __shfl_sync, __syncwarp); the scheduler checks all 32
 // lanes reached the same collective (divergence aborts, as it would deadlock or corrupt on a
 // GPU), then computes it. Launches run their warps one after another.
@@ -25,7 +25,7 @@
 #define __forceinline__ inline
 
 struct Dim { unsigned x = 0; };
-Dim threadIdx, blockIdx, blockDim, gridDim;
+inline Dim threadIdx, blockIdx, blockDim, gridDim;  // inline: one emulator for every kernels file
 
 namespace emu {
 enum Kind { kDone = 0, kBallot = 1, kShfl = 2, kSync = 3, kMatch = 4 };
@@ -41,22 +41,22 @@ struct Warp {
   Lane lanes[32];
   const std::function<void()>* body;
 };
-Warp* g_warp;
-int g_lane;
-std::vector<std::vector<char>> g_stacks(32, std::vector<char>(1 << 18));
-long long g_collectives = 0;
+inline Warp* g_warp;
+inline int g_lane;
+inline std::vector<std::vector<char>> g_stacks(32, std::vector<char>(1 << 18));
+inline long long g_collectives = 0;
 
-long long collective(int kind, long long v, int src) {
+inline long long collective(int kind, long long v, int src) {
   Lane& L = g_warp->lanes[g_lane];
   L.kind = kind; L.val = v; L.src = src;
   swapcontext(&L.ctx, &g_warp->sched);
   return L.result;
 }
-void lane_entry() {
+inline void lane_entry() {
   (*g_warp->body)();
   g_warp->lanes[g_lane].kind = kDone;
 }
-void run_warp(unsigned block, unsigned warp, const std::function<void()>& body) {
+inline void run_warp(unsigned block, unsigned warp, const std::function<void()>& body) {
   Warp w;
   w.body = &body;
   g_warp = &w;
@@ -133,6 +133,11 @@ inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v)
   *p = old + v;
   return old;
 }
+inline unsigned atomicCAS(unsigned* p, unsigned compare, unsigned v) {  // lanes never overlap here
+  const unsigned old = *p;
+  if (old == compare) *p = v;
+  return old;
+}
 inline void emu_prefetch(const void*) {}
 inline cudaError_t emu_last_error() { return cudaSuccess; }
 template <typename F>
@@ -150,4 +155,4 @@ void emu_launch(unsigned grid, unsigned block, cudaStream_t, F f) {
 }
 
 
-extern "C" long long emu_collectives() { return emu::g_collectives; }
+extern "C" inline long long emu_collectives() { return emu::g_collectives; }

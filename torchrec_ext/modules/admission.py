@@ -21,7 +21,8 @@ Strategies (``DynamicTableOptions.admission``):
     training steps each counter is halved first, so stale sightings age out. Counters are not
     decremented on admission (a saturated counter cannot be): an id evicted soon after admission
     is re-admitted at its next sighting, until decay has halved its counts. In one batch all
-    sightings are added before any id is decided.
+    sightings are added before any id is decided. One native op per batch (``ops.bloom_admit``:
+    parallel over ids on CPU, a thread per id on GPU); the cells are ``bloom_cells``.
 ``probabilistic``  an unseen id is admitted iff ``u(seed, table, id) < admit_probability``, u a
     53-bit uniform from a hash of the id (independent of the bucket, routing and initializer
     hashes). No state; the same ids are admitted whatever the batch order or world size. The
@@ -49,6 +50,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor
 
+from torchrec_ext import ops
 from torchrec_ext.reference import _srl, _u64, fmix64_tensor
 from torchrec_ext.table import SLOTS_PER_BUCKET, HashTable, table_geometry
 
@@ -205,17 +207,23 @@ class CounterAdmission(Admission):
 
     def admit(self, keys: Tensor, counts: Tensor, unseen: Tensor, step: int) -> Tensor:
         admitted = torch.zeros_like(unseen)
-        if not bool(unseen.any()):
+        # Positions and index_select, not boolean masks: a mask index costs a nonzero each time.
+        which = unseen.nonzero().squeeze(1)
+        if which.numel() == 0:
             return admitted
-        pending, pending_counts = keys[unseen], counts[unseen]
+        pending, pending_counts = keys.index_select(0, which), counts.index_select(0, which)
         result = self.counter.find_or_insert(pending, pending_counts)
         live = result.rows >= 0
-        self.seen[result.rows[result.inserted]] = 0
-        self.seen[result.rows[live]] += pending_counts[live]
-        ready = torch.zeros_like(live)
-        ready[live] = self.seen[result.rows[live]] >= self.admit_after
-        self.counter.erase(pending[ready])
-        admitted[unseen] = ready
+        rows = result.rows.clamp(min=0)  # a refused key (no row: full buckets) reads row 0, then is masked out
+        # A row new to the counter starts from 0 (its slot may hold an evicted id's count).
+        seen = torch.where(result.inserted, 0, self.seen.index_select(0, rows)) + pending_counts
+        ready = live & (seen >= self.admit_after)
+        if bool(live.all()):  # the keys are distinct, so are their rows
+            self.seen.index_copy_(0, rows, seen)
+        else:
+            self.seen[result.rows[live]] = seen[live]
+        self.counter.erase(pending.index_select(0, ready.nonzero().squeeze(1)))
+        admitted.index_copy_(0, which, ready)
         return admitted
 
     def state_keys(self) -> List[str]:
@@ -249,10 +257,19 @@ class CounterAdmission(Admission):
         return self.counter.metadata_bytes() + self.seen.numel() * self.seen.element_size()
 
 
+def bloom_hash_seed(seed: int) -> int:
+    """What keys are hashed with for a table of ``seed``: ``seed ^ BLOOM_SALT`` as an int64 bit
+    pattern (``ops.bloom_admit``'s ``hash_seed``)."""
+    salted = (seed ^ BLOOM_SALT) & ((1 << 64) - 1)
+    return salted - (1 << 64) if salted >> 63 else salted
+
+
 def bloom_cells(keys: Tensor, seed: int, geometry: BloomGeometry) -> Tensor:
-    """[n, k] counter indices of each key: double hashing h1 + i * h2 of one 64-bit hash of
-    (seed, key), modulo the power-of-two counter count."""
-    h = fmix64_tensor(keys ^ _u64((seed ^ BLOOM_SALT) & ((1 << 64) - 1)))
+    """[n, k] counter indices of each key: double hashing h1 + i * h2 of h = fmix64(key ^
+    bloom_hash_seed(seed)) (h1 = its low 32 bits, h2 = its high 32 bits | 1), modulo the
+    power-of-two counter count. The kernels of ``ops.bloom_admit`` hash the same way
+    (``csrc/bloom_layout.h``)."""
+    h = fmix64_tensor(keys ^ bloom_hash_seed(seed))
     h1, h2 = h & 0xFFFFFFFF, _srl(h, 32) | 1
     steps = torch.arange(geometry.hashes, dtype=torch.int64, device=keys.device)
     return (h1.unsqueeze(1) + steps * h2.unsqueeze(1)) & (geometry.counters - 1)
@@ -288,34 +305,19 @@ class BloomAdmission(Admission):
     def __init__(self, admit_after: int, geometry: BloomGeometry, decay_steps: Optional[int], seed: int,
                  device: torch.device):
         self.admit_after, self.geometry, self.decay_steps, self.seed = admit_after, geometry, decay_steps, seed
+        self.hash_seed = bloom_hash_seed(seed)
         self.packed = torch.zeros(geometry.nbytes, dtype=torch.uint8, device=device)
 
     def decay(self) -> None:
-        """Halves every counter (both nibbles of a byte at once)."""
-        self.packed.copy_((self.packed >> 1) & 0x77)
+        """Halves every counter (both nibbles of a byte at once), in place."""
+        self.packed.bitwise_right_shift_(1).bitwise_and_(0x77)
 
     def admit(self, keys: Tensor, counts: Tensor, unseen: Tensor, step: int) -> Tensor:
         if self.decay_steps is not None and step % self.decay_steps == 0:
             self.decay()
-        admitted = torch.zeros_like(unseen)
-        which_keys = unseen.nonzero().squeeze(1)  # only ids without a row are counted
-        if which_keys.numel() == 0:
-            return admitted
-        cells = bloom_cells(keys[which_keys], self.seed, self.geometry)          # [n, k]
-        increments = counts[which_keys].clamp(max=BLOOM_COUNTER_MAX)
-        flat = cells.flatten()
-        # Sightings of one batch are summed per counter first: two ids sharing a counter (or its
-        # byte) then update it once, and saturation is exact (min(c + a + b, 15)).
-        cell, which = torch.unique(flat, return_inverse=True)
-        added = torch.zeros(cell.numel(), dtype=torch.int64, device=keys.device)
-        added.index_add_(0, which, increments.repeat_interleave(self.geometry.hashes))
-        byte, shift = cell >> 1, (cell & 1) << 2
-        old = (self.packed[byte].to(torch.int64) >> shift) & BLOOM_COUNTER_MAX
-        new = (old + added).clamp_(max=BLOOM_COUNTER_MAX)
-        self.packed.index_put_((byte,), ((new - old) << shift).to(torch.uint8), accumulate=True)  # nibble-safe
-        estimate = new[which].view(cells.shape).amin(1)
-        admitted[which_keys] = estimate >= self.admit_after
-        return admitted
+        # Only ids without a row are counted (pending = unseen); the others are never refused.
+        return ops.bloom_admit(self.packed, keys, counts, unseen, self.hash_seed, self.geometry.hashes,
+                               self.admit_after)
 
     def state_keys(self) -> List[str]:
         return ["admission_bloom"]

@@ -750,7 +750,9 @@ class DynamicTables:
                 self.grow({t: int((unseen & admitted).sum())})
                 index = self.indexes[t]
             candidates = found | admitted
-            keys, counts = keys[candidates], counts[candidates]
+            # Positions and index_select / index_copy_, not boolean masks (each a nonzero of its own).
+            which = candidates.nonzero().squeeze(1)
+            keys, counts = keys.index_select(0, which), counts.index_select(0, which)
         scores = counts if m.policy in _SCORED_BY_COUNT else None
         result = index.find_or_insert(keys, scores)
         fresh = result.inserted
@@ -774,11 +776,8 @@ class DynamicTables:
                 self._erase_expired(t)
         if candidates is None:
             return result.rows, fresh
-        rows = torch.full_like(candidates, -1, dtype=torch.int64)
-        rows[candidates] = result.rows
-        fresh_all = torch.zeros_like(candidates)
-        fresh_all[candidates] = fresh
-        return rows, fresh_all
+        rows = torch.full_like(candidates, -1, dtype=torch.int64).index_copy_(0, which, result.rows)
+        return rows, torch.zeros_like(candidates).index_copy_(0, which, fresh)
 
     def _mask_expired(self, t: int, rows: Tensor, found: Tensor, step: Optional[int] = None) -> Tensor:
         """-1 for rows expired at ``step`` (default: the current training step)."""

@@ -38,31 +38,19 @@ EVERY, STEPS = 3, 9
 SPARSE = "model.sparse_arch.embedding_bag_collection."
 
 
+def _exporting_job_args(serve_dir, run_dir):
+    """A tiny job that checkpoints and exports a delta every EVERY steps."""
+    every = str(EVERY)
+    return (["--capacity", "256"] + TINY_MODEL + TINY_BATCHES
+            + ["--eval-every", "0", "--checkpoint-every", every, "--keep-checkpoints", "0",
+               "--export-deltas-every", every, "--serve-dir", serve_dir, "--run-dir", run_dir])
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """The 2-rank job's serve directory D and run directory (checkpoints at every export step)."""
     root = tmp_path_factory.mktemp("serve_job")
-    args = (
-        ["--capacity", "256"]
-        + TINY_MODEL
-        + TINY_BATCHES
-        + [
-            "--steps",
-            str(STEPS),
-            "--eval-every",
-            "0",
-            "--checkpoint-every",
-            str(EVERY),
-            "--keep-checkpoints",
-            "0",
-            "--export-deltas-every",
-            str(EVERY),
-            "--serve-dir",
-            str(root / "D"),
-            "--run-dir",
-            str(root / "run"),
-        ]
-    )
+    args = _exporting_job_args(str(root / "D"), str(root / "run")) + ["--steps", str(STEPS)]
     job_ok(run_job(args, timeout=300, launcher=TORCHRUN))
     return {"D": str(root / "D"), "ckpt": str(root / "run" / "checkpoints")}
 
@@ -310,25 +298,7 @@ def test_concurrent_readers_see_one_whole_export_never_a_mix(job, tmp_path):
 
 def test_a_resumed_job_starts_a_new_generation_the_server_rebuilds_from(tmp_path):
     D, run = str(tmp_path / "D"), str(tmp_path / "run")
-    args = (
-        ["--capacity", "256"]
-        + TINY_MODEL
-        + TINY_BATCHES
-        + [
-            "--eval-every",
-            "0",
-            "--checkpoint-every",
-            str(EVERY),
-            "--keep-checkpoints",
-            "0",
-            "--export-deltas-every",
-            str(EVERY),
-            "--serve-dir",
-            D,
-            "--run-dir",
-            run,
-        ]
-    )
+    args = _exporting_job_args(D, run)
     job_ok(run_job(args + ["--steps", str(2 * EVERY)]))
     server = Server(D)
     server.load()

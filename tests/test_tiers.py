@@ -66,6 +66,19 @@ def _assert_same_state(resident, tiered):
         assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
 
 
+def _train_staged(resident, tiered, batches, loss=lambda out: out.square().sum()):
+    """Trains both on ``batches``, the tiered module staging each next batch before its step;
+    asserts equal outputs every step and equal state at the end."""
+    for step, batch in enumerate(batches):
+        if step + 1 < len(batches):
+            tiered.stage_next(batches[step + 1])
+        outs = [m(batch).values() for m in (resident, tiered)]
+        assert torch.equal(outs[0], outs[1]), step
+        for out in outs:
+            loss(out).backward()
+    _assert_same_state(resident, tiered)
+
+
 def _assert_same_stats(resident, tiered):
     for (name, a), b in zip(resident.table_stats().items(), tiered.table_stats().values()):
         b = b.as_dict()
@@ -436,14 +449,7 @@ def test_a_stage_never_takes_the_slots_of_the_batch_in_flight(tmp_path, monkeypa
     kjt = lambda ids: KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.tensor([ids.numel()]))
     gen = torch.Generator().manual_seed(8)
     batches = [kjt(torch.randperm(150, generator=gen)[:20]) for _ in range(40)]
-    for step, batch in enumerate(batches):
-        if step + 1 < len(batches):
-            tiered.stage_next(batches[step + 1])
-        outs = [m(batch).values() for m in (resident, tiered)]
-        assert torch.equal(outs[0], outs[1]), step
-        for out in outs:
-            out.square().sum().backward()
-    _assert_same_state(resident, tiered)
+    _train_staged(resident, tiered, batches)
     assert tiered.table_stats()["a"].cache_staged > 0
 
 
@@ -541,14 +547,7 @@ def test_stages_while_the_cache_fills_up_and_overflows(tmp_path, monkeypatch, st
     # 24 ids a batch: 6 of a hot set, 18 from a wide range (new the first time they come)
     batches = [kjt(torch.cat([torch.randperm(10, generator=gen)[:6], 10 + torch.randperm(2000, generator=gen)[:18]]))
                for _ in range(30)]
-    for step, batch in enumerate(batches):
-        if step + 1 < len(batches):
-            tiered.stage_next(batches[step + 1])
-        outs = [m(batch).values() for m in (resident, tiered)]
-        assert torch.equal(outs[0], outs[1]), step
-        for out in outs:
-            out.square().sum().backward()
-    _assert_same_state(resident, tiered)
+    _train_staged(resident, tiered, batches)
     stats = tiered.table_stats()["a"]
     assert stats.cache_staged > 0 and stats.cache_staged_write_backs > 0 and stats.cache_misses == 0
 
@@ -565,13 +564,7 @@ def test_staged_tables_equal_resident_tables_on_heavy_tailed_ids(tmp_path, monke
                                    **extra) for t in range(2)], optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
     resident, staged = make({}), make({"backing": _backing(kind, tmp_path), "cache_load_factor": 0.2})
     batches = [dlrm_small_batch(step, num_tables=2, batch_size=64) for step in range(31)]
-    for step, kjt in enumerate(batches[:-1]):
-        staged.stage_next(batches[step + 1])
-        outs = [m(kjt).values() for m in (resident, staged)]
-        assert torch.equal(outs[0], outs[1]), step
-        for out in outs:
-            out.sum().backward()
-    _assert_same_state(resident, staged)
+    _train_staged(resident, staged, batches, loss=torch.sum)
     stats = staged.table_stats()["t0"]
     assert stats.cache_staged_write_backs > 0 and stats.cache_misses == 0
 

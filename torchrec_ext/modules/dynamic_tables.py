@@ -227,18 +227,6 @@ def _allocate(numel: int, value: float, device: torch.device) -> Tensor:
 _HUGE_PAGE = 2 << 20
 
 
-def _allocate_untouched(numel: int, value: float, device: torch.device) -> Tensor:
-    """As ``_allocate``, but a large zero-filled CPU buffer comes from fresh anonymous pages, which
-    the kernel zeroes when first touched: a growth then commits the pages of the rows it copies and
-    of the rows ids take later, not the whole new capacity at once (nor spends a pass filling it)."""
-    if device.type != "cpu" or value != 0.0 or numel * 4 < _HUGE_PAGE:
-        return _allocate(numel, value, device)
-    pages = mmap.mmap(-1, numel * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf = torch.frombuffer(pages, dtype=torch.float32, count=numel)  # keeps ``pages`` alive (unmapped with it)
-    _advise_huge_pages(buf)
-    return buf
-
-
 def _advise_huge_pages(buf: Tensor) -> None:
     start = -(-buf.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
     end = (buf.data_ptr() + buf.numel() * buf.element_size()) // _HUGE_PAGE * _HUGE_PAGE
@@ -426,12 +414,10 @@ class DynamicTables:
                        for name, value in zip(OPTIMIZER_STATES[spec.kind], self._initial_state_values())]
         self._init_views = None
 
-    def _allocate_buffer(self, name: str, numel: int, value: float, device: torch.device,
-                         untouched: bool = False) -> Tensor:
+    def _allocate_buffer(self, name: str, numel: int, value: float, device: torch.device) -> Tensor:
         """The flat buffer ``name`` ("weights" or an optimizer state) of ``numel`` elements, filled
-        with ``value`` (a hook: tiered tables keep these in a cache over a backing store);
-        ``untouched``: pages not committed until written, where the platform allows (a growth's)."""
-        return (_allocate_untouched if untouched else _allocate)(numel, value, device)
+        with ``value`` (a hook: tiered tables keep these in a cache over a backing store)."""
+        return _allocate(numel, value, device)
 
     def apply(self, fn) -> None:
         """Applies a tensor function (``Module._apply``'s) to the storage and moves the indexes."""
@@ -605,8 +591,10 @@ class DynamicTables:
         rowwise = self.optimizer is not None and self.optimizer.kind in ROWWISE_STATE
         state_size = sum((c + m.fallback_rows) * (1 if rowwise else m.dim) for c, m in zip(new_caps, self.meta))
         try:
-            weights = self._allocate_buffer("weights", words, 0.0, device, untouched=True)
-            states = [self._allocate_buffer(name, state_size, value, device, untouched=True) for name, value in
+            # Filled up front: scattering rows into fresh pages instead faults them in at random,
+            # ~2.5x slower than the fill plus the copy (measured on CPU at 1M rows of dim 64).
+            weights = self._allocate_buffer("weights", words, 0.0, device)
+            states = [self._allocate_buffer(name, state_size, value, device) for name, value in
                       zip(OPTIMIZER_STATES[self.optimizer.kind] if self.optimizer is not None else (),
                           self._initial_state_values())]
             last_seen = {t: torch.zeros(plans[t][0], dtype=torch.int64, device=device)
@@ -651,7 +639,8 @@ class DynamicTables:
             if row_map is None:
                 continue
             src = (row_map >= 0).nonzero().squeeze(1)
-            dst = row_map.index_select(0, src)
+            dst, order = row_map.index_select(0, src).sort()  # writes in address order: fewer cache and TLB misses
+            src = src.index_select(0, order)
             new_vec.index_copy_(0, dst, old_vec.index_select(0, src))
             for a, b in zip(new_states, old_states):
                 a.index_copy_(0, dst, b.index_select(0, src))

@@ -46,8 +46,8 @@ class Config:
     lr: float = 0.05
     admit_after: int = 2
     p: float = 0.3
-    fallback_rows: int = 64
-    seeds: int = 3
+    fallback_rows: int = 1  # per table; quality_fallback_rows_cpu.md compares 1, 4, 16, 64
+    seeds: int = 10
 
 
 def batches(cfg: Config):

@@ -59,7 +59,7 @@ from torchrec_ext.table import (
     check_counter, place_keys, table_geometry,
 )
 from torchrec_ext.vocabulary import (
-    OPTIMIZER_STATES, OPTIMIZERS, ROWWISE_STATE, dense_state_offsets, dtype_code, table_words,
+    OPTIMIZER_STATES, OPTIMIZERS, ROWWISE_STATE, dense_state_offsets, dtype_code, pending_row, table_words,
 )
 
 _SCORED_BY_COUNT = {"lfu", "epoch_lfu"}
@@ -502,7 +502,7 @@ class DynamicTables:
             result = RowLookup(unique_rows[inverse], unique_rows, unique_table, inverse, unique_ids=unique_ids)
         else:
             self._new_rows = new
-            read_from = torch.where(new.unique_new >= 0, -2 - new.unique_new, unique_rows)
+            read_from = torch.where(new.unique_new >= 0, pending_row(new.unique_new), unique_rows)
             result = RowLookup(read_from[inverse], unique_rows, unique_table, inverse, new, unique_ids)
         if backward_follows and not exporting:
             # Pending until its fused update lands, or its autograd graph (which holds it) is dropped.

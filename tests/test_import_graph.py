@@ -5,16 +5,16 @@ Every ``import`` / ``from ... import`` in ``torchrec_ext/**/*.py`` counts, at mo
 function (a lazy import is still a dependency). The layers, lowest first, are the ones
 CONTRIBUTING.md and docs/architecture.md name; a module may import its own layer or a lower one.
 """
+
 from __future__ import annotations
 
 import ast
 from pathlib import Path
-from typing import Dict, List, Optional, Set, Tuple
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "torchrec_ext"
 
 # Lowest first. A module belongs to the first entry that is it or one of its packages.
-LAYERS: Tuple[Tuple[str, ...], ...] = (
+LAYERS: tuple[tuple[str, ...], ...] = (
     ("torchrec_ext.vocabulary", "torchrec_ext.hashing"),
     ("torchrec_ext._C", "torchrec_ext.csrc_kernels", "torchrec_ext.torch_kernels", "torchrec_ext.triton_kernels"),
     ("torchrec_ext.ops",),
@@ -38,11 +38,11 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def package_modules() -> Dict[str, Path]:
+def package_modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(PACKAGE_ROOT.rglob("*.py"))}
 
 
-def _resolve(name: str, modules: Dict[str, Path]) -> Optional[str]:
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
     """The package module ``name`` refers to: itself, else its longest prefix that is a module."""
     while name:
         if name in modules or name == "torchrec_ext._C":
@@ -51,13 +51,13 @@ def _resolve(name: str, modules: Dict[str, Path]) -> Optional[str]:
     return None
 
 
-def imports_of(name: str, path: Path, modules: Dict[str, Path]) -> Set[str]:
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The package modules ``name`` imports anywhere in its file (``from pkg import sub`` names the
     submodule when ``sub`` is one)."""
     is_package = path.name == "__init__.py"
-    out: Set[str] = set()
+    out: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        targets: List[str] = []
+        targets: list[str] = []
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -78,7 +78,7 @@ def imports_of(name: str, path: Path, modules: Dict[str, Path]) -> Set[str]:
     return out
 
 
-def import_graph() -> Dict[str, Set[str]]:
+def import_graph() -> dict[str, set[str]]:
     modules = package_modules()
     return {name: imports_of(name, path, modules) for name, path in modules.items()}
 
@@ -90,13 +90,13 @@ def layer_of(name: str) -> int:
     raise AssertionError(f"{name} belongs to no layer: add it to LAYERS in {__file__}")
 
 
-def find_cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """One cycle per strongly connected component of more than one module (Tarjan)."""
-    index: Dict[str, int] = {}
-    low: Dict[str, int] = {}
-    stack: List[str] = []
-    on_stack: Set[str] = set()
-    components: List[List[str]] = []
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
 
     def visit(v: str) -> None:
         index[v] = low[v] = len(index)
@@ -153,14 +153,24 @@ def test_no_upward_import_between_layers():
 
 
 def test_production_never_imports_the_reference():
-    offenders = sorted(f"{name} imports {target}" for name, targets in import_graph().items()
-                       if not name.startswith(ORACLE) for target in targets if target.startswith(ORACLE))
+    offenders = sorted(
+        f"{name} imports {target}"
+        for name, targets in import_graph().items()
+        if not name.startswith(ORACLE)
+        for target in targets
+        if target.startswith(ORACLE)
+    )
     assert offenders == []
 
 
 def test_the_reference_imports_no_production_code():
     """The oracle is independent: it keeps its own copies of the constants (test_vocabulary.py
     checks they agree) rather than importing the code it judges."""
-    offenders = sorted(f"{name} imports {target}" for name, targets in import_graph().items()
-                       if name.startswith(ORACLE) for target in targets if not target.startswith(ORACLE))
+    offenders = sorted(
+        f"{name} imports {target}"
+        for name, targets in import_graph().items()
+        if name.startswith(ORACLE)
+        for target in targets
+        if not target.startswith(ORACLE)
+    )
     assert offenders == []

@@ -1,11 +1,11 @@
 """The one registration table: each backend's ``KERNELS`` (op -> device type -> kernel) against
 what ``csrc/`` registers and what the dispatcher serves, and ``ops.register_python_kernels``
 refusing a second kernel for an (op, device) instead of silently replacing one."""
+
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Dict
 
 import pytest
 import torch
@@ -19,19 +19,20 @@ def _schema_ops():
     return re.findall(r'm\.def\(\s*"(\w+)\(', (CSRC / "ops.cpp").read_text())
 
 
-def _registered_in_csrc() -> Dict[str, Dict[str, str]]:
+def _registered_in_csrc() -> dict[str, dict[str, str]]:
     """{op: {device: file}} from every ``TORCH_LIBRARY_IMPL(torchrec_ext, <KEY>, m) { m.impl(...) }``."""
-    out: Dict[str, Dict[str, str]] = {}
+    out: dict[str, dict[str, str]] = {}
     for path in sorted(CSRC.glob("*.cpp")):
-        for key, body in re.findall(r"TORCH_LIBRARY_IMPL\(torchrec_ext,\s*(\w+),\s*m\)\s*\{(.*?)\n?\}", path.read_text(),
-                                    re.S):
+        for key, body in re.findall(
+            r"TORCH_LIBRARY_IMPL\(torchrec_ext,\s*(\w+),\s*m\)\s*\{(.*?)\n?\}", path.read_text(), re.S
+        ):
             for op in re.findall(r'm\.impl\("(\w+)"', body):
                 out.setdefault(op, {})[key.lower()] = f"csrc/{path.name}"
     return out
 
 
 def test_the_csrc_table_is_what_csrc_registers():
-    assert csrc_kernels.KERNELS == _registered_in_csrc()
+    assert _registered_in_csrc() == csrc_kernels.KERNELS
 
 
 def test_every_op_has_a_cpu_kernel_and_the_dispatcher_serves_the_table():
@@ -72,9 +73,14 @@ def test_registering_a_second_kernel_is_refused(monkeypatch):
 
 def test_the_loop_registers_each_python_kernel_once(monkeypatch):
     registered = []
-    monkeypatch.setattr(torch.library, "register_kernel", lambda name, device, fn: registered.append((name, device, fn)))
+    monkeypatch.setattr(
+        torch.library, "register_kernel", lambda name, device, fn: registered.append((name, device, fn))
+    )
     ops.register_python_kernels("cuda")
-    want = [(f"torchrec_ext::{op}", "cuda", by_device["cuda"])
-            for table in (torch_kernels.KERNELS, triton_kernels.KERNELS) for op, by_device in table.items()]
+    want = [
+        (f"torchrec_ext::{op}", "cuda", by_device["cuda"])
+        for table in (torch_kernels.KERNELS, triton_kernels.KERNELS)
+        for op, by_device in table.items()
+    ]
     assert registered == want
     assert ("torchrec_ext::route_bucketize", "cuda", torch_kernels.route_bucketize) in registered

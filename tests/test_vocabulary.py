@@ -4,11 +4,11 @@ the C++ kernels (enums and constants parsed from ``csrc/``). Each pair must agre
 changed in one place and not the others fails here instead of silently desynchronising a
 checkpoint, a hash or a kernel's branch.
 """
+
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Dict
 
 import pytest
 import torch
@@ -34,7 +34,7 @@ def _constexpr(source: str, name: str) -> int:
     return int(shift.group(1)) << int(shift.group(2)) if shift else int(value, 0)
 
 
-def _enum(source: str, name: str) -> Dict[str, int]:
+def _enum(source: str, name: str) -> dict[str, int]:
     """``enum class <name> : int64_t { kA = 0, ... }`` as {"A": 0, ...} (comments dropped)."""
     m = re.search(rf"enum class {name}\s*:\s*int64_t\s*\{{(.*?)\}};", source, re.S)
     assert m, f"enum {name} not found"
@@ -78,8 +78,9 @@ def test_seeds_and_salts_agree_with_the_reference():
             assert ref.stripe_of(key, capacity) == ref._fastrange32(h2, stripes)
             assert ref.place(key, capacity)[2] == (h >> 57) % 127 + 1  # the tag
         for world in (1, 3, 8):
-            assert ref.route(key, world) == ref._fastrange32(ref._fmix64((key & ref._MASK64) ^ voc.ROUTE_SEED) >> 32,
-                                                             world)
+            assert ref.route(key, world) == ref._fastrange32(
+                ref._fmix64((key & ref._MASK64) ^ voc.ROUTE_SEED) >> 32, world
+            )
 
 
 @pytest.mark.parametrize("capacity", [1, 31, 32, 33, 2047, 2048, 2049, 64 * 32 * 7 + 1, (1 << 16) * 64 * 32 * 2])
@@ -108,8 +109,15 @@ def test_hashing_agrees_with_the_reference():
     assert torch.equal(hashing.fallback_slots(ids, seeds, rows), ref.fallback_slots(ids, seeds, rows))
 
 
-@pytest.mark.parametrize("kind,params", [("uniform", (-0.5, 0.25)), ("normal", (0.1, 2.0)),
-                                         ("truncated_normal", (0.0, 1.0, -0.3, 0.4)), ("constant", (0.75,))])
+@pytest.mark.parametrize(
+    "kind,params",
+    [
+        ("uniform", (-0.5, 0.25)),
+        ("normal", (0.1, 2.0)),
+        ("truncated_normal", (0.0, 1.0, -0.3, 0.4)),
+        ("constant", (0.75,)),
+    ],
+)
 def test_the_torch_initializer_draws_the_reference_vectors(kind, params):
     """torch_kernels' vectorised RNG (the init_rows CUDA kernel) is its own code, not the
     oracle's: it must draw the same bits, and take exactly the parameters the vocabulary says."""
@@ -196,7 +204,17 @@ def test_the_kernels_take_the_vocabulary_ids():
     with pytest.raises(RuntimeError, match="initializer kind"):
         ops.init_rows(table, torch.tensor([0]), torch.tensor([5]), 1, max(voc.INITIALIZERS.values()) + 1, (0.0, 1.0))
     for name, kind in voc.INITIALIZERS.items():  # each id takes exactly its parameter count
-        ops.init_rows(table, torch.tensor([0]), torch.tensor([5]), 1, kind, (0.0, 1.0, -1.0, 1.0)[
-            :voc.INITIALIZER_PARAM_COUNTS[name]])
-        assert torch.equal(table[0], ref.init_vectors(torch.tensor([5]), 3, 1, name, (0.0, 1.0, -1.0, 1.0)[
-            :voc.INITIALIZER_PARAM_COUNTS[name]])[0])
+        ops.init_rows(
+            table,
+            torch.tensor([0]),
+            torch.tensor([5]),
+            1,
+            kind,
+            (0.0, 1.0, -1.0, 1.0)[: voc.INITIALIZER_PARAM_COUNTS[name]],
+        )
+        assert torch.equal(
+            table[0],
+            ref.init_vectors(
+                torch.tensor([5]), 3, 1, name, (0.0, 1.0, -1.0, 1.0)[: voc.INITIALIZER_PARAM_COUNTS[name]]
+            )[0],
+        )

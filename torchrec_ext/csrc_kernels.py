@@ -7,12 +7,11 @@ one registration table ``torchrec_ext.ops`` reads (beside ``torch_kernels.KERNEL
 library already serves, and ``tests/test_kernel_tables.py`` checks this table against the
 ``m.impl`` lines of ``csrc/`` and against the dispatcher. CUDA entries exist only in a CUDA build.
 """
+
 from __future__ import annotations
 
-from typing import Dict
-
 # op name -> device type -> the csrc file that registers its kernel.
-KERNELS: Dict[str, Dict[str, str]] = {
+KERNELS: dict[str, dict[str, str]] = {
     "hash_find": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
     "hash_upsert": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
     "hash_erase": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},

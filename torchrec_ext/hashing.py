@@ -5,6 +5,7 @@ The kernels compute the same hashes in C++ / Triton (``csrc/hash_table_layout.h`
 the test oracle ``torchrec_ext.reference`` has its own copies. Seeds and salts come from
 ``vocabulary``.
 """
+
 from __future__ import annotations
 
 import torch

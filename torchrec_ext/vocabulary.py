@@ -11,16 +11,17 @@ layer: it imports only torch and the standard library.
 specification; ``tests/test_vocabulary.py`` checks the two agree, and that the C++ enums and
 constants (``csrc/*.h``, ``csrc/*.cpp``) agree with both.
 """
+
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 
 # ----------------------------------------------------------------------------- hash table
 
 # Eviction policies, by their id in csrc/hash_table_layout.h's ``Policy`` enum.
-POLICIES: Dict[str, int] = {"none": 0, "lru": 1, "lfu": 2, "epoch_lru": 3, "epoch_lfu": 4, "custom": 5}
+POLICIES: dict[str, int] = {"none": 0, "lru": 1, "lfu": 2, "epoch_lru": 3, "epoch_lfu": 4, "custom": 5}
 
 # Bucket geometry (csrc/hash_table_layout.h: kSlotsPerBucket, kBucketsPerStripeTarget, kMaxStripes):
 # buckets of 32 slots, grouped in stripes of ~64 buckets, at most 2^16 stripes.
@@ -29,7 +30,7 @@ BUCKETS_PER_STRIPE_TARGET = 64
 MAX_STRIPES = 1 << 16
 
 
-def table_geometry(capacity: int) -> Tuple[int, int]:
+def table_geometry(capacity: int) -> tuple[int, int]:
     """(num_buckets, num_stripes) of a table of ``capacity`` rows (make_geometry in C++)."""
     num_buckets = -(-capacity // SLOTS_PER_BUCKET)
     return num_buckets, min(max(num_buckets // BUCKETS_PER_STRIPE_TARGET, 1), MAX_STRIPES)
@@ -38,8 +39,10 @@ def table_geometry(capacity: int) -> Tuple[int, int]:
 # Which rows a key may hold (csrc/hash_table_layout.h's make_geometry and place_key), saved with
 # every state: rows saved by another layout are re-placed on load. Bump it when either changes.
 LAYOUT_VERSION = 2
-LAYOUTS = {1: "per-stripe buckets: both of a key's buckets in its stripe",
-           2: "ring of stripes: a key's second bucket in the next stripe"}
+LAYOUTS = {
+    1: "per-stripe buckets: both of a key's buckets in its stripe",
+    2: "ring of stripes: a key's second bucket in the next stripe",
+}
 
 # ----------------------------------------------------------------------------- hash seeds and salts
 # 64-bit constants xor-ed into a key (or a table seed) before fmix64, one per hash stream, so no
@@ -77,26 +80,32 @@ def pending_row(j):
 # ----------------------------------------------------------------------------- initializers
 
 # By their id in csrc/embedding_cpu.cpp's ``Init`` enum.
-INITIALIZERS: Dict[str, int] = {"uniform": 0, "normal": 1, "truncated_normal": 2, "constant": 3}
-INITIALIZER_NAMES: Dict[int, str] = {kind: name for name, kind in INITIALIZERS.items()}
+INITIALIZERS: dict[str, int] = {"uniform": 0, "normal": 1, "truncated_normal": 2, "constant": 3}
+INITIALIZER_NAMES: dict[int, str] = {kind: name for name, kind in INITIALIZERS.items()}
 # The parameters each kind reads, in order (init_rows' ``params``).
-INITIALIZER_PARAMS: Dict[str, Tuple[str, ...]] = {
-    "uniform": ("low", "high"), "normal": ("mean", "std"), "truncated_normal": ("mean", "std", "low", "high"),
+INITIALIZER_PARAMS: dict[str, tuple[str, ...]] = {
+    "uniform": ("low", "high"),
+    "normal": ("mean", "std"),
+    "truncated_normal": ("mean", "std", "low", "high"),
     "constant": ("value",),
 }
-INITIALIZER_PARAM_COUNTS: Dict[str, int] = {name: len(params) for name, params in INITIALIZER_PARAMS.items()}
+INITIALIZER_PARAM_COUNTS: dict[str, int] = {name: len(params) for name, params in INITIALIZER_PARAMS.items()}
 TRUNC_NORMAL_ATTEMPTS = 16  # kTruncNormalAttempts: draws of an element before it is clamped
 
 # ----------------------------------------------------------------------------- optimizers
 
 # By their id in csrc/embedding_cpu.cpp's ``Optim`` enum.
-OPTIMIZERS: Dict[str, int] = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3, "adamw": 4, "ftrl": 5}
+OPTIMIZERS: dict[str, int] = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3, "adamw": 4, "ftrl": 5}
 # Optimizer state buffers per kind: elementwise ones are shaped like the weights, row-wise ones
 # hold one float per row. Adam's moments keep fbgemm's names; FTRL's keep TensorFlow's
 # (accumulator n, the sum of squared gradients; linear z).
-OPTIMIZER_STATES: Dict[str, Tuple[str, ...]] = {
-    "sgd": (), "adagrad": ("momentum1",), "rowwise_adagrad": ("momentum1",),
-    "adam": ("momentum1", "momentum2"), "adamw": ("momentum1", "momentum2"), "ftrl": ("accumulator", "linear"),
+OPTIMIZER_STATES: dict[str, tuple[str, ...]] = {
+    "sgd": (),
+    "adagrad": ("momentum1",),
+    "rowwise_adagrad": ("momentum1",),
+    "adam": ("momentum1", "momentum2"),
+    "adamw": ("momentum1", "momentum2"),
+    "ftrl": ("accumulator", "linear"),
 }
 ROWWISE_STATE = {"rowwise_adagrad"}
 # The kernels' hyper-parameters, in order; FTRL's four come after the others' six (which it
@@ -112,7 +121,7 @@ FTRL_HYPERPARAMS = HYPERPARAMS[6:]
 # [capacity_t, dim_t] back to back in table order; row-wise ones one float per row.
 
 # Index = the kernels' dtype code (csrc/embedding_cpu.cpp's ``Storage`` enum).
-STORAGE_DTYPES: Tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+STORAGE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -125,7 +134,7 @@ def table_words(capacity: int, dim: int, dtype: torch.dtype = torch.float32) -> 
     return -(-capacity * dim * STORAGE_DTYPES[dtype_code(dtype)].itemsize // 4)
 
 
-def dense_state_offsets(capacities: Sequence[int], dims: Sequence[int]) -> List[int]:
+def dense_state_offsets(capacities: Sequence[int], dims: Sequence[int]) -> list[int]:
     """Where each table's element-wise optimizer state starts: the tables back to back."""
     out, total = [], 0
     for cap, dim in zip(capacities, dims):

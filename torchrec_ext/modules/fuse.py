@@ -2,9 +2,10 @@
 dynamic collections. It sits above ``base`` (it walks a model for its dynamic collections),
 while the optimizer vocabulary it resolves lives below, in ``fused_optimizer``.
 """
+
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Type
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,9 +14,13 @@ from torchrec_ext.modules.base import DynamicCollectionMixin
 from torchrec_ext.modules.fused_optimizer import resolve_optimizer
 
 
-def fuse_embedding_optimizer(model: nn.Module, optimizer_type: Type[torch.optim.Optimizer],
-                             optimizer_kwargs: Dict[str, Any], device: Optional[torch.device] = None,
-                             location: Any = None) -> nn.Module:
+def fuse_embedding_optimizer(
+    model: nn.Module,
+    optimizer_type: type[torch.optim.Optimizer],
+    optimizer_kwargs: dict[str, Any],
+    device: torch.device | None = None,
+    location: Any = None,
+) -> nn.Module:
     """``torchrec.modules.fused_embedding_modules.fuse_embedding_optimizer`` for models that
     hold dynamic collections (TorchRec's skips them: it replaces only its own EBC / EC).
 

@@ -12,36 +12,89 @@ of the constants (``tests/test_vocabulary.py`` checks they agree with ``torchrec
 and the C++ headers). Every name, private helpers included, is re-exported here, so
 ``from torchrec_ext.reference import X`` and ``reference.X`` keep working.
 """
-from torchrec_ext.reference.hashing import (  # noqa: F401
-    _MASK64, _INT64_MAX, _fmix64, _fastrange32, _u64, _srl, fmix64_tensor,
-)
-from torchrec_ext.reference.hash_table import (  # noqa: F401
-    SLOTS, POLICIES, geometry, _stripe_span, stripe_of, place, place_keys, upsert_phase, upsert_window, upsert_windows, insert_order, touched_score, ReferenceHashTable, bucket_pairs,
-)
-from torchrec_ext.reference.routing import (  # noqa: F401
-    route, route_bucketize,
-)
+
 from torchrec_ext.reference.admission import (  # noqa: F401
-    BLOOM_COUNTER_MAX, bloom_key_cells, bloom_admit,
-)
-from torchrec_ext.reference.storage import (  # noqa: F401
-    STORAGE_DTYPES, dtype_code, table_words, _dtypes_of, _table_rows, _capacities, dense_state_offsets,
+    BLOOM_COUNTER_MAX,
+    bloom_admit,
+    bloom_key_cells,
 )
 from torchrec_ext.reference.dedup import (  # noqa: F401
-    dedup_ids, dedup_segments,
-)
-from torchrec_ext.reference.init_rows import (  # noqa: F401
-    GOLDEN, INITIALIZERS, INITIALIZER_NAMES, TRUNC_NORMAL_ATTEMPTS, table_seed, pair_bits, _box_muller, init_vectors,
-)
-from torchrec_ext.reference.rounding import (  # noqa: F401
-    SR_GOLDEN, rounding_seed, rounding_bits, BF16_MAX_BITS, BF16_OVERFLOW_BOUNDARY, HALF_MAX_BITS, HALF_OVERFLOW_BOUNDARY, round_to_storage,
-)
-from torchrec_ext.reference.fallback import (  # noqa: F401
-    FALLBACK_GOLDEN, fallback_seed, fallback_slots,
+    dedup_ids,
+    dedup_segments,
 )
 from torchrec_ext.reference.embedding_lookup import (  # noqa: F401
-    pooled_lookup, sequence_lookup,
+    pooled_lookup,
+    sequence_lookup,
 )
 from torchrec_ext.reference.embedding_update import (  # noqa: F401
-    OPTIMIZERS, OPTIMIZER_STATES, HYPERPARAMS, ROWWISE_STATE, _bag_of_values, fused_update, ftrl_step,
+    HYPERPARAMS,
+    OPTIMIZER_STATES,
+    OPTIMIZERS,
+    ROWWISE_STATE,
+    _bag_of_values,
+    ftrl_step,
+    fused_update,
+)
+from torchrec_ext.reference.fallback import (  # noqa: F401
+    FALLBACK_GOLDEN,
+    fallback_seed,
+    fallback_slots,
+)
+from torchrec_ext.reference.hash_table import (  # noqa: F401
+    POLICIES,
+    SLOTS,
+    ReferenceHashTable,
+    _stripe_span,
+    bucket_pairs,
+    geometry,
+    insert_order,
+    place,
+    place_keys,
+    stripe_of,
+    touched_score,
+    upsert_phase,
+    upsert_window,
+    upsert_windows,
+)
+from torchrec_ext.reference.hashing import (  # noqa: F401
+    _INT64_MAX,
+    _MASK64,
+    _fastrange32,
+    _fmix64,
+    _srl,
+    _u64,
+    fmix64_tensor,
+)
+from torchrec_ext.reference.init_rows import (  # noqa: F401
+    GOLDEN,
+    INITIALIZER_NAMES,
+    INITIALIZERS,
+    TRUNC_NORMAL_ATTEMPTS,
+    _box_muller,
+    init_vectors,
+    pair_bits,
+    table_seed,
+)
+from torchrec_ext.reference.rounding import (  # noqa: F401
+    BF16_MAX_BITS,
+    BF16_OVERFLOW_BOUNDARY,
+    HALF_MAX_BITS,
+    HALF_OVERFLOW_BOUNDARY,
+    SR_GOLDEN,
+    round_to_storage,
+    rounding_bits,
+    rounding_seed,
+)
+from torchrec_ext.reference.routing import (  # noqa: F401
+    route,
+    route_bucketize,
+)
+from torchrec_ext.reference.storage import (  # noqa: F401
+    STORAGE_DTYPES,
+    _capacities,
+    _dtypes_of,
+    _table_rows,
+    dense_state_offsets,
+    dtype_code,
+    table_words,
 )

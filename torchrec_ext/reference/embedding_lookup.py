@@ -1,8 +1,9 @@
 """``pooled_lookup`` and ``sequence_lookup``: each bag's pooled rows and each id's row, one
 value at a time (storage convention in ``reference.storage``)."""
+
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -11,10 +12,19 @@ from torchrec_ext.reference.storage import _capacities, _dtypes_of, _table_rows
 
 
 def pooled_lookup(
-    weights: Tensor, table_offsets: Tensor, table_dims: Tensor,
-    feature_table: Tensor, feature_col: Tensor, feature_mean: Tensor,
-    rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
-    batch_size: int, total_dim: int, new_vectors: Sequence[Tensor] = (), table_dtypes: Optional[Tensor] = None,
+    weights: Tensor,
+    table_offsets: Tensor,
+    table_dims: Tensor,
+    feature_table: Tensor,
+    feature_col: Tensor,
+    feature_mean: Tensor,
+    rows: Tensor,
+    offsets: Tensor,
+    per_sample_weights: Tensor | None,
+    batch_size: int,
+    total_dim: int,
+    new_vectors: Sequence[Tensor] = (),
+    table_dtypes: Tensor | None = None,
 ) -> Tensor:
     """[batch_size, total_dim] float32 pooled output: feature f's bags land in columns feature_col[f]...
 
@@ -24,8 +34,9 @@ def pooled_lookup(
     the table's storage dtype). Rows are read as float32 and summed in float32.
     """
     dtypes = _dtypes_of(table_dtypes, table_offsets.numel())
-    tables = _table_rows(weights, table_offsets, table_dims, _capacities(weights, table_offsets, table_dims, dtypes),
-                         dtypes)
+    tables = _table_rows(
+        weights, table_offsets, table_dims, _capacities(weights, table_offsets, table_dims, dtypes), dtypes
+    )
     out = torch.zeros(batch_size, total_dim, dtype=torch.float32, device=weights.device)
     for f in range(feature_table.numel()):
         t, col = int(feature_table[f]), int(feature_col[f])
@@ -40,14 +51,19 @@ def pooled_lookup(
                     acc += scale * (tables[t][r] if r >= 0 else new_vectors[t][-2 - r]).float()
             if bool(feature_mean[f]) and end > start:
                 acc /= end - start
-            out[b, col:col + dim] = acc
+            out[b, col : col + dim] = acc
     return out
 
 
 def sequence_lookup(
-    weights: Tensor, table_offsets: Tensor, dim: int, feature_table: Tensor,
-    feature_value_offsets: Tensor, rows: Tensor, new_vectors: Sequence[Tensor] = (),
-    table_dtypes: Optional[Tensor] = None,
+    weights: Tensor,
+    table_offsets: Tensor,
+    dim: int,
+    feature_table: Tensor,
+    feature_value_offsets: Tensor,
+    rows: Tensor,
+    new_vectors: Sequence[Tensor] = (),
+    table_dtypes: Tensor | None = None,
 ) -> Tensor:
     """[num_values, dim] float32: the row of each id (zeros for -1; new_vectors[t][j] for -2 - j);
     values of feature f are [feature_value_offsets[f], feature_value_offsets[f + 1]) and read table

@@ -1,9 +1,10 @@
 """``fused_update``: a lookup's backward fused with one optimizer step on each touched row, the
 optimizer kinds, their states and hyper-parameters, and FTRL-Proximal's step (``ftrl_step``)."""
+
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -11,16 +12,20 @@ from torch import Tensor
 from torchrec_ext.reference.rounding import round_to_storage, rounding_bits
 from torchrec_ext.reference.storage import _capacities, _dtypes_of, _table_rows, dense_state_offsets
 
-
 OPTIMIZERS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3, "adamw": 4, "ftrl": 5}
 
 
 # Optimizer state buffers per kind: elementwise ones are shaped like the weights, row-wise ones
 # hold one float per row. Adam's moments keep fbgemm's names; FTRL's keep TensorFlow's
 # (accumulator n, the sum of squared gradients; linear z).
-OPTIMIZER_STATES = {"sgd": (), "adagrad": ("momentum1",), "rowwise_adagrad": ("momentum1",),
-                    "adam": ("momentum1", "momentum2"), "adamw": ("momentum1", "momentum2"),
-                    "ftrl": ("accumulator", "linear")}
+OPTIMIZER_STATES = {
+    "sgd": (),
+    "adagrad": ("momentum1",),
+    "rowwise_adagrad": ("momentum1",),
+    "adam": ("momentum1", "momentum2"),
+    "adamw": ("momentum1", "momentum2"),
+    "ftrl": ("accumulator", "linear"),
+}
 
 
 # The kernels' hyper-parameters, in order; FTRL's four come after the others' six (which it
@@ -37,15 +42,29 @@ def _bag_of_values(offsets: Tensor, num_values: int) -> Tensor:
 
 
 def fused_update(
-    grad: Tensor, weights: Tensor, states: List[Tensor],
-    table_offsets: Tensor, table_dims: Tensor, state_row_offsets: Tensor,
-    unique_rows: Tensor, unique_table: Tensor, inverse: Tensor,
-    offsets: Optional[Tensor], per_sample_weights: Optional[Tensor],
-    feature_col: Tensor, feature_mean: Tensor, batch_size: int,
-    optimizer: str, hparams: Sequence[float], step: int,
-    new_vectors: Sequence[Tensor] = (), unique_new: Optional[Tensor] = None, state_init: Sequence[float] = (),
-    table_dtypes: Optional[Tensor] = None, unique_ids: Optional[Tensor] = None,
-    rounding_seeds: Optional[Tensor] = None,
+    grad: Tensor,
+    weights: Tensor,
+    states: list[Tensor],
+    table_offsets: Tensor,
+    table_dims: Tensor,
+    state_row_offsets: Tensor,
+    unique_rows: Tensor,
+    unique_table: Tensor,
+    inverse: Tensor,
+    offsets: Tensor | None,
+    per_sample_weights: Tensor | None,
+    feature_col: Tensor,
+    feature_mean: Tensor,
+    batch_size: int,
+    optimizer: str,
+    hparams: Sequence[float],
+    step: int,
+    new_vectors: Sequence[Tensor] = (),
+    unique_new: Tensor | None = None,
+    state_init: Sequence[float] = (),
+    table_dtypes: Tensor | None = None,
+    unique_ids: Tensor | None = None,
+    rounding_seeds: Tensor | None = None,
 ) -> None:
     """Backward of a lookup fused with the optimizer step, in place on weights and states.
 
@@ -81,7 +100,7 @@ def fused_update(
                 if optimizer == "rowwise_adagrad":
                     state[int(state_row_offsets[t]) + r] = value
                 else:
-                    state[off + r * dim: off + (r + 1) * dim] = value
+                    state[off + r * dim : off + (r + 1) * dim] = value
     n = inverse.numel()
     if offsets is None:
         value_grads = grad[:n].float()
@@ -94,8 +113,11 @@ def fused_update(
             scale = scale * per_sample_weights.float()
         mean = feature_mean[feature]
         scale = torch.where(mean, scale / lengths[bags].clamp(min=1), scale)
-        value_grads = [scale[i] * grad[sample[i], int(feature_col[feature[i]]):][: int(table_dims[int(unique_table[int(inverse[i])])])]
-                       for i in range(n)]
+        value_grads = [
+            scale[i]
+            * grad[sample[i], int(feature_col[feature[i]]) :][: int(table_dims[int(unique_table[int(inverse[i])])])]
+            for i in range(n)
+        ]
     for u in range(unique_rows.numel()):
         r, t = int(unique_rows[u]), int(unique_table[u])
         if r < 0:
@@ -116,7 +138,7 @@ def fused_update(
             clr = lr / (1 + (step - 1) * lr_decay)
             w.addcdiv_(g, s.sqrt().add_(eps), value=-clr)
         elif optimizer == "rowwise_adagrad":
-            s = states[0][int(state_row_offsets[t]) + r:][:1]
+            s = states[0][int(state_row_offsets[t]) + r :][:1]
             s += g.pow(2).mean()
             clr = lr / (1 + (step - 1) * lr_decay)
             w.addcdiv_(g, s.sqrt().add_(eps), value=-clr)
@@ -135,13 +157,17 @@ def fused_update(
         else:
             raise ValueError(f"fused_update: optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
         seed = 0 if rounding_seeds is None else int(rounding_seeds[t])
-        bits = None if seed == 0 or dtypes[t] == torch.float32 else \
-            rounding_bits(unique_ids[u:u + 1], dim, seed, step)[0]
+        bits = (
+            None
+            if seed == 0 or dtypes[t] == torch.float32
+            else rounding_bits(unique_ids[u : u + 1], dim, seed, step)[0]
+        )
         tables[t][r] = round_to_storage(w, dtypes[t], bits)
 
 
-def ftrl_step(w: Tensor, g: Tensor, n: Tensor, z: Tensor, lr: float, lr_power: float, l1: float, l2: float,
-              beta: float) -> None:
+def ftrl_step(
+    w: Tensor, g: Tensor, n: Tensor, z: Tensor, lr: float, lr_power: float, l1: float, l2: float, beta: float
+) -> None:
     """One FTRL-Proximal step, in place on the weights ``w``, accumulator ``n`` and linear ``z``.
 
     TensorFlow's update (tf.keras.optimizers.Ftrl, kernel ApplyFtrl with beta folded into l2 as

@@ -1,11 +1,11 @@
 """Fallback rows: which of its table's shared rows an id without a row of its own reads."""
+
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
 from torchrec_ext.reference.hashing import _MASK64, _fmix64, _srl, fmix64_tensor
-
 
 FALLBACK_GOLDEN = 0x8CB92BA72F3D8DD7  # the fallback-row hash's constant (neither the bucket's nor the route's)
 

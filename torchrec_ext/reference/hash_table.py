@@ -1,16 +1,16 @@
 """The hash table's specification: bucket geometry, where a key may live (``place``), the
 order an upsert inserts in, the scores each policy leaves, the dict model ``ReferenceHashTable``
 and the placement oracle ``place_keys``."""
+
 from __future__ import annotations
 
 import bisect
-from typing import Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from torchrec_ext.reference.hashing import _INT64_MAX, _MASK64, _fastrange32, _fmix64, _u64, fmix64_tensor
-
 
 SLOTS = 32
 
@@ -18,13 +18,13 @@ SLOTS = 32
 POLICIES = ("none", "lru", "lfu", "epoch_lru", "epoch_lfu", "custom")
 
 
-def geometry(capacity: int) -> Tuple[int, int]:
+def geometry(capacity: int) -> tuple[int, int]:
     """(num_buckets, num_stripes) for a table of ``capacity`` rows."""
     buckets = -(-capacity // SLOTS)
     return buckets, min(max(buckets // 64, 1), 1 << 16)
 
 
-def _stripe_span(stripe: int, buckets: int, stripes: int) -> Tuple[int, int]:
+def _stripe_span(stripe: int, buckets: int, stripes: int) -> tuple[int, int]:
     """(first bucket, bucket count) of a stripe: the first ``buckets % stripes`` have one more."""
     width, wide = divmod(buckets, stripes)
     return stripe * width + min(stripe, wide), width + (stripe < wide)
@@ -37,7 +37,7 @@ def stripe_of(key: int, capacity: int) -> int:
     return _fastrange32(_fmix64(h ^ 0xC2B2AE3D27D4EB4F), stripes)
 
 
-def place(key: int, capacity: int) -> Tuple[int, int, int]:
+def place(key: int, capacity: int) -> tuple[int, int, int]:
     """(bucket1, bucket2, tag) of a key: bucket1 in the key's stripe s, bucket2 in the next
     stripe (s + 1) mod S; with one stripe, two distinct buckets of it (when it has two)."""
     buckets, stripes = geometry(capacity)
@@ -57,7 +57,7 @@ def place(key: int, capacity: int) -> Tuple[int, int, int]:
     return begin + off1, begin + off2, (h >> 57) % 127 + 1
 
 
-def place_keys(keys: Sequence[int], scores: Sequence[int], capacity: int) -> List[bool]:
+def place_keys(keys: Sequence[int], scores: Sequence[int], capacity: int) -> list[bool]:
     """Which of distinct ``keys`` an empty table of ``capacity`` rows holds when they are placed
     by priority (higher score first, then earlier position): each is kept iff it fits beside the
     keys kept before it, found by a breadth-first augmenting path over buckets (a held key may
@@ -66,10 +66,10 @@ def place_keys(keys: Sequence[int], scores: Sequence[int], capacity: int) -> Lis
     buckets, _ = geometry(capacity)
     room = [min(SLOTS, capacity - b * SLOTS) for b in range(buckets)]
     pairs = [place(k, capacity)[:2] for k in keys]
-    held: List[List[int]] = [[] for _ in range(buckets)]  # key indices in each bucket
+    held: list[list[int]] = [[] for _ in range(buckets)]  # key indices in each bucket
     kept = [False] * len(keys)
     for i in sorted(range(len(keys)), key=lambda i: (-scores[i], i)):
-        parent: Dict[int, Optional[Tuple[int, int]]] = {b: None for b in pairs[i]}
+        parent: dict[int, tuple[int, int] | None] = dict.fromkeys(pairs[i])
         queue, end = list(parent), None
         for b in queue:  # grows while it is walked
             if len(held[b]) < room[b]:
@@ -107,7 +107,7 @@ def upsert_window(capacity: int, begin: int) -> int:
     return max(-(-capacity // 8), -(-begin // 8), 1)
 
 
-def upsert_windows(capacity: int, n: int) -> List[int]:
+def upsert_windows(capacity: int, n: int) -> list[int]:
     """First batch positions of the insert windows of an upsert of ``n`` keys."""
     starts, begin = [], 0
     while begin < n:
@@ -116,7 +116,7 @@ def upsert_windows(capacity: int, n: int) -> List[int]:
     return starts
 
 
-def insert_order(keys: Sequence[int], capacity: int, clock: int) -> List[int]:
+def insert_order(keys: Sequence[int], capacity: int, clock: int) -> list[int]:
     """The order in which an upsert (of logical clock ``clock``) inserts the keys at positions
     0..n-1 that hold no row: window by window (``upsert_windows``); within a window phase by
     phase, the call's first phase being ``clock`` mod the number of phases (1, 2, or 3 on an odd
@@ -126,14 +126,14 @@ def insert_order(keys: Sequence[int], capacity: int, clock: int) -> List[int]:
     phases = 1 if stripes == 1 else 3 if stripes >= 3 and stripes % 2 == 1 else 2
     starts = upsert_windows(capacity, len(keys))
 
-    def rank(i: int) -> Tuple[int, int, int]:
+    def rank(i: int) -> tuple[int, int, int]:
         phase = upsert_phase(stripe_of(keys[i], capacity), stripes)
         return bisect.bisect_right(starts, i) - 1, (phase - clock) % phases, i
 
     return sorted(range(len(keys)), key=rank)
 
 
-def touched_score(policy: str, old: Optional[int], given: Optional[int], clock: int, epoch: int) -> int:
+def touched_score(policy: str, old: int | None, given: int | None, clock: int, epoch: int) -> int:
     """Score after a touch; ``old`` is None for a new key; ``given`` the caller's score/increment."""
     if policy in ("none", "lru"):
         return clock
@@ -157,24 +157,24 @@ class ReferenceHashTable:
         self.capacity = capacity
         self.policy = policy
         self.num_buckets, _ = geometry(capacity)
-        self.row_of: Dict[int, int] = {}
-        self.key_at: Dict[int, int] = {}
-        self.score_at: Dict[int, int] = {}
+        self.row_of: dict[int, int] = {}
+        self.key_at: dict[int, int] = {}
+        self.score_at: dict[int, int] = {}
         self.clock = 0
         self.epoch = 0
 
-    def _usable_rows(self, bucket: int) -> List[int]:
+    def _usable_rows(self, bucket: int) -> list[int]:
         return [r for r in range(bucket * SLOTS, (bucket + 1) * SLOTS) if r < self.capacity]
 
-    def _candidate_buckets(self, key: int) -> List[int]:
+    def _candidate_buckets(self, key: int) -> list[int]:
         b1, b2, _ = place(key, self.capacity)
         return [b1] if b1 == b2 else [b1, b2]
 
-    def find(self, keys: Sequence[int]) -> Tuple[List[int], List[bool]]:
+    def find(self, keys: Sequence[int]) -> tuple[list[int], list[bool]]:
         rows = [self.row_of.get(k, -1) for k in keys]
         return rows, [r >= 0 for r in rows]
 
-    def upsert(self, keys: Sequence[int], scores: Optional[Sequence[int]] = None, assign: bool = False):
+    def upsert(self, keys: Sequence[int], scores: Sequence[int] | None = None, assign: bool = False):
         """find_or_insert (assign=False) or insert_or_assign (assign=True).
 
         First every key that holds a row is touched and pinned (in batch order), then the others
@@ -183,15 +183,18 @@ class ReferenceHashTable:
         order is the one their results equal.)
         """
         self.clock += 1
-        rows: List[Optional[int]] = [None] * len(keys)
+        rows: list[int | None] = [None] * len(keys)
         inserted = [False] * len(keys)
         evicted = []
         pinned = set()
 
         def touch(i: int, row: int) -> None:
             given = None if scores is None else scores[i]
-            self.score_at[row] = given if (assign and given is not None) else touched_score(
-                self.policy, self.score_at[row], given, self.clock, self.epoch)
+            self.score_at[row] = (
+                given
+                if (assign and given is not None)
+                else touched_score(self.policy, self.score_at[row], given, self.clock, self.epoch)
+            )
             pinned.add(row)
             rows[i] = row
 
@@ -206,8 +209,11 @@ class ReferenceHashTable:
                 touch(i, self.row_of[key])
                 continue
             given = None if scores is None else scores[i]
-            new_score = given if (assign and given is not None) else touched_score(
-                self.policy, None, given, self.clock, self.epoch)
+            new_score = (
+                given
+                if (assign and given is not None)
+                else touched_score(self.policy, None, given, self.clock, self.epoch)
+            )
             rows[i] = -1
             free = [[r for r in self._usable_rows(b) if r not in self.key_at] for b in self._candidate_buckets(key)]
             if any(free):
@@ -236,7 +242,7 @@ class ReferenceHashTable:
         evicted.sort()  # reported in batch order (an input position evicts at most once)
         return rows, inserted, [k for _, k, _ in evicted], [r for _, _, r in evicted]
 
-    def erase(self, keys: Sequence[int]) -> List[bool]:
+    def erase(self, keys: Sequence[int]) -> list[bool]:
         out = []
         for key in keys:
             row = self.row_of.pop(key, None)
@@ -246,7 +252,7 @@ class ReferenceHashTable:
             out.append(row is not None)
         return out
 
-    def export(self) -> List[Tuple[int, int, int]]:
+    def export(self) -> list[tuple[int, int, int]]:
         """Live (key, row, score) in row order."""
         return [(self.key_at[r], r, self.score_at[r]) for r in sorted(self.key_at)]
 
@@ -254,7 +260,7 @@ class ReferenceHashTable:
         return len(self.row_of)
 
 
-def bucket_pairs(keys: Tensor, capacity: int) -> Tuple[Tensor, Tensor]:
+def bucket_pairs(keys: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
     """``place`` of many keys at once: the two buckets each int64 key may use in a table of
     ``capacity`` rows, vectorised on int64 bit patterns."""
     num_buckets, num_stripes = geometry(capacity)
@@ -263,7 +269,7 @@ def bucket_pairs(keys: Tensor, capacity: int) -> Tuple[Tensor, Tensor]:
     h2 = fmix64_tensor(h ^ _u64(0xC2B2AE3D27D4EB4F))
     width, wide = divmod(num_buckets, num_stripes)
 
-    def span(stripe: Tensor) -> Tuple[Tensor, Tensor]:  # first bucket and bucket count
+    def span(stripe: Tensor) -> tuple[Tensor, Tensor]:  # first bucket and bucket count
         return stripe * width + torch.clamp(stripe, max=wide), width + (stripe < wide).to(torch.int64)
 
     stripe = ((h2 & low) * num_stripes) >> 32

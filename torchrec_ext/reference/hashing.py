@@ -1,10 +1,10 @@
 """The hashes of the specification, one value at a time (``_fmix64`` on ints) and on int64
 tensors (``fmix64_tensor``): MurmurHash3's 64-bit finaliser and the fastrange reduction."""
+
 from __future__ import annotations
 
 import torch
 from torch import Tensor
-
 
 _MASK64 = (1 << 64) - 1
 

@@ -1,15 +1,15 @@
 """``init_rows``' initial vectors: the initializer kinds, a table's seed and the pure function
 of (seed, id, element) every kernel draws (``init_vectors``)."""
+
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from torchrec_ext.reference.hashing import _MASK64, _fmix64, _srl, _u64, fmix64_tensor
-
 
 GOLDEN = 0x9E3779B97F4A7C15
 

@@ -1,14 +1,12 @@
 """Writing a float32 step result into a half-precision table: round to nearest even, or
 stochastic rounding with bits that are a pure function of (table, id, element, step)."""
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import torch
 from torch import Tensor
 
 from torchrec_ext.reference.hashing import _MASK64, _fmix64, _srl, _u64, fmix64_tensor
-
 
 SR_GOLDEN = 0xD6E8FEB86659FD93  # the rounding stream's counter constant (not the init stream's)
 
@@ -41,7 +39,7 @@ BF16_MAX_BITS, BF16_OVERFLOW_BOUNDARY = 0x7F7F0000, 0x7F7F8000
 HALF_MAX_BITS, HALF_OVERFLOW_BOUNDARY = 0x477FE000, 0x477FF000
 
 
-def round_to_storage(x: Tensor, dtype: torch.dtype, bits: Optional[Tensor] = None) -> Tensor:
+def round_to_storage(x: Tensor, dtype: torch.dtype, bits: Tensor | None = None) -> Tensor:
     """float32 ``x`` in the storage dtype: round to nearest even (``bits`` None, or float32), else
     stochastic rounding with 16 random bits per element (``rounding_bits``):
 

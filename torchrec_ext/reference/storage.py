@@ -11,13 +11,13 @@ one float per row from state_row_offsets[t].
 A row of -1 means "no row" (refused, not admitted, or unseen in eval): it reads as zeros and
 takes no update. Bags are KJT-ordered: bag g = f * batch_size + b is sample b of feature f.
 """
+
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
-
 
 STORAGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # index = the kernels' dtype code
 
@@ -31,29 +31,32 @@ def table_words(capacity: int, dim: int, dtype: torch.dtype = torch.float32) -> 
     return -(-capacity * dim * STORAGE_DTYPES[dtype_code(dtype)].itemsize // 4)
 
 
-def _dtypes_of(table_dtypes: Optional[Tensor], num_tables: int) -> List[torch.dtype]:
+def _dtypes_of(table_dtypes: Tensor | None, num_tables: int) -> list[torch.dtype]:
     codes = [0] * num_tables if table_dtypes is None else table_dtypes.tolist()
     return [STORAGE_DTYPES[c] for c in codes]
 
 
-def _table_rows(weights: Tensor, table_offsets: Tensor, table_dims: Tensor, capacities: Sequence[int],
-                dtypes: Sequence[torch.dtype]) -> List[Tensor]:
+def _table_rows(
+    weights: Tensor, table_offsets: Tensor, table_dims: Tensor, capacities: Sequence[int], dtypes: Sequence[torch.dtype]
+) -> list[Tensor]:
     """[capacity_t, dim_t] views of each table inside the flat buffer, in its storage dtype."""
     views = []
     for t, (cap, dtype) in enumerate(zip(capacities, dtypes)):
         off, dim = int(table_offsets[t]), int(table_dims[t])
-        words = weights[off:off + table_words(cap, dim, dtype)]
-        views.append(words.view(dtype)[:cap * dim].view(cap, dim))
+        words = weights[off : off + table_words(cap, dim, dtype)]
+        views.append(words.view(dtype)[: cap * dim].view(cap, dim))
     return views
 
 
-def _capacities(weights: Tensor, table_offsets: Tensor, table_dims: Tensor, dtypes: Sequence[torch.dtype]) -> List[int]:
+def _capacities(weights: Tensor, table_offsets: Tensor, table_dims: Tensor, dtypes: Sequence[torch.dtype]) -> list[int]:
     ends = table_offsets.tolist()[1:] + [weights.numel()]
-    return [(end - off) * 4 // (dim * dtype.itemsize)
-            for off, end, dim, dtype in zip(table_offsets.tolist(), ends, table_dims.tolist(), dtypes)]
+    return [
+        (end - off) * 4 // (dim * dtype.itemsize)
+        for off, end, dim, dtype in zip(table_offsets.tolist(), ends, table_dims.tolist(), dtypes)
+    ]
 
 
-def dense_state_offsets(capacities: Sequence[int], dims: Sequence[int]) -> List[int]:
+def dense_state_offsets(capacities: Sequence[int], dims: Sequence[int]) -> list[int]:
     """Where each table's element-wise optimizer state starts: the tables back to back."""
     out, total = [], 0
     for cap, dim in zip(capacities, dims):

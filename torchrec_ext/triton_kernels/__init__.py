@@ -4,12 +4,13 @@ with the optimizer step (embedding_update).
 ``KERNELS`` (op name -> device type -> kernel) is this backend's entry in the registration table
 ``torchrec_ext.ops`` reads; it is empty where Triton is not installed (the submodules need it).
 """
-from typing import Callable, Dict
+
+from collections.abc import Callable
 
 try:
     import triton  # noqa: F401
 except ImportError:
-    KERNELS: Dict[str, Dict[str, Callable]] = {}
+    KERNELS: dict[str, dict[str, Callable]] = {}
 else:
     from torchrec_ext.triton_kernels import embedding_lookup, embedding_update
 

@@ -62,6 +62,9 @@ def test_policies_optimizers_initializers_agree_with_the_reference():
     assert voc.TRUNC_NORMAL_ATTEMPTS == ref.TRUNC_NORMAL_ATTEMPTS
     assert voc.STORAGE_DTYPES == ref.STORAGE_DTYPES
     assert voc.BLOOM_COUNTER_MAX == ref.BLOOM_COUNTER_MAX
+    # the states checked non-negative on load are states of their kind, and all squared ones
+    assert all(state in voc.OPTIMIZER_STATES[kind] for kind, state in voc.SQUARED_STATES)
+    assert {kind for kind, _ in voc.SQUARED_STATES} == set(voc.OPTIMIZERS) - {"sgd"}
 
 
 def test_seeds_and_salts_agree_with_the_reference():

@@ -108,6 +108,14 @@ OPTIMIZER_STATES: dict[str, tuple[str, ...]] = {
     "ftrl": ("accumulator", "linear"),
 }
 ROWWISE_STATE = {"rowwise_adagrad"}
+# (kind, state) pairs that sum or average squared gradients: never negative (a square root is taken).
+SQUARED_STATES = {
+    ("adagrad", "momentum1"),
+    ("rowwise_adagrad", "momentum1"),
+    ("adam", "momentum2"),
+    ("adamw", "momentum2"),
+    ("ftrl", "accumulator"),
+}
 # The kernels' hyper-parameters, in order; FTRL's four come after the others' six (which it
 # leaves at 0 but lr).
 HYPERPARAMS = ("lr", "eps", "beta1", "beta2", "weight_decay", "lr_decay", "lr_power", "l1", "l2", "beta")

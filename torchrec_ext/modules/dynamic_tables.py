@@ -59,16 +59,14 @@ from torchrec_ext.table import (
     check_counter, place_keys, table_geometry,
 )
 from torchrec_ext.vocabulary import (
-    OPTIMIZER_STATES, OPTIMIZERS, ROWWISE_STATE, dense_state_offsets, dtype_code, pending_row, table_words,
+    OPTIMIZER_STATES, OPTIMIZERS, ROWWISE_STATE, SQUARED_STATES, dense_state_offsets, dtype_code, pending_row,
+    table_words,
 )
 
 _SCORED_BY_COUNT = {"lfu", "epoch_lfu"}
 # SGD hyper-parameters (lr, eps, beta1, beta2, weight_decay, lr_decay) whose step on a zeroed row
 # leaves the row's summed gradient in it.
 _MINUS_ONE_SGD = (-1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-# Optimizer states that sum or average squared gradients: never negative (a square root is taken).
-_SQUARED_STATES = {("adagrad", "momentum1"), ("rowwise_adagrad", "momentum1"), ("adam", "momentum2"),
-                   ("adamw", "momentum2"), ("ftrl", "accumulator")}
 
 
 class GrowthError(RuntimeError):
@@ -1010,7 +1008,7 @@ class DynamicTables:
             value = state.get(f"optimizer.{key}")
             if value is not None:
                 value = _checked(name, f"optimizer.{key}", value, "float", (n,) + tuple(view.shape[1:]), ids,
-                                 non_negative=(self.optimizer.kind, key) in _SQUARED_STATES)
+                                 non_negative=(self.optimizer.kind, key) in SQUARED_STATES)
             states[key] = value
         last_seen = None
         if m.ttl_steps is not None and "last_seen" in state:
@@ -1086,7 +1084,7 @@ class DynamicTables:
             value = state.get(f"fallback_optimizer.{key}")
             if value is not None:
                 value = _checked(name, f"fallback_optimizer.{key}", value, "float", tuple(view.shape),
-                                 non_negative=(self.optimizer.kind, key) in _SQUARED_STATES).to(device, torch.float32)
+                                 non_negative=(self.optimizer.kind, key) in SQUARED_STATES).to(device, torch.float32)
             states[key] = value
         return fallback, states
 

@@ -201,23 +201,16 @@ def test_bloom_header_agrees():
 
 
 def test_the_kernels_take_the_vocabulary_ids():
-    """The ids are not only written alike: the C++ op reads them so. An ``Optim`` id the kernel
-    does not know, or an ``Init`` id past the enum, is refused by name."""
+    """The ids are not only written alike: the C++ op reads them so. An ``Init`` id past the enum
+    is refused; each id draws its kind's vectors from exactly its kind's parameter count, and one
+    parameter fewer is refused."""
     table = torch.zeros(2, 3)
     with pytest.raises(RuntimeError, match="initializer kind"):
         ops.init_rows(table, torch.tensor([0]), torch.tensor([5]), 1, max(voc.INITIALIZERS.values()) + 1, (0.0, 1.0))
     for name, kind in voc.INITIALIZERS.items():  # each id takes exactly its parameter count
-        ops.init_rows(
-            table,
-            torch.tensor([0]),
-            torch.tensor([5]),
-            1,
-            kind,
-            (0.0, 1.0, -1.0, 1.0)[: voc.INITIALIZER_PARAM_COUNTS[name]],
-        )
-        assert torch.equal(
-            table[0],
-            ref.init_vectors(
-                torch.tensor([5]), 3, 1, name, (0.0, 1.0, -1.0, 1.0)[: voc.INITIALIZER_PARAM_COUNTS[name]]
-            )[0],
-        )
+        params = (0.0, 1.0, -1.0, 1.0)[: voc.INITIALIZER_PARAM_COUNTS[name]]
+        ops.init_rows(table, torch.tensor([0]), torch.tensor([5]), 1, kind, params)
+        want = ref.init_vectors(torch.tensor([5]), 3, 1, name, params)[0]
+        torch.testing.assert_close(table[0], want, rtol=1e-6, atol=1e-6)
+        with pytest.raises(RuntimeError, match=f"needs {len(params)} parameters"):
+            ops.init_rows(table, torch.tensor([0]), torch.tensor([5]), 1, kind, params[:-1])

@@ -84,3 +84,20 @@ def test_the_loop_registers_each_python_kernel_once(monkeypatch):
     ]
     assert registered == want
     assert ("torchrec_ext::route_bucketize", "cuda", torch_kernels.route_bucketize) in registered
+
+
+def test_two_python_backends_for_one_op_are_refused_before_anything_is_registered(monkeypatch):
+    registered = []
+
+    def first(*args):
+        return None
+
+    def second(*args):
+        return None
+
+    tables = [{"init_rows": {"cuda": first}, "route_bucketize": {"cuda": first}}, {"route_bucketize": {"cuda": second}}]
+    monkeypatch.setattr(ops, "python_kernel_tables", lambda: tables)
+    monkeypatch.setattr(torch.library, "register_kernel", lambda *a: registered.append(a))
+    with pytest.raises(RuntimeError, match=r"route_bucketize has two cuda kernels: .*first and .*second"):
+        ops.register_python_kernels("cuda")
+    assert registered == []  # init_rows, valid, was not registered either

@@ -407,18 +407,23 @@ def register_python_kernels(device_type: str = "cuda") -> None:
     """Registers every Python kernel for ``device_type`` with ``torch.library.register_kernel``:
     the one loop over the backends' tables. A (op, device) the C++ library serves
     (``csrc_kernels.KERNELS``) or two Python backends both claim is an error, not an override."""
-    claimed: Dict[str, str] = {}
+    claimed: Dict[str, Callable] = {}
     for table in python_kernel_tables():
         for op_name, by_device in table.items():
             kernel = by_device.get(device_type)
             if kernel is None:
                 continue
-            if device_type in csrc_kernels.KERNELS.get(op_name, {}) or op_name in claimed:
-                raise RuntimeError(f"torchrec_ext::{op_name} has two {device_type} kernels: "
-                                   f"{csrc_kernels.KERNELS.get(op_name, {}).get(device_type) or claimed[op_name]} "
-                                   f"and {kernel.__module__}.{kernel.__name__}")
-            claimed[op_name] = f"{kernel.__module__}.{kernel.__name__}"
-            torch.library.register_kernel(f"torchrec_ext::{op_name}", device_type, kernel)
+            other = csrc_kernels.KERNELS.get(op_name, {}).get(device_type) or _qualified(claimed.get(op_name))
+            if other:
+                raise RuntimeError(f"torchrec_ext::{op_name} has two {device_type} kernels: {other} and "
+                                   f"{_qualified(kernel)}")
+            claimed[op_name] = kernel
+    for op_name, kernel in claimed.items():  # all checked first: an error registers nothing
+        torch.library.register_kernel(f"torchrec_ext::{op_name}", device_type, kernel)
+
+
+def _qualified(kernel: Optional[Callable]) -> str:
+    return "" if kernel is None else f"{kernel.__module__}.{kernel.__name__}"
 
 
 if torch.cuda.is_available():

@@ -51,7 +51,7 @@ from torchrec_ext import ops
 from torchrec_ext.modules.admission import Admission, bloom_geometry, make_admission
 from torchrec_ext.modules.configs import initial_capacity_of, initializer_of, options_of, storage_dtype_of
 from torchrec_ext.modules.fused_optimizer import OptimizerSpec
-from torchrec_ext.modules.state_checks import _check_distinct, _checked  # noqa: F401  (also read from here)
+from torchrec_ext.modules.state_checks import _check_distinct, _checked
 from torchrec_ext.modules.table_stats import MAX_AGE_BINS, TableCounters, TableStats
 from torchrec_ext.hashing import fallback_seed, fallback_slots, rounding_seed, table_seed
 from torchrec_ext.table import (

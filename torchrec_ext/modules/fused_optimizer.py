@@ -30,7 +30,7 @@ from torch import Tensor
 from torchrec.optim.fused import FusedOptimizer
 
 from torchrec_ext.modules.configs import check_finite
-from torchrec_ext.modules.ftrl import Ftrl, check_ftrl_hyperparams  # noqa: F401  (also read from here)
+from torchrec_ext.modules.ftrl import Ftrl, check_ftrl_hyperparams
 from torchrec_ext.vocabulary import COMMON_HYPERPARAMS, FTRL_HYPERPARAMS, OPTIMIZERS
 
 # The hyper-parameters every kind's param group holds (and the kernels read), then FTRL's own.

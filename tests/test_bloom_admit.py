@@ -1,6 +1,6 @@
 """The bloom_admit op (issue 18: the counting Bloom filter of the bloom admission): its CPU kernel
 (csrc/bloom_cpu.cpp) and its CUDA kernel run under the warp emulator (csrc/bloom_cuda.cu) against
-the one-key-at-a-time oracle of torchrec_ext/reference.py, on random streams: duplicate cells in
+the one-key-at-a-time oracle of torchrec_ext/reference/, on random streams: duplicate cells in
 a batch, saturation at 15, both counters of a byte hit by concurrent threads, tiny and unaligned
 filters, the empty batch; the kernels hash as admission.bloom_cells does; bad input is refused
 naming the argument, with the filter unchanged; BloomAdmission decides as the oracle does."""

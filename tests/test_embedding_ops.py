@@ -1,4 +1,4 @@
-"""The C++ CPU embedding kernels against the pure-PyTorch references in torchrec_ext/reference.py."""
+"""The C++ CPU embedding kernels against the pure-PyTorch references in torchrec_ext/reference/."""
 import math
 
 import pytest

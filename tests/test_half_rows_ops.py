@@ -1,6 +1,6 @@
 """Half-precision rows in the C++ CPU embedding kernels (csrc/embedding_cpu.cpp): float16 and
 bfloat16 tables, alone and mixed with float32 ones in one call, against the pure-PyTorch
-references (torchrec_ext/reference.py) and against torch's own conversions; stochastic rounding
+references (torchrec_ext/reference/) and against torch's own conversions; stochastic rounding
 bit for bit, unbiased and deterministic.
 
 Layout: one buffer of 4-byte words, each table's rows packed in its storage dtype from word

@@ -1,5 +1,5 @@
 """The Triton embedding kernels (torchrec_ext/triton_kernels/: embedding_lookup.py,
-embedding_update.py) against the references in torchrec_ext/reference.py: pooled and sequence
+embedding_update.py) against the references in torchrec_ext/reference/: pooled and sequence
 lookups, and the backward fused with every optimizer over several steps (weights and optimizer
 states).
 

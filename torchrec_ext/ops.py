@@ -5,17 +5,21 @@ CUDA kernels in ``csrc/hash_table_cuda.cu``; the placement search of a load (``h
 CPU only, in ``csrc/placement_cpu.cpp``. The counting Bloom filter of the bloom admission
 (``bloom_admit``): ``csrc/bloom_cpu.cpp`` and ``csrc/bloom_cuda.cu``. Embedding ops: CPU kernels in
 ``csrc/embedding_cpu.cpp``; their CUDA kernels are the Triton ones in the ``triton_kernels``
-subpackage, registered below when Triton and a GPU are present. The fake kernels give output
+subpackage and the torch ones in ``torch_kernels.py``. Each backend exports a table
+``KERNELS = {op: {device_type: kernel}}`` (``csrc_kernels`` lists what the C++ library registers
+itself); ``register_python_kernels`` below registers the Python ones in one loop when a GPU is
+present. The fake kernels give output
 shapes and dtypes without data so the ops trace under ``torch.fx`` / ``torch.compile``.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from torchrec_ext import _C  # noqa: F401  (loads the library: registers the ops)
+from torchrec_ext import _C  # noqa: F401  (loads the library: registers the ops and their C++ kernels)
+from torchrec_ext import csrc_kernels, torch_kernels
 
 _ops = torch.ops.torchrec_ext
 
@@ -67,7 +71,7 @@ def hash_upsert(
         scores: int64 ``[n]`` or None: custom scores, or increments for lfu/epoch_lfu; stored
             as given when ``assign``.
         capacity: the table's rows.
-        policy: index into ``reference.POLICIES``.
+        policy: index into ``vocabulary.POLICIES``.
         clock, epoch: the logical clock and epoch the touched scores take.
         assign: insert_or_assign semantics.
 
@@ -206,8 +210,8 @@ def init_rows(table: Tensor, rows: Tensor, ids: Tensor, seed: int, kind: int, pa
         table: float32, float16 or bfloat16 ``[capacity, dim]`` (half tables take the vector rounded to nearest even).
         rows: int64 ``[n]``, -1 to skip.
         ids: int64 ``[n]``; the vector is a pure function of (seed, id, element).
-        seed: the table's seed (``reference.table_seed``).
-        kind, params: initializer index into ``reference.INITIALIZERS`` and its parameters.
+        seed: the table's seed (``hashing.table_seed``).
+        kind, params: initializer index into ``vocabulary.INITIALIZERS`` and its parameters.
         states, state_values: optimizer states, float32 ``[capacity, width]``, whose rows are reset to the value.
     """
     _ops.init_rows.default(table, rows, ids, seed, kind, [float(p) for p in params], list(states),
@@ -225,7 +229,7 @@ def pooled_lookup(
     Args:
         weights: all tables in one flat buffer of 4-byte words (a float32 tensor); table t's
             ``[capacity_t, dim_t]`` rows start at word ``table_offsets[t]``, in the table's
-            storage dtype (``table_dtypes``), packed (``reference.table_words`` words).
+            storage dtype (``table_dtypes``), packed (``vocabulary.table_words`` words).
         table_offsets, table_dims: int64 ``[T]``.
         feature_table: int64 ``[F]``, each feature's table.
         feature_col: int64 ``[F]``, each feature's first column in the output.
@@ -234,7 +238,7 @@ def pooled_lookup(
             (a new row's initial vector not yet written; CPU only).
         offsets: int64 ``[F * batch_size + 1]``, bag b = f * batch_size + sample.
         per_sample_weights: float32 ``[n]`` or None.
-        table_dtypes: int64 ``[T]``, each table's storage dtype (``reference.STORAGE_DTYPES``
+        table_dtypes: int64 ``[T]``, each table's storage dtype (``vocabulary.STORAGE_DTYPES``
             index: 0 float32, 1 float16, 2 bfloat16); None: all float32. ``new_vectors[t]`` has
             table t's dtype.
 
@@ -277,7 +281,7 @@ def fused_update(
         unique_rows, unique_table: int64 ``[u]``, the (table, row) of each unique; row -1 takes no step.
         inverse: int64 ``[n]``, each id's unique.
         offsets, per_sample_weights, feature_col, feature_mean, batch_size: the pooled lookup's (None / empty for sequence).
-        optimizer: index into ``reference.OPTIMIZERS``.
+        optimizer: index into ``vocabulary.OPTIMIZERS``.
         hparams: ``(lr, eps, beta1, beta2, weight_decay, lr_decay)``, as ``reference.fused_update`` reads them.
         step: the optimizer step (Adam's bias correction).
         new_vectors, unique_new, state_init: a unique u with ``unique_new[u] = j >= 0`` is new: it
@@ -298,12 +302,9 @@ def fused_update(
 def route_bucketize(ids: Tensor, lengths: Tensor, slot_owner: Sequence[int], world_size: int,
                     batch_size: int) -> Tuple[Tensor, Tensor, Tensor]:
     """Ids regrouped by destination rank then bag (row-wise slots: owner -1, routed by hash),
-    the routed lengths, and each routed id's input position. CPU kernel; elsewhere torch ops."""
-    if ids.device.type == "cpu":
-        return _ops.route_bucketize.default(ids, lengths, list(slot_owner), world_size, batch_size)
-    from torchrec_ext import torch_kernels
-
-    return torch_kernels.route_bucketize(ids, lengths, slot_owner, world_size, batch_size)
+    the routed lengths, and each routed id's input position. CPU kernel ``csrc/routing_cpu.cpp``;
+    CUDA kernel ``torch_kernels.route_bucketize`` (torch ops)."""
+    return _ops.route_bucketize.default(ids, lengths, list(slot_owner), world_size, batch_size)
 
 
 # ----------------------------------------------------------------------------- fake kernels
@@ -392,25 +393,38 @@ def _fused_update_fake(grad, weights, states, table_offsets, table_dims, state_r
     return None
 
 
-# ----------------------------------------------------------------------------- CUDA kernels in Python
+# ----------------------------------------------------------------------------- kernels in Python
 
-def _register_python_cuda_kernels() -> None:
-    """dedup_segments / init_rows run as torch ops on GPUs; the lookups and the fused update
-    are Triton kernels (imported only where Triton and a GPU are present)."""
-    from torchrec_ext import torch_kernels
+def python_kernel_tables() -> List[Dict[str, Dict[str, Callable]]]:
+    """The Python backends' ``KERNELS`` tables (op -> device type -> kernel): torch ops, then
+    Triton (imported only where Triton is installed; empty otherwise)."""
+    from torchrec_ext import triton_kernels
 
-    torch.library.register_kernel("torchrec_ext::dedup_segments", "cuda", torch_kernels.dedup_segments)
-    torch.library.register_kernel("torchrec_ext::init_rows", "cuda", torch_kernels.init_rows)
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return
-    from torchrec_ext.triton_kernels import embedding_lookup, embedding_update
+    return [torch_kernels.KERNELS, triton_kernels.KERNELS]
 
-    torch.library.register_kernel("torchrec_ext::pooled_lookup", "cuda", embedding_lookup.pooled_lookup)
-    torch.library.register_kernel("torchrec_ext::sequence_lookup", "cuda", embedding_lookup.sequence_lookup)
-    torch.library.register_kernel("torchrec_ext::fused_update", "cuda", embedding_update.fused_update)
+
+def register_python_kernels(device_type: str = "cuda") -> None:
+    """Registers every Python kernel for ``device_type`` with ``torch.library.register_kernel``:
+    the one loop over the backends' tables. A (op, device) the C++ library serves
+    (``csrc_kernels.KERNELS``) or two Python backends both claim is an error, not an override."""
+    claimed: Dict[str, Callable] = {}
+    for table in python_kernel_tables():
+        for op_name, by_device in table.items():
+            kernel = by_device.get(device_type)
+            if kernel is None:
+                continue
+            other = csrc_kernels.KERNELS.get(op_name, {}).get(device_type) or _qualified(claimed.get(op_name))
+            if other:
+                raise RuntimeError(f"torchrec_ext::{op_name} has two {device_type} kernels: {other} and "
+                                   f"{_qualified(kernel)}")
+            claimed[op_name] = kernel
+    for op_name, kernel in claimed.items():  # all checked first: an error registers nothing
+        torch.library.register_kernel(f"torchrec_ext::{op_name}", device_type, kernel)
+
+
+def _qualified(kernel: Optional[Callable]) -> str:
+    return "" if kernel is None else f"{kernel.__module__}.{kernel.__name__}"
 
 
 if torch.cuda.is_available():
-    _register_python_cuda_kernels()
+    register_python_kernels("cuda")

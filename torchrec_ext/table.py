@@ -19,29 +19,11 @@ import torch
 from torch import Tensor
 
 from torchrec_ext import ops
+from torchrec_ext.vocabulary import LAYOUT_VERSION, LAYOUTS, POLICIES, SLOTS_PER_BUCKET, table_geometry  # noqa: F401
 
-SLOTS_PER_BUCKET = 32
-_BUCKETS_PER_STRIPE = 64
-_MAX_STRIPES = 1 << 16
-
-# Ids in csrc/hash_table_layout.h's Policy enum.
-POLICIES: Dict[str, int] = {"none": 0, "lru": 1, "lfu": 2, "epoch_lru": 3, "epoch_lfu": 4, "custom": 5}
 # Policies whose find_or_insert takes caller scores (custom: the score; lfu kinds: increments).
 _SCORED_TOUCH = {"custom", "lfu", "epoch_lfu"}
 INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-
-
-def table_geometry(capacity: int) -> Tuple[int, int]:
-    """(num_buckets, num_stripes) of a table of ``capacity`` rows (mirrors make_geometry in C++)."""
-    num_buckets = -(-capacity // SLOTS_PER_BUCKET)
-    return num_buckets, min(max(num_buckets // _BUCKETS_PER_STRIPE, 1), _MAX_STRIPES)
-
-
-# Which rows a key may hold (csrc/hash_table_layout.h's make_geometry and place_key), saved with
-# every state: rows saved by another layout are re-placed on load. Bump it when either changes.
-LAYOUT_VERSION = 2
-LAYOUTS = {1: "per-stripe buckets: both of a key's buckets in its stripe",
-           2: "ring of stripes: a key's second bucket in the next stripe"}
 
 
 # Exclusive upper bounds of a table's counters: the clock is stored in int64 scores and the

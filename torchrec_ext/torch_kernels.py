@@ -1,17 +1,21 @@
 """Device-agnostic torch implementations of the ops that need no dedicated GPU kernel.
 
-They serve as the CUDA kernels of ``dedup_segments`` and ``init_rows`` (registered in
-``torchrec_ext.ops``): on a GPU, sorting a step's ids and drawing its new rows' vectors are a
-few fused elementwise passes, so plain torch ops do it well. On CPU the C++ kernels are used.
+They serve as the CUDA kernels of ``dedup_segments``, ``init_rows`` and ``route_bucketize``
+(``KERNELS`` below, registered by ``torchrec_ext.ops``): on a GPU, sorting a step's ids,
+drawing its new rows' vectors and regrouping ids by destination are a few fused elementwise
+passes, so plain torch ops do it well. On CPU the C++ kernels are used. Kernel layer: imports
+only the vocabulary, the hashing helpers and the C++ library's ops (never ``ops.py``).
 """
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+import math
+from typing import Callable, Dict, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from torchrec_ext.reference import INITIALIZER_NAMES, init_vectors
+from torchrec_ext.hashing import MASK64, fmix64_tensor, srl, u64
+from torchrec_ext.vocabulary import INIT_GOLDEN, INITIALIZER_NAMES, TRUNC_NORMAL_ATTEMPTS
 
 
 def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -42,9 +46,55 @@ def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> Tuple[Tensor, Tensor
     return unique, inverse, counts, unique_offsets
 
 
+def _pair_bits(ids: Tensor, num_pairs: int, seed: int, attempt: int = 0) -> Tensor:
+    """[n, num_pairs] int64 random bits; pair p of id k feeds its elements 2p and 2p+1:
+    fmix64(fmix64(k ^ seed) + (attempt * 2^32 + p + 1) * INIT_GOLDEN)."""
+    row_key = fmix64_tensor(ids.to(torch.int64) ^ u64(seed & MASK64)).unsqueeze(1)
+    counters = torch.arange(num_pairs, dtype=torch.int64, device=ids.device) + (attempt << 32) + 1
+    return fmix64_tensor(row_key + counters * u64(INIT_GOLDEN))
+
+
+def _box_muller(bits: Tensor) -> Tensor:
+    """[n, 2 * pairs] normals: r cos(theta), r sin(theta) from each pair's high and low 32 bits."""
+    u1 = (srl(bits, 32).double() + 0.5) * 2.0**-32
+    u2 = (bits & 0xFFFFFFFF).double() * 2.0**-32
+    r = torch.sqrt(-2.0 * torch.log(u1))
+    return torch.stack([r * torch.cos(2.0 * math.pi * u2), r * torch.sin(2.0 * math.pi * u2)], dim=2).flatten(1)
+
+
+def init_vectors(ids: Tensor, dim: int, seed: int, kind: str, params: Sequence[float]) -> Tensor:
+    """Initial [n, dim] float32 vectors of ``ids``, on ids' device: a pure function of (seed, id,
+    element), vectorised (the C++ kernel draws the same bits one row at a time).
+
+    kind/params: uniform (low, high), normal (mean, std), truncated_normal (mean, std, low, high:
+    an element out of range is redrawn from its pair's next attempts, up to 16 draws, then
+    clamped), constant (value,). One 64-bit hash feeds two elements; float64, then cast.
+    """
+    if kind == "constant":
+        return torch.full((ids.numel(), dim), params[0], dtype=torch.float32, device=ids.device)
+    num_pairs = (dim + 1) // 2
+    bits = _pair_bits(ids, num_pairs, seed)
+    if kind == "uniform":
+        low, high = params[0], params[1]
+        u = torch.stack([srl(bits, 40), (bits & 0xFFFFFFFF) >> 8], dim=2).flatten(1).double() * 2.0**-24
+        return (low + (high - low) * u)[:, :dim].float()
+    mean, std = params[0], params[1]
+    values = mean + std * _box_muller(bits)
+    if kind == "truncated_normal":
+        low, high = params[2], params[3]
+        for attempt in range(1, TRUNC_NORMAL_ATTEMPTS):
+            outside = (values < low) | (values > high)
+            if not bool(outside.any()):
+                break
+            redraw = mean + std * _box_muller(_pair_bits(ids, num_pairs, seed, attempt))
+            values = torch.where(outside, redraw, values)
+        values = values.clamp(low, high)
+    return values[:, :dim].float()
+
+
 def init_rows(table: Tensor, rows: Tensor, ids: Tensor, seed: int, kind: int, params: Sequence[float],
               states: Sequence[Tensor], state_values: Sequence[float]) -> None:
-    """Same contract as the C++ op, through the vectorised reference RNG."""
+    """Same contract as the C++ op, through the vectorised RNG above."""
     keep = rows >= 0
     rows, ids = rows[keep], ids[keep]
     table[rows] = init_vectors(ids, table.shape[1], seed, INITIALIZER_NAMES[kind], params).to(table.device)
@@ -54,13 +104,20 @@ def init_rows(table: Tensor, rows: Tensor, ids: Tensor, seed: int, kind: int, pa
 
 def route_bucketize(ids: Tensor, lengths: Tensor, slot_owner: Sequence[int], world_size: int,
                     batch_size: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """Same contract as the C++ op (a stable sort by destination, then bag)."""
-    from torchrec_ext import ops
-
+    """Same contract as the C++ op (a stable sort by destination, then bag); the row-wise owner
+    is the ``route`` op's (its CUDA kernel in csrc/hash_table_cuda.cu)."""
     bags = len(slot_owner) * batch_size
     bag = torch.repeat_interleave(torch.arange(bags, device=ids.device), lengths, output_size=ids.numel())
     owner = torch.tensor(list(slot_owner), dtype=torch.int64, device=ids.device)[bag // max(batch_size, 1)]
-    dest = torch.where(owner < 0, ops.route(ids, world_size), owner)
+    dest = torch.where(owner < 0, torch.ops.torchrec_ext.route.default(ids, world_size), owner)
     bucket = dest * bags + bag
     order = torch.argsort(bucket, stable=True)
     return ids[order], torch.bincount(bucket, minlength=world_size * bags), order
+
+
+# op name -> device type -> kernel, registered by torchrec_ext.ops (torch.library.register_kernel).
+KERNELS: Dict[str, Dict[str, Callable]] = {
+    "dedup_segments": {"cuda": dedup_segments},
+    "init_rows": {"cuda": init_rows},
+    "route_bucketize": {"cuda": route_bucketize},
+}

@@ -62,8 +62,7 @@ from torchrec_ext.modules.admission import admission_bytes
 from torchrec_ext.modules.configs import DynamicTableOptions, options_of, storage_dtype_of
 from torchrec_ext.modules.embedding_bag_collection import DynamicEmbeddingBagCollection
 from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
-from torchrec_ext.reference import OPTIMIZER_STATES, ROWWISE_STATE
-from torchrec_ext.table import SLOTS_PER_BUCKET, table_geometry
+from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE, SLOTS_PER_BUCKET, table_geometry
 
 __all__ = [
     "DynamicEmbeddingPerfEstimator", "DynamicEmbeddingStorageEstimator", "dynamic_table_bytes", "is_dynamic_option",

@@ -40,7 +40,7 @@ from torchrec_ext.modules.admission import local_bloom_geometry
 from torchrec_ext.modules.base import DynamicTableDict
 from torchrec_ext.modules.configs import options_of, storage_dtype_of
 from torchrec_ext.modules.dynamic_tables import COUNTERS
-from torchrec_ext.reference import OPTIMIZER_STATES, ROWWISE_STATE
+from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE
 
 PENDING_KEYS = ("admission_id", "admission_count")
 

@@ -28,11 +28,11 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType
 from torchrec_ext.inference.modules import InferenceEmbeddingBagCollection, InferenceEmbeddingCollection
 from torchrec_ext.inference.storage import INT8, SERVING_DTYPES, InferenceTables, ServingTable
 from torchrec_ext.modules.configs import STORAGE_DATA_TYPES, options_of
-from torchrec_ext.modules.dynamic_tables import _check_distinct, _checked
+from torchrec_ext.modules.state_checks import _check_distinct, _checked
 from torchrec_ext.modules.embedding_bag_collection import DynamicEmbeddingBagCollection
 from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
 from torchrec_ext.modules.features import LookupPlan
-from torchrec_ext.reference import fallback_seed, table_seed
+from torchrec_ext.hashing import fallback_seed, table_seed
 from torchrec_ext.table import HashTable, place_keys
 
 DYNAMIC_MODULES = (DynamicEmbeddingBagCollection, DynamicEmbeddingCollection)

@@ -29,7 +29,7 @@ from torch import Tensor
 from torchrec_ext.inference.storage import InferenceTables
 from torchrec_ext.modules.delta_placement import NoRowError, place_delta
 from torchrec_ext.modules.deltas import Delta, DeltaError, DeltaToken, TableDelta, check_delta, unheld_tombstones
-from torchrec_ext.modules.dynamic_tables import _check_distinct
+from torchrec_ext.modules.state_checks import _check_distinct
 from torchrec_ext.table import HashTable
 
 

@@ -33,7 +33,8 @@ from torch import Tensor
 
 from torchrec_ext import ops
 from torchrec_ext.modules.features import LookupInput, LookupPlan
-from torchrec_ext.reference import STORAGE_DTYPES, dtype_code, fallback_slots, table_words
+from torchrec_ext.hashing import fallback_slots
+from torchrec_ext.vocabulary import STORAGE_DTYPES, dtype_code, table_words
 from torchrec_ext.table import HashTable, _ReadWriteLock
 
 INT8 = torch.int8

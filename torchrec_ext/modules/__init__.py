@@ -8,7 +8,8 @@ from torchrec_ext.modules.dynamic_tables import GrowthError
 from torchrec_ext.modules.embedding_bag_collection import DynamicEmbeddingBagCollection
 from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
 from torchrec_ext.modules.ftrl import Ftrl
-from torchrec_ext.modules.fused_optimizer import DEFAULT_OPTIMIZER, fuse_embedding_optimizer
+from torchrec_ext.modules.fuse import fuse_embedding_optimizer
+from torchrec_ext.modules.fused_optimizer import DEFAULT_OPTIMIZER
 from torchrec_ext.modules.migration import from_ebc_state_dict
 from torchrec_ext.modules.quantization import install_quantization_refusal
 

@@ -51,17 +51,16 @@ import torch
 from torch import Tensor
 
 from torchrec_ext import ops
-from torchrec_ext.reference import _srl, _u64, fmix64_tensor
+from torchrec_ext.hashing import fmix64_tensor, srl, u64
+from torchrec_ext.modules.state_checks import _check_distinct, _checked
 from torchrec_ext.table import SLOTS_PER_BUCKET, HashTable, table_geometry
+# Hash salts: an admission hash must not correlate with the bucket, routing or initializer hashes.
+from torchrec_ext.vocabulary import (  # noqa: F401  (BLOOM_COUNTER_BITS: part of this module's vocabulary)
+    BLOOM_COUNTER_BITS, BLOOM_COUNTER_MAX, BLOOM_MAX_HASHES, BLOOM_SALT, PROBABILITY_SALT,
+)
 
 ADMISSIONS = ("counter", "bloom", "probabilistic")
-BLOOM_COUNTER_BITS = 4
-BLOOM_COUNTER_MAX = (1 << BLOOM_COUNTER_BITS) - 1
 BLOOM_DEFAULT_FPR = 0.01
-BLOOM_MAX_HASHES = 16
-# Hash salts: an admission hash must not correlate with the bucket, routing or initializer hashes.
-BLOOM_SALT = 0x2545F4914F6CDD1D
-PROBABILITY_SALT = 0x94D049BB133111EB
 PROBABILITY_BITS = 53
 COUNTER_SLOT_BYTES = 17  # a side-table slot: digest, key, score (HashTable.metadata_bytes)
 COUNTER_COUNT_BYTES = 8  # its int64 sighting count
@@ -234,7 +233,6 @@ class CounterAdmission(Admission):
         return {"admission_id": pending["keys"], "admission_count": self.seen[pending["rows"]].clone()}
 
     def checked_state(self, state: Dict[str, Tensor], where: str) -> "CounterAdmission":
-        from torchrec_ext.modules.dynamic_tables import _check_distinct, _checked  # the tables' checkpoint checks
         fresh = CounterAdmission(self.admit_after, self.capacity, self.seen.device)
         if "admission_id" not in state:
             return fresh
@@ -270,7 +268,7 @@ def bloom_cells(keys: Tensor, seed: int, geometry: BloomGeometry) -> Tensor:
     power-of-two counter count. The kernels of ``ops.bloom_admit`` hash the same way
     (``csrc/bloom_layout.h``)."""
     h = fmix64_tensor(keys ^ bloom_hash_seed(seed))
-    h1, h2 = h & 0xFFFFFFFF, _srl(h, 32) | 1
+    h1, h2 = h & 0xFFFFFFFF, srl(h, 32) | 1
     steps = torch.arange(geometry.hashes, dtype=torch.int64, device=keys.device)
     return (h1.unsqueeze(1) + steps * h2.unsqueeze(1)) & (geometry.counters - 1)
 
@@ -357,8 +355,8 @@ class BloomAdmission(Admission):
 
 def probabilistic_draw(keys: Tensor, seed: int) -> Tensor:
     """Each key's 53-bit uniform integer, a pure function of (seed, key)."""
-    h = fmix64_tensor(fmix64_tensor(keys ^ _u64((seed ^ PROBABILITY_SALT) & ((1 << 64) - 1))))
-    return _srl(h, 64 - PROBABILITY_BITS)
+    h = fmix64_tensor(fmix64_tensor(keys ^ u64((seed ^ PROBABILITY_SALT) & ((1 << 64) - 1))))
+    return srl(h, 64 - PROBABILITY_BITS)
 
 
 class ProbabilisticAdmission(Admission):

@@ -17,8 +17,7 @@ import torch
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType, EmbeddingBagConfig, EmbeddingConfig
 
 from torchrec_ext.modules.admission import check_admission_options
-from torchrec_ext.reference import INITIALIZER_NAMES, INITIALIZERS
-from torchrec_ext.table import POLICIES
+from torchrec_ext.vocabulary import INITIALIZER_NAMES, INITIALIZERS, POLICIES
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ import torch
 from torch import Tensor
 
 from torchrec_ext.modules.delta_placement import DeltaRows, NoRowError, place_delta
-from torchrec_ext.modules.dynamic_tables import DynamicTables, _check_distinct, _checked
+from torchrec_ext.modules.dynamic_tables import DynamicTables
+from torchrec_ext.modules.state_checks import _check_distinct, _checked
 
 FORMAT_VERSION = 1
 DEFAULT_MIN_TOMBSTONES = 1 << 20

@@ -51,23 +51,22 @@ from torchrec_ext import ops
 from torchrec_ext.modules.admission import Admission, bloom_geometry, make_admission
 from torchrec_ext.modules.configs import initial_capacity_of, initializer_of, options_of, storage_dtype_of
 from torchrec_ext.modules.fused_optimizer import OptimizerSpec
+from torchrec_ext.modules.state_checks import _check_distinct, _checked
 from torchrec_ext.modules.table_stats import MAX_AGE_BINS, TableCounters, TableStats
-from torchrec_ext.reference import (
-    OPTIMIZER_STATES, OPTIMIZERS, ROWWISE_STATE, dense_state_offsets, dtype_code, fallback_seed, fallback_slots,
-    rounding_seed, table_seed, table_words,
-)
+from torchrec_ext.hashing import fallback_seed, fallback_slots, rounding_seed, table_seed
 from torchrec_ext.table import (
-    CLOCK_LIMIT, EPOCH_LIMIT, INT_DTYPES, LAYOUT_LIMIT, LAYOUT_VERSION, LAYOUTS, SLOTS_PER_BUCKET, HashTable,
+    CLOCK_LIMIT, EPOCH_LIMIT, LAYOUT_LIMIT, LAYOUT_VERSION, LAYOUTS, SLOTS_PER_BUCKET, HashTable,
     check_counter, place_keys, table_geometry,
+)
+from torchrec_ext.vocabulary import (
+    OPTIMIZER_STATES, OPTIMIZERS, ROWWISE_STATE, SQUARED_STATES, dense_state_offsets, dtype_code, pending_row,
+    table_words,
 )
 
 _SCORED_BY_COUNT = {"lfu", "epoch_lfu"}
 # SGD hyper-parameters (lr, eps, beta1, beta2, weight_decay, lr_decay) whose step on a zeroed row
 # leaves the row's summed gradient in it.
 _MINUS_ONE_SGD = (-1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-# Optimizer states that sum or average squared gradients: never negative (a square root is taken).
-_SQUARED_STATES = {("adagrad", "momentum1"), ("rowwise_adagrad", "momentum1"), ("adam", "momentum2"),
-                   ("adamw", "momentum2"), ("ftrl", "accumulator")}
 
 
 class GrowthError(RuntimeError):
@@ -177,40 +176,6 @@ class _LoadedTable:
 # is the LAYOUT_VERSION its rows follow; states saved before it had the first four only (layout 1).
 COUNTERS = (("clock", CLOCK_LIMIT), ("epoch", EPOCH_LIMIT), ("training step", CLOCK_LIMIT),
             ("optimizer step", CLOCK_LIMIT), ("layout", LAYOUT_LIMIT))
-
-
-def _checked(where: str, key: str, value: object, kind: str, shape: Optional[Tuple[int, ...]],
-             ids: Optional[Tensor] = None, non_negative: bool = False) -> Tensor:
-    """A checkpoint entry as a tensor of the right kind ("int" / "float") and shape (None: any
-    1-D); float entries must be finite (and >= 0 when non_negative). ``ids`` name bad rows."""
-    if not isinstance(value, Tensor):
-        raise TypeError(f"{where} {key} must be a tensor, got {type(value).__name__}")
-    if kind == "int" and value.dtype not in INT_DTYPES:
-        raise TypeError(f"{where} {key} must be an integer tensor, got {value.dtype}")
-    if kind == "float" and not value.dtype.is_floating_point:
-        raise TypeError(f"{where} {key} must be a floating-point tensor, got {value.dtype}")
-    if (value.dim() != 1) if shape is None else (tuple(value.shape) != tuple(shape)):
-        want = "1-D" if shape is None else list(shape)
-        raise ValueError(f"{where} {key} must be {want}" + (" (one row per weight_id)" if ids is not None else "")
-                         + f", got {list(value.shape)}")
-    # A sum is finite when every value is (one fast pass, ~25x faster than an isfinite mask);
-    # the mask is built only when it is not (a NaN or inf, or finite values that overflowed).
-    if kind == "float" and value.numel() and (not bool(torch.isfinite(value.sum()))
-                                              or (non_negative and float(value.min()) < 0)):
-        bad = ~torch.isfinite(value) | ((value < 0) if non_negative else torch.zeros_like(value, dtype=torch.bool))
-        if bool(bad.any()):
-            at = bad.nonzero()[0].tolist()
-            what = "finite and >= 0" if non_negative else "finite"
-            row = f" (weight_id {int(ids[at[0]])})" if ids is not None else ""
-            raise ValueError(f"{where} {key} must be {what}, got {value[tuple(at)].item()} at {at}{row}")
-    return value
-
-
-def _check_distinct(where: str, key: str, ids: Tensor) -> None:
-    ordered = ids.sort().values
-    same = (ordered[1:] == ordered[:-1]).nonzero()
-    if same.numel():
-        raise ValueError(f"{where} {key} must hold distinct ids, got {int(ordered[int(same[0])])} more than once")
 
 
 def _allocate(numel: int, value: float, device: torch.device) -> Tensor:
@@ -535,7 +500,7 @@ class DynamicTables:
             result = RowLookup(unique_rows[inverse], unique_rows, unique_table, inverse, unique_ids=unique_ids)
         else:
             self._new_rows = new
-            read_from = torch.where(new.unique_new >= 0, -2 - new.unique_new, unique_rows)
+            read_from = torch.where(new.unique_new >= 0, pending_row(new.unique_new), unique_rows)
             result = RowLookup(read_from[inverse], unique_rows, unique_table, inverse, new, unique_ids)
         if backward_follows and not exporting:
             # Pending until its fused update lands, or its autograd graph (which holds it) is dropped.
@@ -1043,7 +1008,7 @@ class DynamicTables:
             value = state.get(f"optimizer.{key}")
             if value is not None:
                 value = _checked(name, f"optimizer.{key}", value, "float", (n,) + tuple(view.shape[1:]), ids,
-                                 non_negative=(self.optimizer.kind, key) in _SQUARED_STATES)
+                                 non_negative=(self.optimizer.kind, key) in SQUARED_STATES)
             states[key] = value
         last_seen = None
         if m.ttl_steps is not None and "last_seen" in state:
@@ -1119,7 +1084,7 @@ class DynamicTables:
             value = state.get(f"fallback_optimizer.{key}")
             if value is not None:
                 value = _checked(name, f"fallback_optimizer.{key}", value, "float", tuple(view.shape),
-                                 non_negative=(self.optimizer.kind, key) in _SQUARED_STATES).to(device, torch.float32)
+                                 non_negative=(self.optimizer.kind, key) in SQUARED_STATES).to(device, torch.float32)
             states[key] = value
         return fallback, states
 

@@ -23,24 +23,23 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Type
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torchrec.optim.fused import FusedOptimizer
 
 from torchrec_ext.modules.configs import check_finite
-from torchrec_ext.reference import HYPERPARAMS, OPTIMIZERS
+from torchrec_ext.modules.ftrl import Ftrl, check_ftrl_hyperparams
+from torchrec_ext.vocabulary import COMMON_HYPERPARAMS, FTRL_HYPERPARAMS, OPTIMIZERS
 
 # The hyper-parameters every kind's param group holds (and the kernels read), then FTRL's own.
-_HYPERPARAMS = HYPERPARAMS[:6]
-_FTRL_HYPERPARAMS = HYPERPARAMS[6:]
+_HYPERPARAMS = COMMON_HYPERPARAMS
+_FTRL_HYPERPARAMS = FTRL_HYPERPARAMS
 
 
 def _torch_classes() -> Dict[str, type]:
     from torchrec.optim import RowWiseAdagrad
-
-    from torchrec_ext.modules.ftrl import Ftrl
 
     return {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "rowwise_adagrad": RowWiseAdagrad,
             "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "ftrl": Ftrl}
@@ -152,37 +151,6 @@ def resolve_optimizer(optimizer: Any, kwargs: Optional[Mapping[str, Any]], where
     return OptimizerSpec(**spec)
 
 
-def check_ftrl_hyperparams(values: Mapping[str, Any], where: str, label: Callable[[str], str] = None) -> Dict[str, float]:
-    """FTRL's settings as floats, refusing values its update cannot take: lr <= 0 (it divides by
-    lr), lr_power > 0 (n^-lr_power would be infinite at n = 0), l1, l2, beta or
-    initial_accumulator_value < 0, and initial_accumulator_value = 0 where the first step's
-    denominator (beta + n^-lr_power) / lr + 2 * l2 can be 0 (lr_power < 0, beta = l2 = 0), as
-    TensorFlow's FtrlOptimizer refuses non-positive accumulators. ``values`` holds the names it
-    checks (a param group may hold more)."""
-    label = label or (lambda name: f"{where} {name}")
-    out: Dict[str, float] = {}
-    for name in ("lr",) + _FTRL_HYPERPARAMS + ("initial_accumulator_value",):
-        if name not in values:
-            continue
-        value = values[name]
-        if name == "lr_power":
-            out[name] = check_finite(value, label(name))
-            if out[name] > 0:
-                raise ValueError(f"{label(name)} must be <= 0 (the accumulator is raised to -lr_power), got {value!r}")
-        elif name == "lr":
-            out[name] = check_finite(value, label(name))
-            if not out[name] > 0:
-                raise ValueError(f"{label(name)} must be finite and > 0 (FTRL divides by it), got {value!r}")
-        else:
-            out[name] = _hyperparam(value, label(name))
-    if (out.get("initial_accumulator_value") == 0 and out.get("lr_power", -0.5) < 0
-            and out.get("beta", 0.0) == 0 and out.get("l2", 0.0) == 0):
-        raise ValueError(f"{label('initial_accumulator_value')} must be > 0 when lr_power < 0 and beta = l2 = 0 "
-                         "(the first step divides by (beta + n^-lr_power) / lr + 2 * l2, 0 at n = 0), got "
-                         f"{values['initial_accumulator_value']!r}")
-    return out
-
-
 def _hyperparam(value: Any, what: str) -> float:
     """``value`` as a float, refusing what torch's own optimizers refuse (negative values) and
     NaN / inf, which would turn every touched row NaN at its first update."""
@@ -281,32 +249,7 @@ def spec_from_fused_params(fused_params: Optional[Mapping[str, Any]], where: str
     return resolve_optimizer(kind, kwargs, f"{where}: fused_params")
 
 
-def fuse_embedding_optimizer(model: nn.Module, optimizer_type: Type[torch.optim.Optimizer],
-                             optimizer_kwargs: Dict[str, Any], device: Optional[torch.device] = None,
-                             location: Any = None) -> nn.Module:
-    """``torchrec.modules.fused_embedding_modules.fuse_embedding_optimizer`` for models that
-    hold dynamic collections (TorchRec's skips them: it replaces only its own EBC / EC).
-
-    Each dynamic collection in ``model`` (``model`` itself included) keeps its rows and gets the
-    fused optimizer ``optimizer_type(**optimizer_kwargs)``, replacing any chosen before (as
-    TorchRec's fresh fused modules do), and moves to ``device`` when given. ``location`` (an
-    fbgemm EmbeddingLocation) is accepted and ignored: dynamic tables live on their device. The
-    rest of the model goes to TorchRec's function. Returns the model, as TorchRec's does.
-    """
-    from torchrec.modules.fused_embedding_modules import fuse_embedding_optimizer as torchrec_fuse
-
-    from torchrec_ext.modules.base import DynamicCollectionMixin
-
-    dynamic = [m for m in model.modules() if isinstance(m, DynamicCollectionMixin)]
-    # Checked once, before any module changes.
-    spec = resolve_optimizer(optimizer_type, optimizer_kwargs, "fuse_embedding_optimizer")
-    for module in dynamic:
-        module._set_fused_optimizer(optimizer_type, optimizer_kwargs, spec)
-        if device is not None and module.device != torch.device(device):
-            module.to(device)
-    if isinstance(model, DynamicCollectionMixin):
-        return model
-    return torchrec_fuse(model, optimizer_type, optimizer_kwargs, device, location)
+#END
 
 
 def _class_defaults(cls: type) -> Dict[str, Any]:

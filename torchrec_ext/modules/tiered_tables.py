@@ -41,7 +41,7 @@ from torchrec_ext.modules.configs import DEFAULT_CACHE_LOAD_FACTOR, options_of, 
 from torchrec_ext.modules.dynamic_tables import DynamicTables, RowLookup, _allocate
 from torchrec_ext.modules.table_stats import TableStats
 from torchrec_ext.modules.tier_store import BackingStore
-from torchrec_ext.reference import OPTIMIZER_STATES, ROWWISE_STATE, dense_state_offsets, table_words
+from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE, dense_state_offsets, table_words
 
 _NEVER = torch.iinfo(torch.int64).max  # the eviction key of a slot that must stay
 

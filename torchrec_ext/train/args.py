@@ -9,7 +9,7 @@ import math
 
 from torchrec.modules.embedding_configs import DataType
 
-from torchrec_ext import DynamicEmbeddingBagConfig
+from torchrec_ext.modules import DynamicEmbeddingBagConfig
 from torchrec_ext.modules.configs import check_tables
 from torchrec_ext.train.data import parse_data_spec
 

@@ -28,17 +28,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from torchrec_ext.vocabulary import OPTIMIZERS, ROUNDING_GOLDEN
+
 from .embedding_lookup import check_no_new_vectors, dtype_codes, load_rows, typed_views
 
-# Ids of the optimizers, as torchrec_ext.reference.OPTIMIZERS (a test checks they agree).
-OPTIMIZERS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2, "adam": 3, "adamw": 4, "ftrl": 5}
-_SGD, _ADAGRAD, _ROWWISE_ADAGRAD, _ADAM, _ADAMW, _FTRL = 0, 1, 2, 3, 4, 5
+# The optimizer ids as constants the kernels branch on (vocabulary.OPTIMIZERS).
+_SGD, _ADAGRAD, _ROWWISE_ADAGRAD, _ADAM, _ADAMW, _FTRL = (OPTIMIZERS[k] for k in (
+    "sgd", "adagrad", "rowwise_adagrad", "adam", "adamw", "ftrl"))
 _NUM_STATES = {_SGD: 0, _ADAGRAD: 1, _ROWWISE_ADAGRAD: 1, _ADAM: 2, _ADAMW: 2, _FTRL: 2}
 # How FTRL raises the accumulator to -lr_power: a square root (the default -0.5, as TensorFlow
 # computes it), 1 (lr_power = 0), else exp2(-lr_power * log2(n)).
 _FTRL_SQRT, _FTRL_ONE, _FTRL_POW = 0, 1, 2
 _MASK64 = (1 << 64) - 1
-_SR_GOLDEN = 0xD6E8FEB86659FD93  # reference.SR_GOLDEN
+_SR_GOLDEN = ROUNDING_GOLDEN
 
 
 @triton.jit
@@ -232,6 +234,7 @@ def _fused_update_bwd_kernel(
             seed = tl.load(rounding_seeds_ptr + safe_table).to(tl.uint64, bitcast=True)
             rid = tl.load(unique_ids_ptr + u).to(tl.uint64, bitcast=True)
             key = _fmix64(_fmix64(rid ^ seed) + step_term.to(tl.uint64, bitcast=True))
+            # vocabulary.ROUNDING_GOLDEN, as a literal (a jit kernel reads no Python globals)
             bits = _fmix64(key + (d // 4 + 1).to(tl.uint64) * 0xD6E8FEB86659FD93)
             r = ((bits >> ((d % 4) * 16).to(tl.uint64)) & 0xFFFF).to(tl.int64)
             on = (seed != 0) & (dtype_code != 0)

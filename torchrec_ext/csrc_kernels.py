@@ -1,0 +1,29 @@
+"""The C++ extension's kernels: which op each backend of ``torchrec_ext._C`` provides, and the
+file that registers it (``TORCH_LIBRARY_IMPL(torchrec_ext, <backend>, m)`` in ``csrc/``).
+
+The C++ kernels register themselves when the library loads; this table is their entry in the
+one registration table ``torchrec_ext.ops`` reads (beside ``torch_kernels.KERNELS`` and
+``triton_kernels.KERNELS``): ``ops`` refuses a Python kernel for a (op, device) the C++
+library already serves, and ``tests/test_kernel_tables.py`` checks this table against the
+``m.impl`` lines of ``csrc/`` and against the dispatcher. CUDA entries exist only in a CUDA build.
+"""
+
+from __future__ import annotations
+
+# op name -> device type -> the csrc file that registers its kernel.
+KERNELS: dict[str, dict[str, str]] = {
+    "hash_find": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
+    "hash_upsert": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
+    "hash_erase": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
+    "hash_export": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
+    "hash_restore": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
+    "route": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
+    "hash_place": {"cpu": "csrc/placement_cpu.cpp"},
+    "route_bucketize": {"cpu": "csrc/routing_cpu.cpp"},
+    "bloom_admit": {"cpu": "csrc/bloom_cpu.cpp", "cuda": "csrc/bloom_cuda.cpp"},
+    "dedup_segments": {"cpu": "csrc/embedding_cpu.cpp"},
+    "init_rows": {"cpu": "csrc/embedding_cpu.cpp"},
+    "pooled_lookup": {"cpu": "csrc/embedding_cpu.cpp"},
+    "sequence_lookup": {"cpu": "csrc/embedding_cpu.cpp"},
+    "fused_update": {"cpu": "csrc/embedding_cpu.cpp"},
+}

@@ -259,7 +259,6 @@ class DynamicTables:
         self.delta_log = None
         # Lookups whose fused update has not run yet (their autograd graph alive): rows must not
         # move while any is pending, so tables grow only when none is (see ``grow``).
-        self.pending_backward = 0
         self._pending: Dict[int, weakref.finalize] = {}
         # The table parameters viewing this storage, re-pointed when a growth replaces it.
         self._parameter_owners: "weakref.WeakSet" = weakref.WeakSet()
@@ -295,7 +294,7 @@ class DynamicTables:
         state = dict(self.__dict__)
         state["_init_views"] = None
         state["_new_vector_buffer"] = torch.empty(0, dtype=torch.float32)
-        state["_pending"], state["pending_backward"] = {}, 0  # a copy has no lookup in flight
+        state["_pending"] = {}  # a copy has no lookup in flight
         state["_parameter_owners"] = None  # the copy's table modules register themselves
         return state
 
@@ -504,14 +503,17 @@ class DynamicTables:
             result = RowLookup(read_from[inverse], unique_rows, unique_table, inverse, new, unique_ids)
         if backward_follows and not exporting:
             # Pending until its fused update lands, or its autograd graph (which holds it) is dropped.
-            self.pending_backward += 1
             self._pending[id(result.unique_rows)] = weakref.finalize(result.unique_rows, self._backward_done,
                                                                      id(result.unique_rows))
         return result
 
+    @property
+    def pending_backward(self) -> int:
+        """How many lookups await their fused update."""
+        return len(self._pending)
+
     def _backward_done(self, key: int) -> None:
-        if self._pending.pop(key, None) is not None:
-            self.pending_backward -= 1
+        self._pending.pop(key, None)
 
     # ------------------------------------------------------------------ growth
 

@@ -123,6 +123,17 @@ def plain_loop(dmp, optimizer, batches) -> List[torch.Tensor]:
     return losses
 
 
+def progress_losses(pipeline, batches) -> List[torch.Tensor]:
+    """The losses of ``pipeline.progress`` run over ``batches`` until they are exhausted."""
+    losses, it = [], iter(batches)
+    while True:
+        try:
+            loss, _, _ = pipeline.progress(it)
+        except StopIteration:
+            return losses
+        losses.append(loss.detach().clone())
+
+
 def local_state(dmp) -> dict:
     """Every parameter this rank holds (local shards of sharded tables), by name."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor

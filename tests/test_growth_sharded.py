@@ -5,7 +5,7 @@ trained by a plain loop on the same batches: the same losses, and per id the sam
 optimizer state; the grown model's checkpoint loads into an unsharded growing module."""
 import torch
 
-from dist_helpers import DIM, NUM_TABLES, make_batches, make_dmp_dlrm, plain_loop, run_ranks
+from dist_helpers import DIM, NUM_TABLES, make_batches, make_dmp_dlrm, plain_loop, progress_losses, run_ranks
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 from torchrec_ext.modules.dynamic_tables import DynamicTables
 from torchrec_ext.pipeline import PipelineOptions, TrainPipeline
@@ -31,17 +31,9 @@ def _tables_by_id(state):
 
 
 def _pipelined(dmp, optimizer, batches):
-    losses = []
     options = PipelineOptions(prefetch_threads=2, threaded_input_dist=True)
     with TrainPipeline(dmp, optimizer, torch.device("cpu"), options) as pipeline:
-        it = iter(batches)
-        while True:
-            try:
-                loss, _, _ = pipeline.progress(it)
-            except StopIteration:
-                break
-            losses.append(loss.detach().clone())
-    return losses
+        return progress_losses(pipeline, batches)
 
 
 def _grow_under_the_pipeline(rank, world_size):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_helpers import local_state, make_batches, make_dmp_dlrm, plain_loop, run_ranks
+from dist_helpers import local_state, make_batches, make_dmp_dlrm, plain_loop, progress_losses, run_ranks
 from torchrec_ext.pipeline import BatchPrefetcher, PipelineOptions, TrainPipeline
 
 VARIANTS = {
@@ -22,15 +22,8 @@ VARIANTS = {
 
 
 def _pipelined(dmp, optimizer, batches, options):
-    losses = []
     with TrainPipeline(dmp, optimizer, torch.device("cpu"), options) as pipeline:
-        it = iter(batches)
-        while True:
-            try:
-                loss, _, _ = pipeline.progress(it)
-            except StopIteration:
-                break
-            losses.append(loss.detach().clone())
+        losses = progress_losses(pipeline, batches)
         host = pipeline.drain_host_outputs()
         # The helper thread's collectives ran on their own process group, not the modules' own.
         assert bool(pipeline._dist_groups) == pipeline.options.threaded_input_dist

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torchrec import KeyedJaggedTensor, PoolingType
 
-from dist_helpers import ModelWith, run_ranks
+from dist_helpers import ModelWith, assert_same_tables, global_batch, run_ranks
 from torchrec_ext import (
     DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, DynamicEmbeddingCollection, DynamicEmbeddingConfig,
     Initializer,
@@ -50,16 +50,6 @@ def _rank_batch(step, rank, weighted=False):
                              weights=torch.rand(n, generator=gen) if weighted else None)
 
 
-def _global_batch(kjts):
-    """Every rank's samples, rank after rank (the order the column shards receive them in)."""
-    per_key = [k.to_dict() for k in kjts]
-    weighted = kjts[0].weights_or_none() is not None
-    return KeyedJaggedTensor(
-        keys=KEYS, values=torch.cat([jt[key].values() for key in KEYS for jt in per_key]),
-        lengths=torch.cat([jt[key].lengths() for key in KEYS for jt in per_key]), stride=BATCH * len(kjts),
-        weights=torch.cat([jt[key].weights() for key in KEYS for jt in per_key]) if weighted else None)
-
-
 def _dmp(module, name, plan_generators, sharder):
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan
@@ -72,32 +62,6 @@ def _dmp(module, name, plan_generators, sharder):
                                           world_size=WORLD, device_type="cpu")
     return DistributedModelParallel(model, device=torch.device("cpu"), plan=ShardingPlan({name: plan}),
                                     sharders=get_sharders())
-
-
-def _by_id(state, prefix):
-    """{table: {key: {id: value}}} of a (full) state dict's per-row keys."""
-    out = {}
-    for key, value in state.items():
-        if not key.startswith(prefix) or not isinstance(value, torch.Tensor):
-            continue
-        table, field = key[len(prefix):].split(".", 1)
-        if field in ("weight_id", "counters", "row") or field.startswith("admission"):
-            continue
-        ids = state[f"{prefix}{table}.weight_id"].tolist()
-        if value.dim() >= 1 and value.shape[0] == len(ids):
-            out.setdefault(table, {})[field] = dict(zip(ids, value))
-    return out
-
-
-def _assert_same_tables(got_state, want_state, prefix):
-    got, want = _by_id(got_state, prefix), _by_id(want_state, prefix)
-    assert got.keys() == want.keys()
-    for table in want:
-        assert got[table].keys() == want[table].keys(), table
-        for field in want[table]:
-            assert got[table][field].keys() == want[table][field].keys(), (table, field)
-            for k, v in want[table][field].items():
-                torch.testing.assert_close(got[table][field][k], v, rtol=1e-5, atol=1e-5, msg=f"{table}.{field}[{k}]")
 
 
 def _assert_shards_identical(local_module, prefix, tables):
@@ -127,7 +91,7 @@ def _ebc_case(rank, root, weighted, optimizer, generators):
         seen |= set(kjts[0]["f1"].values().tolist() + kjts[1]["f1"].values().tolist())
         grads = [torch.randn(BATCH, 40, generator=torch.Generator().manual_seed(step * 7 + r)) for r in range(WORLD)]
         out = dmp(kjts[rank])
-        want = reference(_global_batch(kjts))
+        want = reference(global_batch(kjts))
         torch.testing.assert_close(out.values(), want.values()[rank * BATCH:(rank + 1) * BATCH], rtol=1e-5, atol=1e-5)
         (out.values() * grads[rank]).sum().backward()
         # The ranks train on the mean of their losses (TorchRec's gradient division).
@@ -143,7 +107,7 @@ def _ebc_case(rank, root, weighted, optimizer, generators):
         assert stats.evictions == want_stats.evictions > 0 and stats.inserts == want_stats.inserts
     sharded = dmp.state_dict()
     whole = full_state_dict(sharded)
-    _assert_same_tables(whole, {"ebc." + k: v for k, v in reference.state_dict().items()}, "ebc.embedding_bags.")
+    assert_same_tables(whole, {"ebc." + k: v for k, v in reference.state_dict().items()}, "ebc.embedding_bags.")
 
     # Checkpoints: the sharded state into a fresh DMP of the same plan, the full state into an
     # unsharded module, and a DCP save loaded into a fresh DMP: the same eval outputs.
@@ -163,9 +127,9 @@ def _ebc_case(rank, root, weighted, optimizer, generators):
             torch.testing.assert_close(module(kjts[rank]).values(), expected, rtol=0, atol=0)
     unsharded.eval()
     for kjts, expected in zip(evals, want):
-        got = unsharded(_global_batch(kjts)).values()[rank * BATCH:(rank + 1) * BATCH]
+        got = unsharded(global_batch(kjts)).values()[rank * BATCH:(rank + 1) * BATCH]
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
-    _assert_same_tables(full_state_dict(restored.state_dict()), whole, "ebc.embedding_bags.")
+    assert_same_tables(full_state_dict(restored.state_dict()), whole, "ebc.embedding_bags.")
 
 
 def _ebc_column_wise(rank, world_size, root):
@@ -197,7 +161,7 @@ def _ec_column_wise(rank, world_size):
         kjts = [_rank_batch(step, r) for r in range(WORLD)]
         out = dmp(kjts[rank])
         out = out.wait() if hasattr(out, "wait") else out
-        want = reference(_global_batch(kjts))
+        want = reference(global_batch(kjts))
         assert list(out) == list(want)
         loss = ref_loss = 0
         for name, jt in out.items():
@@ -212,10 +176,10 @@ def _ec_column_wise(rank, world_size):
         ref_loss.backward()
     _assert_shards_identical(dmp.module.ec.local_module, "embeddings.", ["t1", "t2"])
     whole = full_state_dict(dmp.state_dict())
-    _assert_same_tables(whole, {"ec." + k: v for k, v in reference.state_dict().items()}, "ec.embeddings.")
+    assert_same_tables(whole, {"ec." + k: v for k, v in reference.state_dict().items()}, "ec.embeddings.")
     unsharded = make()
     unsharded.load_state_dict({k[len("ec."):]: v for k, v in whole.items()})
-    _assert_same_tables({"ec." + k: v for k, v in unsharded.state_dict().items()}, whole, "ec.embeddings.")
+    assert_same_tables({"ec." + k: v for k, v in unsharded.state_dict().items()}, whole, "ec.embeddings.")
     with pytest.raises(ValueError, match=r"rank [01] would hold columns of unequal width \{'t1': 4, 't2': [26]\}"):
         _dmp(make(), "ec", {"t1": generators["t1"], "t2": column_wise(size_per_rank=[2, 6], compute_kernel=KERNEL)},
              DynamicEmbeddingCollectionSharder())

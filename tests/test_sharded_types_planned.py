@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torchrec import KeyedJaggedTensor, PoolingType
 
-from dist_helpers import ModelWith, run_ranks
+from dist_helpers import ModelWith, assert_same_tables, global_batch, run_ranks
 from torchrec_ext import (
     DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, DynamicEmbeddingCollection, DynamicEmbeddingConfig,
 )
@@ -26,15 +26,6 @@ def _rank_batch(step, rank, weighted):
                              stride=BATCH, weights=torch.rand(n, generator=gen) if weighted else None)
 
 
-def _global_batch(kjts):
-    per_key = [k.to_dict() for k in kjts]
-    weighted = kjts[0].weights_or_none() is not None
-    return KeyedJaggedTensor(
-        keys=KEYS, values=torch.cat([jt[k].values() for k in KEYS for jt in per_key]),
-        lengths=torch.cat([jt[k].lengths() for k in KEYS for jt in per_key]), stride=BATCH * len(kjts),
-        weights=torch.cat([jt[k].weights() for k in KEYS for jt in per_key]) if weighted else None)
-
-
 def _make(kind, weighted):
     if kind == "ebc":
         return DynamicEmbeddingBagCollection(
@@ -45,16 +36,6 @@ def _make(kind, weighted):
     return DynamicEmbeddingCollection(
         [DynamicEmbeddingConfig(name="t1", embedding_dim=8, num_embeddings=64, feature_names=["f1", "f2"])],
         optimizer="adam", optimizer_kwargs={"lr": 0.1})
-
-
-def _rows(state, prefix):
-    out = {}
-    for key, value in state.items():
-        if key.startswith(prefix) and key.endswith((".weight", ".optimizer.momentum1")):
-            table = key[: key.rindex(".weight") if key.endswith(".weight") else key.rindex(".optimizer")]
-            ids = state[table + ".weight_id"]
-            out[key[len(prefix):]] = dict(zip(ids.tolist(), value))
-    return out
 
 
 def _planned(rank, world_size):
@@ -79,7 +60,7 @@ def _planned(rank, world_size):
             for step in range(2):
                 kjts = [_rank_batch(step, r, weighted) for r in range(world_size)]
                 out = dmp(kjts[rank])
-                want = reference(_global_batch(kjts))
+                want = reference(global_batch(kjts))
                 if kind == "ebc":
                     torch.testing.assert_close(out.values(), want.values()[rank * BATCH:(rank + 1) * BATCH])
                     out.values().sum().backward()
@@ -96,23 +77,13 @@ def _planned(rank, world_size):
                 ref_loss.backward()  # each id's gradient comes whole from the rank whose batch holds it
             prefix = "m.embedding_bags." if kind == "ebc" else "m.embeddings."
             whole = full_state_dict(dmp.state_dict())
-            _assert_same_rows(_rows(whole, prefix), _rows({"m." + k: v for k, v in reference.state_dict().items()},
-                                                          prefix), (sharding_type, kind))
+            assert_same_tables(whole, {"m." + k: v for k, v in reference.state_dict().items()}, prefix)
             # Checkpoints: the sharded state and the whole tables load into a fresh DMP of the plan.
             for state in (dmp.state_dict(), whole):
                 copy = DistributedModelParallel(ModelWith("m", _make(kind, weighted)), device=torch.device("cpu"),
                                                 plan=plan, sharders=get_sharders())
                 copy.load_state_dict(state)
-                _assert_same_rows(_rows(full_state_dict(copy.state_dict()), prefix), _rows(whole, prefix),
-                                  (sharding_type, kind, "loaded"))
-
-
-def _assert_same_rows(got, expected, where):
-    assert got.keys() == expected.keys(), where
-    for key in expected:
-        assert got[key].keys() == expected[key].keys(), (where, key)
-        for i in expected[key]:
-            torch.testing.assert_close(got[key][i], expected[key][i], msg=f"{where} {key}")
+                assert_same_tables(full_state_dict(copy.state_dict()), whole, prefix)
 
 
 def test_every_sharding_type_forced_by_constraints_runs_in_dmp_and_equals_unsharded():

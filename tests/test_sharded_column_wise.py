@@ -53,7 +53,7 @@ def _rank_batch(step, rank, weighted=False):
 def _dmp(module, name, plan_generators, sharder):
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.distributed.types import ShardingPlan
 
     from torchrec_ext.distributed import get_sharders
 

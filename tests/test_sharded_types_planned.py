@@ -3,7 +3,6 @@
 outputs and table contents equal the unsharded module fed the global batch, EBC (sum, mean,
 weighted) and EC; table_row_wise on 2 nodes x 1 rank (local_world_size=1) and 1 node x 2 ranks.
 Also the routing of table-row-wise groups smaller than the world, against brute force."""
-import pytest
 import torch
 import torch.distributed as dist
 from torchrec import KeyedJaggedTensor, PoolingType

@@ -73,6 +73,65 @@ def test_a_new_backing_file_is_written_whole_not_only_reserved(tmp_path):
     del module
 
 
+def _mapping_flags(path):
+    """The VmFlags of each mapping of ``path`` in this process (/proc/self/smaps)."""
+    flags, current = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header line
+                current = fields[5] if len(fields) > 5 else None
+            elif fields[0] == "VmFlags:" and current == str(path):
+                flags.append(fields[1:])
+    return flags
+
+
+def test_backing_files_are_mapped_for_random_reads(tmp_path):
+    module = _module(_configs(tmp_path))
+    for name in ("a.weights.rows", "a.momentum1.rows"):
+        flags = _mapping_flags(tmp_path / name)
+        assert flags, name  # mapped
+        assert all("rr" in f for f in flags), (name, flags)  # MADV_RANDOM: no readahead on a fault
+    del module
+
+
+KPF_COMPOUND_HEAD, KPF_COMPOUND_TAIL = 15, 16
+
+
+def _compound_pages(tensor):
+    """How many of the pages under ``tensor`` (resident) belong to a folio of more than one page,
+    from /proc/self/pagemap and /proc/kpageflags; None without the privilege to read them."""
+    page = tier_store.PAGE_BYTES
+    first, count = tensor.data_ptr() // page, tensor.numel() * tensor.element_size() // page
+    try:
+        with open("/proc/self/pagemap", "rb") as pagemap, open("/proc/kpageflags", "rb") as kpageflags:
+            pagemap.seek(8 * first)
+            entries = struct.unpack(f"={count}Q", pagemap.read(8 * count))
+            compound = 0
+            for entry in entries:
+                pfn = entry & ((1 << 55) - 1)
+                if not entry >> 63 or pfn == 0:  # not present, or PFNs hidden from this process
+                    return None
+                kpageflags.seek(8 * pfn)
+                flags = struct.unpack("=Q", kpageflags.read(8))[0]
+                compound += bool(flags & ((1 << KPF_COMPOUND_HEAD) | (1 << KPF_COMPOUND_TAIL)))
+            return compound
+    except OSError:
+        return None
+
+
+def test_backing_files_are_cached_in_single_pages(tmp_path):
+    """A written-back row must dirty one page, not a large folio the kernel then writes whole."""
+    module = _module(_configs(tmp_path, capacity=1 << 16))  # 4 MiB a file: room for 2 MiB folios
+    for name, backing in module._tables.backing.items():
+        backing.view(-1, tier_store.PAGE_BYTES // 4)[:, 0].sum()  # maps every page (cached since made)
+        compound = _compound_pages(backing)
+        if compound is None:
+            pytest.skip("/proc/kpageflags is not readable here")
+        assert compound == 0, f"{name}: {compound} pages of {backing.numel() * 4 // tier_store.PAGE_BYTES} in large folios"
+    del module
+
+
 def _train(modules, steps=8):
     gen = torch.Generator().manual_seed(4)
     for _ in range(steps):
@@ -88,13 +147,21 @@ def test_short_writes_are_continued(tmp_path, monkeypatch):
     calls = []
 
     def short(fd, data, offset):  # at most 1000 bytes a call
-        calls.append(offset)
-        return real(fd, data[:1000], offset)
+        written = real(fd, data[:1000], offset)
+        calls.append((offset, written))
+        return written
 
     monkeypatch.setattr(tier_store.os, "pwrite", short)
     tiered = _module(_configs(tmp_path))
     monkeypatch.undo()
-    assert len(calls) == 2 * -(-4 * 3000 * 16 // 1000)  # two files, each written to its end
+    end = tier_store.HEADER_BYTES + 4 * 3000 * 16
+    for file in range(2):  # each file's rows written once each, to the end, no gap
+        covered = tier_store.HEADER_BYTES
+        while covered < end:
+            offset, written = calls.pop(0)
+            assert offset == covered and 0 < written <= 1000
+            covered += written
+    assert calls == []
     resident = DynamicEmbeddingBagCollection(
         [DynamicEmbeddingBagConfig(name="a", embedding_dim=16, num_embeddings=3000, feature_names=["f0"])],
         optimizer="adagrad", optimizer_kwargs={"lr": 0.05})

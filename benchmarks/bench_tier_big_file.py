@@ -32,8 +32,8 @@ GIB = 2**30
 class Config(DlrmSmall):
     num_tables: int = 4
     capacity: int = 12 << 20  # rows per table: 4 x 12 Mi rows x (256 B vector + 256 B Adagrad state) = 24 GiB
-    cache_load_factor: float = 0.02
-    steps: int = 12
+    cache_load_factor: float = 0.003  # 38k slots a table: rows leave the cache (written back) from step 5 on
+    steps: int = 30
     backing_dir: str = ""  # default: a fresh directory under the system's temp dir
     threads: int = 0
 

@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import DlrmSmall, parse_config, save, small_tables
+from common import DlrmSmall, parse_config, process_memory, save, small_tables
 
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 from torchrec_ext.data import dlrm_small_batch
@@ -44,16 +44,6 @@ def _meminfo() -> dict[str, int]:
         for line in f:
             key, _, value = line.partition(":")
             out[key] = int(value.split()[0]) * 1024
-    return out
-
-
-def _rss() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "RssFile"):
-                out[key] = int(value.split()[0]) * 1024
     return out
 
 
@@ -100,7 +90,7 @@ def _run(cfg: Config, directory: str) -> dict[str, object]:
             "fast_memory_bytes": module.storage_bytes(), "live_rows": module.num_live_rows(),
             "state_dict_s": checkpoint_s, "state_dict_weight_elements": weights,
             "cache_slots": sum(s.cache_slots for s in stats), "capacity_rows": cfg.capacity * cfg.num_tables,
-            "process_memory": _rss(), "finite": bool(all(torch.isfinite(v).all() for v in state.values()
+            "process_memory": process_memory(), "finite": bool(all(torch.isfinite(v).all() for v in state.values()
                                                           if v.is_floating_point()))}
 
 

@@ -401,6 +401,8 @@ class TrainPipeline(TrainPipelineSparseDist):
     def _pipeline_model(self, batch, context, pipelined_forward=None) -> None:
         # As TorchRec's, plus: once the input dists exist (the first start creates them), move
         # their collectives to a clone of their process group when a helper thread issues them.
+        if self._dist_worker is not None:
+            groups.check_pools_open()  # before the model is rewritten: a refusal leaves it as it was
         (self._pipelined_modules, self._model, self._original_forwards, self._pipelined_postprocs, _) = _rewrite_model(
             model=self._model,
             context=context,
@@ -412,9 +414,9 @@ class TrainPipeline(TrainPipelineSparseDist):
             pipeline_postproc=self._pipeline_postproc,
         )
         self.start_sparse_data_dist(batch, context)
-        self._original_kjt_dist_forwards = _override_input_dist_forwards(self._pipelined_modules)
-        if self._dist_worker is not None:  # last: a borrow that fails leaves a model detach() can restore
+        if self._dist_worker is not None:
             self._move_input_dists_to_own_groups()
+        self._original_kjt_dist_forwards = _override_input_dist_forwards(self._pipelined_modules)
 
     def _move_input_dists_to_own_groups(self) -> None:
         for module in self._pipelined_modules:

@@ -25,27 +25,29 @@ def _rank_batch(step, rank, weighted):
                              stride=BATCH, weights=torch.rand(n, generator=gen) if weighted else None)
 
 
-def _make(kind, weighted):
+def _make(kind, weighted, dim=8):
     if kind == "ebc":
         return DynamicEmbeddingBagCollection(
-            [DynamicEmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=64, feature_names=["f1"]),
+            [DynamicEmbeddingBagConfig(name="t1", embedding_dim=dim, num_embeddings=64, feature_names=["f1"]),
              DynamicEmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=64, feature_names=["f2"],
                                        pooling=PoolingType.MEAN)],
             is_weighted=weighted, optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
     return DynamicEmbeddingCollection(
-        [DynamicEmbeddingConfig(name="t1", embedding_dim=8, num_embeddings=64, feature_names=["f1", "f2"])],
+        [DynamicEmbeddingConfig(name="t1", embedding_dim=dim, num_embeddings=64, feature_names=["f1", "f2"])],
         optimizer="adam", optimizer_kwargs={"lr": 0.1})
 
 
-def _planned(rank, world_size):
+def _planned(rank, world_size, cases=CASES, dim=8):
+    """Each (sharding type, local_world_size) of ``cases`` forced on both tables (t1 of width
+    ``dim``; column shards of 4 columns), planned, run and checkpointed in DMP."""
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 
     from torchrec_ext.distributed import full_state_dict, get_sharders
 
-    for sharding_type, local in CASES:
+    for sharding_type, local in cases:
         for kind, weighted in (("ebc", False), ("ebc", True), ("ec", False)):
-            reference, model = _make(kind, weighted), ModelWith("m", _make(kind, weighted))
+            reference, model = _make(kind, weighted, dim), ModelWith("m", _make(kind, weighted, dim))
             constraints = {t: ParameterConstraints(sharding_types=[sharding_type], min_partition=4)
                            for t in ("t1", "t2")}
             planner = EmbeddingShardingPlanner(
@@ -53,8 +55,9 @@ def _planned(rank, world_size):
                 batch_size=BATCH, constraints=constraints)
             plan = planner.collective_plan(model, get_sharders(), dist.group.WORLD)
             assert {p.sharding_type for p in plan.plan["m"].values()} == {sharding_type}
-            if sharding_type == "column_wise":  # two column shards, on both ranks
-                assert sorted(plan.plan["m"]["t1"].ranks) == [0, 1]
+            if sharding_type == "column_wise":  # dim / 4 column shards of 4, on both ranks
+                assert sorted(set(plan.plan["m"]["t1"].ranks)) == [0, 1]
+                assert len(plan.plan["m"]["t1"].ranks) == dim // 4
             dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=get_sharders())
             for step in range(2):
                 kjts = [_rank_batch(step, r, weighted) for r in range(world_size)]
@@ -79,7 +82,7 @@ def _planned(rank, world_size):
             assert_same_tables(whole, {"m." + k: v for k, v in reference.state_dict().items()}, prefix)
             # Checkpoints: the sharded state and the whole tables load into a fresh DMP of the plan.
             for state in (dmp.state_dict(), whole):
-                copy = DistributedModelParallel(ModelWith("m", _make(kind, weighted)), device=torch.device("cpu"),
+                copy = DistributedModelParallel(ModelWith("m", _make(kind, weighted, dim)), device=torch.device("cpu"),
                                                 plan=plan, sharders=get_sharders())
                 copy.load_state_dict(state)
                 assert_same_tables(full_state_dict(copy.state_dict()), whole, prefix)
@@ -87,6 +90,13 @@ def _planned(rank, world_size):
 
 def test_every_sharding_type_forced_by_constraints_runs_in_dmp_and_equals_unsharded():
     run_ranks(_planned, WORLD)
+
+
+def test_column_plans_with_several_shards_per_rank_run_in_dmp_and_equal_unsharded():
+    # TorchRec's planner splits a wide table into min_partition-column shards and deals them out
+    # over the ranks (4 shards on 2 ranks: ranks [0, 1, 0, 1]); our planner hook gives each rank
+    # adjacent shards, which the sharded module serves.
+    run_ranks(_planned, WORLD, [("column_wise", 2), ("table_column_wise", 2)], 16)
 
 
 def test_table_row_wise_groups_route_ids_within_their_node():

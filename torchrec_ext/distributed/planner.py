@@ -545,7 +545,8 @@ def make_planner(topology: Topology, batch_size: int, constraints: Optional[Dict
 # wraps ``EmbeddingEnumerator``: when it was built with the default estimators, the options of our
 # modules go to our estimators and every other option to TorchRec's, exactly as before. It also
 # refuses, at planning time, a model holding our modules when the sharders cannot shard them
-# (TorchRec would silently leave them out of the plan and DDP-wrap them).
+# (TorchRec would silently leave them out of the plan and DDP-wrap them), and adds the planner
+# callback that makes each rank's column shards of a dynamic table adjacent.
 
 _MISSING_SHARDER_HINT = ("pass sharders=torchrec_ext.distributed.get_sharders() (our sharders plus TorchRec's "
                          "defaults) to DistributedModelParallel / the planner")
@@ -591,6 +592,31 @@ def _column_refusals(module: nn.Module, constraints: Optional[Dict[str, Paramete
     return refusals
 
 
+def adjacent_column_shards(best_plan: List[ShardingOption]) -> List[ShardingOption]:
+    """A planner callback: each rank's column shards of a dynamic table made adjacent columns.
+
+    TorchRec's partitioner deals a wide table's column shards out over the ranks (4 shards on 2
+    ranks: ranks [0, 1, 0, 1]), but a rank holds one run of adjacent columns of a dynamic table
+    (placement.py). Its shards are equal-sized (only the last may be wider), so the ranks are
+    reordered, each rank keeping its count of shards, in the order the ranks first appear, the
+    last shard's rank last: every rank keeps its columns' count, hence its storage and perf.
+    """
+    for option in best_plan:
+        if not is_dynamic_option(option) or option.sharding_type not in COLUMN_TYPES or len(option.shards) < 3:
+            continue
+        shards = sorted(option.shards, key=lambda shard: shard.offset[1])
+        ranks = [shard.rank for shard in shards]
+        order = list(dict.fromkeys(ranks))
+        order.remove(ranks[-1])
+        order.append(ranks[-1])
+        regrouped = [r for r in order for _ in range(ranks.count(r))]
+        widths = lambda rs: sorted((r, sum(int(s.size[1]) for s, x in zip(shards, rs) if x == r)) for r in set(rs))
+        if regrouped != ranks and widths(regrouped) == widths(ranks):
+            for shard, rank in zip(shards, regrouped):
+                shard.rank = rank
+    return best_plan
+
+
 def _default_planner_estimators(topology: Topology, constraints: Optional[Dict[str, ParameterConstraints]]
                                 ) -> List[ShardEstimator]:
     return [DynamicEmbeddingPerfEstimator(topology, constraints),
@@ -600,7 +626,8 @@ def _default_planner_estimators(topology: Topology, constraints: Optional[Dict[s
 def install_default_planner_hook() -> None:
     """Let TorchRec's default ``EmbeddingEnumerator`` (hence ``EmbeddingShardingPlanner()`` and
     ``DistributedModelParallel`` without a plan) cost our tables with our estimators, and refuse
-    models whose dynamic modules have no sharder. Idempotent; runs on ``import torchrec_ext.distributed``."""
+    models whose dynamic modules have no sharder; every ``EmbeddingShardingPlanner`` gets the
+    ``adjacent_column_shards`` callback. Idempotent; runs on ``import torchrec_ext.distributed``."""
     if getattr(EmbeddingEnumerator, "_torchrec_ext_hooked", False):
         return
     original_init, original_enumerate = EmbeddingEnumerator.__init__, EmbeddingEnumerator.enumerate
@@ -631,6 +658,13 @@ def install_default_planner_hook() -> None:
         for estimator in ours:
             estimator.estimate(dynamic, self._sharder_data_map)
 
+    original_planner_init = EmbeddingShardingPlanner.__init__
+
+    def planner_init(self, *args, **kwargs):
+        original_planner_init(self, *args, **kwargs)
+        # A copy: the caller's callback list is left as it was.
+        self._callbacks = list(self._callbacks) + [adjacent_column_shards]
+
     original_collective_plan = EmbeddingShardingPlanner.collective_plan
 
     def collective_plan(self, module, sharders=None, pg=None):
@@ -642,5 +676,6 @@ def install_default_planner_hook() -> None:
     EmbeddingEnumerator.__init__ = __init__
     EmbeddingEnumerator.enumerate = enumerate
     EmbeddingShardingPlanner.collective_plan = collective_plan
+    EmbeddingShardingPlanner.__init__ = planner_init
     EmbeddingEnumerator.populate_estimates = populate_estimates
     EmbeddingEnumerator._torchrec_ext_hooked = True

@@ -5,7 +5,7 @@ weighted) and EC; table_row_wise on 2 nodes x 1 rank (local_world_size=1) and 1 
 Also the routing of table-row-wise groups smaller than the world, against brute force."""
 import torch
 import torch.distributed as dist
-from torchrec import KeyedJaggedTensor, PoolingType
+from torchrec import DataType, KeyedJaggedTensor, PoolingType
 
 from dist_helpers import ModelWith, assert_same_tables, global_batch, run_ranks
 from torchrec_ext import (
@@ -132,3 +132,71 @@ def test_table_row_wise_groups_route_ids_within_their_node():
                for _ in range(int(got_lengths[r, i, b]))]
         assert got == sorted(want[r], key=lambda t: (t[0], t[1])), r
     assert torch.equal(ids[expand[order]], routed.values())  # positions lead back to the input ids
+
+
+def _fp16_ebc(stochastic_rounding, optimizer="adagrad"):
+    return DynamicEmbeddingBagCollection(
+        [DynamicEmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=64, feature_names=["f1", "f2"],
+                                   data_type=DataType.FP16, stochastic_rounding=stochastic_rounding)],
+        optimizer=optimizer, optimizer_kwargs={"lr": 0.1})
+
+
+def _column_plan(model, sharders, world_size, local=True):
+    """The plan of EmbeddingShardingPlanner with t1 forced column_wise (2 shards of 4); ``local``:
+    planned on each rank (an error is raised on every rank), else collectively."""
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device="cpu"), batch_size=BATCH,
+        constraints={"t1": ParameterConstraints(sharding_types=["column_wise"], min_partition=4)})
+    return planner.plan(model, sharders) if local else planner.collective_plan(model, sharders, dist.group.WORLD)
+
+
+def _run_against(rank, world_size, dmp, reference, prefix="m.embedding_bags."):
+    """Two training steps of ``dmp`` and of the unsharded ``reference`` fed the global batch:
+    equal outputs and tables."""
+    from torchrec_ext.distributed import full_state_dict
+
+    for step in range(2):
+        kjts = [_rank_batch(step, r, False) for r in range(world_size)]
+        out, want = dmp(kjts[rank]), reference(global_batch(kjts))
+        torch.testing.assert_close(out.values(), want.values()[rank * BATCH:(rank + 1) * BATCH])
+        out.values().sum().backward()
+        (want.values().sum() / world_size).backward()
+    assert_same_tables(full_state_dict(dmp.state_dict()),
+                       {"m." + k: v for k, v in reference.state_dict().items()}, prefix)
+
+
+def _sharder_stochastic_rounding_decides(rank, world_size):
+    import pytest
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.planner.types import PlannerError
+    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan
+    from torchrec.distributed.types import ShardingPlan
+
+    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder
+
+    # Config on, sharder off: the tables round to nearest, so column shards are exact.
+    sharders = [DynamicEmbeddingBagCollectionSharder(fused_params={"stochastic_rounding": False})]
+    model = ModelWith("m", _fp16_ebc(True))
+    plan = _column_plan(model, sharders, world_size, local=False)
+    assert plan.plan["m"]["t1"].sharding_type == "column_wise" and sorted(plan.plan["m"]["t1"].ranks) == [0, 1]
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    _run_against(rank, world_size, dmp, _fp16_ebc(False))
+
+    # Config off, sharder on: stochastic rounding, refused by the planner and at sharding time.
+    sharders = [DynamicEmbeddingBagCollectionSharder(fused_params={"stochastic_rounding": True})]
+    with pytest.raises(PlannerError, match=r"cannot be sharded column-wise: it is torch.float16 with "
+                                           r"stochastic_rounding"):
+        _column_plan(ModelWith("m", _fp16_ebc(False)), sharders, world_size)
+    module = _fp16_ebc(False)
+    hand = construct_module_sharding_plan(module, {"t1": column_wise(ranks=[0, 1], compute_kernel="customized_kernel")},
+                                          sharder=sharders[0], local_size=world_size, world_size=world_size,
+                                          device_type="cpu")
+    with pytest.raises(ValueError, match=r"table 't1' is torch.float16 with stochastic_rounding"):
+        DistributedModelParallel(ModelWith("m", module), device=torch.device("cpu"), plan=ShardingPlan({"m": hand}),
+                                 sharders=sharders)
+
+
+def test_the_sharders_stochastic_rounding_decides_whether_a_column_plan_is_exact():
+    run_ranks(_sharder_stochastic_rounding_decides, WORLD)

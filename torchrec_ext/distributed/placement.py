@@ -98,8 +98,9 @@ def _column_shards(sharding: ParameterSharding, dim: int) -> Tuple[Tuple[int, ..
 
 
 def read_plan(where: str, configs, plan: Dict[str, ParameterSharding], world_size: int,
-              optimizer_kind=None) -> Dict[str, TablePlacement]:
-    """Each table's placement; clear errors for what the plan asks that we cannot do."""
+              optimizer_kind=None, stochastic_rounding: Optional[bool] = None) -> Dict[str, TablePlacement]:
+    """Each table's placement; clear errors for what the plan asks that we cannot do.
+    ``stochastic_rounding``: the sharder's fused_params' (None: each config's)."""
     placements = {}
     for cfg in configs:
         sharding = plan.get(cfg.name)
@@ -137,11 +138,12 @@ def read_plan(where: str, configs, plan: Dict[str, ParameterSharding], world_siz
                                  f"(row_wise) or have no fallback rows")
             placements[cfg.name] = TablePlacement("row", tuple(sorted(ranks)), whole)
         else:
-            placements[cfg.name] = _column_placement(where, cfg, ranks, columns, optimizer_kind)
+            placements[cfg.name] = _column_placement(where, cfg, ranks, columns, optimizer_kind, stochastic_rounding)
     return placements
 
 
-def _column_placement(where: str, cfg, ranks: Sequence[int], columns, optimizer_kind) -> TablePlacement:
+def _column_placement(where: str, cfg, ranks: Sequence[int], columns, optimizer_kind,
+                      stochastic_rounding: Optional[bool]) -> TablePlacement:
     name = f"{where}: column-sharded table {cfg.name!r}"
     covered = [c for offset, size in columns for c in range(offset, offset + size)]
     if covered != list(range(cfg.embedding_dim)):
@@ -154,18 +156,21 @@ def _column_placement(where: str, cfg, ranks: Sequence[int], columns, optimizer_
         if mine[0][0] % 2:
             raise ValueError(f"{name}: rank {rank}'s columns start at odd column {mine[0][0]}; column shards of "
                              f"dynamic tables start at even columns (initial vectors are drawn two elements per hash)")
-    refusal = column_sharding_refusal(cfg, optimizer_kind)
+    refusal = column_sharding_refusal(cfg, optimizer_kind, stochastic_rounding)
     if refusal:
         raise ValueError(f"{name} {refusal}")
     return TablePlacement("column", tuple(ranks), tuple(columns))
 
 
-def column_sharding_refusal(cfg, optimizer_kind) -> Optional[str]:
-    """Why the table cannot be sharded column-wise exactly (None: it can)."""
-    opts = options_of(cfg)
+def column_sharding_refusal(cfg, optimizer_kind, stochastic_rounding: Optional[bool] = None) -> Optional[str]:
+    """Why the table cannot be sharded column-wise exactly (None: it can). ``stochastic_rounding``:
+    the sharder's fused_params', which overrides the config's (None: the config's)."""
     if optimizer_kind in ROWWISE_STATE:
         return f"has optimizer {optimizer_kind!r}: {ROWWISE_OPTIMIZER_REFUSAL}"
-    if storage_dtype_of(cfg) != torch.float32 and opts.stochastic_rounding:
+    if stochastic_rounding is None:
+        stochastic_rounding = options_of(cfg).stochastic_rounding
+    if storage_dtype_of(cfg) != torch.float32 and stochastic_rounding:
         return (f"is {storage_dtype_of(cfg)} with stochastic_rounding: a shard's rounding bits are drawn per column "
-                f"of the shard, not of the table; use stochastic_rounding=False or shard it table_wise / row_wise")
+                f"of the shard, not of the table; use stochastic_rounding=False (the table's config, or the sharder's "
+                f"fused_params when they set it) or shard it table_wise / row_wise")
     return None

@@ -67,6 +67,7 @@ from torchrec_ext.modules.admission import admission_bytes
 from torchrec_ext.modules.configs import DynamicTableOptions, options_of, storage_dtype_of
 from torchrec_ext.modules.embedding_bag_collection import DynamicEmbeddingBagCollection
 from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
+from torchrec_ext.modules.fused_optimizer import stochastic_rounding_of
 from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE, SLOTS_PER_BUCKET, table_geometry
 
 __all__ = [
@@ -564,16 +565,19 @@ def check_dynamic_modules_have_sharders(module: nn.Module, sharders: Sequence[Mo
                            error_type=PlannerErrorType.OTHER)
 
 
-def _column_refusals(module: nn.Module, constraints: Optional[Dict[str, ParameterConstraints]]
-                     ) -> Dict[Tuple[str, str], str]:
-    """(module path, table) -> why its dynamic table cannot be sharded column-wise; raises
+def _column_refusals(module: nn.Module, constraints: Optional[Dict[str, ParameterConstraints]],
+                     sharders: Sequence[ModuleSharder[nn.Module]]) -> Dict[Tuple[str, str], str]:
+    """(module path, table) -> why its dynamic table cannot be sharded column-wise, with what the
+    module's sharder's fused_params change (as the sharded module will apply them); raises
     PlannerError when a table's constraints allow only what cannot serve it (data_parallel, or
     column types such a table refuses), saying why."""
     refusals = {}
+    fused_params = {sharder.module_type: getattr(sharder, "fused_params", None) for sharder in sharders}
     for path, child in module.named_modules():
         if not isinstance(child, DYNAMIC_MODULE_TYPES):
             continue
         kind = _optimizer_kind(child)
+        stochastic_rounding = stochastic_rounding_of(fused_params.get(type(child)), "dynamic table planner")
         for cfg in _configs(child):
             allowed = (constraints or {}).get(cfg.name)
             allowed = list(allowed.sharding_types) if allowed is not None and allowed.sharding_types else None
@@ -582,7 +586,7 @@ def _column_refusals(module: nn.Module, constraints: Optional[Dict[str, Paramete
                     not set(allowed) & set(SUPPORTED_SHARDING_TYPES):
                 raise PlannerError(f"{where} is constrained to data_parallel: {DATA_PARALLEL_REFUSAL}",
                                    error_type=PlannerErrorType.OTHER)
-            refusal = column_sharding_refusal(cfg, kind)
+            refusal = column_sharding_refusal(cfg, kind, stochastic_rounding)
             if refusal is None:
                 continue
             refusals[(path, cfg.name)] = refusal
@@ -640,7 +644,7 @@ def install_default_planner_hook() -> None:
 
     def enumerate(self, module, sharders):
         check_dynamic_modules_have_sharders(module, sharders)
-        refusals = _column_refusals(module, self._constraints)
+        refusals = _column_refusals(module, self._constraints, sharders)
         options = original_enumerate(self, module, sharders)
         if not refusals:
             return options

@@ -87,8 +87,9 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
         self._env = env
         self._world_size, self._rank = env.world_size, env.rank
         spec = sharded_optimizer(module, fused_params, type(self).__name__)
+        stochastic_rounding = stochastic_rounding_of(fused_params, type(self).__name__)
         self._owners = read_plan(type(self).__name__, configs, table_name_to_parameter_sharding, self._world_size,
-                                 spec.kind)
+                                 spec.kind, stochastic_rounding)
         self._plan = LookupPlan.of(configs)
         self._routing = SlotRouting.of(self._plan.embedding_names,
                                        [self._owners[configs[t].name] for t in self._plan.tables], self._world_size)
@@ -99,8 +100,7 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
                 replicated.append(len(local_configs))
             if placement.holds(self._rank):
                 slots = [self._plan.embedding_names[i] for i, tt in enumerate(self._plan.tables) if tt == t]
-                local_configs.append(_local_config(cfg, placement, self._rank, slots, pooled,
-                                                   stochastic_rounding_of(fused_params, type(self).__name__)))
+                local_configs.append(_local_config(cfg, placement, self._rank, slots, pooled, stochastic_rounding))
         widths = {c.name: c.embedding_dim for c in local_configs}
         if not pooled and len(set(widths.values())) > 1:
             raise ValueError(f"{type(self).__name__}: rank {self._rank} would hold columns of unequal width {widths}; "

@@ -200,3 +200,38 @@ def _sharder_stochastic_rounding_decides(rank, world_size):
 
 def test_the_sharders_stochastic_rounding_decides_whether_a_column_plan_is_exact():
     run_ranks(_sharder_stochastic_rounding_decides, WORLD)
+
+
+def _empty_batch(rank, world_size):
+    from torchrec.distributed import DistributedModelParallel
+
+    from torchrec_ext.distributed import get_sharders
+
+    empty = KeyedJaggedTensor(keys=KEYS, values=torch.empty(0, dtype=torch.int64),
+                              lengths=torch.empty(0, dtype=torch.int64), stride=0)
+    for kind in ("ebc", "ec"):
+        model = ModelWith("m", _make(kind, False))
+        plan = _column_plan(model, get_sharders(), world_size, local=False)
+        assert plan.plan["m"]["t1"].sharding_type == "column_wise"
+        dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=get_sharders())
+        out = dmp(empty)
+        if kind == "ebc":
+            assert out.values().shape == (0, 16) and out.keys() == KEYS
+        else:
+            out = out.wait() if hasattr(out, "wait") else out
+            assert all(out[name].values().shape == (0, 8) for name in out)
+        # An empty batch changes nothing: a step after it equals the unsharded module's.
+        reference = _make(kind, False)
+        kjts = [_rank_batch(0, r, False) for r in range(world_size)]
+        got, want = dmp(kjts[rank]), reference(global_batch(kjts))
+        if kind == "ebc":
+            torch.testing.assert_close(got.values(), want.values()[rank * BATCH:(rank + 1) * BATCH])
+        else:
+            got = got.wait() if hasattr(got, "wait") else got
+            for name, jt in got.items():
+                before = sum(int(kjts[r][name.split("@")[0]].lengths().sum()) for r in range(rank))
+                torch.testing.assert_close(jt.values(), want[name].values()[before:before + jt.values().shape[0]])
+
+
+def test_an_empty_batch_through_a_column_table():
+    run_ranks(_empty_batch, WORLD)

@@ -57,12 +57,15 @@ def _route_to_groups(ids: Tensor, lengths: Tensor, dest: Sequence[Destination], 
 @dataclass
 class SlotRouting:
     """The routing slots of a sharded module: per routing slot, its lookup slot (``source``),
-    where its ids go (``dest``) and its key (the lookup slot's output name)."""
+    where its ids go (``dest``) and its key (the lookup slot's output name); ``lookup_slots``: how
+    many lookup slots the input has (its lengths are [lookup_slots, batch_size], even when the
+    batch is empty)."""
 
     source: List[int]
     dest: List[Destination]
     names: List[str]
     world_size: int
+    lookup_slots: int
 
     @staticmethod
     def of(embedding_names: Sequence[str], slot_placements: Sequence, world_size: int) -> "SlotRouting":
@@ -76,7 +79,7 @@ class SlotRouting:
             for d in targets:
                 source.append(s)
                 dest.append(tuple(d) if isinstance(d, tuple) else int(d))
-        return SlotRouting(source, dest, [embedding_names[s] for s in source], world_size)
+        return SlotRouting(source, dest, [embedding_names[s] for s in source], world_size, len(embedding_names))
 
     @property
     def expands(self) -> bool:
@@ -93,13 +96,13 @@ class SlotRouting:
         ids; each of those ids' position in ``ids``, None when no slot is routed twice)."""
         expand = None
         if self.expands:
-            per_slot = lengths.view(-1, batch_size).sum(1).tolist()
+            per_slot = lengths.view(self.lookup_slots, batch_size).sum(1).tolist()
             starts = [sum(per_slot[:s]) for s in range(len(per_slot))]
             expand = torch.cat([torch.arange(starts[s], starts[s] + per_slot[s], device=ids.device)
                                 for s in self.source]) if self.source else ids.new_empty(0)
             ids = ids[expand]
             weights = None if weights is None else weights[expand]
-            lengths = lengths.view(-1, batch_size)[self.source].reshape(-1)
+            lengths = lengths.view(self.lookup_slots, batch_size)[self.source].reshape(-1)
         whole = tuple(range(self.world_size))
         if all(isinstance(d, int) or d == whole for d in self.dest):
             owners = [d if isinstance(d, int) else -1 for d in self.dest]

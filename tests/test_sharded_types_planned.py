@@ -235,3 +235,36 @@ def _empty_batch(rank, world_size):
 
 def test_an_empty_batch_through_a_column_table():
     run_ranks(_empty_batch, WORLD)
+
+
+def _sharder_optimizer_decides(rank, world_size):
+    import pytest
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.planner.types import PlannerError
+
+    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder
+    from torchrec_ext.modules.fused_optimizer import spec_from_fused_params
+
+    fused_params = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1}
+    sharders = [DynamicEmbeddingBagCollectionSharder(fused_params=fused_params)]
+    spec = spec_from_fused_params(fused_params, "test")
+    make = lambda optimizer, kwargs: DynamicEmbeddingBagCollection(
+        [DynamicEmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=64, feature_names=["f1", "f2"])],
+        optimizer=optimizer, optimizer_kwargs=kwargs)
+    # The module chooses no optimizer: the sharder's rowwise_adagrad trains it, so no column plan.
+    with pytest.raises(PlannerError, match=r"cannot be sharded column-wise: it has optimizer 'rowwise_adagrad'"):
+        _column_plan(ModelWith("m", make(None, None)), sharders, world_size)
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device="cpu"), batch_size=BATCH,
+        constraints={"t1": ParameterConstraints(sharding_types=["column_wise", "table_wise"], min_partition=4)})
+    model = ModelWith("m", make(None, None))
+    plan = planner.collective_plan(model, sharders, dist.group.WORLD)
+    assert plan.plan["m"]["t1"].sharding_type == "table_wise"
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    _run_against(rank, world_size, dmp, make(spec.kind, spec.torch_kwargs()))
+
+
+def test_the_sharders_optimizer_decides_whether_a_table_gets_column_options():
+    run_ranks(_sharder_optimizer_decides, WORLD)

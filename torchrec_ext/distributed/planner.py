@@ -62,7 +62,7 @@ from torchrec.distributed.types import ModuleSharder, PipelineType, ShardingPlan
 from torchrec_ext.distributed.placement import (
     COLUMN_TYPES, DATA_PARALLEL_REFUSAL, SUPPORTED_SHARDING_TYPES, column_sharding_refusal,
 )
-from torchrec_ext.distributed.sharded_base import local_capacity
+from torchrec_ext.distributed.sharded_base import local_capacity, sharded_optimizer
 from torchrec_ext.modules.admission import admission_bytes
 from torchrec_ext.modules.configs import DynamicTableOptions, options_of, storage_dtype_of
 from torchrec_ext.modules.embedding_bag_collection import DynamicEmbeddingBagCollection
@@ -576,7 +576,8 @@ def _column_refusals(module: nn.Module, constraints: Optional[Dict[str, Paramete
     for path, child in module.named_modules():
         if not isinstance(child, DYNAMIC_MODULE_TYPES):
             continue
-        kind = _optimizer_kind(child)
+        # The optimizer the sharded module will train with: the module's, else the sharder's.
+        kind = sharded_optimizer(child, fused_params.get(type(child)), "dynamic table planner").kind
         stochastic_rounding = stochastic_rounding_of(fused_params.get(type(child)), "dynamic table planner")
         for cfg in _configs(child):
             allowed = (constraints or {}).get(cfg.name)

@@ -425,16 +425,23 @@ def test_sharding_types_storage_and_perf():
 
 
 def test_tables_that_cannot_be_split_by_columns_or_replicated_are_refused_with_the_reason():
-    """A row-wise optimizer's tables never get column options; constraints that leave only
-    those, or only data_parallel, are a PlannerError saying why."""
+    """A row-wise optimizer's tables never get column options that split their columns (a single
+    column shard, the whole table, is kept); constraints that leave only those, or only
+    data_parallel, are a PlannerError saying why."""
     topology = Topology(world_size=2, compute_device="cpu")
-    kinds = {o.sharding_type for o in _enumerate(_types_model("rowwise_adagrad"), 2, types=None)}
+    options = _enumerate(_types_model("rowwise_adagrad"), 2, types=None)  # dim 8 < min_partition: 1 column shard
+    assert {o.sharding_type for o in options} == {"table_wise", "row_wise", "table_row_wise", "column_wise",
+                                                  "table_column_wise"}
+    assert all(len(o.shards) == 1 for o in options if "column" in o.sharding_type)
+    split = {"c": ParameterConstraints(min_partition=4)}  # 2 column shards of 4
+    kinds = {o.sharding_type for o in _enumerate(_types_model("rowwise_adagrad"), 2, constraints=split, types=None)}
     assert kinds == {"table_wise", "row_wise", "table_row_wise"}
-    for types, reason in ((["column_wise"], r"constrained to \['column_wise'\], but it cannot be sharded column-wise: "
-                                            r"it has optimizer 'rowwise_adagrad': a row-wise optimizer state "
+    for types, reason in ((["column_wise"], r"constrained to \['column_wise'\], but it cannot be split into column "
+                                            r"shards: it has optimizer 'rowwise_adagrad': a row-wise optimizer state "
                                             r"\(rowwise_adagrad averages"),
                           (["data_parallel"], r"constrained to data_parallel: data_parallel cannot serve a dynamic "
                                               r"table: each rank would insert the ids of its own batch")):
-        planner = make_planner(topology, BATCH, constraints={"c": ParameterConstraints(sharding_types=types)})
+        planner = make_planner(topology, BATCH, constraints={"c": ParameterConstraints(sharding_types=types,
+                                                                                       min_partition=4)})
         with pytest.raises(PlannerError, match=r"table 'c' \(<root>\) is " + reason):
             planner.plan(_types_model("rowwise_adagrad"), _sharders())

@@ -186,7 +186,7 @@ def _sharder_stochastic_rounding_decides(rank, world_size):
 
     # Config off, sharder on: stochastic rounding, refused by the planner and at sharding time.
     sharders = [DynamicEmbeddingBagCollectionSharder(fused_params={"stochastic_rounding": True})]
-    with pytest.raises(PlannerError, match=r"cannot be sharded column-wise: it is torch.float16 with "
+    with pytest.raises(PlannerError, match=r"cannot be split into column shards: it is torch.float16 with "
                                            r"stochastic_rounding"):
         _column_plan(ModelWith("m", _fp16_ebc(False)), sharders, world_size)
     module = _fp16_ebc(False)
@@ -254,7 +254,7 @@ def _sharder_optimizer_decides(rank, world_size):
         [DynamicEmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=64, feature_names=["f1", "f2"])],
         optimizer=optimizer, optimizer_kwargs=kwargs)
     # The module chooses no optimizer: the sharder's rowwise_adagrad trains it, so no column plan.
-    with pytest.raises(PlannerError, match=r"cannot be sharded column-wise: it has optimizer 'rowwise_adagrad'"):
+    with pytest.raises(PlannerError, match=r"cannot be split into column shards: it has optimizer 'rowwise_adagrad'"):
         _column_plan(ModelWith("m", make(None, None)), sharders, world_size)
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=world_size, compute_device="cpu"), batch_size=BATCH,
@@ -268,3 +268,44 @@ def _sharder_optimizer_decides(rank, world_size):
 
 def test_the_sharders_optimizer_decides_whether_a_table_gets_column_options():
     run_ranks(_sharder_optimizer_decides, WORLD)
+
+
+def _rowwise_optimizer_whole_columns(rank, world_size):
+    import pytest
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan
+    from torchrec.distributed.types import ShardingPlan
+
+    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder
+
+    sharder = DynamicEmbeddingBagCollectionSharder()
+    make = lambda: DynamicEmbeddingBagCollection(
+        [DynamicEmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=64, feature_names=["f1", "f2"])],
+        optimizer="rowwise_adagrad", optimizer_kwargs={"lr": 0.1})
+    # Planned: dim 8 with the default min_partition is one column shard, the whole table.
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world_size, compute_device="cpu"),
+                                       batch_size=BATCH,
+                                       constraints={"t1": ParameterConstraints(sharding_types=["column_wise"])})
+    model = ModelWith("m", make())
+    plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
+    assert plan.plan["m"]["t1"].sharding_type == "column_wise" and len(plan.plan["m"]["t1"].ranks) == 1
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    _run_against(rank, world_size, dmp, make())
+    # By hand: two column shards on one rank hold every column there (exact); on two ranks, refused.
+    for ranks in ([1, 1], [0, 1]):
+        module = make()
+        hand = construct_module_sharding_plan(module, {"t1": column_wise(ranks=ranks, compute_kernel="customized_kernel")},
+                                              sharder=sharder, local_size=world_size, world_size=world_size,
+                                              device_type="cpu")
+        shard = lambda: DistributedModelParallel(ModelWith("m", module), device=torch.device("cpu"),
+                                                 plan=ShardingPlan({"m": hand}), sharders=[sharder])
+        if ranks == [1, 1]:
+            _run_against(rank, world_size, shard(), make())
+        else:
+            with pytest.raises(ValueError, match=r"table 't1' has optimizer 'rowwise_adagrad'"):
+                shard()
+
+
+def test_a_rowwise_optimizer_is_allowed_when_each_rank_holds_every_column():
+    run_ranks(_rowwise_optimizer_whole_columns, WORLD)

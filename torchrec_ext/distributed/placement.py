@@ -156,14 +156,18 @@ def _column_placement(where: str, cfg, ranks: Sequence[int], columns, optimizer_
         if mine[0][0] % 2:
             raise ValueError(f"{name}: rank {rank}'s columns start at odd column {mine[0][0]}; column shards of "
                              f"dynamic tables start at even columns (initial vectors are drawn two elements per hash)")
-    refusal = column_sharding_refusal(cfg, optimizer_kind, stochastic_rounding)
+    # A rank holding all of the table's columns updates and rounds whole rows, as unsharded.
+    split = any(sum(size for r, (_, size) in zip(ranks, columns) if r == rank) < cfg.embedding_dim
+                for rank in set(ranks))
+    refusal = column_sharding_refusal(cfg, optimizer_kind, stochastic_rounding) if split else None
     if refusal:
         raise ValueError(f"{name} {refusal}")
     return TablePlacement("column", tuple(ranks), tuple(columns))
 
 
 def column_sharding_refusal(cfg, optimizer_kind, stochastic_rounding: Optional[bool] = None) -> Optional[str]:
-    """Why the table cannot be sharded column-wise exactly (None: it can). ``stochastic_rounding``:
+    """Why the table cannot be split into column shards exactly (None: it can; a rank holding all
+    its columns is always exact). ``stochastic_rounding``:
     the sharder's fused_params', which overrides the config's (None: the config's)."""
     if optimizer_kind in ROWWISE_STATE:
         return f"has optimizer {optimizer_kind!r}: {ROWWISE_OPTIMIZER_REFUSAL}"

@@ -567,10 +567,9 @@ def check_dynamic_modules_have_sharders(module: nn.Module, sharders: Sequence[Mo
 
 def _column_refusals(module: nn.Module, constraints: Optional[Dict[str, ParameterConstraints]],
                      sharders: Sequence[ModuleSharder[nn.Module]]) -> Dict[Tuple[str, str], str]:
-    """(module path, table) -> why its dynamic table cannot be sharded column-wise, with what the
-    module's sharder's fused_params change (as the sharded module will apply them); raises
-    PlannerError when a table's constraints allow only what cannot serve it (data_parallel, or
-    column types such a table refuses), saying why."""
+    """(module path, table) -> why its dynamic table cannot be split into column shards, with what
+    the module's sharder's fused_params change (as the sharded module will apply them); raises
+    PlannerError when a table's constraints allow only data_parallel, saying why."""
     refusals = {}
     fused_params = {sharder.module_type: getattr(sharder, "fused_params", None) for sharder in sharders}
     for path, child in module.named_modules():
@@ -590,11 +589,25 @@ def _column_refusals(module: nn.Module, constraints: Optional[Dict[str, Paramete
             refusal = column_sharding_refusal(cfg, kind, stochastic_rounding)
             if refusal is None:
                 continue
-            refusals[(path, cfg.name)] = refusal
-            if allowed and set(allowed) & set(SUPPORTED_SHARDING_TYPES) <= set(COLUMN_TYPES):
-                raise PlannerError(f"{where} is constrained to {allowed}, but it cannot be sharded column-wise: it "
-                                   f"{refusal}", error_type=PlannerErrorType.OTHER)
+            refusals[(path, cfg.name)] = (f"{where} is constrained to {allowed}, but it cannot be split into "
+                                          f"column shards: it {refusal}")
     return refusals
+
+
+def _drop_split_column_options(options: List[ShardingOption], refusals: Dict[Tuple[str, str], str]
+                               ) -> List[ShardingOption]:
+    """``options`` without the column options of ``refusals``' tables that split their columns (a
+    single column shard holds the whole table: exact); PlannerError when a table is left with none
+    (its constraints allowed nothing else), saying why."""
+    if not refusals:
+        return options
+    kept = [o for o in options if not (is_dynamic_option(o) and o.sharding_type in COLUMN_TYPES
+                                       and (o.path, o.name) in refusals and len(o.shards) > 1)]
+    left = {(o.path, o.name) for o in kept if is_dynamic_option(o)}
+    for table, reason in refusals.items():
+        if table not in left and any((o.path, o.name) == table for o in options):
+            raise PlannerError(reason, error_type=PlannerErrorType.OTHER)
+    return kept
 
 
 def adjacent_column_shards(best_plan: List[ShardingOption]) -> List[ShardingOption]:
@@ -646,13 +659,9 @@ def install_default_planner_hook() -> None:
     def enumerate(self, module, sharders):
         check_dynamic_modules_have_sharders(module, sharders)
         refusals = _column_refusals(module, self._constraints, sharders)
-        options = original_enumerate(self, module, sharders)
-        if not refusals:
-            return options
-        # Column options of tables that cannot be split exactly are dropped (constraints that
-        # allow nothing else were refused above), so the planner never picks them.
-        return [o for o in options if not (is_dynamic_option(o) and o.sharding_type in COLUMN_TYPES
-                                           and (o.path, o.name) in refusals)]
+        # Column options of tables that cannot be split exactly are dropped, so the planner never
+        # picks them.
+        return _drop_split_column_options(original_enumerate(self, module, sharders), refusals)
 
     def populate_estimates(self, sharding_options):
         ours = getattr(self, "_dynamic_estimators", None)

@@ -545,38 +545,40 @@ inline void box_muller(uint64_t bits, double* z0, double* z1) {
 // The default initializer, on every new row: written so the compiler vectorises the hashes
 // (64-bit multiplies need AVX-512DQ, hence the x86-64-v4 clone).
 TREXT_VECTOR_CLONES
-void uniform_vector(float* out, int64_t dim, uint64_t key, double low, double span) {
+void uniform_vector(float* out, int64_t dim, uint64_t key, double low, double span, int64_t first_pair) {
   const int64_t pairs = dim / 2;
   for (int64_t q = 0; q < pairs; ++q) {
-    const uint64_t bits = fmix64(key + static_cast<uint64_t>(q + 1) * kGolden);
+    const uint64_t bits = fmix64(key + static_cast<uint64_t>(first_pair + q + 1) * kGolden);
     out[2 * q] = static_cast<float>(low + span * (static_cast<double>(bits >> 40) * 0x1p-24));
     out[2 * q + 1] = static_cast<float>(low + span * (static_cast<double>((bits & 0xFFFFFFFFull) >> 8) * 0x1p-24));
   }
   if (dim % 2) {
-    const uint64_t bits = pair_bits(key, pairs, 0);
+    const uint64_t bits = pair_bits(key, first_pair + pairs, 0);
     out[dim - 1] = static_cast<float>(low + span * (static_cast<double>(bits >> 40) * 0x1p-24));
   }
 }
 
-void init_vector(float* out, int64_t dim, uint64_t key, Init init, at::ArrayRef<double> p) {
+// Elements first_pair * 2 .. of the id's vector: a column shard of a table draws its columns
+// of the whole table's vectors.
+void init_vector(float* out, int64_t dim, uint64_t key, Init init, at::ArrayRef<double> p, int64_t first_pair) {
   if (init == Init::kConstant) {
     std::fill(out, out + dim, static_cast<float>(p[0]));
     return;
   }
   if (init == Init::kUniform) {
-    uniform_vector(out, dim, key, p[0], p[1] - p[0]);
+    uniform_vector(out, dim, key, p[0], p[1] - p[0], first_pair);
     return;
   }
   for (int64_t j = 0; j < dim; j += 2) {
     double z[2];
-    box_muller(pair_bits(key, j / 2, 0), &z[0], &z[1]);
+    box_muller(pair_bits(key, first_pair + j / 2, 0), &z[0], &z[1]);
     for (int64_t e = 0; e < 2 && j + e < dim; ++e) {
       double v = p[0] + p[1] * z[e];
       if (init == Init::kTruncatedNormal) {
         // Redraw out-of-range elements from the pair's next attempts; clamp after the last.
         for (int attempt = 1; attempt < kTruncNormalAttempts && (v < p[2] || v > p[3]); ++attempt) {
           double r[2];
-          box_muller(pair_bits(key, j / 2, attempt), &r[0], &r[1]);
+          box_muller(pair_bits(key, first_pair + j / 2, attempt), &r[0], &r[1]);
           v = p[0] + p[1] * r[e];
         }
         v = std::min(std::max(v, p[2]), p[3]);
@@ -646,8 +648,15 @@ void init_rows_cpu(const at::Tensor& table, const at::Tensor& rows_in, const at:
               rows.numel(), " and ", ids.numel());
   TORCH_CHECK(kind >= 0 && kind <= 3, op, ": unknown initializer kind ", kind);
   const size_t need = kind == 3 ? 1 : kind == 2 ? 4 : 2;
-  TORCH_CHECK(params.size() >= need, op, ": initializer kind ", kind, " needs ", need,
-              " parameters, got ", params.size());
+  TORCH_CHECK(params.size() == need || params.size() == need + 1, op, ": initializer kind ", kind, " needs ", need,
+              " parameters (and optionally the first column), got ", params.size());
+  // An optional last parameter: the table's first column in the whole table's vectors (a
+  // column shard's), even, as one hash feeds two elements.
+  const double first_column = params.size() > need ? params[need] : 0.0;
+  TORCH_CHECK(first_column >= 0 && first_column == std::floor(first_column) &&
+                  static_cast<int64_t>(first_column) % 2 == 0, op,
+              ": the first column must be an even integer >= 0, got ", first_column);
+  const int64_t first_pair = static_cast<int64_t>(first_column) / 2;
   const int64_t cap = table.size(0), dim = table.size(1), n = rows.numel();
   TORCH_CHECK(state_values.size() == states.size(), op, ": one state value per state, got ",
               state_values.size(), " values for ", states.size(), " states");
@@ -670,9 +679,9 @@ void init_rows_cpu(const at::Tensor& table, const at::Tensor& rows_in, const at:
       if (ahead < end && r[ahead] >= 0) prefetch_row(w + r[ahead] * row_bytes, row_bytes, 1);  // states are streamed
       if (r[i] < 0) continue;
       if (storage == Storage::kFloat) {
-        init_vector(reinterpret_cast<float*>(w + r[i] * row_bytes), dim, row_key(id[i], s), init, params);
+        init_vector(reinterpret_cast<float*>(w + r[i] * row_bytes), dim, row_key(id[i], s), init, params, first_pair);
       } else {
-        init_vector(scratch.data(), dim, row_key(id[i], s), init, params);
+        init_vector(scratch.data(), dim, row_key(id[i], s), init, params, first_pair);
         store_row(w + r[i] * row_bytes, scratch.data(), storage, dim, nullptr);
       }
       for (size_t k = 0; k < states.size(); ++k) {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up .venv in the checkout: pinned torch, the fbgemm variant matching the machine,
 # torchrec without its declared deps (it names the 500 MB CUDA fbgemm-gpu) plus its real deps,
-# triton, torchx, pytest, the linters (ruff, clang-format for scripts/lint.sh), and this package
+# triton, torchx, pytest, tensorboard (the job's --tensorboard), the linters (ruff, clang-format for scripts/lint.sh), and this package
 # in editable mode built against that torch.
 # Idempotent: dependencies install once (stamp file); the extension rebuilds when its sources change.
 set -euo pipefail
@@ -12,7 +12,7 @@ FBGEMM_VERSION=1.8.0
 TORCHREC_VERSION=1.8.0
 RUFF_VERSION=0.17.6          # scripts/lint.sh and .pre-commit-config.yaml use these two
 CLANG_FORMAT_VERSION=23.1.5
-DEPS_STAMP="$VENV/.torchrec_ext_deps_v2"  # bump when the list below changes
+DEPS_STAMP="$VENV/.torchrec_ext_deps_v3"  # bump when the list below changes
 BUILD_STAMP="$VENV/.torchrec_ext_build"
 
 pip_install() {
@@ -39,7 +39,7 @@ if [ ! -f "$DEPS_STAMP" ]; then
   pip_install "$fbgemm" "torch==$TORCH_VERSION"
   pip_install --no-deps "torchrec==$TORCHREC_VERSION"
   pip_install "torch==$TORCH_VERSION" tensordict "torchmetrics==1.0.3" tqdm pyre-extensions \
-    typing-inspect iopath "triton==3.6.0" "torchx==0.7.0" pytest numpy matplotlib \
+    typing-inspect iopath "triton==3.6.0" "torchx==0.7.0" pytest numpy matplotlib tensorboard \
     "ruff==$RUFF_VERSION" "clang-format==$CLANG_FORMAT_VERSION"
   touch "$DEPS_STAMP"
 fi

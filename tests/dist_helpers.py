@@ -146,3 +146,45 @@ def local_state(dmp) -> dict:
         elif isinstance(value, torch.Tensor):
             out[name] = value.detach().clone()
     return out
+
+
+def global_batch(kjts):
+    """The KJT of every rank's samples, rank after rank per key: what an unsharded module is fed
+    to stand for all ranks (the order column shards and routed lookups receive ids in)."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    keys, per_key = kjts[0].keys(), [k.to_dict() for k in kjts]
+    weighted = kjts[0].weights_or_none() is not None
+    return KeyedJaggedTensor(
+        keys=keys, values=torch.cat([jt[key].values() for key in keys for jt in per_key]),
+        lengths=torch.cat([jt[key].lengths() for key in keys for jt in per_key]),
+        stride=kjts[0].stride() * len(kjts),
+        weights=torch.cat([jt[key].weights() for key in keys for jt in per_key]) if weighted else None)
+
+
+def rows_by_id(state, prefix):
+    """{table: {key: {id: value}}} of a (full, unsharded) state dict's per-row keys under ``prefix``
+    (vectors, scores, optimizer state, last-seen steps)."""
+    out = {}
+    for key, value in state.items():
+        if not key.startswith(prefix) or not isinstance(value, torch.Tensor):
+            continue
+        table, field = key[len(prefix):].split(".", 1)
+        if field in ("weight_id", "counters", "row") or field.startswith("admission"):
+            continue
+        ids = state[f"{prefix}{table}.weight_id"].tolist()
+        if value.dim() >= 1 and value.shape[0] == len(ids):
+            out.setdefault(table, {})[field] = dict(zip(ids, value))
+    return out
+
+
+def assert_same_tables(got_state, want_state, prefix):
+    """The same ids with the same per-row values in two (full) state dicts' tables."""
+    got, want = rows_by_id(got_state, prefix), rows_by_id(want_state, prefix)
+    assert got.keys() == want.keys()
+    for table in want:
+        assert got[table].keys() == want[table].keys(), table
+        for field in want[table]:
+            assert got[table][field].keys() == want[table][field].keys(), (table, field)
+            for k, v in want[table][field].items():
+                torch.testing.assert_close(got[table][field][k], v, rtol=1e-5, atol=1e-5, msg=f"{table}.{field}[{k}]")

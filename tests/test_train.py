@@ -124,6 +124,18 @@ def test_bad_arguments_are_clear_errors(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_tensorboard_without_its_package_is_a_clear_error(monkeypatch, capsys):
+    import importlib.util
+
+    from torchrec_ext.train.args import parse_args
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(SystemExit):
+        parse_args(["--tensorboard", "/tmp/x"])
+    assert "--tensorboard needs the tensorboard package" in capsys.readouterr().err
+
+
 def test_table_flags_reach_every_table_and_a_resume_must_keep_them(tmp_path):
     """--data-type and --admission build the tables they name (the checkpoint's rows are half
     precision, ids seen once have no row), and resuming with other table flags is refused."""
@@ -237,16 +249,37 @@ def test_trains_on_real_criteo_sample(tmp_path):
     assert too_few.returncode == 2 and "none left to train on" in too_few.stderr
 
 
+def _tensorboard_scalars(log_dir):
+    """{tag: {step: value}} of every event file in ``log_dir``, read by TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(log_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
 def test_two_ranks_under_torchrun_resume_then_one_rank(tmp_path):
-    run_dir = str(tmp_path / "two")
+    run_dir, board = str(tmp_path / "two"), str(tmp_path / "board")
     # Capacity for every id of 2 ranks x 20 steps: one rank must hold the rows of both later.
     common = ["--run-dir", run_dir, "--eval-every", "10", "--checkpoint-every", "10"] + TINY + ["--capacity", "8192"]
-    job_ok(run_job(["--steps", "10"] + common, launcher=TORCHRUN, timeout=150))
-    job_ok(run_job(["--steps", "20", "--resume"] + common, launcher=TORCHRUN, timeout=150))
+    job_ok(run_job(["--steps", "10", "--tensorboard", board] + common, launcher=TORCHRUN, timeout=150))
+    job_ok(run_job(["--steps", "20", "--resume", "--tensorboard", board] + common, launcher=TORCHRUN, timeout=150))
     summary = _load(run_dir, "summary.json")
     assert summary["world_size"] == 2 and summary["global_batch_size"] == 256 and summary["start_step"] == 10
     assert [e["samples"] for e in summary["evals"]] == [2048] * 3  # both ranks' shares
     assert summary["final_eval"]["auc"] > summary["initial_eval"]["auc"]
+
+    # --tensorboard: rank 0 alone wrote one event file per run; the two runs read as one history
+    # equal to history.json / summary.json (train loss per step, evals, the tables' stats reduced
+    # over ranks through TorchRec's RecMetricModule at each segment's end).
+    assert len(os.listdir(board)) == 2
+    scalars, history = _tensorboard_scalars(board), _load(run_dir, "history.json")
+    assert scalars["train/loss"] == {s + 1: pytest.approx(v, rel=1e-6) for s, v in enumerate(history["train_loss"])}
+    assert scalars["eval/auc"] == {e["step"]: pytest.approx(e["auc"], rel=1e-6) for e in summary["evals"]}
+    assert history["tables"][-1]["step"] == 20 and set(scalars["table_stats|inserts"]) == {10, 20}
+    assert scalars["table_stats|inserts"][20] == history["tables"][-1]["inserts"] == summary["table_totals"]["inserts"]
+    for name, stats in summary["table_stats"].items():
+        assert scalars[f"table_stats|{name}/live_rows"][20] == stats["live_rows"] > 0
 
     # The 2-rank checkpoint continues on 1 rank: rows re-routed, the data stream goes on at global
     # batch 40 (a rank that restarted at its own batch 20 would see batches it trained on).

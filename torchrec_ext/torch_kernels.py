@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from torchrec_ext.hashing import MASK64, fmix64_tensor, srl, u64
-from torchrec_ext.vocabulary import INIT_GOLDEN, INITIALIZER_NAMES, TRUNC_NORMAL_ATTEMPTS
+from torchrec_ext.vocabulary import INIT_GOLDEN, INITIALIZER_NAMES, INITIALIZER_PARAM_COUNTS, TRUNC_NORMAL_ATTEMPTS
 
 
 def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -94,10 +94,14 @@ def init_vectors(ids: Tensor, dim: int, seed: int, kind: str, params: Sequence[f
 
 def init_rows(table: Tensor, rows: Tensor, ids: Tensor, seed: int, kind: int, params: Sequence[float],
               states: Sequence[Tensor], state_values: Sequence[float]) -> None:
-    """Same contract as the C++ op, through the vectorised RNG above."""
+    """Same contract as the C++ op, through the vectorised RNG above (an optional last
+    parameter: the first column of a column shard's vectors in its whole table's)."""
     keep = rows >= 0
     rows, ids = rows[keep], ids[keep]
-    table[rows] = init_vectors(ids, table.shape[1], seed, INITIALIZER_NAMES[kind], params).to(table.device)
+    name = INITIALIZER_NAMES[kind]
+    first = int(params[INITIALIZER_PARAM_COUNTS[name]]) if len(params) > INITIALIZER_PARAM_COUNTS[name] else 0
+    vectors = init_vectors(ids, first + table.shape[1], seed, name, params)[:, first:]
+    table[rows] = vectors.to(table.device)
     for state, value in zip(states, state_values):
         state[rows] = value
 

@@ -10,8 +10,10 @@ option to TorchRec's own estimators, so a model mixing dynamic and stock tables 
     planner = make_planner(Topology(world_size=2, compute_device="cpu"), batch_size=512)
     plan = planner.plan(model, get_sharders())
 
-Storage of one rank's share of a table (``rows``: the capacity for table_wise, ``ceil(capacity /
-world_size)`` for row_wise, as ``ops.route`` spreads ids evenly):
+Storage of one rank's share of a table (``rows``: the capacity for table_wise and for each
+column shard of column_wise / table_column_wise (``dim``: the shard's columns; every shard
+keeps its own index), ``ceil(capacity / world_size)`` for row_wise and ``ceil(capacity /
+ranks of the node)`` for table_row_wise, as ``ops.route`` spreads ids evenly):
 
     4 * ceil(rows * dim * e / 4)                      vectors in the table's data_type (e = 4 FP32,
                                                       2 FP16 / BF16), packed in 4-byte words
@@ -57,7 +59,10 @@ from torchrec.distributed.planner.utils import extract_comm_data_type_size
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, PipelineType, ShardingPlan, ShardingType
 
-from torchrec_ext.distributed.sharded_base import SUPPORTED_SHARDING_TYPES, local_capacity
+from torchrec_ext.distributed.placement import (
+    COLUMN_TYPES, DATA_PARALLEL_REFUSAL, SUPPORTED_SHARDING_TYPES, column_sharding_refusal,
+)
+from torchrec_ext.distributed.sharded_base import local_capacity
 from torchrec_ext.modules.admission import admission_bytes
 from torchrec_ext.modules.configs import DynamicTableOptions, options_of, storage_dtype_of
 from torchrec_ext.modules.embedding_bag_collection import DynamicEmbeddingBagCollection
@@ -195,6 +200,23 @@ class _TableCache:
         )
 
 
+def _row_parts(option: ShardingOption, world_size: int) -> int:
+    """Ranks a table's rows are spread over: every rank (row_wise), its node's (table_row_wise:
+    one shard each), else 1."""
+    if option.sharding_type == ShardingType.ROW_WISE.value:
+        return world_size
+    if option.sharding_type == ShardingType.TABLE_ROW_WISE.value:
+        return max(len(option.shards), 1)
+    return 1
+
+
+def _shard_dims(option: ShardingOption, table: "_TableInfo") -> List[int]:
+    """Each shard's width: a column shard's columns (TorchRec's shard sizes), else the table's dim."""
+    if option.sharding_type in COLUMN_TYPES:
+        return [int(shard.size[1]) for shard in option.shards]
+    return [table.dim] * len(option.shards)
+
+
 def _check_sharding_type(option: ShardingOption) -> None:
     if option.sharding_type not in SUPPORTED_SHARDING_TYPES:
         raise ValueError(f"dynamic table planner: table {option.name!r} ({option.path or '<root>'}) has sharding type "
@@ -206,7 +228,7 @@ class _StepVolume:
     """Per-step volumes of one table as one shard sees them (counts of ids / output rows)."""
 
     local_ids: float  # ids of this table in one rank's batch: sum(pooling factor * num_poolings * batch size)
-    shard_ids: float  # ids this shard looks up: every rank's ids (table_wise) or 1/world_size of them (row_wise)
+    shard_ids: float  # ids this shard looks up: every rank's ids (table_wise, column shards) or a share (row types)
     shard_outputs: float  # output rows this shard writes (pooled: one per bag of the global batch)
 
 
@@ -227,12 +249,14 @@ def _step_volume(option: ShardingOption, constraints: Optional[Dict[str, Paramet
     local_ids = sum(il * npool * bs for il, npool, bs in zip(input_lengths, num_poolings, batch_sizes))
     # A pooled bag yields one output row if it can hold an id at all (TorchRec's min(1, length)).
     local_bags = sum(min(1.0, il) * npool * bs for il, npool, bs in zip(input_lengths, num_poolings, batch_sizes))
-    if option.sharding_type == ShardingType.TABLE_WISE.value:
+    if option.sharding_type in (ShardingType.TABLE_WISE.value,) + COLUMN_TYPES:
+        # table_wise: one shard takes every rank's ids; column_wise: so does each column shard
         shard_ids = local_ids * world_size
         shard_outputs = (local_bags if pooled else local_ids) * world_size
-    else:  # row_wise: ids spread evenly over ranks; pooled partial sums cover every rank's bags
-        shard_ids = local_ids
-        shard_outputs = local_bags * world_size if pooled else local_ids
+    else:  # row_wise / table_row_wise: ids spread evenly over the group's ranks (every rank's for
+        # row_wise, a node's for table_row_wise); pooled partial sums cover every rank's bags
+        shard_ids = local_ids * world_size / _row_parts(option, world_size)
+        shard_outputs = local_bags * world_size if pooled else shard_ids
     return _StepVolume(local_ids=local_ids, shard_ids=shard_ids, shard_outputs=shard_outputs)
 
 
@@ -284,21 +308,25 @@ class DynamicEmbeddingStorageEstimator(ShardEstimator):
 
     def _shard_bytes(self, option: ShardingOption, table: _TableInfo) -> List[int]:
         world_size = self._topology.world_size
-        parts = world_size if option.sharding_type == ShardingType.ROW_WISE.value else 1
+        parts = _row_parts(option, world_size)
         initial = self._plan_capacity if isinstance(self._plan_capacity, str) else \
             self._plan_capacity.get(table.name, "maximum")
-        resident = dynamic_table_bytes(table.capacity, table.dim, table.optimizer_kind, ttl=table.ttl,
-                                       admit_after=table.admit_after, admission_capacity=table.admission_capacity,
-                                       parts=parts, admission=table.options, element_bytes=table.element_bytes,
-                                       rows_now=table.initial_capacity if initial == "initial" else None)
-        io = 0
-        if not self._is_inference:
-            volume = _step_volume(option, self._constraints, world_size, table.pooled)
-            id_bytes = ID_BYTES + (WEIGHT_BYTES if table.weighted else 0)
-            io = math.ceil(volume.shard_ids * id_bytes) + math.ceil(volume.shard_outputs * table.dim * FLOAT_BYTES)
+        volume = _step_volume(option, self._constraints, world_size, table.pooled)
+        id_bytes = ID_BYTES + (WEIGHT_BYTES if table.weighted else 0)
+        out = []
         # Every rank of a row_wise table holds an even share, whatever sizes TorchRec's row split
-        # gave the shards: ids are spread by hash, not by row range.
-        return [resident + io] * len(option.shards)
+        # gave the shards: ids are spread by hash, not by row range. A column shard is a table of
+        # its width with the whole capacity, and its own index.
+        for dim in _shard_dims(option, table):
+            resident = dynamic_table_bytes(table.capacity, dim, table.optimizer_kind, ttl=table.ttl,
+                                           admit_after=table.admit_after, admission_capacity=table.admission_capacity,
+                                           parts=parts, admission=table.options, element_bytes=table.element_bytes,
+                                           rows_now=table.initial_capacity if initial == "initial" else None)
+            io = 0
+            if not self._is_inference:
+                io = math.ceil(volume.shard_ids * id_bytes) + math.ceil(volume.shard_outputs * dim * FLOAT_BYTES)
+            out.append(resident + io)
+        return out
 
     def _on_device(self, nbytes: int) -> Storage:
         if self._topology.compute_device in ("cuda", "mtia"):
@@ -339,10 +367,11 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
     """Per-shard perf of dynamic tables from a bandwidth model; any other sharding option goes to
     TorchRec's ``EmbeddingPerfEstimator``.
 
-    Per shard and step (``ids``: ids the shard looks up: all ranks' for table_wise, 1/world_size
-    of them for row_wise; ``outs``: output rows it writes; ``bw``: the device memory bandwidth):
+    Per shard and step (``ids``: ids the shard looks up: all ranks' for table_wise and for each
+    column shard, 1/world_size of them for row_wise, 1/(ranks of a node) for table_row_wise;
+    ``outs``: output rows it writes; ``dim``: the shard's width; ``bw``: the device memory bandwidth):
 
-        fwd_compute = (ids * (8 + probe + 4 * dim*4) + outs * dim*4 [+ row_wise: local ids * route]) / bw
+        fwd_compute = (ids * (8 + probe + 4 * dim*4) + outs * dim*4 [+ row types: local ids * route]) / bw
         bwd_compute = (outs * dim*4 + ids * (update overhead + 4 * (dim*4 + 2 * (dim*4 + state)))) / bw
         fwd_comms   = outs * dim * comm dtype size / reduce-scatter (pooled) or all-to-all bw
         bwd_comms   = the same volume / all-gather (pooled) or all-to-all bw
@@ -363,10 +392,8 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
                  sharder_data_map: Optional[SharderDataMap] = None) -> None:
         for option, table in _ours_after_delegating(sharding_options, self._delegate, sharder_data_map):
             sharder_data = sharder_data_map.get(option.module_type_key) if sharder_data_map else None
-            perf = self._shard_perf(option, table, sharder_data)
-            for shard in option.shards:
-                shard.perf = Perf(fwd_compute=perf.fwd_compute, fwd_comms=perf.fwd_comms, bwd_compute=perf.bwd_compute,
-                                  bwd_comms=perf.bwd_comms, input_dist_comms=perf.input_dist_comms)
+            for shard, dim in zip(option.shards, _shard_dims(option, table)):
+                shard.perf = self._shard_perf(option, table, sharder_data, dim)
 
     def _device_bw(self) -> float:
         if self._topology.compute_device in ("cuda", "mtia"):
@@ -387,17 +414,20 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
             return extract_comm_data_type_size(sharder_data, option)
         return extract_comm_data_type_size(option, sharder_data)
 
-    def _shard_perf(self, option: ShardingOption, table: _TableInfo, sharder_data: Any = None) -> Perf:
+    def _shard_perf(self, option: ShardingOption, table: _TableInfo, sharder_data: Any = None,
+                    dim: Optional[int] = None) -> Perf:
+        """One shard's perf; ``dim``: its width (a column shard's columns; default the table's)."""
         world_size = self._topology.world_size
+        dim = table.dim if dim is None else dim
         volume = _step_volume(option, self._constraints, world_size, table.pooled)
-        row_bytes = table.dim * table.element_bytes  # a stored row, in its data_type
-        out_bytes = table.dim * FLOAT_BYTES  # an output (or gradient) row: float32
+        row_bytes = dim * table.element_bytes  # a stored row, in its data_type
+        out_bytes = dim * FLOAT_BYTES  # an output (or gradient) row: float32
         id_bytes = ID_BYTES + (WEIGHT_BYTES if table.weighted else 0)
         bw = self._device_bw()
         probe = HASH_FIND_BYTES if self._is_inference else HASH_INSERT_BYTES
         fwd_bytes = (volume.shard_ids * (id_bytes + probe + RANDOM_ROW_FACTOR * row_bytes)
                      + volume.shard_outputs * out_bytes)
-        if option.sharding_type == ShardingType.ROW_WISE.value and world_size > 1:
+        if _row_parts(option, world_size) > 1:
             fwd_bytes += volume.local_ids * ROUTE_BYTES
         fwd_compute = fwd_bytes / bw
         bwd_compute = 0.0
@@ -410,7 +440,8 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
         if world_size > 1:
             fwd_a2a, bwd_a2a, fwd_rs, bwd_rs = self._comm_sizes(option, sharder_data)
             a2a_bw = self._comms_bw(CollectiveType.ALL_TO_ALL)
-            out_elems = volume.shard_outputs * table.dim
+            # A sequence column shard sends its vectors padded to the whole dim (embedding.py).
+            out_elems = volume.shard_outputs * (dim if table.pooled else table.dim)
             if table.pooled:  # partial pools are reduce-scattered to their batch's rank; grads all-gathered back
                 fwd_comms = out_elems * fwd_rs / self._comms_bw(CollectiveType.REDUCE_SCATTER)
                 if not self._is_inference:
@@ -532,6 +563,34 @@ def check_dynamic_modules_have_sharders(module: nn.Module, sharders: Sequence[Mo
                            error_type=PlannerErrorType.OTHER)
 
 
+def _column_refusals(module: nn.Module, constraints: Optional[Dict[str, ParameterConstraints]]
+                     ) -> Dict[Tuple[str, str], str]:
+    """(module path, table) -> why its dynamic table cannot be sharded column-wise; raises
+    PlannerError when a table's constraints allow only what cannot serve it (data_parallel, or
+    column types such a table refuses), saying why."""
+    refusals = {}
+    for path, child in module.named_modules():
+        if not isinstance(child, DYNAMIC_MODULE_TYPES):
+            continue
+        kind = _optimizer_kind(child)
+        for cfg in _configs(child):
+            allowed = (constraints or {}).get(cfg.name)
+            allowed = list(allowed.sharding_types) if allowed is not None and allowed.sharding_types else None
+            where = f"dynamic table planner: table {cfg.name!r} ({path or '<root>'})"
+            if allowed and ShardingType.DATA_PARALLEL.value in allowed and \
+                    not set(allowed) & set(SUPPORTED_SHARDING_TYPES):
+                raise PlannerError(f"{where} is constrained to data_parallel: {DATA_PARALLEL_REFUSAL}",
+                                   error_type=PlannerErrorType.OTHER)
+            refusal = column_sharding_refusal(cfg, kind)
+            if refusal is None:
+                continue
+            refusals[(path, cfg.name)] = refusal
+            if allowed and set(allowed) & set(SUPPORTED_SHARDING_TYPES) <= set(COLUMN_TYPES):
+                raise PlannerError(f"{where} is constrained to {allowed}, but it cannot be sharded column-wise: it "
+                                   f"{refusal}", error_type=PlannerErrorType.OTHER)
+    return refusals
+
+
 def _default_planner_estimators(topology: Topology, constraints: Optional[Dict[str, ParameterConstraints]]
                                 ) -> List[ShardEstimator]:
     return [DynamicEmbeddingPerfEstimator(topology, constraints),
@@ -554,7 +613,14 @@ def install_default_planner_hook() -> None:
 
     def enumerate(self, module, sharders):
         check_dynamic_modules_have_sharders(module, sharders)
-        return original_enumerate(self, module, sharders)
+        refusals = _column_refusals(module, self._constraints)
+        options = original_enumerate(self, module, sharders)
+        if not refusals:
+            return options
+        # Column options of tables that cannot be split exactly are dropped (constraints that
+        # allow nothing else were refused above), so the planner never picks them.
+        return [o for o in options if not (is_dynamic_option(o) and o.sharding_type in COLUMN_TYPES
+                                           and (o.path, o.name) in refusals)]
 
     def populate_estimates(self, sharding_options):
         ours = getattr(self, "_dynamic_estimators", None)

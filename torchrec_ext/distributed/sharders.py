@@ -1,6 +1,7 @@
 """Sharders that let DistributedModelParallel and the planner shard our dynamic modules.
 
-They offer ``table_wise`` and ``row_wise`` (ids spread by ``ops.route``), with TorchRec's
+They offer ``table_wise``, ``row_wise`` and ``table_row_wise`` (ids spread by ``ops.route``),
+``column_wise`` and ``table_column_wise`` (placement.py; not ``data_parallel``), with TorchRec's
 ``customized_kernel`` compute kernel, which the planner accepts with our estimators
 (``torchrec_ext.distributed.planner``). Their ``fused_params`` choose the tables' fused
 optimizer as TorchRec's sharders' do (``sharded_base.sharded_optimizer``).
@@ -17,7 +18,7 @@ from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharde
 
 from torchrec_ext.distributed.embedding import ShardedDynamicEmbeddingCollection
 from torchrec_ext.distributed.embeddingbag import ShardedDynamicEmbeddingBagCollection
-from torchrec_ext.distributed.sharded_base import SUPPORTED_SHARDING_TYPES
+from torchrec_ext.distributed.placement import SUPPORTED_SHARDING_TYPES
 from torchrec_ext.modules.configs import options_of
 from torchrec_ext.modules.fused_optimizer import spec_from_fused_params
 from torchrec_ext.modules import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection

@@ -27,6 +27,10 @@ class Initializer:
     kind: ``uniform`` on [low, high] (default: TorchRec's +-sqrt(1 / num_embeddings), or the
     config's weight_init_min/max); ``normal`` (mean, std); ``truncated_normal`` (mean, std,
     cut to [low, high], default mean -+ 2 std); ``constant`` (value).
+
+    first_column: the table is a column shard (``column_wise`` sharding) holding columns
+    first_column.. of its whole table: it draws exactly those elements of the whole table's
+    vectors. Even (one hash feeds two elements).
     """
 
     kind: str = "uniform"
@@ -35,6 +39,7 @@ class Initializer:
     mean: float = 0.0
     std: float = 1.0
     value: float = 0.0
+    first_column: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, str):
@@ -50,9 +55,17 @@ class Initializer:
             raise ValueError(f"Initializer: std must be >= 0, got {self.std}")
         if self.low is not None and self.high is not None and self.low > self.high:
             raise ValueError(f"Initializer: low must be <= high, got low={self.low}, high={self.high}")
+        if not _is_int(self.first_column) or self.first_column < 0 or self.first_column % 2:
+            raise ValueError(f"Initializer: first_column must be an even int >= 0 (one hash feeds two elements), "
+                             f"got {self.first_column!r}")
 
     def kernel_params(self, default_low: float, default_high: float) -> Tuple[int, Tuple[float, ...]]:
-        """(kind id, params) as csrc/embedding_cpu.cpp's init_rows takes them."""
+        """(kind id, params) as csrc/embedding_cpu.cpp's init_rows takes them (the first column
+        last, when not 0)."""
+        kind, params = self._kind_params(default_low, default_high)
+        return kind, params + ((float(self.first_column),) if self.first_column else ())
+
+    def _kind_params(self, default_low: float, default_high: float) -> Tuple[int, Tuple[float, ...]]:
         if self.kind == "uniform":
             low = default_low if self.low is None else self.low
             high = default_high if self.high is None else self.high
@@ -69,10 +82,9 @@ class Initializer:
     def from_kernel_params(kind: int, params: Sequence[float]) -> "Initializer":
         """The Initializer whose ``kernel_params`` are (kind, params), every default resolved."""
         name = INITIALIZER_NAMES[kind]
-        if name == "constant":
-            return Initializer("constant", value=params[0])
-        fields = ("low", "high") if name == "uniform" else ("mean", "std", "low", "high")
-        return Initializer(name, **dict(zip(fields, params)))
+        fields = {"constant": ("value",), "uniform": ("low", "high")}.get(name, ("mean", "std", "low", "high"))
+        first = {"first_column": int(params[len(fields)])} if len(params) > len(fields) else {}
+        return Initializer(name, **dict(zip(fields, params)), **first)
 
 
 DEFAULT_GROWTH_LOAD_FACTOR = 0.75

@@ -253,9 +253,11 @@ class TrainPipeline(TrainPipelineSparseDist):
         for kjt_all_to_all, pg in self._moved_input_dists:
             kjt_all_to_all._pg = pg
         self._moved_input_dists.clear()
-        if worker_done:  # a helper thread left behind may still use its group: not reused then
-            for source, group in self._dist_groups.items():
+        for source, group in self._dist_groups.items():
+            if worker_done:
                 groups.give_back(source, group)
+            else:  # a helper thread left behind may still use its group: never reused
+                groups.abandon(source, group, "a pipeline's input-dist thread did not stop within its close timeout")
         self._dist_groups.clear()
         if self._model_attached and self._pipelined_modules:
             self.detach()
@@ -399,6 +401,8 @@ class TrainPipeline(TrainPipelineSparseDist):
     def _pipeline_model(self, batch, context, pipelined_forward=None) -> None:
         # As TorchRec's, plus: once the input dists exist (the first start creates them), move
         # their collectives to a clone of their process group when a helper thread issues them.
+        if self._dist_worker is not None:
+            groups.check_pools_open()  # before the model is rewritten: a refusal leaves it as it was
         (self._pipelined_modules, self._model, self._original_forwards, self._pipelined_postprocs, _) = _rewrite_model(
             model=self._model,
             context=context,

@@ -11,6 +11,7 @@ from torchrec.modules.embedding_configs import DataType
 
 from torchrec_ext.modules import DynamicEmbeddingBagConfig
 from torchrec_ext.modules.configs import check_tables
+from torchrec_ext.train.board import tensorboard_missing
 from torchrec_ext.train.data import parse_data_spec
 
 DESCRIPTION = (
@@ -168,6 +169,13 @@ def _add_output_args(g: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="continue from the newest checkpoint in --run-dir (from step 0 when there is none)",
     )
+    g.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="rank 0 writes TensorBoard event files into DIR: train loss, evals and the tables' stats through "
+        "TorchRec's RecMetricModule (needs the tensorboard package)",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--verbose", action="store_true", help="keep TorchRec's and torch's advisory warnings")
 
@@ -193,6 +201,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     if args.fallback_rows is not None and args.fallback_rows < 1:
         parser.error(f"--fallback-rows must be >= 1, got {args.fallback_rows}")
+    if args.tensorboard is not None and tensorboard_missing():
+        parser.error(tensorboard_missing())
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
     if not (math.isfinite(args.collective_timeout) and args.collective_timeout > 0):

@@ -45,9 +45,13 @@ import torch
 import torch.distributed as dist
 
 from torchrec_ext.distributed.checkpoint import PendingCheckpoint
+from torchrec.metrics.metric_module import RecMetricModule
+
+from torchrec_ext.distributed.table_metrics import TableStatsMetric
 from torchrec_ext.distributed.table_stats import model_table_stats
 from torchrec_ext.distributed.table_stats import summarize as summarize_table_stats
 from torchrec_ext.train.args import build_parser, parse_args
+from torchrec_ext.train.board import Board
 from torchrec_ext.train.data import StreamConfig, TrainStream, eval_batches
 from torchrec_ext.train.loop import global_mean, run_segment
 from torchrec_ext.train.metrics import evaluate, oracle_auc
@@ -85,6 +89,8 @@ class Run:
     pending_save: tuple[int, PendingCheckpoint, float] | None = None  # (step, its save, when it began)
     model_config: ModelConfig | None = None
     exporter: DeltaExporter | None = None  # --export-deltas-every
+    metrics: RecMetricModule | None = None  # TorchRec's metrics module, holding the tables' stats
+    board: Board = dataclasses.field(default_factory=lambda: Board(None, 0))  # --tensorboard (rank 0)
 
     @property
     def ckpt_dir(self) -> str:
@@ -144,6 +150,9 @@ def build(args: argparse.Namespace, rt: Runtime, run_dir: str) -> Run:
         dmp=dmp,
         optimizer=make_optimizer(dmp, args.lr),
         config=resume_config(args, rt.world_size),
+        metrics=RecMetricModule(
+            batch_size=args.batch_size, world_size=rt.world_size, state_metrics={"table_stats": TableStatsMetric(dmp)}
+        ),
     )
 
 
@@ -192,6 +201,7 @@ def run_eval(run: Run, step: int) -> None:
     result = evaluate(run.dmp, run.held_out, run.rt.device)
     result["step"] = step
     run.evals.append(result)
+    run.board.eval(result)
     run.log(
         f"step {step}: eval AUC {result['auc']:.4f}, log loss {result['logloss']:.4f} ({result['samples']:,} samples)"
     )
@@ -253,7 +263,9 @@ def train_steps(run: Run, progress: Progress) -> None:
             raise RuntimeError(
                 f"training segment of steps {step}..{end} ran {len(losses)} steps: the data stream ended early"
             )
-        run.train_loss.extend(global_mean(losses, run.rt.device))
+        step_losses = global_mean(losses, run.rt.device)
+        run.train_loss.extend(step_losses)
+        run.board.losses(step + 1, step_losses)
         run.position += (end - step) * run.rt.world_size
         step = end
         _log_tables(run, step)
@@ -285,8 +297,11 @@ def export_deltas(run: Run, step: int) -> None:
 
 
 def _log_tables(run: Run, step: int) -> None:
-    """One line of the tables' totals over ranks (collective: every rank ends its segment here)."""
-    totals = summarize_table_stats(model_table_stats(run.dmp))
+    """One line of the tables' totals over ranks, and TorchRec's metrics module's values to
+    ``--tensorboard`` (collective: every rank ends its segment here)."""
+    values = run.metrics.compute()
+    run.board.scalars(values, step)
+    totals = summarize_table_stats(run.metrics.state_metrics["table_stats"].last)
     if totals is not None:
         run.tables.append({"step": step, **totals})
         hit = "n/a" if totals["hit_rate"] is None else f"{totals['hit_rate']:.1%}"
@@ -389,6 +404,8 @@ def _train_in(run_dir: str, args: argparse.Namespace, rt: Runtime, wall_start: f
     if args.resume:
         restore(run)
     announce(run)
+    if args.tensorboard and rt.is_main:
+        run.board = Board(args.tensorboard, run.start)
     if args.export_deltas_every:
         start_exports(run)
     if run.start == 0 and not any(e["step"] == 0 for e in run.evals):
@@ -408,6 +425,7 @@ def _train_in(run_dir: str, args: argparse.Namespace, rt: Runtime, wall_start: f
     finish_save(run)
     summary = summarize(run, progress, wall_start)
     write_report(run, summary)
+    run.board.close()
     dist.barrier()
     return summary
 

@@ -195,6 +195,27 @@ def test_growth_rewrites_the_buffers_in_their_reserved_memory_and_reset_returns_
     assert grown_rss - _rss() > freed, (grown_rss, _rss())
 
 
+def test_a_saved_growing_module_holds_its_rows_not_its_reserved_range():
+    import io
+
+    cfg = DynamicEmbeddingBagConfig(name="t", embedding_dim=32, num_embeddings=1 << 22, feature_names=["f"],
+                                    initial_capacity=1 << 10)
+    module = DynamicEmbeddingBagCollection([cfg], optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    gen = torch.Generator().manual_seed(5)
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.randint(0, 2 ** 62, (400,), generator=gen), torch.full((100,), 4))
+    module(kjt).values().sum().backward()
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    assert buffer.tell() < 4 * module.storage_bytes()  # the reserved range is (1 << 22) * 32 * 4 * 2 bytes
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.embedding_bags["t"].weight.shape == module.embedding_bags["t"].weight.shape
+    _assert_same_tables(_by_id(loaded), _by_id(module))
+    for m in (module, loaded):
+        m(kjt).values().sum().backward()
+    _assert_same_tables(_by_id(loaded), _by_id(module))
+
+
 def _rss():
     gc.collect()
     with open("/proc/self/statm") as f:

@@ -356,11 +356,7 @@ class DynamicTables:
         holds every row its indexes name; caches and the scratch buffer are not carried."""
         self.write_new_rows()
         state = dict(self.__dict__)
-        # A view of a reservation would carry (deepcopy, pickle) the whole reserved range: the copy
-        # gets plain buffers of its own (its next growth reserves again).
-        state["weights"] = self.weights.clone() if self._reserved else self.weights
-        state["states"] = [s.clone() for s in self.states] if self._reserved else self.states
-        state["_reserved"] = {}
+        state["_reserved"] = {}  # the copy's buffers are plain ones (its next growth reserves again)
         state["_init_views"] = None
         state["_new_vector_buffer"] = torch.empty(0, dtype=torch.float32)
         state["_pending"] = {}  # a copy has no lookup in flight

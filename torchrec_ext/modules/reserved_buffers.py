@@ -32,19 +32,22 @@ class ReservedBuffer:
             self._map.madvise(mmap.MADV_HUGEPAGE)
         except (AttributeError, OSError):  # pragma: no cover
             pass
-        whole = torch.frombuffer(self._map, dtype=torch.uint8)
-        skip = -whole.data_ptr() % _HUGE_PAGE
-        self._offset = skip
-        self._region = whole[skip:skip + numel_max * 4].view(torch.float32)
+        base = torch.frombuffer(self._map, dtype=torch.uint8, count=1).data_ptr()
+        self._offset = -base % _HUGE_PAGE
+        self._start = base + self._offset
 
     def view(self, numel: int) -> Tensor:
+        """The first ``numel`` values, as a tensor whose storage is exactly those (so a pickle or a
+        copy of it, or of a view of it, carries only them, not the reserved range)."""
         if not 0 <= numel <= self.numel_max:
             raise ValueError(f"ReservedBuffer.view: numel must be in [0, {self.numel_max}], got {numel}")
-        return self._region[:numel]
+        if numel == 0:
+            return torch.empty(0, dtype=torch.float32)
+        return torch.frombuffer(self._map, dtype=torch.float32, count=numel, offset=self._offset)
 
     def holds(self, buf: Tensor) -> bool:
-        """Whether ``buf`` is a view of this reservation's start (a buffer ``view`` returned)."""
-        return buf.device.type == "cpu" and buf.numel() > 0 and buf.data_ptr() == self._region.data_ptr()
+        """Whether ``buf`` starts where this reservation does (a buffer ``view`` returned)."""
+        return buf.device.type == "cpu" and buf.numel() > 0 and buf.data_ptr() == self._start
 
     def release_beyond(self, numel: int) -> None:
         """Returns the pages past the first ``numel`` values to the system (a shrink): resident

@@ -216,6 +216,33 @@ def test_a_saved_growing_module_holds_its_rows_not_its_reserved_range():
     _assert_same_tables(_by_id(loaded), _by_id(module))
 
 
+def test_without_address_space_to_reserve_a_module_grows_by_reallocating():
+    """Where num_embeddings' worth of address space cannot be reserved (a limit on it, strict
+    overcommit), the buffers are plain ones and growths reallocate them (in a child process, whose
+    address space is limited below the reservation)."""
+    import subprocess
+    import sys
+
+    code = """
+import resource, torch
+from torchrec import KeyedJaggedTensor
+from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
+resource.setrlimit(resource.RLIMIT_AS, (12 << 30, 12 << 30))  # the reservation: 2^26 x 64 x 4 B = 16 GiB
+cfg = DynamicEmbeddingBagConfig(name="t", embedding_dim=64, num_embeddings=1 << 26, feature_names=["f"],
+                                initial_capacity=1 << 10)
+m = DynamicEmbeddingBagCollection([cfg], optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+assert not m._tables._reserved
+gen = torch.Generator().manual_seed(0)
+m(KeyedJaggedTensor.from_lengths_sync(["f"], torch.randint(0, 2 ** 62, (8000,), generator=gen),
+                                      torch.full((2000,), 4))).values().sum().backward()
+assert m.table_stats()["t"].capacity == 1 << 14 and m.num_live_rows() == 8000
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
 def _rss():
     gc.collect()
     with open("/proc/self/statm") as f:

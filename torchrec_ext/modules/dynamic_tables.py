@@ -457,7 +457,12 @@ class DynamicTables:
             return _allocate(numel, value, device)
         reserved = self._reserved.get(name)
         if reserved is None or reserved.numel_max < numel:
-            reserved = self._reserved[name] = ReservedBuffer(max(numel, self._max_numel(name)))
+            try:
+                reserved = ReservedBuffer(max(numel, self._max_numel(name)))
+            except (OSError, OverflowError):  # no address space to reserve (strict overcommit, ulimit -v)
+                self._reserved.pop(name, None)
+                return _allocate(numel, value, device)
+            self._reserved[name] = reserved
             untouched = False
         buf = reserved.view(numel)
         if not untouched:

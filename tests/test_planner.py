@@ -445,3 +445,23 @@ def test_tables_that_cannot_be_split_by_columns_or_replicated_are_refused_with_t
                                                                                        min_partition=4)})
         with pytest.raises(PlannerError, match=r"table 'c' \(<root>\) is " + reason):
             planner.plan(_types_model("rowwise_adagrad"), _sharders())
+
+
+def test_the_sharders_optimizer_is_costed_when_the_module_chose_none():
+    """A module without an optimizer trains with its sharder's fused_params optimizer once
+    sharded: its state is counted (storage) like the module's own would be."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    configs = [DynamicEmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=1000, feature_names=["f"])]
+    topology = Topology(world_size=2, compute_device="cpu")
+    fused_params = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1}
+    for module_optimizer, sharder_params, opt in ((None, fused_params, "rowwise_adagrad"), ("adam", fused_params, "adam"),
+                                                  (None, None, None)):
+        kwargs = {} if module_optimizer is None else {"optimizer": module_optimizer, "optimizer_kwargs": {"lr": 0.1}}
+        ebc = DynamicEmbeddingBagCollection(configs, device=META, **kwargs)
+        estimators = [DynamicEmbeddingStorageEstimator(topology), DynamicEmbeddingPerfEstimator(topology)]
+        options = EmbeddingEnumerator(topology, BATCH, estimator=estimators).enumerate(
+            ebc, [EbcSharder(fused_params=sharder_params)])
+        table_wise = [o for o in options if o.sharding_type == "table_wise"][0]
+        want = _expected_resident(1000, 8, opt, None, 1, None, 1) + _expected_io("table_wise", 2, 8, True, False, [1.0])
+        assert table_wise.shards[0].storage == Storage(hbm=0, ddr=want), (module_optimizer, sharder_params)

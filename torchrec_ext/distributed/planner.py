@@ -18,7 +18,9 @@ ranks of the node)`` for table_row_wise, as ``ops.route`` spreads ids evenly):
     4 * ceil(rows * dim * e / 4)                      vectors in the table's data_type (e = 4 FP32,
                                                       2 FP16 / BF16), packed in 4-byte words
     + rows * optimizer state per row                  float32 state: sgd / none 0, adagrad dim*4,
-                                                      rowwise_adagrad 4, adam / adamw / ftrl 2*dim*4
+                                                      rowwise_adagrad 4, adam / adamw / ftrl 2*dim*4, of
+                                                      the optimizer the sharded module trains with (the
+                                                      module's, else its sharder's fused_params')
     + 17 * round_up(rows, 32)                         index: digest (1 B) + key (8) + score (8) per slot
     + 8 * rows                   if ttl_steps         last-seen step per row
     + admission state                                 ``counter``: a side table of ``a`` ids (the
@@ -153,13 +155,6 @@ def _configs(module: nn.Module) -> Sequence[Any]:
     return module.embedding_bag_configs()
 
 
-def _optimizer_kind(module: nn.Module) -> Optional[str]:
-    # The module resolves its optimizer from apply_optimizer_in_backward markers or its
-    # constructor arguments; None means no optimizer state is allocated.
-    fused = module._ensure_optimizer()
-    return None if fused is None else fused.spec.kind
-
-
 @dataclass(frozen=True)
 class _TableInfo:
     name: str
@@ -182,10 +177,14 @@ class _TableCache:
     def __init__(self) -> None:
         self._modules: Dict[int, Tuple[Optional[str], Dict[str, Any]]] = {}
 
-    def info(self, option: ShardingOption) -> _TableInfo:
+    def info(self, option: ShardingOption, sharder_data: Any = None) -> _TableInfo:
+        """``sharder_data``: the module's sharder (TorchRec 1.6) or its SharderData snapshot, whose
+        fused_params choose the optimizer when the module chose none, as in the sharded module."""
         module = option.module[1]
         if id(module) not in self._modules:
-            self._modules[id(module)] = (_optimizer_kind(module), {c.name: c for c in _configs(module)})
+            fused_params = getattr(sharder_data, "fused_params", None)
+            kind = sharded_optimizer(module, fused_params, "dynamic table planner").kind
+            self._modules[id(module)] = (kind, {c.name: c for c in _configs(module)})
         kind, configs = self._modules[id(module)]
         config = configs.get(option.name)
         if config is None:
@@ -272,7 +271,8 @@ def _ours_after_delegating(sharding_options, delegate, sharder_data_map):
     for option in sharding_options:
         if is_dynamic_option(option):
             _check_sharding_type(option)
-            yield option, cache.info(option)
+            sharder_data = sharder_data_map.get(option.module_type_key) if sharder_data_map else None
+            yield option, cache.info(option, sharder_data)
 
 
 class DynamicEmbeddingStorageEstimator(ShardEstimator):

@@ -213,7 +213,8 @@ def _refusals(rank, world_size):
     with pytest.raises(ValueError, match=r"table 't1' asks for sharding type 'data_parallel': data_parallel cannot "
                                          r"serve a dynamic table: each rank would insert the ids of its own batch"):
         shard("sgd", {"t1": data_parallel(), **rest})
-    with pytest.raises(ValueError, match=r"not adjacent"):
+    with pytest.raises(ValueError, match=r"rank 0 holds column shards \[\(0, 4\), \(8, 4\)\] that are not adjacent; .* "
+                                         r"list a rank.s shards together \(column_wise\(ranks=\[0, 0, 1, 1\]\)"):
         shard("sgd", {"t1": row_wise(compute_kernel=KERNEL), "t2": row_wise(compute_kernel=KERNEL),
                       "t3": column_wise(ranks=[0, 1, 0, 1], compute_kernel=KERNEL)})
 

@@ -152,7 +152,9 @@ def _column_placement(where: str, cfg, ranks: Sequence[int], columns, optimizer_
         mine = [c for r, c in zip(ranks, columns) if r == rank]
         if any(a[0] + a[1] != b[0] for a, b in zip(mine, mine[1:])):
             raise ValueError(f"{name}: rank {rank} holds column shards {mine} that are not adjacent; a rank's "
-                             f"shards of one table must be adjacent columns (place them on other ranks)")
+                             f"shards of one table must be adjacent columns: list a rank's shards together "
+                             f"(column_wise(ranks=[0, 0, 1, 1]), not [0, 1, 0, 1]); plans of "
+                             f"EmbeddingShardingPlanner are regrouped so")
         if mine[0][0] % 2:
             raise ValueError(f"{name}: rank {rank}'s columns start at odd column {mine[0][0]}; column shards of "
                              f"dynamic tables start at even columns (initial vectors are drawn two elements per hash)")

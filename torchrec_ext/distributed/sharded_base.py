@@ -41,12 +41,13 @@ def local_capacity(capacity: int, world_size: int) -> int:
     return -(-capacity // world_size)
 
 
-def _local_config(cfg, placement: TablePlacement, rank: int, feature_names: List[str], pooled: bool,
+def _local_config(cfg, placement: TablePlacement, rank: int, world_size: int, feature_names: List[str], pooled: bool,
                   stochastic_rounding: Optional[bool] = None):
-    """The config of this rank's share: same name, seed, initial vectors and data_type, its own
-    capacity (a 1/parts share of a row table's) and columns (a column table's shards here),
-    features renamed to their output names, sum pooling (mean is applied after the reduce);
-    ``stochastic_rounding`` (the sharder's fused_params') overrides the config's."""
+    """The config of this rank's share: same name, seed, initial vectors, data_type and backing, its
+    own capacity (a 1/parts share of a row table's; a tiered one caches its cache_load_factor of
+    that share, over backing files of its own: ``backing_shard``) and columns (a column table's
+    shards here), features renamed to their output names, sum pooling (mean is applied after the
+    reduce); ``stochastic_rounding`` (the sharder's fused_params') overrides the config's."""
     opts = options_of(cfg)
     share = placement.parts
     first_column, width = placement.local_columns(rank)
@@ -64,6 +65,8 @@ def _local_config(cfg, placement: TablePlacement, rank: int, feature_names: List
         growth_load_factor=opts.growth_load_factor,
         data_type=cfg.data_type,
         stochastic_rounding=opts.stochastic_rounding if stochastic_rounding is None else stochastic_rounding,
+        backing=opts.backing, cache_load_factor=opts.cache_load_factor,
+        backing_shard=None if opts.backing == "device" else f"rank{rank}-of-{world_size}",
     )
     return DynamicEmbeddingBagConfig(pooling=PoolingType.SUM, **fields) if pooled else DynamicEmbeddingConfig(**fields)
 
@@ -99,7 +102,7 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
                 replicated.append(len(local_configs))
             if placement.holds(self._rank):
                 slots = [self._plan.embedding_names[i] for i, tt in enumerate(self._plan.tables) if tt == t]
-                local_configs.append(_local_config(cfg, placement, self._rank, slots, pooled,
+                local_configs.append(_local_config(cfg, placement, self._rank, self._world_size, slots, pooled,
                                                    stochastic_rounding_of(fused_params, type(self).__name__)))
         widths = {c.name: c.embedding_dim for c in local_configs}
         if not pooled and len(set(widths.values())) > 1:
@@ -143,3 +146,9 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
         # reports for the whole table, so the reduce counts it once.
         return {name: stats for name, stats in self._local.table_stats().items()
                 if self._owners[name].kind != "column" or self._owners[name].first_rank == self._rank}
+
+    def tier_step_stats(self) -> Dict[str, Dict[str, int]]:
+        """This rank's shares of tiered tables (host or file backing): their cache traffic of the
+        last step (``DynamicEmbeddingBagCollection.tier_step_stats``), per table; every shard moves
+        rows of its own, column shards included."""
+        return {} if self._local is None else self._local.tier_step_stats()

@@ -383,11 +383,14 @@ class TieredTables(DynamicTables):
             raise ValueError(f"{where}: the tables of one module must share one backing (put tables of other "
                              f"backings in a module of their own), got {backings}")
         backing = next(iter(backings.values()))
-        if device.type != "cpu":
+        if device.type not in ("cpu", "meta"):  # (meta: a module to shard, which holds no rows and opens no file)
             raise ValueError(f"{where}: tables with backing={backing!r} run on the CPU in this version (a device "
                              f"cache over host or file backing is not built yet), got device {device}")
+        shards = {options_of(cfg).backing_shard for cfg in configs}
+        if len(shards) > 1:
+            raise ValueError(f"{where}: the tables of one module must be one shard's (backing_shard), got {shards}")
         self.store = BackingStore(backing, [(cfg.name, cfg.num_embeddings, cfg.embedding_dim, storage_dtype_of(cfg))
-                                            for cfg in configs], where)
+                                            for cfg in configs], where, shard=next(iter(shards)))
         factors = [options_of(cfg).cache_load_factor for cfg in configs]
         self.cache_load_factors = [DEFAULT_CACHE_LOAD_FACTOR if f is None else float(f) for f in factors]
         # ceil, with a margin for the float product (0.2 * 1000 must be 200 slots, not 201)
@@ -421,8 +424,10 @@ class TieredTables(DynamicTables):
     def _allocate_buffer(self, name: str, numel: int, value: float, device: torch.device) -> Tensor:
         # numel is the buffer at full capacity: the backing store's. Its contents matter only
         # where rows are live (new rows are initialised): a fresh file needs no filling.
-        live = bool(getattr(self, "indexes", None)) and self.num_live_rows() > 0
-        if self.store.directory is None:  # host memory, on huge pages where offered (rows are touched at random)
+        live = bool(getattr(self, "indexes", None)) and device.type != "meta" and self.num_live_rows() > 0
+        if device.type == "meta":
+            self.backing[name] = _allocate(numel, value, device)
+        elif self.store.directory is None:  # host memory, on huge pages where offered (rows are touched at random)
             self.backing[name] = _allocate(numel, value, torch.device("cpu"))
         else:
             self.backing[name] = self.store.map(name, numel, value, fill=live)

@@ -233,3 +233,49 @@ def _check_checkpoints(rank, root, tiered, make, configs, backing, name, shardin
 ])
 def test_sharded_tiered_tables_equal_resident_and_unsharded_on_two_ranks(tmp_path, kind, sharding, name):
     run_ranks(_check_sharded, WORLD, str(tmp_path), kind, sharding, name)
+
+
+def _pipeline_equals_plain_loop(rank, world_size, root):
+    from dist_helpers import DIM, NUM_TABLES, ROWS, local_state, make_batches, make_dmp_dlrm, plain_loop
+    from torchrec_ext.pipeline import PipelineOptions, TrainPipeline
+
+    # ROWS ids in 2 * ROWS rows (no index eviction), a cache of a quarter of each share: the
+    # rows move between the tiers every step.
+    tiers = lambda backing: [DynamicEmbeddingBagConfig(
+        name=f"t{i}", embedding_dim=DIM, num_embeddings=2 * ROWS, feature_names=[f"f{i}"], eviction_policy="lru",
+        **_tier(backing, 0.25)) for i in range(NUM_TABLES)]
+    batches = make_batches(rank, batch_size=4, num_full=12, last=0)
+    reference, reference_opt = make_dmp_dlrm(world_size, dynamic=True, tables=tiers(None))
+    want = plain_loop(reference, reference_opt, batches)
+    for threaded, prefetch in ((False, True), (True, True), (False, False)):
+        directory = os.path.join(root, f"{threaded}-{prefetch}")
+        os.makedirs(directory, exist_ok=True)
+        dmp, opt = make_dmp_dlrm(world_size, dynamic=True, tables=tiers(f"file:{directory}"),
+                                 ebc_device=torch.device("meta"))
+        options = PipelineOptions(prefetch_threads=0, threaded_input_dist=threaded, tier_prefetch=prefetch)
+        losses, stats = [], []
+        with TrainPipeline(dmp, opt, torch.device("cpu"), options) as pipeline:
+            it = iter(batches)
+            while True:
+                try:
+                    loss = pipeline.progress(it)[0]
+                except StopIteration:
+                    break
+                losses.append(loss.detach().clone())
+                stats.append(pipeline.tier_step_stats())
+        assert len(losses) == len(want)
+        for step, (got, expected) in enumerate(zip(losses, want)):
+            assert torch.equal(got, expected), (threaded, step)
+        a, b = local_state(reference), local_state(dmp)
+        assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a), threaded
+        moved = torch.tensor([sum(s["staged"] for step in stats for s in step.values()),
+                              sum(s["misses"] for step in stats[1:] for s in step.values())])
+        dist.all_reduce(moved)
+        if prefetch:  # staged ahead: the steps after the first miss nothing
+            assert moved[0] > 0 and moved[1] == 0, moved
+        else:
+            assert moved[0] == 0 and moved[1] > 0, moved
+
+
+def test_train_pipeline_stages_sharded_tiered_tables_and_equals_the_plain_loop(tmp_path):
+    run_ranks(_pipeline_equals_plain_loop, WORLD, str(tmp_path))

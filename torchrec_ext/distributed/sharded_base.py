@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.optim.fused import EmptyFusedOptimizer
@@ -146,6 +147,21 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
         # reports for the whole table, so the reduce counts it once.
         return {name: stats for name, stats in self._local.table_stats().items()
                 if self._owners[name].kind != "column" or self._owners[name].first_rank == self._rank}
+
+    def stage_next_dist(self, dist_input: Callable[[], Optional[KJTList]]) -> bool:
+        """This rank's shares of tiered tables: stages the rows of the next batch, whose ids
+        ``dist_input()`` gives as the input dist hands them to ``compute`` (None: stage nothing),
+        called on the stage's worker thread once this rank's next lookup starts (the input dist
+        in flight is waited for there, not on the train thread). What ``TrainPipeline`` calls
+        (``DynamicEmbeddingBagCollection.stage_next``); False, doing nothing, without tiered shares."""
+        if self._local is None:
+            return False
+
+        def local_features():
+            received = dist_input()
+            return None if received is None else self._local_features(received)
+
+        return self._local.stage_next(local_features)
 
     def tier_step_stats(self) -> Dict[str, Dict[str, int]]:
         """This rank's shares of tiered tables (host or file backing): their cache traffic of the

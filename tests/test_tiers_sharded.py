@@ -178,6 +178,14 @@ def _check_sharded(rank, world_size, root, kind, sharding, name):
         assert mine[table].cache_slots is not None
     reduced = reduce_table_stats(mine)
     assert reduced.keys() == {cfg.name for cfg in configs()}
+    # model_table_stats: the shares' cache traffic summed over the ranks.
+    from torchrec_ext.distributed.table_stats import model_table_stats
+
+    per_model = model_table_stats(tiered)
+    for table in reduced:
+        counts = torch.tensor([mine[table].cache_misses, mine[table].cache_write_backs] if table in mine else [0, 0])
+        dist.all_reduce(counts)
+        assert [per_model[table].cache_misses, per_model[table].cache_write_backs] == counts.tolist(), table
     step_stats = sharded_module.tier_step_stats()
     assert set(step_stats) == set(sharded_module.local_module.table_stats())  # every share here, column shards too
     _check_checkpoints(rank, root, tiered, make, configs, backing, name, sharding)
@@ -233,6 +241,27 @@ def _check_checkpoints(rank, root, tiered, make, configs, backing, name, shardin
 ])
 def test_sharded_tiered_tables_equal_resident_and_unsharded_on_two_ranks(tmp_path, kind, sharding, name):
     run_ranks(_check_sharded, WORLD, str(tmp_path), kind, sharding, name)
+
+
+def _ranks_sharing_files(rank, world_size, root):
+    # A file-backed module built on the CPU (not meta) on every rank before sharding: each rank's
+    # whole table in the same files. The second rank is refused, saying what to do.
+    made, error = None, None
+    for turn in range(world_size):
+        if turn == rank:
+            try:
+                made = DynamicEmbeddingBagCollection(_bag_configs(f"file:{root}"))
+            except ValueError as e:
+                error = str(e)
+        dist.barrier()
+    errors = [None] * world_size
+    dist.all_gather_object(errors, error)
+    assert errors[0] is None and "in use by another live module" in errors[1] and "meta device" in errors[1], errors
+    del made
+
+
+def test_ranks_building_one_file_backed_module_are_refused(tmp_path):
+    run_ranks(_ranks_sharing_files, WORLD, str(tmp_path))
 
 
 def _pipeline_equals_plain_loop(rank, world_size, root):

@@ -139,8 +139,8 @@ class BackingStore:
             except OSError:
                 raise ValueError(f"{self.where}: backing file {path!r} is in use by another live module (each "
                                  "tiered module needs files of its own: another directory, or free the other "
-                                 "module first; shards of one table on one machine are named by rank, so two "
-                                 "sharded jobs sharing a directory collide here)") from None
+                                 "module first; a module to shard: build it on the meta device, each rank's "
+                                 "share then has files of its own, named by rank)") from None
             if exists:
                 self._check_header(path, f.read(HEADER_BYTES), header)
             else:

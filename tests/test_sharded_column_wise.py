@@ -29,7 +29,7 @@ def _ebc_configs():
         DynamicEmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=256, feature_names=["f3"],
                                   pooling=PoolingType.MEAN, ttl_steps=50),
         DynamicEmbeddingBagConfig(name="t3", embedding_dim=16, num_embeddings=128, feature_names=["f1"],
-                                  admit_after=2),
+                                  admit_after=2, fallback_rows=3),  # ids not admitted yet read fallback rows
     ]
 
 
@@ -107,7 +107,13 @@ def _ebc_case(rank, root, weighted, optimizer, generators):
         assert stats.evictions == want_stats.evictions > 0 and stats.inserts == want_stats.inserts
     sharded = dmp.state_dict()
     whole = full_state_dict(sharded)
-    assert_same_tables(whole, {"ebc." + k: v for k, v in reference.state_dict().items()}, "ebc.embedding_bags.")
+    want_state = reference.state_dict()
+    assert_same_tables(whole, {"ebc." + k: v for k, v in want_state.items()}, "ebc.embedding_bags.")
+    fallback = [k for k in want_state if ".fallback_" in k]
+    assert "embedding_bags.t3.fallback_weight" in fallback
+    assert float(want_state["embedding_bags.t3.fallback_weight"].abs().sum()) > 0
+    for key in fallback:  # trained, and whole on every rank
+        torch.testing.assert_close(whole["ebc." + key], want_state[key], rtol=1e-5, atol=1e-5, msg=key)
 
     # Checkpoints: the sharded state into a fresh DMP of the same plan, the full state into an
     # unsharded module, and a DCP save loaded into a fresh DMP: the same eval outputs.

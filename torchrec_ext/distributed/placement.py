@@ -165,9 +165,6 @@ def column_sharding_refusal(cfg, optimizer_kind) -> Optional[str]:
     opts = options_of(cfg)
     if optimizer_kind in ROWWISE_STATE:
         return f"has optimizer {optimizer_kind!r}: {ROWWISE_OPTIMIZER_REFUSAL}"
-    if opts.fallback_rows:
-        return (f"has fallback_rows={opts.fallback_rows}: fallback rows of column shards are not supported yet; "
-                f"shard it table_wise / row_wise")
     if storage_dtype_of(cfg) != torch.float32 and opts.stochastic_rounding:
         return (f"is {storage_dtype_of(cfg)} with stochastic_rounding: a shard's rounding bits are drawn per column "
                 f"of the shard, not of the table; use stochastic_rounding=False or shard it table_wise / row_wise")

@@ -262,7 +262,8 @@ class ShardedDynamicState:
     def _fallback_state(self, cfg, base: str, mine: Dict[str, Tensor], device: torch.device) -> Dict[str, Tensor]:
         """A table's fallback rows and their optimizer state: plain tensors, the same on every
         rank (a replicated tensor to DCP, as counters). A row-wise table's ranks each hold an equal
-        copy; a table-wise table's owner sends its rows to the others (collective)."""
+        copy; a table-wise table's owner sends its rows to the others; a column table's shards
+        each give their columns (collective)."""
         names = ["fallback_weight"] + [f"fallback_{k}" for k in row_keys(1, self._optimizer_kind, False)
                                        if k.startswith("optimizer.")]
         table = self._owners[cfg.name]
@@ -278,9 +279,16 @@ class ShardedDynamicState:
                 shape, dtype = (options_of(cfg).fallback_rows,) + (() if self._optimizer_kind in ROWWISE_STATE
                                                                    else (cfg.embedding_dim,)), torch.float32
             here = collective_device(self._env.process_group, device)
-            tensor = mine[name].to(here) if owner == self._rank else torch.empty(shape, dtype=dtype, device=here)
             pg = self._env.process_group
-            dist.broadcast(tensor, src=dist.get_global_rank(pg, owner), group=pg)
+            if table.kind == "column":  # the shards' columns are disjoint: a sum puts each in place
+                tensor = torch.zeros(shape, dtype=dtype, device=here)
+                if table.holds(self._rank):
+                    first, width = table.local_columns(self._rank)
+                    tensor[:, first:first + width] = mine[name].to(here)
+                dist.all_reduce(tensor, group=pg)
+            else:
+                tensor = mine[name].to(here) if owner == self._rank else torch.empty(shape, dtype=dtype, device=here)
+                dist.broadcast(tensor, src=dist.get_global_rank(pg, owner), group=pg)
             out[base + name] = tensor.to(device)
         return out
 
@@ -341,7 +349,10 @@ class ShardedDynamicState:
                 elif name == "admission_bloom":
                     state_dict[k] = self._local_filters(state_dict[k], table)
                 elif name.startswith("fallback_"):
-                    pass  # the table's fallback rows: every rank holding it takes them whole
+                    # the table's fallback rows: every rank holding it takes them whole (its columns)
+                    value = state_dict[k]
+                    if columns and value.dim() == 2 and value.shape[1] == cfg.embedding_dim:
+                        state_dict[k] = value[:, first:first + width]
                 else:
                     rows = local_rows(state_dict[k], mine)
                     if columns and rows.dim() == 2 and rows.shape[1] == cfg.embedding_dim:  # its columns

@@ -422,7 +422,8 @@ class TieredTables(DynamicTables):
 
     # ------------------------------------------------------------------ storage
 
-    def _allocate_buffer(self, name: str, numel: int, value: float, device: torch.device) -> Tensor:
+    def _allocate_buffer(self, name: str, numel: int, value: float, device: torch.device,
+                         untouched: bool = False) -> Tensor:  # (always a new buffer, filled)
         # numel is the buffer at full capacity: the backing store's. Its contents matter only
         # where rows are live (new rows are initialised): a fresh file needs no filling.
         live = bool(getattr(self, "indexes", None)) and device.type != "meta" and self.num_live_rows() > 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import tempfile
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -124,15 +124,19 @@ def plain_loop(dmp, optimizer, batches) -> List[torch.Tensor]:
     return losses
 
 
-def progress_losses(pipeline, batches) -> List[torch.Tensor]:
-    """The losses of ``pipeline.progress`` run over ``batches`` until they are exhausted."""
+def progress_losses(pipeline, batches, tier_stats: Optional[list] = None) -> List[torch.Tensor]:
+    """The losses of ``pipeline.progress`` run over ``batches`` until they are exhausted (the
+    first item of each step's output); each step's ``pipeline.tier_step_stats()`` appended to
+    ``tier_stats`` when given."""
     losses, it = [], iter(batches)
     while True:
         try:
-            loss, _, _ = pipeline.progress(it)
+            loss = pipeline.progress(it)[0]
         except StopIteration:
             return losses
         losses.append(loss.detach().clone())
+        if tier_stats is not None:
+            tier_stats.append(pipeline.tier_step_stats())
 
 
 def local_state(dmp) -> dict:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torchrec import DataType, KeyedJaggedTensor
 
+from dist_helpers import progress_losses
 from modules_helpers import random_kjt
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, DynamicEmbeddingCollection
 from torchrec_ext.modules import DynamicEmbeddingConfig
@@ -499,16 +500,9 @@ def _dlrm_batches(n, seed=9):
 def _pipeline_losses(model, optimizer, batches, tier_prefetch):
     from torchrec_ext.pipeline import PipelineOptions, TrainPipeline
     options = PipelineOptions(prefetch_threads=0, threaded_input_dist=False, tier_prefetch=tier_prefetch)
-    losses, stats = [], []
+    stats = []
     with TrainPipeline(model, optimizer, torch.device("cpu"), options) as pipeline:
-        it = iter(batches)
-        while True:
-            try:
-                loss, _ = pipeline.progress(it)
-            except StopIteration:
-                break
-            losses.append(loss.detach().clone())
-            stats.append(pipeline.tier_step_stats())
+        losses = progress_losses(pipeline, batches, stats)
     return losses, stats
 
 

@@ -265,7 +265,9 @@ def test_ranks_building_one_file_backed_module_are_refused(tmp_path):
 
 
 def _pipeline_equals_plain_loop(rank, world_size, root):
-    from dist_helpers import DIM, NUM_TABLES, ROWS, local_state, make_batches, make_dmp_dlrm, plain_loop
+    from dist_helpers import (
+        DIM, NUM_TABLES, ROWS, local_state, make_batches, make_dmp_dlrm, plain_loop, progress_losses,
+    )
     from torchrec_ext.pipeline import PipelineOptions, TrainPipeline
 
     # ROWS ids in 2 * ROWS rows (no index eviction), a cache of a quarter of each share: the
@@ -282,16 +284,9 @@ def _pipeline_equals_plain_loop(rank, world_size, root):
         dmp, opt = make_dmp_dlrm(world_size, dynamic=True, tables=tiers(f"file:{directory}"),
                                  ebc_device=torch.device("meta"))
         options = PipelineOptions(prefetch_threads=0, threaded_input_dist=threaded, tier_prefetch=prefetch)
-        losses, stats = [], []
+        stats = []
         with TrainPipeline(dmp, opt, torch.device("cpu"), options) as pipeline:
-            it = iter(batches)
-            while True:
-                try:
-                    loss = pipeline.progress(it)[0]
-                except StopIteration:
-                    break
-                losses.append(loss.detach().clone())
-                stats.append(pipeline.tier_step_stats())
+            losses = progress_losses(pipeline, batches, stats)
         assert len(losses) == len(want)
         for step, (got, expected) in enumerate(zip(losses, want)):
             assert torch.equal(got, expected), (threaded, step)

@@ -92,21 +92,28 @@ class ShardedDynamicEmbeddingCollection(
         return KJTListSplitsAwaitable([self._input_dists[0](routed, ctx.sharding_contexts[0])], ctx)
 
     def compute(self, ctx: SequenceShardingContext, dist_input: KJTList) -> List[Tensor]:
-        received = dist_input[0]  # keys: every routing slot's output name, slot-major then source rank
-        names, stride = self._routing.names, received.stride()
-        lengths = received.lengths().view(len(names), self._world_size, stride // max(self._world_size, 1))
-        ctx.received_lengths = lengths
+        ctx.received_lengths = self._received_lengths(dist_input[0])
         if self._local is None:
             return [torch.zeros(0, self._dim, device=self._device, requires_grad=True)]
-        slots = self._local_slots
-        local_kjt = KeyedJaggedTensor(keys=[names[i] for i in slots], values=received.values(),
-                                      lengths=lengths[slots].reshape(-1), stride=stride)
+        slots, names = self._local_slots, self._routing.names
         self._local.train(self.training)
-        out = self._local(local_kjt)
+        out = self._local(self._local_features(dist_input))
         # A column shard's vectors padded with zeros to the whole dim: the output dist sums the
         # shards' vectors of each id.
         return [torch.cat([nn.functional.pad(out[names[i]].values(), (first, self._dim - first - width))
                            for i, (first, width) in zip(slots, self._local_columns)])]
+
+    def _received_lengths(self, received: KeyedJaggedTensor) -> Tensor:
+        """[slots, world, batch] lengths of the ids received (keys: every routing slot's output
+        name, slot-major then source rank)."""
+        return received.lengths().view(len(self._routing.names), self._world_size,
+                                       received.stride() // max(self._world_size, 1))
+
+    def _local_features(self, dist_input: KJTList) -> KeyedJaggedTensor:
+        """The local module's input: the received ids of the slots of its tables."""
+        received, names, slots = dist_input[0], self._routing.names, self._local_slots
+        return KeyedJaggedTensor(keys=[names[i] for i in slots], values=received.values(),
+                                 lengths=self._received_lengths(received)[slots].reshape(-1), stride=received.stride())
 
     def output_dist(self, ctx: SequenceShardingContext, output: List[Tensor]) -> LazyAwaitable[Dict[str, JaggedTensor]]:
         vectors = output[0]

@@ -99,19 +99,23 @@ class ShardedDynamicEmbeddingBagCollection(
         if self._local is None:
             # Requires grad so this rank's backward still joins the reduce-scatter's all-gather.
             return [torch.zeros(stride, self._plan.total_dim, device=self._device, requires_grad=True)]
-        names = self._routing.names
-        if len(self._local_slots) == len(names):
-            local_kjt = received
-        else:  # slots of other ranks' tables carry no ids here: keep the local slots' lengths
-            lengths = received.lengths().view(len(names), stride)[self._local_slots].reshape(-1)
-            local_kjt = KeyedJaggedTensor(keys=[names[i] for i in self._local_slots], values=received.values(),
-                                          weights=received.weights_or_none(), lengths=lengths, stride=stride)
         self._local.train(self.training)
-        pooled = self._local(local_kjt).values()
+        pooled = self._local(self._local_features(dist_input)).values()
         if self._all_local:
             return [pooled]
         full = pooled.new_zeros(stride, self._plan.total_dim)
         return [full.index_copy(1, self._local_cols, pooled)]
+
+    def _local_features(self, dist_input: KJTList) -> KeyedJaggedTensor:
+        """The local module's input: the received ids of the slots of its tables."""
+        received = dist_input[0]
+        names, stride = self._routing.names, received.stride()
+        if len(self._local_slots) == len(names):
+            return received
+        # slots of other ranks' tables carry no ids here: keep the local slots' lengths
+        lengths = received.lengths().view(len(names), stride)[self._local_slots].reshape(-1)
+        return KeyedJaggedTensor(keys=[names[i] for i in self._local_slots], values=received.values(),
+                                 weights=received.weights_or_none(), lengths=lengths, stride=stride)
 
     def output_dist(self, ctx: EmbeddingBagCollectionContext, output: List[Tensor]) -> LazyAwaitable[KeyedTensor]:
         reduced = self._output_dist(output[0], ctx.sharding_contexts[0])

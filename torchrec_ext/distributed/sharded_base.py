@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.optim.fused import EmptyFusedOptimizer
@@ -41,12 +42,13 @@ def local_capacity(capacity: int, world_size: int) -> int:
     return -(-capacity // world_size)
 
 
-def _local_config(cfg, placement: TablePlacement, rank: int, feature_names: List[str], pooled: bool,
+def _local_config(cfg, placement: TablePlacement, rank: int, world_size: int, feature_names: List[str], pooled: bool,
                   stochastic_rounding: Optional[bool] = None):
-    """The config of this rank's share: same name, seed, initial vectors and data_type, its own
-    capacity (a 1/parts share of a row table's) and columns (a column table's shards here),
-    features renamed to their output names, sum pooling (mean is applied after the reduce);
-    ``stochastic_rounding`` (the sharder's fused_params') overrides the config's."""
+    """The config of this rank's share: same name, seed, initial vectors, data_type and backing, its
+    own capacity (a 1/parts share of a row table's; a tiered one caches its cache_load_factor of
+    that share, over backing files of its own: ``backing_shard``) and columns (a column table's
+    shards here), features renamed to their output names, sum pooling (mean is applied after the
+    reduce); ``stochastic_rounding`` (the sharder's fused_params') overrides the config's."""
     opts = options_of(cfg)
     share = placement.parts
     first_column, width = placement.local_columns(rank)
@@ -64,6 +66,8 @@ def _local_config(cfg, placement: TablePlacement, rank: int, feature_names: List
         growth_load_factor=opts.growth_load_factor,
         data_type=cfg.data_type,
         stochastic_rounding=opts.stochastic_rounding if stochastic_rounding is None else stochastic_rounding,
+        backing=opts.backing, cache_load_factor=opts.cache_load_factor,
+        backing_shard=None if opts.backing == "device" else f"rank{rank}-of-{world_size}",
     )
     return DynamicEmbeddingBagConfig(pooling=PoolingType.SUM, **fields) if pooled else DynamicEmbeddingConfig(**fields)
 
@@ -100,7 +104,8 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
                 replicated.append(len(local_configs))
             if placement.holds(self._rank):
                 slots = [self._plan.embedding_names[i] for i, tt in enumerate(self._plan.tables) if tt == t]
-                local_configs.append(_local_config(cfg, placement, self._rank, slots, pooled, stochastic_rounding))
+                local_configs.append(_local_config(cfg, placement, self._rank, self._world_size, slots, pooled,
+                                                   stochastic_rounding))
         widths = {c.name: c.embedding_dim for c in local_configs}
         if not pooled and len(set(widths.values())) > 1:
             raise ValueError(f"{type(self).__name__}: rank {self._rank} would hold columns of unequal width {widths}; "
@@ -143,3 +148,24 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
         # reports for the whole table, so the reduce counts it once.
         return {name: stats for name, stats in self._local.table_stats().items()
                 if self._owners[name].kind != "column" or self._owners[name].first_rank == self._rank}
+
+    def stage_next_dist(self, dist_input: Callable[[], Optional[KJTList]]) -> bool:
+        """This rank's shares of tiered tables: stages the rows of the next batch, whose ids
+        ``dist_input()`` gives as the input dist hands them to ``compute`` (None: stage nothing),
+        called on the stage's worker thread once this rank's next lookup starts (the input dist
+        in flight is waited for there, not on the train thread). What ``TrainPipeline`` calls
+        (``DynamicEmbeddingBagCollection.stage_next``); False, doing nothing, without tiered shares."""
+        if self._local is None:
+            return False
+
+        def local_features():
+            received = dist_input()
+            return None if received is None else self._local_features(received)
+
+        return self._local.stage_next(local_features)
+
+    def tier_step_stats(self) -> Dict[str, Dict[str, int]]:
+        """This rank's shares of tiered tables (host or file backing): their cache traffic of the
+        last step (``DynamicEmbeddingBagCollection.tier_step_stats``), per table; every shard moves
+        rows of its own, column shards included."""
+        return {} if self._local is None else self._local.tier_step_stats()

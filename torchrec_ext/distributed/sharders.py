@@ -19,7 +19,6 @@ from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharde
 from torchrec_ext.distributed.embedding import ShardedDynamicEmbeddingCollection
 from torchrec_ext.distributed.embeddingbag import ShardedDynamicEmbeddingBagCollection
 from torchrec_ext.distributed.placement import SUPPORTED_SHARDING_TYPES
-from torchrec_ext.modules.configs import options_of
 from torchrec_ext.modules.fused_optimizer import spec_from_fused_params
 from torchrec_ext.modules import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection
 
@@ -38,19 +37,10 @@ class _DynamicSharder:
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         return [EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value]
 
-    @staticmethod
-    def _refuse_tiered(module: nn.Module) -> None:
-        tiered = {cfg.name: options_of(cfg).backing for cfg in module.embedding_configs()
-                  if options_of(cfg).backing != "device"}
-        if tiered:
-            raise ValueError(f"{type(module).__name__}: tables with host or file backing cannot be sharded yet, got "
-                             f"{tiered}; shard all-resident tables (backing=\"device\")")
-
 
 class DynamicEmbeddingBagCollectionSharder(_DynamicSharder, BaseEmbeddingSharder[DynamicEmbeddingBagCollection]):
     def shard(self, module: DynamicEmbeddingBagCollection, params: EmbeddingModuleShardingPlan, env: ShardingEnv,
               device: Optional[torch.device] = None, module_fqn: Optional[str] = None) -> ShardedDynamicEmbeddingBagCollection:
-        self._refuse_tiered(module)
         return ShardedDynamicEmbeddingBagCollection(module, params, env, device, fused_params=self.fused_params)
 
     @property
@@ -64,7 +54,6 @@ class DynamicEmbeddingBagCollectionSharder(_DynamicSharder, BaseEmbeddingSharder
 class DynamicEmbeddingCollectionSharder(_DynamicSharder, BaseEmbeddingSharder[DynamicEmbeddingCollection]):
     def shard(self, module: DynamicEmbeddingCollection, params: EmbeddingModuleShardingPlan, env: ShardingEnv,
               device: Optional[torch.device] = None, module_fqn: Optional[str] = None) -> ShardedDynamicEmbeddingCollection:
-        self._refuse_tiered(module)
         return ShardedDynamicEmbeddingCollection(module, params, env, device, fused_params=self.fused_params)
 
     @property

@@ -10,6 +10,7 @@ import functools
 import inspect
 import math
 import numbers
+import re
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
 
@@ -129,6 +130,9 @@ class DynamicTableOptions:
         rows are kept in the module's buffer (``torchrec_ext.modules.tiered_tables``).
     cache_load_factor: the fraction in (0, 1] of the capacity kept hot with host or file backing
         (None: 0.2, TorchRec's default).
+    backing_shard: which shard of a sharded table this config is, e.g. ``"rank0-of-2"``: set by the
+        sharders on each rank's share (None for a table of its own); the backing files of a
+        ``"file:<dir>"`` table start with it, so that ranks sharing a directory never share a file.
     initial_capacity: rows of storage the table starts with (vectors, optimizer state and index
         together), in [1, num_embeddings]; None: num_embeddings (all of it up front). The table
         doubles them when its load (live rows / current capacity) would pass
@@ -159,6 +163,7 @@ class DynamicTableOptions:
     stochastic_rounding: bool = True
     backing: str = "device"
     cache_load_factor: Optional[float] = None
+    backing_shard: Optional[str] = None
     initial_capacity: Optional[int] = None
     growth_load_factor: float = DEFAULT_GROWTH_LOAD_FACTOR
 
@@ -235,6 +240,10 @@ def check_backing_options(opts: "DynamicTableOptions", where: str) -> None:
     if backing != "device" and opts.fallback_rows:
         raise ValueError(f"{where}: fallback_rows applies to backing=\"device\" tables for now (a tiered table "
                          f"caches its id rows only), got fallback_rows={opts.fallback_rows!r} with backing={backing!r}")
+    shard = opts.backing_shard
+    if shard is not None and (not isinstance(shard, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", shard)):
+        raise ValueError(f"{where}: backing_shard must be None or a name of letters, digits, '_' and '-' (it starts "
+                         f"the backing files' names), got {shard!r}")
     factor = opts.cache_load_factor
     if factor is None:
         return

@@ -5,8 +5,10 @@ vectors' words, each optimizer state) whole here, in the layout an all-resident 
 has, and only a cache of hot rows in the module's own buffer.
 
 ``backing="host"``: host tensors (allocated by the tables, as their cache). ``backing="file:<dir>"``: one file per buffer,
-``<dir>/<tables>.<buffer>.rows``: a 4 KiB header (magic, layout version, the tables' names,
-capacities, dims and dtypes, the buffer's name and length) and then the buffer, mapped
+``<dir>/<tables>.<buffer>.rows`` (a rank's share of sharded tables: ``<dir>/<shard>.<tables>.<buffer>.rows``,
+the shard named by rank and world size, e.g. ``rank1-of-2``, so ranks sharing a directory never
+share a file): a 4 KiB header (magic, layout version, the tables' names, capacities, dims and
+dtypes, the shard, the buffer's name and length) and then the buffer, mapped
 MAP_SHARED (``torch.from_file``), so that reading and writing rows of the tensor is the file's
 I/O and the page cache decides what stays in RAM; advised random (``advise_random``: a fault
 reads its page, no readahead window). The file's space is reserved when it is
@@ -82,10 +84,12 @@ class BackingStore:
     """The backing buffers of one module's tables (see the module docstring).
 
     tables: per table (name, capacity, dim, storage dtype), which the files' headers name.
+    shard: which shard of sharded tables these are (``DynamicTableOptions.backing_shard``), or None.
     """
 
-    def __init__(self, backing: str, tables: List[tuple], where: str):
+    def __init__(self, backing: str, tables: List[tuple], where: str, shard: Optional[str] = None):
         self.backing = backing
+        self.shard = shard
         self.directory = parse_backing(backing)
         self.tables = [{"name": n, "capacity": c, "dim": d, "dtype": str(dt).replace("torch.", "")}
                        for n, c, d, dt in tables]
@@ -109,10 +113,14 @@ class BackingStore:
         names = "+".join(re.sub(r"[^A-Za-z0-9_.-]", "_", t["name"]) for t in self.tables)
         if len(names) > 120:  # long or many names: a digest of them instead
             names = "tables-" + hashlib.sha1(names.encode()).hexdigest()[:16]
-        return os.path.join(self.directory, f"{names}.{name}.rows")
+        prefix = "" if self.shard is None else f"{self.shard}."
+        return os.path.join(self.directory, f"{prefix}{names}.{name}.rows")
 
     def _header(self, name: str, numel: int) -> dict:
-        return {"layout_version": LAYOUT_VERSION, "buffer": name, "numel": numel, "tables": self.tables}
+        header = {"layout_version": LAYOUT_VERSION, "buffer": name, "numel": numel, "tables": self.tables}
+        if self.shard is not None:  # (files of unsharded tables keep the header they had)
+            header["shard"] = self.shard
+        return header
 
     def _map(self, name: str, numel: int) -> Tensor:
         path, header = self.path(name), self._header(name, numel)
@@ -131,7 +139,8 @@ class BackingStore:
             except OSError:
                 raise ValueError(f"{self.where}: backing file {path!r} is in use by another live module (each "
                                  "tiered module needs files of its own: another directory, or free the other "
-                                 "module first)") from None
+                                 "module first; a module to shard: build it on the meta device, each rank's "
+                                 "share then has files of its own, named by rank)") from None
             if exists:
                 self._check_header(path, f.read(HEADER_BYTES), header)
             else:
@@ -170,10 +179,10 @@ class BackingStore:
         if have.get("layout_version") != LAYOUT_VERSION:
             raise ValueError(f"{self.where}: backing file {path!r} has layout version {have.get('layout_version')!r}, "
                              f"this build reads version {LAYOUT_VERSION}")
-        for key in ("tables", "buffer", "numel"):
-            if have.get(key) != want[key]:
+        for key in ("tables", "shard", "buffer", "numel"):
+            if have.get(key) != want.get(key):
                 raise ValueError(f"{self.where}: backing file {path!r} holds {key} {have.get(key)!r}, not this "
-                                 f"module's {want[key]!r}: a file of other tables; use another directory")
+                                 f"module's {want.get(key)!r}: a file of other tables; use another directory")
         if os.path.getsize(path) < HEADER_BYTES + 4 * want["numel"]:
             raise ValueError(f"{self.where}: backing file {path!r} is {os.path.getsize(path)} bytes, shorter than "
                              f"its header says ({HEADER_BYTES + 4 * want['numel']})")

@@ -242,3 +242,23 @@ def test_a_column_shard_draws_its_columns_of_the_whole_tables_vectors(kind, para
         ops.init_rows(torch.zeros(1, 4), torch.tensor([0]), ids[:1], 1, INITIALIZERS[kind], params + (3.0,))
     with pytest.raises(ValueError, match="first_column must be an even int >= 0"):
         Initializer(kind, first_column=5)
+
+
+def test_every_column_on_one_rank_is_the_table_wise_placement():
+    # TorchRec's planner gives a narrow table (dim <= its column block) one column shard: the
+    # table lives whole on one rank, as table_wise, and is served as such (deltas included).
+    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan
+
+    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder
+    from torchrec_ext.distributed.placement import read_plan
+
+    module = DynamicEmbeddingBagCollection(_ebc_configs(), optimizer="sgd")
+    plan = construct_module_sharding_plan(
+        module, {"t1": column_wise(ranks=[1], compute_kernel=KERNEL), "t2": column_wise(ranks=[0, 0], compute_kernel=KERNEL),
+                 "t3": column_wise(ranks=[0, 1], compute_kernel=KERNEL)},
+        sharder=DynamicEmbeddingBagCollectionSharder(), local_size=WORLD, world_size=WORLD, device_type="cpu")
+    placed = read_plan("test", module.embedding_configs(), plan, WORLD, "sgd")
+    dims = {cfg.name: cfg.embedding_dim for cfg in module.embedding_configs()}
+    assert (placed["t1"].kind, placed["t1"].ranks, placed["t1"].columns) == ("table", (1,), ((0, dims["t1"]),))
+    assert (placed["t2"].kind, placed["t2"].ranks) == ("table", (0,))
+    assert placed["t3"].kind == "column" and placed["t3"].ranks == (0, 1)

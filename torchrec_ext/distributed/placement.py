@@ -148,6 +148,8 @@ def _column_placement(where: str, cfg, ranks: Sequence[int], columns, optimizer_
     covered = [c for offset, size in columns for c in range(offset, offset + size)]
     if covered != list(range(cfg.embedding_dim)):
         raise ValueError(f"{name}: its column shards {list(columns)} must tile its {cfg.embedding_dim} columns")
+    if len(set(ranks)) == 1:  # every column on one rank (TorchRec's plan for a narrow table): table-wise
+        return TablePlacement("table", (ranks[0],), ((0, cfg.embedding_dim),))
     for rank in set(ranks):
         mine = [c for r, c in zip(ranks, columns) if r == rank]
         if any(a[0] + a[1] != b[0] for a, b in zip(mine, mine[1:])):

@@ -85,6 +85,29 @@ def hash_upsert(
     )
 
 
+def hash_upsert_fixed(
+    digests: Tensor, slot_keys: Tensor, slot_scores: Tensor, size: Tensor, keys: Tensor,
+    scores: Optional[Tensor], pending: Optional[Tensor], capacity: int, policy: int, clock: int, epoch: int,
+    assign: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`hash_upsert` with outputs of one entry per key, so that no output size is read on
+    the host (on a GPU: no sync), and a pending mask.
+
+    Args:
+        pending: bool ``[n]`` or None (all keys): the keys not pending take no part (row -1, not
+            inserted), exactly as if the call had been made on the pending keys alone.
+        others: as :func:`hash_upsert`.
+
+    Returns:
+        rows, inserted: as :func:`hash_upsert`.
+        evicted: bool ``[n]``, True where key i took the row of an evicted key.
+        evicted_keys: int64 ``[n]``, that evicted key (0 elsewhere).
+    """
+    return _ops.hash_upsert_fixed.default(
+        digests, slot_keys, slot_scores, size, keys, scores, pending, capacity, policy, clock, epoch, assign
+    )
+
+
 def hash_erase(digests: Tensor, slot_keys: Tensor, size: Tensor, keys: Tensor, capacity: int) -> Tensor:
     """Removes keys, in place (``digests``, ``size``).
 
@@ -324,6 +347,13 @@ def _hash_upsert_fake(digests, slot_keys, slot_scores, size, keys, scores, capac
         keys.new_empty(num_evicted),
         keys.new_empty(num_evicted),
     )
+
+
+@torch.library.register_fake("torchrec_ext::hash_upsert_fixed")
+def _hash_upsert_fixed_fake(digests, slot_keys, slot_scores, size, keys, scores, pending, capacity, policy, clock,
+                            epoch, assign):
+    return (torch.empty_like(keys), torch.empty_like(keys, dtype=torch.bool), torch.empty_like(keys, dtype=torch.bool),
+            torch.empty_like(keys))
 
 
 @torch.library.register_fake("torchrec_ext::hash_erase")

@@ -4,7 +4,7 @@ They serve as the CUDA kernels of ``dedup_segments``, ``init_rows`` and ``route_
 (``KERNELS`` below, registered by ``torchrec_ext.ops``): on a GPU, sorting a step's ids,
 drawing its new rows' vectors and regrouping ids by destination are a few fused elementwise
 passes, so plain torch ops do it well. On CPU the C++ kernels are used. Kernel layer: imports
-only the vocabulary, the hashing helpers and the C++ library's ops (never ``ops.py``).
+only the vocabulary, the hashing helpers, ``device_sync`` and the C++ library's ops (never ``ops.py``).
 """
 from __future__ import annotations
 
@@ -14,12 +14,17 @@ from typing import Callable, Dict, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from torchrec_ext import device_sync
 from torchrec_ext.hashing import MASK64, fmix64_tensor, srl, u64
 from torchrec_ext.vocabulary import INIT_GOLDEN, INITIALIZER_NAMES, TRUNC_NORMAL_ATTEMPTS
 
 
 def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Same contract as the C++ op: per-segment uniques in first-occurrence order (sort-based)."""
+    """Same contract as the C++ op: per-segment uniques in first-occurrence order (sort-based).
+
+    One host read (``device_sync``): the per-segment unique counts, computed before any output
+    is sized, give both the unique count and ``unique_offsets`` (mirrored, so the caller's read
+    of them is free). Counts by ``index_add_``, not ``bincount`` (which reads its input's max)."""
     n, num_segments = ids.numel(), segment_offsets.numel() - 1
     device = ids.device
     offsets = segment_offsets.to(device)
@@ -29,8 +34,12 @@ def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> Tuple[Tensor, Tensor
     sorted_ids, sorted_segment = ids[order], segment[order]
     starts = torch.ones(n, dtype=torch.bool, device=device)
     starts[1:] = (sorted_ids[1:] != sorted_ids[:-1]) | (sorted_segment[1:] != sorted_segment[:-1])
+    per_segment = torch.zeros(num_segments, dtype=torch.int64, device=device).index_add_(
+        0, sorted_segment, starts.to(torch.int64))
+    unique_offsets = torch.zeros(num_segments + 1, dtype=torch.int64, device=device)
+    torch.cumsum(per_segment, 0, out=unique_offsets[1:])
+    num_groups = int(device_sync.to_host(unique_offsets, "dedup_segments: unique count")[-1])
     group = torch.cumsum(starts, 0) - 1
-    num_groups = int(group[-1]) + 1 if n else 0
     first = torch.full((num_groups,), n, dtype=torch.int64, device=device).scatter_reduce(0, group, order, "amin")
     # Segments are contiguous, so sorting groups by first position is segment-major, first-occurrence order.
     rank = torch.argsort(first)
@@ -39,10 +48,7 @@ def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> Tuple[Tensor, Tensor
     inverse = torch.empty(n, dtype=torch.int64, device=device)
     inverse[order] = position[group]
     unique = ids[first[rank]]
-    counts = torch.bincount(inverse, minlength=num_groups)
-    per_segment = torch.bincount(segment[first[rank]], minlength=num_segments)
-    unique_offsets = torch.zeros(num_segments + 1, dtype=torch.int64, device=device)
-    torch.cumsum(per_segment, 0, out=unique_offsets[1:])
+    counts = torch.zeros(num_groups, dtype=torch.int64, device=device).index_add_(0, inverse, torch.ones_like(inverse))
     return unique, inverse, counts, unique_offsets
 
 
@@ -82,10 +88,10 @@ def init_vectors(ids: Tensor, dim: int, seed: int, kind: str, params: Sequence[f
     values = mean + std * _box_muller(bits)
     if kind == "truncated_normal":
         low, high = params[2], params[3]
+        # Every attempt runs (no early exit: testing for one would read the device); an element
+        # in range keeps its value, so the result is the same.
         for attempt in range(1, TRUNC_NORMAL_ATTEMPTS):
             outside = (values < low) | (values > high)
-            if not bool(outside.any()):
-                break
             redraw = mean + std * _box_muller(_pair_bits(ids, num_pairs, seed, attempt))
             values = torch.where(outside, redraw, values)
         values = values.clamp(low, high)
@@ -94,12 +100,32 @@ def init_vectors(ids: Tensor, dim: int, seed: int, kind: str, params: Sequence[f
 
 def init_rows(table: Tensor, rows: Tensor, ids: Tensor, seed: int, kind: int, params: Sequence[float],
               states: Sequence[Tensor], state_values: Sequence[float]) -> None:
-    """Same contract as the C++ op, through the vectorised RNG above."""
-    keep = rows >= 0
-    rows, ids = rows[keep], ids[keep]
-    table[rows] = init_vectors(ids, table.shape[1], seed, INITIALIZER_NAMES[kind], params).to(table.device)
+    """Same contract as the C++ op, through the vectorised RNG above; no boolean mask (whose
+    output size would be read on the host): see ``_write_rows``."""
+    if rows.numel() == 0:
+        return
+    target, source, kept = _skip_to_first_kept(rows)
+    vectors = init_vectors(ids.index_select(0, source), table.shape[1], seed, INITIALIZER_NAMES[kind], params)
+    _write_rows(table, target, kept, vectors.to(table.device, table.dtype))
     for state, value in zip(states, state_values):
-        state[rows] = value
+        _write_rows(state, target, kept, torch.full((1, state.shape[1]), value, dtype=state.dtype, device=state.device))
+
+
+def _skip_to_first_kept(rows: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """Fixed-size writes for ``rows`` where -1 means skip: each skipped entry stands in for the
+    first kept one (same row, same source), so every write of a row carries the same bytes and
+    no compaction is needed. Returns (target rows, source entry, kept); ``kept`` is False only
+    when no entry is kept, and then the entries write their row's own values back."""
+    keep = rows >= 0
+    first = torch.argmax(keep.to(torch.uint8))  # the first kept entry (0 when none)
+    source = torch.where(keep, torch.arange(rows.numel(), device=rows.device), first)
+    return rows.index_select(0, source).clamp(min=0), source, keep.index_select(0, source)
+
+
+def _write_rows(buffer: Tensor, target: Tensor, kept: Tensor, values: Tensor) -> None:
+    """buffer[target] = values where kept, else the row's own values (see ``_skip_to_first_kept``)."""
+    old = buffer.index_select(0, target)
+    buffer.index_put_((target,), torch.where(kept.unsqueeze(1), values, old))
 
 
 def route_bucketize(ids: Tensor, lengths: Tensor, slot_owner: Sequence[int], world_size: int,

@@ -60,11 +60,16 @@ def _syncs_per_step(module, steps=6, tables=TABLES):
     return counts
 
 
+# How new rows are written: deferred to the fused update (CPU), by the lookup table by table (the
+# C++ kernel), or by the lookup in one call for all tables (the GPU path: init_rows_tables).
+NEW_ROWS = {"deferred_rows": (True, False), "rows_written_by_lookup": (False, False), "one_init_call": (False, True)}
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("deferred", [True, False], ids=["deferred_rows", "rows_written_by_lookup"])
-def test_training_step_syncs_within_budget(variant, deferred):
+@pytest.mark.parametrize("new_rows", sorted(NEW_ROWS))
+def test_training_step_syncs_within_budget(variant, new_rows):
     module = DynamicEmbeddingBagCollection(_configs(VARIANTS[variant]), optimizer="adagrad")
-    module._tables.defer_new_rows = deferred
+    module._tables.defer_new_rows, module._tables.flat_init = NEW_ROWS[new_rows]
     for total, seen in _syncs_per_step(module):
         assert total <= BUDGET, f"{variant}: {total} host syncs in one step, budget {BUDGET}: {seen}"
 

@@ -19,6 +19,7 @@ STEP_PATH = {
     "modules/dynamic_tables.py": [
         "DynamicTables.lookup", "DynamicTables._rows_for", "DynamicTables._mask_expired",
         "DynamicTables._erase_expired", "DynamicTables._initialise", "DynamicTables._init_view",
+        "DynamicTables._flat_init", "DynamicTables._initialise_tables",
         "DynamicTables._read_fallback", "DynamicTables.write_new_rows", "DynamicTables.apply_gradients",
         "DynamicTables.layout", "DynamicTables.dtype_layout", "DynamicTables._on_device",
         "DynamicTables.table_view", "DynamicTables._storage_view", "DynamicTables.state_views",

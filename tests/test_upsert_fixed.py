@@ -155,3 +155,97 @@ def _emulated(tmp_path_factory):
 def test_emulated_cuda_upsert_fixed_is_upsert_of_the_pending_keys(tmp_path_factory, capacity, policy):
     emu = _emulated(tmp_path_factory)
     _check_against_upsert(emu.hash_upsert_fixed, capacity, policy)
+
+
+# ------------------------------------------------ the multi-table init (GPU path), run on CPU here
+
+def _module(flat, dtype_cycle, optimizer, init):
+    from torchrec import DataType
+    from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, Initializer
+
+    dtypes = [DataType.FP32, DataType.FP16, DataType.BF16]
+    configs = [DynamicEmbeddingBagConfig(name=f"t{i}", embedding_dim=3 + 2 * (i % 4), num_embeddings=48,
+                                         feature_names=[f"f{i}"], ttl_steps=2 if i % 5 == 1 else None,
+                                         data_type=dtypes[i % 3] if dtype_cycle else DataType.FP32,
+                                         initializer=init(i))
+               for i in range(7)]
+    module = DynamicEmbeddingBagCollection(configs, optimizer=optimizer)
+    module._tables.defer_new_rows = False  # the lookup writes new rows (as on a GPU)
+    module._tables.flat_init = flat
+    return module
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("dtype_cycle", [False, True], ids=["fp32", "mixed_dtypes"])
+def test_multi_table_init_is_bit_identical_to_per_table_init(optimizer, dtype_cycle):
+    """One init_rows_tables call per lookup against the per-table torch init_rows (the kernel of
+    the GPU path, registered for CPU tensors here): the same tables, bit for bit, after training
+    steps with evictions, TTL expiries, every initializer and storage dtype."""
+    from torchrec import KeyedJaggedTensor
+    from torchrec_ext import Initializer
+
+    inits = [Initializer("uniform", low=-0.5, high=0.25), Initializer("normal", mean=0.1, std=0.3),
+             Initializer("truncated_normal", mean=0.0, std=1.0, low=-0.4, high=0.6), Initializer("constant", value=0.125)]
+    flat, per_table = (_module(f, dtype_cycle, optimizer, lambda i: inits[i % 4]) for f in (True, False))
+    calls = {"tables": 0}
+    original = ops.init_rows_tables
+
+    def counted(*args, **kwargs):
+        calls["tables"] += 1
+        return original(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ops, "init_rows_tables", counted)
+        mp.setattr(ops, "init_rows", lambda *a: torch_kernels.init_rows(*a))  # the torch kernel, per table
+        for step in range(5):
+            g = torch.Generator().manual_seed(step)
+            lengths = torch.randint(0, 5, (7 * 4,), generator=g)
+            kjt = KeyedJaggedTensor(keys=[f"f{i}" for i in range(7)], values=torch.randint(0, 90, (int(lengths.sum()),),
+                                    generator=g), lengths=lengths, stride=4)
+            for module in (flat, per_table):
+                module(kjt).values().sum().backward()
+    assert calls["tables"] == 5  # one call per training lookup, whatever the table count
+    a, b = flat.state_dict(), per_table.state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_multi_table_init_against_the_cpu_kernel_per_table():
+    """init_rows_tables over three tables (dims 5, 8, 3; one float16) against the C++ init_rows
+    of each table: uniform and constant bit for bit, the normals to float32 rounding (libm's
+    log / cos against torch's, as tests/test_embedding_ops.py checks the torch init_rows)."""
+    from torchrec_ext.hashing import as_int64
+    from torchrec_ext.vocabulary import table_words
+
+    dims, capacities, dtypes = [5, 8, 3], [10, 6, 9], [torch.float32, torch.float16, torch.float32]
+    words = [table_words(c, d, dt) for c, d, dt in zip(capacities, dims, dtypes)]
+    offsets = torch.tensor([0, words[0], words[0] + words[1]])
+    state_offsets = torch.tensor([0, capacities[0] * dims[0], capacities[0] * dims[0] + capacities[1] * dims[1]])
+    rows = torch.tensor([3, -1, 0, 9, 5, 1, -1, 8, 0])
+    tables = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2, 2])
+    ids = torch.tensor([11, -7, 2**62, -(2**63), 5, 6, 7, 8, 9])
+    seeds = [12345, -3, -(2**62) + 17]
+    for kinds, params in (([0, 3, 0], [(-1.0, 1.0), (0.5,), (-0.1, 0.3)]),
+                          ([1, 2, 1], [(0.0, 1.0), (0.0, 1.0, -0.3, 0.6), (2.0, 0.5)])):
+        weights = torch.zeros(sum(words))
+        state = torch.full((int(state_offsets[-1]) + capacities[2] * dims[2],), 7.0)
+        ops.init_rows_tables(weights, offsets, torch.tensor(dims), torch.tensor([0, 1, 0]), rows, tables, ids,
+                             torch.tensor([as_int64(s) for s in seeds]), torch.tensor(kinds),
+                             torch.tensor([list(p) + [0.0] * (4 - len(p)) for p in params], dtype=torch.float64),
+                             sorted(set(kinds)), max(dims), [state], state_offsets, False, [0.5])
+        for t in range(3):
+            n = capacities[t] * dims[t]
+            view = (weights if dtypes[t] == torch.float32 else weights.view(dtypes[t]))
+            start = int(offsets[t]) * (4 // view.element_size())
+            got = view[start:start + n].view(capacities[t], dims[t])
+            want, want_state = torch.zeros(capacities[t], dims[t], dtype=dtypes[t]), torch.full((capacities[t], dims[t]), 7.0)
+            mine = tables == t
+            ops.init_rows(want, rows[mine], ids[mine], seeds[t], kinds[t], params[t], [want_state], [0.5])
+            got_state = state[int(state_offsets[t]):int(state_offsets[t]) + n].view(capacities[t], dims[t])
+            if kinds[t] in (0, 3):
+                assert torch.equal(got, want), (t, kinds[t])
+            else:
+                torch.testing.assert_close(got.float(), want.float(), rtol=1e-3 if dtypes[t] != torch.float32 else 1e-6,
+                                           atol=1e-6)
+            assert torch.equal(got_state, want_state)

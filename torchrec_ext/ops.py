@@ -241,6 +241,21 @@ def init_rows(table: Tensor, rows: Tensor, ids: Tensor, seed: int, kind: int, pa
                            [float(v) for v in state_values])
 
 
+def init_rows_tables(
+    weights: Tensor, table_offsets: Tensor, table_dims: Tensor, table_dtypes: Optional[Tensor], rows: Tensor,
+    tables: Tensor, ids: Tensor, table_seeds: Tensor, table_kinds: Tensor, table_params: Tensor,
+    kinds: Sequence[int], max_dim: int, states: Sequence[Tensor] = (), state_offsets: Optional[Tensor] = None,
+    rowwise: bool = False, state_values: Sequence[float] = (),
+) -> None:
+    """:func:`init_rows` of all tables of a module in one call, in the flat storage (as
+    :func:`pooled_lookup` takes it): launches independent of the table count, no host read. A
+    torch composite (``torch_kernels.init_rows_tables``) on any device; each vector is the one
+    the torch ``init_rows`` draws. Arguments: see there."""
+    torch_kernels.init_rows_tables(weights, table_offsets, table_dims, table_dtypes, rows, tables, ids, table_seeds,
+                                   table_kinds, table_params, kinds, max_dim, states, state_offsets, rowwise,
+                                   state_values)
+
+
 def pooled_lookup(
     weights: Tensor, table_offsets: Tensor, table_dims: Tensor, feature_table: Tensor,
     feature_col: Tensor, feature_mean: Tensor, rows: Tensor, offsets: Tensor,

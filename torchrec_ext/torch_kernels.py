@@ -9,14 +9,14 @@ only the vocabulary, the hashing helpers, ``device_sync`` and the C++ library's 
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from torchrec_ext import device_sync
 from torchrec_ext.hashing import MASK64, fmix64_tensor, srl, u64
-from torchrec_ext.vocabulary import INIT_GOLDEN, INITIALIZER_NAMES, TRUNC_NORMAL_ATTEMPTS
+from torchrec_ext.vocabulary import INIT_GOLDEN, INITIALIZER_NAMES, STORAGE_DTYPES, TRUNC_NORMAL_ATTEMPTS
 
 
 def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -109,6 +109,92 @@ def init_rows(table: Tensor, rows: Tensor, ids: Tensor, seed: int, kind: int, pa
     _write_rows(table, target, kept, vectors.to(table.device, table.dtype))
     for state, value in zip(states, state_values):
         _write_rows(state, target, kept, torch.full((1, state.shape[1]), value, dtype=state.dtype, device=state.device))
+
+
+def init_rows_tables(weights: Tensor, table_offsets: Tensor, table_dims: Tensor, table_dtypes: Optional[Tensor],
+                     rows: Tensor, tables: Tensor, ids: Tensor, table_seeds: Tensor, table_kinds: Tensor,
+                     table_params: Tensor, kinds: Sequence[int], max_dim: int, states: Sequence[Tensor] = (),
+                     state_offsets: Optional[Tensor] = None, rowwise: bool = False,
+                     state_values: Sequence[float] = ()) -> None:
+    """``init_rows`` of every table of a module at once, in the flat storage: a number of
+    launches that does not depend on the table count, and no host read.
+
+    weights / table_offsets / table_dims / table_dtypes: the module's storage, as the lookup
+    kernels take it. rows, tables, ids: int64 ``[n]``, each new id's row (-1: skip), table and id.
+    table_seeds (int64 bit patterns), table_kinds: per table; table_params: float64 ``[T, 4]``.
+    kinds: the initializer kinds present (host); max_dim: the widest table (host). states: flat
+    optimizer state buffers, table t's rows from ``state_offsets[t]`` (one value per row when
+    ``rowwise``, else dim_t per row), reset to ``state_values``. Each vector is the one
+    ``init_vectors`` draws for (seed, id) (bit for bit: every element is a function of its pair)."""
+    n = rows.numel()
+    if n == 0 or max_dim == 0:
+        return
+    device = weights.device
+    dim = table_dims.index_select(0, tables)
+    seed, kind = table_seeds.index_select(0, tables), table_kinds.index_select(0, tables)
+    p = table_params.index_select(0, tables).unsqueeze(2)  # [n, 4, 1]: per row, broadcast over elements
+    num_pairs = (max_dim + 1) // 2
+    values = torch.zeros(n, 2 * num_pairs, dtype=torch.float64, device=device)
+    for k in kinds:  # each family over every row (few kinds), the row's own kind kept
+        values = torch.where((kind == k).unsqueeze(1), _family(INITIALIZER_NAMES[k], ids, seed, num_pairs, p), values)
+    vectors = values[:, :max_dim].float()
+    col = torch.arange(max_dim, device=device)
+    valid = (rows >= 0).unsqueeze(1) & (col < dim.unsqueeze(1))
+    dtype_of = table_dtypes.index_select(0, tables) if table_dtypes is not None else torch.zeros_like(tables)
+    start = table_offsets.index_select(0, tables)
+    for code, dtype in enumerate(STORAGE_DTYPES):
+        if code != 0 and table_dtypes is None:
+            break
+        view = weights if dtype == torch.float32 else weights.view(dtype)
+        per_word = 4 // view.element_size()
+        index = (start * per_word + rows * dim).unsqueeze(1) + col
+        _write_flat(view, index, valid & (dtype_of == code).unsqueeze(1), vectors.to(dtype))
+    for state, value in zip(states, state_values):
+        base = state_offsets.index_select(0, tables)
+        if rowwise:
+            index, where = (base + rows).unsqueeze(1), (rows >= 0).unsqueeze(1)
+        else:
+            index, where = (base + rows * dim).unsqueeze(1) + col, valid
+        _write_flat(state, index, where, torch.full(index.shape, value, dtype=state.dtype, device=device))
+
+
+def _family(name: str, ids: Tensor, seed: Tensor, num_pairs: int, p: Tensor) -> Tensor:
+    """[n, 2 * num_pairs] float64 values of initializer ``name`` with per-row parameters
+    ``p`` ([n, 4, 1]), as ``init_vectors`` computes them with scalar ones."""
+    if name == "constant":
+        return p[:, 0].expand(ids.numel(), 2 * num_pairs)
+    bits = _pair_bits_seeded(ids, num_pairs, seed)
+    if name == "uniform":
+        u = torch.stack([srl(bits, 40), (bits & 0xFFFFFFFF) >> 8], dim=2).flatten(1).double() * 2.0**-24
+        return p[:, 0] + (p[:, 1] - p[:, 0]) * u
+    values = p[:, 0] + p[:, 1] * _box_muller(bits)
+    if name == "truncated_normal":
+        low, high = p[:, 2], p[:, 3]
+        for attempt in range(1, TRUNC_NORMAL_ATTEMPTS):
+            outside = (values < low) | (values > high)
+            redraw = p[:, 0] + p[:, 1] * _box_muller(_pair_bits_seeded(ids, num_pairs, seed, attempt))
+            values = torch.where(outside, redraw, values)
+        values = torch.minimum(torch.maximum(values, low), high)
+    return values
+
+
+def _pair_bits_seeded(ids: Tensor, num_pairs: int, seed: Tensor, attempt: int = 0) -> Tensor:
+    """``_pair_bits`` with one seed per id (int64 bit patterns)."""
+    row_key = fmix64_tensor(ids.to(torch.int64) ^ seed).unsqueeze(1)
+    counters = torch.arange(num_pairs, dtype=torch.int64, device=ids.device) + (attempt << 32) + 1
+    return fmix64_tensor(row_key + counters * u64(INIT_GOLDEN))
+
+
+def _write_flat(buffer: Tensor, index: Tensor, where: Tensor, values: Tensor) -> None:
+    """buffer[index] = values where ``where`` (all [n, w]), fixed-size: the other entries stand in
+    for the first written one (same element, same value), or write an element's own value back
+    when none is written."""
+    index, where, values = index.flatten(), where.flatten(), values.flatten()
+    first = torch.argmax(where.to(torch.uint8))
+    source = torch.where(where, torch.arange(index.numel(), device=index.device), first)
+    target = index.index_select(0, source).clamp(0, buffer.numel() - 1)  # in range when none is written
+    kept = where.index_select(0, source)
+    buffer.index_put_((target,), torch.where(kept, values.index_select(0, source), buffer.index_select(0, target)))
 
 
 def _skip_to_first_kept(rows: Tensor) -> Tuple[Tensor, Tensor, Tensor]:

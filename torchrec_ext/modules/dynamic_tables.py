@@ -53,7 +53,7 @@ from torchrec_ext.modules.configs import initial_capacity_of, initializer_of, op
 from torchrec_ext.modules.fused_optimizer import OptimizerSpec
 from torchrec_ext.modules.state_checks import _check_distinct, _checked
 from torchrec_ext.modules.table_stats import MAX_AGE_BINS, TableCounters, TableStats
-from torchrec_ext.hashing import fallback_seed, fallback_slots, rounding_seed, table_seed
+from torchrec_ext.hashing import as_int64, fallback_seed, fallback_slots, rounding_seed, table_seed
 from torchrec_ext.table import (
     CLOCK_LIMIT, EPOCH_LIMIT, LAYOUT_LIMIT, LAYOUT_VERSION, LAYOUTS, SLOTS_PER_BUCKET, HashTable,
     check_counter, place_keys, table_geometry,
@@ -472,6 +472,7 @@ class DynamicTables:
         # Each table writes its rows into its slice of one buffer (no concatenation after).
         unique_rows = torch.empty_like(unique)
         inserted = torch.zeros_like(unique, dtype=torch.bool) if training else None  # for the table counters
+        flat = training and new is None and not exporting and self._flat_init()  # all tables' rows in one call
         for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
             if exporting:
                 torch._check(0 <= start)
@@ -486,9 +487,12 @@ class DynamicTables:
                 unique_rows[start:end] = rows
                 if fresh is not None:
                     inserted[start:end] = fresh
-                    self._initialise(t, rows, fresh, keys, new, start)
+                    if not flat:
+                        self._initialise(t, rows, fresh, keys, new, start)
         table_of = torch.arange(len(self.meta), device=ids.device)
         unique_table = torch.repeat_interleave(table_of, unique_offsets[1:] - unique_offsets[:-1], output_size=unique.numel())
+        if flat:
+            self._initialise_tables(unique_rows, inserted, unique, unique_table)
         if training and not exporting:
             self.counters.count_batch(unique_rows, inserted, unique_table, counts)
         unique_ids = unique
@@ -770,6 +774,37 @@ class DynamicTables:
         ops.init_rows(new.vectors[t], slots, keys[which], m.seed, m.init_kind, m.init_params)
         new.rows[t] = rows[which]
         new.unique_new[start + which] = slots
+
+    def _flat_init(self) -> bool:
+        """Whether a training lookup writes every table's new rows in one call (``flat_init``:
+        None, the default, on GPUs, where per-table calls cost launches per table). Only where
+        the rows live in the flat buffer itself (a subclass keeping them elsewhere overrides
+        ``_init_view``)."""
+        if type(self)._init_view is not DynamicTables._init_view:
+            return False
+        chosen = getattr(self, "flat_init", None)
+        return self.device.type == "cuda" if chosen is None else bool(chosen)
+
+    @torch.compiler.disable
+    def _initialise_tables(self, unique_rows: Tensor, inserted: Tensor, unique: Tensor, unique_table: Tensor) -> None:
+        """The rows of the new ids (``inserted``) of every table, written now in one call
+        (``ops.init_rows_tables``): the same vectors and optimizer state as ``_initialise``."""
+        table_offsets, table_dims, state_row_offsets = self.layout()
+        rowwise = self.optimizer is not None and self.optimizer.kind in ROWWISE_STATE
+        key = ("init", self.device, rowwise)
+        if key not in self._device_layout:  # per-table initializer descriptors, reset with the layout
+            dense = torch.tensor(self.dense_state_offsets, dtype=torch.int64)
+            self._device_layout[key] = (
+                torch.tensor([as_int64(m.seed) for m in self.meta], dtype=torch.int64).to(self.device),
+                torch.tensor([m.init_kind for m in self.meta], dtype=torch.int64).to(self.device),
+                torch.tensor([list(m.init_params) + [0.0] * (4 - len(m.init_params)) for m in self.meta],
+                             dtype=torch.float64).to(self.device),
+                state_row_offsets if rowwise else dense.to(self.device))
+        seeds, kinds, params, state_offsets = self._device_layout[key]
+        ops.init_rows_tables(self.weights, table_offsets, table_dims, self.dtype_layout()[0],
+                             torch.where(inserted, unique_rows, -1), unique_table, unique, seeds, kinds, params,
+                             sorted({m.init_kind for m in self.meta}), self._widest, self.states, state_offsets,
+                             rowwise, self._initial_state_values())
 
     def _init_view(self, t: int) -> Tuple[Tensor, List[Tensor], List[float]]:
         """Table t's [capacity, dim] rows, its states as [capacity, width], and their initial values."""

@@ -251,3 +251,27 @@ def _segments_reuse_one_process_group(rank, world_size):
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads and files in /proc")
 def test_pipelines_built_per_segment_do_not_leak_process_groups_threads_or_files():
     run_ranks(_segments_reuse_one_process_group, 2)
+
+
+def _timed_out_close_closes_the_group_pool(rank, world_size):
+    # A close whose input-dist thread did not stop (faked: the worker reports it still runs) must
+    # not hand that thread's group to the next pipeline, nor create a group (a collective) while a
+    # peer whose close went well reuses one: the next borrow refuses, saying why.
+    model, optimizer = make_dmp_dlrm(world_size)
+    options = PipelineOptions(prefetch_threads=0, threaded_input_dist=True)
+    batches = make_batches(rank, batch_size=8, num_full=2, last=0)
+    pipeline = TrainPipeline(model, optimizer, torch.device("cpu"), options)
+    progress_losses(pipeline, batches)
+    worker = pipeline._dist_worker
+    real_close = worker.close
+    worker.close = lambda timeout_s: real_close(timeout_s) and False
+    groups_before = len(dist.distributed_c10d._world.pg_map)
+    pipeline.close()
+    with pytest.raises(RuntimeError, match="input-dist thread did not stop within its close timeout"):
+        with TrainPipeline(model, optimizer, torch.device("cpu"), options) as again:
+            progress_losses(again, batches)
+    assert len(dist.distributed_c10d._world.pg_map) == groups_before  # no group was created
+
+
+def test_a_timed_out_close_never_lets_ranks_pools_of_groups_diverge():
+    run_ranks(_timed_out_close_closes_the_group_pool, 1)

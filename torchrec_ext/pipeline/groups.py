@@ -8,7 +8,10 @@ borrows a clone here and gives it back at close(): the next pipeline reuses it, 
 pipelines alive at the same time get different clones.
 
 Borrowing may create a group, which is a collective call: every rank must borrow and give back
-in the same order, as SPMD code building the same pipelines does.
+in the same order, as SPMD code building the same pipelines does. A group whose helper thread did
+not stop (a close that timed out, on this rank only maybe) is ``abandon``-ed instead: it is never
+reused, and borrowing for its source then raises, since this rank's pool may now differ from its
+peers' (one creating a group, a collective, while another reuses one would pair mismatched calls).
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ import torch.distributed as dist
 _lock = threading.Lock()
 # source group -> its clones not borrowed now (weak: a destroyed world's groups are not kept alive)
 _idle: "weakref.WeakKeyDictionary[dist.ProcessGroup, List[dist.ProcessGroup]]" = weakref.WeakKeyDictionary()
+# source group -> why its pool is closed (a clone was abandoned)
+_closed: "weakref.WeakKeyDictionary[dist.ProcessGroup, str]" = weakref.WeakKeyDictionary()
 
 
 def _registered(group: dist.ProcessGroup) -> bool:
@@ -45,6 +50,11 @@ def _timeout(group: dist.ProcessGroup):
 def borrow(source: dist.ProcessGroup) -> dist.ProcessGroup:
     """A group with the ranks, backend and timeout of ``source`` that no other borrower holds."""
     with _lock:
+        if source in _closed:
+            raise RuntimeError(
+                f"cannot borrow a process group for the input dist: {_closed[source]}, so this rank's pool of "
+                "groups may differ from its peers' and a new group could pair mismatched collectives; the "
+                "process group must be destroyed and created again (restart the job)")
         idle = _idle.setdefault(source, [])
         while idle:
             group = idle.pop()
@@ -59,3 +69,10 @@ def give_back(source: dist.ProcessGroup, group: dist.ProcessGroup) -> None:
     with _lock:
         if _registered(source) and _registered(group):
             _idle.setdefault(source, []).append(group)
+
+
+def abandon(source: dist.ProcessGroup, group: dist.ProcessGroup, why: str) -> None:
+    """A borrowed group that a helper thread may still use (``why``: what happened): it is not
+    reused, and later borrows for ``source`` raise, naming ``why``."""
+    with _lock:
+        _closed[source] = why

@@ -253,9 +253,11 @@ class TrainPipeline(TrainPipelineSparseDist):
         for kjt_all_to_all, pg in self._moved_input_dists:
             kjt_all_to_all._pg = pg
         self._moved_input_dists.clear()
-        if worker_done:  # a helper thread left behind may still use its group: not reused then
-            for source, group in self._dist_groups.items():
+        for source, group in self._dist_groups.items():
+            if worker_done:
                 groups.give_back(source, group)
+            else:  # a helper thread left behind may still use its group: never reused
+                groups.abandon(source, group, "a pipeline's input-dist thread did not stop within its close timeout")
         self._dist_groups.clear()
         if self._model_attached and self._pipelined_modules:
             self.detach()
@@ -410,9 +412,9 @@ class TrainPipeline(TrainPipelineSparseDist):
             pipeline_postproc=self._pipeline_postproc,
         )
         self.start_sparse_data_dist(batch, context)
-        if self._dist_worker is not None:
-            self._move_input_dists_to_own_groups()
         self._original_kjt_dist_forwards = _override_input_dist_forwards(self._pipelined_modules)
+        if self._dist_worker is not None:  # last: a borrow that fails leaves a model detach() can restore
+            self._move_input_dists_to_own_groups()
 
     def _move_input_dists_to_own_groups(self) -> None:
         for module in self._pipelined_modules:

@@ -7,6 +7,9 @@ they can be counted (``recording``) and kept few (tests/test_sync_budget.py: at 
 of a whole module, whatever its table count). On CPU the same calls are plain reads; they are
 counted all the same, so the CPU test sees what a GPU would pay.
 
+Under torch.compile / export the values are symbolic: nothing is read, counted or mirrored
+(the traced program's reads are the compiler's).
+
 ``mirror`` keeps host values beside a device tensor made from them (layout descriptors, bounds
 read once): reading such a tensor again costs nothing and is not counted, as long as the tensor
 was not written since (its version counter).
@@ -21,6 +24,7 @@ from collections import Counter
 from contextlib import contextmanager
 from typing import Dict, Iterator, List, Optional, Tuple
 
+import torch
 from torch import Tensor
 
 _lock = threading.Lock()
@@ -59,6 +63,8 @@ def recording() -> Iterator[Counter]:
 def mirror(device_tensor: Tensor, host: Tensor) -> Tensor:
     """Remembers ``host`` (a CPU tensor of the same values) as ``device_tensor``'s host copy;
     returns ``device_tensor``. A later ``to_host`` of it reads the copy (no sync, not counted)."""
+    if torch.compiler.is_compiling() or device_tensor.is_inference():  # (no version counter to check)
+        return device_tensor
     key = id(device_tensor)
     with _lock:
         _mirrors[key] = (weakref.ref(device_tensor, lambda _, key=key: _forget(key)), device_tensor._version,
@@ -73,7 +79,7 @@ def _forget(key: int) -> None:
 
 def _mirrored(t: Tensor) -> Optional[Tensor]:
     found = _mirrors.get(id(t))
-    if found is None or found[0]() is not t or found[1] != t._version:
+    if found is None or t.is_inference() or found[0]() is not t or found[1] != t._version:
         return None
     return found[2]
 
@@ -82,6 +88,8 @@ def to_host(t: Tensor, reason: str) -> Tensor:
     """``t``'s values on the host (a CPU tensor): one counted sync (whatever ``t``'s device: on
     CPU it stands for the GPU's), unless ``t`` is mirrored. The values read are mirrored, so a
     second read of the same unchanged tensor is free."""
+    if torch.compiler.is_compiling():
+        return t.detach()
     host = _mirrored(t)
     if host is not None:
         return host
@@ -93,13 +101,16 @@ def to_host(t: Tensor, reason: str) -> Tensor:
 
 def host_list(t: Tensor, reason: str) -> list:
     """``to_host(t, reason).tolist()``."""
+    if torch.compiler.is_compiling():
+        return t.tolist()  # symbolic ints
     return to_host(t, reason).tolist()
 
 
 def nonzero(mask: Tensor, reason: str) -> Tensor:
     """Positions of the True entries of a 1-D bool ``mask`` (on its device): its output size is
     data-dependent, so this is a counted sync."""
-    _count(reason)
+    if not torch.compiler.is_compiling():
+        _count(reason)
     return mask.nonzero().squeeze(1)
 
 

@@ -3,8 +3,9 @@
 Every point of a dynamic module's training step that would be a device-to-host sync on a GPU
 goes through ``torchrec_ext.device_sync`` (tests/test_sync_patterns.py fails on any other), which
 counts it on CPU too. A training step (forward lookup, loss, fused backward update) of a 26-table
-module must make at most 3, whatever the table count: TTL, admission, fallback rows and FP16
-rows included, with new rows written by the lookup (as on a GPU) or deferred (CPU)."""
+module must make at most 3, whatever the table count: TTL, admission, fallback rows, FP16
+rows and growing tables included (growing tables with admission read each one's admitted count: not
+in the budget), with new rows written by the lookup (as on a GPU) or deferred (CPU)."""
 import pytest
 import torch
 from torchrec import DataType, KeyedJaggedTensor
@@ -27,6 +28,7 @@ VARIANTS = {
     "fallback": {"fallback_rows": 3, "admission": "probabilistic", "admit_probability": 0.5},
     "fp16": {"data_type": DataType.FP16},
     "lfu": {"eviction_policy": "lfu"},
+    "growth": {"initial_capacity": 8},  # tables double up to 64 rows: one read of all tables' sizes
 }
 
 

@@ -230,6 +230,11 @@ class HashTable:
         with self._lock.read():
             return int(self._size)
 
+    def size_tensor(self) -> Tensor:
+        """Live keys as an int64 ``[1]`` tensor on the table's device: ``size()`` without the host
+        read (the table's own counter, changed by later calls: copy or read it at once)."""
+        return self._size
+
     def load_factor(self) -> float:
         return self.size() / self._capacity
 

@@ -263,6 +263,7 @@ class DynamicTables:
         # The table parameters viewing this storage, re-pointed when a growth replaces it.
         self._parameter_owners: "weakref.WeakSet" = weakref.WeakSet()
         self._growing = any(m.grows for m in self.meta)
+        self._growth_deferred = False  # a lookup put a growth off (a fused update was pending)
         self._build_indexes()
 
     def _compute_layout(self) -> List[int]:
@@ -455,11 +456,11 @@ class DynamicTables:
         unique, inverse, counts, unique_offsets = ops.dedup_segments(ids, segment_offsets)
         exporting = torch.compiler.is_compiling()  # bounds are symbolic: tell what the op guarantees
         bounds = device_sync.host_list(unique_offsets, "lookup: where each table's unique ids start")
-        if training and self._growing and not exporting and self.pending_backward == 0:
+        if training and self._growing and not exporting:
             # Room for every distinct id of the batch (a bound on its new ones) before any is
             # inserted; tables with admission grow in _rows_for, for the ids admitted.
-            self.grow({t: end - start for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]))
-                       if self.admission[t] is None})
+            self._grow_or_defer({t: end - start for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]))
+                                 if self.admission[t] is None})
         if training:
             self.train_step += 1
         new = None
@@ -522,6 +523,14 @@ class DynamicTables:
 
     # ------------------------------------------------------------------ growth
 
+    def _grow_or_defer(self, incoming: Dict[int, int]) -> None:
+        """``grow(incoming)`` now, or, while a lookup awaits its fused update, once the last
+        pending update has run (that update grows the tables then)."""
+        if self.pending_backward == 0:
+            self.grow(incoming)
+        else:
+            self._growth_deferred = True
+
     def grow(self, incoming: Optional[Dict[int, int]] = None) -> List[int]:
         """Doubles (repeatedly, up to max_capacity) each growing table whose load with
         ``incoming[t]`` more rows would pass its growth_load_factor (``incoming`` None: every table,
@@ -534,12 +543,15 @@ class DynamicTables:
         new storage cannot be allocated."""
         if not self._growing or self.pending_backward or self.device.type == "meta":
             return []
+        tables = [t for t, m in enumerate(self.meta) if m.grows and (incoming is None or t in incoming)]
+        # Every table's live rows in one host read (not one per table).
+        live = device_sync.host_list(torch.cat([self.indexes[t].size_tensor() for t in tables]), "growth: live rows") \
+            if tables else []
         targets = {}
-        for t, m in enumerate(self.meta):
-            if m.grows and (incoming is None or t in incoming):
-                want = m.fit_capacity(self.indexes[t].size() + (incoming or {}).get(t, 0))
-                if want != m.capacity:
-                    targets[t] = want
+        for t, size in zip(tables, live):
+            want = self.meta[t].fit_capacity(size + (incoming or {}).get(t, 0))
+            if want != self.meta[t].capacity:
+                targets[t] = want
         if not targets:
             return []
         self.write_new_rows()
@@ -696,11 +708,14 @@ class DynamicTables:
             unseen = ~found
             admitted = admission.admit(keys, counts, unseen, self.train_step)
             self.counters.count_rejected(t, unseen & ~admitted)
-            if m.grows and self.pending_backward == 0 and not torch.compiler.is_compiling():
+            if m.grows and not torch.compiler.is_compiling():
                 # Room for the ids admitted now. Only this table's rows move: the rows other
                 # tables gave this batch's ids so far stay theirs (a relayout copies them whole).
-                self.grow({t: int(device_sync.to_host((unseen & admitted).sum(), "growth: admitted ids"))})
-                index = self.indexes[t]
+                if self.pending_backward == 0:
+                    self.grow({t: int(device_sync.to_host((unseen & admitted).sum(), "growth: admitted ids"))})
+                    index = self.indexes[t]
+                else:
+                    self._growth_deferred = True
             candidates = found | admitted  # the others take no part in the upsert (no compaction)
         scores = counts if m.policy in _SCORED_BY_COUNT else None
         # One entry per key out (no eviction count read on the host); dedup counts are >= 1.
@@ -857,7 +872,8 @@ class DynamicTables:
         done = self._pending.get(id(lookup.unique_rows))
         if done is not None:
             done()
-            if self.pending_backward == 0:
+            if self.pending_backward == 0 and getattr(self, "_growth_deferred", False):
+                self._growth_deferred = False
                 self.grow()  # growths put off while this update was pending
 
     def _replicated_fallback_layout(self) -> Tuple[List[int], List[int], int]:

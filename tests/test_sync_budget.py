@@ -74,6 +74,8 @@ def test_training_step_syncs_within_budget(variant, new_rows):
     module._tables.defer_new_rows, module._tables.flat_init = NEW_ROWS[new_rows]
     for total, seen in _syncs_per_step(module):
         assert total <= BUDGET, f"{variant}: {total} host syncs in one step, budget {BUDGET}: {seen}"
+        assert seen.get("lookup: where each table's unique ids start") == 1  # the count is live: the one read
+        # no step can avoid (how many unique ids each table has) is seen
 
 
 def test_sync_count_does_not_grow_with_tables():

@@ -22,9 +22,13 @@ tiny wrapper that DMP shards):
 - ours-full: the same, every rank's tables first filled to capacity (negative ids, which the
              generator never makes, inserted by no-grad training-mode forwards), so every new
              id evicts.
+- ours-cw:   the same module sharded column_wise (not run by default: --systems ours,ours-cw):
+             every rank holds half of each table's columns at the whole capacity and looks up
+             every rank's ids.
 
     python benchmarks/bench_sharded.py                       # re-launches itself under torchrun, 2 ranks
     python benchmarks/bench_sharded.py --systems ebc,ours --repeats 5 --no-save
+    python benchmarks/bench_sharded.py --systems ours,ours-cw --no-save   # row_wise against column_wise
     python benchmarks/bench_sharded.py --batch-size 256 --rows 10000 --capacity 16384 \
         --repeats 2 --warmup 1 --no-save                     # smoke
 """
@@ -46,11 +50,12 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Built, markdown_table, parse_config, save, small_tables, tensor_bytes  # noqa: E402
 
-SYSTEMS = ("ebc", "ours", "ours-full")
+SYSTEMS = ("ebc", "ours", "ours-full")  # the default; ours-cw on request
 LABELS = {
     "ebc": "TorchRec EBC row_wise, fused Adagrad (fbgemm CPU TBE), ids mod rows",
     "ours": "torchrec_ext DynamicEmbeddingBagCollection row_wise, fused Adagrad, raw ids",
     "ours-full": "the same, tables filled to capacity first (every new id evicts)",
+    "ours-cw": "torchrec_ext DynamicEmbeddingBagCollection column_wise (half the columns per rank), raw ids",
 }
 
 
@@ -134,9 +139,9 @@ def build_ebc(cfg: Config) -> Built:
     return Built(step, memory, batch_of, note)
 
 
-def build_ours(cfg: Config, prefill: bool = False) -> Built:
+def build_ours(cfg: Config, prefill: bool = False, sharding: str = "row_wise") -> Built:
     from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise
     from torchrec.distributed.types import ShardingPlan
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -149,8 +154,10 @@ def build_ours(cfg: Config, prefill: bool = False) -> Built:
     model = Wrapper(DynamicEmbeddingBagCollection(small_tables(cfg, DynamicEmbeddingBagConfig, cfg.capacity),
                                                   device=torch.device("meta"), optimizer=torch.optim.Adagrad,
                                                   optimizer_kwargs={"lr": cfg.lr}))
+    generator = {"row_wise": lambda: row_wise(compute_kernel="customized_kernel"),
+                 "column_wise": lambda: column_wise(ranks=list(range(world)), compute_kernel="customized_kernel")}
     plan = construct_module_sharding_plan(
-        model.ebc, {f"t{t}": row_wise(compute_kernel="customized_kernel") for t in range(cfg.num_tables)},
+        model.ebc, {f"t{t}": generator[sharding]() for t in range(cfg.num_tables)},
         sharder=DynamicEmbeddingBagCollectionSharder(), local_size=world, world_size=world, device_type="cpu")
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=ShardingPlan({"ebc": plan}),
                                    sharders=get_sharders())
@@ -186,7 +193,8 @@ def build_ours(cfg: Config, prefill: bool = False) -> Built:
     return Built(step, memory, note=note)
 
 
-BUILDERS = {"ebc": build_ebc, "ours": build_ours, "ours-full": lambda cfg: build_ours(cfg, prefill=True)}
+BUILDERS = {"ebc": build_ebc, "ours": build_ours, "ours-full": lambda cfg: build_ours(cfg, prefill=True),
+            "ours-cw": lambda cfg: build_ours(cfg, sharding="column_wise")}
 
 
 def time_systems(built: Dict[str, Built], cfg: Config, raw: List) -> Dict[str, Dict[str, object]]:
@@ -280,7 +288,8 @@ def report(cfg: Config, results: Dict[str, Dict[str, object]], data: Dict[str, o
         rows.append([name, LABELS[name], f"{r['ms_per_step']:.1f}", ratio, f"{r['ids_per_s'] / 1e6:.2f}",
                      f"{r['live_rows']:,} / {r['slots']:,}", f"{max(r['bytes_per_rank']) / 2**20:,.0f}"])
     title = (f"dlrm-small train step, {world} ranks on cpu (torchrun, gloo, {torch.get_num_threads()} thread(s) "
-             f"per rank), row_wise under DistributedModelParallel: {cfg.num_tables} tables x dim {cfg.dim}, "
+             f"per rank), {'row_wise (ours-cw: column_wise)' if 'ours-cw' in results else 'row_wise'} under "
+             f"DistributedModelParallel: {cfg.num_tables} tables x dim {cfg.dim}, "
              f"batch {cfg.batch_size} per table per rank, bags 1..{cfg.max_bag}, "
              f"ids Zipf({cfg.alpha}) over 2^{cfg.id_bits} "
              f"({data['ids_per_step_per_rank']:,} ids/step per rank, {data['unique_fraction_per_table']:.0%} distinct "
@@ -308,7 +317,7 @@ def worker(cfg: Config, save_results: bool) -> None:
 
 
 def main() -> None:
-    cfg, save_results = parse_config(Config, __doc__, systems=SYSTEMS, ranks=True)
+    cfg, save_results = parse_config(Config, __doc__, systems=tuple(BUILDERS), ranks=True)
     worker(cfg, save_results)
 
 

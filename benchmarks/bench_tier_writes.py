@@ -5,6 +5,11 @@ syncs the file, so that its pages are clean and write-protected, as after the ke
 writeback: the mapping then takes a fault per page it writes. Prints the best of ``repeats``
 trials per size (no results saved: a smoke measurement behind the choice of the mapped write).
 
+Then the first writes into a new file, the case the trials above miss (their file is filled
+first): a file only reserved (``posix_fallocate``: unwritten extents, whose first write through
+the mapping converts them, a fault per page) against one written whole when made
+(``tier_store.write_zeros``, what a new backing file gets).
+
     python benchmarks/bench_tier_writes.py                      # 1 GiB file, 2k..60k rows of dim 64
 """
 from __future__ import annotations
@@ -15,6 +20,8 @@ import tempfile
 import time
 
 import torch
+
+from torchrec_ext.modules.tier_store import write_zeros
 
 
 def main() -> None:
@@ -56,7 +63,26 @@ def main() -> None:
                 i = j
         return time.perf_counter() - start
 
+    def first_writes(k: int, written: bool) -> float:
+        fresh = os.path.join(directory, "fresh")
+        with open(fresh, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, args.rows * row_bytes)
+            if written:
+                write_zeros(f.fileno(), 0, args.rows * row_bytes)
+        rows = torch.randperm(args.rows, generator=gen)[:k].sort().values
+        target = torch.from_file(fresh, shared=True, size=args.rows * args.dim, dtype=torch.float32)
+        start = time.perf_counter()
+        target.view(args.rows, args.dim).index_copy_(0, rows, source[:k])
+        elapsed = time.perf_counter() - start
+        del target
+        os.unlink(fresh)
+        return elapsed
+
     try:
+        for k in writes:
+            print(f"{k:>6} rows, first writes into a new file: " + ", ".join(
+                f"{how} {first_writes(k, how == 'written whole') * 1e3:.1f} ms" for how in ("reserved only",
+                                                                                            "written whole")))
         for k in writes:
             best = {how: min(trial(k, how) for _ in range(args.repeats))
                     for how in ("mmap sorted", "mmap unsorted", "pwrite sorted runs")}

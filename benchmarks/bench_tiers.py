@@ -44,7 +44,7 @@ from typing import Dict, List, Tuple
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import DlrmSmall, markdown_table, parse_config, save, small_tables  # noqa: E402
+from common import DlrmSmall, markdown_table, parse_config, process_memory, save, small_tables  # noqa: E402
 
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig  # noqa: E402
 from torchrec_ext.data import dlrm_small_batch  # noqa: E402
@@ -86,17 +86,6 @@ def _tier_counters(module) -> Dict[str, int]:
     return {k: sum(getattr(s, k) for s in stats) for k in ("cache_hits", "cache_misses", "cache_write_backs",
                                                            "cache_bytes_moved", "cache_slots", "inserts",
                                                            "cache_staged", "cache_staged_write_backs")}
-
-
-def _memory_status() -> Dict[str, int]:
-    """VmRSS / RssAnon / RssFile of this process, in bytes."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "RssFile"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
 
 
 def run(cfg: Config) -> Dict[str, object]:
@@ -172,7 +161,7 @@ def _run(cfg: Config, directory: str) -> Dict[str, object]:
         "live_rows": {name: m.num_live_rows() for name, m in systems.items()},
         "fast_memory_bytes": {name: m.storage_bytes() for name, m in systems.items()},
         "backing_file_bytes": backing_file_bytes,
-        "process_memory": _memory_status(), "ids_per_step": int(batches[0].values().numel()),
+        "process_memory": process_memory(), "ids_per_step": int(batches[0].values().numel()),
         "uptime_before": uptime_before, "uptime_after": uptime_after, "backing_dir": directory,
     }
 

@@ -85,6 +85,17 @@ def save(name: str, record: Dict[str, object], markdown: str) -> None:
         f.write(markdown + "\n")
 
 
+def process_memory() -> Dict[str, int]:
+    """VmRSS / RssAnon / RssFile of this process, in bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
 def tensor_bytes(*objs) -> int:
     """Bytes of the distinct storages under tensors, ShardedTensors (local shards), dicts, lists."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import tempfile
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -67,11 +67,12 @@ def make_batches(rank: int, batch_size: int, num_full: int, last: int, seed: int
     return batches
 
 
-def make_dmp_dlrm(world_size: int, seed: int = 0, dynamic: bool = False, tables=None):
+def make_dmp_dlrm(world_size: int, seed: int = 0, dynamic: bool = False, tables=None, ebc_device=None):
     """A DLRM over 3 tables sharded row-wise / table-wise / row-wise, fused Adagrad on the
     tables, dense Adagrad; returns (dmp, optimizer). dynamic: torchrec_ext's
     DynamicEmbeddingBagCollection and sharder instead of TorchRec's EBC; ``tables``: its 3 configs
-    (t0, t1, t2 of dim DIM reading f0, f1, f2) instead of the plain ones."""
+    (t0, t1, t2 of dim DIM reading f0, f1, f2) instead of the plain ones; ``ebc_device``: where the
+    module to shard is built (default the CPU; meta for tiered tables with file backing)."""
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
@@ -90,7 +91,7 @@ def make_dmp_dlrm(world_size: int, seed: int = 0, dynamic: bool = False, tables=
         from torchrec_ext import DynamicEmbeddingBagCollection
         from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
 
-        ebc = DynamicEmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+        ebc = DynamicEmbeddingBagCollection(tables=tables, device=ebc_device or torch.device("cpu"))
         sharder, sharders, kernel = DynamicEmbeddingBagCollectionSharder(), get_sharders(), "customized_kernel"
     else:
         ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
@@ -123,15 +124,19 @@ def plain_loop(dmp, optimizer, batches) -> List[torch.Tensor]:
     return losses
 
 
-def progress_losses(pipeline, batches) -> List[torch.Tensor]:
-    """The losses of ``pipeline.progress`` run over ``batches`` until they are exhausted."""
+def progress_losses(pipeline, batches, tier_stats: Optional[list] = None) -> List[torch.Tensor]:
+    """The losses of ``pipeline.progress`` run over ``batches`` until they are exhausted (the
+    first item of each step's output); each step's ``pipeline.tier_step_stats()`` appended to
+    ``tier_stats`` when given."""
     losses, it = [], iter(batches)
     while True:
         try:
-            loss, _, _ = pipeline.progress(it)
+            loss = pipeline.progress(it)[0]
         except StopIteration:
             return losses
         losses.append(loss.detach().clone())
+        if tier_stats is not None:
+            tier_stats.append(pipeline.tier_step_stats())
 
 
 def local_state(dmp) -> dict:
@@ -146,3 +151,45 @@ def local_state(dmp) -> dict:
         elif isinstance(value, torch.Tensor):
             out[name] = value.detach().clone()
     return out
+
+
+def global_batch(kjts):
+    """The KJT of every rank's samples, rank after rank per key: what an unsharded module is fed
+    to stand for all ranks (the order column shards and routed lookups receive ids in)."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    keys, per_key = kjts[0].keys(), [k.to_dict() for k in kjts]
+    weighted = kjts[0].weights_or_none() is not None
+    return KeyedJaggedTensor(
+        keys=keys, values=torch.cat([jt[key].values() for key in keys for jt in per_key]),
+        lengths=torch.cat([jt[key].lengths() for key in keys for jt in per_key]),
+        stride=kjts[0].stride() * len(kjts),
+        weights=torch.cat([jt[key].weights() for key in keys for jt in per_key]) if weighted else None)
+
+
+def rows_by_id(state, prefix):
+    """{table: {key: {id: value}}} of a (full, unsharded) state dict's per-row keys under ``prefix``
+    (vectors, scores, optimizer state, last-seen steps)."""
+    out = {}
+    for key, value in state.items():
+        if not key.startswith(prefix) or not isinstance(value, torch.Tensor):
+            continue
+        table, field = key[len(prefix):].split(".", 1)
+        if field in ("weight_id", "counters", "row") or field.startswith("admission"):
+            continue
+        ids = state[f"{prefix}{table}.weight_id"].tolist()
+        if value.dim() >= 1 and value.shape[0] == len(ids):
+            out.setdefault(table, {})[field] = dict(zip(ids, value))
+    return out
+
+
+def assert_same_tables(got_state, want_state, prefix):
+    """The same ids with the same per-row values in two (full) state dicts' tables."""
+    got, want = rows_by_id(got_state, prefix), rows_by_id(want_state, prefix)
+    assert got.keys() == want.keys()
+    for table in want:
+        assert got[table].keys() == want[table].keys(), table
+        for field in want[table]:
+            assert got[table][field].keys() == want[table][field].keys(), (table, field)
+            for k, v in want[table][field].items():
+                torch.testing.assert_close(got[table][field][k], v, rtol=1e-5, atol=1e-5, msg=f"{table}.{field}[{k}]")

@@ -172,6 +172,83 @@ def test_storage_bytes_and_rss_follow_the_current_capacity():
     assert grown.table_stats()["t"].capacity == 1 << 17  # 60K live ids within 0.75
 
 
+def test_growth_rewrites_the_buffers_in_their_reserved_memory_and_reset_returns_it():
+    """On CPU a growing module's buffers live in address space reserved for num_embeddings: a
+    growth keeps them where they are (only the pages past the old size are new) and a reset
+    gives the pages past the initial size back (resident memory follows the capacity)."""
+    cfg = DynamicEmbeddingBagConfig(name="t", embedding_dim=32, num_embeddings=1 << 20, feature_names=["f"],
+                                    initial_capacity=1 << 12)
+    module = DynamicEmbeddingBagCollection([cfg], optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    tables = module._tables
+    where = [b.data_ptr() for b in [tables.weights] + tables.states]
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        ids = torch.randint(0, 2 ** 62, (40000,), generator=gen)
+        module(KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.full((10000,), 4))).values().sum().backward()
+    assert module.table_stats()["t"].capacity == 1 << 18
+    assert [b.data_ptr() for b in [tables.weights] + tables.states] == where
+    grown_rss = _rss()
+    module.reset_parameters()
+    assert module.table_stats()["t"].capacity == 1 << 12
+    assert [b.data_ptr() for b in [tables.weights] + tables.states] == where
+    freed = (1 << 18) * 32 * 4 * 2 * 0.9  # vectors and Adagrad state past the initial capacity
+    assert grown_rss - _rss() > freed, (grown_rss, _rss())
+
+
+def test_a_saved_growing_module_holds_its_rows_not_its_reserved_range():
+    import io
+
+    cfg = DynamicEmbeddingBagConfig(name="t", embedding_dim=32, num_embeddings=1 << 22, feature_names=["f"],
+                                    initial_capacity=1 << 10)
+    module = DynamicEmbeddingBagCollection([cfg], optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    gen = torch.Generator().manual_seed(5)
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.randint(0, 2 ** 62, (400,), generator=gen), torch.full((100,), 4))
+    module(kjt).values().sum().backward()
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    assert buffer.tell() < 4 * module.storage_bytes()  # the reserved range is (1 << 22) * 32 * 4 * 2 bytes
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.embedding_bags["t"].weight.shape == module.embedding_bags["t"].weight.shape
+    _assert_same_tables(_by_id(loaded), _by_id(module))
+    for m in (module, loaded):
+        m(kjt).values().sum().backward()
+    _assert_same_tables(_by_id(loaded), _by_id(module))
+
+
+def test_without_address_space_to_reserve_a_module_grows_by_reallocating():
+    """Where num_embeddings' worth of address space cannot be reserved (a limit on it, strict
+    overcommit), the buffers are plain ones and growths reallocate them (in a child process, whose
+    address space is limited below the reservation)."""
+    import subprocess
+    import sys
+
+    code = """
+import resource, torch
+from torchrec import KeyedJaggedTensor
+from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
+resource.setrlimit(resource.RLIMIT_AS, (12 << 30, 12 << 30))  # the reservation: 2^26 x 64 x 4 B = 16 GiB
+cfg = DynamicEmbeddingBagConfig(name="t", embedding_dim=64, num_embeddings=1 << 26, feature_names=["f"],
+                                initial_capacity=1 << 10)
+m = DynamicEmbeddingBagCollection([cfg], optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+assert not m._tables._reserved
+gen = torch.Generator().manual_seed(0)
+m(KeyedJaggedTensor.from_lengths_sync(["f"], torch.randint(0, 2 ** 62, (8000,), generator=gen),
+                                      torch.full((2000,), 4))).values().sum().backward()
+assert m.table_stats()["t"].capacity == 1 << 14 and m.num_live_rows() == 8000
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def _rss():
+    gc.collect()
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def test_rows_never_move_while_a_backward_is_pending():
     cfg = DynamicEmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=4096, feature_names=["f"],
                                     initial_capacity=32)
@@ -247,6 +324,8 @@ def test_a_copy_of_a_growing_module_grows_on_its_own():
     gen = torch.Generator().manual_seed(12)
     module(_batch(gen)).values().sum().backward()
     twin = copy.deepcopy(module)
+    for buf in [twin._tables.weights] + twin._tables.states:  # not the whole reserved range of the original's
+        assert buf.untyped_storage().nbytes() == buf.numel() * 4
     weight = twin.embedding_bags["t0"].weight
     before = weight.shape[0]
     kjt = _batch(gen, spread=10 ** 6)

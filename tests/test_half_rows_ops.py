@@ -219,6 +219,31 @@ def test_stochastic_rounding_is_the_reference_bit_for_bit(dtype):
 
 
 @pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("dim", [1, 7, 15, 16, 17, 33, 64])
+def test_stochastic_rounding_is_the_reference_at_every_row_width(dtype, dim):
+    """Rows of every width (the vector loops' whole blocks and tails, 8 and 16 wide), values of
+    every magnitude (normal, subnormal, below 2^-24, near the largest finite value) and the
+    specials: the reference's bits; NaN stays NaN (its payload is not specified)."""
+    gen = torch.Generator().manual_seed(dim)
+    n = 48
+    x = torch.randn(n, dim, generator=gen) * 10.0 ** torch.randint(-10, 6, (n, dim), generator=gen).float()
+    specials = torch.tensor([float("inf"), -float("inf"), float("nan"), 65519.0, -2.0**-25, 2.0**-24, 0.0])
+    x.view(-1)[torch.randperm(n * dim, generator=gen)[:n]] = specials[torch.randint(0, 7, (n,), generator=gen)]
+    ids = torch.arange(n) * 101 - 7
+    weights = torch.zeros(ref.table_words(n, dim, dtype))
+    ops.fused_update(-x, weights, [], torch.tensor([0]), torch.tensor([dim]), torch.tensor([0]),  # SGD, lr 1, from 0: x
+                     torch.arange(n), torch.zeros(n, dtype=torch.int64), torch.arange(n), None, None,
+                     torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool), 0, ref.OPTIMIZERS["sgd"],
+                     (1.0, 0, 0, 0, 0, 0), 4, table_dtypes=torch.tensor([ref.dtype_code(dtype)]), unique_ids=ids,
+                     rounding_seeds=torch.tensor([77]))
+    got = weights.view(dtype)[:n * dim].view(n, dim)
+    want = ref.round_to_storage(x, dtype, ref.rounding_bits(ids, dim, 77, 4))
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan) and int(nan.sum()) > 0
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", HALF)
 def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour(dtype):
     n = 40000
     x = VALUES[:12]  # finite, in range: normal, float16-subnormal and tiny values
@@ -309,18 +334,20 @@ def test_bad_dtype_layout_is_a_clear_error():
     assert torch.equal(weights, before)
 
 
-def test_portable_conversions_give_the_hardware_bits():
-    """The F16C (hardware) and portable float16 paths: this file's half-row tests again with
-    TORCHREC_EXT_NO_F16C=1, in a child process (the choice is made when the library loads)."""
+@pytest.mark.parametrize("switch", ["TORCHREC_EXT_NO_AVX512", "TORCHREC_EXT_NO_F16C"])
+def test_portable_conversions_give_the_hardware_bits(switch):
+    """The AVX-512, F16C and portable float16 paths: this file's half-row tests again with
+    TORCHREC_EXT_NO_AVX512=1 (F16C) and TORCHREC_EXT_NO_F16C=1 (portable), in a child process
+    (the choice is made when the library loads)."""
     import os
     import subprocess
     import sys
 
-    if os.environ.get("TORCHREC_EXT_NO_F16C"):
+    if os.environ.get("TORCHREC_EXT_NO_F16C") or os.environ.get("TORCHREC_EXT_NO_AVX512"):
         pytest.skip("this is the child run")
     here = os.path.abspath(__file__)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", here,
                            "-k", "half or stochastic or nearest"],
-                          cwd=os.path.dirname(os.path.dirname(here)), env=dict(os.environ, TORCHREC_EXT_NO_F16C="1"),
+                          cwd=os.path.dirname(os.path.dirname(here)), env=dict(os.environ, **{switch: "1"}),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-4000:]

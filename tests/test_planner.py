@@ -99,13 +99,18 @@ def _expected_io(sharding_type, world, dim, pooled, weighted, pooling_factors, b
     return math.ceil(shard_ids * (12 if weighted else 8)) + math.ceil(outs * dim * 4)
 
 
-def _enumerate(model, world, device="cpu", constraints=None, estimators=None, **topo):
+ORIGINAL_TYPES = ("table_wise", "row_wise")
+
+
+def _enumerate(model, world, device="cpu", constraints=None, estimators=None, types=ORIGINAL_TYPES, **topo):
+    """The options of ``types`` (the byte model of the other types: test_sharding_types_storage_and_perf)."""
     topology = Topology(world_size=world, compute_device=device, **topo)
     if estimators is None:
         estimators = [DynamicEmbeddingStorageEstimator(topology, constraints),
                       DynamicEmbeddingPerfEstimator(topology, constraints)]
     enumerator = EmbeddingEnumerator(topology, BATCH, constraints, estimator=estimators)
-    return enumerator.enumerate(model, _sharders())
+    options = enumerator.enumerate(model, _sharders())
+    return options if types is None else [o for o in options if o.sharding_type in types]
 
 
 TABLE_CASES = [
@@ -380,3 +385,83 @@ def test_make_planner_rejects_an_enumerator():
     topology = Topology(world_size=1, compute_device="cpu")
     with pytest.raises(TypeError, match="enumerator"):
         make_planner(topology, BATCH, enumerator=EmbeddingEnumerator(topology, BATCH))
+
+
+# ------------------------------------------------------------------ the other sharding types
+
+def _types_model(opt="adagrad"):
+    configs = [DynamicEmbeddingBagConfig(name="c", embedding_dim=8, num_embeddings=1000, feature_names=["f"],
+                                         ttl_steps=5)]
+    return DynamicEmbeddingBagCollection(configs, device=META, optimizer=opt, optimizer_kwargs={"lr": 0.1})
+
+
+def test_sharding_types_storage_and_perf():
+    """column_wise / table_column_wise shards are tables of their columns with the whole capacity
+    (each its own index) looking up every rank's ids; table_row_wise spreads rows and ids over a
+    node's ranks: against the byte model, and perf that scales as the ids and widths do."""
+    world, local = 4, 2
+    constraints = {"c": ParameterConstraints(min_partition=4)}  # 2 column shards of 4
+    options = {o.sharding_type: o for o in _enumerate(_types_model(), world, constraints=constraints, types=None,
+                                                     local_world_size=local)}
+    assert set(options) == {"table_wise", "row_wise", "table_row_wise", "column_wise", "table_column_wise"}
+    for kind, o in options.items():
+        parts = {"row_wise": world, "table_row_wise": local}.get(kind, 1)
+        dims = [4, 4] if kind in ("column_wise", "table_column_wise") else [8] * len(o.shards)
+        assert [int(s.size[1]) for s in o.shards] == dims, kind
+        ids = BATCH * world / parts  # every rank's ids, spread over the ranks holding rows
+        for shard, dim in zip(o.shards, dims):
+            want = _expected_resident(1000, dim, "adagrad", 5, 1, None, parts) + math.ceil(ids * 8) + \
+                math.ceil(BATCH * world * dim * 4)
+            assert shard.storage == Storage(hbm=0, ddr=want), kind
+    per_shard = lambda kind, field: [getattr(s.perf, field) for s in options[kind].shards]
+    table_wise = options["table_wise"].shards[0].perf
+    for kind in ("column_wise", "table_column_wise"):  # the same ids, half the width
+        assert per_shard(kind, "input_dist_comms") == [table_wise.input_dist_comms] * 2
+        assert all(t < table_wise.fwd_compute for t in per_shard(kind, "fwd_compute"))
+        assert per_shard(kind, "fwd_comms") == pytest.approx([table_wise.fwd_comms / 2] * 2)
+    twrw = per_shard("table_row_wise", "input_dist_comms")
+    assert twrw == pytest.approx([table_wise.input_dist_comms / local] * local)
+    assert per_shard("row_wise", "input_dist_comms") == pytest.approx([table_wise.input_dist_comms / world] * world)
+
+
+def test_tables_that_cannot_be_split_by_columns_or_replicated_are_refused_with_the_reason():
+    """A row-wise optimizer's tables never get column options that split their columns (a single
+    column shard, the whole table, is kept); constraints that leave only those, or only
+    data_parallel, are a PlannerError saying why."""
+    topology = Topology(world_size=2, compute_device="cpu")
+    options = _enumerate(_types_model("rowwise_adagrad"), 2, types=None)  # dim 8 < min_partition: 1 column shard
+    assert {o.sharding_type for o in options} == {"table_wise", "row_wise", "table_row_wise", "column_wise",
+                                                  "table_column_wise"}
+    assert all(len(o.shards) == 1 for o in options if "column" in o.sharding_type)
+    split = {"c": ParameterConstraints(min_partition=4)}  # 2 column shards of 4
+    kinds = {o.sharding_type for o in _enumerate(_types_model("rowwise_adagrad"), 2, constraints=split, types=None)}
+    assert kinds == {"table_wise", "row_wise", "table_row_wise"}
+    for types, reason in ((["column_wise"], r"constrained to \['column_wise'\], but it cannot be split into column "
+                                            r"shards: it has optimizer 'rowwise_adagrad': a row-wise optimizer state "
+                                            r"\(rowwise_adagrad averages"),
+                          (["data_parallel"], r"constrained to data_parallel: data_parallel cannot serve a dynamic "
+                                              r"table: each rank would insert the ids of its own batch")):
+        planner = make_planner(topology, BATCH, constraints={"c": ParameterConstraints(sharding_types=types,
+                                                                                       min_partition=4)})
+        with pytest.raises(PlannerError, match=r"table 'c' \(<root>\) is " + reason):
+            planner.plan(_types_model("rowwise_adagrad"), _sharders())
+
+
+def test_the_sharders_optimizer_is_costed_when_the_module_chose_none():
+    """A module without an optimizer trains with its sharder's fused_params optimizer once
+    sharded: its state is counted (storage) like the module's own would be."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    configs = [DynamicEmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=1000, feature_names=["f"])]
+    topology = Topology(world_size=2, compute_device="cpu")
+    fused_params = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1}
+    for module_optimizer, sharder_params, opt in ((None, fused_params, "rowwise_adagrad"), ("adam", fused_params, "adam"),
+                                                  (None, None, None)):
+        kwargs = {} if module_optimizer is None else {"optimizer": module_optimizer, "optimizer_kwargs": {"lr": 0.1}}
+        ebc = DynamicEmbeddingBagCollection(configs, device=META, **kwargs)
+        estimators = [DynamicEmbeddingStorageEstimator(topology), DynamicEmbeddingPerfEstimator(topology)]
+        options = EmbeddingEnumerator(topology, BATCH, estimator=estimators).enumerate(
+            ebc, [EbcSharder(fused_params=sharder_params)])
+        table_wise = [o for o in options if o.sharding_type == "table_wise"][0]
+        want = _expected_resident(1000, 8, opt, None, 1, None, 1) + _expected_io("table_wise", 2, 8, True, False, [1.0])
+        assert table_wise.shards[0].storage == Storage(hbm=0, ddr=want), (module_optimizer, sharder_params)

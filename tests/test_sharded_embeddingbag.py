@@ -153,7 +153,7 @@ def test_torchrec_and_our_pipelines_equal_plain_loop():
 
 def _bad_plans(rank, world_size):
     from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
     from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
@@ -166,9 +166,6 @@ def _bad_plans(rank, world_size):
                                         device=torch.device("cpu"), plan=ShardingPlan({"ebc": plan}), sharders=get_sharders())
 
     kernel = "customized_kernel"
-    with pytest.raises(ValueError, match=r"table 't1' asks for sharding type 'column_wise'; dynamic tables support"):
-        shard({"t1": column_wise(ranks=[0, 1], compute_kernel=kernel), "t2": row_wise(compute_kernel=kernel),
-               "t3": row_wise(compute_kernel=kernel)})
     with pytest.raises(ValueError, match=r"planned on ranks \[.*3.*\], but the process group has world size 2"):
         shard({t: table_wise(rank=3, compute_kernel=kernel) for t in ("t1", "t2", "t3")}, plan_world=4)
     with pytest.raises(ValueError, match=r"ranks \[0, 1, 2\], but the process group has world size 2"):

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torchrec import DataType, KeyedJaggedTensor
 
+from dist_helpers import progress_losses
 from modules_helpers import random_kjt
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, DynamicEmbeddingCollection
 from torchrec_ext.modules import DynamicEmbeddingConfig
@@ -223,16 +224,16 @@ def test_bad_backings_are_clear_errors(tmp_path, monkeypatch):
     monkeypatch.undo()
     with pytest.raises(ValueError, match="must share one backing"):
         DynamicEmbeddingBagCollection([cfg("host"), cfg("device", "b")])
-    with pytest.raises(ValueError, match="run on the CPU in this version"):
-        DynamicEmbeddingBagCollection([cfg("host")], device=torch.device("meta"))
+    # A module to shard is built on the meta device: it holds no rows and opens no file.
+    DynamicEmbeddingBagCollection([cfg(f"file:{tmp_path}")], device=torch.device("meta"))
+    assert not os.listdir(tmp_path)
     module = DynamicEmbeddingBagCollection([cfg("host")])
     with pytest.raises(ValueError, match="cannot move them to meta"):
         module.to("meta")
     with pytest.raises(ValueError, match="deltas .* are not supported"):
         module.delta_token()
-    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder
-    with pytest.raises(ValueError, match=r"host or file backing cannot be sharded yet, got \{'a': 'host'\}"):
-        DynamicEmbeddingBagCollectionSharder().shard(module, {}, None)
+    with pytest.raises(ValueError, match=r"backing_shard must be None or a name of letters.*got '../x'"):
+        DynamicEmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=10, backing="host", backing_shard="../x")
 
 
 def test_backing_files_name_their_tables_and_are_not_shared(tmp_path, monkeypatch):
@@ -263,6 +264,17 @@ def test_backing_files_name_their_tables_and_are_not_shared(tmp_path, monkeypatc
         DynamicEmbeddingBagCollection([DynamicEmbeddingBagConfig(
             name="z", embedding_dim=4, num_embeddings=10, feature_names=["f"], backing=f"file:{tmp_path}")])
     assert not (tmp_path / "z.weights.rows").exists()
+    monkeypatch.undo()
+    # A rank's share of a sharded table (backing_shard, set by the sharders): files named by it,
+    # and a file of another shard is refused.
+    shard = lambda name: [DynamicEmbeddingBagConfig(name="s", embedding_dim=4, num_embeddings=10, feature_names=["f"],
+                                                    backing=f"file:{tmp_path}", backing_shard=name)]
+    DynamicEmbeddingBagCollection(shard("rank1-of-2"))
+    gc.collect()
+    assert (tmp_path / "rank1-of-2.s.weights.rows").exists()
+    os.rename(tmp_path / "rank1-of-2.s.weights.rows", tmp_path / "rank0-of-2.s.weights.rows")
+    with pytest.raises(ValueError, match=r"holds shard 'rank1-of-2', not this module's 'rank0-of-2'"):
+        DynamicEmbeddingBagCollection(shard("rank0-of-2"))
 
 
 def test_checkpoints_round_trip_between_tiered_and_resident_and_a_reopened_file(tmp_path):
@@ -488,16 +500,9 @@ def _dlrm_batches(n, seed=9):
 def _pipeline_losses(model, optimizer, batches, tier_prefetch):
     from torchrec_ext.pipeline import PipelineOptions, TrainPipeline
     options = PipelineOptions(prefetch_threads=0, threaded_input_dist=False, tier_prefetch=tier_prefetch)
-    losses, stats = [], []
+    stats = []
     with TrainPipeline(model, optimizer, torch.device("cpu"), options) as pipeline:
-        it = iter(batches)
-        while True:
-            try:
-                loss, _ = pipeline.progress(it)
-            except StopIteration:
-                break
-            losses.append(loss.detach().clone())
-            stats.append(pipeline.tier_step_stats())
+        losses = progress_losses(pipeline, batches, stats)
     return losses, stats
 
 

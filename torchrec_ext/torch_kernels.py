@@ -16,7 +16,9 @@ from torch import Tensor
 
 from torchrec_ext import device_sync
 from torchrec_ext.hashing import MASK64, fmix64_tensor, srl, u64
-from torchrec_ext.vocabulary import INIT_GOLDEN, INITIALIZER_NAMES, STORAGE_DTYPES, TRUNC_NORMAL_ATTEMPTS
+from torchrec_ext.vocabulary import (
+    INIT_GOLDEN, INITIALIZER_NAMES, INITIALIZER_PARAM_COUNTS, STORAGE_DTYPES, TRUNC_NORMAL_ATTEMPTS,
+)
 
 
 def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -100,12 +102,15 @@ def init_vectors(ids: Tensor, dim: int, seed: int, kind: str, params: Sequence[f
 
 def init_rows(table: Tensor, rows: Tensor, ids: Tensor, seed: int, kind: int, params: Sequence[float],
               states: Sequence[Tensor], state_values: Sequence[float]) -> None:
-    """Same contract as the C++ op, through the vectorised RNG above; no boolean mask (whose
-    output size would be read on the host): see ``_write_rows``."""
+    """Same contract as the C++ op, through the vectorised RNG above (an optional last
+    parameter: the first column of a column shard's vectors in its whole table's); no boolean
+    mask (whose output size would be read on the host): see ``_write_rows``."""
     if rows.numel() == 0:
         return
+    name = INITIALIZER_NAMES[kind]
+    first = int(params[INITIALIZER_PARAM_COUNTS[name]]) if len(params) > INITIALIZER_PARAM_COUNTS[name] else 0
     target, source, kept = _skip_to_first_kept(rows)
-    vectors = init_vectors(ids.index_select(0, source), table.shape[1], seed, INITIALIZER_NAMES[kind], params)
+    vectors = init_vectors(ids.index_select(0, source), first + table.shape[1], seed, name, params)[:, first:]
     _write_rows(table, target, kept, vectors.to(table.device, table.dtype))
     for state, value in zip(states, state_values):
         _write_rows(state, target, kept, torch.full((1, state.shape[1]), value, dtype=state.dtype, device=state.device))

@@ -37,6 +37,10 @@ class ShardedDeltaMixin:
     """The delta API of the sharded modules (host: ``ShardedDynamicBase``)."""
 
     def _delta_local(self, where: str):
+        columns = sorted(name for name, table in self._owners.items() if table.kind == "column")
+        if columns:
+            raise DeltaError(f"{where}: tables {columns} are sharded column-wise; deltas of column shards are not "
+                             f"supported yet (shard them table_wise / row_wise to export or apply deltas)")
         if self._local is None:
             raise DeltaError(f"{where}: rank {self._rank} holds no table of this module: it has no rows to track")
         return self._local
@@ -52,7 +56,7 @@ class ShardedDeltaMixin:
         delta = self._delta_local("export_delta").export_delta(since, include_optimizer_state, include_scores)
         if self._rank != 0:
             for name, table in delta.tables.items():
-                if self._owners[name] < 0:  # rank 0 exports the copy every rank holds
+                if self._owners[name].kind == "row":  # rank 0 exports the copy every rank holds
                     table.fallback_slots, table.fallback_weights, table.fallback_optimizer = None, None, {}
         delta.source.update(module=type(self).__name__, rank=self._rank, world_size=self._world_size)
         return delta
@@ -97,14 +101,14 @@ class ShardedDeltaMixin:
         unknown = sorted(set(delta.tables) - set(self._owners))
         if unknown:
             raise DeltaError(f"apply_delta: delta has tables {unknown}, this module has tables {sorted(self._owners)}")
-        local = self._local
+        local = self._delta_local("apply_delta") if self._local is not None else None
         if local is None:  # this rank holds no table of the module: nothing to keep
             return None, None
         local_index = {m.name: t for t, m in enumerate(local._tables.meta)}
         mine: dict[str, TableDelta] = {}
         for name, table in delta.tables.items():
             owner = self._owners[name]
-            if owner >= 0 and owner != self._rank:
+            if not owner.holds(self._rank):
                 continue
             check_table_delta(local._tables, local_index[name], table, f"apply_delta: table {name!r}")  # before masking
             keep = owned_mask(table.ids, owner, self._rank, self._world_size)

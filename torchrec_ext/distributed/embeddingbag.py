@@ -13,8 +13,11 @@ sharded_base). One step:
                  divided by the world size (TorchRec's gradient division: the ranks train
                  on the mean of their losses)
 
-Table-wise tables ride the same path with all their ids sent to one rank, so a model mixing
-both types runs one all-to-all and one reduce-scatter per step.
+Table-wise tables ride the same path with all their ids sent to one rank, table-row-wise ones
+spread over their node's ranks, and column-wise ones with all their ids sent to each rank of
+their column shards, each of which pools its columns (the others' are zeros in its partial
+output, so the reduce-scatter's sum assembles the whole vector): a model mixing every type runs
+one all-to-all and one reduce-scatter per step.
 """
 from __future__ import annotations
 
@@ -30,7 +33,6 @@ from torchrec.distributed.types import Awaitable, LazyAwaitable, ParameterShardi
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from torchrec_ext.distributed.routing import route_ids
 from torchrec_ext.distributed.sharded_base import ShardedDynamicBase
 from torchrec_ext.modules.embedding_bag_collection import DynamicEmbeddingBagCollection
 from torchrec_ext.modules.features import check_and_arrange
@@ -61,8 +63,14 @@ class ShardedDynamicEmbeddingBagCollection(
         self._is_weighted = module.is_weighted()
         self._init_sharding(module, configs, table_name_to_parameter_sharding, env, device, "embedding_bags",
                             pooled=True, is_weighted=self._is_weighted, fused_params=fused_params)
-        self._local_slots = [i for i, owner in enumerate(self._slot_owner) if owner < 0 or owner == self._rank]
-        local_cols = [c for i in self._local_slots for c in range(self._plan.cols[i], self._plan.cols[i] + self._plan.dims[i])]
+        # This rank's routing slots (one per lookup slot whose table it holds, in lookup order, as
+        # its local module pools them) and the output columns their pools fill.
+        self._local_slots = self._routing.slots_on(self._rank)
+        local_cols = []
+        for i in self._local_slots:
+            s = self._routing.source[i]
+            first, width = self._owners[configs[self._plan.tables[s]].name].local_columns(self._rank)
+            local_cols.extend(range(self._plan.cols[s] + first, self._plan.cols[s] + first + width))
         self._all_local = local_cols == list(range(self._plan.total_dim))
         self._local_cols = torch.tensor(local_cols, dtype=torch.int64, device=self._device)
         self._output_dist = RwPooledEmbeddingDist(env.process_group, self._plan.dims)
@@ -81,8 +89,7 @@ class ShardedDynamicEmbeddingBagCollection(
         # routing sends one batch of every feature (the output is what TorchRec's expansion gives).
         batch = check_and_arrange(features, self._plan, self._is_weighted, type(self).__name__, self._device,
                                   variable_batch="expand")
-        routed, _ = route_ids(self._plan.embedding_names, batch.ids, batch.lengths, batch.weights, self._slot_owner,
-                              batch.batch_size, self._world_size)
+        routed, _, _ = self._routing.route(batch.ids, batch.lengths, batch.weights, batch.batch_size)
         ctx.divisor = self._mean_divisor(batch.lengths, batch.batch_size)
         return KJTListSplitsAwaitable([self._input_dists[0](routed, ctx.sharding_contexts[0])], ctx)
 
@@ -92,19 +99,23 @@ class ShardedDynamicEmbeddingBagCollection(
         if self._local is None:
             # Requires grad so this rank's backward still joins the reduce-scatter's all-gather.
             return [torch.zeros(stride, self._plan.total_dim, device=self._device, requires_grad=True)]
-        names = self._plan.embedding_names
-        if len(self._local_slots) == len(names):
-            local_kjt = received
-        else:  # slots of other ranks' tables carry no ids here: keep the local slots' lengths
-            lengths = received.lengths().view(len(names), stride)[self._local_slots].reshape(-1)
-            local_kjt = KeyedJaggedTensor(keys=[names[i] for i in self._local_slots], values=received.values(),
-                                          weights=received.weights_or_none(), lengths=lengths, stride=stride)
         self._local.train(self.training)
-        pooled = self._local(local_kjt).values()
+        pooled = self._local(self._local_features(dist_input)).values()
         if self._all_local:
             return [pooled]
         full = pooled.new_zeros(stride, self._plan.total_dim)
         return [full.index_copy(1, self._local_cols, pooled)]
+
+    def _local_features(self, dist_input: KJTList) -> KeyedJaggedTensor:
+        """The local module's input: the received ids of the slots of its tables."""
+        received = dist_input[0]
+        names, stride = self._routing.names, received.stride()
+        if len(self._local_slots) == len(names):
+            return received
+        # slots of other ranks' tables carry no ids here: keep the local slots' lengths
+        lengths = received.lengths().view(len(names), stride)[self._local_slots].reshape(-1)
+        return KeyedJaggedTensor(keys=[names[i] for i in self._local_slots], values=received.values(),
+                                 weights=received.weights_or_none(), lengths=lengths, stride=stride)
 
     def output_dist(self, ctx: EmbeddingBagCollectionContext, output: List[Tensor]) -> LazyAwaitable[KeyedTensor]:
         reduced = self._output_dist(output[0], ctx.sharding_contexts[0])

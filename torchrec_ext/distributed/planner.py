@@ -10,13 +10,17 @@ option to TorchRec's own estimators, so a model mixing dynamic and stock tables 
     planner = make_planner(Topology(world_size=2, compute_device="cpu"), batch_size=512)
     plan = planner.plan(model, get_sharders())
 
-Storage of one rank's share of a table (``rows``: the capacity for table_wise, ``ceil(capacity /
-world_size)`` for row_wise, as ``ops.route`` spreads ids evenly):
+Storage of one rank's share of a table (``rows``: the capacity for table_wise and for each
+column shard of column_wise / table_column_wise (``dim``: the shard's columns; every shard
+keeps its own index), ``ceil(capacity / world_size)`` for row_wise and ``ceil(capacity /
+ranks of the node)`` for table_row_wise, as ``ops.route`` spreads ids evenly):
 
     4 * ceil(rows * dim * e / 4)                      vectors in the table's data_type (e = 4 FP32,
                                                       2 FP16 / BF16), packed in 4-byte words
     + rows * optimizer state per row                  float32 state: sgd / none 0, adagrad dim*4,
-                                                      rowwise_adagrad 4, adam / adamw / ftrl 2*dim*4
+                                                      rowwise_adagrad 4, adam / adamw / ftrl 2*dim*4, of
+                                                      the optimizer the sharded module trains with (the
+                                                      module's, else its sharder's fused_params')
     + 17 * round_up(rows, 32)                         index: digest (1 B) + key (8) + score (8) per slot
     + 8 * rows                   if ttl_steps         last-seen step per row
     + admission state                                 ``counter``: a side table of ``a`` ids (the
@@ -57,11 +61,15 @@ from torchrec.distributed.planner.utils import extract_comm_data_type_size
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, PipelineType, ShardingPlan, ShardingType
 
-from torchrec_ext.distributed.sharded_base import SUPPORTED_SHARDING_TYPES, local_capacity
+from torchrec_ext.distributed.placement import (
+    COLUMN_TYPES, DATA_PARALLEL_REFUSAL, SUPPORTED_SHARDING_TYPES, column_sharding_refusal,
+)
+from torchrec_ext.distributed.sharded_base import local_capacity, sharded_optimizer
 from torchrec_ext.modules.admission import admission_bytes
 from torchrec_ext.modules.configs import DynamicTableOptions, options_of, storage_dtype_of
 from torchrec_ext.modules.embedding_bag_collection import DynamicEmbeddingBagCollection
 from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
+from torchrec_ext.modules.fused_optimizer import stochastic_rounding_of
 from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE, SLOTS_PER_BUCKET, table_geometry
 
 __all__ = [
@@ -147,13 +155,6 @@ def _configs(module: nn.Module) -> Sequence[Any]:
     return module.embedding_bag_configs()
 
 
-def _optimizer_kind(module: nn.Module) -> Optional[str]:
-    # The module resolves its optimizer from apply_optimizer_in_backward markers or its
-    # constructor arguments; None means no optimizer state is allocated.
-    fused = module._ensure_optimizer()
-    return None if fused is None else fused.spec.kind
-
-
 @dataclass(frozen=True)
 class _TableInfo:
     name: str
@@ -176,10 +177,14 @@ class _TableCache:
     def __init__(self) -> None:
         self._modules: Dict[int, Tuple[Optional[str], Dict[str, Any]]] = {}
 
-    def info(self, option: ShardingOption) -> _TableInfo:
+    def info(self, option: ShardingOption, sharder_data: Any = None) -> _TableInfo:
+        """``sharder_data``: the module's sharder (TorchRec 1.6) or its SharderData snapshot, whose
+        fused_params choose the optimizer when the module chose none, as in the sharded module."""
         module = option.module[1]
         if id(module) not in self._modules:
-            self._modules[id(module)] = (_optimizer_kind(module), {c.name: c for c in _configs(module)})
+            fused_params = getattr(sharder_data, "fused_params", None)
+            kind = sharded_optimizer(module, fused_params, "dynamic table planner").kind
+            self._modules[id(module)] = (kind, {c.name: c for c in _configs(module)})
         kind, configs = self._modules[id(module)]
         config = configs.get(option.name)
         if config is None:
@@ -195,6 +200,23 @@ class _TableCache:
         )
 
 
+def _row_parts(option: ShardingOption, world_size: int) -> int:
+    """Ranks a table's rows are spread over: every rank (row_wise), its node's (table_row_wise:
+    one shard each), else 1."""
+    if option.sharding_type == ShardingType.ROW_WISE.value:
+        return world_size
+    if option.sharding_type == ShardingType.TABLE_ROW_WISE.value:
+        return max(len(option.shards), 1)
+    return 1
+
+
+def _shard_dims(option: ShardingOption, table: "_TableInfo") -> List[int]:
+    """Each shard's width: a column shard's columns (TorchRec's shard sizes), else the table's dim."""
+    if option.sharding_type in COLUMN_TYPES:
+        return [int(shard.size[1]) for shard in option.shards]
+    return [table.dim] * len(option.shards)
+
+
 def _check_sharding_type(option: ShardingOption) -> None:
     if option.sharding_type not in SUPPORTED_SHARDING_TYPES:
         raise ValueError(f"dynamic table planner: table {option.name!r} ({option.path or '<root>'}) has sharding type "
@@ -206,7 +228,7 @@ class _StepVolume:
     """Per-step volumes of one table as one shard sees them (counts of ids / output rows)."""
 
     local_ids: float  # ids of this table in one rank's batch: sum(pooling factor * num_poolings * batch size)
-    shard_ids: float  # ids this shard looks up: every rank's ids (table_wise) or 1/world_size of them (row_wise)
+    shard_ids: float  # ids this shard looks up: every rank's ids (table_wise, column shards) or a share (row types)
     shard_outputs: float  # output rows this shard writes (pooled: one per bag of the global batch)
 
 
@@ -227,12 +249,14 @@ def _step_volume(option: ShardingOption, constraints: Optional[Dict[str, Paramet
     local_ids = sum(il * npool * bs for il, npool, bs in zip(input_lengths, num_poolings, batch_sizes))
     # A pooled bag yields one output row if it can hold an id at all (TorchRec's min(1, length)).
     local_bags = sum(min(1.0, il) * npool * bs for il, npool, bs in zip(input_lengths, num_poolings, batch_sizes))
-    if option.sharding_type == ShardingType.TABLE_WISE.value:
+    if option.sharding_type in (ShardingType.TABLE_WISE.value,) + COLUMN_TYPES:
+        # table_wise: one shard takes every rank's ids; column_wise: so does each column shard
         shard_ids = local_ids * world_size
         shard_outputs = (local_bags if pooled else local_ids) * world_size
-    else:  # row_wise: ids spread evenly over ranks; pooled partial sums cover every rank's bags
-        shard_ids = local_ids
-        shard_outputs = local_bags * world_size if pooled else local_ids
+    else:  # row_wise / table_row_wise: ids spread evenly over the group's ranks (every rank's for
+        # row_wise, a node's for table_row_wise); pooled partial sums cover every rank's bags
+        shard_ids = local_ids * world_size / _row_parts(option, world_size)
+        shard_outputs = local_bags * world_size if pooled else shard_ids
     return _StepVolume(local_ids=local_ids, shard_ids=shard_ids, shard_outputs=shard_outputs)
 
 
@@ -247,7 +271,8 @@ def _ours_after_delegating(sharding_options, delegate, sharder_data_map):
     for option in sharding_options:
         if is_dynamic_option(option):
             _check_sharding_type(option)
-            yield option, cache.info(option)
+            sharder_data = sharder_data_map.get(option.module_type_key) if sharder_data_map else None
+            yield option, cache.info(option, sharder_data)
 
 
 class DynamicEmbeddingStorageEstimator(ShardEstimator):
@@ -284,21 +309,25 @@ class DynamicEmbeddingStorageEstimator(ShardEstimator):
 
     def _shard_bytes(self, option: ShardingOption, table: _TableInfo) -> List[int]:
         world_size = self._topology.world_size
-        parts = world_size if option.sharding_type == ShardingType.ROW_WISE.value else 1
+        parts = _row_parts(option, world_size)
         initial = self._plan_capacity if isinstance(self._plan_capacity, str) else \
             self._plan_capacity.get(table.name, "maximum")
-        resident = dynamic_table_bytes(table.capacity, table.dim, table.optimizer_kind, ttl=table.ttl,
-                                       admit_after=table.admit_after, admission_capacity=table.admission_capacity,
-                                       parts=parts, admission=table.options, element_bytes=table.element_bytes,
-                                       rows_now=table.initial_capacity if initial == "initial" else None)
-        io = 0
-        if not self._is_inference:
-            volume = _step_volume(option, self._constraints, world_size, table.pooled)
-            id_bytes = ID_BYTES + (WEIGHT_BYTES if table.weighted else 0)
-            io = math.ceil(volume.shard_ids * id_bytes) + math.ceil(volume.shard_outputs * table.dim * FLOAT_BYTES)
+        volume = _step_volume(option, self._constraints, world_size, table.pooled)
+        id_bytes = ID_BYTES + (WEIGHT_BYTES if table.weighted else 0)
+        out = []
         # Every rank of a row_wise table holds an even share, whatever sizes TorchRec's row split
-        # gave the shards: ids are spread by hash, not by row range.
-        return [resident + io] * len(option.shards)
+        # gave the shards: ids are spread by hash, not by row range. A column shard is a table of
+        # its width with the whole capacity, and its own index.
+        for dim in _shard_dims(option, table):
+            resident = dynamic_table_bytes(table.capacity, dim, table.optimizer_kind, ttl=table.ttl,
+                                           admit_after=table.admit_after, admission_capacity=table.admission_capacity,
+                                           parts=parts, admission=table.options, element_bytes=table.element_bytes,
+                                           rows_now=table.initial_capacity if initial == "initial" else None)
+            io = 0
+            if not self._is_inference:
+                io = math.ceil(volume.shard_ids * id_bytes) + math.ceil(volume.shard_outputs * dim * FLOAT_BYTES)
+            out.append(resident + io)
+        return out
 
     def _on_device(self, nbytes: int) -> Storage:
         if self._topology.compute_device in ("cuda", "mtia"):
@@ -339,10 +368,11 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
     """Per-shard perf of dynamic tables from a bandwidth model; any other sharding option goes to
     TorchRec's ``EmbeddingPerfEstimator``.
 
-    Per shard and step (``ids``: ids the shard looks up: all ranks' for table_wise, 1/world_size
-    of them for row_wise; ``outs``: output rows it writes; ``bw``: the device memory bandwidth):
+    Per shard and step (``ids``: ids the shard looks up: all ranks' for table_wise and for each
+    column shard, 1/world_size of them for row_wise, 1/(ranks of a node) for table_row_wise;
+    ``outs``: output rows it writes; ``dim``: the shard's width; ``bw``: the device memory bandwidth):
 
-        fwd_compute = (ids * (8 + probe + 4 * dim*4) + outs * dim*4 [+ row_wise: local ids * route]) / bw
+        fwd_compute = (ids * (8 + probe + 4 * dim*4) + outs * dim*4 [+ row types: local ids * route]) / bw
         bwd_compute = (outs * dim*4 + ids * (update overhead + 4 * (dim*4 + 2 * (dim*4 + state)))) / bw
         fwd_comms   = outs * dim * comm dtype size / reduce-scatter (pooled) or all-to-all bw
         bwd_comms   = the same volume / all-gather (pooled) or all-to-all bw
@@ -363,10 +393,8 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
                  sharder_data_map: Optional[SharderDataMap] = None) -> None:
         for option, table in _ours_after_delegating(sharding_options, self._delegate, sharder_data_map):
             sharder_data = sharder_data_map.get(option.module_type_key) if sharder_data_map else None
-            perf = self._shard_perf(option, table, sharder_data)
-            for shard in option.shards:
-                shard.perf = Perf(fwd_compute=perf.fwd_compute, fwd_comms=perf.fwd_comms, bwd_compute=perf.bwd_compute,
-                                  bwd_comms=perf.bwd_comms, input_dist_comms=perf.input_dist_comms)
+            for shard, dim in zip(option.shards, _shard_dims(option, table)):
+                shard.perf = self._shard_perf(option, table, sharder_data, dim)
 
     def _device_bw(self) -> float:
         if self._topology.compute_device in ("cuda", "mtia"):
@@ -387,17 +415,20 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
             return extract_comm_data_type_size(sharder_data, option)
         return extract_comm_data_type_size(option, sharder_data)
 
-    def _shard_perf(self, option: ShardingOption, table: _TableInfo, sharder_data: Any = None) -> Perf:
+    def _shard_perf(self, option: ShardingOption, table: _TableInfo, sharder_data: Any = None,
+                    dim: Optional[int] = None) -> Perf:
+        """One shard's perf; ``dim``: its width (a column shard's columns; default the table's)."""
         world_size = self._topology.world_size
+        dim = table.dim if dim is None else dim
         volume = _step_volume(option, self._constraints, world_size, table.pooled)
-        row_bytes = table.dim * table.element_bytes  # a stored row, in its data_type
-        out_bytes = table.dim * FLOAT_BYTES  # an output (or gradient) row: float32
+        row_bytes = dim * table.element_bytes  # a stored row, in its data_type
+        out_bytes = dim * FLOAT_BYTES  # an output (or gradient) row: float32
         id_bytes = ID_BYTES + (WEIGHT_BYTES if table.weighted else 0)
         bw = self._device_bw()
         probe = HASH_FIND_BYTES if self._is_inference else HASH_INSERT_BYTES
         fwd_bytes = (volume.shard_ids * (id_bytes + probe + RANDOM_ROW_FACTOR * row_bytes)
                      + volume.shard_outputs * out_bytes)
-        if option.sharding_type == ShardingType.ROW_WISE.value and world_size > 1:
+        if _row_parts(option, world_size) > 1:
             fwd_bytes += volume.local_ids * ROUTE_BYTES
         fwd_compute = fwd_bytes / bw
         bwd_compute = 0.0
@@ -410,7 +441,8 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
         if world_size > 1:
             fwd_a2a, bwd_a2a, fwd_rs, bwd_rs = self._comm_sizes(option, sharder_data)
             a2a_bw = self._comms_bw(CollectiveType.ALL_TO_ALL)
-            out_elems = volume.shard_outputs * table.dim
+            # A sequence column shard sends its vectors padded to the whole dim (embedding.py).
+            out_elems = volume.shard_outputs * (dim if table.pooled else table.dim)
             if table.pooled:  # partial pools are reduce-scattered to their batch's rank; grads all-gathered back
                 fwd_comms = out_elems * fwd_rs / self._comms_bw(CollectiveType.REDUCE_SCATTER)
                 if not self._is_inference:
@@ -514,7 +546,8 @@ def make_planner(topology: Topology, batch_size: int, constraints: Optional[Dict
 # wraps ``EmbeddingEnumerator``: when it was built with the default estimators, the options of our
 # modules go to our estimators and every other option to TorchRec's, exactly as before. It also
 # refuses, at planning time, a model holding our modules when the sharders cannot shard them
-# (TorchRec would silently leave them out of the plan and DDP-wrap them).
+# (TorchRec would silently leave them out of the plan and DDP-wrap them), and adds the planner
+# callback that makes each rank's column shards of a dynamic table adjacent.
 
 _MISSING_SHARDER_HINT = ("pass sharders=torchrec_ext.distributed.get_sharders() (our sharders plus TorchRec's "
                          "defaults) to DistributedModelParallel / the planner")
@@ -532,6 +565,76 @@ def check_dynamic_modules_have_sharders(module: nn.Module, sharders: Sequence[Mo
                            error_type=PlannerErrorType.OTHER)
 
 
+def _column_refusals(module: nn.Module, constraints: Optional[Dict[str, ParameterConstraints]],
+                     sharders: Sequence[ModuleSharder[nn.Module]]) -> Dict[Tuple[str, str], str]:
+    """(module path, table) -> why its dynamic table cannot be split into column shards, with what
+    the module's sharder's fused_params change (as the sharded module will apply them); raises
+    PlannerError when a table's constraints allow only data_parallel, saying why."""
+    refusals = {}
+    fused_params = {sharder.module_type: getattr(sharder, "fused_params", None) for sharder in sharders}
+    for path, child in module.named_modules():
+        if not isinstance(child, DYNAMIC_MODULE_TYPES):
+            continue
+        # The optimizer the sharded module will train with: the module's, else the sharder's.
+        kind = sharded_optimizer(child, fused_params.get(type(child)), "dynamic table planner").kind
+        stochastic_rounding = stochastic_rounding_of(fused_params.get(type(child)), "dynamic table planner")
+        for cfg in _configs(child):
+            allowed = (constraints or {}).get(cfg.name)
+            allowed = list(allowed.sharding_types) if allowed is not None and allowed.sharding_types else None
+            where = f"dynamic table planner: table {cfg.name!r} ({path or '<root>'})"
+            if allowed and ShardingType.DATA_PARALLEL.value in allowed and \
+                    not set(allowed) & set(SUPPORTED_SHARDING_TYPES):
+                raise PlannerError(f"{where} is constrained to data_parallel: {DATA_PARALLEL_REFUSAL}",
+                                   error_type=PlannerErrorType.OTHER)
+            refusal = column_sharding_refusal(cfg, kind, stochastic_rounding)
+            if refusal is None:
+                continue
+            refusals[(path, cfg.name)] = (f"{where} is constrained to {allowed}, but it cannot be split into "
+                                          f"column shards: it {refusal}")
+    return refusals
+
+
+def _drop_split_column_options(options: List[ShardingOption], refusals: Dict[Tuple[str, str], str]
+                               ) -> List[ShardingOption]:
+    """``options`` without the column options of ``refusals``' tables that split their columns (a
+    single column shard holds the whole table: exact); PlannerError when a table is left with none
+    (its constraints allowed nothing else), saying why."""
+    if not refusals:
+        return options
+    kept = [o for o in options if not (is_dynamic_option(o) and o.sharding_type in COLUMN_TYPES
+                                       and (o.path, o.name) in refusals and len(o.shards) > 1)]
+    left = {(o.path, o.name) for o in kept if is_dynamic_option(o)}
+    for table, reason in refusals.items():
+        if table not in left and any((o.path, o.name) == table for o in options):
+            raise PlannerError(reason, error_type=PlannerErrorType.OTHER)
+    return kept
+
+
+def adjacent_column_shards(best_plan: List[ShardingOption]) -> List[ShardingOption]:
+    """A planner callback: each rank's column shards of a dynamic table made adjacent columns.
+
+    TorchRec's partitioner deals a wide table's column shards out over the ranks (4 shards on 2
+    ranks: ranks [0, 1, 0, 1]), but a rank holds one run of adjacent columns of a dynamic table
+    (placement.py). Its shards are equal-sized (only the last may be wider), so the ranks are
+    reordered, each rank keeping its count of shards, in the order the ranks first appear, the
+    last shard's rank last: every rank keeps its columns' count, hence its storage and perf.
+    """
+    for option in best_plan:
+        if not is_dynamic_option(option) or option.sharding_type not in COLUMN_TYPES or len(option.shards) < 3:
+            continue
+        shards = sorted(option.shards, key=lambda shard: shard.offset[1])
+        ranks = [shard.rank for shard in shards]
+        order = list(dict.fromkeys(ranks))
+        order.remove(ranks[-1])
+        order.append(ranks[-1])
+        regrouped = [r for r in order for _ in range(ranks.count(r))]
+        widths = lambda rs: sorted((r, sum(int(s.size[1]) for s, x in zip(shards, rs) if x == r)) for r in set(rs))
+        if regrouped != ranks and widths(regrouped) == widths(ranks):
+            for shard, rank in zip(shards, regrouped):
+                shard.rank = rank
+    return best_plan
+
+
 def _default_planner_estimators(topology: Topology, constraints: Optional[Dict[str, ParameterConstraints]]
                                 ) -> List[ShardEstimator]:
     return [DynamicEmbeddingPerfEstimator(topology, constraints),
@@ -541,7 +644,8 @@ def _default_planner_estimators(topology: Topology, constraints: Optional[Dict[s
 def install_default_planner_hook() -> None:
     """Let TorchRec's default ``EmbeddingEnumerator`` (hence ``EmbeddingShardingPlanner()`` and
     ``DistributedModelParallel`` without a plan) cost our tables with our estimators, and refuse
-    models whose dynamic modules have no sharder. Idempotent; runs on ``import torchrec_ext.distributed``."""
+    models whose dynamic modules have no sharder; every ``EmbeddingShardingPlanner`` gets the
+    ``adjacent_column_shards`` callback. Idempotent; runs on ``import torchrec_ext.distributed``."""
     if getattr(EmbeddingEnumerator, "_torchrec_ext_hooked", False):
         return
     original_init, original_enumerate = EmbeddingEnumerator.__init__, EmbeddingEnumerator.enumerate
@@ -554,7 +658,10 @@ def install_default_planner_hook() -> None:
 
     def enumerate(self, module, sharders):
         check_dynamic_modules_have_sharders(module, sharders)
-        return original_enumerate(self, module, sharders)
+        refusals = _column_refusals(module, self._constraints, sharders)
+        # Column options of tables that cannot be split exactly are dropped, so the planner never
+        # picks them.
+        return _drop_split_column_options(original_enumerate(self, module, sharders), refusals)
 
     def populate_estimates(self, sharding_options):
         ours = getattr(self, "_dynamic_estimators", None)
@@ -564,6 +671,13 @@ def install_default_planner_hook() -> None:
         dynamic = [o for o in sharding_options if is_dynamic_option(o)]
         for estimator in ours:
             estimator.estimate(dynamic, self._sharder_data_map)
+
+    original_planner_init = EmbeddingShardingPlanner.__init__
+
+    def planner_init(self, *args, **kwargs):
+        original_planner_init(self, *args, **kwargs)
+        # A copy: the caller's callback list is left as it was.
+        self._callbacks = list(self._callbacks) + [adjacent_column_shards]
 
     original_collective_plan = EmbeddingShardingPlanner.collective_plan
 
@@ -576,5 +690,6 @@ def install_default_planner_hook() -> None:
     EmbeddingEnumerator.__init__ = __init__
     EmbeddingEnumerator.enumerate = enumerate
     EmbeddingShardingPlanner.collective_plan = collective_plan
+    EmbeddingShardingPlanner.__init__ = planner_init
     EmbeddingEnumerator.populate_estimates = populate_estimates
     EmbeddingEnumerator._torchrec_ext_hooked = True

@@ -1,26 +1,31 @@
 """What both sharded dynamic modules share: reading the plan, the configs and construction of
 this rank's share of the tables, the input dist holder, and the fused optimizer they expose.
 
-Each rank holds a plain Dynamic* module with its share of the tables: a 1/W slice (by
-capacity) of every row-wise table and the whole of each table-wise table placed on it. Its
+Each rank holds a plain Dynamic* module with its share of the tables (placement.py): a 1/W
+slice (by capacity) of every row-wise table (1/len(group) of a table-row-wise one), the whole
+of each table-wise table placed on it, and its columns of each column-wise table. Its
 per-table submodules are the sharded module's, so state_dict keys stay those of the unsharded
 module ("embedding_bags.<table>.*" / "embeddings.<table>.*").
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
+from torchrec.distributed.embedding_types import KJTList
+from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.optim.fused import EmptyFusedOptimizer
 from torchrec.optim.keyed import KeyedOptimizer
 
 from torchrec_ext.distributed.deltas import ShardedDeltaMixin
 from torchrec_ext.distributed.input_dist import RoutedInputDist
+from torchrec_ext.distributed.placement import TablePlacement, read_plan
+from torchrec_ext.distributed.routing import SlotRouting
 from torchrec_ext.distributed.sharded_state import ShardedDynamicState
 from torchrec_ext.modules.admission import local_admission_fields
 from torchrec_ext.modules.table_stats import TableStats
@@ -32,49 +37,27 @@ from torchrec_ext.modules.fused_optimizer import (
     DEFAULT_OPTIMIZER, OptimizerSpec, spec_from_fused_params, stochastic_rounding_of,
 )
 
-SUPPORTED_SHARDING_TYPES = (ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value)
-
-
 def local_capacity(capacity: int, world_size: int) -> int:
     """Rows a rank holds of a row-wise table: an even share (ids spread evenly under the hash)."""
     return -(-capacity // world_size)
 
 
-def check_plan(where: str, configs, plan: Dict[str, ParameterSharding], world_size: int) -> Dict[str, int]:
-    """Owner rank per table (-1: row-wise); clear errors for what the plan asks that we cannot do."""
-    owners = {}
-    for cfg in configs:
-        sharding = plan.get(cfg.name)
-        if sharding is None:
-            raise ValueError(f"{where}: the sharding plan has no entry for table {cfg.name!r}")
-        if sharding.sharding_type not in SUPPORTED_SHARDING_TYPES:
-            raise ValueError(f"{where}: table {cfg.name!r} asks for sharding type {sharding.sharding_type!r}; "
-                             f"dynamic tables support {list(SUPPORTED_SHARDING_TYPES)}")
-        ranks = sharding.ranks or []
-        if any(r < 0 or r >= world_size for r in ranks):
-            raise ValueError(f"{where}: table {cfg.name!r} is planned on ranks {ranks}, but the process group has "
-                             f"world size {world_size}: the plan was made for another world size")
-        if sharding.sharding_type == "table_wise":
-            if len(ranks) != 1:
-                raise ValueError(f"{where}: table-wise table {cfg.name!r} needs exactly one rank, got {ranks}")
-            owners[cfg.name] = ranks[0]
-        else:
-            if ranks and sorted(ranks) != list(range(world_size)):
-                raise ValueError(f"{where}: row-wise table {cfg.name!r} must span all {world_size} ranks, got {ranks}")
-            owners[cfg.name] = -1
-    return owners
-
-
-def _local_config(cfg, share: int, feature_names: List[str], pooled: bool, stochastic_rounding: Optional[bool] = None):
-    """The config of this rank's share: same name, seed, initial vectors and data_type, its own
-    capacity, features renamed to their output names, sum pooling (mean is applied after the
+def _local_config(cfg, placement: TablePlacement, rank: int, world_size: int, feature_names: List[str], pooled: bool,
+                  stochastic_rounding: Optional[bool] = None):
+    """The config of this rank's share: same name, seed, initial vectors, data_type and backing, its
+    own capacity (a 1/parts share of a row table's; a tiered one caches its cache_load_factor of
+    that share, over backing files of its own: ``backing_shard``) and columns (a column table's
+    shards here), features renamed to their output names, sum pooling (mean is applied after the
     reduce); ``stochastic_rounding`` (the sharder's fused_params') overrides the config's."""
     opts = options_of(cfg)
+    share = placement.parts
+    first_column, width = placement.local_columns(rank)
     # Resolved against the global capacity (TorchRec's default bounds depend on it): the same
-    # vectors as the unsharded module.
-    init = Initializer.from_kernel_params(*initializer_of(cfg))
+    # vectors as the unsharded module (a column shard: its columns of them).
+    kind, params = initializer_of(cfg)
+    init = dataclasses.replace(Initializer.from_kernel_params(kind, params), first_column=first_column)
     fields = dict(
-        name=cfg.name, embedding_dim=cfg.embedding_dim, num_embeddings=local_capacity(cfg.num_embeddings, share),
+        name=cfg.name, embedding_dim=width, num_embeddings=local_capacity(cfg.num_embeddings, share),
         feature_names=feature_names, eviction_policy=opts.eviction_policy, initializer=init,
         ttl_steps=opts.ttl_steps, seed=opts.seed, **local_admission_fields(opts, cfg.num_embeddings, share),
         fallback_rows=opts.fallback_rows,
@@ -83,6 +66,8 @@ def _local_config(cfg, share: int, feature_names: List[str], pooled: bool, stoch
         growth_load_factor=opts.growth_load_factor,
         data_type=cfg.data_type,
         stochastic_rounding=opts.stochastic_rounding if stochastic_rounding is None else stochastic_rounding,
+        backing=opts.backing, cache_load_factor=opts.cache_load_factor,
+        backing_shard=None if opts.backing == "device" else f"rank{rank}-of-{world_size}",
     )
     return DynamicEmbeddingBagConfig(pooling=PoolingType.SUM, **fields) if pooled else DynamicEmbeddingConfig(**fields)
 
@@ -105,19 +90,27 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
                        fused_params: Optional[Dict[str, Any]] = None, **local_kwargs) -> None:
         self._env = env
         self._world_size, self._rank = env.world_size, env.rank
-        self._owners = check_plan(type(self).__name__, configs, table_name_to_parameter_sharding, self._world_size)
+        spec = sharded_optimizer(module, fused_params, type(self).__name__)
+        stochastic_rounding = stochastic_rounding_of(fused_params, type(self).__name__)
+        self._owners = read_plan(type(self).__name__, configs, table_name_to_parameter_sharding, self._world_size,
+                                 spec.kind, stochastic_rounding)
         self._plan = LookupPlan.of(configs)
-        self._slot_owner = [self._owners[configs[t].name] for t in self._plan.tables]
+        self._routing = SlotRouting.of(self._plan.embedding_names,
+                                       [self._owners[configs[t].name] for t in self._plan.tables], self._world_size)
         local_configs, replicated = [], []
         for t, cfg in enumerate(configs):
-            owner = self._owners[cfg.name]
-            if owner < 0 and options_of(cfg).fallback_rows:
+            placement = self._owners[cfg.name]
+            if placement.kind == "row" and options_of(cfg).fallback_rows:
                 replicated.append(len(local_configs))
-            if owner < 0 or owner == self._rank:
+            if placement.holds(self._rank):
                 slots = [self._plan.embedding_names[i] for i, tt in enumerate(self._plan.tables) if tt == t]
-                local_configs.append(_local_config(cfg, 1 if owner >= 0 else self._world_size, slots, pooled,
-                                                   stochastic_rounding_of(fused_params, type(self).__name__)))
-        spec = sharded_optimizer(module, fused_params, type(self).__name__)
+                local_configs.append(_local_config(cfg, placement, self._rank, self._world_size, slots, pooled,
+                                                   stochastic_rounding))
+        widths = {c.name: c.embedding_dim for c in local_configs}
+        if not pooled and len(set(widths.values())) > 1:
+            raise ValueError(f"{type(self).__name__}: rank {self._rank} would hold columns of unequal width {widths}; "
+                             f"an EmbeddingCollection's tables share one dim, so on each rank every table's columns "
+                             f"must be as wide (split the column-wise tables alike)")
         device = torch.device(device) if device is not None else module.device
         self._device = torch.device("cpu") if device.type == "meta" else device
         # This rank's tables: a plain module (not a child), whose table submodules are ours.
@@ -133,7 +126,7 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
                 all_reduce = functools.partial(dist.all_reduce, group=env.process_group)
                 local._tables.replicated_fallback = (replicated, all_reduce)
         setattr(self, container, getattr(self._local, container) if self._local is not None else nn.ModuleDict())
-        self._input_dists = nn.ModuleList([RoutedInputDist(env.process_group, len(self._plan.embedding_names),
+        self._input_dists = nn.ModuleList([RoutedInputDist(env.process_group, len(self._routing.names),
                                                            self._world_size)])
         self._init_sharded_state(container, configs, spec.kind)
 
@@ -149,4 +142,30 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
     def table_stats(self) -> Dict[str, TableStats]:
         """This rank's shards' stats (``DynamicEmbeddingBagCollection.table_stats``); merge every
         rank's with ``torchrec_ext.distributed.table_stats.reduce_table_stats`` (collective)."""
-        return self._local.table_stats() if self._local is not None else {}
+        if self._local is None:
+            return {}
+        # A column table's shards hold the same rows and see the same ids: the first shard's rank
+        # reports for the whole table, so the reduce counts it once.
+        return {name: stats for name, stats in self._local.table_stats().items()
+                if self._owners[name].kind != "column" or self._owners[name].first_rank == self._rank}
+
+    def stage_next_dist(self, dist_input: Callable[[], Optional[KJTList]]) -> bool:
+        """This rank's shares of tiered tables: stages the rows of the next batch, whose ids
+        ``dist_input()`` gives as the input dist hands them to ``compute`` (None: stage nothing),
+        called on the stage's worker thread once this rank's next lookup starts (the input dist
+        in flight is waited for there, not on the train thread). What ``TrainPipeline`` calls
+        (``DynamicEmbeddingBagCollection.stage_next``); False, doing nothing, without tiered shares."""
+        if self._local is None:
+            return False
+
+        def local_features():
+            received = dist_input()
+            return None if received is None else self._local_features(received)
+
+        return self._local.stage_next(local_features)
+
+    def tier_step_stats(self) -> Dict[str, Dict[str, int]]:
+        """This rank's shares of tiered tables (host or file backing): their cache traffic of the
+        last step (``DynamicEmbeddingBagCollection.tier_step_stats``), per table; every shard moves
+        rows of its own, column shards included."""
+        return {} if self._local is None else self._local.tier_step_stats()

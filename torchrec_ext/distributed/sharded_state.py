@@ -36,6 +36,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
 
 from torchrec_ext import ops
+from torchrec_ext.distributed.placement import TablePlacement
 from torchrec_ext.modules.admission import local_bloom_geometry
 from torchrec_ext.modules.base import DynamicTableDict
 from torchrec_ext.modules.configs import options_of, storage_dtype_of
@@ -157,17 +158,34 @@ def local_rows(value, mine) -> Tensor:
     return value[mine] if mine is not None else value
 
 
-def owned_mask(ids: Tensor, owner: int, rank: int, world_size: int) -> Tensor:
-    """Which ids this rank holds: route(id) == rank for row-wise (owner -1), else all or none."""
+def owned_mask(ids: Tensor, owner, rank: int, world_size: int) -> Tensor:
+    """Which ids this rank holds. owner: the table's ``TablePlacement``, or an int: -1 for a
+    row-wise table (route(id) == rank), else the rank of a table-wise table (all or none)."""
+    if isinstance(owner, TablePlacement):
+        return owner.owns(ids, rank)
     if owner < 0:
         return ops.route(ids.to(torch.int64).contiguous(), world_size) == rank
     return torch.full((ids.numel(),), owner == rank, dtype=torch.bool)
 
 
+def column_rows(local: Tensor, rows: int, trailing: Sequence[int], table: TablePlacement, rank: int, pg,
+                devices: Sequence[torch.device]) -> ShardedTensor:
+    """A ShardedTensor [rows, dim] of a column table's per-column key (weight, optimizer state):
+    each rank holding shards of it has the block [rows, its columns] (TorchRec's column-wise
+    layout); this rank's is ``local``."""
+    shards = []
+    for r in table.lookup_ranks():
+        first, width = table.local_columns(r)
+        shards.append(ShardMetadata([0, first], [rows, width], placement(r, devices[r])))
+    properties = TensorProperties.create_from_tensor(local)
+    metadata = ShardedTensorMetadata(shards, torch.Size([rows] + list(trailing)), properties)
+    return sharded_tensor(local, metadata, rank, pg)
+
+
 class ShardedDynamicState:
     """State-dict hooks of the sharded dynamic modules (the layout described above). The host
-    is a ShardedModule with ``_env``, ``_world_size``, ``_rank``, ``_owners`` (table -> rank,
-    -1 for row-wise), ``_device`` and ``_local`` (its tables' module or None) that calls
+    is a ShardedModule with ``_env``, ``_world_size``, ``_rank``, ``_owners`` (table ->
+    ``TablePlacement``), ``_device`` and ``_local`` (its tables' module or None) that calls
     ``_init_sharded_state`` in its constructor."""
 
     def _init_sharded_state(self, container: str, configs, optimizer_kind: Optional[str]) -> None:
@@ -195,14 +213,18 @@ class ShardedDynamicState:
         for cfg in configs:
             keys = [k for k in state_dict if k.startswith(f"{prefix}{container}.{cfg.name}.")]
             local[cfg.name] = {k[len(f"{prefix}{container}.{cfg.name}."):]: state_dict.pop(k) for k in keys}
-        row_counts = [int(local[c.name]["weight_id"].numel()) if local[c.name] else 0 for c in configs]
-        pending_counts = [int(local[c.name]["admission_id"].numel()) if "admission_id" in local[c.name] else 0
-                          for c in configs]
+        # A column table's per-row data (ids, scores, admission) is the same on every shard: the
+        # first shard's rank speaks for it.
+        speaks = [module._owners[c.name].kind != "column" or module._owners[c.name].first_rank == rank for c in configs]
+        row_counts = [int(local[c.name]["weight_id"].numel()) if local[c.name] and speaks[i] else 0
+                      for i, c in enumerate(configs)]
+        pending_counts = [int(local[c.name]["admission_id"].numel()) if "admission_id" in local[c.name] and speaks[i]
+                          else 0 for i, c in enumerate(configs)]
         # Counters travel in the same all-gather; a rank without the table contributes zeros.
         width = len(COUNTERS)
         counters = [local[c.name]["counters"].tolist() if "counters" in local[c.name] else [0] * width for c in configs]
-        filter_counts = [int(local[c.name]["admission_bloom"].shape[0]) if "admission_bloom" in local[c.name] else 0
-                         for c in configs]
+        filter_counts = [int(local[c.name]["admission_bloom"].shape[0]) if "admission_bloom" in local[c.name]
+                         and speaks[i] else 0 for i, c in enumerate(configs)]
         counts, devices = gather_counts(row_counts + pending_counts + [v for c in counters for v in c] + filter_counts,
                                         module._shard_device(), world, pg)
         # Counters are replicated, not sharded: on this rank's tables' device, as unsharded.
@@ -213,17 +235,21 @@ class ShardedDynamicState:
             mine = local[cfg.name]
             base = f"{prefix}{container}.{cfg.name}."
             # Placeholders of tables this rank does not hold are moved to its device with the rest.
+            table = module._owners[cfg.name]
             for key, (trailing, dtype) in row_keys(cfg.embedding_dim, module._optimizer_kind, opts.ttl_steps is not None,
                                                    storage_dtype_of(cfg)).items():
                 tensor = mine.get(key, torch.empty((0,) + trailing, dtype=dtype))
-                state_dict[base + key] = sharded_rows(tensor, [c[i] for c in counts], rank, pg, devices)
+                if table.kind == "column" and trailing:
+                    state_dict[base + key] = column_rows(tensor, sum(c[i] for c in counts), trailing, table, rank,
+                                                         pg, devices)
+                else:
+                    state_dict[base + key] = sharded_rows(tensor, [c[i] for c in counts], rank, pg, devices)
             if opts.admission_strategy == "counter":
                 for key in PENDING_KEYS:
                     tensor = mine.get(key, torch.empty(0, dtype=torch.int64))
                     state_dict[base + key] = sharded_rows(tensor, [c[len(configs) + i] for c in counts], rank, pg, devices)
             if opts.admission_strategy == "bloom":  # one filter per rank holding the table: [filters, bytes]
-                parts = world if module._owners[cfg.name] < 0 else 1
-                nbytes = local_bloom_geometry(opts, cfg.num_embeddings, parts).nbytes
+                nbytes = local_bloom_geometry(opts, cfg.num_embeddings, table.parts).nbytes
                 tensor = mine.get("admission_bloom", torch.empty(0, nbytes, dtype=torch.uint8))
                 state_dict[base + "admission_bloom"] = sharded_rows(tensor, [c[(2 + width) * len(configs) + i] for c in counts],
                                                                     rank, pg, devices)
@@ -236,13 +262,15 @@ class ShardedDynamicState:
     def _fallback_state(self, cfg, base: str, mine: Dict[str, Tensor], device: torch.device) -> Dict[str, Tensor]:
         """A table's fallback rows and their optimizer state: plain tensors, the same on every
         rank (a replicated tensor to DCP, as counters). A row-wise table's ranks each hold an equal
-        copy; a table-wise table's owner sends its rows to the others (collective)."""
+        copy; a table-wise table's owner sends its rows to the others; a column table's shards
+        each give their columns (collective)."""
         names = ["fallback_weight"] + [f"fallback_{k}" for k in row_keys(1, self._optimizer_kind, False)
                                        if k.startswith("optimizer.")]
-        owner = self._owners[cfg.name]
+        table = self._owners[cfg.name]
+        owner = table.ranks[0]
         out = {}
         for name in names:
-            if owner < 0:
+            if table.kind == "row":
                 out[base + name] = mine[name]
                 continue
             if name == "fallback_weight":
@@ -251,38 +279,56 @@ class ShardedDynamicState:
                 shape, dtype = (options_of(cfg).fallback_rows,) + (() if self._optimizer_kind in ROWWISE_STATE
                                                                    else (cfg.embedding_dim,)), torch.float32
             here = collective_device(self._env.process_group, device)
-            tensor = mine[name].to(here) if owner == self._rank else torch.empty(shape, dtype=dtype, device=here)
             pg = self._env.process_group
-            dist.broadcast(tensor, src=dist.get_global_rank(pg, owner), group=pg)
+            if table.kind == "column":  # the shards' columns are disjoint: a sum puts each in place
+                tensor = torch.zeros(shape, dtype=dtype, device=here)
+                if table.holds(self._rank):
+                    first, width = table.local_columns(self._rank)
+                    tensor[:, first:first + width] = mine[name].to(here)
+                dist.all_reduce(tensor, group=pg)
+            else:
+                tensor = mine[name].to(here) if owner == self._rank else torch.empty(shape, dtype=dtype, device=here)
+                dist.broadcast(tensor, src=dist.get_global_rank(pg, owner), group=pg)
             out[base + name] = tensor.to(device)
         return out
 
-    def _local_filters(self, filters, owner: int) -> Tensor:
+    def _local_filters(self, filters, table: TablePlacement) -> Tensor:
         """A Bloom admission checkpoint [filters, bytes] for this rank: its own filter when saved
-        with this layout (a sharded tensor's local shard, or row ``rank`` of one filter per rank
-        of a row-wise table), else every saved filter (the table sums them; see modules.admission)."""
+        with this layout (a sharded tensor's local shard, or this rank's row of one filter per
+        rank of a row-wise table), else every saved filter (the table sums them; see modules.admission)."""
         if isinstance(filters, ShardedTensor):
             return local_rows(filters, None)
-        if owner < 0 and filters.dim() == 2 and int(filters.shape[0]) == self._world_size:
-            return filters[self._rank:self._rank + 1]
+        if table.kind == "row" and filters.dim() == 2 and int(filters.shape[0]) == table.parts:
+            at = table.ranks.index(self._rank)
+            return filters[at:at + 1]
         return filters
+
+    def _whole_column_state(self, state_dict, base: str) -> None:
+        """A column table's saved ShardedTensors made whole (collective: every rank loads the same
+        keys): a shard's rank holds its columns, and only the first shard's the per-row data."""
+        for k in [k for k in state_dict if k.startswith(base) and isinstance(state_dict[k], ShardedTensor)]:
+            state_dict[k] = full_state_dict({k: state_dict[k]}, self._env.process_group)[k].to(self._shard_device())
 
     def _route_loaded_state(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
         for cfg in self._state_configs:
             base = f"{prefix}{self._container}.{cfg.name}."
+            table = self._owners[cfg.name]
+            if table.kind == "column":
+                self._whole_column_state(state_dict, base)
             keys = [k for k in list(state_dict) if k.startswith(base)]
-            owner = self._owners[cfg.name]
-            if owner >= 0 and owner != self._rank:  # another rank's table-wise table
+            if not table.holds(self._rank):  # another rank's table
                 for k in keys:
                     del state_dict[k]
                 continue
             if base + "weight_id" not in state_dict:
                 continue  # reported as missing by the table itself
             ids = state_dict[base + "weight_id"]
-            mine = None if isinstance(ids, ShardedTensor) else owned_mask(ids, owner, self._rank, self._world_size)
+            mine = None if isinstance(ids, ShardedTensor) else table.owns(ids, self._rank)
             pending = state_dict.get(base + "admission_id")
             pending_mine = None if pending is None or isinstance(pending, ShardedTensor) else \
-                owned_mask(pending, owner, self._rank, self._world_size)
+                table.owns(pending, self._rank)
+            first, width = table.local_columns(self._rank)
+            columns = table.kind == "column" and width != cfg.embedding_dim
             counters = state_dict.get(base + "counters")
             # The earlier layout's counters were [world_size, 4], one row per rank, and its rows
             # were kept only when saved at this world size.
@@ -301,10 +347,16 @@ class ShardedDynamicState:
                 elif name in PENDING_KEYS:
                     state_dict[k] = local_rows(state_dict[k], pending_mine)
                 elif name == "admission_bloom":
-                    state_dict[k] = self._local_filters(state_dict[k], owner)
+                    state_dict[k] = self._local_filters(state_dict[k], table)
                 elif name.startswith("fallback_"):
-                    pass  # the table's fallback rows: every rank holding it takes them whole
+                    # the table's fallback rows: every rank holding it takes them whole (its columns)
+                    value = state_dict[k]
+                    if columns and value.dim() == 2 and value.shape[1] == cfg.embedding_dim:
+                        state_dict[k] = value[:, first:first + width]
                 else:
-                    state_dict[k] = local_rows(state_dict[k], mine)
+                    rows = local_rows(state_dict[k], mine)
+                    if columns and rows.dim() == 2 and rows.shape[1] == cfg.embedding_dim:  # its columns
+                        rows = rows[:, first:first + width]
+                    state_dict[k] = rows
             if not same_layout:
                 state_dict.pop(base + "row", None)  # placement of another world size: re-insert

@@ -1,6 +1,7 @@
 """Sharders that let DistributedModelParallel and the planner shard our dynamic modules.
 
-They offer ``table_wise`` and ``row_wise`` (ids spread by ``ops.route``), with TorchRec's
+They offer ``table_wise``, ``row_wise`` and ``table_row_wise`` (ids spread by ``ops.route``),
+``column_wise`` and ``table_column_wise`` (placement.py; not ``data_parallel``), with TorchRec's
 ``customized_kernel`` compute kernel, which the planner accepts with our estimators
 (``torchrec_ext.distributed.planner``). Their ``fused_params`` choose the tables' fused
 optimizer as TorchRec's sharders' do (``sharded_base.sharded_optimizer``).
@@ -17,8 +18,7 @@ from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharde
 
 from torchrec_ext.distributed.embedding import ShardedDynamicEmbeddingCollection
 from torchrec_ext.distributed.embeddingbag import ShardedDynamicEmbeddingBagCollection
-from torchrec_ext.distributed.sharded_base import SUPPORTED_SHARDING_TYPES
-from torchrec_ext.modules.configs import options_of
+from torchrec_ext.distributed.placement import SUPPORTED_SHARDING_TYPES
 from torchrec_ext.modules.fused_optimizer import spec_from_fused_params
 from torchrec_ext.modules import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection
 
@@ -37,19 +37,10 @@ class _DynamicSharder:
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         return [EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value]
 
-    @staticmethod
-    def _refuse_tiered(module: nn.Module) -> None:
-        tiered = {cfg.name: options_of(cfg).backing for cfg in module.embedding_configs()
-                  if options_of(cfg).backing != "device"}
-        if tiered:
-            raise ValueError(f"{type(module).__name__}: tables with host or file backing cannot be sharded yet, got "
-                             f"{tiered}; shard all-resident tables (backing=\"device\")")
-
 
 class DynamicEmbeddingBagCollectionSharder(_DynamicSharder, BaseEmbeddingSharder[DynamicEmbeddingBagCollection]):
     def shard(self, module: DynamicEmbeddingBagCollection, params: EmbeddingModuleShardingPlan, env: ShardingEnv,
               device: Optional[torch.device] = None, module_fqn: Optional[str] = None) -> ShardedDynamicEmbeddingBagCollection:
-        self._refuse_tiered(module)
         return ShardedDynamicEmbeddingBagCollection(module, params, env, device, fused_params=self.fused_params)
 
     @property
@@ -63,7 +54,6 @@ class DynamicEmbeddingBagCollectionSharder(_DynamicSharder, BaseEmbeddingSharder
 class DynamicEmbeddingCollectionSharder(_DynamicSharder, BaseEmbeddingSharder[DynamicEmbeddingCollection]):
     def shard(self, module: DynamicEmbeddingCollection, params: EmbeddingModuleShardingPlan, env: ShardingEnv,
               device: Optional[torch.device] = None, module_fqn: Optional[str] = None) -> ShardedDynamicEmbeddingCollection:
-        self._refuse_tiered(module)
         return ShardedDynamicEmbeddingCollection(module, params, env, device, fused_params=self.fused_params)
 
     @property

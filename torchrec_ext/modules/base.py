@@ -249,11 +249,22 @@ class DynamicCollectionMixin(DeltaMixin):
         this module's next lookup (the current batch's) has its rows; that batch's update may
         still be running, the next lookup finds its rows cached (``TieredTables.stage_next``;
         results are unchanged). False, doing nothing, for all-resident tables. ``TrainPipeline``
-        calls it for the batch after the one it runs."""
+        calls it for the batch after the one it runs. ``features`` may be a call that gives the KJT
+        (or None: stage nothing) on the stage's worker thread, when it is not known yet (a sharded
+        module's share of the next batch, in flight in its input dist)."""
         if not isinstance(self._tables, TieredTables) or self.device.type == "meta":
             return False
-        batch = check_and_arrange(features, self._plan, getattr(self, "_is_weighted", False), type(self).__name__,
-                                  self.device, variable_batch="pool")
+        arrange = lambda kjt: check_and_arrange(kjt, self._plan, getattr(self, "_is_weighted", False),
+                                                type(self).__name__, self.device, variable_batch="pool")
+        if callable(features):  # known later, on the stage's worker thread
+            def resolve():
+                kjt = features()
+                batch = None if kjt is None else arrange(kjt)
+                return None if batch is None else (batch.ids, batch.segment_offsets)
+
+            self._tables.stage_next_when_known(resolve)
+            return True
+        batch = arrange(features)
         self._tables.stage_next(batch.ids, batch.segment_offsets)
         return True
 

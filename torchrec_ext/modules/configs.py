@@ -10,6 +10,7 @@ import functools
 import inspect
 import math
 import numbers
+import re
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
 
@@ -27,6 +28,10 @@ class Initializer:
     kind: ``uniform`` on [low, high] (default: TorchRec's +-sqrt(1 / num_embeddings), or the
     config's weight_init_min/max); ``normal`` (mean, std); ``truncated_normal`` (mean, std,
     cut to [low, high], default mean -+ 2 std); ``constant`` (value).
+
+    first_column: the table is a column shard (``column_wise`` sharding) holding columns
+    first_column.. of its whole table: it draws exactly those elements of the whole table's
+    vectors. Even (one hash feeds two elements).
     """
 
     kind: str = "uniform"
@@ -35,6 +40,7 @@ class Initializer:
     mean: float = 0.0
     std: float = 1.0
     value: float = 0.0
+    first_column: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, str):
@@ -50,9 +56,17 @@ class Initializer:
             raise ValueError(f"Initializer: std must be >= 0, got {self.std}")
         if self.low is not None and self.high is not None and self.low > self.high:
             raise ValueError(f"Initializer: low must be <= high, got low={self.low}, high={self.high}")
+        if not _is_int(self.first_column) or self.first_column < 0 or self.first_column % 2:
+            raise ValueError(f"Initializer: first_column must be an even int >= 0 (one hash feeds two elements), "
+                             f"got {self.first_column!r}")
 
     def kernel_params(self, default_low: float, default_high: float) -> Tuple[int, Tuple[float, ...]]:
-        """(kind id, params) as csrc/embedding_cpu.cpp's init_rows takes them."""
+        """(kind id, params) as csrc/embedding_cpu.cpp's init_rows takes them (the first column
+        last, when not 0)."""
+        kind, params = self._kind_params(default_low, default_high)
+        return kind, params + ((float(self.first_column),) if self.first_column else ())
+
+    def _kind_params(self, default_low: float, default_high: float) -> Tuple[int, Tuple[float, ...]]:
         if self.kind == "uniform":
             low = default_low if self.low is None else self.low
             high = default_high if self.high is None else self.high
@@ -69,10 +83,9 @@ class Initializer:
     def from_kernel_params(kind: int, params: Sequence[float]) -> "Initializer":
         """The Initializer whose ``kernel_params`` are (kind, params), every default resolved."""
         name = INITIALIZER_NAMES[kind]
-        if name == "constant":
-            return Initializer("constant", value=params[0])
-        fields = ("low", "high") if name == "uniform" else ("mean", "std", "low", "high")
-        return Initializer(name, **dict(zip(fields, params)))
+        fields = {"constant": ("value",), "uniform": ("low", "high")}.get(name, ("mean", "std", "low", "high"))
+        first = {"first_column": int(params[len(fields)])} if len(params) > len(fields) else {}
+        return Initializer(name, **dict(zip(fields, params)), **first)
 
 
 DEFAULT_GROWTH_LOAD_FACTOR = 0.75
@@ -117,6 +130,9 @@ class DynamicTableOptions:
         rows are kept in the module's buffer (``torchrec_ext.modules.tiered_tables``).
     cache_load_factor: the fraction in (0, 1] of the capacity kept hot with host or file backing
         (None: 0.2, TorchRec's default).
+    backing_shard: which shard of a sharded table this config is, e.g. ``"rank0-of-2"``: set by the
+        sharders on each rank's share (None for a table of its own); the backing files of a
+        ``"file:<dir>"`` table start with it, so that ranks sharing a directory never share a file.
     initial_capacity: rows of storage the table starts with (vectors, optimizer state and index
         together), in [1, num_embeddings]; None: num_embeddings (all of it up front). The table
         doubles them when its load (live rows / current capacity) would pass
@@ -147,6 +163,7 @@ class DynamicTableOptions:
     stochastic_rounding: bool = True
     backing: str = "device"
     cache_load_factor: Optional[float] = None
+    backing_shard: Optional[str] = None
     initial_capacity: Optional[int] = None
     growth_load_factor: float = DEFAULT_GROWTH_LOAD_FACTOR
 
@@ -223,6 +240,10 @@ def check_backing_options(opts: "DynamicTableOptions", where: str) -> None:
     if backing != "device" and opts.fallback_rows:
         raise ValueError(f"{where}: fallback_rows applies to backing=\"device\" tables for now (a tiered table "
                          f"caches its id rows only), got fallback_rows={opts.fallback_rows!r} with backing={backing!r}")
+    shard = opts.backing_shard
+    if shard is not None and (not isinstance(shard, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", shard)):
+        raise ValueError(f"{where}: backing_shard must be None or a name of letters, digits, '_' and '-' (it starts "
+                         f"the backing files' names), got {shard!r}")
     factor = opts.cache_load_factor
     if factor is None:
         return

@@ -21,10 +21,12 @@ one step of that row on their summed gradient, with its own optimizer state, as 
 
 Growth (a config's ``initial_capacity`` < num_embeddings): a table's capacity rows start at
 initial_capacity and double, up to num_embeddings, when a training batch could push its load past
-``growth_load_factor`` (``grow``). Every table's vectors and optimizer state move to new flat
-buffers of the new layout, the grown tables' rows to their keys' places in a rebuilt index
-(``HashTable.grown``), with their last-seen steps and delta versions (``_relayout``). Rows move
-only then, and only while no lookup awaits its fused update (``pending_backward``).
+``growth_load_factor`` (``grow``). Every table's vectors and optimizer state move to the new
+layout, the grown tables' rows to their keys' places in a rebuilt index (``HashTable.grown``),
+with their last-seen steps and delta versions (``_relayout``): on CPU within the buffers' own
+memory, reserved for the largest layout (``ReservedBuffer``, so only the new pages are first
+touched), else into new buffers. Rows move only then, and only while no lookup awaits its fused
+update (``pending_backward``).
 
 On CPU, when a backward will follow, new rows are not written by the lookup: their initial
 vectors go to a small dense block (``NewRows``) that the lookup kernels read, and the fused
@@ -51,6 +53,7 @@ from torchrec_ext import device_sync, ops
 from torchrec_ext.modules.admission import Admission, bloom_geometry, make_admission
 from torchrec_ext.modules.configs import initial_capacity_of, initializer_of, options_of, storage_dtype_of
 from torchrec_ext.modules.fused_optimizer import OptimizerSpec
+from torchrec_ext.modules.reserved_buffers import ReservedBuffer
 from torchrec_ext.modules.state_checks import _check_distinct, _checked
 from torchrec_ext.modules.table_stats import MAX_AGE_BINS, TableCounters, TableStats
 from torchrec_ext.hashing import as_int64, fallback_seed, fallback_slots, rounding_seed, table_seed
@@ -59,8 +62,8 @@ from torchrec_ext.table import (
     check_counter, place_keys, table_geometry,
 )
 from torchrec_ext.vocabulary import (
-    OPTIMIZER_STATES, OPTIMIZERS, ROWWISE_STATE, SQUARED_STATES, dense_state_offsets, dtype_code, pending_row,
-    table_words,
+    INITIALIZER_NAMES, INITIALIZER_PARAM_COUNTS, OPTIMIZER_STATES, OPTIMIZERS, ROWWISE_STATE, SQUARED_STATES,
+    dense_state_offsets, dtype_code, pending_row, table_words,
 )
 
 _SCORED_BY_COUNT = {"lfu", "epoch_lfu"}
@@ -206,6 +209,65 @@ except OSError:  # pragma: no cover
     _libc = None
 
 
+class _RowMoves(NamedTuple):
+    """The rows one table carries through a relayout: its live rows (``live_src`` old rows to
+    ``live_dst`` new rows, sorted by destination), and those plus its fallback rows (``src``, ``dst``)."""
+    live_src: Tensor
+    live_dst: Tensor
+    src: Tensor
+    dst: Tensor
+
+
+def _carried_bytes(view: Tensor, move: Optional[_RowMoves]) -> int:
+    """Bytes of the rows of ``view`` (a table's old rows in one buffer) a relayout carries, rounded
+    up to 8 (scratch blocks stay aligned for any dtype)."""
+    rows = view.shape[0] if move is None else move.src.numel()
+    return -(-rows * (view[:1].numel() or 1) * view.element_size() // 8) * 8 if rows else 0
+
+
+def _rewrite_in_place(buf: Tensor, old_views: List[Tensor], new_views: List[Tensor], old_spans: List[int],
+                      new_spans: List[int], value: float, moves: List[Optional[_RowMoves]], scratch: Tensor) -> None:
+    """One buffer's relayout within its own memory: ``old_views[t]`` (the old layout's rows of
+    table t) and ``new_views[t]`` view the same memory, table t's span of it running from
+    ``old_spans[t]`` to ``old_spans[t + 1]`` before and ``new_spans`` after. Each table's carried
+    rows go to ``scratch``, its new span is filled with ``value`` and the rows are written to
+    their new places. When every span moves up (a growth) tables are done last to first, when
+    every one moves down first to last, so no span is written before the rows it held are
+    saved, and one table's rows fit in ``scratch``; otherwise all are saved first. A table that
+    keeps its rows and its place is not touched."""
+    tables = range(len(moves))
+    if all(n >= o for n, o in zip(new_spans, old_spans)):
+        order, save_all = list(reversed(tables)), False
+    elif all(n <= o for n, o in zip(new_spans, old_spans)):
+        order, save_all = list(tables), False
+    else:
+        order, save_all = list(tables), True
+    order = [t for t in order if not (moves[t] is None and new_spans[t] == old_spans[t])]
+    saved, offset = {}, 0
+    for t in order if save_all else []:
+        saved[t], offset = _save_rows(old_views[t], moves[t], scratch, offset)
+    for t in order:
+        rows = saved[t] if save_all else _save_rows(old_views[t], moves[t], scratch, 0)[0]
+        buf[new_spans[t]:new_spans[t + 1]].fill_(value)
+        if moves[t] is None:
+            new_views[t].copy_(rows)
+        elif rows.shape[0]:
+            new_views[t].index_copy_(0, moves[t].dst, rows)
+
+
+def _save_rows(view: Tensor, move: Optional[_RowMoves], scratch: Tensor, offset: int) -> Tuple[Tensor, int]:
+    """The rows of ``view`` that ``move`` carries (all: None), copied to ``scratch`` from byte
+    ``offset``; returns them and the offset after them."""
+    size = _carried_bytes(view, move)
+    rows = view.shape[0] if move is None else move.src.numel()
+    out = scratch[offset:offset + size].view(view.dtype)[:rows * (view[:1].numel() or 1)].view((rows,) + view.shape[1:])
+    if move is None:
+        out.copy_(view)
+    elif rows:
+        torch.index_select(view, 0, move.src, out=out)
+    return out, offset + size
+
+
 class DynamicTables:
     """All dynamic tables of one module: vectors, optimizer state and the id -> row indexes."""
 
@@ -238,6 +300,8 @@ class DynamicTables:
         # before the step, so every copy takes the unsharded table's step.
         self.replicated_fallback: Optional[Tuple[List[int], object]] = None
         self._fallback_max = max((m.fallback_rows for m in self.meta), default=0)
+        # Per buffer name, the address space a growing module's buffer lives in (see _allocate_buffer).
+        self._reserved: Dict[str, ReservedBuffer] = {}
         self.weights = self._allocate_buffer("weights", sum(sizes), 0.0, device)
         self._init_views: Optional[list] = None
         self.optimizer: Optional[OptimizerSpec] = None
@@ -293,6 +357,7 @@ class DynamicTables:
         holds every row its indexes name; caches and the scratch buffer are not carried."""
         self.write_new_rows()
         state = dict(self.__dict__)
+        state["_reserved"] = {}  # the copy's buffers are plain ones (its next growth reserves again)
         state["_init_views"] = None
         state["_new_vector_buffer"] = torch.empty(0, dtype=torch.float32)
         state["_pending"] = {}  # a copy has no lookup in flight
@@ -380,10 +445,38 @@ class DynamicTables:
                        for name, value in zip(OPTIMIZER_STATES[spec.kind], self._initial_state_values())]
         self._init_views = None
 
-    def _allocate_buffer(self, name: str, numel: int, value: float, device: torch.device) -> Tensor:
+    def _allocate_buffer(self, name: str, numel: int, value: float, device: torch.device,
+                         untouched: bool = False) -> Tensor:
         """The flat buffer ``name`` ("weights" or an optimizer state) of ``numel`` elements, filled
-        with ``value`` (a hook: tiered tables keep these in a cache over a backing store)."""
-        return _allocate(numel, value, device)
+        with ``value`` (a hook: tiered tables keep these in a cache over a backing store).
+
+        On CPU, a module whose tables may grow keeps each buffer at the start of address space
+        reserved for all tables at num_embeddings (``ReservedBuffer``: memory is taken only by the
+        pages written). ``untouched`` (a relayout): the buffer may then be the current one of that
+        name, resized in place with its contents as they were (the caller moves rows and fills
+        the rest); otherwise it is filled."""
+        if device.type != "cpu" or not any(m.max_capacity > m.initial_capacity for m in self.meta):
+            return _allocate(numel, value, device)
+        reserved = self._reserved.get(name)
+        if reserved is None or reserved.numel_max < numel:
+            try:
+                reserved = ReservedBuffer(max(numel, self._max_numel(name)))
+            except (OSError, OverflowError):  # no address space to reserve (strict overcommit, ulimit -v)
+                self._reserved.pop(name, None)
+                return _allocate(numel, value, device)
+            self._reserved[name] = reserved
+            untouched = False
+        buf = reserved.view(numel)
+        if not untouched:
+            buf.fill_(value)
+        return buf
+
+    def _max_numel(self, name: str) -> int:
+        """Elements of buffer ``name`` once every table is at num_embeddings."""
+        if name == "weights":
+            return sum(table_words(m.max_capacity + m.fallback_rows, m.dim, m.dtype) for m in self.meta)
+        rowwise = self.optimizer is not None and self.optimizer.kind in ROWWISE_STATE
+        return sum((m.max_capacity + m.fallback_rows) * (1 if rowwise else m.dim) for m in self.meta)
 
     def apply(self, fn) -> None:
         """Applies a tensor function (``Module._apply``'s) to the storage and moves the indexes."""
@@ -391,6 +484,8 @@ class DynamicTables:
         old_device = self.device
         self.weights = fn(self.weights)
         self.states = [fn(s) for s in self.states]
+        if not self._reserved.get("weights", None) or not self._reserved["weights"].holds(self.weights):
+            self._reserved = {}  # moved or converted: the buffers are plain ones now
         self._init_views = None
         if self.device != old_device:
             self._build_indexes(carry_from=old_device)
@@ -565,24 +660,31 @@ class DynamicTables:
         table). New buffers are allocated first (``GrowthError`` if they cannot be: nothing
         changed), then every table's vectors and optimizer state are copied over (other tables
         whole, fallback rows whole), then ``indexes`` replace the tables' indexes. On the storage's
-        device throughout."""
+        device throughout. A buffer in reserved address space is rewritten in place
+        (``_rewrite_in_place``): only the pages past its old size are new."""
         self.write_new_rows()
         device, old_row_starts = self.device, self.state_row_offsets
         old_views = [(self._storage_view(t), self._all_state_views(t)) for t in range(len(self.meta))]
+        old_buffers = [self.weights] + list(self.states)
+        old_spans = self._buffer_spans()
         old_caps = [m.capacity for m in self.meta]
         new_caps = [plans[t][0] if t in plans else m.capacity for t, m in enumerate(self.meta)]
         words = sum(table_words(c + m.fallback_rows, m.dim, m.dtype) for c, m in zip(new_caps, self.meta))
         rowwise = self.optimizer is not None and self.optimizer.kind in ROWWISE_STATE
         state_size = sum((c + m.fallback_rows) * (1 if rowwise else m.dim) for c, m in zip(new_caps, self.meta))
+        moves = [self._row_moves(t, old_caps[t], plans.get(t)) for t in range(len(self.meta))]
         try:
-            # Filled up front: scattering rows into fresh pages instead faults them in at random,
-            # ~2.5x slower than the fill plus the copy (measured on CPU at 1M rows of dim 64).
-            weights = self._allocate_buffer("weights", words, 0.0, device)
-            states = [self._allocate_buffer(name, state_size, value, device) for name, value in
+            weights = self._allocate_buffer("weights", words, 0.0, device, untouched=True)
+            states = [self._allocate_buffer(name, state_size, value, device, untouched=True) for name, value in
                       zip(OPTIMIZER_STATES[self.optimizer.kind] if self.optimizer is not None else (),
                           self._initial_state_values())]
             last_seen = {t: torch.zeros(plans[t][0], dtype=torch.int64, device=device)
                          for t in plans if self.last_seen[t] is not None}
+            in_place = [new.numel() > 0 and new.data_ptr() == old.data_ptr()
+                        for new, old in zip([weights] + states, old_buffers)]
+            monotone = all(n >= o for n, o in zip(new_caps, old_caps)) or all(n <= o for n, o in zip(new_caps, old_caps))
+            scratch = torch.empty(self._scratch_bytes(moves, old_views, in_place, monotone), dtype=torch.uint8,
+                                  device=device) if any(in_place) else None
         except (RuntimeError, MemoryError, OSError) as e:
             names = [self.meta[t].name for t in plans]
             need = words * 4 + len(self.states) * state_size * 4
@@ -596,42 +698,37 @@ class DynamicTables:
         self._compute_layout()
         self.weights, self.states = weights, states
         self._init_views = None
+        new_views = [(self._storage_view(t), self._all_state_views(t)) for t in range(len(self.meta))]
+        new_spans = self._buffer_spans()
+        values = [0.0] + self._initial_state_values()
+        for k, (buf, value) in enumerate(zip([weights] + states, values)):
+            old_k = [v[0] if k == 0 else v[1][k - 1] for v in old_views]
+            new_k = [v[0] if k == 0 else v[1][k - 1] for v in new_views]
+            if in_place[k]:
+                _rewrite_in_place(buf, old_k, new_k, old_spans[k], new_spans[k], value, moves, scratch)
+                if buf.numel() < old_spans[k][-1]:  # a shrink: the pages past the new end go back
+                    name = "weights" if k == 0 else OPTIMIZER_STATES[self.optimizer.kind][k - 1]
+                    self._reserved[name].release_beyond(buf.numel())
+                continue
+            # A fresh buffer, filled (scattering rows into fresh pages instead faults them in at
+            # random, ~2.5x slower than the fill plus the copy, measured on CPU at 1M rows of dim 64).
+            for t, move in enumerate(moves):
+                if move is None:
+                    new_k[t].copy_(old_k[t])
+                elif move.src.numel():
+                    new_k[t].index_copy_(0, move.dst, old_k[t].index_select(0, move.src))
         flat_map = None if self.delta_log is None else \
             torch.full((sum(old_caps[t] + m.fallback_rows for t, m in enumerate(self.meta)),), -1, dtype=torch.int64,
                        device=device)
         for t, m in enumerate(self.meta):
-            (old_vec, old_states), new_vec, new_states = old_views[t], self._storage_view(t), self._all_state_views(t)
-            plan = plans.get(t)
-            old_start = int(old_row_starts[t])
-            new_start = int(self.state_row_offsets[t])
-            if plan is None:  # same rows: whole copies
-                new_vec.copy_(old_vec)
-                for a, b in zip(new_states, old_states):
-                    a.copy_(b)
-                if flat_map is not None:
-                    flat_map[old_start:old_start + m.rows] = torch.arange(new_start, new_start + m.rows, device=device)
-                continue
-            cap_old, cap_new = old_caps[t], plan[0]
-            if m.fallback_rows:
-                new_vec[cap_new:].copy_(old_vec[cap_old:])
-                for a, b in zip(new_states, old_states):
-                    a[cap_new:].copy_(b[cap_old:])
-                if flat_map is not None:
-                    flat_map[old_start + cap_old:old_start + cap_old + m.fallback_rows] = torch.arange(
-                        new_start + cap_new, new_start + cap_new + m.fallback_rows, device=device)
-            row_map = plan[1]
-            if row_map is None:
-                continue
-            src = (row_map >= 0).nonzero().squeeze(1)
-            dst, order = row_map.index_select(0, src).sort()  # writes in address order: fewer cache and TLB misses
-            src = src.index_select(0, order)
-            new_vec.index_copy_(0, dst, old_vec.index_select(0, src))
-            for a, b in zip(new_states, old_states):
-                a.index_copy_(0, dst, b.index_select(0, src))
-            if t in last_seen:
-                last_seen[t].index_copy_(0, dst, self.last_seen[t].index_select(0, src))
+            move, old_start, new_start = moves[t], int(old_row_starts[t]), int(self.state_row_offsets[t])
             if flat_map is not None:
-                flat_map[old_start + src] = new_start + dst
+                if move is None:
+                    flat_map[old_start:old_start + m.rows] = torch.arange(new_start, new_start + m.rows, device=device)
+                else:
+                    flat_map[old_start + move.src] = new_start + move.dst
+            if t in last_seen:
+                last_seen[t].index_copy_(0, move.live_dst, self.last_seen[t].index_select(0, move.live_src))
         for t, seen in last_seen.items():
             self.last_seen[t] = seen
         for t, index in indexes.items():
@@ -640,6 +737,41 @@ class DynamicTables:
             self.delta_log.relayout(self, flat_map)
         self._growing = any(m.grows for m in self.meta)
         self._rebind_parameters()
+
+    def _row_moves(self, t: int, old_cap: int, plan: Optional[Tuple[int, Optional[Tensor]]]) -> Optional["_RowMoves"]:
+        """The rows table t carries through a relayout (None: all of them, the same rows)."""
+        if plan is None:
+            return None
+        m, device, cap_new = self.meta[t], self.device, plan[0]
+        live_src = live_dst = torch.zeros(0, dtype=torch.int64, device=device)
+        if plan[1] is not None:
+            live_src = (plan[1] >= 0).nonzero().squeeze(1)
+            live_dst, order = plan[1].index_select(0, live_src).sort()  # writes in address order: fewer cache and TLB misses
+            live_src = live_src.index_select(0, order)
+        fallback = torch.arange(m.fallback_rows, dtype=torch.int64, device=device)  # fallback rows: whole
+        return _RowMoves(live_src, live_dst, torch.cat([live_src, old_cap + fallback]),
+                         torch.cat([live_dst, cap_new + fallback]))
+
+    def _buffer_spans(self) -> List[List[int]]:
+        """Per buffer (weights, then each optimizer state): where each table's span starts, and
+        the buffer's end."""
+        rowwise = self.optimizer is not None and self.optimizer.kind in ROWWISE_STATE
+        state_starts = [int(x) for x in self.state_row_offsets] if rowwise else list(self.dense_state_offsets)
+        state_end = sum(m.rows * (1 if rowwise else m.dim) for m in self.meta)
+        weights = [int(x) for x in self.table_offsets] + \
+            [sum(table_words(m.rows, m.dim, m.dtype) for m in self.meta)]
+        return [weights] + [state_starts + [state_end] for _ in self.states]
+
+    @staticmethod
+    def _scratch_bytes(moves, old_views, in_place: List[bool], monotone: bool) -> int:
+        """Bytes ``_rewrite_in_place`` needs for the buffers rewritten in place: the largest table's
+        carried rows when every table grows (or every one shrinks), else all tables'."""
+        most = 8
+        for k, rewritten in enumerate(in_place):
+            if rewritten:
+                sizes = [_carried_bytes(v[0] if k == 0 else v[1][k - 1], move) for v, move in zip(old_views, moves)]
+                most = max(most, max(sizes, default=0) if monotone else sum(sizes))
+        return most
 
     def _all_state_views(self, t: int) -> List[Tensor]:
         """Table t's optimizer state, every row (capacity rows, then fallback rows)."""
@@ -797,6 +929,8 @@ class DynamicTables:
         ``_init_view``)."""
         if type(self)._init_view is not DynamicTables._init_view:
             return False
+        if any(len(m.init_params) > INITIALIZER_PARAM_COUNTS[INITIALIZER_NAMES[m.init_kind]] for m in self.meta):
+            return False  # a column shard's vectors start at a column of its table's: per table
         chosen = getattr(self, "flat_init", None)
         return self.device.type == "cuda" if chosen is None else bool(chosen)
 

@@ -5,20 +5,30 @@ vectors' words, each optimizer state) whole here, in the layout an all-resident 
 has, and only a cache of hot rows in the module's own buffer.
 
 ``backing="host"``: host tensors (allocated by the tables, as their cache). ``backing="file:<dir>"``: one file per buffer,
-``<dir>/<tables>.<buffer>.rows``: a 4 KiB header (magic, layout version, the tables' names,
-capacities, dims and dtypes, the buffer's name and length) and then the buffer, mapped
+``<dir>/<tables>.<buffer>.rows`` (a rank's share of sharded tables: ``<dir>/<shard>.<tables>.<buffer>.rows``,
+the shard named by rank and world size, e.g. ``rank1-of-2``, so ranks sharing a directory never
+share a file): a 4 KiB header (magic, layout version, the tables' names, capacities, dims and
+dtypes, the shard, the buffer's name and length) and then the buffer, mapped
 MAP_SHARED (``torch.from_file``), so that reading and writing rows of the tensor is the file's
-I/O and the page cache decides what stays in RAM. The file's space is reserved when it is
-created (``posix_fallocate``): a full disk is an error then, not a SIGBUS in the middle of a
-training step. Each file is locked (``flock``) while its module lives, so two live modules never
+I/O and the page cache decides what stays in RAM; advised random (``advise_random``: a fault
+reads its page, no readahead window). The file's space is reserved when it is
+created (``posix_fallocate``) and then written with zeros once: a full disk or a failing write
+is an error then, not a SIGBUS in the middle of a training step, and no write-back later
+allocates a block. (A block reserved but unwritten costs the first write through the mapping
+30-45 us per 4 KiB page on ext4, the conversion of its extent; a written page in the page cache
+0.05-0.5 us a row, less than an explicit ``pwrite`` a row, ~2 us: benchmarks/results/tier_file_writes.md.)
+Each file is locked (``flock``) while its module lives, so two live modules never
 share rows; a file of other tables or of another layout version is refused, one of the same
 tables is reused (its rows are overwritten before any is read: a fresh index names no row).
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import fcntl
 import hashlib
 import json
+import mmap
 import os
 import re
 from typing import Dict, List, Optional
@@ -36,14 +46,50 @@ def parse_backing(backing: str) -> Optional[str]:
     return backing[len("file:"):] if backing.startswith("file:") else None
 
 
+PAGE_BYTES = mmap.PAGESIZE
+
+
+def write_zeros(fd: int, offset: int, length: int) -> None:
+    """Writes ``length`` zero bytes at ``offset`` of ``fd``, a page a write, and syncs them: the
+    blocks are then written on disk, not merely reserved (an unwritten extent until the kernel
+    writes the pages back, whose first write through the mapping pays the conversion), and the
+    page cache holds them in single pages: a larger write makes larger folios (up to 2 MiB on
+    ext4 of Linux 6.18), and a row written back through the mapping then dirties, and the kernel
+    writes to disk, the whole folio. OSError on a failed write or sync, or a write that writes
+    nothing."""
+    zeros = memoryview(bytes(PAGE_BYTES))
+    end = offset + length
+    while offset < end:
+        written = os.pwrite(fd, zeros[:min(PAGE_BYTES - offset % PAGE_BYTES, end - offset)], offset)
+        if written <= 0:  # (a short write is continued; none at all would loop forever)
+            raise OSError(errno.EIO, f"wrote {written} of {end - offset} bytes at offset {offset}")
+        offset += written
+    os.fdatasync(fd)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def advise_random(mapped: Tensor, path: str, where: str) -> None:
+    """Tells the kernel that ``mapped`` (a whole file mapping) is read at random (MADV_RANDOM): a
+    page fault then reads its page only, not the device's readahead window around it (8 MiB on
+    this machine's disk: training a file larger than RAM read ~2,000x the bytes it used)."""
+    length = mapped.numel() * mapped.element_size()
+    if _libc.madvise(ctypes.c_void_p(mapped.data_ptr()), ctypes.c_size_t(length), mmap.MADV_RANDOM) != 0:
+        err = ctypes.get_errno()
+        raise ValueError(f"{where}: madvise(MADV_RANDOM) of backing file {path!r} failed: {os.strerror(err)}")
+
+
 class BackingStore:
     """The backing buffers of one module's tables (see the module docstring).
 
     tables: per table (name, capacity, dim, storage dtype), which the files' headers name.
+    shard: which shard of sharded tables these are (``DynamicTableOptions.backing_shard``), or None.
     """
 
-    def __init__(self, backing: str, tables: List[tuple], where: str):
+    def __init__(self, backing: str, tables: List[tuple], where: str, shard: Optional[str] = None):
         self.backing = backing
+        self.shard = shard
         self.directory = parse_backing(backing)
         self.tables = [{"name": n, "capacity": c, "dim": d, "dtype": str(dt).replace("torch.", "")}
                        for n, c, d, dt in tables]
@@ -67,10 +113,14 @@ class BackingStore:
         names = "+".join(re.sub(r"[^A-Za-z0-9_.-]", "_", t["name"]) for t in self.tables)
         if len(names) > 120:  # long or many names: a digest of them instead
             names = "tables-" + hashlib.sha1(names.encode()).hexdigest()[:16]
-        return os.path.join(self.directory, f"{names}.{name}.rows")
+        prefix = "" if self.shard is None else f"{self.shard}."
+        return os.path.join(self.directory, f"{prefix}{names}.{name}.rows")
 
     def _header(self, name: str, numel: int) -> dict:
-        return {"layout_version": LAYOUT_VERSION, "buffer": name, "numel": numel, "tables": self.tables}
+        header = {"layout_version": LAYOUT_VERSION, "buffer": name, "numel": numel, "tables": self.tables}
+        if self.shard is not None:  # (files of unsharded tables keep the header they had)
+            header["shard"] = self.shard
+        return header
 
     def _map(self, name: str, numel: int) -> Tensor:
         path, header = self.path(name), self._header(name, numel)
@@ -89,7 +139,8 @@ class BackingStore:
             except OSError:
                 raise ValueError(f"{self.where}: backing file {path!r} is in use by another live module (each "
                                  "tiered module needs files of its own: another directory, or free the other "
-                                 "module first)") from None
+                                 "module first; a module to shard: build it on the meta device, each rank's "
+                                 "share then has files of its own, named by rank)") from None
             if exists:
                 self._check_header(path, f.read(HEADER_BYTES), header)
             else:
@@ -99,12 +150,15 @@ class BackingStore:
                                      f"than {HEADER_BYTES} bytes; give the module fewer tables")
                 f.write(text.ljust(HEADER_BYTES, b"\0"))
                 f.flush()
+                doing = "reserve"
                 try:
                     os.posix_fallocate(f.fileno(), 0, HEADER_BYTES + 4 * numel)
+                    doing = "write"
+                    write_zeros(f.fileno(), HEADER_BYTES, 4 * numel)
                 except OSError as e:
                     f.close()
                     os.unlink(path)
-                    raise ValueError(f"{self.where}: cannot reserve {HEADER_BYTES + 4 * numel} bytes for backing file "
+                    raise ValueError(f"{self.where}: cannot {doing} {HEADER_BYTES + 4 * numel} bytes for backing file "
                                      f"{path!r}: {e}") from None
         except BaseException:
             if not f.closed:
@@ -112,6 +166,7 @@ class BackingStore:
             raise
         self._files[name] = f
         whole = torch.from_file(path, shared=True, size=HEADER_BYTES // 4 + numel, dtype=torch.float32)
+        advise_random(whole, path, self.where)
         return whole[HEADER_BYTES // 4:]
 
     def _check_header(self, path: str, raw: bytes, want: dict) -> None:
@@ -124,10 +179,10 @@ class BackingStore:
         if have.get("layout_version") != LAYOUT_VERSION:
             raise ValueError(f"{self.where}: backing file {path!r} has layout version {have.get('layout_version')!r}, "
                              f"this build reads version {LAYOUT_VERSION}")
-        for key in ("tables", "buffer", "numel"):
-            if have.get(key) != want[key]:
+        for key in ("tables", "shard", "buffer", "numel"):
+            if have.get(key) != want.get(key):
                 raise ValueError(f"{self.where}: backing file {path!r} holds {key} {have.get(key)!r}, not this "
-                                 f"module's {want[key]!r}: a file of other tables; use another directory")
+                                 f"module's {want.get(key)!r}: a file of other tables; use another directory")
         if os.path.getsize(path) < HEADER_BYTES + 4 * want["numel"]:
             raise ValueError(f"{self.where}: backing file {path!r} is {os.path.getsize(path)} bytes, shorter than "
                              f"its header says ({HEADER_BYTES + 4 * want['numel']})")

@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -383,11 +383,14 @@ class TieredTables(DynamicTables):
             raise ValueError(f"{where}: the tables of one module must share one backing (put tables of other "
                              f"backings in a module of their own), got {backings}")
         backing = next(iter(backings.values()))
-        if device.type != "cpu":
+        if device.type not in ("cpu", "meta"):  # (meta: a module to shard, which holds no rows and opens no file)
             raise ValueError(f"{where}: tables with backing={backing!r} run on the CPU in this version (a device "
                              f"cache over host or file backing is not built yet), got device {device}")
+        shards = {options_of(cfg).backing_shard for cfg in configs}
+        if len(shards) > 1:
+            raise ValueError(f"{where}: the tables of one module must be one shard's (backing_shard), got {shards}")
         self.store = BackingStore(backing, [(cfg.name, cfg.num_embeddings, cfg.embedding_dim, storage_dtype_of(cfg))
-                                            for cfg in configs], where)
+                                            for cfg in configs], where, shard=next(iter(shards)))
         factors = [options_of(cfg).cache_load_factor for cfg in configs]
         self.cache_load_factors = [DEFAULT_CACHE_LOAD_FACTOR if f is None else float(f) for f in factors]
         # ceil, with a margin for the float product (0.2 * 1000 must be 200 slots, not 201)
@@ -411,18 +414,22 @@ class TieredTables(DynamicTables):
         self._holding: Optional[Tuple[bool, list, Optional[_Handover], Dict[int, Dict[str, int]]]] = None
         self._pinned: Dict[int, weakref.finalize] = {}      # lookups whose update is pending -> their pins
         self._stager: Optional[_Stager] = None              # made at the first stage
-        self._stage_request: Optional[Tuple[Tensor, Tensor]] = None  # the next batch's ids, staged after the next lookup
+        # the next batch's ids (a call giving them), staged after the next lookup
+        self._stage_request: Optional[Callable[[], Optional[Tuple[Tensor, Tensor]]]] = None
         self._staging: Optional[Future] = None              # the stage running now
         self._stage_stats: Dict[int, Dict[str, int]] = {}  # per table, the traffic of the stage that ran last
         self.last_step_stats: Dict[str, Dict[str, int]] = {}
 
     # ------------------------------------------------------------------ storage
 
-    def _allocate_buffer(self, name: str, numel: int, value: float, device: torch.device) -> Tensor:
+    def _allocate_buffer(self, name: str, numel: int, value: float, device: torch.device,
+                         untouched: bool = False) -> Tensor:  # (always a new buffer, filled)
         # numel is the buffer at full capacity: the backing store's. Its contents matter only
         # where rows are live (new rows are initialised): a fresh file needs no filling.
-        live = bool(getattr(self, "indexes", None)) and self.num_live_rows() > 0
-        if self.store.directory is None:  # host memory, on huge pages where offered (rows are touched at random)
+        live = bool(getattr(self, "indexes", None)) and device.type != "meta" and self.num_live_rows() > 0
+        if device.type == "meta":
+            self.backing[name] = _allocate(numel, value, device)
+        elif self.store.directory is None:  # host memory, on huge pages where offered (rows are touched at random)
             self.backing[name] = _allocate(numel, value, torch.device("cpu"))
         else:
             self.backing[name] = self.store.map(name, numel, value, fill=live)
@@ -615,27 +622,41 @@ class TieredTables(DynamicTables):
         lookup, a checkpoint, stats, loading) waits for the stage first; the lookup kernels and
         the fused update do not (they touch only pinned slots, which the stage leaves alone)."""
         self.check_ready("stage_next")
+        self._check_stage_segments(segment_offsets)
+        self._stage_request = lambda: (ids, segment_offsets)
+
+    def stage_next_when_known(self, resolve: Callable[[], Optional[Tuple[Tensor, Tensor]]]) -> None:
+        """``stage_next`` of ids not known yet: ``resolve()``, called on the stage's worker thread
+        before it stages anything, gives (ids, segment_offsets), or None to stage nothing. A
+        sharded module's next batch: its ids arrive by the input dist in flight, waited for there."""
+        self.check_ready("stage_next")
+        self._stage_request = resolve
+
+    def _check_stage_segments(self, segment_offsets: Tensor) -> None:
         if segment_offsets.numel() != len(self.meta) + 1:
             raise ValueError(f"tables {[m.name for m in self.meta]}: stage_next takes segment_offsets of "
                              f"{len(self.meta) + 1} entries (one segment per table), got {segment_offsets.numel()}")
-        self._stage_request = (ids, segment_offsets)
 
     def _start_stage(self) -> "_Handover":
-        ids, segment_offsets = self._stage_request
-        self._stage_request = None
+        resolve, self._stage_request = self._stage_request, None
         if self._stager is None:
             self._stager = _Stager(self.device)
         handover = _Handover(len(self.meta), self.device)
         movers = [self._mover(t) for t in range(len(self.meta))]  # built here, on the train thread
         clock = self._clock
-        self._staging = self._stager.submit(lambda: self._stage(ids, segment_offsets, handover, movers, clock))
+        self._staging = self._stager.submit(lambda: self._stage(resolve, handover, movers, clock))
         return handover
 
-    def _stage(self, ids: Tensor, segment_offsets: Tensor, handover: "_Handover", movers: List[_Mover],
-               clock: int) -> None:
+    def _stage(self, resolve: Callable[[], Optional[Tuple[Tensor, Tensor]]], handover: "_Handover",
+               movers: List[_Mover], clock: int) -> None:
         """The worker's part: per table, once the train thread has handed it over (its lookup
         done with the table's index and cache), the rows of the next batch's ids brought in and
         slots freed for its new rows, around the slots pinned at the handover."""
+        request = resolve()
+        if request is None:
+            return
+        ids, segment_offsets = request
+        self._check_stage_segments(segment_offsets)
         unique, _, _, unique_offsets = ops.dedup_segments(ids, segment_offsets)  # overlaps the lookup
         bounds = unique_offsets.tolist()
         for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):

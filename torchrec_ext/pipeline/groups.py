@@ -49,12 +49,8 @@ def _timeout(group: dist.ProcessGroup):
 
 def borrow(source: dist.ProcessGroup) -> dist.ProcessGroup:
     """A group with the ranks, backend and timeout of ``source`` that no other borrower holds."""
+    check_pools_open()
     with _lock:
-        if source in _closed:
-            raise RuntimeError(
-                f"cannot borrow a process group for the input dist: {_closed[source]}, so this rank's pool of "
-                "groups may differ from its peers' and a new group could pair mismatched collectives; the "
-                "process group must be destroyed and created again (restart the job)")
         idle = _idle.setdefault(source, [])
         while idle:
             group = idle.pop()
@@ -69,6 +65,17 @@ def give_back(source: dist.ProcessGroup, group: dist.ProcessGroup) -> None:
     with _lock:
         if _registered(source) and _registered(group):
             _idle.setdefault(source, []).append(group)
+
+
+def check_pools_open() -> None:
+    """Raises once a group was abandoned (while its source group lives): see ``abandon``."""
+    with _lock:
+        why = next((why for source, why in _closed.items() if _registered(source)), None)
+    if why is not None:
+        raise RuntimeError(
+            f"cannot borrow a process group for the input dist: {why}, so this rank's pool of groups may "
+            "differ from its peers' and a new group could pair mismatched collectives; the process group "
+            "must be destroyed and created again (restart the job)")
 
 
 def abandon(source: dist.ProcessGroup, group: dist.ProcessGroup, why: str) -> None:

@@ -197,7 +197,7 @@ class TrainPipeline(TrainPipelineSparseDist):
         if self._takeover is not None:
             self._takeover.skip = True  # DDP's buckets leave the all-reduce to _grad_sync
         if self.options.tier_prefetch and len(self.batches) >= 2:
-            self._stage_next(self._ready[1])  # runs once batch i's lookup has its rows
+            self._stage_next(self._ready[1], self.contexts[1])  # runs once batch i's lookup has its rows
         try:
             losses, output = self._model_fwd(self.batches[0])
             if training:
@@ -223,8 +223,8 @@ class TrainPipeline(TrainPipelineSparseDist):
         and ``misses`` at step time, rows ``staged`` ahead of it by the pipeline, ``write_backs``
         (``staged_write_backs`` of them off the step), ``bytes_moved``. Empty without tiered tables."""
         stats: Dict[str, Dict[str, int]] = {}
-        for module in self._tiered_modules():
-            stats.update(module.tier_step_stats())
+        for module in self._tiered_modules() + self._sharded_staging_modules():
+            stats.update(module.tier_step_stats())  # (a sharded module's: this rank's shares)
         return stats
 
     def pop_host_outputs(self) -> List[Tuple[int, Any]]:
@@ -319,8 +319,16 @@ class TrainPipeline(TrainPipelineSparseDist):
                             if hasattr(m, "stage_next") and isinstance(getattr(m, "_tables", None), TieredTables)]
         return self._tiered
 
-    def _stage_next(self, ready: ReadyBatch) -> None:
-        """Asks each module with tiered tables to stage the rows of ``ready``'s batch, the next one."""
+    def _sharded_staging_modules(self) -> List[nn.Module]:
+        """The pipelined sharded modules that stage their shares of tiered tables (ours)."""
+        return [m for m in self._pipelined_modules if hasattr(m, "stage_next_dist")]
+
+    def _stage_next(self, ready: ReadyBatch, context: TrainPipelineContext) -> None:
+        """Asks each module with tiered tables to stage the rows of ``ready``'s batch, the next
+        one: an unsharded module from the batch's KJT, a sharded one from the ids its input dist
+        (in flight, launched for ``context``) brings to this rank, waited for on the stage's worker."""
+        for module in self._sharded_staging_modules():
+            module.stage_next_dist(self._dist_input_of(context, module.forward.name))
         modules = self._tiered_modules()
         if not modules:
             return
@@ -331,6 +339,20 @@ class TrainPipeline(TrainPipelineSparseDist):
             features = [kjt for kjt in candidates if set(module._plan.features) <= set(kjt.keys())]
             if features:  # else the model builds the module's KJT itself: its batch runs unstaged
                 module.stage_next(features[0])
+
+    def _dist_input_of(self, context: TrainPipelineContext, name: str):
+        """A call giving module ``name``'s input dist result for ``context`` (waiting for the
+        input dist launched on the helper thread first), or None once its forward has taken it
+        (the stage then stages nothing: a stage only moves rows ahead, results do not depend on it)."""
+        launched, timeout_s = self._dist_future, self.options.timeout_s
+
+        def dist_input():
+            if launched is not None:
+                launched.result(timeout=timeout_s)
+            request = context.input_dist_tensors_requests.get(name)
+            return None if request is None else request.wait()
+
+        return dist_input
 
     def _current_stream(self) -> Optional[torch.cuda.Stream]:
         return self._streams.current() if self._streams is not None else None
@@ -401,6 +423,8 @@ class TrainPipeline(TrainPipelineSparseDist):
     def _pipeline_model(self, batch, context, pipelined_forward=None) -> None:
         # As TorchRec's, plus: once the input dists exist (the first start creates them), move
         # their collectives to a clone of their process group when a helper thread issues them.
+        if self._dist_worker is not None:
+            groups.check_pools_open()  # before the model is rewritten: a refusal leaves it as it was
         (self._pipelined_modules, self._model, self._original_forwards, self._pipelined_postprocs, _) = _rewrite_model(
             model=self._model,
             context=context,
@@ -412,9 +436,9 @@ class TrainPipeline(TrainPipelineSparseDist):
             pipeline_postproc=self._pipeline_postproc,
         )
         self.start_sparse_data_dist(batch, context)
-        self._original_kjt_dist_forwards = _override_input_dist_forwards(self._pipelined_modules)
-        if self._dist_worker is not None:  # last: a borrow that fails leaves a model detach() can restore
+        if self._dist_worker is not None:
             self._move_input_dists_to_own_groups()
+        self._original_kjt_dist_forwards = _override_input_dist_forwards(self._pipelined_modules)
 
     def _move_input_dists_to_own_groups(self) -> None:
         for module in self._pipelined_modules:

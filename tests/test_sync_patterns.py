@@ -54,6 +54,8 @@ STEP_PATH = {
 EXEMPT = {
     ("modules/features.py", "check_and_arrange", ".item()"):
         "under torch.compile only: symbolic values, compiled into the program's runtime asserts",
+    ("torch_kernels.py", "init_rows", "int(tensor)"):
+        "params: the op's float[] argument, host floats (a column shard's first column)",
     ("torch_kernels.py", "route_bucketize", "torch.bincount"):
         "input routing of sharded tables (the input dist), not the module's step",
     ("modules/dynamic_tables.py", "DynamicTables._initialise", "mask or nonzero"):

@@ -78,4 +78,14 @@ inline at::Tensor check_upsert_args(int64_t n, const std::optional<at::Tensor>& 
   return given;
 }
 
+// hash_upsert_fixed's pending mask: none, or a 1-D bool tensor of one flag per key.
+inline at::Tensor check_pending(int64_t n, const std::optional<at::Tensor>& pending) {
+  if (!pending.has_value()) return at::Tensor();
+  const at::Tensor p = pending->contiguous();
+  TORCH_CHECK(p.scalar_type() == at::kBool && p.dim() == 1 && p.numel() == n,
+              "hash_upsert_fixed: pending must be a 1-D bool tensor of ", n, " elements, got ",
+              p.scalar_type(), " of shape ", p.sizes());
+  return p;
+}
+
 }  // namespace torchrec_ext

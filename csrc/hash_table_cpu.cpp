@@ -524,6 +524,59 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
   return {rows, inserted, evicted_keys, evicted_rows};
 }
 
+// hash_upsert with outputs of one entry per key (no size the host must learn: on a GPU no
+// sync) and a pending mask: the keys not pending take no part (row -1), exactly as if the call
+// had been made on the pending keys alone. The CPU kernel is that call, its outputs scattered
+// back: the evictions, in position order, are the inserted positions whose row was evicted.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_fixed_cpu(
+    at::Tensor& digests, at::Tensor& slot_keys, at::Tensor& slot_scores, at::Tensor& size,
+    const at::Tensor& keys, const std::optional<at::Tensor>& scores,
+    const std::optional<at::Tensor>& pending, int64_t capacity, int64_t policy_id, int64_t clock,
+    int64_t epoch, bool assign) {
+  check_keys("hash_upsert_fixed", keys);
+  const int64_t n = keys.numel();
+  const at::Tensor mask = check_pending(n, pending);
+  const at::Tensor k = keys.contiguous();
+  at::Tensor at_pos = mask.defined() ? mask.nonzero().squeeze(1) : at::Tensor();
+  const at::Tensor sub_keys = mask.defined() ? k.index_select(0, at_pos) : k;
+  std::optional<at::Tensor> sub_scores = scores;
+  if (scores.has_value() && mask.defined()) {
+    check_upsert_args(n, scores, policy_id, clock, epoch);  // checked at the caller's size
+    sub_scores = scores->contiguous().index_select(0, at_pos);
+  }
+  auto [sub_rows, sub_inserted, evicted_keys, evicted_rows] = hash_upsert_cpu(
+      digests, slot_keys, slot_scores, size, sub_keys, sub_scores, capacity, policy_id, clock,
+      epoch, assign);
+  const int64_t m = sub_keys.numel();
+  at::Tensor evicted = at::zeros({m}, k.options().dtype(at::kBool));
+  at::Tensor evicted_key = at::zeros({m}, k.options());
+  {
+    const int64_t* rp = sub_rows.data_ptr<int64_t>();
+    const bool* ip = sub_inserted.data_ptr<bool>();
+    const int64_t* er = evicted_rows.data_ptr<int64_t>();
+    const int64_t* ek = evicted_keys.data_ptr<int64_t>();
+    bool* ep = evicted.data_ptr<bool>();
+    int64_t* out = evicted_key.data_ptr<int64_t>();
+    const int64_t e = evicted_rows.numel();
+    for (int64_t i = 0, j = 0; i < m && j < e; ++i) {
+      if (ip[i] && rp[i] == er[j]) {  // a row evicted in a call holds the new key: never evicted twice
+        ep[i] = true;
+        out[i] = ek[j++];
+      }
+    }
+  }
+  if (!mask.defined()) return {sub_rows, sub_inserted, evicted, evicted_key};
+  at::Tensor rows = at::full({n}, -1, k.options());
+  at::Tensor inserted = at::zeros({n}, k.options().dtype(at::kBool));
+  at::Tensor evicted_full = at::zeros({n}, k.options().dtype(at::kBool));
+  at::Tensor evicted_key_full = at::zeros({n}, k.options());
+  rows.index_copy_(0, at_pos, sub_rows);
+  inserted.index_copy_(0, at_pos, sub_inserted);
+  evicted_full.index_copy_(0, at_pos, evicted);
+  evicted_key_full.index_copy_(0, at_pos, evicted_key);
+  return {rows, inserted, evicted_full, evicted_key_full};
+}
+
 at::Tensor hash_erase_cpu(at::Tensor& digests, const at::Tensor& slot_keys, at::Tensor& size,
                           const at::Tensor& keys, int64_t capacity) {
   check_table("hash_erase", digests, slot_keys, capacity);
@@ -668,6 +721,7 @@ at::Tensor route_cpu(const at::Tensor& keys, int64_t world_size) {
 TORCH_LIBRARY_IMPL(torchrec_ext, CPU, m) {
   m.impl("hash_find", &hash_find_cpu);
   m.impl("hash_upsert", &hash_upsert_cpu);
+  m.impl("hash_upsert_fixed", &hash_upsert_fixed_cpu);
   m.impl("hash_erase", &hash_erase_cpu);
   m.impl("hash_export", &hash_export_cpu);
   m.impl("hash_restore", &hash_restore_cpu);

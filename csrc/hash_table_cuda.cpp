@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <initializer_list>
+#include <limits>
 #include <utility>
 
 #include "hash_table_cuda.h"
@@ -48,10 +49,13 @@ struct StripeGroups {
   at::Tensor order;           // int64 batch positions
 };
 
-StripeGroups group_by_stripe(const at::Tensor& keys, int64_t capacity) {
+// Keys not `pending` (when given) get a stripe past the last, so no stripe kernel visits them.
+StripeGroups group_by_stripe(const at::Tensor& keys, int64_t capacity,
+                             const at::Tensor& pending = at::Tensor()) {
   at::Tensor stripes = at::empty({keys.numel()}, keys.options().dtype(at::kInt));
   C10_CUDA_CHECK(launch_key_stripes(keys.const_data_ptr<int64_t>(), keys.numel(), capacity,
                                     stripes.mutable_data_ptr<int32_t>(), current_stream()));
+  if (pending.defined()) stripes.masked_fill_(pending.logical_not(), std::numeric_limits<int32_t>::max());
   auto [sorted_stripes, order] = at::sort(stripes, /*stable=*/true, /*dim=*/0, /*descending=*/false);
   return {sorted_stripes, order};
 }
@@ -76,41 +80,79 @@ std::tuple<at::Tensor, at::Tensor> hash_find_cuda(const at::Tensor& digests,
   return {rows, found};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cuda(
-    at::Tensor& digests, at::Tensor& slot_keys, at::Tensor& slot_scores, at::Tensor& size,
-    const at::Tensor& keys, const std::optional<at::Tensor>& scores, int64_t capacity,
-    int64_t policy_id, int64_t clock, int64_t epoch, bool assign) {
-  check_table("hash_upsert", digests, slot_keys, capacity);
-  check_keys("hash_upsert", keys);
-  check_size("hash_upsert", size);
-  check_slot_scores("hash_upsert", slot_scores, capacity);
+// The upsert kernels on one batch, outputs of one entry per key: rows (-1 for keys not pending,
+// or refused), inserted, evicted (the key took an evicted key's row) and that evicted key (0
+// elsewhere). Nothing is compacted, so nothing is read on the host.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> upsert_per_key(
+    const char* op, at::Tensor& digests, at::Tensor& slot_keys, at::Tensor& slot_scores,
+    at::Tensor& size, const at::Tensor& keys, const std::optional<at::Tensor>& scores,
+    const std::optional<at::Tensor>& pending, int64_t capacity, int64_t policy_id, int64_t clock,
+    int64_t epoch, bool assign) {
+  check_table(op, digests, slot_keys, capacity);
+  check_keys(op, keys);
+  check_size(op, size);
+  check_slot_scores(op, slot_scores, capacity);
   const int64_t n = keys.numel();
   const at::Tensor given = check_upsert_args(n, scores, policy_id, clock, epoch);
-  check_devices("hash_upsert", digests,
+  const at::Tensor mask = check_pending(n, pending);
+  check_devices(op, digests,
                 {{"slot_keys", &slot_keys}, {"slot_scores", &slot_scores}, {"size", &size},
                  {"keys", &keys}});
-  if (given.defined()) check_devices("hash_upsert", digests, {{"scores", &given}});
+  if (given.defined()) check_devices(op, digests, {{"scores", &given}});
+  if (mask.defined()) check_devices(op, digests, {{"pending", &mask}});
   const c10::cuda::CUDAGuard device_guard(digests.device());
 
-  const at::Tensor k = keys.contiguous();
-  at::Tensor rows = at::empty({n}, k.options());
+  at::Tensor k = keys.contiguous(), g = given, pending_keys = mask, perm;
+  if (mask.defined()) {
+    // The pending keys first, in batch order: their positions are then those of a call on them
+    // alone, which the insert windows (cut by position) depend on. A sort: nothing read on the host.
+    perm = std::get<1>(at::sort(mask.logical_not().to(at::kByte), /*stable=*/true, /*dim=*/0,
+                                /*descending=*/false));
+    k = k.index_select(0, perm);
+    if (g.defined()) g = g.index_select(0, perm);
+    pending_keys = mask.index_select(0, perm);
+  }
+  at::Tensor rows = at::full({n}, -1, k.options());  // keys not pending keep -1
   at::Tensor inserted = at::zeros({n}, k.options().dtype(at::kBool));
   at::Tensor evicted = at::zeros({n}, k.options().dtype(at::kBool));
-  at::Tensor evicted_key = at::empty({n}, k.options());
+  at::Tensor evicted_key = at::zeros({n}, k.options());
   if (n > 0) {
-    const StripeGroups groups = group_by_stripe(k, capacity);
+    const StripeGroups groups = group_by_stripe(k, capacity, pending_keys);
     C10_CUDA_CHECK(launch_hash_upsert(
         digests.mutable_data_ptr<uint8_t>(), slot_keys.mutable_data_ptr<int64_t>(),
         slot_scores.mutable_data_ptr<int64_t>(), size.mutable_data_ptr<int64_t>(), capacity,
-        k.const_data_ptr<int64_t>(), given.defined() ? given.const_data_ptr<int64_t>() : nullptr,
+        k.const_data_ptr<int64_t>(), g.defined() ? g.const_data_ptr<int64_t>() : nullptr,
         groups.sorted_stripes.const_data_ptr<int32_t>(), groups.order.const_data_ptr<int64_t>(), n,
         policy_id, clock, epoch, assign, rows.mutable_data_ptr<int64_t>(),
         inserted.mutable_data_ptr<bool>(), evicted.mutable_data_ptr<bool>(),
         evicted_key.mutable_data_ptr<int64_t>(), current_stream()));
   }
-  // Evictions in batch position order, as the CPU kernel reports them.
+  if (!perm.defined()) return {rows, inserted, evicted, evicted_key};
+  auto unpermuted = [&](const at::Tensor& x) { return at::empty_like(x).index_copy_(0, perm, x); };
+  return {unpermuted(rows), unpermuted(inserted), unpermuted(evicted), unpermuted(evicted_key)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cuda(
+    at::Tensor& digests, at::Tensor& slot_keys, at::Tensor& slot_scores, at::Tensor& size,
+    const at::Tensor& keys, const std::optional<at::Tensor>& scores, int64_t capacity,
+    int64_t policy_id, int64_t clock, int64_t epoch, bool assign) {
+  auto [rows, inserted, evicted, evicted_key] =
+      upsert_per_key("hash_upsert", digests, slot_keys, slot_scores, size, keys, scores,
+                     std::nullopt, capacity, policy_id, clock, epoch, assign);
+  // Evictions in batch position order, as the CPU kernel reports them: a compaction, whose size
+  // the host reads (a sync; the training step calls hash_upsert_fixed instead).
   const at::Tensor evicted_at = evicted.nonzero().squeeze(1);
   return {rows, inserted, evicted_key.index_select(0, evicted_at), rows.index_select(0, evicted_at)};
+}
+
+// hash_upsert with outputs of one entry per key and a pending mask (see hash_table_cpu.cpp).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_fixed_cuda(
+    at::Tensor& digests, at::Tensor& slot_keys, at::Tensor& slot_scores, at::Tensor& size,
+    const at::Tensor& keys, const std::optional<at::Tensor>& scores,
+    const std::optional<at::Tensor>& pending, int64_t capacity, int64_t policy_id, int64_t clock,
+    int64_t epoch, bool assign) {
+  return upsert_per_key("hash_upsert_fixed", digests, slot_keys, slot_scores, size, keys, scores,
+                        pending, capacity, policy_id, clock, epoch, assign);
 }
 
 at::Tensor hash_erase_cuda(at::Tensor& digests, const at::Tensor& slot_keys, at::Tensor& size,
@@ -198,6 +240,7 @@ at::Tensor route_cuda(const at::Tensor& keys, int64_t world_size) {
 TORCH_LIBRARY_IMPL(torchrec_ext, CUDA, m) {
   m.impl("hash_find", &hash_find_cuda);
   m.impl("hash_upsert", &hash_upsert_cuda);
+  m.impl("hash_upsert_fixed", &hash_upsert_fixed_cuda);
   m.impl("hash_erase", &hash_erase_cuda);
   m.impl("hash_export", &hash_export_cuda);
   m.impl("hash_restore", &hash_restore_cuda);

@@ -14,6 +14,15 @@ TORCH_LIBRARY(torchrec_ext, m) {
       "hash_upsert(Tensor(a!) digests, Tensor(b!) slot_keys, Tensor(c!) slot_scores, "
       "Tensor(d!) size, Tensor keys, Tensor? scores, int capacity, int policy, int clock, "
       "int epoch, bool assign) -> (Tensor rows, Tensor inserted, Tensor evicted_keys, Tensor evicted_rows)");
+  // hash_upsert with outputs of one entry per key (nothing a host must size: no GPU sync):
+  // evicted[i] is True where key i took an evicted key's row, evicted_keys[i] that key (0
+  // elsewhere). pending (bool [n], None = all): the keys not pending take no part (row -1),
+  // as if the call had been made on the pending keys alone.
+  m.def(
+      "hash_upsert_fixed(Tensor(a!) digests, Tensor(b!) slot_keys, Tensor(c!) slot_scores, "
+      "Tensor(d!) size, Tensor keys, Tensor? scores, Tensor? pending, int capacity, int policy, "
+      "int clock, int epoch, bool assign) -> (Tensor rows, Tensor inserted, Tensor evicted, "
+      "Tensor evicted_keys)");
   // Removes keys; True at the positions that removed one.
   m.def("hash_erase(Tensor(a!) digests, Tensor slot_keys, Tensor(b!) size, Tensor keys, int capacity) -> Tensor");
   // Live (key, row, score) triples among slots [start, end), in row order.

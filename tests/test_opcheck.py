@@ -27,6 +27,10 @@ def _hash_cases():
     yield "hash_find", (t._digests, t._slot_keys, keys, CAPACITY)
     yield "hash_upsert", (*state, keys, None, CAPACITY, ref.POLICIES.index("lru"), 5, 0, False)
     yield "hash_upsert", (*state, keys, torch.arange(keys.numel()), CAPACITY, ref.POLICIES.index("custom"), 5, 0, True)
+    pending = torch.arange(keys.numel()) % 3 != 0
+    yield "hash_upsert_fixed", (*state, keys, None, pending, CAPACITY, ref.POLICIES.index("lru"), 6, 0, False)
+    yield "hash_upsert_fixed", (*state, keys, torch.ones_like(keys), None, CAPACITY, ref.POLICIES.index("lfu"), 7, 0,
+                                False)
     yield "hash_erase", (state[0], state[1], state[3], keys, CAPACITY)
     yield "hash_export", (t._digests, t._slot_keys, t._slot_scores, CAPACITY, 0, t._digests.numel())
     yield "hash_restore", (empty._digests, empty._slot_keys, empty._slot_scores, empty._size,

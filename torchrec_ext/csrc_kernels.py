@@ -14,6 +14,7 @@ from __future__ import annotations
 KERNELS: dict[str, dict[str, str]] = {
     "hash_find": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
     "hash_upsert": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
+    "hash_upsert_fixed": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
     "hash_erase": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
     "hash_export": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
     "hash_restore": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},

@@ -85,6 +85,29 @@ def hash_upsert(
     )
 
 
+def hash_upsert_fixed(
+    digests: Tensor, slot_keys: Tensor, slot_scores: Tensor, size: Tensor, keys: Tensor,
+    scores: Optional[Tensor], pending: Optional[Tensor], capacity: int, policy: int, clock: int, epoch: int,
+    assign: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`hash_upsert` with outputs of one entry per key, so that no output size is read on
+    the host (on a GPU: no sync), and a pending mask.
+
+    Args:
+        pending: bool ``[n]`` or None (all keys): the keys not pending take no part (row -1, not
+            inserted), exactly as if the call had been made on the pending keys alone.
+        others: as :func:`hash_upsert`.
+
+    Returns:
+        rows, inserted: as :func:`hash_upsert`.
+        evicted: bool ``[n]``, True where key i took the row of an evicted key.
+        evicted_keys: int64 ``[n]``, that evicted key (0 elsewhere).
+    """
+    return _ops.hash_upsert_fixed.default(
+        digests, slot_keys, slot_scores, size, keys, scores, pending, capacity, policy, clock, epoch, assign
+    )
+
+
 def hash_erase(digests: Tensor, slot_keys: Tensor, size: Tensor, keys: Tensor, capacity: int) -> Tensor:
     """Removes keys, in place (``digests``, ``size``).
 
@@ -220,6 +243,21 @@ def init_rows(table: Tensor, rows: Tensor, ids: Tensor, seed: int, kind: int, pa
                            [float(v) for v in state_values])
 
 
+def init_rows_tables(
+    weights: Tensor, table_offsets: Tensor, table_dims: Tensor, table_dtypes: Optional[Tensor], rows: Tensor,
+    tables: Tensor, ids: Tensor, table_seeds: Tensor, table_kinds: Tensor, table_params: Tensor,
+    kinds: Sequence[int], max_dim: int, states: Sequence[Tensor] = (), state_offsets: Optional[Tensor] = None,
+    rowwise: bool = False, state_values: Sequence[float] = (),
+) -> None:
+    """:func:`init_rows` of all tables of a module in one call, in the flat storage (as
+    :func:`pooled_lookup` takes it): launches independent of the table count, no host read. A
+    torch composite (``torch_kernels.init_rows_tables``) on any device; each vector is the one
+    the torch ``init_rows`` draws. Arguments: see there."""
+    torch_kernels.init_rows_tables(weights, table_offsets, table_dims, table_dtypes, rows, tables, ids, table_seeds,
+                                   table_kinds, table_params, kinds, max_dim, states, state_offsets, rowwise,
+                                   state_values)
+
+
 def pooled_lookup(
     weights: Tensor, table_offsets: Tensor, table_dims: Tensor, feature_table: Tensor,
     feature_col: Tensor, feature_mean: Tensor, rows: Tensor, offsets: Tensor,
@@ -326,6 +364,13 @@ def _hash_upsert_fake(digests, slot_keys, slot_scores, size, keys, scores, capac
         keys.new_empty(num_evicted),
         keys.new_empty(num_evicted),
     )
+
+
+@torch.library.register_fake("torchrec_ext::hash_upsert_fixed")
+def _hash_upsert_fixed_fake(digests, slot_keys, slot_scores, size, keys, scores, pending, capacity, policy, clock,
+                            epoch, assign):
+    return (torch.empty_like(keys), torch.empty_like(keys, dtype=torch.bool), torch.empty_like(keys, dtype=torch.bool),
+            torch.empty_like(keys))
 
 
 @torch.library.register_fake("torchrec_ext::hash_erase")

@@ -101,6 +101,19 @@ class InsertResult(NamedTuple):
     evicted_rows: Tensor
 
 
+class FixedInsertResult(NamedTuple):
+    """What ``find_or_insert_fixed`` did, one entry per key (no output size read on the host).
+
+    rows / inserted: as ``InsertResult``'s (-1 / False for the keys not pending).
+    evicted: True where the key took the row of an evicted key; evicted_keys: that key (0 elsewhere).
+    """
+
+    rows: Tensor
+    inserted: Tensor
+    evicted: Tensor
+    evicted_keys: Tensor
+
+
 class _ReadWriteLock:
     """Many readers or one writer; a waiting writer blocks new readers (no writer starvation)."""
 
@@ -217,6 +230,11 @@ class HashTable:
         with self._lock.read():
             return int(self._size)
 
+    def size_tensor(self) -> Tensor:
+        """Live keys as an int64 ``[1]`` tensor on the table's device: ``size()`` without the host
+        read (the table's own counter, changed by later calls: copy or read it at once)."""
+        return self._size
+
     def load_factor(self) -> float:
         return self.size() / self._capacity
 
@@ -260,6 +278,46 @@ class HashTable:
             )
         scores = self._check_scores("find_or_insert", scores, keys, increments=self.policy != "custom")
         return self._upsert(keys, scores, assign=False)
+
+    def find_or_insert_fixed(self, keys: Tensor, scores: Optional[Tensor] = None,
+                             pending: Optional[Tensor] = None) -> FixedInsertResult:
+        """``find_or_insert`` for a training step: outputs of one entry per key, so that nothing is
+        read on the host (on a GPU: no sync), and ``pending`` (bool, one per key; None: all): the
+        keys not pending take no part, as if the call had been made on the pending keys alone.
+        ``scores`` are checked by type and shape only: their values (increments >= 0) are the
+        caller's to vouch for (a batch's dedup counts), since reading them would sync."""
+        keys = self._check_keys("find_or_insert_fixed", keys)
+        if scores is not None and self.policy not in _SCORED_TOUCH:
+            raise ValueError(
+                f"HashTable.find_or_insert_fixed: scores are only taken by policies {sorted(_SCORED_TOUCH)}, "
+                f"this table's policy is {self.policy!r}"
+            )
+        scores = self._check_scores("find_or_insert_fixed", scores, keys, increments=False)
+        if pending is not None and (not isinstance(pending, Tensor) or pending.dtype != torch.bool
+                                    or pending.shape != keys.shape or pending.device != self.device):
+            raise ValueError(f"HashTable.find_or_insert_fixed: pending must be a bool tensor of one flag per key on "
+                             f"{self.device}, got {getattr(pending, 'dtype', type(pending).__name__)} of shape "
+                             f"{tuple(getattr(pending, 'shape', ()))}")
+        with self._lock.write():
+            self._clock += 1
+            return FixedInsertResult(*ops.hash_upsert_fixed(
+                self._digests, self._slot_keys, self._slot_scores, self._size, keys, scores, pending,
+                self._capacity, POLICIES[self.policy], self._clock, self._epoch, False,
+            ))
+
+    def erase_rows(self, rows: Tensor) -> Tensor:
+        """Removes the keys held at the rows where ``rows`` (bool ``[capacity]``) is True, as
+        ``erase`` of those keys would, without listing them (nothing read on the host); returns
+        which rows held a live key (those removed)."""
+        if not isinstance(rows, Tensor) or rows.dtype != torch.bool or rows.shape != (self._capacity,):
+            raise ValueError(f"HashTable.erase_rows: rows must be a bool tensor of shape ({self._capacity},), got "
+                             f"{getattr(rows, 'dtype', type(rows).__name__)} of shape {tuple(getattr(rows, 'shape', ()))}")
+        with self._lock.write():
+            digests = self._digests[:self._capacity]  # a row is its slot; erasing clears its digest
+            removed = (digests != 0) & rows
+            digests.masked_fill_(removed, 0)
+            self._size -= removed.sum()
+        return removed
 
     def insert_or_assign(self, keys: Tensor, scores: Optional[Tensor] = None) -> InsertResult:
         """Like ``find_or_insert``, but given ``scores`` are stored as they are, for any policy."""

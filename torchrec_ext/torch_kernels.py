@@ -4,22 +4,29 @@ They serve as the CUDA kernels of ``dedup_segments``, ``init_rows`` and ``route_
 (``KERNELS`` below, registered by ``torchrec_ext.ops``): on a GPU, sorting a step's ids,
 drawing its new rows' vectors and regrouping ids by destination are a few fused elementwise
 passes, so plain torch ops do it well. On CPU the C++ kernels are used. Kernel layer: imports
-only the vocabulary, the hashing helpers and the C++ library's ops (never ``ops.py``).
+only the vocabulary, the hashing helpers, ``device_sync`` and the C++ library's ops (never ``ops.py``).
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
+from torchrec_ext import device_sync
 from torchrec_ext.hashing import MASK64, fmix64_tensor, srl, u64
-from torchrec_ext.vocabulary import INIT_GOLDEN, INITIALIZER_NAMES, INITIALIZER_PARAM_COUNTS, TRUNC_NORMAL_ATTEMPTS
+from torchrec_ext.vocabulary import (
+    INIT_GOLDEN, INITIALIZER_NAMES, INITIALIZER_PARAM_COUNTS, STORAGE_DTYPES, TRUNC_NORMAL_ATTEMPTS,
+)
 
 
 def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Same contract as the C++ op: per-segment uniques in first-occurrence order (sort-based)."""
+    """Same contract as the C++ op: per-segment uniques in first-occurrence order (sort-based).
+
+    One host read (``device_sync``): the per-segment unique counts, computed before any output
+    is sized, give both the unique count and ``unique_offsets`` (mirrored, so the caller's read
+    of them is free). Counts by ``index_add_``, not ``bincount`` (which reads its input's max)."""
     n, num_segments = ids.numel(), segment_offsets.numel() - 1
     device = ids.device
     offsets = segment_offsets.to(device)
@@ -29,8 +36,12 @@ def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> Tuple[Tensor, Tensor
     sorted_ids, sorted_segment = ids[order], segment[order]
     starts = torch.ones(n, dtype=torch.bool, device=device)
     starts[1:] = (sorted_ids[1:] != sorted_ids[:-1]) | (sorted_segment[1:] != sorted_segment[:-1])
+    per_segment = torch.zeros(num_segments, dtype=torch.int64, device=device).index_add_(
+        0, sorted_segment, starts.to(torch.int64))
+    unique_offsets = torch.zeros(num_segments + 1, dtype=torch.int64, device=device)
+    torch.cumsum(per_segment, 0, out=unique_offsets[1:])
+    num_groups = int(device_sync.to_host(unique_offsets, "dedup_segments: unique count")[-1])
     group = torch.cumsum(starts, 0) - 1
-    num_groups = int(group[-1]) + 1 if n else 0
     first = torch.full((num_groups,), n, dtype=torch.int64, device=device).scatter_reduce(0, group, order, "amin")
     # Segments are contiguous, so sorting groups by first position is segment-major, first-occurrence order.
     rank = torch.argsort(first)
@@ -39,10 +50,7 @@ def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> Tuple[Tensor, Tensor
     inverse = torch.empty(n, dtype=torch.int64, device=device)
     inverse[order] = position[group]
     unique = ids[first[rank]]
-    counts = torch.bincount(inverse, minlength=num_groups)
-    per_segment = torch.bincount(segment[first[rank]], minlength=num_segments)
-    unique_offsets = torch.zeros(num_segments + 1, dtype=torch.int64, device=device)
-    torch.cumsum(per_segment, 0, out=unique_offsets[1:])
+    counts = torch.zeros(num_groups, dtype=torch.int64, device=device).index_add_(0, inverse, torch.ones_like(inverse))
     return unique, inverse, counts, unique_offsets
 
 
@@ -82,10 +90,10 @@ def init_vectors(ids: Tensor, dim: int, seed: int, kind: str, params: Sequence[f
     values = mean + std * _box_muller(bits)
     if kind == "truncated_normal":
         low, high = params[2], params[3]
+        # Every attempt runs (no early exit: testing for one would read the device); an element
+        # in range keeps its value, so the result is the same.
         for attempt in range(1, TRUNC_NORMAL_ATTEMPTS):
             outside = (values < low) | (values > high)
-            if not bool(outside.any()):
-                break
             redraw = mean + std * _box_muller(_pair_bits(ids, num_pairs, seed, attempt))
             values = torch.where(outside, redraw, values)
         values = values.clamp(low, high)
@@ -95,15 +103,120 @@ def init_vectors(ids: Tensor, dim: int, seed: int, kind: str, params: Sequence[f
 def init_rows(table: Tensor, rows: Tensor, ids: Tensor, seed: int, kind: int, params: Sequence[float],
               states: Sequence[Tensor], state_values: Sequence[float]) -> None:
     """Same contract as the C++ op, through the vectorised RNG above (an optional last
-    parameter: the first column of a column shard's vectors in its whole table's)."""
-    keep = rows >= 0
-    rows, ids = rows[keep], ids[keep]
+    parameter: the first column of a column shard's vectors in its whole table's); no boolean
+    mask (whose output size would be read on the host): see ``_write_rows``."""
+    if rows.numel() == 0:
+        return
     name = INITIALIZER_NAMES[kind]
     first = int(params[INITIALIZER_PARAM_COUNTS[name]]) if len(params) > INITIALIZER_PARAM_COUNTS[name] else 0
-    vectors = init_vectors(ids, first + table.shape[1], seed, name, params)[:, first:]
-    table[rows] = vectors.to(table.device)
+    target, source, kept = _skip_to_first_kept(rows)
+    vectors = init_vectors(ids.index_select(0, source), first + table.shape[1], seed, name, params)[:, first:]
+    _write_rows(table, target, kept, vectors.to(table.device, table.dtype))
     for state, value in zip(states, state_values):
-        state[rows] = value
+        _write_rows(state, target, kept, torch.full((1, state.shape[1]), value, dtype=state.dtype, device=state.device))
+
+
+def init_rows_tables(weights: Tensor, table_offsets: Tensor, table_dims: Tensor, table_dtypes: Optional[Tensor],
+                     rows: Tensor, tables: Tensor, ids: Tensor, table_seeds: Tensor, table_kinds: Tensor,
+                     table_params: Tensor, kinds: Sequence[int], max_dim: int, states: Sequence[Tensor] = (),
+                     state_offsets: Optional[Tensor] = None, rowwise: bool = False,
+                     state_values: Sequence[float] = ()) -> None:
+    """``init_rows`` of every table of a module at once, in the flat storage: a number of
+    launches that does not depend on the table count, and no host read.
+
+    weights / table_offsets / table_dims / table_dtypes: the module's storage, as the lookup
+    kernels take it. rows, tables, ids: int64 ``[n]``, each new id's row (-1: skip), table and id.
+    table_seeds (int64 bit patterns), table_kinds: per table; table_params: float64 ``[T, 4]``.
+    kinds: the initializer kinds present (host); max_dim: the widest table (host). states: flat
+    optimizer state buffers, table t's rows from ``state_offsets[t]`` (one value per row when
+    ``rowwise``, else dim_t per row), reset to ``state_values``. Each vector is the one
+    ``init_vectors`` draws for (seed, id) (bit for bit: every element is a function of its pair)."""
+    n = rows.numel()
+    if n == 0 or max_dim == 0:
+        return
+    device = weights.device
+    dim = table_dims.index_select(0, tables)
+    seed, kind = table_seeds.index_select(0, tables), table_kinds.index_select(0, tables)
+    p = table_params.index_select(0, tables).unsqueeze(2)  # [n, 4, 1]: per row, broadcast over elements
+    num_pairs = (max_dim + 1) // 2
+    values = torch.zeros(n, 2 * num_pairs, dtype=torch.float64, device=device)
+    for k in kinds:  # each family over every row (few kinds), the row's own kind kept
+        values = torch.where((kind == k).unsqueeze(1), _family(INITIALIZER_NAMES[k], ids, seed, num_pairs, p), values)
+    vectors = values[:, :max_dim].float()
+    col = torch.arange(max_dim, device=device)
+    valid = (rows >= 0).unsqueeze(1) & (col < dim.unsqueeze(1))
+    dtype_of = table_dtypes.index_select(0, tables) if table_dtypes is not None else torch.zeros_like(tables)
+    start = table_offsets.index_select(0, tables)
+    for code, dtype in enumerate(STORAGE_DTYPES):
+        if code != 0 and table_dtypes is None:
+            break
+        view = weights if dtype == torch.float32 else weights.view(dtype)
+        per_word = 4 // view.element_size()
+        index = (start * per_word + rows * dim).unsqueeze(1) + col
+        _write_flat(view, index, valid & (dtype_of == code).unsqueeze(1), vectors.to(dtype))
+    for state, value in zip(states, state_values):
+        base = state_offsets.index_select(0, tables)
+        if rowwise:
+            index, where = (base + rows).unsqueeze(1), (rows >= 0).unsqueeze(1)
+        else:
+            index, where = (base + rows * dim).unsqueeze(1) + col, valid
+        _write_flat(state, index, where, torch.full(index.shape, value, dtype=state.dtype, device=device))
+
+
+def _family(name: str, ids: Tensor, seed: Tensor, num_pairs: int, p: Tensor) -> Tensor:
+    """[n, 2 * num_pairs] float64 values of initializer ``name`` with per-row parameters
+    ``p`` ([n, 4, 1]), as ``init_vectors`` computes them with scalar ones."""
+    if name == "constant":
+        return p[:, 0].expand(ids.numel(), 2 * num_pairs)
+    bits = _pair_bits_seeded(ids, num_pairs, seed)
+    if name == "uniform":
+        u = torch.stack([srl(bits, 40), (bits & 0xFFFFFFFF) >> 8], dim=2).flatten(1).double() * 2.0**-24
+        return p[:, 0] + (p[:, 1] - p[:, 0]) * u
+    values = p[:, 0] + p[:, 1] * _box_muller(bits)
+    if name == "truncated_normal":
+        low, high = p[:, 2], p[:, 3]
+        for attempt in range(1, TRUNC_NORMAL_ATTEMPTS):
+            outside = (values < low) | (values > high)
+            redraw = p[:, 0] + p[:, 1] * _box_muller(_pair_bits_seeded(ids, num_pairs, seed, attempt))
+            values = torch.where(outside, redraw, values)
+        values = torch.minimum(torch.maximum(values, low), high)
+    return values
+
+
+def _pair_bits_seeded(ids: Tensor, num_pairs: int, seed: Tensor, attempt: int = 0) -> Tensor:
+    """``_pair_bits`` with one seed per id (int64 bit patterns)."""
+    row_key = fmix64_tensor(ids.to(torch.int64) ^ seed).unsqueeze(1)
+    counters = torch.arange(num_pairs, dtype=torch.int64, device=ids.device) + (attempt << 32) + 1
+    return fmix64_tensor(row_key + counters * u64(INIT_GOLDEN))
+
+
+def _write_flat(buffer: Tensor, index: Tensor, where: Tensor, values: Tensor) -> None:
+    """buffer[index] = values where ``where`` (all [n, w]), fixed-size: the other entries stand in
+    for the first written one (same element, same value), or write an element's own value back
+    when none is written."""
+    index, where, values = index.flatten(), where.flatten(), values.flatten()
+    first = torch.argmax(where.to(torch.uint8))
+    source = torch.where(where, torch.arange(index.numel(), device=index.device), first)
+    target = index.index_select(0, source).clamp(0, buffer.numel() - 1)  # in range when none is written
+    kept = where.index_select(0, source)
+    buffer.index_put_((target,), torch.where(kept, values.index_select(0, source), buffer.index_select(0, target)))
+
+
+def _skip_to_first_kept(rows: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """Fixed-size writes for ``rows`` where -1 means skip: each skipped entry stands in for the
+    first kept one (same row, same source), so every write of a row carries the same bytes and
+    no compaction is needed. Returns (target rows, source entry, kept); ``kept`` is False only
+    when no entry is kept, and then the entries write their row's own values back."""
+    keep = rows >= 0
+    first = torch.argmax(keep.to(torch.uint8))  # the first kept entry (0 when none)
+    source = torch.where(keep, torch.arange(rows.numel(), device=rows.device), first)
+    return rows.index_select(0, source).clamp(min=0), source, keep.index_select(0, source)
+
+
+def _write_rows(buffer: Tensor, target: Tensor, kept: Tensor, values: Tensor) -> None:
+    """buffer[target] = values where kept, else the row's own values (see ``_skip_to_first_kept``)."""
+    old = buffer.index_select(0, target)
+    buffer.index_put_((target,), torch.where(kept.unsqueeze(1), values, old))
 
 
 def route_bucketize(ids: Tensor, lengths: Tensor, slot_owner: Sequence[int], world_size: int,

@@ -205,25 +205,20 @@ class CounterAdmission(Admission):
         self.seen = torch.zeros(capacity, dtype=torch.int64, device=device)
 
     def admit(self, keys: Tensor, counts: Tensor, unseen: Tensor, step: int) -> Tensor:
-        admitted = torch.zeros_like(unseen)
-        # Positions and index_select, not boolean masks: a mask index costs a nonzero each time.
-        which = unseen.nonzero().squeeze(1)
-        if which.numel() == 0:
-            return admitted
-        pending, pending_counts = keys.index_select(0, which), counts.index_select(0, which)
-        result = self.counter.find_or_insert(pending, pending_counts)
-        live = result.rows >= 0
-        rows = result.rows.clamp(min=0)  # a refused key (no row: full buckets) reads row 0, then is masked out
+        # One entry per key throughout (nothing read on the host): the ids not pending (seen)
+        # take no part in the side table's upsert, and the writes below are fixed-size.
+        result = self.counter.find_or_insert_fixed(keys, counts, unseen)
+        live = result.rows >= 0  # pending and given a row (a refused id is not counted)
+        rows = result.rows.clamp(min=0)
+        before = self.seen.index_select(0, rows)
         # A row new to the counter starts from 0 (its slot may hold an evicted id's count).
-        seen = torch.where(result.inserted, 0, self.seen.index_select(0, rows)) + pending_counts
+        seen = torch.where(result.inserted, 0, before) + counts
         ready = live & (seen >= self.admit_after)
-        if bool(live.all()):  # the keys are distinct, so are their rows
-            self.seen.index_copy_(0, rows, seen)
-        else:
-            self.seen[result.rows[live]] = seen[live]
-        self.counter.erase(pending.index_select(0, ready.nonzero().squeeze(1)))
-        admitted.index_copy_(0, which, ready)
-        return admitted
+        # Live rows are distinct; the other entries add 0 (to row 0): an exact integer sum.
+        self.seen.index_put_((rows,), torch.where(live, seen - before, 0), accumulate=True)
+        done = torch.zeros(self.capacity, dtype=torch.uint8, device=keys.device)
+        self.counter.erase_rows(done.index_put_((rows,), ready.to(torch.uint8), accumulate=True).bool())
+        return ready
 
     def state_keys(self) -> List[str]:
         return ["admission_id", "admission_count"]

@@ -49,21 +49,21 @@ import torch
 from torch import Tensor
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
-from torchrec_ext import ops
+from torchrec_ext import device_sync, ops
 from torchrec_ext.modules.admission import Admission, bloom_geometry, make_admission
 from torchrec_ext.modules.configs import initial_capacity_of, initializer_of, options_of, storage_dtype_of
 from torchrec_ext.modules.fused_optimizer import OptimizerSpec
 from torchrec_ext.modules.reserved_buffers import ReservedBuffer
 from torchrec_ext.modules.state_checks import _check_distinct, _checked
 from torchrec_ext.modules.table_stats import MAX_AGE_BINS, TableCounters, TableStats
-from torchrec_ext.hashing import fallback_seed, fallback_slots, rounding_seed, table_seed
+from torchrec_ext.hashing import as_int64, fallback_seed, fallback_slots, rounding_seed, table_seed
 from torchrec_ext.table import (
     CLOCK_LIMIT, EPOCH_LIMIT, LAYOUT_LIMIT, LAYOUT_VERSION, LAYOUTS, SLOTS_PER_BUCKET, HashTable,
     check_counter, place_keys, table_geometry,
 )
 from torchrec_ext.vocabulary import (
-    OPTIMIZER_STATES, OPTIMIZERS, ROWWISE_STATE, SQUARED_STATES, dense_state_offsets, dtype_code, pending_row,
-    table_words,
+    INITIALIZER_NAMES, INITIALIZER_PARAM_COUNTS, OPTIMIZER_STATES, OPTIMIZERS, ROWWISE_STATE, SQUARED_STATES,
+    dense_state_offsets, dtype_code, pending_row, table_words,
 )
 
 _SCORED_BY_COUNT = {"lfu", "epoch_lfu"}
@@ -327,6 +327,7 @@ class DynamicTables:
         # The table parameters viewing this storage, re-pointed when a growth replaces it.
         self._parameter_owners: "weakref.WeakSet" = weakref.WeakSet()
         self._growing = any(m.grows for m in self.meta)
+        self._growth_deferred = False  # a lookup put a growth off (a fused update was pending)
         self._build_indexes()
 
     def _compute_layout(self) -> List[int]:
@@ -425,7 +426,8 @@ class DynamicTables:
     def _on_device(self) -> Tuple[Optional[Tensor], ...]:
         dev = self.device
         if dev not in self._device_layout:
-            self._device_layout[dev] = tuple(None if t is None else t.to(dev) for t in (
+            # Mirrored: the kernels read their host values (the widest dim) without a sync.
+            self._device_layout[dev] = tuple(None if t is None else device_sync.mirror(t.to(dev), t) for t in (
                 self.table_offsets, self.table_dims, self.state_row_offsets, self.table_dtypes, self.rounding_seeds,
                 self.fallback_layout))
         return self._device_layout[dev]
@@ -548,12 +550,12 @@ class DynamicTables:
         self.write_new_rows()
         unique, inverse, counts, unique_offsets = ops.dedup_segments(ids, segment_offsets)
         exporting = torch.compiler.is_compiling()  # bounds are symbolic: tell what the op guarantees
-        bounds = unique_offsets.tolist()
-        if training and self._growing and not exporting and self.pending_backward == 0:
+        bounds = device_sync.host_list(unique_offsets, "lookup: where each table's unique ids start")
+        if training and self._growing and not exporting:
             # Room for every distinct id of the batch (a bound on its new ones) before any is
             # inserted; tables with admission grow in _rows_for, for the ids admitted.
-            self.grow({t: end - start for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]))
-                       if self.admission[t] is None})
+            self._grow_or_defer({t: end - start for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]))
+                                 if self.admission[t] is None})
         if training:
             self.train_step += 1
         new = None
@@ -566,6 +568,7 @@ class DynamicTables:
         # Each table writes its rows into its slice of one buffer (no concatenation after).
         unique_rows = torch.empty_like(unique)
         inserted = torch.zeros_like(unique, dtype=torch.bool) if training else None  # for the table counters
+        flat = training and new is None and not exporting and self._flat_init()  # all tables' rows in one call
         for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
             if exporting:
                 torch._check(0 <= start)
@@ -580,9 +583,12 @@ class DynamicTables:
                 unique_rows[start:end] = rows
                 if fresh is not None:
                     inserted[start:end] = fresh
-                    self._initialise(t, rows, fresh, keys, new, start)
+                    if not flat:
+                        self._initialise(t, rows, fresh, keys, new, start)
         table_of = torch.arange(len(self.meta), device=ids.device)
         unique_table = torch.repeat_interleave(table_of, unique_offsets[1:] - unique_offsets[:-1], output_size=unique.numel())
+        if flat:
+            self._initialise_tables(unique_rows, inserted, unique, unique_table)
         if training and not exporting:
             self.counters.count_batch(unique_rows, inserted, unique_table, counts)
         unique_ids = unique
@@ -612,6 +618,14 @@ class DynamicTables:
 
     # ------------------------------------------------------------------ growth
 
+    def _grow_or_defer(self, incoming: Dict[int, int]) -> None:
+        """``grow(incoming)`` now, or, while a lookup awaits its fused update, once the last
+        pending update has run (that update grows the tables then)."""
+        if self.pending_backward == 0:
+            self.grow(incoming)
+        else:
+            self._growth_deferred = True
+
     def grow(self, incoming: Optional[Dict[int, int]] = None) -> List[int]:
         """Doubles (repeatedly, up to max_capacity) each growing table whose load with
         ``incoming[t]`` more rows would pass its growth_load_factor (``incoming`` None: every table,
@@ -624,12 +638,15 @@ class DynamicTables:
         new storage cannot be allocated."""
         if not self._growing or self.pending_backward or self.device.type == "meta":
             return []
+        tables = [t for t, m in enumerate(self.meta) if m.grows and (incoming is None or t in incoming)]
+        # Every table's live rows in one host read (not one per table).
+        live = device_sync.host_list(torch.cat([self.indexes[t].size_tensor() for t in tables]), "growth: live rows") \
+            if tables else []
         targets = {}
-        for t, m in enumerate(self.meta):
-            if m.grows and (incoming is None or t in incoming):
-                want = m.fit_capacity(self.indexes[t].size() + (incoming or {}).get(t, 0))
-                if want != m.capacity:
-                    targets[t] = want
+        for t, size in zip(tables, live):
+            want = self.meta[t].fit_capacity(size + (incoming or {}).get(t, 0))
+            if want != self.meta[t].capacity:
+                targets[t] = want
         if not targets:
             return []
         self.write_new_rows()
@@ -774,36 +791,27 @@ class DynamicTables:
         unique_ids) after the merge, the id of a fallback row being its slot (stochastic
         rounding draws its bits per row, whichever ids read it). ``new.unique_new`` follows."""
         layout = self._on_device()[5]
-        which = ((unique_rows < 0) & (layout[:, 1].index_select(0, unique_table) > 0)).nonzero().squeeze(1)
-        if which.numel() == 0:
-            return unique_rows, unique_table, inverse, unique
-        table = unique_table.index_select(0, which)
-        capacity, count, seed = layout.index_select(0, table).unbind(1)
-        slot = fallback_slots(unique.index_select(0, which), seed, count)
-        rows, ids = unique_rows.clone(), unique.clone()
-        rows[which] = capacity + slot
-        ids[which] = slot
+        # Fixed-size throughout (no compaction of the uniques that read a fallback row, no
+        # unique count read on the host): a merged unique stays, with row -1 (no read, no step),
+        # and its ids point at its representative.
+        capacity, count, seed = layout.index_select(0, unique_table).unbind(1)
+        reads = (unique_rows < 0) & (count > 0)
+        slot = fallback_slots(unique, seed, count.clamp(min=1))
+        rows = torch.where(reads, capacity + slot, unique_rows)
+        ids = torch.where(reads, slot, unique)
         # Each unique reading a fallback row is represented by the first one reading that row:
-        # found by a scatter over every (table, fallback row) when those are few, else by a sort.
-        n, code = unique.numel(), table * self._fallback_max + slot
-        if len(self.meta) * self._fallback_max <= 4 * which.numel() + (1 << 16):
-            first = torch.full((len(self.meta) * self._fallback_max,), n, dtype=torch.int64, device=which.device)
-            first = first.scatter_reduce_(0, code, which, "amin")[code]
-        else:
-            groups, group = torch.unique(code, return_inverse=True)
-            first = torch.full((groups.numel(),), n, dtype=torch.int64, device=which.device)
-            first = first.scatter_reduce_(0, group, which, "amin")[group]
-        if bool((first == which).all()):  # every fallback row read by one unique: nothing to merge
-            return rows, unique_table, inverse, ids
-        rep = torch.arange(n, device=which.device)
-        rep[which] = first
-        keep = rep == torch.arange(n, device=which.device)
-        position = keep.cumsum(0) - 1  # tables stay in order: a representative precedes its merged uniques
-        kept = keep.nonzero().squeeze(1)
-        if new is not None:
-            new.unique_new = new.unique_new.index_select(0, kept)  # fallback rows are never new: only re-indexed
-        return (rows.index_select(0, kept), unique_table.index_select(0, kept),
-                position.index_select(0, rep).index_select(0, inverse), ids.index_select(0, kept))
+        # a stable sort by (table, fallback row), the others keeping codes of their own.
+        n = unique.numel()
+        position = torch.arange(n, device=unique.device)
+        code = torch.where(reads, unique_table * self._fallback_max + slot, -1 - position)
+        order = torch.argsort(code, stable=True)
+        sorted_code = code.index_select(0, order)
+        head = torch.ones(n, dtype=torch.bool, device=unique.device)
+        head[1:] = sorted_code[1:] != sorted_code[:-1]
+        head_at = torch.where(head, position, 0).cummax(0).values  # each sorted entry's group head
+        first = torch.empty_like(order).index_copy_(0, order, order.index_select(0, head_at))
+        rows = torch.where(first == position, rows, -1)
+        return rows, unique_table, first.index_select(0, inverse), ids
 
     def write_new_rows(self) -> None:
         """Writes the pending new rows of the last training lookup (initial vectors, initial
@@ -832,40 +840,45 @@ class DynamicTables:
             unseen = ~found
             admitted = admission.admit(keys, counts, unseen, self.train_step)
             self.counters.count_rejected(t, unseen & ~admitted)
-            if m.grows and self.pending_backward == 0 and not torch.compiler.is_compiling():
+            if m.grows and not torch.compiler.is_compiling():
                 # Room for the ids admitted now. Only this table's rows move: the rows other
                 # tables gave this batch's ids so far stay theirs (a relayout copies them whole).
-                self.grow({t: int((unseen & admitted).sum())})
-                index = self.indexes[t]
-            candidates = found | admitted
-            # Positions and index_select / index_copy_, not boolean masks (each a nonzero of its own).
-            which = candidates.nonzero().squeeze(1)
-            keys, counts = keys.index_select(0, which), counts.index_select(0, which)
+                if self.pending_backward == 0:
+                    self.grow({t: int(device_sync.to_host((unseen & admitted).sum(), "growth: admitted ids"))})
+                    index = self.indexes[t]
+                else:
+                    self._growth_deferred = True
+            candidates = found | admitted  # the others take no part in the upsert (no compaction)
         scores = counts if m.policy in _SCORED_BY_COUNT else None
-        result = index.find_or_insert(keys, scores)
+        # One entry per key out (no eviction count read on the host); dedup counts are >= 1.
+        result = index.find_or_insert_fixed(keys, scores, candidates)
         fresh = result.inserted
+        live = result.rows >= 0
         if m.ttl_steps is None:
-            self.counters.count_evicted(t, result.evicted_rows, None)
+            self.counters.count_evicted(t, result.evicted, None)
         else:
-            self.counters.count_evicted(t, result.evicted_rows, self.train_step - self.last_seen[t][result.evicted_rows])
-            live = result.rows >= 0
-            expired = live & ~fresh & (self.last_seen[t][result.rows.clamp(min=0)] < self.train_step - m.ttl_steps)
+            seen = self.last_seen[t].index_select(0, result.rows.clamp(min=0))
+            self.counters.count_evicted(t, result.evicted, self.train_step - seen)
+            expired = live & ~fresh & (seen < self.train_step - m.ttl_steps)
             self.counters.count_expired(t, expired)
             fresh = fresh | expired
-        if self.delta_log is not None:
-            inserted_rows = result.rows[result.inserted]
-            if result.evicted_keys.numel():
-                self.delta_log.removed(t, result.evicted_keys, result.evicted_rows, keys[result.inserted])
+        if self.delta_log is not None:  # the delta log lists rows: a host read of its own
+            inserted_rows = result.rows.index_select(0, device_sync.nonzero(result.inserted, "delta log: inserted"))
+            evicted_at = device_sync.nonzero(result.evicted, "delta log: evicted")
+            if evicted_at.numel():
+                self.delta_log.removed(t, result.evicted_keys.index_select(0, evicted_at),
+                                       result.rows.index_select(0, evicted_at),
+                                       keys.index_select(0, device_sync.nonzero(result.inserted, "delta log: inserted")))
             self.delta_log.inserted(t, inserted_rows)
-            self.delta_log.written(t, result.rows[fresh])
+            self.delta_log.written(t, result.rows.index_select(0, device_sync.nonzero(fresh, "delta log: written")))
         if m.ttl_steps is not None:
-            self.last_seen[t][result.rows[live]] = self.train_step
+            # Seen now: last_seen never passes the step, so a max with it (0 where no row) sets the
+            # live rows without a mask index.
+            self.last_seen[t].scatter_reduce_(0, result.rows.clamp(min=0),
+                                              torch.where(live, self.train_step, 0), "amax")
             if self.train_step % m.ttl_steps == 0:
                 self._erase_expired(t)
-        if candidates is None:
-            return result.rows, fresh
-        rows = torch.full_like(candidates, -1, dtype=torch.int64).index_copy_(0, which, result.rows)
-        return rows, torch.zeros_like(candidates).index_copy_(0, which, fresh)
+        return result.rows, fresh
 
     def _mask_expired(self, t: int, rows: Tensor, found: Tensor, step: Optional[int] = None) -> Tensor:
         """-1 for rows expired at ``step`` (default: the current training step)."""
@@ -877,15 +890,15 @@ class DynamicTables:
         return torch.where(expired, torch.full_like(rows, -1), rows)
 
     def _erase_expired(self, t: int) -> None:
-        """Frees the rows of ids unseen for more than ttl_steps (reads of them are already masked)."""
+        """Frees the rows of ids unseen for more than ttl_steps (reads of them are already masked):
+        a pass over the table's rows, nothing read on the host."""
         m, index = self.meta[t], self.indexes[t]
-        for keys, rows, _ in index.export():
-            stale = self.last_seen[t][rows] < self.train_step - m.ttl_steps
-            if bool(stale.any()):
-                index.erase(keys[stale])
-                if self.delta_log is not None:
-                    self.delta_log.removed(t, keys[stale], rows[stale])
-                self.counters.swept[t] += int(stale.sum())
+        stale = self.last_seen[t] < self.train_step - m.ttl_steps
+        if self.delta_log is not None:  # the delta log lists the keys: a host read of its own
+            rows = device_sync.nonzero(stale & (index.entries_at(torch.arange(m.capacity, device=stale.device))[2]),
+                                       "delta log: swept")
+            self.delta_log.removed(t, index.entries_at(rows)[0], rows)
+        self.counters.count_swept(t, index.erase_rows(stale))
 
     # Training-only and data-dependent throughout (which ids are new): run eagerly under torch.compile
     # (a graph break; Dynamo cannot size the half-precision block views it carves).
@@ -908,6 +921,39 @@ class DynamicTables:
         ops.init_rows(new.vectors[t], slots, keys[which], m.seed, m.init_kind, m.init_params)
         new.rows[t] = rows[which]
         new.unique_new[start + which] = slots
+
+    def _flat_init(self) -> bool:
+        """Whether a training lookup writes every table's new rows in one call (``flat_init``:
+        None, the default, on GPUs, where per-table calls cost launches per table). Only where
+        the rows live in the flat buffer itself (a subclass keeping them elsewhere overrides
+        ``_init_view``)."""
+        if type(self)._init_view is not DynamicTables._init_view:
+            return False
+        if any(len(m.init_params) > INITIALIZER_PARAM_COUNTS[INITIALIZER_NAMES[m.init_kind]] for m in self.meta):
+            return False  # a column shard's vectors start at a column of its table's: per table
+        chosen = getattr(self, "flat_init", None)
+        return self.device.type == "cuda" if chosen is None else bool(chosen)
+
+    @torch.compiler.disable
+    def _initialise_tables(self, unique_rows: Tensor, inserted: Tensor, unique: Tensor, unique_table: Tensor) -> None:
+        """The rows of the new ids (``inserted``) of every table, written now in one call
+        (``ops.init_rows_tables``): the same vectors and optimizer state as ``_initialise``."""
+        table_offsets, table_dims, state_row_offsets = self.layout()
+        rowwise = self.optimizer is not None and self.optimizer.kind in ROWWISE_STATE
+        key = ("init", self.device, rowwise)
+        if key not in self._device_layout:  # per-table initializer descriptors, reset with the layout
+            dense = torch.tensor(self.dense_state_offsets, dtype=torch.int64)
+            self._device_layout[key] = (
+                torch.tensor([as_int64(m.seed) for m in self.meta], dtype=torch.int64).to(self.device),
+                torch.tensor([m.init_kind for m in self.meta], dtype=torch.int64).to(self.device),
+                torch.tensor([list(m.init_params) + [0.0] * (4 - len(m.init_params)) for m in self.meta],
+                             dtype=torch.float64).to(self.device),
+                state_row_offsets if rowwise else dense.to(self.device))
+        seeds, kinds, params, state_offsets = self._device_layout[key]
+        ops.init_rows_tables(self.weights, table_offsets, table_dims, self.dtype_layout()[0],
+                             torch.where(inserted, unique_rows, -1), unique_table, unique, seeds, kinds, params,
+                             sorted({m.init_kind for m in self.meta}), self._widest, self.states, state_offsets,
+                             rowwise, self._initial_state_values())
 
     def _init_view(self, t: int) -> Tuple[Tensor, List[Tensor], List[float]]:
         """Table t's [capacity, dim] rows, its states as [capacity, width], and their initial values."""
@@ -960,7 +1006,8 @@ class DynamicTables:
         done = self._pending.get(id(lookup.unique_rows))
         if done is not None:
             done()
-            if self.pending_backward == 0:
+            if self.pending_backward == 0 and getattr(self, "_growth_deferred", False):
+                self._growth_deferred = False
                 self.grow()  # growths put off while this update was pending
 
     def _replicated_fallback_layout(self) -> Tuple[List[int], List[int], int]:

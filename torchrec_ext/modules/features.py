@@ -18,6 +18,8 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig, PoolingType
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_ext import device_sync
+
 _ID_DTYPES = (torch.int64, torch.int32)
 
 
@@ -123,18 +125,23 @@ def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, whe
         if lengths.numel() != len(keys) * batch_size:
             raise ValueError(f"{where}: KJT lengths must have num_keys * batch_size = {len(keys) * batch_size} "
                              f"entries, got {lengths.numel()}")
+    weights = features.weights_or_none() if is_weighted else None  # an unweighted module reads none
+    per_key = nonfinite = None
     if torch.compiler.is_compiling():
         # torch.export / compile: values are symbolic, so these checks become the program's runtime asserts.
         if lengths.numel():
             torch._check(lengths.min().item() >= 0, lambda: f"{where}: KJT lengths must be >= 0")
             torch._check(lengths.sum().item() == values.numel(), lambda: f"{where}: KJT lengths must sum to the ids' count")
     elif not values.is_meta:
-        if lengths.numel() and int(lengths.min()) < 0:
-            raise ValueError(f"{where}: KJT lengths must be >= 0, got a length of {int(lengths.min())}")
-        total = int(lengths.sum()) if lengths.numel() else 0
+        bag_starts = [0]
+        for s in (strides if variable else [batch_size] * len(keys)):
+            bag_starts.append(bag_starts[-1] + s)
+        read = None if variable or weights is None else [k in set(plan.features) for k in keys]
+        per_key, smallest, total, nonfinite = _read_lengths(values, lengths, bag_starts, weights, read)
+        if smallest < 0:
+            raise ValueError(f"{where}: KJT lengths must be >= 0, got a length of {smallest}")
         if total != values.numel():
             raise ValueError(f"{where}: KJT lengths sum to {total} but there are {values.numel()} ids")
-    weights = features.weights_or_none() if is_weighted else None  # an unweighted module reads none
     if is_weighted:
         if weights is None:
             raise ValueError(f"{where}: the module is weighted (is_weighted=True) but the KJT has no weights")
@@ -145,8 +152,9 @@ def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, whe
                              f"got {tuple(weights.shape)}")
 
     lengths = lengths.to(torch.int64)
-    per_key = features.length_per_key()  # TorchRec's own (cached on the KJT)
-    key_start = dict(zip(keys, features.offset_per_key()))
+    if per_key is None:  # symbolic or meta ids: TorchRec's own (cached on the KJT)
+        per_key = features.length_per_key()
+    key_start = dict(zip(keys, _starts(per_key)))
     key_index = {k: i for i, k in enumerate(keys)}
     value_counts = [per_key[key_index[f]] for f in plan.features]
     expand = feature_bags = None
@@ -164,8 +172,12 @@ def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, whe
         arranged_lengths = lengths.view(len(keys), batch_size).index_select(0, order).reshape(-1)
         arranged_weights = None if weights is None else _gather_spans(weights, spans)
     if arranged_weights is not None:
-        # Only the weights that are read must be finite, as TorchRec reads no others.
-        if not arranged_weights.is_meta and not bool(torch.isfinite(arranged_weights).all()):
+        # Only the weights that are read must be finite, as TorchRec reads no others (counted
+        # with the lengths above; a variable batch reads its arranged weights here).
+        if nonfinite is None and not arranged_weights.is_meta and not torch.compiler.is_compiling():
+            nonfinite = int(device_sync.to_host((~torch.isfinite(arranged_weights)).sum(), "check_and_arrange: "
+                                                "variable-batch weights"))
+        if nonfinite:
             raise ValueError(f"{where}: KJT weights must be finite, got NaN or inf")
         arranged_weights = arranged_weights.float()
     table_counts = [0] * plan.num_tables
@@ -173,9 +185,44 @@ def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, whe
         table_counts[t] += n
     segment_offsets = torch.tensor([0] + table_counts, dtype=torch.int64).cumsum(0)
     feature_value_offsets = torch.tensor([0] + value_counts, dtype=torch.int64).cumsum(0)
+    # Mirrored: the kernels read their host values (the longest feature) without a sync.
     return LookupInput(ids.to(torch.int64), arranged_lengths, arranged_weights,
-                       segment_offsets.to(values.device), feature_value_offsets.to(values.device), batch_size,
+                       device_sync.mirror(segment_offsets.to(values.device), segment_offsets),
+                       device_sync.mirror(feature_value_offsets.to(values.device), feature_value_offsets), batch_size,
                        value_counts, expand, feature_bags)
+
+
+def _read_lengths(values: Tensor, lengths: Tensor, bag_starts: List[int], weights: Optional[Tensor],
+                  read: Optional[List[bool]]) -> Tuple[List[int], int, int, Optional[int]]:
+    """One host read (``device_sync``) for everything the checks and the arrangement need: each
+    key's id count, the smallest length, the lengths' sum and, when ``read`` (which keys a table
+    reads) is given and the weights are one float per id, how many weights of read keys are not
+    finite (else None)."""
+    device = lengths.device
+    ends = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=device)
+    torch.cumsum(lengths.to(torch.int64), 0, out=ends[1:])
+    key_ends = ends.index_select(0, torch.tensor(bag_starts, dtype=torch.int64, device=device))
+    smallest = lengths.min().to(torch.int64).view(1) if lengths.numel() else ends[:1]
+    parts = [key_ends, smallest]
+    counted = read is not None and len(read) > 0 and weights is not None and weights.is_floating_point() \
+        and weights.shape == values.shape
+    if counted:
+        # Each id's key: the first key whose end passes its position.
+        key_of = torch.searchsorted(key_ends[1:], torch.arange(values.numel(), device=device), right=True)
+        is_read = torch.tensor(read, dtype=torch.bool, device=device).index_select(0, key_of.clamp(max=len(read) - 1))
+        parts.append(((~torch.isfinite(weights)) & is_read).sum().view(1))
+    host = device_sync.host_list(torch.cat(parts), "check_and_arrange: lengths and weights")
+    keys = len(bag_starts) - 1
+    per_key = [host[k + 1] - host[k] for k in range(keys)]
+    return per_key, host[keys + 1], host[keys], host[keys + 2] if counted else None
+
+
+def _starts(counts: List[int]) -> List[int]:
+    out, at = [], 0
+    for n in counts:
+        out.append(at)
+        at += n
+    return out
 
 
 def _variable_batch(features: KeyedJaggedTensor, where: str) -> Tuple[List[int], Tensor]:
@@ -196,11 +243,12 @@ def _variable_batch(features: KeyedJaggedTensor, where: str) -> Tuple[List[int],
     if inverse.numel() and not inverse.is_meta:
         limit = torch.tensor(strides, device=inverse.device).unsqueeze(1)
         outside = ((inverse < 0) | (inverse >= limit)).any(1)  # per key
-        if bool(outside.any()):
-            bad = int(outside.int().argmax())
+        if device_sync.to_host(outside.any(), "check_and_arrange: variable-batch inverse indices"):
+            bad = int(device_sync.to_host(outside.int().argmax(), "check_and_arrange: error message"))
+            low, high = device_sync.host_list(torch.stack([inverse[bad].min(), inverse[bad].max()]),
+                                              "check_and_arrange: error message")
             raise ValueError(f"{where}: KJT inverse_indices of key {features.keys()[bad]!r} must lie in "
-                             f"[0, {strides[bad]}) (its bags), got values in [{int(inverse[bad].min())}, "
-                             f"{int(inverse[bad].max())}]")
+                             f"[0, {strides[bad]}) (its bags), got values in [{low}, {high}]")
     return strides, inverse.to(torch.int64)
 
 
@@ -226,7 +274,8 @@ def _arrange_variable_batch(values: Tensor, lengths: Tensor, weights: Optional[T
             picked = bags.index_select(0, inverse[k])
             first = (torch.cumsum(bags, 0) - bags).index_select(0, inverse[k])  # where each picked bag starts
             out_start = torch.cumsum(picked, 0) - picked
-            total = int(picked.sum()) if picked.numel() else 0
+            total = int(device_sync.to_host(picked.sum(), "check_and_arrange: variable-batch expansion")) \
+                if picked.numel() else 0
             at = torch.repeat_interleave(first - out_start, picked, output_size=total) + torch.arange(
                 total, device=values.device)
             v, w, bags = v.index_select(0, at), None if w is None else w.index_select(0, at), picked

@@ -1,9 +1,9 @@
 """Per-table counters of a module's dynamic tables, kept as the training lookups run.
 
 ``TableCounters`` is updated by ``DynamicTables.lookup`` from what the lookup computes anyway
-(each distinct id's row, whether it was inserted, its count in the batch): one ``bincount``
-over all tables per training batch, no pass over the tables and no host sync. Evictions come
-from the upsert's evicted rows (their number is known on the host); ages of evicted rows from
+(each distinct id's row, whether it was inserted, its count in the batch): one count over all
+tables per training batch, no pass over the tables and no host sync. Evictions come from the
+upsert's per-key eviction flags, counted on the device; ages of evicted rows from
 ``last_seen`` (the training step a row was last read), which tables with ``ttl_steps`` keep —
 other tables report no ages (their eviction scores are not returned by the upsert).
 
@@ -21,8 +21,8 @@ from torch import Tensor
 # Columns of TableCounters.counts. Codes of a distinct id in a batch: 0 no row (not admitted or
 # refused), 1 hit (it had a row), 2 inserted (a new row, or its expired row re-initialised).
 _CODES = 3
-_OCCURRENCES, _DISTINCT, _REJECTED, _EXPIRED = 0, _CODES, 2 * _CODES, 2 * _CODES + 1
-_COLUMNS = 2 * _CODES + 2
+_OCCURRENCES, _DISTINCT, _REJECTED, _EXPIRED, _EVICTED = 0, _CODES, 2 * _CODES, 2 * _CODES + 1, 2 * _CODES + 2
+_COLUMNS = 2 * _CODES + 3
 MAX_AGE_BINS = 1 << 16
 
 
@@ -138,17 +138,18 @@ class TableCounters:
 
     def __init__(self, num_tables: int, age_bins: List[Optional[int]], device: torch.device):
         self.counts = torch.zeros(num_tables, _COLUMNS, dtype=torch.int64, device=device)
-        self.evictions = [0] * num_tables
-        self.swept = [0] * num_tables
         self.ages = [None if bins is None else torch.zeros(bins, dtype=torch.int64, device=device) for bins in age_bins]
+
+    # Every count is a device op of a fixed size (index_add_, not bincount, which reads its
+    # input's max on the host): nothing is read until ``stats``.
 
     def count_batch(self, unique_rows: Tensor, inserted: Tensor, unique_table: Tensor, counts: Tensor) -> None:
         """One training batch: each distinct id's row (-1: none), whether it was inserted, its table and count."""
         code = unique_table * _CODES + (unique_rows >= 0).to(torch.int64) + inserted.to(torch.int64)
         size = self.counts.shape[0] * _CODES
-        occurrences = torch.bincount(code, weights=counts.to(torch.float64), minlength=size)
-        distinct = torch.bincount(code, minlength=size)
-        self.counts[:, _OCCURRENCES:_OCCURRENCES + _CODES] += occurrences.to(torch.int64).view(-1, _CODES)
+        occurrences = torch.zeros(size, dtype=torch.int64, device=code.device).index_add_(0, code, counts)
+        distinct = torch.zeros(size, dtype=torch.int64, device=code.device).index_add_(0, code, torch.ones_like(code))
+        self.counts[:, _OCCURRENCES:_OCCURRENCES + _CODES] += occurrences.view(-1, _CODES)
         self.counts[:, _DISTINCT:_DISTINCT + _CODES] += distinct.view(-1, _CODES)
 
     def count_rejected(self, t: int, rejected: Tensor) -> None:
@@ -157,12 +158,17 @@ class TableCounters:
     def count_expired(self, t: int, expired: Tensor) -> None:
         self.counts[t, _EXPIRED] += expired.sum()
 
-    def count_evicted(self, t: int, evicted_rows: Tensor, ages: Optional[Tensor]) -> None:
-        """Rows evicted in table t; ``ages``: their steps since last read, when known."""
-        self.evictions[t] += evicted_rows.numel()
+    def count_swept(self, t: int, swept: Tensor) -> None:
+        """Rows freed by the ttl sweep (expiries too)."""
+        self.counts[t, _EXPIRED] += swept.sum()
+
+    def count_evicted(self, t: int, evicted: Tensor, ages: Optional[Tensor]) -> None:
+        """Evictions in table t: ``evicted`` flags the keys that took an evicted key's row;
+        ``ages``: each key's row's steps since last read (read where evicted), when known."""
+        self.counts[t, _EVICTED] += evicted.sum()
         if ages is not None and self.ages[t] is not None and ages.numel():
             bins = self.ages[t].numel()
-            self.ages[t] += torch.bincount(ages.clamp(0, bins - 1), minlength=bins)
+            self.ages[t].index_add_(0, ages.clamp(0, bins - 1), evicted.to(torch.int64))
 
     def stats(self, names: List[str], capacities: List[int], live_rows: List[int],
               fallback_rows: List[int]) -> Dict[str, TableStats]:
@@ -173,8 +179,8 @@ class TableCounters:
             no_row = c[_DISTINCT]
             out[name] = TableStats(
                 live_rows=live_rows[t], capacity=capacities[t], lookups=sum(c[_OCCURRENCES:_OCCURRENCES + _CODES]),
-                hits=c[_OCCURRENCES + 1], inserts=c[_DISTINCT + 2], evictions=self.evictions[t],
-                ttl_expiries=c[_EXPIRED] + self.swept[t], admission_rejections=c[_REJECTED],
+                hits=c[_OCCURRENCES + 1], inserts=c[_DISTINCT + 2], evictions=c[_EVICTED],
+                ttl_expiries=c[_EXPIRED], admission_rejections=c[_REJECTED],
                 refused=no_row - c[_REJECTED], fallback_reads=c[_OCCURRENCES] if fallback_rows[t] else 0,
                 evicted_ages=None if self.ages[t] is None else self.ages[t].tolist(),
             )

@@ -33,6 +33,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from torchrec_ext import device_sync
+
 
 @triton.jit
 def load_rows(w32_ptr, w16_ptr, wbf_ptr, base, offs, mask, dtype_code, HAS_DTYPES: tl.constexpr):
@@ -204,8 +206,8 @@ def pooled_lookup(
     num_bags = num_features * batch_size
     if num_bags == 0 or total_dim == 0:
         return out
-    # Read before the move: no device sync when the caller keeps table_dims on the host.
-    max_dim = int(torch.as_tensor(table_dims).max()) if table_dims.numel() else 0
+    # Host dims: free when the caller mirrors them (DynamicTables' layout), else one counted read.
+    max_dim = int(device_sync.to_host(table_dims, "pooled_lookup: widest table").max()) if table_dims.numel() else 0
     if max_dim == 0:
         return out
     table_dims = _meta(table_dims, device)
@@ -234,7 +236,7 @@ def sequence_lookup(
     [feature_value_offsets[f], feature_value_offsets[f + 1]) and read table feature_table[f]."""
     check_no_new_vectors(new_vectors, "sequence_lookup")
     # Grid: (value blocks of the longest feature, features, column blocks); the longest feature
-    # is read on the host: one small device sync.
+    # is read on the host (free when the caller mirrors the offsets, as check_and_arrange does).
     _check_weights(weights, "sequence_lookup")
     device = weights.device
     n = rows.numel()
@@ -243,8 +245,9 @@ def sequence_lookup(
     num_features = feature_table.numel()
     if n == 0 or dim == 0 or num_features == 0:
         return out
+    bounds = device_sync.host_list(feature_value_offsets, "sequence_lookup: longest feature")  # mirrored by the caller
+    max_len = max(end - start for start, end in zip(bounds, bounds[1:]))
     fvo = _meta(feature_value_offsets, device)
-    max_len = int((fvo[1:] - fvo[:-1]).max())
     if max_len <= 0:
         return out
     block_d, block_n, num_warps = _blocks(dim, max_block_d=256, tile=4096)

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from torchrec_ext import device_sync
 from torchrec_ext.vocabulary import OPTIMIZERS, ROUNDING_GOLDEN
 
 from .embedding_lookup import check_no_new_vectors, dtype_codes, load_rows, typed_views
@@ -301,7 +302,7 @@ def fused_update(
     if num_unique == 0:
         return
     device = weights.device
-    max_dim = int(torch.as_tensor(table_dims).max())  # before the move: no sync for host dims
+    max_dim = int(device_sync.to_host(table_dims, "fused_update: widest table").max())  # mirrored by the caller
     if max_dim <= 0:
         return
 

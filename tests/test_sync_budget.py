@@ -1,0 +1,106 @@
+"""Host syncs of a training step (issue 13 item 6), checked on CPU.
+
+Every point of a dynamic module's training step that would be a device-to-host sync on a GPU
+goes through ``torchrec_ext.device_sync`` (tests/test_sync_patterns.py fails on any other), which
+counts it on CPU too. A training step (forward lookup, loss, fused backward update) of a 26-table
+module must make at most 3, whatever the table count: TTL, admission, fallback rows, FP16
+rows and growing tables included (growing tables with admission read each one's admitted count: not
+in the budget), with new rows written by the lookup (as on a GPU) or deferred (CPU)."""
+import pytest
+import torch
+from torchrec import DataType, KeyedJaggedTensor
+
+from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, DynamicEmbeddingCollection
+from torchrec_ext import device_sync
+from torchrec_ext.modules.configs import DynamicEmbeddingConfig
+
+BUDGET = 3
+TABLES = 26
+BATCH = 16
+
+# name -> options of every table (capacities small enough that tables fill and evict).
+VARIANTS = {
+    "default": {},
+    "ttl": {"ttl_steps": 2},
+    "counter": {"admission": "counter", "admit_after": 2},
+    "bloom": {"admission": "bloom", "admit_after": 2},
+    "probabilistic": {"admission": "probabilistic", "admit_probability": 0.5},
+    "fallback": {"fallback_rows": 3, "admission": "probabilistic", "admit_probability": 0.5},
+    "fp16": {"data_type": DataType.FP16},
+    "lfu": {"eviction_policy": "lfu"},
+    "growth": {"initial_capacity": 8},  # tables double up to 64 rows: one read of all tables' sizes
+}
+
+
+def _configs(options, tables=TABLES, cls=DynamicEmbeddingBagConfig, capacity=64):
+    return [cls(name=f"t{i}", embedding_dim=4 + 4 * (i % 3), num_embeddings=capacity, feature_names=[f"f{i}"], **options)
+            for i in range(tables)]
+
+
+def _batch(step, tables=TABLES):
+    g = torch.Generator().manual_seed(step)
+    lengths = torch.randint(0, 4, (tables * BATCH,), generator=g)
+    values = torch.randint(0, 200, (int(lengths.sum()),), generator=g)
+    return KeyedJaggedTensor(keys=[f"f{i}" for i in range(tables)], values=values, lengths=lengths, stride=BATCH)
+
+
+def _step(module, kjt):
+    out = module(kjt)
+    loss = sum(v.values().sum() for v in out.values()) if isinstance(out, dict) else out.values().sum()
+    loss.backward()
+
+
+def _syncs_per_step(module, steps=6, tables=TABLES):
+    """Host reads of each training step after a warm-up step (which builds cached layouts)."""
+    _step(module, _batch(0, tables))
+    counts = []
+    for step in range(1, steps + 1):
+        kjt = _batch(step, tables)
+        with device_sync.recording() as seen:
+            _step(module, kjt)
+        counts.append((sum(seen.values()), dict(seen)))
+    return counts
+
+
+# How new rows are written: deferred to the fused update (CPU), by the lookup table by table (the
+# C++ kernel), or by the lookup in one call for all tables (the GPU path: init_rows_tables).
+NEW_ROWS = {"deferred_rows": (True, False), "rows_written_by_lookup": (False, False), "one_init_call": (False, True)}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("new_rows", sorted(NEW_ROWS))
+def test_training_step_syncs_within_budget(variant, new_rows):
+    module = DynamicEmbeddingBagCollection(_configs(VARIANTS[variant]), optimizer="adagrad")
+    module._tables.defer_new_rows, module._tables.flat_init = NEW_ROWS[new_rows]
+    for total, seen in _syncs_per_step(module):
+        assert total <= BUDGET, f"{variant}: {total} host syncs in one step, budget {BUDGET}: {seen}"
+        assert seen.get("lookup: where each table's unique ids start") == 1  # the count is live: the one read
+        # no step can avoid (how many unique ids each table has) is seen
+
+
+def test_sync_count_does_not_grow_with_tables():
+    few = _syncs_per_step(DynamicEmbeddingBagCollection(_configs({}, tables=2), optimizer="sgd"), tables=2)
+    many = _syncs_per_step(DynamicEmbeddingBagCollection(_configs({}), optimizer="sgd"))
+    assert [t for t, _ in few] == [t for t, _ in many]
+
+
+def test_sequence_module_step_within_budget():
+    configs = [DynamicEmbeddingConfig(name=f"t{i}", embedding_dim=8, num_embeddings=64, feature_names=[f"f{i}"],
+                                      ttl_steps=3) for i in range(TABLES)]
+    module = DynamicEmbeddingCollection(configs, optimizer="adam")
+    for total, seen in _syncs_per_step(module):
+        assert total <= BUDGET, f"{total} host syncs in one step, budget {BUDGET}: {seen}"
+
+
+def test_the_counter_counts_every_read():
+    """The helper counts each read once, mirrored tensors (host values kept beside) not at all."""
+    t = torch.arange(5)
+    with device_sync.recording() as seen:
+        assert device_sync.host_list(t, "a") == [0, 1, 2, 3, 4]
+        assert device_sync.host_list(t, "a") == [0, 1, 2, 3, 4]  # read once: mirrored since
+        t.add_(1)  # written since: read again
+        assert device_sync.host_list(t, "b") == [1, 2, 3, 4, 5]
+        device_sync.nonzero(t > 2, "c")
+        mirrored = device_sync.mirror(torch.ones(2), torch.ones(2))
+        device_sync.to_host(mirrored, "d")
+    assert dict(seen) == {"a": 1, "b": 1, "c": 1}

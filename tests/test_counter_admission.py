@@ -37,8 +37,10 @@ class PyCounter:
         return sorted((key, self.seen[row]) for key, row, _ in self.table.export())
 
 
+@pytest.mark.parametrize("compact_on_cpu", [True, False], ids=["compacting", "fixed_size"])
 @pytest.mark.parametrize("capacity, universe", [(4096, 600), (64, 400)])
-def test_counter_admission_matches_the_dict_model(capacity, universe):
+def test_counter_admission_matches_the_dict_model(capacity, universe, compact_on_cpu, monkeypatch):
+    monkeypatch.setattr(adm.CounterAdmission, "compact_on_cpu", compact_on_cpu)
     rng = random.Random(capacity)
     strategy = adm.CounterAdmission(3, capacity, torch.device("cpu"))
     model = PyCounter(3, capacity)

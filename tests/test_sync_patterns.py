@@ -33,7 +33,7 @@ STEP_PATH = {
     "modules/embedding_collection.py": ["DynamicEmbeddingCollection.forward"],
     "modules/features.py": ["*"],
     "modules/admission.py": [
-        "CounterAdmission.admit", "BloomAdmission.admit", "BloomAdmission.decay", "ProbabilisticAdmission.admit",
+        "CounterAdmission.admit", "CounterAdmission._admit_compacted", "BloomAdmission.admit", "BloomAdmission.decay", "ProbabilisticAdmission.admit",
         "probabilistic_draw",
     ],
     "modules/table_stats.py": [
@@ -58,6 +58,14 @@ EXEMPT = {
         "params: the op's float[] argument, host floats (a column shard's first column)",
     ("torch_kernels.py", "route_bucketize", "torch.bincount"):
         "input routing of sharded tables (the input dist), not the module's step",
+    ("modules/admission.py", "CounterAdmission._admit_compacted", "tensor truthiness"):
+        "CPU tensors only, by construction (admit dispatches here for CPU keys): host reads cost no sync there, and the fixed-size form's pass over the side table's capacity cost 1.4x the step",
+    ("modules/admission.py", "CounterAdmission._admit_compacted", "sized op"):
+        "CPU tensors only, by construction (admit dispatches here for CPU keys): host reads cost no sync there, and the fixed-size form's pass over the side table's capacity cost 1.4x the step",
+    ("modules/admission.py", "CounterAdmission._admit_compacted", "int(tensor)"):
+        "CPU tensors only, by construction (admit dispatches here for CPU keys): host reads cost no sync there, and the fixed-size form's pass over the side table's capacity cost 1.4x the step",
+    ("modules/admission.py", "CounterAdmission._admit_compacted", "mask or nonzero"):
+        "CPU tensors only, by construction (admit dispatches here for CPU keys): host reads cost no sync there, and the fixed-size form's pass over the side table's capacity cost 1.4x the step",
     ("modules/dynamic_tables.py", "DynamicTables._initialise", "mask or nonzero"):
         "the deferred new rows (NewRows): CPU tensors only, by construction (lookup defers on CPU only)",
     ("table.py", "HashTable._check_scores", "int(tensor)"):

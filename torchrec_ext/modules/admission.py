@@ -204,7 +204,12 @@ class CounterAdmission(Admission):
         self.counter = HashTable(capacity, policy="lfu", device=device)
         self.seen = torch.zeros(capacity, dtype=torch.int64, device=device)
 
+    # CPU keys take the compacting form (tests turn it off to run the fixed-size form on the CPU).
+    compact_on_cpu = True
+
     def admit(self, keys: Tensor, counts: Tensor, unseen: Tensor, step: int) -> Tensor:
+        if self.compact_on_cpu and keys.device.type == "cpu":
+            return self._admit_compacted(keys, counts, unseen)
         # One entry per key throughout (nothing read on the host): the ids not pending (seen)
         # take no part in the side table's upsert, and the writes below are fixed-size.
         result = self.counter.find_or_insert_fixed(keys, counts, unseen)
@@ -219,6 +224,29 @@ class CounterAdmission(Admission):
         done = torch.zeros(self.capacity, dtype=torch.uint8, device=keys.device)
         self.counter.erase_rows(done.index_put_((rows,), ready.to(torch.uint8), accumulate=True).bool())
         return ready
+
+    def _admit_compacted(self, keys: Tensor, counts: Tensor, unseen: Tensor) -> Tensor:
+        """``admit`` on the CPU, where reading sizes costs no sync: the side table sees only the
+        unseen ids, and no pass over its capacity (the fixed-size form's erase mask) is made,
+        which cost 1.4x the no-admission step on dlrm-small. The same decisions and counts."""
+        admitted = torch.zeros_like(unseen)
+        which = unseen.nonzero().squeeze(1)
+        if which.numel() == 0:
+            return admitted
+        pending, pending_counts = keys.index_select(0, which), counts.index_select(0, which)
+        result = self.counter.find_or_insert(pending, pending_counts)
+        live = result.rows >= 0
+        rows = result.rows.clamp(min=0)  # a refused key (no row: full buckets) reads row 0, then is masked out
+        # A row new to the counter starts from 0 (its slot may hold an evicted id's count).
+        seen = torch.where(result.inserted, 0, self.seen.index_select(0, rows)) + pending_counts
+        ready = live & (seen >= self.admit_after)
+        if bool(live.all()):  # the keys are distinct, so are their rows
+            self.seen.index_copy_(0, rows, seen)
+        else:
+            self.seen[result.rows[live]] = seen[live]
+        self.counter.erase(pending.index_select(0, ready.nonzero().squeeze(1)))
+        admitted.index_copy_(0, which, ready)
+        return admitted
 
     def state_keys(self) -> List[str]:
         return ["admission_id", "admission_count"]

@@ -38,7 +38,6 @@ rows (``write_new_rows``), so the deferral is never visible.
 from __future__ import annotations
 
 import ctypes
-import mmap
 import sys
 import warnings
 import weakref

@@ -22,7 +22,7 @@ from torch import nn
 from torchrec.metrics.metric_module import StateMetric
 
 from torchrec_ext.distributed.table_stats import model_table_stats
-from torchrec_ext.modules.table_stats import TableStats, merge_table_stats
+from torchrec_ext.modules.table_stats import TableStats, total_stats
 
 
 def table_stats_scalars(stats: Dict[str, TableStats]) -> Dict[str, float]:
@@ -31,8 +31,7 @@ def table_stats_scalars(stats: Dict[str, TableStats]) -> Dict[str, float]:
     for name, table in sorted(stats.items()):
         out.update({f"{name}/{key}": float(value) for key, value in table.as_dict().items() if value is not None})
     if stats:
-        total = merge_table_stats([{"": s} for s in stats.values()])[""]
-        out.update({key: float(value) for key, value in total.as_dict().items() if value is not None})
+        out.update({key: float(value) for key, value in total_stats(stats).as_dict().items() if value is not None})
     return out
 
 

@@ -12,7 +12,7 @@ from typing import Dict, Optional
 import torch.distributed as dist
 from torch import nn
 
-from torchrec_ext.modules.table_stats import TableStats, merge_table_stats
+from torchrec_ext.modules.table_stats import TableStats, merge_table_stats, total_stats
 
 
 def reduce_table_stats(stats: Dict[str, TableStats], group=None) -> Dict[str, TableStats]:
@@ -50,7 +50,7 @@ def summarize(stats: Dict[str, TableStats]) -> Optional[Dict[str, float]]:
     reads, hit rate."""
     if not stats:
         return None
-    total = merge_table_stats([{"all": s} for s in stats.values()])["all"]
+    total = total_stats(stats)
     return {"occupancy": total.load_factor, "evictions": total.evictions, "rejections": total.admission_rejections,
             "refused": total.refused, "hit_rate": total.hit_rate, "inserts": total.inserts,
             "ttl_expiries": total.ttl_expiries, "fallback_reads": total.fallback_reads}

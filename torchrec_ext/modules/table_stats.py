@@ -124,6 +124,11 @@ class TableStats:
         return out
 
 
+def total_stats(stats: Dict[str, TableStats]) -> TableStats:
+    """Every table's stats together (``merge``: counters summed, rates over all tables)."""
+    return merge_table_stats([{"": s} for s in stats.values()])[""]
+
+
 def merge_table_stats(per_shard: List[Dict[str, TableStats]]) -> Dict[str, TableStats]:
     """Stats of several shards (e.g. ``table_stats()`` of every rank) merged per table name."""
     out: Dict[str, TableStats] = {}

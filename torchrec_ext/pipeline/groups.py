@@ -78,8 +78,8 @@ def check_pools_open() -> None:
             "must be destroyed and created again (restart the job)")
 
 
-def abandon(source: dist.ProcessGroup, group: dist.ProcessGroup, why: str) -> None:
-    """A borrowed group that a helper thread may still use (``why``: what happened): it is not
-    reused, and later borrows for ``source`` raise, naming ``why``."""
+def abandon(source: dist.ProcessGroup, why: str) -> None:
+    """A clone of ``source`` that a helper thread may still use (``why``: what happened) is
+    never given back: later borrows raise, naming ``why``."""
     with _lock:
         _closed[source] = why

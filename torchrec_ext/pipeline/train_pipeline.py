@@ -257,7 +257,7 @@ class TrainPipeline(TrainPipelineSparseDist):
             if worker_done:
                 groups.give_back(source, group)
             else:  # a helper thread left behind may still use its group: never reused
-                groups.abandon(source, group, "a pipeline's input-dist thread did not stop within its close timeout")
+                groups.abandon(source, "a pipeline's input-dist thread did not stop within its close timeout")
         self._dist_groups.clear()
         if self._model_attached and self._pipelined_modules:
             self.detach()

@@ -203,3 +203,48 @@ def test_emulated_cuda_kernel_equals_per_table_emulated_calls(emulated):
         return [torch.cat([o[i] for o in outs]) for i in range(4)]
 
     _check(emulated.hash_upsert_tables, per_table_emulated, capacities, [LRU, LFU, LRU], seed=3, steps=4)
+
+
+# ----------------------------------------------------------------------------- HashTable level
+
+
+def test_find_or_insert_tables_equals_each_tables_find_or_insert_fixed():
+    from torchrec_ext.table import HashTable, find_or_insert_tables
+
+    policies = ["lru", "lfu", "epoch_lfu", "none"]
+    ours, theirs = ([HashTable(100 + 40 * t, policy=p) for t, p in enumerate(policies)] for _ in range(2))
+    for t in (1, 3):
+        ours[t].set_epoch(3), theirs[t].set_epoch(3)
+    g = torch.Generator().manual_seed(1)
+    for step in range(5):
+        sizes = [0 if (t + step) % 4 == 0 else 60 + 30 * t for t in range(4)]
+        keys = torch.randint(0, 400, (sum(sizes),), generator=g)
+        scores = torch.randint(1, 4, keys.shape, generator=g)
+        pending = torch.rand(keys.shape, generator=g) < 0.8
+        offsets = [0] + torch.tensor(sizes).cumsum(0).tolist()
+        got = find_or_insert_tables(ours, keys, offsets, scores, pending)
+        for t, (table, b, e) in enumerate(zip(theirs, offsets, offsets[1:])):
+            want = table.find_or_insert_fixed(keys[b:e], scores[b:e] if table.policy in ("lfu", "epoch_lfu") else None,
+                                              pending[b:e])
+            for a, w in zip(got, want):
+                assert torch.equal(a[b:e], w), f"step {step} table {t}"
+    for a, b in zip(ours, theirs):
+        assert a.clock == b.clock and torch.equal(a._slot_scores, b._slot_scores) and a.size() == b.size()
+
+
+def test_find_or_insert_tables_refuses_bad_input_and_leaves_tables_unchanged():
+    from torchrec_ext.table import HashTable, find_or_insert_tables
+
+    tables = [HashTable(64), HashTable(64, policy="custom")]
+    keys = torch.arange(10)
+    cases = [((tables[:1] * 2, keys, [0, 5, 10]), "a table appears twice"),
+             ((tables, keys, [0, 5]), r"key_offsets must be 3 ascending ints from 0 to 10, got \[0, 5\]"),
+             ((tables, keys, [0, 6, 5]), "key_offsets must be 3 ascending"),
+             ((tables, keys.float(), [0, 5, 10]), "keys must be an integer tensor"),
+             ((tables, keys, [0, 5, 10]), "'custom' policy needs scores"),
+             ((tables, keys, [0, 5, 10], torch.ones(10, dtype=torch.int64), torch.ones(9, dtype=torch.bool)),
+              "pending must be a bool tensor of one flag per key")]
+    for args, message in cases:
+        with pytest.raises((ValueError, TypeError), match=message):
+            find_or_insert_tables(*args)
+    assert all(t.size() == 0 and t.clock == 0 for t in tables)

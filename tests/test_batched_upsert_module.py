@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from test_sync_budget import VARIANTS, _batch, _configs, _step
-from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection
+from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, DynamicEmbeddingCollection
 from torchrec_ext.modules.admission import CounterAdmission
 from torchrec_ext.modules.configs import DynamicEmbeddingConfig
 
@@ -113,3 +113,17 @@ def test_dispatched_ops_per_step_do_not_grow_with_the_table_count():
     assert few == many, {op: (few[op], many[op]) for op in set(few) | set(many) if few[op] != many[op]}
     assert many["torchrec_ext.hash_upsert_tables.default"] == 1
     assert sum(_ops_per_step(26, False).values()) > sum(many.values())
+
+
+def test_tiered_tables_keep_their_per_table_upserts():
+    """The tiered tables follow each table's upsert with its cache's work (their _rows_for): a
+    batched_upsert setting (as the GPU default) must not bypass it."""
+    configs = [DynamicEmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=64, feature_names=[f"f{i}"],
+                                         backing="host", cache_load_factor=0.5) for i in range(3)]
+    module = DynamicEmbeddingBagCollection(configs, optimizer="sgd")
+    module._tables.batched_upsert = True
+    assert not module._tables._batched_upsert()
+    with _CountOps() as counted:
+        _step(module, _batch(1, 3))
+    assert counted.ops["torchrec_ext.hash_upsert_fixed.default"] == 3
+    assert counted.ops["torchrec_ext.hash_upsert_tables.default"] == 0

@@ -391,6 +391,23 @@ __device__ __forceinline__ int64_t table_of_stripe(const UpsertTable* tables, in
   return table_at(num_tables, g, [&](int64_t t) { return tables[t].stripe_begin; });
 }
 
+// hash_find_tables: warp i takes key i (grid-stride) and probes it in its table, as hash_find_kernel.
+__global__ void hash_find_tables_kernel(const UpsertTable* tables, int64_t num_tables, const int64_t* keys,
+                                        int64_t n, int64_t* rows, bool* found) {
+  const int lane = lane_id();
+  const int64_t num_warps = global_threads() / kWarpSize;
+  for (int64_t i = global_thread() / kWarpSize; i < n; i += num_warps) {
+    const UpsertTable& t = tables[table_at(num_tables, i, [&](int64_t u) { return tables[u].key_begin; })];
+    const int64_t key = keys[i];
+    const KeyPlace p = place_key(key, t.geo);
+    const int64_t row = warp_probe(t.slot_keys, p, load_slots(t.digests, p, lane), key);
+    if (lane == 0) {
+      rows[i] = row;
+      found[i] = row >= 0;
+    }
+  }
+}
+
 __global__ void key_table_stripes_kernel(const UpsertTable* tables, int64_t num_tables, const int64_t* keys,
                                          int64_t n, int32_t* table_of, int32_t* stripes) {
   for (int64_t i = global_thread(); i < n; i += global_threads()) {
@@ -541,6 +558,14 @@ cudaError_t launch_hash_upsert(uint8_t* digests, int64_t* slot_keys, int64_t* sl
   }
   hash_release_kernel<<<stripe_grid(geo.num_stripes), kStripeThreads, 0, stream>>>(
       digests, rows, sorted_stripes, order, n, geo.num_stripes);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_hash_find_tables(const UpsertTable* tables, int64_t num_tables, const int64_t* keys, int64_t n,
+                                    int64_t* rows, bool* found, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  hash_find_tables_kernel<<<capped_grid(n * kWarpSize, kFindThreads), kFindThreads, 0, stream>>>(
+      tables, num_tables, keys, n, rows, found);
   return cudaGetLastError();
 }
 

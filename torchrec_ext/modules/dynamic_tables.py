@@ -1165,7 +1165,7 @@ class DynamicTables:
         for table in loaded.values():
             for said in (table.dtype_warning, table.layout_warning, table.warning):
                 if said is not None:
-                    warnings.warn(said)
+                    warnings.warn(said, stacklevel=3)
 
     def _check_table_state(self, t: int, state: Dict[str, Tensor], where: str) -> "_LoadedTable":
         """Table t's checkpoint state, checked (types, shapes, finite values, distinct ids, counter

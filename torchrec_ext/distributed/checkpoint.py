@@ -46,7 +46,6 @@ group a gloo group of one process is created, so a single process works too.
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -64,6 +63,7 @@ from torch.distributed.checkpoint._traverse import set_element, traverse_state_d
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
+from torchrec_ext.distributed.checkpoint_io import HashingWriter, file_digests
 from torchrec_ext.distributed.checkpoint_background import (  # noqa: F401  (PendingCheckpoint: re-exported)
     PendingCheckpoint, start_background_save, wait_for_pending)
 
@@ -72,7 +72,6 @@ _METADATA_FILE = ".metadata"  # DCP's index of the checkpoint (a pickle), writte
 MANIFEST_FILE = "MANIFEST.json"  # size and SHA-256 of every other file, written last
 _MANIFEST_FORMAT = "torchrec_ext.checkpoint.manifest/1"
 _MANIFEST_MAX_BYTES = 64 << 20
-_HASH_CHUNK = 1 << 20
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _PATH_CLASSES = {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}
 # The globals DCP's .metadata pickle refers to (torch 2.11-2.13); any other global is refused.
@@ -182,11 +181,12 @@ def _save(ckpt_dir: str, step: int, state: Dict[str, Any], keep: int, pg: dist.P
         else:
             shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
     _raise_if_any(error, pg)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=pg)
+    writer = HashingWriter(tmp)  # hashes each file as it writes it, one file per writer thread
+    dcp.save(state, storage_writer=writer, process_group=pg)
     dist.barrier(pg)  # every rank's files and the metadata are written
     # One listing for all ranks: a rank with a stale view would shift the shares and leave a file unhashed.
     names = _from_first_rank(sorted(os.listdir(tmp)) if rank == 0 else None, pg)
-    digests = _hash_files(tmp, names, pg)
+    digests = _hash_files(tmp, names, pg, known=writer.digests)
     if rank == 0:
         _write_manifest(tmp, step, digests)
         if os.path.exists(final):  # saving a step again (e.g. after resuming from it)
@@ -297,38 +297,29 @@ def _write_manifest(directory: str, step: int, digests: Dict[str, Tuple[int, str
     _fsync_dir(directory)
 
 
-def _hash_files(directory: str, names: List[str], pg: dist.ProcessGroup) -> Dict[str, Tuple[int, str]]:
-    """{name: (size, SHA-256)} of the files ``names`` in ``directory`` (collective: rank r hashes
-    names r, r + world, ...; every rank gets all). A file that cannot be read raises
-    CheckpointError on every rank."""
+def _hash_files(directory: str, names: List[str], pg: dist.ProcessGroup,
+                known: Optional[Dict[str, Tuple[int, str]]] = None) -> Dict[str, Tuple[int, str]]:
+    """{name: (size, SHA-256)} of the files ``names`` in ``directory`` (collective; every rank
+    gets all). ``known``: digests this rank computed as it wrote its files (a save); the files
+    no rank knows are read and hashed, rank r taking names r, r + world, ... on several threads.
+    A file that cannot be read raises CheckpointError on every rank."""
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    found: Dict[str, Tuple[int, str]] = {}
+    if known is not None:
+        shares: List[Any] = [None] * world
+        dist.all_gather_object(shares, {name: known[name] for name in names if name in known}, group=pg)
+        found = {name: tuple(value) for share in shares for name, value in share.items()}
     mine: Dict[str, Any] = {}
     error = None
-    for name in names[rank::world]:
-        try:
-            mine[name] = _file_digest(os.path.join(directory, name))
-        except OSError as e:
-            error = f"checkpoint {directory}: {name} cannot be read ({e.strerror})"
-            break
+    try:
+        mine = file_digests(directory, [name for name in names if name not in found][rank::world])
+    except OSError as e:
+        error = f"checkpoint {directory}: {os.path.basename(e.filename or '?')} cannot be read ({e.strerror})"
     _raise_if_any(error, pg)
-    shares: List[Any] = [None] * world
+    shares = [None] * world
     dist.all_gather_object(shares, mine, group=pg)
-    return {name: tuple(value) for share in shares for name, value in share.items()}
-
-
-def _file_digest(path: str) -> Tuple[int, str]:
-    """(size, SHA-256 hex digest) of a regular file, opened without following a symlink."""
-    digest, size = hashlib.sha256(), 0
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    with os.fdopen(fd, "rb", buffering=0) as f:
-        buffer = memoryview(bytearray(_HASH_CHUNK))
-        while True:
-            n = f.readinto(buffer)
-            if not n:
-                break
-            digest.update(buffer[:n])
-            size += n
-    return size, digest.hexdigest()
+    found.update({name: tuple(value) for share in shares for name, value in share.items()})
+    return found
 
 
 def _read_file(path: str) -> bytes:

@@ -1085,8 +1085,8 @@ class DynamicTables:
         m, index = self.meta[t], self.indexes[t]
         state = index.state_dict()
         keys, rows, scores = state["keys"], state["rows"], state["scores"]
-        out = {
-            "weight": self.table_view(t)[rows].clone(),
+        out = {  # indexing by rows gathers copies: the state never aliases the table
+            "weight": self.table_view(t)[rows],
             "weight_id": keys,
             "metadata": scores,
             "row": rows,
@@ -1095,9 +1095,9 @@ class DynamicTables:
                                       state["layout"]], device=self.device),
         }
         for name, view in self.state_views(t).items():
-            out[f"optimizer.{name}"] = view[rows].clone()
+            out[f"optimizer.{name}"] = view[rows]
         if m.ttl_steps is not None:
-            out["last_seen"] = self.last_seen[t][rows].clone()
+            out["last_seen"] = self.last_seen[t][rows]
         if self.admission[t] is not None:
             out.update(self.admission[t].state())
         if m.fallback_rows:

@@ -73,7 +73,8 @@ class RowLog:
         self.live = 0
         self.head: Optional[int] = None  # the segment appended to, and how many records it holds
         self.head_fill = 0
-        self.appended = self.cleaned = self.sent_home = 0  # records appended / re-appended by cleaning / folded home
+        # records appended / re-appended by cleaning / sent home from a full log; segments cleaned
+        self.appended = self.cleaned = self.sent_home = self.segments_cleaned = 0
         # Writes records ([n, record_bytes]) to their rows of the base file (set by the table's mover).
         self.home: Optional[Callable[[Tensor, Tensor], None]] = None
 
@@ -99,14 +100,21 @@ class RowLog:
 
     def append(self, rows: Tensor, data: Tensor) -> None:
         """Appends the records ``data`` ([n, record_bytes] uint8, each starting with its row
-        number) of the distinct ``rows``: they become the rows' newest copies. Then cleans
-        segments while dead records outnumber live ones, within the append's budget."""
-        self._append(rows, data)
-        self.appended += rows.numel()
-        budget = 2 * -(-rows.numel() // SEGMENT_RECORDS) + 1
-        while budget and self._dead_outnumber_live():
+        number) of the distinct ``rows``: they become the rows' newest copies. Cleans segments
+        first while the free room is short of n and a spare segment, then while dead records outnumber live ones,
+        ``2 * ceil(n / SEGMENT_RECORDS) + 1`` segments at most for each."""
+        n = rows.numel()
+        budget = 2 * -(-n // SEGMENT_RECORDS) + 1
+        for _ in range(budget):
+            if self._room() >= n + SEGMENT_RECORDS or not self._cleanable():  # (a spare segment: room to clean into)
+                break
             self._clean(self._victim())
-            budget -= 1
+        self._append(rows, data)
+        self.appended += n
+        for _ in range(budget):
+            if not self._dead_outnumber_live():
+                break
+            self._clean(self._victim())
 
     def forget(self, rows: Tensor) -> None:
         """``rows``' newest copies are in the base file now (written there, or no longer live)."""
@@ -170,6 +178,16 @@ class RowLog:
         self.head, self.head_fill = int(free[0]), 0
         self.in_use[self.head] = True
 
+    def _room(self) -> int:
+        """Records appendable without taking a used segment."""
+        head = 0 if self.head is None else SEGMENT_RECORDS - self.head_fill
+        return head + int((~self.in_use).sum()) * SEGMENT_RECORDS
+
+    def _cleanable(self) -> bool:
+        """Whether cleaning the emptiest segment would free room."""
+        victim = self._victim()
+        return bool(self.in_use[victim]) and int(self.segment_live[victim]) < SEGMENT_RECORDS
+
     def _dead_outnumber_live(self) -> bool:
         used = int(self.in_use.sum())
         return used > 2 and (used - 1) * SEGMENT_RECORDS + self.head_fill > 2 * self.live
@@ -196,6 +214,7 @@ class RowLog:
         # Its live records leave it first (their where is rewritten by the append), then it is free.
         self._append(rows, data)
         self.cleaned += rows.numel()
+        self.segments_cleaned += 1
         self.in_use[segment] = False  # (its live count went to 0 as the append re-pointed its rows)
 
     def close(self) -> None:

@@ -62,6 +62,7 @@ def test_reads_after_many_appends_see_each_rows_newest_copy_and_cleaning_bounds_
                 newest.pop(row)
         _assert_newest(log, newest, base, capacity)
         used = int(log.in_use.sum())
+        assert used == log.used
         # dead records never outnumber live ones by more than the append in progress allows
         assert used <= log.max_segments and used * 4 <= 2 * log.live + 3 * 4 + 12, (step, used, log.live)
     assert log.cleaned > 0 and log.segments_cleaned > 0 and log.appended > 300

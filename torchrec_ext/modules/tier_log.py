@@ -70,6 +70,7 @@ class RowLog:
         self.where = torch.full((capacity,), -1, dtype=index_dtype)  # row -> record of its newest copy, -1: base
         self.segment_live = torch.zeros(self.max_segments, dtype=torch.int64)  # live records per segment
         self.in_use = torch.zeros(self.max_segments, dtype=torch.bool)
+        self.used = 0  # segments in use
         self.live = 0
         self.head: Optional[int] = None  # the segment appended to, and how many records it holds
         self.head_fill = 0
@@ -131,7 +132,7 @@ class RowLog:
         self.where.fill_(-1)
         self.segment_live.zero_()
         self.in_use.zero_()
-        self.live, self.head, self.head_fill = 0, None, 0
+        self.live, self.used, self.head, self.head_fill = 0, 0, None, 0
         length = self.records.numel()
         # (a file system without hole punching keeps the blocks: the log reuses them)
         _libc.fallocate(self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, ctypes.c_int64(self.offset),
@@ -173,15 +174,17 @@ class RowLog:
             self.home(rows, data)
             self.forget(rows)
             self.in_use[victim] = False
+            self.used -= 1
             self.sent_home += rows.numel()
             free = torch.tensor([victim])
         self.head, self.head_fill = int(free[0]), 0
         self.in_use[self.head] = True
+        self.used += 1
 
     def _room(self) -> int:
         """Records appendable without taking a used segment."""
         head = 0 if self.head is None else SEGMENT_RECORDS - self.head_fill
-        return head + int((~self.in_use).sum()) * SEGMENT_RECORDS
+        return head + (self.max_segments - self.used) * SEGMENT_RECORDS
 
     def _cleanable(self) -> bool:
         """Whether cleaning the emptiest segment would free room."""
@@ -189,8 +192,7 @@ class RowLog:
         return bool(self.in_use[victim]) and int(self.segment_live[victim]) < SEGMENT_RECORDS
 
     def _dead_outnumber_live(self) -> bool:
-        used = int(self.in_use.sum())
-        return used > 2 and (used - 1) * SEGMENT_RECORDS + self.head_fill > 2 * self.live
+        return self.used > 2 and (self.used - 1) * SEGMENT_RECORDS + self.head_fill > 2 * self.live
 
     def _victim(self) -> int:
         """The used segment with the fewest live records, not the head."""
@@ -216,6 +218,7 @@ class RowLog:
         self.cleaned += rows.numel()
         self.segments_cleaned += 1
         self.in_use[segment] = False  # (its live count went to 0 as the append re-pointed its rows)
+        self.used -= 1
 
     def close(self) -> None:
         self.records = None

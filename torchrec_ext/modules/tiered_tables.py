@@ -93,18 +93,21 @@ class _LogMover(_Mover):
 
     def __init__(self, pairs: List[Tuple[Tensor, Tensor]], store: BackingStore, t: int):
         super().__init__(pairs)
-        self.fields = []  # per pair: (first byte in the record, bytes)
+        # Per pair: (first byte in the record, bytes); each field 8-byte aligned, so that the
+        # records' columns are views of any dtype (no copy to read them).
+        self.fields, self._pads = [], []
         at = ROW_BYTES
         for cache, _ in pairs:
             width = cache.element_size() * (cache.shape[1] if cache.dim() == 2 else 1)
             self.fields.append((at, width))
-            at += width
+            self._pads.append(-width % 8)
+            at += width + self._pads[-1]
         self.log = store.log(t, at)
         self.log.home = self._write_records_home
 
     def _field(self, records: Tensor, k: int, like: Tensor) -> Tensor:
         at, width = self.fields[k]
-        values = records[:, at:at + width].contiguous().view(like.dtype)
+        values = records[:, at:at + width].view(like.dtype)
         return values.view(-1) if like.dim() == 1 else values
 
     def read(self, slots: Tensor, rows: Tensor) -> None:
@@ -129,11 +132,12 @@ class _LogMover(_Mover):
         n = rows.numel()
         if n == 0:
             return
-        records = torch.empty(n, self.log.record_bytes, dtype=torch.uint8)
-        records[:, :ROW_BYTES] = rows.to(torch.int64).view(torch.uint8).view(n, ROW_BYTES)
-        for (cache, _), (at, width) in zip(self.pairs, self.fields):
-            records[:, at:at + width] = cache.index_select(0, slots).view(torch.uint8).view(n, width)
-        self.log.append(rows, records)
+        columns = [rows.to(torch.int64).view(torch.uint8).view(n, ROW_BYTES)]
+        for (cache, _), (_, width), pad in zip(self.pairs, self.fields, self._pads):
+            columns.append(cache.index_select(0, slots).view(torch.uint8).view(n, width))
+            if pad:
+                columns.append(torch.zeros(n, pad, dtype=torch.uint8))
+        self.log.append(rows, torch.cat(columns, 1))
 
     def write_home(self, slots: Tensor, rows: Tensor) -> None:
         super().write(slots, rows)

@@ -6,7 +6,8 @@ raw ids Zipf(1.05) over 2^40 (``torchrec_ext.data.dlrm_small_batch``); fused Ada
 forward + backward of sum(output) + the fused update. Systems, built side by side:
 
 - resident: DynamicEmbeddingBagCollection, capacity rows per table (backing="device").
-- file:     the same with backing="file:<dir>" (a file on local disk, memory-mapped) and
+- file:     the same with backing="file:<dir>" (files on local disk: the rows memory-mapped,
+            write-backs appended to a log per table, tier_log.py) and
             cache_load_factor (0.2: the table holds 5x the cache's rows); no prefetch: every
             miss is filled, every dirty victim written back, inside the step.
 - host:     the same with backing="host" (the backing store a host tensor): what the tier's
@@ -88,6 +89,14 @@ def _tier_counters(module) -> Dict[str, int]:
                                                            "cache_staged", "cache_staged_write_backs")}
 
 
+def _log_counters(module) -> Dict[str, int]:
+    """File backing's write-back logs (tier_log.py), summed over the tables."""
+    logs = module._tables.store.logs().values()
+    return {"appended": sum(log.appended for log in logs), "cleaned": sum(log.cleaned for log in logs),
+            "segments_cleaned": sum(log.segments_cleaned for log in logs), "live": sum(log.live for log in logs),
+            "map_bytes": sum(log.nbytes() for log in logs)}
+
+
 def run(cfg: Config) -> Dict[str, object]:
     directory = cfg.backing_dir or tempfile.mkdtemp(prefix="bench_tiers_")
     made = not cfg.backing_dir
@@ -117,6 +126,7 @@ def _run(cfg: Config, directory: str) -> Dict[str, object]:
         for name, module in systems.items():
             _step(module, kjt, batches[i + 1] if prefetch[name] else None)
     before = {name: _tier_counters(systems[name]) for name in tiered}
+    logs_before = {name: _log_counters(systems[name]) for name in tiered}
     stage_before = {name: systems[name]._tables.stage_seconds() for name in tiered}
     times: Dict[str, List[float]] = {name: [] for name in systems}
     names = list(systems)
@@ -139,8 +149,12 @@ def _run(cfg: Config, directory: str) -> Dict[str, object]:
         after = _tier_counters(systems[name])
         delta = {k: after[k] - before[name][k] for k in after}
         seen = delta["cache_hits"] + delta["cache_misses"]
+        logs = _log_counters(systems[name])
+        log = {"live_records": logs["live"], "map_bytes": logs["map_bytes"],
+               **{f"{k}_per_step": (logs[k] - logs_before[name][k]) / timed
+                  for k in ("appended", "cleaned", "segments_cleaned")}}
         tiers[name] = {"hit_rate": delta["cache_hits"] / seen if seen else None, "cache_rows": after["cache_slots"],
-                       "backing_bytes": systems[name]._tables.backing_bytes(),
+                       "backing_bytes": systems[name]._tables.backing_bytes(), "log": log,
                        "per_step": {"hits": delta["cache_hits"] / timed, "misses_read": delta["cache_misses"] / timed,
                                     "write_backs": delta["cache_write_backs"] / timed,
                                     "staged": delta["cache_staged"] / timed,
@@ -152,7 +166,8 @@ def _run(cfg: Config, directory: str) -> Dict[str, object]:
                                     "stage_wait_ms": 1e3 * (systems[name]._tables.stage_seconds()[1]
                                                             - stage_before[name][1]) / timed}}
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    backing_file_bytes = {name: sum(os.path.getsize(os.path.join(directory, name, f))
+    # blocks on disk (a log file is sparse: sized for twice its table's rows, filled as appended)
+    backing_file_bytes = {name: sum(os.stat(os.path.join(directory, name, f)).st_blocks * 512
                                     for f in os.listdir(os.path.join(directory, name)))
                           for name in systems if name.startswith("file")}
     return {
@@ -193,10 +208,15 @@ def report(cfg: Config, r: Dict[str, object]) -> str:
                      f"the cache, {per['write_backs']:,.0f} written back ({per['staged_write_backs']:,.0f} of them by the "
                      f"stage), {per['bytes_moved'] / 2**20:.1f} MiB moved"
                      + (f"; the stage took {per['stage_ms']:.1f} ms on its thread, the step waited "
-                        f"{per['stage_wait_ms']:.1f} ms for it" if per["staged"] else ""))
+                        f"{per['stage_wait_ms']:.1f} ms for it" if per["staged"] else "")
+                     + (f"; write-back log: {tier['log']['appended_per_step']:,.0f} records appended and "
+                        f"{tier['log']['cleaned_per_step']:,.0f} moved by cleaning a step "
+                        f"({tier['log']['segments_cleaned_per_step']:.2f} segments cleaned), "
+                        f"{tier['log']['live_records']:,} rows' newest copies in it at the end, its maps "
+                        f"{mib(tier['log']['map_bytes'])} MiB" if tier["log"]["appended_per_step"] else ""))
     mem = r["process_memory"]
     files = ", ".join(f"{name} {mib(b)} MiB" for name, b in r["backing_file_bytes"].items()) or "none"
-    lines += [f"- backing files (with headers): {files}; process memory at the end (all "
+    lines += [f"- backing files on disk (rows files with headers, logs): {files}; process memory at the end (all "
               f"systems): VmRSS {mib(mem.get('VmRSS', 0))} MiB = anonymous {mib(mem.get('RssAnon', 0))} + file pages "
               f"{mib(mem.get('RssFile', 0))} MiB",
               f"- machine load: before `{r['uptime_before']}`; after `{r['uptime_after']}` (2 cores shared with other "

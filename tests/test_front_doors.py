@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
-from dist_helpers import ModelWith, assert_same_tables, run_ranks
+from dist_helpers import ModelWith, assert_same_tables, copy_stock_table, run_ranks
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 
 WORLD = 2
@@ -75,7 +75,7 @@ def _dmp_without_plan(rank, world_size):
     assert isinstance(dmp.module.dyn, ShardedDynamicEmbeddingBagCollection)
     assert set(dmp.plan.plan["dyn"]) == {"t1", "t2"} and "s1" in dmp.plan.plan["stock"]
     assert {p.compute_kernel for p in dmp.plan.plan["dyn"].values()} == {"customized_kernel"}
-    _copy_stock_table(dmp, reference.stock)  # TorchRec's sharded stock table draws its own initial rows
+    copy_stock_table(dmp, "stock.embedding_bags.s1.weight", reference.stock.embedding_bags["s1"])  # TorchRec's sharded stock table draws its own initial rows
     stock_kjts = [_batch(0, r, ["g"], 16) for r in range(world_size)]
     for step in range(3):
         kjts = [_batch(step, r) for r in range(world_size)]
@@ -87,18 +87,6 @@ def _dmp_without_plan(rank, world_size):
             torch.testing.assert_close(out[:, 8:], stock_want, rtol=1e-5, atol=1e-5)
         out[:, :8].sum().backward()
         (reference.dyn(_global(kjts)).values().sum() / world_size).backward()  # the ranks' losses' mean
-
-
-def _copy_stock_table(dmp, stock):
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    weight = dmp.state_dict()["stock.embedding_bags.s1.weight"]
-    if isinstance(weight, ShardedTensor):
-        full = torch.empty(weight.size()) if dist.get_rank() == 0 else None
-        weight.gather(dst=0, out=full)
-        weight = full if full is not None else torch.empty(weight.size())
-        dist.broadcast(weight, src=0)
-    stock.embedding_bags["s1"].weight.data.copy_(weight)
 
 
 def test_dmp_with_our_sharders_and_no_plan_plans_shards_and_trains():

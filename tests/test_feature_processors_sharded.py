@@ -4,7 +4,7 @@ plan from TorchRec's EmbeddingShardingPlanner (each sharding type forced by cons
 plan, on 2 gloo ranks. Outputs, position-weight gradients (DDP's mean over the ranks), position
 weights trained by a dense optimizer, and tables equal the unsharded FP-EBC over our EBC fed the
 global batch with the ranks' mean loss. An FP-EBC over TorchRec's EBC in the same model still
-gets TorchRec's own sharded FP-EBC."""
+gets TorchRec's own sharded FP-EBC; the composable shard() keeps the unsharded FQNs."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -195,3 +195,37 @@ def test_planning_without_our_fp_sharder_names_get_sharders():
         with pytest.raises(PlannerError, match=r"fp.*torchrec_ext\.distributed\.get_sharders\(\)"):
             planner.plan(model, sharders)
     assert set(planner.plan(model, get_sharders()).plan["fp"]) == {"t1", "t2"}
+
+
+# ------------------------------------------------------------------ composable shard()
+
+def _composable_shard(rank, world_size):
+    from torchrec.distributed.shard import shard
+    from torchrec.distributed.sharding_plan import row_wise, table_wise
+
+    from torchrec_ext.distributed import (
+        FeatureProcessedDynamicEmbeddingBagCollectionSharder, ShardedFeatureProcessedDynamicEmbeddingBagCollection,
+        full_state_dict,
+    )
+
+    module, reference = _fp_ebc("collection"), _fp_ebc("collection")
+    names, modules = [n for n, _ in module.named_parameters()], [n for n, _ in module.named_modules()]
+    sharded = shard(module, plan={"t1": row_wise(), "t2": table_wise(rank=1)},  # rank 0 holds no t2
+                    sharder=FeatureProcessedDynamicEmbeddingBagCollectionSharder(), device=torch.device("cpu"))
+    assert isinstance(sharded, ShardedFeatureProcessedDynamicEmbeddingBagCollection)
+    assert [n for n, _ in sharded.named_parameters()] == names
+    assert [n for n, _ in sharded.named_modules()] == modules
+    for step in range(3):  # no DDP here: the position weights stay as they are, the tables train
+        kjts = [_rank_batch(step, r) for r in range(world_size)]
+        want = reference(global_batch(kjts)).values()
+        out = sharded(kjts[rank]).values()
+        mine = slice(rank * BATCH, (rank + 1) * BATCH)
+        torch.testing.assert_close(out, want[mine], rtol=1e-5, atol=1e-5)
+        (out * _upstream(step)[mine]).sum().backward()
+        ((want * _upstream(step)).sum() / world_size).backward()
+    assert_same_tables(full_state_dict(sharded.state_dict()), reference.state_dict(),
+                       "_embedding_bag_collection.embedding_bags.")
+
+
+def test_composable_shard_of_fp_ebc_over_dynamic_ebc():
+    run_ranks(_composable_shard, WORLD)

@@ -29,6 +29,7 @@ and the process's resident memory split into anonymous and file pages (both modu
     python benchmarks/bench_tiers.py --threads 1          # saves results/tiers_cpu.{md,jsonl}
     python benchmarks/bench_tiers.py --threads 1 --systems resident,file+prefetch,host+prefetch,file
     python benchmarks/bench_tiers.py --capacity 65536 --batch-size 512 --warmup-steps 5 --repeats 3 --no-save  # smoke
+    python benchmarks/bench_tiers.py --capacity 65536 --batch-size 512 --flusher-ms 20 --no-save  # smoke, files cleaned
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Dict, List, Tuple
 
@@ -63,6 +65,9 @@ class Config(DlrmSmall):
     backing_dir: str = ""  # default: a fresh directory under the system's temp dir (local disk here)
     threads: int = 0  # torch threads (0: torch's default); 1 steadies the timing on a machine other sessions load
     systems: Tuple[str, ...] = ("resident", "file", "host", "file+prefetch", "host+prefetch")
+    # >0: a thread syncs every backing file each so many ms during the timed steps: the kernel's
+    # flusher past its background dirty limit (a full-size table's files here), at smoke size
+    flusher_ms: float = 0.0
 
 
 SYSTEMS = ("resident", "file", "host", "file+prefetch", "host+prefetch")
@@ -91,10 +96,38 @@ def _tier_counters(module) -> Dict[str, int]:
 
 def _log_counters(module) -> Dict[str, int]:
     """File backing's write-back logs (tier_log.py), summed over the tables."""
-    logs = module._tables.store.logs().values()
+    logs = module._tables.store.logs().values() if hasattr(module._tables.store, "logs") else []
     return {"appended": sum(log.appended for log in logs), "cleaned": sum(log.cleaned for log in logs),
             "segments_cleaned": sum(log.segments_cleaned for log in logs), "live": sum(log.live for log in logs),
             "map_bytes": sum(log.nbytes() for log in logs)}
+
+
+class _Flusher:
+    """Syncs every file under ``directory`` each ``every_ms`` on a thread: their dirty pages are
+    written back and write-protected again, as the kernel's flusher does once dirty pages pass
+    ``vm.dirty_background_ratio`` (what a full-size file-backed table's write-backs reach here)."""
+
+    def __init__(self, directory: str, every_ms: float):
+        self.directory, self.every_s, self.syncs = directory, every_ms / 1e3, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            for root, _, files in os.walk(self.directory):
+                for name in files:
+                    fd = os.open(os.path.join(root, name), os.O_RDONLY)
+                    try:
+                        os.fdatasync(fd)
+                    finally:
+                        os.close(fd)
+            self.syncs += 1
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.syncs
 
 
 def run(cfg: Config) -> Dict[str, object]:
@@ -128,6 +161,7 @@ def _run(cfg: Config, directory: str) -> Dict[str, object]:
     before = {name: _tier_counters(systems[name]) for name in tiered}
     logs_before = {name: _log_counters(systems[name]) for name in tiered}
     stage_before = {name: systems[name]._tables.stage_seconds() for name in tiered}
+    flusher = _Flusher(directory, cfg.flusher_ms) if cfg.flusher_ms > 0 else None
     times: Dict[str, List[float]] = {name: [] for name in systems}
     names = list(systems)
     for r in range(cfg.repeats):
@@ -142,6 +176,7 @@ def _run(cfg: Config, directory: str) -> Dict[str, object]:
             if prefetch[name]:
                 systems[name]._tables.wait_for_stage()  # the stage in flight counts in the chunk
             times[name].append((time.perf_counter() - start) / n)
+    syncs = flusher.stop() if flusher is not None else 0
     uptime_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     timed = cfg.repeats * n
     tiers = {}
@@ -178,6 +213,7 @@ def _run(cfg: Config, directory: str) -> Dict[str, object]:
         "backing_file_bytes": backing_file_bytes,
         "process_memory": process_memory(), "ids_per_step": int(batches[0].values().numel()),
         "uptime_before": uptime_before, "uptime_after": uptime_after, "backing_dir": directory,
+        "flusher_syncs": syncs,
     }
 
 
@@ -219,6 +255,9 @@ def report(cfg: Config, r: Dict[str, object]) -> str:
     lines += [f"- backing files on disk (rows files with headers, logs): {files}; process memory at the end (all "
               f"systems): VmRSS {mib(mem.get('VmRSS', 0))} MiB = anonymous {mib(mem.get('RssAnon', 0))} + file pages "
               f"{mib(mem.get('RssFile', 0))} MiB",
+              *([f"- a flusher thread synced the backing files every {cfg.flusher_ms:g} ms during the timed steps "
+                 f"({r['flusher_syncs']} rounds): their pages clean and write-protected, as past the kernel's "
+                 "background dirty limit"] if cfg.flusher_ms > 0 else []),
               f"- machine load: before `{r['uptime_before']}`; after `{r['uptime_after']}` (2 cores shared with other "
               "sessions: only the ratios of this run mean anything)"]
     return "\n".join(lines)

@@ -130,7 +130,7 @@ def _train(modules, batches, stage=None):
             out.square().sum().backward()
 
 
-def test_a_logged_table_equals_the_resident_table_through_cleaning_checkpoints_and_an_optimizer_change(
+def test_a_logged_table_equals_the_resident_table_through_cleaning_checkpoints_folds_and_an_optimizer_change(
         tmp_path, monkeypatch):
     monkeypatch.setattr(tier_log, "SEGMENT_RECORDS", 8)
     resident, tiered = _module(_configs()), _module(_configs(tmp_path))
@@ -139,9 +139,18 @@ def test_a_logged_table_equals_the_resident_table_through_cleaning_checkpoints_a
     logs = tiered._tables.store.logs()
     assert sorted(os.listdir(tmp_path)) == ["a+b.a.log", "a+b.b.log", "a+b.momentum1.rows", "a+b.weights.rows"]
     assert all(log.live > 0 for log in logs.values()) and any(log.segments_cleaned for log in logs.values())
-    _assert_same_state(resident, tiered)  # a checkpoint: rows folded home, the logs emptied
+    live = [log.live for log in logs.values()]
+    _assert_same_state(resident, tiered)  # a checkpoint reads the logs (the cache's dirty rows appended)
+    assert all(log.live >= before for log, before in zip(logs.values(), live))
+    _train([resident, tiered], batches[45:52], stage=tiered)
+    tiered._tables.flush()  # the rows files then hold every row: the logs folded home
     assert all(log.live == 0 for log in logs.values())
-    _train([resident, tiered], batches[45:60], stage=tiered)
+    for t in range(2):
+        rows = resident._tables.indexes[t].state_dict()["rows"]
+        assert torch.equal(resident._tables.table_view(t)[rows], tiered._tables.table_view(t)[rows])
+        for (name, a), b in zip(resident._tables.state_views(t).items(), tiered._tables.state_views(t).values()):
+            assert torch.equal(a[rows], b[rows]), name
+    _train([resident, tiered], batches[52:60], stage=tiered)
     assert all(log.live > 0 for log in logs.values())
     for module in (resident, tiered):  # the records' layout changes (two states): the logs go home first
         fuse_embedding_optimizer(module, torch.optim.Adam, {"lr": 0.05}, torch.device("cpu"))

@@ -20,8 +20,9 @@ RocksDB), reduced to what a table of fixed-size rows needs:
   stage's worker under the pipeline). The log holds ``max_segments`` (twice the table's rows,
   plus two segments): should appends outrun cleaning and fill it, the emptiest segment's live
   rows (fewer than half of it) are written home to the base file, and the segment is reused.
-- ``fold`` (a checkpoint, loading, a copy, a new optimizer's layout) writes every live record to
-  its row in the base file and empties the log.
+- A checkpoint reads each row's newest copy (``locate`` / ``read``: the log is left as it is);
+  ``fold`` (``TieredTables.flush``, a copy, a new optimizer's record layout) writes every live
+  record to its row in the base file and empties the log; loading a table empties it.
 
 The log file (``<dir>/<tables>.<table>.log``) has the backing files' header; it is sparse, sized
 for ``max_segments`` and mapped for reads (a miss reads its newest copy from the mapping), written

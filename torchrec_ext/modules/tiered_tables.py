@@ -19,9 +19,10 @@ and writes back and frees slots for its new rows, around the slots of the batch 
 the next lookup reads and writes nothing in the backing store. ``prefetch`` does the filling
 synchronously, between steps.
 
-``table_view`` / ``state_views`` (the tables' parameters, ``state_dict``, loading) are views of
-the backing store: ``state_dict`` writes the dirty rows back first; loading fills the backing
-store and empties the cache.
+``table_view`` / ``state_views`` (the tables' parameters, loading) are views of the backing
+store, current after ``flush``. ``state_dict`` writes the dirty rows back first, then gathers
+each row's newest copy (with file backing, a row written back since the last ``flush`` is in its
+table's log: tier_log.py); loading fills the backing store and empties the cache (and the log).
 """
 from __future__ import annotations
 
@@ -82,6 +83,9 @@ class _Mover:
     write_home = write  # (host backing: the backing store is home)
 
     def fold(self) -> None:
+        pass
+
+    def patch(self, rows: Tensor, values: List[Tensor]) -> None:
         pass
 
 
@@ -146,6 +150,17 @@ class _LogMover(_Mover):
     def _write_records_home(self, rows: Tensor, records: Tensor) -> None:
         for k, (cache, backing) in enumerate(self.pairs):
             backing.index_copy_(0, rows, self._field(records, k, cache))
+
+    def patch(self, rows: Tensor, values: List[Tensor], chunk: int = 1 << 16) -> None:
+        """``values`` (per pair, gathered from the backing store at ``rows``): entries whose
+        newest copy is in the log replaced by it (a chunk of records at a time)."""
+        where = self.log.locate(rows)
+        logged = (where >= 0).nonzero().squeeze(1)
+        for start in range(0, logged.numel(), chunk):
+            at = logged[start:start + chunk]
+            records = self.log.read(where.index_select(0, at))
+            for k, ((cache, _), out) in enumerate(zip(self.pairs, values)):
+                out.index_copy_(0, at, self._field(records, k, cache))
 
     def fold(self, chunk: int = 1 << 16) -> None:
         """Writes every row whose newest copy is in the log to the base file (ascending rows, a
@@ -325,12 +340,12 @@ class RowCache:
             self.free = (self.row_of < 0).nonzero().squeeze(1)
         self.last_used.index_fill_(0, hits, clock)
 
-    def flush(self, mover: _Mover) -> None:
-        """Writes every dirty row back; rows held by a batch in flight stay dirty (their update
-        is still to land)."""
+    def flush(self, mover: _Mover, home: bool = True) -> None:
+        """Writes every dirty row back (``home``: to the rows file itself, not a log); rows held
+        by a batch in flight stay dirty (their update is still to land)."""
         dirty = (self.dirty & (self.row_of >= 0)).nonzero().squeeze(1)
         if dirty.numel():
-            mover.write_home(dirty, self.row_of[dirty])
+            (mover.write_home if home else mover.write)(dirty, self.row_of[dirty])
             self.write_backs += dirty.numel()
             self.bytes_moved += dirty.numel() * mover.row_bytes
             self.dirty[dirty] = self.pinned_mask()[dirty] if self.pinned else False
@@ -818,8 +833,19 @@ class TieredTables(DynamicTables):
 
     def table_state(self, t: int) -> Dict[str, Tensor]:
         if self.device.type != "meta":
-            self.flush([t])
+            self._join_stage()
+            self.write_new_rows()
+            self.caches[t].flush(self._mover(t), home=False)  # (a file's dirty rows appended to its log)
         return super().table_state(t)
+
+    def rows_state(self, t: int, rows: Tensor) -> Dict[str, Tensor]:
+        """The rows' newest copies: the backing store's, those in a log patched in (a checkpoint
+        reads the log rather than folding it home: no random writes to the rows files). Current
+        once the cache's dirty rows are written back (``table_state`` does)."""
+        out = super().rows_state(t, rows)
+        if self.device.type != "meta":
+            self._mover(t).patch(rows, [out["weight"]] + [out[f"optimizer.{name}"] for name in self.state_views(t)])
+        return out
 
     def _replace_table(self, t: int, table) -> None:
         self._join_stage()

@@ -1137,22 +1137,36 @@ class DynamicTables:
         if self.device.type == "meta":
             return self._shape_only_state(t)
         self.write_new_rows()
-        m, index = self.meta[t], self.indexes[t]
-        state = index.state_dict()
+        state = self.indexes[t].state_dict()
         keys, rows, scores = state["keys"], state["rows"], state["scores"]
-        out = {
-            "weight": self.table_view(t)[rows].clone(),
-            "weight_id": keys,
-            "metadata": scores,
-            "row": rows,
-            # on the storage's device, as every other key (one device per rank's checkpoint shards)
-            "counters": torch.tensor([state["clock"], state["epoch"], self.train_step, int(self.optimizer_step),
-                                      state["layout"]], device=self.device),
-        }
+        per_row, whole = self.rows_state(t, rows), self.whole_table_state(t)
+        out = {"weight": per_row.pop("weight"), "weight_id": keys, "metadata": scores, "row": rows,
+               "counters": whole.pop("counters")}
+        out.update(per_row)  # optimizer state, last seen
+        out.update(whole)  # admission, fallback rows
+        return out
+
+    def rows_state(self, t: int, rows: Tensor) -> Dict[str, Tensor]:
+        """Table t's per-row state at ``rows`` (live rows): vectors, optimizer state, last seen.
+        Gathered copies (the state never aliases the table), by index_select: indexing (``view[rows]``)
+        costs ~15 ms more per call on CPU, which a small delta would pay per key."""
+        out = {"weight": self.table_view(t).index_select(0, rows)}
         for name, view in self.state_views(t).items():
-            out[f"optimizer.{name}"] = view[rows].clone()
-        if m.ttl_steps is not None:
-            out["last_seen"] = self.last_seen[t][rows].clone()
+            out[f"optimizer.{name}"] = view.index_select(0, rows)
+        if self.meta[t].ttl_steps is not None:
+            out["last_seen"] = self.last_seen[t].index_select(0, rows)
+        return out
+
+    def whole_table_state(self, t: int) -> Dict[str, Tensor]:
+        """Table t's state that is not per row: counters, admission state, fallback rows (small;
+        what an incremental checkpoint saves whole)."""
+        self.write_new_rows()
+        m, index = self.meta[t], self.indexes[t]
+        out = {
+            # on the storage's device, as every other key (one device per rank's checkpoint shards)
+            "counters": torch.tensor([index.clock, index.epoch, self.train_step, int(self.optimizer_step),
+                                      LAYOUT_VERSION], device=self.device),
+        }
         if self.admission[t] is not None:
             out.update(self.admission[t].state())
         if m.fallback_rows:
@@ -1220,7 +1234,7 @@ class DynamicTables:
         for table in loaded.values():
             for said in (table.dtype_warning, table.layout_warning, table.warning):
                 if said is not None:
-                    warnings.warn(said)
+                    warnings.warn(said, stacklevel=3)
 
     def _check_table_state(self, t: int, state: Dict[str, Tensor], where: str) -> "_LoadedTable":
         """Table t's checkpoint state, checked (types, shapes, finite values, distinct ids, counter

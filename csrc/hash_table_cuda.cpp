@@ -286,10 +286,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_tables_cu
     stripes.masked_fill_(mask.index_select(0, perm).logical_not(), std::numeric_limits<int32_t>::max());
   }
   auto [sorted_stripes, order] = at::sort(stripes, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  // The touch pass's grouping: by stripe, then key (a warp per run of one key's occurrences).
+  const at::Tensor by_key = std::get<1>(at::sort(k, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+  auto [touch_stripes, within] = at::sort(stripes.index_select(0, by_key), /*stable=*/true, /*dim=*/0,
+                                          /*descending=*/false);
+  const at::Tensor touch_order = by_key.index_select(0, within);
   C10_CUDA_CHECK(launch_hash_upsert_tables(
       d.tables, T, d.total_stripes, d.phases, d.max_windows, d.windows, k.const_data_ptr<int64_t>(),
       g.defined() ? g.const_data_ptr<int64_t>() : nullptr, sorted_stripes.const_data_ptr<int32_t>(),
-      order.const_data_ptr<int64_t>(), n, assign, rows.mutable_data_ptr<int64_t>(),
+      order.const_data_ptr<int64_t>(), touch_stripes.const_data_ptr<int32_t>(),
+      touch_order.const_data_ptr<int64_t>(), n, assign, rows.mutable_data_ptr<int64_t>(),
       inserted.mutable_data_ptr<bool>(), evicted.mutable_data_ptr<bool>(), evicted_key.mutable_data_ptr<int64_t>(),
       current_stream()));
   if (!perm.defined()) return {rows, inserted, evicted, evicted_key};

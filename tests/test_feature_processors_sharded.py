@@ -203,15 +203,13 @@ def _composable_shard(rank, world_size):
     from torchrec.distributed.shard import shard
     from torchrec.distributed.sharding_plan import row_wise, table_wise
 
-    from torchrec_ext.distributed import (
-        FeatureProcessedDynamicEmbeddingBagCollectionSharder, ShardedFeatureProcessedDynamicEmbeddingBagCollection,
-        full_state_dict,
-    )
+    from torchrec_ext.distributed import ShardedFeatureProcessedDynamicEmbeddingBagCollection, full_state_dict
 
     module, reference = _fp_ebc("collection"), _fp_ebc("collection")
     names, modules = [n for n, _ in module.named_parameters()], [n for n, _ in module.named_modules()]
+    # No sharder given: TorchRec finds ours for an FP-EBC (import torchrec_ext.distributed).
     sharded = shard(module, plan={"t1": row_wise(), "t2": table_wise(rank=1)},  # rank 0 holds no t2
-                    sharder=FeatureProcessedDynamicEmbeddingBagCollectionSharder(), device=torch.device("cpu"))
+                    device=torch.device("cpu"))
     assert isinstance(sharded, ShardedFeatureProcessedDynamicEmbeddingBagCollection)
     assert [n for n, _ in sharded.named_parameters()] == names
     assert [n for n, _ in sharded.named_modules()] == modules

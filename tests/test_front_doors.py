@@ -163,11 +163,12 @@ def _composable_shard(rank, world_size):
         DynamicEmbeddingBagCollectionSharder, ShardedDynamicEmbeddingBagCollection, full_state_dict,
     )
 
-    sharder = DynamicEmbeddingBagCollectionSharder()
     per_table = {"t1": row_wise(), "t2": table_wise(rank=0)}  # rank 1 holds no t2
-    module_plan = construct_module_sharding_plan(_dynamic(), dict(per_table), sharder=sharder,
-                                                 local_size=world_size, world_size=world_size, device_type="cpu")
-    for plan in (per_table, module_plan):  # generators, and the plan construct_module_sharding_plan made
+    # No sharder given: TorchRec looks ours up by module type (import torchrec_ext.distributed).
+    module_plan = construct_module_sharding_plan(_dynamic(), dict(per_table), local_size=world_size,
+                                                 world_size=world_size, device_type="cpu")
+    # generators with our sharder, and the plan construct_module_sharding_plan made with none
+    for plan, sharder in ((per_table, DynamicEmbeddingBagCollectionSharder()), (module_plan, None)):
         module, reference = _dynamic(), _dynamic()
         names, modules = [n for n, _ in module.named_parameters()], [n for n, _ in module.named_modules()]
         keys = list(module.state_dict())

@@ -627,6 +627,11 @@ def _drop_split_column_options(options: List[ShardingOption], refusals: Dict[Tup
     return kept
 
 
+def _rank_widths(shards: Sequence[Any], ranks: Sequence[int]) -> List[Tuple[int, int]]:
+    """Each rank's total column width when ``shards[i]`` goes to ``ranks[i]``."""
+    return sorted((r, sum(int(s.size[1]) for s, x in zip(shards, ranks) if x == r)) for r in set(ranks))
+
+
 def _options_of_their_kind(options: List[ShardingOption]) -> List[ShardingOption]:
     """``options`` without those our FP-EBC sharder offers for the other kind of EBC: it offers
     TorchRec's kernels and ours (one sharder per module type), but an FP-EBC over a dynamic EBC
@@ -661,8 +666,7 @@ def adjacent_column_shards(best_plan: List[ShardingOption]) -> List[ShardingOpti
         order.remove(ranks[-1])
         order.append(ranks[-1])
         regrouped = [r for r in order for _ in range(ranks.count(r))]
-        widths = lambda rs: sorted((r, sum(int(s.size[1]) for s, x in zip(shards, rs) if x == r)) for r in set(rs))
-        if regrouped != ranks and widths(regrouped) == widths(ranks):
+        if regrouped != ranks and _rank_widths(shards, regrouped) == _rank_widths(shards, ranks):
             for shard, rank in zip(shards, regrouped):
                 shard.rank = rank
     return best_plan

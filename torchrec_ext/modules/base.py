@@ -256,8 +256,10 @@ class DynamicCollectionMixin(DeltaMixin):
         module's share of the next batch, in flight in its input dist)."""
         if not isinstance(self._tables, TieredTables) or self.device.type == "meta":
             return False
-        arrange = lambda kjt: check_and_arrange(kjt, self._plan, getattr(self, "_is_weighted", False),
-                                                type(self).__name__, self.device, variable_batch="pool")
+        def arrange(kjt):
+            return check_and_arrange(kjt, self._plan, getattr(self, "_is_weighted", False),
+                                     type(self).__name__, self.device, variable_batch="pool")
+
         if callable(features):  # known later, on the stage's worker thread
             def resolve():
                 kjt = features()

@@ -157,7 +157,11 @@ class RowLog:
             # Written: the records are the rows' newest copies now (not before: a failed write
             # leaves every row where it was).
             these = rows[done:done + take]
-            self.forget(these)
+            old = self.where.index_select(0, these)
+            old = old[old >= 0].to(torch.int64)  # the copies these records supersede: dead now
+            if old.numel():
+                self.segment_live -= torch.bincount(old // SEGMENT_RECORDS, minlength=self.max_segments)
+                self.live -= old.numel()
             self.where.index_copy_(0, these, torch.arange(first, first + take, dtype=self.where.dtype))
             self.segment_live[self.head] += take
             self.live += take

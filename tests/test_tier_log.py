@@ -238,3 +238,14 @@ def test_a_log_of_other_tables_or_another_layout_version_is_refused(tmp_path, mo
                                          rf"{tier_store.LAYOUT_VERSION - 1}, this build reads version "
                                          rf"{tier_store.LAYOUT_VERSION}"):
         _train([module], _batches(3))
+
+
+def test_log_files_are_named_by_table_safely(tmp_path):
+    configs = [DynamicEmbeddingBagConfig(name=name, embedding_dim=4, num_embeddings=50, feature_names=[f"f{i}"],
+                                         backing=f"file:{tmp_path}", cache_load_factor=0.5)
+               for i, name in enumerate(["up/x", "x/y", "x_y"])]
+    module = _module(configs)
+    for t in range(3):
+        module._tables._mover(t)
+    logs = sorted(name for name in os.listdir(tmp_path) if name.endswith(".log"))
+    assert logs == ["up_x+x_y+x_y.table1.log", "up_x+x_y+x_y.table2.log", "up_x+x_y+x_y.up_x.log"]

@@ -142,3 +142,39 @@ def test_bad_arguments_are_clear_errors(tmp_path, one_rank_group):
         IncrementalCheckpoints(str(tmp_path), nn.Linear(2, 2))
     with pytest.raises(ValueError, match="must not hold the key 'model'"):
         IncrementalCheckpoints(str(tmp_path), model).save(1, {"model": 1})
+
+
+def _sharded(rank, world_size, root):
+    from test_deltas_sharded import _batch as sharded_batch
+    from test_deltas_sharded import _dmp, _full
+
+    from torchrec_ext.distributed.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from torchrec_ext.distributed.checkpoint_incremental import IncrementalCheckpoints
+
+    dmp = _dmp(world_size)  # t1 row-wise over both ranks, t2 table-wise on rank 1: evictions, expiry
+    ckpts = IncrementalCheckpoints(os.path.join(root, "inc"), dmp, full_every=3, keep=0)
+    seen = {}
+    for step in range(1, 11):
+        dmp(sharded_batch(step, rank)).values().sum().backward()
+        if step % 2 == 0:
+            ckpts.save(step, {"step": step})
+            save_checkpoint(os.path.join(root, "full"), step, {"model": dmp.state_dict()}, keep=0)
+            seen[step] = _full(dmp)
+    for step in (6, 10):  # base 2, deltas 4 and 6; base 8, delta 10
+        fresh = _dmp(world_size)
+        loaded = IncrementalCheckpoints(os.path.join(root, "inc"), fresh).load(
+            os.path.join(root, "inc", f"step_{step}"), {"step": 0})
+        assert loaded["step"] == step
+        full = _dmp(world_size)
+        state = load_checkpoint(os.path.join(root, "full", f"step_{step}"), {"model": full.state_dict()})
+        full.load_state_dict(state["model"])
+        got, want = _full(fresh), _full(full)
+        _assert_same(got, want)
+        _assert_same(got, seen[step])
+    assert latest_checkpoint(os.path.join(root, "inc")) == (10, os.path.join(root, "inc", "step_10"))
+
+
+def test_two_ranks_load_exactly_the_full_save_of_the_step(tmp_path):
+    from dist_helpers import run_ranks
+
+    run_ranks(_sharded, 2, str(tmp_path))

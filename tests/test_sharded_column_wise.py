@@ -84,6 +84,19 @@ def _assert_shards_identical(local_module, prefix, tables):
             assert torch.equal(everyone[0][t][f], everyone[1][t][f]), f"column shards of {t} differ in {f}"
 
 
+def _train_step(dmp, reference, kjts, rank, step):
+    """The sharded EBC's output on this rank's batch equals the reference's on the global batch;
+    both train on random output gradients."""
+    out = dmp(kjts[rank]).values()
+    want = reference(global_batch(kjts)).values()
+    grads = [torch.randn(BATCH, out.shape[1], generator=torch.Generator().manual_seed(step * 7 + r))
+             for r in range(WORLD)]
+    torch.testing.assert_close(out, want[rank * BATCH:(rank + 1) * BATCH], rtol=1e-5, atol=1e-5)
+    (out * grads[rank]).sum().backward()
+    # The ranks train on the mean of their losses (TorchRec's gradient division).
+    ((want * torch.cat(grads)).sum() / WORLD).backward()
+
+
 def _ebc_case(rank, root, weighted, optimizer, generators):
     from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, full_state_dict
     from torchrec_ext.distributed.checkpoint import load_checkpoint, save_checkpoint
@@ -96,13 +109,7 @@ def _ebc_case(rank, root, weighted, optimizer, generators):
     for step in range(5):
         kjts = [_rank_batch(step, r, weighted) for r in range(WORLD)]
         seen |= set(kjts[0]["f1"].values().tolist() + kjts[1]["f1"].values().tolist())
-        grads = [torch.randn(BATCH, 40, generator=torch.Generator().manual_seed(step * 7 + r)) for r in range(WORLD)]
-        out = dmp(kjts[rank])
-        want = reference(global_batch(kjts))
-        torch.testing.assert_close(out.values(), want.values()[rank * BATCH:(rank + 1) * BATCH], rtol=1e-5, atol=1e-5)
-        (out.values() * grads[rank]).sum().backward()
-        # The ranks train on the mean of their losses (TorchRec's gradient division).
-        ((want.values() * torch.cat(grads)).sum() / WORLD).backward()
+        _train_step(dmp, reference, kjts, rank, step)
     columns = [t for t, g in generators.items() if g.__qualname__.startswith("column_wise")]
     _assert_shards_identical(dmp.module.ebc.local_module, "embedding_bags.", columns)
     if "t1" in columns:  # kept full: evictions happened, on every shard alike
@@ -241,13 +248,7 @@ def _column_state_and_fp16(rank, world_size):
     dmp = _dmp(make(), "ebc", {t: column_wise(ranks=[0, 1], compute_kernel=KERNEL) for t in tables},
                DynamicEmbeddingBagCollectionSharder())
     for step in range(6):
-        kjts = [_rank_batch(step, r) for r in range(WORLD)]
-        grads = [torch.randn(BATCH, 32, generator=torch.Generator().manual_seed(step * 7 + r)) for r in range(WORLD)]
-        out = dmp(kjts[rank])
-        want = reference(global_batch(kjts))
-        torch.testing.assert_close(out.values(), want.values()[rank * BATCH:(rank + 1) * BATCH], rtol=1e-5, atol=1e-5)
-        (out.values() * grads[rank]).sum().backward()
-        ((want.values() * torch.cat(grads)).sum() / WORLD).backward()
+        _train_step(dmp, reference, [_rank_batch(step, r) for r in range(WORLD)], rank, step)
     _assert_shards_identical(dmp.module.ebc.local_module, "embedding_bags.", tables)
     local = dmp.module.ebc.local_module.state_dict()
     assert local["embedding_bags.t1.weight"].dtype == torch.float16 and local["embedding_bags.t1.weight"].shape[1] == 4

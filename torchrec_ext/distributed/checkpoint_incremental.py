@@ -80,17 +80,24 @@ def _skip_state(*args: Any, destination: Any = None, **kwargs: Any) -> Any:
     return destination
 
 
+def _skip_load(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
 @contextmanager
 def tables_left_out(modules: List[nn.Module]) -> Iterator[None]:
-    """Within it, ``state_dict()`` of a model leaves out these modules (their tables): the dense
-    state, without gathering a row. Shadows each module's ``state_dict`` on the instance."""
-    for module in modules:
-        module.__dict__["state_dict"] = _skip_state
+    """Within it, a model's ``state_dict()`` leaves out these modules (their tables: the dense
+    state, without gathering a row) and its ``load_state_dict`` passes them by (neither loaded nor
+    reported missing). Shadows the methods on the instances."""
+    shadowed = [(module, "state_dict", _skip_state) for module in modules]
+    shadowed += [(sub, "_load_from_state_dict", _skip_load) for module in modules for sub in module.modules()]
+    for module, name, replacement in shadowed:
+        module.__dict__[name] = replacement
     try:
         yield
     finally:
-        for module in modules:
-            module.__dict__.pop("state_dict", None)
+        for module, name, _ in shadowed:
+            module.__dict__.pop(name, None)
 
 
 def apply_table_delta(state: Dict[str, Tensor], delta: Dict[str, Any]) -> Dict[str, Tensor]:
@@ -240,18 +247,19 @@ class IncrementalCheckpoints:
         except CheckpointError as e:
             error = str(e)
         _raise_if_any(error, self.pg)
-        with tables_left_out(list(self.modules.values())):
-            state[MODEL_KEY] = self.model.state_dict()
+        modules = list(self.modules.values())
+        with tables_left_out(modules):
+            # state_dict() gives views of the parameters: copies, so that nothing changes before all is read
+            state[MODEL_KEY] = {key: value.clone() if type(value) is Tensor else value
+                                for key, value in self.model.state_dict().items()}
         load_dcp(path, state, self.pg)
         for fqn, module in self.modules.items():
             tables = _local_tables(module)
             if tables is not None:
                 tables.load_states({t: tables_state[fqn][m.name] for t, m in enumerate(tables.meta)},
                                    f"IncrementalCheckpoints.load({path})")
-        # The dense state: loaded with the tables' own (just restored) state, which loads in place.
-        full = self.model.state_dict()
-        full.update(state.pop(MODEL_KEY))
-        self.model.load_state_dict(full)
+        with tables_left_out(modules):
+            self.model.load_state_dict(state.pop(MODEL_KEY))
         return state
 
     def _replay(self, links: List[str], rank: int, world: int) -> Dict[str, Dict[str, Dict[str, Tensor]]]:

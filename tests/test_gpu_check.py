@@ -15,8 +15,10 @@ DRIVER = os.path.join(ROOT, "benchmarks", "gpu_check.py")
 def run_driver(out_dir, *args):
     proc = subprocess.run([sys.executable, DRIVER, "--out-dir", str(out_dir), "--device", "cpu", "--smoke", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
-    rows = [json.loads(line) for line in open(os.path.join(out_dir, "gpu_check.jsonl"))]
-    report = open(os.path.join(out_dir, "gpu_check.md")).read()
+    with open(os.path.join(out_dir, "gpu_check.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    with open(os.path.join(out_dir, "gpu_check.md")) as f:
+        report = f.read()
     return proc, rows, report
 
 
@@ -65,12 +67,12 @@ def test_sync_recorder_counts_each_warning_under_the_call_that_issued_it():
     spec.loader.exec_module(driver)
 
     def synchronizing_op():
-        warnings.warn("called a synchronizing CUDA operation")
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=2)
 
     with driver.SyncRecorder() as recorder:
         for _ in range(3):
             synchronizing_op()
-    warnings.warn("after: not counted")
+    warnings.warn("after: not counted", stacklevel=1)
     assert dict(recorder.messages) == {"called a synchronizing CUDA operation": 3}
     (site, count), = recorder.sites.items()
     assert count == 3 and site.startswith(os.path.join("tests", "test_gpu_check.py:")) and site.endswith("(synchronizing_op)")

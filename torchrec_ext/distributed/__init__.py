@@ -1,12 +1,14 @@
 """Sharding of the dynamic modules: sharders, sharded modules, planner."""
 from torchrec_ext.distributed.embedding import ShardedDynamicEmbeddingCollection
 from torchrec_ext.distributed.embeddingbag import ShardedDynamicEmbeddingBagCollection
+from torchrec_ext.distributed.fp_embeddingbag import ShardedFeatureProcessedDynamicEmbeddingBagCollection
 from torchrec_ext.distributed.planner import (
     DynamicEmbeddingPerfEstimator, DynamicEmbeddingStorageEstimator, install_default_planner_hook, make_planner,
 )
 from torchrec_ext.distributed.sharded_state import full_state_dict
 from torchrec_ext.distributed.sharders import (
-    DynamicEmbeddingBagCollectionSharder, DynamicEmbeddingCollectionSharder, get_sharders,
+    DynamicEmbeddingBagCollectionSharder, DynamicEmbeddingCollectionSharder,
+    FeatureProcessedDynamicEmbeddingBagCollectionSharder, get_sharders,
 )
 
 # TorchRec's default planner (DistributedModelParallel without a plan) costs our tables with our
@@ -15,6 +17,8 @@ install_default_planner_hook()
 
 __all__ = [
     "DynamicEmbeddingBagCollectionSharder", "DynamicEmbeddingCollectionSharder", "DynamicEmbeddingPerfEstimator",
-    "DynamicEmbeddingStorageEstimator", "ShardedDynamicEmbeddingBagCollection", "ShardedDynamicEmbeddingCollection",
+    "DynamicEmbeddingStorageEstimator", "FeatureProcessedDynamicEmbeddingBagCollectionSharder",
+    "ShardedDynamicEmbeddingBagCollection", "ShardedDynamicEmbeddingCollection",
+    "ShardedFeatureProcessedDynamicEmbeddingBagCollection",
     "full_state_dict", "get_sharders", "make_planner",
 ]

@@ -58,8 +58,8 @@ from torchrec_ext.modules.state_checks import _check_distinct, _checked
 from torchrec_ext.modules.table_stats import MAX_AGE_BINS, TableCounters, TableStats
 from torchrec_ext.hashing import as_int64, fallback_seed, fallback_slots, rounding_seed, table_seed
 from torchrec_ext.table import (
-    CLOCK_LIMIT, EPOCH_LIMIT, LAYOUT_LIMIT, LAYOUT_VERSION, LAYOUTS, SLOTS_PER_BUCKET, HashTable,
-    check_counter, place_keys, table_geometry,
+    CLOCK_LIMIT, EPOCH_LIMIT, LAYOUT_LIMIT, LAYOUT_VERSION, LAYOUTS, SLOTS_PER_BUCKET, FixedInsertResult, HashTable,
+    check_counter, find_or_insert_tables, place_keys, table_geometry,
 )
 from torchrec_ext.vocabulary import (
     INITIALIZER_NAMES, INITIALIZER_PARAM_COUNTS, OPTIMIZER_STATES, OPTIMIZERS, ROWWISE_STATE, SQUARED_STATES,
@@ -569,7 +569,12 @@ class DynamicTables:
         unique_rows = torch.empty_like(unique)
         inserted = torch.zeros_like(unique, dtype=torch.bool) if training else None  # for the table counters
         flat = training and new is None and not exporting and self._flat_init()  # all tables' rows in one call
-        for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        table_of = torch.arange(len(self.meta), device=ids.device)
+        unique_table = torch.repeat_interleave(table_of, unique_offsets[1:] - unique_offsets[:-1], output_size=unique.numel())
+        batched = training and not exporting and self._batched_upsert()  # all tables' upserts in one call
+        if batched:
+            unique_rows, inserted = self._rows_for_tables(unique, counts, bounds, unique_table)
+        for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]) if not batched else ()):
             if exporting:
                 torch._check(0 <= start)
                 torch._check(start <= end)
@@ -585,8 +590,9 @@ class DynamicTables:
                     inserted[start:end] = fresh
                     if not flat:
                         self._initialise(t, rows, fresh, keys, new, start)
-        table_of = torch.arange(len(self.meta), device=ids.device)
-        unique_table = torch.repeat_interleave(table_of, unique_offsets[1:] - unique_offsets[:-1], output_size=unique.numel())
+        for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]) if batched and not flat else ()):
+            if end > start:
+                self._initialise(t, unique_rows[start:end], inserted[start:end], unique[start:end], new, start)
         if flat:
             self._initialise_tables(unique_rows, inserted, unique, unique_table)
         if training and not exporting:
@@ -833,32 +839,71 @@ class DynamicTables:
         if not training:
             rows, found = index.find(keys)
             return self._mask_expired(t, rows, found), None
-        candidates = None
-        admission = self.admission[t]
-        if admission is not None:
-            _, found = index.find(keys)
-            unseen = ~found
-            admitted = admission.admit(keys, counts, unseen, self.train_step)
-            self.counters.count_rejected(t, unseen & ~admitted)
-            if m.grows and not torch.compiler.is_compiling():
-                # Room for the ids admitted now. Only this table's rows move: the rows other
-                # tables gave this batch's ids so far stay theirs (a relayout copies them whole).
-                if self.pending_backward == 0:
-                    self.grow({t: int(device_sync.to_host((unseen & admitted).sum(), "growth: admitted ids"))})
-                    index = self.indexes[t]
-                else:
-                    self._growth_deferred = True
-            candidates = found | admitted  # the others take no part in the upsert (no compaction)
+        candidates = self._admit(t, keys, counts)
         scores = counts if m.policy in _SCORED_BY_COUNT else None
         # One entry per key out (no eviction count read on the host); dedup counts are >= 1.
-        result = index.find_or_insert_fixed(keys, scores, candidates)
+        result = self.indexes[t].find_or_insert_fixed(keys, scores, candidates)
+        return self._after_upsert(t, keys, result)
+
+    def _admit(self, t: int, keys: Tensor, counts: Tensor) -> Optional[Tensor]:
+        """Which of table t's distinct ``keys`` take part in this step's upsert (None: all): the
+        ones it holds and those its admission admits now (growing the table for them)."""
+        m, index, admission = self.meta[t], self.indexes[t], self.admission[t]
+        if admission is None:
+            return None
+        _, found = index.find(keys)
+        unseen = ~found
+        admitted = admission.admit(keys, counts, unseen, self.train_step)
+        self.counters.count_rejected(t, unseen & ~admitted)
+        if m.grows and not torch.compiler.is_compiling():
+            # Room for the ids admitted now. Only this table's rows move: the rows other
+            # tables gave this batch's ids so far stay theirs (a relayout copies them whole).
+            if self.pending_backward == 0:
+                self.grow({t: int(device_sync.to_host((unseen & admitted).sum(), "growth: admitted ids"))})
+            else:
+                self._growth_deferred = True
+        return found | admitted  # the others take no part in the upsert (no compaction)
+
+    def _needs_after_upsert(self, t: int) -> bool:
+        """Whether table t's upsert results need per-table work (ttl, the delta log) beyond the
+        eviction count, which ``_rows_for_tables`` makes for all tables at once."""
+        return self.meta[t].ttl_steps is not None or self.delta_log is not None
+
+    def _rows_for_tables(self, unique: Tensor, counts: Tensor, bounds: List[int],
+                         unique_table: Tensor) -> Tuple[Tensor, Tensor]:
+        """``_rows_for`` of every table in training, their upserts in one call
+        (``find_or_insert_tables``: launches independent of the table count on a GPU): the rows
+        of all distinct ids and which are new (rows to initialise)."""
+        pending = None
+        for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if self.admission[t] is not None:
+                candidates = self._admit(t, unique[start:end], counts[start:end])
+                if pending is None:
+                    pending = torch.ones_like(unique, dtype=torch.bool)
+                pending[start:end] = candidates
+        scored = any(m.policy in _SCORED_BY_COUNT for m in self.meta)  # the other policies ignore scores
+        result = find_or_insert_tables(self.indexes, unique, bounds, counts if scored else None, pending)
+        self.counters.count_evicted_tables(unique_table, result.evicted)
+        rows, inserted = result.rows, result.inserted
+        for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if self._needs_after_upsert(t):
+                part = FixedInsertResult(*(x[start:end] for x in result))
+                rows[start:end], inserted[start:end] = self._after_upsert(t, unique[start:end], part, counted=True)
+        return rows, inserted
+
+    def _after_upsert(self, t: int, keys: Tensor, result: FixedInsertResult,
+                      counted: bool = False) -> Tuple[Tensor, Tensor]:
+        """Table t's rows and new rows after its upsert: counters (its evictions unless
+        ``counted``), ttl expiry, the delta log."""
+        m = self.meta[t]
         fresh = result.inserted
         live = result.rows >= 0
         if m.ttl_steps is None:
-            self.counters.count_evicted(t, result.evicted, None)
+            if not counted:
+                self.counters.count_evicted(t, result.evicted, None)
         else:
             seen = self.last_seen[t].index_select(0, result.rows.clamp(min=0))
-            self.counters.count_evicted(t, result.evicted, self.train_step - seen)
+            self.counters.count_evicted(t, result.evicted, self.train_step - seen, counted)
             expired = live & ~fresh & (seen < self.train_step - m.ttl_steps)
             self.counters.count_expired(t, expired)
             fresh = fresh | expired
@@ -932,6 +977,16 @@ class DynamicTables:
         if any(len(m.init_params) > INITIALIZER_PARAM_COUNTS[INITIALIZER_NAMES[m.init_kind]] for m in self.meta):
             return False  # a column shard's vectors start at a column of its table's: per table
         chosen = getattr(self, "flat_init", None)
+        return self.device.type == "cuda" if chosen is None else bool(chosen)
+
+    def _batched_upsert(self) -> bool:
+        """Whether a training lookup upserts every table in one call (``batched_upsert``: None,
+        the default, on GPUs, where per-table calls cost launches per table; on a CPU the
+        per-table calls are as fast at a step's sizes). Not for a subclass that follows each table's
+        upsert with work of its own (``_rows_for``: the tiered tables' cache)."""
+        if type(self)._rows_for is not DynamicTables._rows_for:
+            return False
+        chosen = getattr(self, "batched_upsert", None)
         return self.device.type == "cuda" if chosen is None else bool(chosen)
 
     @torch.compiler.disable
@@ -1193,7 +1248,7 @@ class DynamicTables:
         for table in loaded.values():
             for said in (table.dtype_warning, table.layout_warning, table.warning):
                 if said is not None:
-                    warnings.warn(said)
+                    warnings.warn(said, stacklevel=3)
 
     def _check_table_state(self, t: int, state: Dict[str, Tensor], where: str) -> "_LoadedTable":
         """Table t's checkpoint state, checked (types, shapes, finite values, distinct ids, counter

@@ -6,7 +6,8 @@ tables filled by one step over every id, then trained on batches of `batch` samp
 1..7 ids drawn uniformly from the live ids (no inserts, so the state size stays fixed).
 
 - save / load: `save_checkpoint` (building the state dict, DCP write, fsync, SHA-256 of every
-  file, manifest) and `load_checkpoint` (verification included) + `load_state_dict`, median of
+  file, manifest) and `load_checkpoint` (verification included; into `state_template(model)`,
+  which gathers no row) + `load_state_dict`, median of
   `repeats`, in GB/s of checkpointed tensor bytes, against a plain sequential write (+ fsync) and
   read of the same number of bytes to and from one file in the same directory, timed in the same
   run. Loads are timed twice: from the page cache (the files just written), and from the disk
@@ -134,6 +135,7 @@ def leaves(obj) -> List[torch.Tensor]:
 def main() -> None:
     cfg, save_results = parse_config(Config, __doc__)
     from torchrec_ext.distributed.checkpoint import ensure_process_group, load_checkpoint, save_checkpoint
+    from torchrec_ext.distributed.checkpoint_template import state_template
 
     ensure_process_group()
     root = cfg.dir or tempfile.mkdtemp(prefix="bench_checkpoint_")
@@ -158,7 +160,7 @@ def main() -> None:
             if times is cold_load_s:
                 drop_cached(path)
             start = time.perf_counter()
-            loaded = load_checkpoint(path, state())
+            loaded = load_checkpoint(path, {"model": state_template(model), "dense_optim": dense_opt.state_dict()})
             model.load_state_dict(loaded["model"])
             times.append(time.perf_counter() - start)
         w, r, c = plain_write_read(os.path.join(root, "plain.bin"), leaves(state()))

@@ -25,7 +25,8 @@ def _manifest(path):
         return json.load(f)["files"]
 
 
-def test_digests_computed_while_writing_equal_the_files_bytes_and_nothing_is_read_back(tmp_path, state, monkeypatch):
+def test_digests_computed_while_writing_equal_the_files_bytes_and_nothing_is_read_back(tmp_path, state, monkeypatch,
+                                                                                    one_rank_group):
     def no_reading(path):
         raise AssertionError(f"{path} was read back to be hashed")
 
@@ -46,7 +47,7 @@ def test_digests_computed_while_writing_equal_the_files_bytes_and_nothing_is_rea
     assert loaded["step"] == 7 and loaded["note"] == "plain data"
 
 
-def test_a_stream_moved_backwards_is_hashed_from_disk(tmp_path, state, monkeypatch):
+def test_a_stream_moved_backwards_is_hashed_from_disk(tmp_path, state, monkeypatch, one_rank_group):
     fs = checkpoint_io._HashingFileSystem()
     with fs.create_stream(str(tmp_path / "f.bin"), "wb") as stream:
         stream.write(b"x" * 100)
@@ -72,7 +73,8 @@ def test_a_stream_moved_backwards_is_hashed_from_disk(tmp_path, state, monkeypat
             assert entry["sha256"] == hashlib.sha256(f.read()).hexdigest(), name
 
 
-def test_verification_hashes_files_on_several_threads_and_names_a_corrupted_one(tmp_path, state, monkeypatch):
+def test_verification_hashes_files_on_several_threads_and_names_a_corrupted_one(tmp_path, state, monkeypatch,
+                                                                                one_rank_group):
     from torchrec_ext.distributed.checkpoint import CheckpointError, verify_checkpoint
 
     monkeypatch.setattr(checkpoint_io, "IO_THREADS", 2)

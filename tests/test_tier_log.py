@@ -157,7 +157,13 @@ def test_a_logged_table_equals_the_resident_table_through_cleaning_checkpoints_f
     assert all(log.live == 0 for log in logs.values())
     _train([resident, tiered], batches[60:])
     _assert_same_state(resident, tiered)
-    assert tiered._tables.storage_bytes() > sum(log.nbytes() for log in logs.values()) >= 4 * (300 + 200)
+    assert [log.nbytes() for log in logs.values()] == [tier_log.RowLog.map_bytes(c) for c in (300, 200)]
+    assert 4 * 300 <= logs[0].nbytes() < 4 * 300 + 9 * logs[0].max_segments + 1  # 4 bytes a row, and per segment
+    (tmp_path / "other").mkdir()
+    fresh = _module(_configs(tmp_path / "other"))
+    before = fresh._tables.storage_bytes()  # logs not open yet: counted all the same
+    fresh._tables._mover(0), fresh._tables._mover(1)
+    assert len(fresh._tables.store.logs()) == 2 and fresh._tables.storage_bytes() == before
 
 
 def test_a_reopened_directory_starts_with_an_empty_log_and_resumes_from_the_checkpoint(tmp_path, monkeypatch):
@@ -232,3 +238,14 @@ def test_a_log_of_other_tables_or_another_layout_version_is_refused(tmp_path, mo
                                          rf"{tier_store.LAYOUT_VERSION - 1}, this build reads version "
                                          rf"{tier_store.LAYOUT_VERSION}"):
         _train([module], _batches(3))
+
+
+def test_log_files_are_named_by_table_safely(tmp_path):
+    configs = [DynamicEmbeddingBagConfig(name=name, embedding_dim=4, num_embeddings=50, feature_names=[f"f{i}"],
+                                         backing=f"file:{tmp_path}", cache_load_factor=0.5)
+               for i, name in enumerate(["up/x", "x/y", "x_y"])]
+    module = _module(configs)
+    for t in range(3):
+        module._tables._mover(t)
+    logs = sorted(name for name in os.listdir(tmp_path) if name.endswith(".log"))
+    assert logs == ["up_x+x_y+x_y.table1.log", "up_x+x_y+x_y.table2.log", "up_x+x_y+x_y.up_x.log"]

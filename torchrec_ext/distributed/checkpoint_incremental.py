@@ -39,8 +39,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -50,6 +49,7 @@ from torchrec_ext.distributed.checkpoint import (
     MANIFEST_FILE, CheckpointError, _from_first_rank, _raise_if_any, _save, ensure_process_group, load_dcp,
     read_manifest, verify_checkpoint)
 from torchrec_ext.distributed.checkpoint_background import wait_for_pending
+from torchrec_ext.distributed.checkpoint_template import dynamic_modules, local_tables, tables_left_out
 from torchrec_ext.modules.deltas import DeltaError, DeltaToken, delta_token, export_delta
 
 MODEL_KEY = "model"  # the model's state without its tables, in the DCP part of every link
@@ -58,46 +58,6 @@ _FORMAT = "torchrec_ext.checkpoint.tables/1"
 
 def tables_file(rank: int, world_size: int) -> str:
     return f"tables.rank{rank}-of-{world_size}.pt"
-
-
-def dynamic_modules(model: nn.Module) -> Dict[str, nn.Module]:
-    """The outermost submodules of ``model`` with dynamic tables (unsharded or sharded), by name."""
-    found: Dict[str, nn.Module] = {}
-    for name, sub in model.named_modules():
-        if hasattr(sub, "delta_token") and hasattr(sub, "export_delta") and \
-                not any(name.startswith(outer + ".") for outer in found if outer) and "" not in found:
-            found[name] = sub
-    return found
-
-
-def _local_tables(module: nn.Module):
-    """This rank's DynamicTables of a dynamic module (a sharded one's share; None: no table here)."""
-    local = module.local_module if hasattr(module, "local_module") else module
-    return None if local is None else local._tables
-
-
-def _skip_state(*args: Any, destination: Any = None, **kwargs: Any) -> Any:
-    return destination
-
-
-def _skip_load(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-@contextmanager
-def tables_left_out(modules: List[nn.Module]) -> Iterator[None]:
-    """Within it, a model's ``state_dict()`` leaves out these modules (their tables: the dense
-    state, without gathering a row) and its ``load_state_dict`` passes them by (neither loaded nor
-    reported missing). Shadows the methods on the instances."""
-    shadowed = [(module, "state_dict", _skip_state) for module in modules]
-    shadowed += [(sub, "_load_from_state_dict", _skip_load) for module in modules for sub in module.modules()]
-    for module, name, replacement in shadowed:
-        module.__dict__[name] = replacement
-    try:
-        yield
-    finally:
-        for module, name, _ in shadowed:
-            module.__dict__.pop(name, None)
 
 
 def apply_table_delta(state: Dict[str, Tensor], delta: Dict[str, Any]) -> Dict[str, Tensor]:
@@ -184,7 +144,7 @@ class IncrementalCheckpoints:
     def _base_payload(self) -> Tuple[Dict[str, Any], Dict[str, DeltaToken]]:
         payload, tokens = {}, {}
         for fqn, module in self.modules.items():
-            tables = _local_tables(module)
+            tables = local_tables(module)
             if tables is None:
                 continue
             tokens[fqn] = delta_token(tables)  # the point the next delta starts from
@@ -197,7 +157,7 @@ class IncrementalCheckpoints:
         assert self._tokens is not None
         payload, tokens = {}, {}
         for fqn, module in self.modules.items():
-            tables = _local_tables(module)
+            tables = local_tables(module)
             if tables is None:
                 continue
             if [m.capacity for m in tables.meta] != self._capacities.get(fqn):
@@ -254,7 +214,7 @@ class IncrementalCheckpoints:
                                 for key, value in self.model.state_dict().items()}
         load_dcp(path, state, self.pg)
         for fqn, module in self.modules.items():
-            tables = _local_tables(module)
+            tables = local_tables(module)
             if tables is not None:
                 tables.load_states({t: tables_state[fqn][m.name] for t, m in enumerate(tables.meta)},
                                    f"IncrementalCheckpoints.load({path})")
@@ -278,7 +238,7 @@ class IncrementalCheckpoints:
                 raise CheckpointError(f"checkpoint {link}: {tables_file(rank, world)} is not a {kind} link of "
                                       f"format {_FORMAT!r}")
             for fqn, module in self.modules.items():
-                tables = _local_tables(module)
+                tables = local_tables(module)
                 if tables is None:
                     continue
                 saved = payload["modules"].get(fqn)

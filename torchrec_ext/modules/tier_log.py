@@ -67,8 +67,7 @@ class RowLog:
         self.record_bytes = records.shape[1]
         self.capacity = capacity
         self.max_segments = records.shape[0] // SEGMENT_RECORDS
-        index_dtype = torch.int32 if records.shape[0] < 2**31 else torch.int64
-        self.where = torch.full((capacity,), -1, dtype=index_dtype)  # row -> record of its newest copy, -1: base
+        self.where = torch.full((capacity,), -1, dtype=self.index_dtype(capacity))  # row -> record of its newest copy, -1: base
         self.segment_live = torch.zeros(self.max_segments, dtype=torch.int64)  # live records per segment
         self.in_use = torch.zeros(self.max_segments, dtype=torch.bool)
         self.used = 0  # segments in use
@@ -84,8 +83,18 @@ class RowLog:
     def max_records(capacity: int) -> int:
         return (2 * -(-capacity // SEGMENT_RECORDS) + 2) * SEGMENT_RECORDS
 
+    @staticmethod
+    def index_dtype(capacity: int) -> torch.dtype:
+        return torch.int32 if RowLog.max_records(capacity) < 2**31 else torch.int64
+
+    @staticmethod
+    def map_bytes(capacity: int) -> int:
+        """Memory of the maps of a table's log (the row -> record map: 4 bytes a row), whether
+        or not it is open yet."""
+        segments = RowLog.max_records(capacity) // SEGMENT_RECORDS
+        return capacity * RowLog.index_dtype(capacity).itemsize + segments * (8 + 1)
+
     def nbytes(self) -> int:
-        """Memory of the log's maps (the row -> record map is 4 bytes a row)."""
         return sum(t.numel() * t.element_size() for t in (self.where, self.segment_live, self.in_use))
 
     def locate(self, rows: Tensor) -> Tensor:
@@ -157,7 +166,11 @@ class RowLog:
             # Written: the records are the rows' newest copies now (not before: a failed write
             # leaves every row where it was).
             these = rows[done:done + take]
-            self.forget(these)
+            old = self.where.index_select(0, these)
+            old = old[old >= 0].to(torch.int64)  # the copies these records supersede: dead now
+            if old.numel():
+                self.segment_live -= torch.bincount(old // SEGMENT_RECORDS, minlength=self.max_segments)
+                self.live -= old.numel()
             self.where.index_copy_(0, these, torch.arange(first, first + take, dtype=self.where.dtype))
             self.segment_live[self.head] += take
             self.live += take

@@ -160,7 +160,9 @@ class BackingStore:
                 raise RuntimeError(f"{self.where}: backing log {log.path!r} still holds rows")
             self._files.pop(f"log{t}").close()
         table = self.tables[t]
-        path = self.path(table["name"], kind="log")
+        safe = [re.sub(r"[^A-Za-z0-9_.-]", "_", other["name"]) for other in self.tables]
+        unique = len(safe[t]) <= 100 and safe.count(safe[t]) == 1
+        path = self.path(safe[t] if unique else f"table{t}", kind="log")  # (as the rows files' names)
         f, _ = self._open_locked(path, self._header(f"log:{table['name']}", None))
         max_records = RowLog.max_records(table["capacity"])
         size = HEADER_BYTES + max_records * record_bytes

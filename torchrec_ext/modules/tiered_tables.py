@@ -41,7 +41,7 @@ from torchrec_ext import ops
 from torchrec_ext.modules.configs import DEFAULT_CACHE_LOAD_FACTOR, options_of, storage_dtype_of
 from torchrec_ext.modules.dynamic_tables import DynamicTables, RowLookup, _allocate
 from torchrec_ext.modules.table_stats import TableStats
-from torchrec_ext.modules.tier_log import ROW_BYTES
+from torchrec_ext.modules.tier_log import ROW_BYTES, RowLog
 from torchrec_ext.modules.tier_store import BackingStore
 from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE, dense_state_offsets, table_words
 
@@ -879,8 +879,8 @@ class TieredTables(DynamicTables):
     def storage_bytes(self, maximum: bool = False) -> int:
         """Bytes in fast memory: the cache, the index and its metadata, the cache's maps (the
         backing store is ``backing_bytes``). Tiered tables do not grow: ``maximum`` is the same."""
-        return (super().storage_bytes() + sum(cache.nbytes() for cache in self.caches)
-                + sum(log.nbytes() for log in self.store.logs().values()))
+        logs = 0 if self.store.directory is None else sum(RowLog.map_bytes(m.capacity) for m in self.meta)
+        return super().storage_bytes() + sum(cache.nbytes() for cache in self.caches) + logs
 
     def backing_bytes(self) -> int:
         return sum(buf.numel() * buf.element_size() for buf in self.backing.values())

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -92,27 +93,19 @@ inline at::Tensor check_pending(int64_t n, const std::optional<at::Tensor>& pend
 // hash_upsert_tables' arguments, all checked before any table is written: one entry per table
 // in every list, key_offsets ascending from 0 to keys.numel(), each table valid as
 // hash_upsert_fixed checks it, and no table given twice (the tables are applied independently).
-inline void check_upsert_tables(at::TensorList digests, at::TensorList slot_keys,
-                                at::TensorList slot_scores, at::TensorList sizes,
-                                const at::Tensor& keys, at::IntArrayRef key_offsets,
-                                const std::optional<at::Tensor>& scores,
-                                const std::optional<at::Tensor>& pending,
-                                at::IntArrayRef capacities, at::IntArrayRef policies,
-                                at::IntArrayRef clocks, at::IntArrayRef epochs) {
-  constexpr const char* op = "hash_upsert_tables";
+// The arguments every multi-table op shares: one entry per table in each list (`lists`: name,
+// length), key_offsets ascending from 0 to keys.numel(), each table's index arrays valid.
+inline void check_tables(const char* op, at::TensorList digests, at::TensorList slot_keys, const at::Tensor& keys,
+                         at::IntArrayRef key_offsets, at::IntArrayRef capacities,
+                         std::initializer_list<std::pair<const char*, int64_t>> lists) {
   check_keys(op, keys);
   const int64_t T = static_cast<int64_t>(digests.size());
-  const std::pair<const char*, int64_t> lists[] = {
-      {"slot_keys", static_cast<int64_t>(slot_keys.size())},
-      {"slot_scores", static_cast<int64_t>(slot_scores.size())},
-      {"sizes", static_cast<int64_t>(sizes.size())},
-      {"capacities", static_cast<int64_t>(capacities.size())},
-      {"policies", static_cast<int64_t>(policies.size())},
-      {"clocks", static_cast<int64_t>(clocks.size())},
-      {"epochs", static_cast<int64_t>(epochs.size())}};
-  for (const auto& [name, len] : lists) {
+  auto check_length = [&](const char* name, int64_t len) {
     TORCH_CHECK(len == T, op, ": ", name, " must have one entry per table (", T, ", as digests), got ", len);
-  }
+  };
+  check_length("slot_keys", static_cast<int64_t>(slot_keys.size()));
+  check_length("capacities", static_cast<int64_t>(capacities.size()));
+  for (const auto& [name, len] : lists) check_length(name, len);
   TORCH_CHECK(static_cast<int64_t>(key_offsets.size()) == T + 1, op, ": key_offsets must have ", T + 1,
               " entries (tables + 1), got ", key_offsets.size());
   TORCH_CHECK(key_offsets[0] == 0 && key_offsets[T] == keys.numel(), op,
@@ -122,6 +115,25 @@ inline void check_upsert_tables(at::TensorList digests, at::TensorList slot_keys
     TORCH_CHECK(key_offsets[t] <= key_offsets[t + 1], op, ": key_offsets must not decrease, got ",
                 key_offsets[t], " then ", key_offsets[t + 1], " at table ", t);
     check_table(op, digests[t], slot_keys[t], capacities[t]);
+  }
+}
+
+inline void check_upsert_tables(at::TensorList digests, at::TensorList slot_keys,
+                                at::TensorList slot_scores, at::TensorList sizes,
+                                const at::Tensor& keys, at::IntArrayRef key_offsets,
+                                const std::optional<at::Tensor>& scores,
+                                const std::optional<at::Tensor>& pending,
+                                at::IntArrayRef capacities, at::IntArrayRef policies,
+                                at::IntArrayRef clocks, at::IntArrayRef epochs) {
+  constexpr const char* op = "hash_upsert_tables";
+  check_tables(op, digests, slot_keys, keys, key_offsets, capacities,
+               {{"slot_scores", static_cast<int64_t>(slot_scores.size())},
+                {"sizes", static_cast<int64_t>(sizes.size())},
+                {"policies", static_cast<int64_t>(policies.size())},
+                {"clocks", static_cast<int64_t>(clocks.size())},
+                {"epochs", static_cast<int64_t>(epochs.size())}});
+  const int64_t T = static_cast<int64_t>(digests.size());
+  for (int64_t t = 0; t < T; ++t) {
     check_slot_scores(op, slot_scores[t], capacities[t]);
     check_size(op, sizes[t]);
     check_upsert_args(keys.numel(), scores, policies[t], clocks[t], epochs[t]);

@@ -587,6 +587,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_fixed_cpu
 // not depend on the thread count.
 constexpr int64_t kParallelTablesKeys = 4 * kGrainKeys;
 
+// Runs fn(t) for every table t of a multi-table call, whose keys are [key_offsets[t],
+// key_offsets[t + 1]): on parallel threads when several tables share a batch of at least
+// kParallelTablesKeys keys, else one after another (each table's kernel parallel on its own).
+template <typename Fn>
+void for_each_table(at::IntArrayRef key_offsets, Fn fn) {
+  const int64_t T = static_cast<int64_t>(key_offsets.size()) - 1, n = key_offsets[T];
+  int64_t largest = 0;
+  for (int64_t t = 0; t < T; ++t) largest = std::max(largest, key_offsets[t + 1] - key_offsets[t]);
+  if (T > 1 && n >= kParallelTablesKeys && 2 * largest <= n) {
+    at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) fn(t);
+    });
+  } else {
+    for (int64_t t = 0; t < T; ++t) fn(t);
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_tables_cpu(
     at::TensorList digests, at::TensorList slot_keys, at::TensorList slot_scores,
     at::TensorList sizes, const at::Tensor& keys, at::IntArrayRef key_offsets,
@@ -596,7 +613,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_tables_cp
   check_upsert_tables(digests, slot_keys, slot_scores, sizes, keys, key_offsets, scores, pending,
                       capacities, policies, clocks, epochs);
   const at::Tensor k = keys.contiguous();
-  const int64_t n = k.numel(), T = static_cast<int64_t>(digests.size());
+  const int64_t n = k.numel();
   const std::optional<at::Tensor> given =
       scores.has_value() ? std::optional<at::Tensor>(scores->contiguous()) : std::nullopt;
   const std::optional<at::Tensor> mask =
@@ -618,16 +635,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_tables_cp
     evicted.slice(0, b, e).copy_(ev);
     evicted_keys.slice(0, b, e).copy_(ek);
   };
-  int64_t largest = 0;
-  for (int64_t t = 0; t < T; ++t) largest = std::max(largest, key_offsets[t + 1] - key_offsets[t]);
-  if (T > 1 && n >= kParallelTablesKeys && 2 * largest <= n) {
-    at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) upsert_table(t);
-    });
-  } else {
-    for (int64_t t = 0; t < T; ++t) upsert_table(t);
-  }
+  for_each_table(key_offsets, upsert_table);
   return {rows, inserted, evicted, evicted_keys};
+}
+
+// hash_find of several tables in one call (a serving lookup's id -> row step for all tables):
+// the per-table kernel on each table's slice, tables in parallel as for hash_upsert_tables.
+std::tuple<at::Tensor, at::Tensor> hash_find_tables_cpu(at::TensorList digests, at::TensorList slot_keys,
+                                                        const at::Tensor& keys, at::IntArrayRef key_offsets,
+                                                        at::IntArrayRef capacities) {
+  check_tables("hash_find_tables", digests, slot_keys, keys, key_offsets, capacities, {});
+  const at::Tensor k = keys.contiguous();
+  at::Tensor rows = at::empty({k.numel()}, k.options());
+  at::Tensor found = at::empty({k.numel()}, k.options().dtype(at::kBool));
+  for_each_table(key_offsets, [&](int64_t t) {
+    const int64_t b = key_offsets[t], e = key_offsets[t + 1];
+    auto [r, f] = hash_find_cpu(digests[t], slot_keys[t], k.slice(0, b, e), capacities[t]);
+    rows.slice(0, b, e).copy_(r);
+    found.slice(0, b, e).copy_(f);
+  });
+  return {rows, found};
 }
 
 at::Tensor hash_erase_cpu(at::Tensor& digests, const at::Tensor& slot_keys, at::Tensor& size,
@@ -776,6 +803,7 @@ TORCH_LIBRARY_IMPL(torchrec_ext, CPU, m) {
   m.impl("hash_upsert", &hash_upsert_cpu);
   m.impl("hash_upsert_fixed", &hash_upsert_fixed_cpu);
   m.impl("hash_upsert_tables", &hash_upsert_tables_cpu);
+  m.impl("hash_find_tables", &hash_find_tables_cpu);
   m.impl("hash_erase", &hash_erase_cpu);
   m.impl("hash_export", &hash_export_cpu);
   m.impl("hash_restore", &hash_restore_cpu);

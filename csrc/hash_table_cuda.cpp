@@ -157,8 +157,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_fixed_cud
                         pending, capacity, policy_id, clock, epoch, assign);
 }
 
-// The descriptors of hash_upsert_tables' tables on the GPU: T UpsertTable, then the bounds of
+// The descriptors of a multi-table op's tables on the GPU: T UpsertTable, then the bounds of
 // their insert windows (absolute batch positions), in one copy from pinned host memory (no sync).
+// A find passes empty slot_scores / sizes / policies / clocks / epochs.
 struct TableDescriptors {
   at::Tensor buffer;  // keeps the device copy alive while the call's launches are built
   const UpsertTable* tables;
@@ -179,15 +180,16 @@ TableDescriptors describe_tables(at::TensorList digests, at::TensorList slot_key
     UpsertTable& d = tables[t];
     d.digests = digests[t].mutable_data_ptr<uint8_t>();
     d.slot_keys = slot_keys[t].mutable_data_ptr<int64_t>();
-    d.slot_scores = slot_scores[t].mutable_data_ptr<int64_t>();
-    d.size = sizes[t].mutable_data_ptr<int64_t>();
+    const bool upsert = !slot_scores.empty();  // a find passes no scores, sizes or policies
+    d.slot_scores = upsert ? slot_scores[t].mutable_data_ptr<int64_t>() : nullptr;
+    d.size = upsert ? sizes[t].mutable_data_ptr<int64_t>() : nullptr;
     d.geo = make_geometry(capacities[t]);
     d.key_begin = key_offsets[t];
     d.key_end = key_offsets[t + 1];
     d.stripe_begin = out.total_stripes;
-    d.policy = policies[t];
-    d.clock = clocks[t];
-    d.epoch = epochs[t];
+    d.policy = upsert ? policies[t] : 0;
+    d.clock = upsert ? clocks[t] : 0;
+    d.epoch = upsert ? epochs[t] : 0;
     d.window_begin = static_cast<int64_t>(windows.size());
     out.total_stripes += d.geo.num_stripes;
     // The windows launch_hash_upsert cuts this table's batch into (from its size: no sync).
@@ -213,6 +215,28 @@ TableDescriptors describe_tables(at::TensorList digests, at::TensorList slot_key
   out.tables = reinterpret_cast<const UpsertTable*>(out.buffer.const_data_ptr<uint8_t>());
   out.windows = reinterpret_cast<const int64_t*>(out.buffer.const_data_ptr<uint8_t>() + table_bytes);
   return out;
+}
+
+// hash_find of several tables: one launch for all of them.
+std::tuple<at::Tensor, at::Tensor> hash_find_tables_cuda(at::TensorList digests, at::TensorList slot_keys,
+                                                         const at::Tensor& keys, at::IntArrayRef key_offsets,
+                                                         at::IntArrayRef capacities) {
+  constexpr const char* op = "hash_find_tables";
+  check_tables(op, digests, slot_keys, keys, key_offsets, capacities, {});
+  const int64_t T = static_cast<int64_t>(digests.size()), n = keys.numel();
+  const at::Tensor k = keys.contiguous();
+  at::Tensor rows = at::empty({n}, k.options());
+  at::Tensor found = at::empty({n}, k.options().dtype(at::kBool));
+  if (T == 0 || n == 0) return {rows, found};
+  for (int64_t t = 0; t < T; ++t) {
+    check_devices(op, digests[0], {{"digests", &digests[t]}, {"slot_keys", &slot_keys[t]}});
+  }
+  check_devices(op, digests[0], {{"keys", &keys}});
+  const c10::cuda::CUDAGuard device_guard(digests[0].device());
+  const TableDescriptors d = describe_tables(digests, slot_keys, {}, {}, key_offsets, capacities, {}, {}, {});
+  C10_CUDA_CHECK(launch_hash_find_tables(d.tables, T, k.const_data_ptr<int64_t>(), n, rows.mutable_data_ptr<int64_t>(),
+                                         found.mutable_data_ptr<bool>(), current_stream()));
+  return {rows, found};
 }
 
 // hash_upsert_fixed of several tables: one pass of launches for all of them (see
@@ -262,10 +286,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_tables_cu
     stripes.masked_fill_(mask.index_select(0, perm).logical_not(), std::numeric_limits<int32_t>::max());
   }
   auto [sorted_stripes, order] = at::sort(stripes, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  // The touch pass's grouping: by stripe, then key (a warp per run of one key's occurrences).
+  const at::Tensor by_key = std::get<1>(at::sort(k, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+  auto [touch_stripes, within] = at::sort(stripes.index_select(0, by_key), /*stable=*/true, /*dim=*/0,
+                                          /*descending=*/false);
+  const at::Tensor touch_order = by_key.index_select(0, within);
   C10_CUDA_CHECK(launch_hash_upsert_tables(
       d.tables, T, d.total_stripes, d.phases, d.max_windows, d.windows, k.const_data_ptr<int64_t>(),
       g.defined() ? g.const_data_ptr<int64_t>() : nullptr, sorted_stripes.const_data_ptr<int32_t>(),
-      order.const_data_ptr<int64_t>(), n, assign, rows.mutable_data_ptr<int64_t>(),
+      order.const_data_ptr<int64_t>(), touch_stripes.const_data_ptr<int32_t>(),
+      touch_order.const_data_ptr<int64_t>(), n, assign, rows.mutable_data_ptr<int64_t>(),
       inserted.mutable_data_ptr<bool>(), evicted.mutable_data_ptr<bool>(), evicted_key.mutable_data_ptr<int64_t>(),
       current_stream()));
   if (!perm.defined()) return {rows, inserted, evicted, evicted_key};
@@ -360,6 +390,7 @@ TORCH_LIBRARY_IMPL(torchrec_ext, CUDA, m) {
   m.impl("hash_upsert", &hash_upsert_cuda);
   m.impl("hash_upsert_fixed", &hash_upsert_fixed_cuda);
   m.impl("hash_upsert_tables", &hash_upsert_tables_cuda);
+  m.impl("hash_find_tables", &hash_find_tables_cuda);
   m.impl("hash_erase", &hash_erase_cuda);
   m.impl("hash_export", &hash_export_cuda);
   m.impl("hash_restore", &hash_restore_cuda);

@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 
 #include "hash_table_cuda.h"
@@ -366,10 +367,11 @@ __global__ void hash_release_kernel(uint8_t* digests, const int64_t* rows,
   release_stripe(digests, rows, order, begin, end);
 }
 
-// ---- hash_upsert_tables: the passes above, each one grid over the stripes of every table. Warp g
-// takes global stripe g (its table's stripe g - stripe_begin) and runs the per-stripe walk of the
-// per-table kernel with that table's arrays and parameters, in the same phases and windows: the
-// tables share no byte, so each table sees exactly its per-table launches.
+// ---- hash_upsert_tables: the passes above, each one grid over every table. Inserts and releases:
+// warp g takes global stripe g (its table's stripe g - stripe_begin) and runs the per-stripe walk
+// of the per-table kernel with that table's arrays and parameters, in the same phases and windows;
+// touches: a warp per key (below). The tables share no byte, so each table's results are exactly
+// its per-table launches'.
 
 // The last table whose range begins at or below v (begin_of ascending in the table): the table
 // holding v, empty tables (which share their begin with the next) never chosen.
@@ -391,6 +393,23 @@ __device__ __forceinline__ int64_t table_of_stripe(const UpsertTable* tables, in
   return table_at(num_tables, g, [&](int64_t t) { return tables[t].stripe_begin; });
 }
 
+// hash_find_tables: warp i takes key i (grid-stride) and probes it in its table, as hash_find_kernel.
+__global__ void hash_find_tables_kernel(const UpsertTable* tables, int64_t num_tables, const int64_t* keys,
+                                        int64_t n, int64_t* rows, bool* found) {
+  const int lane = lane_id();
+  const int64_t num_warps = global_threads() / kWarpSize;
+  for (int64_t i = global_thread() / kWarpSize; i < n; i += num_warps) {
+    const UpsertTable& t = tables[table_at(num_tables, i, [&](int64_t u) { return tables[u].key_begin; })];
+    const int64_t key = keys[i];
+    const KeyPlace p = place_key(key, t.geo);
+    const int64_t row = warp_probe(t.slot_keys, p, load_slots(t.digests, p, lane), key);
+    if (lane == 0) {
+      rows[i] = row;
+      found[i] = row >= 0;
+    }
+  }
+}
+
 __global__ void key_table_stripes_kernel(const UpsertTable* tables, int64_t num_tables, const int64_t* keys,
                                          int64_t n, int32_t* table_of, int32_t* stripes) {
   for (int64_t i = global_thread(); i < n; i += global_threads()) {
@@ -400,19 +419,29 @@ __global__ void key_table_stripes_kernel(const UpsertTable* tables, int64_t num_
   }
 }
 
-// Pass 1, phase `phase` of every table (a table with fewer phases sits the last ones out).
-__global__ void hash_touch_tables_kernel(const UpsertTable* tables, int64_t num_tables, int64_t total_stripes,
-                                         const int64_t* keys, const int64_t* given, const int32_t* sorted_stripes,
-                                         const int64_t* order, int64_t n, int phase, bool assign, int64_t* rows) {
-  const int64_t g = global_thread() / kWarpSize;
-  if (g >= total_stripes) return;
-  const UpsertTable t = tables[table_of_stripe(tables, num_tables, g)];
-  const int64_t stripe = g - t.stripe_begin;
-  if (phase >= upsert_phase_count(t.geo.num_stripes) || upsert_phase(stripe, t.geo.num_stripes) != phase) return;
-  const int64_t begin = lower_bound(sorted_stripes, 0, n, g);
-  const int64_t end = lower_bound(sorted_stripes, begin, n, g + 1);
-  touch_stripe(t.digests, t.slot_keys, t.slot_scores, t.geo, keys, given, order, begin, end,
-               static_cast<Policy>(t.policy), t.clock, t.epoch, assign, rows);
+// Pass 1 of every table at once, with a warp per key rather than per stripe (issue 13 item 7: a
+// stripe's keys touch in parallel): positions come grouped by global stripe then key
+// (touch_stripes ascending, touch_order; batch order among a key's occurrences), and warp w takes
+// the w-th run of one key's occurrences in its table (grid-stride) and walks it as touch_stripe
+// walks a stripe. Touches of distinct keys commute (each writes only its own row's score and pin
+// bit, and reads no byte another writes but the pin bits of digests, whose tag bits a probe reads
+// and nobody changes in this pass), so the results are the per-stripe walk's whatever the order.
+__global__ void hash_touch_tables_kernel(const UpsertTable* tables, int64_t num_tables, const int64_t* keys,
+                                         const int64_t* given, const int32_t* touch_stripes,
+                                         const int64_t* touch_order, int64_t n, bool assign, int64_t* rows) {
+  const int64_t num_warps = global_threads() / kWarpSize;
+  auto same_key = [&](int64_t a, int64_t b) {
+    return touch_stripes[a] == touch_stripes[b] && keys[touch_order[a]] == keys[touch_order[b]];
+  };
+  for (int64_t j = global_thread() / kWarpSize; j < n; j += num_warps) {
+    if (touch_stripes[j] == INT32_MAX) break;  // keys not pending: sorted last
+    if (j > 0 && same_key(j - 1, j)) continue;  // the run's first occurrence walks it
+    int64_t end = j + 1;
+    while (end < n && same_key(j, end)) ++end;
+    const UpsertTable t = tables[table_of_stripe(tables, num_tables, touch_stripes[j])];
+    touch_stripe(t.digests, t.slot_keys, t.slot_scores, t.geo, keys, given, touch_order, j, end,
+                 static_cast<Policy>(t.policy), t.clock, t.epoch, assign, rows);
+  }
 }
 
 // Pass 2, window `window` and k-th phase of every table (each table's phase order rotating with
@@ -544,6 +573,14 @@ cudaError_t launch_hash_upsert(uint8_t* digests, int64_t* slot_keys, int64_t* sl
   return cudaGetLastError();
 }
 
+cudaError_t launch_hash_find_tables(const UpsertTable* tables, int64_t num_tables, const int64_t* keys, int64_t n,
+                                    int64_t* rows, bool* found, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  hash_find_tables_kernel<<<capped_grid(n * kWarpSize, kFindThreads), kFindThreads, 0, stream>>>(
+      tables, num_tables, keys, n, rows, found);
+  return cudaGetLastError();
+}
+
 cudaError_t launch_key_table_stripes(const UpsertTable* tables, int64_t num_tables, const int64_t* keys,
                                      int64_t n, int32_t* table_of, int32_t* stripes, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
@@ -555,15 +592,14 @@ cudaError_t launch_key_table_stripes(const UpsertTable* tables, int64_t num_tabl
 cudaError_t launch_hash_upsert_tables(const UpsertTable* tables, int64_t num_tables, int64_t total_stripes,
                                       int phases, int64_t max_windows, const int64_t* windows,
                                       const int64_t* keys, const int64_t* given,
-                                      const int32_t* sorted_stripes, const int64_t* order, int64_t n,
+                                      const int32_t* sorted_stripes, const int64_t* order,
+                                      const int32_t* touch_stripes, const int64_t* touch_order, int64_t n,
                                       bool assign, int64_t* rows, bool* inserted, bool* evicted,
                                       int64_t* evicted_keys, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const unsigned int grid = stripe_grid(total_stripes);
-  for (int phase = 0; phase < phases; ++phase) {
-    hash_touch_tables_kernel<<<grid, kStripeThreads, 0, stream>>>(
-        tables, num_tables, total_stripes, keys, given, sorted_stripes, order, n, phase, assign, rows);
-  }
+  hash_touch_tables_kernel<<<capped_grid(n * kWarpSize, kStripeThreads), kStripeThreads, 0, stream>>>(
+      tables, num_tables, keys, given, touch_stripes, touch_order, n, assign, rows);
   for (int64_t window = 0; window < max_windows; ++window) {
     for (int k = 0; k < phases; ++k) {
       hash_insert_tables_kernel<<<grid, kStripeThreads, 0, stream>>>(

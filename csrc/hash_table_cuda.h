@@ -54,14 +54,21 @@ struct UpsertTable {
 cudaError_t launch_key_table_stripes(const UpsertTable* tables, int64_t num_tables, const int64_t* keys,
                                      int64_t n, int32_t* table_of, int32_t* stripes, cudaStream_t stream);
 
+// launch_hash_find of every table at once (one warp per key, each probing its own table).
+cudaError_t launch_hash_find_tables(const UpsertTable* tables, int64_t num_tables, const int64_t* keys, int64_t n,
+                                    int64_t* rows, bool* found, cudaStream_t stream);
+
 // launch_hash_upsert of every table at once, each pass one grid over all tables' stripes
 // (total_stripes): a table's keys, given, outputs are its positions of the shared arrays; its
-// keys are grouped by global stripe id (sorted_stripes, order as for launch_hash_upsert). phases
-// and max_windows: the most of any table. Results are each table's launch_hash_upsert's.
+// keys are grouped by global stripe id (sorted_stripes, order as for launch_hash_upsert), and for
+// the touch pass by global stripe id then key (touch_stripes, touch_order: stable, so batch
+// order among a key's occurrences). phases and max_windows: the most of any table. Results are
+// each table's launch_hash_upsert's.
 cudaError_t launch_hash_upsert_tables(const UpsertTable* tables, int64_t num_tables, int64_t total_stripes,
                                       int phases, int64_t max_windows, const int64_t* windows,
                                       const int64_t* keys, const int64_t* given,
-                                      const int32_t* sorted_stripes, const int64_t* order, int64_t n,
+                                      const int32_t* sorted_stripes, const int64_t* order,
+                                      const int32_t* touch_stripes, const int64_t* touch_order, int64_t n,
                                       bool assign, int64_t* rows, bool* inserted, bool* evicted,
                                       int64_t* evicted_keys, cudaStream_t stream);
 

@@ -7,6 +7,10 @@
 TORCH_LIBRARY(torchrec_ext, m) {
   // Row of each key (-1 when absent) and whether it was found. Read-only.
   m.def("hash_find(Tensor digests, Tensor slot_keys, Tensor keys, int capacity) -> (Tensor rows, Tensor found)");
+  // hash_find of several tables in one call: table t's keys are keys[key_offsets[t]:key_offsets[t+1]].
+  m.def(
+      "hash_find_tables(Tensor[] digests, Tensor[] slot_keys, Tensor keys, int[] key_offsets, int[] capacities) "
+      "-> (Tensor rows, Tensor found)");
   // find_or_insert (assign=False: touch scores by the policy) or insert_or_assign (assign=True:
   // scores, when given, are stored as they are). Returns rows (-1 = refused), which positions
   // inserted a new key (first occurrence only), and the keys/rows evicted to make room.

@@ -1,4 +1,4 @@
-"""A module's training step with every table's upsert in one call (``batched_upsert``, the GPU
+"""A module's training step with every table's upsert in one call (``batched_upsert``, the
 default; issue 13 item 6): the same outputs, tables and counters as the per-table calls, for
 every table option the step handles (ttl, admission, growth, lfu, half rows, the delta log), and a
 number of dispatched ops per step that does not grow with the table count."""
@@ -60,9 +60,14 @@ def test_batched_step_equals_per_table_step(variant, new_rows, monkeypatch):
     assert per_table._tables.table_stats() == batched._tables.table_stats()
 
 
-def test_batched_step_with_a_delta_log_equals_per_table_step():
-    """The delta log lists each table's inserted, evicted and written rows from the one call's results."""
-    modules = [_module({"eviction_policy": "lru"}, batched) for batched in (False, True)]
+@pytest.mark.parametrize("options", [{"eviction_policy": "lru"}, {"ttl_steps": 2},
+                                     {"admission": "counter", "admit_after": 2, "initial_capacity": 8}],
+                         ids=["lru", "ttl", "admission_growth"])
+def test_batched_step_with_a_delta_log_equals_per_table_step(options, monkeypatch):
+    """The delta log lists each table's inserted, evicted and written rows from the one call's
+    results; tables growing for their admitted ids relayout before any table is upserted."""
+    monkeypatch.setattr(CounterAdmission, "compact_on_cpu", False)
+    modules = [_module(options, batched) for batched in (False, True)]
     tokens = [m.delta_token() for m in modules]
     for step in range(8):
         if step == 3:  # tables full by now: ids live at this token are evicted after it
@@ -79,14 +84,15 @@ def test_batched_step_with_a_delta_log_equals_per_table_step():
         other = deltas[1].tables[name]
         for field in ("ids", "weights", "tombstones", "scores"):
             assert torch.equal(getattr(table, field), getattr(other, field)), f"{name}: {field}"
-    assert any(t.tombstones.numel() for t in deltas[0].tables.values())  # evictions were logged
+    if "initial_capacity" not in options:  # (growing tables make room instead of evicting)
+        assert any(t.tombstones.numel() for t in deltas[0].tables.values())  # removals were logged
 
 
 def test_batched_sequence_module_step_equals_per_table_step():
     configs = [DynamicEmbeddingConfig(name=f"t{i}", embedding_dim=8, num_embeddings=64, feature_names=[f"f{i}"],
                                       ttl_steps=3, eviction_policy="lfu") for i in range(TABLES)]
     modules = [DynamicEmbeddingCollection(configs, optimizer="adam") for _ in range(2)]
-    modules[1]._tables.batched_upsert = True
+    modules[0]._tables.batched_upsert, modules[1]._tables.batched_upsert = False, True
     for step in range(6):
         kjt = _batch(step, TABLES)
         outs = [m(kjt) for m in modules]
@@ -117,7 +123,7 @@ def test_dispatched_ops_per_step_do_not_grow_with_the_table_count():
 
 def test_tiered_tables_keep_their_per_table_upserts():
     """The tiered tables follow each table's upsert with its cache's work (their _rows_for): a
-    batched_upsert setting (as the GPU default) must not bypass it."""
+    batched_upsert setting (as the default) must not bypass it."""
     configs = [DynamicEmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=64, feature_names=[f"f{i}"],
                                          backing="host", cache_load_factor=0.5) for i in range(3)]
     module = DynamicEmbeddingBagCollection(configs, optimizer="sgd")

@@ -3,8 +3,9 @@ TorchRec's front doors (issue 14, item 7): DistributedModelParallel with get_sha
 plan from TorchRec's EmbeddingShardingPlanner (each sharding type forced by constraints), or no
 plan, on 2 gloo ranks. Outputs, position-weight gradients (DDP's mean over the ranks), position
 weights trained by a dense optimizer, and tables equal the unsharded FP-EBC over our EBC fed the
-global batch with the ranks' mean loss. An FP-EBC over TorchRec's EBC in the same model still
-gets TorchRec's own sharded FP-EBC; the composable shard() keeps the unsharded FQNs."""
+global batch with the ranks' mean loss; TorchRec's and our train pipelines train it as a plain
+loop does. An FP-EBC over TorchRec's EBC in the same model still gets TorchRec's own sharded
+FP-EBC; the composable shard() keeps the unsharded FQNs."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -203,15 +204,13 @@ def _composable_shard(rank, world_size):
     from torchrec.distributed.shard import shard
     from torchrec.distributed.sharding_plan import row_wise, table_wise
 
-    from torchrec_ext.distributed import (
-        FeatureProcessedDynamicEmbeddingBagCollectionSharder, ShardedFeatureProcessedDynamicEmbeddingBagCollection,
-        full_state_dict,
-    )
+    from torchrec_ext.distributed import ShardedFeatureProcessedDynamicEmbeddingBagCollection, full_state_dict
 
     module, reference = _fp_ebc("collection"), _fp_ebc("collection")
     names, modules = [n for n, _ in module.named_parameters()], [n for n, _ in module.named_modules()]
+    # No sharder given: TorchRec finds ours for an FP-EBC (import torchrec_ext.distributed).
     sharded = shard(module, plan={"t1": row_wise(), "t2": table_wise(rank=1)},  # rank 0 holds no t2
-                    sharder=FeatureProcessedDynamicEmbeddingBagCollectionSharder(), device=torch.device("cpu"))
+                    device=torch.device("cpu"))
     assert isinstance(sharded, ShardedFeatureProcessedDynamicEmbeddingBagCollection)
     assert [n for n, _ in sharded.named_parameters()] == names
     assert [n for n, _ in sharded.named_modules()] == modules
@@ -229,3 +228,79 @@ def _composable_shard(rank, world_size):
 
 def test_composable_shard_of_fp_ebc_over_dynamic_ebc():
     run_ranks(_composable_shard, WORLD)
+
+
+# ------------------------------------------------------------------ pipelines
+
+class _FpTrain(torch.nn.Module):
+    """An FP-EBC over our EBC (f0..f2) and a linear layer on its pooled output and the dense
+    features; forward(batch) -> (loss, (loss, logits)), as DLRMTrain's (a pipeline's progress
+    returns the second item)."""
+
+    def __init__(self):
+        from dist_helpers import DENSE_IN, DIM, NUM_TABLES, ROWS
+
+        super().__init__()
+        torch.manual_seed(0)
+        keys = [f"f{i}" for i in range(NUM_TABLES)]
+        ebc = DynamicEmbeddingBagCollection(
+            [DynamicEmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=4 * ROWS, feature_names=[k])
+             for i, k in enumerate(keys)], is_weighted=True, optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
+        self.fp = FeatureProcessedEmbeddingBagCollection(ebc, PositionWeightedModuleCollection({k: 4 for k in keys}))
+        self.over = torch.nn.Linear(NUM_TABLES * DIM + DENSE_IN, 1)
+
+    def forward(self, batch):
+        pooled = self.fp(batch.sparse_features).values()
+        logits = self.over(torch.cat([pooled, batch.dense_features], dim=1)).squeeze(1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        return loss, (loss.detach(), logits.detach())
+
+
+def _fp_dmp(world_size):
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from torchrec_ext.distributed import get_sharders
+
+    model = _FpTrain()
+    plan = construct_module_sharding_plan(model.fp, {"t0": row_wise(), "t1": table_wise(rank=1),
+                                                     "t2": column_wise(ranks=[0, 1])},
+                                          local_size=world_size, world_size=world_size, device_type="cpu")
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=ShardingPlan({"fp": plan}),
+                                   sharders=get_sharders())
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda params: torch.optim.SGD(params, lr=0.5))
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
+
+
+def _pipelines(rank, world_size):
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    from dist_helpers import local_state, make_batches, plain_loop, progress_losses
+    from torchrec_ext.pipeline import TrainPipeline
+
+    batches = make_batches(rank, batch_size=8, num_full=4, last=5)
+    model, optimizer = _fp_dmp(world_size)
+    want_losses, want_state = plain_loop(model, optimizer, batches), local_state(model)
+    assert any("position_weight" in k for k in want_state)
+    for make in (lambda m, o: TrainPipelineSparseDist(m, o, torch.device("cpu"), execute_all_batches=True),
+                 lambda m, o: TrainPipeline(m, o, torch.device("cpu"))):
+        model, optimizer = _fp_dmp(world_size)
+        pipeline = make(model, optimizer)
+        losses = progress_losses(pipeline, batches)
+        if hasattr(pipeline, "close"):
+            pipeline.close()
+        assert len(losses) == len(want_losses)
+        for step, (got, want) in enumerate(zip(losses, want_losses)):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"{type(pipeline).__name__}: step {step}")
+        state = local_state(model)
+        assert state.keys() == want_state.keys()
+        for key in want_state:
+            torch.testing.assert_close(state[key], want_state[key], rtol=1e-6, atol=1e-6, msg=key)
+
+
+def test_pipelines_train_the_sharded_fp_ebc_as_a_plain_loop():
+    run_ranks(_pipelines, WORLD)

@@ -163,11 +163,12 @@ def _composable_shard(rank, world_size):
         DynamicEmbeddingBagCollectionSharder, ShardedDynamicEmbeddingBagCollection, full_state_dict,
     )
 
-    sharder = DynamicEmbeddingBagCollectionSharder()
     per_table = {"t1": row_wise(), "t2": table_wise(rank=0)}  # rank 1 holds no t2
-    module_plan = construct_module_sharding_plan(_dynamic(), dict(per_table), sharder=sharder,
-                                                 local_size=world_size, world_size=world_size, device_type="cpu")
-    for plan in (per_table, module_plan):  # generators, and the plan construct_module_sharding_plan made
+    # No sharder given: TorchRec looks ours up by module type (import torchrec_ext.distributed).
+    module_plan = construct_module_sharding_plan(_dynamic(), dict(per_table), local_size=world_size,
+                                                 world_size=world_size, device_type="cpu")
+    # generators with our sharder, and the plan construct_module_sharding_plan made with none
+    for plan, sharder in ((per_table, DynamicEmbeddingBagCollectionSharder()), (module_plan, None)):
         module, reference = _dynamic(), _dynamic()
         names, modules = [n for n, _ in module.named_parameters()], [n for n, _ in module.named_modules()]
         keys = list(module.state_dict())
@@ -184,6 +185,43 @@ def _composable_shard(rank, world_size):
 
 def test_composable_shard():
     run_ranks(_composable_shard, WORLD)
+
+
+def _composable_shard_ec(rank, world_size):
+    from torchrec.distributed.shard import shard
+    from torchrec.distributed.sharding_plan import row_wise, table_wise
+
+    from torchrec_ext import DynamicEmbeddingCollection, DynamicEmbeddingConfig
+    from torchrec_ext.distributed import ShardedDynamicEmbeddingCollection, full_state_dict
+
+    make = lambda: DynamicEmbeddingCollection([
+        DynamicEmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=64, feature_names=["f1"]),
+        DynamicEmbeddingConfig(name="t2", embedding_dim=4, num_embeddings=32, feature_names=["f2"]),
+    ], optimizer="sgd", optimizer_kwargs={"lr": 0.5})
+    module, reference = make(), make()
+    names, keys = [n for n, _ in module.named_parameters()], list(module.state_dict())
+    sharded = shard(module, plan={"t1": row_wise(), "t2": table_wise(rank=0)}, device=torch.device("cpu"))
+    assert isinstance(sharded, ShardedDynamicEmbeddingCollection)
+    assert [n for n, _ in sharded.named_parameters()] == names  # rank 1 holds no t2
+    for step in range(3):
+        kjts = [_batch(step, r) for r in range(world_size)]
+        out, want = sharded(kjts[rank]), reference(_global(kjts))
+        out = out.wait() if hasattr(out, "wait") else out
+        loss = 0
+        for key in KEYS:
+            before = sum(int(kjts[r][key].lengths().sum()) for r in range(rank))
+            n = int(kjts[rank][key].lengths().sum())
+            torch.testing.assert_close(out[key].values(), want[key].values()[before:before + n])
+            loss = loss + out[key].values().sum()
+        loss.backward()
+        sum(jt.values().sum() for jt in want.values()).backward()  # each id's gradient from its own rank
+    state = sharded.state_dict()
+    assert list(state) == keys
+    assert_same_tables(full_state_dict(state), reference.state_dict(), "embeddings.")
+
+
+def test_composable_shard_of_an_embedding_collection():
+    run_ranks(_composable_shard_ec, WORLD)
 
 
 # ------------------------------------------------------------------ missing sharders are loud

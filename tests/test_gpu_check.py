@@ -23,7 +23,7 @@ def run_driver(out_dir, *args):
 
 
 def test_smoke_runs_every_step_and_records_device_and_versions(tmp_path):
-    steps = ["env", "syncs", "profile", "bandwidth", "hash_table", "lookup"]  # pipeline: torchrun, ~40 s
+    steps = ["env", "syncs", "profile", "bandwidth", "hash_table", "upsert_tables", "lookup"]  # pipeline: torchrun, ~40 s
     proc, rows, report = run_driver(tmp_path, "--steps", ",".join(steps))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [r["step"] for r in rows] == steps
@@ -44,7 +44,7 @@ def test_smoke_runs_every_step_and_records_device_and_versions(tmp_path):
     assert {(r["load_factor"], r["dim"]) for r in hash_rows} == {(0.5, 8), (1.0, 8)}
     assert all(r[f"{op}_keys_per_s"] > 0 for r in hash_rows for op in ("find", "find_or_insert", "insert_or_assign"))
     assert set(by_step["lookup"]["record"]["results"]) == {"ours", "ours-sgd", "dense"}
-    for name in ("hash_table_cpu_hkv.md", "lookup_cpu.md", "hash_table.log", "lookup.log"):
+    for name in ("hash_table_cpu_hkv.md", "lookup_cpu.md", "upsert_tables_cpu.md", "hash_table.log", "lookup.log"):
         assert os.path.exists(tmp_path / name), name
 
 

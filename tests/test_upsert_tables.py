@@ -1,11 +1,13 @@
-"""``hash_upsert_tables`` (issue 13 items 6 and 7): the upsert of every table of a step in one call
+"""The multi-table hash ops. ``hash_upsert_tables`` (issue 13 items 6 and 7): the upsert of every table of a step in one call
 (on a GPU one grid over all tables' stripes per pass), bit for bit against ``hash_upsert_fixed``
 called table by table: same rows, flags, evicted keys, scores and sizes, every byte of every
 table after each call. Random batches into full, evicting tables of several sizes (one-stripe
 tables, two stripes, odd rings of three and five stripes) and policies mixed in one call, with
 duplicate keys, extreme keys, empty tables, batches larger than a table (several insert windows),
 pending masks, scores and clocks and epochs that differ per table; the CPU kernel, and the CUDA
-kernel under the warp emulator (also with each launch's warps run last to first)."""
+kernel under the warp emulator (also with each launch's warps run last to first).
+``hash_find_tables`` (a serving lookup's one find for all tables, issue 17) likewise against
+``hash_find`` table by table."""
 import random
 
 import pytest
@@ -248,3 +250,42 @@ def test_find_or_insert_tables_refuses_bad_input_and_leaves_tables_unchanged():
         with pytest.raises((ValueError, TypeError), match=message):
             find_or_insert_tables(*args)
     assert all(t.size() == 0 and t.clock == 0 for t in tables)
+
+
+# ----------------------------------------------------------------------------- hash_find_tables
+
+
+def _filled(capacities, seed):
+    """Tables filled by a few upserts, and a batch per table (present and absent keys, some tables empty)."""
+    states = _tables(capacities)
+    batches = list(_batches(capacities, seed, 3))
+    for keys, offsets, scores, pending, clocks, epochs, _ in batches:
+        _call(_ops.hash_upsert_tables, states, keys, offsets, scores, pending, capacities, [LRU] * len(capacities),
+              clocks, epochs, False)
+    keys, offsets = batches[-1][0], batches[-1][1]
+    return states, torch.cat([keys, torch.tensor([I64MIN, I64MAX])]), offsets[:-1] + [offsets[-1] + 2]
+
+
+def _find_per_table(states, keys, offsets, capacities):
+    outs = [_ops.hash_find(s[0], s[1], keys[offsets[t]:offsets[t + 1]], capacities[t]) for t, s in enumerate(states)]
+    return [torch.cat([o[i] for o in outs]) for i in range(2)]
+
+
+@pytest.mark.parametrize("capacities", [CAPACITIES, [STRIPE + 3 * t for t in range(16)]], ids=["sizes", "parallel"])
+def test_find_tables_equals_per_table_finds(capacities):
+    states, keys, offsets = _filled(capacities, seed=11)
+    got = ops.hash_find_tables([s[0] for s in states], [s[1] for s in states], keys, offsets, capacities)
+    want = _find_per_table(states, keys, offsets, capacities)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and got[1].any() and not got[1].all()
+    with pytest.raises(RuntimeError, match="hash_find_tables: key_offsets must not decrease"):
+        ops.hash_find_tables([s[0] for s in states], [s[1] for s in states], keys,
+                             [0, 5, 3] + offsets[3:], capacities)
+
+
+@needs_emulator
+def test_emulated_find_tables_equals_cpu(emulated):
+    capacities = [1, 33, STRIPE + 9, 3 * STRIPE + 5]
+    states, keys, offsets = _filled(capacities, seed=12)
+    args = ([s[0] for s in states], [s[1] for s in states], keys, offsets, capacities)
+    for a, b in zip(emulated.hash_find_tables(*args), _ops.hash_find_tables(*args)):
+        assert torch.equal(a, b)

@@ -46,6 +46,16 @@ def hash_find(digests: Tensor, slot_keys: Tensor, keys: Tensor, capacity: int) -
     return _ops.hash_find.default(digests, slot_keys, keys, capacity)
 
 
+def hash_find_tables(digests: Sequence[Tensor], slot_keys: Sequence[Tensor], keys: Tensor,
+                     key_offsets: Sequence[int], capacities: Sequence[int]) -> Tuple[Tensor, Tensor]:
+    """:func:`hash_find` of T tables in one call: table t's keys are
+    ``keys[key_offsets[t]:key_offsets[t + 1]]`` (``key_offsets``: T + 1 host ints), its arrays the
+    t-th of ``digests`` / ``slot_keys``, its rows ``capacities[t]``. Read-only; the outputs are
+    those of :func:`hash_find` table by table, concatenated (CUDA: one launch for all tables)."""
+    return _ops.hash_find_tables.default(list(digests), list(slot_keys), keys, [int(o) for o in key_offsets],
+                                         [int(c) for c in capacities])
+
+
 def hash_upsert(
     digests: Tensor,
     slot_keys: Tensor,
@@ -384,6 +394,11 @@ def route_bucketize(ids: Tensor, lengths: Tensor, slot_owner: Sequence[int], wor
 
 @torch.library.register_fake("torchrec_ext::hash_find")
 def _hash_find_fake(digests, slot_keys, keys, capacity):
+    return torch.empty_like(keys), torch.empty_like(keys, dtype=torch.bool)
+
+
+@torch.library.register_fake("torchrec_ext::hash_find_tables")
+def _hash_find_tables_fake(digests, slot_keys, keys, key_offsets, capacities):
     return torch.empty_like(keys), torch.empty_like(keys, dtype=torch.bool)
 
 

@@ -8,12 +8,14 @@ from torchrec_ext.distributed.planner import (
 from torchrec_ext.distributed.sharded_state import full_state_dict
 from torchrec_ext.distributed.sharders import (
     DynamicEmbeddingBagCollectionSharder, DynamicEmbeddingCollectionSharder,
-    FeatureProcessedDynamicEmbeddingBagCollectionSharder, get_sharders,
+    FeatureProcessedDynamicEmbeddingBagCollectionSharder, get_sharders, install_default_sharder_lookup,
 )
 
 # TorchRec's default planner (DistributedModelParallel without a plan) costs our tables with our
 # estimators and refuses models whose dynamic modules have no sharder: see planner.py.
 install_default_planner_hook()
+# TorchRec's composable shard() and construct_module_sharding_plan find our sharders: see sharders.py.
+install_default_sharder_lookup()
 
 __all__ = [
     "DynamicEmbeddingBagCollectionSharder", "DynamicEmbeddingCollectionSharder", "DynamicEmbeddingPerfEstimator",

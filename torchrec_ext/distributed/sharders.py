@@ -116,12 +116,39 @@ class FeatureProcessedDynamicEmbeddingBagCollectionSharder(FeatureProcessedEmbed
         return kernels
 
 
-def get_sharders() -> List[ModuleSharder[nn.Module]]:
-    """Our sharders plus TorchRec's defaults: for DistributedModelParallel(model, sharders=...)
-    on models mixing dynamic and stock TorchRec tables. TorchRec's FP-EBC sharder is replaced by
-    ours, which hands it the FP-EBCs over TorchRec's EBC."""
-    ebc_sharder, defaults = DynamicEmbeddingBagCollectionSharder(), list(get_default_sharders())
+def _with_our_sharders(defaults: List[ModuleSharder[nn.Module]]) -> List[ModuleSharder[nn.Module]]:
+    """Ours, then ``defaults`` but TorchRec's FP-EBC sharder, which ours wraps."""
+    ebc_sharder = DynamicEmbeddingBagCollectionSharder()
     stock_fp = [s for s in defaults if s.module_type is FeatureProcessedEmbeddingBagCollection]
     fp_sharder = FeatureProcessedDynamicEmbeddingBagCollectionSharder(ebc_sharder, *stock_fp[:1])
     return [ebc_sharder, DynamicEmbeddingCollectionSharder(), fp_sharder] + \
         [s for s in defaults if s.module_type is not FeatureProcessedEmbeddingBagCollection]
+
+
+def get_sharders() -> List[ModuleSharder[nn.Module]]:
+    """Our sharders plus TorchRec's defaults: for DistributedModelParallel(model, sharders=...)
+    on models mixing dynamic and stock TorchRec tables. TorchRec's FP-EBC sharder is replaced by
+    ours, which hands it the FP-EBCs over TorchRec's EBC."""
+    return _with_our_sharders(list(get_default_sharders()))
+
+
+def install_default_sharder_lookup() -> None:
+    """Let TorchRec's composable ``shard(module, plan)`` and ``construct_module_sharding_plan``
+    find our sharders when none is passed: the per-type map they look in
+    (``get_module_to_default_sharders``) gets ours, the FP-EBC one in place of TorchRec's (which it
+    hands FP-EBCs over TorchRec's EBC). ``DistributedModelParallel``'s default sharders stay
+    TorchRec's: it refuses our modules at planning, naming ``get_sharders()`` (planner.py).
+    Idempotent; runs on ``import torchrec_ext.distributed``."""
+    import torchrec.distributed.shard as shard_module
+    import torchrec.distributed.sharding_plan as plan_module
+
+    original = plan_module.get_module_to_default_sharders
+    if getattr(original, "_torchrec_ext_hooked", False):
+        return
+
+    def get_module_to_default_sharders() -> Dict[Type[nn.Module], ModuleSharder[nn.Module]]:
+        return {sharder.module_type: sharder for sharder in _with_our_sharders(list(original().values()))}
+
+    get_module_to_default_sharders._torchrec_ext_hooked = True
+    plan_module.get_module_to_default_sharders = get_module_to_default_sharders
+    shard_module.get_module_to_default_sharders = get_module_to_default_sharders

@@ -6,6 +6,7 @@ full state_dict at the end, as id -> vector maps), through LRU evictions and TTL
 import json
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 from torchrec import KeyedJaggedTensor
@@ -187,9 +188,12 @@ def _refused_on_one_rank_applies_nowhere(dmp, root):
     _assert_same(_full(dmp), before)
 
 
-def test_sharded_source_replicas_unsharded_and_on_one_and_two_ranks(tmp_path):
+@pytest.mark.parametrize("source_columns,replica_columns", [(None, None), ([3, 5], [5, 3])])
+def test_sharded_source_replicas_unsharded_and_on_one_and_two_ranks(tmp_path, source_columns, replica_columns):
+    """t1 row-wise, or split by columns (3 + 5) on the source: then its first shard's rank exports
+    whole rows (gathered from both shards), and the 2-rank replica splits it otherwise (5 + 3)."""
     root = str(tmp_path)
-    run_ranks(_source, 2, root)
+    run_ranks(_source, 2, root, source_columns)
     base, final = torch.load(os.path.join(root, "base.pt")), torch.load(os.path.join(root, "final.pt"))
 
     replica = DynamicEmbeddingBagCollection(_configs(t1_capacity=256))
@@ -199,23 +203,7 @@ def test_sharded_source_replicas_unsharded_and_on_one_and_two_ranks(tmp_path):
     _assert_same(replica.state_dict(), final)
 
     run_ranks(_sharded_replica, 1, root)
-    run_ranks(_sharded_replica, 2, root)  # each rank keeps the rows it owns of every share
-
-
-def test_column_sharded_source_and_replicas(tmp_path):
-    """t1 split by columns (3 + 5) on the source: its first shard's rank exports whole rows
-    (gathered from both shards); replicas unsharded, row-wise on 1 rank and split otherwise
-    (5 + 3) on 2 ranks hold the source's live rows bit for bit."""
-    root = str(tmp_path)
-    run_ranks(_source, 2, root, [3, 5])
-    base, final = torch.load(os.path.join(root, "base.pt")), torch.load(os.path.join(root, "final.pt"))
-    replica = DynamicEmbeddingBagCollection(_configs(t1_capacity=256))
-    replica.load_state_dict(base)
-    replica.follow_deltas(_tokens(root))
-    _apply_all(replica, root)
-    _assert_same(replica.state_dict(), final)
-    run_ranks(_sharded_replica, 1, root)
-    run_ranks(_sharded_replica, 2, root, [5, 3])
+    run_ranks(_sharded_replica, 2, root, replica_columns)  # each rank keeps the rows (columns) it holds of every share
 
 
 # ---------------------------------------------------------------------- full tables

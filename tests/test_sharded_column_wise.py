@@ -166,6 +166,25 @@ def test_column_wise_ebc_equals_unsharded_and_checkpoints_round_trip(tmp_path):
     run_ranks(_ebc_column_wise, WORLD, str(tmp_path))
 
 
+def _ec_train_step(out, reference, kjts, rank, step, need_indices=False):
+    """The sharded EC's output ``out`` on this rank's batch equals the reference's on the global
+    batch (each feature's slice of it); both train on the same loss."""
+    want = reference(global_batch(kjts))
+    assert list(out) == list(want)
+    loss = ref_loss = 0
+    for name, jt in out.items():
+        feature = name.split("@")[0]
+        before = sum(int(kjts[r][feature].lengths().sum()) for r in range(rank))
+        n = int(kjts[rank][feature].lengths().sum())
+        torch.testing.assert_close(jt.values(), want[name].values()[before:before + n], rtol=1e-6, atol=1e-6)
+        if need_indices:
+            assert torch.equal(jt.weights(), kjts[rank][feature].values())
+        loss = loss + (jt.values() * (step + 1)).sum()
+        ref_loss = ref_loss + (want[name].values() * (step + 1)).sum()
+    loss.backward()
+    ref_loss.backward()
+
+
 def _ec_column_wise(rank, world_size):
     from torchrec.distributed.sharding_plan import column_wise
 
@@ -181,19 +200,7 @@ def _ec_column_wise(rank, world_size):
         kjts = [_rank_batch(step, r) for r in range(WORLD)]
         out = dmp(kjts[rank])
         out = out.wait() if hasattr(out, "wait") else out
-        want = reference(global_batch(kjts))
-        assert list(out) == list(want)
-        loss = ref_loss = 0
-        for name, jt in out.items():
-            feature = name.split("@")[0]
-            before = sum(int(kjts[r][feature].lengths().sum()) for r in range(rank))
-            n = int(kjts[rank][feature].lengths().sum())
-            torch.testing.assert_close(jt.values(), want[name].values()[before:before + n], rtol=1e-6, atol=1e-6)
-            assert torch.equal(jt.weights(), kjts[rank][feature].values())
-            loss = loss + (jt.values() * (step + 1)).sum()
-            ref_loss = ref_loss + (want[name].values() * (step + 1)).sum()
-        loss.backward()
-        ref_loss.backward()
+        _ec_train_step(out, reference, kjts, rank, step, need_indices=True)
     _assert_shards_identical(dmp.module.ec.local_module, "embeddings.", ["t1", "t2"])
     whole = full_state_dict(dmp.state_dict())
     assert_same_tables(whole, {"ec." + k: v for k, v in reference.state_dict().items()}, "ec.embeddings.")
@@ -276,17 +283,7 @@ def _odd_columns(rank, world_size):
         everyone = [None] * WORLD
         dist.all_gather_object(everyone, sum(sent))
         assert sum(everyone) == 7 * sum(int(k.lengths().sum()) for k in kjts), (everyone, step)
-        want = reference(global_batch(kjts))
-        loss = ref_loss = 0
-        for name, jt in out.items():
-            feature = name.split("@")[0]
-            before = sum(int(kjts[r][feature].lengths().sum()) for r in range(rank))
-            n = int(kjts[rank][feature].lengths().sum())
-            torch.testing.assert_close(jt.values(), want[name].values()[before:before + n], rtol=1e-6, atol=1e-6)
-            loss = loss + (jt.values() * (step + 1)).sum()
-            ref_loss = ref_loss + (want[name].values() * (step + 1)).sum()
-        loss.backward()
-        ref_loss.backward()
+        _ec_train_step(out, reference, kjts, rank, step)
     _assert_shards_identical(dmp.module.ec.local_module, "embeddings.", ["t1", "t2"])
     whole = full_state_dict(dmp.state_dict())
     assert_same_tables(whole, {"ec." + k: v for k, v in reference.state_dict().items()}, "ec.embeddings.")

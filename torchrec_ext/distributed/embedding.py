@@ -145,20 +145,19 @@ class ShardedDynamicEmbeddingCollection(
         """[ids, dim]: the vectors of the input's ids, in its order, from each rank's columns of
         them (``vectors``: this rank's, [sent back, its width], rows in the order they go)."""
         widths = self._rank_widths
+        sizes = [n * w for n, w in zip(ctx.sent_per_rank, widths)]
         # Flat, as ranks send rows of different widths.
         received = all_to_all_single(
-            vectors.new_empty(sum(n * w for n, w in zip(ctx.sent_per_rank, widths))), vectors.reshape(-1),
-            output_split_sizes=[n * w for n, w in zip(ctx.sent_per_rank, widths)],
+            vectors.new_empty(sum(sizes)), vectors.reshape(-1), output_split_sizes=sizes,
             input_split_sizes=[n * vectors.shape[1] for n in send_counts], group=self._env.process_group)
         # Each returned row (routed order: rank-major, then routing slot): its input position and first column.
         target = ctx.order if ctx.expand is None else ctx.expand[ctx.order]
         first = torch.repeat_interleave(self._slot_first.to(target.device), ctx.routed_counts.reshape(-1),
                                         output_size=target.numel())
         start = (target * self._dim + first).split(ctx.sent_per_rank)
-        blocks = received.split([n * w for n, w in zip(ctx.sent_per_rank, widths)])
         index = torch.cat([(s.unsqueeze(1) + torch.arange(w, device=s.device)).reshape(-1)
                            for s, w in zip(start, widths)])
-        whole = received.new_zeros(ctx.ids.numel() * self._dim).index_add(0, index, torch.cat(blocks))
+        whole = received.new_zeros(ctx.ids.numel() * self._dim).index_add(0, index, received)
         return whole.view(ctx.ids.numel(), self._dim)
 
     def compute_and_output_dist(self, ctx: SequenceShardingContext, input: KJTList) -> LazyAwaitable[Dict[str, JaggedTensor]]:

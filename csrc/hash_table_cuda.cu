@@ -188,7 +188,8 @@ __global__ void hash_find_kernel(const uint8_t* digests, const int64_t* slot_key
   for (int64_t i = global_thread() / kWarpSize; i < n; i += num_warps) {
     const int64_t key = keys[i];
     const KeyPlace p = place_key(key, geo);
-    const int64_t row = warp_probe(slot_keys, p, load_slots(digests, p, lane), key);
+    int64_t row = warp_probe(slot_keys, p, load_slots(digests, p, lane), key);
+    if (row < 0) row = stash_probe(digests, slot_keys, geo, p, key);  // every lane: same answer
     if (lane == 0) {
       rows[i] = row;
       found[i] = row >= 0;
@@ -227,7 +228,10 @@ __global__ void hash_touch_kernel(uint8_t* digests, const int64_t* slot_keys, in
   const int64_t end = lower_bound(sorted_stripes, begin, n, stripe + 1);
   const bool has_given = given != nullptr;
   walk_stripe(digests, keys, given, order, geo, begin, end, lane, AllPositions{}, [&](const StripeKey& k) {
-    const int64_t hit = warp_probe(slot_keys, k.place, load_slots(digests, k.place, lane), k.key);
+    int64_t hit = warp_probe(slot_keys, k.place, load_slots(digests, k.place, lane), k.key);
+    // A stashed key's row may lie in a bucket another warp of this phase reads: it reads only the
+    // tag bits of the digest this warp pins, and no warp reads the score written.
+    if (hit < 0) hit = stash_probe(digests, slot_keys, geo, k.place, k.key);
     if (lane != (hit >= 0 ? static_cast<int>(hit & kSlotMask) : 0)) return;
     rows[k.pos] = hit;
     if (hit >= 0) touch_slot(slot_scores, digests, hit, k, policy, has_given, clock, epoch, assign);
@@ -353,7 +357,10 @@ __global__ void hash_erase_kernel(uint8_t* digests, const int64_t* slot_keys, in
   int64_t removed = 0;  // warp-uniform
 
   walk_stripe(digests, keys, nullptr, order, geo, begin, end, lane, AllPositions{}, [&](const StripeKey& k) {
-    const int64_t row = warp_probe(slot_keys, k.place, load_slots(digests, k.place, lane), k.key);
+    int64_t row = warp_probe(slot_keys, k.place, load_slots(digests, k.place, lane), k.key);
+    // A stashed key's row: another warp of this phase may read its tag bits (as 0 or the tag, a
+    // slot without its key either way); its stash entry is stale, dropped by the next upsert.
+    if (row < 0) row = stash_probe(digests, slot_keys, geo, k.place, k.key);
     if (row < 0) return;
     ++removed;
     if (lane == (row & kSlotMask)) {
@@ -366,6 +373,12 @@ __global__ void hash_erase_kernel(uint8_t* digests, const int64_t* slot_keys, in
     // Two's complement: adding the wrapped negative count subtracts it.
     atomicAdd(reinterpret_cast<unsigned long long*>(size), static_cast<unsigned long long>(-removed));
   }
+}
+
+// After an upsert: drops the stash entries whose row lost its key. One thread of one warp: the
+// stash holds a few hundred entries at most, and is empty but in loaded-full tables (one byte).
+__global__ void stash_sweep_kernel(uint8_t* digests, int64_t* slot_keys, TableGeometry geo) {
+  if (global_thread() == 0 && digests[geo.num_slots()] != 0) stash_sweep(digests, slot_keys, geo);
 }
 
 __global__ void route_kernel(const int64_t* keys, int64_t n, int64_t world_size, int64_t* ranks) {
@@ -432,6 +445,7 @@ cudaError_t launch_hash_upsert(uint8_t* digests, int64_t* slot_keys, int64_t* sl
   }
   hash_release_kernel<<<stripe_grid(geo.num_stripes), kStripeThreads, 0, stream>>>(
       digests, rows, sorted_stripes, order, n, geo.num_stripes);
+  stash_sweep_kernel<<<1, kWarpSize, 0, stream>>>(digests, slot_keys, geo);
   return cudaGetLastError();
 }
 

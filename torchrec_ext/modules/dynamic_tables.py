@@ -57,8 +57,8 @@ from torchrec_ext.modules.state_checks import _check_distinct, _checked
 from torchrec_ext.modules.table_stats import MAX_AGE_BINS, TableCounters, TableStats
 from torchrec_ext.hashing import as_int64, fallback_seed, fallback_slots, rounding_seed, table_seed
 from torchrec_ext.table import (
-    CLOCK_LIMIT, EPOCH_LIMIT, LAYOUT_LIMIT, LAYOUT_VERSION, LAYOUTS, SLOTS_PER_BUCKET, HashTable,
-    check_counter, place_keys, table_geometry,
+    CLOCK_LIMIT, EPOCH_LIMIT, LAYOUT_LIMIT, LAYOUT_VERSION, LAYOUTS, SAME_BUCKET_LAYOUTS, SLOTS_PER_BUCKET,
+    HashTable, check_counter, place_keys, table_geometry,
 )
 from torchrec_ext.vocabulary import (
     INITIALIZER_NAMES, INITIALIZER_PARAM_COUNTS, OPTIMIZER_STATES, OPTIMIZERS, ROWWISE_STATE, SQUARED_STATES,
@@ -1218,7 +1218,7 @@ class DynamicTables:
             except ValueError:
                 pass  # saved at another capacity, or with another layout
         if rows is None:
-            if saved_rows is not None and layout != LAYOUT_VERSION:
+            if saved_rows is not None and layout not in SAME_BUCKET_LAYOUTS:
                 layout_warning = (f"{name}: the checkpoint's rows follow hash-table layout {layout} "
                                   f"({LAYOUTS.get(layout, 'unknown')}), this table's layout is {LAYOUT_VERSION} "
                                   f"({LAYOUTS[LAYOUT_VERSION]}): its ids were given new rows")

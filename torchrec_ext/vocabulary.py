@@ -58,6 +58,12 @@ def index_lengths(capacity: int) -> tuple[int, int, int]:
     return slots + stash + num_buckets, slots + 2 * stash, slots
 
 
+def index_bytes(capacity: int) -> int:
+    """Bytes of a table's index (uint8 digests, int64 keys and scores: HashTable.metadata_bytes)."""
+    digests, keys, scores = index_lengths(capacity)
+    return digests + 8 * (keys + scores)
+
+
 # Which rows a key may hold (csrc/hash_table_layout.h's make_geometry and place_key), saved with
 # every state: rows saved by another layout are re-placed on load. Bump it when either changes.
 LAYOUT_VERSION = 3

@@ -57,12 +57,12 @@ from torchrec_ext.modules.state_checks import _check_distinct, _checked
 from torchrec_ext.modules.table_stats import MAX_AGE_BINS, TableCounters, TableStats
 from torchrec_ext.hashing import as_int64, fallback_seed, fallback_slots, rounding_seed, table_seed
 from torchrec_ext.table import (
-    CLOCK_LIMIT, EPOCH_LIMIT, LAYOUT_LIMIT, LAYOUT_VERSION, LAYOUTS, SAME_BUCKET_LAYOUTS, SLOTS_PER_BUCKET,
-    HashTable, check_counter, place_keys, table_geometry,
+    CLOCK_LIMIT, EPOCH_LIMIT, LAYOUT_LIMIT, LAYOUT_VERSION, LAYOUTS, SAME_BUCKET_LAYOUTS, HashTable, check_counter,
+    place_keys,
 )
 from torchrec_ext.vocabulary import (
     INITIALIZER_NAMES, INITIALIZER_PARAM_COUNTS, OPTIMIZER_STATES, OPTIMIZERS, ROWWISE_STATE, SQUARED_STATES,
-    dense_state_offsets, dtype_code, pending_row, table_words,
+    dense_state_offsets, dtype_code, index_bytes, pending_row, table_words,
 )
 
 _SCORED_BY_COUNT = {"lfu", "epoch_lfu"}
@@ -1334,7 +1334,7 @@ class DynamicTables:
             total += table_words(c + m.fallback_rows, m.dim, m.dtype) * 4
             total += (c + m.fallback_rows) * per_row * (1 if self.optimizer is None or self.optimizer.kind in ROWWISE_STATE
                                                         else m.dim)
-            total += 17 * SLOTS_PER_BUCKET * table_geometry(c)[0]
+            total += index_bytes(c)
             total += 8 * c if m.ttl_steps else 0
             total += admission.nbytes() if admission is not None else 0
         return total

@@ -32,7 +32,7 @@ def _hash_cases():
     yield "hash_upsert_fixed", (*state, keys, torch.ones_like(keys), None, CAPACITY, ref.POLICIES.index("lfu"), 7, 0,
                                 False)
     yield "hash_erase", (state[0], state[1], state[3], keys, CAPACITY)
-    yield "hash_export", (t._digests, t._slot_keys, t._slot_scores, CAPACITY, 0, t._digests.numel())
+    yield "hash_export", (t._digests, t._slot_keys, t._slot_scores, CAPACITY, 0, t._slot_scores.numel())
     yield "hash_restore", (empty._digests, empty._slot_keys, empty._slot_scores, empty._size,
                            live_keys, live_rows, live_scores, CAPACITY)
     yield "hash_place", (live_keys, live_scores, CAPACITY)

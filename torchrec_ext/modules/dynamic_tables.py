@@ -58,7 +58,7 @@ from torchrec_ext.modules.table_stats import MAX_AGE_BINS, TableCounters, TableS
 from torchrec_ext.hashing import as_int64, fallback_seed, fallback_slots, rounding_seed, table_seed
 from torchrec_ext.table import (
     CLOCK_LIMIT, EPOCH_LIMIT, LAYOUT_LIMIT, LAYOUT_VERSION, LAYOUTS, SAME_BUCKET_LAYOUTS, HashTable, check_counter,
-    place_keys,
+    place_keys, stash_slots,
 )
 from torchrec_ext.vocabulary import (
     INITIALIZER_NAMES, INITIALIZER_PARAM_COUNTS, OPTIMIZER_STATES, OPTIMIZERS, ROWWISE_STATE, SQUARED_STATES,
@@ -1230,7 +1230,8 @@ class DynamicTables:
                 warning = (f"{name}: placed {kept} of the checkpoint's {n} ids in capacity {capacity}; the other "
                            f"{n - kept} were dropped, by eviction score (metadata), highest kept: an id is dropped when "
                            f"the two 32-row buckets it hashes to have no free row in any placement of the higher-scored "
-                           f"ids kept" + (f" ({n} ids > capacity {capacity})" if n > capacity else ""))
+                           f"ids kept and the stash ({stash_slots(capacity)} ids outside their buckets) is full"
+                           + (f" ({n} ids > capacity {capacity})" if n > capacity else ""))
             rows = rows[keep]
             keep = keep.to(vectors.device)
         pick = (lambda x: x.to(device)) if keep is None else (lambda x: x[keep.to(x.device)].to(device))

@@ -149,6 +149,12 @@ inline int64_t probe(const TableRef& t, const KeyPlace& p, int64_t key) {
   return probe_bucket(t, p.bucket2, p.tag, key);
 }
 
+// Row of `key` in the stash, or -1: out of line, so the probe loops that call it on a miss
+// (rarely past stash_may_hold's byte) stay small.
+[[gnu::noinline]] int64_t stash_row(const TableRef& t, const KeyPlace& p, int64_t key) {
+  return stash_probe(t.digests, t.keys, t.geo, p, key);
+}
+
 // Visits the keys of places place_at(0..count-1) as a three-stage software pipeline, so the
 // DRAM misses of many keys overlap: the buckets of key j + 2D are prefetched, the key lines
 // matching key j + D's tag are prefetched (its digests arrived meanwhile), and key j is handed to
@@ -304,7 +310,7 @@ std::tuple<at::Tensor, at::Tensor> hash_find_cpu(const at::Tensor& digests,
         t, end - begin, [&](int64_t j) { return place_key(kp[begin + j], t.geo); },
         [&](int64_t j, const KeyPlace& p) {
           int64_t row = probe(t, p, kp[begin + j]);
-          if (row < 0) row = stash_probe(t.digests, t.keys, t.geo, p, kp[begin + j]);
+          if (row < 0 && __builtin_expect(stash_may_hold(t.digests, t.geo, p), 0)) row = stash_row(t, p, kp[begin + j]);
           rp[begin + j] = row;
           fp[begin + j] = row >= 0;
         });
@@ -449,7 +455,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
           while (at >= offsets[g + 1]) ++g;
           const int64_t row = probe(t, p, groups.keys[at]);
           if (row < 0) {
-            const int64_t stashed = stash_probe(t.digests, t.keys, geo, p, groups.keys[at]);
+            const int64_t stashed = __builtin_expect(stash_may_hold(t.digests, geo, p), 0)
+                                        ? stash_row(t, p, groups.keys[at]) : -1;
             if (stashed >= 0) {  // its row may lie in any stripe: touched after the phases, below
               std::lock_guard<std::mutex> lock(stash_hits_mutex);
               stash_hits.emplace_back(order[at], stashed);
@@ -620,7 +627,7 @@ at::Tensor hash_erase_cpu(at::Tensor& digests, const at::Tensor& slot_keys, at::
             t.digests[row] = 0;
             ep[groups.order[begin + j]] = true;
             ++removed;
-          } else if (stash_probe(t.digests, t.keys, geo, p, groups.keys[begin + j]) >= 0) {
+          } else if (stash_may_hold(t.digests, geo, p) && stash_row(t, p, groups.keys[begin + j]) >= 0) {
             std::lock_guard<std::mutex> lock(stash_hits_mutex);  // its row may lie in any stripe
             stash_hits.push_back(groups.order[begin + j]);
           }

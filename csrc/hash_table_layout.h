@@ -13,7 +13,7 @@
 // up to load factor ~1, and keys can flow along the ring of stripes: whenever a table's rows can
 // hold a set of keys, some placement of them exists w.h.p. (no stripe overflows on its own; at
 // load exactly 1 a run of j stripes must absorb its keys' random excess, ~45 sqrt(j), which only
-// tables of several million rows fail to).
+// tables of several million rows fail to; the stash below takes the few keys left over).
 // The stash (cuckoo hashing with a stash, Kirsch, Mitzenmacher and Wieder): at load exactly 1
 // a few buckets are chosen by fewer keys than they hold (Hall's condition fails), so a full set
 // of keys can leave a few rows empty that none of their keys may take (a 1M-row table: 0 to ~85
@@ -21,7 +21,7 @@
 // row of [0, capacity) (same row storage, same digest / key / score slot, seen by every pass
 // over rows: export, TTL sweeps, stats, tiers), and an entry of the stash, stored after the main
 // slots of the digest and key arrays, says where it is:
-//   digests   [num_slots, +T)          the stashed key's tag (0 = free); entries packed at the front
+//   digests   [num_slots, +T)          the stashed key's tag (0 = free); entries packed first
 //   digests   [num_slots + T, +B)      per bucket b: stash entries whose key's bucket1 is b
 //                                      (saturates at 255 and then stays: only a cost)
 //   slot_keys [num_slots, +T)          the row of the stashed key
@@ -30,13 +30,17 @@
 // both buckets reads digests[num_slots] (0: empty stash, the usual case: one cached byte per
 // miss), then the count of its bucket1, and scans the stash only when that is non-zero. An entry
 // counts only while its row still holds its key (digest set, same key): a stashed row an insert
-// evicted or erase_rows cleared is a stale entry, never matched, and dropped by the next
-// mutating call (stash_sweep). Only a load writes the stash (hash_restore, with rows from
-// place_keys): inserts go to a key's buckets only, and may evict a stashed row like any other
-// row of the bucket it lies in (by score; never a key of the call in flight: pinned first), so
-// a table never holds more keys than its capacity. T = stash_slots(capacity): 32 per 128 of
-// sqrt(capacity), at least 32 (256 at 1M rows, 3x the most a 1M-row load left over); a load
-// with more keys than placement + stash can hold drops the lowest-priority ones, with a warning.
+// evicted, erased or erase_rows cleared is a stale entry, never matched, and dropped by the next
+// upsert (stash_sweep; an erase writes no slot_keys). A stashed key's row may lie in any stripe:
+// the CPU kernels touch (pin) and erase stashed keys on one thread after the parallel phases;
+// a CUDA warp does it in its phase (another warp may read that digest's tag bits, never its
+// pin bit or score, so the results do not depend on timing). Only a load writes the stash
+// (hash_restore, with rows from place_keys): inserts go to a key's buckets only, and may evict a
+// stashed row like any other row of the bucket it lies in (by score; never a key of the call in
+// flight: pinned first), so a table never holds more keys than its capacity.
+// T = stash_slots(capacity): 32 per 128 of sqrt(capacity), at least 32 (256 at 1M rows, 3x the
+// most a 1M-row load left over); a load with more keys than placement + stash can hold drops
+// the lowest-priority ones, with a warning.
 // A mutation of a key touches stripes s and s + 1 only, so mutations are applied per stripe, in
 // batch order, by one thread at a time, and in phases (upsert_phase) in which no two stripes
 // being applied share a bucket: parallel, lock-free and deterministic regardless of thread count.
@@ -171,11 +175,18 @@ TREXT_HD KeyPlace place_key(int64_t key, const TableGeometry& g) {
   return p;
 }
 
+// Whether the stash may hold a key placed at p: false for an empty stash (one byte read), else
+// whether any entry's key has p's bucket1. The cheap half of stash_probe, for a hot loop to inline.
+TREXT_HD bool stash_may_hold(const uint8_t* digests, const TableGeometry& g, const KeyPlace& p) {
+  const int64_t base = g.num_slots();
+  return digests[base] != 0 && digests[base + g.stash_slots + p.bucket1] != 0;
+}
+
 // Row of `key` (placed at p) in the stash, or -1. Read-only; see the stash's layout above.
 TREXT_HD int64_t stash_probe(const uint8_t* digests, const int64_t* slot_keys, const TableGeometry& g,
                              const KeyPlace& p, int64_t key) {
   const int64_t base = g.num_slots();
-  if (digests[base] == 0 || digests[base + g.stash_slots + p.bucket1] == 0) return -1;
+  if (!stash_may_hold(digests, g, p)) return -1;
   for (int64_t j = 0; j < g.stash_slots && digests[base + j] != 0; ++j) {
     if (digests[base + j] != p.tag || slot_keys[base + g.stash_slots + j] != key) continue;
     const int64_t row = slot_keys[base + j];

@@ -133,7 +133,7 @@ def step_times(cfg: Config) -> Dict[str, object]:
                 / cfg.steps_per_repeat * 1e3
             if name == "none":
                 stats_ms.append(median_seconds(module.table_stats, cfg.stats_reads, warmup=5) * 1e3)
-            del module
+            module = None  # freed before the next strategy's module is built
             gc.collect()
         per_round.append(times)
         print(f"round {r}: " + ", ".join(f"{n} {t:.1f} ms" for n, t in times.items()), flush=True)

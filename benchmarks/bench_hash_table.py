@@ -172,7 +172,7 @@ def run(cfg: Config) -> List[Dict[str, object]]:
                 print(f"load factor {row['load_factor']:.2f}, dim {dim}: " + ", ".join(
                     f"{op} {row[f'{op}_keys_per_s'] / 1e9:.3f} B/s" for op in OPS), flush=True)
                 del calls
-            del table
+            table = None  # freed before the next table is built
             continue
         row = {"load_factor": round(table.load_factor(), 4)}
         for op in OPS:
@@ -185,7 +185,7 @@ def run(cfg: Config) -> List[Dict[str, object]]:
             results.append(row)
             print(f"load factor {row['load_factor']:.2f}: " + ", ".join(
                 f"{op} {row[f'{op}_keys_per_s'] / 1e6:.1f} M/s" for op in OPS), flush=True)
-            del table
+            table = None  # freed before the next table is built
             continue
         resident_cpu = resident.cpu()
         for name, make in (("dict", DictIndex), ("sorted", SortedIndex)):
@@ -202,7 +202,7 @@ def run(cfg: Config) -> List[Dict[str, object]]:
         print(f"load factor {row['load_factor']:.2f}: " + ", ".join(
             f"{op} {row[f'{op}_keys_per_s'] / 1e6:.1f} M/s ({row[f'{op}_keys_per_s'] / row[f'dict_{op}_keys_per_s']:.0f}x dict)"
             for op in OPS), flush=True)
-        del table
+        table = None  # freed before the next table is built
     return results
 
 

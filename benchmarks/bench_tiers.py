@@ -6,7 +6,8 @@ raw ids Zipf(1.05) over 2^40 (``torchrec_ext.data.dlrm_small_batch``); fused Ada
 forward + backward of sum(output) + the fused update. Systems, built side by side:
 
 - resident: DynamicEmbeddingBagCollection, capacity rows per table (backing="device").
-- file:     the same with backing="file:<dir>" (a file on local disk, memory-mapped) and
+- file:     the same with backing="file:<dir>" (files on local disk: the rows memory-mapped,
+            write-backs appended to a log per table, tier_log.py) and
             cache_load_factor (0.2: the table holds 5x the cache's rows); no prefetch: every
             miss is filled, every dirty victim written back, inside the step.
 - host:     the same with backing="host" (the backing store a host tensor): what the tier's
@@ -28,6 +29,7 @@ and the process's resident memory split into anonymous and file pages (both modu
     python benchmarks/bench_tiers.py --threads 1          # saves results/tiers_cpu.{md,jsonl}
     python benchmarks/bench_tiers.py --threads 1 --systems resident,file+prefetch,host+prefetch,file
     python benchmarks/bench_tiers.py --capacity 65536 --batch-size 512 --warmup-steps 5 --repeats 3 --no-save  # smoke
+    python benchmarks/bench_tiers.py --capacity 65536 --batch-size 512 --flusher-ms 20 --no-save  # smoke, files cleaned
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Dict, List, Tuple
 
@@ -62,6 +65,9 @@ class Config(DlrmSmall):
     backing_dir: str = ""  # default: a fresh directory under the system's temp dir (local disk here)
     threads: int = 0  # torch threads (0: torch's default); 1 steadies the timing on a machine other sessions load
     systems: Tuple[str, ...] = ("resident", "file", "host", "file+prefetch", "host+prefetch")
+    # >0: a thread syncs every backing file each so many ms during the timed steps: the kernel's
+    # flusher past its background dirty limit (a full-size table's files here), at smoke size
+    flusher_ms: float = 0.0
 
 
 SYSTEMS = ("resident", "file", "host", "file+prefetch", "host+prefetch")
@@ -86,6 +92,42 @@ def _tier_counters(module) -> Dict[str, int]:
     return {k: sum(getattr(s, k) for s in stats) for k in ("cache_hits", "cache_misses", "cache_write_backs",
                                                            "cache_bytes_moved", "cache_slots", "inserts",
                                                            "cache_staged", "cache_staged_write_backs")}
+
+
+def _log_counters(module) -> Dict[str, int]:
+    """File backing's write-back logs (tier_log.py), summed over the tables."""
+    logs = module._tables.store.logs().values() if hasattr(module._tables.store, "logs") else []
+    return {"appended": sum(log.appended for log in logs), "cleaned": sum(log.cleaned for log in logs),
+            "segments_cleaned": sum(log.segments_cleaned for log in logs), "live": sum(log.live for log in logs),
+            "map_bytes": sum(log.nbytes() for log in logs)}
+
+
+class _Flusher:
+    """Syncs every file under ``directory`` each ``every_ms`` on a thread: their dirty pages are
+    written back and write-protected again, as the kernel's flusher does once dirty pages pass
+    ``vm.dirty_background_ratio`` (what a full-size file-backed table's write-backs reach here)."""
+
+    def __init__(self, directory: str, every_ms: float):
+        self.directory, self.every_s, self.syncs = directory, every_ms / 1e3, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            for root, _, files in os.walk(self.directory):
+                for name in files:
+                    fd = os.open(os.path.join(root, name), os.O_RDONLY)
+                    try:
+                        os.fdatasync(fd)
+                    finally:
+                        os.close(fd)
+            self.syncs += 1
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.syncs
 
 
 def run(cfg: Config) -> Dict[str, object]:
@@ -117,7 +159,9 @@ def _run(cfg: Config, directory: str) -> Dict[str, object]:
         for name, module in systems.items():
             _step(module, kjt, batches[i + 1] if prefetch[name] else None)
     before = {name: _tier_counters(systems[name]) for name in tiered}
+    logs_before = {name: _log_counters(systems[name]) for name in tiered}
     stage_before = {name: systems[name]._tables.stage_seconds() for name in tiered}
+    flusher = _Flusher(directory, cfg.flusher_ms) if cfg.flusher_ms > 0 else None
     times: Dict[str, List[float]] = {name: [] for name in systems}
     names = list(systems)
     for r in range(cfg.repeats):
@@ -132,6 +176,7 @@ def _run(cfg: Config, directory: str) -> Dict[str, object]:
             if prefetch[name]:
                 systems[name]._tables.wait_for_stage()  # the stage in flight counts in the chunk
             times[name].append((time.perf_counter() - start) / n)
+    syncs = flusher.stop() if flusher is not None else 0
     uptime_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     timed = cfg.repeats * n
     tiers = {}
@@ -139,8 +184,12 @@ def _run(cfg: Config, directory: str) -> Dict[str, object]:
         after = _tier_counters(systems[name])
         delta = {k: after[k] - before[name][k] for k in after}
         seen = delta["cache_hits"] + delta["cache_misses"]
+        logs = _log_counters(systems[name])
+        log = {"live_records": logs["live"], "map_bytes": logs["map_bytes"],
+               **{f"{k}_per_step": (logs[k] - logs_before[name][k]) / timed
+                  for k in ("appended", "cleaned", "segments_cleaned")}}
         tiers[name] = {"hit_rate": delta["cache_hits"] / seen if seen else None, "cache_rows": after["cache_slots"],
-                       "backing_bytes": systems[name]._tables.backing_bytes(),
+                       "backing_bytes": systems[name]._tables.backing_bytes(), "log": log,
                        "per_step": {"hits": delta["cache_hits"] / timed, "misses_read": delta["cache_misses"] / timed,
                                     "write_backs": delta["cache_write_backs"] / timed,
                                     "staged": delta["cache_staged"] / timed,
@@ -152,7 +201,8 @@ def _run(cfg: Config, directory: str) -> Dict[str, object]:
                                     "stage_wait_ms": 1e3 * (systems[name]._tables.stage_seconds()[1]
                                                             - stage_before[name][1]) / timed}}
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    backing_file_bytes = {name: sum(os.path.getsize(os.path.join(directory, name, f))
+    # blocks on disk (a log file is sparse: sized for twice its table's rows, filled as appended)
+    backing_file_bytes = {name: sum(os.stat(os.path.join(directory, name, f)).st_blocks * 512
                                     for f in os.listdir(os.path.join(directory, name)))
                           for name in systems if name.startswith("file")}
     return {
@@ -163,6 +213,7 @@ def _run(cfg: Config, directory: str) -> Dict[str, object]:
         "backing_file_bytes": backing_file_bytes,
         "process_memory": process_memory(), "ids_per_step": int(batches[0].values().numel()),
         "uptime_before": uptime_before, "uptime_after": uptime_after, "backing_dir": directory,
+        "flusher_syncs": syncs,
     }
 
 
@@ -193,12 +244,20 @@ def report(cfg: Config, r: Dict[str, object]) -> str:
                      f"the cache, {per['write_backs']:,.0f} written back ({per['staged_write_backs']:,.0f} of them by the "
                      f"stage), {per['bytes_moved'] / 2**20:.1f} MiB moved"
                      + (f"; the stage took {per['stage_ms']:.1f} ms on its thread, the step waited "
-                        f"{per['stage_wait_ms']:.1f} ms for it" if per["staged"] else ""))
+                        f"{per['stage_wait_ms']:.1f} ms for it" if per["staged"] else "")
+                     + (f"; write-back log: {tier['log']['appended_per_step']:,.0f} records appended and "
+                        f"{tier['log']['cleaned_per_step']:,.0f} moved by cleaning a step "
+                        f"({tier['log']['segments_cleaned_per_step']:.2f} segments cleaned), "
+                        f"{tier['log']['live_records']:,} rows' newest copies in it at the end, its maps "
+                        f"{mib(tier['log']['map_bytes'])} MiB" if tier["log"]["appended_per_step"] else ""))
     mem = r["process_memory"]
     files = ", ".join(f"{name} {mib(b)} MiB" for name, b in r["backing_file_bytes"].items()) or "none"
-    lines += [f"- backing files (with headers): {files}; process memory at the end (all "
+    lines += [f"- backing files on disk (rows files with headers, logs): {files}; process memory at the end (all "
               f"systems): VmRSS {mib(mem.get('VmRSS', 0))} MiB = anonymous {mib(mem.get('RssAnon', 0))} + file pages "
               f"{mib(mem.get('RssFile', 0))} MiB",
+              *([f"- a flusher thread synced the backing files every {cfg.flusher_ms:g} ms during the timed steps "
+                 f"({r['flusher_syncs']} rounds): their pages clean and write-protected, as past the kernel's "
+                 "background dirty limit"] if cfg.flusher_ms > 0 else []),
               f"- machine load: before `{r['uptime_before']}`; after `{r['uptime_after']}` (2 cores shared with other "
               "sessions: only the ratios of this run mean anything)"]
     return "\n".join(lines)

@@ -64,7 +64,7 @@ def fbgemm_cuda_reason() -> Optional[str]:
     try:
         import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
         torch.ops.fbgemm.asynchronous_complete_cumsum(torch.ones(2, dtype=torch.int64, device="cuda"))
-    except Exception as e:  # ImportError, NotImplementedError, RuntimeError: all mean "not here"
+    except Exception as e:  # noqa: BLE001 - ImportError, NotImplementedError, RuntimeError: all mean "not here"
         return f"fbgemm CUDA ops unavailable ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
     return None
 

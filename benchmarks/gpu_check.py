@@ -21,6 +21,8 @@ Steps:
              (ours / ours-sgd / dense EmbeddingBag + SGD, + TorchRec's EBC when fbgemm's CUDA
              ops exist), bench_pipeline.py --nproc 1 (when TorchRec's pipeline runs here), each
              in its own process, its results written to OUT_DIR.
+- upsert_tables: benchmarks/bench_upsert_tables.py: the upsert of 26 tables table by table vs one
+             hash_upsert_tables call, and a module's training step either way.
 
     python benchmarks/gpu_check.py --out-dir benchmarks/results/gpu             # on a GPU
     python benchmarks/gpu_check.py --out-dir /tmp/gc --device cpu --smoke      # the code paths on CPU, tiny sizes
@@ -45,7 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from common import fbgemm_cuda_reason, markdown_table, median_seconds, small_tables  # noqa: E402
 
-STEPS = ("env", "syncs", "profile", "bandwidth", "hash_table", "lookup", "pipeline")
+STEPS = ("env", "syncs", "profile", "bandwidth", "hash_table", "upsert_tables", "lookup", "pipeline")
 
 
 class NotRunnable(Exception):
@@ -66,6 +68,7 @@ class Sizes:
     hash_args: Tuple[str, ...] = ("--hkv",)
     lookup_args: Tuple[str, ...] = ()
     pipeline_args: Tuple[str, ...] = ("--nproc", "1", "--rounds", "3", "--steps", "20")
+    upsert_args: Tuple[str, ...] = ("--tables", "26", "--capacity", "100000", "--keys", "4096", "--batch", "2048")
 
     @classmethod
     def smoke(cls) -> "Sizes":
@@ -75,7 +78,9 @@ class Sizes:
                    lookup_args=("--num-tables", "2", "--dim", "8", "--batch-size", "64", "--rows", "4096",
                                 "--capacity", "4096", "--repeats", "2", "--warmup", "1", "--steps-per-repeat", "2"),
                    pipeline_args=("--nproc", "1", "--rows", "1000", "--batch", "64", "--steps", "3",
-                                  "--warmup", "1", "--rounds", "1"))
+                                  "--warmup", "1", "--rounds", "1"),
+                   upsert_args=("--tables", "2", "--capacity", "4096", "--keys", "256", "--batch", "64",
+                                "--repeats", "2"))
 
 
 def versions() -> Dict[str, object]:
@@ -84,7 +89,7 @@ def versions() -> Dict[str, object]:
     for name in ("triton", "torchrec", "fbgemm_gpu"):
         try:
             info[name] = __import__(name).__version__
-        except Exception as e:  # not installed, or fails to import: say so in the row
+        except Exception as e:  # noqa: BLE001 - not installed, or fails to import: say so in the row
             info[name] = f"not importable ({type(e).__name__})"
     return info
 
@@ -263,7 +268,7 @@ def step_bandwidth(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Di
     dst = torch.empty_like(src)
     copy_s = median_seconds(lambda: dst.copy_(src), repeats=10, warmup=2)
     copy_gbps = 2 * sizes.copy_bytes / copy_s / 1e9  # read + written
-    del src, dst
+    src = dst = None  # freed before the next step allocates
 
     module = make_module(sizes, device)
     data = batches(sizes, device, 3)
@@ -329,6 +334,11 @@ def step_hash_table(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[D
                      sizes, out_dir, f"hash_table_{device.type}_hkv")
 
 
+def step_upsert_tables(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Dict, str]:
+    return run_bench("upsert_tables", "bench_upsert_tables.py", list(sizes.upsert_args) + ["--device", device.type],
+                     sizes, out_dir, f"upsert_tables_{device.type}")
+
+
 def step_lookup(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Dict, str]:
     systems = "ours,ours-sgd,dense"
     reason = fbgemm_cuda_reason() if device.type == "cuda" else None
@@ -354,7 +364,7 @@ def step_pipeline(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Dic
 
 STEP_FUNCS: Dict[str, Callable[[Sizes, torch.device, str], Tuple[Dict, str]]] = {
     "env": step_env, "syncs": step_syncs, "profile": step_profile, "bandwidth": step_bandwidth,
-    "hash_table": step_hash_table, "lookup": step_lookup, "pipeline": step_pipeline}
+    "hash_table": step_hash_table, "upsert_tables": step_upsert_tables, "lookup": step_lookup, "pipeline": step_pipeline}
 
 
 def run_steps(steps: List[str], sizes: Sizes, device: torch.device, out_dir: str,
@@ -371,7 +381,7 @@ def run_steps(steps: List[str], sizes: Sizes, device: torch.device, out_dir: str
             status = "ok"
         except NotRunnable as e:
             result, text, status = {"reason": str(e)}, f"not runnable: {e}", "not runnable"
-        except Exception as e:  # reported, and the remaining steps still run
+        except Exception as e:  # noqa: BLE001 - reported, and the remaining steps still run
             tb = traceback.format_exc()
             result, text, status = {"error": f"{type(e).__name__}: {e}"}, f"FAILED\n\n```\n{tb.strip()}\n```", "failed"
         seconds = time.perf_counter() - start

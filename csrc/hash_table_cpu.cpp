@@ -527,7 +527,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
   }, kInlineReleases);
   *size.data_ptr<int64_t>() += size_delta.load();
   // An insert may have evicted a stashed row, erase_rows cleared one: drop their entries.
-  if (t.digests[geo.num_slots()] != 0) stash_sweep(t.digests, t.keys, geo);
+  if (n > 0 && t.digests[geo.num_slots()] != 0) stash_sweep(t.digests, t.keys, geo);  // (CUDA: no launch at n = 0)
 
   // In batch order: an input position evicts at most once, so a pass over the positions
   // places them (no sort).
@@ -599,6 +599,86 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_fixed_cpu
   evicted_full.index_copy_(0, at_pos, evicted);
   evicted_key_full.index_copy_(0, at_pos, evicted_key);
   return {rows, inserted, evicted_full, evicted_key_full};
+}
+
+// hash_upsert_fixed of several tables in one call (a training step's index work for all of a
+// module's tables, one dispatch): each table's slice of the batch goes through the per-table
+// kernel above, so results are those of calls made table by table. Tables are independent, so
+// they run in parallel when several share a batch big enough to pay for a parallel region (each
+// table's passes then run on its thread; kParallelTablesKeys: on a loaded machine a region can
+// cost milliseconds, while 26 tables of a few hundred keys take ~0.5 ms inline); a table holding
+// most of the batch keeps the per-table kernel's parallelism instead. Either way the results do
+// not depend on the thread count.
+constexpr int64_t kParallelTablesKeys = 4 * kGrainKeys;
+
+// Runs fn(t) for every table t of a multi-table call, whose keys are [key_offsets[t],
+// key_offsets[t + 1]): on parallel threads when several tables share a batch of at least
+// kParallelTablesKeys keys, else one after another (each table's kernel parallel on its own).
+template <typename Fn>
+void for_each_table(at::IntArrayRef key_offsets, Fn fn) {
+  const int64_t T = static_cast<int64_t>(key_offsets.size()) - 1, n = key_offsets[T];
+  int64_t largest = 0;
+  for (int64_t t = 0; t < T; ++t) largest = std::max(largest, key_offsets[t + 1] - key_offsets[t]);
+  if (T > 1 && n >= kParallelTablesKeys && 2 * largest <= n) {
+    at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) fn(t);
+    });
+  } else {
+    for (int64_t t = 0; t < T; ++t) fn(t);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_tables_cpu(
+    at::TensorList digests, at::TensorList slot_keys, at::TensorList slot_scores,
+    at::TensorList sizes, const at::Tensor& keys, at::IntArrayRef key_offsets,
+    const std::optional<at::Tensor>& scores, const std::optional<at::Tensor>& pending,
+    at::IntArrayRef capacities, at::IntArrayRef policies, at::IntArrayRef clocks,
+    at::IntArrayRef epochs, bool assign) {
+  check_upsert_tables(digests, slot_keys, slot_scores, sizes, keys, key_offsets, scores, pending,
+                      capacities, policies, clocks, epochs);
+  const at::Tensor k = keys.contiguous();
+  const int64_t n = k.numel();
+  const std::optional<at::Tensor> given =
+      scores.has_value() ? std::optional<at::Tensor>(scores->contiguous()) : std::nullopt;
+  const std::optional<at::Tensor> mask =
+      pending.has_value() ? std::optional<at::Tensor>(pending->contiguous()) : std::nullopt;
+  at::Tensor rows = at::empty({n}, k.options());
+  at::Tensor inserted = at::empty({n}, k.options().dtype(at::kBool));
+  at::Tensor evicted = at::empty({n}, k.options().dtype(at::kBool));
+  at::Tensor evicted_keys = at::empty({n}, k.options());
+  auto upsert_table = [&](int64_t t) {
+    const int64_t b = key_offsets[t], e = key_offsets[t + 1];
+    at::Tensor d = digests[t], sk = slot_keys[t], ss = slot_scores[t], size = sizes[t];
+    auto slice = [&](const std::optional<at::Tensor>& x) {
+      return x.has_value() ? std::optional<at::Tensor>(x->slice(0, b, e)) : std::nullopt;
+    };
+    auto [r, i, ev, ek] = hash_upsert_fixed_cpu(d, sk, ss, size, k.slice(0, b, e), slice(given), slice(mask),
+                                                capacities[t], policies[t], clocks[t], epochs[t], assign);
+    rows.slice(0, b, e).copy_(r);
+    inserted.slice(0, b, e).copy_(i);
+    evicted.slice(0, b, e).copy_(ev);
+    evicted_keys.slice(0, b, e).copy_(ek);
+  };
+  for_each_table(key_offsets, upsert_table);
+  return {rows, inserted, evicted, evicted_keys};
+}
+
+// hash_find of several tables in one call (a serving lookup's id -> row step for all tables):
+// the per-table kernel on each table's slice, tables in parallel as for hash_upsert_tables.
+std::tuple<at::Tensor, at::Tensor> hash_find_tables_cpu(at::TensorList digests, at::TensorList slot_keys,
+                                                        const at::Tensor& keys, at::IntArrayRef key_offsets,
+                                                        at::IntArrayRef capacities) {
+  check_tables("hash_find_tables", digests, slot_keys, keys, key_offsets, capacities, {});
+  const at::Tensor k = keys.contiguous();
+  at::Tensor rows = at::empty({k.numel()}, k.options());
+  at::Tensor found = at::empty({k.numel()}, k.options().dtype(at::kBool));
+  for_each_table(key_offsets, [&](int64_t t) {
+    const int64_t b = key_offsets[t], e = key_offsets[t + 1];
+    auto [r, f] = hash_find_cpu(digests[t], slot_keys[t], k.slice(0, b, e), capacities[t]);
+    rows.slice(0, b, e).copy_(r);
+    found.slice(0, b, e).copy_(f);
+  });
+  return {rows, found};
 }
 
 at::Tensor hash_erase_cpu(at::Tensor& digests, const at::Tensor& slot_keys, at::Tensor& size,
@@ -770,6 +850,8 @@ TORCH_LIBRARY_IMPL(torchrec_ext, CPU, m) {
   m.impl("hash_find", &hash_find_cpu);
   m.impl("hash_upsert", &hash_upsert_cpu);
   m.impl("hash_upsert_fixed", &hash_upsert_fixed_cpu);
+  m.impl("hash_upsert_tables", &hash_upsert_tables_cpu);
+  m.impl("hash_find_tables", &hash_find_tables_cpu);
   m.impl("hash_erase", &hash_erase_cpu);
   m.impl("hash_export", &hash_export_cpu);
   m.impl("hash_restore", &hash_restore_cpu);

@@ -12,9 +12,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <initializer_list>
 #include <limits>
 #include <utility>
+#include <vector>
 
 #include "hash_table_cuda.h"
 #include "hash_table_checks.h"
@@ -155,6 +157,152 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_fixed_cud
                         pending, capacity, policy_id, clock, epoch, assign);
 }
 
+// The descriptors of a multi-table op's tables on the GPU: T UpsertTable, then the bounds of
+// their insert windows (absolute batch positions), in one copy from pinned host memory (no sync).
+// A find passes empty slot_scores / sizes / policies / clocks / epochs.
+struct TableDescriptors {
+  at::Tensor buffer;  // keeps the device copy alive while the call's launches are built
+  const UpsertTable* tables;
+  const int64_t* windows;
+  int64_t total_stripes = 0;
+  int phases = 1;
+  int64_t max_windows = 0;
+};
+
+TableDescriptors describe_tables(at::TensorList digests, at::TensorList slot_keys, at::TensorList slot_scores,
+                                 at::TensorList sizes, at::IntArrayRef key_offsets, at::IntArrayRef capacities,
+                                 at::IntArrayRef policies, at::IntArrayRef clocks, at::IntArrayRef epochs) {
+  const int64_t T = static_cast<int64_t>(digests.size());
+  std::vector<UpsertTable> tables(T);
+  std::vector<int64_t> windows;
+  TableDescriptors out;
+  for (int64_t t = 0; t < T; ++t) {
+    UpsertTable& d = tables[t];
+    d.digests = digests[t].mutable_data_ptr<uint8_t>();
+    d.slot_keys = slot_keys[t].mutable_data_ptr<int64_t>();
+    const bool upsert = !slot_scores.empty();  // a find passes no scores, sizes or policies
+    d.slot_scores = upsert ? slot_scores[t].mutable_data_ptr<int64_t>() : nullptr;
+    d.size = upsert ? sizes[t].mutable_data_ptr<int64_t>() : nullptr;
+    d.geo = make_geometry(capacities[t]);
+    d.key_begin = key_offsets[t];
+    d.key_end = key_offsets[t + 1];
+    d.stripe_begin = out.total_stripes;
+    d.policy = upsert ? policies[t] : 0;
+    d.clock = upsert ? clocks[t] : 0;
+    d.epoch = upsert ? epochs[t] : 0;
+    d.window_begin = static_cast<int64_t>(windows.size());
+    out.total_stripes += d.geo.num_stripes;
+    // The windows launch_hash_upsert cuts this table's batch into (from its size: no sync).
+    const int phases = upsert_phase_count(d.geo.num_stripes);
+    const int64_t n = d.key_end - d.key_begin;
+    windows.push_back(d.key_begin);
+    for (int64_t begin = 0, end; begin < n; begin = end) {
+      end = phases == 1 ? n : std::min(n, begin + upsert_window(capacities[t], begin));
+      windows.push_back(d.key_begin + end);
+    }
+    d.windows = static_cast<int64_t>(windows.size()) - d.window_begin - 1;
+    out.phases = std::max(out.phases, phases);
+    out.max_windows = std::max(out.max_windows, d.windows);
+  }
+  TORCH_CHECK(out.total_stripes < std::numeric_limits<int32_t>::max(), "hash_upsert_tables: ", out.total_stripes,
+              " stripes in all: at most 2^31 - 2");
+  const size_t table_bytes = tables.size() * sizeof(UpsertTable), window_bytes = windows.size() * sizeof(int64_t);
+  at::Tensor host = at::empty({static_cast<int64_t>(table_bytes + window_bytes)},
+                              at::TensorOptions().dtype(at::kByte).pinned_memory(digests[0].is_cuda()));
+  std::memcpy(host.mutable_data_ptr<uint8_t>(), tables.data(), table_bytes);
+  std::memcpy(host.mutable_data_ptr<uint8_t>() + table_bytes, windows.data(), window_bytes);
+  out.buffer = host.to(host.options().device(digests[0].device()).pinned_memory(false), /*non_blocking=*/true);
+  out.tables = reinterpret_cast<const UpsertTable*>(out.buffer.const_data_ptr<uint8_t>());
+  out.windows = reinterpret_cast<const int64_t*>(out.buffer.const_data_ptr<uint8_t>() + table_bytes);
+  return out;
+}
+
+// hash_find of several tables: one launch for all of them.
+std::tuple<at::Tensor, at::Tensor> hash_find_tables_cuda(at::TensorList digests, at::TensorList slot_keys,
+                                                         const at::Tensor& keys, at::IntArrayRef key_offsets,
+                                                         at::IntArrayRef capacities) {
+  constexpr const char* op = "hash_find_tables";
+  check_tables(op, digests, slot_keys, keys, key_offsets, capacities, {});
+  const int64_t T = static_cast<int64_t>(digests.size()), n = keys.numel();
+  const at::Tensor k = keys.contiguous();
+  at::Tensor rows = at::empty({n}, k.options());
+  at::Tensor found = at::empty({n}, k.options().dtype(at::kBool));
+  if (T == 0 || n == 0) return {rows, found};
+  for (int64_t t = 0; t < T; ++t) {
+    check_devices(op, digests[0], {{"digests", &digests[t]}, {"slot_keys", &slot_keys[t]}});
+  }
+  check_devices(op, digests[0], {{"keys", &keys}});
+  const c10::cuda::CUDAGuard device_guard(digests[0].device());
+  const TableDescriptors d = describe_tables(digests, slot_keys, {}, {}, key_offsets, capacities, {}, {}, {});
+  C10_CUDA_CHECK(launch_hash_find_tables(d.tables, T, k.const_data_ptr<int64_t>(), n, rows.mutable_data_ptr<int64_t>(),
+                                         found.mutable_data_ptr<bool>(), current_stream()));
+  return {rows, found};
+}
+
+// hash_upsert_fixed of several tables: one pass of launches for all of them (see
+// hash_table_cuda.cu), each table's keys ordered as the per-table kernel orders them, so each
+// table gets exactly its per-table results.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_tables_cuda(
+    at::TensorList digests, at::TensorList slot_keys, at::TensorList slot_scores, at::TensorList sizes,
+    const at::Tensor& keys, at::IntArrayRef key_offsets, const std::optional<at::Tensor>& scores,
+    const std::optional<at::Tensor>& pending, at::IntArrayRef capacities, at::IntArrayRef policies,
+    at::IntArrayRef clocks, at::IntArrayRef epochs, bool assign) {
+  constexpr const char* op = "hash_upsert_tables";
+  check_upsert_tables(digests, slot_keys, slot_scores, sizes, keys, key_offsets, scores, pending, capacities,
+                      policies, clocks, epochs);
+  const int64_t T = static_cast<int64_t>(digests.size()), n = keys.numel();
+  const at::Tensor given = scores.has_value() ? scores->contiguous() : at::Tensor();
+  const at::Tensor mask = pending.has_value() ? pending->contiguous() : at::Tensor();
+  at::Tensor k = keys.contiguous(), g = given;
+  at::Tensor rows = at::full({n}, -1, k.options());  // keys not pending keep -1
+  at::Tensor inserted = at::zeros({n}, k.options().dtype(at::kBool));
+  at::Tensor evicted = at::zeros({n}, k.options().dtype(at::kBool));
+  at::Tensor evicted_key = at::zeros({n}, k.options());
+  if (T == 0 || n == 0) return {rows, inserted, evicted, evicted_key};
+  for (int64_t t = 0; t < T; ++t) {
+    check_devices(op, digests[0],
+                  {{"digests", &digests[t]}, {"slot_keys", &slot_keys[t]}, {"slot_scores", &slot_scores[t]},
+                   {"sizes", &sizes[t]}});
+  }
+  check_devices(op, digests[0], {{"keys", &keys}});
+  if (given.defined()) check_devices(op, digests[0], {{"scores", &given}});
+  if (mask.defined()) check_devices(op, digests[0], {{"pending", &mask}});
+  const c10::cuda::CUDAGuard device_guard(digests[0].device());
+  const TableDescriptors d =
+      describe_tables(digests, slot_keys, slot_scores, sizes, key_offsets, capacities, policies, clocks, epochs);
+  at::Tensor table_of = at::empty({n}, k.options().dtype(at::kInt));
+  at::Tensor stripes = at::empty({n}, k.options().dtype(at::kInt));
+  C10_CUDA_CHECK(launch_key_table_stripes(d.tables, T, k.const_data_ptr<int64_t>(), n,
+                                          table_of.mutable_data_ptr<int32_t>(), stripes.mutable_data_ptr<int32_t>(),
+                                          current_stream()));
+  at::Tensor perm;
+  if (mask.defined()) {
+    // Each table's pending keys first, in batch order, as upsert_per_key orders one table's.
+    perm = std::get<1>(at::sort(table_of.to(at::kLong) * 2 + mask.logical_not().to(at::kLong), /*stable=*/true,
+                                /*dim=*/0, /*descending=*/false));
+    k = k.index_select(0, perm);
+    if (g.defined()) g = g.index_select(0, perm);
+    stripes = stripes.index_select(0, perm);
+    stripes.masked_fill_(mask.index_select(0, perm).logical_not(), std::numeric_limits<int32_t>::max());
+  }
+  auto [sorted_stripes, order] = at::sort(stripes, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  // The touch pass's grouping: by stripe, then key (a warp per run of one key's occurrences).
+  const at::Tensor by_key = std::get<1>(at::sort(k, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+  auto [touch_stripes, within] = at::sort(stripes.index_select(0, by_key), /*stable=*/true, /*dim=*/0,
+                                          /*descending=*/false);
+  const at::Tensor touch_order = by_key.index_select(0, within);
+  C10_CUDA_CHECK(launch_hash_upsert_tables(
+      d.tables, T, d.total_stripes, d.phases, d.max_windows, d.windows, k.const_data_ptr<int64_t>(),
+      g.defined() ? g.const_data_ptr<int64_t>() : nullptr, sorted_stripes.const_data_ptr<int32_t>(),
+      order.const_data_ptr<int64_t>(), touch_stripes.const_data_ptr<int32_t>(),
+      touch_order.const_data_ptr<int64_t>(), n, assign, rows.mutable_data_ptr<int64_t>(),
+      inserted.mutable_data_ptr<bool>(), evicted.mutable_data_ptr<bool>(), evicted_key.mutable_data_ptr<int64_t>(),
+      current_stream()));
+  if (!perm.defined()) return {rows, inserted, evicted, evicted_key};
+  auto unpermuted = [&](const at::Tensor& x) { return at::empty_like(x).index_copy_(0, perm, x); };
+  return {unpermuted(rows), unpermuted(inserted), unpermuted(evicted), unpermuted(evicted_key)};
+}
+
 at::Tensor hash_erase_cuda(at::Tensor& digests, const at::Tensor& slot_keys, at::Tensor& size,
                            const at::Tensor& keys, int64_t capacity) {
   check_table("hash_erase", digests, slot_keys, capacity);
@@ -241,6 +389,8 @@ TORCH_LIBRARY_IMPL(torchrec_ext, CUDA, m) {
   m.impl("hash_find", &hash_find_cuda);
   m.impl("hash_upsert", &hash_upsert_cuda);
   m.impl("hash_upsert_fixed", &hash_upsert_fixed_cuda);
+  m.impl("hash_upsert_tables", &hash_upsert_tables_cuda);
+  m.impl("hash_find_tables", &hash_find_tables_cuda);
   m.impl("hash_erase", &hash_erase_cuda);
   m.impl("hash_export", &hash_export_cuda);
   m.impl("hash_restore", &hash_restore_cuda);

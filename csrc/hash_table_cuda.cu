@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 
 #include "hash_table_cuda.h"
@@ -216,16 +217,13 @@ __device__ __forceinline__ void touch_slot(int64_t* slot_scores, uint8_t* digest
 
 // Upsert, pass 1, phase `phase`: warp w walks stripe phase_stripe(phase, w), touches and pins
 // (digest bit 7) every key of the stripe that holds a row and marks the others (row -1) for pass 2.
-__global__ void hash_touch_kernel(uint8_t* digests, const int64_t* slot_keys, int64_t* slot_scores,
-                                  TableGeometry geo, const int64_t* keys, const int64_t* given,
-                                  const int32_t* sorted_stripes, const int64_t* order, int64_t n,
-                                  int phase, Policy policy, int64_t clock, int64_t epoch,
-                                  bool assign, int64_t* rows) {
-  const int64_t stripe = phase_warp_stripe(phase, geo);
-  if (stripe < 0) return;
+// The walk of one stripe, whose grouped positions are [begin, end) (shared by the per-table and
+// the multi-table kernels).
+__device__ __forceinline__ void touch_stripe(uint8_t* digests, const int64_t* slot_keys, int64_t* slot_scores,
+                                             const TableGeometry& geo, const int64_t* keys, const int64_t* given,
+                                             const int64_t* order, int64_t begin, int64_t end, Policy policy,
+                                             int64_t clock, int64_t epoch, bool assign, int64_t* rows) {
   const int lane = lane_id();
-  const int64_t begin = lower_bound(sorted_stripes, 0, n, stripe);
-  const int64_t end = lower_bound(sorted_stripes, begin, n, stripe + 1);
   const bool has_given = given != nullptr;
   walk_stripe(digests, keys, given, order, geo, begin, end, lane, AllPositions{}, [&](const StripeKey& k) {
     int64_t hit = warp_probe(slot_keys, k.place, load_slots(digests, k.place, lane), k.key);
@@ -238,25 +236,33 @@ __global__ void hash_touch_kernel(uint8_t* digests, const int64_t* slot_keys, in
   });
 }
 
+__global__ void hash_touch_kernel(uint8_t* digests, const int64_t* slot_keys, int64_t* slot_scores,
+                                  TableGeometry geo, const int64_t* keys, const int64_t* given,
+                                  const int32_t* sorted_stripes, const int64_t* order, int64_t n,
+                                  int phase, Policy policy, int64_t clock, int64_t epoch,
+                                  bool assign, int64_t* rows) {
+  const int64_t stripe = phase_warp_stripe(phase, geo);
+  if (stripe < 0) return;
+  const int64_t begin = lower_bound(sorted_stripes, 0, n, stripe);
+  const int64_t end = lower_bound(sorted_stripes, begin, n, stripe + 1);
+  touch_stripe(digests, slot_keys, slot_scores, geo, keys, given, order, begin, end, policy, clock, epoch, assign,
+               rows);
+}
+
 // Upsert, pass 2, phase `phase` of the window [window_begin, window_end) of batch positions: warp
 // w walks stripe phase_stripe(phase, w) and inserts the window's keys absent when the call began,
 // in batch order, so a new key never evicts a key of the same call (all pinned by pass 1). A
 // stripe's positions ascend, so the window's slice of them is found by binary search: a launch
 // costs its window's keys, not the stripe's.
-__global__ void hash_insert_kernel(uint8_t* digests, int64_t* slot_keys, int64_t* slot_scores,
-                                   int64_t* size, TableGeometry geo, const int64_t* keys,
-                                   const int64_t* given, const int32_t* sorted_stripes,
-                                   const int64_t* order, int64_t n, int phase,
-                                   int64_t window_begin, int64_t window_end, Policy policy,
-                                   int64_t clock, int64_t epoch, bool assign, int64_t* rows,
-                                   bool* inserted, bool* evicted, int64_t* evicted_keys) {
-  const int64_t stripe = phase_warp_stripe(phase, geo);
-  if (stripe < 0) return;
+// The walk of one stripe over its window's grouped positions [begin, end) (shared by the
+// per-table and the multi-table kernels).
+__device__ __forceinline__ void insert_stripe(uint8_t* digests, int64_t* slot_keys, int64_t* slot_scores,
+                                              int64_t* size, const TableGeometry& geo, const int64_t* keys,
+                                              const int64_t* given, const int64_t* order, int64_t begin,
+                                              int64_t end, Policy policy, int64_t clock, int64_t epoch,
+                                              bool assign, int64_t* rows, bool* inserted, bool* evicted,
+                                              int64_t* evicted_keys) {
   const int lane = lane_id();
-  const int64_t first = lower_bound(sorted_stripes, 0, n, stripe);
-  const int64_t last = lower_bound(sorted_stripes, first, n, stripe + 1);
-  const int64_t begin = lower_bound(order, first, last, window_begin);
-  const int64_t end = lower_bound(order, begin, last, window_end);
   const bool has_given = given != nullptr;
   int64_t added = 0;  // warp-uniform: every decision below comes from a ballot or reduction
 
@@ -323,24 +329,157 @@ __global__ void hash_insert_kernel(uint8_t* digests, int64_t* slot_keys, int64_t
   }
 }
 
+__global__ void hash_insert_kernel(uint8_t* digests, int64_t* slot_keys, int64_t* slot_scores,
+                                   int64_t* size, TableGeometry geo, const int64_t* keys,
+                                   const int64_t* given, const int32_t* sorted_stripes,
+                                   const int64_t* order, int64_t n, int phase,
+                                   int64_t window_begin, int64_t window_end, Policy policy,
+                                   int64_t clock, int64_t epoch, bool assign, int64_t* rows,
+                                   bool* inserted, bool* evicted, int64_t* evicted_keys) {
+  const int64_t stripe = phase_warp_stripe(phase, geo);
+  if (stripe < 0) return;
+  const int64_t first = lower_bound(sorted_stripes, 0, n, stripe);
+  const int64_t last = lower_bound(sorted_stripes, first, n, stripe + 1);
+  const int64_t begin = lower_bound(order, first, last, window_begin);
+  const int64_t end = lower_bound(order, begin, last, window_end);
+  insert_stripe(digests, slot_keys, slot_scores, size, geo, keys, given, order, begin, end, policy, clock, epoch,
+                assign, rows, inserted, evicted, evicted_keys);
+}
+
 // Upsert, the end: every row returned is pinned; release them. One warp per stripe, every stripe
 // at once (a key clears only its own digest's pin bit and reads no other byte), 32 positions at a
 // time. The duplicates of a key hold one row and share a stripe: only the lowest lane holding a
 // row clears it, and __syncwarp orders the rounds, so no two threads write a byte concurrently.
-__global__ void hash_release_kernel(uint8_t* digests, const int64_t* rows,
-                                    const int32_t* sorted_stripes, const int64_t* order, int64_t n,
-                                    int64_t num_stripes) {
-  const int64_t stripe = global_thread() / kWarpSize;
-  if (stripe >= num_stripes) return;
+__device__ __forceinline__ void release_stripe(uint8_t* digests, const int64_t* rows, const int64_t* order,
+                                               int64_t begin, int64_t end) {
   const int lane = lane_id();
-  const int64_t begin = lower_bound(sorted_stripes, 0, n, stripe);
-  const int64_t end = lower_bound(sorted_stripes, begin, n, stripe + 1);
   for (int64_t j = begin; j < end; j += kWarpSize) {
     const int64_t row = j + lane < end ? rows[order[j + lane]] : -1;
     const unsigned same = __match_any_sync(kFullMask, static_cast<unsigned long long>(row));
     if (row >= 0 && lane == __ffs(static_cast<int>(same)) - 1) digests[row] &= kTagMask;
     __syncwarp();
   }
+}
+
+__global__ void hash_release_kernel(uint8_t* digests, const int64_t* rows,
+                                    const int32_t* sorted_stripes, const int64_t* order, int64_t n,
+                                    int64_t num_stripes) {
+  const int64_t stripe = global_thread() / kWarpSize;
+  if (stripe >= num_stripes) return;
+  const int64_t begin = lower_bound(sorted_stripes, 0, n, stripe);
+  const int64_t end = lower_bound(sorted_stripes, begin, n, stripe + 1);
+  release_stripe(digests, rows, order, begin, end);
+}
+
+// ---- hash_upsert_tables: the passes above, each one grid over every table. Inserts and releases:
+// warp g takes global stripe g (its table's stripe g - stripe_begin) and runs the per-stripe walk
+// of the per-table kernel with that table's arrays and parameters, in the same phases and windows;
+// touches: a warp per key (below). The tables share no byte, so each table's results are exactly
+// its per-table launches'.
+
+// The last table whose range begins at or below v (begin_of ascending in the table): the table
+// holding v, empty tables (which share their begin with the next) never chosen.
+template <typename BeginOf>
+__device__ __forceinline__ int64_t table_at(int64_t num_tables, int64_t v, BeginOf begin_of) {
+  int64_t lo = 0, hi = num_tables;  // answer in [lo, hi)
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (begin_of(mid) <= v) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+__device__ __forceinline__ int64_t table_of_stripe(const UpsertTable* tables, int64_t num_tables, int64_t g) {
+  return table_at(num_tables, g, [&](int64_t t) { return tables[t].stripe_begin; });
+}
+
+// hash_find_tables: warp i takes key i (grid-stride) and probes it in its table, as hash_find_kernel.
+__global__ void hash_find_tables_kernel(const UpsertTable* tables, int64_t num_tables, const int64_t* keys,
+                                        int64_t n, int64_t* rows, bool* found) {
+  const int lane = lane_id();
+  const int64_t num_warps = global_threads() / kWarpSize;
+  for (int64_t i = global_thread() / kWarpSize; i < n; i += num_warps) {
+    const UpsertTable& t = tables[table_at(num_tables, i, [&](int64_t u) { return tables[u].key_begin; })];
+    const int64_t key = keys[i];
+    const KeyPlace p = place_key(key, t.geo);
+    int64_t row = warp_probe(t.slot_keys, p, load_slots(t.digests, p, lane), key);
+    if (row < 0) row = stash_probe(t.digests, t.slot_keys, t.geo, p, key);  // every lane: same answer
+    if (lane == 0) {
+      rows[i] = row;
+      found[i] = row >= 0;
+    }
+  }
+}
+
+__global__ void key_table_stripes_kernel(const UpsertTable* tables, int64_t num_tables, const int64_t* keys,
+                                         int64_t n, int32_t* table_of, int32_t* stripes) {
+  for (int64_t i = global_thread(); i < n; i += global_threads()) {
+    const int64_t t = table_at(num_tables, i, [&](int64_t u) { return tables[u].key_begin; });
+    table_of[i] = static_cast<int32_t>(t);
+    stripes[i] = static_cast<int32_t>(tables[t].stripe_begin + place_key(keys[i], tables[t].geo).stripe);
+  }
+}
+
+// Pass 1 of every table at once, with a warp per key rather than per stripe (issue 13 item 7: a
+// stripe's keys touch in parallel): positions come grouped by global stripe then key
+// (touch_stripes ascending, touch_order; batch order among a key's occurrences), and warp w takes
+// the w-th run of one key's occurrences in its table (grid-stride) and walks it as touch_stripe
+// walks a stripe. Touches of distinct keys commute (each writes only its own row's score and pin
+// bit, and reads no byte another writes but the pin bits of digests, whose tag bits a probe reads
+// and nobody changes in this pass), so the results are the per-stripe walk's whatever the order.
+__global__ void hash_touch_tables_kernel(const UpsertTable* tables, int64_t num_tables, const int64_t* keys,
+                                         const int64_t* given, const int32_t* touch_stripes,
+                                         const int64_t* touch_order, int64_t n, bool assign, int64_t* rows) {
+  const int64_t num_warps = global_threads() / kWarpSize;
+  auto same_key = [&](int64_t a, int64_t b) {
+    return touch_stripes[a] == touch_stripes[b] && keys[touch_order[a]] == keys[touch_order[b]];
+  };
+  for (int64_t j = global_thread() / kWarpSize; j < n; j += num_warps) {
+    if (touch_stripes[j] == INT32_MAX) break;  // keys not pending: sorted last
+    if (j > 0 && same_key(j - 1, j)) continue;  // the run's first occurrence walks it
+    int64_t end = j + 1;
+    while (end < n && same_key(j, end)) ++end;
+    const UpsertTable t = tables[table_of_stripe(tables, num_tables, touch_stripes[j])];
+    touch_stripe(t.digests, t.slot_keys, t.slot_scores, t.geo, keys, given, touch_order, j, end,
+                 static_cast<Policy>(t.policy), t.clock, t.epoch, assign, rows);
+  }
+}
+
+// Pass 2, window `window` and k-th phase of every table (each table's phase order rotating with
+// its own clock; a table with fewer windows or phases sits the rest out).
+__global__ void hash_insert_tables_kernel(const UpsertTable* tables, int64_t num_tables, int64_t total_stripes,
+                                          const int64_t* windows, const int64_t* keys, const int64_t* given,
+                                          const int32_t* sorted_stripes, const int64_t* order, int64_t n,
+                                          int64_t window, int k, bool assign, int64_t* rows, bool* inserted,
+                                          bool* evicted, int64_t* evicted_keys) {
+  const int64_t g = global_thread() / kWarpSize;
+  if (g >= total_stripes) return;
+  const UpsertTable t = tables[table_of_stripe(tables, num_tables, g)];
+  const int64_t stripe = g - t.stripe_begin, stripes = t.geo.num_stripes;
+  if (window >= t.windows || k >= upsert_phase_count(stripes) ||
+      upsert_phase(stripe, stripes) != upsert_phase_at(k, t.clock, stripes)) {
+    return;
+  }
+  const int64_t first = lower_bound(sorted_stripes, 0, n, g);
+  const int64_t last = lower_bound(sorted_stripes, first, n, g + 1);
+  const int64_t begin = lower_bound(order, first, last, windows[t.window_begin + window]);
+  const int64_t end = lower_bound(order, begin, last, windows[t.window_begin + window + 1]);
+  insert_stripe(t.digests, t.slot_keys, t.slot_scores, t.size, t.geo, keys, given, order, begin, end,
+                static_cast<Policy>(t.policy), t.clock, t.epoch, assign, rows, inserted, evicted, evicted_keys);
+}
+
+__global__ void hash_release_tables_kernel(const UpsertTable* tables, int64_t num_tables, int64_t total_stripes,
+                                           const int64_t* rows, const int32_t* sorted_stripes, const int64_t* order,
+                                           int64_t n) {
+  const int64_t g = global_thread() / kWarpSize;
+  if (g >= total_stripes) return;
+  const int64_t begin = lower_bound(sorted_stripes, 0, n, g);
+  const int64_t end = lower_bound(sorted_stripes, begin, n, g + 1);
+  release_stripe(tables[table_of_stripe(tables, num_tables, g)].digests, rows, order, begin, end);
 }
 
 // Phase `phase`: warp w walks stripe phase_stripe(phase, w) in batch order, so only the first of
@@ -379,6 +518,14 @@ __global__ void hash_erase_kernel(uint8_t* digests, const int64_t* slot_keys, in
 // stash holds a few hundred entries at most, and is empty but in loaded-full tables (one byte).
 __global__ void stash_sweep_kernel(uint8_t* digests, int64_t* slot_keys, TableGeometry geo) {
   if (global_thread() == 0 && digests[geo.num_slots()] != 0) stash_sweep(digests, slot_keys, geo);
+}
+
+// The same after a multi-table upsert: a thread per table (the tables share no byte).
+__global__ void stash_sweep_tables_kernel(const UpsertTable* tables, int64_t num_tables) {
+  for (int64_t t = global_thread(); t < num_tables; t += global_threads()) {
+    const UpsertTable& u = tables[t];
+    if (u.digests[u.geo.num_slots()] != 0) stash_sweep(u.digests, u.slot_keys, u.geo);
+  }
 }
 
 __global__ void route_kernel(const int64_t* keys, int64_t n, int64_t world_size, int64_t* ranks) {
@@ -446,6 +593,46 @@ cudaError_t launch_hash_upsert(uint8_t* digests, int64_t* slot_keys, int64_t* sl
   hash_release_kernel<<<stripe_grid(geo.num_stripes), kStripeThreads, 0, stream>>>(
       digests, rows, sorted_stripes, order, n, geo.num_stripes);
   stash_sweep_kernel<<<1, kWarpSize, 0, stream>>>(digests, slot_keys, geo);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_hash_find_tables(const UpsertTable* tables, int64_t num_tables, const int64_t* keys, int64_t n,
+                                    int64_t* rows, bool* found, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  hash_find_tables_kernel<<<capped_grid(n * kWarpSize, kFindThreads), kFindThreads, 0, stream>>>(
+      tables, num_tables, keys, n, rows, found);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_key_table_stripes(const UpsertTable* tables, int64_t num_tables, const int64_t* keys,
+                                     int64_t n, int32_t* table_of, int32_t* stripes, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  key_table_stripes_kernel<<<capped_grid(n, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(
+      tables, num_tables, keys, n, table_of, stripes);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_hash_upsert_tables(const UpsertTable* tables, int64_t num_tables, int64_t total_stripes,
+                                      int phases, int64_t max_windows, const int64_t* windows,
+                                      const int64_t* keys, const int64_t* given,
+                                      const int32_t* sorted_stripes, const int64_t* order,
+                                      const int32_t* touch_stripes, const int64_t* touch_order, int64_t n,
+                                      bool assign, int64_t* rows, bool* inserted, bool* evicted,
+                                      int64_t* evicted_keys, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  const unsigned int grid = stripe_grid(total_stripes);
+  hash_touch_tables_kernel<<<capped_grid(n * kWarpSize, kStripeThreads), kStripeThreads, 0, stream>>>(
+      tables, num_tables, keys, given, touch_stripes, touch_order, n, assign, rows);
+  for (int64_t window = 0; window < max_windows; ++window) {
+    for (int k = 0; k < phases; ++k) {
+      hash_insert_tables_kernel<<<grid, kStripeThreads, 0, stream>>>(
+          tables, num_tables, total_stripes, windows, keys, given, sorted_stripes, order, n, window, k, assign,
+          rows, inserted, evicted, evicted_keys);
+    }
+  }
+  hash_release_tables_kernel<<<grid, kStripeThreads, 0, stream>>>(
+      tables, num_tables, total_stripes, rows, sorted_stripes, order, n);
+  stash_sweep_tables_kernel<<<capped_grid(num_tables, kWarpSize), kWarpSize, 0, stream>>>(tables, num_tables);
   return cudaGetLastError();
 }
 

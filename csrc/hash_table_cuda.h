@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "hash_table_layout.h"
+
 namespace torchrec_ext {
 
 // rows[i] = row of keys[i] or -1; found[i] = rows[i] >= 0. Read-only.
@@ -27,6 +29,48 @@ cudaError_t launch_hash_upsert(uint8_t* digests, int64_t* slot_keys, int64_t* sl
                                const int64_t* order, int64_t n, int64_t policy, int64_t clock,
                                int64_t epoch, bool assign, int64_t* rows, bool* inserted,
                                bool* evicted, int64_t* evicted_keys, cudaStream_t stream);
+
+// One table of a multi-table upsert (hash_upsert_tables), as the kernels read it from device
+// memory: its arrays and parameters, where its keys sit in the batch, where its stripes sit among
+// every table's (global stripe id = stripe_begin + its own stripe id), and its insert windows:
+// windows[window_begin .. window_begin + windows] are the batch positions that bound them.
+struct UpsertTable {
+  uint8_t* digests;
+  int64_t* slot_keys;
+  int64_t* slot_scores;
+  int64_t* size;
+  TableGeometry geo;
+  int64_t key_begin;
+  int64_t key_end;
+  int64_t stripe_begin;
+  int64_t policy;
+  int64_t clock;
+  int64_t epoch;
+  int64_t window_begin;
+  int64_t windows;
+};
+
+// table_of[i] = the table of batch position i, stripes[i] = its key's global stripe id.
+cudaError_t launch_key_table_stripes(const UpsertTable* tables, int64_t num_tables, const int64_t* keys,
+                                     int64_t n, int32_t* table_of, int32_t* stripes, cudaStream_t stream);
+
+// launch_hash_find of every table at once (one warp per key, each probing its own table).
+cudaError_t launch_hash_find_tables(const UpsertTable* tables, int64_t num_tables, const int64_t* keys, int64_t n,
+                                    int64_t* rows, bool* found, cudaStream_t stream);
+
+// launch_hash_upsert of every table at once, each pass one grid over all tables' stripes
+// (total_stripes): a table's keys, given, outputs are its positions of the shared arrays; its
+// keys are grouped by global stripe id (sorted_stripes, order as for launch_hash_upsert), and for
+// the touch pass by global stripe id then key (touch_stripes, touch_order: stable, so batch
+// order among a key's occurrences). phases and max_windows: the most of any table. Results are
+// each table's launch_hash_upsert's.
+cudaError_t launch_hash_upsert_tables(const UpsertTable* tables, int64_t num_tables, int64_t total_stripes,
+                                      int phases, int64_t max_windows, const int64_t* windows,
+                                      const int64_t* keys, const int64_t* given,
+                                      const int32_t* sorted_stripes, const int64_t* order,
+                                      const int32_t* touch_stripes, const int64_t* touch_order, int64_t n,
+                                      bool assign, int64_t* rows, bool* inserted, bool* evicted,
+                                      int64_t* evicted_keys, cudaStream_t stream);
 
 // Removes keys, grouped as for launch_hash_upsert; erased must be zeroed by the caller.
 cudaError_t launch_hash_erase(uint8_t* digests, const int64_t* slot_keys, int64_t* size,

@@ -7,6 +7,10 @@
 TORCH_LIBRARY(torchrec_ext, m) {
   // Row of each key (-1 when absent) and whether it was found. Read-only.
   m.def("hash_find(Tensor digests, Tensor slot_keys, Tensor keys, int capacity) -> (Tensor rows, Tensor found)");
+  // hash_find of several tables in one call: table t's keys are keys[key_offsets[t]:key_offsets[t+1]].
+  m.def(
+      "hash_find_tables(Tensor[] digests, Tensor[] slot_keys, Tensor keys, int[] key_offsets, int[] capacities) "
+      "-> (Tensor rows, Tensor found)");
   // find_or_insert (assign=False: touch scores by the policy) or insert_or_assign (assign=True:
   // scores, when given, are stored as they are). Returns rows (-1 = refused), which positions
   // inserted a new key (first occurrence only), and the keys/rows evicted to make room.
@@ -23,6 +27,15 @@ TORCH_LIBRARY(torchrec_ext, m) {
       "Tensor(d!) size, Tensor keys, Tensor? scores, Tensor? pending, int capacity, int policy, "
       "int clock, int epoch, bool assign) -> (Tensor rows, Tensor inserted, Tensor evicted, "
       "Tensor evicted_keys)");
+  // hash_upsert_fixed of several tables in one call: table t's keys are
+  // keys[key_offsets[t]:key_offsets[t+1]] (scores, pending sliced alike), and its index arrays,
+  // capacity, policy, clock and epoch the t-th of each list. Results, tables and sizes are
+  // exactly those of calling hash_upsert_fixed table by table; the tables must be distinct.
+  m.def(
+      "hash_upsert_tables(Tensor(a!)[] digests, Tensor(b!)[] slot_keys, Tensor(c!)[] slot_scores, "
+      "Tensor(d!)[] sizes, Tensor keys, int[] key_offsets, Tensor? scores, Tensor? pending, "
+      "int[] capacities, int[] policies, int[] clocks, int[] epochs, bool assign) -> (Tensor rows, "
+      "Tensor inserted, Tensor evicted, Tensor evicted_keys)");
   // Removes keys; True at the positions that removed one.
   m.def("hash_erase(Tensor(a!) digests, Tensor slot_keys, Tensor(b!) size, Tensor keys, int capacity) -> Tensor");
   // Live (key, row, score) triples among slots [start, end), in row order.

@@ -153,6 +153,21 @@ def local_state(dmp) -> dict:
     return out
 
 
+def copy_stock_table(dmp, key: str, table) -> None:
+    """Copies a TorchRec table sharded by ``dmp`` (its state_dict ``key``: a ShardedTensor, or a
+    tensor) into an unsharded ``table`` (an ``nn.EmbeddingBag``): TorchRec's sharded tables draw
+    their own initial rows. Collective."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    weight = dmp.state_dict()[key]
+    if isinstance(weight, ShardedTensor):
+        full = torch.empty(weight.size()) if dist.get_rank() == 0 else None
+        weight.gather(dst=0, out=full)
+        weight = full if full is not None else torch.empty(weight.size())
+        dist.broadcast(weight, src=0)
+    table.weight.data.copy_(weight)
+
+
 def global_batch(kjts):
     """The KJT of every rank's samples, rank after rank per key: what an unsharded module is fed
     to stand for all ranks (the order column shards and routed lookups receive ids in)."""

@@ -83,11 +83,11 @@ def _previous_stays_loadable(rank, world_size, root):
     written, release = threading.Event(), threading.Event()
     real_hash = ckpt._hash_files
 
-    def held(directory, names, pg):
+    def held(directory, names, pg, **kwargs):
         if os.path.basename(directory) == ".tmp_step_4":
             written.set()
             release.wait()
-        return real_hash(directory, names, pg)
+        return real_hash(directory, names, pg, **kwargs)
 
     ckpt._hash_files = held
     pending = ckpt.save_checkpoint(root, 4, _state(dmp, opt, 4), keep=1, blocking=False)
@@ -123,7 +123,7 @@ dmp, opt = _dmp(1)
 _train(dmp, opt, 0, range(2))
 ckpt.save_checkpoint({root!r} + "/ckpt", 2, {{"model": dmp.state_dict(), "step": 2}}, keep=1)
 _train(dmp, opt, 0, range(2, 4))
-ckpt._hash_files = lambda *a: os._exit(9)   # the process dies with the data written, no manifest yet
+ckpt._hash_files = lambda *a, **k: os._exit(9)   # the process dies with the data written, no manifest yet
 pending = ckpt.save_checkpoint({root!r} + "/ckpt", 4, {{"model": dmp.state_dict(), "step": 4}}, keep=1, blocking=False)
 _train(dmp, opt, 0, range(4, 8))  # training goes on while the worker writes ...
 pending.wait()                     # ... until the worker's process dies under it

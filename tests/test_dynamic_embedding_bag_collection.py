@@ -205,7 +205,7 @@ def test_fused_updates_equal_torch_optimizer_on_dense_ebc(optimizer, kwargs, via
     # rewrites them from (z, n) (a never-touched row to zeros): sparse updates are equal when
     # every row is touched every step.
     every_id_every_step = optimizer in (torch.optim.Adam, torch.optim.AdamW, Ftrl) or kwargs.get("weight_decay", 0) != 0
-    for step in range(4):
+    for _ in range(4):
         kjt = random_kjt(["f1", "f2", "f3"], 6, universe, weighted=weighted)
         if every_id_every_step:  # dense Adam moves untouched rows; sparse is equal when all rows are touched
             kjt = _with_every_id(kjt, universe, features_to_extend=("f1", "f3"))

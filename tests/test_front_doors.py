@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
-from dist_helpers import ModelWith, run_ranks
+from dist_helpers import ModelWith, assert_same_tables, copy_stock_table, run_ranks
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 
 WORLD = 2
@@ -60,7 +60,7 @@ def _train_and_compare(rank, world_size, sharded, reference, steps=3):
         want = reference(_global(kjts)).values()
         torch.testing.assert_close(out, want[rank * BATCH:(rank + 1) * BATCH], rtol=1e-5, atol=1e-5)
         out.sum().backward()
-        want.sum().backward()
+        (want.sum() / world_size).backward()  # the ranks train on their losses' mean
 
 
 # ------------------------------------------------------------------ DMP with our sharders, no plan
@@ -75,7 +75,7 @@ def _dmp_without_plan(rank, world_size):
     assert isinstance(dmp.module.dyn, ShardedDynamicEmbeddingBagCollection)
     assert set(dmp.plan.plan["dyn"]) == {"t1", "t2"} and "s1" in dmp.plan.plan["stock"]
     assert {p.compute_kernel for p in dmp.plan.plan["dyn"].values()} == {"customized_kernel"}
-    _copy_stock_table(dmp, reference.stock)  # TorchRec's sharded stock table draws its own initial rows
+    copy_stock_table(dmp, "stock.embedding_bags.s1.weight", reference.stock.embedding_bags["s1"])  # TorchRec's sharded stock table draws its own initial rows
     stock_kjts = [_batch(0, r, ["g"], 16) for r in range(world_size)]
     for step in range(3):
         kjts = [_batch(step, r) for r in range(world_size)]
@@ -86,19 +86,7 @@ def _dmp_without_plan(rank, world_size):
             stock_want = reference.stock(_global(stock_kjts, ["g"])).values()[rank * BATCH:(rank + 1) * BATCH]
             torch.testing.assert_close(out[:, 8:], stock_want, rtol=1e-5, atol=1e-5)
         out[:, :8].sum().backward()
-        reference.dyn(_global(kjts)).values().sum().backward()
-
-
-def _copy_stock_table(dmp, stock):
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    weight = dmp.state_dict()["stock.embedding_bags.s1.weight"]
-    if isinstance(weight, ShardedTensor):
-        full = torch.empty(weight.size()) if dist.get_rank() == 0 else None
-        weight.gather(dst=0, out=full)
-        weight = full if full is not None else torch.empty(weight.size())
-        dist.broadcast(weight, src=0)
-    stock.embedding_bags["s1"].weight.data.copy_(weight)
+        (reference.dyn(_global(kjts)).values().sum() / world_size).backward()  # the ranks' losses' mean
 
 
 def test_dmp_with_our_sharders_and_no_plan_plans_shards_and_trains():
@@ -169,20 +157,71 @@ def test_construct_module_sharding_plan_and_dmp():
 
 def _composable_shard(rank, world_size):
     from torchrec.distributed.shard import shard
-    from torchrec.distributed.sharding_plan import row_wise, table_wise
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
 
-    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder
+    from torchrec_ext.distributed import (
+        DynamicEmbeddingBagCollectionSharder, ShardedDynamicEmbeddingBagCollection, full_state_dict,
+    )
 
-    module, reference = _dynamic(), _dynamic()
-    sharded = shard(module, plan={"t1": row_wise(), "t2": table_wise(rank=0)},
-                    sharder=DynamicEmbeddingBagCollectionSharder(), device=torch.device("cpu"))
-    _train_and_compare(rank, world_size, sharded, reference)
+    per_table = {"t1": row_wise(), "t2": table_wise(rank=0)}  # rank 1 holds no t2
+    # No sharder given: TorchRec looks ours up by module type (import torchrec_ext.distributed).
+    module_plan = construct_module_sharding_plan(_dynamic(), dict(per_table), local_size=world_size,
+                                                 world_size=world_size, device_type="cpu")
+    # generators with our sharder, and the plan construct_module_sharding_plan made with none
+    for plan, sharder in ((per_table, DynamicEmbeddingBagCollectionSharder()), (module_plan, None)):
+        module, reference = _dynamic(), _dynamic()
+        names, modules = [n for n, _ in module.named_parameters()], [n for n, _ in module.named_modules()]
+        keys = list(module.state_dict())
+        sharded = shard(module, plan=dict(plan), sharder=sharder, device=torch.device("cpu"))
+        assert isinstance(sharded, ShardedDynamicEmbeddingBagCollection)
+        # The unsharded module's names, on every rank (torch's composable contract checks them too).
+        assert [n for n, _ in sharded.named_parameters()] == names
+        assert [n for n, _ in sharded.named_modules()] == modules
+        _train_and_compare(rank, world_size, sharded, reference)
+        state = sharded.state_dict()
+        assert list(state) == keys
+        assert_same_tables(full_state_dict(state), reference.state_dict(), "embedding_bags.")
 
 
-@pytest.mark.xfail(strict=True, raises=Exception, reason="our sharded modules rename parameters (FQNs), which "
-                   "torch's composable contract refuses")
 def test_composable_shard():
     run_ranks(_composable_shard, WORLD)
+
+
+def _composable_shard_ec(rank, world_size):
+    from torchrec.distributed.shard import shard
+    from torchrec.distributed.sharding_plan import row_wise, table_wise
+
+    from torchrec_ext import DynamicEmbeddingCollection, DynamicEmbeddingConfig
+    from torchrec_ext.distributed import ShardedDynamicEmbeddingCollection, full_state_dict
+
+    make = lambda: DynamicEmbeddingCollection([
+        DynamicEmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=64, feature_names=["f1"]),
+        DynamicEmbeddingConfig(name="t2", embedding_dim=4, num_embeddings=32, feature_names=["f2"]),
+    ], optimizer="sgd", optimizer_kwargs={"lr": 0.5})
+    module, reference = make(), make()
+    names, keys = [n for n, _ in module.named_parameters()], list(module.state_dict())
+    sharded = shard(module, plan={"t1": row_wise(), "t2": table_wise(rank=0)}, device=torch.device("cpu"))
+    assert isinstance(sharded, ShardedDynamicEmbeddingCollection)
+    assert [n for n, _ in sharded.named_parameters()] == names  # rank 1 holds no t2
+    for step in range(3):
+        kjts = [_batch(step, r) for r in range(world_size)]
+        out, want = sharded(kjts[rank]), reference(_global(kjts))
+        out = out.wait() if hasattr(out, "wait") else out
+        loss = 0
+        for key in KEYS:
+            before = sum(int(kjts[r][key].lengths().sum()) for r in range(rank))
+            n = int(kjts[rank][key].lengths().sum())
+            torch.testing.assert_close(out[key].values(), want[key].values()[before:before + n])
+            loss = loss + out[key].values().sum()
+        loss.backward()
+        sum(jt.values().sum() for jt in want.values()).backward()  # each id's gradient from its own rank
+    state = sharded.state_dict()
+    assert list(state) == keys
+    assert_same_tables(full_state_dict(state), reference.state_dict(), "embeddings.")
+
+
+def test_composable_shard_of_an_embedding_collection():
+    run_ranks(_composable_shard_ec, WORLD)
 
 
 # ------------------------------------------------------------------ missing sharders are loud

@@ -15,13 +15,15 @@ DRIVER = os.path.join(ROOT, "benchmarks", "gpu_check.py")
 def run_driver(out_dir, *args):
     proc = subprocess.run([sys.executable, DRIVER, "--out-dir", str(out_dir), "--device", "cpu", "--smoke", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
-    rows = [json.loads(line) for line in open(os.path.join(out_dir, "gpu_check.jsonl"))]
-    report = open(os.path.join(out_dir, "gpu_check.md")).read()
+    with open(os.path.join(out_dir, "gpu_check.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    with open(os.path.join(out_dir, "gpu_check.md")) as f:
+        report = f.read()
     return proc, rows, report
 
 
 def test_smoke_runs_every_step_and_records_device_and_versions(tmp_path):
-    steps = ["env", "syncs", "profile", "bandwidth", "hash_table", "lookup"]  # pipeline: torchrun, ~40 s
+    steps = ["env", "syncs", "profile", "bandwidth", "hash_table", "upsert_tables", "lookup"]  # pipeline: torchrun, ~40 s
     proc, rows, report = run_driver(tmp_path, "--steps", ",".join(steps))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [r["step"] for r in rows] == steps
@@ -42,7 +44,7 @@ def test_smoke_runs_every_step_and_records_device_and_versions(tmp_path):
     assert {(r["load_factor"], r["dim"]) for r in hash_rows} == {(0.5, 8), (1.0, 8)}
     assert all(r[f"{op}_keys_per_s"] > 0 for r in hash_rows for op in ("find", "find_or_insert", "insert_or_assign"))
     assert set(by_step["lookup"]["record"]["results"]) == {"ours", "ours-sgd", "dense"}
-    for name in ("hash_table_cpu_hkv.md", "lookup_cpu.md", "hash_table.log", "lookup.log"):
+    for name in ("hash_table_cpu_hkv.md", "lookup_cpu.md", "upsert_tables_cpu.md", "hash_table.log", "lookup.log"):
         assert os.path.exists(tmp_path / name), name
 
 
@@ -65,12 +67,12 @@ def test_sync_recorder_counts_each_warning_under_the_call_that_issued_it():
     spec.loader.exec_module(driver)
 
     def synchronizing_op():
-        warnings.warn("called a synchronizing CUDA operation")
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=2)
 
     with driver.SyncRecorder() as recorder:
         for _ in range(3):
             synchronizing_op()
-    warnings.warn("after: not counted")
+    warnings.warn("after: not counted", stacklevel=1)
     assert dict(recorder.messages) == {"called a synchronizing CUDA operation": 3}
     (site, count), = recorder.sites.items()
     assert count == 3 and site.startswith(os.path.join("tests", "test_gpu_check.py:")) and site.endswith("(synchronizing_op)")

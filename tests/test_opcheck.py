@@ -31,6 +31,15 @@ def _hash_cases():
     yield "hash_upsert_fixed", (*state, keys, None, pending, CAPACITY, ref.POLICIES.index("lru"), 6, 0, False)
     yield "hash_upsert_fixed", (*state, keys, torch.ones_like(keys), None, CAPACITY, ref.POLICIES.index("lfu"), 7, 0,
                                 False)
+    other = HashTable(64)
+    other.find_or_insert(torch.arange(64) * 31)
+    tables = [[x.clone() for x in state], [other._digests, other._slot_keys, other._slot_scores, other._size]]
+    both = torch.cat([keys, torch.arange(40) * 29])
+    yield "hash_upsert_tables", (*[[t[i] for t in tables] for i in range(4)], both, [0, keys.numel(), both.numel()],
+                                 None, both % 4 != 0, [CAPACITY, 64], [ref.POLICIES.index("lru"),
+                                                                       ref.POLICIES.index("lfu")], [8, 3], [0, 1], False)
+    yield "hash_find_tables", ([t._digests, other._digests], [t._slot_keys, other._slot_keys], both,
+                               [0, keys.numel(), both.numel()], [CAPACITY, 64])
     yield "hash_erase", (state[0], state[1], state[3], keys, CAPACITY)
     yield "hash_export", (t._digests, t._slot_keys, t._slot_scores, CAPACITY, 0, t._slot_scores.numel())
     yield "hash_restore", (empty._digests, empty._slot_keys, empty._slot_scores, empty._size,

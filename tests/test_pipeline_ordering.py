@@ -291,7 +291,7 @@ def _ordering_in_the_pipeline(rank, world_size, options_kw):
     if options_kw["prefetch_threads"] == 0:  # inline: copied on the pipeline's own stream, with an event
         assert all(stream is not None and ready.copied.stream is stream for ready, stream, _ in copies)
     copied = {id(ready.batch): ready.copied for ready, _, _ in copies}
-    for k, (batch, stream, thread) in enumerate(dists):
+    for k, (batch, stream, _thread) in enumerate(dists):
         assert copied[id(batch)] in stream.waited, f"input dist {k} on {stream} not ordered after its copy"
     firsts = {0, len(epochs[0])}  # fill_pipeline's, one per iterator
     assert all(dists[k][1] is streams.main_dist for k in firsts)

@@ -243,7 +243,7 @@ def test_mixed_model_plans_every_table():
     plan = planner.plan(_Mixed(), _sharders())
     tables = _by_table(plan)
     assert set(tables) == {("dyn", "d1"), ("dyn", "d2"), ("seq", "e1"), ("sparse.ebc", "s1"), ("sparse.ebc", "s2")}
-    for (path, name), ps in tables.items():
+    for (path, _name), ps in tables.items():
         if path in ("dyn", "seq"):
             assert ps.compute_kernel == "customized_kernel"
             assert ps.sharding_type in ("table_wise", "row_wise")

@@ -3,13 +3,14 @@ with our sharders: outputs, table contents (full_state_dict) and fused optimizer
 the unsharded module fed the global batch (EBC sum / mean / weighted, EC); every column shard's
 hash table (ids, slots, scores) is the same as the other's, with a table kept full so rows are
 evicted; checkpoints round-trip (state_dict, DCP) and load unsharded; what cannot be exact is
-refused with a clear error."""
+refused with a clear error. Also: column shards of tables with TTL, each admission strategy and
+FP16 rows keep every shard's last-seen steps and admission state identical, and equal unsharded."""
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
-from torchrec import KeyedJaggedTensor, PoolingType
+from torchrec import DataType, KeyedJaggedTensor, PoolingType
 
 from dist_helpers import ModelWith, assert_same_tables, global_batch, run_ranks
 from torchrec_ext import (
@@ -64,17 +65,36 @@ def _dmp(module, name, plan_generators, sharder):
                                     sharders=get_sharders())
 
 
+SHARED_STATE = ("weight_id", "row", "metadata", "counters", "last_seen", "admission_id", "admission_count",
+                "admission_bloom")
+
+
 def _assert_shards_identical(local_module, prefix, tables):
     """Every rank holding a column shard of ``tables`` has the same hash table: ids, slots,
-    scores and counters equal across ranks."""
+    scores, counters, and (where the table has them) last-seen steps and admission state (the
+    counter's pending ids and counts, the Bloom filter) equal across ranks."""
     sd = local_module.state_dict()
-    mine = {t: {f: sd[f"{prefix}{t}.{f}"].clone() for f in ("weight_id", "row", "metadata", "counters")}
+    mine = {t: {f: sd[f"{prefix}{t}.{f}"].clone() for f in SHARED_STATE if f"{prefix}{t}.{f}" in sd}
             for t in tables}
     everyone = [None] * WORLD
     dist.all_gather_object(everyone, mine)
     for t in tables:
+        assert everyone[0][t].keys() == everyone[1][t].keys()
         for f in mine[t]:
             assert torch.equal(everyone[0][t][f], everyone[1][t][f]), f"column shards of {t} differ in {f}"
+
+
+def _train_step(dmp, reference, kjts, rank, step):
+    """The sharded EBC's output on this rank's batch equals the reference's on the global batch;
+    both train on random output gradients."""
+    out = dmp(kjts[rank]).values()
+    want = reference(global_batch(kjts)).values()
+    grads = [torch.randn(BATCH, out.shape[1], generator=torch.Generator().manual_seed(step * 7 + r))
+             for r in range(WORLD)]
+    torch.testing.assert_close(out, want[rank * BATCH:(rank + 1) * BATCH], rtol=1e-5, atol=1e-5)
+    (out * grads[rank]).sum().backward()
+    # The ranks train on the mean of their losses (TorchRec's gradient division).
+    ((want * torch.cat(grads)).sum() / WORLD).backward()
 
 
 def _ebc_case(rank, root, weighted, optimizer, generators):
@@ -89,13 +109,7 @@ def _ebc_case(rank, root, weighted, optimizer, generators):
     for step in range(5):
         kjts = [_rank_batch(step, r, weighted) for r in range(WORLD)]
         seen |= set(kjts[0]["f1"].values().tolist() + kjts[1]["f1"].values().tolist())
-        grads = [torch.randn(BATCH, 40, generator=torch.Generator().manual_seed(step * 7 + r)) for r in range(WORLD)]
-        out = dmp(kjts[rank])
-        want = reference(global_batch(kjts))
-        torch.testing.assert_close(out.values(), want.values()[rank * BATCH:(rank + 1) * BATCH], rtol=1e-5, atol=1e-5)
-        (out.values() * grads[rank]).sum().backward()
-        # The ranks train on the mean of their losses (TorchRec's gradient division).
-        ((want.values() * torch.cat(grads)).sum() / WORLD).backward()
+        _train_step(dmp, reference, kjts, rank, step)
     columns = [t for t, g in generators.items() if g.__qualname__.startswith("column_wise")]
     _assert_shards_identical(dmp.module.ebc.local_module, "embedding_bags.", columns)
     if "t1" in columns:  # kept full: evictions happened, on every shard alike
@@ -195,6 +209,74 @@ def test_column_wise_ec_equals_unsharded():
     run_ranks(_ec_column_wise, WORLD)
 
 
+def _state_configs():
+    fp16 = dict(data_type=DataType.FP16, stochastic_rounding=False)  # rounded to nearest: exact per column
+    return [
+        DynamicEmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=SMALL, feature_names=["f1"], ttl_steps=2,
+                                  **fp16),
+        DynamicEmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=128, feature_names=["f2"],
+                                  admission="bloom", admit_after=2),
+        DynamicEmbeddingBagConfig(name="t3", embedding_dim=8, num_embeddings=128, feature_names=["f3"],
+                                  admission="probabilistic", admit_probability=0.5, **fp16),
+        DynamicEmbeddingBagConfig(name="t4", embedding_dim=8, num_embeddings=128, feature_names=["f1"],
+                                  admission="counter", admit_after=2, ttl_steps=3),
+    ]
+
+
+def _admission_state(state, prefix, table):
+    """A table's admission state by id: the counter's pending counts, and the Bloom filter."""
+    out = {}
+    if f"{prefix}{table}.admission_id" in state:
+        out["pending"] = dict(zip(state[f"{prefix}{table}.admission_id"].tolist(),
+                                  state[f"{prefix}{table}.admission_count"].tolist()))
+    if f"{prefix}{table}.admission_bloom" in state:
+        out["bloom"] = state[f"{prefix}{table}.admission_bloom"]
+    return out
+
+
+def _column_state_and_fp16(rank, world_size):
+    """Column shards of tables with TTL, each admission strategy and FP16 rows: outputs and
+    tables equal the unsharded module, and every shard's hash table, last-seen steps and
+    admission state are the same."""
+    from torchrec.distributed.sharding_plan import column_wise
+
+    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, full_state_dict
+
+    make = lambda: DynamicEmbeddingBagCollection(_state_configs(), optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    reference = make()
+    tables = [cfg.name for cfg in _state_configs()]
+    dmp = _dmp(make(), "ebc", {t: column_wise(ranks=[0, 1], compute_kernel=KERNEL) for t in tables},
+               DynamicEmbeddingBagCollectionSharder())
+    for step in range(6):
+        _train_step(dmp, reference, [_rank_batch(step, r) for r in range(WORLD)], rank, step)
+    _assert_shards_identical(dmp.module.ebc.local_module, "embedding_bags.", tables)
+    local = dmp.module.ebc.local_module.state_dict()
+    assert local["embedding_bags.t1.weight"].dtype == torch.float16 and local["embedding_bags.t1.weight"].shape[1] == 4
+    whole, want_state = full_state_dict(dmp.state_dict()), reference.state_dict()
+    assert_same_tables(whole, {"ebc." + k: v for k, v in want_state.items()}, "ebc.embedding_bags.")
+    for t in tables:
+        got, want = _admission_state(whole, "ebc.embedding_bags.", t), _admission_state(want_state, "embedding_bags.", t)
+        assert got.keys() == want.keys(), t
+        assert got.get("pending") == want.get("pending"), t
+        if "bloom" in want:
+            assert torch.equal(got["bloom"].reshape(-1), want["bloom"].reshape(-1)), t
+    assert want_state["embedding_bags.t1.weight"].dtype == torch.float16
+    assert _admission_state(want_state, "embedding_bags.", "t4")["pending"]  # ids still waiting: compared
+    from torchrec_ext.distributed.table_stats import reduce_table_stats
+
+    # Rows went (a full table; TTL expiries) and ids were refused admission, alike on every shard.
+    got, want = reduce_table_stats(dmp.module.ebc.table_stats()), reference.table_stats()
+    assert want["t1"].evictions > 0 and want["t4"].ttl_expiries > 0
+    assert all(want[t].admission_rejections > 0 for t in ("t2", "t3", "t4"))
+    for t in tables:
+        for field in ("live_rows", "inserts", "evictions", "ttl_expiries", "admission_rejections"):
+            assert getattr(got[t], field) == getattr(want[t], field), (t, field)
+
+
+def test_column_shards_keep_ttl_and_admission_state_identical_and_fp16_equals_unsharded():
+    run_ranks(_column_state_and_fp16, WORLD)
+
+
 def _refusals(rank, world_size):
     from torchrec.distributed.sharding_plan import column_wise, data_parallel, row_wise
 
@@ -208,6 +290,11 @@ def _refusals(rank, world_size):
     with pytest.raises(ValueError, match=r"table 't1' has optimizer 'rowwise_adagrad': a row-wise optimizer state "
                                          r"\(rowwise_adagrad averages the squared gradient over the whole row\)"):
         shard("rowwise_adagrad", {"t1": column_wise(ranks=[0, 1], compute_kernel=KERNEL), **rest})
+    fp16 = [DynamicEmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=SMALL, feature_names=["f1", "f2"],
+                                      data_type=DataType.FP16)] + _ebc_configs()[1:]  # stochastic rounding: the default
+    with pytest.raises(ValueError, match=r"table 't1' .*is torch.float16 with stochastic_rounding: a shard's rounding "
+                                         r"bits are drawn per column of the shard"):
+        shard("sgd", {"t1": column_wise(ranks=[0, 1], compute_kernel=KERNEL), **rest}, fp16)
     with pytest.raises(ValueError, match=r"rank 1's columns start at odd column 5"):
         shard("sgd", {"t1": column_wise(size_per_rank=[5, 3], compute_kernel=KERNEL), **rest})
     with pytest.raises(ValueError, match=r"table 't1' asks for sharding type 'data_parallel': data_parallel cannot "

@@ -61,12 +61,12 @@ def _check(rank, world_size, sharding):
             loss = loss + (jt.values() * (step + 1)).sum()
         loss.backward()
         # Reference: every rank's loss (each rank's share weighted alike), so one step per global batch.
-        for name, jt in want.items():
+        for jt in want.values():
             ref_loss = ref_loss + (jt.values() * (step + 1)).sum()
         ref_loss.backward()
     local = dmp.module.ec.local_module
     sd = local.state_dict() if local is not None else {}
-    mine = {k: v for k, v in sd.items() if k.endswith(".weight") or k.endswith(".weight_id")}
+    mine = {k: v for k, v in sd.items() if k.endswith((".weight", ".weight_id"))}
     gathered = [None] * world_size
     dist.all_gather_object(gathered, mine)
     want_sd = reference.state_dict()

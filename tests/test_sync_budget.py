@@ -64,8 +64,10 @@ def _syncs_per_step(module, steps=6, tables=TABLES):
 
 
 # How new rows are written: deferred to the fused update (CPU), by the lookup table by table (the
-# C++ kernel), or by the lookup in one call for all tables (the GPU path: init_rows_tables).
-NEW_ROWS = {"deferred_rows": (True, False), "rows_written_by_lookup": (False, False), "one_init_call": (False, True)}
+# C++ kernel), or by the lookup in one call for all tables (init_rows_tables); and how the tables
+# are upserted: table by table, or in one call (the GPU path: hash_upsert_tables).
+NEW_ROWS = {"deferred_rows": (True, False, False), "rows_written_by_lookup": (False, False, False),
+            "one_init_call": (False, True, False), "one_init_and_upsert_call": (False, True, True)}
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -74,7 +76,7 @@ def test_training_step_syncs_within_budget(variant, new_rows, monkeypatch):
     # Counter admission's GPU form (fixed-size), run on the CPU: the CPU form reads sizes freely.
     monkeypatch.setattr(CounterAdmission, "compact_on_cpu", False)
     module = DynamicEmbeddingBagCollection(_configs(VARIANTS[variant]), optimizer="adagrad")
-    module._tables.defer_new_rows, module._tables.flat_init = NEW_ROWS[new_rows]
+    module._tables.defer_new_rows, module._tables.flat_init, module._tables.batched_upsert = NEW_ROWS[new_rows]
     for total, seen in _syncs_per_step(module):
         assert total <= BUDGET, f"{variant}: {total} host syncs in one step, budget {BUDGET}: {seen}"
         assert seen.get("lookup: where each table's unique ids start") == 1  # the count is live: the one read

@@ -155,7 +155,7 @@ def test_short_writes_are_continued(tmp_path, monkeypatch):
     tiered = _module(_configs(tmp_path))
     monkeypatch.undo()
     end = tier_store.HEADER_BYTES + 4 * 3000 * 16
-    for file in range(2):  # each file's rows written once each, to the end, no gap
+    for _file in range(2):  # each file's rows written once each, to the end, no gap
         covered = tier_store.HEADER_BYTES
         while covered < end:
             offset, written = calls.pop(0)

@@ -249,8 +249,9 @@ def test_backing_files_name_their_tables_and_are_not_shared(tmp_path, monkeypatc
     gc.collect()
     with pytest.raises(ValueError, match=r"holds tables \[\{'name': 'a', 'capacity': 10, 'dim': 4"):
         DynamicEmbeddingBagCollection(cfg(8))  # the file of another table
-    monkeypatch.setattr(tier_store, "LAYOUT_VERSION", 2)
-    with pytest.raises(ValueError, match="has layout version 1, this build reads version 2"):
+    monkeypatch.setattr(tier_store, "LAYOUT_VERSION", tier_store.LAYOUT_VERSION + 1)
+    with pytest.raises(ValueError, match=f"has layout version {tier_store.LAYOUT_VERSION - 1}, this build reads "
+                                         f"version {tier_store.LAYOUT_VERSION}"):
         DynamicEmbeddingBagCollection(cfg(4))
     monkeypatch.undo()
     (tmp_path / "a.weights.rows").write_bytes(b"not a table" * 100)

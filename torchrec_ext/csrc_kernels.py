@@ -13,8 +13,10 @@ from __future__ import annotations
 # op name -> device type -> the csrc file that registers its kernel.
 KERNELS: dict[str, dict[str, str]] = {
     "hash_find": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
+    "hash_find_tables": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
     "hash_upsert": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
     "hash_upsert_fixed": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
+    "hash_upsert_tables": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
     "hash_erase": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
     "hash_export": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
     "hash_restore": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},

@@ -46,6 +46,16 @@ def hash_find(digests: Tensor, slot_keys: Tensor, keys: Tensor, capacity: int) -
     return _ops.hash_find.default(digests, slot_keys, keys, capacity)
 
 
+def hash_find_tables(digests: Sequence[Tensor], slot_keys: Sequence[Tensor], keys: Tensor,
+                     key_offsets: Sequence[int], capacities: Sequence[int]) -> Tuple[Tensor, Tensor]:
+    """:func:`hash_find` of T tables in one call: table t's keys are
+    ``keys[key_offsets[t]:key_offsets[t + 1]]`` (``key_offsets``: T + 1 host ints), its arrays the
+    t-th of ``digests`` / ``slot_keys``, its rows ``capacities[t]``. Read-only; the outputs are
+    those of :func:`hash_find` table by table, concatenated (CUDA: one launch for all tables)."""
+    return _ops.hash_find_tables.default(list(digests), list(slot_keys), keys, [int(o) for o in key_offsets],
+                                         [int(c) for c in capacities])
+
+
 def hash_upsert(
     digests: Tensor,
     slot_keys: Tensor,
@@ -105,6 +115,38 @@ def hash_upsert_fixed(
     """
     return _ops.hash_upsert_fixed.default(
         digests, slot_keys, slot_scores, size, keys, scores, pending, capacity, policy, clock, epoch, assign
+    )
+
+
+def hash_upsert_tables(
+    digests: Sequence[Tensor], slot_keys: Sequence[Tensor], slot_scores: Sequence[Tensor], sizes: Sequence[Tensor],
+    keys: Tensor, key_offsets: Sequence[int], scores: Optional[Tensor], pending: Optional[Tensor],
+    capacities: Sequence[int], policies: Sequence[int], clocks: Sequence[int], epochs: Sequence[int], assign: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`hash_upsert_fixed` of T tables in one call, in place: the launches (on a GPU: one
+    grid over every table's stripes per pass) do not grow with T, and nothing is read on the host.
+    Results, table contents and sizes are bit for bit those of calling :func:`hash_upsert_fixed`
+    table by table with each table's slice of the batch.
+
+    Args:
+        digests, slot_keys, slot_scores, sizes: ``[T]`` lists, table t's arrays as
+            :func:`hash_upsert` takes them (mutated); T distinct tables.
+        keys: int64 ``[n]``, every table's keys back to back: table t's are
+            ``keys[key_offsets[t]:key_offsets[t + 1]]``.
+        key_offsets: ``T + 1`` host ints, ascending from 0 to n.
+        scores: int64 ``[n]`` or None (all tables); sliced as ``keys``.
+        pending: bool ``[n]`` or None (all keys); sliced as ``keys``.
+        capacities, policies, clocks, epochs: ``T`` ints, table t's as :func:`hash_upsert` takes them.
+        assign: insert_or_assign semantics, for every table.
+
+    Returns:
+        rows, inserted, evicted, evicted_keys: ``[n]`` each, as :func:`hash_upsert_fixed`'s,
+        position for position.
+    """
+    return _ops.hash_upsert_tables.default(
+        list(digests), list(slot_keys), list(slot_scores), list(sizes), keys, [int(o) for o in key_offsets], scores,
+        pending, [int(c) for c in capacities], [int(p) for p in policies], [int(c) for c in clocks],
+        [int(e) for e in epochs], assign,
     )
 
 
@@ -355,6 +397,11 @@ def _hash_find_fake(digests, slot_keys, keys, capacity):
     return torch.empty_like(keys), torch.empty_like(keys, dtype=torch.bool)
 
 
+@torch.library.register_fake("torchrec_ext::hash_find_tables")
+def _hash_find_tables_fake(digests, slot_keys, keys, key_offsets, capacities):
+    return torch.empty_like(keys), torch.empty_like(keys, dtype=torch.bool)
+
+
 @torch.library.register_fake("torchrec_ext::hash_upsert")
 def _hash_upsert_fake(digests, slot_keys, slot_scores, size, keys, scores, capacity, policy, clock, epoch, assign):
     num_evicted = torch.library.get_ctx().new_dynamic_size()
@@ -369,6 +416,13 @@ def _hash_upsert_fake(digests, slot_keys, slot_scores, size, keys, scores, capac
 @torch.library.register_fake("torchrec_ext::hash_upsert_fixed")
 def _hash_upsert_fixed_fake(digests, slot_keys, slot_scores, size, keys, scores, pending, capacity, policy, clock,
                             epoch, assign):
+    return (torch.empty_like(keys), torch.empty_like(keys, dtype=torch.bool), torch.empty_like(keys, dtype=torch.bool),
+            torch.empty_like(keys))
+
+
+@torch.library.register_fake("torchrec_ext::hash_upsert_tables")
+def _hash_upsert_tables_fake(digests, slot_keys, slot_scores, sizes, keys, key_offsets, scores, pending, capacities,
+                             policies, clocks, epochs, assign):
     return (torch.empty_like(keys), torch.empty_like(keys, dtype=torch.bool), torch.empty_like(keys, dtype=torch.bool),
             torch.empty_like(keys))
 

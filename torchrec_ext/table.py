@@ -12,8 +12,8 @@ was before that insert or after it, never half of it.
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
-from typing import Dict, Iterator, Mapping, NamedTuple, Optional, Tuple, Union
+from contextlib import ExitStack, contextmanager
+from typing import Dict, Iterator, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -119,6 +119,50 @@ class FixedInsertResult(NamedTuple):
     inserted: Tensor
     evicted: Tensor
     evicted_keys: Tensor
+
+
+def find_or_insert_tables(indexes: Sequence["HashTable"], keys: Tensor, key_offsets: Sequence[int],
+                          scores: Optional[Tensor] = None, pending: Optional[Tensor] = None) -> FixedInsertResult:
+    """``find_or_insert_fixed`` of several tables in one call (``ops.hash_upsert_tables``): table
+    t's keys, scores and pending flags are ``[key_offsets[t]:key_offsets[t + 1]]`` of the shared
+    tensors. Each table gets exactly what its own ``find_or_insert_fixed`` on its slice would give
+    (its clock advances the same), in one dispatch: on a GPU the launches do not grow with the
+    table count. ``scores`` are taken by the tables whose policy takes them (lfu, epoch_lfu:
+    increments; custom: the scores) and ignored by the others (their touches set the clock)."""
+    where = "find_or_insert_tables"
+    if not indexes:
+        raise ValueError(f"{where}: indexes must name at least one table")
+    if len({id(index) for index in indexes}) != len(indexes):
+        raise ValueError(f"{where}: a table appears twice in indexes")
+    first = indexes[0]
+    keys = first._check_keys(where, keys)
+    offsets = [int(o) for o in key_offsets]
+    if len(offsets) != len(indexes) + 1 or offsets[0] != 0 or offsets[-1] != keys.numel() \
+            or any(a > b for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"{where}: key_offsets must be {len(indexes) + 1} ascending ints from 0 to "
+                         f"{keys.numel()}, got {offsets}")
+    for t, index in enumerate(indexes):
+        if index.device != first.device:
+            raise ValueError(f"{where}: table {t} is on {index.device}, table 0 on {first.device}")
+    if scores is not None:
+        scores = first._check_entries(f"HashTable.{where}", "scores", scores, keys)
+    if pending is not None and (not isinstance(pending, Tensor) or pending.dtype != torch.bool
+                                or pending.shape != keys.shape or pending.device != first.device):
+        raise ValueError(f"HashTable.{where}: pending must be a bool tensor of one flag per key on {first.device}, "
+                         f"got {getattr(pending, 'dtype', type(pending).__name__)} of shape "
+                         f"{tuple(getattr(pending, 'shape', ()))}")
+    if scores is None and any(index.policy == "custom" for index in indexes):
+        raise ValueError(f"HashTable.{where}: the 'custom' policy needs scores, one per key")
+    with ExitStack() as locks:
+        for index in sorted(indexes, key=id):  # one order for every caller: no deadlock
+            locks.enter_context(index._lock.write())
+        for index in indexes:
+            index._clock += 1
+        return FixedInsertResult(*ops.hash_upsert_tables(
+            [i._digests for i in indexes], [i._slot_keys for i in indexes], [i._slot_scores for i in indexes],
+            [i._size for i in indexes], keys, offsets, scores, pending, [i._capacity for i in indexes],
+            [POLICIES[i.policy] for i in indexes], [i._clock for i in indexes], [i._epoch for i in indexes], False,
+        ))
 
 
 class _ReadWriteLock:

@@ -166,10 +166,10 @@ def _alias_table(p: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     small = [i for i in range(n) if scaled[i] < 1.0]
     large = [i for i in range(n) if scaled[i] >= 1.0]
     while small and large:
-        s, l = small.pop(), large.pop()
-        accept[s], alias[s] = scaled[s], l
-        scaled[l] -= 1.0 - scaled[s]
-        (small if scaled[l] < 1.0 else large).append(l)
+        s, g = small.pop(), large.pop()
+        accept[s], alias[s] = scaled[s], g
+        scaled[g] -= 1.0 - scaled[s]
+        (small if scaled[g] < 1.0 else large).append(g)
     return accept, alias  # leftovers keep accept 1 (rounding)
 
 

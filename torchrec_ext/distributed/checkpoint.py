@@ -54,7 +54,7 @@ import pickle
 import re
 import shutil
 import stat
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,7 @@ from torch.distributed.checkpoint._traverse import set_element, traverse_state_d
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
+from torchrec_ext.distributed.checkpoint_io import HashingWriter, file_digests
 from torchrec_ext.distributed.checkpoint_background import (  # noqa: F401  (PendingCheckpoint: re-exported)
     PendingCheckpoint, start_background_save, wait_for_pending)
 
@@ -71,8 +72,10 @@ _NAME = re.compile(r"^step_(\d+)$")
 _METADATA_FILE = ".metadata"  # DCP's index of the checkpoint (a pickle), written once every rank's data is in
 MANIFEST_FILE = "MANIFEST.json"  # size and SHA-256 of every other file, written last
 _MANIFEST_FORMAT = "torchrec_ext.checkpoint.manifest/1"
+# A link of an incremental chain (checkpoint_incremental): also names the links it builds on. Readers
+# that know only /1 refuse it rather than load half of it.
+_CHAIN_FORMAT = "torchrec_ext.checkpoint.manifest/2"
 _MANIFEST_MAX_BYTES = 64 << 20
-_HASH_CHUNK = 1 << 20
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _PATH_CLASSES = {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}
 # The globals DCP's .metadata pickle refers to (torch 2.11-2.13); any other global is refused.
@@ -167,7 +170,12 @@ def save_checkpoint(ckpt_dir: str, step: int, state: Dict[str, Any], keep: int =
     return _save(ckpt_dir, step, state, keep, pg)
 
 
-def _save(ckpt_dir: str, step: int, state: Dict[str, Any], keep: int, pg: dist.ProcessGroup) -> str:
+def _save(ckpt_dir: str, step: int, state: Dict[str, Any], keep: int, pg: dist.ProcessGroup,
+          write_files: Optional[Callable[[str], Dict[str, Tuple[int, str]]]] = None,
+          chain: Optional[Dict[str, Any]] = None) -> str:
+    """The save (collective). ``write_files(directory)``: writes this rank's further files into
+    the checkpoint before the manifest and returns their digests; ``chain``: the incremental
+    chain the manifest records (checkpoint_incremental)."""
     rank = dist.get_rank(pg)
     final = checkpoint_path(ckpt_dir, step)
     tmp = os.path.join(ckpt_dir, f".tmp_step_{step}")
@@ -182,13 +190,17 @@ def _save(ckpt_dir: str, step: int, state: Dict[str, Any], keep: int, pg: dist.P
         else:
             shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
     _raise_if_any(error, pg)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=pg)
+    writer = HashingWriter(tmp)  # hashes each file as it writes it, one file per writer thread
+    dcp.save(state, storage_writer=writer, process_group=pg)
+    known = writer.digests
+    if write_files is not None:
+        known.update(write_files(tmp))
     dist.barrier(pg)  # every rank's files and the metadata are written
     # One listing for all ranks: a rank with a stale view would shift the shares and leave a file unhashed.
     names = _from_first_rank(sorted(os.listdir(tmp)) if rank == 0 else None, pg)
-    digests = _hash_files(tmp, names, pg)
+    digests = _hash_files(tmp, names, pg, known=known)
     if rank == 0:
-        _write_manifest(tmp, step, digests)
+        _write_manifest(tmp, step, digests, chain)
         if os.path.exists(final):  # saving a step again (e.g. after resuming from it)
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
@@ -199,8 +211,11 @@ def _save(ckpt_dir: str, step: int, state: Dict[str, Any], keep: int, pg: dist.P
         _fsync_dir(ckpt_dir)
         if keep:  # counted up to this step: later ones (e.g. damaged, skipped by a resume) must not push it out
             upto = [path for saved, path in list_checkpoints(ckpt_dir) if saved <= step]
+            # An incremental checkpoint needs the links it builds on: they stay while it does.
+            needed = {link for path in upto[-keep:] for link in chain_links(path)}
             for path in upto[:-keep]:
-                shutil.rmtree(path, ignore_errors=True)
+                if path not in needed:
+                    shutil.rmtree(path, ignore_errors=True)
     dist.barrier(pg)
     return final
 
@@ -212,24 +227,64 @@ def verify_checkpoint(path: str, process_group: Optional[dist.ProcessGroup] = No
     non-regular entry, sizes and SHA-256 digests equal, and the manifest's step equal to
     ``step`` when given. Raises CheckpointError naming the first problem found."""
     pg = process_group or ensure_process_group()
-    error, files = None, {}
+    manifest = _verify_files(path, step, pg)
+    links = manifest.get("incremental", {}).get("links", [])
+    for link in links:  # an incremental checkpoint: every link it builds on, each as it was when it was built on
+        link_path = checkpoint_path(os.path.dirname(os.path.abspath(path)), link["step"])
+        error = None
+        try:
+            digest = hashlib.sha256(_read_file(os.path.join(link_path, MANIFEST_FILE))).hexdigest()
+            if digest != link["manifest_sha256"]:
+                error = (f"checkpoint {path}: the link it builds on, {link_path}, is not the one it was saved on "
+                         f"(its {MANIFEST_FILE} differs): the incremental chain is broken")
+        except OSError as e:
+            error = (f"checkpoint {path}: the link it builds on, {link_path}, cannot be read ({e.strerror}): "
+                     "the incremental chain is broken")
+        _raise_if_any(error, pg)
+        try:
+            _verify_files(link_path, link["step"], pg)
+        except CheckpointError as e:
+            raise CheckpointError(f"checkpoint {path}: a link of its incremental chain is damaged: {e}") from None
+
+
+def _verify_files(path: str, step: Optional[int], pg: dist.ProcessGroup) -> Dict[str, Any]:
+    """Checks directory ``path``'s own files against its manifest (collective); the manifest."""
+    error, manifest = None, {"files": {}}
     try:
-        files = _read_manifest(path, step)
+        manifest = _read_manifest(path, step)
     except CheckpointError as e:
         error = str(e)
     except OSError as e:  # e.g. an entry removed while being listed
         error = f"checkpoint {path}: cannot be read ({e})"
     _raise_if_any(error, pg)
+    files = manifest["files"]
     digests = _hash_files(path, sorted(files), pg)
     for name in sorted(files):
         if digests[name] != (files[name]["size"], files[name]["sha256"]):
             raise CheckpointError(f"checkpoint {path}: {name}: its SHA-256 differs from the manifest's "
                                   "(the file is corrupted)")
+    return manifest
 
 
-def _read_manifest(path: str, step: Optional[int]) -> Dict[str, Dict[str, Any]]:
-    """The manifest's files ({name: {"size", "sha256"}}) after the checks that need no hashing:
-    the directory's entries (regular files, exactly the listed ones) and their sizes."""
+def chain_links(path: str) -> List[str]:
+    """The paths of the links incremental checkpoint ``path`` builds on, base first ([] for a
+    full checkpoint, or one whose manifest cannot be read). Reads the manifest only."""
+    try:
+        manifest = json.loads(_read_file(os.path.join(path, MANIFEST_FILE)))
+        links = manifest["incremental"]["links"]
+        return [checkpoint_path(os.path.dirname(os.path.abspath(path)), int(link["step"])) for link in links]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def read_manifest(path: str) -> Dict[str, Any]:
+    """Checkpoint ``path``'s manifest after the checks that need no hashing (verify first)."""
+    return _read_manifest(path, None)
+
+
+def _read_manifest(path: str, step: Optional[int]) -> Dict[str, Any]:
+    """The manifest (its ``files``: {name: {"size", "sha256"}}) after the checks that need no
+    hashing: the directory's entries (regular files, exactly the listed ones) and their sizes."""
     where = f"checkpoint {path}"
     try:
         st = os.lstat(path)
@@ -258,11 +313,12 @@ def _read_manifest(path: str, step: Optional[int]) -> Dict[str, Dict[str, Any]]:
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{where}: {MANIFEST_FILE} is not valid JSON ({e})") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if (not isinstance(files, dict) or manifest.get("format") != _MANIFEST_FORMAT
+    if (not isinstance(files, dict) or manifest.get("format") not in (_MANIFEST_FORMAT, _CHAIN_FORMAT)
             or not isinstance(manifest.get("step"), int)
-            or not all(_valid_entry(name, entry) for name, entry in files.items())):
-        raise CheckpointError(f"{where}: {MANIFEST_FILE} is malformed (expected format {_MANIFEST_FORMAT!r}, "
-                              "a step, and a size and SHA-256 per file)")
+            or not all(_valid_entry(name, entry) for name, entry in files.items())
+            or (manifest["format"] == _CHAIN_FORMAT) != _valid_chain(manifest.get("incremental"), manifest["step"])):
+        raise CheckpointError(f"{where}: {MANIFEST_FILE} is malformed (expected format {_MANIFEST_FORMAT!r} or "
+                              f"{_CHAIN_FORMAT!r} with its chain, a step, and a size and SHA-256 per file)")
     if step is not None and manifest["step"] != step:
         raise CheckpointError(f"{where}: {MANIFEST_FILE} is of step {manifest['step']}, not {step}")
     for name in sorted(files):
@@ -274,7 +330,20 @@ def _read_manifest(path: str, step: Optional[int]) -> Dict[str, Dict[str, Any]]:
     extra = sorted(set(entries) - set(files) - {MANIFEST_FILE})
     if extra:
         raise CheckpointError(f"{where}: {extra[0]} is not in the manifest (written after the checkpoint)")
-    return files
+    return manifest
+
+
+def _valid_chain(chain: Any, step: int) -> bool:
+    """An incremental chain: the world size and the earlier links, base first, in step order."""
+    if not isinstance(chain, dict) or type(chain.get("world_size")) is not int or chain["world_size"] < 1:
+        return False
+    links = chain.get("links")
+    if not isinstance(links, list) or not all(
+            isinstance(link, dict) and type(link.get("step")) is int and isinstance(link.get("manifest_sha256"), str)
+            and bool(_SHA256_HEX.match(link["manifest_sha256"])) for link in links):
+        return False
+    steps = [link["step"] for link in links] + [step]
+    return all(a < b for a, b in zip(steps, steps[1:]))
 
 
 def _valid_entry(name: Any, entry: Any) -> bool:
@@ -283,10 +352,15 @@ def _valid_entry(name: Any, entry: Any) -> bool:
             and entry["size"] >= 0 and isinstance(entry.get("sha256"), str) and bool(_SHA256_HEX.match(entry["sha256"])))
 
 
-def _write_manifest(directory: str, step: int, digests: Dict[str, Tuple[int, str]]) -> None:
-    """Writes the manifest of ``directory``'s files (their digests), fsynced, then the directory."""
-    manifest = {"format": _MANIFEST_FORMAT, "step": step,
-                "files": {name: {"size": size, "sha256": digest} for name, (size, digest) in sorted(digests.items())}}
+def _write_manifest(directory: str, step: int, digests: Dict[str, Tuple[int, str]],
+                    chain: Optional[Dict[str, Any]] = None) -> None:
+    """Writes the manifest of ``directory``'s files (their digests) and, for a link of an
+    incremental chain, the chain; fsynced, then the directory."""
+    manifest: Dict[str, Any] = {"format": _MANIFEST_FORMAT if chain is None else _CHAIN_FORMAT, "step": step,
+                                "files": {name: {"size": size, "sha256": digest}
+                                          for name, (size, digest) in sorted(digests.items())}}
+    if chain is not None:
+        manifest["incremental"] = chain
     fd = os.open(os.path.join(directory, MANIFEST_FILE),
                  os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
     with os.fdopen(fd, "w") as f:
@@ -297,38 +371,29 @@ def _write_manifest(directory: str, step: int, digests: Dict[str, Tuple[int, str
     _fsync_dir(directory)
 
 
-def _hash_files(directory: str, names: List[str], pg: dist.ProcessGroup) -> Dict[str, Tuple[int, str]]:
-    """{name: (size, SHA-256)} of the files ``names`` in ``directory`` (collective: rank r hashes
-    names r, r + world, ...; every rank gets all). A file that cannot be read raises
-    CheckpointError on every rank."""
+def _hash_files(directory: str, names: List[str], pg: dist.ProcessGroup,
+                known: Optional[Dict[str, Tuple[int, str]]] = None) -> Dict[str, Tuple[int, str]]:
+    """{name: (size, SHA-256)} of the files ``names`` in ``directory`` (collective; every rank
+    gets all). ``known``: digests this rank computed as it wrote its files (a save); the files
+    no rank knows are read and hashed, rank r taking names r, r + world, ... on several threads.
+    A file that cannot be read raises CheckpointError on every rank."""
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    found: Dict[str, Tuple[int, str]] = {}
+    if known is not None:
+        shares: List[Any] = [None] * world
+        dist.all_gather_object(shares, {name: known[name] for name in names if name in known}, group=pg)
+        found = {name: tuple(value) for share in shares for name, value in share.items()}
     mine: Dict[str, Any] = {}
     error = None
-    for name in names[rank::world]:
-        try:
-            mine[name] = _file_digest(os.path.join(directory, name))
-        except OSError as e:
-            error = f"checkpoint {directory}: {name} cannot be read ({e.strerror})"
-            break
+    try:
+        mine = file_digests(directory, [name for name in names if name not in found][rank::world])
+    except OSError as e:
+        error = f"checkpoint {directory}: {os.path.basename(e.filename or '?')} cannot be read ({e.strerror})"
     _raise_if_any(error, pg)
-    shares: List[Any] = [None] * world
+    shares = [None] * world
     dist.all_gather_object(shares, mine, group=pg)
-    return {name: tuple(value) for share in shares for name, value in share.items()}
-
-
-def _file_digest(path: str) -> Tuple[int, str]:
-    """(size, SHA-256 hex digest) of a regular file, opened without following a symlink."""
-    digest, size = hashlib.sha256(), 0
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    with os.fdopen(fd, "rb", buffering=0) as f:
-        buffer = memoryview(bytearray(_HASH_CHUNK))
-        while True:
-            n = f.readinto(buffer)
-            if not n:
-                break
-            digest.update(buffer[:n])
-            size += n
-    return size, digest.hexdigest()
+    found.update({name: tuple(value) for share in shares for name, value in share.items()})
+    return found
 
 
 def _read_file(path: str) -> bytes:
@@ -502,6 +567,15 @@ def load_checkpoint(path: str, state: Dict[str, Any], process_group: Optional[di
     pg = process_group or ensure_process_group()
     if verify:
         verify_checkpoint(path, pg)
+    if "incremental" in read_manifest(path):
+        raise CheckpointError(f"checkpoint {path}: is a link of an incremental chain (its tables are in base and "
+                              "delta files): load it with IncrementalCheckpoints.load "
+                              "(torchrec_ext.distributed.checkpoint_incremental)")
+    return load_dcp(path, state, pg)
+
+
+def load_dcp(path: str, state: Dict[str, Any], pg: dist.ProcessGroup) -> Dict[str, Any]:
+    """Loads the DCP part of verified checkpoint ``path`` into ``state`` (see load_checkpoint)."""
     metadata = read_metadata(path)
     _check_storage(path, metadata)  # here for a clear error; DCP would wrap the _Reader's in its own
     fit_to_checkpoint(state, metadata)

@@ -73,7 +73,8 @@ class ShardedDynamicEmbeddingBagCollection(
             local_cols.extend(range(self._plan.cols[s] + first, self._plan.cols[s] + first + width))
         self._all_local = local_cols == list(range(self._plan.total_dim))
         self._local_cols = torch.tensor(local_cols, dtype=torch.int64, device=self._device)
-        self._output_dist = RwPooledEmbeddingDist(env.process_group, self._plan.dims)
+        # A plain list, not a submodule, as the input dists (sharded_base.py).
+        self._output_dists = [RwPooledEmbeddingDist(env.process_group, self._plan.dims)]
 
     # ------------------------------------------------------------------ TorchRec contract
 
@@ -118,7 +119,7 @@ class ShardedDynamicEmbeddingBagCollection(
                                  weights=received.weights_or_none(), lengths=lengths, stride=stride)
 
     def output_dist(self, ctx: EmbeddingBagCollectionContext, output: List[Tensor]) -> LazyAwaitable[KeyedTensor]:
-        reduced = self._output_dist(output[0], ctx.sharding_contexts[0])
+        reduced = self._output_dists[0](output[0], ctx.sharding_contexts[0])
         return _PooledAwaitable(reduced, ctx.divisor, self._plan.embedding_names, self._plan.dims)
 
     def compute_and_output_dist(self, ctx: EmbeddingBagCollectionContext, input: KJTList) -> LazyAwaitable[KeyedTensor]:

@@ -60,12 +60,15 @@ from torchrec.distributed.planner.types import (
 )
 from torchrec.distributed.planner.utils import extract_comm_data_type_size
 from torchrec.distributed.sharding_plan import get_default_sharders
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ModuleSharder, PipelineType, ShardingPlan, ShardingType
+from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 
 from torchrec_ext.distributed.placement import (
     COLUMN_TYPES, DATA_PARALLEL_REFUSAL, SUPPORTED_SHARDING_TYPES, column_sharding_refusal,
 )
 from torchrec_ext.distributed.sharded_base import local_capacity, sharded_optimizer
+from torchrec_ext.distributed.sharders import FeatureProcessedDynamicEmbeddingBagCollectionSharder, over_dynamic_ebc
 from torchrec_ext.modules.admission import admission_bytes
 from torchrec_ext.modules.configs import DynamicTableOptions, options_of, storage_dtype_of
 from torchrec_ext.modules.embedding_bag_collection import DynamicEmbeddingBagCollection
@@ -139,9 +142,17 @@ def check_plan_capacity(value: Any) -> Any:
     return dict(value) if isinstance(value, dict) else value
 
 
+def dynamic_module_of(module: nn.Module) -> Optional[nn.Module]:
+    """The dynamic module whose tables sharding ``module`` shards: itself, or the dynamic EBC of
+    a FeatureProcessedEmbeddingBagCollection; None for any other module."""
+    if isinstance(module, DYNAMIC_MODULE_TYPES):
+        return module
+    return module._embedding_bag_collection if over_dynamic_ebc(module) else None
+
+
 def is_dynamic_option(option: ShardingOption) -> bool:
-    """Whether a sharding option belongs to one of our dynamic modules."""
-    return isinstance(option.module[1], DYNAMIC_MODULE_TYPES)
+    """Whether a sharding option belongs to one of our dynamic modules (or an FP-EBC over one)."""
+    return dynamic_module_of(option.module[1]) is not None
 
 
 def _configs(module: nn.Module) -> Sequence[Any]:
@@ -175,7 +186,7 @@ class _TableCache:
     def info(self, option: ShardingOption, sharder_data: Any = None) -> _TableInfo:
         """``sharder_data``: the module's sharder (TorchRec 1.6) or its SharderData snapshot, whose
         fused_params choose the optimizer when the module chose none, as in the sharded module."""
-        module = option.module[1]
+        module = dynamic_module_of(option.module[1])
         if id(module) not in self._modules:
             fused_params = getattr(sharder_data, "fused_params", None)
             kind = sharded_optimizer(module, fused_params, "dynamic table planner").kind
@@ -551,9 +562,14 @@ _MISSING_SHARDER_HINT = ("pass sharders=torchrec_ext.distributed.get_sharders() 
 def check_dynamic_modules_have_sharders(module: nn.Module, sharders: Sequence[ModuleSharder[nn.Module]]) -> None:
     """Raise if ``module`` holds a dynamic module that none of ``sharders`` shards (it would be
     left out of the plan and wrapped by DDP)."""
-    sharded_types = {sharder.module_type for sharder in sharders}
+    sharder_of = {sharder.module_type: sharder for sharder in sharders}  # the last one wins, as in DMP
     missing = [f"{path or '<root>'} ({type(child).__name__})" for path, child in module.named_modules()
-               if isinstance(child, DYNAMIC_MODULE_TYPES) and type(child) not in sharded_types]
+               if isinstance(child, DYNAMIC_MODULE_TYPES) and type(child) not in sharder_of]
+    # TorchRec's FP-EBC sharder would shard the dynamic EBC inside with TorchRec's EBC sharder.
+    missing += [f"{path or '<root>'} ({type(child).__name__} over DynamicEmbeddingBagCollection, sharded by "
+                f"{type(sharder_of[type(child)]).__name__})" for path, child in module.named_modules()
+                if over_dynamic_ebc(child) and type(child) in sharder_of
+                and not isinstance(sharder_of[type(child)], FeatureProcessedDynamicEmbeddingBagCollectionSharder)]
     if missing:
         raise PlannerError(f"dynamic table planner: no sharder for {', '.join(missing)}; TorchRec would leave "
                            f"it out of the plan and wrap it in DistributedDataParallel. {_MISSING_SHARDER_HINT}.",
@@ -568,12 +584,13 @@ def _column_refusals(module: nn.Module, constraints: Optional[Dict[str, Paramete
     refusals = {}
     fused_params = {sharder.module_type: getattr(sharder, "fused_params", None) for sharder in sharders}
     for path, child in module.named_modules():
-        if not isinstance(child, DYNAMIC_MODULE_TYPES):
+        dynamic = dynamic_module_of(child)
+        if dynamic is None:
             continue
         # The optimizer the sharded module will train with: the module's, else the sharder's.
-        kind = sharded_optimizer(child, fused_params.get(type(child)), "dynamic table planner").kind
+        kind = sharded_optimizer(dynamic, fused_params.get(type(child)), "dynamic table planner").kind
         stochastic_rounding = stochastic_rounding_of(fused_params.get(type(child)), "dynamic table planner")
-        for cfg in _configs(child):
+        for cfg in _configs(dynamic):
             allowed = (constraints or {}).get(cfg.name)
             allowed = list(allowed.sharding_types) if allowed is not None and allowed.sharding_types else None
             where = f"dynamic table planner: table {cfg.name!r} ({path or '<root>'})"
@@ -605,6 +622,27 @@ def _drop_split_column_options(options: List[ShardingOption], refusals: Dict[Tup
     return kept
 
 
+def _rank_widths(shards: Sequence[Any], ranks: Sequence[int]) -> List[Tuple[int, int]]:
+    """Each rank's total column width when ``shards[i]`` goes to ``ranks[i]``."""
+    return sorted((r, sum(int(s.size[1]) for s, x in zip(shards, ranks) if x == r)) for r in set(ranks))
+
+
+def _options_of_their_kind(options: List[ShardingOption]) -> List[ShardingOption]:
+    """``options`` without those our FP-EBC sharder offers for the other kind of EBC: it offers
+    TorchRec's kernels and ours (one sharder per module type), but an FP-EBC over a dynamic EBC
+    takes only ``customized_kernel`` and our sharding types, one over TorchRec's EBC only TorchRec's kernels."""
+    custom = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+
+    def fits(option: ShardingOption) -> bool:
+        if not isinstance(option.module[1], FeatureProcessedEmbeddingBagCollection):
+            return True
+        if is_dynamic_option(option):
+            return option.compute_kernel == custom and option.sharding_type in SUPPORTED_SHARDING_TYPES
+        return option.compute_kernel != custom
+
+    return [o for o in options if fits(o)]
+
+
 def adjacent_column_shards(best_plan: List[ShardingOption]) -> List[ShardingOption]:
     """A planner callback: each rank's column shards of a dynamic table made adjacent columns.
 
@@ -623,8 +661,7 @@ def adjacent_column_shards(best_plan: List[ShardingOption]) -> List[ShardingOpti
         order.remove(ranks[-1])
         order.append(ranks[-1])
         regrouped = [r for r in order for _ in range(ranks.count(r))]
-        widths = lambda rs: sorted((r, sum(int(s.size[1]) for s, x in zip(shards, rs) if x == r)) for r in set(rs))
-        if regrouped != ranks and widths(regrouped) == widths(ranks):
+        if regrouped != ranks and _rank_widths(shards, regrouped) == _rank_widths(shards, ranks):
             for shard, rank in zip(shards, regrouped):
                 shard.rank = rank
     return best_plan
@@ -659,6 +696,8 @@ def install_default_planner_hook() -> None:
         return _drop_split_column_options(original_enumerate(self, module, sharders), refusals)
 
     def populate_estimates(self, sharding_options):
+        # In place, before any estimator sees them: enumerate returns this list.
+        sharding_options[:] = _options_of_their_kind(sharding_options)
         ours = getattr(self, "_dynamic_estimators", None)
         if not ours or not any(is_dynamic_option(o) for o in sharding_options):
             return original_populate(self, sharding_options)

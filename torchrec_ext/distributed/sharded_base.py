@@ -5,7 +5,8 @@ Each rank holds a plain Dynamic* module with its share of the tables (placement.
 slice (by capacity) of every row-wise table (1/len(group) of a table-row-wise one), the whole
 of each table-wise table placed on it, and its columns of each column-wise table. Its
 per-table submodules are the sharded module's, so state_dict keys stay those of the unsharded
-module ("embedding_bags.<table>.*" / "embeddings.<table>.*").
+module ("embedding_bags.<table>.*" / "embeddings.<table>.*"; a table another rank holds is an
+empty placeholder, ``AbsentTable``).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from torchrec_ext.distributed.placement import TablePlacement, read_plan
 from torchrec_ext.distributed.routing import SlotRouting
 from torchrec_ext.distributed.sharded_state import ShardedDynamicState
 from torchrec_ext.modules.admission import local_admission_fields
+from torchrec_ext.modules.base import DynamicTableDict
 from torchrec_ext.modules.table_stats import TableStats
 from torchrec_ext.modules.configs import (
     DynamicEmbeddingBagConfig, DynamicEmbeddingConfig, Initializer, initializer_of, options_of,
@@ -81,6 +83,35 @@ def sharded_optimizer(module, fused_params: Optional[Dict[str, Any]], where: str
     return module._chosen_spec() or from_sharder or DEFAULT_OPTIMIZER
 
 
+class AbsentTable(nn.Module):
+    """``embedding_bags.<table>`` / ``embeddings.<table>`` of a table another rank holds: an
+    empty ``weight`` (as TorchRec's sharded modules register), so every rank's sharded module
+    has the unsharded module's parameter names. Its state is the sharded module's
+    (sharded_state.py): it saves and loads nothing itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(0))
+        self.weight._in_backward_optimizers = [EmptyFusedOptimizer()]  # not the dense optimizer's
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        pass
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        pass
+
+
+def _sharded_container(local, container: str, configs) -> nn.ModuleDict:
+    """The sharded module's ``embedding_bags`` / ``embeddings``: every table of ``configs`` in
+    their order, this rank's tables' submodules (``local``'s) and an ``AbsentTable`` for the others."""
+    held = getattr(local, container) if local is not None else {}
+    if list(held.keys()) == [cfg.name for cfg in configs]:
+        return held
+    modules = {cfg.name: held[cfg.name] if cfg.name in held else AbsentTable() for cfg in configs}
+    return DynamicTableDict(local._tables, modules) if local is not None else nn.ModuleDict(modules)
+
+
 class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
     """The construction both sharded modules share; the host is a ShardedModule that calls
     ``_init_sharding`` in its constructor."""
@@ -125,9 +156,11 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
                 # step, so the copies stay equal to the unsharded table's rows.
                 all_reduce = functools.partial(dist.all_reduce, group=env.process_group)
                 local._tables.replicated_fallback = (replicated, all_reduce)
-        setattr(self, container, getattr(self._local, container) if self._local is not None else nn.ModuleDict())
-        self._input_dists = nn.ModuleList([RoutedInputDist(env.process_group, len(self._routing.names),
-                                                           self._world_size)])
+        setattr(self, container, _sharded_container(self._local, container, configs))
+        # A plain list, not a submodule (as TorchRec's sharded modules keep their dists): the
+        # sharded module's FQNs are the unsharded one's, which torch's composable contract
+        # (torchrec.distributed.shard) checks. The dists hold no tensors.
+        self._input_dists = [RoutedInputDist(env.process_group, len(self._routing.names), self._world_size)]
         self._init_sharded_state(container, configs, spec.kind)
 
     @property

@@ -4,7 +4,9 @@ They offer ``table_wise``, ``row_wise`` and ``table_row_wise`` (ids spread by ``
 ``column_wise`` and ``table_column_wise`` (placement.py; not ``data_parallel``), with TorchRec's
 ``customized_kernel`` compute kernel, which the planner accepts with our estimators
 (``torchrec_ext.distributed.planner``). Their ``fused_params`` choose the tables' fused
-optimizer as TorchRec's sharders' do (``sharded_base.sharded_optimizer``).
+optimizer as TorchRec's sharders' do (``sharded_base.sharded_optimizer``). The FP-EBC sharder
+shards TorchRec's FeatureProcessedEmbeddingBagCollection over our EBC (fp_embeddingbag.py) and
+hands one over TorchRec's EBC to TorchRec's own.
 """
 from __future__ import annotations
 
@@ -13,11 +15,16 @@ from typing import Any, Dict, List, Optional, Type
 import torch
 from torch import nn
 from torchrec.distributed.embedding_types import BaseEmbeddingSharder, EmbeddingComputeKernel
+from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 from torchrec.distributed.sharding_plan import get_default_sharders
-from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharder, ShardingEnv
+from torchrec.distributed.types import (
+    EmbeddingModuleShardingPlan, ModuleSharder, ParameterSharding, QuantizedCommCodecs, ShardingEnv,
+)
+from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 
 from torchrec_ext.distributed.embedding import ShardedDynamicEmbeddingCollection
 from torchrec_ext.distributed.embeddingbag import ShardedDynamicEmbeddingBagCollection
+from torchrec_ext.distributed.fp_embeddingbag import ShardedFeatureProcessedDynamicEmbeddingBagCollection
 from torchrec_ext.distributed.placement import SUPPORTED_SHARDING_TYPES
 from torchrec_ext.modules.fused_optimizer import spec_from_fused_params
 from torchrec_ext.modules import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection
@@ -64,7 +71,84 @@ class DynamicEmbeddingCollectionSharder(_DynamicSharder, BaseEmbeddingSharder[Dy
         return {name: table.weight for name, table in module.embeddings.items()}
 
 
+def over_dynamic_ebc(module: nn.Module) -> bool:
+    """Whether ``module`` is a FeatureProcessedEmbeddingBagCollection over our dynamic EBC."""
+    return isinstance(module, FeatureProcessedEmbeddingBagCollection) and \
+        isinstance(module._embedding_bag_collection, DynamicEmbeddingBagCollection)
+
+
+class FeatureProcessedDynamicEmbeddingBagCollectionSharder(FeatureProcessedEmbeddingBagCollectionSharder):
+    """TorchRec's sharder of ``FeatureProcessedEmbeddingBagCollection``, for FP-EBCs over either
+    EBC (DistributedModelParallel takes one sharder per module type): one over our dynamic EBC is
+    sharded with ``ebc_sharder`` (ours; fp_embeddingbag.py), one over TorchRec's EBC goes to
+    ``stock_sharder`` (TorchRec's own FP sharder), unchanged. It offers both kinds' sharding types
+    and compute kernels; the planner keeps, per module, the options of its kind (planner.py).
+    ``fused_params`` are ``ebc_sharder``'s."""
+
+    def __init__(self, ebc_sharder: Optional[DynamicEmbeddingBagCollectionSharder] = None,
+                 stock_sharder: Optional[FeatureProcessedEmbeddingBagCollectionSharder] = None,
+                 qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None) -> None:
+        super().__init__(ebc_sharder or DynamicEmbeddingBagCollectionSharder(), qcomm_codecs_registry)
+        self._stock_sharder = stock_sharder or FeatureProcessedEmbeddingBagCollectionSharder(
+            qcomm_codecs_registry=qcomm_codecs_registry)
+
+    def shard(self, module: FeatureProcessedEmbeddingBagCollection, params: Dict[str, ParameterSharding],
+              env: ShardingEnv, device: Optional[torch.device] = None, module_fqn: Optional[str] = None) -> nn.Module:
+        if not over_dynamic_ebc(module):
+            return self._stock_sharder.shard(module, params, env, device, module_fqn)
+        device = torch.device(device) if device is not None else module._embedding_bag_collection.device
+        return ShardedFeatureProcessedDynamicEmbeddingBagCollection(module, params, self._ebc_sharder, env, device,
+                                                                    module_fqn)
+
+    def shardable_parameters(self, module: FeatureProcessedEmbeddingBagCollection) -> Dict[str, nn.Parameter]:
+        sharder = self._ebc_sharder if over_dynamic_ebc(module) else self._stock_sharder._ebc_sharder
+        return sharder.shardable_parameters(module._embedding_bag_collection)
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        stock = self._stock_sharder.sharding_types(compute_device_type)
+        return stock + [t for t in self._ebc_sharder.sharding_types(compute_device_type) if t not in stock]
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        kernels = list(self._stock_sharder.compute_kernels(sharding_type, compute_device_type))
+        if sharding_type in self._ebc_sharder.sharding_types(compute_device_type):
+            kernels += [k for k in self._ebc_sharder.compute_kernels(sharding_type, compute_device_type)
+                        if k not in kernels]
+        return kernels
+
+
+def _with_our_sharders(defaults: List[ModuleSharder[nn.Module]]) -> List[ModuleSharder[nn.Module]]:
+    """Ours, then ``defaults`` but TorchRec's FP-EBC sharder, which ours wraps."""
+    ebc_sharder = DynamicEmbeddingBagCollectionSharder()
+    stock_fp = [s for s in defaults if s.module_type is FeatureProcessedEmbeddingBagCollection]
+    fp_sharder = FeatureProcessedDynamicEmbeddingBagCollectionSharder(ebc_sharder, *stock_fp[:1])
+    return [ebc_sharder, DynamicEmbeddingCollectionSharder(), fp_sharder] + \
+        [s for s in defaults if s.module_type is not FeatureProcessedEmbeddingBagCollection]
+
+
 def get_sharders() -> List[ModuleSharder[nn.Module]]:
     """Our sharders plus TorchRec's defaults: for DistributedModelParallel(model, sharders=...)
-    on models mixing dynamic and stock TorchRec tables."""
-    return [DynamicEmbeddingBagCollectionSharder(), DynamicEmbeddingCollectionSharder()] + list(get_default_sharders())
+    on models mixing dynamic and stock TorchRec tables. TorchRec's FP-EBC sharder is replaced by
+    ours, which hands it the FP-EBCs over TorchRec's EBC."""
+    return _with_our_sharders(list(get_default_sharders()))
+
+
+def install_default_sharder_lookup() -> None:
+    """Let TorchRec's composable ``shard(module, plan)`` and ``construct_module_sharding_plan``
+    find our sharders when none is passed: the per-type map they look in
+    (``get_module_to_default_sharders``) gets ours, the FP-EBC one in place of TorchRec's (which it
+    hands FP-EBCs over TorchRec's EBC). ``DistributedModelParallel``'s default sharders stay
+    TorchRec's: it refuses our modules at planning, naming ``get_sharders()`` (planner.py).
+    Idempotent; runs on ``import torchrec_ext.distributed``."""
+    import torchrec.distributed.shard as shard_module
+    import torchrec.distributed.sharding_plan as plan_module
+
+    original = plan_module.get_module_to_default_sharders
+    if getattr(original, "_torchrec_ext_hooked", False):
+        return
+
+    def get_module_to_default_sharders() -> Dict[Type[nn.Module], ModuleSharder[nn.Module]]:
+        return {sharder.module_type: sharder for sharder in _with_our_sharders(list(original().values()))}
+
+    get_module_to_default_sharders._torchrec_ext_hooked = True
+    plan_module.get_module_to_default_sharders = get_module_to_default_sharders
+    shard_module.get_module_to_default_sharders = get_module_to_default_sharders

@@ -229,6 +229,8 @@ class InferenceTables:
         counts = [0] * len(self.meta)
         for t, n in zip(self.plan.tables, batch.value_counts):
             counts[t] = counts[t] + n
+        if not exporting:
+            return self._rows_of_all(batch.ids, counts)
         start = 0
         for t, n in enumerate(counts):
             end = start + n
@@ -247,6 +249,29 @@ class InferenceTables:
             )
             start = end
         return torch.cat(per_table) if per_table else batch.ids.new_empty(0)
+
+    def _rows_of_all(self, ids: Tensor, counts: Sequence[int]) -> Tensor:
+        """``rows_of`` with one find for all tables (``ops.hash_find_tables``): table t's ids are the
+        ``counts[t]`` after the previous tables'. Unseen ids of tables that map them take the
+        table's default row (one ``where`` for all such tables) or fallback row (per table)."""
+        offsets = [0]
+        for n in counts:
+            offsets.append(offsets[-1] + n)
+        arrays = [index.lookup_arrays() for index in self.indexes]  # held under this module's read lock
+        rows, found = ops.hash_find_tables([a[0] for a in arrays], [a[1] for a in arrays], ids, offsets,
+                                           [m.capacity for m in self.meta])
+        mapped = [t for t, n in enumerate(counts) if n and (self._maps_default[t] or self.int8)]
+        plain = [t for t in mapped if not self.meta[t].fallback_rows]
+        if plain:
+            default = [self.default_rows[t] if t in plain else -1 for t in range(len(self.meta))]
+            per_id = torch.tensor(default, dtype=torch.int64, device=ids.device).repeat_interleave(
+                torch.tensor(counts, device=ids.device), output_size=ids.numel())
+            rows = torch.where(found | (per_id < 0), rows, per_id)
+        for t in mapped:
+            if self.meta[t].fallback_rows:
+                start, end = offsets[t], offsets[t + 1]
+                rows[start:end] = self._unseen_rows(t, ids[start:end], rows[start:end], found[start:end])
+        return rows
 
     def pooled(self, batch: LookupInput) -> Tensor:
         """float32 [batch_size, total_dim]: every feature's bags, pooled (sum or mean)."""

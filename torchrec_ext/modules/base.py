@@ -93,10 +93,12 @@ class DynamicTableDict(nn.ModuleDict):
         unknown_before = len(unexpected_keys)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)  # reports keys of tables this module does not have
-        tables = {table._index: f"{prefix}{name}." for name, table in self.items()}
+        # (a sharded module's container also holds placeholders of other ranks' tables: skipped)
+        mine = {name: table for name, table in self.items() if isinstance(table, DynamicTable)}
+        tables = {table._index: f"{prefix}{name}." for name, table in mine.items()}
         load_tables(self._tables, tables, state_dict, self.strict, missing_keys, unexpected_keys, error_msgs,
                     unknown=len(unexpected_keys) > unknown_before)
-        for table in self.values():
+        for table in mine.values():
             table._loaded_by_container = True
 
 
@@ -254,8 +256,10 @@ class DynamicCollectionMixin(DeltaMixin):
         module's share of the next batch, in flight in its input dist)."""
         if not isinstance(self._tables, TieredTables) or self.device.type == "meta":
             return False
-        arrange = lambda kjt: check_and_arrange(kjt, self._plan, getattr(self, "_is_weighted", False),
-                                                type(self).__name__, self.device, variable_batch="pool")
+        def arrange(kjt):
+            return check_and_arrange(kjt, self._plan, getattr(self, "_is_weighted", False),
+                                     type(self).__name__, self.device, variable_batch="pool")
+
         if callable(features):  # known later, on the stage's worker thread
             def resolve():
                 kjt = features()

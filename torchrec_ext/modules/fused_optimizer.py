@@ -290,7 +290,10 @@ class DynamicEmbeddingFusedOptimizer(FusedOptimizer):
         group = self.param_groups[0]
         where = f"{type(self).__name__}: param_groups[0]"
         names = self.spec.hyperparam_names()
-        label = lambda name: f"{where}[{name!r}]"
+
+        def label(name: str) -> str:
+            return f"{where}[{name!r}]"
+
         # The state's initial value is the spec's (new rows take it), so it is checked with the group's others.
         ftrl = check_ftrl_hyperparams({**{n: group[n] for n in ("lr",) + _FTRL_HYPERPARAMS},
                                        "initial_accumulator_value": self.spec.initial_accumulator_value},

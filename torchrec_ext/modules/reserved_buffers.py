@@ -10,6 +10,7 @@ part of a growth (page faults, zeroing; on a VM, the host's faults too).
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 
 import torch
@@ -28,10 +29,8 @@ class ReservedBuffer:
         length = numel_max * 4 + _HUGE_PAGE  # room to start on a huge-page boundary
         self._map = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        try:  # rows are touched at random: huge pages spare TLB misses (best effort)
-            self._map.madvise(mmap.MADV_HUGEPAGE)
-        except (AttributeError, OSError):  # pragma: no cover
-            pass
+        with contextlib.suppress(AttributeError, OSError):  # rows are touched at random: huge pages
+            self._map.madvise(mmap.MADV_HUGEPAGE)           # spare TLB misses (best effort)
         base = torch.frombuffer(self._map, dtype=torch.uint8, count=1).data_ptr()
         self._offset = -base % _HUGE_PAGE
         self._start = base + self._offset

@@ -167,13 +167,20 @@ class TableCounters:
         """Rows freed by the ttl sweep (expiries too)."""
         self.counts[t, _EXPIRED] += swept.sum()
 
-    def count_evicted(self, t: int, evicted: Tensor, ages: Optional[Tensor]) -> None:
+    def count_evicted(self, t: int, evicted: Tensor, ages: Optional[Tensor], counted: bool = False) -> None:
         """Evictions in table t: ``evicted`` flags the keys that took an evicted key's row;
-        ``ages``: each key's row's steps since last read (read where evicted), when known."""
-        self.counts[t, _EVICTED] += evicted.sum()
+        ``ages``: each key's row's steps since last read (read where evicted), when known;
+        ``counted``: the evictions are counted already (``count_evicted_tables``), the ages not."""
+        if not counted:
+            self.counts[t, _EVICTED] += evicted.sum()
         if ages is not None and self.ages[t] is not None and ages.numel():
             bins = self.ages[t].numel()
             self.ages[t].index_add_(0, ages.clamp(0, bins - 1), evicted.to(torch.int64))
+
+    def count_evicted_tables(self, key_table: Tensor, evicted: Tensor) -> None:
+        """Evictions in every table at once: ``evicted`` flags the keys that took an evicted key's
+        row, ``key_table`` is each key's table."""
+        self.counts[:, _EVICTED].index_add_(0, key_table, evicted.to(torch.int64))
 
     def stats(self, names: List[str], capacities: List[int], live_rows: List[int],
               fallback_rows: List[int]) -> Dict[str, TableStats]:

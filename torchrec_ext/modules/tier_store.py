@@ -31,12 +31,14 @@ import json
 import mmap
 import os
 import re
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-LAYOUT_VERSION = 1
+from torchrec_ext.modules.tier_log import RowLog
+
+LAYOUT_VERSION = 2  # 2: write-backs go to a log (tier_log.py), the rows file is not all of a table
 MAGIC = b"TRXTIER\0"
 HEADER_BYTES = 4096  # a page: the rows after it stay page-aligned
 
@@ -93,7 +95,8 @@ class BackingStore:
         self.directory = parse_backing(backing)
         self.tables = [{"name": n, "capacity": c, "dim": d, "dtype": str(dt).replace("torch.", "")}
                        for n, c, d, dt in tables]
-        self._files: Dict[str, object] = {}  # buffer name -> its open, locked file
+        self._files: Dict[str, object] = {}  # buffer name (a log: "log<t>") -> its open, locked file
+        self._logs: Dict[int, RowLog] = {}  # table -> its write-back log (tier_log.py)
         if self.directory is not None:
             if not os.path.isdir(self.directory):
                 raise ValueError(f"{where}: backing directory {self.directory!r} does not exist (backing={backing!r})")
@@ -109,14 +112,14 @@ class BackingStore:
             buf.fill_(value)
         return buf
 
-    def path(self, name: str) -> str:
+    def path(self, name: str, kind: str = "rows") -> str:
         names = "+".join(re.sub(r"[^A-Za-z0-9_.-]", "_", t["name"]) for t in self.tables)
         if len(names) > 120:  # long or many names: a digest of them instead
             names = "tables-" + hashlib.sha1(names.encode()).hexdigest()[:16]
         prefix = "" if self.shard is None else f"{self.shard}."
-        return os.path.join(self.directory, f"{prefix}{names}.{name}.rows")
+        return os.path.join(self.directory, f"{prefix}{names}.{name}.{kind}")
 
-    def _header(self, name: str, numel: int) -> dict:
+    def _header(self, name: str, numel: Optional[int]) -> dict:
         header = {"layout_version": LAYOUT_VERSION, "buffer": name, "numel": numel, "tables": self.tables}
         if self.shard is not None:  # (files of unsharded tables keep the header they had)
             header["shard"] = self.shard
@@ -128,6 +131,60 @@ class BackingStore:
         if old is not None:  # ours, re-allocated (a new optimizer's state): start it afresh
             old.close()
             os.unlink(path)
+        f, existed = self._open_locked(path, header)
+        if not existed:
+            doing = "reserve"
+            try:
+                os.posix_fallocate(f.fileno(), 0, HEADER_BYTES + 4 * numel)
+                doing = "write"
+                write_zeros(f.fileno(), HEADER_BYTES, 4 * numel)
+            except OSError as e:
+                f.close()
+                os.unlink(path)
+                raise ValueError(f"{self.where}: cannot {doing} {HEADER_BYTES + 4 * numel} bytes for backing file "
+                                 f"{path!r}: {e}") from None
+        self._files[name] = f
+        whole = torch.from_file(path, shared=True, size=HEADER_BYTES // 4 + numel, dtype=torch.float32)
+        advise_random(whole, path, self.where)
+        return whole[HEADER_BYTES // 4:]
+
+    def log(self, t: int, record_bytes: int) -> RowLog:
+        """Table t's write-back log (``tier_log.RowLog``) of records of ``record_bytes``: the one
+        open, or a new empty one (a stale log file of the same tables is emptied: its records
+        are never read again)."""
+        log = self._logs.get(t)
+        if log is not None and log.record_bytes == record_bytes:
+            return log
+        if log is not None:  # another record layout (a new optimizer): only an empty log is replaced
+            if log.live:
+                raise RuntimeError(f"{self.where}: backing log {log.path!r} still holds rows")
+            self._files.pop(f"log{t}").close()
+        table = self.tables[t]
+        safe = [re.sub(r"[^A-Za-z0-9_.-]", "_", other["name"]) for other in self.tables]
+        unique = len(safe[t]) <= 100 and safe.count(safe[t]) == 1
+        path = self.path(safe[t] if unique else f"table{t}", kind="log")  # (as the rows files' names)
+        f, _ = self._open_locked(path, self._header(f"log:{table['name']}", None))
+        max_records = RowLog.max_records(table["capacity"])
+        size = HEADER_BYTES + max_records * record_bytes
+        try:
+            os.truncate(path, HEADER_BYTES)  # stale records gone (and their blocks)
+            os.truncate(path, size)  # sparse: blocks are taken as records are appended
+        except OSError as e:
+            f.close()
+            raise ValueError(f"{self.where}: cannot size backing log {path!r} to {size} bytes: {e}") from None
+        self._files[f"log{t}"] = f
+        whole = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        advise_random(whole, path, self.where)
+        records = whole[HEADER_BYTES:].view(max_records, record_bytes)
+        self._logs[t] = RowLog(f.fileno(), path, records, HEADER_BYTES, table["capacity"], self.where)
+        return self._logs[t]
+
+    def logs(self) -> Dict[int, RowLog]:
+        return dict(self._logs)
+
+    def _open_locked(self, path: str, header: dict) -> Tuple[object, bool]:
+        """``path`` opened and locked, its header checked (an existing file) or written (a new
+        one); and whether it existed."""
         exists = os.path.exists(path) and os.path.getsize(path) > 0
         try:
             f = open(path, "r+b" if exists else "w+b")
@@ -150,24 +207,12 @@ class BackingStore:
                                      f"than {HEADER_BYTES} bytes; give the module fewer tables")
                 f.write(text.ljust(HEADER_BYTES, b"\0"))
                 f.flush()
-                doing = "reserve"
-                try:
-                    os.posix_fallocate(f.fileno(), 0, HEADER_BYTES + 4 * numel)
-                    doing = "write"
-                    write_zeros(f.fileno(), HEADER_BYTES, 4 * numel)
-                except OSError as e:
-                    f.close()
-                    os.unlink(path)
-                    raise ValueError(f"{self.where}: cannot {doing} {HEADER_BYTES + 4 * numel} bytes for backing file "
-                                     f"{path!r}: {e}") from None
         except BaseException:
-            if not f.closed:
-                f.close()
+            f.close()
+            if not exists and os.path.exists(path):
+                os.unlink(path)
             raise
-        self._files[name] = f
-        whole = torch.from_file(path, shared=True, size=HEADER_BYTES // 4 + numel, dtype=torch.float32)
-        advise_random(whole, path, self.where)
-        return whole[HEADER_BYTES // 4:]
+        return f, exists
 
     def _check_header(self, path: str, raw: bytes, want: dict) -> None:
         if not raw.startswith(MAGIC):
@@ -183,7 +228,7 @@ class BackingStore:
             if have.get(key) != want.get(key):
                 raise ValueError(f"{self.where}: backing file {path!r} holds {key} {have.get(key)!r}, not this "
                                  f"module's {want.get(key)!r}: a file of other tables; use another directory")
-        if os.path.getsize(path) < HEADER_BYTES + 4 * want["numel"]:
+        if want["numel"] is not None and os.path.getsize(path) < HEADER_BYTES + 4 * want["numel"]:
             raise ValueError(f"{self.where}: backing file {path!r} is {os.path.getsize(path)} bytes, shorter than "
                              f"its header says ({HEADER_BYTES + 4 * want['numel']})")
 
@@ -192,10 +237,11 @@ class BackingStore:
         for f in self._files.values():
             f.close()
         self._files = {}
+        self._logs = {}
 
     def __getstate__(self) -> Dict[str, object]:
         # A copy (deepcopy / pickle) gets its buffers as host tensors: it holds no file.
         state = dict(self.__dict__)
-        state["_files"] = {}
+        state["_files"], state["_logs"] = {}, {}
         state["directory"] = None
         return state

@@ -19,9 +19,10 @@ and writes back and frees slots for its new rows, around the slots of the batch 
 the next lookup reads and writes nothing in the backing store. ``prefetch`` does the filling
 synchronously, between steps.
 
-``table_view`` / ``state_views`` (the tables' parameters, ``state_dict``, loading) are views of
-the backing store: ``state_dict`` writes the dirty rows back first; loading fills the backing
-store and empties the cache.
+``table_view`` / ``state_views`` (the tables' parameters, loading) are views of the backing
+store, current after ``flush``. ``state_dict`` writes the dirty rows back first, then gathers
+each row's newest copy (with file backing, a row written back since the last ``flush`` is in its
+table's log: tier_log.py); loading fills the backing store and empties the cache (and the log).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from torchrec_ext import ops
 from torchrec_ext.modules.configs import DEFAULT_CACHE_LOAD_FACTOR, options_of, storage_dtype_of
 from torchrec_ext.modules.dynamic_tables import DynamicTables, RowLookup, _allocate
 from torchrec_ext.modules.table_stats import TableStats
+from torchrec_ext.modules.tier_log import ROW_BYTES, RowLog
 from torchrec_ext.modules.tier_store import BackingStore
 from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE, dense_state_offsets, table_words
 
@@ -77,6 +79,97 @@ class _Mover:
         slots, rows = slots[order], rows[order]
         for cache, backing in self.pairs:
             backing.index_copy_(0, rows, cache.index_select(0, slots))
+
+    write_home = write  # (host backing: the backing store is home)
+
+    def fold(self) -> None:
+        pass
+
+    def patch(self, rows: Tensor, values: List[Tensor]) -> None:
+        pass
+
+
+class _LogMover(_Mover):
+    """``_Mover`` of a file-backed table: write-backs appended to the table's log as records (the
+    row's number, then its vector and each optimizer state: ``tier_log.RowLog``), reads from each
+    row's newest copy (the log's or the base file's); ``write_home`` / ``fold`` write rows to the
+    base file itself (a checkpoint's flush)."""
+
+    def __init__(self, pairs: List[Tuple[Tensor, Tensor]], store: BackingStore, t: int):
+        super().__init__(pairs)
+        # Per pair: (first byte in the record, bytes); each field 8-byte aligned, so that the
+        # records' columns are views of any dtype (no copy to read them).
+        self.fields, self._pads = [], []
+        at = ROW_BYTES
+        for cache, _ in pairs:
+            width = cache.element_size() * (cache.shape[1] if cache.dim() == 2 else 1)
+            self.fields.append((at, width))
+            self._pads.append(-width % 8)
+            at += width + self._pads[-1]
+        self.log = store.log(t, at)
+        self.log.home = self._write_records_home
+
+    def _field(self, records: Tensor, k: int, like: Tensor) -> Tensor:
+        at, width = self.fields[k]
+        values = records[:, at:at + width].view(like.dtype)
+        return values.view(-1) if like.dim() == 1 else values
+
+    def read(self, slots: Tensor, rows: Tensor) -> None:
+        if rows.numel() == 0:
+            return
+        where = self.log.locate(rows)
+        in_log = where >= 0
+        if not bool(in_log.any()):
+            return super().read(slots, rows)
+        in_base = (~in_log).nonzero().squeeze(1)
+        if in_base.numel():
+            super().read(slots.index_select(0, in_base), rows.index_select(0, in_base))
+        in_log = in_log.nonzero().squeeze(1)
+        where, slots = where.index_select(0, in_log), slots.index_select(0, in_log)
+        order = where.argsort()  # the log read front to back
+        records = self.log.read(where[order])
+        slots = slots[order]
+        for k, (cache, _) in enumerate(self.pairs):
+            cache.index_copy_(0, slots, self._field(records, k, cache))
+
+    def write(self, slots: Tensor, rows: Tensor) -> None:
+        n = rows.numel()
+        if n == 0:
+            return
+        columns = [rows.to(torch.int64).view(torch.uint8).view(n, ROW_BYTES)]
+        for (cache, _), (_, width), pad in zip(self.pairs, self.fields, self._pads):
+            columns.append(cache.index_select(0, slots).view(torch.uint8).view(n, width))
+            if pad:
+                columns.append(torch.zeros(n, pad, dtype=torch.uint8))
+        self.log.append(rows, torch.cat(columns, 1))
+
+    def write_home(self, slots: Tensor, rows: Tensor) -> None:
+        super().write(slots, rows)
+        self.log.forget(rows)
+
+    def _write_records_home(self, rows: Tensor, records: Tensor) -> None:
+        for k, (cache, backing) in enumerate(self.pairs):
+            backing.index_copy_(0, rows, self._field(records, k, cache))
+
+    def patch(self, rows: Tensor, values: List[Tensor], chunk: int = 1 << 16) -> None:
+        """``values`` (per pair, gathered from the backing store at ``rows``): entries whose
+        newest copy is in the log replaced by it (a chunk of records at a time)."""
+        where = self.log.locate(rows)
+        logged = (where >= 0).nonzero().squeeze(1)
+        for start in range(0, logged.numel(), chunk):
+            at = logged[start:start + chunk]
+            records = self.log.read(where.index_select(0, at))
+            for k, ((cache, _), out) in enumerate(zip(self.pairs, values)):
+                out.index_copy_(0, at, self._field(records, k, cache))
+
+    def fold(self, chunk: int = 1 << 16) -> None:
+        """Writes every row whose newest copy is in the log to the base file (ascending rows, a
+        chunk at a time) and empties the log."""
+        rows = self.log.live_rows()
+        for start in range(0, rows.numel(), chunk):
+            these = rows[start:start + chunk]
+            self._write_records_home(these, self.log.read(self.log.locate(these)))
+        self.log.reset()
 
 
 class RowCache:
@@ -247,12 +340,12 @@ class RowCache:
             self.free = (self.row_of < 0).nonzero().squeeze(1)
         self.last_used.index_fill_(0, hits, clock)
 
-    def flush(self, mover: _Mover) -> None:
-        """Writes every dirty row back; rows held by a batch in flight stay dirty (their update
-        is still to land)."""
+    def flush(self, mover: _Mover, home: bool = True) -> None:
+        """Writes every dirty row back (``home``: to the rows file itself, not a log); rows held
+        by a batch in flight stay dirty (their update is still to land)."""
         dirty = (self.dirty & (self.row_of >= 0)).nonzero().squeeze(1)
         if dirty.numel():
-            mover.write(dirty, self.row_of[dirty])
+            (mover.write_home if home else mover.write)(dirty, self.row_of[dirty])
             self.write_backs += dirty.numel()
             self.bytes_moved += dirty.numel() * mover.row_bytes
             self.dirty[dirty] = self.pinned_mask()[dirty] if self.pinned else False
@@ -427,6 +520,7 @@ class TieredTables(DynamicTables):
         # numel is the buffer at full capacity: the backing store's. Its contents matter only
         # where rows are live (new rows are initialised): a fresh file needs no filling.
         live = bool(getattr(self, "indexes", None)) and device.type != "meta" and self.num_live_rows() > 0
+        self._fold_logs()  # the logs' records have the old buffers' layout: their rows go home first
         if device.type == "meta":
             self.backing[name] = _allocate(numel, value, device)
         elif self.store.directory is None:  # host memory, on huge pages where offered (rows are touched at random)
@@ -485,11 +579,21 @@ class TieredTables(DynamicTables):
             self._movers = []
             for i in range(len(self.meta)):
                 (cache, cache_states), (backing, backing_states) = self._views(i, True), self._views(i, False)
-                self._movers.append(_Mover([(cache, backing)] + [(cache_states[k], backing_states[k])
-                                                                 for k in cache_states]))
+                pairs = [(cache, backing)] + [(cache_states[k], backing_states[k]) for k in cache_states]
+                # file backing: write-backs appended to a log (tier_log.py), not scattered over the file
+                self._movers.append(_Mover(pairs) if self.store.directory is None else _LogMover(pairs, self.store, i))
         return self._movers[t]
 
+    def _fold_logs(self) -> None:
+        """Every row whose newest copy is in a log written to the base file (logs emptied)."""
+        store = self.__dict__.get("store")
+        for t, log in ({} if store is None else store.logs()).items():
+            if log.live:
+                self._mover(t).fold()
+
     def set_optimizer(self, spec) -> None:
+        if self.optimizer is None or self.optimizer.kind != spec.kind:
+            self._fold_logs()  # (while the movers still have the old states' layout)
         super().set_optimizer(spec)
         self._movers = None
 
@@ -504,6 +608,8 @@ class TieredTables(DynamicTables):
     def reset(self) -> None:
         self._join_stage()
         self._stage_request = None
+        for log in self.store.logs().values():
+            log.reset()  # no id stays live: no record is read again
         super().reset()
         for cache in self.caches:
             cache.forget()
@@ -514,6 +620,7 @@ class TieredTables(DynamicTables):
         self.write_new_rows()
         for t in range(len(self.meta)) if tables is None else tables:
             self.caches[t].flush(self._mover(t))
+            self._mover(t).fold()  # the base file then holds every row (what the views show)
 
     # ------------------------------------------------------------------ ids -> slots
 
@@ -726,16 +833,31 @@ class TieredTables(DynamicTables):
 
     def table_state(self, t: int) -> Dict[str, Tensor]:
         if self.device.type != "meta":
-            self.flush([t])
+            self._join_stage()
+            self.write_new_rows()
+            self.caches[t].flush(self._mover(t), home=False)  # (a file's dirty rows appended to its log)
         return super().table_state(t)
+
+    def rows_state(self, t: int, rows: Tensor) -> Dict[str, Tensor]:
+        """The rows' newest copies: the backing store's, those in a log patched in (a checkpoint
+        reads the log rather than folding it home: no random writes to the rows files). Current
+        once the cache's dirty rows are written back (``table_state`` does)."""
+        out = super().rows_state(t, rows)
+        if self.device.type != "meta":
+            self._mover(t).patch(rows, [out["weight"]] + [out[f"optimizer.{name}"] for name in self.state_views(t)])
+        return out
 
     def _replace_table(self, t: int, table) -> None:
         self._join_stage()
         super()._replace_table(t, table)  # into the backing store
         self.caches[t].forget()
+        log = self.store.logs().get(t)
+        if log is not None:
+            log.reset()  # its records are of rows the loaded table replaced
 
     def __getstate__(self) -> Dict[str, object]:
         self._join_stage()
+        self._fold_logs()  # a copy gets the base store's tensors, without the logs
         state = super().__getstate__()
         state["_pinned"], state["_movers"], state["_holding"] = {}, None, None
         state["_stager"], state["_staging"], state["_stage_request"], state["_stage_stats"] = None, None, None, {}
@@ -757,7 +879,8 @@ class TieredTables(DynamicTables):
     def storage_bytes(self, maximum: bool = False) -> int:
         """Bytes in fast memory: the cache, the index and its metadata, the cache's maps (the
         backing store is ``backing_bytes``). Tiered tables do not grow: ``maximum`` is the same."""
-        return super().storage_bytes() + sum(cache.nbytes() for cache in self.caches)
+        logs = 0 if self.store.directory is None else sum(RowLog.map_bytes(m.capacity) for m in self.meta)
+        return super().storage_bytes() + sum(cache.nbytes() for cache in self.caches) + logs
 
     def backing_bytes(self) -> int:
         return sum(buf.numel() * buf.element_size() for buf in self.backing.values())

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from torchrec_ext.distributed.checkpoint import PendingCheckpoint, find_checkpoint, load_checkpoint, save_checkpoint
+from torchrec_ext.distributed.checkpoint_template import state_template
 
 # Arguments a resumed run must share with the checkpoint (they shape the model or its tables).
 MODEL_ARGS = ("embedding_dim", "capacity", "eviction", "dense_arch", "over_arch", "dcn_layers", "dcn_rank", "data_type",
@@ -100,7 +101,7 @@ def load_job_state(
     state = load_checkpoint(
         path,
         {
-            "model": dmp.state_dict(),
+            "model": state_template(dmp),  # the tables' rows are sized from the checkpoint, not gathered
             "optim": optimizer.state_dict(),
             "step": 0,
             "data_position": 0,

@@ -1,0 +1,251 @@
+"""The write-back log of file-backed tiered tables (torchrec_ext/modules/tier_log.py): dirty rows
+leaving the cache appended as records, each row read from its newest copy, segments cleaned,
+the log folded home at checkpoints, emptied on reopen, and failed appends clear errors that
+leave the last checkpoint loadable.
+
+Oracles: a dict of each row's newest bytes (the log alone), and an all-resident module trained
+on the same batches (the log under a tiered module), bit for bit.
+"""
+import gc
+import os
+
+import pytest
+import torch
+
+from modules_helpers import random_kjt
+from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
+from torchrec_ext.modules import fuse_embedding_optimizer, tier_log, tier_store
+
+POOL = torch.randint(-(2**62), 2**62, (900,), generator=torch.Generator().manual_seed(13))
+
+
+def _open_log(tmp_path, capacity, record_bytes):
+    store = tier_store.BackingStore(f"file:{tmp_path}", [("t", capacity, 4, torch.float32)], "tables ['t']")
+    return store, store.log(0, record_bytes)
+
+
+def _records(rows, gen, record_bytes):
+    data = torch.randint(0, 256, (rows.numel(), record_bytes), dtype=torch.uint8, generator=gen)
+    data[:, :tier_log.ROW_BYTES] = rows.view(torch.uint8).view(-1, tier_log.ROW_BYTES)
+    return data
+
+
+def _assert_newest(log, newest, base, capacity):
+    rows = torch.arange(capacity)
+    where = log.locate(rows)
+    for row in range(capacity):
+        if row in newest and row not in base:
+            assert int(where[row]) >= 0, row
+            assert torch.equal(log.read(where[row:row + 1])[0], newest[row]), row
+        else:
+            assert int(where[row]) == -1, row
+    assert log.live == int((where >= 0).sum()) == int(log.segment_live.sum())
+
+
+def test_reads_after_many_appends_see_each_rows_newest_copy_and_cleaning_bounds_the_log(tmp_path, monkeypatch):
+    monkeypatch.setattr(tier_log, "SEGMENT_RECORDS", 4)
+    capacity, width = 40, 24
+    store, log = _open_log(tmp_path, capacity, width)
+    newest, base = {}, {}
+    log.home = lambda rows, data: pytest.fail("cleaning kept up: nothing goes home")
+    gen = torch.Generator().manual_seed(2)
+    for step in range(300):
+        rows = torch.randperm(capacity, generator=gen)[:int(torch.randint(1, 12, (1,), generator=gen))]
+        data = _records(rows, gen, width)
+        log.append(rows, data)
+        for row, record in zip(rows.tolist(), data):
+            newest[row] = record.clone()
+        if step % 50 == 49:  # some rows written home (a checkpoint's flush of dirty rows)
+            home = rows[:2]
+            log.forget(home)
+            for row in home.tolist():
+                newest.pop(row)
+        _assert_newest(log, newest, base, capacity)
+        used = int(log.in_use.sum())
+        assert used == log.used
+        # dead records never outnumber live ones by more than the append in progress allows
+        assert used <= log.max_segments and used * 4 <= 2 * log.live + 3 * 4 + 12, (step, used, log.live)
+    assert log.cleaned > 0 and log.segments_cleaned > 0 and log.appended > 300
+    store.close()
+
+
+def test_a_full_log_sends_the_emptiest_segments_rows_home(tmp_path, monkeypatch):
+    monkeypatch.setattr(tier_log, "SEGMENT_RECORDS", 4)
+    monkeypatch.setattr(tier_log.RowLog, "_dead_outnumber_live", lambda self: False)  # appends outrun cleaning
+    monkeypatch.setattr(tier_log.RowLog, "_cleanable", lambda self: False)
+    capacity, width = 12, 16
+    store, log = _open_log(tmp_path, capacity, width)
+    newest, home = {}, {}
+
+    def send_home(rows, data):
+        for row, record in zip(rows.tolist(), data):
+            assert torch.equal(record, newest[row])  # its newest copy, not an older one
+            home[row] = record.clone()
+
+    log.home = send_home
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(100):
+        rows = torch.randperm(capacity, generator=gen)[:5]
+        data = _records(rows, gen, width)
+        log.append(rows, data)
+        for row, record in zip(rows.tolist(), data):
+            newest[row] = record.clone()
+            home.pop(row, None)
+        assert int(log.in_use.sum()) <= log.max_segments
+        _assert_newest(log, {r: v for r, v in newest.items() if r not in home}, {}, capacity)
+    assert log.sent_home > 0
+    store.close()
+
+
+def _configs(directory=None, capacity=300):
+    extra = {} if directory is None else {"backing": f"file:{directory}", "cache_load_factor": 0.2}
+    return [DynamicEmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=capacity, feature_names=["f0"],
+                                      eviction_policy="lfu", **extra),
+            DynamicEmbeddingBagConfig(name="b", embedding_dim=4, num_embeddings=200, feature_names=["f1"], **extra)]
+
+
+def _module(configs, optimizer="adagrad"):
+    return DynamicEmbeddingBagCollection(configs, optimizer=optimizer, optimizer_kwargs={"lr": 0.05})
+
+
+def _batches(n, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    return [random_kjt(["f0", "f1"], 8, POOL[torch.randint(0, 600, (300,), generator=gen)], 5) for _ in range(n)]
+
+
+def _assert_same_state(a, b):
+    a, b = a.state_dict(), b.state_dict()
+    assert list(a) == list(b)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def _train(modules, batches, stage=None):
+    for i, kjt in enumerate(batches):
+        if stage is not None and i + 1 < len(batches):
+            stage.stage_next(batches[i + 1])
+        outs = [m(kjt).values() for m in modules]
+        for out in outs:
+            assert torch.equal(out, outs[0]), i
+            out.square().sum().backward()
+
+
+def test_a_logged_table_equals_the_resident_table_through_cleaning_checkpoints_folds_and_an_optimizer_change(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(tier_log, "SEGMENT_RECORDS", 8)
+    resident, tiered = _module(_configs()), _module(_configs(tmp_path))
+    batches = _batches(70)
+    _train([resident, tiered], batches[:45], stage=tiered)
+    logs = tiered._tables.store.logs()
+    assert sorted(os.listdir(tmp_path)) == ["a+b.a.log", "a+b.b.log", "a+b.momentum1.rows", "a+b.weights.rows"]
+    assert all(log.live > 0 for log in logs.values()) and any(log.segments_cleaned for log in logs.values())
+    live = [log.live for log in logs.values()]
+    _assert_same_state(resident, tiered)  # a checkpoint reads the logs (the cache's dirty rows appended)
+    assert all(log.live >= before for log, before in zip(logs.values(), live))
+    _train([resident, tiered], batches[45:52], stage=tiered)
+    tiered._tables.flush()  # the rows files then hold every row: the logs folded home
+    assert all(log.live == 0 for log in logs.values())
+    for t in range(2):
+        rows = resident._tables.indexes[t].state_dict()["rows"]
+        assert torch.equal(resident._tables.table_view(t)[rows], tiered._tables.table_view(t)[rows])
+        for (name, a), b in zip(resident._tables.state_views(t).items(), tiered._tables.state_views(t).values()):
+            assert torch.equal(a[rows], b[rows]), name
+    _train([resident, tiered], batches[52:60], stage=tiered)
+    assert all(log.live > 0 for log in logs.values())
+    for module in (resident, tiered):  # the records' layout changes (two states): the logs go home first
+        fuse_embedding_optimizer(module, torch.optim.Adam, {"lr": 0.05}, torch.device("cpu"))
+    assert all(log.live == 0 for log in logs.values())
+    _train([resident, tiered], batches[60:])
+    _assert_same_state(resident, tiered)
+    assert [log.nbytes() for log in logs.values()] == [tier_log.RowLog.map_bytes(c) for c in (300, 200)]
+    assert 4 * 300 <= logs[0].nbytes() < 4 * 300 + 9 * logs[0].max_segments + 1  # 4 bytes a row, and per segment
+    (tmp_path / "other").mkdir()
+    fresh = _module(_configs(tmp_path / "other"))
+    before = fresh._tables.storage_bytes()  # logs not open yet: counted all the same
+    fresh._tables._mover(0), fresh._tables._mover(1)
+    assert len(fresh._tables.store.logs()) == 2 and fresh._tables.storage_bytes() == before
+
+
+def test_a_reopened_directory_starts_with_an_empty_log_and_resumes_from_the_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setattr(tier_log, "SEGMENT_RECORDS", 8)
+    resident, tiered = _module(_configs()), _module(_configs(tmp_path))
+    batches = _batches(40)
+    _train([resident, tiered], batches[:20])
+    checkpoint = tiered.state_dict()
+    _train([tiered], batches[20:30])  # records after the checkpoint: stale once the module is gone
+    assert any(log.live for log in tiered._tables.store.logs().values())
+    del tiered
+    gc.collect()
+    logged = os.path.getsize(tmp_path / "a+b.a.log")
+    reopened = _module(_configs(tmp_path))
+    reopened.load_state_dict(checkpoint)
+    loaded = _module(_configs())
+    loaded.load_state_dict(checkpoint)
+    _train([loaded, reopened], batches[20:], stage=reopened)
+    _assert_same_state(loaded, reopened)
+    assert os.path.getsize(tmp_path / "a+b.a.log") == logged  # (sized for the table, sparse)
+
+
+@pytest.mark.parametrize("fault,message", [
+    ("crash", r"\[Errno 5\] (.*): Input/output error"),  # a record cut short, then the write fails
+    ("full", r"\[Errno 28\] (.*): No space left on device"),
+])
+def test_a_failed_append_is_a_clear_error_and_the_last_checkpoint_loads(tmp_path, monkeypatch, fault, message):
+    monkeypatch.setattr(tier_log, "SEGMENT_RECORDS", 8)
+    resident, tiered = _module(_configs()), _module(_configs(tmp_path))
+    batches = _batches(40)
+    _train([resident, tiered], batches[:15])
+    checkpoint = tiered.state_dict()
+    real = os.pwrite
+    state = {"calls": 0}
+
+    def failing(fd, data, offset):
+        state["calls"] += 1
+        if fault == "crash" and state["calls"] == 1:
+            return real(fd, data[:len(data) // 2 + 3], offset)  # a record cut short
+        raise OSError(5 if fault == "crash" else 28, "Input/output error" if fault == "crash" else
+                      "No space left on device")
+
+    monkeypatch.setattr(tier_log.os, "pwrite", failing)
+    with pytest.raises(OSError, match=message.replace("(.*)", rf"tables \['a', 'b'\]: cannot append \d+ rows "
+                                                                rf"\(\d+ bytes\) to backing log '{tmp_path}/a\+b\.\w\.log'")):
+        _train([tiered], batches[15:])
+    for log in tiered._tables.store.logs().values():  # the record cut short (at the head) is named by no row
+        if log.head is not None:
+            cut = log.head * tier_log.SEGMENT_RECORDS + log.head_fill
+            assert not bool((log.locate(torch.arange(log.capacity)) == cut).any())
+    monkeypatch.undo()
+    del tiered
+    gc.collect()
+    reopened = _module(_configs(tmp_path))  # the directory with the cut record
+    reopened.load_state_dict(checkpoint)
+    loaded = _module(_configs())
+    loaded.load_state_dict(checkpoint)
+    _train([loaded, reopened], batches[15:])
+    _assert_same_state(loaded, reopened)
+
+
+def test_a_log_of_other_tables_or_another_layout_version_is_refused(tmp_path, monkeypatch):
+    module = _module(_configs(tmp_path))
+    _train([module], _batches(3))
+    del module
+    gc.collect()
+    monkeypatch.setattr(tier_store, "LAYOUT_VERSION", tier_store.LAYOUT_VERSION + 1)
+    for name in ("a+b.weights.rows", "a+b.momentum1.rows"):  # (the rows files are checked first)
+        os.unlink(tmp_path / name)
+    module = _module(_configs(tmp_path))
+    with pytest.raises(ValueError, match=rf"'{tmp_path}/a\+b\.a\.log' has layout version "
+                                         rf"{tier_store.LAYOUT_VERSION - 1}, this build reads version "
+                                         rf"{tier_store.LAYOUT_VERSION}"):
+        _train([module], _batches(3))
+
+
+def test_log_files_are_named_by_table_safely(tmp_path):
+    configs = [DynamicEmbeddingBagConfig(name=name, embedding_dim=4, num_embeddings=50, feature_names=[f"f{i}"],
+                                         backing=f"file:{tmp_path}", cache_load_factor=0.5)
+               for i, name in enumerate(["up/x", "x/y", "x_y"])]
+    module = _module(configs)
+    for t in range(3):
+        module._tables._mover(t)
+    logs = sorted(name for name in os.listdir(tmp_path) if name.endswith(".log"))
+    assert logs == ["up_x+x_y+x_y.table1.log", "up_x+x_y+x_y.table2.log", "up_x+x_y+x_y.up_x.log"]

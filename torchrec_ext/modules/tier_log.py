@@ -1,0 +1,238 @@
+"""The write-back log of one file-backed tiered table: dirty rows leaving the cache, appended.
+
+Written back in place, each evicted row dirtied one or two random 4 KiB pages of the backing
+files (its vector and its optimizer state in separate places): at dlrm-small scale ~113k pages a
+step, past the kernel's background dirty limit, where each write to a page the flusher has
+cleaned takes a write fault (2-5 us a row, mapped or ``pwrite`` alike:
+benchmarks/results/tier_file_writes.md). Here a write-back is one record per row (the row's
+number, then its vector and each optimizer state, in their storage dtypes), appended with the
+rest of its batch in one ``pwrite`` at the log's head: ~8 rows a page, pages written once,
+sequentially. The log is what an LSM store's write path is (TorchRec's SSD tables sit on
+RocksDB), reduced to what a table of fixed-size rows needs:
+
+- ``where`` (in memory, int32 while the log's records fit, else int64: 4 bytes per row of the
+  table): per row, the record holding its newest copy, or -1 when that is the base file.
+- Segments of ``SEGMENT_RECORDS`` records; the head takes a free segment when full. When dead
+  records (superseded by a newer copy) outnumber live ones, each append also cleans segments,
+  the fewest live first (each then holds fewer than half live records): their live records are
+  re-appended and the segment is free again; at most ``2 * ceil(n / SEGMENT_RECORDS) + 1``
+  segments per append of n records (bounded work, done where the write-back runs: on the
+  stage's worker under the pipeline). The log holds ``max_segments`` (twice the table's rows,
+  plus two segments): should appends outrun cleaning and fill it, the emptiest segment's live
+  rows (fewer than half of it) are written home to the base file, and the segment is reused.
+- A checkpoint reads each row's newest copy (``locate`` / ``read``: the log is left as it is);
+  ``fold`` (``TieredTables.flush``, a copy, a new optimizer's record layout) writes every live
+  record to its row in the base file and empties the log; loading a table empties it.
+
+The log file (``<dir>/<tables>.<table>.log``) has the backing files' header; it is sparse, sized
+for ``max_segments`` and mapped for reads (a miss reads its newest copy from the mapping), written
+with ``pwrite`` only: a full disk or a failing write is an ``OSError`` naming the file, the log
+and the table unchanged (the row stays dirty in the cache), never a SIGBUS. Its records are not
+a checkpoint: a module reopening the directory starts with an empty log (its index is new; a
+record cut short by a crash is never read), and the last checkpoint loads as before.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from typing import Callable, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+SEGMENT_RECORDS = 8192  # ~4 MiB of 512-byte records: the most one clean moves
+ROW_BYTES = 8  # each record starts with its row's number (int64): what cleaning reads to find live ones
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Writes all of ``data`` at ``offset``, continuing short writes; OSError when a write fails
+    or writes nothing."""
+    while len(data):
+        written = os.pwrite(fd, data, offset)
+        if written <= 0:
+            raise OSError(errno.EIO, f"wrote {written} of {len(data)} bytes at offset {offset}")
+        data, offset = data[written:], offset + written
+
+
+class RowLog:
+    """The log of one table (see the module docstring). ``fd``: the log file, open and locked,
+    ``records``: its mapping past the header as [max_records, record_bytes] uint8, ``offset``:
+    the file offset of record 0, ``capacity``: the table's rows."""
+
+    def __init__(self, fd: int, path: str, records: Tensor, offset: int, capacity: int, where: str):
+        self.fd, self.path, self.records, self.offset, self.where_ = fd, path, records, offset, where
+        self.record_bytes = records.shape[1]
+        self.capacity = capacity
+        self.max_segments = records.shape[0] // SEGMENT_RECORDS
+        self.where = torch.full((capacity,), -1, dtype=self.index_dtype(capacity))  # row -> record of its newest copy, -1: base
+        self.segment_live = torch.zeros(self.max_segments, dtype=torch.int64)  # live records per segment
+        self.in_use = torch.zeros(self.max_segments, dtype=torch.bool)
+        self.used = 0  # segments in use
+        self.live = 0
+        self.head: Optional[int] = None  # the segment appended to, and how many records it holds
+        self.head_fill = 0
+        # records appended / re-appended by cleaning / sent home from a full log; segments cleaned
+        self.appended = self.cleaned = self.sent_home = self.segments_cleaned = 0
+        # Writes records ([n, record_bytes]) to their rows of the base file (set by the table's mover).
+        self.home: Optional[Callable[[Tensor, Tensor], None]] = None
+
+    @staticmethod
+    def max_records(capacity: int) -> int:
+        return (2 * -(-capacity // SEGMENT_RECORDS) + 2) * SEGMENT_RECORDS
+
+    @staticmethod
+    def index_dtype(capacity: int) -> torch.dtype:
+        return torch.int32 if RowLog.max_records(capacity) < 2**31 else torch.int64
+
+    @staticmethod
+    def map_bytes(capacity: int) -> int:
+        """Memory of the maps of a table's log (the row -> record map: 4 bytes a row), whether
+        or not it is open yet."""
+        segments = RowLog.max_records(capacity) // SEGMENT_RECORDS
+        return capacity * RowLog.index_dtype(capacity).itemsize + segments * (8 + 1)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.where, self.segment_live, self.in_use))
+
+    def locate(self, rows: Tensor) -> Tensor:
+        """Per row, the record of its newest copy (int64), -1 where that is the base file."""
+        return self.where.index_select(0, rows).to(torch.int64)
+
+    def read(self, records: Tensor) -> Tensor:
+        """The records at ``records`` (numbers), [n, record_bytes] uint8."""
+        return self.records.index_select(0, records)
+
+    def live_rows(self) -> Tensor:
+        """The rows whose newest copy is in the log, ascending."""
+        return (self.where >= 0).nonzero().squeeze(1)
+
+    def append(self, rows: Tensor, data: Tensor) -> None:
+        """Appends the records ``data`` ([n, record_bytes] uint8, each starting with its row
+        number) of the distinct ``rows``: they become the rows' newest copies. Cleans segments
+        first while the free room is short of n and a spare segment, then while dead records outnumber live ones,
+        ``2 * ceil(n / SEGMENT_RECORDS) + 1`` segments at most for each."""
+        n = rows.numel()
+        budget = 2 * -(-n // SEGMENT_RECORDS) + 1
+        for _ in range(budget):
+            if self._room() >= n + SEGMENT_RECORDS or not self._cleanable():  # (a spare segment: room to clean into)
+                break
+            self._clean(self._victim())
+        self._append(rows, data)
+        self.appended += n
+        for _ in range(budget):
+            if not self._dead_outnumber_live():
+                break
+            self._clean(self._victim())
+
+    def forget(self, rows: Tensor) -> None:
+        """``rows``' newest copies are in the base file now (written there, or no longer live)."""
+        loc = self.locate(rows)
+        held = loc >= 0
+        if bool(held.any()):
+            loc = loc[held]
+            self.segment_live -= torch.bincount(loc // SEGMENT_RECORDS, minlength=self.max_segments)
+            self.live -= loc.numel()
+            self.where.index_fill_(0, rows[held], -1)
+
+    def reset(self) -> None:
+        """Empties the log (no row's newest copy in it) and gives its disk blocks back."""
+        self.where.fill_(-1)
+        self.segment_live.zero_()
+        self.in_use.zero_()
+        self.live, self.used, self.head, self.head_fill = 0, 0, None, 0
+        length = self.records.numel()
+        # (a file system without hole punching keeps the blocks: the log reuses them)
+        _libc.fallocate(self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, ctypes.c_int64(self.offset),
+                        ctypes.c_int64(length))
+
+    # ------------------------------------------------------------------ segments
+
+    def _append(self, rows: Tensor, data: Tensor) -> None:
+        n, done = rows.numel(), 0
+        while done < n:
+            if self.head is None or self.head_fill == SEGMENT_RECORDS:
+                self._next_head()
+            take = min(n - done, SEGMENT_RECORDS - self.head_fill)
+            first = self.head * SEGMENT_RECORDS + self.head_fill
+            chunk = data[done:done + take]
+            try:
+                pwrite_all(self.fd, memoryview(chunk.numpy()).cast("B"), self.offset + first * self.record_bytes)
+            except OSError as e:
+                raise OSError(e.errno, f"{self.where_}: cannot append {take} rows ({take * self.record_bytes} bytes) "
+                                       f"to backing log {self.path!r}: {e.strerror or e}") from None
+            # Written: the records are the rows' newest copies now (not before: a failed write
+            # leaves every row where it was).
+            these = rows[done:done + take]
+            old = self.where.index_select(0, these)
+            old = old[old >= 0].to(torch.int64)  # the copies these records supersede: dead now
+            if old.numel():
+                self.segment_live -= torch.bincount(old // SEGMENT_RECORDS, minlength=self.max_segments)
+                self.live -= old.numel()
+            self.where.index_copy_(0, these, torch.arange(first, first + take, dtype=self.where.dtype))
+            self.segment_live[self.head] += take
+            self.live += take
+            self.head_fill += take
+            done += take
+
+    def _next_head(self) -> None:
+        free = (~self.in_use).nonzero()
+        if free.numel() == 0:
+            # Every segment used (appends outran cleaning's budget): the emptiest segment's live
+            # rows (fewer than half of it: the log holds twice the table's rows) go home to the
+            # base file, written there before the log lets go of them.
+            victim = self._victim()
+            rows, data = self._live_records(victim)
+            self.home(rows, data)
+            self.forget(rows)
+            self.in_use[victim] = False
+            self.used -= 1
+            self.sent_home += rows.numel()
+            free = torch.tensor([victim])
+        self.head, self.head_fill = int(free[0]), 0
+        self.in_use[self.head] = True
+        self.used += 1
+
+    def _room(self) -> int:
+        """Records appendable without taking a used segment."""
+        head = 0 if self.head is None else SEGMENT_RECORDS - self.head_fill
+        return head + (self.max_segments - self.used) * SEGMENT_RECORDS
+
+    def _cleanable(self) -> bool:
+        """Whether cleaning the emptiest segment would free room."""
+        victim = self._victim()
+        return bool(self.in_use[victim]) and int(self.segment_live[victim]) < SEGMENT_RECORDS
+
+    def _dead_outnumber_live(self) -> bool:
+        return self.used > 2 and (self.used - 1) * SEGMENT_RECORDS + self.head_fill > 2 * self.live
+
+    def _victim(self) -> int:
+        """The used segment with the fewest live records, not the head."""
+        key = self.segment_live.masked_fill(~self.in_use, torch.iinfo(torch.int64).max)
+        if self.head is not None:
+            key[self.head] = torch.iinfo(torch.int64).max
+        return int(key.argmin())
+
+    def _live_records(self, segment: int) -> Tuple[Tensor, Tensor]:
+        first = segment * SEGMENT_RECORDS
+        data = self.records[first:first + SEGMENT_RECORDS]
+        rows = data[:, :ROW_BYTES].contiguous().view(torch.int64).squeeze(1)
+        valid = (rows >= 0) & (rows < self.capacity)
+        here = torch.arange(first, first + SEGMENT_RECORDS, dtype=torch.int64)
+        live = valid & (self.where.index_select(0, rows.clamp(0, self.capacity - 1)).to(torch.int64) == here)
+        keep = live.nonzero().squeeze(1)
+        return rows.index_select(0, keep), data.index_select(0, keep)  # copies: the segment is reused next
+
+    def _clean(self, segment: int) -> None:
+        rows, data = self._live_records(segment)
+        # Its live records leave it first (their where is rewritten by the append), then it is free.
+        self._append(rows, data)
+        self.cleaned += rows.numel()
+        self.segments_cleaned += 1
+        self.in_use[segment] = False  # (its live count went to 0 as the append re-pointed its rows)
+        self.used -= 1
+
+    def close(self) -> None:
+        self.records = None

@@ -16,6 +16,7 @@ import torch
 from cuda_emulation.build import build, cuda_include_dir
 from torchrec_ext import ops
 from torchrec_ext import reference as ref
+from torchrec_ext.vocabulary import index_lengths
 
 I64MIN, I64MAX = -(2**63), 2**63 - 1
 _ops = torch.ops.torchrec_ext
@@ -24,9 +25,9 @@ LRU, LFU = ref.POLICIES.index("lru"), ref.POLICIES.index("lfu")
 
 
 def _table(capacity):
-    slots = -(-capacity // 32) * 32
-    return [torch.zeros(slots, dtype=torch.uint8), torch.zeros(slots, dtype=torch.int64),
-            torch.zeros(slots, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
+    digests, keys, scores = index_lengths(capacity)  # main slots, then the stash
+    return [torch.zeros(digests, dtype=torch.uint8), torch.zeros(keys, dtype=torch.int64),
+            torch.zeros(scores, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
 
 
 def _tables(capacities):
@@ -145,7 +146,8 @@ def _bad_calls():
     yield "key_offsets must run from 0 to keys.numel", dict(good, key_offsets=[0, 4, 9]), None
     yield "key_offsets must not decrease", dict(good, key_offsets=[0, 11, 10]), None
     yield "capacity must be > 0", dict(good, capacities=[64, 0]), None
-    yield "digests must be a contiguous uint8 tensor of 224 slots", dict(good, capacities=[64, 200]), None
+    yield ("digests must be a contiguous uint8 tensor of 263 entries for capacity 200",  # slots, stash, counts
+           dict(good, capacities=[64, 200]), None)
     yield "clock must be >= 0, got -1", dict(good, clocks=[1, -1]), None
     yield "unknown policy id 9", dict(good, policies=[LRU, 9]), None
     yield "the custom policy needs scores", dict(good, policies=[5, LRU]), None

@@ -34,8 +34,10 @@ def hash_find(digests: Tensor, slot_keys: Tensor, keys: Tensor, capacity: int) -
     """Row of each key. Read-only.
 
     Args:
-        digests: uint8 ``[num_slots]``, the table's slot digests (0 = empty).
-        slot_keys: int64 ``[num_slots]``, the key held by each slot.
+        digests: uint8, the table's slot digests (0 = empty), then its stash's
+            (``vocabulary.index_lengths``: ``num_slots + stash + num_buckets`` entries).
+        slot_keys: int64, the key held by each slot, then the stash's rows and keys
+            (``num_slots + 2 * stash`` entries).
         keys: int64 ``[n]``, any values.
         capacity: the table's rows; ``num_slots`` = 32 * ceil(capacity / 32).
 
@@ -51,7 +53,7 @@ def hash_find_tables(digests: Sequence[Tensor], slot_keys: Sequence[Tensor], key
     """:func:`hash_find` of T tables in one call (CUDA: one launch for all tables). Read-only.
 
     Args:
-        digests, slot_keys: ``[T]`` lists, table t's uint8 / int64 ``[num_slots_t]`` slot arrays.
+        digests, slot_keys: ``[T]`` lists, table t's uint8 / int64 arrays (as ``hash_find``'s).
         keys: int64 ``[n]``, every table's keys back to back: table t's are
             ``keys[key_offsets[t]:key_offsets[t + 1]]``.
         key_offsets: ``T + 1`` host ints, ascending from 0 to n.
@@ -84,7 +86,7 @@ def hash_upsert(
     the call never evicts the row of one of its own keys; new keys then go in in batch order.
 
     Args:
-        digests, slot_keys, slot_scores: the table's ``[num_slots]`` uint8 / int64 / int64 slot arrays (mutated).
+        digests, slot_keys, slot_scores: the table's uint8 / int64 / int64 arrays (``index_lengths``; mutated).
         size: int64 ``[1]``, live keys (mutated).
         keys: int64 ``[n]``.
         scores: int64 ``[n]`` or None: custom scores, or increments for lfu/epoch_lfu; stored
@@ -163,8 +165,8 @@ def hash_erase(digests: Tensor, slot_keys: Tensor, size: Tensor, keys: Tensor, c
     """Removes keys, in place.
 
     Args:
-        digests: uint8 ``[num_slots]`` (mutated: a removed key's slot becomes empty).
-        slot_keys: int64 ``[num_slots]``.
+        digests: uint8 (``index_lengths``; mutated: a removed key's slot becomes empty).
+        slot_keys: int64 (``index_lengths``).
         size: int64 ``[1]``, live keys (mutated).
         keys: int64 ``[n]``, any values (absent ones are no-ops).
         capacity: the table's rows.
@@ -181,7 +183,7 @@ def hash_export(
     """The live entries among slots ``[start, end)``. Read-only.
 
     Args:
-        digests, slot_keys, slot_scores: the table's ``[num_slots]`` uint8 / int64 / int64 slot arrays.
+        digests, slot_keys, slot_scores: the table's uint8 / int64 / int64 arrays (``index_lengths``).
         capacity: the table's rows.
         start, end: the slot range, ``0 <= start <= end <= num_slots`` (pages of a large table).
 
@@ -206,7 +208,7 @@ def hash_restore(
     table empty) and writes nothing on error.
 
     Args:
-        digests, slot_keys, slot_scores: the table's ``[num_slots]`` uint8 / int64 / int64 slot arrays (mutated).
+        digests, slot_keys, slot_scores: the table's uint8 / int64 / int64 arrays (``index_lengths``; mutated).
         size: int64 ``[1]`` (mutated: set to n).
         keys: int64 ``[n]``, distinct.
         rows: int64 ``[n]``, each key's row (:func:`hash_place` finds them).
@@ -218,20 +220,24 @@ def hash_restore(
 
 def hash_place(keys: Tensor, scores: Tensor, capacity: int, start_rows: Optional[Tensor] = None) -> Tensor:
     """Rows for distinct ``keys`` in an empty table of ``capacity`` rows, each in one of the
-    key's two buckets (what ``hash_restore`` accepts). CPU kernel (``csrc/placement_cpu.cpp``).
+    key's two buckets or, for the few a full table leaves no row there, a free row outside them
+    (the stash; what ``hash_restore`` accepts). CPU kernel (``csrc/placement_cpu.cpp``).
 
     Keys are taken by priority, higher ``scores`` first (ties: lower position first): a free slot
     of their buckets, else augmenting paths that move placed keys to their other bucket, else a
     trade for a placed key of lower priority. So a key is left out exactly when it cannot be
     placed beside the higher-priority keys that are placed: every key is placed whenever some placement holds them all, and otherwise the
-    most keys the buckets allow, the highest-priority ones kept. Deterministic.
+    most keys the buckets allow, the highest-priority ones kept; then the left-out keys of highest
+    priority, up to ``stash_slots(capacity)``, go to the stash (cut to ``capacity`` keys in all, by
+    priority). Deterministic.
 
     Args:
         keys: int64 ``[n]``, distinct.
         scores: int64 ``[n]``, each key's priority.
         capacity: the table's rows (> 0).
-        start_rows: optional int64 ``[n]``, a starting placement (-1: none; else one of the key's
-            buckets' rows, distinct): those keys are put there first and move only along the
+        start_rows: optional int64 ``[n]``, a starting placement (-1: none; else a row < capacity,
+            distinct; a row outside the key's buckets, a stashed key's, is placed afresh): those in
+            their buckets are put there first and move only along the
             augmenting paths (or trades) that make room for the others. Every key is still placed
             whenever some placement holds them all; otherwise the most keys the buckets allow.
 

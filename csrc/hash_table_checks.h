@@ -19,13 +19,15 @@ inline void check_table(const char* op, const at::Tensor& digests, const at::Ten
   TORCH_CHECK(capacity > 0, op, ": capacity must be > 0, got ", capacity);
   const TableGeometry g = make_geometry(capacity);
   TORCH_CHECK(digests.scalar_type() == at::kByte && digests.is_contiguous() &&
-                  digests.numel() == g.num_slots(),
-              op, ": digests must be a contiguous uint8 tensor of ", g.num_slots(),
-              " slots for capacity ", capacity, ", got ", digests.scalar_type(), " of ",
-              digests.numel());
+                  digests.numel() == g.digest_slots(),
+              op, ": digests must be a contiguous uint8 tensor of ", g.digest_slots(),
+              " entries for capacity ", capacity, " (slots, stash, stash counts), got ",
+              digests.scalar_type(), " of ", digests.numel());
   TORCH_CHECK(slot_keys.scalar_type() == at::kLong && slot_keys.is_contiguous() &&
-                  slot_keys.numel() == g.num_slots(),
-              op, ": slot_keys must be a contiguous int64 tensor of ", g.num_slots(), " slots");
+                  slot_keys.numel() == g.key_slots(),
+              op, ": slot_keys must be a contiguous int64 tensor of ", g.key_slots(),
+              " entries for capacity ", capacity, " (slots, stash rows, stash keys), got ",
+              slot_keys.scalar_type(), " of ", slot_keys.numel());
 }
 
 inline void check_slot_scores(const char* op, const at::Tensor& slot_scores, int64_t capacity) {

@@ -149,6 +149,12 @@ inline int64_t probe(const TableRef& t, const KeyPlace& p, int64_t key) {
   return probe_bucket(t, p.bucket2, p.tag, key);
 }
 
+// Row of `key` in the stash, or -1: out of line, so the probe loops that call it on a miss
+// (rarely past stash_may_hold's byte) stay small.
+[[gnu::noinline]] int64_t stash_row(const TableRef& t, const KeyPlace& p, int64_t key) {
+  return stash_probe(t.digests, t.keys, t.geo, p, key);
+}
+
 // Visits the keys of places place_at(0..count-1) as a three-stage software pipeline, so the
 // DRAM misses of many keys overlap: the buckets of key j + 2D are prefetched, the key lines
 // matching key j + D's tag are prefetched (its digests arrived meanwhile), and key j is handed to
@@ -303,7 +309,8 @@ std::tuple<at::Tensor, at::Tensor> hash_find_cpu(const at::Tensor& digests,
     for_each_prefetched<Prefetch::kFind>(
         t, end - begin, [&](int64_t j) { return place_key(kp[begin + j], t.geo); },
         [&](int64_t j, const KeyPlace& p) {
-          const int64_t row = probe(t, p, kp[begin + j]);
+          int64_t row = probe(t, p, kp[begin + j]);
+          if (row < 0 && __builtin_expect(stash_may_hold(t.digests, t.geo, p), 0)) row = stash_row(t, p, kp[begin + j]);
           rp[begin + j] = row;
           fp[begin + j] = row >= 0;
         });
@@ -432,6 +439,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
   const int64_t G = groups.groups(), R = groups.ranges();
   const int64_t* offsets = groups.offsets.data();
   const int phases = upsert_phase_count(geo.num_stripes);
+  std::vector<std::pair<int64_t, int64_t>> stash_hits;  // (input position, row) of stashed keys
+  std::mutex stash_hits_mutex;
   thread_local std::vector<AbsentKey> absent_scratch;
   grow(absent_scratch, n);
   AbsentKey* absent = absent_scratch.data();
@@ -446,7 +455,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
           while (at >= offsets[g + 1]) ++g;
           const int64_t row = probe(t, p, groups.keys[at]);
           if (row < 0) {
-            absent[offsets[g] + absent_count[g]++] = AbsentKey{at, p};
+            const int64_t stashed = __builtin_expect(stash_may_hold(t.digests, geo, p), 0)
+                                        ? stash_row(t, p, groups.keys[at]) : -1;
+            if (stashed >= 0) {  // its row may lie in any stripe: touched after the phases, below
+              std::lock_guard<std::mutex> lock(stash_hits_mutex);
+              stash_hits.emplace_back(order[at], stashed);
+            } else {
+              absent[offsets[g] + absent_count[g]++] = AbsentKey{at, p};
+            }
             return;
           }
           touch(order[at], row);
@@ -456,6 +472,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
   for (int k = phases - 1; k >= 0; --k) {
     const int64_t first = upsert_phase_at(k, clock, geo.num_stripes) * R, last = first + R;
     for_each_group_range(first, last, offsets[last] - offsets[first], touch_groups);
+  }
+  // Stashed keys of the batch: touched and pinned by this thread, in batch order, before any insert.
+  std::sort(stash_hits.begin(), stash_hits.end());
+  for (const auto& [i, row] : stash_hits) {
+    touch(i, row);
+    rp[i] = row;
   }
   // Pass 2: the keys absent when the call began, one at a time in batch order per stripe, window
   // by window of the batch and phase by phase within a window (the first phase rotating with
@@ -504,6 +526,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
     }
   }, kInlineReleases);
   *size.data_ptr<int64_t>() += size_delta.load();
+  // An insert may have evicted a stashed row, erase_rows cleared one: drop their entries.
+  if (n > 0 && t.digests[geo.num_slots()] != 0) stash_sweep(t.digests, t.keys, geo);  // (CUDA: no launch at n = 0)
 
   // In batch order: an input position evicts at most once, so a pass over the positions
   // places them (no sort).
@@ -669,6 +693,8 @@ at::Tensor hash_erase_cpu(at::Tensor& digests, const at::Tensor& slot_keys, at::
   const TableRef t = table_ref(digests, slot_keys, nullptr, capacity);
   bool* ep = erased.data_ptr<bool>();
   std::atomic<int64_t> size_delta{0};
+  std::vector<int64_t> stash_hits;  // input positions of stashed keys
+  std::mutex stash_hits_mutex;
   const StripeGroups& groups = group_by_stripe(k.data_ptr<int64_t>(), n, geo);
   for_each_phase_group_range(groups, [&](int64_t g0, int64_t g1) {
     const int64_t begin = groups.offsets[g0], end = groups.offsets[g1];
@@ -681,10 +707,24 @@ at::Tensor hash_erase_cpu(at::Tensor& digests, const at::Tensor& slot_keys, at::
             t.digests[row] = 0;
             ep[groups.order[begin + j]] = true;
             ++removed;
+          } else if (stash_may_hold(t.digests, geo, p) && stash_row(t, p, groups.keys[begin + j]) >= 0) {
+            std::lock_guard<std::mutex> lock(stash_hits_mutex);  // its row may lie in any stripe
+            stash_hits.push_back(groups.order[begin + j]);
           }
         });
     size_delta -= removed;
   });
+  // Stashed keys: erased by this thread, in batch order (a repeat finds its key gone).
+  std::sort(stash_hits.begin(), stash_hits.end());
+  for (const int64_t i : stash_hits) {
+    const int64_t key = k.data_ptr<int64_t>()[i];
+    const int64_t row = stash_probe(t.digests, t.keys, geo, place_key(key, geo), key);
+    if (row < 0) continue;
+    t.digests[row] = 0;
+    ep[i] = true;
+    --size_delta;
+  }
+  // (Their stash entries are stale now: slot_keys is not written by an erase; the next upsert drops them.)
   *size.data_ptr<int64_t>() += size_delta.load();
   return erased;
 }
@@ -760,15 +800,21 @@ void hash_restore_cpu(at::Tensor& digests, at::Tensor& slot_keys, at::Tensor& sl
   // Validate everything before the first write, so a bad state leaves the table unchanged.
   check_distinct_keys("hash_restore", kp, n);
   std::vector<uint8_t> taken(static_cast<size_t>(geo.num_slots()), 0);
+  int64_t stashed = 0, stash_used = 0;
+  while (stash_used < geo.stash_slots && d[geo.num_slots() + stash_used] != 0) ++stash_used;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t row = rp[i];
     TORCH_CHECK(row >= 0 && row < capacity, "hash_restore: row ", row, " of key ", kp[i],
                 " is outside [0, ", capacity, ")");
     const KeyPlace p = place_key(kp[i], geo);
     const int64_t bucket = row / kSlotsPerBucket;
-    TORCH_CHECK(bucket == p.bucket1 || bucket == p.bucket2, "hash_restore: key ", kp[i],
-                " cannot live in row ", row, " (its buckets are ", p.bucket1, " and ", p.bucket2,
-                "); was the state saved with another capacity or version?");
+    // A row outside the key's buckets is a stashed one (a load's placement left it no row there).
+    if (bucket != p.bucket1 && bucket != p.bucket2) {
+      TORCH_CHECK(++stashed <= geo.stash_slots - stash_used, "hash_restore: key ", kp[i],
+                  " cannot live in row ", row, " (its buckets are ", p.bucket1, " and ", p.bucket2,
+                  ", and the stash's ", geo.stash_slots, " entries are taken); was the state saved with another "
+                  "capacity or version?");
+    }
     TORCH_CHECK(!taken[row] && d[row] == 0, "hash_restore: row ", row, " is given twice or already occupied");
     taken[row] = 1;
   }
@@ -779,6 +825,8 @@ void hash_restore_cpu(at::Tensor& digests, at::Tensor& slot_keys, at::Tensor& sl
     d[rp[i]] = p.tag;
     sk[rp[i]] = kp[i];
     ss[rp[i]] = sp[i];
+    const int64_t bucket = rp[i] / kSlotsPerBucket;
+    if (bucket != p.bucket1 && bucket != p.bucket2) stash_add(d, sk, geo, p, kp[i], rp[i]);
   }
   *size.data_ptr<int64_t>() += n;
 }

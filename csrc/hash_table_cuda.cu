@@ -189,7 +189,8 @@ __global__ void hash_find_kernel(const uint8_t* digests, const int64_t* slot_key
   for (int64_t i = global_thread() / kWarpSize; i < n; i += num_warps) {
     const int64_t key = keys[i];
     const KeyPlace p = place_key(key, geo);
-    const int64_t row = warp_probe(slot_keys, p, load_slots(digests, p, lane), key);
+    int64_t row = warp_probe(slot_keys, p, load_slots(digests, p, lane), key);
+    if (row < 0) row = stash_probe(digests, slot_keys, geo, p, key);  // every lane: same answer
     if (lane == 0) {
       rows[i] = row;
       found[i] = row >= 0;
@@ -225,7 +226,10 @@ __device__ __forceinline__ void touch_stripe(uint8_t* digests, const int64_t* sl
   const int lane = lane_id();
   const bool has_given = given != nullptr;
   walk_stripe(digests, keys, given, order, geo, begin, end, lane, AllPositions{}, [&](const StripeKey& k) {
-    const int64_t hit = warp_probe(slot_keys, k.place, load_slots(digests, k.place, lane), k.key);
+    int64_t hit = warp_probe(slot_keys, k.place, load_slots(digests, k.place, lane), k.key);
+    // A stashed key's row may lie in a bucket another warp of this phase reads: it reads only the
+    // tag bits of the digest this warp pins, and no warp reads the score written.
+    if (hit < 0) hit = stash_probe(digests, slot_keys, geo, k.place, k.key);
     if (lane != (hit >= 0 ? static_cast<int>(hit & kSlotMask) : 0)) return;
     rows[k.pos] = hit;
     if (hit >= 0) touch_slot(slot_scores, digests, hit, k, policy, has_given, clock, epoch, assign);
@@ -402,7 +406,8 @@ __global__ void hash_find_tables_kernel(const UpsertTable* tables, int64_t num_t
     const UpsertTable& t = tables[table_at(num_tables, i, [&](int64_t u) { return tables[u].key_begin; })];
     const int64_t key = keys[i];
     const KeyPlace p = place_key(key, t.geo);
-    const int64_t row = warp_probe(t.slot_keys, p, load_slots(t.digests, p, lane), key);
+    int64_t row = warp_probe(t.slot_keys, p, load_slots(t.digests, p, lane), key);
+    if (row < 0) row = stash_probe(t.digests, t.slot_keys, t.geo, p, key);  // every lane: same answer
     if (lane == 0) {
       rows[i] = row;
       found[i] = row >= 0;
@@ -491,7 +496,10 @@ __global__ void hash_erase_kernel(uint8_t* digests, const int64_t* slot_keys, in
   int64_t removed = 0;  // warp-uniform
 
   walk_stripe(digests, keys, nullptr, order, geo, begin, end, lane, AllPositions{}, [&](const StripeKey& k) {
-    const int64_t row = warp_probe(slot_keys, k.place, load_slots(digests, k.place, lane), k.key);
+    int64_t row = warp_probe(slot_keys, k.place, load_slots(digests, k.place, lane), k.key);
+    // A stashed key's row: another warp of this phase may read its tag bits (as 0 or the tag, a
+    // slot without its key either way); its stash entry is stale, dropped by the next upsert.
+    if (row < 0) row = stash_probe(digests, slot_keys, geo, k.place, k.key);
     if (row < 0) return;
     ++removed;
     if (lane == (row & kSlotMask)) {
@@ -503,6 +511,20 @@ __global__ void hash_erase_kernel(uint8_t* digests, const int64_t* slot_keys, in
   if (lane == 0 && removed != 0) {
     // Two's complement: adding the wrapped negative count subtracts it.
     atomicAdd(reinterpret_cast<unsigned long long*>(size), static_cast<unsigned long long>(-removed));
+  }
+}
+
+// After an upsert: drops the stash entries whose row lost its key. One thread of one warp: the
+// stash holds a few hundred entries at most, and is empty but in loaded-full tables (one byte).
+__global__ void stash_sweep_kernel(uint8_t* digests, int64_t* slot_keys, TableGeometry geo) {
+  if (global_thread() == 0 && digests[geo.num_slots()] != 0) stash_sweep(digests, slot_keys, geo);
+}
+
+// The same after a multi-table upsert: a thread per table (the tables share no byte).
+__global__ void stash_sweep_tables_kernel(const UpsertTable* tables, int64_t num_tables) {
+  for (int64_t t = global_thread(); t < num_tables; t += global_threads()) {
+    const UpsertTable& u = tables[t];
+    if (u.digests[u.geo.num_slots()] != 0) stash_sweep(u.digests, u.slot_keys, u.geo);
   }
 }
 
@@ -570,6 +592,7 @@ cudaError_t launch_hash_upsert(uint8_t* digests, int64_t* slot_keys, int64_t* sl
   }
   hash_release_kernel<<<stripe_grid(geo.num_stripes), kStripeThreads, 0, stream>>>(
       digests, rows, sorted_stripes, order, n, geo.num_stripes);
+  stash_sweep_kernel<<<1, kWarpSize, 0, stream>>>(digests, slot_keys, geo);
   return cudaGetLastError();
 }
 
@@ -609,6 +632,7 @@ cudaError_t launch_hash_upsert_tables(const UpsertTable* tables, int64_t num_tab
   }
   hash_release_tables_kernel<<<grid, kStripeThreads, 0, stream>>>(
       tables, num_tables, total_stripes, rows, sorted_stripes, order, n);
+  stash_sweep_tables_kernel<<<capped_grid(num_tables, kWarpSize), kWarpSize, 0, stream>>>(tables, num_tables);
   return cudaGetLastError();
 }
 

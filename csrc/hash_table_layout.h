@@ -13,7 +13,34 @@
 // up to load factor ~1, and keys can flow along the ring of stripes: whenever a table's rows can
 // hold a set of keys, some placement of them exists w.h.p. (no stripe overflows on its own; at
 // load exactly 1 a run of j stripes must absorb its keys' random excess, ~45 sqrt(j), which only
-// tables of several million rows fail to).
+// tables of several million rows fail to; the stash below takes the few keys left over).
+// The stash (cuckoo hashing with a stash, Kirsch, Mitzenmacher and Wieder): at load exactly 1
+// a few buckets are chosen by fewer keys than they hold (Hall's condition fails), so a full set
+// of keys can leave a few rows empty that none of their keys may take (a 1M-row table: 0 to ~85
+// of them). A stashed key lives in such a row outside its two buckets. Its row is an ordinary
+// row of [0, capacity) (same row storage, same digest / key / score slot, seen by every pass
+// over rows: export, TTL sweeps, stats, tiers), and an entry of the stash, stored after the main
+// slots of the digest and key arrays, says where it is:
+//   digests   [num_slots, +T)          the stashed key's tag (0 = free); entries packed first
+//   digests   [num_slots + T, +B)      per bucket b: stash entries whose key's bucket1 is b
+//                                      (saturates at 255 and then stays: only a cost)
+//   slot_keys [num_slots, +T)          the row of the stashed key
+//   slot_keys [num_slots + T, +T)      the stashed key
+// (slot_scores has num_slots entries: a stashed key's score is its row's.) A probe that misses
+// both buckets reads digests[num_slots] (0: empty stash, the usual case: one cached byte per
+// miss), then the count of its bucket1, and scans the stash only when that is non-zero. An entry
+// counts only while its row still holds its key (digest set, same key): a stashed row an insert
+// evicted, erased or erase_rows cleared is a stale entry, never matched, and dropped by the next
+// upsert (stash_sweep; an erase writes no slot_keys). A stashed key's row may lie in any stripe:
+// the CPU kernels touch (pin) and erase stashed keys on one thread after the parallel phases;
+// a CUDA warp does it in its phase (another warp may read that digest's tag bits, never its
+// pin bit or score, so the results do not depend on timing). Only a load writes the stash
+// (hash_restore, with rows from place_keys): inserts go to a key's buckets only, and may evict a
+// stashed row like any other row of the bucket it lies in (by score; never a key of the call in
+// flight: pinned first), so a table never holds more keys than its capacity.
+// T = stash_slots(capacity): 32 per 128 of sqrt(capacity), at least 32 (256 at 1M rows, 3x the
+// most a 1M-row load left over); a load with more keys than placement + stash can hold drops
+// the lowest-priority ones, with a warning.
 // A mutation of a key touches stripes s and s + 1 only, so mutations are applied per stripe, in
 // batch order, by one thread at a time, and in phases (upsert_phase) in which no two stripes
 // being applied share a bucket: parallel, lock-free and deterministic regardless of thread count.
@@ -59,11 +86,15 @@ struct TableGeometry {
   int64_t capacity;
   int64_t num_buckets;
   int64_t num_stripes;
+  int64_t stash_slots;       // T: entries of the stash
 
   int64_t stripe_width;      // num_buckets / num_stripes; the first `wide_stripes` get one more
   int64_t wide_stripes;      // num_buckets % num_stripes
 
   TREXT_HD int64_t num_slots() const { return num_buckets * kSlotsPerBucket; }
+  // Array lengths: main slots, then the stash's entries (and its per-bucket counts, digests only).
+  TREXT_HD int64_t digest_slots() const { return num_slots() + stash_slots + num_buckets; }
+  TREXT_HD int64_t key_slots() const { return num_slots() + 2 * stash_slots; }
   // No division on the hot path: stripe s spans [begin(s), begin(s) + width(s)).
   TREXT_HD int64_t stripe_begin(int64_t s) const {
     return s * stripe_width + (s < wide_stripes ? s : wide_stripes);
@@ -75,6 +106,23 @@ struct TableGeometry {
     return left >= kSlotsPerBucket ? 0xFFFFFFFFu : ((1u << left) - 1u);
   }
 };
+
+// ceil(sqrt(n)) for n >= 0, bit by bit (no floating point: same on host and device).
+TREXT_HD int64_t ceil_sqrt(int64_t n) {
+  int64_t r = 0;
+  for (int64_t bit = int64_t{1} << 31; bit > 0; bit >>= 1) {
+    const int64_t c = r + bit;
+    if (c <= 3037000499ll && c * c <= n) r = c;
+  }
+  return r * r == n ? r : r + 1;
+}
+
+constexpr int64_t kStashSqrtPerBlock = 128;  // 32 stash entries per 128 of sqrt(capacity)
+
+TREXT_HD int64_t stash_slots(int64_t capacity) {
+  const int64_t blocks = (ceil_sqrt(capacity) + kStashSqrtPerBlock - 1) / kStashSqrtPerBlock;
+  return kSlotsPerBucket * (blocks > 1 ? blocks : 1);
+}
 
 // make_geometry and place_key decide which rows a key may hold: a change to either must bump
 // LAYOUT_VERSION in torchrec_ext/table.py (saved rows of another layout are re-placed on load).
@@ -88,6 +136,7 @@ TREXT_HD TableGeometry make_geometry(int64_t capacity) {
   g.num_stripes = stripes;
   g.stripe_width = g.num_buckets / stripes;
   g.wide_stripes = g.num_buckets % stripes;
+  g.stash_slots = stash_slots(capacity);
   return g;
 }
 
@@ -124,6 +173,64 @@ TREXT_HD KeyPlace place_key(int64_t key, const TableGeometry& g) {
   }
   p.tag = static_cast<uint8_t>((h >> 57) % 127u + 1u);
   return p;
+}
+
+// Whether the stash may hold a key placed at p: false for an empty stash (one byte read), else
+// whether any entry's key has p's bucket1. The cheap half of stash_probe, for a hot loop to inline.
+TREXT_HD bool stash_may_hold(const uint8_t* digests, const TableGeometry& g, const KeyPlace& p) {
+  const int64_t base = g.num_slots();
+  return digests[base] != 0 && digests[base + g.stash_slots + p.bucket1] != 0;
+}
+
+// Row of `key` (placed at p) in the stash, or -1. Read-only; see the stash's layout above.
+TREXT_HD int64_t stash_probe(const uint8_t* digests, const int64_t* slot_keys, const TableGeometry& g,
+                             const KeyPlace& p, int64_t key) {
+  const int64_t base = g.num_slots();
+  if (!stash_may_hold(digests, g, p)) return -1;
+  for (int64_t j = 0; j < g.stash_slots && digests[base + j] != 0; ++j) {
+    if (digests[base + j] != p.tag || slot_keys[base + g.stash_slots + j] != key) continue;
+    const int64_t row = slot_keys[base + j];
+    if ((digests[row] & kTagMask) == p.tag && slot_keys[row] == key) return row;
+  }
+  return -1;
+}
+
+// Stash writers: one thread, with no other thread touching the table's stash or the rows named.
+// Adds `key`, held at `row` (outside its buckets); false when the stash is full.
+TREXT_HD bool stash_add(uint8_t* digests, int64_t* slot_keys, const TableGeometry& g, const KeyPlace& p,
+                        int64_t key, int64_t row) {
+  const int64_t base = g.num_slots();
+  int64_t j = 0;
+  while (j < g.stash_slots && digests[base + j] != 0) ++j;
+  if (j == g.stash_slots) return false;
+  digests[base + j] = p.tag;
+  slot_keys[base + j] = row;
+  slot_keys[base + g.stash_slots + j] = key;
+  uint8_t& count = digests[base + g.stash_slots + p.bucket1];
+  if (count < 255) ++count;
+  return true;
+}
+
+// Drops the stash entries whose row no longer holds their key (evicted, erased), keeping the
+// others packed at the front in their order. Returns the entries left.
+TREXT_HD int64_t stash_sweep(uint8_t* digests, int64_t* slot_keys, const TableGeometry& g) {
+  const int64_t base = g.num_slots(), T = g.stash_slots;
+  int64_t kept = 0;
+  for (int64_t j = 0; j < T && digests[base + j] != 0; ++j) {
+    const uint8_t tag = digests[base + j];
+    const int64_t row = slot_keys[base + j], key = slot_keys[base + T + j];
+    digests[base + j] = 0;
+    if ((digests[row] & kTagMask) == tag && slot_keys[row] == key) {
+      digests[base + kept] = tag;
+      slot_keys[base + kept] = row;
+      slot_keys[base + T + kept] = key;
+      ++kept;
+    } else {
+      uint8_t& count = digests[base + T + place_key(key, g).bucket1];
+      if (count < 255) --count;
+    }
+  }
+  return kept;
 }
 
 // Mutations run in phases, so that the stripes applied at once never share a bucket: a key of

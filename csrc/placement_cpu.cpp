@@ -23,6 +23,12 @@
 // at their rows first, then the others go through steps 1-3 in one round, so held keys move only
 // along the augmenting paths (or trades) that make room; every key is still placed whenever some
 // placement holds them all (a matching is maximum iff no augmenting path is left).
+// Then the stash (hash_table_layout.h): the left-out keys of highest priority, up to the stash's
+// entries, take free rows outside their buckets (the lowest free rows, by priority); with more
+// keys than rows the kept keys are cut to `capacity` by priority (a stashed key that outranks a
+// placed one frees its row). So the kept set is the greedy basis of the placement matroid
+// joined with the stash's (any T keys), truncated at `capacity`: a full table keeps every key
+// unless more are left out than the stash holds.
 // Measured (benchmarks/results/reshard_placement_cpu.md): 1M keys in a few seconds at any load.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -294,6 +300,43 @@ class Placement {
   int64_t placed_ = 0;
 };
 
+// The stash's share of a placement (see the top): `rows` (-1: left out) of keys in priority
+// `order` gain free rows outside their buckets for the left-out keys of highest priority.
+void stash_left_out(std::vector<int64_t>& rows, const std::vector<int64_t>& order, const TableGeometry& geo) {
+  std::vector<int64_t> stash;
+  int64_t kept = 0;
+  for (const int64_t i : order) {
+    if (rows[i] >= 0) {
+      ++kept;
+    } else if (static_cast<int64_t>(stash.size()) < geo.stash_slots) {
+      stash.push_back(i);
+      ++kept;
+    }
+  }
+  if (stash.empty()) return;
+  std::vector<uint8_t> in_stash(rows.size(), 0);
+  for (const int64_t i : stash) in_stash[i] = 1;
+  for (auto it = order.rbegin(); kept > geo.capacity && it != order.rend(); ++it) {  // cut to capacity
+    if (rows[*it] >= 0) {
+      rows[*it] = -1;
+      --kept;
+    } else if (in_stash[*it]) {
+      in_stash[*it] = 0;
+      --kept;
+    }
+  }
+  std::vector<uint8_t> taken(geo.capacity, 0);
+  for (const int64_t r : rows) {
+    if (r >= 0) taken[r] = 1;
+  }
+  int64_t free_row = 0;
+  for (const int64_t i : stash) {
+    if (!in_stash[i]) continue;
+    while (taken[free_row]) ++free_row;  // kept <= capacity: a free row is left for each
+    rows[i] = free_row++;
+  }
+}
+
 at::Tensor hash_place_cpu(const at::Tensor& keys, const at::Tensor& scores, int64_t capacity,
                           const std::optional<at::Tensor>& start_rows) {
   check_keys("hash_place", keys);
@@ -323,26 +366,28 @@ at::Tensor hash_place_cpu(const at::Tensor& keys, const at::Tensor& scores, int6
                 start.scalar_type(), " of shape ", start.sizes());
     const at::Tensor st = start.contiguous();
     const int64_t* rp = st.data_ptr<int64_t>();
+    std::vector<uint8_t> held(n, 0);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t row = rp[i];
       if (row < 0) continue;
+      TORCH_CHECK(row < capacity, "hash_place: start_rows[", i, "] = ", row, " is not a row of capacity ", capacity);
       const KeyPlace p = place_key(kp[i], geo);
       const int64_t bucket = row / kSlotsPerBucket;
-      TORCH_CHECK(row < capacity && (bucket == p.bucket1 || bucket == p.bucket2),
-                  "hash_place: start_rows[", i, "] = ", row, " is not a row key ", kp[i],
-                  " may hold (its buckets are ", p.bucket1, " and ", p.bucket2, " of ", kSlotsPerBucket,
-                  " rows, capacity ", capacity, ")");
+      if (bucket != p.bucket1 && bucket != p.bucket2) continue;  // a stashed key: placed afresh
       TORCH_CHECK(placement.hold(i, row), "hash_place: start_rows[", i, "] = ", row,
                   " is held by an earlier key already (start rows must be distinct)");
+      held[i] = 1;
     }
     std::vector<int64_t> rest;
     for (const int64_t i : order) {
-      if (rp[i] < 0) rest.push_back(i);
+      if (!held[i]) rest.push_back(i);
     }
     placement.run_from_held(rest);
   }
+  std::vector<int64_t> placed = placement.rows();
+  stash_left_out(placed, order, geo);
   at::Tensor rows = at::empty({n}, k.options());
-  std::copy(placement.rows().begin(), placement.rows().end(), rows.data_ptr<int64_t>());
+  std::copy(placed.begin(), placed.end(), rows.data_ptr<int64_t>());
   return rows;
 }
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cuda_emulation.build import build, cuda_include_dir
+from torchrec_ext.vocabulary import index_lengths
 
 I64MIN, I64MAX = -(2**63), 2**63 - 1
 
@@ -37,9 +38,9 @@ def _reversed_warps():
 
 
 def _table(capacity):
-    slots = -(-capacity // 32) * 32
-    return [torch.zeros(slots, dtype=torch.uint8), torch.zeros(slots, dtype=torch.int64),
-            torch.zeros(slots, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
+    digests, keys, scores = index_lengths(capacity)  # main slots, then the stash
+    return [torch.zeros(digests, dtype=torch.uint8), torch.zeros(keys, dtype=torch.int64),
+            torch.zeros(scores, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
 
 
 # 1 stripe (1, 33), 2, 3 and 5 stripes (odd rings: three insert phases).
@@ -49,7 +50,7 @@ def test_emulated_cuda_kernels_match_cpu(emulated, capacity, policy):
     cpu = torch.ops.torchrec_ext
     rng = random.Random(capacity * 10 + policy)
     state, twin = _table(capacity), _table(capacity)
-    slots = state[0].numel()
+    slots = state[2].numel()  # main slots: the stash's entries are not rows
     universe = [rng.randrange(I64MIN, I64MAX) for _ in range(int(1.6 * capacity))] + [I64MIN, -1, 0, 1, I64MAX]
     epoch = 0
     for step in range(12):
@@ -166,3 +167,56 @@ def test_emulated_upsert_never_evicts_keys_of_its_own_batch(emulated, policy, ca
         _same(state, twin, "table after upsert")
         assert not (twin[0] & 0x80).any(), "the emulated kernels left rows pinned"
     assert state[3].item() == capacity and cpu_got[2].numel() > 0
+
+
+@pytest.mark.parametrize("policy", [1, 2, 0])  # lru, lfu, none
+def test_emulated_kernels_with_a_stash_match_cpu_and_the_reference(emulated, policy):
+    """A table loaded full with ids of which only 20 may use bucket 0 (12 of them stashed, in rows
+    outside their buckets): the CUDA kernels find, touch (pin), evict and erase stashed keys as
+    the CPU kernels and the dict model do, byte for byte, also with warps run in reverse."""
+    from test_hash_table_stash import _starved
+
+    from torchrec_ext.reference import POLICIES, ReferenceHashTable
+    from torchrec_ext.table import place_keys
+
+    capacity = 64 * 32 * 2
+    rng = random.Random(policy)
+    keys = _starved(capacity, capacity, seed=policy)
+    scores = torch.tensor([rng.randrange(0, 40) for _ in range(capacity)], dtype=torch.int64)
+    rows = place_keys(keys, scores, capacity)
+    assert bool((rows >= 0).all())
+    state, twin = _table(capacity), _table(capacity)
+    torch.ops.torchrec_ext.hash_restore(*state, keys, rows, scores, capacity)
+    emulated.hash_restore(*twin, keys, rows, scores, capacity)
+    _same(state, twin, "restore")
+    model = ReferenceHashTable(capacity, POLICIES[policy])
+    model.load(list(zip(keys.tolist(), rows.tolist(), scores.tolist())))
+    slots = state[2].numel()
+    stash = state[1][slots:slots + 32][state[0][slots:slots + 32] != 0]  # the stashed keys' rows
+    stashed = [int(state[1][r]) for r in stash.tolist()]
+    assert len(stashed) == 12
+    universe = keys.tolist() + [rng.randrange(I64MIN, I64MAX) for _ in range(capacity)]
+    for clock in range(1, 9):
+        batch = rng.sample(stashed, 3) + [rng.choice(universe) for _ in range(rng.choice([5, 200, 1500]))]
+        rng.shuffle(batch)
+        t = torch.tensor(batch, dtype=torch.int64)
+        _same(torch.ops.torchrec_ext.hash_find(state[0], state[1], t, capacity),
+              emulated.hash_find(twin[0], twin[1], t, capacity), "find")
+        assert torch.ops.torchrec_ext.hash_find(state[0], state[1], t, capacity)[0].tolist() == model.find(batch)[0]
+        if clock == 5:
+            erase = torch.tensor(batch[:7] + batch[:1], dtype=torch.int64)
+            got = emulated.hash_erase(twin[0], twin[1], twin[3], erase, capacity)
+            assert torch.equal(torch.ops.torchrec_ext.hash_erase(state[0], state[1], state[3], erase, capacity), got)
+            assert got.tolist() == model.erase(erase.tolist())
+        args = (t, None, capacity, policy, clock, 0, False)
+        backward = [x.clone() for x in twin]
+        got = emulated.hash_upsert(*twin, *args)
+        _same(torch.ops.torchrec_ext.hash_upsert(*state, *args), got, "upsert")
+        assert [x.tolist() for x in got] == list(model.upsert(batch))
+        with _reversed_warps():
+            _same(got, emulated.hash_upsert(*backward, *args), "upsert, warps reversed")
+        _same(twin, backward, "table after upsert, warps reversed")
+        _same(state, twin, "table after upsert")
+        assert not (twin[0] & 0x80).any(), "the emulated kernels left rows pinned"
+    keys_out, rows_out, scores_out = torch.ops.torchrec_ext.hash_export(*state[:3], capacity, 0, slots)
+    assert list(zip(keys_out.tolist(), rows_out.tolist(), scores_out.tolist())) == model.export()

@@ -291,7 +291,11 @@ def test_place_keys_from_a_start_moves_only_the_keys_that_make_room():
     assert moved < 0.05 * capacity < int((afresh[survived] != start[survived]).sum()), moved
     bad = start.clone()
     bad[0] = 32 * next(b for b in range(128) if b not in (int(first[0]), int(second[0])))
-    with pytest.raises(ValueError, match=r"start_rows\[0\] = \d+ is not a row key"):
+    # A start row outside the key's buckets is a stashed key's (a full load's): it is placed afresh.
+    rows = place_keys(new["keys"], new["scores"], capacity, bad)
+    assert bool((rows >= 0).all()) and rows.unique().numel() == capacity and int(rows[0]) != int(bad[0])
+    bad[0] = capacity
+    with pytest.raises(ValueError, match=rf"start_rows\[0\] = {capacity} is not a row of capacity {capacity}"):
         place_keys(new["keys"], new["scores"], capacity, bad)
     j = int((first == first[0]).nonzero()[1])  # another key of key 0's first bucket
     bad = torch.full_like(start, -1)

@@ -103,8 +103,10 @@ def test_load_state_dict_rejects_mismatches(table):
     victim = HashTable(256, policy="lru")
     victim.find_or_insert(torch.tensor([7, 8, 9]))
     before = _snapshot(victim)
-    corrupt = dict(state, rows=state["rows"].roll(1))  # keys no longer at their rows
-    with pytest.raises(ValueError, match="cannot live in row"):
+    # Keys no longer at their rows: beyond what the stash holds (a few rows outside their buckets
+    # are a full load's stashed keys), refused.
+    corrupt = dict(state, rows=state["rows"].flip(0))
+    with pytest.raises(ValueError, match="cannot live in row .* and the stash's 32 entries are taken"):
         victim.load_state_dict(corrupt)
     duplicated = dict(state, keys=torch.cat([state["keys"][:1], state["keys"][:-1]]))
     with pytest.raises(ValueError, match="appears twice"):
@@ -126,10 +128,11 @@ def test_cuda_table_without_cuda_kernels_is_a_clear_error():
 def test_kernels_check_their_inputs_too():
     # The ops are public (torch.ops.torchrec_ext.*): they validate with TORCH_CHECK, no crash.
     digests = torch.zeros(32, dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match="hash_find: digests must be a contiguous uint8 tensor of 64 slots"):
+    with pytest.raises(RuntimeError, match="hash_find: digests must be a contiguous uint8 tensor of 98 entries for capacity 40"):
         torch.ops.torchrec_ext.hash_find(digests, torch.zeros(32, dtype=torch.int64), torch.arange(3), 40)
     with pytest.raises(RuntimeError, match="hash_find: keys must be int64"):
-        torch.ops.torchrec_ext.hash_find(digests, torch.zeros(32, dtype=torch.int64), torch.arange(3).int(), 32)
+        torch.ops.torchrec_ext.hash_find(torch.zeros(65, dtype=torch.uint8), torch.zeros(96, dtype=torch.int64),
+                                         torch.arange(3).int(), 32)
     with pytest.raises(RuntimeError, match="route: world_size must be in"):
         torch.ops.torchrec_ext.route(torch.arange(3), 0)
 

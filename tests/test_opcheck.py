@@ -41,7 +41,7 @@ def _hash_cases():
     yield "hash_find_tables", ([t._digests, other._digests], [t._slot_keys, other._slot_keys], both,
                                [0, keys.numel(), both.numel()], [CAPACITY, 64])
     yield "hash_erase", (state[0], state[1], state[3], keys, CAPACITY)
-    yield "hash_export", (t._digests, t._slot_keys, t._slot_scores, CAPACITY, 0, t._digests.numel())
+    yield "hash_export", (t._digests, t._slot_keys, t._slot_scores, CAPACITY, 0, t._slot_scores.numel())
     yield "hash_restore", (empty._digests, empty._slot_keys, empty._slot_scores, empty._size,
                            live_keys, live_rows, live_scores, CAPACITY)
     yield "hash_place", (live_keys, live_scores, CAPACITY)

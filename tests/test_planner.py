@@ -17,6 +17,7 @@ from torchrec.distributed.planner.types import PlannerError, Storage
 
 from torchrec_ext import (
     DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, DynamicEmbeddingCollection, DynamicEmbeddingConfig,
+    reference,
 )
 from torchrec_ext.distributed.planner import (
     DynamicEmbeddingPerfEstimator, DynamicEmbeddingStorageEstimator, make_planner,
@@ -80,12 +81,14 @@ STATE = {None: lambda d: 0, "sgd": lambda d: 0, "adagrad": lambda d: 4 * d, "row
 
 def _expected_resident(cap, dim, opt, ttl, admit_after, admission_capacity, parts):
     rows = math.ceil(cap / parts)
+    # index: 17 B per slot (digest, key, score), per stash entry 17 B (tag, row, key), 1 B per bucket
     total = rows * (4 * dim + STATE[opt](dim)) + 17 * 32 * math.ceil(rows / 32)
+    total += 17 * reference.stash_slots(rows) + math.ceil(rows / 32)
     if ttl:
         total += 8 * rows
     if admit_after > 1:
         a = math.ceil((admission_capacity or cap) / parts)
-        total += 17 * 32 * math.ceil(a / 32) + 8 * a
+        total += 17 * 32 * math.ceil(a / 32) + 17 * reference.stash_slots(a) + math.ceil(a / 32) + 8 * a
     return total
 
 

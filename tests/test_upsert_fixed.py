@@ -11,15 +11,16 @@ import torch
 from torchrec_ext import ops, torch_kernels
 from torchrec_ext import reference as ref
 from torchrec_ext.table import HashTable
+from torchrec_ext.vocabulary import index_lengths
 
 I64MIN, I64MAX = -(2**63), 2**63 - 1
 _ops = torch.ops.torchrec_ext
 
 
 def _table(capacity):
-    slots = -(-capacity // 32) * 32
-    return [torch.zeros(slots, dtype=torch.uint8), torch.zeros(slots, dtype=torch.int64),
-            torch.zeros(slots, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
+    digests, keys, scores = index_lengths(capacity)  # main slots, then the stash
+    return [torch.zeros(digests, dtype=torch.uint8), torch.zeros(keys, dtype=torch.int64),
+            torch.zeros(scores, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
 
 
 def _batches(capacity, policy, steps=10, seed=0):

@@ -16,6 +16,7 @@ import torch
 from cuda_emulation.build import build, cuda_include_dir
 from torchrec_ext import ops
 from torchrec_ext import reference as ref
+from torchrec_ext.vocabulary import index_lengths
 
 I64MIN, I64MAX = -(2**63), 2**63 - 1
 _ops = torch.ops.torchrec_ext
@@ -24,9 +25,9 @@ LRU, LFU = ref.POLICIES.index("lru"), ref.POLICIES.index("lfu")
 
 
 def _table(capacity):
-    slots = -(-capacity // 32) * 32
-    return [torch.zeros(slots, dtype=torch.uint8), torch.zeros(slots, dtype=torch.int64),
-            torch.zeros(slots, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
+    digests, keys, scores = index_lengths(capacity)  # main slots, then the stash
+    return [torch.zeros(digests, dtype=torch.uint8), torch.zeros(keys, dtype=torch.int64),
+            torch.zeros(scores, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
 
 
 def _tables(capacities):

@@ -90,6 +90,7 @@ def test_seeds_and_salts_agree_with_the_reference():
 def test_geometry_and_layout_arithmetic_agree_with_the_reference(capacity):
     assert voc.table_geometry(capacity) == ref.geometry(capacity)
     assert voc.SLOTS_PER_BUCKET == ref.SLOTS
+    assert voc.stash_slots(capacity) == ref.stash_slots(capacity)
     for dtype in voc.STORAGE_DTYPES:
         assert voc.dtype_code(dtype) == ref.dtype_code(dtype)
         for dim in (1, 3, 8):
@@ -165,6 +166,7 @@ def test_hash_table_header_agrees():
     assert _constexpr(layout, "kSlotsPerBucket") == voc.SLOTS_PER_BUCKET
     assert _constexpr(layout, "kBucketsPerStripeTarget") == voc.BUCKETS_PER_STRIPE_TARGET
     assert _constexpr(layout, "kMaxStripes") == voc.MAX_STRIPES
+    assert _constexpr(layout, "kStashSqrtPerBlock") == voc.STASH_SQRT_PER_BLOCK
     assert _constexpr(layout, "kBucketSeed") == voc.BUCKET_SEED
     assert _constexpr(layout, "kStripeSeed") == voc.STRIPE_SEED
     assert _constexpr(layout, "kRouteSeed") == voc.ROUTE_SEED

@@ -19,7 +19,10 @@ import torch
 from torch import Tensor
 
 from torchrec_ext import ops
-from torchrec_ext.vocabulary import LAYOUT_VERSION, LAYOUTS, POLICIES, SLOTS_PER_BUCKET, table_geometry  # noqa: F401
+from torchrec_ext.vocabulary import (  # noqa: F401
+    LAYOUT_VERSION, LAYOUTS, POLICIES, SAME_BUCKET_LAYOUTS, SLOTS_PER_BUCKET, STASH_LAYOUT, index_lengths, stash_slots,
+    table_geometry,
+)
 
 # Policies whose find_or_insert takes caller scores (custom: the score; lfu kinds: increments).
 _SCORED_TOUCH = {"custom", "lfu", "epoch_lfu"}
@@ -49,21 +52,25 @@ def place_keys(keys: Tensor, scores: Tensor, capacity: int, start_rows: Optional
     ``keys``' device: how a load places a checkpoint's ids whose saved rows do not fit the table
     (saved at another capacity or world size, or with another ``LAYOUT_VERSION``).
 
-    Every key is placed whenever some placement holds them all, which with no more keys than
-    rows is the case w.h.p. (a key's second bucket lies in the next stripe on the ring, so keys
-    of a crowded stripe move on to its neighbours). Otherwise the most keys the buckets allow are
-    placed, by priority: higher ``scores`` first, then earlier in ``keys``. A key is left out
-    exactly when it cannot be placed beside the higher-priority keys placed, so with more keys
-    than rows the left-out keys are the lowest-priority ones, but for keys whose buckets filled
-    up with higher-priority keys. The search (a free slot of the emptier bucket, then
+    Every key is placed in its buckets whenever some placement holds them all, which with no
+    more keys than rows is the case w.h.p. (a key's second bucket lies in the next stripe on the
+    ring, so keys of a crowded stripe move on to its neighbours). Otherwise the most keys the
+    buckets allow are placed, by priority: higher ``scores`` first, then earlier in ``keys``, and
+    then the left-out keys of highest priority, up to the stash's entries (``stash_slots``), take
+    free rows outside their buckets (the stash: at load exactly 1 a few buckets are chosen by
+    fewer keys than they hold); with more keys than rows the kept keys are cut to ``capacity`` by
+    priority. A key is left out exactly when it cannot be placed beside the higher-priority keys
+    kept, so with more keys than rows the left-out keys are the lowest-priority ones, but for keys
+    whose buckets filled up with higher-priority keys once the stash is full. The search (a free slot of the emptier bucket, then
     Hopcroft-Karp augmenting paths, then trades of left-out keys for placed ones of lower
     priority) is ``ops.hash_place``, on the CPU: 1M keys in 0.3 s up to load 0.99, under 3 s
     full (``benchmarks/results/reshard_placement_cpu.md``). ``reference.place_keys`` is its oracle.
 
     ``start_rows`` (-1: none) starts from a placement, as a delta replica re-placing its table
     does: those keys are put at their rows first and move only along the augmenting paths that
-    make room for the others, so few rows move. Every key is still placed whenever some placement
-    holds them all; otherwise the most keys the buckets allow (not by priority among the held).
+    make room for the others, so few rows move (a start row outside its key's buckets, a stashed
+    key's, is placed afresh). Every key is still placed whenever some placement holds them all;
+    otherwise the most keys the buckets and the stash allow (not by priority among the held).
     """
     where = "place_keys"
     named = (("keys", keys), ("scores", scores)) + ((("start_rows", start_rows),) if start_rows is not None else ())
@@ -204,7 +211,9 @@ class HashTable:
     get one row; a key keeps its row until erased or evicted. A key may live in one of two
     buckets of 32 slots (the first in its stripe of ~2,048 slots, the second in the next stripe
     on the ring); when both are full an insert evicts the lowest-score slot of the two (the first
-    on ties) if the new key's score is not lower, else it is refused (row -1). A call never
+    on ties) if the new key's score is not lower, else it is refused (row -1). A load of a full
+    table may put a few keys in rows outside their buckets (the stash, ``place_keys``): lookups
+    find them there, and inserts evict them as any row of the bucket they lie in. A call never
     evicts its own keys: every key of the batch that already holds a row is touched and pinned
     first, then the new keys are inserted one at a time, window by window of the batch and phase
     by phase of stripes within a window, in batch order within a phase
@@ -240,10 +249,12 @@ class HashTable:
         self.policy = policy
         self.device = device
         self.num_buckets, self.num_stripes = table_geometry(capacity)
-        num_slots = self.num_buckets * SLOTS_PER_BUCKET
-        self._digests = torch.zeros(num_slots, dtype=torch.uint8, device=device)
-        self._slot_keys = torch.zeros(num_slots, dtype=torch.int64, device=device)
-        self._slot_scores = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self._num_slots = self.num_buckets * SLOTS_PER_BUCKET
+        # Main slots, then the stash (csrc/hash_table_layout.h): its entries and per-bucket counts.
+        digest_len, key_len, score_len = index_lengths(capacity)
+        self._digests = torch.zeros(digest_len, dtype=torch.uint8, device=device)
+        self._slot_keys = torch.zeros(key_len, dtype=torch.int64, device=device)
+        self._slot_scores = torch.zeros(score_len, dtype=torch.int64, device=device)
         self._size = torch.zeros(1, dtype=torch.int64, device=device)
         self._clock = 0
         self._epoch = 0
@@ -281,6 +292,19 @@ class HashTable:
 
     def load_factor(self) -> float:
         return self.size() / self._capacity
+
+    def stash_size(self) -> int:
+        """Keys held in rows outside their two buckets (the stash: a few keys of a full load)."""
+        with self._lock.read():
+            return int(self._stash_entries()[0].numel())
+
+    def _stash_entries(self) -> Tuple[Tensor, Tensor]:
+        """(keys, rows) of the stash's live entries (an entry whose row lost its key is stale)."""
+        s, t = self._num_slots, stash_slots(self._capacity)
+        used = self._digests[s:s + t] != 0
+        rows, keys = self._slot_keys[s:s + t][used], self._slot_keys[s + t:s + 2 * t][used]
+        live = (self._digests[rows] != 0) & (self._slot_keys[rows] == keys)
+        return keys[live], rows[live]
 
     def metadata_bytes(self) -> int:
         """Bytes of the index: the digest, key and score arrays (1 + 8 + 8 B per slot)."""
@@ -416,7 +440,7 @@ class HashTable:
             with self._lock.read():
                 page = ops.hash_export(
                     self._digests, self._slot_keys, self._slot_scores, self._capacity, start,
-                    min(start + page_size, self._digests.numel()),
+                    min(start + page_size, self._num_slots),
                 )
             yield page
 
@@ -453,7 +477,7 @@ class HashTable:
             raise ValueError(f"HashTable.grown: capacity must be an int > 0, got {capacity!r}")
         with self._lock.read():
             keys, rows, scores = ops.hash_export(self._digests, self._slot_keys, self._slot_scores, self._capacity,
-                                                 0, self._digests.numel())
+                                                 0, self._num_slots)
             clock, epoch = self._clock, self._epoch
         if keys.numel() > capacity:
             raise ValueError(f"HashTable.grown: capacity must hold the table's {keys.numel()} keys, got {capacity}")
@@ -467,7 +491,7 @@ class HashTable:
                 raise ValueError(f"HashTable.grown: {int((new_rows < 0).sum())} of {keys.numel()} keys cannot be "
                                  f"placed in capacity {capacity}")
             twin.load_state_dict({"capacity": capacity, "policy": self.policy, "clock": clock, "epoch": epoch,
-                                  "keys": keys, "rows": new_rows, "scores": scores})
+                                  "layout": LAYOUT_VERSION, "keys": keys, "rows": new_rows, "scores": scores})
         twin._clock, twin._epoch = clock, epoch
         row_map = torch.full((self._capacity,), -1, dtype=torch.int64, device=self.device)
         row_map[rows] = new_rows
@@ -482,7 +506,7 @@ class HashTable:
         """Live keys, their rows and scores, plus what reproduces placement and scoring."""
         with self._lock.read():
             keys, rows, scores = ops.hash_export(
-                self._digests, self._slot_keys, self._slot_scores, self._capacity, 0, self._digests.numel()
+                self._digests, self._slot_keys, self._slot_scores, self._capacity, 0, self._num_slots
             )
             return {
                 "capacity": self._capacity,
@@ -533,6 +557,11 @@ class HashTable:
             other = "" if layout == LAYOUT_VERSION else (
                 f" (the state's rows follow layout {layout}, this table's is {LAYOUT_VERSION}: re-place its keys with place_keys)")
             raise ValueError(f"{where}: {e}{other}") from None
+        if layout < STASH_LAYOUT and bool(digests[self._num_slots] != 0):  # before the stash: rows in buckets only
+            s, t = self._num_slots, stash_slots(self._capacity)
+            key, row = int(slot_keys[s + t]), int(slot_keys[s])
+            raise ValueError(f"{where}: key {key} cannot live in row {row} (not one of its buckets; the state's rows "
+                             f"follow layout {layout}, this table's is {LAYOUT_VERSION}: re-place its keys with place_keys)")
         with self._lock.write():
             self._digests, self._slot_keys, self._slot_scores = digests, slot_keys, slot_scores
             self._size = size

@@ -14,6 +14,7 @@ constants (``csrc/*.h``, ``csrc/*.cpp``) agree with both.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -36,13 +37,44 @@ def table_geometry(capacity: int) -> tuple[int, int]:
     return num_buckets, min(max(num_buckets // BUCKETS_PER_STRIPE_TARGET, 1), MAX_STRIPES)
 
 
+# The stash (csrc/hash_table_layout.h: stash_slots, kStashSqrtPerBlock): entries for the few keys
+# a full load leaves no row in their buckets, 32 per 128 of sqrt(capacity), at least 32. Its
+# entries follow the main slots of the digest array (then one count per bucket) and of the key
+# array (stash rows, then stash keys).
+STASH_SQRT_PER_BLOCK = 128
+
+
+def stash_slots(capacity: int) -> int:
+    """Entries of the stash of a table of ``capacity`` rows."""
+    root = math.isqrt(capacity - 1) + 1 if capacity > 0 else 0  # ceil(sqrt(capacity))
+    return SLOTS_PER_BUCKET * max(-(-root // STASH_SQRT_PER_BLOCK), 1)
+
+
+def index_lengths(capacity: int) -> tuple[int, int, int]:
+    """Lengths of a table's digest, key and score arrays: main slots, stash (and its per-bucket
+    counts in the digests)."""
+    num_buckets, _ = table_geometry(capacity)
+    slots, stash = num_buckets * SLOTS_PER_BUCKET, stash_slots(capacity)
+    return slots + stash + num_buckets, slots + 2 * stash, slots
+
+
+def index_bytes(capacity: int) -> int:
+    """Bytes of a table's index (uint8 digests, int64 keys and scores: HashTable.metadata_bytes)."""
+    digests, keys, scores = index_lengths(capacity)
+    return digests + 8 * (keys + scores)
+
+
 # Which rows a key may hold (csrc/hash_table_layout.h's make_geometry and place_key), saved with
 # every state: rows saved by another layout are re-placed on load. Bump it when either changes.
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 LAYOUTS = {
     1: "per-stripe buckets: both of a key's buckets in its stripe",
     2: "ring of stripes: a key's second bucket in the next stripe",
+    3: "ring of stripes with a stash: a few keys of a full load in rows outside their buckets",
 }
+STASH_LAYOUT = 3  # the first layout with a stash: rows of earlier ones lie in their keys' buckets
+# Layouts whose rows this one takes as they are (3 only added the stash to 2's buckets).
+SAME_BUCKET_LAYOUTS = (2, 3)
 
 # ----------------------------------------------------------------------------- hash seeds and salts
 # 64-bit constants xor-ed into a key (or a table seed) before fmix64, one per hash stream, so no

@@ -21,11 +21,12 @@ ranks of the node)`` for table_row_wise, as ``ops.route`` spreads ids evenly):
                                                       rowwise_adagrad 4, adam / adamw / ftrl 2*dim*4, of
                                                       the optimizer the sharded module trains with (the
                                                       module's, else its sharder's fused_params')
-    + 17 * round_up(rows, 32)                         index: digest (1 B) + key (8) + score (8) per slot
+    + index_bytes(rows)                               index: digest (1 B) + key (8) + score (8) per slot,
+                                                      17 B per stash entry, 1 B per bucket (vocabulary)
     + 8 * rows                   if ttl_steps         last-seen step per row
     + admission state                                 ``counter``: a side table of ``a`` ids (the
                                                       table's admission_capacity, default its capacity,
-                                                      split like the rows), 17 * round_up(a, 32) + 8 * a;
+                                                      split like the rows), index_bytes(a) + 8 * a;
                                                       ``bloom``: the shard's filter, half a byte per
                                                       counter (``modules.admission.local_bloom_geometry``);
                                                       ``probabilistic``: none
@@ -73,7 +74,7 @@ from torchrec_ext.modules.configs import DynamicTableOptions, options_of, storag
 from torchrec_ext.modules.embedding_bag_collection import DynamicEmbeddingBagCollection
 from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
 from torchrec_ext.modules.fused_optimizer import stochastic_rounding_of
-from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE, SLOTS_PER_BUCKET, table_geometry
+from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE, index_bytes
 
 __all__ = [
     "DynamicEmbeddingPerfEstimator", "DynamicEmbeddingStorageEstimator", "dynamic_table_bytes", "is_dynamic_option",
@@ -88,7 +89,6 @@ _COMM_SIZES_TAKE_SHARDER_FIRST = next(iter(inspect.signature(extract_comm_data_t
 
 # ---------------------------------------------------------------------------- byte model
 FLOAT_BYTES = 4  # float32: optimizer state, outputs and gradients (vectors: their table's data_type)
-INDEX_BYTES_PER_SLOT = 17  # digest (uint8) + key (int64) + score (int64), see HashTable.metadata_bytes
 TTL_BYTES_PER_ROW = 8  # int64 last-seen training step per row
 ID_BYTES = BIGINT_DTYPE  # ids travel and are buffered as int64
 WEIGHT_BYTES = 4  # per-id float32 weight of a weighted EBC
@@ -103,11 +103,6 @@ def optimizer_state_bytes_per_row(kind: Optional[str], dim: int) -> int:
                          f"expected one of {sorted(OPTIMIZER_STATES)} or None")
     per_state = FLOAT_BYTES if kind in ROWWISE_STATE else dim * FLOAT_BYTES
     return len(OPTIMIZER_STATES[kind]) * per_state
-
-
-def _index_slots(capacity: int) -> int:
-    """Slots the hash index allocates for ``capacity`` rows (whole buckets)."""
-    return table_geometry(capacity)[0] * SLOTS_PER_BUCKET
 
 
 def dynamic_table_bytes(capacity: int, dim: int, optimizer_kind: Optional[str], *, ttl: bool = False,
@@ -126,7 +121,7 @@ def dynamic_table_bytes(capacity: int, dim: int, optimizer_kind: Optional[str], 
     rows = local_capacity(capacity if rows_now is None else rows_now, parts)
     stored = rows + (admission.fallback_rows or 0)  # every shard holds the table's fallback rows
     total = 4 * -(-stored * dim * element_bytes // 4) + stored * optimizer_state_bytes_per_row(optimizer_kind, dim)
-    total += INDEX_BYTES_PER_SLOT * _index_slots(rows)
+    total += index_bytes(rows)
     if ttl:
         total += TTL_BYTES_PER_ROW * rows
     return total + admission_bytes(admission, admission.admission_strategy, capacity, parts)

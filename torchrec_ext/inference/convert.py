@@ -33,7 +33,7 @@ from torchrec_ext.modules.embedding_bag_collection import DynamicEmbeddingBagCol
 from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
 from torchrec_ext.modules.features import LookupPlan
 from torchrec_ext.hashing import fallback_seed, table_seed
-from torchrec_ext.table import HashTable, place_keys
+from torchrec_ext.table import LAYOUT_VERSION, HashTable, place_keys
 
 DYNAMIC_MODULES = (DynamicEmbeddingBagCollection, DynamicEmbeddingCollection)
 _DATA_TYPES = {
@@ -310,6 +310,7 @@ def _placed_index(m: ServingTable, ids: Tensor, rows: Tensor | None, where: str)
         "policy": "none",
         "clock": 0,
         "epoch": 0,
+        "layout": LAYOUT_VERSION,  # rows outside a key's buckets are stashed (place_keys at load 1)
         "keys": ids,
         "scores": torch.zeros_like(ids),
     }

@@ -53,16 +53,15 @@ from torch import Tensor
 from torchrec_ext import ops
 from torchrec_ext.hashing import fmix64_tensor, srl, u64
 from torchrec_ext.modules.state_checks import _check_distinct, _checked
-from torchrec_ext.table import SLOTS_PER_BUCKET, HashTable, table_geometry
+from torchrec_ext.table import HashTable
 # Hash salts: an admission hash must not correlate with the bucket, routing or initializer hashes.
 from torchrec_ext.vocabulary import (  # noqa: F401  (BLOOM_COUNTER_BITS: part of this module's vocabulary)
-    BLOOM_COUNTER_BITS, BLOOM_COUNTER_MAX, BLOOM_MAX_HASHES, BLOOM_SALT, PROBABILITY_SALT,
+    BLOOM_COUNTER_BITS, BLOOM_COUNTER_MAX, BLOOM_MAX_HASHES, BLOOM_SALT, PROBABILITY_SALT, index_bytes,
 )
 
 ADMISSIONS = ("counter", "bloom", "probabilistic")
 BLOOM_DEFAULT_FPR = 0.01
 PROBABILITY_BITS = 53
-COUNTER_SLOT_BYTES = 17  # a side-table slot: digest, key, score (HashTable.metadata_bytes)
 COUNTER_COUNT_BYTES = 8  # its int64 sighting count
 
 
@@ -413,7 +412,7 @@ def admission_bytes(opts, name: Optional[str], capacity: int, parts: int = 1) ->
     share = lambda n: -(-n // parts)  # noqa: E731
     if name == "counter":
         pending = share(opts.admission_capacity or capacity)
-        return COUNTER_SLOT_BYTES * table_geometry(pending)[0] * SLOTS_PER_BUCKET + COUNTER_COUNT_BYTES * pending
+        return index_bytes(pending) + COUNTER_COUNT_BYTES * pending  # its side table's index, its counts
     if name == "bloom":
         return local_bloom_geometry(opts, capacity, parts).nbytes
     return 0

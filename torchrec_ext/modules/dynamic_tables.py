@@ -58,12 +58,12 @@ from torchrec_ext.modules.state_checks import _check_distinct, _checked
 from torchrec_ext.modules.table_stats import MAX_AGE_BINS, TableCounters, TableStats
 from torchrec_ext.hashing import as_int64, fallback_seed, fallback_slots, rounding_seed, table_seed
 from torchrec_ext.table import (
-    CLOCK_LIMIT, EPOCH_LIMIT, LAYOUT_LIMIT, LAYOUT_VERSION, LAYOUTS, SLOTS_PER_BUCKET, FixedInsertResult, HashTable,
-    check_counter, find_or_insert_tables, place_keys, table_geometry,
+    CLOCK_LIMIT, EPOCH_LIMIT, LAYOUT_LIMIT, LAYOUT_VERSION, LAYOUTS, SAME_BUCKET_LAYOUTS, FixedInsertResult,
+    HashTable, check_counter, find_or_insert_tables, place_keys, stash_slots,
 )
 from torchrec_ext.vocabulary import (
     INITIALIZER_NAMES, INITIALIZER_PARAM_COUNTS, OPTIMIZER_STATES, OPTIMIZERS, ROWWISE_STATE, SQUARED_STATES,
-    dense_state_offsets, dtype_code, pending_row, table_words,
+    dense_state_offsets, dtype_code, index_bytes, pending_row, table_words,
 )
 
 _SCORED_BY_COUNT = {"lfu", "epoch_lfu"}
@@ -1301,7 +1301,7 @@ class DynamicTables:
             except ValueError:
                 pass  # saved at another capacity, or with another layout
         if rows is None:
-            if saved_rows is not None and layout != LAYOUT_VERSION:
+            if saved_rows is not None and layout not in SAME_BUCKET_LAYOUTS:
                 layout_warning = (f"{name}: the checkpoint's rows follow hash-table layout {layout} "
                                   f"({LAYOUTS.get(layout, 'unknown')}), this table's layout is {LAYOUT_VERSION} "
                                   f"({LAYOUTS[LAYOUT_VERSION]}): its ids were given new rows")
@@ -1313,7 +1313,8 @@ class DynamicTables:
                 warning = (f"{name}: placed {kept} of the checkpoint's {n} ids in capacity {capacity}; the other "
                            f"{n - kept} were dropped, by eviction score (metadata), highest kept: an id is dropped when "
                            f"the two 32-row buckets it hashes to have no free row in any placement of the higher-scored "
-                           f"ids kept" + (f" ({n} ids > capacity {capacity})" if n > capacity else ""))
+                           f"ids kept and the stash ({stash_slots(capacity)} ids outside their buckets) is full"
+                           + (f" ({n} ids > capacity {capacity})" if n > capacity else ""))
             rows = rows[keep]
             keep = keep.to(vectors.device)
         pick = (lambda x: x.to(device)) if keep is None else (lambda x: x[keep.to(x.device)].to(device))
@@ -1418,7 +1419,7 @@ class DynamicTables:
             total += table_words(c + m.fallback_rows, m.dim, m.dtype) * 4
             total += (c + m.fallback_rows) * per_row * (1 if self.optimizer is None or self.optimizer.kind in ROWWISE_STATE
                                                         else m.dim)
-            total += 17 * SLOTS_PER_BUCKET * table_geometry(c)[0]
+            total += index_bytes(c)
             total += 8 * c if m.ttl_steps else 0
             total += admission.nbytes() if admission is not None else 0
         return total

@@ -50,6 +50,7 @@ from torchrec_ext.reference.hash_table import (  # noqa: F401
     insert_order,
     place,
     place_keys,
+    stash_slots,
     stripe_of,
     touched_score,
     upsert_phase,

@@ -24,6 +24,15 @@ def geometry(capacity: int) -> tuple[int, int]:
     return buckets, min(max(buckets // 64, 1), 1 << 16)
 
 
+def stash_slots(capacity: int) -> int:
+    """Entries of the stash: keys a full load could not put in their buckets, in free rows
+    elsewhere; 32 per 128 of ceil(sqrt(capacity)), at least 32."""
+    root = 0
+    while root * root < capacity:
+        root += 1
+    return SLOTS * max(-(-root // 128), 1)
+
+
 def _stripe_span(stripe: int, buckets: int, stripes: int) -> tuple[int, int]:
     """(first bucket, bucket count) of a stripe: the first ``buckets % stripes`` have one more."""
     width, wide = divmod(buckets, stripes)
@@ -62,7 +71,11 @@ def place_keys(keys: Sequence[int], scores: Sequence[int], capacity: int) -> lis
     by priority (higher score first, then earlier position): each is kept iff it fits beside the
     keys kept before it, found by a breadth-first augmenting path over buckets (a held key may
     move to its other bucket; Kuhn's algorithm, one key at a time). The kept set is the greedy
-    basis of the matroid of placeable sets: unique, whichever rows the keys end up in."""
+    basis of the matroid of placeable sets: unique, whichever rows the keys end up in.
+
+    Then the stash: the ``stash_slots`` left-out keys of highest priority are kept too (in free
+    rows outside their buckets), and the kept keys are cut to ``capacity`` by priority: the greedy
+    basis of that matroid joined with any ``stash_slots`` keys, truncated at ``capacity``."""
     buckets, _ = geometry(capacity)
     room = [min(SLOTS, capacity - b * SLOTS) for b in range(buckets)]
     pairs = [place(k, capacity)[:2] for k in keys]
@@ -89,6 +102,11 @@ def place_keys(keys: Sequence[int], scores: Sequence[int], capacity: int) -> lis
             end = before
         held[end].append(i)
         kept[i] = True
+    by_priority = sorted(range(len(keys)), key=lambda i: (-scores[i], i))
+    for i in [i for i in by_priority if not kept[i]][:stash_slots(capacity)]:
+        kept[i] = True
+    for i in [i for i in by_priority if kept[i]][capacity:]:
+        kept[i] = False
     return kept
 
 
@@ -162,6 +180,12 @@ class ReferenceHashTable:
         self.score_at: dict[int, int] = {}
         self.clock = 0
         self.epoch = 0
+
+    def load(self, entries: Sequence[tuple[int, int, int]]) -> None:
+        """Holds ``(key, row, score)`` entries, as ``load_state_dict`` restores them: a row outside
+        its key's buckets is a stashed key's (found by ``find``, touched, evicted as any row)."""
+        for key, row, score in entries:
+            self.row_of[key], self.key_at[row], self.score_at[row] = row, key, score
 
     def _usable_rows(self, bucket: int) -> list[int]:
         return [r for r in range(bucket * SLOTS, (bucket + 1) * SLOTS) if r < self.capacity]

@@ -1,8 +1,8 @@
 // CPU kernels of the dynamic hash table (torch.ops.torchrec_ext.hash_*) and of `route`.
 //
 // Speed comes from memory-level parallelism: a bucket's 32 digests are matched with two SIMD
-// compares, and the buckets of key i + kPrefetchDistance are prefetched while key i is probed.
-// Lookups run in parallel over keys. Mutations are grouped by stripe (a stable counting sort)
+// compares, and the buckets of key i + kPrefetchDistance are prefetched while key i is probed
+// (finds: groups of kFindGroup ids in a pipeline, see find_ids). Lookups run in parallel over keys. Mutations are grouped by stripe (a stable counting sort)
 // and each stripe's keys are applied by one thread in batch order, so results do not depend on
 // the thread count. A key of stripe s lives in stripe s or s + 1, so a mutating pass runs phase by
 // phase (upsert_phase: the stripes of one phase share no bucket, so no two threads touch the same
@@ -291,6 +291,77 @@ void for_each_phase_group_range(const StripeGroups& groups, Fn fn) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Find: ids go through in groups of kFindGroup, a three-stage pipeline over groups (the batched
+// lookups of Swiss / F14 tables), so the misses of ~3 groups' ids are in flight at once: group
+// k + 2's places are computed and both buckets' digest lines prefetched; group k + 1's digests
+// (arrived meanwhile) are matched against their tags (SIMD) and the key lines of the matches
+// prefetched; group k's keys are confirmed (bucket1's matches, then bucket2's, lowest slot first,
+// as probe does) and, on a miss, the stash probed. Read-only, so any split of the ids into
+// parallel chunks gives the same rows.
+constexpr int kFindGroup = 16;
+
+struct FindId {
+  const TableRef* t;
+  int64_t key;
+  KeyPlace p;
+  uint32_t match1, match2;  // tag matches in bucket1 / bucket2 (match2 = 0 when they are one)
+};
+
+// Finds ids [0, n): id_at(j, table, key) names id j's table and key, called for j = 0, 1, ...
+// in order (so a caller may walk its tables with a cursor). Writes rows[j] (-1: absent), found[j].
+template <typename IdAt>
+void find_ids(int64_t n, IdAt id_at, int64_t* rows, bool* found) {
+  constexpr int G = kFindGroup;
+  FindId ring[3][G];
+  const int64_t groups = (n + G - 1) / G;
+  auto group_size = [&](int64_t g) { return static_cast<int>(std::min<int64_t>(G, n - g * G)); };
+  auto place = [&](int64_t g) {
+    FindId* ids = ring[g % 3];
+    for (int j = 0, e = group_size(g); j < e; ++j) {
+      FindId& f = ids[j];
+      id_at(g * G + j, f.t, f.key);
+      f.p = place_key(f.key, f.t->geo);
+      prefetch_buckets(*f.t, f.p);
+    }
+  };
+  auto match = [&](int64_t g) {
+    FindId* ids = ring[g % 3];
+    for (int j = 0, e = group_size(g); j < e; ++j) {
+      FindId& f = ids[j];
+      const int64_t base1 = f.p.bucket1 * kSlotsPerBucket, base2 = f.p.bucket2 * kSlotsPerBucket;
+      f.match1 = match_tag(f.t->digests + base1, f.p.tag);
+      f.match2 = f.p.bucket2 == f.p.bucket1 ? 0u : match_tag(f.t->digests + base2, f.p.tag);
+      for (uint32_t m = f.match1; m != 0; m &= m - 1) __builtin_prefetch(f.t->keys + base1 + lowest_bit(m));
+      for (uint32_t m = f.match2; m != 0; m &= m - 1) __builtin_prefetch(f.t->keys + base2 + lowest_bit(m));
+    }
+  };
+  auto confirm = [&](int64_t g) {
+    const FindId* ids = ring[g % 3];
+    for (int j = 0, e = group_size(g); j < e; ++j) {
+      const FindId& f = ids[j];
+      const int64_t* keys = f.t->keys;
+      int64_t row = -1;
+      for (uint32_t m = f.match1; m != 0 && row < 0; m &= m - 1) {
+        const int64_t r = f.p.bucket1 * kSlotsPerBucket + lowest_bit(m);
+        if (keys[r] == f.key) row = r;
+      }
+      for (uint32_t m = f.match2; m != 0 && row < 0; m &= m - 1) {
+        const int64_t r = f.p.bucket2 * kSlotsPerBucket + lowest_bit(m);
+        if (keys[r] == f.key) row = r;
+      }
+      if (row < 0 && __builtin_expect(stash_may_hold(f.t->digests, f.t->geo, f.p), 0)) row = stash_row(*f.t, f.p, f.key);
+      rows[g * G + j] = row;
+      found[g * G + j] = row >= 0;
+    }
+  };
+  for (int64_t g = 0; g < std::min<int64_t>(groups, 2); ++g) place(g);
+  if (groups > 0) match(0);
+  for (int64_t g = 0; g < groups; ++g) {
+    if (g + 2 < groups) place(g + 2);
+    if (g + 1 < groups) match(g + 1);
+    confirm(g);
+  }
+}
 
 std::tuple<at::Tensor, at::Tensor> hash_find_cpu(const at::Tensor& digests,
                                                  const at::Tensor& slot_keys,
@@ -306,14 +377,13 @@ std::tuple<at::Tensor, at::Tensor> hash_find_cpu(const at::Tensor& digests,
   int64_t* rp = rows.data_ptr<int64_t>();
   bool* fp = found.data_ptr<bool>();
   at::parallel_for(0, n, kGrainKeys, [&](int64_t begin, int64_t end) {
-    for_each_prefetched<Prefetch::kFind>(
-        t, end - begin, [&](int64_t j) { return place_key(kp[begin + j], t.geo); },
-        [&](int64_t j, const KeyPlace& p) {
-          int64_t row = probe(t, p, kp[begin + j]);
-          if (row < 0 && __builtin_expect(stash_may_hold(t.digests, t.geo, p), 0)) row = stash_row(t, p, kp[begin + j]);
-          rp[begin + j] = row;
-          fp[begin + j] = row >= 0;
-        });
+    find_ids(
+        end - begin,
+        [&](int64_t j, const TableRef*& table, int64_t& key) {
+          table = &t;
+          key = kp[begin + j];
+        },
+        rp + begin, fp + begin);
   });
   return {rows, found};
 }
@@ -663,20 +733,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_tables_cp
   return {rows, inserted, evicted, evicted_keys};
 }
 
-// hash_find of several tables in one call (a serving lookup's id -> row step for all tables):
-// the per-table kernel on each table's slice, tables in parallel as for hash_upsert_tables.
+// hash_find of several tables in one call (a serving lookup's id -> row step for all tables): one
+// find pipeline runs across the tables' ids (no restart, nor tensors of its own, per table), in
+// parallel chunks of the whole batch.
 std::tuple<at::Tensor, at::Tensor> hash_find_tables_cpu(at::TensorList digests, at::TensorList slot_keys,
                                                         const at::Tensor& keys, at::IntArrayRef key_offsets,
                                                         at::IntArrayRef capacities) {
   check_tables("hash_find_tables", digests, slot_keys, keys, key_offsets, capacities, {});
   const at::Tensor k = keys.contiguous();
-  at::Tensor rows = at::empty({k.numel()}, k.options());
-  at::Tensor found = at::empty({k.numel()}, k.options().dtype(at::kBool));
-  for_each_table(key_offsets, [&](int64_t t) {
-    const int64_t b = key_offsets[t], e = key_offsets[t + 1];
-    auto [r, f] = hash_find_cpu(digests[t], slot_keys[t], k.slice(0, b, e), capacities[t]);
-    rows.slice(0, b, e).copy_(r);
-    found.slice(0, b, e).copy_(f);
+  const int64_t n = k.numel();
+  at::Tensor rows = at::empty({n}, k.options());
+  at::Tensor found = at::empty({n}, k.options().dtype(at::kBool));
+  std::vector<TableRef> tables;
+  tables.reserve(digests.size());
+  for (size_t t = 0; t < digests.size(); ++t) tables.push_back(table_ref(digests[t], slot_keys[t], nullptr, capacities[t]));
+  const int64_t* kp = k.data_ptr<int64_t>();
+  int64_t* rp = rows.data_ptr<int64_t>();
+  bool* fp = found.data_ptr<bool>();
+  at::parallel_for(0, n, kGrainKeys, [&](int64_t begin, int64_t end) {
+    // The table of id `begin`: the last t with key_offsets[t] <= begin (empty tables skipped).
+    int64_t t = std::upper_bound(key_offsets.begin(), key_offsets.end(), begin) - key_offsets.begin() - 1;
+    find_ids(
+        end - begin,
+        [&](int64_t j, const TableRef*& table, int64_t& key) {
+          while (begin + j >= key_offsets[t + 1]) ++t;
+          table = &tables[t];
+          key = kp[begin + j];
+        },
+        rp + begin, fp + begin);
   });
   return {rows, found};
 }

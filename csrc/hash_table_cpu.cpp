@@ -41,6 +41,10 @@ struct TableRef {
 };
 
 inline uint32_t lowest_bit(uint32_t m) { return static_cast<uint32_t>(__builtin_ctz(m)); }
+// Slot of the lowest / highest set bit of a bucket's match mask; some slot of the bucket (31 / 0)
+// when it is empty, so that callers need no branch.
+inline uint32_t first_match(uint32_t m) { return static_cast<uint32_t>(__builtin_ctz(m | 0x80000000u)); }
+inline uint32_t last_match(uint32_t m) { return 31u - static_cast<uint32_t>(__builtin_clz(m | 1u)); }
 
 // Bit i set when slot i of the bucket holds `tag` (the pin bit is ignored).
 inline uint32_t match_tag(const uint8_t* d, uint8_t tag) {
@@ -331,8 +335,15 @@ void find_ids(int64_t n, IdAt id_at, int64_t* rows, bool* found) {
       const int64_t base1 = f.p.bucket1 * kSlotsPerBucket, base2 = f.p.bucket2 * kSlotsPerBucket;
       f.match1 = match_tag(f.t->digests + base1, f.p.tag);
       f.match2 = f.p.bucket2 == f.p.bucket1 ? 0u : match_tag(f.t->digests + base2, f.p.tag);
-      for (uint32_t m = f.match1; m != 0; m &= m - 1) __builtin_prefetch(f.t->keys + base1 + lowest_bit(m));
-      for (uint32_t m = f.match2; m != 0; m &= m - 1) __builtin_prefetch(f.t->keys + base2 + lowest_bit(m));
+      // The key lines of the lowest and highest match of each bucket, with no branch on how many
+      // matches there are (unpredictable: a mispredict costs about as much as the rest of an
+      // id's work); a bucket without a match prefetches this FindId's own (cached) line instead.
+      const int64_t* keys = f.t->keys;
+      auto line = [&](uint32_t m, int64_t row) { return m != 0 ? static_cast<const void*>(keys + row) : &f; };
+      __builtin_prefetch(line(f.match1, base1 + first_match(f.match1)));
+      __builtin_prefetch(line(f.match1, base1 + last_match(f.match1)));
+      __builtin_prefetch(line(f.match2, base2 + first_match(f.match2)));
+      __builtin_prefetch(line(f.match2, base2 + last_match(f.match2)));
     }
   };
   auto confirm = [&](int64_t g) {
@@ -340,16 +351,20 @@ void find_ids(int64_t n, IdAt id_at, int64_t* rows, bool* found) {
     for (int j = 0, e = group_size(g); j < e; ++j) {
       const FindId& f = ids[j];
       const int64_t* keys = f.t->keys;
-      int64_t row = -1;
-      for (uint32_t m = f.match1; m != 0 && row < 0; m &= m - 1) {
-        const int64_t r = f.p.bucket1 * kSlotsPerBucket + lowest_bit(m);
-        if (keys[r] == f.key) row = r;
+      // Fast path, branch-free: each bucket's lowest match (a key is held in one row only, so a
+      // key at bucket2's lowest match is in no slot of bucket1). Else (a false tag match below
+      // the key, an absent or a stashed key) every match in probe's order, then the stash.
+      // A bucket without a match reads `other` (cached, never the key): no load of an unfetched line.
+      const int64_t other = ~f.key;
+      const int64_t r1 = f.p.bucket1 * kSlotsPerBucket + first_match(f.match1);
+      const int64_t r2 = f.p.bucket2 * kSlotsPerBucket + first_match(f.match2);
+      const bool hit1 = *(f.match1 != 0 ? keys + r1 : &other) == f.key;
+      const bool hit2 = *(f.match2 != 0 ? keys + r2 : &other) == f.key;
+      int64_t row = hit1 ? r1 : hit2 ? r2 : -1;
+      if (__builtin_expect(row < 0, 0)) {
+        row = probe(*f.t, f.p, f.key);
+        if (row < 0 && __builtin_expect(stash_may_hold(f.t->digests, f.t->geo, f.p), 0)) row = stash_row(*f.t, f.p, f.key);
       }
-      for (uint32_t m = f.match2; m != 0 && row < 0; m &= m - 1) {
-        const int64_t r = f.p.bucket2 * kSlotsPerBucket + lowest_bit(m);
-        if (keys[r] == f.key) row = r;
-      }
-      if (row < 0 && __builtin_expect(stash_may_hold(f.t->digests, f.t->geo, f.p), 0)) row = stash_row(*f.t, f.p, f.key);
       rows[g * G + j] = row;
       found[g * G + j] = row >= 0;
     }

@@ -524,8 +524,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
   const int64_t G = groups.groups(), R = groups.ranges();
   const int64_t* offsets = groups.offsets.data();
   const int phases = upsert_phase_count(geo.num_stripes);
-  std::vector<std::pair<int64_t, int64_t>> stash_hits;  // (input position, row) of stashed keys
-  std::mutex stash_hits_mutex;
   thread_local std::vector<AbsentKey> absent_scratch;
   grow(absent_scratch, n);
   AbsentKey* absent = absent_scratch.data();
@@ -540,14 +538,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
           while (at >= offsets[g + 1]) ++g;
           const int64_t row = probe(t, p, groups.keys[at]);
           if (row < 0) {
-            const int64_t stashed = __builtin_expect(stash_may_hold(t.digests, geo, p), 0)
-                                        ? stash_row(t, p, groups.keys[at]) : -1;
-            if (stashed >= 0) {  // its row may lie in any stripe: touched after the phases, below
-              std::lock_guard<std::mutex> lock(stash_hits_mutex);
-              stash_hits.emplace_back(order[at], stashed);
-            } else {
-              absent[offsets[g] + absent_count[g]++] = AbsentKey{at, p};
-            }
+            absent[offsets[g] + absent_count[g]++] = AbsentKey{at, p};
             return;
           }
           touch(order[at], row);
@@ -558,11 +549,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
     const int64_t first = upsert_phase_at(k, clock, geo.num_stripes) * R, last = first + R;
     for_each_group_range(first, last, offsets[last] - offsets[first], touch_groups);
   }
-  // Stashed keys of the batch: touched and pinned by this thread, in batch order, before any insert.
-  std::sort(stash_hits.begin(), stash_hits.end());
-  for (const auto& [i, row] : stash_hits) {
-    touch(i, row);
-    rp[i] = row;
+  // Stashed keys of the batch, only when the stash holds any (one byte read per call): found among
+  // the keys pass 1 did not find in their buckets, then touched and pinned by this thread (their
+  // rows may lie in any stripe), in batch order, before any insert.
+  if (t.digests[geo.num_slots()] != 0) {
+    std::vector<std::pair<int64_t, int64_t>> stash_hits;  // (input position, row)
+    for (int64_t g = 0; g < G; ++g) {
+      AbsentKey* a = absent + offsets[g];
+      int64_t kept = 0;
+      for (int64_t q = 0; q < absent_count[g]; ++q) {
+        const int64_t row = stash_probe(t.digests, t.keys, geo, a[q].place, groups.keys[a[q].at]);
+        if (row >= 0) {
+          stash_hits.emplace_back(order[a[q].at], row);
+        } else {
+          a[kept++] = a[q];  // still in batch order
+        }
+      }
+      absent_count[g] = kept;
+    }
+    std::sort(stash_hits.begin(), stash_hits.end());
+    for (const auto& [i, row] : stash_hits) {
+      touch(i, row);
+      rp[i] = row;
+    }
   }
   // Pass 2: the keys absent when the call began, one at a time in batch order per stripe, window
   // by window of the batch and phase by phase within a window (the first phase rotating with

@@ -31,7 +31,7 @@ def _save_both_ways(rank, world_size, root):
     # state change in place): what it writes must still be step 3.
     release = threading.Event()
     real_save = ckpt._save
-    ckpt._save = lambda *args: release.wait() and real_save(*args)
+    ckpt._save = lambda *args, **kwargs: release.wait() and real_save(*args, **kwargs)
     pending = ckpt.save_checkpoint(os.path.join(root, "background"), 3, _state(dmp, opt, 3), blocking=False)
     assert isinstance(pending, ckpt.PendingCheckpoint)
     plain_loop(dmp, opt, batches[3:])

@@ -178,3 +178,34 @@ def test_two_ranks_load_exactly_the_full_save_of_the_step(tmp_path):
     from dist_helpers import run_ranks
 
     run_ranks(_sharded, 2, str(tmp_path))
+
+
+def test_the_job_resumes_from_a_delta_link_exactly(tmp_path):
+    """--checkpoint-incremental: a run resumed from a delta link continues as the uninterrupted
+    run did, bit for bit (losses and evals)."""
+    import json
+    import shutil
+
+    from job_helpers import TINY, job_ok, run_job
+
+    args = ["--eval-every", "10", "--checkpoint-every", "5", "--checkpoint-incremental", "3",
+            "--keep-checkpoints", "0"] + TINY
+    reference = str(tmp_path / "reference")
+    job_ok(run_job(["--steps", "20", "--run-dir", reference] + args))
+    ckpts = os.path.join(reference, "checkpoints")
+    assert sorted(os.listdir(ckpts)) == ["step_10", "step_15", "step_20", "step_5"]
+    kinds = {step: torch.load(os.path.join(ckpts, f"step_{step}", "tables.rank0-of-1.pt"), weights_only=True)["kind"]
+             for step in (5, 10, 15, 20)}
+    assert kinds == {5: "base", 10: "delta", 15: "delta", 20: "base"}
+    resumed = str(tmp_path / "resumed")
+    shutil.copytree(reference, resumed)
+    shutil.rmtree(os.path.join(resumed, "checkpoints", "step_20"))
+    out = job_ok(run_job(["--steps", "20", "--run-dir", resumed, "--resume"] + args)).stdout
+    assert f"resumed from {os.path.join(resumed, 'checkpoints', 'step_15')} at step 15" in out, out[-2000:]
+
+    def history(run_dir):
+        with open(os.path.join(run_dir, "history.json")) as f:
+            saved = json.load(f)
+        return {k: saved[k] for k in ("train_loss", "evals")}
+
+    assert history(resumed) == history(reference)

@@ -96,3 +96,13 @@ def test_verification_hashes_files_on_several_threads_and_names_a_corrupted_one(
         f.write(b"\xff\xfe")
     with pytest.raises(CheckpointError, match=f"{victim}: its SHA-256 differs"):
         verify_checkpoint(path)
+
+
+def test_a_background_save_writes_on_one_thread(tmp_path, state, monkeypatch, one_rank_group):
+    monkeypatch.setattr(checkpoint_io, "IO_THREADS", 2)
+    path = save_checkpoint(str(tmp_path), 3, state, blocking=False).wait()
+    files = _manifest(path)
+    assert sum(name.endswith(".distcp") for name in files) == 1  # training keeps the other cores
+    for name, entry in files.items():
+        with open(os.path.join(path, name), "rb") as f:
+            assert entry["sha256"] == hashlib.sha256(f.read()).hexdigest(), name

@@ -220,3 +220,18 @@ def test_emulated_kernels_with_a_stash_match_cpu_and_the_reference(emulated, pol
         assert not (twin[0] & 0x80).any(), "the emulated kernels left rows pinned"
     keys_out, rows_out, scores_out = torch.ops.torchrec_ext.hash_export(*state[:3], capacity, 0, slots)
     assert list(zip(keys_out.tolist(), rows_out.tolist(), scores_out.tolist())) == model.export()
+    # The multi-table ops: the stashed table beside a small one, in one call each.
+    left = [k for k in stashed if model.find([k])[1][0]]
+    small, small_twin = _table(100), _table(100)
+    batch = left + [rng.choice(universe) for _ in range(300)]
+    t = torch.tensor(batch + [1, 2, 3, 1], dtype=torch.int64)
+    offsets, caps = [0, len(batch), len(batch) + 4], [capacity, 100]
+    both, both_twin = list(zip(state, small)), list(zip(twin, small_twin))
+    _same(torch.ops.torchrec_ext.hash_find_tables(both[0], both[1], t, offsets, caps),
+          emulated.hash_find_tables(both_twin[0], both_twin[1], t, offsets, caps), "find_tables")
+    args = (t, offsets, None, None, caps, [policy, 1], [20, 1], [0, 0], False)
+    got = emulated.hash_upsert_tables(*[list(x) for x in both_twin], *args)
+    _same(torch.ops.torchrec_ext.hash_upsert_tables(*[list(x) for x in both], *args), got, "upsert_tables")
+    _same(state, twin, "stashed table after upsert_tables")
+    _same(small, small_twin, "small table after upsert_tables")
+    assert got[0][: len(left)].tolist() == model.find(left)[0]  # the stashed keys found where they were

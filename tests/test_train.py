@@ -113,6 +113,7 @@ def test_resumed_run_ends_exactly_like_the_uninterrupted_one(tmp_path):
         (["--data-type", "fp16", "--embedding-dim", "1"], "needs embedding_dim >= 2"),
         (["--round-to-nearest"], "--round-to-nearest applies to --data-type fp16 or bf16"),
         (["--fallback-rows", "0"], "--fallback-rows must be >= 1, got 0"),
+        (["--checkpoint-incremental", "-1"], "--checkpoint-incremental must be >= 0, got -1"),
     ],
 )
 def test_bad_arguments_are_clear_errors(args, message, capsys):

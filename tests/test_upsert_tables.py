@@ -146,7 +146,8 @@ def _bad_calls():
     yield "key_offsets must run from 0 to keys.numel", dict(good, key_offsets=[0, 4, 9]), None
     yield "key_offsets must not decrease", dict(good, key_offsets=[0, 11, 10]), None
     yield "capacity must be > 0", dict(good, capacities=[64, 0]), None
-    yield "digests must be a contiguous uint8 tensor of 224 slots", dict(good, capacities=[64, 200]), None
+    yield ("digests must be a contiguous uint8 tensor of 263 entries for capacity 200",  # slots, stash, counts
+           dict(good, capacities=[64, 200]), None)
     yield "clock must be >= 0, got -1", dict(good, clocks=[1, -1]), None
     yield "unknown policy id 9", dict(good, policies=[LRU, 9]), None
     yield "the custom policy needs scores", dict(good, policies=[5, LRU]), None

@@ -34,8 +34,10 @@ def hash_find(digests: Tensor, slot_keys: Tensor, keys: Tensor, capacity: int) -
     """Row of each key. Read-only.
 
     Args:
-        digests: uint8 ``[num_slots]``, the table's slot digests (0 = empty).
-        slot_keys: int64 ``[num_slots]``, the key held by each slot.
+        digests: uint8, the table's slot digests (0 = empty), then its stash's
+            (``vocabulary.index_lengths``: ``num_slots + stash + num_buckets`` entries).
+        slot_keys: int64, the key held by each slot, then the stash's rows and keys
+            (``num_slots + 2 * stash`` entries).
         keys: int64 ``[n]``, any values.
         capacity: the table's rows; ``num_slots`` = 32 * ceil(capacity / 32).
 
@@ -48,10 +50,19 @@ def hash_find(digests: Tensor, slot_keys: Tensor, keys: Tensor, capacity: int) -
 
 def hash_find_tables(digests: Sequence[Tensor], slot_keys: Sequence[Tensor], keys: Tensor,
                      key_offsets: Sequence[int], capacities: Sequence[int]) -> Tuple[Tensor, Tensor]:
-    """:func:`hash_find` of T tables in one call: table t's keys are
-    ``keys[key_offsets[t]:key_offsets[t + 1]]`` (``key_offsets``: T + 1 host ints), its arrays the
-    t-th of ``digests`` / ``slot_keys``, its rows ``capacities[t]``. Read-only; the outputs are
-    those of :func:`hash_find` table by table, concatenated (CUDA: one launch for all tables)."""
+    """:func:`hash_find` of T tables in one call (CUDA: one launch for all tables). Read-only.
+
+    Args:
+        digests, slot_keys: ``[T]`` lists, table t's uint8 / int64 arrays (as ``hash_find``'s).
+        keys: int64 ``[n]``, every table's keys back to back: table t's are
+            ``keys[key_offsets[t]:key_offsets[t + 1]]``.
+        key_offsets: ``T + 1`` host ints, ascending from 0 to n.
+        capacities: ``T`` ints, table t's rows.
+
+    Returns:
+        rows: int64 ``[n]``, each key's row in its table, -1 when absent.
+        found: bool ``[n]``. Both equal :func:`hash_find` table by table, concatenated.
+    """
     return _ops.hash_find_tables.default(list(digests), list(slot_keys), keys, [int(o) for o in key_offsets],
                                          [int(c) for c in capacities])
 
@@ -75,7 +86,7 @@ def hash_upsert(
     the call never evicts the row of one of its own keys; new keys then go in in batch order.
 
     Args:
-        digests, slot_keys, slot_scores: the table's ``[num_slots]`` uint8 / int64 / int64 slot arrays (mutated).
+        digests, slot_keys, slot_scores: the table's uint8 / int64 / int64 arrays (``index_lengths``; mutated).
         size: int64 ``[1]``, live keys (mutated).
         keys: int64 ``[n]``.
         scores: int64 ``[n]`` or None: custom scores, or increments for lfu/epoch_lfu; stored
@@ -151,7 +162,14 @@ def hash_upsert_tables(
 
 
 def hash_erase(digests: Tensor, slot_keys: Tensor, size: Tensor, keys: Tensor, capacity: int) -> Tensor:
-    """Removes keys, in place (``digests``, ``size``).
+    """Removes keys, in place.
+
+    Args:
+        digests: uint8 (``index_lengths``; mutated: a removed key's slot becomes empty).
+        slot_keys: int64 (``index_lengths``).
+        size: int64 ``[1]``, live keys (mutated).
+        keys: int64 ``[n]``, any values (absent ones are no-ops).
+        capacity: the table's rows.
 
     Returns:
         bool ``[n]``: True at the position that removed each key (the first of duplicates).
@@ -162,7 +180,16 @@ def hash_erase(digests: Tensor, slot_keys: Tensor, size: Tensor, keys: Tensor, c
 def hash_export(
     digests: Tensor, slot_keys: Tensor, slot_scores: Tensor, capacity: int, start: int, end: int
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """Live ``(keys, rows, scores)``, each int64 ``[live]``, among slots ``[start, end)``, in row order."""
+    """The live entries among slots ``[start, end)``. Read-only.
+
+    Args:
+        digests, slot_keys, slot_scores: the table's uint8 / int64 / int64 arrays (``index_lengths``).
+        capacity: the table's rows.
+        start, end: the slot range, ``0 <= start <= end <= num_slots`` (pages of a large table).
+
+    Returns:
+        keys, rows, scores: int64 ``[live]`` each, in row order.
+    """
     return _ops.hash_export.default(digests, slot_keys, slot_scores, capacity, start, end)
 
 
@@ -176,30 +203,41 @@ def hash_restore(
     scores: Tensor,
     capacity: int,
 ) -> None:
-    """Places ``keys`` (int64 ``[n]``) at ``rows`` with ``scores`` in an empty table, in place.
+    """Places ``keys`` at ``rows`` with ``scores`` in an empty table, in place. Validates
+    everything first (each row one of the key's candidate slots, no duplicate key or row, the
+    table empty) and writes nothing on error.
 
-    Validates everything first (each row one of the key's candidate slots, no duplicate key or
-    row, the table empty) and writes nothing on error.
+    Args:
+        digests, slot_keys, slot_scores: the table's uint8 / int64 / int64 arrays (``index_lengths``; mutated).
+        size: int64 ``[1]`` (mutated: set to n).
+        keys: int64 ``[n]``, distinct.
+        rows: int64 ``[n]``, each key's row (:func:`hash_place` finds them).
+        scores: int64 ``[n]``, each key's score.
+        capacity: the table's rows.
     """
     _ops.hash_restore.default(digests, slot_keys, slot_scores, size, keys, rows, scores, capacity)
 
 
 def hash_place(keys: Tensor, scores: Tensor, capacity: int, start_rows: Optional[Tensor] = None) -> Tensor:
     """Rows for distinct ``keys`` in an empty table of ``capacity`` rows, each in one of the
-    key's two buckets (what ``hash_restore`` accepts). CPU kernel (``csrc/placement_cpu.cpp``).
+    key's two buckets or, for the few a full table leaves no row there, a free row outside them
+    (the stash; what ``hash_restore`` accepts). CPU kernel (``csrc/placement_cpu.cpp``).
 
     Keys are taken by priority, higher ``scores`` first (ties: lower position first): a free slot
     of their buckets, else augmenting paths that move placed keys to their other bucket, else a
     trade for a placed key of lower priority. So a key is left out exactly when it cannot be
     placed beside the higher-priority keys that are placed: every key is placed whenever some placement holds them all, and otherwise the
-    most keys the buckets allow, the highest-priority ones kept. Deterministic.
+    most keys the buckets allow, the highest-priority ones kept; then the left-out keys of highest
+    priority, up to ``stash_slots(capacity)``, go to the stash (cut to ``capacity`` keys in all, by
+    priority). Deterministic.
 
     Args:
         keys: int64 ``[n]``, distinct.
         scores: int64 ``[n]``, each key's priority.
         capacity: the table's rows (> 0).
-        start_rows: optional int64 ``[n]``, a starting placement (-1: none; else one of the key's
-            buckets' rows, distinct): those keys are put there first and move only along the
+        start_rows: optional int64 ``[n]``, a starting placement (-1: none; else a row < capacity,
+            distinct; a row outside the key's buckets, a stashed key's, is placed afresh): those in
+            their buckets are put there first and move only along the
             augmenting paths (or trades) that make room for the others. Every key is still placed
             whenever some placement holds them all; otherwise the most keys the buckets allow.
 
@@ -210,10 +248,15 @@ def hash_place(keys: Tensor, scores: Tensor, capacity: int, start_rows: Optional
 
 
 def route(keys: Tensor, world_size: int) -> Tensor:
-    """Owning rank in ``[0, world_size)`` of each int64 key under row-wise sharding.
+    """Owning rank of each key under row-wise sharding. The hash is independent of the table's
+    bucket hash, so the keys one rank owns spread over all of that rank's buckets.
 
-    The hash is independent of the table's bucket hash, so the keys one rank owns spread over
-    all of that rank's buckets.
+    Args:
+        keys: int64 ``[n]``.
+        world_size: ranks (>= 1).
+
+    Returns:
+        int64 ``[n]``, each key's rank in ``[0, world_size)``.
     """
     if not isinstance(keys, Tensor):
         raise TypeError(f"route: keys must be a torch.Tensor, got {type(keys).__name__}")
@@ -291,10 +334,23 @@ def init_rows_tables(
     kinds: Sequence[int], max_dim: int, states: Sequence[Tensor] = (), state_offsets: Optional[Tensor] = None,
     rowwise: bool = False, state_values: Sequence[float] = (),
 ) -> None:
-    """:func:`init_rows` of all tables of a module in one call, in the flat storage (as
-    :func:`pooled_lookup` takes it): launches independent of the table count, no host read. A
-    torch composite (``torch_kernels.init_rows_tables``) on any device; each vector is the one
-    the torch ``init_rows`` draws. Arguments: see there."""
+    """:func:`init_rows` of all tables of a module in one call, in the flat storage: launches
+    independent of the table count, no host read. A torch composite
+    (``torch_kernels.init_rows_tables``) on any device; each vector is the one :func:`init_rows`
+    draws for (seed, id).
+
+    Args:
+        weights, table_offsets, table_dims, table_dtypes: the module's storage, as in
+            :func:`pooled_lookup` (mutated).
+        rows, tables, ids: int64 ``[n]``, each new id's row (-1: skip), table and id.
+        table_seeds, table_kinds: int64 ``[T]``, each table's seed (bit pattern) and initializer
+            (index into ``vocabulary.INITIALIZERS``).
+        table_params: float64 ``[T, 4]``, each table's initializer parameters.
+        kinds: the initializer kinds present (host ints).
+        max_dim: the widest table's dim (host int).
+        states: flat float32 optimizer states (mutated): table t's rows from ``state_offsets[t]``
+            (int64 ``[T]``), one value per row when ``rowwise``, else ``dim_t``; reset to ``state_values``.
+    """
     torch_kernels.init_rows_tables(weights, table_offsets, table_dims, table_dtypes, rows, tables, ids, table_seeds,
                                    table_kinds, table_params, kinds, max_dim, states, state_offsets, rowwise,
                                    state_values)
@@ -338,8 +394,18 @@ def sequence_lookup(
     feature_value_offsets: Tensor, rows: Tensor, new_vectors: Sequence[Tensor] = (),
     table_dtypes: Optional[Tensor] = None,
 ) -> Tensor:
-    """Each id's row: float32 ``[n, dim]`` (rows and storage as in :func:`pooled_lookup`; one dim
-    for all tables; ``feature_value_offsets`` int64 ``[F + 1]`` delimit each feature's ids)."""
+    """Each id's row, unpooled (the sequence lookup of an embedding collection).
+
+    Args:
+        weights, table_offsets, table_dtypes: the storage, as in :func:`pooled_lookup`.
+        dim: the one dim of every table looked up.
+        feature_table: int64 ``[F]``, each feature's table.
+        feature_value_offsets: int64 ``[F + 1]``, feature f's ids are ``rows[offsets[f]:offsets[f + 1]]``.
+        rows, new_vectors: int64 ``[n]``, each id's row, as in :func:`pooled_lookup` (-1: zeros).
+
+    Returns:
+        float32 ``[n, dim]``.
+    """
     return _ops.sequence_lookup.default(weights, table_offsets, dim, feature_table, feature_value_offsets, rows,
                                         list(new_vectors), table_dtypes)
 
@@ -383,9 +449,23 @@ def fused_update(
 
 def route_bucketize(ids: Tensor, lengths: Tensor, slot_owner: Sequence[int], world_size: int,
                     batch_size: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """Ids regrouped by destination rank then bag (row-wise slots: owner -1, routed by hash),
-    the routed lengths, and each routed id's input position. CPU kernel ``csrc/routing_cpu.cpp``;
-    CUDA kernel ``torch_kernels.route_bucketize`` (torch ops)."""
+    """The input routing of sharded dynamic tables in one pass: ids regrouped by destination rank,
+    then bag, keeping their order within a bag (the layout an all-to-all sends). CPU kernel
+    ``csrc/routing_cpu.cpp``; CUDA kernel ``torch_kernels.route_bucketize`` (torch ops).
+
+    Args:
+        ids: int64 ``[n]``.
+        lengths: int64 ``[S * batch_size]``, bag b = slot * batch_size + sample; sums to n.
+        slot_owner: ``S`` host ints, each slot's rank (table-wise) or -1 (row-wise: each id goes
+            to ``route(id, world_size)``).
+        world_size: ranks (>= 1).
+        batch_size: samples per slot (>= 0).
+
+    Returns:
+        values: int64 ``[n]``, the ids, destination-major then bag.
+        lengths: int64 ``[world_size * S * batch_size]``, the routed bags' lengths, destination-major.
+        order: int64 ``[n]``, each routed id's position in ``ids``.
+    """
     return _ops.route_bucketize.default(ids, lengths, list(slot_owner), world_size, batch_size)
 
 

@@ -165,17 +165,19 @@ def save_checkpoint(ckpt_dir: str, step: int, state: Dict[str, Any], keep: int =
     pg = process_group or ensure_process_group()
     if not blocking:
         return start_background_save(pg, checkpoint_path(ckpt_dir, step), state,
-                                     lambda staged, group: _save(ckpt_dir, step, staged, keep, group))
+                                     # one writer thread: a background save leaves the cores to training
+                                     lambda staged, group: _save(ckpt_dir, step, staged, keep, group, io_threads=1))
     wait_for_pending(pg)
     return _save(ckpt_dir, step, state, keep, pg)
 
 
 def _save(ckpt_dir: str, step: int, state: Dict[str, Any], keep: int, pg: dist.ProcessGroup,
           write_files: Optional[Callable[[str], Dict[str, Tuple[int, str]]]] = None,
-          chain: Optional[Dict[str, Any]] = None) -> str:
+          chain: Optional[Dict[str, Any]] = None, io_threads: Optional[int] = None) -> str:
     """The save (collective). ``write_files(directory)``: writes this rank's further files into
     the checkpoint before the manifest and returns their digests; ``chain``: the incremental
-    chain the manifest records (checkpoint_incremental)."""
+    chain the manifest records (checkpoint_incremental); ``io_threads``: DCP writer threads
+    (default: checkpoint_io.IO_THREADS)."""
     rank = dist.get_rank(pg)
     final = checkpoint_path(ckpt_dir, step)
     tmp = os.path.join(ckpt_dir, f".tmp_step_{step}")
@@ -190,7 +192,7 @@ def _save(ckpt_dir: str, step: int, state: Dict[str, Any], keep: int, pg: dist.P
         else:
             shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
     _raise_if_any(error, pg)
-    writer = HashingWriter(tmp)  # hashes each file as it writes it, one file per writer thread
+    writer = HashingWriter(tmp, io_threads)  # hashes each file as it writes it, one file per writer thread
     dcp.save(state, storage_writer=writer, process_group=pg)
     known = writer.digests
     if write_files is not None:

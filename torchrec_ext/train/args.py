@@ -150,6 +150,15 @@ def _add_output_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps and at the end (0: never)")
     g.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoints kept (0: all)")
     g.add_argument(
+        "--checkpoint-incremental",
+        type=int,
+        default=0,
+        metavar="N",
+        help="write checkpoints as a base, then deltas holding only the rows changed since the previous "
+        "checkpoint; a new base every N checkpoints (0: every checkpoint whole). Incremental checkpoints "
+        "block (see torchrec_ext.distributed.checkpoint_incremental)",
+    )
+    g.add_argument(
         "--blocking-checkpoints",
         action="store_true",
         help="write each checkpoint before training goes on (default: the tables are copied at the step "
@@ -195,6 +204,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ("eval_every", 0),
         ("checkpoint_every", 0),
         ("keep_checkpoints", 0),
+        ("checkpoint_incremental", 0),
         ("export_deltas_every", 0),
     ):
         if getattr(args, name) < low:

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from torchrec_ext.distributed.checkpoint import PendingCheckpoint
+from torchrec_ext.distributed.checkpoint_incremental import IncrementalCheckpoints
 from torchrec.metrics.metric_module import RecMetricModule
 
 from torchrec_ext.distributed.table_metrics import TableStatsMetric
@@ -87,6 +88,7 @@ class Run:
     resumed_from: str | None = None
     skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     pending_save: tuple[int, PendingCheckpoint, float] | None = None  # (step, its save, when it began)
+    incremental: IncrementalCheckpoints | None = None  # --checkpoint-incremental's chain, from the first save
     model_config: ModelConfig | None = None
     exporter: DeltaExporter | None = None  # --export-deltas-every
     metrics: RecMetricModule | None = None  # TorchRec's metrics module, holding the tables' stats
@@ -212,6 +214,9 @@ def save(run: Run, step: int, blocking: bool) -> None:
     state is copied now; ``finish_save`` logs it once written). Waits for the previous one first."""
     finish_save(run)
     began = time.perf_counter()
+    if run.args.checkpoint_incremental and run.incremental is None:
+        run.incremental = IncrementalCheckpoints(run.ckpt_dir, run.dmp, full_every=run.args.checkpoint_incremental,
+                                                 keep=run.args.keep_checkpoints)
     result = save_job_state(
         run.ckpt_dir,
         step,
@@ -222,7 +227,8 @@ def save(run: Run, step: int, blocking: bool) -> None:
         evals=run.evals,
         config=run.config,
         keep=run.args.keep_checkpoints,
-        blocking=blocking,
+        blocking=blocking or run.incremental is not None,
+        incremental=run.incremental,
     )
     if isinstance(result, str):
         _saved(run, step, result, began)

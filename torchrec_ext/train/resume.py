@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from torchrec_ext.distributed.checkpoint import PendingCheckpoint, find_checkpoint, load_checkpoint, save_checkpoint
+from torchrec_ext.distributed.checkpoint import ensure_process_group, load_dcp, read_manifest
+from torchrec_ext.distributed.checkpoint_incremental import IncrementalCheckpoints
 from torchrec_ext.distributed.checkpoint_template import state_template
 
 # Arguments a resumed run must share with the checkpoint (they shape the model or its tables).
@@ -96,21 +99,25 @@ def load_job_state(
     """Loads a verified checkpoint into ``dmp`` and ``optimizer`` (after checking its config
     against this run's) and returns its other entries: step, data_position, train_loss, evals."""
     # Verified just now: read without hashing again. Config first, before the model is read.
-    saved = load_checkpoint(path, {"config": ""}, verify=False)["config"]
+    incremental = "incremental" in read_manifest(path)  # a link of an incremental chain (--checkpoint-incremental)
+    if incremental:
+        saved = load_dcp(path, {"config": ""}, ensure_process_group())["config"]
+    else:
+        saved = load_checkpoint(path, {"config": ""}, verify=False)["config"]
     check_resume_config(json_entry(saved, "config", path), config, path, log)
-    state = load_checkpoint(
-        path,
-        {
-            "model": state_template(dmp),  # the tables' rows are sized from the checkpoint, not gathered
-            "optim": optimizer.state_dict(),
-            "step": 0,
-            "data_position": 0,
-            "train_loss": torch.zeros(0, dtype=torch.float64),
-            "evals": "",
-        },
-        verify=False,
-    )
-    dmp.load_state_dict(state["model"])
+    rest = {
+        "optim": optimizer.state_dict(),
+        "step": 0,
+        "data_position": 0,
+        "train_loss": torch.zeros(0, dtype=torch.float64),
+        "evals": "",
+    }
+    if incremental:  # the chain it builds on was verified with it
+        state = IncrementalCheckpoints(os.path.dirname(os.path.abspath(path)), dmp).load(path, rest, verify=False)
+    else:
+        # The tables' rows are sized from the checkpoint, not gathered.
+        state = load_checkpoint(path, {"model": state_template(dmp), **rest}, verify=False)
+        dmp.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optim"])
     state["evals"] = json_entry(state["evals"], "evals", path)
     return state
@@ -128,11 +135,12 @@ def save_job_state(
     config: dict[str, Any],
     keep: int,
     blocking: bool = True,
+    incremental: IncrementalCheckpoints | None = None,
 ) -> str | PendingCheckpoint:
     """Saves the job at ``step`` (collective) and returns the checkpoint's path, or with
-    ``blocking=False`` the PendingCheckpoint writing it in the background."""
+    ``blocking=False`` the PendingCheckpoint writing it in the background. ``incremental``: as
+    the next link of its chain (blocking; the model's state is its to write)."""
     state = {
-        "model": dmp.state_dict(),
         "optim": optimizer.state_dict(),
         "step": step,
         "data_position": data_position,
@@ -140,4 +148,6 @@ def save_job_state(
         "evals": json.dumps(evals),
         "config": json.dumps(config),
     }
-    return save_checkpoint(ckpt_dir, step, state, keep=keep, blocking=blocking)
+    if incremental is not None:
+        return incremental.save(step, state)
+    return save_checkpoint(ckpt_dir, step, {"model": dmp.state_dict(), **state}, keep=keep, blocking=blocking)

@@ -558,13 +558,23 @@ void uniform_vector(float* out, int64_t dim, uint64_t key, double low, double sp
   }
 }
 
-// Elements first_pair * 2 .. of the id's vector: a column shard of a table draws its columns
+// Elements first_column .. of the id's vector: a column shard of a table draws its columns
 // of the whole table's vectors.
-void init_vector(float* out, int64_t dim, uint64_t key, Init init, at::ArrayRef<double> p, int64_t first_pair) {
+void init_vector(float* out, int64_t dim, uint64_t key, Init init, at::ArrayRef<double> p, int64_t first_column) {
   if (init == Init::kConstant) {
     std::fill(out, out + dim, static_cast<float>(p[0]));
     return;
   }
+  if (first_column % 2) {
+    // One hash feeds two elements: draw from the pair holding the first column and drop the
+    // pair's first element (every element is a function of its pair alone, so this is exact).
+    thread_local std::vector<float> wide;
+    wide.resize(dim + 1);
+    init_vector(wide.data(), dim + 1, key, init, p, first_column - 1);
+    std::copy(wide.begin() + 1, wide.end(), out);
+    return;
+  }
+  const int64_t first_pair = first_column / 2;
   if (init == Init::kUniform) {
     uniform_vector(out, dim, key, p[0], p[1] - p[0], first_pair);
     return;
@@ -651,12 +661,11 @@ void init_rows_cpu(const at::Tensor& table, const at::Tensor& rows_in, const at:
   TORCH_CHECK(params.size() == need || params.size() == need + 1, op, ": initializer kind ", kind, " needs ", need,
               " parameters (and optionally the first column), got ", params.size());
   // An optional last parameter: the table's first column in the whole table's vectors (a
-  // column shard's), even, as one hash feeds two elements.
-  const double first_column = params.size() > need ? params[need] : 0.0;
-  TORCH_CHECK(first_column >= 0 && first_column == std::floor(first_column) &&
-                  static_cast<int64_t>(first_column) % 2 == 0, op,
-              ": the first column must be an even integer >= 0, got ", first_column);
-  const int64_t first_pair = static_cast<int64_t>(first_column) / 2;
+  // column shard's).
+  const double first_value = params.size() > need ? params[need] : 0.0;
+  TORCH_CHECK(first_value >= 0 && first_value == std::floor(first_value) && first_value < 0x1p62, op,
+              ": the first column must be an integer >= 0, got ", first_value);
+  const int64_t first_column = static_cast<int64_t>(first_value);
   const int64_t cap = table.size(0), dim = table.size(1), n = rows.numel();
   TORCH_CHECK(state_values.size() == states.size(), op, ": one state value per state, got ",
               state_values.size(), " values for ", states.size(), " states");
@@ -679,9 +688,9 @@ void init_rows_cpu(const at::Tensor& table, const at::Tensor& rows_in, const at:
       if (ahead < end && r[ahead] >= 0) prefetch_row(w + r[ahead] * row_bytes, row_bytes, 1);  // states are streamed
       if (r[i] < 0) continue;
       if (storage == Storage::kFloat) {
-        init_vector(reinterpret_cast<float*>(w + r[i] * row_bytes), dim, row_key(id[i], s), init, params, first_pair);
+        init_vector(reinterpret_cast<float*>(w + r[i] * row_bytes), dim, row_key(id[i], s), init, params, first_column);
       } else {
-        init_vector(scratch.data(), dim, row_key(id[i], s), init, params, first_pair);
+        init_vector(scratch.data(), dim, row_key(id[i], s), init, params, first_column);
         store_row(w + r[i] * row_bytes, scratch.data(), storage, dim, nullptr);
       }
       for (size_t k = 0; k < states.size(); ++k) {

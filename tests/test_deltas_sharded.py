@@ -6,6 +6,7 @@ full state_dict at the end, as id -> vector maps), through LRU evictions and TTL
 import json
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 from torchrec import KeyedJaggedTensor
@@ -35,9 +36,10 @@ def _batch(step, rank):
     return KeyedJaggedTensor(keys=KEYS, values=torch.cat([f1, f2]), lengths=lengths, stride=BATCH)
 
 
-def _dmp(world_size, optimizer="adagrad", t1_capacity=64):
+def _dmp(world_size, optimizer="adagrad", t1_capacity=64, t1_columns=None):
+    """t1 row_wise, or column_wise in shards of ``t1_columns`` columns (one per rank)."""
     from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
     from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
@@ -48,6 +50,8 @@ def _dmp(world_size, optimizer="adagrad", t1_capacity=64):
         "t1": row_wise(compute_kernel="customized_kernel"),
         "t2": table_wise(rank=world_size - 1, compute_kernel="customized_kernel"),
     }
+    if t1_columns:
+        gens["t1"] = column_wise(size_per_rank=t1_columns, compute_kernel="customized_kernel")
     plan = construct_module_sharding_plan(
         model.ebc,
         gens,
@@ -71,8 +75,8 @@ def _full(dmp):
     return dict(full_state_dict(dmp.module.ebc.state_dict()))
 
 
-def _source(rank, world_size, root):
-    dmp = _dmp(world_size)
+def _source(rank, world_size, root, t1_columns=None):
+    dmp = _dmp(world_size, t1_columns=t1_columns)
     ebc = dmp.module.ebc
     for step in range(3):
         dmp(_batch(step, rank)).values().sum().backward()
@@ -87,11 +91,23 @@ def _source(rank, world_size, root):
         for step in (3 + 2 * k, 4 + 2 * k):
             dmp(_batch(step, rank)).values().sum().backward()
         delta = ebc.export_delta(since=token)
-        assert delta.source["rank"] == rank and set(delta.tables) == ({"t1", "t2"} if rank == 1 else {"t1"})
+        # (a column table's whole rows come in its first shard's rank's share)
+        shares = ({"t1"}, {"t2"}) if t1_columns else ({"t1"}, {"t1", "t2"})
+        assert delta.source["rank"] == rank and set(delta.tables) == shares[rank]
         tombstones += sum(t.tombstones.numel() for t in delta.tables.values())
         save_delta(delta, os.path.join(root, f"delta_{k}_{rank}.delta"))
-        token = delta.token
+        previous, token = token, delta.token
     final = _full(dmp)
+    if t1_columns:  # with optimizer state: the shards' columns of it joined as the weights' are
+        delta = ebc.export_delta(since=previous, include_optimizer_state=True, include_scores=True)
+        if rank == 0:
+            t1 = delta.tables["t1"]
+            where = {int(i): n for n, i in enumerate(final["embedding_bags.t1.weight_id"].tolist())}
+            rows = torch.tensor([where[int(i)] for i in t1.ids])
+            assert t1.ids.numel() and t1.weights.shape[1] == 8 and t1.optimizer and t1.scores is not None
+            assert torch.equal(t1.weights, final["embedding_bags.t1.weight"][rows])
+            for key, value in t1.optimizer.items():
+                assert torch.equal(value, final[f"embedding_bags.t1.optimizer.{key}"][rows]), key
     counts = [None] * world_size
     dist.all_gather_object(counts, tombstones)
     if rank == 0:
@@ -126,8 +142,8 @@ def _apply_all(replica, root):
             replica.apply_delta(load_delta(os.path.join(root, f"delta_{k}_{r}.delta")))
 
 
-def _sharded_replica(rank, world_size, root):
-    dmp = _dmp(world_size, optimizer=None, t1_capacity=128)
+def _sharded_replica(rank, world_size, root, t1_columns=None):
+    dmp = _dmp(world_size, optimizer=None, t1_capacity=128, t1_columns=t1_columns)
     ebc = dmp.module.ebc
     base = torch.load(os.path.join(root, "base.pt"))  # sharded without optimizer: SGD, no optimizer state
     ebc.load_state_dict({k: v for k, v in base.items() if ".optimizer." not in k})
@@ -137,8 +153,16 @@ def _sharded_replica(rank, world_size, root):
         raise AssertionError("a delta after a missing one was applied")
     except DeltaError as e:
         assert "missing" in str(e)
-    if world_size == 2:
+    if world_size == 2 and not t1_columns:
         _refused_on_one_rank_applies_nowhere(dmp, root)
+    if t1_columns:  # a column replica takes whole rows only (not a shard's columns)
+        delta = load_delta(os.path.join(root, "delta_0_0.delta"))
+        delta.tables["t1"].weights = delta.tables["t1"].weights[:, :3].contiguous()
+        try:
+            ebc.apply_delta(delta)
+            raise AssertionError("a delta of partial rows was applied to a column-sharded table")
+        except DeltaError as e:
+            assert "must hold whole rows [n, 8], got weights of shape" in str(e), str(e)
     _apply_all(ebc, root)
     _assert_same(_full(dmp), torch.load(os.path.join(root, "final.pt")))
 
@@ -164,9 +188,12 @@ def _refused_on_one_rank_applies_nowhere(dmp, root):
     _assert_same(_full(dmp), before)
 
 
-def test_sharded_source_replicas_unsharded_and_on_one_and_two_ranks(tmp_path):
+@pytest.mark.parametrize("source_columns,replica_columns", [(None, None), ([3, 5], [5, 3])])
+def test_sharded_source_replicas_unsharded_and_on_one_and_two_ranks(tmp_path, source_columns, replica_columns):
+    """t1 row-wise, or split by columns (3 + 5) on the source: then its first shard's rank exports
+    whole rows (gathered from both shards), and the 2-rank replica splits it otherwise (5 + 3)."""
     root = str(tmp_path)
-    run_ranks(_source, 2, root)
+    run_ranks(_source, 2, root, source_columns)
     base, final = torch.load(os.path.join(root, "base.pt")), torch.load(os.path.join(root, "final.pt"))
 
     replica = DynamicEmbeddingBagCollection(_configs(t1_capacity=256))
@@ -176,7 +203,7 @@ def test_sharded_source_replicas_unsharded_and_on_one_and_two_ranks(tmp_path):
     _assert_same(replica.state_dict(), final)
 
     run_ranks(_sharded_replica, 1, root)
-    run_ranks(_sharded_replica, 2, root)  # each rank keeps the rows it owns of every share
+    run_ranks(_sharded_replica, 2, root, replica_columns)  # each rank keeps the rows (columns) it holds of every share
 
 
 # ---------------------------------------------------------------------- full tables

@@ -166,6 +166,25 @@ def test_column_wise_ebc_equals_unsharded_and_checkpoints_round_trip(tmp_path):
     run_ranks(_ebc_column_wise, WORLD, str(tmp_path))
 
 
+def _ec_train_step(out, reference, kjts, rank, step, need_indices=False):
+    """The sharded EC's output ``out`` on this rank's batch equals the reference's on the global
+    batch (each feature's slice of it); both train on the same loss."""
+    want = reference(global_batch(kjts))
+    assert list(out) == list(want)
+    loss = ref_loss = 0
+    for name, jt in out.items():
+        feature = name.split("@")[0]
+        before = sum(int(kjts[r][feature].lengths().sum()) for r in range(rank))
+        n = int(kjts[rank][feature].lengths().sum())
+        torch.testing.assert_close(jt.values(), want[name].values()[before:before + n], rtol=1e-6, atol=1e-6)
+        if need_indices:
+            assert torch.equal(jt.weights(), kjts[rank][feature].values())
+        loss = loss + (jt.values() * (step + 1)).sum()
+        ref_loss = ref_loss + (want[name].values() * (step + 1)).sum()
+    loss.backward()
+    ref_loss.backward()
+
+
 def _ec_column_wise(rank, world_size):
     from torchrec.distributed.sharding_plan import column_wise
 
@@ -181,19 +200,7 @@ def _ec_column_wise(rank, world_size):
         kjts = [_rank_batch(step, r) for r in range(WORLD)]
         out = dmp(kjts[rank])
         out = out.wait() if hasattr(out, "wait") else out
-        want = reference(global_batch(kjts))
-        assert list(out) == list(want)
-        loss = ref_loss = 0
-        for name, jt in out.items():
-            feature = name.split("@")[0]
-            before = sum(int(kjts[r][feature].lengths().sum()) for r in range(rank))
-            n = int(kjts[rank][feature].lengths().sum())
-            torch.testing.assert_close(jt.values(), want[name].values()[before:before + n], rtol=1e-6, atol=1e-6)
-            assert torch.equal(jt.weights(), kjts[rank][feature].values())
-            loss = loss + (jt.values() * (step + 1)).sum()
-            ref_loss = ref_loss + (want[name].values() * (step + 1)).sum()
-        loss.backward()
-        ref_loss.backward()
+        _ec_train_step(out, reference, kjts, rank, step, need_indices=True)
     _assert_shards_identical(dmp.module.ec.local_module, "embeddings.", ["t1", "t2"])
     whole = full_state_dict(dmp.state_dict())
     assert_same_tables(whole, {"ec." + k: v for k, v in reference.state_dict().items()}, "ec.embeddings.")
@@ -207,6 +214,83 @@ def _ec_column_wise(rank, world_size):
 
 def test_column_wise_ec_equals_unsharded():
     run_ranks(_ec_column_wise, WORLD)
+
+
+def _odd_column_configs(pooled):
+    """Tables split at odd columns: 6 = 3 + 3, 10 = 5 + 5 and 7 = 3 + 4 (EC: one dim, 7 = 3 + 4)."""
+    if not pooled:
+        return [DynamicEmbeddingConfig(name=n, embedding_dim=7, num_embeddings=n_rows, feature_names=f, **extra)
+                for n, n_rows, f, extra in (("t1", SMALL, ["f1", "f2"], dict(eviction_policy="lru")),
+                                            ("t2", 128, ["f3"], dict(initializer=Initializer("normal", std=0.3))))]
+    return [
+        DynamicEmbeddingBagConfig(name="t1", embedding_dim=6, num_embeddings=SMALL, feature_names=["f1", "f2"],
+                                  initializer=Initializer("normal", std=0.5), eviction_policy="lfu"),
+        DynamicEmbeddingBagConfig(name="t2", embedding_dim=10, num_embeddings=256, feature_names=["f3"],
+                                  pooling=PoolingType.MEAN, initializer=Initializer("truncated_normal", std=0.4)),
+        DynamicEmbeddingBagConfig(name="t3", embedding_dim=7, num_embeddings=128, feature_names=["f1"],
+                                  fallback_rows=3),
+    ]
+
+
+def _odd_columns(rank, world_size):
+    """Column shards starting at odd columns (TorchRec allows any split of the dim): outputs,
+    tables and optimizer state equal the unsharded module, EBC and EC."""
+    from torchrec.distributed.sharding_plan import column_wise
+
+    from torchrec_ext.distributed import (
+        DynamicEmbeddingBagCollectionSharder, DynamicEmbeddingCollectionSharder, full_state_dict,
+    )
+
+    make = lambda: DynamicEmbeddingBagCollection(_odd_column_configs(True), is_weighted=True, optimizer="adagrad",
+                                                 optimizer_kwargs={"lr": 0.1})
+    reference = make()
+    # (column_wise(ranks=...) splits in TorchRec's blocks of 4 columns; size_per_rank splits anywhere)
+    dmp = _dmp(make(), "ebc", {t: column_wise(size_per_rank=sizes, compute_kernel=KERNEL)
+                               for t, sizes in (("t1", [3, 3]), ("t2", [5, 5]), ("t3", [3, 4]))},
+               DynamicEmbeddingBagCollectionSharder())
+    firsts = {t: dmp.module.ebc._owners[t].local_columns(rank) for t in ("t1", "t2", "t3")}
+    assert firsts == ({"t1": (0, 3), "t2": (0, 5), "t3": (0, 3)} if rank == 0 else
+                      {"t1": (3, 3), "t2": (5, 5), "t3": (3, 4)}), firsts
+    for step in range(4):
+        _train_step(dmp, reference, [_rank_batch(step, r, True) for r in range(WORLD)], rank, step)
+    _assert_shards_identical(dmp.module.ebc.local_module, "embedding_bags.", ["t1", "t2", "t3"])
+    whole = full_state_dict(dmp.state_dict())
+    assert_same_tables(whole, {"ebc." + k: v for k, v in reference.state_dict().items()}, "ebc.embedding_bags.")
+
+    make = lambda: DynamicEmbeddingCollection(_odd_column_configs(False), optimizer="adagrad",
+                                              optimizer_kwargs={"lr": 0.2})
+    reference = make()
+    dmp = _dmp(make(), "ec", {t: column_wise(size_per_rank=[3, 4], compute_kernel=KERNEL) for t in ("t1", "t2")},
+               DynamicEmbeddingCollectionSharder())
+    import torchrec_ext.distributed.embedding as sharded_ec
+
+    sent, send = [], sharded_ec.all_to_all_single
+
+    def recording(output, input, *args, **kwargs):  # what the output dist sends back
+        sent.append(input.numel())
+        return send(output, input, *args, **kwargs)
+
+    for step in range(4):
+        kjts = [_rank_batch(step, r) for r in range(WORLD)]
+        sharded_ec.all_to_all_single, sent[:] = recording, []
+        try:
+            out = dmp(kjts[rank])
+            out = out.wait() if hasattr(out, "wait") else out
+        finally:
+            sharded_ec.all_to_all_single = send
+        # Each shard sends its own columns of every id (both tables are split over both ranks):
+        # 3 + 4 elements an id in all, not two whole 7-wide vectors.
+        everyone = [None] * WORLD
+        dist.all_gather_object(everyone, sum(sent))
+        assert sum(everyone) == 7 * sum(int(k.lengths().sum()) for k in kjts), (everyone, step)
+        _ec_train_step(out, reference, kjts, rank, step)
+    _assert_shards_identical(dmp.module.ec.local_module, "embeddings.", ["t1", "t2"])
+    whole = full_state_dict(dmp.state_dict())
+    assert_same_tables(whole, {"ec." + k: v for k, v in reference.state_dict().items()}, "ec.embeddings.")
+
+
+def test_column_shards_at_odd_columns_equal_unsharded():
+    run_ranks(_odd_columns, WORLD)
 
 
 def _state_configs():
@@ -295,8 +379,6 @@ def _refusals(rank, world_size):
     with pytest.raises(ValueError, match=r"table 't1' .*is torch.float16 with stochastic_rounding: a shard's rounding "
                                          r"bits are drawn per column of the shard"):
         shard("sgd", {"t1": column_wise(ranks=[0, 1], compute_kernel=KERNEL), **rest}, fp16)
-    with pytest.raises(ValueError, match=r"rank 1's columns start at odd column 5"):
-        shard("sgd", {"t1": column_wise(size_per_rank=[5, 3], compute_kernel=KERNEL), **rest})
     with pytest.raises(ValueError, match=r"table 't1' asks for sharding type 'data_parallel': data_parallel cannot "
                                          r"serve a dynamic table: each rank would insert the ids of its own batch"):
         shard("sgd", {"t1": data_parallel(), **rest})
@@ -314,21 +396,26 @@ def test_what_column_wise_cannot_make_exact_is_refused():
                                          ("truncated_normal", (0.0, 1.0, -0.3, 0.4)), ("constant", (0.25,))])
 def test_a_column_shard_draws_its_columns_of_the_whole_tables_vectors(kind, params):
     """init_rows with a first column (C++ and torch kernels) writes exactly those columns of the
-    reference's whole vectors; an odd first column is refused."""
+    reference's whole vectors, from any column (odd ones start mid-pair)."""
     from torchrec_ext import ops, torch_kernels
     from torchrec_ext.reference.init_rows import INITIALIZERS, init_vectors
 
     ids = torch.tensor([0, -1, 7, 2**62, -(2**40)])
     whole = init_vectors(ids, 11, 1234, kind, params)
-    for first, width in ((0, 4), (4, 4), (6, 5), (10, 1)):
+    # Odd first columns too (a pair split between shards), odd and even widths, up to the end.
+    for first, width in ((0, 4), (4, 4), (6, 5), (10, 1), (3, 3), (1, 10), (5, 6), (7, 2), (9, 1), (3, 8)):
         for init_rows in (ops.init_rows, torch_kernels.init_rows):
-            table = torch.zeros(len(ids), width)
-            init_rows(table, torch.arange(len(ids)), ids, 1234, INITIALIZERS[kind], params + (float(first),), [], [])
-            torch.testing.assert_close(table, whole[:, first:first + width], rtol=0, atol=0)
-    with pytest.raises(RuntimeError, match="first column must be an even integer >= 0, got 3"):
-        ops.init_rows(torch.zeros(1, 4), torch.tensor([0]), ids[:1], 1, INITIALIZERS[kind], params + (3.0,))
-    with pytest.raises(ValueError, match="first_column must be an even int >= 0"):
-        Initializer(kind, first_column=5)
+            for dtype in (torch.float32, torch.bfloat16):
+                table = torch.zeros(len(ids), width, dtype=dtype)
+                init_rows(table, torch.arange(len(ids)), ids, 1234, INITIALIZERS[kind], params + (float(first),), [], [])
+                torch.testing.assert_close(table, whole[:, first:first + width].to(dtype), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="first column must be an integer >= 0, got 2.5"):
+        ops.init_rows(torch.zeros(1, 4), torch.tensor([0]), ids[:1], 1, INITIALIZERS[kind], params + (2.5,))
+    with pytest.raises(RuntimeError, match="first column must be an integer >= 0, got -2"):
+        ops.init_rows(torch.zeros(1, 4), torch.tensor([0]), ids[:1], 1, INITIALIZERS[kind], params + (-2.0,))
+    with pytest.raises(ValueError, match="first_column must be an int >= 0, got -1"):
+        Initializer(kind, first_column=-1)
+    assert Initializer(kind, first_column=5).first_column == 5
 
 
 def test_every_column_on_one_rank_is_the_table_wise_placement():

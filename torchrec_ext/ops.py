@@ -320,7 +320,7 @@ def init_rows(table: Tensor, rows: Tensor, ids: Tensor, seed: int, kind: int, pa
         ids: int64 ``[n]``; the vector is a pure function of (seed, id, element).
         seed: the table's seed (``hashing.table_seed``).
         kind, params: initializer index into ``vocabulary.INITIALIZERS`` and its parameters,
-            optionally followed by the first column (even): the table is a column shard whose
+            optionally followed by the first column (any): the table is a column shard whose
             vectors are columns first.. of its whole table's.
         states, state_values: optimizer states, float32 ``[capacity, width]``, whose rows are reset to the value.
     """

@@ -2,10 +2,10 @@
 
 The same routing as ShardedDynamicEmbeddingBagCollection (row-wise by ``ops.route``, table-wise
 to the owner, column-wise to every column shard, one routed all-to-all: input_dist.py). The
-lookup rank returns one vector per id (a column shard: its columns, zeros elsewhere), and an
-all-to-all brings the vectors back to the rank of their batch, where they are put back in the
-input's order (a column table's shards' vectors summed): ``forward`` gives, per feature, a
-JaggedTensor as the unsharded module does.
+lookup rank returns one vector per id (a column shard: only its own columns, as TorchRec's
+column-wise sequence sharding sends them), and an all-to-all brings the vectors back to the rank
+of their batch, where they are put back in the input's order (a column table's shards' columns
+placed side by side): ``forward`` gives, per feature, a JaggedTensor as the unsharded module does.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Type
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.nn.functional import all_to_all_single
 from torchrec.distributed.embedding_sharding import EmbeddingShardingContext, KJTListSplitsAwaitable
 from torchrec.distributed.embedding_types import KJTList
@@ -40,9 +40,10 @@ class SequenceShardingContext(Multistreamable):
     ids: Optional[Tensor] = None             # input ids (the weights when need_indices)
     batch_size: int = 0
     received_lengths: Optional[Tensor] = None  # [slots, world, batch] lengths of the ids received
+    routed_counts: Optional[Tensor] = None   # [world, slots] ids sent to each rank per routing slot
 
     def record_stream(self, stream: torch.Stream) -> None:
-        for t in (self.order, self.expand, self.lengths, self.ids, self.received_lengths):
+        for t in (self.order, self.expand, self.lengths, self.ids, self.received_lengths, self.routed_counts):
             if t is not None:
                 t.record_stream(stream)
 
@@ -70,11 +71,15 @@ class ShardedDynamicEmbeddingCollection(
         self._need_indices = module.need_indices()
         self._init_sharding(module, configs, table_name_to_parameter_sharding, env, device, "embeddings", pooled=False,
                             fused_params=fused_params)
-        # This rank's routing slots (one per lookup slot whose table it holds) and, per slot, the
-        # columns its table holds here (a column shard's vectors are padded to the whole dim).
+        # This rank's routing slots (one per lookup slot whose table it holds).
         self._local_slots = self._routing.slots_on(self._rank)
-        self._local_columns = [self._owners[configs[self._plan.tables[self._routing.source[i]]].name]
-                               .local_columns(self._rank) for i in self._local_slots]
+        # What each rank sends back per id: its tables' columns (an EC's tables on a rank are as
+        # wide: checked on each rank), and per routing slot the first of them in the whole vector.
+        slot_tables = [self._owners[configs[self._plan.tables[s]].name] for s in self._routing.source]
+        held = [[p for p in self._owners.values() if p.holds(r)] for r in range(self._world_size)]
+        self._rank_widths = [p[0].local_columns(r)[1] if p else self._dim for r, p in enumerate(held)]
+        self._slot_first = torch.tensor([[p.local_columns(r)[0] if p.holds(r) else 0 for p in slot_tables]
+                                         for r in range(self._world_size)], dtype=torch.int64).reshape(-1)
 
     @property
     def unsharded_module_type(self) -> Type[DynamicEmbeddingCollection]:
@@ -86,7 +91,8 @@ class ShardedDynamicEmbeddingCollection(
     def input_dist(self, ctx: SequenceShardingContext, features: KeyedJaggedTensor) -> KJTListSplitsAwaitable:
         batch = check_and_arrange(features, self._plan, False, type(self).__name__, self._device)
         routed, ctx.order, ctx.expand = self._routing.route(batch.ids, batch.lengths, None, batch.batch_size)
-        ctx.sent_per_rank = routed.lengths().view(self._world_size, -1).sum(1).tolist()
+        ctx.routed_counts = routed.lengths().view(self._world_size, len(self._routing.names), -1).sum(-1)
+        ctx.sent_per_rank = ctx.routed_counts.sum(1).tolist()
         ctx.lengths, ctx.batch_size = batch.lengths, batch.batch_size
         ctx.ids = batch.ids
         return KJTListSplitsAwaitable([self._input_dists[0](routed, ctx.sharding_contexts[0])], ctx)
@@ -98,10 +104,8 @@ class ShardedDynamicEmbeddingCollection(
         slots, names = self._local_slots, self._routing.names
         self._local.train(self.training)
         out = self._local(self._local_features(dist_input))
-        # A column shard's vectors padded with zeros to the whole dim: the output dist sums the
-        # shards' vectors of each id.
-        return [torch.cat([nn.functional.pad(out[names[i]].values(), (first, self._dim - first - width))
-                           for i, (first, width) in zip(slots, self._local_columns)])]
+        # A column shard's vectors hold its columns only: the output dist places them.
+        return [torch.cat([out[names[i]].values() for i in slots])]
 
     def _received_lengths(self, received: KeyedJaggedTensor) -> Tensor:
         """[slots, world, batch] lengths of the ids received (keys: every routing slot's output
@@ -121,13 +125,13 @@ class ShardedDynamicEmbeddingCollection(
         per_slot_source = ctx.received_lengths.sum(-1)  # [slots, world]
         back = transpose_segments(per_slot_source)
         send_counts = per_slot_source.sum(0).tolist()
-        returned = all_to_all_single(
-            vectors.new_empty(sum(ctx.sent_per_rank), self._dim), vectors[back],
-            output_split_sizes=ctx.sent_per_rank, input_split_sizes=send_counts, group=self._env.process_group)
-        if ctx.expand is None:
+        if ctx.expand is None and all(w == self._dim for w in self._rank_widths):  # whole vectors, each id once
+            returned = all_to_all_single(
+                vectors.new_empty(sum(ctx.sent_per_rank), self._dim), vectors[back],
+                output_split_sizes=ctx.sent_per_rank, input_split_sizes=send_counts, group=self._env.process_group)
             restored = returned[torch.argsort(ctx.order)]  # back to the input's order
-        else:  # ids routed to several column shards: their partial vectors summed in the input's order
-            restored = returned.new_zeros(ctx.ids.numel(), self._dim).index_add(0, ctx.expand[ctx.order], returned)
+        else:
+            restored = self._placed_columns(ctx, vectors[back], send_counts)
         per_slot = (ctx.lengths.view(len(self._plan.embedding_names), ctx.batch_size).sum(1)).tolist()
         pieces = torch.split(restored, per_slot)
         ids = torch.split(ctx.ids, per_slot)
@@ -136,6 +140,25 @@ class ShardedDynamicEmbeddingCollection(
             name: JaggedTensor(values=pieces[i], lengths=lengths[i], weights=ids[i] if self._need_indices else None)
             for i, name in enumerate(self._plan.embedding_names)
         })
+
+    def _placed_columns(self, ctx: SequenceShardingContext, vectors: Tensor, send_counts: List[int]) -> Tensor:
+        """[ids, dim]: the vectors of the input's ids, in its order, from each rank's columns of
+        them (``vectors``: this rank's, [sent back, its width], rows in the order they go)."""
+        widths = self._rank_widths
+        sizes = [n * w for n, w in zip(ctx.sent_per_rank, widths)]
+        # Flat, as ranks send rows of different widths.
+        received = all_to_all_single(
+            vectors.new_empty(sum(sizes)), vectors.reshape(-1), output_split_sizes=sizes,
+            input_split_sizes=[n * vectors.shape[1] for n in send_counts], group=self._env.process_group)
+        # Each returned row (routed order: rank-major, then routing slot): its input position and first column.
+        target = ctx.order if ctx.expand is None else ctx.expand[ctx.order]
+        first = torch.repeat_interleave(self._slot_first.to(target.device), ctx.routed_counts.reshape(-1),
+                                        output_size=target.numel())
+        start = (target * self._dim + first).split(ctx.sent_per_rank)
+        index = torch.cat([(s.unsqueeze(1) + torch.arange(w, device=s.device)).reshape(-1)
+                           for s, w in zip(start, widths)])
+        whole = received.new_zeros(ctx.ids.numel() * self._dim).index_add(0, index, received)
+        return whole.view(ctx.ids.numel(), self._dim)
 
     def compute_and_output_dist(self, ctx: SequenceShardingContext, input: KJTList) -> LazyAwaitable[Dict[str, JaggedTensor]]:
         return self.output_dist(ctx, self.compute(ctx, input))

@@ -157,9 +157,6 @@ def _column_placement(where: str, cfg, ranks: Sequence[int], columns, optimizer_
                              f"shards of one table must be adjacent columns: list a rank's shards together "
                              f"(column_wise(ranks=[0, 0, 1, 1]), not [0, 1, 0, 1]); plans of "
                              f"EmbeddingShardingPlanner are regrouped so")
-        if mine[0][0] % 2:
-            raise ValueError(f"{name}: rank {rank}'s columns start at odd column {mine[0][0]}; column shards of "
-                             f"dynamic tables start at even columns (initial vectors are drawn two elements per hash)")
     # A rank holding all of the table's columns updates and rounds whole rows, as unsharded.
     split = any(sum(size for r, (_, size) in zip(ranks, columns) if r == rank) < cfg.embedding_dim
                 for rank in set(ranks))

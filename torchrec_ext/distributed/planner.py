@@ -447,8 +447,8 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
         if world_size > 1:
             fwd_a2a, bwd_a2a, fwd_rs, bwd_rs = self._comm_sizes(option, sharder_data)
             a2a_bw = self._comms_bw(CollectiveType.ALL_TO_ALL)
-            # A sequence column shard sends its vectors padded to the whole dim (embedding.py).
-            out_elems = volume.shard_outputs * (dim if table.pooled else table.dim)
+            # A column shard sends its own columns only, pooled or not (embedding.py).
+            out_elems = volume.shard_outputs * dim
             if table.pooled:  # partial pools are reduce-scattered to their batch's rank; grads all-gathered back
                 fwd_comms = out_elems * fwd_rs / self._comms_bw(CollectiveType.REDUCE_SCATTER)
                 if not self._is_inference:

@@ -31,7 +31,7 @@ class Initializer:
 
     first_column: the table is a column shard (``column_wise`` sharding) holding columns
     first_column.. of its whole table: it draws exactly those elements of the whole table's
-    vectors. Even (one hash feeds two elements).
+    vectors (any column: bit for bit the whole vector's elements from there).
     """
 
     kind: str = "uniform"
@@ -56,9 +56,8 @@ class Initializer:
             raise ValueError(f"Initializer: std must be >= 0, got {self.std}")
         if self.low is not None and self.high is not None and self.low > self.high:
             raise ValueError(f"Initializer: low must be <= high, got low={self.low}, high={self.high}")
-        if not _is_int(self.first_column) or self.first_column < 0 or self.first_column % 2:
-            raise ValueError(f"Initializer: first_column must be an even int >= 0 (one hash feeds two elements), "
-                             f"got {self.first_column!r}")
+        if not _is_int(self.first_column) or self.first_column < 0:
+            raise ValueError(f"Initializer: first_column must be an int >= 0, got {self.first_column!r}")
 
     def kernel_params(self, default_low: float, default_high: float) -> Tuple[int, Tuple[float, ...]]:
         """(kind id, params) as csrc/embedding_cpu.cpp's init_rows takes them (the first column

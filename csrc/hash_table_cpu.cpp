@@ -2,7 +2,8 @@
 //
 // Speed comes from memory-level parallelism: a bucket's 32 digests are matched with two SIMD
 // compares, and the buckets of key i + kPrefetchDistance are prefetched while key i is probed
-// (finds: groups of kFindGroup ids in a pipeline, see find_ids). Lookups run in parallel over keys. Mutations are grouped by stripe (a stable counting sort)
+// (finds: groups of kFindGroup ids in a pipeline, see find_ids). Lookups run in parallel over
+// keys. Mutations are grouped by stripe (a stable counting sort)
 // and each stripe's keys are applied by one thread in batch order, so results do not depend on
 // the thread count. A key of stripe s lives in stripe s or s + 1, so a mutating pass runs phase by
 // phase (upsert_phase: the stripes of one phase share no bucket, so no two threads touch the same

@@ -1,8 +1,9 @@
 // CPU kernels of the dynamic hash table (torch.ops.torchrec_ext.hash_*) and of `route`.
 //
 // Speed comes from memory-level parallelism: a bucket's 32 digests are matched with two SIMD
-// compares, and the buckets of key i + kPrefetchDistance are prefetched while key i is probed.
-// Lookups run in parallel over keys. Mutations are grouped by stripe (a stable counting sort)
+// compares, and the buckets of key i + kPrefetchDistance are prefetched while key i is probed
+// (finds: groups of kFindGroup ids in a pipeline, see find_ids). Lookups run in parallel over
+// keys. Mutations are grouped by stripe (a stable counting sort)
 // and each stripe's keys are applied by one thread in batch order, so results do not depend on
 // the thread count. A key of stripe s lives in stripe s or s + 1, so a mutating pass runs phase by
 // phase (upsert_phase: the stripes of one phase share no bucket, so no two threads touch the same
@@ -41,6 +42,10 @@ struct TableRef {
 };
 
 inline uint32_t lowest_bit(uint32_t m) { return static_cast<uint32_t>(__builtin_ctz(m)); }
+// Slot of the lowest / highest set bit of a bucket's match mask; some slot of the bucket (31 / 0)
+// when it is empty, so that callers need no branch.
+inline uint32_t first_match(uint32_t m) { return static_cast<uint32_t>(__builtin_ctz(m | 0x80000000u)); }
+inline uint32_t last_match(uint32_t m) { return 31u - static_cast<uint32_t>(__builtin_clz(m | 1u)); }
 
 // Bit i set when slot i of the bucket holds `tag` (the pin bit is ignored).
 inline uint32_t match_tag(const uint8_t* d, uint8_t tag) {
@@ -291,6 +296,88 @@ void for_each_phase_group_range(const StripeGroups& groups, Fn fn) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Find: ids go through in groups of kFindGroup, a three-stage pipeline over groups (the batched
+// lookups of Swiss / F14 tables), so the misses of ~3 groups' ids are in flight at once: group
+// k + 2's places are computed and both buckets' digest lines prefetched; group k + 1's digests
+// (arrived meanwhile) are matched against their tags (SIMD) and the key lines of the matches
+// prefetched; group k's keys are confirmed (bucket1's matches, then bucket2's, lowest slot first,
+// as probe does) and, on a miss, the stash probed. Read-only, so any split of the ids into
+// parallel chunks gives the same rows.
+constexpr int kFindGroup = 16;
+
+struct FindId {
+  const TableRef* t;
+  int64_t key;
+  KeyPlace p;
+  uint32_t match1, match2;  // tag matches in bucket1 / bucket2 (match2 = 0 when they are one)
+};
+
+// Finds ids [0, n): id_at(j, table, key) names id j's table and key, called for j = 0, 1, ...
+// in order (so a caller may walk its tables with a cursor). Writes rows[j] (-1: absent), found[j].
+template <typename IdAt>
+void find_ids(int64_t n, IdAt id_at, int64_t* rows, bool* found) {
+  constexpr int G = kFindGroup;
+  FindId ring[3][G];
+  const int64_t groups = (n + G - 1) / G;
+  auto group_size = [&](int64_t g) { return static_cast<int>(std::min<int64_t>(G, n - g * G)); };
+  auto place = [&](int64_t g) {
+    FindId* ids = ring[g % 3];
+    for (int j = 0, e = group_size(g); j < e; ++j) {
+      FindId& f = ids[j];
+      id_at(g * G + j, f.t, f.key);
+      f.p = place_key(f.key, f.t->geo);
+      prefetch_buckets(*f.t, f.p);
+    }
+  };
+  auto match = [&](int64_t g) {
+    FindId* ids = ring[g % 3];
+    for (int j = 0, e = group_size(g); j < e; ++j) {
+      FindId& f = ids[j];
+      const int64_t base1 = f.p.bucket1 * kSlotsPerBucket, base2 = f.p.bucket2 * kSlotsPerBucket;
+      f.match1 = match_tag(f.t->digests + base1, f.p.tag);
+      f.match2 = f.p.bucket2 == f.p.bucket1 ? 0u : match_tag(f.t->digests + base2, f.p.tag);
+      // The key lines of the lowest and highest match of each bucket, with no branch on how many
+      // matches there are (unpredictable: a mispredict costs about as much as the rest of an
+      // id's work); a bucket without a match prefetches this FindId's own (cached) line instead.
+      const int64_t* keys = f.t->keys;
+      auto line = [&](uint32_t m, int64_t row) { return m != 0 ? static_cast<const void*>(keys + row) : &f; };
+      __builtin_prefetch(line(f.match1, base1 + first_match(f.match1)));
+      __builtin_prefetch(line(f.match1, base1 + last_match(f.match1)));
+      __builtin_prefetch(line(f.match2, base2 + first_match(f.match2)));
+      __builtin_prefetch(line(f.match2, base2 + last_match(f.match2)));
+    }
+  };
+  auto confirm = [&](int64_t g) {
+    const FindId* ids = ring[g % 3];
+    for (int j = 0, e = group_size(g); j < e; ++j) {
+      const FindId& f = ids[j];
+      const int64_t* keys = f.t->keys;
+      // Fast path, branch-free: each bucket's lowest match (a key is held in one row only, so a
+      // key at bucket2's lowest match is in no slot of bucket1). Else (a false tag match below
+      // the key, an absent or a stashed key) every match in probe's order, then the stash.
+      // A bucket without a match reads `other` (cached, never the key): no load of an unfetched line.
+      const int64_t other = ~f.key;
+      const int64_t r1 = f.p.bucket1 * kSlotsPerBucket + first_match(f.match1);
+      const int64_t r2 = f.p.bucket2 * kSlotsPerBucket + first_match(f.match2);
+      const bool hit1 = *(f.match1 != 0 ? keys + r1 : &other) == f.key;
+      const bool hit2 = *(f.match2 != 0 ? keys + r2 : &other) == f.key;
+      int64_t row = hit1 ? r1 : hit2 ? r2 : -1;
+      if (__builtin_expect(row < 0, 0)) {
+        row = probe(*f.t, f.p, f.key);
+        if (row < 0 && __builtin_expect(stash_may_hold(f.t->digests, f.t->geo, f.p), 0)) row = stash_row(*f.t, f.p, f.key);
+      }
+      rows[g * G + j] = row;
+      found[g * G + j] = row >= 0;
+    }
+  };
+  for (int64_t g = 0; g < std::min<int64_t>(groups, 2); ++g) place(g);
+  if (groups > 0) match(0);
+  for (int64_t g = 0; g < groups; ++g) {
+    if (g + 2 < groups) place(g + 2);
+    if (g + 1 < groups) match(g + 1);
+    confirm(g);
+  }
+}
 
 std::tuple<at::Tensor, at::Tensor> hash_find_cpu(const at::Tensor& digests,
                                                  const at::Tensor& slot_keys,
@@ -306,14 +393,13 @@ std::tuple<at::Tensor, at::Tensor> hash_find_cpu(const at::Tensor& digests,
   int64_t* rp = rows.data_ptr<int64_t>();
   bool* fp = found.data_ptr<bool>();
   at::parallel_for(0, n, kGrainKeys, [&](int64_t begin, int64_t end) {
-    for_each_prefetched<Prefetch::kFind>(
-        t, end - begin, [&](int64_t j) { return place_key(kp[begin + j], t.geo); },
-        [&](int64_t j, const KeyPlace& p) {
-          int64_t row = probe(t, p, kp[begin + j]);
-          if (row < 0 && __builtin_expect(stash_may_hold(t.digests, t.geo, p), 0)) row = stash_row(t, p, kp[begin + j]);
-          rp[begin + j] = row;
-          fp[begin + j] = row >= 0;
-        });
+    find_ids(
+        end - begin,
+        [&](int64_t j, const TableRef*& table, int64_t& key) {
+          table = &t;
+          key = kp[begin + j];
+        },
+        rp + begin, fp + begin);
   });
   return {rows, found};
 }
@@ -672,20 +758,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_tables_cp
   return {rows, inserted, evicted, evicted_keys};
 }
 
-// hash_find of several tables in one call (a serving lookup's id -> row step for all tables):
-// the per-table kernel on each table's slice, tables in parallel as for hash_upsert_tables.
+// hash_find of several tables in one call (a serving lookup's id -> row step for all tables): one
+// find pipeline runs across the tables' ids (no restart, nor tensors of its own, per table), in
+// parallel chunks of the whole batch.
 std::tuple<at::Tensor, at::Tensor> hash_find_tables_cpu(at::TensorList digests, at::TensorList slot_keys,
                                                         const at::Tensor& keys, at::IntArrayRef key_offsets,
                                                         at::IntArrayRef capacities) {
   check_tables("hash_find_tables", digests, slot_keys, keys, key_offsets, capacities, {});
   const at::Tensor k = keys.contiguous();
-  at::Tensor rows = at::empty({k.numel()}, k.options());
-  at::Tensor found = at::empty({k.numel()}, k.options().dtype(at::kBool));
-  for_each_table(key_offsets, [&](int64_t t) {
-    const int64_t b = key_offsets[t], e = key_offsets[t + 1];
-    auto [r, f] = hash_find_cpu(digests[t], slot_keys[t], k.slice(0, b, e), capacities[t]);
-    rows.slice(0, b, e).copy_(r);
-    found.slice(0, b, e).copy_(f);
+  const int64_t n = k.numel();
+  at::Tensor rows = at::empty({n}, k.options());
+  at::Tensor found = at::empty({n}, k.options().dtype(at::kBool));
+  std::vector<TableRef> tables;
+  tables.reserve(digests.size());
+  for (size_t t = 0; t < digests.size(); ++t) tables.push_back(table_ref(digests[t], slot_keys[t], nullptr, capacities[t]));
+  const int64_t* kp = k.data_ptr<int64_t>();
+  int64_t* rp = rows.data_ptr<int64_t>();
+  bool* fp = found.data_ptr<bool>();
+  at::parallel_for(0, n, kGrainKeys, [&](int64_t begin, int64_t end) {
+    // The table of id `begin`: the last t with key_offsets[t] <= begin (empty tables skipped).
+    int64_t t = std::upper_bound(key_offsets.begin(), key_offsets.end(), begin) - key_offsets.begin() - 1;
+    find_ids(
+        end - begin,
+        [&](int64_t j, const TableRef*& table, int64_t& key) {
+          while (begin + j >= key_offsets[t + 1]) ++t;
+          table = &tables[t];
+          key = kp[begin + j];
+        },
+        rp + begin, fp + begin);
   });
   return {rows, found};
 }

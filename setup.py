@@ -6,13 +6,14 @@ PATH, else /usr/local/cuda (torch.utils.cpp_extension._find_cuda_home). GPU arch
 SASS plus compute_90 PTX (which newer GPUs JIT-compile) by default; TORCH_CUDA_ARCH_LIST
 ("9.0+PTX", "8.0;9.0", ...) when set, turned into -gencode flags by torch's BuildExtension;
 TORCHREC_EXT_NVCC_ARCH (nvcc flags, space-separated) over both."""
+
 import glob
 import os
 import shlex
 
+import torch
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
-import torch
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -56,8 +57,10 @@ def _extension():
                 "nvcc": ["-O3", "--expt-relaxed-constexpr"] + _nvcc_arch_flags(),
             },
         )
-    print(f"torchrec_ext: building CPU kernels only ({len(cpu_sources)} sources; "
-          f"torch CUDA={torch.version.cuda}, nvcc home={CUDA_HOME}; FORCE_CUDA=1 to force CUDA)")
+    print(
+        f"torchrec_ext: building CPU kernels only ({len(cpu_sources)} sources; "
+        f"torch CUDA={torch.version.cuda}, nvcc home={CUDA_HOME}; FORCE_CUDA=1 to force CUDA)"
+    )
     return CppExtension(
         "torchrec_ext._C",
         cpu_sources,

@@ -19,6 +19,7 @@ train step with each strategy against no admission; plus the cost of reading ``t
     python benchmarks/bench_admission.py                  # saves results/admission_cpu.*
     python benchmarks/bench_admission.py --rounds 1 --repeats 2 --warmup 1 --batch-size 512 --no-save   # smoke
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,18 +29,21 @@ import os
 import statistics
 import sys
 import time
-from typing import Dict, List
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import DlrmSmall, markdown_table, median_seconds, parse_config, save, small_tables  # noqa: E402
+from common import DlrmSmall, markdown_table, median_seconds, parse_config, save, small_tables
 
-from torchrec_ext.data import dlrm_small_batch  # noqa: E402
-from torchrec_ext.modules.admission import (  # noqa: E402
-    BloomAdmission, CounterAdmission, ProbabilisticAdmission, admission_bytes, bloom_geometry,
+from torchrec_ext.data import dlrm_small_batch
+from torchrec_ext.modules.admission import (
+    BloomAdmission,
+    CounterAdmission,
+    ProbabilisticAdmission,
+    admission_bytes,
+    bloom_geometry,
 )
-from torchrec_ext.modules.configs import DynamicTableOptions  # noqa: E402
+from torchrec_ext.modules.configs import DynamicTableOptions
 
 STRATEGIES = {
     "none": {},
@@ -64,11 +68,13 @@ class Config(DlrmSmall):
     seed: int = 0
 
 
-def decisions_per_second(cfg: Config) -> Dict[str, float]:
+def decisions_per_second(cfg: Config) -> dict[str, float]:
     """Distinct unseen ids decided per second by each strategy's admit(), state carried over."""
     gen = torch.Generator().manual_seed(cfg.seed)
-    batches = [torch.randint(0, 1 << cfg.id_bits, (cfg.decision_batch,), generator=gen).unique()
-               for _ in range(cfg.decision_batches)]
+    batches = [
+        torch.randint(0, 1 << cfg.id_bits, (cfg.decision_batch,), generator=gen).unique()
+        for _ in range(cfg.decision_batches)
+    ]
     cpu = torch.device("cpu")
     strategies = {
         "counter": CounterAdmission(2, cfg.tracked_ids, cpu),
@@ -77,7 +83,7 @@ def decisions_per_second(cfg: Config) -> Dict[str, float]:
     }
     out = {}
     for name, strategy in strategies.items():
-        it = iter(range(10 ** 9))
+        it = iter(range(10**9))
 
         def one() -> None:
             step = next(it)
@@ -89,7 +95,7 @@ def decisions_per_second(cfg: Config) -> Dict[str, float]:
     return out
 
 
-def bytes_per_tracked_id(cfg: Config) -> Dict[str, float]:
+def bytes_per_tracked_id(cfg: Config) -> dict[str, float]:
     n = cfg.tracked_ids
     bloom = DynamicTableOptions(admission="bloom", admit_after=2, bloom_fpr=0.01, bloom_expected_ids=n)
     counter = DynamicTableOptions(admission="counter", admit_after=2, admission_capacity=n)
@@ -97,40 +103,50 @@ def bytes_per_tracked_id(cfg: Config) -> Dict[str, float]:
     # At its design load a filter of this size holds more ids than n (it was rounded up to a power
     # of two counters): the ids it holds at 1% is the figure per id the strategy really costs.
     at_one_percent = geometry.counters * (torch.log(torch.tensor(2.0)) ** 2 / -torch.log(torch.tensor(0.01))).item()
-    return {"bloom_bytes": admission_bytes(bloom, "bloom", n), "counter_bytes": admission_bytes(counter, "counter", n),
-            "bloom_per_id": admission_bytes(bloom, "bloom", n) / n,
-            "bloom_per_id_at_design_load": geometry.nbytes / at_one_percent,
-            "counter_per_id": admission_bytes(counter, "counter", n) / n,
-            "bloom_hashes": geometry.hashes, "bloom_fpr_at_n": geometry.fpr}
+    return {
+        "bloom_bytes": admission_bytes(bloom, "bloom", n),
+        "counter_bytes": admission_bytes(counter, "counter", n),
+        "bloom_per_id": admission_bytes(bloom, "bloom", n) / n,
+        "bloom_per_id_at_design_load": geometry.nbytes / at_one_percent,
+        "counter_per_id": admission_bytes(counter, "counter", n) / n,
+        "bloom_hashes": geometry.hashes,
+        "bloom_fpr_at_n": geometry.fpr,
+    }
 
 
 def build(cfg: Config, strategy: str):
     from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
+
     tables = small_tables(cfg, functools.partial(DynamicEmbeddingBagConfig, **STRATEGIES[strategy]), cfg.capacity)
     module = DynamicEmbeddingBagCollection(tables, optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": cfg.lr})
     module.train()
     return module
 
 
-def step_times(cfg: Config) -> Dict[str, object]:
+def step_times(cfg: Config) -> dict[str, object]:
     steps = (cfg.warmup + cfg.repeats) * cfg.steps_per_repeat
-    batches = [dlrm_small_batch(i, cfg.num_tables, cfg.batch_size, cfg.max_bag, cfg.seed, alpha=cfg.alpha,
-                                id_bits=cfg.id_bits) for i in range(steps)]
+    batches = [
+        dlrm_small_batch(i, cfg.num_tables, cfg.batch_size, cfg.max_bag, cfg.seed, alpha=cfg.alpha, id_bits=cfg.id_bits)
+        for i in range(steps)
+    ]
     names = list(STRATEGIES)
-    per_round: List[Dict[str, float]] = []
-    stats_ms: List[float] = []
+    per_round: list[dict[str, float]] = []
+    stats_ms: list[float] = []
     for r in range(cfg.rounds):
         times = {}
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             module = build(cfg, name)
-            chunks = iter([batches[i:i + cfg.steps_per_repeat] for i in range(0, steps, cfg.steps_per_repeat)])
+            chunks = iter([batches[i : i + cfg.steps_per_repeat] for i in range(0, steps, cfg.steps_per_repeat)])
 
             def run(chunk) -> None:
                 for kjt in chunk:
                     module(kjt).values().sum().backward()
 
-            times[name] = median_seconds(run, cfg.repeats, warmup=cfg.warmup, setup=lambda: next(chunks)) \
-                / cfg.steps_per_repeat * 1e3
+            times[name] = (
+                median_seconds(run, cfg.repeats, warmup=cfg.warmup, setup=lambda: next(chunks))
+                / cfg.steps_per_repeat
+                * 1e3
+            )
             if name == "none":
                 stats_ms.append(median_seconds(module.table_stats, cfg.stats_reads, warmup=5) * 1e3)
             module = None  # freed before the next strategy's module is built
@@ -139,8 +155,13 @@ def step_times(cfg: Config) -> Dict[str, object]:
         print(f"round {r}: " + ", ".join(f"{n} {t:.1f} ms" for n, t in times.items()), flush=True)
     ratios = {n: statistics.median(t[n] / t["none"] for t in per_round) for n in names}
     ms = {n: statistics.median(t[n] for t in per_round) for n in names}
-    return {"ms_per_step": ms, "ratio_to_none": ratios, "per_round": per_round,
-            "table_stats_ms": statistics.median(stats_ms), "ids_per_step": int(batches[0].values().numel())}
+    return {
+        "ms_per_step": ms,
+        "ratio_to_none": ratios,
+        "per_round": per_round,
+        "table_stats_ms": statistics.median(stats_ms),
+        "ids_per_step": int(batches[0].values().numel()),
+    }
 
 
 def main() -> None:
@@ -154,29 +175,56 @@ def main() -> None:
     lines = [
         f"Admission strategies on CPU ({torch.get_num_threads()} threads); load average (1, 5, 15 min) "
         f"{tuple(round(x, 2) for x in load_before)} before, {tuple(round(x, 2) for x in load_after)} after "
-        "(2 cores shared with other work).", "",
-        f"Decisions: batches of {cfg.decision_batch:,} distinct unseen ids, median of {cfg.decision_batches}.", "",
-        markdown_table(["strategy", "M decisions / s", "× counter"],
-                       [[n, f"{v / 1e6:.2f}", f"{v / decisions['counter']:.2f}"] for n, v in decisions.items()]), "",
+        "(2 cores shared with other work).",
+        "",
+        f"Decisions: batches of {cfg.decision_batch:,} distinct unseen ids, median of {cfg.decision_batches}.",
+        "",
+        markdown_table(
+            ["strategy", "M decisions / s", "× counter"],
+            [[n, f"{v / 1e6:.2f}", f"{v / decisions['counter']:.2f}"] for n, v in decisions.items()],
+        ),
+        "",
         f"Memory for {cfg.tracked_ids:,} tracked ids at 1% false positives: bloom {memory['bloom_bytes']:,} B "
         f"({memory['bloom_per_id']:.2f} B/id, {memory['bloom_hashes']} hashes, {memory['bloom_fpr_at_n']:.4f} FPR at "
         f"that load; {memory['bloom_per_id_at_design_load']:.2f} B/id at the load where it reaches 1%), counter "
         f"{memory['counter_bytes']:,} B ({memory['counter_per_id']:.2f} B/id): bloom / counter = "
         f"{memory['bloom_per_id'] / memory['counter_per_id']:.3f} "
-        f"({memory['bloom_per_id_at_design_load'] / memory['counter_per_id']:.3f} at design load).", "",
+        f"({memory['bloom_per_id_at_design_load'] / memory['counter_per_id']:.3f} at design load).",
+        "",
         f"dlrm-small train step ({cfg.num_tables} tables x dim {cfg.dim}, {steps['ids_per_step']:,} ids/step, capacity "
         f"{cfg.capacity:,} per table, fused Adagrad), {cfg.rounds} rounds x median of {cfg.repeats} repeats x "
-        f"{cfg.steps_per_repeat} steps:", "",
-        markdown_table(["admission", "settings", "ms / step (median of rounds)", "× none (median of per-round ratios)"],
-                       [[n, str(STRATEGIES[n]) if STRATEGIES[n] else "-", f"{steps['ms_per_step'][n]:.1f}",
-                         f"{steps['ratio_to_none'][n]:.3f}"] for n in STRATEGIES]), "",
+        f"{cfg.steps_per_repeat} steps:",
+        "",
+        markdown_table(
+            ["admission", "settings", "ms / step (median of rounds)", "× none (median of per-round ratios)"],
+            [
+                [
+                    n,
+                    str(STRATEGIES[n]) if STRATEGIES[n] else "-",
+                    f"{steps['ms_per_step'][n]:.1f}",
+                    f"{steps['ratio_to_none'][n]:.3f}",
+                ]
+                for n in STRATEGIES
+            ],
+        ),
+        "",
         f"`table_stats()` read: {steps['table_stats_ms'] * 1e3:.0f} µs = {stats_fraction:.2%} of a no-admission step.",
     ]
     text = "\n".join(lines)
     print(text)
     if save_results:
-        save("admission_cpu", {"config": dataclasses.asdict(cfg), "decisions_per_s": decisions, "memory": memory,
-                               "steps": steps, "load_before": load_before, "load_after": load_after}, text)
+        save(
+            "admission_cpu",
+            {
+                "config": dataclasses.asdict(cfg),
+                "decisions_per_s": decisions,
+                "memory": memory,
+                "steps": steps,
+                "load_before": load_before,
+                "load_after": load_after,
+            },
+            text,
+        )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ tables filled by one step over every id, then trained on batches of `batch` samp
     python benchmarks/bench_checkpoint.py                     # saves results/checkpoint_cpu.*
     python benchmarks/bench_checkpoint.py --rows 20000 --repeats 1 --no-save   # smoke
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,12 +30,11 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import List
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_table, parse_config, save, tensor_bytes  # noqa: E402
+from common import markdown_table, parse_config, save, tensor_bytes
 
 
 @dataclasses.dataclass
@@ -53,11 +53,19 @@ def build(cfg: Config):
 
     from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 
-    tables = [DynamicEmbeddingBagConfig(name=f"t{t}", embedding_dim=cfg.dim, num_embeddings=cfg.rows,
-                                        feature_names=[f"f{t}"]) for t in range(cfg.tables)]
+    tables = [
+        DynamicEmbeddingBagConfig(name=f"t{t}", embedding_dim=cfg.dim, num_embeddings=cfg.rows, feature_names=[f"f{t}"])
+        for t in range(cfg.tables)
+    ]
     ebc = DynamicEmbeddingBagCollection(tables, optimizer="adagrad", optimizer_kwargs={"lr": 0.01})
-    model = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=13,
-                           dense_arch_layer_sizes=[128, cfg.dim], over_arch_layer_sizes=[256, 128, 1]))
+    model = DLRMTrain(
+        DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=13,
+            dense_arch_layer_sizes=[128, cfg.dim],
+            over_arch_layer_sizes=[256, 128, 1],
+        )
+    )
     dense = [p for n, p in model.named_parameters() if "embedding_bag_collection" not in n]
     return model, torch.optim.Adagrad(dense, lr=0.01)
 
@@ -72,10 +80,13 @@ def batch(cfg: Config, gen: torch.Generator, fill: bool = False):
     else:
         lengths = torch.randint(1, 8, (cfg.tables * cfg.batch,), generator=gen)
         ids = torch.randint(0, cfg.rows, (int(lengths.sum()),), generator=gen)
-    return Batch(dense_features=torch.randn(cfg.batch, 13, generator=gen),
-                 sparse_features=KeyedJaggedTensor.from_lengths_sync(
-                     keys=[f"f{t}" for t in range(cfg.tables)], values=ids, lengths=lengths),
-                 labels=torch.randint(0, 2, (cfg.batch,), generator=gen).float())
+    return Batch(
+        dense_features=torch.randn(cfg.batch, 13, generator=gen),
+        sparse_features=KeyedJaggedTensor.from_lengths_sync(
+            keys=[f"f{t}" for t in range(cfg.tables)], values=ids, lengths=lengths
+        ),
+        labels=torch.randint(0, 2, (cfg.batch,), generator=gen).float(),
+    )
 
 
 def train_step(model, dense_opt, b) -> float:
@@ -99,7 +110,7 @@ def drop_cached(path: str) -> None:
             os.close(fd)
 
 
-def plain_read(path: str, tensors: List[torch.Tensor]) -> float:
+def plain_read(path: str, tensors: list[torch.Tensor]) -> float:
     start = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
         for t in tensors:
@@ -108,7 +119,7 @@ def plain_read(path: str, tensors: List[torch.Tensor]) -> float:
     return time.perf_counter() - start
 
 
-def plain_write_read(path: str, tensors: List[torch.Tensor]) -> tuple:
+def plain_write_read(path: str, tensors: list[torch.Tensor]) -> tuple:
     """Seconds to write the tensors' bytes sequentially to one file (+ fsync), to read them back
     (page cache), and to read them again from the disk."""
     start = time.perf_counter()
@@ -124,7 +135,7 @@ def plain_write_read(path: str, tensors: List[torch.Tensor]) -> tuple:
     return write, read, cold
 
 
-def leaves(obj) -> List[torch.Tensor]:
+def leaves(obj) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, dict):
@@ -170,8 +181,8 @@ def main() -> None:
 
     batches = [batch(cfg, gen) for _ in range(cfg.steps)]
     quiet = [train_step(model, dense_opt, b) for b in batches]
-    during: List[float] = []
-    overlapped: List[int] = []
+    during: list[float] = []
+    overlapped: list[int] = []
     for _ in range(cfg.repeats):
         step_no += 1
         start = time.perf_counter()
@@ -189,27 +200,59 @@ def main() -> None:
 
     gb = nbytes / 1e9
     med = statistics.median
-    rec = dict(config=dataclasses.asdict(cfg), checkpoint_bytes=nbytes,
-               save_gbps=gb / med(save_s), load_gbps=gb / med(load_s), load_from_disk_gbps=gb / med(cold_load_s),
-               plain_write_gbps=gb / med(write_s), plain_read_gbps=gb / med(read_s),
-               plain_read_from_disk_gbps=gb / med(cold_read_s),
-               step_quiet_s=med(quiet), step_during_save_s=med(during) if during else None,
-               steps_overlapped=overlapped)
-    rows = [["save (blocking)", f"{rec['save_gbps']:.3f}", f"{rec['plain_write_gbps']:.3f}",
-             f"{rec['save_gbps'] / rec['plain_write_gbps']:.2f}"],
-            ["load (page cache)", f"{rec['load_gbps']:.3f}", f"{rec['plain_read_gbps']:.3f}",
-             f"{rec['load_gbps'] / rec['plain_read_gbps']:.2f}"],
-            ["load (from disk)", f"{rec['load_from_disk_gbps']:.3f}", f"{rec['plain_read_from_disk_gbps']:.3f}",
-             f"{rec['load_from_disk_gbps'] / rec['plain_read_from_disk_gbps']:.2f}"]]
-    text = [f"# Checkpoints: {gb:.2f} GB of tensors ({cfg.tables} tables x {cfg.rows} rows x dim {cfg.dim}, "
-            "Adagrad state, DLRM dense part)", "",
-            markdown_table(["", "ours GB/s", "plain file GB/s", "ratio"], rows), ""]
+    rec = dict(
+        config=dataclasses.asdict(cfg),
+        checkpoint_bytes=nbytes,
+        save_gbps=gb / med(save_s),
+        load_gbps=gb / med(load_s),
+        load_from_disk_gbps=gb / med(cold_load_s),
+        plain_write_gbps=gb / med(write_s),
+        plain_read_gbps=gb / med(read_s),
+        plain_read_from_disk_gbps=gb / med(cold_read_s),
+        step_quiet_s=med(quiet),
+        step_during_save_s=med(during) if during else None,
+        steps_overlapped=overlapped,
+    )
+    rows = [
+        [
+            "save (blocking)",
+            f"{rec['save_gbps']:.3f}",
+            f"{rec['plain_write_gbps']:.3f}",
+            f"{rec['save_gbps'] / rec['plain_write_gbps']:.2f}",
+        ],
+        [
+            "load (page cache)",
+            f"{rec['load_gbps']:.3f}",
+            f"{rec['plain_read_gbps']:.3f}",
+            f"{rec['load_gbps'] / rec['plain_read_gbps']:.2f}",
+        ],
+        [
+            "load (from disk)",
+            f"{rec['load_from_disk_gbps']:.3f}",
+            f"{rec['plain_read_from_disk_gbps']:.3f}",
+            f"{rec['load_from_disk_gbps'] / rec['plain_read_from_disk_gbps']:.2f}",
+        ],
+    ]
+    text = [
+        f"# Checkpoints: {gb:.2f} GB of tensors ({cfg.tables} tables x {cfg.rows} rows x dim {cfg.dim}, "
+        "Adagrad state, DLRM dense part)",
+        "",
+        markdown_table(["", "ours GB/s", "plain file GB/s", "ratio"], rows),
+        "",
+    ]
     if during:
-        text += [markdown_table(["train step", "median ms"],
-                                [["no checkpoint", f"{1e3 * rec['step_quiet_s']:.1f}"],
-                                 ["non-blocking checkpoint in flight", f"{1e3 * rec['step_during_save_s']:.1f}"],
-                                 ["ratio", f"{rec['step_during_save_s'] / rec['step_quiet_s']:.2f}"]]),
-                 "", f"Steps overlapped per save: {overlapped}."]
+        text += [
+            markdown_table(
+                ["train step", "median ms"],
+                [
+                    ["no checkpoint", f"{1e3 * rec['step_quiet_s']:.1f}"],
+                    ["non-blocking checkpoint in flight", f"{1e3 * rec['step_during_save_s']:.1f}"],
+                    ["ratio", f"{rec['step_during_save_s'] / rec['step_quiet_s']:.2f}"],
+                ],
+            ),
+            "",
+            f"Steps overlapped per save: {overlapped}.",
+        ]
     else:
         text.append("The non-blocking saves ended before a step could run.")
     text += ["", f"`python benchmarks/bench_checkpoint.py {' '.join(sys.argv[1:])}`".replace(" `", "`")]

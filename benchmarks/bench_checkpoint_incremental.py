@@ -12,6 +12,7 @@ into the model, whose `state_dict()` is checked to be the same after both). Medi
     python benchmarks/bench_checkpoint_incremental.py                      # saves results/checkpoint_incremental_cpu.*
     python benchmarks/bench_checkpoint_incremental.py --rows 20000 --repeats 1 --no-save   # smoke
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,8 +26,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_checkpoint import build, batch, train_step  # noqa: E402
-from common import markdown_table, parse_config, save, tensor_bytes  # noqa: E402
+from bench_checkpoint import batch, build, train_step
+from common import markdown_table, parse_config, save, tensor_bytes
 
 
 @dataclasses.dataclass
@@ -49,10 +50,13 @@ def changed_rows_batch(cfg: Config, gen: torch.Generator):
     ids = torch.cat([torch.randperm(cfg.rows, generator=gen)[:n] for _ in range(cfg.tables)])
     per_bag = torch.full((cfg.batch,), n // cfg.batch, dtype=torch.int64)
     per_bag[: n % cfg.batch] += 1
-    return Batch(dense_features=torch.randn(cfg.batch, 13, generator=gen),
-                 sparse_features=KeyedJaggedTensor.from_lengths_sync(
-                     keys=[f"f{t}" for t in range(cfg.tables)], values=ids, lengths=per_bag.repeat(cfg.tables)),
-                 labels=torch.randint(0, 2, (cfg.batch,), generator=gen).float())
+    return Batch(
+        dense_features=torch.randn(cfg.batch, 13, generator=gen),
+        sparse_features=KeyedJaggedTensor.from_lengths_sync(
+            keys=[f"f{t}" for t in range(cfg.tables)], values=ids, lengths=per_bag.repeat(cfg.tables)
+        ),
+        labels=torch.randint(0, 2, (cfg.batch,), generator=gen).float(),
+    )
 
 
 def main() -> None:
@@ -79,8 +83,12 @@ def main() -> None:
         delta_s.append(time.perf_counter() - start)
         delta_bytes.append(os.path.getsize(os.path.join(link, "tables.rank0-of-1.pt")))
         start = time.perf_counter()
-        full = save_checkpoint(os.path.join(root, "full"), step,
-                               {"model": model.state_dict(), "dense_optim": dense_opt.state_dict()}, keep=1)
+        full = save_checkpoint(
+            os.path.join(root, "full"),
+            step,
+            {"model": model.state_dict(), "dense_optim": dense_opt.state_dict()},
+            keep=1,
+        )
         full_s.append(time.perf_counter() - start)
         expected = model.state_dict()
         start = time.perf_counter()
@@ -94,18 +102,41 @@ def main() -> None:
     shutil.rmtree(root, ignore_errors=True) if not cfg.dir else None
 
     med = statistics.median
-    rec = dict(config=dataclasses.asdict(cfg), full_bytes=full_bytes, delta_file_bytes=med(delta_bytes),
-               delta_save_s=med(delta_s), full_save_s=med(full_s), chain_load_s=med(chain_load_s),
-               full_load_s=med(full_load_s))
-    text = [f"# Incremental checkpoints: {full_bytes / 1e9:.2f} GB of tensors ({cfg.tables} tables x {cfg.rows} rows "
-            f"x dim {cfg.dim}, Adagrad state), {100 * cfg.changed:g}% of the rows changed between the links", "",
-            markdown_table(["", "incremental", "full", "full / incremental"], [
-                ["save (s)", f"{rec['delta_save_s']:.3f}", f"{rec['full_save_s']:.3f}",
-                 f"{rec['full_save_s'] / rec['delta_save_s']:.1f}x"],
-                ["load (s; chain: base + delta)", f"{rec['chain_load_s']:.3f}", f"{rec['full_load_s']:.3f}",
-                 f"{rec['full_load_s'] / rec['chain_load_s']:.2f}x"]]),
-            "", f"Delta link's table file: {rec['delta_file_bytes'] / 1e6:.1f} MB.", "",
-            f"`python benchmarks/bench_checkpoint_incremental.py {' '.join(sys.argv[1:])}`".replace(" `", "`")]
+    rec = dict(
+        config=dataclasses.asdict(cfg),
+        full_bytes=full_bytes,
+        delta_file_bytes=med(delta_bytes),
+        delta_save_s=med(delta_s),
+        full_save_s=med(full_s),
+        chain_load_s=med(chain_load_s),
+        full_load_s=med(full_load_s),
+    )
+    text = [
+        f"# Incremental checkpoints: {full_bytes / 1e9:.2f} GB of tensors ({cfg.tables} tables x {cfg.rows} rows "
+        f"x dim {cfg.dim}, Adagrad state), {100 * cfg.changed:g}% of the rows changed between the links",
+        "",
+        markdown_table(
+            ["", "incremental", "full", "full / incremental"],
+            [
+                [
+                    "save (s)",
+                    f"{rec['delta_save_s']:.3f}",
+                    f"{rec['full_save_s']:.3f}",
+                    f"{rec['full_save_s'] / rec['delta_save_s']:.1f}x",
+                ],
+                [
+                    "load (s; chain: base + delta)",
+                    f"{rec['chain_load_s']:.3f}",
+                    f"{rec['full_load_s']:.3f}",
+                    f"{rec['full_load_s'] / rec['chain_load_s']:.2f}x",
+                ],
+            ],
+        ),
+        "",
+        f"Delta link's table file: {rec['delta_file_bytes'] / 1e6:.1f} MB.",
+        "",
+        f"`python benchmarks/bench_checkpoint_incremental.py {' '.join(sys.argv[1:])}`".replace(" `", "`"),
+    ]
     print("\n".join(text))
     if save_results:
         save("checkpoint_incremental_cpu", rec, "\n".join(text))

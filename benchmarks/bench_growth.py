@@ -17,6 +17,7 @@ total time of each, their ratio, per-step times, and, at each growth of the last
     python benchmarks/bench_growth.py --threads 1                     # saves results/growth_cpu.{md,jsonl}
     python benchmarks/bench_growth.py --capacity 16384 --batch-size 256 --repeats 1 --no-save   # smoke
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,12 +27,11 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Dict, List
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import DlrmSmall, markdown_table, parse_config, save, small_tables  # noqa: E402
+from common import DlrmSmall, markdown_table, parse_config, save, small_tables
 
 
 @dataclasses.dataclass
@@ -55,15 +55,16 @@ def _vm_rss() -> int:
     return 0
 
 
-def child(cfg: Config, system: str, steps: int) -> Dict[str, object]:
+def child(cfg: Config, system: str, steps: int) -> dict[str, object]:
     """One run in this process: build, train ``steps`` steps (0: until full), report."""
     from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
     from torchrec_ext.data import dlrm_small_batch
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    make = lambda i: dlrm_small_batch(i, cfg.num_tables, cfg.batch_size, cfg.max_bag, cfg.seed,  # noqa: E731
-                                      alpha=cfg.alpha, id_bits=cfg.id_bits)
+    make = lambda i: dlrm_small_batch(
+        i, cfg.num_tables, cfg.batch_size, cfg.max_bag, cfg.seed, alpha=cfg.alpha, id_bits=cfg.id_bits
+    )
     prefetched = [make(i) for i in range(steps)] if steps else []
     rss_start = _vm_rss()
     start = time.perf_counter()
@@ -87,72 +88,139 @@ def child(cfg: Config, system: str, steps: int) -> Dict[str, object]:
         now = [s.capacity for s in stats]
         live = sum(s.live_rows for s in stats)
         if now != capacities or (steps and step == steps) or step % 10 == 0:
-            samples.append({"step": step, "live_rows": live, "capacity_rows": sum(now),
-                            "storage_bytes": module.storage_bytes(), "vm_rss": _vm_rss() - rss_start})
+            samples.append(
+                {
+                    "step": step,
+                    "live_rows": live,
+                    "capacity_rows": sum(now),
+                    "storage_bytes": module.storage_bytes(),
+                    "vm_rss": _vm_rss() - rss_start,
+                }
+            )
             capacities = now
         if not steps and (all(s.live_rows >= cfg.fill * cfg.capacity for s in stats) or step >= cfg.max_steps):
             break
     total = time.perf_counter() - start
-    return {"system": system, "steps": step, "total_s": total, "build_s": built, "step_ms": [s * 1e3 for s in step_s],
-            "samples": samples, "max_storage_bytes": module.storage_bytes(maximum=True),
-            "evictions": sum(s.evictions for s in module.table_stats().values())}
+    return {
+        "system": system,
+        "steps": step,
+        "total_s": total,
+        "build_s": built,
+        "step_ms": [s * 1e3 for s in step_s],
+        "samples": samples,
+        "max_storage_bytes": module.storage_bytes(maximum=True),
+        "evictions": sum(s.evictions for s in module.table_stats().values()),
+    }
 
 
-def _spawn(cfg: Config, system: str, steps: int) -> Dict[str, object]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", system, "--child-steps", str(steps),
-           "--child-config", json.dumps(dataclasses.asdict(cfg))]
+def _spawn(cfg: Config, system: str, steps: int) -> dict[str, object]:
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        system,
+        "--child-steps",
+        str(steps),
+        "--child-config",
+        json.dumps(dataclasses.asdict(cfg)),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode:
         raise RuntimeError(f"bench_growth child {system} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run(cfg: Config) -> Dict[str, object]:
+def run(cfg: Config) -> dict[str, object]:
     uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     first = _spawn(cfg, "growing", 0)
     steps = first["steps"]
-    runs: Dict[str, List[Dict[str, object]]] = {"growing": [], "preallocated": []}
+    runs: dict[str, list[dict[str, object]]] = {"growing": [], "preallocated": []}
     for r in range(cfg.repeats):
         order = ("preallocated", "growing") if r % 2 == 0 else ("growing", "preallocated")
         for system in order:
             runs[system].append(_spawn(cfg, system, steps))
     uptime_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     total = {k: statistics.median(x["total_s"] for x in v) for k, v in runs.items()}
-    return {"steps": steps, "total_s": total, "ratio": total["growing"] / total["preallocated"],
-            "total_s_each": {k: [x["total_s"] for x in v] for k, v in runs.items()},
-            "build_s": {k: statistics.median(x["build_s"] for x in v) for k, v in runs.items()},
-            "step_ms_median": {k: statistics.median(statistics.median(x["step_ms"]) for x in v) for k, v in runs.items()},
-            "samples": {k: v[-1]["samples"] for k, v in runs.items()},
-            "max_storage_bytes": runs["growing"][-1]["max_storage_bytes"],
-            "evictions": {k: v[-1]["evictions"] for k, v in runs.items()},
-            "first_growing_run": {k: first[k] for k in ("steps", "total_s", "evictions")},
-            "uptime_before": uptime_before, "uptime_after": uptime_after}
+    return {
+        "steps": steps,
+        "total_s": total,
+        "ratio": total["growing"] / total["preallocated"],
+        "total_s_each": {k: [x["total_s"] for x in v] for k, v in runs.items()},
+        "build_s": {k: statistics.median(x["build_s"] for x in v) for k, v in runs.items()},
+        "step_ms_median": {k: statistics.median(statistics.median(x["step_ms"]) for x in v) for k, v in runs.items()},
+        "samples": {k: v[-1]["samples"] for k, v in runs.items()},
+        "max_storage_bytes": runs["growing"][-1]["max_storage_bytes"],
+        "evictions": {k: v[-1]["evictions"] for k, v in runs.items()},
+        "first_growing_run": {k: first[k] for k in ("steps", "total_s", "evictions")},
+        "uptime_before": uptime_before,
+        "uptime_after": uptime_after,
+    }
 
 
-def report(cfg: Config, r: Dict[str, object]) -> str:
-    mib = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
-    title = (f"Growing vs preallocated dynamic tables, dlrm-small from empty tables on cpu: {cfg.num_tables} tables x dim "
-             f"{cfg.dim}, capacity {cfg.capacity:,} rows each (growing: initial_capacity {cfg.capacity // cfg.initial_divisor:,}"
-             f", growth_load_factor {cfg.growth_load_factor}), batch {cfg.batch_size} per table, bags 1..{cfg.max_bag}, ids "
-             f"Zipf({cfg.alpha}) over 2^{cfg.id_bits}, fused Adagrad; {r['steps']} steps (until every table held "
-             f"{cfg.fill:.0%} of its capacity), each run a fresh process, build included; median of {cfg.repeats} runs "
-             f"each, alternating")
-    rows = [[k, f"{r['total_s'][k]:.2f}", f"{r['total_s'][k] / r['total_s']['preallocated']:.3f}",
-             f"{r['build_s'][k]:.2f}", f"{r['step_ms_median'][k]:.1f}", str(r["evictions"][k])] for k in r["total_s"]]
-    lines = [title, "", markdown_table(["system", "total s", "× preallocated", "build s", "median step ms",
-                                        "evictions (last run)"], rows), ""]
+def report(cfg: Config, r: dict[str, object]) -> str:
+    mib = lambda b: f"{b / 2**20:,.1f}"
+    title = (
+        f"Growing vs preallocated dynamic tables, dlrm-small from empty tables on cpu: {cfg.num_tables} tables x dim "
+        f"{cfg.dim}, capacity {cfg.capacity:,} rows each (growing: initial_capacity {cfg.capacity // cfg.initial_divisor:,}"
+        f", growth_load_factor {cfg.growth_load_factor}), batch {cfg.batch_size} per table, bags 1..{cfg.max_bag}, ids "
+        f"Zipf({cfg.alpha}) over 2^{cfg.id_bits}, fused Adagrad; {r['steps']} steps (until every table held "
+        f"{cfg.fill:.0%} of its capacity), each run a fresh process, build included; median of {cfg.repeats} runs "
+        f"each, alternating"
+    )
+    rows = [
+        [
+            k,
+            f"{r['total_s'][k]:.2f}",
+            f"{r['total_s'][k] / r['total_s']['preallocated']:.3f}",
+            f"{r['build_s'][k]:.2f}",
+            f"{r['step_ms_median'][k]:.1f}",
+            str(r["evictions"][k]),
+        ]
+        for k in r["total_s"]
+    ]
+    lines = [
+        title,
+        "",
+        markdown_table(
+            ["system", "total s", "× preallocated", "build s", "median step ms", "evictions (last run)"], rows
+        ),
+        "",
+    ]
     pre = {s["step"]: s for s in r["samples"]["preallocated"]}
     mem_rows = []
     for s in r["samples"]["growing"]:
         p = pre.get(s["step"])
-        mem_rows.append([s["step"], f"{s['live_rows']:,}", f"{s['capacity_rows']:,}", mib(s["storage_bytes"]),
-                         mib(s["vm_rss"]), mib(p["storage_bytes"]) if p else "", mib(p["vm_rss"]) if p else ""])
-    lines += ["Memory vs live rows (growing run; VmRSS growth since the process started, its batches already built):",
-              "", markdown_table(["step", "live rows", "capacity rows", "storage MiB", "VmRSS MiB",
-                                  "preallocated storage MiB", "preallocated VmRSS MiB"], mem_rows), "",
-              f"- maximum storage (storage_bytes(maximum=True)): {mib(r['max_storage_bytes'])} MiB; goal: total time "
-              f"<= 1.15x preallocated: {r['ratio']:.3f}x",
-              f"- machine load: before `{r['uptime_before']}`; after `{r['uptime_after']}`"]
+        mem_rows.append(
+            [
+                s["step"],
+                f"{s['live_rows']:,}",
+                f"{s['capacity_rows']:,}",
+                mib(s["storage_bytes"]),
+                mib(s["vm_rss"]),
+                mib(p["storage_bytes"]) if p else "",
+                mib(p["vm_rss"]) if p else "",
+            ]
+        )
+    lines += [
+        "Memory vs live rows (growing run; VmRSS growth since the process started, its batches already built):",
+        "",
+        markdown_table(
+            [
+                "step",
+                "live rows",
+                "capacity rows",
+                "storage MiB",
+                "VmRSS MiB",
+                "preallocated storage MiB",
+                "preallocated VmRSS MiB",
+            ],
+            mem_rows,
+        ),
+        "",
+        f"- maximum storage (storage_bytes(maximum=True)): {mib(r['max_storage_bytes'])} MiB; goal: total time "
+        f"<= 1.15x preallocated: {r['ratio']:.3f}x",
+        f"- machine load: before `{r['uptime_before']}`; after `{r['uptime_after']}`",
+    ]
     return "\n".join(lines)
 
 

@@ -7,6 +7,7 @@ in relayouts, minor page faults there, and the process's peak resident memory. P
 
     PYTHONPATH=. python benchmarks/bench_growth_relayout.py --capacity 262144
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import parse_config  # noqa: E402
+from common import parse_config
 
 
 @dataclasses.dataclass
@@ -33,6 +34,7 @@ class Config:
 
 def main() -> None:
     from torchrec import KeyedJaggedTensor
+
     from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
     from torchrec_ext.modules import dynamic_tables
 
@@ -52,20 +54,32 @@ def main() -> None:
     dynamic_tables.DynamicTables._relayout = timed
     features = [f"f{i}" for i in range(cfg.num_tables)]
     module = DynamicEmbeddingBagCollection(
-        [DynamicEmbeddingBagConfig(name=f"t{i}", embedding_dim=cfg.dim, num_embeddings=cfg.capacity,
-                                   feature_names=[f], initial_capacity=max(cfg.capacity // 64, 1))
-         for i, f in enumerate(features)], optimizer="adagrad", optimizer_kwargs={"lr": 0.01})
+        [
+            DynamicEmbeddingBagConfig(
+                name=f"t{i}",
+                embedding_dim=cfg.dim,
+                num_embeddings=cfg.capacity,
+                feature_names=[f],
+                initial_capacity=max(cfg.capacity // 64, 1),
+            )
+            for i, f in enumerate(features)
+        ],
+        optimizer="adagrad",
+        optimizer_kwargs={"lr": 0.01},
+    )
     gen = torch.Generator().manual_seed(cfg.seed)
     start, steps = time.perf_counter(), 0
     while module.table_stats()["t0"].capacity < cfg.capacity:
-        ids = torch.randint(0, 2 ** 62, (cfg.num_tables * cfg.batch_size * 4,), generator=gen)
+        ids = torch.randint(0, 2**62, (cfg.num_tables * cfg.batch_size * 4,), generator=gen)
         lengths = torch.full((cfg.num_tables * cfg.batch_size,), 4)
         module(KeyedJaggedTensor.from_lengths_sync(features, ids, lengths)).values().sum().backward()
         steps += 1
     total = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
-    print(f"{spent['relayouts']} relayouts: {spent['wall']:.2f} s wall, {spent['cpu']:.2f} s CPU, "
-          f"{spent['faults']} minor faults; {steps} steps in {total:.2f} s; peak RSS {peak} MiB")
+    print(
+        f"{spent['relayouts']} relayouts: {spent['wall']:.2f} s wall, {spent['cpu']:.2f} s CPU, "
+        f"{spent['faults']} minor faults; {steps} steps in {total:.2f} s; peak RSS {peak} MiB"
+    )
 
 
 if __name__ == "__main__":

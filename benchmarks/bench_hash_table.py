@@ -21,20 +21,20 @@ the writes and reads of missing or refused keys); the timed call is the table op
 or scatter. No dict/sorted baselines there. Figures are in 10^9 keys/s (HKV divides by 2^30:
 its numbers are ours x 0.931).
 """
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
 import sys
-from typing import Dict, List, Tuple
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_table, median_seconds, save  # noqa: E402
+from common import markdown_table, median_seconds, save
 
-from torchrec_ext import HashTable  # noqa: E402
+from torchrec_ext import HashTable
 
 OPS = ("find", "find_or_insert", "insert_or_assign")
 
@@ -43,26 +43,38 @@ OPS = ("find", "find_or_insert", "insert_or_assign")
 class Config:
     capacity: int = 1 << 24
     batch: int = 1 << 20
-    load_factors: Tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
+    load_factors: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
     repeats: int = 5
     baseline_repeats: int = 3
     device: str = "cpu"
     seed: int = 0
-    dims: Tuple[int, ...] = (0,)  # value dims moved per call (0: the table op alone)
+    dims: tuple[int, ...] = (0,)  # value dims moved per call (0: the table op alone)
     hit_rate: float = -1.0  # resident share of every call's keys; < 0: find 1.0, the upserts 0.5
     baselines: bool = True  # also time the dict and sorted-array indexes
     hkv: bool = False  # the --hkv preset (names the results file)
 
 
 def hkv_config(device: str) -> Config:
-    return Config(capacity=1 << 26, batch=1 << 20, load_factors=(0.5, 1.0), device=device, dims=(8, 64),
-                  hit_rate=0.6, baselines=False, hkv=True)
+    return Config(
+        capacity=1 << 26,
+        batch=1 << 20,
+        load_factors=(0.5, 1.0),
+        device=device,
+        dims=(8, 64),
+        hit_rate=0.6,
+        baselines=False,
+        hkv=True,
+    )
 
 
 # HierarchicalKV on 1x A100 80GB PCIe (its README, /work/shared ANCHORS.md), 10^9 keys/s converted
 # from its 2^30 unit: (dim, load factor) -> find, find_or_insert, insert_or_assign.
-HKV_A100 = {(8, 0.5): (2.470, 1.478, 1.093), (8, 1.0): (2.481, 0.612, 0.655),
-            (64, 0.5): (1.982, 1.113, 0.834), (64, 1.0): (2.021, 0.608, 0.621)}
+HKV_A100 = {
+    (8, 0.5): (2.470, 1.478, 1.093),
+    (8, 1.0): (2.481, 0.612, 0.655),
+    (64, 0.5): (1.982, 1.113, 0.834),
+    (64, 1.0): (2.021, 0.608, 0.621),
+}
 HKV_A100 = {k: tuple(v * 2**30 / 1e9 for v in vs) for k, vs in HKV_A100.items()}
 
 
@@ -120,7 +132,7 @@ class SortedIndex:
     insert_or_assign = find_or_insert
 
 
-def with_values(table: HashTable, dim: int, batch: int) -> Dict[str, object]:
+def with_values(table: HashTable, dim: int, batch: int) -> dict[str, object]:
     """The three ops followed by the value traffic of HKV's API (see the module docstring)."""
     sink = table.capacity  # the values' extra row: missing or refused keys read / write it
     values = torch.zeros(table.capacity + 1, dim, device=table.device)
@@ -143,7 +155,7 @@ def with_values(table: HashTable, dim: int, batch: int) -> Dict[str, object]:
     return {"find": find, "find_or_insert": find_or_insert, "insert_or_assign": insert_or_assign}
 
 
-def run(cfg: Config) -> List[Dict[str, object]]:
+def run(cfg: Config) -> list[dict[str, object]]:
     gen = torch.Generator().manual_seed(cfg.seed)
     results = []
     for lf in cfg.load_factors:
@@ -155,7 +167,7 @@ def run(cfg: Config) -> List[Dict[str, object]]:
             n_hit = int(cfg.hit_rate * cfg.batch)
             mixed = torch.cat([hits[:n_hit], random_keys(cfg.batch - n_hit, gen, cfg.device)])
             mixed = mixed[torch.randperm(cfg.batch, generator=gen).to(mixed.device)]
-            queries = {op: mixed for op in OPS}
+            queries = dict.fromkeys(OPS, mixed)
         else:
             mixed = torch.cat([hits[: cfg.batch // 2], random_keys(cfg.batch - cfg.batch // 2, gen, cfg.device)])
             mixed = mixed[torch.randperm(cfg.batch, generator=gen).to(mixed.device)]
@@ -165,12 +177,18 @@ def run(cfg: Config) -> List[Dict[str, object]]:
                 calls = with_values(table, dim, cfg.batch)
                 row = {"load_factor": round(table.load_factor(), 4), "dim": dim, "hit_rate": cfg.hit_rate}
                 for op in OPS:
-                    sec = median_seconds(lambda t, op=op: calls[op](t, queries[op]), cfg.repeats,
-                                         setup=table.clone if op != "find" else lambda: table)
+                    sec = median_seconds(
+                        lambda t, op=op: calls[op](t, queries[op]),
+                        cfg.repeats,
+                        setup=table.clone if op != "find" else lambda: table,
+                    )
                     row[f"{op}_keys_per_s"] = cfg.batch / sec
                 results.append(row)
-                print(f"load factor {row['load_factor']:.2f}, dim {dim}: " + ", ".join(
-                    f"{op} {row[f'{op}_keys_per_s'] / 1e9:.3f} B/s" for op in OPS), flush=True)
+                print(
+                    f"load factor {row['load_factor']:.2f}, dim {dim}: "
+                    + ", ".join(f"{op} {row[f'{op}_keys_per_s'] / 1e9:.3f} B/s" for op in OPS),
+                    flush=True,
+                )
                 del calls
             table = None  # freed before the next table is built
             continue
@@ -183,8 +201,11 @@ def run(cfg: Config) -> List[Dict[str, object]]:
             row[f"{op}_keys_per_s"] = cfg.batch / sec
         if not cfg.baselines:
             results.append(row)
-            print(f"load factor {row['load_factor']:.2f}: " + ", ".join(
-                f"{op} {row[f'{op}_keys_per_s'] / 1e6:.1f} M/s" for op in OPS), flush=True)
+            print(
+                f"load factor {row['load_factor']:.2f}: "
+                + ", ".join(f"{op} {row[f'{op}_keys_per_s'] / 1e6:.1f} M/s" for op in OPS),
+                flush=True,
+            )
             table = None  # freed before the next table is built
             continue
         resident_cpu = resident.cpu()
@@ -195,18 +216,24 @@ def run(cfg: Config) -> List[Dict[str, object]]:
                     index = make(resident_cpu)
                     sec = median_seconds(lambda: index.find(q), cfg.baseline_repeats)
                 else:
-                    sec = median_seconds(lambda ix, op=op: getattr(ix, op)(q), cfg.baseline_repeats,
-                                         setup=lambda: make(resident_cpu))
+                    sec = median_seconds(
+                        lambda ix, op=op: getattr(ix, op)(q), cfg.baseline_repeats, setup=lambda: make(resident_cpu)
+                    )
                 row[f"{name}_{op}_keys_per_s"] = cfg.batch / sec
         results.append(row)
-        print(f"load factor {row['load_factor']:.2f}: " + ", ".join(
-            f"{op} {row[f'{op}_keys_per_s'] / 1e6:.1f} M/s ({row[f'{op}_keys_per_s'] / row[f'dict_{op}_keys_per_s']:.0f}x dict)"
-            for op in OPS), flush=True)
+        print(
+            f"load factor {row['load_factor']:.2f}: "
+            + ", ".join(
+                f"{op} {row[f'{op}_keys_per_s'] / 1e6:.1f} M/s ({row[f'{op}_keys_per_s'] / row[f'dict_{op}_keys_per_s']:.0f}x dict)"
+                for op in OPS
+            ),
+            flush=True,
+        )
         table = None  # freed before the next table is built
     return results
 
 
-def report_values(cfg: Config, results: List[Dict[str, object]]) -> str:
+def report_values(cfg: Config, results: list[dict[str, object]]) -> str:
     """The --hkv / --dims table: 10^9 keys/s per op, beside HKV's A100 figure where it has one."""
     header = ["load factor", "dim"] + [f"{op} B keys/s (× HKV A100)" for op in OPS]
     rows = []
@@ -217,36 +244,50 @@ def report_values(cfg: Config, results: List[Dict[str, object]]) -> str:
             ours = r[f"{op}_keys_per_s"] / 1e9
             cells.append(f"{ours:.3f}" + (f" ({ours / anchor[i]:.2f}×)" if anchor else ""))
         rows.append(cells)
-    device = torch.cuda.get_device_name() if cfg.device.startswith("cuda") else f"cpu ({torch.get_num_threads()} threads)"
+    device = (
+        torch.cuda.get_device_name() if cfg.device.startswith("cuda") else f"cpu ({torch.get_num_threads()} threads)"
+    )
     mix = f"{cfg.hit_rate:.0%} resident keys per call" if cfg.hit_rate >= 0 else "find all resident, upserts half"
-    title = (f"HashTable with values on {device}: capacity {cfg.capacity:,} slots, {cfg.batch:,} keys per call "
-             f"({mix}), LRU, float32 values gathered/scattered in the timed call (HierarchicalKV's workload), "
-             f"median of {cfg.repeats}")
-    note = ("HKV A100 figures (1x A100 80GB PCIe, its README) converted to 10^9 keys/s; HKV keeps the values "
-            "inside its table, we gather/scatter a separate [capacity + 1, dim] tensor by the returned rows.")
+    title = (
+        f"HashTable with values on {device}: capacity {cfg.capacity:,} slots, {cfg.batch:,} keys per call "
+        f"({mix}), LRU, float32 values gathered/scattered in the timed call (HierarchicalKV's workload), "
+        f"median of {cfg.repeats}"
+    )
+    note = (
+        "HKV A100 figures (1x A100 80GB PCIe, its README) converted to 10^9 keys/s; HKV keeps the values "
+        "inside its table, we gather/scatter a separate [capacity + 1, dim] tensor by the returned rows."
+    )
     return "\n".join([title, "", markdown_table(header, rows), "", note])
 
 
-def report(cfg: Config, results: List[Dict[str, object]]) -> str:
+def report(cfg: Config, results: list[dict[str, object]]) -> str:
     if cfg.dims != (0,):
         return report_values(cfg, results)
     header = ["load factor"] + [f"{op} M keys/s (× dict, × sorted)" for op in OPS]
     rows = []
-    for r in (results if cfg.baselines else []):
+    for r in results if cfg.baselines else []:
         cells = [f"{r['load_factor']:.2f}"]
         for op in OPS:
             ours = r[f"{op}_keys_per_s"]
-            cells.append(f"{ours / 1e6:.1f} ({ours / r[f'dict_{op}_keys_per_s']:.0f}×, {ours / r[f'sorted_{op}_keys_per_s']:.1f}×)")
+            cells.append(
+                f"{ours / 1e6:.1f} ({ours / r[f'dict_{op}_keys_per_s']:.0f}×, {ours / r[f'sorted_{op}_keys_per_s']:.1f}×)"
+            )
         rows.append(cells)
     if not cfg.baselines:
         rows = [[f"{r['load_factor']:.2f}"] + [f"{r[f'{op}_keys_per_s'] / 1e6:.1f}" for op in OPS] for r in results]
         header = ["load factor"] + [f"{op} M keys/s" for op in OPS]
     base = [] if not cfg.baselines else ["", "Baselines, M keys/s (dict / sorted):"]
-    for r in (results if cfg.baselines else []):
-        base.append(f"- load factor {r['load_factor']:.2f}: " + "; ".join(
-            f"{op} {r[f'dict_{op}_keys_per_s'] / 1e6:.2f} / {r[f'sorted_{op}_keys_per_s'] / 1e6:.2f}" for op in OPS))
-    title = (f"HashTable on {cfg.device} ({torch.get_num_threads()} threads): capacity {cfg.capacity:,} slots, "
-             f"{cfg.batch:,} keys per call, LRU, median of {cfg.repeats}")
+    for r in results if cfg.baselines else []:
+        base.append(
+            f"- load factor {r['load_factor']:.2f}: "
+            + "; ".join(
+                f"{op} {r[f'dict_{op}_keys_per_s'] / 1e6:.2f} / {r[f'sorted_{op}_keys_per_s'] / 1e6:.2f}" for op in OPS
+            )
+        )
+    title = (
+        f"HashTable on {cfg.device} ({torch.get_num_threads()} threads): capacity {cfg.capacity:,} slots, "
+        f"{cfg.batch:,} keys per call, LRU, median of {cfg.repeats}"
+    )
     return "\n".join([title, "", markdown_table(header, rows)] + base)
 
 
@@ -257,16 +298,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=Config.repeats)
     parser.add_argument("--load-factors", type=float, nargs="+", default=list(Config.load_factors))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--hkv", action="store_true", help="HierarchicalKV's configuration (see above); "
-                        "--capacity/--batch/--repeats/--load-factors/--dims given explicitly override it")
+    parser.add_argument(
+        "--hkv",
+        action="store_true",
+        help="HierarchicalKV's configuration (see above); "
+        "--capacity/--batch/--repeats/--load-factors/--dims given explicitly override it",
+    )
     parser.add_argument("--dims", type=int, nargs="+", default=None, help="value dims moved per call")
     parser.add_argument("--hit-rate", type=float, default=None, help="resident share of every call's keys")
     parser.add_argument("--no-baselines", action="store_true", help="skip the dict and sorted-array indexes")
     parser.add_argument("--no-save", action="store_true", help="print only; write nothing under results/")
     args = parser.parse_args()
     base = hkv_config(args.device) if args.hkv else Config(device=args.device)
-    given = {name: getattr(args, name) for name in ("capacity", "batch", "repeats")
-             if getattr(args, name) != getattr(Config, name)}
+    given = {
+        name: getattr(args, name)
+        for name in ("capacity", "batch", "repeats")
+        if getattr(args, name) != getattr(Config, name)
+    }
     if args.load_factors != list(Config.load_factors):
         given["load_factors"] = tuple(args.load_factors)
     if args.dims is not None:
@@ -280,8 +328,11 @@ def main() -> None:
     text = report(cfg, results)
     print(text)
     if not args.no_save:
-        save(f"hash_table_{cfg.device.split(':')[0]}{'_hkv' if cfg.hkv else ''}",
-             {"config": dataclasses.asdict(cfg), "results": results}, text)
+        save(
+            f"hash_table_{cfg.device.split(':')[0]}{'_hkv' if cfg.hkv else ''}",
+            {"config": dataclasses.asdict(cfg), "results": results},
+            text,
+        )
 
 
 if __name__ == "__main__":

@@ -12,18 +12,19 @@ all-reduce) gets its own, built identically.
     python benchmarks/bench_pipeline.py                 # re-launches itself under torchrun, 2 ranks
     python benchmarks/bench_pipeline.py --rows 10000 --batch 256 --steps 5 --rounds 1 --no-save   # smoke
 """
+
 import dataclasses
 import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict, Iterator, List
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_table, parse_config, save  # noqa: E402
+from common import markdown_table, parse_config, save
 
 
 @dataclasses.dataclass
@@ -57,7 +58,8 @@ def batch_stream(cfg: Config, rank: int, count: int) -> Iterator:
         yield Batch(
             dense_features=torch.randn(cfg.batch, cfg.dense_in, generator=gen),
             sparse_features=KeyedJaggedTensor.from_lengths_sync(
-                keys=[f"f{i}" for i in range(cfg.tables)], values=ids % cfg.rows, lengths=lengths),
+                keys=[f"f{i}" for i in range(cfg.tables)], values=ids % cfg.rows, lengths=lengths
+            ),
             labels=torch.randint(0, 2, (cfg.batch,), generator=gen).float(),
         )
 
@@ -75,20 +77,40 @@ def make_model(cfg: Config, device: torch.device):
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     torch.manual_seed(cfg.seed)
-    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=cfg.dim, num_embeddings=cfg.rows,
-                                 feature_names=[f"f{i}"]) for i in range(cfg.tables)]
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=cfg.dim, num_embeddings=cfg.rows, feature_names=[f"f{i}"])
+        for i in range(cfg.tables)
+    ]
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-    model = DLRMTrain(DLRM_DCN(embedding_bag_collection=ebc, dense_in_features=cfg.dense_in,
-                               dense_arch_layer_sizes=[128, cfg.dim], over_arch_layer_sizes=[256, 128, 1],
-                               dcn_num_layers=2, dcn_low_rank_dim=64, dense_device=device))
+    model = DLRMTrain(
+        DLRM_DCN(
+            embedding_bag_collection=ebc,
+            dense_in_features=cfg.dense_in,
+            dense_arch_layer_sizes=[128, cfg.dim],
+            over_arch_layer_sizes=[256, 128, 1],
+            dcn_num_layers=2,
+            dcn_low_rank_dim=64,
+            dense_device=device,
+        )
+    )
     apply_optimizer_in_backward(torch.optim.Adagrad, model.model.sparse_arch.parameters(), {"lr": 0.01})
     world = dist.get_world_size()
-    plan = construct_module_sharding_plan(ebc, per_param_sharding={t.name: row_wise() for t in tables},
-                                          local_size=world, world_size=world, device_type=device.type)
-    dmp = DistributedModelParallel(model, device=device, sharders=[EmbeddingBagCollectionSharder()],
-                                   plan=ShardingPlan({"model.sparse_arch.embedding_bag_collection": plan}))
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda params: torch.optim.Adagrad(params, lr=0.01))
+    plan = construct_module_sharding_plan(
+        ebc,
+        per_param_sharding={t.name: row_wise() for t in tables},
+        local_size=world,
+        world_size=world,
+        device_type=device.type,
+    )
+    dmp = DistributedModelParallel(
+        model,
+        device=device,
+        sharders=[EmbeddingBagCollectionSharder()],
+        plan=ShardingPlan({"model.sparse_arch.embedding_bag_collection": plan}),
+    )
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda params: torch.optim.Adagrad(params, lr=0.01)
+    )
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
 
 
@@ -123,10 +145,11 @@ def plain_loop(model, optimizer, device) -> Callable:
         loss, _ = model(batch)
         loss.backward()
         optimizer.step()
+
     return step
 
 
-def time_candidates(cfg: Config, device, source, shared, ours, round_index: int) -> Dict[str, float]:
+def time_candidates(cfg: Config, device, source, shared, ours, round_index: int) -> dict[str, float]:
     """One round: seconds per step of each loop. TorchRec's pipelines are detached after their
     run (they rewrite the shared model's sharded forwards). The loops take turns in an order
     rotated every round, so none always runs first after the other model warmed the caches."""
@@ -141,25 +164,37 @@ def time_candidates(cfg: Config, device, source, shared, ours, round_index: int)
             if hasattr(pipeline, "detach"):
                 pipeline.detach()
             return seconds
+
         return run
 
     def our_loop(options):
         def run() -> float:
             with TrainPipeline(ours[0], ours[1], device, options) as pipeline:
                 return time_loop(pipeline.progress, source, cfg.warmup)
+
         return run
 
-    loops = {"plain loop": lambda: time_loop(plain_loop(*shared, device), source, cfg.warmup),
-             "TorchRec TrainPipelineBase": torchrec_loop(TrainPipelineBase),
-             "TorchRec TrainPipelineSparseDist": torchrec_loop(TrainPipelineSparseDist),
-             "torchrec_ext TrainPipeline": our_loop(PipelineOptions())}
+    loops = {
+        "plain loop": lambda: time_loop(plain_loop(*shared, device), source, cfg.warmup),
+        "TorchRec TrainPipelineBase": torchrec_loop(TrainPipelineBase),
+        "TorchRec TrainPipelineSparseDist": torchrec_loop(TrainPipelineSparseDist),
+        "torchrec_ext TrainPipeline": our_loop(PipelineOptions()),
+    }
     if cfg.ablation:  # each thread stage forced on and off, whatever the defaults chose here
-        loops.update({
-            "  ours, prefetch + input-dist threads": our_loop(PipelineOptions(prefetch_threads=2, threaded_input_dist=True)),
-            "  ours, prefetch threads only": our_loop(PipelineOptions(prefetch_threads=2, threaded_input_dist=False)),
-            "  ours, input-dist thread only": our_loop(PipelineOptions(prefetch_threads=0, threaded_input_dist=True)),
-            "  ours, no threads": our_loop(PipelineOptions(prefetch_threads=0, threaded_input_dist=False)),
-        })
+        loops.update(
+            {
+                "  ours, prefetch + input-dist threads": our_loop(
+                    PipelineOptions(prefetch_threads=2, threaded_input_dist=True)
+                ),
+                "  ours, prefetch threads only": our_loop(
+                    PipelineOptions(prefetch_threads=2, threaded_input_dist=False)
+                ),
+                "  ours, input-dist thread only": our_loop(
+                    PipelineOptions(prefetch_threads=0, threaded_input_dist=True)
+                ),
+                "  ours, no threads": our_loop(PipelineOptions(prefetch_threads=0, threaded_input_dist=False)),
+            }
+        )
     names = list(loops)
     shift = round_index % len(names)
     timed = {name: loops[name]() for name in names[shift:] + names[:shift]}
@@ -167,7 +202,9 @@ def time_candidates(cfg: Config, device, source, shared, ours, round_index: int)
 
 
 def worker(cfg: Config, save_results: bool) -> None:
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    )
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend)
     if device.type == "cuda":
@@ -178,11 +215,11 @@ def worker(cfg: Config, save_results: bool) -> None:
     count = cfg.warmup + cfg.steps
     if cfg.in_memory:
         batches = list(batch_stream(cfg, rank, count))
-        source = lambda: iter(batches)  # noqa: E731
+        source = lambda: iter(batches)
     else:
-        source = lambda: batch_stream(cfg, rank, count)  # noqa: E731
+        source = lambda: batch_stream(cfg, rank, count)
     shared, ours = make_model(cfg, device), make_model(cfg, device)
-    times: Dict[str, List[float]] = {}
+    times: dict[str, list[float]] = {}
     for r in range(cfg.rounds):
         for name, seconds in time_candidates(cfg, device, source, shared, ours, r).items():
             times.setdefault(name, []).append(seconds)
@@ -192,15 +229,24 @@ def worker(cfg: Config, save_results: bool) -> None:
         med = {name: statistics.median(t) for name, t in times.items()}
         base = med["TorchRec TrainPipelineSparseDist"]
         rows = [[name, f"{ms * 1e3:.1f}", f"{ms / base:.3f}"] for name, ms in med.items()]
-        text = (f"DLRM_DCN step time, {dist.get_world_size()} ranks on {device.type} ({backend}), "
-                f"{cfg.tables} tables x {cfg.rows:,} rows x dim {cfg.dim} row-wise, batch {cfg.batch} per rank, "
-                f"median of {cfg.rounds} rounds of {cfg.steps} steps, batches "
-                f"{'prebuilt in memory' if cfg.in_memory else 'built as the loop asks (a reader)'}\n\n"
-                + markdown_table(["loop", "ms / step", "× TrainPipelineSparseDist"], rows))
+        text = (
+            f"DLRM_DCN step time, {dist.get_world_size()} ranks on {device.type} ({backend}), "
+            f"{cfg.tables} tables x {cfg.rows:,} rows x dim {cfg.dim} row-wise, batch {cfg.batch} per rank, "
+            f"median of {cfg.rounds} rounds of {cfg.steps} steps, batches "
+            f"{'prebuilt in memory' if cfg.in_memory else 'built as the loop asks (a reader)'}\n\n"
+            + markdown_table(["loop", "ms / step", "× TrainPipelineSparseDist"], rows)
+        )
         print(text)
         if save_results:
-            save(f"pipeline_{device.type}{'_in_memory' if cfg.in_memory else ''}", {"config": dataclasses.asdict(cfg), "ms_per_step": {k: v * 1e3 for k, v in med.items()},
-                                             "world_size": dist.get_world_size()}, text)
+            save(
+                f"pipeline_{device.type}{'_in_memory' if cfg.in_memory else ''}",
+                {
+                    "config": dataclasses.asdict(cfg),
+                    "ms_per_step": {k: v * 1e3 for k, v in med.items()},
+                    "world_size": dist.get_world_size(),
+                },
+                text,
+            )
     dist.destroy_process_group()
 
 

@@ -13,21 +13,21 @@ last ids need long paths); at load 1.1 the ids beyond the rows are dropped, lowe
     python benchmarks/bench_reshard_placement.py              # saves results/reshard_placement_cpu.*
     python benchmarks/bench_reshard_placement.py --no-save    # print only
 """
+
 from __future__ import annotations
 
 import dataclasses
 import os
 import sys
 import time
-from typing import Dict, List
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_table, parse_config, save  # noqa: E402
+from common import markdown_table, parse_config, save
 
-from torchrec_ext.reference import bucket_pairs  # noqa: E402
-from torchrec_ext.table import place_keys, stash_slots  # noqa: E402
+from torchrec_ext.reference import bucket_pairs
+from torchrec_ext.table import place_keys, stash_slots
 
 
 @dataclasses.dataclass
@@ -57,8 +57,8 @@ def fewest_lost(keys: torch.Tensor, rows: torch.Tensor, capacity: int) -> int:
     return max(0, int((region[first] & region[second]).sum()) - int(slots))
 
 
-def measure(capacity: int, load: float, gen: torch.Generator) -> Dict[str, object]:
-    keys = torch.randint(-2**62, 2**62, (int(capacity * load),), dtype=torch.int64, generator=gen).unique()
+def measure(capacity: int, load: float, gen: torch.Generator) -> dict[str, object]:
+    keys = torch.randint(-(2**62), 2**62, (int(capacity * load),), dtype=torch.int64, generator=gen).unique()
     scores = torch.randint(0, 1 << 20, (keys.numel(),), dtype=torch.int64, generator=gen)
     start = time.perf_counter()
     rows = place_keys(keys, scores, capacity)
@@ -69,41 +69,81 @@ def measure(capacity: int, load: float, gen: torch.Generator) -> Dict[str, objec
     first, second = bucket_pairs(keys, capacity)
     in_buckets = (rows >= 0) & ((rows // 32 == first) | (rows // 32 == second))
     stashed = int(((rows >= 0) & ~in_buckets).sum())
-    bound = max(keys.numel() - capacity,
-                fewest_lost(keys, torch.where(in_buckets, rows, -1), capacity) - stash_slots(capacity)) if lost else 0
-    return {"capacity": capacity, "load": load, "ids": keys.numel(), "lost_ids": lost, "stashed_ids": stashed,
-            "fewest_lost": max(0, bound), "lost_percent": 100.0 * lost / keys.numel(), "seconds": seconds}
+    bound = (
+        max(
+            keys.numel() - capacity,
+            fewest_lost(keys, torch.where(in_buckets, rows, -1), capacity) - stash_slots(capacity),
+        )
+        if lost
+        else 0
+    )
+    return {
+        "capacity": capacity,
+        "load": load,
+        "ids": keys.numel(),
+        "lost_ids": lost,
+        "stashed_ids": stashed,
+        "fewest_lost": max(0, bound),
+        "lost_percent": 100.0 * lost / keys.numel(),
+        "seconds": seconds,
+    }
 
 
 def main() -> None:
     cfg, save_results = parse_config(Config, __doc__)
     gen = torch.Generator().manual_seed(cfg.seed)
     load_before = os.getloadavg()
-    results: List[Dict[str, object]] = []
+    results: list[dict[str, object]] = []
     for capacity in (int(c) for c in cfg.capacities.split(",")):
         for load in (float(x) for x in cfg.loads.split(",")):
             results.append(measure(capacity, load, gen))
             r = results[-1]
-            print(f"capacity {capacity:,} load {load}: {r['lost_ids']:,} of {r['ids']:,} ids not placed "
-                  f"({r['lost_percent']:.3f}%, no placement fewer than {r['fewest_lost']:,}; "
-                  f"{r['stashed_ids']:,} in the stash; {r['seconds']:.2f} s)", flush=True)
-    rows = [[f"{r['capacity']:,}", r["load"], f"{r['ids']:,}", f"{r['lost_ids']:,}", f"{r['fewest_lost']:,}",
-             f"{r['stashed_ids']:,}", f"{r['lost_percent']:.3f}%", f"{r['seconds']:.2f}"] for r in results]
+            print(
+                f"capacity {capacity:,} load {load}: {r['lost_ids']:,} of {r['ids']:,} ids not placed "
+                f"({r['lost_percent']:.3f}%, no placement fewer than {r['fewest_lost']:,}; "
+                f"{r['stashed_ids']:,} in the stash; {r['seconds']:.2f} s)",
+                flush=True,
+            )
+    rows = [
+        [
+            f"{r['capacity']:,}",
+            r["load"],
+            f"{r['ids']:,}",
+            f"{r['lost_ids']:,}",
+            f"{r['fewest_lost']:,}",
+            f"{r['stashed_ids']:,}",
+            f"{r['lost_percent']:.3f}%",
+            f"{r['seconds']:.2f}",
+        ]
+        for r in results
+    ]
     load_after = os.getloadavg()
-    text = "\n".join([
-        "Ids left out when re-placing random distinct ids into an empty table (place_keys, as a reshard's "
-        "load_state_dict does), by capacity and load, and the seconds it took "
-        f"(CPU, {torch.get_num_threads()} threads; the search is sequential). Load average (1, 5, 15 min) "
-        f"{tuple(round(x, 2) for x in load_before)} before, {tuple(round(x, 2) for x in load_after)} after "
-        "(2 cores shared with other work). \"fewest possible\": the ids no placement can hold, proved by Hall's "
-        "condition (the buckets the left-out ids reach hold fewer rows than the ids whose two buckets lie in them), "
-        "less the stash's entries; \"in the stash\": ids placed in rows outside their buckets.",
-        "", markdown_table(["capacity", "load", "ids", "not placed", "fewest possible", "in the stash", "share",
-                            "seconds"], rows)])
+    text = "\n".join(
+        [
+            "Ids left out when re-placing random distinct ids into an empty table (place_keys, as a reshard's "
+            "load_state_dict does), by capacity and load, and the seconds it took "
+            f"(CPU, {torch.get_num_threads()} threads; the search is sequential). Load average (1, 5, 15 min) "
+            f"{tuple(round(x, 2) for x in load_before)} before, {tuple(round(x, 2) for x in load_after)} after "
+            '(2 cores shared with other work). "fewest possible": the ids no placement can hold, proved by Hall\'s '
+            "condition (the buckets the left-out ids reach hold fewer rows than the ids whose two buckets lie in them), "
+            'less the stash\'s entries; "in the stash": ids placed in rows outside their buckets.',
+            "",
+            markdown_table(
+                ["capacity", "load", "ids", "not placed", "fewest possible", "in the stash", "share", "seconds"], rows
+            ),
+        ]
+    )
     print(text)
     if save_results:
-        save("reshard_placement_cpu", {"config": dataclasses.asdict(cfg), "results": results,
-                                       "load_average": {"before": load_before, "after": load_after}}, text)
+        save(
+            "reshard_placement_cpu",
+            {
+                "config": dataclasses.asdict(cfg),
+                "results": results,
+                "load_average": {"before": load_before, "after": load_after},
+            },
+            text,
+        )
 
 
 if __name__ == "__main__":

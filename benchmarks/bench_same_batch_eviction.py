@@ -13,20 +13,20 @@ starts from a fresh table. Speed is bench_hash_table.py's job.
     python benchmarks/bench_same_batch_eviction.py --label before-fix    # tag a run (kept as a row in the report)
     python benchmarks/bench_same_batch_eviction.py --calls 5 --no-save   # smoke
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
 import sys
-from typing import Dict, List
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS_DIR, markdown_table, parse_config, save  # noqa: E402
+from common import RESULTS_DIR, markdown_table, parse_config, save
 
-from torchrec_ext import HashTable  # noqa: E402
+from torchrec_ext import HashTable
 
 # (batch, capacity) cases of issue 11.
 CASES = ((4096, 4096), (4096, 65536), (512, 65536))
@@ -53,7 +53,7 @@ def full_table(capacity: int, policy: str, gen: torch.Generator, device: str) ->
     return table
 
 
-def measure(policy: str, batch: int, capacity: int, cfg: Config, gen: torch.Generator) -> Dict[str, object]:
+def measure(policy: str, batch: int, capacity: int, cfg: Config, gen: torch.Generator) -> dict[str, object]:
     table = full_table(capacity, policy, gen, cfg.device)
     lost = resident_seen = 0
     for call in range(cfg.warmup_calls + cfg.calls):
@@ -69,19 +69,29 @@ def measure(policy: str, batch: int, capacity: int, cfg: Config, gen: torch.Gene
         lost += int(moved.sum())
         resident_seen += int(resident.sum())
     assert table.size() == capacity, "the table must stay full"
-    return {"policy": policy, "batch": batch, "capacity": capacity, "calls": cfg.calls,
-            "resident_ids": resident_seen, "lost_ids": lost, "lost_percent": 100.0 * lost / resident_seen}
+    return {
+        "policy": policy,
+        "batch": batch,
+        "capacity": capacity,
+        "calls": cfg.calls,
+        "resident_ids": resident_seen,
+        "lost_ids": lost,
+        "lost_percent": 100.0 * lost / resident_seen,
+    }
 
 
-def run(cfg: Config) -> List[Dict[str, object]]:
+def run(cfg: Config) -> list[dict[str, object]]:
     gen = torch.Generator().manual_seed(cfg.seed)
     results = []
     for policy in cfg.policies.split(","):
         for batch, capacity in CASES:
             r = measure(policy, batch, capacity, cfg, gen)
             results.append(r)
-            print(f"{policy} batch {batch} / capacity {capacity}: {r['lost_percent']:.2f}% of resident ids lost "
-                  f"per call ({r['lost_ids']} of {r['resident_ids']})", flush=True)
+            print(
+                f"{policy} batch {batch} / capacity {capacity}: {r['lost_percent']:.2f}% of resident ids lost "
+                f"per call ({r['lost_ids']} of {r['resident_ids']})",
+                flush=True,
+            )
     return results
 
 
@@ -89,10 +99,10 @@ def results_name(cfg: Config) -> str:
     return f"same_batch_eviction_{cfg.device.split(':')[0]}"
 
 
-def earlier_runs(cfg: Config) -> List[Dict[str, object]]:
+def earlier_runs(cfg: Config) -> list[dict[str, object]]:
     """The newest saved run of every other label, so the report compares them side by side."""
     path = os.path.join(RESULTS_DIR, f"{results_name(cfg)}.jsonl")
-    newest: Dict[str, Dict[str, object]] = {}
+    newest: dict[str, dict[str, object]] = {}
     if os.path.exists(path):
         with open(path) as f:
             for line in f:
@@ -102,15 +112,26 @@ def earlier_runs(cfg: Config) -> List[Dict[str, object]]:
     return list(newest.values())
 
 
-def report(cfg: Config, results: List[Dict[str, object]], earlier: List[Dict[str, object]]) -> str:
+def report(cfg: Config, results: list[dict[str, object]], earlier: list[dict[str, object]]) -> str:
     header = ["run", "policy", "batch", "capacity", "resident ids lost per call", "lost / resident ids"]
     runs = [(r["config"]["label"], r["time"], r["results"]) for r in earlier] + [(cfg.label, "this run", results)]
-    rows = [[f"{label} ({when})", r["policy"], f"{r['batch']:,}", f"{r['capacity']:,}", f"{r['lost_percent']:.2f}%",
-             f"{r['lost_ids']:,} / {r['resident_ids']:,}"]
-            for label, when, rs in runs for r in rs]
+    rows = [
+        [
+            f"{label} ({when})",
+            r["policy"],
+            f"{r['batch']:,}",
+            f"{r['capacity']:,}",
+            f"{r['lost_percent']:.2f}%",
+            f"{r['lost_ids']:,} / {r['resident_ids']:,}",
+        ]
+        for label, when, rs in runs
+        for r in rs
+    ]
     where = f"{cfg.device} ({torch.get_num_threads()} threads)" if cfg.device == "cpu" else torch.cuda.get_device_name()
-    title = (f"Resident ids lost to their own find_or_insert call, full HashTable on {where}: batches of distinct ids, half resident and half new in random order, "
-             f"{cfg.calls} calls per case after {cfg.warmup_calls} warm-up calls")
+    title = (
+        f"Resident ids lost to their own find_or_insert call, full HashTable on {where}: batches of distinct ids, half resident and half new in random order, "
+        f"{cfg.calls} calls per case after {cfg.warmup_calls} warm-up calls"
+    )
     return "\n".join([title, "", markdown_table(header, rows)])
 
 

@@ -32,6 +32,7 @@ tiny wrapper that DMP shards):
     python benchmarks/bench_sharded.py --batch-size 256 --rows 10000 --capacity 16384 \
         --repeats 2 --warmup 1 --no-save                     # smoke
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,14 +42,13 @@ import statistics
 import sys
 import time
 import warnings
-from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Built, markdown_table, parse_config, save, small_tables, tensor_bytes  # noqa: E402
+from common import Built, markdown_table, parse_config, save, small_tables, tensor_bytes
 
 SYSTEMS = ("ebc", "ours", "ours-full")  # the default; ours-cw on request
 LABELS = {
@@ -73,7 +73,7 @@ class Config:
     repeats: int = 10
     warmup: int = 3
     steps_per_repeat: int = 5
-    systems: Tuple[str, ...] = SYSTEMS
+    systems: tuple[str, ...] = SYSTEMS
     seed: int = 0
 
 
@@ -88,8 +88,6 @@ class Wrapper(nn.Module):
         return self.ebc(kjt)
 
 
-
-
 def build_ebc(cfg: Config) -> Built:
     from torchrec import EmbeddingBagCollection
     from torchrec.distributed import DistributedModelParallel
@@ -102,7 +100,7 @@ def build_ebc(cfg: Config) -> Built:
     class RowWiseCpuSharder(EmbeddingBagCollectionSharder):
         """TorchRec's EBC sharder offers row_wise only for cuda; fbgemm's CPU TBE runs it fine."""
 
-        def sharding_types(self, compute_device_type: str) -> List[str]:
+        def sharding_types(self, compute_device_type: str) -> list[str]:
             types = list(super().sharding_types(compute_device_type))
             return types + ["row_wise"] if "row_wise" not in types else types
 
@@ -111,25 +109,40 @@ def build_ebc(cfg: Config) -> Built:
     apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), {"lr": cfg.lr})
     sharder = RowWiseCpuSharder()
     plan = construct_module_sharding_plan(
-        model.ebc, {f"t{t}": row_wise(compute_kernel="fused") for t in range(cfg.num_tables)}, sharder=sharder,
-        local_size=world, world_size=world, device_type="cpu")
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=ShardingPlan({"ebc": plan}),
-                                   sharders=[sharder])
+        model.ebc,
+        {f"t{t}": row_wise(compute_kernel="fused") for t in range(cfg.num_tables)},
+        sharder=sharder,
+        local_size=world,
+        world_size=world,
+        device_type="cpu",
+    )
+    dmp = DistributedModelParallel(
+        model, device=torch.device("cpu"), plan=ShardingPlan({"ebc": plan}), sharders=[sharder]
+    )
     sharded = dmp.module.ebc
     picked = sorted({(p.sharding_type, p.compute_kernel) for p in plan.values()})
     # The sharded EBC keeps its lookups in a plain list (not submodules): walk them for the TBEs.
-    kernels = [getattr(m, "optimizer", None) for lookup in getattr(sharded, "_lookups", [])
-               for m in lookup.modules() if type(m).__name__ == "SplitTableBatchedEmbeddingBagsCodegen"]
-    if picked != [("row_wise", "fused")] or not kernels or \
-            any(getattr(o, "name", None) != "EXACT_ADAGRAD" for o in kernels):
+    kernels = [
+        getattr(m, "optimizer", None)
+        for lookup in getattr(sharded, "_lookups", [])
+        for m in lookup.modules()
+        if type(m).__name__ == "SplitTableBatchedEmbeddingBagsCodegen"
+    ]
+    if (
+        picked != [("row_wise", "fused")]
+        or not kernels
+        or any(getattr(o, "name", None) != "EXACT_ADAGRAD" for o in kernels)
+    ):
         raise RuntimeError(f"ebc: expected row_wise/fused fbgemm TBEs with EXACT_ADAGRAD, got {picked}, {kernels}")
-    note = (f"{type(sharded).__name__}, plan {picked}, {len(kernels)} SplitTableBatchedEmbeddingBagsCodegen "
-            f"per rank, {kernels[0].name}")
+    note = (
+        f"{type(sharded).__name__}, plan {picked}, {len(kernels)} SplitTableBatchedEmbeddingBagsCodegen "
+        f"per rank, {kernels[0].name}"
+    )
 
     def step(kjt) -> None:
         dmp(kjt).values().sum().backward()
 
-    def memory() -> Tuple[int, int, int]:
+    def memory() -> tuple[int, int, int]:
         rows = -(-cfg.rows // world) * cfg.num_tables
         return tensor_bytes(dmp.state_dict(), dmp.fused_optimizer.state_dict()["state"]), rows, rows
 
@@ -151,16 +164,29 @@ def build_ours(cfg: Config, prefill: bool = False, sharding: str = "row_wise") -
     world, rank = dist.get_world_size(), dist.get_rank()
     # On meta: the unsharded module never allocates its full tables; each rank's share is
     # allocated on cpu when DMP shards it.
-    model = Wrapper(DynamicEmbeddingBagCollection(small_tables(cfg, DynamicEmbeddingBagConfig, cfg.capacity),
-                                                  device=torch.device("meta"), optimizer=torch.optim.Adagrad,
-                                                  optimizer_kwargs={"lr": cfg.lr}))
-    generator = {"row_wise": lambda: row_wise(compute_kernel="customized_kernel"),
-                 "column_wise": lambda: column_wise(ranks=list(range(world)), compute_kernel="customized_kernel")}
+    model = Wrapper(
+        DynamicEmbeddingBagCollection(
+            small_tables(cfg, DynamicEmbeddingBagConfig, cfg.capacity),
+            device=torch.device("meta"),
+            optimizer=torch.optim.Adagrad,
+            optimizer_kwargs={"lr": cfg.lr},
+        )
+    )
+    generator = {
+        "row_wise": lambda: row_wise(compute_kernel="customized_kernel"),
+        "column_wise": lambda: column_wise(ranks=list(range(world)), compute_kernel="customized_kernel"),
+    }
     plan = construct_module_sharding_plan(
-        model.ebc, {f"t{t}": generator[sharding]() for t in range(cfg.num_tables)},
-        sharder=DynamicEmbeddingBagCollectionSharder(), local_size=world, world_size=world, device_type="cpu")
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=ShardingPlan({"ebc": plan}),
-                                   sharders=get_sharders())
+        model.ebc,
+        {f"t{t}": generator[sharding]() for t in range(cfg.num_tables)},
+        sharder=DynamicEmbeddingBagCollectionSharder(),
+        local_size=world,
+        world_size=world,
+        device_type="cpu",
+    )
+    dmp = DistributedModelParallel(
+        model, device=torch.device("cpu"), plan=ShardingPlan({"ebc": plan}), sharders=get_sharders()
+    )
     dmp.train()
     sharded = dmp.module.ebc
     local = sharded.local_module
@@ -187,17 +213,21 @@ def build_ours(cfg: Config, prefill: bool = False, sharding: str = "row_wise") -
     def step(kjt) -> None:
         dmp(kjt).values().sum().backward()
 
-    def memory() -> Tuple[int, int, int]:
+    def memory() -> tuple[int, int, int]:
         return local.storage_bytes(), local.num_live_rows(), local_slots
 
     return Built(step, memory, note=note)
 
 
-BUILDERS = {"ebc": build_ebc, "ours": build_ours, "ours-full": lambda cfg: build_ours(cfg, prefill=True),
-            "ours-cw": lambda cfg: build_ours(cfg, sharding="column_wise")}
+BUILDERS = {
+    "ebc": build_ebc,
+    "ours": build_ours,
+    "ours-full": lambda cfg: build_ours(cfg, prefill=True),
+    "ours-cw": lambda cfg: build_ours(cfg, sharding="column_wise"),
+}
 
 
-def time_systems(built: Dict[str, Built], cfg: Config, raw: List) -> Dict[str, Dict[str, object]]:
+def time_systems(built: dict[str, Built], cfg: Config, raw: list) -> dict[str, dict[str, object]]:
     """This rank's median seconds per step of each system. Rounds interleave the systems (in an
     order rotated every round), so drift in the machine's load hits them alike; each timed repeat
     of `steps_per_repeat` steps starts and ends at a barrier."""
@@ -205,10 +235,10 @@ def time_systems(built: Dict[str, Built], cfg: Config, raw: List) -> Dict[str, D
     rounds = cfg.warmup + cfg.repeats
     batches = {name: [b.batch_of(kjt) for kjt in raw[: rounds * n]] for name, b in built.items()}
     names = list(built)
-    times: Dict[str, List[float]] = {name: [] for name in names}
+    times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(rounds):
-        for name in names[i % len(names):] + names[: i % len(names)]:
-            chunk = batches[name][i * n: (i + 1) * n]
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            chunk = batches[name][i * n : (i + 1) * n]
             dist.barrier()
             start = time.perf_counter()
             for kjt in chunk:
@@ -220,37 +250,51 @@ def time_systems(built: Dict[str, Built], cfg: Config, raw: List) -> Dict[str, D
     for name in names:
         nbytes, live, slots = built[name].memory()
         ids_per_step = sum(int(b.values().numel()) for b in batches[name]) / len(batches[name])
-        out[name] = {"sec": statistics.median(times[name]) / n, "ids_per_step": ids_per_step, "bytes": nbytes,
-                     "live_rows": live, "slots": slots, "note": built[name].note}
+        out[name] = {
+            "sec": statistics.median(times[name]) / n,
+            "ids_per_step": ids_per_step,
+            "bytes": nbytes,
+            "live_rows": live,
+            "slots": slots,
+            "note": built[name].note,
+        }
     return out
 
 
-def gather(obj) -> List:
+def gather(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
 
 
-def run(cfg: Config) -> Tuple[Dict[str, Dict[str, object]], Dict[str, object]]:
+def run(cfg: Config) -> tuple[dict[str, dict[str, object]], dict[str, object]]:
     from torchrec_ext.data import dlrm_small_batch
 
     world, rank = dist.get_world_size(), dist.get_rank()
     steps = (cfg.warmup + cfg.repeats) * cfg.steps_per_repeat
-    make = lambda i: dlrm_small_batch(i * world + rank, cfg.num_tables, cfg.batch_size, cfg.max_bag,  # noqa: E731
-                                      cfg.seed, alpha=cfg.alpha, id_bits=cfg.id_bits)
+    make = lambda i: dlrm_small_batch(
+        i * world + rank, cfg.num_tables, cfg.batch_size, cfg.max_bag, cfg.seed, alpha=cfg.alpha, id_bits=cfg.id_bits
+    )
     raw = [make(0)]  # the first call also imports torchrec's KJT: not timed
     start = time.perf_counter()
     raw += [make(i) for i in range(1, steps)]
     gen_ms = (time.perf_counter() - start) / max(steps - 1, 1) * 1e3
     first = raw[0]
     unique = sum(int(torch.unique(jt.values()).numel()) for jt in first.to_dict().values()) / first.values().numel()
-    data = {"ids_per_step_per_rank": int(first.values().numel()), "unique_fraction_per_table": unique,
-            "batch_build_ms": gen_ms, "batches_per_rank": steps}
+    data = {
+        "ids_per_step_per_rank": int(first.values().numel()),
+        "unique_fraction_per_table": unique,
+        "batch_build_ms": gen_ms,
+        "batches_per_rank": steps,
+    }
     if rank == 0:
-        print(f"{steps} batches per rank of {data['ids_per_step_per_rank']:,} ids ({unique:.0%} distinct per table), "
-              f"built in {gen_ms:.1f} ms each", flush=True)
-    built: Dict[str, Built] = {}
-    build_s: Dict[str, float] = {}
+        print(
+            f"{steps} batches per rank of {data['ids_per_step_per_rank']:,} ids ({unique:.0%} distinct per table), "
+            f"built in {gen_ms:.1f} ms each",
+            flush=True,
+        )
+    built: dict[str, Built] = {}
+    build_s: dict[str, float] = {}
     for name in cfg.systems:  # all held at once (~2 GiB per system per rank at the defaults)
         start = time.perf_counter()
         built[name] = BUILDERS[name](cfg)
@@ -259,44 +303,69 @@ def run(cfg: Config) -> Tuple[Dict[str, Dict[str, object]], Dict[str, object]]:
     del built
     gc.collect()
     per_rank = gather(mine)
-    results: Dict[str, Dict[str, object]] = {}
+    results: dict[str, dict[str, object]] = {}
     for name in cfg.systems:
         ranks = [p[name] for p in per_rank]
         sec = max(r["sec"] for r in ranks)  # the ranks wait on each other: the slower one is the step
         ids = sum(r["ids_per_step"] for r in ranks)
         results[name] = {
-            "ms_per_step": sec * 1e3, "ms_per_step_per_rank": [r["sec"] * 1e3 for r in ranks],
-            "ids_per_s": ids / sec, "bytes_per_rank": [r["bytes"] for r in ranks],
-            "live_rows": sum(r["live_rows"] for r in ranks), "slots": sum(r["slots"] for r in ranks),
-            "build_s": build_s[name], "note": "; ".join(dict.fromkeys(r["note"] for r in ranks)),
+            "ms_per_step": sec * 1e3,
+            "ms_per_step_per_rank": [r["sec"] * 1e3 for r in ranks],
+            "ids_per_s": ids / sec,
+            "bytes_per_rank": [r["bytes"] for r in ranks],
+            "live_rows": sum(r["live_rows"] for r in ranks),
+            "slots": sum(r["slots"] for r in ranks),
+            "build_s": build_s[name],
+            "note": "; ".join(dict.fromkeys(r["note"] for r in ranks)),
         }
         if rank == 0:
             r = results[name]
-            print(f"{name}: {r['ms_per_step']:.1f} ms/step (ranks: "
-                  + ", ".join(f"{ms:.1f}" for ms in r["ms_per_step_per_rank"])
-                  + f"), built in {r['build_s']:.0f} s, {r['live_rows']:,} / {r['slots']:,} rows live"
-                  + (f" ({r['note']})" if r["note"] else ""), flush=True)
+            print(
+                f"{name}: {r['ms_per_step']:.1f} ms/step (ranks: "
+                + ", ".join(f"{ms:.1f}" for ms in r["ms_per_step_per_rank"])
+                + f"), built in {r['build_s']:.0f} s, {r['live_rows']:,} / {r['slots']:,} rows live"
+                + (f" ({r['note']})" if r["note"] else ""),
+                flush=True,
+            )
     return results, data
 
 
-def report(cfg: Config, results: Dict[str, Dict[str, object]], data: Dict[str, object]) -> str:
+def report(cfg: Config, results: dict[str, dict[str, object]], data: dict[str, object]) -> str:
     world = dist.get_world_size()
     base = results.get("ebc", {}).get("ms_per_step")
     rows = []
     for name, r in results.items():
         ratio = f"{r['ms_per_step'] / base:.2f}" if base else ""
-        rows.append([name, LABELS[name], f"{r['ms_per_step']:.1f}", ratio, f"{r['ids_per_s'] / 1e6:.2f}",
-                     f"{r['live_rows']:,} / {r['slots']:,}", f"{max(r['bytes_per_rank']) / 2**20:,.0f}"])
-    title = (f"dlrm-small train step, {world} ranks on cpu (torchrun, gloo, {torch.get_num_threads()} thread(s) "
-             f"per rank), {'row_wise (ours-cw: column_wise)' if 'ours-cw' in results else 'row_wise'} under "
-             f"DistributedModelParallel: {cfg.num_tables} tables x dim {cfg.dim}, "
-             f"batch {cfg.batch_size} per table per rank, bags 1..{cfg.max_bag}, "
-             f"ids Zipf({cfg.alpha}) over 2^{cfg.id_bits} "
-             f"({data['ids_per_step_per_rank']:,} ids/step per rank, {data['unique_fraction_per_table']:.0%} distinct "
-             f"per table); median of {cfg.repeats} rounds x {cfg.steps_per_repeat} steps after {cfg.warmup} warm-up "
-             f"rounds, the systems interleaved within each round, slower rank; a fresh batch every step")
-    header = ["system", "what", "ms / step", "× row-wise EBC", "M ids/s (all ranks)",
-              "live rows / capacity (all ranks)", "MiB per rank"]
+        rows.append(
+            [
+                name,
+                LABELS[name],
+                f"{r['ms_per_step']:.1f}",
+                ratio,
+                f"{r['ids_per_s'] / 1e6:.2f}",
+                f"{r['live_rows']:,} / {r['slots']:,}",
+                f"{max(r['bytes_per_rank']) / 2**20:,.0f}",
+            ]
+        )
+    title = (
+        f"dlrm-small train step, {world} ranks on cpu (torchrun, gloo, {torch.get_num_threads()} thread(s) "
+        f"per rank), {'row_wise (ours-cw: column_wise)' if 'ours-cw' in results else 'row_wise'} under "
+        f"DistributedModelParallel: {cfg.num_tables} tables x dim {cfg.dim}, "
+        f"batch {cfg.batch_size} per table per rank, bags 1..{cfg.max_bag}, "
+        f"ids Zipf({cfg.alpha}) over 2^{cfg.id_bits} "
+        f"({data['ids_per_step_per_rank']:,} ids/step per rank, {data['unique_fraction_per_table']:.0%} distinct "
+        f"per table); median of {cfg.repeats} rounds x {cfg.steps_per_repeat} steps after {cfg.warmup} warm-up "
+        f"rounds, the systems interleaved within each round, slower rank; a fresh batch every step"
+    )
+    header = [
+        "system",
+        "what",
+        "ms / step",
+        "× row-wise EBC",
+        "M ids/s (all ranks)",
+        "live rows / capacity (all ranks)",
+        "MiB per rank",
+    ]
     notes = [f"- {name}: {r['note']}" for name, r in results.items() if r.get("note")]
     return "\n".join([title, "", markdown_table(header, rows), ""] + notes)
 
@@ -310,8 +379,17 @@ def worker(cfg: Config, save_results: bool) -> None:
         text = report(cfg, results, data)
         print(text)
         if save_results:
-            save("sharded_cpu", {"config": dataclasses.asdict(cfg), "world_size": dist.get_world_size(),
-                                 "threads_per_rank": torch.get_num_threads(), "data": data, "results": results}, text)
+            save(
+                "sharded_cpu",
+                {
+                    "config": dataclasses.asdict(cfg),
+                    "world_size": dist.get_world_size(),
+                    "threads_per_rank": torch.get_num_threads(),
+                    "data": data,
+                    "results": results,
+                },
+                text,
+            )
     dist.barrier()
     dist.destroy_process_group()
 

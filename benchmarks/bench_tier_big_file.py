@@ -8,6 +8,7 @@ read from it, write-backs are throttled to its write rate).
 
     python benchmarks/bench_tier_big_file.py --backing-dir /path/on/local/disk   # saves results/tier_big_file.{md,jsonl}
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,8 +71,9 @@ def _run(cfg: Config, directory: str) -> dict[str, object]:
     module = DynamicEmbeddingBagCollection(tables, optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": 0.01})
     made_s = time.perf_counter() - start
     files = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory) if f.endswith(".rows"))
-    make = lambda i: dlrm_small_batch(i, cfg.num_tables, cfg.batch_size, cfg.max_bag, 0,  # noqa: E731
-                                      alpha=cfg.alpha, id_bits=cfg.id_bits)
+    make = lambda i: dlrm_small_batch(
+        i, cfg.num_tables, cfg.batch_size, cfg.max_bag, 0, alpha=cfg.alpha, id_bits=cfg.id_bits
+    )
     batches = [make(i) for i in range(cfg.steps + 1)]
     step_ms = []
     for i in range(cfg.steps):
@@ -85,34 +87,45 @@ def _run(cfg: Config, directory: str) -> dict[str, object]:
     checkpoint_s = time.perf_counter() - start
     weights = sum(v.numel() for k, v in state.items() if k.endswith(".weight"))
     stats = module.table_stats().values()
-    return {"backing_file_bytes": files, "mem_available_before": available, "mem_total": _meminfo()["MemTotal"],
-            "disk_free_before": disk.free, "files_made_s": made_s, "step_ms": step_ms,
-            "fast_memory_bytes": module.storage_bytes(), "live_rows": module.num_live_rows(),
-            "state_dict_s": checkpoint_s, "state_dict_weight_elements": weights,
-            "cache_slots": sum(s.cache_slots for s in stats), "capacity_rows": cfg.capacity * cfg.num_tables,
-            "process_memory": process_memory(), "finite": bool(all(torch.isfinite(v).all() for v in state.values()
-                                                          if v.is_floating_point()))}
+    return {
+        "backing_file_bytes": files,
+        "mem_available_before": available,
+        "mem_total": _meminfo()["MemTotal"],
+        "disk_free_before": disk.free,
+        "files_made_s": made_s,
+        "step_ms": step_ms,
+        "fast_memory_bytes": module.storage_bytes(),
+        "live_rows": module.num_live_rows(),
+        "state_dict_s": checkpoint_s,
+        "state_dict_weight_elements": weights,
+        "cache_slots": sum(s.cache_slots for s in stats),
+        "capacity_rows": cfg.capacity * cfg.num_tables,
+        "process_memory": process_memory(),
+        "finite": bool(all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())),
+    }
 
 
 def report(cfg: Config, r: dict[str, object]) -> str:
-    gib = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+    gib = lambda b: f"{b / GIB:.1f} GiB"
     mem = r["process_memory"]
     steps = ", ".join(f"{ms:.0f}" for ms in r["step_ms"])
-    return "\n".join([
-        f"A file-backed table larger than free RAM, trained (cpu, {torch.get_num_threads()} threads): {cfg.num_tables} "
-        f"tables x dim {cfg.dim} x {cfg.capacity:,} rows, fused Adagrad, cache_load_factor {cfg.cache_load_factor}, "
-        f"dlrm-small batches ({cfg.batch_size} bags per table), the next batch staged each step",
-        "",
-        f"- backing files {gib(r['backing_file_bytes'])} (vectors + Adagrad state, {r['capacity_rows']:,} rows) vs "
-        f"MemAvailable {gib(r['mem_available_before'])} before the run (MemTotal {gib(r['mem_total'])}): larger "
-        f"than free RAM: {r['backing_file_bytes'] > r['mem_available_before']}; disk free "
-        f"before {gib(r['disk_free_before'])}; files made (reserved, written with zeros, synced) in {r['files_made_s']:.1f} s",
-        f"- {len(r['step_ms'])} steps trained, ms each: {steps}; {r['live_rows']:,} live rows; cache "
-        f"{r['cache_slots']:,} slots; state_dict (all rows of both tiers) in {r['state_dict_s']:.1f} s, all values finite: "
-        f"{r['finite']}",
-        f"- fast memory (cache + index) {gib(r['fast_memory_bytes'])}; process memory at the end: VmRSS "
-        f"{gib(mem.get('VmRSS', 0))} = anonymous {gib(mem.get('RssAnon', 0))} + file pages {gib(mem.get('RssFile', 0))}",
-    ])
+    return "\n".join(
+        [
+            f"A file-backed table larger than free RAM, trained (cpu, {torch.get_num_threads()} threads): {cfg.num_tables} "
+            f"tables x dim {cfg.dim} x {cfg.capacity:,} rows, fused Adagrad, cache_load_factor {cfg.cache_load_factor}, "
+            f"dlrm-small batches ({cfg.batch_size} bags per table), the next batch staged each step",
+            "",
+            f"- backing files {gib(r['backing_file_bytes'])} (vectors + Adagrad state, {r['capacity_rows']:,} rows) vs "
+            f"MemAvailable {gib(r['mem_available_before'])} before the run (MemTotal {gib(r['mem_total'])}): larger "
+            f"than free RAM: {r['backing_file_bytes'] > r['mem_available_before']}; disk free "
+            f"before {gib(r['disk_free_before'])}; files made (reserved, written with zeros, synced) in {r['files_made_s']:.1f} s",
+            f"- {len(r['step_ms'])} steps trained, ms each: {steps}; {r['live_rows']:,} live rows; cache "
+            f"{r['cache_slots']:,} slots; state_dict (all rows of both tiers) in {r['state_dict_s']:.1f} s, all values finite: "
+            f"{r['finite']}",
+            f"- fast memory (cache + index) {gib(r['fast_memory_bytes'])}; process memory at the end: VmRSS "
+            f"{gib(mem.get('VmRSS', 0))} = anonymous {gib(mem.get('RssAnon', 0))} + file pages {gib(mem.get('RssFile', 0))}",
+        ]
+    )
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ stage's misses cost). Smoke-size by default (64 MiB files); prints, saves nothin
     PYTHONPATH=$PWD python benchmarks/bench_tier_log.py
     PYTHONPATH=$PWD python benchmarks/bench_tier_log.py --capacity 1048576 --rounds 40  # the dlrm-small table
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,14 @@ def main() -> None:
     torch.set_num_threads(1)
     directory = tempfile.mkdtemp(prefix="bench_tier_log_")
     try:
-        config = DynamicEmbeddingBagConfig(name="t", embedding_dim=args.dim, num_embeddings=args.capacity,
-                                           feature_names=["f"], backing=f"file:{directory}", cache_load_factor=0.2)
+        config = DynamicEmbeddingBagConfig(
+            name="t",
+            embedding_dim=args.dim,
+            num_embeddings=args.capacity,
+            feature_names=["f"],
+            backing=f"file:{directory}",
+            cache_load_factor=0.2,
+        )
         module = DynamicEmbeddingBagCollection([config], optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": 0.01})
         tables = module._tables
         log_mover = tables._mover(0)
@@ -51,13 +58,15 @@ def main() -> None:
             cache.copy_(torch.randn(cache.shape).to(cache.dtype))
         gen = torch.Generator().manual_seed(0)
         fds = [os.open(os.path.join(directory, name), os.O_RDWR) for name in sorted(os.listdir(directory))]
-        print(f"table: {args.capacity:,} rows x dim {args.dim} + Adagrad state ({in_place.row_bytes} bytes a row); "
-              f"{args.rows_per_round:,} rows written back a round, {args.rounds} rounds, files "
-              f"{'left dirty' if args.no_sync else 'synced before each round'}")
+        print(
+            f"table: {args.capacity:,} rows x dim {args.dim} + Adagrad state ({in_place.row_bytes} bytes a row); "
+            f"{args.rows_per_round:,} rows written back a round, {args.rounds} rounds, files "
+            f"{'left dirty' if args.no_sync else 'synced before each round'}"
+        )
         for name, mover in (("host memory", host), ("in place (mapped)", in_place), ("log (appended)", log_mover)):
             write_us, read_us = [], []
             for _ in range(args.rounds):
-                rows = torch.randperm(args.capacity, generator=gen)[:args.rows_per_round]
+                rows = torch.randperm(args.capacity, generator=gen)[: args.rows_per_round]
                 cache_slots = torch.randint(0, slots, (rows.numel(),), generator=gen)
                 if not args.no_sync:
                     for fd in fds:
@@ -65,15 +74,21 @@ def main() -> None:
                 start = time.perf_counter()
                 mover.write(cache_slots, rows)
                 write_us.append((time.perf_counter() - start) * 1e6 / rows.numel())
-                back = rows[:args.rows_per_round // 8]
+                back = rows[: args.rows_per_round // 8]
                 start = time.perf_counter()
                 mover.read(torch.arange(back.numel()), back)
                 read_us.append((time.perf_counter() - start) * 1e6 / back.numel())
             log = log_mover.log
-            print(f"  {name:18s} write-back {statistics.median(write_us):6.2f} us/row (median of rounds; first "
-                  f"{write_us[0]:.2f}), read {statistics.median(read_us):5.2f} us/row"
-                  + (f"; log: {log.live:,} live records, {int(log.in_use.sum())} segments used, "
-                     f"{log.segments_cleaned} cleaned" if mover is log_mover else ""))
+            print(
+                f"  {name:18s} write-back {statistics.median(write_us):6.2f} us/row (median of rounds; first "
+                f"{write_us[0]:.2f}), read {statistics.median(read_us):5.2f} us/row"
+                + (
+                    f"; log: {log.live:,} live records, {int(log.in_use.sum())} segments used, "
+                    f"{log.segments_cleaned} cleaned"
+                    if mover is log_mover
+                    else ""
+                )
+            )
         for fd in fds:
             os.close(fd)
     finally:

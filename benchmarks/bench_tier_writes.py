@@ -12,6 +12,7 @@ the mapping converts them, a fault per page) against one written whole when made
 
     python benchmarks/bench_tier_writes.py                      # 1 GiB file, 2k..60k rows of dim 64
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,9 @@ def main() -> None:
     row_bytes = args.dim * 4
     with open(path, "wb") as f:
         os.posix_fallocate(f.fileno(), 0, args.rows * row_bytes)
-    mapped = torch.from_file(path, shared=True, size=args.rows * args.dim, dtype=torch.float32).view(args.rows, args.dim)
+    mapped = torch.from_file(path, shared=True, size=args.rows * args.dim, dtype=torch.float32).view(
+        args.rows, args.dim
+    )
     mapped.fill_(1.0)
     fd = os.open(path, os.O_RDWR)
     source = torch.randn(max(writes), args.dim)
@@ -80,16 +83,22 @@ def main() -> None:
 
     try:
         for k in writes:
-            print(f"{k:>6} rows, first writes into a new file: " + ", ".join(
-                f"{how} {first_writes(k, how == 'written whole') * 1e3:.1f} ms" for how in ("reserved only",
-                                                                                            "written whole")))
+            print(
+                f"{k:>6} rows, first writes into a new file: "
+                + ", ".join(
+                    f"{how} {first_writes(k, how == 'written whole') * 1e3:.1f} ms"
+                    for how in ("reserved only", "written whole")
+                )
+            )
         for k in writes:
-            best = {how: min(trial(k, how) for _ in range(args.repeats))
-                    for how in ("mmap sorted", "mmap unsorted", "pwrite sorted runs")}
+            best = {
+                how: min(trial(k, how) for _ in range(args.repeats))
+                for how in ("mmap sorted", "mmap unsorted", "pwrite sorted runs")
+            }
             print(f"{k:>6} rows: " + ", ".join(f"{how} {t * 1e3:.1f} ms" for how, t in best.items()))
     finally:
         os.close(fd)
-        del mapped
+        mapped = None  # unmapped before the file goes
         os.unlink(path)
         os.rmdir(directory)
 

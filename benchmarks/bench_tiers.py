@@ -31,6 +31,7 @@ and the process's resident memory split into anonymous and file pages (both modu
     python benchmarks/bench_tiers.py --capacity 65536 --batch-size 512 --warmup-steps 5 --repeats 3 --no-save  # smoke
     python benchmarks/bench_tiers.py --capacity 65536 --batch-size 512 --flusher-ms 20 --no-save  # smoke, files cleaned
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,15 +43,14 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Dict, List, Tuple
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import DlrmSmall, markdown_table, parse_config, process_memory, save, small_tables  # noqa: E402
+from common import DlrmSmall, markdown_table, parse_config, process_memory, save, small_tables
 
-from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig  # noqa: E402
-from torchrec_ext.data import dlrm_small_batch  # noqa: E402
+from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
+from torchrec_ext.data import dlrm_small_batch
 
 
 @dataclasses.dataclass
@@ -64,7 +64,7 @@ class Config(DlrmSmall):
     seed: int = 0
     backing_dir: str = ""  # default: a fresh directory under the system's temp dir (local disk here)
     threads: int = 0  # torch threads (0: torch's default); 1 steadies the timing on a machine other sessions load
-    systems: Tuple[str, ...] = ("resident", "file", "host", "file+prefetch", "host+prefetch")
+    systems: tuple[str, ...] = ("resident", "file", "host", "file+prefetch", "host+prefetch")
     # >0: a thread syncs every backing file each so many ms during the timed steps: the kernel's
     # flusher past its background dirty limit (a full-size table's files here), at smoke size
     flusher_ms: float = 0.0
@@ -87,19 +87,33 @@ def _step(module: DynamicEmbeddingBagCollection, kjt, next_kjt=None) -> None:
     module(kjt).values().sum().backward()
 
 
-def _tier_counters(module) -> Dict[str, int]:
+def _tier_counters(module) -> dict[str, int]:
     stats = module.table_stats().values()
-    return {k: sum(getattr(s, k) for s in stats) for k in ("cache_hits", "cache_misses", "cache_write_backs",
-                                                           "cache_bytes_moved", "cache_slots", "inserts",
-                                                           "cache_staged", "cache_staged_write_backs")}
+    return {
+        k: sum(getattr(s, k) for s in stats)
+        for k in (
+            "cache_hits",
+            "cache_misses",
+            "cache_write_backs",
+            "cache_bytes_moved",
+            "cache_slots",
+            "inserts",
+            "cache_staged",
+            "cache_staged_write_backs",
+        )
+    }
 
 
-def _log_counters(module) -> Dict[str, int]:
+def _log_counters(module) -> dict[str, int]:
     """File backing's write-back logs (tier_log.py), summed over the tables."""
     logs = module._tables.store.logs().values() if hasattr(module._tables.store, "logs") else []
-    return {"appended": sum(log.appended for log in logs), "cleaned": sum(log.cleaned for log in logs),
-            "segments_cleaned": sum(log.segments_cleaned for log in logs), "live": sum(log.live for log in logs),
-            "map_bytes": sum(log.nbytes() for log in logs)}
+    return {
+        "appended": sum(log.appended for log in logs),
+        "cleaned": sum(log.cleaned for log in logs),
+        "segments_cleaned": sum(log.segments_cleaned for log in logs),
+        "live": sum(log.live for log in logs),
+        "map_bytes": sum(log.nbytes() for log in logs),
+    }
 
 
 class _Flusher:
@@ -130,7 +144,7 @@ class _Flusher:
         return self.syncs
 
 
-def run(cfg: Config) -> Dict[str, object]:
+def run(cfg: Config) -> dict[str, object]:
     directory = cfg.backing_dir or tempfile.mkdtemp(prefix="bench_tiers_")
     made = not cfg.backing_dir
     try:
@@ -140,32 +154,38 @@ def run(cfg: Config) -> Dict[str, object]:
             shutil.rmtree(directory, ignore_errors=True)
 
 
-def _run(cfg: Config, directory: str) -> Dict[str, object]:
+def _run(cfg: Config, directory: str) -> dict[str, object]:
     n = cfg.steps_per_repeat
     total = cfg.warmup_steps + cfg.repeats * n
-    make = lambda i: dlrm_small_batch(i, cfg.num_tables, cfg.batch_size, cfg.max_bag, cfg.seed,  # noqa: E731
-                                      alpha=cfg.alpha, id_bits=cfg.id_bits)
+    make = lambda i: dlrm_small_batch(
+        i, cfg.num_tables, cfg.batch_size, cfg.max_bag, cfg.seed, alpha=cfg.alpha, id_bits=cfg.id_bits
+    )
     batches = [make(i) for i in range(total)]
     for name in cfg.systems:  # each file-backed system in a directory of its own
         if name.startswith("file"):
             os.makedirs(os.path.join(directory, name), exist_ok=True)
-    backing = lambda name: ("device" if name == "resident" else "host" if name.startswith("host")  # noqa: E731
-                            else f"file:{os.path.join(directory, name)}")
+    backing = lambda name: (
+        "device"
+        if name == "resident"
+        else "host"
+        if name.startswith("host")
+        else f"file:{os.path.join(directory, name)}"
+    )
     systems = {name: _build(cfg, backing(name)) for name in cfg.systems}
     prefetch = {name: name.endswith("+prefetch") for name in systems}
     tiered = [name for name in systems if name != "resident"]
     uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    for i, kjt in enumerate(batches[:cfg.warmup_steps]):
+    for i, kjt in enumerate(batches[: cfg.warmup_steps]):
         for name, module in systems.items():
             _step(module, kjt, batches[i + 1] if prefetch[name] else None)
     before = {name: _tier_counters(systems[name]) for name in tiered}
     logs_before = {name: _log_counters(systems[name]) for name in tiered}
     stage_before = {name: systems[name]._tables.stage_seconds() for name in tiered}
     flusher = _Flusher(directory, cfg.flusher_ms) if cfg.flusher_ms > 0 else None
-    times: Dict[str, List[float]] = {name: [] for name in systems}
+    times: dict[str, list[float]] = {name: [] for name in systems}
     names = list(systems)
     for r in range(cfg.repeats):
-        chunk = batches[cfg.warmup_steps + r * n: cfg.warmup_steps + (r + 1) * n]
+        chunk = batches[cfg.warmup_steps + r * n : cfg.warmup_steps + (r + 1) * n]
         for k in range(len(names)):
             name = names[(r + k) % len(names)]
             first = cfg.warmup_steps + r * n
@@ -185,81 +205,134 @@ def _run(cfg: Config, directory: str) -> Dict[str, object]:
         delta = {k: after[k] - before[name][k] for k in after}
         seen = delta["cache_hits"] + delta["cache_misses"]
         logs = _log_counters(systems[name])
-        log = {"live_records": logs["live"], "map_bytes": logs["map_bytes"],
-               **{f"{k}_per_step": (logs[k] - logs_before[name][k]) / timed
-                  for k in ("appended", "cleaned", "segments_cleaned")}}
-        tiers[name] = {"hit_rate": delta["cache_hits"] / seen if seen else None, "cache_rows": after["cache_slots"],
-                       "backing_bytes": systems[name]._tables.backing_bytes(), "log": log,
-                       "per_step": {"hits": delta["cache_hits"] / timed, "misses_read": delta["cache_misses"] / timed,
-                                    "write_backs": delta["cache_write_backs"] / timed,
-                                    "staged": delta["cache_staged"] / timed,
-                                    "staged_write_backs": delta["cache_staged_write_backs"] / timed,
-                                    "new_rows": delta["inserts"] / timed,
-                                    "bytes_moved": delta["cache_bytes_moved"] / timed,
-                                    "stage_ms": 1e3 * (systems[name]._tables.stage_seconds()[0]
-                                                       - stage_before[name][0]) / timed,
-                                    "stage_wait_ms": 1e3 * (systems[name]._tables.stage_seconds()[1]
-                                                            - stage_before[name][1]) / timed}}
+        log = {
+            "live_records": logs["live"],
+            "map_bytes": logs["map_bytes"],
+            **{
+                f"{k}_per_step": (logs[k] - logs_before[name][k]) / timed
+                for k in ("appended", "cleaned", "segments_cleaned")
+            },
+        }
+        tiers[name] = {
+            "hit_rate": delta["cache_hits"] / seen if seen else None,
+            "cache_rows": after["cache_slots"],
+            "backing_bytes": systems[name]._tables.backing_bytes(),
+            "log": log,
+            "per_step": {
+                "hits": delta["cache_hits"] / timed,
+                "misses_read": delta["cache_misses"] / timed,
+                "write_backs": delta["cache_write_backs"] / timed,
+                "staged": delta["cache_staged"] / timed,
+                "staged_write_backs": delta["cache_staged_write_backs"] / timed,
+                "new_rows": delta["inserts"] / timed,
+                "bytes_moved": delta["cache_bytes_moved"] / timed,
+                "stage_ms": 1e3 * (systems[name]._tables.stage_seconds()[0] - stage_before[name][0]) / timed,
+                "stage_wait_ms": 1e3 * (systems[name]._tables.stage_seconds()[1] - stage_before[name][1]) / timed,
+            },
+        }
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     # blocks on disk (a log file is sparse: sized for twice its table's rows, filled as appended)
-    backing_file_bytes = {name: sum(os.stat(os.path.join(directory, name, f)).st_blocks * 512
-                                    for f in os.listdir(os.path.join(directory, name)))
-                          for name in systems if name.startswith("file")}
+    backing_file_bytes = {
+        name: sum(
+            os.stat(os.path.join(directory, name, f)).st_blocks * 512 for f in os.listdir(os.path.join(directory, name))
+        )
+        for name in systems
+        if name.startswith("file")
+    }
     return {
-        "ms_per_step": ms, "ms_per_step_each_repeat": {k: [x * 1e3 for x in v] for k, v in times.items()},
-        "tiers": tiers, "capacity_rows": cfg.capacity * cfg.num_tables,
+        "ms_per_step": ms,
+        "ms_per_step_each_repeat": {k: [x * 1e3 for x in v] for k, v in times.items()},
+        "tiers": tiers,
+        "capacity_rows": cfg.capacity * cfg.num_tables,
         "live_rows": {name: m.num_live_rows() for name, m in systems.items()},
         "fast_memory_bytes": {name: m.storage_bytes() for name, m in systems.items()},
         "backing_file_bytes": backing_file_bytes,
-        "process_memory": process_memory(), "ids_per_step": int(batches[0].values().numel()),
-        "uptime_before": uptime_before, "uptime_after": uptime_after, "backing_dir": directory,
+        "process_memory": process_memory(),
+        "ids_per_step": int(batches[0].values().numel()),
+        "uptime_before": uptime_before,
+        "uptime_after": uptime_after,
+        "backing_dir": directory,
         "flusher_syncs": syncs,
     }
 
 
-def report(cfg: Config, r: Dict[str, object]) -> str:
-    mib = lambda b: f"{b / 2**20:,.0f}"  # noqa: E731
-    title = (f"Tiered vs all-resident dynamic tables, dlrm-small train step on cpu ({torch.get_num_threads()} "
-             f"thread{'s' if torch.get_num_threads() > 1 else ''}): {cfg.num_tables} tables x dim {cfg.dim}, capacity "
-             f"{cfg.capacity:,} rows each, batch {cfg.batch_size} per table, bags 1..{cfg.max_bag}, ids Zipf({cfg.alpha}) "
-             f"over 2^{cfg.id_bits} ({r['ids_per_step']:,} ids/step), fused Adagrad; tiered: cache_load_factor "
-             f"{cfg.cache_load_factor}, +prefetch: the next batch staged on a worker thread. {cfg.warmup_steps} warm-up "
-             f"steps, then median of {cfg.repeats} chunks "
-             f"x {cfg.steps_per_repeat} steps, the systems timed in turn (rotating order) on the same batches")
+def report(cfg: Config, r: dict[str, object]) -> str:
+    mib = lambda b: f"{b / 2**20:,.0f}"
+    title = (
+        f"Tiered vs all-resident dynamic tables, dlrm-small train step on cpu ({torch.get_num_threads()} "
+        f"thread{'s' if torch.get_num_threads() > 1 else ''}): {cfg.num_tables} tables x dim {cfg.dim}, capacity "
+        f"{cfg.capacity:,} rows each, batch {cfg.batch_size} per table, bags 1..{cfg.max_bag}, ids Zipf({cfg.alpha}) "
+        f"over 2^{cfg.id_bits} ({r['ids_per_step']:,} ids/step), fused Adagrad; tiered: cache_load_factor "
+        f"{cfg.cache_load_factor}, +prefetch: the next batch staged on a worker thread. {cfg.warmup_steps} warm-up "
+        f"steps, then median of {cfg.repeats} chunks "
+        f"x {cfg.steps_per_repeat} steps, the systems timed in turn (rotating order) on the same batches"
+    )
     base = r["ms_per_step"].get("resident")
     rows = []
     for name, ms in r["ms_per_step"].items():
         tier = r["tiers"].get(name)
-        rows.append([name, f"{ms:.1f}", f"{ms / base:.2f}" if base else "", f"{r['live_rows'][name]:,}",
-                     mib(r["fast_memory_bytes"][name]), mib(tier["backing_bytes"]) if tier else "",
-                     f"{tier['hit_rate']:.3f}" if tier else ""])
-    lines = [title, "", markdown_table(["system", "ms / step", "× resident", "live rows", "fast memory MiB",
-                                        "backing MiB", "cache hit rate"], rows), ""]
+        rows.append(
+            [
+                name,
+                f"{ms:.1f}",
+                f"{ms / base:.2f}" if base else "",
+                f"{r['live_rows'][name]:,}",
+                mib(r["fast_memory_bytes"][name]),
+                mib(tier["backing_bytes"]) if tier else "",
+                f"{tier['hit_rate']:.3f}" if tier else "",
+            ]
+        )
+    lines = [
+        title,
+        "",
+        markdown_table(
+            ["system", "ms / step", "× resident", "live rows", "fast memory MiB", "backing MiB", "cache hit rate"], rows
+        ),
+        "",
+    ]
     for name, tier in r["tiers"].items():
         per = tier["per_step"]
-        lines.append(f"- {name}: cache {tier['cache_rows']:,} rows of {r['capacity_rows']:,} "
-                     f"({r['capacity_rows'] / tier['cache_rows']:.1f}x fewer than the tables hold); per timed step "
-                     f"{per['hits']:,.0f} rows found in the cache, {per['misses_read']:,.0f} read from the backing store "
-                     f"in the step, {per['staged']:,.0f} staged ahead of it, {per['new_rows']:,.0f} new rows initialised in "
-                     f"the cache, {per['write_backs']:,.0f} written back ({per['staged_write_backs']:,.0f} of them by the "
-                     f"stage), {per['bytes_moved'] / 2**20:.1f} MiB moved"
-                     + (f"; the stage took {per['stage_ms']:.1f} ms on its thread, the step waited "
-                        f"{per['stage_wait_ms']:.1f} ms for it" if per["staged"] else "")
-                     + (f"; write-back log: {tier['log']['appended_per_step']:,.0f} records appended and "
-                        f"{tier['log']['cleaned_per_step']:,.0f} moved by cleaning a step "
-                        f"({tier['log']['segments_cleaned_per_step']:.2f} segments cleaned), "
-                        f"{tier['log']['live_records']:,} rows' newest copies in it at the end, its maps "
-                        f"{mib(tier['log']['map_bytes'])} MiB" if tier["log"]["appended_per_step"] else ""))
+        lines.append(
+            f"- {name}: cache {tier['cache_rows']:,} rows of {r['capacity_rows']:,} "
+            f"({r['capacity_rows'] / tier['cache_rows']:.1f}x fewer than the tables hold); per timed step "
+            f"{per['hits']:,.0f} rows found in the cache, {per['misses_read']:,.0f} read from the backing store "
+            f"in the step, {per['staged']:,.0f} staged ahead of it, {per['new_rows']:,.0f} new rows initialised in "
+            f"the cache, {per['write_backs']:,.0f} written back ({per['staged_write_backs']:,.0f} of them by the "
+            f"stage), {per['bytes_moved'] / 2**20:.1f} MiB moved"
+            + (
+                f"; the stage took {per['stage_ms']:.1f} ms on its thread, the step waited "
+                f"{per['stage_wait_ms']:.1f} ms for it"
+                if per["staged"]
+                else ""
+            )
+            + (
+                f"; write-back log: {tier['log']['appended_per_step']:,.0f} records appended and "
+                f"{tier['log']['cleaned_per_step']:,.0f} moved by cleaning a step "
+                f"({tier['log']['segments_cleaned_per_step']:.2f} segments cleaned), "
+                f"{tier['log']['live_records']:,} rows' newest copies in it at the end, its maps "
+                f"{mib(tier['log']['map_bytes'])} MiB"
+                if tier["log"]["appended_per_step"]
+                else ""
+            )
+        )
     mem = r["process_memory"]
     files = ", ".join(f"{name} {mib(b)} MiB" for name, b in r["backing_file_bytes"].items()) or "none"
-    lines += [f"- backing files on disk (rows files with headers, logs): {files}; process memory at the end (all "
-              f"systems): VmRSS {mib(mem.get('VmRSS', 0))} MiB = anonymous {mib(mem.get('RssAnon', 0))} + file pages "
-              f"{mib(mem.get('RssFile', 0))} MiB",
-              *([f"- a flusher thread synced the backing files every {cfg.flusher_ms:g} ms during the timed steps "
-                 f"({r['flusher_syncs']} rounds): their pages clean and write-protected, as past the kernel's "
-                 "background dirty limit"] if cfg.flusher_ms > 0 else []),
-              f"- machine load: before `{r['uptime_before']}`; after `{r['uptime_after']}` (2 cores shared with other "
-              "sessions: only the ratios of this run mean anything)"]
+    lines += [
+        f"- backing files on disk (rows files with headers, logs): {files}; process memory at the end (all "
+        f"systems): VmRSS {mib(mem.get('VmRSS', 0))} MiB = anonymous {mib(mem.get('RssAnon', 0))} + file pages "
+        f"{mib(mem.get('RssFile', 0))} MiB",
+        *(
+            [
+                f"- a flusher thread synced the backing files every {cfg.flusher_ms:g} ms during the timed steps "
+                f"({r['flusher_syncs']} rounds): their pages clean and write-protected, as past the kernel's "
+                "background dirty limit"
+            ]
+            if cfg.flusher_ms > 0
+            else []
+        ),
+        f"- machine load: before `{r['uptime_before']}`; after `{r['uptime_after']}` (2 cores shared with other "
+        "sessions: only the ratios of this run mean anything)",
+    ]
     return "\n".join(lines)
 
 

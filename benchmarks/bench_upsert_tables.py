@@ -12,6 +12,7 @@ with ``batched_upsert`` off and on; the tables fill and evict over the warm-up s
     python benchmarks/bench_upsert_tables.py --device cuda
     python benchmarks/bench_upsert_tables.py --tables 2 --capacity 4096 --keys 256 --batch 64 --repeats 3 --no-save  # smoke
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,12 +22,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_table, median_seconds, save  # noqa: E402
+from common import markdown_table, median_seconds, save
+from torchrec import KeyedJaggedTensor
 
-from torchrec import KeyedJaggedTensor  # noqa: E402
-
-from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, HashTable, ops  # noqa: E402
-from torchrec_ext.vocabulary import POLICIES  # noqa: E402
+from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, HashTable, ops
+from torchrec_ext.vocabulary import POLICIES
 
 
 def _filled_tables(args, device):
@@ -34,7 +34,7 @@ def _filled_tables(args, device):
     tables, resident = [], []
     for _ in range(args.tables):
         table = HashTable(args.capacity, policy="lru", device=device)
-        keys = torch.randint(-2**62, 2**62, (int(args.load * args.capacity),), generator=g).to(device)
+        keys = torch.randint(-(2**62), 2**62, (int(args.load * args.capacity),), generator=g).to(device)
         table.find_or_insert(keys)
         tables.append(table)
         resident.append(keys)
@@ -42,7 +42,7 @@ def _filled_tables(args, device):
     for keys in resident:
         half = args.keys // 2
         old = keys[torch.randperm(keys.numel(), generator=g)[:half].to(device)]
-        new = torch.randint(-2**62, 2**62, (args.keys - half,), generator=g).to(device)
+        new = torch.randint(-(2**62), 2**62, (args.keys - half,), generator=g).to(device)
         batch.append(torch.cat([old, new]))
     return tables, torch.cat(batch)
 
@@ -58,30 +58,49 @@ def bench_op(args, device):
 
     def per_table(state):
         for t, s in enumerate(state):
-            ops.hash_upsert_fixed(*s, keys[offsets[t]:offsets[t + 1]], None, None, args.capacity, lru, 2, 0, False)
+            ops.hash_upsert_fixed(*s, keys[offsets[t] : offsets[t + 1]], None, None, args.capacity, lru, 2, 0, False)
 
     def one_call(state):
-        ops.hash_upsert_tables(*[[s[i] for s in state] for i in range(4)], keys, offsets, None, None,
-                               [args.capacity] * args.tables, [lru] * args.tables, [2] * args.tables,
-                               [0] * args.tables, False)
+        ops.hash_upsert_tables(
+            *[[s[i] for s in state] for i in range(4)],
+            keys,
+            offsets,
+            None,
+            None,
+            [args.capacity] * args.tables,
+            [lru] * args.tables,
+            [2] * args.tables,
+            [0] * args.tables,
+            False,
+        )
 
-    setup = lambda: _copies(tables)  # noqa: E731
-    return {name: median_seconds(fn, args.repeats, setup=setup) for name, fn in (("per_table", per_table),
-                                                                                   ("one_call", one_call))}
+    setup = lambda: _copies(tables)
+    return {
+        name: median_seconds(fn, args.repeats, setup=setup)
+        for name, fn in (("per_table", per_table), ("one_call", one_call))
+    }
 
 
 def _kjt(args, step, device):
     g = torch.Generator().manual_seed(step)
     values = torch.randint(0, 4 * args.capacity, (args.tables * args.batch * 2,), generator=g)
-    return KeyedJaggedTensor(keys=[f"f{t}" for t in range(args.tables)], values=values.to(device),
-                             lengths=torch.full((args.tables * args.batch,), 2, device=device), stride=args.batch)
+    return KeyedJaggedTensor(
+        keys=[f"f{t}" for t in range(args.tables)],
+        values=values.to(device),
+        lengths=torch.full((args.tables * args.batch,), 2, device=device),
+        stride=args.batch,
+    )
 
 
 def bench_step(args, device):
     out = {}
     for batched in (False, True):
-        configs = [DynamicEmbeddingBagConfig(name=f"t{t}", embedding_dim=16, num_embeddings=args.capacity,
-                                             feature_names=[f"f{t}"]) for t in range(args.tables)]
+        configs = [
+            DynamicEmbeddingBagConfig(
+                name=f"t{t}", embedding_dim=16, num_embeddings=args.capacity, feature_names=[f"f{t}"]
+            )
+            for t in range(args.tables)
+        ]
         module = DynamicEmbeddingBagCollection(configs, optimizer="adagrad", device=device)
         module._tables.batched_upsert = batched
         batches = [_kjt(args, step, device) for step in range(4)]
@@ -111,16 +130,28 @@ def main():
     args = parser.parse_args()
     device = torch.device(args.device)
     op, step = bench_op(args, device), bench_step(args, device)
-    rows = [["op: upsert of all tables", f"{op['per_table'] * 1e3:.3f}", f"{op['one_call'] * 1e3:.3f}",
-             f"{op['per_table'] / op['one_call']:.2f}x"],
-            ["module training step", f"{step['per_table'] * 1e3:.3f}", f"{step['batched'] * 1e3:.3f}",
-             f"{step['per_table'] / step['batched']:.2f}x"]]
+    rows = [
+        [
+            "op: upsert of all tables",
+            f"{op['per_table'] * 1e3:.3f}",
+            f"{op['one_call'] * 1e3:.3f}",
+            f"{op['per_table'] / op['one_call']:.2f}x",
+        ],
+        [
+            "module training step",
+            f"{step['per_table'] * 1e3:.3f}",
+            f"{step['batched'] * 1e3:.3f}",
+            f"{step['per_table'] / step['batched']:.2f}x",
+        ],
+    ]
     table = markdown_table(["", "per table (ms)", "one call (ms)", "speed-up"], rows)
-    text = (f"# Upsert of {args.tables} tables: per table vs one call ({device})\n\n"
-            f"`python benchmarks/bench_upsert_tables.py --tables {args.tables} --capacity {args.capacity} "
-            f"--keys {args.keys} --batch {args.batch} --device {args.device}`: {args.tables} tables of "
-            f"{args.capacity} rows at load {args.load}, {args.keys} keys per table per call (half new); "
-            f"module step: batch {args.batch}, 2 ids per sample per table, dim 16, adagrad.\n\n{table}")
+    text = (
+        f"# Upsert of {args.tables} tables: per table vs one call ({device})\n\n"
+        f"`python benchmarks/bench_upsert_tables.py --tables {args.tables} --capacity {args.capacity} "
+        f"--keys {args.keys} --batch {args.batch} --device {args.device}`: {args.tables} tables of "
+        f"{args.capacity} rows at load {args.load}, {args.keys} keys per table per call (half new); "
+        f"module step: batch {args.batch}, 2 ids per sample per table, dim 16, adagrad.\n\n{table}"
+    )
     print(text)
     if not args.no_save:
         save(f"upsert_tables_{device.type}", {"args": vars(args), "op": op, "step": step}, text)

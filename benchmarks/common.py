@@ -1,5 +1,6 @@
 """Shared benchmark plumbing: median-of-repeats timing, results files, machine description, the
 dlrm-small tables, and the command line (one flag per Config field, optional torchrun relaunch)."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,7 +12,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -19,9 +20,13 @@ import torch
 RESULTS_DIR = os.environ.get("BENCH_RESULTS_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1,
-                   setup: Optional[Callable[[], object]] = None,
-                   clock: Callable[[], float] = time.perf_counter) -> float:
+def median_seconds(
+    fn: Callable[[], object],
+    repeats: int,
+    warmup: int = 1,
+    setup: Callable[[], object] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """Median wall time of fn() over `repeats` runs after `warmup` runs; `setup` runs untimed
     before each call (and its result is passed to fn when fn takes one argument). ``clock``
     time.process_time gives the process's CPU seconds instead (all its threads): steadier than
@@ -40,7 +45,7 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1,
     return statistics.median(times)
 
 
-def machine() -> Dict[str, object]:
+def machine() -> dict[str, object]:
     info = {
         "host_cpu": platform.processor() or platform.machine(),
         "cpu_threads": torch.get_num_threads(),
@@ -48,6 +53,7 @@ def machine() -> Dict[str, object]:
     }
     try:
         import triton
+
         info["triton"] = triton.__version__
     except ImportError:
         pass
@@ -56,26 +62,27 @@ def machine() -> Dict[str, object]:
     return info
 
 
-def fbgemm_cuda_reason() -> Optional[str]:
+def fbgemm_cuda_reason() -> str | None:
     """None when fbgemm's CUDA kernels run here (so stock TorchRec tables can run on the GPU), else why
     not: fbgemm-gpu-cpu registers its ops for CPU only, and a CUDA call then raises."""
     if not torch.cuda.is_available():
         return "no CUDA device"
     try:
         import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+
         torch.ops.fbgemm.asynchronous_complete_cumsum(torch.ones(2, dtype=torch.int64, device="cuda"))
     except Exception as e:  # noqa: BLE001 - ImportError, NotImplementedError, RuntimeError: all mean "not here"
         return f"fbgemm CUDA ops unavailable ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
     return None
 
 
-def markdown_table(header: List[str], rows: List[List[object]]) -> str:
+def markdown_table(header: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
 
 
-def save(name: str, record: Dict[str, object], markdown: str) -> None:
+def save(name: str, record: dict[str, object], markdown: str) -> None:
     """Appends `record` as a JSON line to results/<name>.jsonl and writes results/<name>.md."""
     os.makedirs(RESULTS_DIR, exist_ok=True)
     record = dict(record, time=time.strftime("%Y-%m-%dT%H:%M:%S"), machine=machine())
@@ -85,7 +92,7 @@ def save(name: str, record: Dict[str, object], markdown: str) -> None:
         f.write(markdown + "\n")
 
 
-def process_memory() -> Dict[str, int]:
+def process_memory() -> dict[str, int]:
     """VmRSS / RssAnon / RssFile of this process, in bytes."""
     out = {}
     with open("/proc/self/status") as f:
@@ -100,7 +107,7 @@ def tensor_bytes(*objs) -> int:
     """Bytes of the distinct storages under tensors, ShardedTensors (local shards), dicts, lists."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-    seen: Dict[int, int] = {}
+    seen: dict[int, int] = {}
 
     def visit(o) -> None:
         if isinstance(o, ShardedTensor):
@@ -126,8 +133,9 @@ def tensor_bytes(*objs) -> int:
 class Built:
     """A system ready to time: `step(batch)` runs one train step; `memory()` gives (bytes of
     vectors + optimizer state [+ index metadata], live rows, rows it can hold), per rank when sharded."""
+
     step: Callable[[object], None]
-    memory: Callable[[], Tuple[int, int, int]]
+    memory: Callable[[], tuple[int, int, int]]
     batch_of: Callable[[object], object] = lambda kjt: kjt  # input transform, applied before timing
     note: str = ""
 
@@ -145,13 +153,17 @@ class DlrmSmall:
     id_bits: int = 40
 
 
-def small_tables(cfg, config_cls=None, num_embeddings: Optional[int] = None) -> list:
+def small_tables(cfg, config_cls=None, num_embeddings: int | None = None) -> list:
     """cfg.num_tables tables t<i> of cfg.dim, each read by one feature f<i>; cfg.rows rows unless given."""
     from torchrec import EmbeddingBagConfig
 
     config_cls = config_cls or EmbeddingBagConfig
-    return [config_cls(name=f"t{t}", embedding_dim=cfg.dim, num_embeddings=num_embeddings or cfg.rows,
-                       feature_names=[f"f{t}"]) for t in range(cfg.num_tables)]
+    return [
+        config_cls(
+            name=f"t{t}", embedding_dim=cfg.dim, num_embeddings=num_embeddings or cfg.rows, feature_names=[f"f{t}"]
+        )
+        for t in range(cfg.num_tables)
+    ]
 
 
 def parse_config(config_cls, description: str, systems: Sequence[str] = (), ranks: bool = False):
@@ -165,7 +177,9 @@ def parse_config(config_cls, description: str, systems: Sequence[str] = (), rank
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     if systems:
         default = getattr(config_cls, "systems", None) or systems  # the config's default subset, if it has one
-        parser.add_argument("--systems", default=",".join(default), help=f"comma-separated subset of {','.join(systems)}")
+        parser.add_argument(
+            "--systems", default=",".join(default), help=f"comma-separated subset of {','.join(systems)}"
+        )
     if ranks:
         parser.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
     parser.add_argument("--no-save", action="store_true", help="print only; write nothing under results/")
@@ -181,9 +195,18 @@ def parse_config(config_cls, description: str, systems: Sequence[str] = (), rank
         # The ranks do not need --nproc, and torchrun's parser would reject it even after the script
         # ("ambiguous option: --nproc could match --nproc-per-node, --nproc_per_node").
         argv = sys.argv[1:]
-        rest = [a for i, a in enumerate(argv)
-                if not (a == "--nproc" or a.startswith("--nproc=") or (i > 0 and argv[i - 1] == "--nproc"))]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-               os.path.abspath(sys.argv[0])] + rest
+        rest = [
+            a
+            for i, a in enumerate(argv)
+            if not (a == "--nproc" or a.startswith("--nproc=") or (i > 0 and argv[i - 1] == "--nproc"))
+        ]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={args.nproc}",
+            os.path.abspath(sys.argv[0]),
+        ] + rest
         sys.exit(subprocess.call(cmd, env=dict(os.environ, OMP_NUM_THREADS="1")))
     return config_cls(**{f.name: getattr(args, f.name) for f in fields}, **chosen), not args.no_save

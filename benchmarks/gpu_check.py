@@ -27,6 +27,7 @@ Steps:
     python benchmarks/gpu_check.py --out-dir benchmarks/results/gpu             # on a GPU
     python benchmarks/gpu_check.py --out-dir /tmp/gc --device cpu --smoke      # the code paths on CPU, tiny sizes
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,7 @@ import sys
 import time
 import traceback
 import warnings
-from typing import Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
 
 import torch
 
@@ -57,6 +58,7 @@ class NotRunnable(Exception):
 @dataclasses.dataclass
 class Sizes:
     """dlrm-small (ANCHORS.md) on a GPU; --smoke shrinks everything so CPU runs take seconds."""
+
     num_tables: int = 8
     dim: int = 64
     batch_size: int = 4096
@@ -65,27 +67,65 @@ class Sizes:
     profile_steps: int = 5
     copy_bytes: int = 1 << 30
     bench_timeout_s: int = 420
-    hash_args: Tuple[str, ...] = ("--hkv",)
-    lookup_args: Tuple[str, ...] = ()
-    pipeline_args: Tuple[str, ...] = ("--nproc", "1", "--rounds", "3", "--steps", "20")
-    upsert_args: Tuple[str, ...] = ("--tables", "26", "--capacity", "100000", "--keys", "4096", "--batch", "2048")
+    hash_args: tuple[str, ...] = ("--hkv",)
+    lookup_args: tuple[str, ...] = ()
+    pipeline_args: tuple[str, ...] = ("--nproc", "1", "--rounds", "3", "--steps", "20")
+    upsert_args: tuple[str, ...] = ("--tables", "26", "--capacity", "100000", "--keys", "4096", "--batch", "2048")
 
     @classmethod
-    def smoke(cls) -> "Sizes":
-        return cls(num_tables=2, dim=8, batch_size=64, max_bag=3, capacity=4096, profile_steps=2,
-                   copy_bytes=1 << 22, bench_timeout_s=300,
-                   hash_args=("--hkv", "--capacity", "65536", "--batch", "4096", "--repeats", "2", "--dims", "8"),
-                   lookup_args=("--num-tables", "2", "--dim", "8", "--batch-size", "64", "--rows", "4096",
-                                "--capacity", "4096", "--repeats", "2", "--warmup", "1", "--steps-per-repeat", "2"),
-                   pipeline_args=("--nproc", "1", "--rows", "1000", "--batch", "64", "--steps", "3",
-                                  "--warmup", "1", "--rounds", "1"),
-                   upsert_args=("--tables", "2", "--capacity", "4096", "--keys", "256", "--batch", "64",
-                                "--repeats", "2"))
+    def smoke(cls) -> Sizes:
+        return cls(
+            num_tables=2,
+            dim=8,
+            batch_size=64,
+            max_bag=3,
+            capacity=4096,
+            profile_steps=2,
+            copy_bytes=1 << 22,
+            bench_timeout_s=300,
+            hash_args=("--hkv", "--capacity", "65536", "--batch", "4096", "--repeats", "2", "--dims", "8"),
+            lookup_args=(
+                "--num-tables",
+                "2",
+                "--dim",
+                "8",
+                "--batch-size",
+                "64",
+                "--rows",
+                "4096",
+                "--capacity",
+                "4096",
+                "--repeats",
+                "2",
+                "--warmup",
+                "1",
+                "--steps-per-repeat",
+                "2",
+            ),
+            pipeline_args=(
+                "--nproc",
+                "1",
+                "--rows",
+                "1000",
+                "--batch",
+                "64",
+                "--steps",
+                "3",
+                "--warmup",
+                "1",
+                "--rounds",
+                "1",
+            ),
+            upsert_args=("--tables", "2", "--capacity", "4096", "--keys", "256", "--batch", "64", "--repeats", "2"),
+        )
 
 
-def versions() -> Dict[str, object]:
-    info: Dict[str, object] = {"torch": torch.__version__, "python": sys.version.split()[0],
-                               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+def versions() -> dict[str, object]:
+    info: dict[str, object] = {
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
     for name in ("triton", "torchrec", "fbgemm_gpu"):
         try:
             info[name] = __import__(name).__version__
@@ -96,16 +136,20 @@ def versions() -> Dict[str, object]:
 
 # ---- the module under test -------------------------------------------------------------------
 
+
 def make_module(sizes: Sizes, device: torch.device):
     from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 
-    module = DynamicEmbeddingBagCollection(small_tables(sizes, DynamicEmbeddingBagConfig, sizes.capacity),
-                                           device=device, optimizer=torch.optim.Adagrad,
-                                           optimizer_kwargs={"lr": 0.01})
+    module = DynamicEmbeddingBagCollection(
+        small_tables(sizes, DynamicEmbeddingBagConfig, sizes.capacity),
+        device=device,
+        optimizer=torch.optim.Adagrad,
+        optimizer_kwargs={"lr": 0.01},
+    )
     return module.train()
 
 
-def batches(sizes: Sizes, device: torch.device, count: int) -> List:
+def batches(sizes: Sizes, device: torch.device, count: int) -> list:
     from torchrec_ext.data import dlrm_small_batch
 
     return [dlrm_small_batch(i, sizes.num_tables, sizes.batch_size, sizes.max_bag).to(device) for i in range(count)]
@@ -122,15 +166,17 @@ def synchronize(device: torch.device) -> None:
 
 # ---- steps -------------------------------------------------------------------------------------
 
-def step_env(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Dict, str]:
+
+def step_env(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dict, str]:
     from torchrec_ext import ops
 
     row = dict(versions())
     row["cuda_kernels_built"] = bool(torch.cuda.is_available() and ops.has_kernel("hash_find", torch.device("cuda")))
     row["fbgemm_cuda"] = fbgemm_cuda_reason() or "yes"
     if device.type == "cuda" and not row["cuda_kernels_built"]:
-        raise RuntimeError("torchrec_ext's CUDA kernels are not built (ops.has_kernel('hash_find', cuda) is False): "
-                           "see the build log")
+        raise RuntimeError(
+            "torchrec_ext's CUDA kernels are not built (ops.has_kernel('hash_find', cuda) is False): see the build log"
+        )
     text = "\n".join(f"- {k}: {v}" for k, v in row.items())
     return row, text
 
@@ -145,7 +191,7 @@ class SyncRecorder:
         self.messages: collections.Counter = collections.Counter()
         self._catch = warnings.catch_warnings()
 
-    def __enter__(self) -> "SyncRecorder":
+    def __enter__(self) -> SyncRecorder:
         self._catch.__enter__()
         warnings.simplefilter("always")
         warnings.showwarning = self._record
@@ -157,14 +203,17 @@ class SyncRecorder:
     def _record(self, message, category, filename, lineno, file=None, line=None) -> None:
         frames = [f for f in traceback.extract_stack()[:-1] if os.path.basename(f.filename) != "warnings.py"]
         # The caller of device_sync (the one door of the step's host reads) names the site.
-        ours = [f for f in frames if os.path.join("torchrec_ext", "") in f.filename
-                and os.path.basename(f.filename) != "device_sync.py"]
+        ours = [
+            f
+            for f in frames
+            if os.path.join("torchrec_ext", "") in f.filename and os.path.basename(f.filename) != "device_sync.py"
+        ]
         where = (ours or frames)[-1]
         self.sites[f"{os.path.relpath(where.filename, os.path.dirname(HERE))}:{where.lineno} ({where.name})"] += 1
         self.messages[str(message).splitlines()[0][:120]] += 1
 
 
-def step_syncs(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Dict, str]:
+def step_syncs(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dict, str]:
     from torchrec_ext import device_sync
 
     module = make_module(sizes, device)
@@ -175,8 +224,10 @@ def step_syncs(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Dict, 
     if device.type != "cuda":
         with device_sync.recording() as counted:
             train_step(module, measured)
-        return ({"syncs": None, "counted": dict(counted), "note": "cpu: no host-device syncs to report"},
-                f"n/a on cpu (the step ran; device_sync counted {sum(counted.values())})")
+        return (
+            {"syncs": None, "counted": dict(counted), "note": "cpu: no host-device syncs to report"},
+            f"n/a on cpu (the step ran; device_sync counted {sum(counted.values())})",
+        )
     with SyncRecorder() as recorder, device_sync.recording() as counted:
         torch.cuda.set_sync_debug_mode("warn")
         try:
@@ -188,25 +239,37 @@ def step_syncs(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Dict, 
     total = sum(sites.values())
     # counted: what the step path's own helper counted (tests/test_sync_budget.py holds it to <= 3
     # on CPU); a GPU total above it is a sync the helper does not see.
-    row = {"syncs": total, "counted": dict(counted), "sites": dict(sites.most_common()),
-           "messages": dict(messages.most_common())}
-    text = (f"{total} synchronizing call(s) in one training step (forward + backward + fused Adagrad), "
-            f"{sizes.num_tables} tables x dim {sizes.dim}, batch {sizes.batch_size}; device_sync counted "
-            f"{sum(counted.values())}:\n\n"
-            + (markdown_table(["site (innermost torchrec_ext frame)", "syncs"], [[s, n] for s, n in sites.most_common()])
-               if total else "(none)"))
+    row = {
+        "syncs": total,
+        "counted": dict(counted),
+        "sites": dict(sites.most_common()),
+        "messages": dict(messages.most_common()),
+    }
+    text = (
+        f"{total} synchronizing call(s) in one training step (forward + backward + fused Adagrad), "
+        f"{sizes.num_tables} tables x dim {sizes.dim}, batch {sizes.batch_size}; device_sync counted "
+        f"{sum(counted.values())}:\n\n"
+        + (
+            markdown_table(["site (innermost torchrec_ext frame)", "syncs"], [[s, n] for s, n in sites.most_common()])
+            if total
+            else "(none)"
+        )
+    )
     return row, text
 
 
-def kernel_events(prof) -> List:
+def kernel_events(prof) -> list:
     """The profiler's device-side kernel events (memcpy / memset excluded)."""
     from torch.autograd import DeviceType
 
-    return [e for e in prof.events() if e.device_type == DeviceType.CUDA
-            and not e.name.startswith(("Memcpy", "Memset", "[memcpy]", "[memset]"))]
+    return [
+        e
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset", "[memcpy]", "[memset]"))
+    ]
 
 
-def busy_time_us(events) -> Tuple[float, float]:
+def busy_time_us(events) -> tuple[float, float]:
     """(sum of durations, union of [start, end) intervals) in microseconds."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in events)
     total = sum(end - start for start, end in spans)
@@ -223,7 +286,7 @@ def busy_time_us(events) -> Tuple[float, float]:
     return total, union
 
 
-def step_profile(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Dict, str]:
+def step_profile(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dict, str]:
     from torch.profiler import ProfilerActivity, profile
 
     module = make_module(sizes, device)
@@ -232,13 +295,13 @@ def step_profile(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Dict
         train_step(module, kjt)
     synchronize(device)
     start = time.perf_counter()
-    for kjt in data[2: 2 + sizes.profile_steps]:
+    for kjt in data[2 : 2 + sizes.profile_steps]:
         train_step(module, kjt)
     synchronize(device)
     wall_ms = (time.perf_counter() - start) / sizes.profile_steps * 1e3
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        for kjt in data[2 + sizes.profile_steps:]:
+        for kjt in data[2 + sizes.profile_steps :]:
             train_step(module, kjt)
         synchronize(device)
     kernels = kernel_events(prof)
@@ -247,21 +310,28 @@ def step_profile(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Dict
     by_name = collections.Counter()
     for e in kernels:
         by_name[e.name[:90]] += e.time_range.elapsed_us()
-    row = {"steps": n, "wall_ms_per_step": wall_ms, "kernels_per_step": len(kernels) / n,
-           "kernel_ms_per_step": total_us / n / 1e3, "busy_fraction": total_us / n / 1e3 / wall_ms,
-           "busy_fraction_union": union_us / n / 1e3 / wall_ms,
-           "top_kernels_us_per_step": {k: v / n for k, v in by_name.most_common(10)}}
+    row = {
+        "steps": n,
+        "wall_ms_per_step": wall_ms,
+        "kernels_per_step": len(kernels) / n,
+        "kernel_ms_per_step": total_us / n / 1e3,
+        "busy_fraction": total_us / n / 1e3 / wall_ms,
+        "busy_fraction_union": union_us / n / 1e3 / wall_ms,
+        "top_kernels_us_per_step": {k: v / n for k, v in by_name.most_common(10)},
+    }
     if device.type != "cuda":
         row["note"] = "cpu: no kernels recorded (profiler CPU activity only)"
-    text = (f"{n} profiled training steps: {row['kernels_per_step']:.1f} kernels per step, "
-            f"{row['kernel_ms_per_step']:.3f} ms of kernels per step in {wall_ms:.3f} ms wall (unprofiled): "
-            f"GPU busy {row['busy_fraction']:.1%} (sum of kernel durations), {row['busy_fraction_union']:.1%} "
-            f"(union of kernel intervals)\n\n"
-            + markdown_table(["kernel", "µs / step"], [[k, f"{v:.1f}"] for k, v in row["top_kernels_us_per_step"].items()]))
+    text = (
+        f"{n} profiled training steps: {row['kernels_per_step']:.1f} kernels per step, "
+        f"{row['kernel_ms_per_step']:.3f} ms of kernels per step in {wall_ms:.3f} ms wall (unprofiled): "
+        f"GPU busy {row['busy_fraction']:.1%} (sum of kernel durations), {row['busy_fraction_union']:.1%} "
+        f"(union of kernel intervals)\n\n"
+        + markdown_table(["kernel", "µs / step"], [[k, f"{v:.1f}"] for k, v in row["top_kernels_us_per_step"].items()])
+    )
     return row, text
 
 
-def step_bandwidth(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Dict, str]:
+def step_bandwidth(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dict, str]:
     from torch.profiler import ProfilerActivity, profile
 
     src = torch.empty(sizes.copy_bytes // 4, dtype=torch.float32, device=device).uniform_()
@@ -287,25 +357,38 @@ def step_bandwidth(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Di
             synchronize(device)
     pooled = [e for e in kernel_events(prof) if "pooled" in e.name]
     kernel_us = sum(e.time_range.elapsed_us() for e in pooled)
-    row = {"copy_bytes": sizes.copy_bytes, "copy_GBps": copy_gbps, "unique_rows": unique_rows,
-           "output_bytes": out_bytes, "lookup_bytes": lookup_bytes,
-           "forward_ms": forward_s * 1e3, "forward_GBps": lookup_bytes / forward_s / 1e9,
-           "pooled_kernel_us": kernel_us or None,
-           "pooled_kernel_GBps": lookup_bytes / (kernel_us * 1e-6) / 1e9 if kernel_us else None}
-    kernel_text = (f"pooled-lookup kernel alone {kernel_us:.1f} µs: {row['pooled_kernel_GBps']:.0f} GB/s "
-                   f"({row['pooled_kernel_GBps'] / copy_gbps:.1%} of copy)" if kernel_us
-                   else "pooled-lookup kernel: not seen by the profiler (cpu)")
-    text = (f"Device copy bandwidth {copy_gbps:.0f} GB/s ({sizes.copy_bytes / 2**20:.0f} MiB tensor copy, bytes read + "
-            f"written). Pooled lookup, eval forward of {sizes.num_tables} tables x dim {sizes.dim}, batch "
-            f"{sizes.batch_size}: bytes counted = unique rows ({unique_rows:,}) x dim x 4 B + output "
-            f"({out_bytes:,} B) = {lookup_bytes / 1e6:.1f} MB. Whole forward (dedup, hash find, pooling) "
-            f"{forward_s * 1e3:.3f} ms: {row['forward_GBps']:.0f} GB/s ({row['forward_GBps'] / copy_gbps:.1%} of copy); "
-            + kernel_text + ".")
+    row = {
+        "copy_bytes": sizes.copy_bytes,
+        "copy_GBps": copy_gbps,
+        "unique_rows": unique_rows,
+        "output_bytes": out_bytes,
+        "lookup_bytes": lookup_bytes,
+        "forward_ms": forward_s * 1e3,
+        "forward_GBps": lookup_bytes / forward_s / 1e9,
+        "pooled_kernel_us": kernel_us or None,
+        "pooled_kernel_GBps": lookup_bytes / (kernel_us * 1e-6) / 1e9 if kernel_us else None,
+    }
+    kernel_text = (
+        f"pooled-lookup kernel alone {kernel_us:.1f} µs: {row['pooled_kernel_GBps']:.0f} GB/s "
+        f"({row['pooled_kernel_GBps'] / copy_gbps:.1%} of copy)"
+        if kernel_us
+        else "pooled-lookup kernel: not seen by the profiler (cpu)"
+    )
+    text = (
+        f"Device copy bandwidth {copy_gbps:.0f} GB/s ({sizes.copy_bytes / 2**20:.0f} MiB tensor copy, bytes read + "
+        f"written). Pooled lookup, eval forward of {sizes.num_tables} tables x dim {sizes.dim}, batch "
+        f"{sizes.batch_size}: bytes counted = unique rows ({unique_rows:,}) x dim x 4 B + output "
+        f"({out_bytes:,} B) = {lookup_bytes / 1e6:.1f} MB. Whole forward (dedup, hash find, pooling) "
+        f"{forward_s * 1e3:.3f} ms: {row['forward_GBps']:.0f} GB/s ({row['forward_GBps'] / copy_gbps:.1%} of copy); "
+        + kernel_text
+        + "."
+    )
     return row, text
 
 
-def run_bench(name: str, script: str, args: List[str], sizes: Sizes, out_dir: str,
-              results_file: str) -> Tuple[Dict, str]:
+def run_bench(
+    name: str, script: str, args: list[str], sizes: Sizes, out_dir: str, results_file: str
+) -> tuple[dict, str]:
     """Runs one benchmark in its own process (a CUDA error there cannot poison this one), results to out_dir."""
     log = os.path.join(out_dir, f"{name}.log")
     cmd = [sys.executable, os.path.join(HERE, script)] + args
@@ -329,46 +412,72 @@ def run_bench(name: str, script: str, args: List[str], sizes: Sizes, out_dir: st
         return row, f.read().strip()
 
 
-def step_hash_table(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Dict, str]:
-    return run_bench("hash_table", "bench_hash_table.py", list(sizes.hash_args) + ["--device", device.type],
-                     sizes, out_dir, f"hash_table_{device.type}_hkv")
+def step_hash_table(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dict, str]:
+    return run_bench(
+        "hash_table",
+        "bench_hash_table.py",
+        list(sizes.hash_args) + ["--device", device.type],
+        sizes,
+        out_dir,
+        f"hash_table_{device.type}_hkv",
+    )
 
 
-def step_upsert_tables(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Dict, str]:
-    return run_bench("upsert_tables", "bench_upsert_tables.py", list(sizes.upsert_args) + ["--device", device.type],
-                     sizes, out_dir, f"upsert_tables_{device.type}")
+def step_upsert_tables(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dict, str]:
+    return run_bench(
+        "upsert_tables",
+        "bench_upsert_tables.py",
+        list(sizes.upsert_args) + ["--device", device.type],
+        sizes,
+        out_dir,
+        f"upsert_tables_{device.type}",
+    )
 
 
-def step_lookup(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Dict, str]:
+def step_lookup(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dict, str]:
     systems = "ours,ours-sgd,dense"
     reason = fbgemm_cuda_reason() if device.type == "cuda" else None
     if device.type == "cuda" and reason is None:
         systems += ",ebc"
-    row, text = run_bench("lookup", "bench_lookup.py",
-                          list(sizes.lookup_args) + ["--device", device.type, "--systems", systems],
-                          sizes, out_dir, f"lookup_{device.type}")
+    row, text = run_bench(
+        "lookup",
+        "bench_lookup.py",
+        list(sizes.lookup_args) + ["--device", device.type, "--systems", systems],
+        sizes,
+        out_dir,
+        f"lookup_{device.type}",
+    )
     if reason:
         row["ebc"] = f"not run: {reason}"
         text += f"\n\nTorchRec EBC not run: {reason}."
     return row, text
 
 
-def step_pipeline(sizes: Sizes, device: torch.device, out_dir: str) -> Tuple[Dict, str]:
+def step_pipeline(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dict, str]:
     if device.type == "cuda":
         reason = fbgemm_cuda_reason()
         if reason:  # TorchRec's sharded EBC (the benchmark's model) needs fbgemm's CUDA TBE
             raise NotRunnable(f"TorchRec's sharded EBC on CUDA needs fbgemm's CUDA build: {reason}")
-    return run_bench("pipeline", "bench_pipeline.py", list(sizes.pipeline_args), sizes, out_dir,
-                     f"pipeline_{device.type}")
+    return run_bench(
+        "pipeline", "bench_pipeline.py", list(sizes.pipeline_args), sizes, out_dir, f"pipeline_{device.type}"
+    )
 
 
-STEP_FUNCS: Dict[str, Callable[[Sizes, torch.device, str], Tuple[Dict, str]]] = {
-    "env": step_env, "syncs": step_syncs, "profile": step_profile, "bandwidth": step_bandwidth,
-    "hash_table": step_hash_table, "upsert_tables": step_upsert_tables, "lookup": step_lookup, "pipeline": step_pipeline}
+STEP_FUNCS: dict[str, Callable[[Sizes, torch.device, str], tuple[dict, str]]] = {
+    "env": step_env,
+    "syncs": step_syncs,
+    "profile": step_profile,
+    "bandwidth": step_bandwidth,
+    "hash_table": step_hash_table,
+    "upsert_tables": step_upsert_tables,
+    "lookup": step_lookup,
+    "pipeline": step_pipeline,
+}
 
 
-def run_steps(steps: List[str], sizes: Sizes, device: torch.device, out_dir: str,
-              inject_failure: Optional[str] = None) -> List[Dict[str, object]]:
+def run_steps(
+    steps: list[str], sizes: Sizes, device: torch.device, out_dir: str, inject_failure: str | None = None
+) -> list[dict[str, object]]:
     common = versions()
     rows = []
     for name in steps:
@@ -386,18 +495,31 @@ def run_steps(steps: List[str], sizes: Sizes, device: torch.device, out_dir: str
             result, text, status = {"error": f"{type(e).__name__}: {e}"}, f"FAILED\n\n```\n{tb.strip()}\n```", "failed"
         seconds = time.perf_counter() - start
         print(f"   {status} in {seconds:.1f} s", flush=True)
-        rows.append(dict(common, step=name, status=status, seconds=round(seconds, 2), result=result,
-                         text=text, time=time.strftime("%Y-%m-%dT%H:%M:%S")))
+        rows.append(
+            dict(
+                common,
+                step=name,
+                status=status,
+                seconds=round(seconds, 2),
+                result=result,
+                text=text,
+                time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+            )
+        )
     return rows
 
 
-def write_report(rows: List[Dict[str, object]], out_dir: str, sizes: Sizes) -> str:
+def write_report(rows: list[dict[str, object]], out_dir: str, sizes: Sizes) -> str:
     head = rows[0] if rows else versions()
-    lines = [f"# GPU check: {head['device']}", "",
-             f"torch {head['torch']}, triton {head['triton']}, torchrec {head['torchrec']}, fbgemm_gpu "
-             f"{head['fbgemm_gpu']}, Python {head['python']}; {time.strftime('%Y-%m-%d %H:%M')}; sizes: "
-             f"{sizes.num_tables} tables x dim {sizes.dim}, batch {sizes.batch_size}, capacity {sizes.capacity:,} per table",
-             "", markdown_table(["step", "status", "seconds"], [[r["step"], r["status"], r["seconds"]] for r in rows])]
+    lines = [
+        f"# GPU check: {head['device']}",
+        "",
+        f"torch {head['torch']}, triton {head['triton']}, torchrec {head['torchrec']}, fbgemm_gpu "
+        f"{head['fbgemm_gpu']}, Python {head['python']}; {time.strftime('%Y-%m-%d %H:%M')}; sizes: "
+        f"{sizes.num_tables} tables x dim {sizes.dim}, batch {sizes.batch_size}, capacity {sizes.capacity:,} per table",
+        "",
+        markdown_table(["step", "status", "seconds"], [[r["step"], r["status"], r["seconds"]] for r in rows]),
+    ]
     for r in rows:
         lines += ["", f"## {r['step']} ({r['status']})", "", str(r["text"])]
     text = "\n".join(lines) + "\n"

@@ -37,36 +37,44 @@ inline void add_to_counter(uint8_t* filter, uint64_t cell, int increment) {
       return;
     }
     // On failure `old` is reloaded with the byte's current value (the other nibble moved).
-    if (__atomic_compare_exchange_n(byte, &old, want, /*weak=*/true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return;
+    if (__atomic_compare_exchange_n(byte, &old, want, /*weak=*/true, __ATOMIC_RELAXED,
+                                    __ATOMIC_RELAXED))
+      return;
   }
 }
 
-inline void prefetch_cells(const uint8_t* filter, int64_t key, int64_t hash_seed, int64_t hashes, uint64_t mask,
-                           int rw) {
+inline void prefetch_cells(const uint8_t* filter, int64_t key, int64_t hash_seed, int64_t hashes,
+                           uint64_t mask, int rw) {
   const BloomHash h = bloom_hash(key, hash_seed);
   for (int64_t i = 0; i < hashes; ++i) {
     const uint8_t* p = filter + (bloom_cell(h, i, mask) >> 1);
-    if (rw) __builtin_prefetch(p, 1); else __builtin_prefetch(p, 0);
+    if (rw)
+      __builtin_prefetch(p, 1);
+    else
+      __builtin_prefetch(p, 0);
   }
 }
 
 template <bool kAtomic>
-void add_counts(uint8_t* filter, uint64_t mask, const int64_t* key, const int64_t* count, const bool* pending,
-                int64_t begin, int64_t end, int64_t hash_seed, int64_t hashes) {
+void add_counts(uint8_t* filter, uint64_t mask, const int64_t* key, const int64_t* count,
+                const bool* pending, int64_t begin, int64_t end, int64_t hash_seed,
+                int64_t hashes) {
   for (int64_t j = begin; j < end; ++j) {
     const int64_t ahead = j + kAhead;
-    if (ahead < end && (pending == nullptr || pending[ahead])) prefetch_cells(filter, key[ahead], hash_seed, hashes, mask, 1);
+    if (ahead < end && (pending == nullptr || pending[ahead]))
+      prefetch_cells(filter, key[ahead], hash_seed, hashes, mask, 1);
     if (pending != nullptr && !pending[j]) continue;
     const int increment = bloom_increment(count[j]);
     if (increment == 0) continue;
     const BloomHash h = bloom_hash(key[j], hash_seed);
-    for (int64_t i = 0; i < hashes; ++i) add_to_counter<kAtomic>(filter, bloom_cell(h, i, mask), increment);
+    for (int64_t i = 0; i < hashes; ++i)
+      add_to_counter<kAtomic>(filter, bloom_cell(h, i, mask), increment);
   }
 }
 
-at::Tensor bloom_admit_cpu(at::Tensor& counters, const at::Tensor& keys_in, const at::Tensor& counts_in,
-                           const std::optional<at::Tensor>& pending_in, int64_t hash_seed, int64_t hashes,
-                           int64_t admit_after) {
+at::Tensor bloom_admit_cpu(at::Tensor& counters, const at::Tensor& keys_in,
+                           const at::Tensor& counts_in, const std::optional<at::Tensor>& pending_in,
+                           int64_t hash_seed, int64_t hashes, int64_t admit_after) {
   check_bloom_admit(counters, keys_in, counts_in, pending_in, hashes, admit_after);
   check_bloom_counts(counts_in);
   const at::Tensor keys = keys_in.contiguous(), counts = counts_in.contiguous();
@@ -95,7 +103,8 @@ at::Tensor bloom_admit_cpu(at::Tensor& counters, const at::Tensor& keys_in, cons
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       const int64_t ahead = j + kAhead;
-      if (ahead < end && (pending == nullptr || pending[ahead])) prefetch_cells(filter, key[ahead], hash_seed, hashes, mask, 0);
+      if (ahead < end && (pending == nullptr || pending[ahead]))
+        prefetch_cells(filter, key[ahead], hash_seed, hashes, mask, 0);
       if (pending != nullptr && !pending[j]) continue;
       const BloomHash h = bloom_hash(key[j], hash_seed);
       int smallest = kBloomCounterMax;

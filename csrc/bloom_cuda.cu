@@ -42,8 +42,9 @@ __device__ __forceinline__ void add_to_counter(uint32_t* words, uint64_t cell, i
   }
 }
 
-__global__ void bloom_add_kernel(uint32_t* words, uint64_t mask, const int64_t* keys, const int64_t* counts,
-                                 const bool* pending, int64_t n, int64_t hash_seed, int64_t hashes) {
+__global__ void bloom_add_kernel(uint32_t* words, uint64_t mask, const int64_t* keys,
+                                 const int64_t* counts, const bool* pending, int64_t n,
+                                 int64_t hash_seed, int64_t hashes) {
   for (int64_t j = global_thread(); j < n; j += global_threads()) {
     if (pending != nullptr && !pending[j]) continue;
     const int increment = bloom_increment(counts[j]);
@@ -53,9 +54,9 @@ __global__ void bloom_add_kernel(uint32_t* words, uint64_t mask, const int64_t* 
   }
 }
 
-__global__ void bloom_decide_kernel(const uint8_t* bytes, uint64_t mask, const int64_t* keys, const bool* pending,
-                                    int64_t n, int64_t hash_seed, int64_t hashes, int64_t admit_after,
-                                    bool* admitted) {
+__global__ void bloom_decide_kernel(const uint8_t* bytes, uint64_t mask, const int64_t* keys,
+                                    const bool* pending, int64_t n, int64_t hash_seed,
+                                    int64_t hashes, int64_t admit_after, bool* admitted) {
   for (int64_t j = global_thread(); j < n; j += global_threads()) {
     if (pending != nullptr && !pending[j]) continue;
     const BloomHash h = bloom_hash(keys[j], hash_seed);
@@ -71,17 +72,20 @@ __global__ void bloom_decide_kernel(const uint8_t* bytes, uint64_t mask, const i
 
 }  // namespace
 
-cudaError_t launch_bloom_admit(uint32_t* words, int64_t num_counters, const int64_t* keys, const int64_t* counts,
-                               const bool* pending, int64_t n, int64_t hash_seed, int64_t hashes, int64_t admit_after,
+cudaError_t launch_bloom_admit(uint32_t* words, int64_t num_counters, const int64_t* keys,
+                               const int64_t* counts, const bool* pending, int64_t n,
+                               int64_t hash_seed, int64_t hashes, int64_t admit_after,
                                bool* admitted, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const uint64_t mask = static_cast<uint64_t>(num_counters) - 1;
   int64_t blocks = (n + kBloomThreads - 1) / kBloomThreads;
   blocks = blocks < kMaxBlocks ? blocks : kMaxBlocks;
   const unsigned grid = static_cast<unsigned>(blocks);
-  bloom_add_kernel<<<grid, kBloomThreads, 0, stream>>>(words, mask, keys, counts, pending, n, hash_seed, hashes);
-  bloom_decide_kernel<<<grid, kBloomThreads, 0, stream>>>(reinterpret_cast<const uint8_t*>(words), mask, keys,
-                                                          pending, n, hash_seed, hashes, admit_after, admitted);
+  bloom_add_kernel<<<grid, kBloomThreads, 0, stream>>>(words, mask, keys, counts, pending, n,
+                                                       hash_seed, hashes);
+  bloom_decide_kernel<<<grid, kBloomThreads, 0, stream>>>(reinterpret_cast<const uint8_t*>(words),
+                                                          mask, keys, pending, n, hash_seed, hashes,
+                                                          admit_after, admitted);
   return cudaGetLastError();
 }
 

@@ -12,8 +12,9 @@ namespace torchrec_ext {
 // bytes or one not 4-byte aligned); num_counters: the filter's counters (a power of two).
 // pending: nullptr = every key. admitted must be zeroed by the caller. Enqueues the increment
 // pass, then the decision pass, on `stream`.
-cudaError_t launch_bloom_admit(uint32_t* words, int64_t num_counters, const int64_t* keys, const int64_t* counts,
-                               const bool* pending, int64_t n, int64_t hash_seed, int64_t hashes, int64_t admit_after,
+cudaError_t launch_bloom_admit(uint32_t* words, int64_t num_counters, const int64_t* keys,
+                               const int64_t* counts, const bool* pending, int64_t n,
+                               int64_t hash_seed, int64_t hashes, int64_t admit_after,
                                bool* admitted, cudaStream_t stream);
 
 }  // namespace torchrec_ext

@@ -33,7 +33,9 @@ TREXT_HD uint64_t bloom_cell(const BloomHash& h, int64_t i, uint64_t cell_mask) 
 }
 
 // Counter `cell` read from its byte.
-TREXT_HD int bloom_counter(uint8_t byte, uint64_t cell) { return (byte >> ((cell & 1) * 4)) & kBloomCounterMax; }
+TREXT_HD int bloom_counter(uint8_t byte, uint64_t cell) {
+  return (byte >> ((cell & 1) * 4)) & kBloomCounterMax;
+}
 
 // What one sighting count adds to each of a key's counters (counts saturate at 15 anyway).
 TREXT_HD int bloom_increment(int64_t count) {

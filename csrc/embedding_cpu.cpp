@@ -26,10 +26,9 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <cstring>
-
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -63,19 +62,34 @@ void add_scaled(float* acc, const float* x, float s, int64_t dim) {
 inline void prefetch_row(const void* row, int64_t bytes, int rw = 0) {
   const char* p = static_cast<const char*>(row);
   for (int64_t b = 0; b < bytes; b += 64) {
-    if (rw) __builtin_prefetch(p + b, 1); else __builtin_prefetch(p + b, 0);
+    if (rw)
+      __builtin_prefetch(p + b, 1);
+    else
+      __builtin_prefetch(p + b, 0);
   }
 }
-inline void prefetch_row(const float* row, int64_t dim, int rw = 0) { prefetch_row(static_cast<const void*>(row), dim * 4, rw); }
+inline void prefetch_row(const float* row, int64_t dim, int rw = 0) {
+  prefetch_row(static_cast<const void*>(row), dim * 4, rw);
+}
 
 // ------------------------------------------------------------------- storage dtypes
 
 enum class Storage : int64_t { kFloat = 0, kHalf = 1, kBFloat16 = 2 };
 inline int64_t storage_bytes(Storage s) { return s == Storage::kFloat ? 4 : 2; }
-inline int64_t table_words(int64_t cap, int64_t dim, Storage s) { return (cap * dim * storage_bytes(s) + 3) / 4; }
+inline int64_t table_words(int64_t cap, int64_t dim, Storage s) {
+  return (cap * dim * storage_bytes(s) + 3) / 4;
+}
 
-inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
 inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 inline float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
 
@@ -118,14 +132,16 @@ TREXT_F16C void add_scaled_half_f16c(float* acc, const uint16_t* x, float s, int
 TREXT_F16C void half_row_to_float_f16c(float* out, const uint16_t* x, int64_t dim) {
   int64_t d = 0;
   for (; d + 8 <= dim; d += 8)
-    _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d))));
+    _mm256_storeu_ps(out + d,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d))));
   for (; d < dim; ++d) out[d] = half_to_float(x[d]);
 }
 TREXT_F16C void float_row_to_half_f16c(uint16_t* out, const float* x, int64_t dim) {
   int64_t d = 0;
   for (; d + 8 <= dim; d += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + d),
-                     _mm256_cvtps_ph(_mm256_loadu_ps(x + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm_storeu_si128(
+        reinterpret_cast<__m128i*>(out + d),
+        _mm256_cvtps_ph(_mm256_loadu_ps(x + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   for (; d < dim; ++d) out[d] = c10::detail::fp16_ieee_from_fp32_value(x[d]);
 }
 #else
@@ -153,8 +169,9 @@ void float_row_to_bf16(uint16_t* out, const float* x, int64_t dim) {
 // boundary): it takes the largest finite value instead. Branch-free (selects), so the row loops
 // vectorise.
 constexpr uint32_t kBf16OverflowBoundary = 0x7F7F8000u;  // |x| from which bfloat16 rounds to inf
-constexpr uint32_t kHalfOverflowBoundary = 0x477FF000u;  // 65520: |x| from which float16 rounds to inf
-constexpr uint32_t kHalfMax = 0x477FE000u;               // 65504, the largest float16, as float32 bits
+constexpr uint32_t kHalfOverflowBoundary =
+    0x477FF000u;                            // 65520: |x| from which float16 rounds to inf
+constexpr uint32_t kHalfMax = 0x477FE000u;  // 65504, the largest float16, as float32 bits
 inline uint16_t bf16_stochastic(float x, uint32_t r) {
   const uint32_t u = float_to_bits(x);
   const uint32_t a = u & 0x7FFFFFFFu;
@@ -188,8 +205,9 @@ inline uint16_t half_stochastic(float x, uint32_t r) {
   t = a < 0x33800000u ? tiny : t;
   t = t >= 0x47800000u && a < kHalfOverflowBoundary ? kHalfMax : t;
   // t is exactly a float16 value: its bits directly (no rounding left to do).
-  const uint32_t normal = (t >> 13) - 0x1C000u;                                   // rebias 127 -> 15
-  const uint32_t subnormal = static_cast<uint32_t>(bits_to_float(t) * 0x1p24f);  // multiples of 2^-24
+  const uint32_t normal = (t >> 13) - 0x1C000u;  // rebias 127 -> 15
+  const uint32_t subnormal =
+      static_cast<uint32_t>(bits_to_float(t) * 0x1p24f);  // multiples of 2^-24
   uint32_t h = t >= 0x47800000u ? 0x7C00u : t >= 0x38800000u ? normal : subnormal;
   h = a > 0x7F800000u ? 0x7E00u : a == 0x7F800000u ? 0x7C00u : h;  // NaN, inf
   return static_cast<uint16_t>(h | sign);
@@ -200,11 +218,15 @@ constexpr uint64_t kRoundingGolden = 0xD6E8FEB86659FD93ull;
 // The 16-bit random numbers of a row's elements at one step (reference.rounding_bits): element
 // d takes bits 16 * (d % 4) of hash d / 4, i.e. (little-endian) the d-th uint16 of the hashes.
 TREXT_VECTOR_CLONES
-void rounding_bits(uint16_t* out, uint64_t* scratch, int64_t dim, int64_t id, uint64_t seed, int64_t step) {
-  const uint64_t key = fmix64(fmix64(static_cast<uint64_t>(id) ^ seed) + static_cast<uint64_t>(step) * kRoundingGolden);
+void rounding_bits(uint16_t* out, uint64_t* scratch, int64_t dim, int64_t id, uint64_t seed,
+                   int64_t step) {
+  const uint64_t key = fmix64(fmix64(static_cast<uint64_t>(id) ^ seed) +
+                              static_cast<uint64_t>(step) * kRoundingGolden);
   const int64_t groups = (dim + 3) / 4;
-  for (int64_t q = 0; q < groups; ++q) scratch[q] = fmix64(key + static_cast<uint64_t>(q + 1) * kRoundingGolden);
-  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "rounding_bits reads hashes as uint16 lanes");
+  for (int64_t q = 0; q < groups; ++q)
+    scratch[q] = fmix64(key + static_cast<uint64_t>(q + 1) * kRoundingGolden);
+  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+                "rounding_bits reads hashes as uint16 lanes");
   std::memcpy(out, scratch, dim * sizeof(uint16_t));
 }
 
@@ -247,7 +269,8 @@ TREXT_AVX512 void add_scaled_half_avx512(float* acc, const uint16_t* x, float s,
   const __m512 sv = _mm512_set1_ps(s);
   for (int64_t d = 0; d < dim; d += 16) {
     const __mmask16 m = dim - d >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (dim - d)) - 1u);
-    const __m512 sum = _mm512_add_ps(_mm512_maskz_loadu_ps(m, acc + d), _mm512_mul_ps(sv, half16_to_float(x + d, m)));
+    const __m512 sum = _mm512_add_ps(_mm512_maskz_loadu_ps(m, acc + d),
+                                     _mm512_mul_ps(sv, half16_to_float(x + d, m)));
     _mm512_mask_storeu_ps(acc + d, m, sum);
   }
 }
@@ -268,27 +291,37 @@ TREXT_AVX512 inline __m512 half_stochastic_grid16(__m512 x, __m512i r) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
   const __m512i sign = _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
-  // D = clamp(126 - biased exponent, 13, 24) dropped bits; r * 2^(D - 16) floored is (r << 8) >> (24 - D)
-  const __m512i dropped = _mm512_min_epi32(_mm512_set1_epi32(24), _mm512_max_epi32(_mm512_set1_epi32(13),
-      _mm512_sub_epi32(_mm512_set1_epi32(126), _mm512_srli_epi32(a, 23))));
-  const __m512i scaled = _mm512_srlv_epi32(_mm512_slli_epi32(r, 8), _mm512_sub_epi32(_mm512_set1_epi32(24), dropped));
-  __m512i t = _mm512_and_si512(_mm512_add_epi32(a, scaled), _mm512_sllv_epi32(_mm512_set1_epi32(-1), dropped));
+  // D = clamp(126 - biased exponent, 13, 24) dropped bits; r * 2^(D - 16) floored is (r << 8) >>
+  // (24 - D)
+  const __m512i dropped = _mm512_min_epi32(
+      _mm512_set1_epi32(24),
+      _mm512_max_epi32(_mm512_set1_epi32(13),
+                       _mm512_sub_epi32(_mm512_set1_epi32(126), _mm512_srli_epi32(a, 23))));
+  const __m512i scaled =
+      _mm512_srlv_epi32(_mm512_slli_epi32(r, 8), _mm512_sub_epi32(_mm512_set1_epi32(24), dropped));
+  __m512i t = _mm512_and_si512(_mm512_add_epi32(a, scaled),
+                               _mm512_sllv_epi32(_mm512_set1_epi32(-1), dropped));
   // below 2^-24: 2^-24 where |x| * 2^40 > r (exact in float32), else 0
   const __m512 magnitude = _mm512_castsi512_ps(a);
-  const __mmask16 away = _mm512_cmp_ps_mask(_mm512_mul_ps(magnitude, _mm512_set1_ps(0x1p40f)), _mm512_cvtepi32_ps(r), _CMP_GT_OQ);
+  const __mmask16 away = _mm512_cmp_ps_mask(_mm512_mul_ps(magnitude, _mm512_set1_ps(0x1p40f)),
+                                            _mm512_cvtepi32_ps(r), _CMP_GT_OQ);
   const __mmask16 tiny = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(0x33800000));
   t = _mm512_mask_mov_epi32(t, tiny, _mm512_maskz_mov_epi32(away, _mm512_set1_epi32(0x33800000)));
-  const __mmask16 capped = _mm512_cmpge_epu32_mask(t, _mm512_set1_epi32(0x47800000)) &
-                           _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(kHalfOverflowBoundary)));
+  const __mmask16 capped =
+      _mm512_cmpge_epu32_mask(t, _mm512_set1_epi32(0x47800000)) &
+      _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(kHalfOverflowBoundary)));
   t = _mm512_mask_mov_epi32(t, capped, _mm512_set1_epi32(static_cast<int>(kHalfMax)));
-  const __mmask16 special = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x7F800000));  // inf, NaN: x itself
+  const __mmask16 special =
+      _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x7F800000));  // inf, NaN: x itself
   return _mm512_mask_mov_ps(_mm512_castsi512_ps(_mm512_or_si512(t, sign)), special, x);
 }
 
-TREXT_AVX512 void float_row_to_half_stochastic_avx512(uint16_t* out, const float* x, const uint16_t* r, int64_t dim) {
+TREXT_AVX512 void float_row_to_half_stochastic_avx512(uint16_t* out, const float* x,
+                                                      const uint16_t* r, int64_t dim) {
   int64_t d = 0;
   for (; d + 16 <= dim; d += 16) {
-    const __m512i rv = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + d)));
+    const __m512i rv =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + d)));
     const __m512 grid = half_stochastic_grid16(_mm512_loadu_ps(x + d), rv);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), to_half16(grid));
   }
@@ -311,26 +344,40 @@ void float_row_to_half_stochastic_avx512(uint16_t*, const float*, const uint16_t
 // acc += s * row, the row in its storage dtype.
 inline void add_scaled_row(float* acc, const void* row, Storage st, float s, int64_t dim) {
   switch (st) {
-    case Storage::kFloat: add_scaled(acc, static_cast<const float*>(row), s, dim); break;
-    case Storage::kHalf:
-      if (kHasAvx512) add_scaled_half_avx512(acc, static_cast<const uint16_t*>(row), s, dim);
-      else if (kHasF16C) add_scaled_half_f16c(acc, static_cast<const uint16_t*>(row), s, dim);
-      else add_scaled_half(acc, static_cast<const uint16_t*>(row), s, dim);
+    case Storage::kFloat:
+      add_scaled(acc, static_cast<const float*>(row), s, dim);
       break;
-    case Storage::kBFloat16: add_scaled_bf16(acc, static_cast<const uint16_t*>(row), s, dim); break;
+    case Storage::kHalf:
+      if (kHasAvx512)
+        add_scaled_half_avx512(acc, static_cast<const uint16_t*>(row), s, dim);
+      else if (kHasF16C)
+        add_scaled_half_f16c(acc, static_cast<const uint16_t*>(row), s, dim);
+      else
+        add_scaled_half(acc, static_cast<const uint16_t*>(row), s, dim);
+      break;
+    case Storage::kBFloat16:
+      add_scaled_bf16(acc, static_cast<const uint16_t*>(row), s, dim);
+      break;
   }
 }
 
 // out = row as float32.
 inline void load_row(float* out, const void* row, Storage st, int64_t dim) {
   switch (st) {
-    case Storage::kFloat: std::memcpy(out, row, dim * 4); break;
-    case Storage::kHalf:
-      if (kHasAvx512) half_row_to_float_avx512(out, static_cast<const uint16_t*>(row), dim);
-      else if (kHasF16C) half_row_to_float_f16c(out, static_cast<const uint16_t*>(row), dim);
-      else half_row_to_float(out, static_cast<const uint16_t*>(row), dim);
+    case Storage::kFloat:
+      std::memcpy(out, row, dim * 4);
       break;
-    case Storage::kBFloat16: bf16_row_to_float(out, static_cast<const uint16_t*>(row), dim); break;
+    case Storage::kHalf:
+      if (kHasAvx512)
+        half_row_to_float_avx512(out, static_cast<const uint16_t*>(row), dim);
+      else if (kHasF16C)
+        half_row_to_float_f16c(out, static_cast<const uint16_t*>(row), dim);
+      else
+        half_row_to_float(out, static_cast<const uint16_t*>(row), dim);
+      break;
+    case Storage::kBFloat16:
+      bf16_row_to_float(out, static_cast<const uint16_t*>(row), dim);
+      break;
   }
 }
 
@@ -338,11 +385,15 @@ inline void load_row(float* out, const void* row, Storage st, int64_t dim) {
 // x is scratch: stochastic rounding to float16 may overwrite it.
 inline void store_row(void* row, float* x, Storage st, int64_t dim, const uint16_t* r) {
   switch (st) {
-    case Storage::kFloat: std::memcpy(row, x, dim * 4); break;
+    case Storage::kFloat:
+      std::memcpy(row, x, dim * 4);
+      break;
     case Storage::kHalf:
       if (kHasAvx512) {
-        if (r != nullptr) float_row_to_half_stochastic_avx512(static_cast<uint16_t*>(row), x, r, dim);
-        else float_row_to_half_avx512(static_cast<uint16_t*>(row), x, dim);
+        if (r != nullptr)
+          float_row_to_half_stochastic_avx512(static_cast<uint16_t*>(row), x, r, dim);
+        else
+          float_row_to_half_avx512(static_cast<uint16_t*>(row), x, dim);
       } else if (kHasF16C) {  // the grid values, then an exact hardware conversion
         if (r != nullptr) half_stochastic_grid_row(x, r, dim);
         float_row_to_half_f16c(static_cast<uint16_t*>(row), x, dim);
@@ -353,8 +404,10 @@ inline void store_row(void* row, float* x, Storage st, int64_t dim, const uint16
       }
       break;
     case Storage::kBFloat16:
-      if (r != nullptr) float_row_to_bf16_stochastic(static_cast<uint16_t*>(row), x, r, dim);
-      else float_row_to_bf16(static_cast<uint16_t*>(row), x, dim);
+      if (r != nullptr)
+        float_row_to_bf16_stochastic(static_cast<uint16_t*>(row), x, r, dim);
+      else
+        float_row_to_bf16(static_cast<uint16_t*>(row), x, dim);
       break;
   }
 }
@@ -366,7 +419,14 @@ inline at::ScalarType storage_scalar_type(Storage s) {
   return s == Storage::kFloat ? at::kFloat : s == Storage::kHalf ? at::kHalf : at::kBFloat16;
 }
 enum class Init : int64_t { kUniform = 0, kNormal = 1, kTruncatedNormal = 2, kConstant = 3 };
-enum class Optim : int64_t { kSgd = 0, kAdagrad = 1, kRowwiseAdagrad = 2, kAdam = 3, kAdamW = 4, kFtrl = 5 };
+enum class Optim : int64_t {
+  kSgd = 0,
+  kAdagrad = 1,
+  kRowwiseAdagrad = 2,
+  kAdam = 3,
+  kAdamW = 4,
+  kFtrl = 5
+};
 
 void check_long_1d(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK(t.dim() == 1 && t.scalar_type() == at::kLong && t.is_contiguous(), op, ": ", name,
@@ -381,12 +441,14 @@ void check_weights(const char* op, const at::Tensor& weights) {
 }
 
 // The tables' storage dtypes (all float32 when not given).
-std::vector<Storage> table_storage(const char* op, const std::optional<at::Tensor>& table_dtypes, int64_t T) {
+std::vector<Storage> table_storage(const char* op, const std::optional<at::Tensor>& table_dtypes,
+                                   int64_t T) {
   std::vector<Storage> out(T, Storage::kFloat);
   if (!table_dtypes.has_value()) return out;
   const at::Tensor codes = table_dtypes->contiguous();
   check_long_1d(op, "table_dtypes", codes);
-  TORCH_CHECK(codes.numel() == T, op, ": table_dtypes must have one entry per table (", T, "), got ", codes.numel());
+  TORCH_CHECK(codes.numel() == T, op, ": table_dtypes must have one entry per table (", T,
+              "), got ", codes.numel());
   const int64_t* c = codes.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(c[t] >= 0 && c[t] <= 2, op, ": table_dtypes[", t, "] = ", c[t],
@@ -414,9 +476,11 @@ std::vector<int64_t> table_capacities(const char* op, const at::Tensor& weights,
     TORCH_CHECK(dim[t] > 0, op, ": table_dims[", t, "] must be > 0, got ", dim[t]);
     const int64_t row_bytes = dim[t] * storage_bytes(storage[t]);
     const int64_t cap = off[t] >= 0 && end >= off[t] ? (end - off[t]) * 4 / row_bytes : -1;
-    TORCH_CHECK(cap >= 0 && end <= weights.numel() && table_words(cap, dim[t], storage[t]) == end - off[t],
-                op, ": table ", t, " spans words [", off[t], ", ", end, ") of a buffer of ", weights.numel(),
-                ", not the words of a whole number of rows of dim ", dim[t], " in ", storage_name(storage[t]));
+    TORCH_CHECK(
+        cap >= 0 && end <= weights.numel() && table_words(cap, dim[t], storage[t]) == end - off[t],
+        op, ": table ", t, " spans words [", off[t], ", ", end, ") of a buffer of ",
+        weights.numel(), ", not the words of a whole number of rows of dim ", dim[t], " in ",
+        storage_name(storage[t]));
     caps[t] = cap;
   }
   return caps;
@@ -464,8 +528,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_segments_cpu(
   const int64_t S = seg.numel() - 1;
   const int64_t n = ids.numel();
   const int64_t* so = seg.data_ptr<int64_t>();
-  TORCH_CHECK(so[0] == 0 && so[S] == n, op, ": segment_offsets must run from 0 to the number of ids (",
-              n, "), got ", so[0], " .. ", so[S]);
+  TORCH_CHECK(so[0] == 0 && so[S] == n, op,
+              ": segment_offsets must run from 0 to the number of ids (", n, "), got ", so[0],
+              " .. ", so[S]);
   for (int64_t s = 0; s < S; ++s)
     TORCH_CHECK(so[s] <= so[s + 1], op, ": segment_offsets must be non-decreasing, got ", so[s],
                 " then ", so[s + 1]);
@@ -525,7 +590,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_segments_cpu(
 
 // ---------------------------------------------------------------------------- initial rows
 
-inline uint64_t row_key(int64_t id, uint64_t seed) { return fmix64(static_cast<uint64_t>(id) ^ seed); }
+inline uint64_t row_key(int64_t id, uint64_t seed) {
+  return fmix64(static_cast<uint64_t>(id) ^ seed);
+}
 
 // 64 random bits for elements 2p and 2p+1 of a row (one hash feeds two elements).
 inline uint64_t pair_bits(uint64_t key, int64_t pair, int64_t attempt) {
@@ -545,12 +612,14 @@ inline void box_muller(uint64_t bits, double* z0, double* z1) {
 // The default initializer, on every new row: written so the compiler vectorises the hashes
 // (64-bit multiplies need AVX-512DQ, hence the x86-64-v4 clone).
 TREXT_VECTOR_CLONES
-void uniform_vector(float* out, int64_t dim, uint64_t key, double low, double span, int64_t first_pair) {
+void uniform_vector(float* out, int64_t dim, uint64_t key, double low, double span,
+                    int64_t first_pair) {
   const int64_t pairs = dim / 2;
   for (int64_t q = 0; q < pairs; ++q) {
     const uint64_t bits = fmix64(key + static_cast<uint64_t>(first_pair + q + 1) * kGolden);
     out[2 * q] = static_cast<float>(low + span * (static_cast<double>(bits >> 40) * 0x1p-24));
-    out[2 * q + 1] = static_cast<float>(low + span * (static_cast<double>((bits & 0xFFFFFFFFull) >> 8) * 0x1p-24));
+    out[2 * q + 1] = static_cast<float>(
+        low + span * (static_cast<double>((bits & 0xFFFFFFFFull) >> 8) * 0x1p-24));
   }
   if (dim % 2) {
     const uint64_t bits = pair_bits(key, first_pair + pairs, 0);
@@ -560,7 +629,8 @@ void uniform_vector(float* out, int64_t dim, uint64_t key, double low, double sp
 
 // Elements first_column .. of the id's vector: a column shard of a table draws its columns
 // of the whole table's vectors.
-void init_vector(float* out, int64_t dim, uint64_t key, Init init, at::ArrayRef<double> p, int64_t first_column) {
+void init_vector(float* out, int64_t dim, uint64_t key, Init init, at::ArrayRef<double> p,
+                 int64_t first_column) {
   if (init == Init::kConstant) {
     std::fill(out, out + dim, static_cast<float>(p[0]));
     return;
@@ -629,8 +699,9 @@ void copy_streaming_bytes(void* dst, const void* src, int64_t bytes) {
 #if defined(__SSE2__)
   if (reinterpret_cast<uintptr_t>(dst) % 16 == 0 && bytes % 16 == 0) {
     for (int64_t j = 0; j < bytes; j += 16)
-      _mm_stream_si128(reinterpret_cast<__m128i*>(static_cast<char*>(dst) + j),
-                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const char*>(src) + j)));
+      _mm_stream_si128(
+          reinterpret_cast<__m128i*>(static_cast<char*>(dst) + j),
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const char*>(src) + j)));
     return;
   }
 #endif
@@ -646,11 +717,13 @@ void init_rows_cpu(const at::Tensor& table, const at::Tensor& rows_in, const at:
   const char* op = "init_rows";
   const at::ScalarType st = table.scalar_type();
   TORCH_CHECK(table.dim() == 2 && (st == at::kFloat || st == at::kHalf || st == at::kBFloat16) &&
-                  table.is_contiguous(), op,
-              ": table must be a contiguous 2-D float32, float16 or bfloat16 tensor, got ", st,
+                  table.is_contiguous(),
+              op, ": table must be a contiguous 2-D float32, float16 or bfloat16 tensor, got ", st,
               " of shape ", table.sizes());
   // Half tables take the initial vector rounded to nearest even (a pure function still).
-  const Storage storage = st == at::kFloat ? Storage::kFloat : st == at::kHalf ? Storage::kHalf : Storage::kBFloat16;
+  const Storage storage = st == at::kFloat  ? Storage::kFloat
+                          : st == at::kHalf ? Storage::kHalf
+                                            : Storage::kBFloat16;
   const at::Tensor rows = rows_in.contiguous(), ids = ids_in.contiguous();
   check_long_1d(op, "rows", rows);
   check_long_1d(op, "ids", ids);
@@ -658,20 +731,23 @@ void init_rows_cpu(const at::Tensor& table, const at::Tensor& rows_in, const at:
               rows.numel(), " and ", ids.numel());
   TORCH_CHECK(kind >= 0 && kind <= 3, op, ": unknown initializer kind ", kind);
   const size_t need = kind == 3 ? 1 : kind == 2 ? 4 : 2;
-  TORCH_CHECK(params.size() == need || params.size() == need + 1, op, ": initializer kind ", kind, " needs ", need,
-              " parameters (and optionally the first column), got ", params.size());
+  TORCH_CHECK(params.size() == need || params.size() == need + 1, op, ": initializer kind ", kind,
+              " needs ", need, " parameters (and optionally the first column), got ",
+              params.size());
   // An optional last parameter: the table's first column in the whole table's vectors (a
   // column shard's).
   const double first_value = params.size() > need ? params[need] : 0.0;
-  TORCH_CHECK(first_value >= 0 && first_value == std::floor(first_value) && first_value < 0x1p62, op,
-              ": the first column must be an integer >= 0, got ", first_value);
+  TORCH_CHECK(first_value >= 0 && first_value == std::floor(first_value) && first_value < 0x1p62,
+              op, ": the first column must be an integer >= 0, got ", first_value);
   const int64_t first_column = static_cast<int64_t>(first_value);
   const int64_t cap = table.size(0), dim = table.size(1), n = rows.numel();
   TORCH_CHECK(state_values.size() == states.size(), op, ": one state value per state, got ",
               state_values.size(), " values for ", states.size(), " states");
   for (const at::Tensor& s : states)
-    TORCH_CHECK(s.dim() == 2 && s.size(0) == cap && s.scalar_type() == at::kFloat && s.is_contiguous(), op,
-                ": optimizer states must be contiguous float32 [", cap, ", width] tensors, got ", s.sizes());
+    TORCH_CHECK(
+        s.dim() == 2 && s.size(0) == cap && s.scalar_type() == at::kFloat && s.is_contiguous(), op,
+        ": optimizer states must be contiguous float32 [", cap, ", width] tensors, got ",
+        s.sizes());
   const int64_t* r = rows.data_ptr<int64_t>();
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
@@ -685,10 +761,12 @@ void init_rows_cpu(const at::Tensor& table, const at::Tensor& rows_in, const at:
     for (int64_t i = begin; i < end; ++i) {
       // New rows are scattered over the table: start fetching a few rows ahead for writing.
       const int64_t ahead = i + kPrefetchDistance;
-      if (ahead < end && r[ahead] >= 0) prefetch_row(w + r[ahead] * row_bytes, row_bytes, 1);  // states are streamed
+      if (ahead < end && r[ahead] >= 0)
+        prefetch_row(w + r[ahead] * row_bytes, row_bytes, 1);  // states are streamed
       if (r[i] < 0) continue;
       if (storage == Storage::kFloat) {
-        init_vector(reinterpret_cast<float*>(w + r[i] * row_bytes), dim, row_key(id[i], s), init, params, first_column);
+        init_vector(reinterpret_cast<float*>(w + r[i] * row_bytes), dim, row_key(id[i], s), init,
+                    params, first_column);
       } else {
         init_vector(scratch.data(), dim, row_key(id[i], s), init, params, first_column);
         store_row(w + r[i] * row_bytes, scratch.data(), storage, dim, nullptr);
@@ -720,19 +798,19 @@ struct NewVectors {
   }
 };
 
-NewVectors check_new_vectors(const char* op, at::TensorList new_vectors, const int64_t* dims, int64_t T,
-                             const std::vector<Storage>& storage) {
+NewVectors check_new_vectors(const char* op, at::TensorList new_vectors, const int64_t* dims,
+                             int64_t T, const std::vector<Storage>& storage) {
   NewVectors nv;
   if (new_vectors.empty()) return nv;
-  TORCH_CHECK(static_cast<int64_t>(new_vectors.size()) == T, op, ": new_vectors must have one block per table (",
-              T, "), got ", new_vectors.size());
+  TORCH_CHECK(static_cast<int64_t>(new_vectors.size()) == T, op,
+              ": new_vectors must have one block per table (", T, "), got ", new_vectors.size());
   for (int64_t t = 0; t < T; ++t) {
     const at::Tensor& v = new_vectors[t];
     const at::ScalarType want = storage_scalar_type(storage[t]);
-    TORCH_CHECK(v.dim() == 2 && v.size(1) == dims[t] && v.scalar_type() == want && v.is_contiguous(), op,
-                ": new_vectors[", t, "] must be a contiguous ", storage_name(storage[t]), " [n, ", dims[t],
-                "] tensor (its table's dtype), got ",
-                v.scalar_type(), " of shape ", v.sizes());
+    TORCH_CHECK(
+        v.dim() == 2 && v.size(1) == dims[t] && v.scalar_type() == want && v.is_contiguous(), op,
+        ": new_vectors[", t, "] must be a contiguous ", storage_name(storage[t]), " [n, ", dims[t],
+        "] tensor (its table's dtype), got ", v.scalar_type(), " of shape ", v.sizes());
     nv.data.push_back(static_cast<const char*>(v.data_ptr()));
     nv.count.push_back(v.size(0));
   }
@@ -740,10 +818,12 @@ NewVectors check_new_vectors(const char* op, at::TensorList new_vectors, const i
 }
 
 // Row r of id i in table t must be -1 (no row), in [0, capacity), or name a new vector of t.
-inline void check_lookup_row(const char* op, int64_t r, int64_t i, int64_t cap, const NewVectors& nv, int64_t t) {
-  TORCH_CHECK((r >= -1 && r < cap) || (r <= -2 && !nv.empty() && -2 - r < nv.count[t]), op, ": row ", r,
-              " of id ", i, " out of range [-1, ", cap, ") of table ", t,
-              nv.empty() ? "" : " (or a new vector: -2 - j for j below the table's new_vectors count)");
+inline void check_lookup_row(const char* op, int64_t r, int64_t i, int64_t cap,
+                             const NewVectors& nv, int64_t t) {
+  TORCH_CHECK(
+      (r >= -1 && r < cap) || (r <= -2 && !nv.empty() && -2 - r < nv.count[t]), op, ": row ", r,
+      " of id ", i, " out of range [-1, ", cap, ") of table ", t,
+      nv.empty() ? "" : " (or a new vector: -2 - j for j below the table's new_vectors count)");
 }
 
 struct FeatureLayout {
@@ -753,33 +833,37 @@ struct FeatureLayout {
   int64_t count;
 };
 
-FeatureLayout check_features(const char* op, const at::Tensor& feature_table, const at::Tensor& feature_col,
-                             const at::Tensor& feature_mean, int64_t num_tables,
-                             const int64_t* table_dims, int64_t total_dim) {
+FeatureLayout check_features(const char* op, const at::Tensor& feature_table,
+                             const at::Tensor& feature_col, const at::Tensor& feature_mean,
+                             int64_t num_tables, const int64_t* table_dims, int64_t total_dim) {
   check_long_1d(op, "feature_table", feature_table);
   check_long_1d(op, "feature_col", feature_col);
   const int64_t F = feature_table.numel();
   TORCH_CHECK(feature_col.numel() == F && feature_mean.numel() == F &&
                   feature_mean.scalar_type() == at::kBool && feature_mean.is_contiguous(),
-              op, ": feature_col and feature_mean (bool) must have one entry per feature (", F, ")");
+              op, ": feature_col and feature_mean (bool) must have one entry per feature (", F,
+              ")");
   const int64_t* ft = feature_table.data_ptr<int64_t>();
   const int64_t* fc = feature_col.data_ptr<int64_t>();
   for (int64_t f = 0; f < F; ++f) {
     TORCH_CHECK(ft[f] >= 0 && ft[f] < num_tables, op, ": feature_table[", f, "] = ", ft[f],
                 " is not a table in [0, ", num_tables, ")");
     TORCH_CHECK(fc[f] >= 0 && fc[f] + table_dims[ft[f]] <= total_dim, op, ": feature ", f,
-                "'s columns [", fc[f], ", ", fc[f] + table_dims[ft[f]], ") exceed total_dim ", total_dim);
+                "'s columns [", fc[f], ", ", fc[f] + table_dims[ft[f]], ") exceed total_dim ",
+                total_dim);
   }
   return {ft, fc, feature_mean.data_ptr<bool>(), F};
 }
 
 void check_bags(const char* op, const at::Tensor& offsets, int64_t num_bags, int64_t num_values) {
   check_long_1d(op, "offsets", offsets);
-  TORCH_CHECK(offsets.numel() == num_bags + 1, op, ": offsets must have num_features * batch_size + 1 = ",
-              num_bags + 1, " entries, got ", offsets.numel());
+  TORCH_CHECK(offsets.numel() == num_bags + 1, op,
+              ": offsets must have num_features * batch_size + 1 = ", num_bags + 1,
+              " entries, got ", offsets.numel());
   const int64_t* o = offsets.data_ptr<int64_t>();
-  TORCH_CHECK(o[0] == 0 && o[num_bags] == num_values, op, ": offsets must run from 0 to the number of ids (",
-              num_values, "), got ", o[0], " .. ", o[num_bags]);
+  TORCH_CHECK(o[0] == 0 && o[num_bags] == num_values, op,
+              ": offsets must run from 0 to the number of ids (", num_values, "), got ", o[0],
+              " .. ", o[num_bags]);
   for (int64_t g = 0; g < num_bags; ++g)
     TORCH_CHECK(o[g] <= o[g + 1], op, ": offsets must be non-decreasing (bag ", g, " has length ",
                 o[g + 1] - o[g], ")");
@@ -789,9 +873,10 @@ const float* check_per_sample_weights(const char* op, const std::optional<at::Te
                                       int64_t num_values, at::Tensor& holder) {
   if (!psw.has_value()) return nullptr;
   holder = psw->contiguous();
-  TORCH_CHECK(holder.dim() == 1 && holder.scalar_type() == at::kFloat && holder.numel() == num_values, op,
-              ": per_sample_weights must be a 1-D float32 tensor with one weight per id (", num_values,
-              "), got ", holder.scalar_type(), " of shape ", holder.sizes());
+  TORCH_CHECK(
+      holder.dim() == 1 && holder.scalar_type() == at::kFloat && holder.numel() == num_values, op,
+      ": per_sample_weights must be a 1-D float32 tensor with one weight per id (", num_values,
+      "), got ", holder.scalar_type(), " of shape ", holder.sizes());
   return holder.data_ptr<float>();
 }
 
@@ -799,17 +884,19 @@ at::Tensor pooled_lookup_cpu(const at::Tensor& weights, const at::Tensor& table_
                              const at::Tensor& table_dims, const at::Tensor& feature_table,
                              const at::Tensor& feature_col, const at::Tensor& feature_mean,
                              const at::Tensor& rows_in, const at::Tensor& offsets_in,
-                             const std::optional<at::Tensor>& per_sample_weights, int64_t batch_size,
-                             int64_t total_dim, at::TensorList new_vectors,
+                             const std::optional<at::Tensor>& per_sample_weights,
+                             int64_t batch_size, int64_t total_dim, at::TensorList new_vectors,
                              const std::optional<at::Tensor>& table_dtypes) {
   const char* op = "pooled_lookup";
   check_weights(op, weights);
   const std::vector<Storage> storage = table_storage(op, table_dtypes, table_offsets.numel());
-  const std::vector<int64_t> caps = table_capacities(op, weights, table_offsets, table_dims, storage);
+  const std::vector<int64_t> caps =
+      table_capacities(op, weights, table_offsets, table_dims, storage);
   const int64_t* dims = table_dims.data_ptr<int64_t>();
-  TORCH_CHECK(batch_size >= 0 && total_dim >= 0, op, ": batch_size and total_dim must be >= 0, got ",
-              batch_size, " and ", total_dim);
-  const FeatureLayout fl = check_features(op, feature_table, feature_col, feature_mean, caps.size(), dims, total_dim);
+  TORCH_CHECK(batch_size >= 0 && total_dim >= 0, op,
+              ": batch_size and total_dim must be >= 0, got ", batch_size, " and ", total_dim);
+  const FeatureLayout fl =
+      check_features(op, feature_table, feature_col, feature_mean, caps.size(), dims, total_dim);
   const NewVectors nv = check_new_vectors(op, new_vectors, dims, caps.size(), storage);
   const at::Tensor rows = rows_in.contiguous(), offsets = offsets_in.contiguous();
   check_long_1d(op, "rows", rows);
@@ -843,9 +930,11 @@ at::Tensor pooled_lookup_cpu(const at::Tensor& weights, const at::Tensor& table_
       for (int64_t i = o[g]; i < o[g + 1]; ++i) {
         // Rows are scattered: fetch a few ids ahead, across bag ends, within this feature.
         const int64_t ahead = i + kPrefetchDistance;
-        if (ahead < feature_end[f] && r[ahead] >= 0) prefetch_row(base + r[ahead] * row_bytes, row_bytes);
+        if (ahead < feature_end[f] && r[ahead] >= 0)
+          prefetch_row(base + r[ahead] * row_bytes, row_bytes);
         if (r[i] == -1) continue;
-        add_scaled_row(acc, nv.source(base, t, r[i], row_bytes), st, psw != nullptr ? psw[i] : 1.f, dim);
+        add_scaled_row(acc, nv.source(base, t, r[i], row_bytes), st, psw != nullptr ? psw[i] : 1.f,
+                       dim);
       }
       const int64_t len = o[g + 1] - o[g];
       if (fl.mean[f] && len > 0) {
@@ -857,8 +946,9 @@ at::Tensor pooled_lookup_cpu(const at::Tensor& weights, const at::Tensor& table_
   return out;
 }
 
-at::Tensor sequence_lookup_cpu(const at::Tensor& weights, const at::Tensor& table_offsets, int64_t dim,
-                               const at::Tensor& feature_table, const at::Tensor& feature_value_offsets_in,
+at::Tensor sequence_lookup_cpu(const at::Tensor& weights, const at::Tensor& table_offsets,
+                               int64_t dim, const at::Tensor& feature_table,
+                               const at::Tensor& feature_value_offsets_in,
                                const at::Tensor& rows_in, at::TensorList new_vectors,
                                const std::optional<at::Tensor>& table_dtypes) {
   const char* op = "sequence_lookup";
@@ -867,19 +957,22 @@ at::Tensor sequence_lookup_cpu(const at::Tensor& weights, const at::Tensor& tabl
   const at::Tensor dims = at::full({table_offsets.numel()}, dim, table_offsets.options());
   const std::vector<Storage> storage = table_storage(op, table_dtypes, table_offsets.numel());
   const std::vector<int64_t> caps = table_capacities(op, weights, table_offsets, dims, storage);
-  const NewVectors nv = check_new_vectors(op, new_vectors, dims.data_ptr<int64_t>(), caps.size(), storage);
+  const NewVectors nv =
+      check_new_vectors(op, new_vectors, dims.data_ptr<int64_t>(), caps.size(), storage);
   check_long_1d(op, "feature_table", feature_table);
   const at::Tensor rows = rows_in.contiguous(), fvo = feature_value_offsets_in.contiguous();
   check_long_1d(op, "rows", rows);
   check_long_1d(op, "feature_value_offsets", fvo);
   const int64_t F = feature_table.numel(), n = rows.numel();
-  TORCH_CHECK(fvo.numel() == F + 1, op, ": feature_value_offsets must have num_features + 1 = ", F + 1,
-              " entries, got ", fvo.numel());
+  TORCH_CHECK(fvo.numel() == F + 1, op,
+              ": feature_value_offsets must have num_features + 1 = ", F + 1, " entries, got ",
+              fvo.numel());
   const int64_t* fo = fvo.data_ptr<int64_t>();
   const int64_t* ft = feature_table.data_ptr<int64_t>();
   const int64_t* r = rows.data_ptr<int64_t>();
-  TORCH_CHECK(fo[0] == 0 && fo[F] == n, op, ": feature_value_offsets must run from 0 to the number of ids (",
-              n, "), got ", fo[0], " .. ", fo[F]);
+  TORCH_CHECK(fo[0] == 0 && fo[F] == n, op,
+              ": feature_value_offsets must run from 0 to the number of ids (", n, "), got ", fo[0],
+              " .. ", fo[F]);
   for (int64_t f = 0; f < F; ++f) {
     TORCH_CHECK(fo[f] <= fo[f + 1], op, ": feature_value_offsets must be non-decreasing");
     TORCH_CHECK(ft[f] >= 0 && ft[f] < static_cast<int64_t>(caps.size()), op, ": feature_table[", f,
@@ -915,10 +1008,10 @@ at::Tensor sequence_lookup_cpu(const at::Tensor& weights, const at::Tensor& tabl
 // Python-float step sizes.
 struct Hyper {
   float lr, eps, beta1, beta2, weight_decay;
-  float clr;        // Adagrad kinds: lr / (1 + (step - 1) * lr_decay)
-  float step_size;  // Adam kinds: lr / (1 - beta1^step)
-  float bc2_sqrt;   // Adam kinds: sqrt(1 - beta2^step)
-  float decay;      // AdamW: 1 - lr * weight_decay
+  float clr;                         // Adagrad kinds: lr / (1 + (step - 1) * lr_decay)
+  float step_size;                   // Adam kinds: lr / (1 - beta1^step)
+  float bc2_sqrt;                    // Adam kinds: sqrt(1 - beta2^step)
+  float decay;                       // AdamW: 1 - lr * weight_decay
   float lr_power, l1, two_l2, beta;  // FTRL
 };
 
@@ -952,8 +1045,10 @@ inline void ftrl_loop(const Hyper& h, float* w, const float* g, float* n, float*
 
 TREXT_VECTOR_CLONES
 void ftrl_step(const Hyper& h, float* w, const float* g, float* n, float* z, int64_t dim) {
-  if (h.lr_power == -0.5f) ftrl_loop<true>(h, w, g, n, z, dim);
-  else ftrl_loop<false>(h, w, g, n, z, dim);
+  if (h.lr_power == -0.5f)
+    ftrl_loop<true>(h, w, g, n, z, dim);
+  else
+    ftrl_loop<false>(h, w, g, n, z, dim);
 }
 
 // One optimizer step on a row of `dim` floats with gradient g (modified in place).
@@ -1001,17 +1096,20 @@ void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::
                       const at::Tensor& state_row_offsets, const at::Tensor& unique_rows_in,
                       const at::Tensor& unique_table_in, const at::Tensor& inverse_in,
                       const std::optional<at::Tensor>& offsets_opt,
-                      const std::optional<at::Tensor>& per_sample_weights, const at::Tensor& feature_col,
-                      const at::Tensor& feature_mean, int64_t batch_size, int64_t optimizer,
-                      at::ArrayRef<double> hparams, int64_t step, at::TensorList new_vectors,
-                      const std::optional<at::Tensor>& unique_new_opt, at::ArrayRef<double> state_init,
+                      const std::optional<at::Tensor>& per_sample_weights,
+                      const at::Tensor& feature_col, const at::Tensor& feature_mean,
+                      int64_t batch_size, int64_t optimizer, at::ArrayRef<double> hparams,
+                      int64_t step, at::TensorList new_vectors,
+                      const std::optional<at::Tensor>& unique_new_opt,
+                      at::ArrayRef<double> state_init,
                       const std::optional<at::Tensor>& table_dtypes,
                       const std::optional<at::Tensor>& unique_ids_opt,
                       const std::optional<at::Tensor>& rounding_seeds_opt) {
   const char* op = "fused_update";
   check_weights(op, weights);
   const std::vector<Storage> storage = table_storage(op, table_dtypes, table_offsets.numel());
-  const std::vector<int64_t> caps = table_capacities(op, weights, table_offsets, table_dims, storage);
+  const std::vector<int64_t> caps =
+      table_capacities(op, weights, table_offsets, table_dims, storage);
   const int64_t T = caps.size();
   const int64_t* dims = table_dims.data_ptr<int64_t>();
   // Element-wise optimizer state: the tables' [capacity, dim] back to back.
@@ -1019,31 +1117,38 @@ void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::
   for (int64_t t = 0; t < T; ++t) soff[t + 1] = soff[t] + caps[t] * dims[t];
   TORCH_CHECK(optimizer >= 0 && optimizer <= 5, op, ": unknown optimizer id ", optimizer);
   TORCH_CHECK(hparams.size() == 6 || hparams.size() == 10, op,
-              ": hparams must be (lr, eps, beta1, beta2, weight_decay, lr_decay[, lr_power, l1, l2, beta]), got ",
+              ": hparams must be (lr, eps, beta1, beta2, weight_decay, lr_decay[, lr_power, l1, "
+              "l2, beta]), got ",
               hparams.size(), " values");
   TORCH_CHECK(step >= 1, op, ": step must be >= 1, got ", step);
   const Optim kind = static_cast<Optim>(optimizer);
-  TORCH_CHECK(kind != Optim::kFtrl || (hparams.size() == 10 && hparams[0] > 0 && hparams[6] <= 0), op,
+  TORCH_CHECK(kind != Optim::kFtrl || (hparams.size() == 10 && hparams[0] > 0 && hparams[6] <= 0),
+              op,
               ": ftrl needs hparams (..., lr_power, l1, l2, beta) with lr > 0 and lr_power <= 0");
-  const size_t want_states = kind == Optim::kSgd ? 0 : (kind == Optim::kAdagrad || kind == Optim::kRowwiseAdagrad) ? 1 : 2;
+  const size_t want_states = kind == Optim::kSgd                                           ? 0
+                             : (kind == Optim::kAdagrad || kind == Optim::kRowwiseAdagrad) ? 1
+                                                                                           : 2;
   TORCH_CHECK(states.size() == want_states, op, ": optimizer ", optimizer, " needs ", want_states,
               " state buffers, got ", states.size());
   check_long_1d(op, "state_row_offsets", state_row_offsets);
-  TORCH_CHECK(state_row_offsets.numel() == T, op, ": state_row_offsets must have one entry per table");
+  TORCH_CHECK(state_row_offsets.numel() == T, op,
+              ": state_row_offsets must have one entry per table");
   const int64_t* sro = state_row_offsets.data_ptr<int64_t>();
   for (const at::Tensor& s : states) {
     TORCH_CHECK(s.dim() == 1 && s.scalar_type() == at::kFloat && s.is_contiguous(), op,
                 ": optimizer states must be contiguous 1-D float32 buffers");
     if (kind == Optim::kRowwiseAdagrad) {
       for (int64_t t = 0; t < T; ++t)
-        TORCH_CHECK(sro[t] >= 0 && sro[t] + caps[t] <= s.numel(), op, ": row-wise state of table ", t,
-                    " [", sro[t], ", ", sro[t] + caps[t], ") exceeds its buffer of ", s.numel());
+        TORCH_CHECK(sro[t] >= 0 && sro[t] + caps[t] <= s.numel(), op, ": row-wise state of table ",
+                    t, " [", sro[t], ", ", sro[t] + caps[t], ") exceeds its buffer of ", s.numel());
     } else {
-      TORCH_CHECK(s.numel() == soff[T], op, ": element-wise optimizer state must hold every table's rows (",
-                  soff[T], " elements), got ", s.numel());
+      TORCH_CHECK(s.numel() == soff[T], op,
+                  ": element-wise optimizer state must hold every table's rows (", soff[T],
+                  " elements), got ", s.numel());
     }
   }
-  const at::Tensor unique_rows = unique_rows_in.contiguous(), unique_table = unique_table_in.contiguous();
+  const at::Tensor unique_rows = unique_rows_in.contiguous(),
+                   unique_table = unique_table_in.contiguous();
   const at::Tensor inverse = inverse_in.contiguous();
   check_long_1d(op, "unique_rows", unique_rows);
   check_long_1d(op, "unique_table", unique_table);
@@ -1055,7 +1160,8 @@ void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::
   const int64_t* inv = inverse.data_ptr<int64_t>();
   check_rows_in_tables(op, ur, ut, U, caps);
   for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(inv[i] >= 0 && inv[i] < U, op, ": inverse[", i, "] = ", inv[i], " out of range [0, ", U, ")");
+    TORCH_CHECK(inv[i] >= 0 && inv[i] < U, op, ": inverse[", i, "] = ", inv[i],
+                " out of range [0, ", U, ")");
   // New rows: unique row u with unique_new[u] = j >= 0 first takes vector j of its table's
   // new_vectors block and state_init, then its step.
   const NewVectors nv = check_new_vectors(op, new_vectors, dims, T, storage);
@@ -1064,16 +1170,17 @@ void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::
   if (unique_new_opt.has_value()) {
     unique_new = unique_new_opt->contiguous();
     check_long_1d(op, "unique_new", unique_new);
-    TORCH_CHECK(unique_new.numel() == U, op, ": unique_new must have one entry per unique row (", U, "), got ",
-                unique_new.numel());
+    TORCH_CHECK(unique_new.numel() == U, op, ": unique_new must have one entry per unique row (", U,
+                "), got ", unique_new.numel());
     TORCH_CHECK(!nv.empty(), op, ": unique_new needs new_vectors");
-    TORCH_CHECK(state_init.size() == states.size(), op, ": state_init must give one initial value per state (",
-                states.size(), "), got ", state_init.size());
+    TORCH_CHECK(state_init.size() == states.size(), op,
+                ": state_init must give one initial value per state (", states.size(), "), got ",
+                state_init.size());
     un = unique_new.data_ptr<int64_t>();
     for (int64_t u = 0; u < U; ++u)
-      TORCH_CHECK(un[u] == -1 || (un[u] >= 0 && un[u] < nv.count[ut[u]] && ur[u] >= 0), op, ": unique_new[", u,
-                  "] = ", un[u], " is neither -1 nor a vector of table ", ut[u], "'s new_vectors (",
-                  nv.count[ut[u]], ") for a row >= 0");
+      TORCH_CHECK(un[u] == -1 || (un[u] >= 0 && un[u] < nv.count[ut[u]] && ur[u] >= 0), op,
+                  ": unique_new[", u, "] = ", un[u], " is neither -1 nor a vector of table ", ut[u],
+                  "'s new_vectors (", nv.count[ut[u]], ") for a row >= 0");
   }
   int64_t max_dim = 1;
   for (int64_t t = 0; t < T; ++t) max_dim = std::max(max_dim, dims[t]);
@@ -1084,25 +1191,29 @@ void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::
   if (rounding_seeds_opt.has_value()) {
     const at::Tensor seeds = rounding_seeds_opt->contiguous();
     check_long_1d(op, "rounding_seeds", seeds);
-    TORCH_CHECK(seeds.numel() == T, op, ": rounding_seeds must have one entry per table (", T, "), got ", seeds.numel());
+    TORCH_CHECK(seeds.numel() == T, op, ": rounding_seeds must have one entry per table (", T,
+                "), got ", seeds.numel());
     bool any = false;
     for (int64_t t = 0; t < T; ++t) {
-      sr_seed[t] = storage[t] == Storage::kFloat ? 0 : static_cast<uint64_t>(seeds.data_ptr<int64_t>()[t]);
+      sr_seed[t] =
+          storage[t] == Storage::kFloat ? 0 : static_cast<uint64_t>(seeds.data_ptr<int64_t>()[t]);
       any = any || sr_seed[t] != 0;
     }
     if (any) {
-      TORCH_CHECK(unique_ids_opt.has_value(), op, ": stochastic rounding (a non-zero rounding seed) needs unique_ids");
+      TORCH_CHECK(unique_ids_opt.has_value(), op,
+                  ": stochastic rounding (a non-zero rounding seed) needs unique_ids");
       unique_ids = unique_ids_opt->contiguous();
       check_long_1d(op, "unique_ids", unique_ids);
-      TORCH_CHECK(unique_ids.numel() == U, op, ": unique_ids must have one entry per unique row (", U, "), got ",
-                  unique_ids.numel());
+      TORCH_CHECK(unique_ids.numel() == U, op, ": unique_ids must have one entry per unique row (",
+                  U, "), got ", unique_ids.numel());
       uid = unique_ids.data_ptr<int64_t>();
     }
   }
   const std::vector<char*> bases = table_bases(weights, table_offsets);
 
   TORCH_CHECK(grad_in.dim() == 2 && grad_in.scalar_type() == at::kFloat, op,
-              ": grad must be a 2-D float32 tensor, got ", grad_in.scalar_type(), " of shape ", grad_in.sizes());
+              ": grad must be a 2-D float32 tensor, got ", grad_in.scalar_type(), " of shape ",
+              grad_in.sizes());
   // Rows may be strided (even broadcast, stride 0, as the gradient of a sum is); columns must
   // be dense for the vector loops.
   at::Tensor grad = grad_in;
@@ -1141,7 +1252,8 @@ void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::
       for (int64_t g = begin; g < end; ++g) {
         const int64_t f = g / batch_size, b = g % batch_size, len = o[g + 1] - o[g];
         for (int64_t i = o[g]; i < o[g + 1]; ++i) {
-          TORCH_CHECK(fc[f] + dims[ut[inv[i]]] <= gcols, op, ": feature ", f, "'s columns exceed grad's ", gcols);
+          TORCH_CHECK(fc[f] + dims[ut[inv[i]]] <= gcols, op, ": feature ", f,
+                      "'s columns exceed grad's ", gcols);
           src[i] = b * grow + fc[f];
           float s = psw != nullptr ? psw[i] : 1.f;
           if (fm[f]) s = s / static_cast<float>(std::max<int64_t>(len, 1));
@@ -1150,9 +1262,11 @@ void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::
       }
     });
   } else {
-    TORCH_CHECK(grad_in.size(0) >= n, op, ": sequence grad must have one row per id (", n, "), got ", grad_in.size(0));
+    TORCH_CHECK(grad_in.size(0) >= n, op, ": sequence grad must have one row per id (", n,
+                "), got ", grad_in.size(0));
     for (int64_t i = 0; i < n; ++i) {
-      TORCH_CHECK(dims[ut[inv[i]]] <= gcols, op, ": grad has ", gcols, " columns, table needs ", dims[ut[inv[i]]]);
+      TORCH_CHECK(dims[ut[inv[i]]] <= gcols, op, ": grad has ", gcols, " columns, table needs ",
+                  dims[ut[inv[i]]]);
       src[i] = i * grow;
     }
   }
@@ -1167,8 +1281,11 @@ void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::
   }
 
   const double lr = hparams[0], beta1 = hparams[2], beta2 = hparams[3], lr_decay = hparams[5];
-  const Hyper h{static_cast<float>(lr), static_cast<float>(hparams[1]), static_cast<float>(beta1),
-                static_cast<float>(beta2), static_cast<float>(hparams[4]),
+  const Hyper h{static_cast<float>(lr),
+                static_cast<float>(hparams[1]),
+                static_cast<float>(beta1),
+                static_cast<float>(beta2),
+                static_cast<float>(hparams[4]),
                 static_cast<float>(lr / (1.0 + static_cast<double>(step - 1) * lr_decay)),
                 static_cast<float>(lr / (1.0 - std::pow(beta1, static_cast<double>(step)))),
                 static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step)))),
@@ -1190,12 +1307,15 @@ void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::
       // (new rows are only written: nothing to fetch).
       const int64_t ahead = u + kPrefetchDistance;
       if (ahead < end && ur[ahead] >= 0 && (un == nullptr || un[ahead] < 0)) {
-        const int64_t ta = ut[ahead], dim_a = dims[ta], row_bytes_a = dim_a * storage_bytes(storage[ta]);
+        const int64_t ta = ut[ahead], dim_a = dims[ta],
+                      row_bytes_a = dim_a * storage_bytes(storage[ta]);
         const int64_t selem_a = soff[ta] + ur[ahead] * dim_a;
         prefetch_row(bases[ta] + ur[ahead] * row_bytes_a, row_bytes_a, 1);
         if (s0 != nullptr) {
-          if (rowwise_state) __builtin_prefetch(s0 + sro[ta] + ur[ahead], 1);
-          else prefetch_row(s0 + selem_a, dim_a, 1);
+          if (rowwise_state)
+            __builtin_prefetch(s0 + sro[ta] + ur[ahead], 1);
+          else
+            prefetch_row(s0 + selem_a, dim_a, 1);
         }
         if (s1 != nullptr) prefetch_row(s1 + selem_a, dim_a, 1);
       }
@@ -1206,7 +1326,8 @@ void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::
       std::fill(g.begin(), g.begin() + dim, 0.f);
       for (int64_t k = start[u]; k < start[u + 1]; ++k) {
         // Values are grouped by row, so their gradient rows come in random order: fetch ahead.
-        if (k + kPrefetchDistance < n_end) prefetch_row(gr + src[order[k + kPrefetchDistance]], dims[ut[u]]);
+        if (k + kPrefetchDistance < n_end)
+          prefetch_row(gr + src[order[k + kPrefetchDistance]], dims[ut[u]]);
         const int64_t i = order[k];
         add_scaled(g.data(), gr + src[i], pooled ? scale[i] : 1.f, dim);
       }
@@ -1224,8 +1345,10 @@ void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::
         // streamed to the row (never read from memory).
         load_row(fresh_w.data(), nv.data[t] + un[u] * row_bytes, st, dim);
         const int64_t width0 = rowwise_state ? 1 : dim;
-        if (state0 != nullptr) std::fill(fresh_s0.begin(), fresh_s0.begin() + width0, static_cast<float>(state_init[0]));
-        if (state1 != nullptr) std::fill(fresh_s1.begin(), fresh_s1.begin() + dim, static_cast<float>(state_init[1]));
+        if (state0 != nullptr)
+          std::fill(fresh_s0.begin(), fresh_s0.begin() + width0, static_cast<float>(state_init[0]));
+        if (state1 != nullptr)
+          std::fill(fresh_s1.begin(), fresh_s1.begin() + dim, static_cast<float>(state_init[1]));
         apply_step(kind, h, fresh_w.data(), g.data(), state0 != nullptr ? fresh_s0.data() : nullptr,
                    state1 != nullptr ? fresh_s1.data() : nullptr, dim);
         if (st == Storage::kFloat) {

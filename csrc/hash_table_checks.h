@@ -97,22 +97,24 @@ inline at::Tensor check_pending(int64_t n, const std::optional<at::Tensor>& pend
 // hash_upsert_fixed checks it, and no table given twice (the tables are applied independently).
 // The arguments every multi-table op shares: one entry per table in each list (`lists`: name,
 // length), key_offsets ascending from 0 to keys.numel(), each table's index arrays valid.
-inline void check_tables(const char* op, at::TensorList digests, at::TensorList slot_keys, const at::Tensor& keys,
-                         at::IntArrayRef key_offsets, at::IntArrayRef capacities,
+inline void check_tables(const char* op, at::TensorList digests, at::TensorList slot_keys,
+                         const at::Tensor& keys, at::IntArrayRef key_offsets,
+                         at::IntArrayRef capacities,
                          std::initializer_list<std::pair<const char*, int64_t>> lists) {
   check_keys(op, keys);
   const int64_t T = static_cast<int64_t>(digests.size());
   auto check_length = [&](const char* name, int64_t len) {
-    TORCH_CHECK(len == T, op, ": ", name, " must have one entry per table (", T, ", as digests), got ", len);
+    TORCH_CHECK(len == T, op, ": ", name, " must have one entry per table (", T,
+                ", as digests), got ", len);
   };
   check_length("slot_keys", static_cast<int64_t>(slot_keys.size()));
   check_length("capacities", static_cast<int64_t>(capacities.size()));
   for (const auto& [name, len] : lists) check_length(name, len);
-  TORCH_CHECK(static_cast<int64_t>(key_offsets.size()) == T + 1, op, ": key_offsets must have ", T + 1,
-              " entries (tables + 1), got ", key_offsets.size());
+  TORCH_CHECK(static_cast<int64_t>(key_offsets.size()) == T + 1, op, ": key_offsets must have ",
+              T + 1, " entries (tables + 1), got ", key_offsets.size());
   TORCH_CHECK(key_offsets[0] == 0 && key_offsets[T] == keys.numel(), op,
-              ": key_offsets must run from 0 to keys.numel() = ", keys.numel(), ", got ", key_offsets[0],
-              " to ", key_offsets[T]);
+              ": key_offsets must run from 0 to keys.numel() = ", keys.numel(), ", got ",
+              key_offsets[0], " to ", key_offsets[T]);
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(key_offsets[t] <= key_offsets[t + 1], op, ": key_offsets must not decrease, got ",
                 key_offsets[t], " then ", key_offsets[t + 1], " at table ", t);
@@ -140,8 +142,8 @@ inline void check_upsert_tables(at::TensorList digests, at::TensorList slot_keys
     check_size(op, sizes[t]);
     check_upsert_args(keys.numel(), scores, policies[t], clocks[t], epochs[t]);
     for (int64_t u = 0; u < t; ++u) {
-      TORCH_CHECK(!digests[u].is_same(digests[t]) && digests[u].data_ptr() != digests[t].data_ptr(), op,
-                  ": table ", t, " is table ", u, " again (the same digests)");
+      TORCH_CHECK(!digests[u].is_same(digests[t]) && digests[u].data_ptr() != digests[t].data_ptr(),
+                  op, ": table ", t, " is table ", u, " again (the same digests)");
     }
   }
   check_pending(keys.numel(), pending);

@@ -44,8 +44,12 @@ struct TableRef {
 inline uint32_t lowest_bit(uint32_t m) { return static_cast<uint32_t>(__builtin_ctz(m)); }
 // Slot of the lowest / highest set bit of a bucket's match mask; some slot of the bucket (31 / 0)
 // when it is empty, so that callers need no branch.
-inline uint32_t first_match(uint32_t m) { return static_cast<uint32_t>(__builtin_ctz(m | 0x80000000u)); }
-inline uint32_t last_match(uint32_t m) { return 31u - static_cast<uint32_t>(__builtin_clz(m | 1u)); }
+inline uint32_t first_match(uint32_t m) {
+  return static_cast<uint32_t>(__builtin_ctz(m | 0x80000000u));
+}
+inline uint32_t last_match(uint32_t m) {
+  return 31u - static_cast<uint32_t>(__builtin_clz(m | 1u));
+}
 
 // Bit i set when slot i of the bucket holds `tag` (the pin bit is ignored).
 inline uint32_t match_tag(const uint8_t* d, uint8_t tag) {
@@ -58,7 +62,8 @@ inline uint32_t match_tag(const uint8_t* d, uint8_t tag) {
          (static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(hi, want))) << 16);
 #else
   uint32_t m = 0;
-  for (int i = 0; i < kSlotsPerBucket; ++i) m |= static_cast<uint32_t>((d[i] & kTagMask) == tag) << i;
+  for (int i = 0; i < kSlotsPerBucket; ++i)
+    m |= static_cast<uint32_t>((d[i] & kTagMask) == tag) << i;
   return m;
 #endif
 }
@@ -82,8 +87,11 @@ inline uint32_t match_empty(const uint8_t* d) {
 static_assert(kPinBit == 0x80, "match_pinned reads the pin bit as the sign bit of each digest");
 inline uint32_t match_pinned(const uint8_t* d) {
 #if defined(__SSE2__)
-  return static_cast<uint32_t>(_mm_movemask_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d)))) |
-         (static_cast<uint32_t>(_mm_movemask_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 16)))) << 16);
+  return static_cast<uint32_t>(
+             _mm_movemask_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d)))) |
+         (static_cast<uint32_t>(
+              _mm_movemask_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + 16))))
+          << 16);
 #else
   uint32_t m = 0;
   for (int i = 0; i < kSlotsPerBucket; ++i) m |= static_cast<uint32_t>((d[i] & kPinBit) != 0) << i;
@@ -175,7 +183,8 @@ inline void for_each_prefetched(const TableRef& t, int64_t count, PlaceAt place_
     prefetch_buckets(t, ring[j & (kRing - 1)]);
   };
   for (int64_t j = 0; j < std::min(count, 2 * D); ++j) fetch_buckets(j);
-  for (int64_t j = 0; j < std::min(count, D); ++j) prefetch_matches<kMode>(t, ring[j & (kRing - 1)]);
+  for (int64_t j = 0; j < std::min(count, D); ++j)
+    prefetch_matches<kMode>(t, ring[j & (kRing - 1)]);
   for (int64_t j = 0; j < count; ++j) {
     if (j + 2 * D < count) fetch_buckets(j + 2 * D);
     if (j + D < count) prefetch_matches<kMode>(t, ring[(j + D) & (kRing - 1)]);
@@ -218,7 +227,8 @@ void grow(std::vector<T>& v, int64_t n) {
 
 const StripeGroups& group_by_stripe(const int64_t* keys, int64_t n, const TableGeometry& g) {
   thread_local StripeGroups scratch;
-  StripeGroups& out = scratch;  // the caller's instance: worker threads below must not see their own
+  StripeGroups& out =
+      scratch;  // the caller's instance: worker threads below must not see their own
   const int64_t R = std::min(g.num_stripes, kMaxRanges);
   const int64_t P = kUpsertPhases * R;
   const int64_t chunks = std::max<int64_t>(
@@ -235,7 +245,8 @@ const StripeGroups& group_by_stripe(const int64_t* keys, int64_t n, const TableG
       int64_t* count = cursors.data() + c * P;
       for (int64_t i = c * chunk_len, e = std::min(n, (c + 1) * chunk_len); i < e; ++i) {
         const int64_t stripe = place_key(keys[i], g).stripe;
-        const int32_t s = static_cast<int32_t>(upsert_phase(stripe, g.num_stripes) * R + stripe * R / g.num_stripes);
+        const int32_t s = static_cast<int32_t>(upsert_phase(stripe, g.num_stripes) * R +
+                                               stripe * R / g.num_stripes);
         group_of[i] = s;
         ++count[s];
       }
@@ -276,7 +287,8 @@ constexpr int64_t kInlineReleases = 16 * kInlineKeys;
 // parallel unless work < kInlineKeys: one thread owns a group, so it applies each of its stripes'
 // keys in batch order, and its prefetch pipeline runs on across the group boundaries of its range.
 template <typename Fn>
-void for_each_group_range(int64_t first, int64_t last, int64_t work, Fn fn, int64_t inline_below = kInlineKeys) {
+void for_each_group_range(int64_t first, int64_t last, int64_t work, Fn fn,
+                          int64_t inline_below = kInlineKeys) {
   if (work <= 0) return;
   if (work < inline_below) {
     fn(first, last);
@@ -340,7 +352,9 @@ void find_ids(int64_t n, IdAt id_at, int64_t* rows, bool* found) {
       // matches there are (unpredictable: a mispredict costs about as much as the rest of an
       // id's work); a bucket without a match prefetches this FindId's own (cached) line instead.
       const int64_t* keys = f.t->keys;
-      auto line = [&](uint32_t m, int64_t row) { return m != 0 ? static_cast<const void*>(keys + row) : &f; };
+      auto line = [&](uint32_t m, int64_t row) {
+        return m != 0 ? static_cast<const void*>(keys + row) : &f;
+      };
       __builtin_prefetch(line(f.match1, base1 + first_match(f.match1)));
       __builtin_prefetch(line(f.match1, base1 + last_match(f.match1)));
       __builtin_prefetch(line(f.match2, base2 + first_match(f.match2)));
@@ -355,7 +369,8 @@ void find_ids(int64_t n, IdAt id_at, int64_t* rows, bool* found) {
       // Fast path, branch-free: each bucket's lowest match (a key is held in one row only, so a
       // key at bucket2's lowest match is in no slot of bucket1). Else (a false tag match below
       // the key, an absent or a stashed key) every match in probe's order, then the stash.
-      // A bucket without a match reads `other` (cached, never the key): no load of an unfetched line.
+      // A bucket without a match reads `other` (cached, never the key): no load of an unfetched
+      // line.
       const int64_t other = ~f.key;
       const int64_t r1 = f.p.bucket1 * kSlotsPerBucket + first_match(f.match1);
       const int64_t r2 = f.p.bucket2 * kSlotsPerBucket + first_match(f.match2);
@@ -364,7 +379,8 @@ void find_ids(int64_t n, IdAt id_at, int64_t* rows, bool* found) {
       int64_t row = hit1 ? r1 : hit2 ? r2 : -1;
       if (__builtin_expect(row < 0, 0)) {
         row = probe(*f.t, f.p, f.key);
-        if (row < 0 && __builtin_expect(stash_may_hold(f.t->digests, f.t->geo, f.p), 0)) row = stash_row(*f.t, f.p, f.key);
+        if (row < 0 && __builtin_expect(stash_may_hold(f.t->digests, f.t->geo, f.p), 0))
+          row = stash_row(*f.t, f.p, f.key);
       }
       rows[g * G + j] = row;
       found[g * G + j] = row >= 0;
@@ -412,7 +428,8 @@ inline int64_t pick_victim(const TableRef& t, const KeyPlace& p) {
   for (int c = 0; c < num_buckets; ++c) {
     const int64_t bucket = c == 0 ? p.bucket1 : p.bucket2;
     const int64_t base = bucket * kSlotsPerBucket;
-    for (uint32_t m = t.geo.usable_mask(bucket) & ~match_pinned(t.digests + base); m != 0; m &= m - 1) {
+    for (uint32_t m = t.geo.usable_mask(bucket) & ~match_pinned(t.digests + base); m != 0;
+         m &= m - 1) {
       const int64_t r = base + lowest_bit(m);
       const int64_t score = t.scores[r];
       if (victim < 0 || score < lowest) {
@@ -497,9 +514,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
         (assign && has_given) ? g : touched_score(policy, true, 0, has_given, g, clock, epoch);
     const int64_t base1 = p.bucket1 * kSlotsPerBucket, base2 = p.bucket2 * kSlotsPerBucket;
     const uint32_t free1 = match_empty(t.digests + base1) & geo.usable_mask(p.bucket1);
-    const uint32_t free2 = p.bucket2 == p.bucket1
-                               ? 0u
-                               : match_empty(t.digests + base2) & geo.usable_mask(p.bucket2);
+    const uint32_t free2 =
+        p.bucket2 == p.bucket1 ? 0u : match_empty(t.digests + base2) & geo.usable_mask(p.bucket2);
     if (free1 | free2) {
       // Two-choice: the emptier bucket (the first on ties), its lowest free slot.
       row = __builtin_popcount(free1) >= __builtin_popcount(free2) ? base1 + lowest_bit(free1)
@@ -585,8 +601,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
       int64_t work = 0;
       for (int64_t g = first; g < last; ++g) {  // a group's absent keys are in batch order
         const AbsentKey* a = absent + offsets[g];
-        upto[g] = std::partition_point(a + done[g], a + absent_count[g],
-                                       [&](const AbsentKey& x) { return order[x.at] < window_end; }) - a;
+        upto[g] =
+            std::partition_point(a + done[g], a + absent_count[g],
+                                 [&](const AbsentKey& x) { return order[x.at] < window_end; }) -
+            a;
         work += upto[g] - done[g];
       }
       for_each_group_range(first, last, work, [&](int64_t g0, int64_t g1) {
@@ -614,15 +632,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
   // Every row returned is pinned: release them, every stripe at once (a key clears only its own
   // digest's pin bit and reads no other byte; the duplicates of a key share a group, so one
   // thread clears each row).
-  for_each_group_range(0, G, n, [&](int64_t g0, int64_t g1) {
-    for (int64_t q = offsets[g0]; q < offsets[g1]; ++q) {
-      const int64_t r = rp[order[q]];
-      if (r >= 0) t.digests[r] &= kTagMask;
-    }
-  }, kInlineReleases);
+  for_each_group_range(
+      0, G, n,
+      [&](int64_t g0, int64_t g1) {
+        for (int64_t q = offsets[g0]; q < offsets[g1]; ++q) {
+          const int64_t r = rp[order[q]];
+          if (r >= 0) t.digests[r] &= kTagMask;
+        }
+      },
+      kInlineReleases);
   *size.data_ptr<int64_t>() += size_delta.load();
   // An insert may have evicted a stashed row, erase_rows cleared one: drop their entries.
-  if (n > 0 && t.digests[geo.num_slots()] != 0) stash_sweep(t.digests, t.keys, geo);  // (CUDA: no launch at n = 0)
+  if (n > 0 && t.digests[geo.num_slots()] != 0)
+    stash_sweep(t.digests, t.keys, geo);  // (CUDA: no launch at n = 0)
 
   // In batch order: an input position evicts at most once, so a pass over the positions
   // places them (no sort).
@@ -663,9 +685,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_fixed_cpu
     check_upsert_args(n, scores, policy_id, clock, epoch);  // checked at the caller's size
     sub_scores = scores->contiguous().index_select(0, at_pos);
   }
-  auto [sub_rows, sub_inserted, evicted_keys, evicted_rows] = hash_upsert_cpu(
-      digests, slot_keys, slot_scores, size, sub_keys, sub_scores, capacity, policy_id, clock,
-      epoch, assign);
+  auto [sub_rows, sub_inserted, evicted_keys, evicted_rows] =
+      hash_upsert_cpu(digests, slot_keys, slot_scores, size, sub_keys, sub_scores, capacity,
+                      policy_id, clock, epoch, assign);
   const int64_t m = sub_keys.numel();
   at::Tensor evicted = at::zeros({m}, k.options().dtype(at::kBool));
   at::Tensor evicted_key = at::zeros({m}, k.options());
@@ -678,7 +700,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_fixed_cpu
     int64_t* out = evicted_key.data_ptr<int64_t>();
     const int64_t e = evicted_rows.numel();
     for (int64_t i = 0, j = 0; i < m && j < e; ++i) {
-      if (ip[i] && rp[i] == er[j]) {  // a row evicted in a call holds the new key: never evicted twice
+      if (ip[i] &&
+          rp[i] == er[j]) {  // a row evicted in a call holds the new key: never evicted twice
         ep[i] = true;
         out[i] = ek[j++];
       }
@@ -747,8 +770,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_tables_cp
     auto slice = [&](const std::optional<at::Tensor>& x) {
       return x.has_value() ? std::optional<at::Tensor>(x->slice(0, b, e)) : std::nullopt;
     };
-    auto [r, i, ev, ek] = hash_upsert_fixed_cpu(d, sk, ss, size, k.slice(0, b, e), slice(given), slice(mask),
-                                                capacities[t], policies[t], clocks[t], epochs[t], assign);
+    auto [r, i, ev, ek] =
+        hash_upsert_fixed_cpu(d, sk, ss, size, k.slice(0, b, e), slice(given), slice(mask),
+                              capacities[t], policies[t], clocks[t], epochs[t], assign);
     rows.slice(0, b, e).copy_(r);
     inserted.slice(0, b, e).copy_(i);
     evicted.slice(0, b, e).copy_(ev);
@@ -761,8 +785,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_tables_cp
 // hash_find of several tables in one call (a serving lookup's id -> row step for all tables): one
 // find pipeline runs across the tables' ids (no restart, nor tensors of its own, per table), in
 // parallel chunks of the whole batch.
-std::tuple<at::Tensor, at::Tensor> hash_find_tables_cpu(at::TensorList digests, at::TensorList slot_keys,
-                                                        const at::Tensor& keys, at::IntArrayRef key_offsets,
+std::tuple<at::Tensor, at::Tensor> hash_find_tables_cpu(at::TensorList digests,
+                                                        at::TensorList slot_keys,
+                                                        const at::Tensor& keys,
+                                                        at::IntArrayRef key_offsets,
                                                         at::IntArrayRef capacities) {
   check_tables("hash_find_tables", digests, slot_keys, keys, key_offsets, capacities, {});
   const at::Tensor k = keys.contiguous();
@@ -771,13 +797,15 @@ std::tuple<at::Tensor, at::Tensor> hash_find_tables_cpu(at::TensorList digests, 
   at::Tensor found = at::empty({n}, k.options().dtype(at::kBool));
   std::vector<TableRef> tables;
   tables.reserve(digests.size());
-  for (size_t t = 0; t < digests.size(); ++t) tables.push_back(table_ref(digests[t], slot_keys[t], nullptr, capacities[t]));
+  for (size_t t = 0; t < digests.size(); ++t)
+    tables.push_back(table_ref(digests[t], slot_keys[t], nullptr, capacities[t]));
   const int64_t* kp = k.data_ptr<int64_t>();
   int64_t* rp = rows.data_ptr<int64_t>();
   bool* fp = found.data_ptr<bool>();
   at::parallel_for(0, n, kGrainKeys, [&](int64_t begin, int64_t end) {
     // The table of id `begin`: the last t with key_offsets[t] <= begin (empty tables skipped).
-    int64_t t = std::upper_bound(key_offsets.begin(), key_offsets.end(), begin) - key_offsets.begin() - 1;
+    int64_t t =
+        std::upper_bound(key_offsets.begin(), key_offsets.end(), begin) - key_offsets.begin() - 1;
     find_ids(
         end - begin,
         [&](int64_t j, const TableRef*& table, int64_t& key) {
@@ -816,7 +844,8 @@ at::Tensor hash_erase_cpu(at::Tensor& digests, const at::Tensor& slot_keys, at::
             t.digests[row] = 0;
             ep[groups.order[begin + j]] = true;
             ++removed;
-          } else if (stash_may_hold(t.digests, geo, p) && stash_row(t, p, groups.keys[begin + j]) >= 0) {
+          } else if (stash_may_hold(t.digests, geo, p) &&
+                     stash_row(t, p, groups.keys[begin + j]) >= 0) {
             std::lock_guard<std::mutex> lock(stash_hits_mutex);  // its row may lie in any stripe
             stash_hits.push_back(groups.order[begin + j]);
           }
@@ -833,7 +862,8 @@ at::Tensor hash_erase_cpu(at::Tensor& digests, const at::Tensor& slot_keys, at::
     ep[i] = true;
     --size_delta;
   }
-  // (Their stash entries are stale now: slot_keys is not written by an erase; the next upsert drops them.)
+  // (Their stash entries are stale now: slot_keys is not written by an erase; the next upsert drops
+  // them.)
   *size.data_ptr<int64_t>() += size_delta.load();
   return erased;
 }
@@ -861,13 +891,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hash_export_cpu(const at::Tensor&
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       int64_t live = 0;
-      for (int64_t r = start + c * kChunk, e = std::min(last, r + kChunk); r < e; ++r) live += d[r] != 0;
+      for (int64_t r = start + c * kChunk, e = std::min(last, r + kChunk); r < e; ++r)
+        live += d[r] != 0;
       offset[c + 1] = live;
     }
   });
   for (int64_t c = 0; c < chunks; ++c) offset[c + 1] += offset[c];
   auto opts = slot_keys.options();
-  at::Tensor out_keys = at::empty({offset[chunks]}, opts), out_rows = at::empty({offset[chunks]}, opts),
+  at::Tensor out_keys = at::empty({offset[chunks]}, opts),
+             out_rows = at::empty({offset[chunks]}, opts),
              out_scores = at::empty({offset[chunks]}, opts);
   int64_t* ok = out_keys.data_ptr<int64_t>();
   int64_t* orow = out_rows.data_ptr<int64_t>();
@@ -921,10 +953,12 @@ void hash_restore_cpu(at::Tensor& digests, at::Tensor& slot_keys, at::Tensor& sl
     if (bucket != p.bucket1 && bucket != p.bucket2) {
       TORCH_CHECK(++stashed <= geo.stash_slots - stash_used, "hash_restore: key ", kp[i],
                   " cannot live in row ", row, " (its buckets are ", p.bucket1, " and ", p.bucket2,
-                  ", and the stash's ", geo.stash_slots, " entries are taken); was the state saved with another "
+                  ", and the stash's ", geo.stash_slots,
+                  " entries are taken); was the state saved with another "
                   "capacity or version?");
     }
-    TORCH_CHECK(!taken[row] && d[row] == 0, "hash_restore: row ", row, " is given twice or already occupied");
+    TORCH_CHECK(!taken[row] && d[row] == 0, "hash_restore: row ", row,
+                " is given twice or already occupied");
     taken[row] = 1;
   }
   int64_t* sk = slot_keys.data_ptr<int64_t>();

@@ -4,6 +4,8 @@
 // hash_table_cuda.cu on the current stream, and compacts the variable-length outputs (evicted
 // keys, export) with ATen. hash_restore (state_dict load: rare, all validation) runs the CPU
 // kernel on host copies. Compiled only in CUDA builds (setup.py).
+#include "hash_table_cuda.h"
+
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAException.h>
@@ -18,7 +20,6 @@
 #include <utility>
 #include <vector>
 
-#include "hash_table_cuda.h"
 #include "hash_table_checks.h"
 #include "hash_table_layout.h"
 
@@ -26,10 +27,6 @@ namespace torchrec_ext {
 namespace {
 
 cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
-
-
-
-
 
 // The kernels take raw pointers: a tensor on the host or on another GPU would be an illegal
 // access there, so every tensor of a call must be on the table's GPU.
@@ -57,8 +54,10 @@ StripeGroups group_by_stripe(const at::Tensor& keys, int64_t capacity,
   at::Tensor stripes = at::empty({keys.numel()}, keys.options().dtype(at::kInt));
   C10_CUDA_CHECK(launch_key_stripes(keys.const_data_ptr<int64_t>(), keys.numel(), capacity,
                                     stripes.mutable_data_ptr<int32_t>(), current_stream()));
-  if (pending.defined()) stripes.masked_fill_(pending.logical_not(), std::numeric_limits<int32_t>::max());
-  auto [sorted_stripes, order] = at::sort(stripes, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  if (pending.defined())
+    stripes.masked_fill_(pending.logical_not(), std::numeric_limits<int32_t>::max());
+  auto [sorted_stripes, order] =
+      at::sort(stripes, /*stable=*/true, /*dim=*/0, /*descending=*/false);
   return {sorted_stripes, order};
 }
 
@@ -97,9 +96,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> upsert_per_key(
   const int64_t n = keys.numel();
   const at::Tensor given = check_upsert_args(n, scores, policy_id, clock, epoch);
   const at::Tensor mask = check_pending(n, pending);
-  check_devices(op, digests,
-                {{"slot_keys", &slot_keys}, {"slot_scores", &slot_scores}, {"size", &size},
-                 {"keys", &keys}});
+  check_devices(
+      op, digests,
+      {{"slot_keys", &slot_keys}, {"slot_scores", &slot_scores}, {"size", &size}, {"keys", &keys}});
   if (given.defined()) check_devices(op, digests, {{"scores", &given}});
   if (mask.defined()) check_devices(op, digests, {{"pending", &mask}});
   const c10::cuda::CUDAGuard device_guard(digests.device());
@@ -107,7 +106,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> upsert_per_key(
   at::Tensor k = keys.contiguous(), g = given, pending_keys = mask, perm;
   if (mask.defined()) {
     // The pending keys first, in batch order: their positions are then those of a call on them
-    // alone, which the insert windows (cut by position) depend on. A sort: nothing read on the host.
+    // alone, which the insert windows (cut by position) depend on. A sort: nothing read on the
+    // host.
     perm = std::get<1>(at::sort(mask.logical_not().to(at::kByte), /*stable=*/true, /*dim=*/0,
                                 /*descending=*/false));
     k = k.index_select(0, perm);
@@ -144,7 +144,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cuda(
   // Evictions in batch position order, as the CPU kernel reports them: a compaction, whose size
   // the host reads (a sync; the training step calls hash_upsert_fixed instead).
   const at::Tensor evicted_at = evicted.nonzero().squeeze(1);
-  return {rows, inserted, evicted_key.index_select(0, evicted_at), rows.index_select(0, evicted_at)};
+  return {rows, inserted, evicted_key.index_select(0, evicted_at),
+          rows.index_select(0, evicted_at)};
 }
 
 // hash_upsert with outputs of one entry per key and a pending mask (see hash_table_cpu.cpp).
@@ -169,9 +170,11 @@ struct TableDescriptors {
   int64_t max_windows = 0;
 };
 
-TableDescriptors describe_tables(at::TensorList digests, at::TensorList slot_keys, at::TensorList slot_scores,
-                                 at::TensorList sizes, at::IntArrayRef key_offsets, at::IntArrayRef capacities,
-                                 at::IntArrayRef policies, at::IntArrayRef clocks, at::IntArrayRef epochs) {
+TableDescriptors describe_tables(at::TensorList digests, at::TensorList slot_keys,
+                                 at::TensorList slot_scores, at::TensorList sizes,
+                                 at::IntArrayRef key_offsets, at::IntArrayRef capacities,
+                                 at::IntArrayRef policies, at::IntArrayRef clocks,
+                                 at::IntArrayRef epochs) {
   const int64_t T = static_cast<int64_t>(digests.size());
   std::vector<UpsertTable> tables(T);
   std::vector<int64_t> windows;
@@ -204,22 +207,28 @@ TableDescriptors describe_tables(at::TensorList digests, at::TensorList slot_key
     out.phases = std::max(out.phases, phases);
     out.max_windows = std::max(out.max_windows, d.windows);
   }
-  TORCH_CHECK(out.total_stripes < std::numeric_limits<int32_t>::max(), "hash_upsert_tables: ", out.total_stripes,
-              " stripes in all: at most 2^31 - 2");
-  const size_t table_bytes = tables.size() * sizeof(UpsertTable), window_bytes = windows.size() * sizeof(int64_t);
-  at::Tensor host = at::empty({static_cast<int64_t>(table_bytes + window_bytes)},
-                              at::TensorOptions().dtype(at::kByte).pinned_memory(digests[0].is_cuda()));
+  TORCH_CHECK(out.total_stripes < std::numeric_limits<int32_t>::max(),
+              "hash_upsert_tables: ", out.total_stripes, " stripes in all: at most 2^31 - 2");
+  const size_t table_bytes = tables.size() * sizeof(UpsertTable),
+               window_bytes = windows.size() * sizeof(int64_t);
+  at::Tensor host =
+      at::empty({static_cast<int64_t>(table_bytes + window_bytes)},
+                at::TensorOptions().dtype(at::kByte).pinned_memory(digests[0].is_cuda()));
   std::memcpy(host.mutable_data_ptr<uint8_t>(), tables.data(), table_bytes);
   std::memcpy(host.mutable_data_ptr<uint8_t>() + table_bytes, windows.data(), window_bytes);
-  out.buffer = host.to(host.options().device(digests[0].device()).pinned_memory(false), /*non_blocking=*/true);
+  out.buffer = host.to(host.options().device(digests[0].device()).pinned_memory(false),
+                       /*non_blocking=*/true);
   out.tables = reinterpret_cast<const UpsertTable*>(out.buffer.const_data_ptr<uint8_t>());
-  out.windows = reinterpret_cast<const int64_t*>(out.buffer.const_data_ptr<uint8_t>() + table_bytes);
+  out.windows =
+      reinterpret_cast<const int64_t*>(out.buffer.const_data_ptr<uint8_t>() + table_bytes);
   return out;
 }
 
 // hash_find of several tables: one launch for all of them.
-std::tuple<at::Tensor, at::Tensor> hash_find_tables_cuda(at::TensorList digests, at::TensorList slot_keys,
-                                                         const at::Tensor& keys, at::IntArrayRef key_offsets,
+std::tuple<at::Tensor, at::Tensor> hash_find_tables_cuda(at::TensorList digests,
+                                                         at::TensorList slot_keys,
+                                                         const at::Tensor& keys,
+                                                         at::IntArrayRef key_offsets,
                                                          at::IntArrayRef capacities) {
   constexpr const char* op = "hash_find_tables";
   check_tables(op, digests, slot_keys, keys, key_offsets, capacities, {});
@@ -233,8 +242,10 @@ std::tuple<at::Tensor, at::Tensor> hash_find_tables_cuda(at::TensorList digests,
   }
   check_devices(op, digests[0], {{"keys", &keys}});
   const c10::cuda::CUDAGuard device_guard(digests[0].device());
-  const TableDescriptors d = describe_tables(digests, slot_keys, {}, {}, key_offsets, capacities, {}, {}, {});
-  C10_CUDA_CHECK(launch_hash_find_tables(d.tables, T, k.const_data_ptr<int64_t>(), n, rows.mutable_data_ptr<int64_t>(),
+  const TableDescriptors d =
+      describe_tables(digests, slot_keys, {}, {}, key_offsets, capacities, {}, {}, {});
+  C10_CUDA_CHECK(launch_hash_find_tables(d.tables, T, k.const_data_ptr<int64_t>(), n,
+                                         rows.mutable_data_ptr<int64_t>(),
                                          found.mutable_data_ptr<bool>(), current_stream()));
   return {rows, found};
 }
@@ -243,13 +254,14 @@ std::tuple<at::Tensor, at::Tensor> hash_find_tables_cuda(at::TensorList digests,
 // hash_table_cuda.cu), each table's keys ordered as the per-table kernel orders them, so each
 // table gets exactly its per-table results.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_tables_cuda(
-    at::TensorList digests, at::TensorList slot_keys, at::TensorList slot_scores, at::TensorList sizes,
-    const at::Tensor& keys, at::IntArrayRef key_offsets, const std::optional<at::Tensor>& scores,
-    const std::optional<at::Tensor>& pending, at::IntArrayRef capacities, at::IntArrayRef policies,
-    at::IntArrayRef clocks, at::IntArrayRef epochs, bool assign) {
+    at::TensorList digests, at::TensorList slot_keys, at::TensorList slot_scores,
+    at::TensorList sizes, const at::Tensor& keys, at::IntArrayRef key_offsets,
+    const std::optional<at::Tensor>& scores, const std::optional<at::Tensor>& pending,
+    at::IntArrayRef capacities, at::IntArrayRef policies, at::IntArrayRef clocks,
+    at::IntArrayRef epochs, bool assign) {
   constexpr const char* op = "hash_upsert_tables";
-  check_upsert_tables(digests, slot_keys, slot_scores, sizes, keys, key_offsets, scores, pending, capacities,
-                      policies, clocks, epochs);
+  check_upsert_tables(digests, slot_keys, slot_scores, sizes, keys, key_offsets, scores, pending,
+                      capacities, policies, clocks, epochs);
   const int64_t T = static_cast<int64_t>(digests.size()), n = keys.numel();
   const at::Tensor given = scores.has_value() ? scores->contiguous() : at::Tensor();
   const at::Tensor mask = pending.has_value() ? pending->contiguous() : at::Tensor();
@@ -261,43 +273,50 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_tables_cu
   if (T == 0 || n == 0) return {rows, inserted, evicted, evicted_key};
   for (int64_t t = 0; t < T; ++t) {
     check_devices(op, digests[0],
-                  {{"digests", &digests[t]}, {"slot_keys", &slot_keys[t]}, {"slot_scores", &slot_scores[t]},
+                  {{"digests", &digests[t]},
+                   {"slot_keys", &slot_keys[t]},
+                   {"slot_scores", &slot_scores[t]},
                    {"sizes", &sizes[t]}});
   }
   check_devices(op, digests[0], {{"keys", &keys}});
   if (given.defined()) check_devices(op, digests[0], {{"scores", &given}});
   if (mask.defined()) check_devices(op, digests[0], {{"pending", &mask}});
   const c10::cuda::CUDAGuard device_guard(digests[0].device());
-  const TableDescriptors d =
-      describe_tables(digests, slot_keys, slot_scores, sizes, key_offsets, capacities, policies, clocks, epochs);
+  const TableDescriptors d = describe_tables(digests, slot_keys, slot_scores, sizes, key_offsets,
+                                             capacities, policies, clocks, epochs);
   at::Tensor table_of = at::empty({n}, k.options().dtype(at::kInt));
   at::Tensor stripes = at::empty({n}, k.options().dtype(at::kInt));
   C10_CUDA_CHECK(launch_key_table_stripes(d.tables, T, k.const_data_ptr<int64_t>(), n,
-                                          table_of.mutable_data_ptr<int32_t>(), stripes.mutable_data_ptr<int32_t>(),
-                                          current_stream()));
+                                          table_of.mutable_data_ptr<int32_t>(),
+                                          stripes.mutable_data_ptr<int32_t>(), current_stream()));
   at::Tensor perm;
   if (mask.defined()) {
     // Each table's pending keys first, in batch order, as upsert_per_key orders one table's.
-    perm = std::get<1>(at::sort(table_of.to(at::kLong) * 2 + mask.logical_not().to(at::kLong), /*stable=*/true,
+    perm = std::get<1>(at::sort(table_of.to(at::kLong) * 2 + mask.logical_not().to(at::kLong),
+                                /*stable=*/true,
                                 /*dim=*/0, /*descending=*/false));
     k = k.index_select(0, perm);
     if (g.defined()) g = g.index_select(0, perm);
     stripes = stripes.index_select(0, perm);
-    stripes.masked_fill_(mask.index_select(0, perm).logical_not(), std::numeric_limits<int32_t>::max());
+    stripes.masked_fill_(mask.index_select(0, perm).logical_not(),
+                         std::numeric_limits<int32_t>::max());
   }
-  auto [sorted_stripes, order] = at::sort(stripes, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  auto [sorted_stripes, order] =
+      at::sort(stripes, /*stable=*/true, /*dim=*/0, /*descending=*/false);
   // The touch pass's grouping: by stripe, then key (a warp per run of one key's occurrences).
-  const at::Tensor by_key = std::get<1>(at::sort(k, /*stable=*/true, /*dim=*/0, /*descending=*/false));
-  auto [touch_stripes, within] = at::sort(stripes.index_select(0, by_key), /*stable=*/true, /*dim=*/0,
-                                          /*descending=*/false);
+  const at::Tensor by_key =
+      std::get<1>(at::sort(k, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+  auto [touch_stripes, within] =
+      at::sort(stripes.index_select(0, by_key), /*stable=*/true, /*dim=*/0,
+               /*descending=*/false);
   const at::Tensor touch_order = by_key.index_select(0, within);
   C10_CUDA_CHECK(launch_hash_upsert_tables(
       d.tables, T, d.total_stripes, d.phases, d.max_windows, d.windows, k.const_data_ptr<int64_t>(),
       g.defined() ? g.const_data_ptr<int64_t>() : nullptr, sorted_stripes.const_data_ptr<int32_t>(),
       order.const_data_ptr<int64_t>(), touch_stripes.const_data_ptr<int32_t>(),
       touch_order.const_data_ptr<int64_t>(), n, assign, rows.mutable_data_ptr<int64_t>(),
-      inserted.mutable_data_ptr<bool>(), evicted.mutable_data_ptr<bool>(), evicted_key.mutable_data_ptr<int64_t>(),
-      current_stream()));
+      inserted.mutable_data_ptr<bool>(), evicted.mutable_data_ptr<bool>(),
+      evicted_key.mutable_data_ptr<int64_t>(), current_stream()));
   if (!perm.defined()) return {rows, inserted, evicted, evicted_key};
   auto unpermuted = [&](const at::Tensor& x) { return at::empty_like(x).index_copy_(0, perm, x); };
   return {unpermuted(rows), unpermuted(inserted), unpermuted(evicted), unpermuted(evicted_key)};
@@ -352,8 +371,12 @@ void hash_restore_cuda(at::Tensor& digests, at::Tensor& slot_keys, at::Tensor& s
   check_slot_scores("hash_restore", slot_scores, capacity);
   check_size("hash_restore", size);
   check_devices("hash_restore", digests,
-                {{"slot_keys", &slot_keys}, {"slot_scores", &slot_scores}, {"size", &size},
-                 {"keys", &keys}, {"rows", &rows}, {"scores", &scores}});
+                {{"slot_keys", &slot_keys},
+                 {"slot_scores", &slot_scores},
+                 {"size", &size},
+                 {"keys", &keys},
+                 {"rows", &rows},
+                 {"scores", &scores}});
   // The CPU kernel validates everything before its first write; the table is copied back only
   // when it succeeds, so a bad state leaves this one unchanged too.
   static const auto restore_cpu =

@@ -122,7 +122,7 @@ __device__ __forceinline__ int64_t lower_bound(const T* sorted, int64_t lo, int6
 
 // One key of a stripe's walk, as every lane of the warp sees it.
 struct StripeKey {
-  int64_t pos;    // batch position: where its results go
+  int64_t pos;  // batch position: where its results go
   int64_t key;
   int64_t given;  // caller's score or increment (0 when none)
   KeyPlace place;
@@ -172,7 +172,8 @@ __device__ __forceinline__ void walk_stripe(const uint8_t* digests, const int64_
       k.given = shfl64(mine.given, t);
       k.place.bucket1 = shfl64(mine.place.bucket1, t);
       k.place.bucket2 = shfl64(mine.place.bucket2, t);
-      k.place.tag = static_cast<uint8_t>(__shfl_sync(kFullMask, static_cast<int>(mine.place.tag), t));
+      k.place.tag =
+          static_cast<uint8_t>(__shfl_sync(kFullMask, static_cast<int>(mine.place.tag), t));
       visit(k);
       __syncwarp();
     }
@@ -209,9 +210,9 @@ __global__ void key_stripes_kernel(const int64_t* keys, int64_t n, TableGeometry
 __device__ __forceinline__ void touch_slot(int64_t* slot_scores, uint8_t* digests, int64_t row,
                                            const StripeKey& k, Policy policy, bool has_given,
                                            int64_t clock, int64_t epoch, bool assign) {
-  slot_scores[row] = assign && has_given
-                         ? k.given
-                         : touched_score(policy, false, slot_scores[row], has_given, k.given, clock, epoch);
+  slot_scores[row] = assign && has_given ? k.given
+                                         : touched_score(policy, false, slot_scores[row], has_given,
+                                                         k.given, clock, epoch);
   digests[row] |= kPinBit;
 }
 
@@ -219,21 +220,25 @@ __device__ __forceinline__ void touch_slot(int64_t* slot_scores, uint8_t* digest
 // (digest bit 7) every key of the stripe that holds a row and marks the others (row -1) for pass 2.
 // The walk of one stripe, whose grouped positions are [begin, end) (shared by the per-table and
 // the multi-table kernels).
-__device__ __forceinline__ void touch_stripe(uint8_t* digests, const int64_t* slot_keys, int64_t* slot_scores,
-                                             const TableGeometry& geo, const int64_t* keys, const int64_t* given,
-                                             const int64_t* order, int64_t begin, int64_t end, Policy policy,
-                                             int64_t clock, int64_t epoch, bool assign, int64_t* rows) {
+__device__ __forceinline__ void touch_stripe(uint8_t* digests, const int64_t* slot_keys,
+                                             int64_t* slot_scores, const TableGeometry& geo,
+                                             const int64_t* keys, const int64_t* given,
+                                             const int64_t* order, int64_t begin, int64_t end,
+                                             Policy policy, int64_t clock, int64_t epoch,
+                                             bool assign, int64_t* rows) {
   const int lane = lane_id();
   const bool has_given = given != nullptr;
-  walk_stripe(digests, keys, given, order, geo, begin, end, lane, AllPositions{}, [&](const StripeKey& k) {
-    int64_t hit = warp_probe(slot_keys, k.place, load_slots(digests, k.place, lane), k.key);
-    // A stashed key's row may lie in a bucket another warp of this phase reads: it reads only the
-    // tag bits of the digest this warp pins, and no warp reads the score written.
-    if (hit < 0) hit = stash_probe(digests, slot_keys, geo, k.place, k.key);
-    if (lane != (hit >= 0 ? static_cast<int>(hit & kSlotMask) : 0)) return;
-    rows[k.pos] = hit;
-    if (hit >= 0) touch_slot(slot_scores, digests, hit, k, policy, has_given, clock, epoch, assign);
-  });
+  walk_stripe(
+      digests, keys, given, order, geo, begin, end, lane, AllPositions{}, [&](const StripeKey& k) {
+        int64_t hit = warp_probe(slot_keys, k.place, load_slots(digests, k.place, lane), k.key);
+        // A stashed key's row may lie in a bucket another warp of this phase reads: it reads only
+        // the tag bits of the digest this warp pins, and no warp reads the score written.
+        if (hit < 0) hit = stash_probe(digests, slot_keys, geo, k.place, k.key);
+        if (lane != (hit >= 0 ? static_cast<int>(hit & kSlotMask) : 0)) return;
+        rows[k.pos] = hit;
+        if (hit >= 0)
+          touch_slot(slot_scores, digests, hit, k, policy, has_given, clock, epoch, assign);
+      });
 }
 
 __global__ void hash_touch_kernel(uint8_t* digests, const int64_t* slot_keys, int64_t* slot_scores,
@@ -245,8 +250,8 @@ __global__ void hash_touch_kernel(uint8_t* digests, const int64_t* slot_keys, in
   if (stripe < 0) return;
   const int64_t begin = lower_bound(sorted_stripes, 0, n, stripe);
   const int64_t end = lower_bound(sorted_stripes, begin, n, stripe + 1);
-  touch_stripe(digests, slot_keys, slot_scores, geo, keys, given, order, begin, end, policy, clock, epoch, assign,
-               rows);
+  touch_stripe(digests, slot_keys, slot_scores, geo, keys, given, order, begin, end, policy, clock,
+               epoch, assign, rows);
 }
 
 // Upsert, pass 2, phase `phase` of the window [window_begin, window_end) of batch positions: warp
@@ -256,12 +261,11 @@ __global__ void hash_touch_kernel(uint8_t* digests, const int64_t* slot_keys, in
 // costs its window's keys, not the stripe's.
 // The walk of one stripe over its window's grouped positions [begin, end) (shared by the
 // per-table and the multi-table kernels).
-__device__ __forceinline__ void insert_stripe(uint8_t* digests, int64_t* slot_keys, int64_t* slot_scores,
-                                              int64_t* size, const TableGeometry& geo, const int64_t* keys,
-                                              const int64_t* given, const int64_t* order, int64_t begin,
-                                              int64_t end, Policy policy, int64_t clock, int64_t epoch,
-                                              bool assign, int64_t* rows, bool* inserted, bool* evicted,
-                                              int64_t* evicted_keys) {
+__device__ __forceinline__ void insert_stripe(
+    uint8_t* digests, int64_t* slot_keys, int64_t* slot_scores, int64_t* size,
+    const TableGeometry& geo, const int64_t* keys, const int64_t* given, const int64_t* order,
+    int64_t begin, int64_t end, Policy policy, int64_t clock, int64_t epoch, bool assign,
+    int64_t* rows, bool* inserted, bool* evicted, int64_t* evicted_keys) {
   const int lane = lane_id();
   const bool has_given = given != nullptr;
   int64_t added = 0;  // warp-uniform: every decision below comes from a ballot or reduction
@@ -278,9 +282,9 @@ __device__ __forceinline__ void insert_stripe(uint8_t* digests, int64_t* slot_ke
       }
       return;
     }
-    const int64_t new_score = assign && has_given
-                                  ? k.given
-                                  : touched_score(policy, true, 0, has_given, k.given, clock, epoch);
+    const int64_t new_score =
+        assign && has_given ? k.given
+                            : touched_score(policy, true, 0, has_given, k.given, clock, epoch);
     const uint32_t usable1 = geo.usable_mask(p.bucket1);
     const uint32_t usable2 = s.two ? geo.usable_mask(p.bucket2) : 0u;
     const uint32_t free1 = __ballot_sync(kFullMask, s.d1 == 0) & usable1;
@@ -304,10 +308,12 @@ __device__ __forceinline__ void insert_stripe(uint8_t* digests, int64_t* slot_ke
         keep_lower(score, cand, slot_scores[s.row2], kSlotsPerBucket + lane);
       }
       for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) {
-        keep_lower(score, cand, shfl_xor64(score, offset), __shfl_xor_sync(kFullMask, cand, offset));
+        keep_lower(score, cand, shfl_xor64(score, offset),
+                   __shfl_xor_sync(kFullMask, cand, offset));
       }
       if (cand != kNoVictim && new_score >= score) {
-        row = (cand < kSlotsPerBucket ? p.bucket1 : p.bucket2) * kSlotsPerBucket + (cand & kSlotMask);
+        row =
+            (cand < kSlotsPerBucket ? p.bucket1 : p.bucket2) * kSlotsPerBucket + (cand & kSlotMask);
         evicts = true;
       }
     }
@@ -332,26 +338,26 @@ __device__ __forceinline__ void insert_stripe(uint8_t* digests, int64_t* slot_ke
 __global__ void hash_insert_kernel(uint8_t* digests, int64_t* slot_keys, int64_t* slot_scores,
                                    int64_t* size, TableGeometry geo, const int64_t* keys,
                                    const int64_t* given, const int32_t* sorted_stripes,
-                                   const int64_t* order, int64_t n, int phase,
-                                   int64_t window_begin, int64_t window_end, Policy policy,
-                                   int64_t clock, int64_t epoch, bool assign, int64_t* rows,
-                                   bool* inserted, bool* evicted, int64_t* evicted_keys) {
+                                   const int64_t* order, int64_t n, int phase, int64_t window_begin,
+                                   int64_t window_end, Policy policy, int64_t clock, int64_t epoch,
+                                   bool assign, int64_t* rows, bool* inserted, bool* evicted,
+                                   int64_t* evicted_keys) {
   const int64_t stripe = phase_warp_stripe(phase, geo);
   if (stripe < 0) return;
   const int64_t first = lower_bound(sorted_stripes, 0, n, stripe);
   const int64_t last = lower_bound(sorted_stripes, first, n, stripe + 1);
   const int64_t begin = lower_bound(order, first, last, window_begin);
   const int64_t end = lower_bound(order, begin, last, window_end);
-  insert_stripe(digests, slot_keys, slot_scores, size, geo, keys, given, order, begin, end, policy, clock, epoch,
-                assign, rows, inserted, evicted, evicted_keys);
+  insert_stripe(digests, slot_keys, slot_scores, size, geo, keys, given, order, begin, end, policy,
+                clock, epoch, assign, rows, inserted, evicted, evicted_keys);
 }
 
 // Upsert, the end: every row returned is pinned; release them. One warp per stripe, every stripe
 // at once (a key clears only its own digest's pin bit and reads no other byte), 32 positions at a
 // time. The duplicates of a key hold one row and share a stripe: only the lowest lane holding a
 // row clears it, and __syncwarp orders the rounds, so no two threads write a byte concurrently.
-__device__ __forceinline__ void release_stripe(uint8_t* digests, const int64_t* rows, const int64_t* order,
-                                               int64_t begin, int64_t end) {
+__device__ __forceinline__ void release_stripe(uint8_t* digests, const int64_t* rows,
+                                               const int64_t* order, int64_t begin, int64_t end) {
   const int lane = lane_id();
   for (int64_t j = begin; j < end; j += kWarpSize) {
     const int64_t row = j + lane < end ? rows[order[j + lane]] : -1;
@@ -393,21 +399,26 @@ __device__ __forceinline__ int64_t table_at(int64_t num_tables, int64_t v, Begin
   return lo;
 }
 
-__device__ __forceinline__ int64_t table_of_stripe(const UpsertTable* tables, int64_t num_tables, int64_t g) {
+__device__ __forceinline__ int64_t table_of_stripe(const UpsertTable* tables, int64_t num_tables,
+                                                   int64_t g) {
   return table_at(num_tables, g, [&](int64_t t) { return tables[t].stripe_begin; });
 }
 
-// hash_find_tables: warp i takes key i (grid-stride) and probes it in its table, as hash_find_kernel.
-__global__ void hash_find_tables_kernel(const UpsertTable* tables, int64_t num_tables, const int64_t* keys,
-                                        int64_t n, int64_t* rows, bool* found) {
+// hash_find_tables: warp i takes key i (grid-stride) and probes it in its table, as
+// hash_find_kernel.
+__global__ void hash_find_tables_kernel(const UpsertTable* tables, int64_t num_tables,
+                                        const int64_t* keys, int64_t n, int64_t* rows,
+                                        bool* found) {
   const int lane = lane_id();
   const int64_t num_warps = global_threads() / kWarpSize;
   for (int64_t i = global_thread() / kWarpSize; i < n; i += num_warps) {
-    const UpsertTable& t = tables[table_at(num_tables, i, [&](int64_t u) { return tables[u].key_begin; })];
+    const UpsertTable& t =
+        tables[table_at(num_tables, i, [&](int64_t u) { return tables[u].key_begin; })];
     const int64_t key = keys[i];
     const KeyPlace p = place_key(key, t.geo);
     int64_t row = warp_probe(t.slot_keys, p, load_slots(t.digests, p, lane), key);
-    if (row < 0) row = stash_probe(t.digests, t.slot_keys, t.geo, p, key);  // every lane: same answer
+    if (row < 0)
+      row = stash_probe(t.digests, t.slot_keys, t.geo, p, key);  // every lane: same answer
     if (lane == 0) {
       rows[i] = row;
       found[i] = row >= 0;
@@ -415,12 +426,14 @@ __global__ void hash_find_tables_kernel(const UpsertTable* tables, int64_t num_t
   }
 }
 
-__global__ void key_table_stripes_kernel(const UpsertTable* tables, int64_t num_tables, const int64_t* keys,
-                                         int64_t n, int32_t* table_of, int32_t* stripes) {
+__global__ void key_table_stripes_kernel(const UpsertTable* tables, int64_t num_tables,
+                                         const int64_t* keys, int64_t n, int32_t* table_of,
+                                         int32_t* stripes) {
   for (int64_t i = global_thread(); i < n; i += global_threads()) {
     const int64_t t = table_at(num_tables, i, [&](int64_t u) { return tables[u].key_begin; });
     table_of[i] = static_cast<int32_t>(t);
-    stripes[i] = static_cast<int32_t>(tables[t].stripe_begin + place_key(keys[i], tables[t].geo).stripe);
+    stripes[i] =
+        static_cast<int32_t>(tables[t].stripe_begin + place_key(keys[i], tables[t].geo).stripe);
   }
 }
 
@@ -431,15 +444,16 @@ __global__ void key_table_stripes_kernel(const UpsertTable* tables, int64_t num_
 // walks a stripe. Touches of distinct keys commute (each writes only its own row's score and pin
 // bit, and reads no byte another writes but the pin bits of digests, whose tag bits a probe reads
 // and nobody changes in this pass), so the results are the per-stripe walk's whatever the order.
-__global__ void hash_touch_tables_kernel(const UpsertTable* tables, int64_t num_tables, const int64_t* keys,
-                                         const int64_t* given, const int32_t* touch_stripes,
-                                         const int64_t* touch_order, int64_t n, bool assign, int64_t* rows) {
+__global__ void hash_touch_tables_kernel(const UpsertTable* tables, int64_t num_tables,
+                                         const int64_t* keys, const int64_t* given,
+                                         const int32_t* touch_stripes, const int64_t* touch_order,
+                                         int64_t n, bool assign, int64_t* rows) {
   const int64_t num_warps = global_threads() / kWarpSize;
   auto same_key = [&](int64_t a, int64_t b) {
     return touch_stripes[a] == touch_stripes[b] && keys[touch_order[a]] == keys[touch_order[b]];
   };
   for (int64_t j = global_thread() / kWarpSize; j < n; j += num_warps) {
-    if (touch_stripes[j] == INT32_MAX) break;  // keys not pending: sorted last
+    if (touch_stripes[j] == INT32_MAX) break;   // keys not pending: sorted last
     if (j > 0 && same_key(j - 1, j)) continue;  // the run's first occurrence walks it
     int64_t end = j + 1;
     while (end < n && same_key(j, end)) ++end;
@@ -451,11 +465,13 @@ __global__ void hash_touch_tables_kernel(const UpsertTable* tables, int64_t num_
 
 // Pass 2, window `window` and k-th phase of every table (each table's phase order rotating with
 // its own clock; a table with fewer windows or phases sits the rest out).
-__global__ void hash_insert_tables_kernel(const UpsertTable* tables, int64_t num_tables, int64_t total_stripes,
-                                          const int64_t* windows, const int64_t* keys, const int64_t* given,
-                                          const int32_t* sorted_stripes, const int64_t* order, int64_t n,
-                                          int64_t window, int k, bool assign, int64_t* rows, bool* inserted,
-                                          bool* evicted, int64_t* evicted_keys) {
+__global__ void hash_insert_tables_kernel(const UpsertTable* tables, int64_t num_tables,
+                                          int64_t total_stripes, const int64_t* windows,
+                                          const int64_t* keys, const int64_t* given,
+                                          const int32_t* sorted_stripes, const int64_t* order,
+                                          int64_t n, int64_t window, int k, bool assign,
+                                          int64_t* rows, bool* inserted, bool* evicted,
+                                          int64_t* evicted_keys) {
   const int64_t g = global_thread() / kWarpSize;
   if (g >= total_stripes) return;
   const UpsertTable t = tables[table_of_stripe(tables, num_tables, g)];
@@ -468,12 +484,14 @@ __global__ void hash_insert_tables_kernel(const UpsertTable* tables, int64_t num
   const int64_t last = lower_bound(sorted_stripes, first, n, g + 1);
   const int64_t begin = lower_bound(order, first, last, windows[t.window_begin + window]);
   const int64_t end = lower_bound(order, begin, last, windows[t.window_begin + window + 1]);
-  insert_stripe(t.digests, t.slot_keys, t.slot_scores, t.size, t.geo, keys, given, order, begin, end,
-                static_cast<Policy>(t.policy), t.clock, t.epoch, assign, rows, inserted, evicted, evicted_keys);
+  insert_stripe(t.digests, t.slot_keys, t.slot_scores, t.size, t.geo, keys, given, order, begin,
+                end, static_cast<Policy>(t.policy), t.clock, t.epoch, assign, rows, inserted,
+                evicted, evicted_keys);
 }
 
-__global__ void hash_release_tables_kernel(const UpsertTable* tables, int64_t num_tables, int64_t total_stripes,
-                                           const int64_t* rows, const int32_t* sorted_stripes, const int64_t* order,
+__global__ void hash_release_tables_kernel(const UpsertTable* tables, int64_t num_tables,
+                                           int64_t total_stripes, const int64_t* rows,
+                                           const int32_t* sorted_stripes, const int64_t* order,
                                            int64_t n) {
   const int64_t g = global_thread() / kWarpSize;
   if (g >= total_stripes) return;
@@ -495,22 +513,26 @@ __global__ void hash_erase_kernel(uint8_t* digests, const int64_t* slot_keys, in
   const int64_t end = lower_bound(sorted_stripes, begin, n, stripe + 1);
   int64_t removed = 0;  // warp-uniform
 
-  walk_stripe(digests, keys, nullptr, order, geo, begin, end, lane, AllPositions{}, [&](const StripeKey& k) {
-    int64_t row = warp_probe(slot_keys, k.place, load_slots(digests, k.place, lane), k.key);
-    // A stashed key's row: another warp of this phase may read its tag bits (as 0 or the tag, a
-    // slot without its key either way); its stash entry is stale, dropped by the next upsert.
-    if (row < 0) row = stash_probe(digests, slot_keys, geo, k.place, k.key);
-    if (row < 0) return;
-    ++removed;
-    if (lane == (row & kSlotMask)) {
-      digests[row] = 0;
-      erased[k.pos] = true;
-    }
-  });
+  walk_stripe(digests, keys, nullptr, order, geo, begin, end, lane, AllPositions{},
+              [&](const StripeKey& k) {
+                int64_t row =
+                    warp_probe(slot_keys, k.place, load_slots(digests, k.place, lane), k.key);
+                // A stashed key's row: another warp of this phase may read its tag bits (as 0 or
+                // the tag, a slot without its key either way); its stash entry is stale, dropped by
+                // the next upsert.
+                if (row < 0) row = stash_probe(digests, slot_keys, geo, k.place, k.key);
+                if (row < 0) return;
+                ++removed;
+                if (lane == (row & kSlotMask)) {
+                  digests[row] = 0;
+                  erased[k.pos] = true;
+                }
+              });
 
   if (lane == 0 && removed != 0) {
     // Two's complement: adding the wrapped negative count subtracts it.
-    atomicAdd(reinterpret_cast<unsigned long long*>(size), static_cast<unsigned long long>(-removed));
+    atomicAdd(reinterpret_cast<unsigned long long*>(size),
+              static_cast<unsigned long long>(-removed));
   }
 }
 
@@ -575,9 +597,9 @@ cudaError_t launch_hash_upsert(uint8_t* digests, int64_t* slot_keys, int64_t* sl
   const Policy p = static_cast<Policy>(policy);
   const int phases = upsert_phase_count(geo.num_stripes);
   for (int phase = 0; phase < phases; ++phase) {
-    hash_touch_kernel<<<stripe_grid(phase_stripes(phase, geo.num_stripes)), kStripeThreads, 0, stream>>>(
-        digests, slot_keys, slot_scores, geo, keys, given, sorted_stripes, order, n, phase, p,
-        clock, epoch, assign, rows);
+    hash_touch_kernel<<<stripe_grid(phase_stripes(phase, geo.num_stripes)), kStripeThreads, 0,
+                        stream>>>(digests, slot_keys, slot_scores, geo, keys, given, sorted_stripes,
+                                  order, n, phase, p, clock, epoch, assign, rows);
   }
   // Windows and phases come from n and the geometry (no host sync). With one phase the windows
   // do not change the order (each stripe's keys in batch order): one window.
@@ -585,9 +607,10 @@ cudaError_t launch_hash_upsert(uint8_t* digests, int64_t* slot_keys, int64_t* sl
     end = phases == 1 ? n : std::min(n, begin + upsert_window(capacity, begin));
     for (int k = 0; k < phases; ++k) {
       const int phase = upsert_phase_at(k, clock, geo.num_stripes);
-      hash_insert_kernel<<<stripe_grid(phase_stripes(phase, geo.num_stripes)), kStripeThreads, 0, stream>>>(
-          digests, slot_keys, slot_scores, size, geo, keys, given, sorted_stripes, order, n, phase,
-          begin, end, p, clock, epoch, assign, rows, inserted, evicted, evicted_keys);
+      hash_insert_kernel<<<stripe_grid(phase_stripes(phase, geo.num_stripes)), kStripeThreads, 0,
+                           stream>>>(digests, slot_keys, slot_scores, size, geo, keys, given,
+                                     sorted_stripes, order, n, phase, begin, end, p, clock, epoch,
+                                     assign, rows, inserted, evicted, evicted_keys);
     }
   }
   hash_release_kernel<<<stripe_grid(geo.num_stripes), kStripeThreads, 0, stream>>>(
@@ -596,55 +619,60 @@ cudaError_t launch_hash_upsert(uint8_t* digests, int64_t* slot_keys, int64_t* sl
   return cudaGetLastError();
 }
 
-cudaError_t launch_hash_find_tables(const UpsertTable* tables, int64_t num_tables, const int64_t* keys, int64_t n,
-                                    int64_t* rows, bool* found, cudaStream_t stream) {
+cudaError_t launch_hash_find_tables(const UpsertTable* tables, int64_t num_tables,
+                                    const int64_t* keys, int64_t n, int64_t* rows, bool* found,
+                                    cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   hash_find_tables_kernel<<<capped_grid(n * kWarpSize, kFindThreads), kFindThreads, 0, stream>>>(
       tables, num_tables, keys, n, rows, found);
   return cudaGetLastError();
 }
 
-cudaError_t launch_key_table_stripes(const UpsertTable* tables, int64_t num_tables, const int64_t* keys,
-                                     int64_t n, int32_t* table_of, int32_t* stripes, cudaStream_t stream) {
+cudaError_t launch_key_table_stripes(const UpsertTable* tables, int64_t num_tables,
+                                     const int64_t* keys, int64_t n, int32_t* table_of,
+                                     int32_t* stripes, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   key_table_stripes_kernel<<<capped_grid(n, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(
       tables, num_tables, keys, n, table_of, stripes);
   return cudaGetLastError();
 }
 
-cudaError_t launch_hash_upsert_tables(const UpsertTable* tables, int64_t num_tables, int64_t total_stripes,
-                                      int phases, int64_t max_windows, const int64_t* windows,
-                                      const int64_t* keys, const int64_t* given,
-                                      const int32_t* sorted_stripes, const int64_t* order,
-                                      const int32_t* touch_stripes, const int64_t* touch_order, int64_t n,
-                                      bool assign, int64_t* rows, bool* inserted, bool* evicted,
+cudaError_t launch_hash_upsert_tables(const UpsertTable* tables, int64_t num_tables,
+                                      int64_t total_stripes, int phases, int64_t max_windows,
+                                      const int64_t* windows, const int64_t* keys,
+                                      const int64_t* given, const int32_t* sorted_stripes,
+                                      const int64_t* order, const int32_t* touch_stripes,
+                                      const int64_t* touch_order, int64_t n, bool assign,
+                                      int64_t* rows, bool* inserted, bool* evicted,
                                       int64_t* evicted_keys, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const unsigned int grid = stripe_grid(total_stripes);
-  hash_touch_tables_kernel<<<capped_grid(n * kWarpSize, kStripeThreads), kStripeThreads, 0, stream>>>(
-      tables, num_tables, keys, given, touch_stripes, touch_order, n, assign, rows);
+  hash_touch_tables_kernel<<<capped_grid(n * kWarpSize, kStripeThreads), kStripeThreads, 0,
+                             stream>>>(tables, num_tables, keys, given, touch_stripes, touch_order,
+                                       n, assign, rows);
   for (int64_t window = 0; window < max_windows; ++window) {
     for (int k = 0; k < phases; ++k) {
       hash_insert_tables_kernel<<<grid, kStripeThreads, 0, stream>>>(
-          tables, num_tables, total_stripes, windows, keys, given, sorted_stripes, order, n, window, k, assign,
-          rows, inserted, evicted, evicted_keys);
+          tables, num_tables, total_stripes, windows, keys, given, sorted_stripes, order, n, window,
+          k, assign, rows, inserted, evicted, evicted_keys);
     }
   }
-  hash_release_tables_kernel<<<grid, kStripeThreads, 0, stream>>>(
-      tables, num_tables, total_stripes, rows, sorted_stripes, order, n);
-  stash_sweep_tables_kernel<<<capped_grid(num_tables, kWarpSize), kWarpSize, 0, stream>>>(tables, num_tables);
+  hash_release_tables_kernel<<<grid, kStripeThreads, 0, stream>>>(tables, num_tables, total_stripes,
+                                                                  rows, sorted_stripes, order, n);
+  stash_sweep_tables_kernel<<<capped_grid(num_tables, kWarpSize), kWarpSize, 0, stream>>>(
+      tables, num_tables);
   return cudaGetLastError();
 }
 
 cudaError_t launch_hash_erase(uint8_t* digests, const int64_t* slot_keys, int64_t* size,
-                              int64_t capacity, const int64_t* keys,
-                              const int32_t* sorted_stripes, const int64_t* order, int64_t n,
-                              bool* erased, cudaStream_t stream) {
+                              int64_t capacity, const int64_t* keys, const int32_t* sorted_stripes,
+                              const int64_t* order, int64_t n, bool* erased, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const TableGeometry geo = make_geometry(capacity);
   for (int phase = 0; phase < upsert_phase_count(geo.num_stripes); ++phase) {
-    hash_erase_kernel<<<stripe_grid(phase_stripes(phase, geo.num_stripes)), kStripeThreads, 0, stream>>>(
-        digests, slot_keys, size, geo, keys, sorted_stripes, order, n, phase, erased);
+    hash_erase_kernel<<<stripe_grid(phase_stripes(phase, geo.num_stripes)), kStripeThreads, 0,
+                        stream>>>(digests, slot_keys, size, geo, keys, sorted_stripes, order, n,
+                                  phase, erased);
   }
   return cudaGetLastError();
 }

@@ -51,12 +51,14 @@ struct UpsertTable {
 };
 
 // table_of[i] = the table of batch position i, stripes[i] = its key's global stripe id.
-cudaError_t launch_key_table_stripes(const UpsertTable* tables, int64_t num_tables, const int64_t* keys,
-                                     int64_t n, int32_t* table_of, int32_t* stripes, cudaStream_t stream);
+cudaError_t launch_key_table_stripes(const UpsertTable* tables, int64_t num_tables,
+                                     const int64_t* keys, int64_t n, int32_t* table_of,
+                                     int32_t* stripes, cudaStream_t stream);
 
 // launch_hash_find of every table at once (one warp per key, each probing its own table).
-cudaError_t launch_hash_find_tables(const UpsertTable* tables, int64_t num_tables, const int64_t* keys, int64_t n,
-                                    int64_t* rows, bool* found, cudaStream_t stream);
+cudaError_t launch_hash_find_tables(const UpsertTable* tables, int64_t num_tables,
+                                    const int64_t* keys, int64_t n, int64_t* rows, bool* found,
+                                    cudaStream_t stream);
 
 // launch_hash_upsert of every table at once, each pass one grid over all tables' stripes
 // (total_stripes): a table's keys, given, outputs are its positions of the shared arrays; its
@@ -64,19 +66,19 @@ cudaError_t launch_hash_find_tables(const UpsertTable* tables, int64_t num_table
 // the touch pass by global stripe id then key (touch_stripes, touch_order: stable, so batch
 // order among a key's occurrences). phases and max_windows: the most of any table. Results are
 // each table's launch_hash_upsert's.
-cudaError_t launch_hash_upsert_tables(const UpsertTable* tables, int64_t num_tables, int64_t total_stripes,
-                                      int phases, int64_t max_windows, const int64_t* windows,
-                                      const int64_t* keys, const int64_t* given,
-                                      const int32_t* sorted_stripes, const int64_t* order,
-                                      const int32_t* touch_stripes, const int64_t* touch_order, int64_t n,
-                                      bool assign, int64_t* rows, bool* inserted, bool* evicted,
+cudaError_t launch_hash_upsert_tables(const UpsertTable* tables, int64_t num_tables,
+                                      int64_t total_stripes, int phases, int64_t max_windows,
+                                      const int64_t* windows, const int64_t* keys,
+                                      const int64_t* given, const int32_t* sorted_stripes,
+                                      const int64_t* order, const int32_t* touch_stripes,
+                                      const int64_t* touch_order, int64_t n, bool assign,
+                                      int64_t* rows, bool* inserted, bool* evicted,
                                       int64_t* evicted_keys, cudaStream_t stream);
 
 // Removes keys, grouped as for launch_hash_upsert; erased must be zeroed by the caller.
 cudaError_t launch_hash_erase(uint8_t* digests, const int64_t* slot_keys, int64_t* size,
-                              int64_t capacity, const int64_t* keys,
-                              const int32_t* sorted_stripes, const int64_t* order, int64_t n,
-                              bool* erased, cudaStream_t stream);
+                              int64_t capacity, const int64_t* keys, const int32_t* sorted_stripes,
+                              const int64_t* order, int64_t n, bool* erased, cudaStream_t stream);
 
 // ranks[i] = owning rank of keys[i] among world_size.
 cudaError_t launch_route(const int64_t* keys, int64_t n, int64_t world_size, int64_t* ranks,

@@ -86,10 +86,10 @@ struct TableGeometry {
   int64_t capacity;
   int64_t num_buckets;
   int64_t num_stripes;
-  int64_t stash_slots;       // T: entries of the stash
+  int64_t stash_slots;  // T: entries of the stash
 
-  int64_t stripe_width;      // num_buckets / num_stripes; the first `wide_stripes` get one more
-  int64_t wide_stripes;      // num_buckets % num_stripes
+  int64_t stripe_width;  // num_buckets / num_stripes; the first `wide_stripes` get one more
+  int64_t wide_stripes;  // num_buckets % num_stripes
 
   TREXT_HD int64_t num_slots() const { return num_buckets * kSlotsPerBucket; }
   // Array lengths: main slots, then the stash's entries (and its per-bucket counts, digests only).
@@ -99,7 +99,9 @@ struct TableGeometry {
   TREXT_HD int64_t stripe_begin(int64_t s) const {
     return s * stripe_width + (s < wide_stripes ? s : wide_stripes);
   }
-  TREXT_HD int64_t stripe_buckets(int64_t s) const { return stripe_width + (s < wide_stripes ? 1 : 0); }
+  TREXT_HD int64_t stripe_buckets(int64_t s) const {
+    return stripe_width + (s < wide_stripes ? 1 : 0);
+  }
   // Slots of bucket b that may hold keys: all of them except past `capacity` in the last one.
   TREXT_HD uint32_t usable_mask(int64_t b) const {
     int64_t left = capacity - b * kSlotsPerBucket;
@@ -161,8 +163,9 @@ TREXT_HD KeyPlace place_key(int64_t key, const TableGeometry& g) {
   p.bucket1 = begin + off1;
   if (g.num_stripes > 1) {
     const int64_t next = p.stripe + 1 == g.num_stripes ? 0 : p.stripe + 1;
-    p.bucket2 = g.stripe_begin(next) +
-                static_cast<int64_t>(fastrange32(static_cast<uint32_t>(h2 >> 32), g.stripe_buckets(next)));
+    p.bucket2 =
+        g.stripe_begin(next) +
+        static_cast<int64_t>(fastrange32(static_cast<uint32_t>(h2 >> 32), g.stripe_buckets(next)));
   } else {
     int64_t off2 = off1;
     if (width > 1) {
@@ -183,8 +186,8 @@ TREXT_HD bool stash_may_hold(const uint8_t* digests, const TableGeometry& g, con
 }
 
 // Row of `key` (placed at p) in the stash, or -1. Read-only; see the stash's layout above.
-TREXT_HD int64_t stash_probe(const uint8_t* digests, const int64_t* slot_keys, const TableGeometry& g,
-                             const KeyPlace& p, int64_t key) {
+TREXT_HD int64_t stash_probe(const uint8_t* digests, const int64_t* slot_keys,
+                             const TableGeometry& g, const KeyPlace& p, int64_t key) {
   const int64_t base = g.num_slots();
   if (!stash_may_hold(digests, g, p)) return -1;
   for (int64_t j = 0; j < g.stash_slots && digests[base + j] != 0; ++j) {
@@ -197,8 +200,8 @@ TREXT_HD int64_t stash_probe(const uint8_t* digests, const int64_t* slot_keys, c
 
 // Stash writers: one thread, with no other thread touching the table's stash or the rows named.
 // Adds `key`, held at `row` (outside its buckets); false when the stash is full.
-TREXT_HD bool stash_add(uint8_t* digests, int64_t* slot_keys, const TableGeometry& g, const KeyPlace& p,
-                        int64_t key, int64_t row) {
+TREXT_HD bool stash_add(uint8_t* digests, int64_t* slot_keys, const TableGeometry& g,
+                        const KeyPlace& p, int64_t key, int64_t row) {
   const int64_t base = g.num_slots();
   int64_t j = 0;
   while (j < g.stash_slots && digests[base + j] != 0) ++j;

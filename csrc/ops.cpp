@@ -6,10 +6,14 @@
 
 TORCH_LIBRARY(torchrec_ext, m) {
   // Row of each key (-1 when absent) and whether it was found. Read-only.
-  m.def("hash_find(Tensor digests, Tensor slot_keys, Tensor keys, int capacity) -> (Tensor rows, Tensor found)");
-  // hash_find of several tables in one call: table t's keys are keys[key_offsets[t]:key_offsets[t+1]].
   m.def(
-      "hash_find_tables(Tensor[] digests, Tensor[] slot_keys, Tensor keys, int[] key_offsets, int[] capacities) "
+      "hash_find(Tensor digests, Tensor slot_keys, Tensor keys, int capacity) -> (Tensor rows, "
+      "Tensor found)");
+  // hash_find of several tables in one call: table t's keys are
+  // keys[key_offsets[t]:key_offsets[t+1]].
+  m.def(
+      "hash_find_tables(Tensor[] digests, Tensor[] slot_keys, Tensor keys, int[] key_offsets, "
+      "int[] capacities) "
       "-> (Tensor rows, Tensor found)");
   // find_or_insert (assign=False: touch scores by the policy) or insert_or_assign (assign=True:
   // scores, when given, are stored as they are). Returns rows (-1 = refused), which positions
@@ -17,7 +21,8 @@ TORCH_LIBRARY(torchrec_ext, m) {
   m.def(
       "hash_upsert(Tensor(a!) digests, Tensor(b!) slot_keys, Tensor(c!) slot_scores, "
       "Tensor(d!) size, Tensor keys, Tensor? scores, int capacity, int policy, int clock, "
-      "int epoch, bool assign) -> (Tensor rows, Tensor inserted, Tensor evicted_keys, Tensor evicted_rows)");
+      "int epoch, bool assign) -> (Tensor rows, Tensor inserted, Tensor evicted_keys, Tensor "
+      "evicted_rows)");
   // hash_upsert with outputs of one entry per key (nothing a host must size: no GPU sync):
   // evicted[i] is True where key i took an evicted key's row, evicted_keys[i] that key (0
   // elsewhere). pending (bool [n], None = all): the keys not pending take no part (row -1),
@@ -37,26 +42,34 @@ TORCH_LIBRARY(torchrec_ext, m) {
       "int[] capacities, int[] policies, int[] clocks, int[] epochs, bool assign) -> (Tensor rows, "
       "Tensor inserted, Tensor evicted, Tensor evicted_keys)");
   // Removes keys; True at the positions that removed one.
-  m.def("hash_erase(Tensor(a!) digests, Tensor slot_keys, Tensor(b!) size, Tensor keys, int capacity) -> Tensor");
+  m.def(
+      "hash_erase(Tensor(a!) digests, Tensor slot_keys, Tensor(b!) size, Tensor keys, int "
+      "capacity) -> Tensor");
   // Live (key, row, score) triples among slots [start, end), in row order.
   m.def(
-      "hash_export(Tensor digests, Tensor slot_keys, Tensor slot_scores, int capacity, int start, int end) "
+      "hash_export(Tensor digests, Tensor slot_keys, Tensor slot_scores, int capacity, int start, "
+      "int end) "
       "-> (Tensor keys, Tensor rows, Tensor scores)");
   // Places keys at the given rows of an empty table (state_dict load); validates before writing.
   m.def(
-      "hash_restore(Tensor(a!) digests, Tensor(b!) slot_keys, Tensor(c!) slot_scores, Tensor(d!) size, "
+      "hash_restore(Tensor(a!) digests, Tensor(b!) slot_keys, Tensor(c!) slot_scores, Tensor(d!) "
+      "size, "
       "Tensor keys, Tensor rows, Tensor scores, int capacity) -> ()");
   // Rows for distinct keys in an empty table (-1: left out), higher scores first: a key is left
   // out only when it cannot be placed beside the higher-priority keys placed (placement_cpu.cpp).
   // start_rows: a starting placement (-1: not placed); those keys move only to make room.
-  m.def("hash_place(Tensor keys, Tensor scores, int capacity, Tensor? start_rows=None) -> Tensor rows");
+  m.def(
+      "hash_place(Tensor keys, Tensor scores, int capacity, Tensor? start_rows=None) -> Tensor "
+      "rows");
   // Owning rank of each key for row-wise sharding (hash independent of the bucket hash).
   m.def("route(Tensor keys, int world_size) -> Tensor");
   // Input routing of sharded tables (csrc/routing_cpu.cpp): each id of bag g = slot * batch_size
   // + sample goes to route(id) (slot_owner -1) or to its slot's owner; returns the ids regrouped
-  // destination-major then by bag, the [world_size * bags] lengths, and each routed id's input position.
+  // destination-major then by bag, the [world_size * bags] lengths, and each routed id's input
+  // position.
   m.def(
-      "route_bucketize(Tensor ids, Tensor lengths, int[] slot_owner, int world_size, int batch_size) "
+      "route_bucketize(Tensor ids, Tensor lengths, int[] slot_owner, int world_size, int "
+      "batch_size) "
       "-> (Tensor values, Tensor lengths, Tensor order)");
 
   // ---- admission (csrc/bloom_cpu.cpp, csrc/bloom_cuda.cu; cells as bloom_layout.h defines them).
@@ -65,7 +78,8 @@ TORCH_LIBRARY(torchrec_ext, m) {
   // returns which pending keys have all of their counters >= admit_after (others: False). All
   // increments of the call land before any key is decided. pending: bool [n], None = every key.
   m.def(
-      "bloom_admit(Tensor(a!) counters, Tensor keys, Tensor counts, Tensor? pending, int hash_seed, "
+      "bloom_admit(Tensor(a!) counters, Tensor keys, Tensor counts, Tensor? pending, int "
+      "hash_seed, "
       "int hashes, int admit_after) -> Tensor");
 
   // ---- embedding ops (csrc/embedding_cpu.cpp; CUDA: triton_kernels/, registered from Python).
@@ -82,16 +96,21 @@ TORCH_LIBRARY(torchrec_ext, m) {
   m.def(
       "init_rows(Tensor(a!) table, Tensor rows, Tensor ids, int seed, int kind, float[] params, "
       "Tensor(b!)[] states, float[] state_values) -> ()");
-  // [batch_size, total_dim]: sum/mean (per feature) of each bag's rows, feature f at column feature_col[f].
-  // Row -2 - j of table t reads new_vectors[t][j] (a new row's initial vector, not yet written).
+  // [batch_size, total_dim]: sum/mean (per feature) of each bag's rows, feature f at column
+  // feature_col[f]. Row -2 - j of table t reads new_vectors[t][j] (a new row's initial vector, not
+  // yet written).
   m.def(
-      "pooled_lookup(Tensor weights, Tensor table_offsets, Tensor table_dims, Tensor feature_table, "
-      "Tensor feature_col, Tensor feature_mean, Tensor rows, Tensor offsets, Tensor? per_sample_weights, "
-      "SymInt batch_size, int total_dim, Tensor[] new_vectors, Tensor? table_dtypes=None) -> Tensor");
+      "pooled_lookup(Tensor weights, Tensor table_offsets, Tensor table_dims, Tensor "
+      "feature_table, "
+      "Tensor feature_col, Tensor feature_mean, Tensor rows, Tensor offsets, Tensor? "
+      "per_sample_weights, "
+      "SymInt batch_size, int total_dim, Tensor[] new_vectors, Tensor? table_dtypes=None) -> "
+      "Tensor");
   // [num_ids, dim]: each id's row (rows -2 - j as in pooled_lookup).
   m.def(
       "sequence_lookup(Tensor weights, Tensor table_offsets, int dim, Tensor feature_table, "
-      "Tensor feature_value_offsets, Tensor rows, Tensor[] new_vectors, Tensor? table_dtypes=None) -> Tensor");
+      "Tensor feature_value_offsets, Tensor rows, Tensor[] new_vectors, Tensor? table_dtypes=None) "
+      "-> Tensor");
   // Backward of a lookup (pooled when offsets are given, else sequence) fused with one optimizer
   // step (0 sgd, 1 adagrad, 2 rowwise_adagrad, 3 adam, 4 adamw, 5 ftrl) on each unique row, in
   // place. A unique row with unique_new[u] = j >= 0 is new: it first takes new_vectors[t][j] and

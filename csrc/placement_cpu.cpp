@@ -302,7 +302,8 @@ class Placement {
 
 // The stash's share of a placement (see the top): `rows` (-1: left out) of keys in priority
 // `order` gain free rows outside their buckets for the left-out keys of highest priority.
-void stash_left_out(std::vector<int64_t>& rows, const std::vector<int64_t>& order, const TableGeometry& geo) {
+void stash_left_out(std::vector<int64_t>& rows, const std::vector<int64_t>& order,
+                    const TableGeometry& geo) {
   std::vector<int64_t> stash;
   int64_t kept = 0;
   for (const int64_t i : order) {
@@ -316,7 +317,8 @@ void stash_left_out(std::vector<int64_t>& rows, const std::vector<int64_t>& orde
   if (stash.empty()) return;
   std::vector<uint8_t> in_stash(rows.size(), 0);
   for (const int64_t i : stash) in_stash[i] = 1;
-  for (auto it = order.rbegin(); kept > geo.capacity && it != order.rend(); ++it) {  // cut to capacity
+  for (auto it = order.rbegin(); kept > geo.capacity && it != order.rend();
+       ++it) {  // cut to capacity
     if (rows[*it] >= 0) {
       rows[*it] = -1;
       --kept;
@@ -362,15 +364,16 @@ at::Tensor hash_place_cpu(const at::Tensor& keys, const at::Tensor& scores, int6
   } else {
     const at::Tensor& start = *start_rows;
     TORCH_CHECK(start.scalar_type() == at::kLong && start.dim() == 1 && start.numel() == n,
-                "hash_place: start_rows must be a 1-D int64 tensor of ", n, " elements (one per key), got ",
-                start.scalar_type(), " of shape ", start.sizes());
+                "hash_place: start_rows must be a 1-D int64 tensor of ", n,
+                " elements (one per key), got ", start.scalar_type(), " of shape ", start.sizes());
     const at::Tensor st = start.contiguous();
     const int64_t* rp = st.data_ptr<int64_t>();
     std::vector<uint8_t> held(n, 0);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t row = rp[i];
       if (row < 0) continue;
-      TORCH_CHECK(row < capacity, "hash_place: start_rows[", i, "] = ", row, " is not a row of capacity ", capacity);
+      TORCH_CHECK(row < capacity, "hash_place: start_rows[", i, "] = ", row,
+                  " is not a row of capacity ", capacity);
       const KeyPlace p = place_key(kp[i], geo);
       const int64_t bucket = row / kSlotsPerBucket;
       if (bucket != p.bucket1 && bucket != p.bucket2) continue;  // a stashed key: placed afresh

@@ -14,22 +14,28 @@
 namespace torchrec_ext {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> route_bucketize_cpu(const at::Tensor& ids_in, const at::Tensor& lengths_in,
-                                                                   at::IntArrayRef slot_owner, int64_t world_size,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> route_bucketize_cpu(const at::Tensor& ids_in,
+                                                                   const at::Tensor& lengths_in,
+                                                                   at::IntArrayRef slot_owner,
+                                                                   int64_t world_size,
                                                                    int64_t batch_size) {
   const char* op = "route_bucketize";
-  TORCH_CHECK(ids_in.dim() == 1 && ids_in.scalar_type() == at::kLong, op, ": ids must be a 1-D int64 tensor, got ",
-              ids_in.scalar_type(), " of shape ", ids_in.sizes());
+  TORCH_CHECK(ids_in.dim() == 1 && ids_in.scalar_type() == at::kLong, op,
+              ": ids must be a 1-D int64 tensor, got ", ids_in.scalar_type(), " of shape ",
+              ids_in.sizes());
   TORCH_CHECK(lengths_in.dim() == 1 && lengths_in.scalar_type() == at::kLong, op,
-              ": lengths must be a 1-D int64 tensor, got ", lengths_in.scalar_type(), " of shape ", lengths_in.sizes());
-  TORCH_CHECK(world_size > 0 && world_size < (int64_t{1} << 31), op, ": world_size must be in [1, 2^31), got ", world_size);
+              ": lengths must be a 1-D int64 tensor, got ", lengths_in.scalar_type(), " of shape ",
+              lengths_in.sizes());
+  TORCH_CHECK(world_size > 0 && world_size < (int64_t{1} << 31), op,
+              ": world_size must be in [1, 2^31), got ", world_size);
   TORCH_CHECK(batch_size >= 0, op, ": batch_size must be >= 0, got ", batch_size);
   const int64_t slots = static_cast<int64_t>(slot_owner.size()), bags = slots * batch_size;
-  TORCH_CHECK(lengths_in.numel() == bags, op, ": lengths must have one entry per slot and sample (", bags, "), got ",
-              lengths_in.numel());
+  TORCH_CHECK(lengths_in.numel() == bags, op, ": lengths must have one entry per slot and sample (",
+              bags, "), got ", lengths_in.numel());
   for (int64_t s = 0; s < slots; ++s)
-    TORCH_CHECK(slot_owner[s] >= -1 && slot_owner[s] < world_size, op, ": slot_owner[", s, "] must be -1 (row-wise) ",
-                "or a rank in [0, ", world_size, "), got ", slot_owner[s]);
+    TORCH_CHECK(slot_owner[s] >= -1 && slot_owner[s] < world_size, op, ": slot_owner[", s,
+                "] must be -1 (row-wise) ", "or a rank in [0, ", world_size, "), got ",
+                slot_owner[s]);
   const at::Tensor ids = ids_in.contiguous(), lengths = lengths_in.contiguous();
   const int64_t* id = ids.data_ptr<int64_t>();
   const int64_t* len = lengths.data_ptr<int64_t>();

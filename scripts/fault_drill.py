@@ -36,8 +36,13 @@ STEPS, EVERY = 30, 10
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from job_helpers import TINY_BATCHES, TINY_MODEL  # noqa: E402  (the job tests' tiny model)
 
-JOB = ["--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--keep-checkpoints", "2", "--eval-every", "10"] \
-    + TINY_BATCHES + ["--capacity", "8192"] + TINY_MODEL + ["--device", "cpu"]
+JOB = (
+    ["--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--keep-checkpoints", "2", "--eval-every", "10"]
+    + TINY_BATCHES
+    + ["--capacity", "8192"]
+    + TINY_MODEL
+    + ["--device", "cpu"]
+)
 SAVE_PHASES = ("begin", "metadata", "hashing", "manifest", "rename", "prune")
 # Kills by the clock, measured from a line of the job's output: early in training, while
 # training after the first checkpoint, and as the second save starts (its eval line comes first).
@@ -251,7 +256,9 @@ def drill(ranks_list: list[int], out_md: str) -> bool:
                 _kill_after(_launch(ranks, job), *at)
                 where = f"{at[1]:.2f} s after the line '{at[0]}'"
             else:
-                where = at.replace(":", " ", 1).replace(":", ", ") + (" (background save)" if mode == "background" else "")
+                where = at.replace(":", " ", 1).replace(":", ", ") + (
+                    " (background save)" if mode == "background" else ""
+                )
                 if (at, mode) in crashed:  # the same crash again: its directory, copied
                     shutil.copytree(crashed[at, mode], run_dir, symlinks=True)
                 else:

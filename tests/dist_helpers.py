@@ -1,11 +1,12 @@
 """Runs a function on N real ranks (processes, gloo process group over a file store) and a
 small TorchRec DLRM workload shared by the distributed tests."""
+
 from __future__ import annotations
 
 import gc
 import os
 import tempfile
-from typing import Callable, List, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ class ModelWith(torch.nn.Module):
         return getattr(self, self._child)(kjt)
 
 
-def make_batches(rank: int, batch_size: int, num_full: int, last: int, seed: int = 0, rows: int = ROWS) -> List:
+def make_batches(rank: int, batch_size: int, num_full: int, last: int, seed: int = 0, rows: int = ROWS) -> list:
     """num_full batches of batch_size, then one of `last` rows (0: none), different per rank;
     ids in [0, rows)."""
     from torchrec.datasets.utils import Batch
@@ -58,12 +59,15 @@ def make_batches(rank: int, batch_size: int, num_full: int, last: int, seed: int
     for b in sizes:
         lengths = torch.randint(0, 4, (NUM_TABLES * b,), generator=gen)
         values = torch.randint(0, rows, (int(lengths.sum()),), generator=gen)
-        batches.append(Batch(
-            dense_features=torch.randn(b, DENSE_IN, generator=gen),
-            sparse_features=KeyedJaggedTensor.from_lengths_sync(
-                keys=[f"f{i}" for i in range(NUM_TABLES)], values=values, lengths=lengths),
-            labels=torch.randint(0, 2, (b,), generator=gen).float(),
-        ))
+        batches.append(
+            Batch(
+                dense_features=torch.randn(b, DENSE_IN, generator=gen),
+                sparse_features=KeyedJaggedTensor.from_lengths_sync(
+                    keys=[f"f{i}" for i in range(NUM_TABLES)], values=values, lengths=lengths
+                ),
+                labels=torch.randint(0, 2, (b,), generator=gen).float(),
+            )
+        )
     return batches
 
 
@@ -85,8 +89,10 @@ def make_dmp_dlrm(world_size: int, seed: int = 0, dynamic: bool = False, tables=
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     torch.manual_seed(seed)
-    tables = tables or [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS,
-                                           feature_names=[f"f{i}"]) for i in range(NUM_TABLES)]
+    tables = tables or [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f"f{i}"])
+        for i in range(NUM_TABLES)
+    ]
     if dynamic:
         from torchrec_ext import DynamicEmbeddingBagCollection
         from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
@@ -97,22 +103,40 @@ def make_dmp_dlrm(world_size: int, seed: int = 0, dynamic: bool = False, tables=
         ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
         sharder, kernel = EmbeddingBagCollectionSharder(), None
         sharders = [sharder]
-    model = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN,
-                           dense_arch_layer_sizes=[16, DIM], over_arch_layer_sizes=[16, 1]))
+    model = DLRMTrain(
+        DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=DENSE_IN,
+            dense_arch_layer_sizes=[16, DIM],
+            over_arch_layer_sizes=[16, 1],
+        )
+    )
     apply_optimizer_in_backward(torch.optim.Adagrad, model.model.sparse_arch.parameters(), {"lr": 0.05})
     plan = construct_module_sharding_plan(
-        ebc, per_param_sharding={"t0": row_wise(compute_kernel=kernel), "t1": table_wise(rank=world_size - 1, compute_kernel=kernel),
-                                 "t2": row_wise(compute_kernel=kernel)},
-        sharder=sharder, local_size=world_size, world_size=world_size, device_type="cpu")
+        ebc,
+        per_param_sharding={
+            "t0": row_wise(compute_kernel=kernel),
+            "t1": table_wise(rank=world_size - 1, compute_kernel=kernel),
+            "t2": row_wise(compute_kernel=kernel),
+        },
+        sharder=sharder,
+        local_size=world_size,
+        world_size=world_size,
+        device_type="cpu",
+    )
     dmp = DistributedModelParallel(
-        model, device=torch.device("cpu"), plan=ShardingPlan({"model.sparse_arch.embedding_bag_collection": plan}),
-        sharders=sharders)
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda params: torch.optim.Adagrad(params, lr=0.05))
+        model,
+        device=torch.device("cpu"),
+        plan=ShardingPlan({"model.sparse_arch.embedding_bag_collection": plan}),
+        sharders=sharders,
+    )
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda params: torch.optim.Adagrad(params, lr=0.05)
+    )
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
 
 
-def plain_loop(dmp, optimizer, batches) -> List[torch.Tensor]:
+def plain_loop(dmp, optimizer, batches) -> list[torch.Tensor]:
     """The losses of a plain sequential loop over ``batches``: the pipelines' oracle."""
     losses = []
     for batch in batches:
@@ -124,7 +148,7 @@ def plain_loop(dmp, optimizer, batches) -> List[torch.Tensor]:
     return losses
 
 
-def progress_losses(pipeline, batches, tier_stats: Optional[list] = None) -> List[torch.Tensor]:
+def progress_losses(pipeline, batches, tier_stats: list | None = None) -> list[torch.Tensor]:
     """The losses of ``pipeline.progress`` run over ``batches`` until they are exhausted (the
     first item of each step's output); each step's ``pipeline.tier_step_stats()`` appended to
     ``tier_stats`` when given."""
@@ -176,10 +200,12 @@ def global_batch(kjts):
     keys, per_key = kjts[0].keys(), [k.to_dict() for k in kjts]
     weighted = kjts[0].weights_or_none() is not None
     return KeyedJaggedTensor(
-        keys=keys, values=torch.cat([jt[key].values() for key in keys for jt in per_key]),
+        keys=keys,
+        values=torch.cat([jt[key].values() for key in keys for jt in per_key]),
         lengths=torch.cat([jt[key].lengths() for key in keys for jt in per_key]),
         stride=kjts[0].stride() * len(kjts),
-        weights=torch.cat([jt[key].weights() for key in keys for jt in per_key]) if weighted else None)
+        weights=torch.cat([jt[key].weights() for key in keys for jt in per_key]) if weighted else None,
+    )
 
 
 def rows_by_id(state, prefix):
@@ -189,7 +215,7 @@ def rows_by_id(state, prefix):
     for key, value in state.items():
         if not key.startswith(prefix) or not isinstance(value, torch.Tensor):
             continue
-        table, field = key[len(prefix):].split(".", 1)
+        table, field = key[len(prefix) :].split(".", 1)
         if field in ("weight_id", "counters", "row") or field.startswith("admission"):
             continue
         ids = state[f"{prefix}{table}.weight_id"].tolist()

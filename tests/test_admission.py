@@ -2,6 +2,7 @@
 pure-Python models written from the spec (exact admission sequences over a stream with decay,
 false-positive rate at design load, admitted fraction, sharding invariance on 2 gloo ranks),
 checkpoints of the filter (round trip, resize, sharded), and bad input."""
+
 import math
 
 import pytest
@@ -17,6 +18,7 @@ MASK = (1 << 64) - 1
 
 
 # ---------------------------------------------------------------------------- models from the spec
+
 
 class PyCountingBloom:
     """A counting Bloom filter with m 4-bit saturating counters, k cells per id by double hashing
@@ -43,16 +45,19 @@ class PyCountingBloom:
 
 def py_probabilistic(key, seed, p):
     h = _fmix64(_fmix64((key & MASK) ^ ((seed ^ adm.PROBABILITY_SALT) & MASK)))
-    return (h >> 11) < int(p * 2 ** 53)
+    return (h >> 11) < int(p * 2**53)
 
 
 def _kjt(ids, batch):
-    return KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor(ids, dtype=torch.int64),
-                                                torch.full((batch,), len(ids) // batch, dtype=torch.int64))
+    return KeyedJaggedTensor.from_lengths_sync(
+        ["f"], torch.tensor(ids, dtype=torch.int64), torch.full((batch,), len(ids) // batch, dtype=torch.int64)
+    )
 
 
 def _module(capacity=4096, **admission):
-    cfg = DynamicEmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=capacity, feature_names=["f"], **admission)
+    cfg = DynamicEmbeddingBagConfig(
+        name="t", embedding_dim=4, num_embeddings=capacity, feature_names=["f"], **admission
+    )
     return DynamicEmbeddingBagCollection([cfg], optimizer="sgd", optimizer_kwargs={"lr": 0.1})
 
 
@@ -62,6 +67,7 @@ def _ids_with_rows(module):
 
 # ---------------------------------------------------------------------------- bloom
 
+
 def test_bloom_admits_exactly_as_the_python_model_over_a_stream_with_decay():
     gen = torch.Generator().manual_seed(3)
     module = _module(admission="bloom", admit_after=3, bloom_bytes=64, bloom_expected_ids=40, bloom_decay_steps=4)
@@ -69,7 +75,7 @@ def test_bloom_admits_exactly_as_the_python_model_over_a_stream_with_decay():
     model = PyCountingBloom(strategy.geometry.counters, strategy.geometry.hashes, table_seed(0, "t"), 3, decay=4)
     rows, admitted_per_step = set(), []
     for step in range(1, 25):
-        ids = (torch.randint(0, 60, (48,), generator=gen) * 7919 - 2 ** 40).tolist()  # heavy repeats, big ids
+        ids = (torch.randint(0, 60, (48,), generator=gen) * 7919 - 2**40).tolist()  # heavy repeats, big ids
         counts = {}
         for i in ids:
             counts[i] = counts.get(i, 0) + 1
@@ -105,24 +111,46 @@ def test_bloom_false_positive_rate_at_design_load_matches_its_target():
 def test_bloom_sizing_states_its_bytes_and_refuses_a_budget_too_small_for_the_rate():
     g = adm.bloom_geometry(1000, None, 0.01, "t")
     assert g.counters & (g.counters - 1) == 0 and g.nbytes == g.counters // 2 and g.fpr <= 0.01
-    with pytest.raises(ValueError, match=r"bloom_bytes=100 is too small for bloom_fpr=0.01 at bloom_expected_ids=1000"
-                                         r".*needs bloom_bytes >= 8192"):
-        DynamicEmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=1000, admission="bloom", admit_after=2,
-                                  bloom_bytes=100, bloom_fpr=0.01)
+    with pytest.raises(
+        ValueError,
+        match=r"bloom_bytes=100 is too small for bloom_fpr=0.01 at bloom_expected_ids=1000"
+        r".*needs bloom_bytes >= 8192",
+    ):
+        DynamicEmbeddingBagConfig(
+            name="t",
+            embedding_dim=4,
+            num_embeddings=1000,
+            admission="bloom",
+            admit_after=2,
+            bloom_bytes=100,
+            bloom_fpr=0.01,
+        )
 
 
-@pytest.mark.parametrize("fields, message", [
-    (dict(admission="bloomy"), r"admission must be one of \['counter', 'bloom', 'probabilistic'\] or None, got 'bloomy'"),
-    (dict(admission="probabilistic", admit_probability=0.0), r"admit_probability in \(0, 1\], got 0.0"),
-    (dict(admission="probabilistic", admit_probability=1.5), r"admit_probability in \(0, 1\], got 1.5"),
-    (dict(admission="probabilistic"), r"admit_probability in \(0, 1\], got None"),
-    (dict(admission="bloom", admit_after=2, bloom_decay_steps=0), r"bloom_decay_steps must be an int >= 1 or None, got 0"),
-    (dict(admission="bloom", admit_after=16), r"admit_after must be <= 15, got 16"),
-    (dict(admission="bloom", admit_after=2, bloom_fpr=1.0), r"bloom_fpr must be a number in \(0, 1\) or None, got 1.0"),
-    (dict(admission="counter"), r"needs admit_after >= 2 .*got 1"),
-    (dict(admit_after=3, bloom_bytes=64), r"bloom_bytes apply to admission='bloom', got admission='counter'"),
-    (dict(admit_probability=0.5), r"admit_probability applies to admission='probabilistic', got admission=None"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (
+            dict(admission="bloomy"),
+            r"admission must be one of \['counter', 'bloom', 'probabilistic'\] or None, got 'bloomy'",
+        ),
+        (dict(admission="probabilistic", admit_probability=0.0), r"admit_probability in \(0, 1\], got 0.0"),
+        (dict(admission="probabilistic", admit_probability=1.5), r"admit_probability in \(0, 1\], got 1.5"),
+        (dict(admission="probabilistic"), r"admit_probability in \(0, 1\], got None"),
+        (
+            dict(admission="bloom", admit_after=2, bloom_decay_steps=0),
+            r"bloom_decay_steps must be an int >= 1 or None, got 0",
+        ),
+        (dict(admission="bloom", admit_after=16), r"admit_after must be <= 15, got 16"),
+        (
+            dict(admission="bloom", admit_after=2, bloom_fpr=1.0),
+            r"bloom_fpr must be a number in \(0, 1\) or None, got 1.0",
+        ),
+        (dict(admission="counter"), r"needs admit_after >= 2 .*got 1"),
+        (dict(admit_after=3, bloom_bytes=64), r"bloom_bytes apply to admission='bloom', got admission='counter'"),
+        (dict(admit_probability=0.5), r"admit_probability applies to admission='probabilistic', got admission=None"),
+    ],
+)
 def test_bad_admission_settings_are_refused_naming_the_value(fields, message):
     with pytest.raises(ValueError, match=message):
         DynamicEmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=64, **fields)
@@ -149,8 +177,13 @@ def test_bloom_state_round_trips_and_loads_into_another_size_without_losing_sigh
     seen = torch.tensor(sorted({i for ids in batches for i in ids}), dtype=torch.int64)
     before = saved.counters()[adm.bloom_cells(seen, saved.seed, saved.geometry)].amin(1)
     for nbytes in (256, 2048):
-        c = _module(admission="bloom", admit_after=3, bloom_bytes=nbytes, bloom_expected_ids=500,
-                    bloom_hashes=saved.geometry.hashes)
+        c = _module(
+            admission="bloom",
+            admit_after=3,
+            bloom_bytes=nbytes,
+            bloom_expected_ids=500,
+            bloom_hashes=saved.geometry.hashes,
+        )
         c.load_state_dict(a.state_dict())
         loaded = c._tables.admission[0]
         after = loaded.counters()[adm.bloom_cells(seen, loaded.seed, loaded.geometry)].amin(1)
@@ -162,9 +195,13 @@ def test_bloom_state_round_trips_and_loads_into_another_size_without_losing_sigh
 
 def test_planner_and_storage_bytes_count_each_strategy():
     from torchrec_ext.distributed.planner import dynamic_table_bytes
+
     base = dynamic_table_bytes(4096, 4, "sgd")
-    for fields in (dict(admission="bloom", admit_after=2, bloom_fpr=0.01), dict(admit_after=2),
-                   dict(admission="probabilistic", admit_probability=0.3)):
+    for fields in (
+        dict(admission="bloom", admit_after=2, bloom_fpr=0.01),
+        dict(admit_after=2),
+        dict(admission="probabilistic", admit_probability=0.3),
+    ):
         module = _module(**fields)
         cfg = module.embedding_bag_configs()[0]
         planned = dynamic_table_bytes(4096, 4, "sgd", admission=cfg)
@@ -181,10 +218,11 @@ def test_planner_and_storage_bytes_count_each_strategy():
 
 # ---------------------------------------------------------------------------- probabilistic
 
+
 def test_probabilistic_admission_is_the_hash_rule_and_admits_about_p():
     p = 0.3
     module = _module(capacity=1 << 17, admission="probabilistic", admit_probability=p, seed=5)
-    ids = torch.arange(60_000, dtype=torch.int64) * 1_000_003 - 2 ** 50
+    ids = torch.arange(60_000, dtype=torch.int64) * 1_000_003 - 2**50
     for chunk in ids.split(6000):
         module(_kjt(chunk.tolist(), 1000)).values().sum().backward()
     seed = table_seed(5, "t")
@@ -210,11 +248,21 @@ def _sharded_probabilistic(rank, world_size, out):
     from torchrec_ext.distributed.table_stats import reduce_table_stats
 
     model = ModelWith("ebc", _module(capacity=1 << 14, admission="probabilistic", admit_probability=0.4, seed=2))
-    plan = construct_module_sharding_plan(model.ebc, {"t": row_wise(compute_kernel="customized_kernel")},
-                                          sharder=DynamicEmbeddingBagCollectionSharder(), local_size=world_size,
-                                          world_size=world_size, device_type="cpu")
-    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
-                                   device=torch.device("cpu"), plan=ShardingPlan({"ebc": plan}), sharders=get_sharders())
+    plan = construct_module_sharding_plan(
+        model.ebc,
+        {"t": row_wise(compute_kernel="customized_kernel")},
+        sharder=DynamicEmbeddingBagCollectionSharder(),
+        local_size=world_size,
+        world_size=world_size,
+        device_type="cpu",
+    )
+    dmp = DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=ShardingPlan({"ebc": plan}),
+        sharders=get_sharders(),
+    )
     for step in range(4):
         ids = (torch.arange(1000) + 1000 * (2 * step + rank)) * 7 - 3000
         dmp(_kjt(ids.tolist(), 100)).values().sum().backward()
@@ -244,6 +292,7 @@ def test_probabilistic_admission_is_sharding_invariant_on_two_ranks(tmp_path):
 
 # ---------------------------------------------------------------------------- sharded bloom checkpoints
 
+
 def _sharded_bloom(rank, world_size, out):
     import torch.distributed as dist
     from torchrec.distributed import DistributedModelParallel
@@ -253,14 +302,24 @@ def _sharded_bloom(rank, world_size, out):
     from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, full_state_dict, get_sharders
 
     def build():
-        model = ModelWith("ebc", _module(capacity=2048, admission="bloom", admit_after=2, bloom_bytes=2048,
-                                         bloom_expected_ids=1000))
-        plan = construct_module_sharding_plan(model.ebc, {"t": row_wise(compute_kernel="customized_kernel")},
-                                              sharder=DynamicEmbeddingBagCollectionSharder(), local_size=world_size,
-                                              world_size=world_size, device_type="cpu")
-        return DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
-                                        device=torch.device("cpu"), plan=ShardingPlan({"ebc": plan}),
-                                        sharders=get_sharders())
+        model = ModelWith(
+            "ebc", _module(capacity=2048, admission="bloom", admit_after=2, bloom_bytes=2048, bloom_expected_ids=1000)
+        )
+        plan = construct_module_sharding_plan(
+            model.ebc,
+            {"t": row_wise(compute_kernel="customized_kernel")},
+            sharder=DynamicEmbeddingBagCollectionSharder(),
+            local_size=world_size,
+            world_size=world_size,
+            device_type="cpu",
+        )
+        return DistributedModelParallel(
+            model,
+            env=ShardingEnv.from_process_group(dist.group.WORLD),
+            device=torch.device("cpu"),
+            plan=ShardingPlan({"ebc": plan}),
+            sharders=get_sharders(),
+        )
 
     dmp = build()
     gen = torch.Generator().manual_seed(rank)
@@ -275,7 +334,7 @@ def _sharded_bloom(rank, world_size, out):
     again.load_state_dict(state)
     assert torch.equal(again.module.ebc.local_module._tables.admission[0].packed, own)
     if rank == 0:
-        torch.save({k[len("ebc."):]: v for k, v in state.items()}, out)
+        torch.save({k[len("ebc.") :]: v for k, v in state.items()}, out)
 
 
 def test_sharded_bloom_filters_save_per_rank_and_load_unsharded_as_their_sum(tmp_path):
@@ -287,8 +346,9 @@ def test_sharded_bloom_filters_save_per_rank_and_load_unsharded_as_their_sum(tmp
     filters = state["embedding_bags.t.admission_bloom"]
     loaded = one._tables.admission[0]
     # Each rank's filter tiled to the whole size, then summed: every id each rank counted is kept.
-    local = adm.BloomAdmission(2, adm.BloomGeometry(2048, loaded.geometry.hashes, 500), None, loaded.seed,
-                               torch.device("cpu"))
+    local = adm.BloomAdmission(
+        2, adm.BloomGeometry(2048, loaded.geometry.hashes, 500), None, loaded.seed, torch.device("cpu")
+    )
     ids = torch.arange(800, dtype=torch.int64)
     for f in filters:
         local.packed.copy_(f)
@@ -316,8 +376,15 @@ def test_row_wise_shard_filters_keep_the_tables_false_positive_rate(parts):
     from torchrec_ext.modules.admission import bloom_geometry, local_bloom_geometry
 
     for expected in (1709, 100_000):
-        opts = DynamicEmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=expected, feature_names=["f"],
-                                         admission="bloom", admit_after=2, bloom_fpr=0.01)
+        opts = DynamicEmbeddingBagConfig(
+            name="t",
+            embedding_dim=4,
+            num_embeddings=expected,
+            feature_names=["f"],
+            admission="bloom",
+            admit_after=2,
+            bloom_fpr=0.01,
+        )
         whole = bloom_geometry(expected, None, 0.01, "t", None)
         local = local_bloom_geometry(opts, expected, parts)
         n, m, k = local.expected_ids, local.counters, local.hashes

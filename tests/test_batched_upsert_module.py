@@ -2,6 +2,7 @@
 default; issue 13 item 6): the same outputs, tables and counters as the per-table calls, for
 every table option the step handles (ttl, admission, growth, lfu, half rows, the delta log), and a
 number of dispatched ops per step that does not grow with the table count."""
+
 from collections import Counter
 
 import pytest
@@ -37,9 +38,11 @@ def _module(options, batched, tables=TABLES, new_rows=(False, True), cls=Dynamic
 
 def _state(module):
     tables = module._tables
-    return ([t.clone() for t in (tables.weights, *tables.states, tables.counters.counts)]
-            + [x.clone() for index in tables.indexes for x in (index._digests, index._slot_keys, index._slot_scores,
-                                                               index._size)])
+    return [t.clone() for t in (tables.weights, *tables.states, tables.counters.counts)] + [
+        x.clone()
+        for index in tables.indexes
+        for x in (index._digests, index._slot_keys, index._slot_scores, index._size)
+    ]
 
 
 @pytest.mark.parametrize("new_rows", [(False, True), (True, False)], ids=["one_init_call", "deferred_rows"])
@@ -60,9 +63,11 @@ def test_batched_step_equals_per_table_step(variant, new_rows, monkeypatch):
     assert per_table._tables.table_stats() == batched._tables.table_stats()
 
 
-@pytest.mark.parametrize("options", [{"eviction_policy": "lru"}, {"ttl_steps": 2},
-                                     {"admission": "counter", "admit_after": 2, "initial_capacity": 8}],
-                         ids=["lru", "ttl", "admission_growth"])
+@pytest.mark.parametrize(
+    "options",
+    [{"eviction_policy": "lru"}, {"ttl_steps": 2}, {"admission": "counter", "admit_after": 2, "initial_capacity": 8}],
+    ids=["lru", "ttl", "admission_growth"],
+)
 def test_batched_step_with_a_delta_log_equals_per_table_step(options, monkeypatch):
     """The delta log lists each table's inserted, evicted and written rows from the one call's
     results; tables growing for their admitted ids relayout before any table is upserted."""
@@ -77,8 +82,9 @@ def test_batched_step_with_a_delta_log_equals_per_table_step(options, monkeypatc
             m(kjt).values().sum().backward()
         for a, b in zip(_state(modules[0]), _state(modules[1])):
             assert torch.equal(a, b), f"step {step}"
-    deltas = [m.export_delta(token, include_optimizer_state=True, include_scores=True)
-              for m, token in zip(modules, tokens)]
+    deltas = [
+        m.export_delta(token, include_optimizer_state=True, include_scores=True) for m, token in zip(modules, tokens)
+    ]
     assert deltas[0].tables.keys() == deltas[1].tables.keys()
     for name, table in deltas[0].tables.items():
         other = deltas[1].tables[name]
@@ -89,8 +95,17 @@ def test_batched_step_with_a_delta_log_equals_per_table_step(options, monkeypatc
 
 
 def test_batched_sequence_module_step_equals_per_table_step():
-    configs = [DynamicEmbeddingConfig(name=f"t{i}", embedding_dim=8, num_embeddings=64, feature_names=[f"f{i}"],
-                                      ttl_steps=3, eviction_policy="lfu") for i in range(TABLES)]
+    configs = [
+        DynamicEmbeddingConfig(
+            name=f"t{i}",
+            embedding_dim=8,
+            num_embeddings=64,
+            feature_names=[f"f{i}"],
+            ttl_steps=3,
+            eviction_policy="lfu",
+        )
+        for i in range(TABLES)
+    ]
     modules = [DynamicEmbeddingCollection(configs, optimizer="adam") for _ in range(2)]
     modules[0]._tables.batched_upsert, modules[1]._tables.batched_upsert = False, True
     for step in range(6):
@@ -124,8 +139,17 @@ def test_dispatched_ops_per_step_do_not_grow_with_the_table_count():
 def test_tiered_tables_keep_their_per_table_upserts():
     """The tiered tables follow each table's upsert with its cache's work (their _rows_for): a
     batched_upsert setting (as the default) must not bypass it."""
-    configs = [DynamicEmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=64, feature_names=[f"f{i}"],
-                                         backing="host", cache_load_factor=0.5) for i in range(3)]
+    configs = [
+        DynamicEmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=4,
+            num_embeddings=64,
+            feature_names=[f"f{i}"],
+            backing="host",
+            cache_load_factor=0.5,
+        )
+        for i in range(3)
+    ]
     module = DynamicEmbeddingBagCollection(configs, optimizer="sgd")
     module._tables.batched_upsert = True
     assert not module._tables._batched_upsert()

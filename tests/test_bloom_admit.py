@@ -4,6 +4,7 @@ the one-key-at-a-time oracle of torchrec_ext/reference/, on random streams: dupl
 a batch, saturation at 15, both counters of a byte hit by concurrent threads, tiny and unaligned
 filters, the empty batch; the kernels hash as admission.bloom_cells does; bad input is refused
 naming the argument, with the filter unchanged; BloomAdmission decides as the oracle does."""
+
 import random
 
 import pytest
@@ -33,8 +34,15 @@ def bloom_admit(request):
 
 
 def _oracle(packed, keys, counts, pending, hash_seed, hashes, admit_after):
-    return ref.bloom_admit(packed.tolist(), keys.tolist(), counts.tolist(),
-                           None if pending is None else pending.tolist(), hash_seed, hashes, admit_after)
+    return ref.bloom_admit(
+        packed.tolist(),
+        keys.tolist(),
+        counts.tolist(),
+        None if pending is None else pending.tolist(),
+        hash_seed,
+        hashes,
+        admit_after,
+    )
 
 
 def _run_and_compare(op, packed, keys, counts, pending, hash_seed, hashes, admit_after, what):
@@ -72,8 +80,9 @@ def test_kernels_hash_keys_as_bloom_cells_does(bloom_admit):
         for key, key_cells in zip(keys.tolist(), cells.tolist()):
             assert key_cells == ref.bloom_key_cells(key, hash_seed, geometry.counters, geometry.hashes)
             packed = torch.zeros(geometry.nbytes, dtype=torch.uint8)
-            bloom_admit(packed, torch.tensor([key]), torch.ones(1, dtype=torch.int64), None, hash_seed,
-                        geometry.hashes, 1)
+            bloom_admit(
+                packed, torch.tensor([key]), torch.ones(1, dtype=torch.int64), None, hash_seed, geometry.hashes, 1
+            )
             want = torch.bincount(torch.tensor(key_cells), minlength=geometry.counters).to(torch.uint8)
             assert torch.equal(adm.unpack_counters(packed), want)
 
@@ -95,12 +104,21 @@ def test_a_filter_that_is_a_view_changes_only_its_own_bytes(bloom_admit):
     rng = random.Random(5)
     for offset, nbytes in ((0, 1), (1, 1), (3, 2), (1, 8), (5, 64)):
         buffer = torch.full((offset + nbytes + 9,), 0x5A, dtype=torch.uint8)
-        packed = buffer[offset:offset + nbytes]
+        packed = buffer[offset : offset + nbytes]
         packed.zero_()
         keys = torch.tensor([rng.randrange(I64MIN, I64MAX) for _ in range(40)], dtype=torch.int64)
-        _run_and_compare(bloom_admit, packed, keys, torch.ones(40, dtype=torch.int64), None, 77, 2, 3,
-                         f"offset {offset}, {nbytes} bytes")
-        assert (buffer[:offset] == 0x5A).all() and (buffer[offset + nbytes:] == 0x5A).all()
+        _run_and_compare(
+            bloom_admit,
+            packed,
+            keys,
+            torch.ones(40, dtype=torch.int64),
+            None,
+            77,
+            2,
+            3,
+            f"offset {offset}, {nbytes} bytes",
+        )
+        assert (buffer[:offset] == 0x5A).all() and (buffer[offset + nbytes :] == 0x5A).all()
 
 
 @pytest.mark.parametrize("threads", [2, 4])
@@ -146,19 +164,34 @@ def _bad_cases():
     filt = torch.zeros(8, dtype=torch.uint8)
     good = dict(counters=filt, keys=keys, counts=counts, pending=None, hash_seed=1, hashes=3, admit_after=2)
     yield dict(good, keys=keys.to(torch.int32)), r"keys must be a 1-D int64 tensor, got Int"
-    yield dict(good, keys=keys.view(2, 3), counts=counts.view(2, 3)), r"keys must be a 1-D int64 tensor, got Long of shape \[2, 3\]"
+    yield (
+        dict(good, keys=keys.view(2, 3), counts=counts.view(2, 3)),
+        r"keys must be a 1-D int64 tensor, got Long of shape \[2, 3\]",
+    )
     yield dict(good, counts=counts.double()), r"counts must be a 1-D int64 tensor, got Double"
     yield dict(good, counts=counts[:5]), r"counts must have one entry per key \(6\), got 5"
     yield dict(good, counts=torch.tensor([1, 1, -3, 1, 1, 1])), r"counts must be >= 0, got -3 at entry 2"
-    yield dict(good, pending=torch.ones(6, dtype=torch.int64)), r"pending must be a 1-D bool tensor with one entry per key \(6\), got Long"
+    yield (
+        dict(good, pending=torch.ones(6, dtype=torch.int64)),
+        r"pending must be a 1-D bool tensor with one entry per key \(6\), got Long",
+    )
     yield dict(good, pending=torch.ones(4, dtype=torch.bool)), r"pending must be .* got Bool of shape \[4\]"
     yield dict(good, hashes=0), r"hashes must be in \[1, 16\], got 0"
     yield dict(good, hashes=17), r"hashes must be in \[1, 16\], got 17"
     yield dict(good, admit_after=0), r"admit_after must be in \[1, 15\] \(4-bit counters\), got 0"
     yield dict(good, admit_after=16), r"admit_after must be in \[1, 15\] \(4-bit counters\), got 16"
-    yield dict(good, counters=torch.zeros(8, dtype=torch.int64)), r"counters must be a contiguous 1-D uint8 tensor .* got Long"
-    yield dict(good, counters=torch.zeros(12, dtype=torch.uint8)), r"counters must hold a power-of-two number of bytes .* got 12"
-    yield dict(good, counters=torch.zeros(16, dtype=torch.uint8)[::2]), r"counters must be a contiguous .*\(not contiguous\)"
+    yield (
+        dict(good, counters=torch.zeros(8, dtype=torch.int64)),
+        r"counters must be a contiguous 1-D uint8 tensor .* got Long",
+    )
+    yield (
+        dict(good, counters=torch.zeros(12, dtype=torch.uint8)),
+        r"counters must hold a power-of-two number of bytes .* got 12",
+    )
+    yield (
+        dict(good, counters=torch.zeros(16, dtype=torch.uint8)[::2]),
+        r"counters must be a contiguous .*\(not contiguous\)",
+    )
 
 
 @pytest.mark.parametrize("case", range(len(list(_bad_cases()))))
@@ -200,6 +233,8 @@ def test_emulated_cuda_kernel_does_not_depend_on_the_order_of_warps(emulated, mo
         if reverse:
             monkeypatch.setenv("TORCHREC_EMU_REVERSE_WARPS", "1")
         packed = torch.zeros(256, dtype=torch.uint8)
-        runs.append([emulated.bloom_admit(packed, k, c, None, 5, 3, 7).tolist() for k, c in zip(keys, counts)]
-                    + [packed.tolist()])
+        runs.append(
+            [emulated.bloom_admit(packed, k, c, None, 5, 3, 7).tolist() for k, c in zip(keys, counts)]
+            + [packed.tolist()]
+        )
     assert runs[0] == runs[1]

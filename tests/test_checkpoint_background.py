@@ -2,6 +2,7 @@
 blocking save at the same step although training changed the tables during the write; the
 previous checkpoint stays the newest loadable one until the new one is complete; a process
 killed mid-write leaves nothing that latest_checkpoint picks; errors reach wait()."""
+
 import os
 import subprocess
 import sys

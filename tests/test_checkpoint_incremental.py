@@ -3,6 +3,7 @@ deltas. Oracle: a full save at the same step (save_checkpoint + load_checkpoint)
 own state_dict then: loading a link gives both bit for bit, through LRU evictions and TTL expiry
 (tombstones), unsharded and on 2 gloo ranks. A missing or damaged link is refused and
 latest_checkpoint falls back to the newest checkpoint whose chain verifies."""
+
 import copy
 import os
 
@@ -57,8 +58,9 @@ def _train_and_save(tmp_path, full_every=3, keep=0):
             model.train()
         if step in SAVES:
             ckpts.save(step, {"optim": opt.state_dict(), "step": step})
-            save_checkpoint(str(tmp_path / "full"), step, {"model": model.state_dict(), "optim": opt.state_dict()},
-                            keep=0)
+            save_checkpoint(
+                str(tmp_path / "full"), step, {"model": model.state_dict(), "optim": opt.state_dict()}, keep=0
+            )
             seen[step] = _state(model, opt)
     return ckpts, seen
 
@@ -69,7 +71,8 @@ def _load_incremental(tmp_path, step, **kwargs):
     model = _Model(1)  # other dense weights, empty tables: everything must come from the chain
     opt = torch.optim.Adagrad(model.dense.parameters(), lr=0.1)
     loaded = IncrementalCheckpoints(str(tmp_path / "inc"), model).load(
-        str(tmp_path / "inc" / f"step_{step}"), {"optim": opt.state_dict(), "step": 0}, **kwargs)
+        str(tmp_path / "inc" / f"step_{step}"), {"optim": opt.state_dict(), "step": 0}, **kwargs
+    )
     opt.load_state_dict(loaded["optim"])
     assert loaded["step"] == step
     return model, opt
@@ -83,8 +86,9 @@ def test_every_link_loads_exactly_the_full_save_of_its_step(tmp_path, one_rank_g
         model, opt = _load_incremental(tmp_path, step)
         full = _Model(2)
         full_opt = torch.optim.Adagrad(full.dense.parameters(), lr=0.1)
-        state = load_checkpoint(str(tmp_path / "full" / f"step_{step}"),
-                                {"model": full.state_dict(), "optim": full_opt.state_dict()})
+        state = load_checkpoint(
+            str(tmp_path / "full" / f"step_{step}"), {"model": full.state_dict(), "optim": full_opt.state_dict()}
+        )
         full.load_state_dict(state["model"])
         full_opt.load_state_dict(state["optim"])
         _assert_same(model.state_dict(), full.state_dict())
@@ -115,8 +119,11 @@ def test_a_damaged_or_missing_link_is_refused_and_the_newest_verified_one_is_fou
     data = bytearray(file.read_bytes())
     data[len(data) // 2] ^= 0xFF
     file.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"step_6: a link of its incremental chain is damaged: .*step_4: "
-                                              r"tables\.rank0-of-1\.pt: its SHA-256 differs"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"step_6: a link of its incremental chain is damaged: .*step_4: "
+        r"tables\.rank0-of-1\.pt: its SHA-256 differs",
+    ):
         _load_incremental(tmp_path, 6)
     assert latest_checkpoint(str(root)) == (10, str(root / "step_10"))  # its chain starts at step_8
     shutil.rmtree(root / "step_8")
@@ -147,7 +154,6 @@ def test_bad_arguments_are_clear_errors(tmp_path, one_rank_group):
 def _sharded(rank, world_size, root):
     from test_deltas_sharded import _batch as sharded_batch
     from test_deltas_sharded import _dmp, _full
-
     from torchrec_ext.distributed.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from torchrec_ext.distributed.checkpoint_incremental import IncrementalCheckpoints
 
@@ -163,7 +169,8 @@ def _sharded(rank, world_size, root):
     for step in (6, 10):  # base 2, deltas 4 and 6; base 8, delta 10
         fresh = _dmp(world_size)
         loaded = IncrementalCheckpoints(os.path.join(root, "inc"), fresh).load(
-            os.path.join(root, "inc", f"step_{step}"), {"step": 0})
+            os.path.join(root, "inc", f"step_{step}"), {"step": 0}
+        )
         assert loaded["step"] == step
         full = _dmp(world_size)
         state = load_checkpoint(os.path.join(root, "full", f"step_{step}"), {"model": full.state_dict()})
@@ -188,14 +195,24 @@ def test_the_job_resumes_from_a_delta_link_exactly(tmp_path):
 
     from job_helpers import TINY, job_ok, run_job
 
-    args = ["--eval-every", "10", "--checkpoint-every", "5", "--checkpoint-incremental", "3",
-            "--keep-checkpoints", "0"] + TINY
+    args = [
+        "--eval-every",
+        "10",
+        "--checkpoint-every",
+        "5",
+        "--checkpoint-incremental",
+        "3",
+        "--keep-checkpoints",
+        "0",
+    ] + TINY
     reference = str(tmp_path / "reference")
     job_ok(run_job(["--steps", "20", "--run-dir", reference] + args))
     ckpts = os.path.join(reference, "checkpoints")
     assert sorted(os.listdir(ckpts)) == ["step_10", "step_15", "step_20", "step_5"]
-    kinds = {step: torch.load(os.path.join(ckpts, f"step_{step}", "tables.rank0-of-1.pt"), weights_only=True)["kind"]
-             for step in (5, 10, 15, 20)}
+    kinds = {
+        step: torch.load(os.path.join(ckpts, f"step_{step}", "tables.rank0-of-1.pt"), weights_only=True)["kind"]
+        for step in (5, 10, 15, 20)
+    }
     assert kinds == {5: "base", 10: "delta", 15: "delta", 20: "base"}
     resumed = str(tmp_path / "resumed")
     shutil.copytree(reference, resumed)

@@ -1,6 +1,7 @@
 """The checkpoint's file I/O (torchrec_ext/distributed/checkpoint_io.py): files hashed as they
 are written, against hashlib over the bytes on disk (the oracle); nothing read back to hash it;
 a stream moved backwards is hashed from disk instead."""
+
 import hashlib
 import json
 import os
@@ -16,8 +17,13 @@ from torchrec_ext.distributed.checkpoint import MANIFEST_FILE, load_checkpoint, 
 @pytest.fixture
 def state():
     gen = torch.Generator().manual_seed(0)
-    return {"a": torch.randn(1000, 64, generator=gen), "b": torch.randint(0, 1 << 40, (5000,), generator=gen),
-            "c": torch.randn(333, generator=gen).half(), "step": 7, "note": "plain data"}
+    return {
+        "a": torch.randn(1000, 64, generator=gen),
+        "b": torch.randint(0, 1 << 40, (5000,), generator=gen),
+        "c": torch.randn(333, generator=gen).half(),
+        "step": 7,
+        "note": "plain data",
+    }
 
 
 def _manifest(path):
@@ -25,8 +31,9 @@ def _manifest(path):
         return json.load(f)["files"]
 
 
-def test_digests_computed_while_writing_equal_the_files_bytes_and_nothing_is_read_back(tmp_path, state, monkeypatch,
-                                                                                    one_rank_group):
+def test_digests_computed_while_writing_equal_the_files_bytes_and_nothing_is_read_back(
+    tmp_path, state, monkeypatch, one_rank_group
+):
     def no_reading(path):
         raise AssertionError(f"{path} was read back to be hashed")
 
@@ -41,7 +48,9 @@ def test_digests_computed_while_writing_equal_the_files_bytes_and_nothing_is_rea
         with open(os.path.join(path, name), "rb") as f:
             data = f.read()
         assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
-    loaded = load_checkpoint(path, {"a": torch.empty(0), "b": torch.empty(0), "c": torch.empty(0), "step": 0, "note": ""})
+    loaded = load_checkpoint(
+        path, {"a": torch.empty(0), "b": torch.empty(0), "c": torch.empty(0), "step": 0, "note": ""}
+    )
     for key in ("a", "b", "c"):
         assert torch.equal(loaded[key], state[key]) and loaded[key].dtype == state[key].dtype
     assert loaded["step"] == 7 and loaded["note"] == "plain data"
@@ -73,8 +82,9 @@ def test_a_stream_moved_backwards_is_hashed_from_disk(tmp_path, state, monkeypat
             assert entry["sha256"] == hashlib.sha256(f.read()).hexdigest(), name
 
 
-def test_verification_hashes_files_on_several_threads_and_names_a_corrupted_one(tmp_path, state, monkeypatch,
-                                                                                one_rank_group):
+def test_verification_hashes_files_on_several_threads_and_names_a_corrupted_one(
+    tmp_path, state, monkeypatch, one_rank_group
+):
     from torchrec_ext.distributed.checkpoint import CheckpointError, verify_checkpoint
 
     monkeypatch.setattr(checkpoint_io, "IO_THREADS", 2)

@@ -1,9 +1,7 @@
 """state_template (torchrec_ext/distributed/checkpoint_template.py): a load template that gathers
 no row. Oracle: the source's own state_dict, which a load through the template must restore bit
 for bit (unsharded, and on 2 gloo ranks against a load through dmp.state_dict())."""
-import os
 
-import pytest
 import torch
 
 from test_deltas import _module, _train
@@ -41,7 +39,6 @@ def test_a_load_through_the_template_restores_the_state_and_gathers_no_row(tmp_p
 
 def _sharded(rank, world_size, root):
     from test_deltas_sharded import _batch, _dmp, _full
-
     from torchrec_ext.distributed.checkpoint import load_checkpoint, save_checkpoint
     from torchrec_ext.distributed.checkpoint_template import state_template
 

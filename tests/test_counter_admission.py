@@ -1,6 +1,7 @@
 """CounterAdmission.admit (issue 18, the exact counter) against a model on the dict hash table of
 torchrec_ext/reference/: the same admissions, side-table ids and counts after every batch, with
 a side table large enough to keep every id and one so small that ids are evicted and refused."""
+
 import random
 
 import pytest

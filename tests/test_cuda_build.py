@@ -2,6 +2,7 @@
 free of torch headers so this check runs on CPU-only machines too), and setup.py picks the GPU
 architectures as documented: sm_90 SASS + compute_90 PTX by default, TORCH_CUDA_ARCH_LIST when
 set, TORCHREC_EXT_NVCC_ARCH over both."""
+
 import glob
 import os
 import re
@@ -19,7 +20,11 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 
 
 def _nvcc(args, tmp_path) -> subprocess.CompletedProcess:
-    cmd = [NVCC, "-c", "-Werror", "all-warnings", "-I", os.path.join(ROOT, "csrc")] + args + ["-o", str(tmp_path / "out.o")]
+    cmd = (
+        [NVCC, "-c", "-Werror", "all-warnings", "-I", os.path.join(ROOT, "csrc")]
+        + args
+        + ["-o", str(tmp_path / "out.o")]
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr}"
     return proc
@@ -52,8 +57,11 @@ def test_torch_cuda_arch_list_is_left_to_torch():
     assert not any("arch" in flag for flag in flags), flags
     with mock.patch.dict(os.environ, {"TORCH_CUDA_ARCH_LIST": env["TORCH_CUDA_ARCH_LIST"]}):
         derived = _get_cuda_arch_flags(flags)
-    assert derived == ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=compute_90",
-                       "-gencode=arch=compute_90,code=sm_90"]
+    assert derived == [
+        "-gencode=arch=compute_80,code=sm_80",
+        "-gencode=arch=compute_90,code=compute_90",
+        "-gencode=arch=compute_90,code=sm_90",
+    ]
 
 
 def test_torchrec_ext_nvcc_arch_overrides_both():

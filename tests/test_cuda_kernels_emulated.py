@@ -3,6 +3,7 @@ emulator (tests/cuda_emulation), against the CPU kernels: every output and every
 state must match after each call, for every policy, with duplicates, extreme keys, evictions,
 refusals, erase, export and restore. What this cannot check (memory ordering between
 concurrently running warps, speed) needs a real GPU: tests parametrised over `device` do that."""
+
 import contextlib
 import os
 import random
@@ -39,8 +40,12 @@ def _reversed_warps():
 
 def _table(capacity):
     digests, keys, scores = index_lengths(capacity)  # main slots, then the stash
-    return [torch.zeros(digests, dtype=torch.uint8), torch.zeros(keys, dtype=torch.int64),
-            torch.zeros(scores, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
+    return [
+        torch.zeros(digests, dtype=torch.uint8),
+        torch.zeros(keys, dtype=torch.int64),
+        torch.zeros(scores, dtype=torch.int64),
+        torch.zeros(1, dtype=torch.int64),
+    ]
 
 
 # 1 stripe (1, 33), 2, 3 and 5 stripes (odd rings: three insert phases).
@@ -60,7 +65,9 @@ def test_emulated_cuda_kernels_match_cpu(emulated, capacity, policy):
         if op == "upsert":
             scores = None
             if policy == 5 or rng.random() < 0.4:
-                scores = torch.tensor([rng.choice([0, 1, 3, 7, 2**40, I64MAX - 1]) for _ in range(n)], dtype=torch.int64)
+                scores = torch.tensor(
+                    [rng.choice([0, 1, 3, 7, 2**40, I64MAX - 1]) for _ in range(n)], dtype=torch.int64
+                )
             if rng.random() < 0.2:
                 epoch = rng.randrange(0, 2**31)
             args = (keys, scores, capacity, policy, step + 1 + rng.choice([0, 2**32]), epoch, rng.random() < 0.4)
@@ -72,16 +79,25 @@ def test_emulated_cuda_kernels_match_cpu(emulated, capacity, policy):
                     _same(got, emulated.hash_upsert(*backward, *args), "upsert, warps reversed")
                 _same(twin, backward, "table after upsert, warps reversed")
         elif op == "erase":
-            _same([cpu.hash_erase(state[0], state[1], state[3], keys, capacity)],
-                  [emulated.hash_erase(twin[0], twin[1], twin[3], keys, capacity)], "erase")
+            _same(
+                [cpu.hash_erase(state[0], state[1], state[3], keys, capacity)],
+                [emulated.hash_erase(twin[0], twin[1], twin[3], keys, capacity)],
+                "erase",
+            )
         elif op == "find":
-            _same(cpu.hash_find(state[0], state[1], keys, capacity),
-                  emulated.hash_find(twin[0], twin[1], keys, capacity), "find")
+            _same(
+                cpu.hash_find(state[0], state[1], keys, capacity),
+                emulated.hash_find(twin[0], twin[1], keys, capacity),
+                "find",
+            )
         else:
             start = rng.randrange(0, slots + 1)
             end = rng.randrange(start, slots + 1)
-            _same(cpu.hash_export(state[0], state[1], state[2], capacity, start, end),
-                  emulated.hash_export(twin[0], twin[1], twin[2], capacity, start, end), "export")
+            _same(
+                cpu.hash_export(state[0], state[1], state[2], capacity, start, end),
+                emulated.hash_export(twin[0], twin[1], twin[2], capacity, start, end),
+                "export",
+            )
         _same(state, twin, f"table after {op}")
         assert not (twin[0] & 0x80).any(), "the emulated kernels left rows pinned"
     keys, rows, scores = cpu.hash_export(*state[:3], capacity, 0, slots)
@@ -135,8 +151,10 @@ def test_emulated_upsert_of_a_batch_larger_than_the_table(emulated):
     assert state[3].item() == capacity and got[2].numel() > 0
 
 
-@pytest.mark.parametrize("policy, capacity", [("lru", 64 * 32 * 2), ("lfu", 64 * 32 * 2), ("epoch_lfu", 64 * 32 * 2),
-                                              ("lru", 64 * 32 * 3 + 5)])
+@pytest.mark.parametrize(
+    "policy, capacity",
+    [("lru", 64 * 32 * 2), ("lfu", 64 * 32 * 2), ("epoch_lfu", 64 * 32 * 2), ("lru", 64 * 32 * 3 + 5)],
+)
 def test_emulated_upsert_never_evicts_keys_of_its_own_batch(emulated, policy, capacity, monkeypatch):
     """A full table, then a batch of new keys followed by resident keys (issue 11): the CUDA
     kernel must pin the residents first and insert the new keys phase by phase (a new key may
@@ -175,7 +193,6 @@ def test_emulated_kernels_with_a_stash_match_cpu_and_the_reference(emulated, pol
     outside their buckets): the CUDA kernels find, touch (pin), evict and erase stashed keys as
     the CPU kernels and the dict model do, byte for byte, also with warps run in reverse."""
     from test_hash_table_stash import _starved
-
     from torchrec_ext.reference import POLICIES, ReferenceHashTable
     from torchrec_ext.table import place_keys
 
@@ -192,7 +209,7 @@ def test_emulated_kernels_with_a_stash_match_cpu_and_the_reference(emulated, pol
     model = ReferenceHashTable(capacity, POLICIES[policy])
     model.load(list(zip(keys.tolist(), rows.tolist(), scores.tolist())))
     slots = state[2].numel()
-    stash = state[1][slots:slots + 32][state[0][slots:slots + 32] != 0]  # the stashed keys' rows
+    stash = state[1][slots : slots + 32][state[0][slots : slots + 32] != 0]  # the stashed keys' rows
     stashed = [int(state[1][r]) for r in stash.tolist()]
     assert len(stashed) == 12
     universe = keys.tolist() + [rng.randrange(I64MIN, I64MAX) for _ in range(capacity)]
@@ -200,8 +217,11 @@ def test_emulated_kernels_with_a_stash_match_cpu_and_the_reference(emulated, pol
         batch = rng.sample(stashed, 3) + [rng.choice(universe) for _ in range(rng.choice([5, 200, 1500]))]
         rng.shuffle(batch)
         t = torch.tensor(batch, dtype=torch.int64)
-        _same(torch.ops.torchrec_ext.hash_find(state[0], state[1], t, capacity),
-              emulated.hash_find(twin[0], twin[1], t, capacity), "find")
+        _same(
+            torch.ops.torchrec_ext.hash_find(state[0], state[1], t, capacity),
+            emulated.hash_find(twin[0], twin[1], t, capacity),
+            "find",
+        )
         assert torch.ops.torchrec_ext.hash_find(state[0], state[1], t, capacity)[0].tolist() == model.find(batch)[0]
         if clock == 5:
             erase = torch.tensor(batch[:7] + batch[:1], dtype=torch.int64)
@@ -227,8 +247,11 @@ def test_emulated_kernels_with_a_stash_match_cpu_and_the_reference(emulated, pol
     t = torch.tensor(batch + [1, 2, 3, 1], dtype=torch.int64)
     offsets, caps = [0, len(batch), len(batch) + 4], [capacity, 100]
     both, both_twin = list(zip(state, small)), list(zip(twin, small_twin))
-    _same(torch.ops.torchrec_ext.hash_find_tables(both[0], both[1], t, offsets, caps),
-          emulated.hash_find_tables(both_twin[0], both_twin[1], t, offsets, caps), "find_tables")
+    _same(
+        torch.ops.torchrec_ext.hash_find_tables(both[0], both[1], t, offsets, caps),
+        emulated.hash_find_tables(both_twin[0], both_twin[1], t, offsets, caps),
+        "find_tables",
+    )
     args = (t, offsets, None, None, caps, [policy, 1], [20, 1], [0, 0], False)
     got = emulated.hash_upsert_tables(*[list(x) for x in both_twin], *args)
     _same(torch.ops.torchrec_ext.hash_upsert_tables(*[list(x) for x in both], *args), got, "upsert_tables")

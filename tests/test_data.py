@@ -1,5 +1,6 @@
 """torchrec_ext.data: the Criteo TSV reader against hand-computed values and the real sample's
 published counts; the synthetic ids against exact Zipf probabilities; determinism by seed."""
+
 import math
 import os
 
@@ -8,11 +9,18 @@ import pytest
 import torch
 
 from torchrec_ext.data import (
-    CriteoTsvReader, dlrm_small_batch, generator, HeavyTailedIds, parse_criteo_lines, SyntheticCriteo, table_key,
+    CriteoTsvReader,
+    HeavyTailedIds,
+    SyntheticCriteo,
+    dlrm_small_batch,
+    generator,
+    parse_criteo_lines,
+    table_key,
 )
 
-CRITEO_SAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
-                             "criteo_kaggle_sample")
+CRITEO_SAMPLE = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "criteo_kaggle_sample"
+)
 
 
 def tsv_line(label, ints, cats):
@@ -28,8 +36,21 @@ CATS_B = [""] * 25 + ["00000001"]
 def test_parse_hand_written_lines():
     batch = parse_criteo_lines([tsv_line(1, INTS_A, CATS_A), tsv_line(0, INTS_B, CATS_B).rstrip("\n") + "\r\n"])
     assert batch.labels.tolist() == [1.0, 0.0]
-    expected_a = [math.log(6), 0, 0, 0, math.log(2), math.log(3), math.log(4), math.log(5), math.log(1000001),
-                  0, math.log(8), math.log(9), math.log(10)]
+    expected_a = [
+        math.log(6),
+        0,
+        0,
+        0,
+        math.log(2),
+        math.log(3),
+        math.log(4),
+        math.log(5),
+        math.log(1000001),
+        0,
+        math.log(8),
+        math.log(9),
+        math.log(10),
+    ]
     torch.testing.assert_close(batch.dense_features, torch.tensor([expected_a, [0.0] * 13]))
     assert batch.dense_features.dtype == torch.float32
     kjt = batch.sparse_features
@@ -109,16 +130,43 @@ def test_real_criteo_sample():
     batches = list(CriteoTsvReader(paths, batch_size=1024))
     assert sum(b.labels.numel() for b in batches) == 8000
     assert int(sum(b.labels.sum() for b in batches)) == 1549 + 93 + 86
-    distinct = [157, 370, 4524, 3369, 53, 7, 2817, 82, 3, 2584, 1904, 4337, 1591, 22, 1833, 3905,
-                9, 1055, 480, 3, 4140, 7, 12, 2152, 37, 1635]
+    distinct = [
+        157,
+        370,
+        4524,
+        3369,
+        53,
+        7,
+        2817,
+        82,
+        3,
+        2584,
+        1904,
+        4337,
+        1591,
+        22,
+        1833,
+        3905,
+        9,
+        1055,
+        480,
+        3,
+        4140,
+        7,
+        12,
+        2152,
+        37,
+        1635,
+    ]
     for j, want in enumerate(distinct):
         ids = torch.cat([b.sparse_features[f"cat_{j}"].values() for b in batches])
         assert torch.unique(ids).numel() == want, f"cat_{j}"
     dense = torch.cat([b.dense_features for b in batches])
     assert dense.shape == (8000, 13) and bool((dense >= 0).all())
     # First row of train.tsv: "0 1 1 5 0 1382 4 15 2 181 1 2 <empty> 2 68fd1e64 ..."
-    torch.testing.assert_close(batches[0].dense_features[0],
-                               torch.log1p(torch.tensor([1.0, 1, 5, 0, 1382, 4, 15, 2, 181, 1, 2, 0, 2])))
+    torch.testing.assert_close(
+        batches[0].dense_features[0], torch.log1p(torch.tensor([1.0, 1, 5, 0, 1382, 4, 15, 2, 181, 1, 2, 0, 2]))
+    )
     assert batches[0].sparse_features["cat_0"].values()[0].item() == 0x68FD1E64
 
 
@@ -145,8 +193,9 @@ def test_zipf_tail_mass(alpha):
     w /= w.sum()
     for lo in (1024, 10_000, 100_000, 900_000):
         assert abs(float((ranks > lo).double().mean()) - w[lo:].sum()) < 0.004, lo
-    torch.testing.assert_close(dist.probability(torch.tensor([1, 2, 1500, 999_999])),
-                               torch.tensor(w[[0, 1, 1499, 999_998]]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        dist.probability(torch.tensor([1, 2, 1500, 999_999])), torch.tensor(w[[0, 1, 1499, 999_998]]), rtol=1e-6, atol=0
+    )
 
 
 def test_zipf_skew_over_2_40():

@@ -9,10 +9,10 @@ instead of EmbeddingBagCollection (same table configs, same constructor call).
 - On the real Criteo sample (skipped when absent) DLRM_DCN beats the untrained model and the
   constant click-rate predictor on dev.tsv.
 """
+
 import functools
 import math
 import os
-from typing import List, Tuple
 
 import pytest
 import torch
@@ -26,8 +26,9 @@ from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfi
 from torchrec_ext.data import CriteoTsvReader, SyntheticCriteo
 from torchrec_ext.train.metrics import rank_auc
 
-CRITEO_SAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
-                             "criteo_kaggle_sample")
+CRITEO_SAMPLE = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "criteo_kaggle_sample"
+)
 
 NUM_TABLES, DIM, CAPACITY, DENSE_IN = 26, 8, 4096, 13
 FEATURES = [f"cat_{i}" for i in range(NUM_TABLES)]  # SyntheticCriteo's and CriteoTsvReader's keys
@@ -49,19 +50,30 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _tables() -> List[EmbeddingBagConfig]:
+def _tables() -> list[EmbeddingBagConfig]:
     # Plain TorchRec configs: exactly what an EmbeddingBagCollection would be given.
-    return [EmbeddingBagConfig(name=f"t_{i}", embedding_dim=DIM, num_embeddings=CAPACITY, feature_names=[f])
-            for i, f in enumerate(FEATURES)]
+    return [
+        EmbeddingBagConfig(name=f"t_{i}", embedding_dim=DIM, num_embeddings=CAPACITY, feature_names=[f])
+        for i, f in enumerate(FEATURES)
+    ]
 
 
 def _dlrm(kind: str, ebc, hidden: int = 32) -> torch.nn.Module:
     if kind == "DLRM":
-        return DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN,
-                    dense_arch_layer_sizes=[hidden, DIM], over_arch_layer_sizes=[hidden, 1])
-    return DLRM_DCN(embedding_bag_collection=ebc, dense_in_features=DENSE_IN,
-                    dense_arch_layer_sizes=[hidden, DIM], over_arch_layer_sizes=[hidden, 1],
-                    dcn_num_layers=2, dcn_low_rank_dim=8)
+        return DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=DENSE_IN,
+            dense_arch_layer_sizes=[hidden, DIM],
+            over_arch_layer_sizes=[hidden, 1],
+        )
+    return DLRM_DCN(
+        embedding_bag_collection=ebc,
+        dense_in_features=DENSE_IN,
+        dense_arch_layer_sizes=[hidden, DIM],
+        over_arch_layer_sizes=[hidden, 1],
+        dcn_num_layers=2,
+        dcn_low_rank_dim=8,
+    )
 
 
 def _dynamic_dlrm(kind: str, emb_lr: float, seed: int = SEED) -> torch.nn.Module:
@@ -84,7 +96,7 @@ def _dense_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer
     return torch.optim.Adagrad([p for _, p in dense], lr=lr)
 
 
-def _train(model: torch.nn.Module, batches, dense_lr: float) -> List[float]:
+def _train(model: torch.nn.Module, batches, dense_lr: float) -> list[float]:
     optimizer = _dense_optimizer(model, dense_lr)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     model.train()
@@ -98,8 +110,8 @@ def _train(model: torch.nn.Module, batches, dense_lr: float) -> List[float]:
     return losses
 
 
-@functools.lru_cache(maxsize=None)
-def _trained(kind: str, emb_lr: float = EMB_LR) -> Tuple[torch.nn.Module, List[float]]:
+@functools.cache
+def _trained(kind: str, emb_lr: float = EMB_LR) -> tuple[torch.nn.Module, list[float]]:
     model = _dynamic_dlrm(kind, emb_lr)
     losses = _train(model, SyntheticCriteo(batch_size=BATCH, num_batches=STEPS, seed=TRAIN_STREAM), DENSE_LR)
     model.eval()
@@ -131,6 +143,7 @@ def test_rank_auc_matches_pair_counting():  # the job's AUC, used as this file's
 
 # ----------------------------------------------------------------------------- synthetic Criteo
 
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_trains_on_synthetic_criteo(kind):
     model, losses = _trained(kind)
@@ -140,8 +153,9 @@ def test_trains_on_synthetic_criteo(kind):
     # last 0.489-0.531, first - last >= 0.071 (0.11-0.12 with the seeds used here).
     assert last < first - 0.05, (first, last)
     # Better than knowing only the click rate (entropy ~0.56 nats; measured H - last >= 0.035).
-    click_rate = float(torch.cat([b.labels for b in SyntheticCriteo(batch_size=BATCH, num_batches=STEPS,
-                                                                     seed=TRAIN_STREAM)]).mean())
+    click_rate = float(
+        torch.cat([b.labels for b in SyntheticCriteo(batch_size=BATCH, num_batches=STEPS, seed=TRAIN_STREAM)]).mean()
+    )
     assert last < _bce(click_rate) - 0.02, (last, _bce(click_rate))
 
     # Held-out data from the same hidden model. Oracle: the same model with embedding lr 0
@@ -172,7 +186,8 @@ def test_logits_equal_torchrec_ebc_holding_copied_rows(kind):
     result = theirs.load_state_dict(dense_state, strict=False)
     assert not result.unexpected_keys
     assert sorted(result.missing_keys) == sorted(
-        f"sparse_arch.embedding_bag_collection.embedding_bags.t_{i}.weight" for i in range(NUM_TABLES))
+        f"sparse_arch.embedding_bag_collection.embedding_bags.t_{i}.weight" for i in range(NUM_TABLES)
+    )
     theirs.eval()
 
     # A fresh batch from another stream, with bags of 0-3 ids: it mixes ids that hold a row and
@@ -188,8 +203,11 @@ def test_logits_equal_torchrec_ebc_holding_copied_rows(kind):
     with torch.no_grad():
         want = theirs(batch.dense_features, remapped).squeeze(-1)
         all_unknown = KeyedJaggedTensor(
-            keys=remapped.keys(), lengths=remapped.lengths(), stride=remapped.stride(),
-            values=torch.cat([torch.full_like(remapped[f].values(), len(maps[FEATURE_TABLE[f]])) for f in FEATURES]))
+            keys=remapped.keys(),
+            lengths=remapped.lengths(),
+            stride=remapped.stride(),
+            values=torch.cat([torch.full_like(remapped[f].values(), len(maps[FEATURE_TABLE[f]])) for f in FEATURES]),
+        )
         without_rows = theirs(batch.dense_features, all_unknown).squeeze(-1)
     assert ours.shape == (512,)
     torch.testing.assert_close(ours, want)
@@ -197,6 +215,7 @@ def test_logits_equal_torchrec_ebc_holding_copied_rows(kind):
 
 
 # ----------------------------------------------------------------------------- real Criteo sample
+
 
 @pytest.mark.skipif(not os.path.isdir(CRITEO_SAMPLE), reason="real Criteo sample not present")
 def test_dlrm_dcn_learns_real_criteo_sample():
@@ -206,11 +225,18 @@ def test_dlrm_dcn_learns_real_criteo_sample():
 
     # 7,200 rows are few: ids seen fewer than 5 times get no row (admit_after), else the
     # embeddings memorise near-unique ids and dev loss climbs from the second epoch on.
-    tables = [DynamicEmbeddingBagConfig(name=f"t_{i}", embedding_dim=DIM, num_embeddings=CAPACITY, feature_names=[f],
-                                        admit_after=5) for i, f in enumerate(FEATURES)]
+    tables = [
+        DynamicEmbeddingBagConfig(
+            name=f"t_{i}", embedding_dim=DIM, num_embeddings=CAPACITY, feature_names=[f], admit_after=5
+        )
+        for i, f in enumerate(FEATURES)
+    ]
     torch.manual_seed(SEED)
-    model = _dlrm("DLRM_DCN", DynamicEmbeddingBagCollection(tables, optimizer=torch.optim.Adagrad,
-                                                            optimizer_kwargs={"lr": 0.02}), hidden=64)
+    model = _dlrm(
+        "DLRM_DCN",
+        DynamicEmbeddingBagCollection(tables, optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": 0.02}),
+        hidden=64,
+    )
     loss_fn = torch.nn.BCEWithLogitsLoss()
     before = _logits(model, dev)
     untrained_loss, untrained_auc = loss_fn(before, dev.labels).item(), rank_auc(before, dev.labels)

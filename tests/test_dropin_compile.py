@@ -5,6 +5,7 @@ hash-table lookup is traced as its op; the table's lock is not, see HashTable.fi
 eager outputs, eval ids never inserted. Training compiles without fullgraph (Dynamo breaks the
 graph around our module's lookup and fused backward) and trains exactly as eager does.
 """
+
 import copy
 
 import pytest
@@ -17,19 +18,26 @@ from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingCollecti
 
 def _dlrm():
     torch.manual_seed(0)
-    tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=64, feature_names=["f0"]),
-              EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=64, feature_names=["f1"])]
-    return DLRM(embedding_bag_collection=DynamicEmbeddingBagCollection(tables, optimizer="sgd",
-                                                                       optimizer_kwargs={"lr": 0.1}),
-                dense_in_features=3, dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1])
+    tables = [
+        EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=64, feature_names=["f0"]),
+        EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=64, feature_names=["f1"]),
+    ]
+    return DLRM(
+        embedding_bag_collection=DynamicEmbeddingBagCollection(tables, optimizer="sgd", optimizer_kwargs={"lr": 0.1}),
+        dense_in_features=3,
+        dense_arch_layer_sizes=[4],
+        over_arch_layer_sizes=[4, 1],
+    )
 
 
 class _SeqModel(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.ec = DynamicEmbeddingCollection([EmbeddingConfig(name="t0", embedding_dim=4, num_embeddings=64,
-                                                              feature_names=["f0", "f1"])],
-                                             optimizer="sgd", optimizer_kwargs={"lr": 0.1})
+        self.ec = DynamicEmbeddingCollection(
+            [EmbeddingConfig(name="t0", embedding_dim=4, num_embeddings=64, feature_names=["f0", "f1"])],
+            optimizer="sgd",
+            optimizer_kwargs={"lr": 0.1},
+        )
         self.out = torch.nn.Linear(4, 1)
 
     def forward(self, dense, kjt):
@@ -42,8 +50,9 @@ def _batch(step, batch=2):
     gen = torch.Generator().manual_seed(step)
     lengths = torch.randint(1, 3, (2 * batch,), generator=gen)
     values = torch.randint(0, 1 << 40, (int(lengths.sum()),), generator=gen)
-    return torch.randn(batch, 3, generator=gen), KeyedJaggedTensor(keys=["f0", "f1"], values=values, lengths=lengths,
-                                                                   stride=batch)
+    return torch.randn(batch, 3, generator=gen), KeyedJaggedTensor(
+        keys=["f0", "f1"], values=values, lengths=lengths, stride=batch
+    )
 
 
 def _train(model, steps):
@@ -54,8 +63,11 @@ def _train(model, steps):
         optimizer.zero_grad()
 
 
-@pytest.mark.parametrize("make, no_grad", [(_dlrm, torch.no_grad), (_SeqModel, torch.inference_mode)],
-                         ids=["dlrm-no_grad", "ec-inference_mode"])
+@pytest.mark.parametrize(
+    "make, no_grad",
+    [(_dlrm, torch.no_grad), (_SeqModel, torch.inference_mode)],
+    ids=["dlrm-no_grad", "ec-inference_mode"],
+)
 def test_eval_forward_compiles_with_fullgraph(make, no_grad):
     model = make()
     _train(model, 3)

@@ -9,6 +9,7 @@ with a clear message.
   (ids remapped by the MC modules, then looked up).
 - ``EmbeddingTowerSharder``: TorchRec refuses ours itself ("Unsupported embedding type").
 """
+
 import pytest
 import torch
 from torch import nn
@@ -28,18 +29,21 @@ def _kjt(keys, gen_seed=0, weighted=False, batch=3):
 def _bags(names, weighted=False):
     return DynamicEmbeddingBagCollection(
         [EmbeddingBagConfig(name=f"t_{n}", embedding_dim=4, num_embeddings=64, feature_names=[n]) for n in names],
-        is_weighted=weighted)
+        is_weighted=weighted,
+    )
 
 
 # ------------------------------------------------------------------ quantization
+
 
 class _TwoTables(nn.Module):
     def __init__(self):
         super().__init__()
         self.dyn = _bags(["f"])
         torch.manual_seed(0)
-        self.stock = EmbeddingBagCollection([EmbeddingBagConfig(name="s", embedding_dim=4, num_embeddings=16,
-                                                                feature_names=["g"])])
+        self.stock = EmbeddingBagCollection(
+            [EmbeddingBagConfig(name="s", embedding_dim=4, num_embeddings=16, feature_names=["g"])]
+        )
 
     def forward(self, kjt, stock_kjt):
         return self.dyn(kjt).values(), self.stock(stock_kjt).values()
@@ -56,8 +60,10 @@ def test_quantize_inference_model_refuses_ours_and_says_how_to_keep_them_float()
 
     # What the message says: TorchRec's table is quantized, ours stays float and computes as before.
     model = _TwoTables()
-    kjt, stock_kjt = _kjt(["f"]), KeyedJaggedTensor(keys=["g"], values=torch.tensor([1, 2, 3]),
-                                                    lengths=torch.tensor([1, 2, 0]))
+    kjt, stock_kjt = (
+        _kjt(["f"]),
+        KeyedJaggedTensor(keys=["g"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 2, 0])),
+    )
     model.dyn(kjt)  # rows for these ids
     model.eval()
     before = model(kjt, stock_kjt)
@@ -73,13 +79,19 @@ def test_quantize_inference_model_refuses_ours_and_says_how_to_keep_them_float()
 def test_quantize_refusal_names_the_collection():
     from torchrec.inference.modules import quantize_inference_model
 
-    model = nn.ModuleDict({"seq": DynamicEmbeddingCollection(
-        [EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=8, feature_names=["f"])])})
+    model = nn.ModuleDict(
+        {
+            "seq": DynamicEmbeddingCollection(
+                [EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=8, feature_names=["f"])]
+            )
+        }
+    )
     with pytest.raises(TypeError, match="DynamicEmbeddingCollection has no quantized"):
         quantize_inference_model(model)
 
 
 # ------------------------------------------------------------------ embedding towers
+
 
 def test_embedding_tower_collection_feeds_ours_the_kjt_each_reads():
     """TorchRec's tower collection passes (features, weighted_features) to modules it does not
@@ -87,11 +99,12 @@ def test_embedding_tower_collection_feeds_ours_the_kjt_each_reads():
     from torchrec.modules.embedding_tower import EmbeddingTower, EmbeddingTowerCollection
 
     plain, weighted = _bags(["a"]), _bags(["w"], weighted=True)
-    seq = DynamicEmbeddingCollection([EmbeddingConfig(name="t_s", embedding_dim=4, num_embeddings=64,
-                                                      feature_names=["a"])])
+    seq = DynamicEmbeddingCollection(
+        [EmbeddingConfig(name="t_s", embedding_dim=4, num_embeddings=64, feature_names=["a"])]
+    )
     features, weighted_features = _kjt(["a"], 1), _kjt(["w"], 2, weighted=True)
-    pooled = lambda kt: kt.values()  # noqa: E731
-    first = lambda jts: jts["a"].to_padded_dense(desired_length=4).sum(1)  # noqa: E731  [batch, dim]
+    pooled = lambda kt: kt.values()
+    first = lambda jts: jts["a"].to_padded_dense(desired_length=4).sum(1)
 
     class Interaction(nn.Module):
         def __init__(self, fn):
@@ -101,14 +114,17 @@ def test_embedding_tower_collection_feeds_ours_the_kjt_each_reads():
         def forward(self, x):
             return self.fn(x)
 
-    towers = EmbeddingTowerCollection([EmbeddingTower(plain, Interaction(pooled)),
-                                       EmbeddingTower(weighted, Interaction(pooled)),
-                                       EmbeddingTower(seq, Interaction(first))])
+    towers = EmbeddingTowerCollection(
+        [
+            EmbeddingTower(plain, Interaction(pooled)),
+            EmbeddingTower(weighted, Interaction(pooled)),
+            EmbeddingTower(seq, Interaction(first)),
+        ]
+    )
     got = towers(features, weighted_features)  # training: inserts the ids' rows
     for module in (plain, weighted, seq):
         module.eval()
-    want = torch.cat([plain(features).values(), weighted(weighted_features).values(),
-                      first(seq(features))], dim=1)
+    want = torch.cat([plain(features).values(), weighted(weighted_features).values(), first(seq(features))], dim=1)
     torch.testing.assert_close(got, want)
     assert want.abs().sum() > 0
 
@@ -123,6 +139,7 @@ def test_embedding_tower_sharder_refuses_ours_itself():
 
 # ------------------------------------------------------------------ managed collision
 
+
 def _mc_collection(configs):
     from torchrec.modules.mc_modules import (
         DistanceLFU_EvictionPolicy,
@@ -131,9 +148,18 @@ def _mc_collection(configs):
     )
 
     return ManagedCollisionCollection(
-        {c.name: MCHManagedCollisionModule(zch_size=c.num_embeddings, device=torch.device("cpu"), eviction_interval=1,
-                                           input_hash_size=2 ** 62, eviction_policy=DistanceLFU_EvictionPolicy())
-         for c in configs}, embedding_configs=configs)
+        {
+            c.name: MCHManagedCollisionModule(
+                zch_size=c.num_embeddings,
+                device=torch.device("cpu"),
+                eviction_interval=1,
+                input_hash_size=2**62,
+                eviction_policy=DistanceLFU_EvictionPolicy(),
+            )
+            for c in configs
+        },
+        embedding_configs=configs,
+    )
 
 
 @pytest.mark.parametrize("kind", ["ebc", "ec"])

@@ -3,6 +3,7 @@ items 3, 6, 10): KJT keys and weights a module does not read are ignored, ``tabl
 an empty module, the standard torch.nn.init init_fns are honoured id by id, and the
 constructors take every argument TorchRec's take.
 """
+
 import inspect
 from functools import partial
 
@@ -10,15 +11,22 @@ import pytest
 import torch
 import torch.distributed as dist
 from torchrec import (
-    EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor, PoolingType,
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    KeyedJaggedTensor,
+    PoolingType,
 )
-
-from torchrec_ext import (
-    DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, DynamicEmbeddingCollection, DynamicEmbeddingConfig,
-)
-from torchrec_ext.reference import init_vectors, table_seed
 
 from modules_helpers import copied_ebc, copied_ec, feature_tables, remap_kjt
+from torchrec_ext import (
+    DynamicEmbeddingBagCollection,
+    DynamicEmbeddingBagConfig,
+    DynamicEmbeddingCollection,
+    DynamicEmbeddingConfig,
+)
+from torchrec_ext.reference import init_vectors, table_seed
 
 EXTRA = ["x", "y"]  # keys of another module sharing the KJT
 
@@ -29,8 +37,13 @@ def _kjt(keys, batch_size, weighted, seed):
     lengths = torch.randint(0, 4, (len(keys) * batch_size,), generator=g)
     n = int(lengths.sum())
     values = torch.randint(-50, 50, (n,), generator=g) * 1_000_003
-    return KeyedJaggedTensor(keys=list(keys), values=values, lengths=lengths, stride=batch_size,
-                             weights=torch.rand(n, generator=g) if weighted else None)
+    return KeyedJaggedTensor(
+        keys=list(keys),
+        values=values,
+        lengths=lengths,
+        stride=batch_size,
+        weights=torch.rand(n, generator=g) if weighted else None,
+    )
 
 
 def _shuffled(keys, seed):
@@ -48,11 +61,16 @@ def _torchrec_kjt(kjt, module_configs, maps):
 
 # ---------------------------------------------------------------------------- item 3: keys
 
+
 def _bag_tables(pooling):
-    return [DynamicEmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=256, feature_names=["f1", "f2"],
-                                      pooling=pooling),
-            DynamicEmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=256, feature_names=["f3"],
-                                      pooling=pooling)]
+    return [
+        DynamicEmbeddingBagConfig(
+            name="t1", embedding_dim=4, num_embeddings=256, feature_names=["f1", "f2"], pooling=pooling
+        ),
+        DynamicEmbeddingBagConfig(
+            name="t2", embedding_dim=8, num_embeddings=256, feature_names=["f3"], pooling=pooling
+        ),
+    ]
 
 
 @pytest.mark.parametrize("pooling", [PoolingType.SUM, PoolingType.MEAN])
@@ -82,8 +100,10 @@ def test_ebc_ignores_keys_it_does_not_read(pooling, module_weighted, kjt_weighte
 
 @pytest.mark.parametrize("kjt_weighted", [False, True], ids=["unweighted_kjt", "weighted_kjt"])
 def test_ec_ignores_keys_and_weights_it_does_not_read(kjt_weighted):
-    tables = [DynamicEmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=256, feature_names=["f1", "f2"]),
-              DynamicEmbeddingConfig(name="t2", embedding_dim=4, num_embeddings=256, feature_names=["f3"])]
+    tables = [
+        DynamicEmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=256, feature_names=["f1", "f2"]),
+        DynamicEmbeddingConfig(name="t2", embedding_dim=4, num_embeddings=256, feature_names=["f3"]),
+    ]
     ours = DynamicEmbeddingCollection(tables, need_indices=True, optimizer="sgd")
     for step in range(3):
         kjt = _kjt(_shuffled(["f1", "f2", "f3"] + EXTRA, step), 4, kjt_weighted, step)
@@ -103,7 +123,9 @@ def test_ec_ignores_keys_and_weights_it_does_not_read(kjt_weighted):
 
 def test_duplicated_key_still_refused():
     ours = DynamicEmbeddingBagCollection(_bag_tables(PoolingType.SUM))
-    kjt = KeyedJaggedTensor(keys=["f1", "f2", "f3", "x", "x"], values=torch.arange(5), lengths=torch.ones(5, dtype=torch.int64))
+    kjt = KeyedJaggedTensor(
+        keys=["f1", "f2", "f3", "x", "x"], values=torch.arange(5), lengths=torch.ones(5, dtype=torch.int64)
+    )
     with pytest.raises(ValueError, match=r"KJT keys must be distinct, got \['x'\] more than once"):
         ours(kjt)
 
@@ -143,12 +165,20 @@ def test_sharded_input_dist_ignores_keys_it_does_not_read(one_rank_group, bag, s
     else:
         module = DynamicEmbeddingCollection(
             [DynamicEmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=64, feature_names=["f1", "f2", "f3"])],
-            optimizer="sgd")
+            optimizer="sgd",
+        )
         sharder = DynamicEmbeddingCollectionSharder()
     spec = table_wise(rank=0) if sharding == "table_wise" else row_wise()
-    plan = construct_module_sharding_plan(module, per_param_sharding={t.name: spec for t in (
-        module.embedding_bag_configs() if bag else module.embedding_configs())}, sharder=sharder, world_size=1,
-        local_size=1, device_type="cpu")
+    plan = construct_module_sharding_plan(
+        module,
+        per_param_sharding={
+            t.name: spec for t in (module.embedding_bag_configs() if bag else module.embedding_configs())
+        },
+        sharder=sharder,
+        world_size=1,
+        local_size=1,
+        device_type="cpu",
+    )
     sharded = sharder.shard(module, plan, ShardingEnv.from_process_group(dist.group.WORLD), torch.device("cpu"))
     full = _kjt(["y", "f3", "f1", "x", "f2"], 3, True, 0)
     jts = full.to_dict()
@@ -175,10 +205,16 @@ INIT_FNS = {
     "uniform one bound": (partial(torch.nn.init.uniform_, b=0.5), "uniform", (0.0, 0.5)),
     "normal": (partial(torch.nn.init.normal_, mean=0.25, std=0.05), "normal", (0.25, 0.05)),
     "normal bare": (torch.nn.init.normal_, "normal", (0.0, 1.0)),
-    "trunc_normal": (partial(torch.nn.init.trunc_normal_, mean=0.1, std=0.5, a=-0.2, b=0.6), "truncated_normal",
-                     (0.1, 0.5, -0.2, 0.6)),
-    "trunc_normal torch bounds": (partial(torch.nn.init.trunc_normal_, std=3.0), "truncated_normal",
-                                  (0.0, 3.0, -2.0, 2.0)),  # a, b are absolute: not mean -+ 2 std
+    "trunc_normal": (
+        partial(torch.nn.init.trunc_normal_, mean=0.1, std=0.5, a=-0.2, b=0.6),
+        "truncated_normal",
+        (0.1, 0.5, -0.2, 0.6),
+    ),
+    "trunc_normal torch bounds": (
+        partial(torch.nn.init.trunc_normal_, std=3.0),
+        "truncated_normal",
+        (0.0, 3.0, -2.0, 2.0),
+    ),  # a, b are absolute: not mean -+ 2 std
     "constant": (partial(torch.nn.init.constant_, val=0.125), "constant", (0.125,)),
 }
 
@@ -187,11 +223,15 @@ def _initial_vectors(init_fn, bag=True, name="t", seed=None, ids=IDS):
     """The vectors a fresh module gives ``ids`` on their first (training) lookup."""
     if bag:
         config_type = EmbeddingBagConfig if seed is None else partial(DynamicEmbeddingBagConfig, seed=seed)
-        cfg = config_type(name=name, embedding_dim=DIM, num_embeddings=2 * NUM_IDS, feature_names=["f"], init_fn=init_fn)
+        cfg = config_type(
+            name=name, embedding_dim=DIM, num_embeddings=2 * NUM_IDS, feature_names=["f"], init_fn=init_fn
+        )
         module = DynamicEmbeddingBagCollection([cfg], is_weighted=False)
     else:
         config_type = EmbeddingConfig if seed is None else partial(DynamicEmbeddingConfig, seed=seed)
-        cfg = config_type(name=name, embedding_dim=DIM, num_embeddings=2 * NUM_IDS, feature_names=["f"], init_fn=init_fn)
+        cfg = config_type(
+            name=name, embedding_dim=DIM, num_embeddings=2 * NUM_IDS, feature_names=["f"], init_fn=init_fn
+        )
         module = DynamicEmbeddingCollection([cfg])
     kjt = KeyedJaggedTensor(keys=["f"], values=ids, lengths=torch.ones(ids.numel(), dtype=torch.int64))
     with torch.no_grad():
@@ -244,45 +284,67 @@ def test_init_fn_pure_function_of_seed_table_id(case):
 
 def test_init_fn_refused_lists_the_accepted():
     cfg = EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=8, init_fn=torch.nn.init.orthogonal_)
-    with pytest.raises(ValueError, match=r"table 't': init_fn <function orthogonal_ .* cannot initialise rows id by "
-                                         r"id; an init_fn must be torch.nn.init.uniform_, normal_, trunc_normal_ or "
-                                         r"constant_, or a functools.partial of one"):
+    with pytest.raises(
+        ValueError,
+        match=r"table 't': init_fn <function orthogonal_ .* cannot initialise rows id by "
+        r"id; an init_fn must be torch.nn.init.uniform_, normal_, trunc_normal_ or "
+        r"constant_, or a functools.partial of one",
+    ):
         DynamicEmbeddingBagCollection([cfg])
 
 
 # ---------------------------------------------------------------------------- item 10: constructor arguments
 
+
 def _parameters(cls):
     return list(inspect.signature(cls.__init__).parameters.values())[1:]  # without self
 
 
-@pytest.mark.parametrize("ours,theirs", [(DynamicEmbeddingBagCollection, EmbeddingBagCollection),
-                                         (DynamicEmbeddingCollection, EmbeddingCollection)], ids=["ebc", "ec"])
+@pytest.mark.parametrize(
+    "ours,theirs",
+    [(DynamicEmbeddingBagCollection, EmbeddingBagCollection), (DynamicEmbeddingCollection, EmbeddingCollection)],
+    ids=["ebc", "ec"],
+)
 def test_constructor_takes_torchrec_arguments(ours, theirs):
     """Every argument of TorchRec's constructor, in its position, with its default; ours then
     adds optimizer / optimizer_kwargs. A new TorchRec argument fails here."""
     their_params, our_params = _parameters(theirs), _parameters(ours)
-    assert [(p.name, p.kind, p.default) for p in our_params[:len(their_params)]] == \
-        [(p.name, p.kind, p.default) for p in their_params]
-    assert [p.name for p in our_params[len(their_params):]] == ["optimizer", "optimizer_kwargs"]
+    assert [(p.name, p.kind, p.default) for p in our_params[: len(their_params)]] == [
+        (p.name, p.kind, p.default) for p in their_params
+    ]
+    assert [p.name for p in our_params[len(their_params) :]] == ["optimizer", "optimizer_kwargs"]
 
     bag = ours is DynamicEmbeddingBagCollection
-    config = (EmbeddingBagConfig if bag else EmbeddingConfig)(name="t", embedding_dim=4, num_embeddings=32,
-                                                              feature_names=["f"])
+    config = (EmbeddingBagConfig if bag else EmbeddingConfig)(
+        name="t", embedding_dim=4, num_embeddings=32, feature_names=["f"]
+    )
     # Non-default values where TorchRec has them (the hints are kept, as TorchRec's getters show).
-    chosen = {"tables": [config], "device": torch.device("cpu"), "is_weighted": True, "need_indices": True,
-              "use_gather_select": True, "use_gather_select_per_sharding": {"row_wise": True}}
+    chosen = {
+        "tables": [config],
+        "device": torch.device("cpu"),
+        "is_weighted": True,
+        "need_indices": True,
+        "use_gather_select": True,
+        "use_gather_select_per_sharding": {"row_wise": True},
+    }
     kwargs = {p.name: chosen.get(p.name, p.default) for p in their_params}
     module, reference = ours(**kwargs), theirs(**kwargs)
-    for getter in ("is_weighted", "need_indices", "use_gather_select", "use_gather_select_per_sharding",
-                   "embedding_dim", "embedding_names_by_table"):
+    for getter in (
+        "is_weighted",
+        "need_indices",
+        "use_gather_select",
+        "use_gather_select_per_sharding",
+        "embedding_dim",
+        "embedding_names_by_table",
+    ):
         if hasattr(reference, getter):
             assert getattr(module, getter)() == getattr(reference, getter)(), getter
     assert module.device == reference.device
 
     # The gather hints change nothing: the same output as a module built without them.
-    kjt = KeyedJaggedTensor(keys=["f"], values=torch.tensor([5, 6, 7]), lengths=torch.tensor([2, 1]),
-                            weights=torch.tensor([1.0, 2.0, 3.0]))
+    kjt = KeyedJaggedTensor(
+        keys=["f"], values=torch.tensor([5, 6, 7]), lengths=torch.tensor([2, 1]), weights=torch.tensor([1.0, 2.0, 3.0])
+    )
     plain = ours(**{k: v for k, v in kwargs.items() if not k.startswith("use_gather_select")})
     with torch.no_grad():  # training lookups: the rows are the ids' initial vectors
         got, want = module(kjt), plain(kjt)

@@ -3,6 +3,7 @@
 ``state_dict()`` give what TorchRec's modules give on meta (shapes, keys, dtypes, no data);
 ``to_empty()`` + ``reset_parameters()`` materialise them; and DistributedModelParallel shards a
 model built on meta (as TorchRec's docs show) into tables with real storage on 2 gloo ranks."""
+
 import pytest
 import torch
 from torch import nn
@@ -42,8 +43,11 @@ def _keys(tables):
 def _kjt(tables, device, batch=3, extra_key=False):
     keys = _keys(tables) + (["unread"] if extra_key else [])
     lengths = torch.tensor([1, 0, 2] * len(keys), device=device)
-    values = torch.arange(int(3 * len(keys)), device=device) if device.type != "meta" else \
-        torch.empty(3 * len(keys), dtype=torch.int64, device=device)
+    values = (
+        torch.arange(int(3 * len(keys)), device=device)
+        if device.type != "meta"
+        else torch.empty(3 * len(keys), dtype=torch.int64, device=device)
+    )
     return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, stride=batch)
 
 
@@ -74,23 +78,33 @@ def test_forward_on_meta_gives_torchrec_shapes(stock, ours, tables, kwargs):
         got, want = module(kjt), reference(_kjt(tables, META, extra_key=extra))
         if isinstance(want, KeyedTensor):
             assert isinstance(got, KeyedTensor)
-            assert (got.keys(), got.length_per_key(), got.values().shape) == \
-                (want.keys(), want.length_per_key(), want.values().shape)
+            assert (got.keys(), got.length_per_key(), got.values().shape) == (
+                want.keys(),
+                want.length_per_key(),
+                want.values().shape,
+            )
             assert got.values().device == META and got.values().dtype == want.values().dtype
         else:
             assert list(got) == list(want)
             for name in want:
                 g, w = got[name], want[name]
-                assert (g.values().shape, g.lengths().shape, g.values().device) == \
-                    (w.values().shape, w.lengths().shape, w.values().device)
+                assert (g.values().shape, g.lengths().shape, g.values().device) == (
+                    w.values().shape,
+                    w.lengths().shape,
+                    w.values().device,
+                )
                 assert g.weights().shape == w.weights().shape  # need_indices: the ids
 
 
 @IDS
 def test_meta_forward_still_checks_keys(stock, ours, tables, kwargs):
     module = ours(tables=tables, device=META, **kwargs)
-    kjt = KeyedJaggedTensor(keys=["f0"], values=torch.empty(2, dtype=torch.int64, device=META),
-                            lengths=torch.empty(3, dtype=torch.int64, device=META), stride=3)
+    kjt = KeyedJaggedTensor(
+        keys=["f0"],
+        values=torch.empty(2, dtype=torch.int64, device=META),
+        lengths=torch.empty(3, dtype=torch.int64, device=META),
+        stride=3,
+    )
     with pytest.raises(ValueError, match="lacks the features"):
         module(kjt)
 
@@ -117,8 +131,10 @@ def test_to_empty_and_reset_parameters_materialise(stock, ours, tables, kwargs):
     with torch.device("meta"):
         module = ours(tables=tables, optimizer="sgd", optimizer_kwargs={"lr": 0.5}, **kwargs)
     out = module(_kjt(tables, torch.device("cpu")))
-    assert all(v.device == META for v in ([out.values()] if isinstance(out, KeyedTensor) else
-                                          [jt.values() for jt in out.values()]))
+    assert all(
+        v.device == META
+        for v in ([out.values()] if isinstance(out, KeyedTensor) else [jt.values() for jt in out.values()])
+    )
     trained = ours(tables=tables, optimizer="sgd", optimizer_kwargs={"lr": 0.5}, **kwargs)
     trained(_kjt(tables, torch.device("cpu")))
     with pytest.raises(RuntimeError, match="meta device; materialise it first"):
@@ -142,14 +158,16 @@ def test_to_empty_and_reset_parameters_materialise(stock, ours, tables, kwargs):
 
 # ------------------------------------------------------------------ DMP from a meta model
 
+
 class _Model(nn.Module):
     """A dense layer over our collection, plus a stock TorchRec EBC: all built on meta."""
 
     def __init__(self):
         super().__init__()
         self.dyn = DynamicEmbeddingBagCollection(tables=BAG_TABLES, optimizer="sgd", optimizer_kwargs={"lr": 0.5})
-        self.stock = EmbeddingBagCollection(tables=[
-            EmbeddingBagConfig(name="s0", embedding_dim=4, num_embeddings=16, feature_names=["g"])])
+        self.stock = EmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name="s0", embedding_dim=4, num_embeddings=16, feature_names=["g"])]
+        )
         self.dense = nn.Linear(16, 1)
 
     def forward(self, kjt, stock_kjt):
@@ -163,8 +181,9 @@ def _dmp_from_meta(rank, world_size, init_data_parallel):
 
     with torch.device("meta"):
         model = _Model()
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=get_sharders(),
-                                   init_data_parallel=init_data_parallel)
+    dmp = DistributedModelParallel(
+        model, device=torch.device("cpu"), sharders=get_sharders(), init_data_parallel=init_data_parallel
+    )
     if not init_data_parallel:
         dmp.init_data_parallel()
     sharded = dmp.module.dyn
@@ -178,7 +197,7 @@ def _dmp_from_meta(rank, world_size, init_data_parallel):
         kjts = [_rank_batch(step, r) for r in range(world_size)]
         out = sharded(kjts[rank]).values()
         want = reference(_global(kjts)).values()
-        torch.testing.assert_close(out, want[rank * 3:(rank + 1) * 3], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, want[rank * 3 : (rank + 1) * 3], rtol=1e-5, atol=1e-5)
         out.sum().backward()
         want.sum().backward()
     stock_kjt = KeyedJaggedTensor(keys=["g"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 2, 0]))
@@ -197,9 +216,12 @@ def _rank_batch(step, rank):
 def _global(kjts):
     per_key = [k.to_dict() for k in kjts]
     keys = ["f0", "f1"]
-    return KeyedJaggedTensor(keys=keys, values=torch.cat([jt[key].values() for key in keys for jt in per_key]),
-                             lengths=torch.cat([jt[key].lengths() for key in keys for jt in per_key]),
-                             stride=3 * len(kjts))
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=torch.cat([jt[key].values() for key in keys for jt in per_key]),
+        lengths=torch.cat([jt[key].lengths() for key in keys for jt in per_key]),
+        stride=3 * len(kjts),
+    )
 
 
 def test_dmp_shards_a_model_built_on_meta():

@@ -10,6 +10,7 @@
   ``apply_optimizer_in_backward``) and still replaces TorchRec's own EBCs.
 - Unsupported optimizers and fused_params are refused with a clear message.
 """
+
 import warnings
 
 import pytest
@@ -31,8 +32,10 @@ DIM, BATCH, DENSE_IN = 4, 8, 3
 
 
 def _tables():
-    return [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=64, feature_names=[f])
-            for i, f in enumerate(FEATURES)]
+    return [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=64, feature_names=[f])
+        for i, f in enumerate(FEATURES)
+    ]
 
 
 def _batch(step: int, rank: int = 0, batch: int = BATCH):
@@ -45,14 +48,20 @@ def _batch(step: int, rank: int = 0, batch: int = BATCH):
 
 def _dlrm(ebc):
     torch.manual_seed(0)
-    return DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN, dense_arch_layer_sizes=[8, DIM],
-                over_arch_layer_sizes=[8, 1])
+    return DLRM(
+        embedding_bag_collection=ebc,
+        dense_in_features=DENSE_IN,
+        dense_arch_layer_sizes=[8, DIM],
+        over_arch_layer_sizes=[8, 1],
+    )
 
 
 def _rows(ebc):
     sd = ebc.state_dict()
-    return {t.name: dict(zip(sd[f"embedding_bags.{t.name}.weight_id"].tolist(), sd[f"embedding_bags.{t.name}.weight"]))
-            for t in _tables()}
+    return {
+        t.name: dict(zip(sd[f"embedding_bags.{t.name}.weight_id"].tolist(), sd[f"embedding_bags.{t.name}.weight"]))
+        for t in _tables()
+    }
 
 
 def _assert_rows_equal(got, want, what=""):
@@ -60,7 +69,9 @@ def _assert_rows_equal(got, want, what=""):
     for t in want:
         assert got[t].keys() == want[t].keys(), t
         for i in want[t]:
-            torch.testing.assert_close(got[t][i], want[t][i], rtol=1e-5, atol=1e-5, msg=lambda m: f"{what} {t}[{i}]: {m}")
+            torch.testing.assert_close(
+                got[t][i], want[t][i], rtol=1e-5, atol=1e-5, msg=lambda m: f"{what} {t}[{i}]: {m}"
+            )
 
 
 def _dense_loop(model, steps, make_optimizer):
@@ -147,26 +158,56 @@ def test_unsupported_optimizers_are_refused_clearly():
 # ----------------------------------------------------------------------------- sharded
 
 _CASES = [  # (sharder fused_params, equivalent apply_optimizer_in_backward, module's own choice)
-    ({"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.1, "weight_decay_mode": "L2",
-      "prefetch_pipeline": True},  # eps: fbgemm's default, 1e-8
-     (torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-8}), None),
+    (
+        {
+            "optimizer": EmbOptimType.EXACT_ADAGRAD,
+            "learning_rate": 0.1,
+            "weight_decay_mode": "L2",
+            "prefetch_pipeline": True,
+        },  # eps: fbgemm's default, 1e-8
+        (torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-8}),
+        None,
+    ),
     # The module's apply_optimizer_in_backward wins over the sharder's fused_params, as in TorchRec.
-    ({"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.3},
-     (torch.optim.Adagrad, {"lr": 0.2}), (torch.optim.Adagrad, {"lr": 0.2})),
+    (
+        {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.3},
+        (torch.optim.Adagrad, {"lr": 0.2}),
+        (torch.optim.Adagrad, {"lr": 0.2}),
+    ),
     # Updates that scale with the gradient (SGD, weight decay, a large eps): Adagrad and Adam at
     # a tiny eps are blind to a gradient off by a constant factor, these are not.
     (None, (torch.optim.SGD, {"lr": 0.01}), None),  # TorchRec's sharded default
-    ({"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.3},
-     (torch.optim.SGD, {"lr": 0.05}), (torch.optim.SGD, {"lr": 0.05})),
-    ({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1, "eps": 1e-3},
-     (RowWiseAdagrad, {"lr": 0.1, "eps": 1e-3}), None),
-    ({"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.1, "weight_decay": 0.01, "weight_decay_mode": "L2"},
-     (torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-8, "weight_decay": 0.01}), None),
-    ({"optimizer": EmbOptimType.ADAM, "learning_rate": 0.01, "weight_decay": 0.01, "weight_decay_mode": "L2"},
-     (torch.optim.Adam, {"lr": 0.01, "eps": 1e-8, "weight_decay": 0.01}), None),
+    (
+        {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.3},
+        (torch.optim.SGD, {"lr": 0.05}),
+        (torch.optim.SGD, {"lr": 0.05}),
+    ),
+    (
+        {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1, "eps": 1e-3},
+        (RowWiseAdagrad, {"lr": 0.1, "eps": 1e-3}),
+        None,
+    ),
+    (
+        {
+            "optimizer": EmbOptimType.EXACT_ADAGRAD,
+            "learning_rate": 0.1,
+            "weight_decay": 0.01,
+            "weight_decay_mode": "L2",
+        },
+        (torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-8, "weight_decay": 0.01}),
+        None,
+    ),
+    (
+        {"optimizer": EmbOptimType.ADAM, "learning_rate": 0.01, "weight_decay": 0.01, "weight_decay_mode": "L2"},
+        (torch.optim.Adam, {"lr": 0.01, "eps": 1e-8, "weight_decay": 0.01}),
+        None,
+    ),
     # fbgemm's ADAM with decoupled decay is AdamW.
-    ({"optimizer": EmbOptimType.ADAM, "learning_rate": 0.01, "weight_decay": 0.5, "weight_decay_mode": "DECOUPLE"},
-     (torch.optim.AdamW, {"lr": 0.01, "eps": 1e-8, "weight_decay": 0.5}), None),
+    (
+        {"optimizer": EmbOptimType.ADAM, "learning_rate": 0.01, "weight_decay": 0.5, "weight_decay_mode": "DECOUPLE"},
+        (torch.optim.AdamW, {"lr": 0.01, "eps": 1e-8, "weight_decay": 0.5}),
+        None,
+    ),
 ]
 
 
@@ -188,15 +229,29 @@ def _fused_params_match_unsharded(rank, world_size):
             apply_optimizer_in_backward(own[0], model.ebc.parameters(), own[1])
         sharder = DynamicEmbeddingBagCollectionSharder(fused_params=fused_params)
         plan = construct_module_sharding_plan(
-            model.ebc, {"t0": row_wise(compute_kernel="customized_kernel"),
-                        "t1": table_wise(rank=1, compute_kernel="customized_kernel")},
-            sharder=sharder, local_size=world_size, world_size=world_size, device_type="cpu")
-        dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
-                                       device=torch.device("cpu"), plan=ShardingPlan({"ebc": plan}), sharders=[sharder])
+            model.ebc,
+            {
+                "t0": row_wise(compute_kernel="customized_kernel"),
+                "t1": table_wise(rank=1, compute_kernel="customized_kernel"),
+            },
+            sharder=sharder,
+            local_size=world_size,
+            world_size=world_size,
+            device_type="cpu",
+        )
+        dmp = DistributedModelParallel(
+            model,
+            env=ShardingEnv.from_process_group(dist.group.WORLD),
+            device=torch.device("cpu"),
+            plan=ShardingPlan({"ebc": plan}),
+            sharders=[sharder],
+        )
         for step in range(3):
             kjts = [_batch(step, r)[1] for r in range(world_size)]
-            weights = [torch.randn(BATCH, DIM * len(FEATURES), generator=torch.Generator().manual_seed(10 * step + r))
-                       for r in range(world_size)]
+            weights = [
+                torch.randn(BATCH, DIM * len(FEATURES), generator=torch.Generator().manual_seed(10 * step + r))
+                for r in range(world_size)
+            ]
             (dmp(kjts[rank]).values() * weights[rank]).sum().backward()
             # TorchRec's sharded output dists divide the gradient they send back by the world size
             # (comm_ops.GRADIENT_DIVISION, "equivalent to running on a single rank", as DDP averages

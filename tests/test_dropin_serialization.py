@@ -6,6 +6,7 @@ theirs (issue 14, item 4).
   optimizer state, counters, index), its fused optimizer holds the copy's parameters, and it
   trains identically to the original, and independently of it. Oracle: the original module.
 """
+
 import copy
 import io
 import pickle
@@ -31,20 +32,28 @@ ID_POOL = torch.randint(-(2**62), 2**62, (200,), generator=torch.Generator().man
 
 
 def _ebc(**kwargs) -> DynamicEmbeddingBagCollection:
-    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=CAPACITY, feature_names=[f])
-              for i, f in enumerate(FEATURES)]
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=CAPACITY, feature_names=[f])
+        for i, f in enumerate(FEATURES)
+    ]
     return DynamicEmbeddingBagCollection(tables, **kwargs)
 
 
 def _ec() -> DynamicEmbeddingCollection:
-    tables = [EmbeddingConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=CAPACITY, feature_names=[f])
-              for i, f in enumerate(FEATURES)]
+    tables = [
+        EmbeddingConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=CAPACITY, feature_names=[f])
+        for i, f in enumerate(FEATURES)
+    ]
     return DynamicEmbeddingCollection(tables, optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.05})
 
 
 def _dlrm(ebc) -> DLRM:
-    return DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN,
-                dense_arch_layer_sizes=[8, DIM], over_arch_layer_sizes=[8, 1])
+    return DLRM(
+        embedding_bag_collection=ebc,
+        dense_in_features=DENSE_IN,
+        dense_arch_layer_sizes=[8, DIM],
+        over_arch_layer_sizes=[8, 1],
+    )
 
 
 class _Model:
@@ -183,7 +192,9 @@ def test_hash_table_copies_with_its_own_lock(how):
     table.set_epoch(3)
     twin = COPIES[how](table)
     want, got = table.state_dict(), twin.state_dict()
-    assert {k: v for k, v in got.items() if not torch.is_tensor(v)} == {k: v for k, v in want.items() if not torch.is_tensor(v)}
+    assert {k: v for k, v in got.items() if not torch.is_tensor(v)} == {
+        k: v for k, v in want.items() if not torch.is_tensor(v)
+    }
     for k in ("keys", "rows", "scores"):
         assert torch.equal(got[k], want[k])
     assert twin._lock is not table._lock
@@ -201,8 +212,9 @@ TRACERS = {"torch.fx": torch.fx.symbolic_trace, "torchrec.fx": torchrec_fx.symbo
 
 
 def _deepfm(ebc) -> SimpleDeepFMNN:
-    return SimpleDeepFMNN(num_dense_features=DENSE_IN, embedding_bag_collection=ebc, hidden_layer_size=8,
-                          deep_fm_dimension=4)
+    return SimpleDeepFMNN(
+        num_dense_features=DENSE_IN, embedding_bag_collection=ebc, hidden_layer_size=8, deep_fm_dimension=4
+    )
 
 
 class _SequenceModel(torch.nn.Module):
@@ -220,13 +232,27 @@ class _SequenceModel(torch.nn.Module):
 def _traceable(arch: str, ours: bool) -> torch.nn.Module:
     torch.manual_seed(0)
     if arch == "sequence":
-        ec = _ec() if ours else torchrec.EmbeddingCollection(
-            tables=[EmbeddingConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=CAPACITY, feature_names=[f])
-                    for i, f in enumerate(FEATURES)])
+        ec = (
+            _ec()
+            if ours
+            else torchrec.EmbeddingCollection(
+                tables=[
+                    EmbeddingConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=CAPACITY, feature_names=[f])
+                    for i, f in enumerate(FEATURES)
+                ]
+            )
+        )
         return _SequenceModel(ec)
-    ebc = _ebc(optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": 0.1}) if ours else torchrec.EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=CAPACITY, feature_names=[f])
-                for i, f in enumerate(FEATURES)])
+    ebc = (
+        _ebc(optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": 0.1})
+        if ours
+        else torchrec.EmbeddingBagCollection(
+            tables=[
+                EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=CAPACITY, feature_names=[f])
+                for i, f in enumerate(FEATURES)
+            ]
+        )
+    )
     return _dlrm(ebc) if arch == "dlrm" else _deepfm(ebc)
 
 
@@ -269,6 +295,7 @@ def test_symbolic_trace_of_model_holding_ours_gives_its_outputs(arch, tracer):
 
 # ----------------------------------------------------------------------------- torch.export
 
+
 def _same_shapes_batch(seed: int, pool: torch.Tensor):
     """A batch of the shapes of ``_batch(0)`` (ids count, batch size) with other ids and lengths."""
     dense, kjt = _batch(0)
@@ -277,8 +304,9 @@ def _same_shapes_batch(seed: int, pool: torch.Tensor):
     for _ in range(kjt.values().numel()):
         lengths[torch.randint(0, lengths.numel(), (1,), generator=g)] += 1
     values = pool[torch.randint(0, pool.numel(), (kjt.values().numel(),), generator=g)]
-    return torch.randn(dense.shape, generator=g), KeyedJaggedTensor(keys=FEATURES, values=values, lengths=lengths,
-                                                                    stride=BATCH)
+    return torch.randn(dense.shape, generator=g), KeyedJaggedTensor(
+        keys=FEATURES, values=values, lengths=lengths, stride=BATCH
+    )
 
 
 @pytest.mark.parametrize("arch", ["dlrm", "sequence"])
@@ -315,6 +343,7 @@ def test_export_in_eval_gives_the_models_outputs(arch):
 
 
 # ----------------------------------------------------------------------------- torch.jit.script
+
 
 @pytest.mark.parametrize("arch", ["dlrm", "sequence"])
 def test_jit_script_refuses_with_a_message_pointing_to_export(arch):

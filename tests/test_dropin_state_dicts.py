@@ -7,6 +7,7 @@ the same training batches as the unsharded table's, so eviction scores and count
 And ``from_ebc_state_dict`` switches a trained TorchRec EBC / EC to dynamic tables: id k reads
 row k's vector, outputs and further SGD training equal TorchRec's for ids < N.
 """
+
 import pytest
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
@@ -27,10 +28,14 @@ WORLD, BATCH, KEYS = 2, 4, ["f1", "f2"]
 
 
 def _tables():
-    return [DynamicEmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=256, feature_names=["f1"],
-                                      eviction_policy="lru"),
-            DynamicEmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=128, feature_names=["f2"],
-                                      eviction_policy="lfu")]
+    return [
+        DynamicEmbeddingBagConfig(
+            name="t1", embedding_dim=4, num_embeddings=256, feature_names=["f1"], eviction_policy="lru"
+        ),
+        DynamicEmbeddingBagConfig(
+            name="t2", embedding_dim=4, num_embeddings=128, feature_names=["f2"], eviction_policy="lfu"
+        ),
+    ]
 
 
 def _module():
@@ -47,17 +52,22 @@ def _batch(step, rank):
 
 def _global(kjts):
     per_key = [k.to_dict() for k in kjts]
-    return KeyedJaggedTensor(keys=KEYS, values=torch.cat([jt[key].values() for key in KEYS for jt in per_key]),
-                             lengths=torch.cat([jt[key].lengths() for key in KEYS for jt in per_key]),
-                             stride=BATCH * len(kjts))
+    return KeyedJaggedTensor(
+        keys=KEYS,
+        values=torch.cat([jt[key].values() for key in KEYS for jt in per_key]),
+        lengths=torch.cat([jt[key].lengths() for key in KEYS for jt in per_key]),
+        stride=BATCH * len(kjts),
+    )
 
 
 def _by_id(state, table):
     """id -> (vector, score, optimizer state) of one table's rows."""
     p = f"embedding_bags.{table}."
     ids = state[p + "weight_id"].tolist()
-    return {i: (state[p + "weight"][j], int(state[p + "metadata"][j]), state[p + "optimizer.momentum1"][j])
-            for j, i in enumerate(ids)}
+    return {
+        i: (state[p + "weight"][j], int(state[p + "metadata"][j]), state[p + "optimizer.momentum1"][j])
+        for j, i in enumerate(ids)
+    }
 
 
 def _sharded(rank, world_size):
@@ -83,8 +93,9 @@ def _round_trip(rank, world_size):
         assert tuple(got[key].size()) == tuple(want[key].shape), key
     full = full_state_dict(got)
     for table in ("t1", "t2"):
-        torch.testing.assert_close(full[f"embedding_bags.{table}.counters"], want[f"embedding_bags.{table}.counters"],
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            full[f"embedding_bags.{table}.counters"], want[f"embedding_bags.{table}.counters"], rtol=0, atol=0
+        )
         mine, theirs = _by_id(full, table), _by_id(want, table)
         assert set(mine) == set(theirs)
         assert {i: v[1] for i, v in mine.items()} == {i: v[1] for i, v in theirs.items()}  # eviction scores
@@ -98,7 +109,7 @@ def _round_trip(rank, world_size):
     for step in range(4, 6):
         kjts = [_batch(step, r) for r in range(world_size)]
         out, expected = fresh(kjts[rank]).values(), reference(_global(kjts)).values()
-        torch.testing.assert_close(out, expected[rank * BATCH:(rank + 1) * BATCH])
+        torch.testing.assert_close(out, expected[rank * BATCH : (rank + 1) * BATCH])
         # TorchRec's output dist divides the tables' gradient by the world size: scale the loss back.
         (out.sum() * world_size).backward()
         expected.sum().backward()
@@ -108,8 +119,12 @@ def _round_trip(rank, world_size):
     back.load_state_dict(full_state_dict(fresh.module.ebc.state_dict()))
     after, expected_state = back.state_dict(), reference.state_dict()
     for table in ("t1", "t2"):
-        torch.testing.assert_close(after[f"embedding_bags.{table}.counters"],
-                                   expected_state[f"embedding_bags.{table}.counters"], rtol=0, atol=0)
+        torch.testing.assert_close(
+            after[f"embedding_bags.{table}.counters"],
+            expected_state[f"embedding_bags.{table}.counters"],
+            rtol=0,
+            atol=0,
+        )
         mine, theirs = _by_id(after, table), _by_id(expected_state, table)
         assert set(mine) == set(theirs)
         for i in theirs:
@@ -140,30 +155,46 @@ N1, N2 = 50, 30
 
 def _stock_ebc():
     torch.manual_seed(0)
-    return EmbeddingBagCollection([
-        EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=N1, feature_names=["f1", "f2"]),
-        EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=N2, feature_names=["f2"],
-                           pooling=PoolingType.MEAN),
-    ])
+    return EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=N1, feature_names=["f1", "f2"]),
+            EmbeddingBagConfig(
+                name="t2", embedding_dim=8, num_embeddings=N2, feature_names=["f2"], pooling=PoolingType.MEAN
+            ),
+        ]
+    )
 
 
 def _stock_ec():
     torch.manual_seed(0)
-    return EmbeddingCollection([
-        EmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=N1, feature_names=["f1", "f2"]),
-        EmbeddingConfig(name="t2", embedding_dim=4, num_embeddings=N2, feature_names=["f3"]),
-    ])
+    return EmbeddingCollection(
+        [
+            EmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=N1, feature_names=["f1", "f2"]),
+            EmbeddingConfig(name="t2", embedding_dim=4, num_embeddings=N2, feature_names=["f3"]),
+        ]
+    )
 
 
 def _dynamic_like(stock, capacity=64):
     """Our module with the stock module's tables, each of ``capacity`` rows, trained by SGD."""
     if isinstance(stock, EmbeddingBagCollection):
-        configs = [EmbeddingBagConfig(name=c.name, embedding_dim=c.embedding_dim, num_embeddings=capacity,
-                                      feature_names=list(c.feature_names), pooling=c.pooling)
-                   for c in stock.embedding_bag_configs()]
+        configs = [
+            EmbeddingBagConfig(
+                name=c.name,
+                embedding_dim=c.embedding_dim,
+                num_embeddings=capacity,
+                feature_names=list(c.feature_names),
+                pooling=c.pooling,
+            )
+            for c in stock.embedding_bag_configs()
+        ]
         return DynamicEmbeddingBagCollection(configs, optimizer="sgd", optimizer_kwargs={"lr": 0.1})
-    configs = [EmbeddingConfig(name=c.name, embedding_dim=c.embedding_dim, num_embeddings=capacity,
-                               feature_names=list(c.feature_names)) for c in stock.embedding_configs()]
+    configs = [
+        EmbeddingConfig(
+            name=c.name, embedding_dim=c.embedding_dim, num_embeddings=capacity, feature_names=list(c.feature_names)
+        )
+        for c in stock.embedding_configs()
+    ]
     return DynamicEmbeddingCollection(configs, optimizer="sgd", optimizer_kwargs={"lr": 0.1})
 
 
@@ -179,8 +210,7 @@ def _flat(out):
     return out.values() if hasattr(out, "length_per_key") else torch.cat([jt.values() for jt in out.values()])
 
 
-@pytest.mark.parametrize("make, keys", [(_stock_ebc, ["f1", "f2"]), (_stock_ec, ["f1", "f2", "f3"])],
-                         ids=["ebc", "ec"])
+@pytest.mark.parametrize("make, keys", [(_stock_ebc, ["f1", "f2"]), (_stock_ec, ["f1", "f2", "f3"])], ids=["ebc", "ec"])
 def test_from_ebc_state_dict_switches_a_trained_torchrec_module(make, keys):
     stock = make()
     optimizer = torch.optim.SGD(stock.parameters(), lr=0.1)
@@ -203,7 +233,9 @@ def test_from_ebc_state_dict_switches_a_trained_torchrec_module(make, keys):
     assert ours.num_live_rows() == N1 + N2
     # An id >= N is an id of its own, not row id % N: zeros in eval (no row yet).
     ours.eval()
-    beyond = KeyedJaggedTensor(keys=keys, values=torch.full((len(keys),), N1 + 3), lengths=torch.ones(len(keys), dtype=torch.int64))
+    beyond = KeyedJaggedTensor(
+        keys=keys, values=torch.full((len(keys),), N1 + 3), lengths=torch.ones(len(keys), dtype=torch.int64)
+    )
     assert not _flat(ours(beyond)).any()
 
 
@@ -218,14 +250,26 @@ def test_from_ebc_state_dict_under_a_prefix_and_through_a_model():
     torch.testing.assert_close(ours(kjt).values(), stock(kjt).values())
 
 
-@pytest.mark.parametrize("change, error, match", [
-    (lambda s: s.pop("embedding_bags.t2.weight"), ValueError, r"lacks 'embedding_bags.t2.weight'"),
-    (lambda s: s.update({"embedding_bags.t3.weight": torch.zeros(2, 4)}), ValueError, r"no table .* takes.*t3"),
-    (lambda s: s.update({"embedding_bags.t2.weight": torch.zeros(N2, 5)}), ValueError, r"float \[N, 8\].*\[30, 5\]"),
-    (lambda s: s.update({"embedding_bags.t2.weight": torch.zeros(N2, 8, dtype=torch.int64)}), ValueError, "float"),
-    (lambda s: s.update({"embedding_bags.t1.weight": torch.zeros(65, 4)}), ValueError, r"65 rows, more than .*capacity.* 64"),
-    (lambda s: s["embedding_bags.t2.weight"].__setitem__((3, 1), float("nan")), ValueError, "finite"),
-], ids=["missing", "unknown", "dim", "dtype", "capacity", "nan"])
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda s: s.pop("embedding_bags.t2.weight"), ValueError, r"lacks 'embedding_bags.t2.weight'"),
+        (lambda s: s.update({"embedding_bags.t3.weight": torch.zeros(2, 4)}), ValueError, r"no table .* takes.*t3"),
+        (
+            lambda s: s.update({"embedding_bags.t2.weight": torch.zeros(N2, 5)}),
+            ValueError,
+            r"float \[N, 8\].*\[30, 5\]",
+        ),
+        (lambda s: s.update({"embedding_bags.t2.weight": torch.zeros(N2, 8, dtype=torch.int64)}), ValueError, "float"),
+        (
+            lambda s: s.update({"embedding_bags.t1.weight": torch.zeros(65, 4)}),
+            ValueError,
+            r"65 rows, more than .*capacity.* 64",
+        ),
+        (lambda s: s["embedding_bags.t2.weight"].__setitem__((3, 1), float("nan")), ValueError, "finite"),
+    ],
+    ids=["missing", "unknown", "dim", "dtype", "capacity", "nan"],
+)
 def test_from_ebc_state_dict_refuses_bad_state_and_changes_nothing(change, error, match):
     state = {k: v.clone() for k, v in _stock_ebc().state_dict().items()}
     change(state)

@@ -1,5 +1,6 @@
 """DynamicEmbeddingBagCollection against TorchRec's EmbeddingBagCollection holding copies of
 our rows, a brute-force pooling oracle, and torch's optimizers on a dense EBC."""
+
 import pytest
 import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
@@ -15,9 +16,16 @@ IDS = torch.tensor([0, -1, 2**63 - 1, -(2**63), 7, 2**40 + 3, 12345678901, -42, 
 
 def _configs(pooling=PoolingType.SUM, shared=False):
     return [
-        DynamicEmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=256, feature_names=["f1", "f2"], pooling=pooling),
-        EmbeddingBagConfig(name="t2", embedding_dim=12, num_embeddings=64, feature_names=["f3"] + (["f1"] if shared else []),
-                           pooling=pooling),
+        DynamicEmbeddingBagConfig(
+            name="t1", embedding_dim=8, num_embeddings=256, feature_names=["f1", "f2"], pooling=pooling
+        ),
+        EmbeddingBagConfig(
+            name="t2",
+            embedding_dim=12,
+            num_embeddings=64,
+            feature_names=["f3"] + (["f1"] if shared else []),
+            pooling=pooling,
+        ),
     ]
 
 
@@ -28,8 +36,9 @@ def _train_once(module, kjt):
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("pooling", [PoolingType.SUM, PoolingType.MEAN])
 def test_forward_equals_torchrec_ebc_with_copied_rows(weighted, pooling):
-    module = DynamicEmbeddingBagCollection(_configs(pooling), is_weighted=weighted, optimizer="adagrad",
-                                           optimizer_kwargs={"lr": 0.1})
+    module = DynamicEmbeddingBagCollection(
+        _configs(pooling), is_weighted=weighted, optimizer="adagrad", optimizer_kwargs={"lr": 0.1}
+    )
     for _ in range(3):
         _train_once(module, random_kjt(["f1", "f2", "f3"], 5, IDS, weighted=weighted))
     module.eval()
@@ -47,7 +56,9 @@ def test_forward_equals_torchrec_ebc_with_copied_rows(weighted, pooling):
 
 
 def test_shared_feature_naming_order_and_permuted_kjt_keys():
-    module = DynamicEmbeddingBagCollection(_configs(PoolingType.MEAN, shared=True), optimizer="sgd", optimizer_kwargs={"lr": 0.5})
+    module = DynamicEmbeddingBagCollection(
+        _configs(PoolingType.MEAN, shared=True), optimizer="sgd", optimizer_kwargs={"lr": 0.5}
+    )
     _train_once(module, random_kjt(["f3", "f1", "f2"], 6, IDS))
     kjt = random_kjt(["f2", "f3", "f1"], 4, IDS)
     out = module(kjt)
@@ -60,12 +71,18 @@ def test_shared_feature_naming_order_and_permuted_kjt_keys():
 
 def test_empty_bags_and_empty_batch():
     module = DynamicEmbeddingBagCollection(_configs(), optimizer="sgd")
-    kjt = KeyedJaggedTensor(keys=["f1", "f2", "f3"], values=torch.tensor([5, 6]), lengths=torch.tensor([0, 2, 0, 0, 0, 0]))
+    kjt = KeyedJaggedTensor(
+        keys=["f1", "f2", "f3"], values=torch.tensor([5, 6]), lengths=torch.tensor([0, 2, 0, 0, 0, 0])
+    )
     out = module(kjt).values()
     assert torch.all(out[0, :8] == 0) and torch.all(out[:, 8:] == 0)  # empty bags pool to zeros
     assert out[1, :8].abs().sum() > 0
-    empty = KeyedJaggedTensor(keys=["f1", "f2", "f3"], values=torch.zeros(0, dtype=torch.int64),
-                              lengths=torch.zeros(0, dtype=torch.int64), stride=0)
+    empty = KeyedJaggedTensor(
+        keys=["f1", "f2", "f3"],
+        values=torch.zeros(0, dtype=torch.int64),
+        lengths=torch.zeros(0, dtype=torch.int64),
+        stride=0,
+    )
     out = module(empty)
     assert out.values().shape == (0, 28)
     out.values().sum().backward()
@@ -73,26 +90,45 @@ def test_empty_bags_and_empty_batch():
 
 def test_eval_never_inserts_and_unseen_ids_are_zeros():
     module = DynamicEmbeddingBagCollection(_configs(), optimizer="sgd")
-    _train_once(module, KeyedJaggedTensor(keys=["f1", "f2", "f3"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 1])))
+    _train_once(
+        module,
+        KeyedJaggedTensor(keys=["f1", "f2", "f3"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 1])),
+    )
     live = module.num_live_rows()
     module.eval()
-    out = module(KeyedJaggedTensor(keys=["f1", "f2", "f3"], values=torch.tensor([1, 77, 3, 88]), lengths=torch.tensor([2, 0, 0, 0, 2, 0])))
+    out = module(
+        KeyedJaggedTensor(
+            keys=["f1", "f2", "f3"], values=torch.tensor([1, 77, 3, 88]), lengths=torch.tensor([2, 0, 0, 0, 2, 0])
+        )
+    )
     assert module.num_live_rows() == live
-    trained = dict(zip(live_rows(module, "embedding_bags")["t1"][0].tolist(), live_rows(module, "embedding_bags")["t1"][1]))
+    trained = dict(
+        zip(live_rows(module, "embedding_bags")["t1"][0].tolist(), live_rows(module, "embedding_bags")["t1"][1])
+    )
     torch.testing.assert_close(out.values()[0, :8], trained[1])  # 77 contributes zeros
     torch.testing.assert_close(out.values()[1, :8], torch.zeros(8))
 
 
 def test_initial_vectors_are_a_function_of_seed_table_and_id():
-    cfg = lambda seed: [DynamicEmbeddingBagConfig(name="t", embedding_dim=16, num_embeddings=512, feature_names=["f"],
-                                                  seed=seed, initializer=Initializer("normal", std=0.1))]
+    cfg = lambda seed: [
+        DynamicEmbeddingBagConfig(
+            name="t",
+            embedding_dim=16,
+            num_embeddings=512,
+            feature_names=["f"],
+            seed=seed,
+            initializer=Initializer("normal", std=0.1),
+        )
+    ]
     a, b, c = (DynamicEmbeddingBagCollection(cfg(s), optimizer="sgd") for s in (0, 0, 1))
     with torch.no_grad():  # training mode inserts; no backward, so rows keep their initial vectors
         a(KeyedJaggedTensor(keys=["f"], values=IDS, lengths=torch.tensor([len(IDS)])))
         for chunk in IDS.flip(0).split(5):  # other order, other batches
             b(KeyedJaggedTensor(keys=["f"], values=chunk, lengths=torch.tensor([len(chunk)])))
         c(KeyedJaggedTensor(keys=["f"], values=IDS, lengths=torch.tensor([len(IDS)])))
-    rows = {name: dict(zip(*(x.tolist() for x in live_rows(m, "embedding_bags")["t"]))) for name, m in zip("abc", (a, b, c))}
+    rows = {
+        name: dict(zip(*(x.tolist() for x in live_rows(m, "embedding_bags")["t"]))) for name, m in zip("abc", (a, b, c))
+    }
     want = ref.init_vectors(IDS, 16, ref.table_seed(0, "t"), "normal", (0.0, 0.1))
     for i, k in enumerate(IDS.tolist()):
         torch.testing.assert_close(torch.tensor(rows["a"][k]), want[i])
@@ -101,7 +137,9 @@ def test_initial_vectors_are_a_function_of_seed_table_and_id():
 
 
 def test_plain_config_uses_torchrec_default_uniform_bounds():
-    module = DynamicEmbeddingBagCollection([EmbeddingBagConfig(name="t", embedding_dim=32, num_embeddings=100, feature_names=["f"])])
+    module = DynamicEmbeddingBagCollection(
+        [EmbeddingBagConfig(name="t", embedding_dim=32, num_embeddings=100, feature_names=["f"])]
+    )
     with torch.no_grad():
         module(KeyedJaggedTensor(keys=["f"], values=torch.arange(50), lengths=torch.tensor([50])))
     _, vecs = live_rows(module, "embedding_bags")["t"]
@@ -110,7 +148,11 @@ def test_plain_config_uses_torchrec_default_uniform_bounds():
 
 
 def test_evicted_rows_are_reinitialised_and_optimizer_state_cleared():
-    cfg = [DynamicEmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=32, feature_names=["f"], eviction_policy="lru")]
+    cfg = [
+        DynamicEmbeddingBagConfig(
+            name="t", embedding_dim=4, num_embeddings=32, feature_names=["f"], eviction_policy="lru"
+        )
+    ]
     module = DynamicEmbeddingBagCollection(cfg, optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": 0.5})
     first = torch.arange(32)
     _train_once(module, KeyedJaggedTensor(keys=["f"], values=first, lengths=torch.tensor([32])))
@@ -122,7 +164,7 @@ def test_evicted_rows_are_reinitialised_and_optimizer_state_cleared():
     ids = sd["embedding_bags.t.weight_id"].tolist()
     assert module.num_live_rows() == 32 and all(k in ids for k in newcomers.tolist())
     fresh = torch.tensor([ids.index(k) for k in newcomers.tolist()])
-    want = ref.init_vectors(newcomers, 4, ref.table_seed(0, "t"), "uniform", (-(1 / 32) ** 0.5, (1 / 32) ** 0.5))
+    want = ref.init_vectors(newcomers, 4, ref.table_seed(0, "t"), "uniform", (-((1 / 32) ** 0.5), (1 / 32) ** 0.5))
     torch.testing.assert_close(sd["embedding_bags.t.weight"][fresh], want)
     assert torch.all(sd["embedding_bags.t.optimizer.momentum1"][fresh] == 0)
     assert torch.all(sd["embedding_bags.t.optimizer.momentum1"][[i for i in range(32) if i not in fresh.tolist()]] > 0)
@@ -146,16 +188,18 @@ def test_ttl_evicts_rows_unseen_for_ttl_steps():
     module = DynamicEmbeddingBagCollection(cfg, optimizer="sgd", optimizer_kwargs={"lr": 1.0})
     batch = lambda *ids: KeyedJaggedTensor(keys=["f"], values=torch.tensor(ids), lengths=torch.tensor([len(ids)]))
     module(batch(5, 6)).values().sum().backward()  # step 1: 5 and 6 get rows and one update
-    module(batch(6)).values().sum().backward()     # step 2
-    module(batch(6)).values().sum().backward()     # step 3: 5 unseen for 2 steps, still alive
+    module(batch(6)).values().sum().backward()  # step 2
+    module(batch(6)).values().sum().backward()  # step 3: 5 unseen for 2 steps, still alive
     assert 5 in live_rows(module, "embedding_bags")["t"][0].tolist()
-    module(batch(6)).values().sum().backward()     # step 4: 5 unseen for 3 > 2 steps: expired
+    module(batch(6)).values().sum().backward()  # step 4: 5 unseen for 3 > 2 steps: expired
     module.eval()
     assert torch.all(module(batch(5)).values() == 0)
     module.train()
     with torch.no_grad():
-        out = module(batch(5)).values()            # re-admitted with a fresh initial vector
-    want = ref.init_vectors(torch.tensor([5]), 4, ref.table_seed(0, "t"), "uniform", (-(1 / 64) ** 0.5, (1 / 64) ** 0.5))
+        out = module(batch(5)).values()  # re-admitted with a fresh initial vector
+    want = ref.init_vectors(
+        torch.tensor([5]), 4, ref.table_seed(0, "t"), "uniform", (-((1 / 64) ** 0.5), (1 / 64) ** 0.5)
+    )
     torch.testing.assert_close(out, want)
 
 
@@ -181,24 +225,50 @@ _OPTIMIZERS = [
 def test_fused_updates_equal_torch_optimizer_on_dense_ebc(optimizer, kwargs, via, weighted):
     # torch's EmbeddingBag has no weighted mean: the weighted case pools t2 by sum.
     t2_pooling = PoolingType.SUM if weighted else PoolingType.MEAN
-    configs = [DynamicEmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=256, feature_names=["f1", "f2"],
-                                         initializer=Initializer("normal", std=0.5)),
-               DynamicEmbeddingBagConfig(name="t2", embedding_dim=5, num_embeddings=64, feature_names=["f3"],
-                                         pooling=t2_pooling, initializer=Initializer("normal", std=0.5))]
+    configs = [
+        DynamicEmbeddingBagConfig(
+            name="t1",
+            embedding_dim=8,
+            num_embeddings=256,
+            feature_names=["f1", "f2"],
+            initializer=Initializer("normal", std=0.5),
+        ),
+        DynamicEmbeddingBagConfig(
+            name="t2",
+            embedding_dim=5,
+            num_embeddings=64,
+            feature_names=["f3"],
+            pooling=t2_pooling,
+            initializer=Initializer("normal", std=0.5),
+        ),
+    ]
     if via == "constructor":
-        ours = DynamicEmbeddingBagCollection(configs, is_weighted=weighted, optimizer=optimizer, optimizer_kwargs=kwargs)
+        ours = DynamicEmbeddingBagCollection(
+            configs, is_weighted=weighted, optimizer=optimizer, optimizer_kwargs=kwargs
+        )
     else:
         ours = DynamicEmbeddingBagCollection(configs, is_weighted=weighted)
         apply_optimizer_in_backward(optimizer, ours.parameters(), kwargs)
     # Dense twin: rows = the initial vectors of the id universe, in universe order.
     universe = IDS
-    dense = EmbeddingBagCollection([EmbeddingBagConfig(name=c.name, embedding_dim=c.embedding_dim, num_embeddings=len(universe),
-                                                       feature_names=c.feature_names, pooling=c.pooling) for c in configs],
-                                   is_weighted=weighted)
+    dense = EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig(
+                name=c.name,
+                embedding_dim=c.embedding_dim,
+                num_embeddings=len(universe),
+                feature_names=c.feature_names,
+                pooling=c.pooling,
+            )
+            for c in configs
+        ],
+        is_weighted=weighted,
+    )
     with torch.no_grad():
         for c in configs:
             dense.embedding_bags[c.name].weight.copy_(
-                ref.init_vectors(universe, c.embedding_dim, ref.table_seed(0, c.name), "normal", (0.0, 0.5)))
+                ref.init_vectors(universe, c.embedding_dim, ref.table_seed(0, c.name), "normal", (0.0, 0.5))
+            )
     dense_opt = optimizer(dense.parameters(), **kwargs)
     maps = {c.name: {k: i for i, k in enumerate(universe.tolist())} for c in configs}
     # Dense Adam moves untouched rows (momentum), AdamW and weight decay decay them, dense FTRL
@@ -235,8 +305,13 @@ def _with_every_id(kjt, universe, features_to_extend):
         lengths.append(bag_lengths)
         if kjt.weights_or_none() is not None:
             weights += [jt.weights(), torch.rand(len(extra))]
-    return KeyedJaggedTensor(keys=kjt.keys(), values=torch.cat(values), lengths=torch.cat(lengths),
-                             weights=torch.cat(weights) if weights else None, stride=kjt.stride())
+    return KeyedJaggedTensor(
+        keys=kjt.keys(),
+        values=torch.cat(values),
+        lengths=torch.cat(lengths),
+        weights=torch.cat(weights) if weights else None,
+        stride=kjt.stride(),
+    )
 
 
 def test_learning_rate_changes_through_fused_optimizer():
@@ -269,6 +344,7 @@ def test_backward_without_optimizer_trains_with_torchrecs_sharded_default():
 
 # ----------------------------------------------------------------------------- checkpoint
 
+
 def _train_steps(module, batches):
     for kjt in batches:
         _train_once(module, kjt)
@@ -277,8 +353,12 @@ def _train_steps(module, batches):
 @pytest.mark.parametrize("optimizer", list(ref.OPTIMIZERS))
 def test_state_dict_round_trip_gives_identical_lookups_and_training(optimizer):
     configs = lambda cap: [
-        DynamicEmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=cap, feature_names=["f1", "f2"], eviction_policy="lfu"),
-        DynamicEmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=cap, feature_names=["f3"], ttl_steps=3, admit_after=2),
+        DynamicEmbeddingBagConfig(
+            name="t1", embedding_dim=8, num_embeddings=cap, feature_names=["f1", "f2"], eviction_policy="lfu"
+        ),
+        DynamicEmbeddingBagConfig(
+            name="t2", embedding_dim=4, num_embeddings=cap, feature_names=["f3"], ttl_steps=3, admit_after=2
+        ),
     ]
     pool = torch.randint(-(2**40), 2**40, (300,))
     batches = [random_kjt(["f1", "f2", "f3"], 16, pool) for _ in range(8)]
@@ -307,9 +387,13 @@ def test_load_state_dict_rejects_mismatched_tables():
     module = DynamicEmbeddingBagCollection(_configs(), optimizer="adagrad")
     _train_once(module, random_kjt(["f1", "f2", "f3"], 4, IDS, allow_empty=False))
     state = module.state_dict()
-    other = DynamicEmbeddingBagCollection([DynamicEmbeddingBagConfig(name="t1", embedding_dim=16, num_embeddings=256,
-                                                                     feature_names=["f1", "f2"]),
-                                           _configs()[1]], optimizer="adagrad")
+    other = DynamicEmbeddingBagCollection(
+        [
+            DynamicEmbeddingBagConfig(name="t1", embedding_dim=16, num_embeddings=256, feature_names=["f1", "f2"]),
+            _configs()[1],
+        ],
+        optimizer="adagrad",
+    )
     with pytest.raises(ValueError, match="t1.*weight must be"):
         other.load_state_dict(state)
     with pytest.raises(RuntimeError, match="Missing key"):

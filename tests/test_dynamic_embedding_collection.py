@@ -1,5 +1,6 @@
 """DynamicEmbeddingCollection against TorchRec's EmbeddingCollection holding copies of our rows,
 and its fused updates against torch's optimizers on a dense EC."""
+
 import pytest
 import torch
 from torchrec import EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
@@ -12,14 +13,23 @@ IDS = torch.tensor([0, -1, 2**63 - 1, -(2**63), 7, 2**40 + 3, -42, 99, 5])
 
 
 def _configs():
-    return [DynamicEmbeddingConfig(name="t1", embedding_dim=8, num_embeddings=128, feature_names=["f1", "f2"],
-                                   initializer=Initializer("normal", std=0.3)),
-            EmbeddingConfig(name="t2", embedding_dim=8, num_embeddings=64, feature_names=["f3"])]
+    return [
+        DynamicEmbeddingConfig(
+            name="t1",
+            embedding_dim=8,
+            num_embeddings=128,
+            feature_names=["f1", "f2"],
+            initializer=Initializer("normal", std=0.3),
+        ),
+        EmbeddingConfig(name="t2", embedding_dim=8, num_embeddings=64, feature_names=["f3"]),
+    ]
 
 
 @pytest.mark.parametrize("need_indices", [False, True])
 def test_forward_equals_torchrec_ec_with_copied_rows(need_indices):
-    module = DynamicEmbeddingCollection(_configs(), need_indices=need_indices, optimizer="adam", optimizer_kwargs={"lr": 0.1})
+    module = DynamicEmbeddingCollection(
+        _configs(), need_indices=need_indices, optimizer="adam", optimizer_kwargs={"lr": 0.1}
+    )
     for _ in range(3):
         out = module(random_kjt(["f1", "f2", "f3"], 5, IDS))
         sum(jt.values().sum() for jt in out.values()).backward()
@@ -37,8 +47,10 @@ def test_forward_equals_torchrec_ec_with_copied_rows(need_indices):
 
 
 def test_shared_feature_gets_one_sequence_per_table():
-    configs = [DynamicEmbeddingConfig(name="a", embedding_dim=4, num_embeddings=32, feature_names=["f"]),
-               DynamicEmbeddingConfig(name="b", embedding_dim=4, num_embeddings=32, feature_names=["f"], seed=1)]
+    configs = [
+        DynamicEmbeddingConfig(name="a", embedding_dim=4, num_embeddings=32, feature_names=["f"]),
+        DynamicEmbeddingConfig(name="b", embedding_dim=4, num_embeddings=32, feature_names=["f"], seed=1),
+    ]
     module = DynamicEmbeddingCollection(configs, optimizer="sgd")
     with torch.no_grad():
         out = module(KeyedJaggedTensor(keys=["f"], values=torch.tensor([3, 4, 3]), lengths=torch.tensor([2, 1])))
@@ -48,10 +60,19 @@ def test_shared_feature_gets_one_sequence_per_table():
 
 
 def test_fused_updates_equal_torch_optimizer_on_dense_ec():
-    configs = [DynamicEmbeddingConfig(name="t", embedding_dim=6, num_embeddings=64, feature_names=["f", "g"],
-                                      initializer=Initializer("uniform", low=-0.5, high=0.5))]
+    configs = [
+        DynamicEmbeddingConfig(
+            name="t",
+            embedding_dim=6,
+            num_embeddings=64,
+            feature_names=["f", "g"],
+            initializer=Initializer("uniform", low=-0.5, high=0.5),
+        )
+    ]
     ours = DynamicEmbeddingCollection(configs, optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": 0.3})
-    dense = EmbeddingCollection([EmbeddingConfig(name="t", embedding_dim=6, num_embeddings=len(IDS), feature_names=["f", "g"])])
+    dense = EmbeddingCollection(
+        [EmbeddingConfig(name="t", embedding_dim=6, num_embeddings=len(IDS), feature_names=["f", "g"])]
+    )
     with torch.no_grad():
         dense.embeddings.t.weight.copy_(ref.init_vectors(IDS, 6, ref.table_seed(0, "t"), "uniform", (-0.5, 0.5)))
     dense_opt = torch.optim.Adagrad(dense.parameters(), lr=0.3)
@@ -85,5 +106,9 @@ def test_state_dict_round_trip():
 
 def test_tables_must_share_one_dim():
     with pytest.raises(ValueError, match="same embedding dimension"):
-        DynamicEmbeddingCollection([EmbeddingConfig(name="a", embedding_dim=4, num_embeddings=8),
-                                    EmbeddingConfig(name="b", embedding_dim=8, num_embeddings=8)])
+        DynamicEmbeddingCollection(
+            [
+                EmbeddingConfig(name="a", embedding_dim=4, num_embeddings=8),
+                EmbeddingConfig(name="b", embedding_dim=8, num_embeddings=8),
+            ]
+        )

@@ -4,13 +4,17 @@ The oracle is the same module writing new rows at lookup time (``defer_new_rows 
 GPU path): every output, row, optimizer state and counter must be bit-identical, through
 eviction, admission, TTL, forwards without backward, and several forwards before one backward.
 """
+
 import pytest
 import torch
 from torchrec import KeyedJaggedTensor
 from torchrec.optim import RowWiseAdagrad
 
 from torchrec_ext import (
-    DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, DynamicEmbeddingCollection, DynamicEmbeddingConfig,
+    DynamicEmbeddingBagCollection,
+    DynamicEmbeddingBagConfig,
+    DynamicEmbeddingCollection,
+    DynamicEmbeddingConfig,
 )
 
 _OPTIMIZERS = [
@@ -38,16 +42,21 @@ def _ebc(options, optimizer=torch.optim.Adagrad, kwargs=None):
         DynamicEmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=64, feature_names=["f1", "f2"], **options),
         DynamicEmbeddingBagConfig(name="b", embedding_dim=4, num_embeddings=64, feature_names=["f3"], **options),
     ]
-    return lambda: DynamicEmbeddingBagCollection(configs, is_weighted=True, optimizer=optimizer,
-                                                 optimizer_kwargs=kwargs or {"lr": 0.1})
+    return lambda: DynamicEmbeddingBagCollection(
+        configs, is_weighted=True, optimizer=optimizer, optimizer_kwargs=kwargs or {"lr": 0.1}
+    )
 
 
 def _batch(step, keys=("f1", "f2", "f3"), batch_size=6, pool=200, weighted=True):
     g = torch.Generator().manual_seed(step)
     lengths = torch.randint(0, 5, (len(keys) * batch_size,), generator=g)
     n = int(lengths.sum())
-    return KeyedJaggedTensor(keys=list(keys), values=torch.randint(0, pool, (n,), generator=g), lengths=lengths,
-                             weights=torch.rand(n, generator=g) if weighted else None)
+    return KeyedJaggedTensor(
+        keys=list(keys),
+        values=torch.randint(0, pool, (n,), generator=g),
+        lengths=lengths,
+        weights=torch.rand(n, generator=g) if weighted else None,
+    )
 
 
 def _assert_same_state(a, b):
@@ -94,14 +103,15 @@ def test_forward_without_backward_then_state_dict_eval_and_training():
 def test_several_forwards_before_one_backward():
     # Capacity above the id pool: the second lookup must not evict the first's rows mid-step.
     configs = [DynamicEmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=512, feature_names=["f1"])]
-    deferred, eager = _pair(lambda: DynamicEmbeddingBagCollection(configs, optimizer="adam",
-                                                                  optimizer_kwargs={"lr": 0.05}))
+    deferred, eager = _pair(
+        lambda: DynamicEmbeddingBagCollection(configs, optimizer="adam", optimizer_kwargs={"lr": 0.05})
+    )
     for step in range(3):
         losses = []
         for m in (deferred, eager):
             first = m(_batch(2 * step, keys=("f1",), weighted=False))
             second = m(_batch(2 * step + 1, keys=("f1",), weighted=False))
-            losses.append((first.values().sum() + 2 * second.values().sum()))
+            losses.append(first.values().sum() + 2 * second.values().sum())
         assert torch.equal(losses[0], losses[1])
         for loss in losses:
             loss.backward()
@@ -120,10 +130,13 @@ def test_no_grad_and_frozen_training_forwards_write_rows_at_lookup():
 
 
 def test_sequence_collection_is_identical_to_writing_new_rows_at_lookup():
-    configs = [DynamicEmbeddingConfig(name="a", embedding_dim=8, num_embeddings=64, feature_names=["f1", "f2"]),
-               DynamicEmbeddingConfig(name="b", embedding_dim=8, num_embeddings=32, feature_names=["f3"])]
-    deferred, eager = _pair(lambda: DynamicEmbeddingCollection(configs, optimizer="rowwise_adagrad",
-                                                               optimizer_kwargs={"lr": 0.1}))
+    configs = [
+        DynamicEmbeddingConfig(name="a", embedding_dim=8, num_embeddings=64, feature_names=["f1", "f2"]),
+        DynamicEmbeddingConfig(name="b", embedding_dim=8, num_embeddings=32, feature_names=["f3"]),
+    ]
+    deferred, eager = _pair(
+        lambda: DynamicEmbeddingCollection(configs, optimizer="rowwise_adagrad", optimizer_kwargs={"lr": 0.1})
+    )
     for step in range(6):
         batch = _batch(step, weighted=False)
         outs = [m(batch) for m in (deferred, eager)]

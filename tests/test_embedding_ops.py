@@ -1,4 +1,5 @@
 """The C++ CPU embedding kernels against the pure-PyTorch references in torchrec_ext/reference/."""
+
 import math
 
 import pytest
@@ -40,9 +41,15 @@ def test_dedup_segments_rejects_bad_offsets():
         ops.dedup_segments(torch.arange(4), torch.tensor([0, 3, 2, 4]))
 
 
-@pytest.mark.parametrize("kind,params", [
-    ("uniform", (-0.3, 0.7)), ("normal", (0.5, 2.0)), ("truncated_normal", (0.0, 1.0, -0.5, 0.25)), ("constant", (0.125,)),
-])
+@pytest.mark.parametrize(
+    "kind,params",
+    [
+        ("uniform", (-0.3, 0.7)),
+        ("normal", (0.5, 2.0)),
+        ("truncated_normal", (0.0, 1.0, -0.5, 0.25)),
+        ("constant", (0.125,)),
+    ],
+)
 def test_init_rows_matches_reference(kind, params):
     cap, dim = 40, 13
     ids = torch.tensor(EXTREME_IDS + list(range(100, 120)))
@@ -90,9 +97,19 @@ def _pooled_case(weighted, batch_size=7):
     rows = (torch.rand(n) * caps_t[value_table]).long()
     rows[torch.rand(n) < 0.15] = -1
     psw = torch.rand(n) if weighted else None
-    return dict(weights=weights, table_offsets=table_offsets, table_dims=table_dims, feature_table=feature_table,
-                feature_col=feature_col, feature_mean=feature_mean, rows=rows, offsets=offsets,
-                per_sample_weights=psw, batch_size=batch_size, total_dim=int(feature_dims.sum()))
+    return dict(
+        weights=weights,
+        table_offsets=table_offsets,
+        table_dims=table_dims,
+        feature_table=feature_table,
+        feature_col=feature_col,
+        feature_mean=feature_mean,
+        rows=rows,
+        offsets=offsets,
+        per_sample_weights=psw,
+        batch_size=batch_size,
+        total_dim=int(feature_dims.sum()),
+    )
 
 
 @pytest.mark.parametrize("weighted", [False, True])
@@ -139,8 +156,13 @@ def _update_case(optimizer, pooled):
         offsets = case["offsets"]
         value_table = bag_table.repeat_interleave(offsets[1:] - offsets[:-1])
         grad = torch.randn(case["batch_size"], case["total_dim"])
-        extra = dict(offsets=offsets, per_sample_weights=case["per_sample_weights"], feature_col=case["feature_col"],
-                     feature_mean=case["feature_mean"], batch_size=case["batch_size"])
+        extra = dict(
+            offsets=offsets,
+            per_sample_weights=case["per_sample_weights"],
+            feature_col=case["feature_col"],
+            feature_mean=case["feature_mean"],
+            batch_size=case["batch_size"],
+        )
         rows = case["rows"]
     else:
         caps = [6, 9]
@@ -148,8 +170,13 @@ def _update_case(optimizer, pooled):
         value_table = torch.tensor([1] * 4 + [0] * 7)
         rows = (torch.rand(11) * torch.tensor(caps)[value_table]).long()
         grad = torch.randn(11, 8)
-        extra = dict(offsets=None, per_sample_weights=None, feature_col=torch.zeros(0, dtype=torch.int64),
-                     feature_mean=torch.zeros(0, dtype=torch.bool), batch_size=0)
+        extra = dict(
+            offsets=None,
+            per_sample_weights=None,
+            feature_col=torch.zeros(0, dtype=torch.int64),
+            feature_mean=torch.zeros(0, dtype=torch.bool),
+            batch_size=0,
+        )
     # Unique (table, row) pairs, as the module's dedup produces them (a -1 row is a unique too).
     uniq, inverse = torch.unique(value_table * 1000 + rows + 1, return_inverse=True)
     unique_table, unique_rows = uniq // 1000, uniq % 1000 - 1
@@ -157,10 +184,16 @@ def _update_case(optimizer, pooled):
     num_states = len(ref.OPTIMIZER_STATES[optimizer])
     state_size = sum(caps) if optimizer in ref.ROWWISE_STATE else total
     states = [torch.rand(state_size) for _ in range(num_states)]
-    common = dict(table_offsets=table_offsets, table_dims=table_dims, state_row_offsets=row_offsets,
-                  unique_rows=unique_rows, unique_table=unique_table, inverse=inverse,
-                  hparams=(0.05, 1e-8, 0.9, 0.999, 0.01, 0.1) + (FTRL_SETTINGS[0] if optimizer == "ftrl" else ()),
-                  **extra)
+    common = dict(
+        table_offsets=table_offsets,
+        table_dims=table_dims,
+        state_row_offsets=row_offsets,
+        unique_rows=unique_rows,
+        unique_table=unique_table,
+        inverse=inverse,
+        hparams=(0.05, 1e-8, 0.9, 0.999, 0.01, 0.1) + (FTRL_SETTINGS[0] if optimizer == "ftrl" else ()),
+        **extra,
+    )
     return grad, weights, states, common
 
 
@@ -192,8 +225,8 @@ def _ftrl_scalar(w, n, z, grads, lr, lr_power, l1, l2, beta):
     l2_adjusted = l2 + beta / (2 * lr)
     for g in grads:
         n_new = n + g * g
-        z += g - (n_new ** -lr_power - n ** -lr_power) / lr * w
-        quadratic = 1 / (n_new ** lr_power * lr) + 2 * l2_adjusted
+        z += g - (n_new**-lr_power - n**-lr_power) / lr * w
+        quadratic = 1 / (n_new**lr_power * lr) + 2 * l2_adjusted
         w = (math.copysign(l1, z) - z) / quadratic if abs(z) > l1 else 0.0
         n = n_new
     return w, n, z
@@ -202,8 +235,11 @@ def _ftrl_scalar(w, n, z, grads, lr, lr_power, l1, l2, beta):
 @pytest.mark.parametrize("settings", FTRL_SETTINGS, ids=["sqrt", "pow", "power0"])
 def test_reference_ftrl_step_is_tensorflows_update(settings):
     gen = torch.Generator().manual_seed(7)
-    w0, n0, z0 = torch.randn(16, generator=gen, dtype=torch.float64), torch.rand(16, generator=gen, dtype=torch.float64) + 0.1, \
-        torch.randn(16, generator=gen, dtype=torch.float64) * 0.1
+    w0, n0, z0 = (
+        torch.randn(16, generator=gen, dtype=torch.float64),
+        torch.rand(16, generator=gen, dtype=torch.float64) + 0.1,
+        torch.randn(16, generator=gen, dtype=torch.float64) * 0.1,
+    )
     grads = torch.randn(4, 16, generator=gen, dtype=torch.float64)
     w, n, z = w0.clone(), n0.clone(), z0.clone()
     for g in grads:
@@ -230,6 +266,7 @@ def test_fused_update_matches_reference(optimizer, pooled):
 
 # ------------------------------------------------ new rows: initial vectors read from new_vectors
 
+
 def _new_vectors(table_dims, counts):
     return [torch.randn(n, int(d)) for n, d in zip(counts, table_dims)]
 
@@ -255,7 +292,7 @@ def test_pooled_lookup_reads_new_rows_from_new_vectors(weighted):
     for t, cap in enumerate([11, 5, 9]):
         base, dim = int(case["table_offsets"][t]), int(case["table_dims"][t])
         starts.append(sum(b.numel() for b in blocks))
-        blocks.append(torch.cat([case["weights"][base:base + cap * dim], case["new_vectors"][t].flatten()]))
+        blocks.append(torch.cat([case["weights"][base : base + cap * dim], case["new_vectors"][t].flatten()]))
         virtual = (value_table == t) & (rows <= -2)
         moved[virtual] = cap + (-2 - rows[virtual])
     plain = dict(case, weights=torch.cat(blocks), table_offsets=torch.tensor(starts), rows=moved, new_vectors=())
@@ -289,7 +326,7 @@ def test_fused_update_writes_new_rows_then_steps(optimizer, pooled):
             t = int(unique_table[u])
             unique_new[u], counts[t] = counts[t], counts[t] + 1
     new_vectors = _new_vectors(dims, counts)
-    state_init = [0.25, 0.5][:len(states)]  # (Adam with v = 0 would amplify float rounding)
+    state_init = [0.25, 0.5][: len(states)]  # (Adam with v = 0 would amplify float rounding)
     new = dict(new_vectors=new_vectors, unique_new=unique_new, state_init=state_init)
     w_got, s_got = weights.clone(), [s.clone() for s in states]
     w_want, s_want = weights.clone(), [s.clone() for s in states]
@@ -303,12 +340,12 @@ def test_fused_update_writes_new_rows_then_steps(optimizer, pooled):
     for u in (unique_new >= 0).nonzero().flatten().tolist():
         t, r, j = int(unique_table[u]), int(unique_rows[u]), int(unique_new[u])
         dim, base = int(dims[t]), int(common["table_offsets"][t])
-        w_eager[base + r * dim: base + (r + 1) * dim] = new_vectors[t][j]
+        w_eager[base + r * dim : base + (r + 1) * dim] = new_vectors[t][j]
         for state, value in zip(s_eager, state_init):
             if optimizer in ref.ROWWISE_STATE:
                 state[int(common["state_row_offsets"][t]) + r] = value
             else:
-                state[base + r * dim: base + (r + 1) * dim] = value
+                state[base + r * dim : base + (r + 1) * dim] = value
     ops.fused_update(grad, w_eager, s_eager, optimizer=ref.OPTIMIZERS[optimizer], step=1, **common)
     assert torch.equal(w_got, w_eager)
     for a, b in zip(s_got, s_eager):
@@ -332,19 +369,38 @@ def test_new_rows_bad_input_is_a_clear_error():
         ops.fused_update(grad, weights, states, optimizer=1, step=1, **common, unique_new=unique_new, state_init=[0.0])
     vectors = _new_vectors(common["table_dims"], [1, 1, 1])
     with pytest.raises(RuntimeError, match="state_init must give one initial value per state"):
-        ops.fused_update(grad, weights, states, optimizer=1, step=1, **common, new_vectors=vectors,
-                         unique_new=unique_new, state_init=[])
+        ops.fused_update(
+            grad,
+            weights,
+            states,
+            optimizer=1,
+            step=1,
+            **common,
+            new_vectors=vectors,
+            unique_new=unique_new,
+            state_init=[],
+        )
     missing = common["unique_rows"].eq(-1).nonzero().flatten()[:1]
     assert missing.numel() == 1
     unique_new[missing] = 0
     before = weights.clone()
     with pytest.raises(RuntimeError, match="for a row >= 0"):  # a new vector needs a row to go to
-        ops.fused_update(grad, weights, states, optimizer=1, step=1, **common, new_vectors=vectors,
-                         unique_new=unique_new, state_init=[0.0])
+        ops.fused_update(
+            grad,
+            weights,
+            states,
+            optimizer=1,
+            step=1,
+            **common,
+            new_vectors=vectors,
+            unique_new=unique_new,
+            state_init=[0.0],
+        )
     assert torch.equal(weights, before)
 
 
 # ------------------------------------------------ torch kernels (the CUDA implementations), run on CPU here
+
 
 def test_torch_dedup_segments_matches_reference():
     from torchrec_ext import torch_kernels
@@ -354,7 +410,9 @@ def test_torch_dedup_segments_matches_reference():
         for got, want in zip(torch_kernels.dedup_segments(ids, segments), ref.dedup_segments(ids, segments)):
             assert torch.equal(got, want)
     empty = torch.zeros(0, dtype=torch.int64)
-    for got, want in zip(torch_kernels.dedup_segments(empty, torch.tensor([0, 0])), ops.dedup_segments(empty, torch.tensor([0, 0]))):
+    for got, want in zip(
+        torch_kernels.dedup_segments(empty, torch.tensor([0, 0])), ops.dedup_segments(empty, torch.tensor([0, 0]))
+    ):
         assert torch.equal(got, want)
 
 

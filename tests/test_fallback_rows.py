@@ -3,6 +3,7 @@ refused by a full table, expired) read one of K shared rows, which train with th
 optimizer. Checked against a brute-force model written here (a dict of id -> row, K fallback
 rows, the forward pooled by hand and SGD / Adagrad stepped by hand), on 2 gloo ranks against
 the unsharded module, and through checkpoints."""
+
 import os
 
 import pytest
@@ -43,8 +44,14 @@ class Oracle:
     for more than ``ttl`` training steps expired)."""
 
     def __init__(self, name, optimizer, capacity=10**9, admit_after=1, ttl=None, k=K):
-        self.name, self.optimizer, self.capacity, self.admit_after, self.ttl, self.k = \
-            name, optimizer, capacity, admit_after, ttl, k
+        self.name, self.optimizer, self.capacity, self.admit_after, self.ttl, self.k = (
+            name,
+            optimizer,
+            capacity,
+            admit_after,
+            ttl,
+            k,
+        )
         self.rows, self.state, self.last_seen, self.counts = {}, {}, {}, {}
         self.fallback, self.fallback_state = torch.zeros(k, DIM), torch.zeros(k, DIM)
         self.step = 0
@@ -107,16 +114,27 @@ class Oracle:
 
 
 def _kjt(bags):
-    return KeyedJaggedTensor(keys=["f"], values=torch.tensor([i for bag in bags for i in bag], dtype=torch.int64),
-                             lengths=torch.tensor([len(bag) for bag in bags], dtype=torch.int64))
+    return KeyedJaggedTensor(
+        keys=["f"],
+        values=torch.tensor([i for bag in bags for i in bag], dtype=torch.int64),
+        lengths=torch.tensor([len(bag) for bag in bags], dtype=torch.int64),
+    )
 
 
 def _module(optimizer, k=K, pooling=PoolingType.SUM, data_type=None, **options):
     from torchrec.modules.embedding_configs import DataType
 
-    cfg = DynamicEmbeddingBagConfig(name="t", embedding_dim=DIM, num_embeddings=options.pop("num_embeddings", 4096),
-                                    feature_names=["f"], fallback_rows=k, initializer=Initializer("constant", value=INIT),
-                                    pooling=pooling, data_type=data_type or DataType.FP32, **options)
+    cfg = DynamicEmbeddingBagConfig(
+        name="t",
+        embedding_dim=DIM,
+        num_embeddings=options.pop("num_embeddings", 4096),
+        feature_names=["f"],
+        fallback_rows=k,
+        initializer=Initializer("constant", value=INIT),
+        pooling=pooling,
+        data_type=data_type or DataType.FP32,
+        **options,
+    )
     kwargs = {"lr": LR} if optimizer == "sgd" else {"lr": LR, "eps": EPS}
     return DynamicEmbeddingBagCollection([cfg], optimizer=optimizer, optimizer_kwargs=kwargs)
 
@@ -136,7 +154,9 @@ def _run(module, oracle, steps, pool, mean=False, seed=0):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         (got * grad_out).sum().backward()
     torch.testing.assert_close(module._tables.fallback_view(0), oracle.fallback, rtol=1e-5, atol=1e-6)
-    rows = dict(zip(module.state_dict()["embedding_bags.t.weight_id"].tolist(), module.state_dict()["embedding_bags.t.weight"]))
+    rows = dict(
+        zip(module.state_dict()["embedding_bags.t.weight_id"].tolist(), module.state_dict()["embedding_bags.t.weight"])
+    )
     assert set(rows) == set(oracle.rows)
     for i, vec in oracle.rows.items():
         torch.testing.assert_close(rows[i], vec, rtol=1e-5, atol=1e-6)
@@ -190,17 +210,31 @@ def test_expired_ids_and_eval_read_fallback_with_mean_pooling():
 def test_without_fallback_rows_ids_without_a_row_read_zeros():
     """The control: the same module with fallback_rows=None reads zeros where the oracle reads
     fallback rows (so the tests above see the fallback rows, not something else)."""
-    module = DynamicEmbeddingBagCollection([DynamicEmbeddingBagConfig(
-        name="t", embedding_dim=DIM, num_embeddings=64, feature_names=["f"], admission="counter", admit_after=5)],
-        optimizer="sgd", optimizer_kwargs={"lr": LR})
+    module = DynamicEmbeddingBagCollection(
+        [
+            DynamicEmbeddingBagConfig(
+                name="t", embedding_dim=DIM, num_embeddings=64, feature_names=["f"], admission="counter", admit_after=5
+            )
+        ],
+        optimizer="sgd",
+        optimizer_kwargs={"lr": LR},
+    )
     out = module(_kjt([[1], [2]])).values()
     out.sum().backward()
     assert module(_kjt([[1], [2]])).values().abs().sum() == 0
 
 
 def test_sequence_collection_reads_and_trains_fallback_rows():
-    cfg = DynamicEmbeddingConfig(name="t", embedding_dim=DIM, num_embeddings=64, feature_names=["f"], fallback_rows=K,
-                                 admission="counter", admit_after=2, initializer=Initializer("constant", value=INIT))
+    cfg = DynamicEmbeddingConfig(
+        name="t",
+        embedding_dim=DIM,
+        num_embeddings=64,
+        feature_names=["f"],
+        fallback_rows=K,
+        admission="counter",
+        admit_after=2,
+        initializer=Initializer("constant", value=INIT),
+    )
     module = DynamicEmbeddingCollection([cfg], optimizer="sgd", optimizer_kwargs={"lr": LR})
     oracle = Oracle("t", "sgd", admit_after=2)
     gen = torch.Generator().manual_seed(5)
@@ -222,11 +256,20 @@ def test_every_fused_optimizer_steps_fallback_rows_as_a_row(optimizer):
     kwargs = {"lr": LR} if optimizer != "ftrl" else {"lr": LR, "initial_accumulator_value": 0.1}
 
     def cfg(**o):
-        return DynamicEmbeddingBagConfig(name="t", embedding_dim=DIM, num_embeddings=64, feature_names=["f"],
-                                         initializer=Initializer("constant", value=0.0), **o)
+        return DynamicEmbeddingBagConfig(
+            name="t",
+            embedding_dim=DIM,
+            num_embeddings=64,
+            feature_names=["f"],
+            initializer=Initializer("constant", value=0.0),
+            **o,
+        )
 
-    shared = DynamicEmbeddingBagCollection([cfg(fallback_rows=1, admission="probabilistic", admit_probability=1e-9)],
-                                           optimizer=optimizer, optimizer_kwargs=kwargs)
+    shared = DynamicEmbeddingBagCollection(
+        [cfg(fallback_rows=1, admission="probabilistic", admit_probability=1e-9)],
+        optimizer=optimizer,
+        optimizer_kwargs=kwargs,
+    )
     single = DynamicEmbeddingBagCollection([cfg()], optimizer=optimizer, optimizer_kwargs=kwargs)
     gen = torch.Generator().manual_seed(7)
     for _ in range(3):
@@ -295,8 +338,12 @@ def test_checkpoint_round_trip_keeps_fallback_rows_and_state():
 @pytest.mark.parametrize("value", [0, -3, 2.5, "4", True])
 def test_bad_fallback_rows_are_refused_by_name(value):
     with pytest.raises(ValueError, match=rf"table 't' fallback_rows must be an int >= 1 .*got {value!r}"):
-        DynamicEmbeddingBagConfig(name="t", embedding_dim=DIM, num_embeddings=64, feature_names=["f"], fallback_rows=value)
-    cfg = DynamicEmbeddingBagConfig(name="t", embedding_dim=DIM, num_embeddings=64, feature_names=["f"], fallback_rows=2)
+        DynamicEmbeddingBagConfig(
+            name="t", embedding_dim=DIM, num_embeddings=64, feature_names=["f"], fallback_rows=value
+        )
+    cfg = DynamicEmbeddingBagConfig(
+        name="t", embedding_dim=DIM, num_embeddings=64, feature_names=["f"], fallback_rows=2
+    )
     cfg.fallback_rows = value  # changed after it was built: the module refuses it
     with pytest.raises(ValueError, match=r"DynamicEmbeddingBagCollection: table 't' fallback_rows must be an int >= 1"):
         DynamicEmbeddingBagCollection([cfg])
@@ -325,10 +372,26 @@ def _sharded_configs():
     from torchrec import EmbeddingBagConfig
 
     return [
-        DynamicEmbeddingBagConfig(name="t1", embedding_dim=DIM, num_embeddings=512, feature_names=["f1"], fallback_rows=K,
-                                  admission="counter", admit_after=2, initializer=Initializer("normal", std=0.1)),
-        DynamicEmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=256, feature_names=["f2"], fallback_rows=2,
-                                  admission="probabilistic", admit_probability=0.5, pooling=PoolingType.MEAN),
+        DynamicEmbeddingBagConfig(
+            name="t1",
+            embedding_dim=DIM,
+            num_embeddings=512,
+            feature_names=["f1"],
+            fallback_rows=K,
+            admission="counter",
+            admit_after=2,
+            initializer=Initializer("normal", std=0.1),
+        ),
+        DynamicEmbeddingBagConfig(
+            name="t2",
+            embedding_dim=8,
+            num_embeddings=256,
+            feature_names=["f2"],
+            fallback_rows=2,
+            admission="probabilistic",
+            admit_probability=0.5,
+            pooling=PoolingType.MEAN,
+        ),
         EmbeddingBagConfig(name="t3", embedding_dim=6, num_embeddings=128, feature_names=["f1"]),
     ]
 
@@ -344,9 +407,12 @@ def _rank_batch(step, rank):
 def _global_batch(kjts):
     per_key = [k.to_dict() for k in kjts]
     keys = ["f1", "f2"]
-    return KeyedJaggedTensor(keys=keys, values=torch.cat([jt[k].values() for k in keys for jt in per_key]),
-                             lengths=torch.cat([jt[k].lengths() for k in keys for jt in per_key]),
-                             stride=BATCH * len(kjts))
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=torch.cat([jt[k].values() for k in keys for jt in per_key]),
+        lengths=torch.cat([jt[k].lengths() for k in keys for jt in per_key]),
+        stride=BATCH * len(kjts),
+    )
 
 
 def _sharded(world_size, sharding, optimizer):
@@ -356,26 +422,45 @@ def _sharded(world_size, sharding, optimizer):
 
     from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
 
-    model = ModelWith("ebc", DynamicEmbeddingBagCollection(_sharded_configs(), optimizer=optimizer,
-                                                           optimizer_kwargs={"lr": LR}))
+    model = ModelWith(
+        "ebc", DynamicEmbeddingBagCollection(_sharded_configs(), optimizer=optimizer, optimizer_kwargs={"lr": LR})
+    )
     kernel = "customized_kernel"
-    generators = {"row_wise": {t: row_wise(compute_kernel=kernel) for t in ("t1", "t2", "t3")},
-                  "mixed": {"t1": row_wise(compute_kernel=kernel), "t2": table_wise(rank=1, compute_kernel=kernel),
-                            "t3": row_wise(compute_kernel=kernel)}}[sharding]
-    plan = construct_module_sharding_plan(model.ebc, generators, sharder=DynamicEmbeddingBagCollectionSharder(),
-                                          local_size=world_size, world_size=world_size, device_type="cpu")
-    return DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
-                                    device=torch.device("cpu"), plan=ShardingPlan({"ebc": plan}), sharders=get_sharders())
+    generators = {
+        "row_wise": {t: row_wise(compute_kernel=kernel) for t in ("t1", "t2", "t3")},
+        "mixed": {
+            "t1": row_wise(compute_kernel=kernel),
+            "t2": table_wise(rank=1, compute_kernel=kernel),
+            "t3": row_wise(compute_kernel=kernel),
+        },
+    }[sharding]
+    plan = construct_module_sharding_plan(
+        model.ebc,
+        generators,
+        sharder=DynamicEmbeddingBagCollectionSharder(),
+        local_size=world_size,
+        world_size=world_size,
+        device_type="cpu",
+    )
+    return DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=ShardingPlan({"ebc": plan}),
+        sharders=get_sharders(),
+    )
 
 
 def _train_both(rank, world_size, dmp, reference, steps, first_step=0):
     for step in range(first_step, first_step + steps):
         kjts = [_rank_batch(step, r) for r in range(world_size)]
-        grads = [torch.randn(BATCH, DIM + 8 + 6, generator=torch.Generator().manual_seed(step * 7 + r))
-                 for r in range(world_size)]
+        grads = [
+            torch.randn(BATCH, DIM + 8 + 6, generator=torch.Generator().manual_seed(step * 7 + r))
+            for r in range(world_size)
+        ]
         out = dmp(kjts[rank])
         want = reference(_global_batch(kjts))
-        torch.testing.assert_close(out.values(), want.values()[rank * BATCH:(rank + 1) * BATCH], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.values(), want.values()[rank * BATCH : (rank + 1) * BATCH], rtol=1e-5, atol=1e-5)
         (out.values() * grads[rank]).sum().backward()
         # The ranks train on the mean of their losses (TorchRec divides the gradient by the world size).
         ((want.values() * torch.cat(grads)).sum() / world_size).backward()
@@ -394,7 +479,7 @@ def _sharded_equals_unsharded(rank, world_size, sharding, optimizer, root):
     _train_both(rank, world_size, dmp, reference, 2)
     # Deltas: an unsharded replica of the state at a token, applying every rank's share, follows
     # the fallback rows too (row-wise tables' in rank 0's share, table-wise ones' in the owner's).
-    base = {k[len("ebc."):]: v for k, v in full_state_dict(dmp.state_dict()).items()}
+    base = {k[len("ebc.") :]: v for k, v in full_state_dict(dmp.state_dict()).items()}
     token = dmp.module.ebc.delta_token()
     _train_both(rank, world_size, dmp, reference, 2, first_step=2)
     shares = [None] * world_size
@@ -411,9 +496,12 @@ def _sharded_equals_unsharded(rank, world_size, sharding, optimizer, root):
     reference.eval()
     kjts = [_rank_batch(1000 + r, r) for r in range(world_size)]
     with torch.no_grad():
-        torch.testing.assert_close(dmp(kjts[rank]).values(),
-                                   reference(_global_batch(kjts)).values()[rank * BATCH:(rank + 1) * BATCH],
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            dmp(kjts[rank]).values(),
+            reference(_global_batch(kjts)).values()[rank * BATCH : (rank + 1) * BATCH],
+            rtol=1e-5,
+            atol=1e-5,
+        )
     dmp.train()
     reference.train()
     # Every rank's copy of the fallback rows (and their state) equals the unsharded table's.
@@ -502,12 +590,16 @@ def test_planner_counts_the_fallback_rows_and_their_state():
         for parts in (1, 2):
             module = _module("adam", k=7, data_type=data_type, num_embeddings=-(-300 // parts))
             cfg = module.embedding_bag_configs()[0]
-            assert dynamic_table_bytes(300, DIM, "adam", parts=parts, admission=cfg,
-                                       element_bytes=element_bytes) == module.storage_bytes()
+            assert (
+                dynamic_table_bytes(300, DIM, "adam", parts=parts, admission=cfg, element_bytes=element_bytes)
+                == module.storage_bytes()
+            )
 
 
-@pytest.mark.parametrize("optimizer,dtype", [("sgd", "FP32"), ("adam", "FP16"), ("rowwise_adagrad", "BF16"),
-                                             ("ftrl", "FP32"), ("adamw", "FP32")])
+@pytest.mark.parametrize(
+    "optimizer,dtype",
+    [("sgd", "FP32"), ("adam", "FP16"), ("rowwise_adagrad", "BF16"), ("ftrl", "FP32"), ("adamw", "FP32")],
+)
 def test_replicated_fallback_step_on_one_rank_equals_the_fused_step(optimizer, dtype):
     """The sharded path (fallback gradients summed apart, then stepped) with a one-rank sum
     trains exactly as the plain fused update: two tables of other dims, pooled sum and mean."""
@@ -516,10 +608,20 @@ def test_replicated_fallback_step_on_one_rank_equals_the_fused_step(optimizer, d
     kwargs = {"lr": LR} if optimizer != "ftrl" else {"lr": LR, "initial_accumulator_value": 0.1}
 
     def make():
-        cfgs = [DynamicEmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=64, feature_names=[f],
-                                          fallback_rows=k, admission="counter", admit_after=2, pooling=p,
-                                          data_type=getattr(DataType, dtype))
-                for n, d, f, k, p in (("a", 4, "f", 3, PoolingType.SUM), ("b", 8, "g", 2, PoolingType.MEAN))]
+        cfgs = [
+            DynamicEmbeddingBagConfig(
+                name=n,
+                embedding_dim=d,
+                num_embeddings=64,
+                feature_names=[f],
+                fallback_rows=k,
+                admission="counter",
+                admit_after=2,
+                pooling=p,
+                data_type=getattr(DataType, dtype),
+            )
+            for n, d, f, k, p in (("a", 4, "f", 3, PoolingType.SUM), ("b", 8, "g", 2, PoolingType.MEAN))
+        ]
         return DynamicEmbeddingBagCollection(cfgs, optimizer=optimizer, optimizer_kwargs=kwargs)
 
     plain, split = make(), make()
@@ -542,8 +644,18 @@ def test_replicated_fallback_step_on_one_rank_equals_the_fused_step(optimizer, d
 
 def test_replicated_fallback_step_of_a_sequence_collection_equals_the_fused_step():
     def make():
-        cfgs = [DynamicEmbeddingConfig(name=n, embedding_dim=DIM, num_embeddings=64, feature_names=[f], fallback_rows=k,
-                                       admission="counter", admit_after=2) for n, f, k in (("a", "f", 3), ("b", "g", 2))]
+        cfgs = [
+            DynamicEmbeddingConfig(
+                name=n,
+                embedding_dim=DIM,
+                num_embeddings=64,
+                feature_names=[f],
+                fallback_rows=k,
+                admission="counter",
+                admit_after=2,
+            )
+            for n, f, k in (("a", "f", 3), ("b", "g", 2))
+        ]
         return DynamicEmbeddingCollection(cfgs, optimizer="adagrad", optimizer_kwargs={"lr": LR})
 
     plain, split = make(), make()
@@ -574,7 +686,7 @@ def test_many_fallback_rows_merge_the_ids_sharing_one():
     assert len(set(slots)) < len(slots)  # some ids share a fallback row
     gen = torch.Generator().manual_seed(8)
     for _ in range(2):
-        bags = [pool[j:j + 5] for j in torch.randperm(len(pool), generator=gen)[:600].tolist()]
+        bags = [pool[j : j + 5] for j in torch.randperm(len(pool), generator=gen)[:600].tolist()]
         grad_out = torch.randn(len(bags), DIM, generator=gen)
         got = module(_kjt(bags)).values()
         torch.testing.assert_close(got, oracle.train(bags, grad_out), rtol=1e-5, atol=1e-6)

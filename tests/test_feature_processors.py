@@ -3,6 +3,7 @@ FeatureProcessedEmbeddingBagCollection with PositionWeightedModule(Collection) t
 position weights through our module (their gradient: each id's row dotted with its bag's output
 gradient), against TorchRec's own FP-EBC holding the same rows and a brute-force autograd model.
 """
+
 import pytest
 import torch
 from torchrec import KeyedJaggedTensor, PoolingType
@@ -17,10 +18,14 @@ MAX_LEN = 4
 
 
 def _tables(pooling=PoolingType.SUM):
-    return [DynamicEmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=128, feature_names=["f1", "f2"],
-                                      pooling=pooling),
-            DynamicEmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=128, feature_names=["f3"],
-                                      pooling=pooling)]
+    return [
+        DynamicEmbeddingBagConfig(
+            name="t1", embedding_dim=4, num_embeddings=128, feature_names=["f1", "f2"], pooling=pooling
+        ),
+        DynamicEmbeddingBagConfig(
+            name="t2", embedding_dim=8, num_embeddings=128, feature_names=["f3"], pooling=pooling
+        ),
+    ]
 
 
 def _kjt(seed, batch=4):
@@ -32,7 +37,7 @@ def _kjt(seed, batch=4):
 
 def _processors(kind):
     if kind == "collection":
-        fp = PositionWeightedModuleCollection({k: MAX_LEN for k in KEYS})
+        fp = PositionWeightedModuleCollection(dict.fromkeys(KEYS, MAX_LEN))
         with torch.no_grad():
             for p in fp.position_weights.values():
                 p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(7))
@@ -66,7 +71,7 @@ def _brute_force_grads(module, kjt, upstream, weights_by_key, pooling):
                 bag = bag + leaves[key][pos] * v
             if pooling == PoolingType.MEAN and n:
                 bag = bag / n
-            loss = loss + (bag * upstream[b, col:col + cfg.embedding_dim]).sum()
+            loss = loss + (bag * upstream[b, col : col + cfg.embedding_dim]).sum()
             start += n
         col += cfg.embedding_dim
     loss.backward()
@@ -76,8 +81,9 @@ def _brute_force_grads(module, kjt, upstream, weights_by_key, pooling):
 @pytest.mark.parametrize("kind", ["collection", "modules"])
 @pytest.mark.parametrize("pooling", [PoolingType.SUM, PoolingType.MEAN])
 def test_position_weights_get_their_gradients(kind, pooling):
-    ours = DynamicEmbeddingBagCollection(_tables(pooling), is_weighted=True, optimizer="adagrad",
-                                         optimizer_kwargs={"lr": 0.05})
+    ours = DynamicEmbeddingBagCollection(
+        _tables(pooling), is_weighted=True, optimizer="adagrad", optimizer_kwargs={"lr": 0.05}
+    )
     model = FeatureProcessedEmbeddingBagCollection(ours, _processors(kind))
     for step in range(3):
         kjt = _kjt(step)
@@ -89,8 +95,14 @@ def test_position_weights_get_their_gradients(kind, pooling):
         snapshot.load_state_dict(ours.state_dict())
         (model(kjt).values() * upstream).sum().backward()
         got = _position_grads(model)
-        weights = {k: (model._feature_processors.position_weights[k] if kind == "collection"
-                       else model._feature_processors[k].position_weight) for k in KEYS}
+        weights = {
+            k: (
+                model._feature_processors.position_weights[k]
+                if kind == "collection"
+                else model._feature_processors[k].position_weight
+            )
+            for k in KEYS
+        }
         want = _brute_force_grads(snapshot, kjt, upstream, weights, pooling)
         assert len(got) == len(KEYS)
         for name, g in got.items():
@@ -111,9 +123,18 @@ def test_position_weight_gradients_equal_torchrecs_fp_ebc():
     for step in range(3):
         kjt = _kjt(step)
         starts = torch.tensor([0] + kjt.length_per_key()).cumsum(0).tolist()
-        remapped = KeyedJaggedTensor(keys=KEYS, values=torch.tensor(
-            [maps[table_of[k]].get(v, len(maps[table_of[k]])) for i, k in enumerate(KEYS)
-             for v in kjt.values()[starts[i]:starts[i + 1]].tolist()]), lengths=kjt.lengths(), stride=4)
+        remapped = KeyedJaggedTensor(
+            keys=KEYS,
+            values=torch.tensor(
+                [
+                    maps[table_of[k]].get(v, len(maps[table_of[k]]))
+                    for i, k in enumerate(KEYS)
+                    for v in kjt.values()[starts[i] : starts[i + 1]].tolist()
+                ]
+            ),
+            lengths=kjt.lengths(),
+            stride=4,
+        )
         upstream = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 + step))
         ours_fp.zero_grad()
         theirs_fp.zero_grad()
@@ -130,6 +151,7 @@ def test_position_weight_gradients_equal_torchrecs_fp_ebc():
 def test_new_ids_weights_read_their_initial_rows():
     """A batch of ids never seen (their rows still pending in the forward) gives the same
     position-weight gradients as the same batch once its rows exist: both read the initial vectors."""
+
     def grads(prefill):
         module = DynamicEmbeddingBagCollection(_tables(), is_weighted=True, optimizer="adagrad")
         model = FeatureProcessedEmbeddingBagCollection(module, _processors("collection"))

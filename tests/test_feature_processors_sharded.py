@@ -6,6 +6,7 @@ weights trained by a dense optimizer, and tables equal the unsharded FP-EBC over
 global batch with the ranks' mean loss; TorchRec's and our train pipelines train it as a plain
 loop does. An FP-EBC over TorchRec's EBC in the same model still gets TorchRec's own sharded
 FP-EBC; the composable shard() keeps the unsharded FQNs."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,11 +24,16 @@ TOTAL_DIM = 16  # t1 (f1, f2): 4 each, t2 (f3): 8
 
 def _fp_ebc(kind):
     ebc = DynamicEmbeddingBagCollection(
-        [DynamicEmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=256, feature_names=["f1", "f2"]),
-         DynamicEmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=256, feature_names=["f3"])],
-        is_weighted=True, optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+        [
+            DynamicEmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=256, feature_names=["f1", "f2"]),
+            DynamicEmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=256, feature_names=["f3"]),
+        ],
+        is_weighted=True,
+        optimizer="adagrad",
+        optimizer_kwargs={"lr": 0.1},
+    )
     if kind == "collection":
-        processors = PositionWeightedModuleCollection({k: MAX_LEN for k in KEYS})
+        processors = PositionWeightedModuleCollection(dict.fromkeys(KEYS, MAX_LEN))
         weights = list(processors.position_weights.values())
     else:
         processors = {k: PositionWeightedModule(MAX_LEN) for k in KEYS}
@@ -63,7 +69,7 @@ def _upstream(step):
 
 def _position_weights(named_parameters):
     """By their name in the unsharded model (DMP's and DDP's wrappers' prefixes dropped)."""
-    return {n[n.index("fp."):]: p for n, p in named_parameters if "position_weight" in n}
+    return {n[n.index("fp.") :]: p for n, p in named_parameters if "position_weight" in n}
 
 
 def _train_and_compare(rank, world_size, dmp, reference, steps=3):
@@ -96,8 +102,14 @@ def _train_and_compare(rank, world_size, dmp, reference, steps=3):
         torch.testing.assert_close(ours[name].detach(), p.detach(), rtol=1e-5, atol=1e-6, msg=name)
 
 
-CASES = [("row_wise", "collection"), ("table_wise", "collection"), ("column_wise", "collection"),
-         ("table_row_wise", "collection"), ("row_wise", "modules"), ("table_wise", "modules")]
+CASES = [
+    ("row_wise", "collection"),
+    ("table_wise", "collection"),
+    ("column_wise", "collection"),
+    ("table_row_wise", "collection"),
+    ("row_wise", "modules"),
+    ("table_wise", "modules"),
+]
 
 
 def _planned(rank, world_size, cases):
@@ -105,14 +117,17 @@ def _planned(rank, world_size, cases):
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 
     from torchrec_ext.distributed import (
-        ShardedFeatureProcessedDynamicEmbeddingBagCollection, full_state_dict, get_sharders,
+        ShardedFeatureProcessedDynamicEmbeddingBagCollection,
+        full_state_dict,
+        get_sharders,
     )
 
     for sharding_type, kind in cases:
         reference, model = _Model(kind), _Model(kind)
         constraints = {t: ParameterConstraints(sharding_types=[sharding_type], min_partition=4) for t in ("t1", "t2")}
-        planner = EmbeddingShardingPlanner(topology=Topology(world_size=world_size, compute_device="cpu"),
-                                           batch_size=BATCH, constraints=constraints)
+        planner = EmbeddingShardingPlanner(
+            topology=Topology(world_size=world_size, compute_device="cpu"), batch_size=BATCH, constraints=constraints
+        )
         plan = planner.collective_plan(model, get_sharders(), dist.group.WORLD)
         assert {p.sharding_type for p in plan.plan["fp"].values()} == {sharding_type}
         assert {p.compute_kernel for p in plan.plan["fp"].values()} == {"customized_kernel"}
@@ -120,7 +135,9 @@ def _planned(rank, world_size, cases):
         assert isinstance(dmp.module.fp, ShardedFeatureProcessedDynamicEmbeddingBagCollection)
         _train_and_compare(rank, world_size, dmp, reference)
         state = dmp.state_dict()
-        assert_same_tables(full_state_dict(state), reference.state_dict(), "fp._embedding_bag_collection.embedding_bags.")
+        assert_same_tables(
+            full_state_dict(state), reference.state_dict(), "fp._embedding_bag_collection.embedding_bags."
+        )
         for name, value in reference.state_dict().items():
             if "position_weight" in name:
                 torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
@@ -133,6 +150,7 @@ def test_fp_ebc_over_dynamic_ebc_shards_through_the_planner_and_equals_unsharded
 
 # ------------------------------------------------------------------ no plan, next to TorchRec's FP-EBC
 
+
 class _TwoFpEbcs(torch.nn.Module):
     """An FP-EBC over our EBC and one over TorchRec's, fed the same KJT."""
 
@@ -140,8 +158,9 @@ class _TwoFpEbcs(torch.nn.Module):
         super().__init__()
         self.dyn = _fp_ebc("collection")
         torch.manual_seed(0)
-        stock = EmbeddingBagCollection([EmbeddingBagConfig(name="s1", embedding_dim=4, num_embeddings=16,
-                                                           feature_names=["f1"])], is_weighted=True)
+        stock = EmbeddingBagCollection(
+            [EmbeddingBagConfig(name="s1", embedding_dim=4, num_embeddings=16, feature_names=["f1"])], is_weighted=True
+        )
         self.stock = FeatureProcessedEmbeddingBagCollection(stock, PositionWeightedModuleCollection({"f1": MAX_LEN}))
 
     def forward(self, kjt):
@@ -160,11 +179,16 @@ def _dmp_without_plan(rank, world_size):
     assert type(dmp.module.stock) is ShardedFeatureProcessedEmbeddingBagCollection  # TorchRec's, over its EBC
     assert {p.compute_kernel for p in dmp.plan.plan["dyn"].values()} == {"customized_kernel"}
     assert "customized_kernel" not in {p.compute_kernel for p in dmp.plan.plan["stock"].values()}
-    copy_stock_table(dmp, "stock._embedding_bag_collection.embedding_bags.s1.weight",
-                     reference.stock._embedding_bag_collection.embedding_bags["s1"])
+    copy_stock_table(
+        dmp,
+        "stock._embedding_bag_collection.embedding_bags.s1.weight",
+        reference.stock._embedding_bag_collection.embedding_bags["s1"],
+    )
     for step in range(2):
-        kjts = [KeyedJaggedTensor(keys=KEYS, values=(k.values() % 16), lengths=k.lengths(), stride=BATCH)
-                for k in (_rank_batch(step, r) for r in range(world_size))]
+        kjts = [
+            KeyedJaggedTensor(keys=KEYS, values=(k.values() % 16), lengths=k.lengths(), stride=BATCH)
+            for k in (_rank_batch(step, r) for r in range(world_size))
+        ]
         want = reference.dyn(global_batch(kjts)).values()
         stock_want = reference.stock(global_batch(kjts)).values() if step == 0 else None
         out = dmp(kjts[rank])
@@ -182,6 +206,7 @@ def test_dmp_without_plan_shards_fp_ebcs_over_both_ebcs():
 
 # ------------------------------------------------------------------ missing sharders are loud
 
+
 def test_planning_without_our_fp_sharder_names_get_sharders():
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
     from torchrec.distributed.planner.types import PlannerError
@@ -192,13 +217,17 @@ def test_planning_without_our_fp_sharder_names_get_sharders():
     planner = EmbeddingShardingPlanner(topology=Topology(world_size=WORLD, compute_device="cpu"), batch_size=BATCH)
     model = ModelWith("fp", _fp_ebc("collection"))
     # TorchRec's FP sharder would shard our EBC inside with TorchRec's EBC sharder.
-    for sharders in (list(get_default_sharders()), [DynamicEmbeddingBagCollectionSharder()] + list(get_default_sharders())):
+    for sharders in (
+        list(get_default_sharders()),
+        [DynamicEmbeddingBagCollectionSharder()] + list(get_default_sharders()),
+    ):
         with pytest.raises(PlannerError, match=r"fp.*torchrec_ext\.distributed\.get_sharders\(\)"):
             planner.plan(model, sharders)
     assert set(planner.plan(model, get_sharders()).plan["fp"]) == {"t1", "t2"}
 
 
 # ------------------------------------------------------------------ composable shard()
+
 
 def _composable_shard(rank, world_size):
     from torchrec.distributed.shard import shard
@@ -209,8 +238,11 @@ def _composable_shard(rank, world_size):
     module, reference = _fp_ebc("collection"), _fp_ebc("collection")
     names, modules = [n for n, _ in module.named_parameters()], [n for n, _ in module.named_modules()]
     # No sharder given: TorchRec finds ours for an FP-EBC (import torchrec_ext.distributed).
-    sharded = shard(module, plan={"t1": row_wise(), "t2": table_wise(rank=1)},  # rank 0 holds no t2
-                    device=torch.device("cpu"))
+    sharded = shard(
+        module,
+        plan={"t1": row_wise(), "t2": table_wise(rank=1)},  # rank 0 holds no t2
+        device=torch.device("cpu"),
+    )
     assert isinstance(sharded, ShardedFeatureProcessedDynamicEmbeddingBagCollection)
     assert [n for n, _ in sharded.named_parameters()] == names
     assert [n for n, _ in sharded.named_modules()] == modules
@@ -222,8 +254,9 @@ def _composable_shard(rank, world_size):
         torch.testing.assert_close(out, want[mine], rtol=1e-5, atol=1e-5)
         (out * _upstream(step)[mine]).sum().backward()
         ((want * _upstream(step)).sum() / world_size).backward()
-    assert_same_tables(full_state_dict(sharded.state_dict()), reference.state_dict(),
-                       "_embedding_bag_collection.embedding_bags.")
+    assert_same_tables(
+        full_state_dict(sharded.state_dict()), reference.state_dict(), "_embedding_bag_collection.embedding_bags."
+    )
 
 
 def test_composable_shard_of_fp_ebc_over_dynamic_ebc():
@@ -231,6 +264,7 @@ def test_composable_shard_of_fp_ebc_over_dynamic_ebc():
 
 
 # ------------------------------------------------------------------ pipelines
+
 
 class _FpTrain(torch.nn.Module):
     """An FP-EBC over our EBC (f0..f2) and a linear layer on its pooled output and the dense
@@ -244,9 +278,15 @@ class _FpTrain(torch.nn.Module):
         torch.manual_seed(0)
         keys = [f"f{i}" for i in range(NUM_TABLES)]
         ebc = DynamicEmbeddingBagCollection(
-            [DynamicEmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=4 * ROWS, feature_names=[k])
-             for i, k in enumerate(keys)], is_weighted=True, optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
-        self.fp = FeatureProcessedEmbeddingBagCollection(ebc, PositionWeightedModuleCollection({k: 4 for k in keys}))
+            [
+                DynamicEmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=4 * ROWS, feature_names=[k])
+                for i, k in enumerate(keys)
+            ],
+            is_weighted=True,
+            optimizer="adagrad",
+            optimizer_kwargs={"lr": 0.05},
+        )
+        self.fp = FeatureProcessedEmbeddingBagCollection(ebc, PositionWeightedModuleCollection(dict.fromkeys(keys, 4)))
         self.over = torch.nn.Linear(NUM_TABLES * DIM + DENSE_IN, 1)
 
     def forward(self, batch):
@@ -266,13 +306,19 @@ def _fp_dmp(world_size):
     from torchrec_ext.distributed import get_sharders
 
     model = _FpTrain()
-    plan = construct_module_sharding_plan(model.fp, {"t0": row_wise(), "t1": table_wise(rank=1),
-                                                     "t2": column_wise(ranks=[0, 1])},
-                                          local_size=world_size, world_size=world_size, device_type="cpu")
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=ShardingPlan({"fp": plan}),
-                                   sharders=get_sharders())
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda params: torch.optim.SGD(params, lr=0.5))
+    plan = construct_module_sharding_plan(
+        model.fp,
+        {"t0": row_wise(), "t1": table_wise(rank=1), "t2": column_wise(ranks=[0, 1])},
+        local_size=world_size,
+        world_size=world_size,
+        device_type="cpu",
+    )
+    dmp = DistributedModelParallel(
+        model, device=torch.device("cpu"), plan=ShardingPlan({"fp": plan}), sharders=get_sharders()
+    )
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda params: torch.optim.SGD(params, lr=0.5)
+    )
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
 
 
@@ -286,8 +332,10 @@ def _pipelines(rank, world_size):
     model, optimizer = _fp_dmp(world_size)
     want_losses, want_state = plain_loop(model, optimizer, batches), local_state(model)
     assert any("position_weight" in k for k in want_state)
-    for make in (lambda m, o: TrainPipelineSparseDist(m, o, torch.device("cpu"), execute_all_batches=True),
-                 lambda m, o: TrainPipeline(m, o, torch.device("cpu"))):
+    for make in (
+        lambda m, o: TrainPipelineSparseDist(m, o, torch.device("cpu"), execute_all_batches=True),
+        lambda m, o: TrainPipeline(m, o, torch.device("cpu")),
+    ):
         model, optimizer = _fp_dmp(world_size)
         pipeline = make(model, optimizer)
         losses = progress_losses(pipeline, batches)

@@ -2,6 +2,7 @@
 our sharders and no plan, TorchRec's default EmbeddingShardingPlanner, construct_module_sharding_plan
 and the composable shard(); and DMP with TorchRec's default sharders refusing our modules at
 construction instead of leaving them out of the plan."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,15 +18,21 @@ KEYS = ["f1", "f2"]
 
 
 def _dynamic():
-    return DynamicEmbeddingBagCollection([
-        DynamicEmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=64, feature_names=["f1"]),
-        DynamicEmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=32, feature_names=["f2"]),
-    ], optimizer="sgd", optimizer_kwargs={"lr": 0.5})
+    return DynamicEmbeddingBagCollection(
+        [
+            DynamicEmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=64, feature_names=["f1"]),
+            DynamicEmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=32, feature_names=["f2"]),
+        ],
+        optimizer="sgd",
+        optimizer_kwargs={"lr": 0.5},
+    )
 
 
 def _stock():
     torch.manual_seed(0)
-    return EmbeddingBagCollection([EmbeddingBagConfig(name="s1", embedding_dim=4, num_embeddings=16, feature_names=["g"])])
+    return EmbeddingBagCollection(
+        [EmbeddingBagConfig(name="s1", embedding_dim=4, num_embeddings=16, feature_names=["g"])]
+    )
 
 
 class _Mixed(nn.Module):
@@ -46,9 +53,12 @@ def _batch(step, rank, keys=KEYS, rows=1000):
 
 def _global(kjts, keys=KEYS):
     per_key = [k.to_dict() for k in kjts]
-    return KeyedJaggedTensor(keys=keys, values=torch.cat([jt[key].values() for key in keys for jt in per_key]),
-                             lengths=torch.cat([jt[key].lengths() for key in keys for jt in per_key]),
-                             stride=BATCH * len(kjts))
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=torch.cat([jt[key].values() for key in keys for jt in per_key]),
+        lengths=torch.cat([jt[key].lengths() for key in keys for jt in per_key]),
+        stride=BATCH * len(kjts),
+    )
 
 
 def _train_and_compare(rank, world_size, sharded, reference, steps=3):
@@ -58,12 +68,13 @@ def _train_and_compare(rank, world_size, sharded, reference, steps=3):
         kjts = [_batch(step, r) for r in range(world_size)]
         out = sharded(kjts[rank]).values()
         want = reference(_global(kjts)).values()
-        torch.testing.assert_close(out, want[rank * BATCH:(rank + 1) * BATCH], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, want[rank * BATCH : (rank + 1) * BATCH], rtol=1e-5, atol=1e-5)
         out.sum().backward()
         (want.sum() / world_size).backward()  # the ranks train on their losses' mean
 
 
 # ------------------------------------------------------------------ DMP with our sharders, no plan
+
 
 def _dmp_without_plan(rank, world_size):
     from torchrec.distributed import DistributedModelParallel
@@ -75,15 +86,17 @@ def _dmp_without_plan(rank, world_size):
     assert isinstance(dmp.module.dyn, ShardedDynamicEmbeddingBagCollection)
     assert set(dmp.plan.plan["dyn"]) == {"t1", "t2"} and "s1" in dmp.plan.plan["stock"]
     assert {p.compute_kernel for p in dmp.plan.plan["dyn"].values()} == {"customized_kernel"}
-    copy_stock_table(dmp, "stock.embedding_bags.s1.weight", reference.stock.embedding_bags["s1"])  # TorchRec's sharded stock table draws its own initial rows
+    copy_stock_table(
+        dmp, "stock.embedding_bags.s1.weight", reference.stock.embedding_bags["s1"]
+    )  # TorchRec's sharded stock table draws its own initial rows
     stock_kjts = [_batch(0, r, ["g"], 16) for r in range(world_size)]
     for step in range(3):
         kjts = [_batch(step, r) for r in range(world_size)]
         out = dmp(kjts[rank], stock_kjts[rank])
-        dyn_want = reference.dyn(_global(kjts)).values()[rank * BATCH:(rank + 1) * BATCH]
+        dyn_want = reference.dyn(_global(kjts)).values()[rank * BATCH : (rank + 1) * BATCH]
         torch.testing.assert_close(out[:, :8], dyn_want, rtol=1e-5, atol=1e-5)
         if step == 0:  # the stock table trains with TorchRec's own optimizer: compare its first forward only
-            stock_want = reference.stock(_global(stock_kjts, ["g"])).values()[rank * BATCH:(rank + 1) * BATCH]
+            stock_want = reference.stock(_global(stock_kjts, ["g"])).values()[rank * BATCH : (rank + 1) * BATCH]
             torch.testing.assert_close(out[:, 8:], stock_want, rtol=1e-5, atol=1e-5)
         out[:, :8].sum().backward()
         (reference.dyn(_global(kjts)).values().sum() / world_size).backward()  # the ranks' losses' mean
@@ -94,6 +107,7 @@ def test_dmp_with_our_sharders_and_no_plan_plans_shards_and_trains():
 
 
 # ------------------------------------------------------------------ TorchRec's default planner
+
 
 def test_default_planner_costs_our_tables_with_our_estimators():
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
@@ -132,6 +146,7 @@ def test_default_planner_collective_plan_covers_our_module():
 
 # ------------------------------------------------------------------ construct_module_sharding_plan + DMP
 
+
 def _constructed_plan(rank, world_size):
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
@@ -140,12 +155,18 @@ def _constructed_plan(rank, world_size):
     from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
 
     model, reference = ModelWith("ebc", _dynamic()), _dynamic()
-    module_plan = construct_module_sharding_plan(model.ebc, {"t1": row_wise(), "t2": table_wise(rank=1)},
-                                                 sharder=DynamicEmbeddingBagCollectionSharder(),
-                                                 local_size=world_size, world_size=world_size, device_type="cpu")
+    module_plan = construct_module_sharding_plan(
+        model.ebc,
+        {"t1": row_wise(), "t2": table_wise(rank=1)},
+        sharder=DynamicEmbeddingBagCollectionSharder(),
+        local_size=world_size,
+        world_size=world_size,
+        device_type="cpu",
+    )
     assert module_plan["t1"].sharding_type == "row_wise" and module_plan["t2"].ranks == [1]
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=ShardingPlan({"ebc": module_plan}),
-                                   sharders=get_sharders())
+    dmp = DistributedModelParallel(
+        model, device=torch.device("cpu"), plan=ShardingPlan({"ebc": module_plan}), sharders=get_sharders()
+    )
     _train_and_compare(rank, world_size, dmp, reference)
 
 
@@ -155,18 +176,22 @@ def test_construct_module_sharding_plan_and_dmp():
 
 # ------------------------------------------------------------------ composable shard()
 
+
 def _composable_shard(rank, world_size):
     from torchrec.distributed.shard import shard
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
 
     from torchrec_ext.distributed import (
-        DynamicEmbeddingBagCollectionSharder, ShardedDynamicEmbeddingBagCollection, full_state_dict,
+        DynamicEmbeddingBagCollectionSharder,
+        ShardedDynamicEmbeddingBagCollection,
+        full_state_dict,
     )
 
     per_table = {"t1": row_wise(), "t2": table_wise(rank=0)}  # rank 1 holds no t2
     # No sharder given: TorchRec looks ours up by module type (import torchrec_ext.distributed).
-    module_plan = construct_module_sharding_plan(_dynamic(), dict(per_table), local_size=world_size,
-                                                 world_size=world_size, device_type="cpu")
+    module_plan = construct_module_sharding_plan(
+        _dynamic(), dict(per_table), local_size=world_size, world_size=world_size, device_type="cpu"
+    )
     # generators with our sharder, and the plan construct_module_sharding_plan made with none
     for plan, sharder in ((per_table, DynamicEmbeddingBagCollectionSharder()), (module_plan, None)):
         module, reference = _dynamic(), _dynamic()
@@ -194,10 +219,14 @@ def _composable_shard_ec(rank, world_size):
     from torchrec_ext import DynamicEmbeddingCollection, DynamicEmbeddingConfig
     from torchrec_ext.distributed import ShardedDynamicEmbeddingCollection, full_state_dict
 
-    make = lambda: DynamicEmbeddingCollection([
-        DynamicEmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=64, feature_names=["f1"]),
-        DynamicEmbeddingConfig(name="t2", embedding_dim=4, num_embeddings=32, feature_names=["f2"]),
-    ], optimizer="sgd", optimizer_kwargs={"lr": 0.5})
+    make = lambda: DynamicEmbeddingCollection(
+        [
+            DynamicEmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=64, feature_names=["f1"]),
+            DynamicEmbeddingConfig(name="t2", embedding_dim=4, num_embeddings=32, feature_names=["f2"]),
+        ],
+        optimizer="sgd",
+        optimizer_kwargs={"lr": 0.5},
+    )
     module, reference = make(), make()
     names, keys = [n for n, _ in module.named_parameters()], list(module.state_dict())
     sharded = shard(module, plan={"t1": row_wise(), "t2": table_wise(rank=0)}, device=torch.device("cpu"))
@@ -211,7 +240,7 @@ def _composable_shard_ec(rank, world_size):
         for key in KEYS:
             before = sum(int(kjts[r][key].lengths().sum()) for r in range(rank))
             n = int(kjts[rank][key].lengths().sum())
-            torch.testing.assert_close(out[key].values(), want[key].values()[before:before + n])
+            torch.testing.assert_close(out[key].values(), want[key].values()[before : before + n])
             loss = loss + out[key].values().sum()
         loss.backward()
         sum(jt.values().sum() for jt in want.values()).backward()  # each id's gradient from its own rank
@@ -225,6 +254,7 @@ def test_composable_shard_of_an_embedding_collection():
 
 
 # ------------------------------------------------------------------ missing sharders are loud
+
 
 def _dmp_default_sharders(rank, world_size):
     from torchrec.distributed import DistributedModelParallel

@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py (the driver of scripts/gpu_check.sh) at tiny sizes on CPU, so the GPU
 check cannot rot between GPU runs: every step runs, the report and the JSON rows say what ran where,
 and one failing step is reported, fails the exit status, and does not stop the next steps."""
+
 import json
 import os
 import subprocess
@@ -13,8 +14,13 @@ DRIVER = os.path.join(ROOT, "benchmarks", "gpu_check.py")
 
 
 def run_driver(out_dir, *args):
-    proc = subprocess.run([sys.executable, DRIVER, "--out-dir", str(out_dir), "--device", "cpu", "--smoke", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, DRIVER, "--out-dir", str(out_dir), "--device", "cpu", "--smoke", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     with open(os.path.join(out_dir, "gpu_check.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     with open(os.path.join(out_dir, "gpu_check.md")) as f:
@@ -23,7 +29,15 @@ def run_driver(out_dir, *args):
 
 
 def test_smoke_runs_every_step_and_records_device_and_versions(tmp_path):
-    steps = ["env", "syncs", "profile", "bandwidth", "hash_table", "upsert_tables", "lookup"]  # pipeline: torchrun, ~40 s
+    steps = [
+        "env",
+        "syncs",
+        "profile",
+        "bandwidth",
+        "hash_table",
+        "upsert_tables",
+        "lookup",
+    ]  # pipeline: torchrun, ~40 s
     proc, rows, report = run_driver(tmp_path, "--steps", ",".join(steps))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [r["step"] for r in rows] == steps
@@ -74,5 +88,9 @@ def test_sync_recorder_counts_each_warning_under_the_call_that_issued_it():
             synchronizing_op()
     warnings.warn("after: not counted", stacklevel=1)
     assert dict(recorder.messages) == {"called a synchronizing CUDA operation": 3}
-    (site, count), = recorder.sites.items()
-    assert count == 3 and site.startswith(os.path.join("tests", "test_gpu_check.py:")) and site.endswith("(synchronizing_op)")
+    ((site, count),) = recorder.sites.items()
+    assert (
+        count == 3
+        and site.startswith(os.path.join("tests", "test_gpu_check.py:"))
+        and site.endswith("(synchronizing_op)")
+    )

@@ -5,6 +5,7 @@ Growth moves rows, never values, so every output, and every live id's vector, op
 score, last-seen step and delta, equal the preallocated module's; eviction begins only at the
 maximum capacity; memory (storage_bytes, RSS) follows the current capacity.
 """
+
 import gc
 import os
 
@@ -29,17 +30,27 @@ NUM_EMBEDDINGS = 2048
 def _configs(initial, cls=DynamicEmbeddingBagConfig, **extra):
     """Three tables: float32 with TTL, fp16 with fallback rows and Bloom admission, lfu bf16 of
     another dim with counter admission."""
-    kinds = [dict(embedding_dim=8, ttl_steps=50),
-             dict(embedding_dim=8, data_type=DataType.FP16, fallback_rows=4, admission="bloom", admit_after=2),
-             dict(embedding_dim=4, data_type=DataType.BF16, eviction_policy="lfu", admit_after=2)]
-    return [cls(name=f"t{i}", num_embeddings=NUM_EMBEDDINGS, feature_names=[f"f{i}"],
-                initial_capacity=None if initial is None else initial, **kind, **extra)
-            for i, kind in enumerate(kinds)]
+    kinds = [
+        dict(embedding_dim=8, ttl_steps=50),
+        dict(embedding_dim=8, data_type=DataType.FP16, fallback_rows=4, admission="bloom", admit_after=2),
+        dict(embedding_dim=4, data_type=DataType.BF16, eviction_policy="lfu", admit_after=2),
+    ]
+    return [
+        cls(
+            name=f"t{i}",
+            num_embeddings=NUM_EMBEDDINGS,
+            feature_names=[f"f{i}"],
+            initial_capacity=None if initial is None else initial,
+            **kind,
+            **extra,
+        )
+        for i, kind in enumerate(kinds)
+    ]
 
 
 def _batch(gen, batch_size=32, spread=1400, tables=3):
     lengths = torch.randint(0, 6, (tables * batch_size,), generator=gen)
-    ids = torch.randint(0, spread, (int(lengths.sum()),), generator=gen) * 7919 - 2 ** 40
+    ids = torch.randint(0, spread, (int(lengths.sum()),), generator=gen) * 7919 - 2**40
     return KeyedJaggedTensor.from_lengths_sync([f"f{i}" for i in range(tables)], ids, lengths)
 
 
@@ -48,12 +59,17 @@ def _by_id(module, container="embedding_bags"):
     sd, out = module.state_dict(), {}
     for name in {k.split(".")[1] for k in sd if k.startswith(container + ".")}:
         prefix = f"{container}.{name}."
-        mine = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix) and k[len(prefix):] != "row"}
+        mine = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix) and k[len(prefix) :] != "row"}
         order = mine["weight_id"].argsort()
         pending = mine["admission_id"].argsort() if "admission_id" in mine else None
-        out[name] = {k: v[order] if k in ("weight", "weight_id", "metadata", "last_seen") or k.startswith("optimizer.")
-                     else v[pending] if k.startswith("admission_") and pending is not None else v
-                     for k, v in mine.items()}
+        out[name] = {
+            k: v[order]
+            if k in ("weight", "weight_id", "metadata", "last_seen") or k.startswith("optimizer.")
+            else v[pending]
+            if k.startswith("admission_") and pending is not None
+            else v
+            for k, v in mine.items()
+        }
     return out
 
 
@@ -67,8 +83,10 @@ def _assert_same_tables(got, want):
 
 @pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad", "adam"])
 def test_growing_bag_collection_equals_the_preallocated_one(optimizer):
-    modules = [DynamicEmbeddingBagCollection(_configs(initial), optimizer=optimizer, optimizer_kwargs={"lr": 0.05})
-               for initial in (40, None)]
+    modules = [
+        DynamicEmbeddingBagCollection(_configs(initial), optimizer=optimizer, optimizer_kwargs={"lr": 0.05})
+        for initial in (40, None)
+    ]
     grown, full = modules
     tokens = [m.delta_token() for m in modules]
     gen = torch.Generator().manual_seed(3)
@@ -87,8 +105,9 @@ def test_growing_bag_collection_equals_the_preallocated_one(optimizer):
     assert all(s.max_capacity == NUM_EMBEDDINGS and s.evictions == 0 for s in stats.values())
     assert any(s.capacity < NUM_EMBEDDINGS for s in stats.values())  # storage still below the maximum
     for name, s in full.table_stats().items():  # counters survive growth
-        assert {k: v for k, v in s.as_dict().items() if k not in ("capacity", "load_factor")} == \
-            {k: v for k, v in stats[name].as_dict().items() if k not in ("capacity", "load_factor")}
+        assert {k: v for k, v in s.as_dict().items() if k not in ("capacity", "load_factor")} == {
+            k: v for k, v in stats[name].as_dict().items() if k not in ("capacity", "load_factor")
+        }
     _assert_same_tables(_by_id(grown), _by_id(full))
     # The rows written since the token follow their rows through the growths.
     deltas = [m.export_delta(since=t, include_optimizer_state=True) for m, t in zip(modules, tokens)]
@@ -97,19 +116,31 @@ def test_growing_bag_collection_equals_the_preallocated_one(optimizer):
         og, ow = got.ids.argsort(), want.ids.argsort()
         assert torch.equal(got.ids[og], want.ids[ow]) and got.ids.numel() > 100
         assert torch.equal(got.weights[og], want.weights[ow])
-        assert torch.equal(got.fallback_slots if got.fallback_slots is not None else torch.zeros(0),
-                           want.fallback_slots if want.fallback_slots is not None else torch.zeros(0))
+        assert torch.equal(
+            got.fallback_slots if got.fallback_slots is not None else torch.zeros(0),
+            want.fallback_slots if want.fallback_slots is not None else torch.zeros(0),
+        )
         for k in want.optimizer:
             assert torch.equal(got.optimizer[k][og], want.optimizer[k][ow])
 
 
 def test_growing_sequence_collection_equals_the_preallocated_one():
     def configs(initial):
-        return [DynamicEmbeddingConfig(name=f"t{i}", embedding_dim=8, num_embeddings=NUM_EMBEDDINGS,
-                                       feature_names=[f"f{i}"], initial_capacity=initial) for i in range(2)]
+        return [
+            DynamicEmbeddingConfig(
+                name=f"t{i}",
+                embedding_dim=8,
+                num_embeddings=NUM_EMBEDDINGS,
+                feature_names=[f"f{i}"],
+                initial_capacity=initial,
+            )
+            for i in range(2)
+        ]
 
-    modules = [DynamicEmbeddingCollection(configs(initial), optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
-               for initial in (33, None)]  # not a whole number of buckets
+    modules = [
+        DynamicEmbeddingCollection(configs(initial), optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+        for initial in (33, None)
+    ]  # not a whole number of buckets
     gen = torch.Generator().manual_seed(5)
     for step in range(15):
         kjt = _batch(gen, tables=2)
@@ -125,12 +156,13 @@ def test_growing_sequence_collection_equals_the_preallocated_one():
 
 
 def test_eviction_begins_only_at_the_maximum_capacity():
-    cfg = DynamicEmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=512, feature_names=["f"],
-                                    initial_capacity=16, growth_load_factor=0.5)
+    cfg = DynamicEmbeddingBagConfig(
+        name="t", embedding_dim=4, num_embeddings=512, feature_names=["f"], initial_capacity=16, growth_load_factor=0.5
+    )
     module = DynamicEmbeddingBagCollection([cfg], optimizer="sgd", optimizer_kwargs={"lr": 0.1})
     gen, seen = torch.Generator().manual_seed(1), []
     for _ in range(40):
-        ids = torch.randint(0, 10 ** 6, (40,), generator=gen)
+        ids = torch.randint(0, 10**6, (40,), generator=gen)
         module(KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.full((10,), 4))).values().sum().backward()
         s = module.table_stats()["t"]
         seen.append((s.capacity, s.evictions, s.live_rows))
@@ -144,8 +176,14 @@ def test_eviction_begins_only_at_the_maximum_capacity():
 
 def test_storage_bytes_and_rss_follow_the_current_capacity():
     def build(initial):
-        cfg = DynamicEmbeddingBagConfig(name="t", embedding_dim=32, num_embeddings=1 << 20, feature_names=["f"],
-                                        initial_capacity=initial, ttl_steps=100)
+        cfg = DynamicEmbeddingBagConfig(
+            name="t",
+            embedding_dim=32,
+            num_embeddings=1 << 20,
+            feature_names=["f"],
+            initial_capacity=initial,
+            ttl_steps=100,
+        )
         return DynamicEmbeddingBagCollection([cfg], optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
 
     def rss():
@@ -165,7 +203,7 @@ def test_storage_bytes_and_rss_follow_the_current_capacity():
     # Every growth keeps storage_bytes at the byte model of the current capacity.
     gen = torch.Generator().manual_seed(0)
     for _ in range(3):
-        ids = torch.randint(0, 2 ** 62, (20000,), generator=gen)
+        ids = torch.randint(0, 2**62, (20000,), generator=gen)
         grown(KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.full((5000,), 4))).values().sum().backward()
         tables = grown._tables
         assert grown.storage_bytes() == tables._bytes_at([m.capacity for m in tables.meta])
@@ -176,14 +214,15 @@ def test_growth_rewrites_the_buffers_in_their_reserved_memory_and_reset_returns_
     """On CPU a growing module's buffers live in address space reserved for num_embeddings: a
     growth keeps them where they are (only the pages past the old size are new) and a reset
     gives the pages past the initial size back (resident memory follows the capacity)."""
-    cfg = DynamicEmbeddingBagConfig(name="t", embedding_dim=32, num_embeddings=1 << 20, feature_names=["f"],
-                                    initial_capacity=1 << 12)
+    cfg = DynamicEmbeddingBagConfig(
+        name="t", embedding_dim=32, num_embeddings=1 << 20, feature_names=["f"], initial_capacity=1 << 12
+    )
     module = DynamicEmbeddingBagCollection([cfg], optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
     tables = module._tables
     where = [b.data_ptr() for b in [tables.weights] + tables.states]
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):
-        ids = torch.randint(0, 2 ** 62, (40000,), generator=gen)
+        ids = torch.randint(0, 2**62, (40000,), generator=gen)
         module(KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.full((10000,), 4))).values().sum().backward()
     assert module.table_stats()["t"].capacity == 1 << 18
     assert [b.data_ptr() for b in [tables.weights] + tables.states] == where
@@ -198,11 +237,14 @@ def test_growth_rewrites_the_buffers_in_their_reserved_memory_and_reset_returns_
 def test_a_saved_growing_module_holds_its_rows_not_its_reserved_range():
     import io
 
-    cfg = DynamicEmbeddingBagConfig(name="t", embedding_dim=32, num_embeddings=1 << 22, feature_names=["f"],
-                                    initial_capacity=1 << 10)
+    cfg = DynamicEmbeddingBagConfig(
+        name="t", embedding_dim=32, num_embeddings=1 << 22, feature_names=["f"], initial_capacity=1 << 10
+    )
     module = DynamicEmbeddingBagCollection([cfg], optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
     gen = torch.Generator().manual_seed(5)
-    kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.randint(0, 2 ** 62, (400,), generator=gen), torch.full((100,), 4))
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        ["f"], torch.randint(0, 2**62, (400,), generator=gen), torch.full((100,), 4)
+    )
     module(kjt).values().sum().backward()
     buffer = io.BytesIO()
     torch.save(module, buffer)
@@ -238,8 +280,13 @@ m(KeyedJaggedTensor.from_lengths_sync(["f"], torch.randint(0, 2 ** 62, (8000,), 
 assert m.table_stats()["t"].capacity == 1 << 14 and m.num_live_rows() == 8000
 print("ok")
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
@@ -250,8 +297,9 @@ def _rss():
 
 
 def test_rows_never_move_while_a_backward_is_pending():
-    cfg = DynamicEmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=4096, feature_names=["f"],
-                                    initial_capacity=32)
+    cfg = DynamicEmbeddingBagConfig(
+        name="t", embedding_dim=4, num_embeddings=4096, feature_names=["f"], initial_capacity=32
+    )
     module = DynamicEmbeddingBagCollection([cfg], optimizer="sgd", optimizer_kwargs={"lr": 0.1})
     tables = module._tables
 
@@ -275,9 +323,11 @@ def test_rows_never_move_while_a_backward_is_pending():
         module(kjt(3000))
     assert tables.pending_backward == 0
     # The rows equal a preallocated module's after the same calls.
-    full = DynamicEmbeddingBagCollection([DynamicEmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=4096,
-                                                                    feature_names=["f"])],
-                                         optimizer="sgd", optimizer_kwargs={"lr": 0.1})
+    full = DynamicEmbeddingBagCollection(
+        [DynamicEmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=4096, feature_names=["f"])],
+        optimizer="sgd",
+        optimizer_kwargs={"lr": 0.1},
+    )
     a, b = full(kjt(0)).values(), full(kjt(1000)).values()
     a.sum().backward()
     b.sum().backward()
@@ -305,7 +355,9 @@ def test_a_grown_checkpoint_loads_into_fresh_modules():
         if initial == 40:  # grows to the capacity the saving table had: its rows are kept
             assert caps == {n: s.capacity for n, s in grown.table_stats().items()}
             for name in caps:
-                assert torch.equal(fresh.state_dict()[f"embedding_bags.{name}.row"], state[f"embedding_bags.{name}.row"])
+                assert torch.equal(
+                    fresh.state_dict()[f"embedding_bags.{name}.row"], state[f"embedding_bags.{name}.row"]
+                )
         fresh.eval()
         torch.testing.assert_close(fresh(probe).values(), out, rtol=0, atol=0)
     # A preallocated table's checkpoint loads into a growing one (which fits its ids).
@@ -328,7 +380,7 @@ def test_a_copy_of_a_growing_module_grows_on_its_own():
         assert buf.untyped_storage().nbytes() == buf.numel() * 4
     weight = twin.embedding_bags["t0"].weight
     before = weight.shape[0]
-    kjt = _batch(gen, spread=10 ** 6)
+    kjt = _batch(gen, spread=10**6)
     for m in (module, twin):
         m(kjt).values().sum().backward()
     assert twin.embedding_bags["t0"].weight is weight and weight.shape[0] > before  # re-pointed at its own storage
@@ -361,25 +413,28 @@ def test_growth_that_cannot_allocate_leaves_the_tables_unchanged_and_usable(monk
 
     monkeypatch.setattr(tables, "_allocate_buffer", no_memory)
     with pytest.raises(GrowthError, match=r"tables \['t0'.*needs new storage of \d+ bytes.*unchanged"):
-        module(_batch(gen, spread=10 ** 6)).values().sum().backward()
+        module(_batch(gen, spread=10**6)).values().sum().backward()
     _assert_same_tables(_by_id(module), before)
     assert {n: s.capacity for n, s in module.table_stats().items()} == caps and tables.train_step == step
     module.eval()
     module(_batch(gen))  # eval lookups need no growth
     module.train()
     monkeypatch.undo()
-    module(_batch(gen, spread=10 ** 6)).values().sum().backward()
+    module(_batch(gen, spread=10**6)).values().sum().backward()
     assert module.table_stats()["t0"].capacity > caps["t0"]
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("initial_capacity", 0, r"initial_capacity must be an int in \[1, num_embeddings=2048\].*got 0"),
-    ("initial_capacity", 4096, r"initial_capacity must be an int in \[1, num_embeddings=2048\].*got 4096"),
-    ("initial_capacity", 2.5, r"initial_capacity .*got 2.5"),
-    ("growth_load_factor", 0.0, r"growth_load_factor must be a number in \(0, 1\].*got 0.0"),
-    ("growth_load_factor", 1.5, r"growth_load_factor must be a number in \(0, 1\].*got 1.5"),
-    ("growth_load_factor", "x", r"growth_load_factor .*got 'x'"),
-])
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("initial_capacity", 0, r"initial_capacity must be an int in \[1, num_embeddings=2048\].*got 0"),
+        ("initial_capacity", 4096, r"initial_capacity must be an int in \[1, num_embeddings=2048\].*got 4096"),
+        ("initial_capacity", 2.5, r"initial_capacity .*got 2.5"),
+        ("growth_load_factor", 0.0, r"growth_load_factor must be a number in \(0, 1\].*got 0.0"),
+        ("growth_load_factor", 1.5, r"growth_load_factor must be a number in \(0, 1\].*got 1.5"),
+        ("growth_load_factor", "x", r"growth_load_factor .*got 'x'"),
+    ],
+)
 def test_bad_growth_settings_are_refused_by_name(field, value, match):
     with pytest.raises(ValueError, match=match):
         DynamicEmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=2048, **{field: value})
@@ -401,14 +456,19 @@ def test_hash_table_grown_keeps_keys_and_scores_and_maps_rows():
         table = HashTable(capacity, policy=policy)
         ref = ReferenceHashTable(capacity, policy)
         for _ in range(3):
-            keys = torch.randint(-2 ** 63, 2 ** 63 - 1, (capacity // 4,), generator=gen)
+            keys = torch.randint(-(2**63), 2**63 - 1, (capacity // 4,), generator=gen)
             table.find_or_insert(keys)
             ref.upsert(keys.tolist())
         old = table.state_dict()
         twin, row_map = table.grown(2 * capacity)
         new = twin.state_dict()
         assert table.state_dict()["rows"].equal(old["rows"])  # unchanged
-        assert (twin.capacity, twin.clock, twin.epoch, twin.size()) == (2 * capacity, table.clock, table.epoch, ref.size())
+        assert (twin.capacity, twin.clock, twin.epoch, twin.size()) == (
+            2 * capacity,
+            table.clock,
+            table.epoch,
+            ref.size(),
+        )
         o, n = old["keys"].argsort(), new["keys"].argsort()
         assert torch.equal(old["keys"][o], new["keys"][n]) and torch.equal(old["scores"][o], new["scores"][n])
         assert torch.equal(row_map[old["rows"][o]], new["rows"][n])
@@ -429,11 +489,21 @@ def test_planner_plans_growing_tables_at_the_maximum_or_initial_capacity(world):
     from torchrec_ext.distributed.planner import DynamicEmbeddingStorageEstimator, make_planner
 
     cases = [(1000, 16, 64, None), (4097, 8, 100, 10), (2048, 4, 2048, None)]  # capacity, dim, initial, ttl
-    configs = [DynamicEmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=cap, feature_names=[f"f{i}"],
-                                         initial_capacity=initial, ttl_steps=ttl, admit_after=2)
-               for i, (cap, dim, initial, ttl) in enumerate(cases)]
-    ebc = DynamicEmbeddingBagCollection(configs, device=torch.device("meta"), optimizer="adagrad",
-                                        optimizer_kwargs={"lr": 0.1})
+    configs = [
+        DynamicEmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=dim,
+            num_embeddings=cap,
+            feature_names=[f"f{i}"],
+            initial_capacity=initial,
+            ttl_steps=ttl,
+            admit_after=2,
+        )
+        for i, (cap, dim, initial, ttl) in enumerate(cases)
+    ]
+    ebc = DynamicEmbeddingBagCollection(
+        configs, device=torch.device("meta"), optimizer="adagrad", optimizer_kwargs={"lr": 0.1}
+    )
     topology = Topology(world_size=world, compute_device="cpu")
     for plan_capacity in ("maximum", "initial", {"t0": "initial"}):
         estimator = DynamicEmbeddingStorageEstimator(topology, is_inference=True, plan_capacity=plan_capacity)
@@ -441,10 +511,20 @@ def test_planner_plans_growing_tables_at_the_maximum_or_initial_capacity(world):
             cap, dim, initial, ttl = cases[int(o.name[1:])]
             parts = world if o.sharding_type == "row_wise" else 1
             share = DynamicEmbeddingBagCollection(
-                [DynamicEmbeddingBagConfig(name="x", embedding_dim=dim, num_embeddings=-(-cap // parts),
-                                           feature_names=["x"], initial_capacity=-(-initial // parts), ttl_steps=ttl,
-                                           admit_after=2)],
-                optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+                [
+                    DynamicEmbeddingBagConfig(
+                        name="x",
+                        embedding_dim=dim,
+                        num_embeddings=-(-cap // parts),
+                        feature_names=["x"],
+                        initial_capacity=-(-initial // parts),
+                        ttl_steps=ttl,
+                        admit_after=2,
+                    )
+                ],
+                optimizer="adagrad",
+                optimizer_kwargs={"lr": 0.1},
+            )
             initial_here = plan_capacity == "initial" or (isinstance(plan_capacity, dict) and o.name == "t0")
             want = share.storage_bytes(maximum=not initial_here)
             assert (want == share.storage_bytes()) == (initial_here or initial == cap)
@@ -479,13 +559,24 @@ def test_a_growing_replica_follows_the_deltas_of_a_preallocated_source():
 def test_tombstones_of_a_growing_source_equal_the_preallocated_ones():
     """Born versions follow their rows through growths: a token taken mid-stream, then growths and
     TTL expiries; tombstones (ids live at the token, gone now) equal the preallocated module's."""
-    def configs(initial):
-        return [DynamicEmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=NUM_EMBEDDINGS,
-                                          feature_names=[f"f{i}"], initial_capacity=initial, ttl_steps=3)
-                for i in range(3)]
 
-    modules = [DynamicEmbeddingBagCollection(configs(initial), optimizer="sgd", optimizer_kwargs={"lr": 0.05})
-               for initial in (32, None)]
+    def configs(initial):
+        return [
+            DynamicEmbeddingBagConfig(
+                name=f"t{i}",
+                embedding_dim=4,
+                num_embeddings=NUM_EMBEDDINGS,
+                feature_names=[f"f{i}"],
+                initial_capacity=initial,
+                ttl_steps=3,
+            )
+            for i in range(3)
+        ]
+
+    modules = [
+        DynamicEmbeddingBagCollection(configs(initial), optimizer="sgd", optimizer_kwargs={"lr": 0.05})
+        for initial in (32, None)
+    ]
     gen = torch.Generator().manual_seed(8)
     tokens, spread = [None, None], 40
     for step in range(16):
@@ -508,8 +599,12 @@ def test_tombstones_of_a_growing_source_equal_the_preallocated_ones():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_growth_on_cuda_equals_the_preallocated_module_and_stays_on_the_device():
     device = torch.device("cuda")
-    modules = [DynamicEmbeddingBagCollection(_configs(initial), device=device, optimizer="adagrad",
-                                             optimizer_kwargs={"lr": 0.05}) for initial in (40, None)]
+    modules = [
+        DynamicEmbeddingBagCollection(
+            _configs(initial), device=device, optimizer="adagrad", optimizer_kwargs={"lr": 0.05}
+        )
+        for initial in (40, None)
+    ]
     gen = torch.Generator().manual_seed(8)
     for step in range(10):
         kjt = _batch(gen, spread=700).to(device)

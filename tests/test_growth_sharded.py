@@ -3,6 +3,7 @@ under torchrec_ext.pipeline.TrainPipeline (the next batch's input dist in flight
 never while a lookup awaits its fused update. Oracle: the same DLRM with preallocated tables
 trained by a plain loop on the same batches: the same losses, and per id the same vectors and
 optimizer state; the grown model's checkpoint loads into an unsharded growing module."""
+
 import torch
 
 from dist_helpers import DIM, NUM_TABLES, make_batches, make_dmp_dlrm, plain_loop, progress_losses, run_ranks
@@ -14,9 +15,17 @@ MAX_ROWS, INITIAL, ID_RANGE = 1024, 16, 400
 
 
 def _tables(initial):
-    return [DynamicEmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=MAX_ROWS, feature_names=[f"f{i}"],
-                                      initial_capacity=initial, ttl_steps=100 if i == 2 else None)
-            for i in range(NUM_TABLES)]
+    return [
+        DynamicEmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=DIM,
+            num_embeddings=MAX_ROWS,
+            feature_names=[f"f{i}"],
+            initial_capacity=initial,
+            ttl_steps=100 if i == 2 else None,
+        )
+        for i in range(NUM_TABLES)
+    ]
 
 
 def _tables_by_id(state):
@@ -25,8 +34,11 @@ def _tables_by_id(state):
     for i in range(NUM_TABLES):
         prefix = f"model.sparse_arch.embedding_bag_collection.embedding_bags.t{i}."
         order = state[prefix + "weight_id"].argsort()
-        out[f"t{i}"] = {k[len(prefix):]: v[order] for k, v in state.items()
-                        if k.startswith(prefix) and k[len(prefix):] not in ("row", "counters")}
+        out[f"t{i}"] = {
+            k[len(prefix) :]: v[order]
+            for k, v in state.items()
+            if k.startswith(prefix) and k[len(prefix) :] not in ("row", "counters")
+        }
     return out
 
 
@@ -53,8 +65,11 @@ def _grow_under_the_pipeline(rank, world_size):
         want_losses = plain_loop(full, full_opt, batches)
         grown, grown_opt = make_dmp_dlrm(world_size, dynamic=True, tables=_tables(INITIAL))
         local = grown.module.model.sparse_arch.embedding_bag_collection._local
-        assert [m.capacity for m in local._tables.meta] == [INITIAL // world_size, INITIAL, INITIAL // world_size] \
-            if rank == world_size - 1 else [INITIAL // world_size] * 2
+        assert (
+            [m.capacity for m in local._tables.meta] == [INITIAL // world_size, INITIAL, INITIAL // world_size]
+            if rank == world_size - 1
+            else [INITIAL // world_size] * 2
+        )
         losses = _pipelined(grown, grown_opt, batches)
     finally:
         DynamicTables._relayout = original
@@ -88,7 +103,7 @@ def _grow_under_the_pipeline(rank, world_size):
     state = full_state_dict(grown.state_dict())
     prefix = "model.sparse_arch.embedding_bag_collection."
     unsharded = DynamicEmbeddingBagCollection(_tables(INITIAL), optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
-    unsharded.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+    unsharded.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
     for name, s in unsharded.table_stats().items():
         assert s.live_rows == want[name]["weight_id"].numel() and INITIAL < s.capacity < MAX_ROWS
         assert s.live_rows <= 0.75 * s.capacity

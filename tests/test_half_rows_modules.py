@@ -9,6 +9,7 @@ half-valued rows, trained by the torch optimizer, each touched row then rounded 
 function (reference.round_to_storage with reference.rounding_bits of the table's seed, id,
 element and step).
 """
+
 import warnings
 
 import pytest
@@ -27,16 +28,27 @@ DIM, VOCAB, BATCH, CAPACITY = 6, 40, 8, 128
 
 
 def _configs(stochastic=True, types=TYPES, seed=7):
-    return [DynamicEmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=CAPACITY, feature_names=[f],
-                                      data_type=types[i], stochastic_rounding=stochastic, seed=seed)
-            for i, f in enumerate(FEATURES)]
+    return [
+        DynamicEmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=DIM,
+            num_embeddings=CAPACITY,
+            feature_names=[f],
+            data_type=types[i],
+            stochastic_rounding=stochastic,
+            seed=seed,
+        )
+        for i, f in enumerate(FEATURES)
+    ]
 
 
 def _batch(step):
     gen = torch.Generator().manual_seed(100 + step)
     lengths = torch.randint(0, 4, (len(FEATURES) * BATCH,), generator=gen)
     ids = torch.randint(0, VOCAB, (int(lengths.sum()),), generator=gen)
-    return KeyedJaggedTensor.from_lengths_sync(FEATURES, ids, lengths), torch.randn(BATCH, len(FEATURES) * DIM, generator=gen)
+    return KeyedJaggedTensor.from_lengths_sync(FEATURES, ids, lengths), torch.randn(
+        BATCH, len(FEATURES) * DIM, generator=gen
+    )
 
 
 OPTIMIZERS = {
@@ -48,20 +60,28 @@ OPTIMIZERS = {
 
 def _dense_oracle(configs):
     """TorchRec's EBC over ids [0, VOCAB), each row the id's initial vector in its table's dtype."""
-    dense = EmbeddingBagCollection([EmbeddingBagConfig(name=c.name, embedding_dim=DIM, num_embeddings=VOCAB,
-                                                       feature_names=c.feature_names) for c in configs])
+    dense = EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig(name=c.name, embedding_dim=DIM, num_embeddings=VOCAB, feature_names=c.feature_names)
+            for c in configs
+        ]
+    )
     with torch.no_grad():
         for cfg, dtype in zip(configs, DTYPES):
-            low = -(1 / CAPACITY) ** 0.5  # TorchRec's default uniform bounds, at the dynamic table's capacity
-            vectors = ref.init_vectors(torch.arange(VOCAB), DIM, ref.table_seed(cfg.seed, cfg.name), "uniform", (low, -low))
+            low = -((1 / CAPACITY) ** 0.5)  # TorchRec's default uniform bounds, at the dynamic table's capacity
+            vectors = ref.init_vectors(
+                torch.arange(VOCAB), DIM, ref.table_seed(cfg.seed, cfg.name), "uniform", (low, -low)
+            )
             dense.embedding_bags[cfg.name].weight.copy_(vectors.to(dtype).float())
     return dense
 
 
 def _rows(module):
     sd = module.state_dict()
-    return {c.name: (sd[f"embedding_bags.{c.name}.weight_id"], sd[f"embedding_bags.{c.name}.weight"])
-            for c in module.embedding_bag_configs()}
+    return {
+        c.name: (sd[f"embedding_bags.{c.name}.weight_id"], sd[f"embedding_bags.{c.name}.weight"])
+        for c in module.embedding_bag_configs()
+    }
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
@@ -92,8 +112,13 @@ def test_half_tables_train_as_the_dense_oracle_with_the_rounding_spec(optimizer,
         for (name, (ids, vectors)), dtype in zip(_rows(ours).items(), DTYPES):
             assert vectors.dtype == dtype
             oracle = dense.embedding_bags[name].weight[ids].to(dtype)
-            torch.testing.assert_close(vectors.float(), oracle.float(), rtol=1e-2 if dtype == torch.bfloat16 else 2e-3,
-                                       atol=1e-6, msg=lambda m: f"step {step} {name}: {m}")
+            torch.testing.assert_close(
+                vectors.float(),
+                oracle.float(),
+                rtol=1e-2 if dtype == torch.bfloat16 else 2e-3,
+                atol=1e-6,
+                msg=lambda m: f"step {step} {name}: {m}",
+            )
             if dtype != torch.float32:  # bit for bit but where a float32 last-bit difference flips one
                 assert (vectors == oracle).float().mean() > 0.97, (step, name)
 
@@ -101,7 +126,9 @@ def test_half_tables_train_as_the_dense_oracle_with_the_rounding_spec(optimizer,
 def test_stochastic_rounding_differs_from_nearest_and_is_reproducible():
     runs = {}
     for name, stochastic in (("sr", True), ("sr_again", True), ("rne", False)):
-        module = DynamicEmbeddingBagCollection(_configs(stochastic), optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.01})
+        module = DynamicEmbeddingBagCollection(
+            _configs(stochastic), optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.01}
+        )
         for step in range(1, 4):
             kjt, out_grad = _batch(step)
             (module(kjt).values() * out_grad).sum().backward()
@@ -113,8 +140,11 @@ def test_stochastic_rounding_differs_from_nearest_and_is_reproducible():
 
 
 def test_collection_half_rows_and_float32_output():
-    configs = [DynamicEmbeddingConfig(name="e0", embedding_dim=4, num_embeddings=64, feature_names=["a"],
-                                      data_type=DataType.BF16)]
+    configs = [
+        DynamicEmbeddingConfig(
+            name="e0", embedding_dim=4, num_embeddings=64, feature_names=["a"], data_type=DataType.BF16
+        )
+    ]
     module = DynamicEmbeddingCollection(configs, optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.5})
     kjt = KeyedJaggedTensor.from_lengths_sync(["a"], torch.tensor([3, 9, 3]), torch.tensor([2, 1]))
     out = module(kjt)["a"].values()
@@ -130,6 +160,7 @@ def test_collection_half_rows_and_float32_output():
 
 
 # ------------------------------------------------------------------------- checkpoints
+
 
 def _trained(configs, steps=3):
     module = DynamicEmbeddingBagCollection(configs, optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": 0.1})
@@ -169,10 +200,13 @@ def test_loading_another_dtype_converts_with_a_warning():
     for i, dtype in enumerate(DTYPES):
         assert got[f"embedding_bags.t{i}.weight"].dtype == dtype
         assert torch.equal(got[f"embedding_bags.t{i}.weight"], sd[f"embedding_bags.t{i}.weight"].to(dtype))
-        assert torch.equal(got[f"embedding_bags.t{i}.optimizer.momentum1"], sd[f"embedding_bags.t{i}.optimizer.momentum1"])
+        assert torch.equal(
+            got[f"embedding_bags.t{i}.optimizer.momentum1"], sd[f"embedding_bags.t{i}.optimizer.momentum1"]
+        )
     # and back: half rows into float32 tables, exactly
-    back = DynamicEmbeddingBagCollection(_configs(types=[DataType.FP32] * 3), optimizer=torch.optim.Adagrad,
-                                         optimizer_kwargs={"lr": 0.1})
+    back = DynamicEmbeddingBagCollection(
+        _configs(types=[DataType.FP32] * 3), optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": 0.1}
+    )
     with pytest.warns(UserWarning, match="torch.bfloat16, the table stores torch.float32"):
         back.load_state_dict(got)
     for i in range(3):
@@ -188,8 +222,11 @@ def test_loading_values_beyond_the_half_range_is_refused_and_changes_nothing():
     sd["embedding_bags.t0.weight"][1, 0] = 1e6  # beyond float16's 65504
     half = _trained(_configs(), steps=1)
     before = half.state_dict()
-    with pytest.raises(ValueError, match=r"table 't0'.* weight holds 1000000.0 at \[1, 0\] .*beyond the range of "
-                                         r"the table's data_type \(torch.float16\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"table 't0'.* weight holds 1000000.0 at \[1, 0\] .*beyond the range of "
+        r"the table's data_type \(torch.float16\)",
+    ):
         half.load_state_dict(sd)
     for key, value in half.state_dict().items():
         assert torch.equal(value, before[key]), key
@@ -205,15 +242,21 @@ def test_meta_module_state_has_the_storage_dtype():
 
 # ---------------------------------------------------------------------------- storage
 
+
 def test_storage_bytes_counts_the_storage_dtype():
     def bytes_of(types, optimizer):
-        configs = [DynamicEmbeddingBagConfig(name=f"t{i}", embedding_dim=64, num_embeddings=1024, feature_names=[f"f{i}"],
-                                             data_type=t) for i, t in enumerate(types)]
+        configs = [
+            DynamicEmbeddingBagConfig(
+                name=f"t{i}", embedding_dim=64, num_embeddings=1024, feature_names=[f"f{i}"], data_type=t
+            )
+            for i, t in enumerate(types)
+        ]
         return DynamicEmbeddingBagCollection(configs, optimizer=optimizer, optimizer_kwargs={"lr": 0.1}).storage_bytes()
+
     fp32 = bytes_of([DataType.FP32] * 2, RowWiseAdagrad)
     fp16 = bytes_of([DataType.FP16] * 2, RowWiseAdagrad)
     mixed = bytes_of([DataType.BF16, DataType.FP32], RowWiseAdagrad)
-    assert fp32 - fp16 == 2 * 1024 * 64 * 2      # 2 bytes less per element
+    assert fp32 - fp16 == 2 * 1024 * 64 * 2  # 2 bytes less per element
     assert fp32 - mixed == 1024 * 64 * 2
     assert fp16 / fp32 <= 0.55
     assert bytes_of([DataType.FP32], torch.optim.Adam) - bytes_of([DataType.FP16], torch.optim.Adam) == 1024 * 64 * 2
@@ -221,12 +264,16 @@ def test_storage_bytes_counts_the_storage_dtype():
 
 # ------------------------------------------------------------------------- bad input
 
+
 @pytest.mark.parametrize("data_type", [DataType.INT8, DataType.INT4, DataType.INT2, DataType.UINT8])
 def test_unsupported_data_type_is_a_clear_error(data_type):
     configs = _configs()
     configs[1].data_type = data_type
-    with pytest.raises(ValueError, match=rf"table 't1' data_type must be one of \['FP32', 'FP16', 'BF16'\] .*"
-                                         rf"got {data_type}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"table 't1' data_type must be one of \['FP32', 'FP16', 'BF16'\] .*"
+        rf"got {data_type}",
+    ):
         DynamicEmbeddingBagCollection(configs)
 
 
@@ -236,6 +283,7 @@ def test_bad_stochastic_rounding_is_a_clear_error():
 
 
 # --------------------------------------------------------------- sharded: fused_params
+
 
 def _sharded_rows_with(rank, world_size, fused_params, configs_stochastic, out_path):
     from torchrec.distributed import DistributedModelParallel
@@ -248,11 +296,24 @@ def _sharded_rows_with(rank, world_size, fused_params, configs_stochastic, out_p
     model = ModelWith("ebc", DynamicEmbeddingBagCollection(_configs(configs_stochastic)))
     sharder = DynamicEmbeddingBagCollectionSharder(fused_params=fused_params)
     plan = construct_module_sharding_plan(
-        model.ebc, {"t0": row_wise(compute_kernel="customized_kernel"), "t1": table_wise(rank=0, compute_kernel="customized_kernel"),
-                    "t2": table_wise(rank=0, compute_kernel="customized_kernel")},
-        sharder=sharder, local_size=world_size, world_size=world_size, device_type="cpu")
-    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(torch.distributed.group.WORLD),
-                                   device=torch.device("cpu"), plan=ShardingPlan({"ebc": plan}), sharders=[sharder])
+        model.ebc,
+        {
+            "t0": row_wise(compute_kernel="customized_kernel"),
+            "t1": table_wise(rank=0, compute_kernel="customized_kernel"),
+            "t2": table_wise(rank=0, compute_kernel="customized_kernel"),
+        },
+        sharder=sharder,
+        local_size=world_size,
+        world_size=world_size,
+        device_type="cpu",
+    )
+    dmp = DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(torch.distributed.group.WORLD),
+        device=torch.device("cpu"),
+        plan=ShardingPlan({"ebc": plan}),
+        sharders=[sharder],
+    )
     for step in range(1, 4):
         kjt, out_grad = _batch(step)
         (dmp(kjt).values() * out_grad).sum().backward()
@@ -266,8 +327,13 @@ def test_sharder_fused_params_stochastic_rounding_wins_over_the_configs(tmp_path
     from dist_helpers import run_ranks
 
     out = str(tmp_path / "rows.pt")
-    run_ranks(_sharded_rows_with, 1, {"optimizer": "EXACT_SGD", "learning_rate": 0.3, "stochastic_rounding": fused},
-              not fused, out)
+    run_ranks(
+        _sharded_rows_with,
+        1,
+        {"optimizer": "EXACT_SGD", "learning_rate": 0.3, "stochastic_rounding": fused},
+        not fused,
+        out,
+    )
     sharded = torch.load(out)
     unsharded = DynamicEmbeddingBagCollection(_configs(fused), optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.3})
     for step in range(1, 4):
@@ -288,7 +354,13 @@ def test_half_precision_dim_one_tables_are_refused():
 
     for data_type in (DataType.FP16, DataType.BF16):
         with pytest.raises(ValueError, match=r"table 'w' data_type .* needs embedding_dim >= 2.*got embedding_dim 1"):
-            DynamicEmbeddingBagCollection([DynamicEmbeddingBagConfig(name="w", embedding_dim=1, num_embeddings=33,
-                                                                     feature_names=["f"], data_type=data_type)])
-    DynamicEmbeddingBagCollection([DynamicEmbeddingBagConfig(name="w", embedding_dim=1, num_embeddings=33,
-                                                             feature_names=["f"])])
+            DynamicEmbeddingBagCollection(
+                [
+                    DynamicEmbeddingBagConfig(
+                        name="w", embedding_dim=1, num_embeddings=33, feature_names=["f"], data_type=data_type
+                    )
+                ]
+            )
+    DynamicEmbeddingBagCollection(
+        [DynamicEmbeddingBagConfig(name="w", embedding_dim=1, num_embeddings=33, feature_names=["f"])]
+    )

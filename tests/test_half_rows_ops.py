@@ -7,6 +7,7 @@ Layout: one buffer of 4-byte words, each table's rows packed in its storage dtyp
 table_offsets[t] (reference.table_words words); element-wise optimizer state float32, the tables
 back to back.
 """
+
 import pytest
 import torch
 
@@ -55,14 +56,25 @@ def _pooled_case(dtypes, weighted, gen, batch_size=6):
     value_table = feature_table.repeat_interleave(batch_size).repeat_interleave(lengths)
     rows = (torch.rand(n, generator=gen) * torch.tensor(CAPS)[value_table]).long()
     rows[torch.rand(n, generator=gen) < 0.15] = -1
-    case = dict(weights=weights, table_offsets=table_offsets, table_dims=table_dims, feature_table=feature_table,
-                feature_col=feature_col, feature_mean=torch.tensor([False, True, False, True]), rows=rows,
-                offsets=offsets, per_sample_weights=torch.rand(n, generator=gen) if weighted else None,
-                batch_size=batch_size, total_dim=int(feature_dims.sum()), table_dtypes=table_dtypes)
+    case = dict(
+        weights=weights,
+        table_offsets=table_offsets,
+        table_dims=table_dims,
+        feature_table=feature_table,
+        feature_col=feature_col,
+        feature_mean=torch.tensor([False, True, False, True]),
+        rows=rows,
+        offsets=offsets,
+        per_sample_weights=torch.rand(n, generator=gen) if weighted else None,
+        batch_size=batch_size,
+        total_dim=int(feature_dims.sum()),
+        table_dtypes=table_dtypes,
+    )
     return case, views, value_table
 
 
 # ---------------------------------------------------------------------------- lookups
+
 
 @pytest.mark.parametrize("name", list(DTYPE_SETS))
 @pytest.mark.parametrize("weighted", [False, True])
@@ -101,7 +113,9 @@ def test_pooled_lookup_reads_half_new_vectors(dtype):
     gen = torch.Generator().manual_seed(3)
     case, views, value_table = _pooled_case([dtype, torch.float32, dtype], False, gen)
     counts = [2, 1, 3]
-    case["new_vectors"] = [torch.randn(n, d, generator=gen).to(dt) for n, d, dt in zip(counts, DIMS, [dtype, torch.float32, dtype])]
+    case["new_vectors"] = [
+        torch.randn(n, d, generator=gen).to(dt) for n, d, dt in zip(counts, DIMS, [dtype, torch.float32, dtype])
+    ]
     rows = case["rows"].clone()
     for t, n in enumerate(counts):
         pick = (value_table == t) & (torch.rand(rows.numel(), generator=gen) < 0.4)
@@ -123,6 +137,7 @@ def test_init_rows_half_table_is_the_rounded_initial_vector():
 
 # ---------------------------------------------------------------------- fused update
 
+
 def _update_case(dtypes, optimizer, gen, pooled=True):
     case, views, value_table = _pooled_case(dtypes, True, gen)
     rows = case["rows"]
@@ -135,20 +150,38 @@ def _update_case(dtypes, optimizer, gen, pooled=True):
     dims = case["table_dims"].tolist()
     num_states = len(ref.OPTIMIZER_STATES[optimizer])
     state_size = sum(caps) if optimizer in ref.ROWWISE_STATE else sum(c * d for c, d in zip(caps, dims))
-    states = [torch.rand(state_size, generator=gen) * 0.1 + (0.01 if optimizer == "ftrl" else 0) for _ in range(num_states)]
-    common = dict(table_offsets=case["table_offsets"], table_dims=case["table_dims"],
-                  state_row_offsets=torch.tensor([0] + caps[:-1]).cumsum(0), unique_rows=unique_rows,
-                  unique_table=unique_table, inverse=inverse,
-                  hparams=(0.05, 1e-3, 0.9, 0.999, 0.01, 0.1) + ((-0.5, 0.01, 0.01, 0.1) if optimizer == "ftrl" else ()),
-                  table_dtypes=case["table_dtypes"], unique_ids=unique_rows * 7919 + unique_table * 31 - 5)
+    states = [
+        torch.rand(state_size, generator=gen) * 0.1 + (0.01 if optimizer == "ftrl" else 0) for _ in range(num_states)
+    ]
+    common = dict(
+        table_offsets=case["table_offsets"],
+        table_dims=case["table_dims"],
+        state_row_offsets=torch.tensor([0] + caps[:-1]).cumsum(0),
+        unique_rows=unique_rows,
+        unique_table=unique_table,
+        inverse=inverse,
+        hparams=(0.05, 1e-3, 0.9, 0.999, 0.01, 0.1) + ((-0.5, 0.01, 0.01, 0.1) if optimizer == "ftrl" else ()),
+        table_dtypes=case["table_dtypes"],
+        unique_ids=unique_rows * 7919 + unique_table * 31 - 5,
+    )
     if pooled:
         grad = torch.randn(case["batch_size"], case["total_dim"], generator=gen)
-        common.update(offsets=case["offsets"], per_sample_weights=case["per_sample_weights"],
-                      feature_col=case["feature_col"], feature_mean=case["feature_mean"], batch_size=case["batch_size"])
+        common.update(
+            offsets=case["offsets"],
+            per_sample_weights=case["per_sample_weights"],
+            feature_col=case["feature_col"],
+            feature_mean=case["feature_mean"],
+            batch_size=case["batch_size"],
+        )
     else:
         grad = torch.randn(rows.numel(), 8, generator=gen)
-        common.update(offsets=None, per_sample_weights=None, feature_col=torch.zeros(0, dtype=torch.int64),
-                      feature_mean=torch.zeros(0, dtype=torch.bool), batch_size=0)
+        common.update(
+            offsets=None,
+            per_sample_weights=None,
+            feature_col=torch.zeros(0, dtype=torch.int64),
+            feature_mean=torch.zeros(0, dtype=torch.bool),
+            batch_size=0,
+        )
     return grad, case["weights"], states, common
 
 
@@ -189,17 +222,57 @@ def _stochastic_case(x, dtype, ids, seed, step):
     n, dim = ids.numel(), x.numel()
     weights = torch.zeros(ref.table_words(n, dim, dtype))
     grad = -x.expand(n, dim).contiguous()
-    ops.fused_update(grad, weights, [], torch.tensor([0]), torch.tensor([dim]), torch.tensor([0]),
-                     torch.arange(n), torch.zeros(n, dtype=torch.int64), torch.arange(n), None, None,
-                     torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool), 0,
-                     ref.OPTIMIZERS["sgd"], (1.0, 0, 0, 0, 0, 0), step, table_dtypes=torch.tensor([ref.dtype_code(dtype)]),
-                     unique_ids=ids, rounding_seeds=None if seed is None else torch.tensor([seed]))
-    return weights.view(dtype)[:n * dim].view(n, dim)
+    ops.fused_update(
+        grad,
+        weights,
+        [],
+        torch.tensor([0]),
+        torch.tensor([dim]),
+        torch.tensor([0]),
+        torch.arange(n),
+        torch.zeros(n, dtype=torch.int64),
+        torch.arange(n),
+        None,
+        None,
+        torch.zeros(0, dtype=torch.int64),
+        torch.zeros(0, dtype=torch.bool),
+        0,
+        ref.OPTIMIZERS["sgd"],
+        (1.0, 0, 0, 0, 0, 0),
+        step,
+        table_dtypes=torch.tensor([ref.dtype_code(dtype)]),
+        unique_ids=ids,
+        rounding_seeds=None if seed is None else torch.tensor([seed]),
+    )
+    return weights.view(dtype)[: n * dim].view(n, dim)
 
 
-VALUES = torch.tensor([1.0, 1.0 + 2**-12, -3.3, 0.1, -7.77e-4, 6.1e-5, -1e-5, 3.1e-6, -2e-7, 4e-8, -1e-8, 3e-10,
-                       65500.0, -65519.0, 65510.0, 70000.0, 1e30, 3.3892e38, -3.3895e38, 0.0, 2.0**-24,
-                       float("inf")])  # (-0.0: 0 - (-0.0) is +0.0)
+VALUES = torch.tensor(
+    [
+        1.0,
+        1.0 + 2**-12,
+        -3.3,
+        0.1,
+        -7.77e-4,
+        6.1e-5,
+        -1e-5,
+        3.1e-6,
+        -2e-7,
+        4e-8,
+        -1e-8,
+        3e-10,
+        65500.0,
+        -65519.0,
+        65510.0,
+        70000.0,
+        1e30,
+        3.3892e38,
+        -3.3895e38,
+        0.0,
+        2.0**-24,
+        float("inf"),
+    ]
+)  # (-0.0: 0 - (-0.0) is +0.0)
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -214,7 +287,9 @@ def test_stochastic_rounding_is_the_reference_bit_for_bit(dtype):
     ids = torch.tensor([0, -1, 2**63 - 1, -(2**63), 12345] + list(range(200)))
     for step in (1, 7):
         got = _stochastic_case(VALUES, dtype, ids, 99, step)
-        want = ref.round_to_storage(VALUES.expand(ids.numel(), -1), dtype, ref.rounding_bits(ids, VALUES.numel(), 99, step))
+        want = ref.round_to_storage(
+            VALUES.expand(ids.numel(), -1), dtype, ref.rounding_bits(ids, VALUES.numel(), 99, step)
+        )
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
@@ -227,16 +302,33 @@ def test_stochastic_rounding_is_the_reference_at_every_row_width(dtype, dim):
     gen = torch.Generator().manual_seed(dim)
     n = 48
     x = torch.randn(n, dim, generator=gen) * 10.0 ** torch.randint(-10, 6, (n, dim), generator=gen).float()
-    specials = torch.tensor([float("inf"), -float("inf"), float("nan"), 65519.0, -2.0**-25, 2.0**-24, 0.0])
+    specials = torch.tensor([float("inf"), -float("inf"), float("nan"), 65519.0, -(2.0**-25), 2.0**-24, 0.0])
     x.view(-1)[torch.randperm(n * dim, generator=gen)[:n]] = specials[torch.randint(0, 7, (n,), generator=gen)]
     ids = torch.arange(n) * 101 - 7
     weights = torch.zeros(ref.table_words(n, dim, dtype))
-    ops.fused_update(-x, weights, [], torch.tensor([0]), torch.tensor([dim]), torch.tensor([0]),  # SGD, lr 1, from 0: x
-                     torch.arange(n), torch.zeros(n, dtype=torch.int64), torch.arange(n), None, None,
-                     torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool), 0, ref.OPTIMIZERS["sgd"],
-                     (1.0, 0, 0, 0, 0, 0), 4, table_dtypes=torch.tensor([ref.dtype_code(dtype)]), unique_ids=ids,
-                     rounding_seeds=torch.tensor([77]))
-    got = weights.view(dtype)[:n * dim].view(n, dim)
+    ops.fused_update(
+        -x,
+        weights,
+        [],
+        torch.tensor([0]),
+        torch.tensor([dim]),
+        torch.tensor([0]),  # SGD, lr 1, from 0: x
+        torch.arange(n),
+        torch.zeros(n, dtype=torch.int64),
+        torch.arange(n),
+        None,
+        None,
+        torch.zeros(0, dtype=torch.int64),
+        torch.zeros(0, dtype=torch.bool),
+        0,
+        ref.OPTIMIZERS["sgd"],
+        (1.0, 0, 0, 0, 0, 0),
+        4,
+        table_dtypes=torch.tensor([ref.dtype_code(dtype)]),
+        unique_ids=ids,
+        rounding_seeds=torch.tensor([77]),
+    )
+    got = weights.view(dtype)[: n * dim].view(n, dim)
     want = ref.round_to_storage(x, dtype, ref.rounding_bits(ids, dim, 77, 4))
     nan = want.isnan()
     assert torch.equal(got.isnan(), nan) and int(nan.sum()) > 0
@@ -250,14 +342,17 @@ def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour(dtype):
     got = _stochastic_case(x, dtype, torch.arange(n) * 3 + 1, 2024, 5).double()
     # Each result is one of the two neighbours of x in the dtype.
     nearest = x.to(dtype).double()
-    ulp = torch.where(x.abs() < 2.0**-14, torch.full_like(x, 2.0**-24), x.abs() * 2.0**-10).double() \
-        if dtype == torch.float16 else (x.abs() * 2.0**-7).double()
+    ulp = (
+        torch.where(x.abs() < 2.0**-14, torch.full_like(x, 2.0**-24), x.abs() * 2.0**-10).double()
+        if dtype == torch.float16
+        else (x.abs() * 2.0**-7).double()
+    )
     assert bool(((got - x.double()).abs() <= ulp * 1.01).all())
     assert bool(((got == nearest) | ((got - nearest).abs() <= ulp * 1.01)).all())
     # Unbiased: the mean of n independent roundings is x within 5 standard errors (p * (1 - p)
     # <= 1/4 of the gap squared); fixed seeds, so the check is deterministic, never flaky.
     gap = ulp
-    assert bool(((got.mean(0) - x.double()).abs() <= 5 * gap * 0.5 / n**0.5).all()), (got.mean(0) - x.double())
+    assert bool(((got.mean(0) - x.double()).abs() <= 5 * gap * 0.5 / n**0.5).all()), got.mean(0) - x.double()
     # Round to nearest, by contrast, is biased on these values: its error is far larger on average.
     assert float((got.mean(0) - x.double()).abs().mean()) < float((nearest - x.double()).abs().mean()) / 4
 
@@ -285,9 +380,9 @@ def test_stochastic_rounding_is_deterministic_per_seed_step_and_id(dtype):
     x = torch.full((64,), 0.1234567)
     ids = torch.arange(50)
     a = _stochastic_case(x, dtype, ids, 5, 3)
-    assert torch.equal(a, _stochastic_case(x, dtype, ids, 5, 3))       # same seed, step: same bits
-    assert not torch.equal(a, _stochastic_case(x, dtype, ids, 5, 4))   # another step
-    assert not torch.equal(a, _stochastic_case(x, dtype, ids, 6, 3))   # another seed
+    assert torch.equal(a, _stochastic_case(x, dtype, ids, 5, 3))  # same seed, step: same bits
+    assert not torch.equal(a, _stochastic_case(x, dtype, ids, 5, 4))  # another step
+    assert not torch.equal(a, _stochastic_case(x, dtype, ids, 6, 3))  # another seed
     # a row's bits depend on its id, not on its position in the call
     assert torch.equal(a.flip(0), _stochastic_case(x, dtype, ids.flip(0), 5, 3))
 
@@ -310,12 +405,15 @@ def test_new_rows_of_half_tables_take_their_step_rounded():
     w_want, s_want = weights.clone(), [s.clone() for s in states]
     ops.fused_update(grad, w_got, s_got, optimizer=ref.OPTIMIZERS["adam"], step=1, **common, **new)
     ref.fused_update(grad, w_want, s_want, optimizer="adam", step=1, **common, **new)
-    for a, b in zip(ref._table_rows(w_got, common["table_offsets"], common["table_dims"], CAPS, dtypes),
-                    ref._table_rows(w_want, common["table_offsets"], common["table_dims"], CAPS, dtypes)):
+    for a, b in zip(
+        ref._table_rows(w_got, common["table_offsets"], common["table_dims"], CAPS, dtypes),
+        ref._table_rows(w_want, common["table_offsets"], common["table_dims"], CAPS, dtypes),
+    ):
         torch.testing.assert_close(a.float(), b.float(), **_ulp_tolerance(dtypes))
 
 
 # ------------------------------------------------------------------------- bad input
+
 
 def test_bad_dtype_layout_is_a_clear_error():
     gen = torch.Generator().manual_seed(9)
@@ -346,8 +444,23 @@ def test_portable_conversions_give_the_hardware_bits(switch):
     if os.environ.get("TORCHREC_EXT_NO_F16C") or os.environ.get("TORCHREC_EXT_NO_AVX512"):
         pytest.skip("this is the child run")
     here = os.path.abspath(__file__)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", here,
-                           "-k", "half or stochastic or nearest"],
-                          cwd=os.path.dirname(os.path.dirname(here)), env=dict(os.environ, **{switch: "1"}),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            here,
+            "-k",
+            "half or stochastic or nearest",
+        ],
+        cwd=os.path.dirname(os.path.dirname(here)),
+        env=dict(os.environ, **{switch: "1"}),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-4000:]

@@ -4,11 +4,12 @@ found flags must be exactly the brute-force answer read off the table's own arra
 digest is set and whose slot key is the id; -1 if none), for half-full and full tables, misses,
 repeats, batches of every length around the group size, empty batches and empty tables' slices,
 tiny tables (one bucket, a partial last bucket) and keys held in the stash."""
+
 import pytest
 import torch
 
-from torchrec_ext import HashTable, ops, reference
 from test_hash_table_stash import _load, _starved
+from torchrec_ext import HashTable, ops, reference
 
 GROUP = 16  # kFindGroup
 I64MIN, I64MAX = -(2**63), 2**63 - 1
@@ -38,9 +39,12 @@ def _batch(table, n, seed):
     gen = torch.Generator().manual_seed(seed)
     digests, slot_keys = table.lookup_arrays()
     held = slot_keys[: table.capacity][digests[: table.capacity] != 0]
-    parts = [held[torch.randint(0, held.numel(), (n - n // 4,), generator=gen)] if held.numel() else
-             torch.empty(0, dtype=torch.int64),
-             torch.randint(I64MIN, I64MAX, (n // 4,), generator=gen)]
+    parts = [
+        held[torch.randint(0, held.numel(), (n - n // 4,), generator=gen)]
+        if held.numel()
+        else torch.empty(0, dtype=torch.int64),
+        torch.randint(I64MIN, I64MAX, (n // 4,), generator=gen),
+    ]
     ids = torch.cat(parts + [torch.tensor([I64MIN, I64MAX, 0])])[: max(n, 0)]
     return ids[torch.randperm(ids.numel(), generator=gen)]
 
@@ -70,9 +74,13 @@ def test_find_tables_equals_brute_force_per_table(threads):
         offsets = [0]
         for b in batches:
             offsets.append(offsets[-1] + b.numel())
-        rows, found = ops.hash_find_tables([t.lookup_arrays()[0] for t in tables],
-                                           [t.lookup_arrays()[1] for t in tables], torch.cat(batches), offsets,
-                                           [t.capacity for t in tables])
+        rows, found = ops.hash_find_tables(
+            [t.lookup_arrays()[0] for t in tables],
+            [t.lookup_arrays()[1] for t in tables],
+            torch.cat(batches),
+            offsets,
+            [t.capacity for t in tables],
+        )
         want = [_brute_force(t, b) for t, b in zip(tables, batches)]
         assert torch.equal(rows, torch.cat([w[0] for w in want]))
         assert torch.equal(found, torch.cat([w[1] for w in want]))
@@ -83,8 +91,13 @@ def test_find_tables_equals_brute_force_per_table(threads):
 
 def test_find_tables_of_no_ids():
     table = _filled(64, 1.0, seed=3)
-    rows, found = ops.hash_find_tables([table.lookup_arrays()[0]] * 2, [table.lookup_arrays()[1]] * 2,
-                                       torch.empty(0, dtype=torch.int64), [0, 0, 0], [64, 64])
+    rows, found = ops.hash_find_tables(
+        [table.lookup_arrays()[0]] * 2,
+        [table.lookup_arrays()[1]] * 2,
+        torch.empty(0, dtype=torch.int64),
+        [0, 0, 0],
+        [64, 64],
+    )
     assert rows.numel() == 0 and found.numel() == 0
 
 
@@ -105,7 +118,8 @@ def test_find_sees_stashed_keys_in_every_group_position():
         _check(table, ids)
     _check(table, keys)
     ids = torch.cat([keys[:5], keys])
-    got = ops.hash_find_tables([table.lookup_arrays()[0]] * 2, [table.lookup_arrays()[1]] * 2, ids,
-                               [0, 5, 5 + capacity], [capacity] * 2)
+    got = ops.hash_find_tables(
+        [table.lookup_arrays()[0]] * 2, [table.lookup_arrays()[1]] * 2, ids, [0, 5, 5 + capacity], [capacity] * 2
+    )
     want = _brute_force(table, ids)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and bool(got[1].all())

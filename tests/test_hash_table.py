@@ -1,4 +1,5 @@
 """HashTable against the dict model in torchrec_ext.reference, op by op, exactly."""
+
 import random
 
 import pytest
@@ -50,7 +51,11 @@ def test_random_sequences_match_dict_model(policy, capacity, device):
         else:
             assign = op == "insert_or_assign"
             scores = None
-            if policy == "custom" or (assign and rng.random() < 0.5) or (policy in ("lfu", "epoch_lfu") and rng.random() < 0.3):
+            if (
+                policy == "custom"
+                or (assign and rng.random() < 0.5)
+                or (policy in ("lfu", "epoch_lfu") and rng.random() < 0.3)
+            ):
                 scores = [rng.randrange(0, 50) for _ in batch]
             if step % 10 == 9 and policy.startswith("epoch"):
                 table.set_epoch(step)
@@ -277,8 +282,15 @@ def test_place_keys_from_a_start_moves_only_the_keys_that_make_room():
     # The survivors' old rows (the evicted ids' rows free) cannot hold every newcomer greedily...
     greedy = HashTable(capacity, policy="none")
     survived = start >= 0
-    greedy.load_state_dict({**old, "policy": "none", "keys": new["keys"][survived], "rows": start[survived],
-                            "scores": new["scores"][survived]})
+    greedy.load_state_dict(
+        {
+            **old,
+            "policy": "none",
+            "keys": new["keys"][survived],
+            "rows": start[survived],
+            "scores": new["scores"][survived],
+        }
+    )
     assert bool((greedy.insert_or_assign(new["keys"][~survived]).rows < 0).any())
     # ... the placement from them does, moving few survivors.
     rows = place_keys(new["keys"], new["scores"], capacity, start)

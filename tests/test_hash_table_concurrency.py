@@ -5,6 +5,7 @@ readers started, which must always be found at their original rows (the table ne
 nothing is evicted), and (b) keys of the batches being inserted, which must be either absent or
 at the row the insert gave them: never a row of another key.
 """
+
 import threading
 
 import torch

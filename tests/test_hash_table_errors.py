@@ -1,4 +1,5 @@
 """Bad input gets a clear error naming the argument, and leaves the table unchanged."""
+
 import pytest
 import torch
 
@@ -128,11 +129,14 @@ def test_cuda_table_without_cuda_kernels_is_a_clear_error():
 def test_kernels_check_their_inputs_too():
     # The ops are public (torch.ops.torchrec_ext.*): they validate with TORCH_CHECK, no crash.
     digests = torch.zeros(32, dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match="hash_find: digests must be a contiguous uint8 tensor of 98 entries for capacity 40"):
+    with pytest.raises(
+        RuntimeError, match="hash_find: digests must be a contiguous uint8 tensor of 98 entries for capacity 40"
+    ):
         torch.ops.torchrec_ext.hash_find(digests, torch.zeros(32, dtype=torch.int64), torch.arange(3), 40)
     with pytest.raises(RuntimeError, match="hash_find: keys must be int64"):
-        torch.ops.torchrec_ext.hash_find(torch.zeros(65, dtype=torch.uint8), torch.zeros(96, dtype=torch.int64),
-                                         torch.arange(3).int(), 32)
+        torch.ops.torchrec_ext.hash_find(
+            torch.zeros(65, dtype=torch.uint8), torch.zeros(96, dtype=torch.int64), torch.arange(3).int(), 32
+        )
     with pytest.raises(RuntimeError, match="route: world_size must be in"):
         torch.ops.torchrec_ext.route(torch.arange(3), 0)
 
@@ -144,6 +148,16 @@ def test_upsert_op_refuses_a_negative_clock(table, clock):
     before = _snapshot(table)
     with pytest.raises(RuntimeError, match=f"hash_upsert: clock must be >= 0, got {clock}"):
         torch.ops.torchrec_ext.hash_upsert(
-            table._digests, table._slot_keys, table._slot_scores, table._size, torch.arange(200, 300),
-            None, table.capacity, 1, clock, 0, False)
+            table._digests,
+            table._slot_keys,
+            table._slot_scores,
+            table._size,
+            torch.arange(200, 300),
+            None,
+            table.capacity,
+            1,
+            clock,
+            0,
+            False,
+        )
     _assert_unchanged(table, before)

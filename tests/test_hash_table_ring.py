@@ -4,6 +4,7 @@ odd stripes, the last stripe of an odd ring), each stripe's in batch order. Chec
 dict model in torchrec_ext.reference for 1, 2, 3, 4 and 5 stripes, on 1 and 2 threads (which
 must give the same results), with full tables where new keys of neighbouring stripes compete
 for the same buckets and evict."""
+
 import bisect
 import math
 import random
@@ -12,8 +13,16 @@ import pytest
 import torch
 
 from torchrec_ext import HashTable
-from torchrec_ext.reference import (ReferenceHashTable, bucket_pairs, geometry, insert_order, place, stripe_of,
-                                    upsert_phase, upsert_windows)
+from torchrec_ext.reference import (
+    ReferenceHashTable,
+    bucket_pairs,
+    geometry,
+    insert_order,
+    place,
+    stripe_of,
+    upsert_phase,
+    upsert_windows,
+)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Capacities giving 1, 2, 3, 4 and 5 stripes (the odd ones have an uneven last bucket or stripe).
@@ -123,8 +132,17 @@ def _run(capacity, policy, threads, seed):
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("capacity, policy", [(2048, "lru"), (4096, "lfu"), (64 * 32 * 3 + 5, "lru"),
-                                              (64 * 32 * 3 + 5, "lfu"), (64 * 32 * 4, "lru"), (64 * 32 * 5 + 7, "lfu")])
+@pytest.mark.parametrize(
+    "capacity, policy",
+    [
+        (2048, "lru"),
+        (4096, "lfu"),
+        (64 * 32 * 3 + 5, "lru"),
+        (64 * 32 * 3 + 5, "lfu"),
+        (64 * 32 * 4, "lru"),
+        (64 * 32 * 5 + 7, "lfu"),
+    ],
+)
 def test_kernels_match_reference_on_one_and_two_threads(capacity, policy):
     one = _run(capacity, policy, 1, capacity + len(policy))
     two = _run(capacity, policy, 2, capacity + len(policy))
@@ -176,11 +194,11 @@ def test_phase_order_decides_which_new_key_gets_a_contested_slot(clock):
     pool = [rng.randrange(INT64_MIN, INT64_MAX) for _ in range(20_000)]
     b = 64 + 5  # a bucket of stripe 1
     early = next(k for k in pool if place(k, capacity)[0] == b)  # stripe 1, bucket1 == b
-    late = next(k for k in pool if place(k, capacity)[1] == b)   # stripe 0, bucket2 == b
+    late = next(k for k in pool if place(k, capacity)[1] == b)  # stripe 0, bucket2 == b
     assert stripe_of(early, capacity) == 1 and stripe_of(late, capacity) == 0
     # b gets 31 keys, the other bucket of each of the two keys 32: one free slot between them.
     room = {b: 31, place(early, capacity)[1]: 32, place(late, capacity)[0]: 32}
-    filled = {bucket: 0 for bucket in room}
+    filled = dict.fromkeys(room, 0)
     keys, rows = [], []
     for k in pool:
         if k in (early, late):
@@ -193,8 +211,17 @@ def test_phase_order_decides_which_new_key_gets_a_contested_slot(clock):
                 break
     assert filled == room
     table, model = HashTable(capacity, policy="none"), ReferenceHashTable(capacity, "none")
-    table.load_state_dict({"capacity": capacity, "policy": "none", "clock": clock, "epoch": 0,
-                           "keys": _keys(keys), "rows": _keys(rows), "scores": torch.zeros(len(keys), dtype=torch.int64)})
+    table.load_state_dict(
+        {
+            "capacity": capacity,
+            "policy": "none",
+            "clock": clock,
+            "epoch": 0,
+            "keys": _keys(keys),
+            "rows": _keys(rows),
+            "scores": torch.zeros(len(keys), dtype=torch.int64),
+        }
+    )
     for k, r in zip(keys, rows):
         model.row_of[k], model.key_at[r], model.score_at[r] = r, k, 0
     model.clock = clock

@@ -2,6 +2,7 @@
 touched and pinned before any key of the batch is inserted, so a new key early in the batch
 cannot evict a resident key that comes later. Checked on full tables against the dict model in
 torchrec_ext.reference (rows, inserted flags, evictions and the whole table, exactly)."""
+
 import random
 
 import pytest

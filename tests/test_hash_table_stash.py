@@ -5,6 +5,7 @@ table lost ~85 ids). Here ids are picked so that a bucket of each target table i
 12 ids per table; with it every id is kept, with its score, vectors and optimizer state, and the
 kernels (CPU, the CUDA kernels under the warp emulator) find, touch, evict and erase stashed keys
 exactly as the dict model (reference.ReferenceHashTable) does."""
+
 import random
 
 import pytest
@@ -39,15 +40,26 @@ def _starved(capacity, n, buckets=(0,), pool=None, seed=0):
 def _load(table, keys, scores):
     rows = place_keys(keys, scores, table.capacity)
     keep = rows >= 0
-    table.load_state_dict({"capacity": table.capacity, "policy": table.policy, "clock": 0, "epoch": 0,
-                           "layout": LAYOUT_VERSION, "keys": keys[keep], "rows": rows[keep], "scores": scores[keep]})
+    table.load_state_dict(
+        {
+            "capacity": table.capacity,
+            "policy": table.policy,
+            "clock": 0,
+            "epoch": 0,
+            "layout": LAYOUT_VERSION,
+            "keys": keys[keep],
+            "rows": rows[keep],
+            "scores": scores[keep],
+        }
+    )
     return rows
 
 
 def test_stash_size_grows_like_the_square_root_of_the_capacity():
     assert [stash_slots(c) for c in (1, 2048, 16384, 16385, 2**20, 10**8)] == [32, 32, 32, 64, 256, 2528]
-    assert [stash_slots(c) for c in (1, 2048, 16384, 16385, 2**20, 10**8)] == \
-        [reference.stash_slots(c) for c in (1, 2048, 16384, 16385, 2**20, 10**8)]
+    assert [stash_slots(c) for c in (1, 2048, 16384, 16385, 2**20, 10**8)] == [
+        reference.stash_slots(c) for c in (1, 2048, 16384, 16385, 2**20, 10**8)
+    ]
     assert HashTable(40).metadata_bytes() == sum(index_lengths(40)[i] * w for i, w in enumerate((1, 8, 8)))
 
 
@@ -95,6 +107,7 @@ def test_more_ids_than_rows_keep_the_references_ids(capacity, n):
 
 
 # ----------------------------------------------------------------------------- resharding
+
 
 def _reshard_ids(src, dst, share, seed):
     """Ids that fill ``src`` source tables and ``dst`` target tables of ``share`` rows exactly,
@@ -146,8 +159,9 @@ def test_reshard_of_full_tables_places_every_row(src, dst):
         found_rows, found = table.find(keys[mine])
         assert bool(found.all())
         state = table.state_dict()
-        assert dict(zip(state["keys"].tolist(), state["scores"].tolist())) == \
-            dict(zip(keys[mine].tolist(), key_scores[mine].tolist()))
+        assert dict(zip(state["keys"].tolist(), state["scores"].tolist())) == dict(
+            zip(keys[mine].tolist(), key_scores[mine].tolist())
+        )
 
 
 def _module(capacity):
@@ -200,6 +214,7 @@ def test_a_module_reloaded_full_at_half_the_capacity_keeps_every_row_and_trains_
 
 
 # ----------------------------------------------------------------------------- kernels vs reference
+
 
 def _stashed_table(capacity, policy, seed):
     keys = _starved(capacity, capacity, seed=seed)

@@ -439,18 +439,25 @@ def test_fallback_rows_serve_and_follow_deltas_as_the_trained_module_reads_them(
     from torchrec_ext.distributed.checkpoint import save_checkpoint
 
     torch.manual_seed(0)
-    source = DynamicEmbeddingBagCollection(_tables(fallback_rows=8, admission="counter", admit_after=3),
-                                           optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    source = DynamicEmbeddingBagCollection(
+        _tables(fallback_rows=8, admission="counter", admit_after=3), optimizer="adagrad", optimizer_kwargs={"lr": 0.1}
+    )
     for step in range(4):
         source(_kjt(step, 16)).values().pow(2).sum().backward()
     source.eval()
     token = source.delta_token()
     path = save_checkpoint(str(tmp_path), 1, {"model": source.state_dict()})
-    skeleton = DynamicEmbeddingBagCollection(_tables(fallback_rows=8, admission="counter", admit_after=3),
-                                             optimizer="adagrad", optimizer_kwargs={"lr": 0.1}, device=torch.device("meta"))
-    served = [convert_to_inference(source, data_type=data_type),
-              convert_to_inference(skeleton, state_dict=source.state_dict(), data_type=data_type),
-              load_inference_checkpoint(path, skeleton, data_type=data_type)]
+    skeleton = DynamicEmbeddingBagCollection(
+        _tables(fallback_rows=8, admission="counter", admit_after=3),
+        optimizer="adagrad",
+        optimizer_kwargs={"lr": 0.1},
+        device=torch.device("meta"),
+    )
+    served = [
+        convert_to_inference(source, data_type=data_type),
+        convert_to_inference(skeleton, state_dict=source.state_dict(), data_type=data_type),
+        load_inference_checkpoint(path, skeleton, data_type=data_type),
+    ]
     tolerance = dict(rtol=0, atol=0) if data_type is None else TOLERANCE["int8"]
     for seed in range(3):
         kjt = _kjt(50 + seed, 16, pool=900)

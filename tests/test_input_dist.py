@@ -2,6 +2,7 @@
 against TorchRec's KJTAllToAll, which regroups with fbgemm: the same received KJTs, and sharded
 modules that train to the same outputs and table contents whichever of the two they use; ours
 dispatches no fbgemm op, so it runs where fbgemm has no CUDA build."""
+
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -59,10 +60,17 @@ def _exchanges_agree(rank, world_size):
         routed = _routed(rank, world_size, case, torch.Generator().manual_seed(cases.index(case) * 10 + rank))
         theirs_ctx, ours_ctx = (type("Ctx", (), {"sharding_contexts": [EmbeddingShardingContext()]})() for _ in "ab")
         with _OpsSeen() as seen_theirs:
-            theirs = KJTListSplitsAwaitable([KJTAllToAll(pg, [len(KEYS)] * world_size)(routed)], theirs_ctx).wait().wait()[0]
+            theirs = (
+                KJTListSplitsAwaitable([KJTAllToAll(pg, [len(KEYS)] * world_size)(routed)], theirs_ctx).wait().wait()[0]
+            )
         with _OpsSeen() as seen_ours:
-            ours = KJTListSplitsAwaitable([RoutedInputDist(pg, len(KEYS), world_size)(
-                routed, ours_ctx.sharding_contexts[0])], ours_ctx).wait().wait()[0]
+            ours = (
+                KJTListSplitsAwaitable(
+                    [RoutedInputDist(pg, len(KEYS), world_size)(routed, ours_ctx.sharding_contexts[0])], ours_ctx
+                )
+                .wait()
+                .wait()[0]
+            )
         assert ours.keys() == theirs.keys() == KEYS, case
         assert ours.stride() == theirs.stride(), case
         for part in ("lengths", "values", "weights_or_none"):
@@ -102,8 +110,9 @@ def _module_batch(step, rank, weighted, batch=5):
         lengths.zero_()  # a rank with no ids at all: every rank's share from it is empty
     n = int(lengths.sum())
     ids = torch.tensor([0, -1, 2**63 - 1, 3, 3, 2**50])[torch.randint(0, 6, (n,), generator=gen)]
-    return KeyedJaggedTensor(keys=KEYS, values=ids, lengths=lengths, stride=batch,
-                             weights=torch.rand(n, generator=gen) if weighted else None)
+    return KeyedJaggedTensor(
+        keys=KEYS, values=ids, lengths=lengths, stride=batch, weights=torch.rand(n, generator=gen) if weighted else None
+    )
 
 
 def _modules_train_alike(rank, world_size):
@@ -112,33 +121,59 @@ def _modules_train_alike(rank, world_size):
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
     from dist_helpers import local_state
-    from torchrec_ext import (DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, DynamicEmbeddingCollection,
-                              DynamicEmbeddingConfig)
+    from torchrec_ext import (
+        DynamicEmbeddingBagCollection,
+        DynamicEmbeddingBagConfig,
+        DynamicEmbeddingCollection,
+        DynamicEmbeddingConfig,
+    )
     from torchrec_ext.distributed import get_sharders
 
     def bags():
         return DynamicEmbeddingBagCollection(
-            [DynamicEmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=64, feature_names=["f1", "f2"]),
-             DynamicEmbeddingBagConfig(name="t2", embedding_dim=3, num_embeddings=64, feature_names=["f3"])],
-            is_weighted=True, optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+            [
+                DynamicEmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=64, feature_names=["f1", "f2"]),
+                DynamicEmbeddingBagConfig(name="t2", embedding_dim=3, num_embeddings=64, feature_names=["f3"]),
+            ],
+            is_weighted=True,
+            optimizer="adagrad",
+            optimizer_kwargs={"lr": 0.1},
+        )
 
     def sequences():
         return DynamicEmbeddingCollection(
-            [DynamicEmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=64, feature_names=["f1", "f3"]),
-             DynamicEmbeddingConfig(name="t2", embedding_dim=4, num_embeddings=64, feature_names=["f2"])],
-            need_indices=True, optimizer="adam", optimizer_kwargs={"lr": 0.1})
+            [
+                DynamicEmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=64, feature_names=["f1", "f3"]),
+                DynamicEmbeddingConfig(name="t2", embedding_dim=4, num_embeddings=64, feature_names=["f2"]),
+            ],
+            need_indices=True,
+            optimizer="adam",
+            optimizer_kwargs={"lr": 0.1},
+        )
 
     # t2 on rank 1 alone: rank 0 receives no ids of its slots.
-    plan = {"t1": row_wise(compute_kernel="customized_kernel"), "t2": table_wise(rank=1, compute_kernel="customized_kernel")}
+    plan = {
+        "t1": row_wise(compute_kernel="customized_kernel"),
+        "t2": table_wise(rank=1, compute_kernel="customized_kernel"),
+    }
 
     def sharded(make, torchrec_dist):
         model = ModelWith("m", make())
-        module_plan = construct_module_sharding_plan(model.m, plan, sharder=next(
-            s for s in get_sharders() if s.module_type is type(model.m)), local_size=world_size,
-            world_size=world_size, device_type="cpu")
-        dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
-                                       device=torch.device("cpu"), plan=ShardingPlan({"m": module_plan}),
-                                       sharders=get_sharders())
+        module_plan = construct_module_sharding_plan(
+            model.m,
+            plan,
+            sharder=next(s for s in get_sharders() if s.module_type is type(model.m)),
+            local_size=world_size,
+            world_size=world_size,
+            device_type="cpu",
+        )
+        dmp = DistributedModelParallel(
+            model,
+            env=ShardingEnv.from_process_group(dist.group.WORLD),
+            device=torch.device("cpu"),
+            plan=ShardingPlan({"m": module_plan}),
+            sharders=get_sharders(),
+        )
         if torchrec_dist:
             input_dists = dmp.module.m._input_dists
             input_dists[0] = _TorchRecInputDist(dist.group.WORLD, len(KEYS), world_size)

@@ -1,12 +1,13 @@
 """Every torchrec_ext op passes ``torch.library.opcheck``: its schema (aliasing and mutation
 annotations), its fake kernel (shapes and dtypes for FakeTensor / torch.compile), autograd
 registration and AOT dispatch, on real inputs of each op. A new op gets a row here."""
+
 import pytest
 import torch
 
-from torchrec_ext import HashTable, ops
-from torchrec_ext import reference as ref
 from test_embedding_ops import _pooled_case, _update_case
+from torchrec_ext import HashTable
+from torchrec_ext import reference as ref
 
 _ops = torch.ops.torchrec_ext
 CAPACITY = 300
@@ -29,21 +30,54 @@ def _hash_cases():
     yield "hash_upsert", (*state, keys, torch.arange(keys.numel()), CAPACITY, ref.POLICIES.index("custom"), 5, 0, True)
     pending = torch.arange(keys.numel()) % 3 != 0
     yield "hash_upsert_fixed", (*state, keys, None, pending, CAPACITY, ref.POLICIES.index("lru"), 6, 0, False)
-    yield "hash_upsert_fixed", (*state, keys, torch.ones_like(keys), None, CAPACITY, ref.POLICIES.index("lfu"), 7, 0,
-                                False)
+    yield (
+        "hash_upsert_fixed",
+        (*state, keys, torch.ones_like(keys), None, CAPACITY, ref.POLICIES.index("lfu"), 7, 0, False),
+    )
     other = HashTable(64)
     other.find_or_insert(torch.arange(64) * 31)
     tables = [[x.clone() for x in state], [other._digests, other._slot_keys, other._slot_scores, other._size]]
     both = torch.cat([keys, torch.arange(40) * 29])
-    yield "hash_upsert_tables", (*[[t[i] for t in tables] for i in range(4)], both, [0, keys.numel(), both.numel()],
-                                 None, both % 4 != 0, [CAPACITY, 64], [ref.POLICIES.index("lru"),
-                                                                       ref.POLICIES.index("lfu")], [8, 3], [0, 1], False)
-    yield "hash_find_tables", ([t._digests, other._digests], [t._slot_keys, other._slot_keys], both,
-                               [0, keys.numel(), both.numel()], [CAPACITY, 64])
+    yield (
+        "hash_upsert_tables",
+        (
+            *[[t[i] for t in tables] for i in range(4)],
+            both,
+            [0, keys.numel(), both.numel()],
+            None,
+            both % 4 != 0,
+            [CAPACITY, 64],
+            [ref.POLICIES.index("lru"), ref.POLICIES.index("lfu")],
+            [8, 3],
+            [0, 1],
+            False,
+        ),
+    )
+    yield (
+        "hash_find_tables",
+        (
+            [t._digests, other._digests],
+            [t._slot_keys, other._slot_keys],
+            both,
+            [0, keys.numel(), both.numel()],
+            [CAPACITY, 64],
+        ),
+    )
     yield "hash_erase", (state[0], state[1], state[3], keys, CAPACITY)
     yield "hash_export", (t._digests, t._slot_keys, t._slot_scores, CAPACITY, 0, t._slot_scores.numel())
-    yield "hash_restore", (empty._digests, empty._slot_keys, empty._slot_scores, empty._size,
-                           live_keys, live_rows, live_scores, CAPACITY)
+    yield (
+        "hash_restore",
+        (
+            empty._digests,
+            empty._slot_keys,
+            empty._slot_scores,
+            empty._size,
+            live_keys,
+            live_rows,
+            live_scores,
+            CAPACITY,
+        ),
+    )
     yield "hash_place", (live_keys, live_scores, CAPACITY)
     yield "hash_place", (keys, torch.arange(keys.numel()) % 7, 64)  # more keys than rows: some left out
     start = torch.where(torch.arange(live_keys.numel()) % 2 == 0, live_rows, -1)  # half of them held
@@ -57,22 +91,78 @@ def _hash_cases():
 
 def _embedding_cases():
     yield "dedup_segments", (torch.randint(0, 20, (50,)), torch.tensor([0, 20, 50]))
-    yield "init_rows", (torch.zeros(10, 4), torch.tensor([0, 3]), torch.tensor([5, 7]), 1,
-                        ref.INITIALIZERS["normal"], [0.0, 1.0], [torch.zeros(10, 1)], [0.5])
+    yield (
+        "init_rows",
+        (
+            torch.zeros(10, 4),
+            torch.tensor([0, 3]),
+            torch.tensor([5, 7]),
+            1,
+            ref.INITIALIZERS["normal"],
+            [0.0, 1.0],
+            [torch.zeros(10, 1)],
+            [0.5],
+        ),
+    )
     case = _pooled_case(weighted=True)
-    yield "pooled_lookup", (case["weights"], case["table_offsets"], case["table_dims"], case["feature_table"],
-                            case["feature_col"], case["feature_mean"], case["rows"], case["offsets"],
-                            case["per_sample_weights"], case["batch_size"], case["total_dim"], [])
+    yield (
+        "pooled_lookup",
+        (
+            case["weights"],
+            case["table_offsets"],
+            case["table_dims"],
+            case["feature_table"],
+            case["feature_col"],
+            case["feature_mean"],
+            case["rows"],
+            case["offsets"],
+            case["per_sample_weights"],
+            case["batch_size"],
+            case["total_dim"],
+            [],
+        ),
+    )
     weights = torch.randn(6 * 8 + 9 * 8)
-    yield "sequence_lookup", (weights, torch.tensor([0, 48]), 8, torch.tensor([1, 0]), torch.tensor([0, 4, 9]),
-                              torch.tensor([0, 8, -1, 2, 5, 5, 1, 0, 3]), [])
+    yield (
+        "sequence_lookup",
+        (
+            weights,
+            torch.tensor([0, 48]),
+            8,
+            torch.tensor([1, 0]),
+            torch.tensor([0, 4, 9]),
+            torch.tensor([0, 8, -1, 2, 5, 5, 1, 0, 3]),
+            [],
+        ),
+    )
     for optimizer in ref.OPTIMIZERS:
         for pooled in (True, False):
             grad, w, states, c = _update_case(optimizer, pooled)
-            yield "fused_update", (grad, w, states, c["table_offsets"], c["table_dims"], c["state_row_offsets"],
-                                   c["unique_rows"], c["unique_table"], c["inverse"], c["offsets"],
-                                   c["per_sample_weights"], c["feature_col"], c["feature_mean"], c["batch_size"],
-                                   ref.OPTIMIZERS[optimizer], list(c["hparams"]), 1, [], None, [])
+            yield (
+                "fused_update",
+                (
+                    grad,
+                    w,
+                    states,
+                    c["table_offsets"],
+                    c["table_dims"],
+                    c["state_row_offsets"],
+                    c["unique_rows"],
+                    c["unique_table"],
+                    c["inverse"],
+                    c["offsets"],
+                    c["per_sample_weights"],
+                    c["feature_col"],
+                    c["feature_mean"],
+                    c["batch_size"],
+                    ref.OPTIMIZERS[optimizer],
+                    list(c["hparams"]),
+                    1,
+                    [],
+                    None,
+                    [],
+                ),
+            )
 
 
 CASES = list(_hash_cases()) + list(_embedding_cases())

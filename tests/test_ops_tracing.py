@@ -1,9 +1,10 @@
 """The ops have fake kernels: they trace under FakeTensorMode / make_fx / torch.compile."""
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import torchrec_ext  # noqa: F401  (registers the ops)
+import torchrec_ext
 from torchrec_ext import HashTable
 
 
@@ -38,29 +39,50 @@ def test_route_under_torch_compile():
 
 
 def test_embedding_op_fake_kernels():
-    from torchrec_ext import ops
-
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from torchrec_ext import ops
 
     with FakeTensorMode(shape_env=ShapeEnv()):  # dedup_segments' output size is data-dependent
         weights = torch.empty(10 * 4 + 5 * 8)
         offs, dims = torch.tensor([0, 40]), torch.tensor([4, 8])
-        out = ops.pooled_lookup(weights, offs, dims, torch.tensor([0, 1]), torch.tensor([0, 4]),
-                                torch.tensor([False, True]), torch.empty(9, dtype=torch.int64),
-                                torch.empty(7, dtype=torch.int64), None, 3, 12)
+        out = ops.pooled_lookup(
+            weights,
+            offs,
+            dims,
+            torch.tensor([0, 1]),
+            torch.tensor([0, 4]),
+            torch.tensor([False, True]),
+            torch.empty(9, dtype=torch.int64),
+            torch.empty(7, dtype=torch.int64),
+            None,
+            3,
+            12,
+        )
         assert out.shape == (3, 12) and out.dtype == torch.float32
-        seq = ops.sequence_lookup(weights[:40], offs[:1], 4, torch.tensor([0]), torch.tensor([0, 9]),
-                                  torch.empty(9, dtype=torch.int64))
+        seq = ops.sequence_lookup(
+            weights[:40], offs[:1], 4, torch.tensor([0]), torch.tensor([0, 9]), torch.empty(9, dtype=torch.int64)
+        )
         assert seq.shape == (9, 4)
-        unique, inverse, counts, unique_offsets = ops.dedup_segments(torch.empty(9, dtype=torch.int64), torch.tensor([0, 4, 9]))
+        unique, inverse, counts, unique_offsets = ops.dedup_segments(
+            torch.empty(9, dtype=torch.int64), torch.tensor([0, 4, 9])
+        )
         assert inverse.shape == (9,) and unique_offsets.shape == (3,) and unique.shape == counts.shape
 
 
 def test_pooled_lookup_traces_with_make_fx():
     from torchrec_ext import ops
 
-    inputs = (torch.randn(6 * 4), torch.tensor([0]), torch.tensor([4]), torch.tensor([0]), torch.tensor([0]),
-              torch.tensor([False]), torch.tensor([1, 5, 2]), torch.tensor([0, 2, 3]))
+    inputs = (
+        torch.randn(6 * 4),
+        torch.tensor([0]),
+        torch.tensor([4]),
+        torch.tensor([0]),
+        torch.tensor([0]),
+        torch.tensor([False]),
+        torch.tensor([1, 5, 2]),
+        torch.tensor([0, 2, 3]),
+    )
 
     def pooled(*tensors):
         return ops.pooled_lookup(*tensors, None, 2, 4) * 2

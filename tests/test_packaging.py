@@ -1,6 +1,7 @@
 """torchrec_ext imports without the editable install: from a plain copy of the checkout with the
 extension built in place, and from what a wheel would hold (setup.py build_py + the built _C).
 Both run where CUDA looks available, the path on which ops.py imports the Triton kernels."""
+
 import glob
 import os
 import shutil
@@ -30,23 +31,35 @@ for name, module in sorted(sys.modules.items()):
 
 def _checkout_copy(destination: str) -> str:
     """The source tree as a fresh checkout has it, plus the built extension in place."""
-    shutil.copytree(ROOT, destination, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "runs", "*.egg-info", "__pycache__", ".pytest_cache", "*.so"))
+    shutil.copytree(
+        ROOT,
+        destination,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "build", "runs", "*.egg-info", "__pycache__", ".pytest_cache", "*.so"
+        ),
+    )
     shutil.copy2(torchrec_ext._C.__file__, os.path.join(destination, "torchrec_ext"))
     return destination
 
 
 def _wheel_contents(destination: str, checkout: str) -> str:
     """The Python files a wheel would hold (setup.py's build_py), plus the built extension."""
-    proc = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "-d", destination], cwd=checkout,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_py", "-d", destination],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     shutil.copy2(torchrec_ext._C.__file__, os.path.join(destination, "torchrec_ext"))
     return destination
 
 
 def _python_files(root: str) -> set:
-    return {os.path.relpath(p, root) for p in glob.glob(os.path.join(root, "torchrec_ext", "**", "*.py"), recursive=True)}
+    return {
+        os.path.relpath(p, root) for p in glob.glob(os.path.join(root, "torchrec_ext", "**", "*.py"), recursive=True)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +75,14 @@ def test_wheel_holds_every_python_file(layouts):
 @pytest.mark.parametrize("layout", ["checkout", "wheel"])
 def test_imports_from_pythonpath_without_the_editable_finder(layouts, layout):
     root = layouts[layout]
-    proc = subprocess.run([sys.executable, "-c", IMPORT_CHECK], cwd=root, env=dict(os.environ, PYTHONPATH=root),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", IMPORT_CHECK],
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=root),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     registered, *modules = proc.stdout.splitlines()
     assert registered == "True"  # the Triton lookup is the op's CUDA kernel

@@ -1,5 +1,6 @@
 """torchrec_ext.pipeline.TrainPipeline: the same losses and parameters as a plain loop, on 2
 real CPU ranks (gloo), with each stage on or off; worker failures surface; nothing hangs."""
+
 import os
 import threading
 import time
@@ -17,7 +18,9 @@ VARIANTS = {
     "defaults": PipelineOptions(),
     "no_threads": PipelineOptions(prefetch_threads=0, threaded_input_dist=False),
     "ddp_allreduce": PipelineOptions(flat_dense_allreduce=False, prefetch_threads=3, threaded_input_dist=True),
-    "graph_options_on_cpu": PipelineOptions(graph_modules=("model.dense_arch", "model.over_arch"), threaded_input_dist=True),
+    "graph_options_on_cpu": PipelineOptions(
+        graph_modules=("model.dense_arch", "model.over_arch"), threaded_input_dist=True
+    ),
 }
 
 
@@ -57,8 +60,12 @@ def _pipeline_then_plain_loop(rank, world_size):
     reference_model, reference_opt = make_dmp_dlrm(world_size)
     want_losses = plain_loop(reference_model, reference_opt, batches)
     model, optimizer = make_dmp_dlrm(world_size)
-    losses = _pipelined(model, optimizer, batches[:3],
-                        PipelineOptions(prefetch_threads=2, threaded_input_dist=True, flat_dense_allreduce=True))
+    losses = _pipelined(
+        model,
+        optimizer,
+        batches[:3],
+        PipelineOptions(prefetch_threads=2, threaded_input_dist=True, flat_dense_allreduce=True),
+    )
     losses += plain_loop(model, optimizer, batches[3:])
     for got, want in zip(losses, want_losses):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -112,8 +119,12 @@ def raise_from_loader():
 def _worker_error_reaches_caller(rank, world_size):
     batches = make_batches(rank, batch_size=8, num_full=5, last=0)
     model, optimizer = make_dmp_dlrm(world_size)
-    pipeline = TrainPipeline(model, optimizer, torch.device("cpu"),
-                             PipelineOptions(prefetch_threads=2, threaded_input_dist=True, timeout_s=60))
+    pipeline = TrainPipeline(
+        model,
+        optimizer,
+        torch.device("cpu"),
+        PipelineOptions(prefetch_threads=2, threaded_input_dist=True, timeout_s=60),
+    )
     it = _FailingLoader(batches, fail_at=3)
     steps = 0
     with pytest.raises(KeyError, match="bad record in shard 7") as info:
@@ -222,8 +233,11 @@ def test_prefetcher_hands_out_every_earlier_batch_before_the_error(fails_in):
 
 
 def _threads_fds_groups():
-    return (len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd")),
-            len(dist.distributed_c10d._world.pg_map))
+    return (
+        len(os.listdir("/proc/self/task")),
+        len(os.listdir("/proc/self/fd")),
+        len(dist.distributed_c10d._world.pg_map),
+    )
 
 
 def _segments_reuse_one_process_group(rank, world_size):
@@ -242,8 +256,9 @@ def _segments_reuse_one_process_group(rank, world_size):
         counts.append(_threads_fds_groups())
     # Exact for files and groups; a joined thread may take a moment more to leave /proc.
     first, last = counts[0], counts[-1]
-    assert last[1:] == first[1:] and last[0] <= first[0] + 1, \
+    assert last[1:] == first[1:] and last[0] <= first[0] + 1, (
         f"threads, open files, process groups after each segment: {counts}"
+    )
     for step, (g, w) in enumerate(zip(got, want)):
         torch.testing.assert_close(g, w, rtol=0, atol=0, msg=f"loss of step {step}")
 
@@ -267,9 +282,11 @@ def _timed_out_close_closes_the_group_pool(rank, world_size):
     worker.close = lambda timeout_s: real_close(timeout_s) and False
     groups_before = len(dist.distributed_c10d._world.pg_map)
     pipeline.close()
-    with pytest.raises(RuntimeError, match="input-dist thread did not stop within its close timeout"):
-        with TrainPipeline(model, optimizer, torch.device("cpu"), options) as again:
-            progress_losses(again, batches)
+    with (
+        pytest.raises(RuntimeError, match="input-dist thread did not stop within its close timeout"),
+        TrainPipeline(model, optimizer, torch.device("cpu"), options) as again,
+    ):
+        progress_losses(again, batches)
     assert len(dist.distributed_c10d._world.pg_map) == groups_before  # no group was created
 
 

@@ -2,6 +2,7 @@
 without a GPU (the whole-pipeline comparison on GPU needs embedding kernels that run there:
 stock TorchRec tables need fbgemm's CUDA build). The ordering rules behind them are checked on
 CPU with fake streams in test_pipeline_ordering.py."""
+
 import copy
 import threading
 
@@ -217,5 +218,5 @@ def test_next_replay_waits_for_the_pinned_copy_of_its_static_outputs():
     copied = outputs.push(0, y1.detach())
     graphed.outputs_read.read_by(copied)
     module(x2)  # replay: overwrites y1's buffer once the copy is done
-    (_, host), = outputs.drain()
+    ((_, host),) = outputs.drain()
     torch.testing.assert_close(host, want)

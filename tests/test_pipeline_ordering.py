@@ -2,6 +2,7 @@
 captured (a gate, watched with a fake device op), which stream waits for which event (recording
 fake streams and events standing in for CUDA's), and graphs kept per model, not per pipeline.
 The CUDA runs of the same rules are in test_pipeline_cuda.py."""
+
 import threading
 import time
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from dist_helpers import make_batches, make_dmp_dlrm, plain_loop, run_ranks
+from torchrec_ext.pipeline import PipelineOptions, TrainPipeline
 from torchrec_ext.pipeline import prefetch as prefetch_module
 from torchrec_ext.pipeline import train_pipeline as train_pipeline_module
 from torchrec_ext.pipeline.dense_sync import FlatGradSync, GraphedForward
@@ -17,8 +19,6 @@ from torchrec_ext.pipeline.prefetch import BatchPrefetcher, copy_to_device
 from torchrec_ext.pipeline.quiesce import DeviceWorkGate
 from torchrec_ext.pipeline.streams import ReplayFence
 from torchrec_ext.pipeline.worker import HelperThread
-from torchrec_ext.pipeline import PipelineOptions, TrainPipeline
-
 
 # ----------------------------------------------------------------- the capture gate
 
@@ -59,8 +59,9 @@ def test_capture_gate_parks_prefetch_workers_and_the_helper_thread():
     gate = DeviceWorkGate()
     ops = DeviceOps(gate)
     n = 300
-    prefetcher = BatchPrefetcher(iter([_DeviceBatch(i, ops) for i in range(n)]), torch.device("cpu"),
-                                 num_threads=4, depth=16, gate=gate)
+    prefetcher = BatchPrefetcher(
+        iter([_DeviceBatch(i, ops) for i in range(n)]), torch.device("cpu"), num_threads=4, depth=16, gate=gate
+    )
     helper = HelperThread("torchrec_ext-test-helper", gate)
     stop = threading.Event()
 
@@ -122,9 +123,8 @@ def test_gate_times_out_on_a_stuck_worker_and_reopens():
     worker = threading.Thread(target=stuck)
     worker.start()
     started.wait(5)
-    with pytest.raises(TimeoutError, match="still on the device after 0 s"):
-        with gate.closed(timeout_s=0.2):
-            pass
+    with pytest.raises(TimeoutError, match="still on the device after 0 s"), gate.closed(timeout_s=0.2):
+        pass
     assert not gate.is_closed
     release.set()
     worker.join(5)
@@ -305,11 +305,15 @@ def _ordering_in_the_pipeline(rank, world_size, options_kw):
     assert not [e for e in streams.main_dist.waited if e.stream not in (ahead,) and e not in copied.values()]
 
 
-@pytest.mark.parametrize("options_kw", [
-    dict(prefetch_threads=2, threaded_input_dist=True),
-    dict(prefetch_threads=0, threaded_input_dist=False),
-    dict(prefetch_threads=0, threaded_input_dist=True),
-], ids=["threads", "inline", "inline_copy_threaded_dist"])
+@pytest.mark.parametrize(
+    "options_kw",
+    [
+        dict(prefetch_threads=2, threaded_input_dist=True),
+        dict(prefetch_threads=0, threaded_input_dist=False),
+        dict(prefetch_threads=0, threaded_input_dist=True),
+    ],
+    ids=["threads", "inline", "inline_copy_threaded_dist"],
+)
 def test_every_input_dist_is_ordered_after_its_copy_on_its_own_stream(options_kw):
     run_ranks(_ordering_in_the_pipeline, 1, options_kw)
 

@@ -1,9 +1,9 @@
 """The dynamic-table planner: storage estimates against an independent byte model and against
 the modules' own storage_bytes(), perf estimates, and whole plans of models mixing dynamic and
 stock TorchRec tables under TorchRec's EmbeddingShardingPlanner (plan() needs no process group)."""
+
 import math
 import os
-from typing import Dict, List, Type
 
 import pytest
 import torch
@@ -16,11 +16,16 @@ from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.types import PlannerError, Storage
 
 from torchrec_ext import (
-    DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, DynamicEmbeddingCollection, DynamicEmbeddingConfig,
+    DynamicEmbeddingBagCollection,
+    DynamicEmbeddingBagConfig,
+    DynamicEmbeddingCollection,
+    DynamicEmbeddingConfig,
     reference,
 )
 from torchrec_ext.distributed.planner import (
-    DynamicEmbeddingPerfEstimator, DynamicEmbeddingStorageEstimator, make_planner,
+    DynamicEmbeddingPerfEstimator,
+    DynamicEmbeddingStorageEstimator,
+    make_planner,
 )
 
 META = torch.device("meta")
@@ -29,10 +34,11 @@ BATCH = 64
 
 # ------------------------------------------------------------------ sharders
 
+
 class _TestSharder(BaseEmbeddingSharder):
     """The interface of our sharders, for planning only (used when the real ones are missing)."""
 
-    _type: Type[nn.Module]
+    _type: type[nn.Module]
     _container: str
 
     def shard(self, module, params, env, device=None, module_fqn=None):
@@ -42,13 +48,13 @@ class _TestSharder(BaseEmbeddingSharder):
     def module_type(self):
         return self._type
 
-    def shardable_parameters(self, module) -> Dict[str, nn.Parameter]:
+    def shardable_parameters(self, module) -> dict[str, nn.Parameter]:
         return {name: table.weight for name, table in getattr(module, self._container).items()}
 
-    def sharding_types(self, compute_device_type: str) -> List[str]:
+    def sharding_types(self, compute_device_type: str) -> list[str]:
         return ["table_wise", "row_wise"]
 
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         return [EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value]
 
 
@@ -62,7 +68,10 @@ class _TestEcSharder(_TestSharder):
 
 try:  # the project's sharders when they exist
     from torchrec_ext.distributed.sharders import (
-        DynamicEmbeddingBagCollectionSharder as EbcSharder, DynamicEmbeddingCollectionSharder as EcSharder,
+        DynamicEmbeddingBagCollectionSharder as EbcSharder,
+    )
+    from torchrec_ext.distributed.sharders import (
+        DynamicEmbeddingCollectionSharder as EcSharder,
     )
 except ImportError:
     EbcSharder, EcSharder = _TestEbcSharder, _TestEcSharder
@@ -74,9 +83,15 @@ def _sharders():
 
 # ------------------------------------------------------------------ the byte model, written out again
 
-STATE = {None: lambda d: 0, "sgd": lambda d: 0, "adagrad": lambda d: 4 * d, "rowwise_adagrad": lambda d: 4,
-         "adam": lambda d: 8 * d, "adamw": lambda d: 8 * d,  # two float32 moments per element
-         "ftrl": lambda d: 8 * d}  # float32 accumulator and linear per element
+STATE = {
+    None: lambda d: 0,
+    "sgd": lambda d: 0,
+    "adagrad": lambda d: 4 * d,
+    "rowwise_adagrad": lambda d: 4,
+    "adam": lambda d: 8 * d,
+    "adamw": lambda d: 8 * d,  # two float32 moments per element
+    "ftrl": lambda d: 8 * d,
+}  # float32 accumulator and linear per element
 
 
 def _expected_resident(cap, dim, opt, ttl, admit_after, admission_capacity, parts):
@@ -109,8 +124,10 @@ def _enumerate(model, world, device="cpu", constraints=None, estimators=None, ty
     """The options of ``types`` (the byte model of the other types: test_sharding_types_storage_and_perf)."""
     topology = Topology(world_size=world, compute_device=device, **topo)
     if estimators is None:
-        estimators = [DynamicEmbeddingStorageEstimator(topology, constraints),
-                      DynamicEmbeddingPerfEstimator(topology, constraints)]
+        estimators = [
+            DynamicEmbeddingStorageEstimator(topology, constraints),
+            DynamicEmbeddingPerfEstimator(topology, constraints),
+        ]
     enumerator = EmbeddingEnumerator(topology, BATCH, constraints, estimator=estimators)
     options = enumerator.enumerate(model, _sharders())
     return options if types is None else [o for o in options if o.sharding_type in types]
@@ -128,33 +145,51 @@ TABLE_CASES = [
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("opt", [None, "sgd", "adagrad", "rowwise_adagrad", "adam", "adamw", "ftrl"])
 def test_storage_equals_byte_model(world, opt):
-    configs = [DynamicEmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=cap, feature_names=[f"f{i}"],
-                                         ttl_steps=ttl, admit_after=adm, admission_capacity=acap)
-               for i, (cap, dim, ttl, adm, acap) in enumerate(TABLE_CASES)]
+    configs = [
+        DynamicEmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=dim,
+            num_embeddings=cap,
+            feature_names=[f"f{i}"],
+            ttl_steps=ttl,
+            admit_after=adm,
+            admission_capacity=acap,
+        )
+        for i, (cap, dim, ttl, adm, acap) in enumerate(TABLE_CASES)
+    ]
     kwargs = {} if opt is None else {"optimizer": opt, "optimizer_kwargs": {"lr": 0.1}}
     ebc = DynamicEmbeddingBagCollection(configs, device=META, **kwargs)
     constraints = {"t1": ParameterConstraints(pooling_factors=[3.5, 0.5])}  # two features' worth of ids
     options = _enumerate(ebc, world, constraints=constraints)
-    assert {(o.name, o.sharding_type) for o in options} == {(c.name, st) for c in configs
-                                                           for st in ("table_wise", "row_wise")}
+    assert {(o.name, o.sharding_type) for o in options} == {
+        (c.name, st) for c in configs for st in ("table_wise", "row_wise")
+    }
     for o in options:
         cap, dim, ttl, adm, acap = TABLE_CASES[int(o.name[1:])]
         parts = world if o.sharding_type == "row_wise" else 1
         pf = [3.5, 0.5] if o.name == "t1" else [1.0]
         want = _expected_resident(cap, dim, opt, ttl, adm, acap, parts) + _expected_io(
-            o.sharding_type, world, dim, True, False, pf)
+            o.sharding_type, world, dim, True, False, pf
+        )
         assert len(o.shards) == (world if o.sharding_type == "row_wise" else 1)
         for shard in o.shards:
             assert shard.storage == Storage(hbm=0, ddr=want), (o.name, o.sharding_type)
 
 
 def test_storage_of_sequence_and_weighted_tables_and_cuda():
-    ec = DynamicEmbeddingCollection([DynamicEmbeddingConfig(name="s", embedding_dim=8, num_embeddings=500,
-                                                            feature_names=["a"], ttl_steps=4)],
-                                    device=META, optimizer="rowwise_adagrad", optimizer_kwargs={"lr": 0.1})
-    wbc = DynamicEmbeddingBagCollection([DynamicEmbeddingBagConfig(name="w", embedding_dim=24, num_embeddings=300,
-                                                                   feature_names=["b"])],
-                                        is_weighted=True, device=META, optimizer="adam", optimizer_kwargs={"lr": 0.1})
+    ec = DynamicEmbeddingCollection(
+        [DynamicEmbeddingConfig(name="s", embedding_dim=8, num_embeddings=500, feature_names=["a"], ttl_steps=4)],
+        device=META,
+        optimizer="rowwise_adagrad",
+        optimizer_kwargs={"lr": 0.1},
+    )
+    wbc = DynamicEmbeddingBagCollection(
+        [DynamicEmbeddingBagConfig(name="w", embedding_dim=24, num_embeddings=300, feature_names=["b"])],
+        is_weighted=True,
+        device=META,
+        optimizer="adam",
+        optimizer_kwargs={"lr": 0.1},
+    )
     model = nn.ModuleDict({"ec": ec, "wbc": wbc})
     constraints = {"s": ParameterConstraints(pooling_factors=[5.0])}
     for device in ("cpu", "cuda"):
@@ -162,10 +197,12 @@ def test_storage_of_sequence_and_weighted_tables_and_cuda():
             parts = 2 if o.sharding_type == "row_wise" else 1
             if o.name == "s":
                 want = _expected_resident(500, 8, "rowwise_adagrad", 4, 1, None, parts) + _expected_io(
-                    o.sharding_type, 2, 8, False, False, [5.0])
+                    o.sharding_type, 2, 8, False, False, [5.0]
+                )
             else:
                 want = _expected_resident(300, 24, "adam", None, 1, None, parts) + _expected_io(
-                    o.sharding_type, 2, 24, True, True, [1.0])
+                    o.sharding_type, 2, 24, True, True, [1.0]
+                )
             expected = Storage(hbm=want, ddr=0) if device == "cuda" else Storage(hbm=0, ddr=want)
             assert all(s.storage == expected for s in o.shards), (device, o.name, o.sharding_type)
 
@@ -175,9 +212,18 @@ def test_storage_matches_modules_storage_bytes(world):
     """Without IO buffers (is_inference), a shard's bytes are what a module holding that share
     reports: the whole table for table_wise, ceil(capacity / world) rows for row_wise."""
     cases = [(1000, 16, None, 1, None), (4097, 8, 10, 1, None), (1000, 12, 5, 2, 77), (70, 4, 3, 4, None)]
-    configs = [DynamicEmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=cap, feature_names=[f"f{i}"],
-                                         ttl_steps=ttl, admit_after=adm, admission_capacity=acap)
-               for i, (cap, dim, ttl, adm, acap) in enumerate(cases)]
+    configs = [
+        DynamicEmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=dim,
+            num_embeddings=cap,
+            feature_names=[f"f{i}"],
+            ttl_steps=ttl,
+            admit_after=adm,
+            admission_capacity=acap,
+        )
+        for i, (cap, dim, ttl, adm, acap) in enumerate(cases)
+    ]
     ebc = DynamicEmbeddingBagCollection(configs, device=META, optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
     topology = Topology(world_size=world, compute_device="cpu")
     options = _enumerate(ebc, world, estimators=[DynamicEmbeddingStorageEstimator(topology, is_inference=True)])
@@ -185,10 +231,20 @@ def test_storage_matches_modules_storage_bytes(world):
         cap, dim, ttl, adm, acap = cases[int(o.name[1:])]
         parts = world if o.sharding_type == "row_wise" else 1
         share = DynamicEmbeddingBagCollection(
-            [DynamicEmbeddingBagConfig(name="x", embedding_dim=dim, num_embeddings=math.ceil(cap / parts),
-                                       feature_names=["x"], ttl_steps=ttl, admit_after=adm,
-                                       admission_capacity=None if acap is None else math.ceil(acap / parts))],
-            optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+            [
+                DynamicEmbeddingBagConfig(
+                    name="x",
+                    embedding_dim=dim,
+                    num_embeddings=math.ceil(cap / parts),
+                    feature_names=["x"],
+                    ttl_steps=ttl,
+                    admit_after=adm,
+                    admission_capacity=None if acap is None else math.ceil(acap / parts),
+                )
+            ],
+            optimizer="adagrad",
+            optimizer_kwargs={"lr": 0.1},
+        )
         assert all(s.storage.ddr == share.storage_bytes() for s in o.shards), (o.name, o.sharding_type)
 
 
@@ -197,18 +253,31 @@ def test_storage_of_half_tables_matches_modules_storage_bytes(world):
     """FP16 / BF16 tables (odd rows * dim: a share's vectors end mid-word) plan the bytes a module
     holding that share reports, fewer than the same table in FP32."""
     cases = [(1001, 5, DataType.FP16), (333, 7, DataType.BF16), (64, 64, DataType.FP16)]
-    configs = [DynamicEmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=cap, feature_names=[f"f{i}"],
-                                         data_type=dt) for i, (cap, dim, dt) in enumerate(cases)]
+    configs = [
+        DynamicEmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=dim, num_embeddings=cap, feature_names=[f"f{i}"], data_type=dt
+        )
+        for i, (cap, dim, dt) in enumerate(cases)
+    ]
     ebc = DynamicEmbeddingBagCollection(configs, device=META, optimizer="rowwise_adagrad", optimizer_kwargs={"lr": 0.1})
     topology = Topology(world_size=world, compute_device="cpu")
     options = _enumerate(ebc, world, estimators=[DynamicEmbeddingStorageEstimator(topology, is_inference=True)])
     for o in options:
         cap, dim, dt = cases[int(o.name[1:])]
         parts = world if o.sharding_type == "row_wise" else 1
-        share = lambda data_type: DynamicEmbeddingBagCollection(  # noqa: E731
-            [DynamicEmbeddingBagConfig(name="x", embedding_dim=dim, num_embeddings=math.ceil(cap / parts),
-                                       feature_names=["x"], data_type=data_type)],
-            optimizer="rowwise_adagrad", optimizer_kwargs={"lr": 0.1}).storage_bytes()
+        share = lambda data_type: DynamicEmbeddingBagCollection(
+            [
+                DynamicEmbeddingBagConfig(
+                    name="x",
+                    embedding_dim=dim,
+                    num_embeddings=math.ceil(cap / parts),
+                    feature_names=["x"],
+                    data_type=data_type,
+                )
+            ],
+            optimizer="rowwise_adagrad",
+            optimizer_kwargs={"lr": 0.1},
+        ).storage_bytes()
         assert all(s.storage.ddr == share(dt) for s in o.shards), (o.name, o.sharding_type)
         rows = math.ceil(cap / parts)
         assert share(DataType.FP32) - share(dt) == rows * dim * 4 - 4 * math.ceil(rows * dim * 2 / 4)
@@ -216,21 +285,40 @@ def test_storage_of_half_tables_matches_modules_storage_bytes(world):
 
 # ------------------------------------------------------------------ plans
 
+
 class _Mixed(nn.Module):
     def __init__(self, big_capacity: int = 2000, device=META):
         super().__init__()
-        self.dyn = DynamicEmbeddingBagCollection([
-            DynamicEmbeddingBagConfig(name="d1", embedding_dim=16, num_embeddings=1000, feature_names=["f1"]),
-            DynamicEmbeddingBagConfig(name="d2", embedding_dim=32, num_embeddings=big_capacity, feature_names=["f2"],
-                                      ttl_steps=3),
-        ], device=device, optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
-        self.seq = DynamicEmbeddingCollection([
-            DynamicEmbeddingConfig(name="e1", embedding_dim=8, num_embeddings=300, feature_names=["f3"]),
-        ], device=device, optimizer="sgd", optimizer_kwargs={"lr": 0.1})
-        self.sparse = nn.ModuleDict({"ebc": EmbeddingBagCollection([
-            EmbeddingBagConfig(name="s1", embedding_dim=16, num_embeddings=100, feature_names=["f4"]),
-            EmbeddingBagConfig(name="s2", embedding_dim=8, num_embeddings=50, feature_names=["f5"]),
-        ], device=device)})
+        self.dyn = DynamicEmbeddingBagCollection(
+            [
+                DynamicEmbeddingBagConfig(name="d1", embedding_dim=16, num_embeddings=1000, feature_names=["f1"]),
+                DynamicEmbeddingBagConfig(
+                    name="d2", embedding_dim=32, num_embeddings=big_capacity, feature_names=["f2"], ttl_steps=3
+                ),
+            ],
+            device=device,
+            optimizer="adagrad",
+            optimizer_kwargs={"lr": 0.1},
+        )
+        self.seq = DynamicEmbeddingCollection(
+            [
+                DynamicEmbeddingConfig(name="e1", embedding_dim=8, num_embeddings=300, feature_names=["f3"]),
+            ],
+            device=device,
+            optimizer="sgd",
+            optimizer_kwargs={"lr": 0.1},
+        )
+        self.sparse = nn.ModuleDict(
+            {
+                "ebc": EmbeddingBagCollection(
+                    [
+                        EmbeddingBagConfig(name="s1", embedding_dim=16, num_embeddings=100, feature_names=["f4"]),
+                        EmbeddingBagConfig(name="s2", embedding_dim=8, num_embeddings=50, feature_names=["f5"]),
+                    ],
+                    device=device,
+                )
+            }
+        )
         self.dense = nn.Linear(4, 4, device=device)
 
 
@@ -256,15 +344,21 @@ def test_mixed_model_plans_every_table():
 def test_mixed_model_plans_with_the_project_sharders():
     sharders = pytest.importorskip("torchrec_ext.distributed.sharders")
     plan = make_planner(Topology(world_size=2, compute_device="cpu"), batch_size=BATCH).plan(
-        _Mixed(), sharders.get_sharders())
+        _Mixed(), sharders.get_sharders()
+    )
     tables = _by_table(plan)
     assert set(tables) == {("dyn", "d1"), ("dyn", "d2"), ("seq", "e1"), ("sparse.ebc", "s1"), ("sparse.ebc", "s2")}
     assert all(tables[k].compute_kernel == "customized_kernel" for k in tables if k[0] in ("dyn", "seq"))
     assert all(tables[k].compute_kernel != "customized_kernel" for k in tables if k[0] == "sparse.ebc")
 
 
-@pytest.mark.parametrize("forced", [{"d1": "table_wise", "d2": "row_wise", "e1": "row_wise"},
-                                    {"d1": "row_wise", "d2": "table_wise", "e1": "table_wise"}])
+@pytest.mark.parametrize(
+    "forced",
+    [
+        {"d1": "table_wise", "d2": "row_wise", "e1": "row_wise"},
+        {"d1": "row_wise", "d2": "table_wise", "e1": "table_wise"},
+    ],
+)
 def test_constraints_are_honoured(forced):
     constraints = {name: ParameterConstraints(sharding_types=[st]) for name, st in forced.items()}
     constraints["s1"] = ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])
@@ -287,8 +381,9 @@ def test_table_too_large_for_any_rank_names_the_table():
     with pytest.raises(PlannerError, match=r"(?s)Insufficient memory.*table 'd2'") as info:
         planner.plan(model, _sharders())
     message = str(info.value)
-    best = (_expected_resident(1 << 18, 32, "adagrad", 3, 1, None, 2)
-            + _expected_io("row_wise", 2, 32, True, False, [1.0]))
+    best = _expected_resident(1 << 18, 32, "adagrad", 3, 1, None, 2) + _expected_io(
+        "row_wise", 2, 32, True, False, [1.0]
+    )
     assert f"needs {best} B" in message and "row_wise" in message
     assert f"per rank {ddr_cap} B" in message
     assert "'d1'" not in message and "'s1'" not in message  # only the table that cannot fit is named
@@ -297,14 +392,18 @@ def test_table_too_large_for_any_rank_names_the_table():
 
 def test_tables_fitting_alone_but_not_together_keep_torchrecs_error():
     # Each table fits a rank, table_wise only, but three of them cannot be packed on two ranks.
-    configs = [DynamicEmbeddingBagConfig(name=f"t{i}", embedding_dim=16, num_embeddings=4096, feature_names=[f"f{i}"])
-               for i in range(3)]
+    configs = [
+        DynamicEmbeddingBagConfig(name=f"t{i}", embedding_dim=16, num_embeddings=4096, feature_names=[f"f{i}"])
+        for i in range(3)
+    ]
     ebc = DynamicEmbeddingBagCollection(configs, device=META, optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
-    one = (_expected_resident(4096, 16, "adagrad", None, 1, None, 1)
-           + _expected_io("table_wise", 2, 16, True, False, [1.0]))
+    one = _expected_resident(4096, 16, "adagrad", None, 1, None, 1) + _expected_io(
+        "table_wise", 2, 16, True, False, [1.0]
+    )
     constraints = {c.name: ParameterConstraints(sharding_types=["table_wise"]) for c in configs}
-    planner = make_planner(Topology(world_size=2, compute_device="cpu", ddr_cap=int(one * 1.5)), batch_size=BATCH,
-                           constraints=constraints)
+    planner = make_planner(
+        Topology(world_size=2, compute_device="cpu", ddr_cap=int(one * 1.5)), batch_size=BATCH, constraints=constraints
+    )
     with pytest.raises(PlannerError) as info:
         planner.plan(ebc, _sharders())
     assert "Insufficient memory:" not in str(info.value)
@@ -312,14 +411,25 @@ def test_tables_fitting_alone_but_not_together_keep_torchrecs_error():
 
 # ------------------------------------------------------------------ perf
 
+
 def _perf_options(world, device="cpu", is_inference=False, **topo):
-    ebc = DynamicEmbeddingBagCollection([
-        DynamicEmbeddingBagConfig(name="t", embedding_dim=64, num_embeddings=10000, feature_names=["f"]),
-    ], device=META, optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    ebc = DynamicEmbeddingBagCollection(
+        [
+            DynamicEmbeddingBagConfig(name="t", embedding_dim=64, num_embeddings=10000, feature_names=["f"]),
+        ],
+        device=META,
+        optimizer="adagrad",
+        optimizer_kwargs={"lr": 0.1},
+    )
     topology = Topology(world_size=world, compute_device=device, **topo)
     constraints = {"t": ParameterConstraints(pooling_factors=[8.0])}
-    options = _enumerate(ebc, world, device=device, constraints=constraints,
-                         estimators=[DynamicEmbeddingPerfEstimator(topology, constraints, is_inference=is_inference)])
+    options = _enumerate(
+        ebc,
+        world,
+        device=device,
+        constraints=constraints,
+        estimators=[DynamicEmbeddingPerfEstimator(topology, constraints, is_inference=is_inference)],
+    )
     return {o.sharding_type: o for o in options}
 
 
@@ -343,8 +453,11 @@ def test_perf_is_positive_and_row_wise_splits_compute(world):
 
 def test_perf_scales_with_topology_bandwidths():
     base = _perf_options(2)["table_wise"].shards[0].perf
-    fast = _perf_options(2, ddr_mem_bw=2 * Topology(world_size=1, compute_device="cpu").ddr_mem_bw,
-                         intra_host_bw=2 * Topology(world_size=1, compute_device="cpu").intra_host_bw)
+    fast = _perf_options(
+        2,
+        ddr_mem_bw=2 * Topology(world_size=1, compute_device="cpu").ddr_mem_bw,
+        intra_host_bw=2 * Topology(world_size=1, compute_device="cpu").intra_host_bw,
+    )
     fast = fast["table_wise"].shards[0].perf
     assert fast.fwd_compute == pytest.approx(base.fwd_compute / 2)
     assert fast.bwd_compute == pytest.approx(base.bwd_compute / 2)
@@ -367,7 +480,9 @@ def test_perf_calibration_matches_the_committed_measurement():
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "lookup_cpu.jsonl")
     with open(path) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    record = next(r for r in reversed(records) if r["config"]["dim"] == 64 and r["config"].get("device", "cpu") == "cpu")
+    record = next(
+        r for r in reversed(records) if r["config"]["dim"] == 64 and r["config"].get("device", "cpu") == "cpu"
+    )
     o = _perf_options(1)["table_wise"]
     p = o.shards[0].perf
     predicted = 8.0 * BATCH / ((p.fwd_compute + p.bwd_compute) / 1e3)
@@ -392,9 +507,11 @@ def test_make_planner_rejects_an_enumerator():
 
 # ------------------------------------------------------------------ the other sharding types
 
+
 def _types_model(opt="adagrad"):
-    configs = [DynamicEmbeddingBagConfig(name="c", embedding_dim=8, num_embeddings=1000, feature_names=["f"],
-                                         ttl_steps=5)]
+    configs = [
+        DynamicEmbeddingBagConfig(name="c", embedding_dim=8, num_embeddings=1000, feature_names=["f"], ttl_steps=5)
+    ]
     return DynamicEmbeddingBagCollection(configs, device=META, optimizer=opt, optimizer_kwargs={"lr": 0.1})
 
 
@@ -404,8 +521,10 @@ def test_sharding_types_storage_and_perf():
     node's ranks: against the byte model, and perf that scales as the ids and widths do."""
     world, local = 4, 2
     constraints = {"c": ParameterConstraints(min_partition=4)}  # 2 column shards of 4
-    options = {o.sharding_type: o for o in _enumerate(_types_model(), world, constraints=constraints, types=None,
-                                                     local_world_size=local)}
+    options = {
+        o.sharding_type: o
+        for o in _enumerate(_types_model(), world, constraints=constraints, types=None, local_world_size=local)
+    }
     assert set(options) == {"table_wise", "row_wise", "table_row_wise", "column_wise", "table_column_wise"}
     for kind, o in options.items():
         parts = {"row_wise": world, "table_row_wise": local}.get(kind, 1)
@@ -413,8 +532,11 @@ def test_sharding_types_storage_and_perf():
         assert [int(s.size[1]) for s in o.shards] == dims, kind
         ids = BATCH * world / parts  # every rank's ids, spread over the ranks holding rows
         for shard, dim in zip(o.shards, dims):
-            want = _expected_resident(1000, dim, "adagrad", 5, 1, None, parts) + math.ceil(ids * 8) + \
-                math.ceil(BATCH * world * dim * 4)
+            want = (
+                _expected_resident(1000, dim, "adagrad", 5, 1, None, parts)
+                + math.ceil(ids * 8)
+                + math.ceil(BATCH * world * dim * 4)
+            )
             assert shard.storage == Storage(hbm=0, ddr=want), kind
     per_shard = lambda kind, field: [getattr(s.perf, field) for s in options[kind].shards]
     table_wise = options["table_wise"].shards[0].perf
@@ -433,19 +555,33 @@ def test_tables_that_cannot_be_split_by_columns_or_replicated_are_refused_with_t
     data_parallel, are a PlannerError saying why."""
     topology = Topology(world_size=2, compute_device="cpu")
     options = _enumerate(_types_model("rowwise_adagrad"), 2, types=None)  # dim 8 < min_partition: 1 column shard
-    assert {o.sharding_type for o in options} == {"table_wise", "row_wise", "table_row_wise", "column_wise",
-                                                  "table_column_wise"}
+    assert {o.sharding_type for o in options} == {
+        "table_wise",
+        "row_wise",
+        "table_row_wise",
+        "column_wise",
+        "table_column_wise",
+    }
     assert all(len(o.shards) == 1 for o in options if "column" in o.sharding_type)
     split = {"c": ParameterConstraints(min_partition=4)}  # 2 column shards of 4
     kinds = {o.sharding_type for o in _enumerate(_types_model("rowwise_adagrad"), 2, constraints=split, types=None)}
     assert kinds == {"table_wise", "row_wise", "table_row_wise"}
-    for types, reason in ((["column_wise"], r"constrained to \['column_wise'\], but it cannot be split into column "
-                                            r"shards: it has optimizer 'rowwise_adagrad': a row-wise optimizer state "
-                                            r"\(rowwise_adagrad averages"),
-                          (["data_parallel"], r"constrained to data_parallel: data_parallel cannot serve a dynamic "
-                                              r"table: each rank would insert the ids of its own batch")):
-        planner = make_planner(topology, BATCH, constraints={"c": ParameterConstraints(sharding_types=types,
-                                                                                       min_partition=4)})
+    for types, reason in (
+        (
+            ["column_wise"],
+            r"constrained to \['column_wise'\], but it cannot be split into column "
+            r"shards: it has optimizer 'rowwise_adagrad': a row-wise optimizer state "
+            r"\(rowwise_adagrad averages",
+        ),
+        (
+            ["data_parallel"],
+            r"constrained to data_parallel: data_parallel cannot serve a dynamic "
+            r"table: each rank would insert the ids of its own batch",
+        ),
+    ):
+        planner = make_planner(
+            topology, BATCH, constraints={"c": ParameterConstraints(sharding_types=types, min_partition=4)}
+        )
         with pytest.raises(PlannerError, match=r"table 'c' \(<root>\) is " + reason):
             planner.plan(_types_model("rowwise_adagrad"), _sharders())
 
@@ -458,13 +594,17 @@ def test_the_sharders_optimizer_is_costed_when_the_module_chose_none():
     configs = [DynamicEmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=1000, feature_names=["f"])]
     topology = Topology(world_size=2, compute_device="cpu")
     fused_params = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1}
-    for module_optimizer, sharder_params, opt in ((None, fused_params, "rowwise_adagrad"), ("adam", fused_params, "adam"),
-                                                  (None, None, None)):
+    for module_optimizer, sharder_params, opt in (
+        (None, fused_params, "rowwise_adagrad"),
+        ("adam", fused_params, "adam"),
+        (None, None, None),
+    ):
         kwargs = {} if module_optimizer is None else {"optimizer": module_optimizer, "optimizer_kwargs": {"lr": 0.1}}
         ebc = DynamicEmbeddingBagCollection(configs, device=META, **kwargs)
         estimators = [DynamicEmbeddingStorageEstimator(topology), DynamicEmbeddingPerfEstimator(topology)]
         options = EmbeddingEnumerator(topology, BATCH, estimator=estimators).enumerate(
-            ebc, [EbcSharder(fused_params=sharder_params)])
+            ebc, [EbcSharder(fused_params=sharder_params)]
+        )
         table_wise = [o for o in options if o.sharding_type == "table_wise"][0]
         want = _expected_resident(1000, 8, opt, None, 1, None, 1) + _expected_io("table_wise", 2, 8, True, False, [1.0])
         assert table_wise.shards[0].storage == Storage(hbm=0, ddr=want), (module_optimizer, sharder_params)

@@ -4,6 +4,7 @@ full table's ids refuses ~1% of them), also when resharding full tables of sever
 the warning gives the true numbers. The placement (the C++ op hash_place) keeps exactly the ids
 the pure-Python oracle keeps (by score, highest first), deterministically; checkpoints of the
 per-stripe layout (before the ring: no layout in their counters) still load, saying so."""
+
 import os
 import random
 import re
@@ -15,8 +16,7 @@ import torch.distributed as dist
 from torchrec import DataType, KeyedJaggedTensor
 
 from dist_helpers import ModelWith, run_ranks
-from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
-from torchrec_ext import HashTable, reference
+from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, HashTable, reference
 from torchrec_ext.table import LAYOUT_VERSION, stash_slots
 
 
@@ -30,17 +30,34 @@ def _most_placeable(keys, capacity):
 def test_bucket_pairs_equal_the_reference_placement(capacity):
     from torchrec_ext.reference import bucket_pairs
 
-    keys = torch.cat([torch.randint(-(2**63), 2**63 - 1, (500,), generator=torch.Generator().manual_seed(capacity)),
-                      torch.tensor([0, -1, 2**63 - 1, -(2**63)])])
+    keys = torch.cat(
+        [
+            torch.randint(-(2**63), 2**63 - 1, (500,), generator=torch.Generator().manual_seed(capacity)),
+            torch.tensor([0, -1, 2**63 - 1, -(2**63)]),
+        ]
+    )
     b1, b2 = bucket_pairs(keys, capacity)
     assert list(zip(b1.tolist(), b2.tolist())) == [reference.place(k, capacity)[:2] for k in keys.tolist()]
 
 
 # Full tables of 1 stripe (256, 2000, 2048 rows), 2 (4096), 3 (6144: an odd ring), 4 (8192), 32
 # (65536) and 48 (100000) stripes; and more ids than rows.
-@pytest.mark.parametrize("capacity, n", [(256, 256), (2048, 2048), (2000, 2000), (2048, 2100), (4096, 4096),
-                                         (6144, 6144), (8192, 8192), (8192, 8500), (65536, 65536), (100000, 100000),
-                                         (262144, 262144)])
+@pytest.mark.parametrize(
+    "capacity, n",
+    [
+        (256, 256),
+        (2048, 2048),
+        (2000, 2000),
+        (2048, 2100),
+        (4096, 4096),
+        (6144, 6144),
+        (8192, 8192),
+        (8192, 8500),
+        (65536, 65536),
+        (100000, 100000),
+        (262144, 262144),
+    ],
+)
 def test_place_keys_places_every_key_that_fits(capacity, n):
     from torchrec_ext.table import place_keys
 
@@ -52,8 +69,18 @@ def test_place_keys_places_every_key_that_fits(capacity, n):
     placed = rows >= 0
     assert int(placed.sum()) == _most_placeable(keys, capacity)  # the upper bound, reached
     table = HashTable(capacity)  # the placement is valid: each key in one of its buckets, rows distinct
-    table.load_state_dict({"capacity": capacity, "policy": "lru", "clock": 0, "epoch": 0, "layout": LAYOUT_VERSION,
-                           "keys": keys[placed], "rows": rows[placed], "scores": scores[placed]})
+    table.load_state_dict(
+        {
+            "capacity": capacity,
+            "policy": "lru",
+            "clock": 0,
+            "epoch": 0,
+            "layout": LAYOUT_VERSION,
+            "keys": keys[placed],
+            "rows": rows[placed],
+            "scores": scores[placed],
+        }
+    )
     found_rows, found = table.find(keys)
     assert torch.equal(found, placed) and torch.equal(found_rows[placed], rows[placed])
     if n > capacity and capacity <= 2048:  # one stripe: what is left out has the lowest scores
@@ -70,8 +97,17 @@ def _crowded(capacity, n, gen):
     return keys[b1 < 64][:n]  # bucket1 in stripe 0 (64 buckets), bucket2 in stripe 1
 
 
-@pytest.mark.parametrize("capacity, n, crowded", [(100, 130, False), (2048, 2048, False), (2048, 2300, False),
-                                                  (4096, 4400, False), (6144, 6144, False), (8192, 4500, True)])
+@pytest.mark.parametrize(
+    "capacity, n, crowded",
+    [
+        (100, 130, False),
+        (2048, 2048, False),
+        (2048, 2300, False),
+        (4096, 4400, False),
+        (6144, 6144, False),
+        (8192, 4500, True),
+    ],
+)
 def test_place_keys_keeps_what_the_reference_keeps(capacity, n, crowded):
     from torchrec_ext.table import place_keys
 
@@ -85,8 +121,18 @@ def test_place_keys_keeps_what_the_reference_keeps(capacity, n, crowded):
     # crowded: 404 ids find no row in their buckets, the stash holds 32 of them
     assert sum(kept) == min(n, capacity) - (404 - stash_slots(capacity) if crowded else 0)
     placed = rows >= 0  # and the rows are a valid placement
-    HashTable(capacity).load_state_dict({"capacity": capacity, "policy": "lru", "clock": 0, "epoch": 0, "layout": LAYOUT_VERSION,
-                                         "keys": keys[placed], "rows": rows[placed], "scores": scores[placed]})
+    HashTable(capacity).load_state_dict(
+        {
+            "capacity": capacity,
+            "policy": "lru",
+            "clock": 0,
+            "epoch": 0,
+            "layout": LAYOUT_VERSION,
+            "keys": keys[placed],
+            "rows": rows[placed],
+            "scores": scores[placed],
+        }
+    )
 
 
 @pytest.mark.parametrize("capacity", [1, 2, 33, 100, 500, 4100])
@@ -106,8 +152,18 @@ def test_place_keys_keeps_what_the_reference_keeps_small_and_crowded(capacity):
         rows = place_keys(keys, scores, capacity)
         assert (rows >= 0).tolist() == reference.place_keys(keys.tolist(), scores.tolist(), capacity)
         placed = rows >= 0
-        HashTable(capacity).load_state_dict({"capacity": capacity, "policy": "lru", "clock": 0, "epoch": 0, "layout": LAYOUT_VERSION,
-                                             "keys": keys[placed], "rows": rows[placed], "scores": scores[placed]})
+        HashTable(capacity).load_state_dict(
+            {
+                "capacity": capacity,
+                "policy": "lru",
+                "clock": 0,
+                "epoch": 0,
+                "layout": LAYOUT_VERSION,
+                "keys": keys[placed],
+                "rows": rows[placed],
+                "scores": scores[placed],
+            }
+        )
 
 
 def test_place_keys_is_deterministic_whatever_the_thread_count():
@@ -128,13 +184,24 @@ def test_place_keys_is_deterministic_whatever_the_thread_count():
     assert int((results[0] >= 0).sum()) == 65536
 
 
-@pytest.mark.parametrize("change, error, match", [
-    (lambda k, s, c: (torch.cat([k, k[:1]]), torch.cat([s, s[:1]]), c), ValueError, r"place_keys: .*key -?\d+ appears twice"),
-    (lambda k, s, c: (k, s[:-1], c), ValueError, r"place_keys: scores must have one entry per key"),
-    (lambda k, s, c: (k.float(), s, c), TypeError, r"place_keys: keys must be an integer tensor, got torch.float32"),
-    (lambda k, s, c: (k, s, 0), ValueError, r"place_keys: capacity must be an int > 0, got 0"),
-    (lambda k, s, c: (k.view(2, -1), s, c), ValueError, r"place_keys: keys must be 1-D"),
-])
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (
+            lambda k, s, c: (torch.cat([k, k[:1]]), torch.cat([s, s[:1]]), c),
+            ValueError,
+            r"place_keys: .*key -?\d+ appears twice",
+        ),
+        (lambda k, s, c: (k, s[:-1], c), ValueError, r"place_keys: scores must have one entry per key"),
+        (
+            lambda k, s, c: (k.float(), s, c),
+            TypeError,
+            r"place_keys: keys must be an integer tensor, got torch.float32",
+        ),
+        (lambda k, s, c: (k, s, 0), ValueError, r"place_keys: capacity must be an int > 0, got 0"),
+        (lambda k, s, c: (k.view(2, -1), s, c), ValueError, r"place_keys: keys must be 1-D"),
+    ],
+)
 def test_place_keys_refuses_bad_input(change, error, match):
     from torchrec_ext.table import place_keys
 
@@ -146,7 +213,9 @@ def test_place_keys_refuses_bad_input(change, error, match):
 def _full_module(capacity, seed=0):
     module = DynamicEmbeddingBagCollection(
         [DynamicEmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=capacity, feature_names=["f"])],
-        optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+        optimizer="adagrad",
+        optimizer_kwargs={"lr": 0.1},
+    )
     gen = torch.Generator().manual_seed(seed)
     while module.num_live_rows() < capacity:
         ids = torch.randint(-(2**62), 2**62, (capacity,), generator=gen)
@@ -159,7 +228,9 @@ def test_full_table_reloaded_without_its_rows_keeps_every_row():
     of capacity 2048 holding 2048 ids."""
     source = _full_module(2048)
     state = {k: v for k, v in source.state_dict().items() if not k.endswith(".row")}
-    target = DynamicEmbeddingBagCollection(source.embedding_bag_configs(), optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    target = DynamicEmbeddingBagCollection(
+        source.embedding_bag_configs(), optimizer="adagrad", optimizer_kwargs={"lr": 0.1}
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "do not fit" warning
         target.load_state_dict(state, strict=False)
@@ -171,6 +242,7 @@ def test_full_table_reloaded_without_its_rows_keeps_every_row():
 
 
 # ----------------------------------------------------------------------------- layout versions
+
 
 def _layout1_buckets(key, capacity):
     """Where layout 1 (per-stripe buckets, before the ring) let a key live: both buckets in its stripe."""
@@ -190,23 +262,30 @@ def _layout1_state(module, capacity, marker):
     state, p = module.state_dict(), "embedding_bags.t."
     taken, keep, rows = set(), [], []
     for i, key in enumerate(state[p + "weight_id"].tolist()):
-        free = [r for b in _layout1_buckets(key, capacity) for r in range(32 * b, min(32 * b + 32, capacity))
-                if r not in taken]
+        free = [
+            r
+            for b in _layout1_buckets(key, capacity)
+            for r in range(32 * b, min(32 * b + 32, capacity))
+            if r not in taken
+        ]
         if free:
             taken.add(free[0])
             keep.append(i)
             rows.append(free[0])
     old = {k: v[torch.tensor(keep)] for k, v in state.items() if not k.endswith("counters")}
     old[p + "row"] = torch.tensor(rows)
-    old[p + "counters"] = state[p + "counters"][:4] if marker is None else \
-        torch.cat([state[p + "counters"][:4], torch.tensor([marker])])
+    old[p + "counters"] = (
+        state[p + "counters"][:4] if marker is None else torch.cat([state[p + "counters"][:4], torch.tensor([marker])])
+    )
     return old
 
 
 def _module_with(capacity, n):
     module = DynamicEmbeddingBagCollection(
         [DynamicEmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=capacity, feature_names=["f"])],
-        optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+        optimizer="adagrad",
+        optimizer_kwargs={"lr": 0.1},
+    )
     ids = torch.randint(-(2**62), 2**62, (n,), generator=torch.Generator().manual_seed(n))
     module(KeyedJaggedTensor(keys=["f"], values=ids, lengths=torch.tensor([n]))).values().sum().backward()
     return module
@@ -222,7 +301,9 @@ def test_checkpoint_of_the_per_stripe_layout_loads_and_says_its_rows_were_renewe
     old = _layout1_state(_module_with(capacity, capacity * 3 // 4), capacity, marker)
     target = DynamicEmbeddingBagCollection(
         [DynamicEmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=capacity, feature_names=["f"])],
-        optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+        optimizer="adagrad",
+        optimizer_kwargs={"lr": 0.1},
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         target.load_state_dict(old)
@@ -230,8 +311,11 @@ def test_checkpoint_of_the_per_stripe_layout_loads_and_says_its_rows_were_renewe
     p = "embedding_bags.t."
     got = target.state_dict()
     if capacity > 2048:
-        assert len(said) == 1 and re.search(r"table 't'.* rows follow hash-table layout 1 \(per-stripe buckets.*"
-                                            rf"this table's layout is {LAYOUT_VERSION} \(ring of stripes", said[0]), said
+        assert len(said) == 1 and re.search(
+            r"table 't'.* rows follow hash-table layout 1 \(per-stripe buckets.*"
+            rf"this table's layout is {LAYOUT_VERSION} \(ring of stripes",
+            said[0],
+        ), said
         assert not torch.equal(got[p + "row"].sort().values, old[p + "row"].sort().values)
     else:
         assert said == []
@@ -251,7 +335,9 @@ def test_dcp_checkpoint_of_the_per_stripe_layout_loads(tmp_path, one_rank_group)
     save_checkpoint(str(tmp_path), 1, {"model": old})
     target = DynamicEmbeddingBagCollection(
         [DynamicEmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=8192, feature_names=["f"])],
-        optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+        optimizer="adagrad",
+        optimizer_kwargs={"lr": 0.1},
+    )
     state = load_checkpoint(os.path.join(str(tmp_path), "step_1"), {"model": target.state_dict()})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -274,14 +360,25 @@ def test_hash_table_state_names_its_layout():
     assert state["layout"] == LAYOUT_VERSION
     HashTable(8192).load_state_dict(state)
     # A key in its layout-1 bucket2, which the ring does not give it.
-    i = next(i for i, k in enumerate(state["keys"].tolist())
-             if _layout1_buckets(k, 8192)[1] not in reference.place(k, 8192)[:2])
+    i = next(
+        i
+        for i, k in enumerate(state["keys"].tolist())
+        if _layout1_buckets(k, 8192)[1] not in reference.place(k, 8192)[:2]
+    )
     key = int(state["keys"][i])
-    old = dict(state, layout=1, keys=state["keys"][i:i + 1], scores=state["scores"][i:i + 1],
-               rows=torch.tensor([32 * _layout1_buckets(key, 8192)[1]]))
+    old = dict(
+        state,
+        layout=1,
+        keys=state["keys"][i : i + 1],
+        scores=state["scores"][i : i + 1],
+        rows=torch.tensor([32 * _layout1_buckets(key, 8192)[1]]),
+    )
     fresh = HashTable(8192)
-    with pytest.raises(ValueError, match=rf"key {key} cannot live in row .*the state's rows follow layout 1, this "
-                                         rf"table's is {LAYOUT_VERSION}: re-place its keys with place_keys"):
+    with pytest.raises(
+        ValueError,
+        match=rf"key {key} cannot live in row .*the state's rows follow layout 1, this "
+        rf"table's is {LAYOUT_VERSION}: re-place its keys with place_keys",
+    ):
         fresh.load_state_dict(old)
     assert fresh.size() == 0
 
@@ -302,16 +399,43 @@ def _dmp(world_size, optimizer="adam", data_types=("FP32", "FP32")):
 
     from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
 
-    configs = [DynamicEmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=CAPACITY["t1"], feature_names=["f1"],
-                                         data_type=DataType[data_types[0]]),
-               DynamicEmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=CAPACITY["t2"], feature_names=["f2"],
-                                         eviction_policy="lfu", data_type=DataType[data_types[1]])]
+    configs = [
+        DynamicEmbeddingBagConfig(
+            name="t1",
+            embedding_dim=4,
+            num_embeddings=CAPACITY["t1"],
+            feature_names=["f1"],
+            data_type=DataType[data_types[0]],
+        ),
+        DynamicEmbeddingBagConfig(
+            name="t2",
+            embedding_dim=4,
+            num_embeddings=CAPACITY["t2"],
+            feature_names=["f2"],
+            eviction_policy="lfu",
+            data_type=DataType[data_types[1]],
+        ),
+    ]
     model = ModelWith("ebc", DynamicEmbeddingBagCollection(configs, optimizer=optimizer, optimizer_kwargs={"lr": 0.05}))
-    gens = {"t1": row_wise(compute_kernel="customized_kernel"), "t2": table_wise(rank=world_size - 1, compute_kernel="customized_kernel")}
-    plan = construct_module_sharding_plan(model.ebc, gens, sharder=DynamicEmbeddingBagCollectionSharder(),
-                                          local_size=world_size, world_size=world_size, device_type="cpu")
-    return DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
-                                    plan=ShardingPlan({"ebc": plan}), sharders=get_sharders())
+    gens = {
+        "t1": row_wise(compute_kernel="customized_kernel"),
+        "t2": table_wise(rank=world_size - 1, compute_kernel="customized_kernel"),
+    }
+    plan = construct_module_sharding_plan(
+        model.ebc,
+        gens,
+        sharder=DynamicEmbeddingBagCollectionSharder(),
+        local_size=world_size,
+        world_size=world_size,
+        device_type="cpu",
+    )
+    return DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=ShardingPlan({"ebc": plan}),
+        sharders=get_sharders(),
+    )
 
 
 def _local_rows(dmp):
@@ -323,11 +447,14 @@ def _local_rows(dmp):
         state = local.state_dict()
         for cfg in local.embedding_bag_configs():
             p = f"embedding_bags.{cfg.name}."
-            assert state[p + "weight"].dtype == {"FP32": torch.float32, "FP16": torch.float16,
-                                                  "BF16": torch.bfloat16}[cfg.data_type.name]
+            assert (
+                state[p + "weight"].dtype
+                == {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}[cfg.data_type.name]
+            )
             kind = local.fused_optimizer.spec.kind
-            values = torch.cat([state[p + k] for k in ["weight"] + [f"optimizer.{n}" for n in reference.OPTIMIZER_STATES[kind]]],
-                               dim=1)
+            values = torch.cat(
+                [state[p + k] for k in ["weight"] + [f"optimizer.{n}" for n in reference.OPTIMIZER_STATES[kind]]], dim=1
+            )
             # Lists, not row views: pickling a view (all_gather_object) copies its whole storage.
             rows[cfg.name] = dict(zip(state[p + "weight_id"].tolist(), values.tolist()))
             capacity[cfg.name] = cfg.num_embeddings
@@ -350,8 +477,9 @@ def _fill(dmp, rank, seed):
     raise AssertionError("tables did not fill up")
 
 
-def _reshard_step(rank, world_size, root, load_from, save_as, optimizer="adam", data_types=("FP32", "FP32"),
-                  saved_types=None):
+def _reshard_step(
+    rank, world_size, root, load_from, save_as, optimizer="adam", data_types=("FP32", "FP32"), saved_types=None
+):
     """Loads checkpoint ``load_from`` (if any) and checks every rank's rows (vectors and optimizer
     state) against the saved ones; fills the tables; saves ``save_as`` with the saved rows beside it.
     ``saved_types``: the checkpoint's data_types, when other than the tables' (rows then convert)."""
@@ -364,7 +492,9 @@ def _reshard_step(rank, world_size, root, load_from, save_as, optimizer="adam", 
             warnings.simplefilter("always")
             dmp.load_state_dict(state["model"])
         said = [str(w.message) for w in caught if "placed" in str(w.message)]
-        converted = {t for t in CAPACITY for w in caught if f"table {t!r}" in str(w.message) and "converted" in str(w.message)}
+        converted = {
+            t for t in CAPACITY for w in caught if f"table {t!r}" in str(w.message) and "converted" in str(w.message)
+        }
         local = dmp.module.ebc.local_module
         held = {c.name for c in local.embedding_bag_configs() if local_rows_of(local, c.name)} if local else set()
         changed = {t for t, a, b in zip(("t1", "t2"), data_types, saved_types or data_types) if a != b}
@@ -413,7 +543,8 @@ def _check_resharded(saved, everyone, world_size):
             if len(routed) > cap:
                 assert len(mine) == 1 and re.search(
                     rf"placed {cap} of the checkpoint's {len(routed)} ids in capacity {cap};.*\({len(routed)} ids > capacity {cap}\)",
-                    mine[0]), mine
+                    mine[0],
+                ), mine
             else:
                 assert not mine
 
@@ -421,9 +552,9 @@ def _check_resharded(saved, everyone, world_size):
 def test_reshard_full_tables_2_1_2_4_2(tmp_path):
     root = str(tmp_path)
     run_ranks(_reshard_step, 2, root, None, 1)  # full tables on 2 ranks
-    run_ranks(_reshard_step, 1, root, 1, 2)     # 2 -> 1: every row fits
-    run_ranks(_reshard_step, 2, root, 2, 3)     # 1 -> 2: a rank given more ids than its share keeps its share
-    run_ranks(_reshard_step, 4, root, 3, 4)     # 2 -> 4
+    run_ranks(_reshard_step, 1, root, 1, 2)  # 2 -> 1: every row fits
+    run_ranks(_reshard_step, 2, root, 2, 3)  # 1 -> 2: a rank given more ids than its share keeps its share
+    run_ranks(_reshard_step, 4, root, 3, 4)  # 2 -> 4
     run_ranks(_reshard_step, 2, root, 4, None)  # 4 -> 2
 
 

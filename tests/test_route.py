@@ -1,4 +1,5 @@
 """route(): the row-wise owner of a key, and its independence from the bucket hash."""
+
 import pytest
 import torch
 

@@ -3,6 +3,7 @@ must not evict those resident ids. Before the fix a new id early in the batch to
 resident id appearing later, which was then re-inserted as new: its trained vector and optimizer
 state were replaced by a fresh initial vector while the id was in use. The oracle is the module's
 own state read before the call."""
+
 import pytest
 import torch
 from torchrec import KeyedJaggedTensor
@@ -21,8 +22,10 @@ def _rows_by_id(module):
     sd = module.state_dict()
     prefix = "embedding_bags.t."
     ids = sd[prefix + "weight_id"].tolist()
-    return {i: (sd[prefix + "weight"][n], sd[prefix + "optimizer.momentum1"][n], sd[prefix + "metadata"][n].item())
-            for n, i in enumerate(ids)}
+    return {
+        i: (sd[prefix + "weight"][n], sd[prefix + "optimizer.momentum1"][n], sd[prefix + "metadata"][n].item())
+        for n, i in enumerate(ids)
+    }
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
@@ -30,9 +33,14 @@ def _rows_by_id(module):
 def test_resident_ids_keep_trained_vectors_and_optimizer_state(capacity, policy):
     torch.manual_seed(0)
     module = DynamicEmbeddingBagCollection(
-        [DynamicEmbeddingBagConfig(name="t", embedding_dim=DIM, num_embeddings=capacity, feature_names=["f"],
-                                   eviction_policy=policy)],
-        optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": 0.1})
+        [
+            DynamicEmbeddingBagConfig(
+                name="t", embedding_dim=DIM, num_embeddings=capacity, feature_names=["f"], eviction_policy=policy
+            )
+        ],
+        optimizer=torch.optim.Adagrad,
+        optimizer_kwargs={"lr": 0.1},
+    )
     module.train()
     pool = torch.arange(4 * capacity) * 7919 - 10**6
     for _ in range(6):  # train until the table is full (and evicting)

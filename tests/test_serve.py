@@ -41,9 +41,25 @@ SPARSE = "model.sparse_arch.embedding_bag_collection."
 def _exporting_job_args(serve_dir, run_dir):
     """A tiny job that checkpoints and exports a delta every EVERY steps."""
     every = str(EVERY)
-    return (["--capacity", "256"] + TINY_MODEL + TINY_BATCHES
-            + ["--eval-every", "0", "--checkpoint-every", every, "--keep-checkpoints", "0",
-               "--export-deltas-every", every, "--serve-dir", serve_dir, "--run-dir", run_dir])
+    return (
+        ["--capacity", "256"]
+        + TINY_MODEL
+        + TINY_BATCHES
+        + [
+            "--eval-every",
+            "0",
+            "--checkpoint-every",
+            every,
+            "--keep-checkpoints",
+            "0",
+            "--export-deltas-every",
+            every,
+            "--serve-dir",
+            serve_dir,
+            "--run-dir",
+            run_dir,
+        ]
+    )
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Sharded dynamic tables through torch.distributed.checkpoint: a 2-rank checkpoint reloads on
 2 ranks (identical lookups and training after), on 1 rank and back to 2 (rows re-routed); a
 checkpoint of other tables is refused. (Interrupted saves: tests/test_train.py.)"""
+
 import os
 
 import pytest
@@ -15,9 +16,12 @@ BATCH, KEYS = 6, ["f1", "f2"]
 
 
 def _configs(dim=8):
-    return [DynamicEmbeddingBagConfig(name="t1", embedding_dim=dim, num_embeddings=512, feature_names=["f1"], eviction_policy="lfu"),
-            DynamicEmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=256, feature_names=["f2"], ttl_steps=50)]
-
+    return [
+        DynamicEmbeddingBagConfig(
+            name="t1", embedding_dim=dim, num_embeddings=512, feature_names=["f1"], eviction_policy="lfu"
+        ),
+        DynamicEmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=256, feature_names=["f2"], ttl_steps=50),
+    ]
 
 
 def _batch(step, rank):
@@ -35,12 +39,28 @@ def _dmp(world_size, dim=8):
 
     from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
 
-    model = ModelWith("ebc", DynamicEmbeddingBagCollection(_configs(dim), optimizer="adam", optimizer_kwargs={"lr": 0.05}))
-    gens = {"t1": row_wise(compute_kernel="customized_kernel"), "t2": table_wise(rank=world_size - 1, compute_kernel="customized_kernel")}
-    plan = construct_module_sharding_plan(model.ebc, gens, sharder=DynamicEmbeddingBagCollectionSharder(),
-                                          local_size=world_size, world_size=world_size, device_type="cpu")
-    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
-                                   plan=ShardingPlan({"ebc": plan}), sharders=get_sharders())
+    model = ModelWith(
+        "ebc", DynamicEmbeddingBagCollection(_configs(dim), optimizer="adam", optimizer_kwargs={"lr": 0.05})
+    )
+    gens = {
+        "t1": row_wise(compute_kernel="customized_kernel"),
+        "t2": table_wise(rank=world_size - 1, compute_kernel="customized_kernel"),
+    }
+    plan = construct_module_sharding_plan(
+        model.ebc,
+        gens,
+        sharder=DynamicEmbeddingBagCollectionSharder(),
+        local_size=world_size,
+        world_size=world_size,
+        device_type="cpu",
+    )
+    dmp = DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=ShardingPlan({"ebc": plan}),
+        sharders=get_sharders(),
+    )
     return dmp, CombinedOptimizer([dmp.fused_optimizer])
 
 
@@ -81,8 +101,9 @@ def _rows(dmp):
     for part in everyone:
         for t in ("t1", "t2"):
             if f"embedding_bags.{t}.weight_id" in part:
-                rows.setdefault(t, {}).update(zip(part[f"embedding_bags.{t}.weight_id"].tolist(),
-                                                  part[f"embedding_bags.{t}.weight"].tolist()))
+                rows.setdefault(t, {}).update(
+                    zip(part[f"embedding_bags.{t}.weight_id"].tolist(), part[f"embedding_bags.{t}.weight"].tolist())
+                )
     return rows
 
 
@@ -145,7 +166,7 @@ def _mismatched_tables(rank, world_size, root):
 def test_checkpoint_reloads_on_two_ranks_one_rank_and_back(tmp_path):
     root = str(tmp_path)
     run_ranks(_save_on_two, 2, root)
-    run_ranks(_load_on_two, 2, root, 4)           # same world: lookups and further training identical
-    run_ranks(_load_on_one_then_save, 1, root)    # 2 -> 1: rows re-routed to the one rank
-    run_ranks(_load_on_two, 2, root, 5)           # 1 -> 2: re-routed again, same lookups
+    run_ranks(_load_on_two, 2, root, 4)  # same world: lookups and further training identical
+    run_ranks(_load_on_one_then_save, 1, root)  # 2 -> 1: rows re-routed to the one rank
+    run_ranks(_load_on_two, 2, root, 5)  # 1 -> 2: re-routed again, same lookups
     run_ranks(_mismatched_tables, 1, root)

@@ -1,5 +1,6 @@
 """ShardedDynamicEmbeddingCollection on 2 real gloo ranks against the unsharded module fed the
 global batch: the same sequences and, after training, the same table contents."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,9 +13,10 @@ WORLD, BATCH, KEYS = 2, 5, ["f1", "f2", "f3"]
 
 
 def _configs():
-    return [DynamicEmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=256, feature_names=["f1", "f2"]),
-            EmbeddingConfig(name="t2", embedding_dim=4, num_embeddings=128, feature_names=["f3", "f1"])]
-
+    return [
+        DynamicEmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=256, feature_names=["f1", "f2"]),
+        EmbeddingConfig(name="t2", embedding_dim=4, num_embeddings=128, feature_names=["f3", "f1"]),
+    ]
 
 
 def _rank_batch(step, rank):
@@ -32,22 +34,43 @@ def _check(rank, world_size, sharding):
 
     from torchrec_ext.distributed import DynamicEmbeddingCollectionSharder, get_sharders
 
-    make = lambda: DynamicEmbeddingCollection(_configs(), need_indices=True, optimizer="adagrad", optimizer_kwargs={"lr": 0.2})
+    make = lambda: DynamicEmbeddingCollection(
+        _configs(), need_indices=True, optimizer="adagrad", optimizer_kwargs={"lr": 0.2}
+    )
     reference, model = make(), ModelWith("ec", make())
-    gens = {"row_wise": {"t1": row_wise(compute_kernel="customized_kernel"), "t2": row_wise(compute_kernel="customized_kernel")},
-            "mixed": {"t1": row_wise(compute_kernel="customized_kernel"),
-                      "t2": table_wise(rank=1, compute_kernel="customized_kernel")}}[sharding]
-    plan = construct_module_sharding_plan(model.ec, gens, sharder=DynamicEmbeddingCollectionSharder(),
-                                          local_size=world_size, world_size=world_size, device_type="cpu")
-    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
-                                   plan=ShardingPlan({"ec": plan}), sharders=get_sharders())
+    gens = {
+        "row_wise": {
+            "t1": row_wise(compute_kernel="customized_kernel"),
+            "t2": row_wise(compute_kernel="customized_kernel"),
+        },
+        "mixed": {
+            "t1": row_wise(compute_kernel="customized_kernel"),
+            "t2": table_wise(rank=1, compute_kernel="customized_kernel"),
+        },
+    }[sharding]
+    plan = construct_module_sharding_plan(
+        model.ec,
+        gens,
+        sharder=DynamicEmbeddingCollectionSharder(),
+        local_size=world_size,
+        world_size=world_size,
+        device_type="cpu",
+    )
+    dmp = DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=ShardingPlan({"ec": plan}),
+        sharders=get_sharders(),
+    )
     for step in range(3):
         kjts = [_rank_batch(step, r) for r in range(world_size)]
         out = dmp(kjts[rank])
         mine = kjts[rank].to_dict()
         # The unsharded module sees every rank's samples; this rank's ids come first in each feature.
-        global_kjt = KeyedJaggedTensor.from_jt_dict({k: _cat_jts([kjts[r].to_dict()[k] for r in _order(rank, world_size)])
-                                                     for k in KEYS})
+        global_kjt = KeyedJaggedTensor.from_jt_dict(
+            {k: _cat_jts([kjts[r].to_dict()[k] for r in _order(rank, world_size)]) for k in KEYS}
+        )
         want = reference(global_kjt)
         out = out.wait() if hasattr(out, "wait") else out
         assert list(out) == list(want) == ["f1@t1", "f2", "f3", "f1@t2"]
@@ -71,9 +94,13 @@ def _check(rank, world_size, sharding):
     dist.all_gather_object(gathered, mine)
     want_sd = reference.state_dict()
     for cfg in _configs():
-        ids = torch.cat([g[f"embeddings.{cfg.name}.weight_id"] for g in gathered if f"embeddings.{cfg.name}.weight_id" in g])
+        ids = torch.cat(
+            [g[f"embeddings.{cfg.name}.weight_id"] for g in gathered if f"embeddings.{cfg.name}.weight_id" in g]
+        )
         vecs = torch.cat([g[f"embeddings.{cfg.name}.weight"] for g in gathered if f"embeddings.{cfg.name}.weight" in g])
-        want_rows = dict(zip(want_sd[f"embeddings.{cfg.name}.weight_id"].tolist(), want_sd[f"embeddings.{cfg.name}.weight"]))
+        want_rows = dict(
+            zip(want_sd[f"embeddings.{cfg.name}.weight_id"].tolist(), want_sd[f"embeddings.{cfg.name}.weight"])
+        )
         assert sorted(ids.tolist()) == sorted(want_rows)
         for k, v in zip(ids.tolist(), vecs):
             torch.testing.assert_close(v, want_rows[k], rtol=1e-5, atol=1e-5)

@@ -1,5 +1,6 @@
 """ShardedDynamicEmbeddingBagCollection on 2 real gloo ranks against the unsharded module fed
 the global batch: same outputs and, after several training steps, the same table contents."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,13 +17,18 @@ KEYS = ["f1", "f2", "f3"]
 
 def _configs():
     return [
-        DynamicEmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=512, feature_names=["f1", "f2"],
-                                  initializer=Initializer("normal", std=0.5)),
-        DynamicEmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=256, feature_names=["f3"],
-                                  pooling=PoolingType.MEAN),
+        DynamicEmbeddingBagConfig(
+            name="t1",
+            embedding_dim=8,
+            num_embeddings=512,
+            feature_names=["f1", "f2"],
+            initializer=Initializer("normal", std=0.5),
+        ),
+        DynamicEmbeddingBagConfig(
+            name="t2", embedding_dim=4, num_embeddings=256, feature_names=["f3"], pooling=PoolingType.MEAN
+        ),
         EmbeddingBagConfig(name="t3", embedding_dim=6, num_embeddings=128, feature_names=["f1"]),  # f1 shared
     ]
-
 
 
 def _rank_batch(step: int, rank: int, weighted: bool) -> KeyedJaggedTensor:
@@ -31,8 +37,13 @@ def _rank_batch(step: int, rank: int, weighted: bool) -> KeyedJaggedTensor:
     n = int(lengths.sum())
     pool = torch.tensor([0, -1, 2**63 - 1, -(2**63), 5, 6, 7, 2**40, 123456789, -99])
     values = pool[torch.randint(0, len(pool), (n,), generator=gen)]
-    return KeyedJaggedTensor(keys=KEYS, values=values, lengths=lengths, stride=BATCH,
-                             weights=torch.rand(n, generator=gen) if weighted else None)
+    return KeyedJaggedTensor(
+        keys=KEYS,
+        values=values,
+        lengths=lengths,
+        stride=BATCH,
+        weights=torch.rand(n, generator=gen) if weighted else None,
+    )
 
 
 def _global_batch(kjts):
@@ -40,14 +51,22 @@ def _global_batch(kjts):
     per_key = [k.to_dict() for k in kjts]
     values = torch.cat([jt[key].values() for key in KEYS for jt in per_key])
     lengths = torch.cat([jt[key].lengths() for key in KEYS for jt in per_key])
-    weights = torch.cat([jt[key].weights() for key in KEYS for jt in per_key]) if kjts[0].weights_or_none() is not None else None
+    weights = (
+        torch.cat([jt[key].weights() for key in KEYS for jt in per_key])
+        if kjts[0].weights_or_none() is not None
+        else None
+    )
     return KeyedJaggedTensor(keys=KEYS, values=values, lengths=lengths, weights=weights, stride=BATCH * len(kjts))
 
 
 def _rows_by_id(module):
     sd = module.state_dict()
-    return {cfg.name: dict(zip(sd[f"embedding_bags.{cfg.name}.weight_id"].tolist(), sd[f"embedding_bags.{cfg.name}.weight"]))
-            for cfg in module.embedding_bag_configs()}
+    return {
+        cfg.name: dict(
+            zip(sd[f"embedding_bags.{cfg.name}.weight_id"].tolist(), sd[f"embedding_bags.{cfg.name}.weight"])
+        )
+        for cfg in module.embedding_bag_configs()
+    }
 
 
 def _check_against_unsharded(rank, world_size, sharding, weighted, optimizer):
@@ -57,30 +76,48 @@ def _check_against_unsharded(rank, world_size, sharding, weighted, optimizer):
 
     from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
 
-    make = lambda: DynamicEmbeddingBagCollection(_configs(), is_weighted=weighted, optimizer=optimizer,
-                                                 optimizer_kwargs={"lr": 0.1})
+    make = lambda: DynamicEmbeddingBagCollection(
+        _configs(), is_weighted=weighted, optimizer=optimizer, optimizer_kwargs={"lr": 0.1}
+    )
     reference = make()
     model = ModelWith("ebc", make())
     generators = {
         "row_wise": {t: row_wise(compute_kernel="customized_kernel") for t in ("t1", "t2", "t3")},
-        "table_wise": {"t1": table_wise(rank=0, compute_kernel="customized_kernel"),
-                       "t2": table_wise(rank=1, compute_kernel="customized_kernel"),
-                       "t3": table_wise(rank=1, compute_kernel="customized_kernel")},
-        "mixed": {"t1": row_wise(compute_kernel="customized_kernel"),
-                  "t2": table_wise(rank=1, compute_kernel="customized_kernel"),
-                  "t3": row_wise(compute_kernel="customized_kernel")},
+        "table_wise": {
+            "t1": table_wise(rank=0, compute_kernel="customized_kernel"),
+            "t2": table_wise(rank=1, compute_kernel="customized_kernel"),
+            "t3": table_wise(rank=1, compute_kernel="customized_kernel"),
+        },
+        "mixed": {
+            "t1": row_wise(compute_kernel="customized_kernel"),
+            "t2": table_wise(rank=1, compute_kernel="customized_kernel"),
+            "t3": row_wise(compute_kernel="customized_kernel"),
+        },
     }[sharding]
-    module_plan = construct_module_sharding_plan(model.ebc, generators, sharder=DynamicEmbeddingBagCollectionSharder(),
-                                                 local_size=world_size, world_size=world_size, device_type="cpu")
-    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
-                                   plan=ShardingPlan({"ebc": module_plan}), sharders=get_sharders())
+    module_plan = construct_module_sharding_plan(
+        model.ebc,
+        generators,
+        sharder=DynamicEmbeddingBagCollectionSharder(),
+        local_size=world_size,
+        world_size=world_size,
+        device_type="cpu",
+    )
+    dmp = DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=ShardingPlan({"ebc": module_plan}),
+        sharders=get_sharders(),
+    )
     for step in range(4):
         kjts = [_rank_batch(step, r, weighted) for r in range(world_size)]
-        grad_weights = [torch.randn(BATCH, 26, generator=torch.Generator().manual_seed(step * 7 + r)) for r in range(world_size)]
+        grad_weights = [
+            torch.randn(BATCH, 26, generator=torch.Generator().manual_seed(step * 7 + r)) for r in range(world_size)
+        ]
         out = dmp(kjts[rank])
         want = reference(_global_batch(kjts))
         assert out.keys() == want.keys() == ["f1@t1", "f2", "f3", "f1@t3"]
-        torch.testing.assert_close(out.values(), want.values()[rank * BATCH:(rank + 1) * BATCH], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.values(), want.values()[rank * BATCH : (rank + 1) * BATCH], rtol=1e-5, atol=1e-5)
         (out.values() * grad_weights[rank]).sum().backward()
         (want.values() * torch.cat(grad_weights)).sum().backward()
     # Table contents: the union of the ranks' local tables equals the unsharded tables.
@@ -100,11 +137,14 @@ def _check_against_unsharded(rank, world_size, sharding, weighted, optimizer):
             torch.testing.assert_close(torch.tensor(merged[t][k]), v, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("sharding,weighted,optimizer", [
-    ("row_wise", False, "adagrad"),
-    ("table_wise", True, "adam"),
-    ("mixed", False, "rowwise_adagrad"),
-])
+@pytest.mark.parametrize(
+    "sharding,weighted,optimizer",
+    [
+        ("row_wise", False, "adagrad"),
+        ("table_wise", True, "adam"),
+        ("mixed", False, "rowwise_adagrad"),
+    ],
+)
 def test_sharded_equals_unsharded_on_two_ranks(sharding, weighted, optimizer):
     run_ranks(_check_against_unsharded, WORLD, sharding, weighted, optimizer)
 
@@ -123,8 +163,10 @@ def _pipelines_equal_plain_loop(rank, world_size):
     assert "model.sparse_arch.embedding_bag_collection.embedding_bags.t0.weight" in fused_keys
     want = plain_loop(reference, reference_opt, batches)
     want_state = local_state(reference)
-    for make_pipeline in (lambda m, o: TrainPipelineSparseDist(m, o, torch.device("cpu")),
-                          lambda m, o: TrainPipeline(m, o, torch.device("cpu"))):
+    for make_pipeline in (
+        lambda m, o: TrainPipelineSparseDist(m, o, torch.device("cpu")),
+        lambda m, o: TrainPipeline(m, o, torch.device("cpu")),
+    ):
         model, optimizer = make_dmp_dlrm(world_size, dynamic=True)
         pipeline = make_pipeline(model, optimizer)
         it, losses = iter(batches), []
@@ -160,10 +202,21 @@ def _bad_plans(rank, world_size):
 
     def shard(generators, plan_world=world_size):
         model = ModelWith("ebc", DynamicEmbeddingBagCollection(_configs(), optimizer="sgd"))
-        plan = construct_module_sharding_plan(model.ebc, generators, sharder=DynamicEmbeddingBagCollectionSharder(),
-                                              local_size=plan_world, world_size=plan_world, device_type="cpu")
-        return DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
-                                        device=torch.device("cpu"), plan=ShardingPlan({"ebc": plan}), sharders=get_sharders())
+        plan = construct_module_sharding_plan(
+            model.ebc,
+            generators,
+            sharder=DynamicEmbeddingBagCollectionSharder(),
+            local_size=plan_world,
+            world_size=plan_world,
+            device_type="cpu",
+        )
+        return DistributedModelParallel(
+            model,
+            env=ShardingEnv.from_process_group(dist.group.WORLD),
+            device=torch.device("cpu"),
+            plan=ShardingPlan({"ebc": plan}),
+            sharders=get_sharders(),
+        )
 
     kernel = "customized_kernel"
     with pytest.raises(ValueError, match=r"planned on ranks \[.*3.*\], but the process group has world size 2"):
@@ -197,11 +250,18 @@ def _planned_mixed_model(rank, world_size):
     from torchrec_ext.distributed import ShardedDynamicEmbeddingBagCollection, get_sharders, make_planner
 
     dynamic = DynamicEmbeddingBagCollection(_configs(), optimizer="adagrad")
-    stock = EmbeddingBagCollection([EmbeddingBagConfig(name="s1", embedding_dim=4, num_embeddings=100, feature_names=["g"])])
+    stock = EmbeddingBagCollection(
+        [EmbeddingBagConfig(name="s1", embedding_dim=4, num_embeddings=100, feature_names=["g"])]
+    )
     apply_optimizer_in_backward(torch.optim.SGD, stock.parameters(), {"lr": 0.1})
     model = _Mixed(dynamic, stock)
-    constraints = {"t1": ParameterConstraints(sharding_types=["row_wise"]), "t2": ParameterConstraints(sharding_types=["table_wise"])}
-    planner = make_planner(Topology(world_size=world_size, compute_device="cpu"), batch_size=BATCH, constraints=constraints)
+    constraints = {
+        "t1": ParameterConstraints(sharding_types=["row_wise"]),
+        "t2": ParameterConstraints(sharding_types=["table_wise"]),
+    }
+    planner = make_planner(
+        Topology(world_size=world_size, compute_device="cpu"), batch_size=BATCH, constraints=constraints
+    )
     plan = planner.collective_plan(model, get_sharders(), dist.group.WORLD)
     ours = plan.plan["dynamic"]
     assert ours["t1"].sharding_type == "row_wise" and ours["t2"].sharding_type == "table_wise"

@@ -2,6 +2,7 @@
 index (torch refuses a shard on ``cuda:1`` placed at ``cuda``), every shard a rank holds (rows,
 placeholders of tables it does not hold) is placed on that rank's table device, and the
 row-count all-gather uses a tensor its group can take (NCCL has no CPU backend)."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,7 +14,11 @@ from dist_helpers import ModelWith, run_ranks
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 from torchrec_ext.distributed import sharded_state
 from torchrec_ext.distributed.sharded_state import (
-    ShardedDynamicState, collective_device, placement, rows_metadata, shard_device,
+    ShardedDynamicState,
+    collective_device,
+    placement,
+    rows_metadata,
+    shard_device,
 )
 
 
@@ -38,7 +43,9 @@ def test_rows_metadata_places_each_rank_on_its_own_device():
     devices = [torch.device("cuda", i) for i in range(3)]
     meta = rows_metadata([3, 0, 2], [4], props, devices)
     assert [(str(m.placement), m.shard_offsets, m.shard_sizes) for m in meta.shards_metadata] == [
-        ("rank:0/cuda:0", [0, 0], [3, 4]), ("rank:2/cuda:2", [3, 0], [2, 4])]
+        ("rank:0/cuda:0", [0, 0], [3, 4]),
+        ("rank:2/cuda:2", [3, 0], [2, 4]),
+    ]
     assert meta.size == torch.Size([5, 4])
     empty = rows_metadata([0, 0, 0], [4], props, devices)  # no rows anywhere: one empty shard on rank 0
     assert [(str(m.placement), m.shard_sizes) for m in empty.shards_metadata] == [("rank:0/cuda:0", [0, 4])]
@@ -46,17 +53,21 @@ def test_rows_metadata_places_each_rank_on_its_own_device():
         rows_metadata([3, 0, 2], [4], props, devices[:2])
 
 
-@pytest.mark.parametrize("backend, expected", [
-    ("gloo", "cpu"), ("cpu:gloo,cuda:nccl", "cpu"), ("nccl", "cuda:1"), ("cuda:nccl", "cuda:1")])
+@pytest.mark.parametrize(
+    "backend, expected", [("gloo", "cpu"), ("cpu:gloo,cuda:nccl", "cpu"), ("nccl", "cuda:1"), ("cuda:nccl", "cuda:1")]
+)
 def test_collective_device_follows_the_group_backend(monkeypatch, backend, expected):
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
     assert collective_device(object(), torch.device("cuda", 1)) == torch.device(expected)
 
 
 def _configs():
-    return [DynamicEmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=512, feature_names=["f1"]),
-            DynamicEmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=256, feature_names=["f2"],
-                                      ttl_steps=50, admit_after=2)]
+    return [
+        DynamicEmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=512, feature_names=["f1"]),
+        DynamicEmbeddingBagConfig(
+            name="t2", embedding_dim=4, num_embeddings=256, feature_names=["f2"], ttl_steps=50, admit_after=2
+        ),
+    ]
 
 
 def _sharded_ebc(world_size):
@@ -67,13 +78,25 @@ def _sharded_ebc(world_size):
     from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
 
     model = ModelWith("ebc", DynamicEmbeddingBagCollection(_configs(), optimizer="adam", optimizer_kwargs={"lr": 0.05}))
-    gens = {"t1": row_wise(compute_kernel="customized_kernel"),
-            "t2": table_wise(rank=world_size - 1, compute_kernel="customized_kernel")}
-    plan = construct_module_sharding_plan(model.ebc, gens, sharder=DynamicEmbeddingBagCollectionSharder(),
-                                          local_size=world_size, world_size=world_size, device_type="cpu")
-    return DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
-                                    device=torch.device("cpu"), plan=ShardingPlan({"ebc": plan}),
-                                    sharders=get_sharders())
+    gens = {
+        "t1": row_wise(compute_kernel="customized_kernel"),
+        "t2": table_wise(rank=world_size - 1, compute_kernel="customized_kernel"),
+    }
+    plan = construct_module_sharding_plan(
+        model.ebc,
+        gens,
+        sharder=DynamicEmbeddingBagCollectionSharder(),
+        local_size=world_size,
+        world_size=world_size,
+        device_type="cpu",
+    )
+    return DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=ShardingPlan({"ebc": plan}),
+        sharders=get_sharders(),
+    )
 
 
 def _state_placements_on_fake_cuda(rank, world_size):
@@ -81,15 +104,18 @@ def _state_placements_on_fake_cuda(rank, world_size):
     dmp = _sharded_ebc(world_size)
     gen = torch.Generator().manual_seed(rank)
     lengths = torch.randint(1, 4, (2 * 4,), generator=gen)
-    kjt = KeyedJaggedTensor(keys=["f1", "f2"], values=torch.randint(0, 100, (int(lengths.sum()),), generator=gen),
-                            lengths=lengths, stride=4)
+    kjt = KeyedJaggedTensor(
+        keys=["f1", "f2"], values=torch.randint(0, 100, (int(lengths.sum()),), generator=gen), lengths=lengths, stride=4
+    )
     for _ in range(2):  # t2 admits ids seen twice: rows and pending ids on the rank that holds it
         dmp(kjt).values().sum().backward()
 
     built = []
     mp = pytest.MonkeyPatch()
     mp.setattr(ShardedDynamicState, "_shard_device", lambda self: torch.device("cuda", rank + 1))
-    mp.setattr(sharded_state, "sharded_tensor", lambda local, meta, r, pg: built.append((local, meta)) or len(built) - 1)
+    mp.setattr(
+        sharded_state, "sharded_tensor", lambda local, meta, r, pg: built.append((local, meta)) or len(built) - 1
+    )
     try:
         state = dmp.module.ebc.state_dict()
     finally:
@@ -105,7 +131,9 @@ def _state_placements_on_fake_cuda(rank, world_size):
         placements = [str(m.placement) for m in meta.shards_metadata]
         # Every shard named on its own rank's device, with the index: the placeholders of t2 on
         # rank 0 (which does not hold it) included.
-        assert placements == [f"rank:{m.placement.rank()}/cuda:{m.placement.rank() + 1}" for m in meta.shards_metadata], key
+        assert placements == [
+            f"rank:{m.placement.rank()}/cuda:{m.placement.rank() + 1}" for m in meta.shards_metadata
+        ], key
         mine = [m for m in meta.shards_metadata if m.placement.rank() == rank]
         assert all(m.placement.device() == torch.device("cuda", rank + 1) for m in mine), key
         assert sum(m.shard_sizes[0] for m in mine) == local.shape[0], key

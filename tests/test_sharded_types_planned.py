@@ -3,13 +3,17 @@
 outputs and table contents equal the unsharded module fed the global batch, EBC (sum, mean,
 weighted) and EC; table_row_wise on 2 nodes x 1 rank (local_world_size=1) and 1 node x 2 ranks.
 Also the routing of table-row-wise groups smaller than the world, against brute force."""
+
 import torch
 import torch.distributed as dist
 from torchrec import DataType, KeyedJaggedTensor, PoolingType
 
 from dist_helpers import ModelWith, assert_same_tables, global_batch, run_ranks
 from torchrec_ext import (
-    DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, DynamicEmbeddingCollection, DynamicEmbeddingConfig,
+    DynamicEmbeddingBagCollection,
+    DynamicEmbeddingBagConfig,
+    DynamicEmbeddingCollection,
+    DynamicEmbeddingConfig,
 )
 
 WORLD, BATCH, KEYS = 2, 4, ["f1", "f2"]
@@ -21,20 +25,33 @@ def _rank_batch(step, rank, weighted):
     gen = torch.Generator().manual_seed(step * 10 + rank)
     lengths = torch.randint(0, 3, (len(KEYS) * BATCH,), generator=gen)
     n = int(lengths.sum())
-    return KeyedJaggedTensor(keys=KEYS, values=torch.randint(0, 30, (n,), generator=gen) * 7919, lengths=lengths,
-                             stride=BATCH, weights=torch.rand(n, generator=gen) if weighted else None)
+    return KeyedJaggedTensor(
+        keys=KEYS,
+        values=torch.randint(0, 30, (n,), generator=gen) * 7919,
+        lengths=lengths,
+        stride=BATCH,
+        weights=torch.rand(n, generator=gen) if weighted else None,
+    )
 
 
 def _make(kind, weighted, dim=8):
     if kind == "ebc":
         return DynamicEmbeddingBagCollection(
-            [DynamicEmbeddingBagConfig(name="t1", embedding_dim=dim, num_embeddings=64, feature_names=["f1"]),
-             DynamicEmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=64, feature_names=["f2"],
-                                       pooling=PoolingType.MEAN)],
-            is_weighted=weighted, optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+            [
+                DynamicEmbeddingBagConfig(name="t1", embedding_dim=dim, num_embeddings=64, feature_names=["f1"]),
+                DynamicEmbeddingBagConfig(
+                    name="t2", embedding_dim=8, num_embeddings=64, feature_names=["f2"], pooling=PoolingType.MEAN
+                ),
+            ],
+            is_weighted=weighted,
+            optimizer="adagrad",
+            optimizer_kwargs={"lr": 0.1},
+        )
     return DynamicEmbeddingCollection(
         [DynamicEmbeddingConfig(name="t1", embedding_dim=dim, num_embeddings=64, feature_names=["f1", "f2"])],
-        optimizer="adam", optimizer_kwargs={"lr": 0.1})
+        optimizer="adam",
+        optimizer_kwargs={"lr": 0.1},
+    )
 
 
 def _planned(rank, world_size, cases=CASES, dim=8):
@@ -48,11 +65,14 @@ def _planned(rank, world_size, cases=CASES, dim=8):
     for sharding_type, local in cases:
         for kind, weighted in (("ebc", False), ("ebc", True), ("ec", False)):
             reference, model = _make(kind, weighted, dim), ModelWith("m", _make(kind, weighted, dim))
-            constraints = {t: ParameterConstraints(sharding_types=[sharding_type], min_partition=4)
-                           for t in ("t1", "t2")}
+            constraints = {
+                t: ParameterConstraints(sharding_types=[sharding_type], min_partition=4) for t in ("t1", "t2")
+            }
             planner = EmbeddingShardingPlanner(
                 topology=Topology(world_size=world_size, local_world_size=local, compute_device="cpu"),
-                batch_size=BATCH, constraints=constraints)
+                batch_size=BATCH,
+                constraints=constraints,
+            )
             plan = planner.collective_plan(model, get_sharders(), dist.group.WORLD)
             assert {p.sharding_type for p in plan.plan["m"].values()} == {sharding_type}
             if sharding_type == "column_wise":  # dim / 4 column shards of 4, on both ranks
@@ -64,7 +84,7 @@ def _planned(rank, world_size, cases=CASES, dim=8):
                 out = dmp(kjts[rank])
                 want = reference(global_batch(kjts))
                 if kind == "ebc":
-                    torch.testing.assert_close(out.values(), want.values()[rank * BATCH:(rank + 1) * BATCH])
+                    torch.testing.assert_close(out.values(), want.values()[rank * BATCH : (rank + 1) * BATCH])
                     out.values().sum().backward()
                     (want.values().sum() / world_size).backward()  # the ranks train on their losses' mean
                     continue
@@ -73,7 +93,7 @@ def _planned(rank, world_size, cases=CASES, dim=8):
                 for name, jt in out.items():
                     before = sum(int(kjts[r][name.split("@")[0]].lengths().sum()) for r in range(rank))
                     n = int(jt.lengths().sum())
-                    torch.testing.assert_close(jt.values(), want[name].values()[before:before + n])
+                    torch.testing.assert_close(jt.values(), want[name].values()[before : before + n])
                     loss, ref_loss = loss + jt.values().sum(), ref_loss + want[name].values().sum()
                 loss.backward()
                 ref_loss.backward()  # each id's gradient comes whole from the rank whose batch holds it
@@ -82,8 +102,12 @@ def _planned(rank, world_size, cases=CASES, dim=8):
             assert_same_tables(whole, {"m." + k: v for k, v in reference.state_dict().items()}, prefix)
             # Checkpoints: the sharded state and the whole tables load into a fresh DMP of the plan.
             for state in (dmp.state_dict(), whole):
-                copy = DistributedModelParallel(ModelWith("m", _make(kind, weighted, dim)), device=torch.device("cpu"),
-                                                plan=plan, sharders=get_sharders())
+                copy = DistributedModelParallel(
+                    ModelWith("m", _make(kind, weighted, dim)),
+                    device=torch.device("cpu"),
+                    plan=plan,
+                    sharders=get_sharders(),
+                )
                 copy.load_state_dict(state)
                 assert_same_tables(full_state_dict(copy.state_dict()), whole, prefix)
 
@@ -105,8 +129,12 @@ def test_table_row_wise_groups_route_ids_within_their_node():
     from torchrec_ext.distributed.routing import SlotRouting
 
     world, batch = 4, 3
-    placements = [TablePlacement("row", (2, 3), ((0, 8),)), TablePlacement("table", (1,), ((0, 8),)),
-                  TablePlacement("row", (0, 1, 2, 3), ((0, 8),)), TablePlacement("column", (0, 3), ((0, 4), (4, 4)))]
+    placements = [
+        TablePlacement("row", (2, 3), ((0, 8),)),
+        TablePlacement("table", (1,), ((0, 8),)),
+        TablePlacement("row", (0, 1, 2, 3), ((0, 8),)),
+        TablePlacement("column", (0, 3), ((0, 4), (4, 4))),
+    ]
     routing = SlotRouting.of(["a", "b", "c", "d"], placements, world)
     assert routing.source == [0, 1, 2, 3, 3] and routing.slots_on(3) == [0, 2, 4] and routing.expands
     gen = torch.Generator().manual_seed(0)
@@ -128,17 +156,31 @@ def test_table_row_wise_groups_route_ids_within_their_node():
     got_lengths = routed.lengths().view(world, len(routing.source), batch)
     values = iter(routed.values().tolist())
     for r in range(world):
-        got = [(i, b, next(values)) for i in range(len(routing.source)) for b in range(batch)
-               for _ in range(int(got_lengths[r, i, b]))]
+        got = [
+            (i, b, next(values))
+            for i in range(len(routing.source))
+            for b in range(batch)
+            for _ in range(int(got_lengths[r, i, b]))
+        ]
         assert got == sorted(want[r], key=lambda t: (t[0], t[1])), r
     assert torch.equal(ids[expand[order]], routed.values())  # positions lead back to the input ids
 
 
 def _fp16_ebc(stochastic_rounding, optimizer="adagrad"):
     return DynamicEmbeddingBagCollection(
-        [DynamicEmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=64, feature_names=["f1", "f2"],
-                                   data_type=DataType.FP16, stochastic_rounding=stochastic_rounding)],
-        optimizer=optimizer, optimizer_kwargs={"lr": 0.1})
+        [
+            DynamicEmbeddingBagConfig(
+                name="t1",
+                embedding_dim=8,
+                num_embeddings=64,
+                feature_names=["f1", "f2"],
+                data_type=DataType.FP16,
+                stochastic_rounding=stochastic_rounding,
+            )
+        ],
+        optimizer=optimizer,
+        optimizer_kwargs={"lr": 0.1},
+    )
 
 
 def _column_plan(model, sharders, world_size, local=True):
@@ -147,8 +189,10 @@ def _column_plan(model, sharders, world_size, local=True):
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 
     planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=world_size, compute_device="cpu"), batch_size=BATCH,
-        constraints={"t1": ParameterConstraints(sharding_types=["column_wise"], min_partition=4)})
+        topology=Topology(world_size=world_size, compute_device="cpu"),
+        batch_size=BATCH,
+        constraints={"t1": ParameterConstraints(sharding_types=["column_wise"], min_partition=4)},
+    )
     return planner.plan(model, sharders) if local else planner.collective_plan(model, sharders, dist.group.WORLD)
 
 
@@ -160,11 +204,12 @@ def _run_against(rank, world_size, dmp, reference, prefix="m.embedding_bags."):
     for step in range(2):
         kjts = [_rank_batch(step, r, False) for r in range(world_size)]
         out, want = dmp(kjts[rank]), reference(global_batch(kjts))
-        torch.testing.assert_close(out.values(), want.values()[rank * BATCH:(rank + 1) * BATCH])
+        torch.testing.assert_close(out.values(), want.values()[rank * BATCH : (rank + 1) * BATCH])
         out.values().sum().backward()
         (want.values().sum() / world_size).backward()
-    assert_same_tables(full_state_dict(dmp.state_dict()),
-                       {"m." + k: v for k, v in reference.state_dict().items()}, prefix)
+    assert_same_tables(
+        full_state_dict(dmp.state_dict()), {"m." + k: v for k, v in reference.state_dict().items()}, prefix
+    )
 
 
 def _sharder_stochastic_rounding_decides(rank, world_size):
@@ -186,16 +231,25 @@ def _sharder_stochastic_rounding_decides(rank, world_size):
 
     # Config off, sharder on: stochastic rounding, refused by the planner and at sharding time.
     sharders = [DynamicEmbeddingBagCollectionSharder(fused_params={"stochastic_rounding": True})]
-    with pytest.raises(PlannerError, match=r"cannot be split into column shards: it is torch.float16 with "
-                                           r"stochastic_rounding"):
+    with pytest.raises(
+        PlannerError,
+        match=r"cannot be split into column shards: it is torch.float16 with "
+        r"stochastic_rounding",
+    ):
         _column_plan(ModelWith("m", _fp16_ebc(False)), sharders, world_size)
     module = _fp16_ebc(False)
-    hand = construct_module_sharding_plan(module, {"t1": column_wise(ranks=[0, 1], compute_kernel="customized_kernel")},
-                                          sharder=sharders[0], local_size=world_size, world_size=world_size,
-                                          device_type="cpu")
+    hand = construct_module_sharding_plan(
+        module,
+        {"t1": column_wise(ranks=[0, 1], compute_kernel="customized_kernel")},
+        sharder=sharders[0],
+        local_size=world_size,
+        world_size=world_size,
+        device_type="cpu",
+    )
     with pytest.raises(ValueError, match=r"table 't1' is torch.float16 with stochastic_rounding"):
-        DistributedModelParallel(ModelWith("m", module), device=torch.device("cpu"), plan=ShardingPlan({"m": hand}),
-                                 sharders=sharders)
+        DistributedModelParallel(
+            ModelWith("m", module), device=torch.device("cpu"), plan=ShardingPlan({"m": hand}), sharders=sharders
+        )
 
 
 def test_the_sharders_stochastic_rounding_decides_whether_a_column_plan_is_exact():
@@ -207,8 +261,9 @@ def _empty_batch(rank, world_size):
 
     from torchrec_ext.distributed import get_sharders
 
-    empty = KeyedJaggedTensor(keys=KEYS, values=torch.empty(0, dtype=torch.int64),
-                              lengths=torch.empty(0, dtype=torch.int64), stride=0)
+    empty = KeyedJaggedTensor(
+        keys=KEYS, values=torch.empty(0, dtype=torch.int64), lengths=torch.empty(0, dtype=torch.int64), stride=0
+    )
     for kind in ("ebc", "ec"):
         model = ModelWith("m", _make(kind, False))
         plan = _column_plan(model, get_sharders(), world_size, local=False)
@@ -225,12 +280,12 @@ def _empty_batch(rank, world_size):
         kjts = [_rank_batch(0, r, False) for r in range(world_size)]
         got, want = dmp(kjts[rank]), reference(global_batch(kjts))
         if kind == "ebc":
-            torch.testing.assert_close(got.values(), want.values()[rank * BATCH:(rank + 1) * BATCH])
+            torch.testing.assert_close(got.values(), want.values()[rank * BATCH : (rank + 1) * BATCH])
         else:
             got = got.wait() if hasattr(got, "wait") else got
             for name, jt in got.items():
                 before = sum(int(kjts[r][name.split("@")[0]].lengths().sum()) for r in range(rank))
-                torch.testing.assert_close(jt.values(), want[name].values()[before:before + jt.values().shape[0]])
+                torch.testing.assert_close(jt.values(), want[name].values()[before : before + jt.values().shape[0]])
 
 
 def test_an_empty_batch_through_a_column_table():
@@ -252,13 +307,17 @@ def _sharder_optimizer_decides(rank, world_size):
     spec = spec_from_fused_params(fused_params, "test")
     make = lambda optimizer, kwargs: DynamicEmbeddingBagCollection(
         [DynamicEmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=64, feature_names=["f1", "f2"])],
-        optimizer=optimizer, optimizer_kwargs=kwargs)
+        optimizer=optimizer,
+        optimizer_kwargs=kwargs,
+    )
     # The module chooses no optimizer: the sharder's rowwise_adagrad trains it, so no column plan.
     with pytest.raises(PlannerError, match=r"cannot be split into column shards: it has optimizer 'rowwise_adagrad'"):
         _column_plan(ModelWith("m", make(None, None)), sharders, world_size)
     planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=world_size, compute_device="cpu"), batch_size=BATCH,
-        constraints={"t1": ParameterConstraints(sharding_types=["column_wise", "table_wise"], min_partition=4)})
+        topology=Topology(world_size=world_size, compute_device="cpu"),
+        batch_size=BATCH,
+        constraints={"t1": ParameterConstraints(sharding_types=["column_wise", "table_wise"], min_partition=4)},
+    )
     model = ModelWith("m", make(None, None))
     plan = planner.collective_plan(model, sharders, dist.group.WORLD)
     assert plan.plan["m"]["t1"].sharding_type == "table_wise"
@@ -282,11 +341,15 @@ def _rowwise_optimizer_whole_columns(rank, world_size):
     sharder = DynamicEmbeddingBagCollectionSharder()
     make = lambda: DynamicEmbeddingBagCollection(
         [DynamicEmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=64, feature_names=["f1", "f2"])],
-        optimizer="rowwise_adagrad", optimizer_kwargs={"lr": 0.1})
+        optimizer="rowwise_adagrad",
+        optimizer_kwargs={"lr": 0.1},
+    )
     # Planned: dim 8 with the default min_partition is one column shard, the whole table.
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world_size, compute_device="cpu"),
-                                       batch_size=BATCH,
-                                       constraints={"t1": ParameterConstraints(sharding_types=["column_wise"])})
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device="cpu"),
+        batch_size=BATCH,
+        constraints={"t1": ParameterConstraints(sharding_types=["column_wise"])},
+    )
     model = ModelWith("m", make())
     plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
     assert plan.plan["m"]["t1"].sharding_type == "column_wise" and len(plan.plan["m"]["t1"].ranks) == 1
@@ -295,11 +358,17 @@ def _rowwise_optimizer_whole_columns(rank, world_size):
     # By hand: two column shards on one rank hold every column there (exact); on two ranks, refused.
     for ranks in ([1, 1], [0, 1]):
         module = make()
-        hand = construct_module_sharding_plan(module, {"t1": column_wise(ranks=ranks, compute_kernel="customized_kernel")},
-                                              sharder=sharder, local_size=world_size, world_size=world_size,
-                                              device_type="cpu")
-        shard = lambda: DistributedModelParallel(ModelWith("m", module), device=torch.device("cpu"),
-                                                 plan=ShardingPlan({"m": hand}), sharders=[sharder])
+        hand = construct_module_sharding_plan(
+            module,
+            {"t1": column_wise(ranks=ranks, compute_kernel="customized_kernel")},
+            sharder=sharder,
+            local_size=world_size,
+            world_size=world_size,
+            device_type="cpu",
+        )
+        shard = lambda: DistributedModelParallel(
+            ModelWith("m", module), device=torch.device("cpu"), plan=ShardingPlan({"m": hand}), sharders=[sharder]
+        )
         if ranks == [1, 1]:
             _run_against(rank, world_size, shard(), make())
         else:

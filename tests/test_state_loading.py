@@ -1,6 +1,7 @@
 """Loading state: a fresh module with a fused optimizer loads a trained checkpoint (the resume
 flow), a module without one loads it for eval, and a bad state (module or HashTable) raises a
 clear error naming the key and value and leaves every table as it was (all or nothing)."""
+
 import re
 
 import pytest
@@ -15,9 +16,18 @@ KEYS = ["f1", "f2"]
 
 
 def _configs():
-    return [DynamicEmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=128, feature_names=["f1"]),
-            DynamicEmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=64, feature_names=["f2"],
-                                      eviction_policy="lfu", ttl_steps=50, admit_after=2)]
+    return [
+        DynamicEmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=128, feature_names=["f1"]),
+        DynamicEmbeddingBagConfig(
+            name="t2",
+            embedding_dim=4,
+            num_embeddings=64,
+            feature_names=["f2"],
+            eviction_policy="lfu",
+            ttl_steps=50,
+            admit_after=2,
+        ),
+    ]
 
 
 def _batch(seed, batch_size=8):
@@ -59,6 +69,7 @@ def _counters(module):
 
 
 # ----------------------------------------------------------------------------- resume (finding 2)
+
 
 @pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.Adagrad, RowWiseAdagrad, torch.optim.Adam])
 def test_fresh_module_with_optimizer_in_backward_loads_a_trained_checkpoint(optimizer):
@@ -106,14 +117,18 @@ def test_checkpoint_without_optimizer_state_into_a_module_with_one():
     with torch.no_grad():
         trained(_batch(0))
     checkpoint = _snapshot(trained)
-    module = DynamicEmbeddingBagCollection(_configs(), optimizer="adagrad", optimizer_kwargs={"lr": 0.1,
-                                                                                              "initial_accumulator_value": 0.5})
+    module = DynamicEmbeddingBagCollection(
+        _configs(), optimizer="adagrad", optimizer_kwargs={"lr": 0.1, "initial_accumulator_value": 0.5}
+    )
     before, counters = _snapshot(module), _counters(module)
     with pytest.raises(RuntimeError, match=r'Missing key\(s\).*"embedding_bags.t1.optimizer.momentum1"'):
         module.load_state_dict(checkpoint)
     _assert_module_unchanged(module, before, counters)
     result = module.load_state_dict(checkpoint, strict=False)  # fresh optimizer state for the loaded rows
-    assert sorted(result.missing_keys) == ["embedding_bags.t1.optimizer.momentum1", "embedding_bags.t2.optimizer.momentum1"]
+    assert sorted(result.missing_keys) == [
+        "embedding_bags.t1.optimizer.momentum1",
+        "embedding_bags.t2.optimizer.momentum1",
+    ]
     state = module.state_dict()
     for t in ("t1", "t2"):
         assert torch.equal(state[f"embedding_bags.{t}.weight"], checkpoint[f"embedding_bags.{t}.weight"])
@@ -127,8 +142,9 @@ def test_nested_load_never_leaves_the_tables_silently_unloaded():
     with torch.no_grad():
         trained(_batch(0))
     checkpoint = {f"0.{k}": v for k, v in _snapshot(trained).items()}  # no optimizer state
-    model = torch.nn.Sequential(DynamicEmbeddingBagCollection(_configs(), optimizer="adagrad",
-                                                              optimizer_kwargs={"lr": 0.1}))
+    model = torch.nn.Sequential(
+        DynamicEmbeddingBagCollection(_configs(), optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    )
     before, counters = _snapshot(model[0]), _counters(model[0])
     for strict in (True, False):
         with pytest.raises(RuntimeError, match=r"not loaded: .*nested in another module"):
@@ -142,6 +158,7 @@ def test_nested_load_never_leaves_the_tables_silently_unloaded():
 
 # ----------------------------------------------------------------------------- bad module states (finding 7)
 
+
 def _dup(v):
     v = v.clone()
     v[1] = v[0]
@@ -153,25 +170,103 @@ def _set(index, value):
         v = v.clone()
         v[index] = value
         return v
+
     return corrupt
 
 
 # (case, key of table t2, corruption, error, message): the message names the key and the value.
 BAD_STATES = [
-    ("duplicate weight_id", "weight_id", _dup, ValueError, r"table 't2' weight_id must hold distinct ids, got {v0} more than once"),
-    ("float weight_id", "weight_id", lambda v: v.double(), TypeError, r"table 't2' weight_id must be an integer tensor, got torch.float64"),
-    ("nan weight", "weight", _set((2, 1), float("nan")), ValueError, r"table 't2' weight must be finite, got nan at \[2, 1\]"),
-    ("inf momentum1", "optimizer.momentum1", _set((0, 3), float("inf")), ValueError, r"table 't2' optimizer.momentum1 must be finite, got inf"),
-    ("negative momentum2", "optimizer.momentum2", _set((1, 0), -1.0), ValueError,
-     r"table 't2' optimizer.momentum2 must be finite and >= 0, got -1.0 at \[1, 0\]"),
-    ("epoch 2^40", "counters", _set(1, 2**40), ValueError, r"table 't2' counters\[1\] \(epoch\) must be in \[0, 2147483648\), got 1099511627776"),
-    ("negative clock", "counters", _set(0, -3), ValueError, r"table 't2' counters\[0\] \(clock\) must be in \[0, \d+\), got -3"),
-    ("float counters", "counters", lambda v: v.float(), TypeError, r"table 't2' counters must be an integer tensor, got torch.float32"),
-    ("float metadata", "metadata", lambda v: v.double(), TypeError, r"table 't2' metadata must be an integer tensor, got torch.float64"),
-    ("short weight", "weight", lambda v: v[:-1], ValueError, r"table 't2' weight must be \[\d+, 4\] \(one row per weight_id\)"),
-    ("last_seen ahead", "last_seen", _set(0, 10**6), ValueError, r"table 't2' last_seen must be in \[0, training step \d+\], got 1000000"),
-    ("duplicate admission_id", "admission_id", _dup, ValueError, r"table 't2' admission_id must hold distinct ids, got {a0} more than once"),
-    ("negative admission_count", "admission_count", _set(0, -1), ValueError, r"table 't2' admission_count must be >= 0, got -1"),
+    (
+        "duplicate weight_id",
+        "weight_id",
+        _dup,
+        ValueError,
+        r"table 't2' weight_id must hold distinct ids, got {v0} more than once",
+    ),
+    (
+        "float weight_id",
+        "weight_id",
+        lambda v: v.double(),
+        TypeError,
+        r"table 't2' weight_id must be an integer tensor, got torch.float64",
+    ),
+    (
+        "nan weight",
+        "weight",
+        _set((2, 1), float("nan")),
+        ValueError,
+        r"table 't2' weight must be finite, got nan at \[2, 1\]",
+    ),
+    (
+        "inf momentum1",
+        "optimizer.momentum1",
+        _set((0, 3), float("inf")),
+        ValueError,
+        r"table 't2' optimizer.momentum1 must be finite, got inf",
+    ),
+    (
+        "negative momentum2",
+        "optimizer.momentum2",
+        _set((1, 0), -1.0),
+        ValueError,
+        r"table 't2' optimizer.momentum2 must be finite and >= 0, got -1.0 at \[1, 0\]",
+    ),
+    (
+        "epoch 2^40",
+        "counters",
+        _set(1, 2**40),
+        ValueError,
+        r"table 't2' counters\[1\] \(epoch\) must be in \[0, 2147483648\), got 1099511627776",
+    ),
+    (
+        "negative clock",
+        "counters",
+        _set(0, -3),
+        ValueError,
+        r"table 't2' counters\[0\] \(clock\) must be in \[0, \d+\), got -3",
+    ),
+    (
+        "float counters",
+        "counters",
+        lambda v: v.float(),
+        TypeError,
+        r"table 't2' counters must be an integer tensor, got torch.float32",
+    ),
+    (
+        "float metadata",
+        "metadata",
+        lambda v: v.double(),
+        TypeError,
+        r"table 't2' metadata must be an integer tensor, got torch.float64",
+    ),
+    (
+        "short weight",
+        "weight",
+        lambda v: v[:-1],
+        ValueError,
+        r"table 't2' weight must be \[\d+, 4\] \(one row per weight_id\)",
+    ),
+    (
+        "last_seen ahead",
+        "last_seen",
+        _set(0, 10**6),
+        ValueError,
+        r"table 't2' last_seen must be in \[0, training step \d+\], got 1000000",
+    ),
+    (
+        "duplicate admission_id",
+        "admission_id",
+        _dup,
+        ValueError,
+        r"table 't2' admission_id must hold distinct ids, got {a0} more than once",
+    ),
+    (
+        "negative admission_count",
+        "admission_count",
+        _set(0, -1),
+        ValueError,
+        r"table 't2' admission_count must be >= 0, got -1",
+    ),
 ]
 
 
@@ -187,8 +282,9 @@ def test_bad_module_state_is_rejected_and_no_table_changes(case):
     full = f"embedding_bags.t2.{key}"
     assert checkpoint[full].numel() >= 2, "the case needs at least two entries"
     bad = dict(checkpoint, **{full: corrupt(checkpoint[full])})
-    message = message.format(v0=int(checkpoint["embedding_bags.t2.weight_id"][0]),
-                             a0=int(checkpoint["embedding_bags.t2.admission_id"][0]))
+    message = message.format(
+        v0=int(checkpoint["embedding_bags.t2.weight_id"][0]), a0=int(checkpoint["embedding_bags.t2.admission_id"][0])
+    )
     with pytest.raises(Exception) as raised:
         module.load_state_dict(bad)
     _assert_module_unchanged(module, before, counters)  # checked first: also when the error is not the one wanted
@@ -198,6 +294,7 @@ def test_bad_module_state_is_rejected_and_no_table_changes(case):
 
 
 # ----------------------------------------------------------------------------- bad HashTable states (finding 7)
+
 
 def _table_state(table):
     return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in table.state_dict().items()}
@@ -217,7 +314,13 @@ BAD_TABLE_STATES = [
     ("negative clock", "clock", lambda v: -1, ValueError, r"clock must be in \[0, \d+\), got -1"),
     ("epoch 2^40", "epoch", lambda v: 2**40, ValueError, r"epoch must be in \[0, 2147483648\), got 1099511627776"),
     ("float rows", "rows", lambda v: v.float(), TypeError, r"rows must be an integer tensor, got torch.float32"),
-    ("float scores", "scores", lambda v: v.double() + 0.5, TypeError, r"scores must be an integer tensor, got torch.float64"),
+    (
+        "float scores",
+        "scores",
+        lambda v: v.double() + 0.5,
+        TypeError,
+        r"scores must be an integer tensor, got torch.float64",
+    ),
     ("short scores", "scores", lambda v: v[:-1], ValueError, r"scores must have one entry per key"),
     ("duplicate key", "keys", _dup, ValueError, r"key -?\d+ appears twice"),
 ]

@@ -6,12 +6,17 @@ counts it on CPU too. A training step (forward lookup, loss, fused backward upda
 module must make at most 3, whatever the table count: TTL, admission, fallback rows, FP16
 rows and growing tables included (growing tables with admission read each one's admitted count: not
 in the budget), with new rows written by the lookup (as on a GPU) or deferred (CPU)."""
+
 import pytest
 import torch
 from torchrec import DataType, KeyedJaggedTensor
 
-from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, DynamicEmbeddingCollection
-from torchrec_ext import device_sync
+from torchrec_ext import (
+    DynamicEmbeddingBagCollection,
+    DynamicEmbeddingBagConfig,
+    DynamicEmbeddingCollection,
+    device_sync,
+)
 from torchrec_ext.modules.admission import CounterAdmission
 from torchrec_ext.modules.configs import DynamicEmbeddingConfig
 
@@ -34,8 +39,10 @@ VARIANTS = {
 
 
 def _configs(options, tables=TABLES, cls=DynamicEmbeddingBagConfig, capacity=64):
-    return [cls(name=f"t{i}", embedding_dim=4 + 4 * (i % 3), num_embeddings=capacity, feature_names=[f"f{i}"], **options)
-            for i in range(tables)]
+    return [
+        cls(name=f"t{i}", embedding_dim=4 + 4 * (i % 3), num_embeddings=capacity, feature_names=[f"f{i}"], **options)
+        for i in range(tables)
+    ]
 
 
 def _batch(step, tables=TABLES):
@@ -66,8 +73,12 @@ def _syncs_per_step(module, steps=6, tables=TABLES):
 # How new rows are written: deferred to the fused update (CPU), by the lookup table by table (the
 # C++ kernel), or by the lookup in one call for all tables (init_rows_tables); and how the tables
 # are upserted: table by table, or in one call (the GPU path: hash_upsert_tables).
-NEW_ROWS = {"deferred_rows": (True, False, False), "rows_written_by_lookup": (False, False, False),
-            "one_init_call": (False, True, False), "one_init_and_upsert_call": (False, True, True)}
+NEW_ROWS = {
+    "deferred_rows": (True, False, False),
+    "rows_written_by_lookup": (False, False, False),
+    "one_init_call": (False, True, False),
+    "one_init_and_upsert_call": (False, True, True),
+}
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -90,8 +101,10 @@ def test_sync_count_does_not_grow_with_tables():
 
 
 def test_sequence_module_step_within_budget():
-    configs = [DynamicEmbeddingConfig(name=f"t{i}", embedding_dim=8, num_embeddings=64, feature_names=[f"f{i}"],
-                                      ttl_steps=3) for i in range(TABLES)]
+    configs = [
+        DynamicEmbeddingConfig(name=f"t{i}", embedding_dim=8, num_embeddings=64, feature_names=[f"f{i}"], ttl_steps=3)
+        for i in range(TABLES)
+    ]
     module = DynamicEmbeddingCollection(configs, optimizer="adam")
     for total, seen in _syncs_per_step(module):
         assert total <= BUDGET, f"{total} host syncs in one step, budget {BUDGET}: {seen}"

@@ -7,6 +7,7 @@ lookup, fused backward, the kernels' wrappers) and fails on any of them, except 
 EXEMPT with the reason. The scan is syntactic: a boolean mask is recognised by how it is built
 (a comparison, ``~``, ``&``, ``|``, ``isfinite``...) or by the names the step path gives its masks.
 """
+
 import ast
 from pathlib import Path
 
@@ -17,31 +18,55 @@ ROOT = Path(__file__).resolve().parents[1] / "torchrec_ext"
 # file -> the functions ("Class.method" or "function") of the step path; "*": the whole file.
 STEP_PATH = {
     "modules/dynamic_tables.py": [
-        "DynamicTables.lookup", "DynamicTables._rows_for", "DynamicTables._mask_expired",
-        "DynamicTables._erase_expired", "DynamicTables._initialise", "DynamicTables._init_view",
-        "DynamicTables._flat_init", "DynamicTables._initialise_tables",
-        "DynamicTables._read_fallback", "DynamicTables.write_new_rows", "DynamicTables.apply_gradients",
-        "DynamicTables.layout", "DynamicTables.dtype_layout", "DynamicTables._on_device",
-        "DynamicTables.table_view", "DynamicTables._storage_view", "DynamicTables.state_views",
+        "DynamicTables.lookup",
+        "DynamicTables._rows_for",
+        "DynamicTables._mask_expired",
+        "DynamicTables._erase_expired",
+        "DynamicTables._initialise",
+        "DynamicTables._init_view",
+        "DynamicTables._flat_init",
+        "DynamicTables._initialise_tables",
+        "DynamicTables._read_fallback",
+        "DynamicTables.write_new_rows",
+        "DynamicTables.apply_gradients",
+        "DynamicTables.layout",
+        "DynamicTables.dtype_layout",
+        "DynamicTables._on_device",
+        "DynamicTables.table_view",
+        "DynamicTables._storage_view",
+        "DynamicTables.state_views",
     ],
     "modules/base.py": [
-        "DynamicCollectionMixin._lookup_rows", "DynamicCollectionMixin._differentiable_params",
-        "PooledLookupFunction.forward", "PooledLookupFunction.backward", "per_sample_weight_grad",
-        "SequenceLookupFunction.forward", "SequenceLookupFunction.backward",
+        "DynamicCollectionMixin._lookup_rows",
+        "DynamicCollectionMixin._differentiable_params",
+        "PooledLookupFunction.forward",
+        "PooledLookupFunction.backward",
+        "per_sample_weight_grad",
+        "SequenceLookupFunction.forward",
+        "SequenceLookupFunction.backward",
     ],
     "modules/embedding_bag_collection.py": ["DynamicEmbeddingBagCollection.forward"],
     "modules/embedding_collection.py": ["DynamicEmbeddingCollection.forward"],
     "modules/features.py": ["*"],
     "modules/admission.py": [
-        "CounterAdmission.admit", "CounterAdmission._admit_compacted", "BloomAdmission.admit", "BloomAdmission.decay", "ProbabilisticAdmission.admit",
+        "CounterAdmission.admit",
+        "CounterAdmission._admit_compacted",
+        "BloomAdmission.admit",
+        "BloomAdmission.decay",
+        "ProbabilisticAdmission.admit",
         "probabilistic_draw",
     ],
     "modules/table_stats.py": [
-        "TableCounters.count_batch", "TableCounters.count_rejected", "TableCounters.count_expired",
+        "TableCounters.count_batch",
+        "TableCounters.count_rejected",
+        "TableCounters.count_expired",
         "TableCounters.count_evicted",
     ],
     "table.py": [
-        "HashTable.find", "HashTable.find_or_insert_fixed", "HashTable.erase_rows", "HashTable._check_keys",
+        "HashTable.find",
+        "HashTable.find_or_insert_fixed",
+        "HashTable.erase_rows",
+        "HashTable._check_keys",
         "HashTable._check_scores",
     ],
     "ops.py": ["*"],
@@ -52,46 +77,120 @@ STEP_PATH = {
 
 # (file, function, pattern) -> why it is not a sync of the step.
 EXEMPT = {
-    ("modules/features.py", "check_and_arrange", ".item()"):
-        "under torch.compile only: symbolic values, compiled into the program's runtime asserts",
-    ("torch_kernels.py", "init_rows", "int(tensor)"):
-        "params: the op's float[] argument, host floats (a column shard's first column)",
-    ("torch_kernels.py", "route_bucketize", "torch.bincount"):
-        "input routing of sharded tables (the input dist), not the module's step",
-    ("modules/admission.py", "CounterAdmission._admit_compacted", "tensor truthiness"):
-        "CPU tensors only, by construction (admit dispatches here for CPU keys): host reads cost no sync there, and the fixed-size form's pass over the side table's capacity cost 1.4x the step",
-    ("modules/admission.py", "CounterAdmission._admit_compacted", "sized op"):
-        "CPU tensors only, by construction (admit dispatches here for CPU keys): host reads cost no sync there, and the fixed-size form's pass over the side table's capacity cost 1.4x the step",
-    ("modules/admission.py", "CounterAdmission._admit_compacted", "int(tensor)"):
-        "CPU tensors only, by construction (admit dispatches here for CPU keys): host reads cost no sync there, and the fixed-size form's pass over the side table's capacity cost 1.4x the step",
-    ("modules/admission.py", "CounterAdmission._admit_compacted", "mask or nonzero"):
-        "CPU tensors only, by construction (admit dispatches here for CPU keys): host reads cost no sync there, and the fixed-size form's pass over the side table's capacity cost 1.4x the step",
-    ("modules/dynamic_tables.py", "DynamicTables._initialise", "mask or nonzero"):
-        "the deferred new rows (NewRows): CPU tensors only, by construction (lookup defers on CPU only)",
-    ("table.py", "HashTable._check_scores", "int(tensor)"):
-        "only with increments=True (find_or_insert's check of a caller's scores); the step's "
-        "find_or_insert_fixed passes increments=False",
-    ("table.py", "HashTable._check_scores", "tensor truthiness"):
-        "only with increments=True, as above",
-    ("modules/dynamic_tables.py", "DynamicTables._storage_view", "int(tensor)"):
-        "table_offsets: a layout descriptor kept on the CPU by construction (the device copy is _on_device's)",
-    ("modules/dynamic_tables.py", "DynamicTables.state_views", "int(tensor)"):
-        "state_row_offsets: a layout descriptor kept on the CPU by construction",
-    ("modules/dynamic_tables.py", "DynamicTables.apply_gradients", "int(tensor)"):
-        "optimizer_step: a CPU tensor by construction (the fused optimizer's step count)",
+    (
+        "modules/features.py",
+        "check_and_arrange",
+        ".item()",
+    ): "under torch.compile only: symbolic values, compiled into the program's runtime asserts",
+    (
+        "torch_kernels.py",
+        "init_rows",
+        "int(tensor)",
+    ): "params: the op's float[] argument, host floats (a column shard's first column)",
+    (
+        "torch_kernels.py",
+        "route_bucketize",
+        "torch.bincount",
+    ): "input routing of sharded tables (the input dist), not the module's step",
+    (
+        "modules/admission.py",
+        "CounterAdmission._admit_compacted",
+        "tensor truthiness",
+    ): "CPU tensors only, by construction (admit dispatches here for CPU keys): host reads cost no sync there, and the fixed-size form's pass over the side table's capacity cost 1.4x the step",
+    (
+        "modules/admission.py",
+        "CounterAdmission._admit_compacted",
+        "sized op",
+    ): "CPU tensors only, by construction (admit dispatches here for CPU keys): host reads cost no sync there, and the fixed-size form's pass over the side table's capacity cost 1.4x the step",
+    (
+        "modules/admission.py",
+        "CounterAdmission._admit_compacted",
+        "int(tensor)",
+    ): "CPU tensors only, by construction (admit dispatches here for CPU keys): host reads cost no sync there, and the fixed-size form's pass over the side table's capacity cost 1.4x the step",
+    (
+        "modules/admission.py",
+        "CounterAdmission._admit_compacted",
+        "mask or nonzero",
+    ): "CPU tensors only, by construction (admit dispatches here for CPU keys): host reads cost no sync there, and the fixed-size form's pass over the side table's capacity cost 1.4x the step",
+    (
+        "modules/dynamic_tables.py",
+        "DynamicTables._initialise",
+        "mask or nonzero",
+    ): "the deferred new rows (NewRows): CPU tensors only, by construction (lookup defers on CPU only)",
+    (
+        "table.py",
+        "HashTable._check_scores",
+        "int(tensor)",
+    ): "only with increments=True (find_or_insert's check of a caller's scores); the step's "
+    "find_or_insert_fixed passes increments=False",
+    ("table.py", "HashTable._check_scores", "tensor truthiness"): "only with increments=True, as above",
+    (
+        "modules/dynamic_tables.py",
+        "DynamicTables._storage_view",
+        "int(tensor)",
+    ): "table_offsets: a layout descriptor kept on the CPU by construction (the device copy is _on_device's)",
+    (
+        "modules/dynamic_tables.py",
+        "DynamicTables.state_views",
+        "int(tensor)",
+    ): "state_row_offsets: a layout descriptor kept on the CPU by construction",
+    (
+        "modules/dynamic_tables.py",
+        "DynamicTables.apply_gradients",
+        "int(tensor)",
+    ): "optimizer_step: a CPU tensor by construction (the fused optimizer's step count)",
 }
 
 # Ops whose outputs a GPU kernel sizes on the host (a compaction inside the op): the step path
 # calls their fixed-size forms (find_or_insert_fixed, erase_rows).
 _SIZED_OPS = {"find_or_insert", "insert_or_assign", "hash_upsert", "export", "hash_export", "erase", "hash_erase"}
-_HOST_READ_METHODS = {"item", "tolist", "nonzero", "cpu", "numpy", "masked_select", "unique", "unique_consecutive",
-                      "argwhere"}
+_HOST_READ_METHODS = {
+    "item",
+    "tolist",
+    "nonzero",
+    "cpu",
+    "numpy",
+    "masked_select",
+    "unique",
+    "unique_consecutive",
+    "argwhere",
+}
 _TORCH_SIZED = {"nonzero", "unique", "unique_consecutive", "masked_select", "argwhere", "bincount"}
 _REDUCTIONS = {"max", "min", "sum", "any", "all", "item", "argmax", "argmin", "mean", "prod", "count_nonzero"}
-_MASK_NAMES = {"found", "inserted", "fresh", "live", "expired", "stale", "keep", "unseen", "admitted", "candidates",
-               "ready", "replicated", "outside", "mask", "late", "evicted"}
-_MASK_CALLS = {"isfinite", "isnan", "isinf", "isin", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
-               "logical_not", "bool"}
+_MASK_NAMES = {
+    "found",
+    "inserted",
+    "fresh",
+    "live",
+    "expired",
+    "stale",
+    "keep",
+    "unseen",
+    "admitted",
+    "candidates",
+    "ready",
+    "replicated",
+    "outside",
+    "mask",
+    "late",
+    "evicted",
+}
+_MASK_CALLS = {
+    "isfinite",
+    "isnan",
+    "isinf",
+    "isin",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "logical_and",
+    "logical_or",
+    "logical_not",
+    "bool",
+}
 
 
 def _is_mask(node, masks):
@@ -111,8 +210,10 @@ def _is_mask(node, masks):
 
 
 def _has_reduction(node):
-    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _REDUCTIONS
-               for n in ast.walk(node))
+    return any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _REDUCTIONS
+        for n in ast.walk(node)
+    )
 
 
 def _findings(func):
@@ -134,15 +235,22 @@ def _findings(func):
                 out.append((pattern, node.lineno))
             elif isinstance(f, ast.Attribute) and f.attr in _SIZED_OPS:
                 out.append(("sized op", node.lineno))
-            elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "torch" \
-                    and f.attr in _TORCH_SIZED:
+            elif (
+                isinstance(f, ast.Attribute)
+                and isinstance(f.value, ast.Name)
+                and f.value.id == "torch"
+                and f.attr in _TORCH_SIZED
+            ):
                 out.append((f"torch.{f.attr}", node.lineno))
             elif isinstance(f, ast.Name) and f.id in ("int", "bool", "float") and node.args:
                 arg = node.args[0]
                 if _is_device_sync_call(arg):  # a host value read through the helper
                     continue
-                if _has_reduction(arg) or isinstance(arg, ast.Subscript) or \
-                        (isinstance(arg, ast.Attribute) and arg.attr.endswith("_step") and arg.attr != "train_step"):
+                if (
+                    _has_reduction(arg)
+                    or isinstance(arg, ast.Subscript)
+                    or (isinstance(arg, ast.Attribute) and arg.attr.endswith("_step") and arg.attr != "train_step")
+                ):
                     out.append(("int(tensor)", node.lineno))
         elif isinstance(node, (ast.If, ast.While, ast.IfExp, ast.Assert)):
             if _has_reduction(node.test) and not _is_device_sync_call(node.test):
@@ -153,8 +261,10 @@ def _findings(func):
 
 
 def _is_device_sync_call(node):
-    return any(isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "device_sync"
-               for n in ast.walk(node))
+    return any(
+        isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "device_sync"
+        for n in ast.walk(node)
+    )
 
 
 def _functions(tree):
@@ -196,30 +306,35 @@ def test_every_named_function_exists():
 
 
 def test_every_exemption_is_still_needed():
-    for (path, name, pattern) in EXEMPT:
+    for path, name, pattern in EXEMPT:
         funcs = _functions(ast.parse((ROOT / path).read_text()))
         assert pattern in {p for p, _ in _findings(funcs[name])}, f"stale exemption: {path} {name} {pattern}"
 
 
-@pytest.mark.parametrize("code, pattern", [
-    ("def f(t):\n    return t.nonzero()", "mask or nonzero"),
-    ("def f(t, keep):\n    return t[keep]", "mask or nonzero"),
-    ("def f(t):\n    m = t > 0\n    t[m] = 1", "mask or nonzero"),
-    ("def f(t):\n    return int(t.max())", "int(tensor)"),
-    ("def f(t):\n    return int(t[-1])", "int(tensor)"),
-    ("def f(t):\n    if t.any():\n        pass", "tensor truthiness"),
-    ("def f(t):\n    return t.tolist()", ".tolist()"),
-    ("def f(t):\n    return t.item()", ".item()"),
-    ("def f(t):\n    return torch.unique(t)", "torch.unique"),
-    ("def f(t):\n    return t.cpu()", ".cpu()"),
-    ("def f(index, keys):\n    return index.find_or_insert(keys)", "sized op"),
-])
+@pytest.mark.parametrize(
+    "code, pattern",
+    [
+        ("def f(t):\n    return t.nonzero()", "mask or nonzero"),
+        ("def f(t, keep):\n    return t[keep]", "mask or nonzero"),
+        ("def f(t):\n    m = t > 0\n    t[m] = 1", "mask or nonzero"),
+        ("def f(t):\n    return int(t.max())", "int(tensor)"),
+        ("def f(t):\n    return int(t[-1])", "int(tensor)"),
+        ("def f(t):\n    if t.any():\n        pass", "tensor truthiness"),
+        ("def f(t):\n    return t.tolist()", ".tolist()"),
+        ("def f(t):\n    return t.item()", ".item()"),
+        ("def f(t):\n    return torch.unique(t)", "torch.unique"),
+        ("def f(t):\n    return t.cpu()", ".cpu()"),
+        ("def f(index, keys):\n    return index.find_or_insert(keys)", "sized op"),
+    ],
+)
 def test_the_scan_sees_each_pattern(code, pattern):
     func = ast.parse(code).body[0]
     assert pattern in {p for p, _ in _findings(func)}
 
 
 def test_the_scan_lets_device_sync_and_positions_pass():
-    code = ("def f(t, which):\n    n = int(device_sync.to_host(t, 'x')[-1])\n    return t[which], t.index_select(0, which), "
-            "device_sync.nonzero(t > 0, 'y')")
+    code = (
+        "def f(t, which):\n    n = int(device_sync.to_host(t, 'x')[-1])\n    return t[which], t.index_select(0, which), "
+        "device_sync.nonzero(t > 0, 'y')"
+    )
     assert _findings(ast.parse(code).body[0]) == []

@@ -2,6 +2,7 @@
 ``RecMetricModule(state_metrics={"table_stats": TableStatsMetric(model)}).compute()`` against
 counts kept by brute force over the fed ids, unsharded, and on 2 gloo ranks against the
 unsharded module fed both ranks' batches (every rank gets the same values)."""
+
 import pytest
 import torch
 from torchrec import KeyedJaggedTensor
@@ -16,21 +17,26 @@ TABLES = ("a", "b")
 
 
 def _module():
-    cfgs = [DynamicEmbeddingBagConfig(name=t, embedding_dim=4, num_embeddings=CAPACITY, feature_names=[f"f_{t}"])
-            for t in TABLES]
+    cfgs = [
+        DynamicEmbeddingBagConfig(name=t, embedding_dim=4, num_embeddings=CAPACITY, feature_names=[f"f_{t}"])
+        for t in TABLES
+    ]
     return DynamicEmbeddingBagCollection(cfgs, optimizer="sgd", optimizer_kwargs={"lr": 0.1})
 
 
 def _kjt(ids):
     """Bags of 3 ids per feature."""
     return KeyedJaggedTensor.from_lengths_sync(
-        [f"f_{t}" for t in TABLES], torch.cat([ids[t] for t in TABLES]), torch.full((sum(len(v) for v in ids.values()) // 3,), 3))
+        [f"f_{t}" for t in TABLES],
+        torch.cat([ids[t] for t in TABLES]),
+        torch.full((sum(len(v) for v in ids.values()) // 3,), 3),
+    )
 
 
 def _batch(step, part):
     """Ids of both features of one batch (20 bags of 3 per feature), overlapping across steps."""
     gen = torch.Generator().manual_seed(100 * step + part)
-    ids = {t: torch.randint(0, 150 * (i + 1), (60,), generator=gen) * 7919 - 10 ** 12 for i, t in enumerate(TABLES)}
+    ids = {t: torch.randint(0, 150 * (i + 1), (60,), generator=gen) * 7919 - 10**12 for i, t in enumerate(TABLES)}
     return ids, _kjt(ids)
 
 
@@ -78,15 +84,25 @@ def _sharded(rank, world_size, out):
 
     model = ModelWith("ebc", _module())
     plan = construct_module_sharding_plan(
-        model.ebc, {t: row_wise(compute_kernel="customized_kernel") for t in TABLES},
-        sharder=DynamicEmbeddingBagCollectionSharder(), local_size=world_size, world_size=world_size,
-        device_type="cpu")
-    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
-                                   device=torch.device("cpu"), plan=ShardingPlan({"ebc": plan}), sharders=get_sharders())
+        model.ebc,
+        {t: row_wise(compute_kernel="customized_kernel") for t in TABLES},
+        sharder=DynamicEmbeddingBagCollectionSharder(),
+        local_size=world_size,
+        world_size=world_size,
+        device_type="cpu",
+    )
+    dmp = DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=ShardingPlan({"ebc": plan}),
+        sharders=get_sharders(),
+    )
     for step in range(6):
         dmp(_batch(step, rank)[1]).values().sum().backward()
-    metrics = RecMetricModule(batch_size=20, world_size=world_size,
-                              state_metrics={"table_stats": TableStatsMetric(dmp)})
+    metrics = RecMetricModule(
+        batch_size=20, world_size=world_size, state_metrics={"table_stats": TableStatsMetric(dmp)}
+    )
     got = {k: float(v) for k, v in metrics.compute().items()}  # collective
     everyone = [None] * world_size
     dist.all_gather_object(everyone, got)

@@ -1,6 +1,7 @@
 """module.table_stats() (issue 18 item 4) against counted truth: a stream replayed on the
 reference hash table (reference.py's dict model of the index), with the admission rule and
 evicted rows' ages counted independently."""
+
 import torch
 from torchrec import KeyedJaggedTensor
 
@@ -10,16 +11,22 @@ from torchrec_ext.reference import ReferenceHashTable, dedup_ids, table_seed
 
 
 def _replay(policy, capacity, p, steps=30, ttl=None):
-    cfg = DynamicEmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=capacity, feature_names=["f"],
-                                    eviction_policy=policy, ttl_steps=ttl,
-                                    **({} if p is None else dict(admission="probabilistic", admit_probability=p)))
+    cfg = DynamicEmbeddingBagConfig(
+        name="t",
+        embedding_dim=4,
+        num_embeddings=capacity,
+        feature_names=["f"],
+        eviction_policy=policy,
+        ttl_steps=ttl,
+        **({} if p is None else dict(admission="probabilistic", admit_probability=p)),
+    )
     module = DynamicEmbeddingBagCollection([cfg], optimizer="sgd", optimizer_kwargs={"lr": 0.1})
     ref, seed = ReferenceHashTable(capacity, policy), table_seed(0, "t")
     truth = dict(lookups=0, hits=0, inserts=0, evictions=0, admission_rejections=0, refused=0)
     last_read, ages = {}, []
     gen = torch.Generator().manual_seed(7)
     for step in range(1, steps + 1):
-        ids = torch.randint(0, 300, (60,), generator=gen) * 1_000_000_007 - 2 ** 45
+        ids = torch.randint(0, 300, (60,), generator=gen) * 1_000_000_007 - 2**45
         module(KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.full((20,), 3))).values().sum().backward()
         unique, _, counts = dedup_ids(ids)
         keys, counts = unique.tolist(), counts.tolist()

@@ -5,6 +5,7 @@ a block, and every failure of that making is a clear error naming the file and t
 Oracles: the file system's own extent map (FIEMAP: no hole, no unwritten extent), the file's
 bytes, and an all-resident module trained on the same batches.
 """
+
 import fcntl
 import os
 import struct
@@ -30,8 +31,10 @@ def _extents(path):
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         while start < size:
-            request = bytearray(struct.pack("=QQIIII", start, size - start, FIEMAP_FLAG_SYNC, 0, EXTENTS_PER_CALL, 0)
-                                + bytes(56 * EXTENTS_PER_CALL))
+            request = bytearray(
+                struct.pack("=QQIIII", start, size - start, FIEMAP_FLAG_SYNC, 0, EXTENTS_PER_CALL, 0)
+                + bytes(56 * EXTENTS_PER_CALL)
+            )
             try:
                 fcntl.ioctl(f.fileno(), FS_IOC_FIEMAP, request)
             except OSError as e:
@@ -46,8 +49,16 @@ def _extents(path):
 
 
 def _configs(directory, name="a", capacity=3000):
-    return [DynamicEmbeddingBagConfig(name=name, embedding_dim=16, num_embeddings=capacity, feature_names=["f0"],
-                                      backing=f"file:{directory}", cache_load_factor=0.25)]
+    return [
+        DynamicEmbeddingBagConfig(
+            name=name,
+            embedding_dim=16,
+            num_embeddings=capacity,
+            feature_names=["f0"],
+            backing=f"file:{directory}",
+            cache_load_factor=0.25,
+        )
+    ]
 
 
 def _module(configs):
@@ -69,7 +80,7 @@ def test_a_new_backing_file_is_written_whole_not_only_reserved(tmp_path):
             assert not flags & FIEMAP_EXTENT_UNWRITTEN, f"{name}: extent at {offset} reserved, never written"
             covered = offset + length
         assert covered >= size
-        assert not any(path.read_bytes()[tier_store.HEADER_BYTES:])  # zeros: the rows of no id
+        assert not any(path.read_bytes()[tier_store.HEADER_BYTES :])  # zeros: the rows of no id
     del module
 
 
@@ -128,7 +139,9 @@ def test_backing_files_are_cached_in_single_pages(tmp_path):
         compound = _compound_pages(backing)
         if compound is None:
             pytest.skip("/proc/kpageflags is not readable here")
-        assert compound == 0, f"{name}: {compound} pages of {backing.numel() * 4 // tier_store.PAGE_BYTES} in large folios"
+        assert compound == 0, (
+            f"{name}: {compound} pages of {backing.numel() * 4 // tier_store.PAGE_BYTES} in large folios"
+        )
     del module
 
 
@@ -164,7 +177,9 @@ def test_short_writes_are_continued(tmp_path, monkeypatch):
     assert calls == []
     resident = DynamicEmbeddingBagCollection(
         [DynamicEmbeddingBagConfig(name="a", embedding_dim=16, num_embeddings=3000, feature_names=["f0"])],
-        optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
+        optimizer="adagrad",
+        optimizer_kwargs={"lr": 0.05},
+    )
     _train([resident, tiered])
     a, b = resident.state_dict(), tiered.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -178,13 +193,17 @@ def _eio(*args):
     raise OSError(5, "Input/output error")
 
 
-@pytest.mark.parametrize("call,fault,message", [
-    ("pwrite", _enospc, r"\[Errno 28\] No space left on device"),
-    ("pwrite", lambda fd, data, offset: 0, r"\[Errno 5\] wrote 0 of 192000 bytes at offset 4096"),
-    ("fdatasync", _eio, r"\[Errno 5\] Input/output error"),
-])
-def test_a_failed_write_of_a_new_file_is_a_clear_error_and_the_last_checkpoint_loads(tmp_path, monkeypatch, call,
-                                                                                      fault, message):
+@pytest.mark.parametrize(
+    "call,fault,message",
+    [
+        ("pwrite", _enospc, r"\[Errno 28\] No space left on device"),
+        ("pwrite", lambda fd, data, offset: 0, r"\[Errno 5\] wrote 0 of 192000 bytes at offset 4096"),
+        ("fdatasync", _eio, r"\[Errno 5\] Input/output error"),
+    ],
+)
+def test_a_failed_write_of_a_new_file_is_a_clear_error_and_the_last_checkpoint_loads(
+    tmp_path, monkeypatch, call, fault, message
+):
     (tmp_path / "old").mkdir()
     (tmp_path / "new").mkdir()
     trained = _module(_configs(tmp_path / "old"))
@@ -192,8 +211,11 @@ def test_a_failed_write_of_a_new_file_is_a_clear_error_and_the_last_checkpoint_l
     checkpoint = trained.state_dict()
     monkeypatch.setattr(tier_store.os, call, fault)
     path = tmp_path / "new" / "b.weights.rows"
-    with pytest.raises(ValueError, match=rf"tables \['b'\]: cannot write {tier_store.HEADER_BYTES + 4 * 3000 * 16} "
-                                         rf"bytes for backing file '{path}': {message}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"tables \['b'\]: cannot write {tier_store.HEADER_BYTES + 4 * 3000 * 16} "
+        rf"bytes for backing file '{path}': {message}",
+    ):
         _module(_configs(tmp_path / "new", name="b"))
     assert os.listdir(tmp_path / "new") == []  # nothing half-made left behind
     monkeypatch.undo()

@@ -6,6 +6,7 @@ leave the last checkpoint loadable.
 Oracles: a dict of each row's newest bytes (the log alone), and an all-resident module trained
 on the same batches (the log under a tiered module), bit for bit.
 """
+
 import gc
 import os
 
@@ -26,7 +27,7 @@ def _open_log(tmp_path, capacity, record_bytes):
 
 def _records(rows, gen, record_bytes):
     data = torch.randint(0, 256, (rows.numel(), record_bytes), dtype=torch.uint8, generator=gen)
-    data[:, :tier_log.ROW_BYTES] = rows.view(torch.uint8).view(-1, tier_log.ROW_BYTES)
+    data[:, : tier_log.ROW_BYTES] = rows.view(torch.uint8).view(-1, tier_log.ROW_BYTES)
     return data
 
 
@@ -36,7 +37,7 @@ def _assert_newest(log, newest, base, capacity):
     for row in range(capacity):
         if row in newest and row not in base:
             assert int(where[row]) >= 0, row
-            assert torch.equal(log.read(where[row:row + 1])[0], newest[row]), row
+            assert torch.equal(log.read(where[row : row + 1])[0], newest[row]), row
         else:
             assert int(where[row]) == -1, row
     assert log.live == int((where >= 0).sum()) == int(log.segment_live.sum())
@@ -50,7 +51,7 @@ def test_reads_after_many_appends_see_each_rows_newest_copy_and_cleaning_bounds_
     log.home = lambda rows, data: pytest.fail("cleaning kept up: nothing goes home")
     gen = torch.Generator().manual_seed(2)
     for step in range(300):
-        rows = torch.randperm(capacity, generator=gen)[:int(torch.randint(1, 12, (1,), generator=gen))]
+        rows = torch.randperm(capacity, generator=gen)[: int(torch.randint(1, 12, (1,), generator=gen))]
         data = _records(rows, gen, width)
         log.append(rows, data)
         for row, record in zip(rows.tolist(), data):
@@ -99,9 +100,12 @@ def test_a_full_log_sends_the_emptiest_segments_rows_home(tmp_path, monkeypatch)
 
 def _configs(directory=None, capacity=300):
     extra = {} if directory is None else {"backing": f"file:{directory}", "cache_load_factor": 0.2}
-    return [DynamicEmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=capacity, feature_names=["f0"],
-                                      eviction_policy="lfu", **extra),
-            DynamicEmbeddingBagConfig(name="b", embedding_dim=4, num_embeddings=200, feature_names=["f1"], **extra)]
+    return [
+        DynamicEmbeddingBagConfig(
+            name="a", embedding_dim=8, num_embeddings=capacity, feature_names=["f0"], eviction_policy="lfu", **extra
+        ),
+        DynamicEmbeddingBagConfig(name="b", embedding_dim=4, num_embeddings=200, feature_names=["f1"], **extra),
+    ]
 
 
 def _module(configs, optimizer="adagrad"):
@@ -131,7 +135,8 @@ def _train(modules, batches, stage=None):
 
 
 def test_a_logged_table_equals_the_resident_table_through_cleaning_checkpoints_folds_and_an_optimizer_change(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     monkeypatch.setattr(tier_log, "SEGMENT_RECORDS", 8)
     resident, tiered = _module(_configs()), _module(_configs(tmp_path))
     batches = _batches(70)
@@ -186,10 +191,13 @@ def test_a_reopened_directory_starts_with_an_empty_log_and_resumes_from_the_chec
     assert os.path.getsize(tmp_path / "a+b.a.log") == logged  # (sized for the table, sparse)
 
 
-@pytest.mark.parametrize("fault,message", [
-    ("crash", r"\[Errno 5\] (.*): Input/output error"),  # a record cut short, then the write fails
-    ("full", r"\[Errno 28\] (.*): No space left on device"),
-])
+@pytest.mark.parametrize(
+    "fault,message",
+    [
+        ("crash", r"\[Errno 5\] (.*): Input/output error"),  # a record cut short, then the write fails
+        ("full", r"\[Errno 28\] (.*): No space left on device"),
+    ],
+)
 def test_a_failed_append_is_a_clear_error_and_the_last_checkpoint_loads(tmp_path, monkeypatch, fault, message):
     monkeypatch.setattr(tier_log, "SEGMENT_RECORDS", 8)
     resident, tiered = _module(_configs()), _module(_configs(tmp_path))
@@ -202,13 +210,20 @@ def test_a_failed_append_is_a_clear_error_and_the_last_checkpoint_loads(tmp_path
     def failing(fd, data, offset):
         state["calls"] += 1
         if fault == "crash" and state["calls"] == 1:
-            return real(fd, data[:len(data) // 2 + 3], offset)  # a record cut short
-        raise OSError(5 if fault == "crash" else 28, "Input/output error" if fault == "crash" else
-                      "No space left on device")
+            return real(fd, data[: len(data) // 2 + 3], offset)  # a record cut short
+        raise OSError(
+            5 if fault == "crash" else 28, "Input/output error" if fault == "crash" else "No space left on device"
+        )
 
     monkeypatch.setattr(tier_log.os, "pwrite", failing)
-    with pytest.raises(OSError, match=message.replace("(.*)", rf"tables \['a', 'b'\]: cannot append \d+ rows "
-                                                                rf"\(\d+ bytes\) to backing log '{tmp_path}/a\+b\.\w\.log'")):
+    with pytest.raises(
+        OSError,
+        match=message.replace(
+            "(.*)",
+            rf"tables \['a', 'b'\]: cannot append \d+ rows "
+            rf"\(\d+ bytes\) to backing log '{tmp_path}/a\+b\.\w\.log'",
+        ),
+    ):
         _train([tiered], batches[15:])
     for log in tiered._tables.store.logs().values():  # the record cut short (at the head) is named by no row
         if log.head is not None:
@@ -234,16 +249,27 @@ def test_a_log_of_other_tables_or_another_layout_version_is_refused(tmp_path, mo
     for name in ("a+b.weights.rows", "a+b.momentum1.rows"):  # (the rows files are checked first)
         os.unlink(tmp_path / name)
     module = _module(_configs(tmp_path))
-    with pytest.raises(ValueError, match=rf"'{tmp_path}/a\+b\.a\.log' has layout version "
-                                         rf"{tier_store.LAYOUT_VERSION - 1}, this build reads version "
-                                         rf"{tier_store.LAYOUT_VERSION}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"'{tmp_path}/a\+b\.a\.log' has layout version "
+        rf"{tier_store.LAYOUT_VERSION - 1}, this build reads version "
+        rf"{tier_store.LAYOUT_VERSION}",
+    ):
         _train([module], _batches(3))
 
 
 def test_log_files_are_named_by_table_safely(tmp_path):
-    configs = [DynamicEmbeddingBagConfig(name=name, embedding_dim=4, num_embeddings=50, feature_names=[f"f{i}"],
-                                         backing=f"file:{tmp_path}", cache_load_factor=0.5)
-               for i, name in enumerate(["up/x", "x/y", "x_y"])]
+    configs = [
+        DynamicEmbeddingBagConfig(
+            name=name,
+            embedding_dim=4,
+            num_embeddings=50,
+            feature_names=[f"f{i}"],
+            backing=f"file:{tmp_path}",
+            cache_load_factor=0.5,
+        )
+        for i, name in enumerate(["up/x", "x/y", "x_y"])
+    ]
     module = _module(configs)
     for t in range(3):
         module._tables._mover(t)

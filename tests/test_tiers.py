@@ -6,6 +6,7 @@ A tiered table must give the same outputs, rows, optimizer states, eviction scor
 bit for bit, over many steps with cache misses, write-backs, index evictions, TTL, admission,
 half-precision rows and optimizers with state.
 """
+
 import copy
 import gc
 import os
@@ -17,8 +18,7 @@ from torchrec import DataType, KeyedJaggedTensor
 from dist_helpers import progress_losses
 from modules_helpers import random_kjt
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, DynamicEmbeddingCollection
-from torchrec_ext.modules import DynamicEmbeddingConfig
-from torchrec_ext.modules import tier_store
+from torchrec_ext.modules import DynamicEmbeddingConfig, tier_store
 from torchrec_ext.modules.features import check_and_arrange
 from torchrec_ext.modules.tiered_tables import TieredTables
 
@@ -28,21 +28,61 @@ POOL = torch.randint(-(2**62), 2**62, (900,), generator=torch.Generator().manual
 def _bag_configs(tier=None, factor=None, policies=("lru", "lfu")):
     extra = {} if tier is None else {"backing": tier, "cache_load_factor": factor}
     return [
-        DynamicEmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=256, feature_names=["f0", "f1"],
-                                  eviction_policy=policies[0], ttl_steps=6, **extra),
-        DynamicEmbeddingBagConfig(name="b", embedding_dim=6, num_embeddings=320, feature_names=["f2"],
-                                  eviction_policy=policies[1], data_type=DataType.FP16, admit_after=2, **extra),
-        DynamicEmbeddingBagConfig(name="c", embedding_dim=4, num_embeddings=200, feature_names=["f3"],
-                                  admission="bloom", admit_after=2, data_type=DataType.BF16, **extra),
+        DynamicEmbeddingBagConfig(
+            name="a",
+            embedding_dim=8,
+            num_embeddings=256,
+            feature_names=["f0", "f1"],
+            eviction_policy=policies[0],
+            ttl_steps=6,
+            **extra,
+        ),
+        DynamicEmbeddingBagConfig(
+            name="b",
+            embedding_dim=6,
+            num_embeddings=320,
+            feature_names=["f2"],
+            eviction_policy=policies[1],
+            data_type=DataType.FP16,
+            admit_after=2,
+            **extra,
+        ),
+        DynamicEmbeddingBagConfig(
+            name="c",
+            embedding_dim=4,
+            num_embeddings=200,
+            feature_names=["f3"],
+            admission="bloom",
+            admit_after=2,
+            data_type=DataType.BF16,
+            **extra,
+        ),
     ]
 
 
 def _seq_configs(tier=None, factor=None):
     extra = {} if tier is None else {"backing": tier, "cache_load_factor": factor}
-    return [DynamicEmbeddingConfig(name="s", embedding_dim=8, num_embeddings=300, feature_names=["g0", "g1"],
-                                   eviction_policy="lfu", ttl_steps=5, **extra),
-            DynamicEmbeddingConfig(name="h", embedding_dim=8, num_embeddings=200, feature_names=["g2"],
-                                   data_type=DataType.FP16, admission="counter", admit_after=2, **extra)]
+    return [
+        DynamicEmbeddingConfig(
+            name="s",
+            embedding_dim=8,
+            num_embeddings=300,
+            feature_names=["g0", "g1"],
+            eviction_policy="lfu",
+            ttl_steps=5,
+            **extra,
+        ),
+        DynamicEmbeddingConfig(
+            name="h",
+            embedding_dim=8,
+            num_embeddings=200,
+            feature_names=["g2"],
+            data_type=DataType.FP16,
+            admission="counter",
+            admit_after=2,
+            **extra,
+        ),
+    ]
 
 
 def _backing(kind, tmp_path):
@@ -50,8 +90,9 @@ def _backing(kind, tmp_path):
 
 
 def _bag_pair(kind, tmp_path, optimizer, factor=0.3, weighted=False):
-    make = lambda configs: DynamicEmbeddingBagCollection(configs, is_weighted=weighted, optimizer=optimizer,
-                                                        optimizer_kwargs={"lr": 0.05})
+    make = lambda configs: DynamicEmbeddingBagCollection(
+        configs, is_weighted=weighted, optimizer=optimizer, optimizer_kwargs={"lr": 0.05}
+    )
     return make(_bag_configs()), make(_bag_configs(_backing(kind, tmp_path), factor))
 
 
@@ -88,15 +129,17 @@ def _assert_same_stats(resident, tiered):
                 assert b[key] == value, (name, key)
 
 
-@pytest.mark.parametrize("kind,optimizer,weighted", [("host", "adam", False), ("file", "adagrad", True),
-                                                     ("file", "rowwise_adagrad", False)])
+@pytest.mark.parametrize(
+    "kind,optimizer,weighted", [("host", "adam", False), ("file", "adagrad", True), ("file", "rowwise_adagrad", False)]
+)
 def test_pooled_tiered_tables_equal_all_resident_tables_bit_for_bit(tmp_path, kind, optimizer, weighted):
     resident, tiered = _bag_pair(kind, tmp_path, optimizer, weighted=weighted)
     assert isinstance(tiered._tables, TieredTables)
     gen = torch.Generator().manual_seed(0)
     for step in range(60):
-        kjt = random_kjt(["f0", "f1", "f2", "f3"], 6, POOL[torch.randint(0, 700, (400,), generator=gen)], 5,
-                         weighted=weighted)
+        kjt = random_kjt(
+            ["f0", "f1", "f2", "f3"], 6, POOL[torch.randint(0, 700, (400,), generator=gen)], 5, weighted=weighted
+        )
         if step % 11 == 5:  # a training forward without backward: new rows initialised by the lookup itself
             with torch.no_grad():
                 assert torch.equal(resident(kjt).values(), tiered(kjt).values()), step
@@ -137,16 +180,22 @@ def test_rows_of_batches_in_flight_stay_cached_until_their_update_lands(tmp_path
     # Batch 1's forward, an eval batch, batch 2's forward, then both backwards (as a pipeline may
     # order them). Batch 1's slots are then the least recently used: batch 2's misses would take
     # them, were they not held until batch 1's update lands.
-    configs = lambda tier: [DynamicEmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=256, feature_names=["f"],
-                                                      **({} if tier is None else {"backing": tier,
-                                                                                  "cache_load_factor": 60 / 256}))]
+    configs = lambda tier: [
+        DynamicEmbeddingBagConfig(
+            name="a",
+            embedding_dim=4,
+            num_embeddings=256,
+            feature_names=["f"],
+            **({} if tier is None else {"backing": tier, "cache_load_factor": 60 / 256}),
+        )
+    ]
     make = lambda tier: DynamicEmbeddingBagCollection(configs(tier), optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
     resident, tiered = make(None), make(f"file:{tmp_path}")
     kjt = lambda ids: KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.tensor([ids.numel()]))
     for start in range(0, 200, 20):  # ids 0..199 get rows
         _train_step((resident, tiered), kjt(torch.arange(start, start + 20)))
     gen = torch.Generator().manual_seed(2)
-    for step in range(12):
+    for _ in range(12):
         ids = torch.randperm(200, generator=gen)
         first, looked_at, second = ids[:20], ids[20:50], ids[50:70]
         for m in (resident, tiered):
@@ -177,15 +226,21 @@ def test_a_dropped_graph_releases_its_rows(tmp_path):
 
 
 def test_a_cache_too_small_for_a_batch_is_a_clear_error_and_changes_nothing(tmp_path):
-    configs = [DynamicEmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=100, feature_names=["f"],
-                                         backing="host", cache_load_factor=0.1)]
+    configs = [
+        DynamicEmbeddingBagConfig(
+            name="a", embedding_dim=4, num_embeddings=100, feature_names=["f"], backing="host", cache_load_factor=0.1
+        )
+    ]
     module = DynamicEmbeddingBagCollection(configs, optimizer="sgd", optimizer_kwargs={"lr": 0.1})
     module(KeyedJaggedTensor.from_lengths_sync(["f"], torch.arange(10), torch.tensor([10]))).values().sum().backward()
     before = module.state_dict()
     step = module._tables.train_step
     ids = torch.arange(100, 111)
-    with pytest.raises(ValueError, match=r"table 'a': the batch has 11 distinct ids, more than the 10 cache slots .*"
-                                         r"cache_load_factor 0.1 of capacity 100"):
+    with pytest.raises(
+        ValueError,
+        match=r"table 'a': the batch has 11 distinct ids, more than the 10 cache slots .*"
+        r"cache_load_factor 0.1 of capacity 100",
+    ):
         module(KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.tensor([11])))
     assert module._tables.train_step == step
     after = module.state_dict()
@@ -194,14 +249,17 @@ def test_a_cache_too_small_for_a_batch_is_a_clear_error_and_changes_nothing(tmp_
     module(KeyedJaggedTensor.from_lengths_sync(["f"], torch.arange(10).repeat(2), torch.tensor([20])))
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("cache_load_factor", 0.0, r"cache_load_factor must be a number in \(0, 1\]"),
-    ("cache_load_factor", 1.5, r"cache_load_factor must be a number in \(0, 1\]"),
-    ("cache_load_factor", True, r"cache_load_factor must be a number in \(0, 1\]"),
-    ("backing", "disk", r"backing must be \"device\", \"host\" or \"file:<dir>\", got 'disk'"),
-    ("backing", "file:", r"backing must be"),
-    ("fallback_rows", 4, r"fallback_rows applies to backing=\"device\" tables for now"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("cache_load_factor", 0.0, r"cache_load_factor must be a number in \(0, 1\]"),
+        ("cache_load_factor", 1.5, r"cache_load_factor must be a number in \(0, 1\]"),
+        ("cache_load_factor", True, r"cache_load_factor must be a number in \(0, 1\]"),
+        ("backing", "disk", r"backing must be \"device\", \"host\" or \"file:<dir>\", got 'disk'"),
+        ("backing", "file:", r"backing must be"),
+        ("fallback_rows", 4, r"fallback_rows applies to backing=\"device\" tables for now"),
+    ],
+)
 def test_bad_tier_options_are_clear_errors(field, value, message):
     kwargs = {"backing": "host", field: value}
     with pytest.raises(ValueError, match=message):
@@ -214,8 +272,9 @@ def test_cache_load_factor_without_a_backing_is_refused():
 
 
 def test_bad_backings_are_clear_errors(tmp_path, monkeypatch):
-    cfg = lambda backing, name="a": DynamicEmbeddingBagConfig(name=name, embedding_dim=4, num_embeddings=10,
-                                                               feature_names=[name], backing=backing)
+    cfg = lambda backing, name="a": DynamicEmbeddingBagConfig(
+        name=name, embedding_dim=4, num_embeddings=10, feature_names=[name], backing=backing
+    )
     with pytest.raises(ValueError, match="backing directory .*nowhere' does not exist"):
         DynamicEmbeddingBagCollection([cfg(f"file:{tmp_path}/nowhere")])
     monkeypatch.setattr(tier_store.os, "access", lambda path, mode: False)  # as for a non-root user
@@ -237,8 +296,11 @@ def test_bad_backings_are_clear_errors(tmp_path, monkeypatch):
 
 
 def test_backing_files_name_their_tables_and_are_not_shared(tmp_path, monkeypatch):
-    cfg = lambda dim: [DynamicEmbeddingBagConfig(name="a", embedding_dim=dim, num_embeddings=10, feature_names=["f"],
-                                                 backing=f"file:{tmp_path}")]
+    cfg = lambda dim: [
+        DynamicEmbeddingBagConfig(
+            name="a", embedding_dim=dim, num_embeddings=10, feature_names=["f"], backing=f"file:{tmp_path}"
+        )
+    ]
     first = DynamicEmbeddingBagCollection(cfg(4), optimizer="adagrad")
     assert sorted(os.listdir(tmp_path)) == ["a.momentum1.rows", "a.weights.rows"]
     with open(tmp_path / "a.weights.rows", "rb") as f:
@@ -250,26 +312,44 @@ def test_backing_files_name_their_tables_and_are_not_shared(tmp_path, monkeypatc
     with pytest.raises(ValueError, match=r"holds tables \[\{'name': 'a', 'capacity': 10, 'dim': 4"):
         DynamicEmbeddingBagCollection(cfg(8))  # the file of another table
     monkeypatch.setattr(tier_store, "LAYOUT_VERSION", tier_store.LAYOUT_VERSION + 1)
-    with pytest.raises(ValueError, match=f"has layout version {tier_store.LAYOUT_VERSION - 1}, this build reads "
-                                         f"version {tier_store.LAYOUT_VERSION}"):
+    with pytest.raises(
+        ValueError,
+        match=f"has layout version {tier_store.LAYOUT_VERSION - 1}, this build reads "
+        f"version {tier_store.LAYOUT_VERSION}",
+    ):
         DynamicEmbeddingBagCollection(cfg(4))
     monkeypatch.undo()
     (tmp_path / "a.weights.rows").write_bytes(b"not a table" * 100)
     with pytest.raises(ValueError, match="is not a tiered table's backing file"):
         DynamicEmbeddingBagCollection(cfg(4))
+
     # a full disk: refused when the file is made (its space is reserved), no file left behind
     def full(fd, offset, length):
         raise OSError(28, "No space left on device")
+
     monkeypatch.setattr(tier_store.os, "posix_fallocate", full)
     with pytest.raises(ValueError, match=r"cannot reserve \d+ bytes for backing file .*No space left on device"):
-        DynamicEmbeddingBagCollection([DynamicEmbeddingBagConfig(
-            name="z", embedding_dim=4, num_embeddings=10, feature_names=["f"], backing=f"file:{tmp_path}")])
+        DynamicEmbeddingBagCollection(
+            [
+                DynamicEmbeddingBagConfig(
+                    name="z", embedding_dim=4, num_embeddings=10, feature_names=["f"], backing=f"file:{tmp_path}"
+                )
+            ]
+        )
     assert not (tmp_path / "z.weights.rows").exists()
     monkeypatch.undo()
     # A rank's share of a sharded table (backing_shard, set by the sharders): files named by it,
     # and a file of another shard is refused.
-    shard = lambda name: [DynamicEmbeddingBagConfig(name="s", embedding_dim=4, num_embeddings=10, feature_names=["f"],
-                                                    backing=f"file:{tmp_path}", backing_shard=name)]
+    shard = lambda name: [
+        DynamicEmbeddingBagConfig(
+            name="s",
+            embedding_dim=4,
+            num_embeddings=10,
+            feature_names=["f"],
+            backing=f"file:{tmp_path}",
+            backing_shard=name,
+        )
+    ]
     DynamicEmbeddingBagCollection(shard("rank1-of-2"))
     gc.collect()
     assert (tmp_path / "rank1-of-2.s.weights.rows").exists()
@@ -281,8 +361,10 @@ def test_backing_files_name_their_tables_and_are_not_shared(tmp_path, monkeypatc
 def test_checkpoints_round_trip_between_tiered_and_resident_and_a_reopened_file(tmp_path):
     resident, tiered = _bag_pair("file", tmp_path, "adam")
     gen = torch.Generator().manual_seed(5)
-    batches = [random_kjt(["f0", "f1", "f2", "f3"], 6, POOL[torch.randint(0, 700, (400,), generator=gen)], 5)
-               for _ in range(30)]
+    batches = [
+        random_kjt(["f0", "f1", "f2", "f3"], 6, POOL[torch.randint(0, 700, (400,), generator=gen)], 5)
+        for _ in range(30)
+    ]
     for kjt in batches[:20]:
         _train_step((resident, tiered), kjt)
     _assert_same_state(resident, tiered)
@@ -334,15 +416,18 @@ def test_prefetch_brings_a_batch_in_and_changes_no_result(tmp_path):
 
 
 def test_table_stats_count_the_tier_traffic():
-    configs = [DynamicEmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=64, feature_names=["f"],
-                                         backing="host", cache_load_factor=0.25)]
+    configs = [
+        DynamicEmbeddingBagConfig(
+            name="a", embedding_dim=4, num_embeddings=64, feature_names=["f"], backing="host", cache_load_factor=0.25
+        )
+    ]
     module = DynamicEmbeddingBagCollection(configs, optimizer="adagrad")
     kjt = lambda ids: KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor(ids), torch.tensor([len(ids)]))
     row_bytes = 4 * 4 + 4 * 4  # a float32 vector of 4, an Adagrad state of 4
-    module(kjt(list(range(16)))).values().sum().backward()      # 16 new rows fill the 16 slots: no miss, no read
-    module(kjt(list(range(8)))).values().sum().backward()       # 8 hits
+    module(kjt(list(range(16)))).values().sum().backward()  # 16 new rows fill the 16 slots: no miss, no read
+    module(kjt(list(range(8)))).values().sum().backward()  # 8 hits
     module(kjt(list(range(16, 24)))).values().sum().backward()  # 8 new rows evict ids 8..15: 8 written back
-    module(kjt(list(range(8, 16)))).values().sum().backward()   # 8 misses read; ids 0..7 written back
+    module(kjt(list(range(8, 16)))).values().sum().backward()  # 8 misses read; ids 0..7 written back
     s = module.table_stats()["a"]
     assert (s.cache_slots, s.cache_hits, s.cache_misses, s.cache_write_backs) == (16, 8, 8, 16)
     assert s.cache_bytes_moved == (8 + 16) * row_bytes and s.cache_hit_rate == 0.5
@@ -364,7 +449,7 @@ def test_a_copy_of_a_file_backed_module_is_independent(tmp_path):
 
 def test_reset_parameters_empties_the_cache_as_the_tables(tmp_path):
     resident, tiered = _bag_pair("file", tmp_path, "adagrad")
-    batches = [random_kjt(["f0", "f1", "f2", "f3"], 6, POOL[i * 100:(i + 3) * 100], 5) for i in range(6)]
+    batches = [random_kjt(["f0", "f1", "f2", "f3"], 6, POOL[i * 100 : (i + 3) * 100], 5) for i in range(6)]
     for i, kjt in enumerate(batches):
         if i == 3:
             for m in (resident, tiered):
@@ -375,6 +460,7 @@ def test_reset_parameters_empties_the_cache_as_the_tables(tmp_path):
 
 
 # ---------------------------------------------------------------- staging the next batch (prefetch)
+
 
 def _run_inline(monkeypatch):
     """Stages run on the train thread at the end of the lookup that starts them: before that
@@ -422,8 +508,9 @@ def test_staged_tiered_tables_equal_unstaged_and_all_resident_tables(tmp_path, m
         if step % 13 == 6:
             batches.append(batches[-1])  # the same ids twice in a row
         else:
-            batches.append(random_kjt(["f0", "f1", "f2", "f3"], 6,
-                                      POOL[torch.randint(0, 700, (400,), generator=gen)], 5))
+            batches.append(
+                random_kjt(["f0", "f1", "f2", "f3"], 6, POOL[torch.randint(0, 700, (400,), generator=gen)], 5)
+            )
     per_step = []
     for step, kjt in enumerate(batches):
         if step + 1 < len(batches):
@@ -446,17 +533,26 @@ def test_staged_tiered_tables_equal_unstaged_and_all_resident_tables(tmp_path, m
         # rows the stage read are found at step time: misses left are rows the stage had no slot for
         assert b[name].cache_misses < a[name].cache_misses / 4, (name, b[name].cache_misses, a[name].cache_misses)
     assert sum(s["staged"] for step in per_step[1:] for s in step.values()) == sum(s.cache_staged for s in b.values())
-    assert all(set(s) == {"hits", "misses", "staged", "write_backs", "staged_write_backs", "bytes_moved"}
-               for step in per_step for s in step.values())
+    assert all(
+        set(s) == {"hits", "misses", "staged", "write_backs", "staged_write_backs", "bytes_moved"}
+        for step in per_step
+        for s in step.values()
+    )
 
 
 def test_a_stage_never_takes_the_slots_of_the_batch_in_flight(tmp_path, monkeypatch):
     # The cache holds 1.5 batches' rows: the stage of batch i+1 must fill and free slots around
     # batch i's, whose update has not landed when the (inline) stage runs.
     _run_inline(monkeypatch)
-    configs = lambda tier: [DynamicEmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=256, feature_names=["f"],
-                                                      **({} if tier is None else {"backing": tier,
-                                                                                  "cache_load_factor": 30 / 256}))]
+    configs = lambda tier: [
+        DynamicEmbeddingBagConfig(
+            name="a",
+            embedding_dim=4,
+            num_embeddings=256,
+            feature_names=["f"],
+            **({} if tier is None else {"backing": tier, "cache_load_factor": 30 / 256}),
+        )
+    ]
     make = lambda tier: DynamicEmbeddingBagCollection(configs(tier), optimizer="adam", optimizer_kwargs={"lr": 0.1})
     resident, tiered = make(None), make(f"file:{tmp_path}")
     kjt = lambda ids: KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.tensor([ids.numel()]))
@@ -489,17 +585,24 @@ def _dlrm(ebc):
 
 def _dlrm_batches(n, seed=9):
     from torchrec.datasets.utils import Batch
+
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
         kjt = random_kjt(["f0", "f1", "f2", "f3"], 8, POOL[torch.randint(0, 700, (500,), generator=gen)], 5)
-        out.append(Batch(dense_features=torch.randn(8, 3, generator=gen), sparse_features=kjt,
-                         labels=torch.randint(0, 2, (8,), generator=gen).float()))
+        out.append(
+            Batch(
+                dense_features=torch.randn(8, 3, generator=gen),
+                sparse_features=kjt,
+                labels=torch.randint(0, 2, (8,), generator=gen).float(),
+            )
+        )
     return out
 
 
 def _pipeline_losses(model, optimizer, batches, tier_prefetch):
     from torchrec_ext.pipeline import PipelineOptions, TrainPipeline
+
     options = PipelineOptions(prefetch_threads=0, threaded_input_dist=False, tier_prefetch=tier_prefetch)
     stats = []
     with TrainPipeline(model, optimizer, torch.device("cpu"), options) as pipeline:
@@ -543,16 +646,24 @@ def test_stages_while_the_cache_fills_up_and_overflows(tmp_path, monkeypatch, st
     # batch's new rows), later ones write back and free the least recently used.
     if stager == "inline":
         _run_inline(monkeypatch)
-    configs = lambda tier: [DynamicEmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=512, feature_names=["f"],
-                                                      **({} if tier is None else {"backing": tier,
-                                                                                  "cache_load_factor": 0.125}))]
+    configs = lambda tier: [
+        DynamicEmbeddingBagConfig(
+            name="a",
+            embedding_dim=4,
+            num_embeddings=512,
+            feature_names=["f"],
+            **({} if tier is None else {"backing": tier, "cache_load_factor": 0.125}),
+        )
+    ]
     make = lambda tier: DynamicEmbeddingBagCollection(configs(tier), optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
     resident, tiered = make(None), make(f"file:{tmp_path}")
     kjt = lambda ids: KeyedJaggedTensor.from_lengths_sync(["f"], ids, torch.tensor([ids.numel()]))
     gen = torch.Generator().manual_seed(10)
     # 24 ids a batch: 6 of a hot set, 18 from a wide range (new the first time they come)
-    batches = [kjt(torch.cat([torch.randperm(10, generator=gen)[:6], 10 + torch.randperm(2000, generator=gen)[:18]]))
-               for _ in range(30)]
+    batches = [
+        kjt(torch.cat([torch.randperm(10, generator=gen)[:6], 10 + torch.randperm(2000, generator=gen)[:18]]))
+        for _ in range(30)
+    ]
     _train_staged(resident, tiered, batches)
     stats = tiered.table_stats()["a"]
     assert stats.cache_staged > 0 and stats.cache_staged_write_backs > 0 and stats.cache_misses == 0
@@ -563,11 +674,19 @@ def test_staged_tables_equal_resident_tables_on_heavy_tailed_ids(tmp_path, monke
     # dlrm-small ids (Zipf 1.05): most of each batch's ids are new, the cache fills in a few
     # steps and then every stage writes back and frees slots for the next batch's new rows.
     from torchrec_ext.data import dlrm_small_batch
+
     if stager == "inline":
         _run_inline(monkeypatch)
     make = lambda extra: DynamicEmbeddingBagCollection(
-        [DynamicEmbeddingBagConfig(name=f"t{t}", embedding_dim=8, num_embeddings=2048, feature_names=[f"f{t}"],
-                                   **extra) for t in range(2)], optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
+        [
+            DynamicEmbeddingBagConfig(
+                name=f"t{t}", embedding_dim=8, num_embeddings=2048, feature_names=[f"f{t}"], **extra
+            )
+            for t in range(2)
+        ],
+        optimizer="adagrad",
+        optimizer_kwargs={"lr": 0.05},
+    )
     resident, staged = make({}), make({"backing": _backing(kind, tmp_path), "cache_load_factor": 0.2})
     batches = [dlrm_small_batch(step, num_tables=2, batch_size=64) for step in range(31)]
     _train_staged(resident, staged, batches, loss=torch.sum)
@@ -581,8 +700,9 @@ def test_stages_around_eval_lookups_checkpoints_loads_and_resets_of_sequence_tab
     make = lambda configs: DynamicEmbeddingCollection(configs, optimizer="adam", optimizer_kwargs={"lr": 0.05})
     resident, staged = make(_seq_configs()), make(_seq_configs(f"file:{tmp_path}", 0.25))
     gen = torch.Generator().manual_seed(11)
-    batches = [random_kjt(["g0", "g1", "g2"], 5, POOL[torch.randint(0, 500, (300,), generator=gen)], 6)
-               for _ in range(45)]
+    batches = [
+        random_kjt(["g0", "g1", "g2"], 5, POOL[torch.randint(0, 500, (300,), generator=gen)], 6) for _ in range(45)
+    ]
     saved = None
     for step, kjt in enumerate(batches[:-1]):
         if step == 30:

@@ -7,6 +7,7 @@ batch, the same outputs and rows (to float tolerance: the ranks' partial pools a
 another order). Checkpoints (state_dict, full_state_dict, DCP) round-trip; file backing keeps
 each rank's share in files of its own, named by rank.
 """
+
 import os
 
 import pytest
@@ -16,7 +17,10 @@ from torchrec import DataType, KeyedJaggedTensor
 
 from dist_helpers import ModelWith, assert_same_tables, global_batch, run_ranks
 from torchrec_ext import (
-    DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, DynamicEmbeddingCollection, DynamicEmbeddingConfig,
+    DynamicEmbeddingBagCollection,
+    DynamicEmbeddingBagConfig,
+    DynamicEmbeddingCollection,
+    DynamicEmbeddingConfig,
 )
 
 WORLD, BATCH, KEYS = 2, 4, ["f0", "f1", "f2"]
@@ -33,26 +37,59 @@ def _bag_configs(backing=None):
     # cache of a tenth of it: misses and write-backs every step. "b": 64 rows for 120 ids, full
     # and evicting, with admission, TTL and FP16 rows.
     return [
-        DynamicEmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=512, feature_names=["f0", "f1"],
-                                  ttl_steps=5, **_tier(backing, 0.1)),
-        DynamicEmbeddingBagConfig(name="b", embedding_dim=4, num_embeddings=64, feature_names=["f2"],
-                                  eviction_policy="lfu", admit_after=2, data_type=DataType.FP16,
-                                  **_tier(backing, 0.5)),
+        DynamicEmbeddingBagConfig(
+            name="a",
+            embedding_dim=8,
+            num_embeddings=512,
+            feature_names=["f0", "f1"],
+            ttl_steps=5,
+            **_tier(backing, 0.1),
+        ),
+        DynamicEmbeddingBagConfig(
+            name="b",
+            embedding_dim=4,
+            num_embeddings=64,
+            feature_names=["f2"],
+            eviction_policy="lfu",
+            admit_after=2,
+            data_type=DataType.FP16,
+            **_tier(backing, 0.5),
+        ),
     ]
 
 
 def _seq_configs(backing=None):
-    return [DynamicEmbeddingConfig(name="a", embedding_dim=8, num_embeddings=512, feature_names=["f0", "f1"],
-                                   eviction_policy="lfu", ttl_steps=4, **_tier(backing, 0.2)),
-            DynamicEmbeddingConfig(name="b", embedding_dim=8, num_embeddings=64, feature_names=["f2"],
-                                   admission="counter", admit_after=2, **_tier(backing, 0.5))]
+    return [
+        DynamicEmbeddingConfig(
+            name="a",
+            embedding_dim=8,
+            num_embeddings=512,
+            feature_names=["f0", "f1"],
+            eviction_policy="lfu",
+            ttl_steps=4,
+            **_tier(backing, 0.2),
+        ),
+        DynamicEmbeddingConfig(
+            name="b",
+            embedding_dim=8,
+            num_embeddings=64,
+            feature_names=["f2"],
+            admission="counter",
+            admit_after=2,
+            **_tier(backing, 0.5),
+        ),
+    ]
 
 
 def _rank_batch(step, rank):
     gen = torch.Generator().manual_seed(step * 100 + rank)
     lengths = torch.randint(0, 4, (len(KEYS) * BATCH,), generator=gen)
-    return KeyedJaggedTensor(keys=KEYS, values=POOL[torch.randint(0, len(POOL), (int(lengths.sum()),), generator=gen)],
-                             lengths=lengths, stride=BATCH)
+    return KeyedJaggedTensor(
+        keys=KEYS,
+        values=POOL[torch.randint(0, len(POOL), (int(lengths.sum()),), generator=gen)],
+        lengths=lengths,
+        stride=BATCH,
+    )
 
 
 def _plan(sharding):
@@ -60,9 +97,14 @@ def _plan(sharding):
 
     return {
         "row_wise": lambda: {"a": row_wise(compute_kernel=KERNEL), "b": row_wise(compute_kernel=KERNEL)},
-        "table_wise": lambda: {"a": table_wise(rank=1, compute_kernel=KERNEL), "b": table_wise(rank=0, compute_kernel=KERNEL)},
-        "column_wise": lambda: {"a": column_wise(ranks=[0, 1], compute_kernel=KERNEL),
-                                "b": table_wise(rank=1, compute_kernel=KERNEL)},
+        "table_wise": lambda: {
+            "a": table_wise(rank=1, compute_kernel=KERNEL),
+            "b": table_wise(rank=0, compute_kernel=KERNEL),
+        },
+        "column_wise": lambda: {
+            "a": column_wise(ranks=[0, 1], compute_kernel=KERNEL),
+            "b": table_wise(rank=1, compute_kernel=KERNEL),
+        },
     }[sharding]()
 
 
@@ -72,14 +114,18 @@ def _dmp(module, name, sharding):
     from torchrec.distributed.types import ShardingPlan
 
     from torchrec_ext.distributed import (
-        DynamicEmbeddingBagCollectionSharder, DynamicEmbeddingCollectionSharder, get_sharders,
+        DynamicEmbeddingBagCollectionSharder,
+        DynamicEmbeddingCollectionSharder,
+        get_sharders,
     )
 
     sharder = DynamicEmbeddingBagCollectionSharder() if name == "ebc" else DynamicEmbeddingCollectionSharder()
-    plan = construct_module_sharding_plan(module, _plan(sharding), sharder=sharder, local_size=WORLD,
-                                          world_size=WORLD, device_type="cpu")
-    return DistributedModelParallel(ModelWith(name, module), device=torch.device("cpu"),
-                                    plan=ShardingPlan({name: plan}), sharders=get_sharders())
+    plan = construct_module_sharding_plan(
+        module, _plan(sharding), sharder=sharder, local_size=WORLD, world_size=WORLD, device_type="cpu"
+    )
+    return DistributedModelParallel(
+        ModelWith(name, module), device=torch.device("cpu"), plan=ShardingPlan({name: plan}), sharders=get_sharders()
+    )
 
 
 def _values(out, features=None):
@@ -91,7 +137,7 @@ def _values(out, features=None):
 def _samples(out, rank, features):
     """The vectors of rank ``rank``'s samples in an unsharded EmbeddingCollection's output of the global batch."""
     offsets = {k: out[k].offsets() for k in features}
-    return torch.cat([out[k].values()[offsets[k][rank * BATCH]:offsets[k][(rank + 1) * BATCH]] for k in features])
+    return torch.cat([out[k].values()[offsets[k][rank * BATCH] : offsets[k][(rank + 1) * BATCH]] for k in features])
 
 
 def _assert_equal_states(a, b):
@@ -107,11 +153,13 @@ def _train_three(rank, root, kind, sharding, name, steps=16):
     if name == "ebc":
         optimizer = "adam" if sharding == "column_wise" else "rowwise_adagrad"  # (no row-wise state on column shards)
         make = lambda configs, device=None: DynamicEmbeddingBagCollection(
-            configs, optimizer=optimizer, optimizer_kwargs={"lr": 0.1}, device=device)
+            configs, optimizer=optimizer, optimizer_kwargs={"lr": 0.1}, device=device
+        )
         configs = _bag_configs
     else:
         make = lambda configs, device=None: DynamicEmbeddingCollection(
-            configs, optimizer="adagrad", optimizer_kwargs={"lr": 0.1}, device=device)
+            configs, optimizer="adagrad", optimizer_kwargs={"lr": 0.1}, device=device
+        )
         configs = _seq_configs
     reference_dir = os.path.join(root, f"unsharded{rank}")  # each rank runs an unsharded module of its own
     os.makedirs(reference_dir, exist_ok=True)
@@ -130,17 +178,19 @@ def _train_three(rank, root, kind, sharding, name, steps=16):
         if name == "ebc":
             # Row-wise, the full table "b" (columns 16:) evicts other ids on each share than as a whole.
             cols = slice(0, 16) if sharding == "row_wise" else slice(None)
-            torch.testing.assert_close(outs[0][:, cols], want.values()[rank * BATCH:(rank + 1) * BATCH, cols],
-                                       rtol=1e-5, atol=1e-5)
-            grads = [torch.randn(BATCH, 20, generator=torch.Generator().manual_seed(step * 7 + r)) for r in range(WORLD)]
+            torch.testing.assert_close(
+                outs[0][:, cols], want.values()[rank * BATCH : (rank + 1) * BATCH, cols], rtol=1e-5, atol=1e-5
+            )
+            grads = [
+                torch.randn(BATCH, 20, generator=torch.Generator().manual_seed(step * 7 + r)) for r in range(WORLD)
+            ]
             for out in outs:
                 (out * grads[rank]).sum().backward()
             # The ranks train on the mean of their losses (TorchRec's gradient division).
             ((want.values() * torch.cat(grads)).sum() / WORLD).backward()
         else:
             features = ["f0", "f1"] if sharding == "row_wise" else KEYS  # (as above: "b" is full)
-            torch.testing.assert_close(_values(dmp_out, features), _samples(want, rank, features),
-                                       rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(_values(dmp_out, features), _samples(want, rank, features), rtol=1e-6, atol=1e-6)
             for out in outs:
                 out.square().sum().backward()
             sum(jt.values().square().sum() for jt in want.values()).backward()
@@ -148,7 +198,9 @@ def _train_three(rank, root, kind, sharding, name, steps=16):
     assert type(local._tables).__name__ == "TieredTables"
     _assert_equal_states(local.state_dict(), getattr(resident.module, name).local_module.state_dict())
     stats = local.table_stats()
-    traffic = torch.tensor([sum(s.cache_misses for s in stats.values()), sum(s.cache_write_backs for s in stats.values())])
+    traffic = torch.tensor(
+        [sum(s.cache_misses for s in stats.values()), sum(s.cache_write_backs for s in stats.values())]
+    )
     dist.all_reduce(traffic)
     assert bool((traffic > 0).all()), traffic  # rows left the cache and came back
     return tiered, resident, unsharded, make, configs, backing
@@ -213,8 +265,9 @@ def _check_checkpoints(rank, root, tiered, make, configs, backing, name, shardin
     tiered.eval()
     keys = None if name == "ebc" else KEYS
     want = [_values(tiered(kjts[rank]), keys).detach() for kjts in evals]
-    fresh = lambda sub: _dmp(make(configs(backing if backing == "host" else f"{backing}/{sub}"), torch.device("meta")),
-                             name, sharding)
+    fresh = lambda sub: _dmp(
+        make(configs(backing if backing == "host" else f"{backing}/{sub}"), torch.device("meta")), name, sharding
+    )
     if backing != "host":
         for sub in ("copy", "restored"):
             os.makedirs(os.path.join(root, sub), exist_ok=True)
@@ -222,7 +275,9 @@ def _check_checkpoints(rank, root, tiered, make, configs, backing, name, shardin
     copy.load_state_dict(sharded)
     save_checkpoint(os.path.join(root, "ckpt"), 1, {"model": sharded})
     restored = fresh("restored")
-    restored.load_state_dict(load_checkpoint(os.path.join(root, "ckpt", "step_1"), {"model": restored.state_dict()})["model"])
+    restored.load_state_dict(
+        load_checkpoint(os.path.join(root, "ckpt", "step_1"), {"model": restored.state_dict()})["model"]
+    )
     for module in (copy, restored):
         module.eval()
         for kjts, expected in zip(evals, want):
@@ -231,14 +286,19 @@ def _check_checkpoints(rank, root, tiered, make, configs, backing, name, shardin
     unsharded_dir = os.path.join(root, f"full{rank}")
     os.makedirs(unsharded_dir, exist_ok=True)
     unsharded = make(configs(backing if backing == "host" else f"file:{unsharded_dir}"))
-    unsharded.load_state_dict({k[len(name) + 1:]: v for k, v in whole.items()})
+    unsharded.load_state_dict({k[len(name) + 1 :]: v for k, v in whole.items()})
     assert_same_tables({f"{name}.{k}": v for k, v in unsharded.state_dict().items()}, whole, prefix)
 
 
-@pytest.mark.parametrize("kind,sharding,name", [
-    ("file", "row_wise", "ebc"), ("host", "table_wise", "ebc"), ("file", "column_wise", "ebc"),
-    ("file", "row_wise", "ec"),
-])
+@pytest.mark.parametrize(
+    "kind,sharding,name",
+    [
+        ("file", "row_wise", "ebc"),
+        ("host", "table_wise", "ebc"),
+        ("file", "column_wise", "ebc"),
+        ("file", "row_wise", "ec"),
+    ],
+)
 def test_sharded_tiered_tables_equal_resident_and_unsharded_on_two_ranks(tmp_path, kind, sharding, name):
     run_ranks(_check_sharded, WORLD, str(tmp_path), kind, sharding, name)
 
@@ -266,23 +326,39 @@ def test_ranks_building_one_file_backed_module_are_refused(tmp_path):
 
 def _pipeline_equals_plain_loop(rank, world_size, root):
     from dist_helpers import (
-        DIM, NUM_TABLES, ROWS, local_state, make_batches, make_dmp_dlrm, plain_loop, progress_losses,
+        DIM,
+        NUM_TABLES,
+        ROWS,
+        local_state,
+        make_batches,
+        make_dmp_dlrm,
+        plain_loop,
+        progress_losses,
     )
     from torchrec_ext.pipeline import PipelineOptions, TrainPipeline
 
     # ROWS ids in 2 * ROWS rows (no index eviction), a cache of a quarter of each share: the
     # rows move between the tiers every step.
-    tiers = lambda backing: [DynamicEmbeddingBagConfig(
-        name=f"t{i}", embedding_dim=DIM, num_embeddings=2 * ROWS, feature_names=[f"f{i}"], eviction_policy="lru",
-        **_tier(backing, 0.25)) for i in range(NUM_TABLES)]
+    tiers = lambda backing: [
+        DynamicEmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=DIM,
+            num_embeddings=2 * ROWS,
+            feature_names=[f"f{i}"],
+            eviction_policy="lru",
+            **_tier(backing, 0.25),
+        )
+        for i in range(NUM_TABLES)
+    ]
     batches = make_batches(rank, batch_size=4, num_full=12, last=0)
     reference, reference_opt = make_dmp_dlrm(world_size, dynamic=True, tables=tiers(None))
     want = plain_loop(reference, reference_opt, batches)
     for threaded, prefetch in ((False, True), (True, True), (False, False)):
         directory = os.path.join(root, f"{threaded}-{prefetch}")
         os.makedirs(directory, exist_ok=True)
-        dmp, opt = make_dmp_dlrm(world_size, dynamic=True, tables=tiers(f"file:{directory}"),
-                                 ebc_device=torch.device("meta"))
+        dmp, opt = make_dmp_dlrm(
+            world_size, dynamic=True, tables=tiers(f"file:{directory}"), ebc_device=torch.device("meta")
+        )
         options = PipelineOptions(prefetch_threads=0, threaded_input_dist=threaded, tier_prefetch=prefetch)
         stats = []
         with TrainPipeline(dmp, opt, torch.device("cpu"), options) as pipeline:
@@ -292,8 +368,12 @@ def _pipeline_equals_plain_loop(rank, world_size, root):
             assert torch.equal(got, expected), (threaded, step)
         a, b = local_state(reference), local_state(dmp)
         assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a), threaded
-        moved = torch.tensor([sum(s["staged"] for step in stats for s in step.values()),
-                              sum(s["misses"] for step in stats[1:] for s in step.values())])
+        moved = torch.tensor(
+            [
+                sum(s["staged"] for step in stats for s in step.values()),
+                sum(s["misses"] for step in stats[1:] for s in step.values()),
+            ]
+        )
         dist.all_reduce(moved)
         if prefetch:  # staged ahead: the steps after the first miss nothing
             assert moved[0] > 0 and moved[1] == 0, moved

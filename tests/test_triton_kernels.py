@@ -9,6 +9,7 @@ the same pytest process may have imported triton already, so test_interpreter_ru
 again in a child pytest with TRITON_INTERPRET=1: the `interp` variants exist only there, the
 `cuda` ones only in the parent. Gathers are compared bit for bit, sums and updates with assert_close.
 """
+
 import importlib.util
 import os
 import subprocess
@@ -25,8 +26,18 @@ _HAS_TRITON = importlib.util.find_spec("triton") is not None
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The child run has the `interp` variants only, the parent the `cuda` ones only.
-TARGETS = ["interp"] if _IN_CHILD else [pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available() or not _HAS_TRITON, reason="needs a CUDA GPU and triton"))]
+TARGETS = (
+    ["interp"]
+    if _IN_CHILD
+    else [
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available() or not _HAS_TRITON, reason="needs a CUDA GPU and triton"
+            ),
+        )
+    ]
+)
 
 
 def test_interpreter_run():
@@ -37,9 +48,15 @@ def test_interpreter_run():
     env = dict(os.environ, TRITON_INTERPRET="1", **{_CHILD_FLAG: "1"})
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-        cwd=_REPO, env=env, capture_output=True, text=True, timeout=600,
+        cwd=_REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
-    assert proc.returncode == 0, f"child pytest under TRITON_INTERPRET=1 failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, (
+        f"child pytest under TRITON_INTERPRET=1 failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
+    )
     assert " passed" in proc.stdout, proc.stdout[-4000:]
 
 
@@ -122,8 +139,11 @@ def _dedup(rows, value_table, gen, caps=CAPS):
     if unused:
         first[(t, unused[0])] = len(first)
     keys = list(first)
-    return (torch.tensor([r for _, r in keys], dtype=torch.int64), torch.tensor([t for t, _ in keys], dtype=torch.int64),
-            torch.tensor(inverse, dtype=torch.int64))
+    return (
+        torch.tensor([r for _, r in keys], dtype=torch.int64),
+        torch.tensor([t for t, _ in keys], dtype=torch.int64),
+        torch.tensor(inverse, dtype=torch.int64),
+    )
 
 
 def _on(device, *tensors):
@@ -131,6 +151,7 @@ def _on(device, *tensors):
 
 
 # ---- lookups --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("batch_size", [1, 3, 5])
@@ -203,11 +224,16 @@ def test_empty_inputs(target):
     feature_table, feature_col, feature_mean, total_dim = _features()
     offsets = torch.zeros(len(FEATURE_TABLE) * 3 + 1, dtype=torch.int64)
     rows = torch.zeros(0, dtype=torch.int64)
-    got = _lookup().pooled_lookup(*_on(device, weights, table_offsets, table_dims, feature_table, feature_col,
-                                       feature_mean, rows, offsets), None, 3, total_dim)
+    got = _lookup().pooled_lookup(
+        *_on(device, weights, table_offsets, table_dims, feature_table, feature_col, feature_mean, rows, offsets),
+        None,
+        3,
+        total_dim,
+    )
     assert torch.equal(got.cpu(), torch.zeros(3, total_dim))
-    got = _lookup().sequence_lookup(*_on(device, weights, table_offsets), 4,
-                                    *_on(device, torch.tensor([0]), torch.tensor([0, 0]), rows))
+    got = _lookup().sequence_lookup(
+        *_on(device, weights, table_offsets), 4, *_on(device, torch.tensor([0]), torch.tensor([0, 0]), rows)
+    )
     assert got.shape == (0, 4)
 
 
@@ -234,7 +260,10 @@ def _states(optimizer, weights, caps, gen):
     if optimizer == "rowwise_adagrad":
         return [torch.rand(sum(caps), generator=gen) * 0.1]
     if optimizer == "ftrl":  # accumulator (> 0), linear
-        return [torch.rand(weights.numel(), generator=gen) * 0.1 + 0.01, torch.randn(weights.numel(), generator=gen) * 0.1]
+        return [
+            torch.rand(weights.numel(), generator=gen) * 0.1 + 0.01,
+            torch.randn(weights.numel(), generator=gen) * 0.1,
+        ]
     return [torch.randn(weights.numel(), generator=gen) * 0.1, torch.rand(weights.numel(), generator=gen) * 0.01]
 
 
@@ -263,14 +292,25 @@ def test_fused_update(target, optimizer, mode, hp, dims):
             offsets = psw = None
         else:
             grad = torch.randn(batch_size, total_dim, generator=gen)
-        args = (table_offsets, table_dims, state_row_offsets, unique_rows, unique_table, inverse, offsets, psw,
-                feature_col, feature_mean)
+        args = (
+            table_offsets,
+            table_dims,
+            state_row_offsets,
+            unique_rows,
+            unique_table,
+            inverse,
+            offsets,
+            psw,
+            feature_col,
+            feature_mean,
+        )
         tail = (batch_size, optimizer, _hparams(optimizer, hp), step)
         ref.fused_update(grad, weights, states, *args, *tail)
         # The int id of the optimizer works as well as its name.
         opt = ref.OPTIMIZERS[optimizer] if step == 2 else optimizer
-        update.fused_update(grad.to(device), weights_k, states_k, *_on(device, *args), batch_size, opt,
-                            _hparams(optimizer, hp), step)
+        update.fused_update(
+            grad.to(device), weights_k, states_k, *_on(device, *args), batch_size, opt, _hparams(optimizer, hp), step
+        )
         torch.testing.assert_close(weights_k.cpu(), weights, msg=lambda m: f"weights after step {step}: {m}")
         for i, (got, want) in enumerate(zip(states_k, states)):
             torch.testing.assert_close(got.cpu(), want, msg=lambda m: f"state {i} after step {step}: {m}")
@@ -292,8 +332,22 @@ def test_fused_update_non_contiguous_grad(target, layout):
         grad = torch.randn(1, total_dim, generator=gen).expand(3, total_dim)
     else:
         grad = torch.randn(3, 2 * total_dim, generator=gen)[:, ::2]
-    args = (table_offsets, table_dims, state_row_offsets, unique_rows, unique_table, inverse, offsets, psw,
-            feature_col, feature_mean, 3, "adagrad", HPARAMS["decayed"], 1)
+    args = (
+        table_offsets,
+        table_dims,
+        state_row_offsets,
+        unique_rows,
+        unique_table,
+        inverse,
+        offsets,
+        psw,
+        feature_col,
+        feature_mean,
+        3,
+        "adagrad",
+        HPARAMS["decayed"],
+        1,
+    )
     ref.fused_update(grad, weights, states, *args)
     _update().fused_update(grad.to(device), weights_k, states_k, *_on(device, *args[:10]), *args[10:])
     torch.testing.assert_close(weights_k.cpu(), weights)
@@ -313,13 +367,22 @@ def test_fused_update_untouched_rows_and_skipped_rows(target):
     unique_rows, unique_table = torch.tensor([-1, 2, -1]), torch.tensor([0, 1, 2])
     inverse = torch.tensor([0, 1, 2, 1])
     grad = torch.randn(4, 16, generator=gen)
-    args = (table_offsets, table_dims, state_row_offsets, unique_rows, unique_table, inverse, None, None,
-            torch.tensor([0]), torch.tensor([False]))
-    _update().fused_update(grad.to(device), weights_k, states_k, *_on(device, *args), 1, "adam",
-                           HPARAMS["plain"], 1)
+    args = (
+        table_offsets,
+        table_dims,
+        state_row_offsets,
+        unique_rows,
+        unique_table,
+        inverse,
+        None,
+        None,
+        torch.tensor([0]),
+        torch.tensor([False]),
+    )
+    _update().fused_update(grad.to(device), weights_k, states_k, *_on(device, *args), 1, "adam", HPARAMS["plain"], 1)
     touched = torch.zeros(weights.numel(), dtype=torch.bool)
     start = int(table_offsets[1]) + 2 * 12
-    touched[start:start + 12] = True
+    touched[start : start + 12] = True
     for got, want in zip([weights_k] + states_k, before):
         assert torch.equal(got.cpu()[~touched], want[~touched])
         assert not torch.equal(got.cpu()[touched], want[touched])
@@ -328,31 +391,68 @@ def test_fused_update_untouched_rows_and_skipped_rows(target):
 def test_optimizer_ids_match_reference():
     assert _update().OPTIMIZERS == ref.OPTIMIZERS
     with pytest.raises(ValueError, match="optimizer must be one of"):
-        _update().fused_update(torch.zeros(1, 4), torch.zeros(4), [], torch.tensor([0]), torch.tensor([4]),
-                               torch.tensor([0]), torch.tensor([0]), torch.tensor([0]), torch.tensor([0]), None,
-                               None, torch.tensor([0]), torch.tensor([False]), 1, "lamb", HPARAMS["plain"], 1)
+        _update().fused_update(
+            torch.zeros(1, 4),
+            torch.zeros(4),
+            [],
+            torch.tensor([0]),
+            torch.tensor([4]),
+            torch.tensor([0]),
+            torch.tensor([0]),
+            torch.tensor([0]),
+            torch.tensor([0]),
+            None,
+            None,
+            torch.tensor([0]),
+            torch.tensor([False]),
+            1,
+            "lamb",
+            HPARAMS["plain"],
+            1,
+        )
 
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_new_vectors_are_refused_by_the_gpu_kernels(target):
     # The modules write new rows at lookup time on GPUs; the kernels say so if handed new_vectors.
     device = _device(target)
-    on = lambda *ts: _on(device, *ts)  # noqa: E731
+    on = lambda *ts: _on(device, *ts)
     weights, block = torch.zeros(8, device=device), [torch.zeros(1, 4, device=device)]
     layout = on(torch.tensor([0]), torch.tensor([4]), torch.tensor([0]), torch.tensor([0]), torch.tensor([False]))
     with pytest.raises(ValueError, match="CPU kernels only"):
         _lookup().pooled_lookup(weights, *layout, *on(torch.tensor([-2]), torch.tensor([0, 1])), None, 1, 4, block)
     with pytest.raises(ValueError, match="CPU kernels only"):
-        _lookup().sequence_lookup(weights, *on(torch.tensor([0])), 4,
-                                  *on(torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([-2])), block)
+        _lookup().sequence_lookup(
+            weights, *on(torch.tensor([0])), 4, *on(torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([-2])), block
+        )
     with pytest.raises(ValueError, match="CPU kernels only"):
-        _update().fused_update(torch.zeros(1, 4, device=device), weights, [], *on(torch.tensor([0]), torch.tensor([4]),
-                               torch.tensor([0]), torch.tensor([0]), torch.tensor([0]), torch.tensor([0])), None, None,
-                               *on(torch.tensor([0]), torch.tensor([False])), 1, "sgd", HPARAMS["plain"], 1, block,
-                               on(torch.tensor([0]))[0], [])
+        _update().fused_update(
+            torch.zeros(1, 4, device=device),
+            weights,
+            [],
+            *on(
+                torch.tensor([0]),
+                torch.tensor([4]),
+                torch.tensor([0]),
+                torch.tensor([0]),
+                torch.tensor([0]),
+                torch.tensor([0]),
+            ),
+            None,
+            None,
+            *on(torch.tensor([0]), torch.tensor([False])),
+            1,
+            "sgd",
+            HPARAMS["plain"],
+            1,
+            block,
+            on(torch.tensor([0]))[0],
+            [],
+        )
 
 
 # ---- half-precision rows: float16 / bfloat16 tables, mixed with float32 ones in one call -----
+
 
 def _half():
     import test_half_rows_ops  # the CPU kernels' half-row cases (layouts, updates, values)
@@ -375,8 +475,9 @@ def test_lookups_of_half_tables(target, name):
     rows = (torch.rand(11, generator=gen) * 6).long()
     rows[[2, 7]] = -1
     want = ref.sequence_lookup(weights, table_offsets, 7, feature_table, fvo, rows, (), table_dtypes)
-    got = _lookup().sequence_lookup(*_on(device, weights, table_offsets), 7,
-                                    *_on(device, feature_table, fvo, rows), (), table_dtypes.to(device))
+    got = _lookup().sequence_lookup(
+        *_on(device, weights, table_offsets), 7, *_on(device, feature_table, fvo, rows), (), table_dtypes.to(device)
+    )
     assert torch.equal(got.cpu(), want)
 
 
@@ -416,13 +517,30 @@ def test_stochastic_rounding_of_the_gpu_kernel_is_the_reference_bit_for_bit(targ
     for seed, step in ((None, 1), (99, 1), (99, 6)):
         weights = torch.zeros(ref.table_words(n, dim, dtype), device=device)
         _update().fused_update(
-            -x.expand(n, dim).contiguous().to(device), weights, [], *_on(
-                device, torch.tensor([0]), torch.tensor([dim]), torch.tensor([0]), torch.arange(n),
-                torch.zeros(n, dtype=torch.int64), torch.arange(n)), None, None,
-            *_on(device, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool)), 0, "sgd",
-            (1.0, 0, 0, 0, 0, 0), step, table_dtypes=torch.tensor([ref.dtype_code(dtype)], device=device),
-            unique_ids=ids.to(device), rounding_seeds=None if seed is None else torch.tensor([seed], device=device))
-        got = weights.cpu().view(dtype)[:n * dim].view(n, dim)
+            -x.expand(n, dim).contiguous().to(device),
+            weights,
+            [],
+            *_on(
+                device,
+                torch.tensor([0]),
+                torch.tensor([dim]),
+                torch.tensor([0]),
+                torch.arange(n),
+                torch.zeros(n, dtype=torch.int64),
+                torch.arange(n),
+            ),
+            None,
+            None,
+            *_on(device, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool)),
+            0,
+            "sgd",
+            (1.0, 0, 0, 0, 0, 0),
+            step,
+            table_dtypes=torch.tensor([ref.dtype_code(dtype)], device=device),
+            unique_ids=ids.to(device),
+            rounding_seeds=None if seed is None else torch.tensor([seed], device=device),
+        )
+        got = weights.cpu().view(dtype)[: n * dim].view(n, dim)
         bits = None if seed is None else ref.rounding_bits(ids, dim, seed, step)
         want = ref.round_to_storage(x.expand(n, dim), dtype, bits)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (seed, step)

@@ -3,6 +3,7 @@ stand for: ``hash_upsert_fixed`` (outputs of one entry per key, a pending mask) 
 ``hash_upsert`` on the pending keys alone, on the CPU kernels and on the CUDA kernels under the
 warp emulator; ``HashTable.erase_rows`` against ``erase`` of the keys at those rows; the torch
 (CUDA) ``init_rows`` without a boolean mask against the masked form it replaced."""
+
 import random
 
 import pytest
@@ -19,8 +20,12 @@ _ops = torch.ops.torchrec_ext
 
 def _table(capacity):
     digests, keys, scores = index_lengths(capacity)  # main slots, then the stash
-    return [torch.zeros(digests, dtype=torch.uint8), torch.zeros(keys, dtype=torch.int64),
-            torch.zeros(scores, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
+    return [
+        torch.zeros(digests, dtype=torch.uint8),
+        torch.zeros(keys, dtype=torch.int64),
+        torch.zeros(scores, dtype=torch.int64),
+        torch.zeros(1, dtype=torch.int64),
+    ]
 
 
 def _batches(capacity, policy, steps=10, seed=0):
@@ -32,7 +37,9 @@ def _batches(capacity, policy, steps=10, seed=0):
         keys = torch.tensor([rng.choice(universe) for _ in range(n)], dtype=torch.int64)
         scored = policy in (ref.POLICIES.index("lfu"), ref.POLICIES.index("epoch_lfu"), ref.POLICIES.index("custom"))
         scores = torch.tensor([rng.randrange(0, 5) for _ in range(n)], dtype=torch.int64) if scored else None
-        pending = None if rng.random() < 0.25 else torch.tensor([rng.random() < 0.7 for _ in range(n)], dtype=torch.bool)
+        pending = (
+            None if rng.random() < 0.25 else torch.tensor([rng.random() < 0.7 for _ in range(n)], dtype=torch.bool)
+        )
         yield keys, scores, pending
 
 
@@ -40,7 +47,8 @@ def _expected(state, keys, scores, pending, capacity, policy, clock):
     """hash_upsert on the pending keys alone, its outputs spread back to one entry per key."""
     at = torch.arange(keys.numel()) if pending is None else pending.nonzero().squeeze(1)
     rows, inserted, evicted_keys, evicted_rows = _ops.hash_upsert(
-        *state, keys[at], None if scores is None else scores[at], capacity, policy, clock, 0, False)
+        *state, keys[at], None if scores is None else scores[at], capacity, policy, clock, 0, False
+    )
     n = keys.numel()
     full_rows, full_inserted = torch.full((n,), -1), torch.zeros(n, dtype=torch.bool)
     full_rows[at], full_inserted[at] = rows, inserted
@@ -93,7 +101,7 @@ def test_erase_rows_is_erase_of_the_keys_there(capacity):
     rows = a.find_or_insert(keys).rows
     b.find_or_insert(keys)
     chosen = torch.zeros(capacity, dtype=torch.bool)
-    chosen[torch.randperm(capacity, generator=torch.Generator().manual_seed(2))[:capacity // 3]] = True
+    chosen[torch.randperm(capacity, generator=torch.Generator().manual_seed(2))[: capacity // 3]] = True
     removed = a.erase_rows(chosen)
     at_chosen = rows[chosen[rows.clamp(min=0)] & (rows >= 0)]
     b.erase(keys[chosen[rows.clamp(min=0)] & (rows >= 0)])
@@ -108,7 +116,9 @@ def _masked_init_rows(table, rows, ids, seed, kind, params, states, values):
     half table's dtype, which it lacked: index_put refuses float32 values for a float16 table)."""
     keep = rows >= 0
     rows, ids = rows[keep], ids[keep]
-    table[rows] = torch_kernels.init_vectors(ids, table.shape[1], seed, ref.INITIALIZER_NAMES[kind], params).to(table.dtype)
+    table[rows] = torch_kernels.init_vectors(ids, table.shape[1], seed, ref.INITIALIZER_NAMES[kind], params).to(
+        table.dtype
+    )
     for state, value in zip(states, values):
         state[rows] = value
 
@@ -143,6 +153,7 @@ def test_torch_dedup_reads_the_host_once():
 
 # ------------------------------------------------ the CUDA kernels under the warp emulator
 
+
 def _emulated(tmp_path_factory):
     from cuda_emulation.build import build, cuda_include_dir
 
@@ -160,16 +171,25 @@ def test_emulated_cuda_upsert_fixed_is_upsert_of_the_pending_keys(tmp_path_facto
 
 # ------------------------------------------------ the multi-table init (GPU path), run on CPU here
 
+
 def _module(flat, dtype_cycle, optimizer, init):
     from torchrec import DataType
-    from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, Initializer
+
+    from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 
     dtypes = [DataType.FP32, DataType.FP16, DataType.BF16]
-    configs = [DynamicEmbeddingBagConfig(name=f"t{i}", embedding_dim=3 + 2 * (i % 4), num_embeddings=48,
-                                         feature_names=[f"f{i}"], ttl_steps=2 if i % 5 == 1 else None,
-                                         data_type=dtypes[i % 3] if dtype_cycle else DataType.FP32,
-                                         initializer=init(i))
-               for i in range(7)]
+    configs = [
+        DynamicEmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=3 + 2 * (i % 4),
+            num_embeddings=48,
+            feature_names=[f"f{i}"],
+            ttl_steps=2 if i % 5 == 1 else None,
+            data_type=dtypes[i % 3] if dtype_cycle else DataType.FP32,
+            initializer=init(i),
+        )
+        for i in range(7)
+    ]
     module = DynamicEmbeddingBagCollection(configs, optimizer=optimizer)
     module._tables.defer_new_rows = False  # the lookup writes new rows (as on a GPU)
     module._tables.flat_init = flat
@@ -183,10 +203,15 @@ def test_multi_table_init_is_bit_identical_to_per_table_init(optimizer, dtype_cy
     the GPU path, registered for CPU tensors here): the same tables, bit for bit, after training
     steps with evictions, TTL expiries, every initializer and storage dtype."""
     from torchrec import KeyedJaggedTensor
+
     from torchrec_ext import Initializer
 
-    inits = [Initializer("uniform", low=-0.5, high=0.25), Initializer("normal", mean=0.1, std=0.3),
-             Initializer("truncated_normal", mean=0.0, std=1.0, low=-0.4, high=0.6), Initializer("constant", value=0.125)]
+    inits = [
+        Initializer("uniform", low=-0.5, high=0.25),
+        Initializer("normal", mean=0.1, std=0.3),
+        Initializer("truncated_normal", mean=0.0, std=1.0, low=-0.4, high=0.6),
+        Initializer("constant", value=0.125),
+    ]
     flat, per_table = (_module(f, dtype_cycle, optimizer, lambda i: inits[i % 4]) for f in (True, False))
     calls = {"tables": 0}
     original = ops.init_rows_tables
@@ -201,8 +226,12 @@ def test_multi_table_init_is_bit_identical_to_per_table_init(optimizer, dtype_cy
         for step in range(5):
             g = torch.Generator().manual_seed(step)
             lengths = torch.randint(0, 5, (7 * 4,), generator=g)
-            kjt = KeyedJaggedTensor(keys=[f"f{i}" for i in range(7)], values=torch.randint(0, 90, (int(lengths.sum()),),
-                                    generator=g), lengths=lengths, stride=4)
+            kjt = KeyedJaggedTensor(
+                keys=[f"f{i}" for i in range(7)],
+                values=torch.randint(0, 90, (int(lengths.sum()),), generator=g),
+                lengths=lengths,
+                stride=4,
+            )
             for module in (flat, per_table):
                 module(kjt).values().sum().backward()
     assert calls["tables"] == 5  # one call per training lookup, whatever the table count
@@ -227,26 +256,46 @@ def test_multi_table_init_against_the_cpu_kernel_per_table():
     tables = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2, 2])
     ids = torch.tensor([11, -7, 2**62, -(2**63), 5, 6, 7, 8, 9])
     seeds = [12345, -3, -(2**62) + 17]
-    for kinds, params in (([0, 3, 0], [(-1.0, 1.0), (0.5,), (-0.1, 0.3)]),
-                          ([1, 2, 1], [(0.0, 1.0), (0.0, 1.0, -0.3, 0.6), (2.0, 0.5)])):
+    for kinds, params in (
+        ([0, 3, 0], [(-1.0, 1.0), (0.5,), (-0.1, 0.3)]),
+        ([1, 2, 1], [(0.0, 1.0), (0.0, 1.0, -0.3, 0.6), (2.0, 0.5)]),
+    ):
         weights = torch.zeros(sum(words))
         state = torch.full((int(state_offsets[-1]) + capacities[2] * dims[2],), 7.0)
-        ops.init_rows_tables(weights, offsets, torch.tensor(dims), torch.tensor([0, 1, 0]), rows, tables, ids,
-                             torch.tensor([as_int64(s) for s in seeds]), torch.tensor(kinds),
-                             torch.tensor([list(p) + [0.0] * (4 - len(p)) for p in params], dtype=torch.float64),
-                             sorted(set(kinds)), max(dims), [state], state_offsets, False, [0.5])
+        ops.init_rows_tables(
+            weights,
+            offsets,
+            torch.tensor(dims),
+            torch.tensor([0, 1, 0]),
+            rows,
+            tables,
+            ids,
+            torch.tensor([as_int64(s) for s in seeds]),
+            torch.tensor(kinds),
+            torch.tensor([list(p) + [0.0] * (4 - len(p)) for p in params], dtype=torch.float64),
+            sorted(set(kinds)),
+            max(dims),
+            [state],
+            state_offsets,
+            False,
+            [0.5],
+        )
         for t in range(3):
             n = capacities[t] * dims[t]
-            view = (weights if dtypes[t] == torch.float32 else weights.view(dtypes[t]))
+            view = weights if dtypes[t] == torch.float32 else weights.view(dtypes[t])
             start = int(offsets[t]) * (4 // view.element_size())
-            got = view[start:start + n].view(capacities[t], dims[t])
-            want, want_state = torch.zeros(capacities[t], dims[t], dtype=dtypes[t]), torch.full((capacities[t], dims[t]), 7.0)
+            got = view[start : start + n].view(capacities[t], dims[t])
+            want, want_state = (
+                torch.zeros(capacities[t], dims[t], dtype=dtypes[t]),
+                torch.full((capacities[t], dims[t]), 7.0),
+            )
             mine = tables == t
             ops.init_rows(want, rows[mine], ids[mine], seeds[t], kinds[t], params[t], [want_state], [0.5])
-            got_state = state[int(state_offsets[t]):int(state_offsets[t]) + n].view(capacities[t], dims[t])
+            got_state = state[int(state_offsets[t]) : int(state_offsets[t]) + n].view(capacities[t], dims[t])
             if kinds[t] in (0, 3):
                 assert torch.equal(got, want), (t, kinds[t])
             else:
-                torch.testing.assert_close(got.float(), want.float(), rtol=1e-3 if dtypes[t] != torch.float32 else 1e-6,
-                                           atol=1e-6)
+                torch.testing.assert_close(
+                    got.float(), want.float(), rtol=1e-3 if dtypes[t] != torch.float32 else 1e-6, atol=1e-6
+                )
             assert torch.equal(got_state, want_state)

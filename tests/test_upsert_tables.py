@@ -8,6 +8,7 @@ pending masks, scores and clocks and epochs that differ per table; the CPU kerne
 kernel under the warp emulator (also with each launch's warps run last to first).
 ``hash_find_tables`` (a serving lookup's one find for all tables, issue 17) likewise against
 ``hash_find`` table by table."""
+
 import random
 
 import pytest
@@ -26,8 +27,12 @@ LRU, LFU = ref.POLICIES.index("lru"), ref.POLICIES.index("lfu")
 
 def _table(capacity):
     digests, keys, scores = index_lengths(capacity)  # main slots, then the stash
-    return [torch.zeros(digests, dtype=torch.uint8), torch.zeros(keys, dtype=torch.int64),
-            torch.zeros(scores, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
+    return [
+        torch.zeros(digests, dtype=torch.uint8),
+        torch.zeros(keys, dtype=torch.int64),
+        torch.zeros(scores, dtype=torch.int64),
+        torch.zeros(1, dtype=torch.int64),
+    ]
 
 
 def _tables(capacities):
@@ -37,8 +42,10 @@ def _tables(capacities):
 def _batches(capacities, seed, steps, need_scores=False):
     """Per call: (keys, key_offsets, scores, pending, clocks, epochs, assign) for all tables."""
     rng = random.Random(seed)
-    universes = [[rng.randrange(I64MIN, I64MAX) for _ in range(int(1.6 * c) + 8)] + [I64MIN, -1, 0, 1, I64MAX]
-                 for c in capacities]
+    universes = [
+        [rng.randrange(I64MIN, I64MAX) for _ in range(int(1.6 * c) + 8)] + [I64MIN, -1, 0, 1, I64MAX]
+        for c in capacities
+    ]
     epochs = [0] * len(capacities)
     for step in range(1, steps + 1):
         parts, offsets = [], [0]
@@ -48,8 +55,11 @@ def _batches(capacities, seed, steps, need_scores=False):
             offsets.append(len(parts))
         keys = torch.tensor(parts, dtype=torch.int64)
         n = keys.numel()
-        scores = torch.tensor([rng.randrange(0, 5) for _ in range(n)], dtype=torch.int64) \
-            if need_scores or rng.random() < 0.5 else None
+        scores = (
+            torch.tensor([rng.randrange(0, 5) for _ in range(n)], dtype=torch.int64)
+            if need_scores or rng.random() < 0.5
+            else None
+        )
         pending = None if rng.random() < 0.3 else torch.tensor([rng.random() < 0.7 for _ in range(n)], dtype=torch.bool)
         epochs = [e if rng.random() < 0.8 else rng.randrange(0, 2**31) for e in epochs]
         clocks = [step + t + rng.choice([0, 0, 2**32]) for t in range(len(capacities))]
@@ -61,16 +71,38 @@ def _per_table(states, keys, offsets, scores, pending, capacities, policies, clo
     outs = []
     for t, state in enumerate(states):
         b, e = offsets[t], offsets[t + 1]
-        outs.append(_ops.hash_upsert_fixed(*state, keys[b:e], None if scores is None else scores[b:e],
-                                           None if pending is None else pending[b:e], capacities[t], policies[t],
-                                           clocks[t], epochs[t], assign))
+        outs.append(
+            _ops.hash_upsert_fixed(
+                *state,
+                keys[b:e],
+                None if scores is None else scores[b:e],
+                None if pending is None else pending[b:e],
+                capacities[t],
+                policies[t],
+                clocks[t],
+                epochs[t],
+                assign,
+            )
+        )
     return [torch.cat([o[i] for o in outs]) if outs else torch.empty(0) for i in range(4)]
 
 
 def _call(upsert_tables, states, keys, offsets, scores, pending, capacities, policies, clocks, epochs, assign):
-    return upsert_tables([s[0] for s in states], [s[1] for s in states], [s[2] for s in states],
-                         [s[3] for s in states], keys, offsets, scores, pending, capacities, policies, clocks,
-                         epochs, assign)
+    return upsert_tables(
+        [s[0] for s in states],
+        [s[1] for s in states],
+        [s[2] for s in states],
+        [s[3] for s in states],
+        keys,
+        offsets,
+        scores,
+        pending,
+        capacities,
+        policies,
+        clocks,
+        epochs,
+        assign,
+    )
 
 
 def _same_tables(a, b, what):
@@ -84,7 +116,8 @@ def _check(upsert_tables, expected, capacities, policies, seed, steps, reverse_s
     got_states, want_states = _tables(capacities), _tables(capacities)
     evictions = refusals = 0
     for step, (keys, offsets, scores, pending, clocks, epochs, assign) in enumerate(
-            _batches(capacities, seed, steps, need_scores=ref.POLICIES.index("custom") in policies)):
+        _batches(capacities, seed, steps, need_scores=ref.POLICIES.index("custom") in policies)
+    ):
         args = (keys, offsets, scores, pending, capacities, policies, clocks, epochs, assign)
         want = expected(want_states, *args)
         if reverse_some and step % 2:
@@ -127,27 +160,51 @@ def test_cpu_kernel_in_parallel_over_tables_equals_per_table_calls():
 
 def test_the_wrapper_and_an_empty_call():
     state = _table(64)
-    rows, inserted, evicted, evicted_keys = ops.hash_upsert_tables([], [], [], [], torch.empty(0, dtype=torch.int64),
-                                                                   [0], None, None, [], [], [], [], False)
+    rows, inserted, evicted, evicted_keys = ops.hash_upsert_tables(
+        [], [], [], [], torch.empty(0, dtype=torch.int64), [0], None, None, [], [], [], [], False
+    )
     assert rows.numel() == 0 and inserted.dtype == torch.bool
-    rows, inserted, _, _ = ops.hash_upsert_tables([state[0]], [state[1]], [state[2]], [state[3]],
-                                                  torch.tensor([5, 6, 5]), [0, 3], None, None, [64], [LRU], [1], [0],
-                                                  False)
+    rows, inserted, _, _ = ops.hash_upsert_tables(
+        [state[0]],
+        [state[1]],
+        [state[2]],
+        [state[3]],
+        torch.tensor([5, 6, 5]),
+        [0, 3],
+        None,
+        None,
+        [64],
+        [LRU],
+        [1],
+        [0],
+        False,
+    )
     assert inserted.tolist() == [True, True, False] and rows[0] == rows[2] and int(state[3]) == 2
 
 
 def _bad_calls():
     """(what the error must say, arguments): each an error before any table is written."""
     keys = torch.arange(10)
-    good = dict(keys=keys, key_offsets=[0, 4, 10], scores=None, pending=None, capacities=[64, 100], policies=[LRU, LFU],
-                clocks=[1, 1], epochs=[0, 0])
+    good = dict(
+        keys=keys,
+        key_offsets=[0, 4, 10],
+        scores=None,
+        pending=None,
+        capacities=[64, 100],
+        policies=[LRU, LFU],
+        clocks=[1, 1],
+        epochs=[0, 0],
+    )
     yield "slot_keys must have one entry per table", dict(good), "slot_keys"
     yield "key_offsets must have 3 entries", dict(good, key_offsets=[0, 10]), None
     yield "key_offsets must run from 0 to keys.numel", dict(good, key_offsets=[0, 4, 9]), None
     yield "key_offsets must not decrease", dict(good, key_offsets=[0, 11, 10]), None
     yield "capacity must be > 0", dict(good, capacities=[64, 0]), None
-    yield ("digests must be a contiguous uint8 tensor of 263 entries for capacity 200",  # slots, stash, counts
-           dict(good, capacities=[64, 200]), None)
+    yield (
+        "digests must be a contiguous uint8 tensor of 263 entries for capacity 200",  # slots, stash, counts
+        dict(good, capacities=[64, 200]),
+        None,
+    )
     yield "clock must be >= 0, got -1", dict(good, clocks=[1, -1]), None
     yield "unknown policy id 9", dict(good, policies=[LRU, 9]), None
     yield "the custom policy needs scores", dict(good, policies=[5, LRU]), None
@@ -188,8 +245,16 @@ def _cpu_tables(states, *args):
 @pytest.mark.parametrize("policies", [[LRU] * 5, [LFU] * 5, [0, 2, 3, 4, 1]], ids=["lru", "lfu", "mixed"])
 def test_emulated_cuda_kernel_equals_cpu_kernel(emulated, policies, monkeypatch):
     capacities = [1, 33, STRIPE, 2 * STRIPE, 3 * STRIPE + 5]
-    evictions, _ = _check(emulated.hash_upsert_tables, _cpu_tables, capacities, policies, seed=sum(policies), steps=6,
-                          reverse_some=True, monkeypatch=monkeypatch)
+    evictions, _ = _check(
+        emulated.hash_upsert_tables,
+        _cpu_tables,
+        capacities,
+        policies,
+        seed=sum(policies),
+        steps=6,
+        reverse_some=True,
+        monkeypatch=monkeypatch,
+    )
     assert evictions > 0
 
 
@@ -199,11 +264,20 @@ def test_emulated_cuda_kernel_equals_per_table_emulated_calls(emulated):
     capacities = [40, STRIPE + 9, 3 * STRIPE + 5]
 
     def per_table_emulated(states, keys, offsets, scores, pending, caps, policies, clocks, epochs, assign):
-        outs = [emulated.hash_upsert_fixed(*s, keys[offsets[t]:offsets[t + 1]],
-                                           None if scores is None else scores[offsets[t]:offsets[t + 1]],
-                                           None if pending is None else pending[offsets[t]:offsets[t + 1]],
-                                           caps[t], policies[t], clocks[t], epochs[t], assign)
-                for t, s in enumerate(states)]
+        outs = [
+            emulated.hash_upsert_fixed(
+                *s,
+                keys[offsets[t] : offsets[t + 1]],
+                None if scores is None else scores[offsets[t] : offsets[t + 1]],
+                None if pending is None else pending[offsets[t] : offsets[t + 1]],
+                caps[t],
+                policies[t],
+                clocks[t],
+                epochs[t],
+                assign,
+            )
+            for t, s in enumerate(states)
+        ]
         return [torch.cat([o[i] for o in outs]) for i in range(4)]
 
     _check(emulated.hash_upsert_tables, per_table_emulated, capacities, [LRU, LFU, LRU], seed=3, steps=4)
@@ -228,8 +302,9 @@ def test_find_or_insert_tables_equals_each_tables_find_or_insert_fixed():
         offsets = [0] + torch.tensor(sizes).cumsum(0).tolist()
         got = find_or_insert_tables(ours, keys, offsets, scores, pending)
         for t, (table, b, e) in enumerate(zip(theirs, offsets, offsets[1:])):
-            want = table.find_or_insert_fixed(keys[b:e], scores[b:e] if table.policy in ("lfu", "epoch_lfu") else None,
-                                              pending[b:e])
+            want = table.find_or_insert_fixed(
+                keys[b:e], scores[b:e] if table.policy in ("lfu", "epoch_lfu") else None, pending[b:e]
+            )
             for a, w in zip(got, want):
                 assert torch.equal(a[b:e], w), f"step {step} table {t}"
     for a, b in zip(ours, theirs):
@@ -241,13 +316,17 @@ def test_find_or_insert_tables_refuses_bad_input_and_leaves_tables_unchanged():
 
     tables = [HashTable(64), HashTable(64, policy="custom")]
     keys = torch.arange(10)
-    cases = [((tables[:1] * 2, keys, [0, 5, 10]), "a table appears twice"),
-             ((tables, keys, [0, 5]), r"key_offsets must be 3 ascending ints from 0 to 10, got \[0, 5\]"),
-             ((tables, keys, [0, 6, 5]), "key_offsets must be 3 ascending"),
-             ((tables, keys.float(), [0, 5, 10]), "keys must be an integer tensor"),
-             ((tables, keys, [0, 5, 10]), "'custom' policy needs scores"),
-             ((tables, keys, [0, 5, 10], torch.ones(10, dtype=torch.int64), torch.ones(9, dtype=torch.bool)),
-              "pending must be a bool tensor of one flag per key")]
+    cases = [
+        ((tables[:1] * 2, keys, [0, 5, 10]), "a table appears twice"),
+        ((tables, keys, [0, 5]), r"key_offsets must be 3 ascending ints from 0 to 10, got \[0, 5\]"),
+        ((tables, keys, [0, 6, 5]), "key_offsets must be 3 ascending"),
+        ((tables, keys.float(), [0, 5, 10]), "keys must be an integer tensor"),
+        ((tables, keys, [0, 5, 10]), "'custom' policy needs scores"),
+        (
+            (tables, keys, [0, 5, 10], torch.ones(10, dtype=torch.int64), torch.ones(9, dtype=torch.bool)),
+            "pending must be a bool tensor of one flag per key",
+        ),
+    ]
     for args, message in cases:
         with pytest.raises((ValueError, TypeError), match=message):
             find_or_insert_tables(*args)
@@ -262,14 +341,25 @@ def _filled(capacities, seed):
     states = _tables(capacities)
     batches = list(_batches(capacities, seed, 3))
     for keys, offsets, scores, pending, clocks, epochs, _ in batches:
-        _call(_ops.hash_upsert_tables, states, keys, offsets, scores, pending, capacities, [LRU] * len(capacities),
-              clocks, epochs, False)
+        _call(
+            _ops.hash_upsert_tables,
+            states,
+            keys,
+            offsets,
+            scores,
+            pending,
+            capacities,
+            [LRU] * len(capacities),
+            clocks,
+            epochs,
+            False,
+        )
     keys, offsets = batches[-1][0], batches[-1][1]
     return states, torch.cat([keys, torch.tensor([I64MIN, I64MAX])]), offsets[:-1] + [offsets[-1] + 2]
 
 
 def _find_per_table(states, keys, offsets, capacities):
-    outs = [_ops.hash_find(s[0], s[1], keys[offsets[t]:offsets[t + 1]], capacities[t]) for t, s in enumerate(states)]
+    outs = [_ops.hash_find(s[0], s[1], keys[offsets[t] : offsets[t + 1]], capacities[t]) for t, s in enumerate(states)]
     return [torch.cat([o[i] for o in outs]) for i in range(2)]
 
 
@@ -280,8 +370,7 @@ def test_find_tables_equals_per_table_finds(capacities):
     want = _find_per_table(states, keys, offsets, capacities)
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and got[1].any() and not got[1].all()
     with pytest.raises(RuntimeError, match="hash_find_tables: key_offsets must not decrease"):
-        ops.hash_find_tables([s[0] for s in states], [s[1] for s in states], keys,
-                             [0, 5, 3] + offsets[3:], capacities)
+        ops.hash_find_tables([s[0] for s in states], [s[1] for s in states], keys, [0, 5, 3] + offsets[3:], capacities)
 
 
 @needs_emulator

@@ -3,6 +3,7 @@
 after training the tables, equal those of the same module fed the batch expanded first (each
 sample's bag written out), and the forward equals TorchRec's own EBC holding the same rows.
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,18 +23,30 @@ POOL = [0, -1, 2**63 - 1, -(2**63), 5, 6, 7, 2**40, 123456789, -99]
 
 
 def _tables(pooling=PoolingType.SUM):
-    return [DynamicEmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=256, feature_names=["f1", "f2"],
-                                      pooling=pooling),
-            DynamicEmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=256, feature_names=["f3"],
-                                      pooling=pooling)]
+    return [
+        DynamicEmbeddingBagConfig(
+            name="t1", embedding_dim=4, num_embeddings=256, feature_names=["f1", "f2"], pooling=pooling
+        ),
+        DynamicEmbeddingBagConfig(
+            name="t2", embedding_dim=8, num_embeddings=256, feature_names=["f3"], pooling=pooling
+        ),
+    ]
 
 
 def _vbe(keys, strides, weighted, seed, batch=BATCH):
     """(a VBE KJT: key k has strides[k] bags and sample b reads bag inverse[k, b]; the same batch
     with every sample's bags written out), built bag by bag."""
     g = torch.Generator().manual_seed(seed)
-    bags = {k: [[POOL[int(i)] for i in torch.randint(0, len(POOL), (int(torch.randint(0, 4, (1,), generator=g)),),
-                                                     generator=g)] for _ in range(s)] for k, s in zip(keys, strides)}
+    bags = {
+        k: [
+            [
+                POOL[int(i)]
+                for i in torch.randint(0, len(POOL), (int(torch.randint(0, 4, (1,), generator=g)),), generator=g)
+            ]
+            for _ in range(s)
+        ]
+        for k, s in zip(keys, strides)
+    }
     bag_weights = {k: [torch.rand(len(b), generator=g).tolist() for b in bags[k]] for k in keys}
     inverse = torch.stack([torch.randint(0, s, (batch,), generator=g) for s in strides])
 
@@ -41,14 +54,20 @@ def _vbe(keys, strides, weighted, seed, batch=BATCH):
         values = [v for k in keys for bag in per_key_bags[k] for v in bag]
         weights = [w for k in keys for ws in per_key_weights[k] for w in ws]
         lengths = [len(bag) for k in keys for bag in per_key_bags[k]]
-        return KeyedJaggedTensor(keys=list(keys), values=torch.tensor(values, dtype=torch.int64),
-                                 lengths=torch.tensor(lengths), weights=torch.tensor(weights) if weighted else None,
-                                 **layout)
+        return KeyedJaggedTensor(
+            keys=list(keys),
+            values=torch.tensor(values, dtype=torch.int64),
+            lengths=torch.tensor(lengths),
+            weights=torch.tensor(weights) if weighted else None,
+            **layout,
+        )
 
-    vbe = kjt(bags, bag_weights, stride_per_key_per_rank=[[s] for s in strides],
-              inverse_indices=(list(keys), inverse))
-    expanded = kjt({k: [bags[k][int(j)] for j in inverse[i]] for i, k in enumerate(keys)},
-                   {k: [bag_weights[k][int(j)] for j in inverse[i]] for i, k in enumerate(keys)}, stride=batch)
+    vbe = kjt(bags, bag_weights, stride_per_key_per_rank=[[s] for s in strides], inverse_indices=(list(keys), inverse))
+    expanded = kjt(
+        {k: [bags[k][int(j)] for j in inverse[i]] for i, k in enumerate(keys)},
+        {k: [bag_weights[k][int(j)] for j in inverse[i]] for i, k in enumerate(keys)},
+        stride=batch,
+    )
     return vbe, expanded
 
 
@@ -60,8 +79,10 @@ def _rows(module):
     for cfg in module.embedding_bag_configs():
         prefix = f"embedding_bags.{cfg.name}."
         states = [k for k in sd if k.startswith(prefix + "optimizer.")]
-        out[cfg.name] = {i: torch.cat([sd[prefix + "weight"][r]] + [sd[k][r].flatten() for k in states])
-                         for r, i in enumerate(sd[prefix + "weight_id"].tolist())}
+        out[cfg.name] = {
+            i: torch.cat([sd[prefix + "weight"][r]] + [sd[k][r].flatten() for k in states])
+            for r, i in enumerate(sd[prefix + "weight_id"].tolist())
+        }
     return out
 
 
@@ -69,8 +90,9 @@ def _rows(module):
 @pytest.mark.parametrize("weighted", [False, True])
 def test_variable_batch_trains_like_the_expanded_batch(pooling, weighted):
     """Keys in another order than the tables', one key no table reads; Adagrad, 4 steps."""
-    make = lambda: DynamicEmbeddingBagCollection(_tables(pooling), is_weighted=weighted, optimizer="adagrad",  # noqa: E731
-                                                 optimizer_kwargs={"lr": 0.1})
+    make = lambda: DynamicEmbeddingBagCollection(
+        _tables(pooling), is_weighted=weighted, optimizer="adagrad", optimizer_kwargs={"lr": 0.1}
+    )
     ours, reference = make(), make()
     keys = ["f3", "x", "f1", "f2"]
     for step in range(4):
@@ -100,11 +122,18 @@ def test_variable_batch_forward_equals_torchrecs_ebc():
     for step in range(3, 6):
         vbe, _ = _vbe(keys, [3, 1, 4], False, step)
         starts = torch.tensor([0] + vbe.length_per_key()).cumsum(0).tolist()
-        values = [maps[table_of[k]].get(v, len(maps[table_of[k]])) for i, k in enumerate(keys)
-                  for v in vbe.values()[starts[i]:starts[i + 1]].tolist()]
-        remapped = KeyedJaggedTensor(keys=keys, values=torch.tensor(values), lengths=vbe.lengths(),
-                                     stride_per_key_per_rank=vbe.stride_per_key_per_rank(),
-                                     inverse_indices=vbe.inverse_indices())
+        values = [
+            maps[table_of[k]].get(v, len(maps[table_of[k]]))
+            for i, k in enumerate(keys)
+            for v in vbe.values()[starts[i] : starts[i + 1]].tolist()
+        ]
+        remapped = KeyedJaggedTensor(
+            keys=keys,
+            values=torch.tensor(values),
+            lengths=vbe.lengths(),
+            stride_per_key_per_rank=vbe.stride_per_key_per_rank(),
+            inverse_indices=vbe.inverse_indices(),
+        )
         got, want = ours(vbe), theirs(remapped)
         assert got.keys() == want.keys()
         torch.testing.assert_close(got.values(), want.values())
@@ -115,19 +144,29 @@ def test_variable_batch_bad_input_is_refused_and_leaves_the_tables_unchanged():
     module(_vbe(["f1", "f2", "f3"], [BATCH] * 3, False, 0)[1]).values().sum().backward()
     before = _rows(module)
     vbe, _ = _vbe(["f1", "f2", "f3"], [2, 3, 1], False, 1)
-    no_inverse = KeyedJaggedTensor(keys=vbe.keys(), values=vbe.values(), lengths=vbe.lengths(),
-                                   stride_per_key_per_rank=vbe.stride_per_key_per_rank())
+    no_inverse = KeyedJaggedTensor(
+        keys=vbe.keys(),
+        values=vbe.values(),
+        lengths=vbe.lengths(),
+        stride_per_key_per_rank=vbe.stride_per_key_per_rank(),
+    )
     with pytest.raises(ValueError, match="variable batch size per feature needs inverse_indices"):
         module(no_inverse)
     inverse = vbe.inverse_indices()[1].clone()
     inverse[1, 2] = 3  # key f2 has 3 bags: 0..2
-    beyond = KeyedJaggedTensor(keys=vbe.keys(), values=vbe.values(), lengths=vbe.lengths(),
-                               stride_per_key_per_rank=vbe.stride_per_key_per_rank(),
-                               inverse_indices=(vbe.keys(), inverse))
+    beyond = KeyedJaggedTensor(
+        keys=vbe.keys(),
+        values=vbe.values(),
+        lengths=vbe.lengths(),
+        stride_per_key_per_rank=vbe.stride_per_key_per_rank(),
+        inverse_indices=(vbe.keys(), inverse),
+    )
     with pytest.raises(ValueError, match=r"inverse_indices of key 'f2' must lie in \[0, 3\).*got values in \[0, 3\]"):
         module(beyond)
     after = _rows(module)
-    assert all(torch.equal(before[t][i], after[t][i]) for t in before for i in before[t]) and before.keys() == after.keys()
+    assert (
+        all(torch.equal(before[t][i], after[t][i]) for t in before for i in before[t]) and before.keys() == after.keys()
+    )
 
 
 def test_sequence_module_reads_each_features_own_bags_like_torchrecs_ec():
@@ -138,21 +177,37 @@ def test_sequence_module_reads_each_features_own_bags_like_torchrecs_ec():
     configs = [DynamicEmbeddingConfig(name="t", embedding_dim=4, num_embeddings=64, feature_names=["f1", "f2"])]
     ours = DynamicEmbeddingCollection(configs, optimizer="sgd")
     vbe, _ = _vbe(["f1", "f2"], [2, 4], False, 3)
-    ours(KeyedJaggedTensor(keys=vbe.keys(), values=vbe.values(), lengths=vbe.lengths(),
-                           stride_per_key_per_rank=vbe.stride_per_key_per_rank(),
-                           inverse_indices=vbe.inverse_indices()))["f1"].values().sum().backward()
+    ours(
+        KeyedJaggedTensor(
+            keys=vbe.keys(),
+            values=vbe.values(),
+            lengths=vbe.lengths(),
+            stride_per_key_per_rank=vbe.stride_per_key_per_rank(),
+            inverse_indices=vbe.inverse_indices(),
+        )
+    )["f1"].values().sum().backward()
     ours.eval()
     got = ours(vbe)
-    theirs = EmbeddingCollection([EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=64,
-                                                  feature_names=["f1", "f2"])])(
-        KeyedJaggedTensor(keys=vbe.keys(), values=vbe.values() % 64, lengths=vbe.lengths(),
-                          stride_per_key_per_rank=vbe.stride_per_key_per_rank(), inverse_indices=vbe.inverse_indices()))
+    theirs = EmbeddingCollection(
+        [EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=64, feature_names=["f1", "f2"])]
+    )(
+        KeyedJaggedTensor(
+            keys=vbe.keys(),
+            values=vbe.values() % 64,
+            lengths=vbe.lengths(),
+            stride_per_key_per_rank=vbe.stride_per_key_per_rank(),
+            inverse_indices=vbe.inverse_indices(),
+        )
+    )
     sd = ours.state_dict()
     rows = dict(zip(sd["embeddings.t.weight_id"].tolist(), sd["embeddings.t.weight"]))
     for key in ("f1", "f2"):
         assert torch.equal(got[key].lengths(), theirs[key].lengths())
-        want = torch.stack([rows[i] for i in vbe[key].values().tolist()]) if vbe[key].values().numel() else \
-            torch.zeros(0, 4)
+        want = (
+            torch.stack([rows[i] for i in vbe[key].values().tolist()])
+            if vbe[key].values().numel()
+            else torch.zeros(0, 4)
+        )
         torch.testing.assert_close(got[key].values(), want)
 
 
@@ -163,15 +218,30 @@ def _sharded_against_unsharded(rank, world_size, sharding):
 
     from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
 
-    make = lambda: DynamicEmbeddingBagCollection(_tables(), optimizer="adagrad", optimizer_kwargs={"lr": 0.1})  # noqa: E731
+    make = lambda: DynamicEmbeddingBagCollection(_tables(), optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
     reference, model = make(), ModelWith("ebc", make())
-    spec = {"row_wise": {t: row_wise(compute_kernel="customized_kernel") for t in ("t1", "t2")},
-            "table_wise": {"t1": table_wise(rank=0, compute_kernel="customized_kernel"),
-                           "t2": table_wise(rank=1, compute_kernel="customized_kernel")}}[sharding]
-    plan = construct_module_sharding_plan(model.ebc, spec, sharder=DynamicEmbeddingBagCollectionSharder(),
-                                          local_size=world_size, world_size=world_size, device_type="cpu")
-    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
-                                   device=torch.device("cpu"), plan=ShardingPlan({"ebc": plan}), sharders=get_sharders())
+    spec = {
+        "row_wise": {t: row_wise(compute_kernel="customized_kernel") for t in ("t1", "t2")},
+        "table_wise": {
+            "t1": table_wise(rank=0, compute_kernel="customized_kernel"),
+            "t2": table_wise(rank=1, compute_kernel="customized_kernel"),
+        },
+    }[sharding]
+    plan = construct_module_sharding_plan(
+        model.ebc,
+        spec,
+        sharder=DynamicEmbeddingBagCollectionSharder(),
+        local_size=world_size,
+        world_size=world_size,
+        device_type="cpu",
+    )
+    dmp = DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=ShardingPlan({"ebc": plan}),
+        sharders=get_sharders(),
+    )
     keys = ["f1", "f2", "f3"]
     for step in range(3):
         batches = [_vbe(keys, [1 + r, 3, BATCH - r], False, 10 * step + r) for r in range(world_size)]
@@ -179,16 +249,26 @@ def _sharded_against_unsharded(rank, world_size, sharding):
         expanded = [b[1].to_dict() for b in batches]
         whole = KeyedJaggedTensor.from_jt_dict({k: _cat_jts([e[k] for e in expanded]) for k in keys})
         want = reference(whole)
-        torch.testing.assert_close(out.values(), want.values()[rank * BATCH:(rank + 1) * BATCH], rtol=1e-5, atol=1e-5)
-        upstream = [torch.randn(BATCH, 16, generator=torch.Generator().manual_seed(step * 7 + r))
-                    for r in range(world_size)]
+        torch.testing.assert_close(out.values(), want.values()[rank * BATCH : (rank + 1) * BATCH], rtol=1e-5, atol=1e-5)
+        upstream = [
+            torch.randn(BATCH, 16, generator=torch.Generator().manual_seed(step * 7 + r)) for r in range(world_size)
+        ]
         (out.values() * upstream[rank]).sum().backward()
         (want.values() * torch.cat(upstream)).sum().backward()
     local = dmp.module.ebc.local_module
-    mine = {} if local is None else {
-        cfg.name: dict(zip(local.state_dict()[f"embedding_bags.{cfg.name}.weight_id"].tolist(),
-                           local.state_dict()[f"embedding_bags.{cfg.name}.weight"].tolist()))
-        for cfg in local.embedding_bag_configs()}
+    mine = (
+        {}
+        if local is None
+        else {
+            cfg.name: dict(
+                zip(
+                    local.state_dict()[f"embedding_bags.{cfg.name}.weight_id"].tolist(),
+                    local.state_dict()[f"embedding_bags.{cfg.name}.weight"].tolist(),
+                )
+            )
+            for cfg in local.embedding_bag_configs()
+        }
+    )
     gathered = [None] * world_size
     dist.all_gather_object(gathered, mine)
     sd = reference.state_dict()

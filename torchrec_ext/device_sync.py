@@ -16,22 +16,23 @@ was not written since (its version counter).
 
 Lowest layer (vocabulary's): imports torch only, so the kernels may use it.
 """
+
 from __future__ import annotations
 
 import threading
 import weakref
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 _lock = threading.Lock()
 _total = 0
-_recorders: List[Counter] = []
+_recorders: list[Counter] = []
 # id(device tensor) -> (weak reference, its version when mirrored, host copy)
-_mirrors: Dict[int, Tuple[weakref.ref, int, Tensor]] = {}
+_mirrors: dict[int, tuple[weakref.ref, int, Tensor]] = {}
 
 
 def _count(reason: str) -> None:
@@ -67,8 +68,11 @@ def mirror(device_tensor: Tensor, host: Tensor) -> Tensor:
         return device_tensor
     key = id(device_tensor)
     with _lock:
-        _mirrors[key] = (weakref.ref(device_tensor, lambda _, key=key: _forget(key)), device_tensor._version,
-                         host.detach().cpu())
+        _mirrors[key] = (
+            weakref.ref(device_tensor, lambda _, key=key: _forget(key)),
+            device_tensor._version,
+            host.detach().cpu(),
+        )
     return device_tensor
 
 
@@ -77,7 +81,7 @@ def _forget(key: int) -> None:
         _mirrors.pop(key, None)
 
 
-def _mirrored(t: Tensor) -> Optional[Tensor]:
+def _mirrored(t: Tensor) -> Tensor | None:
     found = _mirrors.get(id(t))
     if found is None or t.is_inference() or found[0]() is not t or found[1] != t._version:
         return None

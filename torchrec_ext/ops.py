@@ -11,15 +11,19 @@ itself); ``register_python_kernels`` below registers the Python ones in one loop
 present. The fake kernels give output
 shapes and dtypes without data so the ops trace under ``torch.fx`` / ``torch.compile``.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from torchrec_ext import _C  # noqa: F401  (loads the library: registers the ops and their C++ kernels)
-from torchrec_ext import csrc_kernels, torch_kernels
+from torchrec_ext import (
+    _C,  # noqa: F401  (loads the library: registers the ops and their C++ kernels)
+    csrc_kernels,
+    torch_kernels,
+)
 
 _ops = torch.ops.torchrec_ext
 
@@ -30,7 +34,7 @@ def has_kernel(op_name: str, device: torch.device) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"torchrec_ext::{op_name}", key)
 
 
-def hash_find(digests: Tensor, slot_keys: Tensor, keys: Tensor, capacity: int) -> Tuple[Tensor, Tensor]:
+def hash_find(digests: Tensor, slot_keys: Tensor, keys: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
     """Row of each key. Read-only.
 
     Args:
@@ -48,8 +52,13 @@ def hash_find(digests: Tensor, slot_keys: Tensor, keys: Tensor, capacity: int) -
     return _ops.hash_find.default(digests, slot_keys, keys, capacity)
 
 
-def hash_find_tables(digests: Sequence[Tensor], slot_keys: Sequence[Tensor], keys: Tensor,
-                     key_offsets: Sequence[int], capacities: Sequence[int]) -> Tuple[Tensor, Tensor]:
+def hash_find_tables(
+    digests: Sequence[Tensor],
+    slot_keys: Sequence[Tensor],
+    keys: Tensor,
+    key_offsets: Sequence[int],
+    capacities: Sequence[int],
+) -> tuple[Tensor, Tensor]:
     """:func:`hash_find` of T tables in one call (CUDA: one launch for all tables). Read-only.
 
     Args:
@@ -63,8 +72,9 @@ def hash_find_tables(digests: Sequence[Tensor], slot_keys: Sequence[Tensor], key
         rows: int64 ``[n]``, each key's row in its table, -1 when absent.
         found: bool ``[n]``. Both equal :func:`hash_find` table by table, concatenated.
     """
-    return _ops.hash_find_tables.default(list(digests), list(slot_keys), keys, [int(o) for o in key_offsets],
-                                         [int(c) for c in capacities])
+    return _ops.hash_find_tables.default(
+        list(digests), list(slot_keys), keys, [int(o) for o in key_offsets], [int(c) for c in capacities]
+    )
 
 
 def hash_upsert(
@@ -73,13 +83,13 @@ def hash_upsert(
     slot_scores: Tensor,
     size: Tensor,
     keys: Tensor,
-    scores: Optional[Tensor],
+    scores: Tensor | None,
     capacity: int,
     policy: int,
     clock: int,
     epoch: int,
     assign: bool,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """find_or_insert (``assign=False``) or insert_or_assign (``assign=True``), in place.
 
     Every key of the call that already has a row is touched and pinned before any insertion, so
@@ -107,10 +117,19 @@ def hash_upsert(
 
 
 def hash_upsert_fixed(
-    digests: Tensor, slot_keys: Tensor, slot_scores: Tensor, size: Tensor, keys: Tensor,
-    scores: Optional[Tensor], pending: Optional[Tensor], capacity: int, policy: int, clock: int, epoch: int,
+    digests: Tensor,
+    slot_keys: Tensor,
+    slot_scores: Tensor,
+    size: Tensor,
+    keys: Tensor,
+    scores: Tensor | None,
+    pending: Tensor | None,
+    capacity: int,
+    policy: int,
+    clock: int,
+    epoch: int,
     assign: bool,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`hash_upsert` with outputs of one entry per key, so that no output size is read on
     the host (on a GPU: no sync), and a pending mask.
 
@@ -130,10 +149,20 @@ def hash_upsert_fixed(
 
 
 def hash_upsert_tables(
-    digests: Sequence[Tensor], slot_keys: Sequence[Tensor], slot_scores: Sequence[Tensor], sizes: Sequence[Tensor],
-    keys: Tensor, key_offsets: Sequence[int], scores: Optional[Tensor], pending: Optional[Tensor],
-    capacities: Sequence[int], policies: Sequence[int], clocks: Sequence[int], epochs: Sequence[int], assign: bool,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    digests: Sequence[Tensor],
+    slot_keys: Sequence[Tensor],
+    slot_scores: Sequence[Tensor],
+    sizes: Sequence[Tensor],
+    keys: Tensor,
+    key_offsets: Sequence[int],
+    scores: Tensor | None,
+    pending: Tensor | None,
+    capacities: Sequence[int],
+    policies: Sequence[int],
+    clocks: Sequence[int],
+    epochs: Sequence[int],
+    assign: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`hash_upsert_fixed` of T tables in one call, in place: the launches (on a GPU: one
     grid over every table's stripes per pass) do not grow with T, and nothing is read on the host.
     Results, table contents and sizes are bit for bit those of calling :func:`hash_upsert_fixed`
@@ -155,9 +184,19 @@ def hash_upsert_tables(
         position for position.
     """
     return _ops.hash_upsert_tables.default(
-        list(digests), list(slot_keys), list(slot_scores), list(sizes), keys, [int(o) for o in key_offsets], scores,
-        pending, [int(c) for c in capacities], [int(p) for p in policies], [int(c) for c in clocks],
-        [int(e) for e in epochs], assign,
+        list(digests),
+        list(slot_keys),
+        list(slot_scores),
+        list(sizes),
+        keys,
+        [int(o) for o in key_offsets],
+        scores,
+        pending,
+        [int(c) for c in capacities],
+        [int(p) for p in policies],
+        [int(c) for c in clocks],
+        [int(e) for e in epochs],
+        assign,
     )
 
 
@@ -179,7 +218,7 @@ def hash_erase(digests: Tensor, slot_keys: Tensor, size: Tensor, keys: Tensor, c
 
 def hash_export(
     digests: Tensor, slot_keys: Tensor, slot_scores: Tensor, capacity: int, start: int, end: int
-) -> Tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """The live entries among slots ``[start, end)``. Read-only.
 
     Args:
@@ -218,7 +257,7 @@ def hash_restore(
     _ops.hash_restore.default(digests, slot_keys, slot_scores, size, keys, rows, scores, capacity)
 
 
-def hash_place(keys: Tensor, scores: Tensor, capacity: int, start_rows: Optional[Tensor] = None) -> Tensor:
+def hash_place(keys: Tensor, scores: Tensor, capacity: int, start_rows: Tensor | None = None) -> Tensor:
     """Rows for distinct ``keys`` in an empty table of ``capacity`` rows, each in one of the
     key's two buckets or, for the few a full table leaves no row there, a free row outside them
     (the stash; what ``hash_restore`` accepts). CPU kernel (``csrc/placement_cpu.cpp``).
@@ -269,8 +308,15 @@ def route(keys: Tensor, world_size: int) -> Tensor:
     return _ops.route.default(keys, world_size)
 
 
-def bloom_admit(counters: Tensor, keys: Tensor, counts: Tensor, pending: Optional[Tensor], hash_seed: int,
-                hashes: int, admit_after: int) -> Tensor:
+def bloom_admit(
+    counters: Tensor,
+    keys: Tensor,
+    counts: Tensor,
+    pending: Tensor | None,
+    hash_seed: int,
+    hashes: int,
+    admit_after: int,
+) -> Tensor:
     """One batch of a counting Bloom filter of 4-bit saturating counters, in place.
 
     Adds each pending key's count to its ``hashes`` counters (``min(counter + count, 15)``),
@@ -294,7 +340,7 @@ def bloom_admit(counters: Tensor, keys: Tensor, counts: Tensor, pending: Optiona
     return _ops.bloom_admit.default(counters, keys, counts, pending, hash_seed, hashes, admit_after)
 
 
-def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Unique ids of each segment, in first-occurrence order.
 
     Args:
@@ -310,8 +356,16 @@ def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> Tuple[Tensor, Tensor
     return _ops.dedup_segments.default(ids, segment_offsets)
 
 
-def init_rows(table: Tensor, rows: Tensor, ids: Tensor, seed: int, kind: int, params: Sequence[float],
-              states: Sequence[Tensor] = (), state_values: Sequence[float] = ()) -> None:
+def init_rows(
+    table: Tensor,
+    rows: Tensor,
+    ids: Tensor,
+    seed: int,
+    kind: int,
+    params: Sequence[float],
+    states: Sequence[Tensor] = (),
+    state_values: Sequence[float] = (),
+) -> None:
     """Writes each id's initial vector into its row, in place.
 
     Args:
@@ -324,15 +378,28 @@ def init_rows(table: Tensor, rows: Tensor, ids: Tensor, seed: int, kind: int, pa
             vectors are columns first.. of its whole table's.
         states, state_values: optimizer states, float32 ``[capacity, width]``, whose rows are reset to the value.
     """
-    _ops.init_rows.default(table, rows, ids, seed, kind, [float(p) for p in params], list(states),
-                           [float(v) for v in state_values])
+    _ops.init_rows.default(
+        table, rows, ids, seed, kind, [float(p) for p in params], list(states), [float(v) for v in state_values]
+    )
 
 
 def init_rows_tables(
-    weights: Tensor, table_offsets: Tensor, table_dims: Tensor, table_dtypes: Optional[Tensor], rows: Tensor,
-    tables: Tensor, ids: Tensor, table_seeds: Tensor, table_kinds: Tensor, table_params: Tensor,
-    kinds: Sequence[int], max_dim: int, states: Sequence[Tensor] = (), state_offsets: Optional[Tensor] = None,
-    rowwise: bool = False, state_values: Sequence[float] = (),
+    weights: Tensor,
+    table_offsets: Tensor,
+    table_dims: Tensor,
+    table_dtypes: Tensor | None,
+    rows: Tensor,
+    tables: Tensor,
+    ids: Tensor,
+    table_seeds: Tensor,
+    table_kinds: Tensor,
+    table_params: Tensor,
+    kinds: Sequence[int],
+    max_dim: int,
+    states: Sequence[Tensor] = (),
+    state_offsets: Tensor | None = None,
+    rowwise: bool = False,
+    state_values: Sequence[float] = (),
 ) -> None:
     """:func:`init_rows` of all tables of a module in one call, in the flat storage: launches
     independent of the table count, no host read. A torch composite
@@ -351,16 +418,40 @@ def init_rows_tables(
         states: flat float32 optimizer states (mutated): table t's rows from ``state_offsets[t]``
             (int64 ``[T]``), one value per row when ``rowwise``, else ``dim_t``; reset to ``state_values``.
     """
-    torch_kernels.init_rows_tables(weights, table_offsets, table_dims, table_dtypes, rows, tables, ids, table_seeds,
-                                   table_kinds, table_params, kinds, max_dim, states, state_offsets, rowwise,
-                                   state_values)
+    torch_kernels.init_rows_tables(
+        weights,
+        table_offsets,
+        table_dims,
+        table_dtypes,
+        rows,
+        tables,
+        ids,
+        table_seeds,
+        table_kinds,
+        table_params,
+        kinds,
+        max_dim,
+        states,
+        state_offsets,
+        rowwise,
+        state_values,
+    )
 
 
 def pooled_lookup(
-    weights: Tensor, table_offsets: Tensor, table_dims: Tensor, feature_table: Tensor,
-    feature_col: Tensor, feature_mean: Tensor, rows: Tensor, offsets: Tensor,
-    per_sample_weights: Optional[Tensor], batch_size: int, total_dim: int,
-    new_vectors: Sequence[Tensor] = (), table_dtypes: Optional[Tensor] = None,
+    weights: Tensor,
+    table_offsets: Tensor,
+    table_dims: Tensor,
+    feature_table: Tensor,
+    feature_col: Tensor,
+    feature_mean: Tensor,
+    rows: Tensor,
+    offsets: Tensor,
+    per_sample_weights: Tensor | None,
+    batch_size: int,
+    total_dim: int,
+    new_vectors: Sequence[Tensor] = (),
+    table_dtypes: Tensor | None = None,
 ) -> Tensor:
     """Pooled (sum or mean) lookup of every bag of every feature, across tables in one call.
 
@@ -384,15 +475,31 @@ def pooled_lookup(
         float32 ``[batch_size, total_dim]`` (rows are read as float32 and summed in float32).
     """
     return _ops.pooled_lookup.default(
-        weights, table_offsets, table_dims, feature_table, feature_col, feature_mean, rows, offsets,
-        per_sample_weights, batch_size, total_dim, list(new_vectors), table_dtypes,
+        weights,
+        table_offsets,
+        table_dims,
+        feature_table,
+        feature_col,
+        feature_mean,
+        rows,
+        offsets,
+        per_sample_weights,
+        batch_size,
+        total_dim,
+        list(new_vectors),
+        table_dtypes,
     )
 
 
 def sequence_lookup(
-    weights: Tensor, table_offsets: Tensor, dim: int, feature_table: Tensor,
-    feature_value_offsets: Tensor, rows: Tensor, new_vectors: Sequence[Tensor] = (),
-    table_dtypes: Optional[Tensor] = None,
+    weights: Tensor,
+    table_offsets: Tensor,
+    dim: int,
+    feature_table: Tensor,
+    feature_value_offsets: Tensor,
+    rows: Tensor,
+    new_vectors: Sequence[Tensor] = (),
+    table_dtypes: Tensor | None = None,
 ) -> Tensor:
     """Each id's row, unpooled (the sequence lookup of an embedding collection).
 
@@ -406,18 +513,35 @@ def sequence_lookup(
     Returns:
         float32 ``[n, dim]``.
     """
-    return _ops.sequence_lookup.default(weights, table_offsets, dim, feature_table, feature_value_offsets, rows,
-                                        list(new_vectors), table_dtypes)
+    return _ops.sequence_lookup.default(
+        weights, table_offsets, dim, feature_table, feature_value_offsets, rows, list(new_vectors), table_dtypes
+    )
 
 
 def fused_update(
-    grad: Tensor, weights: Tensor, states: List[Tensor], table_offsets: Tensor, table_dims: Tensor,
-    state_row_offsets: Tensor, unique_rows: Tensor, unique_table: Tensor, inverse: Tensor,
-    offsets: Optional[Tensor], per_sample_weights: Optional[Tensor], feature_col: Tensor,
-    feature_mean: Tensor, batch_size: int, optimizer: int, hparams: Sequence[float], step: int,
-    new_vectors: Sequence[Tensor] = (), unique_new: Optional[Tensor] = None, state_init: Sequence[float] = (),
-    table_dtypes: Optional[Tensor] = None, unique_ids: Optional[Tensor] = None,
-    rounding_seeds: Optional[Tensor] = None,
+    grad: Tensor,
+    weights: Tensor,
+    states: list[Tensor],
+    table_offsets: Tensor,
+    table_dims: Tensor,
+    state_row_offsets: Tensor,
+    unique_rows: Tensor,
+    unique_table: Tensor,
+    inverse: Tensor,
+    offsets: Tensor | None,
+    per_sample_weights: Tensor | None,
+    feature_col: Tensor,
+    feature_mean: Tensor,
+    batch_size: int,
+    optimizer: int,
+    hparams: Sequence[float],
+    step: int,
+    new_vectors: Sequence[Tensor] = (),
+    unique_new: Tensor | None = None,
+    state_init: Sequence[float] = (),
+    table_dtypes: Tensor | None = None,
+    unique_ids: Tensor | None = None,
+    rounding_seeds: Tensor | None = None,
 ) -> None:
     """Backward of a lookup fused with one optimizer step on each unique row, in place.
 
@@ -440,15 +564,35 @@ def fused_update(
             (that seed, ``unique_ids[u]`` (int64 ``[u]``, the id of each unique row), element, step).
     """
     _ops.fused_update.default(
-        grad, weights, states, table_offsets, table_dims, state_row_offsets, unique_rows, unique_table,
-        inverse, offsets, per_sample_weights, feature_col, feature_mean, batch_size, optimizer,
-        [float(h) for h in hparams], step, list(new_vectors), unique_new, [float(v) for v in state_init],
-        table_dtypes, unique_ids, rounding_seeds,
+        grad,
+        weights,
+        states,
+        table_offsets,
+        table_dims,
+        state_row_offsets,
+        unique_rows,
+        unique_table,
+        inverse,
+        offsets,
+        per_sample_weights,
+        feature_col,
+        feature_mean,
+        batch_size,
+        optimizer,
+        [float(h) for h in hparams],
+        step,
+        list(new_vectors),
+        unique_new,
+        [float(v) for v in state_init],
+        table_dtypes,
+        unique_ids,
+        rounding_seeds,
     )
 
 
-def route_bucketize(ids: Tensor, lengths: Tensor, slot_owner: Sequence[int], world_size: int,
-                    batch_size: int) -> Tuple[Tensor, Tensor, Tensor]:
+def route_bucketize(
+    ids: Tensor, lengths: Tensor, slot_owner: Sequence[int], world_size: int, batch_size: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """The input routing of sharded dynamic tables in one pass: ids regrouped by destination rank,
     then bag, keeping their order within a bag (the layout an all-to-all sends). CPU kernel
     ``csrc/routing_cpu.cpp``; CUDA kernel ``torch_kernels.route_bucketize`` (torch ops).
@@ -494,17 +638,39 @@ def _hash_upsert_fake(digests, slot_keys, slot_scores, size, keys, scores, capac
 
 
 @torch.library.register_fake("torchrec_ext::hash_upsert_fixed")
-def _hash_upsert_fixed_fake(digests, slot_keys, slot_scores, size, keys, scores, pending, capacity, policy, clock,
-                            epoch, assign):
-    return (torch.empty_like(keys), torch.empty_like(keys, dtype=torch.bool), torch.empty_like(keys, dtype=torch.bool),
-            torch.empty_like(keys))
+def _hash_upsert_fixed_fake(
+    digests, slot_keys, slot_scores, size, keys, scores, pending, capacity, policy, clock, epoch, assign
+):
+    return (
+        torch.empty_like(keys),
+        torch.empty_like(keys, dtype=torch.bool),
+        torch.empty_like(keys, dtype=torch.bool),
+        torch.empty_like(keys),
+    )
 
 
 @torch.library.register_fake("torchrec_ext::hash_upsert_tables")
-def _hash_upsert_tables_fake(digests, slot_keys, slot_scores, sizes, keys, key_offsets, scores, pending, capacities,
-                             policies, clocks, epochs, assign):
-    return (torch.empty_like(keys), torch.empty_like(keys, dtype=torch.bool), torch.empty_like(keys, dtype=torch.bool),
-            torch.empty_like(keys))
+def _hash_upsert_tables_fake(
+    digests,
+    slot_keys,
+    slot_scores,
+    sizes,
+    keys,
+    key_offsets,
+    scores,
+    pending,
+    capacities,
+    policies,
+    clocks,
+    epochs,
+    assign,
+):
+    return (
+        torch.empty_like(keys),
+        torch.empty_like(keys, dtype=torch.bool),
+        torch.empty_like(keys, dtype=torch.bool),
+        torch.empty_like(keys),
+    )
 
 
 @torch.library.register_fake("torchrec_ext::hash_erase")
@@ -546,7 +712,12 @@ def _bloom_admit_fake(counters, keys, counts, pending, hash_seed, hashes, admit_
 @torch.library.register_fake("torchrec_ext::dedup_segments")
 def _dedup_segments_fake(ids, segment_offsets):
     num_unique = torch.library.get_ctx().new_dynamic_size()
-    return ids.new_empty(num_unique), torch.empty_like(ids), ids.new_empty(num_unique), torch.empty_like(segment_offsets)
+    return (
+        ids.new_empty(num_unique),
+        torch.empty_like(ids),
+        ids.new_empty(num_unique),
+        torch.empty_like(segment_offsets),
+    )
 
 
 @torch.library.register_fake("torchrec_ext::init_rows")
@@ -555,28 +726,64 @@ def _init_rows_fake(table, rows, ids, seed, kind, params, states, state_values):
 
 
 @torch.library.register_fake("torchrec_ext::pooled_lookup")
-def _pooled_lookup_fake(weights, table_offsets, table_dims, feature_table, feature_col, feature_mean, rows,
-                        offsets, per_sample_weights, batch_size, total_dim, new_vectors=(), table_dtypes=None):
+def _pooled_lookup_fake(
+    weights,
+    table_offsets,
+    table_dims,
+    feature_table,
+    feature_col,
+    feature_mean,
+    rows,
+    offsets,
+    per_sample_weights,
+    batch_size,
+    total_dim,
+    new_vectors=(),
+    table_dtypes=None,
+):
     return weights.new_empty(batch_size, total_dim)
 
 
 @torch.library.register_fake("torchrec_ext::sequence_lookup")
-def _sequence_lookup_fake(weights, table_offsets, dim, feature_table, feature_value_offsets, rows, new_vectors=(),
-                          table_dtypes=None):
+def _sequence_lookup_fake(
+    weights, table_offsets, dim, feature_table, feature_value_offsets, rows, new_vectors=(), table_dtypes=None
+):
     return weights.new_empty(rows.shape[0], dim)
 
 
 @torch.library.register_fake("torchrec_ext::fused_update")
-def _fused_update_fake(grad, weights, states, table_offsets, table_dims, state_row_offsets, unique_rows,
-                       unique_table, inverse, offsets, per_sample_weights, feature_col, feature_mean,
-                       batch_size, optimizer, hparams, step, new_vectors=(), unique_new=None, state_init=(),
-                       table_dtypes=None, unique_ids=None, rounding_seeds=None):
+def _fused_update_fake(
+    grad,
+    weights,
+    states,
+    table_offsets,
+    table_dims,
+    state_row_offsets,
+    unique_rows,
+    unique_table,
+    inverse,
+    offsets,
+    per_sample_weights,
+    feature_col,
+    feature_mean,
+    batch_size,
+    optimizer,
+    hparams,
+    step,
+    new_vectors=(),
+    unique_new=None,
+    state_init=(),
+    table_dtypes=None,
+    unique_ids=None,
+    rounding_seeds=None,
+):
     return None
 
 
 # ----------------------------------------------------------------------------- kernels in Python
 
-def python_kernel_tables() -> List[Dict[str, Dict[str, Callable]]]:
+
+def python_kernel_tables() -> list[dict[str, dict[str, Callable]]]:
     """The Python backends' ``KERNELS`` tables (op -> device type -> kernel): torch ops, then
     Triton (imported only where Triton is installed; empty otherwise)."""
     from torchrec_ext import triton_kernels
@@ -588,7 +795,7 @@ def register_python_kernels(device_type: str = "cuda") -> None:
     """Registers every Python kernel for ``device_type`` with ``torch.library.register_kernel``:
     the one loop over the backends' tables. A (op, device) the C++ library serves
     (``csrc_kernels.KERNELS``) or two Python backends both claim is an error, not an override."""
-    claimed: Dict[str, Callable] = {}
+    claimed: dict[str, Callable] = {}
     for table in python_kernel_tables():
         for op_name, by_device in table.items():
             kernel = by_device.get(device_type)
@@ -596,14 +803,15 @@ def register_python_kernels(device_type: str = "cuda") -> None:
                 continue
             other = csrc_kernels.KERNELS.get(op_name, {}).get(device_type) or _qualified(claimed.get(op_name))
             if other:
-                raise RuntimeError(f"torchrec_ext::{op_name} has two {device_type} kernels: {other} and "
-                                   f"{_qualified(kernel)}")
+                raise RuntimeError(
+                    f"torchrec_ext::{op_name} has two {device_type} kernels: {other} and {_qualified(kernel)}"
+                )
             claimed[op_name] = kernel
     for op_name, kernel in claimed.items():  # all checked first: an error registers nothing
         torch.library.register_kernel(f"torchrec_ext::{op_name}", device_type, kernel)
 
 
-def _qualified(kernel: Optional[Callable]) -> str:
+def _qualified(kernel: Callable | None) -> str:
     return "" if kernel is None else f"{kernel.__module__}.{kernel.__name__}"
 
 

@@ -9,18 +9,27 @@ run concurrently with each other; mutations (``find_or_insert``, ``insert_or_ass
 while they run. So every call is atomic: a ``find`` overlapping an insert sees the table as it
 was before that insert or after it, never half of it.
 """
+
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from typing import Dict, Iterator, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from torchrec_ext import ops
 from torchrec_ext.vocabulary import (  # noqa: F401
-    LAYOUT_VERSION, LAYOUTS, POLICIES, SAME_BUCKET_LAYOUTS, SLOTS_PER_BUCKET, STASH_LAYOUT, index_lengths, stash_slots,
+    LAYOUT_VERSION,
+    LAYOUTS,
+    POLICIES,
+    SAME_BUCKET_LAYOUTS,
+    SLOTS_PER_BUCKET,
+    STASH_LAYOUT,
+    index_lengths,
+    stash_slots,
     table_geometry,
 )
 
@@ -47,7 +56,7 @@ def check_counter(where: str, name: str, value: object, limit: int) -> int:
     return value
 
 
-def place_keys(keys: Tensor, scores: Tensor, capacity: int, start_rows: Optional[Tensor] = None) -> Tensor:
+def place_keys(keys: Tensor, scores: Tensor, capacity: int, start_rows: Tensor | None = None) -> Tensor:
     """Rows for distinct ``keys`` in an empty table of ``capacity`` rows (-1: left out), on
     ``keys``' device: how a load places a checkpoint's ids whose saved rows do not fit the table
     (saved at another capacity or world size, or with another ``LAYOUT_VERSION``).
@@ -76,12 +85,16 @@ def place_keys(keys: Tensor, scores: Tensor, capacity: int, start_rows: Optional
     named = (("keys", keys), ("scores", scores)) + ((("start_rows", start_rows),) if start_rows is not None else ())
     for name, value in named:
         if not isinstance(value, Tensor) or value.dtype not in INT_DTYPES:
-            raise TypeError(f"{where}: {name} must be an integer tensor, got {getattr(value, 'dtype', type(value).__name__)}")
+            raise TypeError(
+                f"{where}: {name} must be an integer tensor, got {getattr(value, 'dtype', type(value).__name__)}"
+            )
         if value.dim() != 1:
             raise ValueError(f"{where}: {name} must be 1-D, got shape {tuple(value.shape)}")
     for name, value in named[1:]:
         if value.shape != keys.shape:
-            raise ValueError(f"{where}: {name} must have one entry per key, shape {tuple(keys.shape)}, got {tuple(value.shape)}")
+            raise ValueError(
+                f"{where}: {name} must have one entry per key, shape {tuple(keys.shape)}, got {tuple(value.shape)}"
+            )
     if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
         raise ValueError(f"{where}: capacity must be an int > 0, got {capacity!r}")
     host = [value.to("cpu", torch.int64).contiguous() for _, value in named]
@@ -121,8 +134,13 @@ class FixedInsertResult(NamedTuple):
     evicted_keys: Tensor
 
 
-def find_or_insert_tables(indexes: Sequence["HashTable"], keys: Tensor, key_offsets: Sequence[int],
-                          scores: Optional[Tensor] = None, pending: Optional[Tensor] = None) -> FixedInsertResult:
+def find_or_insert_tables(
+    indexes: Sequence[HashTable],
+    keys: Tensor,
+    key_offsets: Sequence[int],
+    scores: Tensor | None = None,
+    pending: Tensor | None = None,
+) -> FixedInsertResult:
     """``find_or_insert_fixed`` of several tables in one call (``ops.hash_upsert_tables``): table
     t's keys, scores and pending flags are ``[key_offsets[t]:key_offsets[t + 1]]`` of the shared
     tensors. Each table gets exactly what its own ``find_or_insert_fixed`` on its slice would give
@@ -137,20 +155,31 @@ def find_or_insert_tables(indexes: Sequence["HashTable"], keys: Tensor, key_offs
     first = indexes[0]
     keys = first._check_keys(where, keys)
     offsets = [int(o) for o in key_offsets]
-    if len(offsets) != len(indexes) + 1 or offsets[0] != 0 or offsets[-1] != keys.numel() \
-            or any(a > b for a, b in zip(offsets, offsets[1:])):
-        raise ValueError(f"{where}: key_offsets must be {len(indexes) + 1} ascending ints from 0 to "
-                         f"{keys.numel()}, got {offsets}")
+    if (
+        len(offsets) != len(indexes) + 1
+        or offsets[0] != 0
+        or offsets[-1] != keys.numel()
+        or any(a > b for a, b in zip(offsets, offsets[1:]))
+    ):
+        raise ValueError(
+            f"{where}: key_offsets must be {len(indexes) + 1} ascending ints from 0 to {keys.numel()}, got {offsets}"
+        )
     for t, index in enumerate(indexes):
         if index.device != first.device:
             raise ValueError(f"{where}: table {t} is on {index.device}, table 0 on {first.device}")
     if scores is not None:
         scores = first._check_entries(f"HashTable.{where}", "scores", scores, keys)
-    if pending is not None and (not isinstance(pending, Tensor) or pending.dtype != torch.bool
-                                or pending.shape != keys.shape or pending.device != first.device):
-        raise ValueError(f"HashTable.{where}: pending must be a bool tensor of one flag per key on {first.device}, "
-                         f"got {getattr(pending, 'dtype', type(pending).__name__)} of shape "
-                         f"{tuple(getattr(pending, 'shape', ()))}")
+    if pending is not None and (
+        not isinstance(pending, Tensor)
+        or pending.dtype != torch.bool
+        or pending.shape != keys.shape
+        or pending.device != first.device
+    ):
+        raise ValueError(
+            f"HashTable.{where}: pending must be a bool tensor of one flag per key on {first.device}, "
+            f"got {getattr(pending, 'dtype', type(pending).__name__)} of shape "
+            f"{tuple(getattr(pending, 'shape', ()))}"
+        )
     if scores is None and any(index.policy == "custom" for index in indexes):
         raise ValueError(f"HashTable.{where}: the 'custom' policy needs scores, one per key")
     with ExitStack() as locks:
@@ -158,11 +187,23 @@ def find_or_insert_tables(indexes: Sequence["HashTable"], keys: Tensor, key_offs
             locks.enter_context(index._lock.write())
         for index in indexes:
             index._clock += 1
-        return FixedInsertResult(*ops.hash_upsert_tables(
-            [i._digests for i in indexes], [i._slot_keys for i in indexes], [i._slot_scores for i in indexes],
-            [i._size for i in indexes], keys, offsets, scores, pending, [i._capacity for i in indexes],
-            [POLICIES[i.policy] for i in indexes], [i._clock for i in indexes], [i._epoch for i in indexes], False,
-        ))
+        return FixedInsertResult(
+            *ops.hash_upsert_tables(
+                [i._digests for i in indexes],
+                [i._slot_keys for i in indexes],
+                [i._slot_scores for i in indexes],
+                [i._size for i in indexes],
+                keys,
+                offsets,
+                scores,
+                pending,
+                [i._capacity for i in indexes],
+                [POLICIES[i.policy] for i in indexes],
+                [i._clock for i in indexes],
+                [i._epoch for i in indexes],
+                False,
+            )
+        )
 
 
 class _ReadWriteLock:
@@ -229,7 +270,7 @@ class HashTable:
     Results are deterministic for a given sequence of calls, whatever the thread count.
     """
 
-    def __init__(self, capacity: int, *, policy: str = "lru", device: Union[str, torch.device, None] = None):
+    def __init__(self, capacity: int, *, policy: str = "lru", device: str | torch.device | None = None):
         if not isinstance(capacity, int) or isinstance(capacity, bool):
             raise TypeError(f"HashTable: capacity must be an int, got {type(capacity).__name__}")
         if capacity <= 0:
@@ -298,11 +339,11 @@ class HashTable:
         with self._lock.read():
             return int(self._stash_entries()[0].numel())
 
-    def _stash_entries(self) -> Tuple[Tensor, Tensor]:
+    def _stash_entries(self) -> tuple[Tensor, Tensor]:
         """(keys, rows) of the stash's live entries (an entry whose row lost its key is stale)."""
         s, t = self._num_slots, stash_slots(self._capacity)
-        used = self._digests[s:s + t] != 0
-        rows, keys = self._slot_keys[s:s + t][used], self._slot_keys[s + t:s + 2 * t][used]
+        used = self._digests[s : s + t] != 0
+        rows, keys = self._slot_keys[s : s + t][used], self._slot_keys[s + t : s + 2 * t][used]
         live = (self._digests[rows] != 0) & (self._slot_keys[rows] == keys)
         return keys[live], rows[live]
 
@@ -316,7 +357,7 @@ class HashTable:
 
     # ------------------------------------------------------------------ operations
 
-    def find(self, keys: Tensor) -> Tuple[Tensor, Tensor]:
+    def find(self, keys: Tensor) -> tuple[Tensor, Tensor]:
         """Rows of ``keys`` (-1 where absent) and a bool mask of which were found. Read-only."""
         keys = self._check_keys("find", keys)
         if torch.compiler.is_compiling():
@@ -327,12 +368,12 @@ class HashTable:
         with self._lock.read():
             return ops.hash_find(self._digests, self._slot_keys, keys, self._capacity)
 
-    def lookup_arrays(self) -> Tuple[Tensor, Tensor]:
+    def lookup_arrays(self) -> tuple[Tensor, Tensor]:
         """(digests, slot_keys), as ``ops.hash_find`` takes them, for a caller that keeps mutations
         away itself: a serving module never mutates an index it published (it swaps in a new one)."""
         return self._digests, self._slot_keys
 
-    def find_or_insert(self, keys: Tensor, scores: Optional[Tensor] = None) -> InsertResult:
+    def find_or_insert(self, keys: Tensor, scores: Tensor | None = None) -> InsertResult:
         """Rows of ``keys``, inserting the missing ones; touches every key's score by the policy.
 
         ``scores``: required for ``custom`` (the score to store); for ``lfu`` / ``epoch_lfu``
@@ -347,8 +388,9 @@ class HashTable:
         scores = self._check_scores("find_or_insert", scores, keys, increments=self.policy != "custom")
         return self._upsert(keys, scores, assign=False)
 
-    def find_or_insert_fixed(self, keys: Tensor, scores: Optional[Tensor] = None,
-                             pending: Optional[Tensor] = None) -> FixedInsertResult:
+    def find_or_insert_fixed(
+        self, keys: Tensor, scores: Tensor | None = None, pending: Tensor | None = None
+    ) -> FixedInsertResult:
         """``find_or_insert`` for a training step: outputs of one entry per key, so that nothing is
         read on the host (on a GPU: no sync), and ``pending`` (bool, one per key; None: all): the
         keys not pending take no part, as if the call had been made on the pending keys alone.
@@ -361,33 +403,53 @@ class HashTable:
                 f"this table's policy is {self.policy!r}"
             )
         scores = self._check_scores("find_or_insert_fixed", scores, keys, increments=False)
-        if pending is not None and (not isinstance(pending, Tensor) or pending.dtype != torch.bool
-                                    or pending.shape != keys.shape or pending.device != self.device):
-            raise ValueError(f"HashTable.find_or_insert_fixed: pending must be a bool tensor of one flag per key on "
-                             f"{self.device}, got {getattr(pending, 'dtype', type(pending).__name__)} of shape "
-                             f"{tuple(getattr(pending, 'shape', ()))}")
+        if pending is not None and (
+            not isinstance(pending, Tensor)
+            or pending.dtype != torch.bool
+            or pending.shape != keys.shape
+            or pending.device != self.device
+        ):
+            raise ValueError(
+                f"HashTable.find_or_insert_fixed: pending must be a bool tensor of one flag per key on "
+                f"{self.device}, got {getattr(pending, 'dtype', type(pending).__name__)} of shape "
+                f"{tuple(getattr(pending, 'shape', ()))}"
+            )
         with self._lock.write():
             self._clock += 1
-            return FixedInsertResult(*ops.hash_upsert_fixed(
-                self._digests, self._slot_keys, self._slot_scores, self._size, keys, scores, pending,
-                self._capacity, POLICIES[self.policy], self._clock, self._epoch, False,
-            ))
+            return FixedInsertResult(
+                *ops.hash_upsert_fixed(
+                    self._digests,
+                    self._slot_keys,
+                    self._slot_scores,
+                    self._size,
+                    keys,
+                    scores,
+                    pending,
+                    self._capacity,
+                    POLICIES[self.policy],
+                    self._clock,
+                    self._epoch,
+                    False,
+                )
+            )
 
     def erase_rows(self, rows: Tensor) -> Tensor:
         """Removes the keys held at the rows where ``rows`` (bool ``[capacity]``) is True, as
         ``erase`` of those keys would, without listing them (nothing read on the host); returns
         which rows held a live key (those removed)."""
         if not isinstance(rows, Tensor) or rows.dtype != torch.bool or rows.shape != (self._capacity,):
-            raise ValueError(f"HashTable.erase_rows: rows must be a bool tensor of shape ({self._capacity},), got "
-                             f"{getattr(rows, 'dtype', type(rows).__name__)} of shape {tuple(getattr(rows, 'shape', ()))}")
+            raise ValueError(
+                f"HashTable.erase_rows: rows must be a bool tensor of shape ({self._capacity},), got "
+                f"{getattr(rows, 'dtype', type(rows).__name__)} of shape {tuple(getattr(rows, 'shape', ()))}"
+            )
         with self._lock.write():
-            digests = self._digests[:self._capacity]  # a row is its slot; erasing clears its digest
+            digests = self._digests[: self._capacity]  # a row is its slot; erasing clears its digest
             removed = (digests != 0) & rows
             digests.masked_fill_(removed, 0)
             self._size -= removed.sum()
         return removed
 
-    def insert_or_assign(self, keys: Tensor, scores: Optional[Tensor] = None) -> InsertResult:
+    def insert_or_assign(self, keys: Tensor, scores: Tensor | None = None) -> InsertResult:
         """Like ``find_or_insert``, but given ``scores`` are stored as they are, for any policy."""
         keys = self._check_keys("insert_or_assign", keys)
         scores = self._check_scores("insert_or_assign", scores, keys, increments=False)
@@ -414,7 +476,7 @@ class HashTable:
         with self._lock.write():
             return ops.hash_erase(self._digests, self._slot_keys, self._size, keys, self._capacity)
 
-    def entries_at(self, rows: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    def entries_at(self, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The key and score at each of ``rows`` (int64, in [0, capacity)), and a mask of the rows
         that hold a live key. Read-only; costs a lookup per row, not a scan of the table."""
         with self._lock.read():
@@ -424,7 +486,7 @@ class HashTable:
             found_rows, found = ops.hash_find(self._digests, self._slot_keys, keys, self._capacity)
         return keys, scores, found & (found_rows == rows)
 
-    def export(self, page_size: int = 1 << 20) -> Iterator[Tuple[Tensor, Tensor, Tensor]]:
+    def export(self, page_size: int = 1 << 20) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
         """Pages of live ``(keys, rows, scores)`` in row order, each scanning ``page_size`` slots.
 
         Each page is read atomically; a table mutated between pages gives pages of different
@@ -434,28 +496,32 @@ class HashTable:
             raise ValueError(f"HashTable.export: page_size must be an int > 0, got {page_size!r}")
         return self._pages(page_size)  # checked at the call, not at the first page
 
-    def _pages(self, page_size: int) -> Iterator[Tuple[Tensor, Tensor, Tensor]]:
+    def _pages(self, page_size: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
         for start in range(0, self._capacity, page_size):
             # The lock is released before yielding: a caller may mutate the table between pages.
             with self._lock.read():
                 page = ops.hash_export(
-                    self._digests, self._slot_keys, self._slot_scores, self._capacity, start,
+                    self._digests,
+                    self._slot_keys,
+                    self._slot_scores,
+                    self._capacity,
+                    start,
                     min(start + page_size, self._num_slots),
                 )
             yield page
 
-    def __getstate__(self) -> Dict[str, object]:
+    def __getstate__(self) -> dict[str, object]:
         # A lock cannot be pickled or deep-copied; a copy gets a fresh one (``__setstate__``).
         with self._lock.read():
             state = dict(self.__dict__)
         del state["_lock"]
         return state
 
-    def __setstate__(self, state: Dict[str, object]) -> None:
+    def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
         self._lock = _ReadWriteLock()
 
-    def clone(self) -> "HashTable":
+    def clone(self) -> HashTable:
         """An independent copy (same keys, rows, scores, clock and epoch)."""
         twin = HashTable.__new__(HashTable)
         with self._lock.read():
@@ -465,7 +531,7 @@ class HashTable:
         twin._lock = _ReadWriteLock()
         return twin
 
-    def grown(self, capacity: int) -> Tuple["HashTable", Tensor]:
+    def grown(self, capacity: int) -> tuple[HashTable, Tensor]:
         """This table's entries rebuilt in a new table of ``capacity`` rows (>= ``size()``), and
         the row map: ``row_map[old_row]`` is the new row of the key at ``old_row`` (-1: no live key
         there). Keys, scores, clock and epoch are kept; rows change (a key's buckets depend on the
@@ -476,8 +542,9 @@ class HashTable:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
             raise ValueError(f"HashTable.grown: capacity must be an int > 0, got {capacity!r}")
         with self._lock.read():
-            keys, rows, scores = ops.hash_export(self._digests, self._slot_keys, self._slot_scores, self._capacity,
-                                                 0, self._num_slots)
+            keys, rows, scores = ops.hash_export(
+                self._digests, self._slot_keys, self._slot_scores, self._capacity, 0, self._num_slots
+            )
             clock, epoch = self._clock, self._epoch
         if keys.numel() > capacity:
             raise ValueError(f"HashTable.grown: capacity must hold the table's {keys.numel()} keys, got {capacity}")
@@ -488,10 +555,22 @@ class HashTable:
             twin = HashTable(capacity, policy=self.policy, device=self.device)
             new_rows = place_keys(keys, scores, capacity)
             if bool((new_rows < 0).any()):
-                raise ValueError(f"HashTable.grown: {int((new_rows < 0).sum())} of {keys.numel()} keys cannot be "
-                                 f"placed in capacity {capacity}")
-            twin.load_state_dict({"capacity": capacity, "policy": self.policy, "clock": clock, "epoch": epoch,
-                                  "layout": LAYOUT_VERSION, "keys": keys, "rows": new_rows, "scores": scores})
+                raise ValueError(
+                    f"HashTable.grown: {int((new_rows < 0).sum())} of {keys.numel()} keys cannot be "
+                    f"placed in capacity {capacity}"
+                )
+            twin.load_state_dict(
+                {
+                    "capacity": capacity,
+                    "policy": self.policy,
+                    "clock": clock,
+                    "epoch": epoch,
+                    "layout": LAYOUT_VERSION,
+                    "keys": keys,
+                    "rows": new_rows,
+                    "scores": scores,
+                }
+            )
         twin._clock, twin._epoch = clock, epoch
         row_map = torch.full((self._capacity,), -1, dtype=torch.int64, device=self.device)
         row_map[rows] = new_rows
@@ -502,7 +581,7 @@ class HashTable:
             self._digests.zero_()
             self._size.zero_()
 
-    def state_dict(self) -> Dict[str, object]:
+    def state_dict(self) -> dict[str, object]:
         """Live keys, their rows and scores, plus what reproduces placement and scoring."""
         with self._lock.read():
             keys, rows, scores = ops.hash_export(
@@ -519,7 +598,7 @@ class HashTable:
                 "scores": scores,
             }
 
-    def load_state_dict(self, state: Dict[str, object]) -> None:
+    def load_state_dict(self, state: dict[str, object]) -> None:
         """Restores a ``state_dict`` of a table of the same capacity: same keys at the same rows.
 
         Everything is checked (types, ranges, duplicate keys, rows each key may hold) before the
@@ -539,7 +618,9 @@ class HashTable:
                 f"this table has capacity {self._capacity}; rows are only valid for the same capacity"
             )
         if state["policy"] != self.policy:
-            raise ValueError(f"{where}: state was saved with policy {state['policy']!r}, this table has policy {self.policy!r}")
+            raise ValueError(
+                f"{where}: state was saved with policy {state['policy']!r}, this table has policy {self.policy!r}"
+            )
         clock = check_counter(where, "clock", state["clock"], CLOCK_LIMIT)
         epoch = check_counter(where, "epoch", state["epoch"], EPOCH_LIMIT)
         layout = check_counter(where, "layout", state.get("layout", 1), LAYOUT_LIMIT)
@@ -554,14 +635,21 @@ class HashTable:
         try:
             ops.hash_restore(digests, slot_keys, slot_scores, size, keys, rows, scores, self._capacity)
         except RuntimeError as e:
-            other = "" if layout == LAYOUT_VERSION else (
-                f" (the state's rows follow layout {layout}, this table's is {LAYOUT_VERSION}: re-place its keys with place_keys)")
+            other = (
+                ""
+                if layout == LAYOUT_VERSION
+                else (
+                    f" (the state's rows follow layout {layout}, this table's is {LAYOUT_VERSION}: re-place its keys with place_keys)"
+                )
+            )
             raise ValueError(f"{where}: {e}{other}") from None
         if layout < STASH_LAYOUT and bool(digests[self._num_slots] != 0):  # before the stash: rows in buckets only
             s, t = self._num_slots, stash_slots(self._capacity)
             key, row = int(slot_keys[s + t]), int(slot_keys[s])
-            raise ValueError(f"{where}: key {key} cannot live in row {row} (not one of its buckets; the state's rows "
-                             f"follow layout {layout}, this table's is {LAYOUT_VERSION}: re-place its keys with place_keys)")
+            raise ValueError(
+                f"{where}: key {key} cannot live in row {row} (not one of its buckets; the state's rows "
+                f"follow layout {layout}, this table's is {LAYOUT_VERSION}: re-place its keys with place_keys)"
+            )
         with self._lock.write():
             self._digests, self._slot_keys, self._slot_scores = digests, slot_keys, slot_scores
             self._size = size
@@ -569,13 +657,22 @@ class HashTable:
 
     # ------------------------------------------------------------------ internals
 
-    def _upsert(self, keys: Tensor, scores: Optional[Tensor], assign: bool) -> InsertResult:
+    def _upsert(self, keys: Tensor, scores: Tensor | None, assign: bool) -> InsertResult:
         with self._lock.write():
             self._clock += 1
             return InsertResult(
                 *ops.hash_upsert(
-                    self._digests, self._slot_keys, self._slot_scores, self._size, keys, scores,
-                    self._capacity, POLICIES[self.policy], self._clock, self._epoch, assign,
+                    self._digests,
+                    self._slot_keys,
+                    self._slot_scores,
+                    self._size,
+                    keys,
+                    scores,
+                    self._capacity,
+                    POLICIES[self.policy],
+                    self._clock,
+                    self._epoch,
+                    assign,
                 )
             )
 
@@ -593,18 +690,24 @@ class HashTable:
     def _check_entries(self, where: str, name: str, values: object, keys: Tensor) -> Tensor:
         """A state's per-key ``rows`` / ``scores``: an integer tensor with one entry per key."""
         if not isinstance(values, Tensor) or values.dtype not in INT_DTYPES:
-            raise TypeError(f"{where}: {name} must be an integer tensor, got {getattr(values, 'dtype', type(values).__name__)}")
+            raise TypeError(
+                f"{where}: {name} must be an integer tensor, got {getattr(values, 'dtype', type(values).__name__)}"
+            )
         if values.shape != keys.shape:
-            raise ValueError(f"{where}: {name} must have one entry per key, shape {tuple(keys.shape)}, got {tuple(values.shape)}")
+            raise ValueError(
+                f"{where}: {name} must have one entry per key, shape {tuple(keys.shape)}, got {tuple(values.shape)}"
+            )
         return values.to(self.device, torch.int64).contiguous()
 
-    def _check_scores(self, op: str, scores: Optional[Tensor], keys: Tensor, increments: bool) -> Optional[Tensor]:
+    def _check_scores(self, op: str, scores: Tensor | None, keys: Tensor, increments: bool) -> Tensor | None:
         if scores is None:
             if self.policy == "custom":
                 raise ValueError(f"HashTable.{op}: the 'custom' policy needs scores, one per key")
             return None
         if not isinstance(scores, Tensor) or scores.dtype not in INT_DTYPES:
-            raise TypeError(f"HashTable.{op}: scores must be an integer tensor, got {getattr(scores, 'dtype', type(scores).__name__)}")
+            raise TypeError(
+                f"HashTable.{op}: scores must be an integer tensor, got {getattr(scores, 'dtype', type(scores).__name__)}"
+            )
         if scores.shape != keys.shape:
             raise ValueError(
                 f"HashTable.{op}: scores must have one entry per key, shape {tuple(keys.shape)}, got {tuple(scores.shape)}"

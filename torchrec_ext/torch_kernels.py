@@ -6,10 +6,11 @@ drawing its new rows' vectors and regrouping ids by destination are a few fused 
 passes, so plain torch ops do it well. On CPU the C++ kernels are used. Kernel layer: imports
 only the vocabulary, the hashing helpers, ``device_sync`` and the C++ library's ops (never ``ops.py``).
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -17,11 +18,15 @@ from torch import Tensor
 from torchrec_ext import device_sync
 from torchrec_ext.hashing import MASK64, fmix64_tensor, srl, u64
 from torchrec_ext.vocabulary import (
-    INIT_GOLDEN, INITIALIZER_NAMES, INITIALIZER_PARAM_COUNTS, STORAGE_DTYPES, TRUNC_NORMAL_ATTEMPTS,
+    INIT_GOLDEN,
+    INITIALIZER_NAMES,
+    INITIALIZER_PARAM_COUNTS,
+    STORAGE_DTYPES,
+    TRUNC_NORMAL_ATTEMPTS,
 )
 
 
-def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Same contract as the C++ op: per-segment uniques in first-occurrence order (sort-based).
 
     One host read (``device_sync``): the per-segment unique counts, computed before any output
@@ -30,14 +35,17 @@ def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> Tuple[Tensor, Tensor
     n, num_segments = ids.numel(), segment_offsets.numel() - 1
     device = ids.device
     offsets = segment_offsets.to(device)
-    segment = torch.repeat_interleave(torch.arange(num_segments, device=device), offsets[1:] - offsets[:-1], output_size=n)
+    segment = torch.repeat_interleave(
+        torch.arange(num_segments, device=device), offsets[1:] - offsets[:-1], output_size=n
+    )
     order = torch.argsort(ids, stable=True)
     order = order[torch.argsort(segment[order], stable=True)]  # by (segment, id), ties by position
     sorted_ids, sorted_segment = ids[order], segment[order]
     starts = torch.ones(n, dtype=torch.bool, device=device)
     starts[1:] = (sorted_ids[1:] != sorted_ids[:-1]) | (sorted_segment[1:] != sorted_segment[:-1])
     per_segment = torch.zeros(num_segments, dtype=torch.int64, device=device).index_add_(
-        0, sorted_segment, starts.to(torch.int64))
+        0, sorted_segment, starts.to(torch.int64)
+    )
     unique_offsets = torch.zeros(num_segments + 1, dtype=torch.int64, device=device)
     torch.cumsum(per_segment, 0, out=unique_offsets[1:])
     num_groups = int(device_sync.to_host(unique_offsets, "dedup_segments: unique count")[-1])
@@ -100,8 +108,16 @@ def init_vectors(ids: Tensor, dim: int, seed: int, kind: str, params: Sequence[f
     return values[:, :dim].float()
 
 
-def init_rows(table: Tensor, rows: Tensor, ids: Tensor, seed: int, kind: int, params: Sequence[float],
-              states: Sequence[Tensor], state_values: Sequence[float]) -> None:
+def init_rows(
+    table: Tensor,
+    rows: Tensor,
+    ids: Tensor,
+    seed: int,
+    kind: int,
+    params: Sequence[float],
+    states: Sequence[Tensor],
+    state_values: Sequence[float],
+) -> None:
     """Same contract as the C++ op, through the vectorised RNG above (an optional last
     parameter: the first column of a column shard's vectors in its whole table's); no boolean
     mask (whose output size would be read on the host): see ``_write_rows``."""
@@ -116,11 +132,24 @@ def init_rows(table: Tensor, rows: Tensor, ids: Tensor, seed: int, kind: int, pa
         _write_rows(state, target, kept, torch.full((1, state.shape[1]), value, dtype=state.dtype, device=state.device))
 
 
-def init_rows_tables(weights: Tensor, table_offsets: Tensor, table_dims: Tensor, table_dtypes: Optional[Tensor],
-                     rows: Tensor, tables: Tensor, ids: Tensor, table_seeds: Tensor, table_kinds: Tensor,
-                     table_params: Tensor, kinds: Sequence[int], max_dim: int, states: Sequence[Tensor] = (),
-                     state_offsets: Optional[Tensor] = None, rowwise: bool = False,
-                     state_values: Sequence[float] = ()) -> None:
+def init_rows_tables(
+    weights: Tensor,
+    table_offsets: Tensor,
+    table_dims: Tensor,
+    table_dtypes: Tensor | None,
+    rows: Tensor,
+    tables: Tensor,
+    ids: Tensor,
+    table_seeds: Tensor,
+    table_kinds: Tensor,
+    table_params: Tensor,
+    kinds: Sequence[int],
+    max_dim: int,
+    states: Sequence[Tensor] = (),
+    state_offsets: Tensor | None = None,
+    rowwise: bool = False,
+    state_values: Sequence[float] = (),
+) -> None:
     """``init_rows`` of every table of a module at once, in the flat storage: a number of
     launches that does not depend on the table count, and no host read.
 
@@ -202,7 +231,7 @@ def _write_flat(buffer: Tensor, index: Tensor, where: Tensor, values: Tensor) ->
     buffer.index_put_((target,), torch.where(kept, values.index_select(0, source), buffer.index_select(0, target)))
 
 
-def _skip_to_first_kept(rows: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+def _skip_to_first_kept(rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Fixed-size writes for ``rows`` where -1 means skip: each skipped entry stands in for the
     first kept one (same row, same source), so every write of a row carries the same bytes and
     no compaction is needed. Returns (target rows, source entry, kept); ``kept`` is False only
@@ -219,8 +248,9 @@ def _write_rows(buffer: Tensor, target: Tensor, kept: Tensor, values: Tensor) ->
     buffer.index_put_((target,), torch.where(kept.unsqueeze(1), values, old))
 
 
-def route_bucketize(ids: Tensor, lengths: Tensor, slot_owner: Sequence[int], world_size: int,
-                    batch_size: int) -> Tuple[Tensor, Tensor, Tensor]:
+def route_bucketize(
+    ids: Tensor, lengths: Tensor, slot_owner: Sequence[int], world_size: int, batch_size: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """Same contract as the C++ op (a stable sort by destination, then bag); the row-wise owner
     is the ``route`` op's (its CUDA kernel in csrc/hash_table_cuda.cu)."""
     bags = len(slot_owner) * batch_size
@@ -233,7 +263,7 @@ def route_bucketize(ids: Tensor, lengths: Tensor, slot_owner: Sequence[int], wor
 
 
 # op name -> device type -> kernel, registered by torchrec_ext.ops (torch.library.register_kernel).
-KERNELS: Dict[str, Dict[str, Callable]] = {
+KERNELS: dict[str, dict[str, Callable]] = {
     "dedup_segments": {"cuda": dedup_segments},
     "init_rows": {"cuda": init_rows},
     "route_bucketize": {"cuda": route_bucketize},

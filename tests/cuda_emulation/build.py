@@ -3,6 +3,7 @@ for the CPU under the warp emulator, as the op library ``torch.ops.torchrec_emu`
 as torchrec_ext): kernel launches become calls into the emulator, and the bindings' kernels
 register as CPU kernels. Tests then compare these ops with the CPU ops of torchrec_ext, output
 for output and table byte for byte."""
+
 import glob
 import os
 import re
@@ -38,11 +39,13 @@ def _emulated_kernels(name: str) -> str:
     cu = _read(os.path.join(CSRC, f"{name}.cu"))
     cu = cu.replace("#include <cuda_runtime.h>\n", "")
     prefetch = 'asm volatile("prefetch.global.L2 [%0];" ::"l"(p));'
-    assert name != "hash_table_cuda" or prefetch in cu, \
+    assert name != "hash_table_cuda" or prefetch in cu, (
         "hash_table_cuda.cu changed: update the emulation's L2 prefetch rewrite"
+    )
     cu = cu.replace(prefetch, "emu_prefetch(p);")
-    cu, launches = re.subn(r"(\w+)<<<(.*?), (\w+), 0, stream>>>\((.*?)\);",
-                           r"emu_launch(\2, \3, stream, [&] { \1(\4); });", cu, flags=re.S)
+    cu, launches = re.subn(
+        r"(\w+)<<<(.*?),\s*(\w+),\s*0,\s*stream>>>\((.*?)\);", r"emu_launch(\2, \3, stream, [&] { \1(\4); });", cu, flags=re.S
+    )
     want = KERNEL_FILES[name]["launches"]
     assert launches == want, f"expected {want} kernel launches in {name}.cu, rewrote {launches}"
     assert "<<<" not in cu, f"{name}.cu has a launch the emulation's rewrite does not match"
@@ -64,8 +67,10 @@ def _emulated_binding(name: str) -> str:
 
 def _schemas() -> str:
     schemas = _read(os.path.join(CSRC, "ops.cpp"))
-    schemas = schemas[schemas.index("TORCH_LIBRARY(torchrec_ext, m)"):schemas.index("PyMODINIT_FUNC")]
-    return "#include <torch/library.h>\n" + schemas.replace("TORCH_LIBRARY(torchrec_ext, m)", "TORCH_LIBRARY(torchrec_emu, m)")
+    schemas = schemas[schemas.index("TORCH_LIBRARY(torchrec_ext, m)") : schemas.index("PyMODINIT_FUNC")]
+    return "#include <torch/library.h>\n" + schemas.replace(
+        "TORCH_LIBRARY(torchrec_ext, m)", "TORCH_LIBRARY(torchrec_emu, m)"
+    )
 
 
 _built = []  # a process loads the library once (its op namespace can be registered once)
@@ -88,8 +93,14 @@ def build(build_dir: str):
     for name, text in sources.items():
         with open(os.path.join(build_dir, name), "w") as f:
             f.write(text)
-    load(name="torchrec_emu", sources=[os.path.join(build_dir, n) for n in sources],
-         extra_include_paths=[CSRC, HERE, cuda_include_dir()], extra_cflags=["-O2"],
-         is_python_module=False, build_directory=build_dir, verbose=False)
+    load(
+        name="torchrec_emu",
+        sources=[os.path.join(build_dir, n) for n in sources],
+        extra_include_paths=[CSRC, HERE, cuda_include_dir()],
+        extra_cflags=["-O2"],
+        is_python_module=False,
+        build_directory=build_dir,
+        verbose=False,
+    )
     _built.append(build_dir)
     return torch.ops.torchrec_emu

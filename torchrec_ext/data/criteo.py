@@ -13,10 +13,11 @@ written as hex strings of 32-bit hashes (may be empty), tab-separated, no header
     for batch in CriteoTsvReader(["day_0.tsv", "day_1.tsv"], batch_size=4096, drop_last=True):
         ...
 """
+
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -28,8 +29,7 @@ DEFAULT_INT_NAMES = [f"int_{i}" for i in range(INT_FEATURE_COUNT)]
 DEFAULT_CAT_NAMES = [f"cat_{i}" for i in range(CAT_FEATURE_COUNT)]
 
 
-def parse_criteo_lines(lines: Sequence[str], has_label: bool = True,
-                       locate: Optional[Callable[[int], str]] = None):
+def parse_criteo_lines(lines: Sequence[str], has_label: bool = True, locate: Callable[[int], str] | None = None):
     """One Batch from Criteo TSV lines (trailing newlines allowed). Without a label column
     (Kaggle's test.txt) labels are zeros. `locate(i)` names lines[i] in error messages (default:
     "line <i + 1>")."""
@@ -42,11 +42,13 @@ def parse_criteo_lines(lines: Sequence[str], has_label: bool = True,
     for i, line in enumerate(lines):
         fields = line.rstrip("\r\n").split("\t")
         if len(fields) != ncol:
-            raise ValueError(f"{locate(i)}: expected {ncol} tab-separated fields "
-                             f"({'label, ' if has_label else ''}13 integers, 26 categories), got {len(fields)}")
+            raise ValueError(
+                f"{locate(i)}: expected {ncol} tab-separated fields "
+                f"({'label, ' if has_label else ''}13 integers, 26 categories), got {len(fields)}"
+            )
         rows.append(fields)
     n = len(rows)
-    cols: List[Tuple[str, ...]] = list(zip(*rows)) if rows else [()] * ncol
+    cols: list[tuple[str, ...]] = list(zip(*rows)) if rows else [()] * ncol
     first = int(has_label)
 
     def column(c: int, what: str, convert: Callable[[str], object]) -> list:
@@ -61,8 +63,10 @@ def parse_criteo_lines(lines: Sequence[str], has_label: bool = True,
             raise
 
     labels = torch.tensor(column(0, "label", float), dtype=torch.float32) if has_label else torch.zeros(n)
-    ints = torch.tensor([column(first + j, f"integer feature {j}", lambda s: int(s) if s else 0)
-                         for j in range(INT_FEATURE_COUNT)], dtype=torch.float64).reshape(INT_FEATURE_COUNT, n)
+    ints = torch.tensor(
+        [column(first + j, f"integer feature {j}", lambda s: int(s) if s else 0) for j in range(INT_FEATURE_COUNT)],
+        dtype=torch.float64,
+    ).reshape(INT_FEATURE_COUNT, n)
     dense = torch.log1p(ints.clamp(min=0)).t().contiguous().float()
 
     values, lengths = [], []
@@ -93,8 +97,16 @@ class CriteoTsvReader(IterableDataset):
     DataLoader workers split a rank's batches the same way.
     """
 
-    def __init__(self, paths: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]], batch_size: int,
-                 *, drop_last: bool = False, has_label: bool = True, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        paths: str | os.PathLike | Sequence[str | os.PathLike],
+        batch_size: int,
+        *,
+        drop_last: bool = False,
+        has_label: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
         if not paths:
             raise ValueError("CriteoTsvReader: paths must name at least one file, got none")
@@ -108,12 +120,14 @@ class CriteoTsvReader(IterableDataset):
         if not (isinstance(rank, int) and 0 <= rank < world_size):
             raise ValueError(f"CriteoTsvReader: rank must be an int in [0, world_size = {world_size}), got {rank!r}")
         if world_size > 1 and not drop_last:
-            raise ValueError("CriteoTsvReader: world_size > 1 needs drop_last=True (every rank must get "
-                             "the same number of full batches)")
+            raise ValueError(
+                "CriteoTsvReader: world_size > 1 needs drop_last=True (every rank must get "
+                "the same number of full batches)"
+            )
         self.paths = [os.fspath(p) for p in paths]
         self.batch_size, self.drop_last, self.has_label = batch_size, drop_last, has_label
         self.rank, self.world_size = rank, world_size
-        self._rows: Optional[int] = None
+        self._rows: int | None = None
 
     def num_rows(self) -> int:
         """Non-blank lines over all files (counted once)."""
@@ -141,8 +155,8 @@ class CriteoTsvReader(IterableDataset):
         limit = self._num_global_batches() if self.world_size > 1 else None
         step = self.world_size * workers
         mine = self.rank + self.world_size * worker  # global batch g is ours when g % step == mine
-        lines: List[str] = []
-        where: List[Tuple[str, int]] = []  # (path, line number) of each buffered line, for errors
+        lines: list[str] = []
+        where: list[tuple[str, int]] = []  # (path, line number) of each buffered line, for errors
         g = 0
         for path in self.paths:
             with open(path, encoding="utf-8", newline="") as f:
@@ -162,5 +176,5 @@ class CriteoTsvReader(IterableDataset):
             yield parse_criteo_lines(lines, self.has_label, _locator(where))
 
 
-def _locator(where: List[Tuple[str, int]]) -> Callable[[int], str]:
+def _locator(where: list[tuple[str, int]]) -> Callable[[int], str]:
     return lambda i: f"{where[i][0]}:{where[i][1]}"

@@ -7,12 +7,13 @@ then id = mix((r - 1) xor key) with `mix` a fixed bijection of [0, 2^id_bits): r
 the whole id space, and each `key` (one per table / feature) has its own hot ids. Everything is a
 pure function of the seeds and vectorised (a 131k-id dlrm-small batch in ~2.5 ms on 2 cores).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
-from typing import Iterator, List, Optional, Sequence, Tuple, Union
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -62,7 +63,7 @@ def _mix_rounds(x: np.ndarray, bits: int) -> np.ndarray:
     return x
 
 
-def _ids_of_ranks(ranks: torch.Tensor, keys: Union[int, torch.Tensor], bits: int) -> torch.Tensor:
+def _ids_of_ranks(ranks: torch.Tensor, keys: int | torch.Tensor, bits: int) -> torch.Tensor:
     """id = mix((rank - 1) xor key): a bijection of [0, 2^bits) per key; `keys` may be one key
     per element. Returns int64 (ids >= 2^63 of a 64-bit space read as negative)."""
     x = ranks.to(torch.int64, copy=True).sub_(1).bitwise_xor_(keys)
@@ -93,18 +94,23 @@ class HeavyTailedIds:
         if not (isinstance(self.id_bits, int) and 1 <= self.id_bits <= 64):
             raise ValueError(f"HeavyTailedIds: id_bits must be an int in [1, 64], got {self.id_bits!r}")
         if not (isinstance(self.num_ids, int) and 1 <= self.num_ids <= 1 << self.id_bits):
-            raise ValueError(f"HeavyTailedIds: num_ids must be an int in [1, 2^id_bits = {1 << self.id_bits}], "
-                             f"got {self.num_ids!r}")
+            raise ValueError(
+                f"HeavyTailedIds: num_ids must be an int in [1, 2^id_bits = {1 << self.id_bits}], got {self.num_ids!r}"
+            )
 
     @functools.cached_property
-    def _tables(self) -> Tuple[torch.Tensor, torch.Tensor, float, float]:
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor, float, float]:
         """Walker alias table of ranks 1..head (acceptance probability, alias index), head mass,
         tail mass (both unnormalised)."""
         head = min(self.num_ids, _HEAD)
         weights = np.arange(1, head + 1, dtype=np.float64) ** -self.alpha
         accept, alias = _alias_table(weights / weights.sum())
-        return (torch.from_numpy(accept), torch.from_numpy(alias), float(weights.sum()),
-                self._tail_mass(head + 0.5, self.num_ids + 0.5))
+        return (
+            torch.from_numpy(accept),
+            torch.from_numpy(alias),
+            float(weights.sum()),
+            self._tail_mass(head + 0.5, self.num_ids + 0.5),
+        )
 
     def _tail_mass(self, lo: float, hi: float) -> float:
         if hi <= lo:
@@ -125,7 +131,7 @@ class HeavyTailedIds:
         inside = (ranks >= 1) & (ranks <= self.num_ids)
         return torch.where(inside, torch.where(ranks <= _HEAD, exact, tail), 0.0) / (head_mass + tail_mass)
 
-    def ranks(self, n: int, gen: Optional[torch.Generator] = None) -> torch.Tensor:
+    def ranks(self, n: int, gen: torch.Generator | None = None) -> torch.Tensor:
         """n Zipf ranks in [1, num_ids] (int64); rank 1 is the most frequent."""
         accept, alias, head_mass, tail_mass = self._tables
         head = accept.numel()
@@ -153,12 +159,12 @@ class HeavyTailedIds:
         """The id of each rank (int64 in [0, 2^id_bits), or all of int64 when id_bits is 64)."""
         return _ids_of_ranks(ranks, _stream_key(self.key, self.id_bits), self.id_bits)
 
-    def sample(self, n: int, gen: Optional[torch.Generator] = None) -> torch.Tensor:
+    def sample(self, n: int, gen: torch.Generator | None = None) -> torch.Tensor:
         """n raw ids (int64)."""
         return self.ids_of_ranks(self.ranks(n, gen))
 
 
-def _alias_table(p: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+def _alias_table(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Vose's alias method: column i keeps outcome i with probability accept[i], else alias[i]."""
     n = p.size
     scaled = p * n
@@ -173,8 +179,9 @@ def _alias_table(p: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     return accept, alias  # leftovers keep accept 1 (rounding)
 
 
-def _multi_stream_ids(dist: HeavyTailedIds, stream_keys: Sequence[int], counts: torch.Tensor,
-                      gen: torch.Generator) -> torch.Tensor:
+def _multi_stream_ids(
+    dist: HeavyTailedIds, stream_keys: Sequence[int], counts: torch.Tensor, gen: torch.Generator
+) -> torch.Tensor:
     """counts[s] ids of HeavyTailedIds(key=stream_keys[s]) (same alpha, num_ids, id_bits),
     concatenated, in one vectorised pass."""
     ranks = dist.ranks(int(counts.sum()), gen)
@@ -187,9 +194,19 @@ def table_key(seed: int, table: int) -> int:
     return mix64(seed, table, 0x7461626C)
 
 
-def dlrm_small_batch(step: int, num_tables: int = 8, batch_size: int = 4096, max_bag: int = 7,
-                     seed: int = 0, *, min_bag: int = 1, alpha: float = 1.05, id_bits: int = 40,
-                     num_ids: Optional[int] = None, modulo: Optional[int] = None):
+def dlrm_small_batch(
+    step: int,
+    num_tables: int = 8,
+    batch_size: int = 4096,
+    max_bag: int = 7,
+    seed: int = 0,
+    *,
+    min_bag: int = 1,
+    alpha: float = 1.05,
+    id_bits: int = 40,
+    num_ids: int | None = None,
+    modulo: int | None = None,
+):
     """The sparse input of one "dlrm-small" step (ANCHORS.md): a KeyedJaggedTensor with keys
     f0..f{num_tables-1}, `batch_size` bags per key of uniform length in [min_bag, max_bag], raw
     ids from HeavyTailedIds(alpha, num_ids or 2^id_bits, id_bits), each table its own hot ids.
@@ -218,8 +235,32 @@ def dlrm_small_batch(step: int, num_tables: int = 8, batch_size: int = 4096, max
 # Distinct values per categorical feature of Criteo 1TB (as in MLPerf DLRM); each feature's ids
 # are drawn from that many ranks.
 CRITEO_1TB_CARDINALITIES = (
-    39884406, 39043, 17289, 7420, 20263, 3, 7120, 1543, 63, 38532951, 2953546, 403346, 10, 2208,
-    11938, 155, 4, 976, 14, 39979771, 25641295, 39664984, 585935, 12972, 108, 36,
+    39884406,
+    39043,
+    17289,
+    7420,
+    20263,
+    3,
+    7120,
+    1543,
+    63,
+    38532951,
+    2953546,
+    403346,
+    10,
+    2208,
+    11938,
+    155,
+    4,
+    976,
+    14,
+    39979771,
+    25641295,
+    39664984,
+    585935,
+    12972,
+    108,
+    36,
 )
 NUM_DENSE = 13
 NUM_SPARSE = 26
@@ -242,13 +283,31 @@ class SyntheticCriteo(IterableDataset):
     Each of `world_size` ranks gets its own `num_batches` batches; DataLoader workers split them.
     """
 
-    def __init__(self, batch_size: int = 2048, num_batches: int = 100, seed: int = 0, *,
-                 truth_seed: int = 0, min_bag: int = 1, max_bag: int = 1, alpha: float = 1.05,
-                 id_bits: int = 64, cardinalities: Optional[Sequence[int]] = CRITEO_1TB_CARDINALITIES,
-                 effect_features: Sequence[int] = (0, 1, 2, 3, 4, 5, 6, 7), effect_scale: float = 0.5,
-                 dense_weight_scale: float = 0.4, base_ctr: float = 0.25, rank: int = 0, world_size: int = 1):
-        for name, value, low in (("batch_size", batch_size, 1), ("num_batches", num_batches, 0),
-                                 ("min_bag", min_bag, 0), ("world_size", world_size, 1)):
+    def __init__(
+        self,
+        batch_size: int = 2048,
+        num_batches: int = 100,
+        seed: int = 0,
+        *,
+        truth_seed: int = 0,
+        min_bag: int = 1,
+        max_bag: int = 1,
+        alpha: float = 1.05,
+        id_bits: int = 64,
+        cardinalities: Sequence[int] | None = CRITEO_1TB_CARDINALITIES,
+        effect_features: Sequence[int] = (0, 1, 2, 3, 4, 5, 6, 7),
+        effect_scale: float = 0.5,
+        dense_weight_scale: float = 0.4,
+        base_ctr: float = 0.25,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        for name, value, low in (
+            ("batch_size", batch_size, 1),
+            ("num_batches", num_batches, 0),
+            ("min_bag", min_bag, 0),
+            ("world_size", world_size, 1),
+        ):
             if not (isinstance(value, int) and value >= low):
                 raise ValueError(f"SyntheticCriteo: {name} must be an int >= {low}, got {value!r}")
         if not (isinstance(max_bag, int) and max_bag >= min_bag):
@@ -258,17 +317,24 @@ class SyntheticCriteo(IterableDataset):
         if cardinalities is not None and len(cardinalities) != NUM_SPARSE:
             raise ValueError(f"SyntheticCriteo: cardinalities must have {NUM_SPARSE} entries, got {len(cardinalities)}")
         if any(not (isinstance(f, int) and 0 <= f < NUM_SPARSE) for f in effect_features):
-            raise ValueError(f"SyntheticCriteo: effect_features must be ints in [0, {NUM_SPARSE}), "
-                             f"got {effect_features!r}")
+            raise ValueError(
+                f"SyntheticCriteo: effect_features must be ints in [0, {NUM_SPARSE}), got {effect_features!r}"
+            )
         if not 0.0 < base_ctr < 1.0:
             raise ValueError(f"SyntheticCriteo: base_ctr must be in (0, 1), got {base_ctr!r}")
         self.batch_size, self.num_batches, self.seed, self.truth_seed = batch_size, num_batches, seed, truth_seed
         self.min_bag, self.max_bag, self.rank, self.world_size = min_bag, max_bag, rank, world_size
         self.effect_features, self.effect_scale = tuple(effect_features), float(effect_scale)
-        self.keys: List[str] = [f"cat_{i}" for i in range(NUM_SPARSE)]
-        self._dists = [HeavyTailedIds(alpha=alpha, id_bits=id_bits, key=mix64(truth_seed, f, 0x63617473),
-                                      num_ids=min(cardinalities[f], 1 << id_bits) if cardinalities else 1 << id_bits)
-                       for f in range(NUM_SPARSE)]
+        self.keys: list[str] = [f"cat_{i}" for i in range(NUM_SPARSE)]
+        self._dists = [
+            HeavyTailedIds(
+                alpha=alpha,
+                id_bits=id_bits,
+                key=mix64(truth_seed, f, 0x63617473),
+                num_ids=min(cardinalities[f], 1 << id_bits) if cardinalities else 1 << id_bits,
+            )
+            for f in range(NUM_SPARSE)
+        ]
         # The hidden model, a pure function of truth_seed: per-feature log-normal count parameters,
         # dense weights, and the bias that puts the mean click rate near base_ctr.
         g = generator(truth_seed, 0x74727574)
@@ -327,7 +393,8 @@ class SyntheticCriteo(IterableDataset):
             effect = (u - 0.5) * (math.sqrt(12.0) * self.effect_scale)
             lengths = jt.lengths()
             bag = torch.zeros(lengths.numel(), dtype=torch.float64).index_add_(
-                0, torch.repeat_interleave(torch.arange(lengths.numel()), lengths), effect)
+                0, torch.repeat_interleave(torch.arange(lengths.numel()), lengths), effect
+            )
             logit = logit + bag / lengths.clamp(min=1)
         return logit.float()
 

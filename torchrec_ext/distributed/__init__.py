@@ -1,14 +1,21 @@
 """Sharding of the dynamic modules: sharders, sharded modules, planner."""
+
 from torchrec_ext.distributed.embedding import ShardedDynamicEmbeddingCollection
 from torchrec_ext.distributed.embeddingbag import ShardedDynamicEmbeddingBagCollection
 from torchrec_ext.distributed.fp_embeddingbag import ShardedFeatureProcessedDynamicEmbeddingBagCollection
 from torchrec_ext.distributed.planner import (
-    DynamicEmbeddingPerfEstimator, DynamicEmbeddingStorageEstimator, install_default_planner_hook, make_planner,
+    DynamicEmbeddingPerfEstimator,
+    DynamicEmbeddingStorageEstimator,
+    install_default_planner_hook,
+    make_planner,
 )
 from torchrec_ext.distributed.sharded_state import full_state_dict
 from torchrec_ext.distributed.sharders import (
-    DynamicEmbeddingBagCollectionSharder, DynamicEmbeddingCollectionSharder,
-    FeatureProcessedDynamicEmbeddingBagCollectionSharder, get_sharders, install_default_sharder_lookup,
+    DynamicEmbeddingBagCollectionSharder,
+    DynamicEmbeddingCollectionSharder,
+    FeatureProcessedDynamicEmbeddingBagCollectionSharder,
+    get_sharders,
+    install_default_sharder_lookup,
 )
 
 # TorchRec's default planner (DistributedModelParallel without a plan) costs our tables with our
@@ -18,9 +25,15 @@ install_default_planner_hook()
 install_default_sharder_lookup()
 
 __all__ = [
-    "DynamicEmbeddingBagCollectionSharder", "DynamicEmbeddingCollectionSharder", "DynamicEmbeddingPerfEstimator",
-    "DynamicEmbeddingStorageEstimator", "FeatureProcessedDynamicEmbeddingBagCollectionSharder",
-    "ShardedDynamicEmbeddingBagCollection", "ShardedDynamicEmbeddingCollection",
+    "DynamicEmbeddingBagCollectionSharder",
+    "DynamicEmbeddingCollectionSharder",
+    "DynamicEmbeddingPerfEstimator",
+    "DynamicEmbeddingStorageEstimator",
+    "FeatureProcessedDynamicEmbeddingBagCollectionSharder",
+    "ShardedDynamicEmbeddingBagCollection",
+    "ShardedDynamicEmbeddingCollection",
     "ShardedFeatureProcessedDynamicEmbeddingBagCollection",
-    "full_state_dict", "get_sharders", "make_planner",
+    "full_state_dict",
+    "get_sharders",
+    "make_planner",
 ]

@@ -44,6 +44,7 @@ empty in the destination has another structure to DCP.
 Every rank calls these collectively (all ranks see the same directory). Without a process
 group a gloo group of one process is created, so a single process works too.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -54,7 +55,8 @@ import pickle
 import re
 import shutil
 import stat
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,9 +66,8 @@ from torch.distributed.checkpoint._traverse import set_element, traverse_state_d
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
+from torchrec_ext.distributed.checkpoint_background import PendingCheckpoint, start_background_save, wait_for_pending
 from torchrec_ext.distributed.checkpoint_io import HashingWriter, file_digests
-from torchrec_ext.distributed.checkpoint_background import (  # noqa: F401  (PendingCheckpoint: re-exported)
-    PendingCheckpoint, start_background_save, wait_for_pending)
 
 _NAME = re.compile(r"^step_(\d+)$")
 _METADATA_FILE = ".metadata"  # DCP's index of the checkpoint (a pickle), written once every rank's data is in
@@ -81,8 +82,15 @@ _PATH_CLASSES = {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindo
 # The globals DCP's .metadata pickle refers to (torch 2.11-2.13); any other global is refused.
 _METADATA_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING"},
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},  # and the dtypes, checked by type
@@ -108,29 +116,37 @@ def checkpoint_path(ckpt_dir: str, step: int) -> str:
     return os.path.join(ckpt_dir, f"step_{step}")
 
 
-def _step_dirs(ckpt_dir: str) -> List[Tuple[int, str]]:
+def _step_dirs(ckpt_dir: str) -> list[tuple[int, str]]:
     """Every ``step_<k>`` entry under ckpt_dir (verified or not) as (step, path), oldest first."""
     if not os.path.isdir(ckpt_dir):
         return []
-    found = [(int(m.group(1)), os.path.join(ckpt_dir, name))
-             for name in os.listdir(ckpt_dir) for m in [_NAME.match(name)] if m]
+    found = [
+        (int(m.group(1)), os.path.join(ckpt_dir, name))
+        for name in os.listdir(ckpt_dir)
+        for m in [_NAME.match(name)]
+        if m
+    ]
     return sorted(found)
 
 
-def list_checkpoints(ckpt_dir: str) -> List[Tuple[int, str]]:
+def list_checkpoints(ckpt_dir: str) -> list[tuple[int, str]]:
     """Complete checkpoints under ckpt_dir (real directories with a manifest) as (step, path),
     oldest first. Not verified: see find_checkpoint."""
-    return [(step, path) for step, path in _step_dirs(ckpt_dir)
-            if not os.path.islink(path) and os.path.isfile(os.path.join(path, MANIFEST_FILE))]
+    return [
+        (step, path)
+        for step, path in _step_dirs(ckpt_dir)
+        if not os.path.islink(path) and os.path.isfile(os.path.join(path, MANIFEST_FILE))
+    ]
 
 
-def find_checkpoint(ckpt_dir: str, process_group: Optional[dist.ProcessGroup] = None
-                    ) -> Tuple[Optional[Tuple[int, str]], List[Tuple[str, str]]]:
+def find_checkpoint(
+    ckpt_dir: str, process_group: dist.ProcessGroup | None = None
+) -> tuple[tuple[int, str] | None, list[tuple[str, str]]]:
     """(step, path) of the newest checkpoint under ckpt_dir that verifies (None when none does),
     and the newer ones skipped as (path, reason), newest first. Collective."""
     pg = process_group or ensure_process_group()
     candidates = _from_first_rank(_step_dirs(ckpt_dir) if dist.get_rank(pg) == 0 else None, pg)
-    skipped: List[Tuple[str, str]] = []
+    skipped: list[tuple[str, str]] = []
     for step, path in reversed(candidates):
         try:
             verify_checkpoint(path, pg, step=step)
@@ -141,15 +157,19 @@ def find_checkpoint(ckpt_dir: str, process_group: Optional[dist.ProcessGroup] = 
     return None, skipped
 
 
-def latest_checkpoint(ckpt_dir: str, process_group: Optional[dist.ProcessGroup] = None
-                      ) -> Optional[Tuple[int, str]]:
+def latest_checkpoint(ckpt_dir: str, process_group: dist.ProcessGroup | None = None) -> tuple[int, str] | None:
     """(step, path) of the newest checkpoint under ckpt_dir that verifies, or None. Collective."""
     return find_checkpoint(ckpt_dir, process_group)[0]
 
 
-def save_checkpoint(ckpt_dir: str, step: int, state: Dict[str, Any], keep: int = 2,
-                    process_group: Optional[dist.ProcessGroup] = None,
-                    blocking: bool = True) -> Union[str, PendingCheckpoint]:
+def save_checkpoint(
+    ckpt_dir: str,
+    step: int,
+    state: dict[str, Any],
+    keep: int = 2,
+    process_group: dist.ProcessGroup | None = None,
+    blocking: bool = True,
+) -> str | PendingCheckpoint:
     """Saves ``state`` as ``<ckpt_dir>/step_<step>`` with its manifest (collective); of the
     checkpoints of steps <= ``step`` keeps the newest ``keep`` (0: all), never deleting a later
     step's. Returns the checkpoint's path.
@@ -164,16 +184,27 @@ def save_checkpoint(ckpt_dir: str, step: int, state: Dict[str, Any], keep: int =
         raise TypeError(f"save_checkpoint: blocking must be a bool, got {blocking!r}")
     pg = process_group or ensure_process_group()
     if not blocking:
-        return start_background_save(pg, checkpoint_path(ckpt_dir, step), state,
-                                     # one writer thread: a background save leaves the cores to training
-                                     lambda staged, group: _save(ckpt_dir, step, staged, keep, group, io_threads=1))
+        return start_background_save(
+            pg,
+            checkpoint_path(ckpt_dir, step),
+            state,
+            # one writer thread: a background save leaves the cores to training
+            lambda staged, group: _save(ckpt_dir, step, staged, keep, group, io_threads=1),
+        )
     wait_for_pending(pg)
     return _save(ckpt_dir, step, state, keep, pg)
 
 
-def _save(ckpt_dir: str, step: int, state: Dict[str, Any], keep: int, pg: dist.ProcessGroup,
-          write_files: Optional[Callable[[str], Dict[str, Tuple[int, str]]]] = None,
-          chain: Optional[Dict[str, Any]] = None, io_threads: Optional[int] = None) -> str:
+def _save(
+    ckpt_dir: str,
+    step: int,
+    state: dict[str, Any],
+    keep: int,
+    pg: dist.ProcessGroup,
+    write_files: Callable[[str], dict[str, tuple[int, str]]] | None = None,
+    chain: dict[str, Any] | None = None,
+    io_threads: int | None = None,
+) -> str:
     """The save (collective). ``write_files(directory)``: writes this rank's further files into
     the checkpoint before the manifest and returns their digests; ``chain``: the incremental
     chain the manifest records (checkpoint_incremental); ``io_threads``: DCP writer threads
@@ -187,8 +218,10 @@ def _save(ckpt_dir: str, step: int, state: Dict[str, Any], keep: int, pg: dist.P
         os.makedirs(ckpt_dir, exist_ok=True)
         link = next((p for p in (tmp, final, old) if os.path.islink(p)), None)
         if link is not None:
-            error = (f"save_checkpoint: {link} is a symlink; a checkpoint is never written through one "
-                     "(remove it if it is yours)")
+            error = (
+                f"save_checkpoint: {link} is a symlink; a checkpoint is never written through one "
+                "(remove it if it is yours)"
+            )
         else:
             shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
     _raise_if_any(error, pg)
@@ -222,8 +255,7 @@ def _save(ckpt_dir: str, step: int, state: Dict[str, Any], keep: int, pg: dist.P
     return final
 
 
-def verify_checkpoint(path: str, process_group: Optional[dist.ProcessGroup] = None,
-                      step: Optional[int] = None) -> None:
+def verify_checkpoint(path: str, process_group: dist.ProcessGroup | None = None, step: int | None = None) -> None:
     """Checks checkpoint directory ``path`` against its manifest (collective: each rank hashes a
     share of the files): every listed file present and nothing else, no symlink or other
     non-regular entry, sizes and SHA-256 digests equal, and the manifest's step equal to
@@ -237,11 +269,15 @@ def verify_checkpoint(path: str, process_group: Optional[dist.ProcessGroup] = No
         try:
             digest = hashlib.sha256(_read_file(os.path.join(link_path, MANIFEST_FILE))).hexdigest()
             if digest != link["manifest_sha256"]:
-                error = (f"checkpoint {path}: the link it builds on, {link_path}, is not the one it was saved on "
-                         f"(its {MANIFEST_FILE} differs): the incremental chain is broken")
+                error = (
+                    f"checkpoint {path}: the link it builds on, {link_path}, is not the one it was saved on "
+                    f"(its {MANIFEST_FILE} differs): the incremental chain is broken"
+                )
         except OSError as e:
-            error = (f"checkpoint {path}: the link it builds on, {link_path}, cannot be read ({e.strerror}): "
-                     "the incremental chain is broken")
+            error = (
+                f"checkpoint {path}: the link it builds on, {link_path}, cannot be read ({e.strerror}): "
+                "the incremental chain is broken"
+            )
         _raise_if_any(error, pg)
         try:
             _verify_files(link_path, link["step"], pg)
@@ -249,7 +285,7 @@ def verify_checkpoint(path: str, process_group: Optional[dist.ProcessGroup] = No
             raise CheckpointError(f"checkpoint {path}: a link of its incremental chain is damaged: {e}") from None
 
 
-def _verify_files(path: str, step: Optional[int], pg: dist.ProcessGroup) -> Dict[str, Any]:
+def _verify_files(path: str, step: int | None, pg: dist.ProcessGroup) -> dict[str, Any]:
     """Checks directory ``path``'s own files against its manifest (collective); the manifest."""
     error, manifest = None, {"files": {}}
     try:
@@ -263,12 +299,13 @@ def _verify_files(path: str, step: Optional[int], pg: dist.ProcessGroup) -> Dict
     digests = _hash_files(path, sorted(files), pg)
     for name in sorted(files):
         if digests[name] != (files[name]["size"], files[name]["sha256"]):
-            raise CheckpointError(f"checkpoint {path}: {name}: its SHA-256 differs from the manifest's "
-                                  "(the file is corrupted)")
+            raise CheckpointError(
+                f"checkpoint {path}: {name}: its SHA-256 differs from the manifest's (the file is corrupted)"
+            )
     return manifest
 
 
-def chain_links(path: str) -> List[str]:
+def chain_links(path: str) -> list[str]:
     """The paths of the links incremental checkpoint ``path`` builds on, base first ([] for a
     full checkpoint, or one whose manifest cannot be read). Reads the manifest only."""
     try:
@@ -279,12 +316,12 @@ def chain_links(path: str) -> List[str]:
         return []
 
 
-def read_manifest(path: str) -> Dict[str, Any]:
+def read_manifest(path: str) -> dict[str, Any]:
     """Checkpoint ``path``'s manifest after the checks that need no hashing (verify first)."""
     return _read_manifest(path, None)
 
 
-def _read_manifest(path: str, step: Optional[int]) -> Dict[str, Any]:
+def _read_manifest(path: str, step: int | None) -> dict[str, Any]:
     """The manifest (its ``files``: {name: {"size", "sha256"}}) after the checks that need no
     hashing: the directory's entries (regular files, exactly the listed ones) and their sizes."""
     where = f"checkpoint {path}"
@@ -296,7 +333,7 @@ def _read_manifest(path: str, step: Optional[int]) -> Dict[str, Any]:
         raise CheckpointError(f"{where}: is a symlink (checkpoints are real directories)")
     if not stat.S_ISDIR(st.st_mode):
         raise CheckpointError(f"{where}: is not a directory")
-    entries: Dict[str, os.stat_result] = {}
+    entries: dict[str, os.stat_result] = {}
     for name in sorted(os.listdir(path)):
         st = os.lstat(os.path.join(path, name))
         if stat.S_ISLNK(st.st_mode):
@@ -305,30 +342,41 @@ def _read_manifest(path: str, step: Optional[int]) -> Dict[str, Any]:
             raise CheckpointError(f"{where}: {name} is not a regular file")
         entries[name] = st
     if MANIFEST_FILE not in entries:
-        raise CheckpointError(f"{where}: no {MANIFEST_FILE} (an interrupted save, or a checkpoint written "
-                              "before checkpoints had manifests)")
+        raise CheckpointError(
+            f"{where}: no {MANIFEST_FILE} (an interrupted save, or a checkpoint written "
+            "before checkpoints had manifests)"
+        )
     if entries[MANIFEST_FILE].st_size > _MANIFEST_MAX_BYTES:
-        raise CheckpointError(f"{where}: {MANIFEST_FILE} is {entries[MANIFEST_FILE].st_size} bytes, "
-                              f"more than a manifest's {_MANIFEST_MAX_BYTES}")
+        raise CheckpointError(
+            f"{where}: {MANIFEST_FILE} is {entries[MANIFEST_FILE].st_size} bytes, "
+            f"more than a manifest's {_MANIFEST_MAX_BYTES}"
+        )
     try:
         manifest = json.loads(_read_file(os.path.join(path, MANIFEST_FILE)))
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{where}: {MANIFEST_FILE} is not valid JSON ({e})") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if (not isinstance(files, dict) or manifest.get("format") not in (_MANIFEST_FORMAT, _CHAIN_FORMAT)
-            or not isinstance(manifest.get("step"), int)
-            or not all(_valid_entry(name, entry) for name, entry in files.items())
-            or (manifest["format"] == _CHAIN_FORMAT) != _valid_chain(manifest.get("incremental"), manifest["step"])):
-        raise CheckpointError(f"{where}: {MANIFEST_FILE} is malformed (expected format {_MANIFEST_FORMAT!r} or "
-                              f"{_CHAIN_FORMAT!r} with its chain, a step, and a size and SHA-256 per file)")
+    if (
+        not isinstance(files, dict)
+        or manifest.get("format") not in (_MANIFEST_FORMAT, _CHAIN_FORMAT)
+        or not isinstance(manifest.get("step"), int)
+        or not all(_valid_entry(name, entry) for name, entry in files.items())
+        or (manifest["format"] == _CHAIN_FORMAT) != _valid_chain(manifest.get("incremental"), manifest["step"])
+    ):
+        raise CheckpointError(
+            f"{where}: {MANIFEST_FILE} is malformed (expected format {_MANIFEST_FORMAT!r} or "
+            f"{_CHAIN_FORMAT!r} with its chain, a step, and a size and SHA-256 per file)"
+        )
     if step is not None and manifest["step"] != step:
         raise CheckpointError(f"{where}: {MANIFEST_FILE} is of step {manifest['step']}, not {step}")
     for name in sorted(files):
         if name not in entries:
             raise CheckpointError(f"{where}: {name} is missing (the manifest lists it)")
         if entries[name].st_size != files[name]["size"]:
-            raise CheckpointError(f"{where}: {name} is {entries[name].st_size} bytes, the manifest says "
-                                  f"{files[name]['size']} (truncated or overwritten)")
+            raise CheckpointError(
+                f"{where}: {name} is {entries[name].st_size} bytes, the manifest says "
+                f"{files[name]['size']} (truncated or overwritten)"
+            )
     extra = sorted(set(entries) - set(files) - {MANIFEST_FILE})
     if extra:
         raise CheckpointError(f"{where}: {extra[0]} is not in the manifest (written after the checkpoint)")
@@ -341,30 +389,48 @@ def _valid_chain(chain: Any, step: int) -> bool:
         return False
     links = chain.get("links")
     if not isinstance(links, list) or not all(
-            isinstance(link, dict) and type(link.get("step")) is int and isinstance(link.get("manifest_sha256"), str)
-            and bool(_SHA256_HEX.match(link["manifest_sha256"])) for link in links):
+        isinstance(link, dict)
+        and type(link.get("step")) is int
+        and isinstance(link.get("manifest_sha256"), str)
+        and bool(_SHA256_HEX.match(link["manifest_sha256"]))
+        for link in links
+    ):
         return False
     steps = [link["step"] for link in links] + [step]
     return all(a < b for a, b in zip(steps, steps[1:]))
 
 
 def _valid_entry(name: Any, entry: Any) -> bool:
-    return (isinstance(name, str) and name not in ("", ".", "..", MANIFEST_FILE) and "/" not in name
-            and os.sep not in name and isinstance(entry, dict) and type(entry.get("size")) is int
-            and entry["size"] >= 0 and isinstance(entry.get("sha256"), str) and bool(_SHA256_HEX.match(entry["sha256"])))
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..", MANIFEST_FILE)
+        and "/" not in name
+        and os.sep not in name
+        and isinstance(entry, dict)
+        and type(entry.get("size")) is int
+        and entry["size"] >= 0
+        and isinstance(entry.get("sha256"), str)
+        and bool(_SHA256_HEX.match(entry["sha256"]))
+    )
 
 
-def _write_manifest(directory: str, step: int, digests: Dict[str, Tuple[int, str]],
-                    chain: Optional[Dict[str, Any]] = None) -> None:
+def _write_manifest(
+    directory: str, step: int, digests: dict[str, tuple[int, str]], chain: dict[str, Any] | None = None
+) -> None:
     """Writes the manifest of ``directory``'s files (their digests) and, for a link of an
     incremental chain, the chain; fsynced, then the directory."""
-    manifest: Dict[str, Any] = {"format": _MANIFEST_FORMAT if chain is None else _CHAIN_FORMAT, "step": step,
-                                "files": {name: {"size": size, "sha256": digest}
-                                          for name, (size, digest) in sorted(digests.items())}}
+    manifest: dict[str, Any] = {
+        "format": _MANIFEST_FORMAT if chain is None else _CHAIN_FORMAT,
+        "step": step,
+        "files": {name: {"size": size, "sha256": digest} for name, (size, digest) in sorted(digests.items())},
+    }
     if chain is not None:
         manifest["incremental"] = chain
-    fd = os.open(os.path.join(directory, MANIFEST_FILE),
-                 os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    fd = os.open(
+        os.path.join(directory, MANIFEST_FILE),
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
+        0o644,
+    )
     with os.fdopen(fd, "w") as f:
         json.dump(manifest, f, indent=1)
         f.write("\n")
@@ -373,19 +439,20 @@ def _write_manifest(directory: str, step: int, digests: Dict[str, Tuple[int, str
     _fsync_dir(directory)
 
 
-def _hash_files(directory: str, names: List[str], pg: dist.ProcessGroup,
-                known: Optional[Dict[str, Tuple[int, str]]] = None) -> Dict[str, Tuple[int, str]]:
+def _hash_files(
+    directory: str, names: list[str], pg: dist.ProcessGroup, known: dict[str, tuple[int, str]] | None = None
+) -> dict[str, tuple[int, str]]:
     """{name: (size, SHA-256)} of the files ``names`` in ``directory`` (collective; every rank
     gets all). ``known``: digests this rank computed as it wrote its files (a save); the files
     no rank knows are read and hashed, rank r taking names r, r + world, ... on several threads.
     A file that cannot be read raises CheckpointError on every rank."""
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-    found: Dict[str, Tuple[int, str]] = {}
+    found: dict[str, tuple[int, str]] = {}
     if known is not None:
-        shares: List[Any] = [None] * world
+        shares: list[Any] = [None] * world
         dist.all_gather_object(shares, {name: known[name] for name in names if name in known}, group=pg)
         found = {name: tuple(value) for share in shares for name, value in share.items()}
-    mine: Dict[str, Any] = {}
+    mine: dict[str, Any] = {}
     error = None
     try:
         mine = file_digests(directory, [name for name in names if name not in found][rank::world])
@@ -411,10 +478,10 @@ def _from_first_rank(value: Any, pg: dist.ProcessGroup) -> Any:
     return holder[0]
 
 
-def _raise_if_any(error: Optional[str], pg: dist.ProcessGroup) -> None:
+def _raise_if_any(error: str | None, pg: dist.ProcessGroup) -> None:
     """Raises CheckpointError on every rank when any rank found an error (the lowest rank's
     message), so that no rank goes on to a collective the others have left."""
-    errors: List[Optional[str]] = [None] * dist.get_world_size(pg)
+    errors: list[str | None] = [None] * dist.get_world_size(pg)
     dist.all_gather_object(errors, error, group=pg)
     first = next((e for e in errors if e), None)
     if first:
@@ -434,8 +501,10 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise CheckpointError(f"{self.where}: refers to {module}.{name}, which is not part of DCP's metadata "
-                              "(refused: unpickling it could run code)")
+        raise CheckpointError(
+            f"{self.where}: refers to {module}.{name}, which is not part of DCP's metadata "
+            "(refused: unpickling it could run code)"
+        )
 
 
 def read_metadata(path: str) -> Metadata:
@@ -450,7 +519,7 @@ def read_metadata(path: str) -> Metadata:
         metadata = _MetadataUnpickler(io.BytesIO(_read_file(file)), where).load()
     except CheckpointError:
         raise
-    except Exception as e:  # a damaged pickle raises any of several types
+    except Exception as e:  # noqa: BLE001 - a damaged pickle raises any of several types
         raise CheckpointError(f"{where}: cannot be read ({type(e).__name__}: {e})") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{where}: holds a {type(metadata).__name__}, not DCP's Metadata")
@@ -464,16 +533,24 @@ def _check_storage(path: str, metadata: Metadata) -> None:
     hangs, /dev/zero with a huge length)."""
     storage = metadata.storage_data
     if not isinstance(storage, dict):
-        raise CheckpointError(f"checkpoint {path}: {_METADATA_FILE}: its storage_data is a "
-                              f"{type(storage).__name__}, not a dict")
-    sizes: Dict[str, int] = {}
+        raise CheckpointError(
+            f"checkpoint {path}: {_METADATA_FILE}: its storage_data is a {type(storage).__name__}, not a dict"
+        )
+    sizes: dict[str, int] = {}
     for index, info in storage.items():
         where = f"checkpoint {path}: {_METADATA_FILE}: entry {getattr(index, 'fqn', index)!r}"
         name = getattr(info, "relative_path", None)
-        if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or os.sep in name
-                or (os.altsep is not None and os.altsep in name)):
-            raise CheckpointError(f"{where} is stored at {name!r}, not a file name of the checkpoint "
-                                  "(refused: it would read outside the checkpoint)")
+        if (
+            not isinstance(name, str)
+            or name in ("", ".", "..")
+            or "/" in name
+            or os.sep in name
+            or (os.altsep is not None and os.altsep in name)
+        ):
+            raise CheckpointError(
+                f"{where} is stored at {name!r}, not a file name of the checkpoint "
+                "(refused: it would read outside the checkpoint)"
+            )
         if name not in sizes:
             try:
                 st = os.lstat(os.path.join(path, name))
@@ -484,11 +561,13 @@ def _check_storage(path: str, metadata: Metadata) -> None:
             sizes[name] = st.st_size
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
-            raise CheckpointError(f"{where}: offset {offset!r} and length {length!r} in {name} "
-                                  "are not non-negative integers")
+            raise CheckpointError(
+                f"{where}: offset {offset!r} and length {length!r} in {name} are not non-negative integers"
+            )
         if offset + length > sizes[name]:
-            raise CheckpointError(f"{where}: bytes {offset}..{offset + length} lie beyond the end of {name} "
-                                  f"({sizes[name]} bytes)")
+            raise CheckpointError(
+                f"{where}: bytes {offset}..{offset + length} lie beyond the end of {name} ({sizes[name]} bytes)"
+            )
 
 
 class _Reader(dcp.FileSystemReader):
@@ -516,22 +595,24 @@ class _Planner(dcp.DefaultLoadPlanner):
         fqn = read_item.dest_index.fqn
         try:
             loaded = torch.load(value, weights_only=True)
-        except Exception as e:
-            raise CheckpointError(f"checkpoint {self.path}: entry {fqn!r} is not plain data (refused: "
-                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        except Exception as e:  # noqa: BLE001 - weights_only refusals and damaged data raise several types
+            raise CheckpointError(
+                f"checkpoint {self.path}: entry {fqn!r} is not plain data (refused: "
+                f"{str(e).splitlines()[0] if str(e) else type(e).__name__})"
+            ) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded
 
 
-def fit_to_checkpoint(state: Dict[str, Any], metadata: Metadata) -> Dict[str, Any]:
+def fit_to_checkpoint(state: dict[str, Any], metadata: Metadata) -> dict[str, Any]:
     """Replaces, in place, every plain tensor of ``state`` whose checkpointed size or dtype
     differs by an empty tensor of the stored size and dtype (same device), so DCP can load into
     it. Returns ``state``. Raises KeyError naming entries the checkpoint lacks."""
     stored = metadata.state_dict_metadata
-    replace: List[Tuple[Tuple, torch.Tensor]] = []
-    missing: List[str] = []
+    replace: list[tuple[tuple, torch.Tensor]] = []
+    missing: list[str] = []
 
     def visit(path, value) -> None:
         fqn = ".".join(map(str, path))
@@ -547,9 +628,10 @@ def fit_to_checkpoint(state: Dict[str, Any], metadata: Metadata) -> Dict[str, An
             # rank's rows (by routing). Other ShardedTensors load as they are when sizes match.
             if getattr(value, "dynamic_rows", False) or tuple(value.size()) != tuple(md.size):
                 replace.append((path, torch.empty(tuple(md.size), dtype=md.properties.dtype)))
-        elif type(value) is torch.Tensor:
-            if tuple(value.shape) != tuple(md.size) or value.dtype != md.properties.dtype:
-                replace.append((path, torch.empty(tuple(md.size), dtype=md.properties.dtype, device=value.device)))
+        elif type(value) is torch.Tensor and (
+            tuple(value.shape) != tuple(md.size) or value.dtype != md.properties.dtype
+        ):
+            replace.append((path, torch.empty(tuple(md.size), dtype=md.properties.dtype, device=value.device)))
 
     traverse_state_dict(state, visit)
     if missing:
@@ -560,8 +642,9 @@ def fit_to_checkpoint(state: Dict[str, Any], metadata: Metadata) -> Dict[str, An
     return state
 
 
-def load_checkpoint(path: str, state: Dict[str, Any], process_group: Optional[dist.ProcessGroup] = None,
-                    verify: bool = True) -> Dict[str, Any]:
+def load_checkpoint(
+    path: str, state: dict[str, Any], process_group: dist.ProcessGroup | None = None, verify: bool = True
+) -> dict[str, Any]:
     """Loads checkpoint ``path`` into ``state`` (collective) and returns it: tensors resized to
     the stored sizes where they differ, then filled; non-tensor values replaced by the saved ones.
     The directory is verified against its manifest first; ``verify=False`` skips that (only right
@@ -570,13 +653,15 @@ def load_checkpoint(path: str, state: Dict[str, Any], process_group: Optional[di
     if verify:
         verify_checkpoint(path, pg)
     if "incremental" in read_manifest(path):
-        raise CheckpointError(f"checkpoint {path}: is a link of an incremental chain (its tables are in base and "
-                              "delta files): load it with IncrementalCheckpoints.load "
-                              "(torchrec_ext.distributed.checkpoint_incremental)")
+        raise CheckpointError(
+            f"checkpoint {path}: is a link of an incremental chain (its tables are in base and "
+            "delta files): load it with IncrementalCheckpoints.load "
+            "(torchrec_ext.distributed.checkpoint_incremental)"
+        )
     return load_dcp(path, state, pg)
 
 
-def load_dcp(path: str, state: Dict[str, Any], pg: dist.ProcessGroup) -> Dict[str, Any]:
+def load_dcp(path: str, state: dict[str, Any], pg: dist.ProcessGroup) -> dict[str, Any]:
     """Loads the DCP part of verified checkpoint ``path`` into ``state`` (see load_checkpoint)."""
     metadata = read_metadata(path)
     _check_storage(path, metadata)  # here for a clear error; DCP would wrap the _Reader's in its own

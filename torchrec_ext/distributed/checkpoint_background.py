@@ -12,17 +12,20 @@ directory only takes its final name after the manifest is written, a crash mid-w
 most a ``.tmp_step_<k>`` that ``latest_checkpoint`` never picks, and the previous checkpoint
 stays loadable until the new one is complete.
 """
+
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from typing import Any, Callable, Dict, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-_groups: Dict[dist.ProcessGroup, dist.ProcessGroup] = {}
-_in_flight: Dict[dist.ProcessGroup, "PendingCheckpoint"] = {}
+_groups: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
+_in_flight: dict[dist.ProcessGroup, PendingCheckpoint] = {}
 _lock = threading.Lock()
 WORKER_NICENESS = 10  # the worker thread's nice value (0..19, higher yields more)
 
@@ -34,28 +37,26 @@ class PendingCheckpoint:
 
     def __init__(self, path: str, save: Callable[[], str]):
         self.path = path
-        self._result: Optional[str] = None
-        self._error: Optional[BaseException] = None
+        self._result: str | None = None
+        self._error: BaseException | None = None
         # A daemon: a process that fails while a save is in flight exits (leaving only a
         # .tmp_step_<k>) instead of waiting on a worker whose peers may be gone.
         self._thread = threading.Thread(target=self._run, args=(save,), name=f"checkpoint:{path}", daemon=True)
         self._thread.start()
 
     def _run(self, save: Callable[[], str]) -> None:
-        try:
-            # Yield the CPU to training: the write can wait, the step cannot (Linux: per thread).
+        # Yield the CPU to training: the write can wait, the step cannot (Linux: per thread).
+        with contextlib.suppress(AttributeError, OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICENESS)
-        except (AttributeError, OSError):
-            pass
         try:
             self._result = save()
-        except BaseException as e:  # handed to whoever waits
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits, who raises it
             self._error = e
 
     def done(self) -> bool:
         return not self._thread.is_alive()
 
-    def wait(self, timeout: Optional[float] = None) -> str:
+    def wait(self, timeout: float | None = None) -> str:
         """Blocks until the save ends; its path, or its error re-raised. ``timeout`` (seconds)
         raises TimeoutError when the save is still running then."""
         self._thread.join(timeout)
@@ -88,8 +89,9 @@ def checkpoint_group(pg: dist.ProcessGroup) -> dist.ProcessGroup:
     return _groups[pg]
 
 
-def start_background_save(pg: dist.ProcessGroup, path: str, state: Dict[str, Any],
-                          save: Callable[[Dict[str, Any], dist.ProcessGroup], str]) -> PendingCheckpoint:
+def start_background_save(
+    pg: dist.ProcessGroup, path: str, state: dict[str, Any], save: Callable[[dict[str, Any], dist.ProcessGroup], str]
+) -> PendingCheckpoint:
     """Stages ``state`` in host memory now and runs ``save(staged_state, group)`` on a worker
     thread with the checkpoint group of ``pg``. Waits for the previous background save first."""
     wait_for_pending(pg)

@@ -34,20 +34,29 @@ bit for bit. A base is written at the first save, every ``full_every`` saves, an
 delta cannot be (a table grew, moving its rows; a delta token released); an incremental chain
 loads at the world size that saved it (reshard through a full ``save_checkpoint``).
 """
+
 from __future__ import annotations
 
 import hashlib
 import io
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from torchrec_ext.distributed.checkpoint import (
-    MANIFEST_FILE, CheckpointError, _from_first_rank, _raise_if_any, _save, ensure_process_group, load_dcp,
-    read_manifest, verify_checkpoint)
+    MANIFEST_FILE,
+    CheckpointError,
+    _from_first_rank,
+    _raise_if_any,
+    _save,
+    ensure_process_group,
+    load_dcp,
+    read_manifest,
+    verify_checkpoint,
+)
 from torchrec_ext.distributed.checkpoint_background import wait_for_pending
 from torchrec_ext.distributed.checkpoint_template import dynamic_modules, local_tables, tables_left_out
 from torchrec_ext.modules.deltas import DeltaError, DeltaToken, delta_token, export_delta
@@ -60,7 +69,7 @@ def tables_file(rank: int, world_size: int) -> str:
     return f"tables.rank{rank}-of-{world_size}.pt"
 
 
-def apply_table_delta(state: Dict[str, Tensor], delta: Dict[str, Any]) -> Dict[str, Tensor]:
+def apply_table_delta(state: dict[str, Tensor], delta: dict[str, Any]) -> dict[str, Tensor]:
     """A table's state (``table_state`` form) after a delta link: the delta's rows replace or join
     the state's, tombstoned ids leave, rows in row order; the whole-table keys are the delta's."""
     rows = delta["rows"]
@@ -78,31 +87,40 @@ class IncrementalCheckpoints:
     ``full_every``: saves per chain (a base, then ``full_every - 1`` deltas); ``keep``: as
     ``save_checkpoint``'s (the links kept checkpoints build on stay too)."""
 
-    def __init__(self, ckpt_dir: str, model: nn.Module, full_every: int = 8, keep: int = 2,
-                 process_group: Optional[dist.ProcessGroup] = None):
+    def __init__(
+        self,
+        ckpt_dir: str,
+        model: nn.Module,
+        full_every: int = 8,
+        keep: int = 2,
+        process_group: dist.ProcessGroup | None = None,
+    ):
         if type(full_every) is not int or full_every < 1:
             raise ValueError(f"IncrementalCheckpoints: full_every must be an int >= 1, got {full_every!r}")
         if type(keep) is not int or keep < 0:
             raise ValueError(f"IncrementalCheckpoints: keep must be an int >= 0, got {keep!r}")
         self.modules = dynamic_modules(model)
         if not self.modules:
-            raise ValueError("IncrementalCheckpoints: model holds no dynamic embedding module (nothing to save "
-                             "incrementally; use save_checkpoint)")
+            raise ValueError(
+                "IncrementalCheckpoints: model holds no dynamic embedding module (nothing to save "
+                "incrementally; use save_checkpoint)"
+            )
         self.ckpt_dir, self.model, self.full_every, self.keep = ckpt_dir, model, full_every, keep
         self.pg = process_group or ensure_process_group()
-        self._tokens: Optional[Dict[str, DeltaToken]] = None  # since the previous link (None: next is a base)
-        self._capacities: Dict[str, List[int]] = {}
-        self._links: List[Dict[str, Any]] = []  # the chain so far: {"step", "manifest_sha256"}
+        self._tokens: dict[str, DeltaToken] | None = None  # since the previous link (None: next is a base)
+        self._capacities: dict[str, list[int]] = {}
+        self._links: list[dict[str, Any]] = []  # the chain so far: {"step", "manifest_sha256"}
 
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, state: Optional[Dict[str, Any]] = None) -> str:
+    def save(self, step: int, state: dict[str, Any] | None = None) -> str:
         """Saves step ``step`` (collective): a base or a delta link holding the model and
         ``state`` (which must not use the key "model"). Returns the checkpoint's path."""
         state = dict(state or {})
         if MODEL_KEY in state:
-            raise ValueError(f"IncrementalCheckpoints.save: state must not hold the key {MODEL_KEY!r} (the model's "
-                             "state goes there)")
+            raise ValueError(
+                f"IncrementalCheckpoints.save: state must not hold the key {MODEL_KEY!r} (the model's state goes there)"
+            )
         wait_for_pending(self.pg)
         rank, world = dist.get_rank(self.pg), dist.get_world_size(self.pg)
         payload, tokens, why_base = self._delta_payload() if self._can_delta() else (None, None, "no base yet")
@@ -112,14 +130,13 @@ class IncrementalCheckpoints:
         if any(reasons):
             payload, tokens = self._base_payload()
         kind = "base" if any(reasons) else "delta"
-        payload = {"format": _FORMAT, "kind": kind, "rank": rank, "world_size": world, "step": step,
-                   "modules": payload}
+        payload = {"format": _FORMAT, "kind": kind, "rank": rank, "world_size": world, "step": step, "modules": payload}
         with tables_left_out(list(self.modules.values())):
             state[MODEL_KEY] = self.model.state_dict()
         links = [] if kind == "base" else list(self._links)
         name = tables_file(rank, world)
 
-        def write_tables(directory: str) -> Dict[str, Tuple[int, str]]:
+        def write_tables(directory: str) -> dict[str, tuple[int, str]]:
             buffer = io.BytesIO()
             torch.save(payload, buffer)
             data = buffer.getbuffer()
@@ -130,10 +147,18 @@ class IncrementalCheckpoints:
                 os.fsync(f.fileno())
             return {name: (len(data), hashlib.sha256(data).hexdigest())}
 
-        path = _save(self.ckpt_dir, step, state, self.keep, self.pg, write_files=write_tables,
-                     chain={"world_size": world, "links": links})
-        digest = _from_first_rank(hashlib.sha256(_read(os.path.join(path, MANIFEST_FILE))).hexdigest()
-                                  if rank == 0 else None, self.pg)
+        path = _save(
+            self.ckpt_dir,
+            step,
+            state,
+            self.keep,
+            self.pg,
+            write_files=write_tables,
+            chain={"world_size": world, "links": links},
+        )
+        digest = _from_first_rank(
+            hashlib.sha256(_read(os.path.join(path, MANIFEST_FILE))).hexdigest() if rank == 0 else None, self.pg
+        )
         self._links = links + [{"step": step, "manifest_sha256": digest}]
         self._tokens = tokens if len(self._links) < self.full_every else None
         return path
@@ -141,7 +166,7 @@ class IncrementalCheckpoints:
     def _can_delta(self) -> bool:
         return self._tokens is not None
 
-    def _base_payload(self) -> Tuple[Dict[str, Any], Dict[str, DeltaToken]]:
+    def _base_payload(self) -> tuple[dict[str, Any], dict[str, DeltaToken]]:
         payload, tokens = {}, {}
         for fqn, module in self.modules.items():
             tables = local_tables(module)
@@ -152,7 +177,7 @@ class IncrementalCheckpoints:
             payload[fqn] = {m.name: {"table": tables.table_state(t)} for t, m in enumerate(tables.meta)}
         return payload, tokens
 
-    def _delta_payload(self) -> Tuple[Optional[Dict[str, Any]], Optional[Dict[str, DeltaToken]], Optional[str]]:
+    def _delta_payload(self) -> tuple[dict[str, Any] | None, dict[str, DeltaToken] | None, str | None]:
         """This rank's delta since the previous link, the tokens it ends at, or why it must be a base."""
         assert self._tokens is not None
         payload, tokens = {}, {}
@@ -174,13 +199,16 @@ class IncrementalCheckpoints:
                 assert bool(found.all()), "a delta's ids are live"
                 per_row = {"weight_id": changed.ids, "metadata": changed.scores, "row": rows}
                 per_row.update(tables.rows_state(t, rows))
-                payload[fqn][m.name] = {"rows": per_row, "tombstones": changed.tombstones,
-                                        "whole": tables.whole_table_state(t)}
+                payload[fqn][m.name] = {
+                    "rows": per_row,
+                    "tombstones": changed.tombstones,
+                    "whole": tables.whole_table_state(t),
+                }
         return payload, tokens, None
 
     # ------------------------------------------------------------------ load
 
-    def load(self, path: str, state: Optional[Dict[str, Any]] = None, verify: bool = True) -> Dict[str, Any]:
+    def load(self, path: str, state: dict[str, Any] | None = None, verify: bool = True) -> dict[str, Any]:
         """Loads incremental checkpoint ``path`` (collective): the model in place (its tables from
         the base and every delta, in order; its dense state), and ``state``'s entries, returned as
         load_checkpoint returns them. Verifies the whole chain first (``verify=False``: only right
@@ -196,12 +224,14 @@ class IncrementalCheckpoints:
         if chain is None:
             error = f"checkpoint {path}: is a full checkpoint, not an incremental one: load it with load_checkpoint"
         elif chain["world_size"] != world:
-            error = (f"checkpoint {path}: was saved by {chain['world_size']} ranks, this group has {world}: an "
-                     "incremental chain loads at the world size that saved it (reshard through save_checkpoint)")
+            error = (
+                f"checkpoint {path}: was saved by {chain['world_size']} ranks, this group has {world}: an "
+                "incremental chain loads at the world size that saved it (reshard through save_checkpoint)"
+            )
         _raise_if_any(error, self.pg)
         parent = os.path.dirname(os.path.abspath(path))
         links = [os.path.join(parent, f"step_{link['step']}") for link in chain["links"]] + [path]
-        tables_state: Dict[str, Dict[str, Dict[str, Tensor]]] = {}
+        tables_state: dict[str, dict[str, dict[str, Tensor]]] = {}
         try:
             tables_state = self._replay(links, rank, world)
         except CheckpointError as e:
@@ -210,33 +240,39 @@ class IncrementalCheckpoints:
         modules = list(self.modules.values())
         with tables_left_out(modules):
             # state_dict() gives views of the parameters: copies, so that nothing changes before all is read
-            state[MODEL_KEY] = {key: value.clone() if type(value) is Tensor else value
-                                for key, value in self.model.state_dict().items()}
+            state[MODEL_KEY] = {
+                key: value.clone() if type(value) is Tensor else value for key, value in self.model.state_dict().items()
+            }
         load_dcp(path, state, self.pg)
         for fqn, module in self.modules.items():
             tables = local_tables(module)
             if tables is not None:
-                tables.load_states({t: tables_state[fqn][m.name] for t, m in enumerate(tables.meta)},
-                                   f"IncrementalCheckpoints.load({path})")
+                tables.load_states(
+                    {t: tables_state[fqn][m.name] for t, m in enumerate(tables.meta)},
+                    f"IncrementalCheckpoints.load({path})",
+                )
         with tables_left_out(modules):
             self.model.load_state_dict(state.pop(MODEL_KEY))
         return state
 
-    def _replay(self, links: List[str], rank: int, world: int) -> Dict[str, Dict[str, Dict[str, Tensor]]]:
+    def _replay(self, links: list[str], rank: int, world: int) -> dict[str, dict[str, dict[str, Tensor]]]:
         """This rank's tables' state at the last of ``links``: the base, then each delta applied."""
-        out: Dict[str, Dict[str, Dict[str, Tensor]]] = {}
+        out: dict[str, dict[str, dict[str, Tensor]]] = {}
         for i, link in enumerate(links):
             file = os.path.join(link, tables_file(rank, world))
             try:
                 with open(file, "rb") as f:
                     payload = torch.load(f, weights_only=True)
             except (OSError, RuntimeError, ValueError) as e:
-                raise CheckpointError(f"checkpoint {link}: {tables_file(rank, world)} cannot be read "
-                                      f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+                raise CheckpointError(
+                    f"checkpoint {link}: {tables_file(rank, world)} cannot be read "
+                    f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                ) from None
             kind = "base" if i == 0 else "delta"
             if not isinstance(payload, dict) or payload.get("format") != _FORMAT or payload.get("kind") != kind:
-                raise CheckpointError(f"checkpoint {link}: {tables_file(rank, world)} is not a {kind} link of "
-                                      f"format {_FORMAT!r}")
+                raise CheckpointError(
+                    f"checkpoint {link}: {tables_file(rank, world)} is not a {kind} link of format {_FORMAT!r}"
+                )
             for fqn, module in self.modules.items():
                 tables = local_tables(module)
                 if tables is None:
@@ -244,9 +280,11 @@ class IncrementalCheckpoints:
                 saved = payload["modules"].get(fqn)
                 names = [m.name for m in tables.meta]
                 if not isinstance(saved, dict) or sorted(saved) != sorted(names):
-                    raise CheckpointError(f"checkpoint {link}: module {fqn!r} holds tables "
-                                          f"{sorted(saved) if isinstance(saved, dict) else None}, this model's "
-                                          f"has {sorted(names)} (a checkpoint of another model)")
+                    raise CheckpointError(
+                        f"checkpoint {link}: module {fqn!r} holds tables "
+                        f"{sorted(saved) if isinstance(saved, dict) else None}, this model's "
+                        f"has {sorted(names)} (a checkpoint of another model)"
+                    )
                 if i == 0:
                     out[fqn] = {name: saved[name]["table"] for name in names}
                 else:

@@ -8,14 +8,15 @@ the save a second pass over them, and DCP's writer threads (one file each) hash 
 cores. A file whose stream was ever moved backwards (no writer of DCP's does) is left unhashed,
 and the save hashes it from disk instead.
 """
+
 from __future__ import annotations
 
 import hashlib
 import os
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
@@ -71,7 +72,7 @@ class _HashingFileSystem(FileSystem):
 
     def __init__(self) -> None:
         super().__init__()
-        self.digests: Dict[str, Tuple[int, str]] = {}
+        self.digests: dict[str, tuple[int, str]] = {}
         self._lock = threading.Lock()
 
     @contextmanager
@@ -108,16 +109,16 @@ class HashingWriter(dcp.FileSystemWriter):
     """DCP's FileSystemWriter (one file per writer thread per rank, fsynced) whose ``digests``
     hold {file name: (size, SHA-256)} of the files this process wrote."""
 
-    def __init__(self, path: str, thread_count: Optional[int] = None):
+    def __init__(self, path: str, thread_count: int | None = None):
         super().__init__(path, thread_count=thread_count or IO_THREADS)
         self.fs = _HashingFileSystem()
 
     @property
-    def digests(self) -> Dict[str, Tuple[int, str]]:
+    def digests(self) -> dict[str, tuple[int, str]]:
         return dict(self.fs.digests)
 
 
-def file_digest(path: str) -> Tuple[int, str]:
+def file_digest(path: str) -> tuple[int, str]:
     """(size, SHA-256 hex digest) of a regular file, opened without following a symlink."""
     digest, size = hashlib.sha256(), 0
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
@@ -132,7 +133,7 @@ def file_digest(path: str) -> Tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def file_digests(directory: str, names: List[str]) -> Dict[str, Tuple[int, str]]:
+def file_digests(directory: str, names: list[str]) -> dict[str, tuple[int, str]]:
     """{name: (size, SHA-256)} of files ``names`` in ``directory``, hashed on up to IO_THREADS
     threads (largest first, so the threads finish together). Raises the first OSError."""
     if len(names) <= 1 or IO_THREADS == 1:

@@ -7,17 +7,19 @@ checkpoint, so the load gathers no row only to overwrite it (a copy of every tab
 ``tables_left_out(modules)`` leaves the dynamic modules out of a model's ``state_dict()`` and
 ``load_state_dict`` altogether: the dense state alone (incremental checkpoints).
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any, Dict, Iterator, List
+from typing import Any
 
 from torch import nn
 
 
-def dynamic_modules(model: nn.Module) -> Dict[str, nn.Module]:
+def dynamic_modules(model: nn.Module) -> dict[str, nn.Module]:
     """The outermost submodules of ``model`` with dynamic tables (unsharded or sharded), by name."""
-    found: Dict[str, nn.Module] = {}
+    found: dict[str, nn.Module] = {}
     for name, sub in model.named_modules():
         if "" in found or any(name.startswith(outer + ".") for outer in found):
             continue
@@ -32,7 +34,7 @@ def local_tables(module: nn.Module):
     return None if local is None else local._tables
 
 
-def state_template(model: nn.Module) -> Dict[str, Any]:
+def state_template(model: nn.Module) -> dict[str, Any]:
     """``model.state_dict()`` with the dynamic tables' per-row entries empty (module doc).
     Collective for a sharded model, as ``state_dict()`` is."""
     with ExitStack() as stack:
@@ -52,7 +54,7 @@ def _skip_load(*args: Any, **kwargs: Any) -> None:
 
 
 @contextmanager
-def tables_left_out(modules: List[nn.Module]) -> Iterator[None]:
+def tables_left_out(modules: list[nn.Module]) -> Iterator[None]:
     """Within it, a model's ``state_dict()`` leaves out these modules (their tables: the dense
     state, without gathering a row) and its ``load_state_dict`` passes them by (neither loaded nor
     reported missing). Shadows the methods on the instances."""

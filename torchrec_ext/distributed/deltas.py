@@ -68,8 +68,9 @@ class ShardedDeltaMixin:
         delta.source.update(module=type(self).__name__, rank=self._rank, world_size=self._world_size)
         return delta
 
-    def _export_with_whole_columns(self, since: DeltaToken, include_optimizer_state: bool,
-                                   include_scores: bool) -> Delta:
+    def _export_with_whole_columns(
+        self, since: DeltaToken, include_optimizer_state: bool, include_scores: bool
+    ) -> Delta:
         """This rank's export, its column tables' rows made whole from every shard's columns (an
         all_gather of the shards' columns; a refusal on any rank is raised on every rank)."""
         delta, error = None, None
@@ -78,15 +79,19 @@ class ShardedDeltaMixin:
         except (DeltaError, TypeError, ValueError) as e:
             error = e
         columns = [name for name in (delta.tables if delta is not None else ()) if self._owners[name].kind == "column"]
-        mine = (None if error is None else str(error),
-                {name: _to_cpu(delta.tables[name]) for name in columns} if delta is not None else {})
+        mine = (
+            None if error is None else str(error),
+            {name: _to_cpu(delta.tables[name]) for name in columns} if delta is not None else {},
+        )
         everyone: list = [None] * self._world_size
         dist.all_gather_object(everyone, mine, group=self._env.process_group)
         refused = {rank: text for rank, (text, _) in enumerate(everyone) if text is not None}
         if error is not None:
             raise error
         if refused:
-            raise DeltaError(f"export_delta: refused on rank(s) {sorted(refused)} (e.g. {next(iter(refused.values()))})")
+            raise DeltaError(
+                f"export_delta: refused on rank(s) {sorted(refused)} (e.g. {next(iter(refused.values()))})"
+            )
         for name in columns:
             placement = self._owners[name]
             if placement.first_rank != self._rank:
@@ -155,9 +160,11 @@ class ShardedDeltaMixin:
             if owner.kind == "column":  # this rank's columns of the whole rows
                 dim = sum(size for _, size in owner.columns)
                 if not isinstance(table.weights, Tensor) or table.weights.dim() != 2 or table.weights.shape[1] != dim:
-                    raise DeltaError(f"apply_delta: table {name!r} is sharded column-wise here: its delta must hold "
-                                     f"whole rows [n, {dim}], got weights of shape "
-                                     f"{tuple(getattr(table.weights, 'shape', ()))}")
+                    raise DeltaError(
+                        f"apply_delta: table {name!r} is sharded column-wise here: its delta must hold "
+                        f"whole rows [n, {dim}], got weights of shape "
+                        f"{tuple(getattr(table.weights, 'shape', ()))}"
+                    )
                 first, width = owner.local_columns(self._rank)
                 table = _columns_of(table, first, width)
                 if isinstance(source, dict) and name in source["tables"]:
@@ -186,11 +193,20 @@ class ShardedDeltaMixin:
 
 def _to_cpu(table: TableDelta) -> TableDelta:
     """A column share as all_gather_object sends it (host tensors)."""
-    cpu = lambda t: None if t is None else t.cpu()
-    return TableDelta(ids=table.ids.cpu(), weights=table.weights.cpu(), tombstones=table.tombstones.cpu(),
-                      optimizer={k: v.cpu() for k, v in table.optimizer.items()}, scores=cpu(table.scores),
-                      fallback_slots=cpu(table.fallback_slots), fallback_weights=cpu(table.fallback_weights),
-                      fallback_optimizer={k: v.cpu() for k, v in table.fallback_optimizer.items()})
+
+    def cpu(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.cpu()
+
+    return TableDelta(
+        ids=table.ids.cpu(),
+        weights=table.weights.cpu(),
+        tombstones=table.tombstones.cpu(),
+        optimizer={k: v.cpu() for k, v in table.optimizer.items()},
+        scores=cpu(table.scores),
+        fallback_slots=cpu(table.fallback_slots),
+        fallback_weights=cpu(table.fallback_weights),
+        fallback_optimizer={k: v.cpu() for k, v in table.fallback_optimizer.items()},
+    )
 
 
 def _whole_rows(name: str, parts: Sequence[TableDelta], device: torch.device) -> TableDelta:
@@ -199,14 +215,23 @@ def _whole_rows(name: str, parts: Sequence[TableDelta], device: torch.device) ->
     first = parts[0]
     for part in parts[1:]:
         if not (torch.equal(part.ids, first.ids) and torch.equal(part.tombstones, first.tombstones)):
-            raise DeltaError(f"export_delta: the column shards of table {name!r} hold different ids; their "
-                             f"hash tables should be identical (was a shard loaded from another checkpoint?)")
-    side = lambda key: [getattr(p, key) for p in parts]
-    # Element-wise states are split by columns as the weights are ([n, width]); a row-wise state
-    # ([n]) is never split (placement refuses it), so every shard's is the same.
-    join = lambda values: (torch.cat(values, dim=1) if values[0].dim() == 2 else values[0]).to(device)
+            raise DeltaError(
+                f"export_delta: the column shards of table {name!r} hold different ids; their "
+                f"hash tables should be identical (was a shard loaded from another checkpoint?)"
+            )
+
+    def side(key: str) -> list[Tensor]:
+        return [getattr(p, key) for p in parts]
+
+    def join(values: Sequence[Tensor]) -> Tensor:
+        # Element-wise states are split by columns as the weights are ([n, width]); a row-wise
+        # state ([n]) is never split (placement refuses it), so every shard's is the same.
+        return (torch.cat(values, dim=1) if values[0].dim() == 2 else values[0]).to(device)
+
     return TableDelta(
-        ids=first.ids.to(device), weights=join(side("weights")), tombstones=first.tombstones.to(device),
+        ids=first.ids.to(device),
+        weights=join(side("weights")),
+        tombstones=first.tombstones.to(device),
         optimizer={k: join([p.optimizer[k] for p in parts]) for k in first.optimizer},
         scores=None if first.scores is None else first.scores.to(device),
         fallback_slots=None if first.fallback_slots is None else first.fallback_slots.to(device),
@@ -217,10 +242,17 @@ def _whole_rows(name: str, parts: Sequence[TableDelta], device: torch.device) ->
 
 def _columns_of(table: TableDelta, first: int, width: int) -> TableDelta:
     """Columns first..first + width of a delta of whole rows (a replica's column shard)."""
-    cut = lambda t: t[:, first:first + width].contiguous() if t is not None and t.dim() == 2 else t
+
+    def cut(t: Tensor | None) -> Tensor | None:
+        return t[:, first : first + width].contiguous() if t is not None and t.dim() == 2 else t
+
     return TableDelta(
-        ids=table.ids, weights=cut(table.weights), tombstones=table.tombstones,
-        optimizer={k: cut(v) for k, v in table.optimizer.items()}, scores=table.scores,
-        fallback_slots=table.fallback_slots, fallback_weights=cut(table.fallback_weights),
+        ids=table.ids,
+        weights=cut(table.weights),
+        tombstones=table.tombstones,
+        optimizer={k: cut(v) for k, v in table.optimizer.items()},
+        scores=table.scores,
+        fallback_slots=table.fallback_slots,
+        fallback_weights=cut(table.fallback_weights),
         fallback_optimizer={k: cut(v) for k, v in table.fallback_optimizer.items()},
     )

@@ -7,10 +7,11 @@ column-wise sequence sharding sends them), and an all-to-all brings the vectors 
 of their batch, where they are put back in the input's order (a column table's shards' columns
 placed side by side): ``forward`` gives, per feature, a JaggedTensor as the unsharded module does.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Type
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,15 +33,15 @@ from torchrec_ext.modules.features import check_and_arrange
 class SequenceShardingContext(Multistreamable):
     """What the output dist needs from the input dist of the same batch."""
 
-    sharding_contexts: List[EmbeddingShardingContext] = field(default_factory=lambda: [EmbeddingShardingContext()])
-    order: Optional[Tensor] = None           # routed position -> position among the routing slots' ids
-    expand: Optional[Tensor] = None          # routing slots' id position -> input position (None: the same)
-    sent_per_rank: List[int] = field(default_factory=list)
-    lengths: Optional[Tensor] = None         # input lengths, lookup-slot major
-    ids: Optional[Tensor] = None             # input ids (the weights when need_indices)
+    sharding_contexts: list[EmbeddingShardingContext] = field(default_factory=lambda: [EmbeddingShardingContext()])
+    order: Tensor | None = None  # routed position -> position among the routing slots' ids
+    expand: Tensor | None = None  # routing slots' id position -> input position (None: the same)
+    sent_per_rank: list[int] = field(default_factory=list)
+    lengths: Tensor | None = None  # input lengths, lookup-slot major
+    ids: Tensor | None = None  # input ids (the weights when need_indices)
     batch_size: int = 0
-    received_lengths: Optional[Tensor] = None  # [slots, world, batch] lengths of the ids received
-    routed_counts: Optional[Tensor] = None   # [world, slots] ids sent to each rank per routing slot
+    received_lengths: Tensor | None = None  # [slots, world, batch] lengths of the ids received
+    routed_counts: Tensor | None = None  # [world, slots] ids sent to each rank per routing slot
 
     def record_stream(self, stream: torch.Stream) -> None:
         for t in (self.order, self.expand, self.lengths, self.ids, self.received_lengths, self.routed_counts):
@@ -48,29 +49,43 @@ class SequenceShardingContext(Multistreamable):
                 t.record_stream(stream)
 
 
-class _SequenceAwaitable(LazyAwaitable[Dict[str, JaggedTensor]]):
-    def __init__(self, result: Dict[str, JaggedTensor]):
+class _SequenceAwaitable(LazyAwaitable[dict[str, JaggedTensor]]):
+    def __init__(self, result: dict[str, JaggedTensor]):
         super().__init__()
         self._result = result
 
-    def _wait_impl(self) -> Dict[str, JaggedTensor]:
+    def _wait_impl(self) -> dict[str, JaggedTensor]:
         return self._result
 
 
 class ShardedDynamicEmbeddingCollection(
-    ShardedDynamicBase, ShardedModule[KJTList, List[Tensor], Dict[str, JaggedTensor], SequenceShardingContext],
+    ShardedDynamicBase,
+    ShardedModule[KJTList, list[Tensor], dict[str, JaggedTensor], SequenceShardingContext],
     FusedOptimizerModule,
 ):
-    def __init__(self, module: DynamicEmbeddingCollection, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
-                 env: ShardingEnv, device: Optional[torch.device] = None,
-                 fused_params: Optional[Dict[str, Any]] = None) -> None:
+    def __init__(
+        self,
+        module: DynamicEmbeddingCollection,
+        table_name_to_parameter_sharding: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        fused_params: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__()
         configs = module.embedding_configs()
         self._embedding_configs = configs
         self._dim = module.embedding_dim()
         self._need_indices = module.need_indices()
-        self._init_sharding(module, configs, table_name_to_parameter_sharding, env, device, "embeddings", pooled=False,
-                            fused_params=fused_params)
+        self._init_sharding(
+            module,
+            configs,
+            table_name_to_parameter_sharding,
+            env,
+            device,
+            "embeddings",
+            pooled=False,
+            fused_params=fused_params,
+        )
         # This rank's routing slots (one per lookup slot whose table it holds).
         self._local_slots = self._routing.slots_on(self._rank)
         # What each rank sends back per id: its tables' columns (an EC's tables on a rank are as
@@ -78,11 +93,13 @@ class ShardedDynamicEmbeddingCollection(
         slot_tables = [self._owners[configs[self._plan.tables[s]].name] for s in self._routing.source]
         held = [[p for p in self._owners.values() if p.holds(r)] for r in range(self._world_size)]
         self._rank_widths = [p[0].local_columns(r)[1] if p else self._dim for r, p in enumerate(held)]
-        self._slot_first = torch.tensor([[p.local_columns(r)[0] if p.holds(r) else 0 for p in slot_tables]
-                                         for r in range(self._world_size)], dtype=torch.int64).reshape(-1)
+        self._slot_first = torch.tensor(
+            [[p.local_columns(r)[0] if p.holds(r) else 0 for p in slot_tables] for r in range(self._world_size)],
+            dtype=torch.int64,
+        ).reshape(-1)
 
     @property
-    def unsharded_module_type(self) -> Type[DynamicEmbeddingCollection]:
+    def unsharded_module_type(self) -> type[DynamicEmbeddingCollection]:
         return DynamicEmbeddingCollection
 
     def create_context(self) -> SequenceShardingContext:
@@ -97,7 +114,7 @@ class ShardedDynamicEmbeddingCollection(
         ctx.ids = batch.ids
         return KJTListSplitsAwaitable([self._input_dists[0](routed, ctx.sharding_contexts[0])], ctx)
 
-    def compute(self, ctx: SequenceShardingContext, dist_input: KJTList) -> List[Tensor]:
+    def compute(self, ctx: SequenceShardingContext, dist_input: KJTList) -> list[Tensor]:
         ctx.received_lengths = self._received_lengths(dist_input[0])
         if self._local is None:
             return [torch.zeros(0, self._dim, device=self._device, requires_grad=True)]
@@ -110,16 +127,21 @@ class ShardedDynamicEmbeddingCollection(
     def _received_lengths(self, received: KeyedJaggedTensor) -> Tensor:
         """[slots, world, batch] lengths of the ids received (keys: every routing slot's output
         name, slot-major then source rank)."""
-        return received.lengths().view(len(self._routing.names), self._world_size,
-                                       received.stride() // max(self._world_size, 1))
+        return received.lengths().view(
+            len(self._routing.names), self._world_size, received.stride() // max(self._world_size, 1)
+        )
 
     def _local_features(self, dist_input: KJTList) -> KeyedJaggedTensor:
         """The local module's input: the received ids of the slots of its tables."""
         received, names, slots = dist_input[0], self._routing.names, self._local_slots
-        return KeyedJaggedTensor(keys=[names[i] for i in slots], values=received.values(),
-                                 lengths=self._received_lengths(received)[slots].reshape(-1), stride=received.stride())
+        return KeyedJaggedTensor(
+            keys=[names[i] for i in slots],
+            values=received.values(),
+            lengths=self._received_lengths(received)[slots].reshape(-1),
+            stride=received.stride(),
+        )
 
-    def output_dist(self, ctx: SequenceShardingContext, output: List[Tensor]) -> LazyAwaitable[Dict[str, JaggedTensor]]:
+    def output_dist(self, ctx: SequenceShardingContext, output: list[Tensor]) -> LazyAwaitable[dict[str, JaggedTensor]]:
         vectors = output[0]
         # Received ids are slot-major then source-major: regroup by source to send them back.
         per_slot_source = ctx.received_lengths.sum(-1)  # [slots, world]
@@ -127,8 +149,12 @@ class ShardedDynamicEmbeddingCollection(
         send_counts = per_slot_source.sum(0).tolist()
         if ctx.expand is None and all(w == self._dim for w in self._rank_widths):  # whole vectors, each id once
             returned = all_to_all_single(
-                vectors.new_empty(sum(ctx.sent_per_rank), self._dim), vectors[back],
-                output_split_sizes=ctx.sent_per_rank, input_split_sizes=send_counts, group=self._env.process_group)
+                vectors.new_empty(sum(ctx.sent_per_rank), self._dim),
+                vectors[back],
+                output_split_sizes=ctx.sent_per_rank,
+                input_split_sizes=send_counts,
+                group=self._env.process_group,
+            )
             restored = returned[torch.argsort(ctx.order)]  # back to the input's order
         else:
             restored = self._placed_columns(ctx, vectors[back], send_counts)
@@ -136,33 +162,42 @@ class ShardedDynamicEmbeddingCollection(
         pieces = torch.split(restored, per_slot)
         ids = torch.split(ctx.ids, per_slot)
         lengths = ctx.lengths.view(len(per_slot), ctx.batch_size)
-        return _SequenceAwaitable({
-            name: JaggedTensor(values=pieces[i], lengths=lengths[i], weights=ids[i] if self._need_indices else None)
-            for i, name in enumerate(self._plan.embedding_names)
-        })
+        return _SequenceAwaitable(
+            {
+                name: JaggedTensor(values=pieces[i], lengths=lengths[i], weights=ids[i] if self._need_indices else None)
+                for i, name in enumerate(self._plan.embedding_names)
+            }
+        )
 
-    def _placed_columns(self, ctx: SequenceShardingContext, vectors: Tensor, send_counts: List[int]) -> Tensor:
+    def _placed_columns(self, ctx: SequenceShardingContext, vectors: Tensor, send_counts: list[int]) -> Tensor:
         """[ids, dim]: the vectors of the input's ids, in its order, from each rank's columns of
         them (``vectors``: this rank's, [sent back, its width], rows in the order they go)."""
         widths = self._rank_widths
         sizes = [n * w for n, w in zip(ctx.sent_per_rank, widths)]
         # Flat, as ranks send rows of different widths.
         received = all_to_all_single(
-            vectors.new_empty(sum(sizes)), vectors.reshape(-1), output_split_sizes=sizes,
-            input_split_sizes=[n * vectors.shape[1] for n in send_counts], group=self._env.process_group)
+            vectors.new_empty(sum(sizes)),
+            vectors.reshape(-1),
+            output_split_sizes=sizes,
+            input_split_sizes=[n * vectors.shape[1] for n in send_counts],
+            group=self._env.process_group,
+        )
         # Each returned row (routed order: rank-major, then routing slot): its input position and first column.
         target = ctx.order if ctx.expand is None else ctx.expand[ctx.order]
-        first = torch.repeat_interleave(self._slot_first.to(target.device), ctx.routed_counts.reshape(-1),
-                                        output_size=target.numel())
+        first = torch.repeat_interleave(
+            self._slot_first.to(target.device), ctx.routed_counts.reshape(-1), output_size=target.numel()
+        )
         start = (target * self._dim + first).split(ctx.sent_per_rank)
-        index = torch.cat([(s.unsqueeze(1) + torch.arange(w, device=s.device)).reshape(-1)
-                           for s, w in zip(start, widths)])
+        index = torch.cat(
+            [(s.unsqueeze(1) + torch.arange(w, device=s.device)).reshape(-1) for s, w in zip(start, widths)]
+        )
         whole = received.new_zeros(ctx.ids.numel() * self._dim).index_add(0, index, received)
         return whole.view(ctx.ids.numel(), self._dim)
 
-    def compute_and_output_dist(self, ctx: SequenceShardingContext, input: KJTList) -> LazyAwaitable[Dict[str, JaggedTensor]]:
+    def compute_and_output_dist(
+        self, ctx: SequenceShardingContext, input: KJTList
+    ) -> LazyAwaitable[dict[str, JaggedTensor]]:
         return self.output_dist(ctx, self.compute(ctx, input))
 
     def embedding_configs(self):
         return self._embedding_configs
-

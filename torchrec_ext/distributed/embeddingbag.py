@@ -19,9 +19,10 @@ their column shards, each of which pools its columns (the others' are zeros in i
 output, so the reduce-scatter's sum assembles the whole vector): a model mixing every type runs
 one all-to-all and one reduce-scatter per step.
 """
+
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -39,7 +40,7 @@ from torchrec_ext.modules.features import check_and_arrange
 
 
 class _PooledAwaitable(LazyAwaitable[KeyedTensor]):
-    def __init__(self, reduced: Awaitable[Tensor], divisor: Optional[Tensor], keys: List[str], dims: List[int]):
+    def __init__(self, reduced: Awaitable[Tensor], divisor: Tensor | None, keys: list[str], dims: list[int]):
         super().__init__()
         self._reduced, self._divisor, self._keys, self._dims = reduced, divisor, keys, dims
 
@@ -51,18 +52,33 @@ class _PooledAwaitable(LazyAwaitable[KeyedTensor]):
 
 
 class ShardedDynamicEmbeddingBagCollection(
-    ShardedDynamicBase, ShardedModule[KJTList, List[Tensor], KeyedTensor, EmbeddingBagCollectionContext],
+    ShardedDynamicBase,
+    ShardedModule[KJTList, list[Tensor], KeyedTensor, EmbeddingBagCollectionContext],
     FusedOptimizerModule,
 ):
-    def __init__(self, module: DynamicEmbeddingBagCollection, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
-                 env: ShardingEnv, device: Optional[torch.device] = None,
-                 fused_params: Optional[Dict[str, Any]] = None) -> None:
+    def __init__(
+        self,
+        module: DynamicEmbeddingBagCollection,
+        table_name_to_parameter_sharding: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        fused_params: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__()
         configs = module.embedding_bag_configs()
         self._embedding_bag_configs = configs
         self._is_weighted = module.is_weighted()
-        self._init_sharding(module, configs, table_name_to_parameter_sharding, env, device, "embedding_bags",
-                            pooled=True, is_weighted=self._is_weighted, fused_params=fused_params)
+        self._init_sharding(
+            module,
+            configs,
+            table_name_to_parameter_sharding,
+            env,
+            device,
+            "embedding_bags",
+            pooled=True,
+            is_weighted=self._is_weighted,
+            fused_params=fused_params,
+        )
         # This rank's routing slots (one per lookup slot whose table it holds, in lookup order, as
         # its local module pools them) and the output columns their pools fill.
         self._local_slots = self._routing.slots_on(self._rank)
@@ -79,7 +95,7 @@ class ShardedDynamicEmbeddingBagCollection(
     # ------------------------------------------------------------------ TorchRec contract
 
     @property
-    def unsharded_module_type(self) -> Type[DynamicEmbeddingBagCollection]:
+    def unsharded_module_type(self) -> type[DynamicEmbeddingBagCollection]:
         return DynamicEmbeddingBagCollection
 
     def create_context(self) -> EmbeddingBagCollectionContext:
@@ -88,13 +104,14 @@ class ShardedDynamicEmbeddingBagCollection(
     def input_dist(self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor) -> KJTListSplitsAwaitable:
         # A variable batch size per feature: each feature's bags repeated into the full batch, as
         # routing sends one batch of every feature (the output is what TorchRec's expansion gives).
-        batch = check_and_arrange(features, self._plan, self._is_weighted, type(self).__name__, self._device,
-                                  variable_batch="expand")
+        batch = check_and_arrange(
+            features, self._plan, self._is_weighted, type(self).__name__, self._device, variable_batch="expand"
+        )
         routed, _, _ = self._routing.route(batch.ids, batch.lengths, batch.weights, batch.batch_size)
         ctx.divisor = self._mean_divisor(batch.lengths, batch.batch_size)
         return KJTListSplitsAwaitable([self._input_dists[0](routed, ctx.sharding_contexts[0])], ctx)
 
-    def compute(self, ctx: EmbeddingBagCollectionContext, dist_input: KJTList) -> List[Tensor]:
+    def compute(self, ctx: EmbeddingBagCollectionContext, dist_input: KJTList) -> list[Tensor]:
         received = dist_input[0]  # keys: every slot's output name; stride: batch_size * world_size
         stride = received.stride()
         if self._local is None:
@@ -115,17 +132,22 @@ class ShardedDynamicEmbeddingBagCollection(
             return received
         # slots of other ranks' tables carry no ids here: keep the local slots' lengths
         lengths = received.lengths().view(len(names), stride)[self._local_slots].reshape(-1)
-        return KeyedJaggedTensor(keys=[names[i] for i in self._local_slots], values=received.values(),
-                                 weights=received.weights_or_none(), lengths=lengths, stride=stride)
+        return KeyedJaggedTensor(
+            keys=[names[i] for i in self._local_slots],
+            values=received.values(),
+            weights=received.weights_or_none(),
+            lengths=lengths,
+            stride=stride,
+        )
 
-    def output_dist(self, ctx: EmbeddingBagCollectionContext, output: List[Tensor]) -> LazyAwaitable[KeyedTensor]:
+    def output_dist(self, ctx: EmbeddingBagCollectionContext, output: list[Tensor]) -> LazyAwaitable[KeyedTensor]:
         reduced = self._output_dists[0](output[0], ctx.sharding_contexts[0])
         return _PooledAwaitable(reduced, ctx.divisor, self._plan.embedding_names, self._plan.dims)
 
     def compute_and_output_dist(self, ctx: EmbeddingBagCollectionContext, input: KJTList) -> LazyAwaitable[KeyedTensor]:
         return self.output_dist(ctx, self.compute(ctx, input))
 
-    def _mean_divisor(self, lengths: Tensor, batch_size: int) -> Optional[Tensor]:
+    def _mean_divisor(self, lengths: Tensor, batch_size: int) -> Tensor | None:
         if not any(self._plan.mean):
             return None
         per_slot = lengths.view(len(self._plan.mean), batch_size).t().float().clamp(min=1)

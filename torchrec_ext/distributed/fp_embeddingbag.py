@@ -16,9 +16,8 @@ inside. Two things differ from TorchRec's, both for the dynamic EBC:
   unsharded FP-EBC trained on the ranks' mean loss, as the tables and the other dense
   parameters do (and as TorchRec's sharded FP-EBC over its own EBC gives them).
 """
-from __future__ import annotations
 
-from typing import Dict, Optional
+from __future__ import annotations
 
 import torch
 from torch import Tensor
@@ -46,20 +45,33 @@ class _ScaleGradient(torch.autograd.Function):
 
 
 class ShardedFeatureProcessedDynamicEmbeddingBagCollection(ShardedFeatureProcessedEmbeddingBagCollection):
-    def __init__(self, module: FeatureProcessedEmbeddingBagCollection,
-                 table_name_to_parameter_sharding: Dict[str, ParameterSharding], ebc_sharder, env: ShardingEnv,
-                 device: torch.device, module_fqn: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        module: FeatureProcessedEmbeddingBagCollection,
+        table_name_to_parameter_sharding: dict[str, ParameterSharding],
+        ebc_sharder,
+        env: ShardingEnv,
+        device: torch.device,
+        module_fqn: str | None = None,
+    ) -> None:
         # TorchRec's constructor, but for our sharded EBC, which has no fbgemm lookups (``_lookups``).
         ShardedEmbeddingModule.__init__(self)
         self._device, self._env = device, env
-        self._embedding_bag_collection = ebc_sharder.shard(module._embedding_bag_collection,
-                                                           table_name_to_parameter_sharding, env=env, device=device,
-                                                           module_fqn=module_fqn)
+        self._embedding_bag_collection = ebc_sharder.shard(
+            module._embedding_bag_collection,
+            table_name_to_parameter_sharding,
+            env=env,
+            device=device,
+            module_fqn=module_fqn,
+        )
         # Positions always travel with the ids (see the module docstring): TorchRec's flag for it.
         self._row_wise_sharded = True
         self._is_collection = isinstance(module._feature_processors, FeatureProcessorsCollection)
-        self._feature_processors = (module._feature_processors if self._is_collection
-                                    else torch.nn.ModuleDict(module._feature_processors.items()))
+        self._feature_processors = (
+            module._feature_processors
+            if self._is_collection
+            else torch.nn.ModuleDict(module._feature_processors.items())
+        )
         init_parameters(self._feature_processors, device)
         self._no_op_zero = torch.zeros((1,), device=self._device)
 
@@ -68,9 +80,18 @@ class ShardedFeatureProcessedDynamicEmbeddingBagCollection(ShardedFeatureProcess
         factor = float(self._env.world_size) if get_gradient_division() else 1.0
         if factor == 1.0:
             return processed
-        return KJTList([KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(),
-                                          weights=_ScaleGradient.apply(kjt.weights(), factor),
-                                          lengths=kjt.lengths(), stride=kjt.stride()) for kjt in processed])
+        return KJTList(
+            [
+                KeyedJaggedTensor(
+                    keys=kjt.keys(),
+                    values=kjt.values(),
+                    weights=_ScaleGradient.apply(kjt.weights(), factor),
+                    lengths=kjt.lengths(),
+                    stride=kjt.stride(),
+                )
+                for kjt in processed
+            ]
+        )
 
     def _initialize_torch_state(self, skip_registering: bool = False) -> None:
         pass  # our sharded EBC registers its tables when built

@@ -20,9 +20,8 @@ awaitable it waits twice as it is (splits, then data). So ``RoutedInputDist`` ho
 two-phase awaitables. Our TrainPipeline moves ``_dist._pg`` to a helper thread's group: the
 exchange reads it at each call.
 """
-from __future__ import annotations
 
-from typing import List, Optional
+from __future__ import annotations
 
 import torch
 import torch.distributed as dist
@@ -33,7 +32,7 @@ from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 
-def transpose_segments(sizes: Tensor, total: Optional[int] = None) -> Tensor:
+def transpose_segments(sizes: Tensor, total: int | None = None) -> Tensor:
     """Gather index that lists a buffer of segments laid out row-major by ``sizes[a, b]``
     column-major instead (b outer, a inner). total: ``sizes.sum()`` when the caller knows it
     (saves a device sync)."""
@@ -43,8 +42,9 @@ def transpose_segments(sizes: Tensor, total: Optional[int] = None) -> Tensor:
     listed = sizes.t().reshape(-1)
     total = int(listed.sum()) if total is None else total
     listed_starts = torch.cumsum(listed, 0) - listed
-    return (torch.repeat_interleave(starts - listed_starts, listed, output_size=total)
-            + torch.arange(total, device=sizes.device))
+    return torch.repeat_interleave(starts - listed_starts, listed, output_size=total) + torch.arange(
+        total, device=sizes.device
+    )
 
 
 class RoutedAllToAll(KJTAllToAll):
@@ -59,19 +59,25 @@ class RoutedAllToAll(KJTAllToAll):
         super().__init__(pg, splits=[num_keys] * world_size)
         self._num_keys = num_keys
 
-    def forward(self, routed: KeyedJaggedTensor) -> "RoutedCountsAwaitable":
+    def forward(self, routed: KeyedJaggedTensor) -> RoutedCountsAwaitable:
         return self.exchange(routed)
 
-    def exchange(self, routed: KeyedJaggedTensor,
-                 sharding_ctx: Optional[EmbeddingShardingContext] = None) -> "RoutedCountsAwaitable":
+    def exchange(
+        self, routed: KeyedJaggedTensor, sharding_ctx: EmbeddingShardingContext | None = None
+    ) -> RoutedCountsAwaitable:
         return RoutedCountsAwaitable(self._pg, routed, self._num_keys, sharding_ctx)
 
 
 class RoutedCountsAwaitable(Awaitable[Awaitable[KeyedJaggedTensor]]):
     """Phase one: every rank learns, per source, its batch size and ids per key."""
 
-    def __init__(self, pg: dist.ProcessGroup, routed: KeyedJaggedTensor, num_keys: int,
-                 sharding_ctx: Optional[EmbeddingShardingContext]):
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        routed: KeyedJaggedTensor,
+        num_keys: int,
+        sharding_ctx: EmbeddingShardingContext | None,
+    ):
         super().__init__()
         self._pg, self._routed, self._num_keys, self._sharding_ctx = pg, routed, num_keys, sharding_ctx
         self._work = None
@@ -92,8 +98,15 @@ class RoutedCountsAwaitable(Awaitable[Awaitable[KeyedJaggedTensor]]):
             received = self._received.view(self._pg.size(), 1 + self._num_keys)
             counts = received.tolist()  # on the host: the splits of phase two
             batches = [row[0] for row in counts]
-            data = RoutedDataAwaitable(self._pg, self._routed, self._num_keys, self._sent.sum(1).tolist(), batches,
-                                       received[:, 1:], [sum(row[1:]) for row in counts])
+            data = RoutedDataAwaitable(
+                self._pg,
+                self._routed,
+                self._num_keys,
+                self._sent.sum(1).tolist(),
+                batches,
+                received[:, 1:],
+                [sum(row[1:]) for row in counts],
+            )
         if self._sharding_ctx is not None:  # the output dist's reduce-scatter splits
             self._sharding_ctx.batch_size_per_rank = batches
         return data
@@ -102,8 +115,16 @@ class RoutedCountsAwaitable(Awaitable[Awaitable[KeyedJaggedTensor]]):
 class RoutedDataAwaitable(Awaitable[KeyedJaggedTensor]):
     """Phase two: the lengths, ids and weights; waiting regroups them into the received KJT."""
 
-    def __init__(self, pg: dist.ProcessGroup, routed: KeyedJaggedTensor, num_keys: int, sent_ids: List[int],
-                 batches: List[int], ids_per_key: Tensor, received_ids: List[int]):
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        routed: KeyedJaggedTensor,
+        num_keys: int,
+        sent_ids: list[int],
+        batches: list[int],
+        ids_per_key: Tensor,
+        received_ids: list[int],
+    ):
         super().__init__()
         values, lengths, weights = routed.values(), routed.lengths(), routed.weights_or_none()
         world, batch = pg.size(), routed.stride()
@@ -117,14 +138,24 @@ class RoutedDataAwaitable(Awaitable[KeyedJaggedTensor]):
             self._send = torch.cat([t for r in range(world) for t in (lengths_per_rank[r], ids_per_rank[r])])
             self._send_weights = weights  # kept until the exchange is done
             self._received_ints = values.new_empty(num_keys * sum(batches) + sum(received_ids))
-            self._works = [dist.all_to_all_single(
-                self._received_ints, self._send, [num_keys * b + n for b, n in zip(batches, received_ids)],
-                [num_keys * batch + n for n in sent_ids], group=pg, async_op=True)]
+            self._works = [
+                dist.all_to_all_single(
+                    self._received_ints,
+                    self._send,
+                    [num_keys * b + n for b, n in zip(batches, received_ids)],
+                    [num_keys * batch + n for n in sent_ids],
+                    group=pg,
+                    async_op=True,
+                )
+            ]
             self._received_weights = None
             if weights is not None:
                 self._received_weights = weights.new_empty(sum(received_ids))
-                self._works.append(dist.all_to_all_single(self._received_weights, weights, received_ids, sent_ids,
-                                                          group=pg, async_op=True))
+                self._works.append(
+                    dist.all_to_all_single(
+                        self._received_weights, weights, received_ids, sent_ids, group=pg, async_op=True
+                    )
+                )
 
     def _wait_impl(self) -> KeyedJaggedTensor:
         for work in self._works:
@@ -140,9 +171,13 @@ class RoutedDataAwaitable(Awaitable[KeyedJaggedTensor]):
             weights = None
             if self._received_weights is not None:
                 weights = self._received_weights[transpose_segments(self._ids_per_key, self._received_weights.numel())]
-            return KeyedJaggedTensor(keys=self._keys, values=ints[num_keys * stride:],
-                                     lengths=ints[:num_keys * stride].to(self._lengths_dtype), weights=weights,
-                                     stride=stride)
+            return KeyedJaggedTensor(
+                keys=self._keys,
+                values=ints[num_keys * stride :],
+                lengths=ints[: num_keys * stride].to(self._lengths_dtype),
+                weights=weights,
+                stride=stride,
+            )
 
 
 class _Ready(Awaitable[KeyedJaggedTensor]):
@@ -163,6 +198,7 @@ class RoutedInputDist(nn.Module):
         super().__init__()
         self._dist = RoutedAllToAll(pg, num_keys, world_size)
 
-    def forward(self, routed: KeyedJaggedTensor,
-                sharding_ctx: Optional[EmbeddingShardingContext] = None) -> RoutedCountsAwaitable:
+    def forward(
+        self, routed: KeyedJaggedTensor, sharding_ctx: EmbeddingShardingContext | None = None
+    ) -> RoutedCountsAwaitable:
         return self._dist.exchange(routed, sharding_ctx)

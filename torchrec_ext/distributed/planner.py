@@ -42,30 +42,43 @@ the tables are full. ``plan_capacity="initial"`` (``make_planner`` / the storage
 of table name -> "maximum" / "initial") plans with the rows the tables start with (their admission
 state still at the maximum), for jobs that know their tables will not fill.
 """
+
 from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 from torch import nn
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner.constants import BIGINT_DTYPE, DDR_MEM_BW, NUM_POOLINGS
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.planners import EmbeddingShardingPlanner
 from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
 from torchrec.distributed.planner.types import (
-    CollectiveType, ParameterConstraints, Perf, PlannerError, PlannerErrorType, SharderDataMap, ShardEstimator,
-    ShardingOption, Storage, Topology,
+    CollectiveType,
+    ParameterConstraints,
+    Perf,
+    PlannerError,
+    PlannerErrorType,
+    SharderDataMap,
+    ShardEstimator,
+    ShardingOption,
+    Storage,
+    Topology,
 )
 from torchrec.distributed.planner.utils import extract_comm_data_type_size
 from torchrec.distributed.sharding_plan import get_default_sharders
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ModuleSharder, PipelineType, ShardingPlan, ShardingType
 from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 
 from torchrec_ext.distributed.placement import (
-    COLUMN_TYPES, DATA_PARALLEL_REFUSAL, SUPPORTED_SHARDING_TYPES, column_sharding_refusal,
+    COLUMN_TYPES,
+    DATA_PARALLEL_REFUSAL,
+    SUPPORTED_SHARDING_TYPES,
+    column_sharding_refusal,
 )
 from torchrec_ext.distributed.sharded_base import local_capacity, sharded_optimizer
 from torchrec_ext.distributed.sharders import FeatureProcessedDynamicEmbeddingBagCollectionSharder, over_dynamic_ebc
@@ -77,8 +90,13 @@ from torchrec_ext.modules.fused_optimizer import stochastic_rounding_of
 from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE, index_bytes
 
 __all__ = [
-    "DynamicEmbeddingPerfEstimator", "DynamicEmbeddingStorageEstimator", "dynamic_table_bytes", "is_dynamic_option",
-    "check_dynamic_modules_have_sharders", "install_default_planner_hook", "make_planner",
+    "DynamicEmbeddingPerfEstimator",
+    "DynamicEmbeddingStorageEstimator",
+    "dynamic_table_bytes",
+    "is_dynamic_option",
+    "check_dynamic_modules_have_sharders",
+    "install_default_planner_hook",
+    "make_planner",
 ]
 
 DYNAMIC_MODULE_TYPES = (DynamicEmbeddingBagCollection, DynamicEmbeddingCollection)
@@ -94,21 +112,32 @@ ID_BYTES = BIGINT_DTYPE  # ids travel and are buffered as int64
 WEIGHT_BYTES = 4  # per-id float32 weight of a weighted EBC
 
 
-def optimizer_state_bytes_per_row(kind: Optional[str], dim: int) -> int:
+def optimizer_state_bytes_per_row(kind: str | None, dim: int) -> int:
     """Bytes of fused-optimizer state per row for an optimizer kind (None: no optimizer)."""
     if kind is None:
         return 0
     if kind not in OPTIMIZER_STATES:
-        raise ValueError(f"dynamic table planner: unknown optimizer kind {kind!r}; "
-                         f"expected one of {sorted(OPTIMIZER_STATES)} or None")
+        raise ValueError(
+            f"dynamic table planner: unknown optimizer kind {kind!r}; "
+            f"expected one of {sorted(OPTIMIZER_STATES)} or None"
+        )
     per_state = FLOAT_BYTES if kind in ROWWISE_STATE else dim * FLOAT_BYTES
     return len(OPTIMIZER_STATES[kind]) * per_state
 
 
-def dynamic_table_bytes(capacity: int, dim: int, optimizer_kind: Optional[str], *, ttl: bool = False,
-                        admit_after: int = 1, admission_capacity: Optional[int] = None, parts: int = 1,
-                        admission: Optional[DynamicTableOptions] = None, element_bytes: int = FLOAT_BYTES,
-                        rows_now: Optional[int] = None) -> int:
+def dynamic_table_bytes(
+    capacity: int,
+    dim: int,
+    optimizer_kind: str | None,
+    *,
+    ttl: bool = False,
+    admit_after: int = 1,
+    admission_capacity: int | None = None,
+    parts: int = 1,
+    admission: DynamicTableOptions | None = None,
+    element_bytes: int = FLOAT_BYTES,
+    rows_now: int | None = None,
+) -> int:
     """Bytes one rank holds of a dynamic table split over ``parts`` ranks (1: table_wise), without
     the step's IO buffers: what ``DynamicEmbeddingBagCollection.storage_bytes()`` reports for a
     module holding that share. ``admission``: the table's options, whose admission strategy is
@@ -137,12 +166,14 @@ def check_plan_capacity(value: Any) -> Any:
     values = value.values() if isinstance(value, dict) else [value]
     bad = [v for v in values if not isinstance(v, str) or v not in PLAN_CAPACITIES]
     if bad or (isinstance(value, dict) and not all(isinstance(k, str) for k in value)):
-        raise ValueError(f"dynamic table planner: plan_capacity must be one of {list(PLAN_CAPACITIES)} or a dict of "
-                         f"table name -> one of them, got {value!r}")
+        raise ValueError(
+            f"dynamic table planner: plan_capacity must be one of {list(PLAN_CAPACITIES)} or a dict of "
+            f"table name -> one of them, got {value!r}"
+        )
     return dict(value) if isinstance(value, dict) else value
 
 
-def dynamic_module_of(module: nn.Module) -> Optional[nn.Module]:
+def dynamic_module_of(module: nn.Module) -> nn.Module | None:
     """The dynamic module whose tables sharding ``module`` shards: itself, or the dynamic EBC of
     a FeatureProcessedEmbeddingBagCollection; None for any other module."""
     if isinstance(module, DYNAMIC_MODULE_TYPES):
@@ -166,22 +197,22 @@ class _TableInfo:
     name: str
     capacity: int
     dim: int
-    optimizer_kind: Optional[str]
+    optimizer_kind: str | None
     ttl: bool
     admit_after: int
-    admission_capacity: Optional[int]
+    admission_capacity: int | None
     pooled: bool
     weighted: bool
-    options: Optional[DynamicTableOptions] = field(default=None, compare=False)
+    options: DynamicTableOptions | None = field(default=None, compare=False)
     element_bytes: int = FLOAT_BYTES  # of the vectors' data_type
-    initial_capacity: Optional[int] = None  # rows a growing table starts with (None: capacity)
+    initial_capacity: int | None = None  # rows a growing table starts with (None: capacity)
 
 
 class _TableCache:
     """Per-estimate cache of what the byte and perf models need about each dynamic table."""
 
     def __init__(self) -> None:
-        self._modules: Dict[int, Tuple[Optional[str], Dict[str, Any]]] = {}
+        self._modules: dict[int, tuple[str | None, dict[str, Any]]] = {}
 
     def info(self, option: ShardingOption, sharder_data: Any = None) -> _TableInfo:
         """``sharder_data``: the module's sharder (TorchRec 1.6) or its SharderData snapshot, whose
@@ -194,15 +225,24 @@ class _TableCache:
         kind, configs = self._modules[id(module)]
         config = configs.get(option.name)
         if config is None:
-            raise ValueError(f"dynamic table planner: module {option.path or '<root>'!r} "
-                             f"({type(module).__name__}) has no table named {option.name!r}")
+            raise ValueError(
+                f"dynamic table planner: module {option.path or '<root>'!r} "
+                f"({type(module).__name__}) has no table named {option.name!r}"
+            )
         opts = options_of(config)
         return _TableInfo(
-            name=option.name, capacity=int(config.num_embeddings), dim=int(config.embedding_dim),
-            optimizer_kind=kind, ttl=opts.ttl_steps is not None, admit_after=opts.admit_after,
-            admission_capacity=opts.admission_capacity, pooled=not isinstance(module, DynamicEmbeddingCollection),
-            weighted=bool(getattr(module, "is_weighted", lambda: False)()), options=opts,
-            element_bytes=storage_dtype_of(config).itemsize, initial_capacity=opts.initial_capacity,
+            name=option.name,
+            capacity=int(config.num_embeddings),
+            dim=int(config.embedding_dim),
+            optimizer_kind=kind,
+            ttl=opts.ttl_steps is not None,
+            admit_after=opts.admit_after,
+            admission_capacity=opts.admission_capacity,
+            pooled=not isinstance(module, DynamicEmbeddingCollection),
+            weighted=bool(getattr(module, "is_weighted", lambda: False)()),
+            options=opts,
+            element_bytes=storage_dtype_of(config).itemsize,
+            initial_capacity=opts.initial_capacity,
         )
 
 
@@ -216,7 +256,7 @@ def _row_parts(option: ShardingOption, world_size: int) -> int:
     return 1
 
 
-def _shard_dims(option: ShardingOption, table: "_TableInfo") -> List[int]:
+def _shard_dims(option: ShardingOption, table: _TableInfo) -> list[int]:
     """Each shard's width: a column shard's columns (TorchRec's shard sizes), else the table's dim."""
     if option.sharding_type in COLUMN_TYPES:
         return [int(shard.size[1]) for shard in option.shards]
@@ -225,8 +265,10 @@ def _shard_dims(option: ShardingOption, table: "_TableInfo") -> List[int]:
 
 def _check_sharding_type(option: ShardingOption) -> None:
     if option.sharding_type not in SUPPORTED_SHARDING_TYPES:
-        raise ValueError(f"dynamic table planner: table {option.name!r} ({option.path or '<root>'}) has sharding type "
-                         f"{option.sharding_type!r}; dynamic tables support {list(SUPPORTED_SHARDING_TYPES)}")
+        raise ValueError(
+            f"dynamic table planner: table {option.name!r} ({option.path or '<root>'}) has sharding type "
+            f"{option.sharding_type!r}; dynamic tables support {list(SUPPORTED_SHARDING_TYPES)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -238,20 +280,29 @@ class _StepVolume:
     shard_outputs: float  # output rows this shard writes (pooled: one per bag of the global batch)
 
 
-def _step_volume(option: ShardingOption, constraints: Optional[Dict[str, ParameterConstraints]],
-                 world_size: int, pooled: bool) -> _StepVolume:
+def _step_volume(
+    option: ShardingOption, constraints: dict[str, ParameterConstraints] | None, world_size: int, pooled: bool
+) -> _StepVolume:
     constraint = constraints.get(option.name) if constraints else None
     input_lengths = list(option.input_lengths)
-    num_poolings = (list(option.num_poolings) if option.num_poolings is not None
-                    and len(option.num_poolings) == len(input_lengths)
-                    else list(constraint.num_poolings) if constraint is not None and constraint.num_poolings
-                    else [NUM_POOLINGS] * len(input_lengths))
-    batch_sizes = (list(constraint.batch_sizes) if constraint is not None and constraint.batch_sizes
-                   else [option.batch_size] * len(input_lengths))
+    num_poolings = (
+        list(option.num_poolings)
+        if option.num_poolings is not None and len(option.num_poolings) == len(input_lengths)
+        else list(constraint.num_poolings)
+        if constraint is not None and constraint.num_poolings
+        else [NUM_POOLINGS] * len(input_lengths)
+    )
+    batch_sizes = (
+        list(constraint.batch_sizes)
+        if constraint is not None and constraint.batch_sizes
+        else [option.batch_size] * len(input_lengths)
+    )
     if not len(input_lengths) == len(num_poolings) == len(batch_sizes):
-        raise ValueError(f"dynamic table planner: table {option.name!r}: pooling_factors, num_poolings and "
-                         f"batch_sizes constraints must have the same length, got {len(input_lengths)}, "
-                         f"{len(num_poolings)}, {len(batch_sizes)}")
+        raise ValueError(
+            f"dynamic table planner: table {option.name!r}: pooling_factors, num_poolings and "
+            f"batch_sizes constraints must have the same length, got {len(input_lengths)}, "
+            f"{len(num_poolings)}, {len(batch_sizes)}"
+        )
     local_ids = sum(il * npool * bs for il, npool, bs in zip(input_lengths, num_poolings, batch_sizes))
     # A pooled bag yields one output row if it can hold an id at all (TorchRec's min(1, length)).
     local_bags = sum(min(1.0, il) * npool * bs for il, npool, bs in zip(input_lengths, num_poolings, batch_sizes))
@@ -267,6 +318,7 @@ def _step_volume(option: ShardingOption, constraints: Optional[Dict[str, Paramet
 
 
 # ---------------------------------------------------------------------------- storage
+
 
 def _ours_after_delegating(sharding_options, delegate, sharder_data_map):
     """TorchRec's estimator takes the stock tables' options; yields ours with their table info."""
@@ -296,28 +348,40 @@ class DynamicEmbeddingStorageEstimator(ShardEstimator):
             (tables not named: "maximum").
     """
 
-    def __init__(self, topology: Topology, constraints: Optional[Dict[str, ParameterConstraints]] = None,
-                 pipeline_type: PipelineType = PipelineType.NONE, run_embedding_at_peak_memory: bool = False,
-                 is_inference: bool = False, plan_capacity: Any = "maximum") -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        constraints: dict[str, ParameterConstraints] | None = None,
+        pipeline_type: PipelineType = PipelineType.NONE,
+        run_embedding_at_peak_memory: bool = False,
+        is_inference: bool = False,
+        plan_capacity: Any = "maximum",
+    ) -> None:
         self._plan_capacity = check_plan_capacity(plan_capacity)
         self._topology = topology
         self._constraints = constraints
         self._is_inference = is_inference
         self._delegate = EmbeddingStorageEstimator(
-            topology=topology, constraints=constraints, pipeline_type=pipeline_type,
-            run_embedding_at_peak_memory=run_embedding_at_peak_memory, is_inference=is_inference)
+            topology=topology,
+            constraints=constraints,
+            pipeline_type=pipeline_type,
+            run_embedding_at_peak_memory=run_embedding_at_peak_memory,
+            is_inference=is_inference,
+        )
 
-    def estimate(self, sharding_options: List[ShardingOption],
-                 sharder_data_map: Optional[SharderDataMap] = None) -> None:
+    def estimate(self, sharding_options: list[ShardingOption], sharder_data_map: SharderDataMap | None = None) -> None:
         for option, table in _ours_after_delegating(sharding_options, self._delegate, sharder_data_map):
             for shard, nbytes in zip(option.shards, self._shard_bytes(option, table)):
                 shard.storage = self._on_device(nbytes)
 
-    def _shard_bytes(self, option: ShardingOption, table: _TableInfo) -> List[int]:
+    def _shard_bytes(self, option: ShardingOption, table: _TableInfo) -> list[int]:
         world_size = self._topology.world_size
         parts = _row_parts(option, world_size)
-        initial = self._plan_capacity if isinstance(self._plan_capacity, str) else \
-            self._plan_capacity.get(table.name, "maximum")
+        initial = (
+            self._plan_capacity
+            if isinstance(self._plan_capacity, str)
+            else self._plan_capacity.get(table.name, "maximum")
+        )
         volume = _step_volume(option, self._constraints, world_size, table.pooled)
         id_bytes = ID_BYTES + (WEIGHT_BYTES if table.weighted else 0)
         out = []
@@ -325,10 +389,18 @@ class DynamicEmbeddingStorageEstimator(ShardEstimator):
         # gave the shards: ids are spread by hash, not by row range. A column shard is a table of
         # its width with the whole capacity, and its own index.
         for dim in _shard_dims(option, table):
-            resident = dynamic_table_bytes(table.capacity, dim, table.optimizer_kind, ttl=table.ttl,
-                                           admit_after=table.admit_after, admission_capacity=table.admission_capacity,
-                                           parts=parts, admission=table.options, element_bytes=table.element_bytes,
-                                           rows_now=table.initial_capacity if initial == "initial" else None)
+            resident = dynamic_table_bytes(
+                table.capacity,
+                dim,
+                table.optimizer_kind,
+                ttl=table.ttl,
+                admit_after=table.admit_after,
+                admission_capacity=table.admission_capacity,
+                parts=parts,
+                admission=table.options,
+                element_bytes=table.element_bytes,
+                rows_now=table.initial_capacity if initial == "initial" else None,
+            )
             io = 0
             if not self._is_inference:
                 io = math.ceil(volume.shard_ids * id_bytes) + math.ceil(volume.shard_outputs * dim * FLOAT_BYTES)
@@ -388,15 +460,15 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
     with one rank. The constants are justified above their definitions.
     """
 
-    def __init__(self, topology: Topology, constraints: Optional[Dict[str, ParameterConstraints]] = None,
-                 is_inference: bool = False) -> None:
+    def __init__(
+        self, topology: Topology, constraints: dict[str, ParameterConstraints] | None = None, is_inference: bool = False
+    ) -> None:
         self._topology = topology
         self._constraints = constraints
         self._is_inference = is_inference
         self._delegate = EmbeddingPerfEstimator(topology=topology, constraints=constraints, is_inference=is_inference)
 
-    def estimate(self, sharding_options: List[ShardingOption],
-                 sharder_data_map: Optional[SharderDataMap] = None) -> None:
+    def estimate(self, sharding_options: list[ShardingOption], sharder_data_map: SharderDataMap | None = None) -> None:
         for option, table in _ours_after_delegating(sharding_options, self._delegate, sharder_data_map):
             sharder_data = sharder_data_map.get(option.module_type_key) if sharder_data_map else None
             for shard, dim in zip(option.shards, _shard_dims(option, table)):
@@ -409,10 +481,12 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
 
     def _comms_bw(self, collective: CollectiveType) -> float:
         return self._topology.comms_bandwidths.get_bw(
-            local_world_size=self._topology.local_world_size, world_size=self._topology.world_size,
-            collective_type=collective)
+            local_world_size=self._topology.local_world_size,
+            world_size=self._topology.world_size,
+            collective_type=collective,
+        )
 
-    def _comm_sizes(self, option: ShardingOption, sharder_data: Any) -> Tuple[float, float, float, float]:
+    def _comm_sizes(self, option: ShardingOption, sharder_data: Any) -> tuple[float, float, float, float]:
         # (fwd a2a, bwd a2a, fwd reduce-scatter, bwd reduce-scatter) element sizes, honouring the
         # sharder's qcomm codecs as TorchRec does; float32 without them.
         if sharder_data is None:
@@ -421,8 +495,9 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
             return extract_comm_data_type_size(sharder_data, option)
         return extract_comm_data_type_size(option, sharder_data)
 
-    def _shard_perf(self, option: ShardingOption, table: _TableInfo, sharder_data: Any = None,
-                    dim: Optional[int] = None) -> Perf:
+    def _shard_perf(
+        self, option: ShardingOption, table: _TableInfo, sharder_data: Any = None, dim: int | None = None
+    ) -> Perf:
         """One shard's perf; ``dim``: its width (a column shard's columns; default the table's)."""
         world_size = self._topology.world_size
         dim = table.dim if dim is None else dim
@@ -432,8 +507,9 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
         id_bytes = ID_BYTES + (WEIGHT_BYTES if table.weighted else 0)
         bw = self._device_bw()
         probe = HASH_FIND_BYTES if self._is_inference else HASH_INSERT_BYTES
-        fwd_bytes = (volume.shard_ids * (id_bytes + probe + RANDOM_ROW_FACTOR * row_bytes)
-                     + volume.shard_outputs * out_bytes)
+        fwd_bytes = (
+            volume.shard_ids * (id_bytes + probe + RANDOM_ROW_FACTOR * row_bytes) + volume.shard_outputs * out_bytes
+        )
         if _row_parts(option, world_size) > 1:
             fwd_bytes += volume.local_ids * ROUTE_BYTES
         fwd_compute = fwd_bytes / bw
@@ -441,8 +517,10 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
         if not self._is_inference:
             state = optimizer_state_bytes_per_row(table.optimizer_kind, table.dim)
             update_bytes = out_bytes + 2 * (row_bytes + state)  # grad in, row and state read + written
-            bwd_compute = (volume.shard_outputs * out_bytes
-                           + volume.shard_ids * (UPDATE_OVERHEAD_BYTES + RANDOM_ROW_FACTOR * update_bytes)) / bw
+            bwd_compute = (
+                volume.shard_outputs * out_bytes
+                + volume.shard_ids * (UPDATE_OVERHEAD_BYTES + RANDOM_ROW_FACTOR * update_bytes)
+            ) / bw
         fwd_comms = bwd_comms = input_dist = 0.0
         if world_size > 1:
             fwd_a2a, bwd_a2a, fwd_rs, bwd_rs = self._comm_sizes(option, sharder_data)
@@ -457,11 +535,17 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
                 fwd_comms = out_elems * fwd_a2a / a2a_bw
                 bwd_comms = 0.0 if self._is_inference else out_elems * bwd_a2a / a2a_bw
             input_dist = volume.shard_ids * id_bytes / a2a_bw
-        return Perf(fwd_compute=fwd_compute, fwd_comms=fwd_comms, bwd_compute=bwd_compute, bwd_comms=bwd_comms,
-                    input_dist_comms=input_dist)
+        return Perf(
+            fwd_compute=fwd_compute,
+            fwd_comms=fwd_comms,
+            bwd_compute=bwd_compute,
+            bwd_comms=bwd_comms,
+            input_dist_comms=input_dist,
+        )
 
 
 # ---------------------------------------------------------------------------- planner
+
 
 def _tier(topology: Topology) -> str:
     return "hbm" if topology.compute_device in ("cuda", "mtia") else "ddr"
@@ -474,23 +558,25 @@ def _gb(nbytes: float) -> str:
 class _DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
     """TorchRec's planner; when it finds no plan, it names the tables that fit on no rank."""
 
-    def plan(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> ShardingPlan:
+    def plan(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> ShardingPlan:
         try:
             return super().plan(module, sharders)
         except PlannerError as error:
             detail = self._oversized_tables(module, sharders)
             if not detail:
                 raise
-            raise PlannerError(detail + "\n\nTorchRec's planner reported:\n" + str(error),
-                               error_type=PlannerErrorType.INSUFFICIENT_STORAGE) from error
+            raise PlannerError(
+                detail + "\n\nTorchRec's planner reported:\n" + str(error),
+                error_type=PlannerErrorType.INSUFFICIENT_STORAGE,
+            ) from error
 
-    def _oversized_tables(self, module: nn.Module, sharders: List[ModuleSharder[nn.Module]]) -> Optional[str]:
+    def _oversized_tables(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> str | None:
         options = self._enumerator.enumerate(module=module, sharders=sharders)  # cached by the enumerator
         reserved = self._storage_reservation.last_reserved_topology or self._topology
         tier = _tier(self._topology)
         capacity = max(getattr(d.storage, tier) for d in reserved.devices)
         hardware = max(getattr(d.storage, tier) for d in self._topology.devices)
-        best: Dict[str, Tuple[int, ShardingOption]] = {}
+        best: dict[str, tuple[int, ShardingOption]] = {}
         for option in options:
             need = max(getattr(s.storage, tier) for s in option.shards)
             if option.fqn not in best or need < best[option.fqn][0]:
@@ -498,13 +584,17 @@ class _DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
         too_big = [(fqn, need, option) for fqn, (need, option) in best.items() if need > capacity]
         if not too_big:
             return None
-        lines = [f"Insufficient memory: {len(too_big)} table(s) fit on no rank "
-                 f"({self._topology.compute_device}: {tier} per rank {hardware} B = {_gb(hardware)}, "
-                 f"{capacity} B = {_gb(capacity)} left after the storage reservation):"]
+        lines = [
+            f"Insufficient memory: {len(too_big)} table(s) fit on no rank "
+            f"({self._topology.compute_device}: {tier} per rank {hardware} B = {_gb(hardware)}, "
+            f"{capacity} B = {_gb(capacity)} left after the storage reservation):"
+        ]
         for fqn, need, option in sorted(too_big):
-            lines.append(f"  table {option.name!r} ({fqn}): needs {need} B = {_gb(need)} of {tier} on one rank "
-                         f"even with its smallest option ({option.sharding_type}, {option.compute_kernel}, "
-                         f"{len(option.shards)} shard(s))")
+            lines.append(
+                f"  table {option.name!r} ({fqn}): needs {need} B = {_gb(need)} of {tier} on one rank "
+                f"even with its smallest option ({option.sharding_type}, {option.compute_kernel}, "
+                f"{len(option.shards)} shard(s))"
+            )
         hint = "Reduce the table's capacity (num_embeddings) or dimension, use a lighter optimizer"
         if any(option.sharding_type != ShardingType.ROW_WISE.value for _, _, option in too_big):
             hint += ", allow row_wise sharding (constraints)"
@@ -512,8 +602,9 @@ class _DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
         return "\n".join(lines)
 
 
-def make_planner(topology: Topology, batch_size: int, constraints: Optional[Dict[str, ParameterConstraints]] = None,
-                 **kwargs: Any) -> EmbeddingShardingPlanner:
+def make_planner(
+    topology: Topology, batch_size: int, constraints: dict[str, ParameterConstraints] | None = None, **kwargs: Any
+) -> EmbeddingShardingPlanner:
     """TorchRec's ``EmbeddingShardingPlanner`` with our estimators, for models holding dynamic
     tables, stock TorchRec tables, or both.
 
@@ -527,20 +618,31 @@ def make_planner(topology: Topology, batch_size: int, constraints: Optional[Dict
     per-rank capacity.
     """
     if "enumerator" in kwargs:
-        raise TypeError("make_planner builds the enumerator itself (with the dynamic-table estimators); "
-                        "use EmbeddingShardingPlanner directly to pass your own")
+        raise TypeError(
+            "make_planner builds the enumerator itself (with the dynamic-table estimators); "
+            "use EmbeddingShardingPlanner directly to pass your own"
+        )
     is_inference = bool(kwargs.pop("is_inference", False))
     pipeline_type = kwargs.pop("pipeline_type", PipelineType.NONE)
     plan_capacity = kwargs.pop("plan_capacity", "maximum")
     enumerator = EmbeddingEnumerator(
-        topology=topology, batch_size=batch_size, constraints=constraints,
+        topology=topology,
+        batch_size=batch_size,
+        constraints=constraints,
         estimator=[
             DynamicEmbeddingPerfEstimator(topology, constraints, is_inference=is_inference),
-            DynamicEmbeddingStorageEstimator(topology, constraints, pipeline_type=pipeline_type,
-                                             is_inference=is_inference, plan_capacity=plan_capacity),
-        ])
-    return _DynamicEmbeddingShardingPlanner(topology=topology, batch_size=batch_size, enumerator=enumerator,
-                                            constraints=constraints, **kwargs)
+            DynamicEmbeddingStorageEstimator(
+                topology,
+                constraints,
+                pipeline_type=pipeline_type,
+                is_inference=is_inference,
+                plan_capacity=plan_capacity,
+            ),
+        ],
+    )
+    return _DynamicEmbeddingShardingPlanner(
+        topology=topology, batch_size=batch_size, enumerator=enumerator, constraints=constraints, **kwargs
+    )
 
 
 # ---------------------------------------------------------------------------- TorchRec's default planner
@@ -555,29 +657,41 @@ def make_planner(topology: Topology, batch_size: int, constraints: Optional[Dict
 # (TorchRec would silently leave them out of the plan and DDP-wrap them), and adds the planner
 # callback that makes each rank's column shards of a dynamic table adjacent.
 
-_MISSING_SHARDER_HINT = ("pass sharders=torchrec_ext.distributed.get_sharders() (our sharders plus TorchRec's "
-                         "defaults) to DistributedModelParallel / the planner")
+_MISSING_SHARDER_HINT = (
+    "pass sharders=torchrec_ext.distributed.get_sharders() (our sharders plus TorchRec's "
+    "defaults) to DistributedModelParallel / the planner"
+)
 
 
 def check_dynamic_modules_have_sharders(module: nn.Module, sharders: Sequence[ModuleSharder[nn.Module]]) -> None:
     """Raise if ``module`` holds a dynamic module that none of ``sharders`` shards (it would be
     left out of the plan and wrapped by DDP)."""
     sharder_of = {sharder.module_type: sharder for sharder in sharders}  # the last one wins, as in DMP
-    missing = [f"{path or '<root>'} ({type(child).__name__})" for path, child in module.named_modules()
-               if isinstance(child, DYNAMIC_MODULE_TYPES) and type(child) not in sharder_of]
+    missing = [
+        f"{path or '<root>'} ({type(child).__name__})"
+        for path, child in module.named_modules()
+        if isinstance(child, DYNAMIC_MODULE_TYPES) and type(child) not in sharder_of
+    ]
     # TorchRec's FP-EBC sharder would shard the dynamic EBC inside with TorchRec's EBC sharder.
-    missing += [f"{path or '<root>'} ({type(child).__name__} over DynamicEmbeddingBagCollection, sharded by "
-                f"{type(sharder_of[type(child)]).__name__})" for path, child in module.named_modules()
-                if over_dynamic_ebc(child) and type(child) in sharder_of
-                and not isinstance(sharder_of[type(child)], FeatureProcessedDynamicEmbeddingBagCollectionSharder)]
+    missing += [
+        f"{path or '<root>'} ({type(child).__name__} over DynamicEmbeddingBagCollection, sharded by "
+        f"{type(sharder_of[type(child)]).__name__})"
+        for path, child in module.named_modules()
+        if over_dynamic_ebc(child)
+        and type(child) in sharder_of
+        and not isinstance(sharder_of[type(child)], FeatureProcessedDynamicEmbeddingBagCollectionSharder)
+    ]
     if missing:
-        raise PlannerError(f"dynamic table planner: no sharder for {', '.join(missing)}; TorchRec would leave "
-                           f"it out of the plan and wrap it in DistributedDataParallel. {_MISSING_SHARDER_HINT}.",
-                           error_type=PlannerErrorType.OTHER)
+        raise PlannerError(
+            f"dynamic table planner: no sharder for {', '.join(missing)}; TorchRec would leave "
+            f"it out of the plan and wrap it in DistributedDataParallel. {_MISSING_SHARDER_HINT}.",
+            error_type=PlannerErrorType.OTHER,
+        )
 
 
-def _column_refusals(module: nn.Module, constraints: Optional[Dict[str, ParameterConstraints]],
-                     sharders: Sequence[ModuleSharder[nn.Module]]) -> Dict[Tuple[str, str], str]:
+def _column_refusals(
+    module: nn.Module, constraints: dict[str, ParameterConstraints] | None, sharders: Sequence[ModuleSharder[nn.Module]]
+) -> dict[tuple[str, str], str]:
     """(module path, table) -> why its dynamic table cannot be split into column shards, with what
     the module's sharder's fused_params change (as the sharded module will apply them); raises
     PlannerError when a table's constraints allow only data_parallel, saying why."""
@@ -594,27 +708,42 @@ def _column_refusals(module: nn.Module, constraints: Optional[Dict[str, Paramete
             allowed = (constraints or {}).get(cfg.name)
             allowed = list(allowed.sharding_types) if allowed is not None and allowed.sharding_types else None
             where = f"dynamic table planner: table {cfg.name!r} ({path or '<root>'})"
-            if allowed and ShardingType.DATA_PARALLEL.value in allowed and \
-                    not set(allowed) & set(SUPPORTED_SHARDING_TYPES):
-                raise PlannerError(f"{where} is constrained to data_parallel: {DATA_PARALLEL_REFUSAL}",
-                                   error_type=PlannerErrorType.OTHER)
+            if (
+                allowed
+                and ShardingType.DATA_PARALLEL.value in allowed
+                and not set(allowed) & set(SUPPORTED_SHARDING_TYPES)
+            ):
+                raise PlannerError(
+                    f"{where} is constrained to data_parallel: {DATA_PARALLEL_REFUSAL}",
+                    error_type=PlannerErrorType.OTHER,
+                )
             refusal = column_sharding_refusal(cfg, kind, stochastic_rounding)
             if refusal is None:
                 continue
-            refusals[(path, cfg.name)] = (f"{where} is constrained to {allowed}, but it cannot be split into "
-                                          f"column shards: it {refusal}")
+            refusals[(path, cfg.name)] = (
+                f"{where} is constrained to {allowed}, but it cannot be split into column shards: it {refusal}"
+            )
     return refusals
 
 
-def _drop_split_column_options(options: List[ShardingOption], refusals: Dict[Tuple[str, str], str]
-                               ) -> List[ShardingOption]:
+def _drop_split_column_options(
+    options: list[ShardingOption], refusals: dict[tuple[str, str], str]
+) -> list[ShardingOption]:
     """``options`` without the column options of ``refusals``' tables that split their columns (a
     single column shard holds the whole table: exact); PlannerError when a table is left with none
     (its constraints allowed nothing else), saying why."""
     if not refusals:
         return options
-    kept = [o for o in options if not (is_dynamic_option(o) and o.sharding_type in COLUMN_TYPES
-                                       and (o.path, o.name) in refusals and len(o.shards) > 1)]
+    kept = [
+        o
+        for o in options
+        if not (
+            is_dynamic_option(o)
+            and o.sharding_type in COLUMN_TYPES
+            and (o.path, o.name) in refusals
+            and len(o.shards) > 1
+        )
+    ]
     left = {(o.path, o.name) for o in kept if is_dynamic_option(o)}
     for table, reason in refusals.items():
         if table not in left and any((o.path, o.name) == table for o in options):
@@ -622,12 +751,12 @@ def _drop_split_column_options(options: List[ShardingOption], refusals: Dict[Tup
     return kept
 
 
-def _rank_widths(shards: Sequence[Any], ranks: Sequence[int]) -> List[Tuple[int, int]]:
+def _rank_widths(shards: Sequence[Any], ranks: Sequence[int]) -> list[tuple[int, int]]:
     """Each rank's total column width when ``shards[i]`` goes to ``ranks[i]``."""
     return sorted((r, sum(int(s.size[1]) for s, x in zip(shards, ranks) if x == r)) for r in set(ranks))
 
 
-def _options_of_their_kind(options: List[ShardingOption]) -> List[ShardingOption]:
+def _options_of_their_kind(options: list[ShardingOption]) -> list[ShardingOption]:
     """``options`` without those our FP-EBC sharder offers for the other kind of EBC: it offers
     TorchRec's kernels and ours (one sharder per module type), but an FP-EBC over a dynamic EBC
     takes only ``customized_kernel`` and our sharding types, one over TorchRec's EBC only TorchRec's kernels."""
@@ -643,7 +772,7 @@ def _options_of_their_kind(options: List[ShardingOption]) -> List[ShardingOption
     return [o for o in options if fits(o)]
 
 
-def adjacent_column_shards(best_plan: List[ShardingOption]) -> List[ShardingOption]:
+def adjacent_column_shards(best_plan: list[ShardingOption]) -> list[ShardingOption]:
     """A planner callback: each rank's column shards of a dynamic table made adjacent columns.
 
     TorchRec's partitioner deals a wide table's column shards out over the ranks (4 shards on 2
@@ -667,10 +796,13 @@ def adjacent_column_shards(best_plan: List[ShardingOption]) -> List[ShardingOpti
     return best_plan
 
 
-def _default_planner_estimators(topology: Topology, constraints: Optional[Dict[str, ParameterConstraints]]
-                                ) -> List[ShardEstimator]:
-    return [DynamicEmbeddingPerfEstimator(topology, constraints),
-            DynamicEmbeddingStorageEstimator(topology, constraints)]
+def _default_planner_estimators(
+    topology: Topology, constraints: dict[str, ParameterConstraints] | None
+) -> list[ShardEstimator]:
+    return [
+        DynamicEmbeddingPerfEstimator(topology, constraints),
+        DynamicEmbeddingStorageEstimator(topology, constraints),
+    ]
 
 
 def install_default_planner_hook() -> None:

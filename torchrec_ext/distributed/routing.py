@@ -8,10 +8,11 @@ tables send all their ids to every rank holding one of their column shards. Rout
 routing slot: a lookup slot (a table's feature) once per destination (a column table's slot once
 per rank of its shards), so a feature read by tables of several types is routed once for each.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -19,23 +20,36 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_ext import ops
 
-Destination = Union[int, Tuple[int, ...]]  # a rank, or the group of ranks ids are spread over by hash
+Destination = int | tuple[int, ...]  # a rank, or the group of ranks ids are spread over by hash
 
 
-def route_ids(keys: Sequence[str], ids: Tensor, lengths: Tensor, weights: Optional[Tensor], slot_owner: Sequence[int],
-              batch_size: int, world_size: int) -> Tuple[KeyedJaggedTensor, Tensor]:
+def route_ids(
+    keys: Sequence[str],
+    ids: Tensor,
+    lengths: Tensor,
+    weights: Tensor | None,
+    slot_owner: Sequence[int],
+    batch_size: int,
+    world_size: int,
+) -> tuple[KeyedJaggedTensor, Tensor]:
     """(KJT with keys ``keys * world_size`` whose block r holds, per key and sample, the ids bound
     for rank r in their original order: what the input dist sends (laid out as for TorchRec's
     ``KJTAllToAll(splits=[len(keys)] * world_size)``); each routed id's position in ``ids``).
     slot_owner: -1 for row-wise slots."""
     values, routed_lengths, order = ops.route_bucketize(ids, lengths, slot_owner, world_size, batch_size)
-    routed = KeyedJaggedTensor(keys=list(keys) * world_size, values=values, lengths=routed_lengths, stride=batch_size,
-                               weights=None if weights is None else weights[order])
+    routed = KeyedJaggedTensor(
+        keys=list(keys) * world_size,
+        values=values,
+        lengths=routed_lengths,
+        stride=batch_size,
+        weights=None if weights is None else weights[order],
+    )
     return routed, order
 
 
-def _route_to_groups(ids: Tensor, lengths: Tensor, dest: Sequence[Destination], world_size: int,
-                     batch_size: int) -> Tuple[Tensor, Tensor, Tensor]:
+def _route_to_groups(
+    ids: Tensor, lengths: Tensor, dest: Sequence[Destination], world_size: int, batch_size: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """``ops.route_bucketize`` for slots spread over a group of ranks: a stable sort by
     destination, then bag (torch ops)."""
     bags = len(dest) * batch_size
@@ -61,14 +75,14 @@ class SlotRouting:
     many lookup slots the input has (its lengths are [lookup_slots, batch_size], even when the
     batch is empty)."""
 
-    source: List[int]
-    dest: List[Destination]
-    names: List[str]
+    source: list[int]
+    dest: list[Destination]
+    names: list[str]
     world_size: int
     lookup_slots: int
 
     @staticmethod
-    def of(embedding_names: Sequence[str], slot_placements: Sequence, world_size: int) -> "SlotRouting":
+    def of(embedding_names: Sequence[str], slot_placements: Sequence, world_size: int) -> SlotRouting:
         """slot_placements: each lookup slot's table's ``TablePlacement``."""
         source, dest = [], []
         for s, placement in enumerate(slot_placements):
@@ -86,20 +100,24 @@ class SlotRouting:
         """Whether some lookup slot is routed more than once (a column table on several ranks)."""
         return self.source != list(range(len(self.source)))
 
-    def slots_on(self, rank: int) -> List[int]:
+    def slots_on(self, rank: int) -> list[int]:
         """The routing slots whose ids may come to ``rank`` (one per lookup slot it holds)."""
         return [i for i, d in enumerate(self.dest) if (rank in d if isinstance(d, tuple) else d == rank)]
 
-    def route(self, ids: Tensor, lengths: Tensor, weights: Optional[Tensor], batch_size: int
-              ) -> Tuple[KeyedJaggedTensor, Tensor, Optional[Tensor]]:
+    def route(
+        self, ids: Tensor, lengths: Tensor, weights: Tensor | None, batch_size: int
+    ) -> tuple[KeyedJaggedTensor, Tensor, Tensor | None]:
         """(the routed KJT, as ``route_ids``'; each routed id's position among the routing slots'
         ids; each of those ids' position in ``ids``, None when no slot is routed twice)."""
         expand = None
         if self.expands:
             per_slot = lengths.view(self.lookup_slots, batch_size).sum(1).tolist()
             starts = [sum(per_slot[:s]) for s in range(len(per_slot))]
-            expand = torch.cat([torch.arange(starts[s], starts[s] + per_slot[s], device=ids.device)
-                                for s in self.source]) if self.source else ids.new_empty(0)
+            expand = (
+                torch.cat([torch.arange(starts[s], starts[s] + per_slot[s], device=ids.device) for s in self.source])
+                if self.source
+                else ids.new_empty(0)
+            )
             ids = ids[expand]
             weights = None if weights is None else weights[expand]
             lengths = lengths.view(self.lookup_slots, batch_size)[self.source].reshape(-1)
@@ -109,6 +127,11 @@ class SlotRouting:
             routed, order = route_ids(self.names, ids, lengths, weights, owners, batch_size, self.world_size)
             return routed, order, expand
         values, routed_lengths, order = _route_to_groups(ids, lengths, self.dest, self.world_size, batch_size)
-        routed = KeyedJaggedTensor(keys=list(self.names) * self.world_size, values=values, lengths=routed_lengths,
-                                   stride=batch_size, weights=None if weights is None else weights[order])
+        routed = KeyedJaggedTensor(
+            keys=list(self.names) * self.world_size,
+            values=values,
+            lengths=routed_lengths,
+            stride=batch_size,
+            weights=None if weights is None else weights[order],
+        )
         return routed, order, expand

@@ -8,11 +8,13 @@ per-table submodules are the sharded module's, so state_dict keys stay those of 
 module ("embedding_bags.<table>.*" / "embeddings.<table>.*"; a table another rank holds is an
 empty placeholder, ``AbsentTable``).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Dict, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,22 +32,37 @@ from torchrec_ext.distributed.routing import SlotRouting
 from torchrec_ext.distributed.sharded_state import ShardedDynamicState
 from torchrec_ext.modules.admission import local_admission_fields
 from torchrec_ext.modules.base import DynamicTableDict
-from torchrec_ext.modules.table_stats import TableStats
 from torchrec_ext.modules.configs import (
-    DynamicEmbeddingBagConfig, DynamicEmbeddingConfig, Initializer, initializer_of, options_of,
+    DynamicEmbeddingBagConfig,
+    DynamicEmbeddingConfig,
+    Initializer,
+    initializer_of,
+    options_of,
 )
 from torchrec_ext.modules.features import LookupPlan
 from torchrec_ext.modules.fused_optimizer import (
-    DEFAULT_OPTIMIZER, OptimizerSpec, spec_from_fused_params, stochastic_rounding_of,
+    DEFAULT_OPTIMIZER,
+    OptimizerSpec,
+    spec_from_fused_params,
+    stochastic_rounding_of,
 )
+from torchrec_ext.modules.table_stats import TableStats
+
 
 def local_capacity(capacity: int, world_size: int) -> int:
     """Rows a rank holds of a row-wise table: an even share (ids spread evenly under the hash)."""
     return -(-capacity // world_size)
 
 
-def _local_config(cfg, placement: TablePlacement, rank: int, world_size: int, feature_names: List[str], pooled: bool,
-                  stochastic_rounding: Optional[bool] = None):
+def _local_config(
+    cfg,
+    placement: TablePlacement,
+    rank: int,
+    world_size: int,
+    feature_names: list[str],
+    pooled: bool,
+    stochastic_rounding: bool | None = None,
+):
     """The config of this rank's share: same name, seed, initial vectors, data_type and backing, its
     own capacity (a 1/parts share of a row table's; a tiered one caches its cache_load_factor of
     that share, over backing files of its own: ``backing_shard``) and columns (a column table's
@@ -59,22 +76,29 @@ def _local_config(cfg, placement: TablePlacement, rank: int, world_size: int, fe
     kind, params = initializer_of(cfg)
     init = dataclasses.replace(Initializer.from_kernel_params(kind, params), first_column=first_column)
     fields = dict(
-        name=cfg.name, embedding_dim=width, num_embeddings=local_capacity(cfg.num_embeddings, share),
-        feature_names=feature_names, eviction_policy=opts.eviction_policy, initializer=init,
-        ttl_steps=opts.ttl_steps, seed=opts.seed, **local_admission_fields(opts, cfg.num_embeddings, share),
+        name=cfg.name,
+        embedding_dim=width,
+        num_embeddings=local_capacity(cfg.num_embeddings, share),
+        feature_names=feature_names,
+        eviction_policy=opts.eviction_policy,
+        initializer=init,
+        ttl_steps=opts.ttl_steps,
+        seed=opts.seed,
+        **local_admission_fields(opts, cfg.num_embeddings, share),
         fallback_rows=opts.fallback_rows,
         # each rank's share grows on its own, from its share of the initial capacity
         initial_capacity=None if opts.initial_capacity is None else local_capacity(opts.initial_capacity, share),
         growth_load_factor=opts.growth_load_factor,
         data_type=cfg.data_type,
         stochastic_rounding=opts.stochastic_rounding if stochastic_rounding is None else stochastic_rounding,
-        backing=opts.backing, cache_load_factor=opts.cache_load_factor,
+        backing=opts.backing,
+        cache_load_factor=opts.cache_load_factor,
         backing_shard=None if opts.backing == "device" else f"rank{rank}-of-{world_size}",
     )
     return DynamicEmbeddingBagConfig(pooling=PoolingType.SUM, **fields) if pooled else DynamicEmbeddingConfig(**fields)
 
 
-def sharded_optimizer(module, fused_params: Optional[Dict[str, Any]], where: str) -> OptimizerSpec:
+def sharded_optimizer(module, fused_params: dict[str, Any] | None, where: str) -> OptimizerSpec:
     """The fused optimizer of a sharded module, in TorchRec's precedence: the one chosen on the
     module (apply_optimizer_in_backward, or its constructor), else the sharder's ``fused_params``,
     else TorchRec's sharded default (fbgemm's EXACT_SGD, learning rate 0.01). ``fused_params`` are
@@ -97,8 +121,9 @@ class AbsentTable(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         pass
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs) -> None:
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
         pass
 
 
@@ -116,18 +141,34 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
     """The construction both sharded modules share; the host is a ShardedModule that calls
     ``_init_sharding`` in its constructor."""
 
-    def _init_sharding(self, module, configs, table_name_to_parameter_sharding: Dict[str, ParameterSharding],
-                       env: ShardingEnv, device: Optional[torch.device], container: str, pooled: bool,
-                       fused_params: Optional[Dict[str, Any]] = None, **local_kwargs) -> None:
+    def _init_sharding(
+        self,
+        module,
+        configs,
+        table_name_to_parameter_sharding: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None,
+        container: str,
+        pooled: bool,
+        fused_params: dict[str, Any] | None = None,
+        **local_kwargs,
+    ) -> None:
         self._env = env
         self._world_size, self._rank = env.world_size, env.rank
         spec = sharded_optimizer(module, fused_params, type(self).__name__)
         stochastic_rounding = stochastic_rounding_of(fused_params, type(self).__name__)
-        self._owners = read_plan(type(self).__name__, configs, table_name_to_parameter_sharding, self._world_size,
-                                 spec.kind, stochastic_rounding)
+        self._owners = read_plan(
+            type(self).__name__,
+            configs,
+            table_name_to_parameter_sharding,
+            self._world_size,
+            spec.kind,
+            stochastic_rounding,
+        )
         self._plan = LookupPlan.of(configs)
-        self._routing = SlotRouting.of(self._plan.embedding_names,
-                                       [self._owners[configs[t].name] for t in self._plan.tables], self._world_size)
+        self._routing = SlotRouting.of(
+            self._plan.embedding_names, [self._owners[configs[t].name] for t in self._plan.tables], self._world_size
+        )
         local_configs, replicated = [], []
         for t, cfg in enumerate(configs):
             placement = self._owners[cfg.name]
@@ -135,20 +176,28 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
                 replicated.append(len(local_configs))
             if placement.holds(self._rank):
                 slots = [self._plan.embedding_names[i] for i, tt in enumerate(self._plan.tables) if tt == t]
-                local_configs.append(_local_config(cfg, placement, self._rank, self._world_size, slots, pooled,
-                                                   stochastic_rounding))
+                local_configs.append(
+                    _local_config(cfg, placement, self._rank, self._world_size, slots, pooled, stochastic_rounding)
+                )
         widths = {c.name: c.embedding_dim for c in local_configs}
         if not pooled and len(set(widths.values())) > 1:
-            raise ValueError(f"{type(self).__name__}: rank {self._rank} would hold columns of unequal width {widths}; "
-                             f"an EmbeddingCollection's tables share one dim, so on each rank every table's columns "
-                             f"must be as wide (split the column-wise tables alike)")
+            raise ValueError(
+                f"{type(self).__name__}: rank {self._rank} would hold columns of unequal width {widths}; "
+                f"an EmbeddingCollection's tables share one dim, so on each rank every table's columns "
+                f"must be as wide (split the column-wise tables alike)"
+            )
         device = torch.device(device) if device is not None else module.device
         self._device = torch.device("cpu") if device.type == "meta" else device
         # This rank's tables: a plain module (not a child), whose table submodules are ours.
         self._local = None
         if local_configs:
-            local = type(module)(local_configs, device=self._device, optimizer=spec.kind,
-                                 optimizer_kwargs=spec.torch_kwargs(), **local_kwargs)
+            local = type(module)(
+                local_configs,
+                device=self._device,
+                optimizer=spec.kind,
+                optimizer_kwargs=spec.torch_kwargs(),
+                **local_kwargs,
+            )
             object.__setattr__(self, "_local", local)
             if replicated and self._world_size > 1:
                 # Every rank holds a copy of a row-wise table's fallback rows (an id reads its slot
@@ -172,17 +221,20 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
         """This rank's share of the tables, as a plain Dynamic* module (None: no table here)."""
         return self._local
 
-    def table_stats(self) -> Dict[str, TableStats]:
+    def table_stats(self) -> dict[str, TableStats]:
         """This rank's shards' stats (``DynamicEmbeddingBagCollection.table_stats``); merge every
         rank's with ``torchrec_ext.distributed.table_stats.reduce_table_stats`` (collective)."""
         if self._local is None:
             return {}
         # A column table's shards hold the same rows and see the same ids: the first shard's rank
         # reports for the whole table, so the reduce counts it once.
-        return {name: stats for name, stats in self._local.table_stats().items()
-                if self._owners[name].kind != "column" or self._owners[name].first_rank == self._rank}
+        return {
+            name: stats
+            for name, stats in self._local.table_stats().items()
+            if self._owners[name].kind != "column" or self._owners[name].first_rank == self._rank
+        }
 
-    def stage_next_dist(self, dist_input: Callable[[], Optional[KJTList]]) -> bool:
+    def stage_next_dist(self, dist_input: Callable[[], KJTList | None]) -> bool:
         """This rank's shares of tiered tables: stages the rows of the next batch, whose ids
         ``dist_input()`` gives as the input dist hands them to ``compute`` (None: stage nothing),
         called on the stage's worker thread once this rank's next lookup starts (the input dist
@@ -197,7 +249,7 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
 
         return self._local.stage_next(local_features)
 
-    def tier_step_stats(self) -> Dict[str, Dict[str, int]]:
+    def tier_step_stats(self) -> dict[str, dict[str, int]]:
         """This rank's shares of tiered tables (host or file backing): their cache traffic of the
         last step (``DynamicEmbeddingBagCollection.tier_step_stats``), per table; every shard moves
         rows of its own, column shards included."""

@@ -24,10 +24,11 @@ every rank, which an unsharded module loads. Saved rows are kept where they are 
 in this rank's table, else its ids are placed afresh. (Checkpoints of the earlier layout, counters
 [world_size, 4], still load, as do counters [4] of states saved before the layout version.)
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import nullcontext
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -46,12 +47,17 @@ from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE
 PENDING_KEYS = ("admission_id", "admission_count")
 
 
-def row_keys(dim: int, optimizer: Optional[str], ttl: bool, weight_dtype: torch.dtype = torch.float32
-             ) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+def row_keys(
+    dim: int, optimizer: str | None, ttl: bool, weight_dtype: torch.dtype = torch.float32
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Per-row keys of one table and their (trailing shape, dtype); ``weight`` is in the table's
     storage dtype, optimizer state float32."""
-    keys = {"weight": ((dim,), weight_dtype), "weight_id": ((), torch.int64), "metadata": ((), torch.int64),
-            "row": ((), torch.int64)}
+    keys = {
+        "weight": ((dim,), weight_dtype),
+        "weight_id": ((), torch.int64),
+        "metadata": ((), torch.int64),
+        "row": ((), torch.int64),
+    }
     if optimizer is not None:
         for name in OPTIMIZER_STATES[optimizer]:
             keys[f"optimizer.{name}"] = ((() if optimizer in ROWWISE_STATE else (dim,)), torch.float32)
@@ -84,8 +90,9 @@ def collective_device(pg, device) -> torch.device:
     return torch.device("cpu") if has_cpu else shard_device(device)
 
 
-def rows_metadata(counts: Sequence[int], trailing: Sequence[int], properties: TensorProperties,
-                  devices: Sequence[torch.device]) -> ShardedTensorMetadata:
+def rows_metadata(
+    counts: Sequence[int], trailing: Sequence[int], properties: TensorProperties, devices: Sequence[torch.device]
+) -> ShardedTensorMetadata:
     """Metadata of a ShardedTensor along dim 0 whose rank r shard has counts[r] rows on
     devices[r] (ranks with none hold no shard, as DCP could take an empty shard at a shared
     offset for the real one; an empty tensor is one empty shard on rank 0)."""
@@ -93,8 +100,11 @@ def rows_metadata(counts: Sequence[int], trailing: Sequence[int], properties: Te
         raise ValueError(f"rows_metadata: devices must name one device per rank ({len(counts)}), got {len(devices)}")
     trailing = list(trailing)
     offsets = [sum(counts[:r]) for r in range(len(counts))]
-    shards = [ShardMetadata([offsets[r]] + [0] * len(trailing), [counts[r]] + trailing, placement(r, devices[r]))
-              for r in range(len(counts)) if counts[r] > 0 or (r == 0 and not any(counts))]
+    shards = [
+        ShardMetadata([offsets[r]] + [0] * len(trailing), [counts[r]] + trailing, placement(r, devices[r]))
+        for r in range(len(counts))
+        if counts[r] > 0 or (r == 0 and not any(counts))
+    ]
     return ShardedTensorMetadata(shards, torch.Size([sum(counts)] + trailing), properties)
 
 
@@ -115,8 +125,9 @@ def sharded_rows(local: Tensor, counts: Sequence[int], rank: int, pg, devices: S
     return sharded_tensor(local, metadata, rank, pg)
 
 
-def gather_counts(local_counts: List[int], device: torch.device, world_size: int, pg
-                  ) -> Tuple[List[List[int]], List[torch.device]]:
+def gather_counts(
+    local_counts: list[int], device: torch.device, world_size: int, pg
+) -> tuple[list[list[int]], list[torch.device]]:
     """counts[r][i]: rank r's local_counts[i], and rank r's shard device (one all-gather, of a
     tensor on the group's collective device). ``device`` is this rank's."""
     device = shard_device(device)
@@ -129,7 +140,7 @@ def gather_counts(local_counts: List[int], device: torch.device, world_size: int
     return [row[:-1] for row in rows], devices
 
 
-def full_state_dict(state_dict: Dict[str, object], process_group=None) -> Dict[str, object]:
+def full_state_dict(state_dict: dict[str, object], process_group=None) -> dict[str, object]:
     """``state_dict`` with every ShardedTensor made whole, on every rank (collective: all ranks
     call it with the same keys): what an unsharded module loads, e.g. a sharded model's tables
     into an unsharded copy for evaluation. Other values are passed through."""
@@ -168,8 +179,15 @@ def owned_mask(ids: Tensor, owner, rank: int, world_size: int) -> Tensor:
     return torch.full((ids.numel(),), owner == rank, dtype=torch.bool)
 
 
-def column_rows(local: Tensor, rows: int, trailing: Sequence[int], table: TablePlacement, rank: int, pg,
-                devices: Sequence[torch.device]) -> ShardedTensor:
+def column_rows(
+    local: Tensor,
+    rows: int,
+    trailing: Sequence[int],
+    table: TablePlacement,
+    rank: int,
+    pg,
+    devices: Sequence[torch.device],
+) -> ShardedTensor:
     """A ShardedTensor [rows, dim] of a column table's per-column key (weight, optimizer state):
     each rank holding shards of it has the block [rows, its columns] (TorchRec's column-wise
     layout); this rank's is ``local``."""
@@ -188,7 +206,7 @@ class ShardedDynamicState:
     ``TablePlacement``), ``_device`` and ``_local`` (its tables' module or None) that calls
     ``_init_sharded_state`` in its constructor."""
 
-    def _init_sharded_state(self, container: str, configs, optimizer_kind: Optional[str]) -> None:
+    def _init_sharded_state(self, container: str, configs, optimizer_kind: str | None) -> None:
         self._container, self._state_configs, self._optimizer_kind = container, configs, optimizer_kind
         self._register_state_dict_hook(ShardedDynamicState._sharded_state_dict)
         self._register_load_state_dict_pre_hook(self._route_loaded_state, with_module=False)
@@ -206,27 +224,36 @@ class ShardedDynamicState:
         return shard_device(local.device if local is not None else self._device)
 
     @staticmethod
-    def _sharded_state_dict(module: "ShardedDynamicState", state_dict, prefix: str, local_metadata) -> None:
+    def _sharded_state_dict(module: ShardedDynamicState, state_dict, prefix: str, local_metadata) -> None:
         pg, world, rank = module._env.process_group, module._world_size, module._rank
         configs, container = module._state_configs, module._container
         local = {}
         for cfg in configs:
             keys = [k for k in state_dict if k.startswith(f"{prefix}{container}.{cfg.name}.")]
-            local[cfg.name] = {k[len(f"{prefix}{container}.{cfg.name}."):]: state_dict.pop(k) for k in keys}
+            local[cfg.name] = {k[len(f"{prefix}{container}.{cfg.name}.") :]: state_dict.pop(k) for k in keys}
         # A column table's per-row data (ids, scores, admission) is the same on every shard: the
         # first shard's rank speaks for it.
         speaks = [module._owners[c.name].kind != "column" or module._owners[c.name].first_rank == rank for c in configs]
-        row_counts = [int(local[c.name]["weight_id"].numel()) if local[c.name] and speaks[i] else 0
-                      for i, c in enumerate(configs)]
-        pending_counts = [int(local[c.name]["admission_id"].numel()) if "admission_id" in local[c.name] and speaks[i]
-                          else 0 for i, c in enumerate(configs)]
+        row_counts = [
+            int(local[c.name]["weight_id"].numel()) if local[c.name] and speaks[i] else 0 for i, c in enumerate(configs)
+        ]
+        pending_counts = [
+            int(local[c.name]["admission_id"].numel()) if "admission_id" in local[c.name] and speaks[i] else 0
+            for i, c in enumerate(configs)
+        ]
         # Counters travel in the same all-gather; a rank without the table contributes zeros.
         width = len(COUNTERS)
         counters = [local[c.name]["counters"].tolist() if "counters" in local[c.name] else [0] * width for c in configs]
-        filter_counts = [int(local[c.name]["admission_bloom"].shape[0]) if "admission_bloom" in local[c.name]
-                         and speaks[i] else 0 for i, c in enumerate(configs)]
-        counts, devices = gather_counts(row_counts + pending_counts + [v for c in counters for v in c] + filter_counts,
-                                        module._shard_device(), world, pg)
+        filter_counts = [
+            int(local[c.name]["admission_bloom"].shape[0]) if "admission_bloom" in local[c.name] and speaks[i] else 0
+            for i, c in enumerate(configs)
+        ]
+        counts, devices = gather_counts(
+            row_counts + pending_counts + [v for c in counters for v in c] + filter_counts,
+            module._shard_device(),
+            world,
+            pg,
+        )
         # Counters are replicated, not sharded: on this rank's tables' device, as unsharded.
         local_module = getattr(module, "_local", None)
         counters_device = local_module.device if local_module is not None else module._device
@@ -236,36 +263,43 @@ class ShardedDynamicState:
             base = f"{prefix}{container}.{cfg.name}."
             # Placeholders of tables this rank does not hold are moved to its device with the rest.
             table = module._owners[cfg.name]
-            for key, (trailing, dtype) in row_keys(cfg.embedding_dim, module._optimizer_kind, opts.ttl_steps is not None,
-                                                   storage_dtype_of(cfg)).items():
+            for key, (trailing, dtype) in row_keys(
+                cfg.embedding_dim, module._optimizer_kind, opts.ttl_steps is not None, storage_dtype_of(cfg)
+            ).items():
                 tensor = mine.get(key, torch.empty((0,) + trailing, dtype=dtype))
                 if table.kind == "column" and trailing:
-                    state_dict[base + key] = column_rows(tensor, sum(c[i] for c in counts), trailing, table, rank,
-                                                         pg, devices)
+                    state_dict[base + key] = column_rows(
+                        tensor, sum(c[i] for c in counts), trailing, table, rank, pg, devices
+                    )
                 else:
                     state_dict[base + key] = sharded_rows(tensor, [c[i] for c in counts], rank, pg, devices)
             if opts.admission_strategy == "counter":
                 for key in PENDING_KEYS:
                     tensor = mine.get(key, torch.empty(0, dtype=torch.int64))
-                    state_dict[base + key] = sharded_rows(tensor, [c[len(configs) + i] for c in counts], rank, pg, devices)
+                    state_dict[base + key] = sharded_rows(
+                        tensor, [c[len(configs) + i] for c in counts], rank, pg, devices
+                    )
             if opts.admission_strategy == "bloom":  # one filter per rank holding the table: [filters, bytes]
                 nbytes = local_bloom_geometry(opts, cfg.num_embeddings, table.parts).nbytes
                 tensor = mine.get("admission_bloom", torch.empty(0, nbytes, dtype=torch.uint8))
-                state_dict[base + "admission_bloom"] = sharded_rows(tensor, [c[(2 + width) * len(configs) + i] for c in counts],
-                                                                    rank, pg, devices)
+                state_dict[base + "admission_bloom"] = sharded_rows(
+                    tensor, [c[(2 + width) * len(configs) + i] for c in counts], rank, pg, devices
+                )
             if opts.fallback_rows:
                 state_dict.update(module._fallback_state(cfg, base, mine, counters_device))
             first = 2 * len(configs) + width * i
-            state_dict[base + "counters"] = torch.tensor([max(c[first + j] for c in counts) for j in range(width)],
-                                                         dtype=torch.int64, device=counters_device)
+            state_dict[base + "counters"] = torch.tensor(
+                [max(c[first + j] for c in counts) for j in range(width)], dtype=torch.int64, device=counters_device
+            )
 
-    def _fallback_state(self, cfg, base: str, mine: Dict[str, Tensor], device: torch.device) -> Dict[str, Tensor]:
+    def _fallback_state(self, cfg, base: str, mine: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
         """A table's fallback rows and their optimizer state: plain tensors, the same on every
         rank (a replicated tensor to DCP, as counters). A row-wise table's ranks each hold an equal
         copy; a table-wise table's owner sends its rows to the others; a column table's shards
         each give their columns (collective)."""
-        names = ["fallback_weight"] + [f"fallback_{k}" for k in row_keys(1, self._optimizer_kind, False)
-                                       if k.startswith("optimizer.")]
+        names = ["fallback_weight"] + [
+            f"fallback_{k}" for k in row_keys(1, self._optimizer_kind, False) if k.startswith("optimizer.")
+        ]
         table = self._owners[cfg.name]
         owner = table.ranks[0]
         out = {}
@@ -276,15 +310,18 @@ class ShardedDynamicState:
             if name == "fallback_weight":
                 shape, dtype = (options_of(cfg).fallback_rows, cfg.embedding_dim), storage_dtype_of(cfg)
             else:
-                shape, dtype = (options_of(cfg).fallback_rows,) + (() if self._optimizer_kind in ROWWISE_STATE
-                                                                   else (cfg.embedding_dim,)), torch.float32
+                shape, dtype = (
+                    (options_of(cfg).fallback_rows,)
+                    + (() if self._optimizer_kind in ROWWISE_STATE else (cfg.embedding_dim,)),
+                    torch.float32,
+                )
             here = collective_device(self._env.process_group, device)
             pg = self._env.process_group
             if table.kind == "column":  # the shards' columns are disjoint: a sum puts each in place
                 tensor = torch.zeros(shape, dtype=dtype, device=here)
                 if table.holds(self._rank):
                     first, width = table.local_columns(self._rank)
-                    tensor[:, first:first + width] = mine[name].to(here)
+                    tensor[:, first : first + width] = mine[name].to(here)
                 dist.all_reduce(tensor, group=pg)
             else:
                 tensor = mine[name].to(here) if owner == self._rank else torch.empty(shape, dtype=dtype, device=here)
@@ -300,7 +337,7 @@ class ShardedDynamicState:
             return local_rows(filters, None)
         if table.kind == "row" and filters.dim() == 2 and int(filters.shape[0]) == table.parts:
             at = table.ranks.index(self._rank)
-            return filters[at:at + 1]
+            return filters[at : at + 1]
         return filters
 
     def _whole_column_state(self, state_dict, base: str) -> None:
@@ -309,7 +346,9 @@ class ShardedDynamicState:
         for k in [k for k in state_dict if k.startswith(base) and isinstance(state_dict[k], ShardedTensor)]:
             state_dict[k] = full_state_dict({k: state_dict[k]}, self._env.process_group)[k].to(self._shard_device())
 
-    def _route_loaded_state(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
+    def _route_loaded_state(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
         for cfg in self._state_configs:
             base = f"{prefix}{self._container}.{cfg.name}."
             table = self._owners[cfg.name]
@@ -325,8 +364,9 @@ class ShardedDynamicState:
             ids = state_dict[base + "weight_id"]
             mine = None if isinstance(ids, ShardedTensor) else table.owns(ids, self._rank)
             pending = state_dict.get(base + "admission_id")
-            pending_mine = None if pending is None or isinstance(pending, ShardedTensor) else \
-                table.owns(pending, self._rank)
+            pending_mine = (
+                None if pending is None or isinstance(pending, ShardedTensor) else table.owns(pending, self._rank)
+            )
             first, width = table.local_columns(self._rank)
             columns = table.kind == "column" and width != cfg.embedding_dim
             counters = state_dict.get(base + "counters")
@@ -335,7 +375,7 @@ class ShardedDynamicState:
             legacy = counters is not None and len(counters.size()) == 2
             same_layout = not legacy or int(counters.size(0)) == self._world_size
             for k in keys:
-                name = k[len(base):]
+                name = k[len(base) :]
                 if name == "counters" and legacy:
                     rows = local_rows(state_dict[k], None).view(-1, 4)
                     if isinstance(state_dict[k], ShardedTensor) or not same_layout:
@@ -352,11 +392,11 @@ class ShardedDynamicState:
                     # the table's fallback rows: every rank holding it takes them whole (its columns)
                     value = state_dict[k]
                     if columns and value.dim() == 2 and value.shape[1] == cfg.embedding_dim:
-                        state_dict[k] = value[:, first:first + width]
+                        state_dict[k] = value[:, first : first + width]
                 else:
                     rows = local_rows(state_dict[k], mine)
                     if columns and rows.dim() == 2 and rows.shape[1] == cfg.embedding_dim:  # its columns
-                        rows = rows[:, first:first + width]
+                        rows = rows[:, first : first + width]
                     state_dict[k] = rows
             if not same_layout:
                 state_dict.pop(base + "row", None)  # placement of another world size: re-insert

@@ -8,9 +8,10 @@ optimizer as TorchRec's sharders' do (``sharded_base.sharded_optimizer``). The F
 shards TorchRec's FeatureProcessedEmbeddingBagCollection over our EBC (fp_embeddingbag.py) and
 hands one over TorchRec's EBC to TorchRec's own.
 """
+
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,7 +19,11 @@ from torchrec.distributed.embedding_types import BaseEmbeddingSharder, Embedding
 from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import (
-    EmbeddingModuleShardingPlan, ModuleSharder, ParameterSharding, QuantizedCommCodecs, ShardingEnv,
+    EmbeddingModuleShardingPlan,
+    ModuleSharder,
+    ParameterSharding,
+    QuantizedCommCodecs,
+    ShardingEnv,
 )
 from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 
@@ -26,55 +31,67 @@ from torchrec_ext.distributed.embedding import ShardedDynamicEmbeddingCollection
 from torchrec_ext.distributed.embeddingbag import ShardedDynamicEmbeddingBagCollection
 from torchrec_ext.distributed.fp_embeddingbag import ShardedFeatureProcessedDynamicEmbeddingBagCollection
 from torchrec_ext.distributed.placement import SUPPORTED_SHARDING_TYPES
-from torchrec_ext.modules.fused_optimizer import spec_from_fused_params
 from torchrec_ext.modules import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection
-
+from torchrec_ext.modules.fused_optimizer import spec_from_fused_params
 
 
 class _DynamicSharder:
     """What both sharders share: sharding types, kernel, and fused_params checked up front."""
 
-    def __init__(self, fused_params: Optional[Dict[str, Any]] = None, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, fused_params: dict[str, Any] | None = None, *args: Any, **kwargs: Any) -> None:
         spec_from_fused_params(fused_params, type(self).__name__)  # unsupported ones refused now
         super().__init__(fused_params, *args, **kwargs)
 
-    def sharding_types(self, compute_device_type: str) -> List[str]:
+    def sharding_types(self, compute_device_type: str) -> list[str]:
         return list(SUPPORTED_SHARDING_TYPES)
 
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         return [EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value]
 
 
 class DynamicEmbeddingBagCollectionSharder(_DynamicSharder, BaseEmbeddingSharder[DynamicEmbeddingBagCollection]):
-    def shard(self, module: DynamicEmbeddingBagCollection, params: EmbeddingModuleShardingPlan, env: ShardingEnv,
-              device: Optional[torch.device] = None, module_fqn: Optional[str] = None) -> ShardedDynamicEmbeddingBagCollection:
+    def shard(
+        self,
+        module: DynamicEmbeddingBagCollection,
+        params: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> ShardedDynamicEmbeddingBagCollection:
         return ShardedDynamicEmbeddingBagCollection(module, params, env, device, fused_params=self.fused_params)
 
     @property
-    def module_type(self) -> Type[DynamicEmbeddingBagCollection]:
+    def module_type(self) -> type[DynamicEmbeddingBagCollection]:
         return DynamicEmbeddingBagCollection
 
-    def shardable_parameters(self, module: DynamicEmbeddingBagCollection) -> Dict[str, nn.Parameter]:
+    def shardable_parameters(self, module: DynamicEmbeddingBagCollection) -> dict[str, nn.Parameter]:
         return {name: table.weight for name, table in module.embedding_bags.items()}
 
 
 class DynamicEmbeddingCollectionSharder(_DynamicSharder, BaseEmbeddingSharder[DynamicEmbeddingCollection]):
-    def shard(self, module: DynamicEmbeddingCollection, params: EmbeddingModuleShardingPlan, env: ShardingEnv,
-              device: Optional[torch.device] = None, module_fqn: Optional[str] = None) -> ShardedDynamicEmbeddingCollection:
+    def shard(
+        self,
+        module: DynamicEmbeddingCollection,
+        params: EmbeddingModuleShardingPlan,
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> ShardedDynamicEmbeddingCollection:
         return ShardedDynamicEmbeddingCollection(module, params, env, device, fused_params=self.fused_params)
 
     @property
-    def module_type(self) -> Type[DynamicEmbeddingCollection]:
+    def module_type(self) -> type[DynamicEmbeddingCollection]:
         return DynamicEmbeddingCollection
 
-    def shardable_parameters(self, module: DynamicEmbeddingCollection) -> Dict[str, nn.Parameter]:
+    def shardable_parameters(self, module: DynamicEmbeddingCollection) -> dict[str, nn.Parameter]:
         return {name: table.weight for name, table in module.embeddings.items()}
 
 
 def over_dynamic_ebc(module: nn.Module) -> bool:
     """Whether ``module`` is a FeatureProcessedEmbeddingBagCollection over our dynamic EBC."""
-    return isinstance(module, FeatureProcessedEmbeddingBagCollection) and \
-        isinstance(module._embedding_bag_collection, DynamicEmbeddingBagCollection)
+    return isinstance(module, FeatureProcessedEmbeddingBagCollection) and isinstance(
+        module._embedding_bag_collection, DynamicEmbeddingBagCollection
+    )
 
 
 class FeatureProcessedDynamicEmbeddingBagCollectionSharder(FeatureProcessedEmbeddingBagCollectionSharder):
@@ -85,47 +102,60 @@ class FeatureProcessedDynamicEmbeddingBagCollectionSharder(FeatureProcessedEmbed
     and compute kernels; the planner keeps, per module, the options of its kind (planner.py).
     ``fused_params`` are ``ebc_sharder``'s."""
 
-    def __init__(self, ebc_sharder: Optional[DynamicEmbeddingBagCollectionSharder] = None,
-                 stock_sharder: Optional[FeatureProcessedEmbeddingBagCollectionSharder] = None,
-                 qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None) -> None:
+    def __init__(
+        self,
+        ebc_sharder: DynamicEmbeddingBagCollectionSharder | None = None,
+        stock_sharder: FeatureProcessedEmbeddingBagCollectionSharder | None = None,
+        qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+    ) -> None:
         super().__init__(ebc_sharder or DynamicEmbeddingBagCollectionSharder(), qcomm_codecs_registry)
         self._stock_sharder = stock_sharder or FeatureProcessedEmbeddingBagCollectionSharder(
-            qcomm_codecs_registry=qcomm_codecs_registry)
+            qcomm_codecs_registry=qcomm_codecs_registry
+        )
 
-    def shard(self, module: FeatureProcessedEmbeddingBagCollection, params: Dict[str, ParameterSharding],
-              env: ShardingEnv, device: Optional[torch.device] = None, module_fqn: Optional[str] = None) -> nn.Module:
+    def shard(
+        self,
+        module: FeatureProcessedEmbeddingBagCollection,
+        params: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> nn.Module:
         if not over_dynamic_ebc(module):
             return self._stock_sharder.shard(module, params, env, device, module_fqn)
         device = torch.device(device) if device is not None else module._embedding_bag_collection.device
-        return ShardedFeatureProcessedDynamicEmbeddingBagCollection(module, params, self._ebc_sharder, env, device,
-                                                                    module_fqn)
+        return ShardedFeatureProcessedDynamicEmbeddingBagCollection(
+            module, params, self._ebc_sharder, env, device, module_fqn
+        )
 
-    def shardable_parameters(self, module: FeatureProcessedEmbeddingBagCollection) -> Dict[str, nn.Parameter]:
+    def shardable_parameters(self, module: FeatureProcessedEmbeddingBagCollection) -> dict[str, nn.Parameter]:
         sharder = self._ebc_sharder if over_dynamic_ebc(module) else self._stock_sharder._ebc_sharder
         return sharder.shardable_parameters(module._embedding_bag_collection)
 
-    def sharding_types(self, compute_device_type: str) -> List[str]:
+    def sharding_types(self, compute_device_type: str) -> list[str]:
         stock = self._stock_sharder.sharding_types(compute_device_type)
         return stock + [t for t in self._ebc_sharder.sharding_types(compute_device_type) if t not in stock]
 
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         kernels = list(self._stock_sharder.compute_kernels(sharding_type, compute_device_type))
         if sharding_type in self._ebc_sharder.sharding_types(compute_device_type):
-            kernels += [k for k in self._ebc_sharder.compute_kernels(sharding_type, compute_device_type)
-                        if k not in kernels]
+            kernels += [
+                k for k in self._ebc_sharder.compute_kernels(sharding_type, compute_device_type) if k not in kernels
+            ]
         return kernels
 
 
-def _with_our_sharders(defaults: List[ModuleSharder[nn.Module]]) -> List[ModuleSharder[nn.Module]]:
+def _with_our_sharders(defaults: list[ModuleSharder[nn.Module]]) -> list[ModuleSharder[nn.Module]]:
     """Ours, then ``defaults`` but TorchRec's FP-EBC sharder, which ours wraps."""
     ebc_sharder = DynamicEmbeddingBagCollectionSharder()
     stock_fp = [s for s in defaults if s.module_type is FeatureProcessedEmbeddingBagCollection]
     fp_sharder = FeatureProcessedDynamicEmbeddingBagCollectionSharder(ebc_sharder, *stock_fp[:1])
-    return [ebc_sharder, DynamicEmbeddingCollectionSharder(), fp_sharder] + \
-        [s for s in defaults if s.module_type is not FeatureProcessedEmbeddingBagCollection]
+    return [ebc_sharder, DynamicEmbeddingCollectionSharder(), fp_sharder] + [
+        s for s in defaults if s.module_type is not FeatureProcessedEmbeddingBagCollection
+    ]
 
 
-def get_sharders() -> List[ModuleSharder[nn.Module]]:
+def get_sharders() -> list[ModuleSharder[nn.Module]]:
     """Our sharders plus TorchRec's defaults: for DistributedModelParallel(model, sharders=...)
     on models mixing dynamic and stock TorchRec tables. TorchRec's FP-EBC sharder is replaced by
     ours, which hands it the FP-EBCs over TorchRec's EBC."""
@@ -146,7 +176,7 @@ def install_default_sharder_lookup() -> None:
     if getattr(original, "_torchrec_ext_hooked", False):
         return
 
-    def get_module_to_default_sharders() -> Dict[Type[nn.Module], ModuleSharder[nn.Module]]:
+    def get_module_to_default_sharders() -> dict[type[nn.Module], ModuleSharder[nn.Module]]:
         return {sharder.module_type: sharder for sharder in _with_our_sharders(list(original().values()))}
 
     get_module_to_default_sharders._torchrec_ext_hooked = True

@@ -12,9 +12,8 @@ that is undefined yet (a hit rate before any lookup, ages before any eviction) i
 ``get_metrics`` reduces over ranks when the model is sharded, so ``compute()`` is then collective
 (every rank calls it, as TorchRec's own metrics require) and every rank gets the same values.
 """
-from __future__ import annotations
 
-from typing import Dict, Optional
+from __future__ import annotations
 
 import torch
 import torch.distributed as dist
@@ -25,9 +24,9 @@ from torchrec_ext.distributed.table_stats import model_table_stats
 from torchrec_ext.modules.table_stats import TableStats, total_stats
 
 
-def table_stats_scalars(stats: Dict[str, TableStats]) -> Dict[str, float]:
+def table_stats_scalars(stats: dict[str, TableStats]) -> dict[str, float]:
     """Every defined figure of each table's stats (``<table>/<stat>``) and of their totals (``<stat>``)."""
-    out: Dict[str, float] = {}
+    out: dict[str, float] = {}
     for name, table in sorted(stats.items()):
         out.update({f"{name}/{key}": float(value) for key, value in table.as_dict().items() if value is not None})
     if stats:
@@ -48,10 +47,10 @@ class TableStatsMetric(StateMetric):
     want the objects (e.g. a progress line) without reading the tables twice.
     """
 
-    def __init__(self, model: nn.Module, reduce: bool = True, group: Optional[dist.ProcessGroup] = None):
+    def __init__(self, model: nn.Module, reduce: bool = True, group: dist.ProcessGroup | None = None):
         self.model, self.reduce, self.group = model, reduce, group
-        self.last: Dict[str, TableStats] = {}
+        self.last: dict[str, TableStats] = {}
 
-    def get_metrics(self) -> Dict[str, torch.Tensor]:
+    def get_metrics(self) -> dict[str, torch.Tensor]:
         self.last = model_table_stats(self.model, reduce=self.reduce, group=self.group)
         return {key: torch.tensor(value, dtype=torch.float64) for key, value in table_stats_scalars(self.last).items()}

@@ -5,9 +5,8 @@ holds); ``reduce_table_stats`` gathers every rank's and merges them per table (c
 rank calls it), so counters are sums over shards and rates are over the whole table.
 ``model_table_stats`` does both for every dynamic module of a model (e.g. a DMP-wrapped one).
 """
-from __future__ import annotations
 
-from typing import Dict, Optional
+from __future__ import annotations
 
 import torch.distributed as dist
 from torch import nn
@@ -15,7 +14,7 @@ from torch import nn
 from torchrec_ext.modules.table_stats import TableStats, merge_table_stats, total_stats
 
 
-def reduce_table_stats(stats: Dict[str, TableStats], group=None) -> Dict[str, TableStats]:
+def reduce_table_stats(stats: dict[str, TableStats], group=None) -> dict[str, TableStats]:
     """Every rank's ``stats`` merged per table (one all_gather_object; collective)."""
     if not dist.is_initialized():
         return dict(stats)
@@ -24,12 +23,12 @@ def reduce_table_stats(stats: Dict[str, TableStats], group=None) -> Dict[str, Ta
     return merge_table_stats(everyone)
 
 
-def model_table_stats(model: nn.Module, reduce: bool = True, group=None) -> Dict[str, TableStats]:
+def model_table_stats(model: nn.Module, reduce: bool = True, group=None) -> dict[str, TableStats]:
     """Stats of every table of the model's dynamic modules (sharded or not), keyed by table name
     (``<module path>/<table>`` where two modules have a table of the same name); reduced over
     ranks when ``reduce`` (collective)."""
-    found: Dict[str, TableStats] = {}
-    clashes: Dict[str, int] = {}
+    found: dict[str, TableStats] = {}
+    clashes: dict[str, int] = {}
     per_module = []
     for path, module in model.named_modules():
         getter = getattr(type(module), "table_stats", None)
@@ -45,12 +44,19 @@ def model_table_stats(model: nn.Module, reduce: bool = True, group=None) -> Dict
     return reduce_table_stats(found, group) if reduce else found
 
 
-def summarize(stats: Dict[str, TableStats]) -> Optional[Dict[str, float]]:
+def summarize(stats: dict[str, TableStats]) -> dict[str, float] | None:
     """Totals over tables for a progress line: occupancy, evictions, rejections, refused, fallback
     reads, hit rate."""
     if not stats:
         return None
     total = total_stats(stats)
-    return {"occupancy": total.load_factor, "evictions": total.evictions, "rejections": total.admission_rejections,
-            "refused": total.refused, "hit_rate": total.hit_rate, "inserts": total.inserts,
-            "ttl_expiries": total.ttl_expiries, "fallback_reads": total.fallback_reads}
+    return {
+        "occupancy": total.load_factor,
+        "evictions": total.evictions,
+        "rejections": total.admission_rejections,
+        "refused": total.refused,
+        "hit_rate": total.hit_rate,
+        "inserts": total.inserts,
+        "ttl_expiries": total.ttl_expiries,
+        "fallback_reads": total.fallback_reads,
+    }

@@ -25,14 +25,14 @@ import torch
 from torch import Tensor, nn
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType
 
+from torchrec_ext.hashing import fallback_seed, table_seed
 from torchrec_ext.inference.modules import InferenceEmbeddingBagCollection, InferenceEmbeddingCollection
 from torchrec_ext.inference.storage import INT8, SERVING_DTYPES, InferenceTables, ServingTable
 from torchrec_ext.modules.configs import STORAGE_DATA_TYPES, options_of
-from torchrec_ext.modules.state_checks import _check_distinct, _checked
 from torchrec_ext.modules.embedding_bag_collection import DynamicEmbeddingBagCollection
 from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
 from torchrec_ext.modules.features import LookupPlan
-from torchrec_ext.hashing import fallback_seed, table_seed
+from torchrec_ext.modules.state_checks import _check_distinct, _checked
 from torchrec_ext.table import LAYOUT_VERSION, HashTable, place_keys
 
 DYNAMIC_MODULES = (DynamicEmbeddingBagCollection, DynamicEmbeddingCollection)
@@ -161,8 +161,10 @@ def serving_module(
     fallback = [_fallback_rows(m, table_state(m.name), where) for m in metas]
     given = sorted(m.name for m in metas if m.fallback_rows and m.name in (defaults or {}))
     if given:
-        raise ValueError(f"{where}: defaults names tables {given} that have learned fallback rows (their unseen ids "
-                         "read those, as in training)")
+        raise ValueError(
+            f"{where}: defaults names tables {given} that have learned fallback rows (their unseen ids "
+            "read those, as in training)"
+        )
     placed = [_placed_index(m, ids, rows, where) for m, (ids, _, rows) in zip(metas, loaded)]
     default_vectors = [_default_vector(m, (defaults or {}).get(m.name), where) for m in metas]
     pooled = isinstance(module, DynamicEmbeddingBagCollection)
@@ -256,8 +258,10 @@ def _table_rows(cfg: BaseEmbeddingConfig, state: Mapping[str, Any], where: str) 
     if ttl is not None and "last_seen" in state and "counters" in state:
         counters = _checked(name, "counters", state["counters"], "int", None)  # [5] ([4] before the layout version)
         if counters.numel() not in (4, 5):
-            raise ValueError(f"{name}: counters must have 5 entries (4 in states saved before the layout version), "
-                             f"got {counters.numel()}")
+            raise ValueError(
+                f"{name}: counters must have 5 entries (4 in states saved before the layout version), "
+                f"got {counters.numel()}"
+            )
         train_step = int(counters[2])
         live = _checked(name, "last_seen", state["last_seen"], "int", (ids.numel(),)).cpu() >= train_step - ttl
         ids, vectors, rows = ids[live], vectors[live], None if rows is None else rows[live]
@@ -337,8 +341,10 @@ def _fallback_rows(m: ServingTable, state: Mapping[str, Any], where: str) -> Ten
         return None
     name = f"{where}: table {m.name!r}"
     if "fallback_weight" not in state:
-        raise ValueError(f"{name}: the table has fallback_rows={m.fallback_rows} but the state has no "
-                         "'fallback_weight' (a state of another model?)")
+        raise ValueError(
+            f"{name}: the table has fallback_rows={m.fallback_rows} but the state has no "
+            "'fallback_weight' (a state of another model?)"
+        )
     return _checked(name, "fallback_weight", state["fallback_weight"], "float", (m.fallback_rows, m.dim)).cpu()
 
 

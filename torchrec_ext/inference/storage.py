@@ -32,10 +32,10 @@ import torch
 from torch import Tensor
 
 from torchrec_ext import ops
-from torchrec_ext.modules.features import LookupInput, LookupPlan
 from torchrec_ext.hashing import fallback_slots
-from torchrec_ext.vocabulary import STORAGE_DTYPES, dtype_code, table_words
+from torchrec_ext.modules.features import LookupInput, LookupPlan
 from torchrec_ext.table import HashTable, _ReadWriteLock
+from torchrec_ext.vocabulary import STORAGE_DTYPES, dtype_code, table_words
 
 INT8 = torch.int8
 SERVING_DTYPES = STORAGE_DTYPES + (INT8,)
@@ -258,14 +258,16 @@ class InferenceTables:
         for n in counts:
             offsets.append(offsets[-1] + n)
         arrays = [index.lookup_arrays() for index in self.indexes]  # held under this module's read lock
-        rows, found = ops.hash_find_tables([a[0] for a in arrays], [a[1] for a in arrays], ids, offsets,
-                                           [m.capacity for m in self.meta])
+        rows, found = ops.hash_find_tables(
+            [a[0] for a in arrays], [a[1] for a in arrays], ids, offsets, [m.capacity for m in self.meta]
+        )
         mapped = [t for t, n in enumerate(counts) if n and (self._maps_default[t] or self.int8)]
         plain = [t for t in mapped if not self.meta[t].fallback_rows]
         if plain:
             default = [self.default_rows[t] if t in plain else -1 for t in range(len(self.meta))]
             per_id = torch.tensor(default, dtype=torch.int64, device=ids.device).repeat_interleave(
-                torch.tensor(counts, device=ids.device), output_size=ids.numel())
+                torch.tensor(counts, device=ids.device), output_size=ids.numel()
+            )
             rows = torch.where(found | (per_id < 0), rows, per_id)
         for t in mapped:
             if self.meta[t].fallback_rows:

@@ -1,6 +1,10 @@
 """Dynamic embedding modules: drop-in replacements for TorchRec's EBC and EC."""
+
 from torchrec_ext.modules.configs import (
-    DynamicEmbeddingBagConfig, DynamicEmbeddingConfig, DynamicTableOptions, Initializer,
+    DynamicEmbeddingBagConfig,
+    DynamicEmbeddingConfig,
+    DynamicTableOptions,
+    Initializer,
 )
 from torchrec_ext.modules.delta_file import load_delta, save_delta
 from torchrec_ext.modules.deltas import Delta, DeltaError, DeltaToken, TableDelta
@@ -17,8 +21,21 @@ from torchrec_ext.modules.quantization import install_quantization_refusal
 install_quantization_refusal()
 
 __all__ = [
-    "DynamicEmbeddingBagCollection", "DynamicEmbeddingBagConfig", "DynamicEmbeddingCollection",
-    "DynamicEmbeddingConfig", "DynamicTableOptions", "Initializer", "DEFAULT_OPTIMIZER", "Ftrl",
-    "fuse_embedding_optimizer", "from_ebc_state_dict",
-    "Delta", "DeltaError", "DeltaToken", "TableDelta", "save_delta", "load_delta", "GrowthError",
+    "DynamicEmbeddingBagCollection",
+    "DynamicEmbeddingBagConfig",
+    "DynamicEmbeddingCollection",
+    "DynamicEmbeddingConfig",
+    "DynamicTableOptions",
+    "Initializer",
+    "DEFAULT_OPTIMIZER",
+    "Ftrl",
+    "fuse_embedding_optimizer",
+    "from_ebc_state_dict",
+    "Delta",
+    "DeltaError",
+    "DeltaToken",
+    "TableDelta",
+    "save_delta",
+    "load_delta",
+    "GrowthError",
 ]

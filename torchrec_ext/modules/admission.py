@@ -41,11 +41,11 @@ unsharded module) loads the saturating sum of all saved filters folded or tiled 
 sighting is lost (no false negative), but each rank's filter then also holds the other ranks'
 ids (more false positives) until decay halves them away.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -54,9 +54,15 @@ from torchrec_ext import ops
 from torchrec_ext.hashing import fmix64_tensor, srl, u64
 from torchrec_ext.modules.state_checks import _check_distinct, _checked
 from torchrec_ext.table import HashTable
+
 # Hash salts: an admission hash must not correlate with the bucket, routing or initializer hashes.
-from torchrec_ext.vocabulary import (  # noqa: F401  (BLOOM_COUNTER_BITS: part of this module's vocabulary)
-    BLOOM_COUNTER_BITS, BLOOM_COUNTER_MAX, BLOOM_MAX_HASHES, BLOOM_SALT, PROBABILITY_SALT, index_bytes,
+from torchrec_ext.vocabulary import (
+    BLOOM_COUNTER_BITS,
+    BLOOM_COUNTER_MAX,
+    BLOOM_MAX_HASHES,
+    BLOOM_SALT,
+    PROBABILITY_SALT,
+    index_bytes,
 )
 
 ADMISSIONS = ("counter", "bloom", "probabilistic")
@@ -96,8 +102,9 @@ def _best_hashes(counters: int, ids: int) -> int:
     return min(sorted(near), key=lambda k: bloom_fpr(counters, k, ids))
 
 
-def bloom_geometry(expected_ids: int, budget_bytes: Optional[int], fpr: Optional[float], where: str,
-                   hashes: Optional[int] = None) -> BloomGeometry:
+def bloom_geometry(
+    expected_ids: int, budget_bytes: int | None, fpr: float | None, where: str, hashes: int | None = None
+) -> BloomGeometry:
     """The filter for ``expected_ids`` ids: from a byte budget (the largest power-of-two counter
     count it holds), or else the smallest power-of-two filter reaching ``fpr`` (default 1%).
     With both, a budget whose filter misses the rate is refused, naming the bytes it needs.
@@ -110,7 +117,8 @@ def bloom_geometry(expected_ids: int, budget_bytes: Optional[int], fpr: Optional
             raise ValueError(
                 f"{where}: bloom_bytes={budget_bytes} is too small for bloom_fpr={fpr} at bloom_expected_ids="
                 f"{expected_ids}: it holds {counters} {BLOOM_COUNTER_BITS}-bit counters ({geometry.nbytes} bytes), "
-                f"a false-positive rate of {geometry.fpr:.4g}; that rate needs bloom_bytes >= {need.nbytes}")
+                f"a false-positive rate of {geometry.fpr:.4g}; that rate needs bloom_bytes >= {need.nbytes}"
+            )
         return geometry
     target = BLOOM_DEFAULT_FPR if fpr is None else fpr
     # Optimal cells per id for the rate: -ln(p) / ln(2)^2, rounded up to a power of two. The
@@ -118,7 +126,9 @@ def bloom_geometry(expected_ids: int, budget_bytes: Optional[int], fpr: Optional
     cells = math.ceil(expected_ids * -math.log(target) / math.log(2) ** 2)
     counters = 1 << max(1, (cells - 1).bit_length())
     best = _best_hashes(counters, expected_ids)
-    hashes = hashes or next(k for k in range(1, best + 1) if k == best or bloom_fpr(counters, k, expected_ids) <= target)
+    hashes = hashes or next(
+        k for k in range(1, best + 1) if k == best or bloom_fpr(counters, k, expected_ids) <= target
+    )
     return BloomGeometry(counters, hashes, expected_ids)
 
 
@@ -126,7 +136,7 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def check_admission_options(opts, capacity: int, where: str) -> Optional[str]:
+def check_admission_options(opts, capacity: int, where: str) -> str | None:
     """Checks a config's admission fields (``DynamicTableOptions``); returns the strategy name
     (None: every id is admitted). Raises ValueError / TypeError naming the field and value."""
     name = opts.admission
@@ -141,35 +151,53 @@ def check_admission_options(opts, capacity: int, where: str) -> Optional[str]:
     if given and name != "bloom":
         raise ValueError(f"{where}: {', '.join(given)} apply to admission='bloom', got admission={name!r}")
     if name in ("counter", "bloom") and opts.admit_after < 2:
-        raise ValueError(f"{where}: admission={name!r} needs admit_after >= 2 (1 admits every id at its first "
-                         f"sighting), got {opts.admit_after}")
+        raise ValueError(
+            f"{where}: admission={name!r} needs admit_after >= 2 (1 admits every id at its first "
+            f"sighting), got {opts.admit_after}"
+        )
     if name == "bloom":
         if opts.admit_after > BLOOM_COUNTER_MAX:
-            raise ValueError(f"{where}: admission='bloom' counts up to {BLOOM_COUNTER_MAX} ({BLOOM_COUNTER_BITS}-bit "
-                             f"counters), so admit_after must be <= {BLOOM_COUNTER_MAX}, got {opts.admit_after}")
+            raise ValueError(
+                f"{where}: admission='bloom' counts up to {BLOOM_COUNTER_MAX} ({BLOOM_COUNTER_BITS}-bit "
+                f"counters), so admit_after must be <= {BLOOM_COUNTER_MAX}, got {opts.admit_after}"
+            )
         if opts.bloom_bytes is not None and (not _is_int(opts.bloom_bytes) or opts.bloom_bytes < 1):
             raise ValueError(f"{where}: bloom_bytes must be an int >= 1 or None, got {opts.bloom_bytes!r}")
-        if opts.bloom_fpr is not None and (isinstance(opts.bloom_fpr, bool) or not isinstance(opts.bloom_fpr, (int, float))
-                                           or not 0 < opts.bloom_fpr < 1):
+        if opts.bloom_fpr is not None and (
+            isinstance(opts.bloom_fpr, bool)
+            or not isinstance(opts.bloom_fpr, (int, float))
+            or not 0 < opts.bloom_fpr < 1
+        ):
             raise ValueError(f"{where}: bloom_fpr must be a number in (0, 1) or None, got {opts.bloom_fpr!r}")
-        if opts.bloom_expected_ids is not None and (not _is_int(opts.bloom_expected_ids) or opts.bloom_expected_ids < 1):
-            raise ValueError(f"{where}: bloom_expected_ids must be an int >= 1 or None, got {opts.bloom_expected_ids!r}")
+        if opts.bloom_expected_ids is not None and (
+            not _is_int(opts.bloom_expected_ids) or opts.bloom_expected_ids < 1
+        ):
+            raise ValueError(
+                f"{where}: bloom_expected_ids must be an int >= 1 or None, got {opts.bloom_expected_ids!r}"
+            )
         if opts.bloom_decay_steps is not None and (not _is_int(opts.bloom_decay_steps) or opts.bloom_decay_steps < 1):
             raise ValueError(f"{where}: bloom_decay_steps must be an int >= 1 or None, got {opts.bloom_decay_steps!r}")
-        if opts.bloom_hashes is not None and (not _is_int(opts.bloom_hashes) or not 1 <= opts.bloom_hashes <= BLOOM_MAX_HASHES):
-            raise ValueError(f"{where}: bloom_hashes must be an int in [1, {BLOOM_MAX_HASHES}] or None, got {opts.bloom_hashes!r}")
+        if opts.bloom_hashes is not None and (
+            not _is_int(opts.bloom_hashes) or not 1 <= opts.bloom_hashes <= BLOOM_MAX_HASHES
+        ):
+            raise ValueError(
+                f"{where}: bloom_hashes must be an int in [1, {BLOOM_MAX_HASHES}] or None, got {opts.bloom_hashes!r}"
+            )
         bloom_geometry(opts.bloom_expected_ids or capacity, opts.bloom_bytes, opts.bloom_fpr, where, opts.bloom_hashes)
     if name == "probabilistic":
         p = opts.admit_probability
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
             raise ValueError(f"{where}: admission='probabilistic' needs admit_probability in (0, 1], got {p!r}")
         if opts.admit_after != 1:
-            raise ValueError(f"{where}: admit_after applies to admission='counter' or 'bloom', got admit_after="
-                             f"{opts.admit_after} with admission='probabilistic'")
+            raise ValueError(
+                f"{where}: admit_after applies to admission='counter' or 'bloom', got admit_after="
+                f"{opts.admit_after} with admission='probabilistic'"
+            )
     return name
 
 
 # ---------------------------------------------------------------------------- strategies
+
 
 class Admission:
     """The interface every strategy implements (see the module docstring)."""
@@ -179,13 +207,13 @@ class Admission:
     def admit(self, keys: Tensor, counts: Tensor, unseen: Tensor, step: int) -> Tensor:
         raise NotImplementedError
 
-    def state_keys(self) -> List[str]:
+    def state_keys(self) -> list[str]:
         return []
 
-    def state(self) -> Dict[str, Tensor]:
+    def state(self) -> dict[str, Tensor]:
         return {}
 
-    def checked_state(self, state: Dict[str, Tensor], where: str) -> "Admission":
+    def checked_state(self, state: dict[str, Tensor], where: str) -> Admission:
         """A new strategy holding ``state`` (checked; empty when the keys are absent)."""
         return self
 
@@ -247,14 +275,14 @@ class CounterAdmission(Admission):
         admitted.index_copy_(0, which, ready)
         return admitted
 
-    def state_keys(self) -> List[str]:
+    def state_keys(self) -> list[str]:
         return ["admission_id", "admission_count"]
 
-    def state(self) -> Dict[str, Tensor]:
+    def state(self) -> dict[str, Tensor]:
         pending = self.counter.state_dict()
         return {"admission_id": pending["keys"], "admission_count": self.seen[pending["rows"]].clone()}
 
-    def checked_state(self, state: Dict[str, Tensor], where: str) -> "CounterAdmission":
+    def checked_state(self, state: dict[str, Tensor], where: str) -> CounterAdmission:
         fresh = CounterAdmission(self.admit_after, self.capacity, self.seen.device)
         if "admission_id" not in state:
             return fresh
@@ -263,8 +291,9 @@ class CounterAdmission(Admission):
         _check_distinct(where, "admission_id", ids)
         if counts.numel() and int(counts.min()) < 0:
             i = int((counts < 0).nonzero()[0])
-            raise ValueError(f"{where} admission_count must be >= 0, got {int(counts[i])} at entry {i} "
-                             f"(admission_id {int(ids[i])})")
+            raise ValueError(
+                f"{where} admission_count must be >= 0, got {int(counts[i])} at entry {i} (admission_id {int(ids[i])})"
+            )
         device = self.seen.device
         ids, counts = ids.to(device, torch.int64), counts.to(device, torch.int64)
         # A bounded counter: sightings that do not fit are dropped, as a full counter drops them.
@@ -322,8 +351,9 @@ class BloomAdmission(Admission):
 
     name = "bloom"
 
-    def __init__(self, admit_after: int, geometry: BloomGeometry, decay_steps: Optional[int], seed: int,
-                 device: torch.device):
+    def __init__(
+        self, admit_after: int, geometry: BloomGeometry, decay_steps: int | None, seed: int, device: torch.device
+    ):
         self.admit_after, self.geometry, self.decay_steps, self.seed = admit_after, geometry, decay_steps, seed
         self.hash_seed = bloom_hash_seed(seed)
         self.packed = torch.zeros(geometry.nbytes, dtype=torch.uint8, device=device)
@@ -336,26 +366,31 @@ class BloomAdmission(Admission):
         if self.decay_steps is not None and step % self.decay_steps == 0:
             self.decay()
         # Only ids without a row are counted (pending = unseen); the others are never refused.
-        return ops.bloom_admit(self.packed, keys, counts, unseen, self.hash_seed, self.geometry.hashes,
-                               self.admit_after)
+        return ops.bloom_admit(
+            self.packed, keys, counts, unseen, self.hash_seed, self.geometry.hashes, self.admit_after
+        )
 
-    def state_keys(self) -> List[str]:
+    def state_keys(self) -> list[str]:
         return ["admission_bloom"]
 
-    def state(self) -> Dict[str, Tensor]:
+    def state(self) -> dict[str, Tensor]:
         return {"admission_bloom": self.packed.clone().unsqueeze(0)}  # one filter per row (a rank's)
 
-    def checked_state(self, state: Dict[str, Tensor], where: str) -> "BloomAdmission":
+    def checked_state(self, state: dict[str, Tensor], where: str) -> BloomAdmission:
         fresh = BloomAdmission(self.admit_after, self.geometry, self.decay_steps, self.seed, self.packed.device)
         if "admission_bloom" not in state:
             return fresh
         saved = state["admission_bloom"]
         if not isinstance(saved, Tensor) or saved.dtype != torch.uint8:
-            raise TypeError(f"{where} admission_bloom must be a uint8 tensor, got "
-                            f"{saved.dtype if isinstance(saved, Tensor) else type(saved).__name__}")
+            raise TypeError(
+                f"{where} admission_bloom must be a uint8 tensor, got "
+                f"{saved.dtype if isinstance(saved, Tensor) else type(saved).__name__}"
+            )
         if saved.dim() != 2 or saved.shape[1] < 1 or saved.shape[1] & (saved.shape[1] - 1):
-            raise ValueError(f"{where} admission_bloom must be [filters, bytes] with a power-of-two byte count "
-                             f"(one packed filter per row), got {list(saved.shape)}")
+            raise ValueError(
+                f"{where} admission_bloom must be [filters, bytes] with a power-of-two byte count "
+                f"(one packed filter per row), got {list(saved.shape)}"
+            )
         fresh.packed.copy_(self.combined(saved.to(self.packed.device)))
         return fresh
 
@@ -394,20 +429,21 @@ class ProbabilisticAdmission(Admission):
         return unseen & (probabilistic_draw(keys, self.seed) < self.threshold)
 
 
-def make_admission(opts, name: Optional[str], capacity: int, seed: int, device: torch.device) -> Optional[Admission]:
+def make_admission(opts, name: str | None, capacity: int, seed: int, device: torch.device) -> Admission | None:
     """The strategy of a table's options (``check_admission_options`` resolved ``name``)."""
     if name is None:
         return None
     if name == "counter":
         return CounterAdmission(opts.admit_after, opts.admission_capacity or capacity, device)
     if name == "bloom":
-        geometry = bloom_geometry(opts.bloom_expected_ids or capacity, opts.bloom_bytes, opts.bloom_fpr, "admission",
-                                  opts.bloom_hashes)
+        geometry = bloom_geometry(
+            opts.bloom_expected_ids or capacity, opts.bloom_bytes, opts.bloom_fpr, "admission", opts.bloom_hashes
+        )
         return BloomAdmission(opts.admit_after, geometry, opts.bloom_decay_steps, seed, device)
     return ProbabilisticAdmission(float(opts.admit_probability), seed)
 
 
-def admission_bytes(opts, name: Optional[str], capacity: int, parts: int = 1) -> int:
+def admission_bytes(opts, name: str | None, capacity: int, parts: int = 1) -> int:
     """Bytes one rank's share (of ``parts``) of a table's admission state holds (planner)."""
     share = lambda n: -(-n // parts)  # noqa: E731
     if name == "counter":
@@ -423,8 +459,9 @@ def local_bloom_geometry(opts, capacity: int, parts: int) -> BloomGeometry:
     share of the counters, rounded up to a power of two (filters must be powers of two to fold and
     tile): the shard keeps the table's false-positive rate, at up to twice its share of the bytes
     when ``parts`` is not a power of two."""
-    whole = bloom_geometry(opts.bloom_expected_ids or capacity, opts.bloom_bytes, opts.bloom_fpr, "admission",
-                           opts.bloom_hashes)
+    whole = bloom_geometry(
+        opts.bloom_expected_ids or capacity, opts.bloom_bytes, opts.bloom_fpr, "admission", opts.bloom_hashes
+    )
     if parts == 1:
         return whole
     expected = -(-whole.expected_ids // parts)
@@ -436,18 +473,28 @@ def local_bloom_geometry(opts, capacity: int, parts: int) -> BloomGeometry:
     return BloomGeometry(counters, whole.hashes, expected)  # the same hashes: filters fold and tile
 
 
-def local_admission_fields(opts, capacity: int, parts: int) -> Dict[str, object]:
+def local_admission_fields(opts, capacity: int, parts: int) -> dict[str, object]:
     """The admission fields of a row-wise shard's config (``parts`` ranks; 1: table-wise)."""
-    fields: Dict[str, object] = dict(admission=opts.admission, admit_after=opts.admit_after,
-                                     admit_probability=opts.admit_probability,
-                                     bloom_decay_steps=opts.bloom_decay_steps)
+    fields: dict[str, object] = dict(
+        admission=opts.admission,
+        admit_after=opts.admit_after,
+        admit_probability=opts.admit_probability,
+        bloom_decay_steps=opts.bloom_decay_steps,
+    )
     fields["admission_capacity"] = None if opts.admission_capacity is None else -(-opts.admission_capacity // parts)
     if opts.admission == "bloom":
         geometry = local_bloom_geometry(opts, capacity, parts)
-        fields.update(bloom_bytes=geometry.nbytes, bloom_expected_ids=geometry.expected_ids, bloom_fpr=None,
-                      bloom_hashes=geometry.hashes)
+        fields.update(
+            bloom_bytes=geometry.nbytes,
+            bloom_expected_ids=geometry.expected_ids,
+            bloom_fpr=None,
+            bloom_hashes=geometry.hashes,
+        )
     else:
-        fields.update(bloom_bytes=opts.bloom_bytes, bloom_fpr=opts.bloom_fpr, bloom_expected_ids=opts.bloom_expected_ids,
-                      bloom_hashes=opts.bloom_hashes)
+        fields.update(
+            bloom_bytes=opts.bloom_bytes,
+            bloom_fpr=opts.bloom_fpr,
+            bloom_expected_ids=opts.bloom_expected_ids,
+            bloom_hashes=opts.bloom_hashes,
+        )
     return fields
-

@@ -2,11 +2,13 @@
 submodules and their checkpoint format, device moves, optimizer resolution, and the autograd
 functions whose backward is the fused optimizer update.
 """
+
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -18,11 +20,15 @@ from torchrec_ext import ops
 from torchrec_ext.modules.deltas import DeltaMixin
 from torchrec_ext.modules.dynamic_tables import DynamicTables, RowLookup
 from torchrec_ext.modules.features import LookupInput, LookupPlan, check_and_arrange
+from torchrec_ext.modules.fused_optimizer import (
+    DEFAULT_OPTIMIZER,
+    DynamicEmbeddingFusedOptimizer,
+    OptimizerSpec,
+    resolve_optimizer,
+    spec_from_parameter,
+)
 from torchrec_ext.modules.table_stats import TableStats
 from torchrec_ext.modules.tiered_tables import TieredTables, tables_for
-from torchrec_ext.modules.fused_optimizer import (
-    DEFAULT_OPTIMIZER, DynamicEmbeddingFusedOptimizer, OptimizerSpec, resolve_optimizer, spec_from_parameter,
-)
 
 _REQUIRED_STATE = ("weight", "weight_id", "metadata", "counters")
 
@@ -57,27 +63,34 @@ class DynamicTable(nn.Module):
         grows = f", max_capacity={m.max_capacity}" if m.max_capacity != m.capacity else ""
         return f"capacity={m.capacity}{grows}, dim={m.dim}, policy={m.policy!r}, dtype={m.dtype}{fallback}"
 
-    def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         for key, value in self._tables.table_state(self._index).items():
             destination[prefix + key] = value
 
-    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: Any, strict: bool,
-                              missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str]) -> None:
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
         if self._loaded_by_container:  # its container loaded every table at once, this one included
             self._loaded_by_container = False
             return
-        load_tables(self._tables, {self._index: prefix}, state_dict, None, missing_keys, unexpected_keys,
-                    error_msgs)
+        load_tables(self._tables, {self._index: prefix}, state_dict, None, missing_keys, unexpected_keys, error_msgs)
 
 
 class DynamicTableDict(nn.ModuleDict):
     """The per-table submodules of a collection (``embedding_bags`` / ``embeddings``). It loads
     a state_dict into all of its tables at once, so a bad table state changes no table."""
 
-    def __init__(self, tables: DynamicTables, modules: Dict[str, DynamicTable]):
+    def __init__(self, tables: DynamicTables, modules: dict[str, DynamicTable]):
         super().__init__(modules)
         self._tables = tables
-        self.strict: Optional[bool] = None  # the load_state_dict in progress's, when known
+        self.strict: bool | None = None  # the load_state_dict in progress's, when known
 
     @contextmanager
     def loading(self, strict: bool):
@@ -88,23 +101,47 @@ class DynamicTableDict(nn.ModuleDict):
         finally:
             self.strict = None
 
-    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: Any, strict: bool,
-                              missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str]) -> None:
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
         unknown_before = len(unexpected_keys)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)  # reports keys of tables this module does not have
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )  # reports keys of tables this module does not have
         # (a sharded module's container also holds placeholders of other ranks' tables: skipped)
         mine = {name: table for name, table in self.items() if isinstance(table, DynamicTable)}
         tables = {table._index: f"{prefix}{name}." for name, table in mine.items()}
-        load_tables(self._tables, tables, state_dict, self.strict, missing_keys, unexpected_keys, error_msgs,
-                    unknown=len(unexpected_keys) > unknown_before)
+        load_tables(
+            self._tables,
+            tables,
+            state_dict,
+            self.strict,
+            missing_keys,
+            unexpected_keys,
+            error_msgs,
+            unknown=len(unexpected_keys) > unknown_before,
+        )
         for table in mine.values():
             table._loaded_by_container = True
 
 
-def load_tables(tables: DynamicTables, prefixes: Dict[int, str], state_dict: Mapping[str, Any],
-                strict: Optional[bool], missing_keys: List[str], unexpected_keys: List[str],
-                error_msgs: List[str], unknown: bool = False) -> None:
+def load_tables(
+    tables: DynamicTables,
+    prefixes: dict[int, str],
+    state_dict: Mapping[str, Any],
+    strict: bool | None,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+    unknown: bool = False,
+) -> None:
     """Loads tables (index -> state_dict prefix) from ``state_dict``: all or none.
 
     Missing and unexpected keys are reported. A module without a fused optimizer ignores the
@@ -120,9 +157,12 @@ def load_tables(tables: DynamicTables, prefixes: Dict[int, str], state_dict: Map
     states, problems = {}, unknown
     for t, prefix in prefixes.items():
         expected = tables.state_keys(t)
-        mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        ignored = [] if tables.optimizer is not None else \
-            [k for k in mine if k.startswith(("optimizer.", "fallback_optimizer."))]
+        mine = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        ignored = (
+            []
+            if tables.optimizer is not None
+            else [k for k in mine if k.startswith(("optimizer.", "fallback_optimizer."))]
+        )
         missing = [k for k in expected if k not in mine and k != "row"]
         unexpected = [k for k in mine if k not in expected and k not in ignored]
         missing_keys.extend(prefix + k for k in missing)
@@ -136,7 +176,8 @@ def load_tables(tables: DynamicTables, prefixes: Dict[int, str], state_dict: Map
                 f"tables {sorted(prefixes.values())} not loaded: their keys are incomplete or unexpected (see "
                 "the missing / unexpected keys), and a dynamic collection nested in another module cannot see "
                 "the load's strictness, so it loads none of them; call load_state_dict(..., strict=False) on "
-                "the collection itself to load the complete tables, or pass the complete state")
+                "the collection itself to load the complete tables, or pass the complete state"
+            )
         return
     tables.load_states(states, where="load_state_dict")
 
@@ -150,27 +191,38 @@ class DynamicCollectionMixin(DeltaMixin):
     _tables: DynamicTables
     _plan: LookupPlan
 
-    def _init_dynamic(self, configs: Sequence[BaseEmbeddingConfig], device: Optional[torch.device],
-                      container: str, optimizer: Any, optimizer_kwargs: Optional[Mapping[str, Any]]) -> None:
+    def _init_dynamic(
+        self,
+        configs: Sequence[BaseEmbeddingConfig],
+        device: torch.device | None,
+        container: str,
+        optimizer: Any,
+        optimizer_kwargs: Mapping[str, Any] | None,
+    ) -> None:
         where = type(self).__name__
         # Without a device, torch's default one, as TorchRec's modules (so ``with torch.device("meta"):``
         # builds a meta module).
         self._device = torch.device(device) if device is not None else torch.get_default_device()
         self._tables = tables_for(configs, self._device)  # tiered when a table has host or file backing
         self._container = container
-        setattr(self, container, DynamicTableDict(self._tables, {cfg.name: DynamicTable(self._tables, t) for t, cfg in enumerate(configs)}))
+        setattr(
+            self,
+            container,
+            DynamicTableDict(self._tables, {cfg.name: DynamicTable(self._tables, t) for t, cfg in enumerate(configs)}),
+        )
         self._plan = LookupPlan.of(configs)
-        self._optimizer_spec: Optional[OptimizerSpec] = (
-            None if optimizer is None else resolve_optimizer(optimizer, optimizer_kwargs, where))
+        self._optimizer_spec: OptimizerSpec | None = (
+            None if optimizer is None else resolve_optimizer(optimizer, optimizer_kwargs, where)
+        )
         if optimizer is None and optimizer_kwargs:
             raise ValueError(f"{where}: optimizer_kwargs given without an optimizer")
-        self._fused: Optional[DynamicEmbeddingFusedOptimizer] = None
+        self._fused: DynamicEmbeddingFusedOptimizer | None = None
         self._warned_default = False
         self._fused_is_default = False  # the tables train with DEFAULT_OPTIMIZER, none was chosen
         if self._optimizer_spec is not None:
             self._ensure_optimizer()
 
-    def __setstate__(self, state: Dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         # deepcopy clones each Parameter on its own (nn.Parameter.__deepcopy__), dropping its
         # attributes: re-point the copy's table parameters at the copy's storage, and give
         # them back the fused optimizer's markers (the copied optimizer already holds them).
@@ -193,11 +245,12 @@ class DynamicCollectionMixin(DeltaMixin):
             f"{type(self).__name__} cannot be compiled by torch.jit.script: its ids -> rows lookup is a "
             "Python hash-table index. For inference graphs use torch.export.export(model, args, strict=False) "
             "(eval mode), or torch.fx.symbolic_trace / torchrec.fx.symbolic_trace, which keep this module "
-            "as one call")
+            "as one call"
+        )
 
     # ------------------------------------------------------------------ tables
 
-    def _table_modules(self) -> List[DynamicTable]:
+    def _table_modules(self) -> list[DynamicTable]:
         return list(getattr(self, self._container).values())
 
     def _bind_parameters(self) -> None:
@@ -209,7 +262,7 @@ class DynamicCollectionMixin(DeltaMixin):
                 table.weight = nn.Parameter(view, requires_grad=old.requires_grad)
                 table.weight.__dict__.update(old.__dict__)
 
-    def _apply(self, fn, recurse: bool = True):  # noqa: D401  (nn.Module hook)
+    def _apply(self, fn, recurse: bool = True):
         # Storage moves as a whole and the table parameters are re-pointed at it, so they stay
         # views of one buffer whatever .to() / .cuda() / to_empty() did.
         self._tables.apply(fn)
@@ -238,7 +291,7 @@ class DynamicCollectionMixin(DeltaMixin):
         ``maximum``: once every growing table (``initial_capacity``) reached num_embeddings."""
         return self._tables.storage_bytes(maximum=maximum)
 
-    def table_stats(self) -> Dict[str, TableStats]:
+    def table_stats(self) -> dict[str, TableStats]:
         """Per table (by name): live rows, capacity, load factor, inserts, evictions, TTL expiries,
         admission rejections, refused ids, lookup hit rate and ages of evicted rows, counted as the
         training lookups ran (``torchrec_ext.modules.table_stats.TableStats``). Cheap: one read of
@@ -256,11 +309,19 @@ class DynamicCollectionMixin(DeltaMixin):
         module's share of the next batch, in flight in its input dist)."""
         if not isinstance(self._tables, TieredTables) or self.device.type == "meta":
             return False
+
         def arrange(kjt):
-            return check_and_arrange(kjt, self._plan, getattr(self, "_is_weighted", False),
-                                     type(self).__name__, self.device, variable_batch="pool")
+            return check_and_arrange(
+                kjt,
+                self._plan,
+                getattr(self, "_is_weighted", False),
+                type(self).__name__,
+                self.device,
+                variable_batch="pool",
+            )
 
         if callable(features):  # known later, on the stage's worker thread
+
             def resolve():
                 kjt = features()
                 batch = None if kjt is None else arrange(kjt)
@@ -272,7 +333,7 @@ class DynamicCollectionMixin(DeltaMixin):
         self._tables.stage_next(batch.ids, batch.segment_offsets)
         return True
 
-    def tier_step_stats(self) -> Dict[str, Dict[str, int]]:
+    def tier_step_stats(self) -> dict[str, dict[str, int]]:
         """Tables with host or file backing, per table: the tier's traffic of the last lookup and
         of the stage before it: ``hits`` / ``misses`` (rows found in the cache / read from the
         backing store at step time), ``staged`` (rows the stage read ahead), ``write_backs``
@@ -300,25 +361,31 @@ class DynamicCollectionMixin(DeltaMixin):
 
     # ------------------------------------------------------------------ optimizer
 
-    def _table_params(self) -> Dict[str, Tensor]:
-        return {f"{self._container}.{m.name}.weight": table.weight
-                for m, table in zip(self._tables.meta, self._table_modules())}
+    def _table_params(self) -> dict[str, Tensor]:
+        return {
+            f"{self._container}.{m.name}.weight": table.weight
+            for m, table in zip(self._tables.meta, self._table_modules())
+        }
 
-    def _chosen_spec(self) -> Optional[OptimizerSpec]:
+    def _chosen_spec(self) -> OptimizerSpec | None:
         """The optimizer chosen for the tables: apply_optimizer_in_backward's when set, else the
         constructor's (or fuse_embedding_optimizer's); None when none was chosen."""
         where = type(self).__name__
         specs = {name: spec_from_parameter(p, where) for name, p in self._table_params().items()}
         chosen = {s for s in specs.values() if s is not None}
         if len(chosen) > 1:
-            raise ValueError(f"{where}: all tables of one module must use the same fused optimizer, got "
-                             + ", ".join(f"{n}: {s}" for n, s in specs.items()))
+            raise ValueError(
+                f"{where}: all tables of one module must use the same fused optimizer, got "
+                + ", ".join(f"{n}: {s}" for n, s in specs.items())
+            )
         if chosen and any(s is None for s in specs.values()):
-            raise ValueError(f"{where}: apply_optimizer_in_backward was applied to only some tables' parameters: "
-                             f"{sorted(n for n, s in specs.items() if s is None)} have none")
+            raise ValueError(
+                f"{where}: apply_optimizer_in_backward was applied to only some tables' parameters: "
+                f"{sorted(n for n, s in specs.items() if s is None)} have none"
+            )
         return next(iter(chosen)) if chosen else self._optimizer_spec
 
-    def _ensure_optimizer(self, default: bool = False) -> Optional[DynamicEmbeddingFusedOptimizer]:
+    def _ensure_optimizer(self, default: bool = False) -> DynamicEmbeddingFusedOptimizer | None:
         """The fused optimizer of the chosen spec; with none chosen, DEFAULT_OPTIMIZER when
         ``default`` (a backward follows) or one already in use, else None."""
         spec = self._chosen_spec()
@@ -333,7 +400,8 @@ class DynamicCollectionMixin(DeltaMixin):
                     "weights get no .grad, so a dense torch.optim optimizer skips them. Choose one with "
                     "torchrec.optim.apply_optimizer_in_backward(cls, module.parameters(), kwargs), the module's "
                     "optimizer= / optimizer_kwargs= arguments or torchrec_ext.modules.fuse_embedding_optimizer",
-                    stacklevel=4)
+                    stacklevel=4,
+                )
         if spec is None:
             return None
         self._fused_is_default = is_default
@@ -341,7 +409,7 @@ class DynamicCollectionMixin(DeltaMixin):
         if self._fused is not None and self._fused.spec == spec:
             return self._fused
         self._tables.set_optimizer(spec)
-        state: Dict[Tensor, Dict[str, Any]] = {}
+        state: dict[Tensor, dict[str, Any]] = {}
         for param, m in zip(params.values(), self._tables.meta):
             # The per-row state (momenta) lives with the rows in the module's state_dict, which is
             # what stays consistent with the ids; here only the step count, which Adam's bias
@@ -357,7 +425,7 @@ class DynamicCollectionMixin(DeltaMixin):
             param._in_backward_optimizers = [self._fused]
         return self._fused
 
-    def _set_fused_optimizer(self, cls: Any, kwargs: Optional[Mapping[str, Any]], spec: OptimizerSpec) -> None:
+    def _set_fused_optimizer(self, cls: Any, kwargs: Mapping[str, Any] | None, spec: OptimizerSpec) -> None:
         """fuse_embedding_optimizer's: ``spec`` (resolved from ``cls(**kwargs)``) replaces the
         optimizer chosen before, apply_optimizer_in_backward's included."""
         self._optimizer_spec = spec
@@ -389,8 +457,7 @@ class DynamicCollectionMixin(DeltaMixin):
         node (a leaf), since ids -> rows depends on the ids' values and the tables' contents,
         which a symbolic trace cannot follow. The traced graph calls this module at run time."""
         tracer = features.tracer
-        return tracer.create_proxy("call_module", tracer.path_of_module(self), (features,), {},
-                                   type_expr=output_type)
+        return tracer.create_proxy("call_module", tracer.path_of_module(self), (features,), {}, type_expr=output_type)
 
     def _lookup_rows(self, batch: LookupInput) -> RowLookup:
         self._tables.check_ready(type(self).__name__)
@@ -401,7 +468,7 @@ class DynamicCollectionMixin(DeltaMixin):
                 fused.hyperparams()  # settings written since (by a scheduler) are refused before any id is inserted
         return self._tables.lookup(batch.ids, batch.segment_offsets, self.training, backward_follows=backward_follows)
 
-    def _differentiable_params(self) -> List[Tensor]:
+    def _differentiable_params(self) -> list[Tensor]:
         params = [t.weight for t in self._table_modules()]
         return params if torch.is_grad_enabled() and any(p.requires_grad for p in params) else []
 
@@ -412,8 +479,14 @@ class PooledLookupFunction(torch.autograd.Function):
     ``batch.weights``, passed apart so that autograd sees it."""
 
     @staticmethod
-    def forward(ctx, owner: DynamicCollectionMixin, lookup: RowLookup, batch: LookupInput, weights: Optional[Tensor],
-                *params: Tensor) -> Tensor:
+    def forward(
+        ctx,
+        owner: DynamicCollectionMixin,
+        lookup: RowLookup,
+        batch: LookupInput,
+        weights: Tensor | None,
+        *params: Tensor,
+    ) -> Tensor:
         tables, plan = owner._tables, owner._plan
         table_offsets, table_dims, _ = tables.layout()
         feature_table, feature_col, feature_mean = plan.tensors(tables.device)
@@ -421,9 +494,21 @@ class PooledLookupFunction(torch.autograd.Function):
         torch.cumsum(batch.lengths, 0, out=offsets[1:])
         ctx.owner, ctx.lookup, ctx.batch, ctx.offsets = owner, lookup, batch, offsets
         ctx.num_params = len(params)
-        return ops.pooled_lookup(tables.weights, table_offsets, table_dims, feature_table, feature_col, feature_mean,
-                                 lookup.rows, offsets, batch.weights, batch.batch_size, plan.total_dim,
-                                 lookup.new_vectors, tables.dtype_layout()[0])
+        return ops.pooled_lookup(
+            tables.weights,
+            table_offsets,
+            table_dims,
+            feature_table,
+            feature_col,
+            feature_mean,
+            lookup.rows,
+            offsets,
+            batch.weights,
+            batch.batch_size,
+            plan.total_dim,
+            lookup.new_vectors,
+            tables.dtype_layout()[0],
+        )
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -431,12 +516,22 @@ class PooledLookupFunction(torch.autograd.Function):
         # Before the update: the weights' gradient reads the rows as the forward did.
         grad_weights = per_sample_weight_grad(owner, ctx.lookup, batch, grad) if ctx.needs_input_grad[3] else None
         _, feature_col, feature_mean = owner._plan.tensors(owner._tables.device)
-        owner._tables.apply_gradients(grad, ctx.lookup, ctx.offsets, batch.weights, feature_col,
-                                      feature_mean, batch.batch_size, owner._hyperparams())
+        owner._tables.apply_gradients(
+            grad,
+            ctx.lookup,
+            ctx.offsets,
+            batch.weights,
+            feature_col,
+            feature_mean,
+            batch.batch_size,
+            owner._hyperparams(),
+        )
         return (None, None, None, grad_weights) + (None,) * ctx.num_params
 
 
-def per_sample_weight_grad(owner: DynamicCollectionMixin, lookup: RowLookup, batch: LookupInput, grad: Tensor) -> Tensor:
+def per_sample_weight_grad(
+    owner: DynamicCollectionMixin, lookup: RowLookup, batch: LookupInput, grad: Tensor
+) -> Tensor:
     """d loss / d weight of each id: its row (as the lookup read it) dotted with the gradient of
     its bag's output columns, divided by the bag's length under mean pooling. One sequence
     lookup per distinct embedding dim."""
@@ -457,8 +552,16 @@ def per_sample_weight_grad(owner: DynamicCollectionMixin, lookup: RowLookup, bat
         counts = torch.tensor([0] + [batch.value_counts[i] for i in features], device=grad.device).cumsum(0)
         # (the op takes one dim: other tables' pending vectors are not read, so stand in empty)
         pending = [v if v.shape[1] == dim else v.new_zeros(0, dim) for v in lookup.new_vectors]
-        rows = ops.sequence_lookup(tables.weights, table_offsets, dim, feature_table[features], counts,
-                                   lookup.rows[at], pending, tables.dtype_layout()[0])
+        rows = ops.sequence_lookup(
+            tables.weights,
+            table_offsets,
+            dim,
+            feature_table[features],
+            counts,
+            lookup.rows[at],
+            pending,
+            tables.dtype_layout()[0],
+        )
         cols = feature_col[feature[at]].unsqueeze(1) + torch.arange(dim, device=grad.device)
         out[at] = (grad[sample[at].unsqueeze(1), cols] * rows).sum(1) * scale[at]
     return out
@@ -474,14 +577,20 @@ class SequenceLookupFunction(torch.autograd.Function):
         feature_table, _, _ = plan.tensors(tables.device)
         ctx.owner, ctx.lookup = owner, lookup
         ctx.num_params = len(params)
-        return ops.sequence_lookup(tables.weights, table_offsets, plan.dims[0] if plan.dims else 1, feature_table,
-                                   batch.feature_value_offsets, lookup.rows, lookup.new_vectors,
-                                   tables.dtype_layout()[0])
+        return ops.sequence_lookup(
+            tables.weights,
+            table_offsets,
+            plan.dims[0] if plan.dims else 1,
+            feature_table,
+            batch.feature_value_offsets,
+            lookup.rows,
+            lookup.new_vectors,
+            tables.dtype_layout()[0],
+        )
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         owner = ctx.owner
         empty = torch.zeros(0, dtype=torch.int64, device=grad.device)
-        owner._tables.apply_gradients(grad, ctx.lookup, None, None, empty, empty.bool(), 0,
-                                      owner._hyperparams())
+        owner._tables.apply_gradients(grad, ctx.lookup, None, None, empty, empty.bool(), 0, owner._hyperparams())
         return (None, None, None) + (None,) * ctx.num_params

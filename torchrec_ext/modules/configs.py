@@ -4,6 +4,7 @@ dynamic table needs (eviction policy, initializer, admission, time-to-live, seed
 ``num_embeddings`` is the table's capacity in rows. A plain TorchRec config is accepted
 everywhere a dynamic one is and means the defaults.
 """
+
 from __future__ import annotations
 
 import functools
@@ -11,8 +12,8 @@ import inspect
 import math
 import numbers
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType, EmbeddingBagConfig, EmbeddingConfig
@@ -35,8 +36,8 @@ class Initializer:
     """
 
     kind: str = "uniform"
-    low: Optional[float] = None
-    high: Optional[float] = None
+    low: float | None = None
+    high: float | None = None
     mean: float = 0.0
     std: float = 1.0
     value: float = 0.0
@@ -59,13 +60,13 @@ class Initializer:
         if not _is_int(self.first_column) or self.first_column < 0:
             raise ValueError(f"Initializer: first_column must be an int >= 0, got {self.first_column!r}")
 
-    def kernel_params(self, default_low: float, default_high: float) -> Tuple[int, Tuple[float, ...]]:
+    def kernel_params(self, default_low: float, default_high: float) -> tuple[int, tuple[float, ...]]:
         """(kind id, params) as csrc/embedding_cpu.cpp's init_rows takes them (the first column
         last, when not 0)."""
         kind, params = self._kind_params(default_low, default_high)
         return kind, params + ((float(self.first_column),) if self.first_column else ())
 
-    def _kind_params(self, default_low: float, default_high: float) -> Tuple[int, Tuple[float, ...]]:
+    def _kind_params(self, default_low: float, default_high: float) -> tuple[int, tuple[float, ...]]:
         if self.kind == "uniform":
             low = default_low if self.low is None else self.low
             high = default_high if self.high is None else self.high
@@ -79,7 +80,7 @@ class Initializer:
         return INITIALIZERS["constant"], (self.value,)
 
     @staticmethod
-    def from_kernel_params(kind: int, params: Sequence[float]) -> "Initializer":
+    def from_kernel_params(kind: int, params: Sequence[float]) -> Initializer:
         """The Initializer whose ``kernel_params`` are (kind, params), every default resolved."""
         name = INITIALIZER_NAMES[kind]
         fields = {"constant": ("value",), "uniform": ("low", "high")}.get(name, ("mean", "std", "low", "high"))
@@ -146,39 +147,46 @@ class DynamicTableOptions:
     """
 
     eviction_policy: str = "lru"
-    initializer: Union[Initializer, str, None] = None
-    admission: Optional[str] = None
+    initializer: Initializer | str | None = None
+    admission: str | None = None
     admit_after: int = 1
-    admission_capacity: Optional[int] = None
-    admit_probability: Optional[float] = None
-    bloom_bytes: Optional[int] = None
-    bloom_fpr: Optional[float] = None
-    bloom_expected_ids: Optional[int] = None
-    bloom_decay_steps: Optional[int] = None
-    bloom_hashes: Optional[int] = None
-    ttl_steps: Optional[int] = None
-    fallback_rows: Optional[int] = None
+    admission_capacity: int | None = None
+    admit_probability: float | None = None
+    bloom_bytes: int | None = None
+    bloom_fpr: float | None = None
+    bloom_expected_ids: int | None = None
+    bloom_decay_steps: int | None = None
+    bloom_hashes: int | None = None
+    ttl_steps: int | None = None
+    fallback_rows: int | None = None
     seed: int = 0
     stochastic_rounding: bool = True
     backing: str = "device"
-    cache_load_factor: Optional[float] = None
-    backing_shard: Optional[str] = None
-    initial_capacity: Optional[int] = None
+    cache_load_factor: float | None = None
+    backing_shard: str | None = None
+    initial_capacity: int | None = None
     growth_load_factor: float = DEFAULT_GROWTH_LOAD_FACTOR
 
     def _check_dynamic_fields(self) -> None:
         name = type(self).__name__
-        if not isinstance(self.eviction_policy, str) or self.eviction_policy not in POLICIES \
-                or self.eviction_policy == "custom":
+        if (
+            not isinstance(self.eviction_policy, str)
+            or self.eviction_policy not in POLICIES
+            or self.eviction_policy == "custom"
+        ):
             allowed = sorted(set(POLICIES) - {"custom"})
             raise ValueError(f"{name}: eviction_policy must be one of {allowed}, got {self.eviction_policy!r}")
         if isinstance(self.initializer, str):
             self.initializer = Initializer(self.initializer)
         elif self.initializer is not None and not isinstance(self.initializer, Initializer):
-            raise TypeError(f"{name}: initializer must be an Initializer, a kind name or None, got {self.initializer!r}")
+            raise TypeError(
+                f"{name}: initializer must be an Initializer, a kind name or None, got {self.initializer!r}"
+            )
         if not _is_int(self.admit_after) or self.admit_after < 1:
             raise ValueError(f"{name}: admit_after must be an int >= 1, got {self.admit_after!r}")
-        if self.admission_capacity is not None and (not _is_int(self.admission_capacity) or self.admission_capacity < 1):
+        if self.admission_capacity is not None and (
+            not _is_int(self.admission_capacity) or self.admission_capacity < 1
+        ):
             raise ValueError(f"{name}: admission_capacity must be an int >= 1 or None, got {self.admission_capacity!r}")
         if self.ttl_steps is not None and (not _is_int(self.ttl_steps) or self.ttl_steps < 1):
             raise ValueError(f"{name}: ttl_steps must be an int >= 1 or None, got {self.ttl_steps!r}")
@@ -189,10 +197,12 @@ class DynamicTableOptions:
             raise TypeError(f"{name}: stochastic_rounding must be a bool, got {self.stochastic_rounding!r}")
         check_admission_options(self, getattr(self, "num_embeddings", 1), name)
         check_backing_options(self, name)
-        check_growth_options(self, getattr(self, "num_embeddings", None), f"{name}: table {getattr(self, 'name', None)!r}")
+        check_growth_options(
+            self, getattr(self, "num_embeddings", None), f"{name}: table {getattr(self, 'name', None)!r}"
+        )
 
     @property
-    def admission_strategy(self) -> Optional[str]:
+    def admission_strategy(self) -> str | None:
         """The admission in force: ``admission``, or ``"counter"`` when only admit_after > 1 is given."""
         return self.admission if self.admission is not None else ("counter" if self.admit_after > 1 else None)
 
@@ -206,21 +216,27 @@ def check_fallback_rows(value: object, where: str) -> None:
 DEFAULT_CACHE_LOAD_FACTOR = 0.2
 
 
-def check_growth_options(opts: "DynamicTableOptions", num_embeddings: Optional[int], where: str) -> None:
+def check_growth_options(opts: DynamicTableOptions, num_embeddings: int | None, where: str) -> None:
     """Checks ``initial_capacity`` (an int in [1, num_embeddings], or None) and
     ``growth_load_factor`` (a number in (0, 1]); growth needs device backing."""
     initial, factor = opts.initial_capacity, opts.growth_load_factor
     if initial is not None:
         if not _is_int(initial) or initial < 1 or (_is_int(num_embeddings) and initial > num_embeddings):
-            raise ValueError(f"{where} initial_capacity must be an int in [1, num_embeddings={num_embeddings}] "
-                             f"(None: num_embeddings), got {initial!r}")
+            raise ValueError(
+                f"{where} initial_capacity must be an int in [1, num_embeddings={num_embeddings}] "
+                f"(None: num_embeddings), got {initial!r}"
+            )
         if opts.backing != "device" and _is_int(num_embeddings) and initial < num_embeddings:
-            raise ValueError(f"{where} initial_capacity < num_embeddings (a growing table) is not supported with "
-                             f"backing={opts.backing!r} (growth needs device backing), got initial_capacity={initial!r}, "
-                             f"num_embeddings={num_embeddings}")
+            raise ValueError(
+                f"{where} initial_capacity < num_embeddings (a growing table) is not supported with "
+                f"backing={opts.backing!r} (growth needs device backing), got initial_capacity={initial!r}, "
+                f"num_embeddings={num_embeddings}"
+            )
     if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor <= 1:
-        raise ValueError(f"{where} growth_load_factor must be a number in (0, 1] (the load past which the table "
-                         f"doubles), got {factor!r}")
+        raise ValueError(
+            f"{where} growth_load_factor must be a number in (0, 1] (the load past which the table "
+            f"doubles), got {factor!r}"
+        )
 
 
 def initial_capacity_of(config: BaseEmbeddingConfig) -> int:
@@ -229,36 +245,44 @@ def initial_capacity_of(config: BaseEmbeddingConfig) -> int:
     return config.num_embeddings if initial is None else initial
 
 
-def check_backing_options(opts: "DynamicTableOptions", where: str) -> None:
+def check_backing_options(opts: DynamicTableOptions, where: str) -> None:
     """Checks ``backing`` and ``cache_load_factor`` (the directory itself is checked when the
     table is built, on the machine that opens it)."""
     backing = opts.backing
-    if not isinstance(backing, str) or not (backing in ("device", "host") or
-                                            (backing.startswith("file:") and len(backing) > len("file:"))):
-        raise ValueError(f"{where}: backing must be \"device\", \"host\" or \"file:<dir>\", got {backing!r}")
+    if not isinstance(backing, str) or not (
+        backing in ("device", "host") or (backing.startswith("file:") and len(backing) > len("file:"))
+    ):
+        raise ValueError(f'{where}: backing must be "device", "host" or "file:<dir>", got {backing!r}')
     if backing != "device" and opts.fallback_rows:
-        raise ValueError(f"{where}: fallback_rows applies to backing=\"device\" tables for now (a tiered table "
-                         f"caches its id rows only), got fallback_rows={opts.fallback_rows!r} with backing={backing!r}")
+        raise ValueError(
+            f'{where}: fallback_rows applies to backing="device" tables for now (a tiered table '
+            f"caches its id rows only), got fallback_rows={opts.fallback_rows!r} with backing={backing!r}"
+        )
     shard = opts.backing_shard
     if shard is not None and (not isinstance(shard, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", shard)):
-        raise ValueError(f"{where}: backing_shard must be None or a name of letters, digits, '_' and '-' (it starts "
-                         f"the backing files' names), got {shard!r}")
+        raise ValueError(
+            f"{where}: backing_shard must be None or a name of letters, digits, '_' and '-' (it starts "
+            f"the backing files' names), got {shard!r}"
+        )
     factor = opts.cache_load_factor
     if factor is None:
         return
     if backing == "device":
-        raise ValueError(f"{where}: cache_load_factor applies to backing=\"host\" or \"file:<dir>\" (a device-backed "
-                         f"table keeps all its rows in the module's buffer), got cache_load_factor={factor!r}")
+        raise ValueError(
+            f'{where}: cache_load_factor applies to backing="host" or "file:<dir>" (a device-backed '
+            f"table keeps all its rows in the module's buffer), got cache_load_factor={factor!r}"
+        )
     if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor <= 1:
-        raise ValueError(f"{where}: cache_load_factor must be a number in (0, 1] (the fraction of rows kept hot), "
-                         f"got {factor!r}")
+        raise ValueError(
+            f"{where}: cache_load_factor must be a number in (0, 1] (the fraction of rows kept hot), got {factor!r}"
+        )
 
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def check_finite(value: object, what: str, minimum: Optional[float] = None) -> float:
+def check_finite(value: object, what: str, minimum: float | None = None) -> float:
     """``value`` as a float; raises unless it is a finite real number (a Python or NumPy scalar
     or a one-element floating-point tensor; bools and strings are not numbers), >= ``minimum``
     when one is given."""
@@ -282,10 +306,15 @@ def _check_shape_fields(config: BaseEmbeddingConfig, where: str) -> None:
     for name in ("weight_init_min", "weight_init_max"):
         if getattr(config, name) is not None:
             check_finite(getattr(config, name), f"{where} {name}")
-    if config.weight_init_min is not None and config.weight_init_max is not None \
-            and config.weight_init_min > config.weight_init_max:
-        raise ValueError(f"{where} weight_init_min must be <= weight_init_max, got "
-                         f"{config.weight_init_min} > {config.weight_init_max}")
+    if (
+        config.weight_init_min is not None
+        and config.weight_init_max is not None
+        and config.weight_init_min > config.weight_init_max
+    ):
+        raise ValueError(
+            f"{where} weight_init_min must be <= weight_init_max, got "
+            f"{config.weight_init_min} > {config.weight_init_max}"
+        )
 
 
 @dataclass
@@ -324,7 +353,7 @@ def storage_dtype_of(config: BaseEmbeddingConfig) -> torch.dtype:
     return STORAGE_DATA_TYPES[config.data_type]
 
 
-def initializer_of(config: BaseEmbeddingConfig) -> Tuple[int, Tuple[float, ...]]:
+def initializer_of(config: BaseEmbeddingConfig) -> tuple[int, tuple[float, ...]]:
     """(kind id, params) of the config's initializer, TorchRec's defaults filling the gaps.
 
     A DynamicEmbedding*Config's ``initializer`` wins; otherwise the config's ``init_fn`` (TorchRec
@@ -349,8 +378,10 @@ _TORCH_INITS = {
     torch.nn.init.trunc_normal_: ("truncated_normal", {"mean": "mean", "std": "std", "a": "low", "b": "high"}),
     torch.nn.init.constant_: ("constant", {"val": "value"}),
 }
-_ACCEPTED_INIT_FNS = ("torch.nn.init.uniform_, normal_, trunc_normal_ or constant_, or a functools.partial of "
-                      "one with its arguments (e.g. partial(torch.nn.init.normal_, mean=0.0, std=0.01))")
+_ACCEPTED_INIT_FNS = (
+    "torch.nn.init.uniform_, normal_, trunc_normal_ or constant_, or a functools.partial of "
+    "one with its arguments (e.g. partial(torch.nn.init.normal_, mean=0.0, std=0.01))"
+)
 
 
 def initializer_from_init_fn(init_fn: object, table: str) -> Initializer:
@@ -367,9 +398,11 @@ def initializer_from_init_fn(init_fn: object, table: str) -> Initializer:
     func = init_fn.func if partial else init_fn
     args, kwargs = (init_fn.args, init_fn.keywords) if partial else ((), {})
     if func not in _TORCH_INITS:
-        raise ValueError(f"table {table!r}: init_fn {init_fn!r} cannot initialise rows id by id; an init_fn must be "
-                         f"{_ACCEPTED_INIT_FNS}. Other initialisations: DynamicEmbeddingBagConfig / "
-                         "DynamicEmbeddingConfig(initializer=Initializer(...))")
+        raise ValueError(
+            f"table {table!r}: init_fn {init_fn!r} cannot initialise rows id by id; an init_fn must be "
+            f"{_ACCEPTED_INIT_FNS}. Other initialisations: DynamicEmbeddingBagConfig / "
+            "DynamicEmbeddingConfig(initializer=Initializer(...))"
+        )
     where = f"table {table!r}: init_fn {init_fn!r}"
     weight = object()  # stands for the tensor, which follows a partial's positional arguments
     try:
@@ -377,12 +410,16 @@ def initializer_from_init_fn(init_fn: object, table: str) -> Initializer:
     except TypeError as e:
         raise TypeError(f"{where} does not fit torch.nn.init.{func.__name__}'s arguments: {e}") from None
     if bound.arguments.get("tensor") is not weight:
-        raise TypeError(f"{where}: a partial's positional arguments come before the tensor, so torch would take "
-                        f"{args[0]!r} for the tensor; pass them by keyword")
+        raise TypeError(
+            f"{where}: a partial's positional arguments come before the tensor, so torch would take "
+            f"{args[0]!r} for the tensor; pass them by keyword"
+        )
     bound.apply_defaults()
     if bound.arguments.get("generator") is not None:
-        raise ValueError(f"{where}: a generator cannot be honoured; each id's vector is drawn from the config's seed, "
-                         f"the table name and the id, got generator={bound.arguments['generator']!r}")
+        raise ValueError(
+            f"{where}: a generator cannot be honoured; each id's vector is drawn from the config's seed, "
+            f"the table name and the id, got generator={bound.arguments['generator']!r}"
+        )
     kind, fields = _TORCH_INITS[func]
     try:
         return Initializer(kind, **{field: bound.arguments[arg] for arg, field in fields.items()})
@@ -415,12 +452,16 @@ def _check_table(config: object, expected: type, module: str) -> None:
     check_fallback_rows(options_of(config).fallback_rows, f"{module}: table {config.name!r}")
     check_growth_options(options_of(config), config.num_embeddings, f"{module}: table {config.name!r}")
     if config.data_type not in STORAGE_DATA_TYPES:
-        raise ValueError(f"{module}: table {config.name!r} data_type must be one of "
-                         f"{[d.name for d in STORAGE_DATA_TYPES]} (a trainable dynamic table stores its vectors in "
-                         f"float32, float16 or bfloat16), got {config.data_type}")
+        raise ValueError(
+            f"{module}: table {config.name!r} data_type must be one of "
+            f"{[d.name for d in STORAGE_DATA_TYPES]} (a trainable dynamic table stores its vectors in "
+            f"float32, float16 or bfloat16), got {config.data_type}"
+        )
     if config.embedding_dim == 1 and STORAGE_DATA_TYPES[config.data_type] != torch.float32:
         # The kernels read a table's rows from its span of 4-byte words: a 2-byte row could not be
         # told from the padding after an odd number of rows.
-        raise ValueError(f"{module}: table {config.name!r} data_type {config.data_type.name} needs embedding_dim "
-                         ">= 2 (a one-element half-precision row is smaller than the word padding), got "
-                         "embedding_dim 1: use DataType.FP32 for dim-1 tables")
+        raise ValueError(
+            f"{module}: table {config.name!r} data_type {config.data_type.name} needs embedding_dim "
+            ">= 2 (a one-element half-precision row is smaller than the word padding), got "
+            "embedding_dim 1: use DataType.FP32 for dim-1 tables"
+        )

@@ -476,7 +476,9 @@ def prepare_delta(tables: DynamicTables, followed: dict[str, DeltaToken], delta:
     return prepared
 
 
-def commit_delta(tables: DynamicTables, followed: dict[str, DeltaToken], delta: Delta, prepared: list[_Prepared]) -> None:
+def commit_delta(
+    tables: DynamicTables, followed: dict[str, DeltaToken], delta: Delta, prepared: list[_Prepared]
+) -> None:
     """Publishes what ``prepare_delta`` built (nothing here can fail)."""
     device = tables.device
     for p in prepared:

@@ -35,35 +35,56 @@ distinct ids on heavy-tailed data, and their rows are scattered over gigabytes: 
 of the three passes over them. Anything else that reads the tables first writes the pending
 rows (``write_new_rows``), so the deferral is never visible.
 """
+
 from __future__ import annotations
 
 import ctypes
 import sys
 import warnings
 import weakref
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from torchrec_ext import device_sync, ops
+from torchrec_ext.hashing import as_int64, fallback_seed, fallback_slots, rounding_seed, table_seed
 from torchrec_ext.modules.admission import Admission, bloom_geometry, make_admission
 from torchrec_ext.modules.configs import initial_capacity_of, initializer_of, options_of, storage_dtype_of
 from torchrec_ext.modules.fused_optimizer import OptimizerSpec
 from torchrec_ext.modules.reserved_buffers import ReservedBuffer
 from torchrec_ext.modules.state_checks import _check_distinct, _checked
 from torchrec_ext.modules.table_stats import MAX_AGE_BINS, TableCounters, TableStats
-from torchrec_ext.hashing import as_int64, fallback_seed, fallback_slots, rounding_seed, table_seed
 from torchrec_ext.table import (
-    CLOCK_LIMIT, EPOCH_LIMIT, LAYOUT_LIMIT, LAYOUT_VERSION, LAYOUTS, SAME_BUCKET_LAYOUTS, FixedInsertResult,
-    HashTable, check_counter, find_or_insert_tables, place_keys, stash_slots,
+    CLOCK_LIMIT,
+    EPOCH_LIMIT,
+    LAYOUT_LIMIT,
+    LAYOUT_VERSION,
+    LAYOUTS,
+    SAME_BUCKET_LAYOUTS,
+    FixedInsertResult,
+    HashTable,
+    check_counter,
+    find_or_insert_tables,
+    place_keys,
+    stash_slots,
 )
 from torchrec_ext.vocabulary import (
-    INITIALIZER_NAMES, INITIALIZER_PARAM_COUNTS, OPTIMIZER_STATES, OPTIMIZERS, ROWWISE_STATE, SQUARED_STATES,
-    dense_state_offsets, dtype_code, index_bytes, pending_row, table_words,
+    INITIALIZER_NAMES,
+    INITIALIZER_PARAM_COUNTS,
+    OPTIMIZER_STATES,
+    OPTIMIZERS,
+    ROWWISE_STATE,
+    SQUARED_STATES,
+    dense_state_offsets,
+    dtype_code,
+    index_bytes,
+    pending_row,
+    table_words,
 )
 
 _SCORED_BY_COUNT = {"lfu", "epoch_lfu"}
@@ -88,8 +109,8 @@ class NewRows:
     unique_new: per unique id of the lookup, its index into its table's vectors (-1: not new).
     """
 
-    vectors: List[Tensor]
-    rows: List[Tensor]
+    vectors: list[Tensor]
+    rows: list[Tensor]
     unique_new: Tensor
     written: bool = False
 
@@ -107,11 +128,11 @@ class RowLookup(NamedTuple):
     unique_rows: Tensor
     unique_table: Tensor
     inverse: Tensor
-    new: Optional[NewRows] = None
-    unique_ids: Optional[Tensor] = None
+    new: NewRows | None = None
+    unique_ids: Tensor | None = None
 
     @property
-    def new_vectors(self) -> List[Tensor]:
+    def new_vectors(self) -> list[Tensor]:
         """The blocks the lookup kernels read rows -2 - j from (none when no row is pending)."""
         return self.new.vectors if self.new is not None else []
 
@@ -124,24 +145,24 @@ class _TableMeta:
     policy: str
     seed: int
     init_kind: int
-    init_params: Tuple[float, ...]
-    admission: Optional[str]  # the strategy's name (None: every id is admitted)
+    init_params: tuple[float, ...]
+    admission: str | None  # the strategy's name (None: every id is admitted)
     options: object  # the config's DynamicTableOptions, which the strategy is built from
-    ttl_steps: Optional[int]
+    ttl_steps: int | None
     dtype: torch.dtype = torch.float32  # storage dtype of the vectors
-    rounding_seed: int = 0              # stochastic rounding of half rows: the stream's seed; 0: to nearest
-    fallback_rows: int = 0              # K shared rows after the capacity rows (0: none)
-    fallback_seed: int = 0              # the fallback-row hash's seed
-    max_capacity: int = 0               # num_embeddings: what the table may grow to
-    initial_capacity: int = 0           # what it starts with (and returns to on reset)
-    growth_load_factor: float = 1.0     # the load past which it doubles
+    rounding_seed: int = 0  # stochastic rounding of half rows: the stream's seed; 0: to nearest
+    fallback_rows: int = 0  # K shared rows after the capacity rows (0: none)
+    fallback_seed: int = 0  # the fallback-row hash's seed
+    max_capacity: int = 0  # num_embeddings: what the table may grow to
+    initial_capacity: int = 0  # what it starts with (and returns to on reset)
+    growth_load_factor: float = 1.0  # the load past which it doubles
 
     @property
     def grows(self) -> bool:
         """Whether the table may still grow."""
         return self.capacity < self.max_capacity
 
-    def fit_capacity(self, live: int, start: Optional[int] = None) -> int:
+    def fit_capacity(self, live: int, start: int | None = None) -> int:
         """The capacity, doubling from ``start`` (default: the current one) up to max_capacity, at
         which ``live`` rows are within the growth load factor."""
         capacity = self.capacity if start is None else start
@@ -160,25 +181,30 @@ class _LoadedTable:
     """One table's checkpoint state, checked and placed: what replaces the table's own."""
 
     index: HashTable
-    rows: Tensor                          # the row of each kept entry
-    vectors: Tensor                       # their vectors, in the table's dtype on the storage's device
-    states: Dict[str, Optional[Tensor]]   # optimizer state per name (None: not saved, initial values)
-    last_seen: Optional[Tensor]
-    admission: Optional[Admission]
+    rows: Tensor  # the row of each kept entry
+    vectors: Tensor  # their vectors, in the table's dtype on the storage's device
+    states: dict[str, Tensor | None]  # optimizer state per name (None: not saved, initial values)
+    last_seen: Tensor | None
+    admission: Admission | None
     train_step: int
     optimizer_step: int
-    warning: Optional[str]                # said once the load is applied (entries that did not fit)
-    dtype_warning: Optional[str] = None   # said once the load is applied (vectors converted to the table's dtype)
-    fallback: Optional[Tensor] = None     # the fallback rows (None: not saved, initial values: zeros)
-    fallback_states: Optional[Dict[str, Optional[Tensor]]] = None  # their optimizer state (None: initial values)
-    layout_warning: Optional[str] = None  # said once the load is applied (rows of another layout re-placed)
-    capacity: int = 0                     # the table's capacity once loaded (a growing table fits its ids)
+    warning: str | None  # said once the load is applied (entries that did not fit)
+    dtype_warning: str | None = None  # said once the load is applied (vectors converted to the table's dtype)
+    fallback: Tensor | None = None  # the fallback rows (None: not saved, initial values: zeros)
+    fallback_states: dict[str, Tensor | None] | None = None  # their optimizer state (None: initial values)
+    layout_warning: str | None = None  # said once the load is applied (rows of another layout re-placed)
+    capacity: int = 0  # the table's capacity once loaded (a growing table fits its ids)
 
 
 # A table state's ``counters``: what they are, and the exclusive upper bound of each. ``layout``
 # is the LAYOUT_VERSION its rows follow; states saved before it had the first four only (layout 1).
-COUNTERS = (("clock", CLOCK_LIMIT), ("epoch", EPOCH_LIMIT), ("training step", CLOCK_LIMIT),
-            ("optimizer step", CLOCK_LIMIT), ("layout", LAYOUT_LIMIT))
+COUNTERS = (
+    ("clock", CLOCK_LIMIT),
+    ("epoch", EPOCH_LIMIT),
+    ("training step", CLOCK_LIMIT),
+    ("optimizer step", CLOCK_LIMIT),
+    ("layout", LAYOUT_LIMIT),
+)
 
 
 def _allocate(numel: int, value: float, device: torch.device) -> Tensor:
@@ -212,21 +238,30 @@ except OSError:  # pragma: no cover
 class _RowMoves(NamedTuple):
     """The rows one table carries through a relayout: its live rows (``live_src`` old rows to
     ``live_dst`` new rows, sorted by destination), and those plus its fallback rows (``src``, ``dst``)."""
+
     live_src: Tensor
     live_dst: Tensor
     src: Tensor
     dst: Tensor
 
 
-def _carried_bytes(view: Tensor, move: Optional[_RowMoves]) -> int:
+def _carried_bytes(view: Tensor, move: _RowMoves | None) -> int:
     """Bytes of the rows of ``view`` (a table's old rows in one buffer) a relayout carries, rounded
     up to 8 (scratch blocks stay aligned for any dtype)."""
     rows = view.shape[0] if move is None else move.src.numel()
     return -(-rows * (view[:1].numel() or 1) * view.element_size() // 8) * 8 if rows else 0
 
 
-def _rewrite_in_place(buf: Tensor, old_views: List[Tensor], new_views: List[Tensor], old_spans: List[int],
-                      new_spans: List[int], value: float, moves: List[Optional[_RowMoves]], scratch: Tensor) -> None:
+def _rewrite_in_place(
+    buf: Tensor,
+    old_views: list[Tensor],
+    new_views: list[Tensor],
+    old_spans: list[int],
+    new_spans: list[int],
+    value: float,
+    moves: list[_RowMoves | None],
+    scratch: Tensor,
+) -> None:
     """One buffer's relayout within its own memory: ``old_views[t]`` (the old layout's rows of
     table t) and ``new_views[t]`` view the same memory, table t's span of it running from
     ``old_spans[t]`` to ``old_spans[t + 1]`` before and ``new_spans`` after. Each table's carried
@@ -248,19 +283,23 @@ def _rewrite_in_place(buf: Tensor, old_views: List[Tensor], new_views: List[Tens
         saved[t], offset = _save_rows(old_views[t], moves[t], scratch, offset)
     for t in order:
         rows = saved[t] if save_all else _save_rows(old_views[t], moves[t], scratch, 0)[0]
-        buf[new_spans[t]:new_spans[t + 1]].fill_(value)
+        buf[new_spans[t] : new_spans[t + 1]].fill_(value)
         if moves[t] is None:
             new_views[t].copy_(rows)
         elif rows.shape[0]:
             new_views[t].index_copy_(0, moves[t].dst, rows)
 
 
-def _save_rows(view: Tensor, move: Optional[_RowMoves], scratch: Tensor, offset: int) -> Tuple[Tensor, int]:
+def _save_rows(view: Tensor, move: _RowMoves | None, scratch: Tensor, offset: int) -> tuple[Tensor, int]:
     """The rows of ``view`` that ``move`` carries (all: None), copied to ``scratch`` from byte
     ``offset``; returns them and the offset after them."""
     size = _carried_bytes(view, move)
     rows = view.shape[0] if move is None else move.src.numel()
-    out = scratch[offset:offset + size].view(view.dtype)[:rows * (view[:1].numel() or 1)].view((rows,) + view.shape[1:])
+    out = (
+        scratch[offset : offset + size]
+        .view(view.dtype)[: rows * (view[:1].numel() or 1)]
+        .view((rows,) + view.shape[1:])
+    )
     if move is None:
         out.copy_(view)
     elif rows:
@@ -272,65 +311,79 @@ class DynamicTables:
     """All dynamic tables of one module: vectors, optimizer state and the id -> row indexes."""
 
     def __init__(self, configs: Sequence[BaseEmbeddingConfig], device: torch.device):
-        self.meta: List[_TableMeta] = []
+        self.meta: list[_TableMeta] = []
         for cfg in configs:
             opts = options_of(cfg)
             kind, params = initializer_of(cfg)
             dtype, seed = storage_dtype_of(cfg), table_seed(opts.seed, cfg.name)
-            self.meta.append(_TableMeta(
-                name=cfg.name, capacity=initial_capacity_of(cfg), dim=cfg.embedding_dim, policy=opts.eviction_policy,
-                seed=seed, init_kind=kind, init_params=params,
-                admission=opts.admission_strategy, options=opts,
-                ttl_steps=opts.ttl_steps, dtype=dtype,
-                rounding_seed=rounding_seed(seed) if dtype != torch.float32 and opts.stochastic_rounding else 0,
-                fallback_rows=opts.fallback_rows or 0, fallback_seed=fallback_seed(seed),
-                max_capacity=cfg.num_embeddings, initial_capacity=initial_capacity_of(cfg),
-                growth_load_factor=float(opts.growth_load_factor),
-            ))
+            self.meta.append(
+                _TableMeta(
+                    name=cfg.name,
+                    capacity=initial_capacity_of(cfg),
+                    dim=cfg.embedding_dim,
+                    policy=opts.eviction_policy,
+                    seed=seed,
+                    init_kind=kind,
+                    init_params=params,
+                    admission=opts.admission_strategy,
+                    options=opts,
+                    ttl_steps=opts.ttl_steps,
+                    dtype=dtype,
+                    rounding_seed=rounding_seed(seed) if dtype != torch.float32 and opts.stochastic_rounding else 0,
+                    fallback_rows=opts.fallback_rows or 0,
+                    fallback_seed=fallback_seed(seed),
+                    max_capacity=cfg.num_embeddings,
+                    initial_capacity=initial_capacity_of(cfg),
+                    growth_load_factor=float(opts.growth_load_factor),
+                )
+            )
         cpu = torch.device("cpu")
         sizes = self._compute_layout()
         self.table_dims = torch.tensor([m.dim for m in self.meta], dtype=torch.int64, device=cpu)
         # The kernels' dtype arguments: None for an all-float32 module (the kernels' default).
         half = any(m.dtype != torch.float32 for m in self.meta)
         self.table_dtypes = torch.tensor([dtype_code(m.dtype) for m in self.meta], device=cpu) if half else None
-        self.rounding_seeds = torch.tensor([m.rounding_seed for m in self.meta], device=cpu) \
-            if any(m.rounding_seed for m in self.meta) else None
+        self.rounding_seeds = (
+            torch.tensor([m.rounding_seed for m in self.meta], device=cpu)
+            if any(m.rounding_seed for m in self.meta)
+            else None
+        )
         # Set by a row-wise sharded module: (tables whose fallback rows every rank holds a copy of,
         # all_reduce(tensor) summing over the ranks). Their gradients are summed over the ranks
         # before the step, so every copy takes the unsharded table's step.
-        self.replicated_fallback: Optional[Tuple[List[int], object]] = None
+        self.replicated_fallback: tuple[list[int], object] | None = None
         self._fallback_max = max((m.fallback_rows for m in self.meta), default=0)
         # Per buffer name, the address space a growing module's buffer lives in (see _allocate_buffer).
-        self._reserved: Dict[str, ReservedBuffer] = {}
+        self._reserved: dict[str, ReservedBuffer] = {}
         self.weights = self._allocate_buffer("weights", sum(sizes), 0.0, device)
-        self._init_views: Optional[list] = None
-        self.optimizer: Optional[OptimizerSpec] = None
-        self.states: List[Tensor] = []
+        self._init_views: list | None = None
+        self.optimizer: OptimizerSpec | None = None
+        self.states: list[Tensor] = []
         self.optimizer_step = torch.zeros((), dtype=torch.int64, device=cpu)
         self.train_step = 0  # training batches seen: the clock of ttl_steps
-        self._device_layout: Dict[torch.device, Tuple[Tensor, Tensor, Tensor]] = {}
-        self.indexes: List[Optional[HashTable]] = []
-        self._new_rows: Optional[NewRows] = None
+        self._device_layout: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
+        self.indexes: list[HashTable | None] = []
+        self._new_rows: NewRows | None = None
         self.defer_new_rows = True  # False: lookups write new rows themselves (as on GPUs)
         # Holds NewRows.vectors; reused by every lookup (its previous contents are written by
         # then), since a fresh allocation per batch page-faults megabytes each time. Table t's
         # block starts at its first unique id times the widest dim, so blocks never overlap.
         self._new_vector_buffer = torch.empty(0, dtype=torch.float32, device=cpu)
         self._widest = max((m.dim for m in self.meta), default=0)
-        self.last_seen: List[Optional[Tensor]] = []
-        self.admission: List[Optional[Admission]] = []
+        self.last_seen: list[Tensor | None] = []
+        self.admission: list[Admission | None] = []
         # Set by the first delta_token() (modules/deltas.py): told of every row write and removal.
         self.delta_log = None
         # Lookups whose fused update has not run yet (their autograd graph alive): rows must not
         # move while any is pending, so tables grow only when none is (see ``grow``).
-        self._pending: Dict[int, weakref.finalize] = {}
+        self._pending: dict[int, weakref.finalize] = {}
         # The table parameters viewing this storage, re-pointed when a growth replaces it.
-        self._parameter_owners: "weakref.WeakSet" = weakref.WeakSet()
+        self._parameter_owners: weakref.WeakSet = weakref.WeakSet()
         self._growing = any(m.grows for m in self.meta)
         self._growth_deferred = False  # a lookup put a growth off (a fused update was pending)
         self._build_indexes()
 
-    def _compute_layout(self) -> List[int]:
+    def _compute_layout(self) -> list[int]:
         """Where each table's rows and optimizer state start in the flat buffers, from the tables'
         current capacities; returns each table's words of vectors."""
         # Fallback rows are rows of their table's storage after its capacity rows: the kernels
@@ -340,19 +393,27 @@ class DynamicTables:
         # built under ``with torch.device("meta")`` keeps them); layouts are copied to the
         # storage's device as needed.
         cpu = torch.device("cpu")
-        self.table_offsets = torch.tensor([0] + sizes[:-1], dtype=torch.int64, device=cpu).cumsum(0) if sizes \
+        self.table_offsets = (
+            torch.tensor([0] + sizes[:-1], dtype=torch.int64, device=cpu).cumsum(0)
+            if sizes
             else torch.zeros(0, dtype=torch.int64, device=cpu)
-        self.state_row_offsets = torch.tensor([0] + [m.rows for m in self.meta][:-1], dtype=torch.int64,
-                                              device=cpu).cumsum(0)
+        )
+        self.state_row_offsets = torch.tensor(
+            [0] + [m.rows for m in self.meta][:-1], dtype=torch.int64, device=cpu
+        ).cumsum(0)
         self.dense_state_offsets = dense_state_offsets([m.rows for m in self.meta], [m.dim for m in self.meta])
         # Per table: capacity, fallback rows and fallback seed (None: no table has fallback rows).
-        self.fallback_layout = torch.tensor([[m.capacity, m.fallback_rows, m.fallback_seed] for m in self.meta],
-                                            dtype=torch.int64, device=cpu) \
-            if any(m.fallback_rows for m in self.meta) else None
+        self.fallback_layout = (
+            torch.tensor(
+                [[m.capacity, m.fallback_rows, m.fallback_seed] for m in self.meta], dtype=torch.int64, device=cpu
+            )
+            if any(m.fallback_rows for m in self.meta)
+            else None
+        )
         self._device_layout = {}
         return sizes
 
-    def __getstate__(self) -> Dict[str, object]:
+    def __getstate__(self) -> dict[str, object]:
         """For deepcopy / pickle / torch.save: pending new rows are written first, so the copy
         holds every row its indexes name; caches and the scratch buffer are not carried."""
         self.write_new_rows()
@@ -364,7 +425,7 @@ class DynamicTables:
         state["_parameter_owners"] = None  # the copy's table modules register themselves
         return state
 
-    def __setstate__(self, state: Dict[str, object]) -> None:
+    def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
         self._parameter_owners = weakref.WeakSet()
 
@@ -386,19 +447,19 @@ class DynamicTables:
 
     def table_view(self, t: int) -> Tensor:
         """Table t's [capacity, dim] rows, in its storage dtype (a view of the word buffer)."""
-        return self._storage_view(t)[:self.meta[t].capacity]
+        return self._storage_view(t)[: self.meta[t].capacity]
 
     def fallback_view(self, t: int) -> Tensor:
         """Table t's [fallback_rows, dim] fallback rows (after its capacity rows)."""
-        return self._storage_view(t)[self.meta[t].capacity:]
+        return self._storage_view(t)[self.meta[t].capacity :]
 
     def _storage_view(self, t: int) -> Tensor:
         m = self.meta[t]
         start = int(self.table_offsets[t])
-        words = self.weights[start:start + table_words(m.rows, m.dim, m.dtype)]
-        return words.view(m.dtype)[:m.rows * m.dim].view(m.rows, m.dim)
+        words = self.weights[start : start + table_words(m.rows, m.dim, m.dtype)]
+        return words.view(m.dtype)[: m.rows * m.dim].view(m.rows, m.dim)
 
-    def state_views(self, t: int, fallback: bool = False) -> Dict[str, Tensor]:
+    def state_views(self, t: int, fallback: bool = False) -> dict[str, Tensor]:
         """This table's optimizer state: [capacity, dim] per element-wise state, [capacity] row-wise
         (fallback: the fallback rows' state, [fallback_rows, dim] / [fallback_rows])."""
         if self.optimizer is None:
@@ -409,27 +470,35 @@ class DynamicTables:
         for name, buf in zip(OPTIMIZER_STATES[self.optimizer.kind], self.states):
             if self.optimizer.kind in ROWWISE_STATE:
                 start = int(self.state_row_offsets[t]) + first
-                views[name] = buf[start:start + count]
+                views[name] = buf[start : start + count]
             else:
                 start = self.dense_state_offsets[t] + first * m.dim
-                views[name] = buf[start:start + count * m.dim].view(count, m.dim)
+                views[name] = buf[start : start + count * m.dim].view(count, m.dim)
         return views
 
-    def layout(self) -> Tuple[Tensor, Tensor, Tensor]:
+    def layout(self) -> tuple[Tensor, Tensor, Tensor]:
         """(table_offsets, table_dims, state_row_offsets) on the storage's device."""
         return self._on_device()[:3]
 
-    def dtype_layout(self) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    def dtype_layout(self) -> tuple[Tensor | None, Tensor | None]:
         """(table_dtypes, rounding_seeds) on the storage's device, each None when not needed."""
         return self._on_device()[3:5]
 
-    def _on_device(self) -> Tuple[Optional[Tensor], ...]:
+    def _on_device(self) -> tuple[Tensor | None, ...]:
         dev = self.device
         if dev not in self._device_layout:
             # Mirrored: the kernels read their host values (the widest dim) without a sync.
-            self._device_layout[dev] = tuple(None if t is None else device_sync.mirror(t.to(dev), t) for t in (
-                self.table_offsets, self.table_dims, self.state_row_offsets, self.table_dtypes, self.rounding_seeds,
-                self.fallback_layout))
+            self._device_layout[dev] = tuple(
+                None if t is None else device_sync.mirror(t.to(dev), t)
+                for t in (
+                    self.table_offsets,
+                    self.table_dims,
+                    self.state_row_offsets,
+                    self.table_dtypes,
+                    self.rounding_seeds,
+                    self.fallback_layout,
+                )
+            )
         return self._device_layout[dev]
 
     def set_optimizer(self, spec: OptimizerSpec) -> None:
@@ -441,12 +510,15 @@ class DynamicTables:
             return
         size = sum(m.rows * (1 if spec.kind in ROWWISE_STATE else m.dim) for m in self.meta)
         self.optimizer = spec
-        self.states = [self._allocate_buffer(name, size, value, self.device)
-                       for name, value in zip(OPTIMIZER_STATES[spec.kind], self._initial_state_values())]
+        self.states = [
+            self._allocate_buffer(name, size, value, self.device)
+            for name, value in zip(OPTIMIZER_STATES[spec.kind], self._initial_state_values())
+        ]
         self._init_views = None
 
-    def _allocate_buffer(self, name: str, numel: int, value: float, device: torch.device,
-                         untouched: bool = False) -> Tensor:
+    def _allocate_buffer(
+        self, name: str, numel: int, value: float, device: torch.device, untouched: bool = False
+    ) -> Tensor:
         """The flat buffer ``name`` ("weights" or an optimizer state) of ``numel`` elements, filled
         with ``value`` (a hook: tiered tables keep these in a cache over a backing store).
 
@@ -509,7 +581,7 @@ class DynamicTables:
         self.optimizer_step.zero_()
         self.train_step = 0
 
-    def _build_indexes(self, carry_from: Optional[torch.device] = None) -> None:
+    def _build_indexes(self, carry_from: torch.device | None = None) -> None:
         device = self.device
         if device.type == "meta":
             self.indexes = [None] * len(self.meta)
@@ -529,8 +601,11 @@ class DynamicTables:
             self.admission.append(make_admission(m.options, m.admission, m.max_capacity, m.seed, device))
         # Ages of evicted rows, in steps since last read: known where last_seen is kept (ttl_steps),
         # and then bounded by about twice the ttl (older rows are swept), the last bin holding the rest.
-        self.counters = TableCounters(len(self.meta), [None if m.ttl_steps is None else min(2 * m.ttl_steps + 2, MAX_AGE_BINS)
-                                                       for m in self.meta], device)
+        self.counters = TableCounters(
+            len(self.meta),
+            [None if m.ttl_steps is None else min(2 * m.ttl_steps + 2, MAX_AGE_BINS) for m in self.meta],
+            device,
+        )
 
     def check_ready(self, where: str) -> None:
         if self.device.type == "meta":
@@ -554,14 +629,22 @@ class DynamicTables:
         if training and self._growing and not exporting:
             # Room for every distinct id of the batch (a bound on its new ones) before any is
             # inserted; tables with admission grow in _rows_for, for the ids admitted.
-            self._grow_or_defer({t: end - start for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]))
-                                 if self.admission[t] is None})
+            self._grow_or_defer(
+                {
+                    t: end - start
+                    for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]))
+                    if self.admission[t] is None
+                }
+            )
         if training:
             self.train_step += 1
         new = None
         if training and backward_follows and self.defer_new_rows and self.device.type == "cpu":
-            new = NewRows(vectors=[self.weights.new_empty(0, m.dim, dtype=m.dtype) for m in self.meta],
-                          rows=[unique.new_empty(0) for _ in self.meta], unique_new=torch.full_like(unique, -1))
+            new = NewRows(
+                vectors=[self.weights.new_empty(0, m.dim, dtype=m.dtype) for m in self.meta],
+                rows=[unique.new_empty(0) for _ in self.meta],
+                unique_new=torch.full_like(unique, -1),
+            )
             most = unique.numel() * self._widest
             if self._new_vector_buffer.numel() < most:
                 self._new_vector_buffer = _allocate(max(most, 2 * self._new_vector_buffer.numel()), 0.0, self.device)
@@ -570,13 +653,15 @@ class DynamicTables:
         inserted = torch.zeros_like(unique, dtype=torch.bool) if training else None  # for the table counters
         flat = training and new is None and not exporting and self._flat_init()  # all tables' rows in one call
         table_of = torch.arange(len(self.meta), device=ids.device)
-        unique_table = torch.repeat_interleave(table_of, unique_offsets[1:] - unique_offsets[:-1], output_size=unique.numel())
+        unique_table = torch.repeat_interleave(
+            table_of, unique_offsets[1:] - unique_offsets[:-1], output_size=unique.numel()
+        )
         batched = training and not exporting and self._batched_upsert()  # all tables' upserts in one call
         if batched:
             unique_rows, inserted = self._rows_for_tables(unique, counts, bounds, unique_table)
         for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]) if not batched else ()):
             if exporting:
-                torch._check(0 <= start)
+                torch._check(start >= 0)
                 torch._check(start <= end)
                 torch._check(end <= unique.numel())
             # An empty slice costs nothing to trace. In training every table is touched, ids or
@@ -599,8 +684,9 @@ class DynamicTables:
             self.counters.count_batch(unique_rows, inserted, unique_table, counts)
         unique_ids = unique
         if self.fallback_layout is not None:
-            unique_rows, unique_table, inverse, unique_ids = self._read_fallback(unique, unique_rows, unique_table,
-                                                                                 inverse, new)
+            unique_rows, unique_table, inverse, unique_ids = self._read_fallback(
+                unique, unique_rows, unique_table, inverse, new
+            )
         unique_ids = unique_ids if self.rounding_seeds is not None else None
         if new is None:
             result = RowLookup(unique_rows[inverse], unique_rows, unique_table, inverse, unique_ids=unique_ids)
@@ -610,8 +696,9 @@ class DynamicTables:
             result = RowLookup(read_from[inverse], unique_rows, unique_table, inverse, new, unique_ids)
         if backward_follows and not exporting:
             # Pending until its fused update lands, or its autograd graph (which holds it) is dropped.
-            self._pending[id(result.unique_rows)] = weakref.finalize(result.unique_rows, self._backward_done,
-                                                                     id(result.unique_rows))
+            self._pending[id(result.unique_rows)] = weakref.finalize(
+                result.unique_rows, self._backward_done, id(result.unique_rows)
+            )
         return result
 
     @property
@@ -624,7 +711,7 @@ class DynamicTables:
 
     # ------------------------------------------------------------------ growth
 
-    def _grow_or_defer(self, incoming: Dict[int, int]) -> None:
+    def _grow_or_defer(self, incoming: dict[int, int]) -> None:
         """``grow(incoming)`` now, or, while a lookup awaits its fused update, once the last
         pending update has run (that update grows the tables then)."""
         if self.pending_backward == 0:
@@ -632,7 +719,7 @@ class DynamicTables:
         else:
             self._growth_deferred = True
 
-    def grow(self, incoming: Optional[Dict[int, int]] = None) -> List[int]:
+    def grow(self, incoming: dict[int, int] | None = None) -> list[int]:
         """Doubles (repeatedly, up to max_capacity) each growing table whose load with
         ``incoming[t]`` more rows would pass its growth_load_factor (``incoming`` None: every table,
         none incoming; else the tables it names); returns the tables grown. Only while no lookup
@@ -646,8 +733,11 @@ class DynamicTables:
             return []
         tables = [t for t, m in enumerate(self.meta) if m.grows and (incoming is None or t in incoming)]
         # Every table's live rows in one host read (not one per table).
-        live = device_sync.host_list(torch.cat([self.indexes[t].size_tensor() for t in tables]), "growth: live rows") \
-            if tables else []
+        live = (
+            device_sync.host_list(torch.cat([self.indexes[t].size_tensor() for t in tables]), "growth: live rows")
+            if tables
+            else []
+        )
         targets = {}
         for t, size in zip(tables, live):
             want = self.meta[t].fit_capacity(size + (incoming or {}).get(t, 0))
@@ -660,7 +750,7 @@ class DynamicTables:
         self._relayout({t: (c, grown[t][1]) for t, c in targets.items()}, {t: g[0] for t, g in grown.items()})
         return sorted(targets)
 
-    def _relayout(self, plans: Dict[int, Tuple[int, Optional[Tensor]]], indexes: Dict[int, HashTable]) -> None:
+    def _relayout(self, plans: dict[int, tuple[int, Tensor | None]], indexes: dict[int, HashTable]) -> None:
         """Gives tables new capacities: ``plans[t] = (capacity, row_map)``, ``row_map[old_row]``
         the new row of each old row (-1: dropped; None: no row carried, the caller replaces the
         table). New buffers are allocated first (``GrowthError`` if they cannot be: nothing
@@ -681,23 +771,39 @@ class DynamicTables:
         moves = [self._row_moves(t, old_caps[t], plans.get(t)) for t in range(len(self.meta))]
         try:
             weights = self._allocate_buffer("weights", words, 0.0, device, untouched=True)
-            states = [self._allocate_buffer(name, state_size, value, device, untouched=True) for name, value in
-                      zip(OPTIMIZER_STATES[self.optimizer.kind] if self.optimizer is not None else (),
-                          self._initial_state_values())]
-            last_seen = {t: torch.zeros(plans[t][0], dtype=torch.int64, device=device)
-                         for t in plans if self.last_seen[t] is not None}
-            in_place = [new.numel() > 0 and new.data_ptr() == old.data_ptr()
-                        for new, old in zip([weights] + states, old_buffers)]
-            monotone = all(n >= o for n, o in zip(new_caps, old_caps)) or all(n <= o for n, o in zip(new_caps, old_caps))
-            scratch = torch.empty(self._scratch_bytes(moves, old_views, in_place, monotone), dtype=torch.uint8,
-                                  device=device) if any(in_place) else None
+            states = [
+                self._allocate_buffer(name, state_size, value, device, untouched=True)
+                for name, value in zip(
+                    OPTIMIZER_STATES[self.optimizer.kind] if self.optimizer is not None else (),
+                    self._initial_state_values(),
+                )
+            ]
+            last_seen = {
+                t: torch.zeros(plans[t][0], dtype=torch.int64, device=device)
+                for t in plans
+                if self.last_seen[t] is not None
+            }
+            in_place = [
+                new.numel() > 0 and new.data_ptr() == old.data_ptr()
+                for new, old in zip([weights] + states, old_buffers)
+            ]
+            monotone = all(n >= o for n, o in zip(new_caps, old_caps)) or all(
+                n <= o for n, o in zip(new_caps, old_caps)
+            )
+            scratch = (
+                torch.empty(self._scratch_bytes(moves, old_views, in_place, monotone), dtype=torch.uint8, device=device)
+                if any(in_place)
+                else None
+            )
         except (RuntimeError, MemoryError, OSError) as e:
             names = [self.meta[t].name for t in plans]
             need = words * 4 + len(self.states) * state_size * 4
-            raise GrowthError(f"tables {names}: growing to capacities {[plans[t][0] for t in plans]} needs new "
-                              f"storage of {need} bytes (all tables' buffers are reallocated), which could not be "
-                              f"allocated ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the tables "
-                              f"are unchanged, at capacities {[old_caps[t] for t in plans]}") from e
+            raise GrowthError(
+                f"tables {names}: growing to capacities {[plans[t][0] for t in plans]} needs new "
+                f"storage of {need} bytes (all tables' buffers are reallocated), which could not be "
+                f"allocated ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the tables "
+                f"are unchanged, at capacities {[old_caps[t] for t in plans]}"
+            ) from e
         # The new layout: from here on nothing can fail.
         for t, c in enumerate(new_caps):
             self.meta[t].capacity = c
@@ -723,14 +829,23 @@ class DynamicTables:
                     new_k[t].copy_(old_k[t])
                 elif move.src.numel():
                     new_k[t].index_copy_(0, move.dst, old_k[t].index_select(0, move.src))
-        flat_map = None if self.delta_log is None else \
-            torch.full((sum(old_caps[t] + m.fallback_rows for t, m in enumerate(self.meta)),), -1, dtype=torch.int64,
-                       device=device)
+        flat_map = (
+            None
+            if self.delta_log is None
+            else torch.full(
+                (sum(old_caps[t] + m.fallback_rows for t, m in enumerate(self.meta)),),
+                -1,
+                dtype=torch.int64,
+                device=device,
+            )
+        )
         for t, m in enumerate(self.meta):
             move, old_start, new_start = moves[t], int(old_row_starts[t]), int(self.state_row_offsets[t])
             if flat_map is not None:
                 if move is None:
-                    flat_map[old_start:old_start + m.rows] = torch.arange(new_start, new_start + m.rows, device=device)
+                    flat_map[old_start : old_start + m.rows] = torch.arange(
+                        new_start, new_start + m.rows, device=device
+                    )
                 else:
                     flat_map[old_start + move.src] = new_start + move.dst
             if t in last_seen:
@@ -744,7 +859,7 @@ class DynamicTables:
         self._growing = any(m.grows for m in self.meta)
         self._rebind_parameters()
 
-    def _row_moves(self, t: int, old_cap: int, plan: Optional[Tuple[int, Optional[Tensor]]]) -> Optional["_RowMoves"]:
+    def _row_moves(self, t: int, old_cap: int, plan: tuple[int, Tensor | None] | None) -> _RowMoves | None:
         """The rows table t carries through a relayout (None: all of them, the same rows)."""
         if plan is None:
             return None
@@ -752,24 +867,26 @@ class DynamicTables:
         live_src = live_dst = torch.zeros(0, dtype=torch.int64, device=device)
         if plan[1] is not None:
             live_src = (plan[1] >= 0).nonzero().squeeze(1)
-            live_dst, order = plan[1].index_select(0, live_src).sort()  # writes in address order: fewer cache and TLB misses
+            live_dst, order = (
+                plan[1].index_select(0, live_src).sort()
+            )  # writes in address order: fewer cache and TLB misses
             live_src = live_src.index_select(0, order)
         fallback = torch.arange(m.fallback_rows, dtype=torch.int64, device=device)  # fallback rows: whole
-        return _RowMoves(live_src, live_dst, torch.cat([live_src, old_cap + fallback]),
-                         torch.cat([live_dst, cap_new + fallback]))
+        return _RowMoves(
+            live_src, live_dst, torch.cat([live_src, old_cap + fallback]), torch.cat([live_dst, cap_new + fallback])
+        )
 
-    def _buffer_spans(self) -> List[List[int]]:
+    def _buffer_spans(self) -> list[list[int]]:
         """Per buffer (weights, then each optimizer state): where each table's span starts, and
         the buffer's end."""
         rowwise = self.optimizer is not None and self.optimizer.kind in ROWWISE_STATE
         state_starts = [int(x) for x in self.state_row_offsets] if rowwise else list(self.dense_state_offsets)
         state_end = sum(m.rows * (1 if rowwise else m.dim) for m in self.meta)
-        weights = [int(x) for x in self.table_offsets] + \
-            [sum(table_words(m.rows, m.dim, m.dtype) for m in self.meta)]
+        weights = [int(x) for x in self.table_offsets] + [sum(table_words(m.rows, m.dim, m.dtype) for m in self.meta)]
         return [weights] + [state_starts + [state_end] for _ in self.states]
 
     @staticmethod
-    def _scratch_bytes(moves, old_views, in_place: List[bool], monotone: bool) -> int:
+    def _scratch_bytes(moves, old_views, in_place: list[bool], monotone: bool) -> int:
         """Bytes ``_rewrite_in_place`` needs for the buffers rewritten in place: the largest table's
         carried rows when every table grows (or every one shrinks), else all tables'."""
         most = 8
@@ -779,18 +896,19 @@ class DynamicTables:
                 most = max(most, max(sizes, default=0) if monotone else sum(sizes))
         return most
 
-    def _all_state_views(self, t: int) -> List[Tensor]:
+    def _all_state_views(self, t: int) -> list[Tensor]:
         """Table t's optimizer state, every row (capacity rows, then fallback rows)."""
         m = self.meta[t]
         rowwise = self.optimizer is not None and self.optimizer.kind in ROWWISE_STATE
         if rowwise:
             start = int(self.state_row_offsets[t])
-            return [buf[start:start + m.rows] for buf in self.states]
+            return [buf[start : start + m.rows] for buf in self.states]
         start = self.dense_state_offsets[t]
-        return [buf[start:start + m.rows * m.dim].view(m.rows, m.dim) for buf in self.states]
+        return [buf[start : start + m.rows * m.dim].view(m.rows, m.dim) for buf in self.states]
 
-    def _read_fallback(self, unique: Tensor, unique_rows: Tensor, unique_table: Tensor, inverse: Tensor,
-                       new: Optional[NewRows]) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _read_fallback(
+        self, unique: Tensor, unique_rows: Tensor, unique_table: Tensor, inverse: Tensor, new: NewRows | None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Unique ids without a row (-1) of tables with fallback rows read their fallback row
         instead. The uniques reading one fallback row are merged into the first of them, since
         the fused update steps each unique row once: (unique_rows, unique_table, inverse,
@@ -833,7 +951,7 @@ class DynamicTables:
                     state[rows] = fill
         new.written = True
 
-    def _rows_for(self, t: int, keys: Tensor, counts: Tensor, training: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    def _rows_for(self, t: int, keys: Tensor, counts: Tensor, training: bool) -> tuple[Tensor, Tensor | None]:
         """Rows of table t's distinct ``keys``, and in training which of them are new (rows to initialise)."""
         m, index = self.meta[t], self.indexes[t]
         if not training:
@@ -845,7 +963,7 @@ class DynamicTables:
         result = self.indexes[t].find_or_insert_fixed(keys, scores, candidates)
         return self._after_upsert(t, keys, result)
 
-    def _admit(self, t: int, keys: Tensor, counts: Tensor) -> Optional[Tensor]:
+    def _admit(self, t: int, keys: Tensor, counts: Tensor) -> Tensor | None:
         """Which of table t's distinct ``keys`` take part in this step's upsert (None: all): the
         ones it holds and those its admission admits now (growing the table for them)."""
         m, index, admission = self.meta[t], self.indexes[t], self.admission[t]
@@ -869,8 +987,9 @@ class DynamicTables:
         eviction count, which ``_rows_for_tables`` makes for all tables at once."""
         return self.meta[t].ttl_steps is not None or self.delta_log is not None
 
-    def _rows_for_tables(self, unique: Tensor, counts: Tensor, bounds: List[int],
-                         unique_table: Tensor) -> Tuple[Tensor, Tensor]:
+    def _rows_for_tables(
+        self, unique: Tensor, counts: Tensor, bounds: list[int], unique_table: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """``_rows_for`` of every table in training, their upserts in one call
         (``find_or_insert_tables``: launches independent of the table count on a GPU): the rows
         of all distinct ids and which are new (rows to initialise)."""
@@ -891,8 +1010,9 @@ class DynamicTables:
                 rows[start:end], inserted[start:end] = self._after_upsert(t, unique[start:end], part, counted=True)
         return rows, inserted
 
-    def _after_upsert(self, t: int, keys: Tensor, result: FixedInsertResult,
-                      counted: bool = False) -> Tuple[Tensor, Tensor]:
+    def _after_upsert(
+        self, t: int, keys: Tensor, result: FixedInsertResult, counted: bool = False
+    ) -> tuple[Tensor, Tensor]:
         """Table t's rows and new rows after its upsert: counters (its evictions unless
         ``counted``), ttl expiry, the delta log."""
         m = self.meta[t]
@@ -911,21 +1031,25 @@ class DynamicTables:
             inserted_rows = result.rows.index_select(0, device_sync.nonzero(result.inserted, "delta log: inserted"))
             evicted_at = device_sync.nonzero(result.evicted, "delta log: evicted")
             if evicted_at.numel():
-                self.delta_log.removed(t, result.evicted_keys.index_select(0, evicted_at),
-                                       result.rows.index_select(0, evicted_at),
-                                       keys.index_select(0, device_sync.nonzero(result.inserted, "delta log: inserted")))
+                self.delta_log.removed(
+                    t,
+                    result.evicted_keys.index_select(0, evicted_at),
+                    result.rows.index_select(0, evicted_at),
+                    keys.index_select(0, device_sync.nonzero(result.inserted, "delta log: inserted")),
+                )
             self.delta_log.inserted(t, inserted_rows)
             self.delta_log.written(t, result.rows.index_select(0, device_sync.nonzero(fresh, "delta log: written")))
         if m.ttl_steps is not None:
             # Seen now: last_seen never passes the step, so a max with it (0 where no row) sets the
             # live rows without a mask index.
-            self.last_seen[t].scatter_reduce_(0, result.rows.clamp(min=0),
-                                              torch.where(live, self.train_step, 0), "amax")
+            self.last_seen[t].scatter_reduce_(
+                0, result.rows.clamp(min=0), torch.where(live, self.train_step, 0), "amax"
+            )
             if self.train_step % m.ttl_steps == 0:
                 self._erase_expired(t)
         return result.rows, fresh
 
-    def _mask_expired(self, t: int, rows: Tensor, found: Tensor, step: Optional[int] = None) -> Tensor:
+    def _mask_expired(self, t: int, rows: Tensor, found: Tensor, step: int | None = None) -> Tensor:
         """-1 for rows expired at ``step`` (default: the current training step)."""
         m = self.meta[t]
         if m.ttl_steps is None:
@@ -940,16 +1064,16 @@ class DynamicTables:
         m, index = self.meta[t], self.indexes[t]
         stale = self.last_seen[t] < self.train_step - m.ttl_steps
         if self.delta_log is not None:  # the delta log lists the keys: a host read of its own
-            rows = device_sync.nonzero(stale & (index.entries_at(torch.arange(m.capacity, device=stale.device))[2]),
-                                       "delta log: swept")
+            rows = device_sync.nonzero(
+                stale & (index.entries_at(torch.arange(m.capacity, device=stale.device))[2]), "delta log: swept"
+            )
             self.delta_log.removed(t, index.entries_at(rows)[0], rows)
         self.counters.count_swept(t, index.erase_rows(stale))
 
     # Training-only and data-dependent throughout (which ids are new): run eagerly under torch.compile
     # (a graph break; Dynamo cannot size the half-precision block views it carves).
     @torch.compiler.disable
-    def _initialise(self, t: int, rows: Tensor, fresh: Tensor, keys: Tensor, new: Optional[NewRows],
-                    start: int) -> None:
+    def _initialise(self, t: int, rows: Tensor, fresh: Tensor, keys: Tensor, new: NewRows | None, start: int) -> None:
         """The rows of table t's new ids (``fresh``): their initial vectors and optimizer state,
         written now, or into ``new`` (whose unique ids start at ``start`` for this table)."""
         m = self.meta[t]
@@ -961,8 +1085,8 @@ class DynamicTables:
         which = fresh.nonzero().squeeze(1)
         slots = torch.arange(which.numel(), device=which.device)
         first = start * self._widest  # a half block takes half of its words: blocks still never overlap
-        block = self._new_vector_buffer[first:first + table_words(which.numel(), m.dim, m.dtype)]
-        new.vectors[t] = block.view(m.dtype)[:which.numel() * m.dim].view(which.numel(), m.dim)
+        block = self._new_vector_buffer[first : first + table_words(which.numel(), m.dim, m.dtype)]
+        new.vectors[t] = block.view(m.dtype)[: which.numel() * m.dim].view(which.numel(), m.dim)
         ops.init_rows(new.vectors[t], slots, keys[which], m.seed, m.init_kind, m.init_params)
         new.rows[t] = rows[which]
         new.unique_new[start + which] = slots
@@ -1001,35 +1125,64 @@ class DynamicTables:
             self._device_layout[key] = (
                 torch.tensor([as_int64(m.seed) for m in self.meta], dtype=torch.int64).to(self.device),
                 torch.tensor([m.init_kind for m in self.meta], dtype=torch.int64).to(self.device),
-                torch.tensor([list(m.init_params) + [0.0] * (4 - len(m.init_params)) for m in self.meta],
-                             dtype=torch.float64).to(self.device),
-                state_row_offsets if rowwise else dense.to(self.device))
+                torch.tensor(
+                    [list(m.init_params) + [0.0] * (4 - len(m.init_params)) for m in self.meta], dtype=torch.float64
+                ).to(self.device),
+                state_row_offsets if rowwise else dense.to(self.device),
+            )
         seeds, kinds, params, state_offsets = self._device_layout[key]
-        ops.init_rows_tables(self.weights, table_offsets, table_dims, self.dtype_layout()[0],
-                             torch.where(inserted, unique_rows, -1), unique_table, unique, seeds, kinds, params,
-                             sorted({m.init_kind for m in self.meta}), self._widest, self.states, state_offsets,
-                             rowwise, self._initial_state_values())
+        ops.init_rows_tables(
+            self.weights,
+            table_offsets,
+            table_dims,
+            self.dtype_layout()[0],
+            torch.where(inserted, unique_rows, -1),
+            unique_table,
+            unique,
+            seeds,
+            kinds,
+            params,
+            sorted({m.init_kind for m in self.meta}),
+            self._widest,
+            self.states,
+            state_offsets,
+            rowwise,
+            self._initial_state_values(),
+        )
 
-    def _init_view(self, t: int) -> Tuple[Tensor, List[Tensor], List[float]]:
+    def _init_view(self, t: int) -> tuple[Tensor, list[Tensor], list[float]]:
         """Table t's [capacity, dim] rows, its states as [capacity, width], and their initial values."""
         if self._init_views is None:  # per-table views, built once per storage and optimizer
             self._init_views = []
             for i in range(len(self.meta)):
                 views = self.state_views(i)
-                self._init_views.append((self.table_view(i), [v if v.dim() == 2 else v.unsqueeze(1) for v in views.values()],
-                                         self._initial_state_values()))
+                self._init_views.append(
+                    (
+                        self.table_view(i),
+                        [v if v.dim() == 2 else v.unsqueeze(1) for v in views.values()],
+                        self._initial_state_values(),
+                    )
+                )
         return self._init_views[t]
 
-    def _initial_state_values(self) -> List[float]:
+    def _initial_state_values(self) -> list[float]:
         """One initial value per optimizer state buffer, in ``self.states`` order (none without an
         optimizer)."""
         return [] if self.optimizer is None else list(self.optimizer.initial_state_values())
 
     # ------------------------------------------------------------------ backward
 
-    def apply_gradients(self, grad: Tensor, lookup: RowLookup, offsets: Optional[Tensor],
-                        per_sample_weights: Optional[Tensor], feature_col: Tensor, feature_mean: Tensor,
-                        batch_size: int, hyperparams: Tuple[float, ...]) -> None:
+    def apply_gradients(
+        self,
+        grad: Tensor,
+        lookup: RowLookup,
+        offsets: Tensor | None,
+        per_sample_weights: Tensor | None,
+        feature_col: Tensor,
+        feature_mean: Tensor,
+        batch_size: int,
+        hyperparams: tuple[float, ...],
+    ) -> None:
         """The fused backward: per unique row, sum its ids' gradients and take one optimizer step."""
         if self.optimizer is None:
             raise RuntimeError(
@@ -1043,14 +1196,31 @@ class DynamicTables:
         unique_rows, summed = lookup.unique_rows, None
         if self.replicated_fallback is not None:  # those rows step below, on the ranks' summed gradient
             replicated, summed = self._sum_replicated_fallback_gradients(
-                grad, lookup, offsets, per_sample_weights, feature_col, feature_mean, batch_size)
+                grad, lookup, offsets, per_sample_weights, feature_col, feature_mean, batch_size
+            )
             unique_rows = unique_rows.masked_fill(replicated, -1)
         ops.fused_update(
-            grad, self.weights, self.states, table_offsets, table_dims, state_row_offsets,
-            unique_rows, lookup.unique_table, lookup.inverse, offsets, per_sample_weights,
-            feature_col, feature_mean, batch_size, self.optimizer.kind_id, hyperparams, int(self.optimizer_step),
+            grad,
+            self.weights,
+            self.states,
+            table_offsets,
+            table_dims,
+            state_row_offsets,
+            unique_rows,
+            lookup.unique_table,
+            lookup.inverse,
+            offsets,
+            per_sample_weights,
+            feature_col,
+            feature_mean,
+            batch_size,
+            self.optimizer.kind_id,
+            hyperparams,
+            int(self.optimizer_step),
             *(((), None, ()) if new is None else (new.vectors, new.unique_new, self._initial_state_values())),
-            table_dtypes=table_dtypes, unique_ids=lookup.unique_ids, rounding_seeds=rounding_seeds,
+            table_dtypes=table_dtypes,
+            unique_ids=lookup.unique_ids,
+            rounding_seeds=rounding_seeds,
         )
         if new is not None:
             new.written = True
@@ -1065,7 +1235,7 @@ class DynamicTables:
                 self._growth_deferred = False
                 self.grow()  # growths put off while this update was pending
 
-    def _replicated_fallback_layout(self) -> Tuple[List[int], List[int], int]:
+    def _replicated_fallback_layout(self) -> tuple[list[int], list[int], int]:
         """Where each table's fallback gradients go in the buffer the ranks sum: (word start,
         row start of the read counts after the gradients, words of gradients); tables whose
         fallback rows are not replicated take no room."""
@@ -1075,9 +1245,16 @@ class DynamicTables:
         word_starts = [sum(words[:t]) for t in range(len(words))]
         return word_starts, [sum(rows[:t]) for t in range(len(rows))], sum(words)
 
-    def _sum_replicated_fallback_gradients(self, grad: Tensor, lookup: RowLookup, offsets: Optional[Tensor],
-                                           per_sample_weights: Optional[Tensor], feature_col: Tensor,
-                                           feature_mean: Tensor, batch_size: int) -> Tuple[Tensor, Tensor]:
+    def _sum_replicated_fallback_gradients(
+        self,
+        grad: Tensor,
+        lookup: RowLookup,
+        offsets: Tensor | None,
+        per_sample_weights: Tensor | None,
+        feature_col: Tensor,
+        feature_mean: Tensor,
+        batch_size: int,
+    ) -> tuple[Tensor, Tensor]:
         """Which uniques read a replicated fallback row, and the buffer holding, summed over the
         ranks, each such row's gradient and how many ranks read it (0: it takes no step).
 
@@ -1095,9 +1272,23 @@ class DynamicTables:
         reads = sum(self.meta[t].fallback_rows for t in tables)
         buffer = torch.zeros(words + reads, dtype=torch.float32, device=device)
         ops.fused_update(
-            grad, buffer[:words], [], torch.tensor(word_starts, dtype=torch.int64, device=device), self.layout()[1],
-            torch.zeros(len(self.meta), dtype=torch.int64, device=device), local, table, lookup.inverse, offsets,
-            per_sample_weights, feature_col, feature_mean, batch_size, OPTIMIZERS["sgd"], _MINUS_ONE_SGD, 1,
+            grad,
+            buffer[:words],
+            [],
+            torch.tensor(word_starts, dtype=torch.int64, device=device),
+            self.layout()[1],
+            torch.zeros(len(self.meta), dtype=torch.int64, device=device),
+            local,
+            table,
+            lookup.inverse,
+            offsets,
+            per_sample_weights,
+            feature_col,
+            feature_mean,
+            batch_size,
+            OPTIMIZERS["sgd"],
+            _MINUS_ONE_SGD,
+            1,
         )
         read = replicated.nonzero().squeeze(1)
         starts = torch.tensor(row_starts, dtype=torch.int64, device=device)
@@ -1105,7 +1296,7 @@ class DynamicTables:
         all_reduce(buffer)
         return replicated, buffer
 
-    def _step_replicated_fallback(self, summed: Tensor, hyperparams: Tuple[float, ...]) -> None:
+    def _step_replicated_fallback(self, summed: Tensor, hyperparams: tuple[float, ...]) -> None:
         """One optimizer step of each replicated fallback row some rank read, on the summed
         gradient: every rank takes the same step, the one the unsharded table takes."""
         table_offsets, table_dims, state_row_offsets = self.layout()
@@ -1114,26 +1305,42 @@ class DynamicTables:
         device = self.device
         for t in self.replicated_fallback[0]:
             m = self.meta[t]
-            read = summed[words + row_starts[t]:words + row_starts[t] + m.fallback_rows].nonzero().squeeze(1)
+            read = summed[words + row_starts[t] : words + row_starts[t] + m.fallback_rows].nonzero().squeeze(1)
             if read.numel() == 0:
                 continue
-            grad = summed[word_starts[t]:word_starts[t] + m.fallback_rows * m.dim].view(m.fallback_rows, m.dim)[read]
+            grad = summed[word_starts[t] : word_starts[t] + m.fallback_rows * m.dim].view(m.fallback_rows, m.dim)[read]
             rows, n = m.capacity + read, read.numel()
             no_features = torch.zeros(0, dtype=torch.int64, device=device)
             # A sequence-shaped update: gradient row i is fallback row read[i]'s whole gradient;
             # its id for stochastic rounding is its slot, as in the unsharded lookup.
             ops.fused_update(
-                grad, self.weights, self.states, table_offsets, table_dims, state_row_offsets, rows,
-                torch.full((n,), t, dtype=torch.int64, device=device), torch.arange(n, device=device), None, None,
-                no_features, no_features.bool(), 0, self.optimizer.kind_id, hyperparams, int(self.optimizer_step),
-                table_dtypes=table_dtypes, unique_ids=read, rounding_seeds=rounding_seeds,
+                grad,
+                self.weights,
+                self.states,
+                table_offsets,
+                table_dims,
+                state_row_offsets,
+                rows,
+                torch.full((n,), t, dtype=torch.int64, device=device),
+                torch.arange(n, device=device),
+                None,
+                None,
+                no_features,
+                no_features.bool(),
+                0,
+                self.optimizer.kind_id,
+                hyperparams,
+                int(self.optimizer_step),
+                table_dtypes=table_dtypes,
+                unique_ids=read,
+                rounding_seeds=rounding_seeds,
             )
             if self.delta_log is not None:
                 self.delta_log.updated(rows, torch.full((n,), t, dtype=torch.int64, device=device))
 
     # ------------------------------------------------------------------ checkpoint
 
-    def table_state(self, t: int) -> Dict[str, Tensor]:
+    def table_state(self, t: int) -> dict[str, Tensor]:
         """Table t's live rows: vectors, ids, scores, rows, optimizer state, counters."""
         if self.device.type == "meta":
             return self._shape_only_state(t)
@@ -1143,13 +1350,18 @@ class DynamicTables:
         state = self.indexes[t].state_dict()
         keys, rows, scores = state["keys"], state["rows"], state["scores"]
         per_row, whole = self.rows_state(t, rows), self.whole_table_state(t)
-        out = {"weight": per_row.pop("weight"), "weight_id": keys, "metadata": scores, "row": rows,
-               "counters": whole.pop("counters")}
+        out = {
+            "weight": per_row.pop("weight"),
+            "weight_id": keys,
+            "metadata": scores,
+            "row": rows,
+            "counters": whole.pop("counters"),
+        }
         out.update(per_row)  # optimizer state, last seen
         out.update(whole)  # admission, fallback rows
         return out
 
-    def rows_state(self, t: int, rows: Tensor) -> Dict[str, Tensor]:
+    def rows_state(self, t: int, rows: Tensor) -> dict[str, Tensor]:
         """Table t's per-row state at ``rows`` (live rows): vectors, optimizer state, last seen.
         Gathered copies (the state never aliases the table), by index_select: indexing (``view[rows]``)
         costs ~15 ms more per call on CPU, which a small delta would pay per key."""
@@ -1160,15 +1372,17 @@ class DynamicTables:
             out["last_seen"] = self.last_seen[t].index_select(0, rows)
         return out
 
-    def whole_table_state(self, t: int) -> Dict[str, Tensor]:
+    def whole_table_state(self, t: int) -> dict[str, Tensor]:
         """Table t's state that is not per row: counters, admission state, fallback rows (small;
         what an incremental checkpoint saves whole)."""
         self.write_new_rows()
         m, index = self.meta[t], self.indexes[t]
         out = {
             # on the storage's device, as every other key (one device per rank's checkpoint shards)
-            "counters": torch.tensor([index.clock, index.epoch, self.train_step, int(self.optimizer_step),
-                                      LAYOUT_VERSION], device=self.device),
+            "counters": torch.tensor(
+                [index.clock, index.epoch, self.train_step, int(self.optimizer_step), LAYOUT_VERSION],
+                device=self.device,
+            ),
         }
         if self.admission[t] is not None:
             out.update(self.admission[t].state())
@@ -1189,7 +1403,7 @@ class DynamicTables:
         finally:
             self.__dict__.pop("_rows_as_shapes", None)
 
-    def _shape_only_state(self, t: int, device: Optional[torch.device] = None) -> Dict[str, Tensor]:
+    def _shape_only_state(self, t: int, device: torch.device | None = None) -> dict[str, Tensor]:
         """A meta module's state: the keys, dtypes and shapes of a fresh module's (no live rows),
         on the meta device (or ``device``), as TorchRec's modules give shape-only state on meta."""
         m, meta = self.meta[t], device or torch.device("meta")
@@ -1201,22 +1415,27 @@ class DynamicTables:
                 out[key] = torch.zeros(len(COUNTERS), dtype=torch.int64, device=meta)
             elif key == "admission_bloom":  # one packed filter
                 opts = m.options
-                nbytes = bloom_geometry(opts.bloom_expected_ids or m.max_capacity, opts.bloom_bytes, opts.bloom_fpr, m.name,
-                                        opts.bloom_hashes).nbytes
+                nbytes = bloom_geometry(
+                    opts.bloom_expected_ids or m.max_capacity,
+                    opts.bloom_bytes,
+                    opts.bloom_fpr,
+                    m.name,
+                    opts.bloom_hashes,
+                ).nbytes
                 out[key] = torch.zeros(1, nbytes, dtype=torch.uint8, device=meta)
             elif key.startswith("optimizer."):
-                view = self.state_views(t)[key[len("optimizer."):]]
+                view = self.state_views(t)[key[len("optimizer.") :]]
                 out[key] = torch.zeros((0,) + tuple(view.shape[1:]), dtype=view.dtype, device=meta)
             elif key == "fallback_weight":  # fixed size: the fallback rows themselves
                 out[key] = torch.zeros(m.fallback_rows, m.dim, dtype=m.dtype, device=meta)
             elif key.startswith("fallback_optimizer."):
-                view = self.state_views(t, fallback=True)[key[len("fallback_optimizer."):]]
+                view = self.state_views(t, fallback=True)[key[len("fallback_optimizer.") :]]
                 out[key] = torch.zeros(view.shape, dtype=view.dtype, device=meta)
             else:  # ids, scores, rows, last_seen, admission ids and counts
                 out[key] = torch.zeros(0, dtype=torch.int64, device=meta)
         return out
 
-    def state_keys(self, t: int) -> List[str]:
+    def state_keys(self, t: int) -> list[str]:
         m = self.meta[t]
         keys = ["weight", "weight_id", "metadata", "row", "counters"]
         keys += [f"optimizer.{name}" for name in self.state_views(t)]
@@ -1226,7 +1445,7 @@ class DynamicTables:
             keys += ["fallback_weight"] + [f"fallback_optimizer.{name}" for name in self.state_views(t)]
         return keys
 
-    def load_states(self, states: Dict[int, Dict[str, Tensor]], where: str) -> None:
+    def load_states(self, states: dict[int, dict[str, Tensor]], where: str) -> None:
         """Replaces tables by ``table_state`` outputs (table index -> state), all or none: every
         state is checked and its index built before any table changes. ``row`` may be absent
         (rows placed afresh), and so may optimizer state, ``last_seen`` and the admission keys
@@ -1250,7 +1469,7 @@ class DynamicTables:
                 if said is not None:
                     warnings.warn(said, stacklevel=3)
 
-    def _check_table_state(self, t: int, state: Dict[str, Tensor], where: str) -> "_LoadedTable":
+    def _check_table_state(self, t: int, state: dict[str, Tensor], where: str) -> _LoadedTable:
         """Table t's checkpoint state, checked (types, shapes, finite values, distinct ids, counter
         ranges) and placed in a new index; raises TypeError / ValueError naming the key."""
         m, device = self.meta[t], self.device
@@ -1259,19 +1478,29 @@ class DynamicTables:
         n = ids.numel()
         vectors = _checked(name, "weight", state["weight"], "float", (n, m.dim), ids)
         scores = _checked(name, "metadata", state["metadata"], "int", (n,))
-        before_layouts = isinstance(state["counters"], Tensor) and tuple(state["counters"].shape) == (len(COUNTERS) - 1,)
+        before_layouts = isinstance(state["counters"], Tensor) and tuple(state["counters"].shape) == (
+            len(COUNTERS) - 1,
+        )
         counters = _checked(name, "counters", state["counters"], "int", (len(COUNTERS) - before_layouts,)).tolist()
         clock, epoch, train_step, optimizer_step, layout = (
             check_counter(where, f"table {m.name!r} counters[{i}] ({what})", value, limit)
-            for i, ((what, limit), value) in enumerate(zip(COUNTERS, counters + [1] * before_layouts)))
+            for i, ((what, limit), value) in enumerate(zip(COUNTERS, counters + [1] * before_layouts))
+        )
         saved_rows = _checked(name, "row", state["row"], "int", (n,)) if "row" in state else None
         _check_distinct(name, "weight_id", ids)
-        states: Dict[str, Optional[Tensor]] = {}
+        states: dict[str, Tensor | None] = {}
         for key, view in self.state_views(t).items():
             value = state.get(f"optimizer.{key}")
             if value is not None:
-                value = _checked(name, f"optimizer.{key}", value, "float", (n,) + tuple(view.shape[1:]), ids,
-                                 non_negative=(self.optimizer.kind, key) in SQUARED_STATES)
+                value = _checked(
+                    name,
+                    f"optimizer.{key}",
+                    value,
+                    "float",
+                    (n,) + tuple(view.shape[1:]),
+                    ids,
+                    non_negative=(self.optimizer.kind, key) in SQUARED_STATES,
+                )
             states[key] = value
         last_seen = None
         if m.ttl_steps is not None and "last_seen" in state:
@@ -1279,8 +1508,10 @@ class DynamicTables:
             late = (last_seen < 0) | (last_seen > train_step)
             if bool(late.any()):
                 i = int(late.nonzero()[0])
-                raise ValueError(f"{name} last_seen must be in [0, training step {train_step}], got {int(last_seen[i])} "
-                                 f"at entry {i} (weight_id {int(ids[i])})")
+                raise ValueError(
+                    f"{name} last_seen must be in [0, training step {train_step}], got {int(last_seen[i])} "
+                    f"at entry {i} (weight_id {int(ids[i])})"
+                )
         admission = None if self.admission[t] is None else self.admission[t].checked_state(state, name)
         fallback, fallback_states = self._checked_fallback(t, state, name)
 
@@ -1302,35 +1533,52 @@ class DynamicTables:
                 pass  # saved at another capacity, or with another layout
         if rows is None:
             if saved_rows is not None and layout not in SAME_BUCKET_LAYOUTS:
-                layout_warning = (f"{name}: the checkpoint's rows follow hash-table layout {layout} "
-                                  f"({LAYOUTS.get(layout, 'unknown')}), this table's layout is {LAYOUT_VERSION} "
-                                  f"({LAYOUTS[LAYOUT_VERSION]}): its ids were given new rows")
+                layout_warning = (
+                    f"{name}: the checkpoint's rows follow hash-table layout {layout} "
+                    f"({LAYOUTS.get(layout, 'unknown')}), this table's layout is {LAYOUT_VERSION} "
+                    f"({LAYOUTS[LAYOUT_VERSION]}): its ids were given new rows"
+                )
             rows = place_keys(ids, scores, capacity)
             keep = rows >= 0
             index.load_state_dict(dict(entry, keys=ids[keep], rows=rows[keep], scores=scores[keep]))
             kept = int(keep.sum())
             if kept < n:
-                warning = (f"{name}: placed {kept} of the checkpoint's {n} ids in capacity {capacity}; the other "
-                           f"{n - kept} were dropped, by eviction score (metadata), highest kept: an id is dropped when "
-                           f"the two 32-row buckets it hashes to have no free row in any placement of the higher-scored "
-                           f"ids kept and the stash ({stash_slots(capacity)} ids outside their buckets) is full"
-                           + (f" ({n} ids > capacity {capacity})" if n > capacity else ""))
+                warning = (
+                    f"{name}: placed {kept} of the checkpoint's {n} ids in capacity {capacity}; the other "
+                    f"{n - kept} were dropped, by eviction score (metadata), highest kept: an id is dropped when "
+                    f"the two 32-row buckets it hashes to have no free row in any placement of the higher-scored "
+                    f"ids kept and the stash ({stash_slots(capacity)} ids outside their buckets) is full"
+                    + (f" ({n} ids > capacity {capacity})" if n > capacity else "")
+                )
             rows = rows[keep]
             keep = keep.to(vectors.device)
         pick = (lambda x: x.to(device)) if keep is None else (lambda x: x[keep.to(x.device)].to(device))
         if m.ttl_steps is not None:
-            last_seen = torch.full((rows.numel(),), train_step, dtype=torch.int64, device=device) \
-                if last_seen is None else pick(last_seen.to(torch.int64))
+            last_seen = (
+                torch.full((rows.numel(),), train_step, dtype=torch.int64, device=device)
+                if last_seen is None
+                else pick(last_seen.to(torch.int64))
+            )
         return _LoadedTable(
-            index=index, rows=rows, vectors=pick(vectors.to(m.dtype)),
+            index=index,
+            rows=rows,
+            vectors=pick(vectors.to(m.dtype)),
             states={k: None if v is None else pick(v.to(torch.float32)) for k, v in states.items()},
-            last_seen=last_seen, admission=admission, train_step=train_step, optimizer_step=optimizer_step,
-            warning=warning, dtype_warning=self._dtype_warning(t, vectors, ids, name), layout_warning=layout_warning,
-            fallback=fallback, fallback_states=fallback_states, capacity=capacity,
+            last_seen=last_seen,
+            admission=admission,
+            train_step=train_step,
+            optimizer_step=optimizer_step,
+            warning=warning,
+            dtype_warning=self._dtype_warning(t, vectors, ids, name),
+            layout_warning=layout_warning,
+            fallback=fallback,
+            fallback_states=fallback_states,
+            capacity=capacity,
         )
 
-    def _checked_fallback(self, t: int, state: Dict[str, Tensor], name: str
-                          ) -> Tuple[Optional[Tensor], Dict[str, Optional[Tensor]]]:
+    def _checked_fallback(
+        self, t: int, state: dict[str, Tensor], name: str
+    ) -> tuple[Tensor | None, dict[str, Tensor | None]]:
         """Table t's saved fallback rows and their optimizer state, checked and converted (None
         where not saved)."""
         m, device = self.meta[t], self.device
@@ -1341,18 +1589,25 @@ class DynamicTables:
             fallback = _checked(name, "fallback_weight", fallback, "float", (m.fallback_rows, m.dim))
             fallback = fallback.to(device, m.dtype)
             if not bool(torch.isfinite(fallback.float().sum())):
-                raise ValueError(f"{name} fallback_weight holds values beyond the range of the table's data_type "
-                                 f"({m.dtype})")
-        states: Dict[str, Optional[Tensor]] = {}
+                raise ValueError(
+                    f"{name} fallback_weight holds values beyond the range of the table's data_type ({m.dtype})"
+                )
+        states: dict[str, Tensor | None] = {}
         for key, view in self.state_views(t, fallback=True).items():
             value = state.get(f"fallback_optimizer.{key}")
             if value is not None:
-                value = _checked(name, f"fallback_optimizer.{key}", value, "float", tuple(view.shape),
-                                 non_negative=(self.optimizer.kind, key) in SQUARED_STATES).to(device, torch.float32)
+                value = _checked(
+                    name,
+                    f"fallback_optimizer.{key}",
+                    value,
+                    "float",
+                    tuple(view.shape),
+                    non_negative=(self.optimizer.kind, key) in SQUARED_STATES,
+                ).to(device, torch.float32)
             states[key] = value
         return fallback, states
 
-    def _dtype_warning(self, t: int, vectors: Tensor, ids: Tensor, name: str) -> Optional[str]:
+    def _dtype_warning(self, t: int, vectors: Tensor, ids: Tensor, name: str) -> str | None:
         """None when the checkpoint's vectors have table t's storage dtype; else what converting
         them (to nearest) is said with. Values beyond the dtype's range are refused, naming an id."""
         dtype = self.meta[t].dtype
@@ -1361,12 +1616,16 @@ class DynamicTables:
         converted = vectors.to(dtype)
         if vectors.numel() and not bool(torch.isfinite(converted.float().sum())):
             at = (~torch.isfinite(converted)).nonzero()[0].tolist()
-            raise ValueError(f"{name} weight holds {vectors[tuple(at)].item()} at {at} (weight_id {int(ids[at[0]])}), "
-                             f"beyond the range of the table's data_type ({dtype})")
-        return (f"{name}: the checkpoint's weight is {vectors.dtype}, the table stores {dtype} (its config's "
-                "data_type): converted, rounding to nearest")
+            raise ValueError(
+                f"{name} weight holds {vectors[tuple(at)].item()} at {at} (weight_id {int(ids[at[0]])}), "
+                f"beyond the range of the table's data_type ({dtype})"
+            )
+        return (
+            f"{name}: the checkpoint's weight is {vectors.dtype}, the table stores {dtype} (its config's "
+            "data_type): converted, rounding to nearest"
+        )
 
-    def _replace_table(self, t: int, table: "_LoadedTable") -> None:
+    def _replace_table(self, t: int, table: _LoadedTable) -> None:
         m, rows = self.meta[t], table.rows
         self.indexes[t] = table.index
         # index_copy_ / index_fill_ rather than view[rows] = ...: indexing costs ~15 ms more per call on CPU
@@ -1417,20 +1676,27 @@ class DynamicTables:
         per_row = len(self.states) * 4 if self.optimizer is not None else 0
         for c, m, admission in zip(capacities, self.meta, self.admission):
             total += table_words(c + m.fallback_rows, m.dim, m.dtype) * 4
-            total += (c + m.fallback_rows) * per_row * (1 if self.optimizer is None or self.optimizer.kind in ROWWISE_STATE
-                                                        else m.dim)
+            total += (
+                (c + m.fallback_rows)
+                * per_row
+                * (1 if self.optimizer is None or self.optimizer.kind in ROWWISE_STATE else m.dim)
+            )
             total += index_bytes(c)
             total += 8 * c if m.ttl_steps else 0
             total += admission.nbytes() if admission is not None else 0
         return total
 
-    def table_stats(self) -> Dict[str, TableStats]:
+    def table_stats(self) -> dict[str, TableStats]:
         """Per table: live rows, capacity (now) and max_capacity, and the counters of
         ``TableCounters`` (see ``TableStats``)."""
         if self.counters is None:  # on meta: nothing counted
             return {m.name: TableStats(capacity=m.capacity, max_capacity=m.max_capacity) for m in self.meta}
-        stats = self.counters.stats([m.name for m in self.meta], [m.capacity for m in self.meta],
-                                    [index.size() for index in self.indexes], [m.fallback_rows for m in self.meta])
+        stats = self.counters.stats(
+            [m.name for m in self.meta],
+            [m.capacity for m in self.meta],
+            [index.size() for index in self.indexes],
+            [m.fallback_rows for m in self.meta],
+        )
         for m in self.meta:
             stats[m.name].max_capacity = m.max_capacity
         return stats

@@ -1,7 +1,9 @@
 """DynamicEmbeddingBagCollection: TorchRec's EmbeddingBagCollection over dynamic tables."""
+
 from __future__ import annotations
 
-from typing import Any, List, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
@@ -36,9 +38,14 @@ class DynamicEmbeddingBagCollection(DynamicCollectionMixin, EmbeddingBagCollecti
         pooled = ebc(kjt)  # KeyedTensor; kjt values are raw ids, any int64
     """
 
-    def __init__(self, tables: List[EmbeddingBagConfig], is_weighted: bool = False,
-                 device: Optional[torch.device] = None, optimizer: Any = None,
-                 optimizer_kwargs: Optional[Mapping[str, Any]] = None) -> None:
+    def __init__(
+        self,
+        tables: list[EmbeddingBagConfig],
+        is_weighted: bool = False,
+        device: torch.device | None = None,
+        optimizer: Any = None,
+        optimizer_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
         super().__init__()
         where = type(self).__name__
         check_tables(tables, EmbeddingBagConfig, where)
@@ -49,15 +56,16 @@ class DynamicEmbeddingBagCollection(DynamicCollectionMixin, EmbeddingBagCollecti
         self._is_weighted = bool(is_weighted)
         self._init_dynamic(tables, device, "embedding_bags", optimizer, optimizer_kwargs)
 
-    def forward(self, features: KeyedJaggedTensor, weighted_features: Optional[KeyedJaggedTensor] = None) -> KeyedTensor:
+    def forward(self, features: KeyedJaggedTensor, weighted_features: KeyedJaggedTensor | None = None) -> KeyedTensor:
         # TorchRec's EmbeddingTowerCollection gives a module it does not know both KJTs (it gives
         # its own EBC only the one it reads): read the weighted one when weighted, as it would.
         if weighted_features is not None and self._is_weighted:
             features = weighted_features
         if isinstance(features, torch.fx.Proxy):  # symbolic tracing: a leaf
             return self._traced_call(features, KeyedTensor)
-        batch = check_and_arrange(features, self._plan, self._is_weighted, type(self).__name__, self.device,
-                                  variable_batch="pool")
+        batch = check_and_arrange(
+            features, self._plan, self._is_weighted, type(self).__name__, self.device, variable_batch="pool"
+        )
         if self.device.type == "meta":  # shapes only, as TorchRec's module on meta
             pooled = torch.empty(batch.batch_size, self._plan.total_dim, device=self.device)
         else:
@@ -67,10 +75,10 @@ class DynamicEmbeddingBagCollection(DynamicCollectionMixin, EmbeddingBagCollecti
             pooled = expand_pooled(pooled, batch.expand, self._plan)
         return KeyedTensor(keys=self._plan.embedding_names, length_per_key=self._plan.dims, values=pooled, key_dim=1)
 
-    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._embedding_bag_configs
 
-    def embedding_configs(self) -> List[EmbeddingBagConfig]:
+    def embedding_configs(self) -> list[EmbeddingBagConfig]:
         """The tables, for TorchRec code that reads the configs of a module other than its own EBC
         through this name (ManagedCollisionEmbeddingBagCollection's constructor)."""
         return self._embedding_bag_configs

@@ -1,7 +1,9 @@
 """DynamicEmbeddingCollection: TorchRec's EmbeddingCollection over dynamic tables."""
+
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torchrec.modules.embedding_configs import EmbeddingConfig
@@ -27,10 +29,16 @@ class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInte
     returned by their getters, and otherwise no-ops, as our kernels do one gather whatever they say.
     """
 
-    def __init__(self, tables: List[EmbeddingConfig], device: Optional[torch.device] = None,
-                 need_indices: bool = False, use_gather_select: bool = False,
-                 use_gather_select_per_sharding: Optional[Dict[str, bool]] = None, optimizer: Any = None,
-                 optimizer_kwargs: Optional[Mapping[str, Any]] = None) -> None:
+    def __init__(
+        self,
+        tables: list[EmbeddingConfig],
+        device: torch.device | None = None,
+        need_indices: bool = False,
+        use_gather_select: bool = False,
+        use_gather_select_per_sharding: dict[str, bool] | None = None,
+        optimizer: Any = None,
+        optimizer_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
         super().__init__()
         where = type(self).__name__
         check_tables(tables, EmbeddingConfig, where)
@@ -38,10 +46,13 @@ class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInte
             if cfg.embedding_dim != tables[0].embedding_dim:
                 raise ValueError(
                     f"All tables in a EmbeddingCollection are required to have same embedding dimension. "
-                    f"Violating case: {cfg.name}'s embedding_dim {cfg.embedding_dim} != {tables[0].embedding_dim}")
+                    f"Violating case: {cfg.name}'s embedding_dim {cfg.embedding_dim} != {tables[0].embedding_dim}"
+                )
         if use_gather_select_per_sharding is not None and not isinstance(use_gather_select_per_sharding, dict):
-            raise TypeError(f"{where}: use_gather_select_per_sharding must be a dict of sharding type -> bool or "
-                            f"None, got {use_gather_select_per_sharding!r}")
+            raise TypeError(
+                f"{where}: use_gather_select_per_sharding must be a dict of sharding type -> bool or "
+                f"None, got {use_gather_select_per_sharding!r}"
+            )
         self._embedding_configs = list(tables)
         self._embedding_dim = tables[0].embedding_dim if tables else -1  # TorchRec's value without tables
         self._need_indices = bool(need_indices)
@@ -50,14 +61,14 @@ class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInte
         self._embedding_names_by_table = get_embedding_names_by_table(tables)
         self._init_dynamic(tables, device, "embeddings", optimizer, optimizer_kwargs)
 
-    def forward(self, features: KeyedJaggedTensor,
-                weighted_features: Optional[KeyedJaggedTensor] = None) -> Dict[str, JaggedTensor]:
+    def forward(
+        self, features: KeyedJaggedTensor, weighted_features: KeyedJaggedTensor | None = None
+    ) -> dict[str, JaggedTensor]:
         # weighted_features: what TorchRec's EmbeddingTowerCollection also gives a module it does
         # not know; an EmbeddingCollection reads no weights (TorchRec gives its own EC only features).
         if isinstance(features, torch.fx.Proxy):  # symbolic tracing: a leaf
             return self._traced_call(features, dict)
-        batch = check_and_arrange(features, self._plan, False, type(self).__name__, self.device,
-                                  variable_batch="pool")
+        batch = check_and_arrange(features, self._plan, False, type(self).__name__, self.device, variable_batch="pool")
         if self.device.type == "meta":  # shapes only, as TorchRec's module on meta
             vectors = torch.empty(batch.ids.numel(), self._embedding_dim, device=self.device)
         else:
@@ -70,12 +81,13 @@ class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInte
         if batch.feature_bags is not None:  # a variable batch size per feature: each its own bags, as in TorchRec
             lengths = [lengths[i, :n] for i, n in enumerate(batch.feature_bags)]
         return {
-            name: JaggedTensor(values=per_feature[i], lengths=lengths[i],
-                               weights=ids[i] if self._need_indices else None)
+            name: JaggedTensor(
+                values=per_feature[i], lengths=lengths[i], weights=ids[i] if self._need_indices else None
+            )
             for i, name in enumerate(self._plan.embedding_names)
         }
 
-    def embedding_configs(self) -> List[EmbeddingConfig]:
+    def embedding_configs(self) -> list[EmbeddingConfig]:
         return self._embedding_configs
 
     def need_indices(self) -> bool:
@@ -84,13 +96,13 @@ class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInte
     def embedding_dim(self) -> int:
         return self._embedding_dim
 
-    def embedding_names_by_table(self) -> List[List[str]]:
+    def embedding_names_by_table(self) -> list[list[str]]:
         return self._embedding_names_by_table
 
     def use_gather_select(self) -> bool:
         """TorchRec's row-selection hint, as given (a no-op here)."""
         return self._use_gather_select
 
-    def use_gather_select_per_sharding(self) -> Optional[Dict[str, bool]]:
+    def use_gather_select_per_sharding(self) -> dict[str, bool] | None:
         """TorchRec's per-sharding row-selection hint, as given (a no-op here)."""
         return self._use_gather_select_per_sharding

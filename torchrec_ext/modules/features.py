@@ -7,10 +7,11 @@ table's ids are thus contiguous, which is what the per-table dedup and the kerne
 As in TorchRec, one KJT may feed several modules: keys no table reads are ignored, and so are
 the weights of an unweighted module (EmbeddingCollection never reads weights).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -27,20 +28,20 @@ _ID_DTYPES = (torch.int64, torch.int32)
 class LookupPlan:
     """Where each lookup feature's ids go and where its output lands (built once per module)."""
 
-    features: List[str]            # feature name of each lookup feature
-    tables: List[int]              # table index of each lookup feature
-    embedding_names: List[str]     # output key of each lookup feature
-    dims: List[int]                # output width of each lookup feature
-    mean: List[bool]               # mean pooling per lookup feature
+    features: list[str]  # feature name of each lookup feature
+    tables: list[int]  # table index of each lookup feature
+    embedding_names: list[str]  # output key of each lookup feature
+    dims: list[int]  # output width of each lookup feature
+    mean: list[bool]  # mean pooling per lookup feature
     num_tables: int
 
     def __post_init__(self) -> None:
         self.total_dim = sum(self.dims)
         self.cols = [sum(self.dims[:i]) for i in range(len(self.dims))]
-        self._tensors: Dict[torch.device, Tuple[Tensor, Tensor, Tensor]] = {}
+        self._tensors: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
 
     @staticmethod
-    def of(configs: Sequence[BaseEmbeddingConfig]) -> "LookupPlan":
+    def of(configs: Sequence[BaseEmbeddingConfig]) -> LookupPlan:
         names = [n for table in get_embedding_names_by_table(configs) for n in table]
         feats, tables, dims, mean = [], [], [], []
         for t, cfg in enumerate(configs):
@@ -51,7 +52,7 @@ class LookupPlan:
                 mean.append(getattr(cfg, "pooling", PoolingType.SUM) == PoolingType.MEAN)
         return LookupPlan(feats, tables, names, dims, mean, len(configs))
 
-    def tensors(self, device: torch.device) -> Tuple[Tensor, Tensor, Tensor]:
+    def tensors(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         """(feature_table, feature_col, feature_mean) on ``device``, as the kernels take them."""
         if device not in self._tensors:
             self._tensors[device] = (
@@ -66,22 +67,28 @@ class LookupPlan:
 class LookupInput:
     """One batch's ids in lookup order."""
 
-    ids: Tensor                 # int64, all lookup features' ids
-    lengths: Tensor             # int64, [num_lookup_features * batch_size]
-    weights: Optional[Tensor]   # float32 per-sample weights, or None
-    segment_offsets: Tensor     # where each table's ids start, [num_tables + 1]
+    ids: Tensor  # int64, all lookup features' ids
+    lengths: Tensor  # int64, [num_lookup_features * batch_size]
+    weights: Tensor | None  # float32 per-sample weights, or None
+    segment_offsets: Tensor  # where each table's ids start, [num_tables + 1]
     feature_value_offsets: Tensor  # where each lookup feature's ids start, [num_features + 1]
     batch_size: int
-    value_counts: List[int] = field(default_factory=list)  # ids per lookup feature (host side)
+    value_counts: list[int] = field(default_factory=list)  # ids per lookup feature (host side)
     # A KJT with a variable batch size per feature, looked up at its own strides (each feature's
     # bags padded with empty ones to the largest): feature_bags[i] bags of lookup feature i are
     # real, and row b of its pooled output is pooled row expand[i, b].
-    expand: Optional[Tensor] = None
-    feature_bags: Optional[List[int]] = None
+    expand: Tensor | None = None
+    feature_bags: list[int] | None = None
 
 
-def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, where: str,
-                      device: Optional[torch.device] = None, variable_batch: Optional[str] = None) -> LookupInput:
+def check_and_arrange(
+    features: object,
+    plan: LookupPlan,
+    is_weighted: bool,
+    where: str,
+    device: torch.device | None = None,
+    variable_batch: str | None = None,
+) -> LookupInput:
     """Validates ``features`` (raising before any table is touched) and arranges its ids.
 
     device: where the tables are; the KJT must be there too (not checked for meta tables,
@@ -111,30 +118,37 @@ def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, whe
     if values.dim() != 1:
         raise ValueError(f"{where}: ids (KJT values) must be 1-D, got shape {tuple(values.shape)}")
     lengths = features.lengths()
-    _check_devices(where, device, values=values, lengths=lengths,
-                   weights=features.weights_or_none() if is_weighted else None)
+    _check_devices(
+        where, device, values=values, lengths=lengths, weights=features.weights_or_none() if is_weighted else None
+    )
     if lengths.dtype not in _ID_DTYPES or lengths.is_floating_point():
         raise TypeError(f"{where}: KJT lengths must be integers, got {lengths.dtype}")
     if variable:
         strides, inverse = _variable_batch(features, where)
         if lengths.numel() != sum(strides):
-            raise ValueError(f"{where}: KJT lengths must have one entry per bag, sum(stride_per_key) = "
-                             f"{sum(strides)}, got {lengths.numel()}")
+            raise ValueError(
+                f"{where}: KJT lengths must have one entry per bag, sum(stride_per_key) = "
+                f"{sum(strides)}, got {lengths.numel()}"
+            )
     else:
         batch_size = features.stride()
         if lengths.numel() != len(keys) * batch_size:
-            raise ValueError(f"{where}: KJT lengths must have num_keys * batch_size = {len(keys) * batch_size} "
-                             f"entries, got {lengths.numel()}")
+            raise ValueError(
+                f"{where}: KJT lengths must have num_keys * batch_size = {len(keys) * batch_size} "
+                f"entries, got {lengths.numel()}"
+            )
     weights = features.weights_or_none() if is_weighted else None  # an unweighted module reads none
     per_key = nonfinite = None
     if torch.compiler.is_compiling():
         # torch.export / compile: values are symbolic, so these checks become the program's runtime asserts.
         if lengths.numel():
             torch._check(lengths.min().item() >= 0, lambda: f"{where}: KJT lengths must be >= 0")
-            torch._check(lengths.sum().item() == values.numel(), lambda: f"{where}: KJT lengths must sum to the ids' count")
+            torch._check(
+                lengths.sum().item() == values.numel(), lambda: f"{where}: KJT lengths must sum to the ids' count"
+            )
     elif not values.is_meta:
         bag_starts = [0]
-        for s in (strides if variable else [batch_size] * len(keys)):
+        for s in strides if variable else [batch_size] * len(keys):
             bag_starts.append(bag_starts[-1] + s)
         read = None if variable or weights is None else [k in set(plan.features) for k in keys]
         per_key, smallest, total, nonfinite = _read_lengths(values, lengths, bag_starts, weights, read)
@@ -148,8 +162,9 @@ def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, whe
         if not weights.is_floating_point():
             raise TypeError(f"{where}: KJT weights must be floats, got {weights.dtype}")
         if weights.shape != values.shape:
-            raise ValueError(f"{where}: KJT weights must be one per id, shape {tuple(values.shape)}, "
-                             f"got {tuple(weights.shape)}")
+            raise ValueError(
+                f"{where}: KJT weights must be one per id, shape {tuple(values.shape)}, got {tuple(weights.shape)}"
+            )
 
     lengths = lengths.to(torch.int64)
     if per_key is None:  # symbolic or meta ids: TorchRec's own (cached on the KJT)
@@ -161,8 +176,17 @@ def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, whe
     if variable:
         feature_bags = [strides[key_index[f]] for f in plan.features]
         ids, arranged_lengths, arranged_weights, value_counts, batch_size, expand = _arrange_variable_batch(
-            values, lengths, weights, plan, key_index, key_start, value_counts, strides, inverse,
-            variable_batch == "expand")
+            values,
+            lengths,
+            weights,
+            plan,
+            key_index,
+            key_start,
+            value_counts,
+            strides,
+            inverse,
+            variable_batch == "expand",
+        )
     elif list(keys) == plan.features:
         ids, arranged_lengths, arranged_weights = values, lengths, weights
     else:  # the read features' ids in lookup order; other keys' ids are left out
@@ -175,8 +199,11 @@ def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, whe
         # Only the weights that are read must be finite, as TorchRec reads no others (counted
         # with the lengths above; a variable batch reads its arranged weights here).
         if nonfinite is None and not arranged_weights.is_meta and not torch.compiler.is_compiling():
-            nonfinite = int(device_sync.to_host((~torch.isfinite(arranged_weights)).sum(), "check_and_arrange: "
-                                                "variable-batch weights"))
+            nonfinite = int(
+                device_sync.to_host(
+                    (~torch.isfinite(arranged_weights)).sum(), "check_and_arrange: variable-batch weights"
+                )
+            )
         if nonfinite:
             raise ValueError(f"{where}: KJT weights must be finite, got NaN or inf")
         arranged_weights = arranged_weights.float()
@@ -186,14 +213,22 @@ def check_and_arrange(features: object, plan: LookupPlan, is_weighted: bool, whe
     segment_offsets = torch.tensor([0] + table_counts, dtype=torch.int64).cumsum(0)
     feature_value_offsets = torch.tensor([0] + value_counts, dtype=torch.int64).cumsum(0)
     # Mirrored: the kernels read their host values (the longest feature) without a sync.
-    return LookupInput(ids.to(torch.int64), arranged_lengths, arranged_weights,
-                       device_sync.mirror(segment_offsets.to(values.device), segment_offsets),
-                       device_sync.mirror(feature_value_offsets.to(values.device), feature_value_offsets), batch_size,
-                       value_counts, expand, feature_bags)
+    return LookupInput(
+        ids.to(torch.int64),
+        arranged_lengths,
+        arranged_weights,
+        device_sync.mirror(segment_offsets.to(values.device), segment_offsets),
+        device_sync.mirror(feature_value_offsets.to(values.device), feature_value_offsets),
+        batch_size,
+        value_counts,
+        expand,
+        feature_bags,
+    )
 
 
-def _read_lengths(values: Tensor, lengths: Tensor, bag_starts: List[int], weights: Optional[Tensor],
-                  read: Optional[List[bool]]) -> Tuple[List[int], int, int, Optional[int]]:
+def _read_lengths(
+    values: Tensor, lengths: Tensor, bag_starts: list[int], weights: Tensor | None, read: list[bool] | None
+) -> tuple[list[int], int, int, int | None]:
     """One host read (``device_sync``) for everything the checks and the arrangement need: each
     key's id count, the smallest length, the lengths' sum and, when ``read`` (which keys a table
     reads) is given and the weights are one float per id, how many weights of read keys are not
@@ -204,8 +239,13 @@ def _read_lengths(values: Tensor, lengths: Tensor, bag_starts: List[int], weight
     key_ends = ends.index_select(0, torch.tensor(bag_starts, dtype=torch.int64, device=device))
     smallest = lengths.min().to(torch.int64).view(1) if lengths.numel() else ends[:1]
     parts = [key_ends, smallest]
-    counted = read is not None and len(read) > 0 and weights is not None and weights.is_floating_point() \
+    counted = (
+        read is not None
+        and len(read) > 0
+        and weights is not None
+        and weights.is_floating_point()
         and weights.shape == values.shape
+    )
     if counted:
         # Each id's key: the first key whose end passes its position.
         key_of = torch.searchsorted(key_ends[1:], torch.arange(values.numel(), device=device), right=True)
@@ -217,7 +257,7 @@ def _read_lengths(values: Tensor, lengths: Tensor, bag_starts: List[int], weight
     return per_key, host[keys + 1], host[keys], host[keys + 2] if counted else None
 
 
-def _starts(counts: List[int]) -> List[int]:
+def _starts(counts: list[int]) -> list[int]:
     out, at = [], 0
     for n in counts:
         out.append(at)
@@ -225,36 +265,54 @@ def _starts(counts: List[int]) -> List[int]:
     return out
 
 
-def _variable_batch(features: KeyedJaggedTensor, where: str) -> Tuple[List[int], Tensor]:
+def _variable_batch(features: KeyedJaggedTensor, where: str) -> tuple[list[int], Tensor]:
     """(bags of each key, inverse indices [num_keys, batch]) of a KJT with a variable batch size
     per feature, checked: row b of key k's output is its bag inverse[k, b]."""
     strides = [int(s) for s in features.stride_per_key()]
     found = features.inverse_indices_or_none()
     if found is None:
-        raise ValueError(f"{where}: a KJT with a variable batch size per feature needs inverse_indices (which "
-                         "of its bags each sample reads), got none")
+        raise ValueError(
+            f"{where}: a KJT with a variable batch size per feature needs inverse_indices (which "
+            "of its bags each sample reads), got none"
+        )
     inverse_keys, inverse = found
     if list(inverse_keys) != list(features.keys()):
-        raise ValueError(f"{where}: KJT inverse_indices must name the KJT's keys {list(features.keys())} in order, "
-                         f"got {list(inverse_keys)}")
+        raise ValueError(
+            f"{where}: KJT inverse_indices must name the KJT's keys {list(features.keys())} in order, "
+            f"got {list(inverse_keys)}"
+        )
     if inverse.dim() != 2 or inverse.shape[0] != len(strides) or inverse.is_floating_point():
-        raise ValueError(f"{where}: KJT inverse_indices must be an integer tensor [num_keys = {len(strides)}, "
-                         f"batch_size], got {inverse.dtype} of shape {tuple(inverse.shape)}")
+        raise ValueError(
+            f"{where}: KJT inverse_indices must be an integer tensor [num_keys = {len(strides)}, "
+            f"batch_size], got {inverse.dtype} of shape {tuple(inverse.shape)}"
+        )
     if inverse.numel() and not inverse.is_meta:
         limit = torch.tensor(strides, device=inverse.device).unsqueeze(1)
         outside = ((inverse < 0) | (inverse >= limit)).any(1)  # per key
         if device_sync.to_host(outside.any(), "check_and_arrange: variable-batch inverse indices"):
             bad = int(device_sync.to_host(outside.int().argmax(), "check_and_arrange: error message"))
-            low, high = device_sync.host_list(torch.stack([inverse[bad].min(), inverse[bad].max()]),
-                                              "check_and_arrange: error message")
-            raise ValueError(f"{where}: KJT inverse_indices of key {features.keys()[bad]!r} must lie in "
-                             f"[0, {strides[bad]}) (its bags), got values in [{low}, {high}]")
+            low, high = device_sync.host_list(
+                torch.stack([inverse[bad].min(), inverse[bad].max()]), "check_and_arrange: error message"
+            )
+            raise ValueError(
+                f"{where}: KJT inverse_indices of key {features.keys()[bad]!r} must lie in "
+                f"[0, {strides[bad]}) (its bags), got values in [{low}, {high}]"
+            )
     return strides, inverse.to(torch.int64)
 
 
-def _arrange_variable_batch(values: Tensor, lengths: Tensor, weights: Optional[Tensor], plan: LookupPlan,
-                            key_index: Dict[str, int], key_start: Dict[str, int], value_counts: List[int],
-                            strides: List[int], inverse: Tensor, expand_bags: bool):
+def _arrange_variable_batch(
+    values: Tensor,
+    lengths: Tensor,
+    weights: Tensor | None,
+    plan: LookupPlan,
+    key_index: dict[str, int],
+    key_start: dict[str, int],
+    value_counts: list[int],
+    strides: list[int],
+    inverse: Tensor,
+    expand_bags: bool,
+):
     """The read features' ids in lookup order, each feature's bags either repeated into the full
     batch (``expand_bags``) or as given, padded with empty bags to the largest stride (the pooled
     rows then expand as ``expand`` says). Returns (ids, lengths, weights, value_counts,
@@ -267,17 +325,21 @@ def _arrange_variable_batch(values: Tensor, lengths: Tensor, weights: Optional[T
     ids, lens, wts, counts = [], [], [], []
     for f, n in zip(plan.features, value_counts):
         k = key_index[f]
-        bags = lengths[bag_start[k]:bag_start[k] + strides[k]]
-        v = values[key_start[f]:key_start[f] + n]
-        w = None if weights is None else weights[key_start[f]:key_start[f] + n]
+        bags = lengths[bag_start[k] : bag_start[k] + strides[k]]
+        v = values[key_start[f] : key_start[f] + n]
+        w = None if weights is None else weights[key_start[f] : key_start[f] + n]
         if expand_bags:
             picked = bags.index_select(0, inverse[k])
             first = (torch.cumsum(bags, 0) - bags).index_select(0, inverse[k])  # where each picked bag starts
             out_start = torch.cumsum(picked, 0) - picked
-            total = int(device_sync.to_host(picked.sum(), "check_and_arrange: variable-batch expansion")) \
-                if picked.numel() else 0
+            total = (
+                int(device_sync.to_host(picked.sum(), "check_and_arrange: variable-batch expansion"))
+                if picked.numel()
+                else 0
+            )
             at = torch.repeat_interleave(first - out_start, picked, output_size=total) + torch.arange(
-                total, device=values.device)
+                total, device=values.device
+            )
             v, w, bags = v.index_select(0, at), None if w is None else w.index_select(0, at), picked
         else:
             bags = torch.cat([bags, bags.new_zeros(width - strides[k])])
@@ -286,28 +348,41 @@ def _arrange_variable_batch(values: Tensor, lengths: Tensor, weights: Optional[T
         wts.append(w)
         counts.append(v.numel())
     expand = None if expand_bags else inverse[[key_index[f] for f in plan.features]]
-    return (_cat(ids, values), _cat(lens, lengths), None if weights is None else _cat(wts, weights), counts,
-            batch if expand_bags else width, expand)
+    return (
+        _cat(ids, values),
+        _cat(lens, lengths),
+        None if weights is None else _cat(wts, weights),
+        counts,
+        batch if expand_bags else width,
+        expand,
+    )
 
 
-def _cat(parts: List[Tensor], like: Tensor) -> Tensor:
+def _cat(parts: list[Tensor], like: Tensor) -> Tensor:
     return torch.cat(parts) if parts else like[:0]
 
 
 def expand_pooled(pooled: Tensor, expand: Tensor, plan: LookupPlan) -> Tensor:
     """[batch, total_dim] from rows pooled at each feature's own batch size: lookup feature i's
     columns of row b are its pooled row expand[i, b] (TorchRec's VBE expansion)."""
-    return torch.cat([pooled[:, c:c + d].index_select(0, expand[i]) for i, (c, d) in enumerate(zip(plan.cols, plan.dims))],
-                     dim=1) if plan.dims else pooled.new_zeros(expand.shape[1], 0)
+    return (
+        torch.cat(
+            [pooled[:, c : c + d].index_select(0, expand[i]) for i, (c, d) in enumerate(zip(plan.cols, plan.dims))],
+            dim=1,
+        )
+        if plan.dims
+        else pooled.new_zeros(expand.shape[1], 0)
+    )
 
 
-def _gather_spans(t: Tensor, spans: Sequence[Tuple[int, int]]) -> Tensor:
+def _gather_spans(t: Tensor, spans: Sequence[tuple[int, int]]) -> Tensor:
     """The (start, length) slices of ``t``, concatenated (empty when there are none)."""
-    return torch.cat([t[start:start + n] for start, n in spans]) if spans else t[:0]
+    return torch.cat([t[start : start + n] for start, n in spans]) if spans else t[:0]
 
 
-def _check_devices(where: str, device: Optional[torch.device], values: Tensor, lengths: Tensor,
-                   weights: Optional[Tensor]) -> None:
+def _check_devices(
+    where: str, device: torch.device | None, values: Tensor, lengths: Tensor, weights: Tensor | None
+) -> None:
     """Ids, lengths and weights on the tables' device (without one: on the ids' device)."""
     meta_tables = device is not None and device.type == "meta"
     if device is not None and not meta_tables:

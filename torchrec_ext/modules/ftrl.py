@@ -10,9 +10,11 @@ would otherwise divide by 0). State per element: ``accumulator`` (n) and ``linea
 The update is ``ftrl_step`` below (``torchrec_ext.reference.ftrl_step`` is its oracle); the
 fused kernels run the same rule. ``check_ftrl_hyperparams`` is every FTRL front door's check.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -27,7 +29,9 @@ def _hyperparam(value: Any, what: str) -> float:
     return check_finite(value, what, minimum=0.0)
 
 
-def check_ftrl_hyperparams(values: Mapping[str, Any], where: str, label: Callable[[str], str] = None) -> Dict[str, float]:
+def check_ftrl_hyperparams(
+    values: Mapping[str, Any], where: str, label: Callable[[str], str] = None
+) -> dict[str, float]:
     """FTRL's settings as floats, refusing values its update cannot take: lr <= 0 (it divides by
     lr), lr_power > 0 (n^-lr_power would be infinite at n = 0), l1, l2, beta or
     initial_accumulator_value < 0, and initial_accumulator_value = 0 where the first step's
@@ -35,7 +39,7 @@ def check_ftrl_hyperparams(values: Mapping[str, Any], where: str, label: Callabl
     TensorFlow's FtrlOptimizer refuses non-positive accumulators. ``values`` holds the names it
     checks (a param group may hold more)."""
     label = label or (lambda name: f"{where} {name}")
-    out: Dict[str, float] = {}
+    out: dict[str, float] = {}
     for name in ("lr",) + _FTRL_HYPERPARAMS + ("initial_accumulator_value",):
         if name not in values:
             continue
@@ -50,16 +54,23 @@ def check_ftrl_hyperparams(values: Mapping[str, Any], where: str, label: Callabl
                 raise ValueError(f"{label(name)} must be finite and > 0 (FTRL divides by it), got {value!r}")
         else:
             out[name] = _hyperparam(value, label(name))
-    if (out.get("initial_accumulator_value") == 0 and out.get("lr_power", -0.5) < 0
-            and out.get("beta", 0.0) == 0 and out.get("l2", 0.0) == 0):
-        raise ValueError(f"{label('initial_accumulator_value')} must be > 0 when lr_power < 0 and beta = l2 = 0 "
-                         "(the first step divides by (beta + n^-lr_power) / lr + 2 * l2, 0 at n = 0), got "
-                         f"{values['initial_accumulator_value']!r}")
+    if (
+        out.get("initial_accumulator_value") == 0
+        and out.get("lr_power", -0.5) < 0
+        and out.get("beta", 0.0) == 0
+        and out.get("l2", 0.0) == 0
+    ):
+        raise ValueError(
+            f"{label('initial_accumulator_value')} must be > 0 when lr_power < 0 and beta = l2 = 0 "
+            "(the first step divides by (beta + n^-lr_power) / lr + 2 * l2, 0 at n = 0), got "
+            f"{values['initial_accumulator_value']!r}"
+        )
     return out
 
 
-def ftrl_step(w: Tensor, g: Tensor, n: Tensor, z: Tensor, lr: float, lr_power: float, l1: float, l2: float,
-              beta: float) -> None:
+def ftrl_step(
+    w: Tensor, g: Tensor, n: Tensor, z: Tensor, lr: float, lr_power: float, l1: float, l2: float, beta: float
+) -> None:
     """One FTRL-Proximal step, in place on the weights ``w``, accumulator ``n`` and linear ``z``
     (TensorFlow's ApplyFtrl kernel, beta folded into the denominator), per element:
         n' = n + g^2;  sigma = (n'^-lr_power - n^-lr_power) / lr;  z' = z + g - sigma * w
@@ -77,14 +88,26 @@ def ftrl_step(w: Tensor, g: Tensor, n: Tensor, z: Tensor, lr: float, lr_power: f
 class Ftrl(torch.optim.Optimizer):
     """FTRL-Proximal (McMahan et al. 2013) with TensorFlow's update and defaults."""
 
-    def __init__(self, params: Iterable[Any], lr: float = 0.001, lr_power: float = -0.5, l1: float = 0.0,
-                 l2: float = 0.0, beta: float = 0.0, initial_accumulator_value: float = 0.1) -> None:
-        settings = check_ftrl_hyperparams(dict(lr=lr, lr_power=lr_power, l1=l1, l2=l2, beta=beta,
-                                               initial_accumulator_value=initial_accumulator_value), "Ftrl")
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.001,
+        lr_power: float = -0.5,
+        l1: float = 0.0,
+        l2: float = 0.0,
+        beta: float = 0.0,
+        initial_accumulator_value: float = 0.1,
+    ) -> None:
+        settings = check_ftrl_hyperparams(
+            dict(
+                lr=lr, lr_power=lr_power, l1=l1, l2=l2, beta=beta, initial_accumulator_value=initial_accumulator_value
+            ),
+            "Ftrl",
+        )
         super().__init__(params, settings)
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -97,6 +120,15 @@ class Ftrl(torch.optim.Optimizer):
                 if not state:
                     state["accumulator"] = torch.full_like(p, group["initial_accumulator_value"])
                     state["linear"] = torch.zeros_like(p)
-                ftrl_step(p, p.grad, state["accumulator"], state["linear"], group["lr"], group["lr_power"],
-                          group["l1"], group["l2"], group["beta"])
+                ftrl_step(
+                    p,
+                    p.grad,
+                    state["accumulator"],
+                    state["linear"],
+                    group["lr"],
+                    group["lr_power"],
+                    group["l1"],
+                    group["l2"],
+                    group["beta"],
+                )
         return loss

@@ -19,11 +19,13 @@ with the module's step count for Adam's bias correction (TorchRec's fused Adam d
 a dense torch optimizer also moves untouched rows (Adam's momentum, AdamW's decay), so the two
 agree where every row is touched every step.
 """
+
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -38,23 +40,78 @@ _HYPERPARAMS = COMMON_HYPERPARAMS
 _FTRL_HYPERPARAMS = FTRL_HYPERPARAMS
 
 
-def _torch_classes() -> Dict[str, type]:
+def _torch_classes() -> dict[str, type]:
     from torchrec.optim import RowWiseAdagrad
 
-    return {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "rowwise_adagrad": RowWiseAdagrad,
-            "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "ftrl": Ftrl}
+    return {
+        "sgd": torch.optim.SGD,
+        "adagrad": torch.optim.Adagrad,
+        "rowwise_adagrad": RowWiseAdagrad,
+        "adam": torch.optim.Adam,
+        "adamw": torch.optim.AdamW,
+        "ftrl": Ftrl,
+    }
 
 
 # fbgemm's EmbOptimType names, as TorchRec's sharder fused_params use them.
-_EMB_OPTIM_TYPES = {"SGD": "sgd", "EXACT_SGD": "sgd", "EXACT_ADAGRAD": "adagrad",
-                    "EXACT_ROWWISE_ADAGRAD": "rowwise_adagrad", "ROWWISE_ADAGRAD": "rowwise_adagrad", "ADAM": "adam"}
+_EMB_OPTIM_TYPES = {
+    "SGD": "sgd",
+    "EXACT_SGD": "sgd",
+    "EXACT_ADAGRAD": "adagrad",
+    "EXACT_ROWWISE_ADAGRAD": "rowwise_adagrad",
+    "ROWWISE_ADAGRAD": "rowwise_adagrad",
+    "ADAM": "adam",
+}
 # Arguments each kind accepts (besides torch's bookkeeping ones), and the values it must keep.
 _ACCEPTED = {
-    "sgd": {"lr", "weight_decay", "momentum", "dampening", "nesterov", "maximize", "foreach", "differentiable", "fused"},
-    "adagrad": {"lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps", "maximize", "foreach", "differentiable", "fused"},
+    "sgd": {
+        "lr",
+        "weight_decay",
+        "momentum",
+        "dampening",
+        "nesterov",
+        "maximize",
+        "foreach",
+        "differentiable",
+        "fused",
+    },
+    "adagrad": {
+        "lr",
+        "lr_decay",
+        "weight_decay",
+        "initial_accumulator_value",
+        "eps",
+        "maximize",
+        "foreach",
+        "differentiable",
+        "fused",
+    },
     "rowwise_adagrad": {"lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps", "maximize"},
-    "adam": {"lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay"},
-    "adamw": {"lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused"},
+    "adam": {
+        "lr",
+        "betas",
+        "eps",
+        "weight_decay",
+        "amsgrad",
+        "maximize",
+        "foreach",
+        "capturable",
+        "differentiable",
+        "fused",
+        "decoupled_weight_decay",
+    },
+    "adamw": {
+        "lr",
+        "betas",
+        "eps",
+        "weight_decay",
+        "amsgrad",
+        "maximize",
+        "foreach",
+        "capturable",
+        "differentiable",
+        "fused",
+    },
     "ftrl": {"lr", "lr_power", "l1", "l2", "beta", "initial_accumulator_value"},
 }
 _MUST_BE = {"momentum": 0, "nesterov": False, "maximize": False, "amsgrad": False}
@@ -91,14 +148,14 @@ class OptimizerSpec:
     def kind_id(self) -> int:
         return OPTIMIZERS[self.kind]
 
-    def hyperparam_names(self) -> Tuple[str, ...]:
+    def hyperparam_names(self) -> tuple[str, ...]:
         """The names the kernels read, in their order (FTRL's four only for FTRL)."""
         return _HYPERPARAMS + (_FTRL_HYPERPARAMS if self.kind == "ftrl" else ())
 
-    def param_group(self) -> Dict[str, float]:
+    def param_group(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in self.hyperparam_names() + ("initial_accumulator_value",)}
 
-    def initial_state_values(self) -> Tuple[float, ...]:
+    def initial_state_values(self) -> tuple[float, ...]:
         """Each optimizer state's value on a new row, in OPTIMIZER_STATES order: Adagrad kinds'
         and FTRL's accumulator start at initial_accumulator_value, Adam's moments and FTRL's
         linear at 0."""
@@ -111,19 +168,23 @@ class OptimizerSpec:
     def torch_class(self) -> type:
         return _torch_classes()[self.kind]
 
-    def torch_kwargs(self) -> Dict[str, Any]:
+    def torch_kwargs(self) -> dict[str, Any]:
         """The kwargs of ``torch_class()`` that give this spec back."""
-        kwargs: Dict[str, Any] = {"lr": self.lr, "weight_decay": self.weight_decay}
+        kwargs: dict[str, Any] = {"lr": self.lr, "weight_decay": self.weight_decay}
         if self.kind in ("adagrad", "rowwise_adagrad"):
-            kwargs.update(eps=self.eps, lr_decay=self.lr_decay, initial_accumulator_value=self.initial_accumulator_value)
+            kwargs.update(
+                eps=self.eps, lr_decay=self.lr_decay, initial_accumulator_value=self.initial_accumulator_value
+            )
         if self.kind in _ADAM_KINDS:
             kwargs.update(eps=self.eps, betas=(self.beta1, self.beta2))
         if self.kind == "ftrl":
-            kwargs = {name: getattr(self, name) for name in ("lr",) + _FTRL_HYPERPARAMS + ("initial_accumulator_value",)}
+            kwargs = {
+                name: getattr(self, name) for name in ("lr",) + _FTRL_HYPERPARAMS + ("initial_accumulator_value",)
+            }
         return kwargs
 
 
-def resolve_optimizer(optimizer: Any, kwargs: Optional[Mapping[str, Any]], where: str) -> OptimizerSpec:
+def resolve_optimizer(optimizer: Any, kwargs: Mapping[str, Any] | None, where: str) -> OptimizerSpec:
     """OptimizerSpec of a torch optimizer class (or kind name, or EmbOptimType) and its kwargs."""
     kind = _kind_of(optimizer, where)
     kwargs = dict(kwargs or {})
@@ -139,7 +200,9 @@ def resolve_optimizer(optimizer: Any, kwargs: Optional[Mapping[str, Any]], where
     if kind == "adam" and bool(args.pop("decoupled_weight_decay", False)):
         kind = "adamw"  # torch.optim.Adam's decoupled weight decay is AdamW's update
     if kind == "ftrl":
-        spec: Dict[str, Any] = check_ftrl_hyperparams({name: args[name] for name in _SPEC_FIELDS[kind]}, f"{where}: ftrl")
+        spec: dict[str, Any] = check_ftrl_hyperparams(
+            {name: args[name] for name in _SPEC_FIELDS[kind]}, f"{where}: ftrl"
+        )
     else:
         spec = {name: _hyperparam(args[name], f"{where}: {kind} {name}") for name in _SPEC_FIELDS[kind]}
     spec["kind"] = kind
@@ -186,14 +249,22 @@ def _kind_of(optimizer: Any, where: str) -> str:
 DEFAULT_OPTIMIZER = OptimizerSpec(kind="sgd", lr=0.01)
 
 # fused_params keys that tune fbgemm's kernels and caches but not the values trained: ignored.
-_FUSED_PARAMS_HINTS = {"cache_load_factor", "cache_algorithm", "cache_reserved_memory", "cache_precision",
-                       "prefetch_pipeline", "enforce_hbm", "bounds_check_mode",
-                       "gather_uvm_cache_stats", "record_cache_metrics"}
+_FUSED_PARAMS_HINTS = {
+    "cache_load_factor",
+    "cache_algorithm",
+    "cache_reserved_memory",
+    "cache_precision",
+    "prefetch_pipeline",
+    "enforce_hbm",
+    "bounds_check_mode",
+    "gather_uvm_cache_stats",
+    "record_cache_metrics",
+}
 # fbgemm's TBE defaults for the optimizer keys of fused_params.
 _FUSED_PARAMS_DEFAULTS = {"learning_rate": 0.01, "eps": 1.0e-8, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0}
 
 
-def stochastic_rounding_of(fused_params: Optional[Mapping[str, Any]], where: str) -> Optional[bool]:
+def stochastic_rounding_of(fused_params: Mapping[str, Any] | None, where: str) -> bool | None:
     """fbgemm's ``stochastic_rounding`` fused_param (how FP16 / BF16 rows are written), or None
     when not given (each table's config then decides)."""
     value = (fused_params or {}).get("stochastic_rounding")
@@ -202,7 +273,7 @@ def stochastic_rounding_of(fused_params: Optional[Mapping[str, Any]], where: str
     return value
 
 
-def spec_from_fused_params(fused_params: Optional[Mapping[str, Any]], where: str) -> Optional[OptimizerSpec]:
+def spec_from_fused_params(fused_params: Mapping[str, Any] | None, where: str) -> OptimizerSpec | None:
     """The spec a TorchRec sharder's ``fused_params`` ask for (None when none are given).
 
     ``optimizer`` (an EmbOptimType, or its name) defaults to EXACT_SGD and ``learning_rate``,
@@ -215,33 +286,45 @@ def spec_from_fused_params(fused_params: Optional[Mapping[str, Any]], where: str
     """
     if fused_params is None:
         return None
-    unknown = sorted(set(fused_params) - set(_FUSED_PARAMS_DEFAULTS) - _FUSED_PARAMS_HINTS
-                     - {"optimizer", "weight_decay_mode", "stochastic_rounding"})
+    unknown = sorted(
+        set(fused_params)
+        - set(_FUSED_PARAMS_DEFAULTS)
+        - _FUSED_PARAMS_HINTS
+        - {"optimizer", "weight_decay_mode", "stochastic_rounding"}
+    )
     if unknown:
-        raise ValueError(f"{where}: fused_params {unknown} are not supported by dynamic tables; they take "
-                         f"'optimizer', 'weight_decay_mode', 'stochastic_rounding', {sorted(_FUSED_PARAMS_DEFAULTS)} "
-                         f"(and ignore the kernel hints {sorted(_FUSED_PARAMS_HINTS)})")
+        raise ValueError(
+            f"{where}: fused_params {unknown} are not supported by dynamic tables; they take "
+            f"'optimizer', 'weight_decay_mode', 'stochastic_rounding', {sorted(_FUSED_PARAMS_DEFAULTS)} "
+            f"(and ignore the kernel hints {sorted(_FUSED_PARAMS_HINTS)})"
+        )
     optimizer = fused_params.get("optimizer", "EXACT_SGD")
     name = optimizer if isinstance(optimizer, str) else getattr(optimizer, "name", None)
     if name not in _EMB_OPTIM_TYPES:
-        raise ValueError(f"{where}: fused_params optimizer {optimizer!r} is not supported by dynamic tables; "
-                         f"they support EmbOptimType {sorted(_EMB_OPTIM_TYPES)}")
+        raise ValueError(
+            f"{where}: fused_params optimizer {optimizer!r} is not supported by dynamic tables; "
+            f"they support EmbOptimType {sorted(_EMB_OPTIM_TYPES)}"
+        )
     args = {**_FUSED_PARAMS_DEFAULTS, **{k: v for k, v in fused_params.items() if k in _FUSED_PARAMS_DEFAULTS}}
     mode = fused_params.get("weight_decay_mode")
     mode_name = None if mode is None else (mode if isinstance(mode, str) else getattr(mode, "name", repr(mode)))
     kind = _EMB_OPTIM_TYPES[name]
     decoupled = mode_name == "DECOUPLE" and kind == "adam"
     if mode_name not in (None, "NONE", "L2") and not decoupled:
-        raise ValueError(f"{where}: fused_params weight_decay_mode {mode!r} is not supported by dynamic tables"
-                         f"{' with ' + name if mode_name == 'DECOUPLE' else ''}; they support WeightDecayMode.NONE "
-                         "and L2, and DECOUPLE with ADAM")
+        raise ValueError(
+            f"{where}: fused_params weight_decay_mode {mode!r} is not supported by dynamic tables"
+            f"{' with ' + name if mode_name == 'DECOUPLE' else ''}; they support WeightDecayMode.NONE "
+            "and L2, and DECOUPLE with ADAM"
+        )
     if mode_name not in ("L2", "DECOUPLE") and args["weight_decay"] != 0:
-        raise ValueError(f"{where}: fused_params weight_decay={args['weight_decay']!r} without weight_decay_mode="
-                         "WeightDecayMode.L2 does nothing in fbgemm; set weight_decay_mode L2 (torch's decay) "
-                         "or leave weight_decay out")
+        raise ValueError(
+            f"{where}: fused_params weight_decay={args['weight_decay']!r} without weight_decay_mode="
+            "WeightDecayMode.L2 does nothing in fbgemm; set weight_decay_mode L2 (torch's decay) "
+            "or leave weight_decay out"
+        )
     if decoupled:
         kind = "adamw"
-    kwargs: Dict[str, Any] = {"lr": args["learning_rate"], "weight_decay": args["weight_decay"]}
+    kwargs: dict[str, Any] = {"lr": args["learning_rate"], "weight_decay": args["weight_decay"]}
     if kind != "sgd":
         kwargs["eps"] = args["eps"]
     if kind in _ADAM_KINDS:
@@ -249,15 +332,18 @@ def spec_from_fused_params(fused_params: Optional[Mapping[str, Any]], where: str
     return resolve_optimizer(kind, kwargs, f"{where}: fused_params")
 
 
-#END
+# END
 
 
-def _class_defaults(cls: type) -> Dict[str, Any]:
-    return {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
-            if p.default is not inspect.Parameter.empty}
+def _class_defaults(cls: type) -> dict[str, Any]:
+    return {
+        name: p.default
+        for name, p in inspect.signature(cls.__init__).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
 
 
-def spec_from_parameter(param: Tensor, where: str) -> Optional[OptimizerSpec]:
+def spec_from_parameter(param: Tensor, where: str) -> OptimizerSpec | None:
     """The spec set on a parameter by ``apply_optimizer_in_backward`` (the latest call wins)."""
     classes = getattr(param, "_optimizer_classes", None)
     if not classes:
@@ -280,11 +366,11 @@ class DynamicEmbeddingFusedOptimizer(FusedOptimizer):
     is saved with the rows themselves, in the module's ``state_dict`` (``optimizer.<name>``).
     """
 
-    def __init__(self, params: Dict[str, Tensor], state: Dict[Tensor, Dict[str, Tensor]], spec: OptimizerSpec):
+    def __init__(self, params: dict[str, Tensor], state: dict[Tensor, dict[str, Tensor]], spec: OptimizerSpec):
         self.spec = spec
         super().__init__(params, state, [dict(spec.param_group(), params=list(params.values()))])
 
-    def hyperparams(self) -> Tuple[float, ...]:
+    def hyperparams(self) -> tuple[float, ...]:
         """The update's hyper-parameters (``spec.hyperparam_names()``), checked as the constructor's
         are: LR schedulers and optimizer checkpoints write ``param_groups`` directly."""
         group = self.param_groups[0]
@@ -295,13 +381,26 @@ class DynamicEmbeddingFusedOptimizer(FusedOptimizer):
             return f"{where}[{name!r}]"
 
         # The state's initial value is the spec's (new rows take it), so it is checked with the group's others.
-        ftrl = check_ftrl_hyperparams({**{n: group[n] for n in ("lr",) + _FTRL_HYPERPARAMS},
-                                       "initial_accumulator_value": self.spec.initial_accumulator_value},
-                                      where, label) if self.spec.kind == "ftrl" else {}
-        return tuple(ftrl[name] if name in ftrl else
-                     (_beta if name in ("beta1", "beta2") else _hyperparam)(group[name], label(name)) for name in names)
+        ftrl = (
+            check_ftrl_hyperparams(
+                {
+                    **{n: group[n] for n in ("lr",) + _FTRL_HYPERPARAMS},
+                    "initial_accumulator_value": self.spec.initial_accumulator_value,
+                },
+                where,
+                label,
+            )
+            if self.spec.kind == "ftrl"
+            else {}
+        )
+        return tuple(
+            ftrl[name]
+            if name in ftrl
+            else (_beta if name in ("beta1", "beta2") else _hyperparam)(group[name], label(name))
+            for name in names
+        )
 
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> None:
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
         if closure is not None:
             closure()
 

@@ -5,6 +5,7 @@ from row k (the ids were taken modulo N, or hashed into [0, N), before the model
 ``from_ebc_state_dict`` gives each dynamic table those N rows as ids 0..N-1, so id k reads
 row k's vector: a model reading the same ids computes what it computed before.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -36,39 +37,57 @@ def from_ebc_state_dict(module: Any, state_dict: Mapping[str, Any], prefix: str 
     """
     where = "from_ebc_state_dict"
     if not isinstance(module, DynamicCollectionMixin):
-        raise TypeError(f"{where}: module must be a DynamicEmbeddingBagCollection or DynamicEmbeddingCollection "
-                        f"(unsharded: migrate, then shard), got {type(module).__name__}")
+        raise TypeError(
+            f"{where}: module must be a DynamicEmbeddingBagCollection or DynamicEmbeddingCollection "
+            f"(unsharded: migrate, then shard), got {type(module).__name__}"
+        )
     tables = module._tables
     container = module._container
     if not isinstance(state_dict, Mapping):
-        raise TypeError(f"{where}: state_dict must be a mapping (a TorchRec module's state_dict()), "
-                        f"got {type(state_dict).__name__}")
+        raise TypeError(
+            f"{where}: state_dict must be a mapping (a TorchRec module's state_dict()), got {type(state_dict).__name__}"
+        )
     names = [m.name for m in tables.meta]
     base = f"{prefix}{container}."
-    unknown = sorted(k for k in state_dict if k.startswith(base) and
-                     not any(k == f"{base}{name}.weight" for name in names))
+    unknown = sorted(
+        k for k in state_dict if k.startswith(base) and not any(k == f"{base}{name}.weight" for name in names)
+    )
     if unknown:
-        raise ValueError(f"{where}: state_dict has keys no table of this module takes: {unknown[:5]} "
-                         f"(tables {names}, each reading {base}<table>.weight)")
+        raise ValueError(
+            f"{where}: state_dict has keys no table of this module takes: {unknown[:5]} "
+            f"(tables {names}, each reading {base}<table>.weight)"
+        )
     states = {}
     for t, m in enumerate(tables.meta):
         key = f"{base}{m.name}.weight"
         if key not in state_dict:
-            raise ValueError(f"{where}: state_dict lacks {key!r} (keys under {prefix!r}: "
-                             f"{sorted(k for k in state_dict if k.startswith(prefix))[:5]})")
+            raise ValueError(
+                f"{where}: state_dict lacks {key!r} (keys under {prefix!r}: "
+                f"{sorted(k for k in state_dict if k.startswith(prefix))[:5]})"
+            )
         weight = state_dict[key]
         if not isinstance(weight, Tensor) or isinstance(weight, (ShardedTensor, DTensor)):
-            raise TypeError(f"{where}: {key} must be a plain tensor of the whole table, got "
-                            f"{type(weight).__name__} (gather a sharded state first)")
+            raise TypeError(
+                f"{where}: {key} must be a plain tensor of the whole table, got "
+                f"{type(weight).__name__} (gather a sharded state first)"
+            )
         if weight.dim() != 2 or weight.shape[1] != m.dim or not weight.dtype.is_floating_point:
-            raise ValueError(f"{where}: {key} must be a float [N, {m.dim}] tensor (table {m.name!r} has "
-                             f"embedding_dim {m.dim}), got {weight.dtype} {list(weight.shape)}")
+            raise ValueError(
+                f"{where}: {key} must be a float [N, {m.dim}] tensor (table {m.name!r} has "
+                f"embedding_dim {m.dim}), got {weight.dtype} {list(weight.shape)}"
+            )
         n = weight.shape[0]
         if n > m.max_capacity:  # a growing table grows to fit them
-            raise ValueError(f"{where}: {key} has {n} rows, more than table {m.name!r}'s capacity "
-                             f"(num_embeddings) {m.max_capacity}; give the dynamic table at least {n} rows")
+            raise ValueError(
+                f"{where}: {key} has {n} rows, more than table {m.name!r}'s capacity "
+                f"(num_embeddings) {m.max_capacity}; give the dynamic table at least {n} rows"
+            )
         ids = torch.arange(n, dtype=torch.int64)
-        states[t] = {"weight": weight.detach(), "weight_id": ids, "metadata": torch.zeros_like(ids),
-                     "counters": torch.tensor([0, 0, 0, 0, LAYOUT_VERSION])}  # fresh, in this layout
+        states[t] = {
+            "weight": weight.detach(),
+            "weight_id": ids,
+            "metadata": torch.zeros_like(ids),
+            "counters": torch.tensor([0, 0, 0, 0, LAYOUT_VERSION]),
+        }  # fresh, in this layout
     tables.load_states(states, where=where)  # checked (finite values...) before any table changes
     return module

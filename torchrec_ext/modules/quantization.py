@@ -7,6 +7,7 @@ type names are registered in that default mapping, mapped to ``DynamicTablesNotQ
 whose ``from_float`` (what the quantization pass calls to convert a module) raises, naming the
 module and how to keep it in float instead.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -23,7 +24,8 @@ class DynamicTablesNotQuantizable:
         raise TypeError(
             f"quantize_inference_model: {name} has no quantized (int8 / int4) form; torchrec_ext's dynamic "
             f"tables are float32. To quantize the rest of the model and keep the dynamic tables in float, pass "
-            f"quantization_mapping={{k: v for k, v in DEFAULT_QUANT_MAPPING.items() if not k.startswith('torchrec_ext.')}}")
+            f"quantization_mapping={{k: v for k, v in DEFAULT_QUANT_MAPPING.items() if not k.startswith('torchrec_ext.')}}"
+        )
 
 
 def install_quantization_refusal() -> None:
@@ -36,4 +38,6 @@ def install_quantization_refusal() -> None:
     from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
 
     for cls in (DynamicEmbeddingBagCollection, DynamicEmbeddingCollection):
-        DEFAULT_QUANT_MAPPING[trim_torch_package_prefix_from_typename(torch.typename(cls))] = DynamicTablesNotQuantizable
+        DEFAULT_QUANT_MAPPING[trim_torch_package_prefix_from_typename(torch.typename(cls))] = (
+            DynamicTablesNotQuantizable
+        )

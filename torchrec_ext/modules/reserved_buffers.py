@@ -8,6 +8,7 @@ reused and only the new ones are first touched, where a fresh buffer per growth 
 capacity reached (twice the final size over a run of doublings) and first touches are the slow
 part of a growth (page faults, zeroing; on a VM, the host's faults too).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,10 +28,14 @@ class ReservedBuffer:
     def __init__(self, numel_max: int):
         self.numel_max = numel_max
         length = numel_max * 4 + _HUGE_PAGE  # room to start on a huge-page boundary
-        self._map = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
-                              prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self._map = mmap.mmap(
+            -1,
+            length,
+            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        )
         with contextlib.suppress(AttributeError, OSError):  # rows are touched at random: huge pages
-            self._map.madvise(mmap.MADV_HUGEPAGE)           # spare TLB misses (best effort)
+            self._map.madvise(mmap.MADV_HUGEPAGE)  # spare TLB misses (best effort)
         base = torch.frombuffer(self._map, dtype=torch.uint8, count=1).data_ptr()
         self._offset = -base % _HUGE_PAGE
         self._start = base + self._offset

@@ -10,10 +10,10 @@ other tables report no ages (their eviction scores are not returned by the upser
 ``TableStats`` is what ``module.table_stats()`` returns per table; ``merge`` adds the stats of
 several shards of one table (e.g. one per rank), so the rates of the merged stats are exact.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -67,22 +67,22 @@ class TableStats:
     cache_bytes_moved: int = 0
     cache_staged: int = 0
     cache_staged_write_backs: int = 0
-    evicted_ages: Optional[List[int]] = field(default=None, repr=False)
+    evicted_ages: list[int] | None = field(default=None, repr=False)
 
     @property
     def load_factor(self) -> float:
         return self.live_rows / self.capacity if self.capacity else 0.0
 
     @property
-    def hit_rate(self) -> Optional[float]:
+    def hit_rate(self) -> float | None:
         return self.hits / self.lookups if self.lookups else None
 
     @property
-    def cache_hit_rate(self) -> Optional[float]:
+    def cache_hit_rate(self) -> float | None:
         seen = self.cache_hits + self.cache_misses
         return self.cache_hits / seen if seen else None
 
-    def _age_quantile(self, q: float) -> Optional[int]:
+    def _age_quantile(self, q: float) -> int | None:
         if not self.evicted_ages or not sum(self.evicted_ages):
             return None
         rank, seen = q * sum(self.evicted_ages), 0
@@ -93,45 +93,54 @@ class TableStats:
         return len(self.evicted_ages) - 1
 
     @property
-    def evicted_age_mean(self) -> Optional[float]:
+    def evicted_age_mean(self) -> float | None:
         if not self.evicted_ages or not sum(self.evicted_ages):
             return None
         return sum(a * n for a, n in enumerate(self.evicted_ages)) / sum(self.evicted_ages)
 
     @property
-    def evicted_age_p50(self) -> Optional[int]:
+    def evicted_age_p50(self) -> int | None:
         return self._age_quantile(0.5)
 
     @property
-    def evicted_age_p99(self) -> Optional[int]:
+    def evicted_age_p99(self) -> int | None:
         return self._age_quantile(0.99)
 
-    def merge(self, other: "TableStats") -> "TableStats":
+    def merge(self, other: TableStats) -> TableStats:
         """The stats of both shards together (sums; age histograms added bin by bin)."""
         ages = self.evicted_ages
         if other.evicted_ages is not None:
             width = max(len(ages or []), len(other.evicted_ages))
-            ages = [(ages[i] if ages and i < len(ages) else 0) + (other.evicted_ages[i] if i < len(other.evicted_ages)
-                                                                   else 0) for i in range(width)]
+            ages = [
+                (ages[i] if ages and i < len(ages) else 0)
+                + (other.evicted_ages[i] if i < len(other.evicted_ages) else 0)
+                for i in range(width)
+            ]
         fields = {k: getattr(self, k) + getattr(other, k) for k in asdict(self) if k != "evicted_ages"}
         return TableStats(**fields, evicted_ages=ages)
 
-    def as_dict(self) -> Dict[str, object]:
+    def as_dict(self) -> dict[str, object]:
         """Counters and derived figures as plain numbers (for logs and JSON; no histogram)."""
         out = {k: v for k, v in asdict(self).items() if k != "evicted_ages"}
-        out.update(load_factor=self.load_factor, hit_rate=self.hit_rate, evicted_age_mean=self.evicted_age_mean,
-                   evicted_age_p50=self.evicted_age_p50, evicted_age_p99=self.evicted_age_p99, cache_hit_rate=self.cache_hit_rate)
+        out.update(
+            load_factor=self.load_factor,
+            hit_rate=self.hit_rate,
+            evicted_age_mean=self.evicted_age_mean,
+            evicted_age_p50=self.evicted_age_p50,
+            evicted_age_p99=self.evicted_age_p99,
+            cache_hit_rate=self.cache_hit_rate,
+        )
         return out
 
 
-def total_stats(stats: Dict[str, TableStats]) -> TableStats:
+def total_stats(stats: dict[str, TableStats]) -> TableStats:
     """Every table's stats together (``merge``: counters summed, rates over all tables)."""
     return merge_table_stats([{"": s} for s in stats.values()])[""]
 
 
-def merge_table_stats(per_shard: List[Dict[str, TableStats]]) -> Dict[str, TableStats]:
+def merge_table_stats(per_shard: list[dict[str, TableStats]]) -> dict[str, TableStats]:
     """Stats of several shards (e.g. ``table_stats()`` of every rank) merged per table name."""
-    out: Dict[str, TableStats] = {}
+    out: dict[str, TableStats] = {}
     for stats in per_shard:
         for name, table in stats.items():
             out[name] = out[name].merge(table) if name in out else table
@@ -141,7 +150,7 @@ def merge_table_stats(per_shard: List[Dict[str, TableStats]]) -> Dict[str, Table
 class TableCounters:
     """The running counters of a module's tables, on the storage's device."""
 
-    def __init__(self, num_tables: int, age_bins: List[Optional[int]], device: torch.device):
+    def __init__(self, num_tables: int, age_bins: list[int | None], device: torch.device):
         self.counts = torch.zeros(num_tables, _COLUMNS, dtype=torch.int64, device=device)
         self.ages = [None if bins is None else torch.zeros(bins, dtype=torch.int64, device=device) for bins in age_bins]
 
@@ -154,8 +163,8 @@ class TableCounters:
         size = self.counts.shape[0] * _CODES
         occurrences = torch.zeros(size, dtype=torch.int64, device=code.device).index_add_(0, code, counts)
         distinct = torch.zeros(size, dtype=torch.int64, device=code.device).index_add_(0, code, torch.ones_like(code))
-        self.counts[:, _OCCURRENCES:_OCCURRENCES + _CODES] += occurrences.view(-1, _CODES)
-        self.counts[:, _DISTINCT:_DISTINCT + _CODES] += distinct.view(-1, _CODES)
+        self.counts[:, _OCCURRENCES : _OCCURRENCES + _CODES] += occurrences.view(-1, _CODES)
+        self.counts[:, _DISTINCT : _DISTINCT + _CODES] += distinct.view(-1, _CODES)
 
     def count_rejected(self, t: int, rejected: Tensor) -> None:
         self.counts[t, _REJECTED] += rejected.sum()
@@ -167,7 +176,7 @@ class TableCounters:
         """Rows freed by the ttl sweep (expiries too)."""
         self.counts[t, _EXPIRED] += swept.sum()
 
-    def count_evicted(self, t: int, evicted: Tensor, ages: Optional[Tensor], counted: bool = False) -> None:
+    def count_evicted(self, t: int, evicted: Tensor, ages: Tensor | None, counted: bool = False) -> None:
         """Evictions in table t: ``evicted`` flags the keys that took an evicted key's row;
         ``ages``: each key's row's steps since last read (read where evicted), when known;
         ``counted``: the evictions are counted already (``count_evicted_tables``), the ages not."""
@@ -182,18 +191,25 @@ class TableCounters:
         row, ``key_table`` is each key's table."""
         self.counts[:, _EVICTED].index_add_(0, key_table, evicted.to(torch.int64))
 
-    def stats(self, names: List[str], capacities: List[int], live_rows: List[int],
-              fallback_rows: List[int]) -> Dict[str, TableStats]:
+    def stats(
+        self, names: list[str], capacities: list[int], live_rows: list[int], fallback_rows: list[int]
+    ) -> dict[str, TableStats]:
         counts = self.counts.tolist()  # the one read of the device counters
         out = {}
         for t, name in enumerate(names):
             c = counts[t]
             no_row = c[_DISTINCT]
             out[name] = TableStats(
-                live_rows=live_rows[t], capacity=capacities[t], lookups=sum(c[_OCCURRENCES:_OCCURRENCES + _CODES]),
-                hits=c[_OCCURRENCES + 1], inserts=c[_DISTINCT + 2], evictions=c[_EVICTED],
-                ttl_expiries=c[_EXPIRED], admission_rejections=c[_REJECTED],
-                refused=no_row - c[_REJECTED], fallback_reads=c[_OCCURRENCES] if fallback_rows[t] else 0,
+                live_rows=live_rows[t],
+                capacity=capacities[t],
+                lookups=sum(c[_OCCURRENCES : _OCCURRENCES + _CODES]),
+                hits=c[_OCCURRENCES + 1],
+                inserts=c[_DISTINCT + 2],
+                evictions=c[_EVICTED],
+                ttl_expiries=c[_EXPIRED],
+                admission_rejections=c[_REJECTED],
+                refused=no_row - c[_REJECTED],
+                fallback_reads=c[_OCCURRENCES] if fallback_rows[t] else 0,
                 evicted_ages=None if self.ages[t] is None else self.ages[t].tolist(),
             )
         return out

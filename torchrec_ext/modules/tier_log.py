@@ -31,12 +31,13 @@ and the table unchanged (the row stays dirty in the cache), never a SIGBUS. Its 
 a checkpoint: a module reopening the directory starts with an empty log (its index is new; a
 record cut short by a crash is never read), and the last checkpoint loads as before.
 """
+
 from __future__ import annotations
 
 import ctypes
 import errno
 import os
-from typing import Callable, Optional, Tuple
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -67,17 +68,19 @@ class RowLog:
         self.record_bytes = records.shape[1]
         self.capacity = capacity
         self.max_segments = records.shape[0] // SEGMENT_RECORDS
-        self.where = torch.full((capacity,), -1, dtype=self.index_dtype(capacity))  # row -> record of its newest copy, -1: base
+        self.where = torch.full(
+            (capacity,), -1, dtype=self.index_dtype(capacity)
+        )  # row -> record of its newest copy, -1: base
         self.segment_live = torch.zeros(self.max_segments, dtype=torch.int64)  # live records per segment
         self.in_use = torch.zeros(self.max_segments, dtype=torch.bool)
         self.used = 0  # segments in use
         self.live = 0
-        self.head: Optional[int] = None  # the segment appended to, and how many records it holds
+        self.head: int | None = None  # the segment appended to, and how many records it holds
         self.head_fill = 0
         # records appended / re-appended by cleaning / sent home from a full log; segments cleaned
         self.appended = self.cleaned = self.sent_home = self.segments_cleaned = 0
         # Writes records ([n, record_bytes]) to their rows of the base file (set by the table's mover).
-        self.home: Optional[Callable[[Tensor, Tensor], None]] = None
+        self.home: Callable[[Tensor, Tensor], None] | None = None
 
     @staticmethod
     def max_records(capacity: int) -> int:
@@ -145,8 +148,9 @@ class RowLog:
         self.live, self.used, self.head, self.head_fill = 0, 0, None, 0
         length = self.records.numel()
         # (a file system without hole punching keeps the blocks: the log reuses them)
-        _libc.fallocate(self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, ctypes.c_int64(self.offset),
-                        ctypes.c_int64(length))
+        _libc.fallocate(
+            self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, ctypes.c_int64(self.offset), ctypes.c_int64(length)
+        )
 
     # ------------------------------------------------------------------ segments
 
@@ -157,15 +161,18 @@ class RowLog:
                 self._next_head()
             take = min(n - done, SEGMENT_RECORDS - self.head_fill)
             first = self.head * SEGMENT_RECORDS + self.head_fill
-            chunk = data[done:done + take]
+            chunk = data[done : done + take]
             try:
                 pwrite_all(self.fd, memoryview(chunk.numpy()).cast("B"), self.offset + first * self.record_bytes)
             except OSError as e:
-                raise OSError(e.errno, f"{self.where_}: cannot append {take} rows ({take * self.record_bytes} bytes) "
-                                       f"to backing log {self.path!r}: {e.strerror or e}") from None
+                raise OSError(
+                    e.errno,
+                    f"{self.where_}: cannot append {take} rows ({take * self.record_bytes} bytes) "
+                    f"to backing log {self.path!r}: {e.strerror or e}",
+                ) from None
             # Written: the records are the rows' newest copies now (not before: a failed write
             # leaves every row where it was).
-            these = rows[done:done + take]
+            these = rows[done : done + take]
             old = self.where.index_select(0, these)
             old = old[old >= 0].to(torch.int64)  # the copies these records supersede: dead now
             if old.numel():
@@ -215,9 +222,9 @@ class RowLog:
             key[self.head] = torch.iinfo(torch.int64).max
         return int(key.argmin())
 
-    def _live_records(self, segment: int) -> Tuple[Tensor, Tensor]:
+    def _live_records(self, segment: int) -> tuple[Tensor, Tensor]:
         first = segment * SEGMENT_RECORDS
-        data = self.records[first:first + SEGMENT_RECORDS]
+        data = self.records[first : first + SEGMENT_RECORDS]
         rows = data[:, :ROW_BYTES].contiguous().view(torch.int64).squeeze(1)
         valid = (rows >= 0) & (rows < self.capacity)
         here = torch.arange(first, first + SEGMENT_RECORDS, dtype=torch.int64)

@@ -21,6 +21,7 @@ Each file is locked (``flock``) while its module lives, so two live modules neve
 share rows; a file of other tables or of another layout version is refused, one of the same
 tables is reused (its rows are overwritten before any is read: a fresh index names no row).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -31,7 +32,6 @@ import json
 import mmap
 import os
 import re
-from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -43,9 +43,9 @@ MAGIC = b"TRXTIER\0"
 HEADER_BYTES = 4096  # a page: the rows after it stay page-aligned
 
 
-def parse_backing(backing: str) -> Optional[str]:
+def parse_backing(backing: str) -> str | None:
     """The directory of a ``"file:<dir>"`` backing; None for ``"host"``."""
-    return backing[len("file:"):] if backing.startswith("file:") else None
+    return backing[len("file:") :] if backing.startswith("file:") else None
 
 
 PAGE_BYTES = mmap.PAGESIZE
@@ -62,7 +62,7 @@ def write_zeros(fd: int, offset: int, length: int) -> None:
     zeros = memoryview(bytes(PAGE_BYTES))
     end = offset + length
     while offset < end:
-        written = os.pwrite(fd, zeros[:min(PAGE_BYTES - offset % PAGE_BYTES, end - offset)], offset)
+        written = os.pwrite(fd, zeros[: min(PAGE_BYTES - offset % PAGE_BYTES, end - offset)], offset)
         if written <= 0:  # (a short write is continued; none at all would loop forever)
             raise OSError(errno.EIO, f"wrote {written} of {end - offset} bytes at offset {offset}")
         offset += written
@@ -89,14 +89,15 @@ class BackingStore:
     shard: which shard of sharded tables these are (``DynamicTableOptions.backing_shard``), or None.
     """
 
-    def __init__(self, backing: str, tables: List[tuple], where: str, shard: Optional[str] = None):
+    def __init__(self, backing: str, tables: list[tuple], where: str, shard: str | None = None):
         self.backing = backing
         self.shard = shard
         self.directory = parse_backing(backing)
-        self.tables = [{"name": n, "capacity": c, "dim": d, "dtype": str(dt).replace("torch.", "")}
-                       for n, c, d, dt in tables]
-        self._files: Dict[str, object] = {}  # buffer name (a log: "log<t>") -> its open, locked file
-        self._logs: Dict[int, RowLog] = {}  # table -> its write-back log (tier_log.py)
+        self.tables = [
+            {"name": n, "capacity": c, "dim": d, "dtype": str(dt).replace("torch.", "")} for n, c, d, dt in tables
+        ]
+        self._files: dict[str, object] = {}  # buffer name (a log: "log<t>") -> its open, locked file
+        self._logs: dict[int, RowLog] = {}  # table -> its write-back log (tier_log.py)
         if self.directory is not None:
             if not os.path.isdir(self.directory):
                 raise ValueError(f"{where}: backing directory {self.directory!r} does not exist (backing={backing!r})")
@@ -119,7 +120,7 @@ class BackingStore:
         prefix = "" if self.shard is None else f"{self.shard}."
         return os.path.join(self.directory, f"{prefix}{names}.{name}.{kind}")
 
-    def _header(self, name: str, numel: Optional[int]) -> dict:
+    def _header(self, name: str, numel: int | None) -> dict:
         header = {"layout_version": LAYOUT_VERSION, "buffer": name, "numel": numel, "tables": self.tables}
         if self.shard is not None:  # (files of unsharded tables keep the header they had)
             header["shard"] = self.shard
@@ -141,12 +142,13 @@ class BackingStore:
             except OSError as e:
                 f.close()
                 os.unlink(path)
-                raise ValueError(f"{self.where}: cannot {doing} {HEADER_BYTES + 4 * numel} bytes for backing file "
-                                 f"{path!r}: {e}") from None
+                raise ValueError(
+                    f"{self.where}: cannot {doing} {HEADER_BYTES + 4 * numel} bytes for backing file {path!r}: {e}"
+                ) from None
         self._files[name] = f
         whole = torch.from_file(path, shared=True, size=HEADER_BYTES // 4 + numel, dtype=torch.float32)
         advise_random(whole, path, self.where)
-        return whole[HEADER_BYTES // 4:]
+        return whole[HEADER_BYTES // 4 :]
 
     def log(self, t: int, record_bytes: int) -> RowLog:
         """Table t's write-back log (``tier_log.RowLog``) of records of ``record_bytes``: the one
@@ -179,32 +181,36 @@ class BackingStore:
         self._logs[t] = RowLog(f.fileno(), path, records, HEADER_BYTES, table["capacity"], self.where)
         return self._logs[t]
 
-    def logs(self) -> Dict[int, RowLog]:
+    def logs(self) -> dict[int, RowLog]:
         return dict(self._logs)
 
-    def _open_locked(self, path: str, header: dict) -> Tuple[object, bool]:
+    def _open_locked(self, path: str, header: dict) -> tuple[object, bool]:
         """``path`` opened and locked, its header checked (an existing file) or written (a new
         one); and whether it existed."""
         exists = os.path.exists(path) and os.path.getsize(path) > 0
         try:
-            f = open(path, "r+b" if exists else "w+b")
+            f = open(path, "r+b" if exists else "w+b")  # noqa: SIM115 - open for the table's life
         except OSError as e:
             raise ValueError(f"{self.where}: cannot open backing file {path!r}: {e}") from None
         try:
             try:
                 fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
-                raise ValueError(f"{self.where}: backing file {path!r} is in use by another live module (each "
-                                 "tiered module needs files of its own: another directory, or free the other "
-                                 "module first; a module to shard: build it on the meta device, each rank's "
-                                 "share then has files of its own, named by rank)") from None
+                raise ValueError(
+                    f"{self.where}: backing file {path!r} is in use by another live module (each "
+                    "tiered module needs files of its own: another directory, or free the other "
+                    "module first; a module to shard: build it on the meta device, each rank's "
+                    "share then has files of its own, named by rank)"
+                ) from None
             if exists:
                 self._check_header(path, f.read(HEADER_BYTES), header)
             else:
                 text = MAGIC + json.dumps(header).encode()
                 if len(text) > HEADER_BYTES:
-                    raise ValueError(f"{self.where}: the backing file header of {len(self.tables)} tables is longer "
-                                     f"than {HEADER_BYTES} bytes; give the module fewer tables")
+                    raise ValueError(
+                        f"{self.where}: the backing file header of {len(self.tables)} tables is longer "
+                        f"than {HEADER_BYTES} bytes; give the module fewer tables"
+                    )
                 f.write(text.ljust(HEADER_BYTES, b"\0"))
                 f.flush()
         except BaseException:
@@ -218,19 +224,25 @@ class BackingStore:
         if not raw.startswith(MAGIC):
             raise ValueError(f"{self.where}: {path!r} is not a tiered table's backing file (no {MAGIC!r} header)")
         try:
-            have = json.loads(raw[len(MAGIC):].rstrip(b"\0").decode())
+            have = json.loads(raw[len(MAGIC) :].rstrip(b"\0").decode())
         except ValueError:
             raise ValueError(f"{self.where}: backing file {path!r} has an unreadable header") from None
         if have.get("layout_version") != LAYOUT_VERSION:
-            raise ValueError(f"{self.where}: backing file {path!r} has layout version {have.get('layout_version')!r}, "
-                             f"this build reads version {LAYOUT_VERSION}")
+            raise ValueError(
+                f"{self.where}: backing file {path!r} has layout version {have.get('layout_version')!r}, "
+                f"this build reads version {LAYOUT_VERSION}"
+            )
         for key in ("tables", "shard", "buffer", "numel"):
             if have.get(key) != want.get(key):
-                raise ValueError(f"{self.where}: backing file {path!r} holds {key} {have.get(key)!r}, not this "
-                                 f"module's {want.get(key)!r}: a file of other tables; use another directory")
+                raise ValueError(
+                    f"{self.where}: backing file {path!r} holds {key} {have.get(key)!r}, not this "
+                    f"module's {want.get(key)!r}: a file of other tables; use another directory"
+                )
         if want["numel"] is not None and os.path.getsize(path) < HEADER_BYTES + 4 * want["numel"]:
-            raise ValueError(f"{self.where}: backing file {path!r} is {os.path.getsize(path)} bytes, shorter than "
-                             f"its header says ({HEADER_BYTES + 4 * want['numel']})")
+            raise ValueError(
+                f"{self.where}: backing file {path!r} is {os.path.getsize(path)} bytes, shorter than "
+                f"its header says ({HEADER_BYTES + 4 * want['numel']})"
+            )
 
     def close(self) -> None:
         """Releases the files' locks (the mapped tensors stay valid while referenced)."""
@@ -239,7 +251,7 @@ class BackingStore:
         self._files = {}
         self._logs = {}
 
-    def __getstate__(self) -> Dict[str, object]:
+    def __getstate__(self) -> dict[str, object]:
         # A copy (deepcopy / pickle) gets its buffers as host tensors: it holds no file.
         state = dict(self.__dict__)
         state["_files"], state["_logs"] = {}, {}

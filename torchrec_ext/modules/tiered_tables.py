@@ -24,14 +24,15 @@ store, current after ``flush``. ``state_dict`` writes the dirty rows back first,
 each row's newest copy (with file backing, a row written back since the last ``flush`` is in its
 table's log: tier_log.py); loading fills the backing store and empties the cache (and the log).
 """
+
 from __future__ import annotations
 
 import math
 import threading
 import time
 import weakref
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -59,7 +60,7 @@ class _Mover:
     """Copies rows of one table between its cache slots and the backing store: the vectors and
     each optimizer state, in their storage dtypes (bit for bit)."""
 
-    def __init__(self, pairs: List[Tuple[Tensor, Tensor]]):
+    def __init__(self, pairs: list[tuple[Tensor, Tensor]]):
         self.pairs = pairs  # (cache view, backing view), rows first
         self.row_bytes = sum(c.element_size() * (c.shape[1] if c.dim() == 2 else 1) for c, _ in pairs)
 
@@ -85,7 +86,7 @@ class _Mover:
     def fold(self) -> None:
         pass
 
-    def patch(self, rows: Tensor, values: List[Tensor]) -> None:
+    def patch(self, rows: Tensor, values: list[Tensor]) -> None:
         pass
 
 
@@ -95,7 +96,7 @@ class _LogMover(_Mover):
     row's newest copy (the log's or the base file's); ``write_home`` / ``fold`` write rows to the
     base file itself (a checkpoint's flush)."""
 
-    def __init__(self, pairs: List[Tuple[Tensor, Tensor]], store: BackingStore, t: int):
+    def __init__(self, pairs: list[tuple[Tensor, Tensor]], store: BackingStore, t: int):
         super().__init__(pairs)
         # Per pair: (first byte in the record, bytes); each field 8-byte aligned, so that the
         # records' columns are views of any dtype (no copy to read them).
@@ -111,7 +112,7 @@ class _LogMover(_Mover):
 
     def _field(self, records: Tensor, k: int, like: Tensor) -> Tensor:
         at, width = self.fields[k]
-        values = records[:, at:at + width].view(like.dtype)
+        values = records[:, at : at + width].view(like.dtype)
         return values.view(-1) if like.dim() == 1 else values
 
     def read(self, slots: Tensor, rows: Tensor) -> None:
@@ -151,13 +152,13 @@ class _LogMover(_Mover):
         for k, (cache, backing) in enumerate(self.pairs):
             backing.index_copy_(0, rows, self._field(records, k, cache))
 
-    def patch(self, rows: Tensor, values: List[Tensor], chunk: int = 1 << 16) -> None:
+    def patch(self, rows: Tensor, values: list[Tensor], chunk: int = 1 << 16) -> None:
         """``values`` (per pair, gathered from the backing store at ``rows``): entries whose
         newest copy is in the log replaced by it (a chunk of records at a time)."""
         where = self.log.locate(rows)
         logged = (where >= 0).nonzero().squeeze(1)
         for start in range(0, logged.numel(), chunk):
-            at = logged[start:start + chunk]
+            at = logged[start : start + chunk]
             records = self.log.read(where.index_select(0, at))
             for k, ((cache, _), out) in enumerate(zip(self.pairs, values)):
                 out.index_copy_(0, at, self._field(records, k, cache))
@@ -167,7 +168,7 @@ class _LogMover(_Mover):
         chunk at a time) and empties the log."""
         rows = self.log.live_rows()
         for start in range(0, rows.numel(), chunk):
-            these = rows[start:start + chunk]
+            these = rows[start : start + chunk]
             self._write_records_home(these, self.log.read(self.log.locate(these)))
         self.log.reset()
 
@@ -193,7 +194,7 @@ class RowCache:
         # Slots held by batches in flight, per batch (usually none between steps: a training
         # step's update lands before the next lookup). Kept as lists, not counts per slot, so a
         # step pays nothing to pin and unpin.
-        self.pinned: Dict[int, Tensor] = {}
+        self.pinned: dict[int, Tensor] = {}
         self._next_pin = 0
         self.hits = self.misses = self.write_backs = self.bytes_moved = 0
         self.staged = self.staged_write_backs = 0
@@ -215,8 +216,9 @@ class RowCache:
         """Slots no batch in flight holds."""
         return self.slots - (int(self.pinned_mask().sum()) if self.pinned else 0)
 
-    def hold(self, rows: Tensor, fresh: Optional[Tensor], modifies: bool, clock: int, mover: _Mover,
-             best_effort: bool = False) -> Tensor:
+    def hold(
+        self, rows: Tensor, fresh: Tensor | None, modifies: bool, clock: int, mover: _Mover, best_effort: bool = False
+    ) -> Tensor:
         """The slots of ``rows`` (distinct; -1: none), missing ones brought in. ``fresh``: rows
         new to their id (initialised in the slot, not read); ``modifies``: the batch's update
         will write every row (else only fresh ones are written). best_effort: bring in only what
@@ -231,7 +233,7 @@ class RowCache:
             self.hits += r.numel() - missing.numel()
         if missing.numel():
             victims, free = self._victims(s, missing.numel(), best_effort)
-            missing = missing[:victims.numel()]
+            missing = missing[: victims.numel()]
             want = r.index_select(0, missing)
             if not free:
                 self._evict(victims, mover, ahead=best_effort)
@@ -255,7 +257,7 @@ class RowCache:
             s.index_copy_(0, missing, victims)
             if best_effort:
                 kept = (s >= 0).nonzero().squeeze(1)
-                live = (kept if every else live.index_select(0, kept))
+                live = kept if every else live.index_select(0, kept)
                 every, s = False, s.index_select(0, kept)
         self.last_used.index_fill_(0, s, clock)
         if modifies:
@@ -267,7 +269,7 @@ class RowCache:
             return s
         return torch.full_like(rows, -1).index_copy_(0, live, s)
 
-    def _eviction_keys(self, pinned: Optional[Tensor] = None) -> Tensor:
+    def _eviction_keys(self, pinned: Tensor | None = None) -> Tensor:
         """Per slot, the order in which slots are taken: free ones first (-1), then by last use;
         pinned slots (``pinned``: a mask of them, default the batches in flight now) never."""
         key = self.last_used.masked_fill(self.row_of < 0, -1)
@@ -278,7 +280,7 @@ class RowCache:
                 key[slots] = _NEVER
         return key
 
-    def _victims(self, held: Tensor, k: int, best_effort: bool) -> Tuple[Tensor, bool]:
+    def _victims(self, held: Tensor, k: int, best_effort: bool) -> tuple[Tensor, bool]:
         """k slots to take, free ones first, then the least recently used, never a pinned slot
         or one of ``held`` (the batch's own hits); and whether all of them are free."""
         free = self.free[self.row_of[self.free] < 0]  # free slots: never pinned, never a hit
@@ -325,9 +327,9 @@ class RowCache:
             # left free does not matter: all are taken.
             victims = torch.topk(key, take, largest=False, sorted=False).indices
             self._evict(victims, mover, ahead=True)
-            fill = victims[:min(missing.numel(), take)]
-            want = rows.index_select(0, missing[:fill.numel()])
-            freed = victims[fill.numel():]
+            fill = victims[: min(missing.numel(), take)]
+            want = rows.index_select(0, missing[: fill.numel()])
+            freed = victims[fill.numel() :]
             mover.read(fill, want)
             self.staged += want.numel()
             self.bytes_moved += want.numel() * mover.row_bytes
@@ -367,7 +369,7 @@ class RowCache:
         self.free = torch.arange(self.slots)
         self.pinned = {}
 
-    def __getstate__(self) -> Dict[str, object]:
+    def __getstate__(self) -> dict[str, object]:
         # A copy has no batch in flight.
         return dict(self.__dict__, pinned={})
 
@@ -384,7 +386,7 @@ class _Stager:
         self.device = device
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="torchrec_ext-tier-stage")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.busy_s = 0.0    # seconds the worker spent staging (not counting waits for the lookup's hand-over)
+        self.busy_s = 0.0  # seconds the worker spent staging (not counting waits for the lookup's hand-over)
         self.handover_s = 0.0  # seconds the worker waited for the lookup to hand tables over
         self.waited_s = 0.0  # seconds the train thread waited for a stage to land
 
@@ -430,11 +432,11 @@ class _Handover:
     by kernels queued before)."""
 
     def __init__(self, tables: int, device: torch.device):
-        self._ready: List[Optional[Tuple[Tensor, int]]] = [None] * tables
+        self._ready: list[tuple[Tensor, int] | None] = [None] * tables
         self._cancelled = False
         self._cond = threading.Condition()
         self._cuda = device.type == "cuda"
-        self._events: Dict[int, object] = {}
+        self._events: dict[int, object] = {}
 
     def release(self, t: int, pinned: Tensor, step: int) -> None:
         if self._cuda:
@@ -451,7 +453,7 @@ class _Handover:
             self._cancelled = True
             self._cond.notify_all()
 
-    def take(self, t: int) -> Optional[Tuple[Tensor, int]]:
+    def take(self, t: int) -> tuple[Tensor, int] | None:
         """Table t's (pinned mask, step) once handed over; None when the lookup failed."""
         with self._cond:
             while self._ready[t] is None and not self._cancelled:
@@ -473,24 +475,34 @@ class TieredTables(DynamicTables):
         where = f"tables {names}"
         backings = {cfg.name: options_of(cfg).backing for cfg in configs}
         if len(set(backings.values())) > 1:
-            raise ValueError(f"{where}: the tables of one module must share one backing (put tables of other "
-                             f"backings in a module of their own), got {backings}")
+            raise ValueError(
+                f"{where}: the tables of one module must share one backing (put tables of other "
+                f"backings in a module of their own), got {backings}"
+            )
         backing = next(iter(backings.values()))
         if device.type not in ("cpu", "meta"):  # (meta: a module to shard, which holds no rows and opens no file)
-            raise ValueError(f"{where}: tables with backing={backing!r} run on the CPU in this version (a device "
-                             f"cache over host or file backing is not built yet), got device {device}")
+            raise ValueError(
+                f"{where}: tables with backing={backing!r} run on the CPU in this version (a device "
+                f"cache over host or file backing is not built yet), got device {device}"
+            )
         shards = {options_of(cfg).backing_shard for cfg in configs}
         if len(shards) > 1:
             raise ValueError(f"{where}: the tables of one module must be one shard's (backing_shard), got {shards}")
-        self.store = BackingStore(backing, [(cfg.name, cfg.num_embeddings, cfg.embedding_dim, storage_dtype_of(cfg))
-                                            for cfg in configs], where, shard=next(iter(shards)))
+        self.store = BackingStore(
+            backing,
+            [(cfg.name, cfg.num_embeddings, cfg.embedding_dim, storage_dtype_of(cfg)) for cfg in configs],
+            where,
+            shard=next(iter(shards)),
+        )
         factors = [options_of(cfg).cache_load_factor for cfg in configs]
         self.cache_load_factors = [DEFAULT_CACHE_LOAD_FACTOR if f is None else float(f) for f in factors]
         # ceil, with a margin for the float product (0.2 * 1000 must be 200 slots, not 201)
-        self.slots = [min(cfg.num_embeddings, max(1, math.ceil(f * cfg.num_embeddings - 1e-9)))
-                      for cfg, f in zip(configs, self.cache_load_factors)]
-        self.backing: Dict[str, Tensor] = {}
-        self._movers: Optional[List[_Mover]] = None
+        self.slots = [
+            min(cfg.num_embeddings, max(1, math.ceil(f * cfg.num_embeddings - 1e-9)))
+            for cfg, f in zip(configs, self.cache_load_factors)
+        ]
+        self.backing: dict[str, Tensor] = {}
+        self._movers: list[_Mover] | None = None
         super().__init__(configs, device)
         # The parent laid out the tables at full capacity: that is the backing store's layout.
         # The cache (self.weights / self.states, which the kernels take) holds slots per table.
@@ -504,19 +516,20 @@ class TieredTables(DynamicTables):
         self.caches = [RowCache(m.capacity, s) for m, s in zip(self.meta, self.slots)]
         self._clock = 0
         # the lookup in progress: (modifies, pin records, the stage waiting for its tables, its own traffic)
-        self._holding: Optional[Tuple[bool, list, Optional[_Handover], Dict[int, Dict[str, int]]]] = None
-        self._pinned: Dict[int, weakref.finalize] = {}      # lookups whose update is pending -> their pins
-        self._stager: Optional[_Stager] = None              # made at the first stage
+        self._holding: tuple[bool, list, _Handover | None, dict[int, dict[str, int]]] | None = None
+        self._pinned: dict[int, weakref.finalize] = {}  # lookups whose update is pending -> their pins
+        self._stager: _Stager | None = None  # made at the first stage
         # the next batch's ids (a call giving them), staged after the next lookup
-        self._stage_request: Optional[Callable[[], Optional[Tuple[Tensor, Tensor]]]] = None
-        self._staging: Optional[Future] = None              # the stage running now
-        self._stage_stats: Dict[int, Dict[str, int]] = {}  # per table, the traffic of the stage that ran last
-        self.last_step_stats: Dict[str, Dict[str, int]] = {}
+        self._stage_request: Callable[[], tuple[Tensor, Tensor] | None] | None = None
+        self._staging: Future | None = None  # the stage running now
+        self._stage_stats: dict[int, dict[str, int]] = {}  # per table, the traffic of the stage that ran last
+        self.last_step_stats: dict[str, dict[str, int]] = {}
 
     # ------------------------------------------------------------------ storage
 
-    def _allocate_buffer(self, name: str, numel: int, value: float, device: torch.device,
-                         untouched: bool = False) -> Tensor:  # (always a new buffer, filled)
+    def _allocate_buffer(
+        self, name: str, numel: int, value: float, device: torch.device, untouched: bool = False
+    ) -> Tensor:  # (always a new buffer, filled)
         # numel is the buffer at full capacity: the backing store's. Its contents matter only
         # where rows are live (new rows are initialised): a fresh file needs no filling.
         live = bool(getattr(self, "indexes", None)) and device.type != "meta" and self.num_live_rows() > 0
@@ -535,43 +548,49 @@ class TieredTables(DynamicTables):
             cached = sum(s * (1 if rowwise else m.dim) for s, m in zip(self.slots, self.meta))
         return _allocate(cached, value, device)
 
-    def _views(self, t: int, cached: bool) -> Tuple[Tensor, Dict[str, Tensor]]:
+    def _views(self, t: int, cached: bool) -> tuple[Tensor, dict[str, Tensor]]:
         """Table t's rows and optimizer states: of the cache ([slots, dim]) or the backing store
         ([capacity, dim]); row-wise states 1-D."""
         m = self.meta[t]
         n = self.slots[t] if cached else m.capacity
-        offsets, row_offsets, dense = (self.table_offsets, self.state_row_offsets, self.dense_state_offsets) \
-            if cached else self._backing_layout
+        offsets, row_offsets, dense = (
+            (self.table_offsets, self.state_row_offsets, self.dense_state_offsets) if cached else self._backing_layout
+        )
         words = self.weights if cached else self.backing["weights"]
         start = int(offsets[t])
-        table = words[start:start + table_words(n, m.dim, m.dtype)].view(m.dtype)[:n * m.dim].view(n, m.dim)
+        table = words[start : start + table_words(n, m.dim, m.dtype)].view(m.dtype)[: n * m.dim].view(n, m.dim)
         states = {}
         if self.optimizer is not None:
             names = OPTIMIZER_STATES[self.optimizer.kind]
             buffers = self.states if cached else [self.backing[name] for name in names]
             for name, buf in zip(names, buffers):
                 if self.optimizer.kind in ROWWISE_STATE:
-                    states[name] = buf[int(row_offsets[t]):int(row_offsets[t]) + n]
+                    states[name] = buf[int(row_offsets[t]) : int(row_offsets[t]) + n]
                 else:
-                    states[name] = buf[dense[t]:dense[t] + n * m.dim].view(n, m.dim)
+                    states[name] = buf[dense[t] : dense[t] + n * m.dim].view(n, m.dim)
         return table, states
 
     def table_view(self, t: int) -> Tensor:
         """Table t's [capacity, dim] rows in the backing store (current after ``flush``)."""
         return self._views(t, cached=False)[0]
 
-    def state_views(self, t: int) -> Dict[str, Tensor]:
+    def state_views(self, t: int) -> dict[str, Tensor]:
         """Table t's optimizer state in the backing store (current after ``flush``)."""
         return self._views(t, cached=False)[1]
 
-    def _init_view(self, t: int) -> Tuple[Tensor, List[Tensor], List[float]]:
+    def _init_view(self, t: int) -> tuple[Tensor, list[Tensor], list[float]]:
         # New rows are initialised where the kernels will read them: in their cache slots.
         if self._init_views is None:
             self._init_views = []
             for i in range(len(self.meta)):
                 table, states = self._views(i, cached=True)
-                self._init_views.append((table, [v if v.dim() == 2 else v.unsqueeze(1) for v in states.values()],
-                                         self._initial_state_values()))
+                self._init_views.append(
+                    (
+                        table,
+                        [v if v.dim() == 2 else v.unsqueeze(1) for v in states.values()],
+                        self._initial_state_values(),
+                    )
+                )
         return self._init_views[t]
 
     def _mover(self, t: int) -> _Mover:
@@ -600,8 +619,10 @@ class TieredTables(DynamicTables):
     def apply(self, fn) -> None:
         probe = fn(torch.zeros(1))
         if probe.device.type != "cpu":
-            raise ValueError(f"tables {[m.name for m in self.meta]}: tables with backing={self.store.backing!r} run on "
-                             f"the CPU in this version; cannot move them to {probe.device}")
+            raise ValueError(
+                f"tables {[m.name for m in self.meta]}: tables with backing={self.store.backing!r} run on "
+                f"the CPU in this version; cannot move them to {probe.device}"
+            )
         super().apply(fn)
         self._movers = None
 
@@ -614,7 +635,7 @@ class TieredTables(DynamicTables):
         for cache in self.caches:
             cache.forget()
 
-    def flush(self, tables: Optional[Sequence[int]] = None) -> None:
+    def flush(self, tables: Sequence[int] | None = None) -> None:
         """Writes the cache's dirty rows (and pending new rows) to the backing store."""
         self._join_stage()
         self.write_new_rows()
@@ -661,15 +682,20 @@ class TieredTables(DynamicTables):
         self._count_step(staged, own)
         return result
 
-    def _rows_for(self, t: int, keys: Tensor, counts: Tensor, training: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    def _rows_for(self, t: int, keys: Tensor, counts: Tensor, training: bool) -> tuple[Tensor, Tensor | None]:
         rows, fresh = super()._rows_for(t, keys, counts, training)
         modifies, held, handover, own = self._holding if self._holding is not None else (False, None, None, {})
         cache = self.caches[t]
         before = (cache.hits, cache.misses, cache.write_backs, cache.bytes_moved)
         slots = cache.hold(rows, fresh, modifies, self._clock, self._mover(t))
-        own[t] = {k: now - then for k, now, then in zip(("hits", "misses", "write_backs", "bytes_moved"),
-                                                       (cache.hits, cache.misses, cache.write_backs, cache.bytes_moved),
-                                                       before)}
+        own[t] = {
+            k: now - then
+            for k, now, then in zip(
+                ("hits", "misses", "write_backs", "bytes_moved"),
+                (cache.hits, cache.misses, cache.write_backs, cache.bytes_moved),
+                before,
+            )
+        }
         if held is not None:
             held.append((t, cache.pin(slots[slots >= 0])))
         if handover is not None:  # the index and cache of table t are done with: the stage may take it
@@ -689,12 +715,16 @@ class TieredTables(DynamicTables):
             distinct = int(torch.unique(ids[start:end]).numel())
             if distinct > room:
                 m = self.meta[t]
-                held = f", {cache.slots - room} of them held by batches whose update is pending" \
-                    if room < cache.slots else ""
+                held = (
+                    f", {cache.slots - room} of them held by batches whose update is pending"
+                    if room < cache.slots
+                    else ""
+                )
                 raise ValueError(
                     f"table {m.name!r}: the batch has {distinct} distinct ids, more than the {room} cache slots free "
                     f"for it (the cache holds {cache.slots} rows: cache_load_factor {self.cache_load_factors[t]} of "
-                    f"capacity {m.capacity}{held}); raise cache_load_factor or split the batch")
+                    f"capacity {m.capacity}{held}); raise cache_load_factor or split the batch"
+                )
 
     def _unpin(self, held: list) -> None:
         for t, record in held:
@@ -732,7 +762,7 @@ class TieredTables(DynamicTables):
         self._check_stage_segments(segment_offsets)
         self._stage_request = lambda: (ids, segment_offsets)
 
-    def stage_next_when_known(self, resolve: Callable[[], Optional[Tuple[Tensor, Tensor]]]) -> None:
+    def stage_next_when_known(self, resolve: Callable[[], tuple[Tensor, Tensor] | None]) -> None:
         """``stage_next`` of ids not known yet: ``resolve()``, called on the stage's worker thread
         before it stages anything, gives (ids, segment_offsets), or None to stage nothing. A
         sharded module's next batch: its ids arrive by the input dist in flight, waited for there."""
@@ -741,10 +771,12 @@ class TieredTables(DynamicTables):
 
     def _check_stage_segments(self, segment_offsets: Tensor) -> None:
         if segment_offsets.numel() != len(self.meta) + 1:
-            raise ValueError(f"tables {[m.name for m in self.meta]}: stage_next takes segment_offsets of "
-                             f"{len(self.meta) + 1} entries (one segment per table), got {segment_offsets.numel()}")
+            raise ValueError(
+                f"tables {[m.name for m in self.meta]}: stage_next takes segment_offsets of "
+                f"{len(self.meta) + 1} entries (one segment per table), got {segment_offsets.numel()}"
+            )
 
-    def _start_stage(self) -> "_Handover":
+    def _start_stage(self) -> _Handover:
         resolve, self._stage_request = self._stage_request, None
         if self._stager is None:
             self._stager = _Stager(self.device)
@@ -754,8 +786,9 @@ class TieredTables(DynamicTables):
         self._staging = self._stager.submit(lambda: self._stage(resolve, handover, movers, clock))
         return handover
 
-    def _stage(self, resolve: Callable[[], Optional[Tuple[Tensor, Tensor]]], handover: "_Handover",
-               movers: List[_Mover], clock: int) -> None:
+    def _stage(
+        self, resolve: Callable[[], tuple[Tensor, Tensor] | None], handover: _Handover, movers: list[_Mover], clock: int
+    ) -> None:
         """The worker's part: per table, once the train thread has handed it over (its lookup
         done with the table's index and cache), the rows of the next batch's ids brought in and
         slots freed for its new rows, around the slots pinned at the handover."""
@@ -781,14 +814,17 @@ class TieredTables(DynamicTables):
             cache = self.caches[t]
             before = (cache.staged, cache.staged_write_backs, cache.bytes_moved)
             cache.stage(rows[live], int(rows.numel() - int(live.sum())), pinned, clock, movers[t])
-            self._stage_stats[t] = {"staged": cache.staged - before[0], "staged_write_backs": cache.staged_write_backs
-                                    - before[1], "bytes_moved": cache.bytes_moved - before[2]}
+            self._stage_stats[t] = {
+                "staged": cache.staged - before[0],
+                "staged_write_backs": cache.staged_write_backs - before[1],
+                "bytes_moved": cache.bytes_moved - before[2],
+            }
 
     def wait_for_stage(self) -> None:
         """Returns once the stage in flight (if any) has landed (benchmarks time it with this)."""
         self._join_stage()
 
-    def stage_seconds(self) -> Tuple[float, float]:
+    def stage_seconds(self) -> tuple[float, float]:
         """(seconds the worker spent staging, seconds the train thread waited for stages) so far."""
         return (0.0, 0.0) if self._stager is None else (self._stager.busy_s, self._stager.waited_s)
 
@@ -798,18 +834,21 @@ class TieredTables(DynamicTables):
             staging, self._staging = self._staging, None
             self._stager.wait(staging)
 
-    def _count_step(self, staged: Dict[int, Dict[str, int]], own: Dict[int, Dict[str, int]]) -> None:
+    def _count_step(self, staged: dict[int, dict[str, int]], own: dict[int, dict[str, int]]) -> None:
         """Per table, the tier's traffic of this lookup (hits, misses, its write-backs and bytes)
         and of the stage that ran for it (rows staged, its write-backs and bytes)."""
         stats = {}
         for t, m in enumerate(self.meta):
             mine = own.get(t, {})
             ahead = staged.get(t, {})
-            stats[m.name] = {"hits": mine.get("hits", 0), "misses": mine.get("misses", 0),
-                             "staged": ahead.get("staged", 0),
-                             "write_backs": mine.get("write_backs", 0) + ahead.get("staged_write_backs", 0),
-                             "staged_write_backs": ahead.get("staged_write_backs", 0),
-                             "bytes_moved": mine.get("bytes_moved", 0) + ahead.get("bytes_moved", 0)}
+            stats[m.name] = {
+                "hits": mine.get("hits", 0),
+                "misses": mine.get("misses", 0),
+                "staged": ahead.get("staged", 0),
+                "write_backs": mine.get("write_backs", 0) + ahead.get("staged_write_backs", 0),
+                "staged_write_backs": ahead.get("staged_write_backs", 0),
+                "bytes_moved": mine.get("bytes_moved", 0) + ahead.get("bytes_moved", 0),
+            }
         self.last_step_stats = stats
 
     def prefetch(self, ids: Tensor, segment_offsets: Tensor) -> None:
@@ -831,14 +870,14 @@ class TieredTables(DynamicTables):
 
     # ------------------------------------------------------------------ checkpoint
 
-    def table_state(self, t: int) -> Dict[str, Tensor]:
+    def table_state(self, t: int) -> dict[str, Tensor]:
         if self.device.type != "meta":
             self._join_stage()
             self.write_new_rows()
             self.caches[t].flush(self._mover(t), home=False)  # (a file's dirty rows appended to its log)
         return super().table_state(t)
 
-    def rows_state(self, t: int, rows: Tensor) -> Dict[str, Tensor]:
+    def rows_state(self, t: int, rows: Tensor) -> dict[str, Tensor]:
         """The rows' newest copies: the backing store's, those in a log patched in (a checkpoint
         reads the log rather than folding it home: no random writes to the rows files). Current
         once the cache's dirty rows are written back (``table_state`` does)."""
@@ -855,7 +894,7 @@ class TieredTables(DynamicTables):
         if log is not None:
             log.reset()  # its records are of rows the loaded table replaced
 
-    def __getstate__(self) -> Dict[str, object]:
+    def __getstate__(self) -> dict[str, object]:
         self._join_stage()
         self._fold_logs()  # a copy gets the base store's tensors, without the logs
         state = super().__getstate__()
@@ -870,8 +909,10 @@ class TieredTables(DynamicTables):
     @delta_log.setter
     def delta_log(self, value) -> None:
         if value is not None:
-            raise ValueError(f"tables {[m.name for m in self.meta]}: deltas (delta_token / export_delta) of tables with "
-                             f"backing={self.store.backing!r} are not supported in this version")
+            raise ValueError(
+                f"tables {[m.name for m in self.meta]}: deltas (delta_token / export_delta) of tables with "
+                f"backing={self.store.backing!r} are not supported in this version"
+            )
         self.__dict__["_delta_log"] = None
 
     # ------------------------------------------------------------------ accounting
@@ -885,7 +926,7 @@ class TieredTables(DynamicTables):
     def backing_bytes(self) -> int:
         return sum(buf.numel() * buf.element_size() for buf in self.backing.values())
 
-    def table_stats(self) -> Dict[str, TableStats]:
+    def table_stats(self) -> dict[str, TableStats]:
         self._join_stage()
         stats = super().table_stats()
         for m, cache in zip(self.meta, self.caches):

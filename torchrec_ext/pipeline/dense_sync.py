@@ -11,9 +11,11 @@ Both belong to the model, not to a pipeline: one ``FlatGradSync`` per DDP module
 per train segment), so a segment replays the graphs the first one captured. Every capture runs
 with the process's helper threads held off the device (``DEVICE_WORK``).
 """
+
 import logging
 import weakref
-from typing import Any, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,7 +29,7 @@ from torchrec_ext.pipeline.streams import ReplayFence
 logger = logging.getLogger(__name__)
 
 
-def data_parallel_parameters(ddp: DistributedDataParallel) -> List[nn.Parameter]:
+def data_parallel_parameters(ddp: DistributedDataParallel) -> list[nn.Parameter]:
     """The parameters DDP would all-reduce: all but the ones it was told to ignore (the
     sharded embedding tables, updated by their fused optimizers)."""
     ignored = set(getattr(ddp, "parameters_to_ignore", ()))
@@ -43,7 +45,7 @@ class DdpTakeover:
     (TorchRec builds DDP with ``static_graph=True``, where ``no_sync`` breaks). DDP takes one
     hook for life, so one takeover per DDP module serves every pipeline built on it."""
 
-    def __init__(self, process_group: Optional[dist.ProcessGroup]) -> None:
+    def __init__(self, process_group: dist.ProcessGroup | None) -> None:
         self.process_group = process_group
         self.skip = False
 
@@ -87,10 +89,10 @@ class FlatGradSync:
     def __init__(
         self,
         params: Sequence[nn.Parameter],
-        group: Optional[dist.ProcessGroup],
+        group: dist.ProcessGroup | None,
         *,
         capture: bool = False,
-        optimizer: Optional[torch.optim.Optimizer] = None,
+        optimizer: torch.optim.Optimizer | None = None,
         warmup_steps: int = 3,
     ) -> None:
         self._params = list(params)
@@ -100,13 +102,14 @@ class FlatGradSync:
         self._optimizer = optimizer
         self._warmup_steps = warmup_steps
         self._steps = 0
-        self._graph: Optional[torch.cuda.CUDAGraph] = None
-        self._graphed_grads: List[int] = []  # data_ptr of each gradient the graph reads
-        self._flat: Optional[torch.Tensor] = None
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graphed_grads: list[int] = []  # data_ptr of each gradient the graph reads
+        self._flat: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, ddp: DistributedDataParallel, *, capture: bool,
-           optimizer: Optional[torch.optim.Optimizer]) -> "FlatGradSync":
+    def of(
+        cls, ddp: DistributedDataParallel, *, capture: bool, optimizer: torch.optim.Optimizer | None
+    ) -> "FlatGradSync":
         """The DDP module's sync (one per module: pipelines built on it share its graph); a new
         one when asked for another capture setting or optimizer."""
         sync = _grad_syncs.get(ddp)
@@ -138,10 +141,9 @@ class FlatGradSync:
                 logger.info("FlatGradSync: gradients moved since the capture; capturing again")
             self._graph = None
             graph = torch.cuda.CUDAGraph()
-            with gate.closed(timeout_s):
-                # thread_local: a helper thread's CUDA call cannot invalidate this capture.
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    self._step_eagerly()
+            # thread_local: a helper thread's CUDA call cannot invalidate this capture.
+            with gate.closed(timeout_s), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self._step_eagerly()
             self._graph, self._graphed_grads = graph, grads
         self._graph.replay()
 
@@ -150,7 +152,7 @@ class FlatGradSync:
         if self.steps_optimizer:
             self._optimizer.step()
 
-    def _grads(self) -> List[torch.Tensor]:
+    def _grads(self) -> list[torch.Tensor]:
         for p in self._params:
             if p.grad is None:  # every rank must reduce the same buffer
                 p.grad = torch.zeros_like(p)
@@ -201,8 +203,8 @@ class GraphedForward:
     def __init__(self, module: nn.Module) -> None:
         self._module = module
         self._original = module.forward
-        self._graphed: Optional[nn.Module] = None
-        self._signature: Optional[Tuple] = None
+        self._graphed: nn.Module | None = None
+        self._signature: tuple | None = None
         self.outputs_read = ReplayFence()
         self.gate: DeviceWorkGate = DEVICE_WORK
         self.capture_timeout_s = 600.0
@@ -215,7 +217,7 @@ class GraphedForward:
         return current if isinstance(current, GraphedForward) else cls(module)
 
     @staticmethod
-    def _signature_of(args) -> Tuple:
+    def _signature_of(args) -> tuple:
         return tuple((tuple(a.shape), a.dtype, a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args)
 
     def __call__(self, *args: Any):
@@ -224,13 +226,15 @@ class GraphedForward:
             return self._original(*args)
         signature = self._signature_of(args)
         if self._graphed is None:
-            sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
-                           for a in args)
+            sample = tuple(
+                a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args
+            )
             # make_graphed_callables captures in global mode (it takes no capture_error_mode):
             # holding the helper threads off the device is what keeps the capture valid.
             with self.gate.closed(self.capture_timeout_s):
                 self._graphed = torch.cuda.make_graphed_callables(
-                    _CapturedForward(self._module, self._original), sample)
+                    _CapturedForward(self._module, self._original), sample
+                )
             self._signature = signature
             logger.info("captured %s in CUDA graphs for inputs %s", type(self._module).__name__, signature)
         if signature != self._signature:

@@ -13,20 +13,20 @@ not stop (a close that timed out, on this rank only maybe) is ``abandon``-ed ins
 reused, and borrowing for its source then raises, since this rank's pool may now differ from its
 peers' (one creating a group, a collective, while another reuses one would pair mismatched calls).
 """
+
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import List
 
 import torch
 import torch.distributed as dist
 
 _lock = threading.Lock()
 # source group -> its clones not borrowed now (weak: a destroyed world's groups are not kept alive)
-_idle: "weakref.WeakKeyDictionary[dist.ProcessGroup, List[dist.ProcessGroup]]" = weakref.WeakKeyDictionary()
+_idle: weakref.WeakKeyDictionary[dist.ProcessGroup, list[dist.ProcessGroup]] = weakref.WeakKeyDictionary()
 # source group -> why its pool is closed (a clone was abandoned)
-_closed: "weakref.WeakKeyDictionary[dist.ProcessGroup, str]" = weakref.WeakKeyDictionary()
+_closed: weakref.WeakKeyDictionary[dist.ProcessGroup, str] = weakref.WeakKeyDictionary()
 
 
 def _registered(group: dist.ProcessGroup) -> bool:
@@ -56,8 +56,9 @@ def borrow(source: dist.ProcessGroup) -> dist.ProcessGroup:
             group = idle.pop()
             if _registered(group):
                 return group
-    return dist.new_group(ranks=dist.get_process_group_ranks(source), backend=dist.get_backend(source),
-                          timeout=_timeout(source))
+    return dist.new_group(
+        ranks=dist.get_process_group_ranks(source), backend=dist.get_backend(source), timeout=_timeout(source)
+    )
 
 
 def give_back(source: dist.ProcessGroup, group: dist.ProcessGroup) -> None:
@@ -75,7 +76,8 @@ def check_pools_open() -> None:
         raise RuntimeError(
             f"cannot borrow a process group for the input dist: {why}, so this rank's pool of groups may "
             "differ from its peers' and a new group could pair mismatched collectives; the process group "
-            "must be destroyed and created again (restart the job)")
+            "must be destroyed and created again (restart the job)"
+        )
 
 
 def abandon(source: dist.ProcessGroup, why: str) -> None:

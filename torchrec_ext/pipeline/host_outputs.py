@@ -1,10 +1,11 @@
 """Device-to-host copies of each step's outputs (losses, metrics) into pinned host memory, on a
 side stream, surfaced once the copy is done: the train loop never synchronises the device to
 read them. On CPU the outputs are simply detached copies, ready at once."""
+
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Deque, List, Optional, Tuple
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -15,9 +16,9 @@ class HostOutputs:
         self._cuda = device.type == "cuda"
         self._pinned = pinned and self._cuda
         self._stream = torch.cuda.Stream(device) if self._cuda else None
-        self._pending: Deque[Tuple[int, Any, Optional[torch.cuda.Event]]] = deque()
+        self._pending: deque[tuple[int, Any, torch.cuda.Event | None]] = deque()
 
-    def push(self, step: int, output: Any) -> Optional[torch.cuda.Event]:
+    def push(self, step: int, output: Any) -> torch.cuda.Event | None:
         """Starts copying ``output`` (any pytree of tensors) of step ``step`` to the host;
         returns the event the copy records when done (None on CPU, where it is done at once):
         whatever overwrites ``output`` in place (a graph replay) must wait for it."""
@@ -42,7 +43,7 @@ class HostOutputs:
         self._pending.append((step, pytree.tree_unflatten(host, spec), copied))
         return copied
 
-    def pop_ready(self) -> List[Tuple[int, Any]]:
+    def pop_ready(self) -> list[tuple[int, Any]]:
         """(step, host output) of every step whose copy has finished, oldest first; never blocks."""
         out = []
         while self._pending and (self._pending[0][2] is None or self._pending[0][2].query()):
@@ -50,7 +51,7 @@ class HostOutputs:
             out.append((step, host))
         return out
 
-    def drain(self) -> List[Tuple[int, Any]]:
+    def drain(self) -> list[tuple[int, Any]]:
         """Waits for every copy still in flight and returns them all, oldest first."""
         for _, _, copied in self._pending:
             if copied is not None:

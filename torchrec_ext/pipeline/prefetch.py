@@ -11,11 +11,13 @@ A worker's device work (its copy stream, pinning, the copy) runs inside the proc
 ``DeviceWorkGate``: a CUDA graph capture holds it closed, and workers finish the batch in hand
 and park. Pulling from the dataloader is host work and goes on.
 """
+
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any
 
 import torch
 
@@ -29,7 +31,7 @@ class ReadyBatch:
 
     batch: Any
     copied: Any = None
-    streams: Optional[CudaStreams] = None
+    streams: CudaStreams | None = None
 
     def wait(self, stream: Any) -> Any:
         """Makes ``stream`` wait for the copy and tells the allocator the batch is used there."""
@@ -39,8 +41,7 @@ class ReadyBatch:
         return self.batch
 
 
-def copy_to_device(batch: Any, device: torch.device, streams: Optional[CudaStreams], stream: Any,
-                   pin: bool) -> ReadyBatch:
+def copy_to_device(batch: Any, device: torch.device, streams: CudaStreams | None, stream: Any, pin: bool) -> ReadyBatch:
     """Copies ``batch`` to ``device`` on ``stream`` without blocking the host: pinned first (a
     non-blocking copy from pageable memory is neither asynchronous nor ordered by an event), then
     an event recorded after the copy, which every reader of the batch waits for."""
@@ -60,10 +61,10 @@ class BatchPrefetcher:
         device: torch.device,
         *,
         num_threads: int = 2,
-        depth: Optional[int] = None,
+        depth: int | None = None,
         pin_memory: bool = True,
         timeout_s: float = 600.0,
-        streams: Optional[CudaStreams] = None,
+        streams: CudaStreams | None = None,
         gate: DeviceWorkGate = DEVICE_WORK,
     ) -> None:
         """``streams``: where each worker makes its copy stream (default: the device's; on CPU
@@ -78,15 +79,15 @@ class BatchPrefetcher:
         self._timeout_s = timeout_s
         self._pull_lock = threading.Lock()  # serialises next(dataloader_iter) and numbering
         self._cond = threading.Condition()  # guards everything below
-        self._ready: Dict[int, ReadyBatch] = {}
+        self._ready: dict[int, ReadyBatch] = {}
         self._pulled = 0  # batches taken from the iterator so far
         self._handed = 0  # batches given to the consumer so far
-        self._end: Optional[int] = None  # number of batches the iterator had, once known
-        self._error: Optional[BaseException] = None
+        self._end: int | None = None  # number of batches the iterator had, once known
+        self._error: BaseException | None = None
         self._error_at = 0  # sequence number of the batch whose pull or copy failed
         self._closed = False
         self._slots = threading.Semaphore(depth or 2 * num_threads)  # bounds batches ahead
-        self._threads: List[threading.Thread] = [
+        self._threads: list[threading.Thread] = [
             threading.Thread(target=self._work, name=f"torchrec_ext-prefetch-{i}", daemon=True)
             for i in range(num_threads)
         ]

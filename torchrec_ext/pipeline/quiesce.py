@@ -10,18 +10,19 @@ parks at ``working()``), the items under way finish, and the workers resume once
 One gate serves the whole process (``DEVICE_WORK``): a capture is disturbed by any thread,
 whichever pipeline started it.
 """
+
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 
 class DeviceWorkGate:
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._active = 0   # items of device work under way
+        self._active = 0  # items of device work under way
         self._closers = 0  # captures holding the gate closed
 
     @contextmanager
@@ -53,7 +54,8 @@ class DeviceWorkGate:
                     self._cond.notify_all()
                     raise TimeoutError(
                         f"DeviceWorkGate: {busy} helper thread(s) still on the device after {timeout_s:.0f} s; "
-                        "cannot capture a CUDA graph while they run")
+                        "cannot capture a CUDA graph while they run"
+                    )
                 self._cond.wait(left)
         try:
             yield

@@ -10,15 +10,16 @@ pipeline keeps on it only what the next forward needs: the main thread's input d
 batch's, a new iterator's) and, for a batch whose input dist ran a step ahead on a stream of its
 own, a wait for that batch's event — not for a stream already busy with the batch after it.
 """
+
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any
 
 import torch
 
 
 class CudaStreams:
-    def __init__(self, device: torch.device, main_dist: Optional[torch.cuda.Stream] = None) -> None:
+    def __init__(self, device: torch.device, main_dist: torch.cuda.Stream | None = None) -> None:
         self.device = device
         self.main_dist = main_dist
 
@@ -41,7 +42,7 @@ class CudaStreams:
         batch.record_stream(stream)
 
 
-def device_streams(device: torch.device, main_dist: Optional[torch.cuda.Stream]) -> Optional[CudaStreams]:
+def device_streams(device: torch.device, main_dist: torch.cuda.Stream | None) -> CudaStreams | None:
     """The pipeline's streams on a CUDA device; None elsewhere."""
     return CudaStreams(device, main_dist) if device.type == "cuda" else None
 
@@ -58,7 +59,7 @@ class ReplayFence:
     a step's outputs), which the graph's next replay must wait for: the replay overwrites them."""
 
     def __init__(self) -> None:
-        self._reads: List[Any] = []
+        self._reads: list[Any] = []
 
     def read_by(self, event: Any) -> None:
         """``event`` completes once a read of the static outputs has finished."""

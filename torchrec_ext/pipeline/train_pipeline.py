@@ -27,22 +27,23 @@ input distribution; streams, graphs and pinned memory are skipped. Every stage c
 off to bisect a problem. Losses and parameters equal a plain ``loss.backward(); opt.step()``
 loop on the same data.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
 from collections import deque
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import nullcontext
-from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
 from torchrec.distributed.train_pipeline.utils import (
     _override_input_dist_forwards,
@@ -50,6 +51,7 @@ from torchrec.distributed.train_pipeline.utils import (
     _start_data_dist,
     use_context_for_postprocs,
 )
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_ext.modules.tiered_tables import TieredTables
 from torchrec_ext.pipeline import groups
@@ -72,18 +74,18 @@ class PipelineOptions:
     # dists from a helper thread. None: on where they have a core to run on — always on CUDA
     # (the train thread mostly waits on the GPU); on CPU only if this rank has cores beyond its
     # intra-op threads (measured on 2 cores / 2 ranks: helper threads there cost 2-6 %).
-    prefetch_threads: Optional[int] = None
-    prefetch_depth: Optional[int] = None  # batches ahead; default 2 per thread
-    threaded_input_dist: Optional[bool] = None
+    prefetch_threads: int | None = None
+    prefetch_depth: int | None = None  # batches ahead; default 2 per thread
+    threaded_input_dist: bool | None = None
     # (c) all-reduce dense grads in one flat buffer after the backward (False: DDP's buckets).
     # None: on CUDA, where the flat buffer is what a graph can capture; on CPU DDP's buckets
     # overlap their all-reduce with the backward, which a flat one cannot.
-    flat_dense_allreduce: Optional[bool] = None
-    graph_dense_sync: bool = True      # (c) CUDA only: capture that all-reduce in a CUDA graph
+    flat_dense_allreduce: bool | None = None
+    graph_dense_sync: bool = True  # (c) CUDA only: capture that all-reduce in a CUDA graph
     graph_optimizer_step: bool = False  # (c) CUDA only: capture the dense optimizer step too
     graph_modules: Sequence[str] = dataclasses.field(default_factory=tuple)  # (c) dense submodules to capture
-    pinned_outputs: bool = True        # (e) CUDA only: pinned D2H copies of step outputs
-    timeout_s: float = 600.0           # bound on every wait for a worker
+    pinned_outputs: bool = True  # (e) CUDA only: pinned D2H copies of step outputs
+    timeout_s: float = 600.0  # bound on every wait for a worker
     # (f) stage the next batch's rows into the caches of tiered tables (host or file backing)
     tier_prefetch: bool = True
 
@@ -98,7 +100,7 @@ def _spare_cores(device: torch.device) -> bool:
     return cores // max(local_ranks, 1) > torch.get_num_threads()
 
 
-def _find_ddp(model: nn.Module) -> Optional[DistributedDataParallel]:
+def _find_ddp(model: nn.Module) -> DistributedDataParallel | None:
     wrapped = getattr(model, "_dmp_wrapped_module", model)
     return wrapped if isinstance(wrapped, DistributedDataParallel) else None
 
@@ -120,11 +122,12 @@ class TrainPipeline(TrainPipelineSparseDist):
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         device: torch.device,
-        options: Optional[PipelineOptions] = None,
+        options: PipelineOptions | None = None,
         execute_all_batches: bool = True,
     ) -> None:
-        super().__init__(model, optimizer, device, execute_all_batches=execute_all_batches,
-                         dmp_collection_sync_interval_batches=None)
+        super().__init__(
+            model, optimizer, device, execute_all_batches=execute_all_batches, dmp_collection_sync_interval_batches=None
+        )
         options = options or PipelineOptions()
         if options.prefetch_threads is not None and options.prefetch_threads < 0:
             raise ValueError(f"TrainPipeline: prefetch_threads must be >= 0, got {options.prefetch_threads}")
@@ -140,17 +143,17 @@ class TrainPipeline(TrainPipelineSparseDist):
         # Input dists launched a step ahead run here, not on the main thread's data-dist stream.
         self._ahead_dist_stream = self._streams.new_stream() if self._streams is not None else None
         self._inline_copy_stream = self._streams.new_stream() if self._streams is not None else None
-        self._ready: Deque[ReadyBatch] = deque()  # parallel to self.batches / self.contexts
-        self._prefetcher: Optional[BatchPrefetcher] = None
-        self._prefetch_source: Optional[Iterator[Any]] = None
+        self._ready: deque[ReadyBatch] = deque()  # parallel to self.batches / self.contexts
+        self._prefetcher: BatchPrefetcher | None = None
+        self._prefetch_source: Iterator[Any] | None = None
         self._gate = DEVICE_WORK  # CUDA graph captures hold the helper threads off the device with it
         self._dist_worker = HelperThread("torchrec_ext-input-dist", self._gate) if options.threaded_input_dist else None
-        self._dist_future: Optional[Future] = None  # batch i+1's input dist, resolving to its event
-        self._dist_groups: Dict[Any, dist.ProcessGroup] = {}  # the modules' group -> ours, borrowed
-        self._moved_input_dists: List[Tuple[Any, dist.ProcessGroup]] = []
+        self._dist_future: Future | None = None  # batch i+1's input dist, resolving to its event
+        self._dist_groups: dict[Any, dist.ProcessGroup] = {}  # the modules' group -> ours, borrowed
+        self._moved_input_dists: list[tuple[Any, dist.ProcessGroup]] = []
         self._ddp = _find_ddp(model)
-        self._grad_sync: Optional[FlatGradSync] = None
-        self._takeover: Optional[DdpTakeover] = None
+        self._grad_sync: FlatGradSync | None = None
+        self._takeover: DdpTakeover | None = None
         flat = cuda if options.flat_dense_allreduce is None else options.flat_dense_allreduce
         if flat and self._ddp is not None:
             capture = cuda and options.graph_dense_sync
@@ -160,7 +163,7 @@ class TrainPipeline(TrainPipelineSparseDist):
             self._takeover = DdpTakeover.of(self._ddp)
             self._grad_sync = FlatGradSync.of(self._ddp, capture=capture, optimizer=captured_optimizer)
         graph_modules = self._resolve_modules(options.graph_modules)
-        self._graphed_forwards: List[GraphedForward] = []
+        self._graphed_forwards: list[GraphedForward] = []
         if graph_modules and cuda:
             self._graphed_forwards = [GraphedForward.install(module) for module in graph_modules]
             for graphed in self._graphed_forwards:
@@ -168,7 +171,7 @@ class TrainPipeline(TrainPipelineSparseDist):
         elif graph_modules:
             logger.info("TrainPipeline: graph_modules run eagerly on %s (CUDA graphs need a GPU)", device)
         self._host_outputs = HostOutputs(device, pinned=options.pinned_outputs)
-        self._tiered: Optional[List[nn.Module]] = None  # modules with tiered tables, found at the first step
+        self._tiered: list[nn.Module] | None = None  # modules with tiered tables, found at the first step
         self._step = 0
         self._closed = False
 
@@ -218,24 +221,24 @@ class TrainPipeline(TrainPipelineSparseDist):
         self.dequeue_batch()
         return output
 
-    def tier_step_stats(self) -> Dict[str, Dict[str, int]]:
+    def tier_step_stats(self) -> dict[str, dict[str, int]]:
         """Per tiered table (host or file backing), the last step's tier traffic: cache ``hits``
         and ``misses`` at step time, rows ``staged`` ahead of it by the pipeline, ``write_backs``
         (``staged_write_backs`` of them off the step), ``bytes_moved``. Empty without tiered tables."""
-        stats: Dict[str, Dict[str, int]] = {}
+        stats: dict[str, dict[str, int]] = {}
         for module in self._tiered_modules() + self._sharded_staging_modules():
             stats.update(module.tier_step_stats())  # (a sharded module's: this rank's shares)
         return stats
 
-    def pop_host_outputs(self) -> List[Tuple[int, Any]]:
+    def pop_host_outputs(self) -> list[tuple[int, Any]]:
         """(step, output on the host) for every step whose device-to-host copy has finished."""
         return self._host_outputs.pop_ready()
 
-    def drain_host_outputs(self) -> List[Tuple[int, Any]]:
+    def drain_host_outputs(self) -> list[tuple[int, Any]]:
         """Like pop_host_outputs, but first waits for the copies still in flight."""
         return self._host_outputs.drain()
 
-    def close(self, timeout_s: Optional[float] = None) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         """Joins the prefetch and input-dist threads (waiting at most ``timeout_s`` for each; default:
         the prefetcher's own bound and ``options.timeout_s``), gives back the input-dist process
         groups and gives the model back as it was (its sharded modules' forwards and input-dist
@@ -262,7 +265,7 @@ class TrainPipeline(TrainPipelineSparseDist):
         if self._model_attached and self._pipelined_modules:
             self.detach()
 
-    def __enter__(self) -> "TrainPipeline":
+    def __enter__(self) -> TrainPipeline:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
@@ -279,13 +282,20 @@ class TrainPipeline(TrainPipelineSparseDist):
             self._prefetcher.close()
         self._prefetch_source = dataloader_iter
         self._prefetcher = (
-            BatchPrefetcher(dataloader_iter, self._device, num_threads=self.options.prefetch_threads,
-                            depth=self.options.prefetch_depth, timeout_s=self.options.timeout_s,
-                            streams=self._streams, gate=self._gate)
-            if self.options.prefetch_threads > 0 else None
+            BatchPrefetcher(
+                dataloader_iter,
+                self._device,
+                num_threads=self.options.prefetch_threads,
+                depth=self.options.prefetch_depth,
+                timeout_s=self.options.timeout_s,
+                streams=self._streams,
+                gate=self._gate,
+            )
+            if self.options.prefetch_threads > 0
+            else None
         )
 
-    def _next_ready(self, dataloader_iter: Iterator[Any]) -> Optional[ReadyBatch]:
+    def _next_ready(self, dataloader_iter: Iterator[Any]) -> ReadyBatch | None:
         if self._prefetcher is not None:
             try:
                 return self._prefetcher.next()
@@ -294,8 +304,9 @@ class TrainPipeline(TrainPipelineSparseDist):
         batch = self._next_batch(dataloader_iter)  # inline: TorchRec's own exhaustion handling
         if batch is None:
             return None
-        return copy_to_device(batch, self._device, self._streams, self._inline_copy_stream,
-                              pin=self._device.type == "cuda")
+        return copy_to_device(
+            batch, self._device, self._streams, self._inline_copy_stream, pin=self._device.type == "cuda"
+        )
 
     def enqueue_batch(self, dataloader_iter: Iterator[Any]) -> bool:
         ready = self._next_ready(dataloader_iter)
@@ -313,13 +324,16 @@ class TrainPipeline(TrainPipelineSparseDist):
 
     # ------------------------------------------------------------------ tiered tables
 
-    def _tiered_modules(self) -> List[nn.Module]:
+    def _tiered_modules(self) -> list[nn.Module]:
         if self._tiered is None:
-            self._tiered = [m for m in _unwrapped(self._model).modules()
-                            if hasattr(m, "stage_next") and isinstance(getattr(m, "_tables", None), TieredTables)]
+            self._tiered = [
+                m
+                for m in _unwrapped(self._model).modules()
+                if hasattr(m, "stage_next") and isinstance(getattr(m, "_tables", None), TieredTables)
+            ]
         return self._tiered
 
-    def _sharded_staging_modules(self) -> List[nn.Module]:
+    def _sharded_staging_modules(self) -> list[nn.Module]:
         """The pipelined sharded modules that stage their shares of tiered tables (ours)."""
         return [m for m in self._pipelined_modules if hasattr(m, "stage_next_dist")]
 
@@ -333,8 +347,9 @@ class TrainPipeline(TrainPipelineSparseDist):
         if not modules:
             return
         batch = ready.wait(self._current_stream())
-        candidates = [v for v in (vars(batch).values() if hasattr(batch, "__dict__") else ())
-                      if isinstance(v, KeyedJaggedTensor)]
+        candidates = [
+            v for v in (vars(batch).values() if hasattr(batch, "__dict__") else ()) if isinstance(v, KeyedJaggedTensor)
+        ]
         for module in modules:
             features = [kjt for kjt in candidates if set(module._plan.features) <= set(kjt.keys())]
             if features:  # else the model builds the module's KJT itself: its batch runs unstaged
@@ -354,7 +369,7 @@ class TrainPipeline(TrainPipelineSparseDist):
 
         return dist_input
 
-    def _current_stream(self) -> Optional[torch.cuda.Stream]:
+    def _current_stream(self) -> torch.cuda.Stream | None:
         return self._streams.current() if self._streams is not None else None
 
     def _ready_of(self, context: TrainPipelineContext) -> ReadyBatch:
@@ -365,7 +380,7 @@ class TrainPipeline(TrainPipelineSparseDist):
 
     # ------------------------------------------------------------------ input dist
 
-    def start_sparse_data_dist(self, batch: Optional[Any], context: TrainPipelineContext) -> None:
+    def start_sparse_data_dist(self, batch: Any | None, context: TrainPipelineContext) -> None:
         """TorchRec's entry (fill_pipeline: the first batch's, a new iterator's input dist), on
         the main thread's data-dist stream, ordered after the batch's host-to-device copy."""
         if batch is not None:
@@ -374,15 +389,16 @@ class TrainPipeline(TrainPipelineSparseDist):
     def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
         self._wait_input_dist(context, self._main_dist_stream())
 
-    def _start_input_dist(self, ready: ReadyBatch, batch: Any, context: TrainPipelineContext,
-                          stream: Optional[torch.cuda.Stream]) -> None:
+    def _start_input_dist(
+        self, ready: ReadyBatch, batch: Any, context: TrainPipelineContext, stream: torch.cuda.Stream | None
+    ) -> None:
         """As TorchRec's start_sparse_data_dist, on ``stream``, after the batch's copy."""
         with self._on(stream):
             ready.wait(stream)
             with use_context_for_postprocs(self._pipelined_postprocs, context):
                 _start_data_dist(self._pipelined_modules, batch, context)
 
-    def _wait_input_dist(self, context: TrainPipelineContext, stream: Optional[torch.cuda.Stream]) -> None:
+    def _wait_input_dist(self, context: TrainPipelineContext, stream: torch.cuda.Stream | None) -> None:
         """As TorchRec's wait_sparse_data_dist, on ``stream``."""
         with self._on(stream):
             for names, awaitable in context.fused_splits_awaitables:
@@ -391,10 +407,10 @@ class TrainPipeline(TrainPipelineSparseDist):
         context.input_dist_splits_requests.clear()
         context.fused_splits_awaitables.clear()
 
-    def _main_dist_stream(self) -> Optional[torch.cuda.Stream]:
+    def _main_dist_stream(self) -> torch.cuda.Stream | None:
         return self._streams.main_dist if self._streams is not None else None
 
-    def _on(self, stream: Optional[torch.cuda.Stream]):
+    def _on(self, stream: torch.cuda.Stream | None):
         return self._streams.use(stream) if self._streams is not None and stream is not None else nullcontext()
 
     def _launch_input_dist(self, ready: ReadyBatch, batch: Any, context: TrainPipelineContext) -> None:
@@ -456,12 +472,14 @@ class TrainPipeline(TrainPipelineSparseDist):
 
     # ------------------------------------------------------------------ CUDA graphs
 
-    def _resolve_modules(self, names: Sequence[str]) -> List[nn.Module]:
+    def _resolve_modules(self, names: Sequence[str]) -> list[nn.Module]:
         root = _unwrapped(self._model)
         modules = []
         for name in names:
             try:
                 modules.append(root.get_submodule(name))
             except AttributeError:
-                raise ValueError(f"TrainPipeline: graph_modules names {name!r}, which the model does not have") from None
+                raise ValueError(
+                    f"TrainPipeline: graph_modules names {name!r}, which the model does not have"
+                ) from None
         return modules

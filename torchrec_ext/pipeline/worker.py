@@ -6,14 +6,15 @@ collective whose peer died) to die with the process.
 
 With a ``gate``, each job runs inside ``gate.working()``: a CUDA graph capture holding the gate
 closed waits for the job under way and keeps the next one parked until it reopens."""
+
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import nullcontext
-from typing import Callable, Optional
 
 from torchrec_ext.pipeline.quiesce import DeviceWorkGate
 
@@ -21,9 +22,9 @@ logger = logging.getLogger(__name__)
 
 
 class HelperThread:
-    def __init__(self, name: str, gate: Optional[DeviceWorkGate] = None) -> None:
+    def __init__(self, name: str, gate: DeviceWorkGate | None = None) -> None:
         self._gate = gate
-        self._jobs: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._jobs: queue.Queue[tuple | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 

@@ -103,7 +103,7 @@ def place_keys(keys: Sequence[int], scores: Sequence[int], capacity: int) -> lis
         held[end].append(i)
         kept[i] = True
     by_priority = sorted(range(len(keys)), key=lambda i: (-scores[i], i))
-    for i in [i for i in by_priority if not kept[i]][:stash_slots(capacity)]:
+    for i in [i for i in by_priority if not kept[i]][: stash_slots(capacity)]:
         kept[i] = True
     for i in [i for i in by_priority if kept[i]][capacity:]:
         kept[i] = False

@@ -74,8 +74,9 @@ def table_options(args: argparse.Namespace) -> dict:
         if args.admit_probability is None:
             raise ValueError("--admission probabilistic needs --admit-probability (in (0, 1])")
         options["admit_probability"] = args.admit_probability
-    probe = DynamicEmbeddingBagConfig(name="t", embedding_dim=args.embedding_dim, num_embeddings=max(1, args.capacity),
-                                      feature_names=["f"], **options)
+    probe = DynamicEmbeddingBagConfig(
+        name="t", embedding_dim=args.embedding_dim, num_embeddings=max(1, args.capacity), feature_names=["f"], **options
+    )
     check_tables([probe], DynamicEmbeddingBagConfig, "the tables")
     return options
 
@@ -104,22 +105,35 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--embedding-dim", type=int, default=16)
     g.add_argument("--capacity", type=int, default=100_000, help="rows per dynamic table")
     g.add_argument("--eviction", default="lru", choices=("lru", "lfu", "epoch_lru", "epoch_lfu", "none"))
-    g.add_argument("--fallback-rows", type=int, default=None,
-                   help="K learned fallback rows per table, read by ids without a row (default: none, they read zeros)")
+    g.add_argument(
+        "--fallback-rows",
+        type=int,
+        default=None,
+        help="K learned fallback rows per table, read by ids without a row (default: none, they read zeros)",
+    )
     g.add_argument("--dense-arch", type=_sizes, default=[64], help="dense arch hidden sizes (then embedding-dim)")
     g.add_argument("--over-arch", type=_sizes, default=[128, 64], help="over arch hidden sizes (then 1)")
     g.add_argument("--dcn-layers", type=int, default=2)
     g.add_argument("--dcn-rank", type=int, default=16, help="DCN low-rank dimension")
     g.add_argument("--data-type", default="fp32", choices=tuple(DATA_TYPES), help="the tables' row storage")
-    g.add_argument("--round-to-nearest", action="store_true",
-                   help="fp16 / bf16: the fused update rounds rows to nearest (default: stochastically)")
-    g.add_argument("--admission", default="none", choices=("none", "counter", "bloom", "probabilistic"),
-                   help="which unseen ids get a row (DynamicEmbeddingBagConfig.admission)")
-    g.add_argument("--admit-after", type=int, default=None,
-                   help="counter / bloom: sightings before an id gets a row (default 2)")
+    g.add_argument(
+        "--round-to-nearest",
+        action="store_true",
+        help="fp16 / bf16: the fused update rounds rows to nearest (default: stochastically)",
+    )
+    g.add_argument(
+        "--admission",
+        default="none",
+        choices=("none", "counter", "bloom", "probabilistic"),
+        help="which unseen ids get a row (DynamicEmbeddingBagConfig.admission)",
+    )
+    g.add_argument(
+        "--admit-after", type=int, default=None, help="counter / bloom: sightings before an id gets a row (default 2)"
+    )
     g.add_argument("--admit-probability", type=float, default=None, help="probabilistic: the fraction admitted")
-    g.add_argument("--bloom-fpr", type=float, default=None,
-                   help="bloom: the filter's false-positive target (default 0.01)")
+    g.add_argument(
+        "--bloom-fpr", type=float, default=None, help="bloom: the filter's false-positive target (default 0.01)"
+    )
 
 
 def _add_training_args(g: argparse._ArgumentGroup) -> None:
@@ -172,7 +186,9 @@ def _add_output_args(g: argparse._ArgumentGroup) -> None:
         "parameters into --serve-dir, after a base checkpoint at the start (0: never; see "
         "torchrec_ext.train.serve_export, and python -m torchrec_ext.serve to follow it)",
     )
-    g.add_argument("--serve-dir", default=None, help="where --export-deltas-every writes (a serving process follows it)")
+    g.add_argument(
+        "--serve-dir", default=None, help="where --export-deltas-every writes (a serving process follows it)"
+    )
     g.add_argument(
         "--resume",
         action="store_true",

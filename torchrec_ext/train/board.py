@@ -7,13 +7,15 @@ tables' stats, ``table_stats|<table>/<stat>`` and their totals ``table_stats|<st
 ``torchrec_ext.distributed.table_metrics``). A resumed run drops what an earlier run wrote after its
 start step (``purge_step``), so the curves show one history.
 """
+
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 
-def tensorboard_missing() -> Optional[str]:
+def tensorboard_missing() -> str | None:
     """Why ``--tensorboard`` cannot be used here, or None."""
     if importlib.util.find_spec("tensorboard") is None:
         return "--tensorboard needs the tensorboard package (pip install tensorboard)"
@@ -23,7 +25,7 @@ def tensorboard_missing() -> Optional[str]:
 class Board:
     """Rank 0's writer; on other ranks (``log_dir`` None) every call does nothing."""
 
-    def __init__(self, log_dir: Optional[str], start_step: int):
+    def __init__(self, log_dir: str | None, start_step: int):
         self.writer = None
         if log_dir is not None:
             from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when asked for

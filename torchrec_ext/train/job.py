@@ -43,11 +43,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchrec.metrics.metric_module import RecMetricModule
 
 from torchrec_ext.distributed.checkpoint import PendingCheckpoint
 from torchrec_ext.distributed.checkpoint_incremental import IncrementalCheckpoints
-from torchrec.metrics.metric_module import RecMetricModule
-
 from torchrec_ext.distributed.table_metrics import TableStatsMetric
 from torchrec_ext.distributed.table_stats import model_table_stats
 from torchrec_ext.distributed.table_stats import summarize as summarize_table_stats
@@ -215,8 +214,9 @@ def save(run: Run, step: int, blocking: bool) -> None:
     finish_save(run)
     began = time.perf_counter()
     if run.args.checkpoint_incremental and run.incremental is None:
-        run.incremental = IncrementalCheckpoints(run.ckpt_dir, run.dmp, full_every=run.args.checkpoint_incremental,
-                                                 keep=run.args.keep_checkpoints)
+        run.incremental = IncrementalCheckpoints(
+            run.ckpt_dir, run.dmp, full_every=run.args.checkpoint_incremental, keep=run.args.keep_checkpoints
+        )
     result = save_job_state(
         run.ckpt_dir,
         step,
@@ -234,8 +234,10 @@ def save(run: Run, step: int, blocking: bool) -> None:
         _saved(run, step, result, began)
     else:
         run.pending_save = (step, result, began)
-        run.log(f"step {step}: checkpoint {result.path} copied in {time.perf_counter() - began:.2f} s, "
-                "writing in the background")
+        run.log(
+            f"step {step}: checkpoint {result.path} copied in {time.perf_counter() - began:.2f} s, "
+            "writing in the background"
+        )
 
 
 def finish_save(run: Run) -> None:
@@ -288,8 +290,10 @@ def start_exports(run: Run) -> None:
     began = time.perf_counter()
     run.exporter = DeltaExporter(run.args.serve_dir, run.dmp, run.model_config, run.rt.rank, run.rt.world_size)
     base = run.exporter.start(run.start)
-    run.log(f"step {run.start}: serving base {base} (generation {run.exporter.generation}) in "
-            f"{time.perf_counter() - began:.2f} s; deltas every {run.args.export_deltas_every} steps")
+    run.log(
+        f"step {run.start}: serving base {base} (generation {run.exporter.generation}) in "
+        f"{time.perf_counter() - began:.2f} s; deltas every {run.args.export_deltas_every} steps"
+    )
 
 
 def export_deltas(run: Run, step: int) -> None:
@@ -298,8 +302,10 @@ def export_deltas(run: Run, step: int) -> None:
         return
     began = time.perf_counter()
     rows = run.exporter.export(step)
-    run.log(f"step {step}: serving export {run.exporter.seq} ({rows:,} rows on rank {run.rt.rank}) in "
-            f"{time.perf_counter() - began:.2f} s")
+    run.log(
+        f"step {step}: serving export {run.exporter.seq} ({rows:,} rows on rank {run.rt.rank}) in "
+        f"{time.perf_counter() - began:.2f} s"
+    )
 
 
 def _log_tables(run: Run, step: int) -> None:
@@ -311,9 +317,11 @@ def _log_tables(run: Run, step: int) -> None:
     if totals is not None:
         run.tables.append({"step": step, **totals})
         hit = "n/a" if totals["hit_rate"] is None else f"{totals['hit_rate']:.1%}"
-        run.log(f"step {step}: tables {totals['occupancy']:.1%} full, {totals['inserts']:,} inserts, "
-                f"{totals['evictions']:,} evictions, {totals['rejections']:,} admission rejections, "
-                f"{totals['refused']:,} refused, {totals['fallback_reads']:,} fallback reads, lookup hit rate {hit}")
+        run.log(
+            f"step {step}: tables {totals['occupancy']:.1%} full, {totals['inserts']:,} inserts, "
+            f"{totals['evictions']:,} evictions, {totals['rejections']:,} admission rejections, "
+            f"{totals['refused']:,} refused, {totals['fallback_reads']:,} fallback reads, lookup hit rate {hit}"
+        )
 
 
 def summarize(run: Run, progress: Progress, wall_start: float) -> dict[str, Any]:

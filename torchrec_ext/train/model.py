@@ -16,8 +16,8 @@ from torchrec.models.dlrm import DLRM_DCN, DLRMTrain
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from torchrec_ext.modules import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 from torchrec_ext.data import DEFAULT_CAT_NAMES, INT_FEATURE_COUNT
+from torchrec_ext.modules import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,14 +15,34 @@ from typing import Any
 
 import torch
 
-from torchrec_ext.distributed.checkpoint import PendingCheckpoint, find_checkpoint, load_checkpoint, save_checkpoint
-from torchrec_ext.distributed.checkpoint import ensure_process_group, load_dcp, read_manifest
+from torchrec_ext.distributed.checkpoint import (
+    PendingCheckpoint,
+    ensure_process_group,
+    find_checkpoint,
+    load_checkpoint,
+    load_dcp,
+    read_manifest,
+    save_checkpoint,
+)
 from torchrec_ext.distributed.checkpoint_incremental import IncrementalCheckpoints
 from torchrec_ext.distributed.checkpoint_template import state_template
 
 # Arguments a resumed run must share with the checkpoint (they shape the model or its tables).
-MODEL_ARGS = ("embedding_dim", "capacity", "eviction", "dense_arch", "over_arch", "dcn_layers", "dcn_rank", "data_type",
-              "admission", "admit_after", "admit_probability", "bloom_fpr", "fallback_rows")
+MODEL_ARGS = (
+    "embedding_dim",
+    "capacity",
+    "eviction",
+    "dense_arch",
+    "over_arch",
+    "dcn_layers",
+    "dcn_rank",
+    "data_type",
+    "admission",
+    "admit_after",
+    "admit_probability",
+    "bloom_fpr",
+    "fallback_rows",
+)
 # Arguments that decide what the data stream yields at a given step: a change is allowed but warned about.
 STREAM_ARGS = ("data", "batch_size", "seed", "truth_seed")
 

@@ -26,7 +26,8 @@ bound does not run in Triton 3.6's interpreter with NumPy 2.4 (even a scalar arg
 interpreter holds it as a 1-element array, which int() refuses). It also means no host-side
 maximum bag length (no device sync) and no idle iterations for short bags.
 """
-from typing import Optional, Sequence
+
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -98,8 +99,16 @@ def _pooled_lookup_fwd_kernel(
         in_bag = idx < stop
         row = tl.load(rows_ptr + idx, mask=in_bag, other=-1).to(tl.int64)
         present = in_bag & (row >= 0)  # -1 rows read as zeros
-        vals = load_rows(weights_ptr, weights16_ptr, weightsbf_ptr, base, row[:, None] * dim + d[None, :],
-                         present[:, None] & d_mask[None, :], dtype_code, HAS_DTYPES)
+        vals = load_rows(
+            weights_ptr,
+            weights16_ptr,
+            weightsbf_ptr,
+            base,
+            row[:, None] * dim + d[None, :],
+            present[:, None] & d_mask[None, :],
+            dtype_code,
+            HAS_DTYPES,
+        )
         if HAS_WEIGHTS:
             w = tl.load(psw_ptr + idx, mask=present, other=0.0).to(tl.float32)
             vals = vals * w[:, None]
@@ -145,8 +154,16 @@ def _sequence_lookup_fwd_kernel(
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = d < dim
     # A plain copy (half values widen exactly): the output is bit-exact.
-    vals = load_rows(weights_ptr, weights16_ptr, weightsbf_ptr, base, row[:, None] * dim + d[None, :],
-                     (in_feature & (row >= 0))[:, None] & d_mask[None, :], dtype_code, HAS_DTYPES)
+    vals = load_rows(
+        weights_ptr,
+        weights16_ptr,
+        weightsbf_ptr,
+        base,
+        row[:, None] * dim + d[None, :],
+        (in_feature & (row >= 0))[:, None] & d_mask[None, :],
+        dtype_code,
+        HAS_DTYPES,
+    )
     tl.store(out_ptr + idx[:, None] * dim + d[None, :], vals, mask=in_feature[:, None] & d_mask[None, :])
 
 
@@ -166,8 +183,10 @@ def _meta(t: Tensor, device: torch.device, dtype: torch.dtype = torch.int64) -> 
 def check_no_new_vectors(new_vectors: Sequence[Tensor], what: str) -> None:
     # Deferred initial vectors are a CPU-kernel path; on GPUs the module writes new rows eagerly.
     if len(new_vectors):
-        raise ValueError(f"{what}: new_vectors is supported by the CPU kernels only; the GPU kernels read every "
-                         f"row from the table (got {len(new_vectors)} blocks)")
+        raise ValueError(
+            f"{what}: new_vectors is supported by the CPU kernels only; the GPU kernels read every "
+            f"row from the table (got {len(new_vectors)} blocks)"
+        )
 
 
 def _check_weights(weights: Tensor, what: str) -> None:
@@ -180,7 +199,7 @@ def typed_views(weights: Tensor):
     return weights, weights.view(torch.float16), weights.view(torch.bfloat16)
 
 
-def dtype_codes(table_dtypes: Optional[Tensor], device: torch.device):
+def dtype_codes(table_dtypes: Tensor | None, device: torch.device):
     """(codes on the device, HAS_DTYPES): None means every table is float32."""
     if table_dtypes is None:
         return torch.zeros(1, dtype=torch.int32, device=device), False  # a dummy, never read
@@ -188,10 +207,19 @@ def dtype_codes(table_dtypes: Optional[Tensor], device: torch.device):
 
 
 def pooled_lookup(
-    weights: Tensor, table_offsets: Tensor, table_dims: Tensor,
-    feature_table: Tensor, feature_col: Tensor, feature_mean: Tensor,
-    rows: Tensor, offsets: Tensor, per_sample_weights: Optional[Tensor],
-    batch_size: int, total_dim: int, new_vectors: Sequence[Tensor] = (), table_dtypes: Optional[Tensor] = None,
+    weights: Tensor,
+    table_offsets: Tensor,
+    table_dims: Tensor,
+    feature_table: Tensor,
+    feature_col: Tensor,
+    feature_mean: Tensor,
+    rows: Tensor,
+    offsets: Tensor,
+    per_sample_weights: Tensor | None,
+    batch_size: int,
+    total_dim: int,
+    new_vectors: Sequence[Tensor] = (),
+    table_dtypes: Tensor | None = None,
 ) -> Tensor:
     """[batch_size, total_dim] float32 pooled output: feature f's bags land in columns
     feature_col[f]...; sum (or mean where feature_mean[f]) of the rows of each bag, scaled by
@@ -218,19 +246,37 @@ def pooled_lookup(
     grid = (num_bags, triton.cdiv(max_dim, block_d))
     codes, has_dtypes = dtype_codes(table_dtypes, device)
     _pooled_lookup_fwd_kernel[grid](
-        *typed_views(weights), _meta(table_offsets, device), codes, table_dims,
-        _meta(feature_table, device), _meta(feature_col, device), _meta(feature_mean, device, torch.int32),
-        rows, _meta(offsets, device), psw, out,
-        batch_size, total_dim,
-        HAS_WEIGHTS=has_weights, HAS_DTYPES=has_dtypes, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps,
+        *typed_views(weights),
+        _meta(table_offsets, device),
+        codes,
+        table_dims,
+        _meta(feature_table, device),
+        _meta(feature_col, device),
+        _meta(feature_mean, device, torch.int32),
+        rows,
+        _meta(offsets, device),
+        psw,
+        out,
+        batch_size,
+        total_dim,
+        HAS_WEIGHTS=has_weights,
+        HAS_DTYPES=has_dtypes,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
     )
     return out
 
 
 def sequence_lookup(
-    weights: Tensor, table_offsets: Tensor, dim: int, feature_table: Tensor,
-    feature_value_offsets: Tensor, rows: Tensor, new_vectors: Sequence[Tensor] = (),
-    table_dtypes: Optional[Tensor] = None,
+    weights: Tensor,
+    table_offsets: Tensor,
+    dim: int,
+    feature_table: Tensor,
+    feature_value_offsets: Tensor,
+    rows: Tensor,
+    new_vectors: Sequence[Tensor] = (),
+    table_dtypes: Tensor | None = None,
 ) -> Tensor:
     """[num_values, dim] float32: the row of each id (zeros for -1); values of feature f are
     [feature_value_offsets[f], feature_value_offsets[f + 1]) and read table feature_table[f]."""
@@ -255,8 +301,17 @@ def sequence_lookup(
     grid = (triton.cdiv(max_len, block_n), num_features, triton.cdiv(dim, block_d))
     codes, has_dtypes = dtype_codes(table_dtypes, device)
     _sequence_lookup_fwd_kernel[grid](
-        *typed_views(weights), _meta(table_offsets, device), codes, _meta(feature_table, device), fvo,
-        rows.to(device).contiguous(), out, dim,
-        HAS_DTYPES=has_dtypes, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps,
+        *typed_views(weights),
+        _meta(table_offsets, device),
+        codes,
+        _meta(feature_table, device),
+        fvo,
+        rows.to(device).contiguous(),
+        out,
+        dim,
+        HAS_DTYPES=has_dtypes,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
     )
     return out

@@ -20,8 +20,9 @@ program per (unique row, block of columns) sums its values' gradients straight f
 applies the update. Row-wise Adagrad needs mean(g^2) over the whole row, so it runs with one
 block covering the widest table. Per-row sums run in value order, BLOCK_N values at a time.
 """
+
 import math
-from typing import List, Optional, Sequence, Union
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -34,8 +35,9 @@ from torchrec_ext.vocabulary import OPTIMIZERS, ROUNDING_GOLDEN
 from .embedding_lookup import check_no_new_vectors, dtype_codes, load_rows, typed_views
 
 # The optimizer ids as constants the kernels branch on (vocabulary.OPTIMIZERS).
-_SGD, _ADAGRAD, _ROWWISE_ADAGRAD, _ADAM, _ADAMW, _FTRL = (OPTIMIZERS[k] for k in (
-    "sgd", "adagrad", "rowwise_adagrad", "adam", "adamw", "ftrl"))
+_SGD, _ADAGRAD, _ROWWISE_ADAGRAD, _ADAM, _ADAMW, _FTRL = (
+    OPTIMIZERS[k] for k in ("sgd", "adagrad", "rowwise_adagrad", "adam", "adamw", "ftrl")
+)
 _NUM_STATES = {_SGD: 0, _ADAGRAD: 1, _ROWWISE_ADAGRAD: 1, _ADAM: 2, _ADAMW: 2, _FTRL: 2}
 # How FTRL raises the accumulator to -lr_power: a square root (the default -0.5, as TensorFlow
 # computes it), 1 (lr_power = 0), else exp2(-lr_power * log2(n)).
@@ -167,8 +169,9 @@ def _fused_update_bwd_kernel(
             else:
                 scale = tl.full([BLOCK_N], 1.0, tl.float32)
             is_mean = tl.load(feature_mean_ptr + feature, mask=k_mask, other=0)
-            length = (tl.load(offsets_ptr + bag + 1, mask=k_mask, other=1)
-                      - tl.load(offsets_ptr + bag, mask=k_mask, other=0))
+            length = tl.load(offsets_ptr + bag + 1, mask=k_mask, other=1) - tl.load(
+                offsets_ptr + bag, mask=k_mask, other=0
+            )
             length = tl.maximum(length, 1).to(tl.float32)
             scale = tl.where(is_mean != 0, tl.div_rn(scale, length), scale)
             src = grad_ptr + sample * grad_stride + col
@@ -239,9 +242,15 @@ def _fused_update_bwd_kernel(
             bits = _fmix64(key + (d // 4 + 1).to(tl.uint64) * 0xD6E8FEB86659FD93)
             r = ((bits >> ((d % 4) * 16).to(tl.uint64)) & 0xFFFF).to(tl.int64)
             on = (seed != 0) & (dtype_code != 0)
-            w = tl.where(on & (dtype_code == 1), _round_stochastic(w, r, True),
-                         tl.where(on & (dtype_code == 2), _round_stochastic(w, r, False),
-                                  tl.where(dtype_code == 2, _round_bf16_nearest(w), w)))
+            w = tl.where(
+                on & (dtype_code == 1),
+                _round_stochastic(w, r, True),
+                tl.where(
+                    on & (dtype_code == 2),
+                    _round_stochastic(w, r, False),
+                    tl.where(dtype_code == 2, _round_bf16_nearest(w), w),
+                ),
+            )
         else:
             w = tl.where(dtype_code == 2, _round_bf16_nearest(w), w)
         tl.store(weights_ptr + base + row * dim + d, w, mask=d_mask & (dtype_code == 0))
@@ -251,7 +260,7 @@ def _fused_update_bwd_kernel(
         tl.store(weights_ptr + base + row * dim + d, w, mask=d_mask)
 
 
-def _optimizer_id(optimizer: Union[str, int]) -> int:
+def _optimizer_id(optimizer: str | int) -> int:
     if isinstance(optimizer, str) and optimizer in OPTIMIZERS:
         return OPTIMIZERS[optimizer]
     if isinstance(optimizer, int) and not isinstance(optimizer, bool) and optimizer in OPTIMIZERS.values():
@@ -264,15 +273,29 @@ def _meta(t: Tensor, device: torch.device, dtype: torch.dtype = torch.int64) -> 
 
 
 def fused_update(
-    grad: Tensor, weights: Tensor, states: List[Tensor],
-    table_offsets: Tensor, table_dims: Tensor, state_row_offsets: Tensor,
-    unique_rows: Tensor, unique_table: Tensor, inverse: Tensor,
-    offsets: Optional[Tensor], per_sample_weights: Optional[Tensor],
-    feature_col: Tensor, feature_mean: Tensor, batch_size: int,
-    optimizer: Union[str, int], hparams: Sequence[float], step: int,
-    new_vectors: Sequence[Tensor] = (), unique_new: Optional[Tensor] = None, state_init: Sequence[float] = (),
-    table_dtypes: Optional[Tensor] = None, unique_ids: Optional[Tensor] = None,
-    rounding_seeds: Optional[Tensor] = None,
+    grad: Tensor,
+    weights: Tensor,
+    states: list[Tensor],
+    table_offsets: Tensor,
+    table_dims: Tensor,
+    state_row_offsets: Tensor,
+    unique_rows: Tensor,
+    unique_table: Tensor,
+    inverse: Tensor,
+    offsets: Tensor | None,
+    per_sample_weights: Tensor | None,
+    feature_col: Tensor,
+    feature_mean: Tensor,
+    batch_size: int,
+    optimizer: str | int,
+    hparams: Sequence[float],
+    step: int,
+    new_vectors: Sequence[Tensor] = (),
+    unique_new: Tensor | None = None,
+    state_init: Sequence[float] = (),
+    table_dtypes: Tensor | None = None,
+    unique_ids: Tensor | None = None,
+    rounding_seeds: Tensor | None = None,
 ) -> None:
     """Backward of a lookup fused with the optimizer step, in place on weights and states.
 
@@ -287,15 +310,17 @@ def fused_update(
     opt = _optimizer_id(optimizer)
     hparams = [float(h) for h in hparams]
     if len(hparams) not in (6, 10) or (opt == _FTRL and len(hparams) != 10):
-        raise ValueError("fused_update: hparams must be (lr, eps, beta1, beta2, weight_decay, lr_decay"
-                         f"[, lr_power, l1, l2, beta]) (the last four for ftrl), got {len(hparams)} values")
+        raise ValueError(
+            "fused_update: hparams must be (lr, eps, beta1, beta2, weight_decay, lr_decay"
+            f"[, lr_power, l1, l2, beta]) (the last four for ftrl), got {len(hparams)} values"
+        )
     lr, eps, beta1, beta2, weight_decay, lr_decay = hparams[:6]
     lr_power, l1, l2, beta = hparams[6:] if len(hparams) == 10 else (0.0,) * 4
     if weights.dtype != torch.float32 or not weights.is_contiguous():
         raise ValueError("fused_update: weights must be a contiguous float32 buffer")
     if len(states) < _NUM_STATES[opt]:
         raise ValueError(f"fused_update: {optimizer!r} needs {_NUM_STATES[opt]} state buffers, got {len(states)}")
-    for s in states[:_NUM_STATES[opt]]:
+    for s in states[: _NUM_STATES[opt]]:
         if s.dtype != torch.float32 or not s.is_contiguous() or s.device != weights.device:
             raise ValueError("fused_update: states must be contiguous float32 buffers on the weights' device")
     num_unique = unique_rows.numel()
@@ -330,7 +355,7 @@ def fused_update(
 
     if opt in (_ADAGRAD, _ROWWISE_ADAGRAD):
         lr = lr / (1 + (step - 1) * lr_decay)
-    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
+    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
     adam_step_size = lr / bc1 if opt in (_ADAM, _ADAMW) else 0.0
     sqrt_bc2 = math.sqrt(bc2) if opt in (_ADAM, _ADAMW) else 1.0
     ftrl_power = _FTRL_SQRT if lr_power == -0.5 else _FTRL_ONE if lr_power == 0 else _FTRL_POW
@@ -358,14 +383,50 @@ def fused_update(
     ids = unique_ids.to(device=device, dtype=torch.int64).contiguous() if stochastic else order
     grid = (num_unique, triton.cdiv(max_dim, block_d))
     _fused_update_bwd_kernel[grid](
-        grad, grad_stride, *typed_views(weights), codes, seeds, ids, (step * _SR_GOLDEN) & _MASK64, state1, state2,
-        offsets_t, dims_t, _meta(state_row_offsets, device), state_offsets,
-        unique_rows.to(device).contiguous(), unique_table.to(device).contiguous(),
-        seg, order, bag, offsets, psw, feature_col_t, feature_mean_t,
+        grad,
+        grad_stride,
+        *typed_views(weights),
+        codes,
+        seeds,
+        ids,
+        (step * _SR_GOLDEN) & _MASK64,
+        state1,
+        state2,
+        offsets_t,
+        dims_t,
+        _meta(state_row_offsets, device),
+        state_offsets,
+        unique_rows.to(device).contiguous(),
+        unique_table.to(device).contiguous(),
+        seg,
+        order,
+        bag,
+        offsets,
+        psw,
+        feature_col_t,
+        feature_mean_t,
         batch_size,
-        lr, eps, 1.0 - beta1, beta2, 1.0 - beta2, adam_step_size, sqrt_bc2, weight_decay,
-        1.0 - lr * weight_decay, lr_power, l1, 2.0 * l2, beta,
-        OPTIMIZER=opt, FTRL_POWER=ftrl_power, POOLED=pooled, HAS_WEIGHTS=has_weights,
-        HAS_WEIGHT_DECAY=weight_decay != 0 and opt not in (_ADAMW, _FTRL), HAS_DTYPES=has_dtypes,
-        STOCHASTIC=stochastic, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps,
+        lr,
+        eps,
+        1.0 - beta1,
+        beta2,
+        1.0 - beta2,
+        adam_step_size,
+        sqrt_bc2,
+        weight_decay,
+        1.0 - lr * weight_decay,
+        lr_power,
+        l1,
+        2.0 * l2,
+        beta,
+        OPTIMIZER=opt,
+        FTRL_POWER=ftrl_power,
+        POOLED=pooled,
+        HAS_WEIGHTS=has_weights,
+        HAS_WEIGHT_DECAY=weight_decay != 0 and opt not in (_ADAMW, _FTRL),
+        HAS_DTYPES=has_dtypes,
+        STOCHASTIC=stochastic,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
     )

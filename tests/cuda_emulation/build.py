@@ -44,7 +44,10 @@ def _emulated_kernels(name: str) -> str:
     )
     cu = cu.replace(prefetch, "emu_prefetch(p);")
     cu, launches = re.subn(
-        r"(\w+)<<<(.*?),\s*(\w+),\s*0,\s*stream>>>\((.*?)\);", r"emu_launch(\2, \3, stream, [&] { \1(\4); });", cu, flags=re.S
+        r"(\w+)<<<(.*?),\s*(\w+),\s*0,\s*stream>>>\((.*?)\);",
+        r"emu_launch(\2, \3, stream, [&] { \1(\4); });",
+        cu,
+        flags=re.S,
     )
     want = KERNEL_FILES[name]["launches"]
     assert launches == want, f"expected {want} kernel launches in {name}.cu, rewrote {launches}"

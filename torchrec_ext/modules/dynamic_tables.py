@@ -1108,8 +1108,8 @@ class DynamicTables:
         default, yes: on GPUs per-table calls cost launches per table, and on CPU the one call took
         0.6-0.8x the step's CPU time of per-table calls at 26 tables). Not for a subclass that
         follows each table's upsert with work of its own (``_rows_for``: the tiered tables' cache)."""
-        if type(self)._rows_for is not DynamicTables._rows_for:
-            return False
+        if type(self)._rows_for is not DynamicTables._rows_for or not self.indexes:
+            return False  # (a module of no tables has nothing to upsert)
         chosen = getattr(self, "batched_upsert", None)
         return True if chosen is None else bool(chosen)
 

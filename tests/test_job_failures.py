@@ -195,14 +195,18 @@ def _waits_for_a_stalled_peer(rank, port, results, release):
         results.put(("completed", time.monotonic() - start))
     except RuntimeError as e:
         results.put((str(e)[:200], time.monotonic() - start))
+    # put() hands the item to the queue's feeder thread, which os._exit would kill unflushed
+    # (under load the parent then never got it: the "never reached" failures seen in CI).
+    results.close()
+    results.join_thread()
     release.set()
     os._exit(0)
 
 
 def _stalled_peer_attempt():
     """(message, seconds waited) of rank 0's all-reduce, or None when the ranks never got that
-    far (e.g. the free port picked here was taken before rank 0 bound it: a race of the test's
-    own set-up, not of the code under test)."""
+    far (the free port picked here may be taken before rank 0 binds it: a race of the test's own
+    set-up, not of the code under test)."""
     import queue
     import socket
 

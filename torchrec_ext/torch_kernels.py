@@ -151,15 +151,9 @@ def init_rows_tables(
     state_values: Sequence[float] = (),
 ) -> None:
     """``init_rows`` of every table of a module at once, in the flat storage: a number of
-    launches that does not depend on the table count, and no host read.
-
-    weights / table_offsets / table_dims / table_dtypes: the module's storage, as the lookup
-    kernels take it. rows, tables, ids: int64 ``[n]``, each new id's row (-1: skip), table and id.
-    table_seeds (int64 bit patterns), table_kinds: per table; table_params: float64 ``[T, 4]``.
-    kinds: the initializer kinds present (host); max_dim: the widest table (host). states: flat
-    optimizer state buffers, table t's rows from ``state_offsets[t]`` (one value per row when
-    ``rowwise``, else dim_t per row), reset to ``state_values``. Each vector is the one
-    ``init_vectors`` draws for (seed, id) (bit for bit: every element is a function of its pair)."""
+    launches that does not depend on the table count, and no host read. Arguments: see
+    ``ops.init_rows_tables``. Each vector is the one ``init_vectors`` draws for (seed, id) (bit
+    for bit: every element is a function of its pair)."""
     n = rows.numel()
     if n == 0 or max_dim == 0:
         return

@@ -234,3 +234,33 @@ def assert_same_tables(got_state, want_state, prefix):
             assert got[table][field].keys() == want[table][field].keys(), (table, field)
             for k, v in want[table][field].items():
                 torch.testing.assert_close(got[table][field][k], v, rtol=1e-5, atol=1e-5, msg=f"{table}.{field}[{k}]")
+
+
+def dmp_t1_row_t2_table_wise(model, world_size: int):
+    """``model`` (its dynamic EBC at ``model.ebc``) under DMP with table t1 row-wise and t2
+    table-wise on the last rank, planned by ``construct_module_sharding_plan``."""
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+
+    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
+
+    gens = {
+        "t1": row_wise(compute_kernel="customized_kernel"),
+        "t2": table_wise(rank=world_size - 1, compute_kernel="customized_kernel"),
+    }
+    plan = construct_module_sharding_plan(
+        model.ebc,
+        gens,
+        sharder=DynamicEmbeddingBagCollectionSharder(),
+        local_size=world_size,
+        world_size=world_size,
+        device_type="cpu",
+    )
+    return DistributedModelParallel(
+        model,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=ShardingPlan({"ebc": plan}),
+        sharders=get_sharders(),
+    )

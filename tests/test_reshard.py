@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torchrec import DataType, KeyedJaggedTensor
 
-from dist_helpers import ModelWith, run_ranks
+from dist_helpers import ModelWith, dmp_t1_row_t2_table_wise, run_ranks
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, HashTable, reference
 from torchrec_ext.table import LAYOUT_VERSION, stash_slots
 
@@ -393,12 +393,6 @@ KEYS = ["f1", "f2"]
 
 
 def _dmp(world_size, optimizer="adam", data_types=("FP32", "FP32")):
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
-
-    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
-
     configs = [
         DynamicEmbeddingBagConfig(
             name="t1",
@@ -417,25 +411,7 @@ def _dmp(world_size, optimizer="adam", data_types=("FP32", "FP32")):
         ),
     ]
     model = ModelWith("ebc", DynamicEmbeddingBagCollection(configs, optimizer=optimizer, optimizer_kwargs={"lr": 0.05}))
-    gens = {
-        "t1": row_wise(compute_kernel="customized_kernel"),
-        "t2": table_wise(rank=world_size - 1, compute_kernel="customized_kernel"),
-    }
-    plan = construct_module_sharding_plan(
-        model.ebc,
-        gens,
-        sharder=DynamicEmbeddingBagCollectionSharder(),
-        local_size=world_size,
-        world_size=world_size,
-        device_type="cpu",
-    )
-    return DistributedModelParallel(
-        model,
-        env=ShardingEnv.from_process_group(dist.group.WORLD),
-        device=torch.device("cpu"),
-        plan=ShardingPlan({"ebc": plan}),
-        sharders=get_sharders(),
-    )
+    return dmp_t1_row_t2_table_wise(model, world_size)
 
 
 def _local_rows(dmp):

@@ -10,7 +10,7 @@ from torch.distributed._shard.sharded_tensor import TensorProperties
 from torch.distributed.remote_device import _remote_device
 from torchrec import KeyedJaggedTensor
 
-from dist_helpers import ModelWith, run_ranks
+from dist_helpers import ModelWith, dmp_t1_row_t2_table_wise, run_ranks
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 from torchrec_ext.distributed import sharded_state
 from torchrec_ext.distributed.sharded_state import (
@@ -71,32 +71,8 @@ def _configs():
 
 
 def _sharded_ebc(world_size):
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
-
-    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
-
     model = ModelWith("ebc", DynamicEmbeddingBagCollection(_configs(), optimizer="adam", optimizer_kwargs={"lr": 0.05}))
-    gens = {
-        "t1": row_wise(compute_kernel="customized_kernel"),
-        "t2": table_wise(rank=world_size - 1, compute_kernel="customized_kernel"),
-    }
-    plan = construct_module_sharding_plan(
-        model.ebc,
-        gens,
-        sharder=DynamicEmbeddingBagCollectionSharder(),
-        local_size=world_size,
-        world_size=world_size,
-        device_type="cpu",
-    )
-    return DistributedModelParallel(
-        model,
-        env=ShardingEnv.from_process_group(dist.group.WORLD),
-        device=torch.device("cpu"),
-        plan=ShardingPlan({"ebc": plan}),
-        sharders=get_sharders(),
-    )
+    return dmp_t1_row_t2_table_wise(model, world_size)
 
 
 def _state_placements_on_fake_cuda(rank, world_size):

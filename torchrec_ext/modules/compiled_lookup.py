@@ -126,7 +126,8 @@ def _pending(token: Tensor) -> SimpleNamespace:
 
 @compiled_pooled_lookup.register_fake
 def _(handle, keys, values, lengths, weights, stride, total_dim, backward_follows, anchor):
-    return values.new_empty(stride, total_dim, dtype=torch.float32), values.new_empty(1, dtype=torch.int64)
+    # The token and the anchor's gradient live on the host, as the anchor does (the token is read there).
+    return values.new_empty(stride, total_dim, dtype=torch.float32), anchor.new_empty(1, dtype=torch.int64)
 
 
 @torch.library.custom_op("torchrec_ext::compiled_pooled_update", mutates_args=())
@@ -145,7 +146,9 @@ def compiled_pooled_update(token: Tensor, grad: Tensor, weights: Tensor | None) 
 
 @compiled_pooled_update.register_fake
 def _(token, grad, weights):
-    return grad.new_empty(0), (torch.empty_like(weights) if weights is not None else grad.new_empty(0))
+    return token.new_empty(0, dtype=torch.float32), (
+        torch.empty_like(weights) if weights is not None else grad.new_empty(0)
+    )
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -208,7 +211,7 @@ def compiled_sequence_lookup(
 
 @compiled_sequence_lookup.register_fake
 def _(handle, keys, values, lengths, stride, dim, backward_follows, anchor, plan_ids):
-    return plan_ids.new_empty(plan_ids.shape[0], dim, dtype=torch.float32), values.new_empty(1, dtype=torch.int64)
+    return plan_ids.new_empty(plan_ids.shape[0], dim, dtype=torch.float32), anchor.new_empty(1, dtype=torch.int64)
 
 
 @torch.library.custom_op("torchrec_ext::compiled_sequence_update", mutates_args=())
@@ -220,7 +223,7 @@ def compiled_sequence_update(token: Tensor, grad: Tensor) -> Tensor:
 
 @compiled_sequence_update.register_fake
 def _(token, grad):
-    return grad.new_empty(0)
+    return token.new_empty(0, dtype=torch.float32)
 
 
 def _sequence_setup_context(ctx, inputs, output) -> None:

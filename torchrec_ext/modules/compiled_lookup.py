@@ -167,6 +167,18 @@ def _backward(ctx, grad_pooled: Tensor, _grad_token: Tensor | None):
 compiled_pooled_lookup.register_autograd(_backward, setup_context=_setup_context)
 
 
+def lookup_is_one_op(module: Any, features: KeyedJaggedTensor, backward_follows: bool) -> bool:
+    """Whether ``module``'s forward runs its lookup as one op here: while Dynamo traces a forward
+    that may insert or be followed by a backward (eval under no_grad traces the lookup itself), on
+    real tables, for a KJT with one batch size (VBE KJTs break the graph)."""
+    return (
+        torch.compiler.is_dynamo_compiling()
+        and (module.training or backward_follows)
+        and module.device.type != "meta"
+        and not features.variable_stride_per_key()
+    )
+
+
 def compiled_pooled_forward(module: Any, features: KeyedJaggedTensor, backward_follows: bool) -> Tensor:
     """The pooled [batch_size, total_dim] output of ``module``'s lookup of ``features``, as one
     op of the graph Dynamo traces (``features`` has one batch size for all features)."""

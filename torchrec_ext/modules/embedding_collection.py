@@ -11,7 +11,7 @@ from torchrec.modules.embedding_modules import EmbeddingCollectionInterface, get
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from torchrec_ext.modules.base import DynamicCollectionMixin, SequenceLookupFunction
-from torchrec_ext.modules.compiled_lookup import compiled_sequence_forward
+from torchrec_ext.modules.compiled_lookup import compiled_sequence_forward, lookup_is_one_op
 from torchrec_ext.modules.configs import check_tables
 from torchrec_ext.modules.features import check_and_arrange
 
@@ -70,12 +70,7 @@ class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInte
         if isinstance(features, torch.fx.Proxy):  # symbolic tracing: a leaf
             return self._traced_call(features, dict)
         backward_follows = bool(self._differentiable_params())
-        if (
-            torch.compiler.is_dynamo_compiling()
-            and (self.training or backward_follows)
-            and self.device.type != "meta"
-            and not features.variable_stride_per_key()
-        ):  # torch.compile: the lookup as one op (compiled_lookup.py), so that fullgraph=True holds
+        if lookup_is_one_op(self, features, backward_follows):  # torch.compile: so that fullgraph=True holds
             return compiled_sequence_forward(self, features, backward_follows)
         batch = check_and_arrange(features, self._plan, False, type(self).__name__, self.device, variable_batch="pool")
         if self.device.type == "meta":  # shapes only, as TorchRec's module on meta

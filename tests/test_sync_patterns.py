@@ -17,28 +17,32 @@ ROOT = Path(__file__).resolve().parents[1] / "torchrec_ext"
 
 # file -> the functions ("Class.method" or "function") of the step path; "*": the whole file.
 STEP_PATH = {
-    "modules/dynamic_tables.py": [
-        "DynamicTables.lookup",
-        "DynamicTables._rows_for",
-        "DynamicTables._mask_expired",
-        "DynamicTables._erase_expired",
-        "DynamicTables._initialise",
-        "DynamicTables._init_view",
-        "DynamicTables._flat_init",
-        "DynamicTables._initialise_tables",
-        "DynamicTables._read_fallback",
-        "DynamicTables.write_new_rows",
-        "DynamicTables.apply_gradients",
-        "DynamicTables.layout",
-        "DynamicTables.dtype_layout",
-        "DynamicTables._on_device",
-        "DynamicTables.table_view",
-        "DynamicTables._storage_view",
-        "DynamicTables.state_views",
+    "modules/ids_to_rows.py": [
+        "IdsToRows.lookup",
+        "IdsToRows._rows_for",
+        "IdsToRows._mask_expired",
+        "IdsToRows._erase_expired",
+        "IdsToRows._initialise",
+        "IdsToRows._flat_init",
+        "IdsToRows._initialise_tables",
+        "IdsToRows._read_fallback",
+        "IdsToRows.write_new_rows",
     ],
+    "modules/table_storage.py": [
+        "TableStorage._init_view",
+        "TableStorage.layout",
+        "TableStorage.dtype_layout",
+        "TableStorage._on_device",
+        "TableStorage.table_view",
+        "TableStorage._storage_view",
+        "TableStorage.state_views",
+    ],
+    "modules/dynamic_tables.py": ["DynamicTables.apply_gradients"],
     "modules/base.py": [
         "DynamicCollectionMixin._lookup_rows",
         "DynamicCollectionMixin._differentiable_params",
+    ],
+    "modules/lookup_functions.py": [
         "PooledLookupFunction.forward",
         "PooledLookupFunction.backward",
         "per_sample_weight_grad",
@@ -113,8 +117,8 @@ EXEMPT = {
         "mask or nonzero",
     ): "CPU tensors only, by construction (admit dispatches here for CPU keys): host reads cost no sync there, and the fixed-size form's pass over the side table's capacity cost 1.4x the step",
     (
-        "modules/dynamic_tables.py",
-        "DynamicTables._initialise",
+        "modules/ids_to_rows.py",
+        "IdsToRows._initialise",
         "mask or nonzero",
     ): "the deferred new rows (NewRows): CPU tensors only, by construction (lookup defers on CPU only)",
     (
@@ -125,13 +129,13 @@ EXEMPT = {
     "find_or_insert_fixed passes increments=False",
     ("table.py", "HashTable._check_scores", "tensor truthiness"): "only with increments=True, as above",
     (
-        "modules/dynamic_tables.py",
-        "DynamicTables._storage_view",
+        "modules/table_storage.py",
+        "TableStorage._storage_view",
         "int(tensor)",
     ): "table_offsets: a layout descriptor kept on the CPU by construction (the device copy is _on_device's)",
     (
-        "modules/dynamic_tables.py",
-        "DynamicTables.state_views",
+        "modules/table_storage.py",
+        "TableStorage.state_views",
         "int(tensor)",
     ): "state_row_offsets: a layout descriptor kept on the CPU by construction",
     (

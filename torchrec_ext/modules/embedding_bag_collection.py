@@ -10,9 +10,10 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from torchrec_ext.modules.base import DynamicCollectionMixin, PooledLookupFunction
+from torchrec_ext.modules.base import DynamicCollectionMixin
 from torchrec_ext.modules.configs import check_tables
 from torchrec_ext.modules.features import check_and_arrange, expand_pooled
+from torchrec_ext.modules.lookup_functions import PooledLookupFunction
 
 
 class DynamicEmbeddingBagCollection(DynamicCollectionMixin, EmbeddingBagCollectionInterface):

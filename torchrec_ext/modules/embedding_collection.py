@@ -10,9 +10,10 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollectionInterface, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from torchrec_ext.modules.base import DynamicCollectionMixin, SequenceLookupFunction
+from torchrec_ext.modules.base import DynamicCollectionMixin
 from torchrec_ext.modules.configs import check_tables
 from torchrec_ext.modules.features import check_and_arrange
+from torchrec_ext.modules.lookup_functions import SequenceLookupFunction
 
 
 class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInterface):

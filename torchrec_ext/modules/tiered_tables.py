@@ -40,8 +40,9 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from torchrec_ext import ops
 from torchrec_ext.modules.configs import DEFAULT_CACHE_LOAD_FACTOR, options_of, storage_dtype_of
-from torchrec_ext.modules.dynamic_tables import DynamicTables, RowLookup, _allocate
+from torchrec_ext.modules.dynamic_tables import DynamicTables, RowLookup
 from torchrec_ext.modules.table_stats import TableStats
+from torchrec_ext.modules.table_storage import allocate_filled
 from torchrec_ext.modules.tier_log import ROW_BYTES, RowLog
 from torchrec_ext.modules.tier_store import BackingStore
 from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE, dense_state_offsets, table_words
@@ -535,9 +536,9 @@ class TieredTables(DynamicTables):
         live = bool(getattr(self, "indexes", None)) and device.type != "meta" and self.num_live_rows() > 0
         self._fold_logs()  # the logs' records have the old buffers' layout: their rows go home first
         if device.type == "meta":
-            self.backing[name] = _allocate(numel, value, device)
+            self.backing[name] = allocate_filled(numel, value, device)
         elif self.store.directory is None:  # host memory, on huge pages where offered (rows are touched at random)
-            self.backing[name] = _allocate(numel, value, torch.device("cpu"))
+            self.backing[name] = allocate_filled(numel, value, torch.device("cpu"))
         else:
             self.backing[name] = self.store.map(name, numel, value, fill=live)
         self._movers = None
@@ -546,7 +547,7 @@ class TieredTables(DynamicTables):
         else:
             rowwise = self.optimizer.kind in ROWWISE_STATE
             cached = sum(s * (1 if rowwise else m.dim) for s, m in zip(self.slots, self.meta))
-        return _allocate(cached, value, device)
+        return allocate_filled(cached, value, device)
 
     def _views(self, t: int, cached: bool) -> tuple[Tensor, dict[str, Tensor]]:
         """Table t's rows and optimizer states: of the cache ([slots, dim]) or the backing store

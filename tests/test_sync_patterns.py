@@ -37,7 +37,7 @@ STEP_PATH = {
         "TableStorage._storage_view",
         "TableStorage.state_views",
     ],
-    "modules/dynamic_tables.py": ["DynamicTables.apply_gradients"],
+    "modules/dynamic_tables.py": ["DynamicTables.begin_update", "DynamicTables.end_update"],
     "modules/base.py": [
         "DynamicCollectionMixin._lookup_rows",
         "DynamicCollectionMixin._differentiable_params",
@@ -48,6 +48,7 @@ STEP_PATH = {
         "per_sample_weight_grad",
         "SequenceLookupFunction.forward",
         "SequenceLookupFunction.backward",
+        "fused_backward",
     ],
     "modules/embedding_bag_collection.py": ["DynamicEmbeddingBagCollection.forward"],
     "modules/embedding_collection.py": ["DynamicEmbeddingCollection.forward"],
@@ -140,7 +141,7 @@ EXEMPT = {
     ): "state_row_offsets: a layout descriptor kept on the CPU by construction",
     (
         "modules/dynamic_tables.py",
-        "DynamicTables.apply_gradients",
+        "DynamicTables.begin_update",
         "int(tensor)",
     ): "optimizer_step: a CPU tensor by construction (the fused optimizer's step count)",
 }

@@ -71,7 +71,15 @@ class DynamicEmbeddingBagCollection(DynamicCollectionMixin, EmbeddingBagCollecti
             pooled = torch.empty(batch.batch_size, self._plan.total_dim, device=self.device)
         else:
             lookup = self._lookup_rows(batch)
-            pooled = PooledLookupFunction.apply(self, lookup, batch, batch.weights, *self._differentiable_params())
+            pooled = PooledLookupFunction.apply(
+                self._tables,
+                self._plan,
+                self._hyperparams,
+                lookup,
+                batch,
+                batch.weights,
+                *self._differentiable_params(),
+            )
         if batch.expand is not None:  # a variable batch size per feature
             pooled = expand_pooled(pooled, batch.expand, self._plan)
         return KeyedTensor(keys=self._plan.embedding_names, length_per_key=self._plan.dims, values=pooled, key_dim=1)

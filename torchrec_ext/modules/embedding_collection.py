@@ -74,7 +74,9 @@ class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInte
             vectors = torch.empty(batch.ids.numel(), self._embedding_dim, device=self.device)
         else:
             lookup = self._lookup_rows(batch)
-            vectors = SequenceLookupFunction.apply(self, lookup, batch, *self._differentiable_params())
+            vectors = SequenceLookupFunction.apply(
+                self._tables, self._plan, self._hyperparams, lookup, batch, *self._differentiable_params()
+            )
         counts = batch.value_counts  # ids per lookup feature, host side (no read of the device offsets)
         per_feature = torch.split(vectors, counts)
         ids = torch.split(batch.ids, counts)

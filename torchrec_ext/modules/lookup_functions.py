@@ -1,21 +1,56 @@
-"""The autograd functions of a dynamic collection's lookup: forward reads the rows
-(``ops.pooled_lookup`` / ``ops.sequence_lookup``), backward is the fused optimizer update
-(``DynamicTables.apply_gradients``); per-sample weights that require a gradient get theirs.
+"""The lookup of a dynamic collection as autograd sees it, both kernels launched here: forward reads
+the rows (``ops.pooled_lookup`` / ``ops.sequence_lookup``), backward is the fused optimizer update
+(``ops.fused_update``, ``fused_backward``); per-sample weights that require a gradient get theirs.
+
+The functions receive the tables' storage (``DynamicTables``), the features' layout
+(``LookupPlan``) and a reader of the optimizer's hyperparameters, never the module. The
+hyperparameters are read when the backward runs, so a setting written between forward and backward
+(a scheduler's) applies, as before.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from torchrec_ext import ops
-from torchrec_ext.modules.dynamic_tables import RowLookup
-from torchrec_ext.modules.features import LookupInput
+from torchrec_ext.modules.dynamic_tables import DynamicTables, UpdateBags
+from torchrec_ext.modules.features import LookupInput, LookupPlan
+from torchrec_ext.modules.ids_to_rows import RowLookup
 
-if TYPE_CHECKING:
-    from torchrec_ext.modules.base import DynamicCollectionMixin
+# The optimizer's hyperparameters (lr, eps, beta1, beta2, weight_decay, lr_decay), read when called.
+Hyperparams = Callable[[], tuple[float, ...]]
+
+
+def fused_backward(
+    tables: DynamicTables, grad: Tensor, lookup: RowLookup, bags: UpdateBags, hyperparams: tuple[float, ...]
+) -> None:
+    """The fused backward of ``lookup``: per unique row, its ids' gradients summed (through
+    ``bags``) and one optimizer step, in place; the lookup's pending rows are written by the
+    same pass."""
+    update = tables.begin_update(grad, lookup, bags)
+    ops.fused_update(
+        grad,
+        update.weights,
+        update.states,
+        update.table_offsets,
+        update.table_dims,
+        update.state_row_offsets,
+        update.unique_rows,
+        lookup.unique_table,
+        lookup.inverse,
+        *bags,
+        update.optimizer,
+        hyperparams,
+        update.step,
+        *update.pending,
+        table_dtypes=update.table_dtypes,
+        unique_ids=lookup.unique_ids,
+        rounding_seeds=update.rounding_seeds,
+    )
+    tables.end_update(lookup, update, hyperparams)
 
 
 class PooledLookupFunction(torch.autograd.Function):
@@ -26,18 +61,20 @@ class PooledLookupFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx,
-        owner: DynamicCollectionMixin,
+        tables: DynamicTables,
+        plan: LookupPlan,
+        hyperparams: Hyperparams,
         lookup: RowLookup,
         batch: LookupInput,
         weights: Tensor | None,
         *params: Tensor,
     ) -> Tensor:
-        tables, plan = owner._tables, owner._plan
         table_offsets, table_dims, _ = tables.layout()
         feature_table, feature_col, feature_mean = plan.tensors(tables.device)
         offsets = torch.zeros(batch.lengths.numel() + 1, dtype=torch.int64, device=batch.lengths.device)
         torch.cumsum(batch.lengths, 0, out=offsets[1:])
-        ctx.owner, ctx.lookup, ctx.batch, ctx.offsets = owner, lookup, batch, offsets
+        ctx.tables, ctx.plan, ctx.hyperparams = tables, plan, hyperparams
+        ctx.lookup, ctx.batch, ctx.offsets = lookup, batch, offsets
         ctx.num_params = len(params)
         return ops.pooled_lookup(
             tables.weights,
@@ -57,30 +94,22 @@ class PooledLookupFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        owner, batch = ctx.owner, ctx.batch
+        tables, plan, batch = ctx.tables, ctx.plan, ctx.batch
         # Before the update: the weights' gradient reads the rows as the forward did.
-        grad_weights = per_sample_weight_grad(owner, ctx.lookup, batch, grad) if ctx.needs_input_grad[3] else None
-        _, feature_col, feature_mean = owner._plan.tensors(owner._tables.device)
-        owner._tables.apply_gradients(
-            grad,
-            ctx.lookup,
-            ctx.offsets,
-            batch.weights,
-            feature_col,
-            feature_mean,
-            batch.batch_size,
-            owner._hyperparams(),
-        )
-        return (None, None, None, grad_weights) + (None,) * ctx.num_params
+        needs_weights = ctx.needs_input_grad[5]
+        grad_weights = per_sample_weight_grad(tables, plan, ctx.lookup, batch, grad) if needs_weights else None
+        _, feature_col, feature_mean = plan.tensors(tables.device)
+        bags = UpdateBags(ctx.offsets, batch.weights, feature_col, feature_mean, batch.batch_size)
+        fused_backward(tables, grad, ctx.lookup, bags, ctx.hyperparams())
+        return (None, None, None, None, None, grad_weights) + (None,) * ctx.num_params
 
 
 def per_sample_weight_grad(
-    owner: DynamicCollectionMixin, lookup: RowLookup, batch: LookupInput, grad: Tensor
+    tables: DynamicTables, plan: LookupPlan, lookup: RowLookup, batch: LookupInput, grad: Tensor
 ) -> Tensor:
     """d loss / d weight of each id: its row (as the lookup read it) dotted with the gradient of
     its bag's output columns, divided by the bag's length under mean pooling. One sequence
     lookup per distinct embedding dim."""
-    tables, plan = owner._tables, owner._plan
     table_offsets, _, _ = tables.layout()
     feature_table, feature_col, feature_mean = plan.tensors(tables.device)
     n, bags = batch.ids.numel(), batch.lengths.numel()
@@ -116,11 +145,18 @@ class SequenceLookupFunction(torch.autograd.Function):
     """Sequence lookup ([num_ids, dim]) whose backward is the fused optimizer update."""
 
     @staticmethod
-    def forward(ctx, owner: DynamicCollectionMixin, lookup: RowLookup, batch: LookupInput, *params: Tensor) -> Tensor:
-        tables, plan = owner._tables, owner._plan
+    def forward(
+        ctx,
+        tables: DynamicTables,
+        plan: LookupPlan,
+        hyperparams: Hyperparams,
+        lookup: RowLookup,
+        batch: LookupInput,
+        *params: Tensor,
+    ) -> Tensor:
         table_offsets, _, _ = tables.layout()
         feature_table, _, _ = plan.tensors(tables.device)
-        ctx.owner, ctx.lookup = owner, lookup
+        ctx.tables, ctx.hyperparams, ctx.lookup = tables, hyperparams, lookup
         ctx.num_params = len(params)
         return ops.sequence_lookup(
             tables.weights,
@@ -135,7 +171,5 @@ class SequenceLookupFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        owner = ctx.owner
-        empty = torch.zeros(0, dtype=torch.int64, device=grad.device)
-        owner._tables.apply_gradients(grad, ctx.lookup, None, None, empty, empty.bool(), 0, owner._hyperparams())
-        return (None, None, None) + (None,) * ctx.num_params
+        fused_backward(ctx.tables, grad, ctx.lookup, UpdateBags.sequence(grad.device), ctx.hyperparams())
+        return (None, None, None, None, None) + (None,) * ctx.num_params

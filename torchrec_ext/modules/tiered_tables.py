@@ -735,8 +735,8 @@ class TieredTables(DynamicTables):
         self._pinned.pop(key, None)
         self._unpin(held)
 
-    def apply_gradients(self, grad: Tensor, lookup: RowLookup, *args, **kwargs) -> None:
-        super().apply_gradients(grad, lookup, *args, **kwargs)
+    def end_update(self, lookup: RowLookup, *args, **kwargs) -> None:
+        super().end_update(lookup, *args, **kwargs)
         release = self._pinned.get(id(lookup.unique_rows))
         if release is not None:
             release()

@@ -28,6 +28,7 @@ STEP_PATH = {
         "IdsToRows._read_fallback",
         "IdsToRows.write_new_rows",
     ],
+    "modules/pending_rows.py": ["*"],
     "modules/table_storage.py": [
         "TableStorage._init_view",
         "TableStorage.layout",

@@ -29,7 +29,8 @@ from torchrec_ext.hashing import fallback_seed, rounding_seed, table_seed
 from torchrec_ext.modules.admission import Admission
 from torchrec_ext.modules.configs import initial_capacity_of, initializer_of, options_of, storage_dtype_of
 from torchrec_ext.modules.fused_optimizer import OptimizerSpec
-from torchrec_ext.modules.ids_to_rows import IdsToRows, NewRows, RowLookup
+from torchrec_ext.modules.ids_to_rows import IdsToRows, RowLookup
+from torchrec_ext.modules.pending_rows import NewRows, pending_rows_written
 from torchrec_ext.modules.replicated_fallback import ReplicatedFallback
 from torchrec_ext.modules.reserved_buffers import ReservedBuffer
 from torchrec_ext.modules.table_checkpoint import TableCheckpoint
@@ -65,7 +66,7 @@ class FusedUpdate(NamedTuple):
     """One fused update's target (``DynamicTables.begin_update``): the buffers it steps and their
     layout, the lookup's unique rows this rank steps (-1: none, such as replicated fallback rows,
     which ``end_update`` steps), the optimizer and its step, the lookup's pending rows as
-    ``ops.fused_update`` takes them (new_vectors, unique_new, state_init), the storage dtypes and
+    ``ops.fused_update`` takes them (``NewRows.update_args``), the storage dtypes and
     rounding seeds, and what ``end_update`` needs."""
 
     weights: Tensor
@@ -159,10 +160,10 @@ class DynamicTables(IdsToRows, TableGrowth, ReplicatedFallback, TableCheckpoint,
         self._growth_deferred = False  # a lookup put a growth off (a fused update was pending)
         self._build_indexes()
 
+    @pending_rows_written
     def __getstate__(self) -> dict[str, object]:
         """For deepcopy / pickle / torch.save: pending new rows are written first, so the copy
         holds every row its indexes name; caches and the scratch buffer are not carried."""
-        self.write_new_rows()
         state = dict(self.__dict__)
         state["_reserved"] = {}  # the copy's buffers are plain ones (its next growth reserves again)
         state["_init_views"] = None
@@ -175,9 +176,9 @@ class DynamicTables(IdsToRows, TableGrowth, ReplicatedFallback, TableCheckpoint,
         self.__dict__.update(state)
         self._parameter_owners = weakref.WeakSet()
 
+    @pending_rows_written
     def apply(self, fn) -> None:
         """Applies a tensor function (``Module._apply``'s) to the storage and moves the indexes."""
-        self.write_new_rows()
         old_device = self.device
         self.weights = fn(self.weights)
         self.states = [fn(s) for s in self.states]
@@ -234,7 +235,7 @@ class DynamicTables(IdsToRows, TableGrowth, ReplicatedFallback, TableCheckpoint,
             unique_rows,
             self.optimizer.kind_id,
             int(self.optimizer_step),
-            ((), None, ()) if new is None else (new.vectors, new.unique_new, self._initial_state_values()),
+            ((), None, ()) if new is None else new.update_args(self._initial_state_values()),
             table_dtypes,
             rounding_seeds,
             new,

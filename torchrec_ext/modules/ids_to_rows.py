@@ -10,18 +10,13 @@ rows, which the index never hands out. A distinct id without a row (-1 above) re
 one fallback row are merged into one unique row of the lookup, so the fused update takes one step
 of that row on their summed gradient, with its own optimizer state, as for any row.
 
-On CPU, when a backward will follow, new rows are not written by the lookup: their initial vectors
-go to a small dense block (``NewRows``) that the lookup kernels read, and the fused update writes
-each one to its row with the row's first step. New ids are most of a batch's distinct ids on
-heavy-tailed data, and their rows are scattered over gigabytes: this saves two of the three passes
-over them. Anything else that reads the tables first writes the pending rows (``write_new_rows``),
-so the deferral is never visible.
+On CPU, when a backward will follow, new rows are not written by the lookup but left pending
+(``pending_rows.py``: the protocol and its one guard).
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -30,26 +25,13 @@ from torch import Tensor
 from torchrec_ext import device_sync, ops
 from torchrec_ext.hashing import as_int64, fallback_slots
 from torchrec_ext.modules.admission import make_admission
+from torchrec_ext.modules.pending_rows import NewRows, pending_rows_written
 from torchrec_ext.modules.table_stats import MAX_AGE_BINS, TableCounters
 from torchrec_ext.modules.table_storage import TableStorage, allocate_filled
 from torchrec_ext.table import FixedInsertResult, HashTable, find_or_insert_tables
-from torchrec_ext.vocabulary import INITIALIZER_NAMES, INITIALIZER_PARAM_COUNTS, ROWWISE_STATE, pending_row, table_words
+from torchrec_ext.vocabulary import INITIALIZER_NAMES, INITIALIZER_PARAM_COUNTS, ROWWISE_STATE, table_words
 
 _SCORED_BY_COUNT = {"lfu", "epoch_lfu"}
-
-
-@dataclass
-class NewRows:
-    """New ids' rows from one training lookup, their initial values not yet written there.
-
-    vectors[t]: [n_t, dim_t] initial vectors of table t's new ids; rows[t]: their rows;
-    unique_new: per unique id of the lookup, its index into its table's vectors (-1: not new).
-    """
-
-    vectors: list[Tensor]
-    rows: list[Tensor]
-    unique_new: Tensor
-    written: bool = False
 
 
 class RowLookup(NamedTuple):
@@ -112,13 +94,13 @@ class IdsToRows:
                 "(module.to_empty(device=...) then module.reset_parameters())"
             )
 
+    @pending_rows_written
     def lookup(self, ids: Tensor, segment_offsets: Tensor, training: bool, backward_follows: bool = False) -> RowLookup:
         """Rows of ``ids``, table t's ids being ``ids[segment_offsets[t]:segment_offsets[t+1]]``.
 
         backward_follows: the caller will run the fused update on this lookup, which may then
         write the new rows (CPU; see ``NewRows``) instead of the lookup writing them now.
         """
-        self.write_new_rows()
         unique, inverse, counts, unique_offsets = ops.dedup_segments(ids, segment_offsets)
         exporting = torch.compiler.is_compiling()  # bounds are symbolic: tell what the op guarantees
         bounds = device_sync.host_list(unique_offsets, "lookup: where each table's unique ids start")
@@ -136,11 +118,7 @@ class IdsToRows:
             self.train_step += 1
         new = None
         if training and backward_follows and self.defer_new_rows and self.device.type == "cpu":
-            new = NewRows(
-                vectors=[self.weights.new_empty(0, m.dim, dtype=m.dtype) for m in self.meta],
-                rows=[unique.new_empty(0) for _ in self.meta],
-                unique_new=torch.full_like(unique, -1),
-            )
+            new = NewRows.none_yet(self.weights, [(m.dim, m.dtype) for m in self.meta], unique)
             most = unique.numel() * self._widest
             if self._new_vector_buffer.numel() < most:
                 self._new_vector_buffer = allocate_filled(
@@ -190,7 +168,7 @@ class IdsToRows:
             result = RowLookup(unique_rows[inverse], unique_rows, unique_table, inverse, unique_ids=unique_ids)
         else:
             self._new_rows = new
-            read_from = torch.where(new.unique_new >= 0, pending_row(new.unique_new), unique_rows)
+            read_from = new.read_rows(unique_rows)
             result = RowLookup(read_from[inverse], unique_rows, unique_table, inverse, new, unique_ids)
         if backward_follows and not exporting:
             # Pending until its fused update lands, or its autograd graph (which holds it) is dropped.
@@ -242,15 +220,8 @@ class IdsToRows:
         """Writes the pending new rows of the last training lookup (initial vectors, initial
         optimizer state), when its fused update has not."""
         new, self._new_rows = self._new_rows, None
-        if new is None or new.written:
-            return
-        for t, (rows, vectors) in enumerate(zip(new.rows, new.vectors)):
-            if rows.numel():
-                table, states, fills = self._init_view(t)
-                table[rows] = vectors
-                for state, fill in zip(states, fills):
-                    state[rows] = fill
-        new.written = True
+        if new is not None:
+            new.write(self._init_view)
 
     def _rows_for(self, t: int, keys: Tensor, counts: Tensor, training: bool) -> tuple[Tensor, Tensor | None]:
         """Rows of table t's distinct ``keys``, and in training which of them are new (rows to initialise)."""
@@ -387,10 +358,9 @@ class IdsToRows:
         slots = torch.arange(which.numel(), device=which.device)
         first = start * self._widest  # a half block takes half of its words: blocks still never overlap
         block = self._new_vector_buffer[first : first + table_words(which.numel(), m.dim, m.dtype)]
-        new.vectors[t] = block.view(m.dtype)[: which.numel() * m.dim].view(which.numel(), m.dim)
-        ops.init_rows(new.vectors[t], slots, keys[which], m.seed, m.init_kind, m.init_params)
-        new.rows[t] = rows[which]
-        new.unique_new[start + which] = slots
+        vectors = block.view(m.dtype)[: which.numel() * m.dim].view(which.numel(), m.dim)
+        ops.init_rows(vectors, slots, keys[which], m.seed, m.init_kind, m.init_params)
+        new.add(t, start, which, slots, rows[which], vectors)
 
     def _flat_init(self) -> bool:
         """Whether a training lookup writes every table's new rows in one call (``flat_init``:

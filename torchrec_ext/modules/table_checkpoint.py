@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from torchrec_ext.modules.admission import Admission, bloom_geometry
+from torchrec_ext.modules.pending_rows import pending_rows_written
 from torchrec_ext.modules.state_checks import _check_distinct, _checked
 from torchrec_ext.table import (
     CLOCK_LIMIT,
@@ -64,13 +65,13 @@ COUNTERS = (
 class TableCheckpoint:
     """The checkpoint part of ``DynamicTables``: state of one table out, states of tables in."""
 
+    @pending_rows_written
     def table_state(self, t: int) -> dict[str, Tensor]:
         """Table t's live rows: vectors, ids, scores, rows, optimizer state, counters."""
         if self.device.type == "meta":
             return self._shape_only_state(t)
         if self.__dict__.get("_rows_as_shapes"):
             return self._shape_only_state(t, self.device)
-        self.write_new_rows()
         state = self.indexes[t].state_dict()
         keys, rows, scores = state["keys"], state["rows"], state["scores"]
         per_row, whole = self.rows_state(t, rows), self.whole_table_state(t)
@@ -96,10 +97,10 @@ class TableCheckpoint:
             out["last_seen"] = self.last_seen[t].index_select(0, rows)
         return out
 
+    @pending_rows_written
     def whole_table_state(self, t: int) -> dict[str, Tensor]:
         """Table t's state that is not per row: counters, admission state, fallback rows (small;
         what an incremental checkpoint saves whole)."""
-        self.write_new_rows()
         m, index = self.meta[t], self.indexes[t]
         out = {
             # on the storage's device, as every other key (one device per rank's checkpoint shards)
@@ -169,6 +170,7 @@ class TableCheckpoint:
             keys += ["fallback_weight"] + [f"fallback_optimizer.{name}" for name in self.state_views(t)]
         return keys
 
+    @pending_rows_written
     def load_states(self, states: dict[int, dict[str, Tensor]], where: str) -> None:
         """Replaces tables by ``table_state`` outputs (table index -> state), all or none: every
         state is checked and its index built before any table changes. ``row`` may be absent
@@ -178,7 +180,6 @@ class TableCheckpoint:
             return
         self.check_ready(where)
         loaded = {t: self._check_table_state(t, state, where) for t, state in states.items()}
-        self.write_new_rows()
         resized = {t: (table.capacity, None) for t, table in loaded.items() if table.capacity != self.meta[t].capacity}
         if resized:  # growing tables fit the checkpoint's ids (GrowthError, nothing changed, if they cannot)
             self._relayout(resized, {})

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from torchrec_ext import device_sync
+from torchrec_ext.modules.pending_rows import pending_rows_written
 from torchrec_ext.table import HashTable
 from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE, table_words
 
@@ -139,11 +140,11 @@ class TableGrowth:
                 targets[t] = want
         if not targets:
             return []
-        self.write_new_rows()
         grown = {t: self.indexes[t].grown(c) for t, c in targets.items()}  # new indexes; nothing changed yet
         self._relayout({t: (c, grown[t][1]) for t, c in targets.items()}, {t: g[0] for t, g in grown.items()})
         return sorted(targets)
 
+    @pending_rows_written
     def _relayout(self, plans: dict[int, tuple[int, Tensor | None]], indexes: dict[int, HashTable]) -> None:
         """Gives tables new capacities: ``plans[t] = (capacity, row_map)``, ``row_map[old_row]``
         the new row of each old row (-1: dropped; None: no row carried, the caller replaces the
@@ -152,7 +153,6 @@ class TableGrowth:
         whole, fallback rows whole), then ``indexes`` replace the tables' indexes. On the storage's
         device throughout. A buffer in reserved address space is rewritten in place
         (``_rewrite_in_place``): only the pages past its old size are new."""
-        self.write_new_rows()
         device, old_row_starts = self.device, self.state_row_offsets
         old_views = [(self._storage_view(t), self._all_state_views(t)) for t in range(len(self.meta))]
         old_buffers = [self.weights] + list(self.states)

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from torchrec_ext import device_sync
 from torchrec_ext.modules.fused_optimizer import OptimizerSpec
+from torchrec_ext.modules.pending_rows import pending_rows_written
 from torchrec_ext.modules.reserved_buffers import ReservedBuffer
 from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE, dense_state_offsets, index_bytes, table_words
 
@@ -219,9 +220,9 @@ class TableStorage:
 
     # ------------------------------------------------------------------ buffers
 
+    @pending_rows_written
     def set_optimizer(self, spec: OptimizerSpec) -> None:
         """Allocates (or keeps, when the kind is unchanged) the optimizer state for ``spec``."""
-        self.write_new_rows()
         if self.optimizer is not None and self.optimizer.kind == spec.kind:
             self.optimizer = spec
             self._init_views = None  # the fill values may have changed

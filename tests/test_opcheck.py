@@ -5,7 +5,7 @@ registration and AOT dispatch, on real inputs of each op. A new op gets a row he
 import pytest
 import torch
 
-from test_embedding_ops import _pooled_case, _update_case
+from embedding_ops_helpers import pooled_case, update_case
 from torchrec_ext import HashTable
 from torchrec_ext import reference as ref
 
@@ -104,7 +104,7 @@ def _embedding_cases():
             [0.5],
         ),
     )
-    case = _pooled_case(weighted=True)
+    case = pooled_case(weighted=True)
     yield (
         "pooled_lookup",
         (
@@ -137,7 +137,7 @@ def _embedding_cases():
     )
     for optimizer in ref.OPTIMIZERS:
         for pooled in (True, False):
-            grad, w, states, c = _update_case(optimizer, pooled)
+            grad, w, states, c = update_case(optimizer, pooled)
             yield (
                 "fused_update",
                 (

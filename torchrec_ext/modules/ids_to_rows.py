@@ -72,7 +72,7 @@ class IdsToRows:
         old = self.indexes if carry_from is not None and carry_from.type != "meta" else None
         self.indexes, self.last_seen, self.admission = [], [], []
         for t, m in enumerate(self.meta):
-            index = HashTable(m.capacity, policy=m.policy, device=device)
+            index = HashTable(m.capacity, policy=m.policy, device=device, mapped_rows=m.may_grow)
             if old is not None and old[t] is not None:
                 state = old[t].state_dict()
                 index.load_state_dict({k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in state.items()})

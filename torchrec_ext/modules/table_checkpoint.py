@@ -246,7 +246,7 @@ class TableCheckpoint:
         # the table that saved them, unless it grew for ids since evicted or expired).
         ids, scores = ids.to(device, torch.int64), scores.to(device, torch.int64)
         capacity = m.fit_capacity(n, start=m.initial_capacity) if m.max_capacity != m.initial_capacity else m.capacity
-        index = HashTable(capacity, policy=m.policy, device=device)
+        index = HashTable(capacity, policy=m.policy, device=device, mapped_rows=m.may_grow)
         entry = {"capacity": capacity, "policy": m.policy, "clock": clock, "epoch": epoch, "layout": LAYOUT_VERSION}
         rows, keep, warning, layout_warning = None, None, None, None
         if saved_rows is not None and n <= capacity:
@@ -255,7 +255,9 @@ class TableCheckpoint:
                 index.load_state_dict(dict(entry, layout=layout, keys=ids, rows=saved_rows, scores=scores))
                 rows = saved_rows
             except ValueError:
-                pass  # saved at another capacity, or with another layout
+                pass  # saved at another capacity, or with another layout, or by a grown table
+        if rows is None and saved_rows is not None and m.may_grow and n <= capacity:
+            rows = self._keep_saved_rows(index, entry, ids, saved_rows, scores)
         if rows is None:
             if saved_rows is not None and layout not in SAME_BUCKET_LAYOUTS:
                 layout_warning = (
@@ -300,6 +302,21 @@ class TableCheckpoint:
             fallback_states=fallback_states,
             capacity=capacity,
         )
+
+    @staticmethod
+    def _keep_saved_rows(index: HashTable, entry: dict, ids: Tensor, rows: Tensor, scores: Tensor) -> Tensor | None:
+        """Loads ``ids`` into a growing table's ``index`` (its slots map to rows) at their saved
+        ``rows``, placing them in slots afresh; None (the index unchanged) when the rows are not
+        distinct rows of the table or some id finds no slot."""
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= index.capacity):
+            return None
+        if torch.unique(rows).numel() != rows.numel():
+            return None
+        slots = place_keys(ids, scores, index.capacity)
+        if bool((slots < 0).any()):
+            return None
+        index.load_state_dict(dict(entry, keys=ids, rows=rows, slots=slots, scores=scores))
+        return rows
 
     def _checked_fallback(
         self, t: int, state: dict[str, Tensor], name: str

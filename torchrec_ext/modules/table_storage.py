@@ -23,7 +23,14 @@ from torchrec_ext import device_sync
 from torchrec_ext.modules.fused_optimizer import OptimizerSpec
 from torchrec_ext.modules.pending_rows import pending_rows_written
 from torchrec_ext.modules.reserved_buffers import ReservedBuffer
-from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE, dense_state_offsets, index_bytes, table_words
+from torchrec_ext.vocabulary import (
+    OPTIMIZER_STATES,
+    ROWWISE_STATE,
+    dense_state_offsets,
+    index_bytes,
+    row_map_bytes,
+    table_words,
+)
 
 
 @dataclass
@@ -47,6 +54,11 @@ class TableMeta:
     max_capacity: int = 0  # num_embeddings: what the table may grow to
     initial_capacity: int = 0  # what it starts with (and returns to on reset)
     growth_load_factor: float = 1.0  # the load past which it doubles
+
+    @property
+    def may_grow(self) -> bool:
+        """Whether the table grows at all (its index then maps slots to rows: growth keeps rows)."""
+        return self.max_capacity > self.initial_capacity
 
     @property
     def grows(self) -> bool:
@@ -318,7 +330,7 @@ class TableStorage:
                 * per_row
                 * (1 if self.optimizer is None or self.optimizer.kind in ROWWISE_STATE else m.dim)
             )
-            total += index_bytes(c)
+            total += index_bytes(c) + (row_map_bytes(c) if m.may_grow else 0)
             total += 8 * c if m.ttl_steps else 0
             total += admission.nbytes() if admission is not None else 0
         return total

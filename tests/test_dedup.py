@@ -4,9 +4,7 @@
 import pytest
 import torch
 
-from embedding_ops_helpers import (
-    EXTREME_IDS,
-)
+from embedding_ops_helpers import EXTREME_IDS
 from torchrec_ext import ops
 from torchrec_ext import reference as ref
 

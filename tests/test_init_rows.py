@@ -4,9 +4,7 @@
 import pytest
 import torch
 
-from embedding_ops_helpers import (
-    EXTREME_IDS,
-)
+from embedding_ops_helpers import EXTREME_IDS
 from torchrec_ext import ops
 from torchrec_ext import reference as ref
 
@@ -25,15 +23,14 @@ def test_init_rows_matches_reference(kind, params):
     ids = torch.tensor(EXTREME_IDS + list(range(100, 120)))
     rows = torch.randperm(cap)[: ids.numel()]
     rows[3] = -1
-    table = torch.full((cap, dim), 7.0)
+    table, want = torch.full((cap, dim), 7.0), torch.full((cap, dim), 7.0)
+    state, want_state = torch.full((cap, 1), 3.0), torch.full((cap, 1), 3.0)
     seed = ref.table_seed(42, "table_a")
-    ops.init_rows(table, rows, ids, seed, ref.INITIALIZERS[kind], params)
-    want = ref.init_vectors(ids, dim, seed, kind, params)
+    ops.init_rows(table, rows, ids, seed, ref.INITIALIZERS[kind], params, [state], [0.5])
+    ref.init_rows(want, rows, ids, seed, ref.INITIALIZERS[kind], params, [want_state], [0.5])
+    torch.testing.assert_close(table, want, rtol=1e-6, atol=1e-6)  # untouched rows stay 7.0 in both
+    assert torch.equal(state, want_state)
     keep = rows >= 0
-    torch.testing.assert_close(table[rows[keep]], want[keep], rtol=1e-6, atol=1e-6)
-    untouched = torch.ones(cap, dtype=torch.bool)
-    untouched[rows[keep]] = False
-    assert torch.all(table[untouched] == 7.0)
     if kind == "truncated_normal":
         assert table[rows[keep]].min() >= -0.5 and table[rows[keep]].max() <= 0.25
 

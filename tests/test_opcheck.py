@@ -171,10 +171,20 @@ def _embedding_cases():
 CASES = list(_hash_cases()) + list(_embedding_cases())
 
 
+# Ops registered from Python that opcheck cannot drive: their first argument names a live module
+# (torch.compile's one-op lookup, modules/compiled_lookup.py; tested by tests/test_dropin_compile.py).
+MODULE_HANDLE_OPS = {
+    "compiled_pooled_lookup",
+    "compiled_pooled_update",
+    "compiled_sequence_lookup",
+    "compiled_sequence_update",
+}
+
+
 def test_every_op_has_a_case():
     """A new op in csrc/ops.cpp must be added to CASES (the check reads the registered schemas)."""
     registered = {s.name.split("::")[1] for s in torch._C._jit_get_all_schemas() if s.name.startswith("torchrec_ext::")}
-    assert registered == {name for name, _ in CASES}
+    assert registered - MODULE_HANDLE_OPS == {name for name, _ in CASES}
 
 
 @pytest.mark.parametrize("name,args", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])

@@ -70,6 +70,39 @@ def test_reads_after_many_appends_see_each_rows_newest_copy_and_cleaning_bounds_
     store.close()
 
 
+@pytest.mark.parametrize("write_behind", [True, False])
+def test_write_behind_hands_each_appended_range_to_the_disk(tmp_path, monkeypatch, write_behind):
+    # The kernel is asked to start writing exactly the bytes each append wrote (one range per
+    # segment's share), so that the log's dirty pages never pile up; without write-behind, never.
+    monkeypatch.setattr(tier_log, "SEGMENT_RECORDS", 4)
+    monkeypatch.setattr(tier_log, "WRITE_BEHIND", write_behind)
+    written, ranges = [], []
+    real_pwrite, real_libc = os.pwrite, tier_log._libc
+
+    class Libc:
+        def __getattr__(self, name):
+            return getattr(real_libc, name)
+
+        def sync_file_range(self, fd, offset, length, flags):
+            ranges.append((offset.value, length.value))
+            return real_libc.sync_file_range(fd, offset, length, flags)
+
+    def pwrite(fd, data, offset):
+        written.append((offset, len(data)))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(tier_log, "_libc", Libc())
+    monkeypatch.setattr(tier_log.os, "pwrite", pwrite)
+    store, log = _open_log(tmp_path, 40, 16)
+    gen = torch.Generator().manual_seed(5)
+    for n in (3, 6, 1, 9):
+        rows = torch.randperm(40, generator=gen)[:n]
+        log.append(rows, _records(rows, gen, 16))
+    assert sum(length for _, length in written) == 19 * 16 and len(written) > 4  # (appends cross segments)
+    assert ranges == (written if write_behind else [])
+    store.close()
+
+
 def test_a_full_log_sends_the_emptiest_segments_rows_home(tmp_path, monkeypatch):
     monkeypatch.setattr(tier_log, "SEGMENT_RECORDS", 4)
     monkeypatch.setattr(tier_log.RowLog, "_dead_outnumber_live", lambda self: False)  # appends outrun cleaning

@@ -46,6 +46,11 @@ from torch import Tensor
 SEGMENT_RECORDS = 8192  # ~4 MiB of 512-byte records: the most one clean moves
 ROW_BYTES = 8  # each record starts with its row's number (int64): what cleaning reads to find live ones
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_SYNC_RANGE_WRITE = ctypes.c_uint(2)  # SYNC_FILE_RANGE_WRITE: start writeback of the range's dirty pages, no wait
+# Write-behind (RocksDB's bytes_per_sync): each append's pages are handed to the disk as soon as
+# written, so the log's dirty pages never pile up to the kernel's dirty limits, past which every
+# writer is throttled (balance_dirty_pages) and the flusher competes for the CPU in bursts.
+WRITE_BEHIND = True
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -164,9 +169,11 @@ class RowLog:
             take = min(n - done, SEGMENT_RECORDS - self.head_fill)
             first = self.head * SEGMENT_RECORDS + self.head_fill
             chunk = data[done : done + take]
-            began = time.perf_counter()
+            began, at = time.perf_counter(), self.offset + first * self.record_bytes
             try:
-                pwrite_all(self.fd, memoryview(chunk.numpy()).cast("B"), self.offset + first * self.record_bytes)
+                pwrite_all(self.fd, memoryview(chunk.numpy()).cast("B"), at)
+                if WRITE_BEHIND:  # the kernel starts writing these pages to disk now (advice: its result is not needed)
+                    _libc.sync_file_range(self.fd, ctypes.c_int64(at), ctypes.c_int64(chunk.numel()), _SYNC_RANGE_WRITE)
             except OSError as e:
                 raise OSError(
                     e.errno,

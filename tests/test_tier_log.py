@@ -98,6 +98,7 @@ def test_write_behind_hands_each_appended_range_to_the_disk(tmp_path, monkeypatc
     for n in (3, 6, 1, 9):
         rows = torch.randperm(40, generator=gen)[:n]
         log.append(rows, _records(rows, gen, 16))
+    log.settle()
     assert sum(length for _, length in written) == 19 * 16 and len(written) > 4  # (appends cross segments)
     assert ranges == (written if write_behind else [])
     store.close()

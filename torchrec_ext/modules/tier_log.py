@@ -54,15 +54,15 @@ _SYNC_RANGE_WRITE = ctypes.c_uint(2)  # SYNC_FILE_RANGE_WRITE: start writeback o
 # on a thread of its own: submitting the writes costs ~0.3 us of CPU a KiB and can wait for the
 # disk's queue, which the stage (the appender under the pipeline) should not.
 WRITE_BEHIND = True
-_behind_pool: ThreadPoolExecutor | None = None
+_behind_pool: tuple[int, ThreadPoolExecutor] | None = None  # (the process it was made in: a fork's child makes its own)
 
 
 def _write_behind(fd: int, offset: int, length: int) -> Future:
     global _behind_pool
-    if _behind_pool is None:
-        _behind_pool = ThreadPoolExecutor(1, thread_name_prefix="torchrec_ext-tier-write-behind")
+    if _behind_pool is None or _behind_pool[0] != os.getpid():
+        _behind_pool = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="torchrec_ext-tier-write-behind"))
     # (advice: its result is not needed; a failed write shows at the next read or sync of the page)
-    return _behind_pool.submit(
+    return _behind_pool[1].submit(
         _libc.sync_file_range, fd, ctypes.c_int64(offset), ctypes.c_int64(length), _SYNC_RANGE_WRITE
     )
 
@@ -103,6 +103,7 @@ class RowLog:
         self.appended = self.cleaned = self.sent_home = self.segments_cleaned = 0
         self.write_s = 0.0  # wall seconds in the log's writes (a write the kernel throttles shows here)
         self._behind: list[Future] = []  # write-behind requests not done yet
+        self._behind_pid = os.getpid()  # the process that asked them
         # Writes records ([n, record_bytes]) to their rows of the base file (set by the table's mover).
         self.home: Callable[[Tensor, Tensor], None] | None = None
 
@@ -190,7 +191,8 @@ class RowLog:
             try:
                 pwrite_all(self.fd, memoryview(chunk.numpy()).cast("B"), at)
                 if WRITE_BEHIND:  # the kernel starts writing these pages to disk now
-                    self._behind = [f for f in self._behind if not f.done()]
+                    self._behind = [f for f in self._behind if not f.done()] if self._behind_pid == os.getpid() else []
+                    self._behind_pid = os.getpid()
                     self._behind.append(_write_behind(self.fd, at, chunk.numel()))
             except OSError as e:
                 raise OSError(
@@ -273,8 +275,9 @@ class RowLog:
 
     def settle(self) -> None:
         """Waits for the write-behind requests in flight (before the file is closed: they name it by its fd)."""
-        for request in self._behind:
-            request.result()
+        if self._behind_pid == os.getpid():  # (a fork's child does not wait for its parent's requests)
+            for request in self._behind:
+                request.result()
         self._behind = []
 
     def close(self) -> None:

@@ -30,7 +30,7 @@ and the process's resident memory split into anonymous and file pages (both modu
     python benchmarks/bench_tiers.py --threads 1 --systems resident,file+prefetch,host+prefetch,file
     python benchmarks/bench_tiers.py --capacity 65536 --batch-size 512 --warmup-steps 5 --repeats 3 --no-save  # smoke
     python benchmarks/bench_tiers.py --capacity 65536 --batch-size 512 --flusher-ms 20 --no-save  # smoke, files cleaned
-    python benchmarks/bench_tiers.py --threads 1 --systems resident,file+prefetch --write-behind 0 --no-save  # A/B
+    python benchmarks/bench_tiers.py --threads 1 --systems resident,file+prefetch --write-behind 1 --no-save  # A/B
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ class Config(DlrmSmall):
     # flusher past its background dirty limit (a full-size table's files here), at smoke size
     flusher_ms: float = 0.0
     # 1: file backing's log hands each append's pages to the disk at once (tier_log.WRITE_BEHIND);
-    # 0: they stay dirty until the kernel's flusher takes them (the A/B of that choice)
-    write_behind: int = 1
+    # 0 (the library's default): they stay dirty until the kernel's flusher takes them
+    write_behind: int = 0
 
 
 SYSTEMS = ("resident", "file", "host", "file+prefetch", "host+prefetch")

@@ -52,8 +52,11 @@ _SYNC_RANGE_WRITE = ctypes.c_uint(2)  # SYNC_FILE_RANGE_WRITE: start writeback o
 # written, so the log's dirty pages never pile up to the kernel's dirty limits, past which every
 # writer is throttled (balance_dirty_pages) and the flusher competes for the CPU in bursts. Asked
 # on a thread of its own: submitting the writes costs ~0.3 us of CPU a KiB and can wait for the
-# disk's queue, which the stage (the appender under the pipeline) should not.
-WRITE_BEHIND = True
+# disk's queue, which the stage (the appender under the pipeline) should not. Off by default: at
+# smoke size (dirty pages far below the limits) the third thread's CPU and GIL made the stage
+# slower (benchmarks/results/tier_stage_profile.md); whether it pays at full size, where ~2 GB
+# of log pass the limits, is `bench_tiers.py --write-behind 1`'s to say.
+WRITE_BEHIND = False
 _behind_pool: tuple[int, ThreadPoolExecutor] | None = None  # (the process it was made in: a fork's child makes its own)
 
 

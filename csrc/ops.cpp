@@ -82,6 +82,19 @@ TORCH_LIBRARY(torchrec_ext, m) {
       "hash_seed, "
       "int hashes, int admit_after) -> Tensor");
 
+  // ---- serving index (csrc/serving_index_cpu.cpp): a read-only id -> row map of 64-byte
+  // buckets (layout in that file; an all-zero int64 tensor of 8 * num_buckets words is empty).
+  // A new index: `index` with erase_keys removed (absent ones skipped), then each key mapped to
+  // its row (inserted or re-assigned, in order). `index` itself is left as it was.
+  m.def(
+      "serving_index_update(Tensor index, Tensor erase_keys, Tensor keys, Tensor rows) -> "
+      "Tensor");
+  // Row of each id in its table's index, default_rows[t] when absent: table t's ids are
+  // ids[id_offsets[t]:id_offsets[t+1]]. Read-only.
+  m.def(
+      "serving_find(Tensor[] indexes, Tensor ids, Tensor id_offsets, int[] default_rows) -> "
+      "Tensor");
+
   // ---- embedding ops (csrc/embedding_cpu.cpp; CUDA: triton_kernels/, registered from Python).
   // Tables live in one flat buffer of 4-byte words, table t's [capacity_t, dim_t] rows at word
   // table_offsets[t] in its storage dtype (table_dtypes[t]: 0 float32, 1 float16, 2 bfloat16);

@@ -557,3 +557,37 @@ def test_readers_see_held_ids_through_re_placements(monkeypatch):
     assert torch.equal(served.vectors("t0", churn), churn.float().unsqueeze(1).expand(28, dim))
     assert replaced, "no delta needed a re-placement: the test does not test it"
     assert reads[0] > 0 and not wrong, f"{len(wrong)} of {reads[0]} reads saw a held id's row wrong"
+
+
+@pytest.mark.parametrize("data_type", [None, "int8"], ids=["fp32", "int8"])
+def test_lookups_read_every_held_id_as_deltas_grow_and_shrink_the_read_index(data_type):
+    """The read index lookups use (read_index.py) is sized by live ids: deltas that add ids past
+    its load limit, erase most of them, re-assign rows and add more go through updates in place
+    and rebuilds; every lookup still reads what the table's own index (``vectors``) says, and
+    unseen and tombstoned ids read zeros."""
+    from torchrec_ext.inference import read_index
+
+    dim, served = 4, _serving_ebc(4, 4096, data_type)
+    sizes = []
+    live: dict[int, float] = {}
+    gen = torch.Generator().manual_seed(0)
+    for version in range(1, 9):
+        held = torch.tensor(sorted(live), dtype=torch.int64)
+        gone = held[torch.rand(held.numel(), generator=gen) < (0.7 if version in (4, 7) else 0.05)]
+        fresh = torch.randint(-(2**62), 2**62, (150 * version,), generator=gen).unique()
+        again = held[~torch.isin(held, gone)][:20]  # re-assigned rows of held ids
+        ids = torch.cat([fresh, again])
+        values = torch.randint(1, 100, (ids.numel(),), generator=gen).float()
+        served.apply_delta(_constant_delta(version, "t0", ids, values, dim, tombstones=gone))
+        for i in gone.tolist():
+            del live[i]
+        live.update(zip(ids.tolist(), values.tolist()))
+        sizes.append((len(live), served._tables.read_indexes[0].key_slots))
+        probe = torch.cat([torch.tensor(sorted(live), dtype=torch.int64), gone, torch.tensor([12345, -(2**63)])])
+        kjt = KeyedJaggedTensor(keys=["f0"], values=probe, lengths=torch.ones(probe.numel(), dtype=torch.int64))
+        got = served(kjt).values()
+        want = torch.tensor([live.get(i, 0.0) for i in probe.tolist()]).unsqueeze(1).expand(-1, dim)
+        torch.testing.assert_close(got, want, **({} if data_type is None else TOLERANCE["int8"]))
+        torch.testing.assert_close(got, served.vectors("t0", probe), rtol=0, atol=0)
+    assert len({slots for _, slots in sizes}) > 2, f"the read index was never rebuilt: (live, key slots) {sizes}"
+    assert max(n / slots for n, slots in sizes) <= read_index.MAX_LOAD

@@ -83,6 +83,9 @@ def _hash_cases():
     start = torch.where(torch.arange(live_keys.numel()) % 2 == 0, live_rows, -1)  # half of them held
     yield "hash_place", (live_keys, live_scores, CAPACITY, start)
     yield "route", (keys, 4)
+    read_index = _ops.serving_index_update(torch.zeros(8 * 64, dtype=torch.int64), keys[:0], live_keys, live_rows)
+    yield "serving_index_update", (read_index, live_keys[:20], keys, torch.arange(keys.numel()))
+    yield "serving_find", ([read_index, read_index], both, torch.tensor([0, keys.numel(), both.numel()]), [-1, 3])
     yield "route_bucketize", (keys, torch.tensor([50, 60]), [-1], 2, 2)
     filter_bytes = torch.zeros(64, dtype=torch.uint8)
     yield "bloom_admit", (filter_bytes, keys, torch.ones_like(keys), None, -12345, 3, 2)

@@ -22,6 +22,8 @@ KERNELS: dict[str, dict[str, str]] = {
     "hash_restore": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
     "route": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
     "hash_place": {"cpu": "csrc/placement_cpu.cpp"},
+    "serving_index_update": {"cpu": "csrc/serving_index_cpu.cpp"},
+    "serving_find": {"cpu": "csrc/serving_index_cpu.cpp"},
     "route_bucketize": {"cpu": "csrc/routing_cpu.cpp"},
     "bloom_admit": {"cpu": "csrc/bloom_cpu.cpp", "cuda": "csrc/bloom_cuda.cpp"},
     "dedup_segments": {"cpu": "csrc/embedding_cpu.cpp"},

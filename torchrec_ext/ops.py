@@ -77,6 +77,40 @@ def hash_find_tables(
     )
 
 
+def serving_index_update(index: Tensor, erase_keys: Tensor, keys: Tensor, rows: Tensor) -> Tensor:
+    """A new read-only serving index: ``index`` without ``erase_keys`` (absent ones skipped), then
+    each of ``keys`` mapped to its row (inserted, or re-assigned; in order: a repeated key keeps
+    its last row). ``index`` is left as it was (lookups may be reading it).
+
+    Args:
+        index: int64 ``[8 * num_buckets]`` (64-byte buckets, layout in csrc/serving_index_cpu.cpp);
+            all zeros is an empty index of ``num_buckets`` buckets of 5 keys.
+        erase_keys, keys: int64 ``[m]``, ``[n]``, any values.
+        rows: int64 ``[n]``, each key's row, in ``[0, 2^31)``.
+
+    Returns:
+        int64, ``index``'s shape: the new index. Refused (nothing changed) when it would hold more
+        than ``5 * num_buckets`` keys.
+    """
+    return _ops.serving_index_update.default(index, erase_keys, keys, rows)
+
+
+def serving_find(indexes: Sequence[Tensor], ids: Tensor, id_offsets: Tensor, default_rows: Sequence[int]) -> Tensor:
+    """Row of each id in its table's serving index (one pipeline across all tables). Read-only.
+
+    Args:
+        indexes: ``[T]`` serving indexes (as ``serving_index_update`` returns).
+        ids: int64 ``[n]``, every table's ids back to back: table t's are
+            ``ids[id_offsets[t]:id_offsets[t + 1]]``.
+        id_offsets: int64 ``[T + 1]``, ascending from 0 to n.
+        default_rows: ``T`` ints, the row table t's absent ids read (-1 allowed).
+
+    Returns:
+        rows: int64 ``[n]``, each id's row, or its table's default row when absent.
+    """
+    return _ops.serving_find.default(list(indexes), ids, id_offsets, [int(r) for r in default_rows])
+
+
 def hash_upsert(
     digests: Tensor,
     slot_keys: Tensor,
@@ -624,6 +658,16 @@ def _hash_find_fake(digests, slot_keys, keys, capacity):
 @torch.library.register_fake("torchrec_ext::hash_find_tables")
 def _hash_find_tables_fake(digests, slot_keys, keys, key_offsets, capacities):
     return torch.empty_like(keys), torch.empty_like(keys, dtype=torch.bool)
+
+
+@torch.library.register_fake("torchrec_ext::serving_index_update")
+def _serving_index_update_fake(index, erase_keys, keys, rows):
+    return torch.empty_like(index)
+
+
+@torch.library.register_fake("torchrec_ext::serving_find")
+def _serving_find_fake(indexes, ids, id_offsets, default_rows):
+    return torch.empty_like(ids)
 
 
 @torch.library.register_fake("torchrec_ext::hash_upsert")

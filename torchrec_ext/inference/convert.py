@@ -170,7 +170,7 @@ def serving_module(
     pooled = isinstance(module, DynamicEmbeddingBagCollection)
     storage = InferenceTables(metas, LookupPlan.of(configs), pooled)
     for t, ((index, rows), (_, vectors, _), default) in enumerate(zip(placed, loaded, default_vectors)):
-        storage.indexes[t] = index
+        storage.set_index(t, index)
         view = storage.row_view(t)
         view[rows] = storage.encode(t, vectors)
         if fallback[t] is not None:

@@ -6,11 +6,12 @@ source's dtype, tensors). Several deltas (a sharded source's shares of one expor
 stream, their ids disjoint) may be applied as one: their tables are merged, then every table's
 new index is built on a copy of its index (tombstoned ids erased, the deltas' ids inserted or
 re-assigned: a serving replica follows training, new ids included; or, in a full table, the
-table re-placed: ``modules/delta_placement.py``) and its rows encoded in the table's serving
-dtype, all aside from the tables (``prepare_deltas``). Only then (``commit_deltas``), under the
-tables' write lock, the moved and changed rows are copied in and the new
-indexes swapped in: lookups, which hold the read lock, see the deltas wholly or not at all, and a
-refused delta changes nothing. A caller that serves more than the tables (the dense layers of a
+table re-placed: ``modules/delta_placement.py``), its read index updated alike
+(``read_index.py``) and its rows encoded in the table's serving dtype, all aside from the tables
+(``prepare_deltas``). Only then (``commit_deltas``), under the tables' write lock, the moved and
+changed rows are copied in and the new indexes and read indexes swapped in: lookups, which hold
+the read lock, see the deltas wholly or not at all, and a refused delta changes nothing. A
+caller that serves more than the tables (the dense layers of a
 model, see torchrec_ext.serve) commits under its own lock too.
 
 Tombstones: a source tombstones only ids live at the delta's ``since``, so a tombstone of an id
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from torchrec_ext.inference.read_index import ReadIndex, updated_read_index
 from torchrec_ext.inference.storage import InferenceTables
 from torchrec_ext.modules.delta_placement import NoRowError, place_delta
 from torchrec_ext.modules.deltas import Delta, DeltaError, DeltaToken, TableDelta, check_delta, unheld_tombstones
@@ -54,9 +56,9 @@ class PreparedDeltas:
     vectors, and the tokens the module follows after."""
 
     generation: int  # the tables' commit count when prepared: a commit in between voids this
-    # (t, index, rows, encoded, left_out, moved): moved = (rows to, their stored rows) of held ids
-    # a re-placement moved, read when prepared (None: none moved)
-    tables: list[tuple[int, HashTable, Tensor, Tensor, Tensor | None, tuple[Tensor, Tensor] | None]]
+    # (t, index, read index, rows, encoded, left_out, moved): moved = (rows to, their stored rows)
+    # of held ids a re-placement moved, read when prepared (None: none moved)
+    tables: list[tuple[int, HashTable, ReadIndex, Tensor, Tensor, Tensor | None, tuple[Tensor, Tensor] | None]]
     fallback: list[tuple[int, Tensor, Tensor]]  # (t, fallback rows, encoded vectors)
     followed: dict[str, DeltaToken]
     rows: int  # rows written
@@ -107,7 +109,10 @@ def prepare_deltas(tables: InferenceTables, followed: dict[str, DeltaToken], del
         # A re-placement moves held ids' stored rows as they are (no re-encoding), read now: rows
         # change only in commits, and a commit in between voids this preparation (generation).
         moved = None if placed.moved_from is None else (placed.moved_to, tables.row_view(t)[placed.moved_from])
-        prepared.tables.append((t, placed.index, placed.rows, tables.encode(t, weights), left_out, moved))
+        read = updated_read_index(
+            tables.read_indexes[t], placed.index, tombstones, ids, placed.rows, placed.moved_from is not None
+        )
+        prepared.tables.append((t, placed.index, read, placed.rows, tables.encode(t, weights), left_out, moved))
         prepared.rows += ids.numel()
         for share in shares:
             if share.fallback_slots is not None and share.fallback_slots.numel():
@@ -125,11 +130,12 @@ def commit_deltas(tables: InferenceTables, followed: dict[str, DeltaToken], prep
                 "committed in between); prepare them again"
             )
         with tables.lock.write():  # nothing below can fail
-            for t, index, rows, encoded, left_out, moved in prepared.tables:
+            for t, index, read, rows, encoded, left_out, moved in prepared.tables:
                 if moved is not None:
                     tables.row_view(t)[moved[0]] = moved[1]
                 tables.row_view(t)[rows] = encoded
                 tables.indexes[t] = index
+                tables.read_indexes[t] = read
                 tables.left_out[t] = left_out
             for t, rows, encoded in prepared.fallback:
                 tables.row_view(t)[rows] = encoded

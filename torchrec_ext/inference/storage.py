@@ -1,7 +1,8 @@
 """The rows and id -> row indexes of a read-only (serving) module, and their lookups.
 
-``InferenceTables`` holds, per table, a ``HashTable`` (policy ``none``: nothing is ever evicted)
-and ``capacity`` rows for the ids, then the rows the ids the table does not hold read: one
+``InferenceTables`` holds, per table, a ``HashTable`` (policy ``none``: nothing is ever evicted;
+the table's truth, which deltas update), the read index built from it that lookups use
+(``read_index.py``: one cache line per id), and ``capacity`` rows for the ids, then the rows the ids the table does not hold read: one
 *default row* (zeros unless a default vector is configured), or the trained table's K learned
 fallback rows (``fallback_rows``: an id reads row ``capacity + reference.fallback_slots(id)``, as
 in training). Rows are kept as
@@ -33,6 +34,7 @@ from torch import Tensor
 
 from torchrec_ext import ops
 from torchrec_ext.hashing import fallback_slots
+from torchrec_ext.inference.read_index import ReadIndex, build_read_index
 from torchrec_ext.modules.features import LookupInput, LookupPlan
 from torchrec_ext.table import HashTable, _ReadWriteLock
 from torchrec_ext.vocabulary import STORAGE_DTYPES, dtype_code, table_words
@@ -85,6 +87,7 @@ class InferenceTables:
         self.applying = threading.RLock()  # held by apply_deltas from its checks to its commit
         self.generation = 0  # commits of deltas so far: a delta prepared before another's commit is void
         self.indexes: list[HashTable] = [HashTable(m.capacity, policy="none") for m in self.meta]
+        self.read_indexes: list[ReadIndex] = [build_read_index(index) for index in self.indexes]
         # Per table: ids the conversion left out as expired (TTL; None: none), which the source
         # still held and will tombstone later.
         self.left_out: list[Tensor | None] = [None] * len(self.meta)
@@ -171,6 +174,11 @@ class InferenceTables:
             view[:] = quantize_rows(torch.zeros(1, m.dim))
         self.feature_mean = torch.tensor(self.plan.mean)
 
+    def set_index(self, t: int, index: HashTable) -> None:
+        """Table t's ids are ``index``'s (and its read index is built from it)."""
+        self.indexes[t] = index
+        self.read_indexes[t] = build_read_index(index)
+
     def set_default(self, t: int, vector: Tensor) -> None:
         """What the ids table t does not hold read: float32 ``vector`` [dim]."""
         self.row_view(t)[self.default_rows[t]] = self.encode(t, vector.unsqueeze(0))[0]
@@ -216,64 +224,51 @@ class InferenceTables:
         return sum(index.size() for index in self.indexes)
 
     def storage_bytes(self) -> int:
-        """Bytes of rows and index metadata."""
+        """Bytes of rows, index metadata and read indexes."""
         rows = self.tbe["weights_host"].numel() if self.int8 else self.weights.numel() * 4
-        return rows + sum(index.metadata_bytes() for index in self.indexes)
+        indexes = sum(index.metadata_bytes() for index in self.indexes)
+        return rows + indexes + sum(index.nbytes() for index in self.read_indexes)
 
     # ------------------------------------------------------------------ lookups
 
     def rows_of(self, batch: LookupInput) -> Tensor:
-        """Each id's row: its table's row for it, else the table's default row."""
+        """Each id's row: its table's row for it, else the row its table serves unseen ids (-1:
+        zeros, for float rows whose default is zeros). One ``serving_find`` for all tables."""
+        # The read indexes are read under this module's read lock, and apply_delta never mutates
+        # a published one: it swaps in a new one.
+        words = [index.words for index in self.read_indexes]
+        rows = ops.serving_find(words, batch.ids, batch.segment_offsets, self._find_defaults())
+        if any(m.fallback_rows for m in self.meta):
+            rows = self._with_fallback_rows(batch, rows)
+        return rows
+
+    def _find_defaults(self) -> list[int]:
+        """The row each table's unseen ids read from the find: its default row where the lookup
+        needs one (int8 rows, a configured default), else -1 (zeros; fallback rows come after)."""
+        return [
+            self.default_rows[t] if (self._maps_default[t] or self.int8) and not m.fallback_rows else -1
+            for t, m in enumerate(self.meta)
+        ]
+
+    def _with_fallback_rows(self, batch: LookupInput, rows: Tensor) -> Tensor:
+        """``rows`` with each unseen id of a table with fallback rows given its fallback row."""
         exporting = torch.compiler.is_compiling()
-        per_table = []
         counts = [0] * len(self.meta)
         for t, n in zip(self.plan.tables, batch.value_counts):
             counts[t] = counts[t] + n
-        if not exporting:
-            return self._rows_of_all(batch.ids, counts)
-        start = 0
+        per_table, start = [], 0
         for t, n in enumerate(counts):
             end = start + n
             if exporting:  # the counts are symbolic: say what the KJT checks guarantee
                 torch._check(start >= 0)
                 torch._check(start <= end)
                 torch._check(end <= batch.ids.numel())
-            # The index's arrays directly (no per-index lock or checks): the caller holds this
-            # module's read lock, and apply_delta never mutates a published index, it swaps in a new one.
-            digests, slot_keys = self.indexes[t].lookup_arrays()
-            found_rows, found = ops.hash_find(digests, slot_keys, batch.ids[start:end], self.meta[t].capacity)
-            per_table.append(
-                self._unseen_rows(t, batch.ids[start:end], found_rows, found)
-                if self._maps_default[t] or self.int8
-                else found_rows
-            )
-            start = end
-        return torch.cat(per_table) if per_table else batch.ids.new_empty(0)
-
-    def _rows_of_all(self, ids: Tensor, counts: Sequence[int]) -> Tensor:
-        """``rows_of`` with one find for all tables (``ops.hash_find_tables``): table t's ids are the
-        ``counts[t]`` after the previous tables'. Unseen ids of tables that map them take the
-        table's default row (one ``where`` for all such tables) or fallback row (per table)."""
-        offsets = [0]
-        for n in counts:
-            offsets.append(offsets[-1] + n)
-        arrays = [index.lookup_arrays() for index in self.indexes]  # held under this module's read lock
-        rows, found = ops.hash_find_tables(
-            [a[0] for a in arrays], [a[1] for a in arrays], ids, offsets, [m.capacity for m in self.meta]
-        )
-        mapped = [t for t, n in enumerate(counts) if n and (self._maps_default[t] or self.int8)]
-        plain = [t for t in mapped if not self.meta[t].fallback_rows]
-        if plain:
-            default = [self.default_rows[t] if t in plain else -1 for t in range(len(self.meta))]
-            per_id = torch.tensor(default, dtype=torch.int64, device=ids.device).repeat_interleave(
-                torch.tensor(counts, device=ids.device), output_size=ids.numel()
-            )
-            rows = torch.where(found | (per_id < 0), rows, per_id)
-        for t in mapped:
+            part = rows[start:end]
             if self.meta[t].fallback_rows:
-                start, end = offsets[t], offsets[t + 1]
-                rows[start:end] = self._unseen_rows(t, ids[start:end], rows[start:end], found[start:end])
-        return rows
+                part = self._unseen_rows(t, batch.ids[start:end], part, part >= 0)
+            per_table.append(part)
+            start = end
+        return torch.cat(per_table) if per_table else rows
 
     def pooled(self, batch: LookupInput) -> Tensor:
         """float32 [batch_size, total_dim]: every feature's bags, pooled (sum or mean)."""

@@ -4,8 +4,8 @@ Written from the specification, not from the kernels, and kept deliberately simp
 a time, plain dicts), so a disagreement with a kernel points at a bug in one of them. One module
 per op family (named as the op's kernels, wrapper and tests): ``hash_table`` (placement, upsert
 order, the dict model), ``routing`` (``route``, ``route_bucketize``), ``admission``
-(``bloom_admit``), ``dedup``, ``init_rows``, ``embedding_lookup``, ``embedding_update`` (with the
-optimizers), ``rounding``, ``fallback``; ``storage`` and ``hashing`` hold what several share.
+(``bloom_admit``), ``serving_index`` (the read-only serving index), ``dedup``, ``init_rows``,
+``embedding_lookup``, ``embedding_update`` (with the optimizers), ``rounding``, ``fallback``; ``storage`` and ``hashing`` hold what several share.
 
 An independent oracle: it imports nothing from the rest of the package and keeps its own copies
 of the constants (``tests/test_vocabulary.py`` checks they agree with ``torchrec_ext.vocabulary``
@@ -89,6 +89,18 @@ from torchrec_ext.reference.rounding import (  # noqa: F401
 from torchrec_ext.reference.routing import (  # noqa: F401
     route,
     route_bucketize,
+)
+from torchrec_ext.reference.serving_index import (  # noqa: F401
+    SERVING_BUCKET_WORDS,
+    SERVING_KEYS_PER_BUCKET,
+    SERVING_OVERFLOW_BIT,
+    SERVING_SEED,
+    _buckets,
+    serving_find,
+    serving_home_bucket,
+    serving_index_entries,
+    serving_index_reachable,
+    serving_index_update,
 )
 from torchrec_ext.reference.storage import (  # noqa: F401
     STORAGE_DTYPES,

@@ -11,6 +11,7 @@ only then, and only while no lookup awaits its fused update (``pending_backward`
 
 from __future__ import annotations
 
+import mmap
 from typing import NamedTuple
 
 import torch
@@ -18,6 +19,7 @@ from torch import Tensor
 
 from torchrec_ext import device_sync
 from torchrec_ext.modules.pending_rows import pending_rows_written
+from torchrec_ext.modules.reserved_buffers import ReservedBuffer
 from torchrec_ext.table import HashTable
 from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE, table_words
 
@@ -57,9 +59,14 @@ def _carried_bytes(view: Tensor, move: _RowMoves | None, whole: bool = False) ->
     return -(-rows * (view[:1].numel() or 1) * view.element_size() // 8) * 8 if rows else 0
 
 
-def _move_block(buf: Tensor, old: Tensor, new: Tensor) -> None:
-    """Copies ``old`` to ``new`` (views of the same numel and dtype into ``buf``, which may
-    overlap) with no scratch: in chunks no longer than the distance, from the far end."""
+_PAGE = mmap.PAGESIZE
+
+
+def _move_block(buf: Tensor, old: Tensor, new: Tensor, reserved: ReservedBuffer | None = None) -> None:
+    """Moves ``old`` to ``new`` (views of the same numel and dtype into ``buf``, which may
+    overlap) with no scratch: in chunks no longer than the distance, from the far end; in a
+    reserved buffer the whole pages of each chunk by remapping them (``ReservedBuffer.remap``),
+    its edges by a copy."""
     u8, base = buf.view(torch.uint8), buf.data_ptr()
     n = old.numel() * old.element_size()
     s, d = old.data_ptr() - base, new.data_ptr() - base
@@ -69,10 +76,21 @@ def _move_block(buf: Tensor, old: Tensor, new: Tensor) -> None:
     if step < min(n, 1 << 20):  # a short shift: many small chunks would cost more than a copy
         u8[d : d + n].copy_(u8[s : s + n].clone())
         return
+    page = _PAGE
+    if reserved is not None and (d - s) % page == 0 and step >= page:
+        step -= step % page  # chunks of whole pages, so that each one's middle can be remapped
+    else:
+        reserved = None
     starts = range(0, n, step)
     for a in reversed(starts) if d > s else starts:
         e = min(a + step, n)
-        u8[d + a : d + e].copy_(u8[s + a : s + e])
+        head = min(-(base + s + a) % page, e - a) if reserved is not None else e - a
+        whole = (e - a - head) // page * page
+        if whole and reserved.remap(s + a + head, d + a + head, whole):
+            u8[d + a : d + a + head].copy_(u8[s + a : s + a + head])
+            u8[d + a + head + whole : d + e].copy_(u8[s + a + head + whole : s + e])
+        else:
+            u8[d + a : d + e].copy_(u8[s + a : s + e])
 
 
 def _rewrite_in_place(
@@ -84,6 +102,7 @@ def _rewrite_in_place(
     value: float,
     moves: list[_RowMoves | None],
     scratch: Tensor,
+    reserved: ReservedBuffer | None = None,
 ) -> None:
     """One buffer's relayout within its own memory: ``old_views[t]`` (the old layout's rows of
     table t) and ``new_views[t]`` view the same memory, table t's span of it running from
@@ -112,7 +131,7 @@ def _rewrite_in_place(
         else:  # the rows carried one by one first: the block's move may cover them
             rows = _save_rows(old_views[t], move, scratch, 0)[0]
             block = old_views[t].shape[0] if move is None else move.block
-            _move_block(buf, old_views[t][:block], new_views[t][:block])
+            _move_block(buf, old_views[t][:block], new_views[t][:block], reserved)
             new_views[t][block:].fill_(value)
             if move is None:
                 continue
@@ -254,9 +273,11 @@ class TableGrowth:
             old_k = [v[0] if k == 0 else v[1][k - 1] for v in old_views]
             new_k = [v[0] if k == 0 else v[1][k - 1] for v in new_views]
             if in_place[k]:
-                _rewrite_in_place(buf, old_k, new_k, old_spans[k], new_spans[k], value, moves, scratch)
+                name = "weights" if k == 0 else OPTIMIZER_STATES[self.optimizer.kind][k - 1]
+                reserved = self._reserved.get(name)
+                reserved = reserved if reserved is not None and reserved.holds(buf) else None
+                _rewrite_in_place(buf, old_k, new_k, old_spans[k], new_spans[k], value, moves, scratch, reserved)
                 if buf.numel() < old_spans[k][-1]:  # a shrink: the pages past the new end go back
-                    name = "weights" if k == 0 else OPTIMIZER_STATES[self.optimizer.kind][k - 1]
                     self._reserved[name].release_beyond(buf.numel())
                 continue
             # A fresh buffer, filled (scattering rows into fresh pages instead faults them in at

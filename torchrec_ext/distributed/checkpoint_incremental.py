@@ -229,8 +229,7 @@ class IncrementalCheckpoints:
                 "incremental chain loads at the world size that saved it (reshard through save_checkpoint)"
             )
         _raise_if_any(error, self.pg)
-        parent = os.path.dirname(os.path.abspath(path))
-        links = [os.path.join(parent, f"step_{link['step']}") for link in chain["links"]] + [path]
+        links, _ = chain_links(path)
         tables_state: dict[str, dict[str, dict[str, Tensor]]] = {}
         try:
             tables_state = self._replay(links, rank, world)
@@ -259,20 +258,7 @@ class IncrementalCheckpoints:
         """This rank's tables' state at the last of ``links``: the base, then each delta applied."""
         out: dict[str, dict[str, dict[str, Tensor]]] = {}
         for i, link in enumerate(links):
-            file = os.path.join(link, tables_file(rank, world))
-            try:
-                with open(file, "rb") as f:
-                    payload = torch.load(f, weights_only=True)
-            except (OSError, RuntimeError, ValueError) as e:
-                raise CheckpointError(
-                    f"checkpoint {link}: {tables_file(rank, world)} cannot be read "
-                    f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
-                ) from None
-            kind = "base" if i == 0 else "delta"
-            if not isinstance(payload, dict) or payload.get("format") != _FORMAT or payload.get("kind") != kind:
-                raise CheckpointError(
-                    f"checkpoint {link}: {tables_file(rank, world)} is not a {kind} link of format {_FORMAT!r}"
-                )
+            payload = read_link(link, rank, world, "base" if i == 0 else "delta")
             for fqn, module in self.modules.items():
                 tables = local_tables(module)
                 if tables is None:
@@ -290,6 +276,53 @@ class IncrementalCheckpoints:
                 else:
                     out[fqn] = {name: apply_table_delta(out[fqn][name], saved[name]) for name in names}
         return out
+
+
+def chain_links(path: str) -> tuple[list[str], int]:
+    """(the link directories incremental checkpoint ``path`` builds on, base first, ``path``
+    last; the world size that saved it), from its manifest (verified by the caller)."""
+    chain = read_manifest(path).get("incremental")
+    if chain is None:
+        raise CheckpointError(f"checkpoint {path}: is a full checkpoint, not an incremental one")
+    parent = os.path.dirname(os.path.abspath(path))
+    return [os.path.join(parent, f"step_{link['step']}") for link in chain["links"]] + [path], chain["world_size"]
+
+
+def read_link(link: str, rank: int, world: int, kind: str) -> dict[str, Any]:
+    """Rank ``rank``'s tables file of link ``link``, checked to be a ``kind`` ("base" / "delta") link."""
+    file = os.path.join(link, tables_file(rank, world))
+    try:
+        with open(file, "rb") as f:
+            payload = torch.load(f, weights_only=True)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise CheckpointError(
+            f"checkpoint {link}: {tables_file(rank, world)} cannot be read "
+            f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        ) from None
+    if not isinstance(payload, dict) or payload.get("format") != _FORMAT or payload.get("kind") != kind:
+        raise CheckpointError(
+            f"checkpoint {link}: {tables_file(rank, world)} is not a {kind} link of format {_FORMAT!r}"
+        )
+    return payload
+
+
+def replay_rank(links: list[str], rank: int, world: int) -> dict[str, dict[str, dict[str, Tensor]]]:
+    """Rank ``rank``'s share of every module's tables (module fqn -> table -> ``table_state``
+    form) at the last of ``links``: the base, then each delta applied; for readers without the
+    model's sharded modules (a serving conversion)."""
+    out: dict[str, dict[str, dict[str, Tensor]]] = {}
+    for i, link in enumerate(links):
+        modules = read_link(link, rank, world, "base" if i == 0 else "delta")["modules"]
+        if i == 0:
+            out = {fqn: {name: saved["table"] for name, saved in tables.items()} for fqn, tables in modules.items()}
+            continue
+        if {fqn: sorted(t) for fqn, t in modules.items()} != {fqn: sorted(t) for fqn, t in out.items()}:
+            raise CheckpointError(f"checkpoint {link}: rank {rank}'s modules and tables are not its base's")
+        out = {
+            fqn: {name: apply_table_delta(state, modules[fqn][name]) for name, state in tables.items()}
+            for fqn, tables in out.items()
+        }
+    return out
 
 
 def _read(path: str) -> bytes:

@@ -58,6 +58,8 @@ def _train_and_save(tmp_path, full_every=3, keep=0):
             model.train()
         if step in SAVES:
             ckpts.save(step, {"optim": opt.state_dict(), "step": step})
+            # The next link starts at the token just taken: the log keeps nothing older.
+            assert model.ebc._tables.delta_log.logged == 0
             save_checkpoint(
                 str(tmp_path / "full"), step, {"model": model.state_dict(), "optim": opt.state_dict()}, keep=0
             )

@@ -62,6 +62,7 @@ from torchrec_ext.distributed.checkpoint_template import dynamic_modules, local_
 from torchrec_ext.modules.deltas import DeltaError, DeltaToken, delta_token, export_delta
 
 MODEL_KEY = "model"  # the model's state without its tables, in the DCP part of every link
+CONSUMER = "incremental_checkpoints"  # their name on the modules' delta logs (release_deltas)
 _FORMAT = "torchrec_ext.checkpoint.tables/1"
 
 
@@ -161,7 +162,16 @@ class IncrementalCheckpoints:
         )
         self._links = links + [{"step": step, "manifest_sha256": digest}]
         self._tokens = tokens if len(self._links) < self.full_every else None
+        self._release(tokens)
         return path
+
+    def _release(self, tokens: dict[str, DeltaToken]) -> None:
+        """The next link starts at ``tokens`` (or is a base): the delta logs may forget what only
+        older tokens of these checkpoints needed (what another consumer needs is kept)."""
+        for fqn, token in tokens.items():
+            tables = local_tables(self.modules[fqn])
+            if tables is not None and tables.delta_log is not None:
+                tables.delta_log.release(token, CONSUMER)
 
     def _can_delta(self) -> bool:
         return self._tokens is not None
@@ -172,7 +182,7 @@ class IncrementalCheckpoints:
             tables = local_tables(module)
             if tables is None:
                 continue
-            tokens[fqn] = delta_token(tables)  # the point the next delta starts from
+            tokens[fqn] = delta_token(tables, consumer=CONSUMER)  # the point the next delta starts from
             self._capacities[fqn] = [m.capacity for m in tables.meta]
             payload[fqn] = {m.name: {"table": tables.table_state(t)} for t, m in enumerate(tables.meta)}
         return payload, tokens

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -113,6 +114,7 @@ def _log_counters(module) -> dict[str, int]:
         "segments_cleaned": sum(log.segments_cleaned for log in logs),
         "live": sum(log.live for log in logs),
         "map_bytes": sum(log.nbytes() for log in logs),
+        "write_s": sum(log.write_s for log in logs),
     }
 
 
@@ -142,6 +144,14 @@ class _Flusher:
         self._stop.set()
         self._thread.join()
         return self.syncs
+
+
+def _dirty_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Dirty:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def run(cfg: Config) -> dict[str, object]:
@@ -181,7 +191,9 @@ def _run(cfg: Config, directory: str) -> dict[str, object]:
     before = {name: _tier_counters(systems[name]) for name in tiered}
     logs_before = {name: _log_counters(systems[name]) for name in tiered}
     stage_before = {name: systems[name]._tables.stage_seconds() for name in tiered}
+    stage_cpu_before = {name: systems[name]._tables.stage_cpu_seconds() for name in tiered}
     flusher = _Flusher(directory, cfg.flusher_ms) if cfg.flusher_ms > 0 else None
+    faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
     times: dict[str, list[float]] = {name: [] for name in systems}
     names = list(systems)
     for r in range(cfg.repeats):
@@ -196,6 +208,8 @@ def _run(cfg: Config, directory: str) -> dict[str, object]:
             if prefetch[name]:
                 systems[name]._tables.wait_for_stage()  # the stage in flight counts in the chunk
             times[name].append((time.perf_counter() - start) / n)
+    major_faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt - faults_before
+    dirty = _dirty_bytes()  # the machine's dirty page cache after the timed steps (the kernel's writes to come)
     syncs = flusher.stop() if flusher is not None else 0
     uptime_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     timed = cfg.repeats * n
@@ -212,6 +226,7 @@ def _run(cfg: Config, directory: str) -> dict[str, object]:
                 f"{k}_per_step": (logs[k] - logs_before[name][k]) / timed
                 for k in ("appended", "cleaned", "segments_cleaned")
             },
+            "write_ms_per_step": 1e3 * (logs["write_s"] - logs_before[name]["write_s"]) / timed,
         }
         tiers[name] = {
             "hit_rate": delta["cache_hits"] / seen if seen else None,
@@ -228,6 +243,7 @@ def _run(cfg: Config, directory: str) -> dict[str, object]:
                 "bytes_moved": delta["cache_bytes_moved"] / timed,
                 "stage_ms": 1e3 * (systems[name]._tables.stage_seconds()[0] - stage_before[name][0]) / timed,
                 "stage_wait_ms": 1e3 * (systems[name]._tables.stage_seconds()[1] - stage_before[name][1]) / timed,
+                "stage_cpu_ms": 1e3 * (systems[name]._tables.stage_cpu_seconds() - stage_cpu_before[name]) / timed,
             },
         }
     ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
@@ -253,6 +269,8 @@ def _run(cfg: Config, directory: str) -> dict[str, object]:
         "uptime_after": uptime_after,
         "backing_dir": directory,
         "flusher_syncs": syncs,
+        "major_faults": major_faults,
+        "dirty_bytes": dirty,
     }
 
 
@@ -300,8 +318,8 @@ def report(cfg: Config, r: dict[str, object]) -> str:
             f"the cache, {per['write_backs']:,.0f} written back ({per['staged_write_backs']:,.0f} of them by the "
             f"stage), {per['bytes_moved'] / 2**20:.1f} MiB moved"
             + (
-                f"; the stage took {per['stage_ms']:.1f} ms on its thread, the step waited "
-                f"{per['stage_wait_ms']:.1f} ms for it"
+                f"; the stage took {per['stage_ms']:.1f} ms on its thread ({per['stage_cpu_ms']:.1f} ms of it on a "
+                f"CPU), the step waited {per['stage_wait_ms']:.1f} ms for it"
                 if per["staged"]
                 else ""
             )
@@ -309,6 +327,7 @@ def report(cfg: Config, r: dict[str, object]) -> str:
                 f"; write-back log: {tier['log']['appended_per_step']:,.0f} records appended and "
                 f"{tier['log']['cleaned_per_step']:,.0f} moved by cleaning a step "
                 f"({tier['log']['segments_cleaned_per_step']:.2f} segments cleaned), "
+                f"{tier['log']['write_ms_per_step']:.1f} ms a step in its writes, "
                 f"{tier['log']['live_records']:,} rows' newest copies in it at the end, its maps "
                 f"{mib(tier['log']['map_bytes'])} MiB"
                 if tier["log"]["appended_per_step"]
@@ -320,7 +339,8 @@ def report(cfg: Config, r: dict[str, object]) -> str:
     lines += [
         f"- backing files on disk (rows files with headers, logs): {files}; process memory at the end (all "
         f"systems): VmRSS {mib(mem.get('VmRSS', 0))} MiB = anonymous {mib(mem.get('RssAnon', 0))} + file pages "
-        f"{mib(mem.get('RssFile', 0))} MiB",
+        f"{mib(mem.get('RssFile', 0))} MiB; during the timed steps {r['major_faults']:,} page faults read from "
+        f"disk (all systems); {mib(r['dirty_bytes'])} MiB of the machine's page cache dirty after them",
         *(
             [
                 f"- a flusher thread synced the backing files every {cfg.flusher_ms:g} ms during the timed steps "

@@ -59,7 +59,9 @@ if [[ $mode != dry ]]; then
     echo "gpu_check.sh: pytest is not importable with $PY (add its wheels to .whl/: pip download pytest -d .whl)" >&2; exit 1; }
 fi
 
-# 3. The whole test suite (CUDA variants run when the GPU and the CUDA build are there).
+# 3. The whole test suite (CUDA variants run when the GPU and the CUDA build are there), every
+# case of the matrices CI runs a covering subset of (tests/matrix.py).
+export TORCHREC_EXT_FULL_MATRIX=1
 if [[ $mode == cpu ]]; then
   run "$PY" -m pytest tests -q --collect-only | tail -3
 else

@@ -2,8 +2,10 @@
 
 Eval forward under torch.no_grad() / torch.inference_mode() compiles with fullgraph=True (the
 hash-table lookup is traced as its op; the table's lock is not, see HashTable.find) and gives the
-eager outputs, eval ids never inserted. Training compiles without fullgraph (Dynamo breaks the
-graph around our module's lookup and fused backward) and trains exactly as eager does.
+eager outputs, eval ids never inserted. A training forward of a model over our EBC (a DLRM, a
+position-weighted FP-EBC) compiles with fullgraph=True too (the lookup is one opaque op whose
+backward is the fused update, modules/compiled_lookup.py) and trains exactly as eager does:
+outputs, tables, optimizer state and position weights. Oracle: the same model trained eagerly.
 """
 
 import copy
@@ -12,6 +14,8 @@ import pytest
 import torch
 from torchrec import EmbeddingBagConfig, EmbeddingConfig, KeyedJaggedTensor
 from torchrec.models.dlrm import DLRM
+from torchrec.modules.feature_processor_ import PositionWeightedModule
+from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection
 
@@ -81,20 +85,54 @@ def test_eval_forward_compiles_with_fullgraph(make, no_grad):
     assert module.num_live_rows() == rows
 
 
-def test_training_compiles_without_fullgraph_and_trains_as_eager():
-    eager = _dlrm()
+class _PositionWeighted(torch.nn.Module):
+    """TorchRec's FP-EBC (position weights) over a weighted EBC of ours, then a linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=64, feature_names=["f0", "f1"])]
+        ebc = DynamicEmbeddingBagCollection(tables, is_weighted=True, optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+        processors = {f: PositionWeightedModule(max_feature_length=3) for f in ("f0", "f1")}
+        self.fp_ebc = FeatureProcessedEmbeddingBagCollection(ebc, processors)
+        self.out = torch.nn.Linear(8, 1)
+
+    def forward(self, dense, kjt):
+        return self.out(self.fp_ebc(kjt).values()) + dense.sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize("make", [_dlrm, _PositionWeighted], ids=["dlrm", "position-weighted"])
+def test_training_compiles_with_fullgraph_and_trains_as_eager(make):
+    eager = make()
     compiled_model = copy.deepcopy(eager)
-    compiled = torch.compile(compiled_model, backend="aot_eager")
+    compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
     opt_eager = torch.optim.SGD(eager.parameters(), lr=0.1)
     opt_compiled = torch.optim.SGD(compiled_model.parameters(), lr=0.1)
     for step in range(4):
         want, got = eager(*_batch(step % 3)), compiled(*_batch(step % 3))
         torch.testing.assert_close(got, want)
-        want.sum().backward()
-        got.sum().backward()
+        (want * torch.linspace(-1, 1, want.numel()).view_as(want)).sum().backward()
+        (got * torch.linspace(-1, 1, got.numel()).view_as(got)).sum().backward()
         opt_eager.step()
         opt_compiled.step()
         opt_eager.zero_grad()
         opt_compiled.zero_grad()
-    ours = compiled_model.sparse_arch.embedding_bag_collection
-    assert ours.num_live_rows() == eager.sparse_arch.embedding_bag_collection.num_live_rows() > 0
+    want, got = eager.state_dict(), compiled_model.state_dict()  # rows, ids, optimizer state, position weights
+    assert want.keys() == got.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], msg=key)
+    ours = next(m for m in compiled_model.modules() if isinstance(m, DynamicEmbeddingBagCollection))
+    assert ours.num_live_rows() > 0
+
+
+def test_compiled_training_forward_without_backward_drops_its_oldest_lookups(monkeypatch):
+    from torchrec_ext.modules import compiled_lookup
+
+    monkeypatch.setattr(compiled_lookup, "MAX_PENDING", 2)
+    model = _dlrm()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    outputs = [compiled(*_batch(0)) for _ in range(4)]  # forwards whose backward has not run
+    assert len(compiled_lookup._PENDING) == 2
+    outputs[-1].sum().backward()  # the newest still trains
+    with pytest.raises(RuntimeError, match="its forward's lookup was dropped"):
+        outputs[0].sum().backward()

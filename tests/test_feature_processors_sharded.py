@@ -32,7 +32,7 @@ def _fp_ebc(kind):
         optimizer="adagrad",
         optimizer_kwargs={"lr": 0.1},
     )
-    if kind == "collection":
+    if kind.startswith("collection"):
         processors = PositionWeightedModuleCollection(dict.fromkeys(KEYS, MAX_LEN))
         weights = list(processors.position_weights.values())
     else:
@@ -45,15 +45,18 @@ def _fp_ebc(kind):
 
 
 class _Model(torch.nn.Module):
-    """The FP-EBC as ``.fp``, returning its pooled tensor (DDP, around the dense part, hooks into
-    the tensors a model returns)."""
+    """The FP-EBC as ``.fp``, returning its pooled tensor, or with kind "...-kt" its KeyedTensor
+    itself (DDP, around the dense part, looks for the tensors a model returns: sharded, the
+    KeyedTensor is an awaitable, which it must see through)."""
 
     def __init__(self, kind):
         super().__init__()
         self.fp = _fp_ebc(kind)
+        self.returns_keyed_tensor = kind.endswith("-kt")
 
     def forward(self, kjt):
-        return self.fp(kjt).values()
+        pooled = self.fp(kjt)
+        return pooled if self.returns_keyed_tensor else pooled.values()
 
 
 def _rank_batch(step, rank):
@@ -85,8 +88,9 @@ def _train_and_compare(rank, world_size, dmp, reference, steps=3):
     ref_opt = torch.optim.SGD(list(theirs.values()), lr=0.5)
     for step in range(steps):
         kjts = [_rank_batch(step, r) for r in range(world_size)]
-        want = reference(global_batch(kjts))
-        out = dmp(kjts[rank])
+        want, out = reference(global_batch(kjts)), dmp(kjts[rank])
+        if reference.returns_keyed_tensor:
+            want, out = want.values(), out.values()
         mine = slice(rank * BATCH, (rank + 1) * BATCH)
         torch.testing.assert_close(out, want[mine], rtol=1e-5, atol=1e-5)
         dense_opt.zero_grad()
@@ -109,6 +113,7 @@ CASES = [
     ("table_row_wise", "collection"),
     ("row_wise", "modules"),
     ("table_wise", "modules"),
+    ("table_wise", "collection-kt"),
 ]
 
 

@@ -3,6 +3,12 @@
 The index owns no embedding vectors: rows address value storage (vectors, optimizer state)
 kept by the caller, which must (re)initialise the rows reported as inserted.
 
+A key lives in a slot of its buckets (the kernels' space); its row is that slot's row id. A fresh
+table's slot i holds row i (no map is kept). A grown table (``grown``) keeps a permutation of
+[0, capacity) over its slots: each live key keeps the row it had, and the rows no key holds lie in
+the empty slots, so an insert takes its slot's row and an eviction hands the victim's row on. A
+growth then rebuilds only the index: the caller's vectors and optimizer state stay where they are.
+
 Concurrency: a ``HashTable`` may be shared by threads. Lookups (``find``, ``export``, ``size``)
 run concurrently with each other; mutations (``find_or_insert``, ``insert_or_assign``,
 ``erase``, ``clear``, ``load_state_dict``, ``set_epoch``) run one at a time and exclude lookups
@@ -29,6 +35,7 @@ from torchrec_ext.vocabulary import (  # noqa: F401
     SLOTS_PER_BUCKET,
     STASH_LAYOUT,
     index_lengths,
+    row_map_dtype,
     stash_slots,
     table_geometry,
 )
@@ -187,23 +194,25 @@ def find_or_insert_tables(
             locks.enter_context(index._lock.write())
         for index in indexes:
             index._clock += 1
-        return FixedInsertResult(
-            *ops.hash_upsert_tables(
-                [i._digests for i in indexes],
-                [i._slot_keys for i in indexes],
-                [i._slot_scores for i in indexes],
-                [i._size for i in indexes],
-                keys,
-                offsets,
-                scores,
-                pending,
-                [i._capacity for i in indexes],
-                [POLICIES[i.policy] for i in indexes],
-                [i._clock for i in indexes],
-                [i._epoch for i in indexes],
-                False,
-            )
+        rows, inserted, evicted, evicted_keys = ops.hash_upsert_tables(
+            [i._digests for i in indexes],
+            [i._slot_keys for i in indexes],
+            [i._slot_scores for i in indexes],
+            [i._size for i in indexes],
+            keys,
+            offsets,
+            scores,
+            pending,
+            [i._capacity for i in indexes],
+            [POLICIES[i.policy] for i in indexes],
+            [i._clock for i in indexes],
+            [i._epoch for i in indexes],
+            False,
         )
+        for t, index in enumerate(indexes):
+            if index._slot_rows is not None:
+                rows[offsets[t] : offsets[t + 1]] = index._rows_of_slots(rows[offsets[t] : offsets[t + 1]])
+        return FixedInsertResult(rows, inserted, evicted, evicted_keys)
 
 
 class _ReadWriteLock:
@@ -270,7 +279,14 @@ class HashTable:
     Results are deterministic for a given sequence of calls, whatever the thread count.
     """
 
-    def __init__(self, capacity: int, *, policy: str = "lru", device: str | torch.device | None = None):
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        policy: str = "lru",
+        device: str | torch.device | None = None,
+        mapped_rows: bool = False,
+    ):
         if not isinstance(capacity, int) or isinstance(capacity, bool):
             raise TypeError(f"HashTable: capacity must be an int, got {type(capacity).__name__}")
         if capacity <= 0:
@@ -297,6 +313,15 @@ class HashTable:
         self._slot_keys = torch.zeros(key_len, dtype=torch.int64, device=device)
         self._slot_scores = torch.zeros(score_len, dtype=torch.int64, device=device)
         self._size = torch.zeros(1, dtype=torch.int64, device=device)
+        # Row of each slot of [0, capacity) and its inverse (None: slot i holds row i): see the
+        # module docstring. Kept from the start with ``mapped_rows`` (a table that will grow: its
+        # memory is then what ``row_map_bytes`` says throughout); set by ``grown``.
+        self._slot_rows: Tensor | None = None
+        self._row_slots: Tensor | None = None
+        if mapped_rows:
+            self._set_slot_rows(
+                torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, dtype=torch.int64, device=device)
+            )
         self._clock = 0
         self._epoch = 0
         self._lock = _ReadWriteLock()
@@ -345,12 +370,13 @@ class HashTable:
         used = self._digests[s : s + t] != 0
         rows, keys = self._slot_keys[s : s + t][used], self._slot_keys[s + t : s + 2 * t][used]
         live = (self._digests[rows] != 0) & (self._slot_keys[rows] == keys)
-        return keys[live], rows[live]
+        return keys[live], self._rows_of_slots(rows[live])
 
     def metadata_bytes(self) -> int:
-        """Bytes of the index: the digest, key and score arrays (1 + 8 + 8 B per slot)."""
-        arrays = (self._digests, self._slot_keys, self._slot_scores)
-        return sum(t.numel() * t.element_size() for t in arrays)
+        """Bytes of the index: the digest, key and score arrays (1 + 8 + 8 B per slot), and the
+        slot <-> row maps of a grown or growing table (``row_map_bytes``)."""
+        arrays = (self._digests, self._slot_keys, self._slot_scores, self._slot_rows, self._row_slots)
+        return sum(t.numel() * t.element_size() for t in arrays if t is not None)
 
     def __repr__(self) -> str:
         return f"HashTable(capacity={self._capacity}, policy={self.policy!r}, device={self.device}, size={self.size()})"
@@ -364,13 +390,18 @@ class HashTable:
             # torch.compile cannot trace a lock (as torch.export, it would not put one in the
             # program either): a compiled program's lookups run unlocked, so nothing may mutate
             # the table from another thread while one runs.
-            return ops.hash_find(self._digests, self._slot_keys, keys, self._capacity)
+            slots, found = ops.hash_find(self._digests, self._slot_keys, keys, self._capacity)
+            return self._rows_of_slots(slots), found
         with self._lock.read():
-            return ops.hash_find(self._digests, self._slot_keys, keys, self._capacity)
+            slots, found = ops.hash_find(self._digests, self._slot_keys, keys, self._capacity)
+            return self._rows_of_slots(slots), found
 
     def lookup_arrays(self) -> tuple[Tensor, Tensor]:
         """(digests, slot_keys), as ``ops.hash_find`` takes them, for a caller that keeps mutations
-        away itself: a serving module never mutates an index it published (it swaps in a new one)."""
+        away itself: a serving module never mutates an index it published (it swaps in a new one).
+        ``ops.hash_find`` gives slots: the rows of a table that never grew (a grown one refuses)."""
+        if self._slot_rows is not None:
+            raise ValueError("HashTable.lookup_arrays: a grown table's rows are not its slots; use find")
         return self._digests, self._slot_keys
 
     def find_or_insert(self, keys: Tensor, scores: Tensor | None = None) -> InsertResult:
@@ -416,22 +447,21 @@ class HashTable:
             )
         with self._lock.write():
             self._clock += 1
-            return FixedInsertResult(
-                *ops.hash_upsert_fixed(
-                    self._digests,
-                    self._slot_keys,
-                    self._slot_scores,
-                    self._size,
-                    keys,
-                    scores,
-                    pending,
-                    self._capacity,
-                    POLICIES[self.policy],
-                    self._clock,
-                    self._epoch,
-                    False,
-                )
+            slots, inserted, evicted, evicted_keys = ops.hash_upsert_fixed(
+                self._digests,
+                self._slot_keys,
+                self._slot_scores,
+                self._size,
+                keys,
+                scores,
+                pending,
+                self._capacity,
+                POLICIES[self.policy],
+                self._clock,
+                self._epoch,
+                False,
             )
+            return FixedInsertResult(self._rows_of_slots(slots), inserted, evicted, evicted_keys)
 
     def erase_rows(self, rows: Tensor) -> Tensor:
         """Removes the keys held at the rows where ``rows`` (bool ``[capacity]``) is True, as
@@ -443,11 +473,12 @@ class HashTable:
                 f"{getattr(rows, 'dtype', type(rows).__name__)} of shape {tuple(getattr(rows, 'shape', ()))}"
             )
         with self._lock.write():
-            digests = self._digests[: self._capacity]  # a row is its slot; erasing clears its digest
-            removed = (digests != 0) & rows
+            digests = self._digests[: self._capacity]  # slots of [0, capacity); erasing clears a digest
+            in_slots = rows if self._slot_rows is None else rows.index_select(0, self._slot_rows)
+            removed = (digests != 0) & in_slots
             digests.masked_fill_(removed, 0)
             self._size -= removed.sum()
-        return removed
+        return removed if self._row_slots is None else removed.index_select(0, self._row_slots)
 
     def insert_or_assign(self, keys: Tensor, scores: Tensor | None = None) -> InsertResult:
         """Like ``find_or_insert``, but given ``scores`` are stored as they are, for any policy."""
@@ -480,14 +511,16 @@ class HashTable:
         """The key and score at each of ``rows`` (int64, in [0, capacity)), and a mask of the rows
         that hold a live key. Read-only; costs a lookup per row, not a scan of the table."""
         with self._lock.read():
-            # A row is its slot: its key is live there iff looking the key up finds this row
+            # A row lies in one slot: its key is live there iff looking the key up finds this slot
             # (an empty slot keeps the key it last held, which then lives elsewhere or nowhere).
-            keys, scores = self._slot_keys.index_select(0, rows), self._slot_scores.index_select(0, rows)
-            found_rows, found = ops.hash_find(self._digests, self._slot_keys, keys, self._capacity)
-        return keys, scores, found & (found_rows == rows)
+            slots = rows if self._row_slots is None else self._row_slots.index_select(0, rows)
+            keys, scores = self._slot_keys.index_select(0, slots), self._slot_scores.index_select(0, slots)
+            found_slots, found = ops.hash_find(self._digests, self._slot_keys, keys, self._capacity)
+        return keys, scores, found & (found_slots == slots)
 
     def export(self, page_size: int = 1 << 20) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
-        """Pages of live ``(keys, rows, scores)`` in row order, each scanning ``page_size`` slots.
+        """Pages of live ``(keys, rows, scores)`` in slot order (row order unless the table grew),
+        each scanning ``page_size`` slots.
 
         Each page is read atomically; a table mutated between pages gives pages of different
         moments, as any paged scan does.
@@ -500,7 +533,7 @@ class HashTable:
         for start in range(0, self._capacity, page_size):
             # The lock is released before yielding: a caller may mutate the table between pages.
             with self._lock.read():
-                page = ops.hash_export(
+                keys, slots, scores = ops.hash_export(
                     self._digests,
                     self._slot_keys,
                     self._slot_scores,
@@ -508,7 +541,7 @@ class HashTable:
                     start,
                     min(start + page_size, self._num_slots),
                 )
-            yield page
+            yield keys, self._rows_of_slots(slots), scores
 
     def __getstate__(self) -> dict[str, object]:
         # A lock cannot be pickled or deep-copied; a copy gets a fresh one (``__setstate__``).
@@ -526,37 +559,42 @@ class HashTable:
         twin = HashTable.__new__(HashTable)
         with self._lock.read():
             twin.__dict__.update(self.__dict__)
-            for name in ("_digests", "_slot_keys", "_slot_scores", "_size"):
-                setattr(twin, name, getattr(self, name).clone())
+            for name in ("_digests", "_slot_keys", "_slot_scores", "_size", "_slot_rows", "_row_slots"):
+                value = getattr(self, name)
+                setattr(twin, name, None if value is None else value.clone())
         twin._lock = _ReadWriteLock()
         return twin
 
     def grown(self, capacity: int) -> tuple[HashTable, Tensor]:
         """This table's entries rebuilt in a new table of ``capacity`` rows (>= ``size()``), and
         the row map: ``row_map[old_row]`` is the new row of the key at ``old_row`` (-1: no live key
-        there). Keys, scores, clock and epoch are kept; rows change (a key's buckets depend on the
-        capacity). On the table's device, with no host copy of the entries: the keys are inserted
-        by one ``insert_or_assign`` with their scores; should some not fit (only in tiny tables,
-        both buckets full), every key is re-placed by ``place_keys`` instead. This table is unchanged.
+        there). Keys, scores, clock and epoch are kept. Growing (``capacity`` >= this capacity),
+        every key keeps its row (``row_map`` is the identity on the live rows): only the index is
+        rebuilt, each key in a slot of its new buckets that takes the key's row (the free rows go
+        to the empty slots); shrinking, the keys take the rows of their new slots. On the table's
+        device, with no host copy of the entries: the keys are inserted by one ``insert_or_assign``
+        with their scores; should some not fit (only in tiny tables, both buckets full), every key
+        is re-placed by ``place_keys`` instead. This table is unchanged.
         """
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
             raise ValueError(f"HashTable.grown: capacity must be an int > 0, got {capacity!r}")
         with self._lock.read():
-            keys, rows, scores = ops.hash_export(
+            keys, slots, scores = ops.hash_export(
                 self._digests, self._slot_keys, self._slot_scores, self._capacity, 0, self._num_slots
             )
+            rows = self._rows_of_slots(slots)
             clock, epoch = self._clock, self._epoch
         if keys.numel() > capacity:
             raise ValueError(f"HashTable.grown: capacity must hold the table's {keys.numel()} keys, got {capacity}")
-        twin = HashTable(capacity, policy=self.policy, device=self.device)
+        twin = HashTable(capacity, policy=self.policy, device=self.device, mapped_rows=self._slot_rows is not None)
         twin._epoch = epoch
-        new_rows = twin.insert_or_assign(keys, scores).rows if keys.numel() else keys
-        if keys.numel() and bool((new_rows < 0).any()):  # both buckets full at this capacity: an exact placement
-            twin = HashTable(capacity, policy=self.policy, device=self.device)
-            new_rows = place_keys(keys, scores, capacity)
-            if bool((new_rows < 0).any()):
+        new_slots = twin.insert_or_assign(keys, scores).rows if keys.numel() else keys
+        if keys.numel() and bool((new_slots < 0).any()):  # both buckets full at this capacity: an exact placement
+            twin = HashTable(capacity, policy=self.policy, device=self.device, mapped_rows=twin._slot_rows is not None)
+            new_slots = place_keys(keys, scores, capacity)
+            if bool((new_slots < 0).any()):
                 raise ValueError(
-                    f"HashTable.grown: {int((new_rows < 0).sum())} of {keys.numel()} keys cannot be "
+                    f"HashTable.grown: {int((new_slots < 0).sum())} of {keys.numel()} keys cannot be "
                     f"placed in capacity {capacity}"
                 )
             twin.load_state_dict(
@@ -567,13 +605,17 @@ class HashTable:
                     "epoch": epoch,
                     "layout": LAYOUT_VERSION,
                     "keys": keys,
-                    "rows": new_rows,
+                    "rows": new_slots,
                     "scores": scores,
                 }
             )
         twin._clock, twin._epoch = clock, epoch
         row_map = torch.full((self._capacity,), -1, dtype=torch.int64, device=self.device)
-        row_map[rows] = new_rows
+        if capacity >= self._capacity:
+            twin._set_slot_rows(new_slots, rows)
+            row_map[rows] = rows
+        else:
+            row_map[rows] = new_slots
         return twin, row_map
 
     def clear(self) -> None:
@@ -582,12 +624,17 @@ class HashTable:
             self._size.zero_()
 
     def state_dict(self) -> dict[str, object]:
-        """Live keys, their rows and scores, plus what reproduces placement and scoring."""
+        """Live keys, their rows and scores in row order, plus what reproduces placement and
+        scoring (a table that maps slots to rows: each key's slot too, under ``slots``)."""
         with self._lock.read():
-            keys, rows, scores = ops.hash_export(
+            keys, slots, scores = ops.hash_export(
                 self._digests, self._slot_keys, self._slot_scores, self._capacity, 0, self._num_slots
             )
-            return {
+            rows, extra = slots, {}
+            if self._slot_rows is not None:  # in row order, as a table whose rows are its slots
+                rows, order = self._rows_of_slots(slots).sort()
+                keys, scores, extra = keys[order], scores[order], {"slots": slots[order]}
+            return extra | {
                 "capacity": self._capacity,
                 "policy": self.policy,
                 "clock": self._clock,
@@ -604,7 +651,8 @@ class HashTable:
         Everything is checked (types, ranges, duplicate keys, rows each key may hold) before the
         table changes: a bad state raises and leaves the table as it was. A state without
         ``layout`` predates it (layout 1); rows of another layout load only where each still lies
-        in one of its key's buckets (else re-place the keys: ``place_keys``).
+        in one of its key's buckets (else re-place the keys: ``place_keys``). A grown table's
+        state (with ``slots``) puts each key at its slot and gives that slot the key's row.
         """
         where = "HashTable.load_state_dict"
         if not isinstance(state, Mapping):
@@ -627,6 +675,16 @@ class HashTable:
         keys = self._check_keys("load_state_dict", state["keys"])
         rows = self._check_entries(where, "rows", state["rows"], keys)
         scores = self._check_entries(where, "scores", state["scores"], keys)
+        slots = None
+        if state.get("slots") is not None:  # a grown table's: keys at their slots, rows mapped
+            slots, row_ids = self._check_entries(where, "slots", state["slots"], keys), rows
+            bad = (row_ids < 0) | (row_ids >= self._capacity)
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0])
+                raise ValueError(f"{where}: rows must be in [0, {self._capacity}), got {int(row_ids[i])} at entry {i}")
+            if torch.unique(row_ids).numel() != row_ids.numel():
+                raise ValueError(f"{where}: rows must be distinct (one row per key)")
+            rows = slots
         # Build into fresh storage and swap only on success: a bad state leaves the table as it was.
         digests = torch.zeros_like(self._digests)
         slot_keys = torch.zeros_like(self._slot_keys)
@@ -654,27 +712,50 @@ class HashTable:
             self._digests, self._slot_keys, self._slot_scores = digests, slot_keys, slot_scores
             self._size = size
             self._clock, self._epoch = clock, epoch
+            if slots is not None:
+                self._set_slot_rows(slots, row_ids)
+            elif self._slot_rows is not None:  # rows are slots: the identity
+                self._set_slot_rows(keys[:0], keys[:0])
 
     # ------------------------------------------------------------------ internals
+
+    def _rows_of_slots(self, slots: Tensor) -> Tensor:
+        """The rows of ``slots`` (-1 stays -1)."""
+        if self._slot_rows is None:
+            return slots
+        return torch.where(slots >= 0, self._slot_rows.index_select(0, slots.clamp(min=0)), slots)
+
+    def _set_slot_rows(self, slots: Tensor, rows: Tensor) -> None:
+        """Makes ``rows`` (distinct, in [0, capacity)) the rows of the keys at ``slots``, and gives
+        the other rows to the other slots, both in ascending order (deterministic)."""
+        n = self._capacity
+        slot_rows = torch.full((n,), -1, dtype=torch.int64, device=self.device)
+        slot_rows[slots] = rows
+        used = torch.zeros(n, dtype=torch.bool, device=self.device)
+        used[rows] = True
+        slot_rows[slot_rows < 0] = (~used).nonzero().squeeze(1)
+        row_slots = torch.empty_like(slot_rows)
+        row_slots[slot_rows] = torch.arange(n, device=self.device)
+        dtype = row_map_dtype(n)
+        self._slot_rows, self._row_slots = slot_rows.to(dtype), row_slots.to(dtype)
 
     def _upsert(self, keys: Tensor, scores: Tensor | None, assign: bool) -> InsertResult:
         with self._lock.write():
             self._clock += 1
-            return InsertResult(
-                *ops.hash_upsert(
-                    self._digests,
-                    self._slot_keys,
-                    self._slot_scores,
-                    self._size,
-                    keys,
-                    scores,
-                    self._capacity,
-                    POLICIES[self.policy],
-                    self._clock,
-                    self._epoch,
-                    assign,
-                )
+            slots, inserted, evicted_keys, evicted_slots = ops.hash_upsert(
+                self._digests,
+                self._slot_keys,
+                self._slot_scores,
+                self._size,
+                keys,
+                scores,
+                self._capacity,
+                POLICIES[self.policy],
+                self._clock,
+                self._epoch,
+                assign,
             )
+            return InsertResult(self._rows_of_slots(slots), inserted, evicted_keys, self._rows_of_slots(evicted_slots))
 
     def _check_keys(self, op: str, keys: object) -> Tensor:
         if not isinstance(keys, Tensor):

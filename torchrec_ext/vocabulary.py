@@ -64,6 +64,16 @@ def index_bytes(capacity: int) -> int:
     return digests + 8 * (keys + scores)
 
 
+def row_map_dtype(capacity: int) -> torch.dtype:
+    """dtype of a table's slot <-> row maps (HashTable's, kept by tables that grow)."""
+    return torch.int32 if capacity < 2**31 else torch.int64
+
+
+def row_map_bytes(capacity: int) -> int:
+    """Bytes of a table's slot -> row and row -> slot maps (``row_map_dtype``, one entry per row each)."""
+    return 2 * capacity * (4 if row_map_dtype(capacity) == torch.int32 else 8)
+
+
 # Which rows a key may hold (csrc/hash_table_layout.h's make_geometry and place_key), saved with
 # every state: rows saved by another layout are re-placed on load. Bump it when either changes.
 LAYOUT_VERSION = 3

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import register_pytree_node
 from torchrec.distributed.embedding_sharding import EmbeddingShardingContext, KJTListSplitsAwaitable
 from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext
@@ -49,6 +50,18 @@ class _PooledAwaitable(LazyAwaitable[KeyedTensor]):
         if self._divisor is not None:
             pooled = pooled * self._divisor
         return KeyedTensor(keys=self._keys, length_per_key=self._dims, values=pooled, key_dim=1)
+
+
+# DDP (DMP wraps the dense part in it, static_graph=True) finds the tensors of a model's output by
+# pytree in its first iteration and routes them through _DDPSink, whose backward enqueues that
+# iteration's all-reduce and builds the static graph. A model returning this awaitable itself (an
+# FP-EBC's KeyedTensor) was a pytree leaf without tensors: no all-reduce ever ran, so the position
+# weights trained on each rank's own gradient. Flattened, it is its (waited, cached) KeyedTensor.
+register_pytree_node(
+    _PooledAwaitable,
+    lambda awaitable: ([LazyAwaitable._wait_async(awaitable)], None),
+    lambda children, _context: children[0],
+)
 
 
 class ShardedDynamicEmbeddingBagCollection(

@@ -23,6 +23,7 @@ ranks of the node)`` for table_row_wise, as ``ops.route`` spreads ids evenly):
                                                       module's, else its sharder's fused_params')
     + index_bytes(rows)                               index: digest (1 B) + key (8) + score (8) per slot,
                                                       17 B per stash entry, 1 B per bucket (vocabulary)
+    + row_map_bytes(rows)        if it grows          slot -> row and row -> slot maps (4 + 4 B per row)
     + 8 * rows                   if ttl_steps         last-seen step per row
     + admission state                                 ``counter``: a side table of ``a`` ids (the
                                                       table's admission_capacity, default its capacity,
@@ -87,7 +88,7 @@ from torchrec_ext.modules.configs import DynamicTableOptions, options_of, storag
 from torchrec_ext.modules.embedding_bag_collection import DynamicEmbeddingBagCollection
 from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
 from torchrec_ext.modules.fused_optimizer import stochastic_rounding_of
-from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE, index_bytes
+from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE, index_bytes, row_map_bytes
 
 __all__ = [
     "DynamicEmbeddingPerfEstimator",
@@ -137,6 +138,7 @@ def dynamic_table_bytes(
     admission: DynamicTableOptions | None = None,
     element_bytes: int = FLOAT_BYTES,
     rows_now: int | None = None,
+    initial_capacity: int | None = None,
 ) -> int:
     """Bytes one rank holds of a dynamic table split over ``parts`` ranks (1: table_wise), without
     the step's IO buffers: what ``DynamicEmbeddingBagCollection.storage_bytes()`` reports for a
@@ -144,13 +146,16 @@ def dynamic_table_bytes(
     counted; without them, ``admit_after`` > 1 means the counter of ``admission_capacity`` ids.
     ``element_bytes``: of the table's data_type (4 FP32, 2 FP16/BF16). ``rows_now``: the table's
     capacity now when it grows (``initial_capacity``; default ``capacity``): its rows are counted at
-    that capacity, its admission state (sized from num_embeddings) at ``capacity``."""
+    that capacity, its admission state (sized from num_embeddings) at ``capacity``.
+    ``initial_capacity``: the table's, when it grows (its index then maps slots to rows)."""
     if admission is None:
         admission = DynamicTableOptions(admit_after=admit_after, admission_capacity=admission_capacity)
     rows = local_capacity(capacity if rows_now is None else rows_now, parts)
     stored = rows + (admission.fallback_rows or 0)  # every shard holds the table's fallback rows
     total = 4 * -(-stored * dim * element_bytes // 4) + stored * optimizer_state_bytes_per_row(optimizer_kind, dim)
     total += index_bytes(rows)
+    if initial_capacity is not None and local_capacity(initial_capacity, parts) < local_capacity(capacity, parts):
+        total += row_map_bytes(rows)
     if ttl:
         total += TTL_BYTES_PER_ROW * rows
     return total + admission_bytes(admission, admission.admission_strategy, capacity, parts)
@@ -400,6 +405,7 @@ class DynamicEmbeddingStorageEstimator(ShardEstimator):
                 admission=table.options,
                 element_bytes=table.element_bytes,
                 rows_now=table.initial_capacity if initial == "initial" else None,
+                initial_capacity=table.initial_capacity,
             )
             io = 0
             if not self._is_inference:

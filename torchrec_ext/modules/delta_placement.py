@@ -83,12 +83,20 @@ def place_exactly(index: HashTable, ids: Tensor, tombstones: Tensor, scores: Ten
     new_scores = scores[new] if scores is not None else torch.full_like(ids[new], fresh)
     keys = torch.cat([state["keys"], ids[new]])
     key_scores = torch.cat([state["scores"], new_scores])
-    # From the held ids' rows: only the ids on the augmenting paths that make room move.
-    rows = place_keys(keys, key_scores, index.capacity, torch.cat([state["rows"], torch.full_like(ids[new], -1)]))
+    # From the held ids' slots: only the ids on the augmenting paths that make room move.
+    start = state.get("slots", state["rows"])
+    rows = place_keys(keys, key_scores, index.capacity, torch.cat([start, torch.full_like(ids[new], -1)]))
     lost = int((rows < 0).sum())
     if lost:
         raise NoRowError(lost, keys.numel(), index.capacity)
     placed = HashTable(index.capacity, policy=index.policy, device=index.device)
+    if "slots" in state:  # a grown index: slots map to rows, so held ids keep theirs, new ids take free ones
+        used = torch.zeros(index.capacity, dtype=torch.bool, device=index.device)
+        used[state["rows"]] = True
+        free = (~used).nonzero().squeeze(1)[: int(new.sum())]
+        row_ids = torch.cat([state["rows"], free])
+        placed.load_state_dict({**state, "keys": keys, "rows": row_ids, "slots": rows, "scores": key_scores})
+        return DeltaRows(placed, placed.find(ids)[0], new)
     placed.load_state_dict({**state, "keys": keys, "rows": rows, "scores": key_scores})
     old_rows, new_rows = state["rows"], rows[: state["rows"].numel()]
     moved = old_rows != new_rows

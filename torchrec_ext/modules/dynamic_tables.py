@@ -84,6 +84,7 @@ from torchrec_ext.vocabulary import (
     dtype_code,
     index_bytes,
     pending_row,
+    row_map_bytes,
     table_words,
 )
 
@@ -156,6 +157,11 @@ class _TableMeta:
     max_capacity: int = 0  # num_embeddings: what the table may grow to
     initial_capacity: int = 0  # what it starts with (and returns to on reset)
     growth_load_factor: float = 1.0  # the load past which it doubles
+
+    @property
+    def may_grow(self) -> bool:
+        """Whether the table grows at all (its index then maps slots to rows: growth keeps rows)."""
+        return self.max_capacity > self.initial_capacity
 
     @property
     def grows(self) -> bool:
@@ -237,19 +243,47 @@ except OSError:  # pragma: no cover
 
 class _RowMoves(NamedTuple):
     """The rows one table carries through a relayout: its live rows (``live_src`` old rows to
-    ``live_dst`` new rows, sorted by destination), and those plus its fallback rows (``src``, ``dst``)."""
+    ``live_dst`` new rows, sorted by destination), and those plus its fallback rows (``src``, ``dst``).
+    ``block`` > 0: the rows [0, block) keep their numbers (a growth: the index maps its slots to
+    rows, so the rows stay), and are carried as one block; the fallback rows one by one."""
 
     live_src: Tensor
     live_dst: Tensor
     src: Tensor
     dst: Tensor
+    block: int = 0
+
+    def scattered(self, whole: bool = False) -> tuple[Tensor, Tensor]:
+        """(src, dst) of the rows carried one by one (``whole``: the block's live rows too)."""
+        if whole or not self.block:
+            return self.src, self.dst
+        live = self.live_src.numel()
+        return self.src[live:], self.dst[live:]
 
 
-def _carried_bytes(view: Tensor, move: _RowMoves | None) -> int:
-    """Bytes of the rows of ``view`` (a table's old rows in one buffer) a relayout carries, rounded
-    up to 8 (scratch blocks stay aligned for any dtype)."""
-    rows = view.shape[0] if move is None else move.src.numel()
+def _carried_bytes(view: Tensor, move: _RowMoves | None, whole: bool = False) -> int:
+    """Bytes of the rows of ``view`` (a table's old rows in one buffer) a relayout carries through
+    scratch (``whole``: a block's too), rounded up to 8 (scratch blocks stay aligned for any dtype)."""
+    rows = (view.shape[0] if whole else 0) if move is None else move.scattered(whole)[0].numel()
     return -(-rows * (view[:1].numel() or 1) * view.element_size() // 8) * 8 if rows else 0
+
+
+def _move_block(buf: Tensor, old: Tensor, new: Tensor) -> None:
+    """Copies ``old`` to ``new`` (views of the same numel and dtype into ``buf``, which may
+    overlap) with no scratch: in chunks no longer than the distance, from the far end."""
+    u8, base = buf.view(torch.uint8), buf.data_ptr()
+    n = old.numel() * old.element_size()
+    s, d = old.data_ptr() - base, new.data_ptr() - base
+    step = abs(d - s)
+    if n == 0 or step == 0:
+        return
+    if step < min(n, 1 << 20):  # a short shift: many small chunks would cost more than a copy
+        u8[d : d + n].copy_(u8[s : s + n].clone())
+        return
+    starts = range(0, n, step)
+    for a in reversed(starts) if d > s else starts:
+        e = min(a + step, n)
+        u8[d + a : d + e].copy_(u8[s + a : s + e])
 
 
 def _rewrite_in_place(
@@ -268,8 +302,9 @@ def _rewrite_in_place(
     rows go to ``scratch``, its new span is filled with ``value`` and the rows are written to
     their new places. When every span moves up (a growth) tables are done last to first, when
     every one moves down first to last, so no span is written before the rows it held are
-    saved, and one table's rows fit in ``scratch``; otherwise all are saved first. A table that
-    keeps its rows and its place is not touched."""
+    saved, and one table's rows fit in ``scratch``, the rows that keep their numbers (a whole
+    table kept, a grown table's block) moving as one block, no scratch; otherwise all are saved
+    first. A table that keeps its rows and its place is not touched."""
     tables = range(len(moves))
     if all(n >= o for n, o in zip(new_spans, old_spans)):
         order, save_all = list(reversed(tables)), False
@@ -280,30 +315,44 @@ def _rewrite_in_place(
     order = [t for t in order if not (moves[t] is None and new_spans[t] == old_spans[t])]
     saved, offset = {}, 0
     for t in order if save_all else []:
-        saved[t], offset = _save_rows(old_views[t], moves[t], scratch, offset)
+        saved[t], offset = _save_rows(old_views[t], moves[t], scratch, offset, whole=True)
     for t in order:
-        rows = saved[t] if save_all else _save_rows(old_views[t], moves[t], scratch, 0)[0]
-        buf[new_spans[t] : new_spans[t + 1]].fill_(value)
-        if moves[t] is None:
-            new_views[t].copy_(rows)
-        elif rows.shape[0]:
-            new_views[t].index_copy_(0, moves[t].dst, rows)
+        move = moves[t]
+        if save_all:
+            rows = saved[t]
+        else:  # the rows carried one by one first: the block's move may cover them
+            rows = _save_rows(old_views[t], move, scratch, 0)[0]
+            block = old_views[t].shape[0] if move is None else move.block
+            _move_block(buf, old_views[t][:block], new_views[t][:block])
+            new_views[t][block:].fill_(value)
+            if move is None:
+                continue
+        if save_all:
+            buf[new_spans[t] : new_spans[t + 1]].fill_(value)
+            if move is None:
+                new_views[t].copy_(rows)
+                continue
+        if rows.shape[0]:
+            new_views[t].index_copy_(0, move.scattered(save_all)[1], rows)
 
 
-def _save_rows(view: Tensor, move: _RowMoves | None, scratch: Tensor, offset: int) -> tuple[Tensor, int]:
-    """The rows of ``view`` that ``move`` carries (all: None), copied to ``scratch`` from byte
-    ``offset``; returns them and the offset after them."""
-    size = _carried_bytes(view, move)
-    rows = view.shape[0] if move is None else move.src.numel()
+def _save_rows(
+    view: Tensor, move: _RowMoves | None, scratch: Tensor, offset: int, whole: bool = False
+) -> tuple[Tensor, int]:
+    """The rows of ``view`` that ``move`` carries one by one (``whole``: a block's too, all of
+    them for None), copied to ``scratch`` from byte ``offset``; returns them and the offset after them."""
+    size = _carried_bytes(view, move, whole)
+    rows = (view.shape[0] if whole else 0) if move is None else move.scattered(whole)[0].numel()
     out = (
         scratch[offset : offset + size]
         .view(view.dtype)[: rows * (view[:1].numel() or 1)]
         .view((rows,) + view.shape[1:])
     )
     if move is None:
-        out.copy_(view)
+        if rows:
+            out.copy_(view)
     elif rows:
-        torch.index_select(view, 0, move.src, out=out)
+        torch.index_select(view, 0, move.scattered(whole)[0], out=out)
     return out, offset + size
 
 
@@ -592,7 +641,7 @@ class DynamicTables:
         old = self.indexes if carry_from is not None and carry_from.type != "meta" else None
         self.indexes, self.last_seen, self.admission = [], [], []
         for t, m in enumerate(self.meta):
-            index = HashTable(m.capacity, policy=m.policy, device=device)
+            index = HashTable(m.capacity, policy=m.policy, device=device, mapped_rows=m.may_grow)
             if old is not None and old[t] is not None:
                 state = old[t].state_dict()
                 index.load_state_dict({k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in state.items()})
@@ -827,8 +876,11 @@ class DynamicTables:
             for t, move in enumerate(moves):
                 if move is None:
                     new_k[t].copy_(old_k[t])
-                elif move.src.numel():
-                    new_k[t].index_copy_(0, move.dst, old_k[t].index_select(0, move.src))
+                    continue
+                new_k[t][: move.block].copy_(old_k[t][: move.block])
+                src, dst = move.scattered()
+                if src.numel():
+                    new_k[t].index_copy_(0, dst, old_k[t].index_select(0, src))
         flat_map = (
             None
             if self.delta_log is None
@@ -872,8 +924,14 @@ class DynamicTables:
             )  # writes in address order: fewer cache and TLB misses
             live_src = live_src.index_select(0, order)
         fallback = torch.arange(m.fallback_rows, dtype=torch.int64, device=device)  # fallback rows: whole
+        # A growth keeps every live row's number (HashTable.grown): the rows move as one block.
+        kept = plan[1] is not None and cap_new >= old_cap and bool(live_src.equal(live_dst))
         return _RowMoves(
-            live_src, live_dst, torch.cat([live_src, old_cap + fallback]), torch.cat([live_dst, cap_new + fallback])
+            live_src,
+            live_dst,
+            torch.cat([live_src, old_cap + fallback]),
+            torch.cat([live_dst, cap_new + fallback]),
+            old_cap if kept else 0,
         )
 
     def _buffer_spans(self) -> list[list[int]]:
@@ -888,11 +946,15 @@ class DynamicTables:
     @staticmethod
     def _scratch_bytes(moves, old_views, in_place: list[bool], monotone: bool) -> int:
         """Bytes ``_rewrite_in_place`` needs for the buffers rewritten in place: the largest table's
-        carried rows when every table grows (or every one shrinks), else all tables'."""
+        rows carried one by one when every table grows (or every one shrinks), else all tables'
+        carried rows."""
         most = 8
         for k, rewritten in enumerate(in_place):
             if rewritten:
-                sizes = [_carried_bytes(v[0] if k == 0 else v[1][k - 1], move) for v, move in zip(old_views, moves)]
+                sizes = [
+                    _carried_bytes(v[0] if k == 0 else v[1][k - 1], move, whole=not monotone)
+                    for v, move in zip(old_views, moves)
+                ]
                 most = max(most, max(sizes, default=0) if monotone else sum(sizes))
         return most
 
@@ -1521,7 +1583,7 @@ class DynamicTables:
         # the table that saved them, unless it grew for ids since evicted or expired).
         ids, scores = ids.to(device, torch.int64), scores.to(device, torch.int64)
         capacity = m.fit_capacity(n, start=m.initial_capacity) if m.max_capacity != m.initial_capacity else m.capacity
-        index = HashTable(capacity, policy=m.policy, device=device)
+        index = HashTable(capacity, policy=m.policy, device=device, mapped_rows=m.may_grow)
         entry = {"capacity": capacity, "policy": m.policy, "clock": clock, "epoch": epoch, "layout": LAYOUT_VERSION}
         rows, keep, warning, layout_warning = None, None, None, None
         if saved_rows is not None and n <= capacity:
@@ -1530,7 +1592,9 @@ class DynamicTables:
                 index.load_state_dict(dict(entry, layout=layout, keys=ids, rows=saved_rows, scores=scores))
                 rows = saved_rows
             except ValueError:
-                pass  # saved at another capacity, or with another layout
+                pass  # saved at another capacity, or with another layout, or by a grown table
+        if rows is None and saved_rows is not None and m.may_grow and n <= capacity:
+            rows = self._keep_saved_rows(index, entry, ids, saved_rows, scores)
         if rows is None:
             if saved_rows is not None and layout not in SAME_BUCKET_LAYOUTS:
                 layout_warning = (
@@ -1575,6 +1639,21 @@ class DynamicTables:
             fallback_states=fallback_states,
             capacity=capacity,
         )
+
+    @staticmethod
+    def _keep_saved_rows(index: HashTable, entry: dict, ids: Tensor, rows: Tensor, scores: Tensor) -> Tensor | None:
+        """Loads ``ids`` into a growing table's ``index`` (its slots map to rows) at their saved
+        ``rows``, placing them in slots afresh; None (the index unchanged) when the rows are not
+        distinct rows of the table or some id finds no slot."""
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= index.capacity):
+            return None
+        if torch.unique(rows).numel() != rows.numel():
+            return None
+        slots = place_keys(ids, scores, index.capacity)
+        if bool((slots < 0).any()):
+            return None
+        index.load_state_dict(dict(entry, keys=ids, rows=rows, slots=slots, scores=scores))
+        return rows
 
     def _checked_fallback(
         self, t: int, state: dict[str, Tensor], name: str
@@ -1681,7 +1760,7 @@ class DynamicTables:
                 * per_row
                 * (1 if self.optimizer is None or self.optimizer.kind in ROWWISE_STATE else m.dim)
             )
-            total += index_bytes(c)
+            total += index_bytes(c) + (row_map_bytes(c) if m.may_grow else 0)
             total += 8 * c if m.ttl_steps else 0
             total += admission.nbytes() if admission is not None else 0
         return total

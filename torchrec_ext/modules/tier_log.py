@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -79,6 +80,7 @@ class RowLog:
         self.head_fill = 0
         # records appended / re-appended by cleaning / sent home from a full log; segments cleaned
         self.appended = self.cleaned = self.sent_home = self.segments_cleaned = 0
+        self.write_s = 0.0  # wall seconds in the log's writes (a write the kernel throttles shows here)
         # Writes records ([n, record_bytes]) to their rows of the base file (set by the table's mover).
         self.home: Callable[[Tensor, Tensor], None] | None = None
 
@@ -162,6 +164,7 @@ class RowLog:
             take = min(n - done, SEGMENT_RECORDS - self.head_fill)
             first = self.head * SEGMENT_RECORDS + self.head_fill
             chunk = data[done : done + take]
+            began = time.perf_counter()
             try:
                 pwrite_all(self.fd, memoryview(chunk.numpy()).cast("B"), self.offset + first * self.record_bytes)
             except OSError as e:
@@ -170,6 +173,8 @@ class RowLog:
                     f"{self.where_}: cannot append {take} rows ({take * self.record_bytes} bytes) "
                     f"to backing log {self.path!r}: {e.strerror or e}",
                 ) from None
+            finally:
+                self.write_s += time.perf_counter() - began
             # Written: the records are the rows' newest copies now (not before: a failed write
             # leaves every row where it was).
             these = rows[done : done + take]

@@ -387,16 +387,20 @@ class _Stager:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="torchrec_ext-tier-stage")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.busy_s = 0.0  # seconds the worker spent staging (not counting waits for the lookup's hand-over)
+        # of them on a CPU (thread time): busy_s well above it means the stage was kept off a core
+        # or blocked in the kernel (a write throttled, a fault reading its page from disk)
+        self.cpu_s = 0.0
         self.handover_s = 0.0  # seconds the worker waited for the lookup to hand tables over
         self.waited_s = 0.0  # seconds the train thread waited for a stage to land
 
     def submit(self, stage) -> Future:
         def timed():
-            start, handover = time.perf_counter(), self.handover_s
+            start, cpu, handover = time.perf_counter(), time.thread_time(), self.handover_s
             try:
                 return stage()
             finally:
                 self.busy_s += time.perf_counter() - start - (self.handover_s - handover)
+                self.cpu_s += time.thread_time() - cpu
 
         return self._submit(timed)
 
@@ -827,6 +831,10 @@ class TieredTables(DynamicTables):
     def stage_seconds(self) -> tuple[float, float]:
         """(seconds the worker spent staging, seconds the train thread waited for stages) so far."""
         return (0.0, 0.0) if self._stager is None else (self._stager.busy_s, self._stager.waited_s)
+
+    def stage_cpu_seconds(self) -> float:
+        """CPU seconds (the worker's thread time) of the stages so far: of ``stage_seconds()[0]``."""
+        return 0.0 if self._stager is None else self._stager.cpu_s
 
     def _join_stage(self) -> None:
         """Waits for the stage in flight (re-raising its error)."""

@@ -169,7 +169,12 @@ def touched_score(policy: str, old: int | None, given: int | None, clock: int, e
 
 
 class ReferenceHashTable:
-    """The dict model of ``torchrec_ext.HashTable``: same placement, scores and eviction rule."""
+    """The dict model of ``torchrec_ext.HashTable``: same placement, scores and eviction rule.
+
+    ``row_of`` / ``key_at`` / ``score_at`` are in slot space (a key's place in its buckets); what
+    ``find``, ``upsert`` and ``export`` give are rows: a slot's row is the slot itself, until
+    ``grown`` sets ``slot_row``, the row of every slot of [0, capacity).
+    """
 
     def __init__(self, capacity: int, policy: str = "lru"):
         self.capacity = capacity
@@ -180,6 +185,28 @@ class ReferenceHashTable:
         self.score_at: dict[int, int] = {}
         self.clock = 0
         self.epoch = 0
+        self.slot_row: list[int] | None = None
+
+    def row(self, slot: int) -> int:
+        """The row of ``slot`` (-1: none)."""
+        return slot if self.slot_row is None or slot < 0 else self.slot_row[slot]
+
+    def grown(self, capacity: int) -> ReferenceHashTable:
+        """What ``HashTable.grown`` builds: a table of ``capacity`` (>= this one's) into which the
+        live keys are inserted with their scores (``insert_or_assign``, in slot order); each key
+        keeps its row, and the rows no key holds go to the empty slots, both in ascending order."""
+        assert capacity >= self.capacity, "the reference grows only"
+        twin = ReferenceHashTable(capacity, self.policy)
+        twin.epoch = self.epoch
+        slots = sorted(self.key_at)
+        keys = [self.key_at[s] for s in slots]
+        new_slots = twin._upsert([*keys], [self.score_at[s] for s in slots], assign=True)[0]
+        assert all(s >= 0 for s in new_slots), "a key found no slot: HashTable.grown re-places (place_keys)"
+        twin.clock = self.clock
+        slot_row = dict(zip(new_slots, (self.row(s) for s in slots)))
+        free_rows = iter(sorted(set(range(capacity)) - set(slot_row.values())))
+        twin.slot_row = [slot_row[s] if s in slot_row else next(free_rows) for s in range(capacity)]
+        return twin
 
     def load(self, entries: Sequence[tuple[int, int, int]]) -> None:
         """Holds ``(key, row, score)`` entries, as ``load_state_dict`` restores them: a row outside
@@ -195,7 +222,7 @@ class ReferenceHashTable:
         return [b1] if b1 == b2 else [b1, b2]
 
     def find(self, keys: Sequence[int]) -> tuple[list[int], list[bool]]:
-        rows = [self.row_of.get(k, -1) for k in keys]
+        rows = [self.row(self.row_of.get(k, -1)) for k in keys]
         return rows, [r >= 0 for r in rows]
 
     def upsert(self, keys: Sequence[int], scores: Sequence[int] | None = None, assign: bool = False):
@@ -206,6 +233,11 @@ class ReferenceHashTable:
         call. (Stripes of one phase share no bucket, so the kernels apply them in parallel: this
         order is the one their results equal.)
         """
+        slots, inserted, evicted_keys, evicted_slots = self._upsert(keys, scores, assign)
+        return [self.row(s) for s in slots], inserted, evicted_keys, [self.row(s) for s in evicted_slots]
+
+    def _upsert(self, keys: Sequence[int], scores: Sequence[int] | None, assign: bool):
+        """``upsert`` in slot space."""
         self.clock += 1
         rows: list[int | None] = [None] * len(keys)
         inserted = [False] * len(keys)
@@ -277,8 +309,8 @@ class ReferenceHashTable:
         return out
 
     def export(self) -> list[tuple[int, int, int]]:
-        """Live (key, row, score) in row order."""
-        return [(self.key_at[r], r, self.score_at[r]) for r in sorted(self.key_at)]
+        """Live (key, row, score) in slot order (row order unless the table grew)."""
+        return [(self.key_at[s], self.row(s), self.score_at[s]) for s in sorted(self.key_at)]
 
     def size(self) -> int:
         return len(self.row_of)

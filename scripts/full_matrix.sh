@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Runs, on this machine, every case of the test matrices that CI runs a covering subset of
+# (tests/matrix.py: the emulated CUDA hash-table kernels, the Triton half-row updates under the
+# interpreter) and writes its summary to benchmarks/results/full_matrix.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export TORCHREC_EXT_FULL_MATRIX=1
+summary=()
+status=0
+run() {  # run NAME [VAR=VALUE ...] -- PYTEST_ARGS...
+  local name=$1 log start rc vars=()
+  shift
+  while [[ $1 != -- ]]; do vars+=("$1"); shift; done
+  shift
+  log=$(mktemp)
+  start=$(date +%s)
+  set +e
+  env "${vars[@]}" .venv/bin/python -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  summary+=("| $name | $(grep -E '(passed|failed|error)' "$log" | tail -1) | $(($(date +%s) - start)) s | $rc |")
+  rm -f "$log"
+  [[ $rc == 0 ]] || status=1
+}
+run "CUDA hash-table kernels, warp emulator" -- tests/test_cuda_kernels_emulated.py
+# The Triton interpreter variants exist only in the child run that test_interpreter_run starts.
+run "Triton kernels, TRITON_INTERPRET=1" TRITON_INTERPRET=1 TORCHREC_EXT_TRITON_INTERPRET_CHILD=1 -- tests/test_triton_kernels.py
+{
+  echo "# The full test matrices (opt-in drills)"
+  echo
+  echo "\`bash scripts/full_matrix.sh\` at $(git rev-parse --short HEAD) on $(date -u +%Y-%m-%d), $(nproc) cores."
+  echo "CI runs a covering subset of these files' largest parametrizations (every value of every axis"
+  echo "at least once); this runs every case. Skips are the CUDA-only variants (no GPU here)."
+  echo
+  echo "| drill | pytest | time | exit |"
+  echo "|---|---|---|---|"
+  printf '%s\n' "${summary[@]}"
+} > benchmarks/results/full_matrix.md
+exit "$status"

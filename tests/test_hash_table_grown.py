@@ -1,0 +1,104 @@
+"""A grown HashTable keeps every key's row (issue 15, growth): its index maps slots to rows.
+
+Oracle: ``ReferenceHashTable.grown``, the dict model written from the rule (keys re-inserted with
+their scores, each keeping its row; free rows to the empty slots, both ascending), fed the same
+calls; rows must equal exactly, so the free-row assignment, evictions and refusals are checked too.
+"""
+
+import pytest
+import torch
+
+from torchrec_ext import HashTable
+from torchrec_ext.modules.delta_placement import place_exactly
+from torchrec_ext.reference import ReferenceHashTable
+
+
+def _keys(gen, n):
+    return torch.randint(-(2**63), 2**63 - 1, (n,), generator=gen)
+
+
+def _grown_pair(capacity, policy, gen, growths=2):
+    table, ref = HashTable(capacity, policy=policy), ReferenceHashTable(capacity, policy)
+    for _ in range(growths):
+        keys = _keys(gen, int(table.capacity * 0.7))
+        assert table.find_or_insert(keys).rows.tolist() == ref.upsert(keys.tolist())[0]
+        before = table.state_dict()
+        table, row_map = table.grown(2 * table.capacity)
+        ref = ref.grown(2 * ref.capacity)
+        # Every key keeps its row: the row map is the identity on the live rows.
+        assert table.find(before["keys"])[0].equal(before["rows"])
+        assert row_map[before["rows"]].equal(before["rows"]) and int((row_map >= 0).sum()) == before["keys"].numel()
+    return table, ref
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_grown_table_gives_the_reference_rows_through_inserts_and_evictions(policy):
+    gen = torch.Generator().manual_seed(1)
+    table, ref = _grown_pair(96, policy, gen)
+    for _ in range(4):  # past full: evicted rows are handed to the new keys
+        keys = _keys(gen, 200)
+        keys[::7] = table.state_dict()["keys"][: keys[::7].numel()]  # some held keys
+        got, want = table.find_or_insert(keys), ref.upsert(keys.tolist())
+        assert got.rows.tolist() == want[0] and got.inserted.tolist() == want[1]
+        assert got.evicted_keys.tolist() == want[2] and got.evicted_rows.tolist() == want[3]
+    live = table.state_dict()
+    held = list(ref.row_of)
+    assert sorted(zip(live["keys"].tolist(), live["rows"].tolist())) == sorted(zip(held, ref.find(held)[0]))
+    assert len(set(live["rows"].tolist())) == live["rows"].numel()  # one key per row
+    keys = _keys(gen, 50)
+    fixed = table.find_or_insert_fixed(keys)
+    want = ref.upsert(keys.tolist())
+    assert fixed.rows.tolist() == want[0] and fixed.inserted.tolist() == want[1]
+
+
+def test_rows_of_a_grown_table_through_every_call():
+    gen = torch.Generator().manual_seed(2)
+    table, ref = _grown_pair(128, "lru", gen)
+    state = table.state_dict()
+    keys, rows = state["keys"], state["rows"]
+    assert (rows >= 0).all() and (rows < table.capacity).all()
+    # export, entries_at and the stash count speak rows.
+    exported = torch.cat([page[1] for page in table.export(page_size=100)])
+    assert sorted(exported.tolist()) == sorted(rows.tolist())
+    at_keys, _, live = table.entries_at(rows)
+    assert at_keys.equal(keys) and live.all()
+    empty = torch.ones(table.capacity, dtype=torch.bool)
+    empty[rows] = False
+    assert not table.entries_at(empty.nonzero().squeeze(1))[2].any()
+    # A state round trip and a clone keep the rows; a state without slots loads rows as slots.
+    loaded = HashTable(table.capacity)
+    loaded.load_state_dict(state)
+    twin = table.clone()
+    for other in (loaded, twin):
+        assert other.find(keys)[0].equal(rows)
+    # erase_rows removes the keys at the rows named, reporting rows.
+    mask = torch.zeros(table.capacity, dtype=torch.bool)
+    mask[rows[::3]] = True
+    assert twin.erase_rows(mask).equal(mask)
+    assert not twin.find(keys[::3])[1].any() and twin.find(keys[1::3])[0].equal(rows[1::3])
+    ref.erase(keys[::3].tolist())
+    new = _keys(gen, 40)  # new keys take the freed rows of their slots, as the reference says
+    assert twin.find_or_insert(new).rows.tolist() == ref.upsert(new.tolist())[0]
+
+
+def test_a_grown_state_with_bad_rows_is_refused_and_leaves_the_table():
+    table, _ = _grown_pair(64, "lru", torch.Generator().manual_seed(3), growths=1)
+    state = table.state_dict()
+    target = HashTable(table.capacity)
+    for rows, match in ((state["rows"].clone().fill_(0), "distinct"), (state["rows"] + table.capacity, "must be in")):
+        with pytest.raises(ValueError, match=match):
+            target.load_state_dict(dict(state, rows=rows))
+        assert target.size() == 0
+
+
+def test_an_exact_replacement_of_a_grown_table_moves_no_row():
+    gen = torch.Generator().manual_seed(4)
+    table, _ = _grown_pair(64, "lru", gen, growths=1)
+    held = table.state_dict()
+    ids = _keys(gen, table.capacity - held["keys"].numel())
+    plan = place_exactly(table, ids, torch.zeros(0, dtype=torch.int64))
+    assert plan.moved_from is None
+    assert plan.index.find(held["keys"])[0].equal(held["rows"])
+    new_rows = plan.rows[plan.inserted]
+    assert plan.inserted.all() and set(new_rows.tolist()).isdisjoint(held["rows"].tolist())
+    assert sorted(torch.cat([held["rows"], new_rows]).tolist()) == list(range(table.capacity))

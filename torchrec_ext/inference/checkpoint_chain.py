@@ -63,16 +63,20 @@ def read_incremental(
         raise ValueError(f"{where}: {e}") from None
     tables = {p: _saved_module(saved, p, where) for p in dynamic_paths}
     dense = _dense_request(model, dynamic_paths)
-    stored = read_metadata(path).state_dict_metadata
-    missing = sorted(n for n in dense if f"{MODEL_KEY}.{n}" not in stored)
+    refuse_missing(where, path, MODEL_KEY, dense, read_metadata(path).state_dict_metadata)
+    load_dcp(path, {MODEL_KEY: dense}, ensure_process_group())
+    return tables, dense
+
+
+def refuse_missing(where: str, path: str, key: str, names: Sequence[str], stored: Mapping[str, Any]) -> None:
+    """Refuses checkpoint ``path`` when it lacks ``key.<name>`` for some of ``names``."""
+    missing = sorted(n for n in names if f"{key}.{n}" not in stored)
     if missing:
         raise ValueError(
-            f"{where}: checkpoint {path!r} has no {MODEL_KEY}.{missing[0]}"
+            f"{where}: checkpoint {path!r} has no {key}.{missing[0]}"
             + (f" and {len(missing) - 1} more dense entries" if len(missing) > 1 else "")
             + ": a checkpoint of another model?"
         )
-    load_dcp(path, {MODEL_KEY: dense}, ensure_process_group())
-    return tables, dense
 
 
 def _dense_request(model: nn.Module, dynamic_paths: Sequence[str]) -> dict[str, Tensor]:

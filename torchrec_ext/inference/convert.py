@@ -96,6 +96,7 @@ def load_inference_checkpoint(path: str, model: nn.Module, key: str = "model", *
     trained architecture, unsharded (it may be built on the meta device: only its structure and
     configs are read). Only the dense state and each table's ids, rows and counters are read."""
     from torchrec_ext.distributed.checkpoint import load_checkpoint, read_manifest, read_metadata, verify_checkpoint
+    from torchrec_ext.inference.checkpoint_chain import refuse_missing
 
     where = "load_inference_checkpoint"
     verify_checkpoint(path)
@@ -119,13 +120,7 @@ def load_inference_checkpoint(path: str, model: nn.Module, key: str = "model", *
                         f"{where}: table {cfg.name!r} ({prefix[:-1]}) is not in checkpoint {path!r} "
                         f"(no {key}.{prefix}{entry}): a checkpoint of another model?"
                     )
-    missing = sorted(n for n in request if f"{key}.{n}" not in stored)
-    if missing:
-        raise ValueError(
-            f"{where}: checkpoint {path!r} has no {key}.{missing[0]}"
-            + (f" and {len(missing) - 1} more dense entries" if len(missing) > 1 else "")
-            + ": a checkpoint of another model?"
-        )
+    refuse_missing(where, path, key, list(request), stored)
     state = load_checkpoint(path, {key: request}, verify=False)[key]
     return convert_to_inference(model, state_dict=state, **kwargs)
 

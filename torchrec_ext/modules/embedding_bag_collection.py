@@ -11,7 +11,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_ext.modules.base import DynamicCollectionMixin, PooledLookupFunction
-from torchrec_ext.modules.compiled_lookup import compiled_pooled_forward
+from torchrec_ext.modules.compiled_lookup import compiled_pooled_forward, lookup_is_one_op
 from torchrec_ext.modules.configs import check_tables
 from torchrec_ext.modules.features import check_and_arrange, expand_pooled
 
@@ -65,12 +65,7 @@ class DynamicEmbeddingBagCollection(DynamicCollectionMixin, EmbeddingBagCollecti
         if isinstance(features, torch.fx.Proxy):  # symbolic tracing: a leaf
             return self._traced_call(features, KeyedTensor)
         backward_follows = bool(self._differentiable_params())
-        if (
-            torch.compiler.is_dynamo_compiling()
-            and (self.training or backward_follows)
-            and self.device.type != "meta"
-            and not features.variable_stride_per_key()
-        ):  # torch.compile: the lookup as one op (compiled_lookup.py), so that fullgraph=True holds
+        if lookup_is_one_op(self, features, backward_follows):  # torch.compile: so that fullgraph=True holds
             pooled = compiled_pooled_forward(self, features, backward_follows)
             return KeyedTensor(
                 keys=self._plan.embedding_names, length_per_key=self._plan.dims, values=pooled, key_dim=1

@@ -11,6 +11,7 @@ from torchrec.modules.embedding_modules import EmbeddingCollectionInterface, get
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from torchrec_ext.modules.base import DynamicCollectionMixin, SequenceLookupFunction
+from torchrec_ext.modules.compiled_lookup import compiled_sequence_forward, lookup_is_one_op
 from torchrec_ext.modules.configs import check_tables
 from torchrec_ext.modules.features import check_and_arrange
 
@@ -68,6 +69,9 @@ class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInte
         # not know; an EmbeddingCollection reads no weights (TorchRec gives its own EC only features).
         if isinstance(features, torch.fx.Proxy):  # symbolic tracing: a leaf
             return self._traced_call(features, dict)
+        backward_follows = bool(self._differentiable_params())
+        if lookup_is_one_op(self, features, backward_follows):  # torch.compile: so that fullgraph=True holds
+            return compiled_sequence_forward(self, features, backward_follows)
         batch = check_and_arrange(features, self._plan, False, type(self).__name__, self.device, variable_batch="pool")
         if self.device.type == "meta":  # shapes only, as TorchRec's module on meta
             vectors = torch.empty(batch.ids.numel(), self._embedding_dim, device=self.device)

@@ -167,6 +167,14 @@ __attribute__((always_inline)) inline void find_range(const IndexRef* tables,
   int64_t table_end = offsets[t + 1];
   const int64_t* words = tables[t].words;
   int64_t num_buckets = tables[t].num_buckets;
+  auto to_table_of = [&](int64_t j) {  // the tables are walked forwards only
+    while (j >= table_end) {
+      ++t;
+      table_end = offsets[t + 1];
+      words = tables[t].words;
+      num_buckets = tables[t].num_buckets;
+    }
+  };
   for (int64_t g = begin; g < end + kLookahead; g += kGroup) {
     const int64_t first = std::max(begin, g - kLookahead),
                   last = std::min(end, g - kLookahead + kGroup);
@@ -187,12 +195,7 @@ __attribute__((always_inline)) inline void find_range(const IndexRef* tables,
     }
     const int64_t stop = std::min(end, g + kGroup);
     if (g >= stop) continue;
-    while (g >= table_end) {
-      ++t;
-      table_end = offsets[t + 1];
-      words = tables[t].words;
-      num_buckets = tables[t].num_buckets;
-    }
+    to_table_of(g);
     const int r0 = static_cast<int>((g - begin) & (kLookahead - 1));
     if (Slot::kHashes8 && stop - g == kGroup && stop <= table_end) {  // place: one table's 8 ids
       Slot::home_buckets8(ids + g, words, num_buckets, bucket_of + r0);
@@ -204,12 +207,7 @@ __attribute__((always_inline)) inline void find_range(const IndexRef* tables,
       continue;
     }
     for (int64_t j = g; j < stop; ++j) {
-      while (j >= table_end) {
-        ++t;
-        table_end = offsets[t + 1];
-        words = tables[t].words;
-        num_buckets = tables[t].num_buckets;
-      }
+      to_table_of(j);
       const int r = static_cast<int>((j - begin) & (kLookahead - 1));
       key_of[r] = ids[j];
       bucket_of[r] = words + home_bucket(key_of[r], num_buckets) * kWordsPerBucket;

@@ -95,7 +95,8 @@ TORCH_LIBRARY(torchrec_ext, m) {
       "serving_find(Tensor[] indexes, Tensor ids, Tensor id_offsets, int[] default_rows) -> "
       "Tensor");
 
-  // ---- embedding ops (csrc/embedding_cpu.cpp; CUDA: triton_kernels/, registered from Python).
+  // ---- embedding ops (csrc/dedup_cpu.cpp, init_rows_cpu.cpp, embedding_lookup_cpu.cpp,
+  // embedding_update_cpu.cpp; CUDA: triton_kernels/, registered from Python).
   // Tables live in one flat buffer of 4-byte words, table t's [capacity_t, dim_t] rows at word
   // table_offsets[t] in its storage dtype (table_dtypes[t]: 0 float32, 1 float16, 2 bfloat16);
   // a row of -1 reads as zeros and takes no update (see reference.py).

@@ -1,4 +1,4 @@
-"""Half-precision rows in the C++ CPU embedding kernels (csrc/embedding_cpu.cpp): float16 and
+"""Half-precision rows in the C++ CPU embedding kernels (csrc/half_rows.h, row_storage.h): float16 and
 bfloat16 tables, alone and mixed with float32 ones in one call, against the pure-PyTorch
 references (torchrec_ext/reference/) and against torch's own conversions; stochastic rounding
 bit for bit, unbiased and deterministic.

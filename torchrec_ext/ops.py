@@ -4,7 +4,7 @@ The schemas live in ``csrc/ops.cpp``. Hash table ops: CPU kernels in ``csrc/hash
 CUDA kernels in ``csrc/hash_table_cuda.cu``; the placement search of a load (``hash_place``) is
 CPU only, in ``csrc/placement_cpu.cpp``. The counting Bloom filter of the bloom admission
 (``bloom_admit``): ``csrc/bloom_cpu.cpp`` and ``csrc/bloom_cuda.cu``. Embedding ops: CPU kernels in
-``csrc/embedding_cpu.cpp``; their CUDA kernels are the Triton ones in the ``triton_kernels``
+``csrc/<op family>_cpu.cpp``; their CUDA kernels are the Triton ones in the ``triton_kernels``
 subpackage and the torch ones in ``torch_kernels.py``. Each backend exports a table
 ``KERNELS = {op: {device_type: kernel}}`` (``csrc_kernels`` lists what the C++ library registers
 itself); ``register_python_kernels`` below registers the Python ones in one loop when a GPU is

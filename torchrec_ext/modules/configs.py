@@ -61,7 +61,7 @@ class Initializer:
             raise ValueError(f"Initializer: first_column must be an int >= 0, got {self.first_column!r}")
 
     def kernel_params(self, default_low: float, default_high: float) -> tuple[int, tuple[float, ...]]:
-        """(kind id, params) as csrc/embedding_cpu.cpp's init_rows takes them (the first column
+        """(kind id, params) as csrc/init_rows_cpu.cpp's init_rows takes them (the first column
         last, when not 0)."""
         kind, params = self._kind_params(default_low, default_high)
         return kind, params + ((float(self.first_column),) if self.first_column else ())

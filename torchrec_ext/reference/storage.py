@@ -1,7 +1,7 @@
 """The embedding storage convention the lookup and update references read: storage dtypes and
 the flat buffer's layout.
 
-Storage convention shared with csrc/embedding_cpu.cpp and triton_kernels/: all tables of a
+Storage convention shared with csrc/row_storage.h and triton_kernels/: all tables of a
 module live in one flat buffer of 4-byte words (a float32 tensor); table t's [capacity_t,
 dim_t] rows start at word table_offsets[t] and are stored in the table's storage dtype
 (table_dtypes[t]: 0 float32, 1 float16, 2 bfloat16; all float32 when not given), packed, its

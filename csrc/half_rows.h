@@ -1,0 +1,275 @@
+// Float16 and bfloat16 rows read and written as float32: exact widening, round-to-nearest-even
+// and stochastic narrowing, each in a portable loop, an F16C one and an AVX-512 one picked at
+// load by what the CPU runs (TORCHREC_EXT_NO_F16C=1 / TORCHREC_EXT_NO_AVX512=1 take the slower
+// paths; all give the same bits). Used through row_storage.h's add_scaled_row / load_row /
+// store_row by the embedding kernels.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+#include "hash_table_layout.h"
+
+namespace torchrec_ext {
+namespace {
+
+// Row loops (sums, optimizer steps, hashes) compiled twice, for x86-64-v4 (AVX-512) and the
+// baseline, the loader picking the one the CPU runs: the wheel stays portable and sqrt/div over
+// a 64-float row take 4x fewer instructions where AVX-512 exists.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TREXT_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "default")))
+#else
+#define TREXT_VECTOR_CLONES
+#endif
+
+inline float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+inline float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
+
+// Half rows read as float32 (exact): the conversions are branch-free bit operations, so the
+// x86-64-v4 clone vectorises them.
+TREXT_VECTOR_CLONES
+void add_scaled_half(float* acc, const uint16_t* x, float s, int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) acc[d] += s * half_to_float(x[d]);
+}
+TREXT_VECTOR_CLONES
+void add_scaled_bf16(float* acc, const uint16_t* x, float s, int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) acc[d] += s * bf16_to_float(x[d]);
+}
+TREXT_VECTOR_CLONES
+void half_row_to_float(float* out, const uint16_t* x, int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) out[d] = half_to_float(x[d]);
+}
+TREXT_VECTOR_CLONES
+void bf16_row_to_float(float* out, const uint16_t* x, int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) out[d] = bf16_to_float(x[d]);
+}
+
+// float16 <-> float32 in hardware (F16C: one instruction per 8 values; the bit-operation loops
+// above take ~15 per value), where the CPU has it. Same bits: both convert exactly / to nearest.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define TREXT_F16C __attribute__((target("avx2,f16c")))
+// TORCHREC_EXT_NO_F16C=1 takes the portable loops (tests check both give the same bits).
+const bool kHasF16C = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
+                      std::getenv("TORCHREC_EXT_NO_F16C") == nullptr;
+
+TREXT_F16C void add_scaled_half_f16c(float* acc, const uint16_t* x, float s, int64_t dim) {
+  const __m256 sv = _mm256_set1_ps(s);
+  int64_t d = 0;
+  for (; d + 8 <= dim; d += 8) {
+    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d)));
+    _mm256_storeu_ps(acc + d, _mm256_add_ps(_mm256_loadu_ps(acc + d), _mm256_mul_ps(sv, v)));
+  }
+  for (; d < dim; ++d) acc[d] += s * half_to_float(x[d]);
+}
+TREXT_F16C void half_row_to_float_f16c(float* out, const uint16_t* x, int64_t dim) {
+  int64_t d = 0;
+  for (; d + 8 <= dim; d += 8)
+    _mm256_storeu_ps(out + d,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d))));
+  for (; d < dim; ++d) out[d] = half_to_float(x[d]);
+}
+TREXT_F16C void float_row_to_half_f16c(uint16_t* out, const float* x, int64_t dim) {
+  int64_t d = 0;
+  for (; d + 8 <= dim; d += 8)
+    _mm_storeu_si128(
+        reinterpret_cast<__m128i*>(out + d),
+        _mm256_cvtps_ph(_mm256_loadu_ps(x + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; d < dim; ++d) out[d] = c10::detail::fp16_ieee_from_fp32_value(x[d]);
+}
+#else
+constexpr bool kHasF16C = false;
+void add_scaled_half_f16c(float*, const uint16_t*, float, int64_t) {}
+void half_row_to_float_f16c(float*, const uint16_t*, int64_t) {}
+void float_row_to_half_f16c(uint16_t*, const float*, int64_t) {}
+#endif
+
+// Round to nearest even (c10's conversions, as torch's .to()).
+TREXT_VECTOR_CLONES
+void float_row_to_half(uint16_t* out, const float* x, int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) out[d] = c10::detail::fp16_ieee_from_fp32_value(x[d]);
+}
+TREXT_VECTOR_CLONES
+void float_row_to_bf16(uint16_t* out, const float* x, int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) out[d] = c10::detail::round_to_nearest_even(x[d]);
+}
+
+// Stochastic rounding of one float32 with 16 random bits r (reference.round_to_storage): the
+// bit pattern plus r scaled to the D bits the conversion drops, truncated, is exactly a value
+// of the target grid; in expectation it is x. bfloat16 drops 16 bits; float16 13, or up to 23
+// in its subnormal range; below 2^-24 the two neighbours are 0 and 2^-24 (2^-24 where
+// |x| + r * 2^-40 >= 2^-24, as everywhere: |x| + r * grid spacing / 2^16, truncated). A finite x
+// never rounds up to inf where round-to-nearest keeps it finite (|x| below the dtype's overflow
+// boundary): it takes the largest finite value instead. Branch-free (selects), so the row loops
+// vectorise.
+constexpr uint32_t kBf16OverflowBoundary = 0x7F7F8000u;  // |x| from which bfloat16 rounds to inf
+constexpr uint32_t kHalfOverflowBoundary =
+    0x477FF000u;                            // 65520: |x| from which float16 rounds to inf
+constexpr uint32_t kHalfMax = 0x477FE000u;  // 65504, the largest float16, as float32 bits
+inline uint16_t bf16_stochastic(float x, uint32_t r) {
+  const uint32_t u = float_to_bits(x);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  const bool nan = a > 0x7F800000u;
+  // (a finite pattern plus r never carries into the sign; inf plus r truncates back to inf)
+  const uint32_t t = (u + r) >> 16;
+  const bool overflow = (t & 0x7FFFu) == 0x7F80u && a < kBf16OverflowBoundary;
+  return nan ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(overflow ? t - 1 : t);
+}
+// The float16 grid value half_stochastic rounds x to, as a float32 (inf and NaN: x itself), for
+// a hardware conversion to take exactly.
+inline float half_stochastic_grid(float x, uint32_t r) {
+  const uint32_t u = float_to_bits(x), sign = u & 0x80000000u, a = u & 0x7FFFFFFFu;
+  const int exponent = static_cast<int>(a >> 23);
+  const int dropped = std::min(24, std::max(13, 126 - exponent));
+  const uint32_t scaled = (r << 8) >> (24 - dropped);
+  uint32_t t = (a + scaled) & ~((1u << dropped) - 1u);
+  const uint32_t tiny = std::fabs(x) * 0x1p40f >= static_cast<float>(65536u - r) ? 0x33800000u : 0u;
+  t = a < 0x33800000u ? tiny : t;
+  t = t >= 0x47800000u && a < kHalfOverflowBoundary ? kHalfMax : t;
+  return a >= 0x7F800000u ? x : bits_to_float(t | sign);
+}
+inline uint16_t half_stochastic(float x, uint32_t r) {
+  const uint32_t u = float_to_bits(x), sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
+  // D = max(13, 126 - biased exponent), capped at 24 (below, the tiny case decides)
+  const int exponent = static_cast<int>(a >> 23);
+  const int dropped = std::min(24, std::max(13, 126 - exponent));
+  const uint32_t scaled = (r << 8) >> (24 - dropped);  // r * 2^(D - 16), floored
+  uint32_t t = (a + scaled) & ~((1u << dropped) - 1u);
+  const uint32_t tiny = std::fabs(x) * 0x1p40f >= static_cast<float>(65536u - r) ? 0x33800000u : 0u;
+  t = a < 0x33800000u ? tiny : t;
+  t = t >= 0x47800000u && a < kHalfOverflowBoundary ? kHalfMax : t;
+  // t is exactly a float16 value: its bits directly (no rounding left to do).
+  const uint32_t normal = (t >> 13) - 0x1C000u;  // rebias 127 -> 15
+  const uint32_t subnormal =
+      static_cast<uint32_t>(bits_to_float(t) * 0x1p24f);  // multiples of 2^-24
+  uint32_t h = t >= 0x47800000u ? 0x7C00u : t >= 0x38800000u ? normal : subnormal;
+  h = a > 0x7F800000u ? 0x7E00u : a == 0x7F800000u ? 0x7C00u : h;  // NaN, inf
+  return static_cast<uint16_t>(h | sign);
+}
+
+TREXT_VECTOR_CLONES
+void float_row_to_half_stochastic(uint16_t* out, const float* x, const uint16_t* r, int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) out[d] = half_stochastic(x[d], r[d]);
+}
+TREXT_VECTOR_CLONES
+void half_stochastic_grid_row(float* x, const uint16_t* r, int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) x[d] = half_stochastic_grid(x[d], r[d]);
+}
+TREXT_VECTOR_CLONES
+void float_row_to_bf16_stochastic(uint16_t* out, const float* x, const uint16_t* r, int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) out[d] = bf16_stochastic(x[d], r[d]);
+}
+
+// float16 rows in AVX-512, 16 values per instruction (F16C's ymm forms take 8), tails masked.
+// Stochastic rounding in one pass of float operations with a rounding-mode immediate (below); the
+// F16C path makes two passes (grid row in integers, then conversion). Same bits as the portable
+// and F16C paths.
+#if defined(__x86_64__) && defined(__GNUC__)
+// GCC 12 warns that the intrinsics' _mm*_undefined_* sources may be uninitialised (they are
+// meant to be: every lane is written)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#define TREXT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
+// TORCHREC_EXT_NO_AVX512=1 takes the F16C path (tests check both give the same bits).
+const bool kHasAvx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && kHasF16C &&
+                        std::getenv("TORCHREC_EXT_NO_AVX512") == nullptr;
+
+TREXT_AVX512 inline __m256i to_half16(__m512 x) {
+  return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+TREXT_AVX512 inline __m512 half16_to_float(const uint16_t* x, __mmask16 m) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, x));
+}
+// Half rows read 16 values per instruction (the F16C loops take 8): exact, so the same bits.
+TREXT_AVX512 void add_scaled_half_avx512(float* acc, const uint16_t* x, float s, int64_t dim) {
+  const __m512 sv = _mm512_set1_ps(s);
+  for (int64_t d = 0; d < dim; d += 16) {
+    const __mmask16 m = dim - d >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (dim - d)) - 1u);
+    const __m512 sum = _mm512_add_ps(_mm512_maskz_loadu_ps(m, acc + d),
+                                     _mm512_mul_ps(sv, half16_to_float(x + d, m)));
+    _mm512_mask_storeu_ps(acc + d, m, sum);
+  }
+}
+TREXT_AVX512 void half_row_to_float_avx512(float* out, const uint16_t* x, int64_t dim) {
+  for (int64_t d = 0; d < dim; d += 16) {
+    const __mmask16 m = dim - d >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (dim - d)) - 1u);
+    _mm512_mask_storeu_ps(out + d, m, half16_to_float(x + d, m));
+  }
+}
+TREXT_AVX512 void float_row_to_half_avx512(uint16_t* out, const float* x, int64_t dim) {
+  for (int64_t d = 0; d < dim; d += 16) {
+    const __mmask16 m = dim - d >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (dim - d)) - 1u);
+    _mm256_mask_storeu_epi16(out + d, m, to_half16(_mm512_maskz_loadu_ps(m, x + d)));
+  }
+}
+
+// Stochastic rounding to float16 without a per-element shift: |x| + r * g / 2^16 (g the float16
+// grid spacing at |x|, a power of two read off x's exponent field: noise exact in float32), added
+// rounding toward zero and converted rounding toward zero, is the truncation half_stochastic
+// computes in integers. Rounding toward zero saturates at 65504, which is half_stochastic's cap
+// below the overflow boundary; from the boundary up, a sum past 65504 is inf instead.
+TREXT_AVX512 inline __m256i half_stochastic16(__m512 x, __m512i r) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+  // g / 2^16 = 2^(exponent - 26), at least 2^-40 (g = 2^-24 in the subnormal range): as bits
+  const __m512i noise_scale =
+      _mm512_max_epi32(_mm512_sub_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7F800000)),
+                                        _mm512_set1_epi32(26 << 23)),
+                       _mm512_set1_epi32(0x2B800000));
+  const __m512 noise = _mm512_mul_ps(_mm512_cvtepi32_ps(r), _mm512_castsi512_ps(noise_scale));
+  __m512 y =
+      _mm512_add_round_ps(_mm512_castsi512_ps(a), noise, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+  // inf, NaN: themselves (inf + noise = inf, NaN + noise = NaN); overflow from the boundary up
+  const __mmask16 overflow = _mm512_mask_cmp_ps_mask(
+      _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(kHalfOverflowBoundary))), y,
+      _mm512_set1_ps(65536.0f), _CMP_GE_OQ);
+  y = _mm512_mask_mov_ps(y, overflow, _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+  // y | (u & sign): the sign back; truncation is symmetric
+  const __m512i signed_y = _mm512_ternarylogic_epi32(
+      _mm512_castps_si512(y), u, _mm512_set1_epi32(static_cast<int>(0x80000000u)), 0xF8);
+  return _mm512_cvtps_ph(_mm512_castsi512_ps(signed_y), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+}
+
+TREXT_AVX512 void float_row_to_half_stochastic_avx512(uint16_t* out, const float* x,
+                                                      const uint16_t* r, int64_t dim) {
+  int64_t d = 0;
+  for (; d + 16 <= dim; d += 16) {
+    const __m512i rv =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + d)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d),
+                        half_stochastic16(_mm512_loadu_ps(x + d), rv));
+  }
+  if (d < dim) {  // the tail, masked (dims not a multiple of 16)
+    const __mmask16 m = static_cast<__mmask16>((1u << (dim - d)) - 1u);
+    const __m512i rv = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r + d));
+    _mm256_mask_storeu_epi16(out + d, m, half_stochastic16(_mm512_maskz_loadu_ps(m, x + d), rv));
+  }
+}
+#pragma GCC diagnostic pop
+#else
+constexpr bool kHasAvx512 = false;
+void add_scaled_half_avx512(float*, const uint16_t*, float, int64_t) {}
+void half_row_to_float_avx512(float*, const uint16_t*, int64_t) {}
+void float_row_to_half_avx512(uint16_t*, const float*, int64_t) {}
+void float_row_to_half_stochastic_avx512(uint16_t*, const float*, const uint16_t*, int64_t) {}
+#endif
+
+}  // namespace
+}  // namespace torchrec_ext

@@ -136,30 +136,37 @@ void apply_step(Optim kind, const Hyper& h, float* w, float* g, float* s0, float
   }
 }
 
-void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::TensorList states,
-                      const at::Tensor& table_offsets, const at::Tensor& table_dims,
-                      const at::Tensor& state_row_offsets, const at::Tensor& unique_rows_in,
-                      const at::Tensor& unique_table_in, const at::Tensor& inverse_in,
-                      const std::optional<at::Tensor>& offsets_opt,
-                      const std::optional<at::Tensor>& per_sample_weights,
-                      const at::Tensor& feature_col, const at::Tensor& feature_mean,
-                      int64_t batch_size, int64_t optimizer, at::ArrayRef<double> hparams,
-                      int64_t step, at::TensorList new_vectors,
-                      const std::optional<at::Tensor>& unique_new_opt,
-                      at::ArrayRef<double> state_init,
-                      const std::optional<at::Tensor>& table_dtypes,
-                      const std::optional<at::Tensor>& unique_ids_opt,
-                      const std::optional<at::Tensor>& rounding_seeds_opt) {
-  const char* op = "fused_update";
+// The tables' flat layout, checked: storage dtypes, capacities and dims, and where each
+// table's element-wise optimizer state starts (the tables' [capacity, dim] back to back).
+struct UpdateLayout {
+  std::vector<Storage> storage;
+  std::vector<int64_t> caps;
+  const int64_t* dims;
+  std::vector<int64_t> state_offsets;  // T + 1 entries
+  int64_t count;
+};
+
+UpdateLayout check_layout(const char* op, const at::Tensor& weights,
+                          const at::Tensor& table_offsets, const at::Tensor& table_dims,
+                          const std::optional<at::Tensor>& table_dtypes) {
   check_weights(op, weights);
-  const std::vector<Storage> storage = table_storage(op, table_dtypes, table_offsets.numel());
-  const std::vector<int64_t> caps =
-      table_capacities(op, weights, table_offsets, table_dims, storage);
-  const int64_t T = caps.size();
-  const int64_t* dims = table_dims.data_ptr<int64_t>();
-  // Element-wise optimizer state: the tables' [capacity, dim] back to back.
-  std::vector<int64_t> soff(T + 1, 0);
-  for (int64_t t = 0; t < T; ++t) soff[t + 1] = soff[t] + caps[t] * dims[t];
+  UpdateLayout l;
+  l.storage = table_storage(op, table_dtypes, table_offsets.numel());
+  l.caps = table_capacities(op, weights, table_offsets, table_dims, l.storage);
+  l.count = l.caps.size();
+  l.dims = table_dims.data_ptr<int64_t>();
+  l.state_offsets.assign(l.count + 1, 0);
+  for (int64_t t = 0; t < l.count; ++t)
+    l.state_offsets[t + 1] = l.state_offsets[t] + l.caps[t] * l.dims[t];
+  return l;
+}
+
+// The optimizer id, its hyperparameters, the step and its state buffers (one per state, sized
+// for every table's rows: element-wise, or one float per row from state_row_offsets[t]).
+Optim check_optimizer(const char* op, int64_t optimizer, at::ArrayRef<double> hparams, int64_t step,
+                      at::TensorList states, const at::Tensor& state_row_offsets,
+                      const UpdateLayout& l) {
+  const int64_t T = l.count;
   TORCH_CHECK(optimizer >= 0 && optimizer <= 5, op, ": unknown optimizer id ", optimizer);
   TORCH_CHECK(hparams.size() == 6 || hparams.size() == 10, op,
               ": hparams must be (lr, eps, beta1, beta2, weight_decay, lr_decay[, lr_power, l1, "
@@ -184,240 +191,423 @@ void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::
                 ": optimizer states must be contiguous 1-D float32 buffers");
     if (kind == Optim::kRowwiseAdagrad) {
       for (int64_t t = 0; t < T; ++t)
-        TORCH_CHECK(sro[t] >= 0 && sro[t] + caps[t] <= s.numel(), op, ": row-wise state of table ",
-                    t, " [", sro[t], ", ", sro[t] + caps[t], ") exceeds its buffer of ", s.numel());
+        TORCH_CHECK(sro[t] >= 0 && sro[t] + l.caps[t] <= s.numel(), op,
+                    ": row-wise state of table ", t, " [", sro[t], ", ", sro[t] + l.caps[t],
+                    ") exceeds its buffer of ", s.numel());
     } else {
-      TORCH_CHECK(s.numel() == soff[T], op,
-                  ": element-wise optimizer state must hold every table's rows (", soff[T],
-                  " elements), got ", s.numel());
+      TORCH_CHECK(s.numel() == l.state_offsets[T], op,
+                  ": element-wise optimizer state must hold every table's rows (",
+                  l.state_offsets[T], " elements), got ", s.numel());
     }
   }
-  const at::Tensor unique_rows = unique_rows_in.contiguous(),
-                   unique_table = unique_table_in.contiguous();
-  const at::Tensor inverse = inverse_in.contiguous();
-  check_long_1d(op, "unique_rows", unique_rows);
-  check_long_1d(op, "unique_table", unique_table);
-  check_long_1d(op, "inverse", inverse);
-  const int64_t U = unique_rows.numel(), n = inverse.numel();
-  TORCH_CHECK(unique_table.numel() == U, op, ": unique_table must have one entry per unique row");
-  const int64_t* ur = unique_rows.data_ptr<int64_t>();
-  const int64_t* ut = unique_table.data_ptr<int64_t>();
-  const int64_t* inv = inverse.data_ptr<int64_t>();
-  check_rows_in_tables(op, ur, ut, U, caps);
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(inv[i] >= 0 && inv[i] < U, op, ": inverse[", i, "] = ", inv[i],
-                " out of range [0, ", U, ")");
-  // New rows: unique row u with unique_new[u] = j >= 0 first takes vector j of its table's
-  // new_vectors block and state_init, then its step.
-  const NewVectors nv = check_new_vectors(op, new_vectors, dims, T, storage);
-  at::Tensor unique_new;
-  const int64_t* un = nullptr;
-  if (unique_new_opt.has_value()) {
-    unique_new = unique_new_opt->contiguous();
-    check_long_1d(op, "unique_new", unique_new);
-    TORCH_CHECK(unique_new.numel() == U, op, ": unique_new must have one entry per unique row (", U,
-                "), got ", unique_new.numel());
-    TORCH_CHECK(!nv.empty(), op, ": unique_new needs new_vectors");
-    TORCH_CHECK(state_init.size() == states.size(), op,
-                ": state_init must give one initial value per state (", states.size(), "), got ",
-                state_init.size());
-    un = unique_new.data_ptr<int64_t>();
-    for (int64_t u = 0; u < U; ++u)
-      TORCH_CHECK(un[u] == -1 || (un[u] >= 0 && un[u] < nv.count[ut[u]] && ur[u] >= 0), op,
-                  ": unique_new[", u, "] = ", un[u], " is neither -1 nor a vector of table ", ut[u],
-                  "'s new_vectors (", nv.count[ut[u]], ") for a row >= 0");
-  }
-  int64_t max_dim = 1;
-  for (int64_t t = 0; t < T; ++t) max_dim = std::max(max_dim, dims[t]);
-  // Stochastic rounding of half tables with a rounding seed: bits from (seed, id, element, step).
-  std::vector<uint64_t> sr_seed(T, 0);
-  const int64_t* uid = nullptr;
-  at::Tensor unique_ids;
-  if (rounding_seeds_opt.has_value()) {
-    const at::Tensor seeds = rounding_seeds_opt->contiguous();
-    check_long_1d(op, "rounding_seeds", seeds);
-    TORCH_CHECK(seeds.numel() == T, op, ": rounding_seeds must have one entry per table (", T,
-                "), got ", seeds.numel());
-    bool any = false;
-    for (int64_t t = 0; t < T; ++t) {
-      sr_seed[t] =
-          storage[t] == Storage::kFloat ? 0 : static_cast<uint64_t>(seeds.data_ptr<int64_t>()[t]);
-      any = any || sr_seed[t] != 0;
-    }
-    if (any) {
-      TORCH_CHECK(unique_ids_opt.has_value(), op,
-                  ": stochastic rounding (a non-zero rounding seed) needs unique_ids");
-      unique_ids = unique_ids_opt->contiguous();
-      check_long_1d(op, "unique_ids", unique_ids);
-      TORCH_CHECK(unique_ids.numel() == U, op, ": unique_ids must have one entry per unique row (",
-                  U, "), got ", unique_ids.numel());
-      uid = unique_ids.data_ptr<int64_t>();
-    }
-  }
-  const std::vector<char*> bases = table_bases(weights, table_offsets);
+  return kind;
+}
 
+// The batch's unique rows (row, table) and each value's unique row, checked.
+struct UniqueRows {
+  at::Tensor rows_holder, table_holder, inverse_holder;
+  const int64_t* rows;
+  const int64_t* table;
+  const int64_t* inverse;
+  int64_t count;       // U
+  int64_t num_values;  // n
+};
+
+UniqueRows check_unique_rows(const char* op, const at::Tensor& unique_rows_in,
+                             const at::Tensor& unique_table_in, const at::Tensor& inverse_in,
+                             const std::vector<int64_t>& caps) {
+  UniqueRows u;
+  u.rows_holder = unique_rows_in.contiguous();
+  u.table_holder = unique_table_in.contiguous();
+  u.inverse_holder = inverse_in.contiguous();
+  check_long_1d(op, "unique_rows", u.rows_holder);
+  check_long_1d(op, "unique_table", u.table_holder);
+  check_long_1d(op, "inverse", u.inverse_holder);
+  const int64_t U = u.rows_holder.numel(), n = u.inverse_holder.numel();
+  TORCH_CHECK(u.table_holder.numel() == U, op, ": unique_table must have one entry per unique row");
+  u.rows = u.rows_holder.data_ptr<int64_t>();
+  u.table = u.table_holder.data_ptr<int64_t>();
+  u.inverse = u.inverse_holder.data_ptr<int64_t>();
+  u.count = U;
+  u.num_values = n;
+  check_rows_in_tables(op, u.rows, u.table, U, caps);
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(u.inverse[i] >= 0 && u.inverse[i] < U, op, ": inverse[", i, "] = ", u.inverse[i],
+                " out of range [0, ", U, ")");
+  return u;
+}
+
+// New rows: unique row u with unique_new[u] = j >= 0 first takes vector j of its table's
+// new_vectors block and state_init, then its step. Null when the batch has none.
+const int64_t* check_unique_new(const char* op, const std::optional<at::Tensor>& unique_new_opt,
+                                at::Tensor& holder, const UniqueRows& u, const NewVectors& nv,
+                                at::TensorList states, at::ArrayRef<double> state_init) {
+  if (!unique_new_opt.has_value()) return nullptr;
+  const int64_t U = u.count;
+  holder = unique_new_opt->contiguous();
+  check_long_1d(op, "unique_new", holder);
+  TORCH_CHECK(holder.numel() == U, op, ": unique_new must have one entry per unique row (", U,
+              "), got ", holder.numel());
+  TORCH_CHECK(!nv.empty(), op, ": unique_new needs new_vectors");
+  TORCH_CHECK(state_init.size() == states.size(), op,
+              ": state_init must give one initial value per state (", states.size(), "), got ",
+              state_init.size());
+  const int64_t* un = holder.data_ptr<int64_t>();
+  const int64_t* ur = u.rows;
+  const int64_t* ut = u.table;
+  for (int64_t k = 0; k < U; ++k)
+    TORCH_CHECK(un[k] == -1 || (un[k] >= 0 && un[k] < nv.count[ut[k]] && ur[k] >= 0), op,
+                ": unique_new[", k, "] = ", un[k], " is neither -1 nor a vector of table ", ut[k],
+                "'s new_vectors (", nv.count[ut[k]], ") for a row >= 0");
+  return un;
+}
+
+// Stochastic rounding of half tables with a rounding seed: bits from (seed, id, element, step).
+struct StochasticRounding {
+  std::vector<uint64_t> seed;  // per table; 0: round to nearest
+  at::Tensor ids_holder;
+  const int64_t* ids = nullptr;  // the unique rows' ids, when any seed is set
+};
+
+StochasticRounding check_stochastic_rounding(const char* op,
+                                             const std::optional<at::Tensor>& rounding_seeds_opt,
+                                             const std::optional<at::Tensor>& unique_ids_opt,
+                                             const std::vector<Storage>& storage, int64_t U) {
+  const int64_t T = storage.size();
+  StochasticRounding sr;
+  sr.seed.assign(T, 0);
+  if (!rounding_seeds_opt.has_value()) return sr;
+  const at::Tensor seeds = rounding_seeds_opt->contiguous();
+  check_long_1d(op, "rounding_seeds", seeds);
+  TORCH_CHECK(seeds.numel() == T, op, ": rounding_seeds must have one entry per table (", T,
+              "), got ", seeds.numel());
+  bool any = false;
+  for (int64_t t = 0; t < T; ++t) {
+    sr.seed[t] =
+        storage[t] == Storage::kFloat ? 0 : static_cast<uint64_t>(seeds.data_ptr<int64_t>()[t]);
+    any = any || sr.seed[t] != 0;
+  }
+  if (any) {
+    TORCH_CHECK(unique_ids_opt.has_value(), op,
+                ": stochastic rounding (a non-zero rounding seed) needs unique_ids");
+    sr.ids_holder = unique_ids_opt->contiguous();
+    check_long_1d(op, "unique_ids", sr.ids_holder);
+    TORCH_CHECK(sr.ids_holder.numel() == U, op, ": unique_ids must have one entry per unique row (",
+                U, "), got ", sr.ids_holder.numel());
+    sr.ids = sr.ids_holder.data_ptr<int64_t>();
+  }
+  return sr;
+}
+
+// The output gradient with dense columns (the vector loops need them); rows may be strided,
+// even broadcast (stride 0, as the gradient of a sum is): one broadcast row is kept once.
+struct GradRows {
+  at::Tensor holder;
+  const float* data;
+  int64_t row_stride;
+  int64_t cols;
+};
+
+GradRows dense_grad_columns(const char* op, const at::Tensor& grad_in) {
   TORCH_CHECK(grad_in.dim() == 2 && grad_in.scalar_type() == at::kFloat, op,
               ": grad must be a 2-D float32 tensor, got ", grad_in.scalar_type(), " of shape ",
               grad_in.sizes());
-  // Rows may be strided (even broadcast, stride 0, as the gradient of a sum is); columns must
-  // be dense for the vector loops.
-  at::Tensor grad = grad_in;
-  int64_t grow = grad_in.stride(0);
+  GradRows g{grad_in, nullptr, grad_in.stride(0), grad_in.size(1)};
   if (grad_in.stride(1) != 1 || grad_in.size(0) == 0) {
     if (grad_in.stride(0) == 0 && grad_in.size(0) > 0) {
-      grad = grad_in.select(0, 0).contiguous();  // one row broadcast to all: keep it once
-      grow = 0;
+      g.holder = grad_in.select(0, 0).contiguous();  // one row broadcast to all: keep it once
+      g.row_stride = 0;
     } else {
-      grad = grad_in.contiguous();
-      grow = grad_in.size(1);
+      g.holder = grad_in.contiguous();
+      g.row_stride = grad_in.size(1);
     }
   }
-  const float* gr = grad.data_ptr<float>();
-  const int64_t gcols = grad_in.size(1);
+  g.data = g.holder.data_ptr<float>();
+  return g;
+}
 
-  // Per value: the grad row it reads, its first column and its scale.
-  const bool pooled = offsets_opt.has_value();
-  std::vector<int64_t> src(n);
-  std::vector<float> scale(pooled ? n : 0);
-  if (pooled) {
-    const at::Tensor offsets = offsets_opt->contiguous();
-    const int64_t F = feature_col.numel();
-    check_long_1d(op, "feature_col", feature_col);
-    TORCH_CHECK(feature_mean.scalar_type() == at::kBool && feature_mean.numel() == F, op,
-                ": feature_mean must be a bool tensor with one entry per feature");
-    check_bags(op, offsets, F * batch_size, n);
-    TORCH_CHECK(grad_in.size(0) == batch_size, op, ": grad must have batch_size = ", batch_size,
-                " rows, got ", grad_in.size(0));
-    at::Tensor psw_holder;
-    const float* psw = check_per_sample_weights(op, per_sample_weights, n, psw_holder);
-    const int64_t* o = offsets.data_ptr<int64_t>();
-    const int64_t* fc = feature_col.data_ptr<int64_t>();
-    const bool* fm = feature_mean.data_ptr<bool>();
-    at::parallel_for(0, F * batch_size, 256, [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g) {
-        const int64_t f = g / batch_size, b = g % batch_size, len = o[g + 1] - o[g];
-        for (int64_t i = o[g]; i < o[g + 1]; ++i) {
-          TORCH_CHECK(fc[f] + dims[ut[inv[i]]] <= gcols, op, ": feature ", f,
-                      "'s columns exceed grad's ", gcols);
-          src[i] = b * grow + fc[f];
-          float s = psw != nullptr ? psw[i] : 1.f;
-          if (fm[f]) s = s / static_cast<float>(std::max<int64_t>(len, 1));
-          scale[i] = s;
-        }
+// Per value: the gradient element its row's sum starts at, and (pooled) its scale.
+struct ValueSources {
+  std::vector<int64_t> src;
+  std::vector<float> scale;  // empty for sequence lookups (every scale 1)
+};
+
+// Pooled: value i of bag g = f * batch_size + b reads grad row b at feature f's columns, scaled
+// by its per-sample weight and, for a mean feature, 1 / the bag's length.
+ValueSources pooled_value_sources(const char* op, const at::Tensor& offsets_in,
+                                  const std::optional<at::Tensor>& per_sample_weights,
+                                  const at::Tensor& feature_col, const at::Tensor& feature_mean,
+                                  int64_t batch_size, const at::Tensor& grad_in,
+                                  const GradRows& grad, const UniqueRows& u, const int64_t* dims) {
+  const int64_t n = u.num_values;
+  ValueSources v{std::vector<int64_t>(n), std::vector<float>(n)};
+  const at::Tensor offsets = offsets_in.contiguous();
+  const int64_t F = feature_col.numel();
+  check_long_1d(op, "feature_col", feature_col);
+  TORCH_CHECK(feature_mean.scalar_type() == at::kBool && feature_mean.numel() == F, op,
+              ": feature_mean must be a bool tensor with one entry per feature");
+  check_bags(op, offsets, F * batch_size, n);
+  TORCH_CHECK(grad_in.size(0) == batch_size, op, ": grad must have batch_size = ", batch_size,
+              " rows, got ", grad_in.size(0));
+  at::Tensor psw_holder;
+  const float* psw = check_per_sample_weights(op, per_sample_weights, n, psw_holder);
+  const int64_t* o = offsets.data_ptr<int64_t>();
+  const int64_t* fc = feature_col.data_ptr<int64_t>();
+  const bool* fm = feature_mean.data_ptr<bool>();
+  const int64_t* ut = u.table;
+  const int64_t* inv = u.inverse;
+  const int64_t gcols = grad.cols, grow = grad.row_stride;
+  at::parallel_for(0, F * batch_size, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t f = g / batch_size, b = g % batch_size, len = o[g + 1] - o[g];
+      for (int64_t i = o[g]; i < o[g + 1]; ++i) {
+        TORCH_CHECK(fc[f] + dims[ut[inv[i]]] <= gcols, op, ": feature ", f,
+                    "'s columns exceed grad's ", gcols);
+        v.src[i] = b * grow + fc[f];
+        float s = psw != nullptr ? psw[i] : 1.f;
+        if (fm[f]) s = s / static_cast<float>(std::max<int64_t>(len, 1));
+        v.scale[i] = s;
       }
-    });
-  } else {
-    TORCH_CHECK(grad_in.size(0) >= n, op, ": sequence grad must have one row per id (", n,
-                "), got ", grad_in.size(0));
-    for (int64_t i = 0; i < n; ++i) {
-      TORCH_CHECK(dims[ut[inv[i]]] <= gcols, op, ": grad has ", gcols, " columns, table needs ",
-                  dims[ut[inv[i]]]);
-      src[i] = i * grow;
     }
-  }
+  });
+  return v;
+}
 
-  // Counting sort of values by unique row (stable: each row sums its values in id order).
-  std::vector<int64_t> start(U + 1, 0), order(n);
-  for (int64_t i = 0; i < n; ++i) ++start[inv[i] + 1];
-  for (int64_t u = 0; u < U; ++u) start[u + 1] += start[u];
-  {
-    std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int64_t i = 0; i < n; ++i) order[fill[inv[i]]++] = i;
+// Sequence: value i reads grad row i.
+ValueSources sequence_value_sources(const char* op, const at::Tensor& grad_in, const GradRows& grad,
+                                    const UniqueRows& u, const int64_t* dims) {
+  const int64_t n = u.num_values;
+  ValueSources v{std::vector<int64_t>(n), {}};
+  TORCH_CHECK(grad_in.size(0) >= n, op, ": sequence grad must have one row per id (", n, "), got ",
+              grad_in.size(0));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t dim = dims[u.table[u.inverse[i]]];
+    TORCH_CHECK(dim <= grad.cols, op, ": grad has ", grad.cols, " columns, table needs ", dim);
+    v.src[i] = i * grad.row_stride;
   }
+  return v;
+}
 
+// Values grouped by unique row, a stable counting sort of `inverse` (each row sums its values in
+// id order): row u's values are order[start[u] .. start[u + 1]).
+struct RowGroups {
+  std::vector<int64_t> start, order;
+};
+
+RowGroups group_values_by_row(const UniqueRows& u) {
+  const int64_t U = u.count, n = u.num_values;
+  const int64_t* inv = u.inverse;
+  RowGroups r{std::vector<int64_t>(U + 1, 0), std::vector<int64_t>(n)};
+  for (int64_t i = 0; i < n; ++i) ++r.start[inv[i] + 1];
+  for (int64_t k = 0; k < U; ++k) r.start[k + 1] += r.start[k];
+  std::vector<int64_t> fill(r.start.begin(), r.start.end() - 1);
+  for (int64_t i = 0; i < n; ++i) r.order[fill[inv[i]]++] = i;
+  return r;
+}
+
+Hyper hyper_of(at::ArrayRef<double> hparams, int64_t step) {
   const double lr = hparams[0], beta1 = hparams[2], beta2 = hparams[3], lr_decay = hparams[5];
-  const Hyper h{static_cast<float>(lr),
-                static_cast<float>(hparams[1]),
-                static_cast<float>(beta1),
-                static_cast<float>(beta2),
-                static_cast<float>(hparams[4]),
-                static_cast<float>(lr / (1.0 + static_cast<double>(step - 1) * lr_decay)),
-                static_cast<float>(lr / (1.0 - std::pow(beta1, static_cast<double>(step)))),
-                static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step)))),
-                static_cast<float>(1.0 - lr * hparams[4]),
-                hparams.size() == 10 ? static_cast<float>(hparams[6]) : 0.f,
-                hparams.size() == 10 ? static_cast<float>(hparams[7]) : 0.f,
-                hparams.size() == 10 ? static_cast<float>(2.0 * hparams[8]) : 0.f,
-                hparams.size() == 10 ? static_cast<float>(hparams[9]) : 0.f};
-  float* s0 = want_states > 0 ? states[0].data_ptr<float>() : nullptr;
-  float* s1 = want_states > 1 ? states[1].data_ptr<float>() : nullptr;
-  const bool rowwise_state = kind == Optim::kRowwiseAdagrad;
-  at::parallel_for(0, U, 32, [&](int64_t begin, int64_t end) {
-    std::vector<float> g(max_dim), fresh_w(max_dim), fresh_s0(max_dim), fresh_s1(max_dim);
-    std::vector<uint16_t> rbits(max_dim), fresh_half(max_dim);
-    std::vector<uint64_t> rhash((max_dim + 3) / 4);
-    const int64_t n_end = start[end];  // this chunk's values end here
-    for (int64_t u = begin; u < end; ++u) {
-      // The rows a few unique ids ahead: weights and state are read and written at random
-      // (new rows are only written: nothing to fetch).
-      const int64_t ahead = u + kPrefetchDistance;
-      if (ahead < end && ur[ahead] >= 0 && (un == nullptr || un[ahead] < 0)) {
-        const int64_t ta = ut[ahead], dim_a = dims[ta],
-                      row_bytes_a = dim_a * storage_bytes(storage[ta]);
-        const int64_t selem_a = soff[ta] + ur[ahead] * dim_a;
-        prefetch_row(bases[ta] + ur[ahead] * row_bytes_a, row_bytes_a, 1);
-        if (s0 != nullptr) {
-          if (rowwise_state)
-            __builtin_prefetch(s0 + sro[ta] + ur[ahead], 1);
-          else
-            prefetch_row(s0 + selem_a, dim_a, 1);
-        }
-        if (s1 != nullptr) prefetch_row(s1 + selem_a, dim_a, 1);
-      }
-      if (ur[u] < 0) continue;
-      const int64_t t = ut[u], dim = dims[t];
-      const Storage st = storage[t];
-      const int64_t row_bytes = dim * storage_bytes(st);
-      std::fill(g.begin(), g.begin() + dim, 0.f);
-      for (int64_t k = start[u]; k < start[u + 1]; ++k) {
-        // Values are grouped by row, so their gradient rows come in random order: fetch ahead.
-        if (k + kPrefetchDistance < n_end)
-          prefetch_row(gr + src[order[k + kPrefetchDistance]], dims[ut[u]]);
-        const int64_t i = order[k];
-        add_scaled(g.data(), gr + src[i], pooled ? scale[i] : 1.f, dim);
-      }
-      char* row = bases[t] + ur[u] * row_bytes;
-      const int64_t selem = soff[t] + ur[u] * dim;
-      float* state0 = s0 == nullptr ? nullptr : rowwise_state ? s0 + sro[t] + ur[u] : s0 + selem;
-      float* state1 = s1 == nullptr ? nullptr : s1 + selem;
+  return Hyper{static_cast<float>(lr),
+               static_cast<float>(hparams[1]),
+               static_cast<float>(beta1),
+               static_cast<float>(beta2),
+               static_cast<float>(hparams[4]),
+               static_cast<float>(lr / (1.0 + static_cast<double>(step - 1) * lr_decay)),
+               static_cast<float>(lr / (1.0 - std::pow(beta1, static_cast<double>(step)))),
+               static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step)))),
+               static_cast<float>(1.0 - lr * hparams[4]),
+               hparams.size() == 10 ? static_cast<float>(hparams[6]) : 0.f,
+               hparams.size() == 10 ? static_cast<float>(hparams[7]) : 0.f,
+               hparams.size() == 10 ? static_cast<float>(2.0 * hparams[8]) : 0.f,
+               hparams.size() == 10 ? static_cast<float>(hparams[9]) : 0.f};
+}
+
+// Where the update reads and writes: the rows, the optimizer state, the new rows' vectors.
+struct UpdateTarget {
+  const UpdateLayout& layout;
+  const std::vector<char*>& bases;
+  float* s0;
+  float* s1;
+  const int64_t* state_row_offsets;
+  bool rowwise_state;
+  const int64_t* unique_new;  // null: no new rows
+  const NewVectors& nv;
+  at::ArrayRef<double> state_init;
+};
+
+// Fetches unique row `ahead`'s weights and state for writing (they are read and written at
+// random; a new row is only written: nothing to fetch).
+inline void prefetch_unique_row(const UpdateTarget& x, const UniqueRows& u, int64_t ahead) {
+  const int64_t* ur = u.rows;
+  if (ur[ahead] < 0 || (x.unique_new != nullptr && x.unique_new[ahead] >= 0)) return;
+  const int64_t ta = u.table[ahead], dim_a = x.layout.dims[ta],
+                row_bytes_a = dim_a * storage_bytes(x.layout.storage[ta]);
+  const int64_t selem_a = x.layout.state_offsets[ta] + ur[ahead] * dim_a;
+  prefetch_row(x.bases[ta] + ur[ahead] * row_bytes_a, row_bytes_a, 1);
+  if (x.s0 != nullptr) {
+    if (x.rowwise_state)
+      __builtin_prefetch(x.s0 + x.state_row_offsets[ta] + ur[ahead], 1);
+    else
+      prefetch_row(x.s0 + selem_a, dim_a, 1);
+  }
+  if (x.s1 != nullptr) prefetch_row(x.s1 + selem_a, dim_a, 1);
+}
+
+// g = the sum of row u's values' output gradient rows, each scaled (pooled).
+inline void sum_row_gradient(float* g, const GradRows& grad, const ValueSources& v,
+                             const RowGroups& groups, int64_t u, int64_t dim, int64_t n_end) {
+  std::fill(g, g + dim, 0.f);
+  const bool pooled = !v.scale.empty();
+  for (int64_t k = groups.start[u]; k < groups.start[u + 1]; ++k) {
+    // Values are grouped by row, so their gradient rows come in random order: fetch ahead.
+    if (k + kPrefetchDistance < n_end)
+      prefetch_row(grad.data + v.src[groups.order[k + kPrefetchDistance]], dim);
+    const int64_t i = groups.order[k];
+    add_scaled(g, grad.data + v.src[i], pooled ? v.scale[i] : 1.f, dim);
+  }
+}
+
+// Per-thread rows: the gradient, a new row's weights and state, rounding bits and hashes.
+struct RowScratch {
+  std::vector<float> g, fresh_w, fresh_s0, fresh_s1;
+  std::vector<uint16_t> rbits, fresh_half;
+  std::vector<uint64_t> rhash;
+  explicit RowScratch(int64_t max_dim)
+      : g(max_dim),
+        fresh_w(max_dim),
+        fresh_s0(max_dim),
+        fresh_s1(max_dim),
+        rbits(max_dim),
+        fresh_half(max_dim),
+        rhash((max_dim + 3) / 4) {}
+};
+
+// A new row: the step runs on its initial vector (block t's vector j) and initial state, and
+// the results are streamed to the row (never read from memory).
+inline void step_new_row(const UpdateTarget& x, Optim kind, const Hyper& h, RowScratch& s,
+                         int64_t t, int64_t j, char* row, float* state0, float* state1, int64_t dim,
+                         const uint16_t* r) {
+  const Storage st = x.layout.storage[t];
+  const int64_t row_bytes = dim * storage_bytes(st);
+  load_row(s.fresh_w.data(), x.nv.data[t] + j * row_bytes, st, dim);
+  const int64_t width0 = x.rowwise_state ? 1 : dim;
+  if (state0 != nullptr)
+    std::fill(s.fresh_s0.begin(), s.fresh_s0.begin() + width0, static_cast<float>(x.state_init[0]));
+  if (state1 != nullptr)
+    std::fill(s.fresh_s1.begin(), s.fresh_s1.begin() + dim, static_cast<float>(x.state_init[1]));
+  apply_step(kind, h, s.fresh_w.data(), s.g.data(), state0 != nullptr ? s.fresh_s0.data() : nullptr,
+             state1 != nullptr ? s.fresh_s1.data() : nullptr, dim);
+  if (st == Storage::kFloat) {
+    copy_streaming(reinterpret_cast<float*>(row), s.fresh_w.data(), dim);
+  } else {  // rounded into a scratch row, then streamed as the float32 rows are
+    store_row(s.fresh_half.data(), s.fresh_w.data(), st, dim, r);
+    copy_streaming_bytes(row, s.fresh_half.data(), row_bytes);
+  }
+  if (state0 != nullptr) copy_streaming(state0, s.fresh_s0.data(), width0);
+  if (state1 != nullptr) copy_streaming(state1, s.fresh_s1.data(), dim);
+}
+
+// A stored row stepped in place; a half row is stepped in float32 and written back rounded.
+inline void step_stored_row(Optim kind, const Hyper& h, RowScratch& s, Storage st, char* row,
+                            float* state0, float* state1, int64_t dim, const uint16_t* r) {
+  if (st == Storage::kFloat) {
+    apply_step(kind, h, reinterpret_cast<float*>(row), s.g.data(), state0, state1, dim);
+  } else {
+    load_row(s.fresh_w.data(), row, st, dim);
+    apply_step(kind, h, s.fresh_w.data(), s.g.data(), state0, state1, dim);
+    store_row(row, s.fresh_w.data(), st, dim, r);
+  }
+}
+
+// Each unique row sums its gradient and takes its step, in parallel over unique rows (no two
+// threads share a row).
+void update_unique_rows(const UpdateTarget& x, const UniqueRows& u, const GradRows& grad,
+                        const ValueSources& v, const RowGroups& groups, Optim kind, const Hyper& h,
+                        const StochasticRounding& sr, int64_t step) {
+  const UpdateLayout& l = x.layout;
+  int64_t max_dim = 1;
+  for (int64_t t = 0; t < l.count; ++t) max_dim = std::max(max_dim, l.dims[t]);
+  const int64_t* ur = u.rows;
+  const int64_t* ut = u.table;
+  at::parallel_for(0, u.count, 32, [&](int64_t begin, int64_t end) {
+    RowScratch s(max_dim);
+    const int64_t n_end = groups.start[end];  // this chunk's values end here
+    for (int64_t k = begin; k < end; ++k) {
+      if (k + kPrefetchDistance < end) prefetch_unique_row(x, u, k + kPrefetchDistance);
+      if (ur[k] < 0) continue;
+      const int64_t t = ut[k], dim = l.dims[t];
+      const Storage st = l.storage[t];
+      sum_row_gradient(s.g.data(), grad, v, groups, k, dim, n_end);
+      char* row = x.bases[t] + ur[k] * dim * storage_bytes(st);
+      const int64_t selem = l.state_offsets[t] + ur[k] * dim;
+      float* state0 = x.s0 == nullptr   ? nullptr
+                      : x.rowwise_state ? x.s0 + x.state_row_offsets[t] + ur[k]
+                                        : x.s0 + selem;
+      float* state1 = x.s1 == nullptr ? nullptr : x.s1 + selem;
       const uint16_t* r = nullptr;
-      if (sr_seed[t] != 0) {
-        rounding_bits(rbits.data(), rhash.data(), dim, uid[u], sr_seed[t], step);
-        r = rbits.data();
+      if (sr.seed[t] != 0) {
+        rounding_bits(s.rbits.data(), s.rhash.data(), dim, sr.ids[k], sr.seed[t], step);
+        r = s.rbits.data();
       }
-      if (un != nullptr && un[u] >= 0) {
-        // A new row: the step runs on its initial vector and state, and the results are
-        // streamed to the row (never read from memory).
-        load_row(fresh_w.data(), nv.data[t] + un[u] * row_bytes, st, dim);
-        const int64_t width0 = rowwise_state ? 1 : dim;
-        if (state0 != nullptr)
-          std::fill(fresh_s0.begin(), fresh_s0.begin() + width0, static_cast<float>(state_init[0]));
-        if (state1 != nullptr)
-          std::fill(fresh_s1.begin(), fresh_s1.begin() + dim, static_cast<float>(state_init[1]));
-        apply_step(kind, h, fresh_w.data(), g.data(), state0 != nullptr ? fresh_s0.data() : nullptr,
-                   state1 != nullptr ? fresh_s1.data() : nullptr, dim);
-        if (st == Storage::kFloat) {
-          copy_streaming(reinterpret_cast<float*>(row), fresh_w.data(), dim);
-        } else {  // rounded into a scratch row, then streamed as the float32 rows are
-          store_row(fresh_half.data(), fresh_w.data(), st, dim, r);
-          copy_streaming_bytes(row, fresh_half.data(), row_bytes);
-        }
-        if (state0 != nullptr) copy_streaming(state0, fresh_s0.data(), width0);
-        if (state1 != nullptr) copy_streaming(state1, fresh_s1.data(), dim);
-        continue;
-      }
-      if (st == Storage::kFloat) {
-        apply_step(kind, h, reinterpret_cast<float*>(row), g.data(), state0, state1, dim);
-      } else {  // a half row: stepped in float32, written back rounded
-        load_row(fresh_w.data(), row, st, dim);
-        apply_step(kind, h, fresh_w.data(), g.data(), state0, state1, dim);
-        store_row(row, fresh_w.data(), st, dim, r);
-      }
+      if (x.unique_new != nullptr && x.unique_new[k] >= 0)
+        step_new_row(x, kind, h, s, t, x.unique_new[k], row, state0, state1, dim, r);
+      else
+        step_stored_row(kind, h, s, st, row, state0, state1, dim, r);
     }
 #if defined(__SSE2__)
     _mm_sfence();  // streamed rows visible before the op returns
 #endif
   });
+}
+
+void fused_update_cpu(const at::Tensor& grad_in, const at::Tensor& weights, at::TensorList states,
+                      const at::Tensor& table_offsets, const at::Tensor& table_dims,
+                      const at::Tensor& state_row_offsets, const at::Tensor& unique_rows_in,
+                      const at::Tensor& unique_table_in, const at::Tensor& inverse_in,
+                      const std::optional<at::Tensor>& offsets_opt,
+                      const std::optional<at::Tensor>& per_sample_weights,
+                      const at::Tensor& feature_col, const at::Tensor& feature_mean,
+                      int64_t batch_size, int64_t optimizer, at::ArrayRef<double> hparams,
+                      int64_t step, at::TensorList new_vectors,
+                      const std::optional<at::Tensor>& unique_new_opt,
+                      at::ArrayRef<double> state_init,
+                      const std::optional<at::Tensor>& table_dtypes,
+                      const std::optional<at::Tensor>& unique_ids_opt,
+                      const std::optional<at::Tensor>& rounding_seeds_opt) {
+  const char* op = "fused_update";
+  // Every argument is checked before anything is written.
+  const UpdateLayout layout = check_layout(op, weights, table_offsets, table_dims, table_dtypes);
+  const Optim kind =
+      check_optimizer(op, optimizer, hparams, step, states, state_row_offsets, layout);
+  const UniqueRows unique =
+      check_unique_rows(op, unique_rows_in, unique_table_in, inverse_in, layout.caps);
+  const NewVectors nv =
+      check_new_vectors(op, new_vectors, layout.dims, layout.count, layout.storage);
+  at::Tensor unique_new_holder;
+  const int64_t* unique_new =
+      check_unique_new(op, unique_new_opt, unique_new_holder, unique, nv, states, state_init);
+  const StochasticRounding rounding = check_stochastic_rounding(
+      op, rounding_seeds_opt, unique_ids_opt, layout.storage, unique.count);
+  const std::vector<char*> bases = table_bases(weights, table_offsets);
+  const GradRows grad = dense_grad_columns(op, grad_in);
+  const ValueSources values =
+      offsets_opt.has_value()
+          ? pooled_value_sources(op, *offsets_opt, per_sample_weights, feature_col, feature_mean,
+                                 batch_size, grad_in, grad, unique, layout.dims)
+          : sequence_value_sources(op, grad_in, grad, unique, layout.dims);
+
+  const RowGroups groups = group_values_by_row(unique);
+  const UpdateTarget target{layout,
+                            bases,
+                            states.size() > 0 ? states[0].data_ptr<float>() : nullptr,
+                            states.size() > 1 ? states[1].data_ptr<float>() : nullptr,
+                            state_row_offsets.data_ptr<int64_t>(),
+                            kind == Optim::kRowwiseAdagrad,
+                            unique_new,
+                            nv,
+                            state_init};
+  update_unique_rows(target, unique, grad, values, groups, kind, hyper_of(hparams, step), rounding,
+                     step);
 }
 
 }  // namespace

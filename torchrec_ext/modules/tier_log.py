@@ -132,9 +132,11 @@ class RowLog:
         """Per row, the record of its newest copy (int64), -1 where that is the base file."""
         return self.where.index_select(0, rows).to(torch.int64)
 
-    def read(self, records: Tensor) -> Tensor:
-        """The records at ``records`` (numbers), [n, record_bytes] uint8."""
-        return self.records.index_select(0, records)
+    def read(self, records: Tensor, out: Tensor | None = None) -> Tensor:
+        """The records at ``records`` (numbers), [n, record_bytes] uint8 (into ``out`` when given)."""
+        if out is None:
+            return self.records.index_select(0, records)
+        return torch.index_select(self.records, 0, records, out=out)
 
     def live_rows(self) -> Tensor:
         """The rows whose newest copy is in the log, ascending."""

@@ -26,6 +26,9 @@ import bench_tiers
 
 from torchrec_ext.modules import tier_log
 
+# Calls that read a tensor's metadata only (no dispatch to a kernel, the GIL kept)
+METADATA = {"numel", "dim", "__get__", "size", "element_size", "is_contiguous", "__len__"}
+
 
 class _Count(TorchFunctionMode):
     def __init__(self, counts: collections.Counter, callers: collections.Counter | None = None):
@@ -88,7 +91,8 @@ def main() -> None:
             n = args.steps
             name = backing.split(":")[0]
             print(
-                f"{name}: {sum(counts.values()) / n:,.0f} torch calls a stage ({len(tables.meta)} tables), "
+                f"{name}: {sum(counts.values()) / n:,.0f} torch calls a stage ({len(tables.meta)} tables; "
+                f"{sum(v for k, v in counts.items() if k not in METADATA) / n:,.0f} of them beyond metadata), "
                 f"{writes[0] / n:.1f} pwrite a stage"
             )
             print("   calls:", ", ".join(f"{k} {v / n:.0f}" for k, v in counts.most_common(12)))

@@ -314,7 +314,7 @@ class RowCache:
         """Up to k free slots, out of the free list."""
         free = self.free
         if free.numel():
-            free = free.index_select(0, (self.row_of.index_select(0, free) < 0).nonzero().squeeze(1))
+            free = free[self.row_of.index_select(0, free) < 0]
         self.free = free[k:]
         return free[:k]
 
@@ -849,10 +849,10 @@ class TieredTables(DynamicTables):
             pinned, step = taken
             rows, found = self.indexes[t].find(unique[start:end])
             rows = self._mask_expired(t, rows, found, step)  # expired: re-initialised by the lookup, not read
-            live = rows >= 0
+            live = rows[rows >= 0]
             cache = self.caches[t]
             before = (cache.staged, cache.staged_write_backs, cache.bytes_moved)
-            cache.stage(rows[live], int(rows.numel() - int(live.sum())), pinned, clock, movers[t])
+            cache.stage(live, rows.numel() - live.numel(), pinned, clock, movers[t])
             self._stage_stats[t] = {
                 "staged": cache.staged - before[0],
                 "staged_write_backs": cache.staged_write_backs - before[1],

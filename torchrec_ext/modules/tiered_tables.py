@@ -318,16 +318,18 @@ class RowCache:
         self.free = free[k:]
         return free[:k]
 
-    def _evict(self, victims: Tensor, mover: _Mover, ahead: bool = False) -> None:
-        """The rows of ``victims`` (slots, some maybe empty) leave the cache, dirty ones written back."""
+    def _evict(self, victims: Tensor, mover: _Mover, ahead: bool = False, occupied: bool = False) -> None:
+        """The rows of ``victims`` (slots, some maybe empty unless ``occupied``) leave the cache,
+        dirty ones written back."""
         old = self.row_of.index_select(0, victims)
-        gone = old >= 0
-        if not bool(gone.all()):
-            victims, old = victims[gone], old[gone]
-        back = self.dirty.index_select(0, victims)
-        n = int(back.sum())
+        if not occupied:
+            gone = old >= 0
+            if not bool(gone.all()):
+                victims, old = victims[gone], old[gone]
+        back = self.dirty.index_select(0, victims).nonzero(as_tuple=True)[0]
+        n = back.numel()
         if n:
-            mover.write(victims[back], old[back])
+            mover.write(victims.index_select(0, back), old.index_select(0, back))
             self.write_backs += n
             if ahead:
                 self.staged_write_backs += n
@@ -359,7 +361,7 @@ class RowCache:
         free = self._take_free(want_slots)
         lru = self.order.oldest(want_slots - free.numel(), self.last_used, self.row_of, clock, pinned)
         if lru.numel():
-            self._evict(lru, mover, ahead=True)
+            self._evict(lru, mover, ahead=True, occupied=True)  # (oldest takes occupied slots only)
         victims = lru if not free.numel() else torch.cat([free, lru])
         filled = min(missing, victims.numel())
         fill, freed = (victims, None) if filled == victims.numel() else (victims[:filled], victims[filled:])

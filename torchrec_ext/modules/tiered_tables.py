@@ -40,8 +40,9 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from torchrec_ext import ops
 from torchrec_ext.modules.configs import DEFAULT_CACHE_LOAD_FACTOR, options_of, storage_dtype_of
-from torchrec_ext.modules.dynamic_tables import DynamicTables, RowLookup, _allocate
+from torchrec_ext.modules.dynamic_tables import DynamicTables, RowLookup
 from torchrec_ext.modules.table_stats import TableStats
+from torchrec_ext.modules.table_storage import allocate_filled
 from torchrec_ext.modules.tier_log import ROW_BYTES, RowLog
 from torchrec_ext.modules.tier_lru import SlotOrder
 from torchrec_ext.modules.tier_store import BackingStore
@@ -576,9 +577,9 @@ class TieredTables(DynamicTables):
         live = bool(getattr(self, "indexes", None)) and device.type != "meta" and self.num_live_rows() > 0
         self._fold_logs()  # the logs' records have the old buffers' layout: their rows go home first
         if device.type == "meta":
-            self.backing[name] = _allocate(numel, value, device)
+            self.backing[name] = allocate_filled(numel, value, device)
         elif self.store.directory is None:  # host memory, on huge pages where offered (rows are touched at random)
-            self.backing[name] = _allocate(numel, value, torch.device("cpu"))
+            self.backing[name] = allocate_filled(numel, value, torch.device("cpu"))
         else:
             self.backing[name] = self.store.map(name, numel, value, fill=live)
         self._movers = None
@@ -587,7 +588,7 @@ class TieredTables(DynamicTables):
         else:
             rowwise = self.optimizer.kind in ROWWISE_STATE
             cached = sum(s * (1 if rowwise else m.dim) for s, m in zip(self.slots, self.meta))
-        return _allocate(cached, value, device)
+        return allocate_filled(cached, value, device)
 
     def _views(self, t: int, cached: bool) -> tuple[Tensor, dict[str, Tensor]]:
         """Table t's rows and optimizer states: of the cache ([slots, dim]) or the backing store
@@ -775,8 +776,8 @@ class TieredTables(DynamicTables):
         self._pinned.pop(key, None)
         self._unpin(held)
 
-    def apply_gradients(self, grad: Tensor, lookup: RowLookup, *args, **kwargs) -> None:
-        super().apply_gradients(grad, lookup, *args, **kwargs)
+    def end_update(self, lookup: RowLookup, *args, **kwargs) -> None:
+        super().end_update(lookup, *args, **kwargs)
         release = self._pinned.get(id(lookup.unique_rows))
         if release is not None:
             release()

@@ -70,8 +70,10 @@ from torchrec_ext.reference.init_rows import (  # noqa: F401
     GOLDEN,
     INITIALIZER_NAMES,
     INITIALIZERS,
+    PARAM_COUNTS,
     TRUNC_NORMAL_ATTEMPTS,
     _box_muller,
+    init_rows,
     init_vectors,
     pair_bits,
     table_seed,
@@ -93,6 +95,7 @@ from torchrec_ext.reference.routing import (  # noqa: F401
 from torchrec_ext.reference.serving_index import (  # noqa: F401
     SERVING_BUCKET_WORDS,
     SERVING_KEYS_PER_BUCKET,
+    SERVING_MULTIPLIER,
     SERVING_OVERFLOW_BIT,
     SERVING_SEED,
     _buckets,

@@ -8,7 +8,7 @@ calls; rows must equal exactly, so the free-row assignment, evictions and refusa
 import pytest
 import torch
 
-from torchrec_ext import HashTable
+from torchrec_ext import HashTable, ops, torch_kernels
 from torchrec_ext.modules.delta_placement import place_exactly
 from torchrec_ext.reference import ReferenceHashTable
 
@@ -102,3 +102,23 @@ def test_an_exact_replacement_of_a_grown_table_moves_no_row():
     new_rows = plan.rows[plan.inserted]
     assert plan.inserted.all() and set(new_rows.tolist()).isdisjoint(held["rows"].tolist())
     assert sorted(torch.cat([held["rows"], new_rows]).tolist()) == list(range(table.capacity))
+
+
+def test_the_slot_to_row_kernels_map_each_tables_slots():
+    gen = torch.Generator().manual_seed(5)
+    maps = [torch.randperm(100, generator=gen).to(torch.int32), None, torch.randperm(7, generator=gen)]
+    offsets = [0, 40, 55, 70]
+    slots = torch.cat([torch.randint(-1, 100, (40,), generator=gen), torch.arange(-1, 14), torch.randint(-1, 7, (15,))])
+    want = [
+        s if m is None or s < 0 else int(m[s])
+        for t, m in enumerate(maps)
+        for s in slots[offsets[t] : offsets[t + 1]].tolist()
+    ]
+    for kernel in (ops.hash_slot_rows, torch_kernels.hash_slot_rows):  # C++ (CPU), torch ops (CUDA's)
+        rows = slots.clone()
+        kernel(rows, offsets, maps)
+        assert rows.tolist() == want
+    bad = slots.clone()
+    bad[60] = 7
+    with pytest.raises(RuntimeError, match=r"rows\[60\] = 7 is not a slot of table 2"):
+        ops.hash_slot_rows(bad, offsets, maps)

@@ -71,15 +71,18 @@ def make_batches(rank: int, batch_size: int, num_full: int, last: int, seed: int
     return batches
 
 
-def make_dmp_dlrm(world_size: int, seed: int = 0, dynamic: bool = False, tables=None, ebc_device=None):
+def make_dmp_dlrm(
+    world_size: int, seed: int = 0, dynamic: bool = False, tables=None, ebc_device=None, t1_column_wise=False
+):
     """A DLRM over 3 tables sharded row-wise / table-wise / row-wise, fused Adagrad on the
     tables, dense Adagrad; returns (dmp, optimizer). dynamic: torchrec_ext's
     DynamicEmbeddingBagCollection and sharder instead of TorchRec's EBC; ``tables``: its 3 configs
     (t0, t1, t2 of dim DIM reading f0, f1, f2) instead of the plain ones; ``ebc_device``: where the
-    module to shard is built (default the CPU; meta for tiered tables with file backing)."""
+    module to shard is built (default the CPU; meta for tiered tables with file backing);
+    ``t1_column_wise``: t1 column-wise, one column shard per rank, instead of table-wise."""
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
     from torchrec.distributed.types import ShardingPlan
     from torchrec.models.dlrm import DLRM, DLRMTrain
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -116,7 +119,11 @@ def make_dmp_dlrm(world_size: int, seed: int = 0, dynamic: bool = False, tables=
         ebc,
         per_param_sharding={
             "t0": row_wise(compute_kernel=kernel),
-            "t1": table_wise(rank=world_size - 1, compute_kernel=kernel),
+            "t1": (
+                column_wise(ranks=list(range(world_size)), compute_kernel=kernel)
+                if t1_column_wise
+                else table_wise(rank=world_size - 1, compute_kernel=kernel)
+            ),
             "t2": row_wise(compute_kernel=kernel),
         },
         sharder=sharder,

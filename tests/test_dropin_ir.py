@@ -16,6 +16,8 @@ import pytest
 import torch
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.models.dlrm import DLRM
+from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 
 from modules_helpers import random_kjt
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingCollection
@@ -78,6 +80,23 @@ class _SequenceModel(torch.nn.Module):
         return self.out(pooled) + dense.sum(1, keepdim=True)
 
 
+class _PositionWeighted(torch.nn.Module):
+    """TorchRec's FP-EBC (position weights) over a weighted EBC of ours, then a linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        tables = [DynamicEmbeddingBagConfig(name="t0", embedding_dim=DIM, num_embeddings=32, feature_names=FEATURES)]
+        ebc = DynamicEmbeddingBagCollection(tables, is_weighted=True, optimizer="sgd", optimizer_kwargs={"lr": 0.1})
+        self.fp = FeatureProcessedEmbeddingBagCollection(
+            ebc, PositionWeightedModuleCollection(dict.fromkeys(FEATURES, 4))
+        )
+        self.out = torch.nn.Linear(2 * DIM, 1)
+
+    def forward(self, dense: torch.Tensor, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        return self.out(self.fp(kjt).values()) + dense.sum(1, keepdim=True)
+
+
 def _batch(seed: int, pool: torch.Tensor = POOL):
     torch.manual_seed(seed)
     return torch.randn(BATCH, DENSE_IN), random_kjt(FEATURES, BATCH, pool)
@@ -98,7 +117,14 @@ def _collection(model):
 
 def _round_trip(model):
     encapsulated, fqns = encapsulate_ir_modules(copy.deepcopy(model), DynamicJsonSerializer)
-    assert fqns == ["sparse_arch.embedding_bag_collection"] if isinstance(model, DLRM) else ["ec"]
+    want_fqns = {DLRM: ["sparse_arch.embedding_bag_collection"], _SequenceModel: ["ec"]}.get(type(model))
+    if want_fqns is None:  # the FP-EBC is TorchRec's to encapsulate (with its children) where it has torchrec.ir
+        want_fqns = (
+            ["fp", "fp._feature_processors", "fp._embedding_bag_collection"]
+            if TORCHREC_IR_AVAILABLE
+            else ["fp._embedding_bag_collection"]
+        )
+    assert fqns == want_fqns
     example = _batch(0)
     shapes = torch.export.ShapesCollection()  # any number of ids (TorchRec's mark_dynamic_kjt does the same)
     shapes[example[1].values()] = (torch.export.Dim.DYNAMIC,)
@@ -123,7 +149,7 @@ def _round_trip(model):
     return rebuilt
 
 
-@pytest.mark.parametrize("make", [_dlrm, _SequenceModel], ids=["dlrm-ebc", "sequence-ec"])
+@pytest.mark.parametrize("make", [_dlrm, _SequenceModel, _PositionWeighted], ids=["dlrm-ebc", "sequence-ec", "fp-ebc"])
 def test_round_trip_rebuilds_our_module_and_gives_the_originals_outputs(make):
     model = make()
     for seed in range(3):

@@ -12,8 +12,8 @@ from torchrec import KeyedJaggedTensor
 
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 from torchrec_ext.modules import reserved_buffers
-from torchrec_ext.modules.dynamic_tables import _move_block
 from torchrec_ext.modules.reserved_buffers import ReservedBuffer
+from torchrec_ext.modules.table_growth import _move_block
 
 MIB = 1 << 18  # float32 elements per MiB
 

@@ -1,5 +1,6 @@
 """torchrec_ext.pipeline.TrainPipeline: the same losses and parameters as a plain loop, on 2
-real CPU ranks (gloo), with each stage on or off; worker failures surface; nothing hangs."""
+real CPU ranks (gloo), with each stage on or off, and over our dynamic tables with column-wise
+shards; worker failures surface; nothing hangs."""
 
 import os
 import threading
@@ -51,6 +52,24 @@ def _compare_with_plain_loop(rank, world_size):
         assert state.keys() == want_state.keys()
         for key in want_state:
             torch.testing.assert_close(state[key], want_state[key], rtol=0, atol=0, msg=f"{name}: {key}")
+
+    # Our dynamic tables with a column-wise one (a column shard per rank: each rank pools its
+    # columns of every id), every stage on: the pipeline still trains as the plain loop.
+    reference_model, reference_opt = make_dmp_dlrm(world_size, dynamic=True, t1_column_wise=True)
+    assert {
+        s.sharding_type for s in reference_model.plan.plan["model.sparse_arch.embedding_bag_collection"].values()
+    } == {
+        "row_wise",
+        "column_wise",
+    }
+    want_losses, want_state = plain_loop(reference_model, reference_opt, batches), local_state(reference_model)
+    model, optimizer = make_dmp_dlrm(world_size, dynamic=True, t1_column_wise=True)
+    losses = _pipelined(model, optimizer, batches, VARIANTS["all_stages"])
+    torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=0, atol=0)
+    state = local_state(model)
+    assert state.keys() == want_state.keys() and any(".t1." in k for k in state)
+    for key in want_state:
+        torch.testing.assert_close(state[key], want_state[key], rtol=0, atol=0, msg=f"column-wise: {key}")
 
 
 def _pipeline_then_plain_loop(rank, world_size):

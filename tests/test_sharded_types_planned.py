@@ -1,7 +1,8 @@
 """Every sharding type of dynamic tables forced through TorchRec's own EmbeddingShardingPlanner
 (ParameterConstraints(sharding_types=[...])) and run by DistributedModelParallel on 2 gloo ranks:
 outputs and table contents equal the unsharded module fed the global batch, EBC (sum, mean,
-weighted) and EC; table_row_wise on 2 nodes x 1 rank (local_world_size=1) and 1 node x 2 ranks.
+weighted) and EC; table_row_wise on 2 nodes x 1 rank (local_world_size=1), 1 node x 2 ranks, and
+on 4 ranks as 2 nodes x 2 ranks.
 Also the routing of table-row-wise groups smaller than the world, against brute force."""
 
 import torch
@@ -54,16 +55,20 @@ def _make(kind, weighted, dim=8):
     )
 
 
-def _planned(rank, world_size, cases=CASES, dim=8):
+KINDS = (("ebc", False), ("ebc", True), ("ec", False))
+
+
+def _planned(rank, world_size, cases=CASES, dim=8, kinds=KINDS, checkpoints=True):
     """Each (sharding type, local_world_size) of ``cases`` forced on both tables (t1 of width
-    ``dim``; column shards of 4 columns), planned, run and checkpointed in DMP."""
+    ``dim``; column shards of 4 columns), planned, run and (``checkpoints``) checkpointed in DMP,
+    for each (module kind, weighted) of ``kinds``."""
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 
     from torchrec_ext.distributed import full_state_dict, get_sharders
 
     for sharding_type, local in cases:
-        for kind, weighted in (("ebc", False), ("ebc", True), ("ec", False)):
+        for kind, weighted in kinds:
             reference, model = _make(kind, weighted, dim), ModelWith("m", _make(kind, weighted, dim))
             constraints = {
                 t: ParameterConstraints(sharding_types=[sharding_type], min_partition=4) for t in ("t1", "t2")
@@ -75,6 +80,9 @@ def _planned(rank, world_size, cases=CASES, dim=8):
             )
             plan = planner.collective_plan(model, get_sharders(), dist.group.WORLD)
             assert {p.sharding_type for p in plan.plan["m"].values()} == {sharding_type}
+            if sharding_type == "table_row_wise":  # each table's rows within one node's ranks
+                for table, spec in plan.plan["m"].items():
+                    assert len({r // local for r in spec.ranks}) == 1, (table, spec.ranks)
             if sharding_type == "column_wise":  # dim / 4 column shards of 4, on both ranks
                 assert sorted(set(plan.plan["m"]["t1"].ranks)) == [0, 1]
                 assert len(plan.plan["m"]["t1"].ranks) == dim // 4
@@ -100,6 +108,8 @@ def _planned(rank, world_size, cases=CASES, dim=8):
             prefix = "m.embedding_bags." if kind == "ebc" else "m.embeddings."
             whole = full_state_dict(dmp.state_dict())
             assert_same_tables(whole, {"m." + k: v for k, v in reference.state_dict().items()}, prefix)
+            if not checkpoints:
+                continue
             # Checkpoints: the sharded state and the whole tables load into a fresh DMP of the plan.
             for state in (dmp.state_dict(), whole):
                 copy = DistributedModelParallel(
@@ -114,6 +124,12 @@ def _planned(rank, world_size, cases=CASES, dim=8):
 
 def test_every_sharding_type_forced_by_constraints_runs_in_dmp_and_equals_unsharded():
     run_ranks(_planned, WORLD)
+
+
+def test_table_row_wise_on_two_nodes_of_two_ranks_runs_in_dmp_and_equals_unsharded():
+    # 4 ranks, local_world_size=2: a table's rows spread over its node's 2 ranks, ids routed
+    # within that node (the weighted EBC's sum and mean tables, and the EC; 4 spawned ranks: lean).
+    run_ranks(_planned, 4, [("table_row_wise", 2)], 8, (("ebc", True), ("ec", False)), False)
 
 
 def test_column_plans_with_several_shards_per_rank_run_in_dmp_and_equal_unsharded():

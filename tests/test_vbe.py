@@ -1,7 +1,8 @@
 """KJTs with a variable batch size per feature (TorchRec's VBE: ``stride_per_key_per_rank`` and
-``inverse_indices``) in the dynamic EBC and its sharded module (issue 14, item 8): outputs, and
-after training the tables, equal those of the same module fed the batch expanded first (each
-sample's bag written out), and the forward equals TorchRec's own EBC holding the same rows.
+``inverse_indices``) in the dynamic EBC, its sharded module and the sharded FP-EBC over it
+(issue 14, items 7 and 8): outputs, and after training the tables (and position weights'
+gradients), equal those of the same module fed the batch expanded first (each sample's bag
+written out), and the forward equals TorchRec's own EBC holding the same rows.
 """
 
 import pytest
@@ -288,6 +289,62 @@ def _cat_jts(jts):
     return JaggedTensor(values=torch.cat([j.values() for j in jts]), lengths=torch.cat([j.lengths() for j in jts]))
 
 
+def _fp_ebc():
+    """TorchRec's FP-EBC (position weights, set apart from 1) over a weighted dynamic EBC."""
+    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+    ebc = DynamicEmbeddingBagCollection(_tables(), is_weighted=True, optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    processors = PositionWeightedModuleCollection(dict.fromkeys(["f1", "f2", "f3"], 4))
+    with torch.no_grad():
+        for i, w in enumerate(processors.position_weights.values()):
+            w.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(i))
+    return FeatureProcessedEmbeddingBagCollection(ebc, processors)
+
+
+def _sharded_fp_against_unsharded(rank, world_size, sharding):
+    """VBE KJTs through the sharded FP-EBC (DMP, the planner forcing ``sharding``): outputs and
+    position-weight gradients (DDP's mean) equal the unsharded FP-EBC fed the expanded global
+    batch with the ranks' mean loss."""
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+
+    from torchrec_ext.distributed import get_sharders
+
+    reference, model = ModelWith("fp", _fp_ebc()), ModelWith("fp", _fp_ebc())
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device="cpu"),
+        batch_size=BATCH,
+        constraints={t: ParameterConstraints(sharding_types=[sharding]) for t in ("t1", "t2")},
+    )
+    plan = planner.collective_plan(model, get_sharders(), dist.group.WORLD)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=get_sharders())
+    ours = {n[n.index("fp.") :]: p for n, p in dmp.named_parameters() if "position_weight" in n}
+    theirs = {n: p for n, p in reference.named_parameters() if "position_weight" in n}
+    assert sorted(ours) == sorted(theirs) and len(theirs) == 3
+    keys = ["f1", "f2", "f3"]
+    for step in range(2):
+        batches = [_vbe(keys, [1 + r, 3, BATCH - r], True, 10 * step + r) for r in range(world_size)]
+        out = dmp(batches[rank][0]).values()
+        expanded = [b[1].to_dict() for b in batches]
+        whole = KeyedJaggedTensor.from_jt_dict({k: _cat_jts([e[k] for e in expanded]) for k in keys})
+        want = reference(whole).values()
+        torch.testing.assert_close(out, want[rank * BATCH : (rank + 1) * BATCH], rtol=1e-5, atol=1e-5)
+        upstream = [torch.randn(BATCH, 16, generator=torch.Generator().manual_seed(step * 7 + r)) for r in range(2)]
+        for p in [*ours.values(), *theirs.values()]:
+            p.grad = None
+        (out * upstream[rank]).sum().backward()
+        ((want * torch.cat(upstream)).sum() / world_size).backward()  # the ranks train on their losses' mean
+        for name, p in theirs.items():
+            assert p.grad.abs().sum() > 0, name
+            torch.testing.assert_close(ours[name].grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _sharded_cases(rank, world_size, sharding):
+    _sharded_against_unsharded(rank, world_size, sharding)
+    _sharded_fp_against_unsharded(rank, world_size, sharding)
+
+
 @pytest.mark.parametrize("sharding", ["row_wise", "table_wise"])
 def test_sharded_variable_batch_equals_unsharded_on_two_ranks(sharding):
-    run_ranks(_sharded_against_unsharded, 2, sharding)
+    run_ranks(_sharded_cases, 2, sharding)

@@ -273,6 +273,35 @@ class DynamicECJsonSerializer(DynamicJsonSerializer):
 for _serializer in (DynamicEBCJsonSerializer, DynamicECJsonSerializer):
     DynamicJsonSerializer.module_to_serializer_cls[qualname(_serializer._module_cls)] = _serializer
 
+if TORCHREC_IR_AVAILABLE:
+    from torchrec.ir.serializer import FPEBCJsonSerializer as _TorchRecFPEBCSerializer
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+    class FPEBCOverDynamicJsonSerializer(_TorchRecFPEBCSerializer):
+        """TorchRec's FP-EBC serializer, whose deserializer asserts that the EBC inside is
+        TorchRec's: an FP-EBC over ours is rebuilt the same way around our (decapsulated) EBC.
+        (Without torchrec.ir an FP-EBC is not encapsulated: its EBC is, and the processors stay
+        in the program.)"""
+
+        @classmethod
+        def deserialize_from_dict(
+            cls,
+            metadata_dict: dict[str, Any],
+            device: torch.device | None = None,
+            unflatten_ep: nn.Module | None = None,
+        ) -> nn.Module:
+            ebc = unflatten_ep._embedding_bag_collection
+            if not isinstance(ebc, DynamicEmbeddingBagCollection):
+                return super().deserialize_from_dict(metadata_dict, device, unflatten_ep)
+            processors = unflatten_ep._feature_processors
+            if not metadata_dict["is_fp_collection"]:
+                processors = {f: getattr(processors, f) for f in metadata_dict["features"]}
+            return FeatureProcessedEmbeddingBagCollection(ebc, processors)
+
+    DynamicJsonSerializer.module_to_serializer_cls[qualname(FeatureProcessedEmbeddingBagCollection)] = (
+        FPEBCOverDynamicJsonSerializer
+    )
+
 
 # ----------------------------------------------------------------------------- the round trip
 

@@ -10,6 +10,7 @@ at that load factor (the copy is not timed), so every repeat sees the same state
     python benchmarks/bench_hash_table.py --load-factors 1.0   # full tables only (every new key evicts)
     python benchmarks/bench_hash_table.py --capacity 65536 --batch 4096 --no-save   # smoke
     python benchmarks/bench_hash_table.py --device cuda --hkv   # HierarchicalKV's configuration (below)
+    python benchmarks/bench_hash_table.py --mapped-rows   # a growing table's index (slots mapped to rows)
 
 --hkv runs HierarchicalKV's benchmark configuration (benchmark/merlin_hashtable_benchmark.cc.cu):
 64M slots, 1M keys per call, load factors 0.5 and 1.0, dims 8 and 64, every call's keys 60%
@@ -52,6 +53,7 @@ class Config:
     hit_rate: float = -1.0  # resident share of every call's keys; < 0: find 1.0, the upserts 0.5
     baselines: bool = True  # also time the dict and sorted-array indexes
     hkv: bool = False  # the --hkv preset (names the results file)
+    mapped_rows: bool = False  # the index of a growing table: every call maps its slots to rows
 
 
 def hkv_config(device: str) -> Config:
@@ -159,7 +161,7 @@ def run(cfg: Config) -> list[dict[str, object]]:
     gen = torch.Generator().manual_seed(cfg.seed)
     results = []
     for lf in cfg.load_factors:
-        table = HashTable(cfg.capacity, policy="lru", device=cfg.device)
+        table = HashTable(cfg.capacity, policy="lru", device=cfg.device, mapped_rows=cfg.mapped_rows)
         fill(table, lf, cfg.batch, gen)
         resident = torch.cat([p[0] for p in table.export()])
         hits = resident[torch.randint(0, resident.numel(), (cfg.batch,), generator=gen).to(resident.device)]
@@ -287,6 +289,7 @@ def report(cfg: Config, results: list[dict[str, object]]) -> str:
     title = (
         f"HashTable on {cfg.device} ({torch.get_num_threads()} threads): capacity {cfg.capacity:,} slots, "
         f"{cfg.batch:,} keys per call, LRU, median of {cfg.repeats}"
+        + (", slots mapped to rows (a growing table's index)" if cfg.mapped_rows else "")
     )
     return "\n".join([title, "", markdown_table(header, rows)] + base)
 
@@ -308,6 +311,7 @@ def main() -> None:
     parser.add_argument("--hit-rate", type=float, default=None, help="resident share of every call's keys")
     parser.add_argument("--no-baselines", action="store_true", help="skip the dict and sorted-array indexes")
     parser.add_argument("--no-save", action="store_true", help="print only; write nothing under results/")
+    parser.add_argument("--mapped-rows", action="store_true", help="a growing table's index (slots mapped to rows)")
     args = parser.parse_args()
     base = hkv_config(args.device) if args.hkv else Config(device=args.device)
     given = {
@@ -323,13 +327,15 @@ def main() -> None:
         given["hit_rate"] = args.hit_rate
     if args.no_baselines:
         given["baselines"] = False
+    if args.mapped_rows:
+        given["mapped_rows"] = True
     cfg = dataclasses.replace(base, **given)
     results = run(cfg)
     text = report(cfg, results)
     print(text)
     if not args.no_save:
         save(
-            f"hash_table_{cfg.device.split(':')[0]}{'_hkv' if cfg.hkv else ''}",
+            f"hash_table_{cfg.device.split(':')[0]}{'_hkv' if cfg.hkv else ''}{'_mapped' if cfg.mapped_rows else ''}",
             {"config": dataclasses.asdict(cfg), "results": results},
             text,
         )

@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -164,8 +165,9 @@ void float_row_to_bf16(uint16_t* out, const float* x, int64_t dim) {
 // Stochastic rounding of one float32 with 16 random bits r (reference.round_to_storage): the
 // bit pattern plus r scaled to the D bits the conversion drops, truncated, is exactly a value
 // of the target grid; in expectation it is x. bfloat16 drops 16 bits; float16 13, or up to 23
-// in its subnormal range; below 2^-24 the two neighbours are 0 and 2^-24. A finite x never
-// rounds up to inf where round-to-nearest keeps it finite (|x| below the dtype's overflow
+// in its subnormal range; below 2^-24 the two neighbours are 0 and 2^-24 (2^-24 where
+// |x| + r * 2^-40 >= 2^-24, as everywhere: |x| + r * grid spacing / 2^16, truncated). A finite x
+// never rounds up to inf where round-to-nearest keeps it finite (|x| below the dtype's overflow
 // boundary): it takes the largest finite value instead. Branch-free (selects), so the row loops
 // vectorise.
 constexpr uint32_t kBf16OverflowBoundary = 0x7F7F8000u;  // |x| from which bfloat16 rounds to inf
@@ -189,7 +191,7 @@ inline float half_stochastic_grid(float x, uint32_t r) {
   const int dropped = std::min(24, std::max(13, 126 - exponent));
   const uint32_t scaled = (r << 8) >> (24 - dropped);
   uint32_t t = (a + scaled) & ~((1u << dropped) - 1u);
-  const uint32_t tiny = std::fabs(x) * 0x1p40f > static_cast<float>(r) ? 0x33800000u : 0u;
+  const uint32_t tiny = std::fabs(x) * 0x1p40f >= static_cast<float>(65536u - r) ? 0x33800000u : 0u;
   t = a < 0x33800000u ? tiny : t;
   t = t >= 0x47800000u && a < kHalfOverflowBoundary ? kHalfMax : t;
   return a >= 0x7F800000u ? x : bits_to_float(t | sign);
@@ -201,7 +203,7 @@ inline uint16_t half_stochastic(float x, uint32_t r) {
   const int dropped = std::min(24, std::max(13, 126 - exponent));
   const uint32_t scaled = (r << 8) >> (24 - dropped);  // r * 2^(D - 16), floored
   uint32_t t = (a + scaled) & ~((1u << dropped) - 1u);
-  const uint32_t tiny = std::fabs(x) * 0x1p40f > static_cast<float>(r) ? 0x33800000u : 0u;
+  const uint32_t tiny = std::fabs(x) * 0x1p40f >= static_cast<float>(65536u - r) ? 0x33800000u : 0u;
   t = a < 0x33800000u ? tiny : t;
   t = t >= 0x47800000u && a < kHalfOverflowBoundary ? kHalfMax : t;
   // t is exactly a float16 value: its bits directly (no rounding left to do).
@@ -244,9 +246,9 @@ void float_row_to_bf16_stochastic(uint16_t* out, const float* x, const uint16_t*
 }
 
 // float16 rows in AVX-512, 16 values per instruction (F16C's ymm forms take 8), tails masked.
-// Stochastic rounding in one pass: half_stochastic_grid's selects as masks, then vcvtps2ph (exact
-// on the grid); the F16C path makes two passes (grid row, then conversion), ~25 ns more per
-// dim-64 row. Same bits as the portable and F16C paths.
+// Stochastic rounding in one pass of float operations with a rounding-mode immediate (below); the
+// F16C path makes two passes (grid row in integers, then conversion). Same bits as the portable
+// and F16C paths.
 #if defined(__x86_64__) && defined(__GNUC__)
 // GCC 12 warns that the intrinsics' _mm*_undefined_* sources may be uninitialised (they are
 // meant to be: every lane is written)
@@ -287,33 +289,31 @@ TREXT_AVX512 void float_row_to_half_avx512(uint16_t* out, const float* x, int64_
   }
 }
 
-TREXT_AVX512 inline __m512 half_stochastic_grid16(__m512 x, __m512i r) {
+// Stochastic rounding to float16 without a per-element shift: |x| + r * g / 2^16 (g the float16
+// grid spacing at |x|, a power of two read off x's exponent field: noise exact in float32), added
+// rounding toward zero and converted rounding toward zero, is the truncation half_stochastic
+// computes in integers. Rounding toward zero saturates at 65504, which is half_stochastic's cap
+// below the overflow boundary; from the boundary up, a sum past 65504 is inf instead.
+TREXT_AVX512 inline __m256i half_stochastic16(__m512 x, __m512i r) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
-  const __m512i sign = _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
-  // D = clamp(126 - biased exponent, 13, 24) dropped bits; r * 2^(D - 16) floored is (r << 8) >>
-  // (24 - D)
-  const __m512i dropped = _mm512_min_epi32(
-      _mm512_set1_epi32(24),
-      _mm512_max_epi32(_mm512_set1_epi32(13),
-                       _mm512_sub_epi32(_mm512_set1_epi32(126), _mm512_srli_epi32(a, 23))));
-  const __m512i scaled =
-      _mm512_srlv_epi32(_mm512_slli_epi32(r, 8), _mm512_sub_epi32(_mm512_set1_epi32(24), dropped));
-  __m512i t = _mm512_and_si512(_mm512_add_epi32(a, scaled),
-                               _mm512_sllv_epi32(_mm512_set1_epi32(-1), dropped));
-  // below 2^-24: 2^-24 where |x| * 2^40 > r (exact in float32), else 0
-  const __m512 magnitude = _mm512_castsi512_ps(a);
-  const __mmask16 away = _mm512_cmp_ps_mask(_mm512_mul_ps(magnitude, _mm512_set1_ps(0x1p40f)),
-                                            _mm512_cvtepi32_ps(r), _CMP_GT_OQ);
-  const __mmask16 tiny = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(0x33800000));
-  t = _mm512_mask_mov_epi32(t, tiny, _mm512_maskz_mov_epi32(away, _mm512_set1_epi32(0x33800000)));
-  const __mmask16 capped =
-      _mm512_cmpge_epu32_mask(t, _mm512_set1_epi32(0x47800000)) &
-      _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(kHalfOverflowBoundary)));
-  t = _mm512_mask_mov_epi32(t, capped, _mm512_set1_epi32(static_cast<int>(kHalfMax)));
-  const __mmask16 special =
-      _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x7F800000));  // inf, NaN: x itself
-  return _mm512_mask_mov_ps(_mm512_castsi512_ps(_mm512_or_si512(t, sign)), special, x);
+  // g / 2^16 = 2^(exponent - 26), at least 2^-40 (g = 2^-24 in the subnormal range): as bits
+  const __m512i noise_scale =
+      _mm512_max_epi32(_mm512_sub_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x7F800000)),
+                                        _mm512_set1_epi32(26 << 23)),
+                       _mm512_set1_epi32(0x2B800000));
+  const __m512 noise = _mm512_mul_ps(_mm512_cvtepi32_ps(r), _mm512_castsi512_ps(noise_scale));
+  __m512 y =
+      _mm512_add_round_ps(_mm512_castsi512_ps(a), noise, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+  // inf, NaN: themselves (inf + noise = inf, NaN + noise = NaN); overflow from the boundary up
+  const __mmask16 overflow = _mm512_mask_cmp_ps_mask(
+      _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(kHalfOverflowBoundary))), y,
+      _mm512_set1_ps(65536.0f), _CMP_GE_OQ);
+  y = _mm512_mask_mov_ps(y, overflow, _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+  // y | (u & sign): the sign back; truncation is symmetric
+  const __m512i signed_y = _mm512_ternarylogic_epi32(
+      _mm512_castps_si512(y), u, _mm512_set1_epi32(static_cast<int>(0x80000000u)), 0xF8);
+  return _mm512_cvtps_ph(_mm512_castsi512_ps(signed_y), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
 }
 
 TREXT_AVX512 void float_row_to_half_stochastic_avx512(uint16_t* out, const float* x,
@@ -322,14 +322,13 @@ TREXT_AVX512 void float_row_to_half_stochastic_avx512(uint16_t* out, const float
   for (; d + 16 <= dim; d += 16) {
     const __m512i rv =
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + d)));
-    const __m512 grid = half_stochastic_grid16(_mm512_loadu_ps(x + d), rv);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), to_half16(grid));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d),
+                        half_stochastic16(_mm512_loadu_ps(x + d), rv));
   }
   if (d < dim) {  // the tail, masked (dims not a multiple of 16)
     const __mmask16 m = static_cast<__mmask16>((1u << (dim - d)) - 1u);
     const __m512i rv = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r + d));
-    const __m512 grid = half_stochastic_grid16(_mm512_maskz_loadu_ps(m, x + d), rv);
-    _mm256_mask_storeu_epi16(out + d, m, to_half16(grid));
+    _mm256_mask_storeu_epi16(out + d, m, half_stochastic16(_mm512_maskz_loadu_ps(m, x + d), rv));
   }
 }
 #pragma GCC diagnostic pop

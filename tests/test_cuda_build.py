@@ -5,6 +5,7 @@ set, TORCHREC_EXT_NVCC_ARCH over both."""
 
 import glob
 import os
+import pathlib
 import re
 import subprocess
 from unittest import mock
@@ -30,8 +31,18 @@ def _nvcc(args, tmp_path) -> subprocess.CompletedProcess:
     return proc
 
 
-def test_there_are_cuda_sources():
-    assert CU_FILES, "csrc/ has no .cu files"
+def test_every_cuda_launcher_a_binding_calls_is_defined_in_a_compiled_source():
+    """Each ``launch_*`` the ``*_cuda.h`` headers declare (what the ``*_cuda.cpp`` bindings call) is
+    defined in a ``.cu`` file that setup.py compiles (every ``csrc/*.cu``, parametrized above): a
+    launcher declared but defined nowhere would only fail at link time on a GPU build."""
+    declared = set()
+    for header in glob.glob(os.path.join(ROOT, "csrc", "*_cuda.h")):
+        declared |= set(re.findall(r"^cudaError_t (launch_\w+)\(", pathlib.Path(header).read_text(), re.M))
+    defined = set()
+    for source in CU_FILES:
+        defined |= set(re.findall(r"^cudaError_t (launch_\w+)\(", pathlib.Path(source).read_text(), re.M))
+    assert declared, "no launch_* declarations found in csrc/*_cuda.h"
+    assert declared <= defined, sorted(declared - defined)
 
 
 @needs_nvcc

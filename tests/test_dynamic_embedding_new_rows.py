@@ -5,6 +5,8 @@ GPU path): every output, row, optimizer state and counter must be bit-identical,
 eviction, admission, TTL, forwards without backward, and several forwards before one backward.
 """
 
+import copy
+
 import pytest
 import torch
 from torchrec import KeyedJaggedTensor
@@ -16,6 +18,7 @@ from torchrec_ext import (
     DynamicEmbeddingCollection,
     DynamicEmbeddingConfig,
 )
+from torchrec_ext.modules.deltas import delta_token
 
 _OPTIMIZERS = [
     (torch.optim.SGD, {"lr": 0.3}),
@@ -145,3 +148,33 @@ def test_sequence_collection_is_identical_to_writing_new_rows_at_lookup():
         for out in outs:
             sum((jt.values() * (i + 1)).sum() for i, jt in enumerate(out.values())).backward()
     _assert_same_state(deferred, eager)
+
+
+def _weights_and_states(tables):
+    return [tables.weights.clone()] + [s.clone() for s in tables.states]
+
+
+# Each public reader of the rows, called while a lookup's new rows are pending (a forward whose
+# backward has not run): it must see them written, as the module writing them at lookup sees them.
+_READERS = {
+    "table_state": lambda tables: tables.table_state(0)["weight"],
+    "whole_table_state": lambda tables: tables.whole_table_state(0)["counters"],
+    "delta_token": delta_token,
+    "set_optimizer": lambda tables: tables.set_optimizer(tables.optimizer),
+    "apply": lambda tables: tables.apply(lambda t: t),
+    "deepcopy": copy.deepcopy,
+    "load_states": lambda tables: tables.load_states({1: tables.table_state(1)}, "test"),
+}
+
+
+@pytest.mark.parametrize("reader", sorted(_READERS))
+def test_every_public_reader_writes_the_pending_rows_first(reader):
+    deferred, eager = _pair(_ebc({}))
+    for m in (deferred, eager):
+        m(_batch(0)).values().sum().backward()
+        m(_batch(1))  # pending on the deferred module
+    assert deferred._tables._new_rows is not None and not deferred._tables._new_rows.written
+    _READERS[reader](deferred._tables)
+    assert deferred._tables._new_rows is None  # written by the reader's guard
+    for a, b in zip(_weights_and_states(deferred._tables), _weights_and_states(eager._tables)):
+        assert torch.equal(a, b)

@@ -8,6 +8,8 @@ table_offsets[t] (reference.table_words words); element-wise optimizer state flo
 back to back.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -333,6 +335,40 @@ def test_stochastic_rounding_is_the_reference_at_every_row_width(dtype, dim):
     nan = want.isnan()
     assert torch.equal(got.isnan(), nan) and int(nan.sum()) > 0
     assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+def _float16_truncation_of_the_noisy_sum(x: float, r: int) -> float:
+    """The float16 stochastic-rounding definition, in exact rational arithmetic: |x| + r * g / 2^16
+    (g the float16 grid spacing at |x|) truncated to the float16 grid, the sign kept; past 65504
+    the largest finite value below the overflow boundary (65520), inf from it."""
+    from fractions import Fraction
+
+    def spacing(v):  # the float16 grid spacing at v >= 0
+        return Fraction(2) ** -24 if v < 2**-14 else Fraction(2) ** (math.frexp(v)[1] - 11)
+
+    ax = abs(x)
+    y = Fraction(ax) + Fraction(r, 65536) * spacing(ax)
+    if y >= 65536:
+        t = 65504.0 if ax < 65520 else math.inf
+    else:
+        t = float(math.floor(y / spacing(float(y))) * spacing(float(y)))
+    return math.copysign(t, x)
+
+
+def test_float16_stochastic_rounding_is_the_truncated_noisy_sum():
+    """The reference (which the C++ and Triton kernels match bit for bit) against its definition
+    computed independently, at every magnitude: normal, float16-subnormal, below 2^-24 (where
+    |x| + r * 2^-40 >= 2^-24 picks 2^-24), float32-subnormal, near and past the largest value."""
+    gen = torch.Generator().manual_seed(15)
+    n = 1500
+    x = torch.randn(n, generator=gen) * 2.0 ** torch.randint(-40, 18, (n,), generator=gen).float()
+    edges = [0.0, -0.0, 2.0**-24, 2.0**-25, 2.0**-14, 2.0**-14 - 2.0**-38, 1e-44, 65504.0, 65519.0, 65520.0, 65535.0]
+    x = torch.cat([x, torch.tensor(edges)]).float()
+    bits = torch.randint(0, 65536, (x.numel(),), generator=gen)
+    bits[-len(edges) :] = torch.tensor([65535, 0, 1, 32768, 65535, 65535, 65535, 65535, 65535, 1, 0])
+    got = ref.round_to_storage(x.unsqueeze(0), torch.float16, bits.unsqueeze(0))[0].double().tolist()
+    want = [_float16_truncation_of_the_noisy_sum(float(v), int(r)) for v, r in zip(x.tolist(), bits.tolist())]
+    assert got == want, [(float(v), a, b) for v, a, b in zip(x.tolist(), got, want) if a != b][:5]
 
 
 @pytest.mark.parametrize("dtype", HALF)

@@ -5,7 +5,7 @@ registration and AOT dispatch, on real inputs of each op. A new op gets a row he
 import pytest
 import torch
 
-from test_embedding_ops import _pooled_case, _update_case
+from embedding_ops_helpers import pooled_case, update_case
 from torchrec_ext import HashTable
 from torchrec_ext import reference as ref
 
@@ -107,7 +107,7 @@ def _embedding_cases():
             [0.5],
         ),
     )
-    case = _pooled_case(weighted=True)
+    case = pooled_case(weighted=True)
     yield (
         "pooled_lookup",
         (
@@ -140,7 +140,7 @@ def _embedding_cases():
     )
     for optimizer in ref.OPTIMIZERS:
         for pooled in (True, False):
-            grad, w, states, c = _update_case(optimizer, pooled)
+            grad, w, states, c = update_case(optimizer, pooled)
             yield (
                 "fused_update",
                 (
@@ -171,10 +171,20 @@ def _embedding_cases():
 CASES = list(_hash_cases()) + list(_embedding_cases())
 
 
+# Ops registered from Python that opcheck cannot drive: their first argument names a live module
+# (torch.compile's one-op lookup, modules/compiled_lookup.py; tested by tests/test_dropin_compile.py).
+MODULE_HANDLE_OPS = {
+    "compiled_pooled_lookup",
+    "compiled_pooled_update",
+    "compiled_sequence_lookup",
+    "compiled_sequence_update",
+}
+
+
 def test_every_op_has_a_case():
     """A new op in csrc/ops.cpp must be added to CASES (the check reads the registered schemas)."""
     registered = {s.name.split("::")[1] for s in torch._C._jit_get_all_schemas() if s.name.startswith("torchrec_ext::")}
-    assert registered == {name for name, _ in CASES}
+    assert registered - MODULE_HANDLE_OPS == {name for name, _ in CASES}
 
 
 @pytest.mark.parametrize("name,args", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])

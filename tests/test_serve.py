@@ -10,7 +10,6 @@ The job runs once (2 gloo ranks, tiny model, 9 steps, tables small enough to evi
 import json
 import os
 import pathlib
-import re
 import shutil
 import subprocess
 import sys
@@ -431,16 +430,3 @@ def test_the_job_refuses_half_a_serving_setup():
     for argv in (["--export-deltas-every", "5"], ["--serve-dir", "/tmp/x"], ["--export-deltas-every", "-1"]):
         with pytest.raises(SystemExit):
             parse_args(argv)
-
-
-def test_nothing_below_serve_imports_it():
-    package = os.path.join(ROOT, "torchrec_ext")
-    for folder, _, files in os.walk(package):
-        if os.path.relpath(folder, package).split(os.sep)[0] == "serve":
-            continue
-        for name in files:
-            if name.endswith(".py"):
-                text = pathlib.Path(folder, name).read_text()
-                assert not re.search(r"^\s*(from|import)\s+torchrec_ext\.serve\b", text, re.M), os.path.join(
-                    folder, name
-                )

@@ -70,6 +70,63 @@ def test_reads_after_many_appends_see_each_rows_newest_copy_and_cleaning_bounds_
     store.close()
 
 
+@pytest.mark.parametrize("write_behind", [True, False])
+def test_write_behind_hands_each_appended_range_to_the_disk(tmp_path, monkeypatch, write_behind):
+    # The kernel is asked to start writing exactly the bytes each append wrote (one range per
+    # segment's share), so that the log's dirty pages never pile up; without write-behind, never.
+    monkeypatch.setattr(tier_log, "SEGMENT_RECORDS", 4)
+    monkeypatch.setattr(tier_log, "WRITE_BEHIND", write_behind)
+    written, ranges = [], []
+    real_pwrite, real_libc = os.pwrite, tier_log._libc
+
+    class Libc:
+        def __getattr__(self, name):
+            return getattr(real_libc, name)
+
+        def sync_file_range(self, fd, offset, length, flags):
+            ranges.append((offset.value, length.value))
+            return real_libc.sync_file_range(fd, offset, length, flags)
+
+    def pwrite(fd, data, offset):
+        written.append((offset, len(data)))
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(tier_log, "_libc", Libc())
+    monkeypatch.setattr(tier_log.os, "pwrite", pwrite)
+    store, log = _open_log(tmp_path, 40, 16)
+    gen = torch.Generator().manual_seed(5)
+    for n in (3, 6, 1, 9):
+        rows = torch.randperm(40, generator=gen)[:n]
+        log.append(rows, _records(rows, gen, 16))
+    log.settle()
+    assert sum(length for _, length in written) == 19 * 16 and len(written) > 4  # (appends cross segments)
+    assert ranges == (written if write_behind else [])
+    store.close()
+
+
+def test_write_behind_in_a_forked_child_neither_waits_for_the_parents_requests_nor_uses_its_thread(
+    tmp_path, monkeypatch
+):
+    # A fork's child has none of its parent's threads: its requests go to a thread of its own,
+    # and closing a log waits only for them (a parent's request left pending would hang it).
+    from concurrent.futures import Future
+
+    monkeypatch.setattr(tier_log, "WRITE_BEHIND", True)
+    store, log = _open_log(tmp_path, 40, 16)
+    gen = torch.Generator().manual_seed(6)
+    rows = torch.arange(5)
+    log.append(rows, _records(rows, gen, 16))
+    parent_pool = tier_log._behind_pool
+    log._behind.append(Future())  # a request the parent's thread would have run: never done in the child
+    monkeypatch.setattr(tier_log.os, "getpid", lambda: -7)  # now "in the child"
+    log.append(rows, _records(rows, gen, 16))
+    assert tier_log._behind_pool[0] == -7 and tier_log._behind_pool[1] is not parent_pool[1]
+    assert len(log._behind) == 1
+    store.close()  # settles: returns
+    monkeypatch.undo()
+    tier_log._behind_pool = parent_pool
+
+
 def test_a_full_log_sends_the_emptiest_segments_rows_home(tmp_path, monkeypatch):
     monkeypatch.setattr(tier_log, "SEGMENT_RECORDS", 4)
     monkeypatch.setattr(tier_log.RowLog, "_dead_outnumber_live", lambda self: False)  # appends outrun cleaning

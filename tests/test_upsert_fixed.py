@@ -244,7 +244,7 @@ def test_multi_table_init_is_bit_identical_to_per_table_init(optimizer, dtype_cy
 def test_multi_table_init_against_the_cpu_kernel_per_table():
     """init_rows_tables over three tables (dims 5, 8, 3; one float16) against the C++ init_rows
     of each table: uniform and constant bit for bit, the normals to float32 rounding (libm's
-    log / cos against torch's, as tests/test_embedding_ops.py checks the torch init_rows)."""
+    log / cos against torch's, as tests/test_init_rows.py checks the torch init_rows)."""
     from torchrec_ext.hashing import as_int64
     from torchrec_ext.vocabulary import table_words
 

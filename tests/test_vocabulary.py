@@ -59,6 +59,7 @@ def test_policies_optimizers_initializers_agree_with_the_reference():
     assert voc.COMMON_HYPERPARAMS + voc.FTRL_HYPERPARAMS == ref.HYPERPARAMS
     assert voc.INITIALIZERS == ref.INITIALIZERS
     assert voc.INITIALIZER_NAMES == ref.INITIALIZER_NAMES
+    assert voc.INITIALIZER_PARAM_COUNTS == ref.PARAM_COUNTS
     assert voc.TRUNC_NORMAL_ATTEMPTS == ref.TRUNC_NORMAL_ATTEMPTS
     assert voc.STORAGE_DTYPES == ref.STORAGE_DTYPES
     assert voc.BLOOM_COUNTER_MAX == ref.BLOOM_COUNTER_MAX

@@ -497,8 +497,8 @@ def pooled_lookup(
         feature_table: int64 ``[F]``, each feature's table.
         feature_col: int64 ``[F]``, each feature's first column in the output.
         feature_mean: bool ``[F]``, mean pooling (else sum).
-        rows: int64 ``[n]``, each id's row; -1 reads zeros; -2 - j reads ``new_vectors[t][j]``
-            (a new row's initial vector not yet written; CPU only).
+        rows: int64 ``[n]``, each id's row; -1 reads zeros; ``vocabulary.pending_row(j)`` reads
+            ``new_vectors[t][j]`` (the pending-row protocol: ``vocabulary.PENDING_ROW_BASE``).
         offsets: int64 ``[F * batch_size + 1]``, bag b = f * batch_size + sample.
         per_sample_weights: float32 ``[n]`` or None.
         table_dtypes: int64 ``[T]``, each table's storage dtype (``vocabulary.STORAGE_DTYPES``
@@ -590,8 +590,8 @@ def fused_update(
         optimizer: index into ``vocabulary.OPTIMIZERS``.
         hparams: ``(lr, eps, beta1, beta2, weight_decay, lr_decay)``, as ``reference.fused_update`` reads them.
         step: the optimizer step (Adam's bias correction).
-        new_vectors, unique_new, state_init: a unique u with ``unique_new[u] = j >= 0`` is new: it
-            first takes ``new_vectors[t][j]`` and ``state_init`` (one value per state), then its step (CPU only).
+        new_vectors, unique_new, state_init: pending rows, written before their step (the
+            pending-row protocol: ``vocabulary.PENDING_ROW_BASE``).
         table_dtypes: the storage dtype of each table, as in :func:`pooled_lookup`. Steps run in
             float32; half rows are written back rounded to nearest even, or stochastically where
             ``rounding_seeds[t]`` (int64 ``[T]``) is not 0, with ``reference.rounding_bits`` of

@@ -109,8 +109,13 @@ BLOOM_MAX_HASHES = 16  # kBloomMaxHashes
 # ----------------------------------------------------------------------------- rows
 
 NO_ROW = -1  # an id without a row (refused, not admitted, unseen in eval): reads zeros, takes no update
-# A row not yet written (CPU only: its new vector is handed to the kernels beside the storage)
-# is encoded as PENDING_ROW_BASE - j, j being its index among its table's new vectors.
+# Pending rows, the kernels' side of the protocol (CPU kernels only; the GPU kernels refuse it). A
+# row not yet written is handed to the kernels beside the storage:
+# - pooled_lookup / sequence_lookup: ``rows`` entry PENDING_ROW_BASE - j (``pending_row(j)``) reads
+#   ``new_vectors[t][j]``, t being the id's table;
+# - fused_update: a unique u with ``unique_new[u] = j >= 0`` first takes ``new_vectors[t][j]`` and
+#   ``state_init`` (one value per optimizer state), then its step.
+# The modules' side (who defers, the one guard before any other read): modules/pending_rows.py.
 PENDING_ROW_BASE = -2
 
 

@@ -31,7 +31,6 @@ from torchrec_ext.distributed.placement import TablePlacement, read_plan
 from torchrec_ext.distributed.routing import SlotRouting
 from torchrec_ext.distributed.sharded_state import ShardedDynamicState
 from torchrec_ext.modules.admission import local_admission_fields
-from torchrec_ext.modules.base import DynamicTableDict
 from torchrec_ext.modules.configs import (
     DynamicEmbeddingBagConfig,
     DynamicEmbeddingConfig,
@@ -46,6 +45,7 @@ from torchrec_ext.modules.fused_optimizer import (
     spec_from_fused_params,
     stochastic_rounding_of,
 )
+from torchrec_ext.modules.table_modules import DynamicTableDict
 from torchrec_ext.modules.table_stats import TableStats
 
 

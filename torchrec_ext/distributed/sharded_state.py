@@ -39,9 +39,9 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, Sharde
 from torchrec_ext import ops
 from torchrec_ext.distributed.placement import TablePlacement
 from torchrec_ext.modules.admission import local_bloom_geometry
-from torchrec_ext.modules.base import DynamicTableDict
 from torchrec_ext.modules.configs import options_of, storage_dtype_of
-from torchrec_ext.modules.dynamic_tables import COUNTERS
+from torchrec_ext.modules.table_checkpoint import COUNTERS
+from torchrec_ext.modules.table_modules import DynamicTableDict
 from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE
 
 PENDING_KEYS = ("admission_id", "admission_count")

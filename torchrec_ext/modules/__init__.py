@@ -8,7 +8,6 @@ from torchrec_ext.modules.configs import (
 )
 from torchrec_ext.modules.delta_file import load_delta, save_delta
 from torchrec_ext.modules.deltas import Delta, DeltaError, DeltaToken, TableDelta
-from torchrec_ext.modules.dynamic_tables import GrowthError
 from torchrec_ext.modules.embedding_bag_collection import DynamicEmbeddingBagCollection
 from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
 from torchrec_ext.modules.ftrl import Ftrl
@@ -16,6 +15,7 @@ from torchrec_ext.modules.fuse import fuse_embedding_optimizer, install_torchrec
 from torchrec_ext.modules.fused_optimizer import DEFAULT_OPTIMIZER
 from torchrec_ext.modules.migration import from_ebc_state_dict
 from torchrec_ext.modules.quantization import install_quantization_refusal
+from torchrec_ext.modules.table_growth import GrowthError
 
 # TorchRec's quantize_inference_model refuses our modules instead of leaving them in float: see quantization.py.
 install_quantization_refusal()

@@ -1,13 +1,13 @@
-"""What DynamicEmbeddingBagCollection and DynamicEmbeddingCollection share: the per-table
-submodules and their checkpoint format, device moves, optimizer resolution, and the autograd
-functions whose backward is the fused optimizer update.
+"""What DynamicEmbeddingBagCollection and DynamicEmbeddingCollection share
+(``DynamicCollectionMixin``): their tables (``DynamicTables``) and per-table submodules, device
+moves, the choice of the fused optimizer and the ids -> rows step of a lookup. The per-table
+submodules are ``table_modules.py``'s, the autograd functions ``lookup_functions.py``'s.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -16,9 +16,8 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.optim.fused import EmptyFusedOptimizer
 from torchrec.optim.keyed import KeyedOptimizer
 
-from torchrec_ext import ops
 from torchrec_ext.modules.deltas import DeltaMixin
-from torchrec_ext.modules.dynamic_tables import DynamicTables, RowLookup
+from torchrec_ext.modules.dynamic_tables import DynamicTables
 from torchrec_ext.modules.features import LookupInput, LookupPlan, check_and_arrange
 from torchrec_ext.modules.fused_optimizer import (
     DEFAULT_OPTIMIZER,
@@ -27,159 +26,10 @@ from torchrec_ext.modules.fused_optimizer import (
     resolve_optimizer,
     spec_from_parameter,
 )
+from torchrec_ext.modules.ids_to_rows import RowLookup
+from torchrec_ext.modules.table_modules import DynamicTableDict, DynamicTableModule
 from torchrec_ext.modules.table_stats import TableStats
 from torchrec_ext.modules.tiered_tables import TieredTables, tables_for
-
-_REQUIRED_STATE = ("weight", "weight_id", "metadata", "counters")
-
-
-class DynamicTable(nn.Module):
-    """One dynamic table (``embedding_bags.<name>`` / ``embeddings.<name>``).
-
-    ``weight`` is a [capacity, dim] view of the collection's storage. Its gradient is never
-    materialised: the fused optimizer updates the touched rows during backward. On CPU the rows
-    of a training batch's new ids are written by that backward too (or by the next lookup or
-    ``state_dict``), so read ``weight`` directly only after the backward. The table's
-    ``state_dict`` holds only its live rows: ``weight`` [n, dim], ``weight_id`` (raw ids),
-    ``metadata`` (eviction scores), ``row`` (placement), ``optimizer.<state>``, ``counters``
-    (index clock, epoch, training step, optimizer step, and the ``LAYOUT_VERSION`` the rows
-    follow; a state saved before it has the first four: layout 1, whose rows are re-placed, saying
-    so, where they do not fit), plus ``last_seen`` with ttl_steps,
-    ``admission_id`` / ``admission_count`` with the counter admission and ``admission_bloom``
-    (one packed filter per row) with the Bloom filter.
-    """
-
-    def __init__(self, tables: DynamicTables, index: int):
-        super().__init__()
-        self._tables = tables
-        self._index = index
-        self._loaded_by_container = False
-        self.weight = nn.Parameter(tables.table_view(index))
-        tables.register_parameter_owner(self)  # ``weight`` follows the storage when a growth replaces it
-
-    def extra_repr(self) -> str:
-        m = self._tables.meta[self._index]
-        fallback = f", fallback_rows={m.fallback_rows}" if m.fallback_rows else ""
-        grows = f", max_capacity={m.max_capacity}" if m.max_capacity != m.capacity else ""
-        return f"capacity={m.capacity}{grows}, dim={m.dim}, policy={m.policy!r}, dtype={m.dtype}{fallback}"
-
-    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
-        for key, value in self._tables.table_state(self._index).items():
-            destination[prefix + key] = value
-
-    def _load_from_state_dict(
-        self,
-        state_dict: Mapping[str, Any],
-        prefix: str,
-        local_metadata: Any,
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        if self._loaded_by_container:  # its container loaded every table at once, this one included
-            self._loaded_by_container = False
-            return
-        load_tables(self._tables, {self._index: prefix}, state_dict, None, missing_keys, unexpected_keys, error_msgs)
-
-
-class DynamicTableDict(nn.ModuleDict):
-    """The per-table submodules of a collection (``embedding_bags`` / ``embeddings``). It loads
-    a state_dict into all of its tables at once, so a bad table state changes no table."""
-
-    def __init__(self, tables: DynamicTables, modules: dict[str, DynamicTable]):
-        super().__init__(modules)
-        self._tables = tables
-        self.strict: bool | None = None  # the load_state_dict in progress's, when known
-
-    @contextmanager
-    def loading(self, strict: bool):
-        """For the duration of a load_state_dict(strict=...) that reaches this container."""
-        self.strict = strict
-        try:
-            yield
-        finally:
-            self.strict = None
-
-    def _load_from_state_dict(
-        self,
-        state_dict: Mapping[str, Any],
-        prefix: str,
-        local_metadata: Any,
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        unknown_before = len(unexpected_keys)
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )  # reports keys of tables this module does not have
-        # (a sharded module's container also holds placeholders of other ranks' tables: skipped)
-        mine = {name: table for name, table in self.items() if isinstance(table, DynamicTable)}
-        tables = {table._index: f"{prefix}{name}." for name, table in mine.items()}
-        load_tables(
-            self._tables,
-            tables,
-            state_dict,
-            self.strict,
-            missing_keys,
-            unexpected_keys,
-            error_msgs,
-            unknown=len(unexpected_keys) > unknown_before,
-        )
-        for table in mine.values():
-            table._loaded_by_container = True
-
-
-def load_tables(
-    tables: DynamicTables,
-    prefixes: dict[int, str],
-    state_dict: Mapping[str, Any],
-    strict: bool | None,
-    missing_keys: list[str],
-    unexpected_keys: list[str],
-    error_msgs: list[str],
-    unknown: bool = False,
-) -> None:
-    """Loads tables (index -> state_dict prefix) from ``state_dict``: all or none.
-
-    Missing and unexpected keys are reported. A module without a fused optimizer ignores the
-    checkpoint's ``optimizer.*`` keys (a training checkpoint loads for eval or serving). With
-    strict=True (or unknown: nested in another module's load_state_dict, whose strictness a
-    submodule cannot see) any missing or unexpected key, or ``unknown`` tables, load nothing (a
-    strict load then raises, listing them; an unknown-strictness load raises too, saying why, so a
-    nested strict=False load never leaves the tables silently unloaded). With strict=False the
-    tables whose weight, weight_id, metadata and counters are all there load (other missing state
-    starts at its initial values), the others stay as they were. Bad values raise TypeError /
-    ValueError before any table changes.
-    """
-    states, problems = {}, unknown
-    for t, prefix in prefixes.items():
-        expected = tables.state_keys(t)
-        mine = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        ignored = (
-            []
-            if tables.optimizer is not None
-            else [k for k in mine if k.startswith(("optimizer.", "fallback_optimizer."))]
-        )
-        missing = [k for k in expected if k not in mine and k != "row"]
-        unexpected = [k for k in mine if k not in expected and k not in ignored]
-        missing_keys.extend(prefix + k for k in missing)
-        unexpected_keys.extend(prefix + k for k in unexpected)
-        problems = problems or bool(missing or unexpected)
-        if not any(k in missing for k in _REQUIRED_STATE):
-            states[t] = {k: v for k, v in mine.items() if k in expected}
-    if problems and strict is not False:
-        if strict is None:
-            error_msgs.append(
-                f"tables {sorted(prefixes.values())} not loaded: their keys are incomplete or unexpected (see "
-                "the missing / unexpected keys), and a dynamic collection nested in another module cannot see "
-                "the load's strictness, so it loads none of them; call load_state_dict(..., strict=False) on "
-                "the collection itself to load the complete tables, or pass the complete state"
-            )
-        return
-    tables.load_states(states, where="load_state_dict")
 
 
 class DynamicCollectionMixin(DeltaMixin):
@@ -208,7 +58,9 @@ class DynamicCollectionMixin(DeltaMixin):
         setattr(
             self,
             container,
-            DynamicTableDict(self._tables, {cfg.name: DynamicTable(self._tables, t) for t, cfg in enumerate(configs)}),
+            DynamicTableDict(
+                self._tables, {cfg.name: DynamicTableModule(self._tables, t) for t, cfg in enumerate(configs)}
+            ),
         )
         self._plan = LookupPlan.of(configs)
         self._optimizer_spec: OptimizerSpec | None = (
@@ -250,7 +102,7 @@ class DynamicCollectionMixin(DeltaMixin):
 
     # ------------------------------------------------------------------ tables
 
-    def _table_modules(self) -> list[DynamicTable]:
+    def _table_modules(self) -> list[DynamicTableModule]:
         return list(getattr(self, self._container).values())
 
     def _bind_parameters(self) -> None:
@@ -471,126 +323,3 @@ class DynamicCollectionMixin(DeltaMixin):
     def _differentiable_params(self) -> list[Tensor]:
         params = [t.weight for t in self._table_modules()]
         return params if torch.is_grad_enabled() and any(p.requires_grad for p in params) else []
-
-
-class PooledLookupFunction(torch.autograd.Function):
-    """Pooled lookup whose backward is the fused optimizer update; the tables get no gradient,
-    per-sample weights that require one (a feature processor's) get theirs. ``weights`` is
-    ``batch.weights``, passed apart so that autograd sees it."""
-
-    @staticmethod
-    def forward(
-        ctx,
-        owner: DynamicCollectionMixin,
-        lookup: RowLookup,
-        batch: LookupInput,
-        weights: Tensor | None,
-        *params: Tensor,
-    ) -> Tensor:
-        tables, plan = owner._tables, owner._plan
-        table_offsets, table_dims, _ = tables.layout()
-        feature_table, feature_col, feature_mean = plan.tensors(tables.device)
-        offsets = torch.zeros(batch.lengths.numel() + 1, dtype=torch.int64, device=batch.lengths.device)
-        torch.cumsum(batch.lengths, 0, out=offsets[1:])
-        ctx.owner, ctx.lookup, ctx.batch, ctx.offsets = owner, lookup, batch, offsets
-        ctx.num_params = len(params)
-        return ops.pooled_lookup(
-            tables.weights,
-            table_offsets,
-            table_dims,
-            feature_table,
-            feature_col,
-            feature_mean,
-            lookup.rows,
-            offsets,
-            batch.weights,
-            batch.batch_size,
-            plan.total_dim,
-            lookup.new_vectors,
-            tables.dtype_layout()[0],
-        )
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        owner, batch = ctx.owner, ctx.batch
-        # Before the update: the weights' gradient reads the rows as the forward did.
-        grad_weights = per_sample_weight_grad(owner, ctx.lookup, batch, grad) if ctx.needs_input_grad[3] else None
-        _, feature_col, feature_mean = owner._plan.tensors(owner._tables.device)
-        owner._tables.apply_gradients(
-            grad,
-            ctx.lookup,
-            ctx.offsets,
-            batch.weights,
-            feature_col,
-            feature_mean,
-            batch.batch_size,
-            owner._hyperparams(),
-        )
-        return (None, None, None, grad_weights) + (None,) * ctx.num_params
-
-
-def per_sample_weight_grad(
-    owner: DynamicCollectionMixin, lookup: RowLookup, batch: LookupInput, grad: Tensor
-) -> Tensor:
-    """d loss / d weight of each id: its row (as the lookup read it) dotted with the gradient of
-    its bag's output columns, divided by the bag's length under mean pooling. One sequence
-    lookup per distinct embedding dim."""
-    tables, plan = owner._tables, owner._plan
-    table_offsets, _, _ = tables.layout()
-    feature_table, feature_col, feature_mean = plan.tensors(tables.device)
-    n, bags = batch.ids.numel(), batch.lengths.numel()
-    bag = torch.repeat_interleave(torch.arange(bags, device=grad.device), batch.lengths, output_size=n)
-    feature, sample = bag // batch.batch_size, bag % batch.batch_size
-    scale = torch.where(feature_mean[feature], 1.0 / batch.lengths[bag].clamp(min=1).float(), 1.0)
-    starts = [0]
-    for count in batch.value_counts:
-        starts.append(starts[-1] + count)
-    out = grad.new_zeros(n)
-    for dim in sorted(set(plan.dims)):
-        features = [i for i, d in enumerate(plan.dims) if d == dim]
-        at = torch.cat([torch.arange(starts[i], starts[i + 1], device=grad.device) for i in features])
-        counts = torch.tensor([0] + [batch.value_counts[i] for i in features], device=grad.device).cumsum(0)
-        # (the op takes one dim: other tables' pending vectors are not read, so stand in empty)
-        pending = [v if v.shape[1] == dim else v.new_zeros(0, dim) for v in lookup.new_vectors]
-        rows = ops.sequence_lookup(
-            tables.weights,
-            table_offsets,
-            dim,
-            feature_table[features],
-            counts,
-            lookup.rows[at],
-            pending,
-            tables.dtype_layout()[0],
-        )
-        cols = feature_col[feature[at]].unsqueeze(1) + torch.arange(dim, device=grad.device)
-        out[at] = (grad[sample[at].unsqueeze(1), cols] * rows).sum(1) * scale[at]
-    return out
-
-
-class SequenceLookupFunction(torch.autograd.Function):
-    """Sequence lookup ([num_ids, dim]) whose backward is the fused optimizer update."""
-
-    @staticmethod
-    def forward(ctx, owner: DynamicCollectionMixin, lookup: RowLookup, batch: LookupInput, *params: Tensor) -> Tensor:
-        tables, plan = owner._tables, owner._plan
-        table_offsets, _, _ = tables.layout()
-        feature_table, _, _ = plan.tensors(tables.device)
-        ctx.owner, ctx.lookup = owner, lookup
-        ctx.num_params = len(params)
-        return ops.sequence_lookup(
-            tables.weights,
-            table_offsets,
-            plan.dims[0] if plan.dims else 1,
-            feature_table,
-            batch.feature_value_offsets,
-            lookup.rows,
-            lookup.new_vectors,
-            tables.dtype_layout()[0],
-        )
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        owner = ctx.owner
-        empty = torch.zeros(0, dtype=torch.int64, device=grad.device)
-        owner._tables.apply_gradients(grad, ctx.lookup, None, None, empty, empty.bool(), 0, owner._hyperparams())
-        return (None, None, None) + (None,) * ctx.num_params

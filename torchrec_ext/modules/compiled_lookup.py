@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from torchrec_ext.modules.base import PooledLookupFunction, SequenceLookupFunction
 from torchrec_ext.modules.features import check_and_arrange
+from torchrec_ext.modules.lookup_functions import PooledLookupFunction, SequenceLookupFunction
 
 _OWNERS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _PENDING: OrderedDict[int, SimpleNamespace] = OrderedDict()  # token -> what its backward needs
@@ -75,7 +75,9 @@ def compiled_pooled_lookup(
         # Where each arranged weight came from: its gradient goes back there (an op's body runs
         # below autograd, which records nothing of the arrangement, so the mapping is kept by hand).
         ctx.weights_order, ctx.num_weights = _arranged_positions(keys, lengths, stride, module._plan), weights.numel()
-    pooled = PooledLookupFunction.forward(ctx, module, lookup, batch, batch.weights)
+    pooled = PooledLookupFunction.forward(
+        ctx, module._tables, module._plan, module._hyperparams, lookup, batch, batch.weights
+    )
     return pooled.detach(), _keep_for_backward(ctx, backward_follows)
 
 
@@ -136,11 +138,11 @@ def compiled_pooled_update(token: Tensor, grad: Tensor, weights: Tensor | None) 
     gradient, the per-sample weights' gradient in the KJT's order, or an empty tensor)."""
     ctx = _pending(token)
     wants_weights = weights is not None and ctx.weights_order is not None
-    ctx.needs_input_grad = (False, False, False, wants_weights)
+    ctx.needs_input_grad = (False,) * 5 + (wants_weights,)  # the forward's inputs: weights the 6th
     grads = PooledLookupFunction.backward(ctx, grad.contiguous())
     weights_grad = grad.new_zeros(0)
     if wants_weights:
-        weights_grad = grad.new_zeros(ctx.num_weights).index_add_(0, ctx.weights_order, grads[3])
+        weights_grad = grad.new_zeros(ctx.num_weights).index_add_(0, ctx.weights_order, grads[5])
     return _ANCHOR.detach().new_zeros(0), weights_grad
 
 
@@ -217,7 +219,7 @@ def compiled_sequence_lookup(
     module = _owner(handle)
     batch, lookup = _arrange_and_look_up(module, keys, values, lengths, None, stride, backward_follows)
     ctx = SimpleNamespace()
-    vectors = SequenceLookupFunction.forward(ctx, module, lookup, batch)
+    vectors = SequenceLookupFunction.forward(ctx, module._tables, module._plan, module._hyperparams, lookup, batch)
     return vectors.detach(), _keep_for_backward(ctx, backward_follows)
 
 

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from torchrec_ext.modules.delta_placement import DeltaRows, NoRowError, place_delta
 from torchrec_ext.modules.dynamic_tables import DynamicTables
+from torchrec_ext.modules.pending_rows import pending_rows_written
 from torchrec_ext.modules.state_checks import _check_distinct, _checked
 
 FORMAT_VERSION = 1
@@ -250,6 +251,7 @@ class DeltaLog:
 # ---------------------------------------------------------------------- source side
 
 
+@pending_rows_written
 def delta_token(tables: DynamicTables, max_tombstones: int | None = None) -> DeltaToken:
     """A token marking now; the first call starts tracking (writes before it are not tracked)."""
     if max_tombstones is not None and (not isinstance(max_tombstones, int) or max_tombstones <= 0):
@@ -260,10 +262,10 @@ def delta_token(tables: DynamicTables, max_tombstones: int | None = None) -> Del
         tables.delta_log = DeltaLog(tables, max_tombstones)
     elif max_tombstones is not None:
         tables.delta_log.max_tombstones = max_tombstones
-    tables.write_new_rows()  # pending initial vectors are stamped already; written before the point
     return tables.delta_log.token()
 
 
+@pending_rows_written
 def export_delta(
     tables: DynamicTables, since: DeltaToken, include_optimizer_state: bool, include_scores: bool, module_name: str
 ) -> Delta:
@@ -274,7 +276,6 @@ def export_delta(
             "replica's base checkpoint is taken)"
         )
     since = log.check_since(since, "export_delta")
-    tables.write_new_rows()
     out: dict[str, TableDelta] = {}
     for t, m in enumerate(tables.meta):
         index = tables.indexes[t]
@@ -447,12 +448,12 @@ def check_table_delta(tables: DynamicTables, t: int, table: TableDelta, name: st
                 )
 
 
+@pending_rows_written
 def prepare_delta(tables: DynamicTables, followed: dict[str, DeltaToken], delta: Delta) -> list[_Prepared]:
     """Everything ``apply_delta`` does that can fail, aside from the tables: the checks and each
     table's new index (on a copy). ``commit_delta`` then publishes it."""
     check_delta(tables, followed, delta)
     tables.check_ready("apply_delta")
-    tables.write_new_rows()
     names = {m.name: t for t, m in enumerate(tables.meta)}
     device = tables.device
     # A growing replica first makes room for the delta's ids (growth moves rows, not values).

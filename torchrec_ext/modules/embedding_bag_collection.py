@@ -10,10 +10,11 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from torchrec_ext.modules.base import DynamicCollectionMixin, PooledLookupFunction
+from torchrec_ext.modules.base import DynamicCollectionMixin
 from torchrec_ext.modules.compiled_lookup import compiled_pooled_forward, lookup_is_one_op
 from torchrec_ext.modules.configs import check_tables
 from torchrec_ext.modules.features import check_and_arrange, expand_pooled
+from torchrec_ext.modules.lookup_functions import PooledLookupFunction
 
 
 class DynamicEmbeddingBagCollection(DynamicCollectionMixin, EmbeddingBagCollectionInterface):
@@ -77,7 +78,15 @@ class DynamicEmbeddingBagCollection(DynamicCollectionMixin, EmbeddingBagCollecti
             pooled = torch.empty(batch.batch_size, self._plan.total_dim, device=self.device)
         else:
             lookup = self._lookup_rows(batch)
-            pooled = PooledLookupFunction.apply(self, lookup, batch, batch.weights, *self._differentiable_params())
+            pooled = PooledLookupFunction.apply(
+                self._tables,
+                self._plan,
+                self._hyperparams,
+                lookup,
+                batch,
+                batch.weights,
+                *self._differentiable_params(),
+            )
         if batch.expand is not None:  # a variable batch size per feature
             pooled = expand_pooled(pooled, batch.expand, self._plan)
         return KeyedTensor(keys=self._plan.embedding_names, length_per_key=self._plan.dims, values=pooled, key_dim=1)

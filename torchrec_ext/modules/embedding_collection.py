@@ -10,10 +10,11 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollectionInterface, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
-from torchrec_ext.modules.base import DynamicCollectionMixin, SequenceLookupFunction
+from torchrec_ext.modules.base import DynamicCollectionMixin
 from torchrec_ext.modules.compiled_lookup import compiled_sequence_forward, lookup_is_one_op
 from torchrec_ext.modules.configs import check_tables
 from torchrec_ext.modules.features import check_and_arrange
+from torchrec_ext.modules.lookup_functions import SequenceLookupFunction
 
 
 class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInterface):
@@ -77,7 +78,9 @@ class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInte
             vectors = torch.empty(batch.ids.numel(), self._embedding_dim, device=self.device)
         else:
             lookup = self._lookup_rows(batch)
-            vectors = SequenceLookupFunction.apply(self, lookup, batch, *self._differentiable_params())
+            vectors = SequenceLookupFunction.apply(
+                self._tables, self._plan, self._hyperparams, lookup, batch, *self._differentiable_params()
+            )
         counts = batch.value_counts  # ids per lookup feature, host side (no read of the device offsets)
         per_feature = torch.split(vectors, counts)
         ids = torch.split(batch.ids, counts)

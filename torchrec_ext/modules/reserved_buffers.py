@@ -6,19 +6,42 @@ takes memory only once written, so resident memory still follows the capacity re
 then rewrites the buffer in place (``DynamicTables._relayout``): the pages of the old capacity are
 reused and only the new ones are first touched, where a fresh buffer per growth touches every
 capacity reached (twice the final size over a run of doublings) and first touches are the slow
-part of a growth (page faults, zeroing; on a VM, the host's faults too).
+part of a growth (page faults, zeroing; on a VM, the host's faults too). Rows that only change
+place (a table whose span moves up when an earlier one grows) move by remapping their pages
+(``remap``: no copy, no new page) where the kernel allows it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
+import sys
 
 import torch
 from torch import Tensor
 
 _HUGE_PAGE = 2 << 20
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # (Python < 3.13 lacks the name; Linux's value)
+# mremap(2)'s flags: move the pages to a given address and leave the old range mapped, empty
+# (MREMAP_DONTUNMAP: Linux >= 5.7, private anonymous mappings such as this one).
+_MREMAP_MAYMOVE, _MREMAP_FIXED, _MREMAP_DONTUNMAP = 1, 2, 4
+
+
+def _load_mremap():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).mremap
+    except (OSError, AttributeError):  # pragma: no cover
+        return None
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    return fn
+
+
+_mremap = _load_mremap()
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class ReservedBuffer:
@@ -52,6 +75,20 @@ class ReservedBuffer:
     def holds(self, buf: Tensor) -> bool:
         """Whether ``buf`` starts where this reservation does (a buffer ``view`` returned)."""
         return buf.device.type == "cpu" and buf.numel() > 0 and buf.data_ptr() == self._start
+
+    def remap(self, src: int, dst: int, nbytes: int) -> bool:
+        """Moves the ``nbytes`` at byte ``src`` of the buffer to byte ``dst`` by moving their pages
+        (no copy; the source range then reads as zeros). Both must start on a page boundary,
+        ``nbytes`` be whole pages and the ranges not overlap. False (nothing moved) where the
+        kernel refuses (no MREMAP_DONTUNMAP, a range over several mappings): the caller copies."""
+        page = mmap.PAGESIZE
+        if _mremap is None or nbytes <= 0 or (self._start + src) % page or (self._start + dst) % page or nbytes % page:
+            return False
+        if min(src, dst) < 0 or max(src, dst) + nbytes > self.numel_max * 4 or abs(src - dst) < nbytes:
+            return False
+        flags = _MREMAP_MAYMOVE | _MREMAP_FIXED | _MREMAP_DONTUNMAP
+        got = _mremap(self._start + src, nbytes, nbytes, flags, self._start + dst)
+        return got is not None and got != _MAP_FAILED
 
     def release_beyond(self, numel: int) -> None:
         """Returns the pages past the first ``numel`` values to the system (a shrink): resident

@@ -39,6 +39,7 @@ import errno
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import Tensor
@@ -46,6 +47,29 @@ from torch import Tensor
 SEGMENT_RECORDS = 8192  # ~4 MiB of 512-byte records: the most one clean moves
 ROW_BYTES = 8  # each record starts with its row's number (int64): what cleaning reads to find live ones
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_SYNC_RANGE_WRITE = ctypes.c_uint(2)  # SYNC_FILE_RANGE_WRITE: start writeback of the range's dirty pages, no wait
+# Write-behind (RocksDB's bytes_per_sync): each append's pages are handed to the disk as soon as
+# written, so the log's dirty pages never pile up to the kernel's dirty limits, past which every
+# writer is throttled (balance_dirty_pages) and the flusher competes for the CPU in bursts. Asked
+# on a thread of its own: submitting the writes costs ~0.3 us of CPU a KiB and can wait for the
+# disk's queue, which the stage (the appender under the pipeline) should not. Off by default: at
+# smoke size (dirty pages far below the limits) the third thread's CPU and GIL made the stage
+# slower (benchmarks/results/tier_stage_profile.md); whether it pays at full size, where ~2 GB
+# of log pass the limits, is `bench_tiers.py --write-behind 1`'s to say.
+WRITE_BEHIND = False
+_behind_pool: tuple[int, ThreadPoolExecutor] | None = None  # (the process it was made in: a fork's child makes its own)
+
+
+def _write_behind(fd: int, offset: int, length: int) -> Future:
+    global _behind_pool
+    if _behind_pool is None or _behind_pool[0] != os.getpid():
+        _behind_pool = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="torchrec_ext-tier-write-behind"))
+    # (advice: its result is not needed; a failed write shows at the next read or sync of the page)
+    return _behind_pool[1].submit(
+        _libc.sync_file_range, fd, ctypes.c_int64(offset), ctypes.c_int64(length), _SYNC_RANGE_WRITE
+    )
+
+
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -81,6 +105,8 @@ class RowLog:
         # records appended / re-appended by cleaning / sent home from a full log; segments cleaned
         self.appended = self.cleaned = self.sent_home = self.segments_cleaned = 0
         self.write_s = 0.0  # wall seconds in the log's writes (a write the kernel throttles shows here)
+        self._behind: list[Future] = []  # write-behind requests not done yet
+        self._behind_pid = os.getpid()  # the process that asked them
         # Writes records ([n, record_bytes]) to their rows of the base file (set by the table's mover).
         self.home: Callable[[Tensor, Tensor], None] | None = None
 
@@ -164,9 +190,13 @@ class RowLog:
             take = min(n - done, SEGMENT_RECORDS - self.head_fill)
             first = self.head * SEGMENT_RECORDS + self.head_fill
             chunk = data[done : done + take]
-            began = time.perf_counter()
+            began, at = time.perf_counter(), self.offset + first * self.record_bytes
             try:
-                pwrite_all(self.fd, memoryview(chunk.numpy()).cast("B"), self.offset + first * self.record_bytes)
+                pwrite_all(self.fd, memoryview(chunk.numpy()).cast("B"), at)
+                if WRITE_BEHIND:  # the kernel starts writing these pages to disk now
+                    self._behind = [f for f in self._behind if not f.done()] if self._behind_pid == os.getpid() else []
+                    self._behind_pid = os.getpid()
+                    self._behind.append(_write_behind(self.fd, at, chunk.numel()))
             except OSError as e:
                 raise OSError(
                     e.errno,
@@ -246,5 +276,13 @@ class RowLog:
         self.in_use[segment] = False  # (its live count went to 0 as the append re-pointed its rows)
         self.used -= 1
 
+    def settle(self) -> None:
+        """Waits for the write-behind requests in flight (before the file is closed: they name it by its fd)."""
+        if self._behind_pid == os.getpid():  # (a fork's child does not wait for its parent's requests)
+            for request in self._behind:
+                request.result()
+        self._behind = []
+
     def close(self) -> None:
+        self.settle()
         self.records = None

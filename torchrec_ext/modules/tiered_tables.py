@@ -40,13 +40,13 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from torchrec_ext import ops
 from torchrec_ext.modules.configs import DEFAULT_CACHE_LOAD_FACTOR, options_of, storage_dtype_of
-from torchrec_ext.modules.dynamic_tables import DynamicTables, RowLookup, _allocate
+from torchrec_ext.modules.dynamic_tables import DynamicTables, RowLookup
 from torchrec_ext.modules.table_stats import TableStats
+from torchrec_ext.modules.table_storage import allocate_filled
 from torchrec_ext.modules.tier_log import ROW_BYTES, RowLog
+from torchrec_ext.modules.tier_lru import SlotOrder
 from torchrec_ext.modules.tier_store import BackingStore
 from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE, dense_state_offsets, table_words
-
-_NEVER = torch.iinfo(torch.int64).max  # the eviction key of a slot that must stay
 
 
 def tables_for(configs: Sequence[BaseEmbeddingConfig], device: torch.device) -> DynamicTables:
@@ -105,8 +105,9 @@ class _LogMover(_Mover):
         for cache, _ in pairs:
             width = cache.element_size() * (cache.shape[1] if cache.dim() == 2 else 1)
             self.fields.append((at, width))
-            self._pads.append(-width % 8)
-            at += width + self._pads[-1]
+            if width % 8:
+                self._pads.append((at + width, at + width + -width % 8))  # (zeros: the records' bytes are all defined)
+            at += width + -width % 8
         self.log = store.log(t, at)
         self.log.home = self._write_records_home
 
@@ -137,12 +138,14 @@ class _LogMover(_Mover):
         n = rows.numel()
         if n == 0:
             return
-        columns = [rows.to(torch.int64).view(torch.uint8).view(n, ROW_BYTES)]
-        for (cache, _), (_, width), pad in zip(self.pairs, self.fields, self._pads):
-            columns.append(cache.index_select(0, slots).view(torch.uint8).view(n, width))
-            if pad:
-                columns.append(torch.zeros(n, pad, dtype=torch.uint8))
-        self.log.append(rows, torch.cat(columns, 1))
+        # Each field gathered straight into its column of the records (no copy of the columns to join).
+        records = torch.empty(n, self.log.record_bytes, dtype=torch.uint8)
+        records[:, :ROW_BYTES].view(torch.int64).squeeze(1).copy_(rows)
+        for k, (cache, _) in enumerate(self.pairs):
+            torch.index_select(cache, 0, slots, out=self._field(records, k, cache))
+        for start, end in self._pads:
+            records[:, start:end].zero_()
+        self.log.append(rows, records)
 
     def write_home(self, slots: Tensor, rows: Tensor) -> None:
         super().write(slots, rows)
@@ -191,6 +194,7 @@ class RowCache:
         # Slots left free (by a stage, or never filled): a lookup takes them without scanning
         # every slot for the least recently used. May name slots filled since (checked on use).
         self.free = torch.arange(slots)
+        self.order = SlotOrder(slots)  # occupied slots, least recently used first (tier_lru.py)
         # Slots held by batches in flight, per batch (usually none between steps: a training
         # step's update lands before the next lookup). Kept as lists, not counts per slot, so a
         # step pays nothing to pin and unpin.
@@ -200,7 +204,8 @@ class RowCache:
         self.staged = self.staged_write_backs = 0
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.slot_of, self.row_of, self.last_used, self.dirty))
+        maps = (self.slot_of, self.row_of, self.last_used, self.dirty)
+        return sum(t.numel() * t.element_size() for t in maps) + self.order.nbytes()
 
     def pinned_at_most(self) -> int:
         """A bound on the slots batches in flight hold (exact when they share none)."""
@@ -231,8 +236,10 @@ class RowCache:
         missing = (s < 0).nonzero().squeeze(1)
         if not best_effort:
             self.hits += r.numel() - missing.numel()
+        # The batch's hits are used now (first: victims are slots last used before this clock).
+        self.order.touch(s if not missing.numel() else s[s >= 0], clock, self.last_used, self.row_of)
         if missing.numel():
-            victims, free = self._victims(s, missing.numel(), best_effort)
+            victims, free = self._victims(missing.numel(), clock, best_effort)
             missing = missing[: victims.numel()]
             want = r.index_select(0, missing)
             if not free:
@@ -254,12 +261,12 @@ class RowCache:
             self.row_of.index_copy_(0, victims, want)
             self.slot_of.index_copy_(0, want, victims.to(torch.int32))
             self.dirty.index_fill_(0, victims, False)
+            self.order.touch(victims, clock, self.last_used, self.row_of)
             s.index_copy_(0, missing, victims)
             if best_effort:
                 kept = (s >= 0).nonzero().squeeze(1)
                 live = kept if every else live.index_select(0, kept)
                 every, s = False, s.index_select(0, kept)
-        self.last_used.index_fill_(0, s, clock)
         if modifies:
             self.dirty.index_fill_(0, s, True)
         elif fresh is not None:
@@ -269,46 +276,43 @@ class RowCache:
             return s
         return torch.full_like(rows, -1).index_copy_(0, live, s)
 
-    def _eviction_keys(self, pinned: Tensor | None = None) -> Tensor:
-        """Per slot, the order in which slots are taken: free ones first (-1), then by last use;
-        pinned slots (``pinned``: a mask of them, default the batches in flight now) never."""
-        key = self.last_used.masked_fill(self.row_of < 0, -1)
-        if pinned is not None:
-            key.masked_fill_(pinned, _NEVER)
-        else:
-            for slots in self.pinned.values():
-                key[slots] = _NEVER
-        return key
-
-    def _victims(self, held: Tensor, k: int, best_effort: bool) -> tuple[Tensor, bool]:
+    def _victims(self, k: int, clock: int, best_effort: bool) -> tuple[Tensor, bool]:
         """k slots to take, free ones first, then the least recently used, never a pinned slot
-        or one of ``held`` (the batch's own hits); and whether all of them are free."""
-        free = self.free[self.row_of[self.free] < 0]  # free slots: never pinned, never a hit
-        if free.numel() >= k:
-            self.free = free[k:]
-            return free[:k], True
-        self.free = free
-        key = self._eviction_keys()
-        key[held[held >= 0]] = _NEVER
-        if best_effort:
-            k = min(k, int((key < _NEVER).sum()))
-        victims = torch.topk(key, k, largest=False, sorted=False).indices
-        if bool((key[victims] == _NEVER).any()):  # TieredTables.lookup checked the room first
+        or one used at ``clock`` (the batch's own hits); and whether all of them are free."""
+        free = self._take_free(k)
+        if free.numel() == k:
+            return free, True
+        pinned = self.pinned_mask() if self.pinned else None
+        lru = self.order.oldest(k - free.numel(), self.last_used, self.row_of, clock, pinned)
+        if free.numel() + lru.numel() < k and not best_effort:  # TieredTables.lookup checked the room first
+            self.order.give_back(lru, clock - 1, self.last_used)
+            self.free = torch.cat([free, self.free])
             raise RuntimeError(f"tiered table cache: {k} rows to bring in, fewer free slots of {self.slots}")
-        return victims, False
+        return (lru if not free.numel() else torch.cat([free, lru])), False
+
+    def _take_free(self, k: int) -> Tensor:
+        """Up to k free slots, out of the free list."""
+        free = self.free
+        if free.numel():
+            free = free.index_select(0, (self.row_of.index_select(0, free) < 0).nonzero().squeeze(1))
+        self.free = free[k:]
+        return free[:k]
 
     def _evict(self, victims: Tensor, mover: _Mover, ahead: bool = False) -> None:
-        old = self.row_of[victims]
-        gone = old >= 0
-        back = gone & self.dirty[victims]
-        if bool(back.any()):
-            mover.write(victims[back], old[back])
-            n = int(back.sum())
+        """The rows of ``victims`` (slots, some maybe empty) leave the cache, dirty ones written back."""
+        old = self.row_of.index_select(0, victims)
+        gone = (old >= 0).nonzero().squeeze(1)
+        if gone.numel() < victims.numel():
+            victims, old = victims.index_select(0, gone), old.index_select(0, gone)
+        back = self.dirty.index_select(0, victims).nonzero().squeeze(1)
+        if back.numel():
+            mover.write(victims.index_select(0, back), old.index_select(0, back))
+            n = back.numel()
             self.write_backs += n
             if ahead:
                 self.staged_write_backs += n
             self.bytes_moved += n * mover.row_bytes
-        self.slot_of.index_fill_(0, old[gone], -1)
+        self.slot_of.index_fill_(0, old, -1)
 
     def stage(self, rows: Tensor, new_rows: int, pinned: Tensor, clock: int, mover: _Mover) -> None:
         """Ahead of a lookup (a stage: see ``TieredTables.stage_next``): brings the live ``rows``
@@ -316,31 +320,41 @@ class RowCache:
         back) for the rows the lookup will initialise, as far as slots not ``pinned`` (a mask of
         the batches in flight when the table was handed over) and not holding ``rows`` go. Moves data
         between the tiers only: which id holds which row is the index's, decided in the steps."""
-        s = self.slot_of.index_select(0, rows).to(torch.int64)
-        missing = (s < 0).nonzero().squeeze(1)
-        key = self._eviction_keys(pinned)
-        hits = s[s >= 0]
-        key.index_fill_(0, hits, _NEVER)
-        take = min(missing.numel() + new_rows, int((key < _NEVER).sum()))
-        if take:
-            # Free slots and the least recently used; which of them get filled and which are
-            # left free does not matter: all are taken.
-            victims = torch.topk(key, take, largest=False, sorted=False).indices
-            self._evict(victims, mover, ahead=True)
-            fill = victims[: min(missing.numel(), take)]
-            want = rows.index_select(0, missing[: fill.numel()])
-            freed = victims[fill.numel() :]
-            mover.read(fill, want)
-            self.staged += want.numel()
-            self.bytes_moved += want.numel() * mover.row_bytes
-            self.row_of.index_copy_(0, fill, want)
-            self.slot_of.index_copy_(0, want, fill.to(torch.int32))
-            self.row_of.index_fill_(0, freed, -1)
-            self.dirty.index_fill_(0, victims, False)
-            self.last_used.index_fill_(0, fill, clock)
-            # Every free slot once (a slot listed twice would be handed to two rows).
-            self.free = (self.row_of < 0).nonzero().squeeze(1)
-        self.last_used.index_fill_(0, hits, clock)
+        s = self.slot_of.index_select(0, rows)
+        hit = s >= 0
+        missing = (~hit).nonzero().squeeze(1)
+        # The hits are used now: the least recently used slots taken below are last used before
+        # (those the lookup of this clock used, the batch in flight's, are touched already).
+        hits = s.index_select(0, hit.nonzero().squeeze(1)).to(torch.int64)
+        self.order.touch(
+            hits.index_select(0, (self.last_used.index_select(0, hits) != clock).nonzero().squeeze(1)),
+            clock,
+            self.last_used,
+            self.row_of,
+        )
+        want_slots = missing.numel() + new_rows
+        if want_slots == 0:
+            return
+        # Free slots first, then the least recently used; which of them get filled and which
+        # are left free does not matter: all are taken.
+        free = self._take_free(want_slots)
+        lru = self.order.oldest(want_slots - free.numel(), self.last_used, self.row_of, clock, pinned)
+        if lru.numel():
+            self._evict(lru, mover, ahead=True)
+        victims = lru if not free.numel() else torch.cat([free, lru])
+        fill = victims[: min(missing.numel(), victims.numel())]
+        freed = victims[fill.numel() :]
+        want = rows.index_select(0, missing[: fill.numel()])
+        mover.read(fill, want)
+        self.staged += want.numel()
+        self.bytes_moved += want.numel() * mover.row_bytes
+        self.row_of.index_copy_(0, fill, want)
+        self.slot_of.index_copy_(0, want, fill.to(torch.int32))
+        self.row_of.index_fill_(0, freed, -1)
+        self.dirty.index_fill_(0, victims, False)
+        self.order.touch(fill, clock, self.last_used, self.row_of)
+        if freed.numel():  # (each slot once in the free list: these were taken out of it or out of the order)
+            self.free = freed if not self.free.numel() else torch.cat([self.free, freed])
 
     def flush(self, mover: _Mover, home: bool = True) -> None:
         """Writes every dirty row back (``home``: to the rows file itself, not a log); rows held
@@ -367,6 +381,7 @@ class RowCache:
         self.row_of.fill_(-1)
         self.dirty.zero_()
         self.free = torch.arange(self.slots)
+        self.order.clear()
         self.pinned = {}
 
     def __getstate__(self) -> dict[str, object]:
@@ -539,9 +554,9 @@ class TieredTables(DynamicTables):
         live = bool(getattr(self, "indexes", None)) and device.type != "meta" and self.num_live_rows() > 0
         self._fold_logs()  # the logs' records have the old buffers' layout: their rows go home first
         if device.type == "meta":
-            self.backing[name] = _allocate(numel, value, device)
+            self.backing[name] = allocate_filled(numel, value, device)
         elif self.store.directory is None:  # host memory, on huge pages where offered (rows are touched at random)
-            self.backing[name] = _allocate(numel, value, torch.device("cpu"))
+            self.backing[name] = allocate_filled(numel, value, torch.device("cpu"))
         else:
             self.backing[name] = self.store.map(name, numel, value, fill=live)
         self._movers = None
@@ -550,7 +565,7 @@ class TieredTables(DynamicTables):
         else:
             rowwise = self.optimizer.kind in ROWWISE_STATE
             cached = sum(s * (1 if rowwise else m.dim) for s, m in zip(self.slots, self.meta))
-        return _allocate(cached, value, device)
+        return allocate_filled(cached, value, device)
 
     def _views(self, t: int, cached: bool) -> tuple[Tensor, dict[str, Tensor]]:
         """Table t's rows and optimizer states: of the cache ([slots, dim]) or the backing store
@@ -738,8 +753,8 @@ class TieredTables(DynamicTables):
         self._pinned.pop(key, None)
         self._unpin(held)
 
-    def apply_gradients(self, grad: Tensor, lookup: RowLookup, *args, **kwargs) -> None:
-        super().apply_gradients(grad, lookup, *args, **kwargs)
+    def end_update(self, lookup: RowLookup, *args, **kwargs) -> None:
+        super().end_update(lookup, *args, **kwargs)
         release = self._pinned.get(id(lookup.unique_rows))
         if release is not None:
             release()

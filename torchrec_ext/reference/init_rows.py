@@ -1,5 +1,6 @@
-"""``init_rows``' initial vectors: the initializer kinds, a table's seed and the pure function
-of (seed, id, element) every kernel draws (``init_vectors``)."""
+"""``init_rows``: the initializer kinds, a table's seed, the pure function of (seed, id, element)
+every kernel draws (``init_vectors``) and the op's oracle (``init_rows``: those vectors written to
+their rows)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ INITIALIZERS = {"uniform": 0, "normal": 1, "truncated_normal": 2, "constant": 3}
 
 
 INITIALIZER_NAMES = {kind: name for name, kind in INITIALIZERS.items()}
+
+
+PARAM_COUNTS = {"uniform": 2, "normal": 2, "truncated_normal": 4, "constant": 1}
 
 
 TRUNC_NORMAL_ATTEMPTS = 16
@@ -75,3 +79,27 @@ def init_vectors(ids: Tensor, dim: int, seed: int, kind: str, params: Sequence[f
             values = torch.where(outside, redraw, values)
         values = values.clamp(low, high)
     return values[:, :dim].float()
+
+
+def init_rows(
+    table: Tensor,
+    rows: Tensor,
+    ids: Tensor,
+    seed: int,
+    kind: int,
+    params: Sequence[float],
+    states: Sequence[Tensor] = (),
+    state_values: Sequence[float] = (),
+) -> None:
+    """Oracle of ``ops.init_rows``, in place: each id's ``init_vectors`` vector (cast to the table's
+    dtype, rounding to nearest even) into its row (-1: skipped), its optimizer states' rows set to
+    ``state_values``. A parameter past the initializer's own is the first column: the table is a
+    column shard, its vectors columns first.. of the whole table's."""
+    name = INITIALIZER_NAMES[kind]
+    count = PARAM_COUNTS[name]
+    first = int(params[count]) if len(params) > count else 0
+    vectors = init_vectors(ids, first + table.shape[1], seed, name, list(params[:count]))[:, first:]
+    keep = rows >= 0
+    table[rows[keep]] = vectors[keep].to(table.dtype)
+    for state, value in zip(states, state_values):
+        state[rows[keep]] = value

@@ -44,10 +44,12 @@ def round_to_storage(x: Tensor, dtype: torch.dtype, bits: Tensor | None = None) 
     stochastic rounding with 16 random bits per element (``rounding_bits``):
 
     bfloat16: the float32 bit pattern plus r, truncated to its top 16 bits (16 bits are dropped:
-    exactly unbiased). float16: D dropped bits, D = 13 for |x| >= 2^-14 and 126 - biased exponent
-    (up to 23) below, in the subnormal range; the pattern plus r scaled to D bits (r >> (16 - D),
-    or r << (D - 16)), truncated to a multiple of 2^D, which is then exactly a float16. |x| < 2^-24
-    rounds to 2^-24 when r < |x| * 2^40, else to 0. Inf and NaN round to nearest. Truncation is
+    exactly unbiased). float16: |x| + r * g / 2^16 truncated to the float16 grid, g the grid
+    spacing at |x| (2^(e - 10) for |x| in [2^e, 2^(e + 1)), 2^-24 in the subnormal range): what
+    adding r scaled to the D dropped bits of the pattern and truncating gives (D = 13 for |x| >=
+    2^-14, 126 - biased exponent below), and what the CPU kernel computes as one float add and a
+    float16 conversion, both rounding toward zero. Below 2^-24 that is 2^-24 when |x| * 2^40 >=
+    2^16 - r, else 0. Inf and NaN round to nearest. Truncation is
     toward zero in magnitude; the sign is kept. A finite x below the dtype's overflow boundary
     (where round to nearest turns to inf: 65520 for float16) never rounds up to inf: it takes
     the dtype's largest finite value."""
@@ -66,7 +68,7 @@ def round_to_storage(x: Tensor, dtype: torch.dtype, bits: Tensor | None = None) 
         scaled = torch.where(dropped >= 16, bits << (dropped - 16).clamp(min=0), bits >> (16 - dropped).clamp(min=0))
         t = (a + scaled) & ~((torch.ones_like(a) << dropped.clamp(max=62)) - 1)
         tiny = a < 0x33800000
-        away = bits.double() < x.double().abs() * 2.0**40
+        away = x.double().abs() * 2.0**40 >= (65536 - bits).double()  # |x| + r * 2^-40 >= 2^-24, exactly
         t = torch.where(tiny, torch.where(away, torch.full_like(a, 0x33800000), torch.zeros_like(a)), t)
         t = torch.where((t >= 0x47800000) & (a < HALF_OVERFLOW_BOUNDARY), torch.full_like(a, HALF_MAX_BITS), t)
     rounded = (t | sign).to(torch.int32).view(torch.float32).to(dtype)  # exact: t is on the dtype's grid

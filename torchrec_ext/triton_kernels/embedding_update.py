@@ -67,7 +67,7 @@ def _round_stochastic(w, r, TO_HALF: tl.constexpr):
         dropped = tl.minimum(tl.maximum(126 - (a >> 23), 13), 24)  # (24: only the tiny case below)
         scaled = tl.where(dropped >= 16, r << tl.maximum(dropped - 16, 0), r >> tl.maximum(16 - dropped, 0))
         t = (a + scaled) & ~((tl.full(a.shape, 1, tl.int64) << dropped) - 1)
-        away = r.to(tl.float32) < tl.abs(w) * 1099511627776.0  # 2^40
+        away = tl.abs(w) * 1099511627776.0 >= (65536 - r).to(tl.float32)  # |w| + r * 2^-40 >= 2^-24
         t = tl.where(a < 0x33800000, tl.where(away, 0x33800000, 0), t)
         t = tl.where((t >= 0x47800000) & (a < 0x477FF000), 0x477FE000, t)  # finite stays finite
     else:

@@ -1,0 +1,336 @@
+"""Where a module's rows live: one flat buffer of 4-byte words holding every table's vectors, and
+the float32 optimizer state, laid out table after table.
+
+Table t's [capacity_t, dim_t] rows start at word ``table_offsets[t]``, packed in the table's storage
+dtype (float32, float16 or bfloat16 from its config's ``data_type``): the layout the kernels take.
+Element-wise optimizer states lie the tables back to back, row-wise ones one float per row. A
+table's fallback rows follow its capacity rows. ``TableStorage`` holds the buffers, their layout
+descriptors (on the CPU, mirrored to the storage's device), the per-table views and the byte
+accounting; ``TableMeta`` is one table's settings.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from torchrec_ext import device_sync
+from torchrec_ext.modules.fused_optimizer import OptimizerSpec
+from torchrec_ext.modules.pending_rows import pending_rows_written
+from torchrec_ext.modules.reserved_buffers import ReservedBuffer
+from torchrec_ext.vocabulary import (
+    OPTIMIZER_STATES,
+    ROWWISE_STATE,
+    dense_state_offsets,
+    index_bytes,
+    row_map_bytes,
+    table_words,
+)
+
+
+@dataclass
+class TableMeta:
+    """One table's settings, from its config, and its capacity now."""
+
+    name: str
+    capacity: int  # rows of storage now (the index's capacity); grows up to max_capacity
+    dim: int
+    policy: str
+    seed: int
+    init_kind: int
+    init_params: tuple[float, ...]
+    admission: str | None  # the strategy's name (None: every id is admitted)
+    options: object  # the config's DynamicTableOptions, which the strategy is built from
+    ttl_steps: int | None
+    dtype: torch.dtype = torch.float32  # storage dtype of the vectors
+    rounding_seed: int = 0  # stochastic rounding of half rows: the stream's seed; 0: to nearest
+    fallback_rows: int = 0  # K shared rows after the capacity rows (0: none)
+    fallback_seed: int = 0  # the fallback-row hash's seed
+    max_capacity: int = 0  # num_embeddings: what the table may grow to
+    initial_capacity: int = 0  # what it starts with (and returns to on reset)
+    growth_load_factor: float = 1.0  # the load past which it doubles
+
+    @property
+    def may_grow(self) -> bool:
+        """Whether the table grows at all (its index then maps slots to rows: growth keeps rows)."""
+        return self.max_capacity > self.initial_capacity
+
+    @property
+    def grows(self) -> bool:
+        """Whether the table may still grow."""
+        return self.capacity < self.max_capacity
+
+    def fit_capacity(self, live: int, start: int | None = None) -> int:
+        """The capacity, doubling from ``start`` (default: the current one) up to max_capacity, at
+        which ``live`` rows are within the growth load factor."""
+        capacity = self.capacity if start is None else start
+        while capacity < self.max_capacity and live > self.growth_load_factor * capacity:
+            capacity = min(2 * capacity, self.max_capacity)
+        return capacity
+
+    @property
+    def rows(self) -> int:
+        """Rows of storage: the index's capacity rows, then the fallback rows."""
+        return self.capacity + self.fallback_rows
+
+
+def allocate_filled(numel: int, value: float, device: torch.device) -> Tensor:
+    """A float32 buffer filled with ``value``; on CPU backed by transparent huge pages where the
+    kernel offers them, since rows are touched at random and 4 KiB pages make each a TLB miss."""
+    buf = torch.empty(numel, dtype=torch.float32, device=device)
+    if device.type == "cpu" and numel * 4 >= _HUGE_PAGE:
+        _advise_huge_pages(buf)
+    if device.type != "meta":
+        buf.fill_(value)
+    return buf
+
+
+_HUGE_PAGE = 2 << 20
+
+
+def _advise_huge_pages(buf: Tensor) -> None:
+    start = -(-buf.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+    end = (buf.data_ptr() + buf.numel() * buf.element_size()) // _HUGE_PAGE * _HUGE_PAGE
+    if end > start and _libc is not None:
+        _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)  # best effort
+
+
+_MADV_HUGEPAGE = 14
+try:
+    _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+except OSError:  # pragma: no cover
+    _libc = None
+
+
+class TableStorage:
+    """The storage part of ``DynamicTables``: vectors and optimizer state of all tables, their
+    layout, the views of one table and the byte accounting. ``DynamicTables.__init__`` sets the
+    attributes; ``write_new_rows`` (pending rows written before the optimizer state changes) is
+    ``IdsToRows``'."""
+
+    meta: list[TableMeta]
+    weights: Tensor
+    states: list[Tensor]
+    optimizer: OptimizerSpec | None
+
+    def _compute_layout(self) -> list[int]:
+        """Where each table's rows and optimizer state start in the flat buffers, from the tables'
+        current capacities; returns each table's words of vectors."""
+        # Fallback rows are rows of their table's storage after its capacity rows: the kernels
+        # read, pool and step them as any row; only the index never hands them out.
+        sizes = [table_words(m.rows, m.dim, m.dtype) for m in self.meta]
+        # Layout descriptors and counters live on the CPU (named explicitly, so that a module
+        # built under ``with torch.device("meta")`` keeps them); layouts are copied to the
+        # storage's device as needed.
+        cpu = torch.device("cpu")
+        self.table_offsets = (
+            torch.tensor([0] + sizes[:-1], dtype=torch.int64, device=cpu).cumsum(0)
+            if sizes
+            else torch.zeros(0, dtype=torch.int64, device=cpu)
+        )
+        self.state_row_offsets = torch.tensor(
+            [0] + [m.rows for m in self.meta][:-1], dtype=torch.int64, device=cpu
+        ).cumsum(0)
+        self.dense_state_offsets = dense_state_offsets([m.rows for m in self.meta], [m.dim for m in self.meta])
+        # Per table: capacity, fallback rows and fallback seed (None: no table has fallback rows).
+        self.fallback_layout = (
+            torch.tensor(
+                [[m.capacity, m.fallback_rows, m.fallback_seed] for m in self.meta], dtype=torch.int64, device=cpu
+            )
+            if any(m.fallback_rows for m in self.meta)
+            else None
+        )
+        self._device_layout = {}
+        return sizes
+
+    def register_parameter_owner(self, owner: object) -> None:
+        """``owner.weight`` (a table module's parameter, table ``owner._index``) views this storage:
+        re-pointed at the new storage when a growth replaces it."""
+        self._parameter_owners.add(owner)
+
+    def _rebind_parameters(self) -> None:
+        for owner in list(self._parameter_owners):
+            if getattr(owner, "_tables", None) is self:
+                owner.weight.data = self.table_view(owner._index)
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights.device
+
+    def table_view(self, t: int) -> Tensor:
+        """Table t's [capacity, dim] rows, in its storage dtype (a view of the word buffer)."""
+        return self._storage_view(t)[: self.meta[t].capacity]
+
+    def fallback_view(self, t: int) -> Tensor:
+        """Table t's [fallback_rows, dim] fallback rows (after its capacity rows)."""
+        return self._storage_view(t)[self.meta[t].capacity :]
+
+    def _storage_view(self, t: int) -> Tensor:
+        m = self.meta[t]
+        start = int(self.table_offsets[t])
+        words = self.weights[start : start + table_words(m.rows, m.dim, m.dtype)]
+        return words.view(m.dtype)[: m.rows * m.dim].view(m.rows, m.dim)
+
+    def state_views(self, t: int, fallback: bool = False) -> dict[str, Tensor]:
+        """This table's optimizer state: [capacity, dim] per element-wise state, [capacity] row-wise
+        (fallback: the fallback rows' state, [fallback_rows, dim] / [fallback_rows])."""
+        if self.optimizer is None:
+            return {}
+        m = self.meta[t]
+        first, count = (m.capacity, m.fallback_rows) if fallback else (0, m.capacity)
+        views = {}
+        for name, buf in zip(OPTIMIZER_STATES[self.optimizer.kind], self.states):
+            if self.optimizer.kind in ROWWISE_STATE:
+                start = int(self.state_row_offsets[t]) + first
+                views[name] = buf[start : start + count]
+            else:
+                start = self.dense_state_offsets[t] + first * m.dim
+                views[name] = buf[start : start + count * m.dim].view(count, m.dim)
+        return views
+
+    def layout(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(table_offsets, table_dims, state_row_offsets) on the storage's device."""
+        return self._on_device()[:3]
+
+    def dtype_layout(self) -> tuple[Tensor | None, Tensor | None]:
+        """(table_dtypes, rounding_seeds) on the storage's device, each None when not needed."""
+        return self._on_device()[3:5]
+
+    def _on_device(self) -> tuple[Tensor | None, ...]:
+        dev = self.device
+        if dev not in self._device_layout:
+            # Mirrored: the kernels read their host values (the widest dim) without a sync.
+            self._device_layout[dev] = tuple(
+                None if t is None else device_sync.mirror(t.to(dev), t)
+                for t in (
+                    self.table_offsets,
+                    self.table_dims,
+                    self.state_row_offsets,
+                    self.table_dtypes,
+                    self.rounding_seeds,
+                    self.fallback_layout,
+                )
+            )
+        return self._device_layout[dev]
+
+    def _all_state_views(self, t: int) -> list[Tensor]:
+        """Table t's optimizer state, every row (capacity rows, then fallback rows)."""
+        m = self.meta[t]
+        rowwise = self.optimizer is not None and self.optimizer.kind in ROWWISE_STATE
+        if rowwise:
+            start = int(self.state_row_offsets[t])
+            return [buf[start : start + m.rows] for buf in self.states]
+        start = self.dense_state_offsets[t]
+        return [buf[start : start + m.rows * m.dim].view(m.rows, m.dim) for buf in self.states]
+
+    # ------------------------------------------------------------------ buffers
+
+    @pending_rows_written
+    def set_optimizer(self, spec: OptimizerSpec) -> None:
+        """Allocates (or keeps, when the kind is unchanged) the optimizer state for ``spec``."""
+        if self.optimizer is not None and self.optimizer.kind == spec.kind:
+            self.optimizer = spec
+            self._init_views = None  # the fill values may have changed
+            return
+        size = sum(m.rows * (1 if spec.kind in ROWWISE_STATE else m.dim) for m in self.meta)
+        self.optimizer = spec
+        self.states = [
+            self._allocate_buffer(name, size, value, self.device)
+            for name, value in zip(OPTIMIZER_STATES[spec.kind], self._initial_state_values())
+        ]
+        self._init_views = None
+
+    def _allocate_buffer(
+        self, name: str, numel: int, value: float, device: torch.device, untouched: bool = False
+    ) -> Tensor:
+        """The flat buffer ``name`` ("weights" or an optimizer state) of ``numel`` elements, filled
+        with ``value`` (a hook: tiered tables keep these in a cache over a backing store).
+
+        On CPU, a module whose tables may grow keeps each buffer at the start of address space
+        reserved for all tables at num_embeddings (``ReservedBuffer``: memory is taken only by the
+        pages written). ``untouched`` (a relayout): the buffer may then be the current one of that
+        name, resized in place with its contents as they were (the caller moves rows and fills
+        the rest); otherwise it is filled."""
+        if device.type != "cpu" or not any(m.max_capacity > m.initial_capacity for m in self.meta):
+            return allocate_filled(numel, value, device)
+        reserved = self._reserved.get(name)
+        if reserved is None or reserved.numel_max < numel:
+            try:
+                reserved = ReservedBuffer(max(numel, self._max_numel(name)))
+            except (OSError, OverflowError):  # no address space to reserve (strict overcommit, ulimit -v)
+                self._reserved.pop(name, None)
+                return allocate_filled(numel, value, device)
+            self._reserved[name] = reserved
+            untouched = False
+        buf = reserved.view(numel)
+        if not untouched:
+            buf.fill_(value)
+        return buf
+
+    def _max_numel(self, name: str) -> int:
+        """Elements of buffer ``name`` once every table is at num_embeddings."""
+        if name == "weights":
+            return sum(table_words(m.max_capacity + m.fallback_rows, m.dim, m.dtype) for m in self.meta)
+        rowwise = self.optimizer is not None and self.optimizer.kind in ROWWISE_STATE
+        return sum((m.max_capacity + m.fallback_rows) * (1 if rowwise else m.dim) for m in self.meta)
+
+    def _init_view(self, t: int) -> tuple[Tensor, list[Tensor], list[float]]:
+        """Table t's [capacity, dim] rows, its states as [capacity, width], and their initial values."""
+        if self._init_views is None:  # per-table views, built once per storage and optimizer
+            self._init_views = []
+            for i in range(len(self.meta)):
+                views = self.state_views(i)
+                self._init_views.append(
+                    (
+                        self.table_view(i),
+                        [v if v.dim() == 2 else v.unsqueeze(1) for v in views.values()],
+                        self._initial_state_values(),
+                    )
+                )
+        return self._init_views[t]
+
+    def _initial_state_values(self) -> list[float]:
+        """One initial value per optimizer state buffer, in ``self.states`` order (none without an
+        optimizer)."""
+        return [] if self.optimizer is None else list(self.optimizer.initial_state_values())
+
+    # ------------------------------------------------------------------ accounting
+
+    def storage_bytes(self, maximum: bool = False) -> int:
+        """Bytes of vectors, optimizer state and index metadata (digest, key, score per slot), last-seen
+        steps and admission state, as allocated now; ``maximum``: what they take once every growing
+        table reached num_embeddings (the same for tables that do not grow)."""
+        if maximum:
+            return self._bytes_at([m.max_capacity for m in self.meta])
+        total = self.weights.numel() * 4 + sum(s.numel() * s.element_size() for s in self.states)
+        for index, last_seen, admission in zip(self.indexes, self.last_seen, self.admission):
+            if index is not None:
+                total += index.metadata_bytes()
+            if last_seen is not None:
+                total += last_seen.numel() * last_seen.element_size()
+            if admission is not None:
+                total += admission.nbytes()
+        return total
+
+    def _bytes_at(self, capacities: Sequence[int]) -> int:
+        """storage_bytes() of these tables at ``capacities`` (the byte model of the planner)."""
+        total = 0
+        per_row = len(self.states) * 4 if self.optimizer is not None else 0
+        for c, m, admission in zip(capacities, self.meta, self.admission):
+            total += table_words(c + m.fallback_rows, m.dim, m.dtype) * 4
+            total += (
+                (c + m.fallback_rows)
+                * per_row
+                * (1 if self.optimizer is None or self.optimizer.kind in ROWWISE_STATE else m.dim)
+            )
+            total += index_bytes(c) + (row_map_bytes(c) if m.may_grow else 0)
+            total += 8 * c if m.ttl_steps else 0
+            total += admission.nbytes() if admission is not None else 0
+        return total

@@ -409,6 +409,14 @@ def _sharded_ec_against_unsharded(rank, world_size):
                 loss, ref_loss = loss + out[key].values().sum(), ref_loss + want[key].values().sum()
             loss.backward()
             ref_loss.backward()  # each id's gradient comes whole from its own rank
+        no_inverse = KeyedJaggedTensor(
+            keys=keys,
+            values=batches[rank].values(),
+            lengths=batches[rank].lengths(),
+            stride_per_key_per_rank=batches[rank].stride_per_key_per_rank(),
+        )
+        with pytest.raises(ValueError, match="ShardedDynamicEmbeddingCollection: .* needs inverse_indices"):
+            dmp(no_inverse)
         whole_state = full_state_dict(dmp.state_dict())
         assert_same_tables(whole_state, {"ec." + k: v for k, v in reference.state_dict().items()}, "ec.embeddings.")
 

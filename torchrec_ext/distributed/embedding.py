@@ -109,7 +109,7 @@ class ShardedDynamicEmbeddingCollection(
         ctx.vbe_strides = None
         if features.variable_stride_per_key():  # as TorchRec's sharded EC: pad, then trim each feature's output
             ctx.vbe_strides = dict(zip(features.keys(), features.stride_per_key()))
-            features = _padded_to_one_batch_size(features)
+            features = _padded_to_one_batch_size(features, type(self).__name__)
         batch = check_and_arrange(features, self._plan, False, type(self).__name__, self._device)
         routed, ctx.order, ctx.expand = self._routing.route(batch.ids, batch.lengths, None, batch.batch_size)
         ctx.routed_counts = routed.lengths().view(self._world_size, len(self._routing.names), -1).sum(-1)
@@ -209,13 +209,18 @@ class ShardedDynamicEmbeddingCollection(
         return self._embedding_configs
 
 
-def _padded_to_one_batch_size(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+def _padded_to_one_batch_size(features: KeyedJaggedTensor, where: str) -> KeyedJaggedTensor:
     """A variable-batch KJT as one of the rank's batch size (its ``inverse_indices``' width, which
-    the ranks share as they do a stride; else the largest stride), each feature's bags followed by
+    the ranks share as they do a stride), each feature's bags followed by
     empty ones, as TorchRec's sharded EC pads them: the ids, hence the vectors, are unchanged."""
     strides = features.stride_per_key()
     inverse = features.inverse_indices_or_none()
-    batch = max([*strides, inverse[1].shape[-1] if inverse is not None else 0])
+    if inverse is None:  # as the unsharded modules: without it no rank knows the batch size
+        raise ValueError(
+            f"{where}: a KJT with a variable batch size per feature needs inverse_indices (which "
+            "of its bags each sample reads), got none"
+        )
+    batch = max([*strides, inverse[1].shape[-1]])
     lengths = features.lengths().new_zeros(len(strides), batch)
     for i, part in enumerate(torch.split(features.lengths(), strides)):
         lengths[i, : strides[i]] = part

@@ -351,11 +351,16 @@ def test_sharded_variable_batch_equals_unsharded_on_two_ranks(sharding):
 
 
 def _sharded_ec_against_unsharded(rank, world_size):
-    """VBE KJTs through the sharded EC (row-wise and table-wise, DMP): each feature's own bags (as
+    """VBE KJTs through the sharded EC (row-, table- and column-wise, DMP): each feature's own bags (as
     TorchRec's sharded EC gives them), with the vectors and trained tables of the unsharded EC fed
     the ranks' bags together."""
     from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.sharding_plan import (
+        column_wise,
+        construct_module_sharding_plan,
+        row_wise,
+        table_wise,
+    )
     from torchrec.distributed.types import ShardingPlan
 
     from dist_helpers import assert_same_tables
@@ -370,11 +375,16 @@ def _sharded_ec_against_unsharded(rank, world_size):
         optimizer="adagrad",
         optimizer_kwargs={"lr": 0.1},
     )
-    for spec in (row_wise(), table_wise(rank=1)):
+    specs = (
+        (row_wise(), table_wise(rank=0)),
+        (table_wise(rank=1), table_wise(rank=0)),
+        (column_wise(ranks=[0, 1]), column_wise(ranks=[1, 0])),  # every rank has columns of both
+    )
+    for t1, t2 in specs:
         reference, model = make(), ModelWith("ec", make())
         plan = construct_module_sharding_plan(
             model.ec,
-            {"t1": spec, "t2": table_wise(rank=0)},
+            {"t1": t1, "t2": t2},
             sharder=DynamicEmbeddingCollectionSharder(),
             local_size=world_size,
             world_size=world_size,

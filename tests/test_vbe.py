@@ -343,6 +343,8 @@ def _sharded_fp_against_unsharded(rank, world_size, sharding):
 def _sharded_cases(rank, world_size, sharding):
     _sharded_against_unsharded(rank, world_size, sharding)
     _sharded_fp_against_unsharded(rank, world_size, sharding)
+    if sharding == "row_wise":  # the EC's cases (row-, table- and column-wise) once, in the same ranks
+        _sharded_ec_against_unsharded(rank, world_size)
 
 
 @pytest.mark.parametrize("sharding", ["row_wise", "table_wise"])
@@ -429,7 +431,3 @@ def _sharded_ec_against_unsharded(rank, world_size):
             dmp(no_inverse)
         whole_state = full_state_dict(dmp.state_dict())
         assert_same_tables(whole_state, {"ec." + k: v for k, v in reference.state_dict().items()}, "ec.embeddings.")
-
-
-def test_sharded_sequence_module_takes_variable_batch_kjts_on_two_ranks():
-    run_ranks(_sharded_ec_against_unsharded, 2)

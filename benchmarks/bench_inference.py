@@ -9,7 +9,7 @@ pooling, `pooling` ids per bag (a fraction `unseen` of them ids no table holds).
   mapped to row indices beforehand (unseen ids to a zero row), untimed;
 - ours_int8 / ours_fp16 / ours_fp32: convert_to_inference of the same rows, fed the raw ids;
 - ours_hash_step: of ours_int8's work, the KJT checks and the id -> row step alone (one
-  ``hash_find`` per table), to show where the time goes.
+  ``serving_find`` over every table's read index), to show where the time goes.
 
 Per batch size (1, 64, 512), every system runs the same `calls` batches in turn (interleaved, so
 load from other processes falls on all alike); each call's wall time gives p50 / p99 latency and
@@ -130,7 +130,7 @@ def main() -> None:
     }
     systems = {"torchrec_int8": (theirs, 1)} if "torchrec_int8" in cfg.systems else {}
     systems.update({name: (module, 0) for name, module in ours.items()})
-    if "ours_hash_step" in cfg.systems:  # the id -> row step alone: KJT checks and one hash_find per table
+    if "ours_hash_step" in cfg.systems:  # the id -> row step alone: KJT checks and one serving_find
         tables = convert_to_inference(skeleton, state_dict=state, data_type="int8")._tables
         systems["ours_hash_step"] = (
             lambda kjt: tables.rows_of(check_and_arrange(kjt, tables.plan, False, "", None)),

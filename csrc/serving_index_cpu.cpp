@@ -7,20 +7,21 @@
 // per id (~30 ns at 500K rows). Here one id costs one hash and, almost always, one cache line:
 //
 //   index: int64 [num_buckets * 8], one 64-byte bucket per 8 words:
-//     words 0..4          up to 5 keys (any int64 is a key: occupancy is the count, not a key
-//     value) int32 at bytes 40+4i  the row of key i (0 <= row < 2^31) int32 at byte 60      meta:
-//     count of keys (bits 0..7) | kOverflowBit
-//   A key's home bucket is fastrange64(fmix64(key ^ kServingSeed), num_buckets); it lives in the
+//   - words 0..4: up to 5 keys (any int64 is a key: occupancy is the count, not a key value);
+//   - int32 at byte 40 + 4i: the row of key i (0 <= row < 2^31);
+//   - int32 at byte 60: meta, the count of keys (bits 0..7) | kOverflowBit.
+//   A key's home bucket is fastrange32((key ^ kServingSeed) * kServingMultiplier >> 32,
+//   num_buckets) (see home_bucket; at most 2^32 buckets); it lives in the
 //   first bucket from its home (cyclically) that had room when it was inserted, and every bucket
 //   it passed has kOverflowBit set. So a find stops at the first bucket without the bit. Erases
 //   move a bucket's last key into the hole and leave the bits (a stale bit costs a probe, never
 //   a wrong answer); the Python side rebuilds the index when it grows past its load target.
 //   An all-zero tensor is an empty index.
 //
-// Finds run a pipeline: the home bucket of id i + kLookahead is prefetched while id i is probed,
-// so ~kLookahead misses are in flight. The 5-key compare is one AVX-512 instruction where the
-// CPU has it (runtime dispatch; TORCHREC_EXT_NO_AVX512=1 takes the portable branch-free loop,
-// which gives the same rows).
+// Finds run a pipeline: the home buckets of ids i + kLookahead.. are prefetched while id i is
+// probed, so ~kLookahead misses are in flight. Where the CPU has AVX-512 (runtime dispatch;
+// TORCHREC_EXT_NO_AVX512=1 takes the portable code, which gives the same rows) 8 ids are hashed
+// at once and a bucket's 5 keys are compared in one instruction.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -49,7 +50,9 @@ constexpr int kMetaAt = 15;  // int32 position of the meta word
 constexpr int32_t kCountMask = 0xFF;
 constexpr int32_t kOverflowBit = 0x100;
 constexpr uint64_t kServingSeed = 0x2545F4914F6CDD1Dull;
-constexpr int kLookahead = 32;  // a power of two (ring index)
+constexpr uint64_t kServingMultiplier = 0x9E3779B97F4A7C15ull;  // 2^64 / golden ratio, odd
+constexpr int64_t kMaxBuckets = int64_t{1} << 32;               // fastrange32's range
+constexpr int kLookahead = 32;                                  // a power of two (ring index)
 constexpr int64_t kGrainIds = 16384;
 
 // Bucket words are int64; rows and meta are int32 halves, read and written through memcpy (no
@@ -63,32 +66,55 @@ inline void store_i32(int64_t* bucket, int at, int32_t v) {
   std::memcpy(reinterpret_cast<char*>(bucket) + 4 * at, &v, sizeof(v));
 }
 
+// Multiplicative (Fibonacci) hashing: the high 32 bits of (key ^ seed) * golden, mapped onto
+// the buckets by fastrange32. Every key bit reaches them, and it is a handful of instructions:
+// a find is bound by how many ids' misses the core keeps in flight, so fewer instructions per id
+// mean more ids in its window (MurmurHash's finaliser here cost ~30% more per id at 500K keys).
 inline int64_t home_bucket(int64_t key, int64_t num_buckets) {
-  const uint64_t h = fmix64(static_cast<uint64_t>(key) ^ kServingSeed);
-  return static_cast<int64_t>(
-      (static_cast<unsigned __int128>(h) * static_cast<uint64_t>(num_buckets)) >> 64);
+  const uint64_t h = (static_cast<uint64_t>(key) ^ kServingSeed) * kServingMultiplier;
+  return static_cast<int64_t>(((h >> 32) * static_cast<uint64_t>(num_buckets)) >> 32);
 }
 
 // Slot of `key` among a bucket's first `count` keys, or -1: portable and branch-free.
 struct ScalarSlot {
+  static constexpr bool kHashes8 = false;
   static inline int slot_of(const int64_t* bucket, int64_t key, int count) {
     int slot = -1;
     for (int i = kKeysPerBucket - 1; i >= 0; --i) slot = (i < count && bucket[i] == key) ? i : slot;
     return slot;
   }
+  static inline void home_buckets8(const int64_t*, const int64_t*, int64_t, const int64_t**) {}
 };
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#define TREXT_SERVING_AVX512 __attribute__((target("avx512f")))
-const bool kServingAvx512 =
-    __builtin_cpu_supports("avx512f") && std::getenv("TORCHREC_EXT_NO_AVX512") == nullptr;
+// GCC 12 warns that the intrinsics' _mm512_undefined_* sources may be uninitialised (they are
+// meant to be: every lane is written)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#define TREXT_SERVING_AVX512 __attribute__((target("avx512f,avx512dq")))
+const bool kServingAvx512 = __builtin_cpu_supports("avx512f") &&
+                            __builtin_cpu_supports("avx512dq") &&
+                            std::getenv("TORCHREC_EXT_NO_AVX512") == nullptr;
 
-// One compare of the bucket's 8 words; the lanes past `count` (rows, meta) are masked out.
 struct Avx512Slot {
+  static constexpr bool kHashes8 = true;
+  // One compare of the bucket's 8 words; the lanes past `count` (rows, meta) are masked out.
   TREXT_SERVING_AVX512 static inline int slot_of(const int64_t* bucket, int64_t key, int count) {
     const __mmask8 m = _mm512_cmpeq_epi64_mask(_mm512_loadu_si512(bucket), _mm512_set1_epi64(key)) &
                        static_cast<__mmask8>((1u << count) - 1u);
     return m ? __builtin_ctz(m) : -1;
+  }
+  // home_bucket of 8 ids of one table at once: out[i] = its bucket's first word.
+  TREXT_SERVING_AVX512 static inline void home_buckets8(const int64_t* ids, const int64_t* words,
+                                                        int64_t num_buckets, const int64_t** out) {
+    const __m512i h =
+        _mm512_mullo_epi64(_mm512_xor_si512(_mm512_loadu_si512(ids),
+                                            _mm512_set1_epi64(static_cast<int64_t>(kServingSeed))),
+                           _mm512_set1_epi64(static_cast<int64_t>(kServingMultiplier)));
+    const __m512i b = _mm512_srli_epi64(
+        _mm512_mul_epu32(_mm512_srli_epi64(h, 32), _mm512_set1_epi64(num_buckets)), 32);
+    const __m512i at = _mm512_add_epi64(_mm512_set1_epi64(reinterpret_cast<int64_t>(words)),
+                                        _mm512_slli_epi64(b, 6));
+    _mm512_storeu_si512(reinterpret_cast<void*>(out), at);
   }
 };
 #else
@@ -121,37 +147,72 @@ struct IndexRef {
 };
 
 // Rows of ids [begin, end): table t's ids are [offsets[t], offsets[t + 1]); absent ids get
-// default_rows[t]. The home bucket of id i + kLookahead is prefetched while id i is probed.
+// default_rows[t]. Ids go in groups of kGroup: the home buckets of group k + kLookahead / kGroup
+// are computed (8 at once where the CPU can) and prefetched while group k is probed. The ring
+// keeps what a probe needs and no more (the common case reads one bucket).
+constexpr int kGroup = 8;
+static_assert(kLookahead % kGroup == 0, "the ring holds whole groups");
+
 template <typename Slot>
 __attribute__((always_inline)) inline void find_range(const IndexRef* tables,
                                                       const int64_t* offsets,
                                                       const int64_t* default_rows,
                                                       int64_t num_tables, const int64_t* ids,
                                                       int64_t begin, int64_t end, int64_t* rows) {
-  struct Pending {
-    const IndexRef* table;
-    int64_t bucket;
-    int64_t key;
-    int64_t fallback;
-  };
-  Pending ring[kLookahead];
+  const int64_t* bucket_of[kLookahead];  // ring positions (j - begin) % kLookahead
+  int64_t key_of[kLookahead];
+  int64_t table_of[kLookahead];
   // The table of id `begin`: the last t with offsets[t] <= begin.
   int64_t t = std::upper_bound(offsets, offsets + num_tables + 1, begin) - offsets - 1;
-  for (int64_t i = begin; i < end + kLookahead; ++i) {
-    Pending& p = ring[i & (kLookahead - 1)];
-    if (i - kLookahead >= begin) {
-      const Where w = locate<Slot>(p.table->words, p.table->num_buckets, p.bucket, p.key);
-      rows[i - kLookahead] =
-          w.bucket >= 0 ? load_i32(p.table->words + w.bucket * kWordsPerBucket, kRowsAt + w.slot)
-                        : p.fallback;
+  int64_t table_end = offsets[t + 1];
+  const int64_t* words = tables[t].words;
+  int64_t num_buckets = tables[t].num_buckets;
+  auto to_table_of = [&](int64_t j) {  // the tables are walked forwards only
+    while (j >= table_end) {
+      ++t;
+      table_end = offsets[t + 1];
+      words = tables[t].words;
+      num_buckets = tables[t].num_buckets;
     }
-    if (i < end) {
-      while (i >= offsets[t + 1]) ++t;
-      p.table = tables + t;
-      p.key = ids[i];
-      p.bucket = home_bucket(p.key, p.table->num_buckets);
-      p.fallback = default_rows[t];
-      __builtin_prefetch(p.table->words + p.bucket * kWordsPerBucket);
+  };
+  for (int64_t g = begin; g < end + kLookahead; g += kGroup) {
+    const int64_t first = std::max(begin, g - kLookahead),
+                  last = std::min(end, g - kLookahead + kGroup);
+    for (int64_t j = first; j < last; ++j) {  // probe
+      const int r = static_cast<int>((j - begin) & (kLookahead - 1));
+      const int64_t* bucket = bucket_of[r];
+      const int32_t meta = load_i32(bucket, kMetaAt);
+      const int slot = Slot::slot_of(bucket, key_of[r], meta & kCountMask);
+      int64_t row = slot >= 0 ? load_i32(bucket, kRowsAt + slot) : default_rows[table_of[r]];
+      if (__builtin_expect(slot < 0 && (meta & kOverflowBit), 0)) {  // it may lie further on
+        const IndexRef& ix = tables[table_of[r]];
+        const int64_t next = (bucket - ix.words) / kWordsPerBucket + 1;
+        const Where w =
+            locate<Slot>(ix.words, ix.num_buckets, next == ix.num_buckets ? 0 : next, key_of[r]);
+        if (w.bucket >= 0) row = load_i32(ix.words + w.bucket * kWordsPerBucket, kRowsAt + w.slot);
+      }
+      rows[j] = row;
+    }
+    const int64_t stop = std::min(end, g + kGroup);
+    if (g >= stop) continue;
+    to_table_of(g);
+    const int r0 = static_cast<int>((g - begin) & (kLookahead - 1));
+    if (Slot::kHashes8 && stop - g == kGroup && stop <= table_end) {  // place: one table's 8 ids
+      Slot::home_buckets8(ids + g, words, num_buckets, bucket_of + r0);
+      for (int i = 0; i < kGroup; ++i) {
+        key_of[r0 + i] = ids[g + i];
+        table_of[r0 + i] = t;
+        __builtin_prefetch(bucket_of[r0 + i]);
+      }
+      continue;
+    }
+    for (int64_t j = g; j < stop; ++j) {
+      to_table_of(j);
+      const int r = static_cast<int>((j - begin) & (kLookahead - 1));
+      key_of[r] = ids[j];
+      bucket_of[r] = words + home_bucket(key_of[r], num_buckets) * kWordsPerBucket;
+      table_of[r] = t;
+      __builtin_prefetch(bucket_of[r]);
     }
   }
 }

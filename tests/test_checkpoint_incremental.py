@@ -58,6 +58,8 @@ def _train_and_save(tmp_path, full_every=3, keep=0):
             model.train()
         if step in SAVES:
             ckpts.save(step, {"optim": opt.state_dict(), "step": step})
+            # The next link starts at the token just taken: the log keeps nothing older.
+            assert model.ebc._tables.delta_log.logged == 0
             save_checkpoint(
                 str(tmp_path / "full"), step, {"model": model.state_dict(), "optim": opt.state_dict()}, keep=0
             )
@@ -104,6 +106,24 @@ def test_every_link_loads_exactly_the_full_save_of_its_step(tmp_path, one_rank_g
         if payload["kind"] == "delta":
             assert any(t["tombstones"].numel() for t in payload["modules"]["ebc"].values())
     assert kinds == {2: "base", 4: "delta", 6: "delta", 8: "base", 10: "delta"}
+
+
+def test_a_link_serves_as_the_full_save_of_its_step(tmp_path, one_rank_group):
+    """load_inference_checkpoint of a delta link (tables replayed from the base, expired ids left
+    out) gives the serving model that the full save of the same step gives: same lookups, same
+    dense layer."""
+    from torchrec_ext.inference import load_inference_checkpoint
+
+    _train_and_save(tmp_path)
+    for step in (6, 10):  # base 2 + deltas 4, 6; base 8 + delta 10
+        from_chain = load_inference_checkpoint(str(tmp_path / "inc" / f"step_{step}"), _Model(1))
+        from_full = load_inference_checkpoint(str(tmp_path / "full" / f"step_{step}"), _Model(2))
+        assert from_chain.ebc.num_live_rows() == from_full.ebc.num_live_rows() > 0
+        for seed in (step, step + 100, step + 1000):  # held, evicted and unseen ids
+            assert torch.equal(from_chain.ebc(_batch(seed)).values(), from_full.ebc(_batch(seed)).values())
+        assert torch.equal(from_chain.dense.weight, from_full.dense.weight)
+    with pytest.raises(ValueError, match="incremental checkpoint keeps the model under key 'model', got key='net'"):
+        load_inference_checkpoint(str(tmp_path / "inc" / "step_6"), _Model(1), key="net")
 
 
 def test_a_damaged_or_missing_link_is_refused_and_the_newest_verified_one_is_found(tmp_path, one_rank_group):
@@ -179,6 +199,21 @@ def _sharded(rank, world_size, root):
         _assert_same(got, want)
         _assert_same(got, seen[step])
     assert latest_checkpoint(os.path.join(root, "inc")) == (10, os.path.join(root, "inc", "step_10"))
+    # Served from the chain (both ranks' shares merged) as from the full save of the step.
+    from test_deltas_sharded import ModelWith, _configs
+    from torchrec_ext import DynamicEmbeddingBagCollection
+    from torchrec_ext.inference import load_inference_checkpoint
+
+    served = [
+        load_inference_checkpoint(
+            os.path.join(root, kind, "step_10"), ModelWith("ebc", DynamicEmbeddingBagCollection(_configs()))
+        )
+        for kind in ("inc", "full")
+    ]
+    assert served[0].ebc.num_live_rows() == served[1].ebc.num_live_rows() > 0
+    for seed in (9, 10, 50):
+        kjt = sharded_batch(seed, rank)
+        assert torch.equal(served[0].ebc(kjt).values(), served[1].ebc(kjt).values())
 
 
 def test_two_ranks_load_exactly_the_full_save_of_the_step(tmp_path):

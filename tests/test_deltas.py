@@ -327,6 +327,36 @@ def test_released_and_dropped_tokens_are_refused():
         source.export_delta(since=3)
 
 
+def test_named_consumers_free_what_none_of_them_needs():
+    """Two consumers of one module (a serving exporter, incremental checkpoints): a release by one
+    frees only what the other no longer needs either, so its older token still exports; once both
+    moved on, the log holds nothing older than their tokens (it does not grow with every token)."""
+    source = _module("ebc")
+    _train(source, range(2))
+    serve = source.delta_token(consumer="serve")
+    _train(source, range(2, 5))
+    ckpt = source.delta_token(consumer="ckpt")
+    _train(source, range(5, 8))
+    log = source._tables.delta_log
+    held = log.logged
+    assert held > 0
+    source.release_deltas(before=ckpt, consumer="ckpt")  # serve's older token is still needed
+    assert log.logged == held
+    tombstones = {n: t.tombstones for n, t in source.export_delta(since=serve).tables.items()}
+    assert any(t.numel() for t in tombstones.values()), "no evictions: the test does not test the log"
+    for step in range(8, 40):  # both export and release each step: the log stays at one step's ids
+        _train(source, [step])
+        for name, token in (("serve", serve), ("ckpt", ckpt)):
+            delta = source.export_delta(since=token)
+            source.release_deltas(before=delta.token, consumer=name)
+            serve, ckpt = (delta.token, ckpt) if name == "serve" else (serve, delta.token)
+        assert log.logged == 0
+    with pytest.raises(TypeError, match="release_deltas: consumer must be a str or None, got int"):
+        source.release_deltas(before=serve, consumer=3)
+    with pytest.raises(TypeError, match="delta_token: consumer must be a str or None, got int"):
+        source.delta_token(consumer=3)
+
+
 def test_a_safetensors_reader_reads_it(tmp_path):
     """Where the safetensors package is installed (not in the venv): its reader gives the tensors."""
     safetensors_torch = pytest.importorskip("safetensors.torch")

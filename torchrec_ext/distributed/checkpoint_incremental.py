@@ -62,6 +62,7 @@ from torchrec_ext.distributed.checkpoint_template import dynamic_modules, local_
 from torchrec_ext.modules.deltas import DeltaError, DeltaToken, delta_token, export_delta
 
 MODEL_KEY = "model"  # the model's state without its tables, in the DCP part of every link
+CONSUMER = "incremental_checkpoints"  # their name on the modules' delta logs (release_deltas)
 _FORMAT = "torchrec_ext.checkpoint.tables/1"
 
 
@@ -161,7 +162,16 @@ class IncrementalCheckpoints:
         )
         self._links = links + [{"step": step, "manifest_sha256": digest}]
         self._tokens = tokens if len(self._links) < self.full_every else None
+        self._release(tokens)
         return path
+
+    def _release(self, tokens: dict[str, DeltaToken]) -> None:
+        """The next link starts at ``tokens`` (or is a base): the delta logs may forget what only
+        older tokens of these checkpoints needed (what another consumer needs is kept)."""
+        for fqn, token in tokens.items():
+            tables = local_tables(self.modules[fqn])
+            if tables is not None and tables.delta_log is not None:
+                tables.delta_log.release(token, CONSUMER)
 
     def _can_delta(self) -> bool:
         return self._tokens is not None
@@ -172,7 +182,7 @@ class IncrementalCheckpoints:
             tables = local_tables(module)
             if tables is None:
                 continue
-            tokens[fqn] = delta_token(tables)  # the point the next delta starts from
+            tokens[fqn] = delta_token(tables, consumer=CONSUMER)  # the point the next delta starts from
             self._capacities[fqn] = [m.capacity for m in tables.meta]
             payload[fqn] = {m.name: {"table": tables.table_state(t)} for t, m in enumerate(tables.meta)}
         return payload, tokens
@@ -229,8 +239,7 @@ class IncrementalCheckpoints:
                 "incremental chain loads at the world size that saved it (reshard through save_checkpoint)"
             )
         _raise_if_any(error, self.pg)
-        parent = os.path.dirname(os.path.abspath(path))
-        links = [os.path.join(parent, f"step_{link['step']}") for link in chain["links"]] + [path]
+        links, _ = chain_links(path)
         tables_state: dict[str, dict[str, dict[str, Tensor]]] = {}
         try:
             tables_state = self._replay(links, rank, world)
@@ -259,20 +268,7 @@ class IncrementalCheckpoints:
         """This rank's tables' state at the last of ``links``: the base, then each delta applied."""
         out: dict[str, dict[str, dict[str, Tensor]]] = {}
         for i, link in enumerate(links):
-            file = os.path.join(link, tables_file(rank, world))
-            try:
-                with open(file, "rb") as f:
-                    payload = torch.load(f, weights_only=True)
-            except (OSError, RuntimeError, ValueError) as e:
-                raise CheckpointError(
-                    f"checkpoint {link}: {tables_file(rank, world)} cannot be read "
-                    f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
-                ) from None
-            kind = "base" if i == 0 else "delta"
-            if not isinstance(payload, dict) or payload.get("format") != _FORMAT or payload.get("kind") != kind:
-                raise CheckpointError(
-                    f"checkpoint {link}: {tables_file(rank, world)} is not a {kind} link of format {_FORMAT!r}"
-                )
+            payload = read_link(link, rank, world, "base" if i == 0 else "delta")
             for fqn, module in self.modules.items():
                 tables = local_tables(module)
                 if tables is None:
@@ -290,6 +286,53 @@ class IncrementalCheckpoints:
                 else:
                     out[fqn] = {name: apply_table_delta(out[fqn][name], saved[name]) for name in names}
         return out
+
+
+def chain_links(path: str) -> tuple[list[str], int]:
+    """(the link directories incremental checkpoint ``path`` builds on, base first, ``path``
+    last; the world size that saved it), from its manifest (verified by the caller)."""
+    chain = read_manifest(path).get("incremental")
+    if chain is None:
+        raise CheckpointError(f"checkpoint {path}: is a full checkpoint, not an incremental one")
+    parent = os.path.dirname(os.path.abspath(path))
+    return [os.path.join(parent, f"step_{link['step']}") for link in chain["links"]] + [path], chain["world_size"]
+
+
+def read_link(link: str, rank: int, world: int, kind: str) -> dict[str, Any]:
+    """Rank ``rank``'s tables file of link ``link``, checked to be a ``kind`` ("base" / "delta") link."""
+    file = os.path.join(link, tables_file(rank, world))
+    try:
+        with open(file, "rb") as f:
+            payload = torch.load(f, weights_only=True)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise CheckpointError(
+            f"checkpoint {link}: {tables_file(rank, world)} cannot be read "
+            f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        ) from None
+    if not isinstance(payload, dict) or payload.get("format") != _FORMAT or payload.get("kind") != kind:
+        raise CheckpointError(
+            f"checkpoint {link}: {tables_file(rank, world)} is not a {kind} link of format {_FORMAT!r}"
+        )
+    return payload
+
+
+def replay_rank(links: list[str], rank: int, world: int) -> dict[str, dict[str, dict[str, Tensor]]]:
+    """Rank ``rank``'s share of every module's tables (module fqn -> table -> ``table_state``
+    form) at the last of ``links``: the base, then each delta applied; for readers without the
+    model's sharded modules (a serving conversion)."""
+    out: dict[str, dict[str, dict[str, Tensor]]] = {}
+    for i, link in enumerate(links):
+        modules = read_link(link, rank, world, "base" if i == 0 else "delta")["modules"]
+        if i == 0:
+            out = {fqn: {name: saved["table"] for name, saved in tables.items()} for fqn, tables in modules.items()}
+            continue
+        if {fqn: sorted(t) for fqn, t in modules.items()} != {fqn: sorted(t) for fqn, t in out.items()}:
+            raise CheckpointError(f"checkpoint {link}: rank {rank}'s modules and tables are not its base's")
+        out = {
+            fqn: {name: apply_table_delta(state, modules[fqn][name]) for name, state in tables.items()}
+            for fqn, tables in out.items()
+        }
+    return out
 
 
 def _read(path: str) -> bytes:

@@ -48,9 +48,9 @@ class ShardedDeltaMixin:
             raise DeltaError(f"{where}: rank {self._rank} holds no table of this module: it has no rows to track")
         return self._local
 
-    def delta_token(self, max_tombstones: int | None = None) -> DeltaToken:
+    def delta_token(self, max_tombstones: int | None = None, consumer: str | None = None) -> DeltaToken:
         """This rank's token (each rank's share is its own stream)."""
-        return self._delta_local("delta_token").delta_token(max_tombstones)
+        return self._delta_local("delta_token").delta_token(max_tombstones, consumer)
 
     def export_delta(
         self, since: DeltaToken, include_optimizer_state: bool = False, include_scores: bool = False
@@ -105,8 +105,8 @@ class ShardedDeltaMixin:
             delta.source["tables"][name]["dim"] = int(delta.tables[name].weights.shape[1])
         return delta
 
-    def release_deltas(self, before: DeltaToken) -> None:
-        self._delta_local("release_deltas").release_deltas(before)
+    def release_deltas(self, before: DeltaToken, consumer: str | None = None) -> None:
+        self._delta_local("release_deltas").release_deltas(before, consumer)
 
     def follow_deltas(self, since: DeltaToken | Sequence[DeltaToken]) -> None:
         """Replica: the source's tokens at the base checkpoint, one per source rank."""

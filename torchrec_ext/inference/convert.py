@@ -90,15 +90,20 @@ def convert_to_inference(
 
 def load_inference_checkpoint(path: str, model: nn.Module, key: str = "model", **kwargs: Any) -> nn.Module:
     """``convert_to_inference(model, state_dict=<the checkpoint's state[key]>, **kwargs)`` for a
-    checkpoint directory written by ``save_checkpoint`` (verified first). ``model`` is the
+    checkpoint directory written by ``save_checkpoint``, or a link of an incremental chain written
+    by ``IncrementalCheckpoints`` (its tables replayed from the base through every delta, all
+    ranks' shares merged; verified first, the whole chain). ``model`` is the
     trained architecture, unsharded (it may be built on the meta device: only its structure and
     configs are read). Only the dense state and each table's ids, rows and counters are read."""
-    from torchrec_ext.distributed.checkpoint import load_checkpoint, read_metadata, verify_checkpoint
+    from torchrec_ext.distributed.checkpoint import load_checkpoint, read_manifest, read_metadata, verify_checkpoint
+    from torchrec_ext.inference.checkpoint_chain import refuse_missing
 
     where = "load_inference_checkpoint"
     verify_checkpoint(path)
-    stored = read_metadata(path).state_dict_metadata
     dynamic = {p: m for p, m in model.named_modules() if isinstance(m, DYNAMIC_MODULES)}
+    if "incremental" in read_manifest(path):
+        return convert_to_inference(model, state_dict=_incremental_state(path, model, dynamic, key, where), **kwargs)
+    stored = read_metadata(path).state_dict_metadata
     request: dict[str, Any] = {}
     for name, value in model.state_dict().items():
         if not _under(name, list(dynamic)):
@@ -115,15 +120,27 @@ def load_inference_checkpoint(path: str, model: nn.Module, key: str = "model", *
                         f"{where}: table {cfg.name!r} ({prefix[:-1]}) is not in checkpoint {path!r} "
                         f"(no {key}.{prefix}{entry}): a checkpoint of another model?"
                     )
-    missing = sorted(n for n in request if f"{key}.{n}" not in stored)
-    if missing:
-        raise ValueError(
-            f"{where}: checkpoint {path!r} has no {key}.{missing[0]}"
-            + (f" and {len(missing) - 1} more dense entries" if len(missing) > 1 else "")
-            + ": a checkpoint of another model?"
-        )
+    refuse_missing(where, path, key, list(request), stored)
     state = load_checkpoint(path, {key: request}, verify=False)[key]
     return convert_to_inference(model, state_dict=state, **kwargs)
+
+
+def _incremental_state(path: str, model: nn.Module, dynamic: dict[str, nn.Module], key: str, where: str) -> dict:
+    """``model``'s state_dict from the incremental checkpoint ``path`` (``checkpoint_chain.py``)."""
+    from torchrec_ext.inference.checkpoint_chain import MODEL_KEY, read_incremental
+
+    if key != MODEL_KEY:
+        raise ValueError(f"{where}: an incremental checkpoint keeps the model under key {MODEL_KEY!r}, got key={key!r}")
+    tables, state = read_incremental(path, model, list(dynamic), where)
+    for p, module in dynamic.items():
+        for cfg in _configs(module):
+            if cfg.name not in tables[p]:
+                raise ValueError(
+                    f"{where}: table {cfg.name!r} ({p or 'the model'}) is not in checkpoint {path!r} (its module "
+                    f"holds {sorted(tables[p])}): a checkpoint of another model?"
+                )
+            state.update({_table_prefix(module, p, cfg.name) + k: v for k, v in tables[p][cfg.name].items()})
+    return state
 
 
 def serving_module(

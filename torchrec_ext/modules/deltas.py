@@ -21,7 +21,10 @@ step); removed ids go to an append-only log per table. A token is a counter valu
 compare over the versions plus a gather of the changed rows, and the log entries past the token.
 
 Bounds: the log holds at most ``max_tombstones`` ids (default: twice the tables' capacity, at
-least 1M); ``release_deltas(before=token)`` drops what only older tokens need. A token older
+least 1M); ``release_deltas(before=token)`` drops what only older tokens need. Consumers that
+share a module (a serving exporter, incremental checkpoints) name themselves
+(``delta_token(consumer=...)``, ``release_deltas(..., consumer=...)``): each release then frees
+what none of them needs, so the log stays as small as the oldest token in use. A token older
 than what is kept is refused (``DeltaError``): re-sync that replica from a checkpoint.
 """
 
@@ -122,6 +125,9 @@ class DeltaLog:
         self.no_row = total
         self.log: list[list[tuple]] = [[] for _ in tables.meta]  # per table: (version, ids, born versions)
         self.logged = 0
+        # Named consumers (a serving exporter, incremental checkpoints): the oldest token each may
+        # still use. A named release frees only what no consumer needs (see release).
+        self.consumers: dict[str, int] = {}
 
     def _on(self, device: torch.device) -> None:
         if self.version.device != device:  # the module moved
@@ -204,9 +210,11 @@ class DeltaLog:
 
     # ------------------------------------------------------------------ tokens
 
-    def token(self) -> DeltaToken:
+    def token(self, consumer: str | None = None) -> DeltaToken:
         token = DeltaToken(self.stream, self.current)
         self.current += 1  # writes from now on are after the token
+        if consumer is not None:  # holds the log from here until the consumer releases past it
+            self.consumers.setdefault(consumer, token.version)
         return token
 
     def check_since(self, since: object, where: str) -> DeltaToken:
@@ -233,13 +241,22 @@ class DeltaLog:
             )
         return since
 
-    def release(self, before: DeltaToken) -> None:
-        """Forgets what only tokens older than ``before`` need; those tokens are refused after."""
+    def release(self, before: DeltaToken, consumer: str | None = None) -> None:
+        """Forgets what only tokens older than ``before`` need; those tokens are refused after.
+        A named ``consumer`` says it needs nothing older than ``before`` any more: what is freed
+        is then what no named consumer needs (the oldest of their points), so consumers sharing
+        a module do not cut each other's tokens off."""
         self.check_since(before, "release_deltas")
+        if consumer is not None and not isinstance(consumer, str):
+            raise TypeError(f"release_deltas: consumer must be a str or None, got {type(consumer).__name__}")
+        upto = before.version
+        if consumer is not None:
+            self.consumers[consumer] = max(self.consumers.get(consumer, 0), before.version)
+            upto = min(self.consumers.values())
         for entries in self.log:
-            while entries and entries[0][0] <= before.version:
+            while entries and entries[0][0] <= upto:
                 self.logged -= entries.pop(0)[1].numel()
-        self.floor = max(self.floor, before.version)
+        self.floor = max(self.floor, upto)
 
     def tombstones(self, t: int, since: DeltaToken) -> Tensor:
         """Ids of table t removed after ``since`` that were live at ``since`` (live again now or
@@ -252,8 +269,9 @@ class DeltaLog:
 
 
 @pending_rows_written
-def delta_token(tables: DynamicTables, max_tombstones: int | None = None) -> DeltaToken:
-    """A token marking now; the first call starts tracking (writes before it are not tracked)."""
+def delta_token(tables: DynamicTables, max_tombstones: int | None = None, consumer: str | None = None) -> DeltaToken:
+    """A token marking now; the first call starts tracking (writes before it are not tracked).
+    A named ``consumer`` holds the log from this token until it releases past it."""
     if max_tombstones is not None and (not isinstance(max_tombstones, int) or max_tombstones <= 0):
         raise ValueError(f"delta_token: max_tombstones must be an int > 0, got {max_tombstones!r}")
     if tables.device.type == "meta":
@@ -262,7 +280,9 @@ def delta_token(tables: DynamicTables, max_tombstones: int | None = None) -> Del
         tables.delta_log = DeltaLog(tables, max_tombstones)
     elif max_tombstones is not None:
         tables.delta_log.max_tombstones = max_tombstones
-    return tables.delta_log.token()
+    if consumer is not None and not isinstance(consumer, str):
+        raise TypeError(f"delta_token: consumer must be a str or None, got {type(consumer).__name__}")
+    return tables.delta_log.token(consumer)
 
 
 @pending_rows_written
@@ -536,10 +556,11 @@ def move_rows(tables: DynamicTables, t: int, moved_from: Tensor, moved_to: Tenso
 class DeltaMixin:
     """The delta API of the dynamic collections (host: ``DynamicCollectionMixin``)."""
 
-    def delta_token(self, max_tombstones: int | None = None) -> DeltaToken:
+    def delta_token(self, max_tombstones: int | None = None, consumer: str | None = None) -> DeltaToken:
         """Marks now: ``export_delta(since=token)`` returns what is written after this call.
-        The first call starts tracking. ``max_tombstones`` bounds the tombstone log (ids)."""
-        return delta_token(self._tables, max_tombstones)
+        The first call starts tracking. ``max_tombstones`` bounds the tombstone log (ids);
+        ``consumer`` names who will use the token (see ``release_deltas``)."""
+        return delta_token(self._tables, max_tombstones, consumer)
 
     def export_delta(
         self, since: DeltaToken, include_optimizer_state: bool = False, include_scores: bool = False
@@ -547,11 +568,12 @@ class DeltaMixin:
         """The rows written and the ids removed since ``since``; ``.token`` is its end."""
         return export_delta(self._tables, since, include_optimizer_state, include_scores, type(self).__name__)
 
-    def release_deltas(self, before: DeltaToken) -> None:
-        """Frees the tombstones only tokens older than ``before`` need (those are refused after)."""
+    def release_deltas(self, before: DeltaToken, consumer: str | None = None) -> None:
+        """Frees the tombstones only tokens older than ``before`` need (those are refused after).
+        ``consumer``: only what no named consumer (``delta_token(consumer=...)``) needs any more."""
         if self._tables.delta_log is None:
             raise DeltaError("release_deltas: no token was issued by this module")
-        self._tables.delta_log.release(before)
+        self._tables.delta_log.release(before, consumer)
 
     def follow_deltas(self, since: DeltaToken | Sequence[DeltaToken]) -> None:
         """Replica: the next delta applied must start at ``since`` (one token per source rank)."""

@@ -95,6 +95,7 @@ from torchrec_ext.reference.routing import (  # noqa: F401
 from torchrec_ext.reference.serving_index import (  # noqa: F401
     SERVING_BUCKET_WORDS,
     SERVING_KEYS_PER_BUCKET,
+    SERVING_MULTIPLIER,
     SERVING_OVERFLOW_BIT,
     SERVING_SEED,
     _buckets,

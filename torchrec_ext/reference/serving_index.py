@@ -10,12 +10,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from torchrec_ext.reference.hashing import _MASK64, _fmix64
+from torchrec_ext.reference.hashing import _MASK64
 
 SERVING_BUCKET_WORDS = 8  # 64 bytes
 SERVING_KEYS_PER_BUCKET = 5  # words 0..4; int32 rows at int32 positions 10..14; meta at 15
 SERVING_OVERFLOW_BIT = 0x100
 SERVING_SEED = 0x2545F4914F6CDD1D
+SERVING_MULTIPLIER = 0x9E3779B97F4A7C15
 
 
 def _buckets(index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -59,8 +60,9 @@ def serving_find(indexes: Sequence[Tensor], ids: Tensor, id_offsets: Tensor, def
 
 
 def serving_home_bucket(key: int, num_buckets: int) -> int:
-    """A key's home bucket: fastrange64 of fmix64(key ^ seed)."""
-    return ((_fmix64((key & _MASK64) ^ SERVING_SEED) * num_buckets) >> 64) & _MASK64
+    """A key's home bucket: fastrange32 of the high 32 bits of (key ^ seed) * golden (mod 2^64)."""
+    h = (((key & _MASK64) ^ SERVING_SEED) * SERVING_MULTIPLIER) & _MASK64
+    return ((h >> 32) * num_buckets) >> 32
 
 
 def serving_index_reachable(index: Tensor) -> bool:

@@ -49,6 +49,7 @@ from torchrec_ext.train.model import ModelConfig
 FORMAT = "torchrec_ext.serve"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+CONSUMER = "serve"  # this exporter's name on the modules' delta logs (release_deltas)
 
 
 # ----------------------------------------------------------------------------- the format
@@ -169,7 +170,7 @@ class DeltaExporter:
                 os.makedirs(self._dir(sub), exist_ok=True)
             remove_old_generations(self.serve_dir, keep_from=self.generation - 1)
         base = save_checkpoint(self._dir("base"), step, {"model": self.dmp.state_dict()}, keep=1)
-        self.tokens = {path: m.delta_token() for path, m in self.modules.items()}
+        self.tokens = {path: m.delta_token(consumer=CONSUMER) for path, m in self.modules.items()}
         everyone: list = [None] * self.world_size
         dist.all_gather_object(everyone, {p: t.to_dict() for p, t in self.tokens.items()})
         if self.rank == 0:
@@ -200,7 +201,7 @@ class DeltaExporter:
             delta = module.export_delta(since=self.tokens[path])
             name = f"{self.seq:08d}_{i}_rank{self.rank}.delta"
             save_delta(delta, self._dir("deltas", name))
-            module.release_deltas(before=delta.token)  # only the newest token is needed from now on
+            module.release_deltas(before=delta.token, consumer=CONSUMER)  # only the newest token is needed now
             self.tokens[path] = delta.token
             mine[path] = os.path.relpath(self._dir("deltas", name), self.serve_dir)
             rows += sum(t.ids.numel() for t in delta.tables.values())

@@ -987,6 +987,54 @@ at::Tensor route_cpu(const at::Tensor& keys, int64_t world_size) {
   return ranks;
 }
 
+// Slots to rows, in place, for the tables whose index maps them (a growing table's permutation:
+// table.py). One pass with no temporaries: a step's upsert output goes through it.
+template <typename Map>
+int64_t map_slot_rows(int64_t* rows, int64_t begin, int64_t end, const Map* map, int64_t size) {
+  std::atomic<int64_t> bad{-1};
+  at::parallel_for(begin, end, kGrainKeys, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t slot = rows[i];
+      if (slot < 0) continue;  // refused or absent: stays -1
+      if (slot >= size) {
+        bad.store(i, std::memory_order_relaxed);
+        continue;
+      }
+      rows[i] = static_cast<int64_t>(map[slot]);
+    }
+  });
+  return bad.load();
+}
+
+void hash_slot_rows_cpu(const at::Tensor& rows, at::IntArrayRef key_offsets,
+                        const c10::List<std::optional<at::Tensor>>& slot_rows) {
+  const char* op = "hash_slot_rows";
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(), op,
+              ": rows must be a contiguous 1-D int64 tensor");
+  const int64_t T = static_cast<int64_t>(slot_rows.size());
+  TORCH_CHECK(static_cast<int64_t>(key_offsets.size()) == T + 1 && key_offsets[0] == 0 &&
+                  key_offsets[T] == rows.numel(),
+              op, ": key_offsets must be ", T + 1, " ascending ints from 0 to ", rows.numel());
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(key_offsets[t] <= key_offsets[t + 1], op, ": key_offsets must ascend");
+  int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    const std::optional<at::Tensor> map_opt = slot_rows.get(t);
+    if (!map_opt.has_value()) continue;
+    const at::Tensor& map = *map_opt;
+    TORCH_CHECK(map.dim() == 1 && map.is_contiguous() && map.device().is_cpu() &&
+                    (map.scalar_type() == at::kInt || map.scalar_type() == at::kLong),
+                op, ": slot_rows[", t, "] must be a contiguous 1-D int32 or int64 CPU tensor");
+    const int64_t bad = map.scalar_type() == at::kInt
+                            ? map_slot_rows(r, key_offsets[t], key_offsets[t + 1],
+                                            map.data_ptr<int32_t>(), map.numel())
+                            : map_slot_rows(r, key_offsets[t], key_offsets[t + 1],
+                                            map.data_ptr<int64_t>(), map.numel());
+    TORCH_CHECK(bad < 0, op, ": rows[", bad, "] = ", r[bad], " is not a slot of table ", t,
+                " (slot_rows[", t, "] has ", map.numel(), " entries)");
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchrec_ext, CPU, m) {
@@ -999,6 +1047,7 @@ TORCH_LIBRARY_IMPL(torchrec_ext, CPU, m) {
   m.impl("hash_export", &hash_export_cpu);
   m.impl("hash_restore", &hash_restore_cpu);
   m.impl("route", &route_cpu);
+  m.impl("hash_slot_rows", &hash_slot_rows_cpu);
 }
 
 }  // namespace torchrec_ext

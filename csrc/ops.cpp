@@ -41,6 +41,10 @@ TORCH_LIBRARY(torchrec_ext, m) {
       "Tensor(d!)[] sizes, Tensor keys, int[] key_offsets, Tensor? scores, Tensor? pending, "
       "int[] capacities, int[] policies, int[] clocks, int[] epochs, bool assign) -> (Tensor rows, "
       "Tensor inserted, Tensor evicted, Tensor evicted_keys)");
+  // Slots to rows, in place: rows[key_offsets[t]:key_offsets[t+1]] (table t's slots; -1 stays
+  // -1) become slot_rows[t][slot], the row that slot holds in a growing table's index (int32 or
+  // int64, one per slot of [0, capacity)); None: the table's slots are its rows.
+  m.def("hash_slot_rows(Tensor(a!) rows, int[] key_offsets, Tensor?[] slot_rows) -> ()");
   // Removes keys; True at the positions that removed one.
   m.def(
       "hash_erase(Tensor(a!) digests, Tensor slot_keys, Tensor(b!) size, Tensor keys, int "

@@ -185,3 +185,29 @@ def test_managed_collision_over_ours_remaps_then_looks_up(kind):
         torch.testing.assert_close(out.values(), want.values())
     else:
         torch.testing.assert_close(out["f"].values(), want["f"].values())
+
+
+@pytest.mark.parametrize("container", ["mc", "tower"])
+def test_planning_a_tower_or_mc_module_over_ours_is_refused_naming_it(container):
+    """DMP's planner with our sharders: TorchRec's MC sharder found no kernel for ours (an opaque
+    error about table t), and a tower's dynamic module was sharded alone, then failed in forward
+    (the tower passes it two KJTs). Both are refused at planning, naming the module."""
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import PlannerError
+    from torchrec.modules.embedding_tower import EmbeddingTower, EmbeddingTowerCollection
+    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+
+    from torchrec_ext.distributed import get_sharders
+
+    configs = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=64, feature_names=["f"])]
+    if container == "mc":
+        inner = ManagedCollisionEmbeddingBagCollection(DynamicEmbeddingBagCollection(configs), _mc_collection(configs))
+        where = (
+            r"m\._embedding_module \(DynamicEmbeddingBagCollection inside ManagedCollisionEmbeddingBagCollection m\)"
+        )
+    else:
+        inner = EmbeddingTowerCollection([EmbeddingTower(DynamicEmbeddingBagCollection(configs), nn.Identity())])
+        where = r"m\.towers\.0\.embedding \(DynamicEmbeddingBagCollection inside EmbeddingTowerCollection m\)"
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"))
+    with pytest.raises(PlannerError, match=rf"cannot be sharded over a dynamic collection: {where}"):
+        planner.plan(nn.ModuleDict({"m": inner}), get_sharders())

@@ -140,6 +140,26 @@ def test_fuse_embedding_optimizer_sets_ours_and_replaces_torchrec_ebcs():
     assert alone.fused_optimizer.spec.kind == "rowwise_adagrad"
 
 
+def test_torchrecs_own_fuse_embedding_optimizer_sets_ours():
+    """Called by TorchRec's name (its module attribute, as TorchRec code and users reach it), the
+    function no longer skips ours: same rows as apply_optimizer_in_backward with that optimizer."""
+    import torchrec.modules.fused_embedding_modules as torchrec_fused
+
+    model, reference = (
+        ModelWith("ebc", DynamicEmbeddingBagCollection(_tables())),
+        DynamicEmbeddingBagCollection(_tables()),
+    )
+    assert (
+        torchrec_fused.fuse_embedding_optimizer(model, torch.optim.Adagrad, {"lr": 0.2}, torch.device("cpu")) is model
+    )
+    apply_optimizer_in_backward(torch.optim.Adagrad, reference.parameters(), {"lr": 0.2})
+    for step in range(3):
+        for module in (model.ebc, reference):
+            module(_batch(step)[1]).values().sum().backward()
+    assert model.ebc.fused_optimizer.spec.kind == "adagrad"
+    _assert_rows_equal(_rows(model.ebc), _rows(reference))
+
+
 def test_unsupported_optimizers_are_refused_clearly():
     with pytest.raises(ValueError, match=r"fused_params optimizer .*LAMB.* not supported.*EXACT_ROWWISE_ADAGRAD"):
         DynamicEmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.LAMB})

@@ -3,6 +3,11 @@ our sharders and no plan, TorchRec's default EmbeddingShardingPlanner, construct
 and the composable shard(); and DMP with TorchRec's default sharders refusing our modules at
 construction instead of leaving them out of the plan."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -269,3 +274,27 @@ def _dmp_default_sharders(rank, world_size):
 
 def test_dmp_with_default_sharders_refuses_our_modules_at_construction():
     run_ranks(_dmp_default_sharders, WORLD)
+
+
+def test_the_one_line_swap_alone_makes_the_default_planner_refuse_our_modules():
+    """A user who only swapped the class (``import torchrec_ext``, never ``torchrec_ext.distributed``)
+    is refused at planning too, not silently left out of the plan and DDP-wrapped. A fresh
+    interpreter: this test session has imported torchrec_ext.distributed already."""
+    script = (
+        "import sys, torch, torchrec_ext\n"
+        "from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology\n"
+        "from torchrec.distributed.planner.types import PlannerError\n"
+        "from torchrec.distributed.sharding_plan import get_default_sharders\n"
+        "ebc = torchrec_ext.DynamicEmbeddingBagCollection([torchrec_ext.DynamicEmbeddingBagConfig("
+        "name='t1', embedding_dim=4, num_embeddings=64, feature_names=['f1'])])\n"
+        "planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device='cpu'))\n"
+        "try:\n"
+        "    planner.plan(torch.nn.ModuleDict({'dyn': ebc}), get_default_sharders())\n"
+        "except PlannerError as error:\n"
+        "    sys.exit(0 if 'torchrec_ext.distributed.get_sharders()' in str(error) else 2)\n"
+        "sys.exit(1)\n"
+    )
+    root = str(Path(__file__).resolve().parents[1])  # this checkout's package, not the installed one
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]

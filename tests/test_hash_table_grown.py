@@ -8,9 +8,10 @@ calls; rows must equal exactly, so the free-row assignment, evictions and refusa
 import pytest
 import torch
 
-from torchrec_ext import HashTable
+from torchrec_ext import HashTable, ops, torch_kernels
 from torchrec_ext.modules.delta_placement import place_exactly
-from torchrec_ext.reference import ReferenceHashTable
+from torchrec_ext.reference import ReferenceHashTable, bucket_pairs
+from torchrec_ext.table import place_keys
 
 
 def _keys(gen, n):
@@ -102,3 +103,53 @@ def test_an_exact_replacement_of_a_grown_table_moves_no_row():
     new_rows = plan.rows[plan.inserted]
     assert plan.inserted.all() and set(new_rows.tolist()).isdisjoint(held["rows"].tolist())
     assert sorted(torch.cat([held["rows"], new_rows]).tolist()) == list(range(table.capacity))
+
+
+def test_the_slot_to_row_kernels_map_each_tables_slots():
+    gen = torch.Generator().manual_seed(5)
+    maps = [torch.randperm(100, generator=gen).to(torch.int32), None, torch.randperm(7, generator=gen)]
+    offsets = [0, 40, 55, 70]
+    slots = torch.cat([torch.randint(-1, 100, (40,), generator=gen), torch.arange(-1, 14), torch.randint(-1, 7, (15,))])
+    want = [
+        s if m is None or s < 0 else int(m[s])
+        for t, m in enumerate(maps)
+        for s in slots[offsets[t] : offsets[t + 1]].tolist()
+    ]
+    for kernel in (ops.hash_slot_rows, torch_kernels.hash_slot_rows):  # C++ (CPU), torch ops (CUDA's)
+        rows = slots.clone()
+        kernel(rows, offsets, maps)
+        assert rows.tolist() == want
+    bad = slots.clone()
+    bad[60] = 7
+    with pytest.raises(RuntimeError, match=r"rows\[60\] = 7 is not a slot of table 2"):
+        ops.hash_slot_rows(bad, offsets, maps)
+
+
+def test_stashed_keys_of_a_mapped_table_keep_their_rows():
+    """A full load stashes a few keys outside their buckets; with slots mapped to rows they are
+    found at their rows, and erasing one frees its row for the next insert into its slot."""
+    gen = torch.Generator().manual_seed(6)
+    capacity = 2048
+    # A full table whose bucket 0 only 20 keys may take: 12 keys end in the stash.
+    pool = _keys(gen, 4 * capacity).unique()
+    b1, b2 = bucket_pairs(pool, capacity)
+    hits = (b1 == 0).to(torch.int64) + (b2 == 0).to(torch.int64)
+    keys = torch.cat([pool[hits == 0][: capacity - 20], pool[hits == 1][:20]])
+    scores = torch.arange(capacity)
+    slots = place_keys(keys, scores, capacity)
+    keep = slots >= 0
+    keys, scores, slots = keys[keep], scores[keep], slots[keep]
+    rows = torch.randperm(capacity, generator=gen)[: keys.numel()]
+    table = HashTable(capacity, mapped_rows=True)
+    table.load_state_dict(
+        {"capacity": capacity, "policy": "lru", "clock": 1, "epoch": 0, "keys": keys, "rows": rows, "scores": scores}
+        | {"slots": slots, "layout": 3}
+    )
+    assert table.stash_size() > 0
+    assert table.find(keys)[0].equal(rows)
+    stashed_keys, stashed_rows = table._stash_entries()
+    assert table.find(stashed_keys)[0].equal(stashed_rows)
+    table.erase(stashed_keys[:1])
+    assert not table.find(stashed_keys[:1])[1].any() and table.size() == keys.numel() - 1
+    live = table.state_dict()
+    assert len(set(live["rows"].tolist())) == live["rows"].numel() == keys.numel() - 1

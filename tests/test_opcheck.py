@@ -64,6 +64,9 @@ def _hash_cases():
         ),
     )
     yield "hash_erase", (state[0], state[1], state[3], keys, CAPACITY)
+    slot_map = torch.randperm(CAPACITY).to(torch.int32)
+    slots = torch.cat([torch.randint(-1, CAPACITY, (30,)), torch.randint(-1, 64, (20,))])
+    yield "hash_slot_rows", (slots, [0, 30, 50], [slot_map, None])
     yield "hash_export", (t._digests, t._slot_keys, t._slot_scores, CAPACITY, 0, t._slot_scores.numel())
     yield (
         "hash_restore",

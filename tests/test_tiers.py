@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torchrec import DataType, KeyedJaggedTensor
 
 from dist_helpers import progress_losses
@@ -724,3 +725,47 @@ def test_stages_around_eval_lookups_checkpoints_loads_and_resets_of_sequence_tab
                 sum((jt.values() ** 2).sum() for jt in out.values()).backward()
     _assert_same_state(resident, staged)
     assert staged.table_stats()["s"].cache_staged > 0
+
+
+class _CountTorchCalls(TorchFunctionMode):
+    """Torch calls that dispatch (a tensor's metadata reads left out: they keep the GIL)."""
+
+    METADATA = {"numel", "dim", "__get__", "size", "element_size", "is_contiguous", "__len__"}
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += getattr(func, "__name__", "") not in self.METADATA
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_stage_makes_few_torch_calls_per_table(tmp_path, monkeypatch):
+    # The stage runs on a worker thread beside the train step: each torch call lets the GIL go and
+    # waits to take it back, so its wall time follows its number of calls (tier_stage_calls.md).
+    _run_inline(monkeypatch)
+    from torchrec_ext.modules import tiered_tables
+
+    module = DynamicEmbeddingBagCollection(
+        _bag_configs(_backing("file", tmp_path), 0.3), optimizer="adagrad", optimizer_kwargs={"lr": 0.05}
+    )
+    gen = torch.Generator().manual_seed(5)
+    batches = [random_kjt(["f0", "f1", "f2", "f3"], 6, POOL[torch.randint(0, 700, (400,), generator=gen)], 5)]
+    for _ in range(12):
+        batches.append(random_kjt(["f0", "f1", "f2", "f3"], 6, POOL[torch.randint(0, 700, (400,), generator=gen)], 5))
+        module.stage_next(batches[-1])
+        module(batches[-2]).values().sum().backward()
+    stage, counted = tiered_tables.TieredTables._stage, []
+
+    def counting_stage(self, *args):
+        with _CountTorchCalls() as count:
+            stage(self, *args)
+        counted.append(count.calls)
+
+    monkeypatch.setattr(tiered_tables.TieredTables, "_stage", counting_stage)
+    module.stage_next(batches[0])
+    module(batches[-1]).values().sum().backward()
+    stats = module.tier_step_stats()
+    assert sum(s["staged_write_backs"] for s in stats.values()) > 0  # the stage wrote back and read rows
+    assert len(counted) == 1 and counted[0] <= 55 * 3, counted  # (143 here; 187 before the stage's calls were cut)

@@ -343,8 +343,91 @@ def _sharded_fp_against_unsharded(rank, world_size, sharding):
 def _sharded_cases(rank, world_size, sharding):
     _sharded_against_unsharded(rank, world_size, sharding)
     _sharded_fp_against_unsharded(rank, world_size, sharding)
+    if sharding == "row_wise":  # the EC's cases (row-, table- and column-wise) once, in the same ranks
+        _sharded_ec_against_unsharded(rank, world_size)
 
 
 @pytest.mark.parametrize("sharding", ["row_wise", "table_wise"])
 def test_sharded_variable_batch_equals_unsharded_on_two_ranks(sharding):
     run_ranks(_sharded_cases, 2, sharding)
+
+
+def _sharded_ec_against_unsharded(rank, world_size):
+    """VBE KJTs through the sharded EC (row-, table- and column-wise, DMP): each feature's own bags (as
+    TorchRec's sharded EC gives them), with the vectors and trained tables of the unsharded EC fed
+    the ranks' bags together."""
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import (
+        column_wise,
+        construct_module_sharding_plan,
+        row_wise,
+        table_wise,
+    )
+    from torchrec.distributed.types import ShardingPlan
+
+    from dist_helpers import assert_same_tables
+    from torchrec_ext.distributed import DynamicEmbeddingCollectionSharder, full_state_dict, get_sharders
+
+    keys = ["f1", "f2", "f3"]
+    make = lambda: DynamicEmbeddingCollection(
+        [
+            DynamicEmbeddingConfig(name="t1", embedding_dim=4, num_embeddings=256, feature_names=["f1", "f2"]),
+            DynamicEmbeddingConfig(name="t2", embedding_dim=4, num_embeddings=256, feature_names=["f3"]),
+        ],
+        optimizer="adagrad",
+        optimizer_kwargs={"lr": 0.1},
+    )
+    specs = (
+        (row_wise(), table_wise(rank=0)),
+        (table_wise(rank=1), table_wise(rank=0)),
+        (column_wise(ranks=[0, 1]), column_wise(ranks=[1, 0])),  # every rank has columns of both
+    )
+    for t1, t2 in specs:
+        reference, model = make(), ModelWith("ec", make())
+        plan = construct_module_sharding_plan(
+            model.ec,
+            {"t1": t1, "t2": t2},
+            sharder=DynamicEmbeddingCollectionSharder(),
+            local_size=world_size,
+            world_size=world_size,
+            device_type="cpu",
+        )
+        dmp = DistributedModelParallel(
+            model, device=torch.device("cpu"), plan=ShardingPlan({"ec": plan}), sharders=get_sharders()
+        )
+        for step in range(3):
+            strides = [[1 + r, 3, BATCH - r] for r in range(world_size)]
+            batches = [_vbe(keys, strides[r], False, 10 * step + r)[0] for r in range(world_size)]
+            out = dmp(batches[rank])
+            out = out.wait() if hasattr(out, "wait") else out
+            per_key = [b.to_dict() for b in batches]
+            whole = KeyedJaggedTensor(
+                keys=keys,
+                values=torch.cat([p[k].values() for k in keys for p in per_key]),
+                lengths=torch.cat([p[k].lengths() for k in keys for p in per_key]),
+                stride_per_key_per_rank=[[sum(s[i] for s in strides)] for i in range(len(keys))],
+                inverse_indices=(
+                    keys,
+                    torch.zeros(len(keys), world_size * BATCH, dtype=torch.int64),
+                ),  # unread by an EC
+            )
+            want = reference(whole)
+            loss = ref_loss = 0
+            for key in keys:
+                assert torch.equal(out[key].lengths(), per_key[rank][key].lengths()), key
+                before = sum(int(per_key[r][key].lengths().sum()) for r in range(rank))
+                n = int(per_key[rank][key].lengths().sum())
+                torch.testing.assert_close(out[key].values(), want[key].values()[before : before + n])
+                loss, ref_loss = loss + out[key].values().sum(), ref_loss + want[key].values().sum()
+            loss.backward()
+            ref_loss.backward()  # each id's gradient comes whole from its own rank
+        no_inverse = KeyedJaggedTensor(
+            keys=keys,
+            values=batches[rank].values(),
+            lengths=batches[rank].lengths(),
+            stride_per_key_per_rank=batches[rank].stride_per_key_per_rank(),
+        )
+        with pytest.raises(ValueError, match="ShardedDynamicEmbeddingCollection: .* needs inverse_indices"):
+            dmp(no_inverse)
+        whole_state = full_state_dict(dmp.state_dict())
+        assert_same_tables(whole_state, {"ec." + k: v for k, v in reference.state_dict().items()}, "ec.embeddings.")

@@ -21,3 +21,8 @@ __all__ = [
     "ops",
 ]
 __version__ = "0.1.0"
+
+# Installs the hooks that let TorchRec's default planner and composable shard() find our sharders,
+# and refuse a dynamic module no sharder covers: a user who only swapped the class must not have
+# it silently left out of the plan and DDP-wrapped (distributed/planner.py).
+import torchrec_ext.distributed  # noqa: F401

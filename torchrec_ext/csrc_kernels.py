@@ -21,6 +21,7 @@ KERNELS: dict[str, dict[str, str]] = {
     "hash_export": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
     "hash_restore": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
     "route": {"cpu": "csrc/hash_table_cpu.cpp", "cuda": "csrc/hash_table_cuda.cpp"},
+    "hash_slot_rows": {"cpu": "csrc/hash_table_cpu.cpp"},
     "hash_place": {"cpu": "csrc/placement_cpu.cpp"},
     "serving_index_update": {"cpu": "csrc/serving_index_cpu.cpp"},
     "serving_find": {"cpu": "csrc/serving_index_cpu.cpp"},

@@ -234,6 +234,19 @@ def hash_upsert_tables(
     )
 
 
+def hash_slot_rows(rows: Tensor, key_offsets: Sequence[int], slot_rows: Sequence[Tensor | None]) -> None:
+    """Slots to rows, in place, for the tables whose index maps them (a growing table's).
+
+    Args:
+        rows: int64 ``[n]``: table t's slots (``hash_upsert_tables`` / ``hash_find`` output) at
+            ``[key_offsets[t]:key_offsets[t + 1]]``, -1 where none (kept).
+        key_offsets: ``len(slot_rows) + 1`` ascending ints from 0 to ``n``.
+        slot_rows: per table, its slot -> row map (int32 or int64, one entry per slot of
+            ``[0, capacity)``), or None where the table's slots are its rows.
+    """
+    _ops.hash_slot_rows.default(rows, list(key_offsets), list(slot_rows))
+
+
 def hash_erase(digests: Tensor, slot_keys: Tensor, size: Tensor, keys: Tensor, capacity: int) -> Tensor:
     """Removes keys, in place.
 
@@ -715,6 +728,11 @@ def _hash_upsert_tables_fake(
         torch.empty_like(keys, dtype=torch.bool),
         torch.empty_like(keys),
     )
+
+
+@torch.library.register_fake("torchrec_ext::hash_slot_rows")
+def _hash_slot_rows_fake(rows, key_offsets, slot_rows):
+    return None
 
 
 @torch.library.register_fake("torchrec_ext::hash_erase")

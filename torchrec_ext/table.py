@@ -209,9 +209,8 @@ def find_or_insert_tables(
             [i._epoch for i in indexes],
             False,
         )
-        for t, index in enumerate(indexes):
-            if index._slot_rows is not None:
-                rows[offsets[t] : offsets[t + 1]] = index._rows_of_slots(rows[offsets[t] : offsets[t + 1]])
+        if any(index._slot_rows is not None for index in indexes):
+            ops.hash_slot_rows(rows, offsets, [index._slot_rows for index in indexes])
         return FixedInsertResult(rows, inserted, evicted, evicted_keys)
 
 
@@ -632,7 +631,7 @@ class HashTable:
             )
             rows, extra = slots, {}
             if self._slot_rows is not None:  # in row order, as a table whose rows are its slots
-                rows, order = self._rows_of_slots(slots).sort()
+                rows, order = self._rows_of_slots(slots.clone()).sort()
                 keys, scores, extra = keys[order], scores[order], {"slots": slots[order]}
             return extra | {
                 "capacity": self._capacity,
@@ -720,10 +719,10 @@ class HashTable:
     # ------------------------------------------------------------------ internals
 
     def _rows_of_slots(self, slots: Tensor) -> Tensor:
-        """The rows of ``slots`` (-1 stays -1)."""
-        if self._slot_rows is None:
-            return slots
-        return torch.where(slots >= 0, self._slot_rows.index_select(0, slots.clamp(min=0)), slots)
+        """The rows of ``slots`` (-1 stays -1): ``slots`` itself, mapped in place (a kernel's output)."""
+        if self._slot_rows is not None:
+            ops.hash_slot_rows(slots, [0, slots.numel()], [self._slot_rows])
+        return slots
 
     def _set_slot_rows(self, slots: Tensor, rows: Tensor) -> None:
         """Makes ``rows`` (distinct, in [0, capacity)) the rows of the keys at ``slots``, and gives

@@ -1,9 +1,9 @@
 """Device-agnostic torch implementations of the ops that need no dedicated GPU kernel.
 
-They serve as the CUDA kernels of ``dedup_segments``, ``init_rows`` and ``route_bucketize``
-(``KERNELS`` below, registered by ``torchrec_ext.ops``): on a GPU, sorting a step's ids,
-drawing its new rows' vectors and regrouping ids by destination are a few fused elementwise
-passes, so plain torch ops do it well. On CPU the C++ kernels are used. Kernel layer: imports
+They serve as the CUDA kernels of ``dedup_segments``, ``init_rows``, ``route_bucketize`` and
+``hash_slot_rows`` (``KERNELS`` below, registered by ``torchrec_ext.ops``): on a GPU, sorting a
+step's ids, drawing its new rows' vectors, regrouping ids by destination and mapping slots to
+rows are a few fused elementwise passes, so plain torch ops do it well. On CPU the C++ kernels are used. Kernel layer: imports
 only the vocabulary, the hashing helpers, ``device_sync`` and the C++ library's ops (never ``ops.py``).
 """
 
@@ -256,8 +256,18 @@ def route_bucketize(
     return ids[order], torch.bincount(bucket, minlength=world_size * bags), order
 
 
+def hash_slot_rows(rows: Tensor, key_offsets: Sequence[int], slot_rows: Sequence[Tensor | None]) -> None:
+    """Same contract as the C++ op (slots to rows in place, -1 kept); a gather per mapped table."""
+    for t, slot_map in enumerate(slot_rows):
+        if slot_map is None:
+            continue
+        part = rows[key_offsets[t] : key_offsets[t + 1]]
+        part.copy_(torch.where(part >= 0, slot_map.index_select(0, part.clamp(min=0)).to(part.dtype), part))
+
+
 # op name -> device type -> kernel, registered by torchrec_ext.ops (torch.library.register_kernel).
 KERNELS: dict[str, dict[str, Callable]] = {
+    "hash_slot_rows": {"cuda": hash_slot_rows},
     "dedup_segments": {"cuda": dedup_segments},
     "init_rows": {"cuda": init_rows},
     "route_bucketize": {"cuda": route_bucketize},

@@ -106,6 +106,10 @@ class ShardedDynamicEmbeddingCollection(
         return SequenceShardingContext()
 
     def input_dist(self, ctx: SequenceShardingContext, features: KeyedJaggedTensor) -> KJTListSplitsAwaitable:
+        ctx.vbe_strides = None
+        if features.variable_stride_per_key():  # as TorchRec's sharded EC: pad, then trim each feature's output
+            ctx.vbe_strides = dict(zip(features.keys(), features.stride_per_key()))
+            features = _padded_to_one_batch_size(features, type(self).__name__)
         batch = check_and_arrange(features, self._plan, False, type(self).__name__, self._device)
         routed, ctx.order, ctx.expand = self._routing.route(batch.ids, batch.lengths, None, batch.batch_size)
         ctx.routed_counts = routed.lengths().view(self._world_size, len(self._routing.names), -1).sum(-1)
@@ -162,6 +166,8 @@ class ShardedDynamicEmbeddingCollection(
         pieces = torch.split(restored, per_slot)
         ids = torch.split(ctx.ids, per_slot)
         lengths = ctx.lengths.view(len(per_slot), ctx.batch_size)
+        if getattr(ctx, "vbe_strides", None) is not None:  # each feature's own bags: drop the padding
+            lengths = [lengths[i, : ctx.vbe_strides[f]] for i, f in enumerate(self._plan.features)]
         return _SequenceAwaitable(
             {
                 name: JaggedTensor(values=pieces[i], lengths=lengths[i], weights=ids[i] if self._need_indices else None)
@@ -201,3 +207,23 @@ class ShardedDynamicEmbeddingCollection(
 
     def embedding_configs(self):
         return self._embedding_configs
+
+
+def _padded_to_one_batch_size(features: KeyedJaggedTensor, where: str) -> KeyedJaggedTensor:
+    """A variable-batch KJT as one of the rank's batch size (its ``inverse_indices``' width, which
+    the ranks share as they do a stride), each feature's bags followed by
+    empty ones, as TorchRec's sharded EC pads them: the ids, hence the vectors, are unchanged."""
+    strides = features.stride_per_key()
+    inverse = features.inverse_indices_or_none()
+    if inverse is None:  # as the unsharded modules: without it no rank knows the batch size
+        raise ValueError(
+            f"{where}: a KJT with a variable batch size per feature needs inverse_indices (which "
+            "of its bags each sample reads), got none"
+        )
+    batch = max([*strides, inverse[1].shape[-1]])
+    lengths = features.lengths().new_zeros(len(strides), batch)
+    for i, part in enumerate(torch.split(features.lengths(), strides)):
+        lengths[i, : strides[i]] = part
+    return KeyedJaggedTensor(
+        keys=features.keys(), values=features.values(), lengths=lengths.reshape(-1), weights=features.weights_or_none()
+    )

@@ -73,7 +73,9 @@ from torchrec.distributed.planner.types import (
 from torchrec.distributed.planner.utils import extract_comm_data_type_size
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, PipelineType, ShardingPlan, ShardingType
+from torchrec.modules.embedding_tower import EmbeddingTower, EmbeddingTowerCollection
 from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 
 from torchrec_ext.distributed.placement import (
     COLUMN_TYPES,
@@ -101,6 +103,8 @@ __all__ = [
 ]
 
 DYNAMIC_MODULE_TYPES = (DynamicEmbeddingBagCollection, DynamicEmbeddingCollection)
+# TorchRec modules whose sharders cannot take a dynamic collection inside them.
+_UNSHARDABLE_CONTAINERS = (BaseManagedCollisionEmbeddingCollection, EmbeddingTower, EmbeddingTowerCollection)
 # TorchRec 1.6 hands estimators the sharders themselves (name -> ModuleSharder) and its
 # extract_comm_data_type_size takes (sharder, option); from 1.7 on they get picklable snapshots
 # (SharderDataMap) and it takes (option, sharder_data). Both go through unchanged.
@@ -687,6 +691,21 @@ def check_dynamic_modules_have_sharders(module: nn.Module, sharders: Sequence[Mo
         and type(child) in sharder_of
         and not isinstance(sharder_of[type(child)], FeatureProcessedDynamicEmbeddingBagCollectionSharder)
     ]
+    # TorchRec's MC sharder finds no kernel for ours (an opaque planner error), and a tower's
+    # dynamic module would be sharded alone, then called by the tower with two KJTs.
+    containers = [(p, m) for p, m in module.named_modules() if isinstance(m, _UNSHARDABLE_CONTAINERS)]
+    inside = []
+    for path, child in module.named_modules():
+        outer = next((c for c in containers if path.startswith(f"{c[0]}.") or (path and not c[0])), None)
+        if isinstance(child, DYNAMIC_MODULE_TYPES) and outer is not None:
+            inside.append(f"{path} ({type(child).__name__} inside {type(outer[1]).__name__} {outer[0] or '<root>'})")
+    if inside:
+        raise PlannerError(
+            f"dynamic table planner: TorchRec's managed-collision and tower modules cannot be sharded over "
+            f"a dynamic collection: {', '.join(inside)}. Dynamic tables take raw ids (no managed collision "
+            "needed): shard the dynamic collection outside such modules, or keep the model unsharded.",
+            error_type=PlannerErrorType.OTHER,
+        )
     if missing:
         raise PlannerError(
             f"dynamic table planner: no sharder for {', '.join(missing)}; TorchRec would leave "

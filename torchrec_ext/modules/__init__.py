@@ -11,7 +11,7 @@ from torchrec_ext.modules.deltas import Delta, DeltaError, DeltaToken, TableDelt
 from torchrec_ext.modules.embedding_bag_collection import DynamicEmbeddingBagCollection
 from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
 from torchrec_ext.modules.ftrl import Ftrl
-from torchrec_ext.modules.fuse import fuse_embedding_optimizer
+from torchrec_ext.modules.fuse import fuse_embedding_optimizer, install_torchrec_fuse_hook
 from torchrec_ext.modules.fused_optimizer import DEFAULT_OPTIMIZER
 from torchrec_ext.modules.migration import from_ebc_state_dict
 from torchrec_ext.modules.quantization import install_quantization_refusal
@@ -19,6 +19,8 @@ from torchrec_ext.modules.table_growth import GrowthError
 
 # TorchRec's quantize_inference_model refuses our modules instead of leaving them in float: see quantization.py.
 install_quantization_refusal()
+# TorchRec's fuse_embedding_optimizer sets our modules' optimizer instead of skipping them: see fuse.py.
+install_torchrec_fuse_hook()
 
 __all__ = [
     "DynamicEmbeddingBagCollection",

@@ -5,6 +5,7 @@ while the optimizer vocabulary it resolves lives below, in ``fused_optimizer``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -30,8 +31,10 @@ def fuse_embedding_optimizer(
     fbgemm EmbeddingLocation) is accepted and ignored: dynamic tables live on their device. The
     rest of the model goes to TorchRec's function. Returns the model, as TorchRec's does.
     """
-    from torchrec.modules.fused_embedding_modules import fuse_embedding_optimizer as torchrec_fuse
+    import torchrec.modules.fused_embedding_modules as torchrec_fused
 
+    torchrec_fuse = getattr(torchrec_fused.fuse_embedding_optimizer, "torchrec_original", None)
+    torchrec_fuse = torchrec_fuse or torchrec_fused.fuse_embedding_optimizer
     dynamic = [m for m in model.modules() if isinstance(m, DynamicCollectionMixin)]
     # Checked once, before any module changes.
     spec = resolve_optimizer(optimizer_type, optimizer_kwargs, "fuse_embedding_optimizer")
@@ -42,3 +45,22 @@ def fuse_embedding_optimizer(
     if isinstance(model, DynamicCollectionMixin):
         return model
     return torchrec_fuse(model, optimizer_type, optimizer_kwargs, device, location)
+
+
+def install_torchrec_fuse_hook() -> None:
+    """Make ``torchrec.modules.fused_embedding_modules.fuse_embedding_optimizer`` this function, so
+    TorchRec's own name sets our modules' optimizer instead of skipping them (its ``isinstance``
+    check knows only its EBC / EC). Code that bound TorchRec's function before ``import
+    torchrec_ext`` keeps the original. Idempotent; runs on ``import torchrec_ext.modules``."""
+    import torchrec.modules.fused_embedding_modules as torchrec_fused
+
+    original = torchrec_fused.fuse_embedding_optimizer
+    if getattr(original, "torchrec_original", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def hooked(*args: Any, **kwargs: Any) -> nn.Module:
+        return fuse_embedding_optimizer(*args, **kwargs)
+
+    hooked.torchrec_original = original  # type: ignore[attr-defined]
+    torchrec_fused.fuse_embedding_optimizer = hooked

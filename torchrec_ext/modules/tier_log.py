@@ -132,9 +132,11 @@ class RowLog:
         """Per row, the record of its newest copy (int64), -1 where that is the base file."""
         return self.where.index_select(0, rows).to(torch.int64)
 
-    def read(self, records: Tensor) -> Tensor:
-        """The records at ``records`` (numbers), [n, record_bytes] uint8."""
-        return self.records.index_select(0, records)
+    def read(self, records: Tensor, out: Tensor | None = None) -> Tensor:
+        """The records at ``records`` (numbers), [n, record_bytes] uint8 (into ``out`` when given)."""
+        if out is None:
+            return self.records.index_select(0, records)
+        return torch.index_select(self.records, 0, records, out=out)
 
     def live_rows(self) -> Tensor:
         """The rows whose newest copy is in the log, ascending."""
@@ -189,7 +191,7 @@ class RowLog:
                 self._next_head()
             take = min(n - done, SEGMENT_RECORDS - self.head_fill)
             first = self.head * SEGMENT_RECORDS + self.head_fill
-            chunk = data[done : done + take]
+            chunk = data if take == n else data[done : done + take]
             began, at = time.perf_counter(), self.offset + first * self.record_bytes
             try:
                 pwrite_all(self.fd, memoryview(chunk.numpy()).cast("B"), at)
@@ -207,14 +209,14 @@ class RowLog:
                 self.write_s += time.perf_counter() - began
             # Written: the records are the rows' newest copies now (not before: a failed write
             # leaves every row where it was).
-            these = rows[done : done + take]
+            these = rows if take == n else rows[done : done + take]
             old = self.where.index_select(0, these)
-            old = old[old >= 0].to(torch.int64)  # the copies these records supersede: dead now
+            old = old[old >= 0]  # the copies these records supersede: dead now
             if old.numel():
                 self.segment_live -= torch.bincount(old // SEGMENT_RECORDS, minlength=self.max_segments)
                 self.live -= old.numel()
             self.where.index_copy_(0, these, torch.arange(first, first + take, dtype=self.where.dtype))
-            self.segment_live[self.head] += take
+            self.segment_live.narrow(0, self.head, 1).add_(take)
             self.live += take
             self.head_fill += take
             done += take

@@ -73,7 +73,7 @@ class SlotOrder:
             clocks = torch.tensor([c[1] for c in chunks], dtype=torch.int64)
             clocks = clocks.expand(size) if len(chunks) == 1 else clocks.repeat_interleave(torch.tensor(sizes))
             current = (last_used.index_select(0, slots) == clocks) & (row_of.index_select(0, slots) >= 0)
-            at = current.nonzero().squeeze(1)
+            at = current.nonzero(as_tuple=True)[0]
             stay = None
             if pinned is not None:  # (checked on the current entries only: pinned ones are rare this far front)
                 blocked = pinned.index_select(0, slots.index_select(0, at))

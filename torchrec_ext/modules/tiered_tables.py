@@ -96,55 +96,76 @@ class _LogMover(_Mover):
     row's newest copy (the log's or the base file's); ``write_home`` / ``fold`` write rows to the
     base file itself (a checkpoint's flush)."""
 
+    BUFFER_ROWS = 1 << 15  # write-backs up to this many rows reuse one records buffer (16 MiB of 512-byte records)
+
     def __init__(self, pairs: list[tuple[Tensor, Tensor]], store: BackingStore, t: int):
         super().__init__(pairs)
         # Per pair: (first byte in the record, bytes); each field 8-byte aligned, so that the
         # records' columns are views of any dtype (no copy to read them).
-        self.fields, self._pads = [], []
+        self.fields = []
         at = ROW_BYTES
         for cache, _ in pairs:
             width = cache.element_size() * (cache.shape[1] if cache.dim() == 2 else 1)
-            self.fields.append((at, width))
-            if width % 8:
-                self._pads.append((at + width, at + width + -width % 8))  # (zeros: the records' bytes are all defined)
+            self.fields.append((at, width))  # (the pads between fields: zeros, the records' bytes are all defined)
             at += width + -width % 8
         self.log = store.log(t, at)
         self.log.home = self._write_records_home
+        self._buffer: tuple[Tensor, Tensor, list[Tensor]] | None = None  # (records, rows, columns): _columns
 
     def _field(self, records: Tensor, k: int, like: Tensor) -> Tensor:
         at, width = self.fields[k]
         values = records[:, at : at + width].view(like.dtype)
         return values.view(-1) if like.dim() == 1 else values
 
+    def _columns(self, n: int) -> tuple[Tensor, Tensor, list[Tensor]]:
+        """Records for n write-backs or reads: [n, record_bytes] uint8, its row numbers' column (int64) and
+        each pair's column (as the cache's rows). A buffer kept across write-backs (its columns'
+        views made once, its pads zeroed once): the log's append copies the records out
+        (``pwrite``) before the next write-back refills them."""
+        if n > self.BUFFER_ROWS:  # (a flush's many rows: records of their own, not kept)
+            return self._make_columns(n)
+        if self._buffer is None or self._buffer[0].shape[0] < n:
+            self._buffer = self._make_columns(
+                min(self.BUFFER_ROWS, max(n, 2 * self._buffer[0].shape[0] if self._buffer else n))
+            )
+        records, rows, columns = self._buffer
+        if records.shape[0] == n:
+            return self._buffer
+        return records[:n], rows[:n], [column[:n] for column in columns]
+
+    def _make_columns(self, n: int) -> tuple[Tensor, Tensor, list[Tensor]]:
+        records = torch.zeros(n, self.log.record_bytes, dtype=torch.uint8)
+        rows = records[:, :ROW_BYTES].view(torch.int64).squeeze(1)
+        return records, rows, [self._field(records, k, cache) for k, (cache, _) in enumerate(self.pairs)]
+
     def read(self, slots: Tensor, rows: Tensor) -> None:
         if rows.numel() == 0:
             return
         where = self.log.locate(rows)
         in_log = where >= 0
-        if not bool(in_log.any()):
+        logged = int(in_log.sum())
+        if logged == 0:
             return super().read(slots, rows)
-        in_base = (~in_log).nonzero().squeeze(1)
-        if in_base.numel():
-            super().read(slots.index_select(0, in_base), rows.index_select(0, in_base))
-        in_log = in_log.nonzero().squeeze(1)
-        where, slots = where.index_select(0, in_log), slots.index_select(0, in_log)
+        if logged < rows.numel():
+            in_base = ~in_log
+            super().read(slots[in_base], rows[in_base])
+            where, slots = where[in_log], slots[in_log]
         order = where.argsort()  # the log read front to back
-        records = self.log.read(where[order])
+        records, _, columns = self._columns(where.numel())
+        self.log.read(where[order], out=records)
         slots = slots[order]
-        for k, (cache, _) in enumerate(self.pairs):
-            cache.index_copy_(0, slots, self._field(records, k, cache))
+        for (cache, _), column in zip(self.pairs, columns):
+            cache.index_copy_(0, slots, column)
 
     def write(self, slots: Tensor, rows: Tensor) -> None:
         n = rows.numel()
         if n == 0:
             return
         # Each field gathered straight into its column of the records (no copy of the columns to join).
-        records = torch.empty(n, self.log.record_bytes, dtype=torch.uint8)
-        records[:, :ROW_BYTES].view(torch.int64).squeeze(1).copy_(rows)
-        for k, (cache, _) in enumerate(self.pairs):
-            torch.index_select(cache, 0, slots, out=self._field(records, k, cache))
-        for start, end in self._pads:
-            records[:, start:end].zero_()
+        records, row_column, columns = self._columns(n)
+        row_column.copy_(rows)
+        for (cache, _), column in zip(self.pairs, columns):
+            torch.index_select(cache, 0, slots, out=column)
         self.log.append(rows, records)
 
     def write_home(self, slots: Tensor, rows: Tensor) -> None:
@@ -294,20 +315,22 @@ class RowCache:
         """Up to k free slots, out of the free list."""
         free = self.free
         if free.numel():
-            free = free.index_select(0, (self.row_of.index_select(0, free) < 0).nonzero().squeeze(1))
+            free = free[self.row_of.index_select(0, free) < 0]
         self.free = free[k:]
         return free[:k]
 
-    def _evict(self, victims: Tensor, mover: _Mover, ahead: bool = False) -> None:
-        """The rows of ``victims`` (slots, some maybe empty) leave the cache, dirty ones written back."""
+    def _evict(self, victims: Tensor, mover: _Mover, ahead: bool = False, occupied: bool = False) -> None:
+        """The rows of ``victims`` (slots, some maybe empty unless ``occupied``) leave the cache,
+        dirty ones written back."""
         old = self.row_of.index_select(0, victims)
-        gone = (old >= 0).nonzero().squeeze(1)
-        if gone.numel() < victims.numel():
-            victims, old = victims.index_select(0, gone), old.index_select(0, gone)
-        back = self.dirty.index_select(0, victims).nonzero().squeeze(1)
-        if back.numel():
+        if not occupied:
+            gone = old >= 0
+            if not bool(gone.all()):
+                victims, old = victims[gone], old[gone]
+        back = self.dirty.index_select(0, victims).nonzero(as_tuple=True)[0]
+        n = back.numel()
+        if n:
             mover.write(victims.index_select(0, back), old.index_select(0, back))
-            n = back.numel()
             self.write_backs += n
             if ahead:
                 self.staged_write_backs += n
@@ -320,19 +343,18 @@ class RowCache:
         back) for the rows the lookup will initialise, as far as slots not ``pinned`` (a mask of
         the batches in flight when the table was handed over) and not holding ``rows`` go. Moves data
         between the tiers only: which id holds which row is the index's, decided in the steps."""
+        # Boolean-mask selections (one torch call each, where nonzero + index_select take two or
+        # three): the stage runs on a worker thread, and each call lets the GIL go and waits to
+        # take it back from the train thread (benchmarks/results/tier_stage_profile.md).
         s = self.slot_of.index_select(0, rows)
         hit = s >= 0
-        missing = (~hit).nonzero().squeeze(1)
+        missing_rows = rows[~hit]
         # The hits are used now: the least recently used slots taken below are last used before
         # (those the lookup of this clock used, the batch in flight's, are touched already).
-        hits = s.index_select(0, hit.nonzero().squeeze(1)).to(torch.int64)
-        self.order.touch(
-            hits.index_select(0, (self.last_used.index_select(0, hits) != clock).nonzero().squeeze(1)),
-            clock,
-            self.last_used,
-            self.row_of,
-        )
-        want_slots = missing.numel() + new_rows
+        hits = s[hit].to(torch.int64)
+        self.order.touch(hits[self.last_used.index_select(0, hits) != clock], clock, self.last_used, self.row_of)
+        missing = missing_rows.numel()
+        want_slots = missing + new_rows
         if want_slots == 0:
             return
         # Free slots first, then the least recently used; which of them get filled and which
@@ -340,20 +362,21 @@ class RowCache:
         free = self._take_free(want_slots)
         lru = self.order.oldest(want_slots - free.numel(), self.last_used, self.row_of, clock, pinned)
         if lru.numel():
-            self._evict(lru, mover, ahead=True)
+            self._evict(lru, mover, ahead=True, occupied=True)  # (oldest takes occupied slots only)
         victims = lru if not free.numel() else torch.cat([free, lru])
-        fill = victims[: min(missing.numel(), victims.numel())]
-        freed = victims[fill.numel() :]
-        want = rows.index_select(0, missing[: fill.numel()])
+        filled = min(missing, victims.numel())
+        fill, freed = (victims, None) if filled == victims.numel() else (victims[:filled], victims[filled:])
+        want = missing_rows if filled == missing else missing_rows[:filled]
         mover.read(fill, want)
-        self.staged += want.numel()
-        self.bytes_moved += want.numel() * mover.row_bytes
+        self.staged += filled
+        self.bytes_moved += filled * mover.row_bytes
         self.row_of.index_copy_(0, fill, want)
         self.slot_of.index_copy_(0, want, fill.to(torch.int32))
-        self.row_of.index_fill_(0, freed, -1)
+        if freed is not None:
+            self.row_of.index_fill_(0, freed, -1)
         self.dirty.index_fill_(0, victims, False)
         self.order.touch(fill, clock, self.last_used, self.row_of)
-        if freed.numel():  # (each slot once in the free list: these were taken out of it or out of the order)
+        if freed is not None:  # (each slot once in the free list: these were taken out of it or out of the order)
             self.free = freed if not self.free.numel() else torch.cat([self.free, freed])
 
     def flush(self, mover: _Mover, home: bool = True) -> None:
@@ -829,10 +852,10 @@ class TieredTables(DynamicTables):
             pinned, step = taken
             rows, found = self.indexes[t].find(unique[start:end])
             rows = self._mask_expired(t, rows, found, step)  # expired: re-initialised by the lookup, not read
-            live = rows >= 0
+            live = rows[rows >= 0]
             cache = self.caches[t]
             before = (cache.staged, cache.staged_write_backs, cache.bytes_moved)
-            cache.stage(rows[live], int(rows.numel() - int(live.sum())), pinned, clock, movers[t])
+            cache.stage(live, rows.numel() - live.numel(), pinned, clock, movers[t])
             self._stage_stats[t] = {
                 "staged": cache.staged - before[0],
                 "staged_write_backs": cache.staged_write_backs - before[1],

@@ -8,6 +8,7 @@ import torch
 from embedding_ops_helpers import pooled_case, update_case
 from torchrec_ext import HashTable
 from torchrec_ext import reference as ref
+from torchrec_ext.modules import ir_serializer  # noqa: F401  (registers the ir_* ops, as exporting does)
 
 _ops = torch.ops.torchrec_ext
 CAPACITY = 300
@@ -171,7 +172,14 @@ def _embedding_cases():
             )
 
 
-CASES = list(_hash_cases()) + list(_embedding_cases())
+def _ir_cases():
+    # The shape-only stand-ins of an IR-serialized program (modules/ir_serializer.py).
+    ids = torch.tensor([3, 1, 4, 1, 5], dtype=torch.int64)
+    yield "ir_pooled_lookup", ([ids, None, torch.tensor([2, 3])], 2, [4, 8])
+    yield "ir_sequence_lookup", (ids, 6)
+
+
+CASES = list(_hash_cases()) + list(_embedding_cases()) + list(_ir_cases())
 
 
 # Ops registered from Python that opcheck cannot drive: their first argument names a live module

@@ -21,23 +21,6 @@
 namespace torchrec_ext {
 namespace {
 
-constexpr uint64_t kRoundingGolden = 0xD6E8FEB86659FD93ull;
-
-// The 16-bit random numbers of a row's elements at one step (reference.rounding_bits): element
-// d takes bits 16 * (d % 4) of hash d / 4, i.e. (little-endian) the d-th uint16 of the hashes.
-TREXT_VECTOR_CLONES
-void rounding_bits(uint16_t* out, uint64_t* scratch, int64_t dim, int64_t id, uint64_t seed,
-                   int64_t step) {
-  const uint64_t key = fmix64(fmix64(static_cast<uint64_t>(id) ^ seed) +
-                              static_cast<uint64_t>(step) * kRoundingGolden);
-  const int64_t groups = (dim + 3) / 4;
-  for (int64_t q = 0; q < groups; ++q)
-    scratch[q] = fmix64(key + static_cast<uint64_t>(q + 1) * kRoundingGolden);
-  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
-                "rounding_bits reads hashes as uint16 lanes");
-  std::memcpy(out, scratch, dim * sizeof(uint16_t));
-}
-
 enum class Optim : int64_t {
   kSgd = 0,
   kAdagrad = 1,
@@ -486,7 +469,7 @@ struct RowScratch {
 // the results are streamed to the row (never read from memory).
 inline void step_new_row(const UpdateTarget& x, Optim kind, const Hyper& h, RowScratch& s,
                          int64_t t, int64_t j, char* row, float* state0, float* state1, int64_t dim,
-                         const uint16_t* r) {
+                         const RowRounding* r) {
   const Storage st = x.layout.storage[t];
   const int64_t row_bytes = dim * storage_bytes(st);
   load_row(s.fresh_w.data(), x.nv.data[t] + j * row_bytes, st, dim);
@@ -509,7 +492,7 @@ inline void step_new_row(const UpdateTarget& x, Optim kind, const Hyper& h, RowS
 
 // A stored row stepped in place; a half row is stepped in float32 and written back rounded.
 inline void step_stored_row(Optim kind, const Hyper& h, RowScratch& s, Storage st, char* row,
-                            float* state0, float* state1, int64_t dim, const uint16_t* r) {
+                            float* state0, float* state1, int64_t dim, const RowRounding* r) {
   if (st == Storage::kFloat) {
     apply_step(kind, h, reinterpret_cast<float*>(row), s.g.data(), state0, state1, dim);
   } else {
@@ -544,11 +527,9 @@ void update_unique_rows(const UpdateTarget& x, const UniqueRows& u, const GradRo
                       : x.rowwise_state ? x.s0 + x.state_row_offsets[t] + ur[k]
                                         : x.s0 + selem;
       float* state1 = x.s1 == nullptr ? nullptr : x.s1 + selem;
-      const uint16_t* r = nullptr;
-      if (sr.seed[t] != 0) {
-        rounding_bits(s.rbits.data(), s.rhash.data(), dim, sr.ids[k], sr.seed[t], step);
-        r = s.rbits.data();
-      }
+      const RowRounding rounding{sr.seed[t] != 0 ? rounding_key(sr.ids[k], sr.seed[t], step) : 0,
+                                 s.rbits.data(), s.rhash.data()};
+      const RowRounding* r = sr.seed[t] != 0 ? &rounding : nullptr;
       if (x.unique_new != nullptr && x.unique_new[k] >= 0)
         step_new_row(x, kind, h, s, t, x.unique_new[k], row, state0, state1, dim, r);
       else

@@ -163,6 +163,36 @@ inline uint16_t half_stochastic(float x, uint32_t r) {
   return static_cast<uint16_t>(h | sign);
 }
 
+// The 16-bit random numbers of a row's elements at one step (reference.rounding_bits): the row's
+// key, fmix64(fmix64(id ^ seed) + step * golden), then one hash per 4 elements, element d taking
+// bits 16 * (d % 4) of hash d / 4, i.e. (little-endian) the d-th uint16 of the hashes.
+constexpr uint64_t kRoundingGolden = 0xD6E8FEB86659FD93ull;
+inline uint64_t rounding_key(int64_t id, uint64_t seed, int64_t step) {
+  return fmix64(fmix64(static_cast<uint64_t>(id) ^ seed) +
+                static_cast<uint64_t>(step) * kRoundingGolden);
+}
+TREXT_VECTOR_CLONES
+void rounding_bits(uint16_t* out, uint64_t* scratch, int64_t dim, uint64_t key) {
+  const int64_t groups = (dim + 3) / 4;
+  for (int64_t q = 0; q < groups; ++q)
+    scratch[q] = fmix64(key + static_cast<uint64_t>(q + 1) * kRoundingGolden);
+  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__,
+                "rounding_bits reads hashes as uint16 lanes");
+  std::memcpy(out, scratch, dim * sizeof(uint16_t));
+}
+
+// One row's stochastic rounding: its key, and scratch where the paths that read the random
+// numbers from memory (portable, F16C) draw them; the AVX-512 paths hash them in registers.
+struct RowRounding {
+  uint64_t key;
+  uint16_t* bits;    // [dim]
+  uint64_t* hashes;  // [(dim + 3) / 4]
+  const uint16_t* drawn(int64_t dim) const {
+    rounding_bits(bits, hashes, dim, key);
+    return bits;
+  }
+};
+
 TREXT_VECTOR_CLONES
 void float_row_to_half_stochastic(uint16_t* out, const float* x, const uint16_t* r, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) out[d] = half_stochastic(x[d], r[d]);
@@ -185,11 +215,11 @@ void float_row_to_bf16_stochastic(uint16_t* out, const float* x, const uint16_t*
 // meant to be: every lane is written)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#define TREXT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
+#define TREXT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c")))
 // TORCHREC_EXT_NO_AVX512=1 takes the F16C path (tests check both give the same bits).
 const bool kHasAvx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                        __builtin_cpu_supports("avx512vl") && kHasF16C &&
-                        std::getenv("TORCHREC_EXT_NO_AVX512") == nullptr;
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                        kHasF16C && std::getenv("TORCHREC_EXT_NO_AVX512") == nullptr;
 
 TREXT_AVX512 inline __m256i to_half16(__m512 x) {
   return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -247,20 +277,65 @@ TREXT_AVX512 inline __m256i half_stochastic16(__m512 x, __m512i r) {
   return _mm512_cvtps_ph(_mm512_castsi512_ps(signed_y), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
 }
 
-TREXT_AVX512 void float_row_to_half_stochastic_avx512(uint16_t* out, const float* x,
-                                                      const uint16_t* r, int64_t dim) {
+// bfloat16_stochastic 16 wide: the bit pattern plus r, its top 16 bits; the largest finite value
+// instead of inf below the overflow boundary; NaN as the quiet NaN.
+TREXT_AVX512 inline __m256i bf16_stochastic16(__m512 x, __m512i r) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+  __m512i t = _mm512_srli_epi32(_mm512_add_epi32(u, r), 16);
+  const __mmask16 overflow = _mm512_mask_cmpeq_epi32_mask(
+      _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(kBf16OverflowBoundary))),
+      _mm512_and_si512(t, _mm512_set1_epi32(0x7FFF)), _mm512_set1_epi32(0x7F80));
+  t = _mm512_mask_sub_epi32(t, overflow, t, _mm512_set1_epi32(1));
+  t = _mm512_mask_mov_epi32(t, _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000)),
+                            _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(t);
+}
+
+// The random numbers of a row (rounding_bits) hashed in registers, 16 elements (4 hashes) at a
+// time from the row's start: no pass through memory, and the row's key is all it needs.
+struct RoundingStream16 {
+  __m256i counter;  // key + (q + 1) * golden for the next block's hashes q = 4b .. 4b + 3
+};
+TREXT_AVX512 inline RoundingStream16 rounding_stream(uint64_t key) {
+  const auto g = [](uint64_t q) { return static_cast<long long>(q * kRoundingGolden); };
+  return {_mm256_add_epi64(_mm256_set1_epi64x(static_cast<long long>(key)),
+                           _mm256_setr_epi64x(g(1), g(2), g(3), g(4)))};
+}
+TREXT_AVX512 inline __m512i next_rounding_bits16(RoundingStream16& s) {
+  __m256i k = s.counter;
+  k = _mm256_xor_si256(k, _mm256_srli_epi64(k, 33));
+  k = _mm256_mullo_epi64(k, _mm256_set1_epi64x(static_cast<long long>(0xFF51AFD7ED558CCDull)));
+  k = _mm256_xor_si256(k, _mm256_srli_epi64(k, 33));
+  k = _mm256_mullo_epi64(k, _mm256_set1_epi64x(static_cast<long long>(0xC4CEB9FE1A85EC53ull)));
+  k = _mm256_xor_si256(k, _mm256_srli_epi64(k, 33));
+  s.counter =
+      _mm256_add_epi64(s.counter, _mm256_set1_epi64x(static_cast<long long>(4 * kRoundingGolden)));
+  return _mm512_cvtepu16_epi32(k);  // the 4 hashes' uint16 lanes, in element order
+}
+
+// A row rounded 16 wide, the random numbers hashed on the way (the tail's extra lanes' unused).
+template <__m256i (*Round16)(__m512, __m512i)>
+TREXT_AVX512 inline void row_stochastic_avx512(uint16_t* out, const float* x, uint64_t key,
+                                               int64_t dim) {
+  RoundingStream16 stream = rounding_stream(key);
   int64_t d = 0;
-  for (; d + 16 <= dim; d += 16) {
-    const __m512i rv =
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + d)));
+  for (; d + 16 <= dim; d += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d),
-                        half_stochastic16(_mm512_loadu_ps(x + d), rv));
-  }
+                        Round16(_mm512_loadu_ps(x + d), next_rounding_bits16(stream)));
   if (d < dim) {  // the tail, masked (dims not a multiple of 16)
     const __mmask16 m = static_cast<__mmask16>((1u << (dim - d)) - 1u);
-    const __m512i rv = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r + d));
-    _mm256_mask_storeu_epi16(out + d, m, half_stochastic16(_mm512_maskz_loadu_ps(m, x + d), rv));
+    _mm256_mask_storeu_epi16(
+        out + d, m, Round16(_mm512_maskz_loadu_ps(m, x + d), next_rounding_bits16(stream)));
   }
+}
+TREXT_AVX512 void float_row_to_half_stochastic_avx512(uint16_t* out, const float* x, uint64_t key,
+                                                      int64_t dim) {
+  row_stochastic_avx512<half_stochastic16>(out, x, key, dim);
+}
+TREXT_AVX512 void float_row_to_bf16_stochastic_avx512(uint16_t* out, const float* x, uint64_t key,
+                                                      int64_t dim) {
+  row_stochastic_avx512<bf16_stochastic16>(out, x, key, dim);
 }
 #pragma GCC diagnostic pop
 #else
@@ -268,7 +343,8 @@ constexpr bool kHasAvx512 = false;
 void add_scaled_half_avx512(float*, const uint16_t*, float, int64_t) {}
 void half_row_to_float_avx512(float*, const uint16_t*, int64_t) {}
 void float_row_to_half_avx512(uint16_t*, const float*, int64_t) {}
-void float_row_to_half_stochastic_avx512(uint16_t*, const float*, const uint16_t*, int64_t) {}
+void float_row_to_half_stochastic_avx512(uint16_t*, const float*, uint64_t, int64_t) {}
+void float_row_to_bf16_stochastic_avx512(uint16_t*, const float*, uint64_t, int64_t) {}
 #endif
 
 }  // namespace

@@ -106,9 +106,9 @@ inline void load_row(float* out, const void* row, Storage st, int64_t dim) {
   }
 }
 
-// row = x in the storage dtype: stochastically rounded with bits r when given, else to nearest.
-// x is scratch: stochastic rounding to float16 may overwrite it.
-inline void store_row(void* row, float* x, Storage st, int64_t dim, const uint16_t* r) {
+// row = x in the storage dtype: stochastically rounded with the row's random numbers when r is
+// given, else to nearest. x is scratch: stochastic rounding to float16 may overwrite it.
+inline void store_row(void* row, float* x, Storage st, int64_t dim, const RowRounding* r) {
   switch (st) {
     case Storage::kFloat:
       std::memcpy(row, x, dim * 4);
@@ -116,23 +116,25 @@ inline void store_row(void* row, float* x, Storage st, int64_t dim, const uint16
     case Storage::kHalf:
       if (kHasAvx512) {
         if (r != nullptr)
-          float_row_to_half_stochastic_avx512(static_cast<uint16_t*>(row), x, r, dim);
+          float_row_to_half_stochastic_avx512(static_cast<uint16_t*>(row), x, r->key, dim);
         else
           float_row_to_half_avx512(static_cast<uint16_t*>(row), x, dim);
       } else if (kHasF16C) {  // the grid values, then an exact hardware conversion
-        if (r != nullptr) half_stochastic_grid_row(x, r, dim);
+        if (r != nullptr) half_stochastic_grid_row(x, r->drawn(dim), dim);
         float_row_to_half_f16c(static_cast<uint16_t*>(row), x, dim);
       } else if (r != nullptr) {
-        float_row_to_half_stochastic(static_cast<uint16_t*>(row), x, r, dim);
+        float_row_to_half_stochastic(static_cast<uint16_t*>(row), x, r->drawn(dim), dim);
       } else {
         float_row_to_half(static_cast<uint16_t*>(row), x, dim);
       }
       break;
     case Storage::kBFloat16:
-      if (r != nullptr)
-        float_row_to_bf16_stochastic(static_cast<uint16_t*>(row), x, r, dim);
-      else
+      if (r == nullptr)
         float_row_to_bf16(static_cast<uint16_t*>(row), x, dim);
+      else if (kHasAvx512)
+        float_row_to_bf16_stochastic_avx512(static_cast<uint16_t*>(row), x, r->key, dim);
+      else
+        float_row_to_bf16_stochastic(static_cast<uint16_t*>(row), x, r->drawn(dim), dim);
       break;
   }
 }

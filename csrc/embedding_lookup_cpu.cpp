@@ -99,11 +99,11 @@ at::Tensor pooled_lookup_cpu(const at::Tensor& weights, const at::Tensor& table_
       float* acc = y + b * total_dim + fl.col[f];
       const char* base = bases[t];
       const Storage st = storage[t];
-      const int64_t row_bytes = dim * storage_bytes(st);
+      const int64_t row_bytes = dim * storage_bytes(st), distance = prefetch_distance(row_bytes);
       for (int64_t d = 0; d < dim; ++d) acc[d] = 0.f;
       for (int64_t i = o[g]; i < o[g + 1]; ++i) {
         // Rows are scattered: fetch a few ids ahead, across bag ends, within this feature.
-        const int64_t ahead = i + kPrefetchDistance;
+        const int64_t ahead = i + distance;
         if (ahead < feature_end[f] && r[ahead] >= 0)
           prefetch_row(base + r[ahead] * row_bytes, row_bytes);
         if (r[i] == -1) continue;

@@ -480,12 +480,7 @@ inline void step_new_row(const UpdateTarget& x, Optim kind, const Hyper& h, RowS
     std::fill(s.fresh_s1.begin(), s.fresh_s1.begin() + dim, static_cast<float>(x.state_init[1]));
   apply_step(kind, h, s.fresh_w.data(), s.g.data(), state0 != nullptr ? s.fresh_s0.data() : nullptr,
              state1 != nullptr ? s.fresh_s1.data() : nullptr, dim);
-  if (st == Storage::kFloat) {
-    copy_streaming(reinterpret_cast<float*>(row), s.fresh_w.data(), dim);
-  } else {  // rounded into a scratch row, then streamed as the float32 rows are
-    store_row(s.fresh_half.data(), s.fresh_w.data(), st, dim, r);
-    copy_streaming_bytes(row, s.fresh_half.data(), row_bytes);
-  }
+  store_row_streaming(row, s.fresh_w.data(), st, dim, r, s.fresh_half.data());
   if (state0 != nullptr) copy_streaming(state0, s.fresh_s0.data(), width0);
   if (state1 != nullptr) copy_streaming(state1, s.fresh_s1.data(), dim);
 }

@@ -267,10 +267,14 @@ TREXT_AVX512 inline __m256i half_stochastic16(__m512 x, __m512i r) {
   __m512 y =
       _mm512_add_round_ps(_mm512_castsi512_ps(a), noise, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
   // inf, NaN: themselves (inf + noise = inf, NaN + noise = NaN); overflow from the boundary up
-  const __mmask16 overflow = _mm512_mask_cmp_ps_mask(
-      _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(kHalfOverflowBoundary))), y,
-      _mm512_set1_ps(65536.0f), _CMP_GE_OQ);
-  y = _mm512_mask_mov_ps(y, overflow, _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+  // (rare: tested per block, so the common case skips the fix)
+  const __mmask16 big =
+      _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(kHalfOverflowBoundary)));
+  if (__builtin_expect(big != 0, 0)) {
+    const __mmask16 overflow =
+        _mm512_mask_cmp_ps_mask(big, y, _mm512_set1_ps(65536.0f), _CMP_GE_OQ);
+    y = _mm512_mask_mov_ps(y, overflow, _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+  }
   // y | (u & sign): the sign back; truncation is symmetric
   const __m512i signed_y = _mm512_ternarylogic_epi32(
       _mm512_castps_si512(y), u, _mm512_set1_epi32(static_cast<int>(0x80000000u)), 0xF8);
@@ -283,13 +287,36 @@ TREXT_AVX512 inline __m256i bf16_stochastic16(__m512 x, __m512i r) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
   __m512i t = _mm512_srli_epi32(_mm512_add_epi32(u, r), 16);
-  const __mmask16 overflow = _mm512_mask_cmpeq_epi32_mask(
-      _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(kBf16OverflowBoundary))),
-      _mm512_and_si512(t, _mm512_set1_epi32(0x7FFF)), _mm512_set1_epi32(0x7F80));
-  t = _mm512_mask_sub_epi32(t, overflow, t, _mm512_set1_epi32(1));
-  t = _mm512_mask_mov_epi32(t, _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000)),
-                            _mm512_set1_epi32(0x7FC0));
+  // Only |x| from the largest finite value's lower neighbour up (near overflow, inf, NaN) can
+  // need a fix: tested per block, so the common case skips it.
+  const __mmask16 big = _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x7F7F0000));
+  if (__builtin_expect(big != 0, 0)) {
+    const __mmask16 overflow = _mm512_mask_cmpeq_epi32_mask(
+        _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(kBf16OverflowBoundary))),
+        _mm512_and_si512(t, _mm512_set1_epi32(0x7FFF)), _mm512_set1_epi32(0x7F80));
+    t = _mm512_mask_sub_epi32(t, overflow, t, _mm512_set1_epi32(1));
+    t = _mm512_mask_mov_epi32(t, _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000)),
+                              _mm512_set1_epi32(0x7FC0));
+  }
   return _mm512_cvtepi32_epi16(t);
+}
+
+// bfloat16 rounded to nearest even 16 wide (c10's round_to_nearest_even; NaN as the quiet NaN).
+TREXT_AVX512 inline __m256i bf16_nearest16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i bias = _mm512_add_epi32(
+      _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7FFF));
+  __m512i t = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000));
+  t = _mm512_mask_mov_epi32(t, nan, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(t);
+}
+TREXT_AVX512 void float_row_to_bf16_avx512(uint16_t* out, const float* x, int64_t dim) {
+  for (int64_t d = 0; d < dim; d += 16) {
+    const __mmask16 m = dim - d >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (dim - d)) - 1u);
+    _mm256_mask_storeu_epi16(out + d, m, bf16_nearest16(_mm512_maskz_loadu_ps(m, x + d)));
+  }
 }
 
 // The random numbers of a row (rounding_bits) hashed in registers, 16 elements (4 hashes) at a
@@ -315,27 +342,33 @@ TREXT_AVX512 inline __m512i next_rounding_bits16(RoundingStream16& s) {
 }
 
 // A row rounded 16 wide, the random numbers hashed on the way (the tail's extra lanes' unused).
+// `stream`: non-temporal stores, for a row not read again soon (out 32-byte aligned, dim a
+// multiple of 16: no masked tail).
 template <__m256i (*Round16)(__m512, __m512i)>
 TREXT_AVX512 inline void row_stochastic_avx512(uint16_t* out, const float* x, uint64_t key,
-                                               int64_t dim) {
-  RoundingStream16 stream = rounding_stream(key);
+                                               int64_t dim, bool stream) {
+  RoundingStream16 rounding = rounding_stream(key);
   int64_t d = 0;
-  for (; d + 16 <= dim; d += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d),
-                        Round16(_mm512_loadu_ps(x + d), next_rounding_bits16(stream)));
+  for (; d + 16 <= dim; d += 16) {
+    const __m256i h = Round16(_mm512_loadu_ps(x + d), next_rounding_bits16(rounding));
+    if (stream)
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(out + d), h);
+    else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), h);
+  }
   if (d < dim) {  // the tail, masked (dims not a multiple of 16)
     const __mmask16 m = static_cast<__mmask16>((1u << (dim - d)) - 1u);
     _mm256_mask_storeu_epi16(
-        out + d, m, Round16(_mm512_maskz_loadu_ps(m, x + d), next_rounding_bits16(stream)));
+        out + d, m, Round16(_mm512_maskz_loadu_ps(m, x + d), next_rounding_bits16(rounding)));
   }
 }
 TREXT_AVX512 void float_row_to_half_stochastic_avx512(uint16_t* out, const float* x, uint64_t key,
-                                                      int64_t dim) {
-  row_stochastic_avx512<half_stochastic16>(out, x, key, dim);
+                                                      int64_t dim, bool stream = false) {
+  row_stochastic_avx512<half_stochastic16>(out, x, key, dim, stream);
 }
 TREXT_AVX512 void float_row_to_bf16_stochastic_avx512(uint16_t* out, const float* x, uint64_t key,
-                                                      int64_t dim) {
-  row_stochastic_avx512<bf16_stochastic16>(out, x, key, dim);
+                                                      int64_t dim, bool stream = false) {
+  row_stochastic_avx512<bf16_stochastic16>(out, x, key, dim, stream);
 }
 #pragma GCC diagnostic pop
 #else
@@ -343,8 +376,11 @@ constexpr bool kHasAvx512 = false;
 void add_scaled_half_avx512(float*, const uint16_t*, float, int64_t) {}
 void half_row_to_float_avx512(float*, const uint16_t*, int64_t) {}
 void float_row_to_half_avx512(uint16_t*, const float*, int64_t) {}
-void float_row_to_half_stochastic_avx512(uint16_t*, const float*, uint64_t, int64_t) {}
-void float_row_to_bf16_stochastic_avx512(uint16_t*, const float*, uint64_t, int64_t) {}
+void float_row_to_bf16_avx512(uint16_t*, const float*, int64_t) {}
+void float_row_to_half_stochastic_avx512(uint16_t*, const float*, uint64_t, int64_t, bool = false) {
+}
+void float_row_to_bf16_stochastic_avx512(uint16_t*, const float*, uint64_t, int64_t, bool = false) {
+}
 #endif
 
 }  // namespace

@@ -37,6 +37,13 @@ namespace {
 
 constexpr int64_t kPrefetchDistance = 8;
 
+// Rows a gather fetches ahead: about the bytes of kPrefetchDistance float32 rows of dim 64 in
+// flight whatever the row's size, so half rows (fewer lines each) are fetched further ahead.
+inline int64_t prefetch_distance(int64_t row_bytes) {
+  return std::clamp<int64_t>(kPrefetchDistance * 256 / std::max<int64_t>(row_bytes, 1),
+                             kPrefetchDistance, 4 * kPrefetchDistance);
+}
+
 // acc += s * x over a row (s = 1 adds the same bits as a plain sum).
 TREXT_VECTOR_CLONES
 void add_scaled(float* acc, const float* x, float s, int64_t dim) {
@@ -129,7 +136,9 @@ inline void store_row(void* row, float* x, Storage st, int64_t dim, const RowRou
       }
       break;
     case Storage::kBFloat16:
-      if (r == nullptr)
+      if (r == nullptr && kHasAvx512)
+        float_row_to_bf16_avx512(static_cast<uint16_t*>(row), x, dim);
+      else if (r == nullptr)
         float_row_to_bf16(static_cast<uint16_t*>(row), x, dim);
       else if (kHasAvx512)
         float_row_to_bf16_stochastic_avx512(static_cast<uint16_t*>(row), x, r->key, dim);
@@ -193,6 +202,27 @@ inline void copy_streaming_bytes(void* dst, const void* src, int64_t bytes) {
   }
 #endif
   std::memcpy(dst, src, bytes);
+}
+
+// store_row into a row not read again this step (a new row's first step), with non-temporal
+// stores: directly where the AVX-512 path can (stochastic rounding, the row 32-byte aligned and
+// a whole number of 16-value blocks), else rounded into `scratch` ([dim]) and streamed from
+// there.
+inline void store_row_streaming(void* row, float* x, Storage st, int64_t dim, const RowRounding* r,
+                                uint16_t* scratch) {
+  if (st == Storage::kFloat) {
+    copy_streaming(static_cast<float*>(row), x, dim);
+    return;
+  }
+  if (kHasAvx512 && r != nullptr && reinterpret_cast<uintptr_t>(row) % 32 == 0 && dim % 16 == 0) {
+    if (st == Storage::kHalf)
+      float_row_to_half_stochastic_avx512(static_cast<uint16_t*>(row), x, r->key, dim, true);
+    else
+      float_row_to_bf16_stochastic_avx512(static_cast<uint16_t*>(row), x, r->key, dim, true);
+    return;
+  }
+  store_row(scratch, x, st, dim, r);
+  copy_streaming_bytes(row, scratch, dim * storage_bytes(st));
 }
 
 // The initial vectors of the batch's new rows, one [n_t, dim_t] block per table (or none), each

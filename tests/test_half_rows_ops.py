@@ -448,6 +448,78 @@ def test_new_rows_of_half_tables_take_their_step_rounded():
         torch.testing.assert_close(a.float(), b.float(), **_ulp_tolerance(dtypes))
 
 
+@pytest.mark.parametrize("dtype", HALF)
+def test_new_rows_store_their_stochastic_step_whatever_the_row_alignment(dtype):
+    """A new row's stepped vector, stochastically rounded, is the reference's bit for bit, whether
+    the kernel streams it straight into the row (rows 32-byte aligned, whole 16-value blocks) or
+    through a scratch row (a table starting mid-line): tables of dims 2, 16 (at byte 4), 14 and 64
+    (at a 32-byte boundary). SGD with lr 1 on new vector v and gradient g stores round(v - g)."""
+    gen = torch.Generator().manual_seed(16)
+    caps, dims = [1, 6, 1, 6], [2, 16, 14, 64]
+    dtypes = [dtype] * 4
+    weights, table_offsets, table_dims, table_dtypes, _ = _layout(caps, dims, dtypes, gen)
+    assert int(table_offsets[1]) * 4 % 32 != 0 and int(table_offsets[3]) * 4 % 32 == 0
+    unique_table = torch.tensor([1] * 6 + [3] * 6)
+    unique_rows = torch.tensor([4, 0, 5, 2, 1, 3] * 2)
+    n = unique_rows.numel()
+    new_vectors = [
+        torch.zeros(0, d).to(dtype) if c == 1 else torch.randn(6, d, generator=gen).to(dtype)
+        for c, d in zip(caps, dims)
+    ]
+    unique_new = torch.tensor([0, 1, 2, 3, 4, 5] * 2)
+    grad = torch.randn(n, 64, generator=gen) * 10.0 ** torch.randint(-6, 2, (n, 64), generator=gen).float()
+    ids = torch.arange(n) * 7919 - 3
+    ops.fused_update(
+        grad,
+        weights,
+        [],
+        table_offsets,
+        table_dims,
+        torch.zeros(4, dtype=torch.int64),
+        unique_rows,
+        unique_table,
+        torch.arange(n),
+        None,
+        None,
+        torch.zeros(0, dtype=torch.int64),
+        torch.zeros(0, dtype=torch.bool),
+        0,
+        ref.OPTIMIZERS["sgd"],
+        (1.0, 0, 0, 0, 0, 0),
+        5,
+        new_vectors=new_vectors,
+        unique_new=unique_new,
+        state_init=[],
+        table_dtypes=table_dtypes,
+        unique_ids=ids,
+        rounding_seeds=torch.tensor([0, 41, 0, 43]),
+    )
+    tables = ref._table_rows(weights, table_offsets, table_dims, caps, dtypes)
+    for t, seed, span in ((1, 41, slice(0, 6)), (3, 43, slice(6, 12))):
+        d = dims[t]
+        stepped = new_vectors[t][unique_new[span]].float() - grad[span, :d]
+        want = ref.round_to_storage(stepped, dtype, ref.rounding_bits(ids[span], d, seed, 5))
+        got = tables[t][unique_rows[span]]
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("dim", [7, 16, 33])
+def test_round_to_nearest_is_torchs_at_every_row_width(dtype, dim):
+    """Stochastic rounding off: rows of whole 16-value blocks and tails, values of every magnitude
+    and the specials (inf, NaN, ties) are torch's .to(dtype) (NaN stays NaN)."""
+    gen = torch.Generator().manual_seed(dim)
+    n = 24
+    x = torch.randn(n, dim, generator=gen) * 10.0 ** torch.randint(-10, 6, (n, dim), generator=gen).float()
+    specials = torch.tensor([float("inf"), -float("inf"), float("nan"), 65519.0, 1.0 + 2**-11, 1.0 + 2**-8, 3.3895e38])
+    x.view(-1)[torch.randperm(n * dim, generator=gen)[:n]] = specials[torch.randint(0, 7, (n,), generator=gen)]
+    got = torch.stack([_stochastic_case(row, dtype, torch.arange(1), None, 1)[0] for row in x])
+    want = x.to(dtype)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan) and int(nan.sum()) > 0
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
 # ------------------------------------------------------------------------- bad input
 
 

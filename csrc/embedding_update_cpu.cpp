@@ -420,7 +420,8 @@ struct UpdateTarget {
 
 // Fetches unique row `ahead`'s weights and state for writing (they are read and written at
 // random; a new row is only written: nothing to fetch).
-inline void prefetch_unique_row(const UpdateTarget& x, const UniqueRows& u, int64_t ahead) {
+TREXT_PREFETCH_INLINE void prefetch_unique_row(const UpdateTarget& x, const UniqueRows& u,
+                                               int64_t ahead) {
   const int64_t* ur = u.rows;
   if (ur[ahead] < 0 || (x.unique_new != nullptr && x.unique_new[ahead] >= 0)) return;
   const int64_t ta = u.table[ahead], dim_a = x.layout.dims[ta],

@@ -50,9 +50,18 @@ void add_scaled(float* acc, const float* x, float s, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) acc[d] += s * x[d];
 }
 
+// Prefetching helpers are forced inline: GCC takes a function whose only effects are prefetches
+// for pure and deletes calls to it whole (the fused update lost its row prefetches so when they
+// moved into prefetch_unique_row); inlined, the prefetches stay in the caller's loop.
+#if defined(__GNUC__)
+#define TREXT_PREFETCH_INLINE inline __attribute__((always_inline))
+#else
+#define TREXT_PREFETCH_INLINE inline
+#endif
+
 // Fetches a row into cache (rw = 1: for writing) some ids (or unique rows) ahead: covers DRAM
 // latency.
-inline void prefetch_row(const void* row, int64_t bytes, int rw = 0) {
+TREXT_PREFETCH_INLINE void prefetch_row(const void* row, int64_t bytes, int rw = 0) {
   const char* p = static_cast<const char*>(row);
   for (int64_t b = 0; b < bytes; b += 64) {
     if (rw)
@@ -61,7 +70,7 @@ inline void prefetch_row(const void* row, int64_t bytes, int rw = 0) {
       __builtin_prefetch(p + b, 0);
   }
 }
-inline void prefetch_row(const float* row, int64_t dim, int rw = 0) {
+TREXT_PREFETCH_INLINE void prefetch_row(const float* row, int64_t dim, int rw = 0) {
   prefetch_row(static_cast<const void*>(row), dim * 4, rw);
 }
 

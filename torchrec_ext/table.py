@@ -209,8 +209,9 @@ def find_or_insert_tables(
             [i._epoch for i in indexes],
             False,
         )
-        if any(index._slot_rows is not None for index in indexes):
-            ops.hash_slot_rows(rows, offsets, [index._slot_rows for index in indexes])
+        maps = [index._row_map() for index in indexes]
+        if any(m is not None for m in maps):
+            ops.hash_slot_rows(rows, offsets, maps)
         return FixedInsertResult(rows, inserted, evicted, evicted_keys)
 
 
@@ -720,9 +721,17 @@ class HashTable:
 
     def _rows_of_slots(self, slots: Tensor) -> Tensor:
         """The rows of ``slots`` (-1 stays -1): ``slots`` itself, mapped in place (a kernel's output)."""
-        if self._slot_rows is not None:
+        if self._row_map() is not None:
             ops.hash_slot_rows(slots, [0, slots.numel()], [self._slot_rows])
         return slots
+
+    # Whether the slot -> row map is the identity (a growing table before its first growth: the
+    # map is kept for its memory, but no pass over a call's slots is needed).
+    _rows_are_slots: bool = False
+
+    def _row_map(self) -> Tensor | None:
+        """The slot -> row map a call's slots go through (None: rows are slots)."""
+        return None if self._rows_are_slots else self._slot_rows
 
     def _set_slot_rows(self, slots: Tensor, rows: Tensor) -> None:
         """Makes ``rows`` (distinct, in [0, capacity)) the rows of the keys at ``slots``, and gives
@@ -737,6 +746,7 @@ class HashTable:
         row_slots[slot_rows] = torch.arange(n, device=self.device)
         dtype = row_map_dtype(n)
         self._slot_rows, self._row_slots = slot_rows.to(dtype), row_slots.to(dtype)
+        self._rows_are_slots = slots.numel() == 0  # (the free rows in order: the identity)
 
     def _upsert(self, keys: Tensor, scores: Tensor | None, assign: bool) -> InsertResult:
         with self._lock.write():

@@ -291,6 +291,8 @@ class TableStorage:
             return
         self.optimizer, self.states, self._init_views = spec, [], None
         names = list(zip(OPTIMIZER_STATES[spec.kind], self._initial_state_values()))
+        keep = {"weights"} | {name for name, _ in names}  # another kind's states go, with their pages
+        self._reserved = {name: r for name, r in self._reserved.items() if name in keep}
 
         def allocate() -> list[Tensor]:
             return [self._allocate_buffer(name, self._buffer_numel(name), v, self.device) for name, v in names]

@@ -736,17 +736,19 @@ class HashTable:
     def _set_slot_rows(self, slots: Tensor, rows: Tensor) -> None:
         """Makes ``rows`` (distinct, in [0, capacity)) the rows of the keys at ``slots``, and gives
         the other rows to the other slots, both in ascending order (deterministic)."""
-        n = self._capacity
-        slot_rows = torch.full((n,), -1, dtype=torch.int64, device=self.device)
-        slot_rows[slots] = rows
+        n, dtype = self._capacity, row_map_dtype(self._capacity)
+        ramp = torch.arange(n, dtype=dtype, device=self.device)
+        if slots.numel() == 0:  # the identity (a table that will grow, before it does)
+            self._slot_rows, self._row_slots, self._rows_are_slots = ramp, ramp.clone(), True
+            return
+        slot_rows = torch.full((n,), -1, dtype=dtype, device=self.device)
+        slot_rows[slots] = rows.to(dtype)
         used = torch.zeros(n, dtype=torch.bool, device=self.device)
         used[rows] = True
-        slot_rows[slot_rows < 0] = (~used).nonzero().squeeze(1)
+        slot_rows.masked_scatter_(slot_rows < 0, ramp.masked_select(~used))
         row_slots = torch.empty_like(slot_rows)
-        row_slots[slot_rows] = torch.arange(n, device=self.device)
-        dtype = row_map_dtype(n)
-        self._slot_rows, self._row_slots = slot_rows.to(dtype), row_slots.to(dtype)
-        self._rows_are_slots = slots.numel() == 0  # (the free rows in order: the identity)
+        row_slots[slot_rows.long()] = ramp
+        self._slot_rows, self._row_slots, self._rows_are_slots = slot_rows, row_slots, False
 
     def _upsert(self, keys: Tensor, scores: Tensor | None, assign: bool) -> InsertResult:
         with self._lock.write():

@@ -229,15 +229,16 @@ class TableGrowth:
             return None
         m, device, cap_new = self.meta[t], self.device, plan[0]
         live_src = live_dst = torch.zeros(0, dtype=torch.int64, device=device)
+        kept = False
         if plan[1] is not None:
             live_src = (plan[1] >= 0).nonzero().squeeze(1)
-            live_dst, order = (
-                plan[1].index_select(0, live_src).sort()
-            )  # writes in address order: fewer cache and TLB misses
-            live_src = live_src.index_select(0, order)
+            live_dst = plan[1].index_select(0, live_src)
+            # A growth keeps every live row's number (HashTable.grown): the rows move as one block.
+            kept = cap_new >= old_cap and bool(live_src.equal(live_dst))
+            if not kept:  # written in address order: fewer cache and TLB misses
+                live_dst, order = live_dst.sort()
+                live_src = live_src.index_select(0, order)
         fallback = torch.arange(m.fallback_rows, dtype=torch.int64, device=device)  # fallback rows: whole
-        # A growth keeps every live row's number (HashTable.grown): the rows move as one block.
-        kept = plan[1] is not None and cap_new >= old_cap and bool(live_src.equal(live_dst))
         return _RowMoves(
             live_src,
             live_dst,

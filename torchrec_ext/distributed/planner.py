@@ -856,7 +856,8 @@ def plan_choosing_caches(
         try:
             return plan_once(), None
         except PlannerError as error:
-            if error.error_type != PlannerErrorType.INSUFFICIENT_STORAGE:
+            # (TorchRec says STRICT_CONSTRAINTS when the tables' sum fits but no packing of them does)
+            if error.error_type not in (PlannerErrorType.INSUFFICIENT_STORAGE, PlannerErrorType.STRICT_CONSTRAINTS):
                 raise
             return None, error
 
@@ -902,7 +903,7 @@ def _smallest_caches_error(
         hardware, capacity = _budgets(planner)[tier]
         ranks = len(planner._topology.devices)
         lines = [
-            "Insufficient memory for the smallest caches of the tiered tables the planner sizes "
+            "No plan even with the smallest caches of the tiered tables the planner sizes "
             f"({planner._topology.compute_device}: {tier} per rank {hardware} B = {_gb(hardware)}, {capacity} B = "
             f"{_gb(capacity)} left after the storage reservation, {ranks * capacity} B over {ranks} rank(s)):"
         ]

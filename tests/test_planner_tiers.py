@@ -233,3 +233,15 @@ def test_smallest_caches_that_do_not_fit_name_the_tables_the_bytes_and_the_budge
     ) as info:
         _plan(_model(), 9 << 19, constraints, world=1)  # 4.5 MiB: one smallest table fits, two do not
     assert "over 1 rank(s)" in str(info.value)
+
+
+def test_torchrecs_default_planner_chooses_the_cache_too():
+    """EmbeddingShardingPlanner built without an enumerator (what DistributedModelParallel uses
+    without a plan) costs our tables with our estimators: it chooses the cache as make_planner does."""
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+
+    model = _model()
+    topology = Topology(world_size=2, compute_device="cpu", ddr_cap=5 << 20)
+    default = _factors(EmbeddingShardingPlanner(topology=topology, batch_size=BATCH).plan(model, _sharders()))
+    assert default == _factors(_plan(model, 5 << 20))
+    assert 0 < default["t0"] < 1.0

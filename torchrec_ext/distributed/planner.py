@@ -942,7 +942,9 @@ def make_planner(
     ``is_inference``, ``pipeline_type`` and ``plan_capacity`` (growing tables planned at their
     "maximum", the default, or "initial" capacity; see the module docstring) go to the estimators. When no plan exists because a
     table fits on no rank, ``plan()`` raises ``PlannerError`` naming the table, its bytes and the
-    per-rank capacity.
+    per-rank capacity. Tiered tables cache the load factor of their constraint's ``cache_params``
+    or config, else the largest the budget allows (``plan_choosing_caches``); the plan's
+    ``cache_params`` carry it to the sharders.
     """
     if "enumerator" in kwargs:
         raise TypeError(

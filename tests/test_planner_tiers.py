@@ -245,3 +245,18 @@ def test_torchrecs_default_planner_chooses_the_cache_too():
     default = _factors(EmbeddingShardingPlanner(topology=topology, batch_size=BATCH).plan(model, _sharders()))
     assert default == _factors(_plan(model, 5 << 20))
     assert 0 < default["t0"] < 1.0
+
+
+def test_the_sharders_fused_params_cache_load_factor_is_the_default_of_its_tiered_tables():
+    """TorchRec's sharder-wide cache_load_factor (fused_params): the factor of the tiered tables
+    without a constraint's or a config's; a bad one names itself."""
+    from torchrec_ext.distributed.sharders import DynamicEmbeddingBagCollectionSharder
+
+    model = _model(extra=[_tiered("given", 5000, 8, "host", 0.1)])
+    constraints = {"t0": ParameterConstraints(cache_params=CacheParams(load_factor=0.05))}
+    topology = Topology(world_size=2, compute_device="cpu", ddr_cap=5 << 20)
+    sharders = lambda factor: [DynamicEmbeddingBagCollectionSharder(fused_params={"cache_load_factor": factor})]
+    plan = make_planner(topology, BATCH, constraints).plan(model, sharders(0.3))
+    assert _factors(plan) == {"t0": 0.05, "given": 0.1, "t1": 0.3}
+    with pytest.raises(ValueError, match=r"table 't0'.*the sharder's fused_params cache_load_factor must be .*got 1.5"):
+        make_planner(topology, BATCH, constraints).plan(model, sharders(1.5))

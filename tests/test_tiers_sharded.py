@@ -255,8 +255,8 @@ def _check_sharded(rank, world_size, root, kind, sharding, name):
 
 def _check_planned_caches(rank):
     """A plan of make_planner: the load factor of a constraint (CacheParams) and the one the planner
-    chose reach each rank's share (its cache slots); a plan whose load factor differs from the
-    config's is refused, naming both."""
+    chose reach each rank's share (its cache slots); a hand-made plan: the config's, else the
+    sharder's fused_params'; one whose load factor differs from the config's is refused, naming both."""
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.planner import ParameterConstraints, Topology
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
@@ -310,11 +310,17 @@ def _check_planned_caches(rank):
         world_size=WORLD,
         device_type="cpu",
     )
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    # Without cache_params: the config's (a), else the sharder's fused_params' (b), as in TorchRec.
+    by_fused = DynamicEmbeddingBagCollectionSharder(fused_params={"cache_load_factor": 0.5})
+    local = by_fused.shard(module, hand, env, torch.device("cpu")).local_module._tables
+    slots = {m.name: cache.slots for m, cache in zip(local.meta, local.caches)}
+    assert slots == ({"a": cache_slots(512, 0.1)} if rank == 0 else {"b": cache_slots(64, 0.5)}), slots
     hand["a"].cache_params = CacheParams(load_factor=0.5)
     with pytest.raises(
         ValueError, match=r"table 'a'.*load_factor=0.5 .*differs from the config's cache_load_factor=0.1"
     ):
-        sharder.shard(module, hand, ShardingEnv.from_process_group(dist.group.WORLD), torch.device("cpu"))
+        sharder.shard(module, hand, env, torch.device("cpu"))
 
 
 def _check_checkpoints(rank, root, tiered, make, configs, backing, name, sharding):

@@ -55,8 +55,9 @@ backing store; one rank's share is planned as (``tiered_table_bytes``):
     file: ssd  = the same bytes in the backing files + the log file's bound, RowLog.max_records(rows) * record
 
 The load factor, in TorchRec's convention, is ``ParameterConstraints(cache_params=CacheParams(
-load_factor=f))``, else the config's ``cache_load_factor`` (both set and different: an error;
-tier_plan.py). When neither is set the planner chooses it from the memory budget: one load
+load_factor=f))``, else the config's ``cache_load_factor`` (both set and different: an error),
+else the sharder's ``fused_params["cache_load_factor"]`` (tier_plan.py). When none is set the
+planner chooses it from the memory budget: one load
 factor ``k / 100`` shared by all such tables, the largest k in [0, 100] whose plan TorchRec's
 planner finds (bisection: a plan that fits at a factor fits at any smaller one, as every shard's
 storage grows with it), each table's cache at least its smallest: ``minimum_cache_slots`` = one
@@ -116,7 +117,7 @@ from torchrec_ext.distributed.placement import (
 )
 from torchrec_ext.distributed.sharded_base import local_capacity, sharded_optimizer
 from torchrec_ext.distributed.sharders import FeatureProcessedDynamicEmbeddingBagCollectionSharder, over_dynamic_ebc
-from torchrec_ext.distributed.tier_plan import planned_cache_load_factor
+from torchrec_ext.distributed.tier_plan import planned_cache_load_factor, sharder_cache_load_factor
 from torchrec_ext.modules.admission import admission_bytes
 from torchrec_ext.modules.configs import (
     DEFAULT_CACHE_LOAD_FACTOR,
@@ -509,7 +510,8 @@ class DynamicEmbeddingStorageEstimator(ShardEstimator):
     def estimate(self, sharding_options: list[ShardingOption], sharder_data_map: SharderDataMap | None = None) -> None:
         for option, table in _ours_after_delegating(sharding_options, self._delegate, sharder_data_map):
             if table.tiered:
-                storages = self._tiered_storages(option, table)
+                sharder_data = sharder_data_map.get(option.module_type_key) if sharder_data_map else None
+                storages = self._tiered_storages(option, table, getattr(sharder_data, "fused_params", None))
             else:
                 # a constraint's cache_params on a table without a tier is refused, naming it
                 planned_cache_load_factor(table.options, self._cache_params(option), _where(option))
@@ -529,12 +531,16 @@ class DynamicEmbeddingStorageEstimator(ShardEstimator):
         id_bytes = ID_BYTES + (WEIGHT_BYTES if table.weighted else 0)
         return math.ceil(volume.shard_ids * id_bytes) + math.ceil(volume.shard_outputs * dim * FLOAT_BYTES)
 
-    def _tiered_storages(self, option: ShardingOption, table: _TableInfo) -> list[Storage]:
+    def _tiered_storages(
+        self, option: ShardingOption, table: _TableInfo, fused_params: dict[str, Any] | None
+    ) -> list[Storage]:
         world_size = self._topology.world_size
         parts = _row_parts(option, world_size)
         volume = _step_volume(option, self._constraints, world_size, table.pooled)
         cache_params = self._cache_params(option)
-        factor = planned_cache_load_factor(table.options, cache_params, _where(option))
+        # the constraint's, the config's, else the sharder's fused_params' (as the sharded module reads them)
+        sharder_factor = sharder_cache_load_factor(fused_params, _where(option))
+        factor = planned_cache_load_factor(table.options, cache_params, _where(option), sharder_factor)
         if factor is None:  # the planner's to choose: the search's factor, at least one step's ids
             self.chose_cache_for.add(option.name)
             rows = local_capacity(table.capacity, parts)

@@ -30,7 +30,7 @@ from torchrec_ext.distributed.input_dist import RoutedInputDist
 from torchrec_ext.distributed.placement import TablePlacement, read_plan
 from torchrec_ext.distributed.routing import SlotRouting
 from torchrec_ext.distributed.sharded_state import ShardedDynamicState
-from torchrec_ext.distributed.tier_plan import planned_cache_load_factor
+from torchrec_ext.distributed.tier_plan import planned_cache_load_factor, sharder_cache_load_factor
 from torchrec_ext.modules.admission import local_admission_fields
 from torchrec_ext.modules.configs import (
     DynamicEmbeddingBagConfig,
@@ -172,6 +172,7 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
         self._routing = SlotRouting.of(
             self._plan.embedding_names, [self._owners[configs[t].name] for t in self._plan.tables], self._world_size
         )
+        sharder_factor = sharder_cache_load_factor(fused_params, type(self).__name__)
         local_configs, replicated = [], []
         for t, cfg in enumerate(configs):
             placement = self._owners[cfg.name]
@@ -181,6 +182,7 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
                 cfg,
                 table_name_to_parameter_sharding[cfg.name].cache_params,
                 f"{type(self).__name__}: table {cfg.name!r}",
+                sharder_factor,
             )
             if placement.holds(self._rank):
                 slots = [self._plan.embedding_names[i] for i, tt in enumerate(self._plan.tables) if tt == t]

@@ -1,12 +1,15 @@
 """The cache size of a tiered table (``backing="host"`` / ``"file:<dir>"``) as a plan gives it.
 
 TorchRec sizes a table's cache with ``ParameterConstraints(cache_params=CacheParams(load_factor=f))``,
-which its planner copies into the plan's ``ParameterSharding.cache_params``; our dynamic configs
-also have ``cache_load_factor``. One rule for the planner and the sharders: the table caches the
-plan's (constraint's) load factor, else its config's, else (unsharded, or a plan without one) the
-default 0.2. Both given and different is an error naming the two: two per-table settings that
-disagree are a mistake, not a precedence to guess. ``make_planner`` writes the factor it planned
-with into every tiered table's ``cache_params``, so the sharded share caches what was planned.
+which its planner copies into the plan's ``ParameterSharding.cache_params``, and, for all the
+tables of a sharder, with its ``fused_params["cache_load_factor"]``; our dynamic configs also have
+``cache_load_factor``. One rule for the planner and the sharders: the table caches the plan's
+(constraint's) load factor, else its config's, else the sharder's fused_params' (a default for
+its tables, as in TorchRec), else (unsharded, or none of them) the default 0.2, or, planned, the
+planner's choice. The plan's and the config's both given and different is an error naming the
+two: two per-table settings that disagree are a mistake, not a precedence to guess. The planner
+writes the factor it planned with into every tiered table's ``cache_params``, so the sharded
+share caches what was planned.
 """
 
 from __future__ import annotations
@@ -17,24 +20,37 @@ from typing import Any
 from torchrec_ext.modules.configs import options_of
 
 
-def check_cache_load_factor(value: Any, where: str) -> float:
-    """``cache_params.load_factor`` as a float; raises unless it is a number in (0, 1]."""
+def check_cache_load_factor(value: Any, where: str, what: str = "cache_params.load_factor") -> float:
+    """A load factor as a float; raises unless it is a number in (0, 1]."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= 1:
         raise ValueError(
-            f"{where}: cache_params.load_factor must be a number in (0, 1] (the fraction of the table's "
+            f"{where}: {what} must be a number in (0, 1] (the fraction of the table's "
             f"rows kept in its cache), got {value!r}"
         )
     return float(value)
 
 
-def planned_cache_load_factor(config: Any, cache_params: Any, where: str) -> float | None:
+def sharder_cache_load_factor(fused_params: dict[str, Any] | None, where: str) -> float | None:
+    """A sharder's ``fused_params["cache_load_factor"]`` (checked), None when it has none."""
+    value = (fused_params or {}).get("cache_load_factor")
+    if value is None:
+        return None
+    return check_cache_load_factor(value, where, "the sharder's fused_params cache_load_factor")
+
+
+def planned_cache_load_factor(
+    config: Any, cache_params: Any, where: str, sharder_default: float | None = None
+) -> float | None:
     """The load factor a table's share caches, given the plan's (or a constraint's) ``cache_params``
     (None, or a TorchRec ``CacheParams``): its ``load_factor``, else the config's
-    ``cache_load_factor``; None when neither is set. Raises when the plan sets one for a table
-    without a tier (``backing="device"``), or one that is out of (0, 1] or differs from the config's."""
+    ``cache_load_factor``, else (a tiered table) ``sharder_default`` (``sharder_cache_load_factor``);
+    None when none is set. Raises when the plan sets one for a table without a tier
+    (``backing="device"``), or one that is out of (0, 1] or differs from the config's."""
     planned = getattr(cache_params, "load_factor", None)
     opts = options_of(config)
     if planned is None:
+        if opts.cache_load_factor is None and opts.backing != "device":
+            return sharder_default
         return opts.cache_load_factor
     planned = check_cache_load_factor(planned, where)
     if opts.backing == "device":

@@ -19,6 +19,10 @@ The counting rule (``benchmarks/results/house_counts.md`` states it too):
 - the walk's files are the ones above less the *leaves*: files every layer reads for a constant,
   a check or a host read and that call nothing else of the package (``LEAVES`` below:
   vocabulary, device_sync, hashing); they are listed apart, and the total with them is printed too;
+- the spine (a second, narrower figure): the files on the Python stack at each op call, from the
+  module's forward (or autograd's backward) down to the op, and the op's csrc file: the files a
+  reader follows from the module to every kernel, without the side calls that return before one
+  (checks, counters, layout reads, the optimizer's settings);
 - a hop: a distinct (caller file, callee file) pair, the caller being the nearest ``torchrec_ext``
   frame (or, for an op, the Python file that called it); a hop up a layer goes from a lower layer
   to a higher one (``tests/test_import_graph.py``'s order; within ``modules/`` no order).
@@ -119,12 +123,14 @@ def step(module, kjt) -> None:
     module(kjt).values().sum().backward()
 
 
-def trace(module, kjt) -> tuple[dict[str, set[str]], set[tuple[str, str]], list[str]]:
-    """Files run (file -> functions), hops (caller file, callee file) and the ops called, in order."""
+def trace(module, kjt) -> tuple[dict[str, set[str]], set[tuple[str, str]], list[str], set[str]]:
+    """Files run (file -> functions), hops (caller file, callee file), the ops called, in order,
+    and the spine (files on the stack at an op call, and the ops' csrc files)."""
     registrations = cpu_registrations()
     functions: dict[str, set[str]] = defaultdict(set)
     hops: set[tuple[str, str]] = set()
     ops: list[str] = []
+    spine: set[str] = set()
     package = str(PACKAGE)
 
     def nearest_package_frame(frame):
@@ -156,7 +162,12 @@ def trace(module, kjt) -> tuple[dict[str, set[str]], set[tuple[str, str]], list[
             ops.append(short)
             kernel = registrations.get(short)
             caller = nearest_package_frame(frame.f_back)
+            on_stack = caller
+            while on_stack is not None:
+                spine.add(rel(on_stack.f_code.co_filename))
+                on_stack = nearest_package_frame(on_stack.f_back)
             if kernel is not None:
+                spine.add(kernel)
                 functions[kernel].add(short)
                 if caller is not None:
                     hops.add((rel(caller.f_code.co_filename), kernel))
@@ -166,13 +177,13 @@ def trace(module, kjt) -> tuple[dict[str, set[str]], set[tuple[str, str]], list[
         step(module, kjt)
     finally:
         sys.setprofile(None)
-    return functions, hops, ops
+    return functions, hops, ops, spine
 
 
 def count() -> dict[str, object]:
     module, warm, traced = build_step()
     step(module, warm)
-    functions, hops, ops = trace(module, traced)
+    functions, hops, ops, spine = trace(module, traced)
     files = sorted(functions)
     kernels = [f for f in files if f.startswith("csrc/")]
     headers: list[str] = []
@@ -187,6 +198,7 @@ def count() -> dict[str, object]:
     return {
         "walk_files": walk,
         "leaf_files": leaves,
+        "spine_files": sorted(spine),
         "schema_and_headers": ["csrc/ops.cpp"] + headers,
         "ops": ops,
         "hops": walk_hops,
@@ -211,6 +223,8 @@ def main() -> None:
         names = result["functions"][f]
         print(f"  {f}: {len(names)} functions: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}")
     print(f"leaves (not counted): {', '.join(leaves) or 'none'}")
+    print(f"spine (files on the stack at an op call, and the ops' csrc files): {len(result['spine_files'])}")
+    print(f"  {', '.join(result['spine_files'])}")
     print(f"schema and headers (definitions, not counted): {', '.join(result['schema_and_headers'])}")
     print(f"ops called: {', '.join(result['ops'])}")
     print(f"cross-file hops: {len(result['hops'])} (with the leaves: {len(result['hops_with_leaves'])})")

@@ -23,6 +23,30 @@ synchronously, between steps.
 store, current after ``flush``. ``state_dict`` writes the dirty rows back first, then gathers
 each row's newest copy (with file backing, a row written back since the last ``flush`` is in its
 table's log: tier_log.py); loading fills the backing store and empties the cache (and the log).
+
+Where the cache lives and where the backing lives are separate. The cache (the module's
+buffers: vectors and optimizer state, which the kernels take) and the index live on the module's
+device; the backing store always on the host (host memory or files), and so do the cache's maps
+(``RowCache``: row -> slot, slot -> row, the LRU queue, dirty flags, pins): the bookkeeping is the
+same code on every device. On a CUDA device (the GPU tier: the cache in HBM) rows move between
+the tiers as records through a host buffer (tier_copies.py): a fill gathers the rows' fields on the
+host, from host memory or from the files (the base file or the log), into a pinned buffer, which
+goes to the device in one asynchronous DMA on the current stream and is scattered into the slots
+there; a write-back gathers the slots into device records, one DMA into a pinned buffer, and the
+host waits for it (it writes the backing store from those bytes), then writes them to the store
+or appends them to the log. The stage does this on its worker, on a side stream: the train step
+waits only for the stage's event. (Not UVA zero-copy: a batch's misses are scattered rows, and one
+DMA of the gathered rows costs the PCIe link no more than the kernels' reads of them would,
+without the kernels' reading host memory at every lookup; a UVA gather kernel is a later option.)
+``copy_through_records`` runs that same path with the cache on the CPU (tests: the GPU's path
+without a GPU, plain copies in place of the DMA).
+
+Host syncs on a GPU, per lookup (v1): each table's rows (and which are new) come to the host in
+one copy (a sync: the cache's maps are there), and its slots go back; misses and write-backs add
+their copies (a write-back waits for its DMA). With the pipeline's prefetch the step finds its rows
+hot, so it moves no rows, but it still pays the per-table sync of the rows; a device-resident
+row -> slot map (a gather on the device, the host consulted only when a row misses) would remove
+it and is the next step.
 """
 
 from __future__ import annotations

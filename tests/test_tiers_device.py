@@ -15,7 +15,7 @@ import torch
 
 from dist_helpers import progress_losses
 from modules_helpers import random_kjt
-from test_tiers import POOL, _backing, _bag_configs, _dlrm, _dlrm_batches
+from test_tiers import POOL, _backing, _bag_configs, _dlrm_batches, _Ranker
 from torchrec_ext import DynamicEmbeddingBagCollection
 from torchrec_ext.modules import tier_copies, tiered_tables
 from torchrec_ext.modules.tiered_tables import TieredTables
@@ -47,7 +47,11 @@ def _assert_same_state(resident, tiered) -> None:
 
 
 def _make(configs, device, optimizer="adagrad"):
-    return DynamicEmbeddingBagCollection(configs, optimizer=optimizer, optimizer_kwargs={"lr": 0.05}, device=device)
+    module = DynamicEmbeddingBagCollection(configs, optimizer=optimizer, optimizer_kwargs={"lr": 0.05}, device=device)
+    if isinstance(module._tables, TieredTables) and torch.device(device).type == "cpu":
+        # As on a GPU: each training lookup writes its new rows, all tables' in one call.
+        module._tables.defer_new_rows, module._tables.flat_init = False, True
+    return module
 
 
 def _batches(n, seed, device):
@@ -117,10 +121,15 @@ def test_a_device_cache_round_trips_its_state_dict(tmp_path, through_records):
 
 def test_the_pipeline_prefetches_into_a_device_cache(tmp_path, through_records):
     device = through_records
-    make = lambda configs: _make(configs, device)
+
+    def model_on_device(configs):
+        torch.manual_seed(0)
+        model = _Ranker(_make(configs, device))
+        model.mlp.to(device)  # (before the optimizer: Adagrad makes its state at construction)
+        return model, torch.optim.Adagrad(model.mlp.parameters(), lr=0.05)
+
     batches = _dlrm_batches(20)
-    model, optimizer = _dlrm(make(_bag_configs(policies=("lru", "lru"))))
-    model.mlp.to(device)
+    model, optimizer = model_on_device(_bag_configs(policies=("lru", "lru")))
     want = []
     for batch in batches:  # the oracle: a plain loop over the all-resident model
         optimizer.zero_grad()
@@ -128,8 +137,7 @@ def test_the_pipeline_prefetches_into_a_device_cache(tmp_path, through_records):
         loss.backward()
         optimizer.step()
         want.append(loss.detach().clone())
-    tiered, tiered_opt = _dlrm(make(_bag_configs(_backing("host", tmp_path), 0.3, policies=("lru", "lru"))))
-    tiered.mlp.to(device)
+    tiered, tiered_opt = model_on_device(_bag_configs(_backing("host", tmp_path), 0.3, policies=("lru", "lru")))
     from torchrec_ext.pipeline import PipelineOptions, TrainPipeline
 
     options = PipelineOptions(prefetch_threads=0, threaded_input_dist=False, tier_prefetch=True)

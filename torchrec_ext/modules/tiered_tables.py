@@ -78,7 +78,14 @@ from torchrec_ext.modules.tier_copies import (
 from torchrec_ext.modules.tier_log import ROW_BYTES, RowLog
 from torchrec_ext.modules.tier_lru import SlotOrder
 from torchrec_ext.modules.tier_store import BackingStore
-from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE, dense_state_offsets, table_words
+from torchrec_ext.vocabulary import (
+    INITIALIZER_NAMES,
+    INITIALIZER_PARAM_COUNTS,
+    OPTIMIZER_STATES,
+    ROWWISE_STATE,
+    dense_state_offsets,
+    table_words,
+)
 
 
 def tables_for(configs: Sequence[BaseEmbeddingConfig], device: torch.device) -> DynamicTables:
@@ -413,12 +420,17 @@ class RowCache:
         return (lru if not free.numel() else torch.cat([free, lru])), False
 
     def _take_free(self, k: int) -> Tensor:
-        """Up to k free slots, out of the free list."""
-        free = self.free
-        if free.numel():
-            free = free[self.row_of.index_select(0, free) < 0]
-        self.free = free[k:]
-        return free[:k]
+        """Up to k free slots, out of the free list: checked from its front as far as needed
+        (a cache far from full holds a long list: not a pass over all of it per call)."""
+        taken = []
+        while k > 0 and self.free.numel():
+            head, self.free = self.free[:k], self.free[k:]
+            head = head[self.row_of.index_select(0, head) < 0]
+            taken.append(head)
+            k -= head.numel()
+        if not taken:
+            return self.free[:0]
+        return taken[0] if len(taken) == 1 else torch.cat(taken)
 
     def _evict(self, victims: Tensor, mover: _Mover, ahead: bool = False, occupied: bool = False) -> None:
         """The rows of ``victims`` (slots, some maybe empty unless ``occupied``) leave the cache,
@@ -759,6 +771,16 @@ class TieredTables(DynamicTables):
                     )
                 )
         return self._init_views[t]
+
+    def _flat_init(self) -> bool:
+        """Whether a training lookup writes every table's new rows in one call (on a GPU by
+        default; ``flat_init`` chooses): the cache has the flat buffers' layout, slots for rows,
+        so the one call writes the new rows into their slots (the parent declines because this
+        class keeps its own ``_init_view``, of the cache)."""
+        if any(len(m.init_params) > INITIALIZER_PARAM_COUNTS[INITIALIZER_NAMES[m.init_kind]] for m in self.meta):
+            return False  # a column shard's vectors start at a column of its table's: per table
+        chosen = getattr(self, "flat_init", None)
+        return self.device.type == "cuda" if chosen is None else bool(chosen)
 
     def _mover(self, t: int) -> _Mover:
         if self._movers is None:

@@ -833,7 +833,7 @@ CACHE_FACTOR_STEPS = 100  # the planner's load factors: k / 100
 def _storage_estimators(planner: EmbeddingShardingPlanner) -> list[DynamicEmbeddingStorageEstimator]:
     """Our storage estimators in the planner's enumerator: the ones it was given, or (TorchRec's
     default enumerator) those install_default_planner_hook added."""
-    enumerator = planner._enumerator
+    enumerator = getattr(planner, "_enumerator", None)
     given = list(getattr(enumerator, "_estimators", None) or [])
     given += list(getattr(enumerator, "_dynamic_estimators", None) or [])
     return [e for e in given if isinstance(e, DynamicEmbeddingStorageEstimator)]
@@ -842,8 +842,9 @@ def _storage_estimators(planner: EmbeddingShardingPlanner) -> list[DynamicEmbedd
 def _forget_search_space(planner: EmbeddingShardingPlanner) -> None:
     # TorchRec's enumerator keeps the last module's options, with their estimates, and hands back
     # copies for the same module: estimated at another load factor, they must be enumerated anew.
-    if hasattr(planner._enumerator, "_last_stored_module"):
-        planner._enumerator._last_stored_module = None
+    enumerator = getattr(planner, "_enumerator", None)
+    if hasattr(enumerator, "_last_stored_module"):
+        enumerator._last_stored_module = None
 
 
 def plan_choosing_caches(

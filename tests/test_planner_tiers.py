@@ -281,3 +281,37 @@ def test_the_sharders_fused_params_cache_load_factor_is_the_default_of_its_tiere
     assert _factors(plan) == {"t0": 0.05, "given": 0.1, "t1": 0.3}
     with pytest.raises(ValueError, match=r"table 't0'.*the sharder's fused_params cache_load_factor must be .*got 1.5"):
         make_planner(topology, BATCH, constraints).plan(model, sharders(1.5))
+
+
+@pytest.mark.parametrize("kind", ["host", "file"])
+def test_a_tiered_shard_pays_for_its_misses_in_prefetch_compute(tmp_path, kind):
+    """Uniform access (a bound): (1 - load_factor) of the ids a shard looks up move a row (vector
+    and optimizer state) in and a dirty one out, at random-row cost, over the backing's bandwidth;
+    all-resident and fully cached shards pay nothing; the rest of the perf is the resident table's."""
+    from torchrec_ext.distributed.planner import DynamicEmbeddingPerfEstimator
+
+    backing = "host" if kind == "host" else f"file:{tmp_path}"
+    topology = Topology(world_size=2, compute_device="cpu")
+
+    def perf(factor, tiered=True):
+        config = _tiered("t", CAPACITY, DIM, backing, factor) if tiered else _tiered("t", CAPACITY, DIM, "device")
+        ebc = DynamicEmbeddingBagCollection([config], device=META, optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+        constraints = {"t": ParameterConstraints(pooling_factors=[4.0])}
+        estimators = [DynamicEmbeddingPerfEstimator(topology, constraints)]
+        return {
+            o.sharding_type: o.shards[0].perf
+            for o in _enumerate(ebc, 2, constraints=constraints, estimators=estimators)
+        }
+
+    resident = perf(None, tiered=False)
+    bw = topology.ddr_mem_bw if kind == "host" else topology.ssd_mem_bw
+    for factor in (0.25, 1.0):
+        tiered = perf(factor)
+        for sharding_type, p in tiered.items():
+            ids = 2 * BATCH * 4 / (2 if sharding_type == "row_wise" else 1)  # both ranks' ids; row_wise: half
+            want = 4 * (1 - factor) * ids * 2 * (DIM * 4 + DIM * 4) / bw
+            assert p.prefetch_compute == pytest.approx(want, rel=1e-12), (factor, sharding_type)
+            assert resident[sharding_type].prefetch_compute == 0
+            assert p.fwd_compute == resident[sharding_type].fwd_compute
+            assert p.bwd_compute == resident[sharding_type].bwd_compute
+    assert perf(0.25)["table_wise"].total > perf(0.5)["table_wise"].total > perf(1.0)["table_wise"].total

@@ -69,22 +69,15 @@ def place(key: int, capacity: int) -> tuple[int, int, int]:
     return begin + off1, begin + off2, (h >> 57) % 127 + 1
 
 
-def place_keys(keys: Sequence[int], scores: Sequence[int], capacity: int) -> list[bool]:
-    """Which of distinct ``keys`` an empty table of ``capacity`` rows holds when they are placed
-    by priority (higher score first, then earlier position): each is kept iff it fits beside the
-    keys kept before it, found by a breadth-first augmenting path over buckets (a held key may
-    move to its other bucket; Kuhn's algorithm, one key at a time). The kept set is the greedy
-    basis of the matroid of placeable sets: unique, whichever rows the keys end up in.
-
-    Then the stash: the ``stash_slots`` left-out keys of highest priority are kept too (in free
-    rows outside their buckets), and the kept keys are cut to ``capacity`` by priority: the greedy
-    basis of that matroid joined with any ``stash_slots`` keys, truncated at ``capacity``."""
+def _match_to_buckets(keys: Sequence[int], order: Sequence[int], capacity: int) -> list[list[int]]:
+    """The key indices each bucket holds when the keys at ``order`` are placed one at a time,
+    each kept iff a breadth-first augmenting path over buckets makes room for it (a held key may
+    move to its other bucket; Kuhn's algorithm)."""
     buckets, _ = geometry(capacity)
     room = [min(SLOTS, capacity - b * SLOTS) for b in range(buckets)]
-    pairs = [place(k, capacity)[:2] for k in keys]
-    held: list[list[int]] = [[] for _ in range(buckets)]  # key indices in each bucket
-    kept = [False] * len(keys)
-    for i in sorted(range(len(keys)), key=lambda i: (-scores[i], i)):
+    pairs = {i: place(keys[i], capacity)[:2] for i in order}
+    held: list[list[int]] = [[] for _ in range(buckets)]
+    for i in order:
         parent: dict[int, tuple[int, int] | None] = dict.fromkeys(pairs[i])
         queue, end = list(parent), None
         for b in queue:  # grows while it is walked
@@ -104,7 +97,24 @@ def place_keys(keys: Sequence[int], scores: Sequence[int], capacity: int) -> lis
             held[end].append(j)
             end = before
         held[end].append(i)
-        kept[i] = True
+    return held
+
+
+def place_keys(keys: Sequence[int], scores: Sequence[int], capacity: int) -> list[bool]:
+    """Which of distinct ``keys`` an empty table of ``capacity`` rows holds when they are placed
+    by priority (higher score first, then earlier position): each is kept iff it fits beside the
+    keys kept before it, found by a breadth-first augmenting path over buckets (a held key may
+    move to its other bucket; Kuhn's algorithm, one key at a time). The kept set is the greedy
+    basis of the matroid of placeable sets: unique, whichever rows the keys end up in.
+
+    Then the stash: the ``stash_slots`` left-out keys of highest priority are kept too (in free
+    rows outside their buckets), and the kept keys are cut to ``capacity`` by priority: the greedy
+    basis of that matroid joined with any ``stash_slots`` keys, truncated at ``capacity``."""
+    held = _match_to_buckets(keys, sorted(range(len(keys)), key=lambda i: (-scores[i], i)), capacity)
+    kept = [False] * len(keys)
+    for members in held:
+        for i in members:
+            kept[i] = True
     by_priority = sorted(range(len(keys)), key=lambda i: (-scores[i], i))
     for i in [i for i in by_priority if not kept[i]][: stash_slots(capacity)]:
         kept[i] = True
@@ -592,33 +602,15 @@ def hash_place(keys: Tensor, scores: Tensor, capacity: int, start_rows: Tensor |
         raise NotImplementedError("reference hash_place: no starting placement (its kept set is not specified)")
     key_list, score_list = keys.tolist(), scores.tolist()
     kept = place_keys(key_list, score_list, capacity)
-    buckets, _ = geometry(capacity)
-    room = [min(SLOTS, capacity - b * SLOTS) for b in range(buckets)]
-    # The kept keys that fit their buckets: a matching of keys to buckets (Kuhn), by priority.
-    pairs = [place(k, capacity)[:2] for k in key_list]
-    held: list[list[int]] = [[] for _ in range(buckets)]
+    # The kept keys that fit their buckets, matched again by priority (the others are stashed).
+    held = _match_to_buckets(
+        key_list, [i for i in sorted(range(len(key_list)), key=lambda i: (-score_list[i], i)) if kept[i]], capacity
+    )
     in_bucket = [False] * len(key_list)
-    for i in sorted((i for i in range(len(key_list)) if kept[i]), key=lambda i: (-score_list[i], i)):
-        parent: dict[int, tuple[int, int] | None] = dict.fromkeys(pairs[i])
-        queue, end = list(parent), None
-        for b in queue:
-            if len(held[b]) < room[b]:
-                end = b
-                break
-            for j in held[b]:
-                other = sum(pairs[j]) - b
-                if other not in parent:
-                    parent[other] = (b, j)
-                    queue.append(other)
-        if end is None:
-            continue  # a stashed key
-        while parent[end] is not None:
-            before, j = parent[end]
-            held[before].remove(j)
-            held[end].append(j)
-            end = before
-        held[end].append(i)
-        in_bucket[i] = True
+    for members in held:
+        for i in members:
+            in_bucket[i] = True
+    pairs = [place(k, capacity)[:2] for k in key_list]
     rows = [-1] * len(key_list)
     for b, members in enumerate(held):
         for slot, i in enumerate(sorted(members)):

@@ -72,7 +72,6 @@ class DynamicTables(IdsToRows, TableGrowth, ReplicatedFallback, TableCheckpoint,
                 )
             )
         cpu = torch.device("cpu")
-        sizes = self._compute_layout()
         self.table_dims = torch.tensor([m.dim for m in self.meta], dtype=torch.int64, device=cpu)
         # The kernels' dtype arguments: None for an all-float32 module (the kernels' default).
         half = any(m.dtype != torch.float32 for m in self.meta)
@@ -89,9 +88,9 @@ class DynamicTables(IdsToRows, TableGrowth, ReplicatedFallback, TableCheckpoint,
         self._fallback_max = max((m.fallback_rows for m in self.meta), default=0)
         # Per buffer name, the address space a growing module's buffer lives in (see _allocate_buffer).
         self._reserved: dict[str, ReservedBuffer] = {}
-        self.weights = self._allocate_buffer("weights", sum(sizes), 0.0, device)
-        self._init_views: list | None = None
         self.optimizer: OptimizerSpec | None = None
+        self.weights = self._allocate_weights(device)  # (the layout too)
+        self._init_views: list | None = None
         self.states: list[Tensor] = []
         self.optimizer_step = torch.zeros((), dtype=torch.int64, device=cpu)
         self.train_step = 0  # training batches seen: the clock of ttl_steps
@@ -122,7 +121,9 @@ class DynamicTables(IdsToRows, TableGrowth, ReplicatedFallback, TableCheckpoint,
         """For deepcopy / pickle / torch.save: pending new rows are written first, so the copy
         holds every row its indexes name; caches and the scratch buffer are not carried."""
         state = dict(self.__dict__)
-        state["_reserved"] = {}  # the copy's buffers are plain ones (its next growth reserves again)
+        if self._spans_at_max:  # each table's rows, not the reserved spans (laid out again on load)
+            state["_saved_rows"] = self._saved_rows()
+            state["weights"], state["states"], state["_reserved"], state["_span_views"] = None, [], {}, {}
         state["_init_views"] = None
         state["_new_vector_buffer"] = torch.empty(0, dtype=torch.float32)
         state["_pending"] = {}  # a copy has no lookup in flight
@@ -130,20 +131,25 @@ class DynamicTables(IdsToRows, TableGrowth, ReplicatedFallback, TableCheckpoint,
         return state
 
     def __setstate__(self, state: dict[str, object]) -> None:
+        saved = state.pop("_saved_rows", None)
         self.__dict__.update(state)
         self._parameter_owners = weakref.WeakSet()
+        if saved is not None:
+            self._spread_spans(saved)
 
     @pending_rows_written
     def apply(self, fn) -> None:
         """Applies a tensor function (``Module._apply``'s) to the storage and moves the indexes."""
         old_device = self.device
+        probe = torch.empty(0, dtype=torch.float32, device=old_device)
+        if fn(probe) is not probe:  # moved or converted: not the whole reserved spans
+            self._pack_spans()
         self.weights = fn(self.weights)
         self.states = [fn(s) for s in self.states]
-        if not self._reserved.get("weights", None) or not self._reserved["weights"].holds(self.weights):
-            self._reserved = {}  # moved or converted: the buffers are plain ones now
         self._init_views = None
         if self.device != old_device:
             self._build_indexes(carry_from=old_device)
+        self._spread_spans()  # a growing module on CPU: spans at num_embeddings again
 
     def reset(self) -> None:
         """Forgets every id: empty indexes, cleared optimizer state and counters; growing tables

@@ -16,7 +16,7 @@ from torchrec.distributed.planner import ParameterConstraints, Topology
 from torchrec.distributed.planner.types import PlannerError, Storage
 from torchrec.distributed.types import CacheParams
 
-from test_planner import BATCH, _enumerate, _sharders
+from test_planner import BATCH, _enumerate, _expected_io, _expected_resident, _sharders
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 from torchrec_ext.distributed.planner import DynamicEmbeddingStorageEstimator, make_planner
 
@@ -155,14 +155,21 @@ def _factors(plan):
 
 def test_the_chosen_load_factor_is_the_largest_that_plans(ddr_cap=5 << 20):
     """Brute force: every candidate factor k / 100 given as a constraint; the planner's choice is the
-    largest that plans (the smallest caches, one step's ids, are below 1 / 100 of the rows here)."""
+    largest that plans (the smallest caches, one step's ids, are below 1 / 100 of the rows here),
+    and its plan fits the budget as modules holding the shares count their bytes."""
     resident = DynamicEmbeddingBagConfig(name="r", embedding_dim=8, num_embeddings=3000, feature_names=["f_r"])
     model = _model(resident=resident)
-    chosen = _factors(_plan(model, ddr_cap))
+    types = {t: ParameterConstraints(sharding_types=["table_wise", "row_wise"]) for t in ("t0", "t1", "r")}
+    plan = _plan(model, ddr_cap, types)
+    chosen = _factors(plan)
     assert set(chosen) == {"t0", "t1"} and chosen["t0"] == chosen["t1"]
 
     def plans(k):
-        constraints = {t: ParameterConstraints(cache_params=CacheParams(load_factor=k / 100)) for t in ("t0", "t1")}
+        constraints = dict(types)
+        for t in ("t0", "t1"):
+            constraints[t] = ParameterConstraints(
+                sharding_types=["table_wise", "row_wise"], cache_params=CacheParams(load_factor=k / 100)
+            )
         try:
             _plan(model, ddr_cap, constraints)
             return True
@@ -172,9 +179,23 @@ def test_the_chosen_load_factor_is_the_largest_that_plans(ddr_cap=5 << 20):
     best = next(k for k in range(100, 0, -1) if plans(k))
     assert 1 < best < 100  # (a budget between the smallest and the whole caches)
     assert chosen["t0"] == best / 100
+    # Each rank's shares, as modules holding them count their bytes (plus the step's IO), fit.
+    per_rank = [0, 0]
+    for module_plan in plan.plan.values():
+        for name, ps in module_plan.items():
+            parts = len(ps.ranks) if ps.sharding_type == "row_wise" else 1
+            io = _expected_io(ps.sharding_type, 2, 8 if name == "r" else DIM, True, False, [1.0])
+            if name == "r":
+                held = _expected_resident(3000, 8, "adagrad", None, 1, None, parts)
+            else:
+                fast, host, _ = _share_oracle(None, "host", name, CAPACITY, DIM, {}, parts, chosen[name], "adagrad")
+                held = fast + host
+            for rank in ps.ranks:
+                per_rank[rank] += held + io
+    assert max(per_rank) <= ddr_cap, per_rank
     # A larger budget, a larger cache; enough for all the rows: 1.0.
-    assert _factors(_plan(model, ddr_cap + (1 << 20)))["t0"] > chosen["t0"]
-    assert _factors(_plan(model, 64 << 20)) == {"t0": 1.0, "t1": 1.0}
+    assert _factors(_plan(model, ddr_cap + (1 << 20), types))["t0"] > chosen["t0"]
+    assert _factors(_plan(model, 64 << 20, types)) == {"t0": 1.0, "t1": 1.0}
 
 
 def test_given_factors_are_kept_and_the_others_chosen():
@@ -260,3 +281,37 @@ def test_the_sharders_fused_params_cache_load_factor_is_the_default_of_its_tiere
     assert _factors(plan) == {"t0": 0.05, "given": 0.1, "t1": 0.3}
     with pytest.raises(ValueError, match=r"table 't0'.*the sharder's fused_params cache_load_factor must be .*got 1.5"):
         make_planner(topology, BATCH, constraints).plan(model, sharders(1.5))
+
+
+@pytest.mark.parametrize("kind", ["host", "file"])
+def test_a_tiered_shard_pays_for_its_misses_in_prefetch_compute(tmp_path, kind):
+    """Uniform access (a bound): (1 - load_factor) of the ids a shard looks up move a row (vector
+    and optimizer state) in and a dirty one out, at random-row cost, over the backing's bandwidth;
+    all-resident and fully cached shards pay nothing; the rest of the perf is the resident table's."""
+    from torchrec_ext.distributed.planner import DynamicEmbeddingPerfEstimator
+
+    backing = "host" if kind == "host" else f"file:{tmp_path}"
+    topology = Topology(world_size=2, compute_device="cpu")
+
+    def perf(factor, tiered=True):
+        config = _tiered("t", CAPACITY, DIM, backing, factor) if tiered else _tiered("t", CAPACITY, DIM, "device")
+        ebc = DynamicEmbeddingBagCollection([config], device=META, optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+        constraints = {"t": ParameterConstraints(pooling_factors=[4.0])}
+        estimators = [DynamicEmbeddingPerfEstimator(topology, constraints)]
+        return {
+            o.sharding_type: o.shards[0].perf
+            for o in _enumerate(ebc, 2, constraints=constraints, estimators=estimators)
+        }
+
+    resident = perf(None, tiered=False)
+    bw = topology.ddr_mem_bw if kind == "host" else topology.ssd_mem_bw
+    for factor in (0.25, 1.0):
+        tiered = perf(factor)
+        for sharding_type, p in tiered.items():
+            ids = 2 * BATCH * 4 / (2 if sharding_type == "row_wise" else 1)  # both ranks' ids; row_wise: half
+            want = 4 * (1 - factor) * ids * 2 * (DIM * 4 + DIM * 4) / bw
+            assert p.prefetch_compute == pytest.approx(want, rel=1e-12), (factor, sharding_type)
+            assert resident[sharding_type].prefetch_compute == 0
+            assert p.fwd_compute == resident[sharding_type].fwd_compute
+            assert p.bwd_compute == resident[sharding_type].bwd_compute
+    assert perf(0.25)["table_wise"].total > perf(0.5)["table_wise"].total > perf(1.0)["table_wise"].total

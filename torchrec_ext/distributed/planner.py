@@ -658,6 +658,18 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
 
     ``probe`` is find_or_insert in training and find for inference (no backward then). Comms are 0
     with one rank. The constants are justified above their definitions.
+
+    A tiered table's shard also moves rows between its tiers, as TorchRec prices UVM caching's
+    fetches (``prefetch_compute``, counted as blocking as TorchRec counts it):
+
+        prefetch_compute = ids * (1 - load_factor) * row * (2 in training: a dirty victim written back)
+                           * 4 (random rows) / backing bw
+
+    with ``row`` the vector and optimizer state, ``load_factor`` the one the storage estimator
+    planned (it runs first in ``make_planner``; else the constraint's / config's / sharder's, else
+    0.2), and the backing's bandwidth: ddr_mem_bw (host backing, CPU), hbm_to_ddr_mem_bw (host
+    backing, CUDA), ssd_mem_bw (file backing). Misses at ``1 - load_factor`` of the ids is uniform
+    access, a bound: skewed ids miss far less (the pipeline's prefetch hides the rest).
     """
 
     def __init__(
@@ -741,7 +753,32 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
             bwd_compute=bwd_compute,
             bwd_comms=bwd_comms,
             input_dist_comms=input_dist,
+            prefetch_compute=self._tier_moves(option, table, sharder_data, volume, dim),
         )
+
+    def _tier_moves(
+        self, option: ShardingOption, table: _TableInfo, sharder_data: Any, volume: _StepVolume, dim: int
+    ) -> float:
+        """ms a step a tiered shard of width ``dim`` spends moving rows between its tiers (class docstring)."""
+        if not table.tiered:
+            return 0.0
+        factor = option.cache_params.load_factor if option.cache_params is not None else None
+        if factor is None:
+            constraint = self._constraints.get(option.name) if self._constraints else None
+            sharder_factor = sharder_cache_load_factor(getattr(sharder_data, "fused_params", None), _where(option))
+            factor = planned_cache_load_factor(
+                table.options, constraint.cache_params if constraint else None, _where(option), sharder_factor
+            )
+        factor = DEFAULT_CACHE_LOAD_FACTOR if factor is None else factor
+        moved = dim * table.element_bytes + optimizer_state_bytes_per_row(table.optimizer_kind, dim)
+        moved *= volume.shard_ids * (1.0 - factor) * (1 if self._is_inference else 2)
+        if table.options.backing.startswith("file:"):
+            bw = self._topology.ssd_mem_bw
+        elif _tier(self._topology) == "hbm":
+            bw = self._topology.hbm_to_ddr_mem_bw
+        else:
+            bw = self._topology.ddr_mem_bw
+        return RANDOM_ROW_FACTOR * moved / bw
 
 
 # ---------------------------------------------------------------------------- planner
@@ -833,7 +870,7 @@ CACHE_FACTOR_STEPS = 100  # the planner's load factors: k / 100
 def _storage_estimators(planner: EmbeddingShardingPlanner) -> list[DynamicEmbeddingStorageEstimator]:
     """Our storage estimators in the planner's enumerator: the ones it was given, or (TorchRec's
     default enumerator) those install_default_planner_hook added."""
-    enumerator = planner._enumerator
+    enumerator = getattr(planner, "_enumerator", None)
     given = list(getattr(enumerator, "_estimators", None) or [])
     given += list(getattr(enumerator, "_dynamic_estimators", None) or [])
     return [e for e in given if isinstance(e, DynamicEmbeddingStorageEstimator)]
@@ -842,8 +879,9 @@ def _storage_estimators(planner: EmbeddingShardingPlanner) -> list[DynamicEmbedd
 def _forget_search_space(planner: EmbeddingShardingPlanner) -> None:
     # TorchRec's enumerator keeps the last module's options, with their estimates, and hands back
     # copies for the same module: estimated at another load factor, they must be enumerated anew.
-    if hasattr(planner._enumerator, "_last_stored_module"):
-        planner._enumerator._last_stored_module = None
+    enumerator = getattr(planner, "_enumerator", None)
+    if hasattr(enumerator, "_last_stored_module"):
+        enumerator._last_stored_module = None
 
 
 def plan_choosing_caches(
@@ -964,8 +1002,7 @@ def make_planner(
         topology=topology,
         batch_size=batch_size,
         constraints=constraints,
-        estimator=[
-            DynamicEmbeddingPerfEstimator(topology, constraints, is_inference=is_inference),
+        estimator=[  # storage first: it plans the tiered tables' load factors, which perf prices
             DynamicEmbeddingStorageEstimator(
                 topology,
                 constraints,
@@ -973,6 +1010,7 @@ def make_planner(
                 is_inference=is_inference,
                 plan_capacity=plan_capacity,
             ),
+            DynamicEmbeddingPerfEstimator(topology, constraints, is_inference=is_inference),
         ],
     )
     return _DynamicEmbeddingShardingPlanner(
@@ -1149,9 +1187,9 @@ def adjacent_column_shards(best_plan: list[ShardingOption]) -> list[ShardingOpti
 def _default_planner_estimators(
     topology: Topology, constraints: dict[str, ParameterConstraints] | None
 ) -> list[ShardEstimator]:
-    return [
-        DynamicEmbeddingPerfEstimator(topology, constraints),
+    return [  # storage first: it plans the tiered tables' load factors, which perf prices
         DynamicEmbeddingStorageEstimator(topology, constraints),
+        DynamicEmbeddingPerfEstimator(topology, constraints),
     ]
 
 

@@ -147,7 +147,7 @@ def trace(module, kjt) -> tuple[dict[str, set[str]], set[tuple[str, str]], list[
         code = frame.f_code
         if code.co_filename.startswith(package):
             callee = rel(code.co_filename)
-            functions[callee].add(code.co_qualname)
+            functions[callee].add(getattr(code, "co_qualname", code.co_name))  # (co_qualname: Python 3.11+)
             caller = nearest_package_frame(frame.f_back)
             if caller is not None and rel(caller.f_code.co_filename) != callee:
                 hops.add((rel(caller.f_code.co_filename), callee))

@@ -23,6 +23,7 @@ from torchrec_ext.distributed.planner import DynamicEmbeddingStorageEstimator, m
 META = torch.device("meta")
 LRU_BOUND = 8  # per slot: the LRU queue holds at most 2 int32 entries a slot before it is rebuilt
 LOG_BUFFER_ROWS = 1 << 15  # a file-backed table's write-back records buffer: at most 2 * slots of them
+TRANSFER_ROWS = 1 << 15  # records of one transfer between a CUDA cache and the host
 
 
 def _tiered(name, capacity, dim, backing, factor=None, **fields):
@@ -44,8 +45,12 @@ CASES = [  # name, capacity, dim, extra fields
 ]
 
 
-def _share_oracle(tmp_path, kind, name, capacity, dim, fields, parts, factor, optimizer):
-    """(fast, host, disk) bytes of a module holding one share, built for real."""
+def _share_oracle(tmp_path, kind, name, capacity, dim, fields, parts, factor, optimizer, cuda=False):
+    """(device, host, disk) bytes of a module holding one share, built for real (on the CPU: its
+    maps, on the host in any case, are told from the rest by its caches' and logs' own counts),
+    plus the documented bounds of what it makes as rows move: its LRU queue, and the records
+    buffers (a CUDA cache: the pinned host buffer of transfers and a transfer's records on the
+    device; a CPU cache over a file: the write-back buffer)."""
     backing = "host" if kind == "host" else f"file:{tmp_path}/{name}{parts}"
     if kind == "file":
         os.makedirs(backing[5:], exist_ok=True)
@@ -55,21 +60,28 @@ def _share_oracle(tmp_path, kind, name, capacity, dim, fields, parts, factor, op
         optimizer_kwargs={"lr": 0.1},
     )
     tables = share._tables
-    slots = tables.caches[0].slots
-    assert share.storage_bytes() > 0 and tables.caches[0].order.nbytes() == 0  # (the queue starts empty)
-    fast = share.storage_bytes() + LRU_BOUND * slots
+    cache = tables.caches[0]
+    assert cache.order.nbytes() == 0  # (the queue starts empty)
+    mover = tables._mover(0)  # its record: the row's number, vector and states, as the module lays them out
+    log_maps = mover.log.nbytes() if kind == "file" else 0
+    host = cache.nbytes() + LRU_BOUND * cache.slots + log_maps
+    device = share.storage_bytes() - cache.nbytes() - log_maps
+    if cuda:
+        host += min(2 * cache.slots, TRANSFER_ROWS) * mover.record_bytes
+        device += min(cache.slots, TRANSFER_ROWS) * mover.record_bytes
+    elif kind == "file":
+        host += min(2 * cache.slots, LOG_BUFFER_ROWS) * mover.record_bytes
     if kind == "host":
-        return fast, tables.backing_bytes(), 0
-    log = tables._mover(0).log  # its record: the row's number, vector and states, as the module lays them out
-    fast += min(2 * slots, LOG_BUFFER_ROWS) * log.record_bytes
-    return fast, 0, tables.backing_bytes() + log.records.shape[0] * log.record_bytes
+        return device, host + tables.backing_bytes(), 0
+    return device, host, tables.backing_bytes() + mover.log.records.shape[0] * mover.record_bytes
 
 
 @pytest.mark.parametrize("kind", ["host", "file"])
 @pytest.mark.parametrize("world", [1, 2])
 def test_tiered_storage_matches_a_module_holding_the_share(tmp_path, kind, world):
-    """Without IO buffers (is_inference): the cache, index and maps on the compute device (ddr on
-    CPU, hbm on CUDA), the backing store in ddr (host) or on disk (file: ssd)."""
+    """Without IO buffers (is_inference): the cache, index and metadata on the compute device (ddr
+    on CPU, hbm on CUDA), the cache's maps and buffers and host backing's store in ddr, file
+    backing's on disk (ssd)."""
     backing = "host" if kind == "host" else f"file:{tmp_path}"
     configs = [_tiered(n, cap, dim, backing, **f) for n, cap, dim, f in CASES]
     optimizer = "adagrad"
@@ -84,9 +96,12 @@ def test_tiered_storage_matches_a_module_holding_the_share(tmp_path, kind, world
         for o in options:
             name, cap, dim, fields = next(c for c in CASES if c[0] == o.name)
             parts = world if o.sharding_type == "row_wise" else 1
-            fast, host, disk = _share_oracle(tmp_path, kind, name, cap, dim, fields, parts, factors[name], optimizer)
+            cuda = device == "cuda"
+            on_device, host, disk = _share_oracle(
+                tmp_path, kind, name, cap, dim, fields, parts, factors[name], optimizer, cuda
+            )
             want = (
-                Storage(hbm=fast, ddr=host, ssd=disk) if device == "cuda" else Storage(hbm=0, ddr=fast + host, ssd=disk)
+                Storage(hbm=on_device, ddr=host, ssd=disk) if cuda else Storage(hbm=0, ddr=on_device + host, ssd=disk)
             )
             assert all(s.storage == want for s in o.shards), (device, o.name, o.sharding_type)
             assert o.cache_params.load_factor == factors[name]  # what the plan will carry
@@ -188,8 +203,10 @@ def test_the_chosen_load_factor_is_the_largest_that_plans(ddr_cap=5 << 20):
             if name == "r":
                 held = _expected_resident(3000, 8, "adagrad", None, 1, None, parts)
             else:
-                fast, host, _ = _share_oracle(None, "host", name, CAPACITY, DIM, {}, parts, chosen[name], "adagrad")
-                held = fast + host
+                on_device, host, _ = _share_oracle(
+                    None, "host", name, CAPACITY, DIM, {}, parts, chosen[name], "adagrad"
+                )
+                held = on_device + host
             for rank in ps.ranks:
                 per_rank[rank] += held + io
     assert max(per_rank) <= ddr_cap, per_rank

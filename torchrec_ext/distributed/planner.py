@@ -39,20 +39,23 @@ on the compute device's memory (ddr on CPU, hbm on CUDA). The perf model is desc
 
 A tiered table (``backing="host"`` or ``"file:<dir>"``: modules/tiered_tables.py) keeps ``slots =
 cache_slots(rows, load_factor)`` rows in a cache on the compute device and every row in its
-backing store; one rank's share is planned as (``tiered_table_bytes``):
+backing store on the host or on disk; one rank's share is planned as (``tiered_table_bytes``):
 
-    compute device (hbm on CUDA, ddr on CPU):
+    the compute device (hbm on CUDA, ddr on CPU):
       4 * ceil(slots * dim * e / 4) + slots * state   the cache's vectors and optimizer state
       + index_bytes(rows) + ttl + admission state     the index and metadata stay whole (as above)
-      + 4 * rows + slots * (17 + 8)                   the cache's maps: slot of each row (int32); row,
+      + CUDA: min(slots, 32768) * record              a transfer's records (record: the row's number,
+                                                      vector and states, each 8-byte aligned)
+      + the step's IO buffers (as above)
+    host memory (ddr; on CPU the same memory as the device's):
+      4 * rows + slots * (17 + 8)                     the cache's maps: slot of each row (int32); row,
                                                       last use and dirty bit of each slot; its LRU
                                                       queue (at most 2 int32 entries a slot)
       + file: RowLog.map_bytes(rows)                  the write-back log's maps
-        + min(2 * slots, 32768) * record              and its records buffer (record: the row's number,
-                                                      vector and states, each padded to 8 bytes)
-      + the step's IO buffers (as above)
-    host: ddr += 4 * ceil(rows * dim * e / 4) + rows * state     the backing store
-    file: ssd  = the same bytes in the backing files + the log file's bound, RowLog.max_records(rows) * record
+      + CUDA: min(2 * slots, 32768) * record          the pinned buffer of transfers
+        CPU, file: min(2 * slots, 32768) * record     the write-back buffer
+      + host: 4 * ceil(rows * dim * e / 4) + rows * state     the backing store
+    disk (ssd), file: the same bytes in the backing files + the log's bound, RowLog.max_records(rows) * record
 
 The load factor, in TorchRec's convention, is ``ParameterConstraints(cache_params=CacheParams(
 load_factor=f))``, else the config's ``cache_load_factor`` (both set and different: an error),
@@ -129,7 +132,9 @@ from torchrec_ext.modules.configs import (
 from torchrec_ext.modules.embedding_bag_collection import DynamicEmbeddingBagCollection
 from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
 from torchrec_ext.modules.fused_optimizer import stochastic_rounding_of
-from torchrec_ext.modules.tier_log import ROW_BYTES, RowLog
+from torchrec_ext.modules.tier_copies import MAX_ROWS as MAX_TRANSFER_ROWS
+from torchrec_ext.modules.tier_copies import record_fields
+from torchrec_ext.modules.tier_log import RowLog
 from torchrec_ext.modules.tiered_tables import _LogMover
 from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE, index_bytes, row_map_bytes
 
@@ -217,19 +222,19 @@ SLOT_OF_ROW_BYTES = 4  # RowCache.slot_of: int32 per row of the table
 class TierBytes:
     """Bytes of one rank's share of a tiered table, per place they are held."""
 
-    fast: int  # the compute device's memory: cache, index and metadata, the tier's maps and buffers
-    host: int  # host memory: the backing store of backing="host"
+    device: int  # the cache's device (the compute device): the cache, the index and its metadata
+    host: int  # host memory: the cache's maps, the tier's buffers, and host backing's store
     disk: int  # the files of backing="file:<dir>" (base files and the log's bound)
 
 
 def log_record_bytes(dim: int, optimizer_kind: str | None, element_bytes: int = FLOAT_BYTES) -> int:
-    """Bytes of one record of a file-backed table's write-back log (tiered_tables._LogMover): the
-    row's number, then its vector and each optimizer state, each padded to 8 bytes."""
+    """Bytes of one record of rows moving between a tiered table's tiers (tier_copies.py): the row's
+    number, then its vector and each optimizer state, each 8-byte aligned."""
     widths = [dim * element_bytes]
     if optimizer_kind is not None:
         per_state = FLOAT_BYTES if optimizer_kind in ROWWISE_STATE else dim * FLOAT_BYTES
         widths += [per_state] * len(OPTIMIZER_STATES[optimizer_kind])
-    return ROW_BYTES + sum(width + -width % 8 for width in widths)
+    return record_fields(widths)[1]
 
 
 def tiered_table_bytes(
@@ -239,14 +244,18 @@ def tiered_table_bytes(
     load_factor: float,
     *,
     file: bool,
+    cuda: bool = False,
     parts: int = 1,
     options: DynamicTableOptions | None = None,
     element_bytes: int = FLOAT_BYTES,
 ) -> TierBytes:
-    """One rank's share (of ``parts``) of a tiered table caching ``load_factor`` of its rows (the
-    byte model in the module docstring): what ``storage_bytes()`` of a module holding that share
-    reports when built, plus the bounds of its LRU queue and (file) log records buffer, in fast
-    memory; ``backing_bytes()`` in host memory (host) or on disk (file, with the log's bound)."""
+    """One rank's share (of ``parts``) of a tiered table caching ``load_factor`` of its rows, its
+    cache on a CUDA device (``cuda``) or the CPU (the byte model in the module docstring): what
+    ``storage_bytes()`` of a module holding that share reports when built, plus the bounds of its
+    LRU queue and of the records buffers it makes as rows move (a CUDA cache: the pinned host
+    buffer of transfers and a transfer's records on the device; a CPU cache over a file: the
+    write-back buffer); with ``backing_bytes()`` on the host (host) or on disk (file, with the
+    log's bound)."""
     opts = options or DynamicTableOptions()
     rows = local_capacity(capacity, parts)
     slots = cache_slots(rows, load_factor)
@@ -255,16 +264,21 @@ def tiered_table_bytes(
     def vectors(n: int) -> int:
         return 4 * -(-n * dim * element_bytes // 4)
 
-    fast = vectors(slots) + slots * state + index_bytes(rows)
-    fast += TTL_BYTES_PER_ROW * rows if opts.ttl_steps is not None else 0
-    fast += admission_bytes(opts, opts.admission_strategy, capacity, parts)
-    fast += SLOT_OF_ROW_BYTES * rows + slots * (CACHE_MAP_BYTES_PER_SLOT + LRU_QUEUE_BYTES_PER_SLOT)
+    device = vectors(slots) + slots * state + index_bytes(rows)
+    device += TTL_BYTES_PER_ROW * rows if opts.ttl_steps is not None else 0
+    device += admission_bytes(opts, opts.admission_strategy, capacity, parts)
+    host = SLOT_OF_ROW_BYTES * rows + slots * (CACHE_MAP_BYTES_PER_SLOT + LRU_QUEUE_BYTES_PER_SLOT)
+    host += RowLog.map_bytes(rows) if file else 0
+    record = log_record_bytes(dim, optimizer_kind, element_bytes)
+    if cuda:
+        host += min(2 * slots, MAX_TRANSFER_ROWS) * record
+        device += min(slots, MAX_TRANSFER_ROWS) * record
+    elif file:
+        host += min(2 * slots, _LogMover.BUFFER_ROWS) * record
     backing = vectors(rows) + rows * state
     if not file:
-        return TierBytes(fast=fast, host=backing, disk=0)
-    record = log_record_bytes(dim, optimizer_kind, element_bytes)
-    fast += RowLog.map_bytes(rows) + min(2 * slots, _LogMover.BUFFER_ROWS) * record
-    return TierBytes(fast=fast, host=0, disk=backing + RowLog.max_records(rows) * record)
+        return TierBytes(device=device, host=host + backing, disk=0)
+    return TierBytes(device=device, host=host, disk=backing + RowLog.max_records(rows) * record)
 
 
 def minimum_cache_slots(rows: int, step_ids: float) -> int:
@@ -556,21 +570,23 @@ class DynamicEmbeddingStorageEstimator(ShardEstimator):
         )
         storages = []
         for dim in _shard_dims(option, table):
+            on_hbm = _tier(self._topology) == "hbm"
             tier = tiered_table_bytes(
                 table.capacity,
                 dim,
                 table.optimizer_kind,
                 factor,
                 file=table.options.backing.startswith("file:"),
+                cuda=on_hbm,
                 parts=parts,
                 options=table.options,
                 element_bytes=table.element_bytes,
             )
-            fast = tier.fast + self._io_bytes(volume, table, dim)
-            if _tier(self._topology) == "hbm":
-                storages.append(Storage(hbm=fast, ddr=tier.host, ssd=tier.disk))
+            device = tier.device + self._io_bytes(volume, table, dim)
+            if on_hbm:
+                storages.append(Storage(hbm=device, ddr=tier.host, ssd=tier.disk))
             else:
-                storages.append(Storage(hbm=0, ddr=fast + tier.host, ssd=tier.disk))
+                storages.append(Storage(hbm=0, ddr=device + tier.host, ssd=tier.disk))
         return storages
 
     def _shard_bytes(self, option: ShardingOption, table: _TableInfo) -> list[int]:

@@ -302,6 +302,8 @@ class HashTable:
                 f"HashTable: device {device} has no torchrec_ext kernels in this build "
                 "(CUDA kernels are built only when torch has CUDA and nvcc is found, or FORCE_CUDA=1)"
             )
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())  # tensors made on "cuda" say cuda:N
         self._capacity = capacity
         self.policy = policy
         self.device = device

@@ -57,6 +57,7 @@ class Config(DlrmSmall):
     # Seconds to wait before each timed run, so that it starts from memory the host has taken back
     # (see below); 0: right after the previous run, as the readings before session 12.
     settle_s: float = 0.0
+    populate_ahead: int = 0  # 1: (growing) each growth faults in the next doubling's pages in the background
 
 
 def _vm_rss() -> int:
@@ -86,6 +87,7 @@ def child(cfg: Config, system: str, steps: int) -> dict[str, object]:
         if system == "growing":
             table.initial_capacity = max(1, cfg.capacity // cfg.initial_divisor)
     module = DynamicEmbeddingBagCollection(tables, optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": cfg.lr})
+    module._tables.populate_ahead = bool(cfg.populate_ahead)
     built = time.perf_counter() - start
     samples, step_s, step, capacities = [], [], 0, None
     while True:

@@ -287,6 +287,39 @@ def test_a_growth_on_cpu_moves_no_row_and_writes_none_of_the_rows_it_adds():
     assert module.num_live_rows() == 4000
 
 
+def test_populate_ahead_backs_the_next_doublings_pages_in_the_background_and_changes_no_value():
+    """``populate_ahead``: each growth has a background thread fault in the pages of the rows the
+    next doubling adds (their values stay zeros)."""
+    import time
+
+    cfg = DynamicEmbeddingBagConfig(
+        name="t", embedding_dim=64, num_embeddings=1 << 20, feature_names=["f"], initial_capacity=1 << 12
+    )
+    module = DynamicEmbeddingBagCollection([cfg], optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    tables = module._tables
+    tables.populate_ahead = True
+    gen = torch.Generator().manual_seed(6)
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        ["f"], torch.randint(0, 2**62, (4000,), generator=gen), torch.full((1000,), 4)
+    )
+    module(kjt).values().sum().backward()
+    before, rss = _by_id(module), _rss()
+    assert tables.grow({0: 1 << 17}) == [0] and module.table_stats()["t"].capacity == 1 << 18
+    ahead = (1 << 18) * 64 * 4 * 2  # the next doubling's rows: vectors and Adagrad state
+    deadline = time.monotonic() + 60
+    while _rss() - rss < 0.9 * ahead and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _rss() - rss >= 0.9 * ahead, (_rss() - rss, ahead)
+    _assert_same_tables(_by_id(module), before)
+    nxt = tables.table_view(0).shape[0]
+    assert nxt == 1 << 18
+    assert not tables.weights[
+        int(tables.table_offsets[0]) + nxt * 64 : int(tables.table_offsets[0]) + 2 * nxt * 64
+    ].any()
+    module(kjt).values().sum().backward()
+    assert module.num_live_rows() == 4000
+
+
 def test_a_saved_growing_module_holds_its_rows_not_its_reserved_range():
     import io
 

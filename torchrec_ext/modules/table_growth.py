@@ -120,7 +120,32 @@ class TableGrowth:
             return []
         grown = {t: self.indexes[t].grown(c) for t, c in targets.items()}  # new indexes; nothing changed yet
         self._relayout({t: (c, grown[t][1]) for t, c in targets.items()}, {t: g[0] for t, g in grown.items()})
+        if self.populate_ahead:
+            self._populate_next_doubling(sorted(targets))
         return sorted(targets)
+
+    # Whether each growth has a background thread fault in the pages of the next doubling's rows
+    # (spans at num_embeddings only), so that the steps after that growth find them backed.
+    populate_ahead: bool = False
+
+    def _populate_next_doubling(self, tables: list[int]) -> None:
+        """Asks for the pages of rows [capacity, next capacity) of ``tables`` (past their fallback
+        rows) in every buffer (``ReservedBuffer.populate``)."""
+        if not self._spans_at_max or self.device.type != "cpu":
+            return
+        rowwise = self.optimizer is not None and self.optimizer.kind in ROWWISE_STATE
+        for t in tables:
+            m = self.meta[t]
+            first, last = m.rows, min(2 * m.capacity, m.max_capacity) + m.fallback_rows
+            if last <= first:
+                continue
+            row_bytes = m.dim * m.dtype.itemsize
+            start = int(self.table_offsets[t]) * 4
+            self._reserved["weights"].populate(start + first * row_bytes, start + last * row_bytes)
+            width = 1 if rowwise else m.dim
+            start = (int(self.state_row_offsets[t]) if rowwise else self.dense_state_offsets[t]) * 4
+            for name in OPTIMIZER_STATES[self.optimizer.kind] if self.optimizer is not None else ():
+                self._reserved[name].populate(start + first * width * 4, start + last * width * 4)
 
     @pending_rows_written
     def _relayout(self, plans: dict[int, tuple[int, Tensor | None]], indexes: dict[int, HashTable]) -> None:

@@ -882,11 +882,35 @@ class TieredTables(DynamicTables):
 
     def _rows_for(self, t: int, keys: Tensor, counts: Tensor, training: bool) -> tuple[Tensor, Tensor | None]:
         rows, fresh = super()._rows_for(t, keys, counts, training)
+        slots = self._hold(t, *self._on_host(rows, fresh))
+        return (slots if slots.device == rows.device else slots.to(rows.device)), fresh
+
+    def _batched_upsert(self) -> bool:
+        """Whether a training lookup upserts every table in one call (``batched_upsert``: None,
+        the default, yes), then brings each table's rows into its cache (``_rows_for_tables``)."""
+        chosen = getattr(self, "batched_upsert", None)
+        return bool(self.indexes) and (True if chosen is None else bool(chosen))
+
+    def _rows_for_tables(
+        self, unique: Tensor, counts: Tensor, bounds: list[int], unique_table: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Every table's upsert in one call, then each table's rows held in its cache: on a GPU
+        all tables' rows come to the host in one copy (one sync a lookup, not one a table)."""
+        rows, inserted = super()._rows_for_tables(unique, counts, bounds, unique_table)
+        host_rows, host_fresh = self._on_host(rows, inserted)
+        slots = torch.empty_like(host_rows)
+        for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            slots[start:end] = self._hold(t, host_rows[start:end], host_fresh[start:end])
+        return (slots if slots.device == rows.device else slots.to(rows.device)), inserted
+
+    def _hold(self, t: int, rows: Tensor, fresh: Tensor | None) -> Tensor:
+        """Table t's cache slots of the lookup in progress's ``rows`` (host tensors; ``fresh``:
+        which are new to their id), pinned for the lookup, the traffic counted; the table then
+        handed over to the stage waiting for it."""
         modifies, held, handover, own = self._holding if self._holding is not None else (False, None, None, {})
         cache = self.caches[t]
         before = (cache.hits, cache.misses, cache.write_backs, cache.bytes_moved)
-        host_rows, host_fresh = self._on_host(rows, fresh)
-        slots = cache.hold(host_rows, host_fresh, modifies, self._clock, self._mover(t))
+        slots = cache.hold(rows, fresh, modifies, self._clock, self._mover(t))
         own[t] = {
             k: now - then
             for k, now, then in zip(
@@ -899,7 +923,7 @@ class TieredTables(DynamicTables):
             held.append((t, cache.pin(slots[slots >= 0])))
         if handover is not None:  # the index and cache of table t are done with: the stage may take it
             handover.release(t, cache.pinned_mask(), self.train_step + 1)
-        return (slots if slots.device == rows.device else slots.to(rows.device)), fresh
+        return slots
 
     @staticmethod
     def _on_host(rows: Tensor, fresh: Tensor | None) -> tuple[Tensor, Tensor | None]:

@@ -41,12 +41,15 @@ without the kernels' reading host memory at every lookup; a UVA gather kernel is
 ``copy_through_records`` runs that same path with the cache on the CPU (tests: the GPU's path
 without a GPU, plain copies in place of the DMA).
 
-Host syncs on a GPU, per lookup (v1): each table's rows (and which are new) come to the host in
-one copy (a sync: the cache's maps are there), and its slots go back; misses and write-backs add
-their copies (a write-back waits for its DMA). With the pipeline's prefetch the step finds its rows
-hot, so it moves no rows, but it still pays the per-table sync of the rows; a device-resident
-row -> slot map (a gather on the device, the host consulted only when a row misses) would remove
-it and is the next step.
+Host syncs on a GPU, per lookup (v1): a training lookup upserts every table in one call
+(``_rows_for_tables``) and all tables' rows (and which are new) come to the host in one copy (a
+sync: the cache's maps are there), their slots going back in one (an eval lookup: one each per
+table); misses and write-backs add their copies (a write-back waits for its DMA). With the
+pipeline's prefetch the step finds its rows hot and moves none, but the host still does each
+table's bookkeeping (hold: LRU touches, pins, dirty flags), ~1-1.5 ms a table a step on an H100's
+host, and the stage as much on its worker (benchmarks/results/gpu/tiers_gpu.md: 4x the
+all-resident step). A device-resident row -> slot map and LRU clock (a hit never leaves the GPU,
+the host consulted only for misses) is the next step.
 """
 
 from __future__ import annotations

@@ -125,11 +125,11 @@ class Sizes:
         )
 
 
-def versions() -> dict[str, object]:
-    info: dict[str, object] = {
+def versions(device: torch.device) -> dict[str, object]:
+    info: dict[str, object] = {  # the device the steps run on (a GPU machine may run them on its CPU)
         "torch": torch.__version__,
         "python": sys.version.split()[0],
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
     for name in ("triton", "torchrec", "fbgemm_gpu"):
         try:
@@ -175,7 +175,7 @@ def synchronize(device: torch.device) -> None:
 def step_env(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dict, str]:
     from torchrec_ext import ops
 
-    row = dict(versions())
+    row = dict(versions(device))
     row["cuda_kernels_built"] = bool(torch.cuda.is_available() and ops.has_kernel("hash_find", torch.device("cuda")))
     row["fbgemm_cuda"] = fbgemm_cuda_reason() or "yes"
     if device.type == "cuda" and not row["cuda_kernels_built"]:
@@ -498,7 +498,7 @@ STEP_FUNCS: dict[str, Callable[[Sizes, torch.device, str], tuple[dict, str]]] = 
 def run_steps(
     steps: list[str], sizes: Sizes, device: torch.device, out_dir: str, inject_failure: str | None = None
 ) -> list[dict[str, object]]:
-    common = versions()
+    common = versions(device)
     rows = []
     for name in steps:
         start = time.perf_counter()
@@ -529,8 +529,8 @@ def run_steps(
     return rows
 
 
-def write_report(rows: list[dict[str, object]], out_dir: str, sizes: Sizes) -> str:
-    head = rows[0] if rows else versions()
+def write_report(rows: list[dict[str, object]], out_dir: str, sizes: Sizes, device: torch.device) -> str:
+    head = rows[0] if rows else versions(device)
     lines = [
         f"# GPU check: {head['device']}",
         "",
@@ -569,7 +569,7 @@ def main() -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     sizes = Sizes.smoke() if args.smoke else Sizes()
     rows = run_steps(steps, sizes, device, args.out_dir, args.inject_failure)
-    print(write_report(rows, args.out_dir, sizes))
+    print(write_report(rows, args.out_dir, sizes, device))
     failed = [r["step"] for r in rows if r["status"] == "failed"]
     if failed:
         print(f"gpu_check: FAILED steps: {', '.join(failed)}", file=sys.stderr)

@@ -82,10 +82,13 @@ def _assert_same_tables(got, want):
             torch.testing.assert_close(got[name][key], want[name][key], rtol=0, atol=0, msg=f"{name}.{key}")
 
 
-@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad", "adam"])
-def test_growing_bag_collection_equals_the_preallocated_one(optimizer):
+@pytest.mark.parametrize(
+    "optimizer, kwargs",
+    [("adagrad", {}), ("rowwise_adagrad", {"initial_accumulator_value": 0.1}), ("adam", {})],  # (a nonzero fill)
+)
+def test_growing_bag_collection_equals_the_preallocated_one(optimizer, kwargs):
     modules = [
-        DynamicEmbeddingBagCollection(_configs(initial), optimizer=optimizer, optimizer_kwargs={"lr": 0.05})
+        DynamicEmbeddingBagCollection(_configs(initial), optimizer=optimizer, optimizer_kwargs={"lr": 0.05, **kwargs})
         for initial in (40, None)
     ]
     grown, full = modules
@@ -235,6 +238,45 @@ def test_growth_rewrites_the_buffers_in_their_reserved_memory_and_reset_returns_
     assert [b.data_ptr() for b in [tables.weights] + tables.states] == where
     freed = (1 << 18) * 32 * 4 * 2 * 0.9  # vectors and Adagrad state past the initial capacity
     assert grown_rss - _rss() > freed, (grown_rss, _rss())
+
+
+def test_a_growth_on_cpu_moves_no_row_and_writes_none_of_the_rows_it_adds():
+    """On CPU each table's span is laid out for num_embeddings in reserved address space: a growth
+    leaves the buffers, the table offsets and every table's rows where they were, and writes none
+    of the pages of the rows it adds (they take memory once a row there is written)."""
+    configs = [
+        DynamicEmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=32, num_embeddings=1 << 20, feature_names=[f"f{i}"], initial_capacity=1 << 12
+        )
+        for i in range(2)
+    ]
+    module = DynamicEmbeddingBagCollection(configs, optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    gen = torch.Generator().manual_seed(8)
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        ["f0", "f1"], torch.randint(0, 2**62, (4000,), generator=gen), torch.full((1000,), 4)
+    )
+    module(kjt).values().sum().backward()
+    tables, before = module._tables, _by_id(module)
+    where = (
+        [b.data_ptr() for b in [tables.weights] + tables.states],
+        tables.table_offsets.tolist(),
+        tables.state_row_offsets.tolist(),
+        [tables.table_view(t).data_ptr() for t in range(2)],
+    )
+    rss = _rss()
+    assert tables.grow({0: 1 << 19, 1: 1 << 19}) == [0, 1]
+    added = 2 * ((1 << 20) - (1 << 12)) * 32 * 4 * 2  # vectors and Adagrad state of the rows added
+    assert _rss() - rss < added / 4, (_rss() - rss, added)  # (the grown indexes are most of it)
+    assert [s.capacity for s in module.table_stats().values()] == [1 << 20, 1 << 20]
+    assert where == (
+        [b.data_ptr() for b in [tables.weights] + tables.states],
+        tables.table_offsets.tolist(),
+        tables.state_row_offsets.tolist(),
+        [tables.table_view(t).data_ptr() for t in range(2)],
+    )
+    _assert_same_tables(_by_id(module), before)
+    module(kjt).values().sum().backward()  # trains on in the grown tables
+    assert module.num_live_rows() == 4000
 
 
 def test_a_saved_growing_module_holds_its_rows_not_its_reserved_range():

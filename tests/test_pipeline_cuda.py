@@ -130,7 +130,7 @@ def test_captures_stay_valid_while_workers_touch_cuda():
             eager_opt.step()
             sync()  # steps graphed_opt, from step 3 on by replaying its graph
             for p, q in zip(graphed.parameters(), eager.parameters()):
-                torch.testing.assert_close(p, q, msg=f"step {step}")
+                torch.testing.assert_close(p, q, msg=lambda m, step=step: f"step {step}: {m}")
             got.append(prefetcher.next().wait(torch.cuda.current_stream()).x.cpu())
     finally:
         stop.set()

@@ -409,6 +409,30 @@ def test_tables_fitting_alone_but_not_together_keep_torchrecs_error():
     assert "Insufficient memory:" not in str(info.value)
 
 
+def test_growing_tables_plan_at_their_maximum_unless_asked_for_the_initial_capacity():
+    """A growing table is planned at num_embeddings by default: with a budget that holds its initial
+    rows but not all of them, no plan, naming it; plan_capacity (all tables, or this table by name)
+    plans its initial capacity (issue 15 item 4)."""
+    grown = lambda initial: DynamicEmbeddingBagCollection(
+        [
+            DynamicEmbeddingBagConfig(
+                name="g", embedding_dim=32, num_embeddings=1 << 16, feature_names=["f"], initial_capacity=initial
+            )
+        ],
+        device=META,
+        optimizer="adagrad",
+        optimizer_kwargs={"lr": 0.1},
+    )
+    topology = Topology(world_size=2, compute_device="cpu", ddr_cap=4 << 20)  # 64 Ki rows: ~17 MB; 4 Ki: ~1 MB
+    with pytest.raises(PlannerError, match=r"(?s)Insufficient memory.*table 'g'"):
+        make_planner(topology, BATCH).plan(grown(1 << 12), _sharders())
+    for plan_capacity in ("initial", {"g": "initial"}):
+        plan = make_planner(topology, BATCH, plan_capacity=plan_capacity).plan(grown(1 << 12), _sharders())
+        assert _by_table(plan)[("", "g")].compute_kernel == "customized_kernel"
+    with pytest.raises(PlannerError, match=r"(?s)Insufficient memory.*table 'g'"):  # (another table's name: no effect)
+        make_planner(topology, BATCH, plan_capacity={"other": "initial"}).plan(grown(1 << 12), _sharders())
+
+
 # ------------------------------------------------------------------ perf
 
 

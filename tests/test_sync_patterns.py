@@ -27,6 +27,8 @@ STEP_PATH = {
         "IdsToRows._initialise_tables",
         "IdsToRows._read_fallback",
         "IdsToRows.write_new_rows",
+        "IdsToRows.begin_update",
+        "IdsToRows.end_update",
     ],
     "modules/pending_rows.py": ["*"],
     "modules/table_storage.py": [
@@ -38,7 +40,6 @@ STEP_PATH = {
         "TableStorage._storage_view",
         "TableStorage.state_views",
     ],
-    "modules/dynamic_tables.py": ["DynamicTables.begin_update", "DynamicTables.end_update"],
     "modules/base.py": [
         "DynamicCollectionMixin._lookup_rows",
         "DynamicCollectionMixin._differentiable_params",
@@ -141,8 +142,8 @@ EXEMPT = {
         "int(tensor)",
     ): "state_row_offsets: a layout descriptor kept on the CPU by construction",
     (
-        "modules/dynamic_tables.py",
-        "DynamicTables.begin_update",
+        "modules/ids_to_rows.py",
+        "IdsToRows.begin_update",
         "int(tensor)",
     ): "optimizer_step: a CPU tensor by construction (the fused optimizer's step count)",
 }

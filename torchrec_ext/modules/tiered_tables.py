@@ -54,7 +54,6 @@ the host consulted only for misses) is the next step.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 import weakref
@@ -66,7 +65,7 @@ from torch import Tensor
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from torchrec_ext import device_sync, ops
-from torchrec_ext.modules.configs import DEFAULT_CACHE_LOAD_FACTOR, options_of, storage_dtype_of
+from torchrec_ext.modules.configs import DEFAULT_CACHE_LOAD_FACTOR, cache_slots, options_of, storage_dtype_of
 from torchrec_ext.modules.dynamic_tables import DynamicTables, RowLookup
 from torchrec_ext.modules.table_stats import TableStats
 from torchrec_ext.modules.table_storage import allocate_filled
@@ -661,11 +660,7 @@ class TieredTables(DynamicTables):
         )
         factors = [options_of(cfg).cache_load_factor for cfg in configs]
         self.cache_load_factors = [DEFAULT_CACHE_LOAD_FACTOR if f is None else float(f) for f in factors]
-        # ceil, with a margin for the float product (0.2 * 1000 must be 200 slots, not 201)
-        self.slots = [
-            min(cfg.num_embeddings, max(1, math.ceil(f * cfg.num_embeddings - 1e-9)))
-            for cfg, f in zip(configs, self.cache_load_factors)
-        ]
+        self.slots = [cache_slots(cfg.num_embeddings, f) for cfg, f in zip(configs, self.cache_load_factors)]
         self.backing: dict[str, Tensor] = {}
         self._movers: list[_Mover] | None = None
         super().__init__(configs, device)

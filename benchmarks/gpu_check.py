@@ -565,6 +565,7 @@ def main() -> int:
         parser.error(f"--steps: unknown {unknown}, choose from {','.join(STEPS)}")
     device = torch.device(args.device)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         torch.cuda.set_device(device)
     os.makedirs(args.out_dir, exist_ok=True)
     sizes = Sizes.smoke() if args.smoke else Sizes()

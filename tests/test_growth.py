@@ -21,7 +21,7 @@ from torchrec_ext import (
     DynamicEmbeddingConfig,
     HashTable,
 )
-from torchrec_ext.modules import GrowthError
+from torchrec_ext.modules import GrowthError, table_storage
 from torchrec_ext.reference import ReferenceHashTable
 from torchrec_ext.vocabulary import row_map_bytes
 
@@ -83,15 +83,23 @@ def _assert_same_tables(got, want):
 
 
 @pytest.mark.parametrize(
-    "optimizer, kwargs",
-    [("adagrad", {}), ("rowwise_adagrad", {"initial_accumulator_value": 0.1}), ("adam", {})],  # (a nonzero fill)
+    "optimizer, kwargs, reserved",
+    [
+        ("adagrad", {}, True),
+        ("rowwise_adagrad", {"initial_accumulator_value": 0.1}, True),  # (a nonzero fill)
+        ("adam", {}, True),
+        ("rowwise_adagrad", {"initial_accumulator_value": 0.1}, False),  # new buffers per growth, as on GPUs
+    ],
 )
-def test_growing_bag_collection_equals_the_preallocated_one(optimizer, kwargs):
+def test_growing_bag_collection_equals_the_preallocated_one(optimizer, kwargs, reserved, monkeypatch):
+    if not reserved:  # no address space to reserve: the buffers are copied into new ones at each growth
+        monkeypatch.setattr(table_storage, "ReservedBuffer", _no_address_space)
     modules = [
         DynamicEmbeddingBagCollection(_configs(initial), optimizer=optimizer, optimizer_kwargs={"lr": 0.05, **kwargs})
         for initial in (40, None)
     ]
     grown, full = modules
+    assert bool(grown._tables._reserved) == reserved
     tokens = [m.delta_token() for m in modules]
     gen = torch.Generator().manual_seed(3)
     capacities = set()
@@ -333,6 +341,10 @@ print("ok")
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def _no_address_space(numel_max):
+    raise OSError(12, "Cannot allocate memory")
 
 
 def _rss():

@@ -82,8 +82,8 @@ def _resize_in_span(
 
 
 class TableGrowth:
-    """The growth part of ``DynamicTables``: capacities double between steps, rows move to the new
-    layout (see the module docstring). Reads the storage (``TableStorage``) and the indexes."""
+    """The growth part of ``DynamicTables``: capacities double between steps, the tables take the
+    new layout (see the module docstring). Reads the storage (``TableStorage``) and the indexes."""
 
     def _grow_or_defer(self, incoming: dict[int, int]) -> None:
         """``grow(incoming)`` now, or, while a lookup awaits its fused update, once the last
@@ -98,11 +98,10 @@ class TableGrowth:
         ``incoming[t]`` more rows would pass its growth_load_factor (``incoming`` None: every table,
         none incoming; else the tables it names); returns the tables grown. Only while no lookup
         awaits its fused update (else a no-op: rows must not move under it); the lookup and the
-        update that ends the last pending one call it. All tables growing
-        at once share one relayout (``_relayout``): their rows move to their keys' new places,
-        with their vectors, optimizer state, last-seen steps and delta versions; ids, scores,
-        admission and counters are untouched. Raises ``GrowthError`` (nothing changed) when the
-        new storage cannot be allocated."""
+        update that ends the last pending one call it. All tables growing at once share one
+        relayout (``_relayout``): every key keeps its row, vectors, optimizer state, last-seen step
+        and delta versions; ids, scores, admission and counters are untouched. Raises
+        ``GrowthError`` (nothing changed) when the new storage cannot be allocated."""
         if not self._growing or self.pending_backward or self.device.type == "meta":
             return []
         tables = [t for t, m in enumerate(self.meta) if m.grows and (incoming is None or t in incoming)]

@@ -4,11 +4,10 @@ with the gradient cast through the output dtype (the update itself stays float32
 
 import pytest
 import torch
-import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import SparseType
 from torchrec import KeyedJaggedTensor, PoolingType
 
-from dist_helpers import ModelWith, run_ranks
+from dist_helpers import ModelWith, dmp_of, run_ranks
 from torchrec_ext import (
     DynamicEmbeddingBagCollection,
     DynamicEmbeddingBagConfig,
@@ -28,26 +27,8 @@ def _batch(step, rank):
 
 
 def _dmp(module, name, sharder, generator, world_size):
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
-
-    model = ModelWith(name, module)
-    plan = construct_module_sharding_plan(
-        module,
-        {t: generator(compute_kernel="customized_kernel") for t in ("t1", "t2")},
-        sharder=sharder,
-        local_size=world_size,
-        world_size=world_size,
-        device_type="cpu",
-    )
-    return DistributedModelParallel(
-        model,
-        env=ShardingEnv.from_process_group(dist.group.WORLD),
-        device=torch.device("cpu"),
-        plan=ShardingPlan({name: plan}),
-        sharders=[sharder],
-    )
+    tables = {t: generator(compute_kernel="customized_kernel") for t in ("t1", "t2")}
+    return dmp_of(ModelWith(name, module), name, tables, sharder, world_size)
 
 
 def _ebc():

@@ -21,7 +21,7 @@ from torchrec_ext import (
     DynamicEmbeddingConfig,
     HashTable,
 )
-from torchrec_ext.modules import GrowthError
+from torchrec_ext.modules import GrowthError, table_storage
 from torchrec_ext.reference import ReferenceHashTable
 from torchrec_ext.vocabulary import row_map_bytes
 
@@ -83,15 +83,23 @@ def _assert_same_tables(got, want):
 
 
 @pytest.mark.parametrize(
-    "optimizer, kwargs",
-    [("adagrad", {}), ("rowwise_adagrad", {"initial_accumulator_value": 0.1}), ("adam", {})],  # (a nonzero fill)
+    "optimizer, kwargs, reserved",
+    [
+        ("adagrad", {}, True),
+        ("rowwise_adagrad", {"initial_accumulator_value": 0.1}, True),  # (a nonzero fill)
+        ("adam", {}, True),
+        ("rowwise_adagrad", {"initial_accumulator_value": 0.1}, False),  # new buffers per growth, as on GPUs
+    ],
 )
-def test_growing_bag_collection_equals_the_preallocated_one(optimizer, kwargs):
+def test_growing_bag_collection_equals_the_preallocated_one(optimizer, kwargs, reserved, monkeypatch):
+    if not reserved:  # no address space to reserve: the buffers are copied into new ones at each growth
+        monkeypatch.setattr(table_storage, "ReservedBuffer", _no_address_space)
     modules = [
         DynamicEmbeddingBagCollection(_configs(initial), optimizer=optimizer, optimizer_kwargs={"lr": 0.05, **kwargs})
         for initial in (40, None)
     ]
     grown, full = modules
+    assert bool(grown._tables._reserved) == reserved
     tokens = [m.delta_token() for m in modules]
     gen = torch.Generator().manual_seed(3)
     capacities = set()
@@ -279,6 +287,39 @@ def test_a_growth_on_cpu_moves_no_row_and_writes_none_of_the_rows_it_adds():
     assert module.num_live_rows() == 4000
 
 
+def test_populate_ahead_backs_the_next_doublings_pages_in_the_background_and_changes_no_value():
+    """``populate_ahead``: each growth has a background thread fault in the pages of the rows the
+    next doubling adds (their values stay zeros)."""
+    import time
+
+    cfg = DynamicEmbeddingBagConfig(
+        name="t", embedding_dim=64, num_embeddings=1 << 20, feature_names=["f"], initial_capacity=1 << 12
+    )
+    module = DynamicEmbeddingBagCollection([cfg], optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    tables = module._tables
+    tables.populate_ahead = True
+    gen = torch.Generator().manual_seed(6)
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        ["f"], torch.randint(0, 2**62, (4000,), generator=gen), torch.full((1000,), 4)
+    )
+    module(kjt).values().sum().backward()
+    before, rss = _by_id(module), _rss()
+    assert tables.grow({0: 1 << 17}) == [0] and module.table_stats()["t"].capacity == 1 << 18
+    ahead = (1 << 18) * 64 * 4 * 2  # the next doubling's rows: vectors and Adagrad state
+    deadline = time.monotonic() + 60
+    while _rss() - rss < 0.9 * ahead and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _rss() - rss >= 0.9 * ahead, (_rss() - rss, ahead)
+    _assert_same_tables(_by_id(module), before)
+    nxt = tables.table_view(0).shape[0]
+    assert nxt == 1 << 18
+    assert not tables.weights[
+        int(tables.table_offsets[0]) + nxt * 64 : int(tables.table_offsets[0]) + 2 * nxt * 64
+    ].any()
+    module(kjt).values().sum().backward()
+    assert module.num_live_rows() == 4000
+
+
 def test_a_saved_growing_module_holds_its_rows_not_its_reserved_range():
     import io
 
@@ -333,6 +374,10 @@ print("ok")
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def _no_address_space(numel_max):
+    raise OSError(12, "Cannot allocate memory")
 
 
 def _rss():

@@ -172,3 +172,26 @@ def test_a_device_cache_refuses_other_devices(monkeypatch):
     cfg = DynamicEmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=10, feature_names=["a"], backing="host")
     with pytest.raises(ValueError, match="keep their cache on the CPU or a CUDA device, got device xpu"):
         TieredTables([cfg], torch.device("xpu"))
+
+
+def test_a_tiered_module_moves_to_the_device_and_back(tmp_path, through_records):
+    # Built on the CPU, moved (.to: the cache and the index move, the backing store stays on the
+    # host), trained there, moved back: as the all-resident module moved alike.
+    device = through_records
+    resident = _make(_bag_configs(), "cpu")
+    tiered = _make(_bag_configs(_backing("file", tmp_path), 0.3), "cpu")
+    batches = _batches(24, seed=9, device="cpu")
+    for step, kjt in enumerate(batches):
+        if step in (8, 16):
+            where = device if step == 8 else torch.device("cpu")
+            for m in (resident, tiered):
+                m.to(where)
+            assert tiered._tables.weights.device.type == where.type
+            assert all(buf.device.type == "cpu" for buf in tiered._tables.backing.values())
+        kjt = kjt.to(resident.device)
+        outs = [m(kjt).values() for m in (resident, tiered)]
+        _assert_same(outs[0], outs[1], step)
+        for out in outs:
+            out.square().sum().backward()
+    _assert_same_state(resident, tiered)
+    assert tiered.table_stats()["a"].cache_write_backs > 0

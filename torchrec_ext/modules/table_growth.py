@@ -82,8 +82,8 @@ def _resize_in_span(
 
 
 class TableGrowth:
-    """The growth part of ``DynamicTables``: capacities double between steps, rows move to the new
-    layout (see the module docstring). Reads the storage (``TableStorage``) and the indexes."""
+    """The growth part of ``DynamicTables``: capacities double between steps, the tables take the
+    new layout (see the module docstring). Reads the storage (``TableStorage``) and the indexes."""
 
     def _grow_or_defer(self, incoming: dict[int, int]) -> None:
         """``grow(incoming)`` now, or, while a lookup awaits its fused update, once the last
@@ -98,11 +98,10 @@ class TableGrowth:
         ``incoming[t]`` more rows would pass its growth_load_factor (``incoming`` None: every table,
         none incoming; else the tables it names); returns the tables grown. Only while no lookup
         awaits its fused update (else a no-op: rows must not move under it); the lookup and the
-        update that ends the last pending one call it. All tables growing
-        at once share one relayout (``_relayout``): their rows move to their keys' new places,
-        with their vectors, optimizer state, last-seen steps and delta versions; ids, scores,
-        admission and counters are untouched. Raises ``GrowthError`` (nothing changed) when the
-        new storage cannot be allocated."""
+        update that ends the last pending one call it. All tables growing at once share one
+        relayout (``_relayout``): every key keeps its row, vectors, optimizer state, last-seen step
+        and delta versions; ids, scores, admission and counters are untouched. Raises
+        ``GrowthError`` (nothing changed) when the new storage cannot be allocated."""
         if not self._growing or self.pending_backward or self.device.type == "meta":
             return []
         tables = [t for t, m in enumerate(self.meta) if m.grows and (incoming is None or t in incoming)]
@@ -121,7 +120,32 @@ class TableGrowth:
             return []
         grown = {t: self.indexes[t].grown(c) for t, c in targets.items()}  # new indexes; nothing changed yet
         self._relayout({t: (c, grown[t][1]) for t, c in targets.items()}, {t: g[0] for t, g in grown.items()})
+        if self.populate_ahead:
+            self._populate_next_doubling(sorted(targets))
         return sorted(targets)
+
+    # Whether each growth has a background thread fault in the pages of the next doubling's rows
+    # (spans at num_embeddings only), so that the steps after that growth find them backed.
+    populate_ahead: bool = False
+
+    def _populate_next_doubling(self, tables: list[int]) -> None:
+        """Asks for the pages of rows [capacity, next capacity) of ``tables`` (past their fallback
+        rows) in every buffer (``ReservedBuffer.populate``)."""
+        if not self._spans_at_max or self.device.type != "cpu":
+            return
+        rowwise = self.optimizer is not None and self.optimizer.kind in ROWWISE_STATE
+        for t in tables:
+            m = self.meta[t]
+            first, last = m.rows, min(2 * m.capacity, m.max_capacity) + m.fallback_rows
+            if last <= first:
+                continue
+            row_bytes = m.dim * m.dtype.itemsize
+            start = int(self.table_offsets[t]) * 4
+            self._reserved["weights"].populate(start + first * row_bytes, start + last * row_bytes)
+            width = 1 if rowwise else m.dim
+            start = (int(self.state_row_offsets[t]) if rowwise else self.dense_state_offsets[t]) * 4
+            for name in OPTIMIZER_STATES[self.optimizer.kind] if self.optimizer is not None else ():
+                self._reserved[name].populate(start + first * width * 4, start + last * width * 4)
 
     @pending_rows_written
     def _relayout(self, plans: dict[int, tuple[int, Tensor | None]], indexes: dict[int, HashTable]) -> None:

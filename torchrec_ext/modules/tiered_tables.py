@@ -41,12 +41,15 @@ without the kernels' reading host memory at every lookup; a UVA gather kernel is
 ``copy_through_records`` runs that same path with the cache on the CPU (tests: the GPU's path
 without a GPU, plain copies in place of the DMA).
 
-Host syncs on a GPU, per lookup (v1): each table's rows (and which are new) come to the host in
-one copy (a sync: the cache's maps are there), and its slots go back; misses and write-backs add
-their copies (a write-back waits for its DMA). With the pipeline's prefetch the step finds its rows
-hot, so it moves no rows, but it still pays the per-table sync of the rows; a device-resident
-row -> slot map (a gather on the device, the host consulted only when a row misses) would remove
-it and is the next step.
+Host syncs on a GPU, per lookup (v1): a training lookup upserts every table in one call
+(``_rows_for_tables``) and all tables' rows (and which are new) come to the host in one copy (a
+sync: the cache's maps are there), their slots going back in one (an eval lookup: one each per
+table); misses and write-backs add their copies (a write-back waits for its DMA). With the
+pipeline's prefetch the step finds its rows hot and moves none, but the host still does each
+table's bookkeeping (hold: LRU touches, pins, dirty flags), ~1-1.5 ms a table a step on an H100's
+host, and the stage as much on its worker (benchmarks/results/gpu/tiers_gpu.md: 4x the
+all-resident step). A device-resident row -> slot map and LRU clock (a hit never leaves the GPU,
+the host consulted only for misses) is the next step.
 """
 
 from __future__ import annotations
@@ -345,6 +348,21 @@ class RowCache:
             mask[slots] = True
         return mask
 
+    def pinned_slots(self) -> list[Tensor]:
+        """The slots batches in flight hold now, per batch (a snapshot: each is a tensor no one
+        writes): a stage's hand-over carries these and makes the mask on its worker
+        (``mask_of``), off the train thread (a mask is a pass over every slot)."""
+        return list(self.pinned.values())
+
+    def mask_of(self, pinned: list[Tensor]) -> Tensor | None:
+        """The mask of ``pinned`` (``pinned_slots``); None when it holds none."""
+        if not pinned:
+            return None
+        mask = torch.zeros(self.slots, dtype=torch.bool)
+        for slots in pinned:
+            mask[slots] = True
+        return mask
+
     def room(self) -> int:
         """Slots no batch in flight holds."""
         return self.slots - (int(self.pinned_mask().sum()) if self.pinned else 0)
@@ -449,11 +467,11 @@ class RowCache:
             self.bytes_moved += n * mover.row_bytes
         self.slot_of.index_fill_(0, old, -1)
 
-    def stage(self, rows: Tensor, new_rows: int, pinned: Tensor, clock: int, mover: _Mover) -> None:
+    def stage(self, rows: Tensor, new_rows: int, pinned: Tensor | None, clock: int, mover: _Mover) -> None:
         """Ahead of a lookup (a stage: see ``TieredTables.stage_next``): brings the live ``rows``
         (distinct) into the cache and frees ``new_rows`` more slots (their dirty rows written
         back) for the rows the lookup will initialise, as far as slots not ``pinned`` (a mask of
-        the batches in flight when the table was handed over) and not holding ``rows`` go. Moves data
+        the batches in flight when the table was handed over, None: none) and not holding ``rows`` go. Moves data
         between the tiers only: which id holds which row is the index's, decided in the steps."""
         # Boolean-mask selections (one torch call each, where nonzero + index_select take two or
         # three): the stage runs on a worker thread, and each call lets the GIL go and waits to
@@ -589,20 +607,20 @@ class _Stager:
 
 class _Handover:
     """Tables passed from a lookup on the train thread to the stage on the worker, one at a
-    time, as the lookup is done with each: with the mask of the table's slots pinned then (the
-    batches in flight), the training step the next lookup will run at and, on a GPU, an event of
+    time, as the lookup is done with each: with the table's slots pinned then (the batches in
+    flight, ``RowCache.pinned_slots``), the training step the next lookup will run at and, on a GPU, an event of
     the train stream that the stage's side stream waits for (the slots it evicts were last written
     by kernels queued before)."""
 
     def __init__(self, tables: int, device: torch.device):
-        self._ready: list[tuple[Tensor, int] | None] = [None] * tables
+        self._ready: list[tuple[list[Tensor], int] | None] = [None] * tables
         self._cancelled = False
         self._cond = threading.Condition()
         self._device = device
         self._cuda = device.type == "cuda"
         self._events: dict[int, object] = {}
 
-    def release(self, t: int, pinned: Tensor, step: int) -> None:
+    def release(self, t: int, pinned: list[Tensor], step: int) -> None:
         if self._cuda:
             self._events[t] = torch.cuda.current_stream(self._device).record_event()
         with self._cond:
@@ -617,8 +635,8 @@ class _Handover:
             self._cancelled = True
             self._cond.notify_all()
 
-    def take(self, t: int) -> tuple[Tensor, int] | None:
-        """Table t's (pinned mask, step) once handed over; None when the lookup failed."""
+    def take(self, t: int) -> tuple[list[Tensor], int] | None:
+        """Table t's (pinned slots, step) once handed over; None when the lookup failed."""
         with self._cond:
             while self._ready[t] is None and not self._cancelled:
                 self._cond.wait()
@@ -871,17 +889,41 @@ class TieredTables(DynamicTables):
         if handover is not None:  # the tables this lookup did not reach
             for t in range(len(self.meta)):
                 if not handover.released(t):
-                    handover.release(t, self.caches[t].pinned_mask(), self.train_step + 1)
+                    handover.release(t, self.caches[t].pinned_slots(), self.train_step + 1)
         self._count_step(staged, own)
         return result
 
     def _rows_for(self, t: int, keys: Tensor, counts: Tensor, training: bool) -> tuple[Tensor, Tensor | None]:
         rows, fresh = super()._rows_for(t, keys, counts, training)
+        slots = self._hold(t, *self._on_host(rows, fresh))
+        return (slots if slots.device == rows.device else slots.to(rows.device)), fresh
+
+    def _batched_upsert(self) -> bool:
+        """Whether a training lookup upserts every table in one call (``batched_upsert``: None,
+        the default, yes), then brings each table's rows into its cache (``_rows_for_tables``)."""
+        chosen = getattr(self, "batched_upsert", None)
+        return bool(self.indexes) and (True if chosen is None else bool(chosen))
+
+    def _rows_for_tables(
+        self, unique: Tensor, counts: Tensor, bounds: list[int], unique_table: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Every table's upsert in one call, then each table's rows held in its cache: on a GPU
+        all tables' rows come to the host in one copy (one sync a lookup, not one a table)."""
+        rows, inserted = super()._rows_for_tables(unique, counts, bounds, unique_table)
+        host_rows, host_fresh = self._on_host(rows, inserted)
+        slots = torch.empty_like(host_rows)
+        for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            slots[start:end] = self._hold(t, host_rows[start:end], host_fresh[start:end])
+        return (slots if slots.device == rows.device else slots.to(rows.device)), inserted
+
+    def _hold(self, t: int, rows: Tensor, fresh: Tensor | None) -> Tensor:
+        """Table t's cache slots of the lookup in progress's ``rows`` (host tensors; ``fresh``:
+        which are new to their id), pinned for the lookup, the traffic counted; the table then
+        handed over to the stage waiting for it."""
         modifies, held, handover, own = self._holding if self._holding is not None else (False, None, None, {})
         cache = self.caches[t]
         before = (cache.hits, cache.misses, cache.write_backs, cache.bytes_moved)
-        host_rows, host_fresh = self._on_host(rows, fresh)
-        slots = cache.hold(host_rows, host_fresh, modifies, self._clock, self._mover(t))
+        slots = cache.hold(rows, fresh, modifies, self._clock, self._mover(t))
         own[t] = {
             k: now - then
             for k, now, then in zip(
@@ -893,8 +935,8 @@ class TieredTables(DynamicTables):
         if held is not None:
             held.append((t, cache.pin(slots[slots >= 0])))
         if handover is not None:  # the index and cache of table t are done with: the stage may take it
-            handover.release(t, cache.pinned_mask(), self.train_step + 1)
-        return (slots if slots.device == rows.device else slots.to(rows.device)), fresh
+            handover.release(t, cache.pinned_slots(), self.train_step + 1)
+        return slots
 
     @staticmethod
     def _on_host(rows: Tensor, fresh: Tensor | None) -> tuple[Tensor, Tensor | None]:
@@ -1019,7 +1061,7 @@ class TieredTables(DynamicTables):
             live = rows[rows >= 0]
             cache = self.caches[t]
             before = (cache.staged, cache.staged_write_backs, cache.bytes_moved)
-            cache.stage(live, rows.numel() - live.numel(), pinned, clock, movers[t])
+            cache.stage(live, rows.numel() - live.numel(), cache.mask_of(pinned), clock, movers[t])
             self._stage_stats[t] = {
                 "staged": cache.staged - before[0],
                 "staged_write_backs": cache.staged_write_backs - before[1],

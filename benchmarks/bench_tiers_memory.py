@@ -33,22 +33,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_tiers import SYSTEMS, Config, _build, _step
-from common import markdown_table, parse_config, save
+from common import markdown_table, parse_config, process_memory, save
 
 from torchrec_ext.data import dlrm_small_batch
 
 CHILD = "BENCH_TIERS_MEMORY_CHILD"  # set in a child: it measures the one system it is given
-
-
-def _memory() -> dict[str, int]:
-    """VmRSS, VmHWM (peak), RssAnon, RssFile of this process, in bytes."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
-                out[key] = int(value.split()[0]) * 1024
-    return out
 
 
 def _reset_peak() -> bool:
@@ -74,21 +63,21 @@ def measure_one(cfg: Config, name: str) -> dict[str, object]:
         backing = "device" if name == "resident" else "host" if name.startswith("host") else f"file:{directory}"
         prefetch = name.endswith("+prefetch")
         gc.collect()
-        base = _memory()
+        base = process_memory()
         module = _build(cfg, backing)
-        built = _memory()
+        built = process_memory()
         for i in range(total):
             if i == cfg.warmup_steps:
                 if prefetch:
                     module._tables.wait_for_stage()
                 gc.collect()
-                warm = _memory()
+                warm = process_memory()
                 peak_reset = _reset_peak()
             ahead = batches[i + 1] if prefetch and i + 1 < total else None
             _step(module, batches[i], ahead)
         if prefetch:
             module._tables.wait_for_stage()
-        end = _memory()
+        end = process_memory()
         return {
             "system": name,
             "base": base,

@@ -44,7 +44,10 @@ def _extension():
     cxx_flags = ["-O3", "-fvisibility=hidden", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
     link_flags = ["-fopenmp"]
     if _want_cuda():
-        sources = cpu_sources + cuda_binding + sorted(glob.glob("csrc/*.cu"))
+        # The kernels by absolute path: their objects then land apart from their bindings' (x_cuda.cpp
+        # and x_cuda.cu would both make csrc/x_cuda.o, which ninja refuses: "multiple rules generate").
+        kernels = sorted(os.path.join(ROOT, s) for s in glob.glob("csrc/*.cu"))
+        sources = cpu_sources + cuda_binding + kernels
         print(f"torchrec_ext: building CPU + CUDA kernels ({len(sources)} sources, CUDA_HOME={CUDA_HOME})")
         return CUDAExtension(
             "torchrec_ext._C",

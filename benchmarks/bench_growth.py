@@ -14,7 +14,16 @@ total time of each, their ratio, per-step times, and, at each growth of the last
 (and at its end), live rows, capacity, ``storage_bytes()`` and the process's resident memory
 (VmRSS), beside the preallocated run's at the same step.
 
+On this VM (virtio-balloon free page reporting) memory a process frees goes back to the host
+within seconds, and a first touch of memory the host took back costs several times more (huge
+pages ~2 s/GiB against ~0.1 s/GiB for memory freed just before, benchmarks/results/growth_cpu.md):
+a run started right after another touches the previous run's memory cheaply during its first
+seconds, which is where the preallocated run writes all of its storage and the growing run only
+its first capacities. ``settle_s`` waits before each run so that both start from memory the host
+took back.
+
     python benchmarks/bench_growth.py --threads 1                     # saves results/growth_cpu.{md,jsonl}
+    python benchmarks/bench_growth.py --threads 1 --settle-s 30       # each run from memory the host took back
     python benchmarks/bench_growth.py --capacity 16384 --batch-size 256 --repeats 1 --no-save   # smoke
 """
 
@@ -45,6 +54,10 @@ class Config(DlrmSmall):
     repeats: int = 3
     seed: int = 0
     threads: int = 0  # torch threads (0: torch's default); 1 steadies the timing on a loaded machine
+    # Seconds to wait before each timed run, so that it starts from memory the host has taken back
+    # (see below); 0: right after the previous run, as the readings before session 12.
+    settle_s: float = 0.0
+    populate_ahead: int = 0  # 1: (growing) each growth faults in the next doubling's pages in the background
 
 
 def _vm_rss() -> int:
@@ -74,6 +87,7 @@ def child(cfg: Config, system: str, steps: int) -> dict[str, object]:
         if system == "growing":
             table.initial_capacity = max(1, cfg.capacity // cfg.initial_divisor)
     module = DynamicEmbeddingBagCollection(tables, optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": cfg.lr})
+    module._tables.populate_ahead = bool(cfg.populate_ahead)
     built = time.perf_counter() - start
     samples, step_s, step, capacities = [], [], 0, None
     while True:
@@ -138,6 +152,7 @@ def run(cfg: Config) -> dict[str, object]:
     for r in range(cfg.repeats):
         order = ("preallocated", "growing") if r % 2 == 0 else ("growing", "preallocated")
         for system in order:
+            time.sleep(cfg.settle_s)
             runs[system].append(_spawn(cfg, system, steps))
     uptime_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     total = {k: statistics.median(x["total_s"] for x in v) for k, v in runs.items()}
@@ -165,7 +180,7 @@ def report(cfg: Config, r: dict[str, object]) -> str:
         f", growth_load_factor {cfg.growth_load_factor}), batch {cfg.batch_size} per table, bags 1..{cfg.max_bag}, ids "
         f"Zipf({cfg.alpha}) over 2^{cfg.id_bits}, fused Adagrad; {r['steps']} steps (until every table held "
         f"{cfg.fill:.0%} of its capacity), each run a fresh process, build included; median of {cfg.repeats} runs "
-        f"each, alternating"
+        f"each, alternating; {cfg.settle_s:g} s before each run"
     )
     rows = [
         [

@@ -1,5 +1,6 @@
-"""Time a growing module spends in its growths' relayouts (``DynamicTables._relayout``: moving
-the vectors and optimizer state to the new layout, first touches included), in one process: 8
+"""Time a growing module spends in its growths' relayouts (``DynamicTables._relayout``: giving
+the tables their new capacities; on CPU no row moves and the new rows' pages are first touched
+by the steps that write them, elsewhere the rows are copied into new buffers), in one process: 8
 tables x dim 64 of ``capacity`` rows each, fused Adagrad, ``initial_capacity`` = capacity / 64,
 trained on fresh random ids (4 per bag, 4096 bags per table) until full. A quick, in-process
 companion to bench_growth.py (which times whole runs in fresh processes): wall and CPU seconds

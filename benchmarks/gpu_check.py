@@ -23,6 +23,9 @@ Steps:
              in its own process, its results written to OUT_DIR.
 - upsert_tables: benchmarks/bench_upsert_tables.py: the upsert of 26 tables table by table vs one
              hash_upsert_tables call, and a module's training step either way.
+- tiers:     benchmarks/bench_tiers_gpu.py: tiered tables (cache in HBM over host memory, with
+             prefetch) vs TorchRec's FUSED_UVM_CACHING EBC at cache ratios 1.0 and 0.8 (TorchRec's
+             when fbgemm's CUDA ops exist); results OUT_DIR/tiers_gpu.{md,jsonl}. CUDA only.
 
     python benchmarks/gpu_check.py --out-dir benchmarks/results/gpu             # on a GPU
     python benchmarks/gpu_check.py --out-dir /tmp/gc --device cpu --smoke      # the code paths on CPU, tiny sizes
@@ -48,7 +51,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from common import fbgemm_cuda_reason, markdown_table, median_seconds, small_tables  # noqa: E402
 
-STEPS = ("env", "syncs", "profile", "bandwidth", "hash_table", "upsert_tables", "lookup", "pipeline")
+STEPS = ("env", "syncs", "profile", "bandwidth", "hash_table", "upsert_tables", "lookup", "pipeline", "tiers")
 
 
 class NotRunnable(Exception):
@@ -71,6 +74,7 @@ class Sizes:
     lookup_args: tuple[str, ...] = ()
     pipeline_args: tuple[str, ...] = ("--nproc", "1", "--rounds", "3", "--steps", "20")
     upsert_args: tuple[str, ...] = ("--tables", "26", "--capacity", "100000", "--keys", "4096", "--batch", "2048")
+    tiers_args: tuple[str, ...] = ()
 
     @classmethod
     def smoke(cls) -> Sizes:
@@ -117,14 +121,15 @@ class Sizes:
                 "1",
             ),
             upsert_args=("--tables", "2", "--capacity", "4096", "--keys", "256", "--batch", "64", "--repeats", "2"),
+            tiers_args=("--rows", "65536", "--batch-size", "1024", "--warmup-steps", "3", "--repeats", "2"),
         )
 
 
-def versions() -> dict[str, object]:
-    info: dict[str, object] = {
+def versions(device: torch.device) -> dict[str, object]:
+    info: dict[str, object] = {  # the device the steps run on (a GPU machine may run them on its CPU)
         "torch": torch.__version__,
         "python": sys.version.split()[0],
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
     for name in ("triton", "torchrec", "fbgemm_gpu"):
         try:
@@ -170,7 +175,7 @@ def synchronize(device: torch.device) -> None:
 def step_env(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dict, str]:
     from torchrec_ext import ops
 
-    row = dict(versions())
+    row = dict(versions(device))
     row["cuda_kernels_built"] = bool(torch.cuda.is_available() and ops.has_kernel("hash_find", torch.device("cuda")))
     row["fbgemm_cuda"] = fbgemm_cuda_reason() or "yes"
     if device.type == "cuda" and not row["cuda_kernels_built"]:
@@ -181,14 +186,22 @@ def step_env(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dict, st
     return row, text
 
 
+# What set_sync_debug_mode("warn") says for each synchronizing call. Other warnings are not
+# syncs: the first switch to "warn" itself warns that the mode is a prototype (the H100's first
+# run counted that notice as a sync of the step).
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
 class SyncRecorder:
-    """Counts the warnings issued while active (set_sync_debug_mode("warn") issues one per
+    """Counts the sync warnings issued while active (set_sync_debug_mode("warn") issues one per
     synchronizing call), each under the innermost torchrec_ext frame of the live stack, else the
-    innermost Python frame outside the warnings machinery."""
+    innermost Python frame outside the warnings machinery. Other warnings are kept apart
+    (``others``), not counted."""
 
     def __init__(self) -> None:
         self.sites: collections.Counter = collections.Counter()
         self.messages: collections.Counter = collections.Counter()
+        self.others: collections.Counter = collections.Counter()
         self._catch = warnings.catch_warnings()
 
     def __enter__(self) -> SyncRecorder:
@@ -201,6 +214,9 @@ class SyncRecorder:
         self._catch.__exit__(*exc)
 
     def _record(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if SYNC_WARNING not in str(message):
+            self.others[str(message).splitlines()[0][:120]] += 1
+            return
         frames = [f for f in traceback.extract_stack()[:-1] if os.path.basename(f.filename) != "warnings.py"]
         # The caller of device_sync (the one door of the step's host reads) names the site.
         ours = [
@@ -244,6 +260,7 @@ def step_syncs(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dict, 
         "counted": dict(counted),
         "sites": dict(sites.most_common()),
         "messages": dict(messages.most_common()),
+        "other_warnings": dict(recorder.others.most_common()),  # not syncs (the debug mode's own notice)
     }
     text = (
         f"{total} synchronizing call(s) in one training step (forward + backward + fused Adagrad), "
@@ -463,6 +480,20 @@ def step_pipeline(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dic
     )
 
 
+def step_tiers(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dict, str]:
+    if device.type != "cuda":
+        raise NotRunnable("bench_tiers_gpu.py times a cache in HBM over host memory: it needs a CUDA device")
+    reason = fbgemm_cuda_reason()
+    systems = "ours,resident" if reason else "ours,torchrec,resident"
+    row, text = run_bench(
+        "tiers", "bench_tiers_gpu.py", list(sizes.tiers_args) + ["--systems", systems], sizes, out_dir, "tiers_gpu"
+    )
+    if reason:
+        row["torchrec"] = f"not run: {reason}"
+        text += f"\n\nTorchRec's FUSED_UVM_CACHING EBC not run: {reason}."
+    return row, text
+
+
 STEP_FUNCS: dict[str, Callable[[Sizes, torch.device, str], tuple[dict, str]]] = {
     "env": step_env,
     "syncs": step_syncs,
@@ -472,13 +503,14 @@ STEP_FUNCS: dict[str, Callable[[Sizes, torch.device, str], tuple[dict, str]]] = 
     "upsert_tables": step_upsert_tables,
     "lookup": step_lookup,
     "pipeline": step_pipeline,
+    "tiers": step_tiers,
 }
 
 
 def run_steps(
     steps: list[str], sizes: Sizes, device: torch.device, out_dir: str, inject_failure: str | None = None
 ) -> list[dict[str, object]]:
-    common = versions()
+    common = versions(device)
     rows = []
     for name in steps:
         start = time.perf_counter()
@@ -509,8 +541,8 @@ def run_steps(
     return rows
 
 
-def write_report(rows: list[dict[str, object]], out_dir: str, sizes: Sizes) -> str:
-    head = rows[0] if rows else versions()
+def write_report(rows: list[dict[str, object]], out_dir: str, sizes: Sizes, device: torch.device) -> str:
+    head = rows[0] if rows else versions(device)
     lines = [
         f"# GPU check: {head['device']}",
         "",
@@ -545,11 +577,12 @@ def main() -> int:
         parser.error(f"--steps: unknown {unknown}, choose from {','.join(STEPS)}")
     device = torch.device(args.device)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         torch.cuda.set_device(device)
     os.makedirs(args.out_dir, exist_ok=True)
     sizes = Sizes.smoke() if args.smoke else Sizes()
     rows = run_steps(steps, sizes, device, args.out_dir, args.inject_failure)
-    print(write_report(rows, args.out_dir, sizes))
+    print(write_report(rows, args.out_dir, sizes, device))
     failed = [r["step"] for r in rows if r["status"] == "failed"]
     if failed:
         print(f"gpu_check: FAILED steps: {', '.join(failed)}", file=sys.stderr)

@@ -67,7 +67,7 @@ TORCH_LIBRARY(torchrec_ext, m) {
       "rows");
   // Owning rank of each key for row-wise sharding (hash independent of the bucket hash).
   m.def("route(Tensor keys, int world_size) -> Tensor");
-  // Input routing of sharded tables (csrc/routing_cpu.cpp): each id of bag g = slot * batch_size
+  // Input routing of sharded tables (csrc/route_cpu.cpp): each id of bag g = slot * batch_size
   // + sample goes to route(id) (slot_owner -1) or to its slot's owner; returns the ids regrouped
   // destination-major then by bag, the [world_size * bags] lengths, and each routed id's input
   // position.

@@ -6,8 +6,9 @@
 #
 #   bash scripts/gpu_check.sh [OUT_DIR] [--dry-run | --cpu-smoke]
 #
-# OUT_DIR (default benchmarks/results/) gets build.log, gpu_tests.txt + gpu_tests.xml (junit),
-# gpu_check.md (the report), gpu_check.jsonl (one JSON row per step) and each benchmark's results.
+# OUT_DIR (default benchmarks/results/) gets build.log, gpu_tier_tests.txt, gpu_tests.txt + gpu_tests.xml
+# (junit), gpu_check.md (the report), gpu_check.jsonl (one JSON row per step) and each benchmark's
+# results (tiers_gpu.md: the tiered tables vs TorchRec's UVM caching).
 # --dry-run prints the commands without running them; --cpu-smoke runs the build and the driver at
 # tiny sizes on the CPU (checks the pytest invocation with --collect-only instead of running it).
 # Exit status: non-zero when the build, any test or any step of the driver failed.
@@ -60,11 +61,17 @@ if [[ $mode != dry ]]; then
 fi
 
 # 3. The whole test suite (CUDA variants run when the GPU and the CUDA build are there), every
-# case of the matrices CI runs a covering subset of (tests/matrix.py).
+# case of the matrices CI runs a covering subset of (tests/matrix.py). The GPU tier's tests
+# (tiered tables with the cache in HBM: tests/test_tiers_device.py) first, in a report of their own.
 export TORCHREC_EXT_FULL_MATRIX=1
 if [[ $mode == cpu ]]; then
   run "$PY" -m pytest tests -q --collect-only | tail -3
 else
+  echo "+ $PY -m pytest tests/test_tiers_device.py -q -rs | tee $out/gpu_tier_tests.txt"
+  if [[ $mode != dry ]]; then
+    "$PY" -m pytest tests/test_tiers_device.py -q -rs 2>&1 | tee "$out/gpu_tier_tests.txt"
+    [[ ${PIPESTATUS[0]} == 0 ]] || failed+=("tier tests")
+  fi
   echo "+ $PY -m pytest tests -q -rs --junitxml=$out/gpu_tests.xml | tee $out/gpu_tests.txt"
   if [[ $mode != dry ]]; then
     "$PY" -m pytest tests -q -rs --junitxml="$out/gpu_tests.xml" 2>&1 | tee "$out/gpu_tests.txt"

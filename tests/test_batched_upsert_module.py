@@ -136,9 +136,10 @@ def test_dispatched_ops_per_step_do_not_grow_with_the_table_count():
     assert sum(_ops_per_step(26, False).values()) > sum(many.values())
 
 
-def test_tiered_tables_keep_their_per_table_upserts():
-    """The tiered tables follow each table's upsert with its cache's work (their _rows_for): a
-    batched_upsert setting (as the default) must not bypass it."""
+def test_tiered_tables_hold_every_tables_rows_after_one_batched_upsert():
+    """The tiered tables follow the upsert with their caches' work (``_rows_for_tables``): one
+    upsert of every table, then each table's rows held in its cache (on a GPU: one copy of the
+    rows to the host); ``batched_upsert = False`` goes table by table, with the same rows."""
     configs = [
         DynamicEmbeddingBagConfig(
             name=f"t{i}",
@@ -150,10 +151,16 @@ def test_tiered_tables_keep_their_per_table_upserts():
         )
         for i in range(3)
     ]
-    module = DynamicEmbeddingBagCollection(configs, optimizer="sgd")
-    module._tables.batched_upsert = True
-    assert not module._tables._batched_upsert()
-    with _CountOps() as counted:
-        _step(module, _batch(1, 3))
-    assert counted.ops["torchrec_ext.hash_upsert_fixed.default"] == 3
-    assert counted.ops["torchrec_ext.hash_upsert_tables.default"] == 0
+    outputs = {}
+    for batched in (True, False):
+        module = DynamicEmbeddingBagCollection(configs, optimizer="sgd")
+        module._tables.batched_upsert = batched
+        assert module._tables._batched_upsert() == batched
+        with _CountOps() as counted:
+            _step(module, _batch(1, 3))
+        assert counted.ops["torchrec_ext.hash_upsert_fixed.default"] == (0 if batched else 3)
+        assert counted.ops["torchrec_ext.hash_upsert_tables.default"] == (1 if batched else 0)
+        caches = module._tables.caches
+        assert sum(int((cache.row_of >= 0).sum()) for cache in caches) == module.num_live_rows() > 0
+        outputs[batched] = module(_batch(2, 3)).values()
+    assert torch.equal(outputs[True], outputs[False])

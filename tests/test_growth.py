@@ -21,7 +21,7 @@ from torchrec_ext import (
     DynamicEmbeddingConfig,
     HashTable,
 )
-from torchrec_ext.modules import GrowthError
+from torchrec_ext.modules import GrowthError, table_storage
 from torchrec_ext.reference import ReferenceHashTable
 from torchrec_ext.vocabulary import row_map_bytes
 
@@ -82,13 +82,24 @@ def _assert_same_tables(got, want):
             torch.testing.assert_close(got[name][key], want[name][key], rtol=0, atol=0, msg=f"{name}.{key}")
 
 
-@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad", "adam"])
-def test_growing_bag_collection_equals_the_preallocated_one(optimizer):
+@pytest.mark.parametrize(
+    "optimizer, kwargs, reserved",
+    [
+        ("adagrad", {}, True),
+        ("rowwise_adagrad", {"initial_accumulator_value": 0.1}, True),  # (a nonzero fill)
+        ("adam", {}, True),
+        ("rowwise_adagrad", {"initial_accumulator_value": 0.1}, False),  # new buffers per growth, as on GPUs
+    ],
+)
+def test_growing_bag_collection_equals_the_preallocated_one(optimizer, kwargs, reserved, monkeypatch):
+    if not reserved:  # no address space to reserve: the buffers are copied into new ones at each growth
+        monkeypatch.setattr(table_storage, "ReservedBuffer", _no_address_space)
     modules = [
-        DynamicEmbeddingBagCollection(_configs(initial), optimizer=optimizer, optimizer_kwargs={"lr": 0.05})
+        DynamicEmbeddingBagCollection(_configs(initial), optimizer=optimizer, optimizer_kwargs={"lr": 0.05, **kwargs})
         for initial in (40, None)
     ]
     grown, full = modules
+    assert bool(grown._tables._reserved) == reserved
     tokens = [m.delta_token() for m in modules]
     gen = torch.Generator().manual_seed(3)
     capacities = set()
@@ -237,6 +248,78 @@ def test_growth_rewrites_the_buffers_in_their_reserved_memory_and_reset_returns_
     assert grown_rss - _rss() > freed, (grown_rss, _rss())
 
 
+def test_a_growth_on_cpu_moves_no_row_and_writes_none_of_the_rows_it_adds():
+    """On CPU each table's span is laid out for num_embeddings in reserved address space: a growth
+    leaves the buffers, the table offsets and every table's rows where they were, and writes none
+    of the pages of the rows it adds (they take memory once a row there is written)."""
+    configs = [
+        DynamicEmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=32, num_embeddings=1 << 20, feature_names=[f"f{i}"], initial_capacity=1 << 12
+        )
+        for i in range(2)
+    ]
+    module = DynamicEmbeddingBagCollection(configs, optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    gen = torch.Generator().manual_seed(8)
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        ["f0", "f1"], torch.randint(0, 2**62, (4000,), generator=gen), torch.full((1000,), 4)
+    )
+    module(kjt).values().sum().backward()
+    tables, before = module._tables, _by_id(module)
+    where = (
+        [b.data_ptr() for b in [tables.weights] + tables.states],
+        tables.table_offsets.tolist(),
+        tables.state_row_offsets.tolist(),
+        [tables.table_view(t).data_ptr() for t in range(2)],
+    )
+    rss = _rss()
+    assert tables.grow({0: 1 << 19, 1: 1 << 19}) == [0, 1]
+    added = 2 * ((1 << 20) - (1 << 12)) * 32 * 4 * 2  # vectors and Adagrad state of the rows added
+    assert _rss() - rss < added / 4, (_rss() - rss, added)  # (the grown indexes are most of it)
+    assert [s.capacity for s in module.table_stats().values()] == [1 << 20, 1 << 20]
+    assert where == (
+        [b.data_ptr() for b in [tables.weights] + tables.states],
+        tables.table_offsets.tolist(),
+        tables.state_row_offsets.tolist(),
+        [tables.table_view(t).data_ptr() for t in range(2)],
+    )
+    _assert_same_tables(_by_id(module), before)
+    module(kjt).values().sum().backward()  # trains on in the grown tables
+    assert module.num_live_rows() == 4000
+
+
+def test_populate_ahead_backs_the_next_doublings_pages_in_the_background_and_changes_no_value():
+    """``populate_ahead``: each growth has a background thread fault in the pages of the rows the
+    next doubling adds (their values stay zeros)."""
+    import time
+
+    cfg = DynamicEmbeddingBagConfig(
+        name="t", embedding_dim=64, num_embeddings=1 << 20, feature_names=["f"], initial_capacity=1 << 12
+    )
+    module = DynamicEmbeddingBagCollection([cfg], optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    tables = module._tables
+    tables.populate_ahead = True
+    gen = torch.Generator().manual_seed(6)
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        ["f"], torch.randint(0, 2**62, (4000,), generator=gen), torch.full((1000,), 4)
+    )
+    module(kjt).values().sum().backward()
+    before, rss = _by_id(module), _rss()
+    assert tables.grow({0: 1 << 17}) == [0] and module.table_stats()["t"].capacity == 1 << 18
+    ahead = (1 << 18) * 64 * 4 * 2  # the next doubling's rows: vectors and Adagrad state
+    deadline = time.monotonic() + 60
+    while _rss() - rss < 0.9 * ahead and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _rss() - rss >= 0.9 * ahead, (_rss() - rss, ahead)
+    _assert_same_tables(_by_id(module), before)
+    nxt = tables.table_view(0).shape[0]
+    assert nxt == 1 << 18
+    assert not tables.weights[
+        int(tables.table_offsets[0]) + nxt * 64 : int(tables.table_offsets[0]) + 2 * nxt * 64
+    ].any()
+    module(kjt).values().sum().backward()
+    assert module.num_live_rows() == 4000
+
+
 def test_a_saved_growing_module_holds_its_rows_not_its_reserved_range():
     import io
 
@@ -291,6 +374,10 @@ print("ok")
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def _no_address_space(numel_max):
+    raise OSError(12, "Cannot allocate memory")
 
 
 def _rss():

@@ -11,7 +11,7 @@ import torch
 from torchrec_ext import HashTable, ops, torch_kernels
 from torchrec_ext.modules.delta_placement import place_exactly
 from torchrec_ext.reference import ReferenceHashTable, bucket_pairs
-from torchrec_ext.table import place_keys
+from torchrec_ext.table import find_or_insert_tables, place_keys
 
 
 def _keys(gen, n):
@@ -153,3 +153,24 @@ def test_stashed_keys_of_a_mapped_table_keep_their_rows():
     assert not table.find(stashed_keys[:1])[1].any() and table.size() == keys.numel() - 1
     live = table.state_dict()
     assert len(set(live["rows"].tolist())) == live["rows"].numel() == keys.numel() - 1
+
+
+def test_a_mapped_table_maps_no_slot_before_its_first_growth(monkeypatch):
+    """A table that will grow keeps its slot -> row map from the start (its memory), but the map is
+    the identity until the first growth: calls then pass no slot through it; after the growth they do.
+    Oracle: the same calls on a table without a map (rows are slots), and the reference once grown."""
+    gen = torch.Generator().manual_seed(9)
+    mapped, plain = HashTable(256, mapped_rows=True), HashTable(256)
+    calls = []
+    original = ops.hash_slot_rows
+    monkeypatch.setattr(ops, "hash_slot_rows", lambda *a: calls.append(1) or original(*a))
+    keys = _keys(gen, 150)
+    assert mapped.find_or_insert(keys).rows.equal(plain.find_or_insert(keys).rows)
+    assert find_or_insert_tables([mapped], keys, [0, 150]).rows.equal(plain.find(keys)[0])
+    assert mapped.find(keys)[0].equal(plain.find(keys)[0]) and not calls
+    grown, _ = mapped.grown(512)
+    ref = ReferenceHashTable(256, "lru")
+    ref.upsert(keys.tolist())
+    ref = ref.grown(512)
+    more = _keys(gen, 100)
+    assert grown.find_or_insert(more).rows.tolist() == ref.upsert(more.tolist())[0] and calls

@@ -127,10 +127,15 @@ def test_captures_stay_valid_while_workers_touch_cuda():
             for model in (eager, graphed):
                 model.zero_grad(set_to_none=False)
                 model(x).square().mean().backward()
+            # gradients first: a mismatch here is the backward's (the graphed one), not Adam's
+            for (name, p), q in zip(graphed.named_parameters(), eager.parameters()):
+                torch.testing.assert_close(
+                    p.grad, q.grad, msg=lambda m, step=step, n=name: f"step {step} grad {n}: {m}"
+                )
             eager_opt.step()
             sync()  # steps graphed_opt, from step 3 on by replaying its graph
             for p, q in zip(graphed.parameters(), eager.parameters()):
-                torch.testing.assert_close(p, q, msg=f"step {step}")
+                torch.testing.assert_close(p, q, msg=lambda m, step=step: f"step {step}: {m}")
             got.append(prefetcher.next().wait(torch.cuda.current_stream()).x.cpu())
     finally:
         stop.set()

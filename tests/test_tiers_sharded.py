@@ -241,6 +241,8 @@ def _check_sharded(rank, world_size, root, kind, sharding, name):
     step_stats = sharded_module.tier_step_stats()
     assert set(step_stats) == set(sharded_module.local_module.table_stats())  # every share here, column shards too
     _check_checkpoints(rank, root, tiered, make, configs, backing, name, sharding)
+    if kind == "host" and sharding == "table_wise":  # (one case is enough: the plan's factor is read alike)
+        _check_planned_caches(rank)
     if kind == "file":  # every rank's share in files of its own, named by rank
         dist.barrier()
         files = sorted(f for f in os.listdir(root) if f.endswith(".rows"))
@@ -249,6 +251,76 @@ def _check_sharded(rank, world_size, root, kind, sharding, name):
             assert held, (r, files)
         assert all(f.startswith(("rank0-of-2.", "rank1-of-2.")) for f in files), files
         dist.barrier()
+
+
+def _check_planned_caches(rank):
+    """A plan of make_planner: the load factor of a constraint (CacheParams) and the one the planner
+    chose reach each rank's share (its cache slots); a hand-made plan: the config's, else the
+    sharder's fused_params'; one whose load factor differs from the config's is refused, naming both."""
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.planner import ParameterConstraints, Topology
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import CacheParams, ShardingEnv
+
+    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
+    from torchrec_ext.distributed.planner import make_planner
+    from torchrec_ext.modules.configs import cache_slots
+
+    make = lambda a_factor=None: DynamicEmbeddingBagCollection(
+        [
+            DynamicEmbeddingBagConfig(
+                name="a",
+                embedding_dim=8,
+                num_embeddings=512,
+                feature_names=["f0", "f1"],
+                backing="host",
+                cache_load_factor=a_factor,
+            ),
+            DynamicEmbeddingBagConfig(
+                name="b", embedding_dim=4, num_embeddings=64, feature_names=["f2"], backing="host"
+            ),
+        ],
+        optimizer="rowwise_adagrad",
+        optimizer_kwargs={"lr": 0.1},
+        device=torch.device("meta"),
+    )
+    constraints = {
+        "a": ParameterConstraints(sharding_types=["row_wise"], cache_params=CacheParams(load_factor=0.25)),
+        "b": ParameterConstraints(sharding_types=["table_wise"]),
+    }
+    model = ModelWith("ebc", make())
+    planner = make_planner(Topology(world_size=WORLD, compute_device="cpu"), batch_size=BATCH, constraints=constraints)
+    plan = planner.collective_plan(model, get_sharders(), dist.group.WORLD)
+    factors = {name: ps.cache_params.load_factor for name, ps in plan.plan["ebc"].items()}
+    assert factors == {"a": 0.25, "b": 1.0}, factors  # b: chosen, all of it fits
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=get_sharders())
+    tables = dmp.module.ebc.local_module._tables
+    slots = {m.name: cache.slots for m, cache in zip(tables.meta, tables.caches)}
+    assert slots["a"] == cache_slots(512 // WORLD, 0.25) == 64
+    assert slots.get("b", 64) == 64  # (on the rank holding it; the default 0.2 would be 13)
+    dmp(_rank_batch(0, rank)).values().sum().backward()
+    # A hand-made plan at odds with the config: refused.
+    module = make(a_factor=0.1)
+    sharder = DynamicEmbeddingBagCollectionSharder()
+    hand = construct_module_sharding_plan(
+        module,
+        {"a": table_wise(rank=0, compute_kernel=KERNEL), "b": table_wise(rank=1, compute_kernel=KERNEL)},
+        sharder=sharder,
+        local_size=WORLD,
+        world_size=WORLD,
+        device_type="cpu",
+    )
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    # Without cache_params: the config's (a), else the sharder's fused_params' (b), as in TorchRec.
+    by_fused = DynamicEmbeddingBagCollectionSharder(fused_params={"cache_load_factor": 0.5})
+    local = by_fused.shard(module, hand, env, torch.device("cpu")).local_module._tables
+    slots = {m.name: cache.slots for m, cache in zip(local.meta, local.caches)}
+    assert slots == ({"a": cache_slots(512, 0.1)} if rank == 0 else {"b": cache_slots(64, 0.5)}), slots
+    hand["a"].cache_params = CacheParams(load_factor=0.5)
+    with pytest.raises(
+        ValueError, match=r"table 'a'.*load_factor=0.5 .*differs from the config's cache_load_factor=0.1"
+    ):
+        sharder.shard(module, hand, env, torch.device("cpu"))
 
 
 def _check_checkpoints(rank, root, tiered, make, configs, backing, name, sharding):

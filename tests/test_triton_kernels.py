@@ -511,8 +511,11 @@ def test_fused_update_of_half_tables(target, name, optimizer, rounding):
         torch.testing.assert_close(a.float(), b.float(), **half._ulp_tolerance(dtypes))
         if dtype != torch.float32:
             assert (a.float() == b.float()).float().mean() > 0.97
+    # FTRL's state reads the stored weight, which may round one ulp apart (the 3% above): its
+    # state then differs by that ulp times sigma.
+    state_tol = dict(rtol=1e-3, atol=1e-5) if optimizer == "ftrl" else dict(rtol=1e-4, atol=1e-6)
     for a, b in zip(s_k, states):
-        torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(a.cpu(), b, **state_tol)
 
 
 @pytest.mark.parametrize("target", TARGETS)

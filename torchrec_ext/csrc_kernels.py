@@ -25,7 +25,7 @@ KERNELS: dict[str, dict[str, str]] = {
     "hash_place": {"cpu": "csrc/placement_cpu.cpp"},
     "serving_index_update": {"cpu": "csrc/serving_index_cpu.cpp"},
     "serving_find": {"cpu": "csrc/serving_index_cpu.cpp"},
-    "route_bucketize": {"cpu": "csrc/routing_cpu.cpp"},
+    "route_bucketize": {"cpu": "csrc/route_cpu.cpp"},
     "bloom_admit": {"cpu": "csrc/bloom_cpu.cpp", "cuda": "csrc/bloom_cuda.cpp"},
     "dedup_segments": {"cpu": "csrc/dedup_cpu.cpp"},
     "init_rows": {"cpu": "csrc/init_rows_cpu.cpp"},

@@ -642,7 +642,7 @@ def route_bucketize(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The input routing of sharded dynamic tables in one pass: ids regrouped by destination rank,
     then bag, keeping their order within a bag (the layout an all-to-all sends). CPU kernel
-    ``csrc/routing_cpu.cpp``; CUDA kernel ``torch_kernels.route_bucketize`` (torch ops).
+    ``csrc/route_cpu.cpp``; CUDA kernel ``torch_kernels.route_bucketize`` (torch ops).
 
     Args:
         ids: int64 ``[n]``.

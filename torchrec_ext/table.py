@@ -209,8 +209,9 @@ def find_or_insert_tables(
             [i._epoch for i in indexes],
             False,
         )
-        if any(index._slot_rows is not None for index in indexes):
-            ops.hash_slot_rows(rows, offsets, [index._slot_rows for index in indexes])
+        maps = [index._row_map() for index in indexes]
+        if any(m is not None for m in maps):
+            ops.hash_slot_rows(rows, offsets, maps)
         return FixedInsertResult(rows, inserted, evicted, evicted_keys)
 
 
@@ -301,6 +302,8 @@ class HashTable:
                 f"HashTable: device {device} has no torchrec_ext kernels in this build "
                 "(CUDA kernels are built only when torch has CUDA and nvcc is found, or FORCE_CUDA=1)"
             )
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())  # tensors made on "cuda" say cuda:N
         self._capacity = capacity
         self.policy = policy
         self.device = device
@@ -720,23 +723,34 @@ class HashTable:
 
     def _rows_of_slots(self, slots: Tensor) -> Tensor:
         """The rows of ``slots`` (-1 stays -1): ``slots`` itself, mapped in place (a kernel's output)."""
-        if self._slot_rows is not None:
+        if self._row_map() is not None:
             ops.hash_slot_rows(slots, [0, slots.numel()], [self._slot_rows])
         return slots
+
+    # Whether the slot -> row map is the identity (a growing table before its first growth: the
+    # map is kept for its memory, but no pass over a call's slots is needed).
+    _rows_are_slots: bool = False
+
+    def _row_map(self) -> Tensor | None:
+        """The slot -> row map a call's slots go through (None: rows are slots)."""
+        return None if self._rows_are_slots else self._slot_rows
 
     def _set_slot_rows(self, slots: Tensor, rows: Tensor) -> None:
         """Makes ``rows`` (distinct, in [0, capacity)) the rows of the keys at ``slots``, and gives
         the other rows to the other slots, both in ascending order (deterministic)."""
-        n = self._capacity
-        slot_rows = torch.full((n,), -1, dtype=torch.int64, device=self.device)
-        slot_rows[slots] = rows
+        n, dtype = self._capacity, row_map_dtype(self._capacity)
+        ramp = torch.arange(n, dtype=dtype, device=self.device)
+        if slots.numel() == 0:  # the identity (a table that will grow, before it does)
+            self._slot_rows, self._row_slots, self._rows_are_slots = ramp, ramp.clone(), True
+            return
+        slot_rows = torch.full((n,), -1, dtype=dtype, device=self.device)
+        slot_rows[slots] = rows.to(dtype)
         used = torch.zeros(n, dtype=torch.bool, device=self.device)
         used[rows] = True
-        slot_rows[slot_rows < 0] = (~used).nonzero().squeeze(1)
+        slot_rows.masked_scatter_(slot_rows < 0, ramp.masked_select(~used))
         row_slots = torch.empty_like(slot_rows)
-        row_slots[slot_rows] = torch.arange(n, device=self.device)
-        dtype = row_map_dtype(n)
-        self._slot_rows, self._row_slots = slot_rows.to(dtype), row_slots.to(dtype)
+        row_slots[slot_rows.long()] = ramp
+        self._slot_rows, self._row_slots, self._rows_are_slots = slot_rows, row_slots, False
 
     def _upsert(self, keys: Tensor, scores: Tensor | None, assign: bool) -> InsertResult:
         with self._lock.write():

@@ -37,6 +37,40 @@ ranks of the node)`` for table_row_wise, as ``ops.route`` spreads ids evenly):
 on the compute device's memory (ddr on CPU, hbm on CUDA). The perf model is described above
 ``DynamicEmbeddingPerfEstimator``.
 
+A tiered table (``backing="host"`` or ``"file:<dir>"``: modules/tiered_tables.py) keeps ``slots =
+cache_slots(rows, load_factor)`` rows in a cache on the compute device and every row in its
+backing store on the host or on disk; one rank's share is planned as (``tiered_table_bytes``):
+
+    the compute device (hbm on CUDA, ddr on CPU):
+      4 * ceil(slots * dim * e / 4) + slots * state   the cache's vectors and optimizer state
+      + index_bytes(rows) + ttl + admission state     the index and metadata stay whole (as above)
+      + CUDA: min(slots, 32768) * record              a transfer's records (record: the row's number,
+                                                      vector and states, each 8-byte aligned)
+      + the step's IO buffers (as above)
+    host memory (ddr; on CPU the same memory as the device's):
+      4 * rows + slots * (17 + 8)                     the cache's maps: slot of each row (int32); row,
+                                                      last use and dirty bit of each slot; its LRU
+                                                      queue (at most 2 int32 entries a slot)
+      + file: RowLog.map_bytes(rows)                  the write-back log's maps
+      + CUDA: min(2 * slots, 32768) * record          the pinned buffer of transfers
+        CPU, file: min(2 * slots, 32768) * record     the write-back buffer
+      + host: 4 * ceil(rows * dim * e / 4) + rows * state     the backing store
+    disk (ssd), file: the same bytes in the backing files + the log's bound, RowLog.max_records(rows) * record
+
+The load factor, in TorchRec's convention, is ``ParameterConstraints(cache_params=CacheParams(
+load_factor=f))``, else the config's ``cache_load_factor`` (both set and different: an error),
+else the sharder's ``fused_params["cache_load_factor"]`` (tier_plan.py). When none is set the
+planner chooses it from the memory budget: one load
+factor ``k / 100`` shared by all such tables, the largest k in [0, 100] whose plan TorchRec's
+planner finds (bisection: a plan that fits at a factor fits at any smaller one, as every shard's
+storage grows with it), each table's cache at least its smallest: ``minimum_cache_slots`` = one
+step's ids of the shard (batch size x pooling factors x num_poolings, every rank's for
+table_wise and column shards), each counted distinct, at most the share's rows (k = 0: every
+table at its smallest). When even the smallest caches do not fit, ``plan()`` raises a
+``PlannerError`` naming the tables, the bytes they need and the budget. The factor planned
+(given or chosen) is written into each tiered table's ``cache_params`` in the plan, which the
+sharders build the table's shares with.
+
 Growing tables (``initial_capacity`` < num_embeddings) are planned at their maximum, num_embeddings,
 by default, as TorchRec reserves a table's whole ``num_embeddings``: a plan then stays valid once
 the tables are full. ``plan_capacity="initial"`` (``make_planner`` / the storage estimator; or a dict
@@ -46,7 +80,9 @@ state still at the maximum), for jobs that know their tables will not fill.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -58,6 +94,7 @@ from torchrec.distributed.planner.constants import BIGINT_DTYPE, DDR_MEM_BW, NUM
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.planners import EmbeddingShardingPlanner
 from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
+from torchrec.distributed.planner.stats import EmbeddingStats
 from torchrec.distributed.planner.types import (
     CollectiveType,
     ParameterConstraints,
@@ -67,12 +104,13 @@ from torchrec.distributed.planner.types import (
     SharderDataMap,
     ShardEstimator,
     ShardingOption,
+    Stats,
     Storage,
     Topology,
 )
 from torchrec.distributed.planner.utils import extract_comm_data_type_size
 from torchrec.distributed.sharding_plan import get_default_sharders
-from torchrec.distributed.types import ModuleSharder, PipelineType, ShardingPlan, ShardingType
+from torchrec.distributed.types import CacheParams, ModuleSharder, PipelineType, ShardingPlan, ShardingType
 from torchrec.modules.embedding_tower import EmbeddingTower, EmbeddingTowerCollection
 from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
@@ -85,22 +123,38 @@ from torchrec_ext.distributed.placement import (
 )
 from torchrec_ext.distributed.sharded_base import local_capacity, sharded_optimizer
 from torchrec_ext.distributed.sharders import FeatureProcessedDynamicEmbeddingBagCollectionSharder, over_dynamic_ebc
+from torchrec_ext.distributed.tier_plan import planned_cache_load_factor, sharder_cache_load_factor
 from torchrec_ext.modules.admission import admission_bytes
-from torchrec_ext.modules.configs import DynamicTableOptions, options_of, storage_dtype_of
+from torchrec_ext.modules.configs import (
+    DEFAULT_CACHE_LOAD_FACTOR,
+    DynamicTableOptions,
+    cache_slots,
+    options_of,
+    storage_dtype_of,
+)
 from torchrec_ext.modules.embedding_bag_collection import DynamicEmbeddingBagCollection
 from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
 from torchrec_ext.modules.fused_optimizer import stochastic_rounding_of
+from torchrec_ext.modules.tier_copies import MAX_ROWS as MAX_TRANSFER_ROWS
+from torchrec_ext.modules.tier_copies import record_fields
+from torchrec_ext.modules.tier_log import RowLog
+from torchrec_ext.modules.tiered_tables import _LogMover
 from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE, index_bytes, row_map_bytes
 
 __all__ = [
     "DynamicEmbeddingPerfEstimator",
     "DynamicEmbeddingStorageEstimator",
     "dynamic_table_bytes",
+    "minimum_cache_slots",
+    "tiered_table_bytes",
     "is_dynamic_option",
     "check_dynamic_modules_have_sharders",
     "install_default_planner_hook",
     "make_planner",
+    "GrowingTableStats",
 ]
+
+logger = logging.getLogger(__name__)
 
 DYNAMIC_MODULE_TYPES = (DynamicEmbeddingBagCollection, DynamicEmbeddingCollection)
 # TorchRec modules whose sharders cannot take a dynamic collection inside them.
@@ -165,6 +219,89 @@ def dynamic_table_bytes(
     return total + admission_bytes(admission, admission.admission_strategy, capacity, parts)
 
 
+LRU_QUEUE_BYTES_PER_SLOT = 8  # tier_lru.SlotOrder: int32 entries, rebuilt past 2 a slot
+CACHE_MAP_BYTES_PER_SLOT = 8 + 8 + 1  # RowCache: row of the slot, its last use (int64), dirty bit
+SLOT_OF_ROW_BYTES = 4  # RowCache.slot_of: int32 per row of the table
+
+
+@dataclass(frozen=True)
+class TierBytes:
+    """Bytes of one rank's share of a tiered table, per place they are held."""
+
+    device: int  # the cache's device (the compute device): the cache, the index and its metadata
+    host: int  # host memory: the cache's maps, the tier's buffers, and host backing's store
+    disk: int  # the files of backing="file:<dir>" (base files and the log's bound)
+
+
+def log_record_bytes(dim: int, optimizer_kind: str | None, element_bytes: int = FLOAT_BYTES) -> int:
+    """Bytes of one record of rows moving between a tiered table's tiers (tier_copies.py): the row's
+    number, then its vector and each optimizer state, each 8-byte aligned."""
+    widths = [dim * element_bytes]
+    if optimizer_kind is not None:
+        per_state = FLOAT_BYTES if optimizer_kind in ROWWISE_STATE else dim * FLOAT_BYTES
+        widths += [per_state] * len(OPTIMIZER_STATES[optimizer_kind])
+    return record_fields(widths)[1]
+
+
+def tiered_table_bytes(
+    capacity: int,
+    dim: int,
+    optimizer_kind: str | None,
+    load_factor: float,
+    *,
+    file: bool,
+    cuda: bool = False,
+    parts: int = 1,
+    options: DynamicTableOptions | None = None,
+    element_bytes: int = FLOAT_BYTES,
+) -> TierBytes:
+    """One rank's share (of ``parts``) of a tiered table caching ``load_factor`` of its rows, its
+    cache on a CUDA device (``cuda``) or the CPU (the byte model in the module docstring): what
+    ``storage_bytes()`` of a module holding that share reports when built, plus the bounds of its
+    LRU queue and of the records buffers it makes as rows move (a CUDA cache: the pinned host
+    buffer of transfers and a transfer's records on the device; a CPU cache over a file: the
+    write-back buffer); with ``backing_bytes()`` on the host (host) or on disk (file, with the
+    log's bound)."""
+    opts = options or DynamicTableOptions()
+    rows = local_capacity(capacity, parts)
+    slots = cache_slots(rows, load_factor)
+    state = optimizer_state_bytes_per_row(optimizer_kind, dim)
+
+    def vectors(n: int) -> int:
+        return 4 * -(-n * dim * element_bytes // 4)
+
+    device = vectors(slots) + slots * state + index_bytes(rows)
+    device += TTL_BYTES_PER_ROW * rows if opts.ttl_steps is not None else 0
+    device += admission_bytes(opts, opts.admission_strategy, capacity, parts)
+    host = SLOT_OF_ROW_BYTES * rows + slots * (CACHE_MAP_BYTES_PER_SLOT + LRU_QUEUE_BYTES_PER_SLOT)
+    host += RowLog.map_bytes(rows) if file else 0
+    record = log_record_bytes(dim, optimizer_kind, element_bytes)
+    if cuda:
+        host += min(2 * slots, MAX_TRANSFER_ROWS) * record
+        device += min(slots, MAX_TRANSFER_ROWS) * record
+    elif file:
+        host += min(2 * slots, _LogMover.BUFFER_ROWS) * record
+    backing = vectors(rows) + rows * state
+    if not file:
+        return TierBytes(device=device, host=host + backing, disk=0)
+    return TierBytes(device=device, host=host, disk=backing + RowLog.max_records(rows) * record)
+
+
+def minimum_cache_slots(rows: int, step_ids: float) -> int:
+    """The smallest cache the planner gives a share of ``rows`` rows that looks up ``step_ids`` ids
+    a step: one step's ids, each counted distinct (a lookup needs a slot for each distinct row of
+    its batch), at most the rows."""
+    return min(rows, max(1, math.ceil(step_ids)))
+
+
+def load_factor_for_slots(rows: int, slots: int) -> float:
+    """The smallest load factor that caches ``slots`` of ``rows`` rows (``cache_slots``)."""
+    factor = slots / rows
+    while cache_slots(rows, factor) < slots:
+        factor = math.nextafter(factor, 2.0)
+    return min(factor, 1.0)
+
+
 # ---------------------------------------------------------------------------- option helpers
 
 PLAN_CAPACITIES = ("maximum", "initial")
@@ -216,6 +353,11 @@ class _TableInfo:
     element_bytes: int = FLOAT_BYTES  # of the vectors' data_type
     initial_capacity: int | None = None  # rows a growing table starts with (None: capacity)
 
+    @property
+    def tiered(self) -> bool:
+        """Whether the table caches its rows over a backing store (host or file backing)."""
+        return self.options is not None and self.options.backing != "device"
+
 
 class _TableCache:
     """Per-estimate cache of what the byte and perf models need about each dynamic table."""
@@ -253,6 +395,23 @@ class _TableCache:
             element_bytes=storage_dtype_of(config).itemsize,
             initial_capacity=opts.initial_capacity,
         )
+
+
+def _resident_shard_bytes(table: _TableInfo, dim: int, parts: int, at_initial: bool) -> int:
+    """A shard's resident bytes (``dynamic_table_bytes``): at the table's initial capacity, or its maximum."""
+    return dynamic_table_bytes(
+        table.capacity,
+        dim,
+        table.optimizer_kind,
+        ttl=table.ttl,
+        admit_after=table.admit_after,
+        admission_capacity=table.admission_capacity,
+        parts=parts,
+        admission=table.options,
+        element_bytes=table.element_bytes,
+        rows_now=table.initial_capacity if at_initial else None,
+        initial_capacity=table.initial_capacity,
+    )
 
 
 def _row_parts(option: ShardingOption, world_size: int) -> int:
@@ -355,6 +514,11 @@ class DynamicEmbeddingStorageEstimator(ShardEstimator):
         plan_capacity: the capacity growing tables (``initial_capacity``) are planned with:
             "maximum" (num_embeddings, the default) or "initial"; or a dict of table name -> either
             (tables not named: "maximum").
+
+    Tiered tables cache the load factor of their constraint's ``cache_params`` or their config;
+    those with neither cache ``auto_load_factor`` (set by the planner's search, see the module
+    docstring; default 0.2), at least ``minimum_cache_slots``. The factor is written into each
+    tiered option's ``cache_params``; ``chose_cache_for`` names the tables whose factor was chosen.
     """
 
     def __init__(
@@ -367,6 +531,8 @@ class DynamicEmbeddingStorageEstimator(ShardEstimator):
         plan_capacity: Any = "maximum",
     ) -> None:
         self._plan_capacity = check_plan_capacity(plan_capacity)
+        self.auto_load_factor: float | None = None  # the planner's search sets it (None: 0.2)
+        self.chose_cache_for: set[str] = set()
         self._topology = topology
         self._constraints = constraints
         self._is_inference = is_inference
@@ -380,8 +546,71 @@ class DynamicEmbeddingStorageEstimator(ShardEstimator):
 
     def estimate(self, sharding_options: list[ShardingOption], sharder_data_map: SharderDataMap | None = None) -> None:
         for option, table in _ours_after_delegating(sharding_options, self._delegate, sharder_data_map):
-            for shard, nbytes in zip(option.shards, self._shard_bytes(option, table)):
-                shard.storage = self._on_device(nbytes)
+            if table.tiered:
+                sharder_data = sharder_data_map.get(option.module_type_key) if sharder_data_map else None
+                storages = self._tiered_storages(option, table, getattr(sharder_data, "fused_params", None))
+            else:
+                # a constraint's cache_params on a table without a tier is refused, naming it
+                planned_cache_load_factor(table.options, self._cache_params(option), _where(option))
+                storages = [self._on_device(nbytes) for nbytes in self._shard_bytes(option, table)]
+            for shard, storage in zip(option.shards, storages):
+                shard.storage = storage
+
+    def _cache_params(self, option: ShardingOption) -> CacheParams | None:
+        # The constraint's, not the option's: the option's may hold what an earlier estimate wrote.
+        constraint = self._constraints.get(option.name) if self._constraints else None
+        return constraint.cache_params if constraint is not None else None
+
+    def _io_bytes(self, volume: _StepVolume, table: _TableInfo, dim: int) -> int:
+        """The step's input / output buffers of a shard of width ``dim`` (none for inference)."""
+        if self._is_inference:
+            return 0
+        id_bytes = ID_BYTES + (WEIGHT_BYTES if table.weighted else 0)
+        return math.ceil(volume.shard_ids * id_bytes) + math.ceil(volume.shard_outputs * dim * FLOAT_BYTES)
+
+    def _tiered_storages(
+        self, option: ShardingOption, table: _TableInfo, fused_params: dict[str, Any] | None
+    ) -> list[Storage]:
+        world_size = self._topology.world_size
+        parts = _row_parts(option, world_size)
+        volume = _step_volume(option, self._constraints, world_size, table.pooled)
+        cache_params = self._cache_params(option)
+        # the constraint's, the config's, else the sharder's fused_params' (as the sharded module reads them)
+        sharder_factor = sharder_cache_load_factor(fused_params, _where(option))
+        factor = planned_cache_load_factor(table.options, cache_params, _where(option), sharder_factor)
+        if factor is None:  # the planner's to choose: the search's factor, at least one step's ids
+            self.chose_cache_for.add(option.name)
+            rows = local_capacity(table.capacity, parts)
+            factor = DEFAULT_CACHE_LOAD_FACTOR if self.auto_load_factor is None else self.auto_load_factor
+            least = minimum_cache_slots(rows, volume.shard_ids)
+            if cache_slots(rows, factor) < least:
+                factor = load_factor_for_slots(rows, least)
+        # The plan carries the factor to the sharders (TorchRec copies the option's cache_params).
+        option.cache_params = (
+            CacheParams(load_factor=factor)
+            if cache_params is None
+            else dataclasses.replace(cache_params, load_factor=factor)
+        )
+        storages = []
+        for dim in _shard_dims(option, table):
+            on_hbm = _tier(self._topology) == "hbm"
+            tier = tiered_table_bytes(
+                table.capacity,
+                dim,
+                table.optimizer_kind,
+                factor,
+                file=table.options.backing.startswith("file:"),
+                cuda=on_hbm,
+                parts=parts,
+                options=table.options,
+                element_bytes=table.element_bytes,
+            )
+            device = tier.device + self._io_bytes(volume, table, dim)
+            if on_hbm:
+                storages.append(Storage(hbm=device, ddr=tier.host, ssd=tier.disk))
+            else:
+                storages.append(Storage(hbm=0, ddr=device + tier.host, ssd=tier.disk))
+        return storages
 
     def _shard_bytes(self, option: ShardingOption, table: _TableInfo) -> list[int]:
         world_size = self._topology.world_size
@@ -392,35 +621,23 @@ class DynamicEmbeddingStorageEstimator(ShardEstimator):
             else self._plan_capacity.get(table.name, "maximum")
         )
         volume = _step_volume(option, self._constraints, world_size, table.pooled)
-        id_bytes = ID_BYTES + (WEIGHT_BYTES if table.weighted else 0)
         out = []
         # Every rank of a row_wise table holds an even share, whatever sizes TorchRec's row split
         # gave the shards: ids are spread by hash, not by row range. A column shard is a table of
         # its width with the whole capacity, and its own index.
         for dim in _shard_dims(option, table):
-            resident = dynamic_table_bytes(
-                table.capacity,
-                dim,
-                table.optimizer_kind,
-                ttl=table.ttl,
-                admit_after=table.admit_after,
-                admission_capacity=table.admission_capacity,
-                parts=parts,
-                admission=table.options,
-                element_bytes=table.element_bytes,
-                rows_now=table.initial_capacity if initial == "initial" else None,
-                initial_capacity=table.initial_capacity,
-            )
-            io = 0
-            if not self._is_inference:
-                io = math.ceil(volume.shard_ids * id_bytes) + math.ceil(volume.shard_outputs * dim * FLOAT_BYTES)
-            out.append(resident + io)
+            resident = _resident_shard_bytes(table, dim, parts, at_initial=initial == "initial")
+            out.append(resident + self._io_bytes(volume, table, dim))
         return out
 
     def _on_device(self, nbytes: int) -> Storage:
-        if self._topology.compute_device in ("cuda", "mtia"):
+        if _tier(self._topology) == "hbm":
             return Storage(hbm=nbytes, ddr=0)
         return Storage(hbm=0, ddr=nbytes)
+
+
+def _where(option: ShardingOption) -> str:
+    return f"dynamic table planner: table {option.name!r} ({option.path or '<root>'})"
 
 
 # ---------------------------------------------------------------------------- perf
@@ -468,6 +685,18 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
 
     ``probe`` is find_or_insert in training and find for inference (no backward then). Comms are 0
     with one rank. The constants are justified above their definitions.
+
+    A tiered table's shard also moves rows between its tiers, as TorchRec prices UVM caching's
+    fetches (``prefetch_compute``, counted as blocking as TorchRec counts it):
+
+        prefetch_compute = ids * (1 - load_factor) * row * (2 in training: a dirty victim written back)
+                           * 4 (random rows) / backing bw
+
+    with ``row`` the vector and optimizer state, ``load_factor`` the one the storage estimator
+    planned (it runs first in ``make_planner``; else the constraint's / config's / sharder's, else
+    0.2), and the backing's bandwidth: ddr_mem_bw (host backing, CPU), hbm_to_ddr_mem_bw (host
+    backing, CUDA), ssd_mem_bw (file backing). Misses at ``1 - load_factor`` of the ids is uniform
+    access, a bound: skewed ids miss far less (the pipeline's prefetch hides the rest).
     """
 
     def __init__(
@@ -551,7 +780,32 @@ class DynamicEmbeddingPerfEstimator(ShardEstimator):
             bwd_compute=bwd_compute,
             bwd_comms=bwd_comms,
             input_dist_comms=input_dist,
+            prefetch_compute=self._tier_moves(option, table, sharder_data, volume, dim),
         )
+
+    def _tier_moves(
+        self, option: ShardingOption, table: _TableInfo, sharder_data: Any, volume: _StepVolume, dim: int
+    ) -> float:
+        """ms a step a tiered shard of width ``dim`` spends moving rows between its tiers (class docstring)."""
+        if not table.tiered:
+            return 0.0
+        factor = option.cache_params.load_factor if option.cache_params is not None else None
+        if factor is None:
+            constraint = self._constraints.get(option.name) if self._constraints else None
+            sharder_factor = sharder_cache_load_factor(getattr(sharder_data, "fused_params", None), _where(option))
+            factor = planned_cache_load_factor(
+                table.options, constraint.cache_params if constraint else None, _where(option), sharder_factor
+            )
+        factor = DEFAULT_CACHE_LOAD_FACTOR if factor is None else factor
+        moved = dim * table.element_bytes + optimizer_state_bytes_per_row(table.optimizer_kind, dim)
+        moved *= volume.shard_ids * (1.0 - factor) * (1 if self._is_inference else 2)
+        if table.options.backing.startswith("file:"):
+            bw = self._topology.ssd_mem_bw
+        elif _tier(self._topology) == "hbm":
+            bw = self._topology.hbm_to_ddr_mem_bw
+        else:
+            bw = self._topology.ddr_mem_bw
+        return RANDOM_ROW_FACTOR * moved / bw
 
 
 # ---------------------------------------------------------------------------- planner
@@ -572,7 +826,9 @@ class _DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
         try:
             return super().plan(module, sharders)
         except PlannerError as error:
-            detail = self._oversized_tables(module, sharders)
+            if getattr(error, "_names_tables", False):  # (the cache search's: it names them already)
+                raise
+            detail = _oversized_tables(self, module, sharders)
             if not detail:
                 raise
             raise PlannerError(
@@ -580,36 +836,168 @@ class _DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
                 error_type=PlannerErrorType.INSUFFICIENT_STORAGE,
             ) from error
 
-    def _oversized_tables(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> str | None:
-        options = self._enumerator.enumerate(module=module, sharders=sharders)  # cached by the enumerator
-        reserved = self._storage_reservation.last_reserved_topology or self._topology
-        tier = _tier(self._topology)
-        capacity = max(getattr(d.storage, tier) for d in reserved.devices)
-        hardware = max(getattr(d.storage, tier) for d in self._topology.devices)
-        best: dict[str, tuple[int, ShardingOption]] = {}
-        for option in options:
-            need = max(getattr(s.storage, tier) for s in option.shards)
-            if option.fqn not in best or need < best[option.fqn][0]:
-                best[option.fqn] = (need, option)
-        too_big = [(fqn, need, option) for fqn, (need, option) in best.items() if need > capacity]
-        if not too_big:
-            return None
+
+_TIERS = ("hbm", "ddr", "ssd")
+
+
+def _budgets(planner: EmbeddingShardingPlanner) -> dict[str, tuple[int, int]]:
+    """Per storage tier: (the largest rank's bytes, the largest left after the storage reservation)."""
+    reserved = planner._storage_reservation.last_reserved_topology or planner._topology
+    return {
+        tier: (
+            max(getattr(d.storage, tier) for d in planner._topology.devices),
+            max(getattr(d.storage, tier) for d in reserved.devices),
+        )
+        for tier in _TIERS
+    }
+
+
+def _oversized_tables(
+    planner: EmbeddingShardingPlanner, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]
+) -> str | None:
+    """Lines naming each table whose smallest option needs more of a storage tier on one rank than
+    any rank has (the compute device's tier first; a tiered table's backing in ddr or ssd), or None."""
+    options = planner._enumerator.enumerate(module=module, sharders=sharders)  # cached by the enumerator
+    budgets = _budgets(planner)
+    compute = _tier(planner._topology)
+    tiers = [compute] + [t for t in _TIERS if t != compute]
+    too_big = []
+    for fqn in dict.fromkeys(o.fqn for o in options):
+        mine = [o for o in options if o.fqn == fqn]
+        for tier in tiers:
+            need, option = min(((max(getattr(s.storage, tier) for s in o.shards), o) for o in mine), key=lambda x: x[0])
+            if need > budgets[tier][1]:
+                too_big.append((fqn, tier, need, option))
+                break
+    if not too_big:
+        return None
+    lines = [f"Insufficient memory: {len(too_big)} table(s) fit on no rank ({planner._topology.compute_device}):"]
+    for fqn, tier, need, option in sorted(too_big, key=lambda x: x[0]):
+        hardware, capacity = budgets[tier]
+        cache = option.cache_params.load_factor if option.cache_params is not None else None
+        lines.append(
+            f"  table {option.name!r} ({fqn}): needs {need} B = {_gb(need)} of {tier} on one rank even with its "
+            f"smallest option ({option.sharding_type}, {option.compute_kernel}, {len(option.shards)} shard(s)"
+            + (f", cache_load_factor {cache:.4g}" if cache is not None and is_dynamic_option(option) else "")
+            + f"); {tier} per rank {hardware} B = {_gb(hardware)}, {capacity} B = {_gb(capacity)} left after the "
+            "storage reservation"
+        )
+    hint = "Reduce the table's capacity (num_embeddings) or dimension, use a lighter optimizer"
+    if any(option.sharding_type != ShardingType.ROW_WISE.value for _, _, _, option in too_big):
+        hint += ", allow row_wise sharding (constraints)"
+    lines.append(hint + ", or add ranks / memory per rank.")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- cache sizes of tiered tables
+
+CACHE_FACTOR_STEPS = 100  # the planner's load factors: k / 100
+
+
+def _storage_estimators(planner: EmbeddingShardingPlanner) -> list[DynamicEmbeddingStorageEstimator]:
+    """Our storage estimators in the planner's enumerator: the ones it was given, or (TorchRec's
+    default enumerator) those install_default_planner_hook added."""
+    enumerator = getattr(planner, "_enumerator", None)
+    given = list(getattr(enumerator, "_estimators", None) or [])
+    given += list(getattr(enumerator, "_dynamic_estimators", None) or [])
+    return [e for e in given if isinstance(e, DynamicEmbeddingStorageEstimator)]
+
+
+def _forget_search_space(planner: EmbeddingShardingPlanner) -> None:
+    # TorchRec's enumerator keeps the last module's options, with their estimates, and hands back
+    # copies for the same module: estimated at another load factor, they must be enumerated anew.
+    enumerator = getattr(planner, "_enumerator", None)
+    if hasattr(enumerator, "_last_stored_module"):
+        enumerator._last_stored_module = None
+
+
+def plan_choosing_caches(
+    planner: EmbeddingShardingPlanner, module: nn.Module, sharders: list[ModuleSharder[nn.Module]], plan_once: Any
+) -> ShardingPlan:
+    """``plan_once()`` (TorchRec's ``plan``), after choosing the load factor of the tiered tables
+    whose cache size nobody gave: the largest ``k / CACHE_FACTOR_STEPS`` whose plan fits, by
+    bisection (see the module docstring). Without such tables, one ``plan_once()``."""
+    estimators = _storage_estimators(planner)
+
+    def attempt(level: int) -> tuple[ShardingPlan | None, PlannerError | None]:
+        for estimator in estimators:
+            estimator.auto_load_factor = level / CACHE_FACTOR_STEPS
+            estimator.chose_cache_for = set()
+        _forget_search_space(planner)
+        try:
+            return plan_once(), None
+        except PlannerError as error:
+            # (TorchRec says STRICT_CONSTRAINTS when the tables' sum fits but no packing of them does)
+            if error.error_type not in (PlannerErrorType.INSUFFICIENT_STORAGE, PlannerErrorType.STRICT_CONSTRAINTS):
+                raise
+            return None, error
+
+    if not estimators:
+        return plan_once()
+    plan, error = attempt(CACHE_FACTOR_STEPS)
+    if plan is not None:
+        return plan
+    if not any(estimator.chose_cache_for for estimator in estimators):
+        raise error
+    best, error = attempt(0)
+    if best is None:
+        raise _smallest_caches_error(planner, module, sharders, estimators, error)
+    low, high = 0, CACHE_FACTOR_STEPS  # a plan at low, none at high
+    while high - low > 1:
+        middle = (low + high) // 2
+        plan, _ = attempt(middle)
+        if plan is None:
+            high = middle
+        else:
+            low, best = middle, plan
+    for estimator in estimators:  # left at the factor planned with (later enumerations estimate it)
+        estimator.auto_load_factor = low / CACHE_FACTOR_STEPS
+    _forget_search_space(planner)
+    return best
+
+
+def _smallest_caches_error(
+    planner: EmbeddingShardingPlanner,
+    module: nn.Module,
+    sharders: list[ModuleSharder[nn.Module]],
+    estimators: list[DynamicEmbeddingStorageEstimator],
+    error: PlannerError,
+) -> PlannerError:
+    """The error when even the smallest caches of the tiered tables the planner sizes leave no plan:
+    the tables that fit on no rank alone (``_oversized_tables``), else every such table's smallest
+    need over all ranks against the ranks' budget."""
+    detail = _oversized_tables(planner, module, sharders)
+    if detail is None:
+        chosen = set().union(*(estimator.chose_cache_for for estimator in estimators))
+        options = [o for o in planner._enumerator.enumerate(module=module, sharders=sharders) if o.name in chosen]
+        tier = _tier(planner._topology)
+        hardware, capacity = _budgets(planner)[tier]
+        ranks = len(planner._topology.devices)
         lines = [
-            f"Insufficient memory: {len(too_big)} table(s) fit on no rank "
-            f"({self._topology.compute_device}: {tier} per rank {hardware} B = {_gb(hardware)}, "
-            f"{capacity} B = {_gb(capacity)} left after the storage reservation):"
+            "No plan even with the smallest caches of the tiered tables the planner sizes "
+            f"({planner._topology.compute_device}: {tier} per rank {hardware} B = {_gb(hardware)}, {capacity} B = "
+            f"{_gb(capacity)} left after the storage reservation, {ranks * capacity} B over {ranks} rank(s)):"
         ]
-        for fqn, need, option in sorted(too_big):
-            lines.append(
-                f"  table {option.name!r} ({fqn}): needs {need} B = {_gb(need)} of {tier} on one rank "
-                f"even with its smallest option ({option.sharding_type}, {option.compute_kernel}, "
-                f"{len(option.shards)} shard(s))"
+        for fqn in sorted(dict.fromkeys(o.fqn for o in options)):
+            need, option = min(
+                ((sum(getattr(s.storage, tier) for s in o.shards), o) for o in options if o.fqn == fqn),
+                key=lambda x: x[0],
             )
-        hint = "Reduce the table's capacity (num_embeddings) or dimension, use a lighter optimizer"
-        if any(option.sharding_type != ShardingType.ROW_WISE.value for _, _, option in too_big):
-            hint += ", allow row_wise sharding (constraints)"
-        lines.append(hint + ", or add ranks / memory per rank.")
-        return "\n".join(lines)
+            lines.append(
+                f"  table {option.name!r} ({fqn}): needs {need} B = {_gb(need)} of {tier} over all ranks with its "
+                f"smallest cache (cache_load_factor {option.cache_params.load_factor:.4g}, {option.sharding_type})"
+            )
+        detail = "\n".join(lines)
+    detail += (
+        "\nA tiered table's smallest cache holds one step's ids (batch size x pooling factors); give "
+        "cache_params=CacheParams(load_factor=...) to size it yourself, or add memory / ranks."
+    )
+    failure = PlannerError(
+        detail + "\n\nTorchRec's planner reported:\n" + str(error),
+        error_type=PlannerErrorType.INSUFFICIENT_STORAGE,
+    )
+    failure._names_tables = True
+    return failure
 
 
 def make_planner(
@@ -625,7 +1013,9 @@ def make_planner(
     ``is_inference``, ``pipeline_type`` and ``plan_capacity`` (growing tables planned at their
     "maximum", the default, or "initial" capacity; see the module docstring) go to the estimators. When no plan exists because a
     table fits on no rank, ``plan()`` raises ``PlannerError`` naming the table, its bytes and the
-    per-rank capacity.
+    per-rank capacity. Tiered tables cache the load factor of their constraint's ``cache_params``
+    or config, else the largest the budget allows (``plan_choosing_caches``); the plan's
+    ``cache_params`` carry it to the sharders.
     """
     if "enumerator" in kwargs:
         raise TypeError(
@@ -635,12 +1025,14 @@ def make_planner(
     is_inference = bool(kwargs.pop("is_inference", False))
     pipeline_type = kwargs.pop("pipeline_type", PipelineType.NONE)
     plan_capacity = kwargs.pop("plan_capacity", "maximum")
+    stats = kwargs.pop("stats", None)
+    stats = [EmbeddingStats()] if stats is None else list(stats) if isinstance(stats, list) else [stats]
+    kwargs["stats"] = [*stats, GrowingTableStats(plan_capacity)]
     enumerator = EmbeddingEnumerator(
         topology=topology,
         batch_size=batch_size,
         constraints=constraints,
-        estimator=[
-            DynamicEmbeddingPerfEstimator(topology, constraints, is_inference=is_inference),
+        estimator=[  # storage first: it plans the tiered tables' load factors, which perf prices
             DynamicEmbeddingStorageEstimator(
                 topology,
                 constraints,
@@ -648,11 +1040,70 @@ def make_planner(
                 is_inference=is_inference,
                 plan_capacity=plan_capacity,
             ),
+            DynamicEmbeddingPerfEstimator(topology, constraints, is_inference=is_inference),
         ],
     )
     return _DynamicEmbeddingShardingPlanner(
         topology=topology, batch_size=batch_size, enumerator=enumerator, constraints=constraints, **kwargs
     )
+
+
+@dataclass(frozen=True)
+class GrowingTableBytes:
+    """A growing table of a plan: its rows and resident bytes (all its shards) now and at its maximum."""
+
+    path: str
+    table: str
+    initial_rows: int
+    maximum_rows: int
+    initial_bytes: int
+    maximum_bytes: int
+    planned_at: str  # "maximum" or "initial": the capacity the plan reserved
+
+    def __str__(self) -> str:
+        return (
+            f"{self.path or '<root>'}.{self.table}: initial {self.initial_rows} rows {_gb(self.initial_bytes)}, "
+            f"maximum {self.maximum_rows} rows {_gb(self.maximum_bytes)}, planned at its {self.planned_at}"
+        )
+
+
+class GrowingTableStats(Stats):
+    """The planner stats of growing tables (``initial_capacity`` < num_embeddings): each one's
+    bytes at its initial capacity and at its maximum, the two figures ``storage_bytes()`` /
+    ``storage_bytes(maximum=True)`` give, whichever of them the plan reserved (``plan_capacity``).
+    ``make_planner`` logs them after TorchRec's ``EmbeddingStats`` table; the last plan's are in
+    ``.tables``."""
+
+    def __init__(self, plan_capacity: Any = "maximum") -> None:
+        self._plan_capacity = check_plan_capacity(plan_capacity)
+        self.tables: list[GrowingTableBytes] = []
+
+    def log(self, sharding_plan, topology, batch_size, storage_reservation, num_proposals, num_plans, run_time,
+            best_plan, constraints=None, sharders=None, enumerator=None, debug=False, debug_stats=None) -> None:  # fmt: skip
+        sharder_of = {sharder.module_type: sharder for sharder in sharders or []}
+        cache, self.tables = _TableCache(), []
+        for option in best_plan:
+            if not is_dynamic_option(option):
+                continue
+            table = cache.info(option, sharder_of.get(type(option.module[1])))
+            if table.tiered or table.initial_capacity is None or table.initial_capacity >= table.capacity:
+                continue
+            parts = _row_parts(option, topology.world_size)
+            at = {
+                at_initial: sum(
+                    _resident_shard_bytes(table, dim, parts, at_initial) for dim in _shard_dims(option, table)
+                )
+                for at_initial in (True, False)
+            }
+            plan = self._plan_capacity
+            planned_at = plan if isinstance(plan, str) else plan.get(table.name, "maximum")
+            self.tables.append(
+                GrowingTableBytes(
+                    option.path, table.name, table.initial_capacity, table.capacity, at[True], at[False], planned_at
+                )
+            )
+        if self.tables:
+            logger.info("Growing tables (bytes of all shards):\n" + "\n".join(f"  {t}" for t in self.tables))
 
 
 # ---------------------------------------------------------------------------- TorchRec's default planner
@@ -824,9 +1275,9 @@ def adjacent_column_shards(best_plan: list[ShardingOption]) -> list[ShardingOpti
 def _default_planner_estimators(
     topology: Topology, constraints: dict[str, ParameterConstraints] | None
 ) -> list[ShardEstimator]:
-    return [
-        DynamicEmbeddingPerfEstimator(topology, constraints),
+    return [  # storage first: it plans the tiered tables' load factors, which perf prices
         DynamicEmbeddingStorageEstimator(topology, constraints),
+        DynamicEmbeddingPerfEstimator(topology, constraints),
     ]
 
 
@@ -870,6 +1321,12 @@ def install_default_planner_hook() -> None:
         # A copy: the caller's callback list is left as it was.
         self._callbacks = list(self._callbacks) + [adjacent_column_shards]
 
+    original_plan = EmbeddingShardingPlanner.plan
+
+    def plan(self, module, sharders):
+        # Tiered tables without a cache size get the largest that fits (plan_choosing_caches).
+        return plan_choosing_caches(self, module, sharders, lambda: original_plan(self, module, sharders))
+
     original_collective_plan = EmbeddingShardingPlanner.collective_plan
 
     def collective_plan(self, module, sharders=None, pg=None):
@@ -881,6 +1338,7 @@ def install_default_planner_hook() -> None:
     EmbeddingEnumerator.__init__ = __init__
     EmbeddingEnumerator.enumerate = enumerate
     EmbeddingShardingPlanner.collective_plan = collective_plan
+    EmbeddingShardingPlanner.plan = plan
     EmbeddingShardingPlanner.__init__ = planner_init
     EmbeddingEnumerator.populate_estimates = populate_estimates
     EmbeddingEnumerator._torchrec_ext_hooked = True

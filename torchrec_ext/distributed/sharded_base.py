@@ -30,6 +30,7 @@ from torchrec_ext.distributed.input_dist import RoutedInputDist
 from torchrec_ext.distributed.placement import TablePlacement, read_plan
 from torchrec_ext.distributed.routing import SlotRouting
 from torchrec_ext.distributed.sharded_state import ShardedDynamicState
+from torchrec_ext.distributed.tier_plan import planned_cache_load_factor, sharder_cache_load_factor
 from torchrec_ext.modules.admission import local_admission_fields
 from torchrec_ext.modules.configs import (
     DynamicEmbeddingBagConfig,
@@ -42,6 +43,7 @@ from torchrec_ext.modules.features import LookupPlan
 from torchrec_ext.modules.fused_optimizer import (
     DEFAULT_OPTIMIZER,
     OptimizerSpec,
+    output_dtype_of,
     spec_from_fused_params,
     stochastic_rounding_of,
 )
@@ -62,12 +64,14 @@ def _local_config(
     feature_names: list[str],
     pooled: bool,
     stochastic_rounding: bool | None = None,
+    cache_load_factor: float | None = None,
 ):
     """The config of this rank's share: same name, seed, initial vectors, data_type and backing, its
-    own capacity (a 1/parts share of a row table's; a tiered one caches its cache_load_factor of
-    that share, over backing files of its own: ``backing_shard``) and columns (a column table's
-    shards here), features renamed to their output names, sum pooling (mean is applied after the
-    reduce); ``stochastic_rounding`` (the sharder's fused_params') overrides the config's."""
+    own capacity (a 1/parts share of a row table's; a tiered one caches ``cache_load_factor`` of
+    that share (the plan's: tier_plan.py), over backing files of its own: ``backing_shard``) and
+    columns (a column table's shards here), features renamed to their output names, sum pooling
+    (mean is applied after the reduce); ``stochastic_rounding`` (the sharder's fused_params')
+    overrides the config's."""
     opts = options_of(cfg)
     share = placement.parts
     first_column, width = placement.local_columns(rank)
@@ -92,7 +96,7 @@ def _local_config(
         data_type=cfg.data_type,
         stochastic_rounding=opts.stochastic_rounding if stochastic_rounding is None else stochastic_rounding,
         backing=opts.backing,
-        cache_load_factor=opts.cache_load_factor,
+        cache_load_factor=cache_load_factor,
         backing_shard=None if opts.backing == "device" else f"rank{rank}-of-{world_size}",
     )
     return DynamicEmbeddingBagConfig(pooling=PoolingType.SUM, **fields) if pooled else DynamicEmbeddingConfig(**fields)
@@ -157,6 +161,8 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
         self._world_size, self._rank = env.world_size, env.rank
         spec = sharded_optimizer(module, fused_params, type(self).__name__)
         stochastic_rounding = stochastic_rounding_of(fused_params, type(self).__name__)
+        # The outputs' dtype (fbgemm's output_dtype): lookups and the reduce stay float32, cast once at the end.
+        self._output_dtype = output_dtype_of(fused_params, type(self).__name__)
         self._owners = read_plan(
             type(self).__name__,
             configs,
@@ -169,15 +175,24 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
         self._routing = SlotRouting.of(
             self._plan.embedding_names, [self._owners[configs[t].name] for t in self._plan.tables], self._world_size
         )
+        sharder_factor = sharder_cache_load_factor(fused_params, type(self).__name__)
         local_configs, replicated = [], []
         for t, cfg in enumerate(configs):
             placement = self._owners[cfg.name]
             if placement.kind == "row" and options_of(cfg).fallback_rows:
                 replicated.append(len(local_configs))
+            factor = planned_cache_load_factor(
+                cfg,
+                table_name_to_parameter_sharding[cfg.name].cache_params,
+                f"{type(self).__name__}: table {cfg.name!r}",
+                sharder_factor,
+            )
             if placement.holds(self._rank):
                 slots = [self._plan.embedding_names[i] for i, tt in enumerate(self._plan.tables) if tt == t]
                 local_configs.append(
-                    _local_config(cfg, placement, self._rank, self._world_size, slots, pooled, stochastic_rounding)
+                    _local_config(
+                        cfg, placement, self._rank, self._world_size, slots, pooled, stochastic_rounding, factor
+                    )
                 )
         widths = {c.name: c.embedding_dim for c in local_configs}
         if not pooled and len(set(widths.values())) > 1:

@@ -129,7 +129,8 @@ class DynamicTableOptions:
         directory, memory-mapped); with host or file backing only ``cache_load_factor`` of the
         rows are kept in the module's buffer (``torchrec_ext.modules.tiered_tables``).
     cache_load_factor: the fraction in (0, 1] of the capacity kept hot with host or file backing
-        (None: 0.2, TorchRec's default).
+        (None: 0.2, TorchRec's default; sharded, the plan's ``cache_params.load_factor``, which the
+        planner chooses from the memory budget: ``torchrec_ext.distributed.planner``).
     backing_shard: which shard of a sharded table this config is, e.g. ``"rank0-of-2"``: set by the
         sharders on each rank's share (None for a table of its own); the backing files of a
         ``"file:<dir>"`` table start with it, so that ranks sharing a directory never share a file.
@@ -214,6 +215,12 @@ def check_fallback_rows(value: object, where: str) -> None:
 
 
 DEFAULT_CACHE_LOAD_FACTOR = 0.2
+
+
+def cache_slots(capacity: int, load_factor: float) -> int:
+    """Rows a tiered table of ``capacity`` rows caches at ``load_factor``: ceil(load_factor *
+    capacity), at least 1 (with a margin for the float product: 0.2 * 1000 is 200 slots, not 201)."""
+    return min(capacity, max(1, math.ceil(load_factor * capacity - 1e-9)))
 
 
 def check_growth_options(opts: DynamicTableOptions, num_embeddings: int | None, where: str) -> None:

@@ -115,7 +115,7 @@ class DeltaLog:
         self.floor = 0  # tokens older than this were released: their tombstones are gone
         total = sum(m.rows for m in tables.meta)  # fallback rows included: their writes are versioned too
         self.max_tombstones = max_tombstones or max(2 * total, DEFAULT_MIN_TOMBSTONES)
-        self.row_starts = tables.state_row_offsets.to(tables.device)
+        self.row_starts = tables.row_starts().to(tables.device)
         # 0: written before tracking. One extra slot at the end takes the stamps of rows -1 (none),
         # so a step's rows are stamped without compacting them first.
         self.version = torch.zeros(total + 1, dtype=torch.int64, device=tables.device)
@@ -138,7 +138,7 @@ class DeltaLog:
         """Versions of table t's rows (fallback: of its fallback rows)."""
         self._on(tables.device)
         m = tables.meta[t]
-        start = int(tables.state_row_offsets[t]) + (m.capacity if fallback else 0)
+        start = int(tables.row_starts()[t]) + (m.capacity if fallback else 0)
         return self.version[start : start + (m.fallback_rows if fallback else m.capacity)]
 
     def relayout(self, tables: DynamicTables, flat_map: Tensor) -> None:
@@ -156,7 +156,7 @@ class DeltaLog:
 
         # Born versions move too: a tombstone is sent only for ids born at or before a token.
         self.version, self.born, self.no_row = follow(self.version), follow(self.born), total
-        self.row_starts = tables.state_row_offsets.to(flat_map.device)
+        self.row_starts = tables.row_starts().to(flat_map.device)
 
     # ------------------------------------------------------------------ hooks (DynamicTables)
 
@@ -547,7 +547,7 @@ def move_rows(tables: DynamicTables, t: int, moved_from: Tensor, moved_to: Tenso
         per_row.append(tables.last_seen[t])
     log = tables.delta_log
     if log is not None:
-        start = int(tables.state_row_offsets[t])
+        start = int(tables.row_starts()[t])
         per_row += [log.table_versions(tables, t), log.born[start : start + tables.meta[t].capacity]]
     for view in per_row:
         view[moved_to] = view[moved_from]  # the right side is gathered (a copy) before the scatter

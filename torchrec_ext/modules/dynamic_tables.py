@@ -3,23 +3,20 @@ modules and the fused backward hold. Its parts, one file each:
 
 - ``table_storage.py``: the buffers of vectors and optimizer state, their layout, views, bytes;
 - ``table_growth.py``: capacities doubling between steps and the rows' relayout;
-- ``ids_to_rows.py``: per-table indexes, admission, TTL, fallback rows, the lookup of a batch and
-  its pending new rows;
+- ``ids_to_rows.py``: per-table indexes, admission, TTL, fallback rows, the lookup of a batch, its
+  pending new rows, and what the lookup's fused update writes (``begin_update``) and what follows
+  it (``end_update``);
 - ``replicated_fallback.py``: fallback rows copied on every rank of a row-wise sharded table;
 - ``table_checkpoint.py``: a table's state out and in.
 
-Here: construction, device moves, reset, and what the fused update of a lookup
-(``lookup_functions.fused_backward``) writes (``begin_update``) and what follows it (``end_update``).
-Half-precision rows are stepped in float32 and written back with stochastic rounding (a pure
-function of the table's seed, the id, the element and the optimizer step) unless the table's
-``stochastic_rounding`` is off.
+Here: construction (the tables' settings, including half-precision rows' rounding seeds), device
+moves, reset and accounting.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -29,7 +26,7 @@ from torchrec_ext.hashing import fallback_seed, rounding_seed, table_seed
 from torchrec_ext.modules.admission import Admission
 from torchrec_ext.modules.configs import initial_capacity_of, initializer_of, options_of, storage_dtype_of
 from torchrec_ext.modules.fused_optimizer import OptimizerSpec
-from torchrec_ext.modules.ids_to_rows import IdsToRows, RowLookup
+from torchrec_ext.modules.ids_to_rows import FusedUpdate, IdsToRows, RowLookup, StorageLayout, UpdateBags
 from torchrec_ext.modules.pending_rows import NewRows, pending_rows_written
 from torchrec_ext.modules.replicated_fallback import ReplicatedFallback
 from torchrec_ext.modules.reserved_buffers import ReservedBuffer
@@ -41,47 +38,7 @@ from torchrec_ext.table import HashTable
 from torchrec_ext.vocabulary import dtype_code
 
 # Where in-tree code and other branches import them from.
-__all__ = ["DynamicTables", "FusedUpdate", "GrowthError", "NewRows", "RowLookup", "UpdateBags"]
-
-
-class UpdateBags(NamedTuple):
-    """How the rows of a lookup's output gradient map to its ids: a pooled lookup's bags
-    (``offsets`` [F * batch_size + 1], per-sample weights or None, each feature's first output
-    column and mean pooling), or, for a sequence lookup, one row per id (``UpdateBags.sequence``)."""
-
-    offsets: Tensor | None
-    per_sample_weights: Tensor | None
-    feature_col: Tensor
-    feature_mean: Tensor
-    batch_size: int
-
-    @staticmethod
-    def sequence(device: torch.device) -> UpdateBags:
-        """A sequence lookup's: no bags, each gradient row is one id's."""
-        empty = torch.zeros(0, dtype=torch.int64, device=device)
-        return UpdateBags(None, None, empty, empty.bool(), 0)
-
-
-class FusedUpdate(NamedTuple):
-    """One fused update's target (``DynamicTables.begin_update``): the buffers it steps and their
-    layout, the lookup's unique rows this rank steps (-1: none, such as replicated fallback rows,
-    which ``end_update`` steps), the optimizer and its step, the lookup's pending rows as
-    ``ops.fused_update`` takes them (``NewRows.update_args``), the storage dtypes and
-    rounding seeds, and what ``end_update`` needs."""
-
-    weights: Tensor
-    states: list[Tensor]
-    table_offsets: Tensor
-    table_dims: Tensor
-    state_row_offsets: Tensor
-    unique_rows: Tensor
-    optimizer: int
-    step: int
-    pending: tuple
-    table_dtypes: Tensor | None
-    rounding_seeds: Tensor | None
-    new: NewRows | None  # marked written by end_update
-    replicated_sum: Tensor | None  # the ranks' summed fallback gradients (None: none replicated)
+__all__ = ["DynamicTables", "FusedUpdate", "GrowthError", "NewRows", "RowLookup", "StorageLayout", "UpdateBags"]
 
 
 class DynamicTables(IdsToRows, TableGrowth, ReplicatedFallback, TableCheckpoint, TableStorage):
@@ -115,7 +72,6 @@ class DynamicTables(IdsToRows, TableGrowth, ReplicatedFallback, TableCheckpoint,
                 )
             )
         cpu = torch.device("cpu")
-        sizes = self._compute_layout()
         self.table_dims = torch.tensor([m.dim for m in self.meta], dtype=torch.int64, device=cpu)
         # The kernels' dtype arguments: None for an all-float32 module (the kernels' default).
         half = any(m.dtype != torch.float32 for m in self.meta)
@@ -132,9 +88,9 @@ class DynamicTables(IdsToRows, TableGrowth, ReplicatedFallback, TableCheckpoint,
         self._fallback_max = max((m.fallback_rows for m in self.meta), default=0)
         # Per buffer name, the address space a growing module's buffer lives in (see _allocate_buffer).
         self._reserved: dict[str, ReservedBuffer] = {}
-        self.weights = self._allocate_buffer("weights", sum(sizes), 0.0, device)
-        self._init_views: list | None = None
         self.optimizer: OptimizerSpec | None = None
+        self.weights = self._allocate_weights(device)  # (the layout too)
+        self._init_views: list | None = None
         self.states: list[Tensor] = []
         self.optimizer_step = torch.zeros((), dtype=torch.int64, device=cpu)
         self.train_step = 0  # training batches seen: the clock of ttl_steps
@@ -165,7 +121,9 @@ class DynamicTables(IdsToRows, TableGrowth, ReplicatedFallback, TableCheckpoint,
         """For deepcopy / pickle / torch.save: pending new rows are written first, so the copy
         holds every row its indexes name; caches and the scratch buffer are not carried."""
         state = dict(self.__dict__)
-        state["_reserved"] = {}  # the copy's buffers are plain ones (its next growth reserves again)
+        if self._spans_at_max:  # each table's rows, not the reserved spans (laid out again on load)
+            state["_saved_rows"] = self._saved_rows()
+            state["weights"], state["states"], state["_reserved"], state["_span_views"] = None, [], {}, {}
         state["_init_views"] = None
         state["_new_vector_buffer"] = torch.empty(0, dtype=torch.float32)
         state["_pending"] = {}  # a copy has no lookup in flight
@@ -173,20 +131,25 @@ class DynamicTables(IdsToRows, TableGrowth, ReplicatedFallback, TableCheckpoint,
         return state
 
     def __setstate__(self, state: dict[str, object]) -> None:
+        saved = state.pop("_saved_rows", None)
         self.__dict__.update(state)
         self._parameter_owners = weakref.WeakSet()
+        if saved is not None:
+            self._spread_spans(saved)
 
     @pending_rows_written
     def apply(self, fn) -> None:
         """Applies a tensor function (``Module._apply``'s) to the storage and moves the indexes."""
         old_device = self.device
+        probe = torch.empty(0, dtype=torch.float32, device=old_device)
+        if fn(probe) is not probe:  # moved or converted: not the whole reserved spans
+            self._pack_spans()
         self.weights = fn(self.weights)
         self.states = [fn(s) for s in self.states]
-        if not self._reserved.get("weights", None) or not self._reserved["weights"].holds(self.weights):
-            self._reserved = {}  # moved or converted: the buffers are plain ones now
         self._init_views = None
         if self.device != old_device:
             self._build_indexes(carry_from=old_device)
+        self._spread_spans()  # a growing module on CPU: spans at num_embeddings again
 
     def reset(self) -> None:
         """Forgets every id: empty indexes, cleared optimizer state and counters; growing tables
@@ -206,57 +169,6 @@ class DynamicTables(IdsToRows, TableGrowth, ReplicatedFallback, TableCheckpoint,
             self.set_optimizer(spec)
         self.optimizer_step.zero_()
         self.train_step = 0
-
-    # ------------------------------------------------------------------ backward
-
-    def begin_update(self, grad: Tensor, lookup: RowLookup, bags: UpdateBags) -> FusedUpdate:
-        """What the fused update of ``lookup`` (``lookup_functions.fused_backward``) writes and with
-        what: counts the optimizer step, and sums the replicated fallback rows' gradients over
-        the ranks first (those rows step in ``end_update``)."""
-        if self.optimizer is None:
-            raise RuntimeError(
-                "dynamic embedding backward: no fused optimizer; pass optimizer=... to the module or call "
-                "torchrec.optim.apply_optimizer_in_backward(cls, module.parameters(), kwargs) before training"
-            )
-        self.optimizer_step += 1
-        table_offsets, table_dims, state_row_offsets = self.layout()
-        table_dtypes, rounding_seeds = self.dtype_layout()
-        new = lookup.new if lookup.new is not None and not lookup.new.written else None
-        unique_rows, summed = lookup.unique_rows, None
-        if self.replicated_fallback is not None:  # those rows step in end_update, on the ranks' summed gradient
-            replicated, summed = self._sum_replicated_fallback_gradients(grad, lookup, *bags)
-            unique_rows = unique_rows.masked_fill(replicated, -1)
-        return FusedUpdate(
-            self.weights,
-            self.states,
-            table_offsets,
-            table_dims,
-            state_row_offsets,
-            unique_rows,
-            self.optimizer.kind_id,
-            int(self.optimizer_step),
-            ((), None, ()) if new is None else new.update_args(self._initial_state_values()),
-            table_dtypes,
-            rounding_seeds,
-            new,
-            summed,
-        )
-
-    def end_update(self, lookup: RowLookup, update: FusedUpdate, hyperparams: tuple[float, ...]) -> None:
-        """After the fused update of ``lookup``: its pending rows are written, the delta log told,
-        the replicated fallback rows stepped, and growths put off while it was pending run."""
-        if update.new is not None:
-            update.new.written = True
-        if self.delta_log is not None:
-            self.delta_log.updated(update.unique_rows, lookup.unique_table)
-        if update.replicated_sum is not None:
-            self._step_replicated_fallback(update.replicated_sum, hyperparams)
-        done = self._pending.get(id(lookup.unique_rows))
-        if done is not None:
-            done()
-            if self.pending_backward == 0 and getattr(self, "_growth_deferred", False):
-                self._growth_deferred = False
-                self.grow()  # growths put off while this update was pending
 
     # ------------------------------------------------------------------ accounting
 

@@ -12,6 +12,12 @@ of that row on their summed gradient, with its own optimizer state, as for any r
 
 On CPU, when a backward will follow, new rows are not written by the lookup but left pending
 (``pending_rows.py``: the protocol and its one guard).
+
+A lookup's life ends here too: what its fused update (``lookup_functions.fused_backward``) writes
+(``begin_update``: the buffers, the lookup's layout and pending rows) and what follows the update
+(``end_update``: pending rows marked written, the delta log, deferred growth). Half-precision rows
+are stepped in float32 and written back with stochastic rounding (a pure function of the table's
+seed, the id, the element and the optimizer step) unless the table's ``stochastic_rounding`` is off.
 """
 
 from __future__ import annotations
@@ -34,6 +40,19 @@ from torchrec_ext.vocabulary import INITIALIZER_NAMES, INITIALIZER_PARAM_COUNTS,
 _SCORED_BY_COUNT = {"lfu", "epoch_lfu"}
 
 
+class StorageLayout(NamedTuple):
+    """The storage's layout as the kernels take it, on its device (``TableStorage.layout`` and
+    ``dtype_layout``): each table's first word, dim and first row-wise state row, and the tables'
+    storage dtype codes and rounding seeds (each None when not needed). Fixed while a lookup is in
+    flight (tables grow only when none is), so the lookup carries it to its kernels."""
+
+    table_offsets: Tensor
+    table_dims: Tensor
+    state_row_offsets: Tensor
+    table_dtypes: Tensor | None
+    rounding_seeds: Tensor | None
+
+
 class RowLookup(NamedTuple):
     """Rows of one batch's ids, and the grouping the fused backward needs.
 
@@ -41,6 +60,7 @@ class RowLookup(NamedTuple):
     ``new.vectors``). unique_rows / unique_table: each table's distinct ids' rows and tables,
     tables in order. inverse: each id's index into unique_rows. new: rows still to be written.
     unique_ids: the id of each unique row (stochastic rounding's bits are drawn per id).
+    layout: the storage's layout the lookup and update kernels take.
     """
 
     rows: Tensor
@@ -49,11 +69,52 @@ class RowLookup(NamedTuple):
     inverse: Tensor
     new: NewRows | None = None
     unique_ids: Tensor | None = None
+    layout: StorageLayout | None = None
 
     @property
     def new_vectors(self) -> list[Tensor]:
         """The blocks the lookup kernels read rows -2 - j from (none when no row is pending)."""
         return self.new.vectors if self.new is not None else []
+
+
+class UpdateBags(NamedTuple):
+    """How the rows of a lookup's output gradient map to its ids: a pooled lookup's bags
+    (``offsets`` [F * batch_size + 1], per-sample weights or None, each feature's first output
+    column and mean pooling), or, for a sequence lookup, one row per id (``UpdateBags.sequence``)."""
+
+    offsets: Tensor | None
+    per_sample_weights: Tensor | None
+    feature_col: Tensor
+    feature_mean: Tensor
+    batch_size: int
+
+    @staticmethod
+    def sequence(device: torch.device) -> UpdateBags:
+        """A sequence lookup's: no bags, each gradient row is one id's."""
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return UpdateBags(None, None, empty, empty.bool(), 0)
+
+
+class FusedUpdate(NamedTuple):
+    """One fused update's target (``DynamicTables.begin_update``): the buffers it steps and their
+    layout, the lookup's unique rows this rank steps (-1: none, such as replicated fallback rows,
+    which ``end_update`` steps), the optimizer and its step, the lookup's pending rows as
+    ``ops.fused_update`` takes them (``NewRows.update_args``), the storage dtypes and
+    rounding seeds, and what ``end_update`` needs."""
+
+    weights: Tensor
+    states: list[Tensor]
+    table_offsets: Tensor
+    table_dims: Tensor
+    state_row_offsets: Tensor
+    unique_rows: Tensor
+    optimizer: int
+    step: int
+    pending: tuple
+    table_dtypes: Tensor | None
+    rounding_seeds: Tensor | None
+    new: NewRows | None  # marked written by end_update
+    replicated_sum: Tensor | None  # the ranks' summed fallback gradients (None: none replicated)
 
 
 class IdsToRows:
@@ -164,12 +225,13 @@ class IdsToRows:
                 unique, unique_rows, unique_table, inverse, new
             )
         unique_ids = unique_ids if self.rounding_seeds is not None else None
+        layout = StorageLayout(*self._on_device()[:5])
         if new is None:
-            result = RowLookup(unique_rows[inverse], unique_rows, unique_table, inverse, unique_ids=unique_ids)
+            result = RowLookup(unique_rows[inverse], unique_rows, unique_table, inverse, None, unique_ids, layout)
         else:
             self._new_rows = new
             read_from = new.read_rows(unique_rows)
-            result = RowLookup(read_from[inverse], unique_rows, unique_table, inverse, new, unique_ids)
+            result = RowLookup(read_from[inverse], unique_rows, unique_table, inverse, new, unique_ids, layout)
         if backward_follows and not exporting:
             # Pending until its fused update lands, or its autograd graph (which holds it) is dropped.
             self._pending[id(result.unique_rows)] = weakref.finalize(
@@ -184,6 +246,56 @@ class IdsToRows:
 
     def _backward_done(self, key: int) -> None:
         self._pending.pop(key, None)
+
+    # ------------------------------------------------------------------ the lookup's fused update
+
+    def begin_update(self, grad: Tensor, lookup: RowLookup, bags: UpdateBags) -> FusedUpdate:
+        """What the fused update of ``lookup`` (``lookup_functions.fused_backward``) writes and with
+        what: counts the optimizer step, and sums the replicated fallback rows' gradients over
+        the ranks first (those rows step in ``end_update``)."""
+        if self.optimizer is None:
+            raise RuntimeError(
+                "dynamic embedding backward: no fused optimizer; pass optimizer=... to the module or call "
+                "torchrec.optim.apply_optimizer_in_backward(cls, module.parameters(), kwargs) before training"
+            )
+        self.optimizer_step += 1
+        table_offsets, table_dims, state_row_offsets, table_dtypes, rounding_seeds = lookup.layout
+        new = lookup.new if lookup.new is not None and not lookup.new.written else None
+        unique_rows, summed = lookup.unique_rows, None
+        if self.replicated_fallback is not None:  # those rows step in end_update, on the ranks' summed gradient
+            replicated, summed = self._sum_replicated_fallback_gradients(grad, lookup, *bags)
+            unique_rows = unique_rows.masked_fill(replicated, -1)
+        return FusedUpdate(
+            self.weights,
+            self.states,
+            table_offsets,
+            table_dims,
+            state_row_offsets,
+            unique_rows,
+            self.optimizer.kind_id,
+            int(self.optimizer_step),
+            ((), None, ()) if new is None else new.update_args(self._initial_state_values()),
+            table_dtypes,
+            rounding_seeds,
+            new,
+            summed,
+        )
+
+    def end_update(self, lookup: RowLookup, update: FusedUpdate, hyperparams: tuple[float, ...]) -> None:
+        """After the fused update of ``lookup``: its pending rows are written, the delta log told,
+        the replicated fallback rows stepped, and growths put off while it was pending run."""
+        if update.new is not None:
+            update.new.written = True
+        if self.delta_log is not None:
+            self.delta_log.updated(update.unique_rows, lookup.unique_table)
+        if update.replicated_sum is not None:
+            self._step_replicated_fallback(update.replicated_sum, hyperparams)
+        done = self._pending.get(id(lookup.unique_rows))
+        if done is not None:
+            done()
+            if self.pending_backward == 0 and getattr(self, "_growth_deferred", False):
+                self._growth_deferred = False
+                self.grow()  # growths put off while this update was pending
 
     def _read_fallback(
         self, unique: Tensor, unique_rows: Tensor, unique_table: Tensor, inverse: Tensor, new: NewRows | None

@@ -2,8 +2,10 @@
 the rows (``ops.pooled_lookup`` / ``ops.sequence_lookup``), backward is the fused optimizer update
 (``ops.fused_update``, ``fused_backward``); per-sample weights that require a gradient get theirs.
 
-The functions receive the tables' storage (``DynamicTables``), the features' layout
-(``LookupPlan``) and a reader of the optimizer's hyperparameters, never the module. The
+The functions receive the tables' storage (``DynamicTables``: its buffers and, for the update,
+``begin_update`` / ``end_update``), the lookup's rows with the storage's layout and pending rows
+(``RowLookup``), the features' layout (``LookupPlan``) and a reader of the optimizer's
+hyperparameters, never the module. The
 hyperparameters are read when the backward runs, so a setting written between forward and backward
 (a scheduler's) applies, as before.
 """
@@ -15,10 +17,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from torchrec_ext import ops
-from torchrec_ext.modules.dynamic_tables import DynamicTables, UpdateBags
+from torchrec_ext import device_sync, ops
+from torchrec_ext.modules.dynamic_tables import DynamicTables
 from torchrec_ext.modules.features import LookupInput, LookupPlan
-from torchrec_ext.modules.ids_to_rows import RowLookup
+from torchrec_ext.modules.ids_to_rows import RowLookup, UpdateBags
 
 # The optimizer's hyperparameters (lr, eps, beta1, beta2, weight_decay, lr_decay), read when called.
 Hyperparams = Callable[[], tuple[float, ...]]
@@ -69,8 +71,8 @@ class PooledLookupFunction(torch.autograd.Function):
         weights: Tensor | None,
         *params: Tensor,
     ) -> Tensor:
-        table_offsets, table_dims, _ = tables.layout()
-        feature_table, feature_col, feature_mean = plan.tensors(tables.device)
+        layout = lookup.layout
+        feature_table, feature_col, feature_mean = plan.tensors(tables.weights.device)
         offsets = torch.zeros(batch.lengths.numel() + 1, dtype=torch.int64, device=batch.lengths.device)
         torch.cumsum(batch.lengths, 0, out=offsets[1:])
         ctx.tables, ctx.plan, ctx.hyperparams = tables, plan, hyperparams
@@ -78,8 +80,8 @@ class PooledLookupFunction(torch.autograd.Function):
         ctx.num_params = len(params)
         return ops.pooled_lookup(
             tables.weights,
-            table_offsets,
-            table_dims,
+            layout.table_offsets,
+            layout.table_dims,
             feature_table,
             feature_col,
             feature_mean,
@@ -89,7 +91,7 @@ class PooledLookupFunction(torch.autograd.Function):
             batch.batch_size,
             plan.total_dim,
             lookup.new_vectors,
-            tables.dtype_layout()[0],
+            layout.table_dtypes,
         )
 
     @staticmethod
@@ -98,7 +100,7 @@ class PooledLookupFunction(torch.autograd.Function):
         # Before the update: the weights' gradient reads the rows as the forward did.
         needs_weights = ctx.needs_input_grad[5]
         grad_weights = per_sample_weight_grad(tables, plan, ctx.lookup, batch, grad) if needs_weights else None
-        _, feature_col, feature_mean = plan.tensors(tables.device)
+        _, feature_col, feature_mean = plan.tensors(tables.weights.device)
         bags = UpdateBags(ctx.offsets, batch.weights, feature_col, feature_mean, batch.batch_size)
         fused_backward(tables, grad, ctx.lookup, bags, ctx.hyperparams())
         return (None, None, None, None, None, grad_weights) + (None,) * ctx.num_params
@@ -110,8 +112,7 @@ def per_sample_weight_grad(
     """d loss / d weight of each id: its row (as the lookup read it) dotted with the gradient of
     its bag's output columns, divided by the bag's length under mean pooling. One sequence
     lookup per distinct embedding dim."""
-    table_offsets, _, _ = tables.layout()
-    feature_table, feature_col, feature_mean = plan.tensors(tables.device)
+    feature_table, feature_col, feature_mean = plan.tensors(tables.weights.device)
     n, bags = batch.ids.numel(), batch.lengths.numel()
     bag = torch.repeat_interleave(torch.arange(bags, device=grad.device), batch.lengths, output_size=n)
     feature, sample = bag // batch.batch_size, bag % batch.batch_size
@@ -123,18 +124,19 @@ def per_sample_weight_grad(
     for dim in sorted(set(plan.dims)):
         features = [i for i, d in enumerate(plan.dims) if d == dim]
         at = torch.cat([torch.arange(starts[i], starts[i + 1], device=grad.device) for i in features])
-        counts = torch.tensor([0] + [batch.value_counts[i] for i in features], device=grad.device).cumsum(0)
+        counts = device_sync.to_device(torch.tensor([0] + [batch.value_counts[i] for i in features]), grad.device)
+        counts = counts.cumsum(0)
         # (the op takes one dim: other tables' pending vectors are not read, so stand in empty)
         pending = [v if v.shape[1] == dim else v.new_zeros(0, dim) for v in lookup.new_vectors]
         rows = ops.sequence_lookup(
             tables.weights,
-            table_offsets,
+            lookup.layout.table_offsets,
             dim,
             feature_table[features],
             counts,
             lookup.rows[at],
             pending,
-            tables.dtype_layout()[0],
+            lookup.layout.table_dtypes,
         )
         cols = feature_col[feature[at]].unsqueeze(1) + torch.arange(dim, device=grad.device)
         out[at] = (grad[sample[at].unsqueeze(1), cols] * rows).sum(1) * scale[at]
@@ -154,19 +156,18 @@ class SequenceLookupFunction(torch.autograd.Function):
         batch: LookupInput,
         *params: Tensor,
     ) -> Tensor:
-        table_offsets, _, _ = tables.layout()
-        feature_table, _, _ = plan.tensors(tables.device)
+        feature_table, _, _ = plan.tensors(tables.weights.device)
         ctx.tables, ctx.hyperparams, ctx.lookup = tables, hyperparams, lookup
         ctx.num_params = len(params)
         return ops.sequence_lookup(
             tables.weights,
-            table_offsets,
+            lookup.layout.table_offsets,
             plan.dims[0] if plan.dims else 1,
             feature_table,
             batch.feature_value_offsets,
             lookup.rows,
             lookup.new_vectors,
-            tables.dtype_layout()[0],
+            lookup.layout.table_dtypes,
         )
 
     @staticmethod

@@ -371,10 +371,12 @@ class TableCheckpoint:
         m, rows = self.meta[t], table.rows
         self.indexes[t] = table.index
         # index_copy_ / index_fill_ rather than view[rows] = ...: indexing costs ~15 ms more per call on CPU
-        self.table_view(t).index_copy_(0, rows, table.vectors)
+        view = self.table_view(t)
+        at = rows.to(view.device)  # (a tiered table's views are of its backing store, on the host)
+        view.index_copy_(0, at, table.vectors.to(view.device))
         for (key, view), fill in zip(self.state_views(t).items(), self._initial_state_values()):
             value = table.states[key]
-            view.index_fill_(0, rows, fill) if value is None else view.index_copy_(0, rows, value)
+            view.index_fill_(0, at, fill) if value is None else view.index_copy_(0, at, value.to(view.device))
         if m.ttl_steps is not None:
             self.last_seen[t].zero_()
             self.last_seen[t].index_copy_(0, rows, table.last_seen)

@@ -2,16 +2,19 @@
 at initial_capacity and double, up to num_embeddings, when a training batch could push its load
 past ``growth_load_factor`` (``TableGrowth.grow``).
 
-Every table's vectors and optimizer state move to the new layout, the grown tables' rows to their
-keys' places in a rebuilt index (``HashTable.grown``), with their last-seen steps and delta versions
-(``_relayout``): on CPU within the buffers' own memory, reserved for the largest layout
-(``ReservedBuffer``, so only the new pages are first touched), else into new buffers. Rows move
-only then, and only while no lookup awaits its fused update (``pending_backward``).
+A growth rebuilds the grown tables' indexes (``HashTable.grown``: every key keeps its row) and
+gives the tables their new capacities (``_relayout``). On CPU, where each table's span is laid out
+for num_embeddings in reserved address space (``TableStorage._spans_at_max``), no row moves: only
+the fallback rows (which follow the capacity rows) and the last-seen steps, and the new rows' pages
+are left unwritten (they read as zeros, the initial value of vectors and of most optimizer
+states; a nonzero state value is written) until a row there is first written, as in a
+preallocated table. Elsewhere (CUDA, no address space to reserve) the vectors and optimizer state
+are copied into new buffers on the device. Rows move only then, and only while no lookup awaits
+its fused update (``pending_backward``).
 """
 
 from __future__ import annotations
 
-import mmap
 from typing import NamedTuple
 
 import torch
@@ -44,129 +47,43 @@ class _RowMoves(NamedTuple):
     dst: Tensor
     block: int = 0
 
-    def scattered(self, whole: bool = False) -> tuple[Tensor, Tensor]:
-        """(src, dst) of the rows carried one by one (``whole``: the block's live rows too)."""
-        if whole or not self.block:
+    def scattered(self) -> tuple[Tensor, Tensor]:
+        """(src, dst) of the rows carried one by one (not the block's)."""
+        if not self.block:
             return self.src, self.dst
         live = self.live_src.numel()
         return self.src[live:], self.dst[live:]
 
 
-def _carried_bytes(view: Tensor, move: _RowMoves | None, whole: bool = False) -> int:
-    """Bytes of the rows of ``view`` (a table's old rows in one buffer) a relayout carries through
-    scratch (``whole``: a block's too), rounded up to 8 (scratch blocks stay aligned for any dtype)."""
-    rows = (view.shape[0] if whole else 0) if move is None else move.scattered(whole)[0].numel()
-    return -(-rows * (view[:1].numel() or 1) * view.element_size() // 8) * 8 if rows else 0
-
-
-_PAGE = mmap.PAGESIZE
-
-
-def _move_block(buf: Tensor, old: Tensor, new: Tensor, reserved: ReservedBuffer | None = None) -> None:
-    """Moves ``old`` to ``new`` (views of the same numel and dtype into ``buf``, which may
-    overlap) with no scratch: in chunks no longer than the distance, from the far end; in a
-    reserved buffer the whole pages of each chunk by remapping them (``ReservedBuffer.remap``),
-    its edges by a copy."""
-    u8, base = buf.view(torch.uint8), buf.data_ptr()
-    n = old.numel() * old.element_size()
-    s, d = old.data_ptr() - base, new.data_ptr() - base
-    step = abs(d - s)
-    if n == 0 or step == 0:
-        return
-    if step < min(n, 1 << 20):  # a short shift: many small chunks would cost more than a copy
-        u8[d : d + n].copy_(u8[s : s + n].clone())
-        return
-    page = _PAGE
-    if reserved is not None and (d - s) % page == 0 and step >= page:
-        step -= step % page  # chunks of whole pages, so that each one's middle can be remapped
-    else:
-        reserved = None
-    starts = range(0, n, step)
-    for a in reversed(starts) if d > s else starts:
-        e = min(a + step, n)
-        head = min(-(base + s + a) % page, e - a) if reserved is not None else e - a
-        whole = (e - a - head) // page * page
-        if whole and reserved.remap(s + a + head, d + a + head, whole):
-            u8[d + a : d + a + head].copy_(u8[s + a : s + a + head])
-            u8[d + a + head + whole : d + e].copy_(u8[s + a + head + whole : s + e])
-        else:
-            u8[d + a : d + e].copy_(u8[s + a : s + e])
-
-
-def _rewrite_in_place(
-    buf: Tensor,
-    old_views: list[Tensor],
-    new_views: list[Tensor],
-    old_spans: list[int],
-    new_spans: list[int],
-    value: float,
-    moves: list[_RowMoves | None],
-    scratch: Tensor,
-    reserved: ReservedBuffer | None = None,
+def _resize_in_span(
+    reserved: ReservedBuffer, old: Tensor, new: Tensor, value: float, move: _RowMoves, old_cap: int, new_cap: int
 ) -> None:
-    """One buffer's relayout within its own memory: ``old_views[t]`` (the old layout's rows of
-    table t) and ``new_views[t]`` view the same memory, table t's span of it running from
-    ``old_spans[t]`` to ``old_spans[t + 1]`` before and ``new_spans`` after. Each table's carried
-    rows go to ``scratch``, its new span is filled with ``value`` and the rows are written to
-    their new places. When every span moves up (a growth) tables are done last to first, when
-    every one moves down first to last, so no span is written before the rows it held are
-    saved, and one table's rows fit in ``scratch``, the rows that keep their numbers (a whole
-    table kept, a grown table's block) moving as one block, no scratch; otherwise all are saved
-    first. A table that keeps its rows and its place is not touched."""
-    tables = range(len(moves))
-    if all(n >= o for n, o in zip(new_spans, old_spans)):
-        order, save_all = list(reversed(tables)), False
-    elif all(n <= o for n, o in zip(new_spans, old_spans)):
-        order, save_all = list(tables), False
-    else:
-        order, save_all = list(tables), True
-    order = [t for t in order if not (moves[t] is None and new_spans[t] == old_spans[t])]
-    saved, offset = {}, 0
-    for t in order if save_all else []:
-        saved[t], offset = _save_rows(old_views[t], moves[t], scratch, offset, whole=True)
-    for t in order:
-        move = moves[t]
-        if save_all:
-            rows = saved[t]
-        else:  # the rows carried one by one first: the block's move may cover them
-            rows = _save_rows(old_views[t], move, scratch, 0)[0]
-            block = old_views[t].shape[0] if move is None else move.block
-            _move_block(buf, old_views[t][:block], new_views[t][:block], reserved)
-            new_views[t][block:].fill_(value)
-            if move is None:
-                continue
-        if save_all:
-            buf[new_spans[t] : new_spans[t + 1]].fill_(value)
-            if move is None:
-                new_views[t].copy_(rows)
-                continue
-        if rows.shape[0]:
-            new_views[t].index_copy_(0, move.scattered(save_all)[1], rows)
-
-
-def _save_rows(
-    view: Tensor, move: _RowMoves | None, scratch: Tensor, offset: int, whole: bool = False
-) -> tuple[Tensor, int]:
-    """The rows of ``view`` that ``move`` carries one by one (``whole``: a block's too, all of
-    them for None), copied to ``scratch`` from byte ``offset``; returns them and the offset after them."""
-    size = _carried_bytes(view, move, whole)
-    rows = (view.shape[0] if whole else 0) if move is None else move.scattered(whole)[0].numel()
-    out = (
-        scratch[offset : offset + size]
-        .view(view.dtype)[: rows * (view[:1].numel() or 1)]
-        .view((rows,) + view.shape[1:])
-    )
-    if move is None:
-        if rows:
-            out.copy_(view)
-    elif rows:
-        torch.index_select(view, 0, move.scattered(whole)[0], out=out)
-    return out, offset + size
+    """One table's rows in one buffer whose spans are laid out at num_embeddings: ``old`` (its
+    rows before: capacity rows, then fallback rows) and ``new`` (after) start at the same place,
+    and what lies past a table's rows reads as zeros (never written, or given back). A growth that
+    keeps the rows moves only the fallback rows; the rows it adds are written only where
+    ``value`` is not 0. Otherwise (a shrink, a table replaced) the carried rows are saved, the
+    span's pages given back (``ReservedBuffer.zero``), and the rows written to their new places."""
+    if move.block == old_cap and new_cap >= old_cap:
+        fallback = old[old_cap:].clone()
+        if value != 0:
+            new[old_cap:new_cap].fill_(value)
+        else:  # where the fallback rows were; the rest of the new rows was never written
+            new[old_cap : min(old_cap + fallback.shape[0], new_cap)].zero_()
+        new[new_cap:].copy_(fallback)
+        return
+    rows = old.index_select(0, move.src)
+    end = max(old.data_ptr() + old.numel() * old.element_size(), new.data_ptr() + new.numel() * new.element_size())
+    reserved.zero(new.data_ptr() - reserved.start, end - reserved.start)
+    if value != 0:
+        new.fill_(value)
+    if rows.shape[0]:
+        new.index_copy_(0, move.dst, rows)
 
 
 class TableGrowth:
-    """The growth part of ``DynamicTables``: capacities double between steps, rows move to the new
-    layout (see the module docstring). Reads the storage (``TableStorage``) and the indexes."""
+    """The growth part of ``DynamicTables``: capacities double between steps, the tables take the
+    new layout (see the module docstring). Reads the storage (``TableStorage``) and the indexes."""
 
     def _grow_or_defer(self, incoming: dict[int, int]) -> None:
         """``grow(incoming)`` now, or, while a lookup awaits its fused update, once the last
@@ -181,11 +98,10 @@ class TableGrowth:
         ``incoming[t]`` more rows would pass its growth_load_factor (``incoming`` None: every table,
         none incoming; else the tables it names); returns the tables grown. Only while no lookup
         awaits its fused update (else a no-op: rows must not move under it); the lookup and the
-        update that ends the last pending one call it. All tables growing
-        at once share one relayout (``_relayout``): their rows move to their keys' new places,
-        with their vectors, optimizer state, last-seen steps and delta versions; ids, scores,
-        admission and counters are untouched. Raises ``GrowthError`` (nothing changed) when the
-        new storage cannot be allocated."""
+        update that ends the last pending one call it. All tables growing at once share one
+        relayout (``_relayout``): every key keeps its row, vectors, optimizer state, last-seen step
+        and delta versions; ids, scores, admission and counters are untouched. Raises
+        ``GrowthError`` (nothing changed) when the new storage cannot be allocated."""
         if not self._growing or self.pending_backward or self.device.type == "meta":
             return []
         tables = [t for t, m in enumerate(self.meta) if m.grows and (incoming is None or t in incoming)]
@@ -204,58 +120,73 @@ class TableGrowth:
             return []
         grown = {t: self.indexes[t].grown(c) for t, c in targets.items()}  # new indexes; nothing changed yet
         self._relayout({t: (c, grown[t][1]) for t, c in targets.items()}, {t: g[0] for t, g in grown.items()})
+        if self.populate_ahead:
+            self._populate_next_doubling(sorted(targets))
         return sorted(targets)
+
+    # Whether each growth has a background thread fault in the pages of the next doubling's rows
+    # (spans at num_embeddings only), so that the steps after that growth find them backed.
+    populate_ahead: bool = False
+
+    def _populate_next_doubling(self, tables: list[int]) -> None:
+        """Asks for the pages of rows [capacity, next capacity) of ``tables`` (past their fallback
+        rows) in every buffer (``ReservedBuffer.populate``)."""
+        if not self._spans_at_max or self.device.type != "cpu":
+            return
+        rowwise = self.optimizer is not None and self.optimizer.kind in ROWWISE_STATE
+        for t in tables:
+            m = self.meta[t]
+            first, last = m.rows, min(2 * m.capacity, m.max_capacity) + m.fallback_rows
+            if last <= first:
+                continue
+            row_bytes = m.dim * m.dtype.itemsize
+            start = int(self.table_offsets[t]) * 4
+            self._reserved["weights"].populate(start + first * row_bytes, start + last * row_bytes)
+            width = 1 if rowwise else m.dim
+            start = (int(self.state_row_offsets[t]) if rowwise else self.dense_state_offsets[t]) * 4
+            for name in OPTIMIZER_STATES[self.optimizer.kind] if self.optimizer is not None else ():
+                self._reserved[name].populate(start + first * width * 4, start + last * width * 4)
 
     @pending_rows_written
     def _relayout(self, plans: dict[int, tuple[int, Tensor | None]], indexes: dict[int, HashTable]) -> None:
         """Gives tables new capacities: ``plans[t] = (capacity, row_map)``, ``row_map[old_row]``
         the new row of each old row (-1: dropped; None: no row carried, the caller replaces the
-        table). New buffers are allocated first (``GrowthError`` if they cannot be: nothing
-        changed), then every table's vectors and optimizer state are copied over (other tables
-        whole, fallback rows whole), then ``indexes`` replace the tables' indexes. On the storage's
-        device throughout. A buffer in reserved address space is rewritten in place
-        (``_rewrite_in_place``): only the pages past its old size are new."""
-        device, old_row_starts = self.device, self.state_row_offsets
+        table). The buffers are allocated first (``GrowthError`` if they cannot be: nothing
+        changed), then the rows go to the new layout (other tables whole, fallback rows whole),
+        then ``indexes`` replace the tables' indexes. On the storage's device throughout. With
+        spans at num_embeddings the buffers stay where they are (``_resize_in_span``)."""
+        device, old_row_starts = self.device, self.row_starts()
         old_views = [(self._storage_view(t), self._all_state_views(t)) for t in range(len(self.meta))]
-        old_buffers = [self.weights] + list(self.states)
-        old_spans = self._buffer_spans()
         old_caps = [m.capacity for m in self.meta]
         new_caps = [plans[t][0] if t in plans else m.capacity for t, m in enumerate(self.meta)]
         words = sum(table_words(c + m.fallback_rows, m.dim, m.dtype) for c, m in zip(new_caps, self.meta))
         rowwise = self.optimizer is not None and self.optimizer.kind in ROWWISE_STATE
         state_size = sum((c + m.fallback_rows) * (1 if rowwise else m.dim) for c, m in zip(new_caps, self.meta))
+        in_span = self._spans_at_max and device.type == "cpu"
+        names = ["weights"] + list(OPTIMIZER_STATES[self.optimizer.kind] if self.optimizer is not None else ())
+        values = [0.0] + self._initial_state_values()
         moves = [self._row_moves(t, old_caps[t], plans.get(t)) for t in range(len(self.meta))]
         try:
-            weights = self._allocate_buffer("weights", words, 0.0, device, untouched=True)
-            states = [
-                self._allocate_buffer(name, state_size, value, device, untouched=True)
-                for name, value in zip(
-                    OPTIMIZER_STATES[self.optimizer.kind] if self.optimizer is not None else (),
-                    self._initial_state_values(),
+            buffers = [
+                self._allocate_buffer(
+                    name,
+                    self._buffer_numel(name) if in_span else (words if k == 0 else state_size),
+                    value,
+                    device,
+                    True,
                 )
+                for k, (name, value) in enumerate(zip(names, values))
             ]
             last_seen = {
                 t: torch.zeros(plans[t][0], dtype=torch.int64, device=device)
                 for t in plans
                 if self.last_seen[t] is not None
             }
-            in_place = [
-                new.numel() > 0 and new.data_ptr() == old.data_ptr()
-                for new, old in zip([weights] + states, old_buffers)
-            ]
-            monotone = all(n >= o for n, o in zip(new_caps, old_caps)) or all(
-                n <= o for n, o in zip(new_caps, old_caps)
-            )
-            scratch = (
-                torch.empty(self._scratch_bytes(moves, old_views, in_place, monotone), dtype=torch.uint8, device=device)
-                if any(in_place)
-                else None
-            )
         except (RuntimeError, MemoryError, OSError) as e:
-            names = [self.meta[t].name for t in plans]
+            tables = [self.meta[t].name for t in plans]
             need = words * 4 + len(self.states) * state_size * 4
             raise GrowthError(
-                f"tables {names}: growing to capacities {[plans[t][0] for t in plans]} needs new "
+                f"tables {tables}: growing to capacities {[plans[t][0] for t in plans]} needs new "
                 f"storage of {need} bytes (all tables' buffers are reallocated), which could not be "
                 f"allocated ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the tables "
                 f"are unchanged, at capacities {[old_caps[t] for t in plans]}"
@@ -264,25 +195,20 @@ class TableGrowth:
         for t, c in enumerate(new_caps):
             self.meta[t].capacity = c
         self._compute_layout()
-        self.weights, self.states = weights, states
+        self.weights, self.states = buffers[0], buffers[1:]
         self._init_views = None
         new_views = [(self._storage_view(t), self._all_state_views(t)) for t in range(len(self.meta))]
-        new_spans = self._buffer_spans()
-        values = [0.0] + self._initial_state_values()
-        for k, (buf, value) in enumerate(zip([weights] + states, values)):
+        for k, (name, value) in enumerate(zip(names, values)):
             old_k = [v[0] if k == 0 else v[1][k - 1] for v in old_views]
             new_k = [v[0] if k == 0 else v[1][k - 1] for v in new_views]
-            if in_place[k]:
-                name = "weights" if k == 0 else OPTIMIZER_STATES[self.optimizer.kind][k - 1]
-                reserved = self._reserved.get(name)
-                reserved = reserved if reserved is not None and reserved.holds(buf) else None
-                _rewrite_in_place(buf, old_k, new_k, old_spans[k], new_spans[k], value, moves, scratch, reserved)
-                if buf.numel() < old_spans[k][-1]:  # a shrink: the pages past the new end go back
-                    self._reserved[name].release_beyond(buf.numel())
-                continue
-            # A fresh buffer, filled (scattering rows into fresh pages instead faults them in at
-            # random, ~2.5x slower than the fill plus the copy, measured on CPU at 1M rows of dim 64).
             for t, move in enumerate(moves):
+                if in_span:
+                    if move is not None:
+                        _resize_in_span(self._reserved[name], old_k[t], new_k[t], value, move, old_caps[t], new_caps[t])
+                    continue
+                # A fresh buffer, filled (scattering rows into fresh pages instead faults them in
+                # at random, ~2.5x slower than the fill plus the copy, measured on CPU at 1M rows
+                # of dim 64).
                 if move is None:
                     new_k[t].copy_(old_k[t])
                     continue
@@ -290,6 +216,7 @@ class TableGrowth:
                 src, dst = move.scattered()
                 if src.numel():
                     new_k[t].index_copy_(0, dst, old_k[t].index_select(0, src))
+        new_row_starts = self.row_starts()
         flat_map = (
             None
             if self.delta_log is None
@@ -301,7 +228,7 @@ class TableGrowth:
             )
         )
         for t, m in enumerate(self.meta):
-            move, old_start, new_start = moves[t], int(old_row_starts[t]), int(self.state_row_offsets[t])
+            move, old_start, new_start = moves[t], int(old_row_starts[t]), int(new_row_starts[t])
             if flat_map is not None:
                 if move is None:
                     flat_map[old_start : old_start + m.rows] = torch.arange(
@@ -326,15 +253,16 @@ class TableGrowth:
             return None
         m, device, cap_new = self.meta[t], self.device, plan[0]
         live_src = live_dst = torch.zeros(0, dtype=torch.int64, device=device)
+        kept = False
         if plan[1] is not None:
             live_src = (plan[1] >= 0).nonzero().squeeze(1)
-            live_dst, order = (
-                plan[1].index_select(0, live_src).sort()
-            )  # writes in address order: fewer cache and TLB misses
-            live_src = live_src.index_select(0, order)
+            live_dst = plan[1].index_select(0, live_src)
+            # A growth keeps every live row's number (HashTable.grown): the rows move as one block.
+            kept = cap_new >= old_cap and bool(live_src.equal(live_dst))
+            if not kept:  # written in address order: fewer cache and TLB misses
+                live_dst, order = live_dst.sort()
+                live_src = live_src.index_select(0, order)
         fallback = torch.arange(m.fallback_rows, dtype=torch.int64, device=device)  # fallback rows: whole
-        # A growth keeps every live row's number (HashTable.grown): the rows move as one block.
-        kept = plan[1] is not None and cap_new >= old_cap and bool(live_src.equal(live_dst))
         return _RowMoves(
             live_src,
             live_dst,
@@ -342,27 +270,3 @@ class TableGrowth:
             torch.cat([live_dst, cap_new + fallback]),
             old_cap if kept else 0,
         )
-
-    def _buffer_spans(self) -> list[list[int]]:
-        """Per buffer (weights, then each optimizer state): where each table's span starts, and
-        the buffer's end."""
-        rowwise = self.optimizer is not None and self.optimizer.kind in ROWWISE_STATE
-        state_starts = [int(x) for x in self.state_row_offsets] if rowwise else list(self.dense_state_offsets)
-        state_end = sum(m.rows * (1 if rowwise else m.dim) for m in self.meta)
-        weights = [int(x) for x in self.table_offsets] + [sum(table_words(m.rows, m.dim, m.dtype) for m in self.meta)]
-        return [weights] + [state_starts + [state_end] for _ in self.states]
-
-    @staticmethod
-    def _scratch_bytes(moves, old_views, in_place: list[bool], monotone: bool) -> int:
-        """Bytes ``_rewrite_in_place`` needs for the buffers rewritten in place: the largest table's
-        rows carried one by one when every table grows (or every one shrinks), else all tables'
-        carried rows."""
-        most = 8
-        for k, rewritten in enumerate(in_place):
-            if rewritten:
-                sizes = [
-                    _carried_bytes(v[0] if k == 0 else v[1][k - 1], move, whole=not monotone)
-                    for v, move in zip(old_views, moves)
-                ]
-                most = max(most, max(sizes, default=0) if monotone else sum(sizes))
-        return most

@@ -7,6 +7,12 @@ Element-wise optimizer states lie the tables back to back, row-wise ones one flo
 table's fallback rows follow its capacity rows. ``TableStorage`` holds the buffers, their layout
 descriptors (on the CPU, mirrored to the storage's device), the per-table views and the byte
 accounting; ``TableMeta`` is one table's settings.
+
+Each table's span holds its rows now (capacity + fallback rows), except in a growing module on
+CPU (``_spans_at_max``): there every span is laid out for num_embeddings, in address space
+reserved once (``ReservedBuffer``), so that a growth moves no row and no optimizer state (only
+the fallback rows, which follow the capacity rows); the pages past a table's rows are never
+written (they read as zeros and take no memory), so resident memory still follows the rows in use.
 """
 
 from __future__ import annotations
@@ -123,7 +129,8 @@ class TableStorage:
         current capacities; returns each table's words of vectors."""
         # Fallback rows are rows of their table's storage after its capacity rows: the kernels
         # read, pool and step them as any row; only the index never hands them out.
-        sizes = [table_words(m.rows, m.dim, m.dtype) for m in self.meta]
+        spans = [self._span_rows(m) for m in self.meta]
+        sizes = [table_words(rows, m.dim, m.dtype) for rows, m in zip(spans, self.meta)]
         # Layout descriptors and counters live on the CPU (named explicitly, so that a module
         # built under ``with torch.device("meta")`` keeps them); layouts are copied to the
         # storage's device as needed.
@@ -133,10 +140,8 @@ class TableStorage:
             if sizes
             else torch.zeros(0, dtype=torch.int64, device=cpu)
         )
-        self.state_row_offsets = torch.tensor(
-            [0] + [m.rows for m in self.meta][:-1], dtype=torch.int64, device=cpu
-        ).cumsum(0)
-        self.dense_state_offsets = dense_state_offsets([m.rows for m in self.meta], [m.dim for m in self.meta])
+        self.state_row_offsets = torch.tensor([0] + spans[:-1], dtype=torch.int64, device=cpu).cumsum(0)
+        self.dense_state_offsets = dense_state_offsets(spans, [m.dim for m in self.meta])
         # Per table: capacity, fallback rows and fallback seed (None: no table has fallback rows).
         self.fallback_layout = (
             torch.tensor(
@@ -146,7 +151,44 @@ class TableStorage:
             else None
         )
         self._device_layout = {}
+        self._span_views = {}
         return sizes
+
+    # Whether every table's span is laid out for num_embeddings (see the module docstring).
+    _spans_at_max: bool = False
+    _span_views: dict[int, Tensor]  # with spans at num_embeddings: each table's rows (``_storage_view``)
+
+    def _span_rows(self, m: TableMeta) -> int:
+        """Rows of a table's span in the buffers (its rows, or room for its largest size)."""
+        return m.max_capacity + m.fallback_rows if self._spans_at_max else m.rows
+
+    def _buffer_numel(self, name: str) -> int:
+        """Elements of buffer ``name`` ("weights" or an optimizer state) in the current layout."""
+        spans = [self._span_rows(m) for m in self.meta]
+        if name == "weights":
+            return sum(table_words(rows, m.dim, m.dtype) for rows, m in zip(spans, self.meta))
+        rowwise = self.optimizer is not None and self.optimizer.kind in ROWWISE_STATE
+        return sum(rows * (1 if rowwise else m.dim) for rows, m in zip(spans, self.meta))
+
+    def _rows_in_use(self, name: str) -> list[tuple[int, int]]:
+        """Per table, the [start, end) elements of buffer ``name`` holding its rows now."""
+        out = []
+        for t, m in enumerate(self.meta):
+            if name == "weights":
+                start = int(self.table_offsets[t])
+                out.append((start, start + table_words(m.rows, m.dim, m.dtype)))
+            elif self.optimizer is not None and self.optimizer.kind in ROWWISE_STATE:
+                start = int(self.state_row_offsets[t])
+                out.append((start, start + m.rows))
+            else:
+                start = self.dense_state_offsets[t]
+                out.append((start, start + m.rows * m.dim))
+        return out
+
+    def row_starts(self) -> Tensor:
+        """Where each table's rows start in a numbering of every table's rows (fallback rows
+        included) back to back, whatever the buffers' layout (the delta log's flat rows)."""
+        return torch.tensor([0] + [m.rows for m in self.meta][:-1], dtype=torch.int64).cumsum(0)
 
     def register_parameter_owner(self, owner: object) -> None:
         """``owner.weight`` (a table module's parameter, table ``owner._index``) views this storage:
@@ -175,7 +217,15 @@ class TableStorage:
     def _storage_view(self, t: int) -> Tensor:
         m = self.meta[t]
         start = int(self.table_offsets[t])
-        words = self.weights[start : start + table_words(m.rows, m.dim, m.dtype)]
+        reserved = self._reserved.get("weights") if self._spans_at_max else None
+        if reserved is not None and reserved.start == self.weights.data_ptr():
+            # A tensor of its own over these rows, not over the whole reserved range: the one the
+            # table's parameter views, so that a pickle of the parameter carries these rows only.
+            view = self._span_views.get(t)
+            if view is None or view.shape[0] != m.rows or view.data_ptr() != reserved.start + start * 4:
+                view = self._span_views[t] = reserved.rows(start, m.rows, m.dim, m.dtype)
+            return view
+        words = self.weights[start : start + table_words(m.rows, m.dim, m.dtype)]  # (a span may be longer)
         return words.view(m.dtype)[: m.rows * m.dim].view(m.rows, m.dim)
 
     def state_views(self, t: int, fallback: bool = False) -> dict[str, Tensor]:
@@ -239,47 +289,112 @@ class TableStorage:
             self.optimizer = spec
             self._init_views = None  # the fill values may have changed
             return
-        size = sum(m.rows * (1 if spec.kind in ROWWISE_STATE else m.dim) for m in self.meta)
-        self.optimizer = spec
-        self.states = [
-            self._allocate_buffer(name, size, value, self.device)
-            for name, value in zip(OPTIMIZER_STATES[spec.kind], self._initial_state_values())
-        ]
-        self._init_views = None
+        self.optimizer, self.states, self._init_views = spec, [], None
+        names = list(zip(OPTIMIZER_STATES[spec.kind], self._initial_state_values()))
+        keep = {"weights"} | {name for name, _ in names}  # another kind's states go, with their pages
+        self._reserved = {name: r for name, r in self._reserved.items() if name in keep}
+
+        def allocate() -> list[Tensor]:
+            return [self._allocate_buffer(name, self._buffer_numel(name), v, self.device) for name, v in names]
+
+        try:
+            states = allocate()
+        except (OSError, OverflowError):  # no address space for the states' spans at num_embeddings
+            self._pack_spans()
+            self._rebind_parameters()
+            states = allocate()
+        self.states = states
+
+    def _allocate_weights(self, device: torch.device) -> Tensor:
+        """A new module's vectors, which fixes its layout: a module that grows, on CPU, lays its
+        spans out at num_embeddings where the address space can be reserved."""
+        self._spans_at_max = device.type == "cpu" and any(m.may_grow for m in self.meta)
+        self._compute_layout()
+        if self._spans_at_max:
+            try:
+                return self._allocate_buffer("weights", self._buffer_numel("weights"), 0.0, device)
+            except (OSError, OverflowError):  # no address space to reserve (strict overcommit, ulimit -v)
+                self._spans_at_max, self._reserved = False, {}
+                self._compute_layout()
+        return self._allocate_buffer("weights", self._buffer_numel("weights"), 0.0, device)
 
     def _allocate_buffer(
         self, name: str, numel: int, value: float, device: torch.device, untouched: bool = False
     ) -> Tensor:
-        """The flat buffer ``name`` ("weights" or an optimizer state) of ``numel`` elements, filled
-        with ``value`` (a hook: tiered tables keep these in a cache over a backing store).
+        """The flat buffer ``name`` ("weights" or an optimizer state) of ``numel`` elements, the
+        rows in use filled with ``value`` (a hook: tiered tables keep these in a cache over a
+        backing store).
 
-        On CPU, a module whose tables may grow keeps each buffer at the start of address space
-        reserved for all tables at num_embeddings (``ReservedBuffer``: memory is taken only by the
-        pages written). ``untouched`` (a relayout): the buffer may then be the current one of that
-        name, resized in place with its contents as they were (the caller moves rows and fills
-        the rest); otherwise it is filled."""
-        if device.type != "cpu" or not any(m.max_capacity > m.initial_capacity for m in self.meta):
+        With spans at num_embeddings (``_spans_at_max``) the buffer is a reservation
+        (``ReservedBuffer``, OSError if it cannot be made; that of the same name and size again,
+        its pages given back) of which only the rows in use are written, and only where
+        ``value`` is not 0: fresh pages read as zeros and take memory once written. ``untouched`` (a relayout): the current buffer of that name where it has
+        this size, as it is (the caller writes what changes)."""
+        if device.type != "cpu" or not self._spans_at_max:
             return allocate_filled(numel, value, device)
         reserved = self._reserved.get(name)
-        if reserved is None or reserved.numel_max < numel:
-            try:
-                reserved = ReservedBuffer(max(numel, self._max_numel(name)))
-            except (OSError, OverflowError):  # no address space to reserve (strict overcommit, ulimit -v)
-                self._reserved.pop(name, None)
-                return allocate_filled(numel, value, device)
+        if reserved is not None and reserved.numel_max == numel:
+            if untouched:
+                return reserved.view(numel)
+            reserved.zero(0, numel * 4)  # its pages go back: it reads as a fresh one
+        else:
+            reserved = ReservedBuffer(numel)
             self._reserved[name] = reserved
-            untouched = False
         buf = reserved.view(numel)
-        if not untouched:
-            buf.fill_(value)
+        if value != 0:
+            for start, end in self._rows_in_use(name):
+                buf[start:end].fill_(value)
         return buf
 
-    def _max_numel(self, name: str) -> int:
-        """Elements of buffer ``name`` once every table is at num_embeddings."""
-        if name == "weights":
-            return sum(table_words(m.max_capacity + m.fallback_rows, m.dim, m.dtype) for m in self.meta)
-        rowwise = self.optimizer is not None and self.optimizer.kind in ROWWISE_STATE
-        return sum((m.max_capacity + m.fallback_rows) * (1 if rowwise else m.dim) for m in self.meta)
+    def _pack_spans(self) -> None:
+        """Lays the spans out at their tables' rows now, in plain buffers (where spans at
+        num_embeddings cannot be kept: a copy, another device, no address space)."""
+        if self._spans_at_max:
+            self._relay_spans(False)
+
+    def _spread_spans(self, saved: list[tuple[Tensor, list[Tensor]]] | None = None) -> None:
+        """Lays a growing module's spans out at num_embeddings again, on CPU, where the address
+        space can be reserved (else they stay at the tables' rows); ``saved``: each table's rows
+        and states (a pickle's, ``__getstate__``), which become the buffers either way."""
+        if saved is None and (
+            self._spans_at_max or self.device.type != "cpu" or not any(m.may_grow for m in self.meta)
+        ):
+            return
+        try:
+            self._relay_spans(True, saved)
+        except (OSError, OverflowError):  # no address space to reserve
+            if saved is not None:
+                self._relay_spans(False, saved)
+            else:
+                self._spans_at_max, self._reserved = False, {}
+                self._compute_layout()
+
+    def _relay_spans(self, at_max: bool, saved: list[tuple[Tensor, list[Tensor]]] | None = None) -> None:
+        """Copies every table's rows and optimizer state (``saved``, default: the buffers' own)
+        into new buffers laid out with spans at num_embeddings (``at_max``) or at the tables' rows.
+        Row numbers do not change."""
+        old = (
+            saved
+            if saved is not None
+            else [(self._storage_view(t), self._all_state_views(t)) for t in range(len(self.meta))]
+        )
+        device = old[0][0].device if old else self.device
+        states = len(old[0][1]) if old else len(self.states)
+        names = ["weights"] + list(OPTIMIZER_STATES[self.optimizer.kind] if self.optimizer is not None else ())[:states]
+        self._spans_at_max, self._reserved = at_max, {}
+        self._compute_layout()
+        buffers = [self._allocate_buffer(name, self._buffer_numel(name), 0.0, device) for name in names]
+        self.weights, self.states = buffers[0], buffers[1:]
+        for t, (vectors, states) in enumerate(old):
+            self._storage_view(t).copy_(vectors)
+            for new, state in zip(self._all_state_views(t), states):
+                new.copy_(state)
+        self._init_views = None
+
+    def _saved_rows(self) -> list[tuple[Tensor, list[Tensor]]]:
+        """Each table's rows (the tensors its parameter views) and a copy of its optimizer state:
+        what a pickle of spans at num_embeddings carries instead of the reserved buffers."""
+        return [(self._storage_view(t), [s.clone() for s in self._all_state_views(t)]) for t in range(len(self.meta))]
 
     def _init_view(self, t: int) -> tuple[Tensor, list[Tensor], list[float]]:
         """Table t's [capacity, dim] rows, its states as [capacity, width], and their initial values."""
@@ -309,7 +424,11 @@ class TableStorage:
         table reached num_embeddings (the same for tables that do not grow)."""
         if maximum:
             return self._bytes_at([m.max_capacity for m in self.meta])
-        total = self.weights.numel() * 4 + sum(s.numel() * s.element_size() for s in self.states)
+        if self._spans_at_max:  # the rows in use: the rest of the spans is address space, not memory
+            total = sum(end - start for start, end in self._rows_in_use("weights")) * 4
+            total += len(self.states) * sum(end - start for start, end in self._rows_in_use("state")) * 4
+        else:
+            total = self.weights.numel() * 4 + sum(s.numel() * s.element_size() for s in self.states)
         for index, last_seen, admission in zip(self.indexes, self.last_seen, self.admission):
             if index is not None:
                 total += index.metadata_bytes()

@@ -23,11 +23,37 @@ synchronously, between steps.
 store, current after ``flush``. ``state_dict`` writes the dirty rows back first, then gathers
 each row's newest copy (with file backing, a row written back since the last ``flush`` is in its
 table's log: tier_log.py); loading fills the backing store and empties the cache (and the log).
+
+Where the cache lives and where the backing lives are separate. The cache (the module's
+buffers: vectors and optimizer state, which the kernels take) and the index live on the module's
+device; the backing store always on the host (host memory or files), and so do the cache's maps
+(``RowCache``: row -> slot, slot -> row, the LRU queue, dirty flags, pins): the bookkeeping is the
+same code on every device. On a CUDA device (the GPU tier: the cache in HBM) rows move between
+the tiers as records through a host buffer (tier_copies.py): a fill gathers the rows' fields on the
+host, from host memory or from the files (the base file or the log), into a pinned buffer, which
+goes to the device in one asynchronous DMA on the current stream and is scattered into the slots
+there; a write-back gathers the slots into device records, one DMA into a pinned buffer, and the
+host waits for it (it writes the backing store from those bytes), then writes them to the store
+or appends them to the log. The stage does this on its worker, on a side stream: the train step
+waits only for the stage's event. (Not UVA zero-copy: a batch's misses are scattered rows, and one
+DMA of the gathered rows costs the PCIe link no more than the kernels' reads of them would,
+without the kernels' reading host memory at every lookup; a UVA gather kernel is a later option.)
+``copy_through_records`` runs that same path with the cache on the CPU (tests: the GPU's path
+without a GPU, plain copies in place of the DMA).
+
+Host syncs on a GPU, per lookup (v1): a training lookup upserts every table in one call
+(``_rows_for_tables``) and all tables' rows (and which are new) come to the host in one copy (a
+sync: the cache's maps are there), their slots going back in one (an eval lookup: one each per
+table); misses and write-backs add their copies (a write-back waits for its DMA). With the
+pipeline's prefetch the step finds its rows hot and moves none, but the host still does each
+table's bookkeeping (hold: LRU touches, pins, dirty flags), ~1-1.5 ms a table a step on an H100's
+host, and the stage as much on its worker (benchmarks/results/gpu/tiers_gpu.md: 4x the
+all-resident step). A device-resident row -> slot map and LRU clock (a hit never leaves the GPU,
+the host consulted only for misses) is the next step.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 import weakref
@@ -38,15 +64,30 @@ import torch
 from torch import Tensor
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
-from torchrec_ext import ops
-from torchrec_ext.modules.configs import DEFAULT_CACHE_LOAD_FACTOR, options_of, storage_dtype_of
+from torchrec_ext import device_sync, ops
+from torchrec_ext.modules.configs import DEFAULT_CACHE_LOAD_FACTOR, cache_slots, options_of, storage_dtype_of
 from torchrec_ext.modules.dynamic_tables import DynamicTables, RowLookup
 from torchrec_ext.modules.table_stats import TableStats
 from torchrec_ext.modules.table_storage import allocate_filled
+from torchrec_ext.modules.tier_copies import (
+    MAX_ROWS,
+    DeviceCopies,
+    RecordsBuffer,
+    field_view,
+    record_fields,
+    row_column,
+)
 from torchrec_ext.modules.tier_log import ROW_BYTES, RowLog
 from torchrec_ext.modules.tier_lru import SlotOrder
 from torchrec_ext.modules.tier_store import BackingStore
-from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE, dense_state_offsets, table_words
+from torchrec_ext.vocabulary import (
+    INITIALIZER_NAMES,
+    INITIALIZER_PARAM_COUNTS,
+    OPTIMIZER_STATES,
+    ROWWISE_STATE,
+    dense_state_offsets,
+    table_words,
+)
 
 
 def tables_for(configs: Sequence[BaseEmbeddingConfig], device: torch.device) -> DynamicTables:
@@ -58,28 +99,85 @@ def tables_for(configs: Sequence[BaseEmbeddingConfig], device: torch.device) -> 
 
 class _Mover:
     """Copies rows of one table between its cache slots and the backing store: the vectors and
-    each optimizer state, in their storage dtypes (bit for bit)."""
+    each optimizer state, in their storage dtypes (bit for bit). Slots and rows are host tensors
+    (the cache's maps live on the host). With ``copies`` (a cache on another device than the
+    backing store's host, or ``TieredTables.copy_through_records``) rows travel as records
+    (tier_copies.py): gathered on the host into a records buffer (pinned on a GPU), one copy to
+    the device, scattered into their slots there; written back the other way round."""
 
-    def __init__(self, pairs: list[tuple[Tensor, Tensor]]):
+    def __init__(self, pairs: list[tuple[Tensor, Tensor]], copies: DeviceCopies | None = None):
         self.pairs = pairs  # (cache view, backing view), rows first
-        self.row_bytes = sum(c.element_size() * (c.shape[1] if c.dim() == 2 else 1) for c, _ in pairs)
+        widths = [c.element_size() * (c.shape[1] if c.dim() == 2 else 1) for c, _ in pairs]
+        self.row_bytes = sum(widths)
+        # Per pair: (first byte in the record, bytes); each field 8-byte aligned, so that the
+        # records' columns are views of any dtype (no copy to read them).
+        self.fields, self.record_bytes = record_fields(widths)
+        self.copies = copies
+        self._transfer: RecordsBuffer | None = None  # host records of transfers to and from the device
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the host records buffer of transfers to and from the device (pinned on a GPU;
+        made at the first transfer, up to ``MAX_ROWS`` records)."""
+        return 0 if self._transfer is None else self._transfer.nbytes()
+
+    def _transfer_buffer(self) -> RecordsBuffer:
+        if self._transfer is None:
+            self._transfer = self.copies.buffer(self.record_bytes)
+        return self._transfer
+
+    def _pair_field(self, records: Tensor, k: int) -> Tensor:
+        return field_view(records, self.fields[k], self.pairs[k][0])
 
     def read(self, slots: Tensor, rows: Tensor) -> None:
         if rows.numel() == 0:
             return
         order = rows.argsort()  # ascending rows: the file is read front to back
         slots, rows = slots[order], rows[order]
-        for cache, backing in self.pairs:
-            cache.index_copy_(0, slots, backing.index_select(0, rows))
+        if self.copies is None:
+            for cache, backing in self.pairs:
+                cache.index_copy_(0, slots, backing.index_select(0, rows))
+            return
+        for start in range(0, rows.numel(), MAX_ROWS):
+            these = rows[start : start + MAX_ROWS]
+            records = self._transfer_buffer().take(these.numel())
+            for k, (_, backing) in enumerate(self.pairs):
+                torch.index_select(backing, 0, these, out=self._pair_field(records, k))
+            self._to_cache(records, slots[start : start + MAX_ROWS])
 
-    def write(self, slots: Tensor, rows: Tensor) -> None:
+    def _to_cache(self, records: Tensor, slots: Tensor) -> None:
+        """Host ``records`` (of the transfer buffer) into the cache's ``slots``: the slots ride
+        in the records' row column, so one copy takes everything to the device."""
+        row_column(records).copy_(slots)
+        on_device = self.copies.to_device(records, self._transfer_buffer())
+        at = row_column(on_device).contiguous()
+        for k, (cache, _) in enumerate(self.pairs):
+            cache.index_copy_(0, at, self._pair_field(on_device, k))
+
+    def _from_cache(self, slots: Tensor) -> Tensor:
+        """The cache's ``slots`` as host records (of the transfer buffer; row column unset)."""
+        on_device = self.copies.empty(slots.numel(), self.record_bytes)
+        at = slots.to(self.copies.device)
+        for k, (cache, _) in enumerate(self.pairs):
+            self._pair_field(on_device, k).copy_(cache.index_select(0, at))
+        return self.copies.to_host(on_device, self._transfer_buffer())
+
+    def write(self, slots: Tensor, rows: Tensor, once: bool = False) -> None:
+        """Writes the rows of ``slots`` back (``once``: a flush's, not a step's: a log mover
+        keeps no buffer of that size)."""
         # Ascending rows: consecutive writes fall in one page of the file (one fault) when rows are near.
         if rows.numel() == 0:
             return
         order = rows.argsort()
         slots, rows = slots[order], rows[order]
-        for cache, backing in self.pairs:
-            backing.index_copy_(0, rows, cache.index_select(0, slots))
+        if self.copies is None:
+            for cache, backing in self.pairs:
+                backing.index_copy_(0, rows, cache.index_select(0, slots))
+            return
+        for start in range(0, rows.numel(), MAX_ROWS):
+            these = rows[start : start + MAX_ROWS]
+            records = self._from_cache(slots[start : start + MAX_ROWS])
+            for k, (_, backing) in enumerate(self.pairs):
+                backing.index_copy_(0, these, self._pair_field(records, k))
 
     write_home = write  # (host backing: the backing store is home)
 
@@ -98,24 +196,20 @@ class _LogMover(_Mover):
 
     BUFFER_ROWS = 1 << 15  # write-backs up to this many rows reuse one records buffer (16 MiB of 512-byte records)
 
-    def __init__(self, pairs: list[tuple[Tensor, Tensor]], store: BackingStore, t: int):
-        super().__init__(pairs)
-        # Per pair: (first byte in the record, bytes); each field 8-byte aligned, so that the
-        # records' columns are views of any dtype (no copy to read them).
-        self.fields = []
-        at = ROW_BYTES
-        for cache, _ in pairs:
-            width = cache.element_size() * (cache.shape[1] if cache.dim() == 2 else 1)
-            self.fields.append((at, width))  # (the pads between fields: zeros, the records' bytes are all defined)
-            at += width + -width % 8
-        self.log = store.log(t, at)
+    def __init__(
+        self, pairs: list[tuple[Tensor, Tensor]], store: BackingStore, t: int, copies: DeviceCopies | None = None
+    ):
+        super().__init__(pairs, copies)
+        self.log = store.log(t, self.record_bytes)
         self.log.home = self._write_records_home
         self._buffer: tuple[Tensor, Tensor, list[Tensor]] | None = None  # (records, rows, columns): _columns
 
+    def step_buffer_bytes(self) -> int:
+        """Bytes of the records buffer of the CPU path's write-backs (a step's IO buffer)."""
+        return 0 if self._buffer is None else self._buffer[0].numel()
+
     def _field(self, records: Tensor, k: int, like: Tensor) -> Tensor:
-        at, width = self.fields[k]
-        values = records[:, at : at + width].view(like.dtype)
-        return values.view(-1) if like.dim() == 1 else values
+        return field_view(records, self.fields[k], like)
 
     def _columns(self, n: int) -> tuple[Tensor, Tensor, list[Tensor]]:
         """Records for n write-backs or reads: [n, record_bytes] uint8, its row numbers' column (int64) and
@@ -151,19 +245,35 @@ class _LogMover(_Mover):
             super().read(slots[in_base], rows[in_base])
             where, slots = where[in_log], slots[in_log]
         order = where.argsort()  # the log read front to back
+        slots = slots[order]
+        if self.copies is not None:  # the records as the log holds them, to the device
+            where = where[order]
+            for start in range(0, where.numel(), MAX_ROWS):
+                these = where[start : start + MAX_ROWS]
+                records = self._transfer_buffer().take(these.numel())
+                self.log.read(these, out=records)
+                self._to_cache(records, slots[start : start + MAX_ROWS])
+            return
         records, _, columns = self._columns(where.numel())
         self.log.read(where[order], out=records)
-        slots = slots[order]
         for (cache, _), column in zip(self.pairs, columns):
             cache.index_copy_(0, slots, column)
 
-    def write(self, slots: Tensor, rows: Tensor) -> None:
+    def write(self, slots: Tensor, rows: Tensor, once: bool = False) -> None:
         n = rows.numel()
         if n == 0:
             return
+        if self.copies is not None:  # the records made on the device, then appended from the host
+            for start in range(0, n, MAX_ROWS):
+                these = rows[start : start + MAX_ROWS]
+                records = self._from_cache(slots[start : start + MAX_ROWS])
+                row_column(records).copy_(these)
+                self.log.append(these, records)
+            return
         # Each field gathered straight into its column of the records (no copy of the columns to join).
-        records, row_column, columns = self._columns(n)
-        row_column.copy_(rows)
+        # A flush's records are its own: the buffer kept is sized by the steps' write-backs.
+        records, row_column_, columns = self._make_columns(n) if once else self._columns(n)
+        row_column_.copy_(rows)
         for (cache, _), column in zip(self.pairs, columns):
             torch.index_select(cache, 0, slots, out=column)
         self.log.append(rows, records)
@@ -235,6 +345,21 @@ class RowCache:
     def pinned_mask(self) -> Tensor:
         mask = torch.zeros(self.slots, dtype=torch.bool)
         for slots in self.pinned.values():
+            mask[slots] = True
+        return mask
+
+    def pinned_slots(self) -> list[Tensor]:
+        """The slots batches in flight hold now, per batch (a snapshot: each is a tensor no one
+        writes): a stage's hand-over carries these and makes the mask on its worker
+        (``mask_of``), off the train thread (a mask is a pass over every slot)."""
+        return list(self.pinned.values())
+
+    def mask_of(self, pinned: list[Tensor]) -> Tensor | None:
+        """The mask of ``pinned`` (``pinned_slots``); None when it holds none."""
+        if not pinned:
+            return None
+        mask = torch.zeros(self.slots, dtype=torch.bool)
+        for slots in pinned:
             mask[slots] = True
         return mask
 
@@ -312,12 +437,17 @@ class RowCache:
         return (lru if not free.numel() else torch.cat([free, lru])), False
 
     def _take_free(self, k: int) -> Tensor:
-        """Up to k free slots, out of the free list."""
-        free = self.free
-        if free.numel():
-            free = free[self.row_of.index_select(0, free) < 0]
-        self.free = free[k:]
-        return free[:k]
+        """Up to k free slots, out of the free list: checked from its front as far as needed
+        (a cache far from full holds a long list: not a pass over all of it per call)."""
+        taken = []
+        while k > 0 and self.free.numel():
+            head, self.free = self.free[:k], self.free[k:]
+            head = head[self.row_of.index_select(0, head) < 0]
+            taken.append(head)
+            k -= head.numel()
+        if not taken:
+            return self.free[:0]
+        return taken[0] if len(taken) == 1 else torch.cat(taken)
 
     def _evict(self, victims: Tensor, mover: _Mover, ahead: bool = False, occupied: bool = False) -> None:
         """The rows of ``victims`` (slots, some maybe empty unless ``occupied``) leave the cache,
@@ -337,11 +467,11 @@ class RowCache:
             self.bytes_moved += n * mover.row_bytes
         self.slot_of.index_fill_(0, old, -1)
 
-    def stage(self, rows: Tensor, new_rows: int, pinned: Tensor, clock: int, mover: _Mover) -> None:
+    def stage(self, rows: Tensor, new_rows: int, pinned: Tensor | None, clock: int, mover: _Mover) -> None:
         """Ahead of a lookup (a stage: see ``TieredTables.stage_next``): brings the live ``rows``
         (distinct) into the cache and frees ``new_rows`` more slots (their dirty rows written
         back) for the rows the lookup will initialise, as far as slots not ``pinned`` (a mask of
-        the batches in flight when the table was handed over) and not holding ``rows`` go. Moves data
+        the batches in flight when the table was handed over, None: none) and not holding ``rows`` go. Moves data
         between the tiers only: which id holds which row is the index's, decided in the steps."""
         # Boolean-mask selections (one torch call each, where nonzero + index_select take two or
         # three): the stage runs on a worker thread, and each call lets the GIL go and waits to
@@ -384,7 +514,10 @@ class RowCache:
         by a batch in flight stay dirty (their update is still to land)."""
         dirty = (self.dirty & (self.row_of >= 0)).nonzero().squeeze(1)
         if dirty.numel():
-            (mover.write_home if home else mover.write)(dirty, self.row_of[dirty])
+            if home:
+                mover.write_home(dirty, self.row_of[dirty])
+            else:
+                mover.write(dirty, self.row_of[dirty], once=True)
             self.write_backs += dirty.numel()
             self.bytes_moved += dirty.numel() * mover.row_bytes
             self.dirty[dirty] = self.pinned_mask()[dirty] if self.pinned else False
@@ -414,8 +547,9 @@ class RowCache:
 
 class _Stager:
     """Runs a module's stages one at a time on a worker thread. On a GPU (a device cache; the
-    tier itself runs on the CPU in this version) each stage runs on a side stream after an
-    event recorded on the train stream when it was submitted (the slots it evicts were last
+    tier's bookkeeping runs on the host) each stage runs on a side stream after an event
+    recorded on the train stream when it was submitted (the next batch's ids, made there, are
+    ready; per table it then waits for the handover's event: the slots it evicts were last
     written by kernels queued before), and the stream that joins it waits for the stage's event
     (the next lookup reads the rows it brought in); the worker also waits for the side stream,
     so the host sees the written-back rows once the stage is joined."""
@@ -446,15 +580,20 @@ class _Stager:
         if self._stream is None:
             return self._pool.submit(stage)
         side = self._stream
+        submitted = torch.cuda.current_stream(self.device).record_event()  # the next batch's ids are ready
 
         def on_side_stream():
             with torch.cuda.device(self.device), torch.cuda.stream(side):  # (the worker's own current device/stream)
+                side.wait_event(submitted)
                 stage()  # waits, table by table, for the train stream's event of the handover
                 done = side.record_event()
             side.synchronize()
             return done
 
         return self._pool.submit(on_side_stream)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
     def wait(self, staging: Future) -> None:
         start = time.perf_counter()
@@ -468,21 +607,22 @@ class _Stager:
 
 class _Handover:
     """Tables passed from a lookup on the train thread to the stage on the worker, one at a
-    time, as the lookup is done with each: with the mask of the table's slots pinned then (the
-    batches in flight), the training step the next lookup will run at and, on a GPU, an event of
+    time, as the lookup is done with each: with the table's slots pinned then (the batches in
+    flight, ``RowCache.pinned_slots``), the training step the next lookup will run at and, on a GPU, an event of
     the train stream that the stage's side stream waits for (the slots it evicts were last written
     by kernels queued before)."""
 
     def __init__(self, tables: int, device: torch.device):
-        self._ready: list[tuple[Tensor, int] | None] = [None] * tables
+        self._ready: list[tuple[list[Tensor], int] | None] = [None] * tables
         self._cancelled = False
         self._cond = threading.Condition()
+        self._device = device
         self._cuda = device.type == "cuda"
         self._events: dict[int, object] = {}
 
-    def release(self, t: int, pinned: Tensor, step: int) -> None:
+    def release(self, t: int, pinned: list[Tensor], step: int) -> None:
         if self._cuda:
-            self._events[t] = torch.cuda.current_stream().record_event()
+            self._events[t] = torch.cuda.current_stream(self._device).record_event()
         with self._cond:
             self._ready[t] = (pinned, step)
             self._cond.notify_all()
@@ -495,8 +635,8 @@ class _Handover:
             self._cancelled = True
             self._cond.notify_all()
 
-    def take(self, t: int) -> tuple[Tensor, int] | None:
-        """Table t's (pinned mask, step) once handed over; None when the lookup failed."""
+    def take(self, t: int) -> tuple[list[Tensor], int] | None:
+        """Table t's (pinned slots, step) once handed over; None when the lookup failed."""
         with self._cond:
             while self._ready[t] is None and not self._cancelled:
                 self._cond.wait()
@@ -522,11 +662,8 @@ class TieredTables(DynamicTables):
                 f"backings in a module of their own), got {backings}"
             )
         backing = next(iter(backings.values()))
-        if device.type not in ("cpu", "meta"):  # (meta: a module to shard, which holds no rows and opens no file)
-            raise ValueError(
-                f"{where}: tables with backing={backing!r} run on the CPU in this version (a device "
-                f"cache over host or file backing is not built yet), got device {device}"
-            )
+        # (meta: a module to shard, which holds no rows and opens no file)
+        self._check_cache_device(device, where, backing)
         shards = {options_of(cfg).backing_shard for cfg in configs}
         if len(shards) > 1:
             raise ValueError(f"{where}: the tables of one module must be one shard's (backing_shard), got {shards}")
@@ -538,11 +675,7 @@ class TieredTables(DynamicTables):
         )
         factors = [options_of(cfg).cache_load_factor for cfg in configs]
         self.cache_load_factors = [DEFAULT_CACHE_LOAD_FACTOR if f is None else float(f) for f in factors]
-        # ceil, with a margin for the float product (0.2 * 1000 must be 200 slots, not 201)
-        self.slots = [
-            min(cfg.num_embeddings, max(1, math.ceil(f * cfg.num_embeddings - 1e-9)))
-            for cfg, f in zip(configs, self.cache_load_factors)
-        ]
+        self.slots = [cache_slots(cfg.num_embeddings, f) for cfg, f in zip(configs, self.cache_load_factors)]
         self.backing: dict[str, Tensor] = {}
         self._movers: list[_Mover] | None = None
         super().__init__(configs, device)
@@ -568,6 +701,23 @@ class TieredTables(DynamicTables):
         self.last_step_stats: dict[str, dict[str, int]] = {}
 
     # ------------------------------------------------------------------ storage
+
+    # Rows between the cache and the backing store travel as records through a host buffer
+    # (tier_copies.py): None (the default) where the cache is not on the CPU; True on the CPU
+    # too (tests: the path a GPU takes, run without one).
+    copy_through_records: bool | None = None
+
+    @staticmethod
+    def _check_cache_device(device: torch.device, where: str, backing: str) -> None:
+        if device.type not in ("cpu", "cuda", "meta"):
+            raise ValueError(
+                f"{where}: tables with backing={backing!r} keep their cache on the CPU or a CUDA device, "
+                f"got device {device}"
+            )
+
+    def _copies(self) -> DeviceCopies | None:
+        through = self.copy_through_records
+        return DeviceCopies(self.device) if (self.device.type != "cpu" if through is None else through) else None
 
     def _allocate_buffer(
         self, name: str, numel: int, value: float, device: torch.device, untouched: bool = False
@@ -635,14 +785,27 @@ class TieredTables(DynamicTables):
                 )
         return self._init_views[t]
 
+    def _flat_init(self) -> bool:
+        """Whether a training lookup writes every table's new rows in one call (on a GPU by
+        default; ``flat_init`` chooses): the cache has the flat buffers' layout, slots for rows,
+        so the one call writes the new rows into their slots (the parent declines because this
+        class keeps its own ``_init_view``, of the cache)."""
+        if any(len(m.init_params) > INITIALIZER_PARAM_COUNTS[INITIALIZER_NAMES[m.init_kind]] for m in self.meta):
+            return False  # a column shard's vectors start at a column of its table's: per table
+        chosen = getattr(self, "flat_init", None)
+        return self.device.type == "cuda" if chosen is None else bool(chosen)
+
     def _mover(self, t: int) -> _Mover:
         if self._movers is None:
             self._movers = []
             for i in range(len(self.meta)):
                 (cache, cache_states), (backing, backing_states) = self._views(i, True), self._views(i, False)
                 pairs = [(cache, backing)] + [(cache_states[k], backing_states[k]) for k in cache_states]
+                copies = self._copies()
                 # file backing: write-backs appended to a log (tier_log.py), not scattered over the file
-                self._movers.append(_Mover(pairs) if self.store.directory is None else _LogMover(pairs, self.store, i))
+                self._movers.append(
+                    _Mover(pairs, copies) if self.store.directory is None else _LogMover(pairs, self.store, i, copies)
+                )
         return self._movers[t]
 
     def _fold_logs(self) -> None:
@@ -659,14 +822,20 @@ class TieredTables(DynamicTables):
         self._movers = None
 
     def apply(self, fn) -> None:
+        """Moves the cache (and the index) with ``fn``; the backing store stays on the host."""
         probe = fn(torch.zeros(1))
-        if probe.device.type != "cpu":
+        if probe.device.type not in ("cpu", "cuda"):  # (meta: the rows would be lost; the files stay open)
             raise ValueError(
-                f"tables {[m.name for m in self.meta]}: tables with backing={self.store.backing!r} run on "
-                f"the CPU in this version; cannot move them to {probe.device}"
+                f"tables {[m.name for m in self.meta]}: tables with backing={self.store.backing!r} keep their "
+                f"cache on the CPU or a CUDA device; cannot move them to {probe.device}"
             )
+        self._join_stage()
+        self.write_new_rows()
         super().apply(fn)
         self._movers = None
+        if self._stager is not None and self._stager.device != self.device:
+            self._stager.close()  # (its side stream is the old device's)
+            self._stager = None
 
     def reset(self) -> None:
         self._join_stage()
@@ -720,12 +889,37 @@ class TieredTables(DynamicTables):
         if handover is not None:  # the tables this lookup did not reach
             for t in range(len(self.meta)):
                 if not handover.released(t):
-                    handover.release(t, self.caches[t].pinned_mask(), self.train_step + 1)
+                    handover.release(t, self.caches[t].pinned_slots(), self.train_step + 1)
         self._count_step(staged, own)
         return result
 
     def _rows_for(self, t: int, keys: Tensor, counts: Tensor, training: bool) -> tuple[Tensor, Tensor | None]:
         rows, fresh = super()._rows_for(t, keys, counts, training)
+        slots = self._hold(t, *self._on_host(rows, fresh))
+        return (slots if slots.device == rows.device else slots.to(rows.device)), fresh
+
+    def _batched_upsert(self) -> bool:
+        """Whether a training lookup upserts every table in one call (``batched_upsert``: None,
+        the default, yes), then brings each table's rows into its cache (``_rows_for_tables``)."""
+        chosen = getattr(self, "batched_upsert", None)
+        return bool(self.indexes) and (True if chosen is None else bool(chosen))
+
+    def _rows_for_tables(
+        self, unique: Tensor, counts: Tensor, bounds: list[int], unique_table: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Every table's upsert in one call, then each table's rows held in its cache: on a GPU
+        all tables' rows come to the host in one copy (one sync a lookup, not one a table)."""
+        rows, inserted = super()._rows_for_tables(unique, counts, bounds, unique_table)
+        host_rows, host_fresh = self._on_host(rows, inserted)
+        slots = torch.empty_like(host_rows)
+        for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            slots[start:end] = self._hold(t, host_rows[start:end], host_fresh[start:end])
+        return (slots if slots.device == rows.device else slots.to(rows.device)), inserted
+
+    def _hold(self, t: int, rows: Tensor, fresh: Tensor | None) -> Tensor:
+        """Table t's cache slots of the lookup in progress's ``rows`` (host tensors; ``fresh``:
+        which are new to their id), pinned for the lookup, the traffic counted; the table then
+        handed over to the stage waiting for it."""
         modifies, held, handover, own = self._holding if self._holding is not None else (False, None, None, {})
         cache = self.caches[t]
         before = (cache.hits, cache.misses, cache.write_backs, cache.bytes_moved)
@@ -741,8 +935,19 @@ class TieredTables(DynamicTables):
         if held is not None:
             held.append((t, cache.pin(slots[slots >= 0])))
         if handover is not None:  # the index and cache of table t are done with: the stage may take it
-            handover.release(t, cache.pinned_mask(), self.train_step + 1)
-        return slots, fresh
+            handover.release(t, cache.pinned_slots(), self.train_step + 1)
+        return slots
+
+    @staticmethod
+    def _on_host(rows: Tensor, fresh: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """A table's rows (and which are new) on the host, where the cache's maps are: on a GPU
+        one copy (a sync: the rows come from the index's kernels), free on the CPU."""
+        if rows.device.type == "cpu":
+            return rows, fresh
+        if fresh is None:
+            return device_sync.to_host(rows, "tiered tables: rows to cache slots"), None
+        both = device_sync.to_host(torch.stack([rows, fresh.to(torch.int64)]), "tiered tables: rows to cache slots")
+        return both[0], both[1].bool()
 
     def _check_room(self, ids: Tensor, segment_offsets: Tensor) -> None:
         """Each table's cache must hold a batch's distinct ids next to the batches in flight:
@@ -852,10 +1057,11 @@ class TieredTables(DynamicTables):
             pinned, step = taken
             rows, found = self.indexes[t].find(unique[start:end])
             rows = self._mask_expired(t, rows, found, step)  # expired: re-initialised by the lookup, not read
+            rows = rows.cpu()  # (the cache's maps are on the host; on a GPU a sync of the side stream)
             live = rows[rows >= 0]
             cache = self.caches[t]
             before = (cache.staged, cache.staged_write_backs, cache.bytes_moved)
-            cache.stage(live, rows.numel() - live.numel(), pinned, clock, movers[t])
+            cache.stage(live, rows.numel() - live.numel(), cache.mask_of(pinned), clock, movers[t])
             self._stage_stats[t] = {
                 "staged": cache.staged - before[0],
                 "staged_write_backs": cache.staged_write_backs - before[1],
@@ -912,7 +1118,7 @@ class TieredTables(DynamicTables):
             if end > start:
                 rows, found = self.indexes[t].find(unique[start:end])
                 rows = self._mask_expired(t, rows, found)  # an expired row is re-initialised, not read
-                self.caches[t].hold(rows, None, False, self._clock, self._mover(t), best_effort=True)
+                self.caches[t].hold(rows.cpu(), None, False, self._clock, self._mover(t), best_effort=True)
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -926,10 +1132,18 @@ class TieredTables(DynamicTables):
     def rows_state(self, t: int, rows: Tensor) -> dict[str, Tensor]:
         """The rows' newest copies: the backing store's, those in a log patched in (a checkpoint
         reads the log rather than folding it home: no random writes to the rows files). Current
-        once the cache's dirty rows are written back (``table_state`` does)."""
-        out = super().rows_state(t, rows)
-        if self.device.type != "meta":
-            self._mover(t).patch(rows, [out["weight"]] + [out[f"optimizer.{name}"] for name in self.state_views(t)])
+        once the cache's dirty rows are written back (``table_state`` does). Gathered on the host
+        (the backing store's side), then on the tables' device as every other key."""
+        if self.device.type == "meta":
+            return super().rows_state(t, rows)
+        at = rows.cpu()
+        out = {"weight": self.table_view(t).index_select(0, at)}
+        for name, view in self.state_views(t).items():
+            out[f"optimizer.{name}"] = view.index_select(0, at)
+        self._mover(t).patch(at, list(out.values()))
+        out = {key: value.to(self.device) for key, value in out.items()}
+        if self.meta[t].ttl_steps is not None:
+            out["last_seen"] = self.last_seen[t].index_select(0, rows)
         return out
 
     def _replace_table(self, t: int, table) -> None:
@@ -964,10 +1178,20 @@ class TieredTables(DynamicTables):
     # ------------------------------------------------------------------ accounting
 
     def storage_bytes(self, maximum: bool = False) -> int:
-        """Bytes in fast memory: the cache, the index and its metadata, the cache's maps (the
-        backing store is ``backing_bytes``). Tiered tables do not grow: ``maximum`` is the same."""
+        """Bytes of the tier but its backing store (``backing_bytes``): the cache, the index and its
+        metadata (on the tables' device), and the tier's own host memory: the cache's maps and
+        its LRU queue, the logs' maps, and the records buffers of transfers between the host and
+        a device cache (pinned, page-locked: made at the first transfer, up to 16 MiB a table).
+        Not the CPU path's write-back buffer of a file's log (``io_buffer_bytes``: a step's IO
+        buffer, which ``storage_bytes`` leaves out for every module). Tiered tables do not grow:
+        ``maximum`` is the same."""
         logs = 0 if self.store.directory is None else sum(RowLog.map_bytes(m.capacity) for m in self.meta)
-        return super().storage_bytes() + sum(cache.nbytes() for cache in self.caches) + logs
+        buffers = sum(mover.buffer_bytes() for mover in self._movers or ())
+        return super().storage_bytes() + sum(cache.nbytes() for cache in self.caches) + logs + buffers
+
+    def io_buffer_bytes(self) -> int:
+        """Bytes of the CPU path's write-back records buffers (file backing: up to 16 MiB a table)."""
+        return sum(getattr(mover, "step_buffer_bytes", lambda: 0)() for mover in self._movers or ())
 
     def backing_bytes(self) -> int:
         return sum(buf.numel() * buf.element_size() for buf in self.backing.values())

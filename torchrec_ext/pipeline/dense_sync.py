@@ -12,6 +12,7 @@ per train segment), so a segment replays the graphs the first one captured. Ever
 with the process's helper threads held off the device (``DEVICE_WORK``).
 """
 
+import functools
 import logging
 import weakref
 from collections.abc import Sequence
@@ -190,6 +191,44 @@ class _CapturedForward(nn.Module):
         return self._original_forward(*args)
 
 
+class _CopyGrad(torch.autograd.Function):
+    """Identity whose backward hands on a copy of the gradient, not the tensor it was given."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.clone()
+
+
+def _copy_if_kept(param_ref: "weakref.ref[nn.Parameter]", grad: torch.Tensor) -> torch.Tensor | None:
+    # Autograd keeps the incoming tensor as .grad when there is none yet (no copy); a copy
+    # then, so .grad never is the graph's static buffer. With a .grad, it adds in place: no copy.
+    param = param_ref()
+    return grad.clone() if param is not None and param.grad is None else None
+
+
+def without_static_grads(graphed, params: Sequence[nn.Parameter]):
+    """``graphed`` (from ``make_graphed_callables``) whose gradients never alias its static buffers.
+
+    Its backward returns the graph's static gradient buffers (detached). Autograd would keep
+    such a tensor as a parameter's ``.grad`` when that is None (and as a leaf input's ``.grad``),
+    and the next replay overwrites it in place: with ``zero_grad(set_to_none=False)`` the next
+    step's accumulation then adds the buffer to itself (doubled gradients), and a kept input
+    gradient changes under its holder. So parameters get a copy when they have no ``.grad`` yet
+    (a hook, registered here once), and inputs that need a gradient get a copy always."""
+    for param in params:
+        if param.requires_grad:
+            param.register_hook(functools.partial(_copy_if_kept, weakref.ref(param)))
+
+    def call(*args: Any):
+        return graphed(*(_CopyGrad.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args))
+
+    return call
+
+
 class GraphedForward:
     """Replaces ``module.forward``: CUDA training calls run through graphs (forward and
     backward) captured at the first such call; calls with other input shapes, in eval mode or
@@ -203,7 +242,7 @@ class GraphedForward:
     def __init__(self, module: nn.Module) -> None:
         self._module = module
         self._original = module.forward
-        self._graphed: nn.Module | None = None
+        self._graphed: Any = None
         self._signature: tuple | None = None
         self.outputs_read = ReplayFence()
         self.gate: DeviceWorkGate = DEVICE_WORK
@@ -232,8 +271,9 @@ class GraphedForward:
             # make_graphed_callables captures in global mode (it takes no capture_error_mode):
             # holding the helper threads off the device is what keeps the capture valid.
             with self.gate.closed(self.capture_timeout_s):
-                self._graphed = torch.cuda.make_graphed_callables(
-                    _CapturedForward(self._module, self._original), sample
+                self._graphed = without_static_grads(
+                    torch.cuda.make_graphed_callables(_CapturedForward(self._module, self._original), sample),
+                    list(self._module.parameters()),
                 )
             self._signature = signature
             logger.info("captured %s in CUDA graphs for inputs %s", type(self._module).__name__, signature)

@@ -3,7 +3,7 @@
 Written from the specification, not from the kernels, and kept deliberately simple (one key at
 a time, plain dicts), so a disagreement with a kernel points at a bug in one of them. One module
 per op family (named as the op's kernels, wrapper and tests): ``hash_table`` (placement, upsert
-order, the dict model), ``routing`` (``route``, ``route_bucketize``), ``admission``
+order, the dict model, the ``hash_*`` ops), ``route`` (``route``, ``route_bucketize``), ``bloom``
 (``bloom_admit``), ``serving_index`` (the read-only serving index), ``dedup``, ``init_rows``,
 ``embedding_lookup``, ``embedding_update`` (with the optimizers), ``rounding``, ``fallback``; ``storage`` and ``hashing`` hold what several share.
 
@@ -13,7 +13,7 @@ and the C++ headers). Every name, private helpers included, is re-exported here,
 ``from torchrec_ext.reference import X`` and ``reference.X`` keep working.
 """
 
-from torchrec_ext.reference.admission import (  # noqa: F401
+from torchrec_ext.reference.bloom import (  # noqa: F401
     BLOOM_COUNTER_MAX,
     bloom_admit,
     bloom_key_cells,
@@ -47,6 +47,16 @@ from torchrec_ext.reference.hash_table import (  # noqa: F401
     _stripe_span,
     bucket_pairs,
     geometry,
+    hash_erase,
+    hash_export,
+    hash_find,
+    hash_find_tables,
+    hash_place,
+    hash_restore,
+    hash_slot_rows,
+    hash_upsert,
+    hash_upsert_fixed,
+    hash_upsert_tables,
     insert_order,
     place,
     place_keys,
@@ -88,7 +98,7 @@ from torchrec_ext.reference.rounding import (  # noqa: F401
     rounding_bits,
     rounding_seed,
 )
-from torchrec_ext.reference.routing import (  # noqa: F401
+from torchrec_ext.reference.route import (  # noqa: F401
     route,
     route_bucketize,
 )

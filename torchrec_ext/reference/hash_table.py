@@ -1,6 +1,9 @@
 """The hash table's specification: bucket geometry, where a key may live (``place``), the
-order an upsert inserts in, the scores each policy leaves, the dict model ``ReferenceHashTable``
-and the placement oracle ``place_keys``."""
+order an upsert inserts in, the scores each policy leaves, the dict model ``ReferenceHashTable``,
+the placement oracle ``place_keys``, and each ``hash_*`` op under its own name, over the arrays
+the op takes (``hash_find``, ``hash_find_tables``, ``hash_upsert``, ``hash_upsert_fixed``,
+``hash_upsert_tables``, ``hash_slot_rows``, ``hash_erase``, ``hash_export``, ``hash_restore``,
+``hash_place``)."""
 
 from __future__ import annotations
 
@@ -66,22 +69,15 @@ def place(key: int, capacity: int) -> tuple[int, int, int]:
     return begin + off1, begin + off2, (h >> 57) % 127 + 1
 
 
-def place_keys(keys: Sequence[int], scores: Sequence[int], capacity: int) -> list[bool]:
-    """Which of distinct ``keys`` an empty table of ``capacity`` rows holds when they are placed
-    by priority (higher score first, then earlier position): each is kept iff it fits beside the
-    keys kept before it, found by a breadth-first augmenting path over buckets (a held key may
-    move to its other bucket; Kuhn's algorithm, one key at a time). The kept set is the greedy
-    basis of the matroid of placeable sets: unique, whichever rows the keys end up in.
-
-    Then the stash: the ``stash_slots`` left-out keys of highest priority are kept too (in free
-    rows outside their buckets), and the kept keys are cut to ``capacity`` by priority: the greedy
-    basis of that matroid joined with any ``stash_slots`` keys, truncated at ``capacity``."""
+def _match_to_buckets(keys: Sequence[int], order: Sequence[int], capacity: int) -> list[list[int]]:
+    """The key indices each bucket holds when the keys at ``order`` are placed one at a time,
+    each kept iff a breadth-first augmenting path over buckets makes room for it (a held key may
+    move to its other bucket; Kuhn's algorithm)."""
     buckets, _ = geometry(capacity)
     room = [min(SLOTS, capacity - b * SLOTS) for b in range(buckets)]
-    pairs = [place(k, capacity)[:2] for k in keys]
-    held: list[list[int]] = [[] for _ in range(buckets)]  # key indices in each bucket
-    kept = [False] * len(keys)
-    for i in sorted(range(len(keys)), key=lambda i: (-scores[i], i)):
+    pairs = {i: place(keys[i], capacity)[:2] for i in order}
+    held: list[list[int]] = [[] for _ in range(buckets)]
+    for i in order:
         parent: dict[int, tuple[int, int] | None] = dict.fromkeys(pairs[i])
         queue, end = list(parent), None
         for b in queue:  # grows while it is walked
@@ -101,7 +97,24 @@ def place_keys(keys: Sequence[int], scores: Sequence[int], capacity: int) -> lis
             held[end].append(j)
             end = before
         held[end].append(i)
-        kept[i] = True
+    return held
+
+
+def place_keys(keys: Sequence[int], scores: Sequence[int], capacity: int) -> list[bool]:
+    """Which of distinct ``keys`` an empty table of ``capacity`` rows holds when they are placed
+    by priority (higher score first, then earlier position): each is kept iff it fits beside the
+    keys kept before it, found by a breadth-first augmenting path over buckets (a held key may
+    move to its other bucket; Kuhn's algorithm, one key at a time). The kept set is the greedy
+    basis of the matroid of placeable sets: unique, whichever rows the keys end up in.
+
+    Then the stash: the ``stash_slots`` left-out keys of highest priority are kept too (in free
+    rows outside their buckets), and the kept keys are cut to ``capacity`` by priority: the greedy
+    basis of that matroid joined with any ``stash_slots`` keys, truncated at ``capacity``."""
+    held = _match_to_buckets(keys, sorted(range(len(keys)), key=lambda i: (-scores[i], i)), capacity)
+    kept = [False] * len(keys)
+    for members in held:
+        for i in members:
+            kept[i] = True
     by_priority = sorted(range(len(keys)), key=lambda i: (-scores[i], i))
     for i in [i for i in by_priority if not kept[i]][: stash_slots(capacity)]:
         kept[i] = True
@@ -337,3 +350,275 @@ def bucket_pairs(keys: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
     off2 = (((h2 >> 32) & low) * (widths - 1)) >> 32
     off2 = torch.where(widths > 1, off2 + (off2 >= off1).to(torch.int64), off1)
     return begin + off1, begin + off2
+
+
+# ---------------------------------------------------------------------------------------------
+# The hash_* ops, each under its own name, over the arrays the ops take (``torchrec_ext.ops``):
+# the arrays are read into the dict model, the model runs the call, and what the model holds then
+# is written back to the main slots and the size. A slot is live where its digest is non-zero;
+# its row is the slot itself (a growing table's slot -> row map is ``hash_slot_rows``'). The
+# stash's entries (after the main slots: the kernels' index of the keys held outside their
+# buckets) are neither read nor written: the model finds every key by its slot, so a kernel that
+# lost a stashed key disagrees with these on ``hash_find``.
+
+
+def _main_slots(capacity: int) -> int:
+    return geometry(capacity)[0] * SLOTS
+
+
+def _model_of(
+    digests: Tensor, slot_keys: Tensor, slot_scores: Tensor, capacity: int, policy: str = "lru"
+) -> ReferenceHashTable:
+    """The dict model holding the live entries of a table's arrays."""
+    model = ReferenceHashTable(capacity, policy)
+    d, k, s = digests.tolist(), slot_keys.tolist(), slot_scores.tolist()
+    model.load([(k[slot], slot, s[slot]) for slot in range(_main_slots(capacity)) if d[slot] != 0])
+    return model
+
+
+def _write_back(
+    model: ReferenceHashTable, digests: Tensor, slot_keys: Tensor, slot_scores: Tensor, size: Tensor
+) -> None:
+    """The model's entries into the arrays' main slots (digest: the key's tag, unpinned), in place."""
+    main = _main_slots(model.capacity)
+    digests[:main] = 0
+    for slot, key in model.key_at.items():
+        digests[slot] = place(key, model.capacity)[2]
+        slot_keys[slot] = key
+        slot_scores[slot] = model.score_at[slot]
+    size[0] = model.size()
+
+
+def _policy_name(policy: int) -> str:
+    return POLICIES[policy]
+
+
+def hash_find(digests: Tensor, slot_keys: Tensor, keys: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
+    """``ops.hash_find``: each key's row (-1: absent) and whether it was found. Read-only."""
+    model = _model_of(digests, slot_keys, torch.zeros_like(slot_keys), capacity)
+    rows, found = model.find(keys.tolist())
+    return torch.tensor(rows, dtype=torch.int64), torch.tensor(found, dtype=torch.bool)
+
+
+def hash_find_tables(
+    digests: Sequence[Tensor],
+    slot_keys: Sequence[Tensor],
+    keys: Tensor,
+    key_offsets: Sequence[int],
+    capacities: Sequence[int],
+) -> tuple[Tensor, Tensor]:
+    """``ops.hash_find_tables``: ``hash_find`` of table t on ``keys[key_offsets[t]:key_offsets[t+1]]``,
+    concatenated."""
+    parts = [
+        hash_find(d, k, keys[key_offsets[t] : key_offsets[t + 1]], capacities[t])
+        for t, (d, k) in enumerate(zip(digests, slot_keys))
+    ]
+    if not parts:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool)
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def hash_upsert(
+    digests: Tensor,
+    slot_keys: Tensor,
+    slot_scores: Tensor,
+    size: Tensor,
+    keys: Tensor,
+    scores: Tensor | None,
+    capacity: int,
+    policy: int,
+    clock: int,
+    epoch: int,
+    assign: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``ops.hash_upsert``, in place: (rows, inserted, evicted_keys, evicted_rows), the call made
+    at ``clock`` (the score an lru touch stores) and ``epoch``."""
+    model = _model_of(digests, slot_keys, slot_scores, capacity, _policy_name(policy))
+    model.clock, model.epoch = clock - 1, epoch  # the model's upsert advances its clock first
+    rows, inserted, evicted_keys, evicted_rows = model.upsert(
+        keys.tolist(), None if scores is None else scores.tolist(), assign
+    )
+    _write_back(model, digests, slot_keys, slot_scores, size)
+    return (
+        torch.tensor(rows, dtype=torch.int64),
+        torch.tensor(inserted, dtype=torch.bool),
+        torch.tensor(evicted_keys, dtype=torch.int64),
+        torch.tensor(evicted_rows, dtype=torch.int64),
+    )
+
+
+def hash_upsert_fixed(
+    digests: Tensor,
+    slot_keys: Tensor,
+    slot_scores: Tensor,
+    size: Tensor,
+    keys: Tensor,
+    scores: Tensor | None,
+    pending: Tensor | None,
+    capacity: int,
+    policy: int,
+    clock: int,
+    epoch: int,
+    assign: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``ops.hash_upsert_fixed``, in place: ``hash_upsert`` of the pending keys alone (all when
+    ``pending`` is None), its results put back at their positions (row -1, nothing inserted
+    elsewhere); ``evicted[i]``: key i took an evicted key's row, ``evicted_keys[i]`` that key."""
+    n = keys.numel()
+    at = list(range(n)) if pending is None else [i for i, p in enumerate(pending.tolist()) if p]
+    sub_scores = None if scores is None else scores[at]
+    sub_rows, sub_inserted, gone_keys, gone_rows = hash_upsert(
+        digests, slot_keys, slot_scores, size, keys[at], sub_scores, capacity, policy, clock, epoch, assign
+    )
+    rows = torch.full((n,), -1, dtype=torch.int64)
+    inserted = torch.zeros(n, dtype=torch.bool)
+    evicted = torch.zeros(n, dtype=torch.bool)
+    evicted_keys = torch.zeros(n, dtype=torch.int64)
+    key_of_row = dict(zip(gone_rows.tolist(), gone_keys.tolist()))
+    for j, i in enumerate(at):
+        rows[i], inserted[i] = sub_rows[j], sub_inserted[j]
+        row = int(sub_rows[j])
+        if bool(sub_inserted[j]) and row in key_of_row:
+            evicted[i], evicted_keys[i] = True, key_of_row[row]
+    return rows, inserted, evicted, evicted_keys
+
+
+def hash_upsert_tables(
+    digests: Sequence[Tensor],
+    slot_keys: Sequence[Tensor],
+    slot_scores: Sequence[Tensor],
+    sizes: Sequence[Tensor],
+    keys: Tensor,
+    key_offsets: Sequence[int],
+    scores: Tensor | None,
+    pending: Tensor | None,
+    capacities: Sequence[int],
+    policies: Sequence[int],
+    clocks: Sequence[int],
+    epochs: Sequence[int],
+    assign: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``ops.hash_upsert_tables``, in place: ``hash_upsert_fixed`` of table t on its slice of the
+    batch, table by table, the results concatenated."""
+    n = keys.numel()
+    out = [
+        torch.full((n,), -1, dtype=torch.int64),
+        torch.zeros(n, dtype=torch.bool),
+        torch.zeros(n, dtype=torch.bool),
+        torch.zeros(n, dtype=torch.int64),
+    ]
+    for t in range(len(digests)):
+        lo, hi = key_offsets[t], key_offsets[t + 1]
+        part = hash_upsert_fixed(
+            digests[t],
+            slot_keys[t],
+            slot_scores[t],
+            sizes[t],
+            keys[lo:hi],
+            None if scores is None else scores[lo:hi],
+            None if pending is None else pending[lo:hi],
+            capacities[t],
+            policies[t],
+            clocks[t],
+            epochs[t],
+            assign,
+        )
+        for whole, piece in zip(out, part):
+            whole[lo:hi] = piece
+    return tuple(out)
+
+
+def hash_slot_rows(rows: Tensor, key_offsets: Sequence[int], slot_rows: Sequence[Tensor | None]) -> None:
+    """``ops.hash_slot_rows``, in place: table t's slots (``rows[key_offsets[t]:key_offsets[t+1]]``,
+    -1 kept) become ``slot_rows[t][slot]``; a table without a map keeps its slots."""
+    for t, mapping in enumerate(slot_rows):
+        if mapping is None:
+            continue
+        part = rows[key_offsets[t] : key_offsets[t + 1]]
+        mapped = mapping.to(torch.int64)[part.clamp(min=0)]
+        part.copy_(torch.where(part >= 0, mapped, part))
+
+
+def hash_erase(digests: Tensor, slot_keys: Tensor, size: Tensor, keys: Tensor, capacity: int) -> Tensor:
+    """``ops.hash_erase``, in place: True at the position that removed each key (the first of
+    duplicates); the removed keys' slots become empty."""
+    model = _model_of(digests, slot_keys, torch.zeros_like(slot_keys), capacity)
+    removed = model.erase(keys.tolist())
+    main = _main_slots(capacity)
+    live = torch.zeros(main, dtype=torch.bool)
+    live[list(model.key_at)] = True
+    digests[:main] = torch.where(live, digests[:main], 0)
+    size[0] = model.size()
+    return torch.tensor(removed, dtype=torch.bool)
+
+
+def hash_export(
+    digests: Tensor, slot_keys: Tensor, slot_scores: Tensor, capacity: int, start: int, end: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``ops.hash_export``: (keys, rows, scores) of the live slots among ``[start, end)``, in row
+    order. Read-only."""
+    if not 0 <= start <= end <= _main_slots(capacity):
+        raise ValueError(f"hash_export: need 0 <= start <= end <= {_main_slots(capacity)}, got {start}, {end}")
+    entries = [e for e in _model_of(digests, slot_keys, slot_scores, capacity).export() if start <= e[1] < end]
+    columns = list(zip(*entries)) if entries else [(), (), ()]
+    return tuple(torch.tensor(c, dtype=torch.int64) for c in columns)
+
+
+def hash_restore(
+    digests: Tensor,
+    slot_keys: Tensor,
+    slot_scores: Tensor,
+    size: Tensor,
+    keys: Tensor,
+    rows: Tensor,
+    scores: Tensor,
+    capacity: int,
+) -> None:
+    """``ops.hash_restore``, in place: ``keys`` at ``rows`` with ``scores`` in an empty table.
+    Refused (ValueError, nothing written) unless the table is empty, the keys and rows distinct,
+    every row in ``[0, capacity)``, and the keys held outside their two buckets no more than the
+    stash holds (``stash_slots``)."""
+    key_list, row_list = keys.tolist(), rows.tolist()
+    if int(size[0]) != 0 or bool((digests[: _main_slots(capacity)] != 0).any()):
+        raise ValueError("hash_restore: the table must be empty")
+    if len(set(key_list)) != len(key_list) or len(set(row_list)) != len(row_list):
+        raise ValueError("hash_restore: keys and rows must be distinct")
+    if any(not 0 <= r < capacity for r in row_list):
+        raise ValueError(f"hash_restore: rows must be in [0, {capacity})")
+    outside = sum(r // SLOTS not in place(k, capacity)[:2] for k, r in zip(key_list, row_list))
+    if outside > stash_slots(capacity):
+        raise ValueError(f"hash_restore: {outside} keys outside their buckets, the stash holds {stash_slots(capacity)}")
+    model = ReferenceHashTable(capacity)
+    model.load(list(zip(key_list, row_list, scores.tolist())))
+    _write_back(model, digests, slot_keys, slot_scores, size)
+
+
+def hash_place(keys: Tensor, scores: Tensor, capacity: int, start_rows: Tensor | None = None) -> Tensor:
+    """``ops.hash_place`` without a starting placement: rows for distinct ``keys`` in an empty
+    table, -1 for the keys left out. Which keys are placed is ``place_keys``' (unique: the greedy
+    basis by priority); the rows are one valid placement (each key in one of its buckets, or a
+    stashed key in a free row outside them), not necessarily the op's."""
+    if start_rows is not None:
+        raise NotImplementedError("reference hash_place: no starting placement (its kept set is not specified)")
+    key_list, score_list = keys.tolist(), scores.tolist()
+    kept = place_keys(key_list, score_list, capacity)
+    # The kept keys that fit their buckets, matched again by priority (the others are stashed).
+    held = _match_to_buckets(
+        key_list, [i for i in sorted(range(len(key_list)), key=lambda i: (-score_list[i], i)) if kept[i]], capacity
+    )
+    in_bucket = [False] * len(key_list)
+    for members in held:
+        for i in members:
+            in_bucket[i] = True
+    pairs = [place(k, capacity)[:2] for k in key_list]
+    rows = [-1] * len(key_list)
+    for b, members in enumerate(held):
+        for slot, i in enumerate(sorted(members)):
+            rows[i] = b * SLOTS + slot
+    taken = set(rows)
+    free = [r for r in range(capacity) if r not in taken]
+    for i in range(len(key_list)):
+        if kept[i] and not in_bucket[i]:  # the lowest free row outside its buckets
+            rows[i] = next(r for r in free if r // SLOTS not in pairs[i])
+            free.remove(rows[i])
+    return torch.tensor(rows, dtype=torch.int64)

@@ -6,8 +6,8 @@ table of `rows` rows x dim, `unique` of them stepped per call, CPU seconds per c
 The float16 path is chosen when the library loads (AVX-512, else F16C, else portable): compare
 them by running again with TORCHREC_EXT_NO_AVX512=1 or TORCHREC_EXT_NO_F16C=1.
 
-    PYTHONPATH=. python benchmarks/bench_update_kernel.py
-    TORCHREC_EXT_NO_AVX512=1 PYTHONPATH=. python benchmarks/bench_update_kernel.py   # the F16C two-pass path
+    PYTHONPATH=. python benchmarks/bench_embedding_update.py
+    TORCHREC_EXT_NO_AVX512=1 PYTHONPATH=. python benchmarks/bench_embedding_update.py   # the F16C two-pass path
 """
 
 from __future__ import annotations

@@ -1,0 +1,197 @@
+"""The GPU tier of issue 16: a tiered table's cache on the module's device, its backing store on
+the host, rows moving between them as records through a host buffer (pinned on a GPU:
+torchrec_ext/modules/tier_copies.py).
+
+Each test runs twice (the ``device`` fixture): on the CPU with ``copy_through_records`` forced
+on (the records path a GPU takes, with plain copies: the logic covered without a GPU), and on
+CUDA (skipped without one). Oracle: the same module all-resident on the same device, fed the
+same batches: equal outputs, rows, optimizer states and eviction scores (bit for bit on the CPU;
+on CUDA ids, rows, scores and counters exactly, floats to 1e-6, as the device's kernels may sum
+in another order).
+"""
+
+import pytest
+import torch
+
+from dist_helpers import progress_losses
+from modules_helpers import random_kjt
+from test_tiers import POOL, _backing, _bag_configs, _dlrm_batches, _Ranker
+from torchrec_ext import DynamicEmbeddingBagCollection
+from torchrec_ext.modules import tier_copies, tiered_tables
+from torchrec_ext.modules.tiered_tables import TieredTables
+
+
+@pytest.fixture
+def through_records(monkeypatch, device):
+    """On the CPU: the tier copies rows through records, as on a GPU; transfers cut every 7 rows
+    (many chunks per transfer)."""
+    if device == "cpu":
+        monkeypatch.setattr(TieredTables, "copy_through_records", True)
+        monkeypatch.setattr(tiered_tables, "MAX_ROWS", 7)
+    return torch.device(device)
+
+
+def _assert_same(a: torch.Tensor, b: torch.Tensor, what) -> None:
+    assert a.dtype == b.dtype and a.device == b.device, what
+    if a.device.type == "cpu" or not a.is_floating_point():
+        assert torch.equal(a, b), what
+    else:
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"{what}: {m}")
+
+
+def _assert_same_state(resident, tiered) -> None:
+    a, b = resident.state_dict(), tiered.state_dict()
+    assert list(a) == list(b)
+    for key in a:
+        _assert_same(a[key], b[key], key)
+
+
+def _make(configs, device, optimizer="adagrad"):
+    module = DynamicEmbeddingBagCollection(configs, optimizer=optimizer, optimizer_kwargs={"lr": 0.05}, device=device)
+    if isinstance(module._tables, TieredTables) and torch.device(device).type == "cpu":
+        # As on a GPU: each training lookup writes its new rows, all tables' in one call.
+        module._tables.defer_new_rows, module._tables.flat_init = False, True
+    return module
+
+
+def _batches(n, seed, device):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = POOL[torch.randint(0, 700, (400,), generator=gen)]
+        out.append(random_kjt(["f0", "f1", "f2", "f3"], 6, ids, 5).to(device))
+    return out
+
+
+@pytest.mark.parametrize("kind,staged", [("host", True), ("file", False), ("file", True)])
+def test_a_device_cache_over_host_memory_equals_all_resident_tables(tmp_path, through_records, kind, staged):
+    # Eviction, admission, TTL, half-precision rows; misses filled through records, dirty rows
+    # written back through them, a stage on the worker (a side stream on a GPU) moving rows ahead.
+    device = through_records
+    resident = _make(_bag_configs(), device)
+    tiered = _make(_bag_configs(_backing(kind, tmp_path), 0.3), device)
+    assert isinstance(tiered._tables, TieredTables) and tiered._tables.weights.device.type == device.type
+    assert all(buf.device.type == "cpu" for buf in tiered._tables.backing.values())
+    batches = _batches(36, seed=4, device=device)
+    gen = torch.Generator().manual_seed(5)
+    for step, kjt in enumerate(batches):
+        if staged and step + 1 < len(batches):
+            assert tiered.stage_next(batches[step + 1])
+        outs = [m(kjt).values() for m in (resident, tiered)]
+        _assert_same(outs[0], outs[1], step)
+        grad = torch.randn(outs[0].shape, generator=gen).to(device)
+        for out in outs:
+            out.backward(grad)
+        if step == 17:  # a checkpoint mid-training (dirty rows written back through records), training goes on
+            _assert_same_state(resident, tiered)
+    _assert_same_state(resident, tiered)
+    stats = tiered.table_stats()
+    assert stats["a"].cache_misses + stats["a"].cache_staged > stats["a"].cache_slots
+    assert stats["a"].cache_write_backs > 0 and stats["a"].evictions > 0
+    if staged:
+        assert all(s.cache_staged > 0 for s in stats.values())
+    buffers = sum(mover.buffer_bytes() for mover in tiered._tables._movers)
+    assert buffers > 0  # the transfer buffers, counted in storage_bytes
+    if device.type == "cuda":
+        assert all(mover._transfer._records.is_pinned() for mover in tiered._tables._movers)
+
+
+def test_a_device_cache_round_trips_its_state_dict(tmp_path, through_records):
+    device = through_records
+    tiered = _make(_bag_configs(_backing("file", tmp_path), 0.3), device)
+    for kjt in _batches(12, seed=6, device=device):
+        tiered(kjt).values().sum().backward()
+    state = {k: v.clone() for k, v in tiered.state_dict().items()}
+    # Into an all-resident module and a fresh tiered one (the load fills the backing store).
+    resident = _make(_bag_configs(), device)
+    resident.load_state_dict(state)
+    (tmp_path / "b").mkdir()
+    reloaded = _make(_bag_configs(_backing("file", tmp_path / "b"), 0.3), device)
+    reloaded.load_state_dict(state)
+    _assert_same_state(resident, reloaded)
+    # And they train on alike from there.
+    for kjt in _batches(8, seed=7, device=device):
+        outs = [m(kjt).values() for m in (tiered, resident, reloaded)]
+        _assert_same(outs[0], outs[1], "tiered vs resident")
+        _assert_same(outs[0], outs[2], "tiered vs reloaded")
+        for out in outs:
+            out.sum().backward()
+    _assert_same_state(resident, reloaded)  # (the trained module's admission counters list ids in another order)
+
+
+def test_the_pipeline_prefetches_into_a_device_cache(tmp_path, through_records):
+    device = through_records
+
+    def model_on_device(configs):
+        torch.manual_seed(0)
+        model = _Ranker(_make(configs, device))
+        model.mlp.to(device)  # (before the optimizer: Adagrad makes its state at construction)
+        return model, torch.optim.Adagrad(model.mlp.parameters(), lr=0.05)
+
+    batches = _dlrm_batches(20)
+    model, optimizer = model_on_device(_bag_configs(policies=("lru", "lru")))
+    want = []
+    for batch in batches:  # the oracle: a plain loop over the all-resident model
+        optimizer.zero_grad()
+        loss, _ = model(batch.to(device))
+        loss.backward()
+        optimizer.step()
+        want.append(loss.detach().clone())
+    tiered, tiered_opt = model_on_device(_bag_configs(_backing("host", tmp_path), 0.3, policies=("lru", "lru")))
+    from torchrec_ext.pipeline import PipelineOptions, TrainPipeline
+
+    options = PipelineOptions(prefetch_threads=0, threaded_input_dist=False, tier_prefetch=True)
+    stats = []
+    with TrainPipeline(tiered, tiered_opt, device, options) as pipeline:
+        losses = progress_losses(pipeline, batches, stats)
+    assert len(losses) == len(want)
+    for step, (got, expected) in enumerate(zip(losses, want)):
+        _assert_same(got, expected, step)
+    _assert_same_state(model, tiered)
+    assert sum(s["staged"] for step in stats for s in step.values()) > 0
+
+
+def test_records_buffers_are_bounded_and_reused():
+    fields, record_bytes = tier_copies.record_fields([32, 4, 6])
+    assert fields == [(8, 32), (40, 4), (48, 6)] and record_bytes == 56  # each field 8-byte aligned
+    buffer = tier_copies.RecordsBuffer(record_bytes, pinned=False, max_rows=10)
+    first = buffer.take(3)
+    assert first.shape == (3, 56) and buffer.nbytes() == 3 * 56
+    assert buffer.take(2).data_ptr() == first.data_ptr()  # reused
+    buffer.take(5)
+    assert buffer.nbytes() == 6 * 56  # doubled
+    buffer.take(10)
+    assert buffer.nbytes() == 10 * 56  # up to its bound
+    with pytest.raises(ValueError, match="11 rows in one transfer, at most 10"):
+        buffer.take(11)
+
+
+def test_a_device_cache_refuses_other_devices(monkeypatch):
+    from torchrec_ext import DynamicEmbeddingBagConfig
+
+    cfg = DynamicEmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=10, feature_names=["a"], backing="host")
+    with pytest.raises(ValueError, match="keep their cache on the CPU or a CUDA device, got device xpu"):
+        TieredTables([cfg], torch.device("xpu"))
+
+
+def test_a_tiered_module_moves_to_the_device_and_back(tmp_path, through_records):
+    # Built on the CPU, moved (.to: the cache and the index move, the backing store stays on the
+    # host), trained there, moved back: as the all-resident module moved alike.
+    device = through_records
+    resident = _make(_bag_configs(), "cpu")
+    tiered = _make(_bag_configs(_backing("file", tmp_path), 0.3), "cpu")
+    batches = _batches(24, seed=9, device="cpu")
+    for step, kjt in enumerate(batches):
+        if step in (8, 16):
+            where = device if step == 8 else torch.device("cpu")
+            for m in (resident, tiered):
+                m.to(where)
+            assert tiered._tables.weights.device.type == where.type
+            assert all(buf.device.type == "cpu" for buf in tiered._tables.backing.values())
+        kjt = kjt.to(resident.device)
+        outs = [m(kjt).values() for m in (resident, tiered)]
+        _assert_same(outs[0], outs[1], step)
+        for out in outs:
+            out.square().sum().backward()
+    _assert_same_state(resident, tiered)
+    assert tiered.table_stats()["a"].cache_write_backs > 0

@@ -1,0 +1,119 @@
+"""Rows of a tiered table as records, and their copies between the host and the cache's device.
+
+A tiered table's cache (``tiered_tables.TieredTables``) lives on the module's device; its backing
+store (``tier_store.BackingStore``) always on the host. Rows move between them as records: one
+``[n, record_bytes]`` uint8 tensor per batch of rows, each record the row's number (int64) and
+then its vector and each optimizer state in their storage dtypes, each field 8-byte aligned, so
+that every field is a strided view of any dtype (tier_log.py's layout: a file-backed table
+appends these very records to its log).
+
+``RecordsBuffer`` is the host side: one buffer of records reused across transfers, pinned
+(page-locked) when the cache is on a CUDA device, so that a copy to or from the device is DMA,
+asynchronous to the host, in one transfer for all the rows' fields. An event of the stream that
+last copied from or into it guards its refill (the host waits only if that copy is still in
+flight). Transfers are cut in chunks of at most ``MAX_ROWS`` records, so the buffer stays bounded
+(16 MiB of 512-byte records) whatever a flush or a prefetch moves.
+
+``DeviceCopies`` sends host records to the device (``to_device``: non-blocking, on the current
+stream) and brings device records back (``to_host``: the host waits for the copy: a write-back
+must see the bytes before it writes them to the backing store). The same code runs with the
+cache on the CPU when ``TieredTables.copy_through_records`` asks for it (tests: the staging path
+covered without a GPU; the copies are then plain copies).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from torchrec_ext.modules.tier_log import ROW_BYTES
+
+MAX_ROWS = 1 << 15  # records per transfer: 16 MiB of 512-byte records
+
+
+def record_fields(widths: list[int]) -> tuple[list[tuple[int, int]], int]:
+    """Per field of ``widths`` bytes: (first byte in the record, bytes), after the row number;
+    and the record's bytes. Each field starts 8-byte aligned (the pads between them: zeros)."""
+    fields, at = [], ROW_BYTES
+    for width in widths:
+        fields.append((at, width))
+        at += width + -width % 8
+    return fields, at
+
+
+def field_view(records: Tensor, field: tuple[int, int], like: Tensor) -> Tensor:
+    """The field of ``records`` as rows of ``like`` (its dtype; 1-D when ``like`` is): a view."""
+    at, width = field
+    values = records[:, at : at + width].view(like.dtype)
+    return values.view(-1) if like.dim() == 1 else values
+
+
+def row_column(records: Tensor) -> Tensor:
+    """The records' row numbers (int64): a view."""
+    return records[:, :ROW_BYTES].view(torch.int64).squeeze(1)
+
+
+class RecordsBuffer:
+    """Host records reused across transfers (see the module docstring): pinned when ``pinned``,
+    grown by doubling up to ``max_rows`` records as transfers need, zeroed when made (the pads
+    of a record are defined bytes)."""
+
+    def __init__(self, record_bytes: int, pinned: bool, max_rows: int = MAX_ROWS):
+        self.record_bytes = record_bytes
+        self.pinned = pinned
+        self.max_rows = max_rows
+        self._records: Tensor | None = None
+        self._in_flight = None  # the CUDA event of the last asynchronous copy from or into it
+
+    def nbytes(self) -> int:
+        return 0 if self._records is None else self._records.numel()
+
+    def take(self, n: int) -> Tensor:
+        """``[n, record_bytes]`` host records to fill (n <= max_rows), once no copy of the buffer is in flight."""
+        if n > self.max_rows:
+            raise ValueError(f"tiered table records: {n} rows in one transfer, at most {self.max_rows}")
+        if self._in_flight is not None:
+            self._in_flight.synchronize()
+            self._in_flight = None
+        if self._records is None or self._records.shape[0] < n:
+            rows = min(self.max_rows, max(n, 2 * self._records.shape[0] if self._records is not None else n))
+            self._records = torch.zeros(rows, self.record_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+        return self._records[:n]
+
+    def in_flight(self, event) -> None:
+        """An asynchronous copy from or into the buffer was queued: ``event`` marks its end."""
+        self._in_flight = event
+
+
+class DeviceCopies:
+    """Records between the host and ``device`` (the cache's), through ``RecordsBuffer``s."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._cuda = device.type == "cuda"
+
+    def buffer(self, record_bytes: int) -> RecordsBuffer:
+        return RecordsBuffer(record_bytes, pinned=self._cuda)
+
+    def to_device(self, records: Tensor, buffer: RecordsBuffer) -> Tensor:
+        """``records`` (taken from ``buffer``) on the device, copied on the current stream; the
+        host may refill the buffer once that copy is done (``buffer.take`` waits for it)."""
+        if not self._cuda:
+            return records
+        on_device = records.to(self.device, non_blocking=True)
+        buffer.in_flight(torch.cuda.current_stream(self.device).record_event())
+        return on_device
+
+    def to_host(self, records: Tensor, buffer: RecordsBuffer) -> Tensor:
+        """Device ``records`` copied into ``buffer`` (host), the host waiting for the copy."""
+        host = buffer.take(records.shape[0])
+        if not self._cuda:
+            return host.copy_(records)
+        host.copy_(records, non_blocking=True)
+        done = torch.cuda.current_stream(self.device).record_event()
+        done.synchronize()  # (the write-back's one wait: the backing store is written from these bytes)
+        return host
+
+    def empty(self, n: int, record_bytes: int) -> Tensor:
+        """Zeroed device records (the pads are defined bytes when they reach a log)."""
+        return torch.zeros(n, record_bytes, dtype=torch.uint8, device=self.device)

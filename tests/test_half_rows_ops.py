@@ -219,20 +219,19 @@ def test_fused_update_half_tables_match_reference(name, optimizer, rounding, poo
     assert not torch.equal(w_got, weights)
 
 
-def _stochastic_case(x, dtype, ids, seed, step):
-    """Rows of zeros stepped by SGD with lr 1 and gradient -x: the kernel stores exactly round(x)."""
-    n, dim = ids.numel(), x.numel()
-    weights = torch.zeros(ref.table_words(n, dim, dtype))
-    grad = -x.expand(n, dim).contiguous()
+def _sgd_lr1_update(grad, weights, table_offsets, table_dims, unique_rows, unique_table, step, **kwargs):
+    """ops.fused_update as SGD with lr 1 after a sequence lookup of one id per unique row: each row
+    takes row - its grad row (exact in float32), then is stored in its table's dtype."""
+    n = unique_rows.numel()
     ops.fused_update(
         grad,
         weights,
         [],
-        torch.tensor([0]),
-        torch.tensor([dim]),
-        torch.tensor([0]),
-        torch.arange(n),
-        torch.zeros(n, dtype=torch.int64),
+        table_offsets,
+        table_dims,
+        torch.zeros(table_offsets.numel(), dtype=torch.int64),
+        unique_rows,
+        unique_table,
         torch.arange(n),
         None,
         None,
@@ -241,6 +240,22 @@ def _stochastic_case(x, dtype, ids, seed, step):
         0,
         ref.OPTIMIZERS["sgd"],
         (1.0, 0, 0, 0, 0, 0),
+        step,
+        **kwargs,
+    )
+
+
+def _stochastic_case(x, dtype, ids, seed, step):
+    """Rows of zeros stepped by SGD with lr 1 and gradient -x: the kernel stores exactly round(x)."""
+    n, dim = ids.numel(), x.numel()
+    weights = torch.zeros(ref.table_words(n, dim, dtype))
+    _sgd_lr1_update(
+        -x.expand(n, dim).contiguous(),
+        weights,
+        torch.tensor([0]),
+        torch.tensor([dim]),
+        torch.arange(n),
+        torch.zeros(n, dtype=torch.int64),
         step,
         table_dtypes=torch.tensor([ref.dtype_code(dtype)]),
         unique_ids=ids,
@@ -469,23 +484,13 @@ def test_new_rows_store_their_stochastic_step_whatever_the_row_alignment(dtype):
     unique_new = torch.tensor([0, 1, 2, 3, 4, 5] * 2)
     grad = torch.randn(n, 64, generator=gen) * 10.0 ** torch.randint(-6, 2, (n, 64), generator=gen).float()
     ids = torch.arange(n) * 7919 - 3
-    ops.fused_update(
+    _sgd_lr1_update(
         grad,
         weights,
-        [],
         table_offsets,
         table_dims,
-        torch.zeros(4, dtype=torch.int64),
         unique_rows,
         unique_table,
-        torch.arange(n),
-        None,
-        None,
-        torch.zeros(0, dtype=torch.int64),
-        torch.zeros(0, dtype=torch.bool),
-        0,
-        ref.OPTIMIZERS["sgd"],
-        (1.0, 0, 0, 0, 0, 0),
         5,
         new_vectors=new_vectors,
         unique_new=unique_new,

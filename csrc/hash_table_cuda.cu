@@ -5,8 +5,8 @@
 // CPU kernel makes by scanning a bucket (first match, emptier bucket, lowest free slot,
 // lowest-score victim) becomes a ballot or a warp reduction over the same scan order.
 //
-// Lookups are read-only and take one thread per key (hash_find; a warp per key where the digests
-// are not 16-byte aligned, and in hash_find_tables), all in parallel. Mutations must give the CPU
+// Lookups are read-only and take one thread per key (hash_find: a warp per key where the digests
+// are not 16-byte aligned), all in parallel. Mutations must give the CPU
 // kernels' results bit for bit (same rows, flags, evictions and scores): an upsert first touches
 // and pins every key of the batch that holds a row, then inserts the others one at a time in
 // batch order per stripe, window by window of the batch (upsert_window), then releases its pins;
@@ -184,12 +184,21 @@ __device__ __forceinline__ void walk_stripe(const uint8_t* digests, const int64_
 // ---------------------------------------------------------------------------------------------
 
 // The slots of a bucket whose tag is `tag` (pin bit ignored), as a mask (bit l: slot l): its 32
-// digests in two 16-byte loads, compared four bytes at a time. Empty slots (digest 0) never
-// match: tags are 1..127.
+// digests in two 16-byte loads (byte by byte where the digests are not 16-byte aligned, a view),
+// compared four bytes at a time. Empty slots (digest 0) never match: tags are 1..127.
 __device__ __forceinline__ uint32_t tag_matches(const uint8_t* bucket_digests, uint8_t tag) {
-  const uint4* vec = reinterpret_cast<const uint4*>(bucket_digests);
-  const uint4 lo = vec[0], hi = vec[1];
-  const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  uint32_t words[8];
+  if (reinterpret_cast<uintptr_t>(bucket_digests) % alignof(uint4) == 0) {
+    const uint4* vec = reinterpret_cast<const uint4*>(bucket_digests);
+    const uint4 lo = vec[0], hi = vec[1];
+    words[0] = lo.x, words[1] = lo.y, words[2] = lo.z, words[3] = lo.w;
+    words[4] = hi.x, words[5] = hi.y, words[6] = hi.z, words[7] = hi.w;
+  } else {
+    for (int w = 0; w < 8; ++w) {
+      words[w] = 0;
+      for (int j = 0; j < 4; ++j) words[w] |= uint32_t{bucket_digests[4 * w + j]} << (8 * j);
+    }
+  }
   const uint32_t tags = 0x01010101u * tag;
   uint32_t mask = 0;
 #pragma unroll
@@ -461,25 +470,17 @@ __device__ __forceinline__ int64_t table_of_stripe(const UpsertTable* tables, in
   return table_at(num_tables, g, [&](int64_t t) { return tables[t].stripe_begin; });
 }
 
-// hash_find_tables: warp i takes key i (grid-stride) and probes it in its table, as
-// hash_find_kernel.
+// hash_find_tables: thread i takes key i (grid-stride) and probes it in its table, as
+// hash_find_thread_kernel.
 __global__ void hash_find_tables_kernel(const UpsertTable* tables, int64_t num_tables,
                                         const int64_t* keys, int64_t n, int64_t* rows,
                                         bool* found) {
-  const int lane = lane_id();
-  const int64_t num_warps = global_threads() / kWarpSize;
-  for (int64_t i = global_thread() / kWarpSize; i < n; i += num_warps) {
+  for (int64_t i = global_thread(); i < n; i += global_threads()) {
     const UpsertTable& t =
         tables[table_at(num_tables, i, [&](int64_t u) { return tables[u].key_begin; })];
-    const int64_t key = keys[i];
-    const KeyPlace p = place_key(key, t.geo);
-    int64_t row = warp_probe(t.slot_keys, p, load_slots(t.digests, p, lane), key);
-    if (row < 0)
-      row = stash_probe(t.digests, t.slot_keys, t.geo, p, key);  // every lane: same answer
-    if (lane == 0) {
-      rows[i] = row;
-      found[i] = row >= 0;
-    }
+    const int64_t row = thread_probe(t.digests, t.slot_keys, t.geo, keys[i]);
+    rows[i] = row;
+    found[i] = row >= 0;
   }
 }
 
@@ -686,7 +687,7 @@ cudaError_t launch_hash_find_tables(const UpsertTable* tables, int64_t num_table
                                     const int64_t* keys, int64_t n, int64_t* rows, bool* found,
                                     cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  hash_find_tables_kernel<<<capped_grid(n * kWarpSize, kFindThreads), kFindThreads, 0, stream>>>(
+  hash_find_tables_kernel<<<capped_grid(n, kFindThreads), kFindThreads, 0, stream>>>(
       tables, num_tables, keys, n, rows, found);
   return cudaGetLastError();
 }

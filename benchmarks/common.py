@@ -93,12 +93,12 @@ def save(name: str, record: dict[str, object], markdown: str) -> None:
 
 
 def process_memory() -> dict[str, int]:
-    """VmRSS / RssAnon / RssFile of this process, in bytes."""
+    """VmRSS / VmHWM (its peak) / RssAnon / RssFile of this process, in bytes."""
     out = {}
     with open("/proc/self/status") as f:
         for line in f:
             key, _, value = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "RssFile"):
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
                 out[key] = int(value.split()[0]) * 1024
     return out
 

@@ -186,14 +186,22 @@ def step_env(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dict, st
     return row, text
 
 
+# What set_sync_debug_mode("warn") says for each synchronizing call. Other warnings are not
+# syncs: the first switch to "warn" itself warns that the mode is a prototype (the H100's first
+# run counted that notice as a sync of the step).
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
 class SyncRecorder:
-    """Counts the warnings issued while active (set_sync_debug_mode("warn") issues one per
+    """Counts the sync warnings issued while active (set_sync_debug_mode("warn") issues one per
     synchronizing call), each under the innermost torchrec_ext frame of the live stack, else the
-    innermost Python frame outside the warnings machinery."""
+    innermost Python frame outside the warnings machinery. Other warnings are kept apart
+    (``others``), not counted."""
 
     def __init__(self) -> None:
         self.sites: collections.Counter = collections.Counter()
         self.messages: collections.Counter = collections.Counter()
+        self.others: collections.Counter = collections.Counter()
         self._catch = warnings.catch_warnings()
 
     def __enter__(self) -> SyncRecorder:
@@ -206,6 +214,9 @@ class SyncRecorder:
         self._catch.__exit__(*exc)
 
     def _record(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if SYNC_WARNING not in str(message):
+            self.others[str(message).splitlines()[0][:120]] += 1
+            return
         frames = [f for f in traceback.extract_stack()[:-1] if os.path.basename(f.filename) != "warnings.py"]
         # The caller of device_sync (the one door of the step's host reads) names the site.
         ours = [
@@ -249,6 +260,7 @@ def step_syncs(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dict, 
         "counted": dict(counted),
         "sites": dict(sites.most_common()),
         "messages": dict(messages.most_common()),
+        "other_warnings": dict(recorder.others.most_common()),  # not syncs (the debug mode's own notice)
     }
     text = (
         f"{total} synchronizing call(s) in one training step (forward + backward + fused Adagrad), "

@@ -246,28 +246,39 @@ def assert_same_tables(got_state, want_state, prefix):
 def dmp_t1_row_t2_table_wise(model, world_size: int):
     """``model`` (its dynamic EBC at ``model.ebc``) under DMP with table t1 row-wise and t2
     table-wise on the last rank, planned by ``construct_module_sharding_plan``."""
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.distributed.sharding_plan import row_wise, table_wise
 
-    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
+    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder
 
     gens = {
         "t1": row_wise(compute_kernel="customized_kernel"),
         "t2": table_wise(rank=world_size - 1, compute_kernel="customized_kernel"),
     }
+    return dmp_of(model, "ebc", gens, DynamicEmbeddingBagCollectionSharder(), world_size)
+
+
+def dmp_of(model, name: str, generators: dict, sharder, world_size: int):
+    """``model`` under DMP, its child ``name`` sharded by ``sharder`` with the plan ``generators``
+    (table name -> TorchRec's row_wise(...) etc.) give, the other modules by ``get_sharders()``."""
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+
+    from torchrec_ext.distributed import get_sharders
+
     plan = construct_module_sharding_plan(
-        model.ebc,
-        gens,
-        sharder=DynamicEmbeddingBagCollectionSharder(),
+        getattr(model, name),
+        generators,
+        sharder=sharder,
         local_size=world_size,
         world_size=world_size,
         device_type="cpu",
     )
+    sharders = [s for s in get_sharders() if s.module_type is not sharder.module_type] + [sharder]
     return DistributedModelParallel(
         model,
         env=ShardingEnv.from_process_group(dist.group.WORLD),
         device=torch.device("cpu"),
-        plan=ShardingPlan({"ebc": plan}),
-        sharders=get_sharders(),
+        plan=ShardingPlan({name: plan}),
+        sharders=sharders,
     )

@@ -22,6 +22,7 @@ from torchrec_ext import (
     DynamicEmbeddingConfig,
     HashTable,
     Initializer,
+    device_sync,
 )
 from torchrec_ext.modules import Ftrl
 
@@ -807,6 +808,62 @@ def test_ebc_forward_bad_kjt(case, training):
     _raises_and_unchanged(
         module, lambda m: m(KeyedJaggedTensor(**fields)), error, f"DynamicEmbeddingBagCollection: {match}"
     )
+
+
+# A KJT that knows its ids per key on the host (length_per_key) is checked on the device and
+# the error raised at the step's first host read (on a GPU: the count of unique ids), still
+# before any table is touched. device_sync.defer_on_cpu runs that order on CPU.
+DEFERRED_KJTS = [
+    # (name, weighted module, KJT fields, match)
+    (
+        "negative length",
+        False,
+        dict(values=torch.tensor([1, 2]), lengths=torch.tensor([3, -1, 0, 0]), length_per_key=[2, 0]),
+        "KJT lengths must be >= 0, got a length of -1",
+    ),
+    (
+        "length_per_key disagrees",
+        False,
+        dict(values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 1, 0]), length_per_key=[1, 2]),
+        "KJT lengths of key 'f' must sum to its length_per_key entry 1, got 2",
+    ),
+    (
+        "length_per_key sum",
+        False,
+        dict(values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 1, 0]), length_per_key=[2, 2]),
+        "KJT length_per_key must sum to the ids' count 3, got 4",
+    ),
+    (
+        "nan weight",
+        True,
+        dict(
+            values=torch.tensor([1, 2]),
+            lengths=torch.tensor([1, 0, 1, 0]),
+            weights=torch.tensor([1.0, NAN]),
+            length_per_key=[1, 1],
+        ),
+        "KJT weights must be finite",
+    ),
+]
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("case", DEFERRED_KJTS, ids=[c[0] for c in DEFERRED_KJTS])
+def test_ebc_forward_bad_kjt_checked_on_device(case, training, monkeypatch):
+    _, weighted, fields, match = case
+    module = _ebc(weighted).train(training)
+    monkeypatch.setattr(device_sync, "defer_on_cpu", True)
+    kjt = KeyedJaggedTensor(keys=["f", "g"], **fields)
+    _raises_and_unchanged(module, lambda m: m(kjt), ValueError, f"DynamicEmbeddingBagCollection: {match}")
+    device_sync.settle()  # nothing left over for the next step
+    good = KeyedJaggedTensor(
+        keys=["f", "g"],
+        values=torch.tensor([1, 2]),
+        lengths=torch.tensor([1, 0, 1, 0]),
+        weights=torch.ones(2) if weighted else None,
+        length_per_key=[1, 1],
+    )
+    module(good)  # the module still works
 
 
 EC_CASES = [c for c in BAD_KJTS if not c[1]]

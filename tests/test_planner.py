@@ -2,6 +2,7 @@
 the modules' own storage_bytes(), perf estimates, and whole plans of models mixing dynamic and
 stock TorchRec tables under TorchRec's EmbeddingShardingPlanner (plan() needs no process group)."""
 
+import logging
 import math
 import os
 
@@ -433,7 +434,35 @@ def test_growing_tables_plan_at_their_maximum_unless_asked_for_the_initial_capac
         make_planner(topology, BATCH, plan_capacity={"other": "initial"}).plan(grown(1 << 12), _sharders())
 
 
-# ------------------------------------------------------------------ perf
+def test_the_planner_reports_a_growing_tables_initial_and_maximum_bytes(caplog):
+    """The planner's stats show a growing table's bytes at its initial capacity and at its maximum,
+    which a module holding that table reports (storage_bytes(), storage_bytes(maximum=True)); a
+    table that does not grow is not listed (issue 15 item 3)."""
+    from torchrec_ext.distributed.planner import GrowingTableStats
+
+    configs = lambda: [
+        DynamicEmbeddingBagConfig(
+            name="g", embedding_dim=8, num_embeddings=1 << 12, feature_names=["f"], initial_capacity=1 << 8
+        ),
+        DynamicEmbeddingBagConfig(name="fixed", embedding_dim=8, num_embeddings=1 << 8, feature_names=["h"]),
+    ]
+    make = lambda device: DynamicEmbeddingBagCollection(
+        configs(), device=device, optimizer="adagrad", optimizer_kwargs={"lr": 0.1}
+    )
+    constraints = {name: ParameterConstraints(sharding_types=["table_wise"]) for name in ("g", "fixed")}
+    oracle = DynamicEmbeddingBagCollection(configs()[:1], optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    for plan_capacity in ("maximum", "initial"):
+        planner = make_planner(
+            Topology(world_size=2, compute_device="cpu"), BATCH, constraints, plan_capacity=plan_capacity
+        )
+        with caplog.at_level(logging.INFO, logger="torchrec_ext.distributed.planner"):
+            planner.plan(make(META), _sharders())
+        (stats,) = [s for s in planner._stats if isinstance(s, GrowingTableStats)]
+        (grown,) = stats.tables
+        assert (grown.table, grown.initial_rows, grown.maximum_rows) == ("g", 1 << 8, 1 << 12)
+        assert grown.initial_bytes == oracle.storage_bytes() < grown.maximum_bytes == oracle.storage_bytes(maximum=True)
+        assert grown.planned_at == plan_capacity
+        assert "initial 256 rows" in caplog.text and f"planned at its {plan_capacity}" in caplog.text
 
 
 def _perf_options(world, device="cpu", is_inference=False, **topo):

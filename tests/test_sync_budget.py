@@ -45,11 +45,14 @@ def _configs(options, tables=TABLES, cls=DynamicEmbeddingBagConfig, capacity=64)
     ]
 
 
-def _batch(step, tables=TABLES):
+def _batch(step, tables=TABLES, length_per_key=False):
     g = torch.Generator().manual_seed(step)
     lengths = torch.randint(0, 4, (tables * BATCH,), generator=g)
     values = torch.randint(0, 200, (int(lengths.sum()),), generator=g)
-    return KeyedJaggedTensor(keys=[f"f{i}" for i in range(tables)], values=values, lengths=lengths, stride=BATCH)
+    per_key = lengths.view(tables, BATCH).sum(1).tolist() if length_per_key else None
+    return KeyedJaggedTensor(
+        keys=[f"f{i}" for i in range(tables)], values=values, lengths=lengths, stride=BATCH, length_per_key=per_key
+    )
 
 
 def _step(module, kjt):
@@ -58,12 +61,12 @@ def _step(module, kjt):
     loss.backward()
 
 
-def _syncs_per_step(module, steps=6, tables=TABLES):
+def _syncs_per_step(module, steps=6, tables=TABLES, length_per_key=False):
     """Host reads of each training step after a warm-up step (which builds cached layouts)."""
     _step(module, _batch(0, tables))
     counts = []
     for step in range(1, steps + 1):
-        kjt = _batch(step, tables)
+        kjt = _batch(step, tables, length_per_key)
         with device_sync.recording() as seen:
             _step(module, kjt)
         counts.append((sum(seen.values()), dict(seen)))
@@ -100,6 +103,18 @@ def test_sync_count_does_not_grow_with_tables():
     assert [t for t, _ in few] == [t for t, _ in many]
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["cpu_order", "gpu_order"])
+def test_a_kjt_with_its_ids_per_key_costs_one_read(defer, monkeypatch):
+    """A KJT that knows its ids per key on the host (built with length_per_key, or computed on
+    the CPU before its copy to the device, as dlrm_small_batch and TorchRec's from_lengths_sync
+    do) is checked on the device: the step's one read is the unique count (the H100 found the
+    input check's read and its blocking copies beside it: benchmarks/results/gpu/gpu_check.md)."""
+    monkeypatch.setattr(device_sync, "defer_on_cpu", defer)
+    module = DynamicEmbeddingBagCollection(_configs({}), optimizer="adagrad")
+    for _, seen in _syncs_per_step(module, steps=3, length_per_key=True):
+        assert seen == {"lookup: where each table's unique ids start": 1}, seen
+
+
 def test_sequence_module_step_within_budget():
     configs = [
         DynamicEmbeddingConfig(name=f"t{i}", embedding_dim=8, num_embeddings=64, feature_names=[f"f{i}"], ttl_steps=3)
@@ -122,3 +137,31 @@ def test_the_counter_counts_every_read():
         mirrored = device_sync.mirror(torch.ones(2), torch.ones(2))
         device_sync.to_host(mirrored, "d")
     assert dict(seen) == {"a": 1, "b": 1, "c": 1}
+
+
+def test_a_deferred_check_is_raised_at_the_next_read_of_its_thread(monkeypatch):
+    import threading
+
+    monkeypatch.setattr(device_sync, "defer_on_cpu", True)  # a GPU's order, on CPU
+    verdicts = []
+
+    def verdict(values):
+        verdicts.append(values)
+        return ValueError(f"bad: {values}") if values[0] < 0 else None
+
+    device_sync.defer_check(torch.tensor([-1, 7]), verdict)
+    assert verdicts == []  # not read yet
+    other = threading.Thread(target=lambda: device_sync.to_host(torch.arange(2), "another thread's read"))
+    other.start()
+    other.join()
+    assert verdicts == []  # another thread's read does not raise this thread's check
+    with device_sync.recording() as seen, pytest.raises(ValueError, match=r"bad: \[-1, 7\]"):
+        device_sync.to_host(torch.arange(3), "a read")
+    assert dict(seen) == {"a read": 1}  # the check itself cost no read
+    device_sync.to_host(torch.arange(4), "a later read")  # raised once, then gone
+    device_sync.defer_check(torch.tensor([1, 7]), verdict)
+    device_sync.settle()  # a passing check raises nothing
+    assert verdicts == [[-1, 7], [1, 7]]
+    monkeypatch.setattr(device_sync, "defer_on_cpu", False)
+    with pytest.raises(ValueError, match="bad"):
+        device_sync.defer_check(torch.tensor([-2]), verdict)  # on CPU: at once

@@ -148,6 +148,27 @@ EXEMPT = {
     ): "optimizer_step: a CPU tensor by construction (the fused optimizer's step count)",
 }
 
+_ON_DEVICE_ALREADY = (
+    "the op's tensor arguments, on the kernel's device already (the op's contract): .to(device) is a no-op there"
+)
+EXEMPT.update(
+    {
+        (
+            "modules/ids_to_rows.py",
+            "IdsToRows._initialise_tables",
+            "blocking copy",
+        ): "the initializers' descriptors, copied once per layout (cached in _device_layout), not per step",
+        (
+            "torch_kernels.py",
+            "init_rows",
+            "blocking copy",
+        ): "the vectors are drawn on the ids' device, the table's: a dtype cast",
+        ("triton_kernels/embedding_lookup.py", "pooled_lookup", "blocking copy"): _ON_DEVICE_ALREADY,
+        ("triton_kernels/embedding_lookup.py", "sequence_lookup", "blocking copy"): _ON_DEVICE_ALREADY,
+        ("triton_kernels/embedding_update.py", "fused_update", "blocking copy"): _ON_DEVICE_ALREADY,
+    }
+)
+
 # Ops whose outputs a GPU kernel sizes on the host (a compaction inside the op): the step path
 # calls their fixed-size forms (find_or_insert_fixed, erase_rows).
 _SIZED_OPS = {"find_or_insert", "insert_or_assign", "hash_upsert", "export", "hash_export", "erase", "hash_erase"}
@@ -200,6 +221,37 @@ _MASK_CALLS = {
 }
 
 
+def _is_device_arg(node):
+    """A device expression: ``device``, ``x.device``, ``torch.device(...)`` or a string naming one."""
+    if isinstance(node, ast.Name):
+        return node.id == "device" or node.id.endswith("_device")
+    if isinstance(node, ast.Attribute):
+        return node.attr == "device"
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        return node.func.attr == "device"
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("cuda")
+
+
+def _is_blocking_copy(call):
+    """``torch.tensor(data, device=d)`` (host data copied to d) or ``t.to(d)`` / ``t.cuda()``
+    without ``non_blocking=True``: from pageable host memory, a blocking copy the host waits on
+    (a sync on a GPU; device_sync.to_device copies through pinned memory without one). A ``.to``
+    of a tensor already on the device is a no-op the scan cannot tell apart: say so in EXEMPT."""
+    f = call.func
+    if not isinstance(f, ast.Attribute):
+        return False
+    kwargs = {k.arg: k.value for k in call.keywords}
+    if isinstance(f.value, ast.Name) and f.value.id == "torch" and f.attr in ("tensor", "as_tensor"):
+        return "device" in kwargs
+    non_blocking = isinstance(kwargs.get("non_blocking"), ast.Constant) and kwargs["non_blocking"].value is True
+    if f.attr == "cuda":
+        return not non_blocking
+    if f.attr == "to":
+        target = call.args[0] if call.args else kwargs.get("device")
+        return target is not None and _is_device_arg(target) and not non_blocking
+    return False
+
+
 def _is_mask(node, masks):
     if isinstance(node, ast.Compare):
         return True
@@ -231,6 +283,8 @@ def _findings(func):
             masks.update(t.id for t in node.targets if isinstance(t, ast.Name))
     out = []
     for node in ast.walk(func):
+        if isinstance(node, ast.Call) and _is_blocking_copy(node):
+            out.append(("blocking copy", node.lineno))
         if isinstance(node, ast.Call):
             f = node.func
             if isinstance(f, ast.Attribute) and f.attr in _HOST_READ_METHODS:
@@ -332,6 +386,12 @@ def test_every_exemption_is_still_needed():
         ("def f(t):\n    return torch.unique(t)", "torch.unique"),
         ("def f(t):\n    return t.cpu()", ".cpu()"),
         ("def f(index, keys):\n    return index.find_or_insert(keys)", "sized op"),
+        # host-to-device copies the host waits on (pageable memory): the three that escaped the
+        # scan in check_and_arrange until the first GPU run found them (gpu_check.md)
+        ("def f(n, t):\n    return torch.tensor(n, device=t.device)", "blocking copy"),
+        ("def f(o, values):\n    return o.to(values.device)", "blocking copy"),
+        ("def f(o, device):\n    return o.to(device, torch.int64)", "blocking copy"),
+        ("def f(o):\n    return o.cuda()", "blocking copy"),
     ],
 )
 def test_the_scan_sees_each_pattern(code, pattern):
@@ -342,6 +402,7 @@ def test_the_scan_sees_each_pattern(code, pattern):
 def test_the_scan_lets_device_sync_and_positions_pass():
     code = (
         "def f(t, which):\n    n = int(device_sync.to_host(t, 'x')[-1])\n    return t[which], t.index_select(0, which), "
-        "device_sync.nonzero(t > 0, 'y')"
+        "device_sync.nonzero(t > 0, 'y'), device_sync.to_device(torch.tensor([1]), t.device), "
+        "t.to(torch.int64), t.to(device, non_blocking=True), torch.zeros(3, device=t.device)"
     )
     assert _findings(ast.parse(code).body[0]) == []

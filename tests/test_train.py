@@ -114,6 +114,11 @@ def test_resumed_run_ends_exactly_like_the_uninterrupted_one(tmp_path):
         (["--round-to-nearest"], "--round-to-nearest applies to --data-type fp16 or bf16"),
         (["--fallback-rows", "0"], "--fallback-rows must be >= 1, got 0"),
         (["--checkpoint-incremental", "-1"], "--checkpoint-incremental must be >= 0, got -1"),
+        (["--backing", "disk"], "--backing must be device, host or file:<dir>, got --backing 'disk'"),
+        (["--backing", "file:"], "--backing must be device, host or file:<dir>, got --backing 'file:'"),
+        (["--cache-load-factor", "0.5"], "--cache-load-factor applies to --backing host or file:<dir>"),
+        (["--backing", "host", "--cache-load-factor", "1.5"], "--cache-load-factor must be a number in (0, 1], got"),
+        (["--backing", "host", "--fallback-rows", "4"], 'fallback_rows applies to backing="device" tables'),
     ],
 )
 def test_bad_arguments_are_clear_errors(args, message, capsys):
@@ -156,6 +161,50 @@ def test_table_flags_reach_every_table_and_a_resume_must_keep_them(tmp_path):
     refused = run_job(["--steps", "20", "--resume"] + common + ["--data-type", "fp16", "--admission", "bloom"])
     assert refused.returncode != 0
     assert "--data-type bf16" in refused.stderr and "--admit-after 3" in refused.stderr, refused.stderr[-2000:]
+
+
+def test_tiered_tables_show_their_cache_traffic_and_resume(tmp_path):
+    """--backing file:<dir> --cache-load-factor 0.5 trains tiered tables through the pipeline's
+    prefetch; the cache traffic the job sums from each step's tier_step_stats() equals the caches'
+    own counters (table_stats' cache_*; no evals, so every lookup is a training step's), the
+    progress lines show it, and the run resumes from its checkpoint with the same backing (and
+    the plain loop, whose steps' traffic the job reads from the modules)."""
+    backing, run_dir = tmp_path / "backing", str(tmp_path / "run")
+    backing.mkdir()
+    # 26 tables of 512 rows, caches of 256: ~45 new rows per table a step overflow them by step 6.
+    common = TINY + ["--run-dir", run_dir, "--eval-batches", "0", "--checkpoint-every", "10", "--capacity", "512"]
+    tiers = ["--backing", f"file:{backing}", "--cache-load-factor", "0.5"]
+    proc = job_ok(run_job(["--steps", "10"] + common + tiers))
+    summary = _load(run_dir, "summary.json")
+    steps, tables = summary["tier_steps"], summary["table_stats"]
+    assert len(steps) == 26 and all(t["cache_slots"] == 256 for t in tables.values())
+    for name, mine in steps.items():
+        theirs = tables[name]
+        assert (mine["hits"], mine["misses"]) == (theirs["cache_hits"], theirs["cache_misses"]), name
+        assert (mine["staged"], mine["staged_write_backs"]) == (
+            theirs["cache_staged"],
+            theirs["cache_staged_write_backs"],
+        )
+        # The final checkpoint flushes the dirty rows: write-backs outside any step.
+        assert mine["write_backs"] <= theirs["cache_write_backs"] and mine["bytes_moved"] <= theirs["cache_bytes_moved"]
+    total = summary["tier_steps_total"]
+    assert total["hits"] > 0 and total["staged"] > 0 and total["write_backs"] > 0 and total["bytes_moved"] > 0
+    assert total["hits"] == sum(t["hits"] for t in steps.values())
+    assert total["hit_rate"] == total["hits"] / (total["hits"] + total["misses"])
+    assert (
+        "step 10: tables" in proc.stdout
+        and "; cache " in proc.stdout
+        and "cache over the training steps" in proc.stdout
+    )
+    # Resumed with the plain loop (no prefetch): its steps' traffic is read from the modules.
+    resumed = job_ok(run_job(["--steps", "15", "--resume", "--pipeline", "plain"] + common + tiers))
+    assert "resumed from" in resumed.stdout
+    again = _load(run_dir, "summary.json")
+    assert again["start_step"] == 10 and again["steps_this_run"] == 5 and len(again["train_loss"]) > 0
+    for name, mine in again["tier_steps"].items():
+        theirs = again["table_stats"][name]
+        assert (mine["hits"], mine["misses"], mine["staged"]) == (theirs["cache_hits"], theirs["cache_misses"], 0)
+    assert again["tier_steps_total"]["misses"] > 0  # no prefetch: rows evicted earlier are read in the step
 
 
 def test_bad_data_fails_fast_from_the_command_line(tmp_path):

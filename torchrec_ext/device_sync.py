@@ -14,6 +14,13 @@ Under torch.compile / export the values are symbolic: nothing is read, counted o
 read once): reading such a tensor again costs nothing and is not counted, as long as the tensor
 was not written since (its version counter).
 
+``to_device`` is the step path's one host-to-device copy: a blocking copy of pageable memory
+is a sync on a GPU too, so it copies through pinned memory without blocking (and mirrors).
+
+``defer_check`` validates on the device without a sync of its own: the check's few values are
+copied to the host without blocking, and read (``settle``) at the next counted read of the same
+thread (which has drained the stream, so they are there), or at the latest by ``settle`` itself.
+
 Lowest layer (vocabulary's): imports torch only, so the kernels may use it.
 """
 
@@ -22,7 +29,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -33,6 +40,7 @@ _total = 0
 _recorders: list[Counter] = []
 # id(device tensor) -> (weak reference, its version when mirrored, host copy)
 _mirrors: dict[int, tuple[weakref.ref, int, Tensor]] = {}
+_pending = threading.local()  # .checks: this thread's deferred checks, oldest first
 
 
 def _count(reason: str) -> None:
@@ -100,6 +108,7 @@ def to_host(t: Tensor, reason: str) -> Tensor:
     _count(reason)
     host = t.detach().to("cpu")  # the one place the step path copies device values to the host
     mirror(t, host)
+    settle()  # the stream has drained: the deferred checks' values are on the host, free to read
     return host
 
 
@@ -113,9 +122,86 @@ def host_list(t: Tensor, reason: str) -> list:
 def nonzero(mask: Tensor, reason: str) -> Tensor:
     """Positions of the True entries of a 1-D bool ``mask`` (on its device): its output size is
     data-dependent, so this is a counted sync."""
-    if not torch.compiler.is_compiling():
-        _count(reason)
-    return mask.nonzero().squeeze(1)
+    if torch.compiler.is_compiling():
+        return mask.nonzero().squeeze(1)
+    _count(reason)
+    out = mask.nonzero().squeeze(1)
+    settle()  # (as to_host)
+    return out
 
 
-__all__ = ["host_list", "mirror", "nonzero", "recording", "sync_count", "to_host"]
+def to_device(host: Tensor, device: torch.device) -> Tensor:
+    """``host`` (a CPU tensor) on ``device``, mirrored: on a GPU through pinned memory without
+    blocking (a blocking copy of pageable memory would wait for the stream). The caching host
+    allocator keeps the pinned block until the copy has run."""
+    device = torch.device(device)
+    if torch.compiler.is_compiling() or device.type != "cuda" or host.device.type != "cpu":
+        return host.to(device)
+    return mirror(host.pin_memory().to(device, non_blocking=True), host)
+
+
+# Tests set this to defer CPU checks as a GPU does (raised at the next read, not at once).
+defer_on_cpu = False
+
+
+class _Deferred:
+    def __init__(self, values: Tensor, verdict: Callable[[list], Exception | None]) -> None:
+        self.verdict = verdict
+        self.event = None
+        self.later = values.device.type == "cuda" or defer_on_cpu
+        if values.device.type == "cuda":
+            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host.copy_(values, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = values  # a CPU tensor: read for free
+
+    def error(self) -> Exception | None:
+        if self.event is not None and not self.event.query():
+            _count("deferred check: read before any other sync")  # nothing has drained the stream yet
+            self.event.synchronize()
+        return self.verdict(self.host.tolist())
+
+
+def defer_check(values: Tensor, verdict: Callable[[list], Exception | None]) -> None:
+    """Checks ``values`` (a small device tensor computed by the caller) on the host later:
+    ``verdict(values as a list)`` returns the error to raise, or None. Raised by the next counted
+    read of this thread (``to_host``), or by ``settle``; on CPU right away (no sync to wait for).
+    The caller must settle before it changes anything the error should leave unchanged."""
+    if torch.compiler.is_compiling():
+        return
+    check = _Deferred(values.detach(), verdict)
+    if not check.later:
+        error = check.error()
+        if error is not None:
+            raise error
+        return
+    if not hasattr(_pending, "checks"):
+        _pending.checks = []
+    _pending.checks.append(check)
+
+
+def settle() -> None:
+    """Raises the first failed deferred check of this thread (all are done with either way)."""
+    checks = getattr(_pending, "checks", None)
+    if not checks:
+        return
+    _pending.checks = []
+    for check in checks:
+        error = check.error()
+        if error is not None:
+            raise error
+
+
+__all__ = [
+    "defer_check",
+    "host_list",
+    "mirror",
+    "nonzero",
+    "recording",
+    "settle",
+    "sync_count",
+    "to_device",
+    "to_host",
+]

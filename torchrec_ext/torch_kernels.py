@@ -34,7 +34,7 @@ def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> tuple[Tensor, Tensor
     of them is free). Counts by ``index_add_``, not ``bincount`` (which reads its input's max)."""
     n, num_segments = ids.numel(), segment_offsets.numel() - 1
     device = ids.device
-    offsets = segment_offsets.to(device)
+    offsets = device_sync.to_device(segment_offsets, device)  # (a no-op when they are there already)
     segment = torch.repeat_interleave(
         torch.arange(num_segments, device=device), offsets[1:] - offsets[:-1], output_size=n
     )
@@ -249,7 +249,9 @@ def route_bucketize(
     is the ``route`` op's (its CUDA kernel in csrc/hash_table_cuda.cu)."""
     bags = len(slot_owner) * batch_size
     bag = torch.repeat_interleave(torch.arange(bags, device=ids.device), lengths, output_size=ids.numel())
-    owner = torch.tensor(list(slot_owner), dtype=torch.int64, device=ids.device)[bag // max(batch_size, 1)]
+    owner = device_sync.to_device(torch.tensor(list(slot_owner), dtype=torch.int64), ids.device)[
+        bag // max(batch_size, 1)
+    ]
     dest = torch.where(owner < 0, torch.ops.torchrec_ext.route.default(ids, world_size), owner)
     bucket = dest * bags + bag
     order = torch.argsort(bucket, stable=True)

@@ -229,7 +229,14 @@ def dlrm_small_batch(
     ids = _multi_stream_ids(dist, [table_key(seed, t) for t in range(num_tables)], counts, gen)
     if modulo is not None:
         ids = ids.remainder(modulo)
-    return KeyedJaggedTensor(keys=[f"f{t}" for t in range(num_tables)], values=ids, lengths=lengths)
+    # With its ids per key (host ints, kept by .to(device)): the module checks it without a host read.
+    return KeyedJaggedTensor(
+        keys=[f"f{t}" for t in range(num_tables)],
+        values=ids,
+        lengths=lengths,
+        stride=batch_size,
+        length_per_key=counts.tolist(),
+    )
 
 
 # Distinct values per categorical feature of Criteo 1TB (as in MLPerf DLRM); each feature's ids

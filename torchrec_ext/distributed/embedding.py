@@ -146,7 +146,9 @@ class ShardedDynamicEmbeddingCollection(
         )
 
     def output_dist(self, ctx: SequenceShardingContext, output: list[Tensor]) -> LazyAwaitable[dict[str, JaggedTensor]]:
-        vectors = output[0]
+        # In the output dtype before the exchange (each id's vector comes from one rank, column
+        # shards fill disjoint columns: no sum, so the cast is exact either way, and moves fewer bytes).
+        vectors = output[0].to(self._output_dtype)
         # Received ids are slot-major then source-major: regroup by source to send them back.
         per_slot_source = ctx.received_lengths.sum(-1)  # [slots, world]
         back = transpose_segments(per_slot_source)

@@ -41,14 +41,18 @@ from torchrec_ext.modules.features import check_and_arrange
 
 
 class _PooledAwaitable(LazyAwaitable[KeyedTensor]):
-    def __init__(self, reduced: Awaitable[Tensor], divisor: Tensor | None, keys: list[str], dims: list[int]):
+    def __init__(
+        self, reduced: Awaitable[Tensor], divisor: Tensor | None, keys: list[str], dims: list[int], dtype: torch.dtype
+    ):
         super().__init__()
-        self._reduced, self._divisor, self._keys, self._dims = reduced, divisor, keys, dims
+        self._reduced, self._divisor, self._keys, self._dims, self._dtype = reduced, divisor, keys, dims, dtype
 
     def _wait_impl(self) -> KeyedTensor:
         pooled = self._reduced.wait()
         if self._divisor is not None:
             pooled = pooled * self._divisor
+        # The sum and the mean in float32, then one cast (its backward casts the gradient back).
+        pooled = pooled.to(self._dtype)
         return KeyedTensor(keys=self._keys, length_per_key=self._dims, values=pooled, key_dim=1)
 
 
@@ -155,7 +159,7 @@ class ShardedDynamicEmbeddingBagCollection(
 
     def output_dist(self, ctx: EmbeddingBagCollectionContext, output: list[Tensor]) -> LazyAwaitable[KeyedTensor]:
         reduced = self._output_dists[0](output[0], ctx.sharding_contexts[0])
-        return _PooledAwaitable(reduced, ctx.divisor, self._plan.embedding_names, self._plan.dims)
+        return _PooledAwaitable(reduced, ctx.divisor, self._plan.embedding_names, self._plan.dims, self._output_dtype)
 
     def compute_and_output_dist(self, ctx: EmbeddingBagCollectionContext, input: KJTList) -> LazyAwaitable[KeyedTensor]:
         return self.output_dist(ctx, self.compute(ctx, input))

@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -93,6 +94,7 @@ from torchrec.distributed.planner.constants import BIGINT_DTYPE, DDR_MEM_BW, NUM
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.planners import EmbeddingShardingPlanner
 from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
+from torchrec.distributed.planner.stats import EmbeddingStats
 from torchrec.distributed.planner.types import (
     CollectiveType,
     ParameterConstraints,
@@ -102,6 +104,7 @@ from torchrec.distributed.planner.types import (
     SharderDataMap,
     ShardEstimator,
     ShardingOption,
+    Stats,
     Storage,
     Topology,
 )
@@ -148,7 +151,10 @@ __all__ = [
     "check_dynamic_modules_have_sharders",
     "install_default_planner_hook",
     "make_planner",
+    "GrowingTableStats",
 ]
+
+logger = logging.getLogger(__name__)
 
 DYNAMIC_MODULE_TYPES = (DynamicEmbeddingBagCollection, DynamicEmbeddingCollection)
 # TorchRec modules whose sharders cannot take a dynamic collection inside them.
@@ -391,6 +397,23 @@ class _TableCache:
         )
 
 
+def _resident_shard_bytes(table: _TableInfo, dim: int, parts: int, at_initial: bool) -> int:
+    """A shard's resident bytes (``dynamic_table_bytes``): at the table's initial capacity, or its maximum."""
+    return dynamic_table_bytes(
+        table.capacity,
+        dim,
+        table.optimizer_kind,
+        ttl=table.ttl,
+        admit_after=table.admit_after,
+        admission_capacity=table.admission_capacity,
+        parts=parts,
+        admission=table.options,
+        element_bytes=table.element_bytes,
+        rows_now=table.initial_capacity if at_initial else None,
+        initial_capacity=table.initial_capacity,
+    )
+
+
 def _row_parts(option: ShardingOption, world_size: int) -> int:
     """Ranks a table's rows are spread over: every rank (row_wise), its node's (table_row_wise:
     one shard each), else 1."""
@@ -603,19 +626,7 @@ class DynamicEmbeddingStorageEstimator(ShardEstimator):
         # gave the shards: ids are spread by hash, not by row range. A column shard is a table of
         # its width with the whole capacity, and its own index.
         for dim in _shard_dims(option, table):
-            resident = dynamic_table_bytes(
-                table.capacity,
-                dim,
-                table.optimizer_kind,
-                ttl=table.ttl,
-                admit_after=table.admit_after,
-                admission_capacity=table.admission_capacity,
-                parts=parts,
-                admission=table.options,
-                element_bytes=table.element_bytes,
-                rows_now=table.initial_capacity if initial == "initial" else None,
-                initial_capacity=table.initial_capacity,
-            )
+            resident = _resident_shard_bytes(table, dim, parts, at_initial=initial == "initial")
             out.append(resident + self._io_bytes(volume, table, dim))
         return out
 
@@ -1014,6 +1025,9 @@ def make_planner(
     is_inference = bool(kwargs.pop("is_inference", False))
     pipeline_type = kwargs.pop("pipeline_type", PipelineType.NONE)
     plan_capacity = kwargs.pop("plan_capacity", "maximum")
+    stats = kwargs.pop("stats", None)
+    stats = [EmbeddingStats()] if stats is None else list(stats) if isinstance(stats, list) else [stats]
+    kwargs["stats"] = [*stats, GrowingTableStats(plan_capacity)]
     enumerator = EmbeddingEnumerator(
         topology=topology,
         batch_size=batch_size,
@@ -1032,6 +1046,64 @@ def make_planner(
     return _DynamicEmbeddingShardingPlanner(
         topology=topology, batch_size=batch_size, enumerator=enumerator, constraints=constraints, **kwargs
     )
+
+
+@dataclass(frozen=True)
+class GrowingTableBytes:
+    """A growing table of a plan: its rows and resident bytes (all its shards) now and at its maximum."""
+
+    path: str
+    table: str
+    initial_rows: int
+    maximum_rows: int
+    initial_bytes: int
+    maximum_bytes: int
+    planned_at: str  # "maximum" or "initial": the capacity the plan reserved
+
+    def __str__(self) -> str:
+        return (
+            f"{self.path or '<root>'}.{self.table}: initial {self.initial_rows} rows {_gb(self.initial_bytes)}, "
+            f"maximum {self.maximum_rows} rows {_gb(self.maximum_bytes)}, planned at its {self.planned_at}"
+        )
+
+
+class GrowingTableStats(Stats):
+    """The planner stats of growing tables (``initial_capacity`` < num_embeddings): each one's
+    bytes at its initial capacity and at its maximum, the two figures ``storage_bytes()`` /
+    ``storage_bytes(maximum=True)`` give, whichever of them the plan reserved (``plan_capacity``).
+    ``make_planner`` logs them after TorchRec's ``EmbeddingStats`` table; the last plan's are in
+    ``.tables``."""
+
+    def __init__(self, plan_capacity: Any = "maximum") -> None:
+        self._plan_capacity = check_plan_capacity(plan_capacity)
+        self.tables: list[GrowingTableBytes] = []
+
+    def log(self, sharding_plan, topology, batch_size, storage_reservation, num_proposals, num_plans, run_time,
+            best_plan, constraints=None, sharders=None, enumerator=None, debug=False, debug_stats=None) -> None:  # fmt: skip
+        sharder_of = {sharder.module_type: sharder for sharder in sharders or []}
+        cache, self.tables = _TableCache(), []
+        for option in best_plan:
+            if not is_dynamic_option(option):
+                continue
+            table = cache.info(option, sharder_of.get(type(option.module[1])))
+            if table.tiered or table.initial_capacity is None or table.initial_capacity >= table.capacity:
+                continue
+            parts = _row_parts(option, topology.world_size)
+            at = {
+                at_initial: sum(
+                    _resident_shard_bytes(table, dim, parts, at_initial) for dim in _shard_dims(option, table)
+                )
+                for at_initial in (True, False)
+            }
+            plan = self._plan_capacity
+            planned_at = plan if isinstance(plan, str) else plan.get(table.name, "maximum")
+            self.tables.append(
+                GrowingTableBytes(
+                    option.path, table.name, table.initial_capacity, table.capacity, at[True], at[False], planned_at
+                )
+            )
+        if self.tables:
+            logger.info("Growing tables (bytes of all shards):\n" + "\n".join(f"  {t}" for t in self.tables))
 
 
 # ---------------------------------------------------------------------------- TorchRec's default planner

@@ -43,6 +43,7 @@ from torchrec_ext.modules.features import LookupPlan
 from torchrec_ext.modules.fused_optimizer import (
     DEFAULT_OPTIMIZER,
     OptimizerSpec,
+    output_dtype_of,
     spec_from_fused_params,
     stochastic_rounding_of,
 )
@@ -160,6 +161,8 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
         self._world_size, self._rank = env.world_size, env.rank
         spec = sharded_optimizer(module, fused_params, type(self).__name__)
         stochastic_rounding = stochastic_rounding_of(fused_params, type(self).__name__)
+        # The outputs' dtype (fbgemm's output_dtype): lookups and the reduce stay float32, cast once at the end.
+        self._output_dtype = output_dtype_of(fused_params, type(self).__name__)
         self._owners = read_plan(
             type(self).__name__,
             configs,

@@ -46,7 +46,8 @@ def model_table_stats(model: nn.Module, reduce: bool = True, group=None) -> dict
 
 def summarize(stats: dict[str, TableStats]) -> dict[str, float] | None:
     """Totals over tables for a progress line: occupancy, evictions, rejections, refused, fallback
-    reads, hit rate."""
+    reads, hit rate; ``cache`` (tables with host or file backing, else None): cache hits, misses,
+    hit rate, write-backs, bytes moved between the tiers."""
     if not stats:
         return None
     total = total_stats(stats)
@@ -59,4 +60,13 @@ def summarize(stats: dict[str, TableStats]) -> dict[str, float] | None:
         "inserts": total.inserts,
         "ttl_expiries": total.ttl_expiries,
         "fallback_reads": total.fallback_reads,
+        "cache": None
+        if not total.cache_slots
+        else {
+            "hits": total.cache_hits,
+            "misses": total.cache_misses,
+            "hit_rate": total.cache_hit_rate,
+            "write_backs": total.cache_write_backs,
+            "bytes_moved": total.cache_bytes_moved,
+        },
     }

@@ -56,9 +56,9 @@ class LookupPlan:
         """(feature_table, feature_col, feature_mean) on ``device``, as the kernels take them."""
         if device not in self._tensors:
             self._tensors[device] = (
-                torch.tensor(self.tables, dtype=torch.int64, device=device),
-                torch.tensor(self.cols, dtype=torch.int64, device=device),
-                torch.tensor(self.mean, dtype=torch.bool, device=device),
+                device_sync.to_device(torch.tensor(self.tables, dtype=torch.int64), device),
+                device_sync.to_device(torch.tensor(self.cols, dtype=torch.int64), device),
+                device_sync.to_device(torch.tensor(self.mean, dtype=torch.bool), device),
             )
         return self._tensors[device]
 
@@ -147,15 +147,26 @@ def check_and_arrange(
                 lengths.sum().item() == values.numel(), lambda: f"{where}: KJT lengths must sum to the ids' count"
             )
     elif not values.is_meta:
-        bag_starts = [0]
-        for s in strides if variable else [batch_size] * len(keys):
-            bag_starts.append(bag_starts[-1] + s)
         read = None if variable or weights is None else [k in set(plan.features) for k in keys]
-        per_key, smallest, total, nonfinite = _read_lengths(values, lengths, bag_starts, weights, read)
-        if smallest < 0:
-            raise ValueError(f"{where}: KJT lengths must be >= 0, got a length of {smallest}")
-        if total != values.numel():
-            raise ValueError(f"{where}: KJT lengths sum to {total} but there are {values.numel()} ids")
+        known = None if variable else features.length_per_key_or_none()
+        if known is not None and len(known) == len(keys):
+            # The KJT knows its ids per key on the host (built with them, or computed before its
+            # copy to the device): no read of the lengths; checked on the device, raised later.
+            per_key = [int(n) for n in known]
+            if sum(per_key) != values.numel():
+                raise ValueError(
+                    f"{where}: KJT length_per_key must sum to the ids' count {values.numel()}, got {sum(per_key)}"
+                )
+            nonfinite = _defer_length_checks(where, keys, values, lengths, batch_size, per_key, weights, read)
+        else:
+            bag_starts = [0]
+            for s in strides if variable else [batch_size] * len(keys):
+                bag_starts.append(bag_starts[-1] + s)
+            per_key, smallest, total, nonfinite = _read_lengths(values, lengths, bag_starts, weights, read)
+            if smallest < 0:
+                raise ValueError(f"{where}: KJT lengths must be >= 0, got a length of {smallest}")
+            if total != values.numel():
+                raise ValueError(f"{where}: KJT lengths sum to {total} but there are {values.numel()} ids")
     if is_weighted:
         if weights is None:
             raise ValueError(f"{where}: the module is weighted (is_weighted=True) but the KJT has no weights")
@@ -190,7 +201,9 @@ def check_and_arrange(
     elif list(keys) == plan.features:
         ids, arranged_lengths, arranged_weights = values, lengths, weights
     else:  # the read features' ids in lookup order; other keys' ids are left out
-        order = torch.tensor([key_index[f] for f in plan.features], dtype=torch.int64, device=lengths.device)
+        order = device_sync.to_device(
+            torch.tensor([key_index[f] for f in plan.features], dtype=torch.int64), lengths.device
+        )
         spans = [(key_start[f], n) for f, n in zip(plan.features, value_counts)]
         ids = _gather_spans(values, spans)
         arranged_lengths = lengths.view(len(keys), batch_size).index_select(0, order).reshape(-1)
@@ -212,13 +225,14 @@ def check_and_arrange(
         table_counts[t] += n
     segment_offsets = torch.tensor([0] + table_counts, dtype=torch.int64).cumsum(0)
     feature_value_offsets = torch.tensor([0] + value_counts, dtype=torch.int64).cumsum(0)
-    # Mirrored: the kernels read their host values (the longest feature) without a sync.
+    # One copy for both; mirrored: the kernels read their host values (the longest feature) without a sync.
+    both = device_sync.to_device(torch.cat([segment_offsets, feature_value_offsets]), values.device)
     return LookupInput(
         ids.to(torch.int64),
         arranged_lengths,
         arranged_weights,
-        device_sync.mirror(segment_offsets.to(values.device), segment_offsets),
-        device_sync.mirror(feature_value_offsets.to(values.device), feature_value_offsets),
+        device_sync.mirror(both[: segment_offsets.numel()], segment_offsets),
+        device_sync.mirror(both[segment_offsets.numel() :], feature_value_offsets),
         batch_size,
         value_counts,
         expand,
@@ -236,7 +250,7 @@ def _read_lengths(
     device = lengths.device
     ends = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=device)
     torch.cumsum(lengths.to(torch.int64), 0, out=ends[1:])
-    key_ends = ends.index_select(0, torch.tensor(bag_starts, dtype=torch.int64, device=device))
+    key_ends = ends.index_select(0, device_sync.to_device(torch.tensor(bag_starts, dtype=torch.int64), device))
     smallest = lengths.min().to(torch.int64).view(1) if lengths.numel() else ends[:1]
     parts = [key_ends, smallest]
     counted = (
@@ -249,12 +263,63 @@ def _read_lengths(
     if counted:
         # Each id's key: the first key whose end passes its position.
         key_of = torch.searchsorted(key_ends[1:], torch.arange(values.numel(), device=device), right=True)
-        is_read = torch.tensor(read, dtype=torch.bool, device=device).index_select(0, key_of.clamp(max=len(read) - 1))
+        is_read = device_sync.to_device(torch.tensor(read, dtype=torch.bool), device).index_select(
+            0, key_of.clamp(max=len(read) - 1)
+        )
         parts.append(((~torch.isfinite(weights)) & is_read).sum().view(1))
     host = device_sync.host_list(torch.cat(parts), "check_and_arrange: lengths and weights")
     keys = len(bag_starts) - 1
     per_key = [host[k + 1] - host[k] for k in range(keys)]
     return per_key, host[keys + 1], host[keys], host[keys + 2] if counted else None
+
+
+def _defer_length_checks(
+    where: str,
+    keys: list[str],
+    values: Tensor,
+    lengths: Tensor,
+    batch_size: int,
+    per_key: list[int],
+    weights: Tensor | None,
+    read: list[bool] | None,
+) -> int | None:
+    """The checks of ``_read_lengths`` when the ids per key are known on the host: lengths >= 0,
+    each key's lengths summing to its known count and the read keys' weights finite, computed on
+    the device and raised at the next host read (``device_sync.defer_check``: on a GPU the
+    lookup's count of unique ids, before any table is touched). Returns 0 when the weights are
+    checked here, else None (the caller checks them)."""
+    device = lengths.device
+    known = device_sync.to_device(torch.tensor(per_key + [0], dtype=torch.int64), device)
+    sums = torch.cat([lengths.to(torch.int64).view(len(keys), batch_size).sum(1), known[-1:]])
+    wrong = sums != known
+    wrong[-1] = True  # a sentinel: the first wrong key, or len(keys) when none is
+    first_wrong = wrong.to(torch.int64).argmax().view(1)  # (argmax: the first of equal maxima)
+    smallest = lengths.min().to(torch.int64).view(1) if lengths.numel() else known[-1:]
+    parts = [smallest, first_wrong, sums.index_select(0, first_wrong)]
+    counted = read is not None and weights is not None and weights.is_floating_point() and weights.shape == values.shape
+    if counted:
+        is_read = torch.repeat_interleave(
+            device_sync.to_device(torch.tensor(read, dtype=torch.bool), device),
+            known[:-1],
+            output_size=values.numel(),
+        )
+        parts.append(((~torch.isfinite(weights)) & is_read).sum().view(1))
+
+    def verdict(host: list) -> Exception | None:
+        low, key, total = host[:3]
+        if low < 0:
+            return ValueError(f"{where}: KJT lengths must be >= 0, got a length of {low}")
+        if key < len(keys):
+            return ValueError(
+                f"{where}: KJT lengths of key {keys[key]!r} must sum to its length_per_key entry "
+                f"{per_key[key]}, got {total}"
+            )
+        if counted and host[3]:
+            return ValueError(f"{where}: KJT weights must be finite, got NaN or inf")
+        return None
+
+    device_sync.defer_check(torch.cat(parts), verdict)
+    return 0 if counted else None
 
 
 def _starts(counts: list[int]) -> list[int]:
@@ -287,7 +352,7 @@ def _variable_batch(features: KeyedJaggedTensor, where: str) -> tuple[list[int],
             f"batch_size], got {inverse.dtype} of shape {tuple(inverse.shape)}"
         )
     if inverse.numel() and not inverse.is_meta:
-        limit = torch.tensor(strides, device=inverse.device).unsqueeze(1)
+        limit = device_sync.to_device(torch.tensor(strides), inverse.device).unsqueeze(1)
         outside = ((inverse < 0) | (inverse >= limit)).any(1)  # per key
         if device_sync.to_host(outside.any(), "check_and_arrange: variable-batch inverse indices"):
             bad = int(device_sync.to_host(outside.int().argmax(), "check_and_arrange: error message"))

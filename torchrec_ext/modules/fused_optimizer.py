@@ -274,6 +274,30 @@ def stochastic_rounding_of(fused_params: Mapping[str, Any] | None, where: str) -
     return value
 
 
+# fbgemm's SparseType names of the output dtypes TorchRec's sharded tables give (TBE ``output_dtype``).
+_OUTPUT_DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
+
+
+def output_dtype_of(fused_params: Mapping[str, Any] | None, where: str) -> torch.dtype:
+    """fbgemm's ``output_dtype`` fused_param (a SparseType, its name, or the torch dtype): the
+    dtype of a sharded module's outputs, float32 when not given, as TorchRec's sharded tables.
+    Lookups still accumulate in float32; the output is cast once (its gradient back to float32)."""
+    value = (fused_params or {}).get("output_dtype")
+    if value is None:
+        return torch.float32
+    if isinstance(value, torch.dtype):
+        if value in _OUTPUT_DTYPES.values():
+            return value
+    else:
+        name = value if isinstance(value, str) else getattr(value, "name", None)
+        if isinstance(name, str) and name.upper() in _OUTPUT_DTYPES:
+            return _OUTPUT_DTYPES[name.upper()]
+    raise ValueError(
+        f"{where}: fused_params output_dtype {value!r} is not supported by dynamic tables; they give "
+        f"SparseType {sorted(_OUTPUT_DTYPES)} outputs"
+    )
+
+
 def spec_from_fused_params(fused_params: Mapping[str, Any] | None, where: str) -> OptimizerSpec | None:
     """The spec a TorchRec sharder's ``fused_params`` ask for (None when none are given).
 
@@ -287,16 +311,18 @@ def spec_from_fused_params(fused_params: Mapping[str, Any] | None, where: str) -
     """
     if fused_params is None:
         return None
+    output_dtype_of(fused_params, where)  # checked with the rest, up front (the sharder's constructor)
     unknown = sorted(
         set(fused_params)
         - set(_FUSED_PARAMS_DEFAULTS)
         - _FUSED_PARAMS_HINTS
-        - {"optimizer", "weight_decay_mode", "stochastic_rounding"}
+        - {"optimizer", "weight_decay_mode", "stochastic_rounding", "output_dtype"}
     )
     if unknown:
         raise ValueError(
             f"{where}: fused_params {unknown} are not supported by dynamic tables; they take "
-            f"'optimizer', 'weight_decay_mode', 'stochastic_rounding', {sorted(_FUSED_PARAMS_DEFAULTS)} "
+            f"'optimizer', 'weight_decay_mode', 'stochastic_rounding', 'output_dtype', "
+            f"{sorted(_FUSED_PARAMS_DEFAULTS)} "
             f"(and ignore the kernel hints {sorted(_FUSED_PARAMS_HINTS)})"
         )
     optimizer = fused_params.get("optimizer", "EXACT_SGD")

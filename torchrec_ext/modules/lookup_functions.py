@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from torchrec_ext import ops
+from torchrec_ext import device_sync, ops
 from torchrec_ext.modules.dynamic_tables import DynamicTables
 from torchrec_ext.modules.features import LookupInput, LookupPlan
 from torchrec_ext.modules.ids_to_rows import RowLookup, UpdateBags
@@ -124,7 +124,8 @@ def per_sample_weight_grad(
     for dim in sorted(set(plan.dims)):
         features = [i for i, d in enumerate(plan.dims) if d == dim]
         at = torch.cat([torch.arange(starts[i], starts[i + 1], device=grad.device) for i in features])
-        counts = torch.tensor([0] + [batch.value_counts[i] for i in features], device=grad.device).cumsum(0)
+        counts = device_sync.to_device(torch.tensor([0] + [batch.value_counts[i] for i in features]), grad.device)
+        counts = counts.cumsum(0)
         # (the op takes one dim: other tables' pending vectors are not read, so stand in empty)
         pending = [v if v.shape[1] == dim else v.new_zeros(0, dim) for v in lookup.new_vectors]
         rows = ops.sequence_lookup(

@@ -57,9 +57,10 @@ def table_options(args: argparse.Namespace) -> dict:
         raise ValueError(f"--admit-probability applies to --admission probabilistic, got --admission {args.admission}")
     if args.bloom_fpr is not None and args.admission != "bloom":
         raise ValueError(f"--bloom-fpr applies to --admission bloom, got --admission {args.admission}")
+    options = _backing_options(args)
     if args.round_to_nearest and args.data_type == "fp32":
         raise ValueError("--round-to-nearest applies to --data-type fp16 or bf16, got --data-type fp32")
-    options = {"data_type": DATA_TYPES[args.data_type]}
+    options["data_type"] = DATA_TYPES[args.data_type]
     if args.round_to_nearest:
         options["stochastic_rounding"] = False
     if args.admission != "none":
@@ -78,6 +79,26 @@ def table_options(args: argparse.Namespace) -> dict:
         name="t", embedding_dim=args.embedding_dim, num_embeddings=max(1, args.capacity), feature_names=["f"], **options
     )
     check_tables([probe], DynamicEmbeddingBagConfig, "the tables")
+    return options
+
+
+def _backing_options(args: argparse.Namespace) -> dict:
+    """``--backing`` / ``--cache-load-factor`` as config fields (none for the default, device backing)."""
+    backing, factor = args.backing, args.cache_load_factor
+    if not (backing in ("device", "host") or (backing.startswith("file:") and len(backing) > len("file:"))):
+        raise ValueError(f"--backing must be device, host or file:<dir>, got --backing {backing!r}")
+    if backing == "device":
+        if factor is not None:
+            raise ValueError(
+                f"--cache-load-factor applies to --backing host or file:<dir>, got --cache-load-factor {factor} "
+                "with --backing device"
+            )
+        return {}
+    if factor is not None and not (math.isfinite(factor) and 0 < factor <= 1):
+        raise ValueError(f"--cache-load-factor must be a number in (0, 1], got --cache-load-factor {factor}")
+    options = {"backing": backing}
+    if factor is not None:
+        options["cache_load_factor"] = factor
     return options
 
 
@@ -120,6 +141,20 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
         "--round-to-nearest",
         action="store_true",
         help="fp16 / bf16: the fused update rounds rows to nearest (default: stochastically)",
+    )
+    g.add_argument(
+        "--backing",
+        default="device",
+        help="where each table's rows live: device (all in the module's buffer), host (host memory) or "
+        "file:<dir> (files in an existing directory); host and file keep only --cache-load-factor of the "
+        "rows hot in a cache, staged ahead of each step by --pipeline ours",
+    )
+    g.add_argument(
+        "--cache-load-factor",
+        type=float,
+        default=None,
+        help="--backing host / file:<dir>: the fraction of each table's rows kept in its cache (default: chosen "
+        "by the planner from the memory budget)",
     )
     g.add_argument(
         "--admission",

@@ -62,6 +62,8 @@ from torchrec_ext.train.resume import load_job_state, newest_verified, resume_co
 from torchrec_ext.train.run_lock import claim_run_dir
 from torchrec_ext.train.runtime import Runtime, exit_now, init_runtime, shutdown
 from torchrec_ext.train.serve_export import DeltaExporter
+from torchrec_ext.train.tier_traffic import TierTraffic, cache_text
+from torchrec_ext.train.tier_traffic import total as total_tier_traffic
 
 
 @dataclasses.dataclass
@@ -92,6 +94,7 @@ class Run:
     exporter: DeltaExporter | None = None  # --export-deltas-every
     metrics: RecMetricModule | None = None  # TorchRec's metrics module, holding the tables' stats
     board: Board = dataclasses.field(default_factory=lambda: Board(None, 0))  # --tensorboard (rank 0)
+    tier_traffic: TierTraffic = dataclasses.field(default_factory=TierTraffic)  # --backing host / file: per step
 
     @property
     def ckpt_dir(self) -> str:
@@ -265,7 +268,7 @@ def train_steps(run: Run, progress: Progress) -> None:
                 end = min(end, (step // every + 1) * every)
         progress.start_segment()
         batches = run.stream.batches(run.position, end - step)
-        losses = run_segment(args.pipeline, run.dmp, run.optimizer, batches, run.rt.device, progress)
+        losses = run_segment(args.pipeline, run.dmp, run.optimizer, batches, run.rt.device, progress, run.tier_traffic)
         progress.end_segment(run.rt.device)
         if len(losses) != end - step:
             raise RuntimeError(
@@ -321,6 +324,7 @@ def _log_tables(run: Run, step: int) -> None:
             f"step {step}: tables {totals['occupancy']:.1%} full, {totals['inserts']:,} inserts, "
             f"{totals['evictions']:,} evictions, {totals['rejections']:,} admission rejections, "
             f"{totals['refused']:,} refused, {totals['fallback_reads']:,} fallback reads, lookup hit rate {hit}"
+            + (f"; cache {cache_text(totals['cache'])}" if totals.get("cache") else "")
         )
 
 
@@ -331,6 +335,7 @@ def summarize(run: Run, progress: Progress, wall_start: float) -> dict[str, Any]
     window = max(1, min(50, len(train_loss) // 5)) if train_loss else 1
     initial = next((e for e in evals if e["step"] == 0), None)
     stats = model_table_stats(run.dmp)  # collective
+    tier_steps = run.tier_traffic.reduced()  # collective
     return {
         "status": "completed",
         "steps": args.steps,
@@ -360,6 +365,9 @@ def summarize(run: Run, progress: Progress, wall_start: float) -> dict[str, Any]
         "live_rows": live_rows(run.dmp),
         "table_stats": {name: s.as_dict() for name, s in sorted(stats.items())},
         "table_totals": summarize_table_stats(stats),
+        # --backing host / file: each table's cache traffic summed over this run's training steps
+        "tier_steps": tier_steps,
+        "tier_steps_total": total_tier_traffic(tier_steps),
         "sharding_plan": plan_summary(run.dmp),
         "checkpoints": run.checkpoints,
         "resumed_from": run.resumed_from,
@@ -395,6 +403,10 @@ def write_report(run: Run, summary: dict[str, Any]) -> None:
         + (f", eval AUC {final['auc']:.4f}, log loss {final['logloss']:.4f}" if final else "")
         + f"; {os.path.join(run.run_dir, 'summary.json')}"
     )
+    if summary["tier_steps"]:
+        run.log(f"cache over the training steps: {cache_text(summary['tier_steps_total'])}; per table:")
+        for name, stats in summary["tier_steps"].items():
+            run.log(f"  {name}: {cache_text(stats)}, {stats['staged']:,} staged ahead")
 
 
 # ----------------------------------------------------------------------------- the job

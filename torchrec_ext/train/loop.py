@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from torchrec_ext.train.progress import Progress
+from torchrec_ext.train.tier_traffic import TierTraffic, model_tier_step_stats
 
 
 def run_segment(
@@ -22,11 +23,12 @@ def run_segment(
     batches: Iterator,
     device: torch.device,
     progress: Progress,
+    tiers: TierTraffic,
 ) -> list[torch.Tensor]:
     """Trains on every batch of ``batches`` with the train loop ``kind``; returns each step's
-    (local) loss, in order."""
+    (local) loss, in order, and adds each step's tier traffic (tiered tables) to ``tiers``."""
     loops = {"plain": _plain_loop, "torchrec": _torchrec_pipeline, "ours": _our_pipeline}
-    return loops[kind](dmp, optimizer, batches, device, progress)
+    return loops[kind](dmp, optimizer, batches, device, progress, tiers)
 
 
 def global_mean(losses: list[torch.Tensor], device: torch.device) -> list[float]:
@@ -39,7 +41,12 @@ def global_mean(losses: list[torch.Tensor], device: torch.device) -> list[float]
 
 
 def _plain_loop(
-    dmp: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator, device: torch.device, progress: Progress
+    dmp: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterator,
+    device: torch.device,
+    progress: Progress,
+    tiers: TierTraffic,
 ) -> list[torch.Tensor]:
     losses: list[torch.Tensor] = []
     for batch in batches:
@@ -48,13 +55,19 @@ def _plain_loop(
         loss, _ = dmp(batch)
         loss.backward()
         optimizer.step()
+        tiers.add(model_tier_step_stats(dmp))
         losses.append(loss.detach())
         progress.step(loss.detach())
     return losses
 
 
 def _torchrec_pipeline(
-    dmp: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator, device: torch.device, progress: Progress
+    dmp: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterator,
+    device: torch.device,
+    progress: Progress,
+    tiers: TierTraffic,
 ) -> list[torch.Tensor]:
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
@@ -66,6 +79,7 @@ def _torchrec_pipeline(
                 loss, _, _ = pipeline.progress(batches)
             except StopIteration:
                 break
+            tiers.add(model_tier_step_stats(dmp))
             losses.append(loss.detach())
             progress.step(loss.detach())
     finally:
@@ -74,7 +88,12 @@ def _torchrec_pipeline(
 
 
 def _our_pipeline(
-    dmp: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Iterator, device: torch.device, progress: Progress
+    dmp: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterator,
+    device: torch.device,
+    progress: Progress,
+    tiers: TierTraffic,
 ) -> list[torch.Tensor]:
     from torchrec_ext.pipeline import TrainPipeline
 
@@ -85,6 +104,7 @@ def _our_pipeline(
                 pipeline.progress(batches)
             except StopIteration:
                 break
+            tiers.add(pipeline.tier_step_stats())  # the step's lookup and the stage that ran ahead of it
             latest = None
             for step, (loss, _, _) in pipeline.pop_host_outputs():  # copied to host without a sync
                 host[step] = loss

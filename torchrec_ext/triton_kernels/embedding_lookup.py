@@ -177,7 +177,7 @@ def _blocks(max_dim: int, max_block_d: int = 128, tile: int = 2048):
 
 def _meta(t: Tensor, device: torch.device, dtype: torch.dtype = torch.int64) -> Tensor:
     """A small index tensor on the kernel's device, contiguous (a no-op when it already is)."""
-    return torch.as_tensor(t).to(device=device, dtype=dtype).contiguous()
+    return device_sync.to_device(torch.as_tensor(t), device).to(dtype=dtype).contiguous()
 
 
 def check_no_new_vectors(new_vectors: Sequence[Tensor], what: str) -> None:

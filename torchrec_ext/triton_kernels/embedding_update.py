@@ -269,7 +269,7 @@ def _optimizer_id(optimizer: str | int) -> int:
 
 
 def _meta(t: Tensor, device: torch.device, dtype: torch.dtype = torch.int64) -> Tensor:
-    return torch.as_tensor(t).to(device=device, dtype=dtype).contiguous()
+    return device_sync.to_device(torch.as_tensor(t), device).to(dtype=dtype).contiguous()
 
 
 def fused_update(

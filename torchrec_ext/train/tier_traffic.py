@@ -1,0 +1,81 @@
+"""The tiered tables' traffic over the job's training steps (``--backing host`` / ``file:<dir>``):
+each step's ``tier_step_stats()`` (cache hits and misses at step time, rows staged ahead by the
+pipeline, write-backs, bytes moved between the tiers) summed per table, then over ranks.
+
+Evals and checkpoints are not training steps: their lookups and flushes are left out here (the
+tables' own cumulative ``cache_*`` counters, in ``table_stats``, include them)."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+
+COUNTERS = ("hits", "misses", "staged", "write_backs", "staged_write_backs", "bytes_moved")
+
+
+class TierTraffic:
+    """Per table, the tier traffic of the steps ``add``-ed so far (this rank's shares)."""
+
+    def __init__(self) -> None:
+        self.per_table: dict[str, dict[str, int]] = {}
+        self.steps = 0
+
+    def add(self, step_stats: dict[str, dict[str, int]]) -> None:
+        """One training step's ``tier_step_stats()`` (empty without tiered tables)."""
+        if not step_stats:
+            return
+        self.steps += 1
+        for name, stats in step_stats.items():
+            totals = self.per_table.setdefault(name, dict.fromkeys(COUNTERS, 0))
+            for key in COUNTERS:
+                totals[key] += int(stats.get(key, 0))
+
+    def reduced(self) -> dict[str, dict[str, int]]:
+        """Every rank's per-table sums added up per table (a table's shares on several ranks
+        together; collective: every rank calls it), with each table's hit rate."""
+        everyone = [self.per_table]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, self.per_table)
+        merged: dict[str, dict[str, int]] = {}
+        for per_table in everyone:
+            for name, stats in per_table.items():
+                totals = merged.setdefault(name, dict.fromkeys(COUNTERS, 0))
+                for key in COUNTERS:
+                    totals[key] += stats[key]
+        return {name: with_hit_rate(merged[name]) for name in sorted(merged)}
+
+
+def with_hit_rate(stats: dict[str, int]) -> dict:
+    seen = stats["hits"] + stats["misses"]
+    return {**stats, "hit_rate": stats["hits"] / seen if seen else None}
+
+
+def total(per_table: dict[str, dict]) -> dict | None:
+    """The per-table traffic summed over tables (None without tiered tables)."""
+    if not per_table:
+        return None
+    return with_hit_rate({key: sum(stats[key] for stats in per_table.values()) for key in COUNTERS})
+
+
+def model_tier_step_stats(model: nn.Module) -> dict[str, dict[str, int]]:
+    """The last step's ``tier_step_stats()`` of the model's outermost modules that have one
+    (a sharded module's covers its local module): for the train loops without TrainPipeline."""
+    stats: dict[str, dict[str, int]] = {}
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(f + ".") for f in found) or not callable(getattr(module, "tier_step_stats", None)):
+            continue
+        found.append(name)
+        stats.update(module.tier_step_stats())
+    return stats
+
+
+def cache_text(stats: dict) -> str:
+    """'1,234 hits, 56 misses (hit rate 95.6%), 78 write-backs, 1.2 MiB moved' of totals with
+    the keys of ``TierTraffic`` (or TableStats' ``cache_*`` without the prefix)."""
+    rate = "n/a" if stats["hit_rate"] is None else f"{stats['hit_rate']:.1%}"
+    return (
+        f"{stats['hits']:,} hits, {stats['misses']:,} misses (hit rate {rate}), "
+        f"{stats['write_backs']:,} write-backs, {stats['bytes_moved'] / 2**20:.1f} MiB moved"
+    )

@@ -5,7 +5,8 @@
 // CPU kernel makes by scanning a bucket (first match, emptier bucket, lowest free slot,
 // lowest-score victim) becomes a ballot or a warp reduction over the same scan order.
 //
-// Lookups are read-only and take one warp per key, all in parallel. Mutations must give the CPU
+// Lookups are read-only and take one thread per key (hash_find: a warp per key where the digests
+// are not 16-byte aligned), all in parallel. Mutations must give the CPU
 // kernels' results bit for bit (same rows, flags, evictions and scores): an upsert first touches
 // and pins every key of the batch that holds a row, then inserts the others one at a time in
 // batch order per stripe, window by window of the batch (upsert_window), then releases its pins;
@@ -182,6 +183,71 @@ __device__ __forceinline__ void walk_stripe(const uint8_t* digests, const int64_
 
 // ---------------------------------------------------------------------------------------------
 
+// The slots of a bucket whose tag is `tag` (pin bit ignored), as a mask (bit l: slot l): its 32
+// digests in two 16-byte loads (byte by byte where the digests are not 16-byte aligned, a view),
+// compared four bytes at a time. Empty slots (digest 0) never match: tags are 1..127.
+__device__ __forceinline__ uint32_t tag_matches(const uint8_t* bucket_digests, uint8_t tag) {
+  uint32_t words[8];
+  if (reinterpret_cast<uintptr_t>(bucket_digests) % alignof(uint4) == 0) {
+    const uint4* vec = reinterpret_cast<const uint4*>(bucket_digests);
+    const uint4 lo = vec[0], hi = vec[1];
+    words[0] = lo.x, words[1] = lo.y, words[2] = lo.z, words[3] = lo.w;
+    words[4] = hi.x, words[5] = hi.y, words[6] = hi.z, words[7] = hi.w;
+  } else {
+    for (int w = 0; w < 8; ++w) {
+      words[w] = 0;
+      for (int j = 0; j < 4; ++j) words[w] |= uint32_t{bucket_digests[4 * w + j]} << (8 * j);
+    }
+  }
+  const uint32_t tags = 0x01010101u * tag;
+  uint32_t mask = 0;
+#pragma unroll
+  for (int w = 0; w < 8; ++w) {
+    // A byte of x is 0 where the tag matches; every byte is <= 0x7F, so adding 0x7F to each
+    // carries into its bit 7 exactly when it is non-zero, and never into the next byte.
+    const uint32_t x = (words[w] & 0x7F7F7F7Fu) ^ tags;
+    const uint32_t zero = ~(x + 0x7F7F7F7Fu) & 0x80808080u;
+    const uint32_t bits =
+        ((zero >> 7) & 1u) | ((zero >> 14) & 2u) | ((zero >> 21) & 4u) | ((zero >> 28) & 8u);
+    mask |= bits << (4 * w);  // byte j of word w is slot 4w + j (little-endian)
+  }
+  return mask;
+}
+
+// Row holding `key`, or -1, probed by one thread: warp_probe's answer (the lowest matching slot
+// of bucket1, else of bucket2, else the stash). Both buckets' digests are loaded before any key.
+__device__ __forceinline__ int64_t thread_probe(const uint8_t* digests, const int64_t* slot_keys,
+                                                const TableGeometry& geo, int64_t key) {
+  const KeyPlace p = place_key(key, geo);
+  const uint32_t m1 = tag_matches(digests + p.bucket1 * kSlotsPerBucket, p.tag);
+  const uint32_t m2 =
+      p.bucket2 != p.bucket1 ? tag_matches(digests + p.bucket2 * kSlotsPerBucket, p.tag) : 0u;
+  for (uint32_t m = m1; m != 0; m &= m - 1) {
+    const int64_t row = p.bucket1 * kSlotsPerBucket + (__ffs(static_cast<int>(m)) - 1);
+    if (slot_keys[row] == key) return row;
+  }
+  for (uint32_t m = m2; m != 0; m &= m - 1) {
+    const int64_t row = p.bucket2 * kSlotsPerBucket + (__ffs(static_cast<int>(m)) - 1);
+    if (slot_keys[row] == key) return row;
+  }
+  return stash_probe(digests, slot_keys, geo, p, key);
+}
+
+// hash_find with one thread per key (digests 16-byte aligned): the 32 keys of a warp load,
+// hash and probe in parallel, their loads all in flight at once, and the reads of keys and
+// writes of rows / found coalesce. A warp per key (below) issues every instruction for one
+// key and keeps one key's loads in flight.
+__global__ void hash_find_thread_kernel(const uint8_t* digests, const int64_t* slot_keys,
+                                        TableGeometry geo, const int64_t* keys, int64_t n,
+                                        int64_t* rows, bool* found) {
+  for (int64_t i = global_thread(); i < n; i += global_threads()) {
+    const int64_t row = thread_probe(digests, slot_keys, geo, keys[i]);
+    rows[i] = row;
+    found[i] = row >= 0;
+  }
+}
+
+// The same with a warp per key: for digests that are not 16-byte aligned (a view).
 __global__ void hash_find_kernel(const uint8_t* digests, const int64_t* slot_keys,
                                  TableGeometry geo, const int64_t* keys, int64_t n, int64_t* rows,
                                  bool* found) {
@@ -404,25 +470,17 @@ __device__ __forceinline__ int64_t table_of_stripe(const UpsertTable* tables, in
   return table_at(num_tables, g, [&](int64_t t) { return tables[t].stripe_begin; });
 }
 
-// hash_find_tables: warp i takes key i (grid-stride) and probes it in its table, as
-// hash_find_kernel.
+// hash_find_tables: thread i takes key i (grid-stride) and probes it in its table, as
+// hash_find_thread_kernel.
 __global__ void hash_find_tables_kernel(const UpsertTable* tables, int64_t num_tables,
                                         const int64_t* keys, int64_t n, int64_t* rows,
                                         bool* found) {
-  const int lane = lane_id();
-  const int64_t num_warps = global_threads() / kWarpSize;
-  for (int64_t i = global_thread() / kWarpSize; i < n; i += num_warps) {
+  for (int64_t i = global_thread(); i < n; i += global_threads()) {
     const UpsertTable& t =
         tables[table_at(num_tables, i, [&](int64_t u) { return tables[u].key_begin; })];
-    const int64_t key = keys[i];
-    const KeyPlace p = place_key(key, t.geo);
-    int64_t row = warp_probe(t.slot_keys, p, load_slots(t.digests, p, lane), key);
-    if (row < 0)
-      row = stash_probe(t.digests, t.slot_keys, t.geo, p, key);  // every lane: same answer
-    if (lane == 0) {
-      rows[i] = row;
-      found[i] = row >= 0;
-    }
+    const int64_t row = thread_probe(t.digests, t.slot_keys, t.geo, keys[i]);
+    rows[i] = row;
+    found[i] = row >= 0;
   }
 }
 
@@ -573,8 +631,14 @@ cudaError_t launch_hash_find(const uint8_t* digests, const int64_t* slot_keys, i
                              const int64_t* keys, int64_t n, int64_t* rows, bool* found,
                              cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  hash_find_kernel<<<capped_grid(n * kWarpSize, kFindThreads), kFindThreads, 0, stream>>>(
-      digests, slot_keys, make_geometry(capacity), keys, n, rows, found);
+  const TableGeometry geo = make_geometry(capacity);
+  if (reinterpret_cast<uintptr_t>(digests) % alignof(uint4) == 0) {
+    hash_find_thread_kernel<<<capped_grid(n, kFindThreads), kFindThreads, 0, stream>>>(
+        digests, slot_keys, geo, keys, n, rows, found);
+  } else {
+    hash_find_kernel<<<capped_grid(n * kWarpSize, kFindThreads), kFindThreads, 0, stream>>>(
+        digests, slot_keys, geo, keys, n, rows, found);
+  }
   return cudaGetLastError();
 }
 
@@ -623,7 +687,7 @@ cudaError_t launch_hash_find_tables(const UpsertTable* tables, int64_t num_table
                                     const int64_t* keys, int64_t n, int64_t* rows, bool* found,
                                     cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  hash_find_tables_kernel<<<capped_grid(n * kWarpSize, kFindThreads), kFindThreads, 0, stream>>>(
+  hash_find_tables_kernel<<<capped_grid(n, kFindThreads), kFindThreads, 0, stream>>>(
       tables, num_tables, keys, n, rows, found);
   return cudaGetLastError();
 }

@@ -125,6 +125,28 @@ def test_emulated_upsert_refuses_a_negative_clock(emulated):
     assert not any(t.any() for t in state)
 
 
+def test_emulated_find_thread_and_warp_kernels_match_cpu(emulated):
+    """hash_find takes a thread per key on 16-byte aligned digests and a warp per key otherwise,
+    hash_find_tables a thread per key either way: all give the CPU kernel's rows, for resident keys (tags shared with other slots of their
+    buckets included: 3,000 keys in 3 stripes), absent keys and extreme keys."""
+    capacity = _THREE_STRIPES
+    state = _table(capacity)
+    resident = torch.randint(I64MIN, I64MAX, (3000,))
+    torch.ops.torchrec_ext.hash_upsert(*state, resident, None, capacity, 1, 1, 0, False)
+    queries = torch.cat([resident, torch.randint(I64MIN, I64MAX, (2000,)), torch.tensor([0, -1, I64MIN, I64MAX])])
+    want = torch.ops.torchrec_ext.hash_find(state[0], state[1], queries, capacity)
+    assert want[1][:3000].all() and want[0].unique().numel() > 3000 - 10
+    misaligned = torch.empty(state[0].numel() + 1, dtype=torch.uint8)[1:].copy_(state[0])
+    assert state[0].data_ptr() % 16 == 0 and misaligned.data_ptr() % 16 != 0
+    for digests in (state[0], misaligned):
+        _same(emulated.hash_find(digests, state[1], queries, capacity), want, "find")
+    # hash_find_tables: a thread per key, 16-byte loads or byte loads per table's alignment.
+    got = emulated.hash_find_tables(
+        [state[0], misaligned], [state[1], state[1]], torch.cat([queries, queries]), [0, 5004, 10008], [capacity] * 2
+    )
+    _same(got, [torch.cat([w, w]) for w in want], "find_tables")
+
+
 def test_emulated_route_matches_cpu(emulated):
     keys = torch.randint(I64MIN, I64MAX, (3000,))
     for world in (1, 3, 8, 2**31 - 1):

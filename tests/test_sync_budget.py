@@ -165,3 +165,23 @@ def test_a_deferred_check_is_raised_at_the_next_read_of_its_thread(monkeypatch):
     monkeypatch.setattr(device_sync, "defer_on_cpu", False)
     with pytest.raises(ValueError, match="bad"):
         device_sync.defer_check(torch.tensor([-2]), verdict)  # on CPU: at once
+
+
+def test_a_mirrored_tensor_dying_inside_the_modules_lock_does_not_deadlock():
+    # A mirrored tensor's weakref callback can run inside any allocation (a collection of a dead
+    # tensor), even one made while this thread holds device_sync's lock: the CI once hung there.
+    # In a child process, so that a regression fails on the timeout instead of hanging the suite.
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from torchrec_ext import device_sync\n"
+        "t = torch.arange(4)\n"
+        "device_sync.mirror(t, t.clone())\n"
+        "with device_sync._lock:\n"
+        "    del t  # its callback runs here, on this thread\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

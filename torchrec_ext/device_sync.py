@@ -75,17 +75,20 @@ def mirror(device_tensor: Tensor, host: Tensor) -> Tensor:
     if torch.compiler.is_compiling() or device_tensor.is_inference():  # (no version counter to check)
         return device_tensor
     key = id(device_tensor)
-    with _lock:
-        _mirrors[key] = (
-            weakref.ref(device_tensor, lambda _, key=key: _forget(key)),
-            device_tensor._version,
-            host.detach().cpu(),
-        )
+    # No lock: a dict store is atomic under the GIL, and the weakref's callback may run inside any
+    # allocation (a collection of a dead mirrored tensor), even one made while this thread holds
+    # ``_lock``, so the callback must not take it either.
+    _mirrors[key] = (
+        weakref.ref(device_tensor, lambda ref, key=key: _forget(key, ref)),
+        device_tensor._version,
+        host.detach().cpu(),
+    )
     return device_tensor
 
 
-def _forget(key: int) -> None:
-    with _lock:
+def _forget(key: int, ref: weakref.ref) -> None:
+    entry = _mirrors.get(key)
+    if entry is not None and entry[0] is ref:  # not a newer tensor's entry under a reused id
         _mirrors.pop(key, None)
 
 

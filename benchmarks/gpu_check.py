@@ -18,7 +18,7 @@ Steps:
              pooled lookup's achieved GB/s, counting (unique rows x dim x 4 B) + output bytes,
              for the pooled-lookup kernel alone (profiler time) and for a whole eval forward.
 - hash_table, lookup, pipeline: benchmarks/bench_hash_table.py --hkv, bench_lookup.py
-             (ours / ours-sgd / dense EmbeddingBag + SGD, + TorchRec's EBC when fbgemm's CUDA
+             (ours / ours-sgd / ours-fp16 / ours-bf16 / dense EmbeddingBag + SGD, + TorchRec's EBC when fbgemm's CUDA
              ops exist), bench_pipeline.py --nproc 1 (when TorchRec's pipeline runs here), each
              in its own process, its results written to OUT_DIR.
 - upsert_tables: benchmarks/bench_upsert_tables.py: the upsert of 26 tables table by table vs one
@@ -452,7 +452,7 @@ def step_upsert_tables(sizes: Sizes, device: torch.device, out_dir: str) -> tupl
 
 
 def step_lookup(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dict, str]:
-    systems = "ours,ours-sgd,dense"
+    systems = "ours,ours-sgd,ours-fp16,ours-bf16,dense"  # FP16/BF16 rows vs FP32: issue 15
     reason = fbgemm_cuda_reason() if device.type == "cuda" else None
     if device.type == "cuda" and reason is None:
         systems += ",ebc"

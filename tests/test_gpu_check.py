@@ -61,7 +61,7 @@ def test_smoke_runs_every_step_and_records_device_and_versions(tmp_path):
     hash_rows = by_step["hash_table"]["record"]["results"]
     assert {(r["load_factor"], r["dim"]) for r in hash_rows} == {(0.5, 8), (1.0, 8)}
     assert all(r[f"{op}_keys_per_s"] > 0 for r in hash_rows for op in ("find", "find_or_insert", "insert_or_assign"))
-    assert set(by_step["lookup"]["record"]["results"]) == {"ours", "ours-sgd", "dense"}
+    assert set(by_step["lookup"]["record"]["results"]) == {"ours", "ours-sgd", "ours-fp16", "ours-bf16", "dense"}
     for name in ("hash_table_cpu_hkv.md", "lookup_cpu.md", "upsert_tables_cpu.md", "hash_table.log", "lookup.log"):
         assert os.path.exists(tmp_path / name), name
 

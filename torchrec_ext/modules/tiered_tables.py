@@ -740,6 +740,10 @@ class TieredTables(DynamicTables):
         for new, before in zip(self.caches, old or ()):
             for name in ("hits", "misses", "write_backs", "bytes_moved", "staged", "staged_write_backs"):
                 setattr(new, name, getattr(before, name))
+        # Pin tokens go on from the old maps' (a lookup in flight unpins its old token: no new pin's).
+        last = max((getattr(c, "maps", c)._next_pin for c in old or ()), default=0)
+        for owner in [self._maps] if self._maps is not None else self.caches:
+            owner._next_pin = last
 
     @staticmethod
     def _check_cache_device(device: torch.device, where: str, backing: str) -> None:

@@ -135,7 +135,24 @@ def _staged_steps(tables, device_maps, steps=12, seed=0):
         setattr(owner, name, original)
     stats = module.table_stats()["t0"]
     assert stats.cache_staged > 0 and stats.cache_staged_write_backs > 0  # the cache full: the stage evicts
+    if device_maps:
+        _check_maps(module._tables._maps)
     return out
+
+
+def _check_maps(maps):
+    """Each table's slots: every one either holds a row (row -> slot -> row agree) or is free, on
+    its free stack once; every cached row's slot holds it."""
+    for t, cache in enumerate(maps.tables):
+        row_of = cache.row_of
+        free = maps.free_stack[maps.slot_base_host[t] :][: maps.free_count[t]].long()
+        assert int(maps.free_top[t]) == maps.free_count[t]
+        assert free.unique().numel() == free.numel() and bool((row_of[free] == -1).all())
+        held = (row_of >= 0).nonzero().squeeze(1)
+        assert held.numel() + free.numel() == cache.slots
+        assert torch.equal(cache.slot_of[row_of[held]].long(), held)
+        cached = (cache.slot_of >= 0).nonzero().squeeze(1)
+        assert cached.numel() == held.numel() and torch.equal(row_of[cache.slot_of[cached].long()], cached)
 
 
 def test_a_staged_lookup_reads_one_count_and_its_host_work_does_not_grow_with_tables():
@@ -150,3 +167,36 @@ def test_a_staged_lookup_reads_one_count_and_its_host_work_does_not_grow_with_ta
     assert [c for c, _ in few] == [c for c, _ in many] and few[0][0] <= 70
     host_few, host_many = _staged_steps(2, False), _staged_steps(6, False)
     assert min(c for c, _ in host_many) > 2 * max(c for c, _ in host_few)
+
+
+def test_the_maps_stay_whole_through_misses_checkpoints_loads_and_resets(tmp_path):
+    # No stage: every lookup fills its misses and evicts on the host path. The maps stay whole
+    # and the module equals the all-resident one, through a checkpoint, a load and a reset.
+    from modules_helpers import random_kjt
+
+    make = lambda configs: DynamicEmbeddingBagCollection(configs, optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
+    resident, tiered = make(_bag_configs()), make(_bag_configs(_backing("file", tmp_path), 0.3))
+    maps = tiered._tables._maps
+    gen = torch.Generator().manual_seed(12)
+    saved = None
+    for step in range(16):
+        kjt = random_kjt(["f0", "f1", "f2", "f3"], 6, POOL[torch.randint(0, 700, (400,), generator=gen)], 5)
+        if step == 6:
+            saved = {k: v.clone() for k, v in tiered.state_dict().items()}  # dirty rows written back
+            assert not bool(maps.dirty[: maps.total_slots].any())
+        if step == 9:
+            for m in (resident, tiered):
+                m.load_state_dict(saved)  # the caches emptied
+            assert not bool((maps.row_of[: maps.total_slots] >= 0).any())
+        if step == 13:
+            for m in (resident, tiered):
+                m.reset_parameters()
+        outs = [m(kjt).values() for m in (resident, tiered)]
+        assert torch.equal(outs[0], outs[1]), step
+        for out in outs:
+            out.square().sum().backward()
+        _check_maps(maps)
+    a, b = resident.state_dict(), tiered.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    stats = tiered.table_stats()["a"]
+    assert stats.cache_misses > 0 and stats.cache_write_backs > 0

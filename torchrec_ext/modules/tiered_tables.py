@@ -77,7 +77,7 @@ from torchrec_ext.modules.tier_copies import (
     record_fields,
     row_column,
 )
-from torchrec_ext.modules.tier_log import ROW_BYTES, RowLog
+from torchrec_ext.modules.tier_log import ROW_BYTES, RowLog, at_crash_point
 from torchrec_ext.modules.tier_lru import SlotOrder
 from torchrec_ext.modules.tier_store import BackingStore
 from torchrec_ext.vocabulary import (
@@ -172,6 +172,7 @@ class _Mover:
         if self.copies is None:
             for cache, backing in self.pairs:
                 backing.index_copy_(0, rows, cache.index_select(0, slots))
+                at_crash_point("home")
             return
         for start in range(0, rows.numel(), MAX_ROWS):
             these = rows[start : start + MAX_ROWS]
@@ -285,6 +286,7 @@ class _LogMover(_Mover):
     def _write_records_home(self, rows: Tensor, records: Tensor) -> None:
         for k, (cache, backing) in enumerate(self.pairs):
             backing.index_copy_(0, rows, self._field(records, k, cache))
+            at_crash_point("fold")
 
     def patch(self, rows: Tensor, values: list[Tensor], chunk: int = 1 << 16) -> None:
         """``values`` (per pair, gathered from the backing store at ``rows``): entries whose

@@ -210,6 +210,9 @@ def _targets() -> list[tuple[object, str, str]]:
         (lookup_functions.SequenceLookupFunction, "forward", "lookup"),
         (lookup_functions, "fused_backward", "backward"),
     ]
+    for name in ("_defer_tables",):  # (absent from older checkouts)
+        if name in IdsToRows.__dict__:
+            out.append((IdsToRows, name, "init_rows"))
     for name in ("_admit", "_after_upsert", "_erase_expired", "_mask_expired", "_read_fallback"):
         if name in IdsToRows.__dict__:
             out.append((IdsToRows, name, "bookkeeping"))

@@ -87,7 +87,7 @@ from torchrec_ext.modules.tier_copies import (
     row_column,
 )
 from torchrec_ext.modules.tier_device_maps import DeviceSlotMaps
-from torchrec_ext.modules.tier_log import ROW_BYTES, RowLog
+from torchrec_ext.modules.tier_log import ROW_BYTES, RowLog, at_crash_point
 from torchrec_ext.modules.tier_lru import SlotOrder
 from torchrec_ext.modules.tier_store import BackingStore
 from torchrec_ext.vocabulary import (
@@ -182,6 +182,7 @@ class _Mover:
         if self.copies is None:
             for cache, backing in self.pairs:
                 backing.index_copy_(0, rows, cache.index_select(0, slots))
+                at_crash_point("home")
             return
         for start in range(0, rows.numel(), MAX_ROWS):
             these = rows[start : start + MAX_ROWS]
@@ -295,6 +296,7 @@ class _LogMover(_Mover):
     def _write_records_home(self, rows: Tensor, records: Tensor) -> None:
         for k, (cache, backing) in enumerate(self.pairs):
             backing.index_copy_(0, rows, self._field(records, k, cache))
+            at_crash_point("fold")
 
     def patch(self, rows: Tensor, values: list[Tensor], chunk: int = 1 << 16) -> None:
         """``values`` (per pair, gathered from the backing store at ``rows``): entries whose
@@ -347,7 +349,8 @@ class RowCache:
 
     def nbytes(self) -> int:
         maps = (self.slot_of, self.row_of, self.last_used, self.dirty)
-        return sum(t.numel() * t.element_size() for t in maps) + self.order.nbytes()
+        free = self.free.untyped_storage().nbytes()  # (a view of its list's storage: at most 8 bytes a slot)
+        return sum(t.numel() * t.element_size() for t in maps) + self.order.nbytes() + free
 
     def pinned_at_most(self) -> int:
         """A bound on the slots batches in flight hold (exact when they share none)."""
@@ -1334,13 +1337,13 @@ class TieredTables(DynamicTables):
     def storage_bytes(self, maximum: bool = False) -> int:
         """Bytes of the tier but its backing store (``backing_bytes``): the cache, the index and its
         metadata (on the tables' device), and the tier's own host memory: the cache's maps and
-        its LRU queue, the logs' maps, and the records buffers of transfers between the host and
-        a device cache (pinned, page-locked: made at the first transfer, up to 16 MiB a table).
-        Not the CPU path's write-back buffer of a file's log (``io_buffer_bytes``: a step's IO
-        buffer, which ``storage_bytes`` leaves out for every module). Tiered tables do not grow:
-        ``maximum`` is the same."""
+        its LRU queue and free list, the logs' maps, the records buffers of transfers between the
+        host and a device cache (pinned, page-locked: made at the first transfer, up to 16 MiB a
+        table) and the CPU path's write-back buffer of a file's log (``io_buffer_bytes``: kept
+        from step to step, up to 16 MiB a table). As allocated now: the buffers grow with the
+        largest write-back so far. Tiered tables do not grow: ``maximum`` is the same."""
         logs = 0 if self.store.directory is None else sum(RowLog.map_bytes(m.capacity) for m in self.meta)
-        buffers = sum(mover.buffer_bytes() for mover in self._movers or ())
+        buffers = sum(mover.buffer_bytes() for mover in self._movers or ()) + self.io_buffer_bytes()
         return super().storage_bytes() + sum(cache.nbytes() for cache in self.caches) + logs + buffers
 
     def io_buffer_bytes(self) -> int:

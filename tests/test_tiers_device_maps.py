@@ -200,3 +200,19 @@ def test_the_maps_stay_whole_through_misses_checkpoints_loads_and_resets(tmp_pat
     assert all(torch.equal(a[k], b[k]) for k in a)
     stats = tiered.table_stats()["a"]
     assert stats.cache_misses > 0 and stats.cache_write_backs > 0
+
+
+def test_storage_bytes_counts_the_device_maps_as_allocated(tmp_path):
+    # (test_tier_memory.py's oracle: the bytes of the tensors reachable from the tier's objects)
+    from modules_helpers import random_kjt
+    from test_tier_memory import _configs, _tier_bytes_allocated
+
+    module = DynamicEmbeddingBagCollection(_configs(f"file:{tmp_path}"), optimizer="adagrad")
+    tables = module._tables
+    gen = torch.Generator().manual_seed(3)
+    batches = [random_kjt(["f0", "f1"], 8, torch.randint(0, 900, (100,), generator=gen), 6) for _ in range(7)]
+    for kjt, next_kjt in zip(batches[:-1], batches[1:]):
+        module.stage_next(next_kjt)
+        module(kjt).values().sum().backward()
+        tables.wait_for_stage()
+        assert tables.storage_bytes() - super(TieredTables, tables).storage_bytes() == _tier_bytes_allocated(tables)

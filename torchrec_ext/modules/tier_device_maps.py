@@ -69,8 +69,11 @@ class TableSlots:
         return self.maps.pinned
 
     def nbytes(self) -> int:
-        # slot_of (int32 a row); row_of (int64 a slot), last_used and the free stack (int32), dirty (a byte)
-        return 4 * self.capacity + (8 + 4 + 4 + 1) * self.slots
+        """The table's share of the maps' bytes: slot_of (int32 a row); row_of (int64 a slot),
+        last_used and the free stack (int32), dirty (a byte); the first table's share also holds
+        the maps' spare entries, their per-table offsets and the pins in flight."""
+        own = 4 * self.capacity + (8 + 4 + 4 + 1) * self.slots
+        return own + (self.maps.nbytes() - self.maps.own_bytes() if self.t == 0 else 0)
 
     def pinned_at_most(self) -> int:
         return sum(counts[self.t] for counts in self.maps.pin_counts.values())
@@ -118,6 +121,16 @@ class DeviceSlotMaps:
         self.free_stack = self.free_stack.to(device)
         self.free_count = [t.slots for t in self.tables]
         self.free_top = torch.tensor(self.free_count, dtype=torch.int64, device=device)
+
+    def nbytes(self) -> int:
+        """Bytes of all the maps' tensors (and of the pins in flight)."""
+        names = ("row_base", "slot_base", "slot_of", "row_of", "last_used", "dirty", "free_stack", "free_top")
+        held = [getattr(self, name) for name in names] + list(self.pinned.values())
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def own_bytes(self) -> int:
+        """Bytes of the tables' own entries (``TableSlots.nbytes`` without the first one's extra)."""
+        return 4 * self.total_rows + (8 + 4 + 4 + 1) * self.total_slots
 
     @staticmethod
     def _none() -> Tensor:

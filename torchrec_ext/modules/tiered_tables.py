@@ -977,7 +977,8 @@ class TieredTables(DynamicTables):
         rows, inserted = super()._rows_for_tables(unique, counts, bounds, unique_table)
         if self._maps is not None:  # (the maps on the device: the rows stay there)
             segments = [(t, start, end) for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])) if end > start]
-            return self._hold_on_device(rows, inserted, unique_table, segments), inserted
+            every = list(range(len(self.meta)))  # (all handed over at once: the empty tables too)
+            return self._hold_on_device(rows, inserted, unique_table, segments, every), inserted
         host_rows, host_fresh = self._on_host(rows, inserted)
         slots = torch.empty_like(host_rows)
         for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -1007,11 +1008,17 @@ class TieredTables(DynamicTables):
         return slots
 
     def _hold_on_device(
-        self, rows: Tensor, fresh: Tensor | None, table_of: Tensor, segments: list[tuple[int, int, int]]
+        self,
+        rows: Tensor,
+        fresh: Tensor | None,
+        table_of: Tensor,
+        segments: list[tuple[int, int, int]],
+        release: list[int] | None = None,
     ) -> Tensor:
         """``_hold`` of the device maps, for the tables of ``segments`` at once: the slots of
         the lookup in progress's ``rows`` (on the device: a hit never leaves it), pinned for the
-        lookup, the traffic counted; the tables then handed over to the stage waiting for them."""
+        lookup, the traffic counted; the tables (``release``, default those of ``segments``) then
+        handed over to the stage waiting for them."""
         modifies, held, handover, own = self._holding if self._holding is not None else (False, None, None, {})
         movers = [self._mover(t) for t in range(len(self.meta))]
         names = ("hits", "misses", "write_backs", "bytes_moved")
@@ -1024,7 +1031,7 @@ class TieredTables(DynamicTables):
         else:
             self._maps.unpin(token)
         if handover is not None:
-            self._release_tables(handover, [t for t, _, _ in segments])
+            self._release_tables(handover, [t for t, _, _ in segments] if release is None else release)
         return slots
 
     def _release_tables(self, handover: _Handover, tables: list[int]) -> None:

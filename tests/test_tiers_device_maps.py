@@ -78,7 +78,7 @@ def test_the_fixture_puts_the_maps_on_the_device():
     assert all(c.maps is module._tables._maps for c in module._tables.caches)
 
 
-def _staged_steps(tables, device_maps, steps=12, seed=0):
+def _staged_steps(tables, device_maps, steps=12, seed=0, device="cpu"):
     """Trains a module of ``tables`` tables (host backing, a quarter of the rows cached) on mostly
     new ids a step, staging each next batch; per step after the first two: (torch calls in the
     lookup's cache bookkeeping, host reads by reason during the step)."""
@@ -88,7 +88,7 @@ def _staged_steps(tables, device_maps, steps=12, seed=0):
     from torchrec_ext import DynamicEmbeddingBagConfig
     from torchrec_ext.modules import tier_device_maps, tiered_tables
 
-    TieredTables.device_maps = device_maps
+    chosen, TieredTables.device_maps = TieredTables.device_maps, device_maps
     configs = [
         DynamicEmbeddingBagConfig(
             name=f"t{t}",
@@ -100,18 +100,22 @@ def _staged_steps(tables, device_maps, steps=12, seed=0):
         )
         for t in range(tables)
     ]
-    module = DynamicEmbeddingBagCollection(configs, optimizer="adagrad")
+    try:
+        module = DynamicEmbeddingBagCollection(configs, optimizer="adagrad", device=device)
+    finally:
+        TieredTables.device_maps = chosen
     gen = torch.Generator().manual_seed(seed)
     batches = [
         KeyedJaggedTensor.from_lengths_sync(
             [f"f{t}" for t in range(tables)],
             torch.randint(0, 600, (48 * tables,), generator=gen),
             torch.full((tables,), 48),
-        )
+        ).to(device)
         for _ in range(steps + 1)
     ]
     # The bookkeeping of one lookup: the device maps' hold (all tables), or each table's host hold.
-    owner, name = (tier_device_maps.DeviceSlotMaps, "hold") if device_maps else (tiered_tables.TieredTables, "_hold")
+    on_device = module._tables._maps is not None
+    owner, name = (tier_device_maps.DeviceSlotMaps, "hold") if on_device else (tiered_tables.TieredTables, "_hold")
     original, calls = getattr(owner, name), []
 
     def counted(*args, **kwargs):
@@ -135,7 +139,7 @@ def _staged_steps(tables, device_maps, steps=12, seed=0):
         setattr(owner, name, original)
     stats = module.table_stats()["t0"]
     assert stats.cache_staged > 0 and stats.cache_staged_write_backs > 0  # the cache full: the stage evicts
-    if device_maps:
+    if on_device:
         _check_maps(module._tables._maps)
     return out
 

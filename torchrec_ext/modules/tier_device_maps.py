@@ -25,8 +25,8 @@ victims the least recently used unpinned slots not used at this clock (a ``topk`
 table's clocks), dirty victims written back and misses read through the table's mover
 (tier_copies.py's records on a GPU). ``stage`` (the pipeline's stage on its worker, a side stream
 on a GPU) brings the next batch's rows in and frees slots for its new rows the same way, so that
-the next lookup takes the fast path: one read of all tables' missing rows, and per table that
-must evict, one read of its victims and the wait for their write-back's copy.
+the next lookup takes the fast path: one read of all tables' missing rows, one of all evicting
+tables' victims, and per table that writes back, the wait for its write-back's copy.
 
 Exact as ``RowCache``: which rows a table holds and where is invisible to the outputs; rows of a
 batch in flight are pinned (never a victim) until its update lands; a victim's dirty row is
@@ -263,7 +263,7 @@ class DeviceSlotMaps:
         n = at.numel()
         short = n - self.free_count[t]
         if short > 0:
-            self._vacate(t, short, clock, mover, self.pinned_mask(), ahead=False)
+            self._vacate({t: short}, clock, {t: mover}, self.pinned_mask(), ahead=False)
             if self.free_count[t] < n:  # TieredTables.lookup checked the room first
                 raise RuntimeError(
                     f"tiered table cache: {n} rows to bring in, {self.free_count[t]} slots free of {cache.slots}"
@@ -302,40 +302,51 @@ class DeviceSlotMaps:
         self.dirty.index_fill_(0, at, False)
         self.last_used.index_fill_(0, at, clock)
 
-    def _vacate(self, t: int, k: int, clock: int, mover, pinned: Tensor | None, ahead: bool) -> int:
-        """Empties up to k of table t's occupied slots onto its free stack, least recently used
-        first, none used at ``clock`` or ``pinned``; dirty rows written back. How many it emptied."""
-        cache = self.tables[t]
-        base, n = self.slot_base_host[t], cache.slots
-        k = min(k, n)
-        last = self.last_used[base : base + n]
-        rows = self.row_of[base : base + n]
-        takeable = (rows >= 0) & (last < clock)
+    def _vacate(self, shorts: dict[int, int], clock: int, movers, pinned: Tensor | None, ahead: bool) -> None:
+        """Empties up to ``shorts[t]`` of each table t's occupied slots onto its free stack, least
+        recently used first, none used at ``clock`` or ``pinned`` (a mask, None: none); dirty rows
+        written back (``movers[t]``). The victims chosen on the device (a ``topk`` over each table's
+        clocks), all tables' read on the host in one read."""
+        total = self.total_slots
+        last = self.last_used[:total]
+        takeable = (self.row_of[:total] >= 0) & (last < clock)
         if pinned is not None:
-            takeable &= ~pinned[base : base + n]
+            takeable &= ~pinned[:total]
         key = torch.where(takeable, last, _NEVER)
-        chosen = torch.topk(key, k, largest=False, sorted=True).indices
+        parts, counts = [], []
+        for t, k in shorts.items():
+            base, n = self.slot_base_host[t], self.tables[t].slots
+            counts.append(min(k, n))
+            parts.append(torch.topk(key[base : base + n], counts[-1], largest=False, sorted=True).indices + base)
+        chosen = parts[0] if len(parts) == 1 else torch.cat(parts)
         ok = key.index_select(0, chosen) != _NEVER
-        dirty = self.dirty[base : base + n].index_select(0, chosen).to(torch.int64)
-        facts = torch.stack([chosen, rows.index_select(0, chosen), dirty])
-        host = device_sync.to_host(torch.where(ok, facts, -1), "tiered tables: slots to evict")
-        keep = host[0] >= 0
-        victims, old, dirty = host[0][keep], host[1][keep], host[2][keep] == 1
-        back = int(dirty.sum())
-        if back:
-            mover.write(victims[dirty], old[dirty])
-            cache.write_backs += back
-            if ahead:
-                cache.staged_write_backs += back
-            cache.bytes_moved += back * mover.row_bytes
-        gone = torch.where(ok, chosen + base, self.total_slots)
-        self.slot_of.index_fill_(
-            0, torch.where(ok, rows.index_select(0, chosen) + self.row_base_host[t], self.total_rows), -1
+        old = self.row_of.index_select(0, chosen)
+        back = ok & self.dirty.index_select(0, chosen)
+        host = device_sync.to_host(
+            torch.stack([chosen, old, back.to(torch.int64), ok.to(torch.int64)]), "tiered tables: slots to evict"
         )
+        row_base = torch.tensor([self.row_base_host[t] for t in shorts]).repeat_interleave(torch.tensor(counts))
+        at_row = torch.where(ok, old + device_sync.to_device(row_base, self.device), self.total_rows)
+        self.slot_of.index_fill_(0, at_row, -1)
+        gone = torch.where(ok, chosen, total)
         self.row_of.index_fill_(0, gone, -1)
         self.dirty.index_fill_(0, gone, False)
-        self._push_free(t, victims)
-        return victims.numel()
+        first = 0
+        for t, k in zip(shorts, counts):
+            slots, rows, dirty, kept = host[:, first : first + k].sub(
+                torch.tensor([[self.slot_base_host[t]], [0], [0], [0]])
+            )
+            first += k
+            written = dirty == 1
+            n = int(written.sum())
+            if n:  # (before any slot is refilled: the caller's reads come after)
+                cache = self.tables[t]
+                movers[t].write(slots[written], rows[written])
+                cache.write_backs += n
+                if ahead:
+                    cache.staged_write_backs += n
+                cache.bytes_moved += n * movers[t].row_bytes
+            self._push_free(t, slots[kept == 1])
 
     # ------------------------------------------------------------------ ahead of a lookup
 
@@ -361,14 +372,18 @@ class DeviceSlotMaps:
         self.last_used.index_fill_(0, torch.where(hit, base + slots, self.total_slots), clock)
         # All tables' missing rows to the host in one read (each row, -1 a hit, -2 an id without a row).
         code = device_sync.to_host(torch.where(live, torch.where(hit, -1, rows), -2), "tiered tables: rows to stage")
+        plans, shorts = [], {}
         for t, start, end in segments:
-            cache = self.tables[t]
             part = code[start:end]
             missing = part[part >= 0]
-            want = missing.numel() + (int((part == -2).sum()) if frees_new else 0)
-            short = want - self.free_count[t]
+            short = missing.numel() + (int((part == -2).sum()) if frees_new else 0) - self.free_count[t]
             if short > 0:
-                self._vacate(t, short, clock, movers[t], pinned, ahead=True)
+                shorts[t] = short
+            plans.append((t, missing))
+        if shorts:  # (every table's write-backs before any table's reads)
+            self._vacate(shorts, clock, movers, pinned, ahead=True)
+        for t, missing in plans:
+            cache = self.tables[t]
             filled = min(missing.numel(), self.free_count[t])
             if filled == 0:
                 continue

@@ -188,9 +188,6 @@ class IdsToRows:
                 self._new_vector_buffer = allocate_filled(
                     max(most, 2 * self._new_vector_buffer.numel()), 0.0, self.device
                 )
-        # Each table writes its rows into its slice of one buffer (no concatenation after).
-        unique_rows = torch.empty_like(unique)
-        inserted = torch.zeros_like(unique, dtype=torch.bool) if training else None  # for the table counters
         flat = training and not deferred and not exporting and self._flat_init()  # all tables' rows in one call
         table_of = torch.arange(len(self.meta), device=ids.device)
         unique_table = torch.repeat_interleave(
@@ -198,6 +195,9 @@ class IdsToRows:
         )
         if batched:
             unique_rows, inserted = self._rows_for_tables(unique, counts, bounds, unique_table)
+        else:  # each table writes its rows into its slice of one buffer (no concatenation after)
+            unique_rows = torch.empty_like(unique)
+            inserted = torch.zeros_like(unique, dtype=torch.bool) if training else None  # for the table counters
         for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]) if not batched else ()):
             if exporting:
                 torch._check(start >= 0)

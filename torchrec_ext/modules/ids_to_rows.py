@@ -188,9 +188,6 @@ class IdsToRows:
                 self._new_vector_buffer = allocate_filled(
                     max(most, 2 * self._new_vector_buffer.numel()), 0.0, self.device
                 )
-        # Each table writes its rows into its slice of one buffer (no concatenation after).
-        unique_rows = torch.empty_like(unique)
-        inserted = torch.zeros_like(unique, dtype=torch.bool) if training else None  # for the table counters
         flat = training and not deferred and not exporting and self._flat_init()  # all tables' rows in one call
         table_of = torch.arange(len(self.meta), device=ids.device)
         unique_table = torch.repeat_interleave(
@@ -198,6 +195,9 @@ class IdsToRows:
         )
         if batched:
             unique_rows, inserted = self._rows_for_tables(unique, counts, bounds, unique_table)
+        else:  # each table writes its rows into its slice of one buffer (no concatenation after)
+            unique_rows = torch.empty_like(unique)
+            inserted = torch.zeros_like(unique, dtype=torch.bool) if training else None  # for the table counters
         for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]) if not batched else ()):
             if exporting:
                 torch._check(start >= 0)
@@ -370,11 +370,6 @@ class IdsToRows:
                 self._growth_deferred = True
         return found | admitted  # the others take no part in the upsert (no compaction)
 
-    def _needs_after_upsert(self, t: int) -> bool:
-        """Whether table t's upsert results need per-table work (ttl, the delta log) beyond the
-        eviction count, which ``_rows_for_tables`` makes for all tables at once."""
-        return self.meta[t].ttl_steps is not None or self.delta_log is not None
-
     def _rows_for_tables(
         self, unique: Tensor, counts: Tensor, bounds: list[int], unique_table: Tensor
     ) -> tuple[Tensor, Tensor]:
@@ -382,20 +377,25 @@ class IdsToRows:
         (``find_or_insert_tables``: launches independent of the table count on a GPU): the rows
         of all distinct ids and which are new (rows to initialise)."""
         pending = None
-        for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-            if self.admission[t] is not None:
-                candidates = self._admit(t, unique[start:end], counts[start:end])
-                if pending is None:
-                    pending = torch.ones_like(unique, dtype=torch.bool)
-                pending[start:end] = candidates
-        scored = any(m.policy in _SCORED_BY_COUNT for m in self.meta)  # the other policies ignore scores
+        # (comprehensions, not a method call per table: the tables that need work of their own)
+        admitting = [t for t, a in enumerate(self.admission) if a is not None]
+        for t in admitting:
+            start, end = bounds[t], bounds[t + 1]
+            candidates = self._admit(t, unique[start:end], counts[start:end])
+            if pending is None:
+                pending = torch.ones_like(unique, dtype=torch.bool)
+            pending[start:end] = candidates
+        scored = any([m.policy in _SCORED_BY_COUNT for m in self.meta])  # noqa: C419 (the others ignore scores)
         result = find_or_insert_tables(self.indexes, unique, bounds, counts if scored else None, pending)
         self.counters.count_evicted_tables(unique_table, result.evicted)
         rows, inserted = result.rows, result.inserted
-        for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-            if self._needs_after_upsert(t):
-                part = FixedInsertResult(*(x[start:end] for x in result))
-                rows[start:end], inserted[start:end] = self._after_upsert(t, unique[start:end], part, counted=True)
+        # Tables whose results need work of their own (ttl, the delta log) beyond the eviction
+        # count made for all tables above.
+        after = [t for t, m in enumerate(self.meta) if m.ttl_steps is not None or self.delta_log is not None]
+        for t in after:
+            start, end = bounds[t], bounds[t + 1]
+            part = FixedInsertResult(*(x[start:end] for x in result))
+            rows[start:end], inserted[start:end] = self._after_upsert(t, unique[start:end], part, counted=True)
         return rows, inserted
 
     def _after_upsert(

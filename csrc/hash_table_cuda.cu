@@ -13,9 +13,8 @@
 // or s + 1, and the stripes of one phase share no bucket, so no two warps touch a bucket at once):
 // in a stripe, a lane per key too, in rounds in which no two keys share a bucket and each bucket
 // sees its keys in batch order, which gives the serial walk's results. Then it releases its pins.
-// An erase walks each stripe's keys one at a time (lane l owns slot l of a bucket; choices are
-// ballots over the CPU's scan order). No locks and no table atomics, and the results do not
-// depend on scheduling.
+// An erase is one pass like the touch (erases of distinct keys commute; a key's first occurrence
+// reports it). No locks and no table atomics, and the results do not depend on scheduling.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -31,7 +30,6 @@ namespace {
 constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
 static_assert(kSlotsPerBucket == kWarpSize, "a warp covers a bucket: lane l owns slot l");
-constexpr int kSlotMask = kSlotsPerBucket - 1;
 
 constexpr int kFindThreads = 256;
 constexpr int kStripeThreads = 128;
@@ -48,14 +46,8 @@ __device__ __forceinline__ int64_t global_threads() {
   return static_cast<int64_t>(gridDim.x) * blockDim.x;
 }
 
-__device__ __forceinline__ int64_t shfl64(int64_t v, int src_lane) {
-  return static_cast<int64_t>(__shfl_sync(kFullMask, static_cast<long long>(v), src_lane));
-}
-
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
+// hash_find's warp-per-key probe (digests not 16-byte aligned): lane l owns slot l of both
+// candidate buckets, and a ballot over the CPU's scan order gives the answer.
 // This lane's slot in each of a key's candidate buckets.
 struct LaneSlots {
   int64_t row1;
@@ -106,52 +98,11 @@ __device__ __forceinline__ int64_t lower_bound(const T* sorted, int64_t lo, int6
   return lo;
 }
 
-// One key of a stripe's walk, as every lane of the warp sees it.
-struct StripeKey {
-  int64_t pos;  // batch position: where its results go
-  int64_t key;
-  KeyPlace place;
-};
-
 // The stripe that this warp walks in phase `phase` (the warp's index among the phase's stripes),
 // or -1 for a warp beyond them.
 __device__ __forceinline__ int64_t phase_warp_stripe(int phase, const TableGeometry& geo) {
   const int64_t w = global_thread() / kWarpSize;
   return w < phase_stripes(phase, geo.num_stripes) ? phase_stripe(phase, w, geo.num_stripes) : -1;
-}
-
-// Calls visit(k) with the whole warp for the grouped positions [begin, end), in order (the erase's
-// walk: a key at a time, as every lane sees it). Per chunk of 32, lane l loads and hashes key l and
-// prefetches its digest lines, so the serial walk waits only on the table. The __syncwarp after
-// each key makes the writer lane's stores visible to every lane's reads of the next key, which may
-// hit the same bucket, and to the next walk's reads of the outputs.
-template <typename Visit>
-__device__ __forceinline__ void walk_stripe(const uint8_t* digests, const int64_t* keys,
-                                            const int64_t* order, const TableGeometry& geo,
-                                            int64_t begin, int64_t end, int lane, Visit&& visit) {
-  for (int64_t chunk = begin; chunk < end; chunk += kWarpSize) {
-    StripeKey mine{};
-    const bool mine_wanted = chunk + lane < end;
-    if (mine_wanted) {
-      mine.pos = order[chunk + lane];
-      mine.key = keys[mine.pos];
-      mine.place = place_key(mine.key, geo);
-      prefetch_l2(digests + mine.place.bucket1 * kSlotsPerBucket);
-      prefetch_l2(digests + mine.place.bucket2 * kSlotsPerBucket);
-    }
-    for (uint32_t todo = __ballot_sync(kFullMask, mine_wanted); todo != 0; todo &= todo - 1) {
-      const int t = __ffs(static_cast<int>(todo)) - 1;
-      StripeKey k{};
-      k.pos = shfl64(mine.pos, t);
-      k.key = shfl64(mine.key, t);
-      k.place.bucket1 = shfl64(mine.place.bucket1, t);
-      k.place.bucket2 = shfl64(mine.place.bucket2, t);
-      k.place.tag =
-          static_cast<uint8_t>(__shfl_sync(kFullMask, static_cast<int>(mine.place.tag), t));
-      visit(k);
-      __syncwarp();
-    }
-  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -619,33 +570,37 @@ __global__ void hash_release_tables_kernel(const UpsertTable* tables, int64_t nu
                  stripe_offsets[g], stripe_offsets[g + 1]);
 }
 
-// Phase `phase`: warp w walks stripe phase_stripe(phase, w) in batch order, so only the first of
-// duplicate keys reports the erase.
+// Every stripe at once, a lane per key, as the upsert's touch: an erase clears only its own key's
+// digest, and a probe of another key reading that byte (as the tag or as 0) finds no key there
+// either way, so erases of distinct keys commute and need no phases. Warp w takes stripe w's
+// positions 32 at a time; a key's occurrences share a stripe, so among 32 positions the lowest
+// lane holding a row clears it and reports the erase (__match_any_sync on the row), and after the
+// __syncwarp a later occurrence finds the key gone: only the first in batch order reports. A
+// stashed key's row may lie in another stripe; its stash entry is then stale, dropped by the
+// next upsert.
 __global__ void hash_erase_kernel(uint8_t* digests, const int64_t* slot_keys, int64_t* size,
                                   TableGeometry geo, const int64_t* keys,
                                   const int32_t* sorted_stripes, const int64_t* order, int64_t n,
-                                  int phase, bool* erased) {
-  const int64_t stripe = phase_warp_stripe(phase, geo);
-  if (stripe < 0) return;
+                                  bool* erased) {
+  const int64_t stripe = global_thread() / kWarpSize;
+  if (stripe >= geo.num_stripes) return;
   const int lane = lane_id();
   const int64_t begin = lower_bound(sorted_stripes, 0, n, stripe);
   const int64_t end = lower_bound(sorted_stripes, begin, n, stripe + 1);
-  int64_t removed = 0;  // warp-uniform
-
-  walk_stripe(digests, keys, order, geo, begin, end, lane, [&](const StripeKey& k) {
-    int64_t row = warp_probe(slot_keys, k.place, load_slots(digests, k.place, lane), k.key);
-    // A stashed key's row: another warp of this phase may read its tag bits (as 0 or
-    // the tag, a slot without its key either way); its stash entry is stale, dropped by
-    // the next upsert.
-    if (row < 0) row = stash_probe(digests, slot_keys, geo, k.place, k.key);
-    if (row < 0) return;
-    ++removed;
-    if (lane == (row & kSlotMask)) {
+  int64_t removed = 0;  // warp-uniform: a sum of ballots
+  for (int64_t chunk = begin; chunk < end; chunk += kWarpSize) {
+    const bool mine = chunk + lane < end;
+    const int64_t pos = mine ? order[chunk + lane] : 0;
+    const int64_t row = mine ? thread_probe(digests, slot_keys, geo, keys[pos]) : -1;
+    const uint32_t same = __match_any_sync(kFullMask, static_cast<unsigned long long>(row));
+    const bool first = row >= 0 && lane == __ffs(static_cast<int>(same)) - 1;
+    if (first) {
       digests[row] = 0;
-      erased[k.pos] = true;
+      erased[pos] = true;
     }
-  });
-
+    removed += __popc(__ballot_sync(kFullMask, first));
+    __syncwarp();
+  }
   if (lane == 0 && removed != 0) {
     // Two's complement: adding the wrapped negative count subtracts it.
     atomicAdd(reinterpret_cast<unsigned long long*>(size),
@@ -803,11 +758,8 @@ cudaError_t launch_hash_erase(uint8_t* digests, const int64_t* slot_keys, int64_
                               const int64_t* order, int64_t n, bool* erased, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const TableGeometry geo = make_geometry(capacity);
-  for (int phase = 0; phase < upsert_phase_count(geo.num_stripes); ++phase) {
-    hash_erase_kernel<<<stripe_grid(phase_stripes(phase, geo.num_stripes)), kStripeThreads, 0,
-                        stream>>>(digests, slot_keys, size, geo, keys, sorted_stripes, order, n,
-                                  phase, erased);
-  }
+  hash_erase_kernel<<<stripe_grid(geo.num_stripes), kStripeThreads, 0, stream>>>(
+      digests, slot_keys, size, geo, keys, sorted_stripes, order, n, erased);
   return cudaGetLastError();
 }
 

@@ -297,19 +297,32 @@ __global__ void hash_touch_kernel(uint8_t* digests, const int64_t* slot_keys, in
                stripe_offsets[stripe + 1], policy, clock, epoch, assign, rows);
 }
 
-// Keeps the first of the lowest scores among the slots `candidates` of the bucket at `base`
-// (slot order): every score is loaded, so the loads issue back to back.
-__device__ __forceinline__ void keep_lowest_score(const int64_t* slot_scores, int64_t base,
-                                                  uint32_t candidates, int64_t& victim,
-                                                  int64_t& lowest) {
+// The victim among the candidate slots of both buckets (masks cand1, cand2): the first of the
+// lowest scores in the CPU's scan order (bucket1's slots ascending, then bucket2's), i.e. the
+// least (score, c) with c = slot for bucket1 and 32 + slot for bucket2; a minimum that does not
+// depend on the order of comparisons, so both buckets' score loads issue together. -1 when
+// there is no candidate; `lowest` gets its score.
+__device__ __forceinline__ int64_t pick_victim(const int64_t* slot_scores, int64_t base1,
+                                               uint32_t cand1, int64_t base2, uint32_t cand2,
+                                               int64_t& lowest) {
+  constexpr int kNone = 2 * kSlotsPerBucket;
+  int best = kNone;
+  lowest = INT64_MAX;
 #pragma unroll 8
   for (int l = 0; l < kSlotsPerBucket; ++l) {
-    const int64_t score = slot_scores[base + l];
-    if (((candidates >> l) & 1u) != 0 && (victim < 0 || score < lowest)) {
-      victim = base + l;
-      lowest = score;
+    const int64_t s1 = slot_scores[base1 + l], s2 = slot_scores[base2 + l];
+    if (((cand1 >> l) & 1u) != 0 && (s1 < lowest || (s1 == lowest && l < best))) {
+      lowest = s1;
+      best = l;
+    }
+    const int c2 = kSlotsPerBucket + l;
+    if (((cand2 >> l) & 1u) != 0 && (s2 < lowest || (s2 == lowest && c2 < best))) {
+      lowest = s2;
+      best = c2;
     }
   }
+  if (best == kNone) return -1;
+  return best < kSlotsPerBucket ? base1 + best : base2 + (best - kSlotsPerBucket);
 }
 
 // Inserts the key of batch position `pos`, absent when the call began, by one thread: the CPU
@@ -353,9 +366,9 @@ __device__ __forceinline__ bool insert_key(uint8_t* digests, int64_t* slot_keys,
     row = __popc(free1) >= __popc(free2) ? base1 + (__ffs(static_cast<int>(free1)) - 1)
                                          : base2 + (__ffs(static_cast<int>(free2)) - 1);
   } else if (policy != Policy::kNone) {
-    int64_t victim = -1, lowest = 0;
-    keep_lowest_score(slot_scores, base1, usable1 & ~pinned_mask(d1), victim, lowest);
-    keep_lowest_score(slot_scores, base2, usable2 & ~pinned_mask(d2), victim, lowest);
+    int64_t lowest;
+    const int64_t victim = pick_victim(slot_scores, base1, usable1 & ~pinned_mask(d1), base2,
+                                       usable2 & ~pinned_mask(d2), lowest);
     if (victim >= 0 && new_score >= lowest) {
       row = victim;
       evicts = true;

@@ -4,30 +4,51 @@
 # included), then benchmarks/gpu_check.py (host syncs of a training step, a one-step profile, pooled
 # lookup GB/s vs copy bandwidth, the GPU benchmarks). No venv is created.
 #
-#   bash scripts/gpu_check.sh [OUT_DIR] [--dry-run | --cpu-smoke]
+#   bash scripts/gpu_check.sh [OUT_DIR] [--dry-run | --cpu-smoke] [--tests-only | --bench-only | --tests-part K/N]
 #
 # OUT_DIR (default benchmarks/results/) gets build.log, gpu_tier_tests.txt, gpu_tests.txt + gpu_tests.xml
 # (junit), gpu_check.md (the report), gpu_check.jsonl (one JSON row per step) and each benchmark's
 # results (tiers_gpu.md: the tiered tables vs TorchRec's UVM caching).
 # --dry-run prints the commands without running them; --cpu-smoke runs the build and the driver at
 # tiny sizes on the CPU (checks the pytest invocation with --collect-only instead of running it).
+# The whole check does not fit one 10-minute call: split it. --tests-only: build + tests, no benchmarks;
+# --bench-only: build + benchmarks/gpu_check.py, no tests; --tests-part K/N: build + part K of N
+# disjoint parts of the suite (tests/parts.py; every test in exactly one part), reported in
+# gpu_tests_partK.txt/.xml, no benchmarks. E.g. --tests-part 1/3, 2/3, 3/3, then --bench-only.
 # Exit status: non-zero when the build, any test or any step of the driver failed.
 # Environment: PYTHON (default python3), CUDA_HOME / TORCH_CUDA_ARCH_LIST (read by setup.py: sm_90 +
-# compute_90 PTX by default), WHEEL_SITE (where .whl/ is installed, default /tmp/site).
+# compute_90 PTX by default), WHEEL_SITE (where .whl/ is installed, default /tmp/site), PYTEST_ARGS
+# (more pytest arguments, split on spaces: e.g. "-n 4" with pytest-xdist installed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 out=benchmarks/results
 mode=gpu
-for arg in "$@"; do
-  case "$arg" in
+steps=all  # all | tests | bench | part
+part=
+while (( $# )); do
+  case "$1" in
     --dry-run) mode=dry ;;
     --cpu-smoke) mode=cpu ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
-    -*) echo "gpu_check.sh: unknown option $arg" >&2; exit 2 ;;
-    *) out=$arg ;;
+    --tests-only) steps=tests ;;
+    --bench-only) steps=bench ;;
+    --tests-part)
+      [[ $# -ge 2 ]] || { echo "gpu_check.sh: --tests-part needs K/N" >&2; exit 2; }
+      part=$2; steps=part; shift ;;
+    --tests-part=*) part=${1#*=}; steps=part ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -*) echo "gpu_check.sh: unknown option $1" >&2; exit 2 ;;
+    *) out=$1 ;;
   esac
+  shift
 done
+if [[ $steps == part ]]; then
+  if ! [[ $part =~ ^([0-9]+)/([0-9]+)$ ]] || (( BASH_REMATCH[1] < 1 || BASH_REMATCH[1] > BASH_REMATCH[2] )); then
+    echo "gpu_check.sh: --tests-part must be K/N with 1 <= K <= N, got '$part'" >&2; exit 2
+  fi
+  part_k=${BASH_REMATCH[1]}
+fi
+read -r -a pytest_extra <<< "${PYTEST_ARGS:-}"
 PY=${PYTHON:-python3}
 site=${WHEEL_SITE:-/tmp/site}
 failed=()
@@ -63,30 +84,48 @@ fi
 # 3. The whole test suite (CUDA variants run when the GPU and the CUDA build are there), every
 # case of the matrices CI runs a covering subset of (tests/matrix.py). The GPU tier's tests
 # (tiered tables with the cache in HBM: tests/test_tiers_device.py) first, in a report of their own.
+# With --tests-part, only that part of the suite (the tier tests among them when they fall in it).
 export TORCHREC_EXT_FULL_MATRIX=1
-if [[ $mode == cpu ]]; then
-  run "$PY" -m pytest tests -q --collect-only | tail -3
+if [[ $steps == part ]]; then
+  select=(--tests-part "$part"); report=gpu_tests_part$part_k
 else
-  echo "+ $PY -m pytest tests/test_tiers_device.py -q -rs | tee $out/gpu_tier_tests.txt"
-  if [[ $mode != dry ]]; then
-    "$PY" -m pytest tests/test_tiers_device.py -q -rs 2>&1 | tee "$out/gpu_tier_tests.txt"
-    [[ ${PIPESTATUS[0]} == 0 ]] || failed+=("tier tests")
+  select=(); report=gpu_tests
+fi
+if [[ $steps == bench ]]; then
+  :
+elif [[ $mode == cpu ]]; then
+  run "$PY" -m pytest tests -q --collect-only ${select[@]+"${select[@]}"} ${pytest_extra[@]+"${pytest_extra[@]}"} | tail -3
+  [[ ${PIPESTATUS[0]} == 0 ]] || failed+=("test collection")
+else
+  if [[ $steps != part ]]; then
+    echo "+ $PY -m pytest tests/test_tiers_device.py -q -rs ${pytest_extra[*]} | tee $out/gpu_tier_tests.txt"
+    if [[ $mode != dry ]]; then
+      "$PY" -m pytest tests/test_tiers_device.py -q -rs ${pytest_extra[@]+"${pytest_extra[@]}"} 2>&1 | tee "$out/gpu_tier_tests.txt"
+      [[ ${PIPESTATUS[0]} == 0 ]] || failed+=("tier tests")
+    fi
   fi
-  echo "+ $PY -m pytest tests -q -rs --junitxml=$out/gpu_tests.xml | tee $out/gpu_tests.txt"
+  if [[ $steps != part ]]; then select=(--ignore=tests/test_tiers_device.py); fi  # they ran just above
+  echo "+ $PY -m pytest tests -q -rs ${select[*]} ${pytest_extra[*]} --junitxml=$out/$report.xml | tee $out/$report.txt"
   if [[ $mode != dry ]]; then
-    "$PY" -m pytest tests -q -rs --junitxml="$out/gpu_tests.xml" 2>&1 | tee "$out/gpu_tests.txt"
-    [[ ${PIPESTATUS[0]} == 0 ]] || failed+=("tests")
+    "$PY" -m pytest tests -q -rs ${select[@]+"${select[@]}"} ${pytest_extra[@]+"${pytest_extra[@]}"} --junitxml="$out/$report.xml" 2>&1 | tee "$out/$report.txt"
+    [[ ${PIPESTATUS[0]} == 0 ]] || failed+=("tests${part:+ part $part}")
   fi
 fi
 
 # 4. Syncs, profile, bandwidth and the GPU benchmarks (each step reported; one failing does not stop the rest).
-if [[ $mode == cpu ]]; then
+if [[ $steps == tests || $steps == part ]]; then
+  :
+elif [[ $mode == cpu ]]; then
   run "$PY" benchmarks/gpu_check.py --out-dir "$out" --device cpu --smoke || failed+=("gpu_check.py")
 else
   run "$PY" benchmarks/gpu_check.py --out-dir "$out" || failed+=("gpu_check.py")
 fi
 
-echo "gpu_check.sh: $((SECONDS - start)) s; report $out/gpu_check.md, tests $out/gpu_tests.txt"
+case $steps in
+  all) echo "gpu_check.sh: $((SECONDS - start)) s; report $out/gpu_check.md, tests $out/$report.txt" ;;
+  bench) echo "gpu_check.sh: $((SECONDS - start)) s; report $out/gpu_check.md (no tests run)" ;;
+  *) echo "gpu_check.sh: $((SECONDS - start)) s; tests $out/$report.txt (no benchmarks run)" ;;
+esac
 if (( ${#failed[@]} )); then
   echo "gpu_check.sh: FAILED: ${failed[*]}" >&2
   exit 1

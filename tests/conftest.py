@@ -5,6 +5,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from parts import split
+
 
 def _cuda_usable() -> bool:
     if not torch.cuda.is_available():
@@ -15,6 +17,27 @@ def _cuda_usable() -> bool:
 
 
 CUDA_SKIP = pytest.mark.skipif(not _cuda_usable(), reason="needs a CUDA GPU and a CUDA build of torchrec_ext")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--tests-part",
+        metavar="K/N",
+        default=None,
+        help="run only part K of N disjoint parts of the selected tests (tests/parts.py)",
+    )
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: parts split what is selected
+def pytest_collection_modifyitems(config, items):
+    spec = config.getoption("--tests-part")
+    if spec:
+        try:
+            kept, deselected = split(items, spec)
+        except ValueError as e:
+            raise pytest.UsageError(str(e)) from None
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
 
 
 def pytest_generate_tests(metafunc):

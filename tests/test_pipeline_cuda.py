@@ -225,3 +225,49 @@ def test_next_replay_waits_for_the_pinned_copy_of_its_static_outputs():
     module(x2)  # replay: overwrites y1's buffer once the copy is done
     ((_, host),) = outputs.drain()
     torch.testing.assert_close(host, want)
+
+
+def _our_cuda_kernels() -> bool:
+    from torchrec_ext import ops
+
+    return torch.cuda.is_available() and ops.has_kernel("hash_find", torch.device("cuda"))
+
+
+@pytest.mark.skipif(not _our_cuda_kernels(), reason="needs a CUDA build of torchrec_ext")
+def test_a_capture_joins_the_tiered_tables_stage_and_trains_as_eager(tmp_path):
+    # Tiered tables stage batch i+1's rows on a worker thread (copies, syncs, allocations) that
+    # the capture gate does not hold; the mlp's capture, right after batch 0's lookup started
+    # that stage, first joins it. Oracle: all-resident tables, eager mlp, a plain loop.
+    from dist_helpers import progress_losses
+    from test_tiers import _backing, _bag_configs, _dlrm_batches, _Ranker
+    from torchrec_ext import DynamicEmbeddingBagCollection
+    from torchrec_ext.pipeline import PipelineOptions, TrainPipeline
+
+    device = torch.device("cuda")
+
+    def build(configs):
+        torch.manual_seed(0)
+        ebc = DynamicEmbeddingBagCollection(configs, optimizer="adagrad", optimizer_kwargs={"lr": 0.05}, device=device)
+        model = _Ranker(ebc)
+        model.mlp.to(device)
+        return model, torch.optim.Adagrad(model.mlp.parameters(), lr=0.05)
+
+    batches = _dlrm_batches(12)
+    eager, eager_opt = build(_bag_configs(policies=("lru", "lru")))
+    want = []
+    for batch in batches:
+        eager_opt.zero_grad()
+        loss, _ = eager(batch.to(device))
+        loss.backward()
+        eager_opt.step()
+        want.append(loss.detach().clone())
+    tiered, optimizer = build(_bag_configs(_backing("host", tmp_path), 0.3, policies=("lru", "lru")))
+    options = PipelineOptions(prefetch_threads=2, threaded_input_dist=True, tier_prefetch=True, graph_modules=("mlp",))
+    stats = []
+    with TrainPipeline(tiered, optimizer, device, options) as pipeline:
+        losses = progress_losses(pipeline, batches, stats)
+    assert tiered.mlp.forward._graphed is not None  # captured, and replayed from then on
+    assert sum(s["staged"] for step in stats for s in step.values()) > 0
+    assert len(losses) == len(want)
+    for step, (got, expected) in enumerate(zip(losses, want)):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=lambda m, step=step: f"step {step}: {m}")

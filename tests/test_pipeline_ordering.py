@@ -5,18 +5,19 @@ The CUDA runs of the same rules are in test_pipeline_cuda.py."""
 
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
 from torch import nn
 
-from dist_helpers import make_batches, make_dmp_dlrm, plain_loop, run_ranks
+from dist_helpers import make_batches, make_dmp_dlrm, plain_loop, progress_losses, run_ranks
 from torchrec_ext.pipeline import PipelineOptions, TrainPipeline
 from torchrec_ext.pipeline import prefetch as prefetch_module
 from torchrec_ext.pipeline import train_pipeline as train_pipeline_module
 from torchrec_ext.pipeline.dense_sync import FlatGradSync, GraphedForward
 from torchrec_ext.pipeline.prefetch import BatchPrefetcher, copy_to_device
-from torchrec_ext.pipeline.quiesce import DeviceWorkGate
+from torchrec_ext.pipeline.quiesce import DeviceWorkGate, quiesced
 from torchrec_ext.pipeline.streams import ReplayFence
 from torchrec_ext.pipeline.worker import HelperThread
 
@@ -368,3 +369,96 @@ def test_graphed_forward_is_installed_once_per_module():
     assert first._original == original  # wraps the module's own forward, not another wrapper
     x = torch.randn(5, 4)
     torch.testing.assert_close(module(x), original(x), rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------- threads the gate does not hold
+
+
+def test_quiesced_joins_threads_the_gate_does_not_hold_before_closing_it():
+    # A stage of tiered tables may wait for an input dist on the gate's helper thread: joining it
+    # after the gate closed would park that thread and deadlock; before, both finish.
+    gate = DeviceWorkGate()
+    helper = HelperThread("torchrec_ext-test-helper", gate)
+    order = []
+
+    def join_stage():
+        order.append(("join", gate.is_closed))
+        helper.submit(lambda: order.append("helper")).result(timeout=5)
+
+    try:
+        with quiesced(gate, 5, [join_stage]):
+            order.append(("capture", gate.is_closed))
+    finally:
+        helper.close(5)
+    assert order == [("join", False), "helper", ("capture", True)]
+
+
+def test_flat_grad_sync_joins_other_threads_then_captures_with_the_gate_closed(monkeypatch):
+    gate, events = DeviceWorkGate(), []
+
+    class FakeGraph:
+        def replay(self):
+            events.append("replay")
+
+    @contextmanager
+    def fake_capture(graph, capture_error_mode):
+        events.append(("capture", capture_error_mode, gate.is_closed))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
+    model = nn.Linear(4, 2)
+    sync = FlatGradSync(
+        list(model.parameters()),
+        None,
+        capture=True,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        warmup_steps=2,
+    )
+    for _ in range(5):
+        model(torch.randn(3, 4)).sum().backward()
+        sync(gate, 5, [lambda: events.append(("join", gate.is_closed))])
+    # two warm-up steps, the capture (joined first, then the gate closed), a replay per step from then on
+    assert events == [("join", False), ("capture", "thread_local", True), "replay", "replay", "replay"]
+
+
+def test_the_pipeline_joins_the_tiered_tables_stage_before_its_captures(tmp_path):
+    from test_tiers import _backing, _bag_configs, _dlrm, _dlrm_batches
+    from torchrec_ext import DynamicEmbeddingBagCollection
+
+    ebc = DynamicEmbeddingBagCollection(
+        _bag_configs(_backing("host", tmp_path), 0.3, policies=("lru", "lru")),
+        optimizer="adagrad",
+        optimizer_kwargs={"lr": 0.05},
+    )
+    model, optimizer = _dlrm(ebc)
+    options = PipelineOptions(prefetch_threads=0, threaded_input_dist=False, tier_prefetch=True)
+    with TrainPipeline(model, optimizer, torch.device("cpu"), options) as pipeline:
+        it = iter(_dlrm_batches(4))
+        pipeline.progress(it)
+        assert ebc._tables._staging is not None  # batch 1's stage, started by batch 0's lookup
+        pipeline._join_stages()
+        assert ebc._tables._staging is None
+        pipeline.progress(it)
+
+
+def _grad_sync_is_handed_the_stage_join(rank, world_size):
+    calls, original = [], FlatGradSync.__call__
+
+    def recording(self, gate, timeout_s, join_before_capture=()):
+        calls.append(join_before_capture)
+        return original(self, gate, timeout_s, join_before_capture)
+
+    FlatGradSync.__call__ = recording
+    try:
+        model, optimizer = make_dmp_dlrm(world_size)
+        options = PipelineOptions(flat_dense_allreduce=True, prefetch_threads=0, threaded_input_dist=False)
+        with TrainPipeline(model, optimizer, torch.device("cpu"), options) as pipeline:
+            progress_losses(pipeline, make_batches(rank, batch_size=8, num_full=2, last=3, seed=0))
+            assert len(calls) == 3 and all(join == (pipeline._join_stages,) for join in calls)
+    finally:
+        FlatGradSync.__call__ = original
+
+
+def test_the_pipeline_hands_its_stage_join_to_the_dense_sync():
+    run_ranks(_grad_sync_is_handed_the_stage_join, 1)

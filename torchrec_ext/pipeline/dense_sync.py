@@ -9,13 +9,15 @@ shape it first sees, and runs eagerly for any other shape (the last partial batc
 Both belong to the model, not to a pipeline: one ``FlatGradSync`` per DDP module and one
 ``GraphedForward`` per submodule, shared by every pipeline built on that model (a job builds one
 per train segment), so a segment replays the graphs the first one captured. Every capture runs
-with the process's helper threads held off the device (``DEVICE_WORK``).
+with the process's helper threads held off the device (``DEVICE_WORK``), after the work in flight
+of threads the gate does not hold is joined (the pipeline's ``join_before_capture``: the tiered
+tables' stage).
 """
 
 import functools
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -24,7 +26,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from torchrec_ext.pipeline.quiesce import DEVICE_WORK, DeviceWorkGate
+from torchrec_ext.pipeline.quiesce import DEVICE_WORK, DeviceWorkGate, quiesced
 from torchrec_ext.pipeline.streams import ReplayFence
 
 logger = logging.getLogger(__name__)
@@ -129,9 +131,15 @@ class FlatGradSync:
         """Whether steps after the warm-up replay a graph: only when it would hold work."""
         return self.steps_optimizer or (self._capture and self._world > 1 and bool(self._params))
 
-    def __call__(self, gate: DeviceWorkGate = DEVICE_WORK, timeout_s: float = 600.0) -> None:
+    def __call__(
+        self,
+        gate: DeviceWorkGate = DEVICE_WORK,
+        timeout_s: float = 600.0,
+        join_before_capture: Sequence[Callable[[], None]] = (),
+    ) -> None:
         """Syncs the gradients of the step just run (and steps the optimizer if captured). A
-        capture holds ``gate`` closed, waiting at most ``timeout_s`` for the helper threads."""
+        capture first calls each ``join_before_capture`` (device work of threads the gate does not
+        hold), then holds ``gate`` closed, waiting at most ``timeout_s`` for the helper threads."""
         self._steps += 1
         if not self.graphed or self._steps <= self._warmup_steps:
             self._step_eagerly()
@@ -143,7 +151,10 @@ class FlatGradSync:
             self._graph = None
             graph = torch.cuda.CUDAGraph()
             # thread_local: a helper thread's CUDA call cannot invalidate this capture.
-            with gate.closed(timeout_s), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with (
+                quiesced(gate, timeout_s, join_before_capture),
+                torch.cuda.graph(graph, capture_error_mode="thread_local"),
+            ):
                 self._step_eagerly()
             self._graph, self._graphed_grads = graph, grads
         self._graph.replay()
@@ -247,6 +258,7 @@ class GraphedForward:
         self.outputs_read = ReplayFence()
         self.gate: DeviceWorkGate = DEVICE_WORK
         self.capture_timeout_s = 600.0
+        self.join_before_capture: Sequence[Callable[[], None]] = ()  # set by the pipeline using it
         module.forward = self
 
     @classmethod
@@ -270,7 +282,7 @@ class GraphedForward:
             )
             # make_graphed_callables captures in global mode (it takes no capture_error_mode):
             # holding the helper threads off the device is what keeps the capture valid.
-            with self.gate.closed(self.capture_timeout_s):
+            with quiesced(self.gate, self.capture_timeout_s, self.join_before_capture):
                 self._graphed = without_static_grads(
                     torch.cuda.make_graphed_callables(_CapturedForward(self._module, self._original), sample),
                     list(self._module.parameters()),

@@ -8,14 +8,16 @@ capture (global capture mode) or races with it. So every helper thread that touc
 parks at ``working()``), the items under way finish, and the workers resume once it reopens.
 
 One gate serves the whole process (``DEVICE_WORK``): a capture is disturbed by any thread,
-whichever pipeline started it.
+whichever pipeline started it. Threads of lower layers cannot take the gate (the tiered tables'
+stage worker: modules never import the pipeline), so a capture first joins their work in flight
+(``quiesced``'s ``join_first``): they start new work only from the train thread, which is capturing.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 
@@ -71,3 +73,14 @@ class DeviceWorkGate:
 
 
 DEVICE_WORK = DeviceWorkGate()
+
+
+@contextmanager
+def quiesced(gate: DeviceWorkGate, timeout_s: float, join_first: Iterable[Callable[[], None]] = ()) -> Iterator[None]:
+    """Around a CUDA graph capture: every helper thread off the device. Each ``join_first`` call
+    waits for device work of a thread the gate does not hold (it runs before the gate closes, so
+    that work may still use the gate's threads); then ``gate`` is closed."""
+    for join in join_first:
+        join()
+    with gate.closed(timeout_s):
+        yield

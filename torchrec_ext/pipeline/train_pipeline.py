@@ -168,6 +168,7 @@ class TrainPipeline(TrainPipelineSparseDist):
             self._graphed_forwards = [GraphedForward.install(module) for module in graph_modules]
             for graphed in self._graphed_forwards:
                 graphed.gate, graphed.capture_timeout_s = self._gate, options.timeout_s
+                graphed.join_before_capture = (self._join_stages,)
         elif graph_modules:
             logger.info("TrainPipeline: graph_modules run eagerly on %s (CUDA graphs need a GPU)", device)
         self._host_outputs = HostOutputs(device, pinned=options.pinned_outputs)
@@ -210,7 +211,7 @@ class TrainPipeline(TrainPipelineSparseDist):
                 self._takeover.skip = False
         if training:
             if self._grad_sync is not None:
-                self._grad_sync(self._gate, self.options.timeout_s)
+                self._grad_sync(self._gate, self.options.timeout_s, (self._join_stages,))
             if self._grad_sync is None or not self._grad_sync.steps_optimizer:
                 self._optimizer.step()
         copied = self._host_outputs.push(self._step, output)
@@ -354,6 +355,17 @@ class TrainPipeline(TrainPipelineSparseDist):
             features = [kjt for kjt in candidates if set(module._plan.features) <= set(kjt.keys())]
             if features:  # else the model builds the module's KJT itself: its batch runs unstaged
                 module.stage_next(features[0])
+
+    def _join_stages(self) -> None:
+        """Waits for the tiered tables' stages in flight (before a CUDA graph capture): their
+        worker copies, syncs and allocates on the device, and the capture gate cannot hold it (a
+        lower layer). Deadlock-free wherever a capture runs: a stage waits only for its lookup's
+        hand-over, complete once that lookup returns, and for an input dist on the gate's threads,
+        still open here. Results do not change; the stage just overlaps less that step."""
+        local = [m.local_module for m in self._sharded_staging_modules()]
+        for module in self._tiered_modules() + [m for m in local if m is not None]:
+            if isinstance(module._tables, TieredTables):
+                module._tables.wait_for_stage()
 
     def _dist_input_of(self, context: TrainPipelineContext, name: str):
         """A call giving module ``name``'s input dist result for ``context`` (waiting for the

@@ -1,0 +1,98 @@
+"""scripts/gpu_check.sh's modes, checked on CPU: --dry-run prints what each mode would run, and
+--tests-part K/N (tests/parts.py, the conftest's --tests-part) splits the suite into disjoint
+parts whose union is the whole, so the suite can run across several 10-minute device calls."""
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from parts import parse_part, part_of, split
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
+
+
+def dry_run(*args):
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("PYTEST_ARGS", None)
+    return subprocess.run(["bash", SCRIPT, "--dry-run", *args], cwd=ROOT, env=env, capture_output=True, text=True)
+
+
+def pytest_commands(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("+ ") and " -m pytest " in line]
+
+
+def test_parts_cover_every_test_once_in_collection_order():
+    items = [
+        SimpleNamespace(nodeid=f"tests/test_{f}.py::test_{i}[{p}]")
+        for f in "abc"
+        for i in range(40)
+        for p in ("cpu", "cuda")
+    ]
+    parts = [split(items, f"{k}/3")[0] for k in (1, 2, 3)]
+    assert sorted(id(x) for part in parts for x in part) == sorted(id(x) for x in items)
+    for k, part in enumerate(parts, 1):
+        assert part == [x for x in items if part_of(x.nodeid, 3) == k]  # order kept
+        assert 40 <= len(part) <= 120  # spread, not one family per part (240 tests in all)
+    kept, deselected = split(items, "2/3")
+    assert kept == parts[1] and len(kept) + len(deselected) == len(items)
+
+
+@pytest.mark.parametrize("spec", ["0/3", "4/3", "1", "a/b", "1/0", ""])
+def test_a_bad_part_is_refused_by_name(spec):
+    with pytest.raises(ValueError, match="--tests-part"):
+        parse_part(spec)
+
+
+def test_conftest_option_splits_a_collection_into_disjoint_parts():
+    def collected(*extra):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "tests/test_gpu_check_script.py",
+                "--collect-only",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                *extra,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return [line for line in proc.stdout.splitlines() if "::" in line]
+
+    whole = collected()
+    parts = [collected("--tests-part", f"{k}/2") for k in (1, 2)]
+    assert sorted(parts[0] + parts[1]) == sorted(whole) and not set(parts[0]) & set(parts[1])
+    assert all(parts)
+
+
+def test_dry_run_of_each_mode():
+    full = dry_run()
+    assert full.returncode == 0, full.stderr
+    assert len(pytest_commands(full.stdout)) == 2 and "benchmarks/gpu_check.py" in full.stdout
+
+    part = dry_run("--tests-part", "2/3", "/tmp/gpu_out")
+    assert part.returncode == 0, part.stderr
+    (command,) = pytest_commands(part.stdout)
+    assert "--tests-part 2/3" in command and "/tmp/gpu_out/gpu_tests_part2.xml" in command
+    assert "gpu_check.py" not in part.stdout.replace("gpu_check.sh", "")
+
+    tests = dry_run("--tests-only")
+    assert len(pytest_commands(tests.stdout)) == 2 and "benchmarks/gpu_check.py" not in tests.stdout
+
+    bench = dry_run("--bench-only")
+    assert not pytest_commands(bench.stdout) and "benchmarks/gpu_check.py" in bench.stdout
+
+
+@pytest.mark.parametrize("args", [("--tests-part", "0/3"), ("--tests-part", "3/2"), ("--tests-part",), ("--bogus",)])
+def test_dry_run_refuses_bad_arguments(args):
+    proc = dry_run(*args)
+    assert proc.returncode == 2 and "gpu_check.sh:" in proc.stderr

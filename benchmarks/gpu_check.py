@@ -13,7 +13,12 @@ Steps:
              every synchronizing call is counted, grouped by the innermost torchrec_ext frame.
 - profile:   torch.profiler over `profile_steps` steps: kernels per step, GPU busy fraction
              (sum of kernel durations per step / step wall time measured without the profiler;
-             the union of kernel intervals too, which discounts overlap).
+             the union of kernel intervals too, which discounts overlap); the host side of a
+             step: host µs to issue it (its own host syncs included) and the aten ops it
+             dispatches and Python calls it makes (bench_step_host.count_step).
+- step_host: benchmarks/bench_step_host.py: host µs, ops and Python calls per step at a tiny batch
+             (where the host side dominates), by phase, for 8 and 26 tables, our EBC / EC against
+             nn.EmbeddingBag + SGD, kernels per step on CUDA.
 - bandwidth: device copy bandwidth (a large tensor copy: bytes read + written / time) and the
              pooled lookup's achieved GB/s, counting (unique rows x dim x 4 B) + output bytes,
              for the pooled-lookup kernel alone (profiler time) and for a whole eval forward.
@@ -49,9 +54,21 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from bench_step_host import count_step  # noqa: E402
 from common import fbgemm_cuda_reason, markdown_table, median_seconds, small_tables  # noqa: E402
 
-STEPS = ("env", "syncs", "profile", "bandwidth", "hash_table", "upsert_tables", "lookup", "pipeline", "tiers")
+STEPS = (
+    "env",
+    "syncs",
+    "profile",
+    "step_host",
+    "bandwidth",
+    "hash_table",
+    "upsert_tables",
+    "lookup",
+    "pipeline",
+    "tiers",
+)
 
 
 class NotRunnable(Exception):
@@ -75,6 +92,7 @@ class Sizes:
     pipeline_args: tuple[str, ...] = ("--nproc", "1", "--rounds", "3", "--steps", "20")
     upsert_args: tuple[str, ...] = ("--tables", "26", "--capacity", "100000", "--keys", "4096", "--batch", "2048")
     tiers_args: tuple[str, ...] = ()
+    step_host_args: tuple[str, ...] = ("--tables", "8,26", "--batch", "32")
 
     @classmethod
     def smoke(cls) -> Sizes:
@@ -122,6 +140,7 @@ class Sizes:
             ),
             upsert_args=("--tables", "2", "--capacity", "4096", "--keys", "256", "--batch", "64", "--repeats", "2"),
             tiers_args=("--rows", "65536", "--batch-size", "1024", "--warmup-steps", "3", "--repeats", "2"),
+            step_host_args=("--tables", "2", "--kinds", "ebc", "--warmup", "2", "--repeats", "2", "--steps", "2"),
         )
 
 
@@ -307,15 +326,22 @@ def step_profile(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dict
     from torch.profiler import ProfilerActivity, profile
 
     module = make_module(sizes, device)
-    data = batches(sizes, device, 2 + 2 * sizes.profile_steps)
-    for kjt in data[:2]:
+    # Warm-up: the first steps compile Triton kernels for the shapes they meet (the H100's first
+    # run timed 2 warm-up steps: 99.9 ms a step here against bench_lookup's 8.3 ms).
+    warm = 2 if device.type != "cuda" else 6
+    data = batches(sizes, device, warm + 2 * sizes.profile_steps)
+    for kjt in data[:warm]:
         train_step(module, kjt)
+    data = data[warm - 2 :]
     synchronize(device)
     start = time.perf_counter()
     for kjt in data[2 : 2 + sizes.profile_steps]:
         train_step(module, kjt)
+    issued = time.perf_counter()
     synchronize(device)
     wall_ms = (time.perf_counter() - start) / sizes.profile_steps * 1e3
+    host_ms = (issued - start) / sizes.profile_steps * 1e3  # issuing the steps, their own host syncs included
+    counted = count_step(lambda kjt: train_step(module, kjt), data[:2], by_phase=False)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for kjt in data[2 + sizes.profile_steps :]:
@@ -330,6 +356,10 @@ def step_profile(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dict
     row = {
         "steps": n,
         "wall_ms_per_step": wall_ms,
+        "host_ms_per_step": host_ms,
+        "ops_per_step": counted["ops"],
+        "views_per_step": counted["views"],
+        "py_calls_per_step": counted["py_calls"],
         "kernels_per_step": len(kernels) / n,
         "kernel_ms_per_step": total_us / n / 1e3,
         "busy_fraction": total_us / n / 1e3 / wall_ms,
@@ -342,7 +372,9 @@ def step_profile(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dict
         f"{n} profiled training steps: {row['kernels_per_step']:.1f} kernels per step, "
         f"{row['kernel_ms_per_step']:.3f} ms of kernels per step in {wall_ms:.3f} ms wall (unprofiled): "
         f"GPU busy {row['busy_fraction']:.1%} (sum of kernel durations), {row['busy_fraction_union']:.1%} "
-        f"(union of kernel intervals)\n\n"
+        f"(union of kernel intervals). Host side of a step: {host_ms:.3f} ms to issue it (its host syncs "
+        f"included), {counted['ops']} aten ops dispatched (+ {counted['views']} views), "
+        f"{counted['py_calls']} Python calls\n\n"
         + markdown_table(["kernel", "µs / step"], [[k, f"{v:.1f}"] for k, v in row["top_kernels_us_per_step"].items()])
     )
     return row, text
@@ -451,6 +483,17 @@ def step_upsert_tables(sizes: Sizes, device: torch.device, out_dir: str) -> tupl
     )
 
 
+def step_step_host(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dict, str]:
+    return run_bench(
+        "step_host",
+        "bench_step_host.py",
+        list(sizes.step_host_args) + ["--device", device.type],
+        sizes,
+        out_dir,
+        f"step_host_{device.type}",
+    )
+
+
 def step_lookup(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dict, str]:
     systems = "ours,ours-sgd,ours-fp16,ours-bf16,dense"  # FP16/BF16 rows vs FP32: issue 15
     reason = fbgemm_cuda_reason() if device.type == "cuda" else None
@@ -498,6 +541,7 @@ STEP_FUNCS: dict[str, Callable[[Sizes, torch.device, str], tuple[dict, str]]] = 
     "env": step_env,
     "syncs": step_syncs,
     "profile": step_profile,
+    "step_host": step_step_host,
     "bandwidth": step_bandwidth,
     "hash_table": step_hash_table,
     "upsert_tables": step_upsert_tables,

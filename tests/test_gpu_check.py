@@ -57,6 +57,7 @@ def test_smoke_runs_every_step_and_records_device_and_versions(tmp_path):
     assert bw["copy_GBps"] > 0 and bw["unique_rows"] > 0
     assert bw["lookup_bytes"] == bw["unique_rows"] * 8 * 4 + bw["output_bytes"]  # smoke: dim 8
     assert by_step["profile"]["wall_ms_per_step"] > 0
+    assert by_step["profile"]["host_ms_per_step"] > 0 and by_step["profile"]["ops_per_step"] > 0
     # The benchmarks ran in their own processes and wrote their results next to the report.
     hash_rows = by_step["hash_table"]["record"]["results"]
     assert {(r["load_factor"], r["dim"]) for r in hash_rows} == {(0.5, 8), (1.0, 8)}

@@ -21,7 +21,9 @@ from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfi
 from torchrec_ext.distributed.planner import DynamicEmbeddingStorageEstimator, make_planner
 
 META = torch.device("meta")
-LRU_BOUND = 8  # per slot: the LRU queue holds at most 2 int32 entries a slot before it is rebuilt
+# per slot: the LRU queue holds at most 2 int32 entries a slot before it is rebuilt, plus what its
+# views keep of a rebuild's tensor and of a chunk partly taken (at most 4 bytes a slot each)
+LRU_BOUND = 16
 LOG_BUFFER_ROWS = 1 << 15  # a file-backed table's write-back records buffer: at most 2 * slots of them
 TRANSFER_ROWS = 1 << 15  # records of one transfer between a CUDA cache and the host
 

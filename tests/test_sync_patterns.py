@@ -23,6 +23,7 @@ STEP_PATH = {
         "IdsToRows._mask_expired",
         "IdsToRows._erase_expired",
         "IdsToRows._initialise",
+        "IdsToRows._defer_tables",
         "IdsToRows._flat_init",
         "IdsToRows._initialise_tables",
         "IdsToRows._read_fallback",
@@ -139,6 +140,21 @@ EXEMPT = {
         "modules/ids_to_rows.py",
         "IdsToRows._initialise",
         "mask or nonzero",
+    ): "the deferred new rows (NewRows): CPU tensors only, by construction (lookup defers on CPU only)",
+    (
+        "modules/ids_to_rows.py",
+        "IdsToRows._defer_tables",
+        "mask or nonzero",
+    ): "the deferred new rows (NewRows): CPU tensors only, by construction (lookup defers on CPU only)",
+    (
+        "modules/ids_to_rows.py",
+        "IdsToRows._defer_tables",
+        "torch.bincount",
+    ): "the deferred new rows (NewRows): CPU tensors only, by construction (lookup defers on CPU only)",
+    (
+        "modules/ids_to_rows.py",
+        "IdsToRows._defer_tables",
+        ".tolist()",
     ): "the deferred new rows (NewRows): CPU tensors only, by construction (lookup defers on CPU only)",
     (
         "table.py",

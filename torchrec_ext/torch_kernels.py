@@ -162,8 +162,11 @@ def init_rows_tables(
     seed, kind = table_seeds.index_select(0, tables), table_kinds.index_select(0, tables)
     p = table_params.index_select(0, tables).unsqueeze(2)  # [n, 4, 1]: per row, broadcast over elements
     num_pairs = (max_dim + 1) // 2
-    values = torch.zeros(n, 2 * num_pairs, dtype=torch.float64, device=device)
-    for k in kinds:  # each family over every row (few kinds), the row's own kind kept
+    if len(kinds) == 1:  # one initializer for every table (the usual case): no selection
+        values = _family(INITIALIZER_NAMES[kinds[0]], ids, seed, num_pairs, p)
+    else:
+        values = torch.zeros(n, 2 * num_pairs, dtype=torch.float64, device=device)
+    for k in kinds if len(kinds) > 1 else ():  # each family over every row, the row's own kind kept
         values = torch.where((kind == k).unsqueeze(1), _family(INITIALIZER_NAMES[k], ids, seed, num_pairs, p), values)
     vectors = values[:, :max_dim].float()
     col = torch.arange(max_dim, device=device)

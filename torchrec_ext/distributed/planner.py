@@ -48,9 +48,12 @@ backing store on the host or on disk; one rank's share is planned as (``tiered_t
                                                       vector and states, each 8-byte aligned)
       + the step's IO buffers (as above)
     host memory (ddr; on CPU the same memory as the device's):
-      4 * rows + slots * (17 + 8)                     the cache's maps: slot of each row (int32); row,
-                                                      last use and dirty bit of each slot; its LRU
-                                                      queue (at most 2 int32 entries a slot)
+      4 * rows + slots * (25 + 16)                    the cache's maps: slot of each row (int32); row,
+                                                      last use and dirty bit of each slot, its free
+                                                      list (int64, made whole when the cache is
+                                                      emptied); its LRU queue (at most 2 int32
+                                                      entries a slot, and the rest of the tensors
+                                                      they are views of: LRU_QUEUE_BYTES_PER_SLOT)
       + file: RowLog.map_bytes(rows)                  the write-back log's maps
       + CUDA: min(2 * slots, 32768) * record          the pinned buffer of transfers
         CPU, file: min(2 * slots, 32768) * record     the write-back buffer
@@ -219,8 +222,13 @@ def dynamic_table_bytes(
     return total + admission_bytes(admission, admission.admission_strategy, capacity, parts)
 
 
-LRU_QUEUE_BYTES_PER_SLOT = 8  # tier_lru.SlotOrder: int32 entries, rebuilt past 2 a slot
-CACHE_MAP_BYTES_PER_SLOT = 8 + 8 + 1  # RowCache: row of the slot, its last use (int64), dirty bit
+# tier_lru.SlotOrder's storages: at most 2 int32 entries a slot (rebuilt past that), plus the rest
+# of a rebuild's one tensor (at most a slot each) and of the one chunk partly taken (a touch's: at
+# most a slot each), which their views keep allocated
+LRU_QUEUE_BYTES_PER_SLOT = 8 + 4 + 4
+CACHE_MAP_BYTES_PER_SLOT = (
+    8 + 8 + 1 + 8
+)  # RowCache: row of the slot, its last use (int64), dirty bit, free list (int64)
 SLOT_OF_ROW_BYTES = 4  # RowCache.slot_of: int32 per row of the table
 
 

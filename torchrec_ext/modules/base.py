@@ -105,6 +105,11 @@ class DynamicCollectionMixin(DeltaMixin):
     def _table_modules(self) -> list[DynamicTableModule]:
         return list(getattr(self, self._container).values())
 
+    def _table_weights(self) -> list[Tensor]:
+        """Each table's ``weight``, read from the submodules' parameter dicts: no Python call per
+        table (``nn.Module.__getattr__`` is one), as the step reads them several times."""
+        return [m._parameters["weight"] for m in self._modules[self._container]._modules.values()]
+
     def _bind_parameters(self) -> None:
         for t, table in enumerate(self._table_modules()):
             view, old = self._tables.table_view(t), table.weight
@@ -214,16 +219,26 @@ class DynamicCollectionMixin(DeltaMixin):
     # ------------------------------------------------------------------ optimizer
 
     def _table_params(self) -> dict[str, Tensor]:
-        return {
-            f"{self._container}.{m.name}.weight": table.weight
-            for m, table in zip(self._tables.meta, self._table_modules())
-        }
+        return dict(zip(self._param_names(), self._table_weights()))
+
+    def _param_names(self) -> list[str]:
+        return [f"{self._container}.{m.name}.weight" for m in self._tables.meta]
 
     def _chosen_spec(self) -> OptimizerSpec | None:
         """The optimizer chosen for the tables: apply_optimizer_in_backward's when set, else the
         constructor's (or fuse_embedding_optimizer's); None when none was chosen."""
         where = type(self).__name__
-        specs = {name: spec_from_parameter(p, where) for name, p in self._table_params().items()}
+        weights = self._table_weights()
+        # Each table's latest (class, kwargs) marker: read every step, resolved only when one
+        # changed since the last call (a comprehension: no Python call per table).
+        markers = [
+            (p._optimizer_classes[-1], p._optimizer_kwargs[-1]) if getattr(p, "_optimizer_classes", None) else None
+            for p in weights
+        ]
+        cached = self.__dict__.get("_chosen_markers")
+        if cached is not None and cached[0] == markers:
+            return cached[1] if cached[1] is not None else self._optimizer_spec
+        specs = {name: spec_from_parameter(p, where) for name, p in zip(self._param_names(), weights)}
         chosen = {s for s in specs.values() if s is not None}
         if len(chosen) > 1:
             raise ValueError(
@@ -235,7 +250,10 @@ class DynamicCollectionMixin(DeltaMixin):
                 f"{where}: apply_optimizer_in_backward was applied to only some tables' parameters: "
                 f"{sorted(n for n, s in specs.items() if s is None)} have none"
             )
-        return next(iter(chosen)) if chosen else self._optimizer_spec
+        found = next(iter(chosen)) if chosen else None
+        # (kwargs copied: a dict changed in place since is a change)
+        self._chosen_markers = ([m if m is None else (m[0], dict(m[1])) for m in markers], found)
+        return found if found is not None else self._optimizer_spec
 
     def _ensure_optimizer(self, default: bool = False) -> DynamicEmbeddingFusedOptimizer | None:
         """The fused optimizer of the chosen spec; with none chosen, DEFAULT_OPTIMIZER when
@@ -257,9 +275,9 @@ class DynamicCollectionMixin(DeltaMixin):
         if spec is None:
             return None
         self._fused_is_default = is_default
-        params = self._table_params()
         if self._fused is not None and self._fused.spec == spec:
             return self._fused
+        params = self._table_params()
         self._tables.set_optimizer(spec)
         state: dict[Tensor, dict[str, Any]] = {}
         for param, m in zip(params.values(), self._tables.meta):
@@ -321,5 +339,8 @@ class DynamicCollectionMixin(DeltaMixin):
         return self._tables.lookup(batch.ids, batch.segment_offsets, self.training, backward_follows=backward_follows)
 
     def _differentiable_params(self) -> list[Tensor]:
-        params = [t.weight for t in self._table_modules()]
-        return params if torch.is_grad_enabled() and any(p.requires_grad for p in params) else []
+        if not torch.is_grad_enabled():
+            return []
+        params = self._table_weights()
+        # (a list, not a generator: a generator is a Python call per table)
+        return params if any([p.requires_grad for p in params]) else []  # noqa: C419

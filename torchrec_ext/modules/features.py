@@ -223,16 +223,17 @@ def check_and_arrange(
     table_counts = [0] * plan.num_tables
     for t, n in zip(plan.tables, value_counts):
         table_counts[t] += n
-    segment_offsets = torch.tensor([0] + table_counts, dtype=torch.int64).cumsum(0)
-    feature_value_offsets = torch.tensor([0] + value_counts, dtype=torch.int64).cumsum(0)
-    # One copy for both; mirrored: the kernels read their host values (the longest feature) without a sync.
-    both = device_sync.to_device(torch.cat([segment_offsets, feature_value_offsets]), values.device)
+    # Both offsets summed on the host and made one tensor (no op per offset); one copy for both;
+    # mirrored: the kernels read their host values (the longest feature) without a sync.
+    tables_end = plan.num_tables + 1
+    host = torch.tensor(_starts(table_counts + [0]) + _starts(value_counts + [0]), dtype=torch.int64)
+    both = device_sync.to_device(host, values.device)
     return LookupInput(
         ids.to(torch.int64),
         arranged_lengths,
         arranged_weights,
-        device_sync.mirror(both[: segment_offsets.numel()], segment_offsets),
-        device_sync.mirror(both[segment_offsets.numel() :], feature_value_offsets),
+        device_sync.mirror(both[:tables_end], host[:tables_end]),
+        device_sync.mirror(both[tables_end:], host[tables_end:]),
         batch_size,
         value_counts,
         expand,
@@ -289,32 +290,31 @@ def _defer_length_checks(
     lookup's count of unique ids, before any table is touched). Returns 0 when the weights are
     checked here, else None (the caller checks them)."""
     device = lengths.device
-    known = device_sync.to_device(torch.tensor(per_key + [0], dtype=torch.int64), device)
-    sums = torch.cat([lengths.to(torch.int64).view(len(keys), batch_size).sum(1), known[-1:]])
-    wrong = sums != known
-    wrong[-1] = True  # a sentinel: the first wrong key, or len(keys) when none is
-    first_wrong = wrong.to(torch.int64).argmax().view(1)  # (argmax: the first of equal maxima)
-    smallest = lengths.min().to(torch.int64).view(1) if lengths.numel() else known[-1:]
-    parts = [smallest, first_wrong, sums.index_select(0, first_wrong)]
+    # Each key's sum goes to the host whole (a few ints, in the one deferred copy): compared with
+    # length_per_key there, not by ops on the device (kernels on a GPU).
+    sums = lengths.to(torch.int64).view(len(keys), batch_size).sum(1)
+    smallest = lengths.min().to(torch.int64).view(1) if lengths.numel() else sums.new_zeros(1)
+    parts = [smallest, sums]
     counted = read is not None and weights is not None and weights.is_floating_point() and weights.shape == values.shape
     if counted:
         is_read = torch.repeat_interleave(
             device_sync.to_device(torch.tensor(read, dtype=torch.bool), device),
-            known[:-1],
+            device_sync.to_device(torch.tensor(per_key, dtype=torch.int64), device),
             output_size=values.numel(),
         )
         parts.append(((~torch.isfinite(weights)) & is_read).sum().view(1))
 
     def verdict(host: list) -> Exception | None:
-        low, key, total = host[:3]
+        low, totals = host[0], host[1 : 1 + len(keys)]
         if low < 0:
             return ValueError(f"{where}: KJT lengths must be >= 0, got a length of {low}")
-        if key < len(keys):
-            return ValueError(
-                f"{where}: KJT lengths of key {keys[key]!r} must sum to its length_per_key entry "
-                f"{per_key[key]}, got {total}"
-            )
-        if counted and host[3]:
+        for key, (total, known) in enumerate(zip(totals, per_key)):
+            if total != known:
+                return ValueError(
+                    f"{where}: KJT lengths of key {keys[key]!r} must sum to its length_per_key entry "
+                    f"{known}, got {total}"
+                )
+        if counted and host[-1]:
             return ValueError(f"{where}: KJT weights must be finite, got NaN or inf")
         return None
 

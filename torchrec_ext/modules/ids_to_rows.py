@@ -178,24 +178,26 @@ class IdsToRows:
         if training:
             self.train_step += 1
         new = None
-        if training and backward_follows and self.defer_new_rows and self.device.type == "cpu":
-            new = NewRows.none_yet(self.weights, [(m.dim, m.dtype) for m in self.meta], unique)
+        deferred = training and backward_follows and self.defer_new_rows and self.device.type == "cpu"
+        batched = training and not exporting and self._batched_upsert()  # all tables' upserts in one call
+        if deferred:
+            # (a batched lookup builds its NewRows at once, after the upsert: _defer_tables)
+            new = None if batched else NewRows.none_yet(self.weights, [(m.dim, m.dtype) for m in self.meta], unique)
             most = unique.numel() * self._widest
             if self._new_vector_buffer.numel() < most:
                 self._new_vector_buffer = allocate_filled(
                     max(most, 2 * self._new_vector_buffer.numel()), 0.0, self.device
                 )
-        # Each table writes its rows into its slice of one buffer (no concatenation after).
-        unique_rows = torch.empty_like(unique)
-        inserted = torch.zeros_like(unique, dtype=torch.bool) if training else None  # for the table counters
-        flat = training and new is None and not exporting and self._flat_init()  # all tables' rows in one call
+        flat = training and not deferred and not exporting and self._flat_init()  # all tables' rows in one call
         table_of = torch.arange(len(self.meta), device=ids.device)
         unique_table = torch.repeat_interleave(
             table_of, unique_offsets[1:] - unique_offsets[:-1], output_size=unique.numel()
         )
-        batched = training and not exporting and self._batched_upsert()  # all tables' upserts in one call
         if batched:
             unique_rows, inserted = self._rows_for_tables(unique, counts, bounds, unique_table)
+        else:  # each table writes its rows into its slice of one buffer (no concatenation after)
+            unique_rows = torch.empty_like(unique)
+            inserted = torch.zeros_like(unique, dtype=torch.bool) if training else None  # for the table counters
         for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]) if not batched else ()):
             if exporting:
                 torch._check(start >= 0)
@@ -212,7 +214,9 @@ class IdsToRows:
                     inserted[start:end] = fresh
                     if not flat:
                         self._initialise(t, rows, fresh, keys, new, start)
-        for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]) if batched and not flat else ()):
+        if batched and deferred:
+            new = self._defer_tables(unique_rows, inserted, unique, unique_table)
+        for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]) if batched and not flat and not deferred else ()):
             if end > start:
                 self._initialise(t, unique_rows[start:end], inserted[start:end], unique[start:end], new, start)
         if flat:
@@ -366,11 +370,6 @@ class IdsToRows:
                 self._growth_deferred = True
         return found | admitted  # the others take no part in the upsert (no compaction)
 
-    def _needs_after_upsert(self, t: int) -> bool:
-        """Whether table t's upsert results need per-table work (ttl, the delta log) beyond the
-        eviction count, which ``_rows_for_tables`` makes for all tables at once."""
-        return self.meta[t].ttl_steps is not None or self.delta_log is not None
-
     def _rows_for_tables(
         self, unique: Tensor, counts: Tensor, bounds: list[int], unique_table: Tensor
     ) -> tuple[Tensor, Tensor]:
@@ -378,20 +377,25 @@ class IdsToRows:
         (``find_or_insert_tables``: launches independent of the table count on a GPU): the rows
         of all distinct ids and which are new (rows to initialise)."""
         pending = None
-        for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-            if self.admission[t] is not None:
-                candidates = self._admit(t, unique[start:end], counts[start:end])
-                if pending is None:
-                    pending = torch.ones_like(unique, dtype=torch.bool)
-                pending[start:end] = candidates
-        scored = any(m.policy in _SCORED_BY_COUNT for m in self.meta)  # the other policies ignore scores
+        # (comprehensions, not a method call per table: the tables that need work of their own)
+        admitting = [t for t, a in enumerate(self.admission) if a is not None]
+        for t in admitting:
+            start, end = bounds[t], bounds[t + 1]
+            candidates = self._admit(t, unique[start:end], counts[start:end])
+            if pending is None:
+                pending = torch.ones_like(unique, dtype=torch.bool)
+            pending[start:end] = candidates
+        scored = any([m.policy in _SCORED_BY_COUNT for m in self.meta])  # noqa: C419 (the others ignore scores)
         result = find_or_insert_tables(self.indexes, unique, bounds, counts if scored else None, pending)
         self.counters.count_evicted_tables(unique_table, result.evicted)
         rows, inserted = result.rows, result.inserted
-        for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-            if self._needs_after_upsert(t):
-                part = FixedInsertResult(*(x[start:end] for x in result))
-                rows[start:end], inserted[start:end] = self._after_upsert(t, unique[start:end], part, counted=True)
+        # Tables whose results need work of their own (ttl, the delta log) beyond the eviction
+        # count made for all tables above.
+        after = [t for t, m in enumerate(self.meta) if m.ttl_steps is not None or self.delta_log is not None]
+        for t in after:
+            start, end = bounds[t], bounds[t + 1]
+            part = FixedInsertResult(*(x[start:end] for x in result))
+            rows[start:end], inserted[start:end] = self._after_upsert(t, unique[start:end], part, counted=True)
         return rows, inserted
 
     def _after_upsert(
@@ -473,6 +477,32 @@ class IdsToRows:
         vectors = block.view(m.dtype)[: which.numel() * m.dim].view(which.numel(), m.dim)
         ops.init_rows(vectors, slots, keys[which], m.seed, m.init_kind, m.init_params)
         new.add(t, start, which, slots, rows[which], vectors)
+
+    @torch.compiler.disable
+    def _defer_tables(self, unique_rows: Tensor, inserted: Tensor, unique: Tensor, unique_table: Tensor) -> NewRows:
+        """The new ids (``inserted``) of every table, deferred (CPU): their initial vectors drawn
+        into the scratch block, tables back to back, by the C++ kernel table by table (a
+        composite over all tables draws them 1.5-4x slower on CPU); everything else (numbering
+        each table's new ids, their blocks, rows and ids) in a few ops for all tables."""
+        which = inserted.nonzero().squeeze(1)  # CPU tensors only (lookup defers on CPU only)
+        table = unique_table.index_select(0, which)
+        per_table = torch.bincount(table, minlength=len(self.meta))
+        counts = per_table.tolist()
+        first = torch.cumsum(per_table, 0) - per_table
+        slots = torch.arange(which.numel(), device=which.device) - first.index_select(0, table)
+        unique_new = torch.full_like(unique, -1).index_put_((which,), slots)
+        words = [table_words(n, m.dim, m.dtype) for n, m in zip(counts, self.meta)]
+        blocks = torch.split(self._new_vector_buffer[: sum(words)], words)
+        vectors = [
+            (b if m.dtype == torch.float32 else b.view(m.dtype)[: n * m.dim]).view(n, m.dim)
+            for b, n, m in zip(blocks, counts, self.meta)
+        ]
+        ids, rows = unique.index_select(0, which), unique_rows.index_select(0, which)
+        for t, (v, s, i) in enumerate(zip(vectors, torch.split(slots, counts), torch.split(ids, counts))):
+            if counts[t]:
+                m = self.meta[t]
+                ops.init_rows(v, s, i, m.seed, m.init_kind, m.init_params)
+        return NewRows(vectors=vectors, rows=list(torch.split(rows, counts)), unique_new=unique_new)
 
     def _flat_init(self) -> bool:
         """Whether a training lookup writes every table's new rows in one call (``flat_init``:

@@ -29,7 +29,8 @@ for ``max_segments`` and mapped for reads (a miss reads its newest copy from the
 with ``pwrite`` only: a full disk or a failing write is an ``OSError`` naming the file, the log
 and the table unchanged (the row stays dirty in the cache), never a SIGBUS. Its records are not
 a checkpoint: a module reopening the directory starts with an empty log (its index is new; a
-record cut short by a crash is never read), and the last checkpoint loads as before.
+record cut short by a crash is never read), and the last checkpoint loads as before
+(tests/test_tiers_crash.py kills a process with SIGKILL mid-append, mid-fold and mid-flush).
 """
 
 from __future__ import annotations
@@ -72,6 +73,19 @@ def _write_behind(fd: int, offset: int, length: int) -> Future:
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
+# The crash drill's seam (tests/test_tiers_crash.py): when set, called with the name of the
+# write-back under way at points in its middle, where the drill's child process is killed:
+# "append" (a log append, between its writes: records cut short), "fold" (log records being
+# written home: a row's vector written, its optimizer state not yet), "home" (the cache's dirty
+# rows being written home, likewise). None outside that test.
+crash_probe: Callable[[str], None] | None = None
+
+
+def at_crash_point(point: str) -> None:
+    """Calls ``crash_probe`` (when set) at ``point`` of a write-back."""
+    if crash_probe is not None:
+        crash_probe(point)
+
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     """Writes all of ``data`` at ``offset``, continuing short writes; OSError when a write fails
@@ -81,6 +95,8 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         if written <= 0:
             raise OSError(errno.EIO, f"wrote {written} of {len(data)} bytes at offset {offset}")
         data, offset = data[written:], offset + written
+        if len(data):  # (a short write: the bytes so far are on file, the rest not yet)
+            at_crash_point("append")
 
 
 class RowLog:

@@ -37,7 +37,11 @@ class SlotOrder:
         self.entries = 0
 
     def nbytes(self) -> int:
-        return 4 * self.entries
+        """Bytes of the storages the entries hold: 4 an entry, and the rest of the tensors of
+        the chunks that are views (a rebuild's one tensor, and the one chunk partly taken:
+        ``oldest`` puts its rest back as a view), each at most 4 bytes a slot."""
+        held = {chunk.untyped_storage().data_ptr(): chunk.untyped_storage().nbytes() for chunk, _ in self._chunks}
+        return sum(held.values())
 
     def clear(self) -> None:
         self._chunks.clear()
@@ -99,7 +103,7 @@ class SlotOrder:
         for slots, clocks in reversed(held):  # (rare: the cache's oldest slots held by a batch in flight)
             values, counts = torch.unique_consecutive(clocks, return_counts=True)
             for part, clock in reversed(list(zip(slots.split(counts.tolist()), values.tolist()))):
-                self._push(part, clock, front=True)
+                self._push(part.clone(), clock, front=True)  # (not views of one tensor: see nbytes)
         if not taken:
             return torch.empty(0, dtype=torch.int64)
         return taken[0] if len(taken) == 1 else torch.cat(taken)

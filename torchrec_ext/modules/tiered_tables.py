@@ -26,10 +26,19 @@ table's log: tier_log.py); loading fills the backing store and empties the cache
 
 Where the cache lives and where the backing lives are separate. The cache (the module's
 buffers: vectors and optimizer state, which the kernels take) and the index live on the module's
-device; the backing store always on the host (host memory or files), and so do the cache's maps
-(``RowCache``: row -> slot, slot -> row, the LRU queue, dirty flags, pins): the bookkeeping is the
-same code on every device. On a CUDA device (the GPU tier: the cache in HBM) rows move between
-the tiers as records through a host buffer (tier_copies.py): a fill gathers the rows' fields on the
+device; the backing store always on the host (host memory or files). The cache's maps (row ->
+slot, slot -> row, each slot's last use, dirty flags, pins) live on the host (``RowCache``, the
+CPU's default: a lookup's rows are host tensors there) or on the cache's device
+(``tier_device_maps.DeviceSlotMaps``, the default on a CUDA device; ``device_maps`` forces either
+kind, tests run the device kind on the CPU). With the device maps a lookup translates rows to
+slots on the device for all tables at once (slots = row_to_slot[rows]), touches, pins and marks
+dirty by device scatters, and gives its new rows free slots on the device: what reaches the host
+is one small read of per-table counts (rows without a slot, misses), whatever the table count. A
+table with misses, or without free slots for its new rows, takes the host path for its missing
+rows (victims: its least recently used unpinned slots, a ``topk`` over the slots' clocks). With
+the pipeline's prefetch (``stage_next``) the stage makes the next batch's rows hot and frees slots
+for its new rows, so the training lookup finds no miss. On a CUDA device rows move between the
+tiers as records through a host buffer (tier_copies.py): a fill gathers the rows' fields on the
 host, from host memory or from the files (the base file or the log), into a pinned buffer, which
 goes to the device in one asynchronous DMA on the current stream and is scattered into the slots
 there; a write-back gathers the slots into device records, one DMA into a pinned buffer, and the
@@ -41,15 +50,15 @@ without the kernels' reading host memory at every lookup; a UVA gather kernel is
 ``copy_through_records`` runs that same path with the cache on the CPU (tests: the GPU's path
 without a GPU, plain copies in place of the DMA).
 
-Host syncs on a GPU, per lookup (v1): a training lookup upserts every table in one call
-(``_rows_for_tables``) and all tables' rows (and which are new) come to the host in one copy (a
-sync: the cache's maps are there), their slots going back in one (an eval lookup: one each per
-table); misses and write-backs add their copies (a write-back waits for its DMA). With the
-pipeline's prefetch the step finds its rows hot and moves none, but the host still does each
-table's bookkeeping (hold: LRU touches, pins, dirty flags), ~1-1.5 ms a table a step on an H100's
-host, and the stage as much on its worker (benchmarks/results/gpu/tiers_gpu.md: 4x the
-all-resident step). A device-resident row -> slot map and LRU clock (a hit never leaves the GPU,
-the host consulted only for misses) is the next step.
+Host syncs on a GPU, per training lookup: the lookup's ids per table (``IdsToRows.lookup``), then
+with the device maps one read of the per-table counts (benchmarks/results/tier_maps_host_work.md:
+the bookkeeping's torch calls stay flat with the table count, where the host maps' grow ~32 a
+table); misses, write-backs and flushes add reads of their own (a write-back waits for its DMA);
+the stage's reads are on its worker and side stream. With the host maps all tables' rows (and
+which are new) come to the host in one copy instead, their slots going back in one, and the host
+does each table's bookkeeping (hold: LRU touches, pins, dirty flags), ~1-1.5 ms a table a step on
+an H100's host, and the stage as much on its worker (benchmarks/results/gpu/tiers_gpu.md, session
+12: 4x the all-resident step).
 """
 
 from __future__ import annotations
@@ -77,7 +86,8 @@ from torchrec_ext.modules.tier_copies import (
     record_fields,
     row_column,
 )
-from torchrec_ext.modules.tier_log import ROW_BYTES, RowLog
+from torchrec_ext.modules.tier_device_maps import DeviceSlotMaps
+from torchrec_ext.modules.tier_log import ROW_BYTES, RowLog, at_crash_point
 from torchrec_ext.modules.tier_lru import SlotOrder
 from torchrec_ext.modules.tier_store import BackingStore
 from torchrec_ext.vocabulary import (
@@ -100,7 +110,7 @@ def tables_for(configs: Sequence[BaseEmbeddingConfig], device: torch.device) -> 
 class _Mover:
     """Copies rows of one table between its cache slots and the backing store: the vectors and
     each optimizer state, in their storage dtypes (bit for bit). Slots and rows are host tensors
-    (the cache's maps live on the host). With ``copies`` (a cache on another device than the
+    (the device maps bring a miss's slots and rows to the host). With ``copies`` (a cache on another device than the
     backing store's host, or ``TieredTables.copy_through_records``) rows travel as records
     (tier_copies.py): gathered on the host into a records buffer (pinned on a GPU), one copy to
     the device, scattered into their slots there; written back the other way round."""
@@ -172,6 +182,7 @@ class _Mover:
         if self.copies is None:
             for cache, backing in self.pairs:
                 backing.index_copy_(0, rows, cache.index_select(0, slots))
+                at_crash_point("home")
             return
         for start in range(0, rows.numel(), MAX_ROWS):
             these = rows[start : start + MAX_ROWS]
@@ -285,6 +296,7 @@ class _LogMover(_Mover):
     def _write_records_home(self, rows: Tensor, records: Tensor) -> None:
         for k, (cache, backing) in enumerate(self.pairs):
             backing.index_copy_(0, rows, self._field(records, k, cache))
+            at_crash_point("fold")
 
     def patch(self, rows: Tensor, values: list[Tensor], chunk: int = 1 << 16) -> None:
         """``values`` (per pair, gathered from the backing store at ``rows``): entries whose
@@ -308,7 +320,8 @@ class _LogMover(_Mover):
 
 
 class RowCache:
-    """Which rows of one table sit in its cache slots: row -> slot, slot -> row, the clock of
+    """The host maps of a table's cache (``TieredTables.device_maps``; tier_device_maps.py keeps
+    them on the device). Which rows of one table sit in its cache slots: row -> slot, slot -> row, the clock of
     each slot's last use (least recently used goes first), dirty slots (newer than the backing
     store) and pins (batches in flight holding the slot), plus the tier's counters: hits (rows
     a lookup found in the cache), misses (rows a lookup read from the backing store; a row new
@@ -336,7 +349,8 @@ class RowCache:
 
     def nbytes(self) -> int:
         maps = (self.slot_of, self.row_of, self.last_used, self.dirty)
-        return sum(t.numel() * t.element_size() for t in maps) + self.order.nbytes()
+        free = self.free.untyped_storage().nbytes()  # (a view of its list's storage: at most 8 bytes a slot)
+        return sum(t.numel() * t.element_size() for t in maps) + self.order.nbytes() + free
 
     def pinned_at_most(self) -> int:
         """A bound on the slots batches in flight hold (exact when they share none)."""
@@ -547,7 +561,7 @@ class RowCache:
 
 class _Stager:
     """Runs a module's stages one at a time on a worker thread. On a GPU (a device cache; the
-    tier's bookkeeping runs on the host) each stage runs on a side stream after an event
+    stage's misses and write-backs go through the host) each stage runs on a side stream after an event
     recorded on the train stream when it was submitted (the next batch's ids, made there, are
     ready; per table it then waits for the handover's event: the slots it evicts were last
     written by kernels queued before), and the stream that joins it waits for the stage's event
@@ -648,6 +662,14 @@ class _Handover:
         return taken
 
 
+def _distinct_count(ids: Tensor) -> Tensor:
+    """How many distinct values ``ids`` holds, as a tensor on its device (no size read on the host)."""
+    if ids.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=ids.device)
+    ordered = ids.sort().values
+    return (ordered[1:] != ordered[:-1]).sum() + 1
+
+
 class TieredTables(DynamicTables):
     """``DynamicTables`` over a backing store, the hot rows cached (see the module docstring)."""
 
@@ -688,7 +710,8 @@ class TieredTables(DynamicTables):
         self.state_row_offsets = torch.tensor([0] + self.slots[:-1], dtype=torch.int64).cumsum(0)
         self.dense_state_offsets = dense_state_offsets(self.slots, dims)
         self._device_layout = {}
-        self.caches = [RowCache(m.capacity, s) for m, s in zip(self.meta, self.slots)]
+        self._maps: DeviceSlotMaps | None = None  # the caches' maps on the device (device_maps)
+        self._build_caches(self.device)
         self._clock = 0
         # the lookup in progress: (modifies, pin records, the stage waiting for its tables, its own traffic)
         self._holding: tuple[bool, list, _Handover | None, dict[int, dict[str, int]]] | None = None
@@ -706,6 +729,34 @@ class TieredTables(DynamicTables):
     # (tier_copies.py): None (the default) where the cache is not on the CPU; True on the CPU
     # too (tests: the path a GPU takes, run without one).
     copy_through_records: bool | None = None
+
+    # The caches' maps (row -> slot, slot -> row, LRU clocks, dirty flags, pins) on the cache's
+    # device (tier_device_maps.py): None (the default) on a CUDA device, where a lookup whose rows
+    # are cached then reads nothing on the host but one count; True on the CPU too (tests: the
+    # path a GPU takes); False: on the host (``RowCache``), as on the CPU by default.
+    device_maps: bool | None = None
+
+    def _wants_device_maps(self, device: torch.device) -> bool:
+        if device.type == "meta":
+            return False
+        return device.type == "cuda" if self.device_maps is None else bool(self.device_maps)
+
+    def _build_caches(self, device: torch.device) -> None:
+        """Empty caches' maps for ``device`` (the counters carried over from the old ones, if any)."""
+        old = getattr(self, "caches", None)
+        if self._wants_device_maps(device):
+            self._maps = DeviceSlotMaps([m.capacity for m in self.meta], self.slots, device)
+            self.caches = self._maps.tables
+        else:
+            self._maps = None
+            self.caches = [RowCache(m.capacity, s) for m, s in zip(self.meta, self.slots)]
+        for new, before in zip(self.caches, old or ()):
+            for name in ("hits", "misses", "write_backs", "bytes_moved", "staged", "staged_write_backs"):
+                setattr(new, name, getattr(before, name))
+        # Pin tokens go on from the old maps' (a lookup in flight unpins its old token: no new pin's).
+        last = max((getattr(c, "maps", c)._next_pin for c in old or ()), default=0)
+        for owner in [self._maps] if self._maps is not None else self.caches:
+            owner._next_pin = last
 
     @staticmethod
     def _check_cache_device(device: torch.device, where: str, backing: str) -> None:
@@ -831,8 +882,17 @@ class TieredTables(DynamicTables):
             )
         self._join_stage()
         self.write_new_rows()
+        switching = (self._maps is not None) != self._wants_device_maps(probe.device)
+        if (
+            switching and self.device.type != "meta"
+        ):  # the maps change kind: the dirty rows go home, the new maps start empty
+            self.flush()
         super().apply(fn)
         self._movers = None
+        if switching:
+            self._build_caches(self.device)
+        elif self._maps is not None:
+            self._maps.to(self.device)
         if self._stager is not None and self._stager.device != self.device:
             self._stager.close()  # (its side stream is the old device's)
             self._stager = None
@@ -887,14 +947,19 @@ class TieredTables(DynamicTables):
         else:
             self._unpin(held)
         if handover is not None:  # the tables this lookup did not reach
-            for t in range(len(self.meta)):
-                if not handover.released(t):
-                    handover.release(t, self.caches[t].pinned_slots(), self.train_step + 1)
+            unreached = [t for t in range(len(self.meta)) if not handover.released(t)]
+            if unreached and self._maps is not None:
+                self._release_tables(handover, unreached)
+            for t in unreached if self._maps is None else ():
+                handover.release(t, self.caches[t].pinned_slots(), self.train_step + 1)
         self._count_step(staged, own)
         return result
 
     def _rows_for(self, t: int, keys: Tensor, counts: Tensor, training: bool) -> tuple[Tensor, Tensor | None]:
         rows, fresh = super()._rows_for(t, keys, counts, training)
+        if self._maps is not None:
+            table_of = torch.full_like(rows, t)
+            return self._hold_on_device(rows, fresh, table_of, [(t, 0, rows.numel())]), fresh
         slots = self._hold(t, *self._on_host(rows, fresh))
         return (slots if slots.device == rows.device else slots.to(rows.device)), fresh
 
@@ -910,6 +975,10 @@ class TieredTables(DynamicTables):
         """Every table's upsert in one call, then each table's rows held in its cache: on a GPU
         all tables' rows come to the host in one copy (one sync a lookup, not one a table)."""
         rows, inserted = super()._rows_for_tables(unique, counts, bounds, unique_table)
+        if self._maps is not None:  # (the maps on the device: the rows stay there)
+            segments = [(t, start, end) for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])) if end > start]
+            every = list(range(len(self.meta)))  # (all handed over at once: the empty tables too)
+            return self._hold_on_device(rows, inserted, unique_table, segments, every), inserted
         host_rows, host_fresh = self._on_host(rows, inserted)
         slots = torch.empty_like(host_rows)
         for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -938,6 +1007,40 @@ class TieredTables(DynamicTables):
             handover.release(t, cache.pinned_slots(), self.train_step + 1)
         return slots
 
+    def _hold_on_device(
+        self,
+        rows: Tensor,
+        fresh: Tensor | None,
+        table_of: Tensor,
+        segments: list[tuple[int, int, int]],
+        release: list[int] | None = None,
+    ) -> Tensor:
+        """``_hold`` of the device maps, for the tables of ``segments`` at once: the slots of
+        the lookup in progress's ``rows`` (on the device: a hit never leaves it), pinned for the
+        lookup, the traffic counted; the tables (``release``, default those of ``segments``) then
+        handed over to the stage waiting for them."""
+        modifies, held, handover, own = self._holding if self._holding is not None else (False, None, None, {})
+        movers = [self._mover(t) for t in range(len(self.meta))]
+        names = ("hits", "misses", "write_backs", "bytes_moved")
+        before = {t: [getattr(self.caches[t], k) for k in names] for t, _, _ in segments}
+        slots, token = self._maps.hold(rows, fresh, table_of, segments, modifies, self._clock, movers)
+        for t, then in before.items():
+            own[t] = {k: getattr(self.caches[t], k) - v for k, v in zip(names, then)}
+        if held is not None:
+            held.append((None, token))
+        else:
+            self._maps.unpin(token)
+        if handover is not None:
+            self._release_tables(handover, [t for t, _, _ in segments] if release is None else release)
+        return slots
+
+    def _release_tables(self, handover: _Handover, tables: list[int]) -> None:
+        """Hands ``tables`` over to the stage, with the device maps' pins as a mask (made on the
+        train stream now: the stage's side stream waits for the handover's event)."""
+        mask = self._maps.pinned_mask()
+        for t in tables:
+            handover.release(t, mask, self.train_step + 1)
+
     @staticmethod
     def _on_host(rows: Tensor, fresh: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """A table's rows (and which are new) on the host, where the cache's maps are: on a GPU
@@ -952,14 +1055,19 @@ class TieredTables(DynamicTables):
     def _check_room(self, ids: Tensor, segment_offsets: Tensor) -> None:
         """Each table's cache must hold a batch's distinct ids next to the batches in flight:
         checked before anything changes (a count of ids bounds the distinct ones; exact only
-        when that bound does not fit)."""
-        bounds = segment_offsets.tolist()
+        when that bound does not fit). Nothing is read on the host while the batch's whole id
+        count fits every table's cache next to the batches in flight."""
+        if ids.numel() <= min((cache.slots - cache.pinned_at_most() for cache in self.caches), default=0):
+            return
+        bounds = device_sync.host_list(segment_offsets, "tiered tables: ids per table (cache room)")
         for t, cache in enumerate(self.caches):
             start, end = bounds[t], bounds[t + 1]
             if end - start <= cache.slots - cache.pinned_at_most():
                 continue
             room = cache.room()
-            distinct = int(torch.unique(ids[start:end]).numel())
+            distinct = int(
+                device_sync.to_host(_distinct_count(ids[start:end]), "tiered tables: distinct ids (cache room)")
+            )
             if distinct > room:
                 m = self.meta[t]
                 held = (
@@ -975,7 +1083,7 @@ class TieredTables(DynamicTables):
 
     def _unpin(self, held: list) -> None:
         for t, record in held:
-            self.caches[t].unpin(record)
+            (self._maps if t is None else self.caches[t]).unpin(record)
 
     def _release(self, key: int, held: list) -> None:
         self._pinned.pop(key, None)
@@ -1045,7 +1153,9 @@ class TieredTables(DynamicTables):
         ids, segment_offsets = request
         self._check_stage_segments(segment_offsets)
         unique, _, _, unique_offsets = ops.dedup_segments(ids, segment_offsets)  # overlaps the lookup
-        bounds = unique_offsets.tolist()
+        bounds = device_sync.host_list(unique_offsets, "tiered tables: the staged batch's ids per table")
+        if self._maps is not None:
+            return self._stage_on_device(unique, unique_offsets, bounds, handover, movers, clock)
         for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
             began = time.perf_counter()
             taken = handover.take(t)
@@ -1057,7 +1167,7 @@ class TieredTables(DynamicTables):
             pinned, step = taken
             rows, found = self.indexes[t].find(unique[start:end])
             rows = self._mask_expired(t, rows, found, step)  # expired: re-initialised by the lookup, not read
-            rows = rows.cpu()  # (the cache's maps are on the host; on a GPU a sync of the side stream)
+            rows = rows.cpu()  # (the host maps; on a GPU a sync of the side stream)
             live = rows[rows >= 0]
             cache = self.caches[t]
             before = (cache.staged, cache.staged_write_backs, cache.bytes_moved)
@@ -1067,6 +1177,53 @@ class TieredTables(DynamicTables):
                 "staged_write_backs": cache.staged_write_backs - before[1],
                 "bytes_moved": cache.bytes_moved - before[2],
             }
+
+    def _stage_on_device(
+        self,
+        unique: Tensor,
+        unique_offsets: Tensor,
+        bounds: list[int],
+        handover: _Handover,
+        movers: list[_Mover],
+        clock: int,
+    ) -> None:
+        """``_stage`` with the device maps: once every table is handed over (a lookup hands them
+        over together), all tables' rows staged in one pass of the maps (``DeviceSlotMaps.stage``)."""
+        mask, step = None, 0
+        for t in range(len(self.meta)):
+            began = time.perf_counter()
+            taken = handover.take(t)
+            self._stager.handover_s += time.perf_counter() - began
+            if taken is None:  # the lookup failed: nothing to stage
+                return
+            mask, step = taken  # (the last table's: the pins of every batch in flight then)
+        if mask is not None and mask.device.type == "cuda":
+            mask.record_stream(torch.cuda.current_stream(mask.device))  # made on the train stream
+        segments = [(t, start, end) for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])) if end > start]
+        if not segments:
+            return
+        rows, table_of = self._found_rows(unique, unique_offsets, segments, step)
+        names = ("staged", "staged_write_backs", "bytes_moved")
+        before = {t: [getattr(self.caches[t], k) for k in names] for t, _, _ in segments}
+        self._maps.stage(rows, table_of, segments, mask, clock, movers)
+        for t, then in before.items():
+            self._stage_stats[t] = {k: getattr(self.caches[t], k) - v for k, v in zip(names, then)}
+
+    def _found_rows(
+        self, unique: Tensor, unique_offsets: Tensor, segments: list[tuple[int, int, int]], step: int
+    ) -> tuple[Tensor, Tensor]:
+        """The rows the tables hold for ``unique`` (ids by table; -1: none, or expired at ``step``:
+        re-initialised by the lookup, not read), and the table of each. Reads the indexes only."""
+        parts = []
+        for t, start, end in segments:
+            rows, found = self.indexes[t].find(unique[start:end])
+            parts.append(self._mask_expired(t, rows, found, step))
+        table_of = torch.repeat_interleave(
+            torch.arange(len(self.meta), device=unique.device),
+            unique_offsets[1:] - unique_offsets[:-1],
+            output_size=unique.numel(),
+        )
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), table_of
 
     def wait_for_stage(self) -> None:
         """Returns once the stage in flight (if any) has landed (benchmarks time it with this)."""
@@ -1112,8 +1269,15 @@ class TieredTables(DynamicTables):
         self.check_ready("prefetch")
         self.write_new_rows()  # (after the stage in flight)  # pending new rows are written to their slots before any slot moves
         unique, _, _, unique_offsets = ops.dedup_segments(ids, segment_offsets)
-        bounds = unique_offsets.tolist()
+        bounds = device_sync.host_list(unique_offsets, "tiered tables: prefetched ids per table")
         self._clock += 1
+        if self._maps is not None:
+            segments = [(t, start, end) for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])) if end > start]
+            if segments:
+                rows, table_of = self._found_rows(unique, unique_offsets, segments, self.train_step)
+                movers = [self._mover(t) for t in range(len(self.meta))]
+                self._maps.stage(rows, table_of, segments, self._maps.pinned_mask(), self._clock, movers, False)
+            return
         for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
             if end > start:
                 rows, found = self.indexes[t].find(unique[start:end])
@@ -1180,13 +1344,13 @@ class TieredTables(DynamicTables):
     def storage_bytes(self, maximum: bool = False) -> int:
         """Bytes of the tier but its backing store (``backing_bytes``): the cache, the index and its
         metadata (on the tables' device), and the tier's own host memory: the cache's maps and
-        its LRU queue, the logs' maps, and the records buffers of transfers between the host and
-        a device cache (pinned, page-locked: made at the first transfer, up to 16 MiB a table).
-        Not the CPU path's write-back buffer of a file's log (``io_buffer_bytes``: a step's IO
-        buffer, which ``storage_bytes`` leaves out for every module). Tiered tables do not grow:
-        ``maximum`` is the same."""
+        its LRU queue and free list, the logs' maps, the records buffers of transfers between the
+        host and a device cache (pinned, page-locked: made at the first transfer, up to 16 MiB a
+        table) and the CPU path's write-back buffer of a file's log (``io_buffer_bytes``: kept
+        from step to step, up to 16 MiB a table). As allocated now: the buffers grow with the
+        largest write-back so far. Tiered tables do not grow: ``maximum`` is the same."""
         logs = 0 if self.store.directory is None else sum(RowLog.map_bytes(m.capacity) for m in self.meta)
-        buffers = sum(mover.buffer_bytes() for mover in self._movers or ())
+        buffers = sum(mover.buffer_bytes() for mover in self._movers or ()) + self.io_buffer_bytes()
         return super().storage_bytes() + sum(cache.nbytes() for cache in self.caches) + logs + buffers
 
     def io_buffer_bytes(self) -> int:

@@ -1,0 +1,107 @@
+"""The host memory a tiered table holds (issue 16): ``storage_bytes()`` counts all of it, the
+write-back buffer of a file's log included, and the planner's estimate of the share bounds it
+as the table trains.
+
+Oracle: the storages of every tensor reachable from the tier's own objects (its caches' maps and
+LRU queues, its movers' buffers, its logs' maps), walked through the object graph, each storage
+once, file mappings (the backing files, the logs' records) left out: the bytes allocated, against
+``storage_bytes()`` less what the all-resident tables count (the cache's buffers, the index).
+"""
+
+import gc
+import types
+
+import pytest
+import torch
+
+from modules_helpers import random_kjt
+from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
+from torchrec_ext.distributed.planner import LRU_QUEUE_BYTES_PER_SLOT, tiered_table_bytes
+from torchrec_ext.modules.configs import options_of
+from torchrec_ext.modules.tiered_tables import TieredTables
+
+_NOT_STATE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.CodeType)
+
+
+def _allocated(roots, leave_out=()) -> int:
+    """Bytes of the storages of the tensors reachable from ``roots``, each once, neither mapped
+    from a file nor reachable from ``leave_out``."""
+
+    def storages(start):
+        found, seen, stack = {}, set(), list(start)
+        while stack:
+            obj = stack.pop()
+            if id(obj) in seen or isinstance(obj, _NOT_STATE):
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, torch.Tensor):
+                storage = obj.untyped_storage()
+                if storage.filename is None and storage.nbytes():
+                    found[storage.data_ptr()] = storage.nbytes()
+                continue
+            stack.extend(gc.get_referents(obj))
+        return found
+
+    others = storages(leave_out)
+    return sum(n for ptr, n in storages(roots).items() if ptr not in others)
+
+
+def _configs(backing):
+    return [
+        DynamicEmbeddingBagConfig(
+            name="a",
+            embedding_dim=8,
+            num_embeddings=400,
+            feature_names=["f0"],
+            backing=backing,
+            cache_load_factor=0.25,
+            eviction_policy="lfu",
+        ),
+        DynamicEmbeddingBagConfig(
+            name="b", embedding_dim=4, num_embeddings=300, feature_names=["f1"], backing=backing, cache_load_factor=0.3
+        ),
+    ]
+
+
+def _tier_bytes_allocated(tables: TieredTables) -> int:
+    """What the tier adds to the all-resident tables, as allocated: its caches, movers and logs,
+    less the cache's own buffers (the all-resident tables' weights and states) and host backing's store
+    (``backing_bytes``)."""
+    return _allocated(
+        [tables.caches, tables._movers, tables.store], leave_out=[tables.weights, tables.states, tables.backing]
+    )
+
+
+@pytest.mark.parametrize("kind", ["file", "host", "file-records"])
+def test_storage_bytes_counts_the_host_memory_the_tier_holds_and_the_plan_bounds_it(tmp_path, monkeypatch, kind):
+    if kind == "file-records":  # the GPU path's pinned transfer buffers, on the CPU
+        monkeypatch.setattr(TieredTables, "copy_through_records", True)
+    configs = _configs("host" if kind == "host" else f"file:{tmp_path}")
+    module = DynamicEmbeddingBagCollection(configs, optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
+    tables = module._tables
+    planned = [
+        tiered_table_bytes(
+            c.num_embeddings,
+            c.embedding_dim,
+            "adagrad",
+            0.25 if c.name == "a" else 0.3,
+            file=kind != "host",
+            options=options_of(c),
+        )
+        for c in configs
+    ]
+    plan = sum(p.device + p.host for p in planned)
+    gen = torch.Generator().manual_seed(3)
+    zipf = (torch.rand(4000, generator=gen) ** 3 * 900).long()  # hot ids and a long tail: hits, misses, LRU churn
+    batches = [random_kjt(["f0", "f1"], 8, zipf[i * 100 : i * 100 + 100], 6) for i in range(40)]
+    saw_buffer = False
+    for step, kjt in enumerate(batches):
+        if step % 2 and step + 1 < len(batches):  # (also through the stage: write-backs on its worker)
+            module.stage_next(batches[step + 1])
+        module(kjt).values().square().sum().backward()
+        tier = tables.storage_bytes() - super(TieredTables, tables).storage_bytes()
+        assert tier == _tier_bytes_allocated(tables), step
+        assert tables.storage_bytes() <= plan, step
+        assert all(cache.order.nbytes() <= LRU_QUEUE_BYTES_PER_SLOT * cache.slots for cache in tables.caches), step
+        saw_buffer |= tables.io_buffer_bytes() > 0
+    assert saw_buffer == (kind == "file")  # the write-back buffer, now counted

@@ -1,0 +1,222 @@
+"""The device maps of the GPU tier (torchrec_ext/modules/tier_device_maps.py) run on the CPU.
+
+On a CUDA device a tiered module keeps its caches' maps (row -> slot, slot -> row, LRU clocks,
+dirty flags, pins) on the device, so that a lookup whose rows are cached reads nothing on the
+host but one count. ``TieredTables.device_maps = True`` takes that path with the cache on the
+CPU: the tier's tests below run on it (imported, so each runs again here under the fixture).
+Oracle, as there: the same module all-resident, bit for bit (outputs, rows, optimizer states,
+evictions), with eviction, admission, TTL, the pipeline's stage, checkpoints and loads.
+"""
+
+import pytest
+import torch
+
+from matrix import FULL_MATRIX, REASON
+from test_tiers import (  # noqa: F401  (collected here again, with the device maps)
+    POOL,
+    _backing,
+    _bag_configs,
+    test_a_cache_too_small_for_a_batch_is_a_clear_error_and_changes_nothing,
+    test_a_copy_of_a_file_backed_module_is_independent,
+    test_a_dropped_graph_releases_its_rows,
+    test_a_stage_never_takes_the_slots_of_the_batch_in_flight,
+    test_checkpoints_round_trip_between_tiered_and_resident_and_a_reopened_file,
+    test_pooled_tiered_tables_equal_all_resident_tables_bit_for_bit,
+    test_prefetch_brings_a_batch_in_and_changes_no_result,
+    test_reset_parameters_empties_the_cache_as_the_tables,
+    test_rows_of_batches_in_flight_stay_cached_until_their_update_lands,
+    test_sequence_tiered_tables_equal_all_resident_tables_with_eval_lookups,
+    test_staged_tables_equal_resident_tables_on_heavy_tailed_ids,
+    test_staged_tiered_tables_equal_unstaged_and_all_resident_tables,
+    test_stages_around_eval_lookups_checkpoints_loads_and_resets_of_sequence_tables,
+    test_stages_while_the_cache_fills_up_and_overflows,
+    test_table_stats_count_the_tier_traffic,
+)
+from test_tiers_device import (  # noqa: F401
+    test_a_device_cache_over_host_memory_equals_all_resident_tables,
+    test_a_device_cache_round_trips_its_state_dict,
+    test_a_tiered_module_moves_to_the_device_and_back,
+    test_the_pipeline_prefetches_into_a_device_cache,
+    through_records,
+)
+from torchrec_ext import DynamicEmbeddingBagCollection, device_sync
+from torchrec_ext.modules.tier_device_maps import DeviceSlotMaps
+from torchrec_ext.modules.tiered_tables import TieredTables
+
+# Run in CI (the others, seconds each, where the full matrix runs: TORCHREC_EXT_FULL_MATRIX=1).
+CI = {
+    "test_a_device_cache_over_host_memory_equals_all_resident_tables",
+    "test_the_pipeline_prefetches_into_a_device_cache",
+    "test_a_tiered_module_moves_to_the_device_and_back",
+    "test_staged_tiered_tables_equal_unstaged_and_all_resident_tables[file-thread]",
+    "test_staged_tables_equal_resident_tables_on_heavy_tailed_ids[file-thread]",
+    "test_a_stage_never_takes_the_slots_of_the_batch_in_flight",
+    "test_stages_while_the_cache_fills_up_and_overflows[thread]",
+    "test_stages_around_eval_lookups_checkpoints_loads_and_resets_of_sequence_tables",
+    "test_rows_of_batches_in_flight_stay_cached_until_their_update_lands",
+    "test_a_cache_too_small_for_a_batch_is_a_clear_error_and_changes_nothing",
+    "test_table_stats_count_the_tier_traffic",
+    "test_a_copy_of_a_file_backed_module_is_independent",
+}
+
+
+@pytest.fixture(autouse=True)
+def device_maps(monkeypatch, request):
+    params = getattr(getattr(request.node, "callspec", None), "params", {})
+    if params.get("device") == "cuda":
+        pytest.skip("on CUDA the device maps are the default: test_tiers_device.py runs these there")
+    node = request.node
+    chosen = node.originalname in CI or node.name in CI
+    if node.function.__module__ != __name__ and not chosen and not FULL_MATRIX:
+        pytest.skip(REASON)
+    monkeypatch.setattr(TieredTables, "device_maps", True)
+
+
+def test_the_fixture_puts_the_maps_on_the_device():
+    module = DynamicEmbeddingBagCollection(_bag_configs("host", 0.3), optimizer="adagrad")
+    assert isinstance(module._tables._maps, DeviceSlotMaps)
+    assert all(c.maps is module._tables._maps for c in module._tables.caches)
+
+
+def _staged_steps(tables, device_maps, steps=12, seed=0, device="cpu"):
+    """Trains a module of ``tables`` tables (host backing, a quarter of the rows cached) on mostly
+    new ids a step, staging each next batch; per step after the first two: (torch calls in the
+    lookup's cache bookkeeping, host reads by reason during the step)."""
+    from torchrec import KeyedJaggedTensor
+
+    from test_tiers import _CountTorchCalls
+    from torchrec_ext import DynamicEmbeddingBagConfig
+    from torchrec_ext.modules import tier_device_maps, tiered_tables
+
+    chosen, TieredTables.device_maps = TieredTables.device_maps, device_maps
+    configs = [
+        DynamicEmbeddingBagConfig(
+            name=f"t{t}",
+            embedding_dim=4,
+            num_embeddings=1024,
+            feature_names=[f"f{t}"],
+            backing="host",
+            cache_load_factor=0.25,
+        )
+        for t in range(tables)
+    ]
+    try:
+        module = DynamicEmbeddingBagCollection(configs, optimizer="adagrad", device=device)
+    finally:
+        TieredTables.device_maps = chosen
+    gen = torch.Generator().manual_seed(seed)
+    batches = [
+        KeyedJaggedTensor.from_lengths_sync(
+            [f"f{t}" for t in range(tables)],
+            torch.randint(0, 600, (48 * tables,), generator=gen),
+            torch.full((tables,), 48),
+        ).to(device)
+        for _ in range(steps + 1)
+    ]
+    # The bookkeeping of one lookup: the device maps' hold (all tables), or each table's host hold.
+    on_device = module._tables._maps is not None
+    owner, name = (tier_device_maps.DeviceSlotMaps, "hold") if on_device else (tiered_tables.TieredTables, "_hold")
+    original, calls = getattr(owner, name), []
+
+    def counted(*args, **kwargs):
+        with _CountTorchCalls() as count:
+            out = original(*args, **kwargs)
+        calls[-1] += count.calls
+        return out
+
+    setattr(owner, name, counted)
+    try:
+        out = []
+        for step in range(steps):
+            module.stage_next(batches[step + 1])
+            calls.append(0)
+            with device_sync.recording() as seen:
+                module(batches[step]).values().sum().backward()
+                module._tables.wait_for_stage()
+            if step >= 2:
+                out.append((calls[-1], seen))
+    finally:
+        setattr(owner, name, original)
+    stats = module.table_stats()["t0"]
+    assert stats.cache_staged > 0 and stats.cache_staged_write_backs > 0  # the cache full: the stage evicts
+    if on_device:
+        _check_maps(module._tables._maps)
+    return out
+
+
+def _check_maps(maps):
+    """Each table's slots: every one either holds a row (row -> slot -> row agree) or is free, on
+    its free stack once; every cached row's slot holds it."""
+    for t, cache in enumerate(maps.tables):
+        row_of = cache.row_of
+        free = maps.free_stack[maps.slot_base_host[t] :][: maps.free_count[t]].long()
+        assert int(maps.free_top[t]) == maps.free_count[t]
+        assert free.unique().numel() == free.numel() and bool((row_of[free] == -1).all())
+        held = (row_of >= 0).nonzero().squeeze(1)
+        assert held.numel() + free.numel() == cache.slots
+        assert torch.equal(cache.slot_of[row_of[held]].long(), held)
+        cached = (cache.slot_of >= 0).nonzero().squeeze(1)
+        assert cached.numel() == held.numel() and torch.equal(row_of[cache.slot_of[cached].long()], cached)
+
+
+def test_a_staged_lookup_reads_one_count_and_its_host_work_does_not_grow_with_tables():
+    # The stage made the rows hot and freed slots for the new ones: the lookup's maps work stays
+    # on the device (one count read for all tables, no miss path), in as many torch calls for 6
+    # tables as for 2; the host maps' bookkeeping grows with the tables.
+    few, many = _staged_steps(2, True), _staged_steps(6, True)
+    for steps in (few, many):
+        for _, seen in steps:
+            assert seen["tiered tables: rows without a cache slot"] == 1, seen
+            assert not seen["tiered tables: cache misses"] and not seen["tiered tables: rows to read"], seen
+    assert [c for c, _ in few] == [c for c, _ in many] and few[0][0] <= 70
+    host_few, host_many = _staged_steps(2, False), _staged_steps(6, False)
+    assert min(c for c, _ in host_many) > 2 * max(c for c, _ in host_few)
+
+
+def test_the_maps_stay_whole_through_misses_checkpoints_loads_and_resets(tmp_path):
+    # No stage: every lookup fills its misses and evicts on the host path. The maps stay whole
+    # and the module equals the all-resident one, through a checkpoint, a load and a reset.
+    from modules_helpers import random_kjt
+
+    make = lambda configs: DynamicEmbeddingBagCollection(configs, optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
+    resident, tiered = make(_bag_configs()), make(_bag_configs(_backing("file", tmp_path), 0.3))
+    maps = tiered._tables._maps
+    gen = torch.Generator().manual_seed(12)
+    saved = None
+    for step in range(16):
+        kjt = random_kjt(["f0", "f1", "f2", "f3"], 6, POOL[torch.randint(0, 700, (400,), generator=gen)], 5)
+        if step == 6:
+            saved = {k: v.clone() for k, v in tiered.state_dict().items()}  # dirty rows written back
+            assert not bool(maps.dirty[: maps.total_slots].any())
+        if step == 9:
+            for m in (resident, tiered):
+                m.load_state_dict(saved)  # the caches emptied
+            assert not bool((maps.row_of[: maps.total_slots] >= 0).any())
+        if step == 13:
+            for m in (resident, tiered):
+                m.reset_parameters()
+        outs = [m(kjt).values() for m in (resident, tiered)]
+        assert torch.equal(outs[0], outs[1]), step
+        for out in outs:
+            out.square().sum().backward()
+        _check_maps(maps)
+    a, b = resident.state_dict(), tiered.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    stats = tiered.table_stats()["a"]
+    assert stats.cache_misses > 0 and stats.cache_write_backs > 0
+
+
+def test_storage_bytes_counts_the_device_maps_as_allocated(tmp_path):
+    # (test_tier_memory.py's oracle: the bytes of the tensors reachable from the tier's objects)
+    from modules_helpers import random_kjt
+    from test_tier_memory import _configs, _tier_bytes_allocated
+
+    module = DynamicEmbeddingBagCollection(_configs(f"file:{tmp_path}"), optimizer="adagrad")
+    tables = module._tables
+    gen = torch.Generator().manual_seed(3)
+    batches = [random_kjt(["f0", "f1"], 8, torch.randint(0, 900, (100,), generator=gen), 6) for _ in range(7)]
+    for kjt, next_kjt in zip(batches[:-1], batches[1:]):
+        module.stage_next(next_kjt)
+        module(kjt).values().sum().backward()
+        tables.wait_for_stage()
+        assert tables.storage_bytes() - super(TieredTables, tables).storage_bytes() == _tier_bytes_allocated(tables)

@@ -1,0 +1,414 @@
+"""A tiered module's cache maps on the cache's device, so that a cache hit never leaves it.
+
+``RowCache`` (tiered_tables.py) keeps a table's maps on the host: a GPU lookup then brings every
+table's rows to the host and does each table's bookkeeping there (~1-1.5 ms a table a step on an
+H100's host). ``DeviceSlotMaps`` keeps the maps of all the module's tables on the cache's device,
+in flat tensors (table t's rows at ``row_base[t]``, its slots at ``slot_base[t]``), so that a lookup
+does the same few tensor calls whatever the table count:
+
+- ``slot_of`` (row -> slot, -1: not cached), ``row_of`` (slot -> row, -1: empty), ``last_used``
+  (each slot's clock: least recently used goes first) and ``dirty`` (newer than the backing store);
+- each table's free slots, a stack (``free_stack``; its height ``free_count`` known on the host,
+  as every change of it is);
+- pins: per lookup in flight, its slots (one tensor for all tables), made a mask when a slot is
+  to be taken;
+- one spare entry after each map: masked-off scatters write there, so no scatter compacts
+  its indices (a compaction reads its size on the host).
+
+A lookup (``hold``): slots = slot_of[rows]; the rows without a slot counted per table, and those
+to read (misses), in one small read on the host (the lookup's one sync of the tier). The hits are
+touched, and when no table misses and each table's free stack holds its new rows, those take
+free slots by a device scatter (``_take_free``): nothing else reaches the host. A table with
+misses, or out of free slots, takes the host path (``_fill``): its missing rows to the host,
+victims the least recently used unpinned slots not used at this clock (a ``topk`` over the
+table's clocks), dirty victims written back and misses read through the table's mover
+(tier_copies.py's records on a GPU). ``stage`` (the pipeline's stage on its worker, a side stream
+on a GPU) brings the next batch's rows in and frees slots for its new rows the same way, so that
+the next lookup takes the fast path.
+
+Exact as ``RowCache``: which rows a table holds and where is invisible to the outputs; rows of a
+batch in flight are pinned (never a victim) until its update lands; a victim's dirty row is
+written back before its slot is refilled; the counters (hits, misses, staged, write-backs,
+bytes) count the same events. Victims among slots of one clock may differ from ``RowCache``'s
+(``topk`` leaves ties in any order): only which rows move, never a value.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from torchrec_ext import device_sync
+
+_NEVER = torch.iinfo(torch.int32).max  # the clock of a slot that must not be taken
+
+
+class TableSlots:
+    """Table t's share of ``DeviceSlotMaps``: its counters (as ``RowCache``'s) and the per-table
+    operations (flush, forget, room)."""
+
+    def __init__(self, maps: DeviceSlotMaps, t: int, capacity: int, slots: int):
+        self.maps, self.t, self.capacity, self.slots = maps, t, capacity, slots
+        self.hits = self.misses = self.write_backs = self.bytes_moved = 0
+        self.staged = self.staged_write_backs = 0
+
+    @property
+    def row_of(self) -> Tensor:
+        """slot -> row of this table (a view)."""
+        base = self.maps.slot_base_host[self.t]
+        return self.maps.row_of[base : base + self.slots]
+
+    @property
+    def slot_of(self) -> Tensor:
+        """row -> slot of this table (a view)."""
+        base = self.maps.row_base_host[self.t]
+        return self.maps.slot_of[base : base + self.capacity]
+
+    @property
+    def pinned(self) -> dict[int, Tensor]:
+        return self.maps.pinned
+
+    def nbytes(self) -> int:
+        """The table's share of the maps' bytes: slot_of (int32 a row); row_of (int64 a slot),
+        last_used and the free stack (int32), dirty (a byte); the first table's share also holds
+        the maps' spare entries, their per-table offsets and the pins in flight."""
+        own = 4 * self.capacity + (8 + 4 + 4 + 1) * self.slots
+        return own + (self.maps.nbytes() - self.maps.own_bytes() if self.t == 0 else 0)
+
+    def pinned_at_most(self) -> int:
+        return sum(counts[self.t] for counts in self.maps.pin_counts.values())
+
+    def room(self) -> int:
+        return self.maps.room(self.t)
+
+    def unpin(self, token: int) -> None:
+        self.maps.unpin(token)
+
+    def flush(self, mover, home: bool = True) -> None:
+        self.maps.flush(self.t, mover, home)
+
+    def forget(self) -> None:
+        self.maps.forget(self.t)
+
+
+class DeviceSlotMaps:
+    """The cache maps of a module's tables on ``device`` (see the module docstring)."""
+
+    def __init__(self, capacities: list[int], slots: list[int], device: torch.device):
+        self.device = torch.device(device)
+        self.row_base_host = [0]
+        self.slot_base_host = [0]
+        for c, s in zip(capacities, slots):
+            self.row_base_host.append(self.row_base_host[-1] + c)
+            self.slot_base_host.append(self.slot_base_host[-1] + s)
+        self.total_rows, self.total_slots = self.row_base_host.pop(), self.slot_base_host.pop()
+        self.tables = [TableSlots(self, t, c, s) for t, (c, s) in enumerate(zip(capacities, slots))]
+        self.pinned: dict[int, Tensor] = {}  # pin token -> the lookup's slots (global; the spare entry for none)
+        self.pin_counts: dict[int, list[int]] = {}  # pin token -> slots it holds per table
+        self._next_pin = 0
+        self._allocate()
+
+    def _allocate(self) -> None:
+        device = self.device
+        self.row_base = torch.tensor(self.row_base_host, dtype=torch.int64, device=device)
+        self.slot_base = torch.tensor(self.slot_base_host, dtype=torch.int64, device=device)
+        self.slot_of = torch.full((self.total_rows + 1,), -1, dtype=torch.int32, device=device)
+        self.row_of = torch.full((self.total_slots + 1,), -1, dtype=torch.int64, device=device)
+        self.last_used = torch.zeros(self.total_slots + 1, dtype=torch.int32, device=device)  # (2**31 steps)
+        self.dirty = torch.zeros(self.total_slots + 1, dtype=torch.bool, device=device)
+        # Each table's free slots (its own slot numbers) in its segment, bottom first.
+        self.free_stack = torch.cat([torch.arange(t.slots, dtype=torch.int32) for t in self.tables] or [self._none()])
+        self.free_stack = self.free_stack.to(device)
+        self.free_count = [t.slots for t in self.tables]
+        self.free_top = torch.tensor(self.free_count, dtype=torch.int64, device=device)
+
+    def nbytes(self) -> int:
+        """Bytes of all the maps' tensors (and of the pins in flight)."""
+        names = ("row_base", "slot_base", "slot_of", "row_of", "last_used", "dirty", "free_stack", "free_top")
+        held = [getattr(self, name) for name in names] + list(self.pinned.values())
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def own_bytes(self) -> int:
+        """Bytes of the tables' own entries (``TableSlots.nbytes`` without the first one's extra)."""
+        return 4 * self.total_rows + (8 + 4 + 4 + 1) * self.total_slots
+
+    @staticmethod
+    def _none() -> Tensor:
+        return torch.zeros(0, dtype=torch.int32)
+
+    def to(self, device: torch.device) -> None:
+        """Moves the maps to ``device`` (the cache moved)."""
+        self.device = torch.device(device)
+        for name in ("row_base", "slot_base", "slot_of", "row_of", "last_used", "dirty", "free_stack", "free_top"):
+            setattr(self, name, getattr(self, name).to(self.device))
+        self.pinned = {k: v.to(self.device) for k, v in self.pinned.items()}
+
+    def __getstate__(self) -> dict[str, object]:
+        return dict(self.__dict__, pinned={}, pin_counts={})  # a copy has no batch in flight
+
+    # ------------------------------------------------------------------ pins
+
+    def pin(self, slots: Tensor, counts: list[int]) -> int:
+        """Holds ``slots`` (global, the spare entry for none; ``counts`` of them per table) until ``unpin``."""
+        self._next_pin += 1
+        self.pinned[self._next_pin] = slots
+        self.pin_counts[self._next_pin] = counts
+        return self._next_pin
+
+    def unpin(self, token: int) -> None:
+        self.pinned.pop(token, None)  # gone already when the cache was emptied since
+        self.pin_counts.pop(token, None)
+
+    def pinned_mask(self) -> Tensor | None:
+        """The slots batches in flight hold, a mask over all slots (None: none held)."""
+        if not self.pinned:
+            return None
+        mask = torch.zeros(self.total_slots + 1, dtype=torch.bool, device=self.device)
+        for slots in self.pinned.values():
+            mask.index_fill_(0, slots, True)
+        return mask
+
+    def room(self, t: int) -> int:
+        """Table t's slots no batch in flight holds (a read on the host when any is held)."""
+        n = self.tables[t].slots
+        mask = self.pinned_mask()
+        if mask is None:
+            return n
+        base = self.slot_base_host[t]
+        held = device_sync.to_host(mask[base : base + n].sum(), "tiered tables: cache room")
+        return n - int(held)
+
+    # ------------------------------------------------------------------ a lookup
+
+    def hold(
+        self,
+        rows: Tensor,
+        fresh: Tensor | None,
+        table_of: Tensor,
+        segments: list[tuple[int, int, int]],
+        modifies: bool,
+        clock: int,
+        movers,
+    ) -> tuple[Tensor, int]:
+        """The cache slots of ``rows`` (each table's rows, distinct within it; -1: none), table
+        t's at ``segments`` (t, start, end), ``table_of`` the table of each, missing ones
+        brought in, pinned (the token returned). ``fresh``: rows new to their id (initialised in
+        their slot, not read); ``modifies``: the batch's update writes every row (else only the
+        fresh ones are written: dirty)."""
+        tables = len(self.tables)
+        live = rows >= 0
+        at_row = self.row_base.index_select(0, table_of) + rows.clamp(min=0)
+        slots = torch.where(live, self.slot_of.index_select(0, at_row).to(torch.int64), -1)
+        need = live & (slots < 0)
+        read = need if fresh is None else need & ~fresh
+        flags = torch.stack([live, need, read]).to(torch.int64)
+        counts = torch.zeros(3, tables, dtype=torch.int64, device=rows.device).index_add_(1, table_of, flags)
+        lives, needs, reads = device_sync.host_list(counts, "tiered tables: rows without a cache slot")
+        base = self.slot_base.index_select(0, table_of)
+        spare = self.total_slots
+        # The batch's hits are used now (first: victims are slots last used before this clock).
+        self.last_used.index_fill_(0, torch.where(slots >= 0, base + slots, spare), clock)
+        fast = []
+        for t, start, end in segments:
+            self.tables[t].hits += lives[t] - needs[t]
+            if reads[t] or needs[t] > self.free_count[t]:
+                self._fill(t, start, end, rows, fresh, slots, clock, movers[t])
+            elif needs[t]:
+                fast.append(t)
+        if fast:  # the other tables' new rows take free slots, on the device
+            self._take_free(rows, at_row, table_of, base, slots, clock)
+            for t in fast:
+                self.free_count[t] -= needs[t]
+        at = torch.where(slots >= 0, base + slots, spare)
+        if modifies:
+            self.dirty.index_fill_(0, at, True)
+        elif fresh is not None:
+            self.dirty.index_fill_(0, torch.where(fresh, at, spare), True)
+        return slots, self.pin(at, lives)
+
+    def _take_free(
+        self, rows: Tensor, at_row: Tensor, table_of: Tensor, base: Tensor, slots: Tensor, clock: int
+    ) -> None:
+        """The rows without a slot take their table's free slots, from the top of its stack: all
+        on the device (the caller checked that each table's stack holds them)."""
+        need = (rows >= 0) & (slots < 0)
+        wanted = need.to(torch.int64)
+        per_table = torch.zeros_like(self.free_top).index_add_(0, table_of, wanted)
+        first = per_table.cumsum(0) - per_table  # each table's first entry in the running count
+        rank = wanted.cumsum(0) - wanted - first.index_select(0, table_of)
+        top = self.free_top.index_select(0, table_of)
+        taken = self.free_stack.index_select(0, torch.where(need, base + top - 1 - rank, 0)).to(torch.int64)
+        slots.copy_(torch.where(need, taken, slots))
+        at = torch.where(need, base + taken, self.total_slots)
+        self.row_of.index_copy_(0, at, rows)
+        self.slot_of.index_copy_(0, torch.where(need, at_row, self.total_rows), taken.to(torch.int32))
+        self.dirty.index_fill_(0, at, False)
+        self.last_used.index_fill_(0, at, clock)
+        self.free_top.sub_(per_table)
+
+    def _fill(
+        self, t: int, start: int, end: int, rows: Tensor, fresh: Tensor | None, slots: Tensor, clock: int, mover
+    ) -> None:
+        """The host path of table t's rows in ``start:end`` without a slot: free slots first,
+        then the least recently used (written back when dirty); misses read from the backing
+        store. Fills ``slots`` in place."""
+        cache = self.tables[t]
+        need = (rows[start:end] >= 0) & (slots[start:end] < 0)
+        at = device_sync.nonzero(need, "tiered tables: cache misses")
+        want = rows[start:end].index_select(0, at)
+        new = torch.zeros_like(at, dtype=torch.bool) if fresh is None else fresh[start:end].index_select(0, at)
+        n = at.numel()
+        short = n - self.free_count[t]
+        if short > 0:
+            self._vacate(t, short, clock, mover, self.pinned_mask(), ahead=False)
+            if self.free_count[t] < n:  # TieredTables.lookup checked the room first
+                raise RuntimeError(
+                    f"tiered table cache: {n} rows to bring in, {self.free_count[t]} slots free of {cache.slots}"
+                )
+        taken = self._pop_free(t, n)
+        host = device_sync.to_host(torch.stack([want, new.to(torch.int64), taken]), "tiered tables: rows to read")
+        read = host[1] == 0
+        reads = int(read.sum())
+        if reads:
+            mover.read(host[2][read], host[0][read])
+        cache.misses += reads
+        cache.bytes_moved += reads * mover.row_bytes
+        self._assign(t, taken, want, clock)
+        slots.index_copy_(0, at + start, taken)
+
+    def _pop_free(self, t: int, k: int) -> Tensor:
+        """k free slots of table t (int64, on the device) off the top of its stack."""
+        top = self.slot_base_host[t] + self.free_count[t]
+        self.free_count[t] -= k
+        self.free_top[t : t + 1].fill_(self.free_count[t])
+        return self.free_stack[top - k : top].to(torch.int64)
+
+    def _push_free(self, t: int, slots: Tensor, count: int) -> None:
+        """``count`` free slots of table t (on the device) onto its stack."""
+        top = self.slot_base_host[t] + self.free_count[t]
+        self.free_stack[top : top + count] = slots
+        self.free_count[t] += count
+        self.free_top[t : t + 1].fill_(self.free_count[t])
+
+    def _assign(self, t: int, taken: Tensor, rows: Tensor, clock: int) -> None:
+        """Table t's slots ``taken`` (device) now hold ``rows``, clean, used at ``clock``."""
+        at = taken + self.slot_base_host[t]
+        self.row_of.index_copy_(0, at, rows)
+        self.slot_of.index_copy_(0, rows + self.row_base_host[t], taken.to(torch.int32))
+        self.dirty.index_fill_(0, at, False)
+        self.last_used.index_fill_(0, at, clock)
+
+    def _vacate(self, t: int, k: int, clock: int, mover, pinned: Tensor | None, ahead: bool) -> int:
+        """Empties up to k of table t's occupied slots onto its free stack, least recently used
+        first, none used at ``clock`` or ``pinned``; dirty rows written back. How many it emptied."""
+        cache = self.tables[t]
+        base, n = self.slot_base_host[t], cache.slots
+        k = min(k, n)
+        last = self.last_used[base : base + n]
+        rows = self.row_of[base : base + n]
+        takeable = (rows >= 0) & (last < clock)
+        if pinned is not None:
+            takeable &= ~pinned[base : base + n]
+        key = torch.where(takeable, last, _NEVER)
+        chosen = torch.topk(key, k, largest=False, sorted=True).indices
+        ok = key.index_select(0, chosen) != _NEVER
+        dirty = self.dirty[base : base + n].index_select(0, chosen).to(torch.int64)
+        facts = torch.stack([chosen, rows.index_select(0, chosen), dirty])
+        host = device_sync.to_host(torch.where(ok, facts, -1), "tiered tables: slots to evict")
+        keep = host[0] >= 0
+        victims, old, dirty = host[0][keep], host[1][keep], host[2][keep] == 1
+        back = int(dirty.sum())
+        if back:
+            mover.write(victims[dirty], old[dirty])
+            cache.write_backs += back
+            if ahead:
+                cache.staged_write_backs += back
+            cache.bytes_moved += back * mover.row_bytes
+        gone = torch.where(ok, chosen + base, self.total_slots)
+        self.slot_of.index_fill_(
+            0, torch.where(ok, rows.index_select(0, chosen) + self.row_base_host[t], self.total_rows), -1
+        )
+        self.row_of.index_fill_(0, gone, -1)
+        self.dirty.index_fill_(0, gone, False)
+        self._push_free(t, device_sync.to_device(victims, self.device), victims.numel())
+        return victims.numel()
+
+    # ------------------------------------------------------------------ ahead of a lookup
+
+    def stage(
+        self,
+        rows: Tensor,
+        table_of: Tensor,
+        segments: list[tuple[int, int, int]],
+        pinned: Tensor | None,
+        clock: int,
+        movers,
+        frees_new: bool = True,
+    ) -> None:
+        """Ahead of a lookup: brings the live ``rows`` (each table's distinct rows; -1: an id
+        without a row, which the lookup will give a new one) into the cache and, ``frees_new``,
+        frees a slot for each -1 (dirty rows written back), around the slots ``pinned`` (a mask,
+        None: none) and those used at ``clock``. Moves data between the tiers only."""
+        live = rows >= 0
+        at_row = self.row_base.index_select(0, table_of) + rows.clamp(min=0)
+        slots = torch.where(live, self.slot_of.index_select(0, at_row).to(torch.int64), -1)
+        hit = slots >= 0
+        base = self.slot_base.index_select(0, table_of)
+        self.last_used.index_fill_(0, torch.where(hit, base + slots, self.total_slots), clock)
+        missing = live & ~hit
+        flags = torch.stack([missing, ~live]).to(torch.int64)
+        counts = torch.zeros(2, len(self.tables), dtype=torch.int64, device=rows.device).index_add_(1, table_of, flags)
+        misses, news = device_sync.host_list(counts, "tiered tables: rows to stage")
+        for t, start, end in segments:
+            cache = self.tables[t]
+            want = misses[t] + (news[t] if frees_new else 0)
+            short = want - self.free_count[t]
+            if short > 0:
+                self._vacate(t, short, clock, movers[t], pinned, ahead=True)
+            filled = min(misses[t], self.free_count[t])
+            if filled == 0:
+                continue
+            at = device_sync.nonzero(missing[start:end], "tiered tables: rows to stage")[:filled]
+            wanted = rows[start:end].index_select(0, at)
+            taken = self._pop_free(t, filled)
+            host = device_sync.to_host(torch.stack([taken, wanted]), "tiered tables: rows to stage")
+            movers[t].read(host[0], host[1])
+            cache.staged += filled
+            cache.bytes_moved += filled * movers[t].row_bytes
+            self._assign(t, taken, wanted, clock)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def flush(self, t: int, mover, home: bool = True) -> None:
+        """Writes table t's dirty rows back (``home``: to the rows file itself, not a log); rows
+        held by a batch in flight stay dirty (their update is still to land)."""
+        cache = self.tables[t]
+        base, n = self.slot_base_host[t], cache.slots
+        dirty = self.dirty[base : base + n] & (self.row_of[base : base + n] >= 0)
+        at = device_sync.nonzero(dirty, "tiered tables: dirty rows")
+        if not at.numel():
+            return
+        rows = self.row_of[base : base + n].index_select(0, at)
+        host = device_sync.to_host(torch.stack([at, rows]), "tiered tables: dirty rows")
+        if home:
+            mover.write_home(host[0], host[1])
+        else:
+            mover.write(host[0], host[1], once=True)
+        cache.write_backs += at.numel()
+        cache.bytes_moved += at.numel() * mover.row_bytes
+        pinned = self.pinned_mask()
+        keep = torch.zeros_like(at, dtype=torch.bool) if pinned is None else pinned.index_select(0, at + base)
+        self.dirty.index_copy_(0, at + base, keep)
+
+    def forget(self, t: int) -> None:
+        """Empties table t's cache without writing back (its rows were replaced or reset)."""
+        cache = self.tables[t]
+        rows, slots = self.row_base_host[t], self.slot_base_host[t]
+        self.slot_of[rows : rows + cache.capacity] = -1
+        self.row_of[slots : slots + cache.slots] = -1
+        self.dirty[slots : slots + cache.slots] = False
+        self.last_used[slots : slots + cache.slots] = 0
+        self.free_stack[slots : slots + cache.slots] = torch.arange(cache.slots, device=self.device)
+        self.free_count[t] = cache.slots
+        self.free_top[t : t + 1].fill_(cache.slots)
+        self.pinned, self.pin_counts = {}, {}

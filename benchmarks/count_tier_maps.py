@@ -10,7 +10,9 @@ bookkeeping on an H100's host with the host maps).
 ``cache_load_factor`` ``ratio``, ``stage_next`` each step), warmed up; per lookup of the timed
 steps: torch calls (Python level, beyond metadata reads) and aten ops of the lookup's cache
 bookkeeping (``TieredTables._hold`` / ``_on_host`` with the host maps, ``_hold_on_device``
-with the device maps), its wall time, and the host reads (``device_sync``) of the whole step.
+with the device maps), its wall time, the host reads (``device_sync``) of the train thread, and
+the torch calls and host reads of the stage (``TieredTables._stage``, on its worker thread; with
+the host maps its rows come to the host uncounted, one read a table on a GPU).
 """
 
 from __future__ import annotations
@@ -65,8 +67,17 @@ def measure(tables: int, maps: str, args) -> dict[str, float]:
     settle()
     t = module._tables
     names = ["_hold_on_device"] if maps == "device" else ["_hold", "_on_host"]
-    per = {"calls": 0, "ops": 0, "seconds": 0.0}
+    per = {"calls": 0, "ops": 0, "seconds": 0.0, "stage_calls": 0}
     originals = {name: getattr(t, name) for name in names}
+    stage = t._stage
+
+    def counted_stage(*a, **k):
+        with _Calls() as calls:
+            out = stage(*a, **k)
+        per["stage_calls"] += calls.calls
+        return out
+
+    t._stage = counted_stage
 
     def wrap(fn):
         def counted(*a, **k):
@@ -82,17 +93,20 @@ def measure(tables: int, maps: str, args) -> dict[str, float]:
 
     for name, fn in originals.items():
         setattr(t, name, wrap(fn))
-    calls, ops, seconds, reads = [], [], [], []
+    calls, ops, seconds, reads, stage_calls, stage_reads = [], [], [], [], [], []
     for i in range(args.warmup_steps, args.warmup_steps + args.steps):
-        per.update(calls=0, ops=0, seconds=0.0)
+        per.update(calls=0, ops=0, seconds=0.0, stage_calls=0)
         with device_sync.recording() as seen:
             step(batches[i], batches[i + 1])
             settle()
         calls.append(per["calls"])
         ops.append(per["ops"])
         seconds.append(per["seconds"])
-        reads.append(sum(n for reason, n in seen.items() if "staged" not in reason and "stage" not in reason))
-    for name in names:
+        staged = sum(n for reason, n in seen.items() if "stage" in reason or "evict" in reason)
+        reads.append(sum(seen.values()) - staged)
+        stage_calls.append(per["stage_calls"])
+        stage_reads.append(staged)
+    for name in names + ["_stage"]:
         delattr(t, name)
     hits = sum(c.hits for c in t.caches)
     return {
@@ -100,6 +114,8 @@ def measure(tables: int, maps: str, args) -> dict[str, float]:
         "ops": statistics.median(ops),
         "ms": statistics.median(seconds) * 1e3,
         "reads": statistics.median(reads),
+        "stage_calls": statistics.median(stage_calls),
+        "stage_reads": statistics.median(stage_reads),
         "hits": hits,
     }
 
@@ -122,7 +138,12 @@ def main() -> None:
         for maps in ("host", "device"):
             r = measure(tables, maps, args)
             results[f"{maps}@{tables}"] = r
-            rows.append([maps, tables, f"{r['calls']:.0f}", f"{r['ops']:.0f}", f"{r['ms']:.2f}", f"{r['reads']:.0f}"])
+            rows.append(
+                [maps, tables]
+                + [f"{r[k]:.0f}" for k in ("calls", "ops")]
+                + [f"{r['ms']:.2f}"]
+                + [f"{r[k]:.0f}" for k in ("reads", "stage_calls", "stage_reads")]
+            )
             print(rows[-1], flush=True)
     assert TieredTables.device_maps is None
     text = "\n".join(
@@ -136,7 +157,17 @@ def main() -> None:
             "count); on a GPU the host maps read 2 as well (their rows come to the host: free on the CPU).",
             "",
             markdown_table(
-                ["maps", "tables", "torch calls", "aten ops", "ms (host)", "host reads a step (train thread)"], rows
+                [
+                    "maps",
+                    "tables",
+                    "lookup: torch calls",
+                    "aten ops",
+                    "ms (host)",
+                    "host reads (train thread)",
+                    "stage: torch calls",
+                    "host reads",
+                ],
+                rows,
             ),
         ]
     )

@@ -21,6 +21,11 @@ forward + backward of sum(output) + the fused update. Systems, per cache ratio r
             ``cache_load_factor`` r; a plain loop (fbgemm fills its cache inside the forward).
 - resident: ours all in HBM (backing="device"), once: the floor the tier is measured against.
 
+``maps`` picks where ours keeps its caches' maps (row -> slot, LRU clocks, dirty flags, pins):
+"device" (the default on CUDA: tier_device_maps.py; a lookup whose rows are cached reads one
+count on the host), "host" (``RowCache``: the bookkeeping on the host, session 12's figures), or
+both ("device,host": ours and ours-hostmaps, timed interleaved).
+
 Before the warm-up (``fill``, on by default), one pass over every row id of every table makes all
 rows live, so that a cache ratio below 1 holds fewer rows than the table (a short run of Zipf ids
 alone leaves a fifth of the rows unused: ratio 0.8 would evict nothing). After ``warmup_steps``
@@ -36,6 +41,7 @@ message otherwise.
 
     python benchmarks/bench_tiers_gpu.py                      # saves results/tiers_gpu.{md,jsonl}
     python benchmarks/bench_tiers_gpu.py --ratios 0.8 --systems ours,torchrec
+    python benchmarks/bench_tiers_gpu.py --systems ours,resident --maps device,host  # device vs host maps
     python benchmarks/bench_tiers_gpu.py --rows 65536 --batch-size 1024 --warmup-steps 3 --repeats 2 --no-save  # smoke
 """
 
@@ -54,6 +60,7 @@ from common import fbgemm_cuda_reason, markdown_table, parse_config, save
 
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 from torchrec_ext.data import dlrm_small_batch
+from torchrec_ext.modules.tiered_tables import TieredTables
 
 
 @dataclasses.dataclass
@@ -75,6 +82,7 @@ class Config:
     # evictions in the timed steps (without it a short run fills < 80% of the rows: nothing evicts)
     fill: int = 1
     systems: tuple[str, ...] = ("ours", "torchrec", "resident")
+    maps: str = "device"  # ours: where the caches' maps live, "device" and/or "host", comma-separated
 
 
 SYSTEMS = ("ours", "torchrec", "resident")
@@ -115,7 +123,7 @@ def _fill_batches(cfg: Config, device: torch.device) -> list:
     return out
 
 
-def _ours(cfg: Config, device: torch.device, backing: str, ratio: float | None):
+def _ours(cfg: Config, device: torch.device, backing: str, ratio: float | None, maps: str = "device"):
     tables = [
         DynamicEmbeddingBagConfig(
             name=f"t{t}", embedding_dim=cfg.dim, num_embeddings=cfg.rows, feature_names=[f"f{t}"], backing=backing
@@ -125,10 +133,16 @@ def _ours(cfg: Config, device: torch.device, backing: str, ratio: float | None):
     if ratio is not None:
         for table in tables:
             table.cache_load_factor = ratio
-    module = DynamicEmbeddingBagCollection(
-        tables, optimizer="rowwise_adagrad", optimizer_kwargs={"lr": cfg.lr}, device=device
-    )
+    chosen, TieredTables.device_maps = TieredTables.device_maps, maps == "device"
+    try:
+        module = DynamicEmbeddingBagCollection(
+            tables, optimizer="rowwise_adagrad", optimizer_kwargs={"lr": cfg.lr}, device=device
+        )
+    finally:
+        TieredTables.device_maps = chosen
     staged = backing != "device"
+    if staged:
+        module._tables.device_maps = maps == "device"  # (kept if the module moves)
 
     def step(kjt, next_kjt) -> None:
         if staged and next_kjt is not None:
@@ -216,13 +230,18 @@ def run(cfg: Config) -> dict[str, object]:
     ids_per_step = sum(int(b.values().numel()) for b in batches) / len(batches)
     built = {}
     hbm = {}
-    for name in cfg.systems:
+    maps = [m for m in cfg.maps.split(",") if m]
+    if not maps or set(maps) - {"device", "host"}:
+        sys.exit(f"bench_tiers_gpu.py: --maps takes device and/or host, comma-separated, got {cfg.maps!r}")
+    variants = [(name, m) for name in cfg.systems for m in (maps if name == "ours" else [None])]
+    for name, where in variants:
         for ratio in [None] if name == "resident" else ratios:
-            key = name if ratio is None else f"{name}@{ratio}"
+            label = name if where in (None, "device") else f"{name}-{where}maps"
+            key = label if ratio is None else f"{label}@{ratio}"
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
             if name == "ours":
-                built[key] = _ours(cfg, device, "host", ratio)
+                built[key] = _ours(cfg, device, "host", ratio, where)
             elif name == "resident":
                 built[key] = _ours(cfg, device, "device", None)
             else:
@@ -272,7 +291,7 @@ def report(cfg: Config, r: dict[str, object]) -> str:
     rows = []
     for key, value in ms.items():
         name, _, ratio = key.partition("@")
-        versus = ms.get(f"torchrec@{ratio}") if name == "ours" else None
+        versus = ms.get(f"torchrec@{ratio}") if name.startswith("ours") else None
         tier = r["tier"].get(key, {})
         rows.append(
             [
@@ -294,7 +313,8 @@ def report(cfg: Config, r: dict[str, object]) -> str:
             f"{cfg.steps_per_repeat} steps after {cfg.warmup_steps} warm-up steps"
             + (" (before them, a pass over every row id: all rows live)" if cfg.fill else "")
             + '. ours: backing="host" + '
-            "stage_next prefetch; torchrec: EBC, FUSED_UVM_CACHING, the same cache_load_factor.",
+            "stage_next prefetch, the caches' maps on the device (ours-hostmaps: on the host); "
+            "torchrec: EBC, FUSED_UVM_CACHING, the same cache_load_factor.",
             "",
             markdown_table(
                 [

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs, on this machine, every case of the test matrices that CI runs a covering subset of
 # (tests/matrix.py: the emulated CUDA hash-table kernels, the Triton half-row updates under the
-# interpreter) and writes its summary to benchmarks/results/full_matrix.md.
+# interpreter, tiered tables killed at random times) and writes its summary to benchmarks/results/full_matrix.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export TORCHREC_EXT_FULL_MATRIX=1
@@ -25,6 +25,7 @@ run() {  # run NAME [VAR=VALUE ...] -- PYTEST_ARGS...
 run "CUDA hash-table kernels, warp emulator" -- tests/test_cuda_kernels_emulated.py
 # The Triton interpreter variants exist only in the child run that test_interpreter_run starts.
 run "Triton kernels, TRITON_INTERPRET=1" TRITON_INTERPRET=1 TORCHREC_EXT_TRITON_INTERPRET_CHILD=1 -- tests/test_triton_kernels.py
+run "Tiered tables, SIGKILL at random times (issue 16)" -- tests/test_tiers_crash.py -k random
 {
   echo "# The full test matrices (opt-in drills)"
   echo

@@ -26,6 +26,7 @@ import time
 import pytest
 import torch
 
+from matrix import ci_subset
 from modules_helpers import random_kjt
 from test_tier_log import POOL, _assert_same_state, _configs, _module, _train
 from torchrec_ext.distributed.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -154,3 +155,82 @@ def test_a_kill_inside_a_write_back_leaves_the_last_checkpoint_loadable(tmp_path
     _resume_matches_the_resident_oracle(
         directory, ckpt, lambda m: m.load_state_dict(torch.load(os.path.join(ckpt, "state.pt")))
     )
+
+
+# ---------------------------------------------------------------- kills at random times (opt-in)
+
+RANDOM_STEPS, RANDOM_EVERY = 120, 15  # the child's steps, and a DCP checkpoint every RANDOM_EVERY
+RANDOM_TRIALS = 16
+
+
+def _train_and_checkpoint(directory: str, ckpt: str, step, saving, conn) -> None:
+    """The child of a random kill: trains, a DCP checkpoint every RANDOM_EVERY steps (the log
+    cleaned and sent home often: 8-record segments), ``step`` and ``saving`` (shared) telling
+    the parent where it is, until killed."""
+    torch.set_num_threads(1)
+    tier_log.SEGMENT_RECORDS = 8
+    module = _module(_configs(directory))
+    batches = _batches(RANDOM_STEPS)
+    conn.send("started")
+    for i, kjt in enumerate(batches):
+        step.value = i
+        if i + 1 < len(batches):
+            module.stage_next(batches[i + 1])
+        module(kjt).values().square().sum().backward()
+        if (i + 1) % RANDOM_EVERY == 0:
+            saving.value = 1
+            save_checkpoint(ckpt, i + 1, {"model": module.state_dict()}, keep=2)
+            saving.value = 0
+    step.value = len(batches)
+    time.sleep(PROBE_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("trial", ci_subset(range(RANDOM_TRIALS), lambda trial: False))
+def test_a_kill_at_a_random_time_leaves_the_last_checkpoint_loadable(tmp_path, trial):
+    directory, ckpt = tmp_path / "tier", tmp_path / "ckpt"
+    directory.mkdir()
+    ckpt.mkdir()
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torchrec_ext", "test_tiers_crash"])
+    here, there = ctx.Pipe(duplex=False)
+    step, saving = ctx.Value("i", -1, lock=False), ctx.Value("i", 0, lock=False)
+    child = ctx.Process(
+        target=_train_and_checkpoint, args=(str(directory), str(ckpt), step, saving, there), daemon=True
+    )
+    child.start()
+    there.close()
+    try:
+        assert here.poll(PROBE_TIMEOUT_S) and here.recv() == "started"
+        # A kill at a random step, a random time into it (a step takes ~10 ms, a checkpoint ~0.1 s).
+        gen = torch.Generator().manual_seed(trial)
+        target, delay = int(torch.randint(1, RANDOM_STEPS, (1,), generator=gen)), float(torch.rand(1, generator=gen))
+        while step.value < target and child.is_alive():
+            time.sleep(0.001)
+        time.sleep(delay * 0.1)
+    finally:
+        child.kill()
+        child.join()
+    assert child.exitcode == -signal.SIGKILL
+    killed_at, in_save = step.value, bool(saving.value)
+
+    reopened, fresh = _module(_configs(directory)), _module(_configs())
+    _train([fresh, reopened], _batches(RESUMED), stage=reopened)
+    _assert_same_state(fresh, reopened)
+    del reopened
+    gc.collect()
+    found = latest_checkpoint(str(ckpt))
+    print(
+        f"trial {trial}: killed in step {killed_at}{' (saving)' if in_save else ''}, last checkpoint {found and found[0]}"
+    )
+    if found is None:  # killed before the first checkpoint
+        assert killed_at <= RANDOM_EVERY
+        return
+    saved, path = found
+    assert saved <= killed_at + 1
+    reopened = _module(_configs(directory))
+    reopened.load_state_dict(load_checkpoint(path, {"model": reopened.state_dict()})["model"])
+    resident = _module(_configs())
+    resident.load_state_dict(load_checkpoint(path, {"model": resident.state_dict()})["model"])
+    _assert_same_state(resident, reopened)
+    _train([resident, reopened], _batches(saved + RESUMED)[saved:], stage=reopened)
+    _assert_same_state(resident, reopened)

@@ -4,7 +4,8 @@ torchrec_ext/modules/tier_copies.py).
 
 Each test runs twice (the ``device`` fixture): on the CPU with ``copy_through_records`` forced
 on (the records path a GPU takes, with plain copies: the logic covered without a GPU), and on
-CUDA (skipped without one). Oracle: the same module all-resident on the same device, fed the
+CUDA (skipped without one), where the caches' maps are on the device too (tier_device_maps.py;
+tests/test_tiers_device_maps.py runs these with the device maps on the CPU). Oracle: the same module all-resident on the same device, fed the
 same batches: equal outputs, rows, optimizer states and eviction scores (bit for bit on the CPU;
 on CUDA ids, rows, scores and counters exactly, floats to 1e-6, as the device's kernels may sum
 in another order).
@@ -195,3 +196,25 @@ def test_a_tiered_module_moves_to_the_device_and_back(tmp_path, through_records)
             out.square().sum().backward()
     _assert_same_state(resident, tiered)
     assert tiered.table_stats()["a"].cache_write_backs > 0
+
+
+def test_a_device_cache_with_its_maps_on_the_host_equals_all_resident_tables(tmp_path, through_records, monkeypatch):
+    # On CUDA the maps are on the device by default; the host maps (device_maps=False) stay a path.
+    if through_records.type == "cpu":
+        pytest.skip("the CPU's default maps: the tests above")
+    monkeypatch.setattr(TieredTables, "device_maps", False)
+    test_a_device_cache_over_host_memory_equals_all_resident_tables(tmp_path, through_records, "host", True)
+
+
+def test_a_staged_lookup_on_the_device_reads_one_count(device):
+    # The stage made the rows hot and freed slots for the new ones: one count read a lookup, for
+    # all tables, and as many torch calls for 6 tables as for 2 (on the CPU: test_tiers_device_maps.py).
+    from test_tiers_device_maps import _staged_steps
+
+    if device == "cpu":
+        pytest.skip("the device maps on the CPU: test_tiers_device_maps.py")
+    few, many = _staged_steps(2, None, device=device), _staged_steps(6, None, device=device)
+    for _, seen in few + many:
+        assert seen["tiered tables: rows without a cache slot"] == 1, seen
+        assert not seen["tiered tables: cache misses"] and not seen["tiered tables: rows to read"], seen
+    assert [c for c, _ in few] == [c for c, _ in many]

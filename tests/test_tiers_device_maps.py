@@ -78,7 +78,7 @@ def test_the_fixture_puts_the_maps_on_the_device():
     assert all(c.maps is module._tables._maps for c in module._tables.caches)
 
 
-def _staged_steps(tables, device_maps, steps=12, seed=0):
+def _staged_steps(tables, device_maps, steps=12, seed=0, device="cpu"):
     """Trains a module of ``tables`` tables (host backing, a quarter of the rows cached) on mostly
     new ids a step, staging each next batch; per step after the first two: (torch calls in the
     lookup's cache bookkeeping, host reads by reason during the step)."""
@@ -88,7 +88,7 @@ def _staged_steps(tables, device_maps, steps=12, seed=0):
     from torchrec_ext import DynamicEmbeddingBagConfig
     from torchrec_ext.modules import tier_device_maps, tiered_tables
 
-    TieredTables.device_maps = device_maps
+    chosen, TieredTables.device_maps = TieredTables.device_maps, device_maps
     configs = [
         DynamicEmbeddingBagConfig(
             name=f"t{t}",
@@ -100,18 +100,22 @@ def _staged_steps(tables, device_maps, steps=12, seed=0):
         )
         for t in range(tables)
     ]
-    module = DynamicEmbeddingBagCollection(configs, optimizer="adagrad")
+    try:
+        module = DynamicEmbeddingBagCollection(configs, optimizer="adagrad", device=device)
+    finally:
+        TieredTables.device_maps = chosen
     gen = torch.Generator().manual_seed(seed)
     batches = [
         KeyedJaggedTensor.from_lengths_sync(
             [f"f{t}" for t in range(tables)],
             torch.randint(0, 600, (48 * tables,), generator=gen),
             torch.full((tables,), 48),
-        )
+        ).to(device)
         for _ in range(steps + 1)
     ]
     # The bookkeeping of one lookup: the device maps' hold (all tables), or each table's host hold.
-    owner, name = (tier_device_maps.DeviceSlotMaps, "hold") if device_maps else (tiered_tables.TieredTables, "_hold")
+    on_device = module._tables._maps is not None
+    owner, name = (tier_device_maps.DeviceSlotMaps, "hold") if on_device else (tiered_tables.TieredTables, "_hold")
     original, calls = getattr(owner, name), []
 
     def counted(*args, **kwargs):
@@ -135,7 +139,24 @@ def _staged_steps(tables, device_maps, steps=12, seed=0):
         setattr(owner, name, original)
     stats = module.table_stats()["t0"]
     assert stats.cache_staged > 0 and stats.cache_staged_write_backs > 0  # the cache full: the stage evicts
+    if on_device:
+        _check_maps(module._tables._maps)
     return out
+
+
+def _check_maps(maps):
+    """Each table's slots: every one either holds a row (row -> slot -> row agree) or is free, on
+    its free stack once; every cached row's slot holds it."""
+    for t, cache in enumerate(maps.tables):
+        row_of = cache.row_of
+        free = maps.free_stack[maps.slot_base_host[t] :][: maps.free_count[t]].long()
+        assert int(maps.free_top[t]) == maps.free_count[t]
+        assert free.unique().numel() == free.numel() and bool((row_of[free] == -1).all())
+        held = (row_of >= 0).nonzero().squeeze(1)
+        assert held.numel() + free.numel() == cache.slots
+        assert torch.equal(cache.slot_of[row_of[held]].long(), held)
+        cached = (cache.slot_of >= 0).nonzero().squeeze(1)
+        assert cached.numel() == held.numel() and torch.equal(row_of[cache.slot_of[cached].long()], cached)
 
 
 def test_a_staged_lookup_reads_one_count_and_its_host_work_does_not_grow_with_tables():
@@ -150,3 +171,52 @@ def test_a_staged_lookup_reads_one_count_and_its_host_work_does_not_grow_with_ta
     assert [c for c, _ in few] == [c for c, _ in many] and few[0][0] <= 70
     host_few, host_many = _staged_steps(2, False), _staged_steps(6, False)
     assert min(c for c, _ in host_many) > 2 * max(c for c, _ in host_few)
+
+
+def test_the_maps_stay_whole_through_misses_checkpoints_loads_and_resets(tmp_path):
+    # No stage: every lookup fills its misses and evicts on the host path. The maps stay whole
+    # and the module equals the all-resident one, through a checkpoint, a load and a reset.
+    from modules_helpers import random_kjt
+
+    make = lambda configs: DynamicEmbeddingBagCollection(configs, optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
+    resident, tiered = make(_bag_configs()), make(_bag_configs(_backing("file", tmp_path), 0.3))
+    maps = tiered._tables._maps
+    gen = torch.Generator().manual_seed(12)
+    saved = None
+    for step in range(16):
+        kjt = random_kjt(["f0", "f1", "f2", "f3"], 6, POOL[torch.randint(0, 700, (400,), generator=gen)], 5)
+        if step == 6:
+            saved = {k: v.clone() for k, v in tiered.state_dict().items()}  # dirty rows written back
+            assert not bool(maps.dirty[: maps.total_slots].any())
+        if step == 9:
+            for m in (resident, tiered):
+                m.load_state_dict(saved)  # the caches emptied
+            assert not bool((maps.row_of[: maps.total_slots] >= 0).any())
+        if step == 13:
+            for m in (resident, tiered):
+                m.reset_parameters()
+        outs = [m(kjt).values() for m in (resident, tiered)]
+        assert torch.equal(outs[0], outs[1]), step
+        for out in outs:
+            out.square().sum().backward()
+        _check_maps(maps)
+    a, b = resident.state_dict(), tiered.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    stats = tiered.table_stats()["a"]
+    assert stats.cache_misses > 0 and stats.cache_write_backs > 0
+
+
+def test_storage_bytes_counts_the_device_maps_as_allocated(tmp_path):
+    # (test_tier_memory.py's oracle: the bytes of the tensors reachable from the tier's objects)
+    from modules_helpers import random_kjt
+    from test_tier_memory import _configs, _tier_bytes_allocated
+
+    module = DynamicEmbeddingBagCollection(_configs(f"file:{tmp_path}"), optimizer="adagrad")
+    tables = module._tables
+    gen = torch.Generator().manual_seed(3)
+    batches = [random_kjt(["f0", "f1"], 8, torch.randint(0, 900, (100,), generator=gen), 6) for _ in range(7)]
+    for kjt, next_kjt in zip(batches[:-1], batches[1:]):
+        module.stage_next(next_kjt)
+        module(kjt).values().sum().backward()
+        tables.wait_for_stage()
+        assert tables.storage_bytes() - super(TieredTables, tables).storage_bytes() == _tier_bytes_allocated(tables)

@@ -8,8 +8,9 @@ does the same few tensor calls whatever the table count:
 
 - ``slot_of`` (row -> slot, -1: not cached), ``row_of`` (slot -> row, -1: empty), ``last_used``
   (each slot's clock: least recently used goes first) and ``dirty`` (newer than the backing store);
-- each table's free slots, a stack (``free_stack``; its height ``free_count`` known on the host,
-  as every change of it is);
+- each table's free slots, a stack (``free_stack``, mirrored on the host in ``free_host``: a
+  pop's slots are known there without a read; its height ``free_count`` known on the host, as
+  every change of it is);
 - pins: per lookup in flight, its slots (one tensor for all tables), made a mask when a slot is
   to be taken;
 - one spare entry after each map: masked-off scatters write there, so no scatter compacts
@@ -24,7 +25,8 @@ victims the least recently used unpinned slots not used at this clock (a ``topk`
 table's clocks), dirty victims written back and misses read through the table's mover
 (tier_copies.py's records on a GPU). ``stage`` (the pipeline's stage on its worker, a side stream
 on a GPU) brings the next batch's rows in and frees slots for its new rows the same way, so that
-the next lookup takes the fast path.
+the next lookup takes the fast path: one read of all tables' missing rows, one of all evicting
+tables' victims, and per table that writes back, the wait for its write-back's copy.
 
 Exact as ``RowCache``: which rows a table holds and where is invisible to the outputs; rows of a
 batch in flight are pinned (never a victim) until its update lands; a victim's dirty row is
@@ -41,6 +43,7 @@ from torch import Tensor
 from torchrec_ext import device_sync
 
 _NEVER = torch.iinfo(torch.int32).max  # the clock of a slot that must not be taken
+_SLOT_BYTES = 8 + 4 + 4 + 4 + 1  # row_of, last_used, free_stack, free_host, dirty
 
 
 class TableSlots:
@@ -69,8 +72,11 @@ class TableSlots:
         return self.maps.pinned
 
     def nbytes(self) -> int:
-        # slot_of (int32 a row); row_of (int64 a slot), last_used and the free stack (int32), dirty (a byte)
-        return 4 * self.capacity + (8 + 4 + 4 + 1) * self.slots
+        """The table's share of the maps' bytes: slot_of (int32 a row); row_of (int64 a slot),
+        last_used and the free stack and its host mirror (int32), dirty (a byte); the first table's share also holds
+        the maps' spare entries, their per-table offsets and the pins in flight."""
+        own = 4 * self.capacity + _SLOT_BYTES * self.slots
+        return own + (self.maps.nbytes() - self.maps.own_bytes() if self.t == 0 else 0)
 
     def pinned_at_most(self) -> int:
         return sum(counts[self.t] for counts in self.maps.pin_counts.values())
@@ -114,10 +120,20 @@ class DeviceSlotMaps:
         self.last_used = torch.zeros(self.total_slots + 1, dtype=torch.int32, device=device)  # (2**31 steps)
         self.dirty = torch.zeros(self.total_slots + 1, dtype=torch.bool, device=device)
         # Each table's free slots (its own slot numbers) in its segment, bottom first.
-        self.free_stack = torch.cat([torch.arange(t.slots, dtype=torch.int32) for t in self.tables] or [self._none()])
-        self.free_stack = self.free_stack.to(device)
+        self.free_host = torch.cat([torch.arange(t.slots, dtype=torch.int32) for t in self.tables] or [self._none()])
+        self.free_stack = self.free_host.to(device, copy=True)
         self.free_count = [t.slots for t in self.tables]
         self.free_top = torch.tensor(self.free_count, dtype=torch.int64, device=device)
+
+    def nbytes(self) -> int:
+        """Bytes of all the maps' tensors (and of the pins in flight)."""
+        names = ("row_base", "slot_base", "slot_of", "row_of", "last_used", "dirty", "free_stack", "free_top")
+        held = [getattr(self, name) for name in names] + [self.free_host] + list(self.pinned.values())
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def own_bytes(self) -> int:
+        """Bytes of the tables' own entries (``TableSlots.nbytes`` without the first one's extra)."""
+        return 4 * self.total_rows + _SLOT_BYTES * self.total_slots
 
     @staticmethod
     def _none() -> Tensor:
@@ -247,34 +263,35 @@ class DeviceSlotMaps:
         n = at.numel()
         short = n - self.free_count[t]
         if short > 0:
-            self._vacate(t, short, clock, mover, self.pinned_mask(), ahead=False)
+            self._vacate({t: short}, clock, {t: mover}, self.pinned_mask(), ahead=False)
             if self.free_count[t] < n:  # TieredTables.lookup checked the room first
                 raise RuntimeError(
                     f"tiered table cache: {n} rows to bring in, {self.free_count[t]} slots free of {cache.slots}"
                 )
-        taken = self._pop_free(t, n)
-        host = device_sync.to_host(torch.stack([want, new.to(torch.int64), taken]), "tiered tables: rows to read")
+        taken, taken_host = self._pop_free(t, n)
+        host = device_sync.to_host(torch.stack([want, new.to(torch.int64)]), "tiered tables: rows to read")
         read = host[1] == 0
         reads = int(read.sum())
         if reads:
-            mover.read(host[2][read], host[0][read])
+            mover.read(taken_host[read], host[0][read])
         cache.misses += reads
         cache.bytes_moved += reads * mover.row_bytes
         self._assign(t, taken, want, clock)
         slots.index_copy_(0, at + start, taken)
 
-    def _pop_free(self, t: int, k: int) -> Tensor:
-        """k free slots of table t (int64, on the device) off the top of its stack."""
+    def _pop_free(self, t: int, k: int) -> tuple[Tensor, Tensor]:
+        """k free slots of table t off the top of its stack: (on the device, on the host), int64."""
         top = self.slot_base_host[t] + self.free_count[t]
         self.free_count[t] -= k
         self.free_top[t : t + 1].fill_(self.free_count[t])
-        return self.free_stack[top - k : top].to(torch.int64)
+        return self.free_stack[top - k : top].to(torch.int64), self.free_host[top - k : top].to(torch.int64)
 
-    def _push_free(self, t: int, slots: Tensor, count: int) -> None:
-        """``count`` free slots of table t (on the device) onto its stack."""
+    def _push_free(self, t: int, host: Tensor) -> None:
+        """Free slots of table t (a host tensor) onto its stack."""
         top = self.slot_base_host[t] + self.free_count[t]
-        self.free_stack[top : top + count] = slots
-        self.free_count[t] += count
+        self.free_host[top : top + host.numel()] = host
+        self.free_stack[top : top + host.numel()] = device_sync.to_device(host, self.device)
+        self.free_count[t] += host.numel()
         self.free_top[t : t + 1].fill_(self.free_count[t])
 
     def _assign(self, t: int, taken: Tensor, rows: Tensor, clock: int) -> None:
@@ -285,40 +302,51 @@ class DeviceSlotMaps:
         self.dirty.index_fill_(0, at, False)
         self.last_used.index_fill_(0, at, clock)
 
-    def _vacate(self, t: int, k: int, clock: int, mover, pinned: Tensor | None, ahead: bool) -> int:
-        """Empties up to k of table t's occupied slots onto its free stack, least recently used
-        first, none used at ``clock`` or ``pinned``; dirty rows written back. How many it emptied."""
-        cache = self.tables[t]
-        base, n = self.slot_base_host[t], cache.slots
-        k = min(k, n)
-        last = self.last_used[base : base + n]
-        rows = self.row_of[base : base + n]
-        takeable = (rows >= 0) & (last < clock)
+    def _vacate(self, shorts: dict[int, int], clock: int, movers, pinned: Tensor | None, ahead: bool) -> None:
+        """Empties up to ``shorts[t]`` of each table t's occupied slots onto its free stack, least
+        recently used first, none used at ``clock`` or ``pinned`` (a mask, None: none); dirty rows
+        written back (``movers[t]``). The victims chosen on the device (a ``topk`` over each table's
+        clocks), all tables' read on the host in one read."""
+        total = self.total_slots
+        last = self.last_used[:total]
+        takeable = (self.row_of[:total] >= 0) & (last < clock)
         if pinned is not None:
-            takeable &= ~pinned[base : base + n]
+            takeable &= ~pinned[:total]
         key = torch.where(takeable, last, _NEVER)
-        chosen = torch.topk(key, k, largest=False, sorted=True).indices
+        parts, counts = [], []
+        for t, k in shorts.items():
+            base, n = self.slot_base_host[t], self.tables[t].slots
+            counts.append(min(k, n))
+            parts.append(torch.topk(key[base : base + n], counts[-1], largest=False, sorted=True).indices + base)
+        chosen = parts[0] if len(parts) == 1 else torch.cat(parts)
         ok = key.index_select(0, chosen) != _NEVER
-        dirty = self.dirty[base : base + n].index_select(0, chosen).to(torch.int64)
-        facts = torch.stack([chosen, rows.index_select(0, chosen), dirty])
-        host = device_sync.to_host(torch.where(ok, facts, -1), "tiered tables: slots to evict")
-        keep = host[0] >= 0
-        victims, old, dirty = host[0][keep], host[1][keep], host[2][keep] == 1
-        back = int(dirty.sum())
-        if back:
-            mover.write(victims[dirty], old[dirty])
-            cache.write_backs += back
-            if ahead:
-                cache.staged_write_backs += back
-            cache.bytes_moved += back * mover.row_bytes
-        gone = torch.where(ok, chosen + base, self.total_slots)
-        self.slot_of.index_fill_(
-            0, torch.where(ok, rows.index_select(0, chosen) + self.row_base_host[t], self.total_rows), -1
+        old = self.row_of.index_select(0, chosen)
+        back = ok & self.dirty.index_select(0, chosen)
+        host = device_sync.to_host(
+            torch.stack([chosen, old, back.to(torch.int64), ok.to(torch.int64)]), "tiered tables: slots to evict"
         )
+        row_base = torch.tensor([self.row_base_host[t] for t in shorts]).repeat_interleave(torch.tensor(counts))
+        at_row = torch.where(ok, old + device_sync.to_device(row_base, self.device), self.total_rows)
+        self.slot_of.index_fill_(0, at_row, -1)
+        gone = torch.where(ok, chosen, total)
         self.row_of.index_fill_(0, gone, -1)
         self.dirty.index_fill_(0, gone, False)
-        self._push_free(t, device_sync.to_device(victims, self.device), victims.numel())
-        return victims.numel()
+        first = 0
+        for t, k in zip(shorts, counts):
+            slots, rows, dirty, kept = host[:, first : first + k].sub(
+                torch.tensor([[self.slot_base_host[t]], [0], [0], [0]])
+            )
+            first += k
+            written = dirty == 1
+            n = int(written.sum())
+            if n:  # (before any slot is refilled: the caller's reads come after)
+                cache = self.tables[t]
+                movers[t].write(slots[written], rows[written])
+                cache.write_backs += n
+                if ahead:
+                    cache.staged_write_backs += n
+                cache.bytes_moved += n * movers[t].row_bytes
+            self._push_free(t, slots[kept == 1])
 
     # ------------------------------------------------------------------ ahead of a lookup
 
@@ -342,27 +370,29 @@ class DeviceSlotMaps:
         hit = slots >= 0
         base = self.slot_base.index_select(0, table_of)
         self.last_used.index_fill_(0, torch.where(hit, base + slots, self.total_slots), clock)
-        missing = live & ~hit
-        flags = torch.stack([missing, ~live]).to(torch.int64)
-        counts = torch.zeros(2, len(self.tables), dtype=torch.int64, device=rows.device).index_add_(1, table_of, flags)
-        misses, news = device_sync.host_list(counts, "tiered tables: rows to stage")
+        # All tables' missing rows to the host in one read (each row, -1 a hit, -2 an id without a row).
+        code = device_sync.to_host(torch.where(live, torch.where(hit, -1, rows), -2), "tiered tables: rows to stage")
+        plans, shorts = [], {}
         for t, start, end in segments:
-            cache = self.tables[t]
-            want = misses[t] + (news[t] if frees_new else 0)
-            short = want - self.free_count[t]
+            part = code[start:end]
+            missing = part[part >= 0]
+            short = missing.numel() + (int((part == -2).sum()) if frees_new else 0) - self.free_count[t]
             if short > 0:
-                self._vacate(t, short, clock, movers[t], pinned, ahead=True)
-            filled = min(misses[t], self.free_count[t])
+                shorts[t] = short
+            plans.append((t, missing))
+        if shorts:  # (every table's write-backs before any table's reads)
+            self._vacate(shorts, clock, movers, pinned, ahead=True)
+        for t, missing in plans:
+            cache = self.tables[t]
+            filled = min(missing.numel(), self.free_count[t])
             if filled == 0:
                 continue
-            at = device_sync.nonzero(missing[start:end], "tiered tables: rows to stage")[:filled]
-            wanted = rows[start:end].index_select(0, at)
-            taken = self._pop_free(t, filled)
-            host = device_sync.to_host(torch.stack([taken, wanted]), "tiered tables: rows to stage")
-            movers[t].read(host[0], host[1])
+            wanted = missing[:filled]
+            taken, taken_host = self._pop_free(t, filled)
+            movers[t].read(taken_host, wanted)
             cache.staged += filled
             cache.bytes_moved += filled * movers[t].row_bytes
-            self._assign(t, taken, wanted, clock)
+            self._assign(t, taken, device_sync.to_device(wanted, self.device), clock)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -395,6 +425,7 @@ class DeviceSlotMaps:
         self.row_of[slots : slots + cache.slots] = -1
         self.dirty[slots : slots + cache.slots] = False
         self.last_used[slots : slots + cache.slots] = 0
+        self.free_host[slots : slots + cache.slots] = torch.arange(cache.slots)
         self.free_stack[slots : slots + cache.slots] = torch.arange(cache.slots, device=self.device)
         self.free_count[t] = cache.slots
         self.free_top[t : t + 1].fill_(cache.slots)

@@ -29,7 +29,8 @@ for ``max_segments`` and mapped for reads (a miss reads its newest copy from the
 with ``pwrite`` only: a full disk or a failing write is an ``OSError`` naming the file, the log
 and the table unchanged (the row stays dirty in the cache), never a SIGBUS. Its records are not
 a checkpoint: a module reopening the directory starts with an empty log (its index is new; a
-record cut short by a crash is never read), and the last checkpoint loads as before.
+record cut short by a crash is never read), and the last checkpoint loads as before
+(tests/test_tiers_crash.py kills a process with SIGKILL mid-append, mid-fold and mid-flush).
 """
 
 from __future__ import annotations

@@ -26,10 +26,19 @@ table's log: tier_log.py); loading fills the backing store and empties the cache
 
 Where the cache lives and where the backing lives are separate. The cache (the module's
 buffers: vectors and optimizer state, which the kernels take) and the index live on the module's
-device; the backing store always on the host (host memory or files), and so do the cache's maps
-(``RowCache``: row -> slot, slot -> row, the LRU queue, dirty flags, pins): the bookkeeping is the
-same code on every device. On a CUDA device (the GPU tier: the cache in HBM) rows move between
-the tiers as records through a host buffer (tier_copies.py): a fill gathers the rows' fields on the
+device; the backing store always on the host (host memory or files). The cache's maps (row ->
+slot, slot -> row, each slot's last use, dirty flags, pins) live on the host (``RowCache``, the
+CPU's default: a lookup's rows are host tensors there) or on the cache's device
+(``tier_device_maps.DeviceSlotMaps``, the default on a CUDA device; ``device_maps`` forces either
+kind, tests run the device kind on the CPU). With the device maps a lookup translates rows to
+slots on the device for all tables at once (slots = row_to_slot[rows]), touches, pins and marks
+dirty by device scatters, and gives its new rows free slots on the device: what reaches the host
+is one small read of per-table counts (rows without a slot, misses), whatever the table count. A
+table with misses, or without free slots for its new rows, takes the host path for its missing
+rows (victims: its least recently used unpinned slots, a ``topk`` over the slots' clocks). With
+the pipeline's prefetch (``stage_next``) the stage makes the next batch's rows hot and frees slots
+for its new rows, so the training lookup finds no miss. On a CUDA device rows move between the
+tiers as records through a host buffer (tier_copies.py): a fill gathers the rows' fields on the
 host, from host memory or from the files (the base file or the log), into a pinned buffer, which
 goes to the device in one asynchronous DMA on the current stream and is scattered into the slots
 there; a write-back gathers the slots into device records, one DMA into a pinned buffer, and the
@@ -41,15 +50,15 @@ without the kernels' reading host memory at every lookup; a UVA gather kernel is
 ``copy_through_records`` runs that same path with the cache on the CPU (tests: the GPU's path
 without a GPU, plain copies in place of the DMA).
 
-Host syncs on a GPU, per lookup (v1): a training lookup upserts every table in one call
-(``_rows_for_tables``) and all tables' rows (and which are new) come to the host in one copy (a
-sync: the cache's maps are there), their slots going back in one (an eval lookup: one each per
-table); misses and write-backs add their copies (a write-back waits for its DMA). With the
-pipeline's prefetch the step finds its rows hot and moves none, but the host still does each
-table's bookkeeping (hold: LRU touches, pins, dirty flags), ~1-1.5 ms a table a step on an H100's
-host, and the stage as much on its worker (benchmarks/results/gpu/tiers_gpu.md: 4x the
-all-resident step). A device-resident row -> slot map and LRU clock (a hit never leaves the GPU,
-the host consulted only for misses) is the next step.
+Host syncs on a GPU, per training lookup: the lookup's ids per table (``IdsToRows.lookup``), then
+with the device maps one read of the per-table counts (benchmarks/results/tier_maps_host_work.md:
+the bookkeeping's torch calls stay flat with the table count, where the host maps' grow ~32 a
+table); misses, write-backs and flushes add reads of their own (a write-back waits for its DMA);
+the stage's reads are on its worker and side stream. With the host maps all tables' rows (and
+which are new) come to the host in one copy instead, their slots going back in one, and the host
+does each table's bookkeeping (hold: LRU touches, pins, dirty flags), ~1-1.5 ms a table a step on
+an H100's host, and the stage as much on its worker (benchmarks/results/gpu/tiers_gpu.md, session
+12: 4x the all-resident step).
 """
 
 from __future__ import annotations
@@ -101,7 +110,7 @@ def tables_for(configs: Sequence[BaseEmbeddingConfig], device: torch.device) -> 
 class _Mover:
     """Copies rows of one table between its cache slots and the backing store: the vectors and
     each optimizer state, in their storage dtypes (bit for bit). Slots and rows are host tensors
-    (the cache's maps live on the host). With ``copies`` (a cache on another device than the
+    (the device maps bring a miss's slots and rows to the host). With ``copies`` (a cache on another device than the
     backing store's host, or ``TieredTables.copy_through_records``) rows travel as records
     (tier_copies.py): gathered on the host into a records buffer (pinned on a GPU), one copy to
     the device, scattered into their slots there; written back the other way round."""
@@ -311,7 +320,8 @@ class _LogMover(_Mover):
 
 
 class RowCache:
-    """Which rows of one table sit in its cache slots: row -> slot, slot -> row, the clock of
+    """The host maps of a table's cache (``TieredTables.device_maps``; tier_device_maps.py keeps
+    them on the device). Which rows of one table sit in its cache slots: row -> slot, slot -> row, the clock of
     each slot's last use (least recently used goes first), dirty slots (newer than the backing
     store) and pins (batches in flight holding the slot), plus the tier's counters: hits (rows
     a lookup found in the cache), misses (rows a lookup read from the backing store; a row new
@@ -551,7 +561,7 @@ class RowCache:
 
 class _Stager:
     """Runs a module's stages one at a time on a worker thread. On a GPU (a device cache; the
-    tier's bookkeeping runs on the host) each stage runs on a side stream after an event
+    stage's misses and write-backs go through the host) each stage runs on a side stream after an event
     recorded on the train stream when it was submitted (the next batch's ids, made there, are
     ready; per table it then waits for the handover's event: the slots it evicts were last
     written by kernels queued before), and the stream that joins it waits for the stage's event
@@ -743,6 +753,10 @@ class TieredTables(DynamicTables):
         for new, before in zip(self.caches, old or ()):
             for name in ("hits", "misses", "write_backs", "bytes_moved", "staged", "staged_write_backs"):
                 setattr(new, name, getattr(before, name))
+        # Pin tokens go on from the old maps' (a lookup in flight unpins its old token: no new pin's).
+        last = max((getattr(c, "maps", c)._next_pin for c in old or ()), default=0)
+        for owner in [self._maps] if self._maps is not None else self.caches:
+            owner._next_pin = last
 
     @staticmethod
     def _check_cache_device(device: torch.device, where: str, backing: str) -> None:
@@ -963,7 +977,8 @@ class TieredTables(DynamicTables):
         rows, inserted = super()._rows_for_tables(unique, counts, bounds, unique_table)
         if self._maps is not None:  # (the maps on the device: the rows stay there)
             segments = [(t, start, end) for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])) if end > start]
-            return self._hold_on_device(rows, inserted, unique_table, segments), inserted
+            every = list(range(len(self.meta)))  # (all handed over at once: the empty tables too)
+            return self._hold_on_device(rows, inserted, unique_table, segments, every), inserted
         host_rows, host_fresh = self._on_host(rows, inserted)
         slots = torch.empty_like(host_rows)
         for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -993,11 +1008,17 @@ class TieredTables(DynamicTables):
         return slots
 
     def _hold_on_device(
-        self, rows: Tensor, fresh: Tensor | None, table_of: Tensor, segments: list[tuple[int, int, int]]
+        self,
+        rows: Tensor,
+        fresh: Tensor | None,
+        table_of: Tensor,
+        segments: list[tuple[int, int, int]],
+        release: list[int] | None = None,
     ) -> Tensor:
         """``_hold`` of the device maps, for the tables of ``segments`` at once: the slots of
         the lookup in progress's ``rows`` (on the device: a hit never leaves it), pinned for the
-        lookup, the traffic counted; the tables then handed over to the stage waiting for them."""
+        lookup, the traffic counted; the tables (``release``, default those of ``segments``) then
+        handed over to the stage waiting for them."""
         modifies, held, handover, own = self._holding if self._holding is not None else (False, None, None, {})
         movers = [self._mover(t) for t in range(len(self.meta))]
         names = ("hits", "misses", "write_backs", "bytes_moved")
@@ -1010,7 +1031,7 @@ class TieredTables(DynamicTables):
         else:
             self._maps.unpin(token)
         if handover is not None:
-            self._release_tables(handover, [t for t, _, _ in segments])
+            self._release_tables(handover, [t for t, _, _ in segments] if release is None else release)
         return slots
 
     def _release_tables(self, handover: _Handover, tables: list[int]) -> None:
@@ -1146,7 +1167,7 @@ class TieredTables(DynamicTables):
             pinned, step = taken
             rows, found = self.indexes[t].find(unique[start:end])
             rows = self._mask_expired(t, rows, found, step)  # expired: re-initialised by the lookup, not read
-            rows = rows.cpu()  # (the cache's maps are on the host; on a GPU a sync of the side stream)
+            rows = rows.cpu()  # (the host maps; on a GPU a sync of the side stream)
             live = rows[rows >= 0]
             cache = self.caches[t]
             before = (cache.staged, cache.staged_write_backs, cache.bytes_moved)

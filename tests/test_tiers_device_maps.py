@@ -220,3 +220,9 @@ def test_storage_bytes_counts_the_device_maps_as_allocated(tmp_path):
         module(kjt).values().sum().backward()
         tables.wait_for_stage()
         assert tables.storage_bytes() - super(TieredTables, tables).storage_bytes() == _tier_bytes_allocated(tables)
+
+
+def test_per_table_upserts_hold_their_rows_table_by_table(tmp_path, through_records, monkeypatch):  # noqa: F811
+    # (batched_upsert=False: each table's rows held on their own, one count read a table)
+    monkeypatch.setattr(TieredTables, "batched_upsert", False, raising=False)
+    test_a_device_cache_over_host_memory_equals_all_resident_tables(tmp_path, through_records, "host", True)

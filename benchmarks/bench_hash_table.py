@@ -11,6 +11,7 @@ at that load factor (the copy is not timed), so every repeat sees the same state
     python benchmarks/bench_hash_table.py --capacity 65536 --batch 4096 --no-save   # smoke
     python benchmarks/bench_hash_table.py --device cuda --hkv   # HierarchicalKV's configuration (below)
     python benchmarks/bench_hash_table.py --mapped-rows   # a growing table's index (slots mapped to rows)
+    python benchmarks/bench_hash_table.py --device cuda --hkv --kernels   # + each upsert's kernels
 
 --hkv runs HierarchicalKV's benchmark configuration (benchmark/merlin_hashtable_benchmark.cc.cu):
 64M slots, 1M keys per call, load factors 0.5 and 1.0, dims 8 and 64, every call's keys 60%
@@ -55,6 +56,7 @@ class Config:
     baselines: bool = True  # also time the dict and sorted-array indexes
     hkv: bool = False  # the --hkv preset (names the results file)
     mapped_rows: bool = False  # the index of a growing table: every call maps its slots to rows
+    kernels: bool = False  # also profile one call of each upsert: time per kernel (--dims runs)
 
 
 def hkv_config(device: str) -> Config:
@@ -162,6 +164,23 @@ def with_values(table: HashTable, dim: int, batch: int) -> dict[str, object]:
     return {"find": find, "find_or_insert": find_or_insert, "insert_or_assign": insert_or_assign}
 
 
+def kernel_times(call, setup, top: int = 12) -> list[dict[str, object]]:
+    """The `top` kernels (ops on CPU) of one call by their own device time (torch.profiler),
+    largest first: which pass of an upsert (sort, touch, insert, release, ...) its time goes to."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    arg = setup()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        call(arg)
+        if cuda:
+            torch.cuda.synchronize()
+    field = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, field), reverse=True)
+    return [{"name": e.key, "calls": e.count, "us": round(getattr(e, field), 1)} for e in events[:top]]
+
+
 def run(cfg: Config) -> list[dict[str, object]]:
     gen = torch.Generator().manual_seed(cfg.seed)
     results = []
@@ -190,6 +209,11 @@ def run(cfg: Config) -> list[dict[str, object]]:
                         setup=table.clone if op != "find" else lambda: table,
                     )
                     row[f"{op}_keys_per_s"] = cfg.batch / sec
+                    if cfg.kernels and op != "find":
+                        row[f"{op}_kernels"] = kernel_times(lambda t, op=op: calls[op](t, queries[op]), table.clone)
+                        print(f"{op}, load factor {row['load_factor']:.2f}, dim {dim}: own time per kernel, one call")
+                        for k in row[f"{op}_kernels"]:
+                            print(f"  {k['us']:10.1f} us  {k['calls']:3d}x  {k['name'][:100]}")
                 results.append(row)
                 print(
                     f"load factor {row['load_factor']:.2f}, dim {dim}: "
@@ -317,6 +341,9 @@ def main() -> None:
     parser.add_argument("--no-baselines", action="store_true", help="skip the dict and sorted-array indexes")
     parser.add_argument("--no-save", action="store_true", help="print only; write nothing under results/")
     parser.add_argument("--mapped-rows", action="store_true", help="a growing table's index (slots mapped to rows)")
+    parser.add_argument(
+        "--kernels", action="store_true", help="also profile one call of each upsert: own time per kernel (--dims runs)"
+    )
     args = parser.parse_args()
     base = hkv_config(args.device) if args.hkv else Config(device=args.device)
     given = {
@@ -334,6 +361,8 @@ def main() -> None:
         given["baselines"] = False
     if args.mapped_rows:
         given["mapped_rows"] = True
+    if args.kernels:
+        given["kernels"] = True
     cfg = dataclasses.replace(base, **given)
     results = run(cfg)
     text = report(cfg, results)

@@ -120,14 +120,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> upsert_per_key(
   at::Tensor evicted_key = at::zeros({n}, k.options());
   if (n > 0) {
     const StripeGroups groups = group_by_stripe(k, capacity, pending_keys);
+    at::Tensor stripe_offsets =
+        at::empty({make_geometry(capacity).num_stripes + 1}, k.options());  // kernels' scratch
     C10_CUDA_CHECK(launch_hash_upsert(
         digests.mutable_data_ptr<uint8_t>(), slot_keys.mutable_data_ptr<int64_t>(),
         slot_scores.mutable_data_ptr<int64_t>(), size.mutable_data_ptr<int64_t>(), capacity,
         k.const_data_ptr<int64_t>(), g.defined() ? g.const_data_ptr<int64_t>() : nullptr,
         groups.sorted_stripes.const_data_ptr<int32_t>(), groups.order.const_data_ptr<int64_t>(), n,
-        policy_id, clock, epoch, assign, rows.mutable_data_ptr<int64_t>(),
-        inserted.mutable_data_ptr<bool>(), evicted.mutable_data_ptr<bool>(),
-        evicted_key.mutable_data_ptr<int64_t>(), current_stream()));
+        stripe_offsets.mutable_data_ptr<int64_t>(), policy_id, clock, epoch, assign,
+        rows.mutable_data_ptr<int64_t>(), inserted.mutable_data_ptr<bool>(),
+        evicted.mutable_data_ptr<bool>(), evicted_key.mutable_data_ptr<int64_t>(),
+        current_stream()));
   }
   if (!perm.defined()) return {rows, inserted, evicted, evicted_key};
   auto unpermuted = [&](const at::Tensor& x) { return at::empty_like(x).index_copy_(0, perm, x); };
@@ -303,20 +306,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_tables_cu
   }
   auto [sorted_stripes, order] =
       at::sort(stripes, /*stable=*/true, /*dim=*/0, /*descending=*/false);
-  // The touch pass's grouping: by stripe, then key (a warp per run of one key's occurrences).
-  const at::Tensor by_key =
-      std::get<1>(at::sort(k, /*stable=*/true, /*dim=*/0, /*descending=*/false));
-  auto [touch_stripes, within] =
-      at::sort(stripes.index_select(0, by_key), /*stable=*/true, /*dim=*/0,
-               /*descending=*/false);
-  const at::Tensor touch_order = by_key.index_select(0, within);
+  at::Tensor stripe_offsets = at::empty({d.total_stripes + 1}, k.options());  // kernels' scratch
   C10_CUDA_CHECK(launch_hash_upsert_tables(
       d.tables, T, d.total_stripes, d.phases, d.max_windows, d.windows, k.const_data_ptr<int64_t>(),
       g.defined() ? g.const_data_ptr<int64_t>() : nullptr, sorted_stripes.const_data_ptr<int32_t>(),
-      order.const_data_ptr<int64_t>(), touch_stripes.const_data_ptr<int32_t>(),
-      touch_order.const_data_ptr<int64_t>(), n, assign, rows.mutable_data_ptr<int64_t>(),
-      inserted.mutable_data_ptr<bool>(), evicted.mutable_data_ptr<bool>(),
-      evicted_key.mutable_data_ptr<int64_t>(), current_stream()));
+      order.const_data_ptr<int64_t>(), n, stripe_offsets.mutable_data_ptr<int64_t>(), assign,
+      rows.mutable_data_ptr<int64_t>(), inserted.mutable_data_ptr<bool>(),
+      evicted.mutable_data_ptr<bool>(), evicted_key.mutable_data_ptr<int64_t>(), current_stream()));
   if (!perm.defined()) return {rows, inserted, evicted, evicted_key};
   auto unpermuted = [&](const at::Tensor& x) { return at::empty_like(x).index_copy_(0, perm, x); };
   return {unpermuted(rows), unpermuted(inserted), unpermuted(evicted), unpermuted(evicted_key)};

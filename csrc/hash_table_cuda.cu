@@ -1,22 +1,20 @@
 // CUDA kernels of the dynamic hash table (torch.ops.torchrec_ext.hash_*) and of `route`.
 //
-// A bucket has 32 slots, so a warp covers one: lane l owns slot l of both candidate buckets of
-// a key. A probe is one coalesced digest load per bucket and a __ballot_sync; every choice the
-// CPU kernel makes by scanning a bucket (first match, emptier bucket, lowest free slot,
-// lowest-score victim) becomes a ballot or a warp reduction over the same scan order.
-//
 // Lookups are read-only and take one thread per key (hash_find: a warp per key where the digests
-// are not 16-byte aligned), all in parallel. Mutations must give the CPU
-// kernels' results bit for bit (same rows, flags, evictions and scores): an upsert first touches
-// and pins every key of the batch that holds a row, then inserts the others one at a time in
-// batch order per stripe, window by window of the batch (upsert_window), then releases its pins;
-// an erase applies each stripe's keys in batch order. A key of stripe s lives in stripe s or
-// s + 1, so the touch, insert and erase walks run phase by phase (upsert_phase, one launch each:
-// the stripes of one phase share no bucket, so no two warps touch the same bucket at once).
-// The binding sorts positions by stripe with a stable sort and here one warp walks one stripe's
-// keys in batch order. No locks and no table atomics, and the results do not depend on
-// scheduling. The walk is latency-bound, so a warp loads and hashes 32 keys at a time and
-// prefetches their digest lines into L2 before applying them one by one.
+// are not 16-byte aligned), all in parallel: a thread loads a bucket's 32 digests in two 16-byte
+// loads and matches four tags per 32-bit op, in the CPU kernel's scan order.
+//
+// Mutations must give the CPU kernels' results bit for bit (same rows, flags, evictions and
+// scores). The binding sorts positions by stripe with a stable sort (each stripe's keys in batch
+// order), and a warp takes a stripe. An upsert first touches and pins every key of the batch that
+// holds a row: every stripe at once, a lane per key (touches of distinct keys commute; a key's
+// repeats are applied in batch order by one lane). Then it inserts the others window by window of
+// the batch (upsert_window) and phase by phase (upsert_phase: a key of stripe s lives in stripe s
+// or s + 1, and the stripes of one phase share no bucket, so no two warps touch a bucket at once):
+// in a stripe, a lane per key too, in rounds in which no two keys share a bucket and each bucket
+// sees its keys in batch order, which gives the serial walk's results. Then it releases its pins.
+// An erase is one pass like the touch (erases of distinct keys commute; a key's first occurrence
+// reports it). No locks and no table atomics, and the results do not depend on scheduling.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -32,9 +30,6 @@ namespace {
 constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
 static_assert(kSlotsPerBucket == kWarpSize, "a warp covers a bucket: lane l owns slot l");
-constexpr int kSlotMask = kSlotsPerBucket - 1;
-// Victim candidates are numbered c * 32 + slot for bucket c = 0, 1: the CPU's scan order.
-constexpr int kNoVictim = 2 * kSlotsPerBucket;
 
 constexpr int kFindThreads = 256;
 constexpr int kStripeThreads = 128;
@@ -51,18 +46,8 @@ __device__ __forceinline__ int64_t global_threads() {
   return static_cast<int64_t>(gridDim.x) * blockDim.x;
 }
 
-__device__ __forceinline__ int64_t shfl64(int64_t v, int src_lane) {
-  return static_cast<int64_t>(__shfl_sync(kFullMask, static_cast<long long>(v), src_lane));
-}
-
-__device__ __forceinline__ int64_t shfl_xor64(int64_t v, int lane_mask) {
-  return static_cast<int64_t>(__shfl_xor_sync(kFullMask, static_cast<long long>(v), lane_mask));
-}
-
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
+// hash_find's warp-per-key probe (digests not 16-byte aligned): lane l owns slot l of both
+// candidate buckets, and a ballot over the CPU's scan order gives the answer.
 // This lane's slot in each of a key's candidate buckets.
 struct LaneSlots {
   int64_t row1;
@@ -97,14 +82,6 @@ __device__ __forceinline__ int64_t warp_probe(const int64_t* slot_keys, const Ke
   return -1;
 }
 
-// Keeps the lexicographic minimum of (score, candidate): the lowest score, the first on ties.
-__device__ __forceinline__ void keep_lower(int64_t& score, int& cand, int64_t s, int c) {
-  if (s < score || (s == score && c < cand)) {
-    score = s;
-    cand = c;
-  }
-}
-
 // First index in [lo, hi) of the ascending `sorted` whose value is >= v, else hi (every lane gets
 // the same answer): where a stripe's run starts in the sorted stripe ids, or a window's slice in
 // a stripe's ascending batch positions.
@@ -121,14 +98,6 @@ __device__ __forceinline__ int64_t lower_bound(const T* sorted, int64_t lo, int6
   return lo;
 }
 
-// One key of a stripe's walk, as every lane of the warp sees it.
-struct StripeKey {
-  int64_t pos;  // batch position: where its results go
-  int64_t key;
-  int64_t given;  // caller's score or increment (0 when none)
-  KeyPlace place;
-};
-
 // The stripe that this warp walks in phase `phase` (the warp's index among the phase's stripes),
 // or -1 for a warp beyond them.
 __device__ __forceinline__ int64_t phase_warp_stripe(int phase, const TableGeometry& geo) {
@@ -136,82 +105,72 @@ __device__ __forceinline__ int64_t phase_warp_stripe(int phase, const TableGeome
   return w < phase_stripes(phase, geo.num_stripes) ? phase_stripe(phase, w, geo.num_stripes) : -1;
 }
 
-// Every position of a walk.
-struct AllPositions {
-  __device__ __forceinline__ bool operator()(int64_t) const { return true; }
-};
-
-// Calls visit(k) with the whole warp for the grouped positions [begin, end) whose batch position
-// `wanted` accepts, in order. Per chunk of 32, lane l loads and hashes key l and prefetches its
-// digest lines, so the serial walk waits only on the table. The __syncwarp after each key makes
-// the writer lane's stores visible to every lane's reads of the next key, which may hit the same
-// bucket, and to the next walk's reads of the outputs.
-template <typename Wanted, typename Visit>
-__device__ __forceinline__ void walk_stripe(const uint8_t* digests, const int64_t* keys,
-                                            const int64_t* given, const int64_t* order,
-                                            const TableGeometry& geo, int64_t begin, int64_t end,
-                                            int lane, Wanted&& wanted, Visit&& visit) {
-  for (int64_t chunk = begin; chunk < end; chunk += kWarpSize) {
-    StripeKey mine{};
-    bool mine_wanted = false;
-    if (chunk + lane < end) {
-      mine.pos = order[chunk + lane];
-      mine_wanted = wanted(mine.pos);
-    }
-    if (mine_wanted) {
-      mine.key = keys[mine.pos];
-      mine.given = given != nullptr ? given[mine.pos] : 0;
-      mine.place = place_key(mine.key, geo);
-      prefetch_l2(digests + mine.place.bucket1 * kSlotsPerBucket);
-      prefetch_l2(digests + mine.place.bucket2 * kSlotsPerBucket);
-    }
-    for (uint32_t todo = __ballot_sync(kFullMask, mine_wanted); todo != 0; todo &= todo - 1) {
-      const int t = __ffs(static_cast<int>(todo)) - 1;
-      StripeKey k{};
-      k.pos = shfl64(mine.pos, t);
-      k.key = shfl64(mine.key, t);
-      k.given = shfl64(mine.given, t);
-      k.place.bucket1 = shfl64(mine.place.bucket1, t);
-      k.place.bucket2 = shfl64(mine.place.bucket2, t);
-      k.place.tag =
-          static_cast<uint8_t>(__shfl_sync(kFullMask, static_cast<int>(mine.place.tag), t));
-      visit(k);
-      __syncwarp();
-    }
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
 
-// The slots of a bucket whose tag is `tag` (pin bit ignored), as a mask (bit l: slot l): its 32
-// digests in two 16-byte loads (byte by byte where the digests are not 16-byte aligned, a view),
-// compared four bytes at a time. Empty slots (digest 0) never match: tags are 1..127.
-__device__ __forceinline__ uint32_t tag_matches(const uint8_t* bucket_digests, uint8_t tag) {
+// A bucket's 32 digests as eight little-endian words (byte j of word w is slot 4w + j): two
+// 16-byte loads, byte by byte where the digests are not 16-byte aligned (a view).
+struct BucketDigests {
   uint32_t words[8];
+};
+
+__device__ __forceinline__ BucketDigests load_bucket(const uint8_t* bucket_digests) {
+  BucketDigests b;
   if (reinterpret_cast<uintptr_t>(bucket_digests) % alignof(uint4) == 0) {
     const uint4* vec = reinterpret_cast<const uint4*>(bucket_digests);
     const uint4 lo = vec[0], hi = vec[1];
-    words[0] = lo.x, words[1] = lo.y, words[2] = lo.z, words[3] = lo.w;
-    words[4] = hi.x, words[5] = hi.y, words[6] = hi.z, words[7] = hi.w;
+    b.words[0] = lo.x, b.words[1] = lo.y, b.words[2] = lo.z, b.words[3] = lo.w;
+    b.words[4] = hi.x, b.words[5] = hi.y, b.words[6] = hi.z, b.words[7] = hi.w;
   } else {
     for (int w = 0; w < 8; ++w) {
-      words[w] = 0;
-      for (int j = 0; j < 4; ++j) words[w] |= uint32_t{bucket_digests[4 * w + j]} << (8 * j);
+      b.words[w] = 0;
+      for (int j = 0; j < 4; ++j) b.words[w] |= uint32_t{bucket_digests[4 * w + j]} << (8 * j);
     }
   }
+  return b;
+}
+
+// Bit 7 of each byte of `high` (0x80808080-masked) as 4 bits, byte j -> bit j.
+__device__ __forceinline__ uint32_t byte_flags(uint32_t high) {
+  return ((high >> 7) & 1u) | ((high >> 14) & 2u) | ((high >> 21) & 4u) | ((high >> 28) & 8u);
+}
+
+// Slot masks (bit l: slot l) of a bucket's digests, four bytes per 32-bit op.
+// Slots whose tag is `tag` (pin bit ignored). Empty slots (digest 0) never match: tags are
+// 1..127.
+__device__ __forceinline__ uint32_t tag_mask(const BucketDigests& b, uint8_t tag) {
   const uint32_t tags = 0x01010101u * tag;
   uint32_t mask = 0;
 #pragma unroll
   for (int w = 0; w < 8; ++w) {
     // A byte of x is 0 where the tag matches; every byte is <= 0x7F, so adding 0x7F to each
     // carries into its bit 7 exactly when it is non-zero, and never into the next byte.
-    const uint32_t x = (words[w] & 0x7F7F7F7Fu) ^ tags;
-    const uint32_t zero = ~(x + 0x7F7F7F7Fu) & 0x80808080u;
-    const uint32_t bits =
-        ((zero >> 7) & 1u) | ((zero >> 14) & 2u) | ((zero >> 21) & 4u) | ((zero >> 28) & 8u);
-    mask |= bits << (4 * w);  // byte j of word w is slot 4w + j (little-endian)
+    const uint32_t x = (b.words[w] & 0x7F7F7F7Fu) ^ tags;
+    mask |= byte_flags(~(x + 0x7F7F7F7Fu) & 0x80808080u) << (4 * w);
   }
   return mask;
+}
+
+// Empty slots (digest 0): a byte is non-zero when its low 7 bits carry into bit 7 or bit 7 is set.
+__device__ __forceinline__ uint32_t empty_mask(const BucketDigests& b) {
+  uint32_t mask = 0;
+#pragma unroll
+  for (int w = 0; w < 8; ++w) {
+    const uint32_t x = b.words[w];
+    mask |= byte_flags(~(((x & 0x7F7F7F7Fu) + 0x7F7F7F7Fu) | x) & 0x80808080u) << (4 * w);
+  }
+  return mask;
+}
+
+// Pinned slots (digest bit 7: held by the call in flight).
+__device__ __forceinline__ uint32_t pinned_mask(const BucketDigests& b) {
+  uint32_t mask = 0;
+#pragma unroll
+  for (int w = 0; w < 8; ++w) mask |= byte_flags(b.words[w] & 0x80808080u) << (4 * w);
+  return mask;
+}
+
+__device__ __forceinline__ uint32_t tag_matches(const uint8_t* bucket_digests, uint8_t tag) {
+  return tag_mask(load_bucket(bucket_digests), tag);
 }
 
 // Row holding `key`, or -1, probed by one thread: warp_probe's answer (the lowest matching slot
@@ -272,20 +231,39 @@ __global__ void key_stripes_kernel(const int64_t* keys, int64_t n, TableGeometry
   }
 }
 
-// Gives the key found at `row` its touched score and pins it (the lane owning the row writes).
-__device__ __forceinline__ void touch_slot(int64_t* slot_scores, uint8_t* digests, int64_t row,
-                                           const StripeKey& k, Policy policy, bool has_given,
-                                           int64_t clock, int64_t epoch, bool assign) {
-  slot_scores[row] = assign && has_given ? k.given
-                                         : touched_score(policy, false, slot_scores[row], has_given,
-                                                         k.given, clock, epoch);
-  digests[row] |= kPinBit;
+// Stripe s's grouped positions are [offsets[s], offsets[s + 1]): one thread per stripe finds
+// them once per call, so no walk binary-searches the batch (~40 dependent loads per warp).
+__global__ void stripe_offsets_kernel(const int32_t* sorted_stripes, int64_t n, int64_t num_stripes,
+                                      int64_t* offsets) {
+  for (int64_t s = global_thread(); s <= num_stripes; s += global_threads()) {
+    offsets[s] = lower_bound(sorted_stripes, 0, n, s);
+  }
 }
 
-// Upsert, pass 1, phase `phase`: warp w walks stripe phase_stripe(phase, w), touches and pins
-// (digest bit 7) every key of the stripe that holds a row and marks the others (row -1) for pass 2.
-// The walk of one stripe, whose grouped positions are [begin, end) (shared by the per-table and
-// the multi-table kernels).
+// The score of the key at `row` after the touches of the grouped positions chunk + l for each
+// lane l of `lanes`, in lane (batch) order.
+__device__ __forceinline__ int64_t touched_by(int64_t score, uint32_t lanes, const int64_t* given,
+                                              const int64_t* order, int64_t chunk, Policy policy,
+                                              int64_t clock, int64_t epoch, bool assign) {
+  const bool has_given = given != nullptr;
+  for (uint32_t m = lanes; m != 0; m &= m - 1) {
+    const int64_t g = has_given ? given[order[chunk + (__ffs(static_cast<int>(m)) - 1)]] : 0;
+    score =
+        assign && has_given ? g : touched_score(policy, false, score, has_given, g, clock, epoch);
+  }
+  return score;
+}
+
+// Upsert, pass 1: touches and pins (digest bit 7) every key of the batch that holds a row, and
+// marks the others (row -1) for pass 2. A touch writes only its own key's row (score, pin bit)
+// and reads no byte another touch writes but pin bits, which probes mask off; so touches of
+// distinct keys commute, and the pass runs every stripe at once (no phases): warp w takes stripe
+// w's grouped positions 32 at a time and each lane probes its own key (thread_probe: both
+// buckets, then the stash), all 32 probes in flight together. A key's occurrences share a
+// stripe, so one warp applies them all in batch order: among 32 positions the lowest lane
+// holding a row applies its lanes' touches in lane order (__match_any_sync on the row), and the
+// __syncwarp makes its writes visible to the next 32 (shared by the per-table and the
+// multi-table kernels).
 __device__ __forceinline__ void touch_stripe(uint8_t* digests, const int64_t* slot_keys,
                                              int64_t* slot_scores, const TableGeometry& geo,
                                              const int64_t* keys, const int64_t* given,
@@ -293,40 +271,136 @@ __device__ __forceinline__ void touch_stripe(uint8_t* digests, const int64_t* sl
                                              Policy policy, int64_t clock, int64_t epoch,
                                              bool assign, int64_t* rows) {
   const int lane = lane_id();
-  const bool has_given = given != nullptr;
-  walk_stripe(
-      digests, keys, given, order, geo, begin, end, lane, AllPositions{}, [&](const StripeKey& k) {
-        int64_t hit = warp_probe(slot_keys, k.place, load_slots(digests, k.place, lane), k.key);
-        // A stashed key's row may lie in a bucket another warp of this phase reads: it reads only
-        // the tag bits of the digest this warp pins, and no warp reads the score written.
-        if (hit < 0) hit = stash_probe(digests, slot_keys, geo, k.place, k.key);
-        if (lane != (hit >= 0 ? static_cast<int>(hit & kSlotMask) : 0)) return;
-        rows[k.pos] = hit;
-        if (hit >= 0)
-          touch_slot(slot_scores, digests, hit, k, policy, has_given, clock, epoch, assign);
-      });
+  for (int64_t chunk = begin; chunk < end; chunk += kWarpSize) {
+    const bool mine = chunk + lane < end;
+    const int64_t pos = mine ? order[chunk + lane] : 0;
+    const int64_t row = mine ? thread_probe(digests, slot_keys, geo, keys[pos]) : -1;
+    if (mine) rows[pos] = row;
+    const uint32_t same = __match_any_sync(kFullMask, static_cast<unsigned long long>(row));
+    if (row >= 0 && lane == __ffs(static_cast<int>(same)) - 1) {
+      slot_scores[row] =
+          touched_by(slot_scores[row], same, given, order, chunk, policy, clock, epoch, assign);
+      digests[row] |= kPinBit;
+    }
+    __syncwarp();
+  }
 }
 
 __global__ void hash_touch_kernel(uint8_t* digests, const int64_t* slot_keys, int64_t* slot_scores,
                                   TableGeometry geo, const int64_t* keys, const int64_t* given,
-                                  const int32_t* sorted_stripes, const int64_t* order, int64_t n,
-                                  int phase, Policy policy, int64_t clock, int64_t epoch,
-                                  bool assign, int64_t* rows) {
-  const int64_t stripe = phase_warp_stripe(phase, geo);
-  if (stripe < 0) return;
-  const int64_t begin = lower_bound(sorted_stripes, 0, n, stripe);
-  const int64_t end = lower_bound(sorted_stripes, begin, n, stripe + 1);
-  touch_stripe(digests, slot_keys, slot_scores, geo, keys, given, order, begin, end, policy, clock,
-               epoch, assign, rows);
+                                  const int64_t* stripe_offsets, const int64_t* order,
+                                  Policy policy, int64_t clock, int64_t epoch, bool assign,
+                                  int64_t* rows) {
+  const int64_t stripe = global_thread() / kWarpSize;
+  if (stripe >= geo.num_stripes) return;
+  touch_stripe(digests, slot_keys, slot_scores, geo, keys, given, order, stripe_offsets[stripe],
+               stripe_offsets[stripe + 1], policy, clock, epoch, assign, rows);
+}
+
+// The victim among the candidate slots of both buckets (masks cand1, cand2): the first of the
+// lowest scores in the CPU's scan order (bucket1's slots ascending, then bucket2's), i.e. the
+// least (score, c) with c = slot for bucket1 and 32 + slot for bucket2; a minimum that does not
+// depend on the order of comparisons, so both buckets' score loads issue together. -1 when
+// there is no candidate; `lowest` gets its score.
+__device__ __forceinline__ int64_t pick_victim(const int64_t* slot_scores, int64_t base1,
+                                               uint32_t cand1, int64_t base2, uint32_t cand2,
+                                               int64_t& lowest) {
+  constexpr int kNone = 2 * kSlotsPerBucket;
+  int best = kNone;
+  lowest = INT64_MAX;
+#pragma unroll 8
+  for (int l = 0; l < kSlotsPerBucket; ++l) {
+    const int64_t s1 = slot_scores[base1 + l], s2 = slot_scores[base2 + l];
+    if (((cand1 >> l) & 1u) != 0 && (s1 < lowest || (s1 == lowest && l < best))) {
+      lowest = s1;
+      best = l;
+    }
+    const int c2 = kSlotsPerBucket + l;
+    if (((cand2 >> l) & 1u) != 0 && (s2 < lowest || (s2 == lowest && c2 < best))) {
+      lowest = s2;
+      best = c2;
+    }
+  }
+  if (best == kNone) return -1;
+  return best < kSlotsPerBucket ? base1 + best : base2 + (best - kSlotsPerBucket);
+}
+
+// Inserts the key of batch position `pos`, absent when the call began, by one thread: the CPU
+// kernel's insert (a repeat of a key this pass inserted is touched; else the emptier bucket's
+// lowest free slot, bucket1 on ties; else, both full, the lowest-score slot not pinned by this
+// call, the first on ties, if the new score is not lower; else refused, keeping pass 1's row -1).
+// Reads and writes the key's two buckets only. Returns whether it took a free slot.
+__device__ __forceinline__ bool insert_key(uint8_t* digests, int64_t* slot_keys,
+                                           int64_t* slot_scores, const TableGeometry& geo,
+                                           int64_t pos, int64_t key, int64_t g, const KeyPlace& p,
+                                           Policy policy, int64_t clock, int64_t epoch, bool assign,
+                                           bool has_given, int64_t* rows, bool* inserted,
+                                           bool* evicted, int64_t* evicted_keys) {
+  const int64_t base1 = p.bucket1 * kSlotsPerBucket, base2 = p.bucket2 * kSlotsPerBucket;
+  const bool two = p.bucket2 != p.bucket1;  // else bucket2's masks are empty
+  const BucketDigests d1 = load_bucket(digests + base1), d2 = load_bucket(digests + base2);
+  int64_t hit = -1;
+  for (uint32_t m = tag_mask(d1, p.tag); m != 0 && hit < 0; m &= m - 1) {
+    const int64_t row = base1 + (__ffs(static_cast<int>(m)) - 1);
+    if (slot_keys[row] == key) hit = row;
+  }
+  for (uint32_t m = two ? tag_mask(d2, p.tag) : 0u; m != 0 && hit < 0; m &= m - 1) {
+    const int64_t row = base2 + (__ffs(static_cast<int>(m)) - 1);
+    if (slot_keys[row] == key) hit = row;
+  }
+  if (hit >= 0) {  // a repeat of a key inserted earlier in this walk: pinned already
+    slot_scores[hit] = assign && has_given ? g
+                                           : touched_score(policy, false, slot_scores[hit],
+                                                           has_given, g, clock, epoch);
+    rows[pos] = hit;
+    return false;
+  }
+  const int64_t new_score =
+      assign && has_given ? g : touched_score(policy, true, 0, has_given, g, clock, epoch);
+  const uint32_t usable1 = geo.usable_mask(p.bucket1);
+  const uint32_t usable2 = two ? geo.usable_mask(p.bucket2) : 0u;
+  const uint32_t free1 = empty_mask(d1) & usable1, free2 = empty_mask(d2) & usable2;
+  int64_t row = -1;
+  bool evicts = false;
+  if ((free1 | free2) != 0) {
+    row = __popc(free1) >= __popc(free2) ? base1 + (__ffs(static_cast<int>(free1)) - 1)
+                                         : base2 + (__ffs(static_cast<int>(free2)) - 1);
+  } else if (policy != Policy::kNone) {
+    int64_t lowest;
+    const int64_t victim = pick_victim(slot_scores, base1, usable1 & ~pinned_mask(d1), base2,
+                                       usable2 & ~pinned_mask(d2), lowest);
+    if (victim >= 0 && new_score >= lowest) {
+      row = victim;
+      evicts = true;
+    }
+  }
+  if (row < 0) return false;
+  rows[pos] = row;
+  if (evicts) {
+    evicted[pos] = true;
+    evicted_keys[pos] = slot_keys[row];
+  }
+  inserted[pos] = true;
+  slot_keys[row] = key;
+  slot_scores[row] = new_score;
+  digests[row] = static_cast<uint8_t>(p.tag | kPinBit);
+  return !evicts;
 }
 
 // Upsert, pass 2, phase `phase` of the window [window_begin, window_end) of batch positions: warp
-// w walks stripe phase_stripe(phase, w) and inserts the window's keys absent when the call began,
-// in batch order, so a new key never evicts a key of the same call (all pinned by pass 1). A
-// stripe's positions ascend, so the window's slice of them is found by binary search: a launch
-// costs its window's keys, not the stripe's.
-// The walk of one stripe over its window's grouped positions [begin, end) (shared by the
-// per-table and the multi-table kernels).
+// w takes stripe phase_stripe(phase, w) and inserts the window's keys absent when the call began
+// (row -1 after pass 1) as if one at a time in batch order, so a new key never evicts a key of
+// the same call (all pinned by pass 1). An insert reads and writes only its key's two buckets,
+// so inserts whose keys share no bucket commute: the warp takes the stripe's positions 32 at a
+// time and applies them in rounds, each lane inserting its own key (insert_key) in the first
+// round in which no earlier lane still pending shares a bucket with it (__match_any_sync on
+// bucket1 and on bucket2: a key's bucket1 lies in the walked stripe and its bucket2 in the next,
+// so they meet only in a one-stripe table, where every pair of keys counts as sharing). So each
+// bucket sees its keys' inserts in batch order, and the results are the serial walk's; ~12 new
+// keys of 64 buckets take one or two rounds. A stripe's positions ascend, so the window's slice
+// of them is found by binary search: a launch costs its window's keys, not the stripe's. The walk
+// of one stripe over its window's grouped positions [begin, end) (shared by the per-table and
+// the multi-table kernels).
 __device__ __forceinline__ void insert_stripe(
     uint8_t* digests, int64_t* slot_keys, int64_t* slot_scores, int64_t* size,
     const TableGeometry& geo, const int64_t* keys, const int64_t* given, const int64_t* order,
@@ -334,68 +408,39 @@ __device__ __forceinline__ void insert_stripe(
     int64_t* rows, bool* inserted, bool* evicted, int64_t* evicted_keys) {
   const int lane = lane_id();
   const bool has_given = given != nullptr;
-  int64_t added = 0;  // warp-uniform: every decision below comes from a ballot or reduction
-
-  auto absent = [&](int64_t pos) { return rows[pos] < 0; };
-  walk_stripe(digests, keys, given, order, geo, begin, end, lane, absent, [&](const StripeKey& k) {
-    const KeyPlace& p = k.place;
-    const LaneSlots s = load_slots(digests, p, lane);
-    const int64_t hit = warp_probe(slot_keys, p, s, k.key);
-    if (hit >= 0) {  // a repeat of a key inserted earlier in this walk
-      if (lane == (hit & kSlotMask)) {
-        touch_slot(slot_scores, digests, hit, k, policy, has_given, clock, epoch, assign);
-        rows[k.pos] = hit;
-      }
-      return;
+  const uint32_t earlier = (1u << lane) - 1u;
+  int64_t added = 0;  // warp-uniform: a sum of ballots
+  for (int64_t chunk = begin; chunk < end; chunk += kWarpSize) {
+    bool todo = false;
+    int64_t pos = 0, key = 0, g = 0;
+    KeyPlace p{};
+    if (chunk + lane < end) {
+      pos = order[chunk + lane];
+      todo = rows[pos] < 0;
     }
-    const int64_t new_score =
-        assign && has_given ? k.given
-                            : touched_score(policy, true, 0, has_given, k.given, clock, epoch);
-    const uint32_t usable1 = geo.usable_mask(p.bucket1);
-    const uint32_t usable2 = s.two ? geo.usable_mask(p.bucket2) : 0u;
-    const uint32_t free1 = __ballot_sync(kFullMask, s.d1 == 0) & usable1;
-    const uint32_t free2 = __ballot_sync(kFullMask, s.d2 == 0) & usable2;
-    int64_t row = -1;
-    bool evicts = false;
-    if ((free1 | free2) != 0) {
-      // Two-choice: the emptier bucket (bucket1 on ties), its lowest free slot.
-      row = __popc(free1) >= __popc(free2)
-                ? p.bucket1 * kSlotsPerBucket + (__ffs(static_cast<int>(free1)) - 1)
-                : p.bucket2 * kSlotsPerBucket + (__ffs(static_cast<int>(free2)) - 1);
-      ++added;
-    } else if (policy != Policy::kNone) {
-      // Both full: the lowest-score slot not pinned by this call, the first on ties.
-      int64_t score = INT64_MAX;
-      int cand = kNoVictim;
-      if (((usable1 >> lane) & 1u) && (s.d1 & kPinBit) == 0) {
-        keep_lower(score, cand, slot_scores[s.row1], lane);
-      }
-      if (((usable2 >> lane) & 1u) && (s.d2 & kPinBit) == 0) {
-        keep_lower(score, cand, slot_scores[s.row2], kSlotsPerBucket + lane);
-      }
-      for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) {
-        keep_lower(score, cand, shfl_xor64(score, offset),
-                   __shfl_xor_sync(kFullMask, cand, offset));
-      }
-      if (cand != kNoVictim && new_score >= score) {
-        row =
-            (cand < kSlotsPerBucket ? p.bucket1 : p.bucket2) * kSlotsPerBucket + (cand & kSlotMask);
-        evicts = true;
-      }
+    if (todo) {
+      key = keys[pos];
+      g = has_given ? given[pos] : 0;
+      p = place_key(key, geo);
     }
-    // The lane owning the chosen slot writes it (a refusal keeps pass 1's row -1).
-    if (row < 0 || lane != static_cast<int>(row & kSlotMask)) return;
-    rows[k.pos] = row;
-    if (evicts) {
-      evicted[k.pos] = true;
-      evicted_keys[k.pos] = slot_keys[row];
+    // Lanes with nothing to insert get values no bucket has (-1 - lane: distinct, negative).
+    const int64_t none = -1 - lane;
+    const uint32_t same1 =
+        __match_any_sync(kFullMask, static_cast<unsigned long long>(todo ? p.bucket1 : none));
+    const uint32_t same2 =
+        __match_any_sync(kFullMask, static_cast<unsigned long long>(todo ? p.bucket2 : none));
+    uint32_t pending = __ballot_sync(kFullMask, todo);
+    const uint32_t shares = geo.num_stripes == 1 ? pending : (same1 | same2);
+    while (pending != 0) {  // warp-uniform; the lowest pending lane is always ready
+      const bool ready = ((pending >> lane) & 1u) != 0 && (shares & pending & earlier) == 0;
+      const bool grew =
+          ready && insert_key(digests, slot_keys, slot_scores, geo, pos, key, g, p, policy, clock,
+                              epoch, assign, has_given, rows, inserted, evicted, evicted_keys);
+      added += __popc(__ballot_sync(kFullMask, grew));
+      pending &= ~__ballot_sync(kFullMask, ready);
+      __syncwarp();  // this round's writes, visible to the next round's reads of those buckets
     }
-    inserted[k.pos] = true;
-    slot_keys[row] = k.key;
-    slot_scores[row] = new_score;
-    digests[row] = static_cast<uint8_t>(p.tag | kPinBit);
-  });
-
+  }
   if (lane == 0 && added != 0) {
     atomicAdd(reinterpret_cast<unsigned long long*>(size), static_cast<unsigned long long>(added));
   }
@@ -403,15 +448,14 @@ __device__ __forceinline__ void insert_stripe(
 
 __global__ void hash_insert_kernel(uint8_t* digests, int64_t* slot_keys, int64_t* slot_scores,
                                    int64_t* size, TableGeometry geo, const int64_t* keys,
-                                   const int64_t* given, const int32_t* sorted_stripes,
-                                   const int64_t* order, int64_t n, int phase, int64_t window_begin,
+                                   const int64_t* given, const int64_t* stripe_offsets,
+                                   const int64_t* order, int phase, int64_t window_begin,
                                    int64_t window_end, Policy policy, int64_t clock, int64_t epoch,
                                    bool assign, int64_t* rows, bool* inserted, bool* evicted,
                                    int64_t* evicted_keys) {
   const int64_t stripe = phase_warp_stripe(phase, geo);
   if (stripe < 0) return;
-  const int64_t first = lower_bound(sorted_stripes, 0, n, stripe);
-  const int64_t last = lower_bound(sorted_stripes, first, n, stripe + 1);
+  const int64_t first = stripe_offsets[stripe], last = stripe_offsets[stripe + 1];
   const int64_t begin = lower_bound(order, first, last, window_begin);
   const int64_t end = lower_bound(order, begin, last, window_end);
   insert_stripe(digests, slot_keys, slot_scores, size, geo, keys, given, order, begin, end, policy,
@@ -434,20 +478,17 @@ __device__ __forceinline__ void release_stripe(uint8_t* digests, const int64_t* 
 }
 
 __global__ void hash_release_kernel(uint8_t* digests, const int64_t* rows,
-                                    const int32_t* sorted_stripes, const int64_t* order, int64_t n,
+                                    const int64_t* stripe_offsets, const int64_t* order,
                                     int64_t num_stripes) {
   const int64_t stripe = global_thread() / kWarpSize;
   if (stripe >= num_stripes) return;
-  const int64_t begin = lower_bound(sorted_stripes, 0, n, stripe);
-  const int64_t end = lower_bound(sorted_stripes, begin, n, stripe + 1);
-  release_stripe(digests, rows, order, begin, end);
+  release_stripe(digests, rows, order, stripe_offsets[stripe], stripe_offsets[stripe + 1]);
 }
 
-// ---- hash_upsert_tables: the passes above, each one grid over every table. Inserts and releases:
-// warp g takes global stripe g (its table's stripe g - stripe_begin) and runs the per-stripe walk
-// of the per-table kernel with that table's arrays and parameters, in the same phases and windows;
-// touches: a warp per key (below). The tables share no byte, so each table's results are exactly
-// its per-table launches'.
+// ---- hash_upsert_tables: the passes above, each one grid over every table: warp g takes global
+// stripe g (its table's stripe g - stripe_begin) and runs the per-stripe walk of the per-table
+// kernel with that table's arrays and parameters, in the same phases and windows. The tables
+// share no byte, so each table's results are exactly its per-table launches'.
 
 // The last table whose range begins at or below v (begin_of ascending in the table): the table
 // holding v, empty tables (which share their begin with the next) never chosen.
@@ -495,30 +536,18 @@ __global__ void key_table_stripes_kernel(const UpsertTable* tables, int64_t num_
   }
 }
 
-// Pass 1 of every table at once, with a warp per key rather than per stripe (issue 13 item 7: a
-// stripe's keys touch in parallel): positions come grouped by global stripe then key
-// (touch_stripes ascending, touch_order; batch order among a key's occurrences), and warp w takes
-// the w-th run of one key's occurrences in its table (grid-stride) and walks it as touch_stripe
-// walks a stripe. Touches of distinct keys commute (each writes only its own row's score and pin
-// bit, and reads no byte another writes but the pin bits of digests, whose tag bits a probe reads
-// and nobody changes in this pass), so the results are the per-stripe walk's whatever the order.
+// Pass 1 of every table at once: warp g takes global stripe g and touches it as the per-table
+// kernel does.
 __global__ void hash_touch_tables_kernel(const UpsertTable* tables, int64_t num_tables,
-                                         const int64_t* keys, const int64_t* given,
-                                         const int32_t* touch_stripes, const int64_t* touch_order,
-                                         int64_t n, bool assign, int64_t* rows) {
-  const int64_t num_warps = global_threads() / kWarpSize;
-  auto same_key = [&](int64_t a, int64_t b) {
-    return touch_stripes[a] == touch_stripes[b] && keys[touch_order[a]] == keys[touch_order[b]];
-  };
-  for (int64_t j = global_thread() / kWarpSize; j < n; j += num_warps) {
-    if (touch_stripes[j] == INT32_MAX) break;   // keys not pending: sorted last
-    if (j > 0 && same_key(j - 1, j)) continue;  // the run's first occurrence walks it
-    int64_t end = j + 1;
-    while (end < n && same_key(j, end)) ++end;
-    const UpsertTable t = tables[table_of_stripe(tables, num_tables, touch_stripes[j])];
-    touch_stripe(t.digests, t.slot_keys, t.slot_scores, t.geo, keys, given, touch_order, j, end,
-                 static_cast<Policy>(t.policy), t.clock, t.epoch, assign, rows);
-  }
+                                         int64_t total_stripes, const int64_t* keys,
+                                         const int64_t* given, const int64_t* stripe_offsets,
+                                         const int64_t* order, bool assign, int64_t* rows) {
+  const int64_t g = global_thread() / kWarpSize;
+  if (g >= total_stripes) return;
+  const UpsertTable t = tables[table_of_stripe(tables, num_tables, g)];
+  touch_stripe(t.digests, t.slot_keys, t.slot_scores, t.geo, keys, given, order, stripe_offsets[g],
+               stripe_offsets[g + 1], static_cast<Policy>(t.policy), t.clock, t.epoch, assign,
+               rows);
 }
 
 // Pass 2, window `window` and k-th phase of every table (each table's phase order rotating with
@@ -526,10 +555,9 @@ __global__ void hash_touch_tables_kernel(const UpsertTable* tables, int64_t num_
 __global__ void hash_insert_tables_kernel(const UpsertTable* tables, int64_t num_tables,
                                           int64_t total_stripes, const int64_t* windows,
                                           const int64_t* keys, const int64_t* given,
-                                          const int32_t* sorted_stripes, const int64_t* order,
-                                          int64_t n, int64_t window, int k, bool assign,
-                                          int64_t* rows, bool* inserted, bool* evicted,
-                                          int64_t* evicted_keys) {
+                                          const int64_t* stripe_offsets, const int64_t* order,
+                                          int64_t window, int k, bool assign, int64_t* rows,
+                                          bool* inserted, bool* evicted, int64_t* evicted_keys) {
   const int64_t g = global_thread() / kWarpSize;
   if (g >= total_stripes) return;
   const UpsertTable t = tables[table_of_stripe(tables, num_tables, g)];
@@ -538,8 +566,7 @@ __global__ void hash_insert_tables_kernel(const UpsertTable* tables, int64_t num
       upsert_phase(stripe, stripes) != upsert_phase_at(k, t.clock, stripes)) {
     return;
   }
-  const int64_t first = lower_bound(sorted_stripes, 0, n, g);
-  const int64_t last = lower_bound(sorted_stripes, first, n, g + 1);
+  const int64_t first = stripe_offsets[g], last = stripe_offsets[g + 1];
   const int64_t begin = lower_bound(order, first, last, windows[t.window_begin + window]);
   const int64_t end = lower_bound(order, begin, last, windows[t.window_begin + window + 1]);
   insert_stripe(t.digests, t.slot_keys, t.slot_scores, t.size, t.geo, keys, given, order, begin,
@@ -549,44 +576,44 @@ __global__ void hash_insert_tables_kernel(const UpsertTable* tables, int64_t num
 
 __global__ void hash_release_tables_kernel(const UpsertTable* tables, int64_t num_tables,
                                            int64_t total_stripes, const int64_t* rows,
-                                           const int32_t* sorted_stripes, const int64_t* order,
-                                           int64_t n) {
+                                           const int64_t* stripe_offsets, const int64_t* order) {
   const int64_t g = global_thread() / kWarpSize;
   if (g >= total_stripes) return;
-  const int64_t begin = lower_bound(sorted_stripes, 0, n, g);
-  const int64_t end = lower_bound(sorted_stripes, begin, n, g + 1);
-  release_stripe(tables[table_of_stripe(tables, num_tables, g)].digests, rows, order, begin, end);
+  release_stripe(tables[table_of_stripe(tables, num_tables, g)].digests, rows, order,
+                 stripe_offsets[g], stripe_offsets[g + 1]);
 }
 
-// Phase `phase`: warp w walks stripe phase_stripe(phase, w) in batch order, so only the first of
-// duplicate keys reports the erase.
+// Every stripe at once, a lane per key, as the upsert's touch: an erase clears only its own key's
+// digest, and a probe of another key reading that byte (as the tag or as 0) finds no key there
+// either way, so erases of distinct keys commute and need no phases. Warp w takes stripe w's
+// positions 32 at a time; a key's occurrences share a stripe, so among 32 positions the lowest
+// lane holding a row clears it and reports the erase (__match_any_sync on the row), and after the
+// __syncwarp a later occurrence finds the key gone: only the first in batch order reports. A
+// stashed key's row may lie in another stripe; its stash entry is then stale, dropped by the
+// next upsert.
 __global__ void hash_erase_kernel(uint8_t* digests, const int64_t* slot_keys, int64_t* size,
                                   TableGeometry geo, const int64_t* keys,
                                   const int32_t* sorted_stripes, const int64_t* order, int64_t n,
-                                  int phase, bool* erased) {
-  const int64_t stripe = phase_warp_stripe(phase, geo);
-  if (stripe < 0) return;
+                                  bool* erased) {
+  const int64_t stripe = global_thread() / kWarpSize;
+  if (stripe >= geo.num_stripes) return;
   const int lane = lane_id();
   const int64_t begin = lower_bound(sorted_stripes, 0, n, stripe);
   const int64_t end = lower_bound(sorted_stripes, begin, n, stripe + 1);
-  int64_t removed = 0;  // warp-uniform
-
-  walk_stripe(digests, keys, nullptr, order, geo, begin, end, lane, AllPositions{},
-              [&](const StripeKey& k) {
-                int64_t row =
-                    warp_probe(slot_keys, k.place, load_slots(digests, k.place, lane), k.key);
-                // A stashed key's row: another warp of this phase may read its tag bits (as 0 or
-                // the tag, a slot without its key either way); its stash entry is stale, dropped by
-                // the next upsert.
-                if (row < 0) row = stash_probe(digests, slot_keys, geo, k.place, k.key);
-                if (row < 0) return;
-                ++removed;
-                if (lane == (row & kSlotMask)) {
-                  digests[row] = 0;
-                  erased[k.pos] = true;
-                }
-              });
-
+  int64_t removed = 0;  // warp-uniform: a sum of ballots
+  for (int64_t chunk = begin; chunk < end; chunk += kWarpSize) {
+    const bool mine = chunk + lane < end;
+    const int64_t pos = mine ? order[chunk + lane] : 0;
+    const int64_t row = mine ? thread_probe(digests, slot_keys, geo, keys[pos]) : -1;
+    const uint32_t same = __match_any_sync(kFullMask, static_cast<unsigned long long>(row));
+    const bool first = row >= 0 && lane == __ffs(static_cast<int>(same)) - 1;
+    if (first) {
+      digests[row] = 0;
+      erased[pos] = true;
+    }
+    removed += __popc(__ballot_sync(kFullMask, first));
+    __syncwarp();
+  }
   if (lane == 0 && removed != 0) {
     // Two's complement: adding the wrapped negative count subtracts it.
     atomicAdd(reinterpret_cast<unsigned long long*>(size),
@@ -650,35 +677,45 @@ cudaError_t launch_key_stripes(const int64_t* keys, int64_t n, int64_t capacity,
   return cudaGetLastError();
 }
 
+// The grouped positions' stripe offsets (stripe_offsets_kernel), num_stripes + 1 of them.
+cudaError_t launch_stripe_offsets(const int32_t* sorted_stripes, int64_t n, int64_t num_stripes,
+                                  int64_t* offsets, cudaStream_t stream) {
+  stripe_offsets_kernel<<<capped_grid(num_stripes + 1, kElementwiseThreads), kElementwiseThreads, 0,
+                          stream>>>(sorted_stripes, n, num_stripes, offsets);
+  return cudaGetLastError();
+}
+
 cudaError_t launch_hash_upsert(uint8_t* digests, int64_t* slot_keys, int64_t* slot_scores,
                                int64_t* size, int64_t capacity, const int64_t* keys,
                                const int64_t* given, const int32_t* sorted_stripes,
-                               const int64_t* order, int64_t n, int64_t policy, int64_t clock,
-                               int64_t epoch, bool assign, int64_t* rows, bool* inserted,
-                               bool* evicted, int64_t* evicted_keys, cudaStream_t stream) {
+                               const int64_t* order, int64_t n, int64_t* stripe_offsets,
+                               int64_t policy, int64_t clock, int64_t epoch, bool assign,
+                               int64_t* rows, bool* inserted, bool* evicted, int64_t* evicted_keys,
+                               cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const TableGeometry geo = make_geometry(capacity);
   const Policy p = static_cast<Policy>(policy);
-  const int phases = upsert_phase_count(geo.num_stripes);
-  for (int phase = 0; phase < phases; ++phase) {
-    hash_touch_kernel<<<stripe_grid(phase_stripes(phase, geo.num_stripes)), kStripeThreads, 0,
-                        stream>>>(digests, slot_keys, slot_scores, geo, keys, given, sorted_stripes,
-                                  order, n, phase, p, clock, epoch, assign, rows);
-  }
+  const cudaError_t offsets =
+      launch_stripe_offsets(sorted_stripes, n, geo.num_stripes, stripe_offsets, stream);
+  if (offsets != cudaSuccess) return offsets;
+  hash_touch_kernel<<<stripe_grid(geo.num_stripes), kStripeThreads, 0, stream>>>(
+      digests, slot_keys, slot_scores, geo, keys, given, stripe_offsets, order, p, clock, epoch,
+      assign, rows);
   // Windows and phases come from n and the geometry (no host sync). With one phase the windows
   // do not change the order (each stripe's keys in batch order): one window.
+  const int phases = upsert_phase_count(geo.num_stripes);
   for (int64_t begin = 0, end; begin < n; begin = end) {
     end = phases == 1 ? n : std::min(n, begin + upsert_window(capacity, begin));
     for (int k = 0; k < phases; ++k) {
       const int phase = upsert_phase_at(k, clock, geo.num_stripes);
       hash_insert_kernel<<<stripe_grid(phase_stripes(phase, geo.num_stripes)), kStripeThreads, 0,
                            stream>>>(digests, slot_keys, slot_scores, size, geo, keys, given,
-                                     sorted_stripes, order, n, phase, begin, end, p, clock, epoch,
+                                     stripe_offsets, order, phase, begin, end, p, clock, epoch,
                                      assign, rows, inserted, evicted, evicted_keys);
     }
   }
   hash_release_kernel<<<stripe_grid(geo.num_stripes), kStripeThreads, 0, stream>>>(
-      digests, rows, sorted_stripes, order, n, geo.num_stripes);
+      digests, rows, stripe_offsets, order, geo.num_stripes);
   stash_sweep_kernel<<<1, kWarpSize, 0, stream>>>(digests, slot_keys, geo);
   return cudaGetLastError();
 }
@@ -705,24 +742,25 @@ cudaError_t launch_hash_upsert_tables(const UpsertTable* tables, int64_t num_tab
                                       int64_t total_stripes, int phases, int64_t max_windows,
                                       const int64_t* windows, const int64_t* keys,
                                       const int64_t* given, const int32_t* sorted_stripes,
-                                      const int64_t* order, const int32_t* touch_stripes,
-                                      const int64_t* touch_order, int64_t n, bool assign,
-                                      int64_t* rows, bool* inserted, bool* evicted,
+                                      const int64_t* order, int64_t n, int64_t* stripe_offsets,
+                                      bool assign, int64_t* rows, bool* inserted, bool* evicted,
                                       int64_t* evicted_keys, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
+  const cudaError_t offsets =
+      launch_stripe_offsets(sorted_stripes, n, total_stripes, stripe_offsets, stream);
+  if (offsets != cudaSuccess) return offsets;
   const unsigned int grid = stripe_grid(total_stripes);
-  hash_touch_tables_kernel<<<capped_grid(n * kWarpSize, kStripeThreads), kStripeThreads, 0,
-                             stream>>>(tables, num_tables, keys, given, touch_stripes, touch_order,
-                                       n, assign, rows);
+  hash_touch_tables_kernel<<<grid, kStripeThreads, 0, stream>>>(
+      tables, num_tables, total_stripes, keys, given, stripe_offsets, order, assign, rows);
   for (int64_t window = 0; window < max_windows; ++window) {
     for (int k = 0; k < phases; ++k) {
       hash_insert_tables_kernel<<<grid, kStripeThreads, 0, stream>>>(
-          tables, num_tables, total_stripes, windows, keys, given, sorted_stripes, order, n, window,
-          k, assign, rows, inserted, evicted, evicted_keys);
+          tables, num_tables, total_stripes, windows, keys, given, stripe_offsets, order, window, k,
+          assign, rows, inserted, evicted, evicted_keys);
     }
   }
   hash_release_tables_kernel<<<grid, kStripeThreads, 0, stream>>>(tables, num_tables, total_stripes,
-                                                                  rows, sorted_stripes, order, n);
+                                                                  rows, stripe_offsets, order);
   stash_sweep_tables_kernel<<<capped_grid(num_tables, kWarpSize), kWarpSize, 0, stream>>>(
       tables, num_tables);
   return cudaGetLastError();
@@ -733,11 +771,8 @@ cudaError_t launch_hash_erase(uint8_t* digests, const int64_t* slot_keys, int64_
                               const int64_t* order, int64_t n, bool* erased, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const TableGeometry geo = make_geometry(capacity);
-  for (int phase = 0; phase < upsert_phase_count(geo.num_stripes); ++phase) {
-    hash_erase_kernel<<<stripe_grid(phase_stripes(phase, geo.num_stripes)), kStripeThreads, 0,
-                        stream>>>(digests, slot_keys, size, geo, keys, sorted_stripes, order, n,
-                                  phase, erased);
-  }
+  hash_erase_kernel<<<stripe_grid(geo.num_stripes), kStripeThreads, 0, stream>>>(
+      digests, slot_keys, size, geo, keys, sorted_stripes, order, n, erased);
   return cudaGetLastError();
 }
 

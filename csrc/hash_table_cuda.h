@@ -22,13 +22,15 @@ cudaError_t launch_key_stripes(const int64_t* keys, int64_t n, int64_t capacity,
 
 // find_or_insert / insert_or_assign. Key j of the grouping is keys[order[j]]; sorted_stripes[j]
 // is its stripe (ascending, batch order within a stripe). given: caller scores or nullptr.
+// stripe_offsets: scratch of num_stripes + 1 entries (where each stripe's keys begin).
 // inserted and evicted must be zeroed by the caller; evicted_keys is written where evicted.
 cudaError_t launch_hash_upsert(uint8_t* digests, int64_t* slot_keys, int64_t* slot_scores,
                                int64_t* size, int64_t capacity, const int64_t* keys,
                                const int64_t* given, const int32_t* sorted_stripes,
-                               const int64_t* order, int64_t n, int64_t policy, int64_t clock,
-                               int64_t epoch, bool assign, int64_t* rows, bool* inserted,
-                               bool* evicted, int64_t* evicted_keys, cudaStream_t stream);
+                               const int64_t* order, int64_t n, int64_t* stripe_offsets,
+                               int64_t policy, int64_t clock, int64_t epoch, bool assign,
+                               int64_t* rows, bool* inserted, bool* evicted, int64_t* evicted_keys,
+                               cudaStream_t stream);
 
 // One table of a multi-table upsert (hash_upsert_tables), as the kernels read it from device
 // memory: its arrays and parameters, where its keys sit in the batch, where its stripes sit among
@@ -62,17 +64,15 @@ cudaError_t launch_hash_find_tables(const UpsertTable* tables, int64_t num_table
 
 // launch_hash_upsert of every table at once, each pass one grid over all tables' stripes
 // (total_stripes): a table's keys, given, outputs are its positions of the shared arrays; its
-// keys are grouped by global stripe id (sorted_stripes, order as for launch_hash_upsert), and for
-// the touch pass by global stripe id then key (touch_stripes, touch_order: stable, so batch
-// order among a key's occurrences). phases and max_windows: the most of any table. Results are
-// each table's launch_hash_upsert's.
+// keys are grouped by global stripe id (sorted_stripes, order as for launch_hash_upsert;
+// stripe_offsets: scratch of total_stripes + 1 entries). phases and max_windows: the most of any
+// table. Results are each table's launch_hash_upsert's.
 cudaError_t launch_hash_upsert_tables(const UpsertTable* tables, int64_t num_tables,
                                       int64_t total_stripes, int phases, int64_t max_windows,
                                       const int64_t* windows, const int64_t* keys,
                                       const int64_t* given, const int32_t* sorted_stripes,
-                                      const int64_t* order, const int32_t* touch_stripes,
-                                      const int64_t* touch_order, int64_t n, bool assign,
-                                      int64_t* rows, bool* inserted, bool* evicted,
+                                      const int64_t* order, int64_t n, int64_t* stripe_offsets,
+                                      bool assign, int64_t* rows, bool* inserted, bool* evicted,
                                       int64_t* evicted_keys, cudaStream_t stream);
 
 // Removes keys, grouped as for launch_hash_upsert; erased must be zeroed by the caller.

@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 from torch.utils.cpp_extension import _get_cuda_arch_flags
 
-from build_helpers import NVCC, ROOT, nvcc_flags
+from build_helpers import NVCC, ROOT, nvcc_flags, setup_arguments
 
 CU_FILES = sorted(glob.glob(os.path.join(ROOT, "csrc", "*.cu")))
 DEFAULT_ENV = {"TORCH_CUDA_ARCH_LIST": None, "TORCHREC_EXT_NVCC_ARCH": None}
@@ -81,3 +81,16 @@ def test_torchrec_ext_nvcc_arch_overrides_both():
     assert flags[-2:] == override and sum("arch" in flag for flag in flags) == 2, flags
     with mock.patch.dict(os.environ, {"TORCH_CUDA_ARCH_LIST": "8.6"}):
         assert _get_cuda_arch_flags(flags) == []  # torch adds none of its own
+
+
+def test_the_toolkit_is_the_one_cuda_home_names(tmp_path):
+    """$CUDA_HOME picks the toolkit: torch's finder returns it (before nvcc on PATH or
+    /usr/local/cuda), and setup.py builds against torch's CUDA_HOME (its libraries and headers)."""
+    from torch.utils.cpp_extension import _find_cuda_home
+
+    home = str(tmp_path / "cuda-x")
+    with mock.patch.dict(os.environ, {"CUDA_HOME": home}):
+        assert _find_cuda_home() == home
+    (extension,) = setup_arguments(dict(DEFAULT_ENV, FORCE_CUDA="1"), cuda_home=home)["ext_modules"]
+    assert any(d.startswith(home) for d in extension.library_dirs), extension.library_dirs
+    assert any(d.startswith(home) for d in extension.include_dirs), extension.include_dirs

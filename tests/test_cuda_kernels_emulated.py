@@ -291,3 +291,67 @@ def test_emulated_kernels_with_a_stash_match_cpu_and_the_reference(emulated, pol
     _same(state, twin, "stashed table after upsert_tables")
     _same(small, small_twin, "small table after upsert_tables")
     assert got[0][: len(left)].tolist() == model.find(left)[0]  # the stashed keys found where they were
+
+
+# A one-stripe table of 40 buckets (a key's two buckets in the same stripe: any two keys of an
+# insert round may share one), 2 stripes, 3 stripes (odd ring).
+_ONE_STRIPE = 32 * 40
+
+
+@pytest.mark.parametrize(
+    "capacity, policy",
+    ci_subset(
+        itertools.product([_ONE_STRIPE, 64 * 32 * 2, _THREE_STRIPES], range(6)),
+        lambda capacity, policy: (capacity, policy) in {(_ONE_STRIPE, 5), (_THREE_STRIPES, 2)},
+    ),
+)
+def test_emulated_upsert_of_repeated_keys_matches_cpu(emulated, capacity, policy):
+    """Batches of few distinct keys, each repeated ~4 times (within one group of 32 of its
+    stripe's positions and across groups), into a table that fills and then evicts, with per-
+    occurrence scores: the touch pass (a lane per key) must apply a key's repeats in batch order
+    from one lane (lfu sums, custom and assign keep the last occurrence's score), and the insert
+    pass (a lane per key, in rounds) must never let two keys of one bucket go in one round or out
+    of batch order; so rows, flags, evictions and every byte of the table equal the CPU kernel's,
+    also with each launch's warps and each warp's lanes run in reverse (a race on a GPU would show
+    there). The multi-table op on this table beside a small one must agree as well."""
+    cpu = torch.ops.torchrec_ext
+    rng = random.Random(capacity * 10 + policy)
+    universe = [rng.randrange(I64MIN, I64MAX) for _ in range(2 * capacity)]
+    state, twin = _table(capacity), _table(capacity)
+    pair, pair_twin = [_table(capacity), _table(100)], [_table(capacity), _table(100)]
+    epoch, evictions = 0, 0
+    for step in range(8):
+        start = rng.randrange(0, len(universe) - capacity // 4)
+        distinct = universe[start : start + capacity // 4]
+        batch = [rng.choice(distinct) for _ in range(capacity)]
+        keys = torch.tensor(batch, dtype=torch.int64)
+        scores = None
+        if policy == 5 or rng.random() < 0.5:
+            scores = torch.tensor([rng.choice([0, 1, 3, 7, 2**40, I64MAX - 1]) for _ in batch], dtype=torch.int64)
+        if step % 3 == 2:
+            epoch += 1
+        args = (keys, scores, capacity, policy, step + 1, epoch, rng.random() < 0.5)
+        backward = [t.clone() for t in twin]
+        got = emulated.hash_upsert(*twin, *args)
+        _same(cpu.hash_upsert(*state, *args), got, f"upsert, step {step}")
+        _same(state, twin, f"table after upsert, step {step}")
+        with _reversed_warps():
+            _same(got, emulated.hash_upsert(*backward, *args), f"upsert, warps and lanes reversed, step {step}")
+        _same(twin, backward, f"table after upsert, warps and lanes reversed, step {step}")
+        assert not (twin[0] & 0x80).any(), "the emulated kernels left rows pinned"
+        evictions += got[2].numel()
+        # The multi-table op: this batch for the big table, its first 300 keys for the small one.
+        both = torch.cat([keys, keys[:300]])
+        both_scores = None if scores is None else torch.cat([scores, scores[:300]])
+        multi = (both, [0, capacity, capacity + 300], both_scores, None, [capacity, 100], [policy, policy])
+        multi += ([step + 1] * 2, [epoch] * 2, args[-1])
+        columns = [list(x) for x in zip(*pair)]
+        columns_twin = [list(x) for x in zip(*pair_twin)]
+        _same(
+            cpu.hash_upsert_tables(*columns, *multi),
+            emulated.hash_upsert_tables(*columns_twin, *multi),
+            f"upsert_tables, step {step}",
+        )
+        for a, b in zip(pair, pair_twin):
+            _same(a, b, f"tables after upsert_tables, step {step}")
+    assert state[3].item() > 0.95 * capacity and (evictions > 0 or policy == 0)  # filled, then evicted

@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchrec import KeyedJaggedTensor
 
 from dist_helpers import ModelWith, run_ranks
+from torchrec_ext import device_sync
 
 WORLD, KEYS = 2, ["f1", "f2", "f3"]
 
@@ -63,7 +64,7 @@ def _exchanges_agree(rank, world_size):
             theirs = (
                 KJTListSplitsAwaitable([KJTAllToAll(pg, [len(KEYS)] * world_size)(routed)], theirs_ctx).wait().wait()[0]
             )
-        with _OpsSeen() as seen_ours:
+        with _OpsSeen() as seen_ours, device_sync.recording() as seen_reads:
             ours = (
                 KJTListSplitsAwaitable(
                     [RoutedInputDist(pg, len(KEYS), world_size)(routed, ours_ctx.sharding_contexts[0])], ours_ctx
@@ -81,6 +82,9 @@ def _exchanges_agree(rank, world_size):
             assert got.dtype == want.dtype and torch.equal(got, want), (case, part, got, want)
         # The reduce-scatter of the pooled output splits by these.
         assert ours_ctx.sharding_contexts[0].batch_size_per_rank == theirs_ctx.sharding_contexts[0].batch_size_per_rank
+        # Its ids per key known on the host, from the one read of the exchange's splits.
+        assert ours.length_per_key_or_none() == theirs.length_per_key(), case
+        assert seen_reads == {"input dist: the splits of the data exchange": 1}, (case, dict(seen_reads))
         assert seen_ours.fbgemm() == [], (case, seen_ours.fbgemm())
         if case != "no_ids":  # the check sees fbgemm's kernels when they run
             assert any("permute" in n for n in seen_theirs.fbgemm()), (case, seen_theirs.fbgemm())
@@ -111,7 +115,12 @@ def _module_batch(step, rank, weighted, batch=5):
     n = int(lengths.sum())
     ids = torch.tensor([0, -1, 2**63 - 1, 3, 3, 2**50])[torch.randint(0, 6, (n,), generator=gen)]
     return KeyedJaggedTensor(
-        keys=KEYS, values=ids, lengths=lengths, stride=batch, weights=torch.rand(n, generator=gen) if weighted else None
+        keys=KEYS,
+        values=ids,
+        lengths=lengths,
+        stride=batch,
+        weights=torch.rand(n, generator=gen) if weighted else None,
+        length_per_key=lengths.view(len(KEYS), batch).sum(1).tolist(),  # as from_lengths_sync: checks read nothing
     )
 
 
@@ -185,16 +194,24 @@ def _modules_train_alike(rank, world_size):
             kjt = _module_batch(step, rank, weighted)
             outs = []
             for dmp in (ours, theirs):
-                out = dmp(kjt)
-                out = out.wait() if hasattr(out, "wait") else out
-                values = out.values() if weighted else torch.cat([jt.values() for jt in out.values()])
-                (values * (step + 1)).sum().backward()
+                with device_sync.recording() as seen:
+                    out = dmp(kjt)
+                    out = out.wait() if hasattr(out, "wait") else out
+                    values = out.values() if weighted else torch.cat([jt.values() for jt in out.values()])
+                    (values * (step + 1)).sum().backward()
                 outs.append(values.detach())
+                if dmp is ours and step > 0:  # (step 0 builds cached layouts)
+                    # The exchange's splits in one read (the received KJT knows its ids per key,
+                    # so the local module reads no lengths), and the lookup's unique count.
+                    assert seen == STEP_READS, (make.__name__, step, dict(seen))
             torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
         state_ours, state_theirs = local_state(ours), local_state(theirs)
         assert state_ours.keys() == state_theirs.keys() and state_ours
         for key in state_ours:
             torch.testing.assert_close(state_ours[key], state_theirs[key], rtol=0, atol=0, msg=key)
+
+
+STEP_READS = {"input dist: the splits of the data exchange": 1, "lookup: where each table's unique ids start": 1}
 
 
 def test_sharded_modules_train_alike_with_either_input_dist():

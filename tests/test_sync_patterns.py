@@ -77,6 +77,22 @@ STEP_PATH = {
         "HashTable._check_keys",
         "HashTable._check_scores",
     ],
+    # The sharded EBC's step on each rank (row-wise / table-wise): its input dist's one read of
+    # the exchange's splits is device_sync's (test_input_dist.py counts it).
+    "distributed/input_dist.py": [
+        "RoutedCountsAwaitable.__init__",
+        "RoutedCountsAwaitable._wait_impl",
+        "RoutedDataAwaitable.__init__",
+        "RoutedDataAwaitable._wait_impl",
+    ],
+    "distributed/routing.py": ["SlotRouting.route"],
+    "distributed/embeddingbag.py": [
+        "ShardedDynamicEmbeddingBagCollection.input_dist",
+        "ShardedDynamicEmbeddingBagCollection.compute",
+        "ShardedDynamicEmbeddingBagCollection._local_features",
+        "ShardedDynamicEmbeddingBagCollection.output_dist",
+        "ShardedDynamicEmbeddingBagCollection._mean_divisor",
+    ],
     "ops.py": ["*"],
     "torch_kernels.py": ["*"],
     "triton_kernels/embedding_lookup.py": ["*"],

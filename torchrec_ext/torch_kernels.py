@@ -171,7 +171,8 @@ def init_rows_tables(
     vectors = values[:, :max_dim].float()
     col = torch.arange(max_dim, device=device)
     valid = (rows >= 0).unsqueeze(1) & (col < dim.unsqueeze(1))
-    dtype_of = table_dtypes.index_select(0, tables) if table_dtypes is not None else torch.zeros_like(tables)
+    every_element = _flat_selection(valid)  # shared by the float32 rows and element-wise states
+    dtype_of = table_dtypes.index_select(0, tables) if table_dtypes is not None else None
     start = table_offsets.index_select(0, tables)
     for code, dtype in enumerate(STORAGE_DTYPES):
         if code != 0 and table_dtypes is None:
@@ -179,14 +180,16 @@ def init_rows_tables(
         view = weights if dtype == torch.float32 else weights.view(dtype)
         per_word = 4 // view.element_size()
         index = (start * per_word + rows * dim).unsqueeze(1) + col
-        _write_flat(view, index, valid & (dtype_of == code).unsqueeze(1), vectors.to(dtype))
+        selected = every_element if dtype_of is None else _flat_selection(valid & (dtype_of == code).unsqueeze(1))
+        _write_flat(view, index, selected, vectors.to(dtype))
+    every_row = _flat_selection((rows >= 0).unsqueeze(1)) if rowwise and states else None
     for state, value in zip(states, state_values):
         base = state_offsets.index_select(0, tables)
         if rowwise:
-            index, where = (base + rows).unsqueeze(1), (rows >= 0).unsqueeze(1)
+            index, selected = (base + rows).unsqueeze(1), every_row
         else:
-            index, where = (base + rows * dim).unsqueeze(1) + col, valid
-        _write_flat(state, index, where, torch.full(index.shape, value, dtype=state.dtype, device=device))
+            index, selected = (base + rows * dim).unsqueeze(1) + col, every_element
+        _write_flat(state, index, selected, value)
 
 
 def _family(name: str, ids: Tensor, seed: Tensor, num_pairs: int, p: Tensor) -> Tensor:
@@ -216,16 +219,25 @@ def _pair_bits_seeded(ids: Tensor, num_pairs: int, seed: Tensor, attempt: int = 
     return fmix64_tensor(row_key + counters * u64(INIT_GOLDEN))
 
 
-def _write_flat(buffer: Tensor, index: Tensor, where: Tensor, values: Tensor) -> None:
-    """buffer[index] = values where ``where`` (all [n, w]), fixed-size: the other entries stand in
-    for the first written one (same element, same value), or write an element's own value back
-    when none is written."""
-    index, where, values = index.flatten(), where.flatten(), values.flatten()
+def _flat_selection(where: Tensor) -> tuple[Tensor, Tensor]:
+    """(source, kept) of a fixed-size masked write of ``where`` ([n, w]): each entry written
+    stands for itself, the others for the first written one (``source``); ``kept`` is False only
+    when none is written. One selection serves every buffer written under the same mask."""
+    where = where.flatten()
     first = torch.argmax(where.to(torch.uint8))
-    source = torch.where(where, torch.arange(index.numel(), device=index.device), first)
-    target = index.index_select(0, source).clamp(0, buffer.numel() - 1)  # in range when none is written
-    kept = where.index_select(0, source)
-    buffer.index_put_((target,), torch.where(kept, values.index_select(0, source), buffer.index_select(0, target)))
+    source = torch.where(where, torch.arange(where.numel(), device=where.device), first)
+    return source, where.index_select(0, source)
+
+
+def _write_flat(buffer: Tensor, index: Tensor, selection: tuple[Tensor, Tensor], values: Tensor | float) -> None:
+    """buffer[index] = values where selected (``_flat_selection``; ``index`` and a tensor of
+    ``values`` [n, w], a float: every entry's), fixed-size: the other entries stand in for the
+    first written one (same element, same value), or write an element's own value back when
+    none is written."""
+    source, kept = selection
+    target = index.flatten().index_select(0, source).clamp(0, buffer.numel() - 1)  # in range when none is written
+    chosen = values.flatten().index_select(0, source) if isinstance(values, Tensor) else values
+    buffer.index_put_((target,), torch.where(kept, chosen, buffer.index_select(0, target)))
 
 
 def _skip_to_first_kept(rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:

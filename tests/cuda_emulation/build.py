@@ -17,7 +17,7 @@ CSRC = os.path.join(os.path.dirname(os.path.dirname(HERE)), "csrc")
 # Every CUDA kernel file: its kernel launches (a different count means the launch rewrite below
 # missed one) and the tensors its binding requires on a GPU (emulated "device" memory is host memory).
 KERNEL_FILES = {
-    "hash_table_cuda": dict(launches=15, on_device=("digests", "keys")),
+    "hash_table_cuda": dict(launches=16, on_device=("digests", "keys")),
     "bloom_cuda": dict(launches=2, on_device=("counters",)),
 }
 
@@ -39,10 +39,8 @@ def _emulated_kernels(name: str) -> str:
     cu = _read(os.path.join(CSRC, f"{name}.cu"))
     cu = cu.replace("#include <cuda_runtime.h>\n", "")
     prefetch = 'asm volatile("prefetch.global.L2 [%0];" ::"l"(p));'
-    assert name != "hash_table_cuda" or prefetch in cu, (
-        "hash_table_cuda.cu changed: update the emulation's L2 prefetch rewrite"
-    )
     cu = cu.replace(prefetch, "emu_prefetch(p);")
+    assert "asm" not in cu, f"{name}.cu has inline assembly the emulation does not rewrite"
     cu, launches = re.subn(
         r"(\w+)<<<(.*?),\s*(\w+),\s*0,\s*stream>>>\((.*?)\);",
         r"emu_launch(\2, \3, stream, [&] { \1(\4); });",

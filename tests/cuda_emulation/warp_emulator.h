@@ -5,8 +5,9 @@
 // GPU), then computes it. Launches run their warps one after another.
 //
 // What it cannot show: memory-ordering and timing effects between warps (warps never overlap
-// here), and speed. It can show results that depend on the order of a launch's warps (a race on
-// a GPU): with TORCHREC_EMU_REVERSE_WARPS set, launches run their warps last to first.
+// here), and speed. It can show results that depend on the order of a launch's warps or of a
+// warp's lanes between two collectives (a race on a GPU): with TORCHREC_EMU_REVERSE_WARPS set,
+// launches run their warps last to first, and each warp its lanes from 31 down to 0.
 // Included first by the emulated kernels file that build.py generates.
 #pragma once
 #include <cuda_runtime_api.h>
@@ -56,7 +57,8 @@ inline void lane_entry() {
   (*g_warp->body)();
   g_warp->lanes[g_lane].kind = kDone;
 }
-inline void run_warp(unsigned block, unsigned warp, const std::function<void()>& body) {
+inline void run_warp(unsigned block, unsigned warp, const std::function<void()>& body,
+                     bool reverse_lanes) {
   Warp w;
   w.body = &body;
   g_warp = &w;
@@ -70,7 +72,8 @@ inline void run_warp(unsigned block, unsigned warp, const std::function<void()>&
   }
   for (;;) {
     int ndone = 0;
-    for (int l = 0; l < 32; ++l) {
+    for (int i = 0; i < 32; ++i) {
+      const int l = reverse_lanes ? 31 - i : i;
       if (done[l]) { ++ndone; continue; }
       g_lane = l;
       threadIdx.x = warp * 32 + l;
@@ -150,7 +153,7 @@ void emu_launch(unsigned grid, unsigned block, cudaStream_t, F f) {
   const unsigned per_block = block / 32, warps = grid * per_block;
   for (unsigned i = 0; i < warps; ++i) {
     const unsigned w = reverse ? warps - 1 - i : i;
-    emu::run_warp(w / per_block, w % per_block, body);
+    emu::run_warp(w / per_block, w % per_block, body, reverse);
   }
 }
 

@@ -138,11 +138,13 @@ class ShardedDynamicEmbeddingCollection(
     def _local_features(self, dist_input: KJTList) -> KeyedJaggedTensor:
         """The local module's input: the received ids of the slots of its tables."""
         received, names, slots = dist_input[0], self._routing.names, self._local_slots
+        per_key = received.length_per_key_or_none()  # known on the host: the module reads no lengths
         return KeyedJaggedTensor(
             keys=[names[i] for i in slots],
             values=received.values(),
             lengths=self._received_lengths(received)[slots].reshape(-1),
             stride=received.stride(),
+            length_per_key=None if per_key is None else [per_key[i] for i in slots],
         )
 
     def output_dist(self, ctx: SequenceShardingContext, output: list[Tensor]) -> LazyAwaitable[dict[str, JaggedTensor]]:

@@ -35,6 +35,7 @@ from torchrec.distributed.types import Awaitable, LazyAwaitable, ParameterShardi
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from torchrec_ext import device_sync
 from torchrec_ext.distributed.sharded_base import ShardedDynamicBase
 from torchrec_ext.modules.embedding_bag_collection import DynamicEmbeddingBagCollection
 from torchrec_ext.modules.features import check_and_arrange
@@ -149,12 +150,14 @@ class ShardedDynamicEmbeddingBagCollection(
             return received
         # slots of other ranks' tables carry no ids here: keep the local slots' lengths
         lengths = received.lengths().view(len(names), stride)[self._local_slots].reshape(-1)
+        per_key = received.length_per_key_or_none()  # known on the host: the module reads no lengths
         return KeyedJaggedTensor(
             keys=[names[i] for i in self._local_slots],
             values=received.values(),
             weights=received.weights_or_none(),
             lengths=lengths,
             stride=stride,
+            length_per_key=None if per_key is None else [per_key[i] for i in self._local_slots],
         )
 
     def output_dist(self, ctx: EmbeddingBagCollectionContext, output: list[Tensor]) -> LazyAwaitable[KeyedTensor]:
@@ -170,7 +173,8 @@ class ShardedDynamicEmbeddingBagCollection(
         per_slot = lengths.view(len(self._plan.mean), batch_size).t().float().clamp(min=1)
         _, _, mean = self._plan.tensors(lengths.device)
         scale = torch.where(mean, 1.0 / per_slot, torch.ones_like(per_slot))
-        return torch.repeat_interleave(scale, torch.tensor(self._plan.dims, device=lengths.device), dim=1)
+        dims = device_sync.to_device(torch.tensor(self._plan.dims), lengths.device)  # no blocking copy on a GPU
+        return torch.repeat_interleave(scale, dims, dim=1)
 
     # ------------------------------------------------------------------ module interface
 

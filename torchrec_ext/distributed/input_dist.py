@@ -31,6 +31,8 @@ from torchrec.distributed.embedding_sharding import EmbeddingShardingContext
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_ext import device_sync
+
 
 def transpose_segments(sizes: Tensor, total: int | None = None) -> Tensor:
     """Gather index that lists a buffer of segments laid out row-major by ``sizes[a, b]``
@@ -95,17 +97,24 @@ class RoutedCountsAwaitable(Awaitable[Awaitable[KeyedJaggedTensor]]):
             batches, data = [self._routed.stride()], _Ready(self._routed)
         else:
             self._work.wait()
-            received = self._received.view(self._pg.size(), 1 + self._num_keys)
-            counts = received.tolist()  # on the host: the splits of phase two
+            world, width = self._pg.size(), 1 + self._num_keys
+            received = self._received.view(world, width)
+            # The step's one read of the exchange: what arrives (the splits of phase two) and what
+            # this rank sends, in one copy to the host.
+            host = device_sync.host_list(
+                torch.cat([self._received, self._sent.sum(1)]), "input dist: the splits of the data exchange"
+            )
+            counts = [host[r * width : (r + 1) * width] for r in range(world)]
             batches = [row[0] for row in counts]
             data = RoutedDataAwaitable(
                 self._pg,
                 self._routed,
                 self._num_keys,
-                self._sent.sum(1).tolist(),
+                host[world * width :],
                 batches,
                 received[:, 1:],
                 [sum(row[1:]) for row in counts],
+                [sum(row[1 + k] for row in counts) for k in range(self._num_keys)],
             )
         if self._sharding_ctx is not None:  # the output dist's reduce-scatter splits
             self._sharding_ctx.batch_size_per_rank = batches
@@ -124,13 +133,18 @@ class RoutedDataAwaitable(Awaitable[KeyedJaggedTensor]):
         batches: list[int],
         ids_per_key: Tensor,
         received_ids: list[int],
+        received_per_key: list[int],
     ):
+        """``received_per_key``: the ids of each key this rank receives, summed over the sources
+        (the received KJT's ``length_per_key``, known on the host: its consumers need not read
+        the lengths)."""
         super().__init__()
         values, lengths, weights = routed.values(), routed.lengths(), routed.weights_or_none()
         world, batch = pg.size(), routed.stride()
         self._keys = routed.keys()[:num_keys]
         self._lengths_dtype = lengths.dtype
         self._batches, self._ids_per_key = batches, ids_per_key  # per source (and key)
+        self._received_per_key = received_per_key
         with torch.no_grad():
             # Per destination, its lengths then its ids, in one buffer of the ids' dtype.
             ids_per_rank = torch.split(values, sent_ids)
@@ -165,7 +179,7 @@ class RoutedDataAwaitable(Awaitable[KeyedJaggedTensor]):
         with torch.no_grad():
             # Each source sent its lengths per key (a batch each), then its ids per key: listed
             # key-major over the sources, all lengths come first, then all ids.
-            batches = torch.tensor(self._batches, device=self._ids_per_key.device)
+            batches = device_sync.to_device(torch.tensor(self._batches), self._ids_per_key.device)
             segments = torch.cat([batches.view(world, 1).expand(world, num_keys), self._ids_per_key], 1)
             ints = self._received_ints[transpose_segments(segments, self._received_ints.numel())]
             weights = None
@@ -177,6 +191,7 @@ class RoutedDataAwaitable(Awaitable[KeyedJaggedTensor]):
                 lengths=ints[: num_keys * stride].to(self._lengths_dtype),
                 weights=weights,
                 stride=stride,
+                length_per_key=self._received_per_key,
             )
 
 

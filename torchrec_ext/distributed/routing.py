@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_ext import ops
+from torchrec_ext import device_sync, ops
 
 Destination = int | tuple[int, ...]  # a rank, or the group of ranks ids are spread over by hash
 
@@ -111,7 +111,9 @@ class SlotRouting:
         ids; each of those ids' position in ``ids``, None when no slot is routed twice)."""
         expand = None
         if self.expands:
-            per_slot = lengths.view(self.lookup_slots, batch_size).sum(1).tolist()
+            per_slot = device_sync.host_list(
+                lengths.view(self.lookup_slots, batch_size).sum(1), "routing: the ids of each slot routed twice"
+            )
             starts = [sum(per_slot[:s]) for s in range(len(per_slot))]
             expand = (
                 torch.cat([torch.arange(starts[s], starts[s] + per_slot[s], device=ids.device) for s in self.source])

@@ -159,12 +159,12 @@ class TableCounters:
 
     def count_batch(self, unique_rows: Tensor, inserted: Tensor, unique_table: Tensor, counts: Tensor) -> None:
         """One training batch: each distinct id's row (-1: none), whether it was inserted, its table and count."""
-        code = unique_table * _CODES + (unique_rows >= 0).to(torch.int64) + inserted.to(torch.int64)
-        size = self.counts.shape[0] * _CODES
-        occurrences = torch.zeros(size, dtype=torch.int64, device=code.device).index_add_(0, code, counts)
-        distinct = torch.zeros(size, dtype=torch.int64, device=code.device).index_add_(0, code, torch.ones_like(code))
-        self.counts[:, _OCCURRENCES : _OCCURRENCES + _CODES] += occurrences.view(-1, _CODES)
-        self.counts[:, _DISTINCT : _DISTINCT + _CODES] += distinct.view(-1, _CODES)
+        # Added straight into the counters (their flat view): each id's occurrences and its one
+        # distinct id, at its table's column of its code (no per-step buffers to add after).
+        at = unique_table * _COLUMNS + (unique_rows >= 0).to(torch.int64) + inserted.to(torch.int64)
+        flat = self.counts.view(-1)
+        flat.index_add_(0, at + _OCCURRENCES, counts)
+        flat.index_add_(0, at + _DISTINCT, torch.ones_like(at))
 
     def count_rejected(self, t: int, rejected: Tensor) -> None:
         self.counts[t, _REJECTED] += rejected.sum()

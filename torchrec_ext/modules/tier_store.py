@@ -99,6 +99,11 @@ class BackingStore:
         self._files: dict[str, object] = {}  # buffer name (a log: "log<t>") -> its open, locked file
         self._logs: dict[int, RowLog] = {}  # table -> its write-back log (tier_log.py)
         if self.directory is not None:
+            if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+                raise ValueError(
+                    f"{where}: backing directory {self.directory!r} is not a directory (backing={backing!r}: "
+                    "file:<dir> names a directory, in which the module makes its files)"
+                )
             if not os.path.isdir(self.directory):
                 raise ValueError(f"{where}: backing directory {self.directory!r} does not exist (backing={backing!r})")
             if not os.access(self.directory, os.W_OK | os.X_OK):

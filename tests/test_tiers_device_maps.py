@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from matrix import FULL_MATRIX, REASON
+from test_tier_edges import test_a_batch_sharing_the_rows_of_a_batch_in_flight_needs_no_more_slots  # noqa: F401
 from test_tiers import (  # noqa: F401  (collected here again, with the device maps)
     POOL,
     _backing,
@@ -57,6 +58,7 @@ CI = {
     "test_a_cache_too_small_for_a_batch_is_a_clear_error_and_changes_nothing",
     "test_table_stats_count_the_tier_traffic",
     "test_a_copy_of_a_file_backed_module_is_independent",
+    "test_a_batch_sharing_the_rows_of_a_batch_in_flight_needs_no_more_slots",
 }
 
 

@@ -81,9 +81,6 @@ class TableSlots:
     def pinned_at_most(self) -> int:
         return sum(counts[self.t] for counts in self.maps.pin_counts.values())
 
-    def room(self) -> int:
-        return self.maps.room(self.t)
-
     def unpin(self, token: int) -> None:
         self.maps.unpin(token)
 
@@ -170,16 +167,6 @@ class DeviceSlotMaps:
         for slots in self.pinned.values():
             mask.index_fill_(0, slots, True)
         return mask
-
-    def room(self, t: int) -> int:
-        """Table t's slots no batch in flight holds (a read on the host when any is held)."""
-        n = self.tables[t].slots
-        mask = self.pinned_mask()
-        if mask is None:
-            return n
-        base = self.slot_base_host[t]
-        held = device_sync.to_host(mask[base : base + n].sum(), "tiered tables: cache room")
-        return n - int(held)
 
     # ------------------------------------------------------------------ a lookup
 

@@ -73,7 +73,7 @@ import torch
 from torch import Tensor
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
-from torchrec_ext import device_sync, ops
+from torchrec_ext import device_gate, device_sync, ops
 from torchrec_ext.modules.configs import DEFAULT_CACHE_LOAD_FACTOR, cache_slots, options_of, storage_dtype_of
 from torchrec_ext.modules.dynamic_tables import DynamicTables, RowLookup
 from torchrec_ext.modules.table_stats import TableStats
@@ -562,7 +562,14 @@ class _Stager:
     ready; per table it then waits for the handover's event: the slots it evicts were last
     written by kernels queued before), and the stream that joins it waits for the stage's event
     (the next lookup reads the rows it brought in); the worker also waits for the side stream,
-    so the host sees the written-back rows once the stage is joined."""
+    so the host sees the written-back rows once the stage is joined.
+
+    The worker holds the process's capture gate (``device_gate.DEVICE_WORK``) around each stage, so
+    a CUDA graph capture (the pipeline's, or a user's inside ``device_gate.quiesced()``) waits for
+    the stage under way and a stage submitted meanwhile starts after it. Never a deadlock: the
+    stage's own waits are for the lookup's hand-over (complete once that lookup returns, and no
+    capture runs inside a lookup) and for an input dist in flight (``TrainPipeline`` waits for it
+    stepped aside from the gate)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -587,17 +594,27 @@ class _Stager:
         return self._submit(timed)
 
     def _submit(self, stage) -> Future:
+        gate = device_gate.DEVICE_WORK
         if self._stream is None:
-            return self._pool.submit(stage)
+
+            def gated():
+                with gate.working():
+                    return stage()
+
+            return self._pool.submit(gated)
         side = self._stream
         submitted = torch.cuda.current_stream(self.device).record_event()  # the next batch's ids are ready
 
         def on_side_stream():
-            with torch.cuda.device(self.device), torch.cuda.stream(side):  # (the worker's own current device/stream)
-                side.wait_event(submitted)
-                stage()  # waits, table by table, for the train stream's event of the handover
-                done = side.record_event()
-            side.synchronize()
+            with gate.working():  # the side stream drained before a capture may start
+                with (
+                    torch.cuda.device(self.device),
+                    torch.cuda.stream(side),
+                ):  # (the worker's own current device/stream)
+                    side.wait_event(submitted)
+                    stage()  # waits, table by table, for the train stream's event of the handover
+                    done = side.record_event()
+                side.synchronize()
             return done
 
         return self._pool.submit(on_side_stream)

@@ -218,6 +218,102 @@ def test_sequence_lookup_exact(target, dim):
     assert torch.equal(got.cpu()[rows < 0], torch.zeros(int((rows < 0).sum()), dim))
 
 
+# ---- the pooled lookup's tiling: tiles of bags x ids x columns ------------------------------
+
+# Per table (dim, dtype): aligned dims (16-byte loads), odd dims (scalar loads), dims even but not
+# multiples of 4, and a table wider than one block of columns (256).
+TILING_DIMS = {"aligned": [64, 32, 64], "odd": [3, 5, 7], "even": [6, 10, 2], "wide": [4, 12, 300]}
+TILING_DTYPES = {"fp32": [torch.float32] * 3, "mixed": [torch.float16, torch.float32, torch.bfloat16]}
+# Bag lengths: "short" 0..2 (mostly one loop step), "long" up to 40 (several steps of BLOCK_L ids).
+TILING_BAGS = {"short": 2, "long": 40}
+_TILING_CASES = list(itertools.product(TILING_DIMS, TILING_DTYPES, TILING_BAGS, [False, True]))
+
+
+def _tiling_case(dims, dtypes, max_len, weighted, gen, batch_size=7, feature_table=(0, 1, 2, 0, 2)):
+    """A pooled-lookup case (the reference's keyword arguments): batch_size 7, so the tiles of
+    consecutive bags straddle features (hence tables, dims and dtypes); empty bags, -1 rows."""
+    caps = [9, 6, 11]
+    weights, table_offsets, table_dims, table_dtypes, _ = _half()._layout(caps, dims, dtypes, gen)
+    feature_table = torch.tensor(feature_table)
+    feature_dims = table_dims[feature_table]
+    lengths = torch.randint(0, max_len + 1, (len(feature_table) * batch_size,), generator=gen)
+    lengths[::5] = 0
+    lengths[1] = max_len  # the longest bag for sure
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    value_table = feature_table.repeat_interleave(batch_size).repeat_interleave(lengths)
+    n = int(offsets[-1])
+    rows = (torch.rand(n, generator=gen) * torch.tensor(caps)[value_table]).long()
+    rows[torch.rand(n, generator=gen) < 0.15] = -1
+    return dict(
+        weights=weights,
+        table_offsets=table_offsets,
+        table_dims=table_dims,
+        feature_table=feature_table,
+        feature_col=torch.cat([torch.zeros(1, dtype=torch.int64), feature_dims.cumsum(0)[:-1]]),
+        feature_mean=torch.tensor([i % 2 == 1 for i in range(len(feature_table))]),
+        rows=rows,
+        offsets=offsets,
+        per_sample_weights=torch.rand(n, generator=gen) + 0.5 if weighted else None,
+        batch_size=batch_size,
+        total_dim=int(feature_dims.sum()) + 2,  # 2 columns no feature writes: zeros
+        table_dtypes=None if all(d == torch.float32 for d in dtypes) else table_dtypes,
+    )
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize(
+    "dims, dtypes, bags, weighted",
+    # CI: long bags weighted, short ones plain (every dims x dtypes pair both ways in the full matrix).
+    ci_subset(_TILING_CASES, lambda dims, dtypes, bags, weighted: (bags == "long") == weighted),
+)
+def test_pooled_lookup_tiling(target, dims, dtypes, bags, weighted):
+    device = _device(target)
+    gen = torch.Generator().manual_seed(_TILING_CASES.index((dims, dtypes, bags, weighted)))
+    case = _tiling_case(TILING_DIMS[dims], TILING_DTYPES[dtypes], TILING_BAGS[bags], weighted, gen)
+    want = ref.pooled_lookup(**case)
+    on = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+    got = _lookup().pooled_lookup(**on)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got.cpu(), want)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_pooled_lookup_many_tables(target):
+    """40 tables of mixed dims (one feature each, two more reading tables 0 and 39): one launch."""
+    device = _device(target)
+    gen = torch.Generator().manual_seed(40)
+    dims = [[8, 4, 16, 2, 6][t % 5] for t in range(40)]
+    weights, table_offsets, table_dims, _ = _tables(gen, dims=dims, caps=[5] * 40)
+    feature_table = list(range(40)) + [0, 39]
+    feature_mean = [f % 3 == 0 for f in range(len(feature_table))]
+    feature_table, feature_col, feature_mean, total_dim = _features(dims, feature_table, feature_mean)
+    rows, offsets, psw, _ = _bags(gen, 3, feature_table.tolist(), caps=[5] * 40, max_len=9, weighted=True)
+    args = (table_offsets, table_dims, feature_table, feature_col, feature_mean, rows, offsets, psw)
+    want = ref.pooled_lookup(weights, *args, 3, total_dim)
+    torch.testing.assert_close(_lookup().pooled_lookup(*_on(device, weights, *args), 3, total_dim).cpu(), want)
+
+
+@pytest.mark.parametrize("target", TARGETS)  # (in the child: the parent must not import triton)
+def test_pooled_lookup_tile_choice(target):
+    """The host-side choices: vector width from every table's dim and first word; tiles that
+    follow the mean bag length and stay within POOLED_TILE elements."""
+    lookup = _lookup()
+    assert lookup._alignment([64, 128], [0, 4096]) == 4
+    assert lookup._alignment([64, 6], [0, 4096]) == 2  # one dim not a multiple of 4
+    assert lookup._alignment([64, 64], [0, 4098]) == 2  # one table starting mid-vector
+    assert lookup._alignment([7], [0]) == 1
+    for max_dim, mean_bag in [(64, 4.0), (64, 0.0), (128, 30.0), (300, 2.0), (3, 1.0), (64, 200.0)]:
+        block_b, block_l, block_d, num_warps = lookup._pooled_blocks(max_dim, mean_bag)
+        assert block_d == min(triton_next_pow2(max_dim), 256)
+        assert block_l == min(triton_next_pow2(max(round(mean_bag), 1)), 32, lookup.POOLED_TILE // block_d)
+        assert block_b * block_l * block_d <= max(lookup.POOLED_TILE, block_d)
+        assert 1 <= num_warps <= 8
+
+
+def triton_next_pow2(n):
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_empty_inputs(target):
     device = _device(target)

@@ -65,60 +65,84 @@ def _pooled_lookup_fwd_kernel(
     offsets_ptr,  # [F * batch_size + 1] int: bag boundaries
     psw_ptr,  # [n] per-sample weights (unused unless HAS_WEIGHTS)
     out_ptr,  # [batch_size, total_dim] float32
+    num_bags,
     batch_size,
     total_dim,
     HAS_WEIGHTS: tl.constexpr,
     HAS_DTYPES: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    ALIGN: tl.constexpr,  # every table's dim and first word are multiples of it (vector loads)
+    BLOCK_B: tl.constexpr,
+    BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # One program per (bag, block of BLOCK_D columns); it walks the bag's ids BLOCK_N at a time.
-    bag = tl.program_id(0).to(tl.int64)
+    # One program per (BLOCK_B consecutive bags, block of BLOCK_D columns). Each loop step loads
+    # the next BLOCK_L ids of every bag of the tile, then their BLOCK_B x BLOCK_L rows at once:
+    # many independent row loads in flight per program (one bag per program left the memory
+    # system idle while its few rows' dependent loads ran one after the other). Bags of one tile
+    # may belong to different features, hence tables, dims and dtypes: all per-bag vectors.
+    bags = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
     pid_d = tl.program_id(1).to(tl.int64)
-    feature = bag // batch_size
-    sample = bag - feature * batch_size
+    bag_ok = bags < num_bags
+    feature = bags // batch_size
+    sample = bags - feature * batch_size
 
-    table = tl.load(feature_table_ptr + feature).to(tl.int64)
-    col = tl.load(feature_col_ptr + feature).to(tl.int64)
-    is_mean = tl.load(feature_mean_ptr + feature)
-    dim = tl.load(table_dims_ptr + table).to(tl.int64)
-    base = tl.load(table_offsets_ptr + table).to(tl.int64)
-    dtype_code = tl.load(table_dtypes_ptr + table) if HAS_DTYPES else 0
-    start = tl.load(offsets_ptr + bag).to(tl.int64)
-    end = tl.load(offsets_ptr + bag + 1).to(tl.int64)
+    table = tl.load(feature_table_ptr + feature, mask=bag_ok, other=0).to(tl.int64)
+    col = tl.load(feature_col_ptr + feature, mask=bag_ok, other=0).to(tl.int64)
+    is_mean = tl.load(feature_mean_ptr + feature, mask=bag_ok, other=0)
+    # The hints let the compiler prove that a row's ALIGN elements are contiguous and aligned:
+    # 16-byte loads of float32 rows when ALIGN is 4 (the host checked every table).
+    dim = tl.multiple_of(tl.load(table_dims_ptr + table, mask=bag_ok, other=0).to(tl.int64), ALIGN)
+    base = tl.multiple_of(tl.load(table_offsets_ptr + table, mask=bag_ok, other=0).to(tl.int64), ALIGN)
+    if HAS_DTYPES:
+        dtype_code = tl.load(table_dtypes_ptr + table, mask=bag_ok, other=0)[:, None, None]
+    else:
+        dtype_code = 0
+    start = tl.load(offsets_ptr + bags, mask=bag_ok, other=0).to(tl.int64)
+    end = tl.load(offsets_ptr + bags + 1, mask=bag_ok, other=0).to(tl.int64)
 
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_mask = d < dim
-    # Column blocks past this table's dim (the grid covers the widest table) read nothing.
-    stop = tl.where(pid_d * BLOCK_D < dim, end, start)
+    d_mask = d[None, :] < dim[:, None]  # [B, D]
+    # A column block past a bag's dim (the grid covers the widest table) reads nothing.
+    length = tl.where(bag_ok & (pid_d * BLOCK_D < dim), end - start, 0)
+    longest = tl.max(length, axis=0)
+    pos = tl.arange(0, BLOCK_L)
 
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    i = start
-    while i < stop:
-        idx = i + tl.arange(0, BLOCK_N)
-        in_bag = idx < stop
-        row = tl.load(rows_ptr + idx, mask=in_bag, other=-1).to(tl.int64)
+    # Software pipeline: the ids of step j + 1 are loaded before the rows of step j, so the id
+    # loads' latency hides behind the row loads.
+    in_bag = pos[None, :] < length[:, None]  # [B, L]
+    row = tl.load(rows_ptr + start[:, None] + pos[None, :], mask=in_bag, other=-1).to(tl.int64)
+    acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+    j = 0
+    while j < longest:
+        cur = j + pos[None, :]
         present = in_bag & (row >= 0)  # -1 rows read as zeros
+        nxt = cur + BLOCK_L
+        next_in_bag = nxt < length[:, None]
+        next_row = tl.load(rows_ptr + start[:, None] + nxt, mask=next_in_bag, other=-1).to(tl.int64)
         vals = load_rows(
             weights_ptr,
             weights16_ptr,
             weightsbf_ptr,
-            base,
-            row[:, None] * dim + d[None, :],
-            present[:, None] & d_mask[None, :],
+            base[:, None, None],
+            (row * dim[:, None])[:, :, None] + d[None, None, :],
+            present[:, :, None] & d_mask[:, None, :],
             dtype_code,
             HAS_DTYPES,
         )
         if HAS_WEIGHTS:
-            w = tl.load(psw_ptr + idx, mask=present, other=0.0).to(tl.float32)
-            vals = vals * w[:, None]
-        acc += tl.sum(vals, axis=0)
-        i += BLOCK_N
+            w = tl.load(psw_ptr + start[:, None] + cur, mask=present, other=0.0).to(tl.float32)
+            vals = vals * w[:, :, None]
+        acc += tl.sum(vals, axis=1)
+        row = next_row
+        in_bag = next_in_bag
+        j += BLOCK_L
 
     # Mean divides by the bag's full length, -1 rows included; empty bags stay zero.
-    length = tl.maximum(end - start, 1).to(tl.float32)
-    acc = tl.where((is_mean != 0) & (end > start), tl.div_rn(acc, length), acc)
-    tl.store(out_ptr + sample * total_dim + col + d, acc, mask=d_mask)
+    full = end - start
+    scale = tl.where((is_mean != 0) & (full > 0), tl.maximum(full, 1).to(tl.float32), 1.0)
+    acc = tl.div_rn(acc, scale[:, None])
+    out = out_ptr + (sample * total_dim + col)[:, None] + d[None, :]
+    tl.store(out, acc, mask=bag_ok[:, None] & d_mask)
 
 
 @triton.jit
@@ -173,6 +197,36 @@ def _blocks(max_dim: int, max_block_d: int = 128, tile: int = 2048):
     block_n = max(1, min(32, tile // block_d))
     num_warps = 4 if block_d * block_n >= 2048 else 2
     return block_d, block_n, num_warps
+
+
+# The pooled lookup's tile (elements a program holds per loop step) and elements per thread
+# (16 = four 16-byte loads in flight per thread at ~76 registers on sm_90; 32 took ~126, which
+# halves the resident warps). Module constants so a benchmark can sweep them.
+POOLED_TILE = 4096
+POOLED_ELEMENTS_PER_THREAD = 16
+
+
+def _pooled_blocks(max_dim: int, mean_bag: float):
+    """(BLOCK_B, BLOCK_L, BLOCK_D, num_warps) of the pooled lookup: a program's tile is BLOCK_B
+    bags x BLOCK_L ids x BLOCK_D columns (about POOLED_TILE elements). BLOCK_L follows the
+    batch's mean bag length (a host value: rows.numel() / bags), so typical bags take one or two
+    loop steps; each distinct value is one compile (at most 6: powers of two up to 32)."""
+    tile = POOLED_TILE
+    block_d = min(triton.next_power_of_2(max(max_dim, 1)), 256)
+    block_l = min(triton.next_power_of_2(max(int(mean_bag + 0.5), 1)), 32, max(tile // block_d, 1))
+    block_b = max(1, min(64, tile // (block_d * block_l)))
+    threads = block_b * block_l * block_d // POOLED_ELEMENTS_PER_THREAD
+    num_warps = max(1, min(8, triton.next_power_of_2(max(threads // 32, 1))))
+    return block_b, block_l, block_d, num_warps
+
+
+def _alignment(dims: list[int], table_offsets: list[int]) -> int:
+    """The largest power of two up to 4 dividing every table's dim and first word: the kernel
+    may then read a row ALIGN elements at a time (16-byte loads of float32 rows at 4)."""
+    align = 4
+    while align > 1 and any(v % align for v in [*dims, *table_offsets]):
+        align //= 2
+    return align
 
 
 def _meta(t: Tensor, device: torch.device, dtype: torch.dtype = torch.int64) -> Tensor:
@@ -235,15 +289,16 @@ def pooled_lookup(
     if num_bags == 0 or total_dim == 0:
         return out
     # Host dims: free when the caller mirrors them (DynamicTables' layout), else one counted read.
-    max_dim = int(device_sync.to_host(table_dims, "pooled_lookup: widest table").max()) if table_dims.numel() else 0
+    host_dims = device_sync.host_list(table_dims, "pooled_lookup: widest table")
+    max_dim = max(host_dims, default=0)
     if max_dim == 0:
         return out
     table_dims = _meta(table_dims, device)
     rows = rows.to(device).contiguous()
     has_weights = per_sample_weights is not None
     psw = per_sample_weights.to(device).contiguous() if has_weights else rows  # dummy, never read
-    block_d, block_n, num_warps = _blocks(max_dim)
-    grid = (num_bags, triton.cdiv(max_dim, block_d))
+    block_b, block_l, block_d, num_warps = _pooled_blocks(max_dim, rows.numel() / num_bags)
+    grid = (triton.cdiv(num_bags, block_b), triton.cdiv(max_dim, block_d))
     codes, has_dtypes = dtype_codes(table_dtypes, device)
     _pooled_lookup_fwd_kernel[grid](
         *typed_views(weights),
@@ -257,11 +312,14 @@ def pooled_lookup(
         _meta(offsets, device),
         psw,
         out,
+        num_bags,
         batch_size,
         total_dim,
         HAS_WEIGHTS=has_weights,
         HAS_DTYPES=has_dtypes,
-        BLOCK_N=block_n,
+        ALIGN=_alignment(host_dims, device_sync.host_list(table_offsets, "pooled_lookup: table alignment")),
+        BLOCK_B=block_b,
+        BLOCK_L=block_l,
         BLOCK_D=block_d,
         num_warps=num_warps,
     )

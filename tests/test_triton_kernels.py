@@ -305,7 +305,7 @@ def test_pooled_lookup_tile_choice(target):
     for max_dim, mean_bag in [(64, 4.0), (64, 0.0), (128, 30.0), (300, 2.0), (3, 1.0), (64, 200.0)]:
         block_b, block_l, block_d, num_warps = lookup._pooled_blocks(max_dim, mean_bag)
         assert block_d == min(triton_next_pow2(max_dim), 256)
-        assert block_l == min(triton_next_pow2(max(round(mean_bag), 1)), 32, lookup.POOLED_TILE // block_d)
+        assert block_l == min(triton_next_pow2(max(round(mean_bag), 2)), 32, lookup.POOLED_TILE // block_d)
         assert block_b * block_l * block_d <= max(lookup.POOLED_TILE, block_d)
         assert 1 <= num_warps <= 8
 

@@ -40,7 +40,8 @@ from torchrec_ext import device_sync
 @triton.jit
 def load_rows(w32_ptr, w16_ptr, wbf_ptr, base, offs, mask, dtype_code, HAS_DTYPES: tl.constexpr):
     """float32 values of the elements ``offs`` of a table starting at word ``base`` whose storage
-    dtype is ``dtype_code`` (a scalar: one table per program)."""
+    dtype is ``dtype_code`` (a scalar, one table per program, or a tensor that broadcasts with
+    ``offs``, one table per row of the tile)."""
     if HAS_DTYPES:
         v32 = tl.load(w32_ptr + base + offs, mask=mask & (dtype_code == 0), other=0.0)
         v16 = tl.load(w16_ptr + 2 * base + offs, mask=mask & (dtype_code == 1), other=0.0).to(tl.float32)
@@ -60,7 +61,7 @@ def _pooled_lookup_fwd_kernel(
     table_dims_ptr,  # [T] int
     feature_table_ptr,  # [F] int
     feature_col_ptr,  # [F] int: first output column of each feature
-    feature_mean_ptr,  # [F] int32: 1 = mean pooling, 0 = sum
+    feature_mean_ptr,  # [F] bool or int: nonzero = mean pooling, 0 = sum
     rows_ptr,  # [n] int: row of each value inside its table, -1 = none
     offsets_ptr,  # [F * batch_size + 1] int: bag boundaries
     psw_ptr,  # [n] per-sample weights (unused unless HAS_WEIGHTS)
@@ -80,18 +81,20 @@ def _pooled_lookup_fwd_kernel(
     # many independent row loads in flight per program (one bag per program left the memory
     # system idle while its few rows' dependent loads ran one after the other). Bags of one tile
     # may belong to different features, hence tables, dims and dtypes: all per-bag vectors.
-    bags = tl.program_id(0).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
-    pid_d = tl.program_id(1).to(tl.int64)
+    # Per-bag values in int32 where they fit (bags, features, tables, dims, columns: registers
+    # are what bounds the warps per SM); addresses and value positions in int64.
+    bags = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    pid_d = tl.program_id(1)
     bag_ok = bags < num_bags
     feature = bags // batch_size
     sample = bags - feature * batch_size
 
-    table = tl.load(feature_table_ptr + feature, mask=bag_ok, other=0).to(tl.int64)
-    col = tl.load(feature_col_ptr + feature, mask=bag_ok, other=0).to(tl.int64)
+    table = tl.load(feature_table_ptr + feature, mask=bag_ok, other=0).to(tl.int32)
+    col = tl.load(feature_col_ptr + feature, mask=bag_ok, other=0)
     is_mean = tl.load(feature_mean_ptr + feature, mask=bag_ok, other=0)
     # The hints let the compiler prove that a row's ALIGN elements are contiguous and aligned:
     # 16-byte loads of float32 rows when ALIGN is 4 (the host checked every table).
-    dim = tl.multiple_of(tl.load(table_dims_ptr + table, mask=bag_ok, other=0).to(tl.int64), ALIGN)
+    dim = tl.multiple_of(tl.load(table_dims_ptr + table, mask=bag_ok, other=0).to(tl.int32), ALIGN)
     base = tl.multiple_of(tl.load(table_offsets_ptr + table, mask=bag_ok, other=0).to(tl.int64), ALIGN)
     if HAS_DTYPES:
         dtype_code = tl.load(table_dtypes_ptr + table, mask=bag_ok, other=0)[:, None, None]
@@ -141,7 +144,7 @@ def _pooled_lookup_fwd_kernel(
     full = end - start
     scale = tl.where((is_mean != 0) & (full > 0), tl.maximum(full, 1).to(tl.float32), 1.0)
     acc = tl.div_rn(acc, scale[:, None])
-    out = out_ptr + (sample * total_dim + col)[:, None] + d[None, :]
+    out = out_ptr + (sample.to(tl.int64) * total_dim + col)[:, None] + d[None, :]
     tl.store(out, acc, mask=bag_ok[:, None] & d_mask)
 
 
@@ -200,8 +203,8 @@ def _blocks(max_dim: int, max_block_d: int = 128, tile: int = 2048):
 
 
 # The pooled lookup's tile (elements a program holds per loop step) and elements per thread
-# (16 = four 16-byte loads in flight per thread at ~76 registers on sm_90; 32 took ~126, which
-# halves the resident warps). Module constants so a benchmark can sweep them.
+# (16 = four 16-byte loads in flight per thread at ~64 registers on sm_90, 4 programs of 8 warps
+# per SM; 32 took ~126, which halves the resident warps). Module constants so a benchmark can sweep them.
 POOLED_TILE = 4096
 POOLED_ELEMENTS_PER_THREAD = 16
 
@@ -210,10 +213,12 @@ def _pooled_blocks(max_dim: int, mean_bag: float):
     """(BLOCK_B, BLOCK_L, BLOCK_D, num_warps) of the pooled lookup: a program's tile is BLOCK_B
     bags x BLOCK_L ids x BLOCK_D columns (about POOLED_TILE elements). BLOCK_L follows the
     batch's mean bag length (a host value: rows.numel() / bags), so typical bags take one or two
-    loop steps; each distinct value is one compile (at most 6: powers of two up to 32)."""
+    loop steps; each distinct value is one compile (at most 5: powers of two 2..32)."""
     tile = POOLED_TILE
     block_d = min(triton.next_power_of_2(max(max_dim, 1)), 256)
-    block_l = min(triton.next_power_of_2(max(int(mean_bag + 0.5), 1)), 32, max(tile // block_d, 1))
+    # At least 2: a tile of one id per bag spreads ~4 bags' values over each thread (~160
+    # registers on sm_90 against ~80).
+    block_l = min(triton.next_power_of_2(max(int(mean_bag + 0.5), 2)), 32, max(tile // block_d, 1))
     block_b = max(1, min(64, tile // (block_d * block_l)))
     threads = block_b * block_l * block_d // POOLED_ELEMENTS_PER_THREAD
     num_warps = max(1, min(8, triton.next_power_of_2(max(threads // 32, 1))))
@@ -227,6 +232,18 @@ def _alignment(dims: list[int], table_offsets: list[int]) -> int:
     while align > 1 and any(v % align for v in [*dims, *table_offsets]):
         align //= 2
     return align
+
+
+def _tiles_output(cols: list[int], widths: list[int], total_dim: int) -> bool:
+    """Whether the column spans [cols[f], cols[f] + widths[f]) cover [0, total_dim) exactly,
+    without overlaps or gaps."""
+    spans = sorted(zip(cols, widths))
+    at = 0
+    for col, width in spans:
+        if col != at:
+            return False
+        at += width
+    return at == total_dim
 
 
 def _meta(t: Tensor, device: torch.device, dtype: torch.dtype = torch.int64) -> Tensor:
@@ -278,36 +295,41 @@ def pooled_lookup(
     """[batch_size, total_dim] float32 pooled output: feature f's bags land in columns
     feature_col[f]...; sum (or mean where feature_mean[f]) of the rows of each bag, scaled by
     per_sample_weights when given. Rows of -1 read as zeros; empty bags are zeros."""
-    # Launcher of _pooled_lookup_fwd_kernel: grid (bags, column blocks of the widest table).
+    # Launcher of _pooled_lookup_fwd_kernel: grid (tiles of bags, column blocks of the widest
+    # table). Host values (dims, table offsets, feature tables and columns) are free when the
+    # caller mirrors them (DynamicTables' layout, LookupPlan.tensors), else counted reads.
     _check_weights(weights, "pooled_lookup")
     check_no_new_vectors(new_vectors, "pooled_lookup")
     device = weights.device
-    # zeros, not empty: columns no feature covers must read as zeros, as in the reference.
-    out = torch.zeros(batch_size, total_dim, dtype=torch.float32, device=device)
-    num_features = feature_table.numel()
-    num_bags = num_features * batch_size
-    if num_bags == 0 or total_dim == 0:
-        return out
-    # Host dims: free when the caller mirrors them (DynamicTables' layout), else one counted read.
-    host_dims = device_sync.host_list(table_dims, "pooled_lookup: widest table")
+    num_bags = feature_table.numel() * batch_size
+    host_dims = device_sync.host_list(table_dims, "pooled_lookup: widest table") if num_bags and total_dim else []
     max_dim = max(host_dims, default=0)
     if max_dim == 0:
-        return out
-    table_dims = _meta(table_dims, device)
+        return torch.zeros(batch_size, total_dim, dtype=torch.float32, device=device)
+    host_tables = device_sync.host_list(feature_table, "pooled_lookup: output coverage")
+    host_cols = device_sync.host_list(feature_col, "pooled_lookup: output coverage")
+    # Columns no feature covers must read as zeros, as in the reference; when the features tile
+    # the output (a module's plan) the kernel writes every element: no memset launch.
+    widths = [host_dims[t] for t in host_tables]
+    covered = _tiles_output(host_cols, widths, total_dim)
+    out = (torch.empty if covered else torch.zeros)(batch_size, total_dim, dtype=torch.float32, device=device)
     rows = rows.to(device).contiguous()
     has_weights = per_sample_weights is not None
     psw = per_sample_weights.to(device).contiguous() if has_weights else rows  # dummy, never read
     block_b, block_l, block_d, num_warps = _pooled_blocks(max_dim, rows.numel() / num_bags)
     grid = (triton.cdiv(num_bags, block_b), triton.cdiv(max_dim, block_d))
-    codes, has_dtypes = dtype_codes(table_dtypes, device)
+    # The small index tensors are read in their own dtypes (bool means, int64 codes): no cast
+    # kernel per call.
+    has_dtypes = table_dtypes is not None
+    codes = _meta(table_dtypes, device, table_dtypes.dtype) if has_dtypes else rows  # dummy, never read
     _pooled_lookup_fwd_kernel[grid](
         *typed_views(weights),
         _meta(table_offsets, device),
         codes,
-        table_dims,
+        _meta(table_dims, device),
         _meta(feature_table, device),
         _meta(feature_col, device),
-        _meta(feature_mean, device, torch.int32),
+        _meta(feature_mean, device, feature_mean.dtype),
         rows,
         _meta(offsets, device),
         psw,

@@ -72,6 +72,12 @@ def _need_triton():
     pytest.importorskip("triton", reason="triton is not importable", exc_type=ImportError)
 
 
+def _need_triton_installed():
+    # Without importing it (see _need_triton): for checks that run triton in a child process.
+    if not _HAS_TRITON:
+        pytest.skip("triton is not installed")
+
+
 def _lookup():
     _need_triton()
     from torchrec_ext.triton_kernels import embedding_lookup
@@ -312,6 +318,62 @@ def test_pooled_lookup_tile_choice(target):
 
 def triton_next_pow2(n):
     return 1 << (max(n, 1) - 1).bit_length()
+
+
+# Compiles the pooled kernel for sm_90 (Triton's own ptxas: no GPU needed) and prints the PTX's
+# global load instructions per variant. A child process: TRITON_INTERPRET must be unset for it.
+_SM90_COMPILE = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from torchrec_ext.triton_kernels import embedding_lookup as el
+
+kernel = el._pooled_lookup_fwd_kernel
+pointers = ["*fp32", "*fp16", "*bf16"] + ["*i64"] * 5 + ["*i1", "*i64", "*i64", "*fp32", "*fp32"]
+signature = dict(zip(kernel.arg_names, pointers), num_bags="i32", batch_size="i32", total_dim="i32")
+out = {}
+for align, has_weights, has_dtypes in json.loads(sys.argv[1]):
+    const = dict(HAS_WEIGHTS=has_weights, HAS_DTYPES=has_dtypes, ALIGN=align, BLOCK_B=16, BLOCK_L=4, BLOCK_D=64)
+    src = ASTSource(
+        fn=kernel,
+        signature=dict(signature, **{name: "constexpr" for name in const}),
+        constexprs={(kernel.arg_names.index(name),): value for name, value in const.items()},
+        attrs={(i,): [["tt.divisibility", 16]] for i in range(len(pointers))},
+    )
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    out[f"{align},{has_weights},{has_dtypes}"] = re.findall(r"ld\.global[\w.]*", compiled.asm["ptx"])
+print(json.dumps(out))
+"""
+
+
+def test_pooled_lookup_compiles_for_sm90_with_16_byte_row_loads():
+    """On the GPU's target, without a GPU: the kernel compiles, and the alignment hint is what
+    turns a float32 row's loads into 16-byte ones (scalar 4-byte loads without it)."""
+    if _IN_CHILD:
+        pytest.skip("the compile runs in its own child process")
+    _need_triton_installed()
+    import json
+
+    variants = [(4, False, False), (1, False, False), (4, True, True)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", _SM90_COMPILE, json.dumps(variants)],
+        cwd=_REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
+        pytest.skip("triton's ptxas is not installed")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    loads = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "ld.global.v4.b32" in loads["4,False,False"]
+    assert "ld.global.v4.b32" not in loads["1,False,False"] and "ld.global.b32" in loads["1,False,False"]
+    # Mixed dtypes: float32 tables still 16 bytes a load, half tables 8 (4 halves).
+    assert {"ld.global.v4.b32", "ld.global.v2.b32"} <= set(loads["4,True,True"])
 
 
 @pytest.mark.parametrize("target", TARGETS)

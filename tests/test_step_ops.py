@@ -3,7 +3,7 @@ found the dlrm-small step host-bound). Counted on CPU with a ``TorchDispatchMode
 the step dispatches from Python (views apart: no kernel on a GPU), which on a GPU is a launch.
 
 - the GPU's settings (new rows written by the lookup in one call, one upsert call): the same
-  ops at 4 tables as at 26;
+  ops at 4 tables as at 26, TTL included (its expiry and ages for all tables at once);
 - the CPU's defaults (new rows deferred to the fused update): at most one more op per table, the
   C++ kernel that draws a table's new vectors (the CPU's own; a composite over all tables is
   1.5-4x slower there); on main before this test every table added ~9 ops and ~9 views.
@@ -74,10 +74,13 @@ def _ops_per_step(tables: int, gpu_settings: bool, kind: str = "ebc", **options)
 
 @pytest.mark.parametrize("kind", ["ebc", "ec"])
 @pytest.mark.parametrize(
-    "options", [{}, {"data_type": DataType.FP16}, {"eviction_policy": "lfu"}], ids=["fp32", "fp16", "lfu"]
+    "options",
+    # ttl: the counted step (the third) is not a sweep step (every ttl_steps steps, table by table)
+    [{}, {"data_type": DataType.FP16}, {"eviction_policy": "lfu"}, {"ttl_steps": 5}],
+    ids=["fp32", "fp16", "lfu", "ttl"],
 )
 def test_gpu_settings_step_ops_do_not_grow_with_tables(kind, options):
-    if kind == "ec" and options.get("eviction_policy"):
+    if kind == "ec" and (options.get("eviction_policy") or options.get("ttl_steps")):
         pytest.skip("one policy variant is enough for the sequence module")
     assert _ops_per_step(MANY, True, kind, **options) == _ops_per_step(FEW, True, kind, **options)
 

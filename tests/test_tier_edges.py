@@ -1,6 +1,7 @@
 """Edges of tiered tables (issue 16) found by the session-13 audit (benchmarks/results/issue16_audit.md):
 a backing path that is a file, the job's hit rate before the prefetch's rows, and a batch sharing
-the rows of a batch in flight.
+the rows of a batch in flight; the pipeline's prefetch on 2 gloo ranks with index evictions, TTL
+and admission on.
 
 Oracles: the same batches through a tiered module that does not stage (its misses are the rows
 the cache did not hold), and an all-resident module.
@@ -56,11 +57,6 @@ def test_the_jobs_hit_rate_before_the_staged_rows_is_the_unstaged_caches_hit_rat
     assert "staged ahead" not in cache_text(theirs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tiered_tables.TieredTables._check_room counts a batch's distinct ids against the slots no "
-    "batch in flight holds, also the ids whose rows those slots already hold (issue16_audit.md)",
-)
 def test_a_batch_sharing_the_rows_of_a_batch_in_flight_needs_no_more_slots():
     # 10 slots; a batch of 8 ids is in flight (forward done, update pending); the same 8 ids again
     # need no new slot, as an all-resident table needs no new row.
@@ -71,3 +67,57 @@ def test_a_batch_sharing_the_rows_of_a_batch_in_flight_needs_no_more_slots():
         (pending + again).backward()
     for key, value in resident.state_dict().items():
         assert torch.equal(value, tiered.state_dict()[key]), key
+
+
+def _pipeline_with_churn_equals_resident(rank, world_size, root):
+    import os
+
+    import torch.distributed as dist
+    from torchrec import DataType
+
+    from dist_helpers import DIM, NUM_TABLES, local_state, make_batches, make_dmp_dlrm, plain_loop, progress_losses
+    from torchrec_ext.distributed.table_stats import model_table_stats
+    from torchrec_ext.pipeline import PipelineOptions, TrainPipeline
+
+    # 64 ids in 40 rows a table (index evictions every step), TTL, admission and FP16 rows, a
+    # cache of half of each share: the prefetch stages rows while the index evicts and expires.
+    tiers = lambda backing: [
+        DynamicEmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=DIM,
+            num_embeddings=40,
+            feature_names=[f"f{i}"],
+            eviction_policy=("lru", "lfu")[i % 2],
+            ttl_steps=6 if i == 2 else None,
+            **({"admission": "counter", "admit_after": 2} if i == 1 else {}),
+            data_type=DataType.FP16 if i == 2 else DataType.FP32,
+            **({} if backing is None else {"backing": backing, "cache_load_factor": 0.5}),
+        )
+        for i in range(NUM_TABLES)
+    ]
+    batches = make_batches(rank, batch_size=3, num_full=24, last=0)
+    resident, resident_opt = make_dmp_dlrm(world_size, dynamic=True, tables=tiers(None))
+    want = plain_loop(resident, resident_opt, batches)
+    directory = os.path.join(root, f"rank{rank}")
+    os.makedirs(directory, exist_ok=True)
+    dmp, opt = make_dmp_dlrm(
+        world_size, dynamic=True, tables=tiers(f"file:{directory}"), ebc_device=torch.device("meta")
+    )
+    stats = []
+    options = PipelineOptions(prefetch_threads=0, tier_prefetch=True)
+    with TrainPipeline(dmp, opt, torch.device("cpu"), options) as pipeline:
+        losses = progress_losses(pipeline, batches, stats)
+    assert len(losses) == len(want) and all(torch.equal(a, b) for a, b in zip(losses, want))
+    a, b = local_state(resident), local_state(dmp)
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    staged = torch.tensor(sum(s["staged"] for step in stats for s in step.values()))
+    dist.all_reduce(staged)
+    tables = model_table_stats(dmp)  # (summed over the ranks)
+    assert staged > 0 and all(tables[f"t{i}"].evictions > 0 for i in range(NUM_TABLES)), (staged, tables)
+    assert tables["t1"].admission_rejections > 0 and tables["t2"].ttl_expiries > 0
+
+
+def test_the_pipelines_prefetch_on_two_ranks_equals_resident_tables_with_evictions_ttl_and_admission(tmp_path):
+    from dist_helpers import run_ranks
+
+    run_ranks(_pipeline_with_churn_equals_resident, 2, str(tmp_path))

@@ -389,14 +389,58 @@ class IdsToRows:
         result = find_or_insert_tables(self.indexes, unique, bounds, counts if scored else None, pending)
         self.counters.count_evicted_tables(unique_table, result.evicted)
         rows, inserted = result.rows, result.inserted
-        # Tables whose results need work of their own (ttl, the delta log) beyond the eviction
-        # count made for all tables above.
-        after = [t for t, m in enumerate(self.meta) if m.ttl_steps is not None or self.delta_log is not None]
-        for t in after:
+        ttl = [t for t, m in enumerate(self.meta) if m.ttl_steps is not None]
+        if self.delta_log is None:
+            if ttl:  # every ttl table's expiry at once; the sweeps (every ttl_steps steps) table by table
+                inserted = self._expire_tables(unique_table, result)
+            for t in ttl:
+                if self.train_step % self.meta[t].ttl_steps == 0:
+                    self._erase_expired(t)
+            return rows, inserted
+        for t in range(len(self.meta)):  # the delta log lists each table's rows: table by table
             start, end = bounds[t], bounds[t + 1]
             part = FixedInsertResult(*(x[start:end] for x in result))
             rows[start:end], inserted[start:end] = self._after_upsert(t, unique[start:end], part, counted=True)
         return rows, inserted
+
+    def _expire_tables(self, unique_table: Tensor, result: FixedInsertResult) -> Tensor:
+        """``_after_upsert``'s ttl work of every table at once (the batched upsert's, without a
+        delta log): evicted rows' ages counted, rows unseen for more than ttl_steps expired (their
+        ids take new rows), every live row seen now. Returns which rows are new (to initialise)."""
+        last_seen, layout = self._ttl_layout()
+        start, last, ttl = layout.index_select(0, unique_table).unbind(1)
+        live = result.rows >= 0
+        at = torch.minimum(start + result.rows.clamp(min=0), last)  # (the sink for tables without ttl)
+        seen = last_seen.index_select(0, at)
+        self.counters.count_evicted_ages_tables(unique_table, result.evicted, self.train_step - seen)
+        expired = live & ~result.inserted & (seen < self.train_step - ttl)
+        self.counters.count_expired_tables(unique_table, expired)
+        # Seen now: a max with the step (0 where no row) sets the live rows without a mask index.
+        last_seen.scatter_reduce_(0, at, torch.where(live, self.train_step, 0), "amax")
+        return result.inserted | expired
+
+    def _ttl_layout(self) -> tuple[Tensor, Tensor]:
+        """Every ttl table's ``last_seen`` as a view of one flat tensor that ends in a sink (read
+        and written by the keys of tables without ttl), and per table [T, 3] on the device: its
+        first and last entries in it (the sink for tables without ttl) and its ttl (beyond any
+        step for those). Laid out again when a table's ``last_seen`` was replaced (a growth, a
+        load) since."""
+        cached = self.__dict__.get("_ttl_flat")
+        if cached is not None and all([a is b for a, b in zip(cached[2], self.last_seen)]):  # noqa: C419
+            return cached[:2]
+        sizes = [0 if seen is None else seen.numel() for seen in self.last_seen]
+        sink = sum(sizes)
+        flat = torch.zeros(sink + 1, dtype=torch.int64, device=self.device)
+        layout = []
+        for t, (seen, m) in enumerate(zip(self.last_seen, self.meta)):
+            if seen is None:
+                layout.append([sink, sink, 1 << 62])
+                continue
+            first = sum(sizes[:t])
+            self.last_seen[t] = flat[first : first + sizes[t]].copy_(seen)
+            layout.append([first, first + sizes[t] - 1, m.ttl_steps])
+        self._ttl_flat = (flat, torch.tensor(layout, dtype=torch.int64).to(self.device), list(self.last_seen))
+        return self._ttl_flat[:2]
 
     def _after_upsert(
         self, t: int, keys: Tensor, result: FixedInsertResult, counted: bool = False

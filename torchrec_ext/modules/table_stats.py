@@ -152,7 +152,15 @@ class TableCounters:
 
     def __init__(self, num_tables: int, age_bins: list[int | None], device: torch.device):
         self.counts = torch.zeros(num_tables, _COLUMNS, dtype=torch.int64, device=device)
-        self.ages = [None if bins is None else torch.zeros(bins, dtype=torch.int64, device=device) for bins in age_bins]
+        # Every table's age histogram is a view of one flat tensor, which ends in a sink for the
+        # tables that keep none, so that one op counts the ages of all tables' evictions.
+        sizes = [bins or 0 for bins in age_bins]
+        starts = [sum(sizes[:t]) for t in range(len(sizes))]
+        sink = sum(sizes)
+        self._ages_flat = torch.zeros(sink + 1, dtype=torch.int64, device=device)
+        self.ages = [None if bins is None else self._ages_flat[s : s + bins] for s, bins in zip(starts, age_bins)]
+        self._age_start = torch.tensor([s if bins else sink for s, bins in zip(starts, age_bins)]).to(device)
+        self._age_last = torch.tensor([bins - 1 if bins else 0 for bins in age_bins], dtype=torch.int64).to(device)
 
     # Every count is a device op of a fixed size (index_add_, not bincount, which reads its
     # input's max on the host): nothing is read until ``stats``.
@@ -185,6 +193,19 @@ class TableCounters:
         if ages is not None and self.ages[t] is not None and ages.numel():
             bins = self.ages[t].numel()
             self.ages[t].index_add_(0, ages.clamp(0, bins - 1), evicted.to(torch.int64))
+
+    def count_evicted_ages_tables(self, key_table: Tensor, evicted: Tensor, ages: Tensor) -> None:
+        """``count_evicted``'s ages of every table keeping them, at once (the evictions are
+        counted by ``count_evicted_tables``): ``ages`` is each key's row's steps since last read
+        (any value where its table keeps no ages), ``key_table`` each key's table."""
+        at = self._age_start.index_select(0, key_table) + torch.minimum(
+            ages.clamp(min=0), self._age_last.index_select(0, key_table)
+        )
+        self._ages_flat.index_add_(0, at, evicted.to(torch.int64))
+
+    def count_expired_tables(self, key_table: Tensor, expired: Tensor) -> None:
+        """``count_expired`` of every table at once: ``key_table`` is each key's table."""
+        self.counts[:, _EXPIRED].index_add_(0, key_table, expired.to(torch.int64))
 
     def count_evicted_tables(self, key_table: Tensor, evicted: Tensor) -> None:
         """Evictions in every table at once: ``evicted`` flags the keys that took an evicted key's

@@ -304,7 +304,8 @@ def test_pooled_lookup_tile_choice(target):
     """The host-side choices: vector width from every table's dim and first word; tiles that
     follow the mean bag length and stay within POOLED_TILE elements."""
     lookup = _lookup()
-    assert lookup._alignment([64, 128], [0, 4096]) == 4
+    assert lookup._alignment([64, 128], [0, 4096]) == 8
+    assert lookup._alignment([64, 12], [0, 4096]) == 4
     assert lookup._alignment([64, 6], [0, 4096]) == 2  # one dim not a multiple of 4
     assert lookup._alignment([64, 64], [0, 4098]) == 2  # one table starting mid-vector
     assert lookup._alignment([7], [0]) == 1
@@ -355,7 +356,7 @@ def test_pooled_lookup_compiles_for_sm90_with_16_byte_row_loads():
     _need_triton_installed()
     import json
 
-    variants = [(4, False, False), (1, False, False), (4, True, True)]
+    variants = [(4, False, False), (1, False, False), (4, True, True), (8, True, True)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
@@ -372,8 +373,11 @@ def test_pooled_lookup_compiles_for_sm90_with_16_byte_row_loads():
     loads = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "ld.global.v4.b32" in loads["4,False,False"]
     assert "ld.global.v4.b32" not in loads["1,False,False"] and "ld.global.b32" in loads["1,False,False"]
-    # Mixed dtypes: float32 tables still 16 bytes a load, half tables 8 (4 halves).
+    # Mixed dtypes: float32 tables still 16 bytes a load, half tables 8 (4 halves) at ALIGN 4 and
+    # 16 (8 halves) at ALIGN 8.
     assert {"ld.global.v4.b32", "ld.global.v2.b32"} <= set(loads["4,True,True"])
+    assert "ld.global.v2.b32" not in loads["8,True,True"]
+    assert loads["8,True,True"].count("ld.global.v4.b32") > loads["4,True,True"].count("ld.global.v4.b32")
 
 
 @pytest.mark.parametrize("target", TARGETS)

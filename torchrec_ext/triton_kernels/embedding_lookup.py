@@ -92,8 +92,9 @@ def _pooled_lookup_fwd_kernel(
     table = tl.load(feature_table_ptr + feature, mask=bag_ok, other=0).to(tl.int32)
     col = tl.load(feature_col_ptr + feature, mask=bag_ok, other=0)
     is_mean = tl.load(feature_mean_ptr + feature, mask=bag_ok, other=0)
-    # The hints let the compiler prove that a row's ALIGN elements are contiguous and aligned:
-    # 16-byte loads of float32 rows when ALIGN is 4 (the host checked every table).
+    # The hints let the compiler prove that a row's ALIGN elements are contiguous and aligned
+    # (the host checked every table): 16-byte loads of float32 rows from ALIGN 4, of half rows
+    # at 8 (a half table's element e is at half-word 2 * base + e: 2 * base keeps the alignment).
     dim = tl.multiple_of(tl.load(table_dims_ptr + table, mask=bag_ok, other=0).to(tl.int32), ALIGN)
     base = tl.multiple_of(tl.load(table_offsets_ptr + table, mask=bag_ok, other=0).to(tl.int64), ALIGN)
     if HAS_DTYPES:
@@ -226,9 +227,10 @@ def _pooled_blocks(max_dim: int, mean_bag: float):
 
 
 def _alignment(dims: list[int], table_offsets: list[int]) -> int:
-    """The largest power of two up to 4 dividing every table's dim and first word: the kernel
-    may then read a row ALIGN elements at a time (16-byte loads of float32 rows at 4)."""
-    align = 4
+    """The largest power of two up to 8 dividing every table's dim and first word: the kernel
+    may then read a row ALIGN elements at a time (16-byte loads of float32 rows from 4, of half
+    rows at 8)."""
+    align = 8
     while align > 1 and any(v % align for v in [*dims, *table_offsets]):
         align //= 2
     return align

@@ -235,9 +235,10 @@ TILING_BAGS = {"short": 2, "long": 40}
 _TILING_CASES = list(itertools.product(TILING_DIMS, TILING_DTYPES, TILING_BAGS, [False, True]))
 
 
-def _tiling_case(dims, dtypes, max_len, weighted, gen, batch_size=7, feature_table=(0, 1, 2, 0, 2)):
+def _tiling_case(dims, dtypes, max_len, weighted, gen, gap, batch_size=7, feature_table=(0, 1, 2, 0, 2)):
     """A pooled-lookup case (the reference's keyword arguments): batch_size 7, so the tiles of
-    consecutive bags straddle features (hence tables, dims and dtypes); empty bags, -1 rows."""
+    consecutive bags straddle features (hence tables, dims and dtypes); empty bags, -1 rows;
+    `gap` output columns no feature writes."""
     caps = [9, 6, 11]
     weights, table_offsets, table_dims, table_dtypes, _ = _half()._layout(caps, dims, dtypes, gen)
     feature_table = torch.tensor(feature_table)
@@ -261,7 +262,7 @@ def _tiling_case(dims, dtypes, max_len, weighted, gen, batch_size=7, feature_tab
         offsets=offsets,
         per_sample_weights=torch.rand(n, generator=gen) + 0.5 if weighted else None,
         batch_size=batch_size,
-        total_dim=int(feature_dims.sum()) + 2,  # 2 columns no feature writes: zeros
+        total_dim=int(feature_dims.sum()) + gap,
         table_dtypes=None if all(d == torch.float32 for d in dtypes) else table_dtypes,
     )
 
@@ -275,9 +276,17 @@ def _tiling_case(dims, dtypes, max_len, weighted, gen, batch_size=7, feature_tab
 def test_pooled_lookup_tiling(target, dims, dtypes, bags, weighted):
     device = _device(target)
     gen = torch.Generator().manual_seed(_TILING_CASES.index((dims, dtypes, bags, weighted)))
-    case = _tiling_case(TILING_DIMS[dims], TILING_DTYPES[dtypes], TILING_BAGS[bags], weighted, gen)
+    # Odd dims: 2 columns no feature writes (zeros); the others: features tiling the output.
+    gap = 2 if dims == "odd" else 0
+    case = _tiling_case(TILING_DIMS[dims], TILING_DTYPES[dtypes], TILING_BAGS[bags], weighted, gen, gap)
     want = ref.pooled_lookup(**case)
     on = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+    # Mirrored host values, as a module's layout and plan: the launch reads them (vector width,
+    # an output the kernel fills without a memset).
+    from torchrec_ext import device_sync
+
+    for name in ("table_offsets", "table_dims", "feature_table", "feature_col"):
+        device_sync.mirror(on[name], case[name])
     got = _lookup().pooled_lookup(**on)
     assert got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got.cpu(), want)
@@ -309,6 +318,10 @@ def test_pooled_lookup_tile_choice(target):
     assert lookup._alignment([64, 6], [0, 4096]) == 2  # one dim not a multiple of 4
     assert lookup._alignment([64, 64], [0, 4098]) == 2  # one table starting mid-vector
     assert lookup._alignment([7], [0]) == 1
+    assert lookup._tiles_output([4, 0], [8, 4], 12)  # any order
+    assert not lookup._tiles_output([0, 4], [4, 8], 14)  # 2 columns left over
+    assert not lookup._tiles_output([0, 2], [4, 8], 10)  # overlapping spans
+    assert not lookup._tiles_output([0, 5], [4, 8], 13)  # a gap
     for max_dim, mean_bag in [(64, 4.0), (64, 0.0), (128, 30.0), (300, 2.0), (3, 1.0), (64, 200.0)]:
         block_b, block_l, block_d, num_warps = lookup._pooled_blocks(max_dim, mean_bag)
         assert block_d == min(triton_next_pow2(max_dim), 256)

@@ -298,8 +298,8 @@ def pooled_lookup(
     feature_col[f]...; sum (or mean where feature_mean[f]) of the rows of each bag, scaled by
     per_sample_weights when given. Rows of -1 read as zeros; empty bags are zeros."""
     # Launcher of _pooled_lookup_fwd_kernel: grid (tiles of bags, column blocks of the widest
-    # table). Host values (dims, table offsets, feature tables and columns) are free when the
-    # caller mirrors them (DynamicTables' layout, LookupPlan.tensors), else counted reads.
+    # table). The widest dim is a counted host read, free when the caller mirrors the dims
+    # (DynamicTables' layout); the other host values only tune the launch and are read if free.
     _check_weights(weights, "pooled_lookup")
     check_no_new_vectors(new_vectors, "pooled_lookup")
     device = weights.device
@@ -308,13 +308,19 @@ def pooled_lookup(
     max_dim = max(host_dims, default=0)
     if max_dim == 0:
         return torch.zeros(batch_size, total_dim, dtype=torch.float32, device=device)
-    host_tables = device_sync.host_list(feature_table, "pooled_lookup: output coverage")
-    host_cols = device_sync.host_list(feature_col, "pooled_lookup: output coverage")
     # Columns no feature covers must read as zeros, as in the reference; when the features tile
-    # the output (a module's plan) the kernel writes every element: no memset launch.
-    widths = [host_dims[t] for t in host_tables]
-    covered = _tiles_output(host_cols, widths, total_dim)
+    # the output (a module's plan) the kernel writes every element: no memset launch. Decided
+    # only from free host values (mirrored, as a module's plan is): zeros otherwise, no sync.
+    host_tables = device_sync.host_list_if_free(feature_table)
+    host_cols = device_sync.host_list_if_free(feature_col)
+    covered = (
+        host_tables is not None
+        and host_cols is not None
+        and _tiles_output(host_cols, [host_dims[t] for t in host_tables], total_dim)
+    )
     out = (torch.empty if covered else torch.zeros)(batch_size, total_dim, dtype=torch.float32, device=device)
+    host_offsets = device_sync.host_list_if_free(table_offsets)  # (the same: scalar loads without)
+    align = _alignment(host_dims, host_offsets) if host_offsets is not None else 1
     rows = rows.to(device).contiguous()
     has_weights = per_sample_weights is not None
     psw = per_sample_weights.to(device).contiguous() if has_weights else rows  # dummy, never read
@@ -341,7 +347,7 @@ def pooled_lookup(
         total_dim,
         HAS_WEIGHTS=has_weights,
         HAS_DTYPES=has_dtypes,
-        ALIGN=_alignment(host_dims, device_sync.host_list(table_offsets, "pooled_lookup: table alignment")),
+        ALIGN=align,
         BLOCK_B=block_b,
         BLOCK_L=block_l,
         BLOCK_D=block_d,

@@ -52,7 +52,7 @@ def _one_id_lookups(steps: int = 160, distinct: int = 40, seed: int = 0) -> list
 
 
 @pytest.mark.parametrize("algorithm", ["lru", "lfu"])
-def test_the_victims_match_a_brute_force_simulation_of_the_algorithm(maps, algorithm):
+def test_the_victims_match_a_brute_force_simulation_of_the_algorithm(maps, algorithm, device):  # (cpu, cuda: conftest)
     config = DynamicEmbeddingBagConfig(
         name="a",
         embedding_dim=4,
@@ -62,12 +62,13 @@ def test_the_victims_match_a_brute_force_simulation_of_the_algorithm(maps, algor
         cache_load_factor=0.04,  # 11 slots for 40 ids
         cache_algorithm=algorithm,
     )
-    module = DynamicEmbeddingBagCollection([config], optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    module = DynamicEmbeddingBagCollection(
+        [config], optimizer="adagrad", optimizer_kwargs={"lr": 0.1}, device=torch.device(device)
+    )
     ids = _one_id_lookups()
     for i in ids:
-        module(
-            KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([i]), torch.tensor([1]))
-        ).values().sum().backward()
+        kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([i]), torch.tensor([1]))
+        module(kjt.to(torch.device(device))).values().sum().backward()
     stats = module.table_stats()["a"]
     assert stats.evictions == 0  # (every id keeps its row: the simulation's ids are the table's rows)
     slots = module._tables.slots[0]

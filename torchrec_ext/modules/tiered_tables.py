@@ -9,7 +9,8 @@ exactly as in an all-resident table: only where a row's payload sits changes.
 
 Per lookup, each table's rows are translated to cache slots (``RowCache.hold``) before the
 kernels run: a row not in the cache takes the least recently used slot that no batch in flight
-holds (its row written back first when dirty) and is read from the backing store, unless it is
+holds (with ``cache_algorithm="lfu"``, TorchRec's ``CacheAlgorithm.LFU``: the least often looked
+up, ties by least recent use; tier_device_maps.py) (its row written back first when dirty) and is read from the backing store, unless it is
 new to its id (then it is initialised in the slot, as the all-resident table initialises its row).
 The kernels then run unchanged on the cache, with slots for rows. A training lookup's slots stay
 pinned until its fused update lands (or its autograd graph is dropped), so an update always

@@ -91,6 +91,7 @@ class Config:
     systems: tuple[str, ...] = ("ours", "torchrec", "resident")
     maps: str = "device"  # ours: where the caches' maps live, "device" and/or "host", comma-separated
     device: str = "cuda"  # "cpu": a smoke test of the benchmark (ours and resident only)
+    cache_algorithm: str = "lru"  # "lru" or "lfu": ours' cache_algorithm and TorchRec's fused_params cache_algorithm
 
 
 SYSTEMS = ("ours", "torchrec", "resident")
@@ -147,6 +148,7 @@ def _ours(cfg: Config, device: torch.device, backing: str, ratio: float | None, 
     if ratio is not None:
         for table in tables:
             table.cache_load_factor = ratio
+            table.cache_algorithm = cfg.cache_algorithm
     chosen, TieredTables.device_maps = TieredTables.device_maps, maps == "device"
     try:
         module = DynamicEmbeddingBagCollection(
@@ -177,7 +179,7 @@ def _torchrec(cfg: Config, device: torch.device, ratio: float):
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
-    from torchrec.distributed.types import ShardingPlan
+    from torchrec.distributed.types import CacheAlgorithm, ShardingPlan
     from torchrec.optim import RowWiseAdagrad
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
@@ -190,7 +192,8 @@ def _torchrec(cfg: Config, device: torch.device, ratio: float):
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
     apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": cfg.lr})
     kernel = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
-    sharder = EmbeddingBagCollectionSharder(fused_params={"cache_load_factor": ratio})
+    algorithm = CacheAlgorithm.LFU if cfg.cache_algorithm == "lfu" else CacheAlgorithm.LRU
+    sharder = EmbeddingBagCollectionSharder(fused_params={"cache_load_factor": ratio, "cache_algorithm": algorithm})
     plan = construct_module_sharding_plan(
         ebc,
         per_param_sharding={t.name: table_wise(rank=0, compute_kernel=kernel) for t in tables},
@@ -352,6 +355,7 @@ def report(cfg: Config, r: dict[str, object]) -> str:
             f"Zipf({cfg.alpha}) ids mod rows, row-wise Adagrad; median of {cfg.repeats} interleaved chunks of "
             f"{cfg.steps_per_repeat} steps after {cfg.warmup_steps} warm-up steps"
             + (" (before them, a pass over every row id: all rows live)" if cfg.fill else "")
+            + f". Cache algorithm {cfg.cache_algorithm.upper()}"
             + '. ours: backing="host" + '
             "stage_next prefetch, the caches' maps on the device (ours-hostmaps: on the host); "
             "torchrec: EBC, FUSED_UVM_CACHING, the same cache_load_factor.",

@@ -8,7 +8,10 @@ remaining steps give, per algorithm, the hit rate before staging (``held_hit_rat
 train/tier_traffic.py: rows the cache held when the step's ids were known, the rows the stage
 read counted as misses, as TorchRec counts a UVM prefetch's) and the step-time rate (~1.0: the
 stage made them hot). Rows new to their id are neither (they are initialised in the cache). The
-rates are counts, not timings: the load on the machine changes them not at all.
+rates are counts, not timings: the load on the machine changes them not at all. Also reported:
+the median ms a counted step (stage_next + forward + backward, the stage of the step before
+waited for inside it; interleaved, so both see the same machine, but a loaded machine's timings
+are noise beyond a large gap).
 
     python benchmarks/bench_tier_cache_algorithm.py --capacity 65536 --batch-size 256 --num-tables 2 --no-save  # smoke
 """
@@ -17,7 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import DlrmSmall, markdown_table, parse_config, save
@@ -70,14 +75,20 @@ def run(cfg: Config) -> dict[str, object]:
     modules = {name: _module(cfg, name) for name in cfg.systems}
     total = cfg.warmup_steps + cfg.steps
     before = {}
+    times: dict[str, list[float]] = {name: [] for name in modules}
     current = batch(0)
     for step in range(total):
         if step == cfg.warmup_steps:
             before = {name: _counters(m) for name, m in modules.items()}
         following = batch(step + 1)
-        for module in modules.values():  # interleaved: each algorithm's step on the same batch in turn
+        names = list(modules) if step % 2 == 0 else list(reversed(modules))
+        for name in names:  # interleaved: each algorithm's step on the same batch in turn
+            module = modules[name]
+            start = time.perf_counter()
             module.stage_next(following)
             module(current).values().sum().backward()
+            if step >= cfg.warmup_steps:
+                times[name].append(time.perf_counter() - start)
         current = following
     rates = {}
     for name, module in modules.items():
@@ -89,6 +100,7 @@ def run(cfg: Config) -> dict[str, object]:
             "held_hit_rate": r["held_hit_rate"],
             "hit_rate": r["hit_rate"],
             "per_step": {k: v / cfg.steps for k, v in d.items()},
+            "ms_per_step": statistics.median(times[name]) * 1e3,
         }
     return {"rates": rates}
 
@@ -102,6 +114,7 @@ def report(cfg: Config, r: dict[str, object]) -> str:
             f"{v['per_step']['cache_hits']:,.0f}",
             f"{v['per_step']['cache_staged']:,.0f}",
             f"{v['per_step']['cache_write_backs']:,.0f}",
+            f"{v['ms_per_step']:.1f}",
         ]
         for name, v in r["rates"].items()
     ]
@@ -119,6 +132,7 @@ def report(cfg: Config, r: dict[str, object]) -> str:
                     "hits a step",
                     "staged a step",
                     "write-backs a step",
+                    "ms a step (median)",
                 ],
                 rows,
             ),

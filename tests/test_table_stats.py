@@ -76,3 +76,33 @@ def test_table_stats_of_an_untrained_or_eval_module_count_nothing():
     module(KeyedJaggedTensor.from_lengths_sync(["f"], torch.arange(6), torch.full((2,), 3)))
     stats = module.table_stats()["t"]
     assert (stats.lookups, stats.inserts, stats.live_rows, stats.hit_rate) == (0, 0, 0, None)
+
+
+def test_evicted_ages_keep_counting_after_a_pickle_round_trip():
+    """The age histograms are views of one flat tensor (counted by one op for all tables); plain
+    pickle copies each view's storage apart, so an unpickled module must lay them out again, or
+    its ages stop counting (while torch.save and deepcopy keep the views)."""
+    import copy
+    import pickle
+
+    cfgs = [
+        DynamicEmbeddingBagConfig(
+            name=n, embedding_dim=4, num_embeddings=64, feature_names=[n], eviction_policy="lru", ttl_steps=ttl
+        )
+        for n, ttl in (("a", 1000), ("b", None), ("c", 3))
+    ]
+    module = DynamicEmbeddingBagCollection(cfgs, optimizer="sgd", optimizer_kwargs={"lr": 0.1})
+
+    def train(m, steps):
+        for s in steps:
+            ids = torch.randint(0, 300, (180,), generator=torch.Generator().manual_seed(s))
+            m(KeyedJaggedTensor.from_lengths_sync(["a", "b", "c"], ids, torch.full((60,), 3))).values().sum().backward()
+
+    train(module, range(3))
+    unpickled, copied = pickle.loads(pickle.dumps(module)), copy.deepcopy(module)
+    train(unpickled, range(3, 8))
+    train(copied, range(3, 8))
+    want, got = copied.table_stats(), unpickled.table_stats()
+    assert sum(want["a"].evicted_ages) > sum(module.table_stats()["a"].evicted_ages)  # ages were counted
+    for name in "abc":
+        assert got[name].evicted_ages == want[name].evicted_ages, name

@@ -162,6 +162,16 @@ class TableCounters:
         self._age_start = torch.tensor([s if bins else sink for s, bins in zip(starts, age_bins)]).to(device)
         self._age_last = torch.tensor([bins - 1 if bins else 0 for bins in age_bins], dtype=torch.int64).to(device)
 
+    def __setstate__(self, state: dict) -> None:
+        # Plain pickle copies each view's storage apart: the histograms made views of the flat
+        # tensor again, or the one-op counting (into the flat tensor) would no longer reach them.
+        self.__dict__.update(state)
+        start = 0
+        for t, ages in enumerate(self.ages):
+            if ages is not None:
+                self.ages[t] = self._ages_flat[start : start + ages.numel()]
+                start += ages.numel()
+
     # Every count is a device op of a fixed size (index_add_, not bincount, which reads its
     # input's max on the host): nothing is read until ``stats``.
 

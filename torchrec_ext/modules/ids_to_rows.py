@@ -131,6 +131,9 @@ class IdsToRows:
             self.counters = None
             return
         old = self.indexes if carry_from is not None and carry_from.type != "meta" else None
+        # A move carries the rows' ttl state and the counters with the indexes (fresh ones would
+        # read every row as unseen since step 0: expired, its trained values dropped).
+        old_seen, old_counters = (self.last_seen, self.counters) if old is not None else (None, None)
         self.indexes, self.last_seen, self.admission = [], [], []
         for t, m in enumerate(self.meta):
             index = HashTable(m.capacity, policy=m.policy, device=device, mapped_rows=m.may_grow)
@@ -147,6 +150,10 @@ class IdsToRows:
             [None if m.ttl_steps is None else min(2 * m.ttl_steps + 2, MAX_AGE_BINS) for m in self.meta],
             device,
         )
+        if old_seen is not None:
+            self.last_seen = [None if seen is None else seen.to(device) for seen in old_seen]
+        if old_counters is not None:
+            self.counters = old_counters.to(device)
 
     def check_ready(self, where: str) -> None:
         if self.device.type == "meta":

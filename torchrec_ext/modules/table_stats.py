@@ -166,6 +166,16 @@ class TableCounters:
         # Plain pickle copies each view's storage apart: the histograms made views of the flat
         # tensor again, or the one-op counting (into the flat tensor) would no longer reach them.
         self.__dict__.update(state)
+        self._view_ages()
+
+    def to(self, device: torch.device) -> TableCounters:
+        """The counters moved to ``device`` (the module moved), in place."""
+        for name in ("counts", "_ages_flat", "_age_start", "_age_last"):
+            setattr(self, name, getattr(self, name).to(device))
+        self._view_ages()
+        return self
+
+    def _view_ages(self) -> None:
         start = 0
         for t, ages in enumerate(self.ages):
             if ages is not None:

@@ -228,3 +228,19 @@ def test_per_table_upserts_hold_their_rows_table_by_table(tmp_path, through_reco
     # (batched_upsert=False: each table's rows held on their own, one count read a table)
     monkeypatch.setattr(TieredTables, "batched_upsert", False, raising=False)
     test_a_device_cache_over_host_memory_equals_all_resident_tables(tmp_path, through_records, "host", True)
+
+
+def test_forgetting_one_tables_cache_keeps_the_other_tables_pins():
+    """A table's forget (its rows replaced by a load) drops only its own slots from the pins of
+    the batches in flight, as a host ``RowCache`` (one per table) does: another table's pinned
+    slots stay held, so no stage evicts a row a batch in flight still updates."""
+    from torchrec_ext.modules.tier_device_maps import DeviceSlotMaps
+
+    maps = DeviceSlotMaps([10, 10], [4, 4], torch.device("cpu"))
+    token = maps.pin(torch.tensor([1, 2, 4 + 3]), [2, 1])  # table 0's slots 1 and 2, table 1's slot 3
+    maps.tables[0].forget()
+    held = maps.pinned_mask()
+    assert held is not None and held[:8].nonzero().squeeze(1).tolist() == [7]  # (held[8]: the spare entry)
+    assert maps.tables[1].pinned_at_most() == 1 and maps.tables[0].pinned_at_most() == 0
+    maps.unpin(token)
+    assert maps.pinned_mask() is None

@@ -460,4 +460,9 @@ class DeviceSlotMaps:
         self.free_stack[slots : slots + cache.slots] = torch.arange(cache.slots, device=self.device)
         self.free_count[t] = cache.slots
         self.free_top[t : t + 1].fill_(cache.slots)
-        self.pinned, self.pin_counts = {}, {}
+        # Only this table's slots leave the pins in flight (the spare entry in their place): the
+        # other tables' stay held, as each host RowCache forgets only its own pins.
+        spare = self.total_slots
+        for token, held in self.pinned.items():
+            self.pinned[token] = torch.where((held >= slots) & (held < slots + cache.slots), spare, held)
+            self.pin_counts[token] = [0 if u == t else n for u, n in enumerate(self.pin_counts[token])]

@@ -49,3 +49,18 @@ def test_a_module_moved_to_cuda_keeps_ttl_state():
     module = _trained()
     want = _eval_rows(copy.deepcopy(module), "cpu")
     assert torch.equal(_eval_rows(module.to("cuda"), "cuda"), want)
+
+
+@pytest.mark.parametrize("admission", ["counter", "bloom"])
+def test_the_carry_of_a_device_move_keeps_admission_sightings(admission):
+    cfg = DynamicEmbeddingBagConfig(
+        name="t", embedding_dim=4, num_embeddings=64, feature_names=["f"], admission=admission, admit_after=2
+    )
+    module = DynamicEmbeddingBagCollection([cfg], optimizer="sgd", optimizer_kwargs={"lr": 0.5})
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.arange(8), torch.ones(8, dtype=torch.int64))
+    module(kjt).values().sum().backward()  # seen once: not admitted yet
+    assert module.table_stats()["t"].live_rows == 0
+    tables = module._tables
+    tables._build_indexes(carry_from=tables.device)  # what apply does once the storage moved
+    module(kjt).values().sum().backward()  # the second sighting admits them
+    assert module._tables.num_live_rows() == 8

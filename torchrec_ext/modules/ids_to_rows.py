@@ -131,9 +131,12 @@ class IdsToRows:
             self.counters = None
             return
         old = self.indexes if carry_from is not None and carry_from.type != "meta" else None
-        # A move carries the rows' ttl state and the counters with the indexes (fresh ones would
-        # read every row as unseen since step 0: expired, its trained values dropped).
-        old_seen, old_counters = (self.last_seen, self.counters) if old is not None else (None, None)
+        # A move carries the rows' ttl state, the admission sightings and the counters with the
+        # indexes (a fresh last_seen would read every row as unseen since step 0: expired, its
+        # trained values dropped).
+        old_seen, old_admission, old_counters = (
+            (self.last_seen, self.admission, self.counters) if old is not None else (None, None, None)
+        )
         self.indexes, self.last_seen, self.admission = [], [], []
         for t, m in enumerate(self.meta):
             index = HashTable(m.capacity, policy=m.policy, device=device, mapped_rows=m.may_grow)
@@ -154,6 +157,11 @@ class IdsToRows:
             self.last_seen = [None if seen is None else seen.to(device) for seen in old_seen]
         if old_counters is not None:
             self.counters = old_counters.to(device)
+        if old_admission is not None:  # (each strategy's sightings, taken onto the new device)
+            self.admission = [
+                a if a is None or o is None else a.checked_state(o.state(), f"table {m.name!r}")
+                for a, o, m in zip(self.admission, old_admission, self.meta)
+            ]
 
     def check_ready(self, where: str) -> None:
         if self.device.type == "meta":

@@ -77,8 +77,8 @@ STEP_PATH = {
         "HashTable._check_keys",
         "HashTable._check_scores",
     ],
-    # The sharded EBC's step on each rank (row-wise / table-wise): its input dist's one read of
-    # the exchange's splits is device_sync's (test_input_dist.py counts it).
+    # The sharded EBC's and EC's step on each rank: its input dist's one read of the exchange's
+    # splits is device_sync's (test_input_dist.py counts it); the EC's output dist reads nothing.
     "distributed/input_dist.py": [
         "RoutedCountsAwaitable.__init__",
         "RoutedCountsAwaitable._wait_impl",
@@ -86,6 +86,15 @@ STEP_PATH = {
         "RoutedDataAwaitable._wait_impl",
     ],
     "distributed/routing.py": ["SlotRouting.route"],
+    "distributed/embedding.py": [
+        "ShardedDynamicEmbeddingCollection.input_dist",
+        "ShardedDynamicEmbeddingCollection.compute",
+        "ShardedDynamicEmbeddingCollection._received_lengths",
+        "ShardedDynamicEmbeddingCollection._local_features",
+        "ShardedDynamicEmbeddingCollection.output_dist",
+        "ShardedDynamicEmbeddingCollection._exchange_sizes",
+        "ShardedDynamicEmbeddingCollection._placed_columns",
+    ],
     "distributed/embeddingbag.py": [
         "ShardedDynamicEmbeddingBagCollection.input_dist",
         "ShardedDynamicEmbeddingBagCollection.compute",

@@ -57,11 +57,6 @@ def test_the_jobs_hit_rate_before_the_staged_rows_is_the_unstaged_caches_hit_rat
     assert "staged ahead" not in cache_text(theirs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tiered_tables.TieredTables._check_room counts a batch's distinct ids against the slots no "
-    "batch in flight holds, also the ids whose rows those slots already hold (issue16_audit.md)",
-)
 def test_a_batch_sharing_the_rows_of_a_batch_in_flight_needs_no_more_slots():
     # 10 slots; a batch of 8 ids is in flight (forward done, update pending); the same 8 ids again
     # need no new slot, as an all-resident table needs no new row.

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from matrix import FULL_MATRIX, REASON
+from test_tier_edges import test_a_batch_sharing_the_rows_of_a_batch_in_flight_needs_no_more_slots  # noqa: F401
 from test_tiers import (  # noqa: F401  (collected here again, with the device maps)
     POOL,
     _backing,
@@ -57,6 +58,7 @@ CI = {
     "test_a_cache_too_small_for_a_batch_is_a_clear_error_and_changes_nothing",
     "test_table_stats_count_the_tier_traffic",
     "test_a_copy_of_a_file_backed_module_is_independent",
+    "test_a_batch_sharing_the_rows_of_a_batch_in_flight_needs_no_more_slots",
 }
 
 
@@ -220,3 +222,9 @@ def test_storage_bytes_counts_the_device_maps_as_allocated(tmp_path):
         module(kjt).values().sum().backward()
         tables.wait_for_stage()
         assert tables.storage_bytes() - super(TieredTables, tables).storage_bytes() == _tier_bytes_allocated(tables)
+
+
+def test_per_table_upserts_hold_their_rows_table_by_table(tmp_path, through_records, monkeypatch):  # noqa: F811
+    # (batched_upsert=False: each table's rows held on their own, one count read a table)
+    monkeypatch.setattr(TieredTables, "batched_upsert", False, raising=False)
+    test_a_device_cache_over_host_memory_equals_all_resident_tables(tmp_path, through_records, "host", True)

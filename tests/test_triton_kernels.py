@@ -72,6 +72,12 @@ def _need_triton():
     pytest.importorskip("triton", reason="triton is not importable", exc_type=ImportError)
 
 
+def _need_triton_installed():
+    # Without importing it (see _need_triton): for checks that run triton in a child process.
+    if not _HAS_TRITON:
+        pytest.skip("triton is not installed")
+
+
 def _lookup():
     _need_triton()
     from torchrec_ext.triton_kernels import embedding_lookup
@@ -216,6 +222,175 @@ def test_sequence_lookup_exact(target, dim):
     assert got.shape == (rows.numel(), dim) and got.dtype == torch.float32
     assert torch.equal(got.cpu(), expected)
     assert torch.equal(got.cpu()[rows < 0], torch.zeros(int((rows < 0).sum()), dim))
+
+
+# ---- the pooled lookup's tiling: tiles of bags x ids x columns ------------------------------
+
+# Per table (dim, dtype): aligned dims (16-byte loads), odd dims (scalar loads), dims even but not
+# multiples of 4, and a table wider than one block of columns (256).
+TILING_DIMS = {"aligned": [64, 32, 64], "odd": [3, 5, 7], "even": [6, 10, 2], "wide": [4, 12, 300]}
+TILING_DTYPES = {"fp32": [torch.float32] * 3, "mixed": [torch.float16, torch.float32, torch.bfloat16]}
+# Bag lengths: "short" 0..2 (mostly one loop step), "long" up to 40 (several steps of BLOCK_L ids).
+TILING_BAGS = {"short": 2, "long": 40}
+_TILING_CASES = list(itertools.product(TILING_DIMS, TILING_DTYPES, TILING_BAGS, [False, True]))
+
+
+def _tiling_case(dims, dtypes, max_len, weighted, gen, gap, batch_size=7, feature_table=(0, 1, 2, 0, 2)):
+    """A pooled-lookup case (the reference's keyword arguments): batch_size 7, so the tiles of
+    consecutive bags straddle features (hence tables, dims and dtypes); empty bags, -1 rows;
+    `gap` output columns no feature writes."""
+    caps = [9, 6, 11]
+    weights, table_offsets, table_dims, table_dtypes, _ = _half()._layout(caps, dims, dtypes, gen)
+    feature_table = torch.tensor(feature_table)
+    feature_dims = table_dims[feature_table]
+    lengths = torch.randint(0, max_len + 1, (len(feature_table) * batch_size,), generator=gen)
+    lengths[::5] = 0
+    lengths[1] = max_len  # the longest bag for sure
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    value_table = feature_table.repeat_interleave(batch_size).repeat_interleave(lengths)
+    n = int(offsets[-1])
+    rows = (torch.rand(n, generator=gen) * torch.tensor(caps)[value_table]).long()
+    rows[torch.rand(n, generator=gen) < 0.15] = -1
+    return dict(
+        weights=weights,
+        table_offsets=table_offsets,
+        table_dims=table_dims,
+        feature_table=feature_table,
+        feature_col=torch.cat([torch.zeros(1, dtype=torch.int64), feature_dims.cumsum(0)[:-1]]),
+        feature_mean=torch.tensor([i % 2 == 1 for i in range(len(feature_table))]),
+        rows=rows,
+        offsets=offsets,
+        per_sample_weights=torch.rand(n, generator=gen) + 0.5 if weighted else None,
+        batch_size=batch_size,
+        total_dim=int(feature_dims.sum()) + gap,
+        table_dtypes=None if all(d == torch.float32 for d in dtypes) else table_dtypes,
+    )
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize(
+    "dims, dtypes, bags, weighted",
+    # CI: long bags weighted, short ones plain (every dims x dtypes pair both ways in the full matrix).
+    ci_subset(_TILING_CASES, lambda dims, dtypes, bags, weighted: (bags == "long") == weighted),
+)
+def test_pooled_lookup_tiling(target, dims, dtypes, bags, weighted):
+    device = _device(target)
+    gen = torch.Generator().manual_seed(_TILING_CASES.index((dims, dtypes, bags, weighted)))
+    # Odd dims: 2 columns no feature writes (zeros); the others: features tiling the output.
+    gap = 2 if dims == "odd" else 0
+    case = _tiling_case(TILING_DIMS[dims], TILING_DTYPES[dtypes], TILING_BAGS[bags], weighted, gen, gap)
+    want = ref.pooled_lookup(**case)
+    on = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+    # Mirrored host values, as a module's layout and plan: the launch reads them (vector width,
+    # an output the kernel fills without a memset).
+    from torchrec_ext import device_sync
+
+    for name in ("table_offsets", "table_dims", "feature_table", "feature_col"):
+        device_sync.mirror(on[name], case[name])
+    got = _lookup().pooled_lookup(**on)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got.cpu(), want)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_pooled_lookup_many_tables(target):
+    """40 tables of mixed dims (one feature each, two more reading tables 0 and 39): one launch."""
+    device = _device(target)
+    gen = torch.Generator().manual_seed(40)
+    dims = [[8, 4, 16, 2, 6][t % 5] for t in range(40)]
+    weights, table_offsets, table_dims, _ = _tables(gen, dims=dims, caps=[5] * 40)
+    feature_table = list(range(40)) + [0, 39]
+    feature_mean = [f % 3 == 0 for f in range(len(feature_table))]
+    feature_table, feature_col, feature_mean, total_dim = _features(dims, feature_table, feature_mean)
+    rows, offsets, psw, _ = _bags(gen, 3, feature_table.tolist(), caps=[5] * 40, max_len=9, weighted=True)
+    args = (table_offsets, table_dims, feature_table, feature_col, feature_mean, rows, offsets, psw)
+    want = ref.pooled_lookup(weights, *args, 3, total_dim)
+    torch.testing.assert_close(_lookup().pooled_lookup(*_on(device, weights, *args), 3, total_dim).cpu(), want)
+
+
+@pytest.mark.parametrize("target", TARGETS)  # (in the child: the parent must not import triton)
+def test_pooled_lookup_tile_choice(target):
+    """The host-side choices: vector width from every table's dim and first word; tiles that
+    follow the mean bag length and stay within POOLED_TILE elements."""
+    lookup = _lookup()
+    assert lookup._alignment([64, 128], [0, 4096]) == 8
+    assert lookup._alignment([64, 12], [0, 4096]) == 4
+    assert lookup._alignment([64, 6], [0, 4096]) == 2  # one dim not a multiple of 4
+    assert lookup._alignment([64, 64], [0, 4098]) == 2  # one table starting mid-vector
+    assert lookup._alignment([7], [0]) == 1
+    assert lookup._tiles_output([4, 0], [8, 4], 12)  # any order
+    assert not lookup._tiles_output([0, 4], [4, 8], 14)  # 2 columns left over
+    assert not lookup._tiles_output([0, 2], [4, 8], 10)  # overlapping spans
+    assert not lookup._tiles_output([0, 5], [4, 8], 13)  # a gap
+    for max_dim, mean_bag in [(64, 4.0), (64, 0.0), (128, 30.0), (300, 2.0), (3, 1.0), (64, 200.0)]:
+        block_b, block_l, block_d, num_warps = lookup._pooled_blocks(max_dim, mean_bag)
+        assert block_d == min(triton_next_pow2(max_dim), 256)
+        assert block_l == min(triton_next_pow2(max(round(mean_bag), 2)), 32, lookup.POOLED_TILE // block_d)
+        assert block_b * block_l * block_d <= max(lookup.POOLED_TILE, block_d)
+        assert 1 <= num_warps <= 8
+
+
+def triton_next_pow2(n):
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+# Compiles the pooled kernel for sm_90 (Triton's own ptxas: no GPU needed) and prints the PTX's
+# global load instructions per variant. A child process: TRITON_INTERPRET must be unset for it.
+_SM90_COMPILE = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from torchrec_ext.triton_kernels import embedding_lookup as el
+
+kernel = el._pooled_lookup_fwd_kernel
+pointers = ["*fp32", "*fp16", "*bf16"] + ["*i64"] * 5 + ["*i1", "*i64", "*i64", "*fp32", "*fp32"]
+signature = dict(zip(kernel.arg_names, pointers), num_bags="i32", batch_size="i32", total_dim="i32")
+out = {}
+for align, has_weights, has_dtypes in json.loads(sys.argv[1]):
+    const = dict(HAS_WEIGHTS=has_weights, HAS_DTYPES=has_dtypes, ALIGN=align, BLOCK_B=16, BLOCK_L=4, BLOCK_D=64)
+    src = ASTSource(
+        fn=kernel,
+        signature=dict(signature, **{name: "constexpr" for name in const}),
+        constexprs={(kernel.arg_names.index(name),): value for name, value in const.items()},
+        attrs={(i,): [["tt.divisibility", 16]] for i in range(len(pointers))},
+    )
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    out[f"{align},{has_weights},{has_dtypes}"] = re.findall(r"ld\.global[\w.]*", compiled.asm["ptx"])
+print(json.dumps(out))
+"""
+
+
+def test_pooled_lookup_compiles_for_sm90_with_16_byte_row_loads():
+    """On the GPU's target, without a GPU: the kernel compiles, and the alignment hint is what
+    turns a float32 row's loads into 16-byte ones (scalar 4-byte loads without it)."""
+    if _IN_CHILD:
+        pytest.skip("the compile runs in its own child process")
+    _need_triton_installed()
+    import json
+
+    variants = [(4, False, False), (1, False, False), (4, True, True), (8, True, True)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", _SM90_COMPILE, json.dumps(variants)],
+        cwd=_REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
+        pytest.skip("triton's ptxas is not installed")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    loads = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "ld.global.v4.b32" in loads["4,False,False"]
+    assert "ld.global.v4.b32" not in loads["1,False,False"] and "ld.global.b32" in loads["1,False,False"]
+    # Mixed dtypes: float32 tables still 16 bytes a load, half tables 8 (4 halves) at ALIGN 4 and
+    # 16 (8 halves) at ALIGN 8.
+    assert {"ld.global.v4.b32", "ld.global.v2.b32"} <= set(loads["4,True,True"])
+    assert "ld.global.v2.b32" not in loads["8,True,True"]
+    assert loads["8,True,True"].count("ld.global.v4.b32") > loads["4,True,True"].count("ld.global.v4.b32")
 
 
 @pytest.mark.parametrize("target", TARGETS)

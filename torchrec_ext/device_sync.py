@@ -99,6 +99,13 @@ def _mirrored(t: Tensor) -> Tensor | None:
     return found[2]
 
 
+def host_list_if_free(t: Tensor) -> list | None:
+    """``t``'s values as a list when reading them costs nothing (``t`` is mirrored and
+    unchanged), else None: for reads that only tune a kernel (it has a safe default without)."""
+    host = None if torch.compiler.is_compiling() else _mirrored(t)
+    return None if host is None else host.tolist()
+
+
 def to_host(t: Tensor, reason: str) -> Tensor:
     """``t``'s values on the host (a CPU tensor): one counted sync (whatever ``t``'s device: on
     CPU it stands for the GPU's), unless ``t`` is mirrored. The values read are mirrored, so a

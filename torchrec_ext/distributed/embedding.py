@@ -16,14 +16,15 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.distributed.nn.functional import all_to_all_single
-from torchrec.distributed.embedding_sharding import EmbeddingShardingContext, KJTListSplitsAwaitable
+from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable
 from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.types import LazyAwaitable, ParameterSharding, ShardedModule, ShardingEnv
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from torchrec.streamable import Multistreamable
 
-from torchrec_ext.distributed.input_dist import transpose_segments
+from torchrec_ext import device_sync
+from torchrec_ext.distributed.input_dist import RoutedShardingContext, transpose_segments
 from torchrec_ext.distributed.sharded_base import ShardedDynamicBase
 from torchrec_ext.modules.embedding_collection import DynamicEmbeddingCollection
 from torchrec_ext.modules.features import check_and_arrange
@@ -33,10 +34,11 @@ from torchrec_ext.modules.features import check_and_arrange
 class SequenceShardingContext(Multistreamable):
     """What the output dist needs from the input dist of the same batch."""
 
-    sharding_contexts: list[EmbeddingShardingContext] = field(default_factory=lambda: [EmbeddingShardingContext()])
+    # (the exchange's sizes, on the host once its counts arrive: ids sent to / received from each rank)
+    sharding_contexts: list[RoutedShardingContext] = field(default_factory=lambda: [RoutedShardingContext()])
     order: Tensor | None = None  # routed position -> position among the routing slots' ids
     expand: Tensor | None = None  # routing slots' id position -> input position (None: the same)
-    sent_per_rank: list[int] = field(default_factory=list)
+    value_counts: list[int] = field(default_factory=list)  # input ids per lookup slot (host side)
     lengths: Tensor | None = None  # input lengths, lookup-slot major
     ids: Tensor | None = None  # input ids (the weights when need_indices)
     batch_size: int = 0
@@ -113,7 +115,7 @@ class ShardedDynamicEmbeddingCollection(
         batch = check_and_arrange(features, self._plan, False, type(self).__name__, self._device)
         routed, ctx.order, ctx.expand = self._routing.route(batch.ids, batch.lengths, None, batch.batch_size)
         ctx.routed_counts = routed.lengths().view(self._world_size, len(self._routing.names), -1).sum(-1)
-        ctx.sent_per_rank = ctx.routed_counts.sum(1).tolist()
+        ctx.value_counts = batch.value_counts
         ctx.lengths, ctx.batch_size = batch.lengths, batch.batch_size
         ctx.ids = batch.ids
         return KJTListSplitsAwaitable([self._input_dists[0](routed, ctx.sharding_contexts[0])], ctx)
@@ -153,20 +155,20 @@ class ShardedDynamicEmbeddingCollection(
         vectors = output[0].to(self._output_dtype)
         # Received ids are slot-major then source-major: regroup by source to send them back.
         per_slot_source = ctx.received_lengths.sum(-1)  # [slots, world]
-        back = transpose_segments(per_slot_source)
-        send_counts = per_slot_source.sum(0).tolist()
+        sent_per_rank, send_counts = self._exchange_sizes(ctx, per_slot_source)
+        back = transpose_segments(per_slot_source, sum(send_counts))
         if ctx.expand is None and all(w == self._dim for w in self._rank_widths):  # whole vectors, each id once
             returned = all_to_all_single(
-                vectors.new_empty(sum(ctx.sent_per_rank), self._dim),
+                vectors.new_empty(sum(sent_per_rank), self._dim),
                 vectors[back],
-                output_split_sizes=ctx.sent_per_rank,
+                output_split_sizes=sent_per_rank,
                 input_split_sizes=send_counts,
                 group=self._env.process_group,
             )
             restored = returned[torch.argsort(ctx.order)]  # back to the input's order
         else:
-            restored = self._placed_columns(ctx, vectors[back], send_counts)
-        per_slot = (ctx.lengths.view(len(self._plan.embedding_names), ctx.batch_size).sum(1)).tolist()
+            restored = self._placed_columns(ctx, vectors[back], sent_per_rank, send_counts)
+        per_slot = ctx.value_counts
         pieces = torch.split(restored, per_slot)
         ids = torch.split(ctx.ids, per_slot)
         lengths = ctx.lengths.view(len(per_slot), ctx.batch_size)
@@ -179,11 +181,24 @@ class ShardedDynamicEmbeddingCollection(
             }
         )
 
-    def _placed_columns(self, ctx: SequenceShardingContext, vectors: Tensor, send_counts: list[int]) -> Tensor:
+    @staticmethod
+    def _exchange_sizes(ctx: SequenceShardingContext, per_slot_source: Tensor) -> tuple[list[int], list[int]]:
+        """(ids this rank sent to each rank, ids it received from each): what returns and what goes
+        back. Our input dist left them on the host (``RoutedShardingContext``); another one did not,
+        and they are read."""
+        exchange = ctx.sharding_contexts[0]
+        if getattr(exchange, "sent_per_rank", None):
+            return exchange.sent_per_rank, exchange.received_per_rank
+        sent = device_sync.host_list(ctx.routed_counts.sum(1), "sequence output dist: ids sent to each rank")
+        return sent, device_sync.host_list(per_slot_source.sum(0), "sequence output dist: ids received from each rank")
+
+    def _placed_columns(
+        self, ctx: SequenceShardingContext, vectors: Tensor, sent_per_rank: list[int], send_counts: list[int]
+    ) -> Tensor:
         """[ids, dim]: the vectors of the input's ids, in its order, from each rank's columns of
         them (``vectors``: this rank's, [sent back, its width], rows in the order they go)."""
         widths = self._rank_widths
-        sizes = [n * w for n, w in zip(ctx.sent_per_rank, widths)]
+        sizes = [n * w for n, w in zip(sent_per_rank, widths)]
         # Flat, as ranks send rows of different widths.
         received = all_to_all_single(
             vectors.new_empty(sum(sizes)),
@@ -195,9 +210,11 @@ class ShardedDynamicEmbeddingCollection(
         # Each returned row (routed order: rank-major, then routing slot): its input position and first column.
         target = ctx.order if ctx.expand is None else ctx.expand[ctx.order]
         first = torch.repeat_interleave(
-            self._slot_first.to(target.device), ctx.routed_counts.reshape(-1), output_size=target.numel()
+            device_sync.to_device(self._slot_first, target.device),
+            ctx.routed_counts.reshape(-1),
+            output_size=target.numel(),
         )
-        start = (target * self._dim + first).split(ctx.sent_per_rank)
+        start = (target * self._dim + first).split(sent_per_rank)
         index = torch.cat(
             [(s.unsqueeze(1) + torch.arange(w, device=s.device)).reshape(-1) for s, w in zip(start, widths)]
         )

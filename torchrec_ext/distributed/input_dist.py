@@ -49,6 +49,17 @@ def transpose_segments(sizes: Tensor, total: int | None = None) -> Tensor:
     )
 
 
+class RoutedShardingContext(EmbeddingShardingContext):
+    """TorchRec's sharding context plus the exchange's sizes, known on the host once the counts
+    phase is waited for: ids sent to each rank and received from each (what the sequence output
+    dist sends back and receives), so the output dist reads nothing from the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent_per_rank: list[int] = []
+        self.received_per_rank: list[int] = []
+
+
 class RoutedAllToAll(KJTAllToAll):
     """The exchange of routed KJTs (keys ``keys * world_size``, block r bound for rank r).
 
@@ -95,6 +106,7 @@ class RoutedCountsAwaitable(Awaitable[Awaitable[KeyedJaggedTensor]]):
     def _wait_impl(self) -> Awaitable[KeyedJaggedTensor]:
         if self._work is None:  # one rank: nothing moves
             batches, data = [self._routed.stride()], _Ready(self._routed)
+            sent = received_ids = [self._routed.values().numel()]
         else:
             self._work.wait()
             world, width = self._pg.size(), 1 + self._num_keys
@@ -106,18 +118,21 @@ class RoutedCountsAwaitable(Awaitable[Awaitable[KeyedJaggedTensor]]):
             )
             counts = [host[r * width : (r + 1) * width] for r in range(world)]
             batches = [row[0] for row in counts]
+            sent, received_ids = host[world * width :], [sum(row[1:]) for row in counts]
             data = RoutedDataAwaitable(
                 self._pg,
                 self._routed,
                 self._num_keys,
-                host[world * width :],
+                sent,
                 batches,
                 received[:, 1:],
-                [sum(row[1:]) for row in counts],
+                received_ids,
                 [sum(row[1 + k] for row in counts) for k in range(self._num_keys)],
             )
         if self._sharding_ctx is not None:  # the output dist's reduce-scatter splits
             self._sharding_ctx.batch_size_per_rank = batches
+        if isinstance(self._sharding_ctx, RoutedShardingContext):
+            self._sharding_ctx.sent_per_rank, self._sharding_ctx.received_per_rank = sent, received_ids
         return data
 
 

@@ -81,9 +81,6 @@ class TableSlots:
     def pinned_at_most(self) -> int:
         return sum(counts[self.t] for counts in self.maps.pin_counts.values())
 
-    def room(self) -> int:
-        return self.maps.room(self.t)
-
     def unpin(self, token: int) -> None:
         self.maps.unpin(token)
 
@@ -171,16 +168,6 @@ class DeviceSlotMaps:
             mask.index_fill_(0, slots, True)
         return mask
 
-    def room(self, t: int) -> int:
-        """Table t's slots no batch in flight holds (a read on the host when any is held)."""
-        n = self.tables[t].slots
-        mask = self.pinned_mask()
-        if mask is None:
-            return n
-        base = self.slot_base_host[t]
-        held = device_sync.to_host(mask[base : base + n].sum(), "tiered tables: cache room")
-        return n - int(held)
-
     # ------------------------------------------------------------------ a lookup
 
     def hold(
@@ -209,31 +196,32 @@ class DeviceSlotMaps:
         lives, needs, reads = device_sync.host_list(counts, "tiered tables: rows without a cache slot")
         base = self.slot_base.index_select(0, table_of)
         spare = self.total_slots
-        # The batch's hits are used now (first: victims are slots last used before this clock).
-        self.last_used.index_fill_(0, torch.where(slots >= 0, base + slots, spare), clock)
+        slow = [t for t, _, _ in segments if reads[t] or needs[t] > self.free_count[t]]
+        if slow:  # the batch's hits are used now (first: victims are slots last used before this clock)
+            self.last_used.index_fill_(0, torch.where(slots >= 0, base + slots, spare), clock)
         fast = []
         for t, start, end in segments:
             self.tables[t].hits += lives[t] - needs[t]
-            if reads[t] or needs[t] > self.free_count[t]:
+            if t in slow:
                 self._fill(t, start, end, rows, fresh, slots, clock, movers[t])
             elif needs[t]:
                 fast.append(t)
         if fast:  # the other tables' new rows take free slots, on the device
-            self._take_free(rows, at_row, table_of, base, slots, clock)
+            self._take_free(rows, at_row, table_of, base, slots)
             for t in fast:
                 self.free_count[t] -= needs[t]
         at = torch.where(slots >= 0, base + slots, spare)
+        self.last_used.index_fill_(0, at, clock)  # (the hits again, the new rows' slots)
         if modifies:
             self.dirty.index_fill_(0, at, True)
         elif fresh is not None:
             self.dirty.index_fill_(0, torch.where(fresh, at, spare), True)
         return slots, self.pin(at, lives)
 
-    def _take_free(
-        self, rows: Tensor, at_row: Tensor, table_of: Tensor, base: Tensor, slots: Tensor, clock: int
-    ) -> None:
+    def _take_free(self, rows: Tensor, at_row: Tensor, table_of: Tensor, base: Tensor, slots: Tensor) -> None:
         """The rows without a slot take their table's free slots, from the top of its stack: all
-        on the device (the caller checked that each table's stack holds them)."""
+        on the device (the caller checked that each table's stack holds them). They are all new
+        to their ids (no miss takes this path): ``hold`` marks them dirty and used."""
         need = (rows >= 0) & (slots < 0)
         wanted = need.to(torch.int64)
         per_table = torch.zeros_like(self.free_top).index_add_(0, table_of, wanted)
@@ -245,8 +233,6 @@ class DeviceSlotMaps:
         at = torch.where(need, base + taken, self.total_slots)
         self.row_of.index_copy_(0, at, rows)
         self.slot_of.index_copy_(0, torch.where(need, at_row, self.total_rows), taken.to(torch.int32))
-        self.dirty.index_fill_(0, at, False)
-        self.last_used.index_fill_(0, at, clock)
         self.free_top.sub_(per_table)
 
     def _fill(

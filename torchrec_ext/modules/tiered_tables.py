@@ -377,10 +377,6 @@ class RowCache:
             mask[slots] = True
         return mask
 
-    def room(self) -> int:
-        """Slots no batch in flight holds."""
-        return self.slots - (int(self.pinned_mask().sum()) if self.pinned else 0)
-
     def hold(
         self, rows: Tensor, fresh: Tensor | None, modifies: bool, clock: int, mover: _Mover, best_effort: bool = False
     ) -> Tensor:
@@ -1055,8 +1051,8 @@ class TieredTables(DynamicTables):
     def _check_room(self, ids: Tensor, segment_offsets: Tensor) -> None:
         """Each table's cache must hold a batch's distinct ids next to the batches in flight:
         checked before anything changes (a count of ids bounds the distinct ones; exact only
-        when that bound does not fit). Nothing is read on the host while the batch's whole id
-        count fits every table's cache next to the batches in flight."""
+        when that bound does not fit, ``_room_for``). Nothing is read on the host while the
+        batch's whole id count fits every table's cache next to the batches in flight."""
         if ids.numel() <= min((cache.slots - cache.pinned_at_most() for cache in self.caches), default=0):
             return
         bounds = device_sync.host_list(segment_offsets, "tiered tables: ids per table (cache room)")
@@ -1064,10 +1060,7 @@ class TieredTables(DynamicTables):
             start, end = bounds[t], bounds[t + 1]
             if end - start <= cache.slots - cache.pinned_at_most():
                 continue
-            room = cache.room()
-            distinct = int(
-                device_sync.to_host(_distinct_count(ids[start:end]), "tiered tables: distinct ids (cache room)")
-            )
+            distinct, room = self._room_for(t, ids[start:end])
             if distinct > room:
                 m = self.meta[t]
                 held = (
@@ -1080,6 +1073,32 @@ class TieredTables(DynamicTables):
                     f"for it (the cache holds {cache.slots} rows: cache_load_factor {self.cache_load_factors[t]} of "
                     f"capacity {m.capacity}{held}); raise cache_load_factor or split the batch"
                 )
+
+    def _room_for(self, t: int, ids: Tensor) -> tuple[int, int]:
+        """Table t's (distinct ``ids``, cache slots free for them): the slots no batch in flight
+        holds, and those holding rows of these ids (a batch sharing rows with a batch in flight
+        takes no new slot for them; an id new to the table counts as needing one). Read on the
+        host: only when the batch may not fit."""
+        cache = self.caches[t]
+        rows, found = self.indexes[t].find(ids)
+        if self._maps is not None:
+            pinned = self._maps.pinned_mask()
+            base = self._maps.slot_base_host[t]
+            pinned = None if pinned is None else pinned[base : base + cache.slots]
+        else:  # (the host maps: the rows on the host)
+            both = device_sync.to_host(torch.stack([rows, found.to(torch.int64)]), "tiered tables: rows (cache room)")
+            rows, found = both[0], both[1] == 1
+            pinned = cache.pinned_mask() if cache.pinned else None
+        held = 0
+        if pinned is not None:
+            cached = cache.slot_of.index_select(0, rows.clamp(min=0)).to(torch.int64)
+            own = torch.zeros(cache.slots + 1, dtype=torch.bool, device=cached.device)
+            own.index_fill_(0, torch.where(found & (cached >= 0), cached, cache.slots), True)
+            held = int(
+                device_sync.to_host((pinned & ~own[: cache.slots]).sum(), "tiered tables: held slots (cache room)")
+            )
+        distinct = int(device_sync.to_host(_distinct_count(ids), "tiered tables: distinct ids (cache room)"))
+        return distinct, cache.slots - held
 
     def _unpin(self, held: list) -> None:
         for t, record in held:

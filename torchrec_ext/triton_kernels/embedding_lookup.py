@@ -40,7 +40,8 @@ from torchrec_ext import device_sync
 @triton.jit
 def load_rows(w32_ptr, w16_ptr, wbf_ptr, base, offs, mask, dtype_code, HAS_DTYPES: tl.constexpr):
     """float32 values of the elements ``offs`` of a table starting at word ``base`` whose storage
-    dtype is ``dtype_code`` (a scalar: one table per program)."""
+    dtype is ``dtype_code`` (a scalar, one table per program, or a tensor that broadcasts with
+    ``offs``, one table per row of the tile)."""
     if HAS_DTYPES:
         v32 = tl.load(w32_ptr + base + offs, mask=mask & (dtype_code == 0), other=0.0)
         v16 = tl.load(w16_ptr + 2 * base + offs, mask=mask & (dtype_code == 1), other=0.0).to(tl.float32)
@@ -60,65 +61,92 @@ def _pooled_lookup_fwd_kernel(
     table_dims_ptr,  # [T] int
     feature_table_ptr,  # [F] int
     feature_col_ptr,  # [F] int: first output column of each feature
-    feature_mean_ptr,  # [F] int32: 1 = mean pooling, 0 = sum
+    feature_mean_ptr,  # [F] bool or int: nonzero = mean pooling, 0 = sum
     rows_ptr,  # [n] int: row of each value inside its table, -1 = none
     offsets_ptr,  # [F * batch_size + 1] int: bag boundaries
     psw_ptr,  # [n] per-sample weights (unused unless HAS_WEIGHTS)
     out_ptr,  # [batch_size, total_dim] float32
+    num_bags,
     batch_size,
     total_dim,
     HAS_WEIGHTS: tl.constexpr,
     HAS_DTYPES: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    ALIGN: tl.constexpr,  # every table's dim and first word are multiples of it (vector loads)
+    BLOCK_B: tl.constexpr,
+    BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # One program per (bag, block of BLOCK_D columns); it walks the bag's ids BLOCK_N at a time.
-    bag = tl.program_id(0).to(tl.int64)
-    pid_d = tl.program_id(1).to(tl.int64)
-    feature = bag // batch_size
-    sample = bag - feature * batch_size
+    # One program per (BLOCK_B consecutive bags, block of BLOCK_D columns). Each loop step loads
+    # the next BLOCK_L ids of every bag of the tile, then their BLOCK_B x BLOCK_L rows at once:
+    # many independent row loads in flight per program (one bag per program left the memory
+    # system idle while its few rows' dependent loads ran one after the other). Bags of one tile
+    # may belong to different features, hence tables, dims and dtypes: all per-bag vectors.
+    # Per-bag values in int32 where they fit (bags, features, tables, dims, columns: registers
+    # are what bounds the warps per SM); addresses and value positions in int64.
+    bags = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    pid_d = tl.program_id(1)
+    bag_ok = bags < num_bags
+    feature = bags // batch_size
+    sample = bags - feature * batch_size
 
-    table = tl.load(feature_table_ptr + feature).to(tl.int64)
-    col = tl.load(feature_col_ptr + feature).to(tl.int64)
-    is_mean = tl.load(feature_mean_ptr + feature)
-    dim = tl.load(table_dims_ptr + table).to(tl.int64)
-    base = tl.load(table_offsets_ptr + table).to(tl.int64)
-    dtype_code = tl.load(table_dtypes_ptr + table) if HAS_DTYPES else 0
-    start = tl.load(offsets_ptr + bag).to(tl.int64)
-    end = tl.load(offsets_ptr + bag + 1).to(tl.int64)
+    table = tl.load(feature_table_ptr + feature, mask=bag_ok, other=0).to(tl.int32)
+    col = tl.load(feature_col_ptr + feature, mask=bag_ok, other=0)
+    is_mean = tl.load(feature_mean_ptr + feature, mask=bag_ok, other=0)
+    # The hints let the compiler prove that a row's ALIGN elements are contiguous and aligned
+    # (the host checked every table): 16-byte loads of float32 rows from ALIGN 4, of half rows
+    # at 8 (a half table's element e is at half-word 2 * base + e: 2 * base keeps the alignment).
+    dim = tl.multiple_of(tl.load(table_dims_ptr + table, mask=bag_ok, other=0).to(tl.int32), ALIGN)
+    base = tl.multiple_of(tl.load(table_offsets_ptr + table, mask=bag_ok, other=0).to(tl.int64), ALIGN)
+    if HAS_DTYPES:
+        dtype_code = tl.load(table_dtypes_ptr + table, mask=bag_ok, other=0)[:, None, None]
+    else:
+        dtype_code = 0
+    start = tl.load(offsets_ptr + bags, mask=bag_ok, other=0).to(tl.int64)
+    end = tl.load(offsets_ptr + bags + 1, mask=bag_ok, other=0).to(tl.int64)
 
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_mask = d < dim
-    # Column blocks past this table's dim (the grid covers the widest table) read nothing.
-    stop = tl.where(pid_d * BLOCK_D < dim, end, start)
+    d_mask = d[None, :] < dim[:, None]  # [B, D]
+    # A column block past a bag's dim (the grid covers the widest table) reads nothing.
+    length = tl.where(bag_ok & (pid_d * BLOCK_D < dim), end - start, 0)
+    longest = tl.max(length, axis=0)
+    pos = tl.arange(0, BLOCK_L)
 
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    i = start
-    while i < stop:
-        idx = i + tl.arange(0, BLOCK_N)
-        in_bag = idx < stop
-        row = tl.load(rows_ptr + idx, mask=in_bag, other=-1).to(tl.int64)
+    # Software pipeline: the ids of step j + 1 are loaded before the rows of step j, so the id
+    # loads' latency hides behind the row loads.
+    in_bag = pos[None, :] < length[:, None]  # [B, L]
+    row = tl.load(rows_ptr + start[:, None] + pos[None, :], mask=in_bag, other=-1).to(tl.int64)
+    acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+    j = 0
+    while j < longest:
+        cur = j + pos[None, :]
         present = in_bag & (row >= 0)  # -1 rows read as zeros
+        nxt = cur + BLOCK_L
+        next_in_bag = nxt < length[:, None]
+        next_row = tl.load(rows_ptr + start[:, None] + nxt, mask=next_in_bag, other=-1).to(tl.int64)
         vals = load_rows(
             weights_ptr,
             weights16_ptr,
             weightsbf_ptr,
-            base,
-            row[:, None] * dim + d[None, :],
-            present[:, None] & d_mask[None, :],
+            base[:, None, None],
+            (row * dim[:, None])[:, :, None] + d[None, None, :],
+            present[:, :, None] & d_mask[:, None, :],
             dtype_code,
             HAS_DTYPES,
         )
         if HAS_WEIGHTS:
-            w = tl.load(psw_ptr + idx, mask=present, other=0.0).to(tl.float32)
-            vals = vals * w[:, None]
-        acc += tl.sum(vals, axis=0)
-        i += BLOCK_N
+            w = tl.load(psw_ptr + start[:, None] + cur, mask=present, other=0.0).to(tl.float32)
+            vals = vals * w[:, :, None]
+        acc += tl.sum(vals, axis=1)
+        row = next_row
+        in_bag = next_in_bag
+        j += BLOCK_L
 
     # Mean divides by the bag's full length, -1 rows included; empty bags stay zero.
-    length = tl.maximum(end - start, 1).to(tl.float32)
-    acc = tl.where((is_mean != 0) & (end > start), tl.div_rn(acc, length), acc)
-    tl.store(out_ptr + sample * total_dim + col + d, acc, mask=d_mask)
+    full = end - start
+    scale = tl.where((is_mean != 0) & (full > 0), tl.maximum(full, 1).to(tl.float32), 1.0)
+    acc = tl.div_rn(acc, scale[:, None])
+    out = out_ptr + (sample.to(tl.int64) * total_dim + col)[:, None] + d[None, :]
+    tl.store(out, acc, mask=bag_ok[:, None] & d_mask)
 
 
 @triton.jit
@@ -175,6 +203,51 @@ def _blocks(max_dim: int, max_block_d: int = 128, tile: int = 2048):
     return block_d, block_n, num_warps
 
 
+# The pooled lookup's tile (elements a program holds per loop step) and elements per thread
+# (16 = four 16-byte loads in flight per thread at ~64 registers on sm_90, 4 programs of 8 warps
+# per SM; 32 took ~126, which halves the resident warps). Module constants so a benchmark can sweep them.
+POOLED_TILE = 4096
+POOLED_ELEMENTS_PER_THREAD = 16
+
+
+def _pooled_blocks(max_dim: int, mean_bag: float):
+    """(BLOCK_B, BLOCK_L, BLOCK_D, num_warps) of the pooled lookup: a program's tile is BLOCK_B
+    bags x BLOCK_L ids x BLOCK_D columns (about POOLED_TILE elements). BLOCK_L follows the
+    batch's mean bag length (a host value: rows.numel() / bags), so typical bags take one or two
+    loop steps; each distinct value is one compile (at most 5: powers of two 2..32)."""
+    tile = POOLED_TILE
+    block_d = min(triton.next_power_of_2(max(max_dim, 1)), 256)
+    # At least 2: a tile of one id per bag spreads ~4 bags' values over each thread (~160
+    # registers on sm_90 against ~80).
+    block_l = min(triton.next_power_of_2(max(int(mean_bag + 0.5), 2)), 32, max(tile // block_d, 1))
+    block_b = max(1, min(64, tile // (block_d * block_l)))
+    threads = block_b * block_l * block_d // POOLED_ELEMENTS_PER_THREAD
+    num_warps = max(1, min(8, triton.next_power_of_2(max(threads // 32, 1))))
+    return block_b, block_l, block_d, num_warps
+
+
+def _alignment(dims: list[int], table_offsets: list[int]) -> int:
+    """The largest power of two up to 8 dividing every table's dim and first word: the kernel
+    may then read a row ALIGN elements at a time (16-byte loads of float32 rows from 4, of half
+    rows at 8)."""
+    align = 8
+    while align > 1 and any(v % align for v in [*dims, *table_offsets]):
+        align //= 2
+    return align
+
+
+def _tiles_output(cols: list[int], widths: list[int], total_dim: int) -> bool:
+    """Whether the column spans [cols[f], cols[f] + widths[f]) cover [0, total_dim) exactly,
+    without overlaps or gaps."""
+    spans = sorted(zip(cols, widths))
+    at = 0
+    for col, width in spans:
+        if col != at:
+            return False
+        at += width
+    return at == total_dim
+
+
 def _meta(t: Tensor, device: torch.device, dtype: torch.dtype = torch.int64) -> Tensor:
     """A small index tensor on the kernel's device, contiguous (a no-op when it already is)."""
     return device_sync.to_device(torch.as_tensor(t), device).to(dtype=dtype).contiguous()
@@ -224,44 +297,59 @@ def pooled_lookup(
     """[batch_size, total_dim] float32 pooled output: feature f's bags land in columns
     feature_col[f]...; sum (or mean where feature_mean[f]) of the rows of each bag, scaled by
     per_sample_weights when given. Rows of -1 read as zeros; empty bags are zeros."""
-    # Launcher of _pooled_lookup_fwd_kernel: grid (bags, column blocks of the widest table).
+    # Launcher of _pooled_lookup_fwd_kernel: grid (tiles of bags, column blocks of the widest
+    # table). The widest dim is a counted host read, free when the caller mirrors the dims
+    # (DynamicTables' layout); the other host values only tune the launch and are read if free.
     _check_weights(weights, "pooled_lookup")
     check_no_new_vectors(new_vectors, "pooled_lookup")
     device = weights.device
-    # zeros, not empty: columns no feature covers must read as zeros, as in the reference.
-    out = torch.zeros(batch_size, total_dim, dtype=torch.float32, device=device)
-    num_features = feature_table.numel()
-    num_bags = num_features * batch_size
-    if num_bags == 0 or total_dim == 0:
-        return out
-    # Host dims: free when the caller mirrors them (DynamicTables' layout), else one counted read.
-    max_dim = int(device_sync.to_host(table_dims, "pooled_lookup: widest table").max()) if table_dims.numel() else 0
+    num_bags = feature_table.numel() * batch_size
+    host_dims = device_sync.host_list(table_dims, "pooled_lookup: widest table") if num_bags and total_dim else []
+    max_dim = max(host_dims, default=0)
     if max_dim == 0:
-        return out
-    table_dims = _meta(table_dims, device)
+        return torch.zeros(batch_size, total_dim, dtype=torch.float32, device=device)
+    # Columns no feature covers must read as zeros, as in the reference; when the features tile
+    # the output (a module's plan) the kernel writes every element: no memset launch. Decided
+    # only from free host values (mirrored, as a module's plan is): zeros otherwise, no sync.
+    host_tables = device_sync.host_list_if_free(feature_table)
+    host_cols = device_sync.host_list_if_free(feature_col)
+    covered = (
+        host_tables is not None
+        and host_cols is not None
+        and _tiles_output(host_cols, [host_dims[t] for t in host_tables], total_dim)
+    )
+    out = (torch.empty if covered else torch.zeros)(batch_size, total_dim, dtype=torch.float32, device=device)
+    host_offsets = device_sync.host_list_if_free(table_offsets)  # (the same: scalar loads without)
+    align = _alignment(host_dims, host_offsets) if host_offsets is not None else 1
     rows = rows.to(device).contiguous()
     has_weights = per_sample_weights is not None
     psw = per_sample_weights.to(device).contiguous() if has_weights else rows  # dummy, never read
-    block_d, block_n, num_warps = _blocks(max_dim)
-    grid = (num_bags, triton.cdiv(max_dim, block_d))
-    codes, has_dtypes = dtype_codes(table_dtypes, device)
+    block_b, block_l, block_d, num_warps = _pooled_blocks(max_dim, rows.numel() / num_bags)
+    grid = (triton.cdiv(num_bags, block_b), triton.cdiv(max_dim, block_d))
+    # The small index tensors are read in their own dtypes (bool means, int64 codes): no cast
+    # kernel per call.
+    has_dtypes = table_dtypes is not None
+    codes = _meta(table_dtypes, device, table_dtypes.dtype) if has_dtypes else rows  # dummy, never read
     _pooled_lookup_fwd_kernel[grid](
         *typed_views(weights),
         _meta(table_offsets, device),
         codes,
-        table_dims,
+        _meta(table_dims, device),
         _meta(feature_table, device),
         _meta(feature_col, device),
-        _meta(feature_mean, device, torch.int32),
+        _meta(feature_mean, device, feature_mean.dtype),
         rows,
         _meta(offsets, device),
         psw,
         out,
+        num_bags,
         batch_size,
         total_dim,
         HAS_WEIGHTS=has_weights,
         HAS_DTYPES=has_dtypes,
-        BLOCK_N=block_n,
+        ALIGN=align,
+        BLOCK_B=block_b,
+        BLOCK_L=block_l,
         BLOCK_D=block_d,
         num_warps=num_warps,
     )

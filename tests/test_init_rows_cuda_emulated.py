@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from cuda_emulation.build import build, cuda_include_dir
-from matrix import ci_subset
 from torchrec_ext import ops, torch_kernels
 from torchrec_ext.hashing import as_int64
 from torchrec_ext.vocabulary import STORAGE_DTYPES, table_words
@@ -110,12 +109,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)  # bit patterns: NaN-safe, -0.0 distinct
 
 
+# Every case in CI: each takes ~0.05 s once the emulated library is built (shared with
+# tests/test_cuda_kernels_emulated.py, one build per process).
 @pytest.mark.parametrize(
     "num_tables, dtypes, states",
-    ci_subset(
-        itertools.product([1, 7, 26], ["fp32", "mixed"], ["none", "elementwise", "rowwise"]),
-        lambda num_tables, dtypes, states: num_tables == 7 and (dtypes == "mixed" or states == "none"),
-    ),
+    itertools.product([1, 7, 26], ["fp32", "mixed"], ["none", "elementwise", "rowwise"]),
 )
 def test_emulated_cuda_init_is_bit_identical_to_the_cpu_kernel(emulated, num_tables, dtypes, states):
     for seed in range(2):

@@ -24,69 +24,47 @@ constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;   // init_rows_cpu.cpp's
 constexpr int kTruncNormalAttempts = 16;
 constexpr double kTwoPi = 2.0 * 3.14159265358979323846;  // 2.0 * M_PI, folded exactly as the CPU's
 
-// Double products and sums rounded one by one (never fused), as the CPU kernel computes them.
-__device__ __forceinline__ double mul_rn(double a, double b) {
+// Products and sums rounded one by one (never fused), as the CPU kernel computes them. (The
+// emulator's host build takes plain operations: x86-64 contracts nothing without -mfma.)
 #if defined(__CUDA_ARCH__)
-  return __dmul_rn(a, b);
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float fmul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float fadd_rn(float a, float b) { return __fadd_rn(a, b); }
 #else
-  return a * b;
+__device__ __forceinline__ double mul_rn(double a, double b) { return a * b; }
+__device__ __forceinline__ double add_rn(double a, double b) { return a + b; }
+__device__ __forceinline__ float fmul_rn(float a, float b) { return a * b; }
+__device__ __forceinline__ float fadd_rn(float a, float b) { return a + b; }
 #endif
-}
-__device__ __forceinline__ double add_rn(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  return __dadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-__device__ __forceinline__ float fmul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-__device__ __forceinline__ float fadd_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
 
-__device__ __forceinline__ uint32_t float_bits(float f) {
+// The bits of one 4-byte type read as another (std::bit_cast, which device code lacks).
+template <typename To, typename From>
+__device__ __forceinline__ To bits_as(From x) {
   union {
-    float f;
-    uint32_t u;
+    From from;
+    To to;
   } v;
-  v.f = f;
-  return v.u;
-}
-__device__ __forceinline__ float bits_float(uint32_t u) {
-  union {
-    float f;
-    uint32_t u;
-  } v;
-  v.u = u;
-  return v.f;
+  v.from = x;
+  return v.to;
 }
 
 // float32 -> float16 rounded to nearest even, c10's fp16_ieee_from_fp32_value (what the CPU's
 // store_row gives, in whichever of its loops), subnormals, overflow to inf and NaN included.
 __device__ __forceinline__ uint16_t half_nearest(float f) {
   float base = fmul_rn(fmul_rn(fabsf(f), 0x1.0p+112f), 0x1.0p-110f);
-  const uint32_t w = float_bits(f), shl1_w = w + w, sign = w & 0x80000000u;
+  const uint32_t w = bits_as<uint32_t>(f), shl1_w = w + w, sign = w & 0x80000000u;
   uint32_t bias = shl1_w & 0xFF000000u;
   if (bias < 0x71000000u) bias = 0x71000000u;
-  base = fadd_rn(bits_float((bias >> 1) + 0x07800000u), base);
-  const uint32_t bits = float_bits(base);
+  base = fadd_rn(bits_as<float>((bias >> 1) + 0x07800000u), base);
+  const uint32_t bits = bits_as<uint32_t>(base);
   const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
   return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
 }
 
 // float32 -> bfloat16 rounded to nearest even, c10's round_to_nearest_even (NaN: 0x7FC0).
 __device__ __forceinline__ uint16_t bf16_nearest(float f) {
-  const uint32_t u = float_bits(f);
+  const uint32_t u = bits_as<uint32_t>(f);
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }

@@ -466,26 +466,7 @@ def init_rows_tables(
         states: flat float32 optimizer states (mutated): table t's rows from ``state_offsets[t]``
             (int64 ``[T]``), one value per row when ``rowwise``, else ``dim_t``; reset to ``state_values``.
     """
-    if _init_tables_kernel(weights.device):
-        _ops.init_rows_tables.default(
-            weights,
-            table_offsets,
-            table_dims,
-            table_dtypes,
-            rows,
-            tables,
-            ids,
-            table_seeds,
-            table_kinds,
-            table_params,
-            max_dim,
-            list(states),
-            state_offsets,
-            rowwise,
-            [float(v) for v in state_values],
-        )
-        return
-    torch_kernels.init_rows_tables(
+    layout = (
         weights,
         table_offsets,
         table_dims,
@@ -496,13 +477,13 @@ def init_rows_tables(
         table_seeds,
         table_kinds,
         table_params,
-        kinds,
-        max_dim,
-        states,
-        state_offsets,
-        rowwise,
-        state_values,
     )
+    if _init_tables_kernel(weights.device):
+        _ops.init_rows_tables.default(
+            *layout, max_dim, list(states), state_offsets, rowwise, [float(v) for v in state_values]
+        )
+    else:
+        torch_kernels.init_rows_tables(*layout, kinds, max_dim, states, state_offsets, rowwise, state_values)
 
 
 _INIT_TABLES_KERNEL: dict[str, bool] = {}

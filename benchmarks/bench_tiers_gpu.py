@@ -32,17 +32,24 @@ alone leaves a fifth of the rows unused: ratio 0.8 would evict nothing). After `
 (caches full), the systems are timed in turn chunk by chunk, the order
 rotating per repeat (interleaved, so all see the same machine): median ms per step of ``repeats``
 chunks of ``steps_per_repeat`` steps, each chunk between two ``torch.cuda.synchronize()``. Also
-reported for ours: the cache hit rate of the timed steps (rows found at step time over rows that
-held values), rows staged and written back per step, and bytes in HBM (``torch.cuda.max_memory_allocated``
-per system, reset before each build).
+reported for ours, per timed step: the cache hit rate at step time (rows found at step time over
+rows that held values; ~1.0 with the prefetch, by construction), the hit rate before staging
+(``held_hit_rate``: the rows staged ahead counted as misses, as TorchRec counts a UVM prefetch's),
+misses and rows staged, write-backs, the rows live against the cache's slots after the fill (a
+ratio below 1 must leave rows outside the cache: the run stops otherwise), and bytes in HBM
+(``torch.cuda.max_memory_allocated`` per system, reset before each build).
 
 Needs a CUDA device (and fbgemm-gpu's CUDA build for the TorchRec system); exits with a clear
-message otherwise.
+message otherwise. ``--device cpu`` runs ours and resident on the CPU (a smoke test of the
+benchmark itself: the caches' maps forced onto the device path, ``TieredTables.device_maps``;
+no HBM figures, no TorchRec system).
 
     python benchmarks/bench_tiers_gpu.py                      # saves results/tiers_gpu.{md,jsonl}
     python benchmarks/bench_tiers_gpu.py --ratios 0.8 --systems ours,torchrec
     python benchmarks/bench_tiers_gpu.py --systems ours,resident --maps device,host  # device vs host maps
     python benchmarks/bench_tiers_gpu.py --rows 65536 --batch-size 1024 --warmup-steps 3 --repeats 2 --no-save  # smoke
+    python benchmarks/bench_tiers_gpu.py --device cpu --systems ours,resident --num-tables 2 --rows 4096 \
+        --dim 16 --batch-size 256 --warmup-steps 3 --repeats 2 --steps-per-repeat 2 --no-save  # CPU smoke
 """
 
 from __future__ import annotations
@@ -83,12 +90,20 @@ class Config:
     fill: int = 1
     systems: tuple[str, ...] = ("ours", "torchrec", "resident")
     maps: str = "device"  # ours: where the caches' maps live, "device" and/or "host", comma-separated
+    device: str = "cuda"  # "cpu": a smoke test of the benchmark (ours and resident only)
+    cache_algorithm: str = "lru"  # "lru" or "lfu": ours' cache_algorithm and TorchRec's fused_params cache_algorithm
 
 
 SYSTEMS = ("ours", "torchrec", "resident")
 
 
-def _check_device() -> torch.device:
+def _check_device(cfg: Config) -> torch.device:
+    if cfg.device == "cpu":
+        if "torchrec" in cfg.systems:
+            sys.exit("bench_tiers_gpu.py: --device cpu runs ours and resident only (--systems ours,resident)")
+        return torch.device("cpu")
+    if cfg.device != "cuda":
+        sys.exit(f"bench_tiers_gpu.py: --device takes cuda or cpu, got {cfg.device!r}")
     if not torch.cuda.is_available():
         sys.exit(
             "bench_tiers_gpu.py: needs a CUDA device (torch.cuda.is_available() is False); "
@@ -133,6 +148,7 @@ def _ours(cfg: Config, device: torch.device, backing: str, ratio: float | None, 
     if ratio is not None:
         for table in tables:
             table.cache_load_factor = ratio
+            table.cache_algorithm = cfg.cache_algorithm
     chosen, TieredTables.device_maps = TieredTables.device_maps, maps == "device"
     try:
         module = DynamicEmbeddingBagCollection(
@@ -163,7 +179,7 @@ def _torchrec(cfg: Config, device: torch.device, ratio: float):
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
-    from torchrec.distributed.types import ShardingPlan
+    from torchrec.distributed.types import CacheAlgorithm, ShardingPlan
     from torchrec.optim import RowWiseAdagrad
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
@@ -176,7 +192,8 @@ def _torchrec(cfg: Config, device: torch.device, ratio: float):
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
     apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": cfg.lr})
     kernel = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
-    sharder = EmbeddingBagCollectionSharder(fused_params={"cache_load_factor": ratio})
+    algorithm = CacheAlgorithm.LFU if cfg.cache_algorithm == "lfu" else CacheAlgorithm.LRU
+    sharder = EmbeddingBagCollectionSharder(fused_params={"cache_load_factor": ratio, "cache_algorithm": algorithm})
     plan = construct_module_sharding_plan(
         ebc,
         per_param_sharding={t.name: table_wise(rank=0, compute_kernel=kernel) for t in tables},
@@ -198,24 +215,42 @@ def _torchrec(cfg: Config, device: torch.device, ratio: float):
     return dmp, step, lambda: None
 
 
-def _timed_chunk(step, settle, batches: list, first: int, count: int) -> float:
-    torch.cuda.synchronize()
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed_chunk(step, settle, batches: list, first: int, count: int, device: torch.device) -> float:
+    _sync(device)
     start = time.perf_counter()
     for i in range(first, first + count):
         step(batches[i], batches[i + 1] if i + 1 < len(batches) else None)
     settle()
-    torch.cuda.synchronize()
+    _sync(device)
     return (time.perf_counter() - start) / count
 
 
 def _tier_counters(module) -> dict[str, int]:
     stats = module.table_stats().values()
     keys = ("cache_hits", "cache_misses", "cache_staged", "cache_write_backs", "cache_bytes_moved", "cache_slots")
+    keys += ("live_rows",)
     return {k: sum(getattr(s, k) for s in stats) for k in keys}
 
 
+def _check_filled(key: str, module, ratio: float | None) -> None:
+    """A cache ratio below 1 must leave live rows outside the cache before timing, or the timed
+    steps evict nothing (the first H100 run's ratio 0.8 timed bookkeeping only)."""
+    counters = _tier_counters(module)
+    if ratio is not None and ratio < 1 and counters["live_rows"] <= counters["cache_slots"]:
+        sys.exit(
+            f"bench_tiers_gpu.py: {key}: {counters['live_rows']:,} live rows fit the {counters['cache_slots']:,} "
+            "cache slots after the warm-up: nothing would be evicted (keep --fill 1)"
+        )
+
+
 def run(cfg: Config) -> dict[str, object]:
-    device = _check_device()
+    device = _check_device(cfg)
+    cuda = device.type == "cuda"
     ratios = [float(r) for r in cfg.ratios.split(",") if r]
     if "torchrec" in cfg.systems:
         reason = fbgemm_cuda_reason()
@@ -238,8 +273,9 @@ def run(cfg: Config) -> dict[str, object]:
         for ratio in [None] if name == "resident" else ratios:
             label = name if where in (None, "device") else f"{name}-{where}maps"
             key = label if ratio is None else f"{label}@{ratio}"
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device) if cuda else 0
             if name == "ours":
                 built[key] = _ours(cfg, device, "host", ratio, where)
             elif name == "resident":
@@ -248,10 +284,12 @@ def run(cfg: Config) -> dict[str, object]:
                 built[key] = _torchrec(cfg, device, ratio)
             module, step, settle = built[key]
             if fill:
-                _timed_chunk(step, settle, fill, 0, len(fill))  # every row live
-            _timed_chunk(step, settle, batches, 0, cfg.warmup_steps)  # caches full before timing
-            hbm[key] = torch.cuda.max_memory_allocated(device) - base
-            print(f"built and warmed {key}: {hbm[key] / 2**30:.2f} GiB of HBM", flush=True)
+                _timed_chunk(step, settle, fill, 0, len(fill), device)  # every row live
+            _timed_chunk(step, settle, batches, 0, cfg.warmup_steps, device)  # caches full before timing
+            hbm[key] = torch.cuda.max_memory_allocated(device) - base if cuda else 0
+            print(f"built and warmed {key}" + (f": {hbm[key] / 2**30:.2f} GiB of HBM" if cuda else ""), flush=True)
+            if name == "ours":
+                _check_filled(key, module, ratio)
     before = {k: _tier_counters(m) for k, (m, _, _) in built.items() if k.startswith("ours")}
     times: dict[str, list[float]] = {k: [] for k in built}
     names = list(built)
@@ -260,21 +298,24 @@ def run(cfg: Config) -> dict[str, object]:
         shift = r % len(names)
         for key in names[shift:] + names[:shift]:
             _, step, settle = built[key]
-            times[key].append(_timed_chunk(step, settle, batches, first, cfg.steps_per_repeat))
+            times[key].append(_timed_chunk(step, settle, batches, first, cfg.steps_per_repeat, device))
         print(f"repeat {r}: " + ", ".join(f"{k} {t[-1] * 1e3:.2f} ms" for k, t in times.items()), flush=True)
     timed_steps = cfg.repeats * cfg.steps_per_repeat
     tier = {}
     for key, counters in before.items():
         after = _tier_counters(built[key][0])
-        d = {k: after[k] - counters[k] for k in counters if k != "cache_slots"}
+        d = {k: after[k] - counters[k] for k in counters if k not in ("cache_slots", "live_rows")}
         looked = d["cache_hits"] + d["cache_misses"]
         tier[key] = {
             "hit_rate": d["cache_hits"] / looked if looked else 1.0,
+            # the rows staged ahead counted as misses (train/tier_traffic.py's held_hit_rate)
+            "held_hit_rate": max(0, d["cache_hits"] - d["cache_staged"]) / looked if looked else 1.0,
             "misses_per_step": d["cache_misses"] / timed_steps,
             "staged_per_step": d["cache_staged"] / timed_steps,
             "write_backs_per_step": d["cache_write_backs"] / timed_steps,
             "mb_moved_per_step": d["cache_bytes_moved"] / timed_steps / 1e6,
             "cache_slots": after["cache_slots"],
+            "live_rows": after["live_rows"],
         }
     return {
         "ms_per_step": {k: statistics.median(t) * 1e3 for k, t in times.items()},
@@ -282,7 +323,7 @@ def run(cfg: Config) -> dict[str, object]:
         "hbm_bytes": hbm,
         "tier": tier,
         "ids_per_step": ids_per_step,
-        "device": torch.cuda.get_device_name(device),
+        "device": torch.cuda.get_device_name(device) if cuda else "CPU (smoke)",
     }
 
 
@@ -300,9 +341,11 @@ def report(cfg: Config, r: dict[str, object]) -> str:
                 f"{value:.2f}",
                 f"{value / versus:.2f}" if versus else "",
                 f"{tier['hit_rate']:.3f}" if tier else "",
+                f"{tier['held_hit_rate']:.3f}" if tier else "",
+                f"{tier['live_rows']:,} / {tier['cache_slots']:,}" if tier else "",
                 f"{tier['misses_per_step']:.0f} / {tier['staged_per_step']:.0f}" if tier else "",
                 f"{tier['write_backs_per_step']:.0f}" if tier else "",
-                f"{r['hbm_bytes'][key] / 2**30:.2f}",
+                f"{r['hbm_bytes'][key] / 2**30:.2f}" if r["hbm_bytes"][key] else "",
             ]
         )
     return "\n".join(
@@ -312,6 +355,7 @@ def report(cfg: Config, r: dict[str, object]) -> str:
             f"Zipf({cfg.alpha}) ids mod rows, row-wise Adagrad; median of {cfg.repeats} interleaved chunks of "
             f"{cfg.steps_per_repeat} steps after {cfg.warmup_steps} warm-up steps"
             + (" (before them, a pass over every row id: all rows live)" if cfg.fill else "")
+            + f". Cache algorithm {cfg.cache_algorithm.upper()}"
             + '. ours: backing="host" + '
             "stage_next prefetch, the caches' maps on the device (ours-hostmaps: on the host); "
             "torchrec: EBC, FUSED_UVM_CACHING, the same cache_load_factor.",
@@ -323,6 +367,8 @@ def report(cfg: Config, r: dict[str, object]) -> str:
                     "ms / step",
                     "x torchrec",
                     "hit rate",
+                    "hit rate before staging",
+                    "live rows / cache slots",
                     "misses / staged a step",
                     "write-backs a step",
                     "peak HBM GiB",

@@ -15,7 +15,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "torchrec_ext"
 
 # Lowest first. A module belongs to the first entry that is it or one of its packages.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("torchrec_ext.vocabulary", "torchrec_ext.hashing", "torchrec_ext.device_sync"),
+    ("torchrec_ext.vocabulary", "torchrec_ext.hashing", "torchrec_ext.device_sync", "torchrec_ext.device_gate"),
     ("torchrec_ext._C", "torchrec_ext.csrc_kernels", "torchrec_ext.torch_kernels", "torchrec_ext.triton_kernels"),
     ("torchrec_ext.ops",),
     ("torchrec_ext.table",),

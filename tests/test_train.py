@@ -118,6 +118,8 @@ def test_resumed_run_ends_exactly_like_the_uninterrupted_one(tmp_path):
         (["--backing", "file:"], "--backing must be device, host or file:<dir>, got --backing 'file:'"),
         (["--cache-load-factor", "0.5"], "--cache-load-factor applies to --backing host or file:<dir>"),
         (["--backing", "host", "--cache-load-factor", "1.5"], "--cache-load-factor must be a number in (0, 1], got"),
+        (["--cache-algorithm", "lfu"], "--cache-algorithm applies to --backing host or file:<dir>"),
+        (["--backing", "host", "--cache-algorithm", "mru"], "invalid choice: 'mru'"),
         (["--backing", "host", "--fallback-rows", "4"], 'fallback_rows applies to backing="device" tables'),
     ],
 )
@@ -128,6 +130,20 @@ def test_bad_arguments_are_clear_errors(args, message, capsys):
         parse_args(args)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, expected", [([], None), (["--cache-algorithm", "lfu"], "lfu")])
+def test_the_cache_algorithm_flag_reaches_the_tables(flags, expected):
+    """--cache-algorithm is the tiered tables' cache_algorithm (the TorchRec CacheParams.algorithm
+    of a dynamic config): the built config's choice, None (LRU) when not given."""
+    from torchrec_ext.modules import DynamicEmbeddingBagConfig
+    from torchrec_ext.modules.configs import options_of
+    from torchrec_ext.train.args import parse_args, table_options
+
+    options = table_options(parse_args(["--backing", "host", "--cache-load-factor", "0.5"] + flags))
+    assert options.get("cache_algorithm") == expected
+    config = DynamicEmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=64, feature_names=["f"], **options)
+    assert options_of(config).cache_algorithm == expected
 
 
 def test_tensorboard_without_its_package_is_a_clear_error(monkeypatch, capsys):

@@ -1,6 +1,7 @@
 """torchrec_ext: dynamic embedding tables, sharders and a pipelined train loop for TorchRec."""
 
 from torchrec_ext import ops
+from torchrec_ext.device_gate import quiesced
 from torchrec_ext.modules import (
     DynamicEmbeddingBagCollection,
     DynamicEmbeddingBagConfig,
@@ -19,6 +20,7 @@ __all__ = [
     "Initializer",
     "InsertResult",
     "ops",
+    "quiesced",
 ]
 __version__ = "0.1.0"
 

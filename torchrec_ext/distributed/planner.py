@@ -55,6 +55,7 @@ backing store on the host or on disk; one rank's share is planned as (``tiered_t
                                                       entries a slot, and the rest of the tensors
                                                       they are views of: LRU_QUEUE_BYTES_PER_SLOT)
       + file: RowLog.map_bytes(rows)                  the write-back log's maps
+      + LFU: 4 * rows                                 the cache's lookups per row (cache_algorithm)
       + CUDA: min(2 * slots, 32768) * record          the pinned buffer of transfers
         CPU, file: min(2 * slots, 32768) * record     the write-back buffer
       + host: 4 * ceil(rows * dim * e / 4) + rows * state     the backing store
@@ -126,7 +127,12 @@ from torchrec_ext.distributed.placement import (
 )
 from torchrec_ext.distributed.sharded_base import local_capacity, sharded_optimizer
 from torchrec_ext.distributed.sharders import FeatureProcessedDynamicEmbeddingBagCollectionSharder, over_dynamic_ebc
-from torchrec_ext.distributed.tier_plan import planned_cache_load_factor, sharder_cache_load_factor
+from torchrec_ext.distributed.tier_plan import (
+    planned_cache_algorithm,
+    planned_cache_load_factor,
+    sharder_cache_algorithm,
+    sharder_cache_load_factor,
+)
 from torchrec_ext.modules.admission import admission_bytes
 from torchrec_ext.modules.configs import (
     DEFAULT_CACHE_LOAD_FACTOR,
@@ -230,6 +236,7 @@ CACHE_MAP_BYTES_PER_SLOT = (
     8 + 8 + 1 + 8
 )  # RowCache: row of the slot, its last use (int64), dirty bit, free list (int64)
 SLOT_OF_ROW_BYTES = 4  # RowCache.slot_of: int32 per row of the table
+LFU_COUNT_BYTES_PER_ROW = 4  # an LFU cache's lookups per row (RowCache.uses / DeviceSlotMaps.uses): int32
 
 
 @dataclass(frozen=True)
@@ -262,6 +269,7 @@ def tiered_table_bytes(
     parts: int = 1,
     options: DynamicTableOptions | None = None,
     element_bytes: int = FLOAT_BYTES,
+    cache_algorithm: str | None = None,
 ) -> TierBytes:
     """One rank's share (of ``parts``) of a tiered table caching ``load_factor`` of its rows, its
     cache on a CUDA device (``cuda``) or the CPU (the byte model in the module docstring): what
@@ -269,7 +277,7 @@ def tiered_table_bytes(
     LRU queue and of the records buffers it makes as rows move (a CUDA cache: the pinned host
     buffer of transfers and a transfer's records on the device; a CPU cache over a file: the
     write-back buffer); with ``backing_bytes()`` on the host (host) or on disk (file, with the
-    log's bound)."""
+    log's bound). ``cache_algorithm``: the plan's (None: the options')."""
     opts = options or DynamicTableOptions()
     rows = local_capacity(capacity, parts)
     slots = cache_slots(rows, load_factor)
@@ -283,6 +291,7 @@ def tiered_table_bytes(
     device += admission_bytes(opts, opts.admission_strategy, capacity, parts)
     host = SLOT_OF_ROW_BYTES * rows + slots * (CACHE_MAP_BYTES_PER_SLOT + LRU_QUEUE_BYTES_PER_SLOT)
     host += RowLog.map_bytes(rows) if file else 0
+    host += LFU_COUNT_BYTES_PER_ROW * rows if (cache_algorithm or opts.cache_algorithm) == "lfu" else 0
     record = log_record_bytes(dim, optimizer_kind, element_bytes)
     if cuda:
         host += min(2 * slots, MAX_TRANSFER_ROWS) * record
@@ -560,6 +569,7 @@ class DynamicEmbeddingStorageEstimator(ShardEstimator):
             else:
                 # a constraint's cache_params on a table without a tier is refused, naming it
                 planned_cache_load_factor(table.options, self._cache_params(option), _where(option))
+                planned_cache_algorithm(table.options, self._cache_params(option), _where(option))
                 storages = [self._on_device(nbytes) for nbytes in self._shard_bytes(option, table)]
             for shard, storage in zip(option.shards, storages):
                 shard.storage = storage
@@ -586,6 +596,10 @@ class DynamicEmbeddingStorageEstimator(ShardEstimator):
         # the constraint's, the config's, else the sharder's fused_params' (as the sharded module reads them)
         sharder_factor = sharder_cache_load_factor(fused_params, _where(option))
         factor = planned_cache_load_factor(table.options, cache_params, _where(option), sharder_factor)
+        # (checked here, as the sharded module will; an LFU cache's counts: 4 bytes a row, in tiered_table_bytes)
+        algorithm = planned_cache_algorithm(
+            table.options, cache_params, _where(option), sharder_cache_algorithm(fused_params, _where(option))
+        )
         if factor is None:  # the planner's to choose: the search's factor, at least one step's ids
             self.chose_cache_for.add(option.name)
             rows = local_capacity(table.capacity, parts)
@@ -612,6 +626,7 @@ class DynamicEmbeddingStorageEstimator(ShardEstimator):
                 parts=parts,
                 options=table.options,
                 element_bytes=table.element_bytes,
+                cache_algorithm=algorithm,
             )
             device = tier.device + self._io_bytes(volume, table, dim)
             if on_hbm:

@@ -30,7 +30,12 @@ from torchrec_ext.distributed.input_dist import RoutedInputDist
 from torchrec_ext.distributed.placement import TablePlacement, read_plan
 from torchrec_ext.distributed.routing import SlotRouting
 from torchrec_ext.distributed.sharded_state import ShardedDynamicState
-from torchrec_ext.distributed.tier_plan import planned_cache_load_factor, sharder_cache_load_factor
+from torchrec_ext.distributed.tier_plan import (
+    planned_cache_algorithm,
+    planned_cache_load_factor,
+    sharder_cache_algorithm,
+    sharder_cache_load_factor,
+)
 from torchrec_ext.modules.admission import local_admission_fields
 from torchrec_ext.modules.configs import (
     DynamicEmbeddingBagConfig,
@@ -65,10 +70,11 @@ def _local_config(
     pooled: bool,
     stochastic_rounding: bool | None = None,
     cache_load_factor: float | None = None,
+    cache_algorithm: str | None = None,
 ):
     """The config of this rank's share: same name, seed, initial vectors, data_type and backing, its
     own capacity (a 1/parts share of a row table's; a tiered one caches ``cache_load_factor`` of
-    that share (the plan's: tier_plan.py), over backing files of its own: ``backing_shard``) and
+    that share with ``cache_algorithm`` (the plan's: tier_plan.py), over backing files of its own: ``backing_shard``) and
     columns (a column table's shards here), features renamed to their output names, sum pooling
     (mean is applied after the reduce); ``stochastic_rounding`` (the sharder's fused_params')
     overrides the config's."""
@@ -97,6 +103,7 @@ def _local_config(
         stochastic_rounding=opts.stochastic_rounding if stochastic_rounding is None else stochastic_rounding,
         backing=opts.backing,
         cache_load_factor=cache_load_factor,
+        cache_algorithm=cache_algorithm,
         backing_shard=None if opts.backing == "device" else f"rank{rank}-of-{world_size}",
     )
     return DynamicEmbeddingBagConfig(pooling=PoolingType.SUM, **fields) if pooled else DynamicEmbeddingConfig(**fields)
@@ -176,6 +183,7 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
             self._plan.embedding_names, [self._owners[configs[t].name] for t in self._plan.tables], self._world_size
         )
         sharder_factor = sharder_cache_load_factor(fused_params, type(self).__name__)
+        sharder_algorithm = sharder_cache_algorithm(fused_params, type(self).__name__)
         local_configs, replicated = [], []
         for t, cfg in enumerate(configs):
             placement = self._owners[cfg.name]
@@ -187,11 +195,25 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
                 f"{type(self).__name__}: table {cfg.name!r}",
                 sharder_factor,
             )
+            algorithm = planned_cache_algorithm(
+                cfg,
+                table_name_to_parameter_sharding[cfg.name].cache_params,
+                f"{type(self).__name__}: table {cfg.name!r}",
+                sharder_algorithm,
+            )
             if placement.holds(self._rank):
                 slots = [self._plan.embedding_names[i] for i, tt in enumerate(self._plan.tables) if tt == t]
                 local_configs.append(
                     _local_config(
-                        cfg, placement, self._rank, self._world_size, slots, pooled, stochastic_rounding, factor
+                        cfg,
+                        placement,
+                        self._rank,
+                        self._world_size,
+                        slots,
+                        pooled,
+                        stochastic_rounding,
+                        factor,
+                        algorithm,
                     )
                 )
         widths = {c.name: c.embedding_dim for c in local_configs}

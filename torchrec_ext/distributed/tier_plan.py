@@ -10,6 +10,10 @@ planner's choice. The plan's and the config's both given and different is an err
 two: two per-table settings that disagree are a mistake, not a precedence to guess. The planner
 writes the factor it planned with into every tiered table's ``cache_params``, so the sharded
 share caches what was planned.
+
+The cache's algorithm (which cached rows leave first: LRU or LFU) follows the same rule:
+``CacheParams(algorithm=CacheAlgorithm.LFU)``, else the config's ``cache_algorithm``, else the
+sharder's ``fused_params["cache_algorithm"]``, else LRU (TorchRec's default).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from torchrec_ext.modules.configs import options_of
+from torchrec_ext.modules.configs import check_cache_algorithm, options_of
 
 
 def check_cache_load_factor(value: Any, where: str, what: str = "cache_params.load_factor") -> float:
@@ -63,5 +67,37 @@ def planned_cache_load_factor(
         raise ValueError(
             f"{where}: cache_params.load_factor={planned!r} (constraint / plan) differs from the config's "
             f"cache_load_factor={opts.cache_load_factor!r}; set one of them (or both alike)"
+        )
+    return planned
+
+
+def sharder_cache_algorithm(fused_params: dict[str, Any] | None, where: str) -> str | None:
+    """A sharder's ``fused_params["cache_algorithm"]`` as "lru" / "lfu", None when it has none."""
+    return check_cache_algorithm(
+        (fused_params or {}).get("cache_algorithm"), where, "the sharder's fused_params cache_algorithm"
+    )
+
+
+def planned_cache_algorithm(
+    config: Any, cache_params: Any, where: str, sharder_default: str | None = None
+) -> str | None:
+    """The cache algorithm ("lru" / "lfu") a table's share uses, given the plan's (or a
+    constraint's) ``cache_params``: its ``algorithm``, else the config's ``cache_algorithm``,
+    else (a tiered table) ``sharder_default``; None (LRU) when none is set. Raises when the plan
+    sets one for a table without a tier, or one that differs from the config's."""
+    planned = check_cache_algorithm(getattr(cache_params, "algorithm", None), where, "cache_params.algorithm")
+    opts = options_of(config)
+    own = check_cache_algorithm(opts.cache_algorithm, where)
+    if planned is None:
+        return sharder_default if own is None and opts.backing != "device" else own
+    if opts.backing == "device":
+        raise ValueError(
+            f'{where}: cache_params.algorithm={planned!r} applies to tables with backing="host" or '
+            f'"file:<dir>" (a cache over a backing store); this table has backing="device"'
+        )
+    if own is not None and own != planned:
+        raise ValueError(
+            f"{where}: cache_params.algorithm={planned!r} (constraint / plan) differs from the config's "
+            f"cache_algorithm={own!r}; set one of them (or both alike)"
         )
     return planned

@@ -131,6 +131,12 @@ class DynamicTableOptions:
     cache_load_factor: the fraction in (0, 1] of the capacity kept hot with host or file backing
         (None: 0.2, TorchRec's default; sharded, the plan's ``cache_params.load_factor``, which the
         planner chooses from the memory budget: ``torchrec_ext.distributed.planner``).
+    cache_algorithm: which cached rows leave first when rows must come in, with host or file
+        backing: ``"lru"`` (least recently used; None: this, TorchRec's default) or ``"lfu"``
+        (fewest lookups, ties by least recent use; tier_device_maps.py); TorchRec's
+        ``CacheAlgorithm.LRU`` / ``.LFU`` are taken too. Sharded, the plan's
+        ``cache_params.algorithm`` (``distributed/tier_plan.py``). Which rows sit in the cache
+        only: values never change.
     backing_shard: which shard of a sharded table this config is, e.g. ``"rank0-of-2"``: set by the
         sharders on each rank's share (None for a table of its own); the backing files of a
         ``"file:<dir>"`` table start with it, so that ranks sharing a directory never share a file.
@@ -164,6 +170,7 @@ class DynamicTableOptions:
     stochastic_rounding: bool = True
     backing: str = "device"
     cache_load_factor: float | None = None
+    cache_algorithm: str | None = None
     backing_shard: str | None = None
     initial_capacity: int | None = None
     growth_load_factor: float = DEFAULT_GROWTH_LOAD_FACTOR
@@ -271,6 +278,12 @@ def check_backing_options(opts: DynamicTableOptions, where: str) -> None:
             f"{where}: backing_shard must be None or a name of letters, digits, '_' and '-' (it starts "
             f"the backing files' names), got {shard!r}"
         )
+    opts.cache_algorithm = check_cache_algorithm(opts.cache_algorithm, where)
+    if opts.cache_algorithm is not None and backing == "device":
+        raise ValueError(
+            f'{where}: cache_algorithm applies to backing="host" or "file:<dir>" (a device-backed '
+            f"table has no cache), got cache_algorithm={opts.cache_algorithm!r}"
+        )
     factor = opts.cache_load_factor
     if factor is None:
         return
@@ -283,6 +296,22 @@ def check_backing_options(opts: DynamicTableOptions, where: str) -> None:
         raise ValueError(
             f"{where}: cache_load_factor must be a number in (0, 1] (the fraction of rows kept hot), got {factor!r}"
         )
+
+
+CACHE_ALGORITHMS = ("lru", "lfu")
+
+
+def check_cache_algorithm(value: object, where: str, what: str = "cache_algorithm") -> str | None:
+    """A cache algorithm as "lru" / "lfu" (None stays None: LRU); TorchRec's ``CacheAlgorithm``
+    members are taken by name. Raises on anything else."""
+    if value is None:
+        return None
+    name = getattr(value, "name", value)  # (a CacheAlgorithm enum member)
+    if isinstance(name, str) and name.lower() in CACHE_ALGORITHMS:
+        return name.lower()
+    raise ValueError(
+        f'{where}: {what} must be "lru" or "lfu" (or TorchRec\'s CacheAlgorithm.LRU / .LFU; None: LRU), got {value!r}'
+    )
 
 
 def _is_int(x: object) -> bool:

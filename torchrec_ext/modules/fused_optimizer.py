@@ -249,7 +249,8 @@ def _kind_of(optimizer: Any, where: str) -> str:
 DEFAULT_OPTIMIZER = OptimizerSpec(kind="sgd", lr=0.01)
 
 # fused_params keys that tune fbgemm's kernels and caches but not the values trained: ignored
-# (but cache_load_factor, which sizes tiered tables' caches: distributed/tier_plan.py).
+# (but cache_load_factor and cache_algorithm, which size and order tiered tables' caches:
+# distributed/tier_plan.py).
 _FUSED_PARAMS_HINTS = {
     "cache_load_factor",
     "cache_algorithm",

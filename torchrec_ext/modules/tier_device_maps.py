@@ -28,6 +28,15 @@ on a GPU) brings the next batch's rows in and frees slots for its new rows the s
 the next lookup takes the fast path: one read of all tables' missing rows, one of all evicting
 tables' victims, and per table that writes back, the wait for its write-back's copy.
 
+LFU (a table's ``cache_algorithm="lfu"``): each row of such a table counts the lookups that held
+it (``uses``, per row of the table, not per slot, so a hot row keeps its count across its
+evictions, as fbgemm's LFU cache counts per row; a row new to its id starts again at 1). The
+counts saturate at ``LFU_MAX_COUNT`` (2**24 - 1, fbgemm's LFU counter bits) and are not decayed:
+the tier serves a training job over one id distribution, where a decayed count would only
+forget the hot rows it has to keep (a drifting distribution is what LRU is for). The victims are
+then the unpinned slots with the fewest uses, ties by least recent use: the same ``topk`` over
+the key ``uses << 32 | last_used``. Lookups count, stages do not (the lookup after them will).
+
 Exact as ``RowCache``: which rows a table holds and where is invisible to the outputs; rows of a
 batch in flight are pinned (never a victim) until its update lands; a victim's dirty row is
 written back before its slot is refilled; the counters (hits, misses, staged, write-backs,
@@ -43,6 +52,8 @@ from torch import Tensor
 from torchrec_ext import device_sync
 
 _NEVER = torch.iinfo(torch.int32).max  # the clock of a slot that must not be taken
+_NEVER_KEY = torch.iinfo(torch.int64).max  # an LFU key (uses << 32 | clock) that must not be taken
+LFU_MAX_COUNT = (1 << 24) - 1  # an LFU count saturates here (fbgemm's LFU counter bits)
 _SLOT_BYTES = 8 + 4 + 4 + 4 + 1  # row_of, last_used, free_stack, free_host, dirty
 
 
@@ -50,8 +61,8 @@ class TableSlots:
     """Table t's share of ``DeviceSlotMaps``: its counters (as ``RowCache``'s) and the per-table
     operations (flush, forget, room)."""
 
-    def __init__(self, maps: DeviceSlotMaps, t: int, capacity: int, slots: int):
-        self.maps, self.t, self.capacity, self.slots = maps, t, capacity, slots
+    def __init__(self, maps: DeviceSlotMaps, t: int, capacity: int, slots: int, lfu: bool = False):
+        self.maps, self.t, self.capacity, self.slots, self.lfu = maps, t, capacity, slots, lfu
         self.hits = self.misses = self.write_backs = self.bytes_moved = 0
         self.staged = self.staged_write_backs = 0
 
@@ -75,7 +86,7 @@ class TableSlots:
         """The table's share of the maps' bytes: slot_of (int32 a row); row_of (int64 a slot),
         last_used and the free stack and its host mirror (int32), dirty (a byte); the first table's share also holds
         the maps' spare entries, their per-table offsets and the pins in flight."""
-        own = 4 * self.capacity + _SLOT_BYTES * self.slots
+        own = (8 if self.lfu else 4) * self.capacity + _SLOT_BYTES * self.slots
         return own + (self.maps.nbytes() - self.maps.own_bytes() if self.t == 0 else 0)
 
     def pinned_at_most(self) -> int:
@@ -94,7 +105,9 @@ class TableSlots:
 class DeviceSlotMaps:
     """The cache maps of a module's tables on ``device`` (see the module docstring)."""
 
-    def __init__(self, capacities: list[int], slots: list[int], device: torch.device):
+    def __init__(
+        self, capacities: list[int], slots: list[int], device: torch.device, algorithms: list[str | None] | None = None
+    ):
         self.device = torch.device(device)
         self.row_base_host = [0]
         self.slot_base_host = [0]
@@ -102,7 +115,9 @@ class DeviceSlotMaps:
             self.row_base_host.append(self.row_base_host[-1] + c)
             self.slot_base_host.append(self.slot_base_host[-1] + s)
         self.total_rows, self.total_slots = self.row_base_host.pop(), self.slot_base_host.pop()
-        self.tables = [TableSlots(self, t, c, s) for t, (c, s) in enumerate(zip(capacities, slots))]
+        lfu = [a == "lfu" for a in algorithms or [None] * len(capacities)]
+        self.tables = [TableSlots(self, t, c, s, f) for t, (c, s, f) in enumerate(zip(capacities, slots, lfu))]
+        self.any_lfu = any(lfu)
         self.pinned: dict[int, Tensor] = {}  # pin token -> the lookup's slots (global; the spare entry for none)
         self.pin_counts: dict[int, list[int]] = {}  # pin token -> slots it holds per table
         self._next_pin = 0
@@ -116,6 +131,8 @@ class DeviceSlotMaps:
         self.row_of = torch.full((self.total_slots + 1,), -1, dtype=torch.int64, device=device)
         self.last_used = torch.zeros(self.total_slots + 1, dtype=torch.int32, device=device)  # (2**31 steps)
         self.dirty = torch.zeros(self.total_slots + 1, dtype=torch.bool, device=device)
+        # LFU: lookups per row (every table's rows: the LRU tables' stay 0); none without an LFU table
+        self.uses = torch.zeros(self.total_rows + 1, dtype=torch.int32, device=device) if self.any_lfu else None
         # Each table's free slots (its own slot numbers) in its segment, bottom first.
         self.free_host = torch.cat([torch.arange(t.slots, dtype=torch.int32) for t in self.tables] or [self._none()])
         self.free_stack = self.free_host.to(device, copy=True)
@@ -126,11 +143,13 @@ class DeviceSlotMaps:
         """Bytes of all the maps' tensors (and of the pins in flight)."""
         names = ("row_base", "slot_base", "slot_of", "row_of", "last_used", "dirty", "free_stack", "free_top")
         held = [getattr(self, name) for name in names] + [self.free_host] + list(self.pinned.values())
+        held += [self.uses] if self.uses is not None else []
         return sum(t.numel() * t.element_size() for t in held)
 
     def own_bytes(self) -> int:
         """Bytes of the tables' own entries (``TableSlots.nbytes`` without the first one's extra)."""
-        return 4 * self.total_rows + _SLOT_BYTES * self.total_slots
+        lfu_rows = sum(t.capacity for t in self.tables if t.lfu)  # (the LRU tables' counts: the first table's extra)
+        return 4 * (self.total_rows + lfu_rows) + _SLOT_BYTES * self.total_slots
 
     @staticmethod
     def _none() -> Tensor:
@@ -141,6 +160,8 @@ class DeviceSlotMaps:
         self.device = torch.device(device)
         for name in ("row_base", "slot_base", "slot_of", "row_of", "last_used", "dirty", "free_stack", "free_top"):
             setattr(self, name, getattr(self, name).to(self.device))
+        if self.uses is not None:
+            self.uses = self.uses.to(self.device)
         self.pinned = {k: v.to(self.device) for k, v in self.pinned.items()}
 
     def __getstate__(self) -> dict[str, object]:
@@ -188,6 +209,8 @@ class DeviceSlotMaps:
         tables = len(self.tables)
         live = rows >= 0
         at_row = self.row_base.index_select(0, table_of) + rows.clamp(min=0)
+        if self.uses is not None:
+            self._count_uses(live, at_row, fresh)
         slots = torch.where(live, self.slot_of.index_select(0, at_row).to(torch.int64), -1)
         need = live & (slots < 0)
         read = need if fresh is None else need & ~fresh
@@ -217,6 +240,25 @@ class DeviceSlotMaps:
         elif fresh is not None:
             self.dirty.index_fill_(0, torch.where(fresh, at, spare), True)
         return slots, self.pin(at, lives)
+
+    def _count_uses(self, live: Tensor, at_row: Tensor, fresh: Tensor | None) -> None:
+        """LFU: one more lookup of each live row (distinct within its table), saturating; a row
+        new to its id starts at 1. (The LRU tables' counts go up too: never read.)"""
+        more = self.uses.index_select(0, at_row).add_(1).clamp_(max=LFU_MAX_COUNT)
+        if fresh is not None:
+            more = torch.where(fresh, 1, more).to(torch.int32)
+        self.uses.index_copy_(0, torch.where(live, at_row, self.total_rows), more)
+
+    def _victim_keys(self, t: int, key: Tensor) -> Tensor:
+        """Table t's victim keys: its slice of ``key`` (clocks, ``_NEVER``: not to be taken); an
+        LFU table's as int64 ``uses << 32 | clock`` (fewest uses first, then least recent)."""
+        base, n = self.slot_base_host[t], self.tables[t].slots
+        part = key[base : base + n]
+        if not self.tables[t].lfu:
+            return part
+        rows = self.row_of[base : base + n].clamp(min=0) + self.row_base_host[t]
+        uses = self.uses.index_select(0, rows).to(torch.int64)
+        return torch.where(part == _NEVER, _NEVER_KEY, (uses << 32) | part.to(torch.int64))
 
     def _take_free(self, rows: Tensor, at_row: Tensor, table_of: Tensor, base: Tensor, slots: Tensor) -> None:
         """The rows without a slot take their table's free slots, from the top of its stack: all
@@ -303,7 +345,8 @@ class DeviceSlotMaps:
         for t, k in shorts.items():
             base, n = self.slot_base_host[t], self.tables[t].slots
             counts.append(min(k, n))
-            parts.append(torch.topk(key[base : base + n], counts[-1], largest=False, sorted=True).indices + base)
+            keys = self._victim_keys(t, key)  # LRU: the clocks; LFU: uses, then clocks
+            parts.append(torch.topk(keys, counts[-1], largest=False, sorted=True).indices + base)
         chosen = parts[0] if len(parts) == 1 else torch.cat(parts)
         ok = key.index_select(0, chosen) != _NEVER
         old = self.row_of.index_select(0, chosen)
@@ -411,6 +454,8 @@ class DeviceSlotMaps:
         self.row_of[slots : slots + cache.slots] = -1
         self.dirty[slots : slots + cache.slots] = False
         self.last_used[slots : slots + cache.slots] = 0
+        if self.uses is not None:
+            self.uses[rows : rows + cache.capacity] = 0
         self.free_host[slots : slots + cache.slots] = torch.arange(cache.slots)
         self.free_stack[slots : slots + cache.slots] = torch.arange(cache.slots, device=self.device)
         self.free_count[t] = cache.slots

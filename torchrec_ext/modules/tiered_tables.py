@@ -9,7 +9,8 @@ exactly as in an all-resident table: only where a row's payload sits changes.
 
 Per lookup, each table's rows are translated to cache slots (``RowCache.hold``) before the
 kernels run: a row not in the cache takes the least recently used slot that no batch in flight
-holds (its row written back first when dirty) and is read from the backing store, unless it is
+holds (with ``cache_algorithm="lfu"``, TorchRec's ``CacheAlgorithm.LFU``: the least often looked
+up, ties by least recent use; tier_device_maps.py) (its row written back first when dirty) and is read from the backing store, unless it is
 new to its id (then it is initialised in the slot, as the all-resident table initialises its row).
 The kernels then run unchanged on the cache, with slots for rows. A training lookup's slots stay
 pinned until its fused update lands (or its autograd graph is dropped), so an update always
@@ -73,7 +74,7 @@ import torch
 from torch import Tensor
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
-from torchrec_ext import device_sync, ops
+from torchrec_ext import device_gate, device_sync, ops
 from torchrec_ext.modules.configs import DEFAULT_CACHE_LOAD_FACTOR, cache_slots, options_of, storage_dtype_of
 from torchrec_ext.modules.dynamic_tables import DynamicTables, RowLookup
 from torchrec_ext.modules.table_stats import TableStats
@@ -86,7 +87,7 @@ from torchrec_ext.modules.tier_copies import (
     record_fields,
     row_column,
 )
-from torchrec_ext.modules.tier_device_maps import DeviceSlotMaps
+from torchrec_ext.modules.tier_device_maps import LFU_MAX_COUNT, DeviceSlotMaps
 from torchrec_ext.modules.tier_log import ROW_BYTES, RowLog, at_crash_point
 from torchrec_ext.modules.tier_lru import SlotOrder
 from torchrec_ext.modules.tier_store import BackingStore
@@ -327,10 +328,13 @@ class RowCache:
     a lookup found in the cache), misses (rows a lookup read from the backing store; a row new
     to its id is neither), staged (rows read ahead of their lookup by ``stage``/``prefetch``),
     write-backs (dirty rows written to the backing store; ``staged_write_backs`` of them by a
-    stage, off the step) and bytes moved both ways."""
+    stage, off the step) and bytes moved both ways. ``lfu``: victims by fewest lookups, then
+    least recent use (``uses``, per row, as tier_device_maps.py counts them), a ``topk`` over all
+    slots (the LRU order's queue is kept for the clocks only)."""
 
-    def __init__(self, capacity: int, slots: int):
+    def __init__(self, capacity: int, slots: int, lfu: bool = False):
         self.slots = slots
+        self.uses = torch.zeros(capacity, dtype=torch.int32) if lfu else None  # LFU: lookups per row
         self.slot_of = torch.full((capacity,), -1, dtype=torch.int32)  # 4 bytes per row of the table
         self.row_of = torch.full((slots,), -1, dtype=torch.int64)
         self.last_used = torch.zeros(slots, dtype=torch.int64)
@@ -348,9 +352,28 @@ class RowCache:
         self.staged = self.staged_write_backs = 0
 
     def nbytes(self) -> int:
-        maps = (self.slot_of, self.row_of, self.last_used, self.dirty)
+        maps = (self.slot_of, self.row_of, self.last_used, self.dirty) + ((self.uses,) if self.lfu else ())
         free = self.free.untyped_storage().nbytes()  # (a view of its list's storage: at most 8 bytes a slot)
         return sum(t.numel() * t.element_size() for t in maps) + self.order.nbytes() + free
+
+    @property
+    def lfu(self) -> bool:
+        return self.uses is not None
+
+    def _oldest(self, k: int, clock: int, pinned: Tensor | None) -> Tensor:
+        """Up to k occupied slots to take, not used at ``clock`` nor ``pinned``: the least
+        recently used (out of the order), or with LFU the fewest used, then least recent."""
+        if not self.lfu:
+            return self.order.oldest(k, self.last_used, self.row_of, clock, pinned)
+        if k <= 0:
+            return torch.empty(0, dtype=torch.int64)
+        takeable = (self.row_of >= 0) & (self.last_used < clock)
+        if pinned is not None:
+            takeable &= ~pinned
+        n = min(k, int(takeable.sum()))
+        uses = self.uses.index_select(0, self.row_of.clamp(min=0)).to(torch.int64)
+        key = torch.where(takeable, (uses << 32) | self.last_used, torch.iinfo(torch.int64).max)
+        return torch.topk(key, n, largest=False, sorted=True).indices
 
     def pinned_at_most(self) -> int:
         """A bound on the slots batches in flight hold (exact when they share none)."""
@@ -392,6 +415,11 @@ class RowCache:
         missing = (s < 0).nonzero().squeeze(1)
         if not best_effort:
             self.hits += r.numel() - missing.numel()
+            if self.lfu:  # one more lookup of each row (saturating); a row new to its id starts at 1
+                more = self.uses.index_select(0, r).add_(1).clamp_(max=LFU_MAX_COUNT)
+                if fresh is not None:
+                    more = torch.where(fresh if every else fresh.index_select(0, live), 1, more).to(torch.int32)
+                self.uses.index_copy_(0, r, more)
         # The batch's hits are used now (first: victims are slots last used before this clock).
         self.order.touch(s if not missing.numel() else s[s >= 0], clock, self.last_used, self.row_of)
         if missing.numel():
@@ -439,9 +467,10 @@ class RowCache:
         if free.numel() == k:
             return free, True
         pinned = self.pinned_mask() if self.pinned else None
-        lru = self.order.oldest(k - free.numel(), self.last_used, self.row_of, clock, pinned)
+        lru = self._oldest(k - free.numel(), clock, pinned)
         if free.numel() + lru.numel() < k and not best_effort:  # TieredTables.lookup checked the room first
-            self.order.give_back(lru, clock - 1, self.last_used)
+            if not self.lfu:  # (LFU took nothing out of the order)
+                self.order.give_back(lru, clock - 1, self.last_used)
             self.free = torch.cat([free, self.free])
             raise RuntimeError(f"tiered table cache: {k} rows to bring in, fewer free slots of {self.slots}")
         return (lru if not free.numel() else torch.cat([free, lru])), False
@@ -500,7 +529,7 @@ class RowCache:
         # Free slots first, then the least recently used; which of them get filled and which
         # are left free does not matter: all are taken.
         free = self._take_free(want_slots)
-        lru = self.order.oldest(want_slots - free.numel(), self.last_used, self.row_of, clock, pinned)
+        lru = self._oldest(want_slots - free.numel(), clock, pinned)
         if lru.numel():
             self._evict(lru, mover, ahead=True, occupied=True)  # (oldest takes occupied slots only)
         victims = lru if not free.numel() else torch.cat([free, lru])
@@ -548,6 +577,8 @@ class RowCache:
         self.dirty.zero_()
         self.free = torch.arange(self.slots)
         self.order.clear()
+        if self.lfu:
+            self.uses.zero_()
         self.pinned = {}
 
     def __getstate__(self) -> dict[str, object]:
@@ -562,7 +593,14 @@ class _Stager:
     ready; per table it then waits for the handover's event: the slots it evicts were last
     written by kernels queued before), and the stream that joins it waits for the stage's event
     (the next lookup reads the rows it brought in); the worker also waits for the side stream,
-    so the host sees the written-back rows once the stage is joined."""
+    so the host sees the written-back rows once the stage is joined.
+
+    The worker holds the process's capture gate (``device_gate.DEVICE_WORK``) around each stage, so
+    a CUDA graph capture (the pipeline's, or a user's inside ``device_gate.quiesced()``) waits for
+    the stage under way and a stage submitted meanwhile starts after it. Never a deadlock: the
+    stage's own waits are for the lookup's hand-over (complete once that lookup returns, and no
+    capture runs inside a lookup) and for an input dist in flight (``TrainPipeline`` waits for it
+    stepped aside from the gate)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -587,17 +625,27 @@ class _Stager:
         return self._submit(timed)
 
     def _submit(self, stage) -> Future:
+        gate = device_gate.DEVICE_WORK
         if self._stream is None:
-            return self._pool.submit(stage)
+
+            def gated():
+                with gate.working():
+                    return stage()
+
+            return self._pool.submit(gated)
         side = self._stream
         submitted = torch.cuda.current_stream(self.device).record_event()  # the next batch's ids are ready
 
         def on_side_stream():
-            with torch.cuda.device(self.device), torch.cuda.stream(side):  # (the worker's own current device/stream)
-                side.wait_event(submitted)
-                stage()  # waits, table by table, for the train stream's event of the handover
-                done = side.record_event()
-            side.synchronize()
+            with gate.working():  # the side stream drained before a capture may start
+                with (
+                    torch.cuda.device(self.device),
+                    torch.cuda.stream(side),
+                ):  # (the worker's own current device/stream)
+                    side.wait_event(submitted)
+                    stage()  # waits, table by table, for the train stream's event of the handover
+                    done = side.record_event()
+                side.synchronize()
             return done
 
         return self._pool.submit(on_side_stream)
@@ -694,6 +742,7 @@ class TieredTables(DynamicTables):
         factors = [options_of(cfg).cache_load_factor for cfg in configs]
         self.cache_load_factors = [DEFAULT_CACHE_LOAD_FACTOR if f is None else float(f) for f in factors]
         self.slots = [cache_slots(cfg.num_embeddings, f) for cfg, f in zip(configs, self.cache_load_factors)]
+        self.cache_algorithms = [options_of(cfg).cache_algorithm or "lru" for cfg in configs]
         self.backing: dict[str, Tensor] = {}
         self._movers: list[_Mover] | None = None
         super().__init__(configs, device)
@@ -741,11 +790,13 @@ class TieredTables(DynamicTables):
         """Empty caches' maps for ``device`` (the counters carried over from the old ones, if any)."""
         old = getattr(self, "caches", None)
         if self._wants_device_maps(device):
-            self._maps = DeviceSlotMaps([m.capacity for m in self.meta], self.slots, device)
+            capacities = [m.capacity for m in self.meta]
+            self._maps = DeviceSlotMaps(capacities, self.slots, device, getattr(self, "cache_algorithms", None))
             self.caches = self._maps.tables
         else:
             self._maps = None
-            self.caches = [RowCache(m.capacity, s) for m, s in zip(self.meta, self.slots)]
+            lfu = [a == "lfu" for a in getattr(self, "cache_algorithms", [])] or [False] * len(self.slots)
+            self.caches = [RowCache(m.capacity, s, f) for m, s, f in zip(self.meta, self.slots, lfu)]
         for new, before in zip(self.caches, old or ()):
             for name in ("hits", "misses", "write_backs", "bytes_moved", "staged", "staged_write_backs"):
                 setattr(new, name, getattr(before, name))

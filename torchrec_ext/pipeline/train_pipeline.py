@@ -14,7 +14,7 @@ adding what it leaves on the table:
     the dense optimizer step when capturable) captured in a CUDA graph, and chosen dense
     submodules' forward + backward captured too (static shapes; other shapes run eagerly); the
     graphs belong to the model (shared by its pipelines), and each capture parks the helper
-    threads first (``quiesce.DEVICE_WORK``);
+    threads first (``device_gate.DEVICE_WORK``, which the tiered tables' stage worker takes too);
 (d) the embedding backward and fused update, run by autograd as usual;
 (e) each step's outputs copied to pinned host memory on a side stream and surfaced by
     ``pop_host_outputs()`` once copied: no device-wide synchronisation per step;
@@ -357,11 +357,12 @@ class TrainPipeline(TrainPipelineSparseDist):
                 module.stage_next(features[0])
 
     def _join_stages(self) -> None:
-        """Waits for the tiered tables' stages in flight (before a CUDA graph capture): their
-        worker copies, syncs and allocates on the device, and the capture gate cannot hold it (a
-        lower layer). Deadlock-free wherever a capture runs: a stage waits only for its lookup's
-        hand-over, complete once that lookup returns, and for an input dist on the gate's threads,
-        still open here. Results do not change; the stage just overlaps less that step."""
+        """Waits for the tiered tables' stages in flight (before a CUDA graph capture). The gate
+        already keeps their worker off the device during a capture; joining first also orders the
+        train stream after the rows a stage brought in and surfaces its error outside the capture.
+        Deadlock-free wherever a capture runs: a stage waits only for its lookup's hand-over,
+        complete once that lookup returns, and for an input dist on the gate's threads, still
+        open here. Results do not change; the stage just overlaps less that step."""
         local = [m.local_module for m in self._sharded_staging_modules()]
         for module in self._tiered_modules() + [m for m in local if m is not None]:
             if isinstance(module._tables, TieredTables):
@@ -371,11 +372,12 @@ class TrainPipeline(TrainPipelineSparseDist):
         """A call giving module ``name``'s input dist result for ``context`` (waiting for the
         input dist launched on the helper thread first), or None once its forward has taken it
         (the stage then stages nothing: a stage only moves rows ahead, results do not depend on it)."""
-        launched, timeout_s = self._dist_future, self.options.timeout_s
+        launched, timeout_s, gate = self._dist_future, self.options.timeout_s, self._gate
 
         def dist_input():
             if launched is not None:
-                launched.result(timeout=timeout_s)
+                with gate.stepped_aside():  # the stage holds the gate; the helper may be parked at it
+                    launched.result(timeout=timeout_s)
             request = context.input_dist_tensors_requests.get(name)
             return None if request is None else request.wait()
 

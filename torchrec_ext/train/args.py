@@ -83,22 +83,25 @@ def table_options(args: argparse.Namespace) -> dict:
 
 
 def _backing_options(args: argparse.Namespace) -> dict:
-    """``--backing`` / ``--cache-load-factor`` as config fields (none for the default, device backing)."""
-    backing, factor = args.backing, args.cache_load_factor
+    """``--backing`` / ``--cache-load-factor`` / ``--cache-algorithm`` as config fields (none for the
+    default, device backing)."""
+    backing, factor, algorithm = args.backing, args.cache_load_factor, args.cache_algorithm
     if not (backing in ("device", "host") or (backing.startswith("file:") and len(backing) > len("file:"))):
         raise ValueError(f"--backing must be device, host or file:<dir>, got --backing {backing!r}")
     if backing == "device":
-        if factor is not None:
-            raise ValueError(
-                f"--cache-load-factor applies to --backing host or file:<dir>, got --cache-load-factor {factor} "
-                "with --backing device"
-            )
+        for flag, value in (("--cache-load-factor", factor), ("--cache-algorithm", algorithm)):
+            if value is not None:
+                raise ValueError(
+                    f"{flag} applies to --backing host or file:<dir>, got {flag} {value} with --backing device"
+                )
         return {}
     if factor is not None and not (math.isfinite(factor) and 0 < factor <= 1):
         raise ValueError(f"--cache-load-factor must be a number in (0, 1], got --cache-load-factor {factor}")
     options = {"backing": backing}
     if factor is not None:
         options["cache_load_factor"] = factor
+    if algorithm is not None:
+        options["cache_algorithm"] = algorithm
     return options
 
 
@@ -155,6 +158,13 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
         default=None,
         help="--backing host / file:<dir>: the fraction of each table's rows kept in its cache (default: chosen "
         "by the planner from the memory budget)",
+    )
+    g.add_argument(
+        "--cache-algorithm",
+        default=None,
+        choices=("lru", "lfu"),
+        help="--backing host / file:<dir>: which rows leave the cache first: the least recently used (lru, "
+        "the default) or the least often used (lfu; CacheParams.algorithm)",
     )
     g.add_argument(
         "--admission",

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "embedding_checks.h"
+#include "init_rows_checks.h"
 #include "row_storage.h"
 
 namespace torchrec_ext {
@@ -174,8 +175,78 @@ void init_rows_cpu(const at::Tensor& table, const at::Tensor& rows_in, const at:
   });
 }
 
+// init_rows of every table of a module in one call, in the flat storage (table t's rows at word
+// table_offsets[t] in its storage dtype; its optimizer state rows at element state_offsets[t],
+// one value per row when rowwise, else dim_t): each vector is the one init_rows draws for
+// (table_seeds[t], id). The reference of the CUDA kernel (init_rows_cuda.cu), which writes the
+// same bits in one launch.
+void init_rows_tables_cpu(at::Tensor& weights, const at::Tensor& table_offsets,
+                          const at::Tensor& table_dims,
+                          const std::optional<at::Tensor>& table_dtypes, const at::Tensor& rows,
+                          const at::Tensor& tables, const at::Tensor& ids,
+                          const at::Tensor& table_seeds, const at::Tensor& table_kinds,
+                          const at::Tensor& table_params, int64_t max_dim, at::TensorList states,
+                          const std::optional<at::Tensor>& state_offsets, bool rowwise,
+                          at::ArrayRef<double> state_values) {
+  const char* op = kInitTablesOp;
+  const int64_t T = check_init_rows_tables(weights, table_offsets, table_dims, table_dtypes, rows,
+                                           tables, ids, table_seeds, table_kinds, table_params,
+                                           max_dim, states, state_offsets, state_values);
+  const std::vector<Storage> storage = table_storage(op, table_dtypes, T);
+  const int64_t *offset = table_offsets.data_ptr<int64_t>(), *dims = table_dims.data_ptr<int64_t>();
+  const int64_t *seeds = table_seeds.data_ptr<int64_t>(), *kinds = table_kinds.data_ptr<int64_t>();
+  const double* params = table_params.data_ptr<double>();
+  const int64_t* state_at = states.empty() ? nullptr : state_offsets->data_ptr<int64_t>();
+  const int64_t *r = rows.data_ptr<int64_t>(), *tab = tables.data_ptr<int64_t>();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t n = rows.numel(), words = weights.numel();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(kinds[t] >= 0 && kinds[t] <= 3, op, ": unknown initializer kind ", kinds[t],
+                " of table ", t);
+    TORCH_CHECK(dims[t] >= 0 && dims[t] <= max_dim, op, ": table ", t, "'s dim ", dims[t],
+                " must be in [0, max_dim = ", max_dim, "]");
+  }
+  // Every write in range before any is made (the tables unchanged on a refusal).
+  for (int64_t i = 0; i < n; ++i) {
+    if (r[i] < 0) {
+      TORCH_CHECK(r[i] == -1, op, ": row ", r[i], " must be >= 0, or -1 to skip");
+      continue;
+    }
+    TORCH_CHECK(tab[i] >= 0 && tab[i] < T, op, ": table ", tab[i], " out of range [0, ", T, ")");
+    const int64_t t = tab[i], end = (r[i] + 1) * dims[t];  // in the table's dtype
+    const int64_t end_word = offset[t] + (storage[t] == Storage::kFloat ? end : (end + 1) / 2);
+    TORCH_CHECK(offset[t] >= 0 && end_word <= words, op, ": row ", r[i], " of table ", t,
+                " ends at word ", end_word, ", past the ", words, "-word weights");
+    for (size_t k = 0; k < states.size(); ++k) {
+      const int64_t state_end = state_at[t] + (rowwise ? r[i] + 1 : end);
+      TORCH_CHECK(state_at[t] >= 0 && state_end <= states[k].numel(), op, ": row ", r[i],
+                  " of table ", t, " ends at element ", state_end, " of optimizer state ", k,
+                  ", past its ", states[k].numel());
+    }
+  }
+  char* w = static_cast<char*>(weights.data_ptr());
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(max_dim);
+    for (int64_t i = begin; i < end; ++i) {
+      if (r[i] < 0 || dims[tab[i]] == 0) continue;  // (a table of no columns: no state either)
+      const int64_t t = tab[i], dim = dims[t];
+      init_vector(scratch.data(), dim, row_key(id[i], static_cast<uint64_t>(seeds[t])),
+                  static_cast<Init>(kinds[t]), at::ArrayRef<double>(params + 4 * t, 4), 0);
+      const int64_t row_bytes = dim * storage_bytes(storage[t]);
+      store_row(w + 4 * offset[t] + r[i] * row_bytes, scratch.data(), storage[t], dim, nullptr);
+      for (size_t k = 0; k < states.size(); ++k) {
+        float* s = states[k].data_ptr<float>() + state_at[t] + (rowwise ? r[i] : r[i] * dim);
+        std::fill(s, s + (rowwise ? 1 : dim), static_cast<float>(state_values[k]));
+      }
+    }
+  });
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torchrec_ext, CPU, m) { m.impl("init_rows", &init_rows_cpu); }
+TORCH_LIBRARY_IMPL(torchrec_ext, CPU, m) {
+  m.impl("init_rows", &init_rows_cpu);
+  m.impl("init_rows_tables", &init_rows_tables_cpu);
+}
 
 }  // namespace torchrec_ext

@@ -114,6 +114,15 @@ TORCH_LIBRARY(torchrec_ext, m) {
   m.def(
       "init_rows(Tensor(a!) table, Tensor rows, Tensor ids, int seed, int kind, float[] params, "
       "Tensor(b!)[] states, float[] state_values) -> ()");
+  // init_rows of every table at once, in the flat storage: ids[i]'s vector (table tables[i]'s
+  // seed, initializer kind and params [T, 4]) into row rows[i] (-1: skip) of its table, and its
+  // rows of each flat optimizer state (table t's from state_offsets[t], one value per row when
+  // rowwise, else dim_t) reset to state_values. CUDA: one launch for all tables.
+  m.def(
+      "init_rows_tables(Tensor(a!) weights, Tensor table_offsets, Tensor table_dims, "
+      "Tensor? table_dtypes, Tensor rows, Tensor tables, Tensor ids, Tensor table_seeds, "
+      "Tensor table_kinds, Tensor table_params, int max_dim, Tensor(b!)[] states, "
+      "Tensor? state_offsets, bool rowwise, float[] state_values) -> ()");
   // [batch_size, total_dim]: sum/mean (per feature) of each bag's rows, feature f at column
   // feature_col[f]. Row -2 - j of table t reads new_vectors[t][j] (a new row's initial vector, not
   // yet written).

@@ -111,6 +111,26 @@ def _embedding_cases():
             [0.5],
         ),
     )
+    yield (
+        "init_rows_tables",
+        (
+            torch.zeros(4 * 3 + 2 * 5),
+            torch.tensor([0, 12]),
+            torch.tensor([3, 5]),
+            None,
+            torch.tensor([1, -1, 0, 3]),
+            torch.tensor([1, 0, 0, 0]),
+            torch.tensor([5, 7, 9, 11]),
+            torch.tensor([1, 2]),
+            torch.tensor([ref.INITIALIZERS["normal"], ref.INITIALIZERS["uniform"]]),
+            torch.tensor([[0.0, 1.0, 0.0, 0.0], [-1.0, 1.0, 0.0, 0.0]], dtype=torch.float64),
+            5,
+            [torch.zeros(4 + 2)],
+            torch.tensor([0, 4]),
+            True,
+            [0.5],
+        ),
+    )
     case = pooled_case(weighted=True)
     yield (
         "pooled_lookup",

@@ -29,6 +29,7 @@ KERNELS: dict[str, dict[str, str]] = {
     "bloom_admit": {"cpu": "csrc/bloom_cpu.cpp", "cuda": "csrc/bloom_cuda.cpp"},
     "dedup_segments": {"cpu": "csrc/dedup_cpu.cpp"},
     "init_rows": {"cpu": "csrc/init_rows_cpu.cpp"},
+    "init_rows_tables": {"cpu": "csrc/init_rows_cpu.cpp", "cuda": "csrc/init_rows_cuda.cpp"},
     "pooled_lookup": {"cpu": "csrc/embedding_lookup_cpu.cpp"},
     "sequence_lookup": {"cpu": "csrc/embedding_lookup_cpu.cpp"},
     "fused_update": {"cpu": "csrc/embedding_update_cpu.cpp"},

@@ -449,9 +449,10 @@ def init_rows_tables(
     state_values: Sequence[float] = (),
 ) -> None:
     """:func:`init_rows` of all tables of a module in one call, in the flat storage: launches
-    independent of the table count, no host read. A torch composite
-    (``torch_kernels.init_rows_tables``) on any device; each vector is the one :func:`init_rows`
-    draws for (seed, id).
+    independent of the table count, no host read. The C++ op where the device has its kernel
+    (CPU: csrc/init_rows_cpu.cpp; CUDA: one launch, csrc/init_rows_cuda.cu, bit for bit the CPU
+    kernel's), else a torch composite (``torch_kernels.init_rows_tables``); each vector is the one
+    :func:`init_rows` draws for (seed, id).
 
     Args:
         weights, table_offsets, table_dims, table_dtypes: the module's storage, as in
@@ -465,7 +466,7 @@ def init_rows_tables(
         states: flat float32 optimizer states (mutated): table t's rows from ``state_offsets[t]``
             (int64 ``[T]``), one value per row when ``rowwise``, else ``dim_t``; reset to ``state_values``.
     """
-    torch_kernels.init_rows_tables(
+    layout = (
         weights,
         table_offsets,
         table_dims,
@@ -476,13 +477,24 @@ def init_rows_tables(
         table_seeds,
         table_kinds,
         table_params,
-        kinds,
-        max_dim,
-        states,
-        state_offsets,
-        rowwise,
-        state_values,
     )
+    if _init_tables_kernel(weights.device):
+        _ops.init_rows_tables.default(
+            *layout, max_dim, list(states), state_offsets, rowwise, [float(v) for v in state_values]
+        )
+    else:
+        torch_kernels.init_rows_tables(*layout, kinds, max_dim, states, state_offsets, rowwise, state_values)
+
+
+_INIT_TABLES_KERNEL: dict[str, bool] = {}
+
+
+def _init_tables_kernel(device: torch.device) -> bool:
+    """Whether ``init_rows_tables`` has a C++ kernel for ``device`` (asked once per device type:
+    the dispatcher query is on every training step's path)."""
+    if device.type not in _INIT_TABLES_KERNEL:
+        _INIT_TABLES_KERNEL[device.type] = has_kernel("init_rows_tables", device)
+    return _INIT_TABLES_KERNEL[device.type]
 
 
 def pooled_lookup(
@@ -784,6 +796,11 @@ def _dedup_segments_fake(ids, segment_offsets):
 
 @torch.library.register_fake("torchrec_ext::init_rows")
 def _init_rows_fake(table, rows, ids, seed, kind, params, states, state_values):
+    return None
+
+
+@torch.library.register_fake("torchrec_ext::init_rows_tables")
+def _init_rows_tables_fake(*args):
     return None
 
 

@@ -19,6 +19,7 @@ CSRC = os.path.join(os.path.dirname(os.path.dirname(HERE)), "csrc")
 KERNEL_FILES = {
     "hash_table_cuda": dict(launches=16, on_device=("digests", "keys")),
     "bloom_cuda": dict(launches=2, on_device=("counters",)),
+    "init_rows_cuda": dict(launches=1, on_device=("weights",)),
 }
 
 

@@ -51,6 +51,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """A test that made the default process group (e.g. DCP's load through ensure_process_group)
+    destroys it, so that a later test finds the process as a fresh job would."""
+    before = dist.is_available() and dist.is_initialized()
+    yield
+    if not before and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def one_rank_group():
     """A one-rank gloo group in this process, for checks that run before any collective (no peer

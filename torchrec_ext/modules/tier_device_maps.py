@@ -89,6 +89,12 @@ class TableSlots:
         own = (8 if self.lfu else 4) * self.capacity + _SLOT_BYTES * self.slots
         return own + (self.maps.nbytes() - self.maps.own_bytes() if self.t == 0 else 0)
 
+    def pinned_mask(self) -> Tensor | None:
+        """The slots of this table batches in flight hold (None: none held), as ``RowCache``'s."""
+        mask = self.maps.pinned_mask()
+        base = self.maps.slot_base_host[self.t]
+        return None if mask is None else mask[base : base + self.slots]
+
     def pinned_at_most(self) -> int:
         return sum(counts[self.t] for counts in self.maps.pin_counts.values())
 
@@ -104,6 +110,9 @@ class TableSlots:
 
 class DeviceSlotMaps:
     """The cache maps of a module's tables on ``device`` (see the module docstring)."""
+
+    # The maps' tensors on the device (``uses``, LFU's counts, only when a table has LFU).
+    _DEVICE_TENSORS = ("row_base", "slot_base", "slot_of", "row_of", "last_used", "dirty", "free_stack", "free_top")
 
     def __init__(
         self, capacities: list[int], slots: list[int], device: torch.device, algorithms: list[str | None] | None = None
@@ -141,8 +150,7 @@ class DeviceSlotMaps:
 
     def nbytes(self) -> int:
         """Bytes of all the maps' tensors (and of the pins in flight)."""
-        names = ("row_base", "slot_base", "slot_of", "row_of", "last_used", "dirty", "free_stack", "free_top")
-        held = [getattr(self, name) for name in names] + [self.free_host] + list(self.pinned.values())
+        held = [getattr(self, name) for name in self._DEVICE_TENSORS] + [self.free_host] + list(self.pinned.values())
         held += [self.uses] if self.uses is not None else []
         return sum(t.numel() * t.element_size() for t in held)
 
@@ -158,7 +166,7 @@ class DeviceSlotMaps:
     def to(self, device: torch.device) -> None:
         """Moves the maps to ``device`` (the cache moved)."""
         self.device = torch.device(device)
-        for name in ("row_base", "slot_base", "slot_of", "row_of", "last_used", "dirty", "free_stack", "free_top"):
+        for name in self._DEVICE_TENSORS:
             setattr(self, name, getattr(self, name).to(self.device))
         if self.uses is not None:
             self.uses = self.uses.to(self.device)

@@ -714,6 +714,11 @@ def _distinct_count(ids: Tensor) -> Tensor:
     return (ordered[1:] != ordered[:-1]).sum() + 1
 
 
+def _segments(bounds: list[int]) -> list[tuple[int, int, int]]:
+    """(table, start, end) of each table with ids between the per-table ``bounds``."""
+    return [(t, start, end) for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])) if end > start]
+
+
 class TieredTables(DynamicTables):
     """``DynamicTables`` over a backing store, the hot rows cached (see the module docstring)."""
 
@@ -791,11 +796,11 @@ class TieredTables(DynamicTables):
         old = getattr(self, "caches", None)
         if self._wants_device_maps(device):
             capacities = [m.capacity for m in self.meta]
-            self._maps = DeviceSlotMaps(capacities, self.slots, device, getattr(self, "cache_algorithms", None))
+            self._maps = DeviceSlotMaps(capacities, self.slots, device, self.cache_algorithms)
             self.caches = self._maps.tables
         else:
             self._maps = None
-            lfu = [a == "lfu" for a in getattr(self, "cache_algorithms", [])] or [False] * len(self.slots)
+            lfu = [a == "lfu" for a in self.cache_algorithms]
             self.caches = [RowCache(m.capacity, s, f) for m, s, f in zip(self.meta, self.slots, lfu)]
         for new, before in zip(self.caches, old or ()):
             for name in ("hits", "misses", "write_backs", "bytes_moved", "staged", "staged_write_backs"):
@@ -995,10 +1000,11 @@ class TieredTables(DynamicTables):
             self._unpin(held)
         if handover is not None:  # the tables this lookup did not reach
             unreached = [t for t in range(len(self.meta)) if not handover.released(t)]
-            if unreached and self._maps is not None:
+            if self._maps is None:
+                for t in unreached:
+                    handover.release(t, self.caches[t].pinned_slots(), self.train_step + 1)
+            elif unreached:
                 self._release_tables(handover, unreached)
-            for t in unreached if self._maps is None else ():
-                handover.release(t, self.caches[t].pinned_slots(), self.train_step + 1)
         self._count_step(staged, own)
         return result
 
@@ -1023,7 +1029,7 @@ class TieredTables(DynamicTables):
         all tables' rows come to the host in one copy (one sync a lookup, not one a table)."""
         rows, inserted = super()._rows_for_tables(unique, counts, bounds, unique_table)
         if self._maps is not None:  # (the maps on the device: the rows stay there)
-            segments = [(t, start, end) for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])) if end > start]
+            segments = _segments(bounds)
             every = list(range(len(self.meta)))  # (all handed over at once: the empty tables too)
             return self._hold_on_device(rows, inserted, unique_table, segments, every), inserted
         host_rows, host_fresh = self._on_host(rows, inserted)
@@ -1132,14 +1138,10 @@ class TieredTables(DynamicTables):
         host: only when the batch may not fit."""
         cache = self.caches[t]
         rows, found = self.indexes[t].find(ids)
-        if self._maps is not None:
-            pinned = self._maps.pinned_mask()
-            base = self._maps.slot_base_host[t]
-            pinned = None if pinned is None else pinned[base : base + cache.slots]
-        else:  # (the host maps: the rows on the host)
+        if self._maps is None:  # (the host maps: the rows on the host)
             both = device_sync.to_host(torch.stack([rows, found.to(torch.int64)]), "tiered tables: rows (cache room)")
             rows, found = both[0], both[1] == 1
-            pinned = cache.pinned_mask() if cache.pinned else None
+        pinned = cache.pinned_mask() if cache.pinned else None
         held = 0
         if pinned is not None:
             cached = cache.slot_of.index_select(0, rows.clamp(min=0)).to(torch.int64)
@@ -1269,7 +1271,7 @@ class TieredTables(DynamicTables):
             mask, step = taken  # (the last table's: the pins of every batch in flight then)
         if mask is not None and mask.device.type == "cuda":
             mask.record_stream(torch.cuda.current_stream(mask.device))  # made on the train stream
-        segments = [(t, start, end) for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])) if end > start]
+        segments = _segments(bounds)
         if not segments:
             return
         rows, table_of = self._found_rows(unique, unique_offsets, segments, step)
@@ -1342,7 +1344,7 @@ class TieredTables(DynamicTables):
         bounds = device_sync.host_list(unique_offsets, "tiered tables: prefetched ids per table")
         self._clock += 1
         if self._maps is not None:
-            segments = [(t, start, end) for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])) if end > start]
+            segments = _segments(bounds)
             if segments:
                 rows, table_of = self._found_rows(unique, unique_offsets, segments, self.train_step)
                 movers = [self._mover(t) for t in range(len(self.meta))]

@@ -166,8 +166,10 @@ def init_rows_tables(
         values = _family(INITIALIZER_NAMES[kinds[0]], ids, seed, num_pairs, p)
     else:
         values = torch.zeros(n, 2 * num_pairs, dtype=torch.float64, device=device)
-    for k in kinds if len(kinds) > 1 else ():  # each family over every row, the row's own kind kept
-        values = torch.where((kind == k).unsqueeze(1), _family(INITIALIZER_NAMES[k], ids, seed, num_pairs, p), values)
+        for k in kinds:  # each family over every row, the row's own kind kept
+            values = torch.where(
+                (kind == k).unsqueeze(1), _family(INITIALIZER_NAMES[k], ids, seed, num_pairs, p), values
+            )
     vectors = values[:, :max_dim].float()
     col = torch.arange(max_dim, device=device)
     valid = (rows >= 0).unsqueeze(1) & (col < dim.unsqueeze(1))
@@ -183,8 +185,8 @@ def init_rows_tables(
         selected = every_element if dtype_of is None else _flat_selection(valid & (dtype_of == code).unsqueeze(1))
         _write_flat(view, index, selected, vectors.to(dtype))
     every_row = _flat_selection((rows >= 0).unsqueeze(1)) if rowwise and states else None
+    base = state_offsets.index_select(0, tables) if states else None
     for state, value in zip(states, state_values):
-        base = state_offsets.index_select(0, tables)
         if rowwise:
             index, selected = (base + rows).unsqueeze(1), every_row
         else:

@@ -8,15 +8,15 @@
 #include <cstdint>
 #include <optional>
 
+#include "embedding_checks.h"
+
 namespace torchrec_ext {
 namespace {
 
 constexpr const char* kInitTablesOp = "init_rows_tables";
 
 inline void check_init_long(const char* name, const at::Tensor& t, int64_t length) {
-  TORCH_CHECK(t.dim() == 1 && t.scalar_type() == at::kLong && t.is_contiguous(), kInitTablesOp,
-              ": ", name, " must be a contiguous 1-D int64 tensor, got ", t.scalar_type(),
-              " of shape ", t.sizes());
+  check_long_1d(kInitTablesOp, name, t);
   TORCH_CHECK(length < 0 || t.numel() == length, kInitTablesOp, ": ", name, " must have ", length,
               " entries, got ", t.numel());
 }
@@ -29,9 +29,7 @@ inline int64_t check_init_rows_tables(
     const at::Tensor& table_params, int64_t max_dim, at::TensorList states,
     const std::optional<at::Tensor>& state_offsets, at::ArrayRef<double> state_values) {
   const char* op = kInitTablesOp;
-  TORCH_CHECK(weights.dim() == 1 && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
-              op, ": weights must be a contiguous 1-D float32 buffer, got ", weights.scalar_type(),
-              " of shape ", weights.sizes());
+  check_weights(op, weights);
   check_init_long("table_offsets", table_offsets, -1);
   const int64_t T = table_offsets.numel();
   check_init_long("table_dims", table_dims, T);

@@ -20,6 +20,7 @@ KERNEL_FILES = {
     "hash_table_cuda": dict(launches=16, on_device=("digests", "keys")),
     "bloom_cuda": dict(launches=2, on_device=("counters",)),
     "init_rows_cuda": dict(launches=1, on_device=("weights",)),
+    "dedup_cuda": dict(launches=4, on_device=("ids_in",)),
 }
 
 

@@ -8,13 +8,12 @@ against the pure-PyTorch reference. What the emulator cannot show (warps running
 speed) the CUDA tests at the end check on a GPU."""
 
 import contextlib
-import os
 import random
 
 import pytest
 import torch
 
-from cuda_emulation.build import build, cuda_include_dir
+from cuda_emulation.build import build, cuda_include_dir, reversed_warps
 from embedding_ops_helpers import EXTREME_IDS
 from torchrec_ext import device_sync, ops
 from torchrec_ext import reference as ref
@@ -30,15 +29,6 @@ needs_gpu = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     return build(str(tmp_path_factory.mktemp("torchrec_emu")))
-
-
-@contextlib.contextmanager
-def _reversed_warps():
-    os.environ["TORCHREC_EMU_REVERSE_WARPS"] = "1"  # read by the emulator at each launch
-    try:
-        yield
-    finally:
-        del os.environ["TORCHREC_EMU_REVERSE_WARPS"]
 
 
 def _batch(rng: random.Random, lengths: list[int], universe: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +79,7 @@ def test_cpu_kernel_matches_the_reference():
 @needs_headers
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reversed warps"])
 def test_emulated_cuda_kernel_matches_the_cpu_kernel(emulated, reverse):
-    with _reversed_warps() if reverse else contextlib.nullcontext():
+    with reversed_warps() if reverse else contextlib.nullcontext():
         for name, ids, offsets in CASES:
             got = emulated.dedup_segments(ids, offsets)
             _assert_same(got, torch.ops.torchrec_ext.dedup_segments(ids, offsets), name)
@@ -104,7 +94,7 @@ def test_emulated_cuda_kernel_on_random_batches(emulated):
         )
         lengths = [rng.choice([0, 1, 2, 33, 100, 257]) for _ in range(rng.choice([1, 2, 26, 60]))]
         ids, offsets = _batch(rng, lengths, universe)
-        with _reversed_warps() if trial % 2 else contextlib.nullcontext():
+        with reversed_warps() if trial % 2 else contextlib.nullcontext():
             got = emulated.dedup_segments(ids, offsets)
         _assert_same(got, torch.ops.torchrec_ext.dedup_segments(ids, offsets), f"trial {trial}")
 

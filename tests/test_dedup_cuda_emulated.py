@@ -9,6 +9,7 @@ speed) the CUDA tests at the end check on a GPU."""
 
 import contextlib
 import random
+import warnings
 
 import pytest
 import torch
@@ -185,3 +186,20 @@ def test_cuda_kernel_refuses_what_the_cpu_kernel_refuses_on_a_gpu(match, ids, of
     assert _message(lambda: torch.ops.torchrec_ext.dedup_segments(ids.cuda(), offsets.cuda())) == cpu
     assert _message(lambda: torch.ops.torchrec_ext.dedup_segments(ids.cuda(), offsets)) == cpu
     torch.cuda.synchronize()  # nothing was left running out of bounds
+
+
+@needs_gpu
+def test_cuda_dedup_synchronizes_once_on_a_gpu():
+    """The one counted read is the one real sync: torch's sync debug mode sees one per call (the
+    kernel's read back), none for the pinned copies or the caller's read of unique_offsets."""
+    ids, offsets = _on_gpu(*CASES[0][1:])
+    ops.dedup_segments(ids, offsets)  # (warm: the caching allocators hold their blocks)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            unique_offsets = ops.dedup_segments(ids, offsets)[3]
+            device_sync.host_list(unique_offsets, "the caller's bounds")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len([w for w in caught if "synchroniz" in str(w.message)]) == 1, [str(w.message) for w in caught]

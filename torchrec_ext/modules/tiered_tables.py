@@ -1095,14 +1095,17 @@ class TieredTables(DynamicTables):
             handover.release(t, mask, self.train_step + 1)
 
     @staticmethod
-    def _on_host(rows: Tensor, fresh: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    def _on_host(
+        rows: Tensor, fresh: Tensor | None, reason: str = "tiered tables: rows to cache slots"
+    ) -> tuple[Tensor, Tensor | None]:
         """A table's rows (and which are new) on the host, where the cache's maps are: on a GPU
-        one copy (a sync: the rows come from the index's kernels), free on the CPU."""
+        one copy (a sync, counted: the rows come from the index's kernels), free on the CPU (and
+        not counted: the stage's worker makes no more torch calls there for it)."""
         if rows.device.type == "cpu":
             return rows, fresh
         if fresh is None:
-            return device_sync.to_host(rows, "tiered tables: rows to cache slots"), None
-        both = device_sync.to_host(torch.stack([rows, fresh.to(torch.int64)]), "tiered tables: rows to cache slots")
+            return device_sync.to_host(rows, reason), None
+        both = device_sync.to_host(torch.stack([rows, fresh.to(torch.int64)]), reason)
         return both[0], both[1].bool()
 
     def _check_room(self, ids: Tensor, segment_offsets: Tensor) -> None:
@@ -1239,7 +1242,7 @@ class TieredTables(DynamicTables):
             pinned, step = taken
             rows, found = self.indexes[t].find(unique[start:end])
             rows = self._mask_expired(t, rows, found, step)  # expired: re-initialised by the lookup, not read
-            rows = rows.cpu()  # (the host maps; on a GPU a sync of the side stream)
+            rows = self._on_host(rows, None, "tiered tables: rows to stage")[0]  # (the host maps)
             live = rows[rows >= 0]
             cache = self.caches[t]
             before = (cache.staged, cache.staged_write_backs, cache.bytes_moved)
@@ -1354,7 +1357,8 @@ class TieredTables(DynamicTables):
             if end > start:
                 rows, found = self.indexes[t].find(unique[start:end])
                 rows = self._mask_expired(t, rows, found)  # an expired row is re-initialised, not read
-                self.caches[t].hold(rows.cpu(), None, False, self._clock, self._mover(t), best_effort=True)
+                rows = self._on_host(rows, None, "tiered tables: rows to prefetch")[0]  # (the host maps)
+                self.caches[t].hold(rows, None, False, self._clock, self._mover(t), best_effort=True)
 
     # ------------------------------------------------------------------ checkpoint
 

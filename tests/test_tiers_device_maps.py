@@ -80,15 +80,12 @@ def test_the_fixture_puts_the_maps_on_the_device():
     assert all(c.maps is module._tables._maps for c in module._tables.caches)
 
 
-def _staged_steps(tables, device_maps, steps=12, seed=0, device="cpu"):
-    """Trains a module of ``tables`` tables (host backing, a quarter of the rows cached) on mostly
-    new ids a step, staging each next batch; per step after the first two: (torch calls in the
-    lookup's cache bookkeeping, host reads by reason during the step)."""
+def _module_and_batches(tables, device_maps, batches, seed=0, device="cpu"):
+    """A module of ``tables`` tables (host backing, a quarter of the rows cached; ``device_maps``
+    as TieredTables takes it) and ``batches`` batches of mostly new ids a step."""
     from torchrec import KeyedJaggedTensor
 
-    from test_tiers import _CountTorchCalls
     from torchrec_ext import DynamicEmbeddingBagConfig
-    from torchrec_ext.modules import tier_device_maps, tiered_tables
 
     chosen, TieredTables.device_maps = TieredTables.device_maps, device_maps
     configs = [
@@ -107,14 +104,24 @@ def _staged_steps(tables, device_maps, steps=12, seed=0, device="cpu"):
     finally:
         TieredTables.device_maps = chosen
     gen = torch.Generator().manual_seed(seed)
-    batches = [
+    return module, [
         KeyedJaggedTensor.from_lengths_sync(
             [f"f{t}" for t in range(tables)],
             torch.randint(0, 600, (48 * tables,), generator=gen),
             torch.full((tables,), 48),
         ).to(device)
-        for _ in range(steps + 1)
+        for _ in range(batches)
     ]
+
+
+def _staged_steps(tables, device_maps, steps=12, seed=0, device="cpu"):
+    """Trains a module of ``tables`` tables (``_module_and_batches``), staging each next batch;
+    per step after the first two: (torch calls in the lookup's cache bookkeeping, host reads by
+    reason during the step)."""
+    from test_tiers import _CountTorchCalls
+    from torchrec_ext.modules import tier_device_maps, tiered_tables
+
+    module, batches = _module_and_batches(tables, device_maps, steps + 1, seed, device)
     # The bookkeeping of one lookup: the device maps' hold (all tables), or each table's host hold.
     on_device = module._tables._maps is not None
     owner, name = (tier_device_maps.DeviceSlotMaps, "hold") if on_device else (tiered_tables.TieredTables, "_hold")
@@ -173,6 +180,30 @@ def test_a_staged_lookup_reads_one_count_and_its_host_work_does_not_grow_with_ta
     assert [c for c, _ in few] == [c for c, _ in many] and few[0][0] <= 70
     host_few, host_many = _staged_steps(2, False), _staged_steps(6, False)
     assert min(c for c, _ in host_many) > 2 * max(c for c, _ in host_few)
+
+
+def _unstaged_reads(tables, device="cpu"):
+    """Host reads by reason of a training lookup that misses and evicts in every table (no
+    stage: the lookup's host path), after 16 steps."""
+    module, batches = _module_and_batches(tables, True, 17, device=device)
+    for kjt in batches[:16]:
+        module(kjt).values().sum().backward()
+    with device_sync.recording() as seen:
+        module(batches[16]).values().sum().backward()
+    stats = module.tier_step_stats()
+    assert all(s["misses"] > 0 and s["write_backs"] > 0 for s in stats.values()), stats
+    _check_maps(module._tables._maps)
+    return seen
+
+
+def test_a_lookup_that_misses_in_every_table_reads_them_all_at_once():
+    # The miss path (no stage ahead): every table's missing rows in one read, every table's
+    # victims in one, whatever the table count (the lookup's count read before them).
+    few, many = _unstaged_reads(2), _unstaged_reads(6)
+    for seen in (few, many):
+        assert seen["tiered tables: rows to read"] == 1 and seen["tiered tables: slots to evict"] == 1, seen
+        assert seen["tiered tables: rows without a cache slot"] == 1 and not seen["tiered tables: cache misses"], seen
+    assert few == many
 
 
 def test_the_maps_stay_whole_through_misses_checkpoints_loads_and_resets(tmp_path):

@@ -80,9 +80,10 @@ def test_the_fixture_puts_the_maps_on_the_device():
     assert all(c.maps is module._tables._maps for c in module._tables.caches)
 
 
-def _module_and_batches(tables, device_maps, batches, seed=0, device="cpu"):
+def _module_and_batches(tables, device_maps, batches, seed=0, device="cpu", tiered=True):
     """A module of ``tables`` tables (host backing, a quarter of the rows cached; ``device_maps``
-    as TieredTables takes it) and ``batches`` batches of mostly new ids a step."""
+    as TieredTables takes it; not ``tiered``: all resident) and ``batches`` batches of mostly new
+    ids a step."""
     from torchrec import KeyedJaggedTensor
 
     from torchrec_ext import DynamicEmbeddingBagConfig
@@ -94,8 +95,7 @@ def _module_and_batches(tables, device_maps, batches, seed=0, device="cpu"):
             embedding_dim=4,
             num_embeddings=1024,
             feature_names=[f"f{t}"],
-            backing="host",
-            cache_load_factor=0.25,
+            **({"backing": "host", "cache_load_factor": 0.25} if tiered else {}),
         )
         for t in range(tables)
     ]
@@ -203,6 +203,41 @@ def test_a_lookup_that_misses_in_every_table_reads_them_all_at_once():
     for seen in (few, many):
         assert seen["tiered tables: rows to read"] == 1 and seen["tiered tables: slots to evict"] == 1, seen
         assert seen["tiered tables: rows without a cache slot"] == 1 and not seen["tiered tables: cache misses"], seen
+    assert few == many
+
+
+def _eval_reads(tables, device="cpu"):
+    """Host reads by reason of two eval lookups after 16 training steps: one that misses in every
+    table (a batch not seen yet), then the same batch again (all hits); their outputs equal the
+    all-resident module's, trained alike."""
+    module, batches = _module_and_batches(tables, True, 17, device=device)
+    resident, _ = _module_and_batches(tables, True, 0, device=device, tiered=False)
+    for kjt in batches[:16]:
+        for m in (module, resident):
+            m(kjt).values().sum().backward()
+    module.eval()
+    resident.eval()
+    reads = []
+    with torch.no_grad():
+        for misses in (True, False):
+            with device_sync.recording() as seen:
+                out = module(batches[16]).values()
+            reads.append(seen)
+            assert torch.equal(out, resident(batches[16]).values())
+            assert all((s["misses"] > 0) == misses for s in module.tier_step_stats().values())
+    _check_maps(module._tables._maps)
+    return reads
+
+
+def test_an_eval_lookup_reads_one_count_for_all_tables():
+    # An eval lookup finds its rows table by table (no upsert to batch), then holds them in the
+    # caches for all its tables at once, as a training lookup does: one count read whatever the
+    # table count, with misses (one read of them, one of the victims) or without.
+    few, many = _eval_reads(2), _eval_reads(6)
+    for misses, hits in (few, many):
+        for seen in (misses, hits):
+            assert seen["tiered tables: rows without a cache slot"] == 1, seen
+        assert misses["tiered tables: rows to read"] == 1 and not hits["tiered tables: rows to read"], misses
     assert few == many
 
 

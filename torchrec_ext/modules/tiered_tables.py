@@ -766,6 +766,8 @@ class TieredTables(DynamicTables):
         # the lookup in progress: (modifies, pin records, the stage waiting for its tables, its own traffic)
         self._holding: tuple[bool, list, _Handover | None, dict[int, dict[str, int]]] | None = None
         self._pinned: dict[int, weakref.finalize] = {}  # lookups whose update is pending -> their pins
+        # an eval lookup's tables with the device maps: (table, rows), held together at its end
+        self._eval_rows: list[tuple[int, int]] | None = None
         self._stager: _Stager | None = None  # made at the first stage
         # the next batch's ids (a call giving them), staged after the next lookup
         self._stage_request: Callable[[], tuple[Tensor, Tensor] | None] | None = None
@@ -983,8 +985,12 @@ class TieredTables(DynamicTables):
         # The next batch's stage starts now and takes each table once this lookup is done with it.
         handover = self._start_stage() if self._stage_request is not None else None
         self._holding = (modifies, [], handover, {})
+        if self._maps is not None and not training and not torch.compiler.is_compiling():
+            self._eval_rows = []
         try:
             result = super().lookup(ids, segment_offsets, training, backward_follows)
+            if self._eval_rows:
+                self._hold_eval_rows(result)
         except BaseException:
             self._unpin(self._holding[1])
             if handover is not None:
@@ -992,7 +998,7 @@ class TieredTables(DynamicTables):
             raise
         finally:
             _, held, _, own = self._holding
-            self._holding = None
+            self._holding, self._eval_rows = None, None
         if modifies:  # pinned until the update lands, or the lookup (its autograd graph) is dropped
             key = id(result.unique_rows)
             self._pinned[key] = weakref.finalize(result.unique_rows, self._release, key, held)
@@ -1010,6 +1016,9 @@ class TieredTables(DynamicTables):
 
     def _rows_for(self, t: int, keys: Tensor, counts: Tensor, training: bool) -> tuple[Tensor, Tensor | None]:
         rows, fresh = super()._rows_for(t, keys, counts, training)
+        if self._eval_rows is not None:  # (an eval lookup with the device maps: held with all its tables')
+            self._eval_rows.append((t, rows.numel()))
+            return rows, fresh
         if self._maps is not None:
             table_of = torch.full_like(rows, t)
             return self._hold_on_device(rows, fresh, table_of, [(t, 0, rows.numel())]), fresh
@@ -1086,6 +1095,19 @@ class TieredTables(DynamicTables):
         if handover is not None:
             self._release_tables(handover, [t for t, _, _ in segments] if release is None else release)
         return slots
+
+    def _hold_eval_rows(self, result: RowLookup) -> None:
+        """An eval lookup's rows (found table by table: no upsert to batch) held in their caches
+        for all its tables at once, as a training lookup's are (one count read, not one a
+        table): ``result``'s rows become slots in place (what waits for a lookup's update is
+        keyed by its tensors)."""
+        segments, first = [], 0
+        for t, n in self._eval_rows:
+            segments.append((t, first, first + n))
+            first += n
+        slots = self._hold_on_device(result.unique_rows, None, result.unique_table, segments)
+        result.unique_rows.copy_(slots)
+        torch.index_select(slots, 0, result.inverse, out=result.rows)
 
     def _release_tables(self, handover: _Handover, tables: list[int]) -> None:
         """Hands ``tables`` over to the stage, with the device maps' pins as a mask (made on the

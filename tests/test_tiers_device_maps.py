@@ -310,3 +310,27 @@ def test_forgetting_one_tables_cache_keeps_the_other_tables_pins():
     assert maps.tables[1].pinned_at_most() == 1 and maps.tables[0].pinned_at_most() == 0
     maps.unpin(token)
     assert maps.pinned_mask() is None
+
+
+def test_a_stage_copies_to_the_device_the_same_for_any_table_count(monkeypatch):
+    # The stage's maps work for all tables at once: the slots it takes and frees reach the device
+    # in a few copies a stage (each an H2D copy on a GPU), not two a table.
+    from torchrec_ext.modules import tier_device_maps
+
+    class Counted:
+        copies = 0
+
+        def __getattr__(self, name):
+            return getattr(device_sync, name)
+
+        def to_device(self, *args):
+            Counted.copies += 1
+            return device_sync.to_device(*args)
+
+    monkeypatch.setattr(tier_device_maps, "device_sync", Counted())
+    counts = []
+    for tables in (2, 6):
+        Counted.copies = 0
+        _staged_steps(tables, True)
+        counts.append(Counted.copies)
+    assert counts[0] == counts[1], counts

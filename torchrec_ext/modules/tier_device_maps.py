@@ -364,28 +364,19 @@ class DeviceSlotMaps:
         self.last_used.index_fill_(0, at, clock)
         return own_slot, taken
 
-    def _pop_free(self, t: int, k: int) -> tuple[Tensor, Tensor]:
-        """k free slots of table t off the top of its stack: (on the device, on the host), int64."""
-        top = self.slot_base_host[t] + self.free_count[t]
-        self.free_count[t] -= k
-        self.free_top[t : t + 1].fill_(self.free_count[t])
-        return self.free_stack[top - k : top].to(torch.int64), self.free_host[top - k : top].to(torch.int64)
-
-    def _push_free(self, t: int, host: Tensor) -> None:
-        """Free slots of table t (a host tensor) onto its stack."""
-        top = self.slot_base_host[t] + self.free_count[t]
-        self.free_host[top : top + host.numel()] = host
-        self.free_stack[top : top + host.numel()] = device_sync.to_device(host, self.device)
-        self.free_count[t] += host.numel()
-        self.free_top[t : t + 1].fill_(self.free_count[t])
-
-    def _assign(self, t: int, taken: Tensor, rows: Tensor, clock: int) -> None:
-        """Table t's slots ``taken`` (device) now hold ``rows``, clean, used at ``clock``."""
-        at = taken + self.slot_base_host[t]
-        self.row_of.index_copy_(0, at, rows)
-        self.slot_of.index_copy_(0, rows + self.row_base_host[t], taken.to(torch.int32))
-        self.dirty.index_fill_(0, at, False)
-        self.last_used.index_fill_(0, at, clock)
+    def _push_free(self, freed: dict[int, Tensor]) -> None:
+        """Each table t's slots ``freed[t]`` (its own numbers, a host tensor) onto its free stack:
+        all tables' in one copy to the device."""
+        at = []
+        for t, host in freed.items():
+            top = self.slot_base_host[t] + self.free_count[t]
+            self.free_host[top : top + host.numel()] = host
+            at.append(torch.arange(top, top + host.numel()))
+            self.free_count[t] += host.numel()
+        at, values = torch.cat(at), torch.cat(list(freed.values()))
+        device = device_sync.to_device(torch.cat([at, values, torch.tensor(self.free_count)]), self.device)
+        self.free_stack.index_copy_(0, device[: at.numel()], device[at.numel() : 2 * at.numel()].to(torch.int32))
+        self.free_top.copy_(device[2 * at.numel() :])
 
     def _vacate(self, shorts: dict[int, int], clock: int, movers, pinned: Tensor | None, ahead: bool) -> None:
         """Empties up to ``shorts[t]`` of each table t's occupied slots onto its free stack, least
@@ -411,28 +402,28 @@ class DeviceSlotMaps:
         host = device_sync.to_host(
             torch.stack([chosen, old, back.to(torch.int64), ok.to(torch.int64)]), "tiered tables: slots to evict"
         )
-        row_base = torch.tensor([self.row_base_host[t] for t in shorts]).repeat_interleave(torch.tensor(counts))
-        at_row = torch.where(ok, old + device_sync.to_device(row_base, self.device), self.total_rows)
+        bases = torch.tensor([[self.slot_base_host[t], self.row_base_host[t]] for t in shorts])
+        bases = bases.t().repeat_interleave(torch.tensor(counts), dim=1)
+        at_row = torch.where(ok, old + device_sync.to_device(bases[1], self.device), self.total_rows)
         self.slot_of.index_fill_(0, at_row, -1)
         gone = torch.where(ok, chosen, total)
         self.row_of.index_fill_(0, gone, -1)
         self.dirty.index_fill_(0, gone, False)
-        first = 0
-        for t, k in zip(shorts, counts):
-            slots, rows, dirty, kept = host[:, first : first + k].sub(
-                torch.tensor([[self.slot_base_host[t]], [0], [0], [0]])
-            )
-            first += k
-            written = dirty == 1
-            n = int(written.sum())
+        slots, rows, written, kept = host[0] - bases[0], host[1], host[2] == 1, host[3] == 1
+        freed = {}
+        for t, first, k in self._parts(dict(zip(shorts, counts))):
+            these = slice(first, first + k)
+            n = int(written[these].sum())
             if n:  # (before any slot is refilled: the caller's reads come after)
                 cache = self.tables[t]
-                movers[t].write(slots[written], rows[written])
+                back = written[these]
+                movers[t].write(slots[these][back], rows[these][back])
                 cache.write_backs += n
                 if ahead:
                     cache.staged_write_backs += n
                 cache.bytes_moved += n * movers[t].row_bytes
-            self._push_free(t, slots[kept == 1])
+            freed[t] = slots[these][kept[these]]
+        self._push_free(freed)
 
     # ------------------------------------------------------------------ ahead of a lookup
 
@@ -468,17 +459,15 @@ class DeviceSlotMaps:
             plans.append((t, missing))
         if shorts:  # (every table's write-backs before any table's reads)
             self._vacate(shorts, clock, movers, pinned, ahead=True)
-        for t, missing in plans:
+        fills = {t: missing[: self.free_count[t]] for t, missing in plans if missing.numel() and self.free_count[t]}
+        if not fills:
+            return
+        _, taken = self._take_slots(fills, clock)
+        for t, wanted in fills.items():
             cache = self.tables[t]
-            filled = min(missing.numel(), self.free_count[t])
-            if filled == 0:
-                continue
-            wanted = missing[:filled]
-            taken, taken_host = self._pop_free(t, filled)
-            movers[t].read(taken_host, wanted)
-            cache.staged += filled
-            cache.bytes_moved += filled * movers[t].row_bytes
-            self._assign(t, taken, device_sync.to_device(wanted, self.device), clock)
+            movers[t].read(taken[t], wanted)
+            cache.staged += wanted.numel()
+            cache.bytes_moved += wanted.numel() * movers[t].row_bytes
 
     # ------------------------------------------------------------------ checkpoints
 

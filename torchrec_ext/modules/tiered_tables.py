@@ -167,7 +167,7 @@ class _Mover:
     def _from_cache(self, slots: Tensor) -> Tensor:
         """The cache's ``slots`` as host records (of the transfer buffer; row column unset)."""
         on_device = self.copies.empty(slots.numel(), self.record_bytes)
-        at = slots.to(self.copies.device)
+        at = device_sync.to_device(slots, self.copies.device)  # (not .to(): a blocking copy waits for the stream)
         for k, (cache, _) in enumerate(self.pairs):
             self._pair_field(on_device, k).copy_(cache.index_select(0, at))
         return self.copies.to_host(on_device, self._transfer_buffer())

@@ -334,3 +334,21 @@ def test_a_stage_copies_to_the_device_the_same_for_any_table_count(monkeypatch):
         _staged_steps(tables, True)
         counts.append(Counted.copies)
     assert counts[0] == counts[1], counts
+
+
+def test_a_stage_waits_once_for_every_tables_write_backs(monkeypatch):
+    # (the records path a GPU takes) The write-backs of a stage's tables gather their rows and
+    # queue their copies to the host first, then wait: on a GPU the first wait lands them all.
+    import re
+
+    from torchrec_ext.modules.tier_copies import DeviceCopies
+
+    calls = []
+    queued, landed = DeviceCopies.to_host_queued, DeviceCopies.landed
+    monkeypatch.setattr(DeviceCopies, "to_host_queued", lambda *a: calls.append("q") or queued(*a))
+    monkeypatch.setattr(DeviceCopies, "landed", lambda *a: calls.append("l") or landed(*a))
+    monkeypatch.setattr(TieredTables, "copy_through_records", True)
+    _staged_steps(3, True)
+    blocks = re.findall("q+l+", "".join(calls))
+    assert "".join(blocks) == "".join(calls) and all(b.count("q") == b.count("l") for b in blocks)
+    assert max(b.count("q") for b in blocks) == 3, blocks  # (each table wrote back in some stage)

@@ -410,19 +410,21 @@ class DeviceSlotMaps:
         self.row_of.index_fill_(0, gone, -1)
         self.dirty.index_fill_(0, gone, False)
         slots, rows, written, kept = host[0] - bases[0], host[1], host[2] == 1, host[3] == 1
-        freed = {}
+        freed, stores = {}, []
         for t, first, k in self._parts(dict(zip(shorts, counts))):
             these = slice(first, first + k)
             n = int(written[these].sum())
             if n:  # (before any slot is refilled: the caller's reads come after)
                 cache = self.tables[t]
                 back = written[these]
-                movers[t].write(slots[these][back], rows[these][back])
+                stores.append(movers[t].write_later(slots[these][back], rows[these][back]))
                 cache.write_backs += n
                 if ahead:
                     cache.staged_write_backs += n
                 cache.bytes_moved += n * movers[t].row_bytes
             freed[t] = slots[these][kept[these]]
+        for store in stores:  # (every table's copy queued before the first waits: one wait for all)
+            store()
         self._push_free(freed)
 
     # ------------------------------------------------------------------ ahead of a lookup

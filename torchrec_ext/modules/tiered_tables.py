@@ -108,6 +108,10 @@ def tables_for(configs: Sequence[BaseEmbeddingConfig], device: torch.device) -> 
     return DynamicTables(configs, device)
 
 
+def _written() -> None:
+    """``_Mover.write_later``'s second half when the first wrote everything."""
+
+
 class _Mover:
     """Copies rows of one table between its cache slots and the backing store: the vectors and
     each optimizer state, in their storage dtypes (bit for bit). Slots and rows are host tensors
@@ -166,11 +170,18 @@ class _Mover:
 
     def _from_cache(self, slots: Tensor) -> Tensor:
         """The cache's ``slots`` as host records (of the transfer buffer; row column unset)."""
+        host, copied = self._from_cache_queued(slots)
+        self.copies.landed(copied)
+        return host
+
+    def _from_cache_queued(self, slots: Tensor) -> tuple[Tensor, object]:
+        """``_from_cache`` without the wait: (the host records, their copy's event: read them
+        after ``copies.landed`` of it)."""
         on_device = self.copies.empty(slots.numel(), self.record_bytes)
         at = device_sync.to_device(slots, self.copies.device)  # (not .to(): a blocking copy waits for the stream)
         for k, (cache, _) in enumerate(self.pairs):
             self._pair_field(on_device, k).copy_(cache.index_select(0, at))
-        return self.copies.to_host(on_device, self._transfer_buffer())
+        return self.copies.to_host_queued(on_device, self._transfer_buffer())
 
     def write(self, slots: Tensor, rows: Tensor, once: bool = False) -> None:
         """Writes the rows of ``slots`` back (``once``: a flush's, not a step's: a log mover
@@ -187,11 +198,33 @@ class _Mover:
             return
         for start in range(0, rows.numel(), MAX_ROWS):
             these = rows[start : start + MAX_ROWS]
-            records = self._from_cache(slots[start : start + MAX_ROWS])
-            for k, (_, backing) in enumerate(self.pairs):
-                backing.index_copy_(0, these, self._pair_field(records, k))
+            _Mover._write_records(self, self._from_cache(slots[start : start + MAX_ROWS]), these)
 
     write_home = write  # (host backing: the backing store is home)
+
+    def _write_records(self, records: Tensor, rows: Tensor) -> None:
+        """A write-back's host records of ``rows`` into the backing store."""
+        for k, (_, backing) in enumerate(self.pairs):
+            backing.index_copy_(0, rows, self._pair_field(records, k))
+
+    def write_later(self, slots: Tensor, rows: Tensor) -> Callable[[], None]:
+        """``write`` in two halves, so that several tables' write-backs share one wait: the rows
+        gathered on the device and their copy to the host queued now; what is returned writes
+        them into the backing store once they have landed (``DeviceCopies.landed``: the first
+        call's wait lands the copies queued before it too). Written now (returns a no-op)
+        without ``copies`` or beyond one transfer's rows."""
+        if self.copies is None or not 0 < rows.numel() <= MAX_ROWS:
+            self.write(slots, rows)
+            return _written
+        order = rows.argsort()  # (ascending, as ``write``)
+        slots, rows = slots[order], rows[order]
+        records, copied = self._from_cache_queued(slots)
+
+        def store() -> None:
+            self.copies.landed(copied)
+            self._write_records(records, rows)
+
+        return store
 
     def fold(self) -> None:
         pass
@@ -277,10 +310,7 @@ class _LogMover(_Mover):
             return
         if self.copies is not None:  # the records made on the device, then appended from the host
             for start in range(0, n, MAX_ROWS):
-                these = rows[start : start + MAX_ROWS]
-                records = self._from_cache(slots[start : start + MAX_ROWS])
-                row_column(records).copy_(these)
-                self.log.append(these, records)
+                self._write_records(self._from_cache(slots[start : start + MAX_ROWS]), rows[start : start + MAX_ROWS])
             return
         # Each field gathered straight into its column of the records (no copy of the columns to join).
         # A flush's records are its own: the buffer kept is sized by the steps' write-backs.
@@ -288,6 +318,11 @@ class _LogMover(_Mover):
         row_column_.copy_(rows)
         for (cache, _), column in zip(self.pairs, columns):
             torch.index_select(cache, 0, slots, out=column)
+        self.log.append(rows, records)
+
+    def _write_records(self, records: Tensor, rows: Tensor) -> None:
+        """A write-back's host records of ``rows``, appended to the log."""
+        row_column(records).copy_(rows)
         self.log.append(rows, records)
 
     def write_home(self, slots: Tensor, rows: Tensor) -> None:

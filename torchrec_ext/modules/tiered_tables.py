@@ -12,8 +12,9 @@ kernels run: a row not in the cache takes the least recently used slot that no b
 holds (with ``cache_algorithm="lfu"``, TorchRec's ``CacheAlgorithm.LFU``: the least often looked
 up, ties by least recent use; tier_device_maps.py) (its row written back first when dirty) and is read from the backing store, unless it is
 new to its id (then it is initialised in the slot, as the all-resident table initialises its row).
-The kernels then run unchanged on the cache, with slots for rows. A training lookup's slots stay
-pinned until its fused update lands (or its autograd graph is dropped), so an update always
+The kernels then run unchanged on the cache, with slots for rows. A lookup's slots (a training
+lookup's, or an eval-mode one's with grad on: a fused update follows either) stay dirty and
+pinned until that update lands (or its autograd graph is dropped), so an update always
 finds its rows. ``stage_next`` stages the next batch's rows on a worker thread while the
 current batch's backward runs (what ``TrainPipeline`` calls): it fills the next batch's misses
 and writes back and frees slots for its new rows, around the slots of the batch in flight, so
@@ -1014,7 +1015,7 @@ class TieredTables(DynamicTables):
         self._join_stage()
         self._check_room(ids, segment_offsets)
         self._clock += 1
-        modifies = training and backward_follows
+        modifies = backward_follows  # (an eval-mode lookup with grad on: its backward writes its rows too)
         staged, self._stage_stats = self._stage_stats, {}
         self.write_new_rows()  # the last batch's pending new rows, into their slots before any moves
         # The next batch's stage starts now and takes each table once this lookup is done with it.

@@ -1,4 +1,4 @@
-"""The cache size of a tiered table (``backing="host"`` / ``"file:<dir>"``) as a plan gives it.
+"""The cache size and algorithm of a tiered table (``backing="host"`` / ``"file:<dir>"``) as a plan gives them.
 
 TorchRec sizes a table's cache with ``ParameterConstraints(cache_params=CacheParams(load_factor=f))``,
 which its planner copies into the plan's ``ParameterSharding.cache_params``, and, for all the

@@ -197,6 +197,41 @@ def test_an_eval_mode_lookup_whose_backward_runs_writes_its_rows_back(tmp_path):
     assert tiered.table_stats()["a"].cache_write_backs > 0
 
 
+@pytest.mark.parametrize("kind,through_records", [("file", False), ("file", True), ("host", True)])
+def test_an_inference_mode_evaluation_before_training_leaves_the_tier_trainable(
+    tmp_path, monkeypatch, kind, through_records
+):
+    # A restored module evaluated under torch.inference_mode first: the tier's movers (views of
+    # the cache and the backing store, a file's log) and its transfer buffers are made in that
+    # first lookup and kept. Made as inference tensors, every later step outside inference_mode
+    # refused to write them ("Inplace update to inference tensor"). Oracle: all resident.
+    monkeypatch.setattr(TieredTables, "copy_through_records", through_records)
+    make = lambda configs: DynamicEmbeddingBagCollection(configs, optimizer="adagrad")
+    resident, tiered = make(_bag_configs()), make(_bag_configs(_backing(kind, tmp_path), 0.3))
+    gen = torch.Generator().manual_seed(8)
+    batches = [
+        random_kjt(["f0", "f1", "f2", "f3"], 6, POOL[torch.randint(0, 700, (400,), generator=gen)], 5)
+        for _ in range(16)
+    ]
+    for kjt in batches[:8]:
+        _train_step([resident], kjt)
+    saved = {key: value.clone() for key, value in resident.state_dict().items()}
+    for module in (resident, tiered):  # (a loaded admission table orders its entries afresh: both loaded)
+        module.load_state_dict(saved)  # the tiered module's rows in its backing store, its cache empty
+    resident.eval(), tiered.eval()
+    with torch.inference_mode():
+        for kjt in batches[8:11]:  # misses read, dirty-free victims: the buffers made here
+            outs = [m(kjt).values() for m in (resident, tiered)]
+            assert torch.equal(outs[0], outs[1])
+    resident.train(), tiered.train()
+    for step, kjt in enumerate(batches[11:]):
+        outs = [m(kjt).values() for m in (resident, tiered)]
+        assert torch.equal(outs[0], outs[1]), step
+        for out in outs:
+            out.square().sum().backward()
+    _assert_same_state(resident, tiered)
+
+
 def test_rows_of_batches_in_flight_stay_cached_until_their_update_lands(tmp_path):
     # Batch 1's forward, an eval batch, batch 2's forward, then both backwards (as a pipeline may
     # order them). Batch 1's slots are then the least recently used: batch 2's misses would take

@@ -78,7 +78,8 @@ class RecordsBuffer:
             self._in_flight = None
         if self._records is None or self._records.shape[0] < n:
             rows = min(self.max_rows, max(n, 2 * self._records.shape[0] if self._records is not None else n))
-            self._records = torch.zeros(rows, self.record_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+            with torch.inference_mode(False):  # (kept: refilled by later transfers outside inference_mode)
+                self._records = torch.zeros(rows, self.record_bytes, dtype=torch.uint8, pin_memory=self.pinned)
         return self._records[:n]
 
     def in_flight(self, event) -> None:

@@ -273,6 +273,7 @@ class _LogMover(_Mover):
             return self._buffer
         return records[:n], rows[:n], [column[:n] for column in columns]
 
+    @torch.inference_mode(False)  # (the buffer kept is refilled by later write-backs outside inference_mode)
     def _make_columns(self, n: int) -> tuple[Tensor, Tensor, list[Tensor]]:
         records = torch.zeros(n, self.log.record_bytes, dtype=torch.uint8)
         rows = records[:, :ROW_BYTES].view(torch.int64).squeeze(1)
@@ -938,16 +939,22 @@ class TieredTables(DynamicTables):
 
     def _mover(self, t: int) -> _Mover:
         if self._movers is None:
-            self._movers = []
-            for i in range(len(self.meta)):
-                (cache, cache_states), (backing, backing_states) = self._views(i, True), self._views(i, False)
-                pairs = [(cache, backing)] + [(cache_states[k], backing_states[k]) for k in cache_states]
-                copies = self._copies()
-                # file backing: write-backs appended to a log (tier_log.py), not scattered over the file
-                self._movers.append(
-                    _Mover(pairs, copies) if self.store.directory is None else _LogMover(pairs, self.store, i, copies)
-                )
+            self._make_movers()
         return self._movers[t]
+
+    # Outside inference_mode: kept across steps, views and logs made in a lookup under it would
+    # refuse the in-place writes of every later step outside it.
+    @torch.inference_mode(False)
+    def _make_movers(self) -> None:
+        self._movers = []
+        for i in range(len(self.meta)):
+            (cache, cache_states), (backing, backing_states) = self._views(i, True), self._views(i, False)
+            pairs = [(cache, backing)] + [(cache_states[k], backing_states[k]) for k in cache_states]
+            copies = self._copies()
+            # file backing: write-backs appended to a log (tier_log.py), not scattered over the file
+            self._movers.append(
+                _Mover(pairs, copies) if self.store.directory is None else _LogMover(pairs, self.store, i, copies)
+            )
 
     def _fold_logs(self) -> None:
         """Every row whose newest copy is in a log written to the base file (logs emptied)."""

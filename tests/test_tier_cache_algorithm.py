@@ -78,6 +78,31 @@ def test_the_victims_match_a_brute_force_simulation_of_the_algorithm(maps, algor
     assert other != expected  # (the lookups tell the two algorithms apart)
 
 
+def test_an_lfu_table_after_an_lru_table_counts_its_own_rows(monkeypatch):
+    """The device maps count the LFU tables' rows only, each table from its own first count: an
+    LFU table after an LRU table (looked up with the same ids) still evicts as the simulation."""
+    monkeypatch.setattr(TieredTables, "device_maps", True)
+    configs = [
+        DynamicEmbeddingBagConfig(
+            name=name,
+            embedding_dim=4,
+            num_embeddings=rows,
+            feature_names=[f"f{name}"],
+            backing="host",
+            cache_load_factor=factor,
+            cache_algorithm=algorithm,
+        )
+        for name, rows, factor, algorithm in [("x", 300, 0.5, "lru"), ("a", 256, 0.04, "lfu")]
+    ]
+    module = DynamicEmbeddingBagCollection(configs, optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+    ids = _one_id_lookups()
+    for i in ids:
+        kjt = KeyedJaggedTensor.from_lengths_sync(["fx", "fa"], torch.tensor([i, i]), torch.tensor([1, 1]))
+        module(kjt).values().sum().backward()
+    stats = module.table_stats()["a"]
+    assert (stats.cache_hits, stats.cache_misses) == _simulate(ids, module._tables.slots[1], "lfu")
+
+
 @pytest.mark.parametrize("kind", ["host", "file"])
 def test_lfu_and_lru_tiered_tables_equal_all_resident_tables_bit_for_bit(tmp_path, maps, kind):
     gen = torch.Generator().manual_seed(5)
@@ -196,7 +221,8 @@ def test_an_lfu_cache_counts_its_lookups_per_row_in_its_bytes_and_the_plans(maps
         optimizer="adagrad",
     )
     built = {a: make(a)._tables.storage_bytes() for a in ("lru", "lfu")}
-    assert built["lfu"] - built["lru"] == 4 * 1000 + (4 if maps else 0)  # (the device maps' spare entry)
+    # (the device maps' spare count and the table's first count, uses_base)
+    assert built["lfu"] - built["lru"] == 4 * 1000 + (4 + 8 if maps else 0)
     planned = {
         a: tiered_table_bytes(1000, 4, "adagrad", 0.2, file=False, cache_algorithm=a).host for a in ("lru", "lfu")
     }

@@ -137,3 +137,45 @@ def test_the_plan_of_device_maps_bounds_what_the_device_and_the_host_each_hold()
     maps_on_device = _allocated([maps]) - on_host
     assert super(TieredTables, tables).storage_bytes() + maps_on_device <= sum(p.device for p in planned)
     assert on_host + tables.backing_bytes() <= sum(p.host for p in planned)
+
+
+def test_the_device_maps_of_an_lfu_table_beside_lru_tables_stay_within_the_plan():
+    """An LFU table beside a large LRU table in one module: the maps count the lookups of the LFU
+    table's rows only, as the plan does (they counted every table's rows: the LRU table's 4 bytes
+    a row beyond its plan)."""
+
+    def config(name, rows, factor, **algorithm):
+        return DynamicEmbeddingBagConfig(
+            name=name,
+            embedding_dim=4,
+            num_embeddings=rows,
+            feature_names=[f"f{name}"],
+            backing="host",
+            cache_load_factor=factor,
+            **algorithm,
+        )
+
+    configs = [config("a", 64, 0.5, cache_algorithm="lfu"), config("b", 100_000, 0.01)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TieredTables, "device_maps", True)
+        module = DynamicEmbeddingBagCollection(configs, optimizer="sgd", optimizer_kwargs={"lr": 0.05})
+    tables = module._tables
+    planned = sum(
+        tiered_table_bytes(
+            c.num_embeddings,
+            c.embedding_dim,
+            "sgd",
+            c.cache_load_factor,
+            file=False,
+            options=options_of(c),
+            device_maps=True,
+        ).device
+        for c in configs
+    )
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(6):
+        ids = torch.randint(0, 400, (60,), generator=gen)
+        module(random_kjt(["fa", "fb"], 6, ids, 5)).values().sum().backward()
+    maps = tables._maps
+    maps_on_device = _allocated([maps]) - maps.free_host.untyped_storage().nbytes()
+    assert super(TieredTables, tables).storage_bytes() + maps_on_device <= planned

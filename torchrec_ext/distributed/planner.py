@@ -47,10 +47,9 @@ backing store on the host or on disk; one rank's share is planned as (``tiered_t
       + CUDA: min(slots, 32768) * record              a transfer's records (record: the row's number,
                                                       vector and states, each 8-byte aligned)
       + CUDA: 4 * rows + slots * 17 + 41              the cache's maps on the device (device maps, the
-        (+ LFU: 4 * rows)                             CUDA default: tier_device_maps.py; an LFU table
-                                                      makes its module count the uses of every table's
-                                                      rows, planned for the LFU tables only); the host
-                                                      then holds only their free stack's mirror (4 a slot)
+        (+ LFU: 4 * rows + 12)                        CUDA default: tier_device_maps.py; an LFU table's
+                                                      lookups per row, its base and a spare count); the
+                                                      host then holds only their free stack's mirror (4 a slot)
       + the step's IO buffers (as above)
     host memory (ddr; on CPU the same memory as the device's):
       4 * rows + slots * (25 + 16)                    the cache's host maps (the CPU default): slot of
@@ -250,6 +249,8 @@ DEVICE_MAP_BYTES_PER_SLOT = 8 + 4 + 4 + 1
 DEVICE_MAP_BYTES_PER_TABLE = 3 * 8 + DEVICE_MAP_BYTES_PER_SLOT
 DEVICE_MAP_HOST_BYTES_PER_SLOT = 4
 LFU_COUNT_BYTES_PER_ROW = 4  # an LFU cache's lookups per row (RowCache.uses / DeviceSlotMaps.uses): int32
+# DeviceSlotMaps.uses_base (int64) and, counted for each LFU table, held once, the spare count
+DEVICE_MAP_LFU_BYTES_PER_TABLE = 8 + LFU_COUNT_BYTES_PER_ROW
 
 
 @dataclass(frozen=True)
@@ -304,10 +305,11 @@ def tiered_table_bytes(
     device = vectors(slots) + slots * state + index_bytes(rows)
     device += TTL_BYTES_PER_ROW * rows if opts.ttl_steps is not None else 0
     device += admission_bytes(opts, opts.admission_strategy, capacity, parts)
-    maps = SLOT_OF_ROW_BYTES * rows
-    maps += LFU_COUNT_BYTES_PER_ROW * rows if (cache_algorithm or opts.cache_algorithm) == "lfu" else 0
+    lfu = (cache_algorithm or opts.cache_algorithm) == "lfu"
+    maps = SLOT_OF_ROW_BYTES * rows + (LFU_COUNT_BYTES_PER_ROW * rows if lfu else 0)
     if cuda if device_maps is None else device_maps:
         device += maps + slots * DEVICE_MAP_BYTES_PER_SLOT + DEVICE_MAP_BYTES_PER_TABLE
+        device += DEVICE_MAP_LFU_BYTES_PER_TABLE if lfu else 0
         host = slots * DEVICE_MAP_HOST_BYTES_PER_SLOT
     else:
         host = maps + slots * (CACHE_MAP_BYTES_PER_SLOT + LRU_QUEUE_BYTES_PER_SLOT)

@@ -127,6 +127,13 @@ class DeviceSlotMaps:
         lfu = [a == "lfu" for a in algorithms or [None] * len(capacities)]
         self.tables = [TableSlots(self, t, c, s, f) for t, (c, s, f) in enumerate(zip(capacities, slots, lfu))]
         self.any_lfu = any(lfu)
+        # Each LFU table's first entry in ``uses`` (its rows' counts, LFU tables only); an LRU
+        # table's: the spare entry after them (counted into, never read).
+        self.lfu_rows = sum(c for c, f in zip(capacities, lfu) if f)
+        self.uses_base_host, first = [], 0
+        for c, f in zip(capacities, lfu):
+            self.uses_base_host.append(first if f else self.lfu_rows)
+            first += c if f else 0
         self.pinned: dict[int, Tensor] = {}  # pin token -> the lookup's slots (global; the spare entry for none)
         self.pin_counts: dict[int, list[int]] = {}  # pin token -> slots it holds per table
         self._next_pin = 0
@@ -140,8 +147,9 @@ class DeviceSlotMaps:
         self.row_of = torch.full((self.total_slots + 1,), -1, dtype=torch.int64, device=device)
         self.last_used = torch.zeros(self.total_slots + 1, dtype=torch.int32, device=device)  # (2**31 steps)
         self.dirty = torch.zeros(self.total_slots + 1, dtype=torch.bool, device=device)
-        # LFU: lookups per row (every table's rows: the LRU tables' stay 0); none without an LFU table
-        self.uses = torch.zeros(self.total_rows + 1, dtype=torch.int32, device=device) if self.any_lfu else None
+        # LFU: lookups per row of the LFU tables (none without one)
+        self.uses = torch.zeros(self.lfu_rows + 1, dtype=torch.int32, device=device) if self.any_lfu else None
+        self.uses_base = torch.tensor(self.uses_base_host, dtype=torch.int64, device=device) if self.any_lfu else None
         # Each table's free slots (its own slot numbers) in its segment, bottom first.
         self.free_host = torch.cat([torch.arange(t.slots, dtype=torch.int32) for t in self.tables] or [self._none()])
         self.free_stack = self.free_host.to(device, copy=True)
@@ -151,13 +159,12 @@ class DeviceSlotMaps:
     def nbytes(self) -> int:
         """Bytes of all the maps' tensors (and of the pins in flight)."""
         held = [getattr(self, name) for name in self._DEVICE_TENSORS] + [self.free_host] + list(self.pinned.values())
-        held += [self.uses] if self.uses is not None else []
+        held += [self.uses, self.uses_base] if self.uses is not None else []
         return sum(t.numel() * t.element_size() for t in held)
 
     def own_bytes(self) -> int:
         """Bytes of the tables' own entries (``TableSlots.nbytes`` without the first one's extra)."""
-        lfu_rows = sum(t.capacity for t in self.tables if t.lfu)  # (the LRU tables' counts: the first table's extra)
-        return 4 * (self.total_rows + lfu_rows) + _SLOT_BYTES * self.total_slots
+        return 4 * (self.total_rows + self.lfu_rows) + _SLOT_BYTES * self.total_slots
 
     @staticmethod
     def _none() -> Tensor:
@@ -169,7 +176,7 @@ class DeviceSlotMaps:
         for name in self._DEVICE_TENSORS:
             setattr(self, name, getattr(self, name).to(self.device))
         if self.uses is not None:
-            self.uses = self.uses.to(self.device)
+            self.uses, self.uses_base = self.uses.to(self.device), self.uses_base.to(self.device)
         self.pinned = {k: v.to(self.device) for k, v in self.pinned.items()}
 
     def __getstate__(self) -> dict[str, object]:
@@ -218,7 +225,7 @@ class DeviceSlotMaps:
         live = rows >= 0
         at_row = self.row_base.index_select(0, table_of) + rows.clamp(min=0)
         if self.uses is not None:
-            self._count_uses(live, at_row, fresh)
+            self._count_uses(live, rows, table_of, fresh)
         slots = torch.where(live, self.slot_of.index_select(0, at_row).to(torch.int64), -1)
         need = live & (slots < 0)
         read = need if fresh is None else need & ~fresh
@@ -246,13 +253,16 @@ class DeviceSlotMaps:
             self.dirty.index_fill_(0, torch.where(fresh, at, spare), True)
         return slots, self.pin(at, lives)
 
-    def _count_uses(self, live: Tensor, at_row: Tensor, fresh: Tensor | None) -> None:
-        """LFU: one more lookup of each live row (distinct within its table), saturating; a row
-        new to its id starts at 1. (The LRU tables' counts go up too: never read.)"""
-        more = self.uses.index_select(0, at_row).add_(1).clamp_(max=LFU_MAX_COUNT)
+    def _count_uses(self, live: Tensor, rows: Tensor, table_of: Tensor, fresh: Tensor | None) -> None:
+        """LFU: one more lookup of each live row (distinct within its table) of an LFU table,
+        saturating; a row new to its id starts at 1. (The LRU tables' rows count into the spare
+        entry: never read.)"""
+        base = self.uses_base.index_select(0, table_of)
+        at = torch.where(live & (base < self.lfu_rows), base + rows.clamp(min=0), self.lfu_rows)
+        more = self.uses.index_select(0, at).add_(1).clamp_(max=LFU_MAX_COUNT)
         if fresh is not None:
             more = torch.where(fresh, 1, more).to(torch.int32)
-        self.uses.index_copy_(0, torch.where(live, at_row, self.total_rows), more)
+        self.uses.index_copy_(0, at, more)
 
     def _victim_keys(self, t: int, key: Tensor) -> Tensor:
         """Table t's victim keys: its slice of ``key`` (clocks, ``_NEVER``: not to be taken); an
@@ -261,7 +271,7 @@ class DeviceSlotMaps:
         part = key[base : base + n]
         if not self.tables[t].lfu:
             return part
-        rows = self.row_of[base : base + n].clamp(min=0) + self.row_base_host[t]
+        rows = self.row_of[base : base + n].clamp(min=0) + self.uses_base_host[t]
         uses = self.uses.index_select(0, rows).to(torch.int64)
         return torch.where(part == _NEVER, _NEVER_KEY, (uses << 32) | part.to(torch.int64))
 
@@ -502,8 +512,9 @@ class DeviceSlotMaps:
         self.row_of[slots : slots + cache.slots] = -1
         self.dirty[slots : slots + cache.slots] = False
         self.last_used[slots : slots + cache.slots] = 0
-        if self.uses is not None:
-            self.uses[rows : rows + cache.capacity] = 0
+        if cache.lfu:
+            first = self.uses_base_host[t]
+            self.uses[first : first + cache.capacity] = 0
         self.free_host[slots : slots + cache.slots] = torch.arange(cache.slots)
         self.free_stack[slots : slots + cache.slots] = torch.arange(cache.slots, device=self.device)
         self.free_count[t] = cache.slots

@@ -173,6 +173,23 @@ __device__ __forceinline__ uint32_t tag_matches(const uint8_t* bucket_digests, u
   return tag_mask(load_bucket(bucket_digests), tag);
 }
 
+// Row holding `key` among the tag matches of its two buckets (masks m1 of the bucket at row
+// base1, m2 at base2): the lowest matching slot of bucket1, else of bucket2, as the CPU probe;
+// else -1. Only tag matches read their slot's key.
+__device__ __forceinline__ int64_t key_in_buckets(const int64_t* slot_keys, int64_t key,
+                                                  int64_t base1, uint32_t m1, int64_t base2,
+                                                  uint32_t m2) {
+  for (uint32_t m = m1; m != 0; m &= m - 1) {
+    const int64_t row = base1 + (__ffs(static_cast<int>(m)) - 1);
+    if (slot_keys[row] == key) return row;
+  }
+  for (uint32_t m = m2; m != 0; m &= m - 1) {
+    const int64_t row = base2 + (__ffs(static_cast<int>(m)) - 1);
+    if (slot_keys[row] == key) return row;
+  }
+  return -1;
+}
+
 // Row holding `key`, or -1, probed by one thread: warp_probe's answer (the lowest matching slot
 // of bucket1, else of bucket2, else the stash). Both buckets' digests are loaded before any key.
 __device__ __forceinline__ int64_t thread_probe(const uint8_t* digests, const int64_t* slot_keys,
@@ -181,15 +198,9 @@ __device__ __forceinline__ int64_t thread_probe(const uint8_t* digests, const in
   const uint32_t m1 = tag_matches(digests + p.bucket1 * kSlotsPerBucket, p.tag);
   const uint32_t m2 =
       p.bucket2 != p.bucket1 ? tag_matches(digests + p.bucket2 * kSlotsPerBucket, p.tag) : 0u;
-  for (uint32_t m = m1; m != 0; m &= m - 1) {
-    const int64_t row = p.bucket1 * kSlotsPerBucket + (__ffs(static_cast<int>(m)) - 1);
-    if (slot_keys[row] == key) return row;
-  }
-  for (uint32_t m = m2; m != 0; m &= m - 1) {
-    const int64_t row = p.bucket2 * kSlotsPerBucket + (__ffs(static_cast<int>(m)) - 1);
-    if (slot_keys[row] == key) return row;
-  }
-  return stash_probe(digests, slot_keys, geo, p, key);
+  const int64_t row = key_in_buckets(slot_keys, key, p.bucket1 * kSlotsPerBucket, m1,
+                                     p.bucket2 * kSlotsPerBucket, m2);
+  return row >= 0 ? row : stash_probe(digests, slot_keys, geo, p, key);
 }
 
 // hash_find with one thread per key (digests 16-byte aligned): the 32 keys of a warp load,
@@ -339,15 +350,8 @@ __device__ __forceinline__ bool insert_key(uint8_t* digests, int64_t* slot_keys,
   const int64_t base1 = p.bucket1 * kSlotsPerBucket, base2 = p.bucket2 * kSlotsPerBucket;
   const bool two = p.bucket2 != p.bucket1;  // else bucket2's masks are empty
   const BucketDigests d1 = load_bucket(digests + base1), d2 = load_bucket(digests + base2);
-  int64_t hit = -1;
-  for (uint32_t m = tag_mask(d1, p.tag); m != 0 && hit < 0; m &= m - 1) {
-    const int64_t row = base1 + (__ffs(static_cast<int>(m)) - 1);
-    if (slot_keys[row] == key) hit = row;
-  }
-  for (uint32_t m = two ? tag_mask(d2, p.tag) : 0u; m != 0 && hit < 0; m &= m - 1) {
-    const int64_t row = base2 + (__ffs(static_cast<int>(m)) - 1);
-    if (slot_keys[row] == key) hit = row;
-  }
+  const int64_t hit = key_in_buckets(slot_keys, key, base1, tag_mask(d1, p.tag), base2,
+                                     two ? tag_mask(d2, p.tag) : 0u);
   if (hit >= 0) {  // a repeat of a key inserted earlier in this walk: pinned already
     slot_scores[hit] = assign && has_given ? g
                                            : touched_score(policy, false, slot_scores[hit],

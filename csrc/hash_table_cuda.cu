@@ -259,8 +259,7 @@ __device__ __forceinline__ int64_t touched_by(int64_t score, uint32_t lanes, con
   const bool has_given = given != nullptr;
   for (uint32_t m = lanes; m != 0; m &= m - 1) {
     const int64_t g = has_given ? given[order[chunk + (__ffs(static_cast<int>(m)) - 1)]] : 0;
-    score =
-        assign && has_given ? g : touched_score(policy, false, score, has_given, g, clock, epoch);
+    score = upsert_score(policy, false, score, has_given, g, clock, epoch, assign);
   }
   return score;
 }
@@ -353,14 +352,12 @@ __device__ __forceinline__ bool insert_key(uint8_t* digests, int64_t* slot_keys,
   const int64_t hit = key_in_buckets(slot_keys, key, base1, tag_mask(d1, p.tag), base2,
                                      two ? tag_mask(d2, p.tag) : 0u);
   if (hit >= 0) {  // a repeat of a key inserted earlier in this walk: pinned already
-    slot_scores[hit] = assign && has_given ? g
-                                           : touched_score(policy, false, slot_scores[hit],
-                                                           has_given, g, clock, epoch);
+    slot_scores[hit] =
+        upsert_score(policy, false, slot_scores[hit], has_given, g, clock, epoch, assign);
     rows[pos] = hit;
     return false;
   }
-  const int64_t new_score =
-      assign && has_given ? g : touched_score(policy, true, 0, has_given, g, clock, epoch);
+  const int64_t new_score = upsert_score(policy, true, 0, has_given, g, clock, epoch, assign);
   const uint32_t usable1 = geo.usable_mask(p.bucket1);
   const uint32_t usable2 = two ? geo.usable_mask(p.bucket2) : 0u;
   const uint32_t free1 = empty_mask(d1) & usable1, free2 = empty_mask(d2) & usable2;

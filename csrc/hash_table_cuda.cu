@@ -1,8 +1,8 @@
 // CUDA kernels of the dynamic hash table (torch.ops.torchrec_ext.hash_*) and of `route`.
 //
-// Lookups are read-only and take one thread per key (hash_find: a warp per key where the digests
-// are not 16-byte aligned), all in parallel: a thread loads a bucket's 32 digests in two 16-byte
-// loads and matches four tags per 32-bit op, in the CPU kernel's scan order.
+// Lookups are read-only and take one thread per key, all in parallel: a thread loads a bucket's 32
+// digests in two 16-byte loads (byte by byte where the digests are not 16-byte aligned: a view)
+// and matches four tags per 32-bit op, in the CPU kernel's scan order.
 //
 // Mutations must give the CPU kernels' results bit for bit (same rows, flags, evictions and
 // scores). The binding sorts positions by stripe with a stable sort (each stripe's keys in batch
@@ -44,42 +44,6 @@ __device__ __forceinline__ int64_t global_thread() {
 
 __device__ __forceinline__ int64_t global_threads() {
   return static_cast<int64_t>(gridDim.x) * blockDim.x;
-}
-
-// hash_find's warp-per-key probe (digests not 16-byte aligned): lane l owns slot l of both
-// candidate buckets, and a ballot over the CPU's scan order gives the answer.
-// This lane's slot in each of a key's candidate buckets.
-struct LaneSlots {
-  int64_t row1;
-  int64_t row2;
-  uint8_t d1;
-  uint8_t d2;
-  bool two;  // bucket2 != bucket1 (a one-bucket stripe gives both the same bucket)
-};
-
-__device__ __forceinline__ LaneSlots load_slots(const uint8_t* digests, const KeyPlace& p,
-                                                int lane) {
-  LaneSlots s;
-  s.row1 = p.bucket1 * kSlotsPerBucket + lane;
-  s.row2 = p.bucket2 * kSlotsPerBucket + lane;
-  s.two = p.bucket2 != p.bucket1;
-  s.d1 = digests[s.row1];
-  s.d2 = s.two ? digests[s.row2] : uint8_t{0};
-  return s;
-}
-
-// Row holding `key`, or -1: the lowest matching slot of bucket1, else of bucket2, as the CPU
-// probe (the pin bit is ignored). Only lanes whose tag matches read their slot's key, and both
-// buckets' key reads are issued before either ballot.
-__device__ __forceinline__ int64_t warp_probe(const int64_t* slot_keys, const KeyPlace& p,
-                                              const LaneSlots& s, int64_t key) {
-  const bool hit1 = (s.d1 & kTagMask) == p.tag && slot_keys[s.row1] == key;
-  const bool hit2 = s.two && (s.d2 & kTagMask) == p.tag && slot_keys[s.row2] == key;
-  const uint32_t m1 = __ballot_sync(kFullMask, hit1);
-  const uint32_t m2 = __ballot_sync(kFullMask, hit2);
-  if (m1 != 0) return p.bucket1 * kSlotsPerBucket + (__ffs(static_cast<int>(m1)) - 1);
-  if (m2 != 0) return p.bucket2 * kSlotsPerBucket + (__ffs(static_cast<int>(m2)) - 1);
-  return -1;
 }
 
 // First index in [lo, hi) of the ascending `sorted` whose value is >= v, else hi (every lane gets
@@ -190,7 +154,7 @@ __device__ __forceinline__ int64_t key_in_buckets(const int64_t* slot_keys, int6
   return -1;
 }
 
-// Row holding `key`, or -1, probed by one thread: warp_probe's answer (the lowest matching slot
+// Row holding `key`, or -1, probed by one thread: the CPU probe's answer (the lowest matching slot
 // of bucket1, else of bucket2, else the stash). Both buckets' digests are loaded before any key.
 __device__ __forceinline__ int64_t thread_probe(const uint8_t* digests, const int64_t* slot_keys,
                                                 const TableGeometry& geo, int64_t key) {
@@ -203,35 +167,16 @@ __device__ __forceinline__ int64_t thread_probe(const uint8_t* digests, const in
   return row >= 0 ? row : stash_probe(digests, slot_keys, geo, p, key);
 }
 
-// hash_find with one thread per key (digests 16-byte aligned): the 32 keys of a warp load,
-// hash and probe in parallel, their loads all in flight at once, and the reads of keys and
-// writes of rows / found coalesce. A warp per key (below) issues every instruction for one
-// key and keeps one key's loads in flight.
-__global__ void hash_find_thread_kernel(const uint8_t* digests, const int64_t* slot_keys,
-                                        TableGeometry geo, const int64_t* keys, int64_t n,
-                                        int64_t* rows, bool* found) {
+// hash_find: thread i takes key i (grid-stride): the 32 keys of a warp load, hash and probe in
+// parallel, their loads all in flight at once, and the reads of keys and writes of rows / found
+// coalesce.
+__global__ void hash_find_kernel(const uint8_t* digests, const int64_t* slot_keys,
+                                 TableGeometry geo, const int64_t* keys, int64_t n, int64_t* rows,
+                                 bool* found) {
   for (int64_t i = global_thread(); i < n; i += global_threads()) {
     const int64_t row = thread_probe(digests, slot_keys, geo, keys[i]);
     rows[i] = row;
     found[i] = row >= 0;
-  }
-}
-
-// The same with a warp per key: for digests that are not 16-byte aligned (a view).
-__global__ void hash_find_kernel(const uint8_t* digests, const int64_t* slot_keys,
-                                 TableGeometry geo, const int64_t* keys, int64_t n, int64_t* rows,
-                                 bool* found) {
-  const int lane = lane_id();
-  const int64_t num_warps = global_threads() / kWarpSize;
-  for (int64_t i = global_thread() / kWarpSize; i < n; i += num_warps) {
-    const int64_t key = keys[i];
-    const KeyPlace p = place_key(key, geo);
-    int64_t row = warp_probe(slot_keys, p, load_slots(digests, p, lane), key);
-    if (row < 0) row = stash_probe(digests, slot_keys, geo, p, key);  // every lane: same answer
-    if (lane == 0) {
-      rows[i] = row;
-      found[i] = row >= 0;
-    }
   }
 }
 
@@ -513,7 +458,7 @@ __device__ __forceinline__ int64_t table_of_stripe(const UpsertTable* tables, in
 }
 
 // hash_find_tables: thread i takes key i (grid-stride) and probes it in its table, as
-// hash_find_thread_kernel.
+// hash_find_kernel.
 __global__ void hash_find_tables_kernel(const UpsertTable* tables, int64_t num_tables,
                                         const int64_t* keys, int64_t n, int64_t* rows,
                                         bool* found) {
@@ -659,14 +604,8 @@ cudaError_t launch_hash_find(const uint8_t* digests, const int64_t* slot_keys, i
                              const int64_t* keys, int64_t n, int64_t* rows, bool* found,
                              cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  const TableGeometry geo = make_geometry(capacity);
-  if (reinterpret_cast<uintptr_t>(digests) % alignof(uint4) == 0) {
-    hash_find_thread_kernel<<<capped_grid(n, kFindThreads), kFindThreads, 0, stream>>>(
-        digests, slot_keys, geo, keys, n, rows, found);
-  } else {
-    hash_find_kernel<<<capped_grid(n * kWarpSize, kFindThreads), kFindThreads, 0, stream>>>(
-        digests, slot_keys, geo, keys, n, rows, found);
-  }
+  hash_find_kernel<<<capped_grid(n, kFindThreads), kFindThreads, 0, stream>>>(
+      digests, slot_keys, make_geometry(capacity), keys, n, rows, found);
   return cudaGetLastError();
 }
 

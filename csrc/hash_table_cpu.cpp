@@ -870,12 +870,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hash_export_cpu(const at::Tensor&
                                                                const at::Tensor& slot_scores,
                                                                int64_t capacity, int64_t start,
                                                                int64_t end) {
-  check_table("hash_export", digests, slot_keys, capacity);
-  check_slot_scores("hash_export", slot_scores, capacity);
-  const TableGeometry geo = make_geometry(capacity);
-  TORCH_CHECK(0 <= start && start <= end && end <= geo.num_slots(),
-              "hash_export: need 0 <= start <= end <= ", geo.num_slots(), ", got start=", start,
-              " end=", end);
+  check_export(digests, slot_keys, slot_scores, capacity, start, end);
   const uint8_t* d = digests.data_ptr<uint8_t>();
   const int64_t* sk = slot_keys.data_ptr<int64_t>();
   const int64_t* ss = slot_scores.data_ptr<int64_t>();

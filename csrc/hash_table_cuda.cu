@@ -98,39 +98,35 @@ __device__ __forceinline__ uint32_t byte_flags(uint32_t high) {
   return ((high >> 7) & 1u) | ((high >> 14) & 2u) | ((high >> 21) & 4u) | ((high >> 28) & 8u);
 }
 
-// Slot masks (bit l: slot l) of a bucket's digests, four bytes per 32-bit op.
-// Slots whose tag is `tag` (pin bit ignored). Empty slots (digest 0) never match: tags are
-// 1..127.
-__device__ __forceinline__ uint32_t tag_mask(const BucketDigests& b, uint8_t tag) {
-  const uint32_t tags = 0x01010101u * tag;
+// Slot masks (bit l: slot l) of a bucket's digests, four bytes per 32-bit op: slot 4w + j is in
+// the mask where bit 7 of byte j of flagged(word w) is set.
+template <typename Flagged>
+__device__ __forceinline__ uint32_t slot_mask(const BucketDigests& b, Flagged flagged) {
   uint32_t mask = 0;
 #pragma unroll
-  for (int w = 0; w < 8; ++w) {
-    // A byte of x is 0 where the tag matches; every byte is <= 0x7F, so adding 0x7F to each
-    // carries into its bit 7 exactly when it is non-zero, and never into the next byte.
-    const uint32_t x = (b.words[w] & 0x7F7F7F7Fu) ^ tags;
-    mask |= byte_flags(~(x + 0x7F7F7F7Fu) & 0x80808080u) << (4 * w);
-  }
+  for (int w = 0; w < 8; ++w) mask |= byte_flags(flagged(b.words[w]) & 0x80808080u) << (4 * w);
   return mask;
+}
+
+// Slots whose tag is `tag` (pin bit ignored). Empty slots (digest 0) never match: tags are
+// 1..127. A byte of x is 0 where the tag matches; every byte is <= 0x7F, so adding 0x7F to each
+// carries into its bit 7 exactly when it is non-zero, and never into the next byte.
+__device__ __forceinline__ uint32_t tag_mask(const BucketDigests& b, uint8_t tag) {
+  const uint32_t tags = 0x01010101u * tag;
+  return slot_mask(b, [tags](uint32_t word) {
+    const uint32_t x = (word & 0x7F7F7F7Fu) ^ tags;
+    return ~(x + 0x7F7F7F7Fu);
+  });
 }
 
 // Empty slots (digest 0): a byte is non-zero when its low 7 bits carry into bit 7 or bit 7 is set.
 __device__ __forceinline__ uint32_t empty_mask(const BucketDigests& b) {
-  uint32_t mask = 0;
-#pragma unroll
-  for (int w = 0; w < 8; ++w) {
-    const uint32_t x = b.words[w];
-    mask |= byte_flags(~(((x & 0x7F7F7F7Fu) + 0x7F7F7F7Fu) | x) & 0x80808080u) << (4 * w);
-  }
-  return mask;
+  return slot_mask(b, [](uint32_t x) { return ~(((x & 0x7F7F7F7Fu) + 0x7F7F7F7Fu) | x); });
 }
 
 // Pinned slots (digest bit 7: held by the call in flight).
 __device__ __forceinline__ uint32_t pinned_mask(const BucketDigests& b) {
-  uint32_t mask = 0;
-#pragma unroll
-  for (int w = 0; w < 8; ++w) mask |= byte_flags(b.words[w] & 0x80808080u) << (4 * w);
-  return mask;
+  return slot_mask(b, [](uint32_t x) { return x; });
 }
 
 __device__ __forceinline__ uint32_t tag_matches(const uint8_t* bucket_digests, uint8_t tag) {

@@ -422,6 +422,33 @@ def test_flat_grad_sync_joins_other_threads_then_captures_with_the_gate_closed(m
     assert events == [("join", False), ("capture", "thread_local", True), "replay", "replay", "replay"]
 
 
+def test_a_captured_optimizer_step_is_captured_again_when_its_hyperparameters_change(monkeypatch):
+    # The graph bakes the optimizer's Python-number hyperparameters in (an LR scheduler's new lr
+    # would never reach the replays: a GPU-only silent error); a tensor lr is read at each replay.
+    events = []
+
+    class FakeGraph:
+        def replay(self):
+            events.append("replay")
+
+    @contextmanager
+    def fake_capture(graph, capture_error_mode):
+        events.append("capture")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    sync = FlatGradSync(list(model.parameters()), None, capture=True, optimizer=optimizer, warmup_steps=1)
+    for _ in range(5):
+        model(torch.randn(3, 4)).sum().backward()
+        sync(DeviceWorkGate(), 5)
+        scheduler.step()  # lr halves after steps 2 and 4
+    assert events == ["capture", "replay", "capture", "replay", "replay", "capture", "replay"]
+
+
 def test_the_pipeline_joins_the_tiered_tables_stage_before_its_captures(tmp_path):
     from test_tiers import _backing, _bag_configs, _dlrm, _dlrm_batches
     from torchrec_ext import DynamicEmbeddingBagCollection

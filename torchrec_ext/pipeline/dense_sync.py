@@ -86,7 +86,9 @@ class FlatGradSync:
     With ``capture``, steps after the warm-up replay a CUDA graph of that work (and of the dense
     optimizer step when given one), captured when there is work to capture: not at world size 1
     without an optimizer step. The graph reads the gradients where they were at capture; should
-    they move (set to None and re-made outside the pipeline), it is captured again.
+    they move (set to None and re-made outside the pipeline), it is captured again; so it is
+    when a captured optimizer step's float hyperparameters change (an LR scheduler: the graph
+    holds them as constants; a tensor lr avoids the captures).
     """
 
     def __init__(
@@ -106,7 +108,7 @@ class FlatGradSync:
         self._warmup_steps = warmup_steps
         self._steps = 0
         self._graph: torch.cuda.CUDAGraph | None = None
-        self._graphed_grads: list[int] = []  # data_ptr of each gradient the graph reads
+        self._graphed_grads: tuple = ()  # data_ptr of each gradient the graph reads, the optimizer's constants
         self._flat: torch.Tensor | None = None
 
     @classmethod
@@ -145,9 +147,12 @@ class FlatGradSync:
             self._step_eagerly()
             return
         grads = [g.data_ptr() for g in self._grads()]
-        if self._graph is None or grads != self._graphed_grads:
+        baked = (grads, self._baked_hyperparameters())
+        if self._graph is None or baked != self._graphed_grads:
             if self._graph is not None:
-                logger.info("FlatGradSync: gradients moved since the capture; capturing again")
+                logger.info(
+                    "FlatGradSync: gradients moved or optimizer hyperparameters changed since the capture; capturing again"
+                )
             self._graph = None
             graph = torch.cuda.CUDAGraph()
             # thread_local: a helper thread's CUDA call cannot invalidate this capture.
@@ -156,8 +161,19 @@ class FlatGradSync:
                 torch.cuda.graph(graph, capture_error_mode="thread_local"),
             ):
                 self._step_eagerly()
-            self._graph, self._graphed_grads = graph, grads
+            self._graph, self._graphed_grads = graph, baked
         self._graph.replay()
+
+    def _baked_hyperparameters(self) -> list[dict]:
+        """What a captured optimizer step holds as constants: each param group's hyperparameters
+        that are not tensors (a scheduler's new float lr never reaches a replay; a tensor lr is
+        read from its memory at each one). Empty when the graph does not step the optimizer."""
+        if not self.steps_optimizer:
+            return []
+        return [
+            {k: v for k, v in group.items() if k != "params" and not isinstance(v, torch.Tensor)}
+            for group in self._optimizer.param_groups
+        ]
 
     def _step_eagerly(self) -> None:
         self._sync()

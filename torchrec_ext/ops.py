@@ -5,7 +5,8 @@ CUDA kernels in ``csrc/hash_table_cuda.cu``; the placement search of a load (``h
 CPU only, in ``csrc/placement_cpu.cpp``. The counting Bloom filter of the bloom admission
 (``bloom_admit``): ``csrc/bloom_cpu.cpp`` and ``csrc/bloom_cuda.cu``. Embedding ops: CPU kernels in
 ``csrc/<op family>_cpu.cpp``; their CUDA kernels are the Triton ones in the ``triton_kernels``
-subpackage and the torch ones in ``torch_kernels.py``. Each backend exports a table
+subpackage, the torch ones in ``torch_kernels.py`` and, for ``init_rows_tables`` (every table's
+new rows in one launch), ``csrc/init_rows_cuda.cu``. Each backend exports a table
 ``KERNELS = {op: {device_type: kernel}}`` (``csrc_kernels`` lists what the C++ library registers
 itself); ``register_python_kernels`` below registers the Python ones in one loop when a GPU is
 present. The fake kernels give output

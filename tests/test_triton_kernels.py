@@ -361,19 +361,15 @@ print(json.dumps(out))
 """
 
 
-def test_pooled_lookup_compiles_for_sm90_with_16_byte_row_loads():
-    """On the GPU's target, without a GPU: the kernel compiles, and the alignment hint is what
-    turns a float32 row's loads into 16-byte ones (scalar 4-byte loads without it)."""
-    if _IN_CHILD:
-        pytest.skip("the compile runs in its own child process")
-    _need_triton_installed()
+def _compile_for_sm90(script: str, variants: list):
+    """Runs a compile ``script`` (argv[1]: ``variants`` as JSON) in a child process without
+    TRITON_INTERPRET; returns the JSON its last line prints (skips without Triton's ptxas)."""
     import json
 
-    variants = [(4, False, False), (1, False, False), (4, True, True), (8, True, True)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
-        [sys.executable, "-c", _SM90_COMPILE, json.dumps(variants)],
+        [sys.executable, "-c", script, json.dumps(variants)],
         cwd=_REPO,
         env=env,
         capture_output=True,
@@ -383,7 +379,18 @@ def test_pooled_lookup_compiles_for_sm90_with_16_byte_row_loads():
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
         pytest.skip("triton's ptxas is not installed")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    loads = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_pooled_lookup_compiles_for_sm90_with_16_byte_row_loads():
+    """On the GPU's target, without a GPU: the kernel compiles, and the alignment hint is what
+    turns a float32 row's loads into 16-byte ones (scalar 4-byte loads without it)."""
+    if _IN_CHILD:
+        pytest.skip("the compile runs in its own child process")
+    _need_triton_installed()
+
+    variants = [(4, False, False), (1, False, False), (4, True, True), (8, True, True)]
+    loads = _compile_for_sm90(_SM90_COMPILE, variants)
     assert "ld.global.v4.b32" in loads["4,False,False"]
     assert "ld.global.v4.b32" not in loads["1,False,False"] and "ld.global.b32" in loads["1,False,False"]
     # Mixed dtypes: float32 tables still 16 bytes a load, half tables 8 (4 halves) at ALIGN 4 and
@@ -440,26 +447,12 @@ def test_fused_update_compiles_for_sm90_whatever_type_the_step_term_gets():
     if _IN_CHILD:
         pytest.skip("the compile runs in its own child process")
     _need_triton_installed()
-    import json
 
     from torchrec_ext.triton_kernels.embedding_update import _step_term
 
     terms = [_step_term(step) for step in (1, 2, 3, 1 << 20, (1 << 40) + 7)]
     assert all(-(2**63) <= t < 2**63 for t in terms) and any(t < 0 for t in terms)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", _SM90_COMPILE_UPDATE, json.dumps(["i32", "i64"])],
-        cwd=_REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
-        pytest.skip("triton's ptxas is not installed")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"i32": "ok", "i64": "ok"}
+    assert _compile_for_sm90(_SM90_COMPILE_UPDATE, ["i32", "i64"]) == {"i32": "ok", "i64": "ok"}
 
 
 @pytest.mark.parametrize("target", TARGETS)

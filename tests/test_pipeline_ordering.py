@@ -231,6 +231,34 @@ def test_copy_to_device_pins_copies_on_its_stream_and_records_after_the_copy():
     assert consumer.waited == [ready.copied] and streams.log[-1] == ("used", consumer.name, id(ready.batch))
 
 
+def test_a_batch_already_on_the_device_is_copied_without_pinning():
+    # A dataloader that makes its batches on the GPU: pin_memory() refuses device tensors ("only
+    # dense CPU tensors can be pinned"), so the pipeline failed on CUDA where TorchRec's takes
+    # them. A meta tensor refuses pinning the same way on CPU.
+    class DeviceBatch:
+        def __init__(self, x):
+            self.x = x
+
+        def pin_memory(self):
+            return DeviceBatch(self.x.pin_memory())
+
+        def to(self, device, non_blocking=False):
+            return DeviceBatch(self.x.to(device, non_blocking=non_blocking))
+
+    streams = FakeStreams()
+    stream = streams.new_stream()
+    batch = DeviceBatch(torch.empty(4, device="meta"))
+    ready = copy_to_device(batch, torch.device("meta"), streams, stream, pin=True)
+    assert ready.batch.x.device.type == "meta" and ready.copied.stream is stream
+
+    class Failing(DeviceBatch):
+        def pin_memory(self):
+            raise RuntimeError("CUDA error: out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):  # other pinning errors are not hidden
+        copy_to_device(Failing(batch.x), torch.device("meta"), streams, stream, pin=True)
+
+
 def test_replay_fence_waits_for_every_read_since_the_last_replay():
     streams = FakeStreams()
     side = streams.new_stream()

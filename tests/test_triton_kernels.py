@@ -455,6 +455,46 @@ def test_fused_update_compiles_for_sm90_whatever_type_the_step_term_gets():
     assert _compile_for_sm90(_SM90_COMPILE_UPDATE, ["i32", "i64"]) == {"i32": "ok", "i64": "ok"}
 
 
+def test_every_kernel_launch_is_on_its_tensors_device():
+    """Triton launches on the current CUDA device, whatever device the tensors are on: every
+    launch in torchrec_ext/triton_kernels/ runs inside ``launching_on(device)``, which makes the
+    tensors' device current when it is another (a module on cuda:1 while cuda:0 is current)."""
+    import ast
+
+    folder = os.path.join(_REPO, "torchrec_ext", "triton_kernels")
+    launches, guarded = 0, 0
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(folder, name)) as f:
+            tree = ast.parse(f.read())
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):  # kernel[grid](...)
+                launches += 1
+                up = node
+                while up in parents and not isinstance(up, ast.With):
+                    up = parents[up]
+                guarded += isinstance(up, ast.With) and any(
+                    isinstance(item.context_expr, ast.Call)
+                    and getattr(item.context_expr.func, "id", "") == "launching_on"
+                    for item in up.items
+                )
+    assert launches == 3 and guarded == launches
+
+    _need_triton()
+    from torchrec_ext.triton_kernels.embedding_lookup import launching_on
+
+    current = torch.cuda.current_device
+    try:
+        torch.cuda.current_device = lambda: 0
+        assert isinstance(launching_on(torch.device("cuda", 1)), torch.cuda.device)
+        for device in (torch.device("cuda", 0), torch.device("cpu")):
+            assert not isinstance(launching_on(device), torch.cuda.device)
+    finally:
+        torch.cuda.current_device = current
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_empty_inputs(target):
     device = _device(target)

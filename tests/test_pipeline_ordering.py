@@ -366,6 +366,30 @@ def test_flat_grad_sync_captures_nothing_at_world_size_one():
     assert FlatGradSync(list(model.parameters()), None, capture=True, optimizer=optimizer).graphed
 
 
+def _mixed_dtypes_are_averaged_in_their_own_dtypes(rank, world_size):
+    import torch.distributed as dist
+
+    # A bfloat16 layer first, then float32 ones: each gradient averaged in its own dtype, as
+    # DDP's per-dtype buckets do (one flat buffer in the first gradient's dtype rounded the
+    # float32 gradients to bfloat16: 1/3 + rank / 1000 is not a bfloat16).
+    model = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16), nn.Linear(4, 3), nn.Linear(3, 2, bias=False))
+    params = list(model.parameters())
+    for i, p in enumerate(params):
+        p.grad = torch.full_like(p, 1 / 3 + rank / 1000 + i)
+    want = []
+    for p in params:
+        g = p.grad / world_size
+        dist.all_reduce(g)
+        want.append(g)
+    FlatGradSync(params, None)()
+    for p, w in zip(params, want):
+        assert p.grad.dtype == p.dtype and torch.equal(p.grad, w), (p.dtype, p.grad.flatten()[:2], w.flatten()[:2])
+
+
+def test_flat_grad_sync_averages_each_dtype_in_its_own_buffer():
+    run_ranks(_mixed_dtypes_are_averaged_in_their_own_dtypes, 2)
+
+
 def _two_pipelines_share_one_grad_sync(rank, world_size):
     model, optimizer = make_dmp_dlrm(world_size)
     options = PipelineOptions(flat_dense_allreduce=True, prefetch_threads=0, threaded_input_dist=False)

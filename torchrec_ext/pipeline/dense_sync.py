@@ -78,7 +78,8 @@ def _takeover_hook(state: DdpTakeover, bucket: dist.GradBucket) -> torch.futures
 
 
 class FlatGradSync:
-    """Averages dense gradients over ``group`` with one all-reduce of a flat buffer.
+    """Averages dense gradients over ``group`` with one all-reduce of a flat buffer (one per
+    gradient dtype, as DDP's buckets: a float32 gradient keeps its bits beside bfloat16 ones).
 
     Averaging divides before the sum, as DDP's default hook does, so results match DDP's bit for
     bit where the division by the world size is exact (powers of two).
@@ -109,7 +110,7 @@ class FlatGradSync:
         self._steps = 0
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graphed_grads: tuple = ()  # data_ptr of each gradient the graph reads, the optimizer's constants
-        self._flat: torch.Tensor | None = None
+        self._flat: dict[torch.dtype, torch.Tensor] | None = None  # a buffer per gradient dtype
 
     @classmethod
     def of(
@@ -190,15 +191,26 @@ class FlatGradSync:
         if self._world == 1 or not self._params:
             return
         grads = self._grads()
+        # One flat buffer per gradient dtype (as DDP's buckets): a float32 gradient reduced in a
+        # bfloat16 buffer would lose its low bits. Dtypes in order of first appearance, the same
+        # on every rank.
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for grad in grads:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
         if self._flat is None:
-            self._flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
-        views = self._flat.split([g.numel() for g in grads])
-        for view, grad in zip(views, grads):
-            view.copy_(grad.reshape(-1))
-        self._flat.div_(self._world)
-        dist.all_reduce(self._flat, group=self._group)
-        for view, grad in zip(views, grads):
-            grad.copy_(view.view_as(grad))
+            self._flat = {
+                dtype: torch.empty(sum(g.numel() for g in same), dtype=dtype, device=same[0].device)
+                for dtype, same in by_dtype.items()
+            }
+        for dtype, same in by_dtype.items():
+            flat = self._flat[dtype]
+            views = flat.split([g.numel() for g in same])
+            for view, grad in zip(views, same):
+                view.copy_(grad.reshape(-1))
+            flat.div_(self._world)
+            dist.all_reduce(flat, group=self._group)
+            for view, grad in zip(views, same):
+                grad.copy_(view.view_as(grad))
 
 
 # DDP module -> its FlatGradSync (weak: a dropped model takes its graph with it)

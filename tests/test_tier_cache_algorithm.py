@@ -10,6 +10,7 @@ import torch
 from torchrec import KeyedJaggedTensor
 from torchrec.distributed.types import CacheAlgorithm, CacheParams
 
+from test_tier_memory import tiered_config
 from test_tiers import _assert_same_state, _backing, _bag_configs, _train_staged
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 from torchrec_ext.distributed.tier_plan import planned_cache_algorithm
@@ -82,18 +83,7 @@ def test_an_lfu_table_after_an_lru_table_counts_its_own_rows(monkeypatch):
     """The device maps count the LFU tables' rows only, each table from its own first count: an
     LFU table after an LRU table (looked up with the same ids) still evicts as the simulation."""
     monkeypatch.setattr(TieredTables, "device_maps", True)
-    configs = [
-        DynamicEmbeddingBagConfig(
-            name=name,
-            embedding_dim=4,
-            num_embeddings=rows,
-            feature_names=[f"f{name}"],
-            backing="host",
-            cache_load_factor=factor,
-            cache_algorithm=algorithm,
-        )
-        for name, rows, factor, algorithm in [("x", 300, 0.5, "lru"), ("a", 256, 0.04, "lfu")]
-    ]
+    configs = [tiered_config("x", 300, 0.5, "lru"), tiered_config("a", 256, 0.04, "lfu")]
     module = DynamicEmbeddingBagCollection(configs, optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
     ids = _one_id_lookups()
     for i in ids:

@@ -111,22 +111,8 @@ def test_the_plan_of_device_maps_bounds_what_the_device_and_the_host_each_hold()
     """The device maps (the CUDA default, forced here) hold the cache's maps on the device and only
     their free stack's mirror on the host: each place's allocated bytes within its planned share."""
     configs = _configs("host")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(TieredTables, "device_maps", True)
-        module = DynamicEmbeddingBagCollection(configs, optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
+    module, planned = _with_device_maps_and_plans(configs, "adagrad")
     tables = module._tables
-    planned = [
-        tiered_table_bytes(
-            c.num_embeddings,
-            c.embedding_dim,
-            "adagrad",
-            c.cache_load_factor,
-            file=False,
-            options=options_of(c),
-            device_maps=True,
-        )
-        for c in configs
-    ]
     gen = torch.Generator().manual_seed(5)
     zipf = (torch.rand(2000, generator=gen) ** 3 * 900).long()
     for step in range(20):
@@ -139,43 +125,51 @@ def test_the_plan_of_device_maps_bounds_what_the_device_and_the_host_each_hold()
     assert on_host + tables.backing_bytes() <= sum(p.host for p in planned)
 
 
+def tiered_config(name: str, rows: int, factor: float, algorithm: str | None = None) -> DynamicEmbeddingBagConfig:
+    """A host-backed table of ``rows`` rows, feature ``f<name>``, caching ``factor`` of them."""
+    return DynamicEmbeddingBagConfig(
+        name=name,
+        embedding_dim=4,
+        num_embeddings=rows,
+        feature_names=[f"f{name}"],
+        backing="host",
+        cache_load_factor=factor,
+        cache_algorithm=algorithm,
+    )
+
+
 def test_the_device_maps_of_an_lfu_table_beside_lru_tables_stay_within_the_plan():
     """An LFU table beside a large LRU table in one module: the maps count the lookups of the LFU
     table's rows only, as the plan does (they counted every table's rows: the LRU table's 4 bytes
     a row beyond its plan)."""
-
-    def config(name, rows, factor, **algorithm):
-        return DynamicEmbeddingBagConfig(
-            name=name,
-            embedding_dim=4,
-            num_embeddings=rows,
-            feature_names=[f"f{name}"],
-            backing="host",
-            cache_load_factor=factor,
-            **algorithm,
-        )
-
-    configs = [config("a", 64, 0.5, cache_algorithm="lfu"), config("b", 100_000, 0.01)]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(TieredTables, "device_maps", True)
-        module = DynamicEmbeddingBagCollection(configs, optimizer="sgd", optimizer_kwargs={"lr": 0.05})
+    configs = [tiered_config("a", 64, 0.5, "lfu"), tiered_config("b", 100_000, 0.01)]
+    module, planned = _with_device_maps_and_plans(configs, "sgd")
     tables = module._tables
-    planned = sum(
-        tiered_table_bytes(
-            c.num_embeddings,
-            c.embedding_dim,
-            "sgd",
-            c.cache_load_factor,
-            file=False,
-            options=options_of(c),
-            device_maps=True,
-        ).device
-        for c in configs
-    )
     gen = torch.Generator().manual_seed(2)
     for _ in range(6):
         ids = torch.randint(0, 400, (60,), generator=gen)
         module(random_kjt(["fa", "fb"], 6, ids, 5)).values().sum().backward()
     maps = tables._maps
     maps_on_device = _allocated([maps]) - maps.free_host.untyped_storage().nbytes()
-    assert super(TieredTables, tables).storage_bytes() + maps_on_device <= planned
+    assert super(TieredTables, tables).storage_bytes() + maps_on_device <= sum(p.device for p in planned)
+
+
+def _with_device_maps_and_plans(configs, optimizer: str):
+    """A module of ``configs`` with the device maps (the CUDA default, forced here), and each
+    table's plan (``tiered_table_bytes``) with them."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TieredTables, "device_maps", True)
+        module = DynamicEmbeddingBagCollection(configs, optimizer=optimizer, optimizer_kwargs={"lr": 0.05})
+    planned = [
+        tiered_table_bytes(
+            c.num_embeddings,
+            c.embedding_dim,
+            optimizer,
+            c.cache_load_factor,
+            file=False,
+            options=options_of(c),
+            device_maps=True,
+        )
+        for c in configs
+    ]
+    return module, planned

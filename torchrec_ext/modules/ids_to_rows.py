@@ -192,12 +192,9 @@ class IdsToRows:
             )
         if training:
             self.train_step += 1
-        new = None
         deferred = training and backward_follows and self.defer_new_rows and self.device.type == "cpu"
         batched = training and not exporting and self._batched_upsert()  # all tables' upserts in one call
-        if deferred:
-            # (a batched lookup builds its NewRows at once, after the upsert: _defer_tables)
-            new = None if batched else NewRows.none_yet(self.weights, [(m.dim, m.dtype) for m in self.meta], unique)
+        if deferred:  # (its NewRows built at once for all tables, after the upserts: _defer_tables)
             most = unique.numel() * self._widest
             if self._new_vector_buffer.numel() < most:
                 self._new_vector_buffer = allocate_filled(
@@ -227,13 +224,11 @@ class IdsToRows:
                 unique_rows[start:end] = rows
                 if fresh is not None:
                     inserted[start:end] = fresh
-                    if not flat:
-                        self._initialise(t, rows, fresh, keys, new, start)
-        if batched and deferred:
-            new = self._defer_tables(unique_rows, inserted, unique, unique_table)
-        for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]) if batched and not flat and not deferred else ()):
-            if end > start:
-                self._initialise(t, unique_rows[start:end], inserted[start:end], unique[start:end], new, start)
+        new = self._defer_tables(unique_rows, inserted, unique, unique_table) if deferred else None
+        if training and not flat and not deferred:  # each table's new rows written now
+            for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+                if exporting or end > start:  # (bounds are symbolic when exporting: checked in the loop above)
+                    self._initialise(t, unique_rows[start:end], inserted[start:end], unique[start:end])
         if flat:
             self._initialise_tables(unique_rows, inserted, unique, unique_table)
         if training and not exporting:
@@ -517,25 +512,14 @@ class IdsToRows:
             self.delta_log.removed(t, index.entries_at(rows)[0], rows)
         self.counters.count_swept(t, index.erase_rows(stale))
 
-    # Training-only and data-dependent throughout (which ids are new): run eagerly under torch.compile
-    # (a graph break; Dynamo cannot size the half-precision block views it carves).
+    # Training-only and data-dependent throughout (which ids are new): run eagerly under torch.compile.
     @torch.compiler.disable
-    def _initialise(self, t: int, rows: Tensor, fresh: Tensor, keys: Tensor, new: NewRows | None, start: int) -> None:
-        """The rows of table t's new ids (``fresh``): their initial vectors and optimizer state,
-        written now, or into ``new`` (whose unique ids start at ``start`` for this table)."""
+    def _initialise(self, t: int, rows: Tensor, fresh: Tensor, keys: Tensor) -> None:
+        """The rows of table t's new ids (``fresh``), written now: their initial vectors and
+        optimizer state (rows of -1 are skipped by init_rows: no mask-and-gather of the new ids)."""
         m = self.meta[t]
-        if new is None:
-            # Rows of -1 are skipped by init_rows: no mask-and-gather of the new ids needed.
-            table, states, fills = self._init_view(t)
-            ops.init_rows(table, torch.where(fresh, rows, -1), keys, m.seed, m.init_kind, m.init_params, states, fills)
-            return
-        which = fresh.nonzero().squeeze(1)
-        slots = torch.arange(which.numel(), device=which.device)
-        first = start * self._widest  # a half block takes half of its words: blocks still never overlap
-        block = self._new_vector_buffer[first : first + table_words(which.numel(), m.dim, m.dtype)]
-        vectors = block.view(m.dtype)[: which.numel() * m.dim].view(which.numel(), m.dim)
-        ops.init_rows(vectors, slots, keys[which], m.seed, m.init_kind, m.init_params)
-        new.add(t, start, which, slots, rows[which], vectors)
+        table, states, fills = self._init_view(t)
+        ops.init_rows(table, torch.where(fresh, rows, -1), keys, m.seed, m.init_kind, m.init_params, states, fills)
 
     @torch.compiler.disable
     def _defer_tables(self, unique_rows: Tensor, inserted: Tensor, unique: Tensor, unique_table: Tensor) -> NewRows:

@@ -130,22 +130,23 @@ class IdsToRows:
             self.admission = [None] * len(self.meta)
             self.counters = None
             return
-        old = self.indexes if carry_from is not None and carry_from.type != "meta" else None
-        # A move carries the rows' ttl state, the admission sightings and the counters with the
-        # indexes (a fresh last_seen would read every row as unseen since step 0: expired, its
-        # trained values dropped).
-        old_seen, old_admission, old_counters = (
-            (self.last_seen, self.admission, self.counters) if old is not None else (None, None, None)
-        )
-        self.indexes, self.last_seen, self.admission = [], [], []
-        for t, m in enumerate(self.meta):
-            index = HashTable(m.capacity, policy=m.policy, device=device, mapped_rows=m.may_grow)
-            if old is not None and old[t] is not None:
-                state = old[t].state_dict()
-                index.load_state_dict({k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in state.items()})
-            self.indexes.append(index)
-            self.last_seen.append(torch.zeros(m.capacity, dtype=torch.int64, device=device) if m.ttl_steps else None)
-            self.admission.append(make_admission(m.options, m.admission, m.max_capacity, m.seed, device))
+        if carry_from is not None and carry_from.type != "meta":
+            # A move carries the indexes, the rows' ttl state, the admission sightings and the
+            # counters, each allocated once on the new device (a fresh last_seen would read every
+            # row as unseen since step 0: expired, its trained values dropped).
+            self.indexes = [self._new_index(m, old.state_dict()) for m, old in zip(self.meta, self.indexes)]
+            self.last_seen = [None if seen is None else seen.to(device) for seen in self.last_seen]
+            self.admission = [
+                None if a is None else a.checked_state(a.state(), f"table {m.name!r}", device)
+                for a, m in zip(self.admission, self.meta)
+            ]
+            self.counters = self.counters.to(device)
+            return
+        self.indexes = [self._new_index(m) for m in self.meta]
+        self.last_seen = [
+            torch.zeros(m.capacity, dtype=torch.int64, device=device) if m.ttl_steps else None for m in self.meta
+        ]
+        self.admission = [make_admission(m.options, m.admission, m.max_capacity, m.seed, device) for m in self.meta]
         # Ages of evicted rows, in steps since last read: known where last_seen is kept (ttl_steps),
         # and then bounded by about twice the ttl (older rows are swept), the last bin holding the rest.
         self.counters = TableCounters(
@@ -153,15 +154,14 @@ class IdsToRows:
             [None if m.ttl_steps is None else min(2 * m.ttl_steps + 2, MAX_AGE_BINS) for m in self.meta],
             device,
         )
-        if old_seen is not None:
-            self.last_seen = [None if seen is None else seen.to(device) for seen in old_seen]
-        if old_counters is not None:
-            self.counters = old_counters.to(device)
-        if old_admission is not None:  # (each strategy's sightings, taken onto the new device)
-            self.admission = [
-                a if a is None or o is None else a.checked_state(o.state(), f"table {m.name!r}")
-                for a, o, m in zip(self.admission, old_admission, self.meta)
-            ]
+
+    def _new_index(self, m, state: dict | None = None) -> HashTable:
+        """Table ``m``'s index on the tables' device: empty, or holding ``state`` (another
+        device's index's)."""
+        index = HashTable(m.capacity, policy=m.policy, device=self.device, mapped_rows=m.may_grow)
+        if state is not None:
+            index.load_state_dict({k: (v.to(self.device) if isinstance(v, Tensor) else v) for k, v in state.items()})
+        return index
 
     def check_ready(self, where: str) -> None:
         if self.device.type == "meta":

@@ -22,6 +22,7 @@ agree where every row is touched every step.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -371,6 +372,13 @@ def _class_defaults(cls: type) -> dict[str, Any]:
     }
 
 
+def kwargs_copy(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Optimizer kwargs as they are now, out of reach of later in-place edits of the caller's
+    objects (a list inside them, such as Adam's betas, too): what a marker is compared with to
+    see a change, and what a call that reads its kwargs once keeps."""
+    return copy.deepcopy(dict(kwargs or {}))
+
+
 def spec_from_parameter(param: Tensor, where: str) -> OptimizerSpec | None:
     """The spec set on a parameter by ``apply_optimizer_in_backward`` (the latest call wins)."""
     classes = getattr(param, "_optimizer_classes", None)
@@ -381,7 +389,7 @@ def spec_from_parameter(param: Tensor, where: str) -> OptimizerSpec | None:
     if cached is not None and cached[0] is cls and cached[1] == kwargs:
         return cached[2]
     spec = resolve_optimizer(cls, kwargs, where)
-    param._torchrec_ext_spec = (cls, dict(kwargs), spec)
+    param._torchrec_ext_spec = (cls, kwargs_copy(kwargs), spec)
     return spec
 
 

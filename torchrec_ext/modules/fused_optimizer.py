@@ -64,6 +64,18 @@ _EMB_OPTIM_TYPES = {
     "ADAM": "adam",
 }
 # Arguments each kind accepts (besides torch's bookkeeping ones), and the values it must keep.
+_ADAMW_KWARGS = {
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "amsgrad",
+    "maximize",
+    "foreach",
+    "capturable",
+    "differentiable",
+    "fused",
+}
 _ACCEPTED = {
     "sgd": {
         "lr",
@@ -88,31 +100,8 @@ _ACCEPTED = {
         "fused",
     },
     "rowwise_adagrad": {"lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps", "maximize"},
-    "adam": {
-        "lr",
-        "betas",
-        "eps",
-        "weight_decay",
-        "amsgrad",
-        "maximize",
-        "foreach",
-        "capturable",
-        "differentiable",
-        "fused",
-        "decoupled_weight_decay",
-    },
-    "adamw": {
-        "lr",
-        "betas",
-        "eps",
-        "weight_decay",
-        "amsgrad",
-        "maximize",
-        "foreach",
-        "capturable",
-        "differentiable",
-        "fused",
-    },
+    "adam": _ADAMW_KWARGS | {"decoupled_weight_decay"},
+    "adamw": _ADAMW_KWARGS,
     "ftrl": {"lr", "lr_power", "l1", "l2", "beta", "initial_accumulator_value"},
 }
 _MUST_BE = {"momentum": 0, "nesterov": False, "maximize": False, "amsgrad": False}

@@ -236,7 +236,7 @@ class IdsToRows:
         unique_ids = unique
         if self.fallback_layout is not None:
             unique_rows, unique_table, inverse, unique_ids = self._read_fallback(
-                unique, unique_rows, unique_table, inverse, new
+                unique, unique_rows, unique_table, inverse
             )
         unique_ids = unique_ids if self.rounding_seeds is not None else None
         layout = StorageLayout(*self._on_device()[:5])
@@ -312,13 +312,14 @@ class IdsToRows:
                 self.grow()  # growths put off while this update was pending
 
     def _read_fallback(
-        self, unique: Tensor, unique_rows: Tensor, unique_table: Tensor, inverse: Tensor, new: NewRows | None
+        self, unique: Tensor, unique_rows: Tensor, unique_table: Tensor, inverse: Tensor
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Unique ids without a row (-1) of tables with fallback rows read their fallback row
         instead. The uniques reading one fallback row are merged into the first of them, since
         the fused update steps each unique row once: (unique_rows, unique_table, inverse,
         unique_ids) after the merge, the id of a fallback row being its slot (stochastic
-        rounding draws its bits per row, whichever ids read it). ``new.unique_new`` follows."""
+        rounding draws its bits per row, whichever ids read it). The uniques keep their places,
+        so the pending rows' ``NewRows.unique_new`` still holds (no id reading a fallback row is new)."""
         layout = self._on_device()[5]
         # Fixed-size throughout (no compaction of the uniques that read a fallback row, no
         # unique count read on the host): a merged unique stays, with row -1 (no read, no step),

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "embedding_checks.h"
+#include "dedup_checks.h"
 #include "row_storage.h"
 
 namespace torchrec_ext {
@@ -24,23 +24,14 @@ struct DedupSlot {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_segments_cpu(
     const at::Tensor& ids_in, const at::Tensor& segment_offsets_in) {
-  const char* op = "dedup_segments";
-  TORCH_CHECK(ids_in.dim() == 1 && ids_in.scalar_type() == at::kLong, op,
-              ": ids must be a 1-D int64 tensor, got ", ids_in.scalar_type(), " of shape ",
-              ids_in.sizes());
+  check_dedup_ids(ids_in);
   const at::Tensor ids = ids_in.contiguous();
   const at::Tensor seg = segment_offsets_in.contiguous();
-  check_long_1d(op, "segment_offsets", seg);
-  TORCH_CHECK(seg.numel() >= 1, op, ": segment_offsets needs at least one entry");
+  check_segment_offsets_tensor(seg);
   const int64_t S = seg.numel() - 1;
   const int64_t n = ids.numel();
   const int64_t* so = seg.data_ptr<int64_t>();
-  TORCH_CHECK(so[0] == 0 && so[S] == n, op,
-              ": segment_offsets must run from 0 to the number of ids (", n, "), got ", so[0],
-              " .. ", so[S]);
-  for (int64_t s = 0; s < S; ++s)
-    TORCH_CHECK(so[s] <= so[s + 1], op, ": segment_offsets must be non-decreasing, got ", so[s],
-                " then ", so[s + 1]);
+  check_segment_offsets(so, S, n);
 
   const int64_t* id = ids.data_ptr<int64_t>();
   at::Tensor inverse = at::empty({n}, ids.options());

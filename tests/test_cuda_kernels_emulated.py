@@ -4,15 +4,13 @@ state must match after each call, for every policy, with duplicates, extreme key
 refusals, erase, export and restore. What this cannot check (memory ordering between
 concurrently running warps, speed) needs a real GPU: tests parametrised over `device` do that."""
 
-import contextlib
 import itertools
-import os
 import random
 
 import pytest
 import torch
 
-from cuda_emulation.build import build, cuda_include_dir
+from cuda_emulation.build import build, cuda_include_dir, reversed_warps
 from matrix import ci_subset
 from torchrec_ext.vocabulary import index_lengths
 
@@ -29,15 +27,6 @@ def emulated(tmp_path_factory):
 def _same(a, b, what):
     for x, y in zip(a, b):
         assert torch.equal(x, y), what
-
-
-@contextlib.contextmanager
-def _reversed_warps():
-    os.environ["TORCHREC_EMU_REVERSE_WARPS"] = "1"  # read by the emulator at each launch
-    try:
-        yield
-    finally:
-        del os.environ["TORCHREC_EMU_REVERSE_WARPS"]
 
 
 def _table(capacity):
@@ -86,7 +75,7 @@ def test_emulated_cuda_kernels_match_cpu(emulated, capacity, policy):
             got = emulated.hash_upsert(*twin, *args)
             _same(cpu.hash_upsert(*state, *args), got, "upsert")
             if step % 3 == 0:  # the same call with each launch's warps run last to first
-                with _reversed_warps():
+                with reversed_warps():
                     _same(got, emulated.hash_upsert(*backward, *args), "upsert, warps reversed")
                 _same(twin, backward, "table after upsert, warps reversed")
         elif op == "erase":
@@ -176,7 +165,7 @@ def test_emulated_upsert_of_a_batch_larger_than_the_table(emulated):
         _same(torch.ops.torchrec_ext.hash_upsert(*state, *args), got, "upsert")
         assert [t.tolist() for t in got] == list(model.upsert(batch))
         if clock == 2:
-            with _reversed_warps():
+            with reversed_warps():
                 _same(got, emulated.hash_upsert(*backward, *args), "upsert, warps reversed")
             _same(twin, backward, "table after upsert, warps reversed")
         _same(state, twin, "table after upsert")
@@ -266,7 +255,7 @@ def test_emulated_kernels_with_a_stash_match_cpu_and_the_reference(emulated, pol
         got = emulated.hash_upsert(*twin, *args)
         _same(torch.ops.torchrec_ext.hash_upsert(*state, *args), got, "upsert")
         assert [x.tolist() for x in got] == list(model.upsert(batch))
-        with _reversed_warps():
+        with reversed_warps():
             _same(got, emulated.hash_upsert(*backward, *args), "upsert, warps reversed")
         _same(twin, backward, "table after upsert, warps reversed")
         _same(state, twin, "table after upsert")
@@ -335,7 +324,7 @@ def test_emulated_upsert_of_repeated_keys_matches_cpu(emulated, capacity, policy
         got = emulated.hash_upsert(*twin, *args)
         _same(cpu.hash_upsert(*state, *args), got, f"upsert, step {step}")
         _same(state, twin, f"table after upsert, step {step}")
-        with _reversed_warps():
+        with reversed_warps():
             _same(got, emulated.hash_upsert(*backward, *args), f"upsert, warps and lanes reversed, step {step}")
         _same(twin, backward, f"table after upsert, warps and lanes reversed, step {step}")
         assert not (twin[0] & 0x80).any(), "the emulated kernels left rows pinned"

@@ -19,6 +19,7 @@ from torchrec.distributed.types import CacheParams
 from test_planner import BATCH, _enumerate, _expected_io, _expected_resident, _sharders
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 from torchrec_ext.distributed.planner import DynamicEmbeddingStorageEstimator, make_planner
+from torchrec_ext.modules.tiered_tables import TieredTables
 
 META = torch.device("meta")
 # per slot: the LRU queue holds at most 2 int32 entries a slot before it is rebuilt, plus what its
@@ -56,18 +57,25 @@ def _share_oracle(tmp_path, kind, name, capacity, dim, fields, parts, factor, op
     backing = "host" if kind == "host" else f"file:{tmp_path}/{name}{parts}"
     if kind == "file":
         os.makedirs(backing[5:], exist_ok=True)
-    share = DynamicEmbeddingBagCollection(
-        [_tiered("x", math.ceil(capacity / parts), dim, backing, factor, **fields)],
-        optimizer=optimizer,
-        optimizer_kwargs={"lr": 0.1},
-    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TieredTables, "device_maps", cuda)  # a CUDA cache's default: its maps on the device
+        share = DynamicEmbeddingBagCollection(
+            [_tiered("x", math.ceil(capacity / parts), dim, backing, factor, **fields)],
+            optimizer=optimizer,
+            optimizer_kwargs={"lr": 0.1},
+        )
     tables = share._tables
     cache = tables.caches[0]
-    assert cache.order.nbytes() == 0  # (the queue starts empty)
     mover = tables._mover(0)  # its record: the row's number, vector and states, as the module lays them out
     log_maps = mover.log.nbytes() if kind == "file" else 0
-    host = cache.nbytes() + LRU_BOUND * cache.slots + log_maps
-    device = share.storage_bytes() - cache.nbytes() - log_maps
+    if cuda:  # the maps on the device, but for their free stack's mirror
+        maps_on_host = tables._maps.free_host.untyped_storage().nbytes()
+        host = maps_on_host + log_maps
+    else:
+        assert cache.order.nbytes() == 0  # (the queue starts empty)
+        maps_on_host = cache.nbytes()
+        host = maps_on_host + LRU_BOUND * cache.slots + log_maps
+    device = share.storage_bytes() - maps_on_host - log_maps
     if cuda:
         host += min(2 * cache.slots, TRANSFER_ROWS) * mover.record_bytes
         device += min(cache.slots, TRANSFER_ROWS) * mover.record_bytes

@@ -105,3 +105,35 @@ def test_storage_bytes_counts_the_host_memory_the_tier_holds_and_the_plan_bounds
         assert all(cache.order.nbytes() <= LRU_QUEUE_BYTES_PER_SLOT * cache.slots for cache in tables.caches), step
         saw_buffer |= tables.io_buffer_bytes() > 0
     assert saw_buffer == (kind == "file")  # the write-back buffer, now counted
+
+
+def test_the_plan_of_device_maps_bounds_what_the_device_and_the_host_each_hold():
+    """The device maps (the CUDA default, forced here) hold the cache's maps on the device and only
+    their free stack's mirror on the host: each place's allocated bytes within its planned share."""
+    configs = _configs("host")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TieredTables, "device_maps", True)
+        module = DynamicEmbeddingBagCollection(configs, optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
+    tables = module._tables
+    planned = [
+        tiered_table_bytes(
+            c.num_embeddings,
+            c.embedding_dim,
+            "adagrad",
+            c.cache_load_factor,
+            file=False,
+            options=options_of(c),
+            device_maps=True,
+        )
+        for c in configs
+    ]
+    gen = torch.Generator().manual_seed(5)
+    zipf = (torch.rand(2000, generator=gen) ** 3 * 900).long()
+    for step in range(20):
+        module(random_kjt(["f0", "f1"], 8, zipf[step * 100 : step * 100 + 100], 6)).values().sum().backward()
+    maps = tables._maps
+    assert maps is not None
+    on_host = maps.free_host.untyped_storage().nbytes()
+    maps_on_device = _allocated([maps]) - on_host
+    assert super(TieredTables, tables).storage_bytes() + maps_on_device <= sum(p.device for p in planned)
+    assert on_host + tables.backing_bytes() <= sum(p.host for p in planned)

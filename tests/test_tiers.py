@@ -179,6 +179,24 @@ def test_sequence_tiered_tables_equal_all_resident_tables_with_eval_lookups(tmp_
     _assert_same_stats(resident, tiered)
 
 
+def test_an_eval_mode_lookup_whose_backward_runs_writes_its_rows_back(tmp_path):
+    # module.eval() with grad enabled: the lookup inserts nothing, but its backward's fused update
+    # still writes every row it read, so those slots are dirty (written back when they leave the
+    # cache) and held until the update lands, as a training lookup's. Oracle: all resident.
+    resident, tiered = _bag_pair("file", tmp_path, "adagrad", factor=0.2)
+    gen = torch.Generator().manual_seed(4)
+    for step in range(24):
+        if step == 8:  # rows trained, then updated by eval-mode steps only
+            resident.eval(), tiered.eval()
+        kjt = random_kjt(["f0", "f1", "f2", "f3"], 6, POOL[torch.randint(0, 700, (400,), generator=gen)], 5)
+        outs = [m(kjt).values() for m in (resident, tiered)]
+        assert torch.equal(outs[0], outs[1]), step
+        for out in outs:
+            out.square().sum().backward()
+    _assert_same_state(resident, tiered)
+    assert tiered.table_stats()["a"].cache_write_backs > 0
+
+
 def test_rows_of_batches_in_flight_stay_cached_until_their_update_lands(tmp_path):
     # Batch 1's forward, an eval batch, batch 2's forward, then both backwards (as a pipeline may
     # order them). Batch 1's slots are then the least recently used: batch 2's misses would take

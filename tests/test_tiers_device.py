@@ -218,3 +218,14 @@ def test_a_staged_lookup_on_the_device_reads_one_count(device):
         assert seen["tiered tables: rows without a cache slot"] == 1, seen
         assert not seen["tiered tables: cache misses"] and not seen["tiered tables: rows to read"], seen
     assert [c for c, _ in few] == [c for c, _ in many]
+
+
+def test_the_stage_reads_its_rows_through_device_sync(device):
+    # The stage's read of the next batch's rows is a sync of its side stream on a GPU, counted
+    # as the lookup's reads are: one for all tables with the device maps, one a table with the
+    # host maps (whose rows are on the host already on the CPU: nothing to read there).
+    from test_tiers_device_maps import _staged_steps
+
+    for device_maps, reads in ((True, 1), (False, 0 if device == "cpu" else 3)):
+        for _, seen in _staged_steps(3, device_maps, device=device):
+            assert seen["tiered tables: rows to stage"] == reads, (device_maps, seen)

@@ -21,6 +21,7 @@ from test_tiers import (  # noqa: F401  (collected here again, with the device m
     test_a_copy_of_a_file_backed_module_is_independent,
     test_a_dropped_graph_releases_its_rows,
     test_a_stage_never_takes_the_slots_of_the_batch_in_flight,
+    test_an_eval_mode_lookup_whose_backward_runs_writes_its_rows_back,
     test_checkpoints_round_trip_between_tiered_and_resident_and_a_reopened_file,
     test_pooled_tiered_tables_equal_all_resident_tables_bit_for_bit,
     test_prefetch_brings_a_batch_in_and_changes_no_result,
@@ -55,6 +56,7 @@ CI = {
     "test_stages_while_the_cache_fills_up_and_overflows[thread]",
     "test_stages_around_eval_lookups_checkpoints_loads_and_resets_of_sequence_tables",
     "test_rows_of_batches_in_flight_stay_cached_until_their_update_lands",
+    "test_an_eval_mode_lookup_whose_backward_runs_writes_its_rows_back",
     "test_a_cache_too_small_for_a_batch_is_a_clear_error_and_changes_nothing",
     "test_table_stats_count_the_tier_traffic",
     "test_a_copy_of_a_file_backed_module_is_independent",
@@ -80,15 +82,13 @@ def test_the_fixture_puts_the_maps_on_the_device():
     assert all(c.maps is module._tables._maps for c in module._tables.caches)
 
 
-def _staged_steps(tables, device_maps, steps=12, seed=0, device="cpu"):
-    """Trains a module of ``tables`` tables (host backing, a quarter of the rows cached) on mostly
-    new ids a step, staging each next batch; per step after the first two: (torch calls in the
-    lookup's cache bookkeeping, host reads by reason during the step)."""
+def _module_and_batches(tables, device_maps, batches, seed=0, device="cpu", tiered=True):
+    """A module of ``tables`` tables (host backing, a quarter of the rows cached; ``device_maps``
+    as TieredTables takes it; not ``tiered``: all resident) and ``batches`` batches of mostly new
+    ids a step."""
     from torchrec import KeyedJaggedTensor
 
-    from test_tiers import _CountTorchCalls
     from torchrec_ext import DynamicEmbeddingBagConfig
-    from torchrec_ext.modules import tier_device_maps, tiered_tables
 
     chosen, TieredTables.device_maps = TieredTables.device_maps, device_maps
     configs = [
@@ -97,8 +97,7 @@ def _staged_steps(tables, device_maps, steps=12, seed=0, device="cpu"):
             embedding_dim=4,
             num_embeddings=1024,
             feature_names=[f"f{t}"],
-            backing="host",
-            cache_load_factor=0.25,
+            **({"backing": "host", "cache_load_factor": 0.25} if tiered else {}),
         )
         for t in range(tables)
     ]
@@ -107,14 +106,24 @@ def _staged_steps(tables, device_maps, steps=12, seed=0, device="cpu"):
     finally:
         TieredTables.device_maps = chosen
     gen = torch.Generator().manual_seed(seed)
-    batches = [
+    return module, [
         KeyedJaggedTensor.from_lengths_sync(
             [f"f{t}" for t in range(tables)],
             torch.randint(0, 600, (48 * tables,), generator=gen),
             torch.full((tables,), 48),
         ).to(device)
-        for _ in range(steps + 1)
+        for _ in range(batches)
     ]
+
+
+def _staged_steps(tables, device_maps, steps=12, seed=0, device="cpu"):
+    """Trains a module of ``tables`` tables (``_module_and_batches``), staging each next batch;
+    per step after the first two: (torch calls in the lookup's cache bookkeeping, host reads by
+    reason during the step)."""
+    from test_tiers import _CountTorchCalls
+    from torchrec_ext.modules import tier_device_maps, tiered_tables
+
+    module, batches = _module_and_batches(tables, device_maps, steps + 1, seed, device)
     # The bookkeeping of one lookup: the device maps' hold (all tables), or each table's host hold.
     on_device = module._tables._maps is not None
     owner, name = (tier_device_maps.DeviceSlotMaps, "hold") if on_device else (tiered_tables.TieredTables, "_hold")
@@ -173,6 +182,65 @@ def test_a_staged_lookup_reads_one_count_and_its_host_work_does_not_grow_with_ta
     assert [c for c, _ in few] == [c for c, _ in many] and few[0][0] <= 70
     host_few, host_many = _staged_steps(2, False), _staged_steps(6, False)
     assert min(c for c, _ in host_many) > 2 * max(c for c, _ in host_few)
+
+
+def _unstaged_reads(tables, device="cpu"):
+    """Host reads by reason of a training lookup that misses and evicts in every table (no
+    stage: the lookup's host path), after 16 steps."""
+    module, batches = _module_and_batches(tables, True, 17, device=device)
+    for kjt in batches[:16]:
+        module(kjt).values().sum().backward()
+    with device_sync.recording() as seen:
+        module(batches[16]).values().sum().backward()
+    stats = module.tier_step_stats()
+    assert all(s["misses"] > 0 and s["write_backs"] > 0 for s in stats.values()), stats
+    _check_maps(module._tables._maps)
+    return seen
+
+
+def test_a_lookup_that_misses_in_every_table_reads_them_all_at_once():
+    # The miss path (no stage ahead): every table's missing rows in one read, every table's
+    # victims in one, whatever the table count (the lookup's count read before them).
+    few, many = _unstaged_reads(2), _unstaged_reads(6)
+    for seen in (few, many):
+        assert seen["tiered tables: rows to read"] == 1 and seen["tiered tables: slots to evict"] == 1, seen
+        assert seen["tiered tables: rows without a cache slot"] == 1 and not seen["tiered tables: cache misses"], seen
+    assert few == many
+
+
+def _eval_reads(tables, device="cpu"):
+    """Host reads by reason of two eval lookups after 16 training steps: one that misses in every
+    table (a batch not seen yet), then the same batch again (all hits); their outputs equal the
+    all-resident module's, trained alike."""
+    module, batches = _module_and_batches(tables, True, 17, device=device)
+    resident, _ = _module_and_batches(tables, True, 0, device=device, tiered=False)
+    for kjt in batches[:16]:
+        for m in (module, resident):
+            m(kjt).values().sum().backward()
+    module.eval()
+    resident.eval()
+    reads = []
+    with torch.no_grad():
+        for misses in (True, False):
+            with device_sync.recording() as seen:
+                out = module(batches[16]).values()
+            reads.append(seen)
+            assert torch.equal(out, resident(batches[16]).values())
+            assert all((s["misses"] > 0) == misses for s in module.tier_step_stats().values())
+    _check_maps(module._tables._maps)
+    return reads
+
+
+def test_an_eval_lookup_reads_one_count_for_all_tables():
+    # An eval lookup finds its rows table by table (no upsert to batch), then holds them in the
+    # caches for all its tables at once, as a training lookup does: one count read whatever the
+    # table count, with misses (one read of them, one of the victims) or without.
+    few, many = _eval_reads(2), _eval_reads(6)
+    for misses, hits in (few, many):
+        for seen in (misses, hits):
+            assert seen["tiered tables: rows without a cache slot"] == 1, seen
+        assert misses["tiered tables: rows to read"] == 1 and not hits["tiered tables: rows to read"], misses
+    assert few == many
 
 
 def test_the_maps_stay_whole_through_misses_checkpoints_loads_and_resets(tmp_path):
@@ -244,3 +312,45 @@ def test_forgetting_one_tables_cache_keeps_the_other_tables_pins():
     assert maps.tables[1].pinned_at_most() == 1 and maps.tables[0].pinned_at_most() == 0
     maps.unpin(token)
     assert maps.pinned_mask() is None
+
+
+def test_a_stage_copies_to_the_device_the_same_for_any_table_count(monkeypatch):
+    # The stage's maps work for all tables at once: the slots it takes and frees reach the device
+    # in a few copies a stage (each an H2D copy on a GPU), not two a table.
+    from torchrec_ext.modules import tier_device_maps
+
+    class Counted:
+        copies = 0
+
+        def __getattr__(self, name):
+            return getattr(device_sync, name)
+
+        def to_device(self, *args):
+            Counted.copies += 1
+            return device_sync.to_device(*args)
+
+    monkeypatch.setattr(tier_device_maps, "device_sync", Counted())
+    counts = []
+    for tables in (2, 6):
+        Counted.copies = 0
+        _staged_steps(tables, True)
+        counts.append(Counted.copies)
+    assert counts[0] == counts[1], counts
+
+
+def test_a_stage_waits_once_for_every_tables_write_backs(monkeypatch):
+    # (the records path a GPU takes) The write-backs of a stage's tables gather their rows and
+    # queue their copies to the host first, then wait: on a GPU the first wait lands them all.
+    import re
+
+    from torchrec_ext.modules.tier_copies import DeviceCopies
+
+    calls = []
+    queued, landed = DeviceCopies.to_host_queued, DeviceCopies.landed
+    monkeypatch.setattr(DeviceCopies, "to_host_queued", lambda *a: calls.append("q") or queued(*a))
+    monkeypatch.setattr(DeviceCopies, "landed", lambda *a: calls.append("l") or landed(*a))
+    monkeypatch.setattr(TieredTables, "copy_through_records", True)
+    _staged_steps(3, True)
+    blocks = re.findall("q+l+", "".join(calls))
+    assert "".join(blocks) == "".join(calls) and all(b.count("q") == b.count("l") for b in blocks)
+    assert max(b.count("q") for b in blocks) == 3, blocks  # (each table wrote back in some stage)

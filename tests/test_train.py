@@ -132,6 +132,18 @@ def test_bad_arguments_are_clear_errors(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_help_states_each_flags_default_once():
+    """--help shows a flag's default (argparse's), or what its help says the default means: never both."""
+    from torchrec_ext.train.args import build_parser
+
+    parser = build_parser()
+    for action in parser._actions:
+        if action.help is None or action.option_strings == ["-h", "--help"]:
+            continue
+        shown = parser._get_formatter()._expand_help(action)
+        assert shown.count("default") == 1, (action.option_strings, shown)
+
+
 @pytest.mark.parametrize("flags, expected", [([], None), (["--cache-algorithm", "lfu"], "lfu")])
 def test_the_cache_algorithm_flag_reaches_the_tables(flags, expected):
     """--cache-algorithm is the tiered tables' cache_algorithm (the TorchRec CacheParams.algorithm

@@ -138,19 +138,6 @@ def test_torch_init_rows_without_a_mask_is_bit_identical(dtype, rows):
         assert torch.equal(a, b) and torch.equal(sa, sb), kind
 
 
-def test_torch_dedup_reads_the_host_once():
-    from torchrec_ext import device_sync
-
-    ids = torch.randint(0, 50, (300,), generator=torch.Generator().manual_seed(3))
-    segments = torch.tensor([0, 100, 100, 300])
-    with device_sync.recording() as seen:
-        unique, inverse, counts, offsets = torch_kernels.dedup_segments(ids, segments)
-        device_sync.host_list(offsets, "the caller's bounds")  # mirrored by the kernel: free
-    assert dict(seen) == {"dedup_segments: unique count": 1}
-    for got, want in zip((unique, inverse, counts, offsets), ops.dedup_segments(ids, segments)):
-        assert torch.equal(got, want)
-
-
 # ------------------------------------------------ the CUDA kernels under the warp emulator
 
 

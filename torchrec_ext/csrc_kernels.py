@@ -27,7 +27,7 @@ KERNELS: dict[str, dict[str, str]] = {
     "serving_find": {"cpu": "csrc/serving_index_cpu.cpp"},
     "route_bucketize": {"cpu": "csrc/route_cpu.cpp"},
     "bloom_admit": {"cpu": "csrc/bloom_cpu.cpp", "cuda": "csrc/bloom_cuda.cpp"},
-    "dedup_segments": {"cpu": "csrc/dedup_cpu.cpp"},
+    "dedup_segments": {"cpu": "csrc/dedup_cpu.cpp", "cuda": "csrc/dedup_cuda.cpp"},
     "init_rows": {"cpu": "csrc/init_rows_cpu.cpp"},
     "init_rows_tables": {"cpu": "csrc/init_rows_cpu.cpp", "cuda": "csrc/init_rows_cuda.cpp"},
     "pooled_lookup": {"cpu": "csrc/embedding_lookup_cpu.cpp"},

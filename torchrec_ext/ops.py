@@ -5,7 +5,8 @@ CUDA kernels in ``csrc/hash_table_cuda.cu``; the placement search of a load (``h
 CPU only, in ``csrc/placement_cpu.cpp``. The counting Bloom filter of the bloom admission
 (``bloom_admit``): ``csrc/bloom_cpu.cpp`` and ``csrc/bloom_cuda.cu``. Embedding ops: CPU kernels in
 ``csrc/<op family>_cpu.cpp``; their CUDA kernels are the Triton ones in the ``triton_kernels``
-subpackage and the torch ones in ``torch_kernels.py``. Each backend exports a table
+subpackage, the torch ones in ``torch_kernels.py`` and, for ``init_rows_tables`` (every table's
+new rows in one launch), ``csrc/init_rows_cuda.cu``. Each backend exports a table
 ``KERNELS = {op: {device_type: kernel}}`` (``csrc_kernels`` lists what the C++ library registers
 itself); ``register_python_kernels`` below registers the Python ones in one loop when a GPU is
 present. The fake kernels give output
@@ -22,6 +23,7 @@ from torch import Tensor
 from torchrec_ext import (
     _C,  # noqa: F401  (loads the library: registers the ops and their C++ kernels)
     csrc_kernels,
+    device_sync,
     torch_kernels,
 )
 
@@ -399,8 +401,29 @@ def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> tuple[Tensor, Tensor
         inverse: int64 ``[n]``, each id's index into ``unique``.
         counts: int64 ``[u]``, occurrences of each unique.
         unique_offsets: int64 ``[S + 1]``, where each segment's uniques start.
+
+    One counted host read (``device_sync``) per call on either device. On a GPU the kernel
+    (``csrc/dedup_cuda.cu``) reads the unique counts back to size its outputs; given the offsets
+    on the host it returns unique_offsets there, the values it read. So this passes the host
+    copy of segment_offsets (their mirror: free on the step path), counts the kernel's read and
+    returns unique_offsets on the GPU, mirrored: the caller's read of them costs nothing more.
+    On CPU the kernel reads nothing and the caller's read of unique_offsets is the one counted.
     """
-    return _ops.dedup_segments.default(ids, segment_offsets)
+    if ids.device.type != "cuda" or torch.compiler.is_compiling():
+        return _ops.dedup_segments.default(ids, segment_offsets)
+    return dedup_segments_read_once(_ops.dedup_segments.default, ids, segment_offsets)
+
+
+def dedup_segments_read_once(
+    kernel: Callable, ids: Tensor, segment_offsets: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``kernel`` (the CUDA ``dedup_segments``, or its emulation in tests) given the offsets on the
+    host, its read counted and its host unique_offsets mirrored on ids' device."""
+    host_offsets = device_sync.to_host(segment_offsets, "dedup_segments: segment offsets")
+    unique, inverse, counts, host_unique_offsets = kernel(ids, host_offsets)
+    # Already on the host: counted (the kernel's read) and settles the deferred checks, no copy.
+    device_sync.to_host(host_unique_offsets, "dedup_segments: unique count")
+    return unique, inverse, counts, device_sync.to_device(host_unique_offsets, ids.device)
 
 
 def init_rows(

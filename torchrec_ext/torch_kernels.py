@@ -1,9 +1,10 @@
 """Device-agnostic torch implementations of the ops that need no dedicated GPU kernel.
 
-They serve as the CUDA kernels of ``dedup_segments``, ``init_rows``, ``route_bucketize`` and
-``hash_slot_rows`` (``KERNELS`` below, registered by ``torchrec_ext.ops``): on a GPU, sorting a
-step's ids, drawing its new rows' vectors, regrouping ids by destination and mapping slots to
-rows are a few fused elementwise passes, so plain torch ops do it well. On CPU the C++ kernels are used. Kernel layer: imports
+They serve as the CUDA kernels of ``init_rows``, ``route_bucketize`` and ``hash_slot_rows``
+(``KERNELS`` below, registered by ``torchrec_ext.ops``): on a GPU, drawing new rows' vectors,
+regrouping ids by destination and mapping slots to rows are a few fused elementwise passes, so
+plain torch ops do it well (``dedup_segments`` has its own CUDA kernel, csrc/dedup_cuda.cu). On
+CPU the C++ kernels are used. Kernel layer: imports
 only the vocabulary, the hashing helpers, ``device_sync`` and the C++ library's ops (never ``ops.py``).
 """
 
@@ -24,42 +25,6 @@ from torchrec_ext.vocabulary import (
     STORAGE_DTYPES,
     TRUNC_NORMAL_ATTEMPTS,
 )
-
-
-def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Same contract as the C++ op: per-segment uniques in first-occurrence order (sort-based).
-
-    One host read (``device_sync``): the per-segment unique counts, computed before any output
-    is sized, give both the unique count and ``unique_offsets`` (mirrored, so the caller's read
-    of them is free). Counts by ``index_add_``, not ``bincount`` (which reads its input's max)."""
-    n, num_segments = ids.numel(), segment_offsets.numel() - 1
-    device = ids.device
-    offsets = device_sync.to_device(segment_offsets, device)  # (a no-op when they are there already)
-    segment = torch.repeat_interleave(
-        torch.arange(num_segments, device=device), offsets[1:] - offsets[:-1], output_size=n
-    )
-    order = torch.argsort(ids, stable=True)
-    order = order[torch.argsort(segment[order], stable=True)]  # by (segment, id), ties by position
-    sorted_ids, sorted_segment = ids[order], segment[order]
-    starts = torch.ones(n, dtype=torch.bool, device=device)
-    starts[1:] = (sorted_ids[1:] != sorted_ids[:-1]) | (sorted_segment[1:] != sorted_segment[:-1])
-    per_segment = torch.zeros(num_segments, dtype=torch.int64, device=device).index_add_(
-        0, sorted_segment, starts.to(torch.int64)
-    )
-    unique_offsets = torch.zeros(num_segments + 1, dtype=torch.int64, device=device)
-    torch.cumsum(per_segment, 0, out=unique_offsets[1:])
-    num_groups = int(device_sync.to_host(unique_offsets, "dedup_segments: unique count")[-1])
-    group = torch.cumsum(starts, 0) - 1
-    first = torch.full((num_groups,), n, dtype=torch.int64, device=device).scatter_reduce(0, group, order, "amin")
-    # Segments are contiguous, so sorting groups by first position is segment-major, first-occurrence order.
-    rank = torch.argsort(first)
-    position = torch.empty_like(rank)
-    position[rank] = torch.arange(num_groups, device=device)
-    inverse = torch.empty(n, dtype=torch.int64, device=device)
-    inverse[order] = position[group]
-    unique = ids[first[rank]]
-    counts = torch.zeros(num_groups, dtype=torch.int64, device=device).index_add_(0, inverse, torch.ones_like(inverse))
-    return unique, inverse, counts, unique_offsets
 
 
 def _pair_bits(ids: Tensor, num_pairs: int, seed: int, attempt: int = 0) -> Tensor:
@@ -287,7 +252,6 @@ def hash_slot_rows(rows: Tensor, key_offsets: Sequence[int], slot_rows: Sequence
 # op name -> device type -> kernel, registered by torchrec_ext.ops (torch.library.register_kernel).
 KERNELS: dict[str, dict[str, Callable]] = {
     "hash_slot_rows": {"cuda": hash_slot_rows},
-    "dedup_segments": {"cuda": dedup_segments},
     "init_rows": {"cuda": init_rows},
     "route_bucketize": {"cuda": route_bucketize},
 }

@@ -4,6 +4,7 @@ as torchrec_ext): kernel launches become calls into the emulator, and the bindin
 register as CPU kernels. Tests then compare these ops with the CPU ops of torchrec_ext, output
 for output and table byte for byte."""
 
+import contextlib
 import glob
 import os
 import re
@@ -20,6 +21,7 @@ KERNEL_FILES = {
     "hash_table_cuda": dict(launches=16, on_device=("digests", "keys")),
     "bloom_cuda": dict(launches=2, on_device=("counters",)),
     "init_rows_cuda": dict(launches=1, on_device=("weights",)),
+    "dedup_cuda": dict(launches=4, on_device=("ids_in",)),
 }
 
 
@@ -73,6 +75,16 @@ def _schemas() -> str:
     return "#include <torch/library.h>\n" + schemas.replace(
         "TORCH_LIBRARY(torchrec_ext, m)", "TORCH_LIBRARY(torchrec_emu, m)"
     )
+
+
+@contextlib.contextmanager
+def reversed_warps():
+    """Launches inside the block run their warps last to first, and each warp its lanes 31 to 0."""
+    os.environ["TORCHREC_EMU_REVERSE_WARPS"] = "1"  # read by the emulator at each launch
+    try:
+        yield
+    finally:
+        del os.environ["TORCHREC_EMU_REVERSE_WARPS"]
 
 
 _built = []  # a process loads the library once (its op namespace can be registered once)

@@ -141,6 +141,17 @@ inline unsigned atomicCAS(unsigned* p, unsigned compare, unsigned v) {  // lanes
   if (old == compare) *p = v;
   return old;
 }
+inline unsigned long long atomicCAS(unsigned long long* p, unsigned long long compare,
+                                    unsigned long long v) {
+  const unsigned long long old = *p;
+  if (old == compare) *p = v;
+  return old;
+}
+inline long long atomicMin(long long* p, long long v) {
+  const long long old = *p;
+  if (v < old) *p = v;
+  return old;
+}
 inline void emu_prefetch(const void*) {}
 inline cudaError_t emu_last_error() { return cudaSuccess; }
 template <typename F>

@@ -46,10 +46,16 @@ backing store on the host or on disk; one rank's share is planned as (``tiered_t
       + index_bytes(rows) + ttl + admission state     the index and metadata stay whole (as above)
       + CUDA: min(slots, 32768) * record              a transfer's records (record: the row's number,
                                                       vector and states, each 8-byte aligned)
+      + CUDA: 4 * rows + slots * 17 + 41              the cache's maps on the device (device maps, the
+        (+ LFU: 4 * rows)                             CUDA default: tier_device_maps.py; an LFU table
+                                                      makes its module count the uses of every table's
+                                                      rows, planned for the LFU tables only); the host
+                                                      then holds only their free stack's mirror (4 a slot)
       + the step's IO buffers (as above)
     host memory (ddr; on CPU the same memory as the device's):
-      4 * rows + slots * (25 + 16)                    the cache's maps: slot of each row (int32); row,
-                                                      last use and dirty bit of each slot, its free
+      4 * rows + slots * (25 + 16)                    the cache's host maps (the CPU default): slot of
+                                                      each row (int32); row, last use and dirty bit of
+                                                      each slot, its free
                                                       list (int64, made whole when the cache is
                                                       emptied); its LRU queue (at most 2 int32
                                                       entries a slot, and the rest of the tensors
@@ -236,6 +242,13 @@ CACHE_MAP_BYTES_PER_SLOT = (
     8 + 8 + 1 + 8
 )  # RowCache: row of the slot, its last use (int64), dirty bit, free list (int64)
 SLOT_OF_ROW_BYTES = 4  # RowCache.slot_of: int32 per row of the table
+# tier_device_maps.DeviceSlotMaps (a CUDA cache's default maps), on the device: row of the slot
+# (int64), its last use, its free stack entry (int32) and dirty bit; on the host: the free stack's mirror
+DEVICE_MAP_BYTES_PER_SLOT = 8 + 4 + 4 + 1
+# and a table's row and slot bases and free top (int64), plus (counted for each table, held once)
+# a spare entry of each map
+DEVICE_MAP_BYTES_PER_TABLE = 3 * 8 + DEVICE_MAP_BYTES_PER_SLOT
+DEVICE_MAP_HOST_BYTES_PER_SLOT = 4
 LFU_COUNT_BYTES_PER_ROW = 4  # an LFU cache's lookups per row (RowCache.uses / DeviceSlotMaps.uses): int32
 
 
@@ -270,6 +283,7 @@ def tiered_table_bytes(
     options: DynamicTableOptions | None = None,
     element_bytes: int = FLOAT_BYTES,
     cache_algorithm: str | None = None,
+    device_maps: bool | None = None,
 ) -> TierBytes:
     """One rank's share (of ``parts``) of a tiered table caching ``load_factor`` of its rows, its
     cache on a CUDA device (``cuda``) or the CPU (the byte model in the module docstring): what
@@ -277,7 +291,8 @@ def tiered_table_bytes(
     LRU queue and of the records buffers it makes as rows move (a CUDA cache: the pinned host
     buffer of transfers and a transfer's records on the device; a CPU cache over a file: the
     write-back buffer); with ``backing_bytes()`` on the host (host) or on disk (file, with the
-    log's bound). ``cache_algorithm``: the plan's (None: the options')."""
+    log's bound). ``cache_algorithm``: the plan's (None: the options'). ``device_maps``: the cache's
+    maps on the device (``TieredTables.device_maps``; None: its default, on a CUDA cache)."""
     opts = options or DynamicTableOptions()
     rows = local_capacity(capacity, parts)
     slots = cache_slots(rows, load_factor)
@@ -289,9 +304,14 @@ def tiered_table_bytes(
     device = vectors(slots) + slots * state + index_bytes(rows)
     device += TTL_BYTES_PER_ROW * rows if opts.ttl_steps is not None else 0
     device += admission_bytes(opts, opts.admission_strategy, capacity, parts)
-    host = SLOT_OF_ROW_BYTES * rows + slots * (CACHE_MAP_BYTES_PER_SLOT + LRU_QUEUE_BYTES_PER_SLOT)
+    maps = SLOT_OF_ROW_BYTES * rows
+    maps += LFU_COUNT_BYTES_PER_ROW * rows if (cache_algorithm or opts.cache_algorithm) == "lfu" else 0
+    if cuda if device_maps is None else device_maps:
+        device += maps + slots * DEVICE_MAP_BYTES_PER_SLOT + DEVICE_MAP_BYTES_PER_TABLE
+        host = slots * DEVICE_MAP_HOST_BYTES_PER_SLOT
+    else:
+        host = maps + slots * (CACHE_MAP_BYTES_PER_SLOT + LRU_QUEUE_BYTES_PER_SLOT)
     host += RowLog.map_bytes(rows) if file else 0
-    host += LFU_COUNT_BYTES_PER_ROW * rows if (cache_algorithm or opts.cache_algorithm) == "lfu" else 0
     record = log_record_bytes(dim, optimizer_kind, element_bytes)
     if cuda:
         host += min(2 * slots, MAX_TRANSFER_ROWS) * record

@@ -1,4 +1,4 @@
-"""The cache size of a tiered table (``backing="host"`` / ``"file:<dir>"``) as a plan gives it.
+"""The cache size and algorithm of a tiered table (``backing="host"`` / ``"file:<dir>"``) as a plan gives them.
 
 TorchRec sizes a table's cache with ``ParameterConstraints(cache_params=CacheParams(load_factor=f))``,
 which its planner copies into the plan's ``ParameterSharding.cache_params``, and, for all the
@@ -51,24 +51,9 @@ def planned_cache_load_factor(
     None when none is set. Raises when the plan sets one for a table without a tier
     (``backing="device"``), or one that is out of (0, 1] or differs from the config's."""
     planned = getattr(cache_params, "load_factor", None)
+    planned = None if planned is None else check_cache_load_factor(planned, where)
     opts = options_of(config)
-    if planned is None:
-        if opts.cache_load_factor is None and opts.backing != "device":
-            return sharder_default
-        return opts.cache_load_factor
-    planned = check_cache_load_factor(planned, where)
-    if opts.backing == "device":
-        raise ValueError(
-            f'{where}: cache_params.load_factor={planned!r} applies to tables with backing="host" or '
-            f'"file:<dir>" (a cache over a backing store); this table has backing="device" (all its rows '
-            "in the module's buffer)"
-        )
-    if opts.cache_load_factor is not None and float(opts.cache_load_factor) != planned:
-        raise ValueError(
-            f"{where}: cache_params.load_factor={planned!r} (constraint / plan) differs from the config's "
-            f"cache_load_factor={opts.cache_load_factor!r}; set one of them (or both alike)"
-        )
-    return planned
+    return _plan_else_config("load_factor", planned, opts.cache_load_factor, opts.backing, sharder_default, where)
 
 
 def sharder_cache_algorithm(fused_params: dict[str, Any] | None, where: str) -> str | None:
@@ -88,16 +73,25 @@ def planned_cache_algorithm(
     planned = check_cache_algorithm(getattr(cache_params, "algorithm", None), where, "cache_params.algorithm")
     opts = options_of(config)
     own = check_cache_algorithm(opts.cache_algorithm, where)
+    return _plan_else_config("algorithm", planned, own, opts.backing, sharder_default, where)
+
+
+def _plan_else_config(setting: str, planned: Any, own: Any, backing: str, sharder_default: Any, where: str) -> Any:
+    """The module docstring's rule for ``cache_params.<setting>`` (``planned``, checked) and the
+    config's ``cache_<setting>`` (``own``): the plan's, else the config's, else (a tiered table)
+    ``sharder_default``. The plan's on a table without a tier, or differing from the config's, is
+    an error naming both."""
     if planned is None:
-        return sharder_default if own is None and opts.backing != "device" else own
-    if opts.backing == "device":
+        return sharder_default if own is None and backing != "device" else own
+    if backing == "device":
         raise ValueError(
-            f'{where}: cache_params.algorithm={planned!r} applies to tables with backing="host" or '
-            f'"file:<dir>" (a cache over a backing store); this table has backing="device"'
+            f'{where}: cache_params.{setting}={planned!r} applies to tables with backing="host" or '
+            f'"file:<dir>" (a cache over a backing store); this table has backing="device" (all its rows '
+            "in the module's buffer)"
         )
     if own is not None and own != planned:
         raise ValueError(
-            f"{where}: cache_params.algorithm={planned!r} (constraint / plan) differs from the config's "
-            f"cache_algorithm={own!r}; set one of them (or both alike)"
+            f"{where}: cache_params.{setting}={planned!r} (constraint / plan) differs from the config's "
+            f"cache_{setting}={own!r}; set one of them (or both alike)"
         )
     return planned

@@ -16,7 +16,8 @@ flight). Transfers are cut in chunks of at most ``MAX_ROWS`` records, so the buf
 
 ``DeviceCopies`` sends host records to the device (``to_device``: non-blocking, on the current
 stream) and brings device records back (``to_host``: the host waits for the copy: a write-back
-must see the bytes before it writes them to the backing store). The same code runs with the
+must see the bytes before it writes them to the backing store; ``to_host_queued`` then
+``landed``: the write-backs of several tables queued first, then one wait for all). The same code runs with the
 cache on the CPU when ``TieredTables.copy_through_records`` asks for it (tests: the staging path
 covered without a GPU; the copies are then plain copies).
 """
@@ -106,13 +107,27 @@ class DeviceCopies:
 
     def to_host(self, records: Tensor, buffer: RecordsBuffer) -> Tensor:
         """Device ``records`` copied into ``buffer`` (host), the host waiting for the copy."""
+        host, copied = self.to_host_queued(records, buffer)
+        self.landed(copied)  # (the write-back's one wait: the backing store is written from these bytes)
+        return host
+
+    def to_host_queued(self, records: Tensor, buffer: RecordsBuffer) -> tuple[Tensor, object]:
+        """Device ``records`` copied into ``buffer`` (host) without waiting: (the host records,
+        the copy's event, None on the CPU); the host reads them after ``landed`` of the event."""
         host = buffer.take(records.shape[0])
         if not self._cuda:
-            return host.copy_(records)
+            return host.copy_(records), None
         host.copy_(records, non_blocking=True)
-        done = torch.cuda.current_stream(self.device).record_event()
-        done.synchronize()  # (the write-back's one wait: the backing store is written from these bytes)
-        return host
+        copied = torch.cuda.current_stream(self.device).record_event()
+        buffer.in_flight(copied)  # (not refilled before it lands)
+        return host, copied
+
+    def landed(self, copied) -> None:
+        """Returns once the copy of ``copied`` (``to_host_queued``'s event) has landed: when it has
+        not, the host waits for all the stream's work so far, so that the copies queued after it
+        have landed too (the write-backs of several tables: one wait for all)."""
+        if copied is not None and not copied.query():
+            torch.cuda.current_stream(self.device).synchronize()
 
     def empty(self, n: int, record_bytes: int) -> Tensor:
         """Zeroed device records (the pads are defined bytes when they reach a log)."""

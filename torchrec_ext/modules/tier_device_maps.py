@@ -19,11 +19,11 @@ does the same few tensor calls whatever the table count:
 A lookup (``hold``): slots = slot_of[rows]; the rows without a slot counted per table, and those
 to read (misses), in one small read on the host (the lookup's one sync of the tier). The hits are
 touched, and when no table misses and each table's free stack holds its new rows, those take
-free slots by a device scatter (``_take_free``): nothing else reaches the host. A table with
-misses, or out of free slots, takes the host path (``_fill``): its missing rows to the host,
-victims the least recently used unpinned slots not used at this clock (a ``topk`` over the
-table's clocks), dirty victims written back and misses read through the table's mover
-(tier_copies.py's records on a GPU). ``stage`` (the pipeline's stage on its worker, a side stream
+free slots by a device scatter (``_take_free``): nothing else reaches the host. The tables with
+misses, or out of free slots, take the host path together (``_fill``): their missing rows to the
+host in one read, victims the least recently used unpinned slots not used at this clock (a
+``topk`` over each table's clocks, all tables' victims read in one), dirty victims written back
+and misses read through each table's mover (tier_copies.py's records on a GPU). ``stage`` (the pipeline's stage on its worker, a side stream
 on a GPU) brings the next batch's rows in and frees slots for its new rows the same way, so that
 the next lookup takes the fast path: one read of all tables' missing rows, one of all evicting
 tables' victims, and per table that writes back, the wait for its write-back's copy.
@@ -228,15 +228,12 @@ class DeviceSlotMaps:
         base = self.slot_base.index_select(0, table_of)
         spare = self.total_slots
         slow = [t for t, _, _ in segments if reads[t] or needs[t] > self.free_count[t]]
+        fast = [t for t, _, _ in segments if needs[t] and t not in slow]
+        for t, _, _ in segments:
+            self.tables[t].hits += lives[t] - needs[t]
         if slow:  # the batch's hits are used now (first: victims are slots last used before this clock)
             self.last_used.index_fill_(0, torch.where(slots >= 0, base + slots, spare), clock)
-        fast = []
-        for t, start, end in segments:
-            self.tables[t].hits += lives[t] - needs[t]
-            if t in slow:
-                self._fill(t, start, end, rows, fresh, slots, clock, movers[t])
-            elif needs[t]:
-                fast.append(t)
+            self._fill({t: needs[t] for t in slow}, rows, fresh, slots, table_of if fast else None, clock, movers)
         if fast:  # the other tables' new rows take free slots, on the device
             self._take_free(rows, at_row, table_of, base, slots)
             for t in fast:
@@ -286,57 +283,100 @@ class DeviceSlotMaps:
         self.free_top.sub_(per_table)
 
     def _fill(
-        self, t: int, start: int, end: int, rows: Tensor, fresh: Tensor | None, slots: Tensor, clock: int, mover
+        self,
+        needs: dict[int, int],
+        rows: Tensor,
+        fresh: Tensor | None,
+        slots: Tensor,
+        table_of: Tensor | None,
+        clock: int,
+        movers,
     ) -> None:
-        """The host path of table t's rows in ``start:end`` without a slot: free slots first,
-        then the least recently used (written back when dirty); misses read from the backing
-        store. Fills ``slots`` in place."""
-        cache = self.tables[t]
-        need = (rows[start:end] >= 0) & (slots[start:end] < 0)
-        at = device_sync.nonzero(need, "tiered tables: cache misses")
-        want = rows[start:end].index_select(0, at)
-        new = torch.zeros_like(at, dtype=torch.bool) if fresh is None else fresh[start:end].index_select(0, at)
-        n = at.numel()
-        short = n - self.free_count[t]
-        if short > 0:
-            self._vacate({t: short}, clock, {t: mover}, self.pinned_mask(), ahead=False)
+        """The host path of the rows without a slot of the tables ``needs`` (table -> how many):
+        free slots first, then the least recently used (written back when dirty), all tables'
+        in one ``_vacate``; misses read from the backing store. All tables' rows to the host in
+        one read. Fills ``slots`` in place. ``table_of``: the table of each row, when other
+        tables' rows without a slot take the fast path (None: no other table's)."""
+        total = sum(needs.values())
+        need = (rows >= 0) & (slots < 0)
+        if table_of is not None:
+            chosen = torch.zeros(len(self.tables), dtype=torch.bool)
+            chosen[list(needs)] = True
+            need &= device_sync.to_device(chosen, self.device).index_select(0, table_of)
+        # Their positions, in order (tables in order), without a read: their count is known.
+        rank = torch.where(need, need.cumsum(0) - 1, total)
+        at = torch.zeros(total + 1, dtype=torch.int64, device=rows.device)
+        at = at.index_copy_(0, rank, torch.arange(rows.numel(), device=rows.device))[:total]
+        new = torch.zeros_like(at) if fresh is None else fresh.index_select(0, at).to(torch.int64)
+        host = device_sync.to_host(torch.stack([rows.index_select(0, at), new]), "tiered tables: rows to read")
+        shorts = {t: n - self.free_count[t] for t, n in needs.items() if n > self.free_count[t]}
+        if shorts:
+            self._vacate(shorts, clock, movers, self.pinned_mask(), ahead=False)
+        for t, n in needs.items():
             if self.free_count[t] < n:  # TieredTables.lookup checked the room first
                 raise RuntimeError(
-                    f"tiered table cache: {n} rows to bring in, {self.free_count[t]} slots free of {cache.slots}"
+                    f"tiered table cache: {n} rows to bring in, {self.free_count[t]} slots free of {self.tables[t].slots}"
                 )
-        taken, taken_host = self._pop_free(t, n)
-        host = device_sync.to_host(torch.stack([want, new.to(torch.int64)]), "tiered tables: rows to read")
-        read = host[1] == 0
-        reads = int(read.sum())
-        if reads:
-            mover.read(taken_host[read], host[0][read])
-        cache.misses += reads
-        cache.bytes_moved += reads * mover.row_bytes
-        self._assign(t, taken, want, clock)
-        slots.index_copy_(0, at + start, taken)
+        taken, taken_host = self._take_slots(
+            {t: host[0][first : first + n] for t, first, n in self._parts(needs)}, clock
+        )
+        slots.index_copy_(0, at, taken)
+        for t, first, n in self._parts(needs):
+            cache, mover = self.tables[t], movers[t]
+            read = host[1][first : first + n] == 0
+            reads = int(read.sum())
+            if reads:
+                mover.read(taken_host[t][read], host[0][first : first + n][read])
+            cache.misses += reads
+            cache.bytes_moved += reads * mover.row_bytes
 
-    def _pop_free(self, t: int, k: int) -> tuple[Tensor, Tensor]:
-        """k free slots of table t off the top of its stack: (on the device, on the host), int64."""
-        top = self.slot_base_host[t] + self.free_count[t]
-        self.free_count[t] -= k
-        self.free_top[t : t + 1].fill_(self.free_count[t])
-        return self.free_stack[top - k : top].to(torch.int64), self.free_host[top - k : top].to(torch.int64)
+    @staticmethod
+    def _parts(counts: dict[int, int]) -> list[tuple[int, int, int]]:
+        """(table, first, count) of each table's part of entries laid out tables in order."""
+        parts, first = [], 0
+        for t, n in counts.items():
+            parts.append((t, first, n))
+            first += n
+        return parts
 
-    def _push_free(self, t: int, host: Tensor) -> None:
-        """Free slots of table t (a host tensor) onto its stack."""
-        top = self.slot_base_host[t] + self.free_count[t]
-        self.free_host[top : top + host.numel()] = host
-        self.free_stack[top : top + host.numel()] = device_sync.to_device(host, self.device)
-        self.free_count[t] += host.numel()
-        self.free_top[t : t + 1].fill_(self.free_count[t])
-
-    def _assign(self, t: int, taken: Tensor, rows: Tensor, clock: int) -> None:
-        """Table t's slots ``taken`` (device) now hold ``rows``, clean, used at ``clock``."""
-        at = taken + self.slot_base_host[t]
-        self.row_of.index_copy_(0, at, rows)
-        self.slot_of.index_copy_(0, rows + self.row_base_host[t], taken.to(torch.int32))
+    def _take_slots(self, rows: dict[int, Tensor], clock: int) -> tuple[Tensor, dict[int, Tensor]]:
+        """Each table t's free slots off the top of its stack for its ``rows[t]`` (its own row
+        numbers, a host tensor), which they now hold, clean, used at ``clock``: all tables' in
+        one copy to the device. Returns the slots (the tables' own numbers), on the device
+        (tables in order) and on the host per table (int64)."""
+        taken, slot_base, row_base = {}, [], []
+        for t, held in rows.items():
+            k, top = held.numel(), self.slot_base_host[t] + self.free_count[t]
+            self.free_count[t] -= k
+            taken[t] = self.free_host[top - k : top].to(torch.int64)
+            slot_base.append(self.slot_base_host[t])
+            row_base.append(self.row_base_host[t])
+        counts = torch.tensor([held.numel() for held in rows.values()])
+        own_slots, own_rows = torch.cat(list(taken.values())), torch.cat(list(rows.values()))
+        bases = torch.tensor([slot_base, row_base]).repeat_interleave(counts, dim=1)
+        host = torch.stack([own_slots, own_slots + bases[0], own_rows, own_rows + bases[1]])
+        device = device_sync.to_device(torch.cat([host.view(-1), torch.tensor(self.free_count)]), self.device)
+        own_slot, at, own_row, at_row = device[: host.numel()].view(4, -1)
+        self.free_top.copy_(device[host.numel() :])
+        self.row_of.index_copy_(0, at, own_row)
+        self.slot_of.index_copy_(0, at_row, own_slot.to(torch.int32))
         self.dirty.index_fill_(0, at, False)
         self.last_used.index_fill_(0, at, clock)
+        return own_slot, taken
+
+    def _push_free(self, freed: dict[int, Tensor]) -> None:
+        """Each table t's slots ``freed[t]`` (its own numbers, a host tensor) onto its free stack:
+        all tables' in one copy to the device."""
+        at = []
+        for t, host in freed.items():
+            top = self.slot_base_host[t] + self.free_count[t]
+            self.free_host[top : top + host.numel()] = host
+            at.append(torch.arange(top, top + host.numel()))
+            self.free_count[t] += host.numel()
+        at, values = torch.cat(at), torch.cat(list(freed.values()))
+        device = device_sync.to_device(torch.cat([at, values, torch.tensor(self.free_count)]), self.device)
+        self.free_stack.index_copy_(0, device[: at.numel()], device[at.numel() : 2 * at.numel()].to(torch.int32))
+        self.free_top.copy_(device[2 * at.numel() :])
 
     def _vacate(self, shorts: dict[int, int], clock: int, movers, pinned: Tensor | None, ahead: bool) -> None:
         """Empties up to ``shorts[t]`` of each table t's occupied slots onto its free stack, least
@@ -362,28 +402,30 @@ class DeviceSlotMaps:
         host = device_sync.to_host(
             torch.stack([chosen, old, back.to(torch.int64), ok.to(torch.int64)]), "tiered tables: slots to evict"
         )
-        row_base = torch.tensor([self.row_base_host[t] for t in shorts]).repeat_interleave(torch.tensor(counts))
-        at_row = torch.where(ok, old + device_sync.to_device(row_base, self.device), self.total_rows)
+        bases = torch.tensor([[self.slot_base_host[t], self.row_base_host[t]] for t in shorts])
+        bases = bases.t().repeat_interleave(torch.tensor(counts), dim=1)
+        at_row = torch.where(ok, old + device_sync.to_device(bases[1], self.device), self.total_rows)
         self.slot_of.index_fill_(0, at_row, -1)
         gone = torch.where(ok, chosen, total)
         self.row_of.index_fill_(0, gone, -1)
         self.dirty.index_fill_(0, gone, False)
-        first = 0
-        for t, k in zip(shorts, counts):
-            slots, rows, dirty, kept = host[:, first : first + k].sub(
-                torch.tensor([[self.slot_base_host[t]], [0], [0], [0]])
-            )
-            first += k
-            written = dirty == 1
-            n = int(written.sum())
+        slots, rows, written, kept = host[0] - bases[0], host[1], host[2] == 1, host[3] == 1
+        freed, stores = {}, []
+        for t, first, k in self._parts(dict(zip(shorts, counts))):
+            these = slice(first, first + k)
+            n = int(written[these].sum())
             if n:  # (before any slot is refilled: the caller's reads come after)
                 cache = self.tables[t]
-                movers[t].write(slots[written], rows[written])
+                back = written[these]
+                stores.append(movers[t].write_later(slots[these][back], rows[these][back]))
                 cache.write_backs += n
                 if ahead:
                     cache.staged_write_backs += n
                 cache.bytes_moved += n * movers[t].row_bytes
-            self._push_free(t, slots[kept == 1])
+            freed[t] = slots[these][kept[these]]
+        for store in stores:  # (every table's copy queued before the first waits: one wait for all)
+            store()
+        self._push_free(freed)
 
     # ------------------------------------------------------------------ ahead of a lookup
 
@@ -419,17 +461,15 @@ class DeviceSlotMaps:
             plans.append((t, missing))
         if shorts:  # (every table's write-backs before any table's reads)
             self._vacate(shorts, clock, movers, pinned, ahead=True)
-        for t, missing in plans:
+        fills = {t: missing[: self.free_count[t]] for t, missing in plans if missing.numel() and self.free_count[t]}
+        if not fills:
+            return
+        _, taken = self._take_slots(fills, clock)
+        for t, wanted in fills.items():
             cache = self.tables[t]
-            filled = min(missing.numel(), self.free_count[t])
-            if filled == 0:
-                continue
-            wanted = missing[:filled]
-            taken, taken_host = self._pop_free(t, filled)
-            movers[t].read(taken_host, wanted)
-            cache.staged += filled
-            cache.bytes_moved += filled * movers[t].row_bytes
-            self._assign(t, taken, device_sync.to_device(wanted, self.device), clock)
+            movers[t].read(taken[t], wanted)
+            cache.staged += wanted.numel()
+            cache.bytes_moved += wanted.numel() * movers[t].row_bytes
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -1,7 +1,8 @@
 """The least recently used order of a tiered table's cache slots, kept as a queue of touches.
 
-A tiered table's cache (``tiered_tables.RowCache``) gives up its least recently used slots when
-rows must come in. Finding them by a top-k over every slot's last-use clock is a pass over all
+A tiered LRU table's cache (``tiered_tables.RowCache``, its host maps) gives up its least recently
+used slots when rows must come in (an LFU table's victims are a top-k over its lookup counts, and
+the device maps take theirs by a top-k over the clocks: tier_device_maps.py). Finding them by a top-k over every slot's last-use clock is a pass over all
 slots per lookup and per stage, ~0.6 ms a table a step at dlrm-small scale (210k slots a table,
 a top-k of 7k; with building the keys, ~10 ms of a ~60 ms stage). ``SlotOrder`` costs per slot
 touched instead: each touch (slots set to the current clock) is appended as one chunk, and

@@ -12,8 +12,9 @@ kernels run: a row not in the cache takes the least recently used slot that no b
 holds (with ``cache_algorithm="lfu"``, TorchRec's ``CacheAlgorithm.LFU``: the least often looked
 up, ties by least recent use; tier_device_maps.py) (its row written back first when dirty) and is read from the backing store, unless it is
 new to its id (then it is initialised in the slot, as the all-resident table initialises its row).
-The kernels then run unchanged on the cache, with slots for rows. A training lookup's slots stay
-pinned until its fused update lands (or its autograd graph is dropped), so an update always
+The kernels then run unchanged on the cache, with slots for rows. A lookup's slots (a training
+lookup's, or an eval-mode one's with grad on: a fused update follows either) stay dirty and
+pinned until that update lands (or its autograd graph is dropped), so an update always
 finds its rows. ``stage_next`` stages the next batch's rows on a worker thread while the
 current batch's backward runs (what ``TrainPipeline`` calls): it fills the next batch's misses
 and writes back and frees slots for its new rows, around the slots of the batch in flight, so
@@ -108,6 +109,10 @@ def tables_for(configs: Sequence[BaseEmbeddingConfig], device: torch.device) -> 
     return DynamicTables(configs, device)
 
 
+def _written() -> None:
+    """``_Mover.write_later``'s second half when the first wrote everything."""
+
+
 class _Mover:
     """Copies rows of one table between its cache slots and the backing store: the vectors and
     each optimizer state, in their storage dtypes (bit for bit). Slots and rows are host tensors
@@ -166,11 +171,18 @@ class _Mover:
 
     def _from_cache(self, slots: Tensor) -> Tensor:
         """The cache's ``slots`` as host records (of the transfer buffer; row column unset)."""
+        host, copied = self._from_cache_queued(slots)
+        self.copies.landed(copied)
+        return host
+
+    def _from_cache_queued(self, slots: Tensor) -> tuple[Tensor, object]:
+        """``_from_cache`` without the wait: (the host records, their copy's event: read them
+        after ``copies.landed`` of it)."""
         on_device = self.copies.empty(slots.numel(), self.record_bytes)
-        at = slots.to(self.copies.device)
+        at = device_sync.to_device(slots, self.copies.device)  # (not .to(): a blocking copy waits for the stream)
         for k, (cache, _) in enumerate(self.pairs):
             self._pair_field(on_device, k).copy_(cache.index_select(0, at))
-        return self.copies.to_host(on_device, self._transfer_buffer())
+        return self.copies.to_host_queued(on_device, self._transfer_buffer())
 
     def write(self, slots: Tensor, rows: Tensor, once: bool = False) -> None:
         """Writes the rows of ``slots`` back (``once``: a flush's, not a step's: a log mover
@@ -187,11 +199,33 @@ class _Mover:
             return
         for start in range(0, rows.numel(), MAX_ROWS):
             these = rows[start : start + MAX_ROWS]
-            records = self._from_cache(slots[start : start + MAX_ROWS])
-            for k, (_, backing) in enumerate(self.pairs):
-                backing.index_copy_(0, these, self._pair_field(records, k))
+            _Mover._write_records(self, self._from_cache(slots[start : start + MAX_ROWS]), these)
 
     write_home = write  # (host backing: the backing store is home)
+
+    def _write_records(self, records: Tensor, rows: Tensor) -> None:
+        """A write-back's host records of ``rows`` into the backing store."""
+        for k, (_, backing) in enumerate(self.pairs):
+            backing.index_copy_(0, rows, self._pair_field(records, k))
+
+    def write_later(self, slots: Tensor, rows: Tensor) -> Callable[[], None]:
+        """``write`` in two halves, so that several tables' write-backs share one wait: the rows
+        gathered on the device and their copy to the host queued now; what is returned writes
+        them into the backing store once they have landed (``DeviceCopies.landed``: the first
+        call's wait lands the copies queued before it too). Written now (returns a no-op)
+        without ``copies`` or beyond one transfer's rows."""
+        if self.copies is None or not 0 < rows.numel() <= MAX_ROWS:
+            self.write(slots, rows)
+            return _written
+        order = rows.argsort()  # (ascending, as ``write``)
+        slots, rows = slots[order], rows[order]
+        records, copied = self._from_cache_queued(slots)
+
+        def store() -> None:
+            self.copies.landed(copied)
+            self._write_records(records, rows)
+
+        return store
 
     def fold(self) -> None:
         pass
@@ -277,10 +311,7 @@ class _LogMover(_Mover):
             return
         if self.copies is not None:  # the records made on the device, then appended from the host
             for start in range(0, n, MAX_ROWS):
-                these = rows[start : start + MAX_ROWS]
-                records = self._from_cache(slots[start : start + MAX_ROWS])
-                row_column(records).copy_(these)
-                self.log.append(these, records)
+                self._write_records(self._from_cache(slots[start : start + MAX_ROWS]), rows[start : start + MAX_ROWS])
             return
         # Each field gathered straight into its column of the records (no copy of the columns to join).
         # A flush's records are its own: the buffer kept is sized by the steps' write-backs.
@@ -288,6 +319,11 @@ class _LogMover(_Mover):
         row_column_.copy_(rows)
         for (cache, _), column in zip(self.pairs, columns):
             torch.index_select(cache, 0, slots, out=column)
+        self.log.append(rows, records)
+
+    def _write_records(self, records: Tensor, rows: Tensor) -> None:
+        """A write-back's host records of ``rows``, appended to the log."""
+        row_column(records).copy_(rows)
         self.log.append(rows, records)
 
     def write_home(self, slots: Tensor, rows: Tensor) -> None:
@@ -766,6 +802,8 @@ class TieredTables(DynamicTables):
         # the lookup in progress: (modifies, pin records, the stage waiting for its tables, its own traffic)
         self._holding: tuple[bool, list, _Handover | None, dict[int, dict[str, int]]] | None = None
         self._pinned: dict[int, weakref.finalize] = {}  # lookups whose update is pending -> their pins
+        # an eval lookup's tables with the device maps: (table, rows), held together at its end
+        self._eval_rows: list[tuple[int, int]] | None = None
         self._stager: _Stager | None = None  # made at the first stage
         # the next batch's ids (a call giving them), staged after the next lookup
         self._stage_request: Callable[[], tuple[Tensor, Tensor] | None] | None = None
@@ -977,14 +1015,18 @@ class TieredTables(DynamicTables):
         self._join_stage()
         self._check_room(ids, segment_offsets)
         self._clock += 1
-        modifies = training and backward_follows
+        modifies = backward_follows  # (an eval-mode lookup with grad on: its backward writes its rows too)
         staged, self._stage_stats = self._stage_stats, {}
         self.write_new_rows()  # the last batch's pending new rows, into their slots before any moves
         # The next batch's stage starts now and takes each table once this lookup is done with it.
         handover = self._start_stage() if self._stage_request is not None else None
         self._holding = (modifies, [], handover, {})
+        if self._maps is not None and not training and not torch.compiler.is_compiling():
+            self._eval_rows = []
         try:
             result = super().lookup(ids, segment_offsets, training, backward_follows)
+            if self._eval_rows:
+                self._hold_eval_rows(result)
         except BaseException:
             self._unpin(self._holding[1])
             if handover is not None:
@@ -992,7 +1034,7 @@ class TieredTables(DynamicTables):
             raise
         finally:
             _, held, _, own = self._holding
-            self._holding = None
+            self._holding, self._eval_rows = None, None
         if modifies:  # pinned until the update lands, or the lookup (its autograd graph) is dropped
             key = id(result.unique_rows)
             self._pinned[key] = weakref.finalize(result.unique_rows, self._release, key, held)
@@ -1010,6 +1052,9 @@ class TieredTables(DynamicTables):
 
     def _rows_for(self, t: int, keys: Tensor, counts: Tensor, training: bool) -> tuple[Tensor, Tensor | None]:
         rows, fresh = super()._rows_for(t, keys, counts, training)
+        if self._eval_rows is not None:  # (an eval lookup with the device maps: held with all its tables')
+            self._eval_rows.append((t, rows.numel()))
+            return rows, fresh
         if self._maps is not None:
             table_of = torch.full_like(rows, t)
             return self._hold_on_device(rows, fresh, table_of, [(t, 0, rows.numel())]), fresh
@@ -1087,6 +1132,19 @@ class TieredTables(DynamicTables):
             self._release_tables(handover, [t for t, _, _ in segments] if release is None else release)
         return slots
 
+    def _hold_eval_rows(self, result: RowLookup) -> None:
+        """An eval lookup's rows (found table by table: no upsert to batch) held in their caches
+        for all its tables at once, as a training lookup's are (one count read, not one a
+        table): ``result``'s rows become slots in place (what waits for a lookup's update is
+        keyed by its tensors)."""
+        segments, first = [], 0
+        for t, n in self._eval_rows:
+            segments.append((t, first, first + n))
+            first += n
+        slots = self._hold_on_device(result.unique_rows, None, result.unique_table, segments)
+        result.unique_rows.copy_(slots)
+        torch.index_select(slots, 0, result.inverse, out=result.rows)
+
     def _release_tables(self, handover: _Handover, tables: list[int]) -> None:
         """Hands ``tables`` over to the stage, with the device maps' pins as a mask (made on the
         train stream now: the stage's side stream waits for the handover's event)."""
@@ -1095,14 +1153,17 @@ class TieredTables(DynamicTables):
             handover.release(t, mask, self.train_step + 1)
 
     @staticmethod
-    def _on_host(rows: Tensor, fresh: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    def _on_host(
+        rows: Tensor, fresh: Tensor | None, reason: str = "tiered tables: rows to cache slots"
+    ) -> tuple[Tensor, Tensor | None]:
         """A table's rows (and which are new) on the host, where the cache's maps are: on a GPU
-        one copy (a sync: the rows come from the index's kernels), free on the CPU."""
+        one copy (a sync, counted: the rows come from the index's kernels), free on the CPU (and
+        not counted: the stage's worker makes no more torch calls there for it)."""
         if rows.device.type == "cpu":
             return rows, fresh
         if fresh is None:
-            return device_sync.to_host(rows, "tiered tables: rows to cache slots"), None
-        both = device_sync.to_host(torch.stack([rows, fresh.to(torch.int64)]), "tiered tables: rows to cache slots")
+            return device_sync.to_host(rows, reason), None
+        both = device_sync.to_host(torch.stack([rows, fresh.to(torch.int64)]), reason)
         return both[0], both[1].bool()
 
     def _check_room(self, ids: Tensor, segment_offsets: Tensor) -> None:
@@ -1239,7 +1300,7 @@ class TieredTables(DynamicTables):
             pinned, step = taken
             rows, found = self.indexes[t].find(unique[start:end])
             rows = self._mask_expired(t, rows, found, step)  # expired: re-initialised by the lookup, not read
-            rows = rows.cpu()  # (the host maps; on a GPU a sync of the side stream)
+            rows = self._on_host(rows, None, "tiered tables: rows to stage")[0]  # (the host maps)
             live = rows[rows >= 0]
             cache = self.caches[t]
             before = (cache.staged, cache.staged_write_backs, cache.bytes_moved)
@@ -1354,7 +1415,8 @@ class TieredTables(DynamicTables):
             if end > start:
                 rows, found = self.indexes[t].find(unique[start:end])
                 rows = self._mask_expired(t, rows, found)  # an expired row is re-initialised, not read
-                self.caches[t].hold(rows.cpu(), None, False, self._clock, self._mover(t), best_effort=True)
+                rows = self._on_host(rows, None, "tiered tables: rows to prefetch")[0]  # (the host maps)
+                self.caches[t].hold(rows, None, False, self._clock, self._mover(t), best_effort=True)
 
     # ------------------------------------------------------------------ checkpoint
 

@@ -33,12 +33,19 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, unless its help already says what the default means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of the job, in the groups ``--help`` shows."""
     p = argparse.ArgumentParser(
-        prog="python -m torchrec_ext.train",
-        description=DESCRIPTION,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="python -m torchrec_ext.train", description=DESCRIPTION, formatter_class=_DefaultsHelpFormatter
     )
     _add_data_args(p.add_argument_group("data"))
     _add_model_args(p.add_argument_group("model"))

@@ -1,12 +1,9 @@
 """ShardedDynamicEmbeddingCollection on 2 real gloo ranks against the unsharded module fed the
 global batch: the same sequences and, after training, the same table contents."""
 
-from collections import Counter
-
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 from torchrec import EmbeddingConfig, KeyedJaggedTensor
 
 from dist_helpers import ModelWith, run_ranks
@@ -131,16 +128,6 @@ def test_sharded_ec_equals_unsharded_on_two_ranks(sharding):
     run_ranks(_check_and_count_ops, WORLD, sharding)
 
 
-class _OpsCounted(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _input_dist_ops(rank, world_size):
     """The sequence module's input dist costs what the pooled one's does (the same routing and
     exchange): what only its rarer output dists read (ids sent per routing slot) is not reduced
@@ -148,6 +135,7 @@ def _input_dist_ops(rank, world_size):
     from torchrec.distributed.sharding_plan import row_wise
 
     from dist_helpers import dmp_of
+    from test_batched_upsert_module import _CountOps
     from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
     from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, DynamicEmbeddingCollectionSharder
 
@@ -163,7 +151,7 @@ def _input_dist_ops(rank, world_size):
     for name, (module, sharder) in kinds.items():
         sharded = getattr(dmp_of(ModelWith(name, module), name, {"t1": row_wise()}, sharder, world_size).module, name)
         for step in range(2):  # (the second: cached layouts built)
-            with _OpsCounted() as counted:
+            with _CountOps() as counted:
                 sharded.input_dist(sharded.create_context(), _rank_batch(step, rank))
         ops[name] = counted.ops
     assert ops["ec"] == ops["ebc"], (ops["ec"] - ops["ebc"], ops["ebc"] - ops["ec"])

@@ -7,9 +7,11 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torchrec import KeyedJaggedTensor
 
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
+from torchrec_ext.table import HashTable
 
 TTL = 3
 
@@ -64,3 +66,66 @@ def test_the_carry_of_a_device_move_keeps_admission_sightings(admission):
     tables._build_indexes(carry_from=tables.device)  # what apply does once the storage moved
     module(kjt).values().sum().backward()  # the second sighting admits them
     assert module._tables.num_live_rows() == 8
+
+
+class _AllocatedBytes(TorchDispatchMode):
+    """Sums the bytes of every tensor an op makes (outputs that alias none of its inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            x.untyped_storage().data_ptr()
+            for x in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(x, torch.Tensor)
+        }
+        for x in torch.utils._pytree.tree_leaves(out):
+            if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in inputs:
+                self.bytes += x.untyped_storage().nbytes()
+        return out
+
+
+def _allocated(fn) -> int:
+    with _AllocatedBytes() as mode:
+        fn()
+    return mode.bytes
+
+
+@pytest.mark.parametrize("admission", ["counter", "bloom"])
+def test_the_carry_of_a_device_move_allocates_the_carried_state_once(admission):
+    """The carry allocates no more than the indexes' own rebuild and one admission state: no
+    fresh last_seen, counters or admission state that the moved ones then replace."""
+    cfg = DynamicEmbeddingBagConfig(
+        name="t",
+        embedding_dim=4,
+        num_embeddings=1 << 14,
+        feature_names=["f"],
+        ttl_steps=TTL,
+        admission=admission,
+        admit_after=2,
+    )
+    module = DynamicEmbeddingBagCollection([cfg], optimizer="sgd", optimizer_kwargs={"lr": 0.5})
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.arange(64), torch.ones(64, dtype=torch.int64))
+    for _ in range(2):  # (admitted at the second sighting)
+        module(kjt).values().sum().backward()
+    tables = module._tables
+    index, admission_state = tables.indexes[0], tables.admission[0]
+    m = tables.meta[0]
+
+    def index_rebuild():
+        HashTable(m.capacity, policy=m.policy, device=tables.device, mapped_rows=m.may_grow).load_state_dict(
+            index.state_dict()
+        )
+
+    def admission_rebuild():
+        admission_state.checked_state(admission_state.state(), "t")
+
+    budget = _allocated(index_rebuild) + _allocated(admission_rebuild)
+    seen_before = tables.last_seen[0].clone()
+    carried = _allocated(lambda: tables._build_indexes(carry_from=tables.device))
+    assert carried <= budget, f"the carry allocated {carried} bytes, the rebuilds alone {budget}"
+    assert torch.equal(tables.last_seen[0], seen_before)
+    assert module.table_stats()["t"].lookups == 128

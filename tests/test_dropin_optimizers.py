@@ -11,6 +11,7 @@
 - Unsupported optimizers and fused_params are refused with a clear message.
 """
 
+import copy
 import warnings
 
 import pytest
@@ -160,6 +161,59 @@ def test_torchrecs_own_fuse_embedding_optimizer_sets_ours():
     _assert_rows_equal(_rows(model.ebc), _rows(reference))
 
 
+def _train(module, steps):
+    for step in steps:
+        weights = torch.randn(BATCH, DIM * len(FEATURES), generator=torch.Generator().manual_seed(step))
+        (module(_batch(step)[1]).values() * weights).sum().backward()
+
+
+def test_apply_optimizer_in_backward_kwargs_edited_in_place_take_effect():
+    """apply_optimizer_in_backward's markers hold the caller's kwargs themselves, which the module
+    reads at each step: an edit made in place, of a list inside them too (Adam's betas), takes
+    effect as a fresh call with the edited kwargs does, never lost or half-seen."""
+    kwargs = {"lr": 0.05, "betas": [0.9, 0.999]}
+    edited, oracle, unedited = (DynamicEmbeddingBagCollection(_tables()) for _ in range(3))
+    apply_optimizer_in_backward(torch.optim.Adam, edited.parameters(), kwargs)
+    for module in (oracle, unedited):
+        apply_optimizer_in_backward(torch.optim.Adam, module.parameters(), {"lr": 0.05, "betas": [0.9, 0.999]})
+    for module in (edited, oracle, unedited):
+        _train(module, range(2))
+    kwargs["betas"][0] = 0.5
+    apply_optimizer_in_backward(torch.optim.Adam, oracle.parameters(), {"lr": 0.05, "betas": [0.5, 0.999]})
+    for module in (edited, oracle, unedited):
+        _train(module, range(2, 4))
+    assert edited.fused_optimizer.param_groups[0]["beta1"] == 0.5
+    assert edited._tables.optimizer_step == oracle._tables.optimizer_step == 4  # (Adam's step count kept)
+    _assert_rows_equal(_rows(edited), _rows(oracle))
+    with pytest.raises(AssertionError):  # (the edit mattered)
+        _assert_rows_equal(_rows(edited), _rows(unedited))
+    kwargs["betas"][1] = 1.0  # checked as at the call: refused by name at the next step
+    with pytest.raises(ValueError, match=r"betas\[1\] must be in \[0, 1\), got 1.0"):
+        _train(edited, range(4, 5))
+
+
+def test_fuse_embedding_optimizer_and_the_constructor_read_their_kwargs_once():
+    """fuse_embedding_optimizer's kwargs and the constructor's optimizer_kwargs are read by the
+    call (as TorchRec's fused modules read theirs): a later edit of the caller's objects, of a
+    list inside them too, changes nothing."""
+    kwargs = {"lr": 0.05, "betas": [0.9, 0.999]}
+    fused = fuse_embedding_optimizer(
+        DynamicEmbeddingBagCollection(_tables()), torch.optim.Adam, kwargs, torch.device("cpu")
+    )
+    built = DynamicEmbeddingBagCollection(_tables(), optimizer=torch.optim.Adam, optimizer_kwargs=kwargs)
+    oracle = DynamicEmbeddingBagCollection(
+        _tables(), optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.05, "betas": [0.9, 0.999]}
+    )
+    for module in (fused, built, oracle):
+        _train(module, range(2))
+    kwargs["betas"][0], kwargs["lr"] = 0.5, 1.0
+    for module in (fused, built, oracle):
+        _train(module, range(2, 4))
+    for module in (fused, built):
+        assert module.fused_optimizer.param_groups[0]["beta1"] == 0.9
+        _assert_rows_equal(_rows(module), _rows(oracle))
+
+
 def test_unsupported_optimizers_are_refused_clearly():
     with pytest.raises(ValueError, match=r"fused_params optimizer .*LAMB.* not supported.*EXACT_ROWWISE_ADAGRAD"):
         DynamicEmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.LAMB})
@@ -222,6 +276,13 @@ _CASES = [  # (sharder fused_params, equivalent apply_optimizer_in_backward, mod
         (torch.optim.Adam, {"lr": 0.01, "eps": 1e-8, "weight_decay": 0.01}),
         None,
     ),
+    # The module's kwargs are read once, at sharding, as TorchRec's sharders read them: edited in
+    # place after it (betas[0] = 0.5, below), they change nothing.
+    (
+        {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.3},
+        (torch.optim.Adam, {"lr": 0.01, "betas": [0.9, 0.999]}),
+        (torch.optim.Adam, {"lr": 0.01, "betas": [0.9, 0.999]}),
+    ),
     # fbgemm's ADAM with decoupled decay is AdamW.
     (
         {"optimizer": EmbOptimType.ADAM, "learning_rate": 0.01, "weight_decay": 0.5, "weight_decay_mode": "DECOUPLE"},
@@ -245,8 +306,9 @@ def _fused_params_match_unsharded(rank, world_size):
         reference = DynamicEmbeddingBagCollection(_tables())
         apply_optimizer_in_backward(cls, reference.parameters(), kwargs)
         model = ModelWith("ebc", DynamicEmbeddingBagCollection(_tables()))
+        own_kwargs = None if own is None else copy.deepcopy(own[1])
         if own is not None:
-            apply_optimizer_in_backward(own[0], model.ebc.parameters(), own[1])
+            apply_optimizer_in_backward(own[0], model.ebc.parameters(), own_kwargs)
         sharder = DynamicEmbeddingBagCollectionSharder(fused_params=fused_params)
         plan = construct_module_sharding_plan(
             model.ebc,
@@ -266,6 +328,8 @@ def _fused_params_match_unsharded(rank, world_size):
             plan=ShardingPlan({"ebc": plan}),
             sharders=[sharder],
         )
+        if own_kwargs is not None and "betas" in own_kwargs:
+            own_kwargs["betas"][0] = 0.5
         for step in range(3):
             kjts = [_batch(step, r)[1] for r in range(world_size)]
             weights = [

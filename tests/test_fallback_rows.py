@@ -330,6 +330,15 @@ def test_checkpoint_round_trip_keeps_fallback_rows_and_state():
     with pytest.raises(ValueError, match="fallback_weight must be"):
         fresh.load_state_dict(bad)
     assert torch.equal(fresh._tables.fallback_view(0), before)
+    # So is a bad fallback optimizer state: the wrong shape, a negative squared sum.
+    state_before = fresh._tables.state_views(0, fallback=True)["momentum1"].clone()
+    for value, match in (
+        (torch.zeros(K + 1, DIM), rf"fallback_optimizer.momentum1 must be \[{K}, {DIM}\]"),
+        (torch.full((K, DIM), -1.0), "fallback_optimizer.momentum1 must be finite and >= 0"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            fresh.load_state_dict(dict(state) | {"embedding_bags.t.fallback_optimizer.momentum1": value})
+        assert torch.equal(fresh._tables.state_views(0, fallback=True)["momentum1"], state_before)
     # reset_parameters forgets them.
     fresh.reset_parameters()
     assert fresh._tables.fallback_view(0).abs().sum() == 0

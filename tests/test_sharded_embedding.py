@@ -116,6 +116,42 @@ def _cat_jts(jts):
     return JaggedTensor(values=torch.cat([j.values() for j in jts]), lengths=torch.cat([j.lengths() for j in jts]))
 
 
+def _check_and_count_ops(rank, world_size, sharding):
+    _check(rank, world_size, sharding)
+    if sharding == "row_wise":  # (on the ranks already spawned)
+        _input_dist_ops(rank, world_size)
+
+
 @pytest.mark.parametrize("sharding", ["row_wise", "mixed"])
 def test_sharded_ec_equals_unsharded_on_two_ranks(sharding):
-    run_ranks(_check, WORLD, sharding)
+    """Row-wise, also: the input dist dispatches the pooled module's ops (``_input_dist_ops``)."""
+    run_ranks(_check_and_count_ops, WORLD, sharding)
+
+
+def _input_dist_ops(rank, world_size):
+    """The sequence module's input dist costs what the pooled one's does (the same routing and
+    exchange): what only its rarer output dists read (ids sent per routing slot) is not reduced
+    every step."""
+    from torchrec.distributed.sharding_plan import row_wise
+
+    from dist_helpers import dmp_of
+    from test_batched_upsert_module import _CountOps
+    from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
+    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, DynamicEmbeddingCollectionSharder
+
+    table = {"name": "t1", "embedding_dim": 4, "num_embeddings": 64, "feature_names": KEYS}
+    kinds = {
+        "ec": (DynamicEmbeddingCollection([DynamicEmbeddingConfig(**table)]), DynamicEmbeddingCollectionSharder()),
+        "ebc": (
+            DynamicEmbeddingBagCollection([DynamicEmbeddingBagConfig(**table)]),
+            DynamicEmbeddingBagCollectionSharder(),
+        ),
+    }
+    ops = {}
+    for name, (module, sharder) in kinds.items():
+        sharded = getattr(dmp_of(ModelWith(name, module), name, {"t1": row_wise()}, sharder, world_size).module, name)
+        for step in range(2):  # (the second: cached layouts built)
+            with _CountOps() as counted:
+                sharded.input_dist(sharded.create_context(), _rank_batch(step, rank))
+        ops[name] = counted.ops
+    assert ops["ec"] == ops["ebc"], (ops["ec"] - ops["ebc"], ops["ebc"] - ops["ec"])

@@ -147,11 +147,6 @@ EXEMPT = {
     ): "CPU tensors only, by construction (admit dispatches here for CPU keys): host reads cost no sync there, and the fixed-size form's pass over the side table's capacity cost 1.4x the step",
     (
         "modules/ids_to_rows.py",
-        "IdsToRows._initialise",
-        "mask or nonzero",
-    ): "the deferred new rows (NewRows): CPU tensors only, by construction (lookup defers on CPU only)",
-    (
-        "modules/ids_to_rows.py",
         "IdsToRows._defer_tables",
         "mask or nonzero",
     ): "the deferred new rows (NewRows): CPU tensors only, by construction (lookup defers on CPU only)",

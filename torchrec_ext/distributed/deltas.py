@@ -79,19 +79,8 @@ class ShardedDeltaMixin:
         except (DeltaError, TypeError, ValueError) as e:
             error = e
         columns = [name for name in (delta.tables if delta is not None else ()) if self._owners[name].kind == "column"]
-        mine = (
-            None if error is None else str(error),
-            {name: _to_cpu(delta.tables[name]) for name in columns} if delta is not None else {},
-        )
-        everyone: list = [None] * self._world_size
-        dist.all_gather_object(everyone, mine, group=self._env.process_group)
-        refused = {rank: text for rank, (text, _) in enumerate(everyone) if text is not None}
-        if error is not None:
-            raise error
-        if refused:
-            raise DeltaError(
-                f"export_delta: refused on rank(s) {sorted(refused)} (e.g. {next(iter(refused.values()))})"
-            )
+        mine = {name: _to_cpu(delta.tables[name]) for name in columns} if delta is not None else {}
+        everyone = self._unless_refused("export_delta", error, mine)
         for name in columns:
             placement = self._owners[name]
             if placement.first_rank != self._rank:
@@ -99,7 +88,7 @@ class ShardedDeltaMixin:
                 del delta.source["tables"][name]
                 continue
             ranks = sorted(placement.lookup_ranks(), key=lambda r: placement.local_columns(r)[0])
-            parts = [everyone[r][1][name] for r in ranks]
+            parts = [everyone[r][name] for r in ranks]
             device = delta.tables[name].weights.device
             delta.tables[name] = _whole_rows(name, parts, device)
             delta.source["tables"][name]["dim"] = int(delta.tables[name].weights.shape[1])
@@ -122,19 +111,26 @@ class ShardedDeltaMixin:
                 prepared = (local, mine, prepare_delta(local._tables, local._followed_deltas(), mine))
         except (DeltaError, TypeError, ValueError) as e:
             error = e
-        errors: list = [None] * self._world_size
-        dist.all_gather_object(errors, None if error is None else str(error), group=self._env.process_group)
-        refused = {rank: text for rank, text in enumerate(errors) if text is not None}
+        self._unless_refused("apply_delta", error, consequence="; nothing was applied on any rank")
+        if prepared is not None:
+            local, mine, parts = prepared
+            commit_delta(local._tables, local._followed_deltas(), mine, parts)
+
+    def _unless_refused(self, where: str, error: Exception | None, mine: object = None, consequence: str = "") -> list:
+        """Every rank's ``mine`` when no rank refused (collective: each rank's error, or None, goes
+        with it). This rank's own error is raised as it is; another's as a DeltaError naming the
+        ranks that refused, then ``consequence``."""
+        everyone: list = [None] * self._world_size
+        text = None if error is None else str(error)
+        dist.all_gather_object(everyone, (text, mine), group=self._env.process_group)
+        refused = {rank: text for rank, (text, _) in enumerate(everyone) if text is not None}
         if error is not None:
             raise error
         if refused:
             raise DeltaError(
-                f"apply_delta: refused on rank(s) {sorted(refused)} (e.g. {next(iter(refused.values()))}); "
-                f"nothing was applied on any rank"
+                f"{where}: refused on rank(s) {sorted(refused)} (e.g. {next(iter(refused.values()))}){consequence}"
             )
-        if prepared is not None:
-            local, mine, parts = prepared
-            commit_delta(local._tables, local._followed_deltas(), mine, parts)
+        return [part for _, part in everyone]
 
     def _my_share(self, delta: object):
         """(this rank's local module or None, the part of ``delta`` it keeps)."""

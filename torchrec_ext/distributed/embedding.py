@@ -43,12 +43,17 @@ class SequenceShardingContext(Multistreamable):
     ids: Tensor | None = None  # input ids (the weights when need_indices)
     batch_size: int = 0
     received_lengths: Tensor | None = None  # [slots, world, batch] lengths of the ids received
-    routed_counts: Tensor | None = None  # [world, slots] ids sent to each rank per routing slot
+    routed_lengths: Tensor | None = None  # [world, slots, batch] (flat) lengths of the ids sent
 
     def record_stream(self, stream: torch.Stream) -> None:
-        for t in (self.order, self.expand, self.lengths, self.ids, self.received_lengths, self.routed_counts):
+        for t in (self.order, self.expand, self.lengths, self.ids, self.received_lengths, self.routed_lengths):
             if t is not None:
                 t.record_stream(stream)
+
+    def routed_counts(self, world_size: int, slots: int) -> Tensor:
+        """[world, slots] ids sent to each rank per routing slot: summed only by the output dists
+        that read them (column shards, expanded ids, another input dist), not every step."""
+        return self.routed_lengths.view(world_size, slots, self.batch_size).sum(-1)
 
 
 class _SequenceAwaitable(LazyAwaitable[dict[str, JaggedTensor]]):
@@ -114,7 +119,7 @@ class ShardedDynamicEmbeddingCollection(
             features = _padded_to_one_batch_size(features, type(self).__name__)
         batch = check_and_arrange(features, self._plan, False, type(self).__name__, self._device)
         routed, ctx.order, ctx.expand = self._routing.route(batch.ids, batch.lengths, None, batch.batch_size)
-        ctx.routed_counts = routed.lengths().view(self._world_size, len(self._routing.names), -1).sum(-1)
+        ctx.routed_lengths = routed.lengths()
         ctx.value_counts = batch.value_counts
         ctx.lengths, ctx.batch_size = batch.lengths, batch.batch_size
         ctx.ids = batch.ids
@@ -189,7 +194,10 @@ class ShardedDynamicEmbeddingCollection(
         exchange = ctx.sharding_contexts[0]
         if getattr(exchange, "sent_per_rank", None):
             return exchange.sent_per_rank, exchange.received_per_rank
-        sent = device_sync.host_list(ctx.routed_counts.sum(1), "sequence output dist: ids sent to each rank")
+        slots, world_size = per_slot_source.shape
+        sent = device_sync.host_list(
+            ctx.routed_counts(world_size, slots).sum(1), "sequence output dist: ids sent to each rank"
+        )
         return sent, device_sync.host_list(per_slot_source.sum(0), "sequence output dist: ids received from each rank")
 
     def _placed_columns(
@@ -211,7 +219,7 @@ class ShardedDynamicEmbeddingCollection(
         target = ctx.order if ctx.expand is None else ctx.expand[ctx.order]
         first = torch.repeat_interleave(
             device_sync.to_device(self._slot_first, target.device),
-            ctx.routed_counts.reshape(-1),
+            ctx.routed_counts(self._world_size, len(self._routing.names)).reshape(-1),
             output_size=target.numel(),
         )
         start = (target * self._dim + first).split(sent_per_rank)

@@ -23,30 +23,6 @@ from torchrec_ext import device_sync, ops
 Destination = int | tuple[int, ...]  # a rank, or the group of ranks ids are spread over by hash
 
 
-def route_ids(
-    keys: Sequence[str],
-    ids: Tensor,
-    lengths: Tensor,
-    weights: Tensor | None,
-    slot_owner: Sequence[int],
-    batch_size: int,
-    world_size: int,
-) -> tuple[KeyedJaggedTensor, Tensor]:
-    """(KJT with keys ``keys * world_size`` whose block r holds, per key and sample, the ids bound
-    for rank r in their original order: what the input dist sends (laid out as for TorchRec's
-    ``KJTAllToAll(splits=[len(keys)] * world_size)``); each routed id's position in ``ids``).
-    slot_owner: -1 for row-wise slots."""
-    values, routed_lengths, order = ops.route_bucketize(ids, lengths, slot_owner, world_size, batch_size)
-    routed = KeyedJaggedTensor(
-        keys=list(keys) * world_size,
-        values=values,
-        lengths=routed_lengths,
-        stride=batch_size,
-        weights=None if weights is None else weights[order],
-    )
-    return routed, order
-
-
 def _route_to_groups(
     ids: Tensor, lengths: Tensor, dest: Sequence[Destination], world_size: int, batch_size: int
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -107,8 +83,11 @@ class SlotRouting:
     def route(
         self, ids: Tensor, lengths: Tensor, weights: Tensor | None, batch_size: int
     ) -> tuple[KeyedJaggedTensor, Tensor, Tensor | None]:
-        """(the routed KJT, as ``route_ids``'; each routed id's position among the routing slots'
-        ids; each of those ids' position in ``ids``, None when no slot is routed twice)."""
+        """(the routed KJT: keys ``names * world_size``, block r holding, per key and sample, the
+        ids bound for rank r in their original order, what the input dist sends (laid out as for
+        TorchRec's ``KJTAllToAll(splits=[len(names)] * world_size)``); each routed id's position
+        among the routing slots' ids; each of those ids' position in ``ids``, None when no slot is
+        routed twice)."""
         expand = None
         if self.expands:
             per_slot = device_sync.host_list(
@@ -124,11 +103,11 @@ class SlotRouting:
             weights = None if weights is None else weights[expand]
             lengths = lengths.view(self.lookup_slots, batch_size)[self.source].reshape(-1)
         whole = tuple(range(self.world_size))
-        if all(isinstance(d, int) or d == whole for d in self.dest):
+        if all(isinstance(d, int) or d == whole for d in self.dest):  # one kernel (-1: row-wise slots)
             owners = [d if isinstance(d, int) else -1 for d in self.dest]
-            routed, order = route_ids(self.names, ids, lengths, weights, owners, batch_size, self.world_size)
-            return routed, order, expand
-        values, routed_lengths, order = _route_to_groups(ids, lengths, self.dest, self.world_size, batch_size)
+            values, routed_lengths, order = ops.route_bucketize(ids, lengths, owners, self.world_size, batch_size)
+        else:
+            values, routed_lengths, order = _route_to_groups(ids, lengths, self.dest, self.world_size, batch_size)
         routed = KeyedJaggedTensor(
             keys=list(self.names) * self.world_size,
             values=values,

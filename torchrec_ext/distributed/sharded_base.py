@@ -189,18 +189,10 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
             placement = self._owners[cfg.name]
             if placement.kind == "row" and options_of(cfg).fallback_rows:
                 replicated.append(len(local_configs))
-            factor = planned_cache_load_factor(
-                cfg,
-                table_name_to_parameter_sharding[cfg.name].cache_params,
-                f"{type(self).__name__}: table {cfg.name!r}",
-                sharder_factor,
-            )
-            algorithm = planned_cache_algorithm(
-                cfg,
-                table_name_to_parameter_sharding[cfg.name].cache_params,
-                f"{type(self).__name__}: table {cfg.name!r}",
-                sharder_algorithm,
-            )
+            cache_params = table_name_to_parameter_sharding[cfg.name].cache_params
+            where = f"{type(self).__name__}: table {cfg.name!r}"
+            factor = planned_cache_load_factor(cfg, cache_params, where, sharder_factor)
+            algorithm = planned_cache_algorithm(cfg, cache_params, where, sharder_algorithm)
             if placement.holds(self._rank):
                 slots = [self._plan.embedding_names[i] for i, tt in enumerate(self._plan.tables) if tt == t]
                 local_configs.append(

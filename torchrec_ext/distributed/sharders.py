@@ -36,7 +36,12 @@ from torchrec_ext.modules.fused_optimizer import spec_from_fused_params
 
 
 class _DynamicSharder:
-    """What both sharders share: sharding types, kernel, and fused_params checked up front."""
+    """What both sharders share: sharding types, kernel, fused_params checked up front, and the
+    sharding itself (each names its module, its sharded module and its tables' container)."""
+
+    _module_cls: type[nn.Module]
+    _sharded_cls: type[nn.Module]
+    _container: str  # the collection's attribute holding its per-table submodules
 
     def __init__(self, fused_params: dict[str, Any] | None = None, *args: Any, **kwargs: Any) -> None:
         spec_from_fused_params(fused_params, type(self).__name__)  # unsupported ones refused now
@@ -48,43 +53,32 @@ class _DynamicSharder:
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         return [EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value]
 
-
-class DynamicEmbeddingBagCollectionSharder(_DynamicSharder, BaseEmbeddingSharder[DynamicEmbeddingBagCollection]):
     def shard(
         self,
-        module: DynamicEmbeddingBagCollection,
+        module: nn.Module,
         params: EmbeddingModuleShardingPlan,
         env: ShardingEnv,
         device: torch.device | None = None,
         module_fqn: str | None = None,
-    ) -> ShardedDynamicEmbeddingBagCollection:
-        return ShardedDynamicEmbeddingBagCollection(module, params, env, device, fused_params=self.fused_params)
+    ) -> nn.Module:
+        return self._sharded_cls(module, params, env, device, fused_params=self.fused_params)
 
     @property
-    def module_type(self) -> type[DynamicEmbeddingBagCollection]:
-        return DynamicEmbeddingBagCollection
+    def module_type(self) -> type[nn.Module]:
+        return self._module_cls
 
-    def shardable_parameters(self, module: DynamicEmbeddingBagCollection) -> dict[str, nn.Parameter]:
-        return {name: table.weight for name, table in module.embedding_bags.items()}
+    def shardable_parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        return {name: table.weight for name, table in getattr(module, self._container).items()}
+
+
+class DynamicEmbeddingBagCollectionSharder(_DynamicSharder, BaseEmbeddingSharder[DynamicEmbeddingBagCollection]):
+    _module_cls, _sharded_cls = DynamicEmbeddingBagCollection, ShardedDynamicEmbeddingBagCollection
+    _container = "embedding_bags"
 
 
 class DynamicEmbeddingCollectionSharder(_DynamicSharder, BaseEmbeddingSharder[DynamicEmbeddingCollection]):
-    def shard(
-        self,
-        module: DynamicEmbeddingCollection,
-        params: EmbeddingModuleShardingPlan,
-        env: ShardingEnv,
-        device: torch.device | None = None,
-        module_fqn: str | None = None,
-    ) -> ShardedDynamicEmbeddingCollection:
-        return ShardedDynamicEmbeddingCollection(module, params, env, device, fused_params=self.fused_params)
-
-    @property
-    def module_type(self) -> type[DynamicEmbeddingCollection]:
-        return DynamicEmbeddingCollection
-
-    def shardable_parameters(self, module: DynamicEmbeddingCollection) -> dict[str, nn.Parameter]:
-        return {name: table.weight for name, table in module.embeddings.items()}
+    _module_cls, _sharded_cls = DynamicEmbeddingCollection, ShardedDynamicEmbeddingCollection
+    _container = "embeddings"
 
 
 def over_dynamic_ebc(module: nn.Module) -> bool:

@@ -213,8 +213,9 @@ class Admission:
     def state(self) -> dict[str, Tensor]:
         return {}
 
-    def checked_state(self, state: dict[str, Tensor], where: str) -> Admission:
-        """A new strategy holding ``state`` (checked; empty when the keys are absent)."""
+    def checked_state(self, state: dict[str, Tensor], where: str, device: torch.device | None = None) -> Admission:
+        """A new strategy holding ``state`` (checked; empty when the keys are absent), on
+        ``device`` (default: this one's)."""
         return self
 
     def nbytes(self) -> int:
@@ -282,8 +283,11 @@ class CounterAdmission(Admission):
         pending = self.counter.state_dict()
         return {"admission_id": pending["keys"], "admission_count": self.seen[pending["rows"]].clone()}
 
-    def checked_state(self, state: dict[str, Tensor], where: str) -> CounterAdmission:
-        fresh = CounterAdmission(self.admit_after, self.capacity, self.seen.device)
+    def checked_state(
+        self, state: dict[str, Tensor], where: str, device: torch.device | None = None
+    ) -> CounterAdmission:
+        device = self.seen.device if device is None else device
+        fresh = CounterAdmission(self.admit_after, self.capacity, device)
         if "admission_id" not in state:
             return fresh
         ids = _checked(where, "admission_id", state["admission_id"], "int", None)
@@ -294,7 +298,6 @@ class CounterAdmission(Admission):
             raise ValueError(
                 f"{where} admission_count must be >= 0, got {int(counts[i])} at entry {i} (admission_id {int(ids[i])})"
             )
-        device = self.seen.device
         ids, counts = ids.to(device, torch.int64), counts.to(device, torch.int64)
         # A bounded counter: sightings that do not fit are dropped, as a full counter drops them.
         rows = fresh.counter.insert_or_assign(ids, counts).rows
@@ -376,8 +379,9 @@ class BloomAdmission(Admission):
     def state(self) -> dict[str, Tensor]:
         return {"admission_bloom": self.packed.clone().unsqueeze(0)}  # one filter per row (a rank's)
 
-    def checked_state(self, state: dict[str, Tensor], where: str) -> BloomAdmission:
-        fresh = BloomAdmission(self.admit_after, self.geometry, self.decay_steps, self.seed, self.packed.device)
+    def checked_state(self, state: dict[str, Tensor], where: str, device: torch.device | None = None) -> BloomAdmission:
+        device = self.packed.device if device is None else device
+        fresh = BloomAdmission(self.admit_after, self.geometry, self.decay_steps, self.seed, device)
         if "admission_bloom" not in state:
             return fresh
         saved = state["admission_bloom"]
@@ -391,7 +395,7 @@ class BloomAdmission(Admission):
                 f"{where} admission_bloom must be [filters, bytes] with a power-of-two byte count "
                 f"(one packed filter per row), got {list(saved.shape)}"
             )
-        fresh.packed.copy_(self.combined(saved.to(self.packed.device)))
+        fresh.packed.copy_(self.combined(saved.to(device)))
         return fresh
 
     def combined(self, filters: Tensor) -> Tensor:

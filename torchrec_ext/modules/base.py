@@ -23,6 +23,7 @@ from torchrec_ext.modules.fused_optimizer import (
     DEFAULT_OPTIMIZER,
     DynamicEmbeddingFusedOptimizer,
     OptimizerSpec,
+    kwargs_copy,
     resolve_optimizer,
     spec_from_parameter,
 )
@@ -251,8 +252,8 @@ class DynamicCollectionMixin(DeltaMixin):
                 f"{sorted(n for n, s in specs.items() if s is None)} have none"
             )
         found = next(iter(chosen)) if chosen else None
-        # (kwargs copied: a dict changed in place since is a change)
-        self._chosen_markers = ([m if m is None else (m[0], dict(m[1])) for m in markers], found)
+        # (kwargs copied deeply: a dict, or a list in it, changed in place since is a change)
+        self._chosen_markers = ([m if m is None else (m[0], kwargs_copy(m[1])) for m in markers], found)
         return found if found is not None else self._optimizer_spec
 
     def _ensure_optimizer(self, default: bool = False) -> DynamicEmbeddingFusedOptimizer | None:
@@ -301,7 +302,7 @@ class DynamicCollectionMixin(DeltaMixin):
         self._optimizer_spec = spec
         for param in self._table_params().values():
             param._optimizer_classes = [cls if isinstance(cls, type) else spec.torch_class()]
-            param._optimizer_kwargs = [dict(kwargs or {}) if isinstance(cls, type) else spec.torch_kwargs()]
+            param._optimizer_kwargs = [kwargs_copy(kwargs) if isinstance(cls, type) else spec.torch_kwargs()]
         self._ensure_optimizer()
 
     def _rebuild_fused_optimizer(self) -> None:

@@ -99,8 +99,8 @@ class DynamicTables(IdsToRows, TableGrowth, ReplicatedFallback, TableCheckpoint,
         self._new_rows: NewRows | None = None
         self.defer_new_rows = True  # False: lookups write new rows themselves (as on GPUs)
         # Holds NewRows.vectors; reused by every lookup (its previous contents are written by
-        # then), since a fresh allocation per batch page-faults megabytes each time. Table t's
-        # block starts at its first unique id times the widest dim, so blocks never overlap.
+        # then), since a fresh allocation per batch page-faults megabytes each time. The tables'
+        # blocks lie back to back (_defer_tables), within the lookup's unique ids times the widest dim.
         self._new_vector_buffer = torch.empty(0, dtype=torch.float32, device=cpu)
         self._widest = max((m.dim for m in self.meta), default=0)
         self.last_seen: list[Tensor | None] = []

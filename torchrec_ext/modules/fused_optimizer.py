@@ -22,6 +22,7 @@ agree where every row is touched every step.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -63,6 +64,18 @@ _EMB_OPTIM_TYPES = {
     "ADAM": "adam",
 }
 # Arguments each kind accepts (besides torch's bookkeeping ones), and the values it must keep.
+_ADAMW_KWARGS = {
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "amsgrad",
+    "maximize",
+    "foreach",
+    "capturable",
+    "differentiable",
+    "fused",
+}
 _ACCEPTED = {
     "sgd": {
         "lr",
@@ -87,31 +100,8 @@ _ACCEPTED = {
         "fused",
     },
     "rowwise_adagrad": {"lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps", "maximize"},
-    "adam": {
-        "lr",
-        "betas",
-        "eps",
-        "weight_decay",
-        "amsgrad",
-        "maximize",
-        "foreach",
-        "capturable",
-        "differentiable",
-        "fused",
-        "decoupled_weight_decay",
-    },
-    "adamw": {
-        "lr",
-        "betas",
-        "eps",
-        "weight_decay",
-        "amsgrad",
-        "maximize",
-        "foreach",
-        "capturable",
-        "differentiable",
-        "fused",
-    },
+    "adam": _ADAMW_KWARGS | {"decoupled_weight_decay"},
+    "adamw": _ADAMW_KWARGS,
     "ftrl": {"lr", "lr_power", "l1", "l2", "beta", "initial_accumulator_value"},
 }
 _MUST_BE = {"momentum": 0, "nesterov": False, "maximize": False, "amsgrad": False}
@@ -371,6 +361,13 @@ def _class_defaults(cls: type) -> dict[str, Any]:
     }
 
 
+def kwargs_copy(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Optimizer kwargs as they are now, out of reach of later in-place edits of the caller's
+    objects (a list inside them, such as Adam's betas, too): what a marker is compared with to
+    see a change, and what a call that reads its kwargs once keeps."""
+    return copy.deepcopy(dict(kwargs or {}))
+
+
 def spec_from_parameter(param: Tensor, where: str) -> OptimizerSpec | None:
     """The spec set on a parameter by ``apply_optimizer_in_backward`` (the latest call wins)."""
     classes = getattr(param, "_optimizer_classes", None)
@@ -381,7 +378,7 @@ def spec_from_parameter(param: Tensor, where: str) -> OptimizerSpec | None:
     if cached is not None and cached[0] is cls and cached[1] == kwargs:
         return cached[2]
     spec = resolve_optimizer(cls, kwargs, where)
-    param._torchrec_ext_spec = (cls, dict(kwargs), spec)
+    param._torchrec_ext_spec = (cls, kwargs_copy(kwargs), spec)
     return spec
 
 

@@ -130,22 +130,23 @@ class IdsToRows:
             self.admission = [None] * len(self.meta)
             self.counters = None
             return
-        old = self.indexes if carry_from is not None and carry_from.type != "meta" else None
-        # A move carries the rows' ttl state, the admission sightings and the counters with the
-        # indexes (a fresh last_seen would read every row as unseen since step 0: expired, its
-        # trained values dropped).
-        old_seen, old_admission, old_counters = (
-            (self.last_seen, self.admission, self.counters) if old is not None else (None, None, None)
-        )
-        self.indexes, self.last_seen, self.admission = [], [], []
-        for t, m in enumerate(self.meta):
-            index = HashTable(m.capacity, policy=m.policy, device=device, mapped_rows=m.may_grow)
-            if old is not None and old[t] is not None:
-                state = old[t].state_dict()
-                index.load_state_dict({k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in state.items()})
-            self.indexes.append(index)
-            self.last_seen.append(torch.zeros(m.capacity, dtype=torch.int64, device=device) if m.ttl_steps else None)
-            self.admission.append(make_admission(m.options, m.admission, m.max_capacity, m.seed, device))
+        if carry_from is not None and carry_from.type != "meta":
+            # A move carries the indexes, the rows' ttl state, the admission sightings and the
+            # counters, each allocated once on the new device (a fresh last_seen would read every
+            # row as unseen since step 0: expired, its trained values dropped).
+            self.indexes = [self._new_index(m, old.state_dict()) for m, old in zip(self.meta, self.indexes)]
+            self.last_seen = [None if seen is None else seen.to(device) for seen in self.last_seen]
+            self.admission = [
+                None if a is None else a.checked_state(a.state(), f"table {m.name!r}", device)
+                for a, m in zip(self.admission, self.meta)
+            ]
+            self.counters = self.counters.to(device)
+            return
+        self.indexes = [self._new_index(m) for m in self.meta]
+        self.last_seen = [
+            torch.zeros(m.capacity, dtype=torch.int64, device=device) if m.ttl_steps else None for m in self.meta
+        ]
+        self.admission = [make_admission(m.options, m.admission, m.max_capacity, m.seed, device) for m in self.meta]
         # Ages of evicted rows, in steps since last read: known where last_seen is kept (ttl_steps),
         # and then bounded by about twice the ttl (older rows are swept), the last bin holding the rest.
         self.counters = TableCounters(
@@ -153,15 +154,14 @@ class IdsToRows:
             [None if m.ttl_steps is None else min(2 * m.ttl_steps + 2, MAX_AGE_BINS) for m in self.meta],
             device,
         )
-        if old_seen is not None:
-            self.last_seen = [None if seen is None else seen.to(device) for seen in old_seen]
-        if old_counters is not None:
-            self.counters = old_counters.to(device)
-        if old_admission is not None:  # (each strategy's sightings, taken onto the new device)
-            self.admission = [
-                a if a is None or o is None else a.checked_state(o.state(), f"table {m.name!r}")
-                for a, o, m in zip(self.admission, old_admission, self.meta)
-            ]
+
+    def _new_index(self, m, state: dict | None = None) -> HashTable:
+        """Table ``m``'s index on the tables' device: empty, or holding ``state`` (another
+        device's index's)."""
+        index = HashTable(m.capacity, policy=m.policy, device=self.device, mapped_rows=m.may_grow)
+        if state is not None:
+            index.load_state_dict({k: (v.to(self.device) if isinstance(v, Tensor) else v) for k, v in state.items()})
+        return index
 
     def check_ready(self, where: str) -> None:
         if self.device.type == "meta":
@@ -192,12 +192,9 @@ class IdsToRows:
             )
         if training:
             self.train_step += 1
-        new = None
         deferred = training and backward_follows and self.defer_new_rows and self.device.type == "cpu"
         batched = training and not exporting and self._batched_upsert()  # all tables' upserts in one call
-        if deferred:
-            # (a batched lookup builds its NewRows at once, after the upsert: _defer_tables)
-            new = None if batched else NewRows.none_yet(self.weights, [(m.dim, m.dtype) for m in self.meta], unique)
+        if deferred:  # (its NewRows built at once for all tables, after the upserts: _defer_tables)
             most = unique.numel() * self._widest
             if self._new_vector_buffer.numel() < most:
                 self._new_vector_buffer = allocate_filled(
@@ -227,13 +224,11 @@ class IdsToRows:
                 unique_rows[start:end] = rows
                 if fresh is not None:
                     inserted[start:end] = fresh
-                    if not flat:
-                        self._initialise(t, rows, fresh, keys, new, start)
-        if batched and deferred:
-            new = self._defer_tables(unique_rows, inserted, unique, unique_table)
-        for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]) if batched and not flat and not deferred else ()):
-            if end > start:
-                self._initialise(t, unique_rows[start:end], inserted[start:end], unique[start:end], new, start)
+        new = self._defer_tables(unique_rows, inserted, unique, unique_table) if deferred else None
+        if training and not flat and not deferred:  # each table's new rows written now
+            for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+                if exporting or end > start:  # (bounds are symbolic when exporting: checked in the loop above)
+                    self._initialise(t, unique_rows[start:end], inserted[start:end], unique[start:end])
         if flat:
             self._initialise_tables(unique_rows, inserted, unique, unique_table)
         if training and not exporting:
@@ -241,7 +236,7 @@ class IdsToRows:
         unique_ids = unique
         if self.fallback_layout is not None:
             unique_rows, unique_table, inverse, unique_ids = self._read_fallback(
-                unique, unique_rows, unique_table, inverse, new
+                unique, unique_rows, unique_table, inverse
             )
         unique_ids = unique_ids if self.rounding_seeds is not None else None
         layout = StorageLayout(*self._on_device()[:5])
@@ -317,13 +312,14 @@ class IdsToRows:
                 self.grow()  # growths put off while this update was pending
 
     def _read_fallback(
-        self, unique: Tensor, unique_rows: Tensor, unique_table: Tensor, inverse: Tensor, new: NewRows | None
+        self, unique: Tensor, unique_rows: Tensor, unique_table: Tensor, inverse: Tensor
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Unique ids without a row (-1) of tables with fallback rows read their fallback row
         instead. The uniques reading one fallback row are merged into the first of them, since
         the fused update steps each unique row once: (unique_rows, unique_table, inverse,
         unique_ids) after the merge, the id of a fallback row being its slot (stochastic
-        rounding draws its bits per row, whichever ids read it). ``new.unique_new`` follows."""
+        rounding draws its bits per row, whichever ids read it). The uniques keep their places,
+        so the pending rows' ``NewRows.unique_new`` still holds (no id reading a fallback row is new)."""
         layout = self._on_device()[5]
         # Fixed-size throughout (no compaction of the uniques that read a fallback row, no
         # unique count read on the host): a merged unique stays, with row -1 (no read, no step),
@@ -517,25 +513,14 @@ class IdsToRows:
             self.delta_log.removed(t, index.entries_at(rows)[0], rows)
         self.counters.count_swept(t, index.erase_rows(stale))
 
-    # Training-only and data-dependent throughout (which ids are new): run eagerly under torch.compile
-    # (a graph break; Dynamo cannot size the half-precision block views it carves).
+    # Training-only and data-dependent throughout (which ids are new): run eagerly under torch.compile.
     @torch.compiler.disable
-    def _initialise(self, t: int, rows: Tensor, fresh: Tensor, keys: Tensor, new: NewRows | None, start: int) -> None:
-        """The rows of table t's new ids (``fresh``): their initial vectors and optimizer state,
-        written now, or into ``new`` (whose unique ids start at ``start`` for this table)."""
+    def _initialise(self, t: int, rows: Tensor, fresh: Tensor, keys: Tensor) -> None:
+        """The rows of table t's new ids (``fresh``), written now: their initial vectors and
+        optimizer state (rows of -1 are skipped by init_rows: no mask-and-gather of the new ids)."""
         m = self.meta[t]
-        if new is None:
-            # Rows of -1 are skipped by init_rows: no mask-and-gather of the new ids needed.
-            table, states, fills = self._init_view(t)
-            ops.init_rows(table, torch.where(fresh, rows, -1), keys, m.seed, m.init_kind, m.init_params, states, fills)
-            return
-        which = fresh.nonzero().squeeze(1)
-        slots = torch.arange(which.numel(), device=which.device)
-        first = start * self._widest  # a half block takes half of its words: blocks still never overlap
-        block = self._new_vector_buffer[first : first + table_words(which.numel(), m.dim, m.dtype)]
-        vectors = block.view(m.dtype)[: which.numel() * m.dim].view(which.numel(), m.dim)
-        ops.init_rows(vectors, slots, keys[which], m.seed, m.init_kind, m.init_params)
-        new.add(t, start, which, slots, rows[which], vectors)
+        table, states, fills = self._init_view(t)
+        ops.init_rows(table, torch.where(fresh, rows, -1), keys, m.seed, m.init_kind, m.init_params, states, fills)
 
     @torch.compiler.disable
     def _defer_tables(self, unique_rows: Tensor, inserted: Tensor, unique: Tensor, unique_table: Tensor) -> NewRows:

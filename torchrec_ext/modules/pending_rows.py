@@ -58,22 +58,6 @@ class NewRows:
     unique_new: Tensor
     written: bool = False
 
-    @staticmethod
-    def none_yet(weights: Tensor, dims_and_dtypes: list[tuple[int, torch.dtype]], unique: Tensor) -> NewRows:
-        """No new row yet in any table of a lookup of ``unique`` ids."""
-        return NewRows(
-            vectors=[weights.new_empty(0, dim, dtype=dtype) for dim, dtype in dims_and_dtypes],
-            rows=[unique.new_empty(0) for _ in dims_and_dtypes],
-            unique_new=torch.full_like(unique, -1),
-        )
-
-    def add(self, t: int, start: int, which: Tensor, slots: Tensor, rows: Tensor, vectors: Tensor) -> None:
-        """Table t's new ids: ``which`` (positions among its unique ids, which start at ``start``)
-        take ``rows`` and, until written, ``vectors[slots]``."""
-        self.vectors[t] = vectors
-        self.rows[t] = rows
-        self.unique_new[start + which] = slots
-
     def read_rows(self, unique_rows: Tensor) -> Tensor:
         """Each unique id's row as the lookup kernels read it: pending rows by their code."""
         return torch.where(self.unique_new >= 0, pending_row(self.unique_new), unique_rows)

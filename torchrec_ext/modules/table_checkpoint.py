@@ -213,20 +213,7 @@ class TableCheckpoint:
         )
         saved_rows = _checked(name, "row", state["row"], "int", (n,)) if "row" in state else None
         _check_distinct(name, "weight_id", ids)
-        states: dict[str, Tensor | None] = {}
-        for key, view in self.state_views(t).items():
-            value = state.get(f"optimizer.{key}")
-            if value is not None:
-                value = _checked(
-                    name,
-                    f"optimizer.{key}",
-                    value,
-                    "float",
-                    (n,) + tuple(view.shape[1:]),
-                    ids,
-                    non_negative=(self.optimizer.kind, key) in SQUARED_STATES,
-                )
-            states[key] = value
+        states = self._checked_states(state, "optimizer", self.state_views(t), n, name, ids)
         last_seen = None
         if m.ttl_steps is not None and "last_seen" in state:
             last_seen = _checked(name, "last_seen", state["last_seen"], "int", (n,))
@@ -334,20 +321,30 @@ class TableCheckpoint:
                 raise ValueError(
                     f"{name} fallback_weight holds values beyond the range of the table's data_type ({m.dtype})"
                 )
-        states: dict[str, Tensor | None] = {}
-        for key, view in self.state_views(t, fallback=True).items():
-            value = state.get(f"fallback_optimizer.{key}")
+        views = self.state_views(t, fallback=True)
+        return fallback, self._checked_states(state, "fallback_optimizer", views, m.fallback_rows, name)
+
+    def _checked_states(
+        self, state: dict[str, Tensor], prefix: str, views: dict[str, Tensor], rows: int, name: str, ids=None
+    ) -> dict[str, Tensor | None]:
+        """The optimizer state ``state`` holds for ``views`` (``<prefix>.<key>``; None where not
+        saved), checked: ``rows`` rows as wide as the view's, finite, squared ones >= 0 (``ids``
+        name a bad row)."""
+        checked: dict[str, Tensor | None] = {}
+        for key, view in views.items():
+            value = state.get(f"{prefix}.{key}")
             if value is not None:
                 value = _checked(
                     name,
-                    f"fallback_optimizer.{key}",
+                    f"{prefix}.{key}",
                     value,
                     "float",
-                    tuple(view.shape),
+                    (rows, *view.shape[1:]),
+                    ids,
                     non_negative=(self.optimizer.kind, key) in SQUARED_STATES,
-                ).to(device, torch.float32)
-            states[key] = value
-        return fallback, states
+                )
+            checked[key] = value
+        return checked
 
     def _dtype_warning(self, t: int, vectors: Tensor, ids: Tensor, name: str) -> str | None:
         """None when the checkpoint's vectors have table t's storage dtype; else what converting

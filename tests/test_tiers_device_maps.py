@@ -356,3 +356,34 @@ def test_a_stage_waits_once_for_every_tables_write_backs(monkeypatch):
     blocks = re.findall("q+l+", "".join(calls))
     assert "".join(blocks) == "".join(calls) and all(b.count("q") == b.count("l") for b in blocks)
     assert max(b.count("q") for b in blocks) == 3, blocks  # (each table wrote back in some stage)
+
+
+@pytest.mark.parametrize("records", [False, True], ids=["plain", "records"])
+def test_a_failed_write_back_of_one_table_leaves_the_others_written(monkeypatch, records):
+    """One table's write-back raises (an OS error writing the backing store): the lookup raises
+    it, and the other tables' evicted rows, already gone from the maps, are still written back;
+    their rows stay equal to the all-resident module's."""
+    monkeypatch.setattr(TieredTables, "copy_through_records", records)
+    module, batches = _module_and_batches(2, True, 12)
+    resident, _ = _module_and_batches(2, True, 0, tiered=False)
+    for kjt in batches[:10]:
+        for m in (module, resident):
+            m(kjt).values().sum().backward()
+    failing = module._tables._mover(0)
+
+    def refuse(*args):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(failing, "_write_records", refuse)
+    monkeypatch.setattr(failing, "write", refuse)
+    with pytest.raises(OSError, match="no space left"):
+        module(batches[10])
+    monkeypatch.undo()
+    assert module._tables.caches[1].write_backs > 0
+    mine, theirs = module.state_dict(), resident.state_dict()
+    prefix = "embedding_bags.t1."
+    # (the failed lookup had added its new ids to the index: the resident module's ids compared)
+    at = {int(i): r for r, i in enumerate(mine[prefix + "weight_id"].tolist())}
+    rows = torch.tensor([at[int(i)] for i in theirs[prefix + "weight_id"]])
+    for name in ("weight", "optimizer.momentum1"):
+        assert torch.equal(mine[prefix + name][rows], theirs[prefix + name]), name

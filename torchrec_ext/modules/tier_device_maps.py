@@ -420,22 +420,26 @@ class DeviceSlotMaps:
         self.row_of.index_fill_(0, gone, -1)
         self.dirty.index_fill_(0, gone, False)
         slots, rows, written, kept = host[0] - bases[0], host[1], host[2] == 1, host[3] == 1
-        freed, stores = {}, []
+        # The maps forgot the victims above: each table's write-back must run even when another
+        # table's raises (an OS error writing its store), else their rows would be lost too.
+        freed, stores, failed = {}, [], []
         for t, first, k in self._parts(dict(zip(shorts, counts))):
             these = slice(first, first + k)
             n = int(written[these].sum())
             if n:  # (before any slot is refilled: the caller's reads come after)
                 cache = self.tables[t]
                 back = written[these]
-                stores.append(movers[t].write_later(slots[these][back], rows[these][back]))
+                stores.append(_attempt(failed, movers[t].write_later, slots[these][back], rows[these][back]))
                 cache.write_backs += n
                 if ahead:
                     cache.staged_write_backs += n
                 cache.bytes_moved += n * movers[t].row_bytes
             freed[t] = slots[these][kept[these]]
         for store in stores:  # (every table's copy queued before the first waits: one wait for all)
-            store()
+            _attempt(failed, store)
         self._push_free(freed)
+        if failed:
+            raise failed[0]
 
     # ------------------------------------------------------------------ ahead of a lookup
 
@@ -525,3 +529,16 @@ class DeviceSlotMaps:
         for token, held in self.pinned.items():
             self.pinned[token] = torch.where((held >= slots) & (held < slots + cache.slots), spare, held)
             self.pin_counts[token] = [0 if u == t else n for u, n in enumerate(self.pin_counts[token])]
+
+
+def _attempt(failed: list[BaseException], call, *args):
+    """``call(*args)``; an exception it raises is kept in ``failed`` (returns a no-op then)."""
+    try:
+        return call(*args)
+    except Exception as error:  # noqa: BLE001  (re-raised by the caller once every write-back has run)
+        failed.append(error)
+        return _nothing
+
+
+def _nothing() -> None:
+    pass

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torchrec import KeyedJaggedTensor, PoolingType
 
-from dist_helpers import ModelWith, run_ranks
+from dist_helpers import ModelWith, dmp_of, run_ranks
 from torchrec_ext import (
     DynamicEmbeddingBagCollection,
     DynamicEmbeddingBagConfig,
@@ -416,11 +416,9 @@ def _global_batch(kjts):
 
 
 def _sharded(world_size, sharding, optimizer):
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.distributed.sharding_plan import row_wise, table_wise
 
-    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
+    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder
 
     model = ModelWith(
         "ebc", DynamicEmbeddingBagCollection(_sharded_configs(), optimizer=optimizer, optimizer_kwargs={"lr": LR})
@@ -434,21 +432,7 @@ def _sharded(world_size, sharding, optimizer):
             "t3": row_wise(compute_kernel=kernel),
         },
     }[sharding]
-    plan = construct_module_sharding_plan(
-        model.ebc,
-        generators,
-        sharder=DynamicEmbeddingBagCollectionSharder(),
-        local_size=world_size,
-        world_size=world_size,
-        device_type="cpu",
-    )
-    return DistributedModelParallel(
-        model,
-        env=ShardingEnv.from_process_group(dist.group.WORLD),
-        device=torch.device("cpu"),
-        plan=ShardingPlan({"ebc": plan}),
-        sharders=get_sharders(),
-    )
+    return dmp_of(model, "ebc", generators, DynamicEmbeddingBagCollectionSharder(), world_size)
 
 
 def _train_both(rank, world_size, dmp, reference, steps, first_step=0):

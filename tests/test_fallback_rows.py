@@ -580,6 +580,30 @@ def test_planner_counts_the_fallback_rows_and_their_state():
             )
 
 
+def _plain_and_replicated(make, seed, grad_of, outputs_of):
+    """Two modules from ``make`` trained on the same 3 batches of features f and g, the second
+    stepping its fallback rows apart as the sharded path does with a one-rank sum (its all_reduce
+    does nothing); each step's gradient ``grad_of(lengths, gen)`` is taken against ``outputs_of``
+    the module's output. Returns (plain, split)."""
+    plain, split = make(), make()
+    split._tables.replicated_fallback = ([0, 1], lambda tensor: None)  # what a one-rank all_reduce does
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(3):
+        lengths = torch.randint(0, 4, (2 * 5,), generator=gen)
+        values = torch.tensor(POOL)[torch.randint(0, len(POOL), (int(lengths.sum()),), generator=gen)]
+        kjt = KeyedJaggedTensor(keys=["f", "g"], values=values, lengths=lengths)
+        grad_out = grad_of(lengths, gen)
+        for m in (plain, split):
+            (outputs_of(m(kjt)) * grad_out).sum().backward()
+    return plain, split
+
+
+def _assert_same_state(got, want_module):
+    want = want_module.state_dict()
+    for key, value in got.state_dict().items():
+        torch.testing.assert_close(value, want[key], rtol=0, atol=1e-6, msg=key)
+
+
 @pytest.mark.parametrize(
     "optimizer,dtype",
     [("sgd", "FP32"), ("adam", "FP16"), ("rowwise_adagrad", "BF16"), ("ftrl", "FP32"), ("adamw", "FP32")],
@@ -608,22 +632,13 @@ def test_replicated_fallback_step_on_one_rank_equals_the_fused_step(optimizer, d
         ]
         return DynamicEmbeddingBagCollection(cfgs, optimizer=optimizer, optimizer_kwargs=kwargs)
 
-    plain, split = make(), make()
-    split._tables.replicated_fallback = ([0, 1], lambda tensor: None)  # what a one-rank all_reduce does
-    gen = torch.Generator().manual_seed(11)
-    for _ in range(3):
-        lengths = torch.randint(0, 4, (2 * 5,), generator=gen)
-        values = torch.tensor(POOL)[torch.randint(0, len(POOL), (int(lengths.sum()),), generator=gen)]
-        kjt = KeyedJaggedTensor(keys=["f", "g"], values=values, lengths=lengths)
-        grad_out = torch.randn(5, 12, generator=gen)
-        for m in (plain, split):
-            (m(kjt).values() * grad_out).sum().backward()
+    plain, split = _plain_and_replicated(
+        make, 11, lambda lengths, gen: torch.randn(5, 12, generator=gen), lambda out: out.values()
+    )
     for t in range(2):
         assert plain._tables.fallback_view(t).abs().sum() > 0
         torch.testing.assert_close(split._tables.fallback_view(t), plain._tables.fallback_view(t), rtol=0, atol=1e-6)
-    want = plain.state_dict()
-    for key, value in split.state_dict().items():
-        torch.testing.assert_close(value, want[key], rtol=0, atol=1e-6, msg=key)
+    _assert_same_state(split, plain)
 
 
 def test_replicated_fallback_step_of_a_sequence_collection_equals_the_fused_step():
@@ -642,21 +657,14 @@ def test_replicated_fallback_step_of_a_sequence_collection_equals_the_fused_step
         ]
         return DynamicEmbeddingCollection(cfgs, optimizer="adagrad", optimizer_kwargs={"lr": LR})
 
-    plain, split = make(), make()
-    split._tables.replicated_fallback = ([0, 1], lambda tensor: None)
-    gen = torch.Generator().manual_seed(12)
-    for _ in range(3):
-        lengths = torch.randint(0, 4, (2 * 5,), generator=gen)
-        values = torch.tensor(POOL)[torch.randint(0, len(POOL), (int(lengths.sum()),), generator=gen)]
-        kjt = KeyedJaggedTensor(keys=["f", "g"], values=values, lengths=lengths)
-        grad_out = torch.randn(int(lengths.sum()), DIM, generator=gen)
-        for m in (plain, split):
-            out = m(kjt)
-            (torch.cat([out["f"].values(), out["g"].values()]) * grad_out).sum().backward()
-    want = plain.state_dict()
-    assert want["embeddings.a.fallback_weight"].abs().sum() > 0
-    for key, value in split.state_dict().items():
-        torch.testing.assert_close(value, want[key], rtol=0, atol=1e-6, msg=key)
+    plain, split = _plain_and_replicated(
+        make,
+        12,
+        lambda lengths, gen: torch.randn(int(lengths.sum()), DIM, generator=gen),
+        lambda out: torch.cat([out["f"].values(), out["g"].values()]),
+    )
+    assert plain.state_dict()["embeddings.a.fallback_weight"].abs().sum() > 0
+    _assert_same_state(split, plain)
 
 
 def test_many_fallback_rows_merge_the_ids_sharing_one():

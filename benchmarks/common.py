@@ -92,6 +92,14 @@ def save(name: str, record: dict[str, object], markdown: str) -> None:
         f.write(markdown + "\n")
 
 
+def print_and_save(name: str, cfg: object, results: object, text: str, save_results: bool) -> None:
+    """Prints the report ``text``; with ``save_results``, saves it (``save``) with the config
+    dataclass ``cfg`` and ``results`` as the record."""
+    print(text)
+    if save_results:
+        save(name, {"config": dataclasses.asdict(cfg), "results": results}, text)
+
+
 def process_memory() -> dict[str, int]:
     """VmRSS / VmHWM (its peak) / RssAnon / RssFile of this process, in bytes."""
     out = {}

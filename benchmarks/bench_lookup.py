@@ -295,8 +295,13 @@ def time_system(name: str, built: Built, cfg: Config, raw: list) -> dict[str, ob
 
     clock = time.process_time if cfg.clock == "cpu" else time.perf_counter
     sec = median_seconds(run, repeats, warmup=warmup, setup=lambda: next(chunks), clock=clock) / cfg.steps_per_repeat
-    nbytes, live, slots = built.memory()
     ids_per_step = sum(int(kjt.values().numel()) for kjt in raw[: len(batches)]) / len(batches)
+    return _result(built, sec, ids_per_step, repeats, warmup)
+
+
+def _result(built: Built, sec: float, ids_per_step: float, repeats: int, warmup: int) -> dict[str, object]:
+    """A system's results: ``sec`` per step (the median), its throughput and its memory after."""
+    nbytes, live, slots = built.memory()
     return {
         "ms_per_step": sec * 1e3,
         "ids_per_s": ids_per_step / sec,
@@ -331,17 +336,8 @@ def time_interleaved(builts: dict[str, Built], cfg: Config, raw: list) -> dict[s
     results = {}
     for name, built in builts.items():
         sec = statistics.median(times[name])
-        nbytes, live, slots = built.memory()
         results[name] = {
-            "ms_per_step": sec * 1e3,
-            "ids_per_s": ids_per_step / sec,
-            "bytes": nbytes,
-            "live_rows": live,
-            "slots": slots,
-            "bytes_per_live_row": nbytes / live if live else None,
-            "repeats": cfg.repeats,
-            "warmup": cfg.warmup,
-            "note": built.note,
+            **_result(built, sec, ids_per_step, cfg.repeats, cfg.warmup),
             "interleaved": True,
             "ms_per_step_each_repeat": [t * 1e3 for t in times[name]],
         }

@@ -452,12 +452,23 @@ def step_bandwidth(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[di
 
 
 def run_bench(
-    name: str, script: str, args: list[str], sizes: Sizes, out_dir: str, results_file: str, env: dict | None = None
+    name: str,
+    script: str,
+    args: list[str],
+    sizes: Sizes,
+    out_dir: str,
+    results_file: str,
+    device: torch.device,
+    env: dict | None = None,
 ) -> tuple[dict, str]:
-    """Runs one benchmark in its own process (a CUDA error there cannot poison this one), results to out_dir."""
+    """Runs one benchmark in its own process (a CUDA error there cannot poison this one), results to
+    out_dir. For a step on the CPU the process sees no GPU: some benchmarks take one whenever it
+    is visible, and would then run on it and write their *_cuda results instead."""
     log = os.path.join(out_dir, f"{name}.log")
     cmd = [sys.executable, os.path.join(HERE, script)] + args
     env = dict(os.environ, BENCH_RESULTS_DIR=out_dir, **(env or {}))
+    if device.type != "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = ""
     with open(log, "w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
@@ -490,10 +501,11 @@ def step_pooled_lookup(sizes: Sizes, device: torch.device, out_dir: str) -> tupl
             sizes,
             out_dir,
             "pooled_lookup_cpu",
+            device,
             env={"TRITON_INTERPRET": "1"},
         )
     return run_bench(
-        "pooled_lookup", "bench_pooled_lookup.py", args + ["--sweep", "1"], sizes, out_dir, "pooled_lookup_cuda"
+        "pooled_lookup", "bench_pooled_lookup.py", args + ["--sweep", "1"], sizes, out_dir, "pooled_lookup_cuda", device
     )
 
 
@@ -505,6 +517,7 @@ def step_hash_table(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[d
         sizes,
         out_dir,
         f"hash_table_{device.type}_hkv",
+        device,
     )
 
 
@@ -516,6 +529,7 @@ def step_upsert_tables(sizes: Sizes, device: torch.device, out_dir: str) -> tupl
         sizes,
         out_dir,
         f"upsert_tables_{device.type}",
+        device,
     )
 
 
@@ -527,6 +541,7 @@ def step_step_host(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[di
         sizes,
         out_dir,
         f"step_host_{device.type}",
+        device,
     )
 
 
@@ -542,6 +557,7 @@ def step_lookup(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dict,
         sizes,
         out_dir,
         f"lookup_{device.type}",
+        device,
     )
     if reason:
         row["ebc"] = f"not run: {reason}"
@@ -555,7 +571,7 @@ def step_pipeline(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dic
         if reason:  # TorchRec's sharded EBC (the benchmark's model) needs fbgemm's CUDA TBE
             raise NotRunnable(f"TorchRec's sharded EBC on CUDA needs fbgemm's CUDA build: {reason}")
     return run_bench(
-        "pipeline", "bench_pipeline.py", list(sizes.pipeline_args), sizes, out_dir, f"pipeline_{device.type}"
+        "pipeline", "bench_pipeline.py", list(sizes.pipeline_args), sizes, out_dir, f"pipeline_{device.type}", device
     )
 
 
@@ -565,7 +581,13 @@ def step_tiers(sizes: Sizes, device: torch.device, out_dir: str) -> tuple[dict, 
     reason = fbgemm_cuda_reason()
     systems = "ours,resident" if reason else "ours,torchrec,resident"
     row, text = run_bench(
-        "tiers", "bench_tiers_gpu.py", list(sizes.tiers_args) + ["--systems", systems], sizes, out_dir, "tiers_gpu"
+        "tiers",
+        "bench_tiers_gpu.py",
+        list(sizes.tiers_args) + ["--systems", systems],
+        sizes,
+        out_dir,
+        "tiers_gpu",
+        device,
     )
     if reason:
         row["torchrec"] = f"not run: {reason}"

@@ -37,6 +37,18 @@ inline void check_slot_scores(const char* op, const at::Tensor& slot_scores, int
               op, ": slot_scores must be a contiguous int64 tensor of ", g.num_slots(), " slots");
 }
 
+// hash_export's table and its slot range [start, end).
+inline void check_export(const at::Tensor& digests, const at::Tensor& slot_keys,
+                         const at::Tensor& slot_scores, int64_t capacity, int64_t start,
+                         int64_t end) {
+  check_table("hash_export", digests, slot_keys, capacity);
+  check_slot_scores("hash_export", slot_scores, capacity);
+  const int64_t slots = make_geometry(capacity).num_slots();
+  TORCH_CHECK(0 <= start && start <= end && end <= slots,
+              "hash_export: need 0 <= start <= end <= ", slots, ", got start=", start,
+              " end=", end);
+}
+
 inline void check_size(const char* op, const at::Tensor& size) {
   TORCH_CHECK(size.scalar_type() == at::kLong && size.numel() == 1, op,
               ": size must be a one-element int64 tensor, got ", size.scalar_type(), " of ",

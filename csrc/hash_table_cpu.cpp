@@ -495,9 +495,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
   // Gives the key of input position i, found at `row`, its touched score and pins the row.
   auto touch = [&](int64_t i, int64_t row) {
     const int64_t g = has_given ? gp[i] : 0;
-    t.scores[row] = (assign && has_given)
-                        ? g
-                        : touched_score(policy, false, t.scores[row], has_given, g, clock, epoch);
+    t.scores[row] = upsert_score(policy, false, t.scores[row], has_given, g, clock, epoch, assign);
     t.digests[row] |= kPinBit;
   };
   // Inserts the key of input position i, absent when the call began, and returns its row (-1:
@@ -510,8 +508,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cpu(
       return row;
     }
     const int64_t g = has_given ? gp[i] : 0;
-    const int64_t new_score =
-        (assign && has_given) ? g : touched_score(policy, true, 0, has_given, g, clock, epoch);
+    const int64_t new_score = upsert_score(policy, true, 0, has_given, g, clock, epoch, assign);
     const int64_t base1 = p.bucket1 * kSlotsPerBucket, base2 = p.bucket2 * kSlotsPerBucket;
     const uint32_t free1 = match_empty(t.digests + base1) & geo.usable_mask(p.bucket1);
     const uint32_t free2 =
@@ -873,12 +870,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hash_export_cpu(const at::Tensor&
                                                                const at::Tensor& slot_scores,
                                                                int64_t capacity, int64_t start,
                                                                int64_t end) {
-  check_table("hash_export", digests, slot_keys, capacity);
-  check_slot_scores("hash_export", slot_scores, capacity);
-  const TableGeometry geo = make_geometry(capacity);
-  TORCH_CHECK(0 <= start && start <= end && end <= geo.num_slots(),
-              "hash_export: need 0 <= start <= end <= ", geo.num_slots(), ", got start=", start,
-              " end=", end);
+  check_export(digests, slot_keys, slot_scores, capacity, start, end);
   const uint8_t* d = digests.data_ptr<uint8_t>();
   const int64_t* sk = slot_keys.data_ptr<int64_t>();
   const int64_t* ss = slot_scores.data_ptr<int64_t>();

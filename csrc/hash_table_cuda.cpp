@@ -345,12 +345,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hash_export_cuda(const at::Tensor
                                                                 const at::Tensor& slot_scores,
                                                                 int64_t capacity, int64_t start,
                                                                 int64_t end) {
-  check_table("hash_export", digests, slot_keys, capacity);
-  check_slot_scores("hash_export", slot_scores, capacity);
-  const TableGeometry geo = make_geometry(capacity);
-  TORCH_CHECK(0 <= start && start <= end && end <= geo.num_slots(),
-              "hash_export: need 0 <= start <= end <= ", geo.num_slots(), ", got start=", start,
-              " end=", end);
+  check_export(digests, slot_keys, slot_scores, capacity, start, end);
   check_devices("hash_export", digests, {{"slot_keys", &slot_keys}, {"slot_scores", &slot_scores}});
   const c10::cuda::CUDAGuard device_guard(digests.device());
   // Rows past capacity are never used; live rows come out ascending, as on CPU.

@@ -1,8 +1,8 @@
 // CUDA kernels of the dynamic hash table (torch.ops.torchrec_ext.hash_*) and of `route`.
 //
-// Lookups are read-only and take one thread per key (hash_find: a warp per key where the digests
-// are not 16-byte aligned), all in parallel: a thread loads a bucket's 32 digests in two 16-byte
-// loads and matches four tags per 32-bit op, in the CPU kernel's scan order.
+// Lookups are read-only and take one thread per key, all in parallel: a thread loads a bucket's 32
+// digests in two 16-byte loads (byte by byte where the digests are not 16-byte aligned: a view)
+// and matches four tags per 32-bit op, in the CPU kernel's scan order.
 //
 // Mutations must give the CPU kernels' results bit for bit (same rows, flags, evictions and
 // scores). The binding sorts positions by stripe with a stable sort (each stripe's keys in batch
@@ -44,42 +44,6 @@ __device__ __forceinline__ int64_t global_thread() {
 
 __device__ __forceinline__ int64_t global_threads() {
   return static_cast<int64_t>(gridDim.x) * blockDim.x;
-}
-
-// hash_find's warp-per-key probe (digests not 16-byte aligned): lane l owns slot l of both
-// candidate buckets, and a ballot over the CPU's scan order gives the answer.
-// This lane's slot in each of a key's candidate buckets.
-struct LaneSlots {
-  int64_t row1;
-  int64_t row2;
-  uint8_t d1;
-  uint8_t d2;
-  bool two;  // bucket2 != bucket1 (a one-bucket stripe gives both the same bucket)
-};
-
-__device__ __forceinline__ LaneSlots load_slots(const uint8_t* digests, const KeyPlace& p,
-                                                int lane) {
-  LaneSlots s;
-  s.row1 = p.bucket1 * kSlotsPerBucket + lane;
-  s.row2 = p.bucket2 * kSlotsPerBucket + lane;
-  s.two = p.bucket2 != p.bucket1;
-  s.d1 = digests[s.row1];
-  s.d2 = s.two ? digests[s.row2] : uint8_t{0};
-  return s;
-}
-
-// Row holding `key`, or -1: the lowest matching slot of bucket1, else of bucket2, as the CPU
-// probe (the pin bit is ignored). Only lanes whose tag matches read their slot's key, and both
-// buckets' key reads are issued before either ballot.
-__device__ __forceinline__ int64_t warp_probe(const int64_t* slot_keys, const KeyPlace& p,
-                                              const LaneSlots& s, int64_t key) {
-  const bool hit1 = (s.d1 & kTagMask) == p.tag && slot_keys[s.row1] == key;
-  const bool hit2 = s.two && (s.d2 & kTagMask) == p.tag && slot_keys[s.row2] == key;
-  const uint32_t m1 = __ballot_sync(kFullMask, hit1);
-  const uint32_t m2 = __ballot_sync(kFullMask, hit2);
-  if (m1 != 0) return p.bucket1 * kSlotsPerBucket + (__ffs(static_cast<int>(m1)) - 1);
-  if (m2 != 0) return p.bucket2 * kSlotsPerBucket + (__ffs(static_cast<int>(m2)) - 1);
-  return -1;
 }
 
 // First index in [lo, hi) of the ascending `sorted` whose value is >= v, else hi (every lane gets
@@ -134,46 +98,59 @@ __device__ __forceinline__ uint32_t byte_flags(uint32_t high) {
   return ((high >> 7) & 1u) | ((high >> 14) & 2u) | ((high >> 21) & 4u) | ((high >> 28) & 8u);
 }
 
-// Slot masks (bit l: slot l) of a bucket's digests, four bytes per 32-bit op.
-// Slots whose tag is `tag` (pin bit ignored). Empty slots (digest 0) never match: tags are
-// 1..127.
-__device__ __forceinline__ uint32_t tag_mask(const BucketDigests& b, uint8_t tag) {
-  const uint32_t tags = 0x01010101u * tag;
+// Slot masks (bit l: slot l) of a bucket's digests, four bytes per 32-bit op: slot 4w + j is in
+// the mask where bit 7 of byte j of flagged(word w) is set.
+template <typename Flagged>
+__device__ __forceinline__ uint32_t slot_mask(const BucketDigests& b, Flagged flagged) {
   uint32_t mask = 0;
 #pragma unroll
-  for (int w = 0; w < 8; ++w) {
-    // A byte of x is 0 where the tag matches; every byte is <= 0x7F, so adding 0x7F to each
-    // carries into its bit 7 exactly when it is non-zero, and never into the next byte.
-    const uint32_t x = (b.words[w] & 0x7F7F7F7Fu) ^ tags;
-    mask |= byte_flags(~(x + 0x7F7F7F7Fu) & 0x80808080u) << (4 * w);
-  }
+  for (int w = 0; w < 8; ++w) mask |= byte_flags(flagged(b.words[w]) & 0x80808080u) << (4 * w);
   return mask;
+}
+
+// Slots whose tag is `tag` (pin bit ignored). Empty slots (digest 0) never match: tags are
+// 1..127. A byte of x is 0 where the tag matches; every byte is <= 0x7F, so adding 0x7F to each
+// carries into its bit 7 exactly when it is non-zero, and never into the next byte.
+__device__ __forceinline__ uint32_t tag_mask(const BucketDigests& b, uint8_t tag) {
+  const uint32_t tags = 0x01010101u * tag;
+  return slot_mask(b, [tags](uint32_t word) {
+    const uint32_t x = (word & 0x7F7F7F7Fu) ^ tags;
+    return ~(x + 0x7F7F7F7Fu);
+  });
 }
 
 // Empty slots (digest 0): a byte is non-zero when its low 7 bits carry into bit 7 or bit 7 is set.
 __device__ __forceinline__ uint32_t empty_mask(const BucketDigests& b) {
-  uint32_t mask = 0;
-#pragma unroll
-  for (int w = 0; w < 8; ++w) {
-    const uint32_t x = b.words[w];
-    mask |= byte_flags(~(((x & 0x7F7F7F7Fu) + 0x7F7F7F7Fu) | x) & 0x80808080u) << (4 * w);
-  }
-  return mask;
+  return slot_mask(b, [](uint32_t x) { return ~(((x & 0x7F7F7F7Fu) + 0x7F7F7F7Fu) | x); });
 }
 
 // Pinned slots (digest bit 7: held by the call in flight).
 __device__ __forceinline__ uint32_t pinned_mask(const BucketDigests& b) {
-  uint32_t mask = 0;
-#pragma unroll
-  for (int w = 0; w < 8; ++w) mask |= byte_flags(b.words[w] & 0x80808080u) << (4 * w);
-  return mask;
+  return slot_mask(b, [](uint32_t x) { return x; });
 }
 
 __device__ __forceinline__ uint32_t tag_matches(const uint8_t* bucket_digests, uint8_t tag) {
   return tag_mask(load_bucket(bucket_digests), tag);
 }
 
-// Row holding `key`, or -1, probed by one thread: warp_probe's answer (the lowest matching slot
+// Row holding `key` among the tag matches of its two buckets (masks m1 of the bucket at row
+// base1, m2 at base2): the lowest matching slot of bucket1, else of bucket2, as the CPU probe;
+// else -1. Only tag matches read their slot's key.
+__device__ __forceinline__ int64_t key_in_buckets(const int64_t* slot_keys, int64_t key,
+                                                  int64_t base1, uint32_t m1, int64_t base2,
+                                                  uint32_t m2) {
+  for (uint32_t m = m1; m != 0; m &= m - 1) {
+    const int64_t row = base1 + (__ffs(static_cast<int>(m)) - 1);
+    if (slot_keys[row] == key) return row;
+  }
+  for (uint32_t m = m2; m != 0; m &= m - 1) {
+    const int64_t row = base2 + (__ffs(static_cast<int>(m)) - 1);
+    if (slot_keys[row] == key) return row;
+  }
+  return -1;
+}
+
+// Row holding `key`, or -1, probed by one thread: the CPU probe's answer (the lowest matching slot
 // of bucket1, else of bucket2, else the stash). Both buckets' digests are loaded before any key.
 __device__ __forceinline__ int64_t thread_probe(const uint8_t* digests, const int64_t* slot_keys,
                                                 const TableGeometry& geo, int64_t key) {
@@ -181,46 +158,21 @@ __device__ __forceinline__ int64_t thread_probe(const uint8_t* digests, const in
   const uint32_t m1 = tag_matches(digests + p.bucket1 * kSlotsPerBucket, p.tag);
   const uint32_t m2 =
       p.bucket2 != p.bucket1 ? tag_matches(digests + p.bucket2 * kSlotsPerBucket, p.tag) : 0u;
-  for (uint32_t m = m1; m != 0; m &= m - 1) {
-    const int64_t row = p.bucket1 * kSlotsPerBucket + (__ffs(static_cast<int>(m)) - 1);
-    if (slot_keys[row] == key) return row;
-  }
-  for (uint32_t m = m2; m != 0; m &= m - 1) {
-    const int64_t row = p.bucket2 * kSlotsPerBucket + (__ffs(static_cast<int>(m)) - 1);
-    if (slot_keys[row] == key) return row;
-  }
-  return stash_probe(digests, slot_keys, geo, p, key);
+  const int64_t row = key_in_buckets(slot_keys, key, p.bucket1 * kSlotsPerBucket, m1,
+                                     p.bucket2 * kSlotsPerBucket, m2);
+  return row >= 0 ? row : stash_probe(digests, slot_keys, geo, p, key);
 }
 
-// hash_find with one thread per key (digests 16-byte aligned): the 32 keys of a warp load,
-// hash and probe in parallel, their loads all in flight at once, and the reads of keys and
-// writes of rows / found coalesce. A warp per key (below) issues every instruction for one
-// key and keeps one key's loads in flight.
-__global__ void hash_find_thread_kernel(const uint8_t* digests, const int64_t* slot_keys,
-                                        TableGeometry geo, const int64_t* keys, int64_t n,
-                                        int64_t* rows, bool* found) {
+// hash_find: thread i takes key i (grid-stride): the 32 keys of a warp load, hash and probe in
+// parallel, their loads all in flight at once, and the reads of keys and writes of rows / found
+// coalesce.
+__global__ void hash_find_kernel(const uint8_t* digests, const int64_t* slot_keys,
+                                 TableGeometry geo, const int64_t* keys, int64_t n, int64_t* rows,
+                                 bool* found) {
   for (int64_t i = global_thread(); i < n; i += global_threads()) {
     const int64_t row = thread_probe(digests, slot_keys, geo, keys[i]);
     rows[i] = row;
     found[i] = row >= 0;
-  }
-}
-
-// The same with a warp per key: for digests that are not 16-byte aligned (a view).
-__global__ void hash_find_kernel(const uint8_t* digests, const int64_t* slot_keys,
-                                 TableGeometry geo, const int64_t* keys, int64_t n, int64_t* rows,
-                                 bool* found) {
-  const int lane = lane_id();
-  const int64_t num_warps = global_threads() / kWarpSize;
-  for (int64_t i = global_thread() / kWarpSize; i < n; i += num_warps) {
-    const int64_t key = keys[i];
-    const KeyPlace p = place_key(key, geo);
-    int64_t row = warp_probe(slot_keys, p, load_slots(digests, p, lane), key);
-    if (row < 0) row = stash_probe(digests, slot_keys, geo, p, key);  // every lane: same answer
-    if (lane == 0) {
-      rows[i] = row;
-      found[i] = row >= 0;
-    }
   }
 }
 
@@ -248,8 +200,7 @@ __device__ __forceinline__ int64_t touched_by(int64_t score, uint32_t lanes, con
   const bool has_given = given != nullptr;
   for (uint32_t m = lanes; m != 0; m &= m - 1) {
     const int64_t g = has_given ? given[order[chunk + (__ffs(static_cast<int>(m)) - 1)]] : 0;
-    score =
-        assign && has_given ? g : touched_score(policy, false, score, has_given, g, clock, epoch);
+    score = upsert_score(policy, false, score, has_given, g, clock, epoch, assign);
   }
   return score;
 }
@@ -339,24 +290,15 @@ __device__ __forceinline__ bool insert_key(uint8_t* digests, int64_t* slot_keys,
   const int64_t base1 = p.bucket1 * kSlotsPerBucket, base2 = p.bucket2 * kSlotsPerBucket;
   const bool two = p.bucket2 != p.bucket1;  // else bucket2's masks are empty
   const BucketDigests d1 = load_bucket(digests + base1), d2 = load_bucket(digests + base2);
-  int64_t hit = -1;
-  for (uint32_t m = tag_mask(d1, p.tag); m != 0 && hit < 0; m &= m - 1) {
-    const int64_t row = base1 + (__ffs(static_cast<int>(m)) - 1);
-    if (slot_keys[row] == key) hit = row;
-  }
-  for (uint32_t m = two ? tag_mask(d2, p.tag) : 0u; m != 0 && hit < 0; m &= m - 1) {
-    const int64_t row = base2 + (__ffs(static_cast<int>(m)) - 1);
-    if (slot_keys[row] == key) hit = row;
-  }
+  const int64_t hit = key_in_buckets(slot_keys, key, base1, tag_mask(d1, p.tag), base2,
+                                     two ? tag_mask(d2, p.tag) : 0u);
   if (hit >= 0) {  // a repeat of a key inserted earlier in this walk: pinned already
-    slot_scores[hit] = assign && has_given ? g
-                                           : touched_score(policy, false, slot_scores[hit],
-                                                           has_given, g, clock, epoch);
+    slot_scores[hit] =
+        upsert_score(policy, false, slot_scores[hit], has_given, g, clock, epoch, assign);
     rows[pos] = hit;
     return false;
   }
-  const int64_t new_score =
-      assign && has_given ? g : touched_score(policy, true, 0, has_given, g, clock, epoch);
+  const int64_t new_score = upsert_score(policy, true, 0, has_given, g, clock, epoch, assign);
   const uint32_t usable1 = geo.usable_mask(p.bucket1);
   const uint32_t usable2 = two ? geo.usable_mask(p.bucket2) : 0u;
   const uint32_t free1 = empty_mask(d1) & usable1, free2 = empty_mask(d2) & usable2;
@@ -512,7 +454,7 @@ __device__ __forceinline__ int64_t table_of_stripe(const UpsertTable* tables, in
 }
 
 // hash_find_tables: thread i takes key i (grid-stride) and probes it in its table, as
-// hash_find_thread_kernel.
+// hash_find_kernel.
 __global__ void hash_find_tables_kernel(const UpsertTable* tables, int64_t num_tables,
                                         const int64_t* keys, int64_t n, int64_t* rows,
                                         bool* found) {
@@ -658,14 +600,8 @@ cudaError_t launch_hash_find(const uint8_t* digests, const int64_t* slot_keys, i
                              const int64_t* keys, int64_t n, int64_t* rows, bool* found,
                              cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  const TableGeometry geo = make_geometry(capacity);
-  if (reinterpret_cast<uintptr_t>(digests) % alignof(uint4) == 0) {
-    hash_find_thread_kernel<<<capped_grid(n, kFindThreads), kFindThreads, 0, stream>>>(
-        digests, slot_keys, geo, keys, n, rows, found);
-  } else {
-    hash_find_kernel<<<capped_grid(n * kWarpSize, kFindThreads), kFindThreads, 0, stream>>>(
-        digests, slot_keys, geo, keys, n, rows, found);
-  }
+  hash_find_kernel<<<capped_grid(n, kFindThreads), kFindThreads, 0, stream>>>(
+      digests, slot_keys, make_geometry(capacity), keys, n, rows, found);
   return cudaGetLastError();
 }
 

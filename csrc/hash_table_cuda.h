@@ -57,7 +57,7 @@ cudaError_t launch_key_table_stripes(const UpsertTable* tables, int64_t num_tabl
                                      const int64_t* keys, int64_t n, int32_t* table_of,
                                      int32_t* stripes, cudaStream_t stream);
 
-// launch_hash_find of every table at once (one warp per key, each probing its own table).
+// launch_hash_find of every table at once (one thread per key, each probing its own table).
 cudaError_t launch_hash_find_tables(const UpsertTable* tables, int64_t num_tables,
                                     const int64_t* keys, int64_t n, int64_t* rows, bool* found,
                                     cudaStream_t stream);

@@ -335,4 +335,12 @@ TREXT_HD int64_t touched_score(Policy policy, bool is_new, int64_t old, bool has
   }
 }
 
+// The score an upsert's touch leaves: the caller's score itself when it assigns one (`assign`
+// with a score given), else touched_score's.
+TREXT_HD int64_t upsert_score(Policy policy, bool is_new, int64_t old, bool has_given,
+                              int64_t given, int64_t clock, int64_t epoch, bool assign) {
+  return assign && has_given ? given
+                             : touched_score(policy, is_new, old, has_given, given, clock, epoch);
+}
+
 }  // namespace torchrec_ext

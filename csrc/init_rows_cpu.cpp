@@ -12,25 +12,11 @@
 
 #include "embedding_checks.h"
 #include "init_rows_checks.h"
+#include "init_rows_math.h"
 #include "row_storage.h"
 
 namespace torchrec_ext {
 namespace {
-
-constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
-constexpr int kTruncNormalAttempts = 16;
-
-enum class Init : int64_t { kUniform = 0, kNormal = 1, kTruncatedNormal = 2, kConstant = 3 };
-
-inline uint64_t row_key(int64_t id, uint64_t seed) {
-  return fmix64(static_cast<uint64_t>(id) ^ seed);
-}
-
-// 64 random bits for elements 2p and 2p+1 of a row (one hash feeds two elements).
-inline uint64_t pair_bits(uint64_t key, int64_t pair, int64_t attempt) {
-  const uint64_t counter = (static_cast<uint64_t>(attempt) << 32) + static_cast<uint64_t>(pair) + 1;
-  return fmix64(key + counter * kGolden);
-}
 
 // Box-Muller on the two halves of `bits`: two independent standard normals.
 inline void box_muller(uint64_t bits, double* z0, double* z1) {

@@ -12,16 +12,14 @@
 #include <cmath>
 #include <cstdint>
 
-#include "hash_table_layout.h"
 #include "init_rows_cuda.h"
+#include "init_rows_math.h"
 
 namespace torchrec_ext {
 namespace {
 
 constexpr int kInitThreads = 256;
-constexpr int64_t kInitMaxBlocks = int64_t{1} << 16;  // larger batches use a grid-stride loop
-constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;   // init_rows_cpu.cpp's
-constexpr int kTruncNormalAttempts = 16;
+constexpr int64_t kInitMaxBlocks = int64_t{1} << 16;     // larger batches use a grid-stride loop
 constexpr double kTwoPi = 2.0 * 3.14159265358979323846;  // 2.0 * M_PI, folded exactly as the CPU's
 
 // Products and sums rounded one by one (never fused), as the CPU kernel computes them. (The
@@ -69,12 +67,6 @@ __device__ __forceinline__ uint16_t bf16_nearest(float f) {
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-// 64 random bits for elements 2p and 2p+1 of a row (init_rows_cpu.cpp's pair_bits).
-__device__ __forceinline__ uint64_t pair_bits(uint64_t key, int64_t pair, int64_t attempt) {
-  const uint64_t counter = (static_cast<uint64_t>(attempt) << 32) + static_cast<uint64_t>(pair) + 1;
-  return fmix64(key + counter * kGolden);
-}
-
 // Element `second` (0 or 1) of the Box-Muller pair of `bits` (init_rows_cpu.cpp's box_muller).
 __device__ __forceinline__ double box_muller(uint64_t bits, int second) {
   const double u1 = (static_cast<double>(bits >> 32) + 0.5) * 0x1p-32;    // exact
@@ -86,18 +78,18 @@ __device__ __forceinline__ double box_muller(uint64_t bits, int second) {
 
 // Element `column` of the initial vector of the row with key `key` (init_rows_cpu.cpp's
 // init_vector, one element at a time: every element is a function of its pair alone).
-__device__ __forceinline__ float initial_value(uint64_t key, int64_t kind, const double* p,
+__device__ __forceinline__ float initial_value(uint64_t key, Init init, const double* p,
                                                int64_t column) {
-  if (kind == 3) return static_cast<float>(p[0]);  // constant
+  if (init == Init::kConstant) return static_cast<float>(p[0]);
   const int64_t pair = column >> 1;
   const int second = static_cast<int>(column & 1);
-  if (kind == 0) {  // uniform: 24 bits of each half of the pair's hash
+  if (init == Init::kUniform) {  // 24 bits of each half of the pair's hash
     const uint64_t bits = pair_bits(key, pair, 0);
     const uint64_t u = second ? (bits & 0xFFFFFFFFull) >> 8 : bits >> 40;
     return static_cast<float>(add_rn(p[0], mul_rn(p[1] - p[0], static_cast<double>(u) * 0x1p-24)));
   }
   double v = add_rn(p[0], mul_rn(p[1], box_muller(pair_bits(key, pair, 0), second)));
-  if (kind == 2) {  // truncated normal: redraw from the pair's next attempts, clamp after the last
+  if (init == Init::kTruncatedNormal) {  // redraw from the pair's next attempts; clamp after
     for (int attempt = 1; attempt < kTruncNormalAttempts && (v < p[2] || v > p[3]); ++attempt)
       v = add_rn(p[0], mul_rn(p[1], box_muller(pair_bits(key, pair, attempt), second)));
     v = v < p[2] ? p[2] : v;  // std::max(v, low)
@@ -116,9 +108,9 @@ __global__ void init_rows_tables_kernel(const InitRowsTables a) {
     if (row < 0) continue;
     const int64_t t = a.tables[i], dim = a.table_dims[t];
     if (e >= dim) continue;
-    const uint64_t key =
-        fmix64(static_cast<uint64_t>(a.ids[i]) ^ static_cast<uint64_t>(a.table_seeds[t]));
-    const float v = initial_value(key, a.table_kinds[t], a.table_params + 4 * t, e);
+    const uint64_t key = row_key(a.ids[i], static_cast<uint64_t>(a.table_seeds[t]));
+    const float v =
+        initial_value(key, static_cast<Init>(a.table_kinds[t]), a.table_params + 4 * t, e);
     const int64_t code = a.table_dtypes == nullptr ? 0 : a.table_dtypes[t];
     const int64_t element = row * dim + e;  // in the table's own dtype
     if (code == 0) {

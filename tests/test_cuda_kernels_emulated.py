@@ -114,10 +114,11 @@ def test_emulated_upsert_refuses_a_negative_clock(emulated):
     assert not any(t.any() for t in state)
 
 
-def test_emulated_find_thread_and_warp_kernels_match_cpu(emulated):
-    """hash_find takes a thread per key on 16-byte aligned digests and a warp per key otherwise,
-    hash_find_tables a thread per key either way: all give the CPU kernel's rows, for resident keys (tags shared with other slots of their
-    buckets included: 3,000 keys in 3 stripes), absent keys and extreme keys."""
+def test_emulated_find_on_aligned_and_unaligned_digests_matches_cpu(emulated):
+    """hash_find and hash_find_tables take a thread per key, which loads a bucket's digests in two
+    16-byte loads where they are 16-byte aligned and byte by byte otherwise (a view): both give the
+    CPU kernel's rows, for resident keys (tags shared with other slots of their buckets included:
+    3,000 keys in 3 stripes), absent keys and extreme keys."""
     capacity = _THREE_STRIPES
     state = _table(capacity)
     resident = torch.randint(I64MIN, I64MAX, (3000,))
@@ -129,7 +130,7 @@ def test_emulated_find_thread_and_warp_kernels_match_cpu(emulated):
     assert state[0].data_ptr() % 16 == 0 and misaligned.data_ptr() % 16 != 0
     for digests in (state[0], misaligned):
         _same(emulated.hash_find(digests, state[1], queries, capacity), want, "find")
-    # hash_find_tables: a thread per key, 16-byte loads or byte loads per table's alignment.
+    # hash_find_tables: 16-byte loads or byte loads per table's alignment.
     got = emulated.hash_find_tables(
         [state[0], misaligned], [state[1], state[1]], torch.cat([queries, queries]), [0, 5004, 10008], [capacity] * 2
     )

@@ -2,6 +2,7 @@
 check cannot rot between GPU runs: every step runs, the report and the JSON rows say what ran where,
 and one failing step is reported, fails the exit status, and does not stop the next steps."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -75,15 +76,21 @@ def test_a_failing_step_is_reported_fails_the_run_and_the_rest_still_run(tmp_pat
     assert "## syncs (failed)" in report and "FAILED steps: syncs" in proc.stderr
 
 
-def test_sync_recorder_counts_each_warning_under_the_call_that_issued_it():
-    # The GPU-only step's bookkeeping, driven by plain warnings (a sync warning is one per call).
+def _driver_module():
     import importlib.util
-    import warnings
 
     spec = importlib.util.spec_from_file_location("gpu_check_driver", DRIVER)
     driver = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = driver  # its dataclasses look their module up
     spec.loader.exec_module(driver)
+    return driver
+
+
+def test_sync_recorder_counts_each_warning_under_the_call_that_issued_it():
+    # The GPU-only step's bookkeeping, driven by plain warnings (a sync warning is one per call).
+    import warnings
+
+    driver = _driver_module()
 
     def synchronizing_op():
         warnings.warn("called a synchronizing CUDA operation", stacklevel=2)
@@ -106,3 +113,30 @@ def test_sync_recorder_counts_each_warning_under_the_call_that_issued_it():
         and site.startswith(os.path.join("tests", "test_gpu_check.py:"))
         and site.endswith("(synchronizing_op)")
     )
+
+
+def test_steps_run_on_cpu_hide_the_gpu_from_their_benchmark_processes(tmp_path, monkeypatch):
+    # bench_pooled_lookup and bench_pipeline take the GPU whenever one is visible: on a GPU
+    # machine a --device cpu check (gpu_check.sh --cpu-smoke) ran them on CUDA, and then looked
+    # for their *_cpu results (not written). The CPU steps' processes see no GPU; the CUDA ones do.
+    driver = _driver_module()
+    seen = {}
+
+    def fake_run(cmd, stdout, stderr, env, timeout):
+        seen[os.path.basename(cmd[1])] = env.get("CUDA_VISIBLE_DEVICES")
+        return 1  # (the step then fails: only the environment is checked here)
+
+    monkeypatch.setattr(driver.subprocess, "call", fake_run)
+    monkeypatch.setattr(driver, "fbgemm_cuda_reason", lambda: None)
+    sizes = driver.Sizes.smoke()
+    steps = ["pooled_lookup", "hash_table", "upsert_tables", "step_host", "lookup", "pipeline"]
+    for device in ("cpu", "cuda"):
+        seen.clear()
+        for name in steps:
+            with contextlib.suppress(RuntimeError):
+                driver.STEP_FUNCS[name](sizes, torch.device(device), str(tmp_path))
+        assert len(seen) == len(steps), seen
+        assert all(v == ("" if device == "cpu" else os.environ.get("CUDA_VISIBLE_DEVICES")) for v in seen.values()), (
+            device,
+            seen,
+        )

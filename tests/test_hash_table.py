@@ -91,6 +91,26 @@ def test_extreme_keys_are_ordinary_keys(device):
     assert table.find(keys)[1].tolist() == [k != 0 for k in EXTREME_KEYS]
 
 
+def test_find_reads_digests_that_are_not_16_byte_aligned(device):
+    """A digests view off a 16-byte boundary finds what the table finds (on CUDA the find kernel
+    then loads each bucket's digests byte by byte, not in two 16-byte loads)."""
+    from torchrec_ext import ops
+
+    capacity = 64 * 32 * 3 + 5  # 3 stripes
+    table = HashTable(capacity, policy="lru", device=device)
+    resident = torch.randint(INT64_MIN, INT64_MAX, (3000,), generator=torch.Generator().manual_seed(5))
+    table.find_or_insert(resident.to(device))
+    queries = torch.cat([resident, torch.randint(INT64_MIN, INT64_MAX, (2000,)), torch.tensor(EXTREME_KEYS)])
+    queries = queries.to(device)
+    want_rows, want_found = table.find(queries)
+    assert want_found[:3000].all() and not want_found[3000:].any()
+    digests = table._digests
+    unaligned = torch.empty(digests.numel() + 1, dtype=torch.uint8, device=device)[1:].copy_(digests)
+    assert unaligned.data_ptr() % 16 != 0
+    rows, found = ops.hash_find(unaligned, table._slot_keys, queries, capacity)
+    assert torch.equal(rows, want_rows) and torch.equal(found, want_found)
+
+
 def test_rows_stay_below_capacity_in_partial_last_bucket(device):
     capacity = 3 * 32 + 5  # last bucket has 5 usable slots
     table = HashTable(capacity, policy="lru", device=device)

@@ -161,3 +161,11 @@ def test_upsert_op_refuses_a_negative_clock(table, clock):
             False,
         )
     _assert_unchanged(table, before)
+
+
+@pytest.mark.parametrize("start, end", [(-1, 10), (20, 10), (0, 257)])
+def test_export_op_refuses_a_range_outside_the_slots(start, end, device):
+    """Both kernels of the op refuse a slot range outside [0, num_slots] with the same message."""
+    table = HashTable(250, policy="lru", device=device)  # 8 buckets: 256 slots
+    with pytest.raises(RuntimeError, match=f"hash_export: need 0 <= start <= end <= 256, got start={start} end={end}"):
+        torch.ops.torchrec_ext.hash_export(table._digests, table._slot_keys, table._slot_scores, 250, start, end)

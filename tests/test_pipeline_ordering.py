@@ -231,6 +231,34 @@ def test_copy_to_device_pins_copies_on_its_stream_and_records_after_the_copy():
     assert consumer.waited == [ready.copied] and streams.log[-1] == ("used", consumer.name, id(ready.batch))
 
 
+def test_a_batch_already_on_the_device_is_copied_without_pinning():
+    # A dataloader that makes its batches on the GPU: pin_memory() refuses device tensors ("only
+    # dense CPU tensors can be pinned"), so the pipeline failed on CUDA where TorchRec's takes
+    # them. A meta tensor refuses pinning the same way on CPU.
+    class DeviceBatch:
+        def __init__(self, x):
+            self.x = x
+
+        def pin_memory(self):
+            return DeviceBatch(self.x.pin_memory())
+
+        def to(self, device, non_blocking=False):
+            return DeviceBatch(self.x.to(device, non_blocking=non_blocking))
+
+    streams = FakeStreams()
+    stream = streams.new_stream()
+    batch = DeviceBatch(torch.empty(4, device="meta"))
+    ready = copy_to_device(batch, torch.device("meta"), streams, stream, pin=True)
+    assert ready.batch.x.device.type == "meta" and ready.copied.stream is stream
+
+    class Failing(DeviceBatch):
+        def pin_memory(self):
+            raise RuntimeError("CUDA error: out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):  # other pinning errors are not hidden
+        copy_to_device(Failing(batch.x), torch.device("meta"), streams, stream, pin=True)
+
+
 def test_replay_fence_waits_for_every_read_since_the_last_replay():
     streams = FakeStreams()
     side = streams.new_stream()
@@ -338,6 +366,30 @@ def test_flat_grad_sync_captures_nothing_at_world_size_one():
     assert FlatGradSync(list(model.parameters()), None, capture=True, optimizer=optimizer).graphed
 
 
+def _mixed_dtypes_are_averaged_in_their_own_dtypes(rank, world_size):
+    import torch.distributed as dist
+
+    # A bfloat16 layer first, then float32 ones: each gradient averaged in its own dtype, as
+    # DDP's per-dtype buckets do (one flat buffer in the first gradient's dtype rounded the
+    # float32 gradients to bfloat16: 1/3 + rank / 1000 is not a bfloat16).
+    model = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16), nn.Linear(4, 3), nn.Linear(3, 2, bias=False))
+    params = list(model.parameters())
+    for i, p in enumerate(params):
+        p.grad = torch.full_like(p, 1 / 3 + rank / 1000 + i)
+    want = []
+    for p in params:
+        g = p.grad / world_size
+        dist.all_reduce(g)
+        want.append(g)
+    FlatGradSync(params, None)()
+    for p, w in zip(params, want):
+        assert p.grad.dtype == p.dtype and torch.equal(p.grad, w), (p.dtype, p.grad.flatten()[:2], w.flatten()[:2])
+
+
+def test_flat_grad_sync_averages_each_dtype_in_its_own_buffer():
+    run_ranks(_mixed_dtypes_are_averaged_in_their_own_dtypes, 2)
+
+
 def _two_pipelines_share_one_grad_sync(rank, world_size):
     model, optimizer = make_dmp_dlrm(world_size)
     options = PipelineOptions(flat_dense_allreduce=True, prefetch_threads=0, threaded_input_dist=False)
@@ -420,6 +472,33 @@ def test_flat_grad_sync_joins_other_threads_then_captures_with_the_gate_closed(m
         sync(gate, 5, [lambda: events.append(("join", gate.is_closed))])
     # two warm-up steps, the capture (joined first, then the gate closed), a replay per step from then on
     assert events == [("join", False), ("capture", "thread_local", True), "replay", "replay", "replay"]
+
+
+def test_a_captured_optimizer_step_is_captured_again_when_its_hyperparameters_change(monkeypatch):
+    # The graph bakes the optimizer's Python-number hyperparameters in (an LR scheduler's new lr
+    # would never reach the replays: a GPU-only silent error); a tensor lr is read at each replay.
+    events = []
+
+    class FakeGraph:
+        def replay(self):
+            events.append("replay")
+
+    @contextmanager
+    def fake_capture(graph, capture_error_mode):
+        events.append("capture")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    sync = FlatGradSync(list(model.parameters()), None, capture=True, optimizer=optimizer, warmup_steps=1)
+    for _ in range(5):
+        model(torch.randn(3, 4)).sum().backward()
+        sync(DeviceWorkGate(), 5)
+        scheduler.step()  # lr halves after steps 2 and 4
+    assert events == ["capture", "replay", "capture", "replay", "replay", "capture", "replay"]
 
 
 def test_the_pipeline_joins_the_tiered_tables_stage_before_its_captures(tmp_path):

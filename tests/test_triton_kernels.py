@@ -361,19 +361,15 @@ print(json.dumps(out))
 """
 
 
-def test_pooled_lookup_compiles_for_sm90_with_16_byte_row_loads():
-    """On the GPU's target, without a GPU: the kernel compiles, and the alignment hint is what
-    turns a float32 row's loads into 16-byte ones (scalar 4-byte loads without it)."""
-    if _IN_CHILD:
-        pytest.skip("the compile runs in its own child process")
-    _need_triton_installed()
+def _compile_for_sm90(script: str, variants: list):
+    """Runs a compile ``script`` (argv[1]: ``variants`` as JSON) in a child process without
+    TRITON_INTERPRET; returns the JSON its last line prints (skips without Triton's ptxas)."""
     import json
 
-    variants = [(4, False, False), (1, False, False), (4, True, True), (8, True, True)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = _REPO + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
-        [sys.executable, "-c", _SM90_COMPILE, json.dumps(variants)],
+        [sys.executable, "-c", script, json.dumps(variants)],
         cwd=_REPO,
         env=env,
         capture_output=True,
@@ -383,7 +379,18 @@ def test_pooled_lookup_compiles_for_sm90_with_16_byte_row_loads():
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
         pytest.skip("triton's ptxas is not installed")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    loads = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_pooled_lookup_compiles_for_sm90_with_16_byte_row_loads():
+    """On the GPU's target, without a GPU: the kernel compiles, and the alignment hint is what
+    turns a float32 row's loads into 16-byte ones (scalar 4-byte loads without it)."""
+    if _IN_CHILD:
+        pytest.skip("the compile runs in its own child process")
+    _need_triton_installed()
+
+    variants = [(4, False, False), (1, False, False), (4, True, True), (8, True, True)]
+    loads = _compile_for_sm90(_SM90_COMPILE, variants)
     assert "ld.global.v4.b32" in loads["4,False,False"]
     assert "ld.global.v4.b32" not in loads["1,False,False"] and "ld.global.b32" in loads["1,False,False"]
     # Mixed dtypes: float32 tables still 16 bytes a load, half tables 8 (4 halves) at ALIGN 4 and
@@ -391,6 +398,101 @@ def test_pooled_lookup_compiles_for_sm90_with_16_byte_row_loads():
     assert {"ld.global.v4.b32", "ld.global.v2.b32"} <= set(loads["4,True,True"])
     assert "ld.global.v2.b32" not in loads["8,True,True"]
     assert loads["8,True,True"].count("ld.global.v4.b32") > loads["4,True,True"].count("ld.global.v4.b32")
+
+
+# Compiles the fused update (stochastic rounding on) for sm_90 with ``step_term`` typed as each
+# type Triton's launcher may give a Python int: i32 below 2**31 (its launcher types an int by its
+# value), i64 above. A child process, as _SM90_COMPILE.
+_SM90_COMPILE_UPDATE = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from torchrec_ext.triton_kernels import embedding_update as eu
+
+kernel = eu._fused_update_bwd_kernel
+floats = {"lr", "eps", "lerp_weight", "beta2", "one_minus_beta2", "adam_step_size", "sqrt_bc2", "weight_decay",
+          "adamw_decay", "lr_power", "l1", "two_l2", "beta"}
+pointers = {"grad_ptr": "*fp32", "weights_ptr": "*fp32", "weights16_ptr": "*fp16", "weightsbf_ptr": "*bf16",
+            "state1_ptr": "*fp32", "state2_ptr": "*fp32", "psw_ptr": "*fp32", "table_dtypes_ptr": "*i32",
+            "feature_mean_ptr": "*i32"}
+const = dict(OPTIMIZER=0, FTRL_POWER=0, POOLED=True, HAS_WEIGHTS=False, HAS_WEIGHT_DECAY=False, HAS_DTYPES=True,
+             STOCHASTIC=True, BLOCK_N=16, BLOCK_D=64)
+out = {}
+for step_type in json.loads(sys.argv[1]):
+    signature = {}
+    for name in kernel.arg_names:
+        if name in const:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = pointers.get(name, "*i64")
+        else:
+            signature[name] = "fp32" if name in floats else "i32"
+    signature["step_term"] = step_type
+    src = ASTSource(fn=kernel, signature=signature,
+                    constexprs={(kernel.arg_names.index(n),): v for n, v in const.items()})
+    try:
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2})
+        out[step_type] = "ok"
+    except Exception as e:  # noqa: BLE001 - reported per type
+        out[step_type] = str(e).strip().splitlines()[-1]
+print(json.dumps(out))
+"""
+
+
+def test_fused_update_compiles_for_sm90_whatever_type_the_step_term_gets():
+    """Stochastic rounding's step term is a Python int, which Triton's launcher types by its value
+    (i32 below 2**31, i64 above, u64 from 2**63): the kernel must compile for every type the
+    host can pass, and the host passes it signed (never u64). Without a GPU, on sm_90."""
+    if _IN_CHILD:
+        pytest.skip("the compile runs in its own child process")
+    _need_triton_installed()
+
+    from torchrec_ext.triton_kernels.embedding_update import _step_term
+
+    terms = [_step_term(step) for step in (1, 2, 3, 1 << 20, (1 << 40) + 7)]
+    assert all(-(2**63) <= t < 2**63 for t in terms) and any(t < 0 for t in terms)
+    assert _compile_for_sm90(_SM90_COMPILE_UPDATE, ["i32", "i64"]) == {"i32": "ok", "i64": "ok"}
+
+
+def test_every_kernel_launch_is_on_its_tensors_device():
+    """Triton launches on the current CUDA device, whatever device the tensors are on: every
+    launch in torchrec_ext/triton_kernels/ runs inside ``launching_on(device)``, which makes the
+    tensors' device current when it is another (a module on cuda:1 while cuda:0 is current)."""
+    import ast
+
+    folder = os.path.join(_REPO, "torchrec_ext", "triton_kernels")
+    launches, guarded = 0, 0
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(folder, name)) as f:
+            tree = ast.parse(f.read())
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):  # kernel[grid](...)
+                launches += 1
+                up = node
+                while up in parents and not isinstance(up, ast.With):
+                    up = parents[up]
+                guarded += isinstance(up, ast.With) and any(
+                    isinstance(item.context_expr, ast.Call)
+                    and getattr(item.context_expr.func, "id", "") == "launching_on"
+                    for item in up.items
+                )
+    assert launches == 3 and guarded == launches
+
+    _need_triton()
+    from torchrec_ext.triton_kernels.embedding_lookup import launching_on
+
+    current = torch.cuda.current_device
+    try:
+        torch.cuda.current_device = lambda: 0
+        assert isinstance(launching_on(torch.device("cuda", 1)), torch.cuda.device)
+        for device in (torch.device("cuda", 0), torch.device("cpu")):
+            assert not isinstance(launching_on(device), torch.cuda.device)
+    finally:
+        torch.cuda.current_device = current
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -177,7 +177,14 @@ def test_hash_table_header_agrees():
 def test_embedding_kernel_enums_and_constants_agree():
     # The embedding kernels, one file per op family, and the row storage headers they share.
     source = "\n".join(
-        _csrc(name) for name in ("row_storage.h", "half_rows.h", "init_rows_cpu.cpp", "embedding_update_cpu.cpp")
+        _csrc(name)
+        for name in (
+            "row_storage.h",
+            "half_rows.h",
+            "init_rows_math.h",
+            "init_rows_cpu.cpp",
+            "embedding_update_cpu.cpp",
+        )
     )
     # kAdamW: the vocabulary spells it "adamw" (torch.optim.AdamW's name, lowered)
     assert {_snake(k).replace("adam_w", "adamw"): v for k, v in _enum(source, "Optim").items()} == voc.OPTIMIZERS

@@ -161,9 +161,11 @@ class _Deferred:
         self.later = values.device.type == "cuda" or defer_on_cpu
         if values.device.type == "cuda":
             self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            self.host.copy_(values, non_blocking=True)
+            self.host.copy_(values, non_blocking=True)  # on the current stream of values' device
             self.event = torch.cuda.Event()
-            self.event.record()
+            # That stream, not the current device's (another GPU's when this thread's device
+            # differs): an event there could complete before the copy, and the check read stale bytes.
+            self.event.record(torch.cuda.current_stream(values.device))
         else:
             self.host = values  # a CPU tensor: read for free
 

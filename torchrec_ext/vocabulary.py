@@ -94,7 +94,7 @@ SAME_BUCKET_LAYOUTS = (2, 3)
 BUCKET_SEED = 0x9E3779B97F4A7C15  # kBucketSeed: bucket1 and the tag
 STRIPE_SEED = 0xC2B2AE3D27D4EB4F  # kStripeSeed: the stripe and bucket2 (mixed into the bucket hash)
 ROUTE_SEED = 0x165667B19E3779F9  # kRouteSeed: the owning rank under row-wise sharding
-INIT_GOLDEN = 0x9E3779B97F4A7C15  # kGolden (csrc/init_rows_cpu.cpp): the initializer stream's counter step
+INIT_GOLDEN = 0x9E3779B97F4A7C15  # kGolden (csrc/init_rows_math.h): the initializer stream's counter step
 ROUNDING_GOLDEN = 0xD6E8FEB86659FD93  # kRoundingGolden: the stochastic-rounding stream's counter step
 FALLBACK_GOLDEN = 0x8CB92BA72F3D8DD7  # a table's fallback-row seed from its table seed
 BLOOM_SALT = 0x2545F4914F6CDD1D  # a table's Bloom filter hash seed: table seed ^ salt
@@ -126,7 +126,7 @@ def pending_row(j):
 
 # ----------------------------------------------------------------------------- initializers
 
-# By their id in csrc/init_rows_cpu.cpp's ``Init`` enum.
+# By their id in csrc/init_rows_math.h's ``Init`` enum.
 INITIALIZERS: dict[str, int] = {"uniform": 0, "normal": 1, "truncated_normal": 2, "constant": 3}
 INITIALIZER_NAMES: dict[int, str] = {kind: name for name, kind in INITIALIZERS.items()}
 # The parameters each kind reads, in order (init_rows' ``params``).

@@ -78,7 +78,8 @@ def _takeover_hook(state: DdpTakeover, bucket: dist.GradBucket) -> torch.futures
 
 
 class FlatGradSync:
-    """Averages dense gradients over ``group`` with one all-reduce of a flat buffer.
+    """Averages dense gradients over ``group`` with one all-reduce of a flat buffer (one per
+    gradient dtype, as DDP's buckets: a float32 gradient keeps its bits beside bfloat16 ones).
 
     Averaging divides before the sum, as DDP's default hook does, so results match DDP's bit for
     bit where the division by the world size is exact (powers of two).
@@ -86,7 +87,9 @@ class FlatGradSync:
     With ``capture``, steps after the warm-up replay a CUDA graph of that work (and of the dense
     optimizer step when given one), captured when there is work to capture: not at world size 1
     without an optimizer step. The graph reads the gradients where they were at capture; should
-    they move (set to None and re-made outside the pipeline), it is captured again.
+    they move (set to None and re-made outside the pipeline), it is captured again; so it is
+    when a captured optimizer step's float hyperparameters change (an LR scheduler: the graph
+    holds them as constants; a tensor lr avoids the captures).
     """
 
     def __init__(
@@ -106,8 +109,8 @@ class FlatGradSync:
         self._warmup_steps = warmup_steps
         self._steps = 0
         self._graph: torch.cuda.CUDAGraph | None = None
-        self._graphed_grads: list[int] = []  # data_ptr of each gradient the graph reads
-        self._flat: torch.Tensor | None = None
+        self._graphed_grads: tuple = ()  # data_ptr of each gradient the graph reads, the optimizer's constants
+        self._flat: dict[torch.dtype, torch.Tensor] | None = None  # a buffer per gradient dtype
 
     @classmethod
     def of(
@@ -145,9 +148,12 @@ class FlatGradSync:
             self._step_eagerly()
             return
         grads = [g.data_ptr() for g in self._grads()]
-        if self._graph is None or grads != self._graphed_grads:
+        baked = (grads, self._baked_hyperparameters())
+        if self._graph is None or baked != self._graphed_grads:
             if self._graph is not None:
-                logger.info("FlatGradSync: gradients moved since the capture; capturing again")
+                logger.info(
+                    "FlatGradSync: gradients moved or optimizer hyperparameters changed since the capture; capturing again"
+                )
             self._graph = None
             graph = torch.cuda.CUDAGraph()
             # thread_local: a helper thread's CUDA call cannot invalidate this capture.
@@ -156,8 +162,19 @@ class FlatGradSync:
                 torch.cuda.graph(graph, capture_error_mode="thread_local"),
             ):
                 self._step_eagerly()
-            self._graph, self._graphed_grads = graph, grads
+            self._graph, self._graphed_grads = graph, baked
         self._graph.replay()
+
+    def _baked_hyperparameters(self) -> list[dict]:
+        """What a captured optimizer step holds as constants: each param group's hyperparameters
+        that are not tensors (a scheduler's new float lr never reaches a replay; a tensor lr is
+        read from its memory at each one). Empty when the graph does not step the optimizer."""
+        if not self.steps_optimizer:
+            return []
+        return [
+            {k: v for k, v in group.items() if k != "params" and not isinstance(v, torch.Tensor)}
+            for group in self._optimizer.param_groups
+        ]
 
     def _step_eagerly(self) -> None:
         self._sync()
@@ -174,15 +191,26 @@ class FlatGradSync:
         if self._world == 1 or not self._params:
             return
         grads = self._grads()
+        # One flat buffer per gradient dtype (as DDP's buckets): a float32 gradient reduced in a
+        # bfloat16 buffer would lose its low bits. Dtypes in order of first appearance, the same
+        # on every rank.
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for grad in grads:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
         if self._flat is None:
-            self._flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
-        views = self._flat.split([g.numel() for g in grads])
-        for view, grad in zip(views, grads):
-            view.copy_(grad.reshape(-1))
-        self._flat.div_(self._world)
-        dist.all_reduce(self._flat, group=self._group)
-        for view, grad in zip(views, grads):
-            grad.copy_(view.view_as(grad))
+            self._flat = {
+                dtype: torch.empty(sum(g.numel() for g in same), dtype=dtype, device=same[0].device)
+                for dtype, same in by_dtype.items()
+            }
+        for dtype, same in by_dtype.items():
+            flat = self._flat[dtype]
+            views = flat.split([g.numel() for g in same])
+            for view, grad in zip(views, same):
+                view.copy_(grad.reshape(-1))
+            flat.div_(self._world)
+            dist.all_reduce(flat, group=self._group)
+            for view, grad in zip(views, same):
+                grad.copy_(view.view_as(grad))
 
 
 # DDP module -> its FlatGradSync (weak: a dropped model takes its graph with it)

@@ -49,9 +49,20 @@ def copy_to_device(batch: Any, device: torch.device, streams: CudaStreams | None
         return ReadyBatch(batch.to(device, non_blocking=False))
     with streams.use(stream):
         if pin and hasattr(batch, "pin_memory"):
-            batch = batch.pin_memory()
+            batch = _pinned(batch)
         batch = batch.to(device, non_blocking=True)
         return ReadyBatch(batch, record_event(streams, stream), streams)
+
+
+def _pinned(batch: Any) -> Any:
+    """``batch`` in pinned memory; as it is when it is already on the device (a dataloader that
+    makes its batches there: ``pin_memory`` refuses them, and their ``.to(device)`` copies nothing)."""
+    try:
+        return batch.pin_memory()
+    except RuntimeError as e:
+        if "only dense CPU tensors can be pinned" not in str(e):
+            raise
+        return batch
 
 
 class BatchPrefetcher:

@@ -115,6 +115,9 @@ class TrainPipeline(TrainPipelineSparseDist):
 
     The model's forward takes a batch and returns ``(loss, output)``, as TorchRec pipelines
     expect; batches are TorchRec ``Pipelineable`` (e.g. ``torchrec.datasets.utils.Batch``).
+    With ``graph_modules`` on CUDA, the output's tensors that a graphed module made (its result,
+    detached) are views of the graph's static outputs, which the next step's replay overwrites:
+    read them before the next ``progress``, or take the copies ``pop_host_outputs()`` gives.
     """
 
     def __init__(

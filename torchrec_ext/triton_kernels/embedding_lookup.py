@@ -27,6 +27,7 @@ interpreter holds it as a 1-element array, which int() refuses). It also means n
 maximum bag length (no device sync) and no idle iterations for short bags.
 """
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -253,6 +254,16 @@ def _meta(t: Tensor, device: torch.device, dtype: torch.dtype = torch.int64) -> 
     return device_sync.to_device(torch.as_tensor(t), device).to(dtype=dtype).contiguous()
 
 
+def launching_on(device: torch.device):
+    """Around a kernel launch: Triton launches on the *current* CUDA device (and its current
+    stream), whatever device the tensors are on; so make it ``device`` when it is another (a
+    module on cuda:1 of a process whose current device is cuda:0). A no-op otherwise, and on CPU
+    (the interpreter)."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
 def check_no_new_vectors(new_vectors: Sequence[Tensor], what: str) -> None:
     # Deferred initial vectors are a CPU-kernel path; on GPUs the module writes new rows eagerly.
     if len(new_vectors):
@@ -330,29 +341,30 @@ def pooled_lookup(
     # kernel per call.
     has_dtypes = table_dtypes is not None
     codes = _meta(table_dtypes, device, table_dtypes.dtype) if has_dtypes else rows  # dummy, never read
-    _pooled_lookup_fwd_kernel[grid](
-        *typed_views(weights),
-        _meta(table_offsets, device),
-        codes,
-        _meta(table_dims, device),
-        _meta(feature_table, device),
-        _meta(feature_col, device),
-        _meta(feature_mean, device, feature_mean.dtype),
-        rows,
-        _meta(offsets, device),
-        psw,
-        out,
-        num_bags,
-        batch_size,
-        total_dim,
-        HAS_WEIGHTS=has_weights,
-        HAS_DTYPES=has_dtypes,
-        ALIGN=align,
-        BLOCK_B=block_b,
-        BLOCK_L=block_l,
-        BLOCK_D=block_d,
-        num_warps=num_warps,
-    )
+    with launching_on(device):
+        _pooled_lookup_fwd_kernel[grid](
+            *typed_views(weights),
+            _meta(table_offsets, device),
+            codes,
+            _meta(table_dims, device),
+            _meta(feature_table, device),
+            _meta(feature_col, device),
+            _meta(feature_mean, device, feature_mean.dtype),
+            rows,
+            _meta(offsets, device),
+            psw,
+            out,
+            num_bags,
+            batch_size,
+            total_dim,
+            HAS_WEIGHTS=has_weights,
+            HAS_DTYPES=has_dtypes,
+            ALIGN=align,
+            BLOCK_B=block_b,
+            BLOCK_L=block_l,
+            BLOCK_D=block_d,
+            num_warps=num_warps,
+        )
     return out
 
 
@@ -388,18 +400,19 @@ def sequence_lookup(
     # Value blocks on axis 0: the only axis allowed more than 65535 programs.
     grid = (triton.cdiv(max_len, block_n), num_features, triton.cdiv(dim, block_d))
     codes, has_dtypes = dtype_codes(table_dtypes, device)
-    _sequence_lookup_fwd_kernel[grid](
-        *typed_views(weights),
-        _meta(table_offsets, device),
-        codes,
-        _meta(feature_table, device),
-        fvo,
-        rows.to(device).contiguous(),
-        out,
-        dim,
-        HAS_DTYPES=has_dtypes,
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        num_warps=num_warps,
-    )
+    with launching_on(device):
+        _sequence_lookup_fwd_kernel[grid](
+            *typed_views(weights),
+            _meta(table_offsets, device),
+            codes,
+            _meta(feature_table, device),
+            fvo,
+            rows.to(device).contiguous(),
+            out,
+            dim,
+            HAS_DTYPES=has_dtypes,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            num_warps=num_warps,
+        )
     return out

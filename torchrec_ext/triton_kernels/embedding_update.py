@@ -32,7 +32,7 @@ from torch import Tensor
 from torchrec_ext import device_sync
 from torchrec_ext.vocabulary import OPTIMIZERS, ROUNDING_GOLDEN
 
-from .embedding_lookup import check_no_new_vectors, dtype_codes, load_rows, typed_views
+from .embedding_lookup import check_no_new_vectors, dtype_codes, launching_on, load_rows, typed_views
 
 # The optimizer ids as constants the kernels branch on (vocabulary.OPTIMIZERS).
 _SGD, _ADAGRAD, _ROWWISE_ADAGRAD, _ADAM, _ADAMW, _FTRL = (
@@ -44,6 +44,15 @@ _NUM_STATES = {_SGD: 0, _ADAGRAD: 1, _ROWWISE_ADAGRAD: 1, _ADAM: 2, _ADAMW: 2, _
 _FTRL_SQRT, _FTRL_ONE, _FTRL_POW = 0, 1, 2
 _MASK64 = (1 << 64) - 1
 _SR_GOLDEN = ROUNDING_GOLDEN
+
+
+def _step_term(step: int) -> int:
+    """step * SR_GOLDEN mod 2**64 as a signed 64-bit int: the kernel's ``step_term``. Triton's
+    launcher types a Python int by its value (i32 below 2**31, i64 up to 2**63, u64 above), so a
+    term from 2**63 up would compile a u64 variant of the kernel; signed, it is i64 but for the
+    rare term in [-2**31, 2**31) (i32, which the kernel widens with its sign: the same bits)."""
+    term = (step * _SR_GOLDEN) & _MASK64
+    return term - (1 << 64) if term >> 63 else term
 
 
 @triton.jit
@@ -86,7 +95,8 @@ def _round_bf16_nearest(w):
     return tl.where((u & 0x7F800000) == 0x7F800000, w, t)  # inf, NaN: the cast
 
 
-@triton.jit
+# step_term: not specialised on its value (a new term divisible by 16 would compile another variant).
+@triton.jit(do_not_specialize=["step_term"])
 def _fused_update_bwd_kernel(
     grad_ptr,  # pooled: [batch_size, total_dim]; sequence: [n, >= dim]; any float dtype
     grad_stride,  # elements between two rows of grad
@@ -96,7 +106,7 @@ def _fused_update_bwd_kernel(
     table_dtypes_ptr,  # [T] int32: storage dtype code of each table (HAS_DTYPES only)
     rounding_seeds_ptr,  # [T] int64: stochastic rounding seed per table, 0 = to nearest (STOCHASTIC only)
     unique_ids_ptr,  # [U] int64: the id of each unique row (STOCHASTIC only)
-    step_term,  # step * SR_GOLDEN mod 2^64 (STOCHASTIC only)
+    step_term,  # step * SR_GOLDEN mod 2^64, signed: i64, or i32 when small (STOCHASTIC only)
     state1_ptr,  # momentum1 / accumulator: like weights (adagrad, adam kinds, ftrl) or one float per row (rowwise)
     state2_ptr,  # momentum2 (adam kinds) / linear (ftrl), like weights
     table_offsets_ptr,  # [T] int
@@ -237,7 +247,7 @@ def _fused_update_bwd_kernel(
         if STOCHASTIC:
             seed = tl.load(rounding_seeds_ptr + safe_table).to(tl.uint64, bitcast=True)
             rid = tl.load(unique_ids_ptr + u).to(tl.uint64, bitcast=True)
-            key = _fmix64(_fmix64(rid ^ seed) + step_term.to(tl.uint64, bitcast=True))
+            key = _fmix64(_fmix64(rid ^ seed) + step_term.to(tl.int64).to(tl.uint64, bitcast=True))
             # vocabulary.ROUNDING_GOLDEN, as a literal (a jit kernel reads no Python globals)
             bits = _fmix64(key + (d // 4 + 1).to(tl.uint64) * 0xD6E8FEB86659FD93)
             r = ((bits >> ((d % 4) * 16).to(tl.uint64)) & 0xFFFF).to(tl.int64)
@@ -382,51 +392,52 @@ def fused_update(
     seeds = _meta(rounding_seeds, device) if stochastic else order
     ids = unique_ids.to(device=device, dtype=torch.int64).contiguous() if stochastic else order
     grid = (num_unique, triton.cdiv(max_dim, block_d))
-    _fused_update_bwd_kernel[grid](
-        grad,
-        grad_stride,
-        *typed_views(weights),
-        codes,
-        seeds,
-        ids,
-        (step * _SR_GOLDEN) & _MASK64,
-        state1,
-        state2,
-        offsets_t,
-        dims_t,
-        _meta(state_row_offsets, device),
-        state_offsets,
-        unique_rows.to(device).contiguous(),
-        unique_table.to(device).contiguous(),
-        seg,
-        order,
-        bag,
-        offsets,
-        psw,
-        feature_col_t,
-        feature_mean_t,
-        batch_size,
-        lr,
-        eps,
-        1.0 - beta1,
-        beta2,
-        1.0 - beta2,
-        adam_step_size,
-        sqrt_bc2,
-        weight_decay,
-        1.0 - lr * weight_decay,
-        lr_power,
-        l1,
-        2.0 * l2,
-        beta,
-        OPTIMIZER=opt,
-        FTRL_POWER=ftrl_power,
-        POOLED=pooled,
-        HAS_WEIGHTS=has_weights,
-        HAS_WEIGHT_DECAY=weight_decay != 0 and opt not in (_ADAMW, _FTRL),
-        HAS_DTYPES=has_dtypes,
-        STOCHASTIC=stochastic,
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        num_warps=num_warps,
-    )
+    with launching_on(device):
+        _fused_update_bwd_kernel[grid](
+            grad,
+            grad_stride,
+            *typed_views(weights),
+            codes,
+            seeds,
+            ids,
+            _step_term(step),
+            state1,
+            state2,
+            offsets_t,
+            dims_t,
+            _meta(state_row_offsets, device),
+            state_offsets,
+            unique_rows.to(device).contiguous(),
+            unique_table.to(device).contiguous(),
+            seg,
+            order,
+            bag,
+            offsets,
+            psw,
+            feature_col_t,
+            feature_mean_t,
+            batch_size,
+            lr,
+            eps,
+            1.0 - beta1,
+            beta2,
+            1.0 - beta2,
+            adam_step_size,
+            sqrt_bc2,
+            weight_decay,
+            1.0 - lr * weight_decay,
+            lr_power,
+            l1,
+            2.0 * l2,
+            beta,
+            OPTIMIZER=opt,
+            FTRL_POWER=ftrl_power,
+            POOLED=pooled,
+            HAS_WEIGHTS=has_weights,
+            HAS_WEIGHT_DECAY=weight_decay != 0 and opt not in (_ADAMW, _FTRL),
+            HAS_DTYPES=has_dtypes,
+            STOCHASTIC=stochastic,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            num_warps=num_warps,
+        )

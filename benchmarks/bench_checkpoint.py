@@ -38,17 +38,23 @@ from common import markdown_table, parse_config, save, tensor_bytes
 
 
 @dataclasses.dataclass
-class Config:
+class ModelConfig:
+    """The model ``build`` makes and the batches ``batch`` draws (bench_checkpoint_incremental's too)."""
+
     tables: int = 8
     rows: int = 262144
     dim: int = 64
     batch: int = 2048
+
+
+@dataclasses.dataclass
+class Config(ModelConfig):
     steps: int = 20
     repeats: int = 3
     dir: str = ""  # where checkpoints go (default: a temporary directory under /tmp)
 
 
-def build(cfg: Config):
+def build(cfg: ModelConfig):
     from torchrec.models.dlrm import DLRM, DLRMTrain
 
     from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
@@ -70,7 +76,7 @@ def build(cfg: Config):
     return model, torch.optim.Adagrad(dense, lr=0.01)
 
 
-def batch(cfg: Config, gen: torch.Generator, fill: bool = False):
+def batch(cfg: ModelConfig, gen: torch.Generator, fill: bool = False):
     from torchrec.datasets.utils import Batch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 

@@ -26,16 +26,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_checkpoint import batch, build, train_step
+from bench_checkpoint import ModelConfig, batch, build, train_step
 from common import markdown_table, parse_config, save, tensor_bytes
 
 
 @dataclasses.dataclass
-class Config:
-    tables: int = 8
-    rows: int = 262144
-    dim: int = 64
-    batch: int = 2048
+class Config(ModelConfig):
     changed: float = 0.01  # the share of every table's rows the step between the links writes
     repeats: int = 3
     dir: str = ""  # where checkpoints go (default: a temporary directory under /tmp)

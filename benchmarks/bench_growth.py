@@ -40,7 +40,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import DlrmSmall, markdown_table, parse_config, save, small_tables
+from common import DlrmSmall, markdown_table, parse_config, print_and_save, small_tables
 
 
 @dataclasses.dataclass
@@ -250,9 +250,7 @@ def main() -> None:
     cfg, save_results = parse_config(Config, __doc__)
     result = run(cfg)
     text = report(cfg, result)
-    print(text)
-    if save_results:
-        save("growth_cpu", {"config": dataclasses.asdict(cfg), "results": result}, text)
+    print_and_save("growth_cpu", cfg, result, text, save_results)
 
 
 if __name__ == "__main__":

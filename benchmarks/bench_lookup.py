@@ -49,7 +49,17 @@ from collections.abc import Iterator
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Built, DlrmSmall, markdown_table, median_seconds, parse_config, save, small_tables, tensor_bytes
+from common import (
+    Built,
+    DlrmSmall,
+    built_batches,
+    markdown_table,
+    median_seconds,
+    parse_config,
+    save,
+    small_tables,
+    tensor_bytes,
+)
 
 from torchrec_ext.data import dlrm_small_batch
 
@@ -285,8 +295,13 @@ def time_system(name: str, built: Built, cfg: Config, raw: list) -> dict[str, ob
 
     clock = time.process_time if cfg.clock == "cpu" else time.perf_counter
     sec = median_seconds(run, repeats, warmup=warmup, setup=lambda: next(chunks), clock=clock) / cfg.steps_per_repeat
-    nbytes, live, slots = built.memory()
     ids_per_step = sum(int(kjt.values().numel()) for kjt in raw[: len(batches)]) / len(batches)
+    return _result(built, sec, ids_per_step, repeats, warmup)
+
+
+def _result(built: Built, sec: float, ids_per_step: float, repeats: int, warmup: int) -> dict[str, object]:
+    """A system's results: ``sec`` per step (the median), its throughput and its memory after."""
+    nbytes, live, slots = built.memory()
     return {
         "ms_per_step": sec * 1e3,
         "ids_per_s": ids_per_step / sec,
@@ -321,17 +336,8 @@ def time_interleaved(builts: dict[str, Built], cfg: Config, raw: list) -> dict[s
     results = {}
     for name, built in builts.items():
         sec = statistics.median(times[name])
-        nbytes, live, slots = built.memory()
         results[name] = {
-            "ms_per_step": sec * 1e3,
-            "ids_per_s": ids_per_step / sec,
-            "bytes": nbytes,
-            "live_rows": live,
-            "slots": slots,
-            "bytes_per_live_row": nbytes / live if live else None,
-            "repeats": cfg.repeats,
-            "warmup": cfg.warmup,
-            "note": built.note,
+            **_result(built, sec, ids_per_step, cfg.repeats, cfg.warmup),
             "interleaved": True,
             "ms_per_step_each_repeat": [t * 1e3 for t in times[name]],
         }
@@ -343,12 +349,8 @@ def run(cfg: Config) -> tuple[dict[str, dict[str, object]], dict[str, object]]:
     make = lambda i: dlrm_small_batch(
         i, cfg.num_tables, cfg.batch_size, cfg.max_bag, cfg.seed, alpha=cfg.alpha, id_bits=cfg.id_bits
     )
-    raw = [make(0)]  # the first call also imports torchrec's KJT: not timed
-    start = time.perf_counter()
-    raw += [make(i) for i in range(1, steps)]
-    gen_ms = (time.perf_counter() - start) / max(steps - 1, 1) * 1e3
+    raw, gen_ms, unique = built_batches(make, steps)
     first = raw[0]
-    unique = sum(int(torch.unique(jt.values()).numel()) for jt in first.to_dict().values()) / first.values().numel()
     data = {
         "ids_per_step": int(first.values().numel()),
         "unique_fraction_per_table": unique,

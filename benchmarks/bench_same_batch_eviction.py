@@ -24,7 +24,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS_DIR, markdown_table, parse_config, save
+from common import RESULTS_DIR, markdown_table, parse_config, print_and_save
 
 from torchrec_ext import HashTable
 
@@ -139,9 +139,7 @@ def main() -> None:
     cfg, save_results = parse_config(Config, __doc__)
     results = run(cfg)
     text = report(cfg, results, earlier_runs(cfg))
-    print(text)
-    if save_results:
-        save(results_name(cfg), {"config": dataclasses.asdict(cfg), "results": results}, text)
+    print_and_save(results_name(cfg), cfg, results, text, save_results)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Built, markdown_table, parse_config, save, small_tables, tensor_bytes
+from common import Built, built_batches, markdown_table, parse_config, save, small_tables, tensor_bytes
 
 SYSTEMS = ("ebc", "ours", "ours-full")  # the default; ours-cw on request
 LABELS = {
@@ -275,12 +275,8 @@ def run(cfg: Config) -> tuple[dict[str, dict[str, object]], dict[str, object]]:
     make = lambda i: dlrm_small_batch(
         i * world + rank, cfg.num_tables, cfg.batch_size, cfg.max_bag, cfg.seed, alpha=cfg.alpha, id_bits=cfg.id_bits
     )
-    raw = [make(0)]  # the first call also imports torchrec's KJT: not timed
-    start = time.perf_counter()
-    raw += [make(i) for i in range(1, steps)]
-    gen_ms = (time.perf_counter() - start) / max(steps - 1, 1) * 1e3
+    raw, gen_ms, unique = built_batches(make, steps)
     first = raw[0]
-    unique = sum(int(torch.unique(jt.values()).numel()) for jt in first.to_dict().values()) / first.values().numel()
     data = {
         "ids_per_step_per_rank": int(first.values().numel()),
         "unique_fraction_per_table": unique,

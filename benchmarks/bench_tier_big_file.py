@@ -21,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import DlrmSmall, parse_config, process_memory, save, small_tables
+from common import DlrmSmall, parse_config, print_and_save, process_memory, small_tables
 
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 from torchrec_ext.data import dlrm_small_batch
@@ -134,9 +134,7 @@ def main() -> None:
         torch.set_num_threads(cfg.threads)
     result = run(cfg)
     text = report(cfg, result)
-    print(text)
-    if save_results:
-        save("tier_big_file", {"config": dataclasses.asdict(cfg), "results": result}, text)
+    print_and_save("tier_big_file", cfg, result, text, save_results)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import fbgemm_cuda_reason, markdown_table, parse_config, save
+from common import fbgemm_cuda_reason, markdown_table, parse_config, print_and_save
 
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 from torchrec_ext.data import dlrm_small_batch
@@ -385,9 +385,7 @@ def main() -> None:
     cfg, save_results = parse_config(Config, __doc__, systems=SYSTEMS)
     result = run(cfg)
     text = report(cfg, result)
-    print(text)
-    if save_results:
-        save("tiers_gpu", {"config": dataclasses.asdict(cfg), "results": result}, text)
+    print_and_save("tiers_gpu", cfg, result, text, save_results)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ Host backing keeps every row in host memory: its resident memory holds the whole
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import os
@@ -33,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_tiers import SYSTEMS, Config, _build, _step
-from common import markdown_table, parse_config, process_memory, save
+from common import markdown_table, parse_config, print_and_save, process_memory
 
 from torchrec_ext.data import dlrm_small_batch
 
@@ -172,9 +171,7 @@ def main() -> None:
         return
     results = run(cfg)
     text = report(cfg, results)
-    print(text)
-    if save_results:
-        save("tiers_memory_cpu", {"config": dataclasses.asdict(cfg), "results": results}, text)
+    print_and_save("tiers_memory_cpu", cfg, results, text, save_results)
 
 
 if __name__ == "__main__":

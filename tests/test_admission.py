@@ -9,7 +9,7 @@ import pytest
 import torch
 from torchrec import KeyedJaggedTensor
 
-from dist_helpers import ModelWith, run_ranks
+from dist_helpers import ModelWith, dmp_of, run_ranks
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 from torchrec_ext.modules import admission as adm
 from torchrec_ext.reference import _fmix64, table_seed
@@ -238,31 +238,22 @@ def test_probabilistic_admission_is_the_hash_rule_and_admits_about_p():
     assert stats.admission_rejections == ids.numel() - len(want) and stats.inserts == len(want)
 
 
+def _row_wise_dmp(module, world_size):
+    """``module`` (its one table ``t`` row-wise on every rank) under DMP."""
+    from torchrec.distributed.sharding_plan import row_wise
+
+    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder
+
+    generators = {"t": row_wise(compute_kernel="customized_kernel")}
+    return dmp_of(ModelWith("ebc", module), "ebc", generators, DynamicEmbeddingBagCollectionSharder(), world_size)
+
+
 def _sharded_probabilistic(rank, world_size, out):
     import torch.distributed as dist
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
-    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
     from torchrec_ext.distributed.table_stats import reduce_table_stats
 
-    model = ModelWith("ebc", _module(capacity=1 << 14, admission="probabilistic", admit_probability=0.4, seed=2))
-    plan = construct_module_sharding_plan(
-        model.ebc,
-        {"t": row_wise(compute_kernel="customized_kernel")},
-        sharder=DynamicEmbeddingBagCollectionSharder(),
-        local_size=world_size,
-        world_size=world_size,
-        device_type="cpu",
-    )
-    dmp = DistributedModelParallel(
-        model,
-        env=ShardingEnv.from_process_group(dist.group.WORLD),
-        device=torch.device("cpu"),
-        plan=ShardingPlan({"ebc": plan}),
-        sharders=get_sharders(),
-    )
+    dmp = _row_wise_dmp(_module(capacity=1 << 14, admission="probabilistic", admit_probability=0.4, seed=2), world_size)
     for step in range(4):
         ids = (torch.arange(1000) + 1000 * (2 * step + rank)) * 7 - 3000
         dmp(_kjt(ids.tolist(), 100)).values().sum().backward()
@@ -294,32 +285,11 @@ def test_probabilistic_admission_is_sharding_invariant_on_two_ranks(tmp_path):
 
 
 def _sharded_bloom(rank, world_size, out):
-    import torch.distributed as dist
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
-
-    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, full_state_dict, get_sharders
+    from torchrec_ext.distributed import full_state_dict
 
     def build():
-        model = ModelWith(
-            "ebc", _module(capacity=2048, admission="bloom", admit_after=2, bloom_bytes=2048, bloom_expected_ids=1000)
-        )
-        plan = construct_module_sharding_plan(
-            model.ebc,
-            {"t": row_wise(compute_kernel="customized_kernel")},
-            sharder=DynamicEmbeddingBagCollectionSharder(),
-            local_size=world_size,
-            world_size=world_size,
-            device_type="cpu",
-        )
-        return DistributedModelParallel(
-            model,
-            env=ShardingEnv.from_process_group(dist.group.WORLD),
-            device=torch.device("cpu"),
-            plan=ShardingPlan({"ebc": plan}),
-            sharders=get_sharders(),
-        )
+        module = _module(capacity=2048, admission="bloom", admit_after=2, bloom_bytes=2048, bloom_expected_ids=1000)
+        return _row_wise_dmp(module, world_size)
 
     dmp = build()
     gen = torch.Generator().manual_seed(rank)

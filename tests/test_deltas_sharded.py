@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torchrec import KeyedJaggedTensor
 
-from dist_helpers import ModelWith, run_ranks
+from dist_helpers import ModelWith, dmp_of, run_ranks
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 from torchrec_ext.modules import DeltaError, DeltaToken, load_delta, save_delta
 
@@ -38,11 +38,9 @@ def _batch(step, rank):
 
 def _dmp(world_size, optimizer="adagrad", t1_capacity=64, t1_columns=None):
     """t1 row_wise, or column_wise in shards of ``t1_columns`` columns (one per rank)."""
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.distributed.sharding_plan import column_wise, row_wise, table_wise
 
-    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
+    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder
 
     kwargs = {"optimizer": optimizer, "optimizer_kwargs": {"lr": 0.1}} if optimizer else {}
     model = ModelWith("ebc", DynamicEmbeddingBagCollection(_configs(t1_capacity), **kwargs))
@@ -52,21 +50,7 @@ def _dmp(world_size, optimizer="adagrad", t1_capacity=64, t1_columns=None):
     }
     if t1_columns:
         gens["t1"] = column_wise(size_per_rank=t1_columns, compute_kernel="customized_kernel")
-    plan = construct_module_sharding_plan(
-        model.ebc,
-        gens,
-        sharder=DynamicEmbeddingBagCollectionSharder(),
-        local_size=world_size,
-        world_size=world_size,
-        device_type="cpu",
-    )
-    return DistributedModelParallel(
-        model,
-        env=ShardingEnv.from_process_group(dist.group.WORLD),
-        device=torch.device("cpu"),
-        plan=ShardingPlan({"ebc": plan}),
-        sharders=get_sharders(),
-    )
+    return dmp_of(model, "ebc", gens, DynamicEmbeddingBagCollectionSharder(), world_size)
 
 
 def _full(dmp):

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torchrec import KeyedJaggedTensor, PoolingType
 
-from dist_helpers import ModelWith, run_ranks
+from dist_helpers import ModelWith, dmp_of, run_ranks
 from torchrec_ext import (
     DynamicEmbeddingBagCollection,
     DynamicEmbeddingBagConfig,
@@ -425,11 +425,9 @@ def _global_batch(kjts):
 
 
 def _sharded(world_size, sharding, optimizer):
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.distributed.sharding_plan import row_wise, table_wise
 
-    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
+    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder
 
     model = ModelWith(
         "ebc", DynamicEmbeddingBagCollection(_sharded_configs(), optimizer=optimizer, optimizer_kwargs={"lr": LR})
@@ -443,21 +441,7 @@ def _sharded(world_size, sharding, optimizer):
             "t3": row_wise(compute_kernel=kernel),
         },
     }[sharding]
-    plan = construct_module_sharding_plan(
-        model.ebc,
-        generators,
-        sharder=DynamicEmbeddingBagCollectionSharder(),
-        local_size=world_size,
-        world_size=world_size,
-        device_type="cpu",
-    )
-    return DistributedModelParallel(
-        model,
-        env=ShardingEnv.from_process_group(dist.group.WORLD),
-        device=torch.device("cpu"),
-        plan=ShardingPlan({"ebc": plan}),
-        sharders=get_sharders(),
-    )
+    return dmp_of(model, "ebc", generators, DynamicEmbeddingBagCollectionSharder(), world_size)
 
 
 def _train_both(rank, world_size, dmp, reference, steps, first_step=0):
@@ -605,6 +589,30 @@ def test_planner_counts_the_fallback_rows_and_their_state():
             )
 
 
+def _plain_and_replicated(make, seed, grad_of, outputs_of):
+    """Two modules from ``make`` trained on the same 3 batches of features f and g, the second
+    stepping its fallback rows apart as the sharded path does with a one-rank sum (its all_reduce
+    does nothing); each step's gradient ``grad_of(lengths, gen)`` is taken against ``outputs_of``
+    the module's output. Returns (plain, split)."""
+    plain, split = make(), make()
+    split._tables.replicated_fallback = ([0, 1], lambda tensor: None)  # what a one-rank all_reduce does
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(3):
+        lengths = torch.randint(0, 4, (2 * 5,), generator=gen)
+        values = torch.tensor(POOL)[torch.randint(0, len(POOL), (int(lengths.sum()),), generator=gen)]
+        kjt = KeyedJaggedTensor(keys=["f", "g"], values=values, lengths=lengths)
+        grad_out = grad_of(lengths, gen)
+        for m in (plain, split):
+            (outputs_of(m(kjt)) * grad_out).sum().backward()
+    return plain, split
+
+
+def _assert_same_state(got, want_module):
+    want = want_module.state_dict()
+    for key, value in got.state_dict().items():
+        torch.testing.assert_close(value, want[key], rtol=0, atol=1e-6, msg=key)
+
+
 @pytest.mark.parametrize(
     "optimizer,dtype",
     [("sgd", "FP32"), ("adam", "FP16"), ("rowwise_adagrad", "BF16"), ("ftrl", "FP32"), ("adamw", "FP32")],
@@ -633,22 +641,13 @@ def test_replicated_fallback_step_on_one_rank_equals_the_fused_step(optimizer, d
         ]
         return DynamicEmbeddingBagCollection(cfgs, optimizer=optimizer, optimizer_kwargs=kwargs)
 
-    plain, split = make(), make()
-    split._tables.replicated_fallback = ([0, 1], lambda tensor: None)  # what a one-rank all_reduce does
-    gen = torch.Generator().manual_seed(11)
-    for _ in range(3):
-        lengths = torch.randint(0, 4, (2 * 5,), generator=gen)
-        values = torch.tensor(POOL)[torch.randint(0, len(POOL), (int(lengths.sum()),), generator=gen)]
-        kjt = KeyedJaggedTensor(keys=["f", "g"], values=values, lengths=lengths)
-        grad_out = torch.randn(5, 12, generator=gen)
-        for m in (plain, split):
-            (m(kjt).values() * grad_out).sum().backward()
+    plain, split = _plain_and_replicated(
+        make, 11, lambda lengths, gen: torch.randn(5, 12, generator=gen), lambda out: out.values()
+    )
     for t in range(2):
         assert plain._tables.fallback_view(t).abs().sum() > 0
         torch.testing.assert_close(split._tables.fallback_view(t), plain._tables.fallback_view(t), rtol=0, atol=1e-6)
-    want = plain.state_dict()
-    for key, value in split.state_dict().items():
-        torch.testing.assert_close(value, want[key], rtol=0, atol=1e-6, msg=key)
+    _assert_same_state(split, plain)
 
 
 def test_replicated_fallback_step_of_a_sequence_collection_equals_the_fused_step():
@@ -667,21 +666,14 @@ def test_replicated_fallback_step_of_a_sequence_collection_equals_the_fused_step
         ]
         return DynamicEmbeddingCollection(cfgs, optimizer="adagrad", optimizer_kwargs={"lr": LR})
 
-    plain, split = make(), make()
-    split._tables.replicated_fallback = ([0, 1], lambda tensor: None)
-    gen = torch.Generator().manual_seed(12)
-    for _ in range(3):
-        lengths = torch.randint(0, 4, (2 * 5,), generator=gen)
-        values = torch.tensor(POOL)[torch.randint(0, len(POOL), (int(lengths.sum()),), generator=gen)]
-        kjt = KeyedJaggedTensor(keys=["f", "g"], values=values, lengths=lengths)
-        grad_out = torch.randn(int(lengths.sum()), DIM, generator=gen)
-        for m in (plain, split):
-            out = m(kjt)
-            (torch.cat([out["f"].values(), out["g"].values()]) * grad_out).sum().backward()
-    want = plain.state_dict()
-    assert want["embeddings.a.fallback_weight"].abs().sum() > 0
-    for key, value in split.state_dict().items():
-        torch.testing.assert_close(value, want[key], rtol=0, atol=1e-6, msg=key)
+    plain, split = _plain_and_replicated(
+        make,
+        12,
+        lambda lengths, gen: torch.randn(int(lengths.sum()), DIM, generator=gen),
+        lambda out: torch.cat([out["f"].values(), out["g"].values()]),
+    )
+    assert plain.state_dict()["embeddings.a.fallback_weight"].abs().sum() > 0
+    _assert_same_state(split, plain)
 
 
 def test_many_fallback_rows_merge_the_ids_sharing_one():

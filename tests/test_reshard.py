@@ -68,19 +68,7 @@ def test_place_keys_places_every_key_that_fits(capacity, n):
     rows = place_keys(keys, scores, capacity)
     placed = rows >= 0
     assert int(placed.sum()) == _most_placeable(keys, capacity)  # the upper bound, reached
-    table = HashTable(capacity)  # the placement is valid: each key in one of its buckets, rows distinct
-    table.load_state_dict(
-        {
-            "capacity": capacity,
-            "policy": "lru",
-            "clock": 0,
-            "epoch": 0,
-            "layout": LAYOUT_VERSION,
-            "keys": keys[placed],
-            "rows": rows[placed],
-            "scores": scores[placed],
-        }
-    )
+    table = _table_of_placement(keys, rows, scores, capacity)
     found_rows, found = table.find(keys)
     assert torch.equal(found, placed) and torch.equal(found_rows[placed], rows[placed])
     if n > capacity and capacity <= 2048:  # one stripe: what is left out has the lowest scores
@@ -97,6 +85,26 @@ def _crowded(capacity, n, gen):
     return keys[b1 < 64][:n]  # bucket1 in stripe 0 (64 buckets), bucket2 in stripe 1
 
 
+def _table_of_placement(keys, rows, scores, capacity) -> HashTable:
+    """A table holding ``place_keys``' placement (the keys with a row >= 0): its state loads only
+    when the placement is valid (each key in one of its buckets, rows distinct)."""
+    placed = rows >= 0
+    table = HashTable(capacity)
+    table.load_state_dict(
+        {
+            "capacity": capacity,
+            "policy": "lru",
+            "clock": 0,
+            "epoch": 0,
+            "layout": LAYOUT_VERSION,
+            "keys": keys[placed],
+            "rows": rows[placed],
+            "scores": scores[placed],
+        }
+    )
+    return table
+
+
 @pytest.mark.parametrize(
     "capacity, n, crowded",
     [
@@ -109,38 +117,31 @@ def _crowded(capacity, n, gen):
     ],
 )
 def test_place_keys_keeps_what_the_reference_keeps(capacity, n, crowded):
-    from torchrec_ext.table import place_keys
-
     gen = torch.Generator().manual_seed(capacity + n)
     keys = _crowded(capacity, n, gen) if crowded else torch.randint(-(2**62), 2**62, (n,), generator=gen).unique()
     assert keys.numel() == n
     scores = torch.randint(0, 5, (n,), generator=gen)
+    kept = _placed_like_the_reference(keys, scores, capacity)
+    # crowded: 404 ids find no row in their buckets, the stash holds 32 of them
+    assert sum(kept) == min(n, capacity) - (404 - stash_slots(capacity) if crowded else 0)
+
+
+def _placed_like_the_reference(keys, scores, capacity) -> list[bool]:
+    """``place_keys``' placement: it keeps the keys the reference keeps (returned: a flag per key), at
+    rows a table takes as its state (a valid placement)."""
+    from torchrec_ext.table import place_keys
+
     rows = place_keys(keys, scores, capacity)
     kept = reference.place_keys(keys.tolist(), scores.tolist(), capacity)
     assert (rows >= 0).tolist() == kept
-    # crowded: 404 ids find no row in their buckets, the stash holds 32 of them
-    assert sum(kept) == min(n, capacity) - (404 - stash_slots(capacity) if crowded else 0)
-    placed = rows >= 0  # and the rows are a valid placement
-    HashTable(capacity).load_state_dict(
-        {
-            "capacity": capacity,
-            "policy": "lru",
-            "clock": 0,
-            "epoch": 0,
-            "layout": LAYOUT_VERSION,
-            "keys": keys[placed],
-            "rows": rows[placed],
-            "scores": scores[placed],
-        }
-    )
+    _table_of_placement(keys, rows, scores, capacity)
+    return kept
 
 
 @pytest.mark.parametrize("capacity", [1, 2, 33, 100, 500, 4100])
 def test_place_keys_keeps_what_the_reference_keeps_small_and_crowded(capacity):
     """Tables of one bucket, a part-usable last bucket and 2 stripes, with random loads up to 1.3,
     ties, and ids crowded into the lower half of the buckets."""
-    from torchrec_ext.table import place_keys
-
     rng = random.Random(capacity)
     for _ in range(10):
         n = rng.randint(0, int(capacity * 1.3) + 2)
@@ -149,21 +150,7 @@ def test_place_keys_keeps_what_the_reference_keeps_small_and_crowded(capacity):
             b1, _ = reference.bucket_pairs(keys, capacity)
             keys = keys[b1 <= b1.median()]
         scores = torch.randint(0, rng.choice([1, 3, 1000]), (keys.numel(),))
-        rows = place_keys(keys, scores, capacity)
-        assert (rows >= 0).tolist() == reference.place_keys(keys.tolist(), scores.tolist(), capacity)
-        placed = rows >= 0
-        HashTable(capacity).load_state_dict(
-            {
-                "capacity": capacity,
-                "policy": "lru",
-                "clock": 0,
-                "epoch": 0,
-                "layout": LAYOUT_VERSION,
-                "keys": keys[placed],
-                "rows": rows[placed],
-                "scores": scores[placed],
-            }
-        )
+        _placed_like_the_reference(keys, scores, capacity)
 
 
 def test_place_keys_is_deterministic_whatever_the_thread_count():

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torchrec import KeyedJaggedTensor
 
-from dist_helpers import ModelWith, run_ranks
+from dist_helpers import ModelWith, dmp_t1_row_t2_table_wise, run_ranks
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 
 BATCH, KEYS = 6, ["f1", "f2"]
@@ -32,35 +32,12 @@ def _batch(step, rank):
 
 
 def _dmp(world_size, dim=8):
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
     from torchrec.optim.keyed import CombinedOptimizer
-
-    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
 
     model = ModelWith(
         "ebc", DynamicEmbeddingBagCollection(_configs(dim), optimizer="adam", optimizer_kwargs={"lr": 0.05})
     )
-    gens = {
-        "t1": row_wise(compute_kernel="customized_kernel"),
-        "t2": table_wise(rank=world_size - 1, compute_kernel="customized_kernel"),
-    }
-    plan = construct_module_sharding_plan(
-        model.ebc,
-        gens,
-        sharder=DynamicEmbeddingBagCollectionSharder(),
-        local_size=world_size,
-        world_size=world_size,
-        device_type="cpu",
-    )
-    dmp = DistributedModelParallel(
-        model,
-        env=ShardingEnv.from_process_group(dist.group.WORLD),
-        device=torch.device("cpu"),
-        plan=ShardingPlan({"ebc": plan}),
-        sharders=get_sharders(),
-    )
+    dmp = dmp_t1_row_t2_table_wise(model, world_size)
     return dmp, CombinedOptimizer([dmp.fused_optimizer])
 
 

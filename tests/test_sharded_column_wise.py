@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torchrec import DataType, KeyedJaggedTensor, PoolingType
 
-from dist_helpers import ModelWith, assert_same_tables, global_batch, run_ranks
+from dist_helpers import ModelWith, assert_same_tables, dmp_of, global_batch, run_ranks
 from torchrec_ext import (
     DynamicEmbeddingBagCollection,
     DynamicEmbeddingBagConfig,
@@ -70,19 +70,7 @@ def _rank_batch(step, rank, weighted=False):
 
 
 def _dmp(module, name, plan_generators, sharder):
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan
-    from torchrec.distributed.types import ShardingPlan
-
-    from torchrec_ext.distributed import get_sharders
-
-    model = ModelWith(name, module)
-    plan = construct_module_sharding_plan(
-        module, plan_generators, sharder=sharder, local_size=WORLD, world_size=WORLD, device_type="cpu"
-    )
-    return DistributedModelParallel(
-        model, device=torch.device("cpu"), plan=ShardingPlan({name: plan}), sharders=get_sharders()
-    )
+    return dmp_of(ModelWith(name, module), name, plan_generators, sharder, WORLD)
 
 
 SHARED_STATE = (

@@ -8,7 +8,7 @@ import torch
 from torchrec import KeyedJaggedTensor
 from torchrec.metrics.metric_module import RecMetricModule
 
-from dist_helpers import ModelWith, run_ranks
+from dist_helpers import ModelWith, dmp_of, run_ranks
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 from torchrec_ext.distributed.table_metrics import TableStatsMetric
 
@@ -76,28 +76,12 @@ def test_an_untrained_module_reports_zeros_and_no_rates():
 
 def _sharded(rank, world_size, out):
     import torch.distributed as dist
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.distributed.sharding_plan import row_wise
 
-    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
+    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder
 
-    model = ModelWith("ebc", _module())
-    plan = construct_module_sharding_plan(
-        model.ebc,
-        {t: row_wise(compute_kernel="customized_kernel") for t in TABLES},
-        sharder=DynamicEmbeddingBagCollectionSharder(),
-        local_size=world_size,
-        world_size=world_size,
-        device_type="cpu",
-    )
-    dmp = DistributedModelParallel(
-        model,
-        env=ShardingEnv.from_process_group(dist.group.WORLD),
-        device=torch.device("cpu"),
-        plan=ShardingPlan({"ebc": plan}),
-        sharders=get_sharders(),
-    )
+    generators = {t: row_wise(compute_kernel="customized_kernel") for t in TABLES}
+    dmp = dmp_of(ModelWith("ebc", _module()), "ebc", generators, DynamicEmbeddingBagCollectionSharder(), world_size)
     for step in range(6):
         dmp(_batch(step, rank)[1]).values().sum().backward()
     metrics = RecMetricModule(

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torchrec import KeyedJaggedTensor, PoolingType
 
-from dist_helpers import ModelWith, run_ranks
+from dist_helpers import ModelWith, dmp_of, run_ranks
 from modules_helpers import copied_ebc
 from torchrec_ext import (
     DynamicEmbeddingBagCollection,
@@ -213,11 +213,9 @@ def test_sequence_module_reads_each_features_own_bags_like_torchrecs_ec():
 
 
 def _sharded_against_unsharded(rank, world_size, sharding):
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.distributed.sharding_plan import row_wise, table_wise
 
-    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder, get_sharders
+    from torchrec_ext.distributed import DynamicEmbeddingBagCollectionSharder
 
     make = lambda: DynamicEmbeddingBagCollection(_tables(), optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
     reference, model = make(), ModelWith("ebc", make())
@@ -228,21 +226,7 @@ def _sharded_against_unsharded(rank, world_size, sharding):
             "t2": table_wise(rank=1, compute_kernel="customized_kernel"),
         },
     }[sharding]
-    plan = construct_module_sharding_plan(
-        model.ebc,
-        spec,
-        sharder=DynamicEmbeddingBagCollectionSharder(),
-        local_size=world_size,
-        world_size=world_size,
-        device_type="cpu",
-    )
-    dmp = DistributedModelParallel(
-        model,
-        env=ShardingEnv.from_process_group(dist.group.WORLD),
-        device=torch.device("cpu"),
-        plan=ShardingPlan({"ebc": plan}),
-        sharders=get_sharders(),
-    )
+    dmp = dmp_of(model, "ebc", spec, DynamicEmbeddingBagCollectionSharder(), world_size)
     keys = ["f1", "f2", "f3"]
     for step in range(3):
         batches = [_vbe(keys, [1 + r, 3, BATCH - r], False, 10 * step + r) for r in range(world_size)]
@@ -356,17 +340,10 @@ def _sharded_ec_against_unsharded(rank, world_size):
     """VBE KJTs through the sharded EC (row-, table- and column-wise, DMP): each feature's own bags (as
     TorchRec's sharded EC gives them), with the vectors and trained tables of the unsharded EC fed
     the ranks' bags together."""
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import (
-        column_wise,
-        construct_module_sharding_plan,
-        row_wise,
-        table_wise,
-    )
-    from torchrec.distributed.types import ShardingPlan
+    from torchrec.distributed.sharding_plan import column_wise, row_wise, table_wise
 
     from dist_helpers import assert_same_tables
-    from torchrec_ext.distributed import DynamicEmbeddingCollectionSharder, full_state_dict, get_sharders
+    from torchrec_ext.distributed import DynamicEmbeddingCollectionSharder, full_state_dict
 
     keys = ["f1", "f2", "f3"]
     make = lambda: DynamicEmbeddingCollection(
@@ -384,17 +361,7 @@ def _sharded_ec_against_unsharded(rank, world_size):
     )
     for t1, t2 in specs:
         reference, model = make(), ModelWith("ec", make())
-        plan = construct_module_sharding_plan(
-            model.ec,
-            {"t1": t1, "t2": t2},
-            sharder=DynamicEmbeddingCollectionSharder(),
-            local_size=world_size,
-            world_size=world_size,
-            device_type="cpu",
-        )
-        dmp = DistributedModelParallel(
-            model, device=torch.device("cpu"), plan=ShardingPlan({"ec": plan}), sharders=get_sharders()
-        )
+        dmp = dmp_of(model, "ec", {"t1": t1, "t2": t2}, DynamicEmbeddingCollectionSharder(), world_size)
         for step in range(3):
             strides = [[1 + r, 3, BATCH - r] for r in range(world_size)]
             batches = [_vbe(keys, strides[r], False, 10 * step + r)[0] for r in range(world_size)]

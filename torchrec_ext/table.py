@@ -176,17 +176,7 @@ def find_or_insert_tables(
             raise ValueError(f"{where}: table {t} is on {index.device}, table 0 on {first.device}")
     if scores is not None:
         scores = first._check_entries(f"HashTable.{where}", "scores", scores, keys)
-    if pending is not None and (
-        not isinstance(pending, Tensor)
-        or pending.dtype != torch.bool
-        or pending.shape != keys.shape
-        or pending.device != first.device
-    ):
-        raise ValueError(
-            f"HashTable.{where}: pending must be a bool tensor of one flag per key on {first.device}, "
-            f"got {getattr(pending, 'dtype', type(pending).__name__)} of shape "
-            f"{tuple(getattr(pending, 'shape', ()))}"
-        )
+    first._check_pending(where, pending, keys)
     if scores is None and any(index.policy == "custom" for index in indexes):
         raise ValueError(f"HashTable.{where}: the 'custom' policy needs scores, one per key")
     with ExitStack() as locks:
@@ -436,17 +426,7 @@ class HashTable:
                 f"this table's policy is {self.policy!r}"
             )
         scores = self._check_scores("find_or_insert_fixed", scores, keys, increments=False)
-        if pending is not None and (
-            not isinstance(pending, Tensor)
-            or pending.dtype != torch.bool
-            or pending.shape != keys.shape
-            or pending.device != self.device
-        ):
-            raise ValueError(
-                f"HashTable.find_or_insert_fixed: pending must be a bool tensor of one flag per key on "
-                f"{self.device}, got {getattr(pending, 'dtype', type(pending).__name__)} of shape "
-                f"{tuple(getattr(pending, 'shape', ()))}"
-            )
+        self._check_pending("find_or_insert_fixed", pending, keys)
         with self._lock.write():
             self._clock += 1
             slots, inserted, evicted, evicted_keys = ops.hash_upsert_fixed(
@@ -780,6 +760,20 @@ class HashTable:
         if keys.device != self.device:
             raise ValueError(f"HashTable.{op}: keys are on {keys.device}, the table is on {self.device}")
         return keys.to(torch.int64).contiguous()
+
+    def _check_pending(self, op: str, pending: object, keys: Tensor) -> None:
+        """``pending`` of a fixed-size upsert: None (all keys) or one bool flag per key, here."""
+        if pending is not None and (
+            not isinstance(pending, Tensor)
+            or pending.dtype != torch.bool
+            or pending.shape != keys.shape
+            or pending.device != self.device
+        ):
+            raise ValueError(
+                f"HashTable.{op}: pending must be a bool tensor of one flag per key on {self.device}, "
+                f"got {getattr(pending, 'dtype', type(pending).__name__)} of shape "
+                f"{tuple(getattr(pending, 'shape', ()))}"
+            )
 
     def _check_entries(self, where: str, name: str, values: object, keys: Tensor) -> Tensor:
         """A state's per-key ``rows`` / ``scores``: an integer tensor with one entry per key."""

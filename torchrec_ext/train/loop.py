@@ -8,6 +8,7 @@ segments see a model with no batch in flight."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ def run_segment(
     """Trains on every batch of ``batches`` with the train loop ``kind``; returns each step's
     (local) loss, in order, and adds each step's tier traffic (tiered tables) to ``tiers``."""
     loops = {"plain": _plain_loop, "torchrec": _torchrec_pipeline, "ours": _our_pipeline}
-    return loops[kind](dmp, optimizer, batches, device, progress, tiers)
+    return loops[kind](_Segment(dmp, optimizer, device, progress, tiers), batches)
 
 
 def global_mean(losses: list[torch.Tensor], device: torch.device) -> list[float]:
@@ -40,76 +41,67 @@ def global_mean(losses: list[torch.Tensor], device: torch.device) -> list[float]
     return (t / dist.get_world_size()).tolist()
 
 
-def _plain_loop(
-    dmp: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batches: Iterator,
-    device: torch.device,
-    progress: Progress,
-    tiers: TierTraffic,
-) -> list[torch.Tensor]:
-    losses: list[torch.Tensor] = []
+@dataclass
+class _Segment:
+    """What every train loop trains with, and where it records each step."""
+
+    dmp: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    progress: Progress
+    tiers: TierTraffic
+    losses: list[torch.Tensor] = field(default_factory=list)
+
+    def record(self, loss: torch.Tensor) -> None:
+        """A step of a loop that returns its loss at once: its loss and the model's tier traffic."""
+        self.tiers.add(model_tier_step_stats(self.dmp))
+        self.losses.append(loss.detach())
+        self.progress.step(loss.detach())
+
+
+def _plain_loop(seg: _Segment, batches: Iterator) -> list[torch.Tensor]:
     for batch in batches:
-        batch = batch.to(device, non_blocking=True)
-        optimizer.zero_grad()
-        loss, _ = dmp(batch)
+        batch = batch.to(seg.device, non_blocking=True)
+        seg.optimizer.zero_grad()
+        loss, _ = seg.dmp(batch)
         loss.backward()
-        optimizer.step()
-        tiers.add(model_tier_step_stats(dmp))
-        losses.append(loss.detach())
-        progress.step(loss.detach())
-    return losses
+        seg.optimizer.step()
+        seg.record(loss)
+    return seg.losses
 
 
-def _torchrec_pipeline(
-    dmp: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batches: Iterator,
-    device: torch.device,
-    progress: Progress,
-    tiers: TierTraffic,
-) -> list[torch.Tensor]:
+def _torchrec_pipeline(seg: _Segment, batches: Iterator) -> list[torch.Tensor]:
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    losses: list[torch.Tensor] = []
-    pipeline = TrainPipelineSparseDist(dmp, optimizer, device, execute_all_batches=True)
+    pipeline = TrainPipelineSparseDist(seg.dmp, seg.optimizer, seg.device, execute_all_batches=True)
     try:
         while True:
             try:
                 loss, _, _ = pipeline.progress(batches)
             except StopIteration:
                 break
-            tiers.add(model_tier_step_stats(dmp))
-            losses.append(loss.detach())
-            progress.step(loss.detach())
+            seg.record(loss)
     finally:
         pipeline.detach()  # the model's original forwards back, for eval and the next segment
-    return losses
+    return seg.losses
 
 
-def _our_pipeline(
-    dmp: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batches: Iterator,
-    device: torch.device,
-    progress: Progress,
-    tiers: TierTraffic,
-) -> list[torch.Tensor]:
+def _our_pipeline(seg: _Segment, batches: Iterator) -> list[torch.Tensor]:
     from torchrec_ext.pipeline import TrainPipeline
 
     host: dict[int, torch.Tensor] = {}
-    with TrainPipeline(dmp, optimizer, device) as pipeline:
+    with TrainPipeline(seg.dmp, seg.optimizer, seg.device) as pipeline:
         while True:
             try:
                 pipeline.progress(batches)
             except StopIteration:
                 break
-            tiers.add(pipeline.tier_step_stats())  # the step's lookup and the stage that ran ahead of it
+            seg.tiers.add(pipeline.tier_step_stats())  # the step's lookup and the stage that ran ahead of it
             latest = None
             for step, (loss, _, _) in pipeline.pop_host_outputs():  # copied to host without a sync
                 host[step] = loss
                 latest = loss
-            progress.step(latest)
+            seg.progress.step(latest)
         for step, (loss, _, _) in pipeline.drain_host_outputs():
             host[step] = loss
     return [host[i] for i in range(len(host))]

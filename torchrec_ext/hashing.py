@@ -36,7 +36,7 @@ def as_int64(x: int) -> int:
 
 def u64(x: int) -> Tensor:
     """A uint64 constant as the int64 tensor with the same bits."""
-    return torch.tensor(as_int64(x), dtype=torch.int64)
+    return torch.tensor(as_int64(x), dtype=torch.int64, device="cpu")  # (not the default device)
 
 
 def srl(x: Tensor, s: int) -> Tensor:

@@ -231,7 +231,7 @@ def route_bucketize(
     is the ``route`` op's (its CUDA kernel in csrc/hash_table_cuda.cu)."""
     bags = len(slot_owner) * batch_size
     bag = torch.repeat_interleave(torch.arange(bags, device=ids.device), lengths, output_size=ids.numel())
-    owner = device_sync.to_device(torch.tensor(list(slot_owner), dtype=torch.int64), ids.device)[
+    owner = device_sync.to_device(torch.tensor(list(slot_owner), dtype=torch.int64, device="cpu"), ids.device)[
         bag // max(batch_size, 1)
     ]
     dest = torch.where(owner < 0, torch.ops.torchrec_ext.route.default(ids, world_size), owner)

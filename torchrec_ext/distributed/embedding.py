@@ -103,6 +103,7 @@ class ShardedDynamicEmbeddingCollection(
         self._slot_first = torch.tensor(
             [[p.local_columns(r)[0] if p.holds(r) else 0 for p in slot_tables] for r in range(self._world_size)],
             dtype=torch.int64,
+            device="cpu",
         ).reshape(-1)
 
     @property

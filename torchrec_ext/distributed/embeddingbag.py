@@ -173,7 +173,9 @@ class ShardedDynamicEmbeddingBagCollection(
         per_slot = lengths.view(len(self._plan.mean), batch_size).t().float().clamp(min=1)
         _, _, mean = self._plan.tensors(lengths.device)
         scale = torch.where(mean, 1.0 / per_slot, torch.ones_like(per_slot))
-        dims = device_sync.to_device(torch.tensor(self._plan.dims), lengths.device)  # no blocking copy on a GPU
+        dims = device_sync.to_device(
+            torch.tensor(self._plan.dims, device="cpu"), lengths.device
+        )  # no blocking copy on a GPU
         # output_size: the width is known on the host (without it, a GPU reads dims' sum back: a sync)
         return torch.repeat_interleave(scale, dims, dim=1, output_size=self._plan.total_dim)
 

@@ -194,7 +194,7 @@ class RoutedDataAwaitable(Awaitable[KeyedJaggedTensor]):
         with torch.no_grad():
             # Each source sent its lengths per key (a batch each), then its ids per key: listed
             # key-major over the sources, all lengths come first, then all ids.
-            batches = device_sync.to_device(torch.tensor(self._batches), self._ids_per_key.device)
+            batches = device_sync.to_device(torch.tensor(self._batches, device="cpu"), self._ids_per_key.device)
             segments = torch.cat([batches.view(world, 1).expand(world, num_keys), self._ids_per_key], 1)
             ints = self._received_ints[transpose_segments(segments, self._received_ints.numel())]
             weights = None

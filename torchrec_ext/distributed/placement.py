@@ -83,7 +83,7 @@ class TablePlacement:
     def owns(self, ids: Tensor, rank: int) -> Tensor:
         """Which of ``ids`` this rank holds a row of."""
         if self.kind == "row":
-            group = torch.tensor(self.ranks, dtype=torch.int64)
+            group = torch.tensor(self.ranks, dtype=torch.int64, device="cpu")
             return group[ops.route(ids.to(torch.int64).contiguous(), len(self.ranks)).cpu()].to(ids.device) == rank
         return torch.full((ids.numel(),), self.holds(rank), dtype=torch.bool, device=ids.device)
 

@@ -35,7 +35,7 @@ _OWNERS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _PENDING: OrderedDict[int, SimpleNamespace] = OrderedDict()  # token -> what its backward needs
 MAX_PENDING = 64  # forwards never followed by their backward (a grad-enabled eval loop): oldest dropped
 _TOKENS = itertools.count()
-_ANCHOR = torch.zeros(0, requires_grad=True)
+_ANCHOR = torch.zeros(0, requires_grad=True, device="cpu")
 KEY_SEPARATOR = "\x00"
 
 
@@ -113,7 +113,7 @@ def _keep_for_backward(ctx: SimpleNamespace, backward_follows: bool) -> Tensor:
         _PENDING[token] = ctx
         while len(_PENDING) > MAX_PENDING:
             _PENDING.popitem(last=False)
-    return torch.tensor([token], dtype=torch.int64)
+    return torch.tensor([token], dtype=torch.int64, device="cpu")
 
 
 def _pending(token: Tensor) -> SimpleNamespace:

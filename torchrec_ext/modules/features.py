@@ -56,9 +56,9 @@ class LookupPlan:
         """(feature_table, feature_col, feature_mean) on ``device``, as the kernels take them."""
         if device not in self._tensors:
             self._tensors[device] = (
-                device_sync.to_device(torch.tensor(self.tables, dtype=torch.int64), device),
-                device_sync.to_device(torch.tensor(self.cols, dtype=torch.int64), device),
-                device_sync.to_device(torch.tensor(self.mean, dtype=torch.bool), device),
+                device_sync.to_device(torch.tensor(self.tables, dtype=torch.int64, device="cpu"), device),
+                device_sync.to_device(torch.tensor(self.cols, dtype=torch.int64, device="cpu"), device),
+                device_sync.to_device(torch.tensor(self.mean, dtype=torch.bool, device="cpu"), device),
             )
         return self._tensors[device]
 
@@ -202,7 +202,7 @@ def check_and_arrange(
         ids, arranged_lengths, arranged_weights = values, lengths, weights
     else:  # the read features' ids in lookup order; other keys' ids are left out
         order = device_sync.to_device(
-            torch.tensor([key_index[f] for f in plan.features], dtype=torch.int64), lengths.device
+            torch.tensor([key_index[f] for f in plan.features], dtype=torch.int64, device="cpu"), lengths.device
         )
         spans = [(key_start[f], n) for f, n in zip(plan.features, value_counts)]
         ids = _gather_spans(values, spans)
@@ -226,7 +226,7 @@ def check_and_arrange(
     # Both offsets summed on the host and made one tensor (no op per offset); one copy for both;
     # mirrored: the kernels read their host values (the longest feature) without a sync.
     tables_end = plan.num_tables + 1
-    host = torch.tensor(_starts(table_counts + [0]) + _starts(value_counts + [0]), dtype=torch.int64)
+    host = torch.tensor(_starts(table_counts + [0]) + _starts(value_counts + [0]), dtype=torch.int64, device="cpu")
     both = device_sync.to_device(host, values.device)
     return LookupInput(
         ids.to(torch.int64),
@@ -251,7 +251,9 @@ def _read_lengths(
     device = lengths.device
     ends = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=device)
     torch.cumsum(lengths.to(torch.int64), 0, out=ends[1:])
-    key_ends = ends.index_select(0, device_sync.to_device(torch.tensor(bag_starts, dtype=torch.int64), device))
+    key_ends = ends.index_select(
+        0, device_sync.to_device(torch.tensor(bag_starts, dtype=torch.int64, device="cpu"), device)
+    )
     smallest = lengths.min().to(torch.int64).view(1) if lengths.numel() else ends[:1]
     parts = [key_ends, smallest]
     counted = (
@@ -264,7 +266,7 @@ def _read_lengths(
     if counted:
         # Each id's key: the first key whose end passes its position.
         key_of = torch.searchsorted(key_ends[1:], torch.arange(values.numel(), device=device), right=True)
-        is_read = device_sync.to_device(torch.tensor(read, dtype=torch.bool), device).index_select(
+        is_read = device_sync.to_device(torch.tensor(read, dtype=torch.bool, device="cpu"), device).index_select(
             0, key_of.clamp(max=len(read) - 1)
         )
         parts.append(((~torch.isfinite(weights)) & is_read).sum().view(1))
@@ -298,8 +300,8 @@ def _defer_length_checks(
     counted = read is not None and weights is not None and weights.is_floating_point() and weights.shape == values.shape
     if counted:
         is_read = torch.repeat_interleave(
-            device_sync.to_device(torch.tensor(read, dtype=torch.bool), device),
-            device_sync.to_device(torch.tensor(per_key, dtype=torch.int64), device),
+            device_sync.to_device(torch.tensor(read, dtype=torch.bool, device="cpu"), device),
+            device_sync.to_device(torch.tensor(per_key, dtype=torch.int64, device="cpu"), device),
             output_size=values.numel(),
         )
         parts.append(((~torch.isfinite(weights)) & is_read).sum().view(1))
@@ -352,7 +354,7 @@ def _variable_batch(features: KeyedJaggedTensor, where: str) -> tuple[list[int],
             f"batch_size], got {inverse.dtype} of shape {tuple(inverse.shape)}"
         )
     if inverse.numel() and not inverse.is_meta:
-        limit = device_sync.to_device(torch.tensor(strides), inverse.device).unsqueeze(1)
+        limit = device_sync.to_device(torch.tensor(strides, device="cpu"), inverse.device).unsqueeze(1)
         outside = ((inverse < 0) | (inverse >= limit)).any(1)  # per key
         if device_sync.to_host(outside.any(), "check_and_arrange: variable-batch inverse indices"):
             bad = int(device_sync.to_host(outside.int().argmax(), "check_and_arrange: error message"))

@@ -450,7 +450,7 @@ class IdsToRows:
             first = sum(sizes[:t])
             self.last_seen[t] = flat[first : first + sizes[t]].copy_(seen)
             layout.append([first, first + sizes[t] - 1, m.ttl_steps])
-        self._ttl_flat = (flat, torch.tensor(layout, dtype=torch.int64).to(self.device), list(self.last_seen))
+        self._ttl_flat = (flat, torch.tensor(layout, dtype=torch.int64, device=self.device), list(self.last_seen))
         return self._ttl_flat[:2]
 
     def _after_upsert(
@@ -578,13 +578,15 @@ class IdsToRows:
         rowwise = self.optimizer is not None and self.optimizer.kind in ROWWISE_STATE
         key = ("init", self.device, rowwise)
         if key not in self._device_layout:  # per-table initializer descriptors, reset with the layout
-            dense = torch.tensor(self.dense_state_offsets, dtype=torch.int64)
+            dense = torch.tensor(self.dense_state_offsets, dtype=torch.int64, device="cpu")
             self._device_layout[key] = (
-                torch.tensor([as_int64(m.seed) for m in self.meta], dtype=torch.int64).to(self.device),
-                torch.tensor([m.init_kind for m in self.meta], dtype=torch.int64).to(self.device),
+                torch.tensor([as_int64(m.seed) for m in self.meta], dtype=torch.int64, device=self.device),
+                torch.tensor([m.init_kind for m in self.meta], dtype=torch.int64, device=self.device),
                 torch.tensor(
-                    [list(m.init_params) + [0.0] * (4 - len(m.init_params)) for m in self.meta], dtype=torch.float64
-                ).to(self.device),
+                    [list(m.init_params) + [0.0] * (4 - len(m.init_params)) for m in self.meta],
+                    dtype=torch.float64,
+                    device=self.device,
+                ),
                 state_row_offsets if rowwise else dense.to(self.device),
             )
         seeds, kinds, params, state_offsets = self._device_layout[key]

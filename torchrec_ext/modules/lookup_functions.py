@@ -124,7 +124,9 @@ def per_sample_weight_grad(
     for dim in sorted(set(plan.dims)):
         features = [i for i, d in enumerate(plan.dims) if d == dim]
         at = torch.cat([torch.arange(starts[i], starts[i + 1], device=grad.device) for i in features])
-        counts = device_sync.to_device(torch.tensor([0] + [batch.value_counts[i] for i in features]), grad.device)
+        counts = device_sync.to_device(
+            torch.tensor([0] + [batch.value_counts[i] for i in features], device="cpu"), grad.device
+        )
         counts = counts.cumsum(0)
         # (the op takes one dim: other tables' pending vectors are not read, so stand in empty)
         pending = [v if v.shape[1] == dim else v.new_zeros(0, dim) for v in lookup.new_vectors]

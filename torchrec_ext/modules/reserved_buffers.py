@@ -93,19 +93,19 @@ class ReservedBuffer:
         if not 0 <= numel <= self.numel_max:
             raise ValueError(f"ReservedBuffer.view: numel must be in [0, {self.numel_max}], got {numel}")
         if numel == 0:
-            return torch.empty(0, dtype=torch.float32)
+            return torch.empty(0, dtype=torch.float32, device="cpu")
         return torch.frombuffer(self._map, dtype=torch.float32, count=numel, offset=self._offset)
 
     def rows(self, word: int, rows: int, dim: int, dtype: torch.dtype) -> Tensor:
         """[rows, dim] values of ``dtype`` from 4-byte word ``word``, as a tensor whose storage is
         exactly those (a table's rows: what a pickle of its parameter carries)."""
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        itemsize = torch.empty(0, dtype=dtype, device="cpu").element_size()
         if word < 0 or word * 4 + rows * dim * itemsize > self.numel_max * 4:
             raise ValueError(
                 f"ReservedBuffer.rows: [{rows}, {dim}] {dtype} from word {word} exceed {self.numel_max} words"
             )
         if rows * dim == 0:
-            return torch.empty(rows, dim, dtype=dtype)
+            return torch.empty(rows, dim, dtype=dtype, device="cpu")
         flat = torch.frombuffer(self._map, dtype=dtype, count=rows * dim, offset=self._offset + word * 4)
         return flat.view(rows, dim)
 

@@ -159,8 +159,8 @@ class TableCounters:
         sink = sum(sizes)
         self._ages_flat = torch.zeros(sink + 1, dtype=torch.int64, device=device)
         self.ages = [None if bins is None else self._ages_flat[s : s + bins] for s, bins in zip(starts, age_bins)]
-        self._age_start = torch.tensor([s if bins else sink for s, bins in zip(starts, age_bins)]).to(device)
-        self._age_last = torch.tensor([bins - 1 if bins else 0 for bins in age_bins], dtype=torch.int64).to(device)
+        self._age_start = torch.tensor([s if bins else sink for s, bins in zip(starts, age_bins)], device=device)
+        self._age_last = torch.tensor([bins - 1 if bins else 0 for bins in age_bins], dtype=torch.int64, device=device)
 
     def __setstate__(self, state: dict) -> None:
         # Plain pickle copies each view's storage apart: the histograms made views of the flat

@@ -188,7 +188,7 @@ class TableStorage:
     def row_starts(self) -> Tensor:
         """Where each table's rows start in a numbering of every table's rows (fallback rows
         included) back to back, whatever the buffers' layout (the delta log's flat rows)."""
-        return torch.tensor([0] + [m.rows for m in self.meta][:-1], dtype=torch.int64).cumsum(0)
+        return torch.tensor([0] + [m.rows for m in self.meta][:-1], dtype=torch.int64, device="cpu").cumsum(0)
 
     def register_parameter_owner(self, owner: object) -> None:
         """``owner.weight`` (a table module's parameter, table ``owner._index``) views this storage:

@@ -79,7 +79,9 @@ class RecordsBuffer:
         if self._records is None or self._records.shape[0] < n:
             rows = min(self.max_rows, max(n, 2 * self._records.shape[0] if self._records is not None else n))
             with torch.inference_mode(False):  # (kept: refilled by later transfers outside inference_mode)
-                self._records = torch.zeros(rows, self.record_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+                self._records = torch.zeros(
+                    rows, self.record_bytes, dtype=torch.uint8, device="cpu", pin_memory=self.pinned
+                )
         return self._records[:n]
 
     def in_flight(self, event) -> None:

@@ -151,7 +151,9 @@ class DeviceSlotMaps:
         self.uses = torch.zeros(self.lfu_rows + 1, dtype=torch.int32, device=device) if self.any_lfu else None
         self.uses_base = torch.tensor(self.uses_base_host, dtype=torch.int64, device=device) if self.any_lfu else None
         # Each table's free slots (its own slot numbers) in its segment, bottom first.
-        self.free_host = torch.cat([torch.arange(t.slots, dtype=torch.int32) for t in self.tables] or [self._none()])
+        self.free_host = torch.cat(
+            [torch.arange(t.slots, dtype=torch.int32, device="cpu") for t in self.tables] or [self._none()]
+        )
         self.free_stack = self.free_host.to(device, copy=True)
         self.free_count = [t.slots for t in self.tables]
         self.free_top = torch.tensor(self.free_count, dtype=torch.int64, device=device)
@@ -168,7 +170,7 @@ class DeviceSlotMaps:
 
     @staticmethod
     def _none() -> Tensor:
-        return torch.zeros(0, dtype=torch.int32)
+        return torch.zeros(0, dtype=torch.int32, device="cpu")
 
     def to(self, device: torch.device) -> None:
         """Moves the maps to ``device`` (the cache moved)."""
@@ -310,7 +312,7 @@ class DeviceSlotMaps:
         total = sum(needs.values())
         need = (rows >= 0) & (slots < 0)
         if table_of is not None:
-            chosen = torch.zeros(len(self.tables), dtype=torch.bool)
+            chosen = torch.zeros(len(self.tables), dtype=torch.bool, device="cpu")
             chosen[list(needs)] = True
             need &= device_sync.to_device(chosen, self.device).index_select(0, table_of)
         # Their positions, in order (tables in order), without a read: their count is known.
@@ -361,11 +363,13 @@ class DeviceSlotMaps:
             taken[t] = self.free_host[top - k : top].to(torch.int64)
             slot_base.append(self.slot_base_host[t])
             row_base.append(self.row_base_host[t])
-        counts = torch.tensor([held.numel() for held in rows.values()])
+        counts = torch.tensor([held.numel() for held in rows.values()], device="cpu")
         own_slots, own_rows = torch.cat(list(taken.values())), torch.cat(list(rows.values()))
-        bases = torch.tensor([slot_base, row_base]).repeat_interleave(counts, dim=1)
+        bases = torch.tensor([slot_base, row_base], device="cpu").repeat_interleave(counts, dim=1)
         host = torch.stack([own_slots, own_slots + bases[0], own_rows, own_rows + bases[1]])
-        device = device_sync.to_device(torch.cat([host.view(-1), torch.tensor(self.free_count)]), self.device)
+        device = device_sync.to_device(
+            torch.cat([host.view(-1), torch.tensor(self.free_count, device="cpu")]), self.device
+        )
         own_slot, at, own_row, at_row = device[: host.numel()].view(4, -1)
         self.free_top.copy_(device[host.numel() :])
         self.row_of.index_copy_(0, at, own_row)
@@ -381,10 +385,12 @@ class DeviceSlotMaps:
         for t, host in freed.items():
             top = self.slot_base_host[t] + self.free_count[t]
             self.free_host[top : top + host.numel()] = host
-            at.append(torch.arange(top, top + host.numel()))
+            at.append(torch.arange(top, top + host.numel(), device="cpu"))
             self.free_count[t] += host.numel()
         at, values = torch.cat(at), torch.cat(list(freed.values()))
-        device = device_sync.to_device(torch.cat([at, values, torch.tensor(self.free_count)]), self.device)
+        device = device_sync.to_device(
+            torch.cat([at, values, torch.tensor(self.free_count, device="cpu")]), self.device
+        )
         self.free_stack.index_copy_(0, device[: at.numel()], device[at.numel() : 2 * at.numel()].to(torch.int32))
         self.free_top.copy_(device[2 * at.numel() :])
 
@@ -412,8 +418,8 @@ class DeviceSlotMaps:
         host = device_sync.to_host(
             torch.stack([chosen, old, back.to(torch.int64), ok.to(torch.int64)]), "tiered tables: slots to evict"
         )
-        bases = torch.tensor([[self.slot_base_host[t], self.row_base_host[t]] for t in shorts])
-        bases = bases.t().repeat_interleave(torch.tensor(counts), dim=1)
+        bases = torch.tensor([[self.slot_base_host[t], self.row_base_host[t]] for t in shorts], device="cpu")
+        bases = bases.t().repeat_interleave(torch.tensor(counts, device="cpu"), dim=1)
         at_row = torch.where(ok, old + device_sync.to_device(bases[1], self.device), self.total_rows)
         self.slot_of.index_fill_(0, at_row, -1)
         gone = torch.where(ok, chosen, total)
@@ -519,7 +525,7 @@ class DeviceSlotMaps:
         if cache.lfu:
             first = self.uses_base_host[t]
             self.uses[first : first + cache.capacity] = 0
-        self.free_host[slots : slots + cache.slots] = torch.arange(cache.slots)
+        self.free_host[slots : slots + cache.slots] = torch.arange(cache.slots, device="cpu")
         self.free_stack[slots : slots + cache.slots] = torch.arange(cache.slots, device=self.device)
         self.free_count[t] = cache.slots
         self.free_top[t : t + 1].fill_(cache.slots)

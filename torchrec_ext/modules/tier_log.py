@@ -110,10 +110,10 @@ class RowLog:
         self.capacity = capacity
         self.max_segments = records.shape[0] // SEGMENT_RECORDS
         self.where = torch.full(
-            (capacity,), -1, dtype=self.index_dtype(capacity)
+            (capacity,), -1, dtype=self.index_dtype(capacity), device="cpu"
         )  # row -> record of its newest copy, -1: base
-        self.segment_live = torch.zeros(self.max_segments, dtype=torch.int64)  # live records per segment
-        self.in_use = torch.zeros(self.max_segments, dtype=torch.bool)
+        self.segment_live = torch.zeros(self.max_segments, dtype=torch.int64, device="cpu")  # live records per segment
+        self.in_use = torch.zeros(self.max_segments, dtype=torch.bool, device="cpu")
         self.used = 0  # segments in use
         self.live = 0
         self.head: int | None = None  # the segment appended to, and how many records it holds
@@ -231,7 +231,7 @@ class RowLog:
             if old.numel():
                 self.segment_live -= torch.bincount(old // SEGMENT_RECORDS, minlength=self.max_segments)
                 self.live -= old.numel()
-            self.where.index_copy_(0, these, torch.arange(first, first + take, dtype=self.where.dtype))
+            self.where.index_copy_(0, these, torch.arange(first, first + take, dtype=self.where.dtype, device="cpu"))
             self.segment_live.narrow(0, self.head, 1).add_(take)
             self.live += take
             self.head_fill += take
@@ -250,7 +250,7 @@ class RowLog:
             self.in_use[victim] = False
             self.used -= 1
             self.sent_home += rows.numel()
-            free = torch.tensor([victim])
+            free = torch.tensor([victim], device="cpu")
         self.head, self.head_fill = int(free[0]), 0
         self.in_use[self.head] = True
         self.used += 1
@@ -280,7 +280,7 @@ class RowLog:
         data = self.records[first : first + SEGMENT_RECORDS]
         rows = data[:, :ROW_BYTES].contiguous().view(torch.int64).squeeze(1)
         valid = (rows >= 0) & (rows < self.capacity)
-        here = torch.arange(first, first + SEGMENT_RECORDS, dtype=torch.int64)
+        here = torch.arange(first, first + SEGMENT_RECORDS, dtype=torch.int64, device="cpu")
         live = valid & (self.where.index_select(0, rows.clamp(0, self.capacity - 1)).to(torch.int64) == here)
         keep = live.nonzero().squeeze(1)
         return rows.index_select(0, keep), data.index_select(0, keep)  # copies: the segment is reused next

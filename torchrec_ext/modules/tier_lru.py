@@ -75,8 +75,10 @@ class SlotOrder:
             self.entries -= size
             sizes = [c[0].numel() for c in chunks]
             slots = chunks[0][0] if len(chunks) == 1 else torch.cat([c[0] for c in chunks])
-            clocks = torch.tensor([c[1] for c in chunks], dtype=torch.int64)
-            clocks = clocks.expand(size) if len(chunks) == 1 else clocks.repeat_interleave(torch.tensor(sizes))
+            clocks = torch.tensor([c[1] for c in chunks], dtype=torch.int64, device="cpu")
+            clocks = (
+                clocks.expand(size) if len(chunks) == 1 else clocks.repeat_interleave(torch.tensor(sizes, device="cpu"))
+            )
             current = (last_used.index_select(0, slots) == clocks) & (row_of.index_select(0, slots) >= 0)
             at = current.nonzero(as_tuple=True)[0]
             stay = None
@@ -106,7 +108,7 @@ class SlotOrder:
             for part, clock in reversed(list(zip(slots.split(counts.tolist()), values.tolist()))):
                 self._push(part.clone(), clock, front=True)  # (not views of one tensor: see nbytes)
         if not taken:
-            return torch.empty(0, dtype=torch.int64)
+            return torch.empty(0, dtype=torch.int64, device="cpu")
         return taken[0] if len(taken) == 1 else torch.cat(taken)
 
     def give_back(self, slots: Tensor, clock: int, last_used: Tensor) -> None:

@@ -275,7 +275,7 @@ class _LogMover(_Mover):
 
     @torch.inference_mode(False)  # (the buffer kept is refilled by later write-backs outside inference_mode)
     def _make_columns(self, n: int) -> tuple[Tensor, Tensor, list[Tensor]]:
-        records = torch.zeros(n, self.log.record_bytes, dtype=torch.uint8)
+        records = torch.zeros(n, self.log.record_bytes, dtype=torch.uint8, device="cpu")
         rows = records[:, :ROW_BYTES].view(torch.int64).squeeze(1)
         return records, rows, [self._field(records, k, cache) for k, (cache, _) in enumerate(self.pairs)]
 
@@ -371,14 +371,14 @@ class RowCache:
 
     def __init__(self, capacity: int, slots: int, lfu: bool = False):
         self.slots = slots
-        self.uses = torch.zeros(capacity, dtype=torch.int32) if lfu else None  # LFU: lookups per row
-        self.slot_of = torch.full((capacity,), -1, dtype=torch.int32)  # 4 bytes per row of the table
-        self.row_of = torch.full((slots,), -1, dtype=torch.int64)
-        self.last_used = torch.zeros(slots, dtype=torch.int64)
-        self.dirty = torch.zeros(slots, dtype=torch.bool)
+        self.uses = torch.zeros(capacity, dtype=torch.int32, device="cpu") if lfu else None  # LFU: lookups per row
+        self.slot_of = torch.full((capacity,), -1, dtype=torch.int32, device="cpu")  # 4 bytes per row of the table
+        self.row_of = torch.full((slots,), -1, dtype=torch.int64, device="cpu")
+        self.last_used = torch.zeros(slots, dtype=torch.int64, device="cpu")
+        self.dirty = torch.zeros(slots, dtype=torch.bool, device="cpu")
         # Slots left free (by a stage, or never filled): a lookup takes them without scanning
         # every slot for the least recently used. May name slots filled since (checked on use).
-        self.free = torch.arange(slots)
+        self.free = torch.arange(slots, device="cpu")
         self.order = SlotOrder(slots)  # occupied slots, least recently used first (tier_lru.py)
         # Slots held by batches in flight, per batch (usually none between steps: a training
         # step's update lands before the next lookup). Kept as lists, not counts per slot, so a
@@ -403,7 +403,7 @@ class RowCache:
         if not self.lfu:
             return self.order.oldest(k, self.last_used, self.row_of, clock, pinned)
         if k <= 0:
-            return torch.empty(0, dtype=torch.int64)
+            return torch.empty(0, dtype=torch.int64, device="cpu")
         takeable = (self.row_of >= 0) & (self.last_used < clock)
         if pinned is not None:
             takeable &= ~pinned
@@ -417,7 +417,7 @@ class RowCache:
         return sum(slots.numel() for slots in self.pinned.values())
 
     def pinned_mask(self) -> Tensor:
-        mask = torch.zeros(self.slots, dtype=torch.bool)
+        mask = torch.zeros(self.slots, dtype=torch.bool, device="cpu")
         for slots in self.pinned.values():
             mask[slots] = True
         return mask
@@ -432,7 +432,7 @@ class RowCache:
         """The mask of ``pinned`` (``pinned_slots``); None when it holds none."""
         if not pinned:
             return None
-        mask = torch.zeros(self.slots, dtype=torch.bool)
+        mask = torch.zeros(self.slots, dtype=torch.bool, device="cpu")
         for slots in pinned:
             mask[slots] = True
         return mask
@@ -612,7 +612,7 @@ class RowCache:
         self.slot_of.fill_(-1)
         self.row_of.fill_(-1)
         self.dirty.zero_()
-        self.free = torch.arange(self.slots)
+        self.free = torch.arange(self.slots, device="cpu")
         self.order.clear()
         if self.lfu:
             self.uses.zero_()
@@ -793,8 +793,8 @@ class TieredTables(DynamicTables):
         self._backing_layout = (self.table_offsets, self.state_row_offsets, self.dense_state_offsets)
         dims = [m.dim for m in self.meta]
         words = [table_words(s, m.dim, m.dtype) for s, m in zip(self.slots, self.meta)]
-        self.table_offsets = torch.tensor([0] + words[:-1], dtype=torch.int64).cumsum(0)
-        self.state_row_offsets = torch.tensor([0] + self.slots[:-1], dtype=torch.int64).cumsum(0)
+        self.table_offsets = torch.tensor([0] + words[:-1], dtype=torch.int64, device="cpu").cumsum(0)
+        self.state_row_offsets = torch.tensor([0] + self.slots[:-1], dtype=torch.int64, device="cpu").cumsum(0)
         self.dense_state_offsets = dense_state_offsets(self.slots, dims)
         self._device_layout = {}
         self._maps: DeviceSlotMaps | None = None  # the caches' maps on the device (device_maps)
@@ -971,7 +971,7 @@ class TieredTables(DynamicTables):
 
     def apply(self, fn) -> None:
         """Moves the cache (and the index) with ``fn``; the backing store stays on the host."""
-        probe = fn(torch.zeros(1))
+        probe = fn(torch.zeros(1, device="cpu"))
         if probe.device.type not in ("cpu", "cuda"):  # (meta: the rows would be lost; the files stay open)
             raise ValueError(
                 f"tables {[m.name for m in self.meta]}: tables with backing={self.store.backing!r} keep their "

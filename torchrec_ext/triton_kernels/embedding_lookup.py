@@ -251,7 +251,8 @@ def _tiles_output(cols: list[int], widths: list[int], total_dim: int) -> bool:
 
 def _meta(t: Tensor, device: torch.device, dtype: torch.dtype = torch.int64) -> Tensor:
     """A small index tensor on the kernel's device, contiguous (a no-op when it already is)."""
-    return device_sync.to_device(torch.as_tensor(t), device).to(dtype=dtype).contiguous()
+    t = torch.as_tensor(t, device=getattr(t, "device", "cpu"))  # (a list: on the host, not the default device)
+    return device_sync.to_device(t, device).to(dtype=dtype).contiguous()
 
 
 def launching_on(device: torch.device):

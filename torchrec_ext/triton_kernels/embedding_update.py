@@ -279,7 +279,8 @@ def _optimizer_id(optimizer: str | int) -> int:
 
 
 def _meta(t: Tensor, device: torch.device, dtype: torch.dtype = torch.int64) -> Tensor:
-    return device_sync.to_device(torch.as_tensor(t), device).to(dtype=dtype).contiguous()
+    t = torch.as_tensor(t, device=getattr(t, "device", "cpu"))  # (a list: on the host, not the default device)
+    return device_sync.to_device(t, device).to(dtype=dtype).contiguous()
 
 
 def fused_update(

@@ -9,12 +9,15 @@ or returns meta. Oracle: the same module trained with no device context, bit for
 state), over steps that evict, admit, expire, grow and miss in the tier's cache.
 """
 
+import ast
 import contextlib
+import pathlib
 
 import pytest
 import torch
 from torchrec import DataType, EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
 
+import torchrec_ext
 from dist_helpers import ModelWith, run_ranks
 from matrix import FULL_MATRIX, REASON
 from torchrec_ext import (
@@ -235,3 +238,46 @@ def _sharded_steps_under_meta(rank, world_size):
 @pytest.mark.skipif(not FULL_MATRIX, reason=REASON)  # ~35 s on 2 busy cores: scripts/full_matrix.sh
 def test_a_sharded_step_under_the_meta_context_equals_a_plain_one():
     run_ranks(_sharded_steps_under_meta, 2)
+
+
+# ------------------------------------------------------------------ every factory call names its device
+
+# Where code runs on or beside a step, its CUDA-only branches included (which the meta runs above
+# cannot reach): every torch factory call names its device. Not here: the data generators,
+# the inference server's CPU storage and the HTTP front end, and the pure-PyTorch references.
+UNCHECKED = ("data", "inference", "serve", "reference")
+
+
+def _factory_calls_without_a_device():
+    from torch.utils._device import _device_constructors
+
+    names = {f.__name__ for f in _device_constructors()}
+    root = pathlib.Path(torchrec_ext.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).parts[0] in UNCHECKED:
+            continue
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "torch"
+                and node.func.attr in names
+                and not any(k.arg == "device" for k in node.keywords)
+            ):
+                yield f"{path.relative_to(root)}:{node.lineno}: {ast.get_source_segment(source, node)[:80]}"
+
+
+def test_every_factory_call_names_its_device():
+    """(``device="cpu"`` for host bookkeeping, else the device of the tensor it pairs with.)"""
+    assert list(_factory_calls_without_a_device()) == []
+
+
+def test_the_scan_finds_a_factory_call_without_a_device(tmp_path, monkeypatch):
+    (tmp_path / "modules").mkdir()
+    (tmp_path / "modules" / "x.py").write_text('import torch\na = torch.zeros(3)\nb = torch.ones(2, device="cpu")\n')
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "y.py").write_text("import torch\nc = torch.arange(3)\n")
+    monkeypatch.setattr(torchrec_ext, "__file__", str(tmp_path / "__init__.py"))
+    assert list(_factory_calls_without_a_device()) == ["modules/x.py:2: torch.zeros(3)"]

@@ -160,7 +160,7 @@ class _Deferred:
         self.event = None
         self.later = values.device.type == "cuda" or defer_on_cpu
         if values.device.type == "cuda":
-            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host = torch.empty(values.shape, dtype=values.dtype, device="cpu", pin_memory=True)
             self.host.copy_(values, non_blocking=True)  # on the current stream of values' device
             self.event = torch.cuda.Event()
             # That stream, not the current device's (another GPU's when this thread's device

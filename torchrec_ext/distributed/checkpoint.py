@@ -627,7 +627,7 @@ def fit_to_checkpoint(state: dict[str, Any], metadata: Metadata) -> dict[str, An
             # need not match now, so read the whole tensor; the module's load hook keeps this
             # rank's rows (by routing). Other ShardedTensors load as they are when sizes match.
             if getattr(value, "dynamic_rows", False) or tuple(value.size()) != tuple(md.size):
-                replace.append((path, torch.empty(tuple(md.size), dtype=md.properties.dtype)))
+                replace.append((path, torch.empty(tuple(md.size), dtype=md.properties.dtype, device="cpu")))
         elif type(value) is torch.Tensor and (
             tuple(value.shape) != tuple(md.size) or value.dtype != md.properties.dtype
         ):

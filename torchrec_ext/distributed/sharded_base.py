@@ -126,7 +126,7 @@ class AbsentTable(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(0))
+        self.weight = nn.Parameter(torch.empty(0, device="cpu"))
         self.weight._in_backward_optimizers = [EmptyFusedOptimizer()]  # not the dense optimizer's
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:

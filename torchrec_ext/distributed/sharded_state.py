@@ -165,7 +165,11 @@ def local_rows(value, mine) -> Tensor:
     tensor selected by ``mine`` (a bool mask over its rows, from the ids' routing)."""
     if isinstance(value, ShardedTensor):
         shards = [s.tensor for s in value.local_shards()]
-        return torch.cat(shards) if shards else torch.empty((0,) + tuple(value.size()[1:]), dtype=value.dtype)
+        return (
+            torch.cat(shards)
+            if shards
+            else torch.empty((0,) + tuple(value.size()[1:]), dtype=value.dtype, device="cpu")
+        )
     return value[mine] if mine is not None else value
 
 
@@ -176,7 +180,7 @@ def owned_mask(ids: Tensor, owner, rank: int, world_size: int) -> Tensor:
         return owner.owns(ids, rank)
     if owner < 0:
         return ops.route(ids.to(torch.int64).contiguous(), world_size) == rank
-    return torch.full((ids.numel(),), owner == rank, dtype=torch.bool)
+    return torch.full((ids.numel(),), owner == rank, dtype=torch.bool, device=ids.device)
 
 
 def column_rows(
@@ -266,7 +270,7 @@ class ShardedDynamicState:
             for key, (trailing, dtype) in row_keys(
                 cfg.embedding_dim, module._optimizer_kind, opts.ttl_steps is not None, storage_dtype_of(cfg)
             ).items():
-                tensor = mine.get(key, torch.empty((0,) + trailing, dtype=dtype))
+                tensor = mine.get(key, torch.empty((0,) + trailing, dtype=dtype, device="cpu"))
                 if table.kind == "column" and trailing:
                     state_dict[base + key] = column_rows(
                         tensor, sum(c[i] for c in counts), trailing, table, rank, pg, devices
@@ -275,13 +279,13 @@ class ShardedDynamicState:
                     state_dict[base + key] = sharded_rows(tensor, [c[i] for c in counts], rank, pg, devices)
             if opts.admission_strategy == "counter":
                 for key in PENDING_KEYS:
-                    tensor = mine.get(key, torch.empty(0, dtype=torch.int64))
+                    tensor = mine.get(key, torch.empty(0, dtype=torch.int64, device="cpu"))
                     state_dict[base + key] = sharded_rows(
                         tensor, [c[len(configs) + i] for c in counts], rank, pg, devices
                     )
             if opts.admission_strategy == "bloom":  # one filter per rank holding the table: [filters, bytes]
                 nbytes = local_bloom_geometry(opts, cfg.num_embeddings, table.parts).nbytes
-                tensor = mine.get("admission_bloom", torch.empty(0, nbytes, dtype=torch.uint8))
+                tensor = mine.get("admission_bloom", torch.empty(0, nbytes, dtype=torch.uint8, device="cpu"))
                 state_dict[base + "admission_bloom"] = sharded_rows(
                     tensor, [c[(2 + width) * len(configs) + i] for c in counts], rank, pg, devices
                 )
@@ -379,7 +383,7 @@ class ShardedDynamicState:
                 if name == "counters" and legacy:
                     rows = local_rows(state_dict[k], None).view(-1, 4)
                     if isinstance(state_dict[k], ShardedTensor) or not same_layout:
-                        state_dict[k] = rows.max(0).values if rows.numel() else torch.zeros(4, dtype=torch.int64)
+                        state_dict[k] = rows.max(0).values if rows.numel() else rows.new_zeros(4)
                     else:  # the same ranks: each takes its own clocks back
                         state_dict[k] = rows[self._rank]
                 elif name == "counters":

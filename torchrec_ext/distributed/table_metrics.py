@@ -53,4 +53,7 @@ class TableStatsMetric(StateMetric):
 
     def get_metrics(self) -> dict[str, torch.Tensor]:
         self.last = model_table_stats(self.model, reduce=self.reduce, group=self.group)
-        return {key: torch.tensor(value, dtype=torch.float64) for key, value in table_stats_scalars(self.last).items()}
+        return {
+            key: torch.tensor(value, dtype=torch.float64, device="cpu")
+            for key, value in table_stats_scalars(self.last).items()
+        }

@@ -183,7 +183,7 @@ def _build(info: dict[str, object], header: dict[str, dict[str, object]], data: 
         if end - begin != size:
             raise ValueError(f"{name} spans {end - begin} bytes, {shape} of {dtype} needs {size}")
         if size == 0:
-            return torch.zeros(shape, dtype=_DTYPES[dtype])
+            return torch.zeros(shape, dtype=_DTYPES[dtype], device="cpu")
         return torch.frombuffer(bytearray(data[begin:end]), dtype=_DTYPES[dtype]).view(shape)
 
     tables = {}

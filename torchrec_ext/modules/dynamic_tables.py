@@ -125,7 +125,7 @@ class DynamicTables(IdsToRows, TableGrowth, ReplicatedFallback, TableCheckpoint,
             state["_saved_rows"] = self._saved_rows()
             state["weights"], state["states"], state["_reserved"], state["_span_views"] = None, [], {}, {}
         state["_init_views"] = None
-        state["_new_vector_buffer"] = torch.empty(0, dtype=torch.float32)
+        state["_new_vector_buffer"] = torch.empty(0, dtype=torch.float32, device="cpu")
         # Each table's own last_seen (not views of the lookup's flat layout, laid out again on use).
         state.pop("_ttl_flat", None)
         state["last_seen"] = [None if seen is None else seen.clone() for seen in self.last_seen]

@@ -82,12 +82,12 @@ def from_ebc_state_dict(module: Any, state_dict: Mapping[str, Any], prefix: str 
                 f"{where}: {key} has {n} rows, more than table {m.name!r}'s capacity "
                 f"(num_embeddings) {m.max_capacity}; give the dynamic table at least {n} rows"
             )
-        ids = torch.arange(n, dtype=torch.int64)
+        ids = torch.arange(n, dtype=torch.int64, device="cpu")
         states[t] = {
             "weight": weight.detach(),
             "weight_id": ids,
             "metadata": torch.zeros_like(ids),
-            "counters": torch.tensor([0, 0, 0, 0, LAYOUT_VERSION]),
+            "counters": torch.tensor([0, 0, 0, 0, LAYOUT_VERSION], device="cpu"),
         }  # fresh, in this layout
     tables.load_states(states, where=where)  # checked (finite values...) before any table changes
     return module

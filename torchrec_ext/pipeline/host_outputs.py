@@ -32,7 +32,7 @@ class HostOutputs:
         with torch.cuda.stream(self._stream):
             for x in leaves:
                 if isinstance(x, torch.Tensor) and x.is_cuda:
-                    buffer = torch.empty(x.shape, dtype=x.dtype, pin_memory=self._pinned)
+                    buffer = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=self._pinned)
                     buffer.copy_(x.detach(), non_blocking=True)
                     x.record_stream(self._stream)  # x may be freed on the compute stream meanwhile
                     host.append(buffer)

@@ -108,7 +108,7 @@ def live_rows(dmp: DistributedModelParallel) -> int:
         if callable(getattr(counter, "num_live_rows", None)):
             counted.append(name)
             total += int(counter.num_live_rows())
-    t = torch.tensor([total], dtype=torch.int64)
+    t = torch.tensor([total], dtype=torch.int64, device="cpu")
     if dist.get_backend() == "nccl":
         t = t.cuda()
     dist.all_reduce(t)

@@ -129,7 +129,7 @@ def load_job_state(
         "optim": optimizer.state_dict(),
         "step": 0,
         "data_position": 0,
-        "train_loss": torch.zeros(0, dtype=torch.float64),
+        "train_loss": torch.zeros(0, dtype=torch.float64, device="cpu"),
         "evals": "",
     }
     if incremental:  # the chain it builds on was verified with it
@@ -164,7 +164,7 @@ def save_job_state(
         "optim": optimizer.state_dict(),
         "step": step,
         "data_position": data_position,
-        "train_loss": torch.tensor(train_loss, dtype=torch.float64),
+        "train_loss": torch.tensor(train_loss, dtype=torch.float64, device="cpu"),
         "evals": json.dumps(evals),
         "config": json.dumps(config),
     }

@@ -196,6 +196,20 @@ def test_a_tiered_module_built_under_the_meta_context_is_on_meta_as_torchrecs(na
     assert not any(tmp_path.glob("0/*"))  # the meta module made no backing files (when file-backed)
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_module_built_under_the_meta_context_materialises_as_torchrecs(name, tmp_path, forced_maps):
+    """TorchRec's way out of meta: ``to_empty`` then ``reset_parameters``; then it trains as a
+    module built on the CPU (initial vectors are a function of seed, table and id)."""
+    with torch.device("meta"):
+        module = _module(name, tmp_path, device=None)
+    module.to_empty(device="cpu")
+    module.reset_parameters()
+    plain = _module(name, tmp_path)
+    batches = _batches(4)
+    _assert_same(_run(module, batches, contextlib.nullcontext), _run(plain, batches, contextlib.nullcontext))
+    _assert_same_state(module, plain)
+
+
 @pytest.mark.parametrize("name", ["ebc-fp16-ttl-counter", "ec-file-device-maps"])
 def test_built_and_trained_under_the_cpu_context_equals_plain(name, tmp_path, forced_maps):
     with torch.device("cpu"):

@@ -979,12 +979,18 @@ class TieredTables(DynamicTables):
             )
         self._join_stage()
         self.write_new_rows()
+        materialising = self.device.type == "meta"  # (to_empty: the backing store is made now too)
         switching = (self._maps is not None) != self._wants_device_maps(probe.device)
         if (
             switching and self.device.type != "meta"
         ):  # the maps change kind: the dirty rows go home, the new maps start empty
             self.flush()
         super().apply(fn)
+        if materialising:
+            self.weights = self._allocate_buffer("weights", self._buffer_numel("weights"), 0.0, self.device)
+            if self.optimizer is not None:
+                spec, self.optimizer = self.optimizer, None
+                self.set_optimizer(spec)
         self._movers = None
         if switching:
             self._build_caches(self.device)

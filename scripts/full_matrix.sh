@@ -26,6 +26,7 @@ run "CUDA hash-table kernels, warp emulator" -- tests/test_cuda_kernels_emulated
 # The Triton interpreter variants exist only in the child run that test_interpreter_run starts.
 run "Triton kernels, TRITON_INTERPRET=1" TRITON_INTERPRET=1 TORCHREC_EXT_TRITON_INTERPRET_CHILD=1 -- tests/test_triton_kernels.py
 run "Tiered tables, SIGKILL at random times (issue 16)" -- tests/test_tiers_crash.py -k random
+run "Sharded steps under the meta device context, 2 gloo ranks" -- tests/test_default_device.py -k sharded
 {
   echo "# The full test matrices (opt-in drills)"
   echo

@@ -115,17 +115,25 @@ def _run(module, batches, context):
     return outs
 
 
+def _equal(a, b, what):
+    assert a.device == b.device and a.dtype == b.dtype, what
+    if a.device.type == "cpu" or not a.is_floating_point():
+        assert torch.equal(a, b), what
+    else:  # (a GPU's atomic sums need not add in one order)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"{what}: {m}")
+
+
 def _assert_same(got, want):
     assert len(got) == len(want)
     for step, (g, w) in enumerate(zip(got, want)):
-        assert g.device == w.device and g.dtype == w.dtype and torch.equal(g, w), step
+        _equal(g, w, step)
 
 
 def _assert_same_state(got, want):
     a, b = got.state_dict(), want.state_dict()
     assert list(a) == list(b)
     for key in a:
-        assert a[key].device == b[key].device and torch.equal(a[key], b[key]), key
+        _equal(a[key], b[key], key)
 
 
 @contextlib.contextmanager
@@ -139,9 +147,10 @@ def _default_device(device):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_a_step_under_another_default_device_equals_a_plain_step(name, tmp_path, forced_maps):
-    batches = _batches()
-    plain, contextual = _module(name, tmp_path), _module(name, tmp_path)
+def test_a_step_under_another_default_device_equals_a_plain_step(name, tmp_path, forced_maps, device):
+    """On a GPU too (``device``), where the CUDA-only branches run."""
+    batches = [batch.to(device) for batch in _batches()]
+    plain, contextual = _module(name, tmp_path, device), _module(name, tmp_path, device)
     want = _run(plain, batches, contextlib.nullcontext)
     _assert_same(_run(contextual, batches, lambda: torch.device("meta")), want)
     _assert_same_state(contextual, plain)
@@ -154,6 +163,18 @@ def test_set_default_device_is_seen_as_the_context():
         _run(contextual, batches, lambda: _default_device("meta")), _run(plain, batches, contextlib.nullcontext)
     )
     assert torch.get_default_device().type == "cpu"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["ebc-fp16-ttl-counter", "ebc-host", "ec-file"])
+def test_a_cpu_step_under_the_cuda_default_device_allocates_nothing_on_the_gpu(name, tmp_path):
+    batches = _batches(4)
+    plain, contextual = _module(name, tmp_path), _module(name, tmp_path)
+    want = _run(plain, batches, contextlib.nullcontext)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+    _assert_same(_run(contextual, batches, lambda: torch.device("cuda")), want)
+    assert torch.cuda.memory_stats().get("allocation.all.allocated", 0) == before
 
 
 # ------------------------------------------------------------------ construction under a context

@@ -98,6 +98,16 @@ def allocate_filled(numel: int, value: float, device: torch.device) -> Tensor:
 
 _HUGE_PAGE = 2 << 20
 
+# What ``TableStorage._compute_layout`` sets: a relayout that fails puts them back.
+LAYOUT_ATTRIBUTES = (
+    "table_offsets",
+    "state_row_offsets",
+    "dense_state_offsets",
+    "fallback_layout",
+    "_device_layout",
+    "_span_views",
+)
+
 
 def _advise_huge_pages(buf: Tensor) -> None:
     start = -(-buf.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE

@@ -832,3 +832,76 @@ def test_stochastic_rounding_of_the_gpu_kernel_is_the_reference_bit_for_bit(targ
         bits = None if seed is None else ref.rounding_bits(ids, dim, seed, step)
         want = ref.round_to_storage(x.expand(n, dim), dtype, bits)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (seed, step)
+
+
+def _sgd_lr1_from_zeros(kernel, x, dtype, ids, seed, step, device):
+    """Rows of zeros stepped by SGD with lr 1 and gradient -x with ``kernel`` (a fused_update):
+    the stored row is the rounding of x itself (no arithmetic rounding before it)."""
+    n, dim = x.shape
+    weights = torch.zeros(ref.table_words(n, dim, dtype), device=device)
+    kernel(
+        -x.to(device),
+        weights,
+        [],
+        *_on(
+            device,
+            torch.tensor([0]),
+            torch.tensor([dim]),
+            torch.tensor([0]),
+            torch.arange(n),
+            torch.zeros(n, dtype=torch.int64),
+            torch.arange(n),
+        ),
+        None,
+        None,
+        *_on(device, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool)),
+        0,
+        ref.OPTIMIZERS["sgd"],
+        (1.0, 0, 0, 0, 0, 0),
+        step,
+        table_dtypes=torch.tensor([ref.dtype_code(dtype)], device=device),
+        unique_ids=ids.to(device),
+        rounding_seeds=None if seed is None else torch.tensor([seed], device=device),
+    )
+    return weights.cpu().view(dtype)[: n * dim].view(n, dim)
+
+
+# In CI one row width per dtype (the interpreter takes ~1 s a call); all with TORCHREC_EXT_FULL_MATRIX=1.
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize(
+    "dtype, dim",
+    ci_subset(
+        itertools.product([torch.float16, torch.bfloat16], [1, 7, 16, 17, 33]),
+        lambda dtype, dim: (dtype, dim) in ((torch.float16, 7), (torch.bfloat16, 17)),
+    ),
+)
+def test_stochastic_rounding_of_the_gpu_kernel_is_the_cpu_kernels_at_every_row_width(target, dtype, dim):
+    """The Triton kernel stores the C++ CPU kernel's bits (csrc/half_rows.h: the rows the CPU's
+    vector loops write in whole blocks and tails) for values of every magnitude (normal,
+    float16-subnormal, below 2^-24, near the largest finite value) and the specials; the same
+    seed and step give the same bits twice, another step or seed other bits; NaN stays NaN."""
+    from torchrec_ext import ops
+
+    device = _device(target)
+    gen = torch.Generator().manual_seed(dim)
+    n = 24
+    x = torch.randn(n, dim, generator=gen) * 10.0 ** torch.randint(-10, 6, (n, dim), generator=gen).float()
+    specials = torch.tensor([float("inf"), -float("inf"), float("nan"), 65519.0, -(2.0**-25), 2.0**-24, 0.0])
+    k = n * dim // 4  # a quarter specials
+    x.view(-1)[torch.randperm(n * dim, generator=gen)[:k]] = specials[torch.randint(0, 7, (k,), generator=gen)]
+    ids = torch.arange(n) * 101 - 7
+    nan = x.isnan()
+
+    def same_bits(a, b):
+        return torch.equal(a.isnan(), nan) and torch.equal(a[~nan].view(torch.int16), b[~nan].view(torch.int16))
+
+    for seed, step in ((77, 4), (77, 5), (None, 4)):
+        got = _sgd_lr1_from_zeros(_update().fused_update, x, dtype, ids, seed, step, device)
+        want = _sgd_lr1_from_zeros(ops.fused_update, x, dtype, ids, seed, step, torch.device("cpu"))
+        assert same_bits(got, want), (seed, step)
+        if step == 4 and seed is not None:
+            first = got
+            again = _sgd_lr1_from_zeros(_update().fused_update, x, dtype, ids, seed, step, device)
+            assert same_bits(again, got)
+        elif seed is not None:  # the next step: other bits somewhere (not where x is on the grid)
+            assert not same_bits(got, first)

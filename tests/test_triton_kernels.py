@@ -400,6 +400,54 @@ def test_pooled_lookup_compiles_for_sm90_with_16_byte_row_loads():
     assert loads["8,True,True"].count("ld.global.v4.b32") > loads["4,True,True"].count("ld.global.v4.b32")
 
 
+# Compiles the pooled kernel for sm_90 at a typical tile (dim 64 / 128, bags of ~10 / 20) with and
+# without half tables, and prints the registers a thread takes (ptxas -v, Triton's own ptxas).
+_SM90_REGISTERS = r"""
+import json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from torchrec_ext.triton_kernels import embedding_lookup as el
+
+kernel = el._pooled_lookup_fwd_kernel
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+pointers = ["*fp32", "*fp16", "*bf16"] + ["*i64"] * 5 + ["*i1", "*i64", "*i64", "*fp32", "*fp32"]
+signature = dict(zip(kernel.arg_names, pointers), num_bags="i32", batch_size="i32", total_dim="i32")
+out = {}
+for max_dim, mean_bag, has_dtypes in json.loads(sys.argv[1]):
+    block_b, block_l, block_d, num_warps = el._pooled_blocks(max_dim, mean_bag)
+    const = dict(HAS_WEIGHTS=False, HAS_DTYPES=has_dtypes, ALIGN=8, BLOCK_B=block_b, BLOCK_L=block_l, BLOCK_D=block_d)
+    src = ASTSource(
+        fn=kernel,
+        signature=dict(signature, **{name: "constexpr" for name in const}),
+        constexprs={(kernel.arg_names.index(name),): value for name, value in const.items()},
+        attrs={(i,): [["tt.divisibility", 16]] for i in range(len(pointers))},
+    )
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    said = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
+    os.unlink(f.name)
+    registers = int(re.search(r"Used (\d+) registers", said.stderr).group(1))
+    out[f"{max_dim},{has_dtypes}"] = [registers, num_warps]
+print(json.dumps(out))
+"""
+
+
+def test_pooled_lookup_of_half_tables_keeps_three_programs_per_sm():
+    """Half tables cost the pooled kernel registers (the dtype of each bag's table is chosen per
+    element): at dim 64 and 128 a thread must stay within 65536 / (3 programs x its threads), so
+    that three programs of 8 warps share an SM, as float32 tables allow (two loads per element,
+    float32 and the raw half bits, where three (float32, float16, bfloat16) took 95 registers:
+    two programs). On sm_90, without a GPU."""
+    if _IN_CHILD:
+        pytest.skip("the compile runs in its own child process")
+    _need_triton_installed()
+    got = _compile_for_sm90(_SM90_REGISTERS, [(64, 10, True), (128, 20, True)])
+    for key, (registers, num_warps) in got.items():
+        assert registers * 3 * num_warps * 32 <= 65536, (key, registers, num_warps)
+
+
 # Compiles the fused update (stochastic rounding on) for sm_90 with ``step_term`` typed as each
 # type Triton's launcher may give a Python int: i32 below 2**31 (its launcher types an int by its
 # value), i64 above. A child process, as _SM90_COMPILE.

@@ -9,8 +9,13 @@ the fallback rows (which follow the capacity rows) and the last-seen steps, and 
 are left unwritten (they read as zeros, the initial value of vectors and of most optimizer
 states; a nonzero state value is written) until a row there is first written, as in a
 preallocated table. Elsewhere (CUDA, no address space to reserve) the vectors and optimizer state
-are copied into new buffers on the device. Rows move only then, and only while no lookup awaits
-its fused update (``pending_backward``).
+of every table (one flat buffer holds them all) are copied into new buffers on the device, so a
+growth holds the old and the new storage at once. Rows move only then, and only while no lookup
+awaits its fused update (``pending_backward``).
+
+Everything a growth allocates is allocated before anything of the tables changes: an allocation
+that fails (``torch.OutOfMemoryError`` on a GPU) raises ``GrowthError`` naming the tables, the
+capacities and the bytes, and the tables are as they were.
 """
 
 from __future__ import annotations
@@ -181,9 +186,7 @@ class TableGrowth:
     def _growth_bytes(self, capacities: dict[int, int | None]) -> int:
         """Bytes a relayout to ``capacities`` allocates beside the tables' storage now: every
         table's buffers at the new capacities (spans at num_embeddings on CPU: the grown rows
-        only), and the grown tables' indexes, row maps and last-seen steps (0 where unknown)."""
-        if any(c is None for c in capacities.values()):
-            return 0
+        only), and the grown tables' indexes, row maps and last-seen steps."""
         caps = [capacities.get(t, m.capacity) for t, m in enumerate(self.meta)]
         in_span = self._spans_at_max and self.device.type == "cpu"
         rowwise = self.optimizer is not None and self.optimizer.kind in ROWWISE_STATE
@@ -198,16 +201,22 @@ class TableGrowth:
         return total
 
     def _growth_error(self, capacities: dict[int, int | None], error: BaseException) -> GrowthError:
-        """The GrowthError of a relayout to ``capacities`` (None: not known yet) that could not
-        allocate: names the tables, the capacities and the bytes, says nothing changed."""
+        """The GrowthError of a relayout to ``capacities`` that could not allocate (None: not known
+        yet, the tables' live rows could not be read): names the tables, the capacities and the
+        bytes, says nothing changed."""
         tables = sorted(capacities)
         said = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        if any(capacities[t] is None for t in tables):
+            what = f"reading their live rows before a growth needs {8 * len(tables)} bytes"
+        else:
+            what = (
+                f"growing to capacities {[capacities[t] for t in tables]} needs new storage of "
+                f"{self._growth_bytes(capacities)} bytes"
+            )
         return GrowthError(
-            f"tables {[self.meta[t].name for t in tables]}: growing to capacities "
-            f"{[capacities[t] for t in tables]} needs new storage of {self._growth_bytes(capacities)} bytes "
-            f"on {self.device} (beside the tables' storage now), which could not be allocated "
-            f"({type(error).__name__}: {said}); the tables are unchanged, at capacities "
-            f"{[self.meta[t].capacity for t in tables]}"
+            f"tables {[self.meta[t].name for t in tables]}: {what} on {self.device} (beside the tables' "
+            f"storage now), which could not be allocated ({type(error).__name__}: {said}); the tables are "
+            f"unchanged, at capacities {[self.meta[t].capacity for t in tables]}"
         )
 
     @pending_rows_written

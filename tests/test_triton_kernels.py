@@ -843,52 +843,13 @@ def test_fused_update_of_half_tables(target, name, optimizer, rounding):
         torch.testing.assert_close(a.cpu(), b, **state_tol)
 
 
-@pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_stochastic_rounding_of_the_gpu_kernel_is_the_reference_bit_for_bit(target, dtype):
-    """Rows of zeros stepped by SGD with lr 1 and gradient -x: the kernel stores exactly round(x)."""
-    device, half = _device(target), _half()
-    x, ids = half.VALUES, torch.tensor([0, -1, 2**63 - 1, -(2**63), 12345] + list(range(60)))
-    n, dim = ids.numel(), x.numel()
-    for seed, step in ((None, 1), (99, 1), (99, 6)):
-        weights = torch.zeros(ref.table_words(n, dim, dtype), device=device)
-        _update().fused_update(
-            -x.expand(n, dim).contiguous().to(device),
-            weights,
-            [],
-            *_on(
-                device,
-                torch.tensor([0]),
-                torch.tensor([dim]),
-                torch.tensor([0]),
-                torch.arange(n),
-                torch.zeros(n, dtype=torch.int64),
-                torch.arange(n),
-            ),
-            None,
-            None,
-            *_on(device, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool)),
-            0,
-            "sgd",
-            (1.0, 0, 0, 0, 0, 0),
-            step,
-            table_dtypes=torch.tensor([ref.dtype_code(dtype)], device=device),
-            unique_ids=ids.to(device),
-            rounding_seeds=None if seed is None else torch.tensor([seed], device=device),
-        )
-        got = weights.cpu().view(dtype)[: n * dim].view(n, dim)
-        bits = None if seed is None else ref.rounding_bits(ids, dim, seed, step)
-        want = ref.round_to_storage(x.expand(n, dim), dtype, bits)
-        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (seed, step)
-
-
 def _sgd_lr1_from_zeros(kernel, x, dtype, ids, seed, step, device):
     """Rows of zeros stepped by SGD with lr 1 and gradient -x with ``kernel`` (a fused_update):
     the stored row is the rounding of x itself (no arithmetic rounding before it)."""
     n, dim = x.shape
     weights = torch.zeros(ref.table_words(n, dim, dtype), device=device)
     kernel(
-        -x.to(device),
+        -x.contiguous().to(device),
         weights,
         [],
         *_on(
@@ -912,6 +873,20 @@ def _sgd_lr1_from_zeros(kernel, x, dtype, ids, seed, step, device):
         rounding_seeds=None if seed is None else torch.tensor([seed], device=device),
     )
     return weights.cpu().view(dtype)[: n * dim].view(n, dim)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_stochastic_rounding_of_the_gpu_kernel_is_the_reference_bit_for_bit(target, dtype):
+    """Rows of zeros stepped by SGD with lr 1 and gradient -x: the kernel stores exactly round(x)."""
+    device, half = _device(target), _half()
+    x, ids = half.VALUES, torch.tensor([0, -1, 2**63 - 1, -(2**63), 12345] + list(range(60)))
+    n, dim = ids.numel(), x.numel()
+    for seed, step in ((None, 1), (99, 1), (99, 6)):
+        got = _sgd_lr1_from_zeros(_update().fused_update, x.expand(n, dim), dtype, ids, seed, step, device)
+        bits = None if seed is None else ref.rounding_bits(ids, dim, seed, step)
+        want = ref.round_to_storage(x.expand(n, dim), dtype, bits)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (seed, step)
 
 
 # In CI one row width per dtype (the interpreter takes ~1 s a call); all with TORCHREC_EXT_FULL_MATRIX=1.

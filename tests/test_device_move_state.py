@@ -1,7 +1,7 @@
-"""A module moved to another device keeps its tables' per-row TTL state and counters, as it keeps
-their indexes: ``DynamicTables.apply`` rebuilds the indexes on the new device, carrying the old
-ones (``_build_indexes(carry_from=...)``). The CPU test makes that carry on the CPU (what a move
-does after the storage moved); the CUDA one moves for real."""
+"""A module moved to another device keeps its tables' per-row TTL state, counters and admission
+sightings, as it keeps their indexes: ``DynamicTables.apply`` copies them to the new device
+(``_build_indexes(carry_from=...)``), each allocated there once, no index rebuilt. The CPU tests
+make that carry on the CPU (what a move does after the storage moved); the CUDA one moves for real."""
 
 import copy
 
@@ -10,8 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchrec import KeyedJaggedTensor
 
-from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
-from torchrec_ext.table import HashTable
+from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, ops
 
 TTL = 3
 
@@ -95,9 +94,10 @@ def _allocated(fn) -> int:
 
 
 @pytest.mark.parametrize("admission", ["counter", "bloom"])
-def test_the_carry_of_a_device_move_allocates_the_carried_state_once(admission):
-    """The carry allocates no more than the indexes' own rebuild and one admission state: no
-    fresh last_seen, counters or admission state that the moved ones then replace."""
+def test_the_carry_of_a_device_move_allocates_the_carried_state_once(admission, monkeypatch):
+    """The carry allocates each index's arrays and the admission state once, and builds no index
+    (no export or restore, the counter admission's side table included: the arrays are copied):
+    no fresh last_seen, counters, admission state or index that the moved ones then replace."""
     cfg = DynamicEmbeddingBagConfig(
         name="t",
         embedding_dim=4,
@@ -113,19 +113,20 @@ def test_the_carry_of_a_device_move_allocates_the_carried_state_once(admission):
         module(kjt).values().sum().backward()
     tables = module._tables
     index, admission_state = tables.indexes[0], tables.admission[0]
-    m = tables.meta[0]
+    want = _eval_rows(copy.deepcopy(module), "cpu")
+    module.train()
 
-    def index_rebuild():
-        HashTable(m.capacity, policy=m.policy, device=tables.device, mapped_rows=m.may_grow).load_state_dict(
-            index.state_dict()
-        )
-
-    def admission_rebuild():
-        admission_state.checked_state(admission_state.state(), "t")
-
-    budget = _allocated(index_rebuild) + _allocated(admission_rebuild)
+    sizes = [index] + ([admission_state.counter] if admission == "counter" else [])
+    budget = index.metadata_bytes() + admission_state.nbytes() + sum(t.size_tensor().nbytes for t in sizes)
     seen_before = tables.last_seen[0].clone()
+    builds = []
+    for name in ("hash_export", "hash_restore"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, real=real, name=name: builds.append(name) or real(*a))
     carried = _allocated(lambda: tables._build_indexes(carry_from=tables.device))
-    assert carried <= budget, f"the carry allocated {carried} bytes, the rebuilds alone {budget}"
+    assert builds == [], "the carry rebuilt an index"
+    assert carried == budget, f"the carry allocated {carried} bytes, the index and admission state {budget}"
+    assert tables.indexes[0] is not index and torch.equal(tables.indexes[0]._digests, index._digests)
     assert torch.equal(tables.last_seen[0], seen_before)
     assert module.table_stats()["t"].lookups == 128
+    assert torch.equal(_eval_rows(module, "cpu"), want)

@@ -140,6 +140,41 @@ def test_an_eval_lookup_under_inference_mode_costs_the_reads_of_one_under_no_gra
     assert torch.equal(pooled["inference_mode"], pooled["no_grad"])
 
 
+def test_a_module_first_run_under_inference_mode_then_trains_within_the_same_reads(device):
+    """What a module's first lookup on a device builds and keeps (its tables' layout on the
+    device: dims, offsets) must be mirrored though built under inference_mode: else every later
+    pooled lookup on a GPU reads the widest dim back, a sync a step, training included. On the
+    CPU the layout is the host's own tensors: the check there is that such a module trains."""
+    seen = {}
+    for first in ("no_grad", "inference_mode"):
+        module = DynamicEmbeddingBagCollection(_configs({}, tables=6), optimizer="adagrad").to(device)
+        module.eval()
+        with torch.inference_mode() if first == "inference_mode" else torch.no_grad():
+            module(_batch(0, tables=6).to(device))
+        module.train()
+        _step(module, _batch(1, tables=6).to(device))
+        with device_sync.recording() as counted:
+            _step(module, _batch(2, tables=6).to(device))
+        seen[first] = dict(counted)
+    assert seen["inference_mode"] == seen["no_grad"], seen
+    assert "pooled_lookup: widest table" not in seen["inference_mode"], seen
+
+
+def test_a_layout_first_built_under_inference_mode_is_mirrored(monkeypatch):
+    """The CPU's form of the test above: there the layout's ``.to(device)`` copies to the GPU (made
+    an inference tensor under inference_mode), here it is made to copy; the copies must be normal,
+    mirrored tensors, read for free."""
+    tables = DynamicEmbeddingBagCollection(_configs({}, tables=3), optimizer="adagrad")._tables
+    tables._device_layout = {}
+    to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *args, **kwargs: to(t, *args, **{**kwargs, "copy": True}))
+    with torch.inference_mode():
+        offsets, dims, state_offsets = tables.layout()
+    monkeypatch.undo()
+    assert not any(t.is_inference() for t in (offsets, dims, state_offsets))
+    assert device_sync.host_list_if_free(dims) == [m.dim for m in tables.meta]
+
+
 def test_sequence_module_step_within_budget():
     configs = [
         DynamicEmbeddingConfig(name=f"t{i}", embedding_dim=8, num_embeddings=64, feature_names=[f"f{i}"], ttl_steps=3)

@@ -153,16 +153,17 @@ def to_device(host: Tensor, device: torch.device) -> Tensor:
     if torch.compiler.is_compiling() or host.device.type != "cpu":
         return host.to(device)
     if device.type == "cuda":
-        with _normal_tensors():
+        with normal_tensors():
             return mirror(host.pin_memory().to(device, non_blocking=True), host)
     if device.type == "cpu" and host.is_inference():
-        with _normal_tensors():
+        with normal_tensors():
             return mirror(host.clone(), host)
     return host.to(device)
 
 
-def _normal_tensors():
-    """Within it, tensors made are normal ones, even under ``torch.inference_mode``."""
+def normal_tensors():
+    """Within it, tensors made are normal ones, even under ``torch.inference_mode``: for tensors
+    to be mirrored, or kept past the call (an inference tensor cannot be written outside it)."""
     return torch.inference_mode(False) if torch.is_inference_mode_enabled() else nullcontext()
 
 
@@ -227,6 +228,7 @@ __all__ = [
     "host_list",
     "mirror",
     "nonzero",
+    "normal_tensors",
     "recording",
     "settle",
     "sync_count",

@@ -130,3 +130,64 @@ def test_the_carry_of_a_device_move_allocates_the_carried_state_once(admission, 
     assert torch.equal(tables.last_seen[0], seen_before)
     assert module.table_stats()["t"].lookups == 128
     assert torch.equal(_eval_rows(module, "cpu"), want)
+
+
+def _moved_tables_module():
+    """Three tables past full with what a move carries beyond the index: LFU scores with counter
+    admission, LRU with a TTL, a table grown from 16 rows (slots mapped to rows) with a bloom filter."""
+    configs = [
+        DynamicEmbeddingBagConfig(
+            name=name, embedding_dim=4, num_embeddings=64, feature_names=[name], eviction_policy=policy, **options
+        )
+        for name, policy, options in (
+            ("lfu", "lfu", {"admission": "counter", "admit_after": 2}),
+            ("ttl", "lru", {"ttl_steps": TTL}),
+            ("grown", "lru", {"initial_capacity": 16, "admission": "bloom", "admit_after": 2}),
+        )
+    ]
+    return DynamicEmbeddingBagCollection(configs, optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+
+
+def _batch(step, device):
+    g = torch.Generator().manual_seed(step)
+    lengths = torch.randint(0, 6, (3 * 8,), generator=g)
+    values = torch.randint(0, 120, (int(lengths.sum()),), generator=g)
+    return KeyedJaggedTensor.from_lengths_sync(["lfu", "ttl", "grown"], values, lengths).to(device)
+
+
+def _index_states(module):
+    tables = module._tables
+    return [
+        {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in index.state_dict().items()}
+        for index in tables.indexes
+    ] + [{k: v.cpu() for k, v in a.state().items()} for a in tables.admission if a is not None]
+
+
+def test_a_moved_module_trains_on_as_the_one_that_stayed(device):
+    """Oracle: the module left on the CPU, fed the same batches. After the move (on the CPU, the
+    carry as apply makes it; on CUDA, a real move) and 4 training steps, every index holds the same
+    keys at the same rows with the same scores, the admission states are equal, and the outputs
+    agree (exactly on the CPU; within float sums' rounding on a GPU)."""
+    module = _moved_tables_module()
+    for step in range(6):
+        module(_batch(step, "cpu")).values().sum().backward()
+    stayed = copy.deepcopy(module)
+    if device == "cpu":
+        module._tables._build_indexes(carry_from=module._tables.device)
+    else:
+        module.to(device)
+    assert [s.keys() for s in _index_states(module)] == [s.keys() for s in _index_states(stayed)]
+    for step in range(6, 10):
+        got, want = module(_batch(step, device)).values(), stayed(_batch(step, "cpu")).values()
+        got.sum().backward()
+        want.sum().backward()
+        if device == "cpu":
+            assert torch.equal(got, want), step
+        else:
+            torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(_index_states(module), _index_states(stayed)):
+        assert got.keys() == want.keys()
+        for name in got:
+            assert torch.equal(got[name], want[name]) if torch.is_tensor(got[name]) else got[name] == want[name], name
+    assert module._tables.indexes[2].capacity > 16  # the grown table did grow
+    assert module.table_stats() == stayed.table_stats()

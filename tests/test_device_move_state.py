@@ -156,11 +156,19 @@ def _batch(step, device):
 
 
 def _index_states(module):
+    """Each index's state_dict, then each admission state (the counter's as id -> count: its side
+    table's own placement is the CPU's compacting form's on the CPU, the fixed form's on a GPU)."""
     tables = module._tables
-    return [
+    states = [
         {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in index.state_dict().items()}
         for index in tables.indexes
-    ] + [{k: v.cpu() for k, v in a.state().items()} for a in tables.admission if a is not None]
+    ]
+    for a in tables.admission:
+        state = {} if a is None else {k: v.cpu() for k, v in a.state().items()}
+        if "admission_id" in state:
+            state = {"counts": dict(zip(state["admission_id"].tolist(), state["admission_count"].tolist()))}
+        states.append(state)
+    return states
 
 
 def test_a_moved_module_trains_on_as_the_one_that_stayed(device):

@@ -29,6 +29,7 @@ def through_records(monkeypatch, device):
     if device == "cpu":
         monkeypatch.setattr(TieredTables, "copy_through_records", True)
         monkeypatch.setattr(tiered_tables, "MAX_ROWS", 7)
+        monkeypatch.setattr(tier_copies, "MAX_ROWS", 7)  # (rounds of the tables' packed reads)
     return torch.device(device)
 
 
@@ -91,10 +92,12 @@ def test_a_device_cache_over_host_memory_equals_all_resident_tables(tmp_path, th
     assert stats["a"].cache_write_backs > 0 and stats["a"].evictions > 0
     if staged:
         assert all(s.cache_staged > 0 for s in stats.values())
-    buffers = sum(mover.buffer_bytes() for mover in tiered._tables._movers)
+    movers = tiered._tables._movers
+    buffers = sum(mover.buffer_bytes() for mover in movers) + movers[0].copies.buffer_bytes()
     assert buffers > 0  # the transfer buffers, counted in storage_bytes
-    if device.type == "cuda":
-        assert all(mover._transfer._records.is_pinned() for mover in tiered._tables._movers)
+    if device.type == "cuda":  # (each table's write-backs' buffer; with the device maps, their packed reads')
+        made = [m._transfer._records for m in movers if m._transfer is not None] + [movers[0].copies.packed._records]
+        assert all(records is None or records.is_pinned() for records in made) and made[0] is not None
 
 
 def test_a_device_cache_round_trips_its_state_dict(tmp_path, through_records):

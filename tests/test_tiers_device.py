@@ -232,3 +232,12 @@ def test_the_stage_reads_its_rows_through_device_sync(device):
     for device_maps, reads in ((True, 1), (False, 0 if device == "cpu" else 3)):
         for _, seen in _staged_steps(3, device_maps, device=device):
             assert seen["tiered tables: rows to stage"] == reads, (device_maps, seen)
+
+
+def test_the_device_maps_read_every_tables_rows_in_one_copy(device):
+    # (on the CPU: test_tiers_device_maps.py) The misses and stages of all tables: one H2D copy.
+    from test_tiers_device_maps import test_reading_rows_into_the_caches_is_one_copy_for_all_tables
+
+    if device == "cpu":
+        pytest.skip("the device maps on the CPU: test_tiers_device_maps.py")
+    test_reading_rows_into_the_caches_is_one_copy_for_all_tables(device)

@@ -349,7 +349,8 @@ def test_a_stage_copies_to_the_device_the_same_for_any_table_count(monkeypatch):
 
 def test_a_stage_waits_once_for_every_tables_write_backs(monkeypatch):
     # (the records path a GPU takes) The write-backs of a stage's tables gather their rows and
-    # queue their copies to the host first, then wait: on a GPU the first wait lands them all.
+    # queue their copies to the host first, then wait, each for its own copy: on a GPU the
+    # copies queued after the first go on while its rows are written home.
     import re
 
     from torchrec_ext.modules.tier_copies import DeviceCopies
@@ -396,7 +397,7 @@ def test_a_failed_write_back_of_one_table_leaves_the_others_written(monkeypatch,
         assert torch.equal(mine[prefix + name][rows], theirs[prefix + name]), name
 
 
-def _copies_to_the_device(tables, monkeypatch, staged):
+def _copies_to_the_device(tables, staged, device="cpu"):
     """On the records path a GPU takes: the copies to the device (each an H2D DMA on a GPU:
     ``DeviceCopies.to_device``) of a module of ``tables`` tables trained with the stage ahead
     (``staged``: ``_staged_steps``) or without (``_unstaged_reads``: the lookup's misses), and
@@ -404,25 +405,25 @@ def _copies_to_the_device(tables, monkeypatch, staged):
     from torchrec_ext.modules.tier_copies import DeviceCopies
     from torchrec_ext.modules.tiered_tables import _Mover
 
-    monkeypatch.setattr(TieredTables, "copy_through_records", True)
     copies, reads = [], []
     to_device, gather = DeviceCopies.to_device, _Mover.gather
-    monkeypatch.setattr(DeviceCopies, "to_device", lambda *a: copies.append(1) or to_device(*a))
-    monkeypatch.setattr(_Mover, "gather", lambda *a: reads.append(1) or gather(*a))
-    if staged:
-        _staged_steps(tables, True)
-    else:
-        _unstaged_reads(tables)
-    monkeypatch.undo()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TieredTables, "copy_through_records", True)
+        patch.setattr(DeviceCopies, "to_device", lambda *a: copies.append(1) or to_device(*a))
+        patch.setattr(_Mover, "gather", lambda *a: reads.append(1) or gather(*a))
+        if staged:
+            _staged_steps(tables, True, device=device)
+        else:
+            _unstaged_reads(tables, device)
     return len(copies), len(reads)
 
 
-def test_reading_rows_into_the_caches_is_one_copy_for_all_tables(monkeypatch):
+def test_reading_rows_into_the_caches_is_one_copy_for_all_tables(device="cpu"):
     # With the device maps the rows every table misses (or the stage brings in) are gathered on
     # the host together, packed in one buffer, and reach the device in one copy: as many copies
-    # for 6 tables as for 2, while the tables' reads grow with them.
+    # for 6 tables as for 2, while the tables' reads grow with them (test_tiers_device.py: on CUDA).
     for staged in (True, False):
-        (few, few_reads), (many, many_reads) = [_copies_to_the_device(n, monkeypatch, staged) for n in (2, 6)]
+        (few, few_reads), (many, many_reads) = [_copies_to_the_device(n, staged, device) for n in (2, 6)]
         assert few == many and few_reads < many_reads, (staged, few, many, few_reads, many_reads)
         assert many_reads > 2 * many, (staged, many, many_reads)  # (several tables a copy)
 

@@ -437,7 +437,7 @@ class DeviceSlotMaps:
                     cache.staged_write_backs += n
                 cache.bytes_moved += n * movers[t].row_bytes
             freed[t] = slots[these][kept[these]]
-        for store in stores:  # (every table's copy queued before the first waits: one wait for all)
+        for store in stores:  # (every table's copy queued before the first waits: the later ones land meanwhile)
             _attempt(failed, store)
         self._push_free(freed)
         if failed:

@@ -214,11 +214,11 @@ class _Mover:
             backing.index_copy_(0, rows, self._pair_field(records, k))
 
     def write_later(self, slots: Tensor, rows: Tensor) -> Callable[[], None]:
-        """``write`` in two halves, so that several tables' write-backs share one wait: the rows
-        gathered on the device and their copy to the host queued now; what is returned writes
-        them into the backing store once they have landed (``DeviceCopies.landed``: the first
-        call's wait lands the copies queued before it too). Written now (returns a no-op)
-        without ``copies`` or beyond one transfer's rows."""
+        """``write`` in two halves, so that several tables' write-backs overlap: the rows gathered
+        on the device and their copy to the host queued now; what is returned writes them into
+        the backing store once their own copy has landed (``DeviceCopies.landed``: a wait for that
+        copy's event alone, while the copies queued after it go on). Written now (returns a
+        no-op) without ``copies`` or beyond one transfer's rows."""
         if self.copies is None or not 0 < rows.numel() <= MAX_ROWS:
             self.write(slots, rows)
             return _written

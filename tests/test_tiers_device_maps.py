@@ -347,7 +347,7 @@ def test_a_stage_copies_to_the_device_the_same_for_any_table_count(monkeypatch):
     assert counts[0] == counts[1], counts
 
 
-def test_a_stage_waits_once_for_every_tables_write_backs(monkeypatch):
+def test_a_stage_queues_every_tables_write_backs_before_it_waits(monkeypatch):
     # (the records path a GPU takes) The write-backs of a stage's tables gather their rows and
     # queue their copies to the host first, then wait, each for its own copy: on a GPU the
     # copies queued after the first go on while its rows are written home.

@@ -17,6 +17,7 @@ from test_tiers import (  # noqa: F401  (collected here again, with the device m
     POOL,
     _backing,
     _bag_configs,
+    _train_staged,
     test_a_cache_too_small_for_a_batch_is_a_clear_error_and_changes_nothing,
     test_a_copy_of_a_file_backed_module_is_independent,
     test_a_dropped_graph_releases_its_rows,
@@ -509,15 +510,7 @@ def test_each_copy_records_its_own_event_and_a_write_back_waits_for_its_copy_alo
     monkeypatch.setattr(TieredTables, "copy_through_records", True)
     module, batches = _module_and_batches(3, True, 16)
     resident, _ = _module_and_batches(3, True, 0, tiered=False)
-    for step, kjt in enumerate(batches):
-        if step + 1 < len(batches):
-            module.stage_next(batches[step + 1])
-        outs = [m(kjt).values() for m in (module, resident)]
-        assert torch.equal(outs[0], outs[1]), step
-        for out in outs:
-            out.sum().backward()
-    mine, theirs = module.state_dict(), resident.state_dict()
-    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    _train_staged(resident, module, batches, loss=lambda out: out.sum())
     # Each copy its own event, recorded right after it.
     copies = [(i, n) for i, (kind, n) in enumerate(log) if kind in ("to_device", "queued")]
     assert copies and all(log[i - 1] == ("record", n) for i, n in copies)

@@ -9,7 +9,10 @@ adding what it leaves on the table:
     i's input dist by its event, not for batch i+1's) and its own process group (a clone of the
     modules' group: two threads issuing collectives on one group would interleave them
     differently on each rank; borrowed from a per-process pool, so a pipeline per segment does
-    not add a group per segment);
+    not add a group per segment). Not where those collectives run on NCCL with peers (CUDA,
+    world size > 1): NCCL needs every rank to launch the collectives of all communicators of a
+    GPU in one order, which two threads cannot keep; there the train thread launches it, on
+    its own stream, as TorchRec's pipeline does;
 (c) the dense gradients all-reduced in one flat buffer instead of by DDP's buckets, that work (and
     the dense optimizer step when capturable) captured in a CUDA graph, and chosen dense
     submodules' forward + backward captured too (static shapes; other shapes run eagerly); the
@@ -73,7 +76,8 @@ class PipelineOptions:
     # (a) threads loading batches ahead; 0: load inline on the train thread. (b) launch input
     # dists from a helper thread. None: on where they have a core to run on — always on CUDA
     # (the train thread mostly waits on the GPU); on CPU only if this rank has cores beyond its
-    # intra-op threads (measured on 2 cores / 2 ranks: helper threads there cost 2-6 %).
+    # intra-op threads (measured on 2 cores / 2 ranks: helper threads there cost 2-6 %). (b) is
+    # off, and True refused, where the input dist runs on NCCL with peers (see the module doc).
     prefetch_threads: int | None = None
     prefetch_depth: int | None = None  # batches ahead; default 2 per thread
     threaded_input_dist: bool | None = None
@@ -98,6 +102,21 @@ def _spare_cores(device: torch.device) -> bool:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
     return cores // max(local_ranks, 1) > torch.get_num_threads()
+
+
+def _sharding_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The group the model's sharded modules (and so their input dists) run on: DMP's, else the
+    default group (None when there is none)."""
+    group = getattr(getattr(model, "_env", None), "process_group", None)
+    if group is None and dist.is_initialized():
+        group = dist.group.WORLD
+    return group
+
+
+def _input_dist_on_nccl(model: nn.Module, device: torch.device) -> bool:
+    """Whether the input dist's collectives run on NCCL with peers: then only the train thread
+    may launch them (one launch order on every rank, as NCCL requires across communicators)."""
+    return groups.runs_on_nccl(_sharding_group(model), device)
 
 
 def _find_ddp(model: nn.Module) -> DistributedDataParallel | None:
@@ -135,10 +154,21 @@ class TrainPipeline(TrainPipelineSparseDist):
         if options.prefetch_threads is not None and options.prefetch_threads < 0:
             raise ValueError(f"TrainPipeline: prefetch_threads must be >= 0, got {options.prefetch_threads}")
         spare = _spare_cores(device)
+        one_thread = _input_dist_on_nccl(model, device)
+        if options.threaded_input_dist and one_thread:
+            group = _sharding_group(model)
+            raise ValueError(
+                f"TrainPipeline: threaded_input_dist must be False or None where the input dist runs on NCCL "
+                f"with peers, got True (backend {dist.get_backend(group)!r}, {dist.get_world_size(group)} ranks, "
+                f"{device}): a helper thread's all-to-all on its own communicator would race the train thread's "
+                "collectives, in a different order on each rank, and NCCL needs one order on every rank (else a hang)"
+            )
         self.options = options = dataclasses.replace(
             options,
             prefetch_threads=(2 if spare else 0) if options.prefetch_threads is None else options.prefetch_threads,
-            threaded_input_dist=spare if options.threaded_input_dist is None else options.threaded_input_dist,
+            threaded_input_dist=(spare and not one_thread)
+            if options.threaded_input_dist is None
+            else options.threaded_input_dist,
         )
         cuda = device.type == "cuda"
         self._memcpy_stream = None  # copies are ours (prefetcher or inline); they hand over events instead
@@ -481,6 +511,11 @@ class TrainPipeline(TrainPipelineSparseDist):
                     if kjt_all_to_all is None or getattr(kjt_all_to_all, "_pg", None) is None:
                         continue
                     pg = kjt_all_to_all._pg
+                    if groups.runs_on_nccl(pg, self._device):  # a module on another group than DMP's
+                        raise RuntimeError(
+                            f"TrainPipeline: an input dist runs on NCCL with peers ({dist.get_backend(pg)!r}, "
+                            f"{dist.get_world_size(pg)} ranks): pass PipelineOptions(threaded_input_dist=False)"
+                        )
                     if pg not in self._dist_groups:
                         # May create a group (a collective): every rank builds the same pipelines.
                         self._dist_groups[pg] = groups.borrow(pg)

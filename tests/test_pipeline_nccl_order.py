@@ -78,11 +78,22 @@ def _nccl_probe_and_helper_thread(rank, world_size):
         options = PipelineOptions(prefetch_threads=2, flat_dense_allreduce=True)  # helper thread left to the default
         with TrainPipeline(model, optimizer, torch.device("cpu"), options) as pipeline:
             assert pipeline.options.threaded_input_dist is False
+            forward = pipeline._model_fwd
+
+            def marked_forward(batch):
+                log.calls.append(("forward", ""))
+                return forward(batch)
+
+            pipeline._model_fwd = marked_forward
             losses = progress_losses(pipeline, batches)
             assert not pipeline._dist_groups  # no clone: the input dist stays on the modules' group
-        launched_by = {thread for _, thread in log.calls}
-        assert {name for name, _ in log.calls} >= {"all_to_all_single", "all_reduce"}, log.calls
+        launched_by = {thread for name, thread in log.calls if name != "forward"}
         assert launched_by == {threading.main_thread().name}, launched_by
+        # TorchRec's order: the first batch's counts and data; then each step launches batch i+1's
+        # counts before its forward, its data after it, then the dense all-reduce.
+        order = "".join({"all_to_all_single": "a", "forward": "F", "all_reduce": "r"}.get(n, "") for n, _ in log.calls)
+        steps = len(batches)
+        assert order == "aa" + "aFar" * (steps - 1) + "Fr", order
 
         torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=0, atol=0)
         state = local_state(model)
@@ -94,3 +105,50 @@ def _nccl_probe_and_helper_thread(rank, world_size):
 
 def test_input_dist_stays_on_the_train_thread_where_it_runs_on_nccl():
     run_ranks(_nccl_probe_and_helper_thread, 2)
+
+
+def _deferred_input_dist_feeds_the_tiered_stage(rank, world_size, root):
+    # Sharded tiered tables stage batch i+1's rows from its input dist: deferred to after the
+    # forward (NCCL with peers), the stage still gets them, so every step after the first finds
+    # its rows cached, and training equals the plain loop.
+    from dist_helpers import DIM, NUM_TABLES, ROWS
+    from torchrec_ext import DynamicEmbeddingBagConfig
+
+    def tables(backing):
+        extra = {} if backing is None else {"backing": backing, "cache_load_factor": 0.25}
+        return [
+            DynamicEmbeddingBagConfig(
+                name=f"t{i}", embedding_dim=DIM, num_embeddings=2 * ROWS, feature_names=[f"f{i}"], **extra
+            )
+            for i in range(NUM_TABLES)
+        ]
+
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        batches = make_batches(rank, batch_size=4, num_full=8, last=0)
+        reference, reference_opt = make_dmp_dlrm(world_size, dynamic=True, tables=tables(None))
+        want = plain_loop(reference, reference_opt, batches)
+        model, optimizer = make_dmp_dlrm(
+            world_size, dynamic=True, tables=tables(f"file:{root}"), ebc_device=torch.device("meta")
+        )
+        monkeypatch.setattr(train_pipeline_module, "_input_dist_on_nccl", lambda model, device: True)
+        stats = []
+        options = PipelineOptions(prefetch_threads=0, tier_prefetch=True, timeout_s=60)
+        with TrainPipeline(model, optimizer, torch.device("cpu"), options) as pipeline:
+            assert pipeline._defer_dist_wait
+            losses = progress_losses(pipeline, batches, stats)
+        torch.testing.assert_close(torch.stack(losses), torch.stack(want), rtol=0, atol=0)
+        moved = torch.tensor(
+            [
+                sum(s["staged"] for step in stats for s in step.values()),
+                sum(s["misses"] for step in stats[1:] for s in step.values()),
+            ]
+        )
+        dist.all_reduce(moved)
+        assert moved[0] > 0 and moved[1] == 0, moved
+    finally:
+        monkeypatch.undo()
+
+
+def test_deferred_input_dist_still_feeds_the_tiered_stage(tmp_path):
+    run_ranks(_deferred_input_dist_feeds_the_tiered_stage, 2, str(tmp_path))

@@ -12,7 +12,8 @@ adding what it leaves on the table:
     not add a group per segment). Not where those collectives run on NCCL with peers (CUDA,
     world size > 1): NCCL needs every rank to launch the collectives of all communicators of a
     GPU in one order, which two threads cannot keep; there the train thread launches it, on
-    its own stream, as TorchRec's pipeline does;
+    its own stream, in TorchRec's pipeline's order: the counts' exchange before batch i's
+    forward, their wait (a host read) and the data's exchange after it;
 (c) the dense gradients all-reduced in one flat buffer instead of by DDP's buckets, that work (and
     the dense optimizer step when capturable) captured in a CUDA graph, and chosen dense
     submodules' forward + backward captured too (static shapes; other shapes run eagerly); the
@@ -182,6 +183,9 @@ class TrainPipeline(TrainPipelineSparseDist):
         self._gate = DEVICE_WORK  # CUDA graph captures hold the helper threads off the device with it
         self._dist_worker = HelperThread("torchrec_ext-input-dist", self._gate) if options.threaded_input_dist else None
         self._dist_future: Future | None = None  # batch i+1's input dist, resolving to its event
+        # NCCL with peers: the input dist's second half, run by the train thread after the forward
+        self._defer_dist_wait = one_thread
+        self._dist_finish: Any = None
         self._dist_groups: dict[Any, dist.ProcessGroup] = {}  # the modules' group -> ours, borrowed
         self._moved_input_dists: list[tuple[Any, dist.ProcessGroup]] = []
         self._ddp = _find_ddp(model)
@@ -201,7 +205,8 @@ class TrainPipeline(TrainPipelineSparseDist):
             self._graphed_forwards = [GraphedForward.install(module) for module in graph_modules]
             for graphed in self._graphed_forwards:
                 graphed.gate, graphed.capture_timeout_s = self._gate, options.timeout_s
-                graphed.join_before_capture = (self._join_stages,)
+                # (a deferred input dist first: the capture, inside the forward, joins the stage waiting on it)
+                graphed.join_before_capture = (self._finish_input_dist, self._join_stages)
         elif graph_modules:
             logger.info("TrainPipeline: graph_modules run eagerly on %s (CUDA graphs need a GPU)", device)
         self._host_outputs = HostOutputs(device, pinned=options.pinned_outputs)
@@ -237,6 +242,7 @@ class TrainPipeline(TrainPipelineSparseDist):
             self._stage_next(self._ready[1], self.contexts[1])  # runs once batch i's lookup has its rows
         try:
             losses, output = self._model_fwd(self.batches[0])
+            self._finish_input_dist()  # (a deferred one: after the forward's collectives, as on every rank)
             if training:
                 self._backward(losses)
         finally:
@@ -284,6 +290,9 @@ class TrainPipeline(TrainPipelineSparseDist):
             else:
                 self._prefetcher.close(timeout_s)
             self._prefetcher = None
+        if self._dist_finish is not None:  # a forward raised: the deferred half never runs
+            self._dist_finish = None
+            self._dist_future.set_exception(RuntimeError("TrainPipeline: closed before the input dist finished"))
         worker_done = True
         if self._dist_worker is not None:
             worker_done = self._dist_worker.close(self.options.timeout_s if timeout_s is None else timeout_s)
@@ -462,21 +471,41 @@ class TrainPipeline(TrainPipelineSparseDist):
 
     def _launch_input_dist(self, ready: ReadyBatch, batch: Any, context: TrainPipelineContext) -> None:
         """Batch i+1's input dist, during batch i's step, on the ahead stream; resolves to an
-        event the main data-dist stream waits for once batch i+1 is up."""
+        event the main data-dist stream waits for once batch i+1 is up. Deferred (NCCL with
+        peers): only its first half here; ``_finish_input_dist`` runs the rest after the forward."""
         stream = self._ahead_dist_stream
 
-        def run() -> Any:
+        def start() -> None:
             self._start_input_dist(ready, batch, context, stream)
+
+        def finish() -> Any:
             self._wait_input_dist(context, stream)
             return record_event(self._streams, stream) if self._streams is not None else None
 
-        if self._dist_worker is None:
-            self._dist_future = Future()
-            self._dist_future.set_result(run())
+        if self._dist_worker is not None:
+            self._dist_future = self._dist_worker.submit(lambda: (start(), finish())[1])
+            return
+        self._dist_future = Future()
+        if self._defer_dist_wait:
+            start()
+            self._dist_finish = finish
         else:
-            self._dist_future = self._dist_worker.submit(run)
+            self._dist_future.set_result((start(), finish())[1])
+
+    def _finish_input_dist(self) -> None:
+        """The deferred second half of the input dist in flight, if any, on the train thread: at
+        the same point of the step on every rank (after the forward, or before a capture)."""
+        finish, self._dist_finish = self._dist_finish, None
+        if finish is None:
+            return
+        try:
+            self._dist_future.set_result(finish())
+        except BaseException as e:
+            self._dist_future.set_exception(e)  # a tiered stage waiting for it gets the error too
+            raise
 
     def _join_input_dist(self) -> None:
+        self._finish_input_dist()  # (a forward that raised left it pending)
         if self._dist_future is not None:
             future, self._dist_future = self._dist_future, None
             done = future.result(timeout=self.options.timeout_s)  # re-raises the worker's exception

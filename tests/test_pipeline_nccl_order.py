@@ -152,3 +152,19 @@ def _deferred_input_dist_feeds_the_tiered_stage(rank, world_size, root):
 
 def test_deferred_input_dist_still_feeds_the_tiered_stage(tmp_path):
     run_ranks(_deferred_input_dist_feeds_the_tiered_stage, 2, str(tmp_path))
+
+
+def test_the_pipeline_names_the_device_of_every_current_stream():
+    # On rank r the GPU is cuda:r: a bare torch.cuda.current_stream() is the current device's,
+    # cuda:0 wherever the caller did not set the device (a new thread, a library user).
+    import pathlib
+    import re
+
+    package = pathlib.Path(train_pipeline_module.__file__).parent
+    bare = [
+        f"{path.name}:{number}"
+        for path in sorted(package.glob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"cuda\.current_stream\(\s*\)", line)
+    ]
+    assert not bare, bare

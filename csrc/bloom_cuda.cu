@@ -51,14 +51,8 @@ __global__ void bloom_decide_kernel(const uint8_t* bytes, uint64_t mask, const i
                                     int64_t hashes, int64_t admit_after, bool* admitted) {
   for (int64_t j = global_thread(); j < n; j += global_threads()) {
     if (pending != nullptr && !pending[j]) continue;
-    const BloomHash h = bloom_hash(keys[j], hash_seed);
-    int smallest = kBloomCounterMax;
-    for (int64_t i = 0; i < hashes; ++i) {
-      const uint64_t cell = bloom_cell(h, i, mask);
-      const int c = bloom_counter(bytes[cell >> 1], cell);
-      smallest = c < smallest ? c : smallest;
-    }
-    admitted[j] = smallest >= admit_after;
+    admitted[j] =
+        bloom_smallest_counter(bytes, bloom_hash(keys[j], hash_seed), hashes, mask) >= admit_after;
   }
 }
 

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "cuda_binding_checks.h"
 #include "hash_table_checks.h"
 #include "hash_table_layout.h"
 
@@ -28,16 +29,12 @@ namespace {
 
 cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
-// The kernels take raw pointers: a tensor on the host or on another GPU would be an illegal
-// access there, so every tensor of a call must be on the table's GPU.
+// The table on a GPU, and every other tensor of the call on the table's GPU.
 void check_devices(const char* op, const at::Tensor& digests,
                    std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors) {
   TORCH_CHECK(digests.is_cuda(), op, ": digests must be a CUDA tensor, got one on ",
               digests.device());
-  for (const auto& [name, tensor] : tensors) {
-    TORCH_CHECK(tensor->device() == digests.device(), op, ": ", name, " must be on ",
-                digests.device(), " like the table, got ", tensor->device());
-  }
+  check_on_anchor_device(op, digests, "the table", tensors);
 }
 
 // A batch grouped by stripe: the j-th key of the grouping is keys[order[j]], of stripe

@@ -256,18 +256,20 @@ class TableStorage:
     def _on_device(self) -> tuple[Tensor | None, ...]:
         dev = self.device
         if dev not in self._device_layout:
-            # Mirrored: the kernels read their host values (the widest dim) without a sync.
-            self._device_layout[dev] = tuple(
-                None if t is None else device_sync.mirror(t.to(dev), t)
-                for t in (
-                    self.table_offsets,
-                    self.table_dims,
-                    self.state_row_offsets,
-                    self.table_dtypes,
-                    self.rounding_seeds,
-                    self.fallback_layout,
+            # Mirrored: the kernels read their host values (the widest dim) without a sync. Normal
+            # tensors, though first made under inference_mode: those would never be mirrored.
+            with device_sync.normal_tensors():
+                self._device_layout[dev] = tuple(
+                    None if t is None else device_sync.mirror(t.to(dev), t)
+                    for t in (
+                        self.table_offsets,
+                        self.table_dims,
+                        self.state_row_offsets,
+                        self.table_dtypes,
+                        self.rounding_seeds,
+                        self.fallback_layout,
+                    )
                 )
-            )
         return self._device_layout[dev]
 
     def _all_state_views(self, t: int) -> list[Tensor]:

@@ -181,20 +181,27 @@ def time_candidates(cfg: Config, device, source, shared, ours, round_index: int)
         "torchrec_ext TrainPipeline": our_loop(PipelineOptions()),
     }
     if cfg.ablation:  # each thread stage forced on and off, whatever the defaults chose here
+        # (no input-dist thread on NCCL with peers: the pipeline refuses it there)
+        dist_thread = device.type != "cuda" or dist.get_world_size() == 1
         loops.update(
             {
-                "  ours, prefetch + input-dist threads": our_loop(
-                    PipelineOptions(prefetch_threads=2, threaded_input_dist=True)
-                ),
                 "  ours, prefetch threads only": our_loop(
                     PipelineOptions(prefetch_threads=2, threaded_input_dist=False)
-                ),
-                "  ours, input-dist thread only": our_loop(
-                    PipelineOptions(prefetch_threads=0, threaded_input_dist=True)
                 ),
                 "  ours, no threads": our_loop(PipelineOptions(prefetch_threads=0, threaded_input_dist=False)),
             }
         )
+        if dist_thread:
+            loops.update(
+                {
+                    "  ours, prefetch + input-dist threads": our_loop(
+                        PipelineOptions(prefetch_threads=2, threaded_input_dist=True)
+                    ),
+                    "  ours, input-dist thread only": our_loop(
+                        PipelineOptions(prefetch_threads=0, threaded_input_dist=True)
+                    ),
+                }
+            )
     names = list(loops)
     shift = round_index % len(names)
     timed = {name: loops[name]() for name in names[shift:] + names[:shift]}

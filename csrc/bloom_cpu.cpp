@@ -106,14 +106,8 @@ at::Tensor bloom_admit_cpu(at::Tensor& counters, const at::Tensor& keys_in,
       if (ahead < end && (pending == nullptr || pending[ahead]))
         prefetch_cells(filter, key[ahead], hash_seed, hashes, mask, 0);
       if (pending != nullptr && !pending[j]) continue;
-      const BloomHash h = bloom_hash(key[j], hash_seed);
-      int smallest = kBloomCounterMax;
-      for (int64_t i = 0; i < hashes; ++i) {
-        const uint64_t cell = bloom_cell(h, i, mask);
-        const int c = bloom_counter(filter[cell >> 1], cell);
-        smallest = c < smallest ? c : smallest;
-      }
-      out[j] = smallest >= admit_after;
+      out[j] = bloom_smallest_counter(filter, bloom_hash(key[j], hash_seed), hashes, mask) >=
+               admit_after;
     }
   });
   return admitted;

@@ -13,6 +13,7 @@
 #include <optional>
 
 #include "bloom_checks.h"
+#include "cuda_binding_checks.h"
 
 namespace torchrec_ext {
 namespace {
@@ -24,12 +25,10 @@ at::Tensor bloom_admit_cuda(at::Tensor& counters, const at::Tensor& keys_in,
   check_bloom_admit(counters, keys_in, counts_in, pending_in, hashes, admit_after);
   TORCH_CHECK(counters.is_cuda(), "bloom_admit: counters must be a CUDA tensor, got one on ",
               counters.device());
-  TORCH_CHECK(keys_in.device() == counters.device() && counts_in.device() == counters.device() &&
-                  (!pending_in.has_value() || pending_in->device() == counters.device()),
-              "bloom_admit: keys, counts and pending must be on ", counters.device(),
-              " like the filter, got ", keys_in.device(), ", ", counts_in.device(),
-              pending_in.has_value() ? ", " : "",
-              pending_in.has_value() ? pending_in->device().str() : "");
+  check_on_anchor_device("bloom_admit", counters, "the filter",
+                         {{"keys", &keys_in},
+                          {"counts", &counts_in},
+                          {"pending", pending_in.has_value() ? &*pending_in : nullptr}});
   const c10::cuda::CUDAGuard device_guard(counters.device());
   check_bloom_counts(counts_in);
   const at::Tensor keys = keys_in.contiguous(), counts = counts_in.contiguous();

@@ -11,20 +11,12 @@
 
 #include "bloom_cuda.h"
 #include "bloom_layout.h"
+#include "cuda_launch.cuh"
 
 namespace torchrec_ext {
 namespace {
 
 constexpr int kBloomThreads = 256;
-constexpr int64_t kMaxBlocks = int64_t{1} << 16;  // larger inputs use grid-stride loops
-
-__device__ __forceinline__ int64_t global_thread() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-
-__device__ __forceinline__ int64_t global_threads() {
-  return static_cast<int64_t>(gridDim.x) * blockDim.x;
-}
 
 // Counter `cell` of the filter's little-endian words: nibble cell % 8 of word cell / 8.
 __device__ __forceinline__ void add_to_counter(uint32_t* words, uint64_t cell, int increment) {
@@ -59,14 +51,8 @@ __global__ void bloom_decide_kernel(const uint8_t* bytes, uint64_t mask, const i
                                     int64_t hashes, int64_t admit_after, bool* admitted) {
   for (int64_t j = global_thread(); j < n; j += global_threads()) {
     if (pending != nullptr && !pending[j]) continue;
-    const BloomHash h = bloom_hash(keys[j], hash_seed);
-    int smallest = kBloomCounterMax;
-    for (int64_t i = 0; i < hashes; ++i) {
-      const uint64_t cell = bloom_cell(h, i, mask);
-      const int c = bloom_counter(bytes[cell >> 1], cell);
-      smallest = c < smallest ? c : smallest;
-    }
-    admitted[j] = smallest >= admit_after;
+    admitted[j] =
+        bloom_smallest_counter(bytes, bloom_hash(keys[j], hash_seed), hashes, mask) >= admit_after;
   }
 }
 
@@ -78,9 +64,7 @@ cudaError_t launch_bloom_admit(uint32_t* words, int64_t num_counters, const int6
                                bool* admitted, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const uint64_t mask = static_cast<uint64_t>(num_counters) - 1;
-  int64_t blocks = (n + kBloomThreads - 1) / kBloomThreads;
-  blocks = blocks < kMaxBlocks ? blocks : kMaxBlocks;
-  const unsigned grid = static_cast<unsigned>(blocks);
+  const unsigned grid = capped_grid(n, kBloomThreads);
   bloom_add_kernel<<<grid, kBloomThreads, 0, stream>>>(words, mask, keys, counts, pending, n,
                                                        hash_seed, hashes);
   bloom_decide_kernel<<<grid, kBloomThreads, 0, stream>>>(reinterpret_cast<const uint8_t*>(words),

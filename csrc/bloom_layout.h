@@ -37,6 +37,18 @@ TREXT_HD int bloom_counter(uint8_t byte, uint64_t cell) {
   return (byte >> ((cell & 1) * 4)) & kBloomCounterMax;
 }
 
+// The smallest of a key's counters (what the admission compares with admit_after).
+TREXT_HD int bloom_smallest_counter(const uint8_t* filter, const BloomHash& h, int64_t hashes,
+                                    uint64_t cell_mask) {
+  int smallest = kBloomCounterMax;
+  for (int64_t i = 0; i < hashes; ++i) {
+    const uint64_t cell = bloom_cell(h, i, cell_mask);
+    const int c = bloom_counter(filter[cell >> 1], cell);
+    smallest = c < smallest ? c : smallest;
+  }
+  return smallest;
+}
+
 // What one sighting count adds to each of a key's counters (counts saturate at 15 anyway).
 TREXT_HD int bloom_increment(int64_t count) {
   return count <= 0 ? 0 : count >= kBloomCounterMax ? kBloomCounterMax : static_cast<int>(count);

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "cuda_launch.cuh"
 #include "dedup_cuda.h"
 #include "hash_table_layout.h"
 
@@ -21,22 +22,7 @@ namespace torchrec_ext {
 namespace {
 
 constexpr int kDedupThreads = 256;
-constexpr int64_t kMaxBlocks = int64_t{1} << 16;  // larger inputs use grid-stride loops
-constexpr unsigned kFullWarp = 0xFFFFFFFFu;
 constexpr long long kEmptySlot = -1;
-
-__device__ __forceinline__ int64_t global_thread() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-
-__device__ __forceinline__ int64_t global_threads() {
-  return static_cast<int64_t>(gridDim.x) * blockDim.x;
-}
-
-unsigned blocks_for(int64_t threads) {
-  const int64_t blocks = (threads + kDedupThreads - 1) / kDedupThreads;
-  return static_cast<unsigned>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
-}
 
 // Segment of position i: the last s in [0, S) with so[s] <= i. Bounded for any offsets (the
 // binding validates them only after its read): garbage offsets give garbage, never a stray access.
@@ -61,14 +47,14 @@ __device__ __forceinline__ uint64_t key_hash(int64_t id, int64_t segment) {
 // to the count: one atomic per key per warp, however hot the id.
 __global__ void dedup_insert_kernel(const int64_t* ids, int64_t n, const int64_t* so, int64_t S,
                                     long long* slots, uint64_t mask, int64_t* slot_of) {
-  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int lane = lane_id();
   for (int64_t base = global_thread() - lane; base < n; base += global_threads()) {
     const int64_t i = base + lane;
     const bool live = i < n;
     const int64_t id = live ? ids[i] : 0;
     const int64_t segment = live ? segment_of(so, S, i) : -1;  // -1: matches no live lane
-    const unsigned same = __match_any_sync(kFullWarp, static_cast<unsigned long long>(id)) &
-                          __match_any_sync(kFullWarp, static_cast<unsigned long long>(segment));
+    const unsigned same = __match_any_sync(kFullWarpMask, static_cast<unsigned long long>(id)) &
+                          __match_any_sync(kFullWarpMask, static_cast<unsigned long long>(segment));
     const int leader = __ffs(static_cast<int>(same)) - 1;
     int64_t slot = 0;
     if (live && lane == leader) {
@@ -93,7 +79,7 @@ __global__ void dedup_insert_kernel(const int64_t* ids, int64_t n, const int64_t
                 static_cast<unsigned long long>(__popc(same)));
       slot = static_cast<int64_t>(p);
     }
-    slot = __shfl_sync(kFullWarp, slot, leader);
+    slot = __shfl_sync(kFullWarpMask, slot, leader);
     if (live) slot_of[i] = slot;
   }
 }
@@ -135,17 +121,17 @@ cudaError_t launch_dedup_first_occurrences(const int64_t* ids, int64_t n, const 
                                            int64_t* slot_of, int64_t* ranks, cudaStream_t stream) {
   const uint64_t mask = static_cast<uint64_t>(num_slots) - 1;
   if (n > 0) {
-    const unsigned grid = blocks_for(n);
+    const unsigned grid = capped_grid(n, kDedupThreads);
     dedup_insert_kernel<<<grid, kDedupThreads, 0, stream>>>(ids, n, so, S, slots, mask, slot_of);
   }
-  const unsigned grid = blocks_for(n + 1);
+  const unsigned grid = capped_grid(n + 1, kDedupThreads);
   dedup_mark_kernel<<<grid, kDedupThreads, 0, stream>>>(slots, slot_of, n, ranks);
   return cudaGetLastError();
 }
 
 cudaError_t launch_dedup_bounds(const int64_t* so, int64_t S, int64_t n, const int64_t* ranks,
                                 int64_t* read, cudaStream_t stream) {
-  const unsigned grid = blocks_for(S + 1);
+  const unsigned grid = capped_grid(S + 1, kDedupThreads);
   dedup_bounds_kernel<<<grid, kDedupThreads, 0, stream>>>(so, S, n, ranks, read);
   return cudaGetLastError();
 }
@@ -154,7 +140,7 @@ cudaError_t launch_dedup_outputs(const int64_t* ids, int64_t n, const long long*
                                  const int64_t* slot_of, const int64_t* ranks, int64_t* unique,
                                  int64_t* inverse, int64_t* counts, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  const unsigned grid = blocks_for(n);
+  const unsigned grid = capped_grid(n, kDedupThreads);
   dedup_outputs_kernel<<<grid, kDedupThreads, 0, stream>>>(ids, n, slots, slot_of, ranks, unique,
                                                            inverse, counts);
   return cudaGetLastError();

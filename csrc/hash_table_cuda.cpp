@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "cuda_binding_checks.h"
 #include "hash_table_checks.h"
 #include "hash_table_layout.h"
 
@@ -28,16 +29,12 @@ namespace {
 
 cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
-// The kernels take raw pointers: a tensor on the host or on another GPU would be an illegal
-// access there, so every tensor of a call must be on the table's GPU.
+// The table on a GPU, and every other tensor of the call on the table's GPU.
 void check_devices(const char* op, const at::Tensor& digests,
                    std::initializer_list<std::pair<const char*, const at::Tensor*>> tensors) {
   TORCH_CHECK(digests.is_cuda(), op, ": digests must be a CUDA tensor, got one on ",
               digests.device());
-  for (const auto& [name, tensor] : tensors) {
-    TORCH_CHECK(tensor->device() == digests.device(), op, ": ", name, " must be on ",
-                digests.device(), " like the table, got ", tensor->device());
-  }
+  check_on_anchor_device(op, digests, "the table", tensors);
 }
 
 // A batch grouped by stripe: the j-th key of the grouping is keys[order[j]], of stripe
@@ -81,9 +78,30 @@ std::tuple<at::Tensor, at::Tensor> hash_find_cuda(const at::Tensor& digests,
   return {rows, found};
 }
 
-// The upsert kernels on one batch, outputs of one entry per key: rows (-1 for keys not pending,
-// or refused), inserted, evicted (the key took an evicted key's row) and that evicted key (0
-// elsewhere). Nothing is compacted, so nothing is read on the host.
+// The upsert kernels' outputs, one entry per key: rows (-1 for keys not pending, or refused),
+// inserted, evicted (the key took an evicted key's row) and that evicted key (0 elsewhere).
+// Nothing is compacted, so nothing is read on the host.
+struct UpsertOutputs {
+  at::Tensor rows, inserted, evicted, evicted_key;
+
+  UpsertOutputs(int64_t n, const at::TensorOptions& keys)
+      : rows(at::full({n}, -1, keys)),
+        inserted(at::zeros({n}, keys.dtype(at::kBool))),
+        evicted(at::zeros({n}, keys.dtype(at::kBool))),
+        evicted_key(at::zeros({n}, keys)) {}
+
+  // In batch order, where the kernels ran on the keys permuted by `perm` (undefined: not).
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> in_batch_order(
+      const at::Tensor& perm = at::Tensor()) const {
+    if (!perm.defined()) return {rows, inserted, evicted, evicted_key};
+    auto unpermuted = [&](const at::Tensor& x) {
+      return at::empty_like(x).index_copy_(0, perm, x);
+    };
+    return {unpermuted(rows), unpermuted(inserted), unpermuted(evicted), unpermuted(evicted_key)};
+  }
+};
+
+// The upsert kernels on one batch (see UpsertOutputs).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> upsert_per_key(
     const char* op, at::Tensor& digests, at::Tensor& slot_keys, at::Tensor& slot_scores,
     at::Tensor& size, const at::Tensor& keys, const std::optional<at::Tensor>& scores,
@@ -114,10 +132,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> upsert_per_key(
     if (g.defined()) g = g.index_select(0, perm);
     pending_keys = mask.index_select(0, perm);
   }
-  at::Tensor rows = at::full({n}, -1, k.options());  // keys not pending keep -1
-  at::Tensor inserted = at::zeros({n}, k.options().dtype(at::kBool));
-  at::Tensor evicted = at::zeros({n}, k.options().dtype(at::kBool));
-  at::Tensor evicted_key = at::zeros({n}, k.options());
+  UpsertOutputs out(n, k.options());
   if (n > 0) {
     const StripeGroups groups = group_by_stripe(k, capacity, pending_keys);
     at::Tensor stripe_offsets =
@@ -128,13 +143,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> upsert_per_key(
         k.const_data_ptr<int64_t>(), g.defined() ? g.const_data_ptr<int64_t>() : nullptr,
         groups.sorted_stripes.const_data_ptr<int32_t>(), groups.order.const_data_ptr<int64_t>(), n,
         stripe_offsets.mutable_data_ptr<int64_t>(), policy_id, clock, epoch, assign,
-        rows.mutable_data_ptr<int64_t>(), inserted.mutable_data_ptr<bool>(),
-        evicted.mutable_data_ptr<bool>(), evicted_key.mutable_data_ptr<int64_t>(),
+        out.rows.mutable_data_ptr<int64_t>(), out.inserted.mutable_data_ptr<bool>(),
+        out.evicted.mutable_data_ptr<bool>(), out.evicted_key.mutable_data_ptr<int64_t>(),
         current_stream()));
   }
-  if (!perm.defined()) return {rows, inserted, evicted, evicted_key};
-  auto unpermuted = [&](const at::Tensor& x) { return at::empty_like(x).index_copy_(0, perm, x); };
-  return {unpermuted(rows), unpermuted(inserted), unpermuted(evicted), unpermuted(evicted_key)};
+  return out.in_batch_order(perm);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_cuda(
@@ -269,11 +282,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_tables_cu
   const at::Tensor given = scores.has_value() ? scores->contiguous() : at::Tensor();
   const at::Tensor mask = pending.has_value() ? pending->contiguous() : at::Tensor();
   at::Tensor k = keys.contiguous(), g = given;
-  at::Tensor rows = at::full({n}, -1, k.options());  // keys not pending keep -1
-  at::Tensor inserted = at::zeros({n}, k.options().dtype(at::kBool));
-  at::Tensor evicted = at::zeros({n}, k.options().dtype(at::kBool));
-  at::Tensor evicted_key = at::zeros({n}, k.options());
-  if (T == 0 || n == 0) return {rows, inserted, evicted, evicted_key};
+  UpsertOutputs out(n, k.options());
+  if (T == 0 || n == 0) return out.in_batch_order();
   for (int64_t t = 0; t < T; ++t) {
     check_devices(op, digests[0],
                   {{"digests", &digests[t]},
@@ -311,11 +321,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_upsert_tables_cu
       d.tables, T, d.total_stripes, d.phases, d.max_windows, d.windows, k.const_data_ptr<int64_t>(),
       g.defined() ? g.const_data_ptr<int64_t>() : nullptr, sorted_stripes.const_data_ptr<int32_t>(),
       order.const_data_ptr<int64_t>(), n, stripe_offsets.mutable_data_ptr<int64_t>(), assign,
-      rows.mutable_data_ptr<int64_t>(), inserted.mutable_data_ptr<bool>(),
-      evicted.mutable_data_ptr<bool>(), evicted_key.mutable_data_ptr<int64_t>(), current_stream()));
-  if (!perm.defined()) return {rows, inserted, evicted, evicted_key};
-  auto unpermuted = [&](const at::Tensor& x) { return at::empty_like(x).index_copy_(0, perm, x); };
-  return {unpermuted(rows), unpermuted(inserted), unpermuted(evicted), unpermuted(evicted_key)};
+      out.rows.mutable_data_ptr<int64_t>(), out.inserted.mutable_data_ptr<bool>(),
+      out.evicted.mutable_data_ptr<bool>(), out.evicted_key.mutable_data_ptr<int64_t>(),
+      current_stream()));
+  return out.in_batch_order(perm);
 }
 
 at::Tensor hash_erase_cuda(at::Tensor& digests, const at::Tensor& slot_keys, at::Tensor& size,

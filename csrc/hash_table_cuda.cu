@@ -21,30 +21,18 @@
 #include <climits>
 #include <cstdint>
 
+#include "cuda_launch.cuh"
 #include "hash_table_cuda.h"
 #include "hash_table_layout.h"
 
 namespace torchrec_ext {
 namespace {
 
-constexpr int kWarpSize = 32;
-constexpr unsigned kFullMask = 0xFFFFFFFFu;
 static_assert(kSlotsPerBucket == kWarpSize, "a warp covers a bucket: lane l owns slot l");
 
 constexpr int kFindThreads = 256;
 constexpr int kStripeThreads = 128;
 constexpr int kElementwiseThreads = 256;
-constexpr int64_t kMaxBlocks = int64_t{1} << 16;  // larger inputs use grid-stride loops
-
-__device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x) & (kWarpSize - 1); }
-
-__device__ __forceinline__ int64_t global_thread() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-
-__device__ __forceinline__ int64_t global_threads() {
-  return static_cast<int64_t>(gridDim.x) * blockDim.x;
-}
 
 // First index in [lo, hi) of the ascending `sorted` whose value is >= v, else hi (every lane gets
 // the same answer): where a stripe's run starts in the sorted stripe ids, or a window's slice in
@@ -65,7 +53,7 @@ __device__ __forceinline__ int64_t lower_bound(const T* sorted, int64_t lo, int6
 // The stripe that this warp walks in phase `phase` (the warp's index among the phase's stripes),
 // or -1 for a warp beyond them.
 __device__ __forceinline__ int64_t phase_warp_stripe(int phase, const TableGeometry& geo) {
-  const int64_t w = global_thread() / kWarpSize;
+  const int64_t w = global_warp();
   return w < phase_stripes(phase, geo.num_stripes) ? phase_stripe(phase, w, geo.num_stripes) : -1;
 }
 
@@ -227,7 +215,7 @@ __device__ __forceinline__ void touch_stripe(uint8_t* digests, const int64_t* sl
     const int64_t pos = mine ? order[chunk + lane] : 0;
     const int64_t row = mine ? thread_probe(digests, slot_keys, geo, keys[pos]) : -1;
     if (mine) rows[pos] = row;
-    const uint32_t same = __match_any_sync(kFullMask, static_cast<unsigned long long>(row));
+    const uint32_t same = __match_any_sync(kFullWarpMask, static_cast<unsigned long long>(row));
     if (row >= 0 && lane == __ffs(static_cast<int>(same)) - 1) {
       slot_scores[row] =
           touched_by(slot_scores[row], same, given, order, chunk, policy, clock, epoch, assign);
@@ -242,7 +230,7 @@ __global__ void hash_touch_kernel(uint8_t* digests, const int64_t* slot_keys, in
                                   const int64_t* stripe_offsets, const int64_t* order,
                                   Policy policy, int64_t clock, int64_t epoch, bool assign,
                                   int64_t* rows) {
-  const int64_t stripe = global_thread() / kWarpSize;
+  const int64_t stripe = global_warp();
   if (stripe >= geo.num_stripes) return;
   touch_stripe(digests, slot_keys, slot_scores, geo, keys, given, order, stripe_offsets[stripe],
                stripe_offsets[stripe + 1], policy, clock, epoch, assign, rows);
@@ -368,18 +356,18 @@ __device__ __forceinline__ void insert_stripe(
     // Lanes with nothing to insert get values no bucket has (-1 - lane: distinct, negative).
     const int64_t none = -1 - lane;
     const uint32_t same1 =
-        __match_any_sync(kFullMask, static_cast<unsigned long long>(todo ? p.bucket1 : none));
+        __match_any_sync(kFullWarpMask, static_cast<unsigned long long>(todo ? p.bucket1 : none));
     const uint32_t same2 =
-        __match_any_sync(kFullMask, static_cast<unsigned long long>(todo ? p.bucket2 : none));
-    uint32_t pending = __ballot_sync(kFullMask, todo);
+        __match_any_sync(kFullWarpMask, static_cast<unsigned long long>(todo ? p.bucket2 : none));
+    uint32_t pending = __ballot_sync(kFullWarpMask, todo);
     const uint32_t shares = geo.num_stripes == 1 ? pending : (same1 | same2);
     while (pending != 0) {  // warp-uniform; the lowest pending lane is always ready
       const bool ready = ((pending >> lane) & 1u) != 0 && (shares & pending & earlier) == 0;
       const bool grew =
           ready && insert_key(digests, slot_keys, slot_scores, geo, pos, key, g, p, policy, clock,
                               epoch, assign, has_given, rows, inserted, evicted, evicted_keys);
-      added += __popc(__ballot_sync(kFullMask, grew));
-      pending &= ~__ballot_sync(kFullMask, ready);
+      added += __popc(__ballot_sync(kFullWarpMask, grew));
+      pending &= ~__ballot_sync(kFullWarpMask, ready);
       __syncwarp();  // this round's writes, visible to the next round's reads of those buckets
     }
   }
@@ -413,7 +401,7 @@ __device__ __forceinline__ void release_stripe(uint8_t* digests, const int64_t* 
   const int lane = lane_id();
   for (int64_t j = begin; j < end; j += kWarpSize) {
     const int64_t row = j + lane < end ? rows[order[j + lane]] : -1;
-    const unsigned same = __match_any_sync(kFullMask, static_cast<unsigned long long>(row));
+    const unsigned same = __match_any_sync(kFullWarpMask, static_cast<unsigned long long>(row));
     if (row >= 0 && lane == __ffs(static_cast<int>(same)) - 1) digests[row] &= kTagMask;
     __syncwarp();
   }
@@ -422,7 +410,7 @@ __device__ __forceinline__ void release_stripe(uint8_t* digests, const int64_t* 
 __global__ void hash_release_kernel(uint8_t* digests, const int64_t* rows,
                                     const int64_t* stripe_offsets, const int64_t* order,
                                     int64_t num_stripes) {
-  const int64_t stripe = global_thread() / kWarpSize;
+  const int64_t stripe = global_warp();
   if (stripe >= num_stripes) return;
   release_stripe(digests, rows, order, stripe_offsets[stripe], stripe_offsets[stripe + 1]);
 }
@@ -484,7 +472,7 @@ __global__ void hash_touch_tables_kernel(const UpsertTable* tables, int64_t num_
                                          int64_t total_stripes, const int64_t* keys,
                                          const int64_t* given, const int64_t* stripe_offsets,
                                          const int64_t* order, bool assign, int64_t* rows) {
-  const int64_t g = global_thread() / kWarpSize;
+  const int64_t g = global_warp();
   if (g >= total_stripes) return;
   const UpsertTable t = tables[table_of_stripe(tables, num_tables, g)];
   touch_stripe(t.digests, t.slot_keys, t.slot_scores, t.geo, keys, given, order, stripe_offsets[g],
@@ -500,7 +488,7 @@ __global__ void hash_insert_tables_kernel(const UpsertTable* tables, int64_t num
                                           const int64_t* stripe_offsets, const int64_t* order,
                                           int64_t window, int k, bool assign, int64_t* rows,
                                           bool* inserted, bool* evicted, int64_t* evicted_keys) {
-  const int64_t g = global_thread() / kWarpSize;
+  const int64_t g = global_warp();
   if (g >= total_stripes) return;
   const UpsertTable t = tables[table_of_stripe(tables, num_tables, g)];
   const int64_t stripe = g - t.stripe_begin, stripes = t.geo.num_stripes;
@@ -519,7 +507,7 @@ __global__ void hash_insert_tables_kernel(const UpsertTable* tables, int64_t num
 __global__ void hash_release_tables_kernel(const UpsertTable* tables, int64_t num_tables,
                                            int64_t total_stripes, const int64_t* rows,
                                            const int64_t* stripe_offsets, const int64_t* order) {
-  const int64_t g = global_thread() / kWarpSize;
+  const int64_t g = global_warp();
   if (g >= total_stripes) return;
   release_stripe(tables[table_of_stripe(tables, num_tables, g)].digests, rows, order,
                  stripe_offsets[g], stripe_offsets[g + 1]);
@@ -537,7 +525,7 @@ __global__ void hash_erase_kernel(uint8_t* digests, const int64_t* slot_keys, in
                                   TableGeometry geo, const int64_t* keys,
                                   const int32_t* sorted_stripes, const int64_t* order, int64_t n,
                                   bool* erased) {
-  const int64_t stripe = global_thread() / kWarpSize;
+  const int64_t stripe = global_warp();
   if (stripe >= geo.num_stripes) return;
   const int lane = lane_id();
   const int64_t begin = lower_bound(sorted_stripes, 0, n, stripe);
@@ -547,13 +535,13 @@ __global__ void hash_erase_kernel(uint8_t* digests, const int64_t* slot_keys, in
     const bool mine = chunk + lane < end;
     const int64_t pos = mine ? order[chunk + lane] : 0;
     const int64_t row = mine ? thread_probe(digests, slot_keys, geo, keys[pos]) : -1;
-    const uint32_t same = __match_any_sync(kFullMask, static_cast<unsigned long long>(row));
+    const uint32_t same = __match_any_sync(kFullWarpMask, static_cast<unsigned long long>(row));
     const bool first = row >= 0 && lane == __ffs(static_cast<int>(same)) - 1;
     if (first) {
       digests[row] = 0;
       erased[pos] = true;
     }
-    removed += __popc(__ballot_sync(kFullMask, first));
+    removed += __popc(__ballot_sync(kFullWarpMask, first));
     __syncwarp();
   }
   if (lane == 0 && removed != 0) {
@@ -581,11 +569,6 @@ __global__ void route_kernel(const int64_t* keys, int64_t n, int64_t world_size,
   for (int64_t i = global_thread(); i < n; i += global_threads()) {
     ranks[i] = route_key(keys[i], world_size);
   }
-}
-
-// Blocks for `threads` threads of `block` each, capped: the kernels loop over the rest.
-unsigned int capped_grid(int64_t threads, int block) {
-  return static_cast<unsigned int>(std::min<int64_t>((threads + block - 1) / block, kMaxBlocks));
 }
 
 // One warp per stripe, uncapped: a stripe kernel has no grid-stride loop (<= 2^16 stripes).

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "cuda_binding_checks.h"
 #include "init_rows_checks.h"
 
 namespace torchrec_ext {
@@ -32,21 +33,20 @@ void init_rows_tables_cuda(at::Tensor& weights, const at::Tensor& table_offsets,
                          state_values);
   TORCH_CHECK(weights.is_cuda(), op, ": weights must be a CUDA tensor, got one on ",
               weights.device());
-  const auto on_weights = [&](const char* name, const at::Tensor& t) {
-    TORCH_CHECK(t.device() == weights.device(), op, ": ", name, " must be on ", weights.device(),
-                " like weights, got ", t.device());
-  };
-  on_weights("table_offsets", table_offsets);
-  on_weights("table_dims", table_dims);
-  if (table_dtypes.has_value()) on_weights("table_dtypes", *table_dtypes);
-  on_weights("table_seeds", table_seeds);
-  on_weights("table_kinds", table_kinds);
-  on_weights("table_params", table_params);
-  on_weights("rows", rows);
-  on_weights("tables", tables);
-  on_weights("ids", ids);
-  for (const at::Tensor& s : states) on_weights("states", s);
-  if (!states.empty()) on_weights("state_offsets", *state_offsets);
+  check_on_anchor_device(op, weights, "weights",
+                         {{"table_offsets", &table_offsets},
+                          {"table_dims", &table_dims},
+                          {"table_dtypes", table_dtypes.has_value() ? &*table_dtypes : nullptr},
+                          {"table_seeds", &table_seeds},
+                          {"table_kinds", &table_kinds},
+                          {"table_params", &table_params},
+                          {"rows", &rows},
+                          {"tables", &tables},
+                          {"ids", &ids}});
+  for (const at::Tensor& s : states)
+    check_on_anchor_device(op, weights, "weights", {{"states", &s}});
+  if (!states.empty())
+    check_on_anchor_device(op, weights, "weights", {{"state_offsets", &*state_offsets}});
   TORCH_CHECK(static_cast<int>(states.size()) <= kInitMaxStates, op, ": at most ", kInitMaxStates,
               " optimizer states, got ", states.size());
   const c10::cuda::CUDAGuard device_guard(weights.device());

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cuda_launch.cuh"
 #include "init_rows_cuda.h"
 #include "init_rows_math.h"
 
@@ -19,7 +20,6 @@ namespace torchrec_ext {
 namespace {
 
 constexpr int kInitThreads = 256;
-constexpr int64_t kInitMaxBlocks = int64_t{1} << 16;     // larger batches use a grid-stride loop
 constexpr double kTwoPi = 2.0 * 3.14159265358979323846;  // 2.0 * M_PI, folded exactly as the CPU's
 
 // Products and sums rounded one by one (never fused), as the CPU kernel computes them. (The
@@ -100,9 +100,8 @@ __device__ __forceinline__ float initial_value(uint64_t key, Init init, const do
 
 __global__ void init_rows_tables_kernel(const InitRowsTables a) {
   const int64_t total = a.n * a.max_dim;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < total;
-       k += stride) {
+  const int64_t stride = global_threads();
+  for (int64_t k = global_thread(); k < total; k += stride) {
     const int64_t i = k / a.max_dim, e = k - i * a.max_dim;
     const int64_t row = a.rows[i];
     if (row < 0) continue;
@@ -133,9 +132,7 @@ __global__ void init_rows_tables_kernel(const InitRowsTables a) {
 cudaError_t launch_init_rows_tables(const InitRowsTables& args, cudaStream_t stream) {
   const int64_t total = args.n * args.max_dim;
   if (total == 0) return cudaSuccess;
-  int64_t blocks = (total + kInitThreads - 1) / kInitThreads;
-  if (blocks > kInitMaxBlocks) blocks = kInitMaxBlocks;
-  init_rows_tables_kernel<<<static_cast<unsigned>(blocks), kInitThreads, 0, stream>>>(args);
+  init_rows_tables_kernel<<<capped_grid(total, kInitThreads), kInitThreads, 0, stream>>>(args);
   return cudaGetLastError();
 }
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs, on this machine, every case of the test matrices that CI runs a covering subset of
 # (tests/matrix.py: the emulated CUDA hash-table kernels, the Triton half-row updates under the
-# interpreter, tiered tables killed at random times) and writes its summary to benchmarks/results/full_matrix.md.
+# interpreter, tiered tables killed at random times, growths out of memory at every allocation) and writes its summary to benchmarks/results/full_matrix.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export TORCHREC_EXT_FULL_MATRIX=1
@@ -26,6 +26,7 @@ run "CUDA hash-table kernels, warp emulator" -- tests/test_cuda_kernels_emulated
 # The Triton interpreter variants exist only in the child run that test_interpreter_run starts.
 run "Triton kernels, TRITON_INTERPRET=1" TRITON_INTERPRET=1 TORCHREC_EXT_TRITON_INTERPRET_CHILD=1 -- tests/test_triton_kernels.py
 run "Tiered tables, SIGKILL at random times (issue 16)" -- tests/test_tiers_crash.py -k random
+run "Growth, out of memory at every allocation (issue 15)" -- tests/test_growth_faults.py
 run "Sharded steps under the meta device context, 2 gloo ranks" -- tests/test_default_device.py -k sharded
 {
   echo "# The full test matrices (opt-in drills)"

@@ -12,6 +12,6 @@ fi
 status=0
 "$VENV/bin/ruff" check . || status=1
 "$VENV/bin/ruff" format --check . || status=1
-"$VENV/bin/clang-format" --dry-run --Werror csrc/*.cpp csrc/*.cu csrc/*.h || status=1
+"$VENV/bin/clang-format" --dry-run --Werror csrc/*.cpp csrc/*.cu csrc/*.cuh csrc/*.h || status=1
 [ "$status" -eq 0 ] && echo "lint: clean"
 exit "$status"

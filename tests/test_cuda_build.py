@@ -45,6 +45,27 @@ def test_every_cuda_launcher_a_binding_calls_is_defined_in_a_compiled_source():
     assert declared <= defined, sorted(declared - defined)
 
 
+def _definitions(text: str) -> set:
+    """Names a C++/CUDA text defines at the start of a line: functions (a body follows the
+    parameter list) and constants (``constexpr ... name =``)."""
+    functions = re.findall(r"^[^\s/#][^;{}()]*?\b(\w+)\([^;{}]*\)\s*\{", text, re.M)
+    constants = re.findall(r"^\s*constexpr [^=;]*?\b(\w+)\s*=", text, re.M)
+    return set(functions) | set(constants)
+
+
+def test_the_shared_launch_helpers_are_defined_once():
+    """Grid sizing, grid-stride indexing and the warp constants live in csrc/cuda_launch.cuh: a
+    kernel file defining its own copy (as each once did) could drift from the others (a
+    different grid cap, a 32-bit index)."""
+    shared = _definitions(pathlib.Path(ROOT, "csrc", "cuda_launch.cuh").read_text())
+    assert {"capped_grid", "global_thread", "global_threads", "kMaxBlocks", "kWarpSize"} <= shared
+    for source in CU_FILES:
+        text = pathlib.Path(source).read_text()
+        assert '#include "cuda_launch.cuh"' in text, os.path.basename(source)
+        again = shared & _definitions(text)
+        assert not again, f"{os.path.basename(source)} defines {sorted(again)} again"
+
+
 @needs_nvcc
 @pytest.mark.parametrize("std", ["c++17", "c++20"])  # torch 2.13 passes c++20; keep c++17 working
 @pytest.mark.parametrize("source", CU_FILES, ids=os.path.basename)

@@ -116,6 +116,29 @@ def test_dedup_costs_one_counted_read_and_mirrors_unique_offsets(emulated):
     assert bounds == got[3].tolist()
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_dedup_costs_one_counted_read_under_inference_mode_too(mode):
+    """Under ``torch.inference_mode`` every tensor made is an inference tensor, which has no
+    version counter for a mirror to watch: the offsets as check_and_arrange hands them over
+    (``to_device``, then mirrored) and the unique_offsets the GPU path returns must still be
+    free to read, so a call costs one counted read as under no_grad (it cost 3). The GPU path's
+    kernel here is the CPU kernel, which given host offsets answers as the CUDA one does."""
+    name, ids, offsets = CASES[0]
+    want = torch.ops.torchrec_ext.dedup_segments(ids, offsets)
+    with torch.inference_mode() if mode == "inference_mode" else torch.no_grad():
+        host = offsets.tolist()
+        host = torch.tensor(host + host, dtype=torch.int64)  # (check_and_arrange's two offsets in one copy)
+        both = device_sync.to_device(host, ids.device)
+        device_offsets = device_sync.mirror(both[: offsets.numel()], host[: offsets.numel()])
+        with device_sync.recording() as seen:
+            got = ops.dedup_segments_read_once(torch.ops.torchrec_ext.dedup_segments.default, ids, device_offsets)
+            bounds = device_sync.host_list(got[3], "the caller's bounds")
+            assert device_sync.host_list(got[3], "read again") == bounds
+    assert dict(seen) == {"dedup_segments: unique count": 1}
+    _assert_same(got, want, name)
+    assert bounds == want[3].tolist()
+
+
 BAD_OFFSETS = [
     ("segment_offsets must run from 0", torch.arange(4), torch.tensor([0, 3])),
     ("segment_offsets must run from 0", torch.arange(4), torch.tensor([1, 2, 4])),
@@ -189,17 +212,21 @@ def test_cuda_kernel_refuses_what_the_cpu_kernel_refuses_on_a_gpu(match, ids, of
 
 
 @needs_gpu
-def test_cuda_dedup_synchronizes_once_on_a_gpu():
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_cuda_dedup_synchronizes_once_on_a_gpu(mode):
     """The one counted read is the one real sync: torch's sync debug mode sees one per call (the
-    kernel's read back), none for the pinned copies or the caller's read of unique_offsets."""
-    ids, offsets = _on_gpu(*CASES[0][1:])
-    ops.dedup_segments(ids, offsets)  # (warm: the caching allocators hold their blocks)
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            unique_offsets = ops.dedup_segments(ids, offsets)[3]
-            device_sync.host_list(unique_offsets, "the caller's bounds")
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    kernel's read back), none for the pinned copies or the caller's read of unique_offsets; under
+    inference_mode too, the offsets handed over as check_and_arrange does (``to_device``)."""
+    _, ids, offsets = CASES[0]
+    with torch.inference_mode() if mode == "inference_mode" else torch.no_grad():
+        ids, offsets = ids.cuda(), device_sync.to_device(offsets.clone(), torch.device("cuda"))
+        ops.dedup_segments(ids, offsets)  # (warm: the caching allocators hold their blocks)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                unique_offsets = ops.dedup_segments(ids, offsets)[3]
+                device_sync.host_list(unique_offsets, "the caller's bounds")
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
     assert len([w for w in caught if "synchroniz" in str(w.message)]) == 1, [str(w.message) for w in caught]

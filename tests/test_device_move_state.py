@@ -1,7 +1,7 @@
-"""A module moved to another device keeps its tables' per-row TTL state and counters, as it keeps
-their indexes: ``DynamicTables.apply`` rebuilds the indexes on the new device, carrying the old
-ones (``_build_indexes(carry_from=...)``). The CPU test makes that carry on the CPU (what a move
-does after the storage moved); the CUDA one moves for real."""
+"""A module moved to another device keeps its tables' per-row TTL state, counters and admission
+sightings, as it keeps their indexes: ``DynamicTables.apply`` copies them to the new device
+(``_build_indexes(carry_from=...)``), each allocated there once, no index rebuilt. The CPU tests
+make that carry on the CPU (what a move does after the storage moved); the CUDA one moves for real."""
 
 import copy
 
@@ -10,8 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchrec import KeyedJaggedTensor
 
-from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
-from torchrec_ext.table import HashTable
+from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig, ops
 
 TTL = 3
 
@@ -95,9 +94,10 @@ def _allocated(fn) -> int:
 
 
 @pytest.mark.parametrize("admission", ["counter", "bloom"])
-def test_the_carry_of_a_device_move_allocates_the_carried_state_once(admission):
-    """The carry allocates no more than the indexes' own rebuild and one admission state: no
-    fresh last_seen, counters or admission state that the moved ones then replace."""
+def test_the_carry_of_a_device_move_allocates_the_carried_state_once(admission, monkeypatch):
+    """The carry allocates each index's arrays and the admission state once, and builds no index
+    (no export or restore, the counter admission's side table included: the arrays are copied):
+    no fresh last_seen, counters, admission state or index that the moved ones then replace."""
     cfg = DynamicEmbeddingBagConfig(
         name="t",
         embedding_dim=4,
@@ -113,19 +113,89 @@ def test_the_carry_of_a_device_move_allocates_the_carried_state_once(admission):
         module(kjt).values().sum().backward()
     tables = module._tables
     index, admission_state = tables.indexes[0], tables.admission[0]
-    m = tables.meta[0]
+    want = _eval_rows(copy.deepcopy(module), "cpu")
+    module.train()
 
-    def index_rebuild():
-        HashTable(m.capacity, policy=m.policy, device=tables.device, mapped_rows=m.may_grow).load_state_dict(
-            index.state_dict()
-        )
-
-    def admission_rebuild():
-        admission_state.checked_state(admission_state.state(), "t")
-
-    budget = _allocated(index_rebuild) + _allocated(admission_rebuild)
+    sizes = [index] + ([admission_state.counter] if admission == "counter" else [])
+    budget = index.metadata_bytes() + admission_state.nbytes() + sum(t.size_tensor().nbytes for t in sizes)
     seen_before = tables.last_seen[0].clone()
+    builds = []
+    for name in ("hash_export", "hash_restore"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, real=real, name=name: builds.append(name) or real(*a))
     carried = _allocated(lambda: tables._build_indexes(carry_from=tables.device))
-    assert carried <= budget, f"the carry allocated {carried} bytes, the rebuilds alone {budget}"
+    assert builds == [], "the carry rebuilt an index"
+    assert carried == budget, f"the carry allocated {carried} bytes, the index and admission state {budget}"
+    assert tables.indexes[0] is not index and torch.equal(tables.indexes[0]._digests, index._digests)
     assert torch.equal(tables.last_seen[0], seen_before)
     assert module.table_stats()["t"].lookups == 128
+    assert torch.equal(_eval_rows(module, "cpu"), want)
+
+
+def _moved_tables_module():
+    """Three tables past full with what a move carries beyond the index: LFU scores with counter
+    admission, LRU with a TTL, a table grown from 16 rows (slots mapped to rows) with a bloom filter."""
+    configs = [
+        DynamicEmbeddingBagConfig(
+            name=name, embedding_dim=4, num_embeddings=64, feature_names=[name], eviction_policy=policy, **options
+        )
+        for name, policy, options in (
+            ("lfu", "lfu", {"admission": "counter", "admit_after": 2}),
+            ("ttl", "lru", {"ttl_steps": TTL}),
+            ("grown", "lru", {"initial_capacity": 16, "admission": "bloom", "admit_after": 2}),
+        )
+    ]
+    return DynamicEmbeddingBagCollection(configs, optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+
+
+def _batch(step, device):
+    g = torch.Generator().manual_seed(step)
+    lengths = torch.randint(0, 6, (3 * 8,), generator=g)
+    values = torch.randint(0, 120, (int(lengths.sum()),), generator=g)
+    return KeyedJaggedTensor.from_lengths_sync(["lfu", "ttl", "grown"], values, lengths).to(device)
+
+
+def _index_states(module):
+    """Each index's state_dict, then each admission state (the counter's as id -> count: its side
+    table's own placement is the CPU's compacting form's on the CPU, the fixed form's on a GPU)."""
+    tables = module._tables
+    states = [
+        {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in index.state_dict().items()}
+        for index in tables.indexes
+    ]
+    for a in tables.admission:
+        state = {} if a is None else {k: v.cpu() for k, v in a.state().items()}
+        if "admission_id" in state:
+            state = {"counts": dict(zip(state["admission_id"].tolist(), state["admission_count"].tolist()))}
+        states.append(state)
+    return states
+
+
+def test_a_moved_module_trains_on_as_the_one_that_stayed(device):
+    """Oracle: the module left on the CPU, fed the same batches. After the move (on the CPU, the
+    carry as apply makes it; on CUDA, a real move) and 4 training steps, every index holds the same
+    keys at the same rows with the same scores, the admission states are equal, and the outputs
+    agree (exactly on the CPU; within float sums' rounding on a GPU)."""
+    module = _moved_tables_module()
+    for step in range(6):
+        module(_batch(step, "cpu")).values().sum().backward()
+    stayed = copy.deepcopy(module)
+    if device == "cpu":
+        module._tables._build_indexes(carry_from=module._tables.device)
+    else:
+        module.to(device)
+    assert [s.keys() for s in _index_states(module)] == [s.keys() for s in _index_states(stayed)]
+    for step in range(6, 10):
+        got, want = module(_batch(step, device)).values(), stayed(_batch(step, "cpu")).values()
+        got.sum().backward()
+        want.sum().backward()
+        if device == "cpu":
+            assert torch.equal(got, want), step
+        else:
+            torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(_index_states(module), _index_states(stayed)):
+        assert got.keys() == want.keys()
+        for name in got:
+            assert torch.equal(got[name], want[name]) if torch.is_tensor(got[name]) else got[name] == want[name], name
+    assert module._tables.indexes[2].capacity > 16  # the grown table did grow
+    assert module.table_stats() == stayed.table_stats()

@@ -52,21 +52,22 @@ def _share_oracle(tmp_path, kind, name, capacity, dim, fields, parts, factor, op
     """(device, host, disk) bytes of a module holding one share, built for real (on the CPU: its
     maps, on the host in any case, are told from the rest by its caches' and logs' own counts),
     plus the documented bounds of what it makes as rows move: its LRU queue, and the records
-    buffers (a CUDA cache: the pinned host buffer of transfers and a transfer's records on the
-    device; a CPU cache over a file: the write-back buffer)."""
+    buffers (a CUDA cache: the pinned host buffer of transfers, the packed reads' and a transfer's
+    records on the device; a CPU cache over a file: the write-back buffer)."""
     backing = "host" if kind == "host" else f"file:{tmp_path}/{name}{parts}"
     if kind == "file":
         os.makedirs(backing[5:], exist_ok=True)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(TieredTables, "device_maps", cuda)  # a CUDA cache's default: its maps on the device
+        patch.setattr(TieredTables, "copy_through_records", cuda)  # (its rows through records, as on a GPU)
         share = DynamicEmbeddingBagCollection(
             [_tiered("x", math.ceil(capacity / parts), dim, backing, factor, **fields)],
             optimizer=optimizer,
             optimizer_kwargs={"lr": 0.1},
         )
-    tables = share._tables
+        tables = share._tables
+        mover = tables._mover(0)  # its record: the row's number, vector and states, as the module lays them out
     cache = tables.caches[0]
-    mover = tables._mover(0)  # its record: the row's number, vector and states, as the module lays them out
     log_maps = mover.log.nbytes() if kind == "file" else 0
     if cuda:  # the maps on the device, but for their free stack's mirror
         maps_on_host = tables._maps.free_host.untyped_storage().nbytes()
@@ -79,6 +80,9 @@ def _share_oracle(tmp_path, kind, name, capacity, dim, fields, parts, factor, op
     if cuda:
         host += min(2 * cache.slots, TRANSFER_ROWS) * mover.record_bytes
         device += min(cache.slots, TRANSFER_ROWS) * mover.record_bytes
+        packed = mover.copies.packed  # the buffer of all tables' packed reads: its bound, this table's share
+        host += packed.max_rows * packed.record_bytes
+        assert packed.max_rows * packed.record_bytes == min(cache.slots, TRANSFER_ROWS) * mover.record_bytes
     elif kind == "file":
         host += min(2 * cache.slots, LOG_BUFFER_ROWS) * mover.record_bytes
     if kind == "host":

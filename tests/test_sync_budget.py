@@ -16,6 +16,7 @@ from torchrec_ext import (
     DynamicEmbeddingBagConfig,
     DynamicEmbeddingCollection,
     device_sync,
+    ops,
 )
 from torchrec_ext.modules.admission import CounterAdmission
 from torchrec_ext.modules.configs import DynamicEmbeddingConfig
@@ -113,6 +114,65 @@ def test_a_kjt_with_its_ids_per_key_costs_one_read(defer, monkeypatch):
     module = DynamicEmbeddingBagCollection(_configs({}), optimizer="adagrad")
     for _, seen in _syncs_per_step(module, steps=3, length_per_key=True):
         assert seen == {"lookup: where each table's unique ids start": 1}, seen
+
+
+@pytest.mark.parametrize("variant", ["default", "ttl", "counter", "growth"])
+def test_an_eval_lookup_under_inference_mode_costs_the_reads_of_one_under_no_grad(variant, monkeypatch):
+    """With the GPU's dedup path (the kernel given host offsets, its read counted; here the CPU
+    kernel, which answers as the CUDA one does), an eval lookup under ``torch.inference_mode``
+    reads no more than under no_grad, and gives the same rows: its offsets and the unique
+    offsets are mirrored though made in inference mode (they cost 2 more reads)."""
+    kernel = torch.ops.torchrec_ext.dedup_segments.default
+    monkeypatch.setattr(ops, "dedup_segments", lambda ids, offsets: ops.dedup_segments_read_once(kernel, ids, offsets))
+    module = DynamicEmbeddingBagCollection(_configs(VARIANTS[variant], tables=6), optimizer="adagrad")
+    for step in range(3):
+        _step(module, _batch(step, tables=6))
+    module.eval()
+    seen, pooled = {}, {}
+    for mode in ("no_grad", "inference_mode"):
+        with torch.inference_mode() if mode == "inference_mode" else torch.no_grad():
+            kjt = _batch(7, tables=6)
+            with device_sync.recording() as counted:
+                pooled[mode] = module(kjt).values()
+        seen[mode] = dict(counted)
+    assert seen["inference_mode"] == seen["no_grad"], seen
+    assert sum(seen["no_grad"].values()) <= 2, seen
+    assert torch.equal(pooled["inference_mode"], pooled["no_grad"])
+
+
+def test_a_module_first_run_under_inference_mode_then_trains_within_the_same_reads(device):
+    """What a module's first lookup on a device builds and keeps (its tables' layout on the
+    device: dims, offsets) must be mirrored though built under inference_mode: else every later
+    pooled lookup on a GPU reads the widest dim back, a sync a step, training included. On the
+    CPU the layout is the host's own tensors: the check there is that such a module trains."""
+    seen = {}
+    for first in ("no_grad", "inference_mode"):
+        module = DynamicEmbeddingBagCollection(_configs({}, tables=6), optimizer="adagrad").to(device)
+        module.eval()
+        with torch.inference_mode() if first == "inference_mode" else torch.no_grad():
+            module(_batch(0, tables=6).to(device))
+        module.train()
+        _step(module, _batch(1, tables=6).to(device))
+        with device_sync.recording() as counted:
+            _step(module, _batch(2, tables=6).to(device))
+        seen[first] = dict(counted)
+    assert seen["inference_mode"] == seen["no_grad"], seen
+    assert "pooled_lookup: widest table" not in seen["inference_mode"], seen
+
+
+def test_a_layout_first_built_under_inference_mode_is_mirrored(monkeypatch):
+    """The CPU's form of the test above: there the layout's ``.to(device)`` copies to the GPU (made
+    an inference tensor under inference_mode), here it is made to copy; the copies must be normal,
+    mirrored tensors, read for free."""
+    tables = DynamicEmbeddingBagCollection(_configs({}, tables=3), optimizer="adagrad")._tables
+    tables._device_layout = {}
+    to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *args, **kwargs: to(t, *args, **{**kwargs, "copy": True}))
+    with torch.inference_mode():
+        offsets, dims, state_offsets = tables.layout()
+    monkeypatch.undo()
+    assert not any(t.is_inference() for t in (offsets, dims, state_offsets))
+    assert device_sync.host_list_if_free(dims) == [m.dim for m in tables.meta]
 
 
 def test_sequence_module_step_within_budget():

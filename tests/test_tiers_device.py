@@ -29,6 +29,7 @@ def through_records(monkeypatch, device):
     if device == "cpu":
         monkeypatch.setattr(TieredTables, "copy_through_records", True)
         monkeypatch.setattr(tiered_tables, "MAX_ROWS", 7)
+        monkeypatch.setattr(tier_copies, "MAX_ROWS", 7)  # (rounds of the tables' packed reads)
     return torch.device(device)
 
 
@@ -91,10 +92,12 @@ def test_a_device_cache_over_host_memory_equals_all_resident_tables(tmp_path, th
     assert stats["a"].cache_write_backs > 0 and stats["a"].evictions > 0
     if staged:
         assert all(s.cache_staged > 0 for s in stats.values())
-    buffers = sum(mover.buffer_bytes() for mover in tiered._tables._movers)
+    movers = tiered._tables._movers
+    buffers = sum(mover.buffer_bytes() for mover in movers) + movers[0].copies.buffer_bytes()
     assert buffers > 0  # the transfer buffers, counted in storage_bytes
-    if device.type == "cuda":
-        assert all(mover._transfer._records.is_pinned() for mover in tiered._tables._movers)
+    if device.type == "cuda":  # (each table's write-backs' buffer; with the device maps, their packed reads')
+        made = [m._transfer._records for m in movers if m._transfer is not None] + [movers[0].copies.packed._records]
+        assert all(records is None or records.is_pinned() for records in made) and made[0] is not None
 
 
 def test_a_device_cache_round_trips_its_state_dict(tmp_path, through_records):
@@ -229,3 +232,12 @@ def test_the_stage_reads_its_rows_through_device_sync(device):
     for device_maps, reads in ((True, 1), (False, 0 if device == "cpu" else 3)):
         for _, seen in _staged_steps(3, device_maps, device=device):
             assert seen["tiered tables: rows to stage"] == reads, (device_maps, seen)
+
+
+def test_the_device_maps_read_every_tables_rows_in_one_copy(device):
+    # (on the CPU: test_tiers_device_maps.py) The misses and stages of all tables: one H2D copy.
+    from test_tiers_device_maps import test_reading_rows_into_the_caches_is_one_copy_for_all_tables
+
+    if device == "cpu":
+        pytest.skip("the device maps on the CPU: test_tiers_device_maps.py")
+    test_reading_rows_into_the_caches_is_one_copy_for_all_tables(device)

@@ -17,6 +17,7 @@ from test_tiers import (  # noqa: F401  (collected here again, with the device m
     POOL,
     _backing,
     _bag_configs,
+    _train_staged,
     test_a_cache_too_small_for_a_batch_is_a_clear_error_and_changes_nothing,
     test_a_copy_of_a_file_backed_module_is_independent,
     test_a_dropped_graph_releases_its_rows,
@@ -43,6 +44,7 @@ from test_tiers_device import (  # noqa: F401
     through_records,
 )
 from torchrec_ext import DynamicEmbeddingBagCollection, device_sync
+from torchrec_ext.modules import tiered_tables
 from torchrec_ext.modules.tier_device_maps import DeviceSlotMaps
 from torchrec_ext.modules.tiered_tables import TieredTables
 
@@ -278,20 +280,26 @@ def test_the_maps_stay_whole_through_misses_checkpoints_loads_and_resets(tmp_pat
     assert stats.cache_misses > 0 and stats.cache_write_backs > 0
 
 
-def test_storage_bytes_counts_the_device_maps_as_allocated(tmp_path):
-    # (test_tier_memory.py's oracle: the bytes of the tensors reachable from the tier's objects)
+@pytest.mark.parametrize("records", [False, True], ids=["plain", "records"])
+def test_storage_bytes_counts_the_device_maps_as_allocated(tmp_path, monkeypatch, records):
+    # (test_tier_memory.py's oracle: the bytes of the tensors reachable from the tier's objects;
+    # records: the GPU's path, its buffers of transfers and of the tables' packed reads counted)
     from modules_helpers import random_kjt
     from test_tier_memory import _configs, _tier_bytes_allocated
 
+    monkeypatch.setattr(TieredTables, "copy_through_records", records)
     module = DynamicEmbeddingBagCollection(_configs(f"file:{tmp_path}"), optimizer="adagrad")
     tables = module._tables
     gen = torch.Generator().manual_seed(3)
-    batches = [random_kjt(["f0", "f1"], 8, torch.randint(0, 900, (100,), generator=gen), 6) for _ in range(7)]
+    zipf = (torch.rand(1200, generator=gen) ** 3 * 900).long()  # hot ids and a tail: evicted rows come back
+    batches = [random_kjt(["f0", "f1"], 8, zipf[i * 100 : i * 100 + 100], 6) for i in range(12)]
     for kjt, next_kjt in zip(batches[:-1], batches[1:]):
         module.stage_next(next_kjt)
         module(kjt).values().sum().backward()
         tables.wait_for_stage()
         assert tables.storage_bytes() - super(TieredTables, tables).storage_bytes() == _tier_bytes_allocated(tables)
+    if records:
+        assert tables._movers[0].copies.buffer_bytes() > 0
 
 
 def test_per_table_upserts_hold_their_rows_table_by_table(tmp_path, through_records, monkeypatch):  # noqa: F811
@@ -340,9 +348,10 @@ def test_a_stage_copies_to_the_device_the_same_for_any_table_count(monkeypatch):
     assert counts[0] == counts[1], counts
 
 
-def test_a_stage_waits_once_for_every_tables_write_backs(monkeypatch):
+def test_a_stage_queues_every_tables_write_backs_before_it_waits(monkeypatch):
     # (the records path a GPU takes) The write-backs of a stage's tables gather their rows and
-    # queue their copies to the host first, then wait: on a GPU the first wait lands them all.
+    # queue their copies to the host first, then wait, each for its own copy: on a GPU the
+    # copies queued after the first go on while its rows are written home.
     import re
 
     from torchrec_ext.modules.tier_copies import DeviceCopies
@@ -387,3 +396,128 @@ def test_a_failed_write_back_of_one_table_leaves_the_others_written(monkeypatch,
     rows = torch.tensor([at[int(i)] for i in theirs[prefix + "weight_id"]])
     for name in ("weight", "optimizer.momentum1"):
         assert torch.equal(mine[prefix + name][rows], theirs[prefix + name]), name
+
+
+def _copies_to_the_device(tables, staged, device="cpu"):
+    """On the records path a GPU takes: the copies to the device (each an H2D DMA on a GPU:
+    ``DeviceCopies.to_device``) of a module of ``tables`` tables trained with the stage ahead
+    (``staged``: ``_staged_steps``) or without (``_unstaged_reads``: the lookup's misses), and
+    the tables' reads of rows into their caches (each table's rows read by a miss or a stage)."""
+    from torchrec_ext.modules.tier_copies import DeviceCopies
+    from torchrec_ext.modules.tiered_tables import _Mover
+
+    copies, reads = [], []
+    to_device, gather = DeviceCopies.to_device, _Mover.gather
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TieredTables, "copy_through_records", True)
+        patch.setattr(DeviceCopies, "to_device", lambda *a: copies.append(1) or to_device(*a))
+        patch.setattr(_Mover, "gather", lambda *a: reads.append(1) or gather(*a))
+        if staged:
+            _staged_steps(tables, True, device=device)
+        else:
+            _unstaged_reads(tables, device)
+    return len(copies), len(reads)
+
+
+def test_reading_rows_into_the_caches_is_one_copy_for_all_tables(device="cpu"):
+    # With the device maps the rows every table misses (or the stage brings in) are gathered on
+    # the host together, packed in one buffer, and reach the device in one copy: as many copies
+    # for 6 tables as for 2, while the tables' reads grow with them (test_tiers_device.py: on CUDA).
+    for staged in (True, False):
+        (few, few_reads), (many, many_reads) = [_copies_to_the_device(n, staged, device) for n in (2, 6)]
+        assert few == many and few_reads < many_reads, (staged, few, many, few_reads, many_reads)
+        assert many_reads > 2 * many, (staged, many, many_reads)  # (several tables a copy)
+
+
+def test_packed_reads_of_tables_of_other_widths_and_dtypes_equal_all_resident_tables(tmp_path, monkeypatch):
+    # FP32 x 8, FP16 x 6 and BF16 x 4 rows (records of 3 widths) read in one packed copy, from a
+    # file's base and its log, in rounds of 7 rows a table (the through_records fixture's
+    # chunks); the oracle test: bit for bit against the all-resident module.
+    from torchrec_ext.modules import tier_copies
+
+    monkeypatch.setattr(TieredTables, "copy_through_records", True)
+    monkeypatch.setattr(tiered_tables, "MAX_ROWS", 7)
+    monkeypatch.setattr(tier_copies, "MAX_ROWS", 7)
+    widths, to_caches = [], tier_copies.DeviceCopies.to_caches
+
+    def packed(self, reads, buffer):
+        if buffer is self.packed:
+            widths.append({mover.record_bytes for mover, _, rows in reads if rows.numel()})
+        return to_caches(self, reads, buffer)
+
+    monkeypatch.setattr(tier_copies.DeviceCopies, "to_caches", packed)
+    sources, gather = [], tiered_tables._LogMover.gather
+
+    def from_base_and_log(self, records, slots, rows):
+        logged = self.log.locate(rows) >= 0
+        sources.append((bool((~logged).any()), bool(logged.any())))
+        return gather(self, records, slots, rows)
+
+    monkeypatch.setattr(tiered_tables._LogMover, "gather", from_base_and_log)
+    test_a_device_cache_over_host_memory_equals_all_resident_tables(tmp_path, torch.device("cpu"), "file", True)
+    (tmp_path / "reloaded").mkdir()  # (a loaded file's rows in its base, written-back rows in its log)
+    test_a_device_cache_round_trips_its_state_dict(tmp_path / "reloaded", torch.device("cpu"))
+    assert widths and max(len(w) for w in widths) == 3, widths
+    assert (True, True) in sources, sources  # one table's read from both
+
+
+class _FakeEvent:
+    """A CUDA event's stand-in: its waits logged (``synchronize``), never done by itself."""
+
+    def __init__(self, log: list):
+        self.log, self.number = log, sum(kind == "record" for kind, _ in log)
+        log.append(("record", self.number))
+
+    def synchronize(self) -> None:
+        self.log.append(("wait", self.number))
+
+    def query(self) -> bool:
+        return False
+
+
+def test_each_copy_records_its_own_event_and_a_write_back_waits_for_its_copy_alone(monkeypatch):
+    """The GPU's control flow on the CPU: the copies taken as asynchronous, with stand-in events.
+    Every copy (to the device, or a write-back's to the host) records an event right after it;
+    a write-back's wait (``landed``) is for its own copy's event, not for the stream (a copy
+    queued after it, another table's, would lengthen that); a buffer is refilled after its last
+    copy's event. The module still equals the all-resident one."""
+    from torchrec_ext.modules.tier_copies import DeviceCopies
+
+    log: list[tuple[str, int]] = []
+    made = DeviceCopies.__init__
+
+    def asynchronous(self, device):
+        made(self, device)
+        self.asynchronous = True
+
+    monkeypatch.setattr(DeviceCopies, "__init__", asynchronous)
+    monkeypatch.setattr(DeviceCopies, "_copied", lambda self: _FakeEvent(log))
+    to_device, queued, landed = DeviceCopies.to_device, DeviceCopies.to_host_queued, DeviceCopies.landed
+
+    def logged_to_device(self, records, buffer):
+        out = to_device(self, records, buffer)
+        log.append(("to_device", buffer._in_flight.number))
+        return out
+
+    def logged_queued(self, records, buffer):
+        host, copied = queued(self, records, buffer)
+        log.append(("queued", copied.number))
+        return host, copied
+
+    monkeypatch.setattr(DeviceCopies, "to_device", logged_to_device)
+    monkeypatch.setattr(DeviceCopies, "to_host_queued", logged_queued)
+    monkeypatch.setattr(DeviceCopies, "landed", lambda self, e: log.append(("landed", e.number)) or landed(self, e))
+    monkeypatch.setattr(TieredTables, "copy_through_records", True)
+    module, batches = _module_and_batches(3, True, 16)
+    resident, _ = _module_and_batches(3, True, 0, tiered=False)
+    _train_staged(resident, module, batches, loss=lambda out: out.sum())
+    # Each copy its own event, recorded right after it.
+    copies = [(i, n) for i, (kind, n) in enumerate(log) if kind in ("to_device", "queued")]
+    assert copies and all(log[i - 1] == ("record", n) for i, n in copies)
+    assert len({n for _, n in copies}) == len(copies) == sum(kind == "record" for kind, _ in log)
+    # A write-back's wait: its own copy's event, even with other tables' copies queued after it.
+    waits = [(i, n) for i, (kind, n) in enumerate(log) if kind == "landed"]
+    assert {n for _, n in waits} == {n for i, n in copies if log[i][0] == "queued"}
+    assert all(log[i + 1] == ("wait", n) for i, n in waits)
+    later = [n for i, n in waits if any(kind == "queued" and m > n for kind, m in log[:i])]
+    assert later, log  # (a stage's tables: each copy queued before the first wait)

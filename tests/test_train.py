@@ -495,18 +495,41 @@ def test_each_rank_of_a_node_gets_its_own_gpu(gpus):
         ("cuda0", 0, 1, "--device: expected auto, cpu, cuda or cuda:N, got 'cuda0'"),
     ],
 )
-def test_more_ranks_per_node_than_gpus_is_refused(gpus, name, local_rank, local_world_size, message):
+def test_more_ranks_per_node_than_gpus_is_refused(gpus, monkeypatch, name, local_rank, local_world_size, message):
     from torchrec_ext.train.runtime import resolve_device
 
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     gpus(1)
     with pytest.raises(ValueError) as info:
         resolve_device(name, local_rank, local_world_size)
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize("visible", ["0", " 3 ", "GPU-5d3e"])
+def test_a_rank_bound_to_its_own_gpu_takes_it_as_cuda_0(gpus, monkeypatch, visible):
+    """A launcher that binds each rank to one GPU (CUDA_VISIBLE_DEVICES of one device: by index or
+    UUID) leaves each rank one visible GPU: every local rank takes cuda:0, none is refused."""
+    from torchrec_ext.train.runtime import resolve_device
+
+    gpus(1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert [resolve_device(name, r, 2) for name in ("cuda", "auto") for r in (0, 1)] == [torch.device("cuda", 0)] * 4
+
+
+@pytest.mark.parametrize("visible", ["", "0,1"])
+def test_ranks_not_bound_to_one_gpu_each_are_still_refused(gpus, monkeypatch, visible):
+    from torchrec_ext.train.runtime import resolve_device
+
+    gpus(1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    with pytest.raises(ValueError, match="2 ranks on this node but 1 visible GPU"):
+        resolve_device("cuda", 1, 2)
+
+
 def test_job_refuses_two_ranks_on_one_gpu_before_any_process_group(gpus, monkeypatch, capsys):
     from torchrec_ext.train.job import main
 
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     gpus(1)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

@@ -400,6 +400,54 @@ def test_pooled_lookup_compiles_for_sm90_with_16_byte_row_loads():
     assert loads["8,True,True"].count("ld.global.v4.b32") > loads["4,True,True"].count("ld.global.v4.b32")
 
 
+# Compiles the pooled kernel for sm_90 at a typical tile (dim 64 / 128, bags of ~10 / 20) with and
+# without half tables, and prints the registers a thread takes (ptxas -v, Triton's own ptxas).
+_SM90_REGISTERS = r"""
+import json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from torchrec_ext.triton_kernels import embedding_lookup as el
+
+kernel = el._pooled_lookup_fwd_kernel
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+pointers = ["*fp32", "*fp16", "*bf16"] + ["*i64"] * 5 + ["*i1", "*i64", "*i64", "*fp32", "*fp32"]
+signature = dict(zip(kernel.arg_names, pointers), num_bags="i32", batch_size="i32", total_dim="i32")
+out = {}
+for max_dim, mean_bag, has_dtypes in json.loads(sys.argv[1]):
+    block_b, block_l, block_d, num_warps = el._pooled_blocks(max_dim, mean_bag)
+    const = dict(HAS_WEIGHTS=False, HAS_DTYPES=has_dtypes, ALIGN=8, BLOCK_B=block_b, BLOCK_L=block_l, BLOCK_D=block_d)
+    src = ASTSource(
+        fn=kernel,
+        signature=dict(signature, **{name: "constexpr" for name in const}),
+        constexprs={(kernel.arg_names.index(name),): value for name, value in const.items()},
+        attrs={(i,): [["tt.divisibility", 16]] for i in range(len(pointers))},
+    )
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    said = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
+    os.unlink(f.name)
+    registers = int(re.search(r"Used (\d+) registers", said.stderr).group(1))
+    out[f"{max_dim},{has_dtypes}"] = [registers, num_warps]
+print(json.dumps(out))
+"""
+
+
+def test_pooled_lookup_of_half_tables_keeps_three_programs_per_sm():
+    """Half tables cost the pooled kernel registers (the dtype of each bag's table is chosen per
+    element): at dim 64 and 128 a thread must stay within 65536 / (3 programs x its threads), so
+    that three programs of 8 warps share an SM, as float32 tables allow (two loads per element,
+    float32 and the raw half bits, where three (float32, float16, bfloat16) took 95 registers:
+    two programs). On sm_90, without a GPU."""
+    if _IN_CHILD:
+        pytest.skip("the compile runs in its own child process")
+    _need_triton_installed()
+    got = _compile_for_sm90(_SM90_REGISTERS, [(64, 10, True), (128, 20, True)])
+    for key, (registers, num_warps) in got.items():
+        assert registers * 3 * num_warps * 32 <= 65536, (key, registers, num_warps)
+
+
 # Compiles the fused update (stochastic rounding on) for sm_90 with ``step_term`` typed as each
 # type Triton's launcher may give a Python int: i32 below 2**31 (its launcher types an int by its
 # value), i64 above. A child process, as _SM90_COMPILE.
@@ -795,6 +843,38 @@ def test_fused_update_of_half_tables(target, name, optimizer, rounding):
         torch.testing.assert_close(a.cpu(), b, **state_tol)
 
 
+def _sgd_lr1_from_zeros(kernel, x, dtype, ids, seed, step, device):
+    """Rows of zeros stepped by SGD with lr 1 and gradient -x with ``kernel`` (a fused_update):
+    the stored row is the rounding of x itself (no arithmetic rounding before it)."""
+    n, dim = x.shape
+    weights = torch.zeros(ref.table_words(n, dim, dtype), device=device)
+    kernel(
+        -x.contiguous().to(device),
+        weights,
+        [],
+        *_on(
+            device,
+            torch.tensor([0]),
+            torch.tensor([dim]),
+            torch.tensor([0]),
+            torch.arange(n),
+            torch.zeros(n, dtype=torch.int64),
+            torch.arange(n),
+        ),
+        None,
+        None,
+        *_on(device, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool)),
+        0,
+        ref.OPTIMIZERS["sgd"],
+        (1.0, 0, 0, 0, 0, 0),
+        step,
+        table_dtypes=torch.tensor([ref.dtype_code(dtype)], device=device),
+        unique_ids=ids.to(device),
+        rounding_seeds=None if seed is None else torch.tensor([seed], device=device),
+    )
+    return weights.cpu().view(dtype)[: n * dim].view(n, dim)
+
+
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_stochastic_rounding_of_the_gpu_kernel_is_the_reference_bit_for_bit(target, dtype):
@@ -803,32 +883,48 @@ def test_stochastic_rounding_of_the_gpu_kernel_is_the_reference_bit_for_bit(targ
     x, ids = half.VALUES, torch.tensor([0, -1, 2**63 - 1, -(2**63), 12345] + list(range(60)))
     n, dim = ids.numel(), x.numel()
     for seed, step in ((None, 1), (99, 1), (99, 6)):
-        weights = torch.zeros(ref.table_words(n, dim, dtype), device=device)
-        _update().fused_update(
-            -x.expand(n, dim).contiguous().to(device),
-            weights,
-            [],
-            *_on(
-                device,
-                torch.tensor([0]),
-                torch.tensor([dim]),
-                torch.tensor([0]),
-                torch.arange(n),
-                torch.zeros(n, dtype=torch.int64),
-                torch.arange(n),
-            ),
-            None,
-            None,
-            *_on(device, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.bool)),
-            0,
-            "sgd",
-            (1.0, 0, 0, 0, 0, 0),
-            step,
-            table_dtypes=torch.tensor([ref.dtype_code(dtype)], device=device),
-            unique_ids=ids.to(device),
-            rounding_seeds=None if seed is None else torch.tensor([seed], device=device),
-        )
-        got = weights.cpu().view(dtype)[: n * dim].view(n, dim)
+        got = _sgd_lr1_from_zeros(_update().fused_update, x.expand(n, dim), dtype, ids, seed, step, device)
         bits = None if seed is None else ref.rounding_bits(ids, dim, seed, step)
         want = ref.round_to_storage(x.expand(n, dim), dtype, bits)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (seed, step)
+
+
+# In CI one row width per dtype (the interpreter takes ~1 s a call); all with TORCHREC_EXT_FULL_MATRIX=1.
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize(
+    "dtype, dim",
+    ci_subset(
+        itertools.product([torch.float16, torch.bfloat16], [1, 7, 16, 17, 33]),
+        lambda dtype, dim: (dtype, dim) in ((torch.float16, 7), (torch.bfloat16, 17)),
+    ),
+)
+def test_stochastic_rounding_of_the_gpu_kernel_is_the_cpu_kernels_at_every_row_width(target, dtype, dim):
+    """The Triton kernel stores the C++ CPU kernel's bits (csrc/half_rows.h: the rows the CPU's
+    vector loops write in whole blocks and tails) for values of every magnitude (normal,
+    float16-subnormal, below 2^-24, near the largest finite value) and the specials; the same
+    seed and step give the same bits twice, another step or seed other bits; NaN stays NaN."""
+    from torchrec_ext import ops
+
+    device = _device(target)
+    gen = torch.Generator().manual_seed(dim)
+    n = 24
+    x = torch.randn(n, dim, generator=gen) * 10.0 ** torch.randint(-10, 6, (n, dim), generator=gen).float()
+    specials = torch.tensor([float("inf"), -float("inf"), float("nan"), 65519.0, -(2.0**-25), 2.0**-24, 0.0])
+    k = n * dim // 4  # a quarter specials
+    x.view(-1)[torch.randperm(n * dim, generator=gen)[:k]] = specials[torch.randint(0, 7, (k,), generator=gen)]
+    ids = torch.arange(n) * 101 - 7
+    nan = x.isnan()
+
+    def same_bits(a, b):
+        return torch.equal(a.isnan(), nan) and torch.equal(a[~nan].view(torch.int16), b[~nan].view(torch.int16))
+
+    for seed, step in ((77, 4), (77, 5), (None, 4)):
+        got = _sgd_lr1_from_zeros(_update().fused_update, x, dtype, ids, seed, step, device)
+        want = _sgd_lr1_from_zeros(ops.fused_update, x, dtype, ids, seed, step, torch.device("cpu"))
+        assert same_bits(got, want), (seed, step)
+        if step == 4 and seed is not None:
+            first = got
+            again = _sgd_lr1_from_zeros(_update().fused_update, x, dtype, ids, seed, step, device)
+            assert same_bits(again, got)
+        elif seed is not None:  # the next step: other bits somewhere (not where x is on the grid)
+            assert not same_bits(got, first)

@@ -12,7 +12,8 @@ Under torch.compile / export the values are symbolic: nothing is read, counted o
 
 ``mirror`` keeps host values beside a device tensor made from them (layout descriptors, bounds
 read once): reading such a tensor again costs nothing and is not counted, as long as the tensor
-was not written since (its version counter).
+was not written since (its version counter). An inference tensor has no version counter, so it
+is never mirrored: ``to_device`` makes its copies normal tensors under ``torch.inference_mode``.
 
 ``to_device`` is the step path's one host-to-device copy: a blocking copy of pageable memory
 is a sync on a GPU too, so it copies through pinned memory without blocking (and mirrors).
@@ -30,7 +31,7 @@ import threading
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import Tensor
@@ -143,11 +144,27 @@ def nonzero(mask: Tensor, reason: str) -> Tensor:
 def to_device(host: Tensor, device: torch.device) -> Tensor:
     """``host`` (a CPU tensor) on ``device``, mirrored: on a GPU through pinned memory without
     blocking (a blocking copy of pageable memory would wait for the stream). The caching host
-    allocator keeps the pinned block until the copy has run."""
+    allocator keeps the pinned block until the copy has run.
+
+    Under ``torch.inference_mode`` the copy is made a normal tensor, which has the version counter
+    a mirror needs (an inference tensor has none: every read of it would be a sync). On the CPU,
+    which stands for the device, an inference ``host`` is copied likewise: read as a GPU's copy is."""
     device = torch.device(device)
-    if torch.compiler.is_compiling() or device.type != "cuda" or host.device.type != "cpu":
+    if torch.compiler.is_compiling() or host.device.type != "cpu":
         return host.to(device)
-    return mirror(host.pin_memory().to(device, non_blocking=True), host)
+    if device.type == "cuda":
+        with normal_tensors():
+            return mirror(host.pin_memory().to(device, non_blocking=True), host)
+    if device.type == "cpu" and host.is_inference():
+        with normal_tensors():
+            return mirror(host.clone(), host)
+    return host.to(device)
+
+
+def normal_tensors():
+    """Within it, tensors made are normal ones, even under ``torch.inference_mode``: for tensors
+    to be mirrored, or kept past the call (an inference tensor cannot be written outside it)."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else nullcontext()
 
 
 # Tests set this to defer CPU checks as a GPU does (raised at the next read, not at once).
@@ -211,6 +228,7 @@ __all__ = [
     "host_list",
     "mirror",
     "nonzero",
+    "normal_tensors",
     "recording",
     "settle",
     "sync_count",

@@ -407,6 +407,7 @@ def dedup_segments(ids: Tensor, segment_offsets: Tensor) -> tuple[Tensor, Tensor
     on the host it returns unique_offsets there, the values it read. So this passes the host
     copy of segment_offsets (their mirror: free on the step path), counts the kernel's read and
     returns unique_offsets on the GPU, mirrored: the caller's read of them costs nothing more.
+    Under ``torch.inference_mode`` too (``device_sync.to_device`` makes mirrorable copies there).
     On CPU the kernel reads nothing and the caller's read of unique_offsets is the one counted.
     """
     if ids.device.type != "cuda" or torch.compiler.is_compiling():

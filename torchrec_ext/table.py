@@ -244,6 +244,26 @@ class _ReadWriteLock:
                 self._cond.notify_all()
 
 
+def _table_device(where: str, device: object) -> torch.device:
+    """``device`` as a table's: one with the kernels, a CUDA device with its index."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{where}: device must be a torch.device or a device string, got {device!r}") from None
+    if device.type not in ("cpu", "cuda") or not ops.has_kernel("hash_find", device):
+        raise ValueError(
+            f"{where}: device {device} has no torchrec_ext kernels in this build "
+            "(CUDA kernels are built only when torch has CUDA and nvcc is found, or FORCE_CUDA=1)"
+        )
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # tensors made on "cuda" say cuda:N
+    return device
+
+
+# A table's tensors: its whole state but for the counters and the geometry.
+_ARRAYS = ("_digests", "_slot_keys", "_slot_scores", "_size", "_slot_rows", "_row_slots")
+
+
 class HashTable:
     """Maps raw int64 keys to rows in ``[0, capacity)``, evicting by score when full.
 
@@ -283,17 +303,7 @@ class HashTable:
             raise ValueError(f"HashTable: capacity must be > 0, got {capacity}")
         if not isinstance(policy, str) or policy not in POLICIES:
             raise ValueError(f"HashTable: policy must be one of {sorted(POLICIES)}, got {policy!r}")
-        try:
-            device = torch.device(device) if device is not None else torch.device("cpu")
-        except (RuntimeError, TypeError):
-            raise ValueError(f"HashTable: device must be a torch.device or a device string, got {device!r}") from None
-        if device.type not in ("cpu", "cuda") or not ops.has_kernel("hash_find", device):
-            raise ValueError(
-                f"HashTable: device {device} has no torchrec_ext kernels in this build "
-                "(CUDA kernels are built only when torch has CUDA and nvcc is found, or FORCE_CUDA=1)"
-            )
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())  # tensors made on "cuda" say cuda:N
+        device = _table_device("HashTable", "cpu" if device is None else device)
         self._capacity = capacity
         self.policy = policy
         self.device = device
@@ -536,14 +546,19 @@ class HashTable:
         self.__dict__.update(state)
         self._lock = _ReadWriteLock()
 
-    def clone(self) -> HashTable:
-        """An independent copy (same keys, rows, scores, clock and epoch)."""
+    def clone(self, device: str | torch.device | None = None) -> HashTable:
+        """An independent copy (same keys, rows, scores, clock and epoch), on ``device`` (None:
+        this table's): a device move. The arrays are copied as they are, since their layout
+        (csrc/hash_table_layout.h) is every device's: the copy behaves exactly as this table, and a
+        move builds no index (no export, no restore) and allocates the index once."""
+        device = self.device if device is None else _table_device("HashTable.clone", device)
         twin = HashTable.__new__(HashTable)
         with self._lock.read():
             twin.__dict__.update(self.__dict__)
-            for name in ("_digests", "_slot_keys", "_slot_scores", "_size", "_slot_rows", "_row_slots"):
+            for name in _ARRAYS:
                 value = getattr(self, name)
-                setattr(twin, name, None if value is None else value.clone())
+                setattr(twin, name, None if value is None else value.to(device, copy=True))
+        twin.device = device
         twin._lock = _ReadWriteLock()
         return twin
 

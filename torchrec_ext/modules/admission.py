@@ -44,6 +44,7 @@ ids (more false positives) until decay halves them away.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -218,6 +219,10 @@ class Admission:
         ``device`` (default: this one's)."""
         return self
 
+    def moved(self, device: torch.device) -> Admission:
+        """This strategy with its state on ``device``: a copy, not rebuilt (a device move)."""
+        return self
+
     def nbytes(self) -> int:
         return 0
 
@@ -304,6 +309,11 @@ class CounterAdmission(Admission):
         live = rows >= 0
         fresh.seen[rows[live]] = counts[live]
         return fresh
+
+    def moved(self, device: torch.device) -> CounterAdmission:
+        twin = copy.copy(self)
+        twin.counter, twin.seen = self.counter.clone(device), self.seen.to(device, copy=True)
+        return twin
 
     def nbytes(self) -> int:
         return self.counter.metadata_bytes() + self.seen.numel() * self.seen.element_size()
@@ -409,6 +419,11 @@ class BloomAdmission(Admission):
 
     def counters(self) -> Tensor:
         return unpack_counters(self.packed)
+
+    def moved(self, device: torch.device) -> BloomAdmission:
+        twin = copy.copy(self)
+        twin.packed = self.packed.to(device, copy=True)
+        return twin
 
     def nbytes(self) -> int:
         return self.packed.numel()

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -141,22 +141,28 @@ class DeltaLog:
         start = int(tables.row_starts()[t]) + (m.capacity if fallback else 0)
         return self.version[start : start + (m.fallback_rows if fallback else m.capacity)]
 
-    def relayout(self, tables: DynamicTables, flat_map: Tensor) -> None:
+    def relayout(self, tables: DynamicTables, flat_map: Tensor) -> Callable[[], None]:
         """The tables' rows moved (a growth): ``flat_map[old flat row]`` is the new one (-1: gone).
         Write and born versions follow their rows, so what was written since a token is still
-        exported and tombstones still name only ids live at the token."""
-        self._on(flat_map.device)
+        exported and tombstones still name only ids live at the token. Allocates the moved
+        versions and changes nothing: returns what puts them in place (allocating nothing), so
+        that a growth that runs out of memory here leaves the log as it was."""
+        device = flat_map.device
         total = sum(m.rows for m in tables.meta)
         moved = (flat_map >= 0).nonzero().squeeze(1)
         targets = flat_map.index_select(0, moved)
 
         def follow(per_row: Tensor) -> Tensor:
-            out = torch.zeros(total + 1, dtype=torch.int64, device=flat_map.device)
-            return out.index_copy_(0, targets, per_row.index_select(0, moved))
+            out = torch.zeros(total + 1, dtype=torch.int64, device=device)
+            return out.index_copy_(0, targets, per_row.to(device).index_select(0, moved))
 
         # Born versions move too: a tombstone is sent only for ids born at or before a token.
-        self.version, self.born, self.no_row = follow(self.version), follow(self.born), total
-        self.row_starts = tables.row_starts().to(flat_map.device)
+        version, born, row_starts = follow(self.version), follow(self.born), tables.row_starts().to(device)
+
+        def take() -> None:
+            self.version, self.born, self.no_row, self.row_starts = version, born, total, row_starts
+
+        return take
 
     # ------------------------------------------------------------------ hooks (DynamicTables)
 

@@ -134,12 +134,9 @@ class IdsToRows:
             # A move carries the indexes, the rows' ttl state, the admission sightings and the
             # counters, each allocated once on the new device (a fresh last_seen would read every
             # row as unseen since step 0: expired, its trained values dropped).
-            self.indexes = [self._new_index(m, old.state_dict()) for m, old in zip(self.meta, self.indexes)]
+            self.indexes = [index.clone(device) for index in self.indexes]  # arrays copied: no rebuild
             self.last_seen = [None if seen is None else seen.to(device) for seen in self.last_seen]
-            self.admission = [
-                None if a is None else a.checked_state(a.state(), f"table {m.name!r}", device)
-                for a, m in zip(self.admission, self.meta)
-            ]
+            self.admission = [None if a is None else a.moved(device) for a in self.admission]
             self.counters = self.counters.to(device)
             return
         self.indexes = [self._new_index(m) for m in self.meta]
@@ -155,13 +152,9 @@ class IdsToRows:
             device,
         )
 
-    def _new_index(self, m, state: dict | None = None) -> HashTable:
-        """Table ``m``'s index on the tables' device: empty, or holding ``state`` (another
-        device's index's)."""
-        index = HashTable(m.capacity, policy=m.policy, device=self.device, mapped_rows=m.may_grow)
-        if state is not None:
-            index.load_state_dict({k: (v.to(self.device) if isinstance(v, Tensor) else v) for k, v in state.items()})
-        return index
+    def _new_index(self, m) -> HashTable:
+        """Table ``m``'s index on the tables' device, empty."""
+        return HashTable(m.capacity, policy=m.policy, device=self.device, mapped_rows=m.may_grow)
 
     def check_ready(self, where: str) -> None:
         if self.device.type == "meta":

@@ -9,8 +9,13 @@ the fallback rows (which follow the capacity rows) and the last-seen steps, and 
 are left unwritten (they read as zeros, the initial value of vectors and of most optimizer
 states; a nonzero state value is written) until a row there is first written, as in a
 preallocated table. Elsewhere (CUDA, no address space to reserve) the vectors and optimizer state
-are copied into new buffers on the device. Rows move only then, and only while no lookup awaits
-its fused update (``pending_backward``).
+of every table (one flat buffer holds them all) are copied into new buffers on the device, so a
+growth holds the old and the new storage at once. Rows move only then, and only while no lookup
+awaits its fused update (``pending_backward``).
+
+Everything a growth allocates is allocated before anything of the tables changes: an allocation
+that fails (``torch.OutOfMemoryError`` on a GPU) raises ``GrowthError`` naming the tables, the
+capacities and the bytes, and the tables are as they were.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ from torch import Tensor
 from torchrec_ext import device_sync
 from torchrec_ext.modules.pending_rows import pending_rows_written
 from torchrec_ext.modules.reserved_buffers import ReservedBuffer
+from torchrec_ext.modules.table_storage import LAYOUT_ATTRIBUTES
 from torchrec_ext.table import HashTable
-from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE, table_words
+from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE, index_bytes, row_map_bytes, table_words
 
 
 class GrowthError(RuntimeError):
@@ -55,30 +61,55 @@ class _RowMoves(NamedTuple):
         return self.src[live:], self.dst[live:]
 
 
+def _carried_in_span(old: Tensor, move: _RowMoves, old_cap: int, new_cap: int) -> Tensor:
+    """What ``_resize_in_span`` writes back of one table's rows in one buffer, copied out first
+    (the span is rewritten in place): its fallback rows (a growth that keeps the rows), else
+    every carried row."""
+    if move.block == old_cap and new_cap >= old_cap:
+        return old[old_cap:].clone()
+    return old.index_select(0, move.src)
+
+
 def _resize_in_span(
-    reserved: ReservedBuffer, old: Tensor, new: Tensor, value: float, move: _RowMoves, old_cap: int, new_cap: int
+    reserved: ReservedBuffer,
+    old: Tensor,
+    new: Tensor,
+    value: float,
+    move: _RowMoves,
+    old_cap: int,
+    new_cap: int,
+    carried: Tensor,
 ) -> None:
     """One table's rows in one buffer whose spans are laid out at num_embeddings: ``old`` (its
     rows before: capacity rows, then fallback rows) and ``new`` (after) start at the same place,
     and what lies past a table's rows reads as zeros (never written, or given back). A growth that
     keeps the rows moves only the fallback rows; the rows it adds are written only where
-    ``value`` is not 0. Otherwise (a shrink, a table replaced) the carried rows are saved, the
-    span's pages given back (``ReservedBuffer.zero``), and the rows written to their new places."""
+    ``value`` is not 0. Otherwise (a shrink, a table replaced) the span's pages are given back
+    (``ReservedBuffer.zero``) and the carried rows written to their new places. ``carried``:
+    ``_carried_in_span``'s copy. Allocates nothing."""
     if move.block == old_cap and new_cap >= old_cap:
-        fallback = old[old_cap:].clone()
         if value != 0:
             new[old_cap:new_cap].fill_(value)
         else:  # where the fallback rows were; the rest of the new rows was never written
-            new[old_cap : min(old_cap + fallback.shape[0], new_cap)].zero_()
-        new[new_cap:].copy_(fallback)
+            new[old_cap : min(old_cap + carried.shape[0], new_cap)].zero_()
+        new[new_cap:].copy_(carried)
         return
-    rows = old.index_select(0, move.src)
     end = max(old.data_ptr() + old.numel() * old.element_size(), new.data_ptr() + new.numel() * new.element_size())
     reserved.zero(new.data_ptr() - reserved.start, end - reserved.start)
     if value != 0:
         new.fill_(value)
-    if rows.shape[0]:
-        new.index_copy_(0, move.dst, rows)
+    if carried.shape[0]:
+        new.index_copy_(0, move.dst, carried)
+
+
+def _allocation_failed(error: BaseException) -> bool:
+    """Whether ``error`` is what a failed allocation raises: torch.OutOfMemoryError (a GPU's),
+    the CPU allocator's RuntimeError, MemoryError, or OSError (a reservation); not a kernel's
+    other errors, which a growth passes on as they are."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError, OSError)):
+        return True
+    said = str(error)
+    return isinstance(error, RuntimeError) and ("allocat" in said or "out of memory" in said.lower())
 
 
 class TableGrowth:
@@ -105,20 +136,25 @@ class TableGrowth:
         if not self._growing or self.pending_backward or self.device.type == "meta":
             return []
         tables = [t for t, m in enumerate(self.meta) if m.grows and (incoming is None or t in incoming)]
-        # Every table's live rows in one host read (not one per table).
-        live = (
-            device_sync.host_list(torch.cat([self.indexes[t].size_tensor() for t in tables]), "growth: live rows")
-            if tables
-            else []
-        )
-        targets = {}
-        for t, size in zip(tables, live):
-            want = self.meta[t].fit_capacity(size + (incoming or {}).get(t, 0))
-            if want != self.meta[t].capacity:
-                targets[t] = want
-        if not targets:
+        if not tables:
             return []
-        grown = {t: self.indexes[t].grown(c) for t, c in targets.items()}  # new indexes; nothing changed yet
+        targets: dict[int, int] = {}
+        try:
+            # Every table's live rows in one host read (not one per table).
+            live = device_sync.host_list(
+                torch.cat([self.indexes[t].size_tensor() for t in tables]), "growth: live rows"
+            )
+            for t, size in zip(tables, live):
+                want = self.meta[t].fit_capacity(size + (incoming or {}).get(t, 0))
+                if want != self.meta[t].capacity:
+                    targets[t] = want
+            if not targets:
+                return []
+            grown = {t: self.indexes[t].grown(c) for t, c in targets.items()}  # new indexes; nothing changed yet
+        except Exception as e:
+            if not _allocation_failed(e):
+                raise
+            raise self._growth_error(targets or dict.fromkeys(tables), e) from e
         self._relayout({t: (c, grown[t][1]) for t, c in targets.items()}, {t: g[0] for t, g in grown.items()})
         if self.populate_ahead:
             self._populate_next_doubling(sorted(targets))
@@ -147,14 +183,77 @@ class TableGrowth:
             for name in OPTIMIZER_STATES[self.optimizer.kind] if self.optimizer is not None else ():
                 self._reserved[name].populate(start + first * width * 4, start + last * width * 4)
 
+    def _growth_bytes(self, capacities: dict[int, int | None]) -> int:
+        """Bytes a relayout to ``capacities`` allocates beside the tables' storage now: every
+        table's buffers at the new capacities (spans at num_embeddings on CPU: the grown rows
+        only), and the grown tables' indexes, row maps and last-seen steps."""
+        caps = [capacities.get(t, m.capacity) for t, m in enumerate(self.meta)]
+        in_span = self._spans_at_max and self.device.type == "cpu"
+        rowwise = self.optimizer is not None and self.optimizer.kind in ROWWISE_STATE
+        states = len(self.states)
+        total = 0
+        for t, (c, m) in enumerate(zip(caps, self.meta)):
+            rows = max(c - m.capacity, 0) if in_span else c + m.fallback_rows
+            total += table_words(rows, m.dim, m.dtype) * 4 + states * rows * (1 if rowwise else m.dim) * 4
+            if t in capacities:
+                total += index_bytes(c) + (row_map_bytes(c) if m.may_grow else 0)
+                total += 8 * c if self.last_seen[t] is not None else 0
+        return total
+
+    def _growth_error(self, capacities: dict[int, int | None], error: BaseException) -> GrowthError:
+        """The GrowthError of a relayout to ``capacities`` that could not allocate (None: not known
+        yet, the tables' live rows could not be read): names the tables, the capacities and the
+        bytes, says nothing changed."""
+        tables = sorted(capacities)
+        said = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        if any(capacities[t] is None for t in tables):
+            what = f"reading their live rows before a growth needs {8 * len(tables)} bytes"
+        else:
+            what = (
+                f"growing to capacities {[capacities[t] for t in tables]} needs new storage of "
+                f"{self._growth_bytes(capacities)} bytes"
+            )
+        return GrowthError(
+            f"tables {[self.meta[t].name for t in tables]}: {what} on {self.device} (beside the tables' "
+            f"storage now), which could not be allocated ({type(error).__name__}: {said}); the tables are "
+            f"unchanged, at capacities {[self.meta[t].capacity for t in tables]}"
+        )
+
     @pending_rows_written
     def _relayout(self, plans: dict[int, tuple[int, Tensor | None]], indexes: dict[int, HashTable]) -> None:
         """Gives tables new capacities: ``plans[t] = (capacity, row_map)``, ``row_map[old_row]``
         the new row of each old row (-1: dropped; None: no row carried, the caller replaces the
-        table). The buffers are allocated first (``GrowthError`` if they cannot be: nothing
-        changed), then the rows go to the new layout (other tables whole, fallback rows whole),
-        then ``indexes`` replace the tables' indexes. On the storage's device throughout. With
-        spans at num_embeddings the buffers stay where they are (``_resize_in_span``)."""
+        table). Everything it allocates (row moves, buffers, carried rows, last-seen steps, the
+        delta log's versions) is allocated first, while the tables keep their storage: should an
+        allocation fail (``torch.OutOfMemoryError`` on a GPU), the tables are as they were and
+        ``GrowthError`` says so. Then the rows go to the new layout (other tables whole, fallback
+        rows whole), ``indexes`` replace the tables' indexes. On the storage's device throughout.
+        With spans at num_embeddings the buffers stay where they are (``_resize_in_span``)."""
+        saved = (
+            [m.capacity for m in self.meta],
+            self.weights,
+            self.states,
+            self._init_views,
+            {name: getattr(self, name) for name in LAYOUT_ATTRIBUTES},
+        )
+        try:
+            put_in_place = self._relaid(plans, indexes)
+        except Exception as e:  # whatever it was, the tables take their layout back
+            capacities, self.weights, self.states, self._init_views, layout = saved
+            for m, c in zip(self.meta, capacities):
+                m.capacity = c
+            for name, value in layout.items():
+                setattr(self, name, value)
+            if not _allocation_failed(e):
+                raise
+            raise self._growth_error({t: plan[0] for t, plan in plans.items()}, e) from e
+        put_in_place()
+
+    def _relaid(self, plans: dict[int, tuple[int, Tensor | None]], indexes: dict[int, HashTable]):
+        """``_relayout``'s first part: allocates, takes the new layout and copies the rows into
+        new buffers, changing nothing the old layout's buffers hold; returns its second part,
+        which allocates nothing on the device (the writes in place of spans at num_embeddings,
+        the new indexes, last-seen steps and delta versions put in place)."""
         device, old_row_starts = self.device, self.row_starts()
         old_views = [(self._storage_view(t), self._all_state_views(t)) for t in range(len(self.meta))]
         old_caps = [m.capacity for m in self.meta]
@@ -166,86 +265,97 @@ class TableGrowth:
         names = ["weights"] + list(OPTIMIZER_STATES[self.optimizer.kind] if self.optimizer is not None else ())
         values = [0.0] + self._initial_state_values()
         moves = [self._row_moves(t, old_caps[t], plans.get(t)) for t in range(len(self.meta))]
-        try:
-            buffers = [
-                self._allocate_buffer(
-                    name,
-                    self._buffer_numel(name) if in_span else (words if k == 0 else state_size),
-                    value,
-                    device,
-                    True,
-                )
-                for k, (name, value) in enumerate(zip(names, values))
+        buffers = [
+            self._allocate_buffer(
+                name, self._buffer_numel(name) if in_span else (words if k == 0 else state_size), value, device, True
+            )
+            for k, (name, value) in enumerate(zip(names, values))
+        ]
+        old_by_buffer = [[v[0] if k == 0 else v[1][k - 1] for v in old_views] for k in range(len(names))]
+        # Spans at num_embeddings are rewritten in place: what they carry is copied out first.
+        carried = (
+            [
+                [
+                    None if move is None else _carried_in_span(old[t], move, old_caps[t], new_caps[t])
+                    for t, move in enumerate(moves)
+                ]
+                for old in old_by_buffer
             ]
-            last_seen = {
-                t: torch.zeros(plans[t][0], dtype=torch.int64, device=device)
-                for t in plans
-                if self.last_seen[t] is not None
-            }
-        except (RuntimeError, MemoryError, OSError) as e:
-            tables = [self.meta[t].name for t in plans]
-            need = words * 4 + len(self.states) * state_size * 4
-            raise GrowthError(
-                f"tables {tables}: growing to capacities {[plans[t][0] for t in plans]} needs new "
-                f"storage of {need} bytes (all tables' buffers are reallocated), which could not be "
-                f"allocated ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the tables "
-                f"are unchanged, at capacities {[old_caps[t] for t in plans]}"
-            ) from e
-        # The new layout: from here on nothing can fail.
+            if in_span
+            else None
+        )
+        # The new layout.
         for t, c in enumerate(new_caps):
             self.meta[t].capacity = c
         self._compute_layout()
         self.weights, self.states = buffers[0], buffers[1:]
         self._init_views = None
         new_views = [(self._storage_view(t), self._all_state_views(t)) for t in range(len(self.meta))]
-        for k, (name, value) in enumerate(zip(names, values)):
-            old_k = [v[0] if k == 0 else v[1][k - 1] for v in old_views]
-            new_k = [v[0] if k == 0 else v[1][k - 1] for v in new_views]
-            for t, move in enumerate(moves):
-                if in_span:
-                    if move is not None:
-                        _resize_in_span(self._reserved[name], old_k[t], new_k[t], value, move, old_caps[t], new_caps[t])
-                    continue
-                # A fresh buffer, filled (scattering rows into fresh pages instead faults them in
-                # at random, ~2.5x slower than the fill plus the copy, measured on CPU at 1M rows
-                # of dim 64).
-                if move is None:
-                    new_k[t].copy_(old_k[t])
-                    continue
-                new_k[t][: move.block].copy_(old_k[t][: move.block])
-                src, dst = move.scattered()
-                if src.numel():
-                    new_k[t].index_copy_(0, dst, old_k[t].index_select(0, src))
-        new_row_starts = self.row_starts()
-        flat_map = (
-            None
-            if self.delta_log is None
-            else torch.full(
+        new_by_buffer = [[v[0] if k == 0 else v[1][k - 1] for v in new_views] for k in range(len(names))]
+        if not in_span:
+            for old_k, new_k in zip(old_by_buffer, new_by_buffer):
+                for t, move in enumerate(moves):
+                    # A fresh buffer, filled (scattering rows into fresh pages instead faults them
+                    # in at random, ~2.5x slower than the fill plus the copy, measured on CPU at 1M
+                    # rows of dim 64).
+                    if move is None:
+                        new_k[t].copy_(old_k[t])
+                        continue
+                    new_k[t][: move.block].copy_(old_k[t][: move.block])
+                    src, dst = move.scattered()
+                    if src.numel():
+                        new_k[t].index_copy_(0, dst, old_k[t].index_select(0, src))
+        last_seen = {
+            t: torch.zeros(plans[t][0], dtype=torch.int64, device=device).index_copy_(
+                0, moves[t].live_dst, self.last_seen[t].index_select(0, moves[t].live_src)
+            )
+            for t in plans
+            if self.last_seen[t] is not None
+        }
+        take_versions = None
+        if self.delta_log is not None:
+            new_row_starts = self.row_starts()
+            flat_map = torch.full(
                 (sum(old_caps[t] + m.fallback_rows for t, m in enumerate(self.meta)),),
                 -1,
                 dtype=torch.int64,
                 device=device,
             )
-        )
-        for t, m in enumerate(self.meta):
-            move, old_start, new_start = moves[t], int(old_row_starts[t]), int(new_row_starts[t])
-            if flat_map is not None:
+            for t, m in enumerate(self.meta):
+                move, old_start, new_start = moves[t], int(old_row_starts[t]), int(new_row_starts[t])
                 if move is None:
                     flat_map[old_start : old_start + m.rows] = torch.arange(
                         new_start, new_start + m.rows, device=device
                     )
                 else:
                     flat_map[old_start + move.src] = new_start + move.dst
-            if t in last_seen:
-                last_seen[t].index_copy_(0, move.live_dst, self.last_seen[t].index_select(0, move.live_src))
-        for t, seen in last_seen.items():
-            self.last_seen[t] = seen
-        for t, index in indexes.items():
-            self.indexes[t] = index
-        if self.delta_log is not None:
-            self.delta_log.relayout(self, flat_map)
-        self._growing = any(m.grows for m in self.meta)
-        self._rebind_parameters()
+            take_versions = self.delta_log.relayout(self, flat_map)
+
+        def put_in_place() -> None:
+            if carried is not None:
+                for k, (name, value) in enumerate(zip(names, values)):
+                    for t, move in enumerate(moves):
+                        if move is not None:
+                            _resize_in_span(
+                                self._reserved[name],
+                                old_by_buffer[k][t],
+                                new_by_buffer[k][t],
+                                value,
+                                move,
+                                old_caps[t],
+                                new_caps[t],
+                                carried[k][t],
+                            )
+            for t, seen in last_seen.items():
+                self.last_seen[t] = seen
+            for t, index in indexes.items():
+                self.indexes[t] = index
+            if take_versions is not None:
+                take_versions()
+            self._growing = any(m.grows for m in self.meta)
+            self._rebind_parameters()
+
+        return put_in_place
 
     def _row_moves(self, t: int, old_cap: int, plan: tuple[int, Tensor | None] | None) -> _RowMoves | None:
         """The rows table t carries through a relayout (None: all of them, the same rows)."""

@@ -98,6 +98,16 @@ def allocate_filled(numel: int, value: float, device: torch.device) -> Tensor:
 
 _HUGE_PAGE = 2 << 20
 
+# What ``TableStorage._compute_layout`` sets: a relayout that fails puts them back.
+LAYOUT_ATTRIBUTES = (
+    "table_offsets",
+    "state_row_offsets",
+    "dense_state_offsets",
+    "fallback_layout",
+    "_device_layout",
+    "_span_views",
+)
+
 
 def _advise_huge_pages(buf: Tensor) -> None:
     start = -(-buf.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
@@ -256,18 +266,20 @@ class TableStorage:
     def _on_device(self) -> tuple[Tensor | None, ...]:
         dev = self.device
         if dev not in self._device_layout:
-            # Mirrored: the kernels read their host values (the widest dim) without a sync.
-            self._device_layout[dev] = tuple(
-                None if t is None else device_sync.mirror(t.to(dev), t)
-                for t in (
-                    self.table_offsets,
-                    self.table_dims,
-                    self.state_row_offsets,
-                    self.table_dtypes,
-                    self.rounding_seeds,
-                    self.fallback_layout,
+            # Mirrored: the kernels read their host values (the widest dim) without a sync. Normal
+            # tensors, though first made under inference_mode: those would never be mirrored.
+            with device_sync.normal_tensors():
+                self._device_layout[dev] = tuple(
+                    None if t is None else device_sync.mirror(t.to(dev), t)
+                    for t in (
+                        self.table_offsets,
+                        self.table_dims,
+                        self.state_row_offsets,
+                        self.table_dtypes,
+                        self.rounding_seeds,
+                        self.fallback_layout,
+                    )
                 )
-            )
         return self._device_layout[dev]
 
     def _all_state_views(self, t: int) -> list[Tensor]:

@@ -17,9 +17,21 @@ flight). Transfers are cut in chunks of at most ``MAX_ROWS`` records, so the buf
 ``DeviceCopies`` sends host records to the device (``to_device``: non-blocking, on the current
 stream) and brings device records back (``to_host``: the host waits for the copy: a write-back
 must see the bytes before it writes them to the backing store; ``to_host_queued`` then
-``landed``: the write-backs of several tables queued first, then one wait for all). The same code runs with the
+``landed``: the write-backs of several tables queued first, then a wait for each). Each copy
+records an event on its stream right after it, and a wait is for that event only: a copy queued
+later on the stream (another table's write-back, a read) never lengthens it. ``to_caches`` reads
+the rows of several tables into their caches in one copy: their records packed one table after
+another in one host buffer (each table's records are ``record_bytes`` wide, a multiple of 8, so
+every table's part, and every field in it, stays 8-byte aligned whatever the tables' widths and
+dtypes), one copy to the device, then each table's part scattered into its slots there.
+
+Lifetimes across streams: a host buffer is refilled only once its last copy's event has passed
+(``RecordsBuffer.take``), and a dropped pinned buffer goes back to torch's pinned-memory cache,
+which holds it until the copies that used it are done; device records are made on the stream
+that copies and reads them and freed there, so the caching allocator hands their memory only to
+work queued after them on that stream (no ``record_stream`` needed). The same code runs with the
 cache on the CPU when ``TieredTables.copy_through_records`` asks for it (tests: the staging path
-covered without a GPU; the copies are then plain copies).
+covered without a GPU; the copies are then plain copies, without events).
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ from torch import Tensor
 
 from torchrec_ext.modules.tier_log import ROW_BYTES
 
-MAX_ROWS = 1 << 15  # records per transfer: 16 MiB of 512-byte records
+MAX_ROWS = 1 << 15  # records per transfer (of each table, packed): 16 MiB of 512-byte records
 
 
 def record_fields(widths: list[int]) -> tuple[list[tuple[int, int]], int]:
@@ -84,29 +96,80 @@ class RecordsBuffer:
                 )
         return self._records[:n]
 
+    def take_bytes(self, nbytes: int) -> Tensor:
+        """``take`` of ``nbytes`` bytes (whole records), flat: a transfer packing records of several widths."""
+        if nbytes % self.record_bytes:
+            raise ValueError(
+                f"tiered table records: {nbytes} bytes is not a whole number of {self.record_bytes}-byte records"
+            )
+        return self.take(nbytes // self.record_bytes).view(-1)
+
     def in_flight(self, event) -> None:
         """An asynchronous copy from or into the buffer was queued: ``event`` marks its end."""
         self._in_flight = event
 
 
 class DeviceCopies:
-    """Records between the host and ``device`` (the cache's), through ``RecordsBuffer``s."""
+    """Records between the host and ``device`` (the cache's), through ``RecordsBuffer``s; one for
+    all of a module's tables (``packed``: the buffer of their reads packed together)."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._cuda = device.type == "cuda"
+        self.pinned = device.type == "cuda"
+        self.asynchronous = device.type == "cuda"  # copies are queued on a stream, events mark their ends
+        self.packed: RecordsBuffer | None = None  # made by ``pack_reads``
 
     def buffer(self, record_bytes: int) -> RecordsBuffer:
-        return RecordsBuffer(record_bytes, pinned=self._cuda)
+        return RecordsBuffer(record_bytes, pinned=self.pinned)
+
+    def pack_reads(self, max_bytes: int) -> None:
+        """Gives the copies a buffer of packed reads (8-byte words) of at most ``max_bytes``: the
+        most one ``to_caches`` round takes (``MAX_ROWS`` rows of each table at most)."""
+        self.packed = RecordsBuffer(8, pinned=self.pinned, max_rows=max(1, max_bytes // 8))
+
+    def buffer_bytes(self) -> int:
+        return 0 if self.packed is None else self.packed.nbytes()
+
+    def _copied(self):
+        """An event recorded now on the current stream: it passes once the copy just queued there
+        (and only what was queued before it) is done."""
+        return torch.cuda.current_stream(self.device).record_event()
 
     def to_device(self, records: Tensor, buffer: RecordsBuffer) -> Tensor:
         """``records`` (taken from ``buffer``) on the device, copied on the current stream; the
         host may refill the buffer once that copy is done (``buffer.take`` waits for it)."""
-        if not self._cuda:
+        if not self.asynchronous:
             return records
         on_device = records.to(self.device, non_blocking=True)
-        buffer.in_flight(torch.cuda.current_stream(self.device).record_event())
+        buffer.in_flight(self._copied())
         return on_device
+
+    def to_caches(self, reads: list[tuple[object, Tensor, Tensor]], buffer: RecordsBuffer) -> None:
+        """Each (mover, slots, rows) of ``reads``: the backing store's ``rows`` (host, int64) into
+        the mover's cache ``slots``, every mover's in one copy to the device a round of at most
+        ``MAX_ROWS`` rows of each (tiered_tables.py's ``_Mover``: ``gather`` fills host records,
+        the slots in their row column; ``scatter`` writes device records into the cache). Rows
+        read in ascending order (a file front to back). ``buffer``: ``packed`` for several
+        movers, a mover's own for its reads alone (its records' width)."""
+        ordered = []
+        for mover, slots, rows in reads:
+            if rows.numel():
+                order = rows.argsort()
+                ordered.append((mover, slots[order], rows[order]))
+        longest = max((rows.numel() for _, _, rows in ordered), default=0)
+        for start in range(0, longest, MAX_ROWS):
+            parts = [
+                (mover, slots[start : start + MAX_ROWS], rows[start : start + MAX_ROWS])
+                for mover, slots, rows in ordered
+                if rows.numel() > start
+            ]
+            sizes = [rows.numel() * mover.record_bytes for mover, _, rows in parts]
+            host = buffer.take_bytes(sum(sizes))
+            for (mover, slots, rows), records in zip(parts, _packed(host, parts, sizes)):
+                mover.gather(records, slots, rows)
+            on_device = self.to_device(host, buffer)  # (one copy for every mover's records)
+            for (mover, _, _), records in zip(parts, _packed(on_device, parts, sizes)):
+                mover.scatter(records)
 
     def to_host(self, records: Tensor, buffer: RecordsBuffer) -> Tensor:
         """Device ``records`` copied into ``buffer`` (host), the host waiting for the copy."""
@@ -118,20 +181,29 @@ class DeviceCopies:
         """Device ``records`` copied into ``buffer`` (host) without waiting: (the host records,
         the copy's event, None on the CPU); the host reads them after ``landed`` of the event."""
         host = buffer.take(records.shape[0])
-        if not self._cuda:
+        if not self.asynchronous:
             return host.copy_(records), None
         host.copy_(records, non_blocking=True)
-        copied = torch.cuda.current_stream(self.device).record_event()
+        copied = self._copied()
         buffer.in_flight(copied)  # (not refilled before it lands)
         return host, copied
 
     def landed(self, copied) -> None:
-        """Returns once the copy of ``copied`` (``to_host_queued``'s event) has landed: when it has
-        not, the host waits for all the stream's work so far, so that the copies queued after it
-        have landed too (the write-backs of several tables: one wait for all)."""
-        if copied is not None and not copied.query():
-            torch.cuda.current_stream(self.device).synchronize()
+        """Returns once the copy of ``copied`` (``to_host_queued``'s event) has landed: a wait for
+        that copy alone, not for what the stream queued after it (the write-backs of several
+        tables: each table's records written home as soon as its own copy lands)."""
+        if copied is not None:
+            copied.synchronize()
 
     def empty(self, n: int, record_bytes: int) -> Tensor:
         """Zeroed device records (the pads are defined bytes when they reach a log)."""
         return torch.zeros(n, record_bytes, dtype=torch.uint8, device=self.device)
+
+
+def _packed(flat: Tensor, parts, sizes: list[int]) -> list[Tensor]:
+    """Each part's records (``[rows, mover.record_bytes]``) in the ``flat`` bytes, one after another."""
+    out, at = [], 0
+    for (mover, _, rows), size in zip(parts, sizes):
+        out.append(flat[at : at + size].view(rows.numel(), mover.record_bytes))
+        at += size
+    return out

@@ -333,14 +333,16 @@ class DeviceSlotMaps:
             {t: host[0][first : first + n] for t, first, n in self._parts(needs)}, clock
         )
         slots.index_copy_(0, at, taken)
+        misses = []
         for t, first, n in self._parts(needs):
             cache, mover = self.tables[t], movers[t]
             read = host[1][first : first + n] == 0
             reads = int(read.sum())
             if reads:
-                mover.read(taken_host[t][read], host[0][first : first + n][read])
+                misses.append((t, taken_host[t][read], host[0][first : first + n][read]))
             cache.misses += reads
             cache.bytes_moved += reads * mover.row_bytes
+        _read(misses, movers)
 
     @staticmethod
     def _parts(counts: dict[int, int]) -> list[tuple[int, int, int]]:
@@ -441,7 +443,7 @@ class DeviceSlotMaps:
                     cache.staged_write_backs += n
                 cache.bytes_moved += n * movers[t].row_bytes
             freed[t] = slots[these][kept[these]]
-        for store in stores:  # (every table's copy queued before the first waits: one wait for all)
+        for store in stores:  # (every table's copy queued before the first waits: the later ones land meanwhile)
             _attempt(failed, store)
         self._push_free(freed)
         if failed:
@@ -485,9 +487,9 @@ class DeviceSlotMaps:
         if not fills:
             return
         _, taken = self._take_slots(fills, clock)
+        _read([(t, taken[t], wanted) for t, wanted in fills.items()], movers)
         for t, wanted in fills.items():
             cache = self.tables[t]
-            movers[t].read(taken[t], wanted)
             cache.staged += wanted.numel()
             cache.bytes_moved += wanted.numel() * movers[t].row_bytes
 
@@ -535,6 +537,18 @@ class DeviceSlotMaps:
         for token, held in self.pinned.items():
             self.pinned[token] = torch.where((held >= slots) & (held < slots + cache.slots), spare, held)
             self.pin_counts[token] = [0 if u == t else n for u, n in enumerate(self.pin_counts[token])]
+
+
+def _read(reads: list[tuple[int, Tensor, Tensor]], movers) -> None:
+    """Each (table, slots, rows) of ``reads``: its backing store's ``rows`` into its cache's
+    ``slots`` (host tensors). Through records (a GPU's cache): all tables' in one copy to the
+    device (tier_copies.py's ``to_caches``; a module's movers share one ``DeviceCopies``)."""
+    copies = movers[reads[0][0]].copies if reads else None
+    if copies is None:
+        for t, slots, rows in reads:
+            movers[t].read(slots, rows)
+        return
+    copies.to_caches([(movers[t], slots, rows) for t, slots, rows in reads], copies.packed)
 
 
 def _attempt(failed: list[BaseException], call, *args):

@@ -43,9 +43,10 @@ for its new rows, so the training lookup finds no miss. On a CUDA device rows mo
 tiers as records through a host buffer (tier_copies.py): a fill gathers the rows' fields on the
 host, from host memory or from the files (the base file or the log), into a pinned buffer, which
 goes to the device in one asynchronous DMA on the current stream and is scattered into the slots
-there; a write-back gathers the slots into device records, one DMA into a pinned buffer, and the
-host waits for it (it writes the backing store from those bytes), then writes them to the store
-or appends them to the log. The stage does this on its worker, on a side stream: the train step
+there (with the device maps, all tables' rows of a fill or a stage packed in one buffer: one DMA
+whatever the table count); a write-back gathers the slots into device records, one DMA into a
+pinned buffer, and the host waits for that copy's event (it writes the backing store from those
+bytes), then writes them to the store or appends them to the log. The stage does this on its worker, on a side stream: the train step
 waits only for the stage's event. (Not UVA zero-copy: a batch's misses are scattered rows, and one
 DMA of the gathered rows costs the PCIe link no more than the kernels' reads of them would,
 without the kernels' reading host memory at every lookup; a UVA gather kernel is a later option.)
@@ -145,29 +146,33 @@ class _Mover:
         return field_view(records, self.fields[k], self.pairs[k][0])
 
     def read(self, slots: Tensor, rows: Tensor) -> None:
+        """The backing store's ``rows`` into the cache's ``slots`` (with ``copies``: through this
+        table's own records buffer; the device maps read all tables' at once: ``copies.to_caches``)."""
         if rows.numel() == 0:
             return
-        order = rows.argsort()  # ascending rows: the file is read front to back
-        slots, rows = slots[order], rows[order]
-        if self.copies is None:
-            for cache, backing in self.pairs:
-                cache.index_copy_(0, slots, backing.index_select(0, rows))
+        if self.copies is not None:
+            self.copies.to_caches([(self, slots, rows)], self._transfer_buffer())
             return
-        for start in range(0, rows.numel(), MAX_ROWS):
-            these = rows[start : start + MAX_ROWS]
-            records = self._transfer_buffer().take(these.numel())
-            for k, (_, backing) in enumerate(self.pairs):
-                torch.index_select(backing, 0, these, out=self._pair_field(records, k))
-            self._to_cache(records, slots[start : start + MAX_ROWS])
+        order = rows.argsort()  # ascending rows: the file is read front to back
+        self._read_here(slots[order], rows[order])
 
-    def _to_cache(self, records: Tensor, slots: Tensor) -> None:
-        """Host ``records`` (of the transfer buffer) into the cache's ``slots``: the slots ride
-        in the records' row column, so one copy takes everything to the device."""
+    def _read_here(self, slots: Tensor, rows: Tensor) -> None:
+        """``read`` with the cache on the backing store's host (no records)."""
+        for cache, backing in self.pairs:
+            cache.index_copy_(0, slots, backing.index_select(0, rows))
+
+    def gather(self, records: Tensor, slots: Tensor, rows: Tensor) -> None:
+        """Host ``records`` ([n, record_bytes]) of the backing store's ``rows`` (ascending), each
+        with its cache slot in the row column: one copy then takes everything to the device."""
+        for k, (_, backing) in enumerate(self.pairs):
+            torch.index_select(backing, 0, rows, out=self._pair_field(records, k))
         row_column(records).copy_(slots)
-        on_device = self.copies.to_device(records, self._transfer_buffer())
-        at = row_column(on_device).contiguous()
+
+    def scatter(self, records: Tensor) -> None:
+        """``gather``'s records, on the device, into their slots in the cache."""
+        at = row_column(records).contiguous()
         for k, (cache, _) in enumerate(self.pairs):
-            cache.index_copy_(0, at, self._pair_field(on_device, k))
+            cache.index_copy_(0, at, self._pair_field(records, k))
 
     def _from_cache(self, slots: Tensor) -> Tensor:
         """The cache's ``slots`` as host records (of the transfer buffer; row column unset)."""
@@ -209,11 +214,11 @@ class _Mover:
             backing.index_copy_(0, rows, self._pair_field(records, k))
 
     def write_later(self, slots: Tensor, rows: Tensor) -> Callable[[], None]:
-        """``write`` in two halves, so that several tables' write-backs share one wait: the rows
-        gathered on the device and their copy to the host queued now; what is returned writes
-        them into the backing store once they have landed (``DeviceCopies.landed``: the first
-        call's wait lands the copies queued before it too). Written now (returns a no-op)
-        without ``copies`` or beyond one transfer's rows."""
+        """``write`` in two halves, so that several tables' write-backs overlap: the rows gathered
+        on the device and their copy to the host queued now; what is returned writes them into
+        the backing store once their own copy has landed (``DeviceCopies.landed``: a wait for that
+        copy's event alone, while the copies queued after it go on). Written now (returns a
+        no-op) without ``copies`` or beyond one transfer's rows."""
         if self.copies is None or not 0 < rows.numel() <= MAX_ROWS:
             self.write(slots, rows)
             return _written
@@ -279,32 +284,38 @@ class _LogMover(_Mover):
         rows = records[:, :ROW_BYTES].view(torch.int64).squeeze(1)
         return records, rows, [self._field(records, k, cache) for k, (cache, _) in enumerate(self.pairs)]
 
-    def read(self, slots: Tensor, rows: Tensor) -> None:
-        if rows.numel() == 0:
-            return
+    def _read_here(self, slots: Tensor, rows: Tensor) -> None:
         where = self.log.locate(rows)
         in_log = where >= 0
         logged = int(in_log.sum())
         if logged == 0:
-            return super().read(slots, rows)
+            return super()._read_here(slots, rows)
         if logged < rows.numel():
             in_base = ~in_log
-            super().read(slots[in_base], rows[in_base])
+            super()._read_here(slots[in_base], rows[in_base])
             where, slots = where[in_log], slots[in_log]
         order = where.argsort()  # the log read front to back
         slots = slots[order]
-        if self.copies is not None:  # the records as the log holds them, to the device
-            where = where[order]
-            for start in range(0, where.numel(), MAX_ROWS):
-                these = where[start : start + MAX_ROWS]
-                records = self._transfer_buffer().take(these.numel())
-                self.log.read(these, out=records)
-                self._to_cache(records, slots[start : start + MAX_ROWS])
-            return
         records, _, columns = self._columns(where.numel())
         self.log.read(where[order], out=records)
         for (cache, _), column in zip(self.pairs, columns):
             cache.index_copy_(0, slots, column)
+
+    def gather(self, records: Tensor, slots: Tensor, rows: Tensor) -> None:
+        """``_Mover.gather`` from each row's newest copy: the base file's rows first, then the
+        log's records as the log holds them (read front to back), each with its slot."""
+        where = self.log.locate(rows)
+        in_log = where >= 0
+        logged = int(in_log.sum())
+        if logged < rows.numel():
+            in_base = ~in_log
+            super().gather(records[: rows.numel() - logged], slots[in_base], rows[in_base])
+        if logged:
+            where, slots = where[in_log], slots[in_log]
+            order = where.argsort()
+            records = records[rows.numel() - logged :]
+            self.log.read(where[order], out=records)
+            row_column(records).copy_(slots[order])
 
     def write(self, slots: Tensor, rows: Tensor, once: bool = False) -> None:
         n = rows.numel()
@@ -947,14 +958,17 @@ class TieredTables(DynamicTables):
     @torch.inference_mode(False)
     def _make_movers(self) -> None:
         self._movers = []
+        copies = self._copies()  # (one for all tables: the device maps read their rows in one copy)
         for i in range(len(self.meta)):
             (cache, cache_states), (backing, backing_states) = self._views(i, True), self._views(i, False)
             pairs = [(cache, backing)] + [(cache_states[k], backing_states[k]) for k in cache_states]
-            copies = self._copies()
             # file backing: write-backs appended to a log (tier_log.py), not scattered over the file
             self._movers.append(
                 _Mover(pairs, copies) if self.store.directory is None else _LogMover(pairs, self.store, i, copies)
             )
+        if copies is not None:  # the device maps' packed reads: at most a cache's slots of each table a copy
+            rounds = [min(s, MAX_ROWS) * mover.record_bytes for s, mover in zip(self.slots, self._movers)]
+            copies.pack_reads(sum(rounds))
 
     def _fold_logs(self) -> None:
         """Every row whose newest copy is in a log written to the base file (logs emptied)."""
@@ -1493,11 +1507,14 @@ class TieredTables(DynamicTables):
         metadata (on the tables' device), and the tier's own host memory: the cache's maps and
         its LRU queue and free list, the logs' maps, the records buffers of transfers between the
         host and a device cache (pinned, page-locked: made at the first transfer, up to 16 MiB a
+        table; and the buffer of all tables' packed reads, up to a cache's slots of records a
         table) and the CPU path's write-back buffer of a file's log (``io_buffer_bytes``: kept
         from step to step, up to 16 MiB a table). As allocated now: the buffers grow with the
         largest write-back so far. Tiered tables do not grow: ``maximum`` is the same."""
         logs = 0 if self.store.directory is None else sum(RowLog.map_bytes(m.capacity) for m in self.meta)
         buffers = sum(mover.buffer_bytes() for mover in self._movers or ()) + self.io_buffer_bytes()
+        copies = self._movers[0].copies if self._movers else None
+        buffers += 0 if copies is None else copies.buffer_bytes()  # (the tables' packed reads)
         return super().storage_bytes() + sum(cache.nbytes() for cache in self.caches) + logs + buffers
 
     def io_buffer_bytes(self) -> int:

@@ -319,5 +319,5 @@ class GraphedForward:
             logger.info("captured %s in CUDA graphs for inputs %s", type(self._module).__name__, signature)
         if signature != self._signature:
             return self._original(*args)
-        self.outputs_read.before_replay(torch.cuda.current_stream())
+        self.outputs_read.before_replay(torch.cuda.current_stream(tensors[0].device))
         return self._graphed(*args)

@@ -7,6 +7,12 @@ collective on it aborts that peer), and a job builds a pipeline per train segmen
 borrows a clone here and gives it back at close(): the next pipeline reuses it, and only
 pipelines alive at the same time get different clones.
 
+Only where the collectives do not run on NCCL with peers (``runs_on_nccl``): NCCL asks every rank
+to launch the collectives of all communicators of a device in one order, and a helper thread's
+collectives on a clone race the train thread's on the source group, in a different order on each
+rank (a hang when the GPU cannot run both at once). Gloo groups, and a group of one rank, have no
+such rule.
+
 Borrowing may create a group, which is a collective call: every rank must borrow and give back
 in the same order, as SPMD code building the same pipelines does. A group whose helper thread did
 not stop (a close that timed out, on this rank only maybe) is ``abandon``-ed instead: it is never
@@ -45,6 +51,24 @@ def _timeout(group: dist.ProcessGroup):
         return group._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):
         return None  # new_group's default
+
+
+def nccl_for_cuda(backend: str) -> bool:
+    """Whether a group of ``backend`` (``dist.get_backend``: ``nccl``, ``gloo``,
+    ``cpu:gloo,cuda:nccl``...) sends CUDA tensors through NCCL."""
+    pairs = [pair.split(":", 1) for pair in str(backend).lower().split(",")]
+    if len(pairs) == 1 and len(pairs[0]) == 1:
+        return pairs[0][0].strip() == "nccl"
+    return any(len(pair) == 2 and pair[0].strip() == "cuda" and pair[1].strip() == "nccl" for pair in pairs)
+
+
+def runs_on_nccl(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether collectives of tensors on ``device`` over ``group`` (None: the default group) run on
+    an NCCL communicator with peers: a CUDA device, more than one rank, NCCL for CUDA tensors."""
+    if device.type != "cuda" or not dist.is_initialized():
+        return False
+    group = group or dist.group.WORLD
+    return dist.get_world_size(group) > 1 and nccl_for_cuda(dist.get_backend(group))
 
 
 def borrow(source: dist.ProcessGroup) -> dist.ProcessGroup:

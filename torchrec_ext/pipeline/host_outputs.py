@@ -13,6 +13,7 @@ from torch.utils import _pytree as pytree
 
 class HostOutputs:
     def __init__(self, device: torch.device, pinned: bool = True) -> None:
+        self._device = device
         self._cuda = device.type == "cuda"
         self._pinned = pinned and self._cuda
         self._stream = torch.cuda.Stream(device) if self._cuda else None
@@ -27,7 +28,7 @@ class HostOutputs:
             host = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves]
             self._pending.append((step, pytree.tree_unflatten(host, spec), None))
             return None
-        self._stream.wait_stream(torch.cuda.current_stream())
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))  # (this rank's GPU, whatever is current)
         host = []
         with torch.cuda.stream(self._stream):
             for x in leaves:

@@ -9,7 +9,11 @@ adding what it leaves on the table:
     i's input dist by its event, not for batch i+1's) and its own process group (a clone of the
     modules' group: two threads issuing collectives on one group would interleave them
     differently on each rank; borrowed from a per-process pool, so a pipeline per segment does
-    not add a group per segment);
+    not add a group per segment). Not where those collectives run on NCCL with peers (CUDA,
+    world size > 1): NCCL needs every rank to launch the collectives of all communicators of a
+    GPU in one order, which two threads cannot keep; there the train thread launches it, on
+    its own stream, in TorchRec's pipeline's order: the counts' exchange before batch i's
+    forward, their wait (a host read) and the data's exchange after it;
 (c) the dense gradients all-reduced in one flat buffer instead of by DDP's buckets, that work (and
     the dense optimizer step when capturable) captured in a CUDA graph, and chosen dense
     submodules' forward + backward captured too (static shapes; other shapes run eagerly); the
@@ -73,7 +77,8 @@ class PipelineOptions:
     # (a) threads loading batches ahead; 0: load inline on the train thread. (b) launch input
     # dists from a helper thread. None: on where they have a core to run on — always on CUDA
     # (the train thread mostly waits on the GPU); on CPU only if this rank has cores beyond its
-    # intra-op threads (measured on 2 cores / 2 ranks: helper threads there cost 2-6 %).
+    # intra-op threads (measured on 2 cores / 2 ranks: helper threads there cost 2-6 %). (b) is
+    # off, and True refused, where the input dist runs on NCCL with peers (see the module doc).
     prefetch_threads: int | None = None
     prefetch_depth: int | None = None  # batches ahead; default 2 per thread
     threaded_input_dist: bool | None = None
@@ -98,6 +103,21 @@ def _spare_cores(device: torch.device) -> bool:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
     return cores // max(local_ranks, 1) > torch.get_num_threads()
+
+
+def _sharding_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The group the model's sharded modules (and so their input dists) run on: DMP's, else the
+    default group (None when there is none)."""
+    group = getattr(getattr(model, "_env", None), "process_group", None)
+    if group is None and dist.is_initialized():
+        group = dist.group.WORLD
+    return group
+
+
+def _input_dist_on_nccl(model: nn.Module, device: torch.device) -> bool:
+    """Whether the input dist's collectives run on NCCL with peers: then only the train thread
+    may launch them (one launch order on every rank, as NCCL requires across communicators)."""
+    return groups.runs_on_nccl(_sharding_group(model), device)
 
 
 def _find_ddp(model: nn.Module) -> DistributedDataParallel | None:
@@ -135,10 +155,21 @@ class TrainPipeline(TrainPipelineSparseDist):
         if options.prefetch_threads is not None and options.prefetch_threads < 0:
             raise ValueError(f"TrainPipeline: prefetch_threads must be >= 0, got {options.prefetch_threads}")
         spare = _spare_cores(device)
+        one_thread = _input_dist_on_nccl(model, device)
+        if options.threaded_input_dist and one_thread:
+            group = _sharding_group(model)
+            raise ValueError(
+                f"TrainPipeline: threaded_input_dist must be False or None where the input dist runs on NCCL "
+                f"with peers, got True (backend {dist.get_backend(group)!r}, {dist.get_world_size(group)} ranks, "
+                f"{device}): a helper thread's all-to-all on its own communicator would race the train thread's "
+                "collectives, in a different order on each rank, and NCCL needs one order on every rank (else a hang)"
+            )
         self.options = options = dataclasses.replace(
             options,
             prefetch_threads=(2 if spare else 0) if options.prefetch_threads is None else options.prefetch_threads,
-            threaded_input_dist=spare if options.threaded_input_dist is None else options.threaded_input_dist,
+            threaded_input_dist=(spare and not one_thread)
+            if options.threaded_input_dist is None
+            else options.threaded_input_dist,
         )
         cuda = device.type == "cuda"
         self._memcpy_stream = None  # copies are ours (prefetcher or inline); they hand over events instead
@@ -152,6 +183,9 @@ class TrainPipeline(TrainPipelineSparseDist):
         self._gate = DEVICE_WORK  # CUDA graph captures hold the helper threads off the device with it
         self._dist_worker = HelperThread("torchrec_ext-input-dist", self._gate) if options.threaded_input_dist else None
         self._dist_future: Future | None = None  # batch i+1's input dist, resolving to its event
+        # NCCL with peers: the input dist's second half, run by the train thread after the forward
+        self._defer_dist_wait = one_thread
+        self._dist_finish: Any = None
         self._dist_groups: dict[Any, dist.ProcessGroup] = {}  # the modules' group -> ours, borrowed
         self._moved_input_dists: list[tuple[Any, dist.ProcessGroup]] = []
         self._ddp = _find_ddp(model)
@@ -171,7 +205,8 @@ class TrainPipeline(TrainPipelineSparseDist):
             self._graphed_forwards = [GraphedForward.install(module) for module in graph_modules]
             for graphed in self._graphed_forwards:
                 graphed.gate, graphed.capture_timeout_s = self._gate, options.timeout_s
-                graphed.join_before_capture = (self._join_stages,)
+                # (a deferred input dist first: the capture, inside the forward, joins the stage waiting on it)
+                graphed.join_before_capture = (self._finish_input_dist, self._join_stages)
         elif graph_modules:
             logger.info("TrainPipeline: graph_modules run eagerly on %s (CUDA graphs need a GPU)", device)
         self._host_outputs = HostOutputs(device, pinned=options.pinned_outputs)
@@ -207,6 +242,7 @@ class TrainPipeline(TrainPipelineSparseDist):
             self._stage_next(self._ready[1], self.contexts[1])  # runs once batch i's lookup has its rows
         try:
             losses, output = self._model_fwd(self.batches[0])
+            self._finish_input_dist()  # (a deferred one: after the forward's collectives, as on every rank)
             if training:
                 self._backward(losses)
         finally:
@@ -254,6 +290,9 @@ class TrainPipeline(TrainPipelineSparseDist):
             else:
                 self._prefetcher.close(timeout_s)
             self._prefetcher = None
+        if self._dist_finish is not None:  # a forward raised: the deferred half never runs
+            self._dist_finish = None
+            self._dist_future.set_exception(RuntimeError("TrainPipeline: closed before the input dist finished"))
         worker_done = True
         if self._dist_worker is not None:
             worker_done = self._dist_worker.close(self.options.timeout_s if timeout_s is None else timeout_s)
@@ -432,21 +471,41 @@ class TrainPipeline(TrainPipelineSparseDist):
 
     def _launch_input_dist(self, ready: ReadyBatch, batch: Any, context: TrainPipelineContext) -> None:
         """Batch i+1's input dist, during batch i's step, on the ahead stream; resolves to an
-        event the main data-dist stream waits for once batch i+1 is up."""
+        event the main data-dist stream waits for once batch i+1 is up. Deferred (NCCL with
+        peers): only its first half here; ``_finish_input_dist`` runs the rest after the forward."""
         stream = self._ahead_dist_stream
 
-        def run() -> Any:
+        def start() -> None:
             self._start_input_dist(ready, batch, context, stream)
+
+        def finish() -> Any:
             self._wait_input_dist(context, stream)
             return record_event(self._streams, stream) if self._streams is not None else None
 
-        if self._dist_worker is None:
-            self._dist_future = Future()
-            self._dist_future.set_result(run())
+        if self._dist_worker is not None:
+            self._dist_future = self._dist_worker.submit(lambda: (start(), finish())[1])
+            return
+        self._dist_future = Future()
+        if self._defer_dist_wait:
+            start()
+            self._dist_finish = finish
         else:
-            self._dist_future = self._dist_worker.submit(run)
+            self._dist_future.set_result((start(), finish())[1])
+
+    def _finish_input_dist(self) -> None:
+        """The deferred second half of the input dist in flight, if any, on the train thread: at
+        the same point of the step on every rank (after the forward, or before a capture)."""
+        finish, self._dist_finish = self._dist_finish, None
+        if finish is None:
+            return
+        try:
+            self._dist_future.set_result(finish())
+        except BaseException as e:
+            self._dist_future.set_exception(e)  # a tiered stage waiting for it gets the error too
+            raise
 
     def _join_input_dist(self) -> None:
+        self._finish_input_dist()  # (a forward that raised left it pending)
         if self._dist_future is not None:
             future, self._dist_future = self._dist_future, None
             done = future.result(timeout=self.options.timeout_s)  # re-raises the worker's exception
@@ -481,6 +540,11 @@ class TrainPipeline(TrainPipelineSparseDist):
                     if kjt_all_to_all is None or getattr(kjt_all_to_all, "_pg", None) is None:
                         continue
                     pg = kjt_all_to_all._pg
+                    if groups.runs_on_nccl(pg, self._device):  # a module on another group than DMP's
+                        raise RuntimeError(
+                            f"TrainPipeline: an input dist runs on NCCL with peers ({dist.get_backend(pg)!r}, "
+                            f"{dist.get_world_size(pg)} ranks): pass PipelineOptions(threaded_input_dist=False)"
+                        )
                     if pg not in self._dist_groups:
                         # May create a group (a collective): every rank builds the same pipelines.
                         self._dist_groups[pg] = groups.borrow(pg)

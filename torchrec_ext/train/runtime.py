@@ -42,7 +42,9 @@ class Runtime:
 def resolve_device(name: str, local_rank: int, local_world_size: int = 1) -> torch.device:
     """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda`` (GPU ``local_rank`` of this node)
     or ``cuda:N`` (one rank per node). Each rank of a node needs a GPU of its own: two ranks on one
-    GPU fail in NCCL or silently share it, so more ranks per node than visible GPUs is refused."""
+    GPU fail in NCCL or silently share it, so more ranks per node than visible GPUs is refused,
+    unless the launcher bound each rank to one GPU (``CUDA_VISIBLE_DEVICES`` naming one device, as
+    Slurm's ``--gpus-per-task=1`` does): then each rank's only GPU is ``cuda:0``."""
     given = name
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -56,9 +58,12 @@ def resolve_device(name: str, local_rank: int, local_world_size: int = 1) -> tor
     if name == "cuda":
         ranks = max(local_world_size, local_rank + 1)
         if ranks > gpus:
+            if gpus == 1 and _bound_to_one_gpu():
+                return torch.device("cuda", 0)
             raise ValueError(
                 f"--device {given}: {ranks} ranks on this node but {gpus} visible GPU(s); "
-                f"start at most {gpus} per node (torchrun --nproc_per_node), one GPU each"
+                f"start at most {gpus} per node (torchrun --nproc_per_node), one GPU each, "
+                f"or bind each rank to its own GPU (CUDA_VISIBLE_DEVICES naming one device)"
             )
         return torch.device("cuda", local_rank)
     index = int(name.split(":")[1])
@@ -70,6 +75,13 @@ def resolve_device(name: str, local_rank: int, local_world_size: int = 1) -> tor
             f"use --device cuda (local rank i takes GPU i)"
         )
     return torch.device(name)
+
+
+def _bound_to_one_gpu() -> bool:
+    """The launcher gave this rank one GPU of its own: ``CUDA_VISIBLE_DEVICES`` names exactly one
+    device. Two ranks bound to the same one are then caught by NCCL ("Duplicate GPU detected")."""
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return len(visible) == 1
 
 
 def _die_with_launcher() -> None:

@@ -26,7 +26,7 @@ from torchrec_ext import (
     DynamicEmbeddingCollection,
     DynamicEmbeddingConfig,
 )
-from torchrec_ext.modules import tiered_tables
+from torchrec_ext.modules import tier_copies, tiered_tables
 from torchrec_ext.modules.tiered_tables import TieredTables
 
 KEYS = ["f0", "f1", "f2"]
@@ -78,6 +78,7 @@ def forced_maps(monkeypatch, request):
         monkeypatch.setattr(TieredTables, "device_maps", True)
         monkeypatch.setattr(TieredTables, "copy_through_records", True)
         monkeypatch.setattr(tiered_tables, "MAX_ROWS", 7)
+        monkeypatch.setattr(tier_copies, "MAX_ROWS", 7)  # (rounds of the tables' packed reads)
 
 
 def _batches(n=8):

@@ -137,6 +137,13 @@ def _assert_same_state(got, want):
         _equal(a[key], b[key], key)
 
 
+def _assert_trains_as_built_plainly(module, name, tmp_path, context=contextlib.nullcontext):
+    """``module`` trained (in ``context``) as one of case ``name`` built with no context: outputs, state."""
+    plain, batches = _module(name, tmp_path), _batches(4)
+    _assert_same(_run(module, batches, context), _run(plain, batches, contextlib.nullcontext))
+    _assert_same_state(module, plain)
+
+
 @contextlib.contextmanager
 def _default_device(device):
     """``torch.set_default_device`` (the global form of the device context), undone after."""
@@ -196,13 +203,10 @@ def test_built_with_a_device_under_another_default_device_equals_built_plainly(n
     it, and it trains as one built with no context."""
     with torch.device("meta"):
         contextual = _module(name, tmp_path, device=torch.device("cpu"))
-    plain = _module(name, tmp_path)
     assert contextual.device.type == "cpu"
     assert all(v.device.type == "cpu" for v in contextual.state_dict().values())
-    _assert_same_state(contextual, plain)
-    batches = _batches(4)
-    _assert_same(_run(contextual, batches, contextlib.nullcontext), _run(plain, batches, contextlib.nullcontext))
-    _assert_same_state(contextual, plain)
+    _assert_same_state(contextual, _module(name, tmp_path))
+    _assert_trains_as_built_plainly(contextual, name, tmp_path)
 
 
 @pytest.mark.parametrize("name", ["ebc-host", "ec-file-device-maps"])
@@ -226,10 +230,7 @@ def test_a_module_built_under_the_meta_context_materialises_as_torchrecs(name, t
         module = _module(name, tmp_path, device=None)
     module.to_empty(device="cpu")
     module.reset_parameters()
-    plain = _module(name, tmp_path)
-    batches = _batches(4)
-    _assert_same(_run(module, batches, contextlib.nullcontext), _run(plain, batches, contextlib.nullcontext))
-    _assert_same_state(module, plain)
+    _assert_trains_as_built_plainly(module, name, tmp_path)
 
 
 @pytest.mark.parametrize("name", ["ebc-fp16-ttl-counter", "ec-file-device-maps"])
@@ -237,11 +238,7 @@ def test_built_and_trained_under_the_cpu_context_equals_plain(name, tmp_path, fo
     with torch.device("cpu"):
         contextual = _module(name, tmp_path, device=None)
         assert contextual.device.type == "cpu"
-    plain = _module(name, tmp_path)
-    batches = _batches(4)
-    want = _run(plain, batches, contextlib.nullcontext)
-    _assert_same(_run(contextual, batches, lambda: torch.device("cpu")), want)
-    _assert_same_state(contextual, plain)
+    _assert_trains_as_built_plainly(contextual, name, tmp_path, lambda: torch.device("cpu"))
 
 
 # ------------------------------------------------------------------ sharded, 2 gloo ranks

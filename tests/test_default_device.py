@@ -71,14 +71,23 @@ def _module(name, tmp_path, device="cpu"):
     return kind(tables, optimizer="adagrad", optimizer_kwargs={"lr": 0.1}, device=device)
 
 
+def _force_maps(monkeypatch):
+    """The tier's GPU path on the CPU, as tests/test_tiers_device_maps.py forces it."""
+    monkeypatch.setattr(TieredTables, "device_maps", True)
+    monkeypatch.setattr(TieredTables, "copy_through_records", True)
+    monkeypatch.setattr(tiered_tables, "MAX_ROWS", 7)
+    monkeypatch.setattr(tier_copies, "MAX_ROWS", 7)  # (rounds of the tables' packed reads)
+
+
 @pytest.fixture
 def forced_maps(monkeypatch, request):
-    """The tier's GPU path on the CPU, as tests/test_tiers_device_maps.py forces it."""
     if CASES[request.node.callspec.params["name"]][1]:
-        monkeypatch.setattr(TieredTables, "device_maps", True)
-        monkeypatch.setattr(TieredTables, "copy_through_records", True)
-        monkeypatch.setattr(tiered_tables, "MAX_ROWS", 7)
-        monkeypatch.setattr(tier_copies, "MAX_ROWS", 7)  # (rounds of the tables' packed reads)
+        _force_maps(monkeypatch)
+
+
+@pytest.fixture
+def forced_maps_always(monkeypatch):
+    _force_maps(monkeypatch)
 
 
 def _batches(n=8):
@@ -314,3 +323,27 @@ def test_the_scan_finds_a_factory_call_without_a_device(tmp_path, monkeypatch):
     (tmp_path / "data" / "y.py").write_text("import torch\nc = torch.arange(3)\n")
     monkeypatch.setattr(torchrec_ext, "__file__", str(tmp_path / "__init__.py"))
     assert list(_factory_calls_without_a_device()) == ["modules/x.py:2: torch.zeros(3)"]
+
+
+# ------------------------------------------------------------------ the pipeline
+
+
+@pytest.mark.parametrize("tier_prefetch", [False, True])
+def test_pipeline_steps_under_the_meta_context_equal_plain_ones(tmp_path, tier_prefetch, forced_maps_always):
+    """TrainPipeline over a tiered model (the tier's device maps forced), each ``progress`` call
+    under the context; the stage's worker thread is outside it (a device context is per thread)."""
+    from test_tiers import _backing, _bag_configs, _dlrm, _dlrm_batches
+    from torchrec_ext.pipeline import PipelineOptions, TrainPipeline
+
+    batches, losses = _dlrm_batches(6), []
+    options = PipelineOptions(prefetch_threads=0, threaded_input_dist=False, tier_prefetch=tier_prefetch)
+    for context in (contextlib.nullcontext, lambda: torch.device("meta")):
+        tables = _bag_configs(_backing("file", tmp_path / str(len(losses))), 0.3)
+        (tmp_path / str(len(losses))).mkdir()
+        model, optimizer = _dlrm(DynamicEmbeddingBagCollection(tables, optimizer="adagrad"))
+        with TrainPipeline(model, optimizer, torch.device("cpu"), options) as pipeline:
+            it, losses = iter(batches), losses + [[]]
+            for _ in batches:
+                with context():
+                    losses[-1].append(pipeline.progress(it)[0].detach())
+    _assert_same(losses[1], losses[0])

@@ -284,10 +284,9 @@ def test_a_sharded_step_under_the_meta_context_equals_a_plain_one():
 
 # ------------------------------------------------------------------ every factory call names its device
 
-# Where code runs on or beside a step, its CUDA-only branches included (which the meta runs above
-# cannot reach): every torch factory call names its device. Not here: the data generators,
-# the inference server's CPU storage and the HTTP front end, and the pure-PyTorch references.
-UNCHECKED = ("data", "inference", "serve", "reference")
+# Every torch factory call in the package names its device, its CUDA-only branches included (which
+# the meta runs above cannot reach). Not here: the pure-PyTorch references (tests only).
+UNCHECKED = ("reference",)
 
 
 def _factory_calls_without_a_device():
@@ -319,8 +318,8 @@ def test_every_factory_call_names_its_device():
 def test_the_scan_finds_a_factory_call_without_a_device(tmp_path, monkeypatch):
     (tmp_path / "modules").mkdir()
     (tmp_path / "modules" / "x.py").write_text('import torch\na = torch.zeros(3)\nb = torch.ones(2, device="cpu")\n')
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "y.py").write_text("import torch\nc = torch.arange(3)\n")
+    (tmp_path / "reference").mkdir()
+    (tmp_path / "reference" / "y.py").write_text("import torch\nc = torch.arange(3)\n")
     monkeypatch.setattr(torchrec_ext, "__file__", str(tmp_path / "__init__.py"))
     assert list(_factory_calls_without_a_device()) == ["modules/x.py:2: torch.zeros(3)"]
 

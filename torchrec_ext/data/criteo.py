@@ -62,10 +62,15 @@ def parse_criteo_lines(lines: Sequence[str], has_label: bool = True, locate: Cal
                     raise ValueError(f"{locate(i)}: field {c} ({what}) is not valid: {s!r}") from None
             raise
 
-    labels = torch.tensor(column(0, "label", float), dtype=torch.float32) if has_label else torch.zeros(n)
+    labels = (
+        torch.tensor(column(0, "label", float), dtype=torch.float32, device="cpu")
+        if has_label
+        else torch.zeros(n, device="cpu")
+    )
     ints = torch.tensor(
         [column(first + j, f"integer feature {j}", lambda s: int(s) if s else 0) for j in range(INT_FEATURE_COUNT)],
         dtype=torch.float64,
+        device="cpu",
     ).reshape(INT_FEATURE_COUNT, n)
     dense = torch.log1p(ints.clamp(min=0)).t().contiguous().float()
 
@@ -82,8 +87,8 @@ def parse_criteo_lines(lines: Sequence[str], has_label: bool = True, locate: Cal
         lengths.append([v is not None for v in ids])
     sparse = KeyedJaggedTensor(
         keys=list(DEFAULT_CAT_NAMES),
-        values=torch.from_numpy(np.concatenate(values)) if n else torch.empty(0, dtype=torch.int64),
-        lengths=torch.tensor(lengths, dtype=torch.int32).reshape(-1),
+        values=torch.from_numpy(np.concatenate(values)) if n else torch.empty(0, dtype=torch.int64, device="cpu"),
+        lengths=torch.tensor(lengths, dtype=torch.int32, device="cpu").reshape(-1),
     )
     return Batch(dense_features=dense, sparse_features=sparse, labels=labels)
 

@@ -121,7 +121,7 @@ class HeavyTailedIds:
 
     def probability(self, ranks: torch.Tensor) -> torch.Tensor:
         """The sampling probability of each rank (float64), for tests and analysis."""
-        ranks = torch.as_tensor(ranks, dtype=torch.float64)
+        ranks = torch.as_tensor(ranks, dtype=torch.float64, device=getattr(ranks, "device", "cpu"))
         _, _, head_mass, tail_mass = self._tables
         exact = ranks.pow(-self.alpha)
         if self.alpha == 1.0:
@@ -135,7 +135,7 @@ class HeavyTailedIds:
         """n Zipf ranks in [1, num_ids] (int64); rank 1 is the most frequent."""
         accept, alias, head_mass, tail_mass = self._tables
         head = accept.numel()
-        u = torch.rand(n, generator=gen, dtype=torch.float64)
+        u = torch.rand(n, generator=gen, dtype=torch.float64, device="cpu")
         # Head (u < head share): u rescaled to [0, head) picks a column and a coin of the alias table.
         w = u * ((head_mass + tail_mass) / head_mass * head)
         col = w.to(torch.int64).clamp_(max=head - 1)
@@ -185,7 +185,7 @@ def _multi_stream_ids(
     """counts[s] ids of HeavyTailedIds(key=stream_keys[s]) (same alpha, num_ids, id_bits),
     concatenated, in one vectorised pass."""
     ranks = dist.ranks(int(counts.sum()), gen)
-    keys = torch.tensor([_stream_key(k, dist.id_bits) for k in stream_keys], dtype=torch.int64)
+    keys = torch.tensor([_stream_key(k, dist.id_bits) for k in stream_keys], dtype=torch.int64, device="cpu")
     return _ids_of_ranks(ranks, torch.repeat_interleave(keys, counts), dist.id_bits)
 
 
@@ -224,7 +224,7 @@ def dlrm_small_batch(
         raise ValueError(f"dlrm_small_batch: modulo must be None or an int >= 1, got {modulo!r}")
     dist = HeavyTailedIds(alpha=alpha, num_ids=num_ids if num_ids is not None else 1 << id_bits, id_bits=id_bits)
     gen = generator(seed, step, 0x646C726D)
-    lengths = torch.randint(min_bag, max_bag + 1, (num_tables * batch_size,), generator=gen)
+    lengths = torch.randint(min_bag, max_bag + 1, (num_tables * batch_size,), generator=gen, device="cpu")
     counts = lengths.view(num_tables, batch_size).sum(1)
     ids = _multi_stream_ids(dist, [table_key(seed, t) for t in range(num_tables)], counts, gen)
     if modulo is not None:
@@ -345,9 +345,9 @@ class SyntheticCriteo(IterableDataset):
         # The hidden model, a pure function of truth_seed: per-feature log-normal count parameters,
         # dense weights, and the bias that puts the mean click rate near base_ctr.
         g = generator(truth_seed, 0x74727574)
-        self._dense_mu = torch.rand(NUM_DENSE, generator=g, dtype=torch.float64) * 3.0 - 0.5
-        self._dense_sigma = torch.rand(NUM_DENSE, generator=g, dtype=torch.float64) * 1.5 + 0.5
-        self._dense_weight = torch.randn(NUM_DENSE, generator=g, dtype=torch.float64) * dense_weight_scale
+        self._dense_mu = torch.rand(NUM_DENSE, generator=g, dtype=torch.float64, device="cpu") * 3.0 - 0.5
+        self._dense_sigma = torch.rand(NUM_DENSE, generator=g, dtype=torch.float64, device="cpu") * 1.5 + 0.5
+        self._dense_weight = torch.randn(NUM_DENSE, generator=g, dtype=torch.float64, device="cpu") * dense_weight_scale
         self._effect_keys = [_signed64(mix64(truth_seed, f, 0x65666663)) for f in range(NUM_SPARSE)]
         self._bias = 0.0
         probe = [self._make(i, 0x70726F62) for i in range(4)]  # calibration batches off the data stream
@@ -373,16 +373,16 @@ class SyntheticCriteo(IterableDataset):
 
         gen = generator(seed, stream_index, 0x63726974)
         b = self.batch_size
-        z = torch.randn(b, NUM_DENSE, generator=gen, dtype=torch.float64)
+        z = torch.randn(b, NUM_DENSE, generator=gen, dtype=torch.float64, device="cpu")
         counts = torch.floor(torch.exp(self._dense_mu + self._dense_sigma * z))
         dense = torch.log1p(counts).float()
-        lengths = torch.randint(self.min_bag, self.max_bag + 1, (NUM_SPARSE * b,), generator=gen)
+        lengths = torch.randint(self.min_bag, self.max_bag + 1, (NUM_SPARSE * b,), generator=gen, device="cpu")
         per_feature = lengths.view(NUM_SPARSE, b).sum(1).tolist()
         values = torch.cat([d.sample(n, gen) for d, n in zip(self._dists, per_feature)])
         sparse = KeyedJaggedTensor(keys=self.keys, values=values, lengths=lengths)
-        batch = Batch(dense_features=dense, sparse_features=sparse, labels=torch.empty(0))
+        batch = Batch(dense_features=dense, sparse_features=sparse, labels=torch.empty(0, device="cpu"))
         p = torch.sigmoid(self.hidden_logits(batch).double())
-        batch.labels = (torch.rand(b, generator=gen, dtype=torch.float64) < p).float()
+        batch.labels = (torch.rand(b, generator=gen, dtype=torch.float64, device="cpu") < p).float()
         return batch
 
     def hidden_logits(self, batch) -> torch.Tensor:
@@ -399,8 +399,8 @@ class SyntheticCriteo(IterableDataset):
             u = torch.from_numpy((h >> np.uint64(11)).astype(np.float64) * 2.0**-53)
             effect = (u - 0.5) * (math.sqrt(12.0) * self.effect_scale)
             lengths = jt.lengths()
-            bag = torch.zeros(lengths.numel(), dtype=torch.float64).index_add_(
-                0, torch.repeat_interleave(torch.arange(lengths.numel()), lengths), effect
+            bag = torch.zeros(lengths.numel(), dtype=torch.float64, device="cpu").index_add_(
+                0, torch.repeat_interleave(torch.arange(lengths.numel(), device="cpu"), lengths), effect
             )
             logit = logit + bag / lengths.clamp(min=1)
         return logit.float()

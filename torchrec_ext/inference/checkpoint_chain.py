@@ -84,5 +84,5 @@ def _dense_request(model: nn.Module, dynamic_paths: Sequence[str]) -> dict[str, 
     out = {}
     for name, value in model.state_dict().items():
         if not any(p == "" or name.startswith(p + ".") for p in dynamic_paths):
-            out[name] = torch.empty(value.shape, dtype=value.dtype) if value.is_meta else value.clone()
+            out[name] = torch.empty(value.shape, dtype=value.dtype, device="cpu") if value.is_meta else value.clone()
     return out

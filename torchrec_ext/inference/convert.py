@@ -108,13 +108,13 @@ def load_inference_checkpoint(path: str, model: nn.Module, key: str = "model", *
     for name, value in model.state_dict().items():
         if not _under(name, list(dynamic)):
             # On meta (structure only): a host tensor of the same size for DCP to fill.
-            request[name] = torch.empty(value.shape, dtype=value.dtype) if value.is_meta else value
+            request[name] = torch.empty(value.shape, dtype=value.dtype, device="cpu") if value.is_meta else value
     for p, m in dynamic.items():
         for cfg in _configs(m):
             prefix = _table_prefix(m, p, cfg.name)
             for entry in ("weight", "weight_id", "counters", "last_seen", "fallback_weight"):
                 if f"{key}.{prefix}{entry}" in stored:
-                    request[prefix + entry] = torch.empty(0)  # sized to the checkpoint's by load_checkpoint
+                    request[prefix + entry] = torch.empty(0, device="cpu")  # sized by load_checkpoint
                 elif entry in ("weight", "weight_id"):
                     raise ValueError(
                         f"{where}: table {cfg.name!r} ({prefix[:-1]}) is not in checkpoint {path!r} "
@@ -191,7 +191,7 @@ def serving_module(
         view = storage.row_view(t)
         view[rows] = storage.encode(t, vectors)
         if fallback[t] is not None:
-            storage.set_fallback(t, torch.arange(metas[t].fallback_rows), fallback[t])
+            storage.set_fallback(t, torch.arange(metas[t].fallback_rows, device="cpu"), fallback[t])
         else:
             storage.set_default(t, default)
     for t, cfg in enumerate(configs):
@@ -368,8 +368,8 @@ def _fallback_rows(m: ServingTable, state: Mapping[str, Any], where: str) -> Ten
 def _default_vector(m: ServingTable, value: Any, where: str) -> Tensor:
     """float32 [dim]: what ids the table does not hold read."""
     if value is None:
-        return torch.zeros(m.dim)
-    vector = torch.as_tensor(value, dtype=torch.float32).flatten()
+        return torch.zeros(m.dim, device="cpu")
+    vector = torch.as_tensor(value, dtype=torch.float32, device="cpu").flatten()
     if vector.numel() == 1:
         vector = vector.expand(m.dim)
     if vector.numel() != m.dim or not bool(torch.isfinite(vector).all()):

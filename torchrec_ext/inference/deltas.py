@@ -41,7 +41,7 @@ class _SourceShape:
 
     def __init__(self, tables: InferenceTables):
         self.meta = tables.meta
-        self._views = [torch.empty(0, m.dim, dtype=m.source_dtype) for m in tables.meta]
+        self._views = [torch.empty(0, m.dim, dtype=m.source_dtype, device="cpu") for m in tables.meta]
 
     def table_view(self, t: int) -> Tensor:
         return self._views[t]

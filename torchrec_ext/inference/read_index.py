@@ -46,10 +46,10 @@ class ReadIndex:
 def build_read_index(table: HashTable) -> ReadIndex:
     """A read index holding every live id of ``table`` at its row."""
     pages = list(table.export())
-    keys = torch.cat([p[0] for p in pages]) if pages else torch.zeros(0, dtype=torch.int64)
-    rows = torch.cat([p[1] for p in pages]) if pages else torch.zeros(0, dtype=torch.int64)
+    keys = torch.cat([p[0] for p in pages]) if pages else torch.zeros(0, dtype=torch.int64, device="cpu")
+    rows = torch.cat([p[1] for p in pages]) if pages else torch.zeros(0, dtype=torch.int64, device="cpu")
     buckets = max(1, -(-int(keys.numel() / TARGET_LOAD) // KEYS_PER_BUCKET))
-    empty = torch.zeros(buckets * BUCKET_WORDS, dtype=torch.int64)
+    empty = torch.zeros(buckets * BUCKET_WORDS, dtype=torch.int64, device="cpu")
     return ReadIndex(ops.serving_index_update(empty, keys[:0], keys, rows))
 
 

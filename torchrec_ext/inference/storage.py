@@ -114,11 +114,11 @@ class InferenceTables:
 
     def _build_float(self) -> None:
         sizes = [table_words(m.rows, m.dim, m.dtype) for m in self.meta]
-        self.table_offsets = torch.tensor([0] + sizes[:-1], dtype=torch.int64).cumsum(0)
-        self.table_dims = torch.tensor([m.dim for m in self.meta], dtype=torch.int64)
+        self.table_offsets = torch.tensor([0] + sizes[:-1], dtype=torch.int64, device="cpu").cumsum(0)
+        self.table_dims = torch.tensor([m.dim for m in self.meta], dtype=torch.int64, device="cpu")
         half = any(m.dtype != torch.float32 for m in self.meta)
-        self.table_dtypes = torch.tensor([dtype_code(m.dtype) for m in self.meta]) if half else None
-        self.weights = torch.zeros(sum(sizes), dtype=torch.float32)
+        self.table_dtypes = torch.tensor([dtype_code(m.dtype) for m in self.meta], device="cpu") if half else None
+        self.weights = torch.zeros(sum(sizes), dtype=torch.float32, device="cpu")
         self.feature_table, self.feature_col, self.feature_mean = self.plan.tensors(torch.device("cpu"))
 
     def _build_int8(self, pooled: bool) -> None:
@@ -171,8 +171,8 @@ class InferenceTables:
             for m, s, b in zip(self.meta, starts, row_bytes)
         ]
         for m, view in zip(self.meta, self._int8_views):  # every row reads zeros until written
-            view[:] = quantize_rows(torch.zeros(1, m.dim))
-        self.feature_mean = torch.tensor(self.plan.mean)
+            view[:] = quantize_rows(torch.zeros(1, m.dim, device="cpu"))
+        self.feature_mean = torch.tensor(self.plan.mean, device="cpu")
 
     def set_index(self, t: int, index: HashTable) -> None:
         """Table t's ids are ``index``'s (and its read index is built from it)."""
@@ -193,7 +193,7 @@ class InferenceTables:
         """``rows`` with each id not found given the row its table serves unseen ids."""
         m = self.meta[t]
         if m.fallback_rows:
-            seed = torch.tensor(m.fallback_seed, dtype=torch.int64)
+            seed = torch.tensor(m.fallback_seed, dtype=torch.int64, device="cpu")
             return torch.where(found, rows, m.capacity + fallback_slots(ids, seed, m.fallback_rows))
         return torch.where(found, rows, self.default_rows[t])
 
@@ -272,7 +272,7 @@ class InferenceTables:
 
     def pooled(self, batch: LookupInput) -> Tensor:
         """float32 [batch_size, total_dim]: every feature's bags, pooled (sum or mean)."""
-        offsets = torch.zeros(batch.lengths.numel() + 1, dtype=torch.int64)
+        offsets = torch.zeros(batch.lengths.numel() + 1, dtype=torch.int64, device="cpu")
         torch.cumsum(batch.lengths, 0, out=offsets[1:])
         rows = self.rows_of(batch)
         if not self.int8:
@@ -296,7 +296,7 @@ class InferenceTables:
             lengths = batch.lengths.view(-1, batch.batch_size).clamp(min=1).to(out.dtype)
             per_col = torch.repeat_interleave(
                 torch.where(self.feature_mean.unsqueeze(1), lengths, 1.0),
-                torch.tensor(self.plan.dims),
+                torch.tensor(self.plan.dims, device="cpu"),
                 dim=0,
                 output_size=self.plan.total_dim,
             )
@@ -318,7 +318,7 @@ class InferenceTables:
                 (),
                 self.table_dtypes,
             )
-        offsets = torch.zeros(batch.lengths.numel() + 1, dtype=torch.int64)
+        offsets = torch.zeros(batch.lengths.numel() + 1, dtype=torch.int64, device="cpu")
         torch.cumsum(batch.lengths, 0, out=offsets[1:])
         return self._fbgemm_lookup(rows, offsets, None)
 

@@ -28,7 +28,7 @@ def batch_from_json(request: Any, feature_names: list[str], dense_in: int) -> tu
     if not isinstance(request, dict) or "dense" not in request:
         raise ValueError('the body must be a JSON object with "dense" (and "sparse")')
     try:
-        dense = torch.tensor(request["dense"], dtype=torch.float32)
+        dense = torch.tensor(request["dense"], dtype=torch.float32, device="cpu")
     except (TypeError, ValueError) as e:
         raise ValueError(f'"dense" must be a list of lists of numbers ({e})') from None
     if dense.dim() != 2 or dense.shape[1] != dense_in or dense.shape[0] < 1:
@@ -58,8 +58,8 @@ def batch_from_json(request: Any, feature_names: list[str], dense_in: int) -> tu
             values.extend(bag)
     kjt = KeyedJaggedTensor(
         keys=feature_names,
-        values=torch.tensor(values, dtype=torch.int64),
-        lengths=torch.tensor(lengths, dtype=torch.int64),
+        values=torch.tensor(values, dtype=torch.int64, device="cpu"),
+        lengths=torch.tensor(lengths, dtype=torch.int64, device="cpu"),
         stride=batch,
     )
     return dense, kjt

@@ -464,8 +464,9 @@ def test_writing_rows_back_from_the_caches_is_one_copy_for_all_tables(device="cp
 
 def test_packed_reads_of_tables_of_other_widths_and_dtypes_equal_all_resident_tables(tmp_path, monkeypatch):
     # FP32 x 8, FP16 x 6 and BF16 x 4 rows (records of 3 widths) read in one packed copy, from a
-    # file's base and its log, and written back to its log in one packed copy, in rounds of 7 rows a table (the through_records fixture's
-    # chunks); the oracle test: bit for bit against the all-resident module.
+    # file's base and its log, and written back to its log in one packed copy, in rounds of 7
+    # rows a table (the through_records fixture's chunks); the oracle test: bit for bit against
+    # the all-resident module.
     from torchrec_ext.modules import tier_copies
 
     monkeypatch.setattr(TieredTables, "copy_through_records", True)
@@ -520,7 +521,8 @@ def test_each_copy_records_its_own_event_and_a_write_back_waits_for_its_copy_alo
     """The GPU's control flow on the CPU: the copies taken as asynchronous, with stand-in events.
     Every copy (to the device, or a write-back's to the host) records an event right after it;
     a write-back's wait (``landed``) is for its own copy's event, not for the stream (a copy
-    queued after it would lengthen that); a buffer is refilled after its last copy's event. The module still equals the all-resident one."""
+    queued after it would lengthen that); a buffer is refilled after its last copy's event. The
+    module still equals the all-resident one."""
     from torchrec_ext.modules.tier_copies import DeviceCopies
 
     log: list[tuple[str, int]] = []

@@ -11,6 +11,9 @@ on CUDA ids, rows, scores and counters exactly, floats to 1e-6, as the device's 
 in another order).
 """
 
+import contextlib
+import threading
+
 import pytest
 import torch
 
@@ -241,3 +244,89 @@ def test_the_device_maps_read_every_tables_rows_in_one_copy(device):
     if device == "cpu":
         pytest.skip("the device maps on the CPU: test_tiers_device_maps.py")
     test_reading_rows_into_the_caches_is_one_copy_for_all_tables(device)
+
+
+def test_the_device_maps_write_every_tables_rows_back_in_one_copy(device):
+    # (on the CPU: test_tiers_device_maps.py) The write-backs of all tables: one D2H copy, one wait.
+    from test_tiers_device_maps import test_writing_rows_back_from_the_caches_is_one_copy_for_all_tables
+
+    if device == "cpu":
+        pytest.skip("the device maps on the CPU: test_tiers_device_maps.py")
+    test_writing_rows_back_from_the_caches_is_one_copy_for_all_tables(device)
+
+
+class _FakeCuda:
+    """torch.cuda's current device and streams as the stage worker meets them, without a GPU: a
+    current device and current streams per thread (device 0 and its default stream at first), and
+    a stream context that leaves the current device alone, so that only an explicit device guard
+    puts a thread on another device."""
+
+    def __init__(self):
+        self.local = threading.local()
+
+    def _index(self, device) -> int:
+        return device if isinstance(device, int) else torch.device(device).index
+
+    def current_device(self) -> int:
+        return getattr(self.local, "device", 0)
+
+    def current_stream(self, device=None):
+        streams = self.local.__dict__.setdefault("streams", {})
+        index = self.current_device() if device is None else self._index(device)
+        return streams.setdefault(index, _FakeStream(index, "default"))
+
+    @contextlib.contextmanager
+    def device(self, device):
+        before, self.local.device = self.current_device(), self._index(device)
+        try:
+            yield
+        finally:
+            self.local.device = before
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        streams = self.local.__dict__.setdefault("streams", {})
+        before, streams[stream.index] = streams.get(stream.index), stream
+        try:
+            yield
+        finally:
+            streams[stream.index] = before
+
+
+class _FakeStream:
+    def __init__(self, device, name="side"):
+        self.index = device if isinstance(device, int) else torch.device(device).index
+        self.name, self.waited = name, []
+
+    def record_event(self):
+        return (self.name, self.index)
+
+    def wait_event(self, event) -> None:
+        self.waited.append(event)
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_the_stage_worker_runs_on_the_modules_device_whatever_the_threads(monkeypatch):
+    # A module on cuda:1: its stage's worker thread starts on cuda:0 (every new thread's current
+    # device); the worker sets cuda:1 itself around each stage, so the stage's calls that take the
+    # current device or stream (the hand-over's wait) are on the side stream of cuda:1.
+    fake = _FakeCuda()
+    for name in ("current_device", "current_stream", "device", "stream"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    device = torch.device("cuda", 1)
+    stager, handover = tiered_tables._Stager(device), tiered_tables._Handover(1, device)
+    seen = []
+
+    def stage():
+        handover.take(0)
+        seen.append((fake.current_device(), fake.current_stream()))
+
+    handover.release(0, [], 1)
+    stager.wait(stager.submit(stage))
+    stager.close()
+    assert seen == [(1, stager._stream)], seen
+    # The side stream waited for the train stream's events (on cuda:1): the submission's, the hand-over's.
+    assert stager._stream.waited == [("default", 1), ("default", 1)], stager._stream.waited

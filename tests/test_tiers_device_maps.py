@@ -348,25 +348,6 @@ def test_a_stage_copies_to_the_device_the_same_for_any_table_count(monkeypatch):
     assert counts[0] == counts[1], counts
 
 
-def test_a_stage_queues_every_tables_write_backs_before_it_waits(monkeypatch):
-    # (the records path a GPU takes) The write-backs of a stage's tables gather their rows and
-    # queue their copies to the host first, then wait, each for its own copy: on a GPU the
-    # copies queued after the first go on while its rows are written home.
-    import re
-
-    from torchrec_ext.modules.tier_copies import DeviceCopies
-
-    calls = []
-    queued, landed = DeviceCopies.to_host_queued, DeviceCopies.landed
-    monkeypatch.setattr(DeviceCopies, "to_host_queued", lambda *a: calls.append("q") or queued(*a))
-    monkeypatch.setattr(DeviceCopies, "landed", lambda *a: calls.append("l") or landed(*a))
-    monkeypatch.setattr(TieredTables, "copy_through_records", True)
-    _staged_steps(3, True)
-    blocks = re.findall("q+l+", "".join(calls))
-    assert "".join(blocks) == "".join(calls) and all(b.count("q") == b.count("l") for b in blocks)
-    assert max(b.count("q") for b in blocks) == 3, blocks  # (each table wrote back in some stage)
-
-
 @pytest.mark.parametrize("records", [False, True], ids=["plain", "records"])
 def test_a_failed_write_back_of_one_table_leaves_the_others_written(monkeypatch, records):
     """One table's write-back raises (an OS error writing the backing store): the lookup raises
@@ -383,7 +364,7 @@ def test_a_failed_write_back_of_one_table_leaves_the_others_written(monkeypatch,
     def refuse(*args):
         raise OSError("no space left on device")
 
-    monkeypatch.setattr(failing, "_write_records", refuse)
+    monkeypatch.setattr(failing, "store", refuse)
     monkeypatch.setattr(failing, "write", refuse)
     with pytest.raises(OSError, match="no space left"):
         module(batches[10])
@@ -429,10 +410,63 @@ def test_reading_rows_into_the_caches_is_one_copy_for_all_tables(device="cpu"):
         assert many_reads > 2 * many, (staged, many, many_reads)  # (several tables a copy)
 
 
+def _copies_to_the_host(tables, staged, device="cpu"):
+    """On the records path a GPU takes: the write-backs' copies to the host (each a D2H DMA on a
+    GPU: ``DeviceCopies.to_host_queued``), their waits (``landed``), their slots' copies to the
+    device, and the tables' parts written to their backing stores, of a module of ``tables``
+    tables trained as ``_copies_to_the_device`` trains it."""
+    from torchrec_ext.modules import tier_copies
+    from torchrec_ext.modules.tier_copies import DeviceCopies
+
+    counts = {"to host": 0, "waits": 0, "slots to device": 0, "stores": 0}
+
+    def counted(key, call):
+        def counting(*args):
+            counts[key] += 1
+            return call(*args)
+
+        return counting
+
+    class SlotCopies:
+        def __getattr__(self, name):
+            return getattr(device_sync, name)
+
+        to_device = staticmethod(counted("slots to device", device_sync.to_device))
+
+    to_stores = DeviceCopies.to_stores
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TieredTables, "copy_through_records", True)
+        patch.setattr(tier_copies, "device_sync", SlotCopies())
+        patch.setattr(DeviceCopies, "to_host_queued", counted("to host", DeviceCopies.to_host_queued))
+        patch.setattr(DeviceCopies, "landed", counted("waits", DeviceCopies.landed))
+        patch.setattr(
+            DeviceCopies, "to_stores", lambda self, w, b, store: to_stores(self, w, b, counted("stores", store))
+        )
+        if staged:
+            _staged_steps(tables, True, device=device)
+        else:
+            _unstaged_reads(tables, device)
+    return counts
+
+
+def test_writing_rows_back_from_the_caches_is_one_copy_for_all_tables(device="cpu"):
+    # With the device maps the rows every table evicts dirty are gathered on the device into one
+    # buffer (their slots sent there in one copy) and reach the host in one copy, with one wait:
+    # as many copies for 6 tables as for 2, while the tables' stores grow with them
+    # (test_tiers_device.py: on CUDA).
+    for staged in (True, False):
+        few, many = [_copies_to_the_host(n, staged, device) for n in (2, 6)]
+        assert few["to host"] == many["to host"] and few["stores"] < many["stores"], (staged, few, many)
+        for counts in (few, many):
+            assert counts["to host"] == counts["waits"] == counts["slots to device"] > 0, (staged, counts)
+        assert many["stores"] > 2 * many["to host"], (staged, many)  # (several tables a copy)
+
+
 def test_packed_reads_of_tables_of_other_widths_and_dtypes_equal_all_resident_tables(tmp_path, monkeypatch):
     # FP32 x 8, FP16 x 6 and BF16 x 4 rows (records of 3 widths) read in one packed copy, from a
-    # file's base and its log, in rounds of 7 rows a table (the through_records fixture's
-    # chunks); the oracle test: bit for bit against the all-resident module.
+    # file's base and its log, and written back to its log in one packed copy, in rounds of 7
+    # rows a table (the through_records fixture's chunks); the oracle test: bit for bit against
+    # the all-resident module.
     from torchrec_ext.modules import tier_copies
 
     monkeypatch.setattr(TieredTables, "copy_through_records", True)
@@ -446,6 +480,13 @@ def test_packed_reads_of_tables_of_other_widths_and_dtypes_equal_all_resident_ta
         return to_caches(self, reads, buffer)
 
     monkeypatch.setattr(tier_copies.DeviceCopies, "to_caches", packed)
+    written, to_stores = [], tier_copies.DeviceCopies.to_stores
+
+    def packed_back(self, writes, buffer, store):
+        written.append({mover.record_bytes for mover, _, rows in writes if rows.numel()})
+        return to_stores(self, writes, buffer, store)
+
+    monkeypatch.setattr(tier_copies.DeviceCopies, "to_stores", packed_back)
     sources, gather = [], tiered_tables._LogMover.gather
 
     def from_base_and_log(self, records, slots, rows):
@@ -458,6 +499,7 @@ def test_packed_reads_of_tables_of_other_widths_and_dtypes_equal_all_resident_ta
     (tmp_path / "reloaded").mkdir()  # (a loaded file's rows in its base, written-back rows in its log)
     test_a_device_cache_round_trips_its_state_dict(tmp_path / "reloaded", torch.device("cpu"))
     assert widths and max(len(w) for w in widths) == 3, widths
+    assert written and max(len(w) for w in written) == 3, written  # (the write-backs packed the same way)
     assert (True, True) in sources, sources  # one table's read from both
 
 
@@ -479,8 +521,8 @@ def test_each_copy_records_its_own_event_and_a_write_back_waits_for_its_copy_alo
     """The GPU's control flow on the CPU: the copies taken as asynchronous, with stand-in events.
     Every copy (to the device, or a write-back's to the host) records an event right after it;
     a write-back's wait (``landed``) is for its own copy's event, not for the stream (a copy
-    queued after it, another table's, would lengthen that); a buffer is refilled after its last
-    copy's event. The module still equals the all-resident one."""
+    queued after it would lengthen that); a buffer is refilled after its last copy's event. The
+    module still equals the all-resident one."""
     from torchrec_ext.modules.tier_copies import DeviceCopies
 
     log: list[tuple[str, int]] = []
@@ -519,5 +561,5 @@ def test_each_copy_records_its_own_event_and_a_write_back_waits_for_its_copy_alo
     waits = [(i, n) for i, (kind, n) in enumerate(log) if kind == "landed"]
     assert {n for _, n in waits} == {n for i, n in copies if log[i][0] == "queued"}
     assert all(log[i + 1] == ("wait", n) for i, n in waits)
-    later = [n for i, n in waits if any(kind == "queued" and m > n for kind, m in log[:i])]
-    assert later, log  # (a stage's tables: each copy queued before the first wait)
+    # All tables' write-backs in one copy: nothing queued between it and its wait.
+    assert waits and all(log[i - 1] == ("queued", n) for i, n in waits), log

@@ -63,7 +63,8 @@ backing store on the host or on disk; one rank's share is planned as (``tiered_t
       + LFU: 4 * rows                                 the cache's lookups per row (cache_algorithm)
       + CUDA: min(2 * slots, 32768) * record          the pinned buffer of transfers
       + CUDA: min(slots, 32768) * record              (device maps) its share of the pinned buffer
-                                                      where all tables' reads are packed (one copy)
+                                                      where all tables' reads, and in turn their
+                                                      write-backs, are packed (one copy each)
         CPU, file: min(2 * slots, 32768) * record     the write-back buffer
       + host: 4 * ceil(rows * dim * e / 4) + rows * state     the backing store
     disk (ssd), file: the same bytes in the backing files + the log's bound, RowLog.max_records(rows) * record
@@ -337,7 +338,7 @@ def tiered_table_bytes(
     cache on a CUDA device (``cuda``) or the CPU (the byte model in the module docstring): what
     ``storage_bytes()`` of a module holding that share reports when built, plus the bounds of its
     LRU queue and of the records buffers it makes as rows move (a CUDA cache: the pinned host
-    buffer of transfers, its share of the packed reads' with the device maps, and a transfer's
+    buffer of transfers, its share of the packed reads' and write-backs' with the device maps, and a transfer's
     records on the device; a CPU cache over a file: the
     write-back buffer); with ``backing_bytes()`` on the host (host) or on disk (file, with the
     log's bound). ``cache_algorithm``: the plan's (None: the options'). ``device_maps``: the cache's
@@ -367,7 +368,7 @@ def tiered_table_bytes(
     if cuda:
         host += min(2 * slots, MAX_TRANSFER_ROWS) * record
         device += min(slots, MAX_TRANSFER_ROWS) * record
-        if on_device_maps:  # its share of the pinned buffer of all tables' packed reads
+        if on_device_maps:  # its share of the pinned buffer of all tables' packed reads and write-backs
             host += min(slots, MAX_TRANSFER_ROWS) * record
     elif file:
         host += min(2 * slots, _LogMover.BUFFER_ROWS) * record

@@ -16,14 +16,16 @@ flight). Transfers are cut in chunks of at most ``MAX_ROWS`` records, so the buf
 
 ``DeviceCopies`` sends host records to the device (``to_device``: non-blocking, on the current
 stream) and brings device records back (``to_host``: the host waits for the copy: a write-back
-must see the bytes before it writes them to the backing store; ``to_host_queued`` then
-``landed``: the write-backs of several tables queued first, then a wait for each). Each copy
-records an event on its stream right after it, and a wait is for that event only: a copy queued
-later on the stream (another table's write-back, a read) never lengthens it. ``to_caches`` reads
-the rows of several tables into their caches in one copy: their records packed one table after
-another in one host buffer (each table's records are ``record_bytes`` wide, a multiple of 8, so
-every table's part, and every field in it, stays 8-byte aligned whatever the tables' widths and
-dtypes), one copy to the device, then each table's part scattered into its slots there.
+must see the bytes before it writes them to the backing store). Each copy records an event on
+its stream right after it, and a wait is for that event only: a copy queued later on the stream
+(a read) never lengthens it. ``to_caches`` reads the rows of several tables into their caches in
+one copy: their records packed one table after another in one host buffer (each table's records
+are ``record_bytes`` wide, a multiple of 8, so every table's part, and every field in it, stays
+8-byte aligned whatever the tables' widths and dtypes), one copy to the device, then each
+table's part scattered into its slots there. ``to_stores`` writes several tables' rows back the
+other way round, in the same packed layout: all tables' slots to the device in one copy, each
+table's records gathered there into one device buffer, one copy into the host buffer, one wait
+for its event, then each table's part written to its backing store.
 
 Lifetimes across streams: a host buffer is refilled only once its last copy's event has passed
 (``RecordsBuffer.take``), and a dropped pinned buffer goes back to torch's pinned-memory cache,
@@ -39,6 +41,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from torchrec_ext import device_sync
 from torchrec_ext.modules.tier_log import ROW_BYTES
 
 MAX_ROWS = 1 << 15  # records per transfer (of each table, packed): 16 MiB of 512-byte records
@@ -111,7 +114,7 @@ class RecordsBuffer:
 
 class DeviceCopies:
     """Records between the host and ``device`` (the cache's), through ``RecordsBuffer``s; one for
-    all of a module's tables (``packed``: the buffer of their reads packed together)."""
+    all of a module's tables (``packed``: the buffer of their reads and write-backs packed together)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -123,8 +126,9 @@ class DeviceCopies:
         return RecordsBuffer(record_bytes, pinned=self.pinned)
 
     def pack_reads(self, max_bytes: int) -> None:
-        """Gives the copies a buffer of packed reads (8-byte words) of at most ``max_bytes``: the
-        most one ``to_caches`` round takes (``MAX_ROWS`` rows of each table at most)."""
+        """Gives the copies a buffer of packed reads and write-backs (8-byte words) of at most
+        ``max_bytes``: the most one ``to_caches`` or ``to_stores`` round takes (``MAX_ROWS`` rows
+        of each table at most; write-backs and reads take it in turn, never both at once)."""
         self.packed = RecordsBuffer(8, pinned=self.pinned, max_rows=max(1, max_bytes // 8))
 
     def buffer_bytes(self) -> int:
@@ -151,25 +155,31 @@ class DeviceCopies:
         the slots in their row column; ``scatter`` writes device records into the cache). Rows
         read in ascending order (a file front to back). ``buffer``: ``packed`` for several
         movers, a mover's own for its reads alone (its records' width)."""
-        ordered = []
-        for mover, slots, rows in reads:
-            if rows.numel():
-                order = rows.argsort()
-                ordered.append((mover, slots[order], rows[order]))
-        longest = max((rows.numel() for _, _, rows in ordered), default=0)
-        for start in range(0, longest, MAX_ROWS):
-            parts = [
-                (mover, slots[start : start + MAX_ROWS], rows[start : start + MAX_ROWS])
-                for mover, slots, rows in ordered
-                if rows.numel() > start
-            ]
-            sizes = [rows.numel() * mover.record_bytes for mover, _, rows in parts]
+        for parts, sizes in _rounds(reads):
             host = buffer.take_bytes(sum(sizes))
             for (mover, slots, rows), records in zip(parts, _packed(host, parts, sizes)):
                 mover.gather(records, slots, rows)
             on_device = self.to_device(host, buffer)  # (one copy for every mover's records)
             for (mover, _, _), records in zip(parts, _packed(on_device, parts, sizes)):
                 mover.scatter(records)
+
+    def to_stores(self, writes: list[tuple[object, Tensor, Tensor]], buffer: RecordsBuffer, store) -> None:
+        """Each (mover, slots, rows) of ``writes``: the mover's cache ``slots`` written back to
+        its backing store's ``rows`` (host, int64), every mover's in one copy to the host a round
+        of at most ``MAX_ROWS`` rows of each: all movers' slots to the device in one copy, each
+        mover's records gathered there (``mover.gather_cache``) into one device buffer, one copy
+        into ``buffer``, one wait for it, then ``store(mover, records, rows)`` for each (the
+        caller's: one mover's store failing must not stop the others'). Rows written in ascending
+        order. ``buffer``: ``packed``, as ``to_caches``'s."""
+        for parts, sizes in _rounds(writes):
+            at = device_sync.to_device(torch.cat([slots for _, slots, _ in parts]), self.device)
+            on_device, first = self.empty(sum(sizes) // 8, 8), 0
+            for (mover, slots, _), records in zip(parts, _packed(on_device.view(-1), parts, sizes)):
+                mover.gather_cache(records, at[first : first + slots.numel()])
+                first += slots.numel()
+            host = self.to_host(on_device, buffer).view(-1)  # (one copy, one wait, for every mover's records)
+            for (mover, _, rows), records in zip(parts, _packed(host, parts, sizes)):
+                store(mover, records, rows)
 
     def to_host(self, records: Tensor, buffer: RecordsBuffer) -> Tensor:
         """Device ``records`` copied into ``buffer`` (host), the host waiting for the copy."""
@@ -190,14 +200,32 @@ class DeviceCopies:
 
     def landed(self, copied) -> None:
         """Returns once the copy of ``copied`` (``to_host_queued``'s event) has landed: a wait for
-        that copy alone, not for what the stream queued after it (the write-backs of several
-        tables: each table's records written home as soon as its own copy lands)."""
+        that copy alone, not for what the stream queued after it."""
         if copied is not None:
             copied.synchronize()
 
     def empty(self, n: int, record_bytes: int) -> Tensor:
         """Zeroed device records (the pads are defined bytes when they reach a log)."""
         return torch.zeros(n, record_bytes, dtype=torch.uint8, device=self.device)
+
+
+def _rounds(moves: list[tuple[object, Tensor, Tensor]]):
+    """The (mover, slots, rows) of ``moves`` in rounds of at most ``MAX_ROWS`` rows of each
+    mover, rows ascending (a file read or written front to back): each round's parts and their
+    bytes (``[rows, mover.record_bytes]`` records each)."""
+    ordered = []
+    for mover, slots, rows in moves:
+        if rows.numel():
+            order = rows.argsort()
+            ordered.append((mover, slots[order], rows[order]))
+    longest = max((rows.numel() for _, _, rows in ordered), default=0)
+    for start in range(0, longest, MAX_ROWS):
+        parts = [
+            (mover, slots[start : start + MAX_ROWS], rows[start : start + MAX_ROWS])
+            for mover, slots, rows in ordered
+            if rows.numel() > start
+        ]
+        yield parts, [rows.numel() * mover.record_bytes for mover, _, rows in parts]
 
 
 def _packed(flat: Tensor, parts, sizes: list[int]) -> list[Tensor]:

@@ -23,10 +23,12 @@ free slots by a device scatter (``_take_free``): nothing else reaches the host. 
 misses, or out of free slots, take the host path together (``_fill``): their missing rows to the
 host in one read, victims the least recently used unpinned slots not used at this clock (a
 ``topk`` over each table's clocks, all tables' victims read in one), dirty victims written back
-and misses read through each table's mover (tier_copies.py's records on a GPU). ``stage`` (the pipeline's stage on its worker, a side stream
-on a GPU) brings the next batch's rows in and frees slots for its new rows the same way, so that
-the next lookup takes the fast path: one read of all tables' missing rows, one of all evicting
-tables' victims, and per table that writes back, the wait for its write-back's copy.
+and misses read through each table's mover (tier_copies.py's records on a GPU: all tables'
+write-backs in one copy to the host, their reads in one copy to the device). ``stage`` (the
+pipeline's stage on its worker, a side stream on a GPU) brings the next batch's rows in and
+frees slots for its new rows the same way, so that the next lookup takes the fast path: one
+read of all tables' missing rows, one of all evicting tables' victims, and one wait for all
+tables' write-backs' copy.
 
 LFU (a table's ``cache_algorithm="lfu"``): each row of such a table counts the lookups that held
 it (``uses``, per row of the table, not per slot, so a hot row keeps its count across its
@@ -430,21 +432,20 @@ class DeviceSlotMaps:
         slots, rows, written, kept = host[0] - bases[0], host[1], host[2] == 1, host[3] == 1
         # The maps forgot the victims above: each table's write-back must run even when another
         # table's raises (an OS error writing its store), else their rows would be lost too.
-        freed, stores, failed = {}, [], []
+        freed, writes, failed = {}, [], []
         for t, first, k in self._parts(dict(zip(shorts, counts))):
             these = slice(first, first + k)
             n = int(written[these].sum())
-            if n:  # (before any slot is refilled: the caller's reads come after)
+            if n:
                 cache = self.tables[t]
                 back = written[these]
-                stores.append(_attempt(failed, movers[t].write_later, slots[these][back], rows[these][back]))
+                writes.append((t, slots[these][back], rows[these][back]))
                 cache.write_backs += n
                 if ahead:
                     cache.staged_write_backs += n
                 cache.bytes_moved += n * movers[t].row_bytes
             freed[t] = slots[these][kept[these]]
-        for store in stores:  # (every table's copy queued before the first waits: the later ones land meanwhile)
-            _attempt(failed, store)
+        _write(writes, movers, failed)  # (before any slot is refilled: the caller's reads come after)
         self._push_free(freed)
         if failed:
             raise failed[0]
@@ -551,14 +552,26 @@ def _read(reads: list[tuple[int, Tensor, Tensor]], movers) -> None:
     copies.to_caches([(movers[t], slots, rows) for t, slots, rows in reads], copies.packed)
 
 
-def _attempt(failed: list[BaseException], call, *args):
-    """``call(*args)``; an exception it raises is kept in ``failed`` (returns a no-op then)."""
+def _write(writes: list[tuple[int, Tensor, Tensor]], movers, failed: list[BaseException]) -> None:
+    """Each (table, slots, rows) of ``writes``: its cache's ``slots`` written back to its backing
+    store's ``rows`` (host tensors), every table's even when one's raises (kept in ``failed``).
+    Through records (a GPU's cache): all tables' in one copy to the host (tier_copies.py's
+    ``to_stores``, through the buffer of the packed reads)."""
+    copies = movers[writes[0][0]].copies if writes else None
+    if copies is None:
+        for t, slots, rows in writes:
+            _attempt(failed, movers[t].write, slots, rows)
+        return
+
+    def store(mover, records: Tensor, rows: Tensor) -> None:
+        _attempt(failed, mover.store, records, rows)
+
+    _attempt(failed, copies.to_stores, [(movers[t], slots, rows) for t, slots, rows in writes], copies.packed, store)
+
+
+def _attempt(failed: list[BaseException], call, *args) -> None:
+    """``call(*args)``; an exception it raises is kept in ``failed``."""
     try:
-        return call(*args)
+        call(*args)
     except Exception as error:  # noqa: BLE001  (re-raised by the caller once every write-back has run)
         failed.append(error)
-        return _nothing
-
-
-def _nothing() -> None:
-    pass

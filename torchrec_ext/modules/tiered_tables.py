@@ -46,7 +46,9 @@ goes to the device in one asynchronous DMA on the current stream and is scattere
 there (with the device maps, all tables' rows of a fill or a stage packed in one buffer: one DMA
 whatever the table count); a write-back gathers the slots into device records, one DMA into a
 pinned buffer, and the host waits for that copy's event (it writes the backing store from those
-bytes), then writes them to the store or appends them to the log. The stage does this on its worker, on a side stream: the train step
+bytes), then writes them to the store or appends them to the log (with the device maps, all
+tables' victims of a fill or a stage packed the same way: one DMA and one wait whatever the
+table count). The stage does this on its worker, on a side stream: the train step
 waits only for the stage's event. (Not UVA zero-copy: a batch's misses are scattered rows, and one
 DMA of the gathered rows costs the PCIe link no more than the kernels' reads of them would,
 without the kernels' reading host memory at every lookup; a UVA gather kernel is a later option.)
@@ -110,10 +112,6 @@ def tables_for(configs: Sequence[BaseEmbeddingConfig], device: torch.device) -> 
     return DynamicTables(configs, device)
 
 
-def _written() -> None:
-    """``_Mover.write_later``'s second half when the first wrote everything."""
-
-
 class _Mover:
     """Copies rows of one table between its cache slots and the backing store: the vectors and
     each optimizer state, in their storage dtypes (bit for bit). Slots and rows are host tensors
@@ -174,20 +172,19 @@ class _Mover:
         for k, (cache, _) in enumerate(self.pairs):
             cache.index_copy_(0, at, self._pair_field(records, k))
 
+    def gather_cache(self, records: Tensor, at: Tensor) -> None:
+        """Device ``records`` ([n, record_bytes], zeroed) of the cache's slots ``at`` (on the
+        device): each field filled, the row column left for ``store``."""
+        for k, (cache, _) in enumerate(self.pairs):
+            self._pair_field(records, k).copy_(cache.index_select(0, at))
+
     def _from_cache(self, slots: Tensor) -> Tensor:
         """The cache's ``slots`` as host records (of the transfer buffer; row column unset)."""
-        host, copied = self._from_cache_queued(slots)
-        self.copies.landed(copied)
-        return host
-
-    def _from_cache_queued(self, slots: Tensor) -> tuple[Tensor, object]:
-        """``_from_cache`` without the wait: (the host records, their copy's event: read them
-        after ``copies.landed`` of it)."""
         on_device = self.copies.empty(slots.numel(), self.record_bytes)
-        at = device_sync.to_device(slots, self.copies.device)  # (not .to(): a blocking copy waits for the stream)
-        for k, (cache, _) in enumerate(self.pairs):
-            self._pair_field(on_device, k).copy_(cache.index_select(0, at))
-        return self.copies.to_host_queued(on_device, self._transfer_buffer())
+        self.gather_cache(
+            on_device, device_sync.to_device(slots, self.copies.device)
+        )  # (not .to(): a blocking copy waits for the stream)
+        return self.copies.to_host(on_device, self._transfer_buffer())
 
     def write(self, slots: Tensor, rows: Tensor, once: bool = False) -> None:
         """Writes the rows of ``slots`` back (``once``: a flush's, not a step's: a log mover
@@ -204,33 +201,14 @@ class _Mover:
             return
         for start in range(0, rows.numel(), MAX_ROWS):
             these = rows[start : start + MAX_ROWS]
-            _Mover._write_records(self, self._from_cache(slots[start : start + MAX_ROWS]), these)
+            _Mover.store(self, self._from_cache(slots[start : start + MAX_ROWS]), these)
 
     write_home = write  # (host backing: the backing store is home)
 
-    def _write_records(self, records: Tensor, rows: Tensor) -> None:
+    def store(self, records: Tensor, rows: Tensor) -> None:
         """A write-back's host records of ``rows`` into the backing store."""
         for k, (_, backing) in enumerate(self.pairs):
             backing.index_copy_(0, rows, self._pair_field(records, k))
-
-    def write_later(self, slots: Tensor, rows: Tensor) -> Callable[[], None]:
-        """``write`` in two halves, so that several tables' write-backs overlap: the rows gathered
-        on the device and their copy to the host queued now; what is returned writes them into
-        the backing store once their own copy has landed (``DeviceCopies.landed``: a wait for that
-        copy's event alone, while the copies queued after it go on). Written now (returns a
-        no-op) without ``copies`` or beyond one transfer's rows."""
-        if self.copies is None or not 0 < rows.numel() <= MAX_ROWS:
-            self.write(slots, rows)
-            return _written
-        order = rows.argsort()  # (ascending, as ``write``)
-        slots, rows = slots[order], rows[order]
-        records, copied = self._from_cache_queued(slots)
-
-        def store() -> None:
-            self.copies.landed(copied)
-            self._write_records(records, rows)
-
-        return store
 
     def fold(self) -> None:
         pass
@@ -323,7 +301,7 @@ class _LogMover(_Mover):
             return
         if self.copies is not None:  # the records made on the device, then appended from the host
             for start in range(0, n, MAX_ROWS):
-                self._write_records(self._from_cache(slots[start : start + MAX_ROWS]), rows[start : start + MAX_ROWS])
+                self.store(self._from_cache(slots[start : start + MAX_ROWS]), rows[start : start + MAX_ROWS])
             return
         # Each field gathered straight into its column of the records (no copy of the columns to join).
         # A flush's records are its own: the buffer kept is sized by the steps' write-backs.
@@ -333,7 +311,7 @@ class _LogMover(_Mover):
             torch.index_select(cache, 0, slots, out=column)
         self.log.append(rows, records)
 
-    def _write_records(self, records: Tensor, rows: Tensor) -> None:
+    def store(self, records: Tensor, rows: Tensor) -> None:
         """A write-back's host records of ``rows``, appended to the log."""
         row_column(records).copy_(rows)
         self.log.append(rows, records)
@@ -686,10 +664,10 @@ class _Stager:
 
         def on_side_stream():
             with gate.working():  # the side stream drained before a capture may start
-                with (
-                    torch.cuda.device(self.device),
-                    torch.cuda.stream(side),
-                ):  # (the worker's own current device/stream)
+                # The module's device made the worker's current one explicitly, not left to the
+                # stream context: the stage's calls that take the current device (a module on
+                # cuda:1 while the thread's default is cuda:0) must name this one.
+                with torch.cuda.device(self.device), torch.cuda.stream(side):
                     side.wait_event(submitted)
                     stage()  # waits, table by table, for the train stream's event of the handover
                     done = side.record_event()
@@ -750,7 +728,7 @@ class _Handover:
                 return None
             taken = self._ready[t]
         if self._cuda:
-            torch.cuda.current_stream().wait_event(self._events[t])  # the worker's side stream
+            torch.cuda.current_stream(self._device).wait_event(self._events[t])  # the worker's side stream
         return taken
 
 

@@ -10,6 +10,7 @@ bytes of the tensors made during each growth that are still alive, and their pea
 
 import weakref
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchrec import KeyedJaggedTensor
@@ -121,6 +122,48 @@ def test_the_planned_growth_peak_is_what_a_gpu_growth_allocates(monkeypatch):
     assert all(peak <= planned for _, _, peak in peaks)
     # and its buffers, index, row maps and last-seen steps are exactly what the growth's error reports
     assert planned - 40 * 512 == tables._growth_bytes({0: MAX})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_planned_growth_peak_bounds_what_a_cuda_growth_allocates():
+    """On a GPU: the caching allocator's peak above what was allocated before each growth is within
+    the plan's growth peak (plus the allocator's rounding and the hash kernels' scratch), and near it
+    at the last doubling (the flat buffers really are copied)."""
+    rows = 1 << 16
+    planned = sum(_planned_growth_bytes("cuda", _module(torch.device("meta"), g_rows=rows)).values()) - sum(
+        _planned_growth_bytes("cpu", _module(torch.device("meta"), g_rows=rows)).values()
+    )
+    device = torch.device("cuda")
+    module = _module(device, g_rows=rows)
+    tables, peaks = module._tables, []
+    real_grow = tables.grow
+
+    def measured_grow(*args, **kwargs):
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = tables.meta[0].capacity
+        grown = real_grow(*args, **kwargs)
+        torch.cuda.synchronize(device)
+        if grown:
+            peaks.append((before, tables.meta[0].capacity, torch.cuda.max_memory_allocated(device) - base))
+        return grown
+
+    tables.grow = measured_grow
+    step = 0
+    while tables.meta[0].capacity < rows and step < 64:
+        ids = torch.arange(step * 4096, (step + 1) * 4096, device=device)
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            ["f0", "f1", "f2"],
+            torch.cat([ids, ids % 300, ids % 100]),
+            torch.ones(3 * 4096, dtype=torch.int64, device=device),
+        )
+        module(kjt).values().sum().backward()
+        step += 1
+    assert peaks and peaks[-1][1] == rows, peaks
+    last = peaks[-1][2]
+    assert all(peak <= 1.05 * planned + (1 << 20) for _, _, peak in peaks), (peaks, planned)
+    assert last >= 0.8 * planned, (last, planned)
 
 
 def _plans(model, budget, tables, **kwargs):

@@ -995,3 +995,50 @@ def test_stochastic_rounding_of_the_gpu_kernel_is_the_cpu_kernels_at_every_row_w
             assert same_bits(again, got)
         elif seed is not None:  # the next step: other bits somewhere (not where x is on the grid)
             assert not same_bits(got, first)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_fused_update_derives_its_layout_once_per_layout_with_the_same_bits(target, monkeypatch):
+    """What the update derives from the layout (capacities, element-wise state offsets, int32 dtype
+    codes: ~20 small ops) is computed once per layout, as the storage hands the same layout tensors
+    until a growth makes new ones: the update writes the same bits with the layout cached as with
+    fresh copies of it each call (derived anew), and a layout changed in place is derived again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    device, half, upd = _device(target), _half(), _update()
+    gen = torch.Generator().manual_seed(5)
+    grad, weights, states, common = half._update_case(half.DTYPE_SETS["mixed"], "adam", gen)
+    common["rounding_seeds"] = torch.tensor([11, 0, 33])
+    on = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in common.items()}
+    cached = [weights.to(device, copy=True), [s.to(device, copy=True) for s in states]]
+    fresh = [weights.to(device, copy=True), [s.to(device, copy=True) for s in states]]
+    for step in (1, 2, 3):
+        upd.fused_update(grad.to(device), *cached, optimizer="adam", step=step, **on)
+        anew = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in on.items()}
+        upd.fused_update(grad.to(device), *fresh, optimizer="adam", step=step, **anew)
+    assert torch.equal(cached[0].view(torch.int32), fresh[0].view(torch.int32))
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(cached[1], fresh[1]))
+
+    class _Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    class _NoLaunch:  # the wrapper's own ops only
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(upd, "_fused_update_bwd_kernel", _NoLaunch())
+    inputs = (grad.to(device), *cached)
+    with _Ops() as warm:
+        upd.fused_update(*inputs, optimizer="adam", step=4, **on)
+    on["table_offsets"].add_(0)  # changed in place (its version): derived again
+    with _Ops() as changed:
+        upd.fused_update(*inputs, optimizer="adam", step=4, **on)
+    derived = {"cumsum.default", "cat.default", "where.self", "floor_divide.default"}
+    assert not derived & set(warm.names) and derived <= set(changed.names), (warm.names, changed.names)
+    assert len(warm.names) <= len(changed.names) - 12

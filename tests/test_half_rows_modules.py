@@ -232,6 +232,81 @@ def test_loading_values_beyond_the_half_range_is_refused_and_changes_nothing():
         assert torch.equal(value, before[key]), key
 
 
+# Finite values at the edges of each dtype: the largest, ones whose float32 sum overflows (a table's
+# rows near 3e38), the smallest normals and subnormals, signed zeros.
+_EDGES = {
+    torch.float16: [65504.0, -65504.0, 65519.0, 6.1e-5, 6e-8, 2.0**-24, 2.0**-25 * 1.5, -0.0, 1e-30],
+    torch.bfloat16: [torch.finfo(torch.bfloat16).max, 3.0e38, -3.0e38, 1.7e38, 1.2e-38, 1e-39, 9.2e-41, -0.0],
+    torch.float32: [torch.finfo(torch.float32).max, 3.3e38, -3.3e38, 1.2e-38, 1e-45, -0.0],
+}
+
+
+def _with_edges(weight, values):
+    """``weight`` with its first rows holding ``values`` (row by row, cycled over the columns)."""
+    weight = weight.clone()
+    flat = weight.view(-1)
+    flat[: len(values)] = torch.tensor(values, dtype=torch.float64).to(weight.dtype)
+    flat[len(values) : 2 * len(values)] = torch.tensor(values, dtype=torch.float64).to(weight.dtype)
+    return weight
+
+
+@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16, torch.float16])
+def test_loading_values_at_the_edges_of_the_range_converts_as_torch_does(source):
+    """Rows converted as ``Tensor.to`` converts them (to nearest even, subnormals kept), including
+    finite values near the largest float32 / bfloat16 whose sum overflows float32 (which was refused
+    with an IndexError); the value that does not fit the table's dtype is refused, naming it."""
+    a = _trained(_configs(types=[DataType.FP32] * 3))
+    sd = {k: (v.to(source) if k.endswith(".weight") else v) for k, v in a.state_dict().items()}
+    for i, dtype in enumerate(DTYPES):
+        fits = [v for v in _EDGES[source] if torch.isfinite(torch.tensor(v, dtype=torch.float64).to(source).to(dtype))]
+        sd[f"embedding_bags.t{i}.weight"] = _with_edges(sd[f"embedding_bags.t{i}.weight"], fits)
+    half = DynamicEmbeddingBagCollection(_configs(), optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": 0.1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the conversion's (tested above)
+        half.load_state_dict(sd)
+    got = half.state_dict()
+    for i, dtype in enumerate(DTYPES):
+        want = sd[f"embedding_bags.t{i}.weight"].to(dtype)
+        assert torch.equal(got[f"embedding_bags.t{i}.weight"].view(torch.int16 if dtype.itemsize == 2 else torch.int32),
+                           want.view(torch.int16 if dtype.itemsize == 2 else torch.int32)), dtype  # fmt: skip
+    # the largest float32 into a bfloat16 table, 65520 (rounds to inf) into a float16 one: refused
+    for i, too_big in ((1, torch.finfo(torch.float32).max), (0, 65520.0)):
+        if source == torch.float16 and i == 0:
+            continue  # every float16 fits a float16 table
+        bad = dict(sd)
+        bad[f"embedding_bags.t{i}.weight"] = sd[f"embedding_bags.t{i}.weight"].clone()
+        bad[f"embedding_bags.t{i}.weight"][3, 2] = too_big
+        if not torch.isfinite(bad[f"embedding_bags.t{i}.weight"][3, 2]):
+            continue  # beyond the source dtype itself
+        before = half.state_dict()
+        with pytest.raises(ValueError, match=rf"table 't{i}'.* weight holds .* at \[3, 2\] .*beyond the range"):
+            half.load_state_dict(bad)
+        for key, value in half.state_dict().items():
+            assert torch.equal(value, before[key]), key
+
+
+def test_fallback_rows_near_the_largest_bfloat16_load():
+    """A bfloat16 table's fallback rows near its largest value (their float32 sum overflows) load
+    as they are; a NaN among them is refused."""
+    configs = [
+        DynamicEmbeddingBagConfig(
+            name="t", embedding_dim=4, num_embeddings=64, feature_names=["f"], data_type=DataType.BF16, fallback_rows=2
+        )
+    ]
+    module = DynamicEmbeddingBagCollection(configs)
+    sd = module.state_dict()
+    fallback = torch.full((2, 4), 3.0e38, dtype=torch.bfloat16)
+    fallback[1] = -torch.finfo(torch.bfloat16).max
+    sd["embedding_bags.t.fallback_weight"] = fallback
+    module.load_state_dict(sd)
+    assert torch.equal(module.state_dict()["embedding_bags.t.fallback_weight"], fallback)
+    fallback = fallback.clone()
+    fallback[0, 1] = float("nan")
+    sd["embedding_bags.t.fallback_weight"] = fallback
+    with pytest.raises(ValueError, match="fallback_weight"):
+        module.load_state_dict(sd)
+
+
 def test_meta_module_state_has_the_storage_dtype():
     module = DynamicEmbeddingBagCollection(_configs(), device=torch.device("meta"))
     sd = module.state_dict()

@@ -330,6 +330,54 @@ def test_pooled_lookup_tile_choice(target):
         assert 1 <= num_warps <= 8
 
 
+# Narrow tables, aligned or not (a dim-3 / dim-6 table between two of dim d: ALIGN 1 / 2), every
+# storage dtype, bags of ~1 and ~8 ids: the tile choice changed for these (fewer elements a
+# thread), which must change no bit of the output (each bag is summed in the same order).
+NARROW_DIMS = [4, 8, 12, 16, 32, 64, 128]
+NARROW_MIDDLE = {"aligned": None, "align2": 6, "align1": 3}
+
+
+def _session13_tile(max_dim, mean_bag, align=8):
+    """The pooled lookup's tile before the narrow-tile change (16 elements a thread always)."""
+    block_d = min(triton_next_pow2(max_dim), 256)
+    block_l = min(triton_next_pow2(max(int(mean_bag + 0.5), 2)), 32, max(4096 // block_d, 1))
+    block_b = max(1, min(64, 4096 // (block_d * block_l)))
+    threads = block_b * block_l * block_d // 16
+    return block_b, block_l, block_d, max(1, min(8, triton_next_pow2(max(threads // 32, 1))))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize(
+    "middle, dtype",
+    # CI: each ALIGN once, each dtype once (all 9 pairs in the full matrix; ~3 s each interpreted).
+    ci_subset(
+        itertools.product(NARROW_MIDDLE, [torch.float32, torch.float16, torch.bfloat16]),
+        lambda middle, dtype: (
+            (middle, dtype) in {("aligned", torch.float32), ("align2", torch.bfloat16), ("align1", torch.float16)}
+        ),
+    ),
+)
+def test_pooled_lookup_narrow_tiles_are_bit_for_bit(target, middle, dtype, monkeypatch):
+    device, lookup = _device(target), _lookup()
+    for dim, max_len in itertools.product(NARROW_DIMS, [2, 16]):
+        gen = torch.Generator().manual_seed(dim * 100 + max_len)
+        dims = [dim, NARROW_MIDDLE[middle] or dim, dim]
+        case = _tiling_case(dims, [dtype] * 3, max_len, max_len > 2, gen, gap=0)
+        on = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+        from torchrec_ext import device_sync
+
+        for name in ("table_offsets", "table_dims", "feature_table", "feature_col"):
+            device_sync.mirror(on[name], case[name])
+        align = lookup._alignment(case["table_dims"].tolist(), case["table_offsets"].tolist())
+        assert align == {"align2": 2, "align1": 1}.get(middle, align), (dim, middle, align)
+        got = lookup.pooled_lookup(**on).cpu()
+        torch.testing.assert_close(got, ref.pooled_lookup(**case))
+        with monkeypatch.context() as m:
+            m.setattr(lookup, "_pooled_blocks", _session13_tile)
+            before = lookup.pooled_lookup(**on).cpu()
+        assert torch.equal(got, before), (dim, middle, dtype, max_len)
+
+
 def triton_next_pow2(n):
     return 1 << (max(n, 1) - 1).bit_length()
 
@@ -400,8 +448,9 @@ def test_pooled_lookup_compiles_for_sm90_with_16_byte_row_loads():
     assert loads["8,True,True"].count("ld.global.v4.b32") > loads["4,True,True"].count("ld.global.v4.b32")
 
 
-# Compiles the pooled kernel for sm_90 at a typical tile (dim 64 / 128, bags of ~10 / 20) with and
-# without half tables, and prints the registers a thread takes (ptxas -v, Triton's own ptxas).
+# Compiles the pooled kernel for sm_90 at the tile pooled_lookup launches for (widest dim, mean bag,
+# half tables or not, ALIGN) and prints the registers a thread takes, its warps and the bytes it
+# spills (ptxas -v, Triton's own ptxas).
 _SM90_REGISTERS = r"""
 import json, os, re, subprocess, sys, tempfile
 import triton
@@ -414,9 +463,9 @@ ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 pointers = ["*fp32", "*fp16", "*bf16"] + ["*i64"] * 5 + ["*i1", "*i64", "*i64", "*fp32", "*fp32"]
 signature = dict(zip(kernel.arg_names, pointers), num_bags="i32", batch_size="i32", total_dim="i32")
 out = {}
-for max_dim, mean_bag, has_dtypes in json.loads(sys.argv[1]):
-    block_b, block_l, block_d, num_warps = el._pooled_blocks(max_dim, mean_bag)
-    const = dict(HAS_WEIGHTS=False, HAS_DTYPES=has_dtypes, ALIGN=8, BLOCK_B=block_b, BLOCK_L=block_l, BLOCK_D=block_d)
+for max_dim, mean_bag, has_dtypes, align in json.loads(sys.argv[1]):
+    block_b, block_l, block_d, num_warps = el._pooled_blocks(max_dim, mean_bag, align)
+    const = dict(HAS_WEIGHTS=False, HAS_DTYPES=has_dtypes, ALIGN=align, BLOCK_B=block_b, BLOCK_L=block_l, BLOCK_D=block_d)
     src = ASTSource(
         fn=kernel,
         signature=dict(signature, **{name: "constexpr" for name in const}),
@@ -429,7 +478,8 @@ for max_dim, mean_bag, has_dtypes in json.loads(sys.argv[1]):
     said = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
     os.unlink(f.name)
     registers = int(re.search(r"Used (\d+) registers", said.stderr).group(1))
-    out[f"{max_dim},{has_dtypes}"] = [registers, num_warps]
+    spilled = sum(int(n) for n in re.findall(r"(\d+) bytes spill", said.stderr))
+    out[f"{max_dim},{mean_bag},{has_dtypes},{align}"] = [registers, num_warps, spilled]
 print(json.dumps(out))
 """
 
@@ -443,9 +493,26 @@ def test_pooled_lookup_of_half_tables_keeps_three_programs_per_sm():
     if _IN_CHILD:
         pytest.skip("the compile runs in its own child process")
     _need_triton_installed()
-    got = _compile_for_sm90(_SM90_REGISTERS, [(64, 10, True), (128, 20, True)])
-    for key, (registers, num_warps) in got.items():
+    got = _compile_for_sm90(_SM90_REGISTERS, [(64, 10, True, 8), (128, 20, True, 8)])
+    for key, (registers, num_warps, _) in got.items():
         assert registers * 3 * num_warps * 32 <= 65536, (key, registers, num_warps)
+
+
+def test_pooled_lookup_of_narrow_or_unaligned_tables_stays_within_96_registers():
+    """Narrow dims, bags of ~2 ids and tables whose dims or first words are not multiples of 4
+    (ALIGN 1 or 2: a load, hence a 64-bit address, per element or pair) took 100-232 registers
+    a thread at 16 elements a thread (dim 12, ALIGN 1, half tables, bags ~2: 232, two programs
+    of 4 warps an SM); the tile choice gives those fewer elements a thread. Every such tile must
+    compile within 96 registers, unspilled (sm_90, without a GPU)."""
+    if _IN_CHILD:
+        pytest.skip("the compile runs in its own child process")
+    _need_triton_installed()
+    # (widest dim, mean bag, half tables, ALIGN): the review's two (12 at ALIGN 1, 6 at ALIGN 2),
+    # an aligned dim 4 (one vector a row), a wide table beside an odd one, a wide one of short bags.
+    variants = [(12, 2, True, 1), (6, 3, True, 2), (4, 8, True, 4), (128, 2, True, 1), (64, 2, True, 8)]
+    got = _compile_for_sm90(_SM90_REGISTERS, variants)
+    for key, (registers, num_warps, spilled) in got.items():
+        assert registers <= 96 and spilled == 0, (key, registers, num_warps, spilled)
 
 
 # Compiles the fused update (stochastic rounding on) for sm_90 with ``step_term`` typed as each
@@ -928,3 +995,50 @@ def test_stochastic_rounding_of_the_gpu_kernel_is_the_cpu_kernels_at_every_row_w
             assert same_bits(again, got)
         elif seed is not None:  # the next step: other bits somewhere (not where x is on the grid)
             assert not same_bits(got, first)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_fused_update_derives_its_layout_once_per_layout_with_the_same_bits(target, monkeypatch):
+    """What the update derives from the layout (capacities, element-wise state offsets, int32 dtype
+    codes: ~20 small ops) is computed once per layout, as the storage hands the same layout tensors
+    until a growth makes new ones: the update writes the same bits with the layout cached as with
+    fresh copies of it each call (derived anew), and a layout changed in place is derived again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    device, half, upd = _device(target), _half(), _update()
+    gen = torch.Generator().manual_seed(5)
+    grad, weights, states, common = half._update_case(half.DTYPE_SETS["mixed"], "adam", gen)
+    common["rounding_seeds"] = torch.tensor([11, 0, 33])
+    on = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in common.items()}
+    cached = [weights.to(device, copy=True), [s.to(device, copy=True) for s in states]]
+    fresh = [weights.to(device, copy=True), [s.to(device, copy=True) for s in states]]
+    for step in (1, 2, 3):
+        upd.fused_update(grad.to(device), *cached, optimizer="adam", step=step, **on)
+        anew = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in on.items()}
+        upd.fused_update(grad.to(device), *fresh, optimizer="adam", step=step, **anew)
+    assert torch.equal(cached[0].view(torch.int32), fresh[0].view(torch.int32))
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(cached[1], fresh[1]))
+
+    class _Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    class _NoLaunch:  # the wrapper's own ops only
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(upd, "_fused_update_bwd_kernel", _NoLaunch())
+    inputs = (grad.to(device), *cached)
+    with _Ops() as warm:
+        upd.fused_update(*inputs, optimizer="adam", step=4, **on)
+    on["table_offsets"].add_(0)  # changed in place (its version): derived again
+    with _Ops() as changed:
+        upd.fused_update(*inputs, optimizer="adam", step=4, **on)
+    derived = {"cumsum.default", "cat.default", "where.self", "floor_divide.default"}
+    assert not derived & set(warm.names) and derived <= set(changed.names), (warm.names, changed.names)
+    assert len(warm.names) <= len(changed.names) - 12

@@ -88,6 +88,18 @@ by default, as TorchRec reserves a table's whole ``num_embeddings``: a plan then
 the tables are full. ``plan_capacity="initial"`` (``make_planner`` / the storage estimator; or a dict
 of table name -> "maximum" / "initial") plans with the rows the tables start with (their admission
 state still at the maximum), for jobs that know their tables will not fill.
+
+On CUDA a growth also holds its module's storage twice for a moment: one flat buffer per
+optimizer state (and one for the vectors) holds all the module's tables of a rank, and a growth
+copies it into new buffers beside the old (modules/table_growth.py; on CPU the tables' spans sit in
+reserved address space and nothing is copied). So a growing table planned at its maximum on hbm
+adds, to each shard of its module on the rank, ``growth_peak_bytes``: the shard's vectors and
+optimizer state at the maximum (the new buffers), and, for a shard that grows, its new index, row
+maps and last-seen steps and the last doubling's row moves (8 + 4 * 8 B per row of the capacity
+before it). That is what ``TableGrowth._relaid`` allocates at the module's last doubling, all its
+growing tables at once; for several modules on a rank it is an upper bound (each module grows on
+its own). A plan that could not grow its tables to num_embeddings is refused up front, the error
+naming each table and the bytes of its growth; ``plan_capacity="initial"`` plans without growth.
 """
 
 from __future__ import annotations
@@ -162,6 +174,7 @@ __all__ = [
     "DynamicEmbeddingPerfEstimator",
     "DynamicEmbeddingStorageEstimator",
     "dynamic_table_bytes",
+    "growth_peak_bytes",
     "minimum_cache_slots",
     "tiered_table_bytes",
     "is_dynamic_option",
@@ -234,6 +247,38 @@ def dynamic_table_bytes(
     if ttl:
         total += TTL_BYTES_PER_ROW * rows
     return total + admission_bytes(admission, admission.admission_strategy, capacity, parts)
+
+
+GROWTH_MOVE_BYTES_PER_ROW = 8 + 4 * 8  # a growth's row map (int64 per old row) and its row moves (4 x int64)
+
+
+def growth_peak_bytes(
+    capacity: int,
+    dim: int,
+    optimizer_kind: str | None,
+    *,
+    grows: bool,
+    ttl: bool = False,
+    parts: int = 1,
+    fallback_rows: int = 0,
+    element_bytes: int = FLOAT_BYTES,
+    initial_capacity: int | None = None,
+) -> int:
+    """Bytes one rank's share of a dynamic table adds to its device's memory while its module grows on
+    CUDA, beside ``dynamic_table_bytes`` at the maximum (module docstring): its vectors and optimizer
+    state at the maximum, copied into new buffers; if it grows itself (``grows``), its new index and
+    row maps (``row_map_bytes``), last-seen steps (``ttl``), and the last doubling's moves of the rows
+    of the capacity before it (doubling from ``initial_capacity``)."""
+    rows = local_capacity(capacity, parts)
+    stored = rows + fallback_rows
+    total = 4 * -(-stored * dim * element_bytes // 4) + stored * optimizer_state_bytes_per_row(optimizer_kind, dim)
+    before = local_capacity(initial_capacity or capacity, parts)
+    if grows and before < rows:
+        while 2 * before < rows:
+            before *= 2
+        total += index_bytes(rows) + row_map_bytes(rows) + (TTL_BYTES_PER_ROW * rows if ttl else 0)
+        total += GROWTH_MOVE_BYTES_PER_ROW * before
+    return total
 
 
 # tier_lru.SlotOrder's storages: at most 2 int32 entries a slot (rebuilt past that), plus the rest
@@ -398,6 +443,7 @@ class _TableInfo:
     options: DynamicTableOptions | None = field(default=None, compare=False)
     element_bytes: int = FLOAT_BYTES  # of the vectors' data_type
     initial_capacity: int | None = None  # rows a growing table starts with (None: capacity)
+    module_growing: tuple[str, ...] = ()  # the growing tables of its module (itself included)
 
     @property
     def tiered(self) -> bool:
@@ -440,6 +486,11 @@ class _TableCache:
             options=opts,
             element_bytes=storage_dtype_of(config).itemsize,
             initial_capacity=opts.initial_capacity,
+            module_growing=tuple(
+                c.name
+                for c in configs.values()
+                if options_of(c).initial_capacity is not None and options_of(c).initial_capacity < c.num_embeddings
+            ),
         )
 
 
@@ -658,6 +709,15 @@ class DynamicEmbeddingStorageEstimator(ShardEstimator):
                 cache_algorithm=algorithm,
             )
             device = tier.device + self._io_bytes(volume, table, dim)
+            if self._module_grows(table):  # its cache's buffers are copied too
+                device += growth_peak_bytes(
+                    cache_slots(local_capacity(table.capacity, parts), factor),
+                    dim,
+                    table.optimizer_kind,
+                    grows=False,
+                    fallback_rows=table.options.fallback_rows or 0,
+                    element_bytes=table.element_bytes,
+                )
             if on_hbm:
                 storages.append(Storage(hbm=device, ddr=tier.host, ssd=tier.disk))
             else:
@@ -667,20 +727,44 @@ class DynamicEmbeddingStorageEstimator(ShardEstimator):
     def _shard_bytes(self, option: ShardingOption, table: _TableInfo) -> list[int]:
         world_size = self._topology.world_size
         parts = _row_parts(option, world_size)
-        initial = (
-            self._plan_capacity
-            if isinstance(self._plan_capacity, str)
-            else self._plan_capacity.get(table.name, "maximum")
-        )
+        initial = self._planned_at(table.name) == "initial"
         volume = _step_volume(option, self._constraints, world_size, table.pooled)
         out = []
         # Every rank of a row_wise table holds an even share, whatever sizes TorchRec's row split
         # gave the shards: ids are spread by hash, not by row range. A column shard is a table of
         # its width with the whole capacity, and its own index.
         for dim in _shard_dims(option, table):
-            resident = _resident_shard_bytes(table, dim, parts, at_initial=initial == "initial")
-            out.append(resident + self._io_bytes(volume, table, dim))
+            resident = _resident_shard_bytes(table, dim, parts, at_initial=initial)
+            out.append(resident + self.growth_peak(table, dim, parts) + self._io_bytes(volume, table, dim))
         return out
+
+    def _planned_at(self, name: str) -> str:
+        """The capacity table ``name`` is planned at (if it grows): "maximum" or "initial"."""
+        plan = self._plan_capacity
+        return plan if isinstance(plan, str) else plan.get(name, "maximum")
+
+    def _module_grows(self, table: _TableInfo) -> bool:
+        """Whether ``table``'s module grows on this plan's device with its buffers copied (CUDA):
+        one of its growing tables is planned at its maximum."""
+        return _tier(self._topology) == "hbm" and any(self._planned_at(n) == "maximum" for n in table.module_growing)
+
+    def growth_peak(self, table: _TableInfo, dim: int, parts: int) -> int:
+        """Bytes a (non-tiered) shard of ``table`` of width ``dim`` adds while its module grows
+        (``growth_peak_bytes``; 0 where the module does not grow on hbm)."""
+        if not self._module_grows(table):
+            return 0
+        at_maximum = self._planned_at(table.name) == "maximum"
+        return growth_peak_bytes(
+            table.capacity if at_maximum or table.initial_capacity is None else table.initial_capacity,
+            dim,
+            table.optimizer_kind,
+            grows=at_maximum and table.name in table.module_growing,
+            ttl=table.ttl,
+            parts=parts,
+            fallback_rows=table.options.fallback_rows or 0,
+            element_bytes=table.element_bytes,
+            initial_capacity=table.initial_capacity,
+        )
 
     def _on_device(self, nbytes: int) -> Storage:
         if _tier(self._topology) == "hbm":
@@ -880,7 +964,7 @@ class _DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
         except PlannerError as error:
             if getattr(error, "_names_tables", False):  # (the cache search's: it names them already)
                 raise
-            detail = _oversized_tables(self, module, sharders)
+            detail = _oversized_tables(self, module, sharders) or _growth_peaks(self, module, sharders)
             if not detail:
                 raise
             raise PlannerError(
@@ -927,10 +1011,12 @@ def _oversized_tables(
     for fqn, tier, need, option in sorted(too_big, key=lambda x: x[0]):
         hardware, capacity = budgets[tier]
         cache = option.cache_params.load_factor if option.cache_params is not None else None
+        growth = _growth_peak_of(planner, option, sharders) if tier == compute else 0
         lines.append(
             f"  table {option.name!r} ({fqn}): needs {need} B = {_gb(need)} of {tier} on one rank even with its "
             f"smallest option ({option.sharding_type}, {option.compute_kernel}, {len(option.shards)} shard(s)"
             + (f", cache_load_factor {cache:.4g}" if cache is not None and is_dynamic_option(option) else "")
+            + (f"; {growth} B of it held while its module grows: {_GROWTH_PEAK}" if growth else "")
             + f"); {tier} per rank {hardware} B = {_gb(hardware)}, {capacity} B = {_gb(capacity)} left after the "
             "storage reservation"
         )
@@ -939,6 +1025,49 @@ def _oversized_tables(
         hint += ", allow row_wise sharding (constraints)"
     lines.append(hint + ", or add ranks / memory per rank.")
     return "\n".join(lines)
+
+
+_GROWTH_PEAK = (
+    "on CUDA a growth copies the module's storage into new buffers beside the old, planned at the last "
+    "doubling; plan_capacity='initial' plans tables that will not fill without it"
+)
+
+
+def _growth_peak_of(planner: EmbeddingShardingPlanner, option: ShardingOption, sharders) -> int:
+    """The bytes of ``option``'s largest shard held only while its module grows (0: none)."""
+    estimators = _storage_estimators(planner)
+    if not estimators or not is_dynamic_option(option):
+        return 0
+    table = _TableCache().info(option, {s.module_type: s for s in sharders}.get(type(option.module[1])))
+    if table.tiered:
+        return 0
+    parts = _row_parts(option, planner._topology.world_size)
+    return max(estimators[0].growth_peak(table, dim, parts) for dim in _shard_dims(option, table))
+
+
+def _growth_peaks(
+    planner: EmbeddingShardingPlanner, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]
+) -> str | None:
+    """When every table fits on a rank but the plan does not, lines naming each table whose planned
+    bytes hold a growth's peak and those bytes (its smallest option's), or None (no such table)."""
+    options = planner._enumerator.enumerate(module=module, sharders=sharders)
+    lines = []
+    for fqn in dict.fromkeys(o.fqn for o in options):
+        growth, option = min(
+            ((_growth_peak_of(planner, o, sharders) * len(o.shards), o) for o in options if o.fqn == fqn),
+            key=lambda x: x[0],
+        )
+        if growth:
+            lines.append(f"  table {option.name!r} ({fqn}): {growth} B = {_gb(growth)} over its shards")
+    if not lines:
+        return None
+    tier = _tier(planner._topology)
+    hardware, capacity = _budgets(planner)[tier]
+    return (
+        f"No plan with the growth peak of these tables' modules ({planner._topology.compute_device}: {tier} per "
+        f"rank {hardware} B = {_gb(hardware)}, {capacity} B = {_gb(capacity)} left after the storage reservation; "
+        f"{_GROWTH_PEAK}):\n" + "\n".join(lines)
+    )
 
 
 # ---------------------------------------------------------------------------- cache sizes of tiered tables

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from torchrec_ext.modules.admission import Admission, bloom_geometry
 from torchrec_ext.modules.pending_rows import pending_rows_written
-from torchrec_ext.modules.state_checks import _check_distinct, _checked
+from torchrec_ext.modules.state_checks import _check_distinct, _checked, first_non_finite
 from torchrec_ext.table import (
     CLOCK_LIMIT,
     EPOCH_LIMIT,
@@ -317,7 +317,7 @@ class TableCheckpoint:
         if fallback is not None:
             fallback = _checked(name, "fallback_weight", fallback, "float", (m.fallback_rows, m.dim))
             fallback = fallback.to(device, m.dtype)
-            if not bool(torch.isfinite(fallback.float().sum())):
+            if first_non_finite(fallback) is not None:
                 raise ValueError(
                     f"{name} fallback_weight holds values beyond the range of the table's data_type ({m.dtype})"
                 )
@@ -352,9 +352,8 @@ class TableCheckpoint:
         dtype = self.meta[t].dtype
         if vectors.dtype == dtype:
             return None
-        converted = vectors.to(dtype)
-        if vectors.numel() and not bool(torch.isfinite(converted.float().sum())):
-            at = (~torch.isfinite(converted)).nonzero()[0].tolist()
+        at = first_non_finite(vectors.to(dtype))
+        if at is not None:
             raise ValueError(
                 f"{name} weight holds {vectors[tuple(at)].item()} at {at} (weight_id {int(ids[at[0]])}), "
                 f"beyond the range of the table's data_type ({dtype})"

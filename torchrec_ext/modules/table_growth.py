@@ -10,7 +10,8 @@ are left unwritten (they read as zeros, the initial value of vectors and of most
 states; a nonzero state value is written) until a row there is first written, as in a
 preallocated table. Elsewhere (CUDA, no address space to reserve) the vectors and optimizer state
 of every table (one flat buffer holds them all) are copied into new buffers on the device, so a
-growth holds the old and the new storage at once. Rows move only then, and only while no lookup
+growth holds the old and the new storage at once (the planner counts that peak on CUDA:
+``distributed.planner.growth_peak_bytes``). Rows move only then, and only while no lookup
 awaits its fused update (``pending_backward``).
 
 Everything a growth allocates is allocated before anything of the tables changes: an allocation

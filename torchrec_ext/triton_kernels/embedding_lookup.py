@@ -213,18 +213,29 @@ POOLED_TILE = 4096
 POOLED_ELEMENTS_PER_THREAD = 16
 
 
-def _pooled_blocks(max_dim: int, mean_bag: float):
+def _pooled_blocks(max_dim: int, mean_bag: float, align: int = 8):
     """(BLOCK_B, BLOCK_L, BLOCK_D, num_warps) of the pooled lookup: a program's tile is BLOCK_B
     bags x BLOCK_L ids x BLOCK_D columns (about POOLED_TILE elements). BLOCK_L follows the
     batch's mean bag length (a host value: rows.numel() / bags), so typical bags take one or two
-    loop steps; each distinct value is one compile (at most 5: powers of two 2..32)."""
-    tile = POOLED_TILE
+    loop steps; each distinct value is one compile (at most 5: powers of two 2..32).
+
+    ``align`` is the kernel's ALIGN. Registers grow with the loads and the bags a thread holds, not
+    only its elements: below ALIGN 4 every element (or pair) is a load with its own 64-bit
+    address, at BLOCK_L 2 a thread holds the state of twice the bags, and at BLOCK_D <= 4 each
+    element is its own row. Each of the three halves the tile (the same threads, half the
+    elements each, at least 4): at 16 those tiles took 96-232 registers a thread on sm_90 (dim 12,
+    ALIGN 1, half tables, bags ~2: 232, two programs of 4 warps an SM), halved at most 90. The
+    others (ALIGN >= 4, dims over 4, bags of 3 or more ids) keep their tile (at most 98)."""
     block_d = min(triton.next_power_of_2(max(max_dim, 1)), 256)
     # At least 2: a tile of one id per bag spreads ~4 bags' values over each thread (~160
     # registers on sm_90 against ~80).
-    block_l = min(triton.next_power_of_2(max(int(mean_bag + 0.5), 2)), 32, max(tile // block_d, 1))
+    block_l = min(triton.next_power_of_2(max(int(mean_bag + 0.5), 2)), 32, max(POOLED_TILE // block_d, 1))
+    halvings = (block_l <= 2) + (align < 4) + (block_d <= 4)
+    halvings = min(halvings, max(POOLED_ELEMENTS_PER_THREAD.bit_length() - 3, 0))  # >= 4 elements
+    per_thread = POOLED_ELEMENTS_PER_THREAD >> halvings
+    tile = POOLED_TILE >> halvings
     block_b = max(1, min(64, tile // (block_d * block_l)))
-    threads = block_b * block_l * block_d // POOLED_ELEMENTS_PER_THREAD
+    threads = block_b * block_l * block_d // per_thread
     num_warps = max(1, min(8, triton.next_power_of_2(max(threads // 32, 1))))
     return block_b, block_l, block_d, num_warps
 
@@ -338,7 +349,7 @@ def pooled_lookup(
     rows = rows.to(device).contiguous()
     has_weights = per_sample_weights is not None
     psw = per_sample_weights.to(device).contiguous() if has_weights else rows  # dummy, never read
-    block_b, block_l, block_d, num_warps = _pooled_blocks(max_dim, rows.numel() / num_bags)
+    block_b, block_l, block_d, num_warps = _pooled_blocks(max_dim, rows.numel() / num_bags, align)
     grid = (triton.cdiv(num_bags, block_b), triton.cdiv(max_dim, block_d))
     # The small index tensors are read in their own dtypes (bool means, int64 codes): no cast
     # kernel per call.

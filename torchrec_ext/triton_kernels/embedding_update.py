@@ -22,7 +22,9 @@ block covering the widest table. Per-row sums run in value order, BLOCK_N values
 """
 
 import math
+import weakref
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -283,6 +285,64 @@ def _meta(t: Tensor, device: torch.device, dtype: torch.dtype = torch.int64) -> 
     return device_sync.to_device(t, device).to(dtype=dtype).contiguous()
 
 
+class _DerivedLayout(NamedTuple):
+    """What the update derives from the tables' layout, on the kernel's device."""
+
+    offsets: Tensor  # word offset of each table
+    dims: Tensor
+    state_row_offsets: Tensor
+    state_offsets: Tensor  # first element of each table's element-wise state ([capacity, dim] back to back)
+    codes: Tensor  # dtype code of each table (int32; a dummy without table_dtypes)
+    has_dtypes: bool
+    max_dim: int
+
+
+# Per layout (the caller's table_offsets tensor: the storage hands the same device layout tensors
+# until its layout changes, and a growth makes new ones), ~10 small ops a call computed once; the
+# entry is checked against the layout tensors themselves (identity and in-place version).
+_derived_layouts: dict[int, tuple[tuple, _DerivedLayout]] = {}
+_MAX_DERIVED_LAYOUTS = 64
+
+
+def _derived_layout(
+    table_offsets: Tensor,
+    table_dims: Tensor,
+    state_row_offsets: Tensor,
+    table_dtypes: Tensor | None,
+    weights: Tensor,
+) -> _DerivedLayout:
+    layout = (table_offsets, table_dims, state_row_offsets, table_dtypes)
+    key = (weights.numel(), weights.device) + tuple(
+        None if t is None else (t._version, t.device) for t in layout if isinstance(t, Tensor) or t is None
+    )
+    cached = _derived_layouts.get(id(table_offsets))
+    if cached is not None and cached[0][0] == key and all(r() is t for r, t in zip(cached[0][1], layout)):
+        return cached[1]
+    device = weights.device
+    max_dim = int(device_sync.to_host(table_dims, "fused_update: widest table").max())
+    offsets_t, dims_t = _meta(table_offsets, device), _meta(table_dims, device)
+    codes, has_dtypes = dtype_codes(table_dtypes, device)
+    # Capacities from the word spans (device ops: no sync).
+    ends = torch.cat([offsets_t[1:], offsets_t.new_full((1,), weights.numel())])
+    elem_bytes = torch.where(codes.to(torch.int64) == 0, 4, 2) if has_dtypes else 4
+    caps = (ends - offsets_t) * 4 // (dims_t * elem_bytes)
+    derived = _DerivedLayout(
+        offsets_t,
+        dims_t,
+        _meta(state_row_offsets, device),
+        torch.cumsum(caps * dims_t, 0) - caps * dims_t,
+        codes,
+        has_dtypes,
+        max_dim,
+    )
+    if all(isinstance(t, Tensor) or t is None for t in layout):
+        if len(_derived_layouts) >= _MAX_DERIVED_LAYOUTS:  # callers that make a layout each call
+            _derived_layouts.clear()
+        refs = tuple((lambda: None) if t is None else weakref.ref(t) for t in layout)
+        _derived_layouts[id(table_offsets)] = ((key, refs), derived)
+    return derived
+
+
 def fused_update(
     grad: Tensor,
     weights: Tensor,
@@ -338,7 +398,8 @@ def fused_update(
     if num_unique == 0:
         return
     device = weights.device
-    max_dim = int(device_sync.to_host(table_dims, "fused_update: widest table").max())  # mirrored by the caller
+    layout = _derived_layout(table_offsets, table_dims, state_row_offsets, table_dtypes, weights)
+    max_dim = layout.max_dim  # (table_dims mirrored by the caller: no sync)
     if max_dim <= 0:
         return
 
@@ -379,14 +440,13 @@ def fused_update(
     num_warps = 8 if block_d >= 1024 else 4 if block_d >= 256 else 2
     state1 = states[0] if _NUM_STATES[opt] >= 1 else weights  # dummies, never read
     state2 = states[1] if _NUM_STATES[opt] >= 2 else weights
-    # Element-wise state offsets: the tables' [capacity, dim] back to back; capacities from the
-    # word spans (device ops: no sync).
-    offsets_t, dims_t = _meta(table_offsets, device), _meta(table_dims, device)
-    codes, has_dtypes = dtype_codes(table_dtypes, device)
-    ends = torch.cat([offsets_t[1:], offsets_t.new_full((1,), weights.numel())])
-    elem_bytes = torch.where(codes.to(torch.int64) == 0, 4, 2) if has_dtypes else 4
-    caps = (ends - offsets_t) * 4 // (dims_t * elem_bytes)
-    state_offsets = torch.cumsum(caps * dims_t, 0) - caps * dims_t
+    offsets_t, dims_t, state_offsets, codes, has_dtypes = (
+        layout.offsets,
+        layout.dims,
+        layout.state_offsets,
+        layout.codes,
+        layout.has_dtypes,
+    )
     stochastic = has_dtypes and rounding_seeds is not None
     if stochastic and unique_ids is None:
         raise ValueError("fused_update: stochastic rounding (rounding_seeds given) needs unique_ids")
@@ -406,7 +466,7 @@ def fused_update(
             state2,
             offsets_t,
             dims_t,
-            _meta(state_row_offsets, device),
+            layout.state_row_offsets,
             state_offsets,
             unique_rows.to(device).contiguous(),
             unique_table.to(device).contiguous(),

@@ -201,3 +201,21 @@ def test_an_error_that_is_not_an_allocation_passes_through_and_the_layout_is_put
     assert all(torch.equal(after[n][k], v) for n in before for k, v in before[n].items())
     _step(grown, _batch(1, 400))
     assert all(m.capacity > 64 for m in tables.meta)
+
+
+def test_a_growth_error_from_within_a_growth_is_raised_as_it_is(monkeypatch):
+    """A GrowthError raised inside a growth (its message says "allocate") already names its
+    tables: it is not wrapped in a second one."""
+    grown, _ = _modules()
+    _step(grown, _batch(0, 40))
+    from torchrec_ext.table import HashTable
+
+    inner = GrowthError("could not allocate the index of table 't0'")
+
+    def fails(self, capacity):
+        raise inner
+
+    monkeypatch.setattr(HashTable, "grown", fails)
+    with pytest.raises(GrowthError) as raised:
+        _step(grown, _batch(1, 400))
+    assert raised.value is inner

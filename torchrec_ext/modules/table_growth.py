@@ -106,7 +106,9 @@ def _resize_in_span(
 def _allocation_failed(error: BaseException) -> bool:
     """Whether ``error`` is what a failed allocation raises: torch.OutOfMemoryError (a GPU's),
     the CPU allocator's RuntimeError, MemoryError, or OSError (a reservation); not a kernel's
-    other errors, which a growth passes on as they are."""
+    other errors, which a growth passes on as they are (a GrowthError already names its tables)."""
+    if isinstance(error, GrowthError):
+        return False
     if isinstance(error, (torch.OutOfMemoryError, MemoryError, OSError)):
         return True
     said = str(error)

@@ -513,7 +513,8 @@ def test_a_rank_bound_to_its_own_gpu_takes_it_as_cuda_0(gpus, monkeypatch, visib
 
     gpus(1)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
-    assert [resolve_device(name, r, 2) for name in ("cuda", "auto") for r in (0, 1)] == [torch.device("cuda", 0)] * 4
+    names = ("cuda", "auto", "cuda:0")
+    assert [resolve_device(name, r, 2) for name in names for r in (0, 1)] == [torch.device("cuda", 0)] * 6
 
 
 @pytest.mark.parametrize("visible", ["", "0,1"])

@@ -69,7 +69,7 @@ def resolve_device(name: str, local_rank: int, local_world_size: int = 1) -> tor
     index = int(name.split(":")[1])
     if index >= gpus:
         raise ValueError(f"--device {given}: this node has {gpus} visible GPU(s), cuda:0 to cuda:{gpus - 1}")
-    if local_world_size > 1:
+    if local_world_size > 1 and not (gpus == 1 and _bound_to_one_gpu()):
         raise ValueError(
             f"--device {given} puts all {local_world_size} ranks of this node on one GPU; "
             f"use --device cuda (local rank i takes GPU i)"

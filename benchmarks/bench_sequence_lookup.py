@@ -24,6 +24,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_pooled_lookup
 from bench_pooled_lookup import DTYPES, _mirrored, copy_gbps, kernel_seconds, seconds_per_call
 from common import markdown_table, parse_config, save
 
@@ -44,25 +45,15 @@ class Config:
 
 
 def make_case(cfg: Config, device: torch.device) -> dict:
-    """sequence_lookup's keyword arguments, on `device`."""
-    from torchrec_ext import vocabulary
-
-    dtype = DTYPES[cfg.dtype]
-    gen = torch.Generator().manual_seed(cfg.seed)
-    words = vocabulary.table_words(cfg.rows, cfg.dim, dtype)
-    weights = torch.empty(cfg.num_tables * words, dtype=torch.float32, device=device)
-    weights.view(dtype).uniform_(-1, 1)
-    rows = torch.randint(0, cfg.rows, (cfg.num_tables * cfg.values,), generator=gen)
-    codes = None if dtype == torch.float32 else torch.full((cfg.num_tables,), vocabulary.dtype_code(dtype))
-    return dict(
-        weights=weights,
-        table_offsets=_mirrored(torch.arange(cfg.num_tables) * words, device),
-        dim=cfg.dim,
-        feature_table=_mirrored(torch.arange(cfg.num_tables), device),
-        feature_value_offsets=_mirrored(torch.arange(cfg.num_tables + 1) * cfg.values, device),
-        rows=rows.to(device),
-        table_dtypes=None if codes is None else _mirrored(codes, device),
+    """sequence_lookup's keyword arguments, on `device`: bench_pooled_lookup's tables and ids (bags
+    of one id, `values` a feature), the bags' offsets turned into each feature's value range."""
+    pooled = bench_pooled_lookup.Config(
+        num_tables=cfg.num_tables, dim=cfg.dim, batch_size=cfg.values, min_bag=1, max_bag=1, rows=cfg.rows
     )
+    case = bench_pooled_lookup.make_case(dataclasses.replace(pooled, dtype=cfg.dtype, seed=cfg.seed), device)
+    keep = ("weights", "table_offsets", "feature_table", "rows", "table_dtypes")
+    fvo = _mirrored(torch.arange(cfg.num_tables + 1) * cfg.values, device)
+    return dict({k: case[k] for k in keep}, dim=cfg.dim, feature_value_offsets=fvo)
 
 
 def session14_tile(dim: int):

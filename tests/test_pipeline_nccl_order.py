@@ -168,3 +168,54 @@ def test_the_pipeline_names_the_device_of_every_current_stream():
         if re.search(r"cuda\.current_stream\(\s*\)", line)
     ]
     assert not bare, bare
+
+
+def _forward_error_leaves_the_tiered_tables_usable(rank, world_size, root):
+    # A forward that raises after the lookup started the stage (NCCL with peers: the stage waits
+    # for the deferred input dist, which the raised step never finishes): once the pipeline is
+    # closed the tables answer as they did, the stage having staged nothing (it only moves rows
+    # ahead), rather than raising the closed pipeline's error at the next call (a job's
+    # checkpoint on failure).
+    from dist_helpers import DIM, NUM_TABLES, ROWS
+    from torchrec_ext import DynamicEmbeddingBagConfig
+
+    tables = [
+        DynamicEmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=DIM,
+            num_embeddings=2 * ROWS,
+            feature_names=[f"f{i}"],
+            backing=f"file:{root}",
+            cache_load_factor=0.25,
+        )
+        for i in range(NUM_TABLES)
+    ]
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        batches = make_batches(rank, batch_size=4, num_full=6, last=0)
+        model, optimizer = make_dmp_dlrm(world_size, dynamic=True, tables=tables, ebc_device=torch.device("meta"))
+        monkeypatch.setattr(train_pipeline_module, "_input_dist_on_nccl", lambda model, device: True)
+        over_arch = model.module.model.over_arch
+        calls, forward = [], over_arch.forward
+
+        def failing(*args):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("the dense arch failed")
+            return forward(*args)
+
+        monkeypatch.setattr(over_arch, "forward", failing)
+        options = PipelineOptions(prefetch_threads=0, tier_prefetch=True, timeout_s=60)
+        with (
+            pytest.raises(RuntimeError, match="the dense arch failed"),
+            TrainPipeline(model, optimizer, torch.device("cpu"), options) as pipeline,
+        ):
+            progress_losses(pipeline, batches)
+        state = model.state_dict()  # (the tiered tables join their stage first)
+        assert any(key.endswith("weight") for key in state)
+    finally:
+        monkeypatch.undo()
+
+
+def test_a_forward_error_leaves_the_tiered_tables_usable(tmp_path):
+    run_ranks(_forward_error_leaves_the_tiered_tables_usable, 2, str(tmp_path))

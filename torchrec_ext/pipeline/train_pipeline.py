@@ -105,6 +105,11 @@ def _spare_cores(device: torch.device) -> bool:
     return cores // max(local_ranks, 1) > torch.get_num_threads()
 
 
+class _InputDistAbandoned(RuntimeError):
+    """A deferred input dist's second half that will never run (the pipeline closed after a
+    forward raised): the stage waiting for it stages nothing, rather than fail the tables' next call."""
+
+
 def _sharding_group(model: nn.Module) -> dist.ProcessGroup | None:
     """The group the model's sharded modules (and so their input dists) run on: DMP's, else the
     default group (None when there is none)."""
@@ -292,7 +297,7 @@ class TrainPipeline(TrainPipelineSparseDist):
             self._prefetcher = None
         if self._dist_finish is not None:  # a forward raised: the deferred half never runs
             self._dist_finish = None
-            self._dist_future.set_exception(RuntimeError("TrainPipeline: closed before the input dist finished"))
+            self._dist_future.set_exception(_InputDistAbandoned("TrainPipeline: closed before the input dist finished"))
         worker_done = True
         if self._dist_worker is not None:
             worker_done = self._dist_worker.close(self.options.timeout_s if timeout_s is None else timeout_s)
@@ -419,7 +424,10 @@ class TrainPipeline(TrainPipelineSparseDist):
         def dist_input():
             if launched is not None:
                 with gate.stepped_aside():  # the stage holds the gate; the helper may be parked at it
-                    launched.result(timeout=timeout_s)
+                    try:
+                        launched.result(timeout=timeout_s)
+                    except _InputDistAbandoned:  # (a step that raised, then close: nothing to stage)
+                        return None
             request = context.input_dist_tensors_requests.get(name)
             return None if request is None else request.wait()
 

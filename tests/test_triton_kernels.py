@@ -1042,3 +1042,93 @@ def test_fused_update_derives_its_layout_once_per_layout_with_the_same_bits(targ
     derived = {"cumsum.default", "cat.default", "where.self", "floor_divide.default"}
     assert not derived & set(warm.names) and derived <= set(changed.names), (warm.names, changed.names)
     assert len(warm.names) <= len(changed.names) - 12
+
+
+# ---- the sequence lookup's tile: values x columns, fewer elements a thread for wide dims -------
+
+# Aligned (multiples of 16: Triton knows row * dim is) and unaligned dims, narrow to two blocks' worth.
+SEQUENCE_DIMS = [4, 6, 12, 16, 30, 32, 60, 64, 100, 128, 200, 256]
+
+
+def _session14_sequence_tile(dim):
+    """The sequence lookup's tile before the wide-tile change (32 elements a thread from dim 65)."""
+    block_d = min(triton_next_pow2(dim), 256)
+    block_n = max(1, min(32, 4096 // block_d))
+    return block_d, block_n, 4 if block_d * block_n >= 2048 else 2
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_sequence_lookup_tiles_are_bit_for_bit(target, dtype, monkeypatch):
+    device, lookup, half = _device(target), _lookup(), _half()
+    for dim in SEQUENCE_DIMS:
+        gen = torch.Generator().manual_seed(dim)
+        # The first table one row of an odd dim long: the second's first word is unaligned.
+        weights, table_offsets, _, table_dtypes, _ = half._layout([7, 5], [dim, dim], [dtype, dtype], gen)
+        feature_table, lengths = torch.tensor([1, 0, 1]), torch.tensor([5, 0, 19])  # 19: several blocks
+        fvo = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        rows = (torch.rand(int(fvo[-1]), generator=gen) * 6).long() - 1  # some -1
+        codes = None if dtype == torch.float32 else table_dtypes
+        want = ref.sequence_lookup(weights, table_offsets, dim, feature_table, fvo, rows, (), codes)
+        args = (*_on(device, weights, table_offsets), dim, *_on(device, feature_table, fvo, rows), ())
+        on_codes = None if codes is None else codes.to(device)
+        got = lookup.sequence_lookup(*args, on_codes).cpu()
+        assert torch.equal(got, want), (dim, dtype)
+        with monkeypatch.context() as m:
+            m.setattr(lookup, "_sequence_blocks", _session14_sequence_tile)
+            before = lookup.sequence_lookup(*args, on_codes).cpu()
+        assert torch.equal(got, before), (dim, dtype)
+
+
+# Compiles the sequence kernel for sm_90 at the tile sequence_lookup launches for (dim, half tables
+# or not), ``dim`` hinted divisible by 16 where it is (as Triton's launcher specializes it), and
+# prints the registers a thread takes, its warps and the bytes it spills.
+_SM90_SEQUENCE_REGISTERS = r"""
+import json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from torchrec_ext.triton_kernels import embedding_lookup as el
+
+kernel = el._sequence_lookup_fwd_kernel
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+pointers = ["*fp32", "*fp16", "*bf16", "*i64", "*i32", "*i64", "*i64", "*i64", "*fp32"]
+signature = dict(zip(kernel.arg_names, pointers), dim="i32")
+out = {}
+for dim, has_dtypes in json.loads(sys.argv[1]):
+    block_d, block_n, num_warps = el._sequence_blocks(dim)
+    const = dict(HAS_DTYPES=has_dtypes, BLOCK_N=block_n, BLOCK_D=block_d)
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}
+    if dim % 16 == 0:
+        attrs[(kernel.arg_names.index("dim"),)] = [["tt.divisibility", 16]]
+    src = ASTSource(
+        fn=kernel,
+        signature=dict(signature, **{name: "constexpr" for name in const}),
+        constexprs={(kernel.arg_names.index(name),): value for name, value in const.items()},
+        attrs=attrs,
+    )
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    said = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
+    os.unlink(f.name)
+    registers = int(re.search(r"Used (\d+) registers", said.stderr).group(1))
+    spilled = sum(int(n) for n in re.findall(r"(\d+) bytes spill", said.stderr))
+    out[f"{dim},{has_dtypes}"] = [registers, num_warps, spilled]
+print(json.dumps(out))
+"""
+
+
+def test_sequence_lookup_of_wide_tables_stays_within_96_registers():
+    """At 32 elements a thread (one scalar load each where dim is not a multiple of 16) wide dims
+    took 128 registers a thread on sm_90 and 196 with half tables (dim 100), 104 at 16 (dim 30
+    and 60, half tables); the tile choice gives those fewer elements a thread. Each tile must
+    compile within 96 registers, unspilled (sm_90, without a GPU)."""
+    if _IN_CHILD:
+        pytest.skip("the compile runs in its own child process")
+    _need_triton_installed()
+    # (dim, half tables): unaligned wide dims, aligned ones, and a narrow one that keeps its tile.
+    variants = [(30, True), (60, True), (100, True), (100, False), (128, True), (200, True), (256, True), (12, True)]
+    got = _compile_for_sm90(_SM90_SEQUENCE_REGISTERS, variants)
+    for key, (registers, num_warps, spilled) in got.items():
+        assert registers <= 96 and spilled == 0, (key, registers, num_warps, spilled)

@@ -198,11 +198,29 @@ def _sequence_lookup_fwd_kernel(
     tl.store(out_ptr + idx[:, None] * dim + d[None, :], vals, mask=in_feature[:, None] & d_mask[None, :])
 
 
-def _blocks(max_dim: int, max_block_d: int = 128, tile: int = 2048):
-    """(BLOCK_D, BLOCK_N, num_warps): columns per program, ids per loop step (tile <= ``tile``)."""
-    block_d = min(triton.next_power_of_2(max(max_dim, 1)), max_block_d)
+# The sequence lookup's tile (elements a program copies) and elements per thread. A gather is
+# memory-bound: its registers buy nothing but occupancy. At 32 elements a thread (tile 4096, as
+# before) dim 128 took 128 registers a thread on sm_90 and 196 with half tables; at 16, 32-48.
+# Module constants so a benchmark can sweep them.
+SEQUENCE_TILE = 2048
+SEQUENCE_ELEMENTS_PER_THREAD = 16
+
+
+def _sequence_blocks(dim: int):
+    """(BLOCK_D, BLOCK_N, num_warps) of the sequence lookup: a program copies BLOCK_N values x
+    BLOCK_D columns (at most SEQUENCE_TILE elements, SEQUENCE_ELEMENTS_PER_THREAD a thread).
+
+    A dim that is not a multiple of 16 (Triton then knows no alignment of ``row * dim``) halves
+    both: each element is a scalar load with its own 64-bit address, and 16 of them took 76-107
+    registers on sm_90 with half tables (dim 60: 107). Narrow dims keep their tile of 32 values
+    and 2 warps (at most 8 elements a thread, 22-54 registers)."""
+    aligned = dim % 16 == 0
+    tile = SEQUENCE_TILE if aligned else SEQUENCE_TILE // 2
+    per_thread = SEQUENCE_ELEMENTS_PER_THREAD if aligned else SEQUENCE_ELEMENTS_PER_THREAD // 2
+    block_d = min(triton.next_power_of_2(max(dim, 1)), 256)
     block_n = max(1, min(32, tile // block_d))
-    num_warps = 4 if block_d * block_n >= 2048 else 2
+    threads = block_n * block_d // per_thread
+    num_warps = max(2, min(8, triton.next_power_of_2(max(threads // 32, 1))))
     return block_d, block_n, num_warps
 
 
@@ -410,7 +428,7 @@ def sequence_lookup(
     fvo = _meta(feature_value_offsets, device)
     if max_len <= 0:
         return out
-    block_d, block_n, num_warps = _blocks(dim, max_block_d=256, tile=4096)
+    block_d, block_n, num_warps = _sequence_blocks(dim)
     # Value blocks on axis 0: the only axis allowed more than 65535 programs.
     grid = (triton.cdiv(max_len, block_n), num_features, triton.cdiv(dim, block_d))
     codes, has_dtypes = dtype_codes(table_dtypes, device)

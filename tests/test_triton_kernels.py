@@ -451,15 +451,30 @@ def test_pooled_lookup_compiles_for_sm90_with_16_byte_row_loads():
 # Compiles the pooled kernel for sm_90 at the tile pooled_lookup launches for (widest dim, mean bag,
 # half tables or not, ALIGN) and prints the registers a thread takes, its warps and the bytes it
 # spills (ptxas -v, Triton's own ptxas).
-_SM90_REGISTERS = r"""
+# The register scripts' shared start: imports, and ptxas -v over a compiled kernel's PTX.
+_SM90_PTXAS = r"""
 import json, os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from torchrec_ext.triton_kernels import embedding_lookup as el
 
-kernel = el._pooled_lookup_fwd_kernel
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def registers_and_spills(compiled):
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    said = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
+    os.unlink(f.name)
+    registers = int(re.search(r"Used (\d+) registers", said.stderr).group(1))
+    return registers, sum(int(n) for n in re.findall(r"(\d+) bytes spill", said.stderr))
+"""
+
+_SM90_REGISTERS = (
+    _SM90_PTXAS
+    + r"""
+kernel = el._pooled_lookup_fwd_kernel
 pointers = ["*fp32", "*fp16", "*bf16"] + ["*i64"] * 5 + ["*i1", "*i64", "*i64", "*fp32", "*fp32"]
 signature = dict(zip(kernel.arg_names, pointers), num_bags="i32", batch_size="i32", total_dim="i32")
 out = {}
@@ -473,15 +488,11 @@ for max_dim, mean_bag, has_dtypes, align in json.loads(sys.argv[1]):
         attrs={(i,): [["tt.divisibility", 16]] for i in range(len(pointers))},
     )
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(compiled.asm["ptx"])
-    said = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
-    os.unlink(f.name)
-    registers = int(re.search(r"Used (\d+) registers", said.stderr).group(1))
-    spilled = sum(int(n) for n in re.findall(r"(\d+) bytes spill", said.stderr))
+    registers, spilled = registers_and_spills(compiled)
     out[f"{max_dim},{mean_bag},{has_dtypes},{align}"] = [registers, num_warps, spilled]
 print(json.dumps(out))
 """
+)
 
 
 def test_pooled_lookup_of_half_tables_keeps_three_programs_per_sm():
@@ -1083,15 +1094,10 @@ def test_sequence_lookup_tiles_are_bit_for_bit(target, dtype, monkeypatch):
 # Compiles the sequence kernel for sm_90 at the tile sequence_lookup launches for (dim, half tables
 # or not), ``dim`` hinted divisible by 16 where it is (as Triton's launcher specializes it), and
 # prints the registers a thread takes, its warps and the bytes it spills.
-_SM90_SEQUENCE_REGISTERS = r"""
-import json, os, re, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from torchrec_ext.triton_kernels import embedding_lookup as el
-
+_SM90_SEQUENCE_REGISTERS = (
+    _SM90_PTXAS
+    + r"""
 kernel = el._sequence_lookup_fwd_kernel
-ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 pointers = ["*fp32", "*fp16", "*bf16", "*i64", "*i32", "*i64", "*i64", "*i64", "*fp32"]
 signature = dict(zip(kernel.arg_names, pointers), dim="i32")
 out = {}
@@ -1108,15 +1114,11 @@ for dim, has_dtypes in json.loads(sys.argv[1]):
         attrs=attrs,
     )
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(compiled.asm["ptx"])
-    said = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True)
-    os.unlink(f.name)
-    registers = int(re.search(r"Used (\d+) registers", said.stderr).group(1))
-    spilled = sum(int(n) for n in re.findall(r"(\d+) bytes spill", said.stderr))
+    registers, spilled = registers_and_spills(compiled)
     out[f"{dim},{has_dtypes}"] = [registers, num_warps, spilled]
 print(json.dumps(out))
 """
+)
 
 
 def test_sequence_lookup_of_wide_tables_stays_within_96_registers():

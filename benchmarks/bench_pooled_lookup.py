@@ -32,7 +32,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_table, parse_config, save
+from common import markdown_table, parse_config, save, triton_device
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -179,12 +179,7 @@ def main() -> None:
     cfg, save_results = parse_config(Config, __doc__)
     if cfg.smoke:
         cfg = dataclasses.replace(cfg, num_tables=2, dim=8, batch_size=16, rows=64, repeats=1, calls=1, copy_mib=1)
-    if torch.cuda.is_available():
-        device = torch.device("cuda")
-    elif os.environ.get("TRITON_INTERPRET") == "1":
-        device = torch.device("cpu")  # the interpreter: checks the script, times nothing useful
-    else:
-        sys.exit("bench_pooled_lookup: needs a CUDA GPU (or TRITON_INTERPRET=1 with --smoke 1 on CPU)")
+    device = triton_device("bench_pooled_lookup")
     from torchrec_ext.reference import pooled_lookup as reference
     from torchrec_ext.triton_kernels import embedding_lookup
 

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_pooled_lookup
 from bench_pooled_lookup import DTYPES, _mirrored, copy_gbps, kernel_seconds, seconds_per_call
-from common import markdown_table, parse_config, save
+from common import markdown_table, parse_config, save, triton_device
 
 
 @dataclasses.dataclass
@@ -71,12 +71,7 @@ def main() -> None:
         cfg = dataclasses.replace(
             cfg, num_tables=2, dim=100, values=40, rows=64, rounds=1, repeats=1, calls=1, copy_mib=1
         )
-    if torch.cuda.is_available():
-        device = torch.device("cuda")
-    elif os.environ.get("TRITON_INTERPRET") == "1":
-        device = torch.device("cpu")  # the interpreter: checks the script, times nothing useful
-    else:
-        sys.exit("bench_sequence_lookup: needs a CUDA GPU (or TRITON_INTERPRET=1 with --smoke 1 on CPU)")
+    device = triton_device("bench_sequence_lookup")
     from torchrec_ext.reference import sequence_lookup as reference
     from torchrec_ext.triton_kernels import embedding_lookup
 

@@ -88,6 +88,16 @@ def fbgemm_cuda_reason() -> str | None:
     return None
 
 
+def triton_device(script: str) -> torch.device:
+    """Where a Triton kernel benchmark runs: the GPU, or the CPU under TRITON_INTERPRET=1 (a check
+    of the script with --smoke 1, nothing timed that means anything); else exits naming why."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return torch.device("cpu")
+    sys.exit(f"{script}: needs a CUDA GPU (or TRITON_INTERPRET=1 with --smoke 1 on CPU)")
+
+
 def markdown_table(header: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]

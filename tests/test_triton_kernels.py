@@ -1134,3 +1134,72 @@ def test_sequence_lookup_of_wide_tables_stays_within_96_registers():
     got = _compile_for_sm90(_SM90_SEQUENCE_REGISTERS, variants)
     for key, (registers, num_warps, spilled) in got.items():
         assert registers <= 96 and spilled == 0, (key, registers, num_warps, spilled)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_lookups_derive_their_layout_once_per_layout_with_the_same_bits(target, monkeypatch):
+    """The lookups' device copies of the layout and their int32 dtype codes (a cast launch or two a
+    call) are made once per layout, through the cache fused_update shares (layout_cache.py): the
+    same bits with the layout cached as with fresh copies of it each call, and a layout changed in
+    place, or a new one (a growth), derived again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torchrec_ext import device_sync
+
+    device, lookup = _device(target), _lookup()
+    gen = torch.Generator().manual_seed(9)
+    case = _tiling_case([64, 32, 64], TILING_DTYPES["mixed"], 5, True, gen, 0)
+    # int32 layout tensors: each derivation casts (a `_to_copy` the count below sees).
+    for name in ("table_offsets", "table_dims", "table_dtypes"):
+        case[name] = case[name].to(torch.int32)
+    on = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+    for name in ("table_offsets", "table_dims", "feature_table", "feature_col"):
+        device_sync.mirror(on[name], case[name])
+    fvo, seq_rows, seq_tables = torch.tensor([0, 4, 4, 11]), torch.arange(11) % 9, torch.tensor([1, 0, 2])
+    device_sync.mirror(fvo, fvo.clone())
+
+    def sequence(layout):
+        return lookup.sequence_lookup(
+            on["weights"],
+            layout["table_offsets"],
+            32,
+            *_on(device, seq_tables, fvo, seq_rows),
+            (),
+            layout["table_dtypes"],
+        )
+
+    for _ in range(3):
+        anew = {k: (v.clone() if k.startswith("table_") else v) for k, v in on.items()}
+        for name in ("table_offsets", "table_dims"):
+            device_sync.mirror(anew[name], case[name])
+        assert torch.equal(lookup.pooled_lookup(**on).view(torch.int32), lookup.pooled_lookup(**anew).view(torch.int32))
+        assert torch.equal(sequence(on).view(torch.int32), sequence(anew).view(torch.int32))
+
+    class _Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    class _NoLaunch:  # the wrappers' own ops only
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(lookup, "_pooled_lookup_fwd_kernel", _NoLaunch())
+    monkeypatch.setattr(lookup, "_sequence_lookup_fwd_kernel", _NoLaunch())
+
+    def casts(call):
+        with _Ops() as ops:
+            call()
+        return ops.names.count("_to_copy.default")
+
+    assert casts(lambda: lookup.pooled_lookup(**on)) == 0 and casts(lambda: sequence(on)) == 0
+    on["table_offsets"].add_(0)  # changed in place (its version): derived again
+    assert casts(lambda: lookup.pooled_lookup(**on)) >= 2 and casts(lambda: sequence(on)) >= 1
+    grown = dict(on, table_offsets=on["table_offsets"].clone(), table_dtypes=on["table_dtypes"].clone())
+    device_sync.mirror(grown["table_offsets"], case["table_offsets"])
+    assert casts(lambda: lookup.pooled_lookup(**grown)) >= 2 and casts(lambda: sequence(grown)) >= 1
+    assert casts(lambda: lookup.pooled_lookup(**grown)) == 0 and casts(lambda: sequence(grown)) == 0

@@ -37,6 +37,8 @@ from torch import Tensor
 
 from torchrec_ext import device_sync
 
+from .layout_cache import LayoutCache
+
 
 @triton.jit
 def load_rows(w32_ptr, w16_ptr, wbf_ptr, base, offs, mask, dtype_code, HAS_DTYPES: tl.constexpr):
@@ -322,6 +324,34 @@ def dtype_codes(table_dtypes: Tensor | None, device: torch.device):
     return _meta(table_dtypes, device, torch.int32), True
 
 
+# Per layout (the caller's table_offsets tensor): its device copies and dtype codes, made once
+# rather than a few small launches each call.
+_pooled_layouts = LayoutCache()
+_sequence_layouts = LayoutCache()
+
+
+def _pooled_layout(table_offsets: Tensor, table_dims: Tensor, table_dtypes: Tensor | None, device: torch.device):
+    """(offsets, dims, codes or None) on the device; the codes in their own dtype: no cast."""
+    return _pooled_layouts.get(
+        (table_offsets, table_dims, table_dtypes),
+        device,
+        lambda: (
+            _meta(table_offsets, device),
+            _meta(table_dims, device),
+            None if table_dtypes is None else _meta(table_dtypes, device, table_dtypes.dtype),
+        ),
+    )
+
+
+def _sequence_layout(table_offsets: Tensor, table_dtypes: Tensor | None, device: torch.device):
+    """(offsets, codes, HAS_DTYPES) on the device."""
+    return _sequence_layouts.get(
+        (table_offsets, table_dtypes),
+        device,
+        lambda: (_meta(table_offsets, device), *dtype_codes(table_dtypes, device)),
+    )
+
+
 def pooled_lookup(
     weights: Tensor,
     table_offsets: Tensor,
@@ -371,14 +401,15 @@ def pooled_lookup(
     grid = (triton.cdiv(num_bags, block_b), triton.cdiv(max_dim, block_d))
     # The small index tensors are read in their own dtypes (bool means, int64 codes): no cast
     # kernel per call.
-    has_dtypes = table_dtypes is not None
-    codes = _meta(table_dtypes, device, table_dtypes.dtype) if has_dtypes else rows  # dummy, never read
+    offsets_t, dims_t, codes = _pooled_layout(table_offsets, table_dims, table_dtypes, device)
+    has_dtypes = codes is not None
+    codes = codes if has_dtypes else rows  # dummy, never read
     with launching_on(device):
         _pooled_lookup_fwd_kernel[grid](
             *typed_views(weights),
-            _meta(table_offsets, device),
+            offsets_t,
             codes,
-            _meta(table_dims, device),
+            dims_t,
             _meta(feature_table, device),
             _meta(feature_col, device),
             _meta(feature_mean, device, feature_mean.dtype),
@@ -431,11 +462,11 @@ def sequence_lookup(
     block_d, block_n, num_warps = _sequence_blocks(dim)
     # Value blocks on axis 0: the only axis allowed more than 65535 programs.
     grid = (triton.cdiv(max_len, block_n), num_features, triton.cdiv(dim, block_d))
-    codes, has_dtypes = dtype_codes(table_dtypes, device)
+    offsets_t, codes, has_dtypes = _sequence_layout(table_offsets, table_dtypes, device)
     with launching_on(device):
         _sequence_lookup_fwd_kernel[grid](
             *typed_views(weights),
-            _meta(table_offsets, device),
+            offsets_t,
             codes,
             _meta(feature_table, device),
             fvo,

@@ -22,7 +22,6 @@ block covering the widest table. Per-row sums run in value order, BLOCK_N values
 """
 
 import math
-import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -35,6 +34,7 @@ from torchrec_ext import device_sync
 from torchrec_ext.vocabulary import OPTIMIZERS, ROUNDING_GOLDEN
 
 from .embedding_lookup import check_no_new_vectors, dtype_codes, launching_on, load_rows, typed_views
+from .layout_cache import LayoutCache
 
 # The optimizer ids as constants the kernels branch on (vocabulary.OPTIMIZERS).
 _SGD, _ADAGRAD, _ROWWISE_ADAGRAD, _ADAM, _ADAMW, _FTRL = (
@@ -297,11 +297,8 @@ class _DerivedLayout(NamedTuple):
     max_dim: int
 
 
-# Per layout (the caller's table_offsets tensor: the storage hands the same device layout tensors
-# until its layout changes, and a growth makes new ones), ~10 small ops a call computed once; the
-# entry is checked against the layout tensors themselves (identity and in-place version).
-_derived_layouts: dict[int, tuple[tuple, _DerivedLayout]] = {}
-_MAX_DERIVED_LAYOUTS = 64
+# Per layout (the caller's table_offsets tensor): ~10 small ops a call computed once.
+_derived_layouts = LayoutCache()
 
 
 def _derived_layout(
@@ -312,12 +309,16 @@ def _derived_layout(
     weights: Tensor,
 ) -> _DerivedLayout:
     layout = (table_offsets, table_dims, state_row_offsets, table_dtypes)
-    key = (weights.numel(), weights.device) + tuple(
-        None if t is None else (t._version, t.device) for t in layout if isinstance(t, Tensor) or t is None
-    )
-    cached = _derived_layouts.get(id(table_offsets))
-    if cached is not None and cached[0][0] == key and all(r() is t for r, t in zip(cached[0][1], layout)):
-        return cached[1]
+    return _derived_layouts.get(layout, (weights.numel(), weights.device), lambda: _derive_layout(*layout, weights))
+
+
+def _derive_layout(
+    table_offsets: Tensor,
+    table_dims: Tensor,
+    state_row_offsets: Tensor,
+    table_dtypes: Tensor | None,
+    weights: Tensor,
+) -> _DerivedLayout:
     device = weights.device
     max_dim = int(device_sync.to_host(table_dims, "fused_update: widest table").max())
     offsets_t, dims_t = _meta(table_offsets, device), _meta(table_dims, device)
@@ -326,7 +327,7 @@ def _derived_layout(
     ends = torch.cat([offsets_t[1:], offsets_t.new_full((1,), weights.numel())])
     elem_bytes = torch.where(codes.to(torch.int64) == 0, 4, 2) if has_dtypes else 4
     caps = (ends - offsets_t) * 4 // (dims_t * elem_bytes)
-    derived = _DerivedLayout(
+    return _DerivedLayout(
         offsets_t,
         dims_t,
         _meta(state_row_offsets, device),
@@ -335,12 +336,6 @@ def _derived_layout(
         has_dtypes,
         max_dim,
     )
-    if all(isinstance(t, Tensor) or t is None for t in layout):
-        if len(_derived_layouts) >= _MAX_DERIVED_LAYOUTS:  # callers that make a layout each call
-            _derived_layouts.clear()
-        refs = tuple((lambda: None) if t is None else weakref.ref(t) for t in layout)
-        _derived_layouts[id(table_offsets)] = ((key, refs), derived)
-    return derived
 
 
 def fused_update(

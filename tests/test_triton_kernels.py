@@ -1014,8 +1014,6 @@ def test_fused_update_derives_its_layout_once_per_layout_with_the_same_bits(targ
     codes: ~20 small ops) is computed once per layout, as the storage hands the same layout tensors
     until a growth makes new ones: the update writes the same bits with the layout cached as with
     fresh copies of it each call (derived anew), and a layout changed in place is derived again."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     device, half, upd = _device(target), _half(), _update()
     gen = torch.Generator().manual_seed(5)
     grad, weights, states, common = half._update_case(half.DTYPE_SETS["mixed"], "adam", gen)
@@ -1030,25 +1028,12 @@ def test_fused_update_derives_its_layout_once_per_layout_with_the_same_bits(targ
     assert torch.equal(cached[0].view(torch.int32), fresh[0].view(torch.int32))
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(cached[1], fresh[1]))
 
-    class _Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
-    class _NoLaunch:  # the wrapper's own ops only
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: None
-
-    monkeypatch.setattr(upd, "_fused_update_bwd_kernel", _NoLaunch())
+    monkeypatch.setattr(upd, "_fused_update_bwd_kernel", _no_launch())
     inputs = (grad.to(device), *cached)
-    with _Ops() as warm:
+    with _aten_ops() as warm:
         upd.fused_update(*inputs, optimizer="adam", step=4, **on)
     on["table_offsets"].add_(0)  # changed in place (its version): derived again
-    with _Ops() as changed:
+    with _aten_ops() as changed:
         upd.fused_update(*inputs, optimizer="adam", step=4, **on)
     derived = {"cumsum.default", "cat.default", "where.self", "floor_divide.default"}
     assert not derived & set(warm.names) and derived <= set(changed.names), (warm.names, changed.names)
@@ -1142,8 +1127,6 @@ def test_lookups_derive_their_layout_once_per_layout_with_the_same_bits(target, 
     call) are made once per layout, through the cache fused_update shares (layout_cache.py): the
     same bits with the layout cached as with fresh copies of it each call, and a layout changed in
     place, or a new one (a growth), derived again."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from torchrec_ext import device_sync
 
     device, lookup = _device(target), _lookup()
@@ -1175,24 +1158,11 @@ def test_lookups_derive_their_layout_once_per_layout_with_the_same_bits(target, 
         assert torch.equal(lookup.pooled_lookup(**on).view(torch.int32), lookup.pooled_lookup(**anew).view(torch.int32))
         assert torch.equal(sequence(on).view(torch.int32), sequence(anew).view(torch.int32))
 
-    class _Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
-    class _NoLaunch:  # the wrappers' own ops only
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: None
-
-    monkeypatch.setattr(lookup, "_pooled_lookup_fwd_kernel", _NoLaunch())
-    monkeypatch.setattr(lookup, "_sequence_lookup_fwd_kernel", _NoLaunch())
+    monkeypatch.setattr(lookup, "_pooled_lookup_fwd_kernel", _no_launch())
+    monkeypatch.setattr(lookup, "_sequence_lookup_fwd_kernel", _no_launch())
 
     def casts(call):
-        with _Ops() as ops:
+        with _aten_ops() as ops:
             call()
         return ops.names.count("_to_copy.default")
 
@@ -1203,3 +1173,29 @@ def test_lookups_derive_their_layout_once_per_layout_with_the_same_bits(target, 
     device_sync.mirror(grown["table_offsets"], case["table_offsets"])
     assert casts(lambda: lookup.pooled_lookup(**grown)) >= 2 and casts(lambda: sequence(grown)) >= 1
     assert casts(lambda: lookup.pooled_lookup(**grown)) == 0 and casts(lambda: sequence(grown)) == 0
+
+
+def _aten_ops():
+    """A dispatch mode recording the names of the aten ops run under it (``.names``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    return _Ops()
+
+
+def _no_launch():
+    """A stand-in for a Triton kernel: launches do nothing, so only the wrapper's own ops run."""
+
+    class _NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    return _NoLaunch()

@@ -301,17 +301,6 @@ class _DerivedLayout(NamedTuple):
 _derived_layouts = LayoutCache()
 
 
-def _derived_layout(
-    table_offsets: Tensor,
-    table_dims: Tensor,
-    state_row_offsets: Tensor,
-    table_dtypes: Tensor | None,
-    weights: Tensor,
-) -> _DerivedLayout:
-    layout = (table_offsets, table_dims, state_row_offsets, table_dtypes)
-    return _derived_layouts.get(layout, (weights.numel(), weights.device), lambda: _derive_layout(*layout, weights))
-
-
 def _derive_layout(
     table_offsets: Tensor,
     table_dims: Tensor,
@@ -393,7 +382,10 @@ def fused_update(
     if num_unique == 0:
         return
     device = weights.device
-    layout = _derived_layout(table_offsets, table_dims, state_row_offsets, table_dtypes, weights)
+    layout_tensors = (table_offsets, table_dims, state_row_offsets, table_dtypes)
+    layout = _derived_layouts.get(
+        layout_tensors, (weights.numel(), device), lambda: _derive_layout(*layout_tensors, weights)
+    )
     max_dim = layout.max_dim  # (table_dims mirrored by the caller: no sync)
     if max_dim <= 0:
         return

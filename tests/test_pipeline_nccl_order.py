@@ -5,7 +5,9 @@ keep. Checked on 2 gloo ranks with the NCCL probe answering yes: the input dist 
 train thread, on the modules' own group, training equals a plain loop, and asking for the helper
 thread is refused by name. The probe itself is checked against every backend string form."""
 
+import functools
 import threading
+import time
 
 import pytest
 import torch
@@ -170,7 +172,7 @@ def test_the_pipeline_names_the_device_of_every_current_stream():
     assert not bare, bare
 
 
-def _forward_error_leaves_the_tiered_tables_usable(rank, world_size, root):
+def _forward_error_leaves_the_tiered_tables_usable(rank, world_size, root, before_close=False):
     # A forward that raises after the lookup started the stage (NCCL with peers: the stage waits
     # for the deferred input dist, which the raised step never finishes): once the pipeline is
     # closed the tables answer as they did, the stage having staged nothing (it only moves rows
@@ -205,7 +207,19 @@ def _forward_error_leaves_the_tiered_tables_usable(rank, world_size, root):
             return forward(*args)
 
         monkeypatch.setattr(over_arch, "forward", failing)
-        options = PipelineOptions(prefetch_threads=0, tier_prefetch=True, timeout_s=60)
+        options = PipelineOptions(prefetch_threads=0, tier_prefetch=True, timeout_s=15 if before_close else 60)
+        if before_close:  # the error caught and the tables used before close(): no wait for the stage
+            pipeline = TrainPipeline(model, optimizer, torch.device("cpu"), options)
+            with pytest.raises(RuntimeError, match="the dense arch failed"):
+                progress_losses(pipeline, batches)
+            started = time.monotonic()
+            state = model.state_dict()
+            assert time.monotonic() - started < 5
+            assert any(key.endswith("weight") for key in state)
+            with pytest.raises(RuntimeError, match="a forward raised before the input dist finished"):
+                pipeline.progress(iter(batches))
+            pipeline.close()
+            return
         with (
             pytest.raises(RuntimeError, match="the dense arch failed"),
             TrainPipeline(model, optimizer, torch.device("cpu"), options) as pipeline,
@@ -219,3 +233,8 @@ def _forward_error_leaves_the_tiered_tables_usable(rank, world_size, root):
 
 def test_a_forward_error_leaves_the_tiered_tables_usable(tmp_path):
     run_ranks(_forward_error_leaves_the_tiered_tables_usable, 2, str(tmp_path))
+
+
+def test_a_forward_error_leaves_the_tiered_tables_usable_before_close(tmp_path):
+    # (timeout_s short: without the abandon, the state_dict waits for it, then times out)
+    run_ranks(functools.partial(_forward_error_leaves_the_tiered_tables_usable, before_close=True), 2, str(tmp_path))

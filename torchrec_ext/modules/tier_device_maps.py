@@ -344,7 +344,25 @@ class DeviceSlotMaps:
                 misses.append((t, taken_host[t][read], host[0][first : first + n][read]))
             cache.misses += reads
             cache.bytes_moved += reads * mover.row_bytes
-        _read(misses, movers)
+        try:
+            _read(misses, movers)
+        except BaseException:
+            # A failed read (any table, any round) must not leave slots assigned but unfilled:
+            # every slot taken here goes back, so later lookups miss and read again.
+            self._give_back({t: (host[0][first : first + n], taken_host[t]) for t, first, n in self._parts(needs)})
+            raise
+
+    def _give_back(self, held: dict[int, tuple[Tensor, Tensor]]) -> None:
+        """Undoes ``_take_slots``: each table t's (rows, slots) of ``held`` (its own numbers, host
+        tensors) forgotten (no row in them, no slot for the rows, clean) and the slots back on top
+        of its free stack, in the order they were taken."""
+        rows = torch.cat([r + self.row_base_host[t] for t, (r, _) in held.items()])
+        slots = torch.cat([s + self.slot_base_host[t] for t, (_, s) in held.items()])
+        at_row, at = device_sync.to_device(torch.stack([rows, slots]), self.device)
+        self.slot_of.index_fill_(0, at_row, -1)
+        self.row_of.index_fill_(0, at, -1)
+        self.dirty.index_fill_(0, at, False)
+        self._push_free({t: s for t, (_, s) in held.items()})
 
     @staticmethod
     def _parts(counts: dict[int, int]) -> list[tuple[int, int, int]]:

@@ -218,12 +218,15 @@ class TrainPipeline(TrainPipelineSparseDist):
         self._tiered: list[nn.Module] | None = None  # modules with tiered tables, found at the first step
         self._step = 0
         self._closed = False
+        self._failed: str | None = None  # why progress() is refused (a forward raised mid input dist)
 
     # ------------------------------------------------------------------ public API
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         if self._closed:
             raise RuntimeError("TrainPipeline: progress() after close(); build a new pipeline")
+        if self._failed is not None:  # (as TorchRec's: a step that raised leaves the pipeline unusable)
+            raise RuntimeError(f"TrainPipeline: progress() after {self._failed}; close() it and build a new pipeline")
         self._ensure_prefetcher(dataloader_iter)
         if not self._model_attached:
             self.attach(self._model)
@@ -246,7 +249,11 @@ class TrainPipeline(TrainPipelineSparseDist):
         if self.options.tier_prefetch and len(self.batches) >= 2:
             self._stage_next(self._ready[1], self.contexts[1])  # runs once batch i's lookup has its rows
         try:
-            losses, output = self._model_fwd(self.batches[0])
+            try:
+                losses, output = self._model_fwd(self.batches[0])
+            except BaseException:
+                self._abandon_input_dist("a forward raised before the input dist finished")
+                raise
             self._finish_input_dist()  # (a deferred one: after the forward's collectives, as on every rank)
             if training:
                 self._backward(losses)
@@ -295,9 +302,7 @@ class TrainPipeline(TrainPipelineSparseDist):
             else:
                 self._prefetcher.close(timeout_s)
             self._prefetcher = None
-        if self._dist_finish is not None:  # a forward raised: the deferred half never runs
-            self._dist_finish = None
-            self._dist_future.set_exception(_InputDistAbandoned("TrainPipeline: closed before the input dist finished"))
+        self._abandon_input_dist("closed before the input dist finished")
         worker_done = True
         if self._dist_worker is not None:
             worker_done = self._dist_worker.close(self.options.timeout_s if timeout_s is None else timeout_s)
@@ -499,6 +504,16 @@ class TrainPipeline(TrainPipelineSparseDist):
             self._dist_finish = finish
         else:
             self._dist_future.set_result((start(), finish())[1])
+
+    def _abandon_input_dist(self, why: str) -> None:
+        """A deferred input dist that will never finish (a forward raised, or close): a tiered
+        stage waiting for it stops at once, staging nothing, and progress() is refused (this
+        rank's collectives no longer match its peers')."""
+        if self._dist_finish is None:
+            return
+        self._dist_finish = None
+        self._failed = self._failed or why
+        self._dist_future.set_exception(_InputDistAbandoned(f"TrainPipeline: {why}"))
 
     def _finish_input_dist(self) -> None:
         """The deferred second half of the input dist in flight, if any, on the train thread: at

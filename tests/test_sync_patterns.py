@@ -268,6 +268,21 @@ def _is_device_arg(node):
     return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("cuda")
 
 
+def _names_the_host(node):
+    """``"cpu"``, or ``getattr(t, "device", "cpu")`` (a tensor's own device, no copy; else the host)."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str) and node.value.startswith("cpu")
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "getattr"
+        and len(node.args) == 3
+        and isinstance(node.args[1], ast.Constant)
+        and node.args[1].value == "device"
+        and _names_the_host(node.args[2])
+    )
+
+
 def _is_blocking_copy(call):
     """``torch.tensor(data, device=d)`` (host data copied to d) or ``t.to(d)`` / ``t.cuda()``
     without ``non_blocking=True``: from pageable host memory, a blocking copy the host waits on
@@ -278,7 +293,7 @@ def _is_blocking_copy(call):
         return False
     kwargs = {k.arg: k.value for k in call.keywords}
     if isinstance(f.value, ast.Name) and f.value.id == "torch" and f.attr in ("tensor", "as_tensor"):
-        return "device" in kwargs
+        return "device" in kwargs and not _names_the_host(kwargs["device"])  # host data made on the host
     non_blocking = isinstance(kwargs.get("non_blocking"), ast.Constant) and kwargs["non_blocking"].value is True
     if f.attr == "cuda":
         return not non_blocking
@@ -439,6 +454,7 @@ def test_the_scan_lets_device_sync_and_positions_pass():
     code = (
         "def f(t, which):\n    n = int(device_sync.to_host(t, 'x')[-1])\n    return t[which], t.index_select(0, which), "
         "device_sync.nonzero(t > 0, 'y'), device_sync.to_device(torch.tensor([1]), t.device), "
-        "t.to(torch.int64), t.to(device, non_blocking=True), torch.zeros(3, device=t.device)"
+        "t.to(torch.int64), t.to(device, non_blocking=True), torch.zeros(3, device=t.device), "
+        "torch.tensor([2], device='cpu'), torch.as_tensor(t, device=getattr(t, 'device', 'cpu'))"
     )
     assert _findings(ast.parse(code).body[0]) == []

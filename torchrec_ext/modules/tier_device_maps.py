@@ -506,7 +506,11 @@ class DeviceSlotMaps:
         if not fills:
             return
         _, taken = self._take_slots(fills, clock)
-        _read([(t, taken[t], wanted) for t, wanted in fills.items()], movers)
+        try:
+            _read([(t, taken[t], wanted) for t, wanted in fills.items()], movers)
+        except BaseException:  # (as the lookup's _fill: no slot left assigned but unfilled)
+            self._give_back({t: (wanted, taken[t]) for t, wanted in fills.items()})
+            raise
         for t, wanted in fills.items():
             cache = self.tables[t]
             cache.staged += wanted.numel()

@@ -104,12 +104,17 @@ class SlotOrder:
             taken.append(chosen)
             need -= chosen.numel()
         for slots, clocks in reversed(held):  # (rare: the cache's oldest slots held by a batch in flight)
-            values, counts = torch.unique_consecutive(clocks, return_counts=True)
-            for part, clock in reversed(list(zip(slots.split(counts.tolist()), values.tolist()))):
-                self._push(part.clone(), clock, front=True)  # (not views of one tensor: see nbytes)
+            self.put_back(slots, clocks)
         if not taken:
             return torch.empty(0, dtype=torch.int64, device="cpu")
         return taken[0] if len(taken) == 1 else torch.cat(taken)
+
+    def put_back(self, slots: Tensor, clocks: Tensor) -> None:
+        """Slots ``oldest`` took (in its order; ``clocks``: their ``last_used``, neither emptied nor
+        touched since) back at the front at their own clocks, as if never taken."""
+        values, counts = torch.unique_consecutive(clocks, return_counts=True)
+        for part, clock in reversed(list(zip(slots.split(counts.tolist()), values.tolist()))):
+            self._push(part.to(torch.int32, copy=True), clock, front=True)  # (not views of one tensor: see nbytes)
 
     def give_back(self, slots: Tensor, clock: int, last_used: Tensor) -> None:
         """Slots ``oldest`` took (neither emptied nor touched since) back at the front, last used at ``clock``."""

@@ -452,17 +452,21 @@ class RowCache:
             victims, free = self._victims(missing.numel(), clock, best_effort)
             missing = missing[: victims.numel()]
             want = r.index_select(0, missing)
-            if not free:
-                self._evict(victims, mover, ahead=best_effort)
-            if fresh is None:
-                reads = want.numel()
-                mover.read(victims, want)
-            else:
-                new = fresh if every else fresh.index_select(0, live)
-                read = ~new.index_select(0, missing)
-                reads = int(read.sum())  # rows new to their id take a slot but are not misses: nothing is read
-                if reads:
-                    mover.read(victims[read], want[read])
+            try:
+                if not free:
+                    self._evict(victims, mover, ahead=best_effort)
+                if fresh is None:
+                    reads = want.numel()
+                    mover.read(victims, want)
+                else:
+                    new = fresh if every else fresh.index_select(0, live)
+                    read = ~new.index_select(0, missing)
+                    reads = int(read.sum())  # rows new to their id take a slot but are not misses: nothing is read
+                    if reads:
+                        mover.read(victims[read], want[read])
+            except BaseException:
+                self._give_back(victims)
+                raise
             if best_effort:
                 self.staged += reads
             else:
@@ -500,6 +504,25 @@ class RowCache:
             self.free = torch.cat([free, self.free])
             raise RuntimeError(f"tiered table cache: {k} rows to bring in, fewer free slots of {self.slots}")
         return (lru if not free.numel() else torch.cat([free, lru])), False
+
+    def _give_back(self, victims: Tensor) -> None:
+        """Undoes the taking of ``victims`` (``_victims``' slots: free ones, then the least
+        recently used) by a hold or stage whose write-back or read raised (an OS error of the
+        backing store): a slot still holding its row (its write-back did not run) goes back into
+        the LRU order as it was, still dirty if it was; the others (free ones, and those whose
+        rows were written back and left the cache) are empty, clean and free again. Without
+        this they would hold their old row number, maybe dirty, with no row pointing at them:
+        out of the order and the free list for good, and a later write-back of that stale copy
+        over the row's newer one."""
+        rows = self.row_of.index_select(0, victims)
+        kept = (rows >= 0) & (self.slot_of.index_select(0, rows.clamp(min=0)).to(torch.int64) == victims)
+        if not self.lfu:  # (LFU's victims are a top-k: they never left the order)
+            back = victims[kept]
+            self.order.put_back(back, self.last_used.index_select(0, back))
+        emptied = victims[~kept]
+        self.row_of.index_fill_(0, emptied, -1)
+        self.dirty.index_fill_(0, emptied, False)
+        self.free = torch.cat([emptied, self.free])
 
     def _take_free(self, k: int) -> Tensor:
         """Up to k free slots, out of the free list: checked from its front as far as needed
@@ -556,13 +579,17 @@ class RowCache:
         # are left free does not matter: all are taken.
         free = self._take_free(want_slots)
         lru = self._oldest(want_slots - free.numel(), clock, pinned)
-        if lru.numel():
-            self._evict(lru, mover, ahead=True, occupied=True)  # (oldest takes occupied slots only)
         victims = lru if not free.numel() else torch.cat([free, lru])
         filled = min(missing, victims.numel())
         fill, freed = (victims, None) if filled == victims.numel() else (victims[:filled], victims[filled:])
         want = missing_rows if filled == missing else missing_rows[:filled]
-        mover.read(fill, want)
+        try:
+            if lru.numel():
+                self._evict(lru, mover, ahead=True, occupied=True)  # (oldest takes occupied slots only)
+            mover.read(fill, want)
+        except BaseException:
+            self._give_back(victims)
+            raise
         self.staged += filled
         self.bytes_moved += filled * mover.row_bytes
         self.row_of.index_copy_(0, fill, want)
@@ -792,6 +819,9 @@ class TieredTables(DynamicTables):
         # the lookup in progress: (modifies, pin records, the stage waiting for its tables, its own traffic)
         self._holding: tuple[bool, list, _Handover | None, dict[int, dict[str, int]]] | None = None
         self._pinned: dict[int, weakref.finalize] = {}  # lookups whose update is pending -> their pins
+        # the lookup in progress's upserts: (first table, bounds of its tables' entries, rows, which
+        # are new), their new ids taken out of the indexes again should the lookup fail
+        self._upserts: list[tuple[int, list[int], Tensor, Tensor]] | None = None
         # an eval lookup's tables with the device maps: (table, rows), held together at its end
         self._eval_rows: list[tuple[int, int]] | None = None
         self._stager: _Stager | None = None  # made at the first stage
@@ -1026,6 +1056,7 @@ class TieredTables(DynamicTables):
         # The next batch's stage starts now and takes each table once this lookup is done with it.
         handover = self._start_stage() if self._stage_request is not None else None
         self._holding = (modifies, [], handover, {})
+        self._upserts = []
         if self._maps is not None and not training and not torch.compiler.is_compiling():
             self._eval_rows = []
         try:
@@ -1033,13 +1064,14 @@ class TieredTables(DynamicTables):
             if self._eval_rows:
                 self._hold_eval_rows(result)
         except BaseException:
+            self._forget_new_ids(self._upserts)
             self._unpin(self._holding[1])
             if handover is not None:
                 handover.cancel()
             raise
         finally:
             _, held, _, own = self._holding
-            self._holding, self._eval_rows = None, None
+            self._holding, self._eval_rows, self._upserts = None, None, None
         if modifies:  # pinned until the update lands, or the lookup (its autograd graph) is dropped
             key = id(result.unique_rows)
             self._pinned[key] = weakref.finalize(result.unique_rows, self._release, key, held)
@@ -1055,8 +1087,35 @@ class TieredTables(DynamicTables):
         self._count_step(staged, own)
         return result
 
+    def _forget_new_ids(self, upserts: list[tuple[int, list[int], Tensor, Tensor]]) -> None:
+        """A failed lookup's undo of its upserts (``_upserts``): the ids they made new (inserted,
+        or expired and to be initialised again) leave the indexes again, erased by their rows.
+
+        A lookup fails after its upsert when a read or write-back of the backing store raises (an
+        OS error of a file; the caches' maps give back what the lookup took: ``RowCache.hold``,
+        ``DeviceSlotMaps._fill``). The new ids' rows were never initialised (that comes after
+        the caches' holds), so an id left in its index would read a row not its own (an evicted
+        id's, or garbage) as a row it holds. Erased, a later lookup of it inserts it again, its
+        initial row as an all-resident table's. What stays as the lookup left it: the ids its
+        upsert evicted to make room are gone (their rows were given to the new ids; a later
+        lookup of one is a new id, as in an all-resident table that evicted it); the ids it
+        held keep their rows and optimizer state bit for bit, but their touch stays: eviction
+        scores and the index's clock, ``last_seen`` (TTL), admission's sightings, the step
+        (``train_step``), the caches' clocks, LFU counts and hit counters, and the table counters
+        of the upsert's evictions. Slots a table's hold gave its new rows before another table's
+        failed keep those (now unnamed) rows until evicted: their copies are never read."""
+        for first, bounds, rows, fresh in upserts:
+            for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]), first):
+                if end > start:
+                    capacity = self.meta[t].capacity
+                    erased = torch.zeros(capacity + 1, dtype=torch.bool, device=rows.device)
+                    erased.index_fill_(0, torch.where(fresh[start:end], rows[start:end], capacity), True)
+                    self.indexes[t].erase_rows(erased[:capacity])
+
     def _rows_for(self, t: int, keys: Tensor, counts: Tensor, training: bool) -> tuple[Tensor, Tensor | None]:
         rows, fresh = super()._rows_for(t, keys, counts, training)
+        if fresh is not None and self._upserts is not None:
+            self._upserts.append((t, [0, rows.numel()], rows, fresh))
         if self._eval_rows is not None:  # (an eval lookup with the device maps: held with all its tables')
             self._eval_rows.append((t, rows.numel()))
             return rows, fresh
@@ -1078,6 +1137,8 @@ class TieredTables(DynamicTables):
         """Every table's upsert in one call, then each table's rows held in its cache: on a GPU
         all tables' rows come to the host in one copy (one sync a lookup, not one a table)."""
         rows, inserted = super()._rows_for_tables(unique, counts, bounds, unique_table)
+        if self._upserts is not None:
+            self._upserts.append((0, bounds, rows, inserted))
         if self._maps is not None:  # (the maps on the device: the rows stay there)
             segments = _segments(bounds)
             every = list(range(len(self.meta)))  # (all handed over at once: the empty tables too)
@@ -1461,7 +1522,7 @@ class TieredTables(DynamicTables):
         self._join_stage()
         self._fold_logs()  # a copy gets the base store's tensors, without the logs
         state = super().__getstate__()
-        state["_pinned"], state["_movers"], state["_holding"] = {}, None, None
+        state["_pinned"], state["_movers"], state["_holding"], state["_upserts"] = {}, None, None, None
         state["_stager"], state["_staging"], state["_stage_request"], state["_stage_stats"] = None, None, None, {}
         return state
 

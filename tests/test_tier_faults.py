@@ -1,8 +1,9 @@
-"""A tiered lookup whose read of the backing store fails (an OS error) after the batch's upsert
-(issue 16 item 6, never silent corruption): the ids it inserted leave the index again, every id
-left keeps its own row, the caches' maps stay consistent and the module trains on.
+"""A tiered lookup whose read or write-back of the backing store fails (an OS error) after the
+batch's upsert (issue 16 item 6, never silent corruption): the ids it inserted leave the index
+again, every id left keeps its own row (a victim whose write-back failed stays cached, dirty),
+the caches' maps stay consistent and the module trains on; a stage's failed read likewise.
 
-Reads fail by fault injection (the failing table's mover raises ``EIO``), with the host maps
+Calls fail by fault injection (the failing table's mover raises ``EIO``), with the host maps
 (``RowCache``, the CPU's default) and the device maps (``DeviceSlotMaps``, run on the CPU), host
 and file backing, one upsert for all tables or one a table, and the GPU's records path.
 

@@ -573,7 +573,7 @@ def test_a_failed_read_leaves_the_maps_as_before_the_lookup(monkeypatch, maps, r
     lookup's packed reads, or a later one (rounds of 7 rows a table): the lookup raises it and
     every table's slots taken for it are given back, none left assigned but unfilled; the
     module's next steps equal the all-resident module's that never saw the failed batch (of ids
-    seen before: a new id's row is another matter, see the report)."""
+    seen before; a failed batch with new ids: tests/test_tier_faults.py)."""
     from torchrec_ext.modules import tier_copies
 
     monkeypatch.setattr(TieredTables, "copy_through_records", records)

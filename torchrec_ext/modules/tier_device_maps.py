@@ -449,24 +449,56 @@ class DeviceSlotMaps:
         self.dirty.index_fill_(0, gone, False)
         slots, rows, written, kept = host[0] - bases[0], host[1], host[2] == 1, host[3] == 1
         # The maps forgot the victims above: each table's write-back must run even when another
-        # table's raises (an OS error writing its store), else their rows would be lost too.
+        # table's raises (an OS error writing its store); a table whose write-back raised gets its
+        # dirty victims back (``_recache``), else their rows' newest copies would be lost.
         freed, writes, failed = {}, [], []
         for t, first, k in self._parts(dict(zip(shorts, counts))):
             these = slice(first, first + k)
             n = int(written[these].sum())
             if n:
-                cache = self.tables[t]
                 back = written[these]
                 writes.append((t, slots[these][back], rows[these][back]))
-                cache.write_backs += n
-                if ahead:
-                    cache.staged_write_backs += n
-                cache.bytes_moved += n * movers[t].row_bytes
+                self._count_write_backs(t, n, ahead, movers)
             freed[t] = slots[these][kept[these]]
         _write(writes, movers, failed)  # (before any slot is refilled: the caller's reads come after)
+        if failed:
+            lost = {t for t, _ in failed}
+            unwritten = [(t, s, r) for t, s, r in writes if t in lost or None in lost]
+            self._recache(unwritten, ahead, movers)
+            for t, held, _ in unwritten:
+                freed[t] = freed[t][~torch.isin(freed[t], held)]
         self._push_free(freed)
         if failed:
-            raise failed[0]
+            raise failed[0][1]
+
+    def _count_write_backs(self, t: int, n: int, ahead: bool, movers) -> None:
+        """Table t's counters of ``n`` rows written back (``ahead``: by a stage); n < 0 takes them back."""
+        cache = self.tables[t]
+        cache.write_backs += n
+        if ahead:
+            cache.staged_write_backs += n
+        cache.bytes_moved += n * movers[t].row_bytes
+
+    def _recache(self, unwritten: list[tuple[int, Tensor, Tensor]], ahead: bool, movers) -> None:
+        """Victims whose write-back raised back in their slots as ``_vacate`` found them: each
+        (table, slots, rows) of ``unwritten`` (its own numbers, host tensors) holding its rows
+        again, dirty (their clocks and LFU counts were left as they were), not counted as
+        written back."""
+        for t, held, _ in unwritten:
+            self._count_write_backs(t, -held.numel(), ahead, movers)
+        rows = torch.cat([r for _, _, r in unwritten])
+        slots = torch.cat([s for _, s, _ in unwritten])
+        counts = torch.tensor([s.numel() for _, s, _ in unwritten], device="cpu")
+        bases = torch.tensor(
+            [[self.row_base_host[t] for t, _, _ in unwritten], [self.slot_base_host[t] for t, _, _ in unwritten]],
+            device="cpu",
+        ).repeat_interleave(counts, dim=1)
+        own_row, at_row, own_slot, at = device_sync.to_device(
+            torch.stack([rows, rows + bases[0], slots, slots + bases[1]]), self.device
+        )
+        self.slot_of.index_copy_(0, at_row, own_slot.to(torch.int32))
+        self.row_of.index_copy_(0, at, own_row)
+        self.dirty.index_fill_(0, at, True)
 
     # ------------------------------------------------------------------ ahead of a lookup
 
@@ -574,26 +606,29 @@ def _read(reads: list[tuple[int, Tensor, Tensor]], movers) -> None:
     copies.to_caches([(movers[t], slots, rows) for t, slots, rows in reads], copies.packed)
 
 
-def _write(writes: list[tuple[int, Tensor, Tensor]], movers, failed: list[BaseException]) -> None:
+def _write(writes: list[tuple[int, Tensor, Tensor]], movers, failed: list[tuple[int | None, BaseException]]) -> None:
     """Each (table, slots, rows) of ``writes``: its cache's ``slots`` written back to its backing
-    store's ``rows`` (host tensors), every table's even when one's raises (kept in ``failed``).
-    Through records (a GPU's cache): all tables' in one copy to the host (tier_copies.py's
-    ``to_stores``, through the buffer of the packed reads)."""
+    store's ``rows`` (host tensors), every table's even when one's raises (kept in ``failed``
+    with the table, None when the copy of all tables' records raised). Through records (a GPU's
+    cache): all tables' in one copy to the host (tier_copies.py's ``to_stores``, through the
+    buffer of the packed reads)."""
     copies = movers[writes[0][0]].copies if writes else None
     if copies is None:
         for t, slots, rows in writes:
-            _attempt(failed, movers[t].write, slots, rows)
+            _attempt(failed, t, movers[t].write, slots, rows)
         return
+    table_of = {id(movers[t]): t for t, _, _ in writes}
 
     def store(mover, records: Tensor, rows: Tensor) -> None:
-        _attempt(failed, mover.store, records, rows)
+        _attempt(failed, table_of[id(mover)], mover.store, records, rows)
 
-    _attempt(failed, copies.to_stores, [(movers[t], slots, rows) for t, slots, rows in writes], copies.packed, store)
+    writing = [(movers[t], slots, rows) for t, slots, rows in writes]
+    _attempt(failed, None, copies.to_stores, writing, copies.packed, store)
 
 
-def _attempt(failed: list[BaseException], call, *args) -> None:
-    """``call(*args)``; an exception it raises is kept in ``failed``."""
+def _attempt(failed: list[tuple[int | None, BaseException]], t: int | None, call, *args) -> None:
+    """``call(*args)``; an exception it raises is kept in ``failed``, with ``t``."""
     try:
         call(*args)
     except Exception as error:  # noqa: BLE001  (re-raised by the caller once every write-back has run)
-        failed.append(error)
+        failed.append((t, error))

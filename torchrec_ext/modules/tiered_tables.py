@@ -21,6 +21,12 @@ and writes back and frees slots for its new rows, around the slots of the batch 
 the next lookup reads and writes nothing in the backing store. ``prefetch`` does the filling
 synchronously, between steps.
 
+A lookup that fails after its upsert (a read or write-back of the backing store raising an OS
+error) leaves no id reading a row not its own: the ids it made new leave the indexes again
+(``_forget_new_ids``, which says what else stays as the lookup left it), the slots it took go
+back (``RowCache._give_back``, ``DeviceSlotMaps._give_back``), and victims whose write-back
+raised stay cached and dirty; the module trains on. A stage's failed read likewise.
+
 ``table_view`` / ``state_views`` (the tables' parameters, loading) are views of the backing
 store, current after ``flush``. ``state_dict`` writes the dirty rows back first, then gathers
 each row's newest copy (with file backing, a row written back since the last ``flush`` is in its

@@ -296,7 +296,7 @@ class _FakeCuda:
 class _FakeStream:
     def __init__(self, device, name="side"):
         self.index = device if isinstance(device, int) else torch.device(device).index
-        self.name, self.waited = name, []
+        self.name, self.waited, self.synchronized = name, [], 0
 
     def record_event(self):
         return (self.name, self.index)
@@ -305,17 +305,23 @@ class _FakeStream:
         self.waited.append(event)
 
     def synchronize(self) -> None:
-        pass
+        self.synchronized += 1
+
+
+def _fake_cuda(monkeypatch) -> _FakeCuda:
+    """torch.cuda's device and stream calls answered by a ``_FakeCuda`` (streams: ``_FakeStream``)."""
+    fake = _FakeCuda()
+    for name in ("current_device", "current_stream", "device", "stream"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    return fake
 
 
 def test_the_stage_worker_runs_on_the_modules_device_whatever_the_threads(monkeypatch):
     # A module on cuda:1: its stage's worker thread starts on cuda:0 (every new thread's current
     # device); the worker sets cuda:1 itself around each stage, so the stage's calls that take the
     # current device or stream (the hand-over's wait) are on the side stream of cuda:1.
-    fake = _FakeCuda()
-    for name in ("current_device", "current_stream", "device", "stream"):
-        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
-    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    fake = _fake_cuda(monkeypatch)
     device = torch.device("cuda", 1)
     stager, handover = tiered_tables._Stager(device), tiered_tables._Handover(1, device)
     seen = []
@@ -330,3 +336,23 @@ def test_the_stage_worker_runs_on_the_modules_device_whatever_the_threads(monkey
     assert seen == [(1, stager._stream)], seen
     # The side stream waited for the train stream's events (on cuda:1): the submission's, the hand-over's.
     assert stager._stream.waited == [("default", 1), ("default", 1)], stager._stream.waited
+
+
+def test_a_stage_that_raises_drains_its_side_stream_before_the_train_thread_sees_the_error(monkeypatch):
+    # A stage that fails midway (a read of the backing store) has queued work on its side stream
+    # (rows read, slots given back): the train thread gets its error and no event to wait for, so
+    # the worker drains the side stream first, else the next lookup's kernels would race that work.
+    _fake_cuda(monkeypatch)
+    stager = tiered_tables._Stager(torch.device("cuda", 0))
+    drained = []
+
+    def stage():
+        raise OSError("input/output error")
+
+    failed = stager.submit(stage)
+    with pytest.raises(OSError, match="input/output error"):
+        stager.wait(failed)
+    drained.append(stager._stream.synchronized)
+    stager.wait(stager.submit(lambda: None))  # (a stage that runs through: drained as before)
+    stager.close()
+    assert drained + [stager._stream.synchronized] == [1, 2]

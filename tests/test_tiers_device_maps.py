@@ -574,6 +574,19 @@ def test_a_failed_read_leaves_the_maps_as_before_the_lookup(monkeypatch, maps, r
     every table's slots taken for it are given back, none left assigned but unfilled; the
     module's next steps equal the all-resident module's that never saw the failed batch (of ids
     seen before; a failed batch with new ids: tests/test_tier_faults.py)."""
+    module, resident, batches = _trained_pair(monkeypatch, maps, records)
+    calls, restore = _failing_reads(monkeypatch, module, records, lambda n: n > fail_at)
+    with pytest.raises(OSError, match="input/output error"):  # (ids seen before: misses, none new)
+        module(batches[0])
+    assert calls[0] == fail_at + 1
+    restore()
+    _assert_trains_on_as_resident(module, resident, batches[9:], maps)
+
+
+def _trained_pair(monkeypatch, maps, records):
+    """A tiered module of 2 tables (``maps``: the device maps, else the host maps; ``records``:
+    rows through records, as on a GPU; rounds of 7 rows a table) and the all-resident one, both
+    trained on 8 batches; and the 16 batches."""
     from torchrec_ext.modules import tier_copies
 
     monkeypatch.setattr(TieredTables, "copy_through_records", records)
@@ -584,24 +597,52 @@ def test_a_failed_read_leaves_the_maps_as_before_the_lookup(monkeypatch, maps, r
     for kjt in batches[:8]:
         for m in (module, resident):
             m(kjt).values().sum().backward()
+    return module, resident, batches
+
+
+def _failing_reads(monkeypatch, module, records, fails):
+    """Table 1's reads of its backing store raise an OS error where ``fails(n)`` (n: the read's
+    number, from 1); returns (the count of reads in a list, what puts the real read back)."""
     failing, name = module._tables._mover(1), "gather" if records else "read"
-    calls, real = [0], getattr(module._tables._mover(1), name)
+    calls, real = [0], getattr(failing, name)
 
     def refuse(*args):
         calls[0] += 1
-        if calls[0] > fail_at:
+        if fails(calls[0]):
             raise OSError("input/output error")
         return real(*args)
 
     monkeypatch.setattr(failing, name, refuse)
-    with pytest.raises(OSError, match="input/output error"):  # (ids seen before: misses, none new)
-        module(batches[0])
-    assert calls[0] == fail_at + 1
-    monkeypatch.setattr(failing, name, real)
+    return calls, lambda: monkeypatch.setattr(failing, name, real)
+
+
+def _assert_trains_on_as_resident(module, resident, batches, maps):
     if maps:
         _check_maps(module._tables._maps)
-    for kjt in batches[9:]:
+    for kjt in batches:
         mine, theirs = module(kjt), resident(kjt)
         assert torch.equal(mine.values(), theirs.values())
         mine.values().sum().backward()
         theirs.values().sum().backward()
+
+
+@pytest.mark.parametrize("maps, records", [(True, False), (True, True), (False, False)])
+def test_a_stage_whose_read_fails_leaves_no_slot_it_did_not_fill(monkeypatch, maps, records):
+    """The stage's read (on its worker) of one table's rows raises: the error reaches the train
+    thread (the next join), and every slot the stage took for the rows it was reading goes back,
+    as a lookup's failed read gives them back; the module's next steps equal the all-resident
+    module's. (Before: the device maps kept those slots as holding rows never read, and the next
+    lookups took them for hits: wrong outputs from the next step on.)"""
+    import threading
+
+    module, resident, batches = _trained_pair(monkeypatch, maps, records)
+    on_worker = lambda n: threading.current_thread().name.startswith("torchrec_ext-tier-stage")
+    calls, restore = _failing_reads(monkeypatch, module, records, on_worker)
+    module.stage_next(batches[9])  # (staged during batch 8's lookup, which reads on the train thread)
+    for m in (module, resident):
+        m(batches[8]).values().sum().backward()
+    with pytest.raises(OSError, match="input/output error"):
+        module._tables.wait_for_stage()
+    assert calls[0] > 0
+    restore()
+    _assert_trains_on_as_resident(module, resident, batches[9:], maps)

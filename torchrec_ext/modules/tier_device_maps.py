@@ -540,7 +540,9 @@ class DeviceSlotMaps:
         _, taken = self._take_slots(fills, clock)
         try:
             _read([(t, taken[t], wanted) for t, wanted in fills.items()], movers)
-        except BaseException:  # (as the lookup's _fill: no slot left assigned but unfilled)
+        except BaseException:
+            # As a lookup's failed read (``_fill``): no slot left holding a row it never read (the
+            # next lookup would take it for a hit); every slot taken here goes back.
             self._give_back({t: (wanted, taken[t]) for t, wanted in fills.items()})
             raise
         for t, wanted in fills.items():

@@ -696,15 +696,20 @@ class _Stager:
         submitted = torch.cuda.current_stream(self.device).record_event()  # the next batch's ids are ready
 
         def on_side_stream():
-            with gate.working():  # the side stream drained before a capture may start
-                # The module's device made the worker's current one explicitly, not left to the
-                # stream context: the stage's calls that take the current device (a module on
-                # cuda:1 while the thread's default is cuda:0) must name this one.
-                with torch.cuda.device(self.device), torch.cuda.stream(side):
-                    side.wait_event(submitted)
+            # The gate: the side stream drained before a capture may start. The module's device
+            # made the worker's current one explicitly, not left to the stream context: the
+            # stage's calls that take the current device (a module on cuda:1 while the thread's
+            # default is cuda:0) must name this one.
+            with gate.working(), torch.cuda.device(self.device), torch.cuda.stream(side):
+                side.wait_event(submitted)
+                try:
                     stage()  # waits, table by table, for the train stream's event of the handover
                     done = side.record_event()
-                side.synchronize()
+                finally:
+                    # A stage that raised too: what it queued (rows read, slots given back) lands
+                    # before the train thread, which then gets no event to wait for, goes on, and
+                    # before the gate lets a capture start.
+                    side.synchronize()
             return done
 
         return self._pool.submit(on_side_stream)

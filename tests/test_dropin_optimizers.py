@@ -404,6 +404,7 @@ def _one_call_over_stock_and_dynamic_tables(rank, world_size):
         kjt = _batch(step)[1]
         (dmp(kjt)[:, DIM:] * weights).sum().backward()
         (reference(kjt).values() * weights).sum().backward()
+
     def t1_rows(module):
         sd = module.state_dict()
         return {"t1": dict(zip(sd["embedding_bags.t1.weight_id"].tolist(), sd["embedding_bags.t1.weight"]))}

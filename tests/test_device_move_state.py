@@ -199,3 +199,55 @@ def test_a_moved_module_trains_on_as_the_one_that_stayed(device):
             assert torch.equal(got[name], want[name]) if torch.is_tensor(got[name]) else got[name] == want[name], name
     assert module._tables.indexes[2].capacity > 16  # the grown table did grow
     assert module.table_stats() == stayed.table_stats()
+
+
+@pytest.mark.parametrize(
+    "cast",
+    [
+        lambda m: m.half(),
+        lambda m: m.bfloat16(),
+        lambda m: m.double(),
+        lambda m: m.to(torch.float16),
+        lambda m: m.to("cpu", torch.bfloat16),
+    ],
+    ids=["half", "bfloat16", "double", "to_float16", "to_cpu_bfloat16"],
+)
+@pytest.mark.parametrize("collection", ["ebc", "ec"])
+def test_a_dtype_cast_is_refused_and_changes_nothing(cast, collection):
+    """module.half() & co. would convert the packed 4-byte words of the tables' one buffer (each
+    table in its own data_type): refused with a TypeError naming the dtype and data_type, before
+    anything changes; the module then looks up and trains as a copy that was never cast. .float()
+    and .to(device) are no casts of the storage and pass."""
+    from torchrec import DataType, EmbeddingConfig
+
+    from torchrec_ext import DynamicEmbeddingCollection
+
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f"], torch.tensor([3, 9, 3, -7]), torch.tensor([2, 0, 2]))
+    if collection == "ebc":
+        cfg = DynamicEmbeddingBagConfig(
+            name="t", embedding_dim=4, num_embeddings=64, feature_names=["f"], data_type=DataType.FP16
+        )
+        module = DynamicEmbeddingBagCollection([cfg], optimizer="adagrad", optimizer_kwargs={"lr": 0.5})
+    else:
+        cfg = EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=64, feature_names=["f"])
+        module = DynamicEmbeddingCollection([cfg], optimizer="adagrad", optimizer_kwargs={"lr": 0.5})
+
+    def step(m):
+        out = m(kjt)
+        values = out.values() if collection == "ebc" else out["f"].values()
+        values.sum().backward()
+        return values.detach()
+
+    step(module)
+    twin = copy.deepcopy(module)
+    with pytest.raises(TypeError, match=r"cannot convert its tables to torch\.\w+ .* data_type"):
+        cast(module)
+    assert module.state_dict().keys() == twin.state_dict().keys()
+    for key, value in twin.state_dict().items():
+        assert torch.equal(module.state_dict()[key], value), key
+    tables = module.embedding_bags if collection == "ebc" else module.embeddings
+    assert tables["t"].weight.dtype == (torch.float16 if collection == "ebc" else torch.float32)
+    torch.testing.assert_close(step(module), step(twin), rtol=0, atol=0)
+    module.float()
+    module.to("cpu")
+    torch.testing.assert_close(step(module), step(twin), rtol=0, atol=0)

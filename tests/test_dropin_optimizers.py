@@ -370,3 +370,62 @@ def _global(kjts):
 
 def test_sharder_fused_params_train_as_apply_optimizer_in_backward_on_two_ranks():
     run_ranks(_fused_params_match_unsharded, 2)
+
+
+class _StockAndDynamic(torch.nn.Module):
+    """A TorchRec EBC and ours side by side, as a model migrating table by table has them."""
+
+    def __init__(self):
+        super().__init__()
+        stock = [EmbeddingBagConfig(name="stock", embedding_dim=DIM, num_embeddings=64, feature_names=["f0"])]
+        self.stock = EmbeddingBagCollection(stock, device=torch.device("meta"))
+        self.ebc = DynamicEmbeddingBagCollection(_tables()[1:], device=torch.device("meta"))
+
+    def forward(self, kjt):
+        return torch.cat([self.stock(kjt).values(), self.ebc(kjt).values()], dim=1)
+
+
+def _one_call_over_stock_and_dynamic_tables(rank, world_size):
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    from torchrec_ext.distributed import get_sharders
+
+    kwargs = {"lr": 0.05, "eps": 1e-6}
+    model = _StockAndDynamic()
+    apply_optimizer_in_backward(torch.optim.Adagrad, model.parameters(), kwargs)  # one dict for every table
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=get_sharders())
+    assert any(type(s) in map(type, get_default_sharders()) for s in get_sharders())
+    assert "learning_rate" in kwargs and "lr" not in kwargs  # what TorchRec's EBC sharder did to the dict
+    reference = DynamicEmbeddingBagCollection(_tables()[1:])
+    apply_optimizer_in_backward(torch.optim.Adagrad, reference.parameters(), {"lr": 0.05, "eps": 1e-6})
+    weights = torch.randn(BATCH, DIM, generator=torch.Generator().manual_seed(7))
+    for step in range(3):
+        kjt = _batch(step)[1]
+        (dmp(kjt)[:, DIM:] * weights).sum().backward()
+        (reference(kjt).values() * weights).sum().backward()
+
+    def t1_rows(module):
+        sd = module.state_dict()
+        return {"t1": dict(zip(sd["embedding_bags.t1.weight_id"].tolist(), sd["embedding_bags.t1.weight"]))}
+
+    assert t1_rows(reference)["t1"]
+    _assert_rows_equal(t1_rows(dmp.module.ebc.local_module), t1_rows(reference))
+
+
+def test_one_apply_optimizer_in_backward_call_over_torchrecs_tables_and_ours():
+    """apply_optimizer_in_backward gives all the parameters of one call the same kwargs dict, which
+    TorchRec's EBC sharder rewrites in place into fbgemm's form (adds optimizer=EXACT_ADAGRAD,
+    renames lr to learning_rate). Ours, sharded in the same DMP, read it back in torch's form: the
+    table trains as an unsharded module given the call's original kwargs (1 gloo rank)."""
+    run_ranks(_one_call_over_stock_and_dynamic_tables, 1)
+
+
+def test_an_optimizer_key_naming_another_optimizer_is_refused():
+    """An ``optimizer`` key put into the call's kwargs afterwards (as TorchRec's sharders do) must
+    name the call's class: another one is refused by name, not trained with either."""
+    module, kwargs = DynamicEmbeddingBagCollection(_tables()), {"lr": 0.1}
+    apply_optimizer_in_backward(torch.optim.Adagrad, module.parameters(), kwargs)
+    kwargs["optimizer"] = EmbOptimType.ADAM
+    with pytest.raises(ValueError, match=r"optimizer=.*ADAM.*, which is not the optimizer class Adagrad"):
+        _train(module, range(1))

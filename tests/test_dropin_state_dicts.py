@@ -279,3 +279,29 @@ def test_from_ebc_state_dict_refuses_bad_state_and_changes_nothing(change, error
     assert ours.num_live_rows() == 0  # no table loaded, the valid one included
     with pytest.raises(TypeError, match="DynamicEmbeddingBagCollection or DynamicEmbeddingCollection"):
         from_ebc_state_dict(_stock_ebc(), state)
+
+
+@pytest.mark.parametrize("make, keys", [(_stock_ebc, ["f1", "f2"]), (_stock_ec, ["f1", "f2", "f3"])], ids=["ebc", "ec"])
+def test_load_state_dict_of_a_torchrec_module_names_from_ebc_state_dict(make, keys):
+    """What a migrating user tries first, ``ours.load_state_dict(torchrec_module.state_dict())``,
+    is refused (strict) or warned about (strict=False) naming from_ebc_state_dict, the tables
+    unchanged; that function then gives TorchRec's outputs."""
+    stock = make()
+    ours = _dynamic_like(stock)
+    ours(_old_ids_kjt(keys, 0))  # some live rows
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+
+    def unchanged():
+        after = ours.state_dict()
+        return after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+
+    with pytest.raises(RuntimeError, match=r"'weight' but no 'weight_id'.*from_ebc_state_dict"):
+        ours.load_state_dict(stock.state_dict())
+    assert unchanged()
+    with pytest.warns(UserWarning, match=r"from_ebc_state_dict.*not loaded"):
+        result = ours.load_state_dict(stock.state_dict(), strict=False)
+    assert any(k.endswith("weight_id") for k in result.missing_keys)
+    assert unchanged()
+    from_ebc_state_dict(ours, stock.state_dict())
+    ours.eval()
+    torch.testing.assert_close(_flat(ours(_old_ids_kjt(keys, 7))), _flat(stock(_old_ids_kjt(keys, 7))))

@@ -375,6 +375,26 @@ def test_constraints_are_honoured(forced):
     assert (tables["s1"].sharding_type, tables["s1"].compute_kernel) == ("table_wise", "fused")
 
 
+def test_constraints_naming_no_table_are_reported(caplog):
+    """A typo in a constraint's table name constrains nothing (TorchRec ignores the key): the
+    planner logs the names the model lacks beside its tables; names it has are not reported."""
+    constraints = {"d1": ParameterConstraints(sharding_types=["row_wise"])}
+    constraints["d_1"] = ParameterConstraints(sharding_types=["table_wise"])
+    planner = make_planner(Topology(world_size=2, compute_device="cpu"), batch_size=BATCH, constraints=constraints)
+    with caplog.at_level(logging.WARNING, logger="torchrec_ext.distributed.planner"):
+        tables = {name: ps for (_, name), ps in _by_table(planner.plan(_Mixed(), _sharders())).items()}
+    assert tables["d1"].sharding_type == "row_wise"
+    reports = [r.getMessage() for r in caplog.records if "constrain nothing" in r.getMessage()]
+    assert len(reports) == 1
+    assert "['d_1'] (its tables: ['d1', 'd2', 'e1', 's1', 's2'])" in reports[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="torchrec_ext.distributed.planner"):
+        make_planner(
+            Topology(world_size=2, compute_device="cpu"), batch_size=BATCH, constraints={"d1": constraints["d1"]}
+        ).plan(_Mixed(), _sharders())
+    assert not [r for r in caplog.records if "constrain nothing" in r.getMessage()]
+
+
 def test_table_too_large_for_any_rank_names_the_table():
     ddr_cap = 4 << 20
     model = _Mixed(big_capacity=1 << 18)  # d2: 256 Ki rows x (32 * 4 * 2 (adagrad) + 17 + 8) B ~ 70 MB

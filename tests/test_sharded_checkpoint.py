@@ -147,3 +147,78 @@ def test_checkpoint_reloads_on_two_ranks_one_rank_and_back(tmp_path):
     run_ranks(_load_on_one_then_save, 1, root)  # 2 -> 1: rows re-routed to the one rank
     run_ranks(_load_on_two, 2, root, 5)  # 1 -> 2: re-routed again, same lookups
     run_ranks(_mismatched_tables, 1, root)
+
+
+def _plain_dcp_save_on_two(rank, world_size, root):
+    import torch.distributed.checkpoint as dcp
+
+    dmp, opt = _dmp(world_size)
+    _train(dmp, opt, rank, range(4))
+    dcp.save({"model": dmp.state_dict(), "optim": opt.state_dict()}, checkpoint_id=os.path.join(root, "plain"))
+    torch.save(_eval_global(dmp, rank, world_size), os.path.join(root, f"plain_eval_{rank}.pt"))
+    _train(dmp, opt, rank, range(4, 7))
+    if rank == 0:
+        torch.save(_rows(dmp), os.path.join(root, "plain_rows_after.pt"))
+    else:
+        _rows(dmp)  # collective
+
+
+def _plain_dcp_load(rank, world_size, root):
+    """A TorchRec user's own dcp.load (no manifest, no save_checkpoint), with the planner that
+    resizes the tables' live-row entries, into a fresh model: same outputs as the saving model, on
+    2 ranks and resharded onto 1; on 2, further training gives the saving model's rows."""
+    import torch.distributed.checkpoint as dcp
+
+    from torchrec_ext.distributed.checkpoint import DynamicTablesLoadPlanner
+
+    dmp, opt = _dmp(world_size)
+    state = {"model": dmp.state_dict(), "optim": opt.state_dict()}
+    dcp.load(state, checkpoint_id=os.path.join(root, "plain"), planner=DynamicTablesLoadPlanner())
+    dmp.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+    want = [torch.load(os.path.join(root, f"plain_eval_{r}.pt")) for r in range(2)]
+    for i, got in enumerate(_eval_global(dmp, rank, world_size)):
+        expected = want[rank][i] if world_size == 2 else torch.cat([want[0][i], want[1][i]])
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    if world_size == 2:
+        _train(dmp, opt, rank, range(4, 7))
+        got_rows, want_rows = _rows(dmp), torch.load(os.path.join(root, "plain_rows_after.pt"))
+        assert got_rows.keys() == want_rows.keys()
+        for t in want_rows:
+            assert got_rows[t] == want_rows[t]
+
+
+def test_plain_dcp_load_with_the_dynamic_tables_planner(tmp_path):
+    root = str(tmp_path)
+    run_ranks(_plain_dcp_save_on_two, 2, root)
+    run_ranks(_plain_dcp_load, 2, root)
+    run_ranks(_plain_dcp_load, 1, root)
+
+
+def test_plain_dcp_load_unsharded_module(tmp_path):
+    """Unsharded, one process: DCP's own planner refuses the fresh module's state (its tables
+    hold no rows yet); the dynamic tables planner loads it, the outputs equal the saved module's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    from torchrec_ext.distributed.checkpoint import DynamicTablesLoadPlanner
+
+    def build():
+        return DynamicEmbeddingBagCollection(_configs(), optimizer="adagrad", optimizer_kwargs={"lr": 0.1})
+
+    trained = build()
+    for step in range(3):
+        trained(_batch(step, 0)).values().sum().backward()
+    path = str(tmp_path / "ckpt")
+    with pytest.warns(UserWarning):  # DCP: no process group, loading in one process
+        dcp.save(trained.state_dict(), checkpoint_id=path)
+    fresh = build()
+    with pytest.warns(UserWarning), pytest.raises(CheckpointException, match="Size mismatch"):
+        dcp.load(fresh.state_dict(), checkpoint_id=path)
+    state = fresh.state_dict()
+    with pytest.warns(UserWarning):
+        dcp.load(state, checkpoint_id=path, planner=DynamicTablesLoadPlanner())
+    fresh.load_state_dict(state)
+    trained.eval(), fresh.eval()
+    for step in (10, 11):
+        torch.testing.assert_close(fresh(_batch(step, 0)).values(), trained(_batch(step, 0)).values(), rtol=0, atol=0)

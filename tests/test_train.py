@@ -133,13 +133,16 @@ def test_bad_arguments_are_clear_errors(args, message, capsys):
 
 
 def test_help_states_each_flags_default_once():
-    """--help shows a flag's default (argparse's), or what its help says the default means: never both."""
+    """--help shows every flag's default (argparse's, which it prints only for a flag with help), or
+    what its help says the default means: never both, never neither (the README says --help gives
+    each one's default)."""
     from torchrec_ext.train.args import build_parser
 
     parser = build_parser()
     for action in parser._actions:
-        if action.help is None or action.option_strings == ["-h", "--help"]:
+        if action.option_strings == ["-h", "--help"]:
             continue
+        assert action.help, f"{action.option_strings} has no help, so --help shows no default for it"
         shown = parser._get_formatter()._expand_help(action)
         assert shown.count("default") == 1, (action.option_strings, shown)
 

@@ -606,10 +606,11 @@ class _Planner(dcp.DefaultLoadPlanner):
             self.state_dict[fqn] = loaded
 
 
-def fit_to_checkpoint(state: dict[str, Any], metadata: Metadata) -> dict[str, Any]:
+def fit_to_checkpoint(state: dict[str, Any], metadata: Metadata, allow_missing: bool = False) -> dict[str, Any]:
     """Replaces, in place, every plain tensor of ``state`` whose checkpointed size or dtype
     differs by an empty tensor of the stored size and dtype (same device), so DCP can load into
-    it. Returns ``state``. Raises KeyError naming entries the checkpoint lacks."""
+    it. Returns ``state``. Raises KeyError naming entries the checkpoint lacks, unless
+    ``allow_missing`` (those are left as they are)."""
     stored = metadata.state_dict_metadata
     replace: list[tuple[tuple, torch.Tensor]] = []
     missing: list[str] = []
@@ -617,7 +618,8 @@ def fit_to_checkpoint(state: dict[str, Any], metadata: Metadata) -> dict[str, An
     def visit(path, value) -> None:
         fqn = ".".join(map(str, path))
         if fqn not in stored:
-            missing.append(fqn)
+            if not allow_missing:
+                missing.append(fqn)
             return
         md = stored[fqn]
         if not isinstance(md, TensorStorageMetadata):
@@ -640,6 +642,26 @@ def fit_to_checkpoint(state: dict[str, Any], metadata: Metadata) -> dict[str, An
     for path, tensor in replace:
         set_element(state, path, tensor)
     return state
+
+
+class DynamicTablesLoadPlanner(dcp.DefaultLoadPlanner):
+    """DCP's default load planner for a plain ``torch.distributed.checkpoint.load`` of a state
+    holding dynamic tables: a table's entries have its live row count, which differs between the
+    model being loaded and the checkpoint, so DCP's own planner refuses them ("Size mismatch").
+    This one first resizes those entries to the checkpoint's (``fit_to_checkpoint``), then plans
+    as DCP does; load the state into the model afterwards, as with any DCP load::
+
+        state = {"model": dmp.state_dict()}
+        dcp.load(state, checkpoint_id=path, planner=DynamicTablesLoadPlanner())
+        dmp.load_state_dict(state["model"])
+
+    It reads whatever DCP reads (no manifest check, DCP's own unpickling): ``load_checkpoint``
+    is the verified, restricted path for checkpoints ``save_checkpoint`` wrote."""
+
+    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        if metadata is not None:
+            fit_to_checkpoint(state_dict, metadata, allow_missing=self.allow_partial_load)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
 
 
 def load_checkpoint(

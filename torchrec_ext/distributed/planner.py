@@ -959,6 +959,7 @@ class _DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
     """TorchRec's planner; when it finds no plan, it names the tables that fit on no rank."""
 
     def plan(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> ShardingPlan:
+        _warn_unknown_constraint_tables(self._constraints, module)
         try:
             return super().plan(module, sharders)
         except PlannerError as error:
@@ -971,6 +972,24 @@ class _DynamicEmbeddingShardingPlanner(EmbeddingShardingPlanner):
                 detail + "\n\nTorchRec's planner reported:\n" + str(error),
                 error_type=PlannerErrorType.INSUFFICIENT_STORAGE,
             ) from error
+
+
+def _warn_unknown_constraint_tables(constraints: dict[str, ParameterConstraints] | None, module: nn.Module) -> None:
+    """TorchRec's planner ignores constraints keyed by a name no table has (a typo constrains
+    nothing, silently): say so. A warning, not an error: one planner may serve several models."""
+    names: set[str] = set()
+    for m in module.modules():
+        for getter in ("embedding_bag_configs", "embedding_configs"):
+            if callable(getattr(m, getter, None)):
+                names.update(config.name for config in getattr(m, getter)())
+    unknown = sorted(set(constraints or {}) - names)
+    if unknown:
+        logger.warning(
+            "dynamic table planner: constraints name tables the model does not have, so they constrain "
+            "nothing: %s (its tables: %s)",
+            unknown,
+            sorted(names),
+        )
 
 
 _TIERS = ("hbm", "ddr", "ssd")

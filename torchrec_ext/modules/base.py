@@ -123,11 +123,25 @@ class DynamicCollectionMixin(DeltaMixin):
     def _apply(self, fn, recurse: bool = True):
         # Storage moves as a whole and the table parameters are re-pointed at it, so they stay
         # views of one buffer whatever .to() / .cuda() / to_empty() did.
+        self._refuse_dtype_change(fn)
         self._tables.apply(fn)
         self._device = self._tables.device
         self._bind_parameters()
         self._rebuild_fused_optimizer()
         return self
+
+    def _refuse_dtype_change(self, fn) -> None:
+        """The storage is one buffer of 4-byte words, each table packed in its own data_type: a
+        cast (``.half()``, ``.double()``, ``.to(dtype)``) would convert the words' values, not the
+        rows. Refused before anything changes; device moves pass."""
+        converted = fn(torch.empty(0, dtype=torch.float32, device=self._tables.device))
+        if converted.dtype != torch.float32:
+            raise TypeError(
+                f"{type(self).__name__}: cannot convert its tables to {converted.dtype} (module.half(), "
+                ".bfloat16(), .double() or .to(dtype)): each table stores its rows in its config's data_type "
+                "(torchrec.DataType.FP32, FP16 or BF16) and its optimizer state in float32. Set data_type on "
+                "the table configs, and convert the other submodules only (e.g. model.over_arch.half())"
+            )
 
     def reset_parameters(self) -> None:
         """Forgets every id (rows are initialised when ids arrive); a no-op on the meta device."""

@@ -488,10 +488,12 @@ def _check_table(config: object, expected: type, module: str) -> None:
     check_fallback_rows(options_of(config).fallback_rows, f"{module}: table {config.name!r}")
     check_growth_options(options_of(config), config.num_embeddings, f"{module}: table {config.name!r}")
     if config.data_type not in STORAGE_DATA_TYPES:
+        # a str such as "FP16" is the likely slip: say it is not the enum
+        got = config.data_type if isinstance(config.data_type, DataType) else f"{config.data_type!r}, not a DataType"
         raise ValueError(
             f"{module}: table {config.name!r} data_type must be one of "
-            f"{[d.name for d in STORAGE_DATA_TYPES]} (a trainable dynamic table stores its vectors in "
-            f"float32, float16 or bfloat16), got {config.data_type}"
+            f"{[d.name for d in STORAGE_DATA_TYPES]} (torchrec.DataType; a trainable dynamic table stores its "
+            f"vectors in float32, float16 or bfloat16), got {got}"
         )
     if config.embedding_dim == 1 and STORAGE_DATA_TYPES[config.data_type] != torch.float32:
         # The kernels read a table's rows from its span of 4-byte words: a 2-byte row could not be

@@ -53,7 +53,11 @@ class DynamicEmbeddingBagCollection(DynamicCollectionMixin, EmbeddingBagCollecti
         check_tables(tables, EmbeddingBagConfig, where)
         for cfg in tables:
             if cfg.pooling not in (PoolingType.SUM, PoolingType.MEAN):
-                raise ValueError(f"{where}: table {cfg.name!r} pooling must be SUM or MEAN, got {cfg.pooling}")
+                # a str such as "sum" is the likely slip: say it is not the enum
+                got = cfg.pooling if isinstance(cfg.pooling, PoolingType) else f"{cfg.pooling!r}, not a PoolingType"
+                raise ValueError(
+                    f"{where}: table {cfg.name!r} pooling must be SUM or MEAN (torchrec.PoolingType), got {got}"
+                )
         self._embedding_bag_configs = list(tables)
         self._is_weighted = bool(is_weighted)
         self._init_dynamic(tables, device, "embedding_bags", optimizer, optimizer_kwargs)

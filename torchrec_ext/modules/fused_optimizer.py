@@ -368,6 +368,24 @@ def kwargs_copy(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     return copy.deepcopy(dict(kwargs or {}))
 
 
+def _undo_torchrec_sharder_edits(cls: Any, kwargs: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``apply_optimizer_in_backward`` gives every parameter of one call the same kwargs dict,
+    and TorchRec's sharders edit it in place for their fbgemm tables: they add ``optimizer`` (the
+    class's EmbOptimType) and rename ``lr`` to ``learning_rate``. A model whose TorchRec tables and
+    ours shared one call hands ours that dict: read it back in torch's form."""
+    kwargs = dict(kwargs)
+    if "learning_rate" in kwargs and "lr" not in kwargs:
+        kwargs["lr"] = kwargs.pop("learning_rate")
+    if "optimizer" in kwargs:
+        named = kwargs.pop("optimizer")
+        if _kind_of(named, where) != _kind_of(cls, where):
+            raise ValueError(
+                f"{where}: the optimizer kwargs name optimizer={named!r}, which is not the optimizer class "
+                f"{getattr(cls, '__name__', cls)} given to apply_optimizer_in_backward"
+            )
+    return kwargs
+
+
 def spec_from_parameter(param: Tensor, where: str) -> OptimizerSpec | None:
     """The spec set on a parameter by ``apply_optimizer_in_backward`` (the latest call wins)."""
     classes = getattr(param, "_optimizer_classes", None)
@@ -377,7 +395,7 @@ def spec_from_parameter(param: Tensor, where: str) -> OptimizerSpec | None:
     cached = getattr(param, "_torchrec_ext_spec", None)
     if cached is not None and cached[0] is cls and cached[1] == kwargs:
         return cached[2]
-    spec = resolve_optimizer(cls, kwargs, where)
+    spec = resolve_optimizer(cls, _undo_torchrec_sharder_edits(cls, kwargs, where), where)
     param._torchrec_ext_spec = (cls, kwargs_copy(kwargs), spec)
     return spec
 

@@ -6,6 +6,7 @@ none, strict or not).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -138,10 +139,12 @@ def load_tables(
     starts at its initial values), the others stay as they were. Bad values raise TypeError /
     ValueError before any table changes.
     """
-    states, problems = {}, unknown
+    states, problems, torchrec_states = {}, unknown, []
     for t, prefix in prefixes.items():
         expected = tables.state_keys(t)
         mine = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        if "weight" in mine and "weight_id" not in mine:
+            torchrec_states.append(prefix)
         ignored = (
             []
             if tables.optimizer is not None
@@ -154,6 +157,17 @@ def load_tables(
         problems = problems or bool(missing or unexpected)
         if not any(k in missing for k in _REQUIRED_STATE):
             states[t] = {k: v for k, v in mine.items() if k in expected}
+    if torchrec_states:  # the likeliest missing-keys load: a TorchRec EBC / EC's state
+        hint = (
+            f"tables {torchrec_states}: the state has 'weight' but no 'weight_id', as a TorchRec "
+            "EmbeddingBagCollection / EmbeddingCollection saves its rows (row k for id k); load such a "
+            "state with torchrec_ext.modules.from_ebc_state_dict(module, state_dict, prefix=<the module's "
+            "key prefix>)"
+        )
+        if strict is False:
+            warnings.warn(hint + "; those tables were not loaded", stacklevel=4)
+        else:
+            error_msgs.append(hint)
     if problems and strict is not False:
         if strict is None:
             error_msgs.append(

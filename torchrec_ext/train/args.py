@@ -133,9 +133,14 @@ def _add_data_args(g: argparse._ArgumentGroup) -> None:
 
 
 def _add_model_args(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--embedding-dim", type=int, default=16)
+    g.add_argument("--embedding-dim", type=int, default=16, help="every table's vector width")
     g.add_argument("--capacity", type=int, default=100_000, help="rows per dynamic table")
-    g.add_argument("--eviction", default="lru", choices=("lru", "lfu", "epoch_lru", "epoch_lfu", "none"))
+    g.add_argument(
+        "--eviction",
+        default="lru",
+        choices=("lru", "lfu", "epoch_lru", "epoch_lfu", "none"),
+        help="which row a full table gives a new id (none: it refuses new ids)",
+    )
     g.add_argument(
         "--fallback-rows",
         type=int,
@@ -144,7 +149,7 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument("--dense-arch", type=_sizes, default=[64], help="dense arch hidden sizes (then embedding-dim)")
     g.add_argument("--over-arch", type=_sizes, default=[128, 64], help="over arch hidden sizes (then 1)")
-    g.add_argument("--dcn-layers", type=int, default=2)
+    g.add_argument("--dcn-layers", type=int, default=2, help="DCN cross layers")
     g.add_argument("--dcn-rank", type=int, default=16, help="DCN low-rank dimension")
     g.add_argument("--data-type", default="fp32", choices=tuple(DATA_TYPES), help="the tables' row storage")
     g.add_argument(

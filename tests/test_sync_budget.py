@@ -108,7 +108,7 @@ GROWTH_RELAYOUT = ("growth: keys placed", "growth: rows carried")
 
 
 @pytest.mark.parametrize("deltas", [False, True], ids=["plain", "delta_log"])
-def test_a_growth_reads_the_host_the_same_times_whatever_the_table_count(deltas):
+def test_a_growth_reads_the_host_the_same_times_whatever_the_table_count(deltas, device):
     """A growth's counted reads: 3 (the live rows, keys placed, rows carried), whether 1 table grows
     or 26 do, with or without the delta log (whose versions follow their rows without a read).
     Not counted (an op's own sizing of its output, on a GPU): each grown table's ``hash_export``
@@ -117,15 +117,15 @@ def test_a_growth_reads_the_host_the_same_times_whatever_the_table_count(deltas)
     for tables in (1, 2, TABLES):
         module = DynamicEmbeddingBagCollection(
             _configs({"initial_capacity": 8}, tables=tables, capacity=512), optimizer="adagrad"
-        )
+        ).to(device)
         if deltas:
             module.delta_token()
-        _step(module, _batch(0, tables))  # a first growth of empty tables: nothing to place or carry
+        _step(module, _batch(0, tables).to(device))  # a first growth of empty tables: nothing to place or carry
         growths = []
         for step in range(1, 8):
             before = [m.capacity for m in module._tables.meta]
             with device_sync.recording() as seen:
-                _step(module, _batch(step, tables))
+                _step(module, _batch(step, tables).to(device))
             grown = sum(m.capacity != c for m, c in zip(module._tables.meta, before))
             growth_reads = {reason: n for reason, n in seen.items() if reason.startswith("growth:")}
             if grown:

@@ -19,7 +19,7 @@ from torchrec.modules.embedding_configs import DataType
 
 from matrix import FULL_MATRIX
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
-from torchrec_ext.modules import GrowthError, table_storage
+from torchrec_ext.modules import GrowthError, table_growth, table_storage
 
 NUM_EMBEDDINGS = 1024
 
@@ -152,24 +152,22 @@ def test_an_allocation_that_fails_anywhere_in_a_growth_leaves_the_tables_unchang
 
 @pytest.mark.parametrize("reserved", [True, False])
 def test_an_index_that_cannot_be_allocated_is_a_growth_error(monkeypatch, reserved):
-    """The new index of a growing table (``HashTable.grown``) is allocated before its buffers: an
+    """The new index of a growing table (``grown_tables``) is allocated before its buffers: an
     out-of-memory there is the same GrowthError, the tables unchanged."""
     if not reserved:
         monkeypatch.setattr(table_storage, "ReservedBuffer", _no_address_space)
     grown, _ = _modules()
     _step(grown, _batch(0, 40))
     before = _rows_by_id(grown)
-    from torchrec_ext.table import HashTable
+    real = table_growth.grown_tables
 
-    real = HashTable.grown
+    def no_memory(tables, capacities):
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {capacities[0] * 48} bytes")
 
-    def no_memory(self, capacity):
-        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {capacity * 48} bytes")
-
-    monkeypatch.setattr(HashTable, "grown", no_memory)
+    monkeypatch.setattr(table_growth, "grown_tables", no_memory)
     with pytest.raises(GrowthError, match=r"tables \['t0', 't1'\].* \d+ bytes.*unchanged, at capacities \[64, 64\]"):
         _step(grown, _batch(1, 400))
-    monkeypatch.setattr(HashTable, "grown", real)
+    monkeypatch.setattr(table_growth, "grown_tables", real)
     after = _rows_by_id(grown)
     assert all(torch.equal(after[n][k], v) for n in before for k, v in before[n].items())
     _step(grown, _batch(1, 400))
@@ -208,14 +206,12 @@ def test_a_growth_error_from_within_a_growth_is_raised_as_it_is(monkeypatch):
     tables: it is not wrapped in a second one."""
     grown, _ = _modules()
     _step(grown, _batch(0, 40))
-    from torchrec_ext.table import HashTable
-
     inner = GrowthError("could not allocate the index of table 't0'")
 
-    def fails(self, capacity):
+    def fails(tables, capacities):
         raise inner
 
-    monkeypatch.setattr(HashTable, "grown", fails)
+    monkeypatch.setattr(table_growth, "grown_tables", fails)
     with pytest.raises(GrowthError) as raised:
         _step(grown, _batch(1, 400))
     assert raised.value is inner

@@ -5,7 +5,7 @@ goes through ``torchrec_ext.device_sync`` (tests/test_sync_patterns.py fails on 
 counts it on CPU too. A training step (forward lookup, loss, fused backward update) of a 26-table
 module must make at most 3, whatever the table count: TTL, admission, fallback rows, FP16
 rows and growing tables included (growing tables with admission read each one's admitted count: not
-in the budget), with new rows written by the lookup (as on a GPU) or deferred (CPU)."""
+in the budget; a step that grows reads 2 more, whatever the table count: counted apart), with new rows written by the lookup (as on a GPU) or deferred (CPU)."""
 
 import pytest
 import torch
@@ -93,9 +93,51 @@ def test_training_step_syncs_within_budget(variant, new_rows, monkeypatch):
     module = DynamicEmbeddingBagCollection(_configs(VARIANTS[variant]), optimizer="adagrad")
     module._tables.defer_new_rows, module._tables.flat_init, module._tables.batched_upsert = NEW_ROWS[new_rows]
     for total, seen in _syncs_per_step(module):
+        relayout = {reason: n for reason, n in seen.items() if reason in GROWTH_RELAYOUT}
+        assert relayout in ({}, dict.fromkeys(GROWTH_RELAYOUT, 1)), relayout  # a step that grows: see below
+        total -= sum(relayout.values())
         assert total <= BUDGET, f"{variant}: {total} host syncs in one step, budget {BUDGET}: {seen}"
         assert seen.get("lookup: where each table's unique ids start") == 1  # the count is live: the one read
         # no step can avoid (how many unique ids each table has) is seen
+
+
+# A step that grows its tables reads, beside the step's own reads (a growing module's include
+# "growth: live rows", every step), once for all tables grown: whether each rebuilt index placed
+# every key, and how many rows each carries (and whether they keep their numbers).
+GROWTH_RELAYOUT = ("growth: keys placed", "growth: rows carried")
+
+
+@pytest.mark.parametrize("deltas", [False, True], ids=["plain", "delta_log"])
+def test_a_growth_reads_the_host_the_same_times_whatever_the_table_count(deltas, device):
+    """A growth's counted reads: 3 (the live rows, keys placed, rows carried), whether 1 table grows
+    or 26 do, with or without the delta log (whose versions follow their rows without a read).
+    Not counted (an op's own sizing of its output, on a GPU): each grown table's ``hash_export``
+    and ``insert_or_assign`` in ``grown_tables`` (test_sync_patterns exempts them by name)."""
+    per_count = {}
+    for tables in (1, 2, TABLES):
+        module = DynamicEmbeddingBagCollection(
+            _configs({"initial_capacity": 8}, tables=tables, capacity=512), optimizer="adagrad"
+        ).to(device)
+        if deltas:
+            module.delta_token()
+        _step(module, _batch(0, tables).to(device))  # a first growth of empty tables: nothing to place or carry
+        growths = []
+        for step in range(1, 8):
+            before = [m.capacity for m in module._tables.meta]
+            with device_sync.recording() as seen:
+                _step(module, _batch(step, tables).to(device))
+            grown = sum(m.capacity != c for m, c in zip(module._tables.meta, before))
+            growth_reads = {reason: n for reason, n in seen.items() if reason.startswith("growth:")}
+            if grown:
+                growths.append((grown, growth_reads))
+            else:  # the live rows, read every step of a growing module's lookup: no relayout
+                assert growth_reads in ({}, {"growth: live rows": 1}), growth_reads
+        assert growths, f"{tables} tables never grew"
+        per_count[tables] = growths
+    assert max(grown for grown, _ in per_count[TABLES]) > TABLES // 2  # many tables in one growth
+    for growths in per_count.values():
+        for _, reads in growths:
+            assert reads == {"growth: live rows": 1, **dict.fromkeys(GROWTH_RELAYOUT, 1)}, reads
 
 
 def test_sync_count_does_not_grow_with_tables():

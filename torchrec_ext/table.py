@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from torchrec_ext import ops
+from torchrec_ext import device_sync, ops
 from torchrec_ext.vocabulary import (  # noqa: F401
     LAYOUT_VERSION,
     LAYOUTS,
@@ -571,49 +571,9 @@ class HashTable:
         to the empty slots); shrinking, the keys take the rows of their new slots. On the table's
         device, with no host copy of the entries: the keys are inserted by one ``insert_or_assign``
         with their scores; should some not fit (only in tiny tables, both buckets full), every key
-        is re-placed by ``place_keys`` instead. This table is unchanged.
+        is re-placed by ``place_keys`` instead. This table is unchanged. (``grown_tables``: many.)
         """
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
-            raise ValueError(f"HashTable.grown: capacity must be an int > 0, got {capacity!r}")
-        with self._lock.read():
-            keys, slots, scores = ops.hash_export(
-                self._digests, self._slot_keys, self._slot_scores, self._capacity, 0, self._num_slots
-            )
-            rows = self._rows_of_slots(slots)
-            clock, epoch = self._clock, self._epoch
-        if keys.numel() > capacity:
-            raise ValueError(f"HashTable.grown: capacity must hold the table's {keys.numel()} keys, got {capacity}")
-        twin = HashTable(capacity, policy=self.policy, device=self.device, mapped_rows=self._slot_rows is not None)
-        twin._epoch = epoch
-        new_slots = twin.insert_or_assign(keys, scores).rows if keys.numel() else keys
-        if keys.numel() and bool((new_slots < 0).any()):  # both buckets full at this capacity: an exact placement
-            twin = HashTable(capacity, policy=self.policy, device=self.device, mapped_rows=twin._slot_rows is not None)
-            new_slots = place_keys(keys, scores, capacity)
-            if bool((new_slots < 0).any()):
-                raise ValueError(
-                    f"HashTable.grown: {int((new_slots < 0).sum())} of {keys.numel()} keys cannot be "
-                    f"placed in capacity {capacity}"
-                )
-            twin.load_state_dict(
-                {
-                    "capacity": capacity,
-                    "policy": self.policy,
-                    "clock": clock,
-                    "epoch": epoch,
-                    "layout": LAYOUT_VERSION,
-                    "keys": keys,
-                    "rows": new_slots,
-                    "scores": scores,
-                }
-            )
-        twin._clock, twin._epoch = clock, epoch
-        row_map = torch.full((self._capacity,), -1, dtype=torch.int64, device=self.device)
-        if capacity >= self._capacity:
-            twin._set_slot_rows(new_slots, rows)
-            row_map[rows] = rows
-        else:
-            row_map[rows] = new_slots
-        return twin, row_map
+        return grown_tables([self], [capacity])[0]
 
     def clear(self) -> None:
         with self._lock.write():
@@ -821,3 +781,60 @@ class HashTable:
         if increments and scores.numel() and int(scores.min()) < 0:
             raise ValueError(f"HashTable.{op}: {self.policy} increments must be >= 0, got {int(scores.min())}")
         return scores
+
+
+def grown_tables(tables: Sequence[HashTable], capacities: Sequence[int]) -> list[tuple[HashTable, Tensor]]:
+    """``[t.grown(c) for t, c in zip(tables, capacities)]`` (see ``HashTable.grown``), with one
+    counted host read for all tables of whether any key missed its slot, not one per table (a
+    growth of many tables at once). Every table is unchanged."""
+    placed = []
+    for table, capacity in zip(tables, capacities):
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
+            raise ValueError(f"HashTable.grown: capacity must be an int > 0, got {capacity!r}")
+        with table._lock.read():
+            keys, slots, scores = ops.hash_export(
+                table._digests, table._slot_keys, table._slot_scores, table._capacity, 0, table._num_slots
+            )
+            rows = table._rows_of_slots(slots)
+            clock, epoch = table._clock, table._epoch
+        if keys.numel() > capacity:
+            raise ValueError(f"HashTable.grown: capacity must hold the table's {keys.numel()} keys, got {capacity}")
+        twin = HashTable(capacity, policy=table.policy, device=table.device, mapped_rows=table._slot_rows is not None)
+        twin._epoch = epoch
+        new_slots = twin.insert_or_assign(keys, scores).rows if keys.numel() else keys
+        placed.append((table, capacity, twin, keys, rows, scores, new_slots, clock, epoch))
+    missed = [(p[6] < 0).any() for p in placed if p[3].numel()]
+    missed = iter(device_sync.host_list(torch.stack(missed), "growth: keys placed") if missed else [])
+    out = []
+    for table, capacity, twin, keys, rows, scores, new_slots, clock, epoch in placed:
+        if keys.numel() and next(missed):  # both buckets full at this capacity: an exact placement
+            twin = HashTable(
+                capacity, policy=table.policy, device=table.device, mapped_rows=twin._slot_rows is not None
+            )
+            new_slots = place_keys(keys, scores, capacity)
+            unplaced = int(device_sync.to_host((new_slots < 0).sum(), "growth: keys placed exactly"))
+            if unplaced:
+                raise ValueError(
+                    f"HashTable.grown: {unplaced} of {keys.numel()} keys cannot be placed in capacity {capacity}"
+                )
+            twin.load_state_dict(
+                {
+                    "capacity": capacity,
+                    "policy": table.policy,
+                    "clock": clock,
+                    "epoch": epoch,
+                    "layout": LAYOUT_VERSION,
+                    "keys": keys,
+                    "rows": new_slots,
+                    "scores": scores,
+                }
+            )
+        twin._clock, twin._epoch = clock, epoch
+        row_map = torch.full((table._capacity,), -1, dtype=torch.int64, device=table.device)
+        if capacity >= table._capacity:
+            twin._set_slot_rows(new_slots, rows)
+            row_map[rows] = rows
+        else:
+            row_map[rows] = new_slots
+        out.append((twin, row_map))
+    return out

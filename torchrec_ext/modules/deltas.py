@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from torchrec_ext import device_sync
 from torchrec_ext.modules.delta_placement import DeltaRows, NoRowError, place_delta
 from torchrec_ext.modules.dynamic_tables import DynamicTables
 from torchrec_ext.modules.pending_rows import pending_rows_written
@@ -149,15 +150,18 @@ class DeltaLog:
         that a growth that runs out of memory here leaves the log as it was."""
         device = flat_map.device
         total = sum(m.rows for m in tables.meta)
-        moved = (flat_map >= 0).nonzero().squeeze(1)
-        targets = flat_map.index_select(0, moved)
+        # Rows gone go to the sink (row ``total``, zeroed after): no host read sizes anything.
+        targets = flat_map.masked_fill(flat_map < 0, total)
 
         def follow(per_row: Tensor) -> Tensor:
             out = torch.zeros(total + 1, dtype=torch.int64, device=device)
-            return out.index_copy_(0, targets, per_row.to(device).index_select(0, moved))
+            out.index_copy_(0, targets, per_row.to(device)[: flat_map.numel()])
+            out[total] = 0
+            return out
 
         # Born versions move too: a tombstone is sent only for ids born at or before a token.
-        version, born, row_starts = follow(self.version), follow(self.born), tables.row_starts().to(device)
+        version, born = follow(self.version), follow(self.born)
+        row_starts = device_sync.to_device(tables.row_starts(), device)
 
         def take() -> None:
             self.version, self.born, self.no_row, self.row_starts = version, born, total, row_starts

@@ -30,7 +30,7 @@ from torchrec_ext import device_sync
 from torchrec_ext.modules.pending_rows import pending_rows_written
 from torchrec_ext.modules.reserved_buffers import ReservedBuffer
 from torchrec_ext.modules.table_storage import LAYOUT_ATTRIBUTES
-from torchrec_ext.table import HashTable
+from torchrec_ext.table import HashTable, grown_tables
 from torchrec_ext.vocabulary import OPTIMIZER_STATES, ROWWISE_STATE, index_bytes, row_map_bytes, table_words
 
 
@@ -153,7 +153,8 @@ class TableGrowth:
                     targets[t] = want
             if not targets:
                 return []
-            grown = {t: self.indexes[t].grown(c) for t, c in targets.items()}  # new indexes; nothing changed yet
+            # New indexes (nothing changed yet), with one read for all tables.
+            grown = dict(zip(targets, grown_tables([self.indexes[t] for t in targets], list(targets.values()))))
         except Exception as e:
             if not _allocation_failed(e):
                 raise
@@ -267,7 +268,8 @@ class TableGrowth:
         in_span = self._spans_at_max and device.type == "cpu"
         names = ["weights"] + list(OPTIMIZER_STATES[self.optimizer.kind] if self.optimizer is not None else ())
         values = [0.0] + self._initial_state_values()
-        moves = [self._row_moves(t, old_caps[t], plans.get(t)) for t in range(len(self.meta))]
+        carried_rows = self._carried_rows(plans, old_caps)
+        moves = [self._row_moves(t, old_caps[t], plans.get(t), carried_rows.get(t)) for t in range(len(self.meta))]
         buffers = [
             self._allocate_buffer(
                 name, self._buffer_numel(name) if in_span else (words if k == 0 else state_size), value, device, True
@@ -360,18 +362,41 @@ class TableGrowth:
 
         return put_in_place
 
-    def _row_moves(self, t: int, old_cap: int, plan: tuple[int, Tensor | None] | None) -> _RowMoves | None:
-        """The rows table t carries through a relayout (None: all of them, the same rows)."""
+    def _carried_rows(
+        self, plans: dict[int, tuple[int, Tensor | None]], old_caps: list[int]
+    ) -> dict[int, tuple[int, bool]]:
+        """For each table whose plan carries rows (a row map): how many live rows it carries, and
+        whether every one keeps its number (a growth: HashTable.grown keeps them). Every table's in
+        one counted host read, not one or two per table."""
+        mapped = [t for t, plan in plans.items() if plan[1] is not None]
+        if not mapped:
+            return {}
+        per_table = []
+        for t in mapped:
+            row_map = plans[t][1]
+            old_rows = torch.arange(row_map.numel(), dtype=torch.int64, device=row_map.device)
+            kept = ((row_map < 0) | (row_map == old_rows)).all()
+            per_table.append(torch.stack([(row_map >= 0).sum(), kept.to(torch.int64)]))
+        read = device_sync.host_list(torch.stack(per_table), "growth: rows carried")
+        return {t: (count, bool(kept) and plans[t][0] >= old_caps[t]) for t, (count, kept) in zip(mapped, read)}
+
+    def _row_moves(
+        self, t: int, old_cap: int, plan: tuple[int, Tensor | None] | None, carried: tuple[int, bool] | None
+    ) -> _RowMoves | None:
+        """The rows table t carries through a relayout (None: all of them, the same rows).
+        ``carried``: ``_carried_rows``' (live rows, kept) of the table (with a row map), read on
+        the host already, so that the live rows are found without a sync of their own."""
         if plan is None:
             return None
         m, device, cap_new = self.meta[t], self.device, plan[0]
         live_src = live_dst = torch.zeros(0, dtype=torch.int64, device=device)
         kept = False
         if plan[1] is not None:
-            live_src = (plan[1] >= 0).nonzero().squeeze(1)
+            count, kept = carried
+            # The count is known: the static form sizes its output without reading the device.
+            live_src = torch.nonzero_static(plan[1] >= 0, size=count).squeeze(1)
             live_dst = plan[1].index_select(0, live_src)
             # A growth keeps every live row's number (HashTable.grown): the rows move as one block.
-            kept = cap_new >= old_cap and bool(live_src.equal(live_dst))
             if not kept:  # written in address order: fewer cache and TLB misses
                 live_dst, order = live_dst.sort()
                 live_src = live_src.index_select(0, order)

@@ -208,3 +208,51 @@ def test_a_failed_read_of_a_stage_changes_nothing_but_which_rows_are_cached(tmp_
     _check_maps_of(tiered)
     a, b = resident.state_dict(), tiered.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("maps,batched", [("host", True), ("host", False), ("device", True)])
+def test_ids_a_failed_lookup_took_out_of_a_counter_admitted_table_are_admitted_at_their_next_sighting(
+    monkeypatch, maps, batched
+):
+    # Counter admission forgets an id once it admits it. An id the failed lookup admitted (N),
+    # or found expired (X, by ttl), then left the index again: its sightings must stay (their
+    # next sighting admits them, as the lookup never failing would have had them: N seen twice,
+    # X held), not be lost with the id (it would read zeros until seen admit_after times more).
+    monkeypatch.setattr(TieredTables, "device_maps", maps == "device")
+    monkeypatch.setattr(TieredTables, "batched_upsert", batched, raising=False)
+    admitted = {"admission": "counter", "admit_after": 2, "ttl_steps": 3}
+
+    def module(tier):
+        tier = {"backing": "host", "cache_load_factor": 0.5} if tier else {}
+        configs = [
+            DynamicEmbeddingBagConfig(
+                name="a", embedding_dim=4, num_embeddings=64, feature_names=["f0"], **admitted, **tier
+            ),
+            DynamicEmbeddingBagConfig(name="b", embedding_dim=6, num_embeddings=64, feature_names=["f1"], **tier),
+        ]
+        return DynamicEmbeddingBagCollection(configs, optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
+
+    # The oracle: the same module all-resident, not given the failed batch.
+    resident, tiered = module(False), module(True)
+    X, N = 7, 9
+    fill = list(range(300, 318))  # (table a's other ids: the same each step)
+    steps = [[X, N] + fill, [X, 8] + fill] + [[1, 2] + fill] * 3
+    for step, ids in enumerate(steps):  # table b: 40 distinct ids, more than its 32 slots
+        for m in (resident, tiered):
+            m(_kjt([ids, torch.arange(20) + 100 + 20 * (step % 2)])).values().square().sum().backward()
+    tables = tiered._tables
+    rows_b = tables.indexes[1].find(torch.arange(100, 140))[0]
+    slots_b = tables.caches[1].slot_of[rows_b] if tables._maps is None else tables._maps.tables[1].slot_of[rows_b]
+    uncached = int(torch.arange(100, 140)[slots_b < 0][0])
+    calls, restore = _fail(monkeypatch, tables, 1, "read")
+    with pytest.raises(OSError, match="Input/output error"):
+        tiered(_kjt([[X, N], [uncached, 100 if uncached != 100 else 101]]))  # step 6: N admitted, X expired
+    assert calls[0] == 1
+    restore()
+    _check_maps_of(tiered)
+    assert not bool(tables.indexes[0].find(torch.tensor([X, N]))[1].any())  # taken out again
+
+    later = _kjt([[X, N], [110, 111]])
+    theirs, mine = resident(later).values(), tiered(later).values()
+    assert bool(theirs[:, :4].ne(0).all())  # (both admitted there: N seen twice, X held, expired)
+    assert torch.equal(mine[:, :4], theirs[:, :4]), "an id the failed lookup admitted or held is refused later"

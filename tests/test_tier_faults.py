@@ -256,3 +256,29 @@ def test_ids_a_failed_lookup_took_out_of_a_counter_admitted_table_are_admitted_a
     theirs, mine = resident(later).values(), tiered(later).values()
     assert bool(theirs[:, :4].ne(0).all())  # (both admitted there: N seen twice, X held, expired)
     assert torch.equal(mine[:, :4], theirs[:, :4]), "an id the failed lookup admitted or held is refused later"
+
+
+@pytest.mark.parametrize("maps", ["host", "device"])
+def test_a_failed_read_counts_no_miss_and_no_byte_it_did_not_move(monkeypatch, maps):
+    # A cache miss is a row read from the backing store: rows whose read failed (their slots
+    # given back) are not misses, nor bytes moved, with either maps (the host maps count after
+    # the read, the write-backs that ran before it are counted).
+    monkeypatch.setattr(TieredTables, "device_maps", maps == "device")
+    tiered = _module("host")
+    for kjt in _random_batches(12):
+        tiered(kjt).values().square().sum().backward()
+    names = ("cache_misses", "cache_write_backs", "cache_bytes_moved")
+    before = {t: [getattr(s, k) for k in names] for t, s in tiered.table_stats().items()}
+    calls, restore = _fail(monkeypatch, tiered._tables, 1, "read")
+    with pytest.raises(OSError, match="Input/output error"):
+        tiered(_random_batches(1, seed=5)[0])
+    assert calls[0] == 1
+    restore()
+    after = {t: [getattr(s, k) for k in names] for t, s in tiered.table_stats().items()}
+    for t, name in enumerate(("a", "b")):
+        misses, write_backs, moved = (now - then for now, then in zip(after[name], before[name]))
+        assert moved == (misses + write_backs) * tiered._tables._mover(t).row_bytes, (name, misses, write_backs, moved)
+    assert after["b"][0] == before["b"][0], "the failed read's rows counted as misses"
+    if maps == "device":  # (all tables' misses read together: every table's slots given back)
+        assert after["a"][0] == before["a"][0], "rows given back counted as misses"
+    _check_maps_of(tiered)

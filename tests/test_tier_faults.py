@@ -282,3 +282,57 @@ def test_a_failed_read_counts_no_miss_and_no_byte_it_did_not_move(monkeypatch, m
     if maps == "device":  # (all tables' misses read together: every table's slots given back)
         assert after["a"][0] == before["a"][0], "rows given back counted as misses"
     _check_maps_of(tiered)
+
+
+@pytest.mark.parametrize("maps,call", [("host", "read"), ("host", "write"), ("device", "read"), ("device", "write")])
+def test_a_batch_failing_twice_then_landing_trains_as_if_given_once(monkeypatch, maps, call):
+    # Failures in a row, a stage in flight (the next batch's, on the worker) and an eval-mode
+    # lookup with grad on: the batch that then lands leaves every id's row and optimizer state
+    # as the all-resident module given it once, and the module trains on alike; no pin is left.
+    monkeypatch.setattr(TieredTables, "device_maps", maps == "device")
+    batches = _random_batches(20, seed=7)
+
+    def twins():
+        resident, tiered = _module(), _module("host")
+        for kjt in batches[:12]:
+            for m in (resident, tiered):
+                m(kjt).values().square().sum().backward()
+        return resident, tiered
+
+    def fails(tiered, lookup):
+        restore = _fail(monkeypatch, tiered._tables, 1, call)[1]
+        with pytest.raises(OSError, match="Input/output error"):
+            lookup()
+        restore()
+
+    def trains_alike(resident, tiered, kjts):
+        for kjt in kjts:
+            outs = [m(kjt).values() for m in (resident, tiered)]
+            assert torch.equal(outs[0], outs[1])
+            for out in outs:
+                out.square().sum().backward()
+        for theirs, mine in zip(_rows(resident), _rows(tiered)):
+            assert set(theirs) == set(mine)
+            assert all(torch.equal(theirs[i][0], mine[i][0]) and torch.equal(theirs[i][1], mine[i][1]) for i in mine)
+        _check_maps_of(tiered)
+        maps_ = tiered._tables._maps
+        assert not (maps_.pinned if maps_ is not None else any(c.pinned for c in tiered._tables.caches))
+
+    resident, tiered = twins()
+    for _ in range(2):
+        fails(tiered, lambda: tiered(batches[12]))
+    trains_alike(resident, tiered, batches[12:])
+
+    resident, tiered = twins()
+    segments = torch.tensor([0, BAGS, 2 * BAGS])
+    fails(tiered, lambda: (tiered._tables.stage_next(batches[12].values(), segments), tiered(batches[12])))
+    trains_alike(resident, tiered, batches[12:])
+
+    resident, tiered = twins()
+    for m in (resident, tiered):
+        m.eval()
+    fails(tiered, lambda: tiered(batches[12]).values().sum().backward())
+    for m in (resident, tiered):
+        m(batches[12]).values().square().sum().backward()
+        m.train()
+    trains_alike(resident, tiered, batches[13:])

@@ -25,7 +25,11 @@ A lookup that fails after its upsert (a read or write-back of the backing store 
 error) leaves no id reading a row not its own: the ids it made new leave the indexes again
 (``_forget_new_ids``, which says what else stays as the lookup left it), the slots it took go
 back (``RowCache._give_back``, ``DeviceSlotMaps._give_back``), and victims whose write-back
-raised stay cached and dirty; the module trains on. A stage's failed read likewise.
+raised stay cached and dirty; the module trains on. A stage's failed read likewise. Sharded,
+only the failing rank's lookup raises: its peers go on into the output dist and wait there for
+it, so the step must fail on every rank (``TrainPipeline`` refuses to go on after a forward that
+raised; a plain loop must not catch the error and go on alone, its next collectives would pair
+with its peers' of the failed step).
 
 ``table_view`` / ``state_views`` (the tables' parameters, loading) are views of the backing
 store, current after ``flush``. ``state_dict`` writes the dirty rows back first, then gathers

@@ -208,3 +208,131 @@ def test_a_failed_read_of_a_stage_changes_nothing_but_which_rows_are_cached(tmp_
     _check_maps_of(tiered)
     a, b = resident.state_dict(), tiered.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("maps,batched", [("host", True), ("host", False), ("device", True)])
+def test_ids_a_failed_lookup_took_out_of_a_counter_admitted_table_are_admitted_at_their_next_sighting(
+    monkeypatch, maps, batched
+):
+    # Counter admission forgets an id once it admits it. An id the failed lookup admitted (N),
+    # or found expired (X, by ttl), then left the index again: its sightings must stay (their
+    # next sighting admits them, as the lookup never failing would have had them: N seen twice,
+    # X held), not be lost with the id (it would read zeros until seen admit_after times more).
+    monkeypatch.setattr(TieredTables, "device_maps", maps == "device")
+    monkeypatch.setattr(TieredTables, "batched_upsert", batched, raising=False)
+    admitted = {"admission": "counter", "admit_after": 2, "ttl_steps": 3}
+
+    def module(tier):
+        tier = {"backing": "host", "cache_load_factor": 0.5} if tier else {}
+        configs = [
+            DynamicEmbeddingBagConfig(
+                name="a", embedding_dim=4, num_embeddings=64, feature_names=["f0"], **admitted, **tier
+            ),
+            DynamicEmbeddingBagConfig(name="b", embedding_dim=6, num_embeddings=64, feature_names=["f1"], **tier),
+        ]
+        return DynamicEmbeddingBagCollection(configs, optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
+
+    # The oracle: the same module all-resident, not given the failed batch.
+    resident, tiered = module(False), module(True)
+    X, N = 7, 9
+    fill = list(range(300, 318))  # (table a's other ids: the same each step)
+    steps = [[X, N] + fill, [X, 8] + fill] + [[1, 2] + fill] * 3
+    for step, ids in enumerate(steps):  # table b: 40 distinct ids, more than its 32 slots
+        for m in (resident, tiered):
+            m(_kjt([ids, torch.arange(20) + 100 + 20 * (step % 2)])).values().square().sum().backward()
+    tables = tiered._tables
+    rows_b = tables.indexes[1].find(torch.arange(100, 140))[0]
+    slots_b = tables.caches[1].slot_of[rows_b] if tables._maps is None else tables._maps.tables[1].slot_of[rows_b]
+    uncached = int(torch.arange(100, 140)[slots_b < 0][0])
+    calls, restore = _fail(monkeypatch, tables, 1, "read")
+    with pytest.raises(OSError, match="Input/output error"):
+        tiered(_kjt([[X, N], [uncached, 100 if uncached != 100 else 101]]))  # step 6: N admitted, X expired
+    assert calls[0] == 1
+    restore()
+    _check_maps_of(tiered)
+    assert not bool(tables.indexes[0].find(torch.tensor([X, N]))[1].any())  # taken out again
+
+    later = _kjt([[X, N], [110, 111]])
+    theirs, mine = resident(later).values(), tiered(later).values()
+    assert bool(theirs[:, :4].ne(0).all())  # (both admitted there: N seen twice, X held, expired)
+    assert torch.equal(mine[:, :4], theirs[:, :4]), "an id the failed lookup admitted or held is refused later"
+
+
+@pytest.mark.parametrize("maps", ["host", "device"])
+def test_a_failed_read_counts_no_miss_and_no_byte_it_did_not_move(monkeypatch, maps):
+    # A cache miss is a row read from the backing store: rows whose read failed (their slots
+    # given back) are not misses, nor bytes moved, with either maps (the host maps count after
+    # the read, the write-backs that ran before it are counted).
+    monkeypatch.setattr(TieredTables, "device_maps", maps == "device")
+    tiered = _module("host")
+    for kjt in _random_batches(12):
+        tiered(kjt).values().square().sum().backward()
+    names = ("cache_misses", "cache_write_backs", "cache_bytes_moved")
+    before = {t: [getattr(s, k) for k in names] for t, s in tiered.table_stats().items()}
+    calls, restore = _fail(monkeypatch, tiered._tables, 1, "read")
+    with pytest.raises(OSError, match="Input/output error"):
+        tiered(_random_batches(1, seed=5)[0])
+    assert calls[0] == 1
+    restore()
+    after = {t: [getattr(s, k) for k in names] for t, s in tiered.table_stats().items()}
+    for t, name in enumerate(("a", "b")):
+        misses, write_backs, moved = (now - then for now, then in zip(after[name], before[name]))
+        assert moved == (misses + write_backs) * tiered._tables._mover(t).row_bytes, (name, misses, write_backs, moved)
+    assert after["b"][0] == before["b"][0], "the failed read's rows counted as misses"
+    if maps == "device":  # (all tables' misses read together: every table's slots given back)
+        assert after["a"][0] == before["a"][0], "rows given back counted as misses"
+    _check_maps_of(tiered)
+
+
+@pytest.mark.parametrize("maps,call", [("host", "read"), ("host", "write"), ("device", "read"), ("device", "write")])
+def test_a_batch_failing_twice_then_landing_trains_as_if_given_once(monkeypatch, maps, call):
+    # Failures in a row, a stage in flight (the next batch's, on the worker) and an eval-mode
+    # lookup with grad on: the batch that then lands leaves every id's row and optimizer state
+    # as the all-resident module given it once, and the module trains on alike; no pin is left.
+    monkeypatch.setattr(TieredTables, "device_maps", maps == "device")
+    batches = _random_batches(20, seed=7)
+
+    def twins():
+        resident, tiered = _module(), _module("host")
+        for kjt in batches[:12]:
+            for m in (resident, tiered):
+                m(kjt).values().square().sum().backward()
+        return resident, tiered
+
+    def fails(tiered, lookup):
+        restore = _fail(monkeypatch, tiered._tables, 1, call)[1]
+        with pytest.raises(OSError, match="Input/output error"):
+            lookup()
+        restore()
+
+    def trains_alike(resident, tiered, kjts):
+        for kjt in kjts:
+            outs = [m(kjt).values() for m in (resident, tiered)]
+            assert torch.equal(outs[0], outs[1])
+            for out in outs:
+                out.square().sum().backward()
+        for theirs, mine in zip(_rows(resident), _rows(tiered)):
+            assert set(theirs) == set(mine)
+            assert all(torch.equal(theirs[i][0], mine[i][0]) and torch.equal(theirs[i][1], mine[i][1]) for i in mine)
+        _check_maps_of(tiered)
+        maps_ = tiered._tables._maps
+        assert not (maps_.pinned if maps_ is not None else any(c.pinned for c in tiered._tables.caches))
+
+    resident, tiered = twins()
+    for _ in range(2):
+        fails(tiered, lambda: tiered(batches[12]))
+    trains_alike(resident, tiered, batches[12:])
+
+    resident, tiered = twins()
+    segments = torch.tensor([0, BAGS, 2 * BAGS])
+    fails(tiered, lambda: (tiered._tables.stage_next(batches[12].values(), segments), tiered(batches[12])))
+    trains_alike(resident, tiered, batches[12:])
+
+    resident, tiered = twins()
+    for m in (resident, tiered):
+        m.eval()
+    fails(tiered, lambda: tiered(batches[12]).values().sum().backward())
+    for m in (resident, tiered):
+        m(batches[12]).values().square().sum().backward()
+        m.train()
+    trains_alike(resident, tiered, batches[13:])

@@ -208,6 +208,11 @@ class Admission:
     def admit(self, keys: Tensor, counts: Tensor, unseen: Tensor, step: int) -> Tensor:
         raise NotImplementedError
 
+    def readmit(self, keys: Tensor) -> None:
+        """``keys`` (distinct) that the table admitted or held, taken out of it again (a tiered
+        lookup that failed after its upsert): their next sighting admits them. Strategies that
+        forget nothing on admission (bloom, probabilistic) have nothing to do."""
+
     def state_keys(self) -> list[str]:
         return []
 
@@ -280,6 +285,13 @@ class CounterAdmission(Admission):
         self.counter.erase(pending.index_select(0, ready.nonzero().squeeze(1)))
         admitted.index_copy_(0, which, ready)
         return admitted
+
+    def readmit(self, keys: Tensor) -> None:
+        # Admission forgot them: counted again as seen admit_after times (a full counter drops
+        # the rarest, as for any id).
+        if self.admit_after > 1 and keys.numel():
+            rows = self.counter.insert_or_assign(keys, torch.full_like(keys, self.admit_after)).rows
+            self.seen.index_fill_(0, rows[rows >= 0], self.admit_after)
 
     def state_keys(self) -> list[str]:
         return ["admission_id", "admission_count"]

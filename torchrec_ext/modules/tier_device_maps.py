@@ -337,13 +337,9 @@ class DeviceSlotMaps:
         slots.index_copy_(0, at, taken)
         misses = []
         for t, first, n in self._parts(needs):
-            cache, mover = self.tables[t], movers[t]
             read = host[1][first : first + n] == 0
-            reads = int(read.sum())
-            if reads:
+            if bool(read.any()):
                 misses.append((t, taken_host[t][read], host[0][first : first + n][read]))
-            cache.misses += reads
-            cache.bytes_moved += reads * mover.row_bytes
         try:
             _read(misses, movers)
         except BaseException:
@@ -351,6 +347,9 @@ class DeviceSlotMaps:
             # every slot taken here goes back, so later lookups miss and read again.
             self._give_back({t: (host[0][first : first + n], taken_host[t]) for t, first, n in self._parts(needs)})
             raise
+        for t, _, rows in misses:  # (counted once read: rows given back were not)
+            self.tables[t].misses += rows.numel()
+            self.tables[t].bytes_moved += rows.numel() * movers[t].row_bytes
 
     def _give_back(self, held: dict[int, tuple[Tensor, Tensor]]) -> None:
         """Undoes ``_take_slots``: each table t's (rows, slots) of ``held`` (its own numbers, host

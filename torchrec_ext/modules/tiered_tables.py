@@ -25,7 +25,11 @@ A lookup that fails after its upsert (a read or write-back of the backing store 
 error) leaves no id reading a row not its own: the ids it made new leave the indexes again
 (``_forget_new_ids``, which says what else stays as the lookup left it), the slots it took go
 back (``RowCache._give_back``, ``DeviceSlotMaps._give_back``), and victims whose write-back
-raised stay cached and dirty; the module trains on. A stage's failed read likewise.
+raised stay cached and dirty; the module trains on. A stage's failed read likewise. Sharded,
+only the failing rank's lookup raises: its peers go on into the output dist and wait there for
+it, so the step must fail on every rank (``TrainPipeline`` refuses to go on after a forward that
+raised; a plain loop must not catch the error and go on alone, its next collectives would pair
+with its peers' of the failed step).
 
 ``table_view`` / ``state_views`` (the tables' parameters, loading) are views of the backing
 store, current after ``flush``. ``state_dict`` writes the dirty rows back first, then gathers
@@ -831,8 +835,8 @@ class TieredTables(DynamicTables):
         self._holding: tuple[bool, list, _Handover | None, dict[int, dict[str, int]]] | None = None
         self._pinned: dict[int, weakref.finalize] = {}  # lookups whose update is pending -> their pins
         # the lookup in progress's upserts: (first table, bounds of its tables' entries, rows, which
-        # are new), their new ids taken out of the indexes again should the lookup fail
-        self._upserts: list[tuple[int, list[int], Tensor, Tensor]] | None = None
+        # are new, their ids), their new ids taken out of the indexes again should the lookup fail
+        self._upserts: list[tuple[int, list[int], Tensor, Tensor, Tensor]] | None = None
         # an eval lookup's tables with the device maps: (table, rows), held together at its end
         self._eval_rows: list[tuple[int, int]] | None = None
         self._stager: _Stager | None = None  # made at the first stage
@@ -1098,7 +1102,7 @@ class TieredTables(DynamicTables):
         self._count_step(staged, own)
         return result
 
-    def _forget_new_ids(self, upserts: list[tuple[int, list[int], Tensor, Tensor]]) -> None:
+    def _forget_new_ids(self, upserts: list[tuple[int, list[int], Tensor, Tensor, Tensor]]) -> None:
         """A failed lookup's undo of its upserts (``_upserts``): the ids they made new (inserted,
         or expired and to be initialised again) leave the indexes again, erased by their rows.
 
@@ -1111,22 +1115,26 @@ class TieredTables(DynamicTables):
         upsert evicted to make room are gone (their rows were given to the new ids; a later
         lookup of one is a new id, as in an all-resident table that evicted it); the ids it
         held keep their rows and optimizer state bit for bit, but their touch stays: eviction
-        scores and the index's clock, ``last_seen`` (TTL), admission's sightings, the step
+        scores and the index's clock, ``last_seen`` (TTL), admission's sightings (the ids taken
+        out are admitted at their next sighting: ``Admission.readmit``; counter admission
+        forgot them when it admitted them, and an expired id was held), the step
         (``train_step``), the caches' clocks, LFU counts and hit counters, and the table counters
         of the upsert's evictions. Slots a table's hold gave its new rows before another table's
         failed keep those (now unnamed) rows until evicted: their copies are never read."""
-        for first, bounds, rows, fresh in upserts:
+        for first, bounds, rows, fresh, keys in upserts:
             for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:]), first):
                 if end > start:
                     capacity = self.meta[t].capacity
                     erased = torch.zeros(capacity + 1, dtype=torch.bool, device=rows.device)
                     erased.index_fill_(0, torch.where(fresh[start:end], rows[start:end], capacity), True)
                     self.indexes[t].erase_rows(erased[:capacity])
+                    if self.admission[t] is not None:
+                        self.admission[t].readmit(keys[start:end][fresh[start:end]])
 
     def _rows_for(self, t: int, keys: Tensor, counts: Tensor, training: bool) -> tuple[Tensor, Tensor | None]:
         rows, fresh = super()._rows_for(t, keys, counts, training)
         if fresh is not None and self._upserts is not None:
-            self._upserts.append((t, [0, rows.numel()], rows, fresh))
+            self._upserts.append((t, [0, rows.numel()], rows, fresh, keys))
         if self._eval_rows is not None:  # (an eval lookup with the device maps: held with all its tables')
             self._eval_rows.append((t, rows.numel()))
             return rows, fresh
@@ -1149,7 +1157,7 @@ class TieredTables(DynamicTables):
         all tables' rows come to the host in one copy (one sync a lookup, not one a table)."""
         rows, inserted = super()._rows_for_tables(unique, counts, bounds, unique_table)
         if self._upserts is not None:
-            self._upserts.append((0, bounds, rows, inserted))
+            self._upserts.append((0, bounds, rows, inserted, unique))
         if self._maps is not None:  # (the maps on the device: the rows stay there)
             segments = _segments(bounds)
             every = list(range(len(self.meta)))  # (all handed over at once: the empty tables too)

@@ -115,11 +115,15 @@ class ShardedDynamicEmbeddingCollection(
 
     def input_dist(self, ctx: SequenceShardingContext, features: KeyedJaggedTensor) -> KJTListSplitsAwaitable:
         ctx.vbe_strides = None
-        if features.variable_stride_per_key():  # as TorchRec's sharded EC: pad, then trim each feature's output
-            ctx.vbe_strides = dict(zip(features.keys(), features.stride_per_key()))
-            features = _padded_to_one_batch_size(features, type(self).__name__)
-        batch = check_and_arrange(features, self._plan, False, type(self).__name__, self._device)
-        routed, ctx.order, ctx.expand = self._routing.route(batch.ids, batch.lengths, None, batch.batch_size)
+        try:  # refused here: every rank raises at the wait (sharded_base._refused_input)
+            if isinstance(features, KeyedJaggedTensor) and features.variable_stride_per_key():
+                # as TorchRec's sharded EC: pad, then trim each feature's output
+                ctx.vbe_strides = dict(zip(features.keys(), features.stride_per_key()))
+                features = _padded_to_one_batch_size(features, type(self).__name__)
+            batch = check_and_arrange(features, self._plan, False, type(self).__name__, self._device)
+            routed, ctx.order, ctx.expand = self._routing.route(batch.ids, batch.lengths, None, batch.batch_size)
+        except Exception as error:  # noqa: BLE001 - raised at the wait, on every rank
+            return self._refused_input(ctx, error)
         ctx.routed_lengths = routed.lengths()
         ctx.value_counts = batch.value_counts
         ctx.lengths, ctx.batch_size = batch.lengths, batch.batch_size

@@ -122,11 +122,14 @@ class ShardedDynamicEmbeddingBagCollection(
     def input_dist(self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor) -> KJTListSplitsAwaitable:
         # A variable batch size per feature: each feature's bags repeated into the full batch, as
         # routing sends one batch of every feature (the output is what TorchRec's expansion gives).
-        batch = check_and_arrange(
-            features, self._plan, self._is_weighted, type(self).__name__, self._device, variable_batch="expand"
-        )
-        routed, _, _ = self._routing.route(batch.ids, batch.lengths, batch.weights, batch.batch_size)
-        ctx.divisor = self._mean_divisor(batch.lengths, batch.batch_size)
+        try:  # refused here: every rank raises at the wait (sharded_base._refused_input)
+            batch = check_and_arrange(
+                features, self._plan, self._is_weighted, type(self).__name__, self._device, variable_batch="expand"
+            )
+            routed, _, _ = self._routing.route(batch.ids, batch.lengths, batch.weights, batch.batch_size)
+            ctx.divisor = self._mean_divisor(batch.lengths, batch.batch_size)
+        except Exception as error:  # noqa: BLE001 - raised at the wait, on every rank
+            return self._refused_input(ctx, error)
         return KJTListSplitsAwaitable([self._input_dists[0](routed, ctx.sharding_contexts[0])], ctx)
 
     def compute(self, ctx: EmbeddingBagCollectionContext, dist_input: KJTList) -> list[Tensor]:

@@ -139,7 +139,7 @@ class RoutedCountsAwaitable(Awaitable[Awaitable[KeyedJaggedTensor]]):
         if self._error is not None:
             raise self._error
         if self._work is None:  # one rank: nothing moves
-            batches, data = [self._routed.stride()], _Ready(self._routed)
+            batches, data = [self._routed.stride()], Ready(self._routed)
             sent = received_ids = [self._routed.values().numel()]
         else:
             world, width = self._pg.size(), 1 + self._num_keys
@@ -249,13 +249,15 @@ class RoutedDataAwaitable(Awaitable[KeyedJaggedTensor]):
             )
 
 
-class _Ready(Awaitable[KeyedJaggedTensor]):
-    def __init__(self, kjt: KeyedJaggedTensor):
-        super().__init__()
-        self._kjt = kjt
+class Ready(Awaitable):
+    """An awaitable of a result already there."""
 
-    def _wait_impl(self) -> KeyedJaggedTensor:
-        return self._kjt
+    def __init__(self, result):
+        super().__init__()
+        self._result = result
+
+    def _wait_impl(self):
+        return self._result
 
 
 class RoutedInputDist(nn.Module):

@@ -22,8 +22,10 @@ from torchrec.distributed.embedding_sharding import EmbeddingShardingContext
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable
 
+from torchrec_ext.distributed.input_dist import Ready
 
-class _ScaledGradient(torch.autograd.Function):
+
+class ScaleGradient(torch.autograd.Function):
     """The identity, whose backward scales the gradient by ``scale``."""
 
     @staticmethod
@@ -34,15 +36,6 @@ class _ScaledGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         return grad * ctx.scale, None
-
-
-class _Done(Awaitable[Tensor]):
-    def __init__(self, tensor: Tensor):
-        super().__init__()
-        self._tensor = tensor
-
-    def _wait_impl(self) -> Tensor:
-        return self._tensor
 
 
 class PooledOutputDist:
@@ -60,7 +53,7 @@ class PooledOutputDist:
             return self._even(local_embs, sharding_ctx)
         world, mine = self._pg.size(), batches[self._pg.rank()]
         if get_gradient_division():
-            local_embs = _ScaledGradient.apply(local_embs, 1.0 / world)
+            local_embs = ScaleGradient.apply(local_embs, 1.0 / world)
         received = all_to_all_single(
             local_embs.new_empty(world * mine, local_embs.shape[1]),
             local_embs,
@@ -68,4 +61,4 @@ class PooledOutputDist:
             input_split_sizes=batches,
             group=self._pg,
         )
-        return _Done(received.view(world, mine, local_embs.shape[1]).sum(0))
+        return Ready(received.view(world, mine, local_embs.shape[1]).sum(0))

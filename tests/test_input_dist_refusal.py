@@ -115,7 +115,7 @@ def _step(dmp, kjt, scale):
 
 
 def _refused_everywhere(rank, world_size):
-    from torchrec_ext.distributed.input_dist import BatchRefusedError
+    from torchrec_ext.distributed import BatchRefusedError
 
     for kind in ("ebc", "weighted ebc", "ec"):
         weighted = kind == "weighted ebc"
@@ -177,7 +177,7 @@ def _pipelines_raise_everywhere(rank, world_size):
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     from dist_helpers import make_batches, make_dmp_dlrm, plain_loop
-    from torchrec_ext.distributed.input_dist import BatchRefusedError
+    from torchrec_ext.distributed import BatchRefusedError
     from torchrec_ext.pipeline import PipelineOptions, TrainPipeline
 
     def ours(options, defer=False):

@@ -3,6 +3,7 @@ small TorchRec DLRM workload shared by the distributed tests."""
 
 from __future__ import annotations
 
+import datetime
 import gc
 import os
 import tempfile
@@ -13,9 +14,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, fn: Callable, world_size: int, init_file: str, args: tuple) -> None:
+def _entry(
+    rank: int, fn: Callable, world_size: int, init_file: str, args: tuple, timeout_s: float | None = None
+) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timeout
+    )
     try:
         fn(rank, world_size, *args)
         # Every rank done with its collectives, and the models holding the group freed, before
@@ -26,10 +32,12 @@ def _entry(rank: int, fn: Callable, world_size: int, init_file: str, args: tuple
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world_size: int, *args) -> None:
-    """fn(rank, world_size, *args) on each rank; a failure on any rank fails the caller."""
+def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float | None = None) -> None:
+    """fn(rank, world_size, *args) on each rank; a failure on any rank fails the caller.
+    timeout_s: the collectives' timeout (default: torch's), short where a rank left waiting in a
+    collective is the failure a test looks for."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_entry, args=(fn, world_size, os.path.join(d, "init"), args), nprocs=world_size, join=True)
+        mp.spawn(_entry, args=(fn, world_size, os.path.join(d, "init"), args, timeout_s), nprocs=world_size, join=True)
 
 
 NUM_TABLES, ROWS, DIM, DENSE_IN = 3, 64, 8, 4

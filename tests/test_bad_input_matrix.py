@@ -972,9 +972,9 @@ def test_sharded_input_dist_refuses_duplicated_key(one_rank_group, bag, sharding
     )
     sharded = sharder.shard(module, plan, ShardingEnv.from_process_group(dist.group.WORLD), torch.device("cpu"))
     kjt = KeyedJaggedTensor(keys=["f", "g", "f"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 1]))
-    _raises_and_unchanged(
+    _raises_and_unchanged(  # at the input dist's wait, as on every rank (test_input_dist_refusal.py)
         sharded,
-        lambda m: m.input_dist(m.create_context(), kjt),
+        lambda m: m.input_dist(m.create_context(), kjt).wait(),
         ValueError,
         rf"{type(sharded).__name__}: KJT keys must be distinct, got \['f'\] more than once",
     )

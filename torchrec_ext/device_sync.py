@@ -172,8 +172,13 @@ defer_on_cpu = False
 
 
 class _Deferred:
-    def __init__(self, values: Tensor, verdict: Callable[[list], Exception | None]) -> None:
-        self.verdict = verdict
+    def __init__(
+        self,
+        values: Tensor,
+        verdict: Callable[[list], Exception | None],
+        fails: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
+        self.verdict, self.values, self.fails = verdict, values, fails
         self.event = None
         self.later = values.device.type == "cuda" or defer_on_cpu
         if values.device.type == "cuda":
@@ -193,14 +198,18 @@ class _Deferred:
         return self.verdict(self.host.tolist())
 
 
-def defer_check(values: Tensor, verdict: Callable[[list], Exception | None]) -> None:
+def defer_check(
+    values: Tensor, verdict: Callable[[list], Exception | None], fails: Callable[[Tensor], Tensor] | None = None
+) -> None:
     """Checks ``values`` (a small device tensor computed by the caller) on the host later:
     ``verdict(values as a list)`` returns the error to raise, or None. Raised by the next counted
     read of this thread (``to_host``), or by ``settle``; on CPU right away (no sync to wait for).
-    The caller must settle before it changes anything the error should leave unchanged."""
+    The caller must settle before it changes anything the error should leave unchanged.
+    fails: ``values`` -> a bool device scalar, True where the verdict will be an error, for
+    ``pending_failed`` (the sharded input dist tells its peers with it, without a sync)."""
     if torch.compiler.is_compiling():
         return
-    check = _Deferred(values.detach(), verdict)
+    check = _Deferred(values.detach(), verdict, fails)
     if not check.later:
         error = check.error()
         if error is not None:
@@ -223,12 +232,28 @@ def settle() -> None:
             raise error
 
 
+def pending_failed() -> Tensor | None:
+    """A bool device scalar, True where one of this thread's pending checks will fail (computed
+    on the device, no sync); None when none is pending (or none says how it fails)."""
+    checks = getattr(_pending, "checks", None) or []
+    flags = [check.fails(check.values).reshape(1) for check in checks if check.fails is not None]
+    return torch.cat(flags).any() if flags else None
+
+
+def forget_pending() -> None:
+    """Drops this thread's pending checks unread: a batch refused for another reason already
+    raised, and its checks must not fail the next step."""
+    _pending.checks = []
+
+
 __all__ = [
     "defer_check",
+    "forget_pending",
     "host_list",
     "mirror",
     "nonzero",
     "normal_tensors",
+    "pending_failed",
     "recording",
     "settle",
     "sync_count",

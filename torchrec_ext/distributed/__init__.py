@@ -3,6 +3,7 @@
 from torchrec_ext.distributed.embedding import ShardedDynamicEmbeddingCollection
 from torchrec_ext.distributed.embeddingbag import ShardedDynamicEmbeddingBagCollection
 from torchrec_ext.distributed.fp_embeddingbag import ShardedFeatureProcessedDynamicEmbeddingBagCollection
+from torchrec_ext.distributed.input_dist import BatchRefusedError
 from torchrec_ext.distributed.planner import (
     DynamicEmbeddingPerfEstimator,
     DynamicEmbeddingStorageEstimator,
@@ -25,6 +26,7 @@ install_default_planner_hook()
 install_default_sharder_lookup()
 
 __all__ = [
+    "BatchRefusedError",
     "DynamicEmbeddingBagCollectionSharder",
     "DynamicEmbeddingCollectionSharder",
     "DynamicEmbeddingPerfEstimator",

@@ -42,7 +42,8 @@ class SequenceShardingContext(Multistreamable):
     lengths: Tensor | None = None  # input lengths, lookup-slot major
     ids: Tensor | None = None  # input ids (the weights when need_indices)
     batch_size: int = 0
-    received_lengths: Tensor | None = None  # [slots, world, batch] lengths of the ids received
+    received_lengths: Tensor | None = None  # [slots, sum of the sources' batches] lengths of the ids received
+    received_batches: list[int] = field(default_factory=list)  # each source's batch size (host side)
     routed_lengths: Tensor | None = None  # [world, slots, batch] (flat) lengths of the ids sent
 
     def record_stream(self, stream: torch.Stream) -> None:
@@ -115,11 +116,15 @@ class ShardedDynamicEmbeddingCollection(
 
     def input_dist(self, ctx: SequenceShardingContext, features: KeyedJaggedTensor) -> KJTListSplitsAwaitable:
         ctx.vbe_strides = None
-        if features.variable_stride_per_key():  # as TorchRec's sharded EC: pad, then trim each feature's output
-            ctx.vbe_strides = dict(zip(features.keys(), features.stride_per_key()))
-            features = _padded_to_one_batch_size(features, type(self).__name__)
-        batch = check_and_arrange(features, self._plan, False, type(self).__name__, self._device)
-        routed, ctx.order, ctx.expand = self._routing.route(batch.ids, batch.lengths, None, batch.batch_size)
+        try:  # refused here: every rank raises at the wait (sharded_base._refused_input)
+            if isinstance(features, KeyedJaggedTensor) and features.variable_stride_per_key():
+                # as TorchRec's sharded EC: pad, then trim each feature's output
+                ctx.vbe_strides = dict(zip(features.keys(), features.stride_per_key()))
+                features = _padded_to_one_batch_size(features, type(self).__name__)
+            batch = check_and_arrange(features, self._plan, False, type(self).__name__, self._device)
+            routed, ctx.order, ctx.expand = self._routing.route(batch.ids, batch.lengths, None, batch.batch_size)
+        except Exception as error:  # noqa: BLE001 - raised at the wait, on every rank
+            return self._refused_input(ctx, error)
         ctx.routed_lengths = routed.lengths()
         ctx.value_counts = batch.value_counts
         ctx.lengths, ctx.batch_size = batch.lengths, batch.batch_size
@@ -128,6 +133,10 @@ class ShardedDynamicEmbeddingCollection(
 
     def compute(self, ctx: SequenceShardingContext, dist_input: KJTList) -> list[Tensor]:
         ctx.received_lengths = self._received_lengths(dist_input[0])
+        # Each source's batch size: our input dist's counts gave them; another's, even batches.
+        stride = dist_input[0].stride()
+        batches = list(getattr(ctx.sharding_contexts[0], "batch_size_per_rank", None) or [])
+        ctx.received_batches = batches or [stride // max(self._world_size, 1)] * self._world_size
         if self._local is None:
             return [torch.zeros(0, self._dim, device=self._device, requires_grad=True)]
         slots, names = self._local_slots, self._routing.names
@@ -137,11 +146,9 @@ class ShardedDynamicEmbeddingCollection(
         return [torch.cat([out[names[i]].values() for i in slots])]
 
     def _received_lengths(self, received: KeyedJaggedTensor) -> Tensor:
-        """[slots, world, batch] lengths of the ids received (keys: every routing slot's output
-        name, slot-major then source rank)."""
-        return received.lengths().view(
-            len(self._routing.names), self._world_size, received.stride() // max(self._world_size, 1)
-        )
+        """[slots, sum of the sources' batches] lengths of the ids received (keys: every routing
+        slot's output name; within a slot, each source's batch in rank order)."""
+        return received.lengths().view(len(self._routing.names), received.stride())
 
     def _local_features(self, dist_input: KJTList) -> KeyedJaggedTensor:
         """The local module's input: the received ids of the slots of its tables."""
@@ -160,7 +167,7 @@ class ShardedDynamicEmbeddingCollection(
         # shards fill disjoint columns: no sum, so the cast is exact either way, and moves fewer bytes).
         vectors = output[0].to(self._output_dtype)
         # Received ids are slot-major then source-major: regroup by source to send them back.
-        per_slot_source = ctx.received_lengths.sum(-1)  # [slots, world]
+        per_slot_source = self._per_slot_source(ctx)  # [slots, world]
         sent_per_rank, send_counts = self._exchange_sizes(ctx, per_slot_source)
         back = transpose_segments(per_slot_source, sum(send_counts))
         if ctx.expand is None and all(w == self._dim for w in self._rank_widths):  # whole vectors, each id once
@@ -186,6 +193,13 @@ class ShardedDynamicEmbeddingCollection(
                 for i, name in enumerate(self._plan.embedding_names)
             }
         )
+
+    def _per_slot_source(self, ctx: SequenceShardingContext) -> Tensor:
+        """[slots, world] ids received per routing slot from each source."""
+        batches, lengths = ctx.received_batches, ctx.received_lengths
+        if len(set(batches)) <= 1:
+            return lengths.view(lengths.shape[0], len(batches), batches[0]).sum(-1)
+        return torch.stack([part.sum(1) for part in lengths.split(batches, 1)], 1)  # uneven batches
 
     @staticmethod
     def _exchange_sizes(ctx: SequenceShardingContext, per_slot_source: Tensor) -> tuple[list[int], list[int]]:

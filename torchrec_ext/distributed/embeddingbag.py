@@ -11,7 +11,8 @@ sharded_base). One step:
     output_dist  TorchRec's row-wise reduce-scatter sums the partial pools back to their batch's
                  rank; its backward all-gathers the gradient for the local fused update,
                  divided by the world size (TorchRec's gradient division: the ranks train
-                 on the mean of their losses)
+                 on the mean of their losses). Ranks whose batches differ in size: an
+                 all-to-all with per-rank splits instead (pooled_output_dist.py)
 
 Table-wise tables ride the same path with all their ids sent to one rank, table-row-wise ones
 spread over their node's ranks, and column-wise ones with all their ids sent to each rank of
@@ -30,12 +31,12 @@ from torch.utils._pytree import register_pytree_node
 from torchrec.distributed.embedding_sharding import EmbeddingShardingContext, KJTListSplitsAwaitable
 from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext
-from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable, LazyAwaitable, ParameterSharding, ShardedModule, ShardingEnv
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_ext import device_sync
+from torchrec_ext.distributed.pooled_output_dist import PooledOutputDist
 from torchrec_ext.distributed.sharded_base import ShardedDynamicBase
 from torchrec_ext.modules.embedding_bag_collection import DynamicEmbeddingBagCollection
 from torchrec_ext.modules.features import check_and_arrange
@@ -108,7 +109,7 @@ class ShardedDynamicEmbeddingBagCollection(
         self._all_local = local_cols == list(range(self._plan.total_dim))
         self._local_cols = torch.tensor(local_cols, dtype=torch.int64, device=self._device)
         # A plain list, not a submodule, as the input dists (sharded_base.py).
-        self._output_dists = [RwPooledEmbeddingDist(env.process_group, self._plan.dims)]
+        self._output_dists = [PooledOutputDist(env.process_group, self._plan.dims)]
 
     # ------------------------------------------------------------------ TorchRec contract
 
@@ -122,11 +123,14 @@ class ShardedDynamicEmbeddingBagCollection(
     def input_dist(self, ctx: EmbeddingBagCollectionContext, features: KeyedJaggedTensor) -> KJTListSplitsAwaitable:
         # A variable batch size per feature: each feature's bags repeated into the full batch, as
         # routing sends one batch of every feature (the output is what TorchRec's expansion gives).
-        batch = check_and_arrange(
-            features, self._plan, self._is_weighted, type(self).__name__, self._device, variable_batch="expand"
-        )
-        routed, _, _ = self._routing.route(batch.ids, batch.lengths, batch.weights, batch.batch_size)
-        ctx.divisor = self._mean_divisor(batch.lengths, batch.batch_size)
+        try:  # refused here: every rank raises at the wait (sharded_base._refused_input)
+            batch = check_and_arrange(
+                features, self._plan, self._is_weighted, type(self).__name__, self._device, variable_batch="expand"
+            )
+            routed, _, _ = self._routing.route(batch.ids, batch.lengths, batch.weights, batch.batch_size)
+            ctx.divisor = self._mean_divisor(batch.lengths, batch.batch_size)
+        except Exception as error:  # noqa: BLE001 - raised at the wait, on every rank
+            return self._refused_input(ctx, error)
         return KJTListSplitsAwaitable([self._input_dists[0](routed, ctx.sharding_contexts[0])], ctx)
 
     def compute(self, ctx: EmbeddingBagCollectionContext, dist_input: KJTList) -> list[Tensor]:

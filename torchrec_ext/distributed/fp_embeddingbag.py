@@ -20,7 +20,6 @@ inside. Two things differ from TorchRec's, both for the dynamic EBC:
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.embedding_types import KJTList, ShardedEmbeddingModule
 from torchrec.distributed.fp_embeddingbag import ShardedFeatureProcessedEmbeddingBagCollection
@@ -30,18 +29,7 @@ from torchrec.modules.feature_processor_ import FeatureProcessorsCollection
 from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-
-class _ScaleGradient(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by ``factor``."""
-
-    @staticmethod
-    def forward(ctx, tensor: Tensor, factor: float) -> Tensor:
-        ctx.factor = factor
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad * ctx.factor, None
+from torchrec_ext.distributed.pooled_output_dist import ScaleGradient
 
 
 class ShardedFeatureProcessedDynamicEmbeddingBagCollection(ShardedFeatureProcessedEmbeddingBagCollection):
@@ -85,7 +73,7 @@ class ShardedFeatureProcessedDynamicEmbeddingBagCollection(ShardedFeatureProcess
                 KeyedJaggedTensor(
                     keys=kjt.keys(),
                     values=kjt.values(),
-                    weights=_ScaleGradient.apply(kjt.weights(), factor),
+                    weights=ScaleGradient.apply(kjt.weights(), factor),
                     lengths=kjt.lengths(),
                     stride=kjt.stride(),
                 )

@@ -5,7 +5,11 @@ a torch + fbgemm-gpu-cpu installation has for CPU tensors only.)
 
 Two phases, as TorchRec's, so a pipeline can start batch i+1's first phase during batch i:
 
-    counts   one all_to_all_single of [batch size, ids per key] per destination
+    counts   one all_to_all_single of [batch size, ids per key] per destination; a rank whose
+             batch was refused (its checks raised, or a check deferred on the device will) sends
+             a batch size of -1 instead, and every rank raises at this phase's wait, before any
+             id moves or any table is touched (the refusing rank its own error, the others a
+             ``BatchRefusedError`` naming it): no rank is left waiting in the data exchange
     data     one all_to_all_single of lengths and ids (packed), one of weights, with the
              splits the counts give; what arrives is source-major and is regrouped key-major:
              per key, every source's samples in rank order, exactly what
@@ -49,6 +53,13 @@ def transpose_segments(sizes: Tensor, total: int | None = None) -> Tensor:
     )
 
 
+REFUSED = -1  # the batch size a rank whose batch was refused sends in the counts exchange
+
+
+class BatchRefusedError(ValueError):
+    """Raised on every rank whose own batch was fine when another rank refused its batch."""
+
+
 class RoutedShardingContext(EmbeddingShardingContext):
     """TorchRec's sharding context plus the exchange's sizes, known on the host once the counts
     phase is waited for: ids sent to each rank and received from each (what the sequence output
@@ -80,44 +91,72 @@ class RoutedAllToAll(KJTAllToAll):
     ) -> RoutedCountsAwaitable:
         return RoutedCountsAwaitable(self._pg, routed, self._num_keys, sharding_ctx)
 
+    def refuse(self, error: Exception, device: torch.device) -> RoutedCountsAwaitable:
+        """This rank's side of the counts exchange for a batch it refused (``error``: why)."""
+        return RoutedCountsAwaitable(self._pg, None, self._num_keys, None, (error, device))
+
 
 class RoutedCountsAwaitable(Awaitable[Awaitable[KeyedJaggedTensor]]):
-    """Phase one: every rank learns, per source, its batch size and ids per key."""
+    """Phase one: every rank learns, per source, its batch size and ids per key (or that the
+    source refused its batch: every rank raises here)."""
 
     def __init__(
         self,
         pg: dist.ProcessGroup,
-        routed: KeyedJaggedTensor,
+        routed: KeyedJaggedTensor | None,
         num_keys: int,
         sharding_ctx: EmbeddingShardingContext | None,
+        refused: tuple[Exception, torch.device] | None = None,
     ):
+        """refused: (why this rank refused its batch, the device of the exchange), routed None."""
         super().__init__()
         self._pg, self._routed, self._num_keys, self._sharding_ctx = pg, routed, num_keys, sharding_ctx
+        self._error = None if refused is None else refused[0]
         self._work = None
         if pg.size() == 1:
             return
-        world, batch = pg.size(), routed.stride()
+        world, width = pg.size(), 1 + num_keys
         with torch.no_grad():
-            self._sent = routed.lengths().view(world, num_keys, batch).sum(2)  # ids per destination and key
-            self._counts = torch.cat([self._sent.new_full((world, 1), batch), self._sent], 1).reshape(-1)
+            if refused is not None:
+                # The refused batch's own deferred checks are done with: the error is raised at the wait.
+                device_sync.forget_pending()
+                self._counts = torch.full((world * width,), REFUSED, dtype=torch.int64, device=refused[1])
+            else:
+                batch = routed.stride()
+                # ids per destination and key (int64 on every rank: a refusing rank sends int64 too)
+                self._sent = routed.lengths().view(world, num_keys, batch).sum(2).to(torch.int64)
+                sizes = self._sent.new_full((world, 1), batch)
+                failed = device_sync.pending_failed()  # a check deferred on the device will raise at the wait
+                if failed is not None:
+                    sizes = torch.where(failed, REFUSED, sizes)
+                self._counts = torch.cat([sizes, self._sent], 1).reshape(-1)
             self._received = torch.empty_like(self._counts)  # both kept until the exchange is done
             self._work = dist.all_to_all_single(self._received, self._counts, group=pg, async_op=True)
 
     def _wait_impl(self) -> Awaitable[KeyedJaggedTensor]:
+        if self._work is not None:
+            self._work.wait()  # (a refusing rank too: its peers need its counts)
+        if self._error is not None:
+            raise self._error
         if self._work is None:  # one rank: nothing moves
-            batches, data = [self._routed.stride()], _Ready(self._routed)
+            batches, data = [self._routed.stride()], Ready(self._routed)
             sent = received_ids = [self._routed.values().numel()]
         else:
-            self._work.wait()
             world, width = self._pg.size(), 1 + self._num_keys
             received = self._received.view(world, width)
             # The step's one read of the exchange: what arrives (the splits of phase two) and what
-            # this rank sends, in one copy to the host.
+            # this rank sends, in one copy to the host. (It raises this rank's deferred checks.)
             host = device_sync.host_list(
                 torch.cat([self._received, self._sent.sum(1)]), "input dist: the splits of the data exchange"
             )
             counts = [host[r * width : (r + 1) * width] for r in range(world)]
             batches = [row[0] for row in counts]
+            refusing = [r for r, b in enumerate(batches) if b == REFUSED]
+            if refusing:
+                raise BatchRefusedError(
+                    f"input dist: rank(s) {refusing} refused their batch (see the error raised there); "
+                    f"rank {self._pg.rank()} looked nothing up, every table is unchanged on every rank"
+                )
             sent, received_ids = host[world * width :], [sum(row[1:]) for row in counts]
             data = RoutedDataAwaitable(
                 self._pg,
@@ -210,13 +249,15 @@ class RoutedDataAwaitable(Awaitable[KeyedJaggedTensor]):
             )
 
 
-class _Ready(Awaitable[KeyedJaggedTensor]):
-    def __init__(self, kjt: KeyedJaggedTensor):
-        super().__init__()
-        self._kjt = kjt
+class Ready(Awaitable):
+    """An awaitable of a result already there."""
 
-    def _wait_impl(self) -> KeyedJaggedTensor:
-        return self._kjt
+    def __init__(self, result):
+        super().__init__()
+        self._result = result
+
+    def _wait_impl(self):
+        return self._result
 
 
 class RoutedInputDist(nn.Module):
@@ -232,3 +273,8 @@ class RoutedInputDist(nn.Module):
         self, routed: KeyedJaggedTensor, sharding_ctx: EmbeddingShardingContext | None = None
     ) -> RoutedCountsAwaitable:
         return self._dist.exchange(routed, sharding_ctx)
+
+    def refuse(self, error: Exception, device: torch.device) -> RoutedCountsAwaitable:
+        """For a batch this rank refused: takes part in the counts exchange, so that every rank
+        raises at its wait (this one ``error``)."""
+        return self._dist.refuse(error, device)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable
 from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
@@ -240,6 +241,13 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
         # (torchrec.distributed.shard) checks. The dists hold no tensors.
         self._input_dists = [RoutedInputDist(env.process_group, len(self._routing.names), self._world_size)]
         self._init_sharded_state(container, configs, spec.kind)
+
+    def _refused_input(self, ctx, error: Exception) -> KJTListSplitsAwaitable:
+        """The input dist of a batch this rank refused (its checks or routing raised ``error``):
+        this rank still takes part in the counts exchange, marking the batch refused, so every
+        rank raises at the wait (this one ``error``, the others naming this rank), no rank left
+        waiting in a collective and no table touched."""
+        return KJTListSplitsAwaitable([self._input_dists[0].refuse(error, self._device)], ctx)
 
     @property
     def fused_optimizer(self) -> KeyedOptimizer:

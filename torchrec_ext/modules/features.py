@@ -320,7 +320,12 @@ def _defer_length_checks(
             return ValueError(f"{where}: KJT weights must be finite, got NaN or inf")
         return None
 
-    device_sync.defer_check(torch.cat(parts), verdict)
+    def fails(values: Tensor) -> Tensor:  # the verdict's tests, on the device (for the sharded input dist)
+        known = device_sync.to_device(torch.tensor(per_key, dtype=torch.int64, device="cpu"), values.device)
+        failed = (values[0] < 0) | (values[1 : 1 + len(keys)] != known).any()
+        return failed | (values[-1] != 0) if counted else failed
+
+    device_sync.defer_check(torch.cat(parts), verdict, fails)
     return 0 if counted else None
 
 

@@ -127,7 +127,10 @@ def _plain_ranks_eval_and_opt_out(rank, world_size):
     by_attribute = DynamicEmbeddingCollection(_seq_tables(), optimizer="sgd", optimizer_kwargs={"lr": 0.1})
     by_attribute.per_rank_tables = True
     quiet = _replica_warnings(
-        lambda: [_train(nn.parallel.DistributedDataParallel(_Head(by_argument)), rank), _train(_Head(by_attribute), rank)]
+        lambda: [
+            _train(nn.parallel.DistributedDataParallel(_Head(by_argument)), rank),
+            _train(_Head(by_attribute), rank),
+        ]
     )
     assert quiet == []
 

@@ -43,7 +43,7 @@ def check_unsharded_replica(module: Any) -> bool:
             "DistributedModelParallel(model, sharders=torchrec_ext.distributed.get_sharders()). If each rank "
             f"is meant to train tables of its own, build it with {where}(..., per_rank_tables=True) "
             "(or set module.per_rank_tables = True) to silence this",
-            stacklevel=4,
+            stacklevel=6,  # the line that calls the module (past _lookup_rows, forward and nn.Module's call)
         )
     return True
 

@@ -139,27 +139,17 @@ def _sharded(rank, world_size):
     # DMP with our sharders (it wraps the dense part in DDP): this rank's share of the tables is a
     # plain module, and says nothing.
     from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-    from torchrec.distributed.types import ShardingPlan
 
-    from torchrec_ext.distributed import DynamicEmbeddingCollectionSharder, get_sharders
+    from torchrec_ext.distributed import get_sharders
 
     dmp, optimizer = make_dmp_dlrm(world_size, dynamic=True)
     said = _replica_warnings(lambda: plain_loop(dmp, optimizer, make_batches(rank, 4, 3, 0)))
     assert said == [] and dmp.module.model.sparse_arch.embedding_bag_collection.local_module is not None
 
+    # (DMP plans it: the planner picks the EC's sharding among ours)
     model = ModelWith("ec", DynamicEmbeddingCollection(_seq_tables(), optimizer="sgd", optimizer_kwargs={"lr": 0.1}))
-    plan = construct_module_sharding_plan(
-        model.ec,
-        {"s": row_wise(compute_kernel="customized_kernel")},
-        sharder=DynamicEmbeddingCollectionSharder(),
-        local_size=world_size,
-        world_size=world_size,
-        device_type="cpu",
-    )
-    dmp = DistributedModelParallel(
-        model, device=torch.device("cpu"), plan=ShardingPlan({"ec": plan}), sharders=get_sharders()
-    )
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), sharders=get_sharders())
+    assert type(dmp.module.ec).__name__ == "ShardedDynamicEmbeddingCollection"
 
     def steps():
         for step in range(3):

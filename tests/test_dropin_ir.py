@@ -154,6 +154,7 @@ def test_round_trip_rebuilds_our_module_and_gives_the_originals_outputs(make):
     model = make()
     for seed in range(3):
         _train_step(model, _batch(seed))
+    _collection(model).per_rank_tables = make is _SequenceModel  # set on one model, not the others: it travels
     rebuilt = _round_trip(model)
 
     ours, theirs = _collection(model), _collection(rebuilt)
@@ -167,6 +168,7 @@ def test_round_trip_rebuilds_our_module_and_gives_the_originals_outputs(make):
     for new, old in zip(theirs._tables.meta, ours._tables.meta):  # all but the config object itself
         assert dataclasses.replace(new, options=None) == dataclasses.replace(old, options=None)
     assert theirs._chosen_spec() == ours._chosen_spec()
+    assert theirs.per_rank_tables == ours.per_rank_tables
     assert theirs.num_live_rows() == ours.num_live_rows() > 0
 
     model.eval(), rebuilt.eval()

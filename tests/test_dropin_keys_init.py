@@ -307,12 +307,12 @@ def _parameters(cls):
 )
 def test_constructor_takes_torchrec_arguments(ours, theirs):
     """Every argument of TorchRec's constructor, in its position, with its default; ours then
-    adds optimizer / optimizer_kwargs. A new TorchRec argument fails here."""
+    adds optimizer / optimizer_kwargs / per_rank_tables. A new TorchRec argument fails here."""
     their_params, our_params = _parameters(theirs), _parameters(ours)
     assert [(p.name, p.kind, p.default) for p in our_params[: len(their_params)]] == [
         (p.name, p.kind, p.default) for p in their_params
     ]
-    assert [p.name for p in our_params[len(their_params) :]] == ["optimizer", "optimizer_kwargs"]
+    assert [p.name for p in our_params[len(their_params) :]] == ["optimizer", "optimizer_kwargs", "per_rank_tables"]
 
     bag = ours is DynamicEmbeddingBagCollection
     config = (EmbeddingBagConfig if bag else EmbeddingConfig)(

@@ -343,7 +343,8 @@ def test_two_ranks_under_torchrun_resume_then_one_rank(tmp_path):
     run_dir, board = str(tmp_path / "two"), str(tmp_path / "board")
     # Capacity for every id of 2 ranks x 20 steps: one rank must hold the rows of both later.
     common = ["--run-dir", run_dir, "--eval-every", "10", "--checkpoint-every", "10"] + TINY + ["--capacity", "8192"]
-    job_ok(run_job(["--steps", "10", "--tensorboard", board] + common, launcher=TORCHRUN, timeout=150))
+    first = job_ok(run_job(["--steps", "10", "--tensorboard", board] + common, launcher=TORCHRUN, timeout=150))
+    assert "per_rank_tables" not in first.stderr  # the tables are sharded: no replica warning (replica_check.py)
     job_ok(run_job(["--steps", "20", "--resume", "--tensorboard", board] + common, launcher=TORCHRUN, timeout=150))
     summary = _load(run_dir, "summary.json")
     assert summary["world_size"] == 2 and summary["global_batch_size"] == 256 and summary["start_step"] == 10

@@ -228,6 +228,9 @@ class ShardedDynamicBase(ShardedDynamicState, ShardedDeltaMixin):
                 optimizer_kwargs=spec.torch_kwargs(),
                 **local_kwargs,
             )
+            # This rank's share: its rows are its own (each id has one owner), no replica of the
+            # other ranks' tables, so the unsharded module's replica warning does not apply.
+            local.per_rank_tables = True
             object.__setattr__(self, "_local", local)
             if replicated and self._world_size > 1:
                 # Every rank holds a copy of a row-wise table's fallback rows (an id reads its slot

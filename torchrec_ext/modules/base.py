@@ -28,6 +28,7 @@ from torchrec_ext.modules.fused_optimizer import (
     spec_from_parameter,
 )
 from torchrec_ext.modules.ids_to_rows import RowLookup
+from torchrec_ext.modules.replica_check import check_unsharded_replica
 from torchrec_ext.modules.table_modules import DynamicTableDict, DynamicTableModule
 from torchrec_ext.modules.table_stats import TableStats
 from torchrec_ext.modules.tiered_tables import TieredTables, tables_for
@@ -41,6 +42,9 @@ class DynamicCollectionMixin(DeltaMixin):
 
     _tables: DynamicTables
     _plan: LookupPlan
+    # Class defaults, so that a module pickled before these existed reads them too.
+    per_rank_tables = False  # each rank of a multi-rank job trains tables of its own, on purpose (replica_check.py)
+    _replica_check_pending = True  # cleared once the first training lookup settled replica_check's question
 
     def _init_dynamic(
         self,
@@ -49,8 +53,10 @@ class DynamicCollectionMixin(DeltaMixin):
         container: str,
         optimizer: Any,
         optimizer_kwargs: Mapping[str, Any] | None,
+        per_rank_tables: bool = False,
     ) -> None:
         where = type(self).__name__
+        self.per_rank_tables = bool(per_rank_tables)
         # Without a device, torch's default one, as TorchRec's modules (so ``with torch.device("meta"):``
         # builds a meta module).
         self._device = torch.device(device) if device is not None else torch.get_default_device()
@@ -347,6 +353,8 @@ class DynamicCollectionMixin(DeltaMixin):
     def _lookup_rows(self, batch: LookupInput) -> RowLookup:
         self._tables.check_ready(type(self).__name__)
         backward_follows = bool(self._differentiable_params())
+        if self._replica_check_pending and backward_follows and self.training:
+            self._replica_check_pending = not check_unsharded_replica(self)
         if self.training or backward_follows:
             fused = self._ensure_optimizer(default=backward_follows)
             if backward_follows and fused is not None:

@@ -28,6 +28,13 @@ class DynamicEmbeddingBagCollection(DynamicCollectionMixin, EmbeddingBagCollecti
     torchrec.optim.RowWiseAdagrad, or their names) and ``optimizer_kwargs``, or call
     ``torchrec.optim.apply_optimizer_in_backward`` on this module's parameters.
 
+    Train it on several ranks sharded (``DistributedModelParallel`` with
+    ``torchrec_ext.distributed.get_sharders()``): unsharded, each rank's copy inserts and updates
+    its own ids and nothing keeps the copies equal (torch's DistributedDataParallel averages
+    gradients, which these tables do not have), so its first training step warns.
+    ``per_rank_tables=True`` (or setting ``module.per_rank_tables``) says each rank is meant to
+    train tables of its own, and silences that warning.
+
     Output, like EmbeddingBagCollection's: a KeyedTensor keyed by feature name (``feature@table``
     where a feature feeds several tables), tables in order, [batch_size, sum of dims].
 
@@ -47,6 +54,7 @@ class DynamicEmbeddingBagCollection(DynamicCollectionMixin, EmbeddingBagCollecti
         device: torch.device | None = None,
         optimizer: Any = None,
         optimizer_kwargs: Mapping[str, Any] | None = None,
+        per_rank_tables: bool = False,
     ) -> None:
         super().__init__()
         where = type(self).__name__
@@ -60,7 +68,7 @@ class DynamicEmbeddingBagCollection(DynamicCollectionMixin, EmbeddingBagCollecti
                 )
         self._embedding_bag_configs = list(tables)
         self._is_weighted = bool(is_weighted)
-        self._init_dynamic(tables, device, "embedding_bags", optimizer, optimizer_kwargs)
+        self._init_dynamic(tables, device, "embedding_bags", optimizer, optimizer_kwargs, per_rank_tables)
 
     def forward(self, features: KeyedJaggedTensor, weighted_features: KeyedJaggedTensor | None = None) -> KeyedTensor:
         # TorchRec's EmbeddingTowerCollection gives a module it does not know both KJTs (it gives

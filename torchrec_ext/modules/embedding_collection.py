@@ -20,13 +20,13 @@ from torchrec_ext.modules.lookup_functions import SequenceLookupFunction
 class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInterface):
     """Drop-in for ``torchrec.EmbeddingCollection`` whose tables take raw int64 ids.
 
-    Same tables, semantics and optimizers as ``DynamicEmbeddingBagCollection``, without
+    Same tables, semantics, optimizers and ``per_rank_tables`` as ``DynamicEmbeddingBagCollection``, without
     pooling: ``forward`` returns, per feature (``feature@table`` where a feature feeds several
     tables), a JaggedTensor of one vector per id with the feature's lengths (and the ids as
     weights when ``need_indices``). All tables share one embedding_dim, as in TorchRec.
 
-    The constructor takes EmbeddingCollection's arguments in its order, then ``optimizer`` and
-    ``optimizer_kwargs``. ``use_gather_select`` and ``use_gather_select_per_sharding`` are
+    The constructor takes EmbeddingCollection's arguments in its order, then ``optimizer``,
+    ``optimizer_kwargs`` and ``per_rank_tables``. ``use_gather_select`` and ``use_gather_select_per_sharding`` are
     TorchRec's hints on how to select rows (a gather instead of an index lookup): accepted,
     returned by their getters, and otherwise no-ops, as our kernels do one gather whatever they say.
     """
@@ -40,6 +40,7 @@ class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInte
         use_gather_select_per_sharding: dict[str, bool] | None = None,
         optimizer: Any = None,
         optimizer_kwargs: Mapping[str, Any] | None = None,
+        per_rank_tables: bool = False,
     ) -> None:
         super().__init__()
         where = type(self).__name__
@@ -61,7 +62,7 @@ class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInte
         self._use_gather_select = bool(use_gather_select)
         self._use_gather_select_per_sharding = use_gather_select_per_sharding
         self._embedding_names_by_table = get_embedding_names_by_table(tables)
-        self._init_dynamic(tables, device, "embeddings", optimizer, optimizer_kwargs)
+        self._init_dynamic(tables, device, "embeddings", optimizer, optimizer_kwargs, per_rank_tables)
 
     def forward(
         self, features: KeyedJaggedTensor, weighted_features: KeyedJaggedTensor | None = None

@@ -220,6 +220,7 @@ class DynamicEBCJsonSerializer(DynamicJsonSerializer):
             "is_weighted": module.is_weighted(),
             "device": str(module.device),
             "optimizer": _optimizer_to_dict(module),
+            "per_rank_tables": module.per_rank_tables,
         }
 
     @classmethod
@@ -233,6 +234,7 @@ class DynamicEBCJsonSerializer(DynamicJsonSerializer):
             device=_device_of(metadata_dict, device),
             optimizer=opt.get("optimizer"),
             optimizer_kwargs=opt.get("kwargs"),
+            per_rank_tables=metadata_dict.get("per_rank_tables", False),  # absent from older exports
         )
 
 
@@ -252,6 +254,7 @@ class DynamicECJsonSerializer(DynamicJsonSerializer):
             "use_gather_select_per_sharding": module.use_gather_select_per_sharding(),
             "device": str(module.device),
             "optimizer": _optimizer_to_dict(module),
+            "per_rank_tables": module.per_rank_tables,
         }
 
     @classmethod
@@ -267,6 +270,7 @@ class DynamicECJsonSerializer(DynamicJsonSerializer):
             use_gather_select_per_sharding=metadata_dict["use_gather_select_per_sharding"],
             optimizer=opt.get("optimizer"),
             optimizer_kwargs=opt.get("kwargs"),
+            per_rank_tables=metadata_dict.get("per_rank_tables", False),  # absent from older exports
         )
 
 

@@ -423,7 +423,8 @@ class TrainPipeline(TrainPipelineSparseDist):
     def _dist_input_of(self, context: TrainPipelineContext, name: str):
         """A call giving module ``name``'s input dist result for ``context`` (waiting for the
         input dist launched on the helper thread first), or None once its forward has taken it
-        (the stage then stages nothing: a stage only moves rows ahead, results do not depend on it)."""
+        (the stage then stages nothing: a stage only moves rows ahead, results do not depend on it),
+        or None when that input dist raised (the train thread raises its error, at its join)."""
         launched, timeout_s, gate = self._dist_future, self.options.timeout_s, self._gate
 
         def dist_input():
@@ -431,7 +432,9 @@ class TrainPipeline(TrainPipelineSparseDist):
                 with gate.stepped_aside():  # the stage holds the gate; the helper may be parked at it
                     try:
                         launched.result(timeout=timeout_s)
-                    except _InputDistAbandoned:  # (a step that raised, then close: nothing to stage)
+                    except Exception:  # noqa: BLE001 - the train thread raises it at its join
+                        # (a batch refused, a step that raised then close: nothing to stage; an
+                        # error kept by the stage would fail the tables' next entry after close)
                         return None
             request = context.input_dist_tensors_requests.get(name)
             return None if request is None else request.wait()

@@ -5,6 +5,7 @@ every table is unchanged on every rank, and the next good step gives what a run 
 the refused batch gives. Sharded EBC (plain and weighted) and EC called directly, our
 TrainPipeline (input dist threaded, inline and deferred) and TorchRec's TrainPipelineSparseDist."""
 
+import pytest
 import torch
 import torch.distributed as dist
 from torchrec import KeyedJaggedTensor
@@ -173,7 +174,29 @@ def _float_ids(batch):
     return Batch(dense_features=batch.dense_features, sparse_features=bad, labels=batch.labels)
 
 
-def _pipelines_raise_everywhere(rank, world_size):
+def _wrong_length_per_key(batch):
+    """``batch`` with a length_per_key its lengths disagree with (the same total): refused by a
+    check deferred on the device, raised at the next host read on a GPU."""
+    from torchrec.datasets.utils import Batch
+
+    kjt = batch.sparse_features
+    per_key = kjt.lengths().view(len(kjt.keys()), -1).sum(1).tolist()
+    assert per_key[1] >= 1
+    per_key[0], per_key[1] = per_key[0] + 1, per_key[1] - 1
+    bad = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(), length_per_key=per_key)
+    return Batch(dense_features=batch.dense_features, sparse_features=bad, labels=batch.labels)
+
+
+# how the bad rank's batch is refused: (made bad by, its error, its message, checked deferred as on a GPU)
+REFUSALS = {
+    "float ids": (_float_ids, TypeError, "must be int64 or int32", False),
+    # The pipelines that wait for the counts after the previous batch's forward (deferred, TorchRec's)
+    # read the host in that forward first: the check must still raise at the counts' wait.
+    "length_per_key (checked on the device)": (_wrong_length_per_key, ValueError, "length_per_key entry", True),
+}
+
+
+def _pipelines_raise_everywhere(rank, world_size, refusal):
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     from dist_helpers import make_batches, make_dmp_dlrm, plain_loop
@@ -194,14 +217,16 @@ def _pipelines_raise_everywhere(rank, world_size):
         "deferred": ours(PipelineOptions(threaded_input_dist=False, prefetch_threads=0), defer=True),
         "torchrec": lambda model, optimizer: TrainPipelineSparseDist(model, optimizer, torch.device("cpu")),
     }
+    make_bad, error, match, deferred = REFUSALS[refusal]
     batches = make_batches(rank, batch_size=4, num_full=5, last=0)
     fed = list(batches)
     if rank == BAD_RANK:
-        fed[3] = _float_ids(fed[3])
+        fed[3] = make_bad(fed[3])
     for name, make in makers.items():
         model, optimizer = make_dmp_dlrm(world_size, dynamic=True)
         pipeline = make(model, optimizer)
         it, done = iter(fed), 0
+        device_sync.defer_on_cpu = deferred
         try:
             while True:
                 pipeline.progress(it)
@@ -210,8 +235,10 @@ def _pipelines_raise_everywhere(rank, world_size):
             raise AssertionError(f"{name}: rank {rank} ran every batch") from None
         except Exception as raised:  # noqa: BLE001 - its type is checked below
             got = raised
+        finally:
+            device_sync.defer_on_cpu = False
         if rank == BAD_RANK:
-            assert isinstance(got, TypeError) and "must be int64 or int32" in str(got), (name, repr(got))
+            assert isinstance(got, error) and match in str(got), (name, repr(got))
         else:
             assert isinstance(got, BatchRefusedError) and f"[{BAD_RANK}] refused" in str(got), (name, repr(got))
         steps = [None] * world_size
@@ -234,5 +261,6 @@ def _pipelines_raise_everywhere(rank, world_size):
             )
 
 
-def test_pipelines_raise_on_every_rank_for_a_batch_one_rank_refused():
-    run_ranks(_pipelines_raise_everywhere, WORLD, timeout_s=TIMEOUT_S)
+@pytest.mark.parametrize("refusal", list(REFUSALS))
+def test_pipelines_raise_on_every_rank_for_a_batch_one_rank_refused(refusal):
+    run_ranks(_pipelines_raise_everywhere, WORLD, refusal, timeout_s=TIMEOUT_S)

@@ -33,6 +33,7 @@ def _uneven_pipelines_as_plain_loop(rank, world_size, column_wise):
         model, optimizer = make_dmp_dlrm(world_size, dynamic=True, t1_column_wise=column_wise)
         pipeline = make(model, optimizer)
         losses = progress_losses(pipeline, batches)
+        assert pipeline._pipelined_modules, f"{name}: the sharded module's input dist ran in the pipeline"
         if hasattr(pipeline, "close"):
             pipeline.close()
         assert len(losses) == len(want_losses), name

@@ -5,6 +5,8 @@ every table is unchanged on every rank, and the next good step gives what a run 
 the refused batch gives. Sharded EBC (plain and weighted) and EC called directly, our
 TrainPipeline (input dist threaded, inline and deferred) and TorchRec's TrainPipelineSparseDist."""
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -212,9 +214,9 @@ def _pipelines_raise_everywhere(rank, world_size, refusal):
         return make
 
     makers = {
-        "threaded": ours(PipelineOptions(threaded_input_dist=True, prefetch_threads=0)),
-        "inline": ours(PipelineOptions(threaded_input_dist=False, prefetch_threads=0)),
-        "deferred": ours(PipelineOptions(threaded_input_dist=False, prefetch_threads=0), defer=True),
+        "threaded": ours(PipelineOptions(threaded_input_dist=True, prefetch_threads=0, timeout_s=10)),
+        "inline": ours(PipelineOptions(threaded_input_dist=False, prefetch_threads=0, timeout_s=10)),
+        "deferred": ours(PipelineOptions(threaded_input_dist=False, prefetch_threads=0, timeout_s=10), defer=True),
         "torchrec": lambda model, optimizer: TrainPipelineSparseDist(model, optimizer, torch.device("cpu")),
     }
     make_bad, error, match, deferred = REFUSALS[refusal]
@@ -241,6 +243,15 @@ def _pipelines_raise_everywhere(rank, world_size, refusal):
             assert isinstance(got, error) and match in str(got), (name, repr(got))
         else:
             assert isinstance(got, BatchRefusedError) and f"[{BAD_RANK}] refused" in str(got), (name, repr(got))
+        if name != "torchrec":  # ours refuses a next progress() at once (no input dist for its batch)
+            began = time.monotonic()
+            try:
+                pipeline.progress(it)
+            except RuntimeError as again:
+                assert "progress() after an input dist that raised" in str(again), (name, str(again))
+            else:
+                raise AssertionError(f"{name}: progress() after the refusal ran")
+            assert time.monotonic() - began < 5, name
         steps = [None] * world_size
         dist.all_gather_object(steps, done)
         assert steps == [done] * world_size and done <= 3, (name, steps)  # the same steps on every rank

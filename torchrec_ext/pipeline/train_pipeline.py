@@ -505,8 +505,12 @@ class TrainPipeline(TrainPipelineSparseDist):
         if self._defer_dist_wait:
             start()
             self._dist_finish = finish
-        else:
+            return
+        try:
             self._dist_future.set_result((start(), finish())[1])
+        except BaseException as e:  # (a batch refused on any rank): the next progress() fails at once
+            self._input_dist_raised(e)
+            raise
 
     def _abandon_input_dist(self, why: str) -> None:
         """A deferred input dist that will never finish (a forward raised, or close): a tiered
@@ -527,14 +531,26 @@ class TrainPipeline(TrainPipelineSparseDist):
         try:
             self._dist_future.set_result(finish())
         except BaseException as e:
-            self._dist_future.set_exception(e)  # a tiered stage waiting for it gets the error too
+            self._input_dist_raised(e)  # a tiered stage waiting for it gets the error too
             raise
+
+    def _input_dist_raised(self, error: BaseException) -> None:
+        """The input dist in flight raised (its batch refused on some rank): the batches queued
+        have no input dist, so progress() is refused from now on, at once, not after a wait for a
+        future no one sets."""
+        self._failed = self._failed or f"an input dist that raised {type(error).__name__}"
+        if not self._dist_future.done():
+            self._dist_future.set_exception(error)
 
     def _join_input_dist(self) -> None:
         self._finish_input_dist()  # (a forward that raised left it pending)
         if self._dist_future is not None:
             future, self._dist_future = self._dist_future, None
-            done = future.result(timeout=self.options.timeout_s)  # re-raises the worker's exception
+            try:
+                done = future.result(timeout=self.options.timeout_s)  # re-raises the worker's exception
+            except BaseException as e:
+                self._failed = self._failed or f"an input dist that raised {type(e).__name__}"
+                raise
             if done is not None:
                 self._streams.main_dist.wait_event(done)
 

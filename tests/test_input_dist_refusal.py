@@ -189,6 +189,19 @@ def _wrong_length_per_key(batch):
     return Batch(dense_features=batch.dense_features, sparse_features=bad, labels=batch.labels)
 
 
+def progress_until_raised(pipeline, it, where) -> tuple[int, Exception]:
+    """(steps run, the error raised) of ``pipeline.progress(it)`` run until it raises."""
+    done = 0
+    try:
+        while True:
+            pipeline.progress(it)
+            done += 1
+    except StopIteration:
+        raise AssertionError(f"{where}: rank {dist.get_rank()} ran every batch") from None
+    except Exception as raised:  # noqa: BLE001 - the caller checks its type
+        return done, raised
+
+
 # how the bad rank's batch is refused: (made bad by, its error, its message, checked deferred as on a GPU)
 REFUSALS = {
     "float ids": (_float_ids, TypeError, "must be int64 or int32", False),
@@ -227,16 +240,10 @@ def _pipelines_raise_everywhere(rank, world_size, refusal):
     for name, make in makers.items():
         model, optimizer = make_dmp_dlrm(world_size, dynamic=True)
         pipeline = make(model, optimizer)
-        it, done = iter(fed), 0
+        it = iter(fed)
         device_sync.defer_on_cpu = deferred
         try:
-            while True:
-                pipeline.progress(it)
-                done += 1
-        except StopIteration:
-            raise AssertionError(f"{name}: rank {rank} ran every batch") from None
-        except Exception as raised:  # noqa: BLE001 - its type is checked below
-            got = raised
+            done, got = progress_until_raised(pipeline, it, name)
         finally:
             device_sync.defer_on_cpu = False
         if rank == BAD_RANK:

@@ -7,19 +7,11 @@ import os
 
 import torch
 import torch.distributed as dist
-from torchrec import KeyedJaggedTensor
 
 from dist_helpers import local_state, make_batches, make_dmp_dlrm, plain_loop, run_ranks
+from test_input_dist_refusal import _float_ids, progress_until_raised
 
 WORLD, BAD_RANK, BAD_STEP, TIMEOUT_S = 2, 1, 3, 20
-
-
-def _float_ids(batch):
-    from torchrec.datasets.utils import Batch
-
-    kjt = batch.sparse_features
-    bad = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().float(), lengths=kjt.lengths())
-    return Batch(dense_features=batch.dense_features, sparse_features=bad, labels=batch.labels)
 
 
 def _tiered_refusal(rank, world_size, root):
@@ -56,15 +48,7 @@ def _tiered_refusal(rank, world_size, root):
         )
         options = PipelineOptions(prefetch_threads=0, threaded_input_dist=threaded, tier_prefetch=True, timeout_s=30)
         pipeline = TrainPipeline(model, optimizer, torch.device("cpu"), options)
-        it, done = iter(fed), 0
-        try:
-            while True:
-                pipeline.progress(it)
-                done += 1
-        except StopIteration:
-            raise AssertionError(f"threaded={threaded}: rank {rank} ran every batch") from None
-        except Exception as raised:  # noqa: BLE001 - its type is checked below
-            got = raised
+        done, got = progress_until_raised(pipeline, iter(fed), f"threaded={threaded}")
         if rank == BAD_RANK:
             assert isinstance(got, TypeError) and "must be int64 or int32" in str(got), (threaded, repr(got))
         else:

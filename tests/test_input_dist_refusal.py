@@ -5,6 +5,9 @@ every table is unchanged on every rank, and the next good step gives what a run 
 the refused batch gives. Sharded EBC (plain and weighted) and EC called directly, our
 TrainPipeline (input dist threaded, inline and deferred) and TorchRec's TrainPipelineSparseDist."""
 
+import time
+
+import pytest
 import torch
 import torch.distributed as dist
 from torchrec import KeyedJaggedTensor
@@ -173,7 +176,42 @@ def _float_ids(batch):
     return Batch(dense_features=batch.dense_features, sparse_features=bad, labels=batch.labels)
 
 
-def _pipelines_raise_everywhere(rank, world_size):
+def _wrong_length_per_key(batch):
+    """``batch`` with a length_per_key its lengths disagree with (the same total): refused by a
+    check deferred on the device, raised at the next host read on a GPU."""
+    from torchrec.datasets.utils import Batch
+
+    kjt = batch.sparse_features
+    per_key = kjt.lengths().view(len(kjt.keys()), -1).sum(1).tolist()
+    assert per_key[1] >= 1
+    per_key[0], per_key[1] = per_key[0] + 1, per_key[1] - 1
+    bad = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(), length_per_key=per_key)
+    return Batch(dense_features=batch.dense_features, sparse_features=bad, labels=batch.labels)
+
+
+def progress_until_raised(pipeline, it, where) -> tuple[int, Exception]:
+    """(steps run, the error raised) of ``pipeline.progress(it)`` run until it raises."""
+    done = 0
+    try:
+        while True:
+            pipeline.progress(it)
+            done += 1
+    except StopIteration:
+        raise AssertionError(f"{where}: rank {dist.get_rank()} ran every batch") from None
+    except Exception as raised:  # noqa: BLE001 - the caller checks its type
+        return done, raised
+
+
+# how the bad rank's batch is refused: (made bad by, its error, its message, checked deferred as on a GPU)
+REFUSALS = {
+    "float ids": (_float_ids, TypeError, "must be int64 or int32", False),
+    # The pipelines that wait for the counts after the previous batch's forward (deferred, TorchRec's)
+    # read the host in that forward first: the check must still raise at the counts' wait.
+    "length_per_key (checked on the device)": (_wrong_length_per_key, ValueError, "length_per_key entry", True),
+}
+
+
+def _pipelines_raise_everywhere(rank, world_size, refusal):
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     from dist_helpers import make_batches, make_dmp_dlrm, plain_loop
@@ -189,31 +227,38 @@ def _pipelines_raise_everywhere(rank, world_size):
         return make
 
     makers = {
-        "threaded": ours(PipelineOptions(threaded_input_dist=True, prefetch_threads=0)),
-        "inline": ours(PipelineOptions(threaded_input_dist=False, prefetch_threads=0)),
-        "deferred": ours(PipelineOptions(threaded_input_dist=False, prefetch_threads=0), defer=True),
+        "threaded": ours(PipelineOptions(threaded_input_dist=True, prefetch_threads=0, timeout_s=10)),
+        "inline": ours(PipelineOptions(threaded_input_dist=False, prefetch_threads=0, timeout_s=10)),
+        "deferred": ours(PipelineOptions(threaded_input_dist=False, prefetch_threads=0, timeout_s=10), defer=True),
         "torchrec": lambda model, optimizer: TrainPipelineSparseDist(model, optimizer, torch.device("cpu")),
     }
+    make_bad, error, match, deferred = REFUSALS[refusal]
     batches = make_batches(rank, batch_size=4, num_full=5, last=0)
     fed = list(batches)
     if rank == BAD_RANK:
-        fed[3] = _float_ids(fed[3])
+        fed[3] = make_bad(fed[3])
     for name, make in makers.items():
         model, optimizer = make_dmp_dlrm(world_size, dynamic=True)
         pipeline = make(model, optimizer)
-        it, done = iter(fed), 0
+        it = iter(fed)
+        device_sync.defer_on_cpu = deferred
         try:
-            while True:
-                pipeline.progress(it)
-                done += 1
-        except StopIteration:
-            raise AssertionError(f"{name}: rank {rank} ran every batch") from None
-        except Exception as raised:  # noqa: BLE001 - its type is checked below
-            got = raised
+            done, got = progress_until_raised(pipeline, it, name)
+        finally:
+            device_sync.defer_on_cpu = False
         if rank == BAD_RANK:
-            assert isinstance(got, TypeError) and "must be int64 or int32" in str(got), (name, repr(got))
+            assert isinstance(got, error) and match in str(got), (name, repr(got))
         else:
             assert isinstance(got, BatchRefusedError) and f"[{BAD_RANK}] refused" in str(got), (name, repr(got))
+        if name != "torchrec":  # ours refuses a next progress() at once (no input dist for its batch)
+            began = time.monotonic()
+            try:
+                pipeline.progress(it)
+            except RuntimeError as again:
+                assert "progress() after an input dist that raised" in str(again), (name, str(again))
+            else:
+                raise AssertionError(f"{name}: progress() after the refusal ran")
+            assert time.monotonic() - began < 5, name
         steps = [None] * world_size
         dist.all_gather_object(steps, done)
         assert steps == [done] * world_size and done <= 3, (name, steps)  # the same steps on every rank
@@ -234,5 +279,6 @@ def _pipelines_raise_everywhere(rank, world_size):
             )
 
 
-def test_pipelines_raise_on_every_rank_for_a_batch_one_rank_refused():
-    run_ranks(_pipelines_raise_everywhere, WORLD, timeout_s=TIMEOUT_S)
+@pytest.mark.parametrize("refusal", list(REFUSALS))
+def test_pipelines_raise_on_every_rank_for_a_batch_one_rank_refused(refusal):
+    run_ranks(_pipelines_raise_everywhere, WORLD, refusal, timeout_s=TIMEOUT_S)

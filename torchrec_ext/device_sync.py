@@ -206,7 +206,7 @@ def defer_check(
     read of this thread (``to_host``), or by ``settle``; on CPU right away (no sync to wait for).
     The caller must settle before it changes anything the error should leave unchanged.
     fails: ``values`` -> a bool device scalar, True where the verdict will be an error, for
-    ``pending_failed`` (the sharded input dist tells its peers with it, without a sync)."""
+    ``TakenChecks.failed`` (the sharded input dist tells its peers with it, without a sync)."""
     if torch.compiler.is_compiling():
         return
     check = _Deferred(values.detach(), verdict, fails)
@@ -232,31 +232,47 @@ def settle() -> None:
             raise error
 
 
-def pending_failed() -> Tensor | None:
-    """A bool device scalar, True where one of this thread's pending checks will fail (computed
-    on the device, no sync); None when none is pending (or none says how it fails)."""
+class TakenChecks:
+    """Pending checks taken from their thread (``take_pending``): no other read raises them."""
+
+    def __init__(self, checks: list[_Deferred]) -> None:
+        self._checks = checks
+
+    def failed(self) -> Tensor | None:
+        """A bool device scalar, True where one of the checks will fail (computed on the device,
+        no sync); None when there are none (or none says how it fails)."""
+        flags = [check.fails(check.values).reshape(1) for check in self._checks if check.fails is not None]
+        return torch.cat(flags).any() if flags else None
+
+    def settle(self) -> None:
+        """Raises the first failed one (as ``settle``; after a sync, their values are on the host)."""
+        checks, self._checks = self._checks, []
+        for check in checks:
+            error = check.error()
+            if error is not None:
+                raise error
+
+
+def take_pending() -> TakenChecks:
+    """Takes this thread's pending checks away, for the caller to raise at a point of its own:
+    the sharded input dist raises a batch's checks at its counts exchange's wait, on every rank
+    at once, not at whatever read of this thread comes first (another batch's forward in a
+    pipeline, while the peers go on into that batch's collectives)."""
     checks = getattr(_pending, "checks", None) or []
-    flags = [check.fails(check.values).reshape(1) for check in checks if check.fails is not None]
-    return torch.cat(flags).any() if flags else None
-
-
-def forget_pending() -> None:
-    """Drops this thread's pending checks unread: a batch refused for another reason already
-    raised, and its checks must not fail the next step."""
     _pending.checks = []
+    return TakenChecks(checks)
 
 
 __all__ = [
     "defer_check",
-    "forget_pending",
     "host_list",
     "mirror",
     "nonzero",
     "normal_tensors",
-    "pending_failed",
     "recording",
     "settle",
     "sync_count",
+    "take_pending",
     "to_device",
     "to_host",
 ]

@@ -112,21 +112,24 @@ class RoutedCountsAwaitable(Awaitable[Awaitable[KeyedJaggedTensor]]):
         super().__init__()
         self._pg, self._routed, self._num_keys, self._sharding_ctx = pg, routed, num_keys, sharding_ctx
         self._error = None if refused is None else refused[0]
-        self._work = None
+        self._work, self._checks = None, None
         if pg.size() == 1:
             return
+        # This batch's deferred checks (check_and_arrange's), raised at this exchange's wait, the
+        # point every rank reaches together: not by another read of this thread first (a pipeline
+        # runs the previous batch's forward between, whose collectives the peers would wait in).
+        self._checks = device_sync.take_pending()
         world, width = pg.size(), 1 + num_keys
         with torch.no_grad():
             if refused is not None:
-                # The refused batch's own deferred checks are done with: the error is raised at the wait.
-                device_sync.forget_pending()
+                self._checks = None  # (the refused batch's: done with, its error raised at the wait)
                 self._counts = torch.full((world * width,), REFUSED, dtype=torch.int64, device=refused[1])
             else:
                 batch = routed.stride()
                 # ids per destination and key (int64 on every rank: a refusing rank sends int64 too)
                 self._sent = routed.lengths().view(world, num_keys, batch).sum(2).to(torch.int64)
                 sizes = self._sent.new_full((world, 1), batch)
-                failed = device_sync.pending_failed()  # a check deferred on the device will raise at the wait
+                failed = self._checks.failed()  # a check deferred on the device will raise at the wait
                 if failed is not None:
                     sizes = torch.where(failed, REFUSED, sizes)
                 self._counts = torch.cat([sizes, self._sent], 1).reshape(-1)
@@ -145,10 +148,11 @@ class RoutedCountsAwaitable(Awaitable[Awaitable[KeyedJaggedTensor]]):
             world, width = self._pg.size(), 1 + self._num_keys
             received = self._received.view(world, width)
             # The step's one read of the exchange: what arrives (the splits of phase two) and what
-            # this rank sends, in one copy to the host. (It raises this rank's deferred checks.)
+            # this rank sends, in one copy to the host.
             host = device_sync.host_list(
                 torch.cat([self._received, self._sent.sum(1)]), "input dist: the splits of the data exchange"
             )
+            self._checks.settle()  # (read free: the read above drained the stream)
             counts = [host[r * width : (r + 1) * width] for r in range(world)]
             batches = [row[0] for row in counts]
             refusing = [r for r, b in enumerate(batches) if b == REFUSED]

@@ -423,7 +423,8 @@ class TrainPipeline(TrainPipelineSparseDist):
     def _dist_input_of(self, context: TrainPipelineContext, name: str):
         """A call giving module ``name``'s input dist result for ``context`` (waiting for the
         input dist launched on the helper thread first), or None once its forward has taken it
-        (the stage then stages nothing: a stage only moves rows ahead, results do not depend on it)."""
+        (the stage then stages nothing: a stage only moves rows ahead, results do not depend on it),
+        or None when that input dist raised (the train thread raises its error, at its join)."""
         launched, timeout_s, gate = self._dist_future, self.options.timeout_s, self._gate
 
         def dist_input():
@@ -431,7 +432,9 @@ class TrainPipeline(TrainPipelineSparseDist):
                 with gate.stepped_aside():  # the stage holds the gate; the helper may be parked at it
                     try:
                         launched.result(timeout=timeout_s)
-                    except _InputDistAbandoned:  # (a step that raised, then close: nothing to stage)
+                    except Exception:  # noqa: BLE001 - the train thread raises it at its join
+                        # (a batch refused, a step that raised then close: nothing to stage; an
+                        # error kept by the stage would fail the tables' next entry after close)
                         return None
             request = context.input_dist_tensors_requests.get(name)
             return None if request is None else request.wait()
@@ -502,8 +505,12 @@ class TrainPipeline(TrainPipelineSparseDist):
         if self._defer_dist_wait:
             start()
             self._dist_finish = finish
-        else:
+            return
+        try:
             self._dist_future.set_result((start(), finish())[1])
+        except BaseException as e:  # (a batch refused on any rank): the next progress() fails at once
+            self._input_dist_raised(e)
+            raise
 
     def _abandon_input_dist(self, why: str) -> None:
         """A deferred input dist that will never finish (a forward raised, or close): a tiered
@@ -524,14 +531,26 @@ class TrainPipeline(TrainPipelineSparseDist):
         try:
             self._dist_future.set_result(finish())
         except BaseException as e:
-            self._dist_future.set_exception(e)  # a tiered stage waiting for it gets the error too
+            self._input_dist_raised(e)  # a tiered stage waiting for it gets the error too
             raise
+
+    def _input_dist_raised(self, error: BaseException) -> None:
+        """The input dist in flight raised (its batch refused on some rank): the batches queued
+        have no input dist, so progress() is refused from now on, at once, not after a wait for a
+        future no one sets."""
+        self._failed = self._failed or f"an input dist that raised {type(error).__name__}"
+        if not self._dist_future.done():
+            self._dist_future.set_exception(error)
 
     def _join_input_dist(self) -> None:
         self._finish_input_dist()  # (a forward that raised left it pending)
         if self._dist_future is not None:
             future, self._dist_future = self._dist_future, None
-            done = future.result(timeout=self.options.timeout_s)  # re-raises the worker's exception
+            try:
+                done = future.result(timeout=self.options.timeout_s)  # re-raises the worker's exception
+            except BaseException as e:
+                self._failed = self._failed or f"an input dist that raised {type(e).__name__}"
+                raise
             if done is not None:
                 self._streams.main_dist.wait_event(done)
 

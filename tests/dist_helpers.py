@@ -79,6 +79,26 @@ def make_batches(rank: int, batch_size: int, num_full: int, last: int, seed: int
     return batches
 
 
+def tiered_dlrm_tables(backing: str | None) -> list:
+    """make_dmp_dlrm's 3 tables as dynamic configs holding ROWS ids in 2 * ROWS rows (no index
+    eviction), with ``backing`` (None: all-resident) and a cache of a quarter of each share: the
+    rows move between the tiers every step."""
+    from torchrec_ext import DynamicEmbeddingBagConfig
+
+    tier = {} if backing is None else {"backing": backing, "cache_load_factor": 0.25}
+    return [
+        DynamicEmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=DIM,
+            num_embeddings=2 * ROWS,
+            feature_names=[f"f{i}"],
+            eviction_policy="lru",
+            **tier,
+        )
+        for i in range(NUM_TABLES)
+    ]
+
+
 def make_dmp_dlrm(
     world_size: int, seed: int = 0, dynamic: bool = False, tables=None, ebc_device=None, t1_column_wise=False
 ):

@@ -8,31 +8,15 @@ import os
 import torch
 import torch.distributed as dist
 
-from dist_helpers import local_state, make_batches, make_dmp_dlrm, plain_loop, run_ranks
+from dist_helpers import local_state, make_batches, make_dmp_dlrm, plain_loop, run_ranks, tiered_dlrm_tables
 from test_input_dist_refusal import _float_ids, progress_until_raised
 
 WORLD, BAD_RANK, BAD_STEP, TIMEOUT_S = 2, 1, 3, 20
 
 
 def _tiered_refusal(rank, world_size, root):
-    from dist_helpers import DIM, NUM_TABLES, ROWS
-    from torchrec_ext import DynamicEmbeddingBagConfig
     from torchrec_ext.distributed import BatchRefusedError
     from torchrec_ext.pipeline import PipelineOptions, TrainPipeline
-
-    def tables(directory):  # a cache of a quarter of each share: rows move every step
-        return [
-            DynamicEmbeddingBagConfig(
-                name=f"t{i}",
-                embedding_dim=DIM,
-                num_embeddings=2 * ROWS,
-                feature_names=[f"f{i}"],
-                eviction_policy="lru",
-                backing=f"file:{directory}",
-                cache_load_factor=0.25,
-            )
-            for i in range(NUM_TABLES)
-        ]
 
     batches = make_batches(rank, batch_size=4, num_full=8, last=0)
     fed = list(batches)
@@ -44,7 +28,7 @@ def _tiered_refusal(rank, world_size, root):
         os.makedirs(directory, exist_ok=True)
         os.makedirs(oracle_dir, exist_ok=True)
         model, optimizer = make_dmp_dlrm(
-            world_size, dynamic=True, tables=tables(directory), ebc_device=torch.device("meta")
+            world_size, dynamic=True, tables=tiered_dlrm_tables(f"file:{directory}"), ebc_device=torch.device("meta")
         )
         options = PipelineOptions(prefetch_threads=0, threaded_input_dist=threaded, tier_prefetch=True, timeout_s=30)
         pipeline = TrainPipeline(model, optimizer, torch.device("cpu"), options)
@@ -58,7 +42,7 @@ def _tiered_refusal(rank, world_size, root):
         assert steps == [done] * world_size and done <= BAD_STEP, (threaded, steps)
         pipeline.close()
         oracle, oracle_optimizer = make_dmp_dlrm(
-            world_size, dynamic=True, tables=tables(oracle_dir), ebc_device=torch.device("meta")
+            world_size, dynamic=True, tables=tiered_dlrm_tables(f"file:{oracle_dir}"), ebc_device=torch.device("meta")
         )
         plain_loop(oracle, oracle_optimizer, batches[:done])
         # The module trains on (its stage's wait for the refused batch left nothing behind).

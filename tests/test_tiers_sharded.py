@@ -397,39 +397,17 @@ def test_ranks_building_one_file_backed_module_are_refused(tmp_path):
 
 
 def _pipeline_equals_plain_loop(rank, world_size, root):
-    from dist_helpers import (
-        DIM,
-        NUM_TABLES,
-        ROWS,
-        local_state,
-        make_batches,
-        make_dmp_dlrm,
-        plain_loop,
-        progress_losses,
-    )
+    from dist_helpers import local_state, make_batches, make_dmp_dlrm, plain_loop, progress_losses, tiered_dlrm_tables
     from torchrec_ext.pipeline import PipelineOptions, TrainPipeline
 
-    # ROWS ids in 2 * ROWS rows (no index eviction), a cache of a quarter of each share: the
-    # rows move between the tiers every step.
-    tiers = lambda backing: [
-        DynamicEmbeddingBagConfig(
-            name=f"t{i}",
-            embedding_dim=DIM,
-            num_embeddings=2 * ROWS,
-            feature_names=[f"f{i}"],
-            eviction_policy="lru",
-            **_tier(backing, 0.25),
-        )
-        for i in range(NUM_TABLES)
-    ]
     batches = make_batches(rank, batch_size=4, num_full=12, last=0)
-    reference, reference_opt = make_dmp_dlrm(world_size, dynamic=True, tables=tiers(None))
+    reference, reference_opt = make_dmp_dlrm(world_size, dynamic=True, tables=tiered_dlrm_tables(None))
     want = plain_loop(reference, reference_opt, batches)
     for threaded, prefetch in ((False, True), (True, True), (False, False)):
         directory = os.path.join(root, f"{threaded}-{prefetch}")
         os.makedirs(directory, exist_ok=True)
         dmp, opt = make_dmp_dlrm(
-            world_size, dynamic=True, tables=tiers(f"file:{directory}"), ebc_device=torch.device("meta")
+            world_size, dynamic=True, tables=tiered_dlrm_tables(f"file:{directory}"), ebc_device=torch.device("meta")
         )
         options = PipelineOptions(prefetch_threads=0, threaded_input_dist=threaded, tier_prefetch=prefetch)
         stats = []

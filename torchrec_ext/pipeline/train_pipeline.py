@@ -539,7 +539,7 @@ class TrainPipeline(TrainPipelineSparseDist):
         have no input dist, so progress() is refused from now on, at once, not after a wait for a
         future no one sets."""
         self._failed = self._failed or f"an input dist that raised {type(error).__name__}"
-        if not self._dist_future.done():
+        if self._dist_future is not None and not self._dist_future.done():
             self._dist_future.set_exception(error)
 
     def _join_input_dist(self) -> None:
@@ -549,7 +549,7 @@ class TrainPipeline(TrainPipelineSparseDist):
             try:
                 done = future.result(timeout=self.options.timeout_s)  # re-raises the worker's exception
             except BaseException as e:
-                self._failed = self._failed or f"an input dist that raised {type(e).__name__}"
+                self._input_dist_raised(e)
                 raise
             if done is not None:
                 self._streams.main_dist.wait_event(done)

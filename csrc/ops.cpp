@@ -150,6 +150,11 @@ TORCH_LIBRARY(torchrec_ext, m) {
       "Tensor feature_mean, int batch_size, int optimizer, float[] hparams, int step, "
       "Tensor[] new_vectors, Tensor? unique_new, float[] state_init, Tensor? table_dtypes=None, "
       "Tensor? unique_ids=None, Tensor? rounding_seeds=None) -> ()");
+  // dst[dst_rows[i]] = src[src_rows[i]] for each i (whole rows; None: rows 0, 1, ...), every
+  // row number checked before any is written. One dtype and row size; rows may be strided,
+  // their elements contiguous; src and dst share no memory. Duplicate dst_rows: which copy
+  // lands is unspecified (as index_copy_'s).
+  m.def("copy_rows(Tensor(a!) dst, Tensor? dst_rows, Tensor src, Tensor? src_rows) -> ()");
 }
 
 PyMODINIT_FUNC PyInit__C(void) {

@@ -33,4 +33,5 @@ KERNELS: dict[str, dict[str, str]] = {
     "pooled_lookup": {"cpu": "csrc/embedding_lookup_cpu.cpp"},
     "sequence_lookup": {"cpu": "csrc/embedding_lookup_cpu.cpp"},
     "fused_update": {"cpu": "csrc/embedding_update_cpu.cpp"},
+    "copy_rows": {"cpu": "csrc/copy_rows_cpu.cpp"},
 }

@@ -36,6 +36,21 @@ def has_kernel(op_name: str, device: torch.device) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"torchrec_ext::{op_name}", key)
 
 
+def copy_rows(dst: Tensor, dst_rows: Tensor | None, src: Tensor, src_rows: Tensor | None = None) -> None:
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` for each i, whole rows, in place: a tiered
+    table's moves between its cache and its backing store. On CPU one ``memcpy`` a row (where
+    ``index_copy_`` walks the elements), every row number checked before any row is written.
+
+    Args:
+        dst: 1-D or 2-D (rows; each row's elements contiguous, rows may be strided), written.
+        dst_rows: int64 ``[n]``, rows of ``dst``; None: rows ``0 .. n-1``.
+        src: as ``dst``: its dtype and row size; no memory shared with ``dst``.
+        src_rows: int64 ``[n]``, rows of ``src``; None: rows ``0 .. n-1`` (``n``: ``dst_rows``'
+            length, or ``src``'s rows when both are None).
+    """
+    _ops.copy_rows.default(dst, dst_rows, src, src_rows)
+
+
 def hash_find(digests: Tensor, slot_keys: Tensor, keys: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
     """Row of each key. Read-only.
 
@@ -697,6 +712,11 @@ def route_bucketize(
 
 
 # ----------------------------------------------------------------------------- fake kernels
+
+
+@torch.library.register_fake("torchrec_ext::copy_rows")
+def _copy_rows_fake(dst, dst_rows, src, src_rows):
+    return None
 
 
 @torch.library.register_fake("torchrec_ext::hash_find")

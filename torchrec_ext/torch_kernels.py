@@ -249,9 +249,19 @@ def hash_slot_rows(rows: Tensor, key_offsets: Sequence[int], slot_rows: Sequence
         part.copy_(torch.where(part >= 0, slot_map.index_select(0, part.clamp(min=0)).to(part.dtype), part))
 
 
+def copy_rows(dst: Tensor, dst_rows: Tensor | None, src: Tensor, src_rows: Tensor | None) -> None:
+    """``copy_rows`` on a GPU: torch's row gather and scatter (a GPU copies rows in parallel)."""
+    values = src if src_rows is None else src.index_select(0, src_rows)
+    if dst_rows is None:
+        dst[: values.shape[0]].copy_(values)
+    else:
+        dst.index_copy_(0, dst_rows, values)
+
+
 # op name -> device type -> kernel, registered by torchrec_ext.ops (torch.library.register_kernel).
 KERNELS: dict[str, dict[str, Callable]] = {
     "hash_slot_rows": {"cuda": hash_slot_rows},
     "init_rows": {"cuda": init_rows},
     "route_bucketize": {"cuda": route_bucketize},
+    "copy_rows": {"cuda": copy_rows},
 }

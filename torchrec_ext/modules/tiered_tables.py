@@ -167,7 +167,7 @@ class _Mover:
     def _read_here(self, slots: Tensor, rows: Tensor) -> None:
         """``read`` with the cache on the backing store's host (no records)."""
         for cache, backing in self.pairs:
-            cache.index_copy_(0, slots, backing.index_select(0, rows))
+            ops.copy_rows(cache, slots, backing, rows)
 
     def gather(self, records: Tensor, slots: Tensor, rows: Tensor) -> None:
         """Host ``records`` ([n, record_bytes]) of the backing store's ``rows`` (ascending), each
@@ -180,7 +180,7 @@ class _Mover:
         """``gather``'s records, on the device, into their slots in the cache."""
         at = row_column(records).contiguous()
         for k, (cache, _) in enumerate(self.pairs):
-            cache.index_copy_(0, at, self._pair_field(records, k))
+            ops.copy_rows(cache, at, self._pair_field(records, k))
 
     def gather_cache(self, records: Tensor, at: Tensor) -> None:
         """Device ``records`` ([n, record_bytes], zeroed) of the cache's slots ``at`` (on the
@@ -206,7 +206,7 @@ class _Mover:
         slots, rows = slots[order], rows[order]
         if self.copies is None:
             for cache, backing in self.pairs:
-                backing.index_copy_(0, rows, cache.index_select(0, slots))
+                ops.copy_rows(backing, rows, cache, slots)
                 at_crash_point("home")
             return
         for start in range(0, rows.numel(), MAX_ROWS):
@@ -218,7 +218,7 @@ class _Mover:
     def store(self, records: Tensor, rows: Tensor) -> None:
         """A write-back's host records of ``rows`` into the backing store."""
         for k, (_, backing) in enumerate(self.pairs):
-            backing.index_copy_(0, rows, self._pair_field(records, k))
+            ops.copy_rows(backing, rows, self._pair_field(records, k))
 
     def fold(self) -> None:
         pass
@@ -287,7 +287,7 @@ class _LogMover(_Mover):
         records, _, columns = self._columns(where.numel())
         self.log.read(where[order], out=records)
         for (cache, _), column in zip(self.pairs, columns):
-            cache.index_copy_(0, slots, column)
+            ops.copy_rows(cache, slots, column)
 
     def gather(self, records: Tensor, slots: Tensor, rows: Tensor) -> None:
         """``_Mover.gather`` from each row's newest copy: the base file's rows first, then the
@@ -332,7 +332,7 @@ class _LogMover(_Mover):
 
     def _write_records_home(self, rows: Tensor, records: Tensor) -> None:
         for k, (cache, backing) in enumerate(self.pairs):
-            backing.index_copy_(0, rows, self._field(records, k, cache))
+            ops.copy_rows(backing, rows, self._field(records, k, cache))
             at_crash_point("fold")
 
     def patch(self, rows: Tensor, values: list[Tensor], chunk: int = 1 << 16) -> None:
@@ -344,7 +344,7 @@ class _LogMover(_Mover):
             at = logged[start : start + chunk]
             records = self.log.read(where.index_select(0, at))
             for k, ((cache, _), out) in enumerate(zip(self.pairs, values)):
-                out.index_copy_(0, at, self._field(records, k, cache))
+                ops.copy_rows(out, at, self._field(records, k, cache))
 
     def fold(self, chunk: int = 1 << 16) -> None:
         """Writes every row whose newest copy is in the log to the base file (ascending rows, a

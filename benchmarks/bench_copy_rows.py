@@ -1,0 +1,63 @@
+"""Row copies of a tiered table's moves between its cache and its backing store: ``ops.copy_rows``
+(one ``memcpy`` a row, csrc/copy_rows_cpu.cpp) against torch's ``index_copy_`` (and
+``index_select`` before it where both sides are indexed), what tiered_tables.py did. Per stage
+at dlrm-small scale a table writes back ~7k rows and reads ~1k (dim 64: a 256-byte vector and a
+256-byte Adagrad state a row), between a cache of 210k slots and a backing store of 1M rows.
+Median of ``--repeats`` after a warm-up, one thread, the ratio to torch in the same process.
+
+    PYTHONPATH=. python benchmarks/bench_copy_rows.py            # saves results/tier_copy_rows.{md,jsonl}
+    PYTHONPATH=. python benchmarks/bench_copy_rows.py --repeats 5 --no-save  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from common import markdown_table, median_seconds, save
+
+from torchrec_ext import ops, torch_kernels
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=7000, help="rows a copy moves")
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--cache-rows", type=int, default=209_715)
+    parser.add_argument("--backing-rows", type=int, default=1 << 20)
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--no-save", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    results, table = [], []
+    for dtype in (torch.float32, torch.float16):
+        cache = torch.randn(args.cache_rows, args.dim, generator=g).to(dtype)
+        backing = torch.zeros(args.backing_rows, args.dim, dtype=dtype)
+        slots = torch.randperm(args.cache_rows, generator=g)[: args.rows]
+        rows = torch.randperm(args.backing_rows, generator=g)[: args.rows].sort().values
+        field = torch.randn(args.rows, args.dim, generator=g).to(dtype)
+        cases = {
+            # a host-backed write-back: cache slots -> backing rows
+            "write-back (both indexed)": ((backing, rows, cache, slots), (backing, rows, cache, slots)),
+            # a log read's records into the cache: a field -> cache slots
+            "records into the cache": ((cache, slots, field, None), (cache, slots, field, None)),
+        }
+        for name, (theirs, ours) in cases.items():
+            torch_s = median_seconds(lambda a=theirs: torch_kernels.copy_rows(*a), args.repeats)
+            ours_s = median_seconds(lambda a=ours: ops.copy_rows(*a), args.repeats)
+            kind = str(dtype).replace("torch.", "")
+            results.append({"case": name, "dtype": kind, "torch_ms": torch_s * 1e3, "copy_rows_ms": ours_s * 1e3})
+            table.append([name, kind, f"{torch_s * 1e3:.3f}", f"{ours_s * 1e3:.3f}", f"{torch_s / ours_s:.2f}"])
+    text = (
+        f"Row copies of {args.rows:,} rows of dim {args.dim} (cache {args.cache_rows:,} slots, backing "
+        f"{args.backing_rows:,} rows), median of {args.repeats}, 1 thread\n\n"
+        + markdown_table(["copy", "dtype", "torch ms", "copy_rows ms", "speed-up"], table)
+    )
+    print(text)
+    if not args.no_save:
+        save("tier_copy_rows", {"config": vars(args), "results": results}, text)
+
+
+if __name__ == "__main__":
+    main()

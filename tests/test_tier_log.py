@@ -220,7 +220,10 @@ def test_a_logged_table_equals_the_resident_table_through_cleaning_checkpoints_f
     _train([resident, tiered], batches[60:])
     _assert_same_state(resident, tiered)
     assert [log.nbytes() for log in logs.values()] == [tier_log.RowLog.map_bytes(c) for c in (300, 200)]
-    assert 4 * 300 <= logs[0].nbytes() < 4 * 300 + 9 * logs[0].max_segments + 1  # 4 bytes a row, and per segment
+    records = (
+        logs[0].max_segments * tier_log.SEGMENT_RECORDS
+    )  # (row -> record, record -> row: 4 bytes each, and per segment)
+    assert logs[0].nbytes() == 4 * (300 + records) + 9 * logs[0].max_segments
     (tmp_path / "other").mkdir()
     fresh = _module(_configs(tmp_path / "other"))
     before = fresh._tables.storage_bytes()  # logs not open yet: counted all the same

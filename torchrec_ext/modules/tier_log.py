@@ -11,7 +11,10 @@ sequentially. The log is what an LSM store's write path is (TorchRec's SSD table
 RocksDB), reduced to what a table of fixed-size rows needs:
 
 - ``where`` (in memory, int32 while the log's records fit, else int64: 4 bytes per row of the
-  table): per row, the record holding its newest copy, or -1 when that is the base file.
+  table): per row, the record holding its newest copy, or -1 when that is the base file; and
+  its inverse ``row_at`` (the same dtype, per record of the log: ~8 bytes per row of the
+  table): per record, the row it was appended for, so that cleaning finds a segment's live
+  records in memory, not by reading the segment (4 MiB) through the mapping.
 - Segments of ``SEGMENT_RECORDS`` records; the head takes a free segment when full. When dead
   records (superseded by a newer copy) outnumber live ones, each append also cleans segments,
   the fewest live first (each then holds fewer than half live records): their live records are
@@ -46,7 +49,7 @@ import torch
 from torch import Tensor
 
 SEGMENT_RECORDS = 8192  # ~4 MiB of 512-byte records: the most one clean moves
-ROW_BYTES = 8  # each record starts with its row's number (int64): what cleaning reads to find live ones
+ROW_BYTES = 8  # each record starts with its row's number (int64)
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 _SYNC_RANGE_WRITE = ctypes.c_uint(2)  # SYNC_FILE_RANGE_WRITE: start writeback of the range's dirty pages, no wait
 # Write-behind (RocksDB's bytes_per_sync): each append's pages are handed to the disk as soon as
@@ -112,6 +115,9 @@ class RowLog:
         self.where = torch.full(
             (capacity,), -1, dtype=self.index_dtype(capacity), device="cpu"
         )  # row -> record of its newest copy, -1: base
+        self.row_at = torch.full(
+            (records.shape[0],), -1, dtype=self.where.dtype, device="cpu"
+        )  # record -> the row it was appended for, -1: never appended since the log was emptied
         self.segment_live = torch.zeros(self.max_segments, dtype=torch.int64, device="cpu")  # live records per segment
         self.in_use = torch.zeros(self.max_segments, dtype=torch.bool, device="cpu")
         self.used = 0  # segments in use
@@ -138,11 +144,11 @@ class RowLog:
     def map_bytes(capacity: int) -> int:
         """Memory of the maps of a table's log (the row -> record map: 4 bytes a row), whether
         or not it is open yet."""
-        segments = RowLog.max_records(capacity) // SEGMENT_RECORDS
-        return capacity * RowLog.index_dtype(capacity).itemsize + segments * (8 + 1)
+        records = RowLog.max_records(capacity)
+        return (capacity + records) * RowLog.index_dtype(capacity).itemsize + records // SEGMENT_RECORDS * (8 + 1)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.where, self.segment_live, self.in_use))
+        return sum(t.numel() * t.element_size() for t in (self.where, self.row_at, self.segment_live, self.in_use))
 
     def locate(self, rows: Tensor) -> Tensor:
         """Per row, the record of its newest copy (int64), -1 where that is the base file."""
@@ -189,6 +195,7 @@ class RowLog:
     def reset(self) -> None:
         """Empties the log (no row's newest copy in it) and gives its disk blocks back."""
         self.where.fill_(-1)
+        self.row_at.fill_(-1)
         self.segment_live.zero_()
         self.in_use.zero_()
         self.live, self.used, self.head, self.head_fill = 0, 0, None, 0
@@ -232,6 +239,7 @@ class RowLog:
                 self.segment_live -= torch.bincount(old // SEGMENT_RECORDS, minlength=self.max_segments)
                 self.live -= old.numel()
             self.where.index_copy_(0, these, torch.arange(first, first + take, dtype=self.where.dtype, device="cpu"))
+            self.row_at.narrow(0, first, take).copy_(these)
             self.segment_live.narrow(0, self.head, 1).add_(take)
             self.live += take
             self.head_fill += take
@@ -277,13 +285,12 @@ class RowLog:
 
     def _live_records(self, segment: int) -> tuple[Tensor, Tensor]:
         first = segment * SEGMENT_RECORDS
-        data = self.records[first : first + SEGMENT_RECORDS]
-        rows = data[:, :ROW_BYTES].contiguous().view(torch.int64).squeeze(1)
-        valid = (rows >= 0) & (rows < self.capacity)
+        rows = self.row_at.narrow(0, first, SEGMENT_RECORDS).to(torch.int64)
         here = torch.arange(first, first + SEGMENT_RECORDS, dtype=torch.int64, device="cpu")
-        live = valid & (self.where.index_select(0, rows.clamp(0, self.capacity - 1)).to(torch.int64) == here)
+        live = (rows >= 0) & (self.where.index_select(0, rows.clamp(min=0)).to(torch.int64) == here)
         keep = live.nonzero().squeeze(1)
-        return rows.index_select(0, keep), data.index_select(0, keep)  # copies: the segment is reused next
+        # Copies (the segment is reused next), read through the mapping: its live records only.
+        return rows.index_select(0, keep), self.records.index_select(0, keep.add_(first))
 
     def _clean(self, segment: int) -> None:
         rows, data = self._live_records(segment)

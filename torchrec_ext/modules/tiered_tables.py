@@ -140,6 +140,12 @@ class _Mover:
         self.copies = copies
         self._transfer: RecordsBuffer | None = None  # host records of transfers to and from the device
 
+    # Whether the host path moves rows in ascending order: through a file's mapping (a file
+    # backing's base rows), neighbouring rows share a page, read or faulted once, and the file
+    # is read front to back; host memory gains nothing from it, and a sort of a table's ~7k
+    # write-backs a step costs about what copying them does (benchmarks/results/tier_copy_rows.md).
+    ROWS_IN_ORDER = False
+
     def buffer_bytes(self) -> int:
         """Bytes of the host records buffer of transfers to and from the device (pinned on a GPU;
         made at the first transfer, up to ``MAX_ROWS`` records)."""
@@ -161,8 +167,10 @@ class _Mover:
         if self.copies is not None:
             self.copies.to_caches([(self, slots, rows)], self._transfer_buffer())
             return
-        order = rows.argsort()  # ascending rows: the file is read front to back
-        self._read_here(slots[order], rows[order])
+        if self.ROWS_IN_ORDER:
+            order = rows.argsort()
+            slots, rows = slots[order], rows[order]
+        self._read_here(slots, rows)
 
     def _read_here(self, slots: Tensor, rows: Tensor) -> None:
         """``read`` with the cache on the backing store's host (no records)."""
@@ -199,11 +207,11 @@ class _Mover:
     def write(self, slots: Tensor, rows: Tensor, once: bool = False) -> None:
         """Writes the rows of ``slots`` back (``once``: a flush's, not a step's: a log mover
         keeps no buffer of that size)."""
-        # Ascending rows: consecutive writes fall in one page of the file (one fault) when rows are near.
         if rows.numel() == 0:
             return
-        order = rows.argsort()
-        slots, rows = slots[order], rows[order]
+        if self.ROWS_IN_ORDER:
+            order = rows.argsort()
+            slots, rows = slots[order], rows[order]
         if self.copies is None:
             for cache, backing in self.pairs:
                 ops.copy_rows(backing, rows, cache, slots)
@@ -234,6 +242,7 @@ class _LogMover(_Mover):
     base file itself (a checkpoint's flush)."""
 
     BUFFER_ROWS = 1 << 15  # write-backs up to this many rows reuse one records buffer (16 MiB of 512-byte records)
+    ROWS_IN_ORDER = True  # (reads of the base file and writes home go through its mapping)
 
     def __init__(
         self, pairs: list[tuple[Tensor, Tensor]], store: BackingStore, t: int, copies: DeviceCopies | None = None

@@ -1,6 +1,7 @@
 """Row copies of a tiered table's moves between its cache and its backing store: ``ops.copy_rows``
-(one ``memcpy`` a row, csrc/copy_rows_cpu.cpp) against torch's ``index_copy_`` (and
-``index_select`` before it where both sides are indexed), what tiered_tables.py did. Per stage
+(one ``memcpy`` a row, the rows ahead prefetched: csrc/copy_rows_cpu.cpp) against what
+tiered_tables.py did: torch's ``index_copy_`` (and ``index_select`` before it where both sides
+are indexed), ``index_select`` into a records buffer's field. Per stage
 at dlrm-small scale a table writes back ~7k rows and reads ~1k (dim 64: a 256-byte vector and a
 256-byte Adagrad state a row), between a cache of 210k slots and a backing store of 1M rows.
 Median of ``--repeats`` after a warm-up, one thread, the ratio to torch in the same process.
@@ -39,13 +40,24 @@ def main() -> None:
         field = torch.randn(args.rows, args.dim, generator=g).to(dtype)
         cases = {
             # a host-backed write-back: cache slots -> backing rows
-            "write-back (both indexed)": ((backing, rows, cache, slots), (backing, rows, cache, slots)),
+            "write-back (both indexed)": (
+                lambda: torch_kernels.copy_rows(backing, rows, cache, slots),
+                lambda: ops.copy_rows(backing, rows, cache, slots),
+            ),
             # a log read's records into the cache: a field -> cache slots
-            "records into the cache": ((cache, slots, field, None), (cache, slots, field, None)),
+            "records into the cache": (
+                lambda: torch_kernels.copy_rows(cache, slots, field, None),
+                lambda: ops.copy_rows(cache, slots, field, None),
+            ),
+            # a file-backed write-back's records: cache slots -> a field of the log's records
+            "cache into records": (
+                lambda: torch.index_select(cache, 0, slots, out=field),
+                lambda: ops.copy_rows(field, None, cache, slots),
+            ),
         }
         for name, (theirs, ours) in cases.items():
-            torch_s = median_seconds(lambda a=theirs: torch_kernels.copy_rows(*a), args.repeats)
-            ours_s = median_seconds(lambda a=ours: ops.copy_rows(*a), args.repeats)
+            torch_s = median_seconds(theirs, args.repeats)
+            ours_s = median_seconds(ours, args.repeats)
             kind = str(dtype).replace("torch.", "")
             results.append({"case": name, "dtype": kind, "torch_ms": torch_s * 1e3, "copy_rows_ms": ours_s * 1e3})
             table.append([name, kind, f"{torch_s * 1e3:.3f}", f"{ours_s * 1e3:.3f}", f"{torch_s / ours_s:.2f}"])

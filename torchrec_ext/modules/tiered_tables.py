@@ -181,7 +181,7 @@ class _Mover:
         """Host ``records`` ([n, record_bytes]) of the backing store's ``rows`` (ascending), each
         with its cache slot in the row column: one copy then takes everything to the device."""
         for k, (_, backing) in enumerate(self.pairs):
-            torch.index_select(backing, 0, rows, out=self._pair_field(records, k))
+            ops.copy_rows(self._pair_field(records, k), None, backing, rows)
         row_column(records).copy_(slots)
 
     def scatter(self, records: Tensor) -> None:
@@ -327,7 +327,7 @@ class _LogMover(_Mover):
         records, row_column_, columns = self._make_columns(n) if once else self._columns(n)
         row_column_.copy_(rows)
         for (cache, _), column in zip(self.pairs, columns):
-            torch.index_select(cache, 0, slots, out=column)
+            ops.copy_rows(column, None, cache, slots)
         self.log.append(rows, records)
 
     def store(self, records: Tensor, rows: Tensor) -> None:

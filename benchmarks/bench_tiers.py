@@ -18,7 +18,10 @@ forward + backward of sum(output) + the fused update. Systems, built side by sid
             worker thread while this step's backward runs. The stage in flight at the end of
             a timed chunk is waited for inside it.
 
-Both train on the same batches; after ``warmup_steps`` (so that the cache is full and evicting),
+Both train on the same batches; after ``warmup_steps`` (40: the cache full and evicting, the
+tables still filling, every step's ~55k new ids new rows of the backing store too, which the
+file's log writes to new pages; 450: the tables full as well, each new id evicting an old one
+and the log reusing the segments it cleaned: the state a long run spends its time in),
 the two are timed in turn chunk by chunk (rotating order, so both see the same machine load):
 median ms per step of ``repeats`` chunks of ``steps_per_repeat`` steps. Reported for the timed
 steps: the tiered tables' cache hit rate (rows found in the cache over rows that held values;
@@ -27,6 +30,7 @@ memory (``storage_bytes``: rows in the module's buffer + index) of each, the bac
 and the process's resident memory split into anonymous and file pages (both modules included).
 
     python benchmarks/bench_tiers.py --threads 1          # saves results/tiers_cpu.{md,jsonl}
+    python benchmarks/bench_tiers.py --threads 1 --systems resident,file+prefetch,host+prefetch --warmup-steps 450
     python benchmarks/bench_tiers.py --threads 1 --systems resident,file+prefetch,host+prefetch,file
     python benchmarks/bench_tiers.py --capacity 65536 --batch-size 512 --warmup-steps 5 --repeats 3 --no-save  # smoke
     python benchmarks/bench_tiers.py --capacity 65536 --batch-size 512 --flusher-ms 20 --no-save  # smoke, files cleaned

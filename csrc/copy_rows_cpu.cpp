@@ -4,14 +4,38 @@
 // copy_rows at dlrm-small scale: benchmarks/results/tier_copy_rows.md), and
 // `index_copy_(index_select(...))` makes an intermediate besides. Rows may be strided (a
 // field of a records buffer: rows of record_bytes), their elements contiguous.
+//
+// And of guarded_copy_rows: the same copy where src or dst may be a file mapping (a file-backed
+// tiered table's backing files, torchrec_ext/modules/tier_store.py). A page of a mapping that
+// cannot be read (a disk I/O error, or the file truncated by another process) raises SIGBUS in
+// the thread touching it; inside a guarded copy that SIGBUS ends the copy and the op returns the
+// faulting address (the Python side raises OSError naming the file and the offset:
+// torchrec_ext/modules/tier_guard.py).
+//
+// The handler (install_sigbus_guard_once: SA_SIGINFO | SA_ONSTACK) looks at a thread-local
+// pointer to the guard of the copy running in its thread. A SIGBUS the kernel raised for an
+// address within the guard's tensors jumps back (siglongjmp) to the copy's start, which returns
+// the address. Any other SIGBUS (no guard active, sent by kill(), another address) goes to the
+// handler installed before this one, or, when that was the default action, restores the default
+// and raises the signal again: the process dies by SIGBUS as it would have without the guard.
+// The guarded loop takes no lock and allocates nothing (it may be left mid-way by the jump).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 
 namespace torchrec_ext {
+
+void install_sigbus_guard_once();
+
 namespace {
 
 // Bytes of one row of t (1-D: one element; 2-D: its columns, which must be contiguous).
@@ -58,8 +82,28 @@ const int64_t* checked_rows(const at::Tensor& rows, int64_t bound, const char* n
   return r;
 }
 
-void copy_rows_cpu(at::Tensor& dst, const std::optional<at::Tensor>& dst_rows,
-                   const at::Tensor& src, const std::optional<at::Tensor>& src_rows) {
+// What a copy does: rows, strides and the memory each side spans, every row number checked.
+struct Plan {
+  char* dst;
+  const char* src;
+  const int64_t* dst_rows;  // nullptr: row i
+  const int64_t* src_rows;
+  int64_t dst_stride;  // bytes between rows
+  int64_t src_stride;
+  int64_t width;  // bytes of a row
+  int64_t n;
+  uintptr_t lo[2];  // the memory of dst, then src
+  uintptr_t hi[2];
+};
+
+void span(const at::Tensor& t, int64_t width, uintptr_t& lo, uintptr_t& hi) {
+  lo = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  hi = t.size(0) == 0 ? lo
+                      : lo + static_cast<uintptr_t>((t.size(0) - 1) * row_stride_bytes(t) + width);
+}
+
+Plan checked_plan(const at::Tensor& dst, const std::optional<at::Tensor>& dst_rows,
+                  const at::Tensor& src, const std::optional<at::Tensor>& src_rows) {
   const int64_t width = row_bytes(dst, "dst");
   TORCH_CHECK(src.scalar_type() == dst.scalar_type(),
               "copy_rows: src and dst must have one dtype, got ", src.scalar_type(), " and ",
@@ -77,36 +121,166 @@ void copy_rows_cpu(at::Tensor& dst, const std::optional<at::Tensor>& dst_rows,
   const int64_t* to = dst_rows ? checked_rows(*dst_rows, dst.size(0), "dst_rows") : nullptr;
   TORCH_CHECK(from || n <= src.size(0), "copy_rows: ", n, " rows to copy, src has ", src.size(0));
   TORCH_CHECK(to || n <= dst.size(0), "copy_rows: ", n, " rows to copy, dst has ", dst.size(0));
-  if (n == 0 || width == 0) {
-    return;
-  }
-  const auto* src_base = static_cast<const char*>(src.const_data_ptr());
-  auto* dst_base = static_cast<char*>(dst.data_ptr());
-  const int64_t src_stride = row_stride_bytes(src);
-  const int64_t dst_stride = row_stride_bytes(dst);
+  Plan p;
+  p.dst = static_cast<char*>(dst.data_ptr());
+  p.src = static_cast<const char*>(src.const_data_ptr());
+  p.dst_rows = to;
+  p.src_rows = from;
+  p.dst_stride = row_stride_bytes(dst);
+  p.src_stride = row_stride_bytes(src);
+  p.width = width;
+  p.n = width == 0 ? 0 : n;
+  span(dst, width, p.lo[0], p.hi[0]);
+  span(src, width, p.lo[1], p.hi[1]);
+  return p;
+}
+
+// Rows [begin, end) of the plan.
+void copy_part(const Plan& p, int64_t begin, int64_t end) {
   // Rows at random places: each copy would wait on memory in turn. Every cache line of the
   // row kAhead rows on is asked for first, so that ~kAhead rows are on their way at once
-  // (benchmarks/results/tier_copy_rows.md). A grain of 4096 rows keeps small copies on the
-  // calling thread.
-  at::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (i + kAhead < end) {
-        if (from) {
-          prefetch_lines(src_base + from[i + kAhead] * src_stride, width, /*write=*/false);
-        }
-        if (to) {
-          prefetch_lines(dst_base + to[i + kAhead] * dst_stride, width, /*write=*/true);
-        }
+  // (benchmarks/results/tier_copy_rows.md). (A prefetch never faults: a mapped page that
+  // cannot be read raises its SIGBUS at the copy.)
+  for (int64_t i = begin; i < end; ++i) {
+    if (i + kAhead < end) {
+      if (p.src_rows) {
+        prefetch_lines(p.src + p.src_rows[i + kAhead] * p.src_stride, p.width, /*write=*/false);
       }
-      const int64_t s = from ? from[i] : i;
-      const int64_t d = to ? to[i] : i;
-      std::memcpy(dst_base + d * dst_stride, src_base + s * src_stride, static_cast<size_t>(width));
+      if (p.dst_rows) {
+        prefetch_lines(p.dst + p.dst_rows[i + kAhead] * p.dst_stride, p.width, /*write=*/true);
+      }
+    }
+    const int64_t d = p.dst_rows ? p.dst_rows[i] : i;
+    const int64_t s = p.src_rows ? p.src_rows[i] : i;
+    std::memcpy(p.dst + d * p.dst_stride, p.src + s * p.src_stride, static_cast<size_t>(p.width));
+  }
+}
+
+// A grain of 4096 rows keeps small copies on the calling thread.
+constexpr int64_t kGrain = 4096;
+
+void copy_rows_cpu(at::Tensor& dst, const std::optional<at::Tensor>& dst_rows,
+                   const at::Tensor& src, const std::optional<at::Tensor>& src_rows) {
+  const Plan p = checked_plan(dst, dst_rows, src, src_rows);
+  at::parallel_for(0, p.n, kGrain, [&](int64_t begin, int64_t end) { copy_part(p, begin, end); });
+}
+
+// ---- the guard
+
+// The copy running in a thread: where to jump back to, and the memory it touches (a SIGBUS at
+// another address is not its own).
+struct Guard {
+  sigjmp_buf back;
+  const Plan* plan;
+  volatile uintptr_t fault;
+};
+
+// initial-exec: read by the handler with one load off the thread pointer (the default model of a
+// shared library may call __tls_get_addr, which can allocate: not safe in a signal handler).
+__attribute__((tls_model("initial-exec"))) thread_local Guard* active_guard = nullptr;
+
+struct sigaction previous_action;
+std::once_flag install_once;
+
+void chain(int sig, siginfo_t* info, void* context) {
+  if (previous_action.sa_handler == SIG_DFL) {
+    // The default action: restored, and the signal raised again. It is blocked while this handler
+    // runs, so it is delivered (and kills the process) when the handler returns; a fault of an
+    // instruction re-executed faults again under the default action alike.
+    sigaction(sig, &previous_action, nullptr);
+    raise(sig);
+    return;
+  }
+  if (previous_action.sa_handler == SIG_IGN) {
+    return;
+  }
+  if (previous_action.sa_flags & SA_SIGINFO) {
+    previous_action.sa_sigaction(sig, info, context);
+  } else {
+    previous_action.sa_handler(sig);
+  }
+}
+
+void on_sigbus(int sig, siginfo_t* info, void* context) {
+  Guard* guard = active_guard;
+  if (guard != nullptr && info != nullptr &&
+      info->si_code > 0) {  // (> 0: raised by the kernel, not sent)
+    const auto at = reinterpret_cast<uintptr_t>(info->si_addr);
+    for (int k = 0; k < 2; ++k) {
+      if (at >= guard->plan->lo[k] && at < guard->plan->hi[k]) {
+        guard->fault = at;
+        active_guard = nullptr;
+        siglongjmp(guard->back, 1);
+      }
+    }
+  }
+  chain(sig, info, context);
+}
+
+// Rows [begin, end) of the plan under this thread's guard; 0, or the address of the SIGBUS that
+// ended the copy (the rows before it copied, the rest not; other threads' parts may be copied).
+__attribute__((noinline)) uintptr_t copy_guarded(const Plan& p, int64_t begin, int64_t end) {
+  Guard guard;
+  guard.plan = &p;
+  guard.fault = 0;
+  if (sigsetjmp(guard.back, 0) != 0) {
+    // Back from the handler, which cleared active_guard. SIGBUS stays blocked in this thread
+    // after the jump (the mask was not saved: no system call per copy): unblocked here.
+    sigset_t bus;
+    sigemptyset(&bus);
+    sigaddset(&bus, SIGBUS);
+    pthread_sigmask(SIG_UNBLOCK, &bus, nullptr);
+    return guard.fault;
+  }
+  active_guard = &guard;
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  copy_part(p, begin, end);
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  active_guard = nullptr;
+  return 0;
+}
+
+at::Tensor guarded_copy_rows_cpu(const at::Tensor& dst, const std::optional<at::Tensor>& dst_rows,
+                                 const at::Tensor& src, const std::optional<at::Tensor>& src_rows) {
+  const Plan p = checked_plan(dst, dst_rows, src, src_rows);
+  // (a tensor, not an int: functionalization refuses a mutating custom op returning a scalar)
+  at::Tensor result = at::zeros({}, at::TensorOptions().dtype(at::kLong));
+  if (p.n == 0) {
+    return result;
+  }
+  install_sigbus_guard_once();
+  std::atomic<uintptr_t> fault{0};
+  at::parallel_for(0, p.n, kGrain, [&](int64_t begin, int64_t end) {
+    if (fault.load(std::memory_order_relaxed) != 0) {
+      return;  // another part failed: the copy fails whatever this part does
+    }
+    const uintptr_t at = copy_guarded(p, begin, end);
+    if (at != 0) {
+      uintptr_t none = 0;
+      fault.compare_exchange_strong(none, at);
     }
   });
+  result.fill_(static_cast<int64_t>(fault.load()));
+  return result;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(torchrec_ext, CPU, m) { m.impl("copy_rows", &copy_rows_cpu); }
+void install_sigbus_guard_once() {
+  std::call_once(install_once, [] {
+    struct sigaction action;
+    std::memset(&action, 0, sizeof(action));
+    action.sa_sigaction = on_sigbus;
+    action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&action.sa_mask);
+    TORCH_CHECK(sigaction(SIGBUS, &action, &previous_action) == 0,
+                "guarded_copy_rows: cannot install the SIGBUS handler: ", std::strerror(errno));
+  });
+}
+
+TORCH_LIBRARY_IMPL(torchrec_ext, CPU, m) {
+  m.impl("copy_rows", &copy_rows_cpu);
+  m.impl("guarded_copy_rows", &guarded_copy_rows_cpu);
+}
 
 }  // namespace torchrec_ext

@@ -155,9 +155,35 @@ TORCH_LIBRARY(torchrec_ext, m) {
   // their elements contiguous; src and dst share no memory. Duplicate dst_rows: which copy
   // lands is unspecified (as index_copy_'s).
   m.def("copy_rows(Tensor(a!) dst, Tensor? dst_rows, Tensor src, Tensor? src_rows) -> ()");
+  // copy_rows where dst or src may be a file mapping (csrc/copy_rows_cpu.cpp): a SIGBUS raised
+  // while the copy touches a page (a mapped file's page that cannot be read) ends the copy.
+  // Returns an int64 0-dim tensor: 0, or the address of that SIGBUS (then some rows may be
+  // copied, the others not).
+  m.def(
+      "guarded_copy_rows(Tensor(a!) dst, Tensor? dst_rows, Tensor src, Tensor? src_rows) -> "
+      "Tensor");
+}
+
+namespace torchrec_ext {
+void install_sigbus_guard_once();
+}
+
+// _C.install_sigbus_guard(): the SIGBUS handler of guarded_copy_rows, installed once (before a
+// backing file is mapped, so that it is in place whatever copy comes first).
+static PyObject* install_sigbus_guard(PyObject*, PyObject*) {
+  try {
+    torchrec_ext::install_sigbus_guard_once();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_OSError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
 }
 
 PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static PyMethodDef methods[] = {{"install_sigbus_guard", install_sigbus_guard, METH_NOARGS,
+                                   "Installs guarded_copy_rows' SIGBUS handler."},
+                                  {nullptr, nullptr, 0, nullptr}};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   return PyModule_Create(&module_def);
 }

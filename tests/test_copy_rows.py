@@ -1,6 +1,7 @@
 """``ops.copy_rows`` (csrc/copy_rows_cpu.cpp): whole-row copies between a tiered table's cache
 and backing store, against torch's ``index_select`` / ``index_copy_`` as the oracle; bad input
-refused before any row is written."""
+refused before any row is written. ``ops.guarded_copy_rows`` (the same copy through a file's
+mapping, a SIGBUS an error: tests/test_tier_sigbus.py) alike."""
 
 from __future__ import annotations
 
@@ -8,6 +9,13 @@ import pytest
 import torch
 
 from torchrec_ext import ops, torch_kernels
+
+
+def _guarded(dst, dst_rows, src, src_rows=None):
+    assert ops.guarded_copy_rows(dst, dst_rows, src, src_rows) == 0
+
+
+COPIES = pytest.mark.parametrize("copy", [ops.copy_rows, _guarded], ids=["copy_rows", "guarded_copy_rows"])
 
 
 def _oracle(dst, dst_rows, src, src_rows):
@@ -18,7 +26,8 @@ def _oracle(dst, dst_rows, src, src_rows):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8])
 @pytest.mark.parametrize("shape", [(300,), (300, 1), (300, 64), (300, 7)])
-def test_copy_rows_matches_index_select_and_index_copy(dtype, shape):
+@COPIES
+def test_copy_rows_matches_index_select_and_index_copy(copy, dtype, shape):
     g = torch.Generator().manual_seed(0)
     dst = (torch.rand(shape, generator=g) * 100).to(dtype)
     src = (torch.rand((500,) + shape[1:], generator=g) * 100).to(dtype)
@@ -28,52 +37,58 @@ def test_copy_rows_matches_index_select_and_index_copy(dtype, shape):
     for d, s in ((dst_rows, src_rows), (dst_rows, None), (None, src_rows)):
         want = _oracle(dst, d, src if s is not None else src[:n], s)
         got = dst.clone()
-        ops.copy_rows(got, d, src if s is not None else src[:n], s)
+        copy(got, d, src if s is not None else src[:n], s)
         assert torch.equal(got, want)
 
 
-def test_copy_rows_between_fields_of_records():
+@COPIES
+def test_copy_rows_between_fields_of_records(copy):
     """Rows strided as a records buffer's fields are (tier_copies.field_view): into and out of them."""
     g = torch.Generator().manual_seed(1)
     records = torch.zeros(50, 8 + 256 + 16, dtype=torch.uint8)
     field = records[:, 8 : 8 + 256].view(torch.float32)  # [50, 64], rows 280 bytes apart
     cache = torch.randn(400, 64, generator=g)
     slots = torch.randperm(400, generator=g)[:50]
-    ops.copy_rows(field, None, cache, slots)
+    copy(field, None, cache, slots)
     assert torch.equal(field, cache.index_select(0, slots))
     assert not records[:, :8].any() and not records[:, 8 + 256 :].any()  # nothing outside the field
     back = torch.zeros(400, 64)
-    ops.copy_rows(back, slots, field)
+    copy(back, slots, field)
     assert torch.equal(back.index_select(0, slots), cache.index_select(0, slots))
     assert back.abs().sum(1).ne(0).sum() == 50
 
 
-def _refused(match, dst, *args):
+def _refused(copy, match, dst, *args):
     before = dst.clone()
     with pytest.raises(RuntimeError, match=match):
-        ops.copy_rows(dst, *args)
+        copy(dst, *args)
     assert torch.equal(dst, before)  # checked before any row is written
 
 
-def test_bad_rows_are_refused_before_any_row_is_written():
+@COPIES
+def test_bad_rows_are_refused_before_any_row_is_written(copy):
     dst, src = torch.zeros(10, 4), torch.ones(10, 4)
-    _refused(r"dst_rows\[2\] = 10 is out of range: the tensor has 10 rows", dst, torch.tensor([0, 1, 10]), src, None)
-    _refused(r"src_rows\[1\] = -1 is out of range", dst, torch.tensor([0, 1]), src, torch.tensor([3, -1]))
-    _refused(r"dst_rows must be a contiguous CPU int64", dst, torch.tensor([0, 1], dtype=torch.int32), src, None)
     _refused(
+        copy, r"dst_rows\[2\] = 10 is out of range: the tensor has 10 rows", dst, torch.tensor([0, 1, 10]), src, None
+    )
+    _refused(copy, r"src_rows\[1\] = -1 is out of range", dst, torch.tensor([0, 1]), src, torch.tensor([3, -1]))
+    _refused(copy, r"dst_rows must be a contiguous CPU int64", dst, torch.tensor([0, 1], dtype=torch.int32), src, None)
+    _refused(
+        copy,
         r"dst_rows and src_rows must have one length, got 2 and 3",
         dst,
         torch.tensor([0, 1]),
         src,
         torch.tensor([0, 1, 2]),
     )
-    _refused(r"12 rows to copy, dst has 10", dst, None, torch.ones(12, 4), None)
+    _refused(copy, r"12 rows to copy, dst has 10", dst, None, torch.ones(12, 4), None)
 
 
-def test_mismatched_tensors_are_refused():
+@COPIES
+def test_mismatched_tensors_are_refused(copy):
     dst = torch.zeros(10, 4)
-    _refused("one dtype", dst, None, torch.ones(10, 4, dtype=torch.float64), None)
-    _refused("rows must be the same size", dst, None, torch.ones(10, 5), None)
-    _refused("elements of each row of src must be contiguous", dst, None, torch.ones(4, 10).t(), None)
-    _refused("1-D or 2-D", dst, None, torch.ones(10, 2, 2), None)
-    _refused("must not share memory", dst, torch.tensor([1]), dst, torch.tensor([0]))
+    _refused(copy, "one dtype", dst, None, torch.ones(10, 4, dtype=torch.float64), None)
+    _refused(copy, "rows must be the same size", dst, None, torch.ones(10, 5), None)
+    _refused(copy, "elements of each row of src must be contiguous", dst, None, torch.ones(4, 10).t(), None)
+    _refused(copy, "1-D or 2-D", dst, None, torch.ones(10, 2, 2), None)
+    _refused(copy, "must not share memory", dst, torch.tensor([1]), dst, torch.tensor([0]))

@@ -192,6 +192,15 @@ def _embedding_cases():
             )
 
 
+def _copy_rows_cases():
+    src = torch.randn(12, 5)
+    yield "copy_rows", (torch.zeros(4, 5), None, src, torch.tensor([3, 0, 11, 3]))
+    yield "copy_rows", (torch.zeros(12, 5), torch.tensor([2, 7]), src[:2], None)
+    yield "guarded_copy_rows", (torch.zeros(4, 5), None, src, torch.tensor([3, 0, 11, 3]))
+    yield "guarded_copy_rows", (torch.zeros(12, 5), torch.tensor([2, 7]), src[:2], None)
+    yield "guarded_copy_rows", (torch.zeros(12), torch.tensor([1, 4]), torch.arange(12.0), torch.tensor([5, 6]))
+
+
 def _ir_cases():
     # The shape-only stand-ins of an IR-serialized program (modules/ir_serializer.py).
     ids = torch.tensor([3, 1, 4, 1, 5], dtype=torch.int64)
@@ -199,7 +208,7 @@ def _ir_cases():
     yield "ir_sequence_lookup", (ids, 6)
 
 
-CASES = list(_hash_cases()) + list(_embedding_cases()) + list(_ir_cases())
+CASES = list(_hash_cases()) + list(_embedding_cases()) + list(_copy_rows_cases()) + list(_ir_cases())
 
 
 # Ops registered from Python that opcheck cannot drive: their first argument names a live module

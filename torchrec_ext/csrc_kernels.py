@@ -34,4 +34,5 @@ KERNELS: dict[str, dict[str, str]] = {
     "sequence_lookup": {"cpu": "csrc/embedding_lookup_cpu.cpp"},
     "fused_update": {"cpu": "csrc/embedding_update_cpu.cpp"},
     "copy_rows": {"cpu": "csrc/copy_rows_cpu.cpp"},
+    "guarded_copy_rows": {"cpu": "csrc/copy_rows_cpu.cpp"},
 }

@@ -51,6 +51,20 @@ def copy_rows(dst: Tensor, dst_rows: Tensor | None, src: Tensor, src_rows: Tenso
     _ops.copy_rows.default(dst, dst_rows, src, src_rows)
 
 
+def guarded_copy_rows(dst: Tensor, dst_rows: Tensor | None, src: Tensor, src_rows: Tensor | None) -> int:
+    """:func:`copy_rows` where ``dst`` or ``src`` may be a file mapping: a SIGBUS raised while the
+    copy touches it (a page that cannot be read: a disk I/O error, the file truncated) ends the
+    copy instead of the process. CPU only (``csrc/copy_rows_cpu.cpp``; ``modules/tier_guard.py``
+    turns the fault into an ``OSError`` naming the file). Runs without the GIL. Arguments as
+    :func:`copy_rows`'s.
+
+    Returns:
+        0 when every row was copied; else the address of the SIGBUS that stopped the copy (some
+        rows may be copied, on this thread before the fault or on another, the others not).
+    """
+    return int(_ops.guarded_copy_rows.default(dst, dst_rows, src, src_rows))
+
+
 def hash_find(digests: Tensor, slot_keys: Tensor, keys: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
     """Row of each key. Read-only.
 
@@ -717,6 +731,11 @@ def route_bucketize(
 @torch.library.register_fake("torchrec_ext::copy_rows")
 def _copy_rows_fake(dst, dst_rows, src, src_rows):
     return None
+
+
+@torch.library.register_fake("torchrec_ext::guarded_copy_rows")
+def _guarded_copy_rows_fake(dst, dst_rows, src, src_rows):
+    return dst.new_zeros((), dtype=torch.int64)
 
 
 @torch.library.register_fake("torchrec_ext::hash_find")

@@ -363,16 +363,25 @@ class TableCheckpoint:
             "data_type): converted, rounding to nearest"
         )
 
+    @staticmethod
+    def _write_rows(view: Tensor, at: Tensor, values: Tensor | None, fill: float = 0.0) -> None:
+        """``view[at] = values`` (None: ``fill``): a load's writes of a table's rows and states
+        (a file-backed tier's go through its mapping: ``TieredTables._write_rows``)."""
+        if values is None:
+            view.index_fill_(0, at, fill)
+        else:
+            view.index_copy_(0, at, values)
+
     def _replace_table(self, t: int, table: _LoadedTable) -> None:
         m, rows = self.meta[t], table.rows
         self.indexes[t] = table.index
         # index_copy_ / index_fill_ rather than view[rows] = ...: indexing costs ~15 ms more per call on CPU
         view = self.table_view(t)
         at = rows.to(view.device)  # (a tiered table's views are of its backing store, on the host)
-        view.index_copy_(0, at, table.vectors.to(view.device))
+        self._write_rows(view, at, table.vectors.to(view.device))
         for (key, view), fill in zip(self.state_views(t).items(), self._initial_state_values()):
             value = table.states[key]
-            view.index_fill_(0, at, fill) if value is None else view.index_copy_(0, at, value.to(view.device))
+            self._write_rows(view, at, None if value is None else value.to(view.device), fill)
         if m.ttl_steps is not None:
             self.last_seen[t].zero_()
             self.last_seen[t].index_copy_(0, rows, table.last_seen)

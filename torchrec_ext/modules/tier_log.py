@@ -30,7 +30,8 @@ RocksDB), reduced to what a table of fixed-size rows needs:
 The log file (``<dir>/<tables>.<table>.log``) has the backing files' header; it is sparse, sized
 for ``max_segments`` and mapped for reads (a miss reads its newest copy from the mapping), written
 with ``pwrite`` only: a full disk or a failing write is an ``OSError`` naming the file, the log
-and the table unchanged (the row stays dirty in the cache), never a SIGBUS. Its records are not
+and the table unchanged (the row stays dirty in the cache), never a SIGBUS; its reads through the
+mapping (``read``, cleaning's) are ``tier_guard`` copies: a page that fails is an ``OSError`` too. Its records are not
 a checkpoint: a module reopening the directory starts with an empty log (its index is new; a
 record cut short by a crash is never read), and the last checkpoint loads as before
 (tests/test_tiers_crash.py kills a process with SIGKILL mid-append, mid-fold and mid-flush).
@@ -47,6 +48,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import Tensor
+
+from torchrec_ext.modules import tier_guard
 
 SEGMENT_RECORDS = 8192  # ~4 MiB of 512-byte records: the most one clean moves
 ROW_BYTES = 8  # each record starts with its row's number (int64)
@@ -157,8 +160,9 @@ class RowLog:
     def read(self, records: Tensor, out: Tensor | None = None) -> Tensor:
         """The records at ``records`` (numbers), [n, record_bytes] uint8 (into ``out`` when given)."""
         if out is None:
-            return self.records.index_select(0, records)
-        return torch.index_select(self.records, 0, records, out=out)
+            out = torch.empty(records.numel(), self.record_bytes, dtype=torch.uint8, device="cpu")
+        tier_guard.copy_rows(out, None, self.records, records, "read")  # (a failed page: OSError, not SIGBUS)
+        return out
 
     def live_rows(self) -> Tensor:
         """The rows whose newest copy is in the log, ascending."""
@@ -290,7 +294,7 @@ class RowLog:
         live = (rows >= 0) & (self.where.index_select(0, rows.clamp(min=0)).to(torch.int64) == here)
         keep = live.nonzero().squeeze(1)
         # Copies (the segment is reused next), read through the mapping: its live records only.
-        return rows.index_select(0, keep), self.records.index_select(0, keep.add_(first))
+        return rows.index_select(0, keep), self.read(keep.add_(first))
 
     def _clean(self, segment: int) -> None:
         rows, data = self._live_records(segment)

@@ -17,7 +17,10 @@ is an error then, not a SIGBUS in the middle of a training step, and no write-ba
 allocates a block. (A block reserved but unwritten costs the first write through the mapping
 30-45 us per 4 KiB page on ext4, the conversion of its extent; a written page in the page cache
 0.05-0.5 us a row, less than an explicit ``pwrite`` a row, ~2 us: benchmarks/results/tier_file_writes.md.)
-Each file is locked (``flock``) while its module lives, so two live modules never
+Rows are copied to and from the mappings by ``tier_guard.copy_rows``: a page that fails later (a
+disk I/O error, the file truncated by another process) is an ``OSError`` naming the file and the
+offset, raised before the step changes any map, not a SIGBUS (``register`` here names each
+mapping's file). Each file is locked (``flock``, advisory) while its module lives, so two live modules never
 share rows; a file of other tables or of another layout version is refused, one of the same
 tables is reused (its rows are overwritten before any is read: a fresh index names no row).
 """
@@ -36,6 +39,7 @@ import re
 import torch
 from torch import Tensor
 
+from torchrec_ext.modules import tier_guard
 from torchrec_ext.modules.tier_log import RowLog
 
 LAYOUT_VERSION = 2  # 2: write-backs go to a log (tier_log.py), the rows file is not all of a table
@@ -153,6 +157,7 @@ class BackingStore:
         self._files[name] = f
         whole = torch.from_file(path, shared=True, size=HEADER_BYTES // 4 + numel, dtype=torch.float32)
         advise_random(whole, path, self.where)
+        tier_guard.register(whole, path, self.where)  # (its rows are copied by tier_guard.copy_rows)
         return whole[HEADER_BYTES // 4 :]
 
     def log(self, t: int, record_bytes: int) -> RowLog:
@@ -183,6 +188,7 @@ class BackingStore:
         self._files[f"log{t}"] = f
         whole = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         advise_random(whole, path, self.where)
+        tier_guard.register(whole, path, self.where)
         records = whole[HEADER_BYTES:].view(max_records, record_bytes)
         self._logs[t] = RowLog(f.fileno(), path, records, HEADER_BYTES, table["capacity"], self.where)
         return self._logs[t]

@@ -22,7 +22,7 @@ the next lookup reads and writes nothing in the backing store. ``prefetch`` does
 synchronously, between steps.
 
 A lookup that fails after its upsert (a read or write-back of the backing store raising an OS
-error) leaves no id reading a row not its own: the ids it made new leave the indexes again
+error: with file backing also a mapped page that fails, ``tier_guard``: OSError, not SIGBUS) leaves no id reading a row not its own: the ids it made new leave the indexes again
 (``_forget_new_ids``, which says what else stays as the lookup left it), the slots it took go
 back (``RowCache._give_back``, ``DeviceSlotMaps._give_back``), and victims whose write-back
 raised stay cached and dirty; the module trains on. A stage's failed read likewise. Sharded,
@@ -89,6 +89,7 @@ from torch import Tensor
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from torchrec_ext import device_gate, device_sync, ops
+from torchrec_ext.modules import tier_guard
 from torchrec_ext.modules.configs import DEFAULT_CACHE_LOAD_FACTOR, cache_slots, options_of, storage_dtype_of
 from torchrec_ext.modules.dynamic_tables import DynamicTables, RowLookup
 from torchrec_ext.modules.table_stats import TableStats
@@ -159,6 +160,23 @@ class _Mover:
     def _pair_field(self, records: Tensor, k: int) -> Tensor:
         return field_view(records, self.fields[k], self.pairs[k][0])
 
+    @staticmethod
+    def _copy(dst: Tensor, dst_rows: Tensor | None, src: Tensor, src_rows: Tensor | None, doing: str) -> None:
+        """``dst[dst_rows] = src[src_rows]`` (rows None: all, in order), every copy between the
+        cache or records and the backing store: ``ops.copy_rows`` on host backing (anonymous
+        memory); a file's mapping takes ``tier_guard.copy_rows`` (a page that fails: OSError, not
+        SIGBUS)."""
+        ops.copy_rows(dst, dst_rows, src, src_rows)
+
+    def backing_rows(self, rows: Tensor) -> list[Tensor]:
+        """Copies of the backing store's ``rows`` (host tensors), per pair (the vectors, then
+        each optimizer state): as the backing store holds them, not patched from a log."""
+        out = []
+        for _, backing in self.pairs:
+            out.append(torch.empty((rows.numel(), *backing.shape[1:]), dtype=backing.dtype, device="cpu"))
+            self._copy(out[-1], None, backing, rows, "read")
+        return out
+
     def read(self, slots: Tensor, rows: Tensor) -> None:
         """The backing store's ``rows`` into the cache's ``slots`` (with ``copies``: through this
         table's own records buffer; the device maps read all tables' at once: ``copies.to_caches``)."""
@@ -175,13 +193,13 @@ class _Mover:
     def _read_here(self, slots: Tensor, rows: Tensor) -> None:
         """``read`` with the cache on the backing store's host (no records)."""
         for cache, backing in self.pairs:
-            ops.copy_rows(cache, slots, backing, rows)
+            self._copy(cache, slots, backing, rows, "read")
 
     def gather(self, records: Tensor, slots: Tensor, rows: Tensor) -> None:
         """Host ``records`` ([n, record_bytes]) of the backing store's ``rows`` (ascending), each
         with its cache slot in the row column: one copy then takes everything to the device."""
         for k, (_, backing) in enumerate(self.pairs):
-            ops.copy_rows(self._pair_field(records, k), None, backing, rows)
+            self._copy(self._pair_field(records, k), None, backing, rows, "read")
         row_column(records).copy_(slots)
 
     def scatter(self, records: Tensor) -> None:
@@ -214,7 +232,7 @@ class _Mover:
             slots, rows = slots[order], rows[order]
         if self.copies is None:
             for cache, backing in self.pairs:
-                ops.copy_rows(backing, rows, cache, slots)
+                self._copy(backing, rows, cache, slots, "write")
                 at_crash_point("home")
             return
         for start in range(0, rows.numel(), MAX_ROWS):
@@ -226,7 +244,7 @@ class _Mover:
     def store(self, records: Tensor, rows: Tensor) -> None:
         """A write-back's host records of ``rows`` into the backing store."""
         for k, (_, backing) in enumerate(self.pairs):
-            ops.copy_rows(backing, rows, self._pair_field(records, k))
+            self._copy(backing, rows, self._pair_field(records, k), None, "write")
 
     def fold(self) -> None:
         pass
@@ -243,6 +261,7 @@ class _LogMover(_Mover):
 
     BUFFER_ROWS = 1 << 15  # write-backs up to this many rows reuse one records buffer (16 MiB of 512-byte records)
     ROWS_IN_ORDER = True  # (reads of the base file and writes home go through its mapping)
+    _copy = staticmethod(tier_guard.copy_rows)  # (the backing files are mapped: a failed page is an OSError)
 
     def __init__(
         self, pairs: list[tuple[Tensor, Tensor]], store: BackingStore, t: int, copies: DeviceCopies | None = None
@@ -341,7 +360,7 @@ class _LogMover(_Mover):
 
     def _write_records_home(self, rows: Tensor, records: Tensor) -> None:
         for k, (cache, backing) in enumerate(self.pairs):
-            ops.copy_rows(backing, rows, self._field(records, k, cache))
+            self._copy(backing, rows, self._field(records, k, cache), None, "write")
             at_crash_point("fold")
 
     def patch(self, rows: Tensor, values: list[Tensor], chunk: int = 1 << 16) -> None:
@@ -1529,10 +1548,9 @@ class TieredTables(DynamicTables):
         if self.device.type == "meta":
             return super().rows_state(t, rows)
         at = rows.cpu()
-        out = {"weight": self.table_view(t).index_select(0, at)}
-        for name, view in self.state_views(t).items():
-            out[f"optimizer.{name}"] = view.index_select(0, at)
-        self._mover(t).patch(at, list(out.values()))
+        values = self._mover(t).backing_rows(at)  # (the mover's pairs: the vectors, then state_views' order)
+        out = dict(zip(["weight"] + [f"optimizer.{name}" for name in self.state_views(t)], values))
+        self._mover(t).patch(at, values)
         out = {key: value.to(self.device) for key, value in out.items()}
         if self.meta[t].ttl_steps is not None:
             out["last_seen"] = self.last_seen[t].index_select(0, rows)
@@ -1540,11 +1558,30 @@ class TieredTables(DynamicTables):
 
     def _replace_table(self, t: int, table) -> None:
         self._join_stage()
-        super()._replace_table(t, table)  # into the backing store
+        try:
+            super()._replace_table(t, table)  # into the backing store
+        except OSError:
+            # A page of a backing file failed mid-load (tier_guard): the loaded ids' rows are
+            # partly written; the table is left empty rather than with ids reading rows not theirs.
+            self.indexes[t].clear()
+            self.caches[t].forget()
+            log = self.store.logs().get(t)
+            if log is not None:
+                log.reset()
+            raise
         self.caches[t].forget()
         log = self.store.logs().get(t)
         if log is not None:
             log.reset()  # its records are of rows the loaded table replaced
+
+    def _write_rows(self, view: Tensor, at: Tensor, values: Tensor | None, fill: float = 0.0) -> None:
+        if self.store.directory is None:  # (host memory: torch's ops)
+            return super()._write_rows(view, at, values, fill)
+        if values is None:  # one row of the fill, read for every row written
+            values = torch.full((1, *view.shape[1:]), fill, dtype=view.dtype, device="cpu").expand(
+                at.numel(), *view.shape[1:]
+            )
+        tier_guard.copy_rows(view, at, values, None, "write")
 
     def __getstate__(self) -> dict[str, object]:
         self._join_stage()

@@ -1,0 +1,83 @@
+"""Row copies through a file-backed tier's mappings that fail with ``OSError``, never SIGBUS.
+
+The backing files of ``backing="file:<dir>"`` (tier_store.py: the rows files; tier_log.py: the
+logs) are mapped MAP_SHARED. A read or write of a mapped page that the kernel cannot serve (a
+disk I/O error; the file truncated by another process: the files' ``flock`` is advisory) raises
+SIGBUS in the thread that touched it, which kills the process mid-step. Every copy of rows to or
+from a mapping therefore goes through ``copy_rows`` here (``ops.guarded_copy_rows``: one memcpy a
+row, a SIGBUS inside it ends the copy and returns its address), which raises
+``OSError(errno.EIO)`` naming the file, the tables and the byte offset in the file. Host backing
+(anonymous memory, no file to fail) keeps plain torch ops.
+
+The SIGBUS handler is installed once, when the first file is mapped (``register``); a SIGBUS
+outside a guarded copy goes to the handler installed before it (Python's ``faulthandler`` under
+pytest), or kills the process as SIGBUS always did. A handler installed after it for SIGBUS
+(``faulthandler.enable()`` or ``signal.signal`` later) runs instead of it: the guard then no
+longer applies. Views of the mappings handed out as they are (the tables' parameters,
+``table_view``; a pickle or deepcopy of the module) are read by torch's ops, and a new
+optimizer's state files are filled by them (``BackingStore.map``): a failed page there is still
+a SIGBUS. A load (``TieredTables._replace_table``) writes through ``copy_rows``: a failed page
+leaves that table empty (no id reading a row not its own) and raises.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+
+import torch
+from torch import Tensor
+
+from torchrec_ext import _C, ops
+
+_lock = threading.Lock()
+_mapped: dict[int, tuple[int, str, str]] = {}  # first address of a file's mapping -> (bytes, path, where)
+
+
+def register(whole: Tensor, path: str, where: str) -> None:
+    """``whole`` maps all of file ``path`` (from offset 0) for the tables ``where`` names: a fault
+    in it is reported with that path and offset. Installs the SIGBUS handler (once)."""
+    _C.install_sigbus_guard()
+    start = whole.data_ptr()
+    nbytes = whole.numel() * whole.element_size()
+    with _lock:
+        # A mapping gone (a file mapped again, a module freed) may have left its address range to
+        # this one: live mappings never overlap, so any entry overlapping this one is stale.
+        for other in [s for s, (n, _, _) in _mapped.items() if s < start + nbytes and start < s + n]:
+            del _mapped[other]
+        _mapped[start] = (nbytes, path, where)
+
+
+def _error(address: int, doing: str) -> OSError:
+    with _lock:
+        found = [(s, info) for s, info in _mapped.items() if s <= address < s + info[0]]
+    if not found:
+        return OSError(errno.EIO, f"tiered tables: SIGBUS {doing} a mapped backing file at address {address:#x}")
+    start, (_, path, where) = found[0]
+    return OSError(
+        errno.EIO,
+        f"{where}: cannot {doing} backing file {path!r} at byte offset {address - start}: its page failed "
+        "(SIGBUS: a disk I/O error, or the file was truncated by another process); the tables keep the "
+        "rows they had before this call",
+    )
+
+
+def copy_rows(dst: Tensor, dst_rows: Tensor | None, src: Tensor, src_rows: Tensor | None, doing: str) -> None:
+    """``dst[dst_rows] = src[src_rows]`` (``ops.guarded_copy_rows``); ``OSError(EIO)`` when a
+    mapped page fails (``doing``: "read" or "write", for the message)."""
+    fault = ops.guarded_copy_rows(dst, dst_rows, src, src_rows)
+    if fault:
+        raise _error(fault, doing)
+
+
+def index_select(src: Tensor, rows: Tensor, out: Tensor | None = None) -> Tensor:
+    """``torch.index_select(src, 0, rows, out=out)`` of a mapped ``src``, guarded."""
+    if out is None:
+        out = torch.empty((rows.numel(), *src.shape[1:]), dtype=src.dtype, device="cpu")
+    copy_rows(out, None, src, rows, "read")
+    return out
+
+
+def index_copy_(dst: Tensor, rows: Tensor, src: Tensor) -> None:
+    """``dst.index_copy_(0, rows, src)`` into a mapped ``dst``, guarded."""
+    copy_rows(dst, rows, src, None, "write")

@@ -1,0 +1,221 @@
+"""A file-backed tier's mapped page that cannot be read (its file truncated by another process,
+as a disk I/O error would) is an ``OSError`` naming the file, never a SIGBUS that kills the
+process: ``ops.guarded_copy_rows`` (csrc/copy_rows_cpu.cpp) through ``modules/tier_guard.py``.
+
+Each scenario runs in a child process (``subprocess.run([sys.executable, "-c", ...])``): a SIGBUS
+there fails the test instead of killing pytest. A truncated file is given its bytes back after
+the error (``os.truncate`` to its size, then the bytes cut written again: a truncation alone
+would read zeros where the rows were), and the module must then train as the all-resident
+oracle of tests/test_tier_faults.py: the failed batch, given again, lands as if given once.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+
+
+def _run(code: str, *flags: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, TESTS, env.get("PYTHONPATH")) if p)
+    return subprocess.run(
+        [sys.executable, *flags, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+
+
+def _passes(code: str) -> str:
+    done = _run(code)
+    assert done.returncode == 0, f"child exited {done.returncode}\n{done.stdout}\n{done.stderr}"
+    assert done.stdout.strip().endswith("PASSED"), done.stdout
+    return done.stdout
+
+
+# The child's common part: twins trained on the same batches (test_tier_faults' helpers), and a
+# file cut to `keep` bytes, then given its bytes back.
+_TWINS = """
+import os, tempfile
+import torch
+from test_tier_faults import _check_maps_of, _module, _random_batches, _trains_alike
+from torchrec_ext.modules.tier_store import HEADER_BYTES
+
+batches = _random_batches(20, seed=7)
+resident, tiered = _module(), _module(f"file:{tempfile.mkdtemp()}")
+for kjt in batches[:12]:
+    for m in (resident, tiered):
+        m(kjt).values().square().sum().backward()
+tables = tiered._tables
+
+def cut(path, keep=HEADER_BYTES):
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        f.seek(keep)
+        tail = f.read()
+    os.truncate(path, keep)
+    def restore():
+        os.truncate(path, size)
+        with open(path, "r+b") as f:
+            f.seek(keep)
+            f.write(tail)
+    return restore
+
+def fails(call, path):
+    try:
+        call()
+    except OSError as e:
+        assert e.errno == 5 and repr(path) in str(e) and "byte offset" in str(e), str(e)
+        print("raised:", e)
+        return
+    raise AssertionError("no OSError")
+
+# rows: every row folded into the rows files (flush), the weights file cut to its header. log:
+# every dirty row appended to its log (state_dict: the slots clean, so that no write-back appends,
+# extending the file, before a read), table t's log cut.
+def cut_one(kind, t):
+    if kind == "rows":
+        tables.flush()
+        path = tables.store.path("weights")
+    else:
+        tiered.state_dict()
+        assert tables.store.logs()[t].live > 0
+        path = tables.store.logs()[t].path
+    return path, cut(path)
+"""
+
+
+@pytest.mark.parametrize("cut_file", ["rows", "log"])
+@pytest.mark.parametrize("reader", ["step", "checkpoint"])
+def test_a_step_or_checkpoint_reading_a_truncated_file_raises_and_the_module_trains_on_as_the_oracle(cut_file, reader):
+    # step: its misses read past the rows file's end (rows) or a logged row of table a (log);
+    # then the failed batch again, landing as if given once. checkpoint: state_dict reads every
+    # row (table b's log).
+    call, t = ("lambda: tiered(batches[12])", 0) if reader == "step" else ("tiered.state_dict", 1)
+    _passes(
+        _TWINS
+        + f"""
+path, restore = cut_one({cut_file!r}, {t})
+fails({call}, path)
+restore()
+_check_maps_of(tiered)
+_trains_alike(resident, tiered, batches[12:])
+print("PASSED")
+"""
+    )
+
+
+def test_a_load_writing_a_truncated_file_raises_and_a_load_after_it_lands():
+    # The load's first table fails (its rows past the file's end): left empty, not with ids
+    # reading rows not theirs; the file given back, the same load then lands.
+    _passes(
+        _TWINS
+        + """
+state = resident.state_dict()
+tables.flush()
+path = tables.store.path("weights")
+restore = cut(path)
+fails(lambda: tiered.load_state_dict(state), path)
+assert tables.indexes[0].size() == 0
+restore()
+tiered.load_state_dict(state)
+_trains_alike(resident, tiered, batches[12:])
+print("PASSED")
+"""
+    )
+
+
+def test_a_log_cleaning_a_truncated_segment_raises_oserror():
+    # Cleaning reads a segment's row numbers and live records through the mapping.
+    _passes(
+        _TWINS
+        + """
+log = tables.store.logs()[0]
+segment = int(log.in_use.nonzero()[0])
+restore = cut(log.path)
+fails(lambda: log._live_records(segment), log.path)
+restore()
+_trains_alike(resident, tiered, batches[12:])
+print("PASSED")
+"""
+    )
+
+
+_SIGBUS_AFTER_A_STEP = """
+import os, signal, tempfile
+from test_tier_faults import _module, _random_batches
+tiered = _module(f"file:{tempfile.mkdtemp()}")
+for kjt in _random_batches(3):
+    tiered(kjt).values().square().sum().backward()  # (guarded copies ran: the handler is installed)
+print("stepped", flush=True)
+"""
+
+
+def test_a_sigbus_outside_a_guarded_copy_still_kills_the_process_by_sigbus():
+    done = _run(_SIGBUS_AFTER_A_STEP + "os.kill(os.getpid(), signal.SIGBUS)\nprint('survived')")
+    assert done.returncode == -signal.SIGBUS, (done.returncode, done.stdout, done.stderr)
+    assert "stepped" in done.stdout and "survived" not in done.stdout
+
+
+def test_a_sigbus_outside_a_guarded_copy_goes_to_faulthandler_installed_before():
+    # pytest's faulthandler (as -X faulthandler): it reports the fault, then the default action.
+    done = _run(_SIGBUS_AFTER_A_STEP + "os.kill(os.getpid(), signal.SIGBUS)", "-X", "faulthandler")
+    assert done.returncode == -signal.SIGBUS, (done.returncode, done.stdout, done.stderr)
+    assert "Fatal Python error: Bus error" in done.stderr
+
+
+def test_an_unguarded_read_of_a_truncated_mapping_still_dies_by_sigbus():
+    # Only the guarded copies turn a fault into an error: a plain torch read of the mapping
+    # (here the table's parameter view) faults as before.
+    done = _run(
+        _SIGBUS_AFTER_A_STEP
+        + """
+tables = tiered._tables
+tables.flush()
+os.truncate(tables.store.path("weights"), 4096)
+print(float(tables.table_view(0).sum()))
+"""
+    )
+    assert done.returncode == -signal.SIGBUS, (done.returncode, done.stdout, done.stderr)
+
+
+def test_a_fault_in_a_parallel_copy_raises_and_names_the_offset():
+    # Rows on two threads (at::parallel_for): the part that faults ends the copy (the other part
+    # may have copied its rows); the offset named is past the file's new end.
+    _passes(
+        """
+import os, tempfile, torch
+from torchrec_ext.modules import tier_guard
+torch.set_num_threads(2)
+path = os.path.join(tempfile.mkdtemp(), "rows")
+rows, dim = 4096, 64
+with open(path, "wb") as f:
+    f.write(torch.arange(rows * dim, dtype=torch.float32).numpy().tobytes())
+whole = torch.from_file(path, shared=True, size=rows * dim, dtype=torch.float32)
+tier_guard.register(whole, path, "tables ['t']")
+table = whole.view(rows, dim)
+keep = rows * dim * 4 // 2
+os.truncate(path, keep)
+assert torch.equal(tier_guard.index_select(table, torch.arange(10)), torch.arange(640.0).view(10, 64))
+for index, write in ((torch.arange(rows), False), (torch.arange(rows).flip(0), True)):
+    try:
+        if write:
+            tier_guard.index_copy_(table, index, torch.zeros(rows, dim))
+        else:
+            tier_guard.index_select(table, index)
+    except OSError as e:
+        offset = int(str(e).split("byte offset ")[1].split(":")[0])
+        assert keep <= offset < rows * dim * 4 and repr(path) in str(e), str(e)
+    else:
+        raise AssertionError("no OSError")
+print("PASSED")
+"""
+    )

@@ -16,8 +16,9 @@
 // pointer to the guard of the copy running in its thread. A SIGBUS the kernel raised for an
 // address within the guard's tensors jumps back (siglongjmp) to the copy's start, which returns
 // the address. Any other SIGBUS (no guard active, sent by kill(), another address) goes to the
-// handler installed before this one, or, when that was the default action, restores the default
-// and raises the signal again: the process dies by SIGBUS as it would have without the guard.
+// handler installed before this one, or, when that was the default action (or SIG_IGN, for a
+// fault's SIGBUS: the kernel does not let a fault's SIGBUS be ignored), restores the default and
+// raises the signal again: the process dies by SIGBUS as it would have without the guard.
 // The guarded loop takes no lock and allocates nothing (it may be left mid-way by the jump).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -183,16 +184,23 @@ struct sigaction previous_action;
 std::once_flag install_once;
 
 void chain(int sig, siginfo_t* info, void* context) {
-  if (previous_action.sa_handler == SIG_DFL) {
+  // A fault's SIGBUS (si_code > 0) cannot be ignored: the kernel resets SIG_IGN to the default
+  // action for it (returning would run the faulting instruction again, and fault again, for good).
+  const bool fault = info != nullptr && info->si_code > 0;
+  if (previous_action.sa_handler == SIG_DFL || (previous_action.sa_handler == SIG_IGN && fault)) {
     // The default action: restored, and the signal raised again. It is blocked while this handler
     // runs, so it is delivered (and kills the process) when the handler returns; a fault of an
     // instruction re-executed faults again under the default action alike.
-    sigaction(sig, &previous_action, nullptr);
+    struct sigaction default_action;
+    std::memset(&default_action, 0, sizeof(default_action));
+    default_action.sa_handler = SIG_DFL;
+    sigemptyset(&default_action.sa_mask);
+    sigaction(sig, &default_action, nullptr);
     raise(sig);
     return;
   }
   if (previous_action.sa_handler == SIG_IGN) {
-    return;
+    return;  // (sent by kill() or raise(): ignored, as it was before this handler)
   }
   if (previous_action.sa_flags & SA_SIGINFO) {
     previous_action.sa_sigaction(sig, info, context);

@@ -188,15 +188,16 @@ print(float(tables.table_view(0).sum()))
 
 
 def test_a_fault_in_a_parallel_copy_raises_and_names_the_offset():
-    # Rows on two threads (at::parallel_for): the part that faults ends the copy (the other part
-    # may have copied its rows); the offset named is past the file's new end.
+    # Rows on two threads (at::parallel_for: more rows than its grain of 4096, else the copy runs
+    # on the calling thread alone): the part that faults ends the copy (the other part may have
+    # copied its rows); the offset named is past the file's new end.
     _passes(
         """
 import os, tempfile, torch
 from torchrec_ext.modules import tier_guard
 torch.set_num_threads(2)
 path = os.path.join(tempfile.mkdtemp(), "rows")
-rows, dim = 4096, 64
+rows, dim = 2 * 4096, 64
 with open(path, "wb") as f:
     f.write(torch.arange(rows * dim, dtype=torch.float32).numpy().tobytes())
 whole = torch.from_file(path, shared=True, size=rows * dim, dtype=torch.float32)
@@ -219,3 +220,31 @@ for index, write in ((torch.arange(rows), False), (torch.arange(rows).flip(0), T
 print("PASSED")
 """
     )
+
+
+def test_a_fault_outside_a_guarded_copy_kills_by_sigbus_even_when_sigbus_was_ignored():
+    # SIG_IGN does not hold for a fault's SIGBUS (the kernel resets it to the default action):
+    # the chained handler must not return into the faulting instruction again (a loop for good).
+    code = """
+import os, signal, tempfile, torch
+from torchrec_ext import _C
+signal.signal(signal.SIGBUS, signal.SIG_IGN)
+_C.install_sigbus_guard()
+path = os.path.join(tempfile.mkdtemp(), "rows")
+with open(path, "wb") as f:
+    f.truncate(1 << 16)
+rows = torch.from_file(path, shared=True, size=1 << 14, dtype=torch.float32)
+os.truncate(path, 0)
+print(float(rows[100]))
+print("survived")
+"""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, TESTS, env.get("PYTHONPATH")) if p)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=30
+        )
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the child hung: its fault's SIGBUS went back to the ignored action") from None
+    assert done.returncode == -signal.SIGBUS, (done.returncode, done.stdout, done.stderr)
+    assert "survived" not in done.stdout

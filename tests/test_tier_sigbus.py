@@ -113,6 +113,65 @@ print("PASSED")
     )
 
 
+def test_a_load_failing_after_writing_a_table_leaves_every_table_of_the_load_empty():
+    # Tables of 1 MiB each: the weights file cut a page into the second table's rows, so the
+    # load writes the first table whole, then fails. Neither is left half loaded (nor the first
+    # loaded alone), and the error says so; the file given back, the same load then lands.
+    _passes(
+        """
+import os, tempfile
+import torch
+from torchrec import KeyedJaggedTensor
+from test_tier_faults import _trains_alike
+from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
+from torchrec_ext.modules.tier_store import HEADER_BYTES, PAGE_BYTES
+
+def module(backing=None):
+    tier = {} if backing is None else {"backing": backing, "cache_load_factor": 0.5}
+    configs = [
+        DynamicEmbeddingBagConfig(name=n, embedding_dim=64, num_embeddings=4096, feature_names=[f], **tier)
+        for n, f in (("a", "f0"), ("b", "f1"))
+    ]
+    return DynamicEmbeddingBagCollection(configs, optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
+
+gen = torch.Generator().manual_seed(0)
+def batch():
+    ids = torch.cat([torch.randperm(3000, generator=gen)[:200] for _ in range(2)])
+    return KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], ids, torch.ones(ids.numel(), dtype=torch.int64))
+
+resident, tiered = module(), module(f"file:{tempfile.mkdtemp()}")
+for kjt in [batch() for _ in range(3)]:
+    for m in (resident, tiered):
+        m(kjt).values().square().sum().backward()
+state = resident.state_dict()
+tables = tiered._tables
+tables.flush()
+path = tables.store.path("weights")
+start = tables.table_view(0).data_ptr() - HEADER_BYTES  # (the file's mapping: table a's rows first)
+second = tables.table_view(1).data_ptr() - start  # where table b's rows start in the file
+keep = -(-second // PAGE_BYTES) * PAGE_BYTES + PAGE_BYTES
+size = os.path.getsize(path)
+with open(path, "rb") as f:
+    f.seek(keep)
+    tail = f.read()
+os.truncate(path, keep)
+try:
+    tiered.load_state_dict(state)
+    raise AssertionError("no OSError")
+except OSError as e:
+    assert e.errno == 5 and repr(path) in str(e) and "every table it loads is left empty (['a', 'b'])" in str(e), str(e)
+assert [tables.indexes[t].size() for t in range(2)] == [0, 0]
+os.truncate(path, size)
+with open(path, "r+b") as f:
+    f.seek(keep)
+    f.write(tail)
+tiered.load_state_dict(state)
+_trains_alike(resident, tiered, [batch() for _ in range(4)])
+print("PASSED")
+"""
+    )
+
+
 def test_a_load_writing_a_truncated_file_raises_and_a_load_after_it_lands():
     # The load's first table fails (its rows past the file's end): left empty, not with ids
     # reading rows not theirs; the file given back, the same load then lands.

@@ -17,7 +17,10 @@ longer applies. Views of the mappings handed out as they are (the tables' parame
 ``table_view``; a pickle or deepcopy of the module) are read by torch's ops, and a new
 optimizer's state files are filled by them (``BackingStore.map``): a failed page there is still
 a SIGBUS. A load (``TieredTables._replace_table``) writes through ``copy_rows``: a failed page
-leaves that table empty (no id reading a row not its own) and raises.
+leaves every table of the load empty (no id reading a row not its own) and raises. A file cut
+short within a page keeps that page mapped: its bytes past the new end read as zeros and writes
+to them are lost, with no SIGBUS to catch (a truncation is another process's doing; the files'
+lock is advisory).
 """
 
 from __future__ import annotations
@@ -48,7 +51,10 @@ def register(whole: Tensor, path: str, where: str) -> None:
         _mapped[start] = (nbytes, path, where)
 
 
-def _error(address: int, doing: str) -> OSError:
+KEPT = "the tables keep the rows they had before this call"
+
+
+def _error(address: int, doing: str, consequence: str = KEPT) -> OSError:
     with _lock:
         found = [(s, info) for s, info in _mapped.items() if s <= address < s + info[0]]
     if not found:
@@ -57,17 +63,19 @@ def _error(address: int, doing: str) -> OSError:
     return OSError(
         errno.EIO,
         f"{where}: cannot {doing} backing file {path!r} at byte offset {address - start}: its page failed "
-        "(SIGBUS: a disk I/O error, or the file was truncated by another process); the tables keep the "
-        "rows they had before this call",
+        f"(SIGBUS: a disk I/O error, or the file was truncated by another process); {consequence}",
     )
 
 
-def copy_rows(dst: Tensor, dst_rows: Tensor | None, src: Tensor, src_rows: Tensor | None, doing: str) -> None:
+def copy_rows(
+    dst: Tensor, dst_rows: Tensor | None, src: Tensor, src_rows: Tensor | None, doing: str, consequence: str = KEPT
+) -> None:
     """``dst[dst_rows] = src[src_rows]`` (``ops.guarded_copy_rows``); ``OSError(EIO)`` when a
-    mapped page fails (``doing``: "read" or "write", for the message)."""
+    mapped page fails (``doing``: "read" or "write", and ``consequence``, what the caller leaves:
+    for the message)."""
     fault = ops.guarded_copy_rows(dst, dst_rows, src, src_rows)
     if fault:
-        raise _error(fault, doing)
+        raise _error(fault, doing, consequence)
 
 
 def index_select(src: Tensor, rows: Tensor, out: Tensor | None = None) -> Tensor:

@@ -677,6 +677,15 @@ class RowCache:
         return dict(self.__dict__, pinned={})
 
 
+class _LoadWriteFailed(Exception):
+    """A load's write into a backing file failed (``error``: the OSError to raise once every
+    table of the load is emptied)."""
+
+    def __init__(self, error: OSError):
+        super().__init__(str(error))
+        self.error = error
+
+
 class _Stager:
     """Runs a module's stages one at a time on a worker thread. On a GPU (a device cache; the
     stage's misses and write-backs go through the host) each stage runs on a side stream after an event
@@ -1556,23 +1565,36 @@ class TieredTables(DynamicTables):
             out["last_seen"] = self.last_seen[t].index_select(0, rows)
         return out
 
+    def load_states(self, states: dict[int, dict[str, Tensor]], where: str) -> None:
+        try:
+            super().load_states(states, where)
+        except _LoadWriteFailed as failed:
+            # A page of a backing file failed mid-load (tier_guard): the tables written before it
+            # hold the checkpoint's rows, this one part of them, the rest their own. Every table
+            # of the load is left empty: no id reads a row not its own, and none is half loaded.
+            for t in states:
+                self._empty(t)
+            names = [self.meta[t].name for t in states]
+            e = failed.error
+            raise OSError(e.errno, f"{e.strerror}; every table it loads is left empty ({names})") from None
+
     def _replace_table(self, t: int, table) -> None:
         self._join_stage()
         try:
             super()._replace_table(t, table)  # into the backing store
-        except OSError:
-            # A page of a backing file failed mid-load (tier_guard): the loaded ids' rows are
-            # partly written; the table is left empty rather than with ids reading rows not theirs.
+        except OSError as e:
+            raise _LoadWriteFailed(e) from None
+        self._empty(t, index=False)
+
+    def _empty(self, t: int, index: bool = True) -> None:
+        """Table t's cache emptied without writing back, its log emptied (its records are of rows
+        a load replaced), and with ``index`` its ids too."""
+        if index:
             self.indexes[t].clear()
-            self.caches[t].forget()
-            log = self.store.logs().get(t)
-            if log is not None:
-                log.reset()
-            raise
         self.caches[t].forget()
         log = self.store.logs().get(t)
         if log is not None:
-            log.reset()  # its records are of rows the loaded table replaced
+            log.reset()
 
     def _write_rows(self, view: Tensor, at: Tensor, values: Tensor | None, fill: float = 0.0) -> None:
         if self.store.directory is None:  # (host memory: torch's ops)
@@ -1581,7 +1603,7 @@ class TieredTables(DynamicTables):
             values = torch.full((1, *view.shape[1:]), fill, dtype=view.dtype, device="cpu").expand(
                 at.numel(), *view.shape[1:]
             )
-        tier_guard.copy_rows(view, at, values, None, "write")
+        tier_guard.copy_rows(view, at, values, None, "write", consequence="the load stopped")
 
     def __getstate__(self) -> dict[str, object]:
         self._join_stage()

@@ -71,7 +71,10 @@ def _emulated_binding(name: str) -> str:
 
 def _schemas() -> str:
     schemas = _read(os.path.join(CSRC, "ops.cpp"))
-    schemas = schemas[schemas.index("TORCH_LIBRARY(torchrec_ext, m)") : schemas.index("PyMODINIT_FUNC")]
+    start = schemas.index("TORCH_LIBRARY(torchrec_ext, m)")
+    schemas = schemas[
+        start : schemas.index("\n}\n", start) + 3
+    ]  # (the block only: the module's Python entry points follow)
     return "#include <torch/library.h>\n" + schemas.replace(
         "TORCH_LIBRARY(torchrec_ext, m)", "TORCH_LIBRARY(torchrec_emu, m)"
     )

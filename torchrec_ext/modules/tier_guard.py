@@ -12,7 +12,8 @@ row, a SIGBUS inside it ends the copy and returns its address), which raises
 The SIGBUS handler is installed once, when the first file is mapped (``register``); a SIGBUS
 outside a guarded copy goes to the handler installed before it (Python's ``faulthandler`` under
 pytest), or kills the process as SIGBUS always did. A handler installed after it for SIGBUS
-(``faulthandler.enable()`` or ``signal.signal`` later) runs instead of it: the guard then no
+(``faulthandler.enable()`` or ``signal.signal`` later) runs instead of it, and one removed
+after it (``faulthandler.disable()`` puts back the default) takes it away: the guard then no
 longer applies. Views of the mappings handed out as they are (the tables' parameters,
 ``table_view``; a pickle or deepcopy of the module) are read by torch's ops, and a new
 optimizer's state files are filled by them (``BackingStore.map``): a failed page there is still

@@ -19,14 +19,15 @@ longer applies. Views of the mappings handed out as they are (the tables' parame
 optimizer's state files are filled by them (``BackingStore.map``): a failed page there is still
 a SIGBUS. A load (``TieredTables._replace_table``) writes through ``copy_rows``: a failed page
 leaves every table of the load empty (no id reading a row not its own) and raises. A file cut
-short within a page keeps that page mapped: its bytes past the new end read as zeros and writes
-to them are lost, with no SIGBUS to catch (a truncation is another process's doing; the files'
-lock is advisory).
+short within a page keeps that page mapped (its bytes past the new end read as zeros, writes to
+them are lost: no SIGBUS to catch), so each copy and each log append first checks that the
+file is still as long as its mapping (``check_whole``: a ``stat`` a call).
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import threading
 
 import torch
@@ -68,12 +69,38 @@ def _error(address: int, doing: str, consequence: str = KEPT) -> OSError:
     )
 
 
+def check_whole(t: Tensor, doing: str, consequence: str = KEPT) -> None:
+    """``OSError(EIO)`` when ``t`` lies in a registered mapping whose file is now shorter than
+    the mapping (cut by another process: its lock is advisory). Checked before a copy or an
+    append: a page the cut leaves in part faults on nothing (its bytes past the end read as
+    zeros, writes to them are lost), and an append past the cut would make the file whole again
+    with a hole where the cut records were."""
+    address = t.data_ptr()
+    with _lock:
+        found = [(info[0], info[1], info[2]) for s, info in _mapped.items() if s <= address < s + info[0]]
+    if not found:
+        return
+    nbytes, path, where = found[0]
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:  # (unlinked: the mapping keeps the file's pages)
+        return
+    if size < nbytes:
+        raise OSError(
+            errno.EIO,
+            f"{where}: cannot {doing} backing file {path!r}: it is {size:,} bytes, shorter than the {nbytes:,} "
+            f"it was made with (truncated by another process?); {consequence}",
+        )
+
+
 def copy_rows(
     dst: Tensor, dst_rows: Tensor | None, src: Tensor, src_rows: Tensor | None, doing: str, consequence: str = KEPT
 ) -> None:
     """``dst[dst_rows] = src[src_rows]`` (``ops.guarded_copy_rows``); ``OSError(EIO)`` when a
-    mapped page fails (``doing``: "read" or "write", and ``consequence``, what the caller leaves:
-    for the message)."""
+    mapped page fails or the mapped file was cut short (``check_whole``; ``doing``: "read" from
+    the mapping ``src`` or "write" into the mapping ``dst``, and ``consequence``, what the caller
+    leaves: for the message)."""
+    check_whole(src if doing == "read" else dst, doing, consequence)  # (the side that is a mapping)
     fault = ops.guarded_copy_rows(dst, dst_rows, src, src_rows)
     if fault:
         raise _error(fault, doing, consequence)

@@ -221,6 +221,7 @@ class RowLog:
             chunk = data if take == n else data[done : done + take]
             began, at = time.perf_counter(), self.offset + first * self.record_bytes
             try:
+                tier_guard.check_whole(self.records, "append to")  # (cut short: the append would hide the cut)
                 pwrite_all(self.fd, memoryview(chunk.numpy()).cast("B"), at)
                 if WRITE_BEHIND:  # the kernel starts writing these pages to disk now
                     self._behind = [f for f in self._behind if not f.done()] if self._behind_pid == os.getpid() else []

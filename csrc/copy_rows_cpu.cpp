@@ -1,6 +1,6 @@
 // CPU kernel of copy_rows: dst[dst_rows[i]] = src[src_rows[i]], whole rows, one memcpy each.
 // What a tiered table's moves between its cache and its backing store are (tiered_tables.py):
-// `dst.index_copy_(0, rows, src)` walks its rows element by element (2.5-4.6x the time of
+// `dst.index_copy_(0, rows, src)` walks its rows element by element (4-5x the time of
 // copy_rows at dlrm-small scale: benchmarks/results/tier_copy_rows.md), and
 // `index_copy_(index_select(...))` makes an intermediate besides. Rows may be strided (a
 // field of a records buffer: rows of record_bytes), their elements contiguous.

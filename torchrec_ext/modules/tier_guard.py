@@ -30,7 +30,6 @@ import errno
 import os
 import threading
 
-import torch
 from torch import Tensor
 
 from torchrec_ext import _C, ops
@@ -56,12 +55,20 @@ def register(whole: Tensor, path: str, where: str) -> None:
 KEPT = "the tables keep the rows they had before this call"
 
 
-def _error(address: int, doing: str, consequence: str = KEPT) -> OSError:
+def _mapping_at(address: int) -> tuple[int, int, str, str] | None:
+    """(first address, bytes, path, where) of the registered mapping holding ``address``, or None."""
     with _lock:
-        found = [(s, info) for s, info in _mapped.items() if s <= address < s + info[0]]
-    if not found:
+        for start, (nbytes, path, where) in _mapped.items():
+            if start <= address < start + nbytes:
+                return start, nbytes, path, where
+    return None
+
+
+def _error(address: int, doing: str, consequence: str = KEPT) -> OSError:
+    found = _mapping_at(address)
+    if found is None:
         return OSError(errno.EIO, f"tiered tables: SIGBUS {doing} a mapped backing file at address {address:#x}")
-    start, (_, path, where) = found[0]
+    start, _, path, where = found
     return OSError(
         errno.EIO,
         f"{where}: cannot {doing} backing file {path!r} at byte offset {address - start}: its page failed "
@@ -75,12 +82,10 @@ def check_whole(t: Tensor, doing: str, consequence: str = KEPT) -> None:
     append: a page the cut leaves in part faults on nothing (its bytes past the end read as
     zeros, writes to them are lost), and an append past the cut would make the file whole again
     with a hole where the cut records were."""
-    address = t.data_ptr()
-    with _lock:
-        found = [(info[0], info[1], info[2]) for s, info in _mapped.items() if s <= address < s + info[0]]
-    if not found:
+    found = _mapping_at(t.data_ptr())
+    if found is None:
         return
-    nbytes, path, where = found[0]
+    _, nbytes, path, where = found
     try:
         size = os.stat(path).st_size
     except FileNotFoundError:  # (unlinked: the mapping keeps the file's pages)
@@ -104,16 +109,3 @@ def copy_rows(
     fault = ops.guarded_copy_rows(dst, dst_rows, src, src_rows)
     if fault:
         raise _error(fault, doing, consequence)
-
-
-def index_select(src: Tensor, rows: Tensor, out: Tensor | None = None) -> Tensor:
-    """``torch.index_select(src, 0, rows, out=out)`` of a mapped ``src``, guarded."""
-    if out is None:
-        out = torch.empty((rows.numel(), *src.shape[1:]), dtype=src.dtype, device="cpu")
-    copy_rows(out, None, src, rows, "read")
-    return out
-
-
-def index_copy_(dst: Tensor, rows: Tensor, src: Tensor) -> None:
-    """``dst.index_copy_(0, rows, src)`` into a mapped ``dst``, guarded."""
-    copy_rows(dst, rows, src, None, "write")

@@ -31,9 +31,10 @@ The log file (``<dir>/<tables>.<table>.log``) has the backing files' header; it 
 for ``max_segments`` and mapped for reads (a miss reads its newest copy from the mapping), written
 with ``pwrite`` only: a full disk or a failing write is an ``OSError`` naming the file, the log
 and the table unchanged (the row stays dirty in the cache), never a SIGBUS; its reads through the
-mapping (``read``, cleaning's) are ``tier_guard`` copies: a page that fails is an ``OSError`` too. Its records are not
-a checkpoint: a module reopening the directory starts with an empty log (its index is new; a
-record cut short by a crash is never read), and the last checkpoint loads as before
+mapping (``read``, cleaning's) are ``tier_guard`` copies: a page that fails is an ``OSError`` too,
+and so is an append to a log another process cut short. Its records are not a checkpoint: a
+module reopening the directory starts with an empty log (its index is new; a record cut short
+by a crash is never read), and the last checkpoint loads as before
 (tests/test_tiers_crash.py kills a process with SIGKILL mid-append, mid-fold and mid-flush).
 """
 

@@ -20,9 +20,10 @@ allocates a block. (A block reserved but unwritten costs the first write through
 Rows are copied to and from the mappings by ``tier_guard.copy_rows``: a page that fails later (a
 disk I/O error, the file truncated by another process) is an ``OSError`` naming the file and the
 offset, raised before the step changes any map, not a SIGBUS (``register`` here names each
-mapping's file). Each file is locked (``flock``, advisory) while its module lives, so two live modules never
-share rows; a file of other tables or of another layout version is refused, one of the same
-tables is reused (its rows are overwritten before any is read: a fresh index names no row).
+mapping's file). Each file is locked (``flock``, advisory) while its module lives, so two live
+modules never share rows; a file of other tables or of another layout version is refused, one
+of the same tables is reused (its rows are overwritten before any is read: a fresh index names
+no row).
 """
 
 from __future__ import annotations

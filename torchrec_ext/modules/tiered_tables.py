@@ -22,7 +22,8 @@ the next lookup reads and writes nothing in the backing store. ``prefetch`` does
 synchronously, between steps.
 
 A lookup that fails after its upsert (a read or write-back of the backing store raising an OS
-error: with file backing also a mapped page that fails, ``tier_guard``: OSError, not SIGBUS) leaves no id reading a row not its own: the ids it made new leave the indexes again
+error: with file backing also a mapped page that fails, ``tier_guard``: OSError, not SIGBUS)
+leaves no id reading a row not its own: the ids it made new leave the indexes again
 (``_forget_new_ids``, which says what else stays as the lookup left it), the slots it took go
 back (``RowCache._give_back``, ``DeviceSlotMaps._give_back``), and victims whose write-back
 raised stay cached and dirty; the module trains on. A stage's failed read likewise. Sharded,

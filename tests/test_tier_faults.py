@@ -100,9 +100,9 @@ def _fail(monkeypatch, tables, t, call, staged=False):
     real = getattr(mover, call)
     calls = [0]
 
-    def refuse(*args):
+    def refuse(*args, **kwargs):
         if staged and threading.current_thread() is threading.main_thread():
-            return real(*args)
+            return real(*args, **kwargs)
         calls[0] += 1
         raise OSError(5, "Input/output error")
 

@@ -9,6 +9,7 @@ on the same batches (the log under a tiered module), bit for bit.
 
 import gc
 import os
+import threading
 
 import pytest
 import torch
@@ -67,6 +68,77 @@ def test_reads_after_many_appends_see_each_rows_newest_copy_and_cleaning_bounds_
         # dead records never outnumber live ones by more than the append in progress allows
         assert used <= log.max_segments and used * 4 <= 2 * log.live + 3 * 4 + 12, (step, used, log.live)
     assert log.cleaned > 0 and log.segments_cleaned > 0 and log.appended > 300
+    store.close()
+
+
+def _assert_file_holds(log, newest, capacity):
+    """The log's file itself (its mapping, read without landing anything) holds each row's
+    newest copy."""
+    where = log.locate(torch.arange(capacity))
+    for row, record in newest.items():
+        assert torch.equal(log.records[int(where[row])], record), row
+
+
+def test_deferred_appends_are_read_as_placed_and_land_where_they_were_placed(tmp_path, monkeypatch):
+    # The prefetch stage's write-backs: placed at once, written later (land), or first by a read
+    # that names them. Cleaning (4-record segments) moves and frees segments with deferred
+    # records in them: a freed segment's dead ones must never land over its next use.
+    monkeypatch.setattr(tier_log, "SEGMENT_RECORDS", 4)
+    capacity, width = 40, 24
+    store, log = _open_log(tmp_path, capacity, width)
+    log.home = lambda rows, data: pytest.fail("cleaning kept up: nothing goes home")
+    writes = []
+    real_pwrite = os.pwrite
+    monkeypatch.setattr(
+        tier_log.os, "pwrite", lambda fd, data, offset: writes.append(1) or real_pwrite(fd, data, offset)
+    )
+    newest, held_back = {}, 0
+    gen = torch.Generator().manual_seed(21)
+    for step in range(400):
+        rows = torch.randperm(capacity, generator=gen)[: int(torch.randint(1, 12, (1,), generator=gen))]
+        data = _records(rows, gen, width)
+        defer = bool(torch.rand(1, generator=gen) < 0.7)
+        before = len(writes)
+        log.append(rows, data, defer=defer)
+        for row, record in zip(rows.tolist(), data):
+            newest[row] = record.clone()
+        if defer and len(writes) == before:
+            assert log.unwritten()
+            held_back += 1
+        if step % 7 == 6:
+            log.land()
+            assert not log.unwritten()
+            _assert_file_holds(log, newest, capacity)
+        if step % 11 == 10:
+            _assert_newest(log, newest, {}, capacity)  # (reads land what they name)
+    log.land()
+    _assert_file_holds(log, newest, capacity)
+    assert held_back > 100 and log.segments_cleaned > 0
+    store.close()
+
+
+def test_a_deferred_write_that_fails_keeps_its_records_for_the_next_landing(tmp_path, monkeypatch):
+    store, log = _open_log(tmp_path, 40, 16)
+    gen = torch.Generator().manual_seed(22)
+    rows = torch.tensor([3, 9, 4])
+    data = _records(rows, gen, 16)
+    expected = data.clone()
+    log.append(rows, data, defer=True)
+
+    def full(fd, data, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tier_log.os, "pwrite", full)
+    message = r"tables \['t'\]: cannot append 3 rows \(48 bytes\) to backing log '.*': No space left on device"
+    with pytest.raises(OSError, match=message):
+        log.land()
+    assert log.unwritten()
+    with pytest.raises(OSError, match=message):  # a read of them lands them first
+        log.read(log.locate(rows))
+    monkeypatch.undo()
+    assert torch.equal(log.read(log.locate(rows)), expected)
+    assert not log.unwritten()
+    _assert_file_holds(log, dict(zip(rows.tolist(), expected)), 40)
     store.close()
 
 
@@ -298,6 +370,46 @@ def test_a_failed_append_is_a_clear_error_and_the_last_checkpoint_loads(tmp_path
     loaded.load_state_dict(checkpoint)
     _train([loaded, reopened], batches[15:])
     _assert_same_state(loaded, reopened)
+
+
+def test_a_stage_whose_deferred_writes_fail_fails_the_next_lookup_which_then_trains_as_if_given_once(
+    tmp_path, monkeypatch
+):
+    # The stage's write-backs land at the next stage's start, on its worker thread: a disk
+    # that refuses them fails that stage, and the lookup joining it raises before it changes
+    # anything. Retried once the disk takes writes again, the batch trains as if given once.
+    monkeypatch.setattr(tier_log, "SEGMENT_RECORDS", 8)
+    resident, tiered = _module(_configs()), _module(_configs(tmp_path))
+    batches = _batches(40)
+    _train([resident, tiered], batches[:15], stage=tiered)
+    real = os.pwrite
+    refused = []
+
+    def full_on_the_worker(fd, data, offset):
+        if threading.current_thread() is threading.main_thread():
+            return real(fd, data, offset)
+        refused.append(offset)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tier_log.os, "pwrite", full_on_the_worker)
+    failed_at = None
+    for i in range(15, 25):
+        tiered.stage_next(batches[i + 1])
+        try:
+            out = tiered(batches[i]).values()
+        except OSError as e:
+            assert "No space left on device" in str(e) and "backing log" in str(e)
+            failed_at = i
+            break
+        theirs = resident(batches[i]).values()
+        assert torch.equal(out, theirs), i
+        out.square().sum().backward()
+        theirs.square().sum().backward()
+    assert failed_at is not None and refused
+    assert any(log.unwritten() for log in tiered._tables.store.logs().values())
+    monkeypatch.setattr(tier_log.os, "pwrite", real)
+    _train([resident, tiered], batches[failed_at:], stage=tiered)  # the failed batch given again
+    _assert_same_state(resident, tiered)
 
 
 def test_a_log_of_other_tables_or_another_layout_version_is_refused(tmp_path, monkeypatch):

@@ -30,9 +30,12 @@ RocksDB), reduced to what a table of fixed-size rows needs:
 The log file (``<dir>/<tables>.<table>.log``) has the backing files' header; it is sparse, sized
 for ``max_segments`` and mapped for reads (a miss reads its newest copy from the mapping), written
 with ``pwrite`` only: a full disk or a failing write is an ``OSError`` naming the file, the log
-and the table unchanged (the row stays dirty in the cache), never a SIGBUS; its reads through the
-mapping (``read``, cleaning's) are ``tier_guard`` copies: a page that fails is an ``OSError`` too,
-and so is an append to a log another process cut short. Its records are not a checkpoint: a
+and the table unchanged (the row stays dirty in the cache), never a SIGBUS. The prefetch stage's
+appends are placed at once and written at the next stage's start, while its thread waits for
+the lookup (``append(defer=True)``, ``land``): a landing that fails keeps their records in
+memory and fails that stage (the lookup joining it raises before changing anything). The
+log's reads through the mapping (``read``, cleaning's) are ``tier_guard`` copies: a page that
+fails is an ``OSError`` too, and so is an append to a log another process cut short. Its records are not a checkpoint: a
 module reopening the directory starts with an empty log (its index is new; a record cut short
 by a crash is never read), and the last checkpoint loads as before
 (tests/test_tiers_crash.py kills a process with SIGKILL mid-append, mid-fold and mid-flush).
@@ -43,6 +46,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -131,6 +135,12 @@ class RowLog:
         # records appended / re-appended by cleaning / sent home from a full log; segments cleaned
         self.appended = self.cleaned = self.sent_home = self.segments_cleaned = 0
         self.write_s = 0.0  # wall seconds in the log's writes (a write the kernel throttles shows here)
+        # Deferred appends (``append(defer=True)``): placed (their rows point at them) but not
+        # written yet, as (file offset, first record, records, data); written by ``land``, or
+        # first by whatever reads them or frees their segment. The lock orders the writes of two
+        # threads: the stage's worker lands while the train thread's lookup may append or read.
+        self._unwritten: list[tuple[int, int, int, Tensor]] = []
+        self._write_lock = threading.Lock()
         self._behind: list[Future] = []  # write-behind requests not done yet
         self._behind_pid = os.getpid()  # the process that asked them
         # Writes records ([n, record_bytes]) to their rows of the base file (set by the table's mover).
@@ -160,6 +170,7 @@ class RowLog:
 
     def read(self, records: Tensor, out: Tensor | None = None) -> Tensor:
         """The records at ``records`` (numbers), [n, record_bytes] uint8 (into ``out`` when given)."""
+        self._land_any_of(records)
         if out is None:
             out = torch.empty(records.numel(), self.record_bytes, dtype=torch.uint8, device="cpu")
         tier_guard.copy_rows(out, None, self.records, records, "read")  # (a failed page: OSError, not SIGBUS)
@@ -169,23 +180,61 @@ class RowLog:
         """The rows whose newest copy is in the log, ascending."""
         return (self.where >= 0).nonzero().squeeze(1)
 
-    def append(self, rows: Tensor, data: Tensor) -> None:
+    def append(self, rows: Tensor, data: Tensor, defer: bool = False) -> None:
         """Appends the records ``data`` ([n, record_bytes] uint8, each starting with its row
         number) of the distinct ``rows``: they become the rows' newest copies. Cleans segments
         first while the free room is short of n and a spare segment, then while dead records outnumber live ones,
-        ``2 * ceil(n / SEGMENT_RECORDS) + 1`` segments at most for each."""
+        ``2 * ceil(n / SEGMENT_RECORDS) + 1`` segments at most for each.
+
+        ``defer``: the records are placed now and written later (``land``; ``data`` is the log's
+        until then: not to be written to). The prefetch stage defers its write-backs' writes to
+        the next stage's wait for its tables, where its thread is idle: the kernel's copy into
+        the page cache (~8-16 ms a step at dlrm-small scale) leaves the stage's critical path. A
+        read of an unwritten record lands it first; should its write fail, it stays unwritten
+        (the rows' data in memory) and each later read or landing raises again."""
         n = rows.numel()
         budget = 2 * -(-n // SEGMENT_RECORDS) + 1
         for _ in range(budget):
             if self._room() >= n + SEGMENT_RECORDS or not self._cleanable():  # (a spare segment: room to clean into)
                 break
-            self._clean(self._victim())
-        self._append(rows, data)
+            self._clean(self._victim(), defer)
+        self._append(rows, data, defer)
         self.appended += n
         for _ in range(budget):
             if not self._dead_outnumber_live():
                 break
-            self._clean(self._victim())
+            self._clean(self._victim(), defer)
+
+    def unwritten(self) -> bool:
+        """Whether deferred appends are still to be written (``land``)."""
+        return bool(self._unwritten)
+
+    def land(self) -> None:
+        """Writes the records of the deferred appends; an OSError (as ``append``'s) leaves the
+        ones not written yet unwritten."""
+        if self._unwritten:  # (emptied only once written: an empty list needs no lock)
+            with self._write_lock:
+                self._land_locked()
+
+    def _land_locked(self) -> None:
+        while self._unwritten:
+            at, _, n, data = self._unwritten[0]
+            self._write(at, n, data)
+            self._unwritten.pop(0)
+
+    def _land_any_of(self, records: Tensor) -> None:
+        """Lands the deferred appends when ``records`` (numbers) name one of theirs."""
+        if self._unwritten:
+            with self._write_lock:
+                if any(bool(((records >= first) & (records < first + n)).any()) for _, first, n, _ in self._unwritten):
+                    self._land_locked()
+
+    def _drop_unwritten(self, segment: int) -> None:
+        """Forgets the deferred writes into ``segment`` (freed: its records all dead, its live
+        ones moved), which would otherwise land over the records of its next use."""
+        if self._unwritten:
+            with self._write_lock:
+                self._unwritten = [w for w in self._unwritten if w[1] // SEGMENT_RECORDS != segment]
 
     def forget(self, rows: Tensor) -> None:
         """``rows``' newest copies are in the base file now (written there, or no longer live)."""
@@ -199,6 +248,8 @@ class RowLog:
 
     def reset(self) -> None:
         """Empties the log (no row's newest copy in it) and gives its disk blocks back."""
+        with self._write_lock:
+            self._unwritten = []  # (no record is read again)
         self.where.fill_(-1)
         self.row_at.fill_(-1)
         self.segment_live.zero_()
@@ -212,7 +263,7 @@ class RowLog:
 
     # ------------------------------------------------------------------ segments
 
-    def _append(self, rows: Tensor, data: Tensor) -> None:
+    def _append(self, rows: Tensor, data: Tensor, defer: bool = False) -> None:
         n, done = rows.numel(), 0
         while done < n:
             if self.head is None or self.head_fill == SEGMENT_RECORDS:
@@ -220,24 +271,15 @@ class RowLog:
             take = min(n - done, SEGMENT_RECORDS - self.head_fill)
             first = self.head * SEGMENT_RECORDS + self.head_fill
             chunk = data if take == n else data[done : done + take]
-            began, at = time.perf_counter(), self.offset + first * self.record_bytes
-            try:
-                tier_guard.check_whole(self.records, "append to")  # (cut short: the append would hide the cut)
-                pwrite_all(self.fd, memoryview(chunk.numpy()).cast("B"), at)
-                if WRITE_BEHIND:  # the kernel starts writing these pages to disk now
-                    self._behind = [f for f in self._behind if not f.done()] if self._behind_pid == os.getpid() else []
-                    self._behind_pid = os.getpid()
-                    self._behind.append(_write_behind(self.fd, at, chunk.numel()))
-            except OSError as e:
-                raise OSError(
-                    e.errno,
-                    f"{self.where_}: cannot append {take} rows ({take * self.record_bytes} bytes) "
-                    f"to backing log {self.path!r}: {e.strerror or e}",
-                ) from None
-            finally:
-                self.write_s += time.perf_counter() - began
-            # Written: the records are the rows' newest copies now (not before: a failed write
-            # leaves every row where it was).
+            at = self.offset + first * self.record_bytes
+            if defer:
+                with self._write_lock:
+                    self._unwritten.append((at, first, take, chunk))
+            else:
+                with self._write_lock:
+                    self._write(at, take, chunk)
+            # Written (or deferred): the records are the rows' newest copies now (not before: a
+            # failed write leaves every row where it was).
             these = rows if take == n else rows[done : done + take]
             old = self.where.index_select(0, these)
             old = old[old >= 0]  # the copies these records supersede: dead now
@@ -251,6 +293,25 @@ class RowLog:
             self.head_fill += take
             done += take
 
+    def _write(self, at: int, n: int, chunk: Tensor) -> None:
+        """Writes n records (``chunk``) at file offset ``at`` (the write lock held)."""
+        began = time.perf_counter()
+        try:
+            tier_guard.check_whole(self.records, "append to")  # (cut short: the append would hide the cut)
+            pwrite_all(self.fd, memoryview(chunk.numpy()).cast("B"), at)
+            if WRITE_BEHIND:  # the kernel starts writing these pages to disk now
+                self._behind = [f for f in self._behind if not f.done()] if self._behind_pid == os.getpid() else []
+                self._behind_pid = os.getpid()
+                self._behind.append(_write_behind(self.fd, at, chunk.numel()))
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"{self.where_}: cannot append {n} rows ({n * self.record_bytes} bytes) "
+                f"to backing log {self.path!r}: {e.strerror or e}",
+            ) from None
+        finally:
+            self.write_s += time.perf_counter() - began
+
     def _next_head(self) -> None:
         free = (~self.in_use).nonzero()
         if free.numel() == 0:
@@ -261,6 +322,7 @@ class RowLog:
             rows, data = self._live_records(victim)
             self.home(rows, data)
             self.forget(rows)
+            self._drop_unwritten(victim)
             self.in_use[victim] = False
             self.used -= 1
             self.sent_home += rows.numel()
@@ -298,10 +360,11 @@ class RowLog:
         # Copies (the segment is reused next), read through the mapping: its live records only.
         return rows.index_select(0, keep), self.read(keep.add_(first))
 
-    def _clean(self, segment: int) -> None:
-        rows, data = self._live_records(segment)
+    def _clean(self, segment: int, defer: bool = False) -> None:
+        rows, data = self._live_records(segment)  # (copies: deferred, they are the log's)
         # Its live records leave it first (their where is rewritten by the append), then it is free.
-        self._append(rows, data)
+        self._append(rows, data, defer)
+        self._drop_unwritten(segment)
         self.cleaned += rows.numel()
         self.segments_cleaned += 1
         self.in_use[segment] = False  # (its live count went to 0 as the append re-pointed its rows)
@@ -316,4 +379,5 @@ class RowLog:
 
     def close(self) -> None:
         self.settle()
+        self._unwritten = []  # (the log is not read again: a reopened directory starts with an empty one)
         self.records = None

@@ -223,9 +223,9 @@ class _Mover:
         )  # (not .to(): a blocking copy waits for the stream)
         return self.copies.to_host(on_device, self._transfer_buffer())
 
-    def write(self, slots: Tensor, rows: Tensor, once: bool = False) -> None:
+    def write(self, slots: Tensor, rows: Tensor, once: bool = False, defer: bool = False) -> None:
         """Writes the rows of ``slots`` back (``once``: a flush's, not a step's: a log mover
-        keeps no buffer of that size)."""
+        keeps no buffer of that size; ``defer``: a log's writes may wait for ``land``)."""
         if rows.numel() == 0:
             return
         if self.ROWS_IN_ORDER:
@@ -246,6 +246,9 @@ class _Mover:
         """A write-back's host records of ``rows`` into the backing store."""
         for k, (_, backing) in enumerate(self.pairs):
             self._copy(backing, rows, self._pair_field(records, k), None, "write")
+
+    def land(self) -> None:
+        """Writes what ``write(defer=True)`` left to write (a log's appends)."""
 
     def fold(self) -> None:
         pass
@@ -270,29 +273,36 @@ class _LogMover(_Mover):
         super().__init__(pairs, copies)
         self.log = store.log(t, self.record_bytes)
         self.log.home = self._write_records_home
-        self._buffer: tuple[Tensor, Tensor, list[Tensor]] | None = None  # (records, rows, columns): _columns
+        # (records, rows, columns) kept: _columns' of reads and write-backs, and of deferred write-backs
+        self._buffers: list[tuple[Tensor, Tensor, list[Tensor]] | None] = [None, None]
 
     def step_buffer_bytes(self) -> int:
-        """Bytes of the records buffer of the CPU path's write-backs (a step's IO buffer)."""
-        return 0 if self._buffer is None else self._buffer[0].numel()
+        """Bytes of the records buffers of the CPU path's write-backs (a step's IO buffers)."""
+        return sum(0 if kept is None else kept[0].numel() for kept in self._buffers)
+
+    def land(self) -> None:
+        self.log.land()
 
     def _field(self, records: Tensor, k: int, like: Tensor) -> Tensor:
         return field_view(records, self.fields[k], like)
 
-    def _columns(self, n: int) -> tuple[Tensor, Tensor, list[Tensor]]:
+    def _columns(self, n: int, deferred: bool = False) -> tuple[Tensor, Tensor, list[Tensor]]:
         """Records for n write-backs or reads: [n, record_bytes] uint8, its row numbers' column (int64) and
         each pair's column (as the cache's rows). A buffer kept across write-backs (its columns'
         views made once, its pads zeroed once): the log's append copies the records out
-        (``pwrite``) before the next write-back refills them."""
-        if n > self.BUFFER_ROWS:  # (a flush's many rows: records of their own, not kept)
+        (``pwrite``) before the next write-back refills them. ``deferred``: a second one, the
+        log's until it lands (``RowLog.append(defer=True)``; the stage's, landed before the next
+        stage writes)."""
+        if n > self.BUFFER_ROWS or (deferred and self.log.unwritten()):  # (records of their own, not kept)
             return self._make_columns(n)
-        if self._buffer is None or self._buffer[0].shape[0] < n:
-            self._buffer = self._make_columns(
-                min(self.BUFFER_ROWS, max(n, 2 * self._buffer[0].shape[0] if self._buffer else n))
+        kept = self._buffers[deferred]
+        if kept is None or kept[0].shape[0] < n:
+            kept = self._buffers[deferred] = self._make_columns(
+                min(self.BUFFER_ROWS, max(n, 2 * kept[0].shape[0] if kept else n))
             )
-        records, rows, columns = self._buffer
+        records, rows, columns = kept
         if records.shape[0] == n:
-            return self._buffer
+            return kept
         return records[:n], rows[:n], [column[:n] for column in columns]
 
     @torch.inference_mode(False)  # (the buffer kept is refilled by later write-backs outside inference_mode)
@@ -334,7 +344,7 @@ class _LogMover(_Mover):
             self.log.read(where[order], out=records)
             row_column(records).copy_(slots[order])
 
-    def write(self, slots: Tensor, rows: Tensor, once: bool = False) -> None:
+    def write(self, slots: Tensor, rows: Tensor, once: bool = False, defer: bool = False) -> None:
         n = rows.numel()
         if n == 0:
             return
@@ -344,11 +354,11 @@ class _LogMover(_Mover):
             return
         # Each field gathered straight into its column of the records (no copy of the columns to join).
         # A flush's records are its own: the buffer kept is sized by the steps' write-backs.
-        records, row_column_, columns = self._make_columns(n) if once else self._columns(n)
+        records, row_column_, columns = self._make_columns(n) if once else self._columns(n, defer)
         row_column_.copy_(rows)
         for (cache, _), column in zip(self.pairs, columns):
             ops.copy_rows(column, None, cache, slots)
-        self.log.append(rows, records)
+        self.log.append(rows, records, defer)
 
     def store(self, records: Tensor, rows: Tensor) -> None:
         """A write-back's host records of ``rows``, appended to the log."""
@@ -576,9 +586,11 @@ class RowCache:
             return self.free[:0]
         return taken[0] if len(taken) == 1 else torch.cat(taken)
 
-    def _evict(self, victims: Tensor, mover: _Mover, ahead: bool = False, occupied: bool = False) -> None:
+    def _evict(
+        self, victims: Tensor, mover: _Mover, ahead: bool = False, occupied: bool = False, defer: bool = False
+    ) -> None:
         """The rows of ``victims`` (slots, some maybe empty unless ``occupied``) leave the cache,
-        dirty ones written back."""
+        dirty ones written back (``defer``: a log's writes may land later: ``_Mover.land``)."""
         old = self.row_of.index_select(0, victims)
         if not occupied:
             gone = old >= 0
@@ -587,7 +599,7 @@ class RowCache:
         back = self.dirty.index_select(0, victims).nonzero(as_tuple=True)[0]
         n = back.numel()
         if n:
-            mover.write(victims.index_select(0, back), old.index_select(0, back))
+            mover.write(victims.index_select(0, back), old.index_select(0, back), defer=defer)
             self.write_backs += n
             if ahead:
                 self.staged_write_backs += n
@@ -623,8 +635,8 @@ class RowCache:
         fill, freed = (victims, None) if filled == victims.numel() else (victims[:filled], victims[filled:])
         want = missing_rows if filled == missing else missing_rows[:filled]
         try:
-            if lru.numel():
-                self._evict(lru, mover, ahead=True, occupied=True)  # (oldest takes occupied slots only)
+            if lru.numel():  # (oldest takes occupied slots only; the writes land at the next stage's start)
+                self._evict(lru, mover, ahead=True, occupied=True, defer=True)
             mover.read(fill, want)
         except BaseException:
             self._give_back(victims)
@@ -1410,6 +1422,10 @@ class TieredTables(DynamicTables):
         self._check_stage_segments(segment_offsets)
         unique, _, _, unique_offsets = ops.dedup_segments(ids, segment_offsets)  # overlaps the lookup
         bounds = device_sync.host_list(unique_offsets, "tiered tables: the staged batch's ids per table")
+        # The last stage's deferred write-backs (RowCache.stage), written while this thread waits
+        # for the lookup to hand the tables over: off the stage's critical path.
+        for mover in movers:
+            mover.land()
         if self._maps is not None:
             return self._stage_on_device(unique, unique_offsets, bounds, handover, movers, clock)
         for t, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):

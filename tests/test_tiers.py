@@ -796,6 +796,44 @@ class _CountTorchCalls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("maps", ["host", "device"])
+def test_a_staged_lookup_hands_each_table_over_once_its_own_upsert_is_done(tmp_path, monkeypatch, maps):
+    # With the host maps and a stage waiting, the lookup upserts table by table and hands each
+    # over at once, so that the stage overlaps the rest of the lookup; without a stage, or with
+    # the device maps (whose stage takes every table at once), all tables upsert in one call.
+    from torchrec_ext.modules import tiered_tables
+
+    monkeypatch.setattr(TieredTables, "device_maps", maps == "device")
+    resident, tiered = _bag_pair("file", tmp_path, "adagrad")
+    events = []
+    for name in ("_rows_for", "_rows_for_tables"):
+        real = getattr(TieredTables, name)
+        monkeypatch.setattr(
+            TieredTables, name, lambda self, *a, _real=real, _name=name: events.append(_name) or _real(self, *a)
+        )
+    release = tiered_tables._Handover.release
+    monkeypatch.setattr(
+        tiered_tables._Handover, "release", lambda self, t, *a: events.append(f"release {t}") or release(self, t, *a)
+    )
+    gen = torch.Generator().manual_seed(8)
+    batches = [
+        random_kjt(["f0", "f1", "f2", "f3"], 6, POOL[torch.randint(0, 700, (400,), generator=gen)], 5) for _ in range(4)
+    ]
+    _train_step([resident, tiered], batches[0])  # no stage
+    assert events == ["_rows_for_tables"]
+    events.clear()
+    tiered.stage_next(batches[2])
+    outs = [m(batches[1]).values() for m in (resident, tiered)]
+    assert torch.equal(outs[0], outs[1])
+    if maps == "host":
+        assert events == ["_rows_for", "release 0", "_rows_for", "release 1", "_rows_for", "release 2"]
+    else:
+        assert events[0] == "_rows_for_tables" and "_rows_for" not in events
+    for out in outs:
+        out.sum().backward()
+    _train_staged(resident, tiered, batches[2:])
+
+
 def test_a_stage_makes_few_torch_calls_per_table(tmp_path, monkeypatch):
     # The stage runs on a worker thread beside the train step: each torch call lets the GIL go and
     # waits to take it back, so its wall time follows its number of calls (tier_stage_calls.md).

@@ -25,7 +25,7 @@ META = torch.device("meta")
 # per slot: the LRU queue holds at most 2 int32 entries a slot before it is rebuilt, plus what its
 # views keep of a rebuild's tensor and of a chunk partly taken (at most 4 bytes a slot each)
 LRU_BOUND = 16
-LOG_BUFFER_ROWS = 1 << 15  # a file-backed table's write-back records buffer: at most 2 * slots of them
+LOG_BUFFER_ROWS = 1 << 15  # a file-backed table's write-back records buffers (two): at most 2 * slots each
 TRANSFER_ROWS = 1 << 15  # records of one transfer between a CUDA cache and the host
 
 
@@ -83,8 +83,8 @@ def _share_oracle(tmp_path, kind, name, capacity, dim, fields, parts, factor, op
         packed = mover.copies.packed  # the buffer of all tables' packed reads: its bound, this table's share
         host += packed.max_rows * packed.record_bytes
         assert packed.max_rows * packed.record_bytes == min(cache.slots, TRANSFER_ROWS) * mover.record_bytes
-    elif kind == "file":
-        host += min(2 * cache.slots, LOG_BUFFER_ROWS) * mover.record_bytes
+    elif kind == "file":  # (two: reads' and write-backs', and the stage's deferred write-backs')
+        host += 2 * min(2 * cache.slots, LOG_BUFFER_ROWS) * mover.record_bytes
     if kind == "host":
         return device, host + tables.backing_bytes(), 0
     return device, host, tables.backing_bytes() + mover.log.records.shape[0] * mover.record_bytes

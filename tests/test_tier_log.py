@@ -227,6 +227,43 @@ def test_a_full_log_sends_the_emptiest_segments_rows_home(tmp_path, monkeypatch)
     store.close()
 
 
+@pytest.mark.parametrize("defer", [False, True])
+def test_cleaning_a_full_logs_segment_into_itself_keeps_every_rows_newest_copy(tmp_path, monkeypatch, defer):
+    # Every segment in use, the head full: cleaning's re-append needs a head, and the full log's
+    # emptiest segment, sent home for it, is the segment being cleaned. Its records land in that
+    # segment (now the head): it stays in use, and nothing it holds is dropped or lost.
+    monkeypatch.setattr(tier_log, "SEGMENT_RECORDS", 4)
+    capacity, width = 12, 16
+    store, log = _open_log(tmp_path, capacity, width)
+    newest, home = {}, {}
+
+    def send_home(rows, data):
+        for row, record in zip(rows.tolist(), data):
+            assert torch.equal(record, newest[row])
+            home[row] = record.clone()
+
+    log.home = send_home
+    gen = torch.Generator().manual_seed(23)
+    with monkeypatch.context() as m:  # appends outrun cleaning until every segment is used
+        m.setattr(tier_log.RowLog, "_dead_outnumber_live", lambda self: False)
+        m.setattr(tier_log.RowLog, "_cleanable", lambda self: False)
+        for segment in range(log.max_segments):  # each segment keeps one live record: row `segment`'s
+            rows = torch.tensor([8, 9, 10, segment])  # (row `segment` last: cleaning moves it to the front)
+            data = _records(rows, gen, width)
+            log.append(rows, data, defer=defer)
+            newest.update({row: record.clone() for row, record in zip(rows.tolist(), data)})
+    assert log.used == log.max_segments == 8 and log.head_fill == tier_log.SEGMENT_RECORDS
+    victim = log._victim()
+    assert int(log.segment_live[victim]) == 1
+    log._clean(victim, defer)
+    assert log.head == victim and bool(log.in_use[victim]) and log.used == int(log.in_use.sum())
+    log.land()
+    _assert_newest(log, newest, {}, capacity)
+    _assert_file_holds(log, newest, capacity)
+    assert list(home) == [victim]  # (sent home first by the full log's path)
+    store.close()
+
+
 def _configs(directory=None, capacity=300):
     extra = {} if directory is None else {"backing": f"file:{directory}", "cache_load_factor": 0.2}
     return [

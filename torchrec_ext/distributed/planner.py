@@ -370,8 +370,8 @@ def tiered_table_bytes(
         device += min(slots, MAX_TRANSFER_ROWS) * record
         if on_device_maps:  # its share of the pinned buffer of all tables' packed reads and write-backs
             host += min(slots, MAX_TRANSFER_ROWS) * record
-    elif file:
-        host += min(2 * slots, _LogMover.BUFFER_ROWS) * record
+    elif file:  # (reads' and write-backs' records, and the stage's deferred write-backs')
+        host += 2 * min(2 * slots, _LogMover.BUFFER_ROWS) * record
     backing = vectors(rows) + rows * state
     if not file:
         return TierBytes(device=device, host=host + backing, disk=0)

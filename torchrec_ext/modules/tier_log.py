@@ -33,7 +33,8 @@ with ``pwrite`` only: a full disk or a failing write is an ``OSError`` naming th
 and the table unchanged (the row stays dirty in the cache), never a SIGBUS. The prefetch stage's
 appends are placed at once and written at the next stage's start, while its thread waits for
 the lookup (``append(defer=True)``, ``land``): a landing that fails keeps their records in
-memory and fails that stage (the lookup joining it raises before changing anything). The
+memory and fails that stage (the lookup joining it raises before changing anything; a read
+of them that lands them fails as any failed read: a lookup's is undone). The
 log's reads through the mapping (``read``, cleaning's) are ``tier_guard`` copies: a page that
 fails is an ``OSError`` too, and so is an append to a log another process cut short. Its records are not a checkpoint: a
 module reopening the directory starts with an empty log (its index is new; a record cut short
@@ -137,10 +138,11 @@ class RowLog:
         self.write_s = 0.0  # wall seconds in the log's writes (a write the kernel throttles shows here)
         # Deferred appends (``append(defer=True)``): placed (their rows point at them) but not
         # written yet, as (file offset, first record, records, data); written by ``land``, or
-        # first by whatever reads them or frees their segment. The lock orders the writes of two
-        # threads: the stage's worker lands while the train thread's lookup may append or read.
+        # first by a read that names them; a segment freed drops its own (dead by then). The lock
+        # orders the writes of two threads: the stage's worker lands while the train thread's
+        # lookup may append or read (a fork's child, which has no such thread, takes a new one).
         self._unwritten: list[tuple[int, int, int, Tensor]] = []
-        self._write_lock = threading.Lock()
+        self._lock_of: tuple[int, threading.Lock] = (os.getpid(), threading.Lock())
         self._behind: list[Future] = []  # write-behind requests not done yet
         self._behind_pid = os.getpid()  # the process that asked them
         # Writes records ([n, record_bytes]) to their rows of the base file (set by the table's mover).
@@ -191,7 +193,8 @@ class RowLog:
         the next stage's wait for its tables, where its thread is idle: the kernel's copy into
         the page cache (~8-16 ms a step at dlrm-small scale) leaves the stage's critical path. A
         read of an unwritten record lands it first; should its write fail, it stays unwritten
-        (the rows' data in memory) and each later read or landing raises again."""
+        (the rows' data in memory) and each later landing, or read of it (a lookup's miss,
+        cleaning's, a checkpoint's), raises again."""
         n = rows.numel()
         budget = 2 * -(-n // SEGMENT_RECORDS) + 1
         for _ in range(budget):
@@ -209,10 +212,17 @@ class RowLog:
         """Whether deferred appends are still to be written (``land``)."""
         return bool(self._unwritten)
 
+    @property
+    def _write_lock(self) -> threading.Lock:
+        pid, lock = self._lock_of
+        if pid != os.getpid():  # (a fork's child: the parent's lock may have been held at the fork)
+            self._lock_of = (os.getpid(), threading.Lock())
+        return self._lock_of[1]
+
     def land(self) -> None:
         """Writes the records of the deferred appends; an OSError (as ``append``'s) leaves the
         ones not written yet unwritten."""
-        if self._unwritten:  # (emptied only once written: an empty list needs no lock)
+        if self._unwritten:  # (an entry leaves the list written, or dead: an empty list needs no lock)
             with self._write_lock:
                 self._land_locked()
 
@@ -223,11 +233,17 @@ class RowLog:
             self._unwritten.pop(0)
 
     def _land_any_of(self, records: Tensor) -> None:
-        """Lands the deferred appends when ``records`` (numbers) name one of theirs."""
-        if self._unwritten:
+        """Lands the deferred appends when ``records`` (numbers) name one of theirs. Checked
+        without the lock (a read naming none does not wait for a landing in progress): an
+        entry leaves the list written, or dead (named by no row)."""
+        unwritten = list(self._unwritten)
+        if unwritten and any(self._names(records, first, n) for _, first, n, _ in unwritten):
             with self._write_lock:
-                if any(bool(((records >= first) & (records < first + n)).any()) for _, first, n, _ in self._unwritten):
-                    self._land_locked()
+                self._land_locked()
+
+    @staticmethod
+    def _names(records: Tensor, first: int, n: int) -> bool:
+        return bool(((records >= first) & (records < first + n)).any())
 
     def _drop_unwritten(self, segment: int) -> None:
         """Forgets the deferred writes into ``segment`` (freed: its records all dead, its live
@@ -361,12 +377,14 @@ class RowLog:
         return rows.index_select(0, keep), self.read(keep.add_(first))
 
     def _clean(self, segment: int, defer: bool = False) -> None:
-        rows, data = self._live_records(segment)  # (copies: deferred, they are the log's)
+        rows, data = self._live_records(segment)  # (copies, its unwritten ones landed: deferred, they are the log's)
+        self._drop_unwritten(segment)  # (the rest are dead: not to land over its next use)
         # Its live records leave it first (their where is rewritten by the append), then it is free.
         self._append(rows, data, defer)
-        self._drop_unwritten(segment)
         self.cleaned += rows.numel()
         self.segments_cleaned += 1
+        if segment == self.head:  # (a full log: the append's next head was this segment, emptied home by _next_head)
+            return
         self.in_use[segment] = False  # (its live count went to 0 as the append re-pointed its rows)
         self.used -= 1
 
@@ -378,6 +396,8 @@ class RowLog:
         self._behind = []
 
     def close(self) -> None:
+        """Before the file is closed: lands the deferred appends (their rows point at them) and
+        waits for the write-behind requests."""
+        self.land()
         self.settle()
-        self._unwritten = []  # (the log is not read again: a reopened directory starts with an empty one)
         self.records = None

@@ -171,7 +171,7 @@ class BackingStore:
         if log is not None:  # another record layout (a new optimizer): only an empty log is replaced
             if log.live:
                 raise RuntimeError(f"{self.where}: backing log {log.path!r} still holds rows")
-            log.settle()
+            log.close()
             self._files.pop(f"log{t}").close()
         table = self.tables[t]
         safe = [re.sub(r"[^A-Za-z0-9_.-]", "_", other["name"]) for other in self.tables]
@@ -260,7 +260,7 @@ class BackingStore:
     def close(self) -> None:
         """Releases the files' locks (the mapped tensors stay valid while referenced)."""
         for log in self._logs.values():
-            log.settle()
+            log.close()
         for f in self._files.values():
             f.close()
         self._files = {}

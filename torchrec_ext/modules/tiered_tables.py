@@ -263,7 +263,7 @@ class _LogMover(_Mover):
     row's newest copy (the log's or the base file's); ``write_home`` / ``fold`` write rows to the
     base file itself (a checkpoint's flush)."""
 
-    BUFFER_ROWS = 1 << 15  # write-backs up to this many rows reuse one records buffer (16 MiB of 512-byte records)
+    BUFFER_ROWS = 1 << 15  # write-backs up to this many rows reuse a records buffer (16 MiB of 512-byte records)
     ROWS_IN_ORDER = True  # (reads of the base file and writes home go through its mapping)
     _copy = staticmethod(tier_guard.copy_rows)  # (the backing files are mapped: a failed page is an OSError)
 
@@ -1662,8 +1662,8 @@ class TieredTables(DynamicTables):
         its LRU queue and free list, the logs' maps, the records buffers of transfers between the
         host and a device cache (pinned, page-locked: made at the first transfer, up to 16 MiB a
         table; and the buffer of all tables' packed reads, up to a cache's slots of records a
-        table) and the CPU path's write-back buffer of a file's log (``io_buffer_bytes``: kept
-        from step to step, up to 16 MiB a table). As allocated now: the buffers grow with the
+        table) and the CPU path's write-back buffers of a file's log (``io_buffer_bytes``: kept
+        from step to step, up to 16 MiB each, two a table). As allocated now: the buffers grow with the
         largest write-back so far. Tiered tables do not grow: ``maximum`` is the same."""
         logs = 0 if self.store.directory is None else sum(RowLog.map_bytes(m.capacity) for m in self.meta)
         buffers = sum(mover.buffer_bytes() for mover in self._movers or ()) + self.io_buffer_bytes()
@@ -1672,7 +1672,7 @@ class TieredTables(DynamicTables):
         return super().storage_bytes() + sum(cache.nbytes() for cache in self.caches) + logs + buffers
 
     def io_buffer_bytes(self) -> int:
-        """Bytes of the CPU path's write-back records buffers (file backing: up to 16 MiB a table)."""
+        """Bytes of the CPU path's write-back records buffers (file backing: up to 16 MiB each, two a table)."""
         return sum(getattr(mover, "step_buffer_bytes", lambda: 0)() for mover in self._movers or ())
 
     def backing_bytes(self) -> int:

@@ -33,20 +33,19 @@ SETTINGS = ("one call", "per table")
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--capacity", type=int, default=bench_tiers.Config.capacity
+    )  # rows a table (smaller: a smoke run)
+    parser.add_argument("--batch-size", type=int, default=bench_tiers.Config.batch_size)
     parser.add_argument("--warmup-steps", type=int, default=450)
     parser.add_argument("--repeats", type=int, default=16)
     parser.add_argument("--steps-per-repeat", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    cfg = bench_tiers.Config()
+    cfg = bench_tiers.Config(capacity=args.capacity, batch_size=args.batch_size)
     n = args.steps_per_repeat
     total = args.warmup_steps + args.repeats * len(SETTINGS) * n + 1
-    batches = [
-        bench_tiers.dlrm_small_batch(
-            i, cfg.num_tables, cfg.batch_size, cfg.max_bag, cfg.seed, alpha=cfg.alpha, id_bits=cfg.id_bits
-        )
-        for i in range(total)
-    ]
+    batches = bench_tiers.make_batches(cfg, total)
     directory = tempfile.mkdtemp(prefix="bench_tier_handover_")
     try:
         resident, tiered = bench_tiers._build(cfg, "device"), bench_tiers._build(cfg, f"file:{directory}")

@@ -91,6 +91,14 @@ def _build(cfg: Config, backing: str) -> DynamicEmbeddingBagCollection:
     return DynamicEmbeddingBagCollection(tables, optimizer=torch.optim.Adagrad, optimizer_kwargs={"lr": cfg.lr})
 
 
+def make_batches(cfg: Config, count: int) -> list:
+    """The run's first ``count`` dlrm-small batches (the same for every system)."""
+    return [
+        dlrm_small_batch(i, cfg.num_tables, cfg.batch_size, cfg.max_bag, cfg.seed, alpha=cfg.alpha, id_bits=cfg.id_bits)
+        for i in range(count)
+    ]
+
+
 def _step(module: DynamicEmbeddingBagCollection, kjt, next_kjt=None) -> None:
     if next_kjt is not None:
         module.stage_next(next_kjt)  # staged once this step's lookup has its rows
@@ -177,10 +185,7 @@ def run(cfg: Config) -> dict[str, object]:
 def _run(cfg: Config, directory: str) -> dict[str, object]:
     n = cfg.steps_per_repeat
     total = cfg.warmup_steps + cfg.repeats * n
-    make = lambda i: dlrm_small_batch(
-        i, cfg.num_tables, cfg.batch_size, cfg.max_bag, cfg.seed, alpha=cfg.alpha, id_bits=cfg.id_bits
-    )
-    batches = [make(i) for i in range(total)]
+    batches = make_batches(cfg, total)
     for name in cfg.systems:  # each file-backed system in a directory of its own
         if name.startswith("file"):
             os.makedirs(os.path.join(directory, name), exist_ok=True)

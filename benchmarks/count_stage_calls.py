@@ -52,12 +52,7 @@ def main() -> None:
     torch.set_num_threads(1)
     cfg = bench_tiers.Config(capacity=args.capacity, batch_size=args.batch_size)
     total = args.warmup_steps + args.steps + 1
-    batches = [
-        bench_tiers.dlrm_small_batch(
-            i, cfg.num_tables, cfg.batch_size, cfg.max_bag, cfg.seed, alpha=cfg.alpha, id_bits=cfg.id_bits
-        )
-        for i in range(total)
-    ]
+    batches = bench_tiers.make_batches(cfg, total)
     directory = tempfile.mkdtemp(prefix="count_stage_")
     try:
         for backing in (f"file:{directory}", "host"):

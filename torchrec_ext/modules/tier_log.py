@@ -137,11 +137,11 @@ class RowLog:
         self.appended = self.cleaned = self.sent_home = self.segments_cleaned = 0
         self.write_s = 0.0  # wall seconds in the log's writes (a write the kernel throttles shows here)
         # Deferred appends (``append(defer=True)``): placed (their rows point at them) but not
-        # written yet, as (file offset, first record, records, data); written by ``land``, or
+        # written yet, as (first record, records, data); written by ``land``, or
         # first by a read that names them; a segment freed drops its own (dead by then). The lock
         # orders the writes of two threads: the stage's worker lands while the train thread's
         # lookup may append or read (a fork's child, which has no such thread, takes a new one).
-        self._unwritten: list[tuple[int, int, int, Tensor]] = []
+        self._unwritten: list[tuple[int, int, Tensor]] = []
         self._lock_of: tuple[int, threading.Lock] = (os.getpid(), threading.Lock())
         self._behind: list[Future] = []  # write-behind requests not done yet
         self._behind_pid = os.getpid()  # the process that asked them
@@ -228,8 +228,7 @@ class RowLog:
 
     def _land_locked(self) -> None:
         while self._unwritten:
-            at, _, n, data = self._unwritten[0]
-            self._write(at, n, data)
+            self._write(*self._unwritten[0])
             self._unwritten.pop(0)
 
     def _land_any_of(self, records: Tensor) -> None:
@@ -237,7 +236,7 @@ class RowLog:
         without the lock (a read naming none does not wait for a landing in progress): an
         entry leaves the list written, or dead (named by no row)."""
         unwritten = list(self._unwritten)
-        if unwritten and any(self._names(records, first, n) for _, first, n, _ in unwritten):
+        if unwritten and any(self._names(records, first, n) for first, n, _ in unwritten):
             with self._write_lock:
                 self._land_locked()
 
@@ -250,7 +249,7 @@ class RowLog:
         ones moved), which would otherwise land over the records of its next use."""
         if self._unwritten:
             with self._write_lock:
-                self._unwritten = [w for w in self._unwritten if w[1] // SEGMENT_RECORDS != segment]
+                self._unwritten = [w for w in self._unwritten if w[0] // SEGMENT_RECORDS != segment]
 
     def forget(self, rows: Tensor) -> None:
         """``rows``' newest copies are in the base file now (written there, or no longer live)."""
@@ -287,13 +286,11 @@ class RowLog:
             take = min(n - done, SEGMENT_RECORDS - self.head_fill)
             first = self.head * SEGMENT_RECORDS + self.head_fill
             chunk = data if take == n else data[done : done + take]
-            at = self.offset + first * self.record_bytes
-            if defer:
-                with self._write_lock:
-                    self._unwritten.append((at, first, take, chunk))
-            else:
-                with self._write_lock:
-                    self._write(at, take, chunk)
+            with self._write_lock:
+                if defer:
+                    self._unwritten.append((first, take, chunk))
+                else:
+                    self._write(first, take, chunk)
             # Written (or deferred): the records are the rows' newest copies now (not before: a
             # failed write leaves every row where it was).
             these = rows if take == n else rows[done : done + take]
@@ -309,9 +306,9 @@ class RowLog:
             self.head_fill += take
             done += take
 
-    def _write(self, at: int, n: int, chunk: Tensor) -> None:
-        """Writes n records (``chunk``) at file offset ``at`` (the write lock held)."""
-        began = time.perf_counter()
+    def _write(self, first: int, n: int, chunk: Tensor) -> None:
+        """Writes n records (``chunk``) from record ``first`` on (the write lock held)."""
+        began, at = time.perf_counter(), self.offset + first * self.record_bytes
         try:
             tier_guard.check_whole(self.records, "append to")  # (cut short: the append would hide the cut)
             pwrite_all(self.fd, memoryview(chunk.numpy()).cast("B"), at)
@@ -397,7 +394,7 @@ class RowLog:
 
     def close(self) -> None:
         """Before the file is closed: lands the deferred appends (their rows point at them) and
-        waits for the write-behind requests."""
+        waits for the write-behind requests. The mapping stays readable while referenced (a
+        mover may read it after its store closed the file)."""
         self.land()
         self.settle()
-        self.records = None

@@ -18,7 +18,9 @@
 # Exit status: non-zero when the build, any test or any step of the driver failed.
 # Environment: PYTHON (default python3), CUDA_HOME / TORCH_CUDA_ARCH_LIST (read by setup.py: sm_90 +
 # compute_90 PTX by default), WHEEL_SITE (where .whl/ is installed, default /tmp/site), PYTEST_ARGS
-# (more pytest arguments, split on spaces: e.g. "-n 4" with pytest-xdist installed).
+# (more pytest arguments, split on spaces), PYTEST_WORKERS (pytest-xdist processes; default: half the
+# cores, at most 8, when pytest-xdist is importable; 0 runs the tests in this process; the suite is
+# xdist-safe: every test's files, ports and process groups are its own).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,7 +38,7 @@ while (( $# )); do
       [[ $# -ge 2 ]] || { echo "gpu_check.sh: --tests-part needs K/N" >&2; exit 2; }
       part=$2; steps=part; shift ;;
     --tests-part=*) part=${1#*=}; steps=part ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     -*) echo "gpu_check.sh: unknown option $1" >&2; exit 2 ;;
     *) out=$1 ;;
   esac
@@ -50,6 +52,10 @@ if [[ $steps == part ]]; then
 fi
 read -r -a pytest_extra <<< "${PYTEST_ARGS:-}"
 PY=${PYTHON:-python3}
+workers=${PYTEST_WORKERS:-auto}
+if ! [[ $workers =~ ^(auto|[0-9]+)$ ]]; then
+  echo "gpu_check.sh: PYTEST_WORKERS must be a count or auto, got '$workers'" >&2; exit 2
+fi
 site=${WHEEL_SITE:-/tmp/site}
 failed=()
 
@@ -79,6 +85,18 @@ if [[ $mode != dry ]]; then
   grep "^torchrec_ext:" "$out/build.log"  # which kernels it built
   "$PY" -c "import pytest" 2>/dev/null || {
     echo "gpu_check.sh: pytest is not importable with $PY (add its wheels to .whl/: pip download pytest -d .whl)" >&2; exit 1; }
+fi
+
+# The suite across processes (pytest-xdist) unless told otherwise: a CUDA test owns no more than
+# its process (memory caps are per process), so 8 workers share one GPU. The CPU smoke only collects.
+if [[ $workers == auto ]]; then
+  workers=0
+  if [[ $mode != cpu ]] && "$PY" -c "import xdist" 2>/dev/null; then
+    workers=$(( $(nproc) / 2 )); (( workers <= 8 )) || workers=8
+  fi
+fi
+if (( workers > 1 )) && ! [[ " ${pytest_extra[*]-} " =~ " -n " || " ${pytest_extra[*]-} " =~ " --numprocesses" ]]; then
+  pytest_extra+=(-n "$workers")
 fi
 
 # 3. The whole test suite (CUDA variants run when the GPU and the CUDA build are there), every

@@ -15,9 +15,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
 
 
-def dry_run(*args):
-    env = dict(os.environ, PYTHON=sys.executable)
+def dry_run(*args, **env_vars):
+    env = dict(os.environ, PYTHON=sys.executable, PYTEST_WORKERS="0")
     env.pop("PYTEST_ARGS", None)
+    env.update(env_vars)
     return subprocess.run(["bash", SCRIPT, "--dry-run", *args], cwd=ROOT, env=env, capture_output=True, text=True)
 
 
@@ -90,6 +91,20 @@ def test_dry_run_of_each_mode():
 
     bench = dry_run("--bench-only")
     assert not pytest_commands(bench.stdout) and "benchmarks/gpu_check.py" in bench.stdout
+
+
+def test_dry_run_spreads_the_suite_over_the_workers_asked_for():
+    spread = dry_run("--tests-only", PYTEST_WORKERS="4")
+    assert spread.returncode == 0, spread.stderr
+    commands = pytest_commands(spread.stdout)
+    assert len(commands) == 2 and all(" -n 4 " in c for c in commands)
+
+    assert " -n " not in " ".join(pytest_commands(dry_run("--tests-only").stdout))  # 0: one process
+    own = pytest_commands(dry_run("--tests-part", "1/2", PYTEST_WORKERS="4", PYTEST_ARGS="-n 2").stdout)
+    assert len(own) == 1 and " -n 2 " in own[0] and " -n 4 " not in own[0]  # PYTEST_ARGS' -n wins
+
+    bad = dry_run(PYTEST_WORKERS="many")
+    assert bad.returncode == 2 and "PYTEST_WORKERS" in bad.stderr and "'many'" in bad.stderr
 
 
 @pytest.mark.parametrize("args", [("--tests-part", "0/3"), ("--tests-part", "3/2"), ("--tests-part",), ("--bogus",)])

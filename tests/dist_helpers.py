@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import multiprocessing
 import os
 import tempfile
 from collections.abc import Callable
@@ -13,10 +14,25 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# Ranks are forked from a forkserver that has imported these once (a spawned rank spent ~4 s of CPU
+# importing them: most of the distributed tests' time). None of them reads the environment at
+# import in a way a test changes; each rank gets the caller's environment as it is at the call.
+# The ranks are gloo (CPU) processes: a child forked after CUDA was touched could not use it.
+_PRELOAD = ["torch", "torchrec", "torchrec.distributed", "torchrec_ext.modules", "torchrec_ext.distributed"]
+
 
 def _entry(
-    rank: int, fn: Callable, world_size: int, init_file: str, args: tuple, timeout_s: float | None = None
+    rank: int,
+    fn: Callable,
+    world_size: int,
+    init_file: str,
+    args: tuple,
+    timeout_s: float | None = None,
+    environ: dict[str, str] | None = None,
 ) -> None:
+    if environ is not None:  # the forkserver's environment is the one it started with
+        os.environ.clear()
+        os.environ.update(environ)
     torch.set_num_threads(1)
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
@@ -36,8 +52,15 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float | None = No
     """fn(rank, world_size, *args) on each rank; a failure on any rank fails the caller.
     timeout_s: the collectives' timeout (default: torch's), short where a rank left waiting in a
     collective is the failure a test looks for."""
+    multiprocessing.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first call)
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_entry, args=(fn, world_size, os.path.join(d, "init"), args, timeout_s), nprocs=world_size, join=True)
+        mp.start_processes(
+            _entry,
+            args=(fn, world_size, os.path.join(d, "init"), args, timeout_s, dict(os.environ)),
+            nprocs=world_size,
+            join=True,
+            start_method="forkserver",
+        )
 
 
 NUM_TABLES, ROWS, DIM, DENSE_IN = 3, 64, 8, 4

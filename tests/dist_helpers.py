@@ -17,8 +17,26 @@ import torch.multiprocessing as mp
 # Ranks are forked from a forkserver that has imported these once (a spawned rank spent ~4 s of CPU
 # importing them: most of the distributed tests' time). None of them reads the environment at
 # import in a way a test changes; each rank gets the caller's environment as it is at the call.
-# The ranks are gloo (CPU) processes: a child forked after CUDA was touched could not use it.
 _PRELOAD = ["torch", "torchrec", "torchrec.distributed", "torchrec_ext.modules", "torchrec_ext.distributed"]
+
+
+def start_forkserver(*modules: str) -> None:
+    """Starts this process's multiprocessing forkserver unless running, with _PRELOAD and `modules`
+    imported (only the first start's list counts), and CUDA untouched: the imports ask
+    torch.cuda.is_available(), which there answers through NVML (no driver init), so a forked
+    child may still use CUDA as a spawned one could."""
+    from multiprocessing import forkserver
+
+    multiprocessing.set_forkserver_preload([*_PRELOAD, *modules])
+    saved = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # the server's environment is this one
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
+        else:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = saved
 
 
 def _entry(
@@ -52,7 +70,7 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float | None = No
     """fn(rank, world_size, *args) on each rank; a failure on any rank fails the caller.
     timeout_s: the collectives' timeout (default: torch's), short where a rank left waiting in a
     collective is the failure a test looks for."""
-    multiprocessing.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first call)
+    start_forkserver()
     with tempfile.TemporaryDirectory() as d:
         mp.start_processes(
             _entry,

@@ -26,6 +26,7 @@ import time
 import pytest
 import torch
 
+from dist_helpers import start_forkserver
 from matrix import ci_subset
 from modules_helpers import random_kjt
 from test_tier_log import POOL, _assert_same_state, _configs, _module, _train
@@ -85,8 +86,8 @@ def _drill(directory: str, ckpt: str, point: str, conn) -> None:
 
 def _kill_inside(directory, ckpt, point) -> dict:
     """Runs the drill's child to ``point`` and SIGKILLs it there; what the child said at the probe."""
+    start_forkserver("test_tiers_crash")  # (imported once per session)
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torchrec_ext", "test_tiers_crash"])  # (imported once per session)
     here, there = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_drill, args=(str(directory), str(ckpt), point, there), daemon=True)
     child.start()
@@ -190,8 +191,8 @@ def test_a_kill_at_a_random_time_leaves_the_last_checkpoint_loadable(tmp_path, t
     directory, ckpt = tmp_path / "tier", tmp_path / "ckpt"
     directory.mkdir()
     ckpt.mkdir()
+    start_forkserver("test_tiers_crash")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torchrec_ext", "test_tiers_crash"])
     here, there = ctx.Pipe(duplex=False)
     step, saving = ctx.Value("i", -1, lock=False), ctx.Value("i", 0, lock=False)
     child = ctx.Process(

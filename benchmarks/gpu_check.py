@@ -48,6 +48,7 @@ import collections
 import dataclasses
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -611,7 +612,12 @@ STEP_FUNCS: dict[str, Callable[[Sizes, torch.device, str], tuple[dict, str]]] = 
 
 
 def run_steps(
-    steps: list[str], sizes: Sizes, device: torch.device, out_dir: str, inject_failure: str | None = None
+    steps: list[str],
+    sizes: Sizes,
+    device: torch.device,
+    out_dir: str,
+    inject_failure: str | None = None,
+    inject_kill: str | None = None,
 ) -> list[dict[str, object]]:
     common = versions(device)
     rows = []
@@ -619,6 +625,8 @@ def run_steps(
         start = time.perf_counter()
         print(f"== {name}", flush=True)
         try:
+            if name == inject_kill:  # as a device call's time limit ends the run
+                os.kill(os.getpid(), signal.SIGKILL)
             if name == inject_failure:
                 raise RuntimeError("failure injected by --inject-failure")
             result, text = STEP_FUNCS[name](sizes, device, out_dir)
@@ -630,21 +638,28 @@ def run_steps(
             result, text, status = {"error": f"{type(e).__name__}: {e}"}, f"FAILED\n\n```\n{tb.strip()}\n```", "failed"
         seconds = time.perf_counter() - start
         print(f"   {status} in {seconds:.1f} s", flush=True)
-        rows.append(
-            dict(
-                common,
-                step=name,
-                status=status,
-                seconds=round(seconds, 2),
-                result=result,
-                text=text,
-                time=time.strftime("%Y-%m-%dT%H:%M:%S"),
-            )
+        row = dict(
+            common,
+            step=name,
+            status=status,
+            seconds=round(seconds, 2),
+            result=result,
+            text=text,
+            time=time.strftime("%Y-%m-%dT%H:%M:%S"),
         )
+        rows.append(row)
+        # Written as each step ends: a device call cut off at its time limit still brings back
+        # the steps that finished.
+        with open(os.path.join(out_dir, "gpu_check.jsonl"), "a") as f:
+            f.write(json.dumps({k: v for k, v in row.items() if k != "text"}, default=str) + "\n")
+        write_report(rows, out_dir, sizes, device, pending=steps[len(rows) :])
     return rows
 
 
-def write_report(rows: list[dict[str, object]], out_dir: str, sizes: Sizes, device: torch.device) -> str:
+def write_report(
+    rows: list[dict[str, object]], out_dir: str, sizes: Sizes, device: torch.device, pending: list[str] = ()
+) -> str:
+    """gpu_check.md for the steps run so far (`pending`: those still to run, named)."""
     head = rows[0] if rows else versions(device)
     lines = [
         f"# GPU check: {head['device']}",
@@ -655,14 +670,13 @@ def write_report(rows: list[dict[str, object]], out_dir: str, sizes: Sizes, devi
         "",
         markdown_table(["step", "status", "seconds"], [[r["step"], r["status"], r["seconds"]] for r in rows]),
     ]
+    if pending:
+        lines += ["", f"Still running or not reached: {', '.join(pending)}."]
     for r in rows:
         lines += ["", f"## {r['step']} ({r['status']})", "", str(r["text"])]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
         f.write(text)
-    with open(os.path.join(out_dir, "gpu_check.jsonl"), "a") as f:
-        for r in rows:
-            f.write(json.dumps({k: v for k, v in r.items() if k != "text"}, default=str) + "\n")
     return text
 
 
@@ -673,6 +687,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (seconds on CPU): exercises the code paths")
     parser.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)}")
     parser.add_argument("--inject-failure", default=None, help=argparse.SUPPRESS)  # tests: this step raises
+    parser.add_argument("--inject-kill", default=None, help=argparse.SUPPRESS)  # tests: killed at this step
     args = parser.parse_args()
     steps = [s for s in args.steps.split(",") if s]
     unknown = [s for s in steps if s not in STEPS]
@@ -684,7 +699,7 @@ def main() -> int:
         torch.cuda.set_device(device)
     os.makedirs(args.out_dir, exist_ok=True)
     sizes = Sizes.smoke() if args.smoke else Sizes()
-    rows = run_steps(steps, sizes, device, args.out_dir, args.inject_failure)
+    rows = run_steps(steps, sizes, device, args.out_dir, args.inject_failure, args.inject_kill)
     print(write_report(rows, args.out_dir, sizes, device))
     failed = [r["step"] for r in rows if r["status"] == "failed"]
     if failed:

@@ -76,6 +76,14 @@ def test_a_failing_step_is_reported_fails_the_run_and_the_rest_still_run(tmp_pat
     assert "## syncs (failed)" in report and "FAILED steps: syncs" in proc.stderr
 
 
+def test_a_run_killed_mid_step_leaves_the_report_of_the_steps_that_finished(tmp_path):
+    # A device call that reaches its time limit is killed: what is under $OUT still comes back.
+    proc, rows, report = run_driver(tmp_path, "--steps", "env,syncs,profile", "--inject-kill", "syncs")
+    assert proc.returncode == -9
+    assert [(r["step"], r["status"]) for r in rows] == [("env", "ok")]
+    assert "## env (ok)" in report and "Still running or not reached: syncs, profile." in report
+
+
 def _driver_module():
     import importlib.util
 

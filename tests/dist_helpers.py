@@ -45,12 +45,11 @@ def _entry(
     world_size: int,
     init_file: str,
     args: tuple,
-    timeout_s: float | None = None,
-    environ: dict[str, str] | None = None,
+    timeout_s: float | None,
+    environ: dict[str, str],
 ) -> None:
-    if environ is not None:  # the forkserver's environment is the one it started with
-        os.environ.clear()
-        os.environ.update(environ)
+    os.environ.clear()  # the caller's, not the one the forkserver started with
+    os.environ.update(environ)
     torch.set_num_threads(1)
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(

@@ -76,6 +76,7 @@ STEP_PATH = {
         "HashTable.erase_rows",
         "HashTable._check_keys",
         "HashTable._check_scores",
+        "HashTable._set_slot_rows",
         "grown_tables",
     ],
     # The sharded EBC's and EC's step on each rank: its input dist's one read of the exchange's

@@ -702,7 +702,9 @@ class HashTable:
         slot_rows[slots] = rows.to(dtype)
         used = torch.zeros(n, dtype=torch.bool, device=self.device)
         used[rows] = True
-        slot_rows.masked_scatter_(slot_rows < 0, ramp.masked_select(~used))
+        # The free rows, ascending; their count is known here, so no read of it back from the device.
+        free_rows = torch.nonzero_static(~used, size=n - rows.numel()).view(-1).to(dtype)
+        slot_rows.masked_scatter_(slot_rows < 0, free_rows)
         row_slots = torch.empty_like(slot_rows)
         row_slots[slot_rows.long()] = ramp
         self._slot_rows, self._row_slots, self._rows_are_slots = slot_rows, row_slots, False

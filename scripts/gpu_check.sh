@@ -20,7 +20,9 @@
 # compute_90 PTX by default), WHEEL_SITE (where .whl/ is installed, default /tmp/site), PYTEST_ARGS
 # (more pytest arguments, split on spaces), PYTEST_WORKERS (pytest-xdist processes; default: half the
 # cores, at most 8, when pytest-xdist is importable; 0 runs the tests in this process; the suite is
-# xdist-safe: every test's files, ports and process groups are its own).
+# xdist-safe: every test's files, ports and process groups are its own), FBGEMM_PARTS (default
+# .fbgemm/: fbgemm-gpu's CUDA build in parts, scripts/fbgemm_cuda_parts.py) and FBGEMM_CUDA_SITE
+# (where they are unpacked, default /tmp/fbgemm_cuda).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,7 +40,7 @@ while (( $# )); do
       [[ $# -ge 2 ]] || { echo "gpu_check.sh: --tests-part needs K/N" >&2; exit 2; }
       part=$2; steps=part; shift ;;
     --tests-part=*) part=${1#*=}; steps=part ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     -*) echo "gpu_check.sh: unknown option $1" >&2; exit 2 ;;
     *) out=$1 ;;
   esac
@@ -72,6 +74,16 @@ if [[ -d .whl ]] && ! "$PY" -c "import torchrec" 2>/dev/null; then
   run "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl \
     || { echo "gpu_check.sh: installing .whl/*.whl failed" >&2; exit 1; }
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+# fbgemm's CUDA build, when its parts were carried (scripts/fbgemm_cuda_parts.py: one part a call, the
+# machine keeping earlier ones while warm), goes first: TorchRec's own tables then run on the GPU (the
+# benchmarks' TorchRec baselines). Until every part is here, fbgemm-gpu-cpu stays and those are not runnable.
+parts=${FBGEMM_PARTS:-.fbgemm}
+if [[ -f $parts/MANIFEST.json ]]; then
+  fbgemm_site=${FBGEMM_CUDA_SITE:-/tmp/fbgemm_cuda}
+  if run "$PY" scripts/fbgemm_cuda_parts.py unpack --dir "$parts" --target "$fbgemm_site"; then
+    export PYTHONPATH="$fbgemm_site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 echo "PYTHONPATH=$PYTHONPATH"

@@ -111,3 +111,14 @@ def test_dry_run_spreads_the_suite_over_the_workers_asked_for():
 def test_dry_run_refuses_bad_arguments(args):
     proc = dry_run(*args)
     assert proc.returncode == 2 and "gpu_check.sh:" in proc.stderr
+
+
+def test_carried_fbgemm_parts_are_unpacked_and_put_first_on_the_path(tmp_path):
+    (tmp_path / "MANIFEST.json").write_text("{}")
+    proc = dry_run("--bench-only", FBGEMM_PARTS=str(tmp_path), FBGEMM_CUDA_SITE="/x/fbgemm_cuda", PYTHONPATH="")
+    assert proc.returncode == 0, proc.stderr
+    unpack = f"+ {sys.executable} scripts/fbgemm_cuda_parts.py unpack --dir {tmp_path} --target /x/fbgemm_cuda"
+    assert unpack in proc.stdout.splitlines()
+    assert f"PYTHONPATH={ROOT}:/x/fbgemm_cuda" in proc.stdout.splitlines()
+    without = dry_run("--bench-only", FBGEMM_PARTS=str(tmp_path / "none"), PYTHONPATH="")
+    assert "fbgemm_cuda_parts.py" not in without.stdout and f"PYTHONPATH={ROOT}" in without.stdout.splitlines()

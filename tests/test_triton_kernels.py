@@ -886,14 +886,15 @@ def test_lookups_of_half_tables(target, name):
     assert torch.equal(got.cpu(), want)
 
 
-# In CI: every optimizer on mixed fp16/bf16 tables and Adagrad on each single dtype, both roundings;
-# all 36 with TORCHREC_EXT_FULL_MATRIX=1 (scripts/gpu_check.sh sets it).
+# In CI: every optimizer on mixed fp16/bf16 tables, and on each single dtype Adagrad and FTRL (whose
+# state reads the stored, rounded weight), both roundings; all 36 with TORCHREC_EXT_FULL_MATRIX=1
+# (scripts/gpu_check.sh sets it).
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize(
     "name, optimizer, rounding",
     ci_subset(
         itertools.product(["fp16", "bf16", "mixed"], list(ref.OPTIMIZERS), ["nearest", "stochastic"]),
-        lambda name, optimizer, rounding: name == "mixed" or optimizer == "adagrad",
+        lambda name, optimizer, rounding: name == "mixed" or optimizer in ("adagrad", "ftrl"),
     ),
 )
 def test_fused_update_of_half_tables(target, name, optimizer, rounding):

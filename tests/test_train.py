@@ -13,6 +13,7 @@
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -203,7 +204,7 @@ def test_tiered_tables_show_their_cache_traffic_and_resume(tmp_path):
     backing, run_dir = tmp_path / "backing", str(tmp_path / "run")
     backing.mkdir()
     # 26 tables of 512 rows, caches of 256: ~45 new rows per table a step overflow them by step 6.
-    common = TINY + ["--run-dir", run_dir, "--eval-batches", "0", "--checkpoint-every", "10", "--capacity", "512"]
+    common = TINY + ["--run-dir", run_dir, "--eval-batches", "0", "--checkpoint-every", "5", "--capacity", "512"]
     tiers = ["--backing", f"file:{backing}", "--cache-load-factor", "0.5"]
     proc = job_ok(run_job(["--steps", "10"] + common + tiers))
     summary = _load(run_dir, "summary.json")
@@ -227,6 +228,17 @@ def test_tiered_tables_show_their_cache_traffic_and_resume(tmp_path):
         and "; cache " in proc.stdout
         and "cache over the training steps" in proc.stdout
     )
+    # Each segment's traffic per table (checkpoints every 5 steps: two windows), in the progress
+    # lines and history.json; the windows add up to the run's totals, table by table.
+    windows = [entry for entry in _load(run_dir, "history.json")["tables"] if "cache_tables" in entry]
+    assert [(w["step"], w["cache_steps"]) for w in windows] == [(5, 5), (10, 5)]
+    for name, mine in steps.items():
+        for key in ("hits", "misses", "staged", "write_backs", "staged_write_backs", "bytes_moved"):
+            assert sum(w["cache_tables"][name][key] for w in windows) == mine[key], (name, key)
+    first = next(iter(steps))
+    assert windows[1]["cache_tables"][first]["hits"] > 0
+    assert re.search(rf"step 5: cache per table over the last 5 steps: {first} \d+\.\d% hits", proc.stdout)
+    assert proc.stdout.count("cache per table over the last 5 steps") == 2
     # Resumed with the plain loop (no prefetch): its steps' traffic is read from the modules.
     resumed = job_ok(run_job(["--steps", "15", "--resume", "--pipeline", "plain"] + common + tiers))
     assert "resumed from" in resumed.stdout

@@ -62,7 +62,7 @@ from torchrec_ext.train.resume import load_job_state, newest_verified, resume_co
 from torchrec_ext.train.run_lock import claim_run_dir
 from torchrec_ext.train.runtime import Runtime, exit_now, init_runtime, shutdown
 from torchrec_ext.train.serve_export import DeltaExporter
-from torchrec_ext.train.tier_traffic import TierTraffic, cache_text
+from torchrec_ext.train.tier_traffic import TierTraffic, cache_text, table_cache_text
 from torchrec_ext.train.tier_traffic import total as total_tier_traffic
 
 
@@ -312,13 +312,17 @@ def export_deltas(run: Run, step: int) -> None:
 
 
 def _log_tables(run: Run, step: int) -> None:
-    """One line of the tables' totals over ranks, and TorchRec's metrics module's values to
-    ``--tensorboard`` (collective: every rank ends its segment here)."""
+    """One line of the tables' totals over ranks, one of each tiered table's cache traffic in the
+    segment's steps, and TorchRec's metrics module's values to ``--tensorboard`` (collective: every
+    rank ends its segment here)."""
     values = run.metrics.compute()
     run.board.scalars(values, step)
     totals = summarize_table_stats(run.metrics.state_metrics["table_stats"].last)
+    tiered = run.args.backing != "device"  # (the same on every rank)
+    steps, cache_tables = run.tier_traffic.window() if tiered else (0, {})  # collective
     if totals is not None:
-        run.tables.append({"step": step, **totals})
+        window = {"cache_steps": steps, "cache_tables": cache_tables} if cache_tables else {}
+        run.tables.append({"step": step, **totals, **window})
         hit = "n/a" if totals["hit_rate"] is None else f"{totals['hit_rate']:.1%}"
         run.log(
             f"step {step}: tables {totals['occupancy']:.1%} full, {totals['inserts']:,} inserts, "
@@ -326,6 +330,9 @@ def _log_tables(run: Run, step: int) -> None:
             f"{totals['refused']:,} refused, {totals['fallback_reads']:,} fallback reads, lookup hit rate {hit}"
             + (f"; cache {cache_text(totals['cache'])}" if totals.get("cache") else "")
         )
+    if cache_tables:
+        texts = [table_cache_text(name, stats) for name, stats in cache_tables.items()]
+        run.log(f"step {step}: cache per table over the last {steps} steps: " + "; ".join(texts))
 
 
 def summarize(run: Run, progress: Progress, wall_start: float) -> dict[str, Any]:

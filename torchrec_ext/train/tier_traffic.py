@@ -19,6 +19,7 @@ class TierTraffic:
     def __init__(self) -> None:
         self.per_table: dict[str, dict[str, int]] = {}
         self.steps = 0
+        self._at_window: tuple[dict[str, dict[str, int]], int] = ({}, 0)  # per_table and steps at window()
 
     def add(self, step_stats: dict[str, dict[str, int]]) -> None:
         """One training step's ``tier_step_stats()`` (empty without tiered tables)."""
@@ -33,17 +34,32 @@ class TierTraffic:
     def reduced(self) -> dict[str, dict[str, int]]:
         """Every rank's per-table sums added up per table (a table's shares on several ranks
         together; collective: every rank calls it), with each table's hit rate."""
-        everyone = [self.per_table]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, self.per_table)
-        merged: dict[str, dict[str, int]] = {}
-        for per_table in everyone:
-            for name, stats in per_table.items():
-                totals = merged.setdefault(name, dict.fromkeys(COUNTERS, 0))
-                for key in COUNTERS:
-                    totals[key] += stats[key]
-        return {name: with_hit_rate(merged[name]) for name in sorted(merged)}
+        return _over_ranks(self.per_table)
+
+    def window(self) -> tuple[int, dict[str, dict]]:
+        """The steps ``add``-ed since the last call, and each table's traffic in them added up over
+        ranks as ``reduced`` (collective: every rank calls it at the same step)."""
+        before, steps_before = self._at_window
+        since = {
+            name: {key: stats[key] - before.get(name, {}).get(key, 0) for key in COUNTERS}
+            for name, stats in self.per_table.items()
+        }
+        self._at_window = ({name: dict(stats) for name, stats in self.per_table.items()}, self.steps)
+        return self.steps - steps_before, _over_ranks(since)
+
+
+def _over_ranks(per_table: dict[str, dict[str, int]]) -> dict[str, dict]:
+    everyone = [per_table]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, per_table)
+    merged: dict[str, dict[str, int]] = {}
+    for rank_tables in everyone:
+        for name, stats in rank_tables.items():
+            totals = merged.setdefault(name, dict.fromkeys(COUNTERS, 0))
+            for key in COUNTERS:
+                totals[key] += stats[key]
+    return {name: with_hit_rate(merged[name]) for name in sorted(merged)}
 
 
 def with_hit_rate(stats: dict[str, int]) -> dict:
@@ -79,6 +95,21 @@ def model_tier_step_stats(model: nn.Module) -> dict[str, dict[str, int]]:
         found.append(name)
         stats.update(module.tier_step_stats())
     return stats
+
+
+def table_cache_text(name: str, stats: dict) -> str:
+    """'t3 95.6% hits (87.5% before staging), 78 write-backs, 1.2 MiB': one table's window."""
+    if stats["hit_rate"] is None:
+        return f"{name} no lookups"
+    before = f" ({stats['held_hit_rate']:.1%} before staging)" if stats.get("staged") else ""
+    return (
+        f"{name} {stats['hit_rate']:.1%} hits{before}, {stats['write_backs'] + stats['staged_write_backs']:,} "
+        f"write-backs, {_bytes_text(stats['bytes_moved'])}"
+    )
+
+
+def _bytes_text(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 def cache_text(stats: dict) -> str:

@@ -35,6 +35,7 @@ and the process's resident memory split into anonymous and file pages (both modu
     python benchmarks/bench_tiers.py --capacity 65536 --batch-size 512 --warmup-steps 5 --repeats 3 --no-save  # smoke
     python benchmarks/bench_tiers.py --capacity 65536 --batch-size 512 --flusher-ms 20 --no-save  # smoke, files cleaned
     python benchmarks/bench_tiers.py --threads 1 --systems resident,file+prefetch --write-behind 1 --no-save  # A/B
+    python benchmarks/bench_tiers.py --threads 1 --systems resident,file+prefetch --release-pages 0 --no-save  # A/B
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from common import DlrmSmall, markdown_table, parse_config, print_and_save, proc
 
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 from torchrec_ext.data import dlrm_small_batch
-from torchrec_ext.modules import tier_log
+from torchrec_ext.modules import tier_guard, tier_log
 
 
 @dataclasses.dataclass
@@ -78,6 +79,9 @@ class Config(DlrmSmall):
     # 1: file backing's log hands each append's pages to the disk at once (tier_log.WRITE_BEHIND);
     # 0 (the library's default): they stay dirty until the kernel's flusher takes them
     write_behind: int = 0
+    # 0: file backing keeps mapped the pages its copies touch (tier_guard.RELEASE_AFTER_COPY off;
+    # the library's default, 1, unmaps them after each copy): the A/B of that release
+    release_pages: int = 1
 
 
 SYSTEMS = ("resident", "file", "host", "file+prefetch", "host+prefetch")
@@ -171,8 +175,14 @@ def _dirty_bytes() -> int:
     return 0
 
 
-def run(cfg: Config) -> dict[str, object]:
+def set_file_options(cfg: Config) -> None:
+    """The file backing's switches this run A/Bs (module-level in the library)."""
     tier_log.WRITE_BEHIND = bool(cfg.write_behind)
+    tier_guard.RELEASE_AFTER_COPY = bool(cfg.release_pages)
+
+
+def run(cfg: Config) -> dict[str, object]:
+    set_file_options(cfg)
     directory = cfg.backing_dir or tempfile.mkdtemp(prefix="bench_tiers_")
     made = not cfg.backing_dir
     try:
@@ -296,7 +306,7 @@ def report(cfg: Config, r: dict[str, object]) -> str:
         f"thread{'s' if torch.get_num_threads() > 1 else ''}): {cfg.num_tables} tables x dim {cfg.dim}, capacity "
         f"{cfg.capacity:,} rows each, batch {cfg.batch_size} per table, bags 1..{cfg.max_bag}, ids Zipf({cfg.alpha}) "
         f"over 2^{cfg.id_bits} ({r['ids_per_step']:,} ids/step), fused Adagrad; tiered: cache_load_factor "
-        f"{cfg.cache_load_factor}, file backing's log write-behind {'on' if cfg.write_behind else 'off'}, +prefetch: the next batch staged on a worker thread. {cfg.warmup_steps} warm-up "
+        f"{cfg.cache_load_factor}, file backing's log write-behind {'on' if cfg.write_behind else 'off'}, its pages released after each copy {'on' if cfg.release_pages else 'off'}, +prefetch: the next batch staged on a worker thread. {cfg.warmup_steps} warm-up "
         f"steps, then median of {cfg.repeats} chunks "
         f"x {cfg.steps_per_repeat} steps, the systems timed in turn (rotating order) on the same batches"
     )

@@ -63,7 +63,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import fbgemm_cuda_reason, markdown_table, parse_config, print_and_save
+from common import every_row_batches, fbgemm_cuda_reason, markdown_table, parse_config, print_and_save
 
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 from torchrec_ext.data import dlrm_small_batch
@@ -119,23 +119,6 @@ def _batches(cfg: Config, count: int, device: torch.device) -> list:
         ).to(device)
         for step in range(count)
     ]
-
-
-def _fill_batches(cfg: Config, device: torch.device) -> list:
-    """Every row id once per table: ids start..start+batch_size-1 of each table, one id a bag."""
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    out = []
-    for start in range(0, cfg.rows, cfg.batch_size):
-        ids = torch.arange(start, min(start + cfg.batch_size, cfg.rows), dtype=torch.int64)
-        out.append(
-            KeyedJaggedTensor(
-                keys=[f"f{t}" for t in range(cfg.num_tables)],
-                values=ids.repeat(cfg.num_tables),
-                lengths=torch.ones(cfg.num_tables * ids.numel(), dtype=torch.int64),
-            ).to(device)
-        )
-    return out
 
 
 def _ours(cfg: Config, device: torch.device, backing: str, ratio: float | None, maps: str = "device"):
@@ -261,7 +244,7 @@ def run(cfg: Config) -> dict[str, object]:
             )
     count = cfg.warmup_steps + cfg.repeats * cfg.steps_per_repeat + 1
     batches = _batches(cfg, count, device)
-    fill = _fill_batches(cfg, device) if cfg.fill else []
+    fill = [kjt.to(device) for kjt in every_row_batches(cfg.num_tables, cfg.rows, cfg.batch_size)] if cfg.fill else []
     ids_per_step = sum(int(b.values().numel()) for b in batches) / len(batches)
     built = {}
     hbm = {}

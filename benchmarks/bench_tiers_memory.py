@@ -4,11 +4,13 @@ together).
 
 Each system (resident, file, host, file+prefetch, host+prefetch: as in bench_tiers.py, same flags,
 same batches) runs in a fresh child process: it makes every batch, reads its memory (the base:
-interpreter, torch, batches), builds its tables, trains ``warmup_steps`` (the cache full and
-evicting), reads its memory again (after warm-up), resets the kernel's peak (``/proc/self/clear_refs``)
+interpreter, torch, batches), builds its tables, makes every row live (``fill``: a pass over
+every row id, so the table holds 1 / cache_load_factor = 5x the cache's rows), trains
+``warmup_steps`` (the cache full and evicting), reads its memory again (after warm-up), resets the kernel's peak (``/proc/self/clear_refs``)
 and trains the timed steps (``repeats`` x ``steps_per_repeat``), then reads its peak (VmHWM) and its
 memory at the end, split into anonymous and file pages (a file-backed table's mapped pages are
-file pages). Reported above the base, next to the module's fast memory (``storage_bytes``: the
+file pages; each copy to or from a file unmaps its pages after it, ``--release-pages 0`` keeps
+them: the A/B). Reported above the base, next to the module's fast memory (``storage_bytes``: the
 cache's rows and index; all rows for resident) and the working set: what the all-resident step
 needs beyond its rows (its peak above the base, less its fast memory; run ``resident`` too).
 Host backing keeps every row in host memory: its resident memory holds the whole table by design.
@@ -20,6 +22,7 @@ Host backing keeps every row in host memory: its resident memory holds the whole
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -31,10 +34,18 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_tiers import SYSTEMS, Config, _build, _step
-from common import markdown_table, parse_config, print_and_save, process_memory
+from bench_tiers import SYSTEMS, Config, _build, _step, set_file_options
+from common import every_row_batches, markdown_table, parse_config, print_and_save, process_memory
 
 from torchrec_ext.data import dlrm_small_batch
+
+
+@dataclasses.dataclass
+class MemoryConfig(Config):
+    # 1: before the warm-up, one pass over every row id of every table (every_row_batches): all
+    # rows live, so a tiered table holds 1 / cache_load_factor (5) times its cache's rows
+    fill: int = 1
+
 
 CHILD = "BENCH_TIERS_MEMORY_CHILD"  # set in a child: it measures the one system it is given
 
@@ -49,7 +60,7 @@ def _reset_peak() -> bool:
         return False
 
 
-def measure_one(cfg: Config, name: str) -> dict[str, object]:
+def measure_one(cfg: MemoryConfig, name: str) -> dict[str, object]:
     """One system's memory, in this process (the child's job)."""
     n = cfg.steps_per_repeat
     total = cfg.warmup_steps + cfg.repeats * n
@@ -61,10 +72,14 @@ def measure_one(cfg: Config, name: str) -> dict[str, object]:
     try:
         backing = "device" if name == "resident" else "host" if name.startswith("host") else f"file:{directory}"
         prefetch = name.endswith("+prefetch")
+        set_file_options(cfg)
         gc.collect()
         base = process_memory()
         module = _build(cfg, backing)
         built = process_memory()
+        if cfg.fill:  # every row live: the table holds 1 / cache_load_factor times the cache's rows
+            for kjt in every_row_batches(cfg.num_tables, cfg.capacity, cfg.batch_size):
+                _step(module, kjt)
         for i in range(total):
             if i == cfg.warmup_steps:
                 if prefetch:
@@ -86,6 +101,7 @@ def measure_one(cfg: Config, name: str) -> dict[str, object]:
             "peak_reset": peak_reset,
             "fast_memory_bytes": module.storage_bytes(),
             "live_rows": module.num_live_rows(),
+            "cache_slots": sum(s.cache_slots for s in module.table_stats().values()),
         }
     finally:
         if not cfg.backing_dir:
@@ -97,7 +113,7 @@ def _child_argv(name: str) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--systems", name, "--no-save"]
 
 
-def run(cfg: Config) -> dict[str, dict]:
+def run(cfg: MemoryConfig) -> dict[str, dict]:
     """Every system of ``cfg.systems`` measured in a child process of its own, in turn."""
     results = {}
     for name in cfg.systems:
@@ -109,7 +125,7 @@ def run(cfg: Config) -> dict[str, dict]:
     return results
 
 
-def report(cfg: Config, results: dict[str, dict]) -> str:
+def report(cfg: MemoryConfig, results: dict[str, dict]) -> str:
     mib = lambda b: f"{b / 2**20:,.0f}"
     resident = results.get("resident")
     working = None
@@ -129,6 +145,7 @@ def report(cfg: Config, results: dict[str, dict]) -> str:
                 mib(r["end"]["RssAnon"] - r["base"]["RssAnon"]),
                 mib(r["end"]["RssFile"] - r["base"]["RssFile"]),
                 mib(r["fast_memory_bytes"]),
+                f"{r['live_rows'] / r['cache_slots']:.2f}" if r.get("cache_slots") else "",
                 mib(working) if working is not None else "",
                 f"{peak / bound:.2f}" if working is not None and bound else "",
             ]
@@ -136,7 +153,8 @@ def report(cfg: Config, results: dict[str, dict]) -> str:
     title = (
         f"Resident memory of each system in a process of its own, dlrm-small on cpu: {cfg.num_tables} tables x dim "
         f"{cfg.dim}, capacity {cfg.capacity:,} rows each, batch {cfg.batch_size} per table, cache_load_factor "
-        f"{cfg.cache_load_factor}; {cfg.warmup_steps} warm-up steps, then {cfg.repeats * cfg.steps_per_repeat} "
+        f"{cfg.cache_load_factor}; {'a pass over every row id (all rows live), then ' if cfg.fill else ''}"
+        f"{cfg.warmup_steps} warm-up steps, then {cfg.repeats * cfg.steps_per_repeat} "
         "steps whose peak is read (MiB; all but the base are above the base: interpreter, torch, the batches)"
     )
     headers = [
@@ -147,6 +165,7 @@ def report(cfg: Config, results: dict[str, dict]) -> str:
         "anonymous at end",
         "file pages at end",
         "fast memory (cache)",
+        "live rows / cache rows",
         "working set",
         "peak / (cache + working set)",
     ]
@@ -163,7 +182,7 @@ def report(cfg: Config, results: dict[str, dict]) -> str:
 
 
 def main() -> None:
-    cfg, save_results = parse_config(Config, __doc__, systems=SYSTEMS)
+    cfg, save_results = parse_config(MemoryConfig, __doc__, systems=SYSTEMS)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if os.environ.get(CHILD):

@@ -196,6 +196,24 @@ def small_tables(cfg, config_cls=None, num_embeddings: int | None = None) -> lis
     ]
 
 
+def every_row_batches(num_tables: int, rows: int, batch_size: int) -> list:
+    """Batches giving each table t<i> (feature f<i>) ids 0..rows-1 once, one id a bag: a pass
+    that makes every row of tables of ``rows`` rows live (so a cache of a fraction of them evicts)."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    out = []
+    for start in range(0, rows, batch_size):
+        ids = torch.arange(start, min(start + batch_size, rows), dtype=torch.int64)
+        out.append(
+            KeyedJaggedTensor(
+                keys=[f"f{t}" for t in range(num_tables)],
+                values=ids.repeat(num_tables),
+                lengths=torch.ones(num_tables * ids.numel(), dtype=torch.int64),
+            )
+        )
+    return out
+
+
 def parse_config(config_cls, description: str, systems: Sequence[str] = (), ranks: bool = False):
     """(config, save_results) from the command line: one --flag per field of the `config_cls`
     dataclass (its type and default) and --no-save; with `systems`, --systems picks a comma-separated

@@ -9,6 +9,7 @@ once, file mappings (the backing files, the logs' records) left out: the bytes a
 """
 
 import gc
+import re
 import types
 
 import pytest
@@ -173,3 +174,49 @@ def _with_device_maps_and_plans(configs, optimizer: str):
         for c in configs
     ]
     return module, planned
+
+
+def _mapped_kib(directory) -> dict[str, int]:
+    """Per backing file under ``directory``, the kB of it this process has mapped resident (the
+    kernel's own count: /proc/self/smaps)."""
+    found, current = {}, None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", fields[0]):  # a mapping: range perms offset dev inode [path]
+                current = fields[5] if len(fields) >= 6 and fields[5].startswith(str(directory)) else None
+            elif current is not None and fields[0] == "Rss:":
+                found[current] = found.get(current, 0) + int(fields[1])
+    return found
+
+
+@pytest.mark.parametrize("release", [True, False], ids=["released", "kept"])
+def test_a_file_backed_table_keeps_no_backing_pages_mapped_after_its_copies(tmp_path, monkeypatch, release):
+    """Rows are a fraction of a page, so each row copied to or from a backing file maps a page (a
+    large folio, often): kept mapped, the process's resident memory would grow with every page the
+    tables touched, up to the files' size. After each copy the pages are unmapped (the page cache
+    keeps them); the rows trained stay what an all-resident module trains."""
+    from torchrec_ext.modules import tier_guard
+
+    monkeypatch.setattr(tier_guard, "RELEASE_AFTER_COPY", release)
+    torch.manual_seed(0)
+    tiered = DynamicEmbeddingBagCollection(_configs(f"file:{tmp_path}"), optimizer="adagrad")
+    resident_configs = _configs("host")
+    for config in resident_configs:
+        config.backing, config.cache_load_factor = "device", None
+    resident = DynamicEmbeddingBagCollection(resident_configs, optimizer="adagrad")
+    resident.load_state_dict(tiered.state_dict())
+    for step in range(12):  # 400 and 300 ids into caches of 100 and 90 rows: misses and write-backs
+        kjt = random_kjt(["f0", "f1"], 32, torch.arange(step * 40, step * 40 + 400), max_len=2)
+        for module in (tiered, resident):
+            module(kjt).values().sum().backward()
+    stats = tiered.table_stats()
+    assert stats["a"].cache_misses > 0 and stats["a"].cache_write_backs > 0
+    mapped = _mapped_kib(tmp_path)
+    assert any(name.endswith(".rows") for name in mapped), mapped  # the files are mapped by this process
+    if release:
+        assert sum(mapped.values()) == 0, mapped
+    else:
+        assert sum(mapped.values()) > 0, mapped
+    for key, value in resident.state_dict().items():
+        assert torch.equal(value, tiered.state_dict()[key]), key

@@ -26,6 +26,7 @@ file is still as long as its mapping (``check_whole``: a ``stat`` a call).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import threading
@@ -105,7 +106,27 @@ def copy_rows(
     mapped page fails or the mapped file was cut short (``check_whole``; ``doing``: "read" from
     the mapping ``src`` or "write" into the mapping ``dst``, and ``consequence``, what the caller
     leaves: for the message)."""
-    check_whole(src if doing == "read" else dst, doing, consequence)  # (the side that is a mapping)
+    mapped = src if doing == "read" else dst  # (the side that is a mapping)
+    check_whole(mapped, doing, consequence)
     fault = ops.guarded_copy_rows(dst, dst_rows, src, src_rows)
+    if RELEASE_AFTER_COPY:
+        release_pages(mapped)
     if fault:
         raise _error(fault, doing, consequence)
+
+
+RELEASE_AFTER_COPY = True
+_MADV_DONTNEED = 4
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def release_pages(t: Tensor) -> None:
+    """Unmaps from this process the pages of the registered mapping holding ``t`` (MADV_DONTNEED;
+    the page cache keeps them, dirty ones included, and the next touch maps them again). A row is
+    a fraction of a page, so a copy of scattered rows maps a page for each: without this, the
+    process's resident memory grows with every page the tables ever touched, up to the files'
+    size, instead of holding one copy's pages at a time."""
+    found = _mapping_at(t.data_ptr())
+    if found is not None:
+        start, nbytes, _, _ = found
+        _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(nbytes), _MADV_DONTNEED)

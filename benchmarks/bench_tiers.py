@@ -35,7 +35,7 @@ and the process's resident memory split into anonymous and file pages (both modu
     python benchmarks/bench_tiers.py --capacity 65536 --batch-size 512 --warmup-steps 5 --repeats 3 --no-save  # smoke
     python benchmarks/bench_tiers.py --capacity 65536 --batch-size 512 --flusher-ms 20 --no-save  # smoke, files cleaned
     python benchmarks/bench_tiers.py --threads 1 --systems resident,file+prefetch --write-behind 1 --no-save  # A/B
-    python benchmarks/bench_tiers.py --threads 1 --systems resident,file+prefetch --release-pages 0 --no-save  # A/B
+    python benchmarks/bench_tiers.py --threads 1 --systems resident,file+prefetch --release-pages 1 --no-save  # A/B
 """
 
 from __future__ import annotations
@@ -79,9 +79,9 @@ class Config(DlrmSmall):
     # 1: file backing's log hands each append's pages to the disk at once (tier_log.WRITE_BEHIND);
     # 0 (the library's default): they stay dirty until the kernel's flusher takes them
     write_behind: int = 0
-    # 0: file backing keeps mapped the pages its copies touch (tier_guard.RELEASE_AFTER_COPY off;
-    # the library's default, 1, unmaps them after each copy): the A/B of that release
-    release_pages: int = 1
+    # 1: file backing unmaps the pages each copy touched (tier_guard.RELEASE_AFTER_COPY); 0, the
+    # library's default, keeps them mapped: the A/B of that release
+    release_pages: int = 0
 
 
 SYSTEMS = ("resident", "file", "host", "file+prefetch", "host+prefetch")

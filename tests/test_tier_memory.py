@@ -191,11 +191,12 @@ def _mapped_kib(directory) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("release", [True, False], ids=["released", "kept"])
-def test_a_file_backed_table_keeps_no_backing_pages_mapped_after_its_copies(tmp_path, monkeypatch, release):
-    """Rows are a fraction of a page, so each row copied to or from a backing file maps a page (a
-    large folio, often): kept mapped, the process's resident memory would grow with every page the
-    tables touched, up to the files' size. After each copy the pages are unmapped (the page cache
-    keeps them); the rows trained stay what an all-resident module trains."""
+def test_released_pages_leave_no_backing_file_mapped_and_train_alike(tmp_path, monkeypatch, release):
+    """Rows are a fraction of a page, so each row copied to or from a backing file maps a page (and
+    the kernel's fault-around its neighbours): kept mapped (the default), the process's resident
+    memory grows with every page the tables touched, up to the files' size. With
+    ``tier_guard.RELEASE_AFTER_COPY`` the pages are unmapped after each copy (the page cache keeps
+    them, dirty ones too); either way the rows trained are what an all-resident module trains."""
     from torchrec_ext.modules import tier_guard
 
     monkeypatch.setattr(tier_guard, "RELEASE_AFTER_COPY", release)

@@ -17,10 +17,10 @@ is an error then, not a SIGBUS in the middle of a training step, and no write-ba
 allocates a block. (A block reserved but unwritten costs the first write through the mapping
 30-45 us per 4 KiB page on ext4, the conversion of its extent; a written page in the page cache
 0.05-0.5 us a row, less than an explicit ``pwrite`` a row, ~2 us: benchmarks/results/tier_file_writes.md.)
-Rows are copied to and from the mappings by ``tier_guard.copy_rows``, which then unmaps the pages
-the copy touched (``release_pages``: they stay in the page cache; a row is a fraction of a page, so
-otherwise the process's resident memory would grow to every page the tables ever touched, up to
-the files' size): a page that fails later (a
+Rows are copied to and from the mappings by ``tier_guard.copy_rows`` (with
+``tier_guard.RELEASE_AFTER_COPY``, which then unmaps the pages the copy touched: they stay in the
+page cache; a row is a fraction of a page, so otherwise the process's resident memory grows with
+every page the tables touched, up to the files' size): a page that fails later (a
 disk I/O error, the file truncated by another process) is an ``OSError`` naming the file and the
 offset, raised before the step changes any map, not a SIGBUS (``register`` here names each
 mapping's file). Each file is locked (``flock``, advisory) while its module lives, so two live

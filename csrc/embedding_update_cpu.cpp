@@ -36,6 +36,7 @@ enum class Optim : int64_t {
 // Python-float step sizes.
 struct Hyper {
   float lr, eps, beta1, beta2, weight_decay;
+  float one_minus_beta1, one_minus_beta2;  // Adam kinds: not 1.f - beta (0.1f is not 1.f - 0.9f)
   float clr;                         // Adagrad kinds: lr / (1 + (step - 1) * lr_decay)
   float step_size;                   // Adam kinds: lr / (1 - beta1^step)
   float bc2_sqrt;                    // Adam kinds: sqrt(1 - beta2^step)
@@ -48,8 +49,8 @@ TREXT_VECTOR_CLONES
 void adam_step(const Hyper& h, float* w, const float* g, float* m, float* v, int64_t dim) {
   const float step_size = h.step_size, bc2_sqrt = h.bc2_sqrt;
   for (int64_t d = 0; d < dim; ++d) {
-    m[d] += (1.f - h.beta1) * (g[d] - m[d]);  // torch.lerp for weights < 0.5
-    v[d] = h.beta2 * v[d] + (1.f - h.beta2) * g[d] * g[d];
+    m[d] += h.one_minus_beta1 * (g[d] - m[d]);  // torch.lerp for weights < 0.5
+    v[d] = h.beta2 * v[d] + h.one_minus_beta2 * g[d] * g[d];
     w[d] -= step_size * m[d] / (std::sqrt(v[d]) / bc2_sqrt + h.eps);
   }
 }
@@ -395,6 +396,8 @@ Hyper hyper_of(at::ArrayRef<double> hparams, int64_t step) {
                static_cast<float>(beta1),
                static_cast<float>(beta2),
                static_cast<float>(hparams[4]),
+               static_cast<float>(1.0 - beta1),
+               static_cast<float>(1.0 - beta2),
                static_cast<float>(lr / (1.0 + static_cast<double>(step - 1) * lr_decay)),
                static_cast<float>(lr / (1.0 - std::pow(beta1, static_cast<double>(step)))),
                static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step)))),

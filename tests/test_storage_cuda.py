@@ -20,6 +20,14 @@ import torch
 from torchrec import KeyedJaggedTensor
 from torchrec.modules.embedding_configs import DataType
 
+from mixed_dtype_helpers import (
+    ULP,
+    assert_rows_within_a_rounding,
+    bag_configs,
+    fixed_batch,
+    rows_by_id,
+    train_on_stream,
+)
 from torchrec_ext import (
     DynamicEmbeddingBagCollection,
     DynamicEmbeddingBagConfig,
@@ -30,101 +38,33 @@ from torchrec_ext.modules import GrowthError
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-TYPES = [DataType.FP32, DataType.FP16, DataType.BF16]
-DIMS = [8, 12, 6]  # 6: half rows not a whole number of 16-byte loads
-ULP = {torch.float32: 2.0**-20, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}  # (relative, with margin)
-
-
-def _bag_configs(types=TYPES, stochastic=True, cls=DynamicEmbeddingBagConfig, dims=DIMS):
-    return [
-        cls(
-            name=f"t{i}",
-            embedding_dim=dim,
-            num_embeddings=512,
-            feature_names=[f"f{i}"],
-            data_type=dtype,
-            stochastic_rounding=stochastic,
-        )
-        for i, (dtype, dim) in enumerate(zip(types, dims))
-    ]
-
-
-def _batch(step, tables=3, vocab=300, batch=16):
-    gen = torch.Generator().manual_seed(1000 + step)
-    lengths = torch.randint(0, 5, (tables * batch,), generator=gen)
-    ids = torch.randint(0, vocab, (int(lengths.sum()),), generator=gen) * 104729 - 2**35
-    return KeyedJaggedTensor.from_lengths_sync([f"f{i}" for i in range(tables)], ids, lengths)
-
-
-def _train(module, device, steps=4):
-    """Trains ``module`` (on ``device``) on a fixed stream; returns each step's output on the CPU."""
-    outs = []
-    for step in range(steps):
-        kjt = _batch(step).to(device)
-        out = module(kjt)
-        values = out.values() if hasattr(out, "values") and callable(out.values) else out
-        gen = torch.Generator().manual_seed(step)
-        weight = torch.randn(values.shape, generator=gen).to(device)  # a loss whose gradient ignores the rows
-        (values * weight).sum().backward()
-        outs.append(values.detach().cpu())
-    return outs
-
-
-def _by_id(module, container="embedding_bags"):
-    sd = {k: v.cpu() for k, v in module.state_dict().items()}
-    out = {}
-    for name in sorted({k.split(".")[1] for k in sd if k.startswith(container + ".")}):
-        prefix = f"{container}.{name}."
-        order = sd[prefix + "weight_id"].argsort()
-        out[name] = {
-            k[len(prefix) :]: v[order]
-            for k, v in sd.items()
-            if k.startswith(prefix) and (k.endswith((".weight", ".weight_id")) or ".optimizer." in k)
-        }
-    return out
-
-
-def _assert_rows_within_a_rounding(got, want, dtypes, exact_share=0.97):
-    for (name, g), dtype in zip(sorted(got.items()), dtypes):
-        w = want[name]
-        assert torch.equal(g["weight_id"], w["weight_id"]), name
-        assert g["weight"].dtype == w["weight"].dtype == dtype, name
-        a, b = g["weight"].float(), w["weight"].float()
-        torch.testing.assert_close(a, b, rtol=2 * ULP[dtype] if dtype != torch.float32 else 1e-5, atol=1e-6, msg=name)
-        if dtype != torch.float32:  # float32 rows differ in their last bits (sums' order, FMA); half rows
-            # only where that moves a value across a rounding boundary
-            assert (a == b).float().mean() >= exact_share, (name, (a == b).float().mean())
-        for key in g:
-            if key.startswith("optimizer."):
-                torch.testing.assert_close(g[key], w[key], rtol=1e-5, atol=1e-7, msg=f"{name}.{key}")
-
 
 @pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad", "adam"])
 def test_mixed_dtype_bag_collection_on_the_gpu_trains_as_on_the_cpu(optimizer):
     cuda = torch.device("cuda")
     kwargs = dict(optimizer=optimizer, optimizer_kwargs={"lr": 0.05})
-    on_cpu = DynamicEmbeddingBagCollection(_bag_configs(), **kwargs)
-    on_gpu = DynamicEmbeddingBagCollection(_bag_configs(), device=cuda, **kwargs)
+    on_cpu = DynamicEmbeddingBagCollection(bag_configs(), **kwargs)
+    on_gpu = DynamicEmbeddingBagCollection(bag_configs(), device=cuda, **kwargs)
     assert on_gpu._tables.weights.device.type == "cuda"
-    for got, want in zip(_train(on_gpu, cuda), _train(on_cpu, torch.device("cpu"))):
+    for got, want in zip(train_on_stream(on_gpu, cuda), train_on_stream(on_cpu, torch.device("cpu"))):
         assert got.dtype == torch.float32
         # Sums in another order, of rows a rounding apart where a step's last float32 bit differed
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
     dtypes = [torch.float32, torch.float16, torch.bfloat16]
-    _assert_rows_within_a_rounding(_by_id(on_gpu), _by_id(on_cpu), dtypes)
+    assert_rows_within_a_rounding(rows_by_id(on_gpu), rows_by_id(on_cpu), dtypes)
 
 
 def test_mixed_dtype_sequence_collection_on_the_gpu_trains_as_on_the_cpu():
     cuda = torch.device("cuda")
-    configs = _bag_configs(cls=DynamicEmbeddingConfig, dims=[8, 8, 8])
+    configs = bag_configs(cls=DynamicEmbeddingConfig, dims=[8, 8, 8])
     kwargs = dict(optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
     on_cpu = DynamicEmbeddingCollection(configs, **kwargs)
-    on_gpu = DynamicEmbeddingCollection(_bag_configs(cls=DynamicEmbeddingConfig, dims=[8, 8, 8]), device=cuda, **kwargs)
+    on_gpu = DynamicEmbeddingCollection(bag_configs(cls=DynamicEmbeddingConfig, dims=[8, 8, 8]), device=cuda, **kwargs)
 
     def train(module, device):
         outs = []
         for step in range(4):
-            out = module(_batch(step).to(device))
+            out = module(fixed_batch(step).to(device))
             values = torch.cat([out[f"f{i}"].values() for i in range(3)])
             gen = torch.Generator().manual_seed(step)
             (values * torch.randn(values.shape, generator=gen).to(device)).sum().backward()
@@ -133,16 +73,18 @@ def test_mixed_dtype_sequence_collection_on_the_gpu_trains_as_on_the_cpu():
 
     for got, want in zip(train(on_gpu, cuda), train(on_cpu, torch.device("cpu"))):
         torch.testing.assert_close(got, want, rtol=2 * ULP[torch.bfloat16], atol=1e-5)
-    _assert_rows_within_a_rounding(
-        _by_id(on_gpu, "embeddings"), _by_id(on_cpu, "embeddings"), [torch.float32, torch.float16, torch.bfloat16]
+    assert_rows_within_a_rounding(
+        rows_by_id(on_gpu, "embeddings"),
+        rows_by_id(on_cpu, "embeddings"),
+        [torch.float32, torch.float16, torch.bfloat16],
     )
 
 
 def test_stochastic_rounding_on_the_gpu_is_reproducible_and_not_to_nearest():
     cuda = torch.device("cuda")
     kwargs = dict(device=cuda, optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
-    runs = [DynamicEmbeddingBagCollection(_bag_configs(stochastic=s), **kwargs) for s in (True, True, False)]
-    outs = [_train(m, cuda, steps=6) for m in runs]
+    runs = [DynamicEmbeddingBagCollection(bag_configs(stochastic=s), **kwargs) for s in (True, True, False)]
+    outs = [train_on_stream(m, cuda, steps=6) for m in runs]
     for a, b in zip(outs[0], outs[1]):
         assert torch.equal(a, b)
     states = [{k: v.cpu() for k, v in m.state_dict().items()} for m in runs]
@@ -158,15 +100,15 @@ def test_stochastic_rounding_on_the_gpu_is_reproducible_and_not_to_nearest():
 @pytest.mark.parametrize("source_device, target_device", [("cuda", "cuda"), ("cuda", "cpu"), ("cpu", "cuda")])
 def test_checkpoints_convert_between_dtypes_to_and_from_the_gpu(source_device, target_device):
     source = DynamicEmbeddingBagCollection(
-        _bag_configs(), device=torch.device(source_device), optimizer="adagrad", optimizer_kwargs={"lr": 0.05}
+        bag_configs(), device=torch.device(source_device), optimizer="adagrad", optimizer_kwargs={"lr": 0.05}
     )
-    _train(source, torch.device(source_device), steps=2)
+    train_on_stream(source, torch.device(source_device), steps=2)
     sd = source.state_dict()
     assert all(v.device.type == source_device for v in sd.values() if isinstance(v, torch.Tensor))
     # Every table in another dtype: FP32 -> BF16, FP16 -> FP32, BF16 -> FP16.
     other = [DataType.BF16, DataType.FP32, DataType.FP16]
     target = DynamicEmbeddingBagCollection(
-        _bag_configs(types=other),
+        bag_configs(types=other),
         device=torch.device(target_device),
         optimizer="adagrad",
         optimizer_kwargs={"lr": 0.05},
@@ -187,7 +129,7 @@ def test_checkpoints_convert_between_dtypes_to_and_from_the_gpu(source_device, t
             got[f"{key}.optimizer.momentum1"].cpu()[order_got], sd[f"{key}.optimizer.momentum1"].cpu()[order_sd]
         )
     # And it trains on from there on the target's device.
-    _train(target, torch.device(target_device), steps=1)
+    train_on_stream(target, torch.device(target_device), steps=1)
 
 
 def test_a_growth_that_runs_out_of_device_memory_leaves_the_table_unchanged_and_training():
@@ -212,7 +154,7 @@ def test_a_growth_that_runs_out_of_device_memory_leaves_the_table_unchanged_and_
     small, big = kjt(0, 2000), kjt(10**6, 200_000)  # the big one: 4096 rows -> 2^19 (~400 MB with Adam)
     for m in (grown, full):
         step(m, small)
-    before = _by_id(grown)
+    before = rows_by_id(grown)
     torch.cuda.synchronize()
     gc.collect()
     torch.cuda.empty_cache()
@@ -234,11 +176,11 @@ def test_a_growth_that_runs_out_of_device_memory_leaves_the_table_unchanged_and_
     gc.collect()
     assert torch.cuda.memory_allocated(cuda) <= in_use + (8 << 20)  # what the growth allocated is given back
     assert grown.table_stats()["t"].capacity == 4096
-    after = _by_id(grown)
+    after = rows_by_id(grown)
     for key, value in before["t"].items():
         assert torch.equal(after["t"][key], value), key
     # With the memory back, it grows and trains as the preallocated module.
     torch.testing.assert_close(step(grown, big), step(full, big), rtol=0, atol=0)
     assert grown.table_stats()["t"].capacity == 1 << 19
-    for key, value in _by_id(full)["t"].items():
-        assert torch.equal(_by_id(grown)["t"][key], value), key
+    for key, value in rows_by_id(full)["t"].items():
+        assert torch.equal(rows_by_id(grown)["t"][key], value), key

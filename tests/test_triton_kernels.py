@@ -10,6 +10,7 @@ again in a child pytest with TRITON_INTERPRET=1: the `interp` variants exist onl
 `cuda` ones only in the parent. Gathers are compared bit for bit, sums and updates with assert_close.
 """
 
+import contextlib
 import importlib.util
 import itertools
 import os
@@ -20,6 +21,8 @@ import pytest
 import torch
 
 from matrix import ci_subset
+from mixed_dtype_helpers import assert_rows_within_a_rounding, bag_configs, rows_by_id, train_on_stream
+from torchrec_ext import DynamicEmbeddingBagCollection
 from torchrec_ext import reference as ref
 
 _CHILD_FLAG = "TORCHREC_EXT_TRITON_INTERPRET_CHILD"
@@ -1200,3 +1203,64 @@ def _no_launch():
             return lambda *args, **kwargs: None
 
     return _NoLaunch()
+
+
+@contextlib.contextmanager
+def _the_gpu_kernels_on_cpu(tables):
+    """Within it, ``tables`` (a module's ``_tables``) run the module's GPU path on CPU tensors: the
+    lookups and the fused update by the Triton kernels (interpreted), new rows written by the
+    lookup in one call for all tables, the upserts batched, checks deferred as a GPU defers them."""
+    from torchrec_ext import device_sync, ops
+
+    lookup, update = _lookup(), _update()
+    kernels = {
+        "pooled_lookup": lookup.pooled_lookup,
+        "sequence_lookup": lookup.sequence_lookup,
+        "fused_update": update.fused_update,
+    }
+    saved = {name: getattr(ops, name) for name in kernels} | {"defer_on_cpu": device_sync.defer_on_cpu}
+    tables.defer_new_rows, tables.flat_init, tables.batched_upsert = False, True, True
+    try:
+        for name, kernel in kernels.items():
+            setattr(ops, name, kernel)
+        device_sync.defer_on_cpu = True
+        yield
+    finally:
+        device_sync.defer_on_cpu = saved.pop("defer_on_cpu")
+        for name, op in saved.items():
+            setattr(ops, name, op)
+
+
+@pytest.mark.skipif(not _IN_CHILD, reason="runs under the interpreter, in test_interpreter_run's child")
+@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad", "adam"])
+def test_a_mixed_dtype_module_on_the_gpu_kernels_trains_as_on_the_cpu_kernels(optimizer):
+    """The module's GPU path, short of a GPU: FP32, FP16 and BF16 tables (stochastic rounding) in
+    one lookup and one fused update, one table growing, trained by the Triton kernels as the same
+    module by the C++ ones. The interpreter's float32 arithmetic is numpy's (no fused multiply-add)
+    and the C++ kernels are built without contraction, so rows and optimizer states agree bit for
+    bit, and outputs but for the last bits of float32 sums taken in another order (on a GPU, FMAs
+    move last bits of rows too: tests/test_storage_cuda.py allows a rounding). Row-wise Adagrad's
+    state, a row's mean of squared gradients, is such a sum too: there, within a rounding."""
+
+    def module():
+        configs = bag_configs()
+        configs[1].initial_capacity = 64  # grows to 128 and 256 as ~300 ids arrive
+        torch.manual_seed(0)
+        return DynamicEmbeddingBagCollection(configs, optimizer=optimizer, optimizer_kwargs={"lr": 0.05})
+
+    on_cpu_kernels, on_gpu_kernels = module(), module()
+    want = train_on_stream(on_cpu_kernels, torch.device("cpu"), steps=6)
+    with _the_gpu_kernels_on_cpu(on_gpu_kernels._tables):
+        got = train_on_stream(on_gpu_kernels, torch.device("cpu"), steps=6)
+    assert on_gpu_kernels._tables.meta[1].capacity == on_cpu_kernels._tables.meta[1].capacity > 64
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-8)
+    rows, rows_wanted = rows_by_id(on_gpu_kernels), rows_by_id(on_cpu_kernels)
+    dtypes = [torch.float32, torch.float16, torch.bfloat16]
+    assert_rows_within_a_rounding(rows, rows_wanted, dtypes)
+    if optimizer == "rowwise_adagrad":
+        return
+    for name, wanted in rows_wanted.items():
+        assert rows[name].keys() == wanted.keys()
+        for key, value in wanted.items():
+            assert torch.equal(rows[name][key], value), (name, key)

@@ -37,11 +37,11 @@ enum class Optim : int64_t {
 struct Hyper {
   float lr, eps, beta1, beta2, weight_decay;
   float one_minus_beta1, one_minus_beta2;  // Adam kinds: not 1.f - beta (0.1f is not 1.f - 0.9f)
-  float clr;                         // Adagrad kinds: lr / (1 + (step - 1) * lr_decay)
-  float step_size;                   // Adam kinds: lr / (1 - beta1^step)
-  float bc2_sqrt;                    // Adam kinds: sqrt(1 - beta2^step)
-  float decay;                       // AdamW: 1 - lr * weight_decay
-  float lr_power, l1, two_l2, beta;  // FTRL
+  float clr;                               // Adagrad kinds: lr / (1 + (step - 1) * lr_decay)
+  float step_size;                         // Adam kinds: lr / (1 - beta1^step)
+  float bc2_sqrt;                          // Adam kinds: sqrt(1 - beta2^step)
+  float decay;                             // AdamW: 1 - lr * weight_decay
+  float lr_power, l1, two_l2, beta;        // FTRL
 };
 
 // Adam's moments and step (AdamW's too, after its decay), as torch.optim.Adam orders them.

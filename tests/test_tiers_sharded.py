@@ -8,6 +8,7 @@ another order). Checkpoints (state_dict, full_state_dict, DCP) round-trip; file 
 each rank's share in files of its own, named by rank.
 """
 
+import gc
 import os
 
 import pytest
@@ -240,7 +241,13 @@ def _check_sharded(rank, world_size, root, kind, sharding, name):
         assert [per_model[table].cache_misses, per_model[table].cache_write_backs] == counts.tolist(), table
     step_stats = sharded_module.tier_step_stats()
     assert set(step_stats) == set(sharded_module.local_module.table_stats())  # every share here, column shards too
-    _check_checkpoints(rank, root, tiered, make, configs, backing, name, sharding)
+    checked = _check_checkpoints(rank, root, tiered, make, configs, backing, name, sharding)
+    if kind == "file":
+        _train_past_checkpoint(rank, tiered, name)
+        files = _backing_files(root)
+        del tiered, sharded_module  # (their files' locks go with them)
+        gc.collect()
+        _check_reopened(rank, root, make, configs, backing, name, sharding, checked, files)
     if kind == "host" and sharding == "table_wise":  # (one case is enough: the plan's factor is read alike)
         _check_planned_caches(rank)
     if kind == "file":  # every rank's share in files of its own, named by rank
@@ -350,16 +357,49 @@ def _check_checkpoints(rank, root, tiered, make, configs, backing, name, shardin
     restored.load_state_dict(
         load_checkpoint(os.path.join(root, "ckpt", "step_1"), {"model": restored.state_dict()})["model"]
     )
-    for module in (copy, restored):
-        module.eval()
-        for kjts, expected in zip(evals, want):
-            assert torch.equal(_values(module(kjts[rank]), keys), expected)
-        assert_same_tables(full_state_dict(module.state_dict()), whole, prefix)
+    _assert_evaluates_as(rank, [copy, restored], evals, want, keys, whole, prefix)
     unsharded_dir = os.path.join(root, f"full{rank}")
     os.makedirs(unsharded_dir, exist_ok=True)
     unsharded = make(configs(backing if backing == "host" else f"file:{unsharded_dir}"))
     unsharded.load_state_dict({k[len(name) + 1 :]: v for k, v in whole.items()})
     assert_same_tables({f"{name}.{k}": v for k, v in unsharded.state_dict().items()}, whole, prefix)
+    return evals, want, whole
+
+
+def _assert_evaluates_as(rank, modules, evals, want, keys, whole, prefix):
+    from torchrec_ext.distributed import full_state_dict
+
+    for module in modules:
+        module.eval()
+        for kjts, expected in zip(evals, want):
+            assert torch.equal(_values(module(kjts[rank]), keys), expected)
+        assert_same_tables(full_state_dict(module.state_dict()), whole, prefix)
+
+
+def _backing_files(root):
+    return sorted(f for f in os.listdir(root) if f.endswith((".rows", ".log")))
+
+
+def _train_past_checkpoint(rank, tiered, name):
+    """Steps the checkpoint does not know: the logs get records a reopened directory must ignore."""
+    tiered.train()
+    for step in range(16, 20):
+        _values(tiered(_rank_batch(step, rank)), None if name == "ebc" else KEYS).square().sum().backward()
+
+
+def _check_reopened(rank, root, make, configs, backing, name, sharding, checked, files):
+    """A new tiered DMP over the directory of one freed (its files reopened, not new ones) loads the
+    checkpoint with DCP: it evaluates and holds the tables as the checkpoint did."""
+    from torchrec_ext.distributed.checkpoint import load_checkpoint
+
+    evals, want, whole = checked
+    reopened = _dmp(make(configs(backing), torch.device("meta")), name, sharding)
+    assert _backing_files(root) == files  # the same files, reopened
+    reopened.load_state_dict(
+        load_checkpoint(os.path.join(root, "ckpt", "step_1"), {"model": reopened.state_dict()})["model"]
+    )
+    prefix = f"{name}.{'embedding_bags' if name == 'ebc' else 'embeddings'}."
+    _assert_evaluates_as(rank, [reopened], evals, want, None if name == "ebc" else KEYS, whole, prefix)
 
 
 @pytest.mark.parametrize(

@@ -250,6 +250,20 @@ def test_tiered_tables_show_their_cache_traffic_and_resume(tmp_path):
     assert again["tier_steps_total"]["misses"] > 0  # no prefetch: rows evicted earlier are read in the step
 
 
+def test_tiered_tables_without_a_cache_load_factor_take_the_planners_choice(tmp_path):
+    """--backing file:<dir> alone: the planner chooses each table's cache from the memory budget
+    (the largest load factor whose plan fits). TorchRec's default CPU topology has far more memory
+    than 26 tables of 2048 x 8 rows need, so every cache holds its whole table."""
+    backing, run_dir = tmp_path / "backing", str(tmp_path / "run")
+    backing.mkdir()
+    job_ok(
+        run_job(["--steps", "3"] + TINY + ["--run-dir", run_dir, "--eval-batches", "0", "--backing", f"file:{backing}"])
+    )
+    tables = _load(run_dir, "summary.json")["table_stats"]
+    assert len(tables) == 26 and {t["cache_slots"] for t in tables.values()} == {2048}
+    assert len(list(backing.iterdir())) > 0  # the rows live in the backing files all the same
+
+
 def test_bad_data_fails_fast_from_the_command_line(tmp_path):
     proc = run_job(["--data", "criteo-tsv:/nonexistent/day_0.tsv", "--run-dir", str(tmp_path / "r")])
     assert proc.returncode == 2

@@ -122,3 +122,29 @@ def test_carried_fbgemm_parts_are_unpacked_and_put_first_on_the_path(tmp_path):
     assert f"PYTHONPATH={ROOT}:/x/fbgemm_cuda" in proc.stdout.splitlines()
     without = dry_run("--bench-only", FBGEMM_PARTS=str(tmp_path / "none"), PYTHONPATH="")
     assert "fbgemm_cuda_parts.py" not in without.stdout and f"PYTHONPATH={ROOT}" in without.stdout.splitlines()
+
+
+def _prepare(*args, **env_vars):
+    env = dict(os.environ, PYTHON=sys.executable, **env_vars)
+    script = os.path.join(ROOT, "scripts", "gpu_prepare.sh")
+    return subprocess.run(["bash", script, *args], cwd=ROOT, env=env, capture_output=True, text=True)
+
+
+def test_gpu_prepare_names_every_download_and_refuses_what_it_cannot_do(tmp_path):
+    wheels = tmp_path / "wheels.sh"
+    wheels.write_text("exit 0\n")
+    proc = _prepare("--dry-run", "--no-fbgemm", WHEELS_SCRIPT=str(wheels))
+    assert proc.returncode == 0, proc.stderr
+    commands = [line for line in proc.stdout.splitlines() if line.startswith("+ ")]
+    assert commands[0] == f"+ bash {wheels}"
+    assert "pytest pluggy iniconfig pytest-xdist execnet" in commands[1]
+    assert [c.split("> ")[-1] for c in commands[2:4]] == [
+        ".whl/lookup_before_7a37695.py",
+        ".whl/lookup_before_42544ae.py",
+    ]
+    assert not any("fbgemm_cuda_parts.py" in c for c in commands)
+    assert "device call" in proc.stdout or "every device call carries" in proc.stdout
+    missing = _prepare("--dry-run", WHEELS_SCRIPT=str(tmp_path / "none.sh"))
+    assert missing.returncode == 2 and "no wheels script at" in missing.stderr
+    bad = _prepare("--dry", WHEELS_SCRIPT=str(wheels))
+    assert bad.returncode == 2 and "unknown argument --dry" in bad.stderr

@@ -48,8 +48,10 @@ struct Hyper {
 TREXT_VECTOR_CLONES
 void adam_step(const Hyper& h, float* w, const float* g, float* m, float* v, int64_t dim) {
   const float step_size = h.step_size, bc2_sqrt = h.bc2_sqrt;
+  const float weight = h.one_minus_beta1, rest = 1.f - weight;
+  const bool low = weight < 0.5f;  // torch.lerp's two formulas, picked by the weight as torch does
   for (int64_t d = 0; d < dim; ++d) {
-    m[d] += h.one_minus_beta1 * (g[d] - m[d]);  // torch.lerp for weights < 0.5
+    m[d] = low ? m[d] + weight * (g[d] - m[d]) : g[d] - (g[d] - m[d]) * rest;
     v[d] = h.beta2 * v[d] + h.one_minus_beta2 * g[d] * g[d];
     w[d] -= step_size * m[d] / (std::sqrt(v[d]) / bc2_sqrt + h.eps);
   }

@@ -32,19 +32,32 @@ class Entry:
     payload: slice  # its bytes in the file
 
 
+def _unpack(fmt: str, data: bytes | bytearray, offset: int, what: str) -> tuple:
+    if offset < 0 or offset + struct.calcsize(fmt) > len(data):
+        raise FatbinError(f"{what} at offset {offset:#x} lies past the end of the file ({len(data):#x} bytes)")
+    return struct.unpack_from(fmt, data, offset)
+
+
 def section(data: bytes | bytearray, name: str) -> slice | None:
     """Where the named section's bytes lie in an ELF64 little-endian file, or None without one."""
-    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
         raise FatbinError("not a 64-bit little-endian ELF file")
-    (shoff,) = struct.unpack_from("<Q", data, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    (shoff,) = _unpack("<Q", data, 0x28, "the section header offset")
+    shentsize, shnum, shstrndx = _unpack("<HHH", data, 0x3A, "the section header sizes")
     if shoff == 0 or shnum == 0:
         return None
-    headers = [struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    if shentsize < 64 or shstrndx >= shnum:
+        raise FatbinError(f"bad section headers (entry size {shentsize}, names at {shstrndx} of {shnum})")
+    headers = [_unpack("<IIQQQQ", data, shoff + i * shentsize, f"section header {i}") for i in range(shnum)]
     names_at = headers[shstrndx][4]
     for name_off, _type, _flags, _addr, offset, size in headers:
         start = names_at + name_off
-        if bytes(data[start : data.index(b"\0", start)]) == name.encode():
+        end = data.find(b"\0", start)
+        if start >= len(data) or end < 0:
+            raise FatbinError(f"a section name at offset {start:#x} runs past the end of the file")
+        if bytes(data[start:end]) == name.encode():
+            if offset + size > len(data):
+                raise FatbinError(f"section {name} ({offset:#x} + {size:#x}) runs past the end of the file")
             return slice(offset, offset + size)
     return None
 
@@ -61,12 +74,15 @@ def entries(data: bytes | bytearray, where: slice) -> list[list[Entry]]:
             continue
         _magic, _version, header_size, fat_size = struct.unpack_from("<IHHQ", data, pos)
         at, fat_end = pos + header_size, pos + header_size + fat_size
-        if fat_end > end:
-            raise FatbinError(f"the fat binary at offset {pos:#x} runs past its section ({fat_end:#x} > {end:#x})")
+        if header_size < 16 or fat_end > end:
+            raise FatbinError(
+                f"the fat binary at offset {pos:#x} has header size {header_size} and size {fat_size}: "
+                f"not within its section (which ends at {end:#x})"
+            )
         found = []
         while at < fat_end:
-            kind, _ver, entry_header, payload_size = struct.unpack_from("<HHIQ", data, at)
-            (arch,) = struct.unpack_from("<I", data, at + 28)
+            kind, _ver, entry_header, payload_size = _unpack("<HHIQ", data, at, "a fat binary entry")
+            (arch,) = _unpack("<I", data, at + 28, "a fat binary entry's architecture")
             payload = slice(at + entry_header, at + entry_header + payload_size)
             if entry_header < 32 or payload.stop > fat_end:
                 raise FatbinError(f"the fat binary entry at offset {at:#x} does not fit its fat binary")

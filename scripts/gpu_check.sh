@@ -81,9 +81,12 @@ fi
 parts=${FBGEMM_PARTS:-.fbgemm}
 if [[ -f $parts/MANIFEST.json ]]; then
   fbgemm_site=${FBGEMM_CUDA_SITE:-/tmp/fbgemm_cuda}
-  if run "$PY" scripts/fbgemm_cuda_parts.py unpack --dir "$parts" --target "$fbgemm_site"; then
-    export PYTHONPATH="$fbgemm_site${PYTHONPATH:+:$PYTHONPATH}"
-  fi
+  run "$PY" scripts/fbgemm_cuda_parts.py unpack --dir "$parts" --target "$fbgemm_site"
+  case $? in
+    0) export PYTHONPATH="$fbgemm_site${PYTHONPATH:+:$PYTHONPATH}" ;;
+    3) ;;  # parts still to come (named above): fbgemm-gpu-cpu stays
+    *) failed+=("unpacking fbgemm's CUDA parts") ;;
+  esac
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 echo "PYTHONPATH=$PYTHONPATH"

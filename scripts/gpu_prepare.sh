@@ -32,7 +32,6 @@ run() {
 }
 
 [[ -f $wheels ]] || { echo "gpu_prepare.sh: no wheels script at $wheels (set WHEELS_SCRIPT)" >&2; exit 2; }
-mkdir -p .git/info
 run bash "$wheels"
 run "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
   pytest pluggy iniconfig pytest-xdist execnet

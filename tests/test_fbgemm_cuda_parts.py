@@ -6,6 +6,7 @@ missing or damaged."""
 
 import json
 import os
+import struct
 import subprocess
 import sys
 import zipfile
@@ -92,6 +93,76 @@ def test_ptx_at_or_below_the_kept_arch_counts_as_its_code(tmp_path):
     assert all(not any(data[e.payload]) for e in entries if e.kind == fatbin.KIND_CUBIN)
 
 
+def _fat_binary(images: list[tuple[int, int, bytes]], header_size: int = 16) -> bytes:
+    """A fat binary as nvcc lays one out: its header, then each (kind, arch, payload) entry's
+    64-byte header (kind, version, header size, payload size; the arch at byte 28) and payload."""
+    body = b""
+    for kind, arch, payload in images:
+        entry = struct.pack("<HHIQ", kind, 0x0101, 64, len(payload)).ljust(28, b"\0") + struct.pack("<I", arch)
+        body += entry.ljust(64, b"\0") + payload
+    return struct.pack("<IHHQ", fatbin.FATBIN_MAGIC, 1, header_size, len(body)).ljust(header_size, b"\0") + body
+
+
+def _elf(fatbin_section: bytes) -> bytes:
+    """A minimal ELF64 file whose one named section is ``.nv_fatbin`` (at offset 0x100)."""
+    names = b"\0.shstrtab\0.nv_fatbin\0"
+    at = 0x100
+    shoff = at + len(fatbin_section)
+    header = b"\x7fELF\x02\x01\x01".ljust(0x28, b"\0") + struct.pack("<Q", shoff)
+    header = header.ljust(0x3A, b"\0") + struct.pack("<HHH", 64, 3, 1)
+    sections = [
+        bytes(64),
+        struct.pack("<IIQQQQIIQQ", 1, 3, 0, 0, 64, len(names), 0, 0, 1, 0),
+        struct.pack("<IIQQQQIIQQ", 11, 1, 2, 0, at, len(fatbin_section), 0, 0, 8, 0),
+    ]
+    return (header.ljust(64, b"\0") + names).ljust(at, b"\0") + fatbin_section + b"".join(sections)
+
+
+def test_fat_binaries_one_after_another_with_padding_are_slimmed_each():
+    archs = {0: (80, 90, 100), 1: (90, 100)}  # (the second has PTX for compute_80 instead of an sm_80 cubin)
+    payloads = {(f, a): bytes([f * 16 + a // 10]) * (40 + a) for f in archs for a in archs[f]}
+    first = _fat_binary([(fatbin.KIND_CUBIN, a, payloads[0, a]) for a in (80, 90, 100)])
+    second = _fat_binary(
+        [(fatbin.KIND_PTX, 80, b"ptx text"), *[(fatbin.KIND_CUBIN, a, payloads[1, a]) for a in (90, 100)]]
+    )
+    before = _elf(first + bytes(8) + second)
+    data = bytearray(before)
+    stats = fatbin.keep_archs(data, {90})
+    assert stats["fatbins"] == 2
+    for (f, a), payload in payloads.items():
+        at = before.find(payload)
+        assert data[at : at + len(payload)] == (payload if a == 90 else bytes(len(payload))), (f, a)
+    assert b"ptx text" in data
+    assert stats["zeroed_bytes"] == sum(len(p) for (f, a), p in payloads.items() if a != 90)
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("junk", "unrecognised byte"),
+        ("header_size", "header size 0"),
+        ("entry_past_end", "does not fit its fat binary"),
+        ("truncated", "past the end of the file"),
+    ],
+)
+def test_a_damaged_layout_is_refused_and_left_as_it_was(damage, message):
+    good = _fat_binary([(fatbin.KIND_CUBIN, 80, b"a" * 64), (fatbin.KIND_CUBIN, 90, b"b" * 64)])
+    if damage == "junk":
+        section = good + b"\x07" + good
+    elif damage == "header_size":  # (a header size of 0 used to loop forever)
+        section = struct.pack("<IHHQ", fatbin.FATBIN_MAGIC, 1, 0, 0) + good
+    elif damage == "entry_past_end":
+        section = good[:16] + struct.pack("<HHIQ", 2, 0x0101, 64, 10**6) + good[32:]
+    else:
+        section = good
+    elf = _elf(section)
+    before = bytearray(elf[:-100] if damage == "truncated" else elf)
+    data = bytearray(before)
+    with pytest.raises(fatbin.FatbinError, match=message):
+        fatbin.keep_archs(data, {90})
+    assert data == before
+
+
 def test_a_file_that_is_not_elf64_is_refused():
     with pytest.raises(fatbin.FatbinError, match="not a 64-bit little-endian ELF"):
         fatbin.keep_archs(bytearray(b"#!/bin/sh\n" * 10), {90})
@@ -144,7 +215,9 @@ def test_a_missing_or_damaged_part_is_named_and_nothing_is_unpacked(tmp_path, ca
     assert f"{names[1]} is not here" in err and f"{len(names)} parts in all" in err
     os.rename(str(tmp_path / "aside"), os.path.join(parts, names[1]))
     with open(os.path.join(parts, names[2]), "r+b") as f:
-        f.write(b"\xff")
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0xFF]))  # (always a change)
     assert fbgemm_cuda_parts.main(["unpack", "--dir", parts, "--target", target]) == fbgemm_cuda_parts.MISSING
     assert f"{names[2]} is damaged" in capsys.readouterr().err
     assert not os.path.exists(target)

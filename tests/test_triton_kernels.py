@@ -1206,10 +1206,11 @@ def _no_launch():
 
 
 @contextlib.contextmanager
-def _the_gpu_kernels_on_cpu(tables):
+def _the_gpu_kernels_on_cpu(tables, calls):
     """Within it, ``tables`` (a module's ``_tables``) run the module's GPU path on CPU tensors: the
-    lookups and the fused update by the Triton kernels (interpreted), new rows written by the
-    lookup in one call for all tables, the upserts batched, checks deferred as a GPU defers them."""
+    lookups and the fused update by the Triton kernels (interpreted; ``calls`` counts each one's
+    calls), new rows written by the lookup in one call for all tables, the upserts batched, checks
+    deferred as a GPU defers them."""
     from torchrec_ext import device_sync, ops
 
     lookup, update = _lookup(), _update()
@@ -1218,11 +1219,19 @@ def _the_gpu_kernels_on_cpu(tables):
         "sequence_lookup": lookup.sequence_lookup,
         "fused_update": update.fused_update,
     }
+
+    def counted(name, kernel):
+        def call(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return kernel(*args, **kwargs)
+
+        return call
+
     saved = {name: getattr(ops, name) for name in kernels} | {"defer_on_cpu": device_sync.defer_on_cpu}
     tables.defer_new_rows, tables.flat_init, tables.batched_upsert = False, True, True
     try:
         for name, kernel in kernels.items():
-            setattr(ops, name, kernel)
+            setattr(ops, name, counted(name, kernel))
         device_sync.defer_on_cpu = True
         yield
     finally:
@@ -1232,8 +1241,16 @@ def _the_gpu_kernels_on_cpu(tables):
 
 
 @pytest.mark.skipif(not _IN_CHILD, reason="runs under the interpreter, in test_interpreter_run's child")
-@pytest.mark.parametrize("optimizer", ["adagrad", "rowwise_adagrad", "adam"])
-def test_a_mixed_dtype_module_on_the_gpu_kernels_trains_as_on_the_cpu_kernels(optimizer):
+@pytest.mark.parametrize(
+    "optimizer, kwargs",
+    [
+        ("adagrad", {}),
+        ("rowwise_adagrad", {}),
+        ("adam", {}),
+        ("adam", {"betas": (0.3, 0.99)}),  # 1 - beta1 >= 0.5: torch.lerp's other formula
+    ],
+)
+def test_a_mixed_dtype_module_on_the_gpu_kernels_trains_as_on_the_cpu_kernels(optimizer, kwargs):
     """The module's GPU path, short of a GPU: FP32, FP16 and BF16 tables (stochastic rounding) in
     one lookup and one fused update, one table growing, trained by the Triton kernels as the same
     module by the C++ ones. The interpreter's float32 arithmetic is numpy's (no fused multiply-add)
@@ -1246,12 +1263,14 @@ def test_a_mixed_dtype_module_on_the_gpu_kernels_trains_as_on_the_cpu_kernels(op
         configs = bag_configs()
         configs[1].initial_capacity = 64  # grows to 128 and 256 as ~300 ids arrive
         torch.manual_seed(0)
-        return DynamicEmbeddingBagCollection(configs, optimizer=optimizer, optimizer_kwargs={"lr": 0.05})
+        return DynamicEmbeddingBagCollection(configs, optimizer=optimizer, optimizer_kwargs={"lr": 0.05, **kwargs})
 
     on_cpu_kernels, on_gpu_kernels = module(), module()
     want = train_on_stream(on_cpu_kernels, torch.device("cpu"), steps=6)
-    with _the_gpu_kernels_on_cpu(on_gpu_kernels._tables):
+    calls = {}
+    with _the_gpu_kernels_on_cpu(on_gpu_kernels._tables, calls):
         got = train_on_stream(on_gpu_kernels, torch.device("cpu"), steps=6)
+    assert calls == {"pooled_lookup": 6, "fused_update": 6}  # every step's lookup and update by Triton
     assert on_gpu_kernels._tables.meta[1].capacity == on_cpu_kernels._tables.meta[1].capacity > 64
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-8)

@@ -116,9 +116,10 @@ def copy_rows(
 
 
 # Unmap a file's pages after each copy (process-wide; TORCHREC_EXT_TIER_RELEASE_PAGES=1 sets it):
-# resident memory then stays near the cache (1.08x cache + working set with every row live, against
-# 1.86x), at the price of a page fault for each row the next copy touches (the dlrm-small step with
-# tables full 1.49x the all-resident one, against 1.26x: benchmarks/results/tiers_memory_cpu.md).
+# resident memory then stays near the cache (1.08-1.09x cache + working set with every row live,
+# against 1.85-1.86x), at the price of a page fault for each row the next copy touches (the
+# dlrm-small step with tables full 1.30-1.49x the all-resident one, against 1.11-1.26x:
+# benchmarks/results/tiers_memory_cpu.md, tiers_cpu.md).
 RELEASE_AFTER_COPY = os.environ.get("TORCHREC_EXT_TIER_RELEASE_PAGES", "0") == "1"
 _MADV_DONTNEED = 4
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -22,9 +22,8 @@ class TierTraffic:
         self._at_window: tuple[dict[str, dict[str, int]], int] = ({}, 0)  # per_table and steps at window()
 
     def add(self, step_stats: dict[str, dict[str, int]]) -> None:
-        """One training step's ``tier_step_stats()`` (empty without tiered tables)."""
-        if not step_stats:
-            return
+        """One training step's ``tier_step_stats()`` (empty without tiered tables, or on a rank
+        holding no tiered share: its steps still count, every rank's window spans the same steps)."""
         self.steps += 1
         for name, stats in step_stats.items():
             totals = self.per_table.setdefault(name, dict.fromkeys(COUNTERS, 0))

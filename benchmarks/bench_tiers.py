@@ -35,7 +35,7 @@ and the process's resident memory split into anonymous and file pages (both modu
     python benchmarks/bench_tiers.py --capacity 65536 --batch-size 512 --warmup-steps 5 --repeats 3 --no-save  # smoke
     python benchmarks/bench_tiers.py --capacity 65536 --batch-size 512 --flusher-ms 20 --no-save  # smoke, files cleaned
     python benchmarks/bench_tiers.py --threads 1 --systems resident,file+prefetch --write-behind 1 --no-save  # A/B
-    python benchmarks/bench_tiers.py --threads 1 --systems resident,file+prefetch --release-pages 1 --no-save  # A/B
+    python benchmarks/bench_tiers.py --threads 1 --systems resident,file+prefetch --pread 0 --no-save  # A/B
 """
 
 from __future__ import annotations
@@ -79,9 +79,12 @@ class Config(DlrmSmall):
     # 1: file backing's log hands each append's pages to the disk at once (tier_log.WRITE_BEHIND);
     # 0 (the library's default): they stay dirty until the kernel's flusher takes them
     write_behind: int = 0
-    # 1: file backing unmaps the pages each copy touched (tier_guard.RELEASE_AFTER_COPY); 0, the
-    # library's default, keeps them mapped: the A/B of that release
-    release_pages: int = 0
+    # 1 (the library's default): file backing unmaps the pages each copy through a mapping touched
+    # (tier_guard.RELEASE_AFTER_COPY); 0 keeps them mapped: the A/B of that release
+    release_pages: int = 1
+    # 1 (the library's default): rows read from the backing files by pread (tier_guard.READ_WITH_PREAD);
+    # 0: read through the files' mappings
+    pread: int = 1
 
 
 SYSTEMS = ("resident", "file", "host", "file+prefetch", "host+prefetch")
@@ -179,6 +182,7 @@ def set_file_options(cfg: Config) -> None:
     """The file backing's switches this run A/Bs (module-level in the library)."""
     tier_log.WRITE_BEHIND = bool(cfg.write_behind)
     tier_guard.RELEASE_AFTER_COPY = bool(cfg.release_pages)
+    tier_guard.READ_WITH_PREAD = bool(cfg.pread)
 
 
 def run(cfg: Config) -> dict[str, object]:
@@ -306,7 +310,7 @@ def report(cfg: Config, r: dict[str, object]) -> str:
         f"thread{'s' if torch.get_num_threads() > 1 else ''}): {cfg.num_tables} tables x dim {cfg.dim}, capacity "
         f"{cfg.capacity:,} rows each, batch {cfg.batch_size} per table, bags 1..{cfg.max_bag}, ids Zipf({cfg.alpha}) "
         f"over 2^{cfg.id_bits} ({r['ids_per_step']:,} ids/step), fused Adagrad; tiered: cache_load_factor "
-        f"{cfg.cache_load_factor}, file backing's log write-behind {'on' if cfg.write_behind else 'off'}, its pages released after each copy {'on' if cfg.release_pages else 'off'}, +prefetch: the next batch staged on a worker thread. {cfg.warmup_steps} warm-up "
+        f"{cfg.cache_load_factor}, file backing's log write-behind {'on' if cfg.write_behind else 'off'}, rows read by pread {'on' if cfg.pread else 'off'}, pages released after each mapped copy {'on' if cfg.release_pages else 'off'}, +prefetch: the next batch staged on a worker thread. {cfg.warmup_steps} warm-up "
         f"steps, then median of {cfg.repeats} chunks "
         f"x {cfg.steps_per_repeat} steps, the systems timed in turn (rotating order) on the same batches"
     )

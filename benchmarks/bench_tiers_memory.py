@@ -9,8 +9,8 @@ every row id, so the table holds 1 / cache_load_factor = 5x the cache's rows), t
 ``warmup_steps`` (the cache full and evicting), reads its memory again (after warm-up), resets the kernel's peak (``/proc/self/clear_refs``)
 and trains the timed steps (``repeats`` x ``steps_per_repeat``), then reads its peak (VmHWM) and its
 memory at the end, split into anonymous and file pages (a file-backed table's mapped pages are
-file pages; ``--release-pages 1`` unmaps the pages of each copy to or from a file after it: the
-A/B). Reported above the base, next to the module's fast memory (``storage_bytes``: the
+file pages: the rows read by pread map none, ``--pread 0`` reads them through the mapping, and
+each copy through a mapping unmaps its pages after it, ``--release-pages 0`` keeps them: the A/Bs). Reported above the base, next to the module's fast memory (``storage_bytes``: the
 cache's rows and index; all rows for resident) and the working set: what the all-resident step
 needs beyond its rows (its peak above the base, less its fast memory; run ``resident`` too).
 Host backing keeps every row in host memory: its resident memory holds the whole table by design.
@@ -153,7 +153,8 @@ def report(cfg: MemoryConfig, results: dict[str, dict]) -> str:
     title = (
         f"Resident memory of each system in a process of its own, dlrm-small on cpu: {cfg.num_tables} tables x dim "
         f"{cfg.dim}, capacity {cfg.capacity:,} rows each, batch {cfg.batch_size} per table, cache_load_factor "
-        f"{cfg.cache_load_factor}, file pages released after each copy {'on' if cfg.release_pages else 'off'}; "
+        f"{cfg.cache_load_factor}, rows read by pread {'on' if cfg.pread else 'off'}, pages released after each "
+        f"mapped copy {'on' if cfg.release_pages else 'off'}; "
         f"{'a pass over every row id (all rows live), then ' if cfg.fill else ''}"
         f"{cfg.warmup_steps} warm-up steps, then {cfg.repeats * cfg.steps_per_repeat} "
         "steps whose peak is read (MiB; all but the base are above the base: interpreter, torch, the batches)"

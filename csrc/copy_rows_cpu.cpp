@@ -26,6 +26,7 @@
 #include <setjmp.h>
 #include <signal.h>
 #include <torch/library.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
@@ -272,6 +273,50 @@ at::Tensor guarded_copy_rows_cpu(const at::Tensor& dst, const std::optional<at::
   return result;
 }
 
+// pread_rows: copy_rows from a file mapping without touching it. Each run of consecutive rows is
+// one pread(2) of the file behind `src` (`fd`, `src` starting at byte `src_offset` of it) into dst:
+// the process maps none of the file's pages (a copy through the mapping maps each row's page and
+// the kernel's fault-around its neighbours: resident memory grows with every page the tables
+// read), and a page that cannot be read is an errno, not a SIGBUS. `src` gives the shape, dtype
+// and row stride only. Returns int64 [2]: {-1, 0} when every row was read; else the file offset of
+// the read that failed, and its errno (0: the file ended there). Rows before it may be read.
+at::Tensor pread_rows_cpu(const at::Tensor& dst, const std::optional<at::Tensor>& dst_rows,
+                          const at::Tensor& src, const std::optional<at::Tensor>& src_rows,
+                          int64_t fd, int64_t src_offset) {
+  const Plan p = checked_plan(dst, dst_rows, src, src_rows);
+  TORCH_CHECK(fd >= 0 && src_offset >= 0, "pread_rows: fd and src_offset must be >= 0, got ", fd,
+              " and ", src_offset);
+  at::Tensor result = at::tensor({int64_t{-1}, int64_t{0}}, at::TensorOptions().dtype(at::kLong));
+  const bool whole_rows = p.dst_stride == p.width && p.src_stride == p.width;
+  for (int64_t i = 0; i < p.n;) {
+    const int64_t d = p.dst_rows ? p.dst_rows[i] : i;
+    const int64_t s = p.src_rows ? p.src_rows[i] : i;
+    int64_t j = i + 1;  // rows i..j-1 lie back to back in the file and in dst: one read
+    while (whole_rows && j < p.n && (p.src_rows ? p.src_rows[j] : j) == s + (j - i) &&
+           (p.dst_rows ? p.dst_rows[j] : j) == d + (j - i)) {
+      ++j;
+    }
+    char* out = p.dst + d * p.dst_stride;
+    const int64_t at = src_offset + s * p.src_stride;
+    const int64_t len = (j - i) * p.width;
+    for (int64_t done = 0; done < len;) {
+      const ssize_t got = pread(static_cast<int>(fd), out + done, static_cast<size_t>(len - done),
+                                static_cast<off_t>(at + done));
+      if (got < 0 && errno == EINTR) {
+        continue;
+      }
+      if (got <= 0) {
+        result[0] = at + done;
+        result[1] = got < 0 ? errno : 0;
+        return result;
+      }
+      done += got;
+    }
+    i = j;
+  }
+  return result;
+}
+
 }  // namespace
 
 void install_sigbus_guard_once() {
@@ -289,6 +334,7 @@ void install_sigbus_guard_once() {
 TORCH_LIBRARY_IMPL(torchrec_ext, CPU, m) {
   m.impl("copy_rows", &copy_rows_cpu);
   m.impl("guarded_copy_rows", &guarded_copy_rows_cpu);
+  m.impl("pread_rows", &pread_rows_cpu);
 }
 
 }  // namespace torchrec_ext

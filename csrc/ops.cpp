@@ -162,6 +162,12 @@ TORCH_LIBRARY(torchrec_ext, m) {
   m.def(
       "guarded_copy_rows(Tensor(a!) dst, Tensor? dst_rows, Tensor src, Tensor? src_rows) -> "
       "Tensor");
+  // copy_rows from a file mapping by pread(2) of the file behind it (csrc/copy_rows_cpu.cpp):
+  // `src` (the mapping) gives shape and strides, `fd` and `src_offset` where its bytes lie in the
+  // file. Returns int64 [2]: {-1, 0}, or the file offset of a failed read and its errno.
+  m.def(
+      "pread_rows(Tensor(a!) dst, Tensor? dst_rows, Tensor src, Tensor? src_rows, int fd, "
+      "int src_offset) -> Tensor");
 }
 
 namespace torchrec_ext {

@@ -1,9 +1,13 @@
 """``ops.copy_rows`` (csrc/copy_rows_cpu.cpp): whole-row copies between a tiered table's cache
 and backing store, against torch's ``index_select`` / ``index_copy_`` as the oracle; bad input
 refused before any row is written. ``ops.guarded_copy_rows`` (the same copy through a file's
-mapping, a SIGBUS an error: tests/test_tier_sigbus.py) alike."""
+mapping, a SIGBUS an error: tests/test_tier_sigbus.py) and ``ops.pread_rows`` (the same rows read
+from the file behind the mapping) alike."""
 
 from __future__ import annotations
+
+import os
+import tempfile
 
 import pytest
 import torch
@@ -15,7 +19,18 @@ def _guarded(dst, dst_rows, src, src_rows=None):
     assert ops.guarded_copy_rows(dst, dst_rows, src, src_rows) == 0
 
 
-COPIES = pytest.mark.parametrize("copy", [ops.copy_rows, _guarded], ids=["copy_rows", "guarded_copy_rows"])
+def _pread(dst, dst_rows, src, src_rows=None):
+    """ops.pread_rows from a file holding src's bytes (src's storage from its first element on)."""
+    whole = torch.empty(0, dtype=torch.uint8).set_(src.untyped_storage())
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(whole[src.storage_offset() * src.element_size() :].numpy().tobytes())
+        f.flush()
+        assert ops.pread_rows(dst, dst_rows, src, src_rows, f.fileno(), 0) == (-1, 0)
+
+
+COPIES = pytest.mark.parametrize(
+    "copy", [ops.copy_rows, _guarded, _pread], ids=["copy_rows", "guarded_copy_rows", "pread_rows"]
+)
 
 
 def _oracle(dst, dst_rows, src, src_rows):
@@ -92,3 +107,15 @@ def test_mismatched_tensors_are_refused(copy):
     _refused(copy, "elements of each row of src must be contiguous", dst, None, torch.ones(4, 10).t(), None)
     _refused(copy, "1-D or 2-D", dst, None, torch.ones(10, 2, 2), None)
     _refused(copy, "must not share memory", dst, torch.tensor([1]), dst, torch.tensor([0]))
+
+
+def test_pread_rows_reads_up_to_where_a_cut_file_ends_and_names_that_offset():
+    src = torch.arange(40 * 6, dtype=torch.float32).view(40, 6)
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(src.numpy().tobytes())
+        f.flush()
+        os.truncate(f.name, 24 * 10 + 8)  # rows 0-9 whole, row 10 in part
+        dst = torch.full((3, 6), -1.0)
+        assert ops.pread_rows(dst, None, src, torch.tensor([4, 9, 10]), f.fileno(), 0) == (24 * 10 + 8, 0)
+        assert torch.equal(dst[:2], src[[4, 9]])  # the rows before the cut
+        assert ops.pread_rows(dst, None, src, torch.tensor([0]), 1 << 20, 0)[1] == 9  # EBADF: a closed descriptor

@@ -58,10 +58,10 @@ def test_python_tables_name_schema_ops_and_never_a_csrc_kernel():
                 assert (op, device) not in seen, f"{op} on {device}: two Python kernels"
                 seen[(op, device)] = kernel
     # every GPU gap of the C++ library is filled by torch ops (Triton adds the embedding kernels),
-    # but for the serving index's ops (serving modules run on CPU only) and guarded_copy_rows (a
-    # backing file's mapping is on the host)
+    # but for the serving index's ops (serving modules run on CPU only) and guarded_copy_rows and
+    # pread_rows (a backing file's mapping and the file itself are on the host)
     no_cuda = {op for op, by_device in csrc_kernels.KERNELS.items() if "cuda" not in by_device}
-    cpu_only = {"hash_place", "serving_index_update", "serving_find", "guarded_copy_rows"}
+    cpu_only = {"hash_place", "serving_index_update", "serving_find", "guarded_copy_rows", "pread_rows"}
     assert set(torch_kernels.KERNELS) | {"pooled_lookup", "sequence_lookup", "fused_update"} | cpu_only >= no_cuda
 
 

@@ -2,6 +2,9 @@
 annotations), its fake kernel (shapes and dtypes for FakeTensor / torch.compile), autograd
 registration and AOT dispatch, on real inputs of each op. A new op gets a row here."""
 
+import os
+import tempfile
+
 import pytest
 import torch
 
@@ -199,6 +202,13 @@ def _copy_rows_cases():
     yield "guarded_copy_rows", (torch.zeros(4, 5), None, src, torch.tensor([3, 0, 11, 3]))
     yield "guarded_copy_rows", (torch.zeros(12, 5), torch.tensor([2, 7]), src[:2], None)
     yield "guarded_copy_rows", (torch.zeros(12), torch.tensor([1, 4]), torch.arange(12.0), torch.tensor([5, 6]))
+    # pread_rows reads src's bytes from a file (src gives the shape): a file holding them
+    with tempfile.NamedTemporaryFile(delete=False) as f:
+        f.write(src.numpy().tobytes())
+    fd = os.open(f.name, os.O_RDONLY)
+    os.unlink(f.name)  # (the descriptor keeps the file)
+    yield "pread_rows", (torch.zeros(4, 5), None, src, torch.tensor([3, 0, 11, 3]), fd, 0)
+    yield "pread_rows", (torch.zeros(12, 5), torch.tensor([2, 7]), src[:2], None, fd, 0)
 
 
 def _ir_cases():

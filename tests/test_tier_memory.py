@@ -190,15 +190,21 @@ def _mapped_kib(directory) -> dict[str, int]:
     return found
 
 
-@pytest.mark.parametrize("release", [True, False], ids=["released", "kept"])
-def test_released_pages_leave_no_backing_file_mapped_and_train_alike(tmp_path, monkeypatch, release):
-    """Rows are a fraction of a page, so each row copied to or from a backing file maps a page (and
-    the kernel's fault-around its neighbours): kept mapped (the default), the process's resident
-    memory grows with every page the tables touched, up to the files' size. With
-    ``tier_guard.RELEASE_AFTER_COPY`` the pages are unmapped after each copy (the page cache keeps
-    them, dirty ones too); either way the rows trained are what an all-resident module trains."""
+@pytest.mark.parametrize(
+    "pread, release", [(True, False), (False, True), (False, False)], ids=["pread", "mapped_released", "mapped_kept"]
+)
+def test_reads_by_pread_or_released_pages_leave_no_backing_file_mapped_and_train_alike(
+    tmp_path, monkeypatch, pread, release
+):
+    """Rows are a fraction of a page, so each row copied through a backing file's mapping maps a
+    page (and the kernel's fault-around its neighbours): kept mapped, the process's resident memory
+    grows with every page the tables touched, up to the files' size. Read with pread (the default,
+    ``tier_guard.READ_WITH_PREAD``), rows map no page; with ``RELEASE_AFTER_COPY`` a copy through
+    the mapping unmaps its pages after it (the page cache keeps them, dirty ones too). Either way the
+    rows trained are what an all-resident module trains."""
     from torchrec_ext.modules import tier_guard
 
+    monkeypatch.setattr(tier_guard, "READ_WITH_PREAD", pread)
     monkeypatch.setattr(tier_guard, "RELEASE_AFTER_COPY", release)
     torch.manual_seed(0)
     tiered = DynamicEmbeddingBagCollection(_configs(f"file:{tmp_path}"), optimizer="adagrad")
@@ -215,7 +221,7 @@ def test_released_pages_leave_no_backing_file_mapped_and_train_alike(tmp_path, m
     assert stats["a"].cache_misses > 0 and stats["a"].cache_write_backs > 0
     mapped = _mapped_kib(tmp_path)
     assert any(name.endswith(".rows") for name in mapped), mapped  # the files are mapped by this process
-    if release:
+    if pread or release:
         assert sum(mapped.values()) == 0, mapped
     else:
         assert sum(mapped.values()) > 0, mapped

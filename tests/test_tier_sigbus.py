@@ -79,9 +79,10 @@ def fails(call, path, said="shorter than" if GUARD == "size" else "byte offset")
         return
     raise AssertionError("no OSError")
 
-if GUARD == "sigbus":  # (no check of the files' sizes first: the cut pages' SIGBUS is what raises)
-    from torchrec_ext.modules import tier_guard
+if GUARD in ("sigbus", "pread"):  # (no check of the files' sizes first: the cut pages' SIGBUS, or the
+    from torchrec_ext.modules import tier_guard  # reads by pread ending at the cut, are what raise)
     tier_guard.check_whole = lambda *args, **kwargs: None
+    tier_guard.READ_WITH_PREAD = GUARD == "pread"
 
 # rows: every row folded into the rows files (flush), the weights file cut to its header. log:
 # every dirty row appended to its log (state_dict: the slots clean, so that no write-back appends,
@@ -98,7 +99,7 @@ def cut_one(kind, t):
 """
 
 
-@pytest.mark.parametrize("guard", ["size", "sigbus"])
+@pytest.mark.parametrize("guard", ["size", "sigbus", "pread"])
 @pytest.mark.parametrize("cut_file", ["rows", "log"])
 @pytest.mark.parametrize("reader", ["step", "checkpoint"])
 def test_a_step_or_checkpoint_reading_a_truncated_file_raises_and_the_module_trains_on_as_the_oracle(
@@ -107,10 +108,11 @@ def test_a_step_or_checkpoint_reading_a_truncated_file_raises_and_the_module_tra
     # step: its misses read past the rows file's end (rows) or a logged row of table a (log);
     # then the failed batch again, landing as if given once. checkpoint: state_dict reads every
     # row (table b's log). size: the file found shorter than its mapping before the copy;
-    # sigbus: that check off, the cut page's SIGBUS in the guarded copy.
+    # sigbus: that check off, reads through the mapping, the cut page's SIGBUS in the guarded
+    # copy; pread: that check off, the reads by pread (the default) ending at the cut.
     monkeypatch.setenv("GUARD", guard)
     call, t = ("lambda: tiered(batches[12])", 0) if reader == "step" else ("tiered.state_dict", 1)
-    said = "byte offset" if guard == "sigbus" else "shorter than"
+    said = "shorter than" if guard == "size" else "byte offset"
     _passes(
         _TWINS
         + f"""

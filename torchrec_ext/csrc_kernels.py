@@ -35,4 +35,5 @@ KERNELS: dict[str, dict[str, str]] = {
     "fused_update": {"cpu": "csrc/embedding_update_cpu.cpp"},
     "copy_rows": {"cpu": "csrc/copy_rows_cpu.cpp"},
     "guarded_copy_rows": {"cpu": "csrc/copy_rows_cpu.cpp"},
+    "pread_rows": {"cpu": "csrc/copy_rows_cpu.cpp"},
 }

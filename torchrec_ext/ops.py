@@ -65,6 +65,22 @@ def guarded_copy_rows(dst: Tensor, dst_rows: Tensor | None, src: Tensor, src_row
     return int(_ops.guarded_copy_rows.default(dst, dst_rows, src, src_rows))
 
 
+def pread_rows(
+    dst: Tensor, dst_rows: Tensor | None, src: Tensor, src_rows: Tensor | None, fd: int, src_offset: int
+) -> tuple[int, int]:
+    """:func:`copy_rows` from a file mapping ``src`` without touching it: each run of consecutive
+    rows is one ``pread(2)`` of the file (``fd``; ``src``'s first byte at ``src_offset`` of it), so
+    the process maps none of the file's pages, and a page that cannot be read is an errno, not a
+    SIGBUS. CPU only (``csrc/copy_rows_cpu.cpp``). Arguments otherwise as :func:`copy_rows`'s.
+
+    Returns:
+        ``(-1, 0)`` when every row was read; else ``(file offset, errno)`` of the read that failed
+        (errno 0: the file ended there; rows before it may be read).
+    """
+    offset, errno_ = _ops.pread_rows.default(dst, dst_rows, src, src_rows, fd, src_offset).tolist()
+    return int(offset), int(errno_)
+
+
 def hash_find(digests: Tensor, slot_keys: Tensor, keys: Tensor, capacity: int) -> tuple[Tensor, Tensor]:
     """Row of each key. Read-only.
 
@@ -736,6 +752,11 @@ def _copy_rows_fake(dst, dst_rows, src, src_rows):
 @torch.library.register_fake("torchrec_ext::guarded_copy_rows")
 def _guarded_copy_rows_fake(dst, dst_rows, src, src_rows):
     return dst.new_zeros((), dtype=torch.int64)
+
+
+@torch.library.register_fake("torchrec_ext::pread_rows")
+def _pread_rows_fake(dst, dst_rows, src, src_rows, fd, src_offset):
+    return dst.new_empty((2,), dtype=torch.int64)
 
 
 @torch.library.register_fake("torchrec_ext::hash_find")

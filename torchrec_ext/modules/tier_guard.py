@@ -6,8 +6,10 @@ disk I/O error; the file truncated by another process: the files' ``flock`` is a
 SIGBUS in the thread that touched it, which kills the process mid-step. Every copy of rows to or
 from a mapping therefore goes through ``copy_rows`` here (``ops.guarded_copy_rows``: one memcpy a
 row, a SIGBUS inside it ends the copy and returns its address), which raises
-``OSError(errno.EIO)`` naming the file, the tables and the byte offset in the file. Host backing
-(anonymous memory, no file to fail) keeps plain torch ops.
+``OSError(errno.EIO)`` naming the file, the tables and the byte offset in the file. Reads of a file
+registered with its open file are ``pread`` calls on it instead (``READ_WITH_PREAD``: no page is
+mapped, a failed read an errno); copies still made through a mapping unmap its pages after them
+(``RELEASE_AFTER_COPY``). Host backing (anonymous memory, no file to fail) keeps plain torch ops.
 
 The SIGBUS handler is installed once, when the first file is mapped (``register``); a SIGBUS
 outside a guarded copy goes to the handler installed before it (Python's ``faulthandler`` under
@@ -30,6 +32,7 @@ import ctypes
 import errno
 import os
 import threading
+import weakref
 
 from torch import Tensor
 
@@ -37,11 +40,15 @@ from torchrec_ext import _C, ops
 
 _lock = threading.Lock()
 _mapped: dict[int, tuple[int, str, str]] = {}  # first address of a file's mapping -> (bytes, path, where)
+# first address of a file's mapping -> the open file it maps, to pread (weakly: the tables own it)
+_files: dict[int, weakref.ref] = {}
 
 
-def register(whole: Tensor, path: str, where: str) -> None:
+def register(whole: Tensor, path: str, where: str, file: object | None = None) -> None:
     """``whole`` maps all of file ``path`` (from offset 0) for the tables ``where`` names: a fault
-    in it is reported with that path and offset. Installs the SIGBUS handler (once)."""
+    in it is reported with that path and offset. With ``file`` (the open file, kept open while the
+    tables use it), reads of rows are ``pread`` calls on it (``READ_WITH_PREAD``) while it is open.
+    Installs the SIGBUS handler (once)."""
     _C.install_sigbus_guard()
     start = whole.data_ptr()
     nbytes = whole.numel() * whole.element_size()
@@ -50,7 +57,10 @@ def register(whole: Tensor, path: str, where: str) -> None:
         # this one: live mappings never overlap, so any entry overlapping this one is stale.
         for other in [s for s, (n, _, _) in _mapped.items() if s < start + nbytes and start < s + n]:
             del _mapped[other]
+            _files.pop(other, None)
         _mapped[start] = (nbytes, path, where)
+        if file is not None:
+            _files[start] = weakref.ref(file)
 
 
 KEPT = "the tables keep the rows they had before this call"
@@ -108,6 +118,8 @@ def copy_rows(
     leaves: for the message)."""
     mapped = src if doing == "read" else dst  # (the side that is a mapping)
     check_whole(mapped, doing, consequence)
+    if doing == "read" and READ_WITH_PREAD and _pread(dst, dst_rows, src, src_rows, consequence):
+        return
     fault = ops.guarded_copy_rows(dst, dst_rows, src, src_rows)
     if RELEASE_AFTER_COPY:
         release_pages(mapped)
@@ -115,12 +127,43 @@ def copy_rows(
         raise _error(fault, doing, consequence)
 
 
-# Unmap a file's pages after each copy (process-wide; TORCHREC_EXT_TIER_RELEASE_PAGES=1 sets it):
-# resident memory then stays near the cache (1.08-1.09x cache + working set with every row live,
-# against 1.85-1.86x), at the price of a page fault for each row the next copy touches (the
-# dlrm-small step with tables full 1.30-1.49x the all-resident one, against 1.11-1.26x:
-# benchmarks/results/tiers_memory_cpu.md, tiers_cpu.md).
-RELEASE_AFTER_COPY = os.environ.get("TORCHREC_EXT_TIER_RELEASE_PAGES", "0") == "1"
+# Unmap a file's pages after each copy through its mapping (process-wide;
+# TORCHREC_EXT_TIER_RELEASE_PAGES=0 keeps them): with reads by pread (below) only writes through
+# the mapping are left (a load, a flush home), which would otherwise leave every page they wrote
+# mapped. Reads through the mapping released each time cost the dlrm-small step 1.30-1.49x the
+# all-resident one against 1.11-1.26x kept (benchmarks/results/tiers_cpu.md): pread is the way.
+RELEASE_AFTER_COPY = os.environ.get("TORCHREC_EXT_TIER_RELEASE_PAGES", "1") == "1"
+
+# Read rows from a registered file with pread(2) instead of through its mapping (process-wide;
+# TORCHREC_EXT_TIER_PREAD=0 reads through the mapping): the process then maps none of the pages
+# its reads touch, which it would keep mapped (and the kernel's fault-around their neighbours) up
+# to the files' size: peak RSS 1.00x cache + working set against 1.84x, for a step of 1.15x the
+# all-resident one against 1.12-1.13x (benchmarks/results/tiers_memory_cpu.md, tiers_cpu.md).
+READ_WITH_PREAD = os.environ.get("TORCHREC_EXT_TIER_PREAD", "1") == "1"
+
+
+def _pread(dst: Tensor, dst_rows: Tensor | None, src: Tensor, src_rows: Tensor | None, consequence: str) -> bool:
+    """The read by ``ops.pread_rows`` when ``src`` lies in a mapping registered with its file,
+    still open; False when it does not (the caller copies through the mapping)."""
+    with _lock:
+        found = next(
+            ((s, f) for s, (n, _, _) in _mapped.items() if s <= src.data_ptr() < s + n and (f := _files.get(s))),
+            None,
+        )
+    file = None if found is None else found[1]()
+    if file is None or file.closed:  # (freed or closed with its tables: their mapping may live on)
+        return False
+    start = found[0]
+    offset, err = ops.pread_rows(dst, dst_rows, src, src_rows, file.fileno(), src.data_ptr() - start)
+    if offset >= 0:
+        _, _, path, where = _mapping_at(start)
+        why = os.strerror(err) if err else "the file ends there (truncated by another process?)"
+        raise OSError(
+            errno.EIO, f"{where}: cannot read backing file {path!r} at byte offset {offset}: {why}; {consequence}"
+        )
+    return True
+
+
 _MADV_DONTNEED = 4
 _libc = ctypes.CDLL(None, use_errno=True)
 

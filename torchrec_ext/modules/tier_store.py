@@ -17,10 +17,11 @@ is an error then, not a SIGBUS in the middle of a training step, and no write-ba
 allocates a block. (A block reserved but unwritten costs the first write through the mapping
 30-45 us per 4 KiB page on ext4, the conversion of its extent; a written page in the page cache
 0.05-0.5 us a row, less than an explicit ``pwrite`` a row, ~2 us: benchmarks/results/tier_file_writes.md.)
-Rows are copied to and from the mappings by ``tier_guard.copy_rows`` (with
-``tier_guard.RELEASE_AFTER_COPY``, which then unmaps the pages the copy touched: they stay in the
-page cache; a row is a fraction of a page, so otherwise the process's resident memory grows with
-every page the tables touched, up to the files' size): a page that fails later (a
+Rows are copied to and from the mappings by ``tier_guard.copy_rows``: reads by ``pread`` of the
+file (``READ_WITH_PREAD``: they map no page), writes through the mapping, whose pages are unmapped
+after the copy (``RELEASE_AFTER_COPY``; the page cache keeps them). A row is a fraction of a page:
+copies through the mappings would keep mapped every page the tables touched, up to the files'
+size, in the process's resident memory. A page that fails later (a
 disk I/O error, the file truncated by another process) is an ``OSError`` naming the file and the
 offset, raised before the step changes any map, not a SIGBUS (``register`` here names each
 mapping's file). Each file is locked (``flock``, advisory) while its module lives, so two live
@@ -161,7 +162,7 @@ class BackingStore:
         self._files[name] = f
         whole = torch.from_file(path, shared=True, size=HEADER_BYTES // 4 + numel, dtype=torch.float32)
         advise_random(whole, path, self.where)
-        tier_guard.register(whole, path, self.where)  # (its rows are copied by tier_guard.copy_rows)
+        tier_guard.register(whole, path, self.where, f)  # (its rows are copied by tier_guard.copy_rows)
         return whole[HEADER_BYTES // 4 :]
 
     def log(self, t: int, record_bytes: int) -> RowLog:
@@ -192,7 +193,7 @@ class BackingStore:
         self._files[f"log{t}"] = f
         whole = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         advise_random(whole, path, self.where)
-        tier_guard.register(whole, path, self.where)
+        tier_guard.register(whole, path, self.where, f)
         records = whole[HEADER_BYTES:].view(max_records, record_bytes)
         self._logs[t] = RowLog(f.fileno(), path, records, HEADER_BYTES, table["capacity"], self.where)
         return self._logs[t]

@@ -302,12 +302,13 @@ at::Tensor pread_rows_cpu(const at::Tensor& dst, const std::optional<at::Tensor>
     for (int64_t done = 0; done < len;) {
       const ssize_t got = pread(static_cast<int>(fd), out + done, static_cast<size_t>(len - done),
                                 static_cast<off_t>(at + done));
-      if (got < 0 && errno == EINTR) {
+      const int err = got < 0 ? errno : 0;  // (read before anything else may set it)
+      if (err == EINTR) {
         continue;
       }
       if (got <= 0) {
         result[0] = at + done;
-        result[1] = got < 0 ? errno : 0;
+        result[1] = err;
         return result;
       }
       done += got;

@@ -119,3 +119,16 @@ def test_pread_rows_reads_up_to_where_a_cut_file_ends_and_names_that_offset():
         assert ops.pread_rows(dst, None, src, torch.tensor([4, 9, 10]), f.fileno(), 0) == (24 * 10 + 8, 0)
         assert torch.equal(dst[:2], src[[4, 9]])  # the rows before the cut
         assert ops.pread_rows(dst, None, src, torch.tensor([0]), 1 << 20, 0)[1] == 9  # EBADF: a closed descriptor
+
+
+def test_pread_rows_reads_runs_of_rows_in_one_call_each_as_a_copy_does():
+    src = torch.randn(64, 5)
+    runs = torch.cat([torch.arange(3, 20), torch.arange(40, 41), torch.arange(50, 64)])  # 3 runs
+    for dst_rows in (None, torch.arange(runs.numel()).flip(0), torch.arange(runs.numel())):
+        dst, want = torch.zeros(runs.numel(), 5), torch.zeros(runs.numel(), 5)
+        _pread(dst, dst_rows, src, runs)
+        ops.copy_rows(want, dst_rows, src, runs)
+        assert torch.equal(dst, want)
+    whole = torch.zeros(64, 5)
+    _pread(whole, None, src, None)  # every row: one read
+    assert torch.equal(whole, src)

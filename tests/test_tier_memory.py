@@ -191,7 +191,9 @@ def _mapped_kib(directory) -> dict[str, int]:
 
 
 @pytest.mark.parametrize(
-    "pread, release", [(True, False), (False, True), (False, False)], ids=["pread", "mapped_released", "mapped_kept"]
+    "pread, release",
+    [(True, True), (True, False), (False, True), (False, False)],
+    ids=["defaults", "pread", "mapped_released", "mapped_kept"],
 )
 def test_reads_by_pread_or_released_pages_leave_no_backing_file_mapped_and_train_alike(
     tmp_path, monkeypatch, pread, release

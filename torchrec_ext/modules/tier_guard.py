@@ -137,8 +137,9 @@ RELEASE_AFTER_COPY = os.environ.get("TORCHREC_EXT_TIER_RELEASE_PAGES", "1") == "
 # Read rows from a registered file with pread(2) instead of through its mapping (process-wide;
 # TORCHREC_EXT_TIER_PREAD=0 reads through the mapping): the process then maps none of the pages
 # its reads touch, which it would keep mapped (and the kernel's fault-around their neighbours) up
-# to the files' size: peak RSS 1.00x cache + working set against 1.84x, for a step of 1.15x the
-# all-resident one against 1.12-1.13x (benchmarks/results/tiers_memory_cpu.md, tiers_cpu.md).
+# to the files' size: with the release above, peak RSS 0.99x cache + working set against 1.84x, for
+# about the same step (1.11-1.26x the all-resident one in six runs; 1.11-1.26x in seven through the
+# mappings: benchmarks/results/tiers_memory_cpu.md, tiers_cpu.md).
 READ_WITH_PREAD = os.environ.get("TORCHREC_EXT_TIER_PREAD", "1") == "1"
 
 
@@ -147,16 +148,19 @@ def _pread(dst: Tensor, dst_rows: Tensor | None, src: Tensor, src_rows: Tensor |
     still open; False when it does not (the caller copies through the mapping)."""
     with _lock:
         found = next(
-            ((s, f) for s, (n, _, _) in _mapped.items() if s <= src.data_ptr() < s + n and (f := _files.get(s))),
+            (
+                (s, f, path, where)
+                for s, (n, path, where) in _mapped.items()
+                if s <= src.data_ptr() < s + n and (f := _files.get(s))
+            ),
             None,
         )
     file = None if found is None else found[1]()
     if file is None or file.closed:  # (freed or closed with its tables: their mapping may live on)
         return False
-    start = found[0]
+    start, _, path, where = found
     offset, err = ops.pread_rows(dst, dst_rows, src, src_rows, file.fileno(), src.data_ptr() - start)
     if offset >= 0:
-        _, _, path, where = _mapping_at(start)
         why = os.strerror(err) if err else "the file ends there (truncated by another process?)"
         raise OSError(
             errno.EIO, f"{where}: cannot read backing file {path!r} at byte offset {offset}: {why}; {consequence}"

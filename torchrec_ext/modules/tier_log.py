@@ -28,15 +28,15 @@ RocksDB), reduced to what a table of fixed-size rows needs:
   record to its row in the base file and empties the log; loading a table empties it.
 
 The log file (``<dir>/<tables>.<table>.log``) has the backing files' header; it is sparse, sized
-for ``max_segments`` and mapped for reads (a miss reads its newest copy from the mapping), written
-with ``pwrite`` only: a full disk or a failing write is an ``OSError`` naming the file, the log
+for ``max_segments``, read with ``pread`` (a miss reads its newest copy: ``tier_guard.copy_rows``;
+through the mapping where a file is not registered), written with ``pwrite`` only: a full disk or a failing write is an ``OSError`` naming the file, the log
 and the table unchanged (the row stays dirty in the cache), never a SIGBUS. The prefetch stage's
 appends are placed at once and written at the next stage's start, while its thread waits for
 the lookup (``append(defer=True)``, ``land``): a landing that fails keeps their records in
 memory and fails that stage (the lookup joining it raises before changing anything; a read
 of them that lands them fails as any failed read: a lookup's is undone). The
-log's reads through the mapping (``read``, cleaning's) are ``tier_guard`` copies: a page that
-fails is an ``OSError`` too, and so is an append to a log another process cut short. Its records are not a checkpoint: a
+log's reads (``read``, cleaning's) are ``tier_guard`` copies: a page that fails is an
+``OSError`` too, and so is an append to a log another process cut short. Its records are not a checkpoint: a
 module reopening the directory starts with an empty log (its index is new; a record cut short
 by a crash is never read), and the last checkpoint loads as before
 (tests/test_tiers_crash.py kills a process with SIGKILL mid-append, mid-fold and mid-flush).
@@ -370,7 +370,7 @@ class RowLog:
         here = torch.arange(first, first + SEGMENT_RECORDS, dtype=torch.int64, device="cpu")
         live = (rows >= 0) & (self.where.index_select(0, rows.clamp(min=0)).to(torch.int64) == here)
         keep = live.nonzero().squeeze(1)
-        # Copies (the segment is reused next), read through the mapping: its live records only.
+        # Copies (the segment is reused next), read from the file: its live records only.
         return rows.index_select(0, keep), self.read(keep.add_(first))
 
     def _clean(self, segment: int, defer: bool = False) -> None:

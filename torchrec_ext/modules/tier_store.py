@@ -81,14 +81,19 @@ def write_zeros(fd: int, offset: int, length: int) -> None:
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def advise_random(mapped: Tensor, path: str, where: str) -> None:
-    """Tells the kernel that ``mapped`` (a whole file mapping) is read at random (MADV_RANDOM): a
-    page fault then reads its page only, not the device's readahead window around it (8 MiB on
-    this machine's disk: training a file larger than RAM read ~2,000x the bytes it used)."""
+def advise_random(mapped: Tensor, fd: int, path: str, where: str) -> None:
+    """Tells the kernel that ``mapped`` (a whole file mapping) and the open file ``fd`` are read at
+    random (MADV_RANDOM, POSIX_FADV_RANDOM): a page fault or a ``pread`` then reads its pages only,
+    not the device's readahead window around them (8 MiB on this machine's disk: training a file
+    larger than RAM read ~2,000x the bytes it used; rows read in ascending order look sequential)."""
     length = mapped.numel() * mapped.element_size()
     if _libc.madvise(ctypes.c_void_p(mapped.data_ptr()), ctypes.c_size_t(length), mmap.MADV_RANDOM) != 0:
         err = ctypes.get_errno()
         raise ValueError(f"{where}: madvise(MADV_RANDOM) of backing file {path!r} failed: {os.strerror(err)}")
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    except OSError as e:
+        raise ValueError(f"{where}: posix_fadvise(POSIX_FADV_RANDOM) of backing file {path!r} failed: {e}") from None
 
 
 class BackingStore:
@@ -161,7 +166,7 @@ class BackingStore:
                 ) from None
         self._files[name] = f
         whole = torch.from_file(path, shared=True, size=HEADER_BYTES // 4 + numel, dtype=torch.float32)
-        advise_random(whole, path, self.where)
+        advise_random(whole, f.fileno(), path, self.where)
         tier_guard.register(whole, path, self.where, f)  # (its rows are copied by tier_guard.copy_rows)
         return whole[HEADER_BYTES // 4 :]
 
@@ -192,7 +197,7 @@ class BackingStore:
             raise ValueError(f"{self.where}: cannot size backing log {path!r} to {size} bytes: {e}") from None
         self._files[f"log{t}"] = f
         whole = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        advise_random(whole, path, self.where)
+        advise_random(whole, f.fileno(), path, self.where)
         tier_guard.register(whole, path, self.where, f)
         records = whole[HEADER_BYTES:].view(max_records, record_bytes)
         self._logs[t] = RowLog(f.fileno(), path, records, HEADER_BYTES, table["capacity"], self.where)

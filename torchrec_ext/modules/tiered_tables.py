@@ -142,9 +142,9 @@ class _Mover:
         self.copies = copies
         self._transfer: RecordsBuffer | None = None  # host records of transfers to and from the device
 
-    # Whether the host path moves rows in ascending order: through a file's mapping (a file
-    # backing's base rows), neighbouring rows share a page, read or faulted once, and the file
-    # is read front to back; host memory gains nothing from it, and a sort of a table's ~7k
+    # Whether the host path moves rows in ascending order: in a file (a file backing's base rows,
+    # read by pread, written through the mapping) neighbouring rows share a page and runs of rows
+    # are one read, and the file is read front to back; host memory gains nothing from it, and a sort of a table's ~7k
     # write-backs a step costs about what copying them does (benchmarks/results/tier_copy_rows.md).
     ROWS_IN_ORDER = False
 
@@ -264,7 +264,7 @@ class _LogMover(_Mover):
     base file itself (a checkpoint's flush)."""
 
     BUFFER_ROWS = 1 << 15  # write-backs up to this many rows reuse a records buffer (16 MiB of 512-byte records)
-    ROWS_IN_ORDER = True  # (reads of the base file and writes home go through its mapping)
+    ROWS_IN_ORDER = True  # (reads of the base file by pread, writes home through its mapping)
     _copy = staticmethod(tier_guard.copy_rows)  # (the backing files are mapped: a failed page is an OSError)
 
     def __init__(

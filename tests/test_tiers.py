@@ -862,3 +862,29 @@ def test_a_stage_makes_few_torch_calls_per_table(tmp_path, monkeypatch):
     stats = module.tier_step_stats()
     assert sum(s["staged_write_backs"] for s in stats.values()) > 0  # the stage wrote back and read rows
     assert len(counted) == 1 and counted[0] <= 55 * 3, counted  # (143 here; 187 before the stage's calls were cut)
+
+
+def test_an_optimizer_changed_while_a_stage_runs_waits_for_it_and_trains_as_resident_tables(tmp_path):
+    # A new optimizer kind folds the logs and remaps the state files: the stage in flight, reading
+    # them, is joined first (else its reads could meet a file closed, or another in its place).
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    make = lambda configs: DynamicEmbeddingBagCollection(configs, optimizer="adagrad", optimizer_kwargs={"lr": 0.05})
+    resident, staged = make(_bag_configs()), make(_bag_configs(f"file:{tmp_path}", 0.3))
+    gen = torch.Generator().manual_seed(11)
+    batches = [
+        random_kjt(["f0", "f1", "f2", "f3"], 6, POOL[torch.randint(0, 700, (400,), generator=gen)], 5) for _ in range(8)
+    ]
+    for step, kjt in enumerate(batches):
+        if step == 4:
+            assert staged._tables._staging is not None  # (staged at step 3)
+            for module in (resident, staged):
+                apply_optimizer_in_backward(torch.optim.Adam, module.parameters(), {"lr": 0.02})
+        if step + 1 < len(batches):
+            staged.stage_next(batches[step + 1])
+        outs = [m(kjt).values() for m in (resident, staged)]
+        assert torch.equal(outs[0], outs[1]), step
+        grad = torch.randn(outs[0].shape, generator=gen)
+        for out in outs:
+            out.backward(grad)
+    _assert_same_state(resident, staged)

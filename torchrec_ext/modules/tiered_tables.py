@@ -1051,6 +1051,8 @@ class TieredTables(DynamicTables):
                 self._mover(t).fold()
 
     def set_optimizer(self, spec) -> None:
+        if self.__dict__.get("_staging") is not None:  # (its reads must not meet the files replaced below)
+            self._join_stage()
         if self.optimizer is None or self.optimizer.kind != spec.kind:
             self._fold_logs()  # (while the movers still have the old states' layout)
         super().set_optimizer(spec)

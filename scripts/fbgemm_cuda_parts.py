@@ -109,18 +109,19 @@ def pack(args: argparse.Namespace) -> None:
                 )
             shutil.rmtree(args.out)
         os.makedirs(args.out, exist_ok=True)
-        part_bytes, parts = max(1, int(args.part_mib * 2**20)), []
+        part_bytes, parts, whole = max(1, int(args.part_mib * 2**20)), [], hashlib.sha256()
         with open(archive, "rb") as f:
             for block in iter(lambda: f.read(part_bytes), b""):
                 name = f"part-{len(parts):02d}"
                 with open(os.path.join(args.out, name), "wb") as out:
                     out.write(block)
                 parts.append({"name": name, "bytes": len(block), "sha256": hashlib.sha256(block).hexdigest()})
+                whole.update(block)
     manifest = {
         "wheel": os.path.basename(wheel),
         "wheel_sha256": sha256(wheel),
         "archs": sorted(archs),
-        "archive_sha256": sha256_of_parts(args.out, parts),
+        "archive_sha256": whole.hexdigest(),
         "parts": parts,
         "libraries": libraries,
     }
@@ -133,14 +134,6 @@ def pack(args: argparse.Namespace) -> None:
     )
     for p in parts:
         print(f"  a device call carries {args.out}/{MANIFEST} and {args.out}/{p['name']}")
-
-
-def sha256_of_parts(directory: str, parts: list[dict]) -> str:
-    digest = hashlib.sha256()
-    for p in parts:
-        with open(os.path.join(directory, p["name"]), "rb") as f:
-            digest.update(f.read())
-    return digest.hexdigest()
 
 
 def unpack(args: argparse.Namespace) -> int:

@@ -78,7 +78,7 @@ def pread_rows(
         (errno 0: the file ended there; rows before it may be read).
     """
     offset, errno_ = _ops.pread_rows.default(dst, dst_rows, src, src_rows, fd, src_offset).tolist()
-    return int(offset), int(errno_)
+    return offset, errno_
 
 
 def hash_find(digests: Tensor, slot_keys: Tensor, keys: Tensor, capacity: int) -> tuple[Tensor, Tensor]:

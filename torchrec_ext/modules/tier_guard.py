@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 import threading
 import weakref
@@ -146,16 +147,9 @@ READ_WITH_PREAD = os.environ.get("TORCHREC_EXT_TIER_PREAD", "1") == "1"
 def _pread(dst: Tensor, dst_rows: Tensor | None, src: Tensor, src_rows: Tensor | None, consequence: str) -> bool:
     """The read by ``ops.pread_rows`` when ``src`` lies in a mapping registered with its file,
     still open; False when it does not (the caller copies through the mapping)."""
-    with _lock:
-        found = next(
-            (
-                (s, f, path, where)
-                for s, (n, path, where) in _mapped.items()
-                if s <= src.data_ptr() < s + n and (f := _files.get(s))
-            ),
-            None,
-        )
-    file = None if found is None else found[1]()
+    found = _mapping_at(src.data_ptr())
+    ref = None if found is None else _files.get(found[0])
+    file = None if ref is None else ref()
     if file is None or file.closed:  # (freed or closed with its tables: their mapping may live on)
         return False
     start, _, path, where = found
@@ -168,8 +162,14 @@ def _pread(dst: Tensor, dst_rows: Tensor | None, src: Tensor, src_rows: Tensor |
     return True
 
 
-_MADV_DONTNEED = 4
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+def madvise(address: int, nbytes: int, advice: int) -> int:
+    """madvise(2) of ``nbytes`` from ``address`` (an ``mmap.MADV_*`` advice); 0, or its errno."""
+    if _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), advice) != 0:
+        return ctypes.get_errno()
+    return 0
 
 
 def release_pages(t: Tensor) -> None:
@@ -181,4 +181,4 @@ def release_pages(t: Tensor) -> None:
     found = _mapping_at(t.data_ptr())
     if found is not None:
         start, nbytes, _, _ = found
-        _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(nbytes), _MADV_DONTNEED)
+        madvise(start, nbytes, mmap.MADV_DONTNEED)  # (advice: a failure changes no row)

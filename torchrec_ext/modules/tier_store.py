@@ -32,7 +32,6 @@ no row).
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import hashlib
@@ -78,17 +77,13 @@ def write_zeros(fd: int, offset: int, length: int) -> None:
     os.fdatasync(fd)
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
 def advise_random(mapped: Tensor, fd: int, path: str, where: str) -> None:
     """Tells the kernel that ``mapped`` (a whole file mapping) and the open file ``fd`` are read at
     random (MADV_RANDOM, POSIX_FADV_RANDOM): a page fault or a ``pread`` then reads its pages only,
     not the device's readahead window around them (8 MiB on this machine's disk: training a file
     larger than RAM read ~2,000x the bytes it used; rows read in ascending order look sequential)."""
-    length = mapped.numel() * mapped.element_size()
-    if _libc.madvise(ctypes.c_void_p(mapped.data_ptr()), ctypes.c_size_t(length), mmap.MADV_RANDOM) != 0:
-        err = ctypes.get_errno()
+    err = tier_guard.madvise(mapped.data_ptr(), mapped.numel() * mapped.element_size(), mmap.MADV_RANDOM)
+    if err:
         raise ValueError(f"{where}: madvise(MADV_RANDOM) of backing file {path!r} failed: {os.strerror(err)}")
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)

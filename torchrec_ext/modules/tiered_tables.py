@@ -144,8 +144,9 @@ class _Mover:
 
     # Whether the host path moves rows in ascending order: in a file (a file backing's base rows,
     # read by pread, written through the mapping) neighbouring rows share a page and runs of rows
-    # are one read, and the file is read front to back; host memory gains nothing from it, and a sort of a table's ~7k
-    # write-backs a step costs about what copying them does (benchmarks/results/tier_copy_rows.md).
+    # are one read, and the file is read front to back; host memory gains nothing from it, and a
+    # sort of a table's ~7k write-backs a step costs about what copying them does
+    # (benchmarks/results/tier_copy_rows.md).
     ROWS_IN_ORDER = False
 
     def buffer_bytes(self) -> int:

@@ -13,6 +13,7 @@ import struct
 import pytest
 import torch
 
+import smaps
 from modules_helpers import random_kjt
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 from torchrec_ext.modules import tier_store
@@ -85,16 +86,8 @@ def test_a_new_backing_file_is_written_whole_not_only_reserved(tmp_path):
 
 
 def _mapping_flags(path):
-    """The VmFlags of each mapping of ``path`` in this process (/proc/self/smaps)."""
-    flags, current = [], None
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            fields = line.split()
-            if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header line
-                current = fields[5] if len(fields) > 5 else None
-            elif fields[0] == "VmFlags:" and current == str(path):
-                flags.append(fields[1:])
-    return flags
+    """The VmFlags of each mapping of ``path`` in this process."""
+    return [fields["VmFlags:"] for mapped, fields in smaps.mappings() if mapped == str(path)]
 
 
 def test_backing_files_are_mapped_for_random_reads(tmp_path):

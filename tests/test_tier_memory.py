@@ -9,12 +9,12 @@ once, file mappings (the backing files, the logs' records) left out: the bytes a
 """
 
 import gc
-import re
 import types
 
 import pytest
 import torch
 
+import smaps
 from modules_helpers import random_kjt
 from torchrec_ext import DynamicEmbeddingBagCollection, DynamicEmbeddingBagConfig
 from torchrec_ext.distributed.planner import LRU_QUEUE_BYTES_PER_SLOT, tiered_table_bytes
@@ -178,15 +178,11 @@ def _with_device_maps_and_plans(configs, optimizer: str):
 
 def _mapped_kib(directory) -> dict[str, int]:
     """Per backing file under ``directory``, the kB of it this process has mapped resident (the
-    kernel's own count: /proc/self/smaps)."""
-    found, current = {}, None
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            fields = line.split()
-            if re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", fields[0]):  # a mapping: range perms offset dev inode [path]
-                current = fields[5] if len(fields) >= 6 and fields[5].startswith(str(directory)) else None
-            elif current is not None and fields[0] == "Rss:":
-                found[current] = found.get(current, 0) + int(fields[1])
+    kernel's own count)."""
+    found: dict[str, int] = {}
+    for path, fields in smaps.mappings():
+        if path is not None and path.startswith(str(directory)):
+            found[path] = found.get(path, 0) + int(fields["Rss:"][0])
     return found
 
 

@@ -7,8 +7,9 @@ Here (a machine with pip's index), once:
 
     .venv/bin/python scripts/fbgemm_cuda_parts.py pack          # fbgemm-gpu 1.6.0 (torch 2.11), sm_90
 
-downloads the cp312 wheel, zeroes every cubin of another architecture than sm_90 in its libraries
-(scripts/fatbin.py: 2.5 GB of libraries of which 1.5 GB are sm_80/sm_100 code), packs the tree as
+downloads the cp312 wheel, drops every cubin of another architecture than sm_90 from its libraries
+(scripts/fatbin.py: 2.5 GB of libraries of which 1.5 GB are sm_80/sm_100 code; cuobjdump, when at
+hand, then reads each library's cubins as the sm_90 ones), packs the tree as
 one .tar.xz (~80 MB) cut into parts of at most ``--part-mib`` MiB under .fbgemm/ (ignored by git),
 with MANIFEST.json (each part's size and sha256). Each device call carries .fbgemm/MANIFEST.json and
 one more part; the machine keeps the parts of earlier calls while it stays warm. There,
@@ -36,7 +37,7 @@ import tempfile
 import zipfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fatbin import FatbinError, keep_archs
+from fatbin import FatbinError, cuobjdump_listing, find_cuobjdump, keep_archs
 
 MANIFEST = "MANIFEST.json"
 MARKER = ".fbgemm_cuda_archive"
@@ -67,22 +68,42 @@ def download(version: str, python_version: str, into: str) -> str:
 
 
 def slim_tree(wheel: str, tree: str, archs: set[int]) -> dict[str, dict[str, int]]:
-    """Unpacks ``wheel`` into ``tree`` (its site-packages layout) and slims each library to ``archs``."""
+    """Unpacks ``wheel`` into ``tree`` (its site-packages layout) and slims each library to ``archs``;
+    then, with cuobjdump at hand, checks that it reads each slimmed library's cubins as the kept ones."""
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(tree)
+    cuobjdump = find_cuobjdump()
     report = {}
     for path in sorted(glob.glob(os.path.join(tree, "**", "*.so"), recursive=True)):
+        name = os.path.relpath(path, tree)
         with open(path, "rb") as f:
             data = bytearray(f.read())
         try:
-            stats = keep_archs(data, archs, name=os.path.relpath(path, tree))
+            stats = keep_archs(data, archs, name=name)
+            if stats["dropped_bytes"]:
+                with open(path, "wb") as f:
+                    f.write(data)
+            if cuobjdump:
+                check_listing(cuobjdump_listing(cuobjdump, path), stats["cubins_kept"], archs, name)
         except FatbinError as e:
             raise SystemExit(f"fbgemm_cuda_parts.py: {e}") from None
-        if stats["zeroed_bytes"]:
-            with open(path, "wb") as f:
-                f.write(data)
-        report[os.path.relpath(path, tree)] = stats
+        report[name] = stats
+    if not cuobjdump:
+        print(
+            "fbgemm_cuda_parts.py: no cuobjdump here (scripts/setup.sh installs it): the slimmed libraries are unchecked"
+        )
     return report
+
+
+def check_listing(listed: list[str], cubins_kept: int, archs: set[int], name: str) -> None:
+    """cuobjdump's cubins of a slimmed library must be the ones kept: as many, each of a kept
+    architecture (sm_90 or its arch-specific sm_90a)."""
+    foreign = [a for a in listed if int(a[3:].rstrip("abcdefghijklmnopqrstuvwxyz")) not in archs]
+    if len(listed) != cubins_kept or foreign:
+        raise FatbinError(
+            f"{name}: cuobjdump lists {len(listed)} cubin(s) ({', '.join(sorted(set(listed))) or 'none'}) after "
+            f"slimming, expected the {cubins_kept} kept for sm_{', sm_'.join(map(str, sorted(archs)))}"
+        )
 
 
 def pack(args: argparse.Namespace) -> None:
@@ -127,9 +148,9 @@ def pack(args: argparse.Namespace) -> None:
     }
     with open(os.path.join(args.out, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
-    zeroed = sum(s["zeroed_bytes"] for s in libraries.values())
+    dropped = sum(s["dropped_bytes"] for s in libraries.values())
     print(
-        f"{manifest['wheel']}: {zeroed / 2**30:.2f} GiB of other architectures' code zeroed; "
+        f"{manifest['wheel']}: {dropped / 2**30:.2f} GiB of other architectures' code dropped; "
         f"{len(parts)} parts, {sum(p['bytes'] for p in parts) / 2**20:.1f} MiB in {args.out}/"
     )
     for p in parts:

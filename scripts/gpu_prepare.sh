@@ -9,7 +9,7 @@
 # 2. .whl/lookup_before_*.py: the pooled-lookup kernel before 7a37695 and 42544ae (the A/B steps of
 #    benchmarks/results/gpu/issue13_audit.md's runbook);
 # 3. .fbgemm/: fbgemm-gpu's CUDA build slimmed to sm_90 in parts (scripts/fbgemm_cuda_parts.py),
-#    unless --no-fbgemm or a pack of the same version is already there.
+#    unless --no-fbgemm or a pack of the same version and slimming is already there.
 # Then it prints what each of the two device calls carries. PYTHON: the interpreter that downloads
 # (default .venv/bin/python, else python3).
 set -euo pipefail
@@ -40,7 +40,9 @@ for commit in 7a37695 42544ae; do
   (( dry )) || git show "$commit~1:torchrec_ext/triton_kernels/embedding_lookup.py" > ".whl/lookup_before_$commit.py"
 done
 if (( fbgemm )); then
-  if [[ -f .fbgemm/MANIFEST.json ]] && grep -q '"wheel": "fbgemm_gpu-1.6.0-' .fbgemm/MANIFEST.json; then
+  # (a pack from before the compacting slimming, session 21, has no "cubins_kept": made again)
+  if [[ -f .fbgemm/MANIFEST.json ]] && grep -q '"wheel": "fbgemm_gpu-1.6.0-' .fbgemm/MANIFEST.json \
+    && grep -q '"cubins_kept"' .fbgemm/MANIFEST.json; then
     echo "gpu_prepare.sh: .fbgemm/ already holds fbgemm-gpu 1.6.0's parts"
   else
     run "$PY" scripts/fbgemm_cuda_parts.py pack

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up .venv in the checkout: pinned torch, the fbgemm variant matching the machine,
 # torchrec without its declared deps (it names the 500 MB CUDA fbgemm-gpu) plus its real deps,
-# triton, torchx, pytest, tensorboard (the job's --tensorboard), the linters (ruff, clang-format for scripts/lint.sh), and this package
+# triton, torchx, pytest, tensorboard (the job's --tensorboard), the linters (ruff, clang-format for scripts/lint.sh),
+# cuobjdump (a 0.3 MB wheel: tests/test_fbgemm_cuda_parts.py reads slimmed device code with it), and this package
 # in editable mode built against that torch.
 # Idempotent: dependencies install once (stamp file); the extension rebuilds when its sources change.
 set -euo pipefail
@@ -12,7 +13,8 @@ FBGEMM_VERSION=1.8.0
 TORCHREC_VERSION=1.8.0
 RUFF_VERSION=0.17.6          # scripts/lint.sh and .pre-commit-config.yaml use these two
 CLANG_FORMAT_VERSION=23.1.5
-DEPS_STAMP="$VENV/.torchrec_ext_deps_v3"  # bump when the list below changes
+CUOBJDUMP_VERSION=13.5.37    # NVIDIA's reader of device code: the check of scripts/fatbin.py's slimming
+DEPS_STAMP="$VENV/.torchrec_ext_deps_v4"  # bump when the list below changes
 BUILD_STAMP="$VENV/.torchrec_ext_build"
 
 pip_install() {
@@ -40,7 +42,7 @@ if [ ! -f "$DEPS_STAMP" ]; then
   pip_install --no-deps "torchrec==$TORCHREC_VERSION"
   pip_install "torch==$TORCH_VERSION" tensordict "torchmetrics==1.0.3" tqdm pyre-extensions \
     typing-inspect iopath "triton==3.6.0" "torchx==0.7.0" pytest numpy matplotlib tensorboard \
-    "ruff==$RUFF_VERSION" "clang-format==$CLANG_FORMAT_VERSION"
+    "ruff==$RUFF_VERSION" "clang-format==$CLANG_FORMAT_VERSION" "nvidia-cuda-cuobjdump==$CUOBJDUMP_VERSION"
   touch "$DEPS_STAMP"
 fi
 

@@ -1,6 +1,6 @@
 """scripts/fatbin.py and scripts/fbgemm_cuda_parts.py, on CPU: slimming a library's device code to
-one architecture zeroes exactly the other architectures' cubins (the oracle: the cubins nvcc itself
-builds for each architecture, found byte for byte in the object before and after), and the parts
+one architecture leaves the fat binary nvcc itself builds for that architecture alone (byte for
+byte, the oracle), which NVIDIA's cuobjdump reads as such, and the parts
 carried to the GPU machine unpack to the slimmed wheel, or are refused, naming the part, when one is
 missing or damaged."""
 
@@ -35,42 +35,48 @@ def _object(tmp_path, archs: list[int], *flags: str) -> bytes:
     return _nvcc(tmp_path, "kernel.o", "-c", "-Xcompiler", "-fPIC", *gencode, *flags)
 
 
+def _fatbin_bytes(data: bytes | bytearray) -> bytes:
+    where = fatbin.section(data, ".nv_fatbin")
+    return bytes(data[where])
+
+
+def _slimmed_is_nvccs_own(slimmed: bytearray, before: bytes, alone: bytes) -> None:
+    """``slimmed`` (``before`` slimmed) holds in its .nv_fatbin section the fat binary nvcc builds
+    for the kept architectures alone (``alone``'s section), then zeros; nothing else changed."""
+    where = fatbin.section(slimmed, ".nv_fatbin")
+    assert where == fatbin.section(before, ".nv_fatbin")
+    own = _fatbin_bytes(alone)
+    assert bytes(slimmed[where.start : where.start + len(own)]) == own
+    assert not any(slimmed[where.start + len(own) : where.stop])
+    assert slimmed[: where.start] == before[: where.start] and slimmed[where.stop :] == before[where.stop :]
+
+
 @needs_nvcc
-def test_keeping_one_arch_zeroes_the_others_cubins_and_nothing_else(tmp_path):
+def test_keeping_one_arch_leaves_the_fat_binary_nvcc_builds_for_it_alone(tmp_path):
     before = _object(tmp_path, [80, 90], "--no-compress")
+    alone = _object(tmp_path, [90], "--no-compress")
     cubins = {a: _nvcc(tmp_path, f"k{a}.cubin", "-cubin", f"-arch=sm_{a}") for a in (80, 90)}
-    at = {a: before.find(c) for a, c in cubins.items()}
-    assert all(offset > 0 for offset in at.values()), "nvcc's cubins lie verbatim in the uncompressed object"
+    assert all(c in before for c in cubins.values()), "nvcc's cubins lie verbatim in the uncompressed object"
     data = bytearray(before)
     stats = fatbin.keep_archs(data, {90})
-    assert data.find(cubins[90]) == at[90]
-    assert cubins[80] not in data
-    changed = [i for i in range(len(data)) if data[i] != before[i]]
-    start, stop = at[80], at[80] + len(cubins[80])
-    assert changed and start <= changed[0] and changed[-1] < stop + 64  # the sm_80 image (and its padding) alone
-    assert not any(data[changed[0] : changed[-1] + 1])
-    assert stats["fatbins"] == 1 and stats["zeroed_bytes"] >= len(cubins[80])
-    assert stats["kept_bytes"] >= len(cubins[90])
+    _slimmed_is_nvccs_own(data, before, alone)
+    assert cubins[90] in data and cubins[80] not in data
+    assert stats["fatbins"] == 1 and stats["kept_bytes"] >= len(cubins[90])
+    assert stats["dropped_bytes"] == len(_fatbin_bytes(before)) - len(_fatbin_bytes(alone))
 
 
 @needs_nvcc
-def test_compressed_images_are_zeroed_whole_and_the_kept_one_is_untouched(tmp_path):
+def test_compressed_images_are_dropped_whole_and_the_kept_one_moves_unchanged(tmp_path):
     before = _object(tmp_path, [80, 90, 100])
-    where = fatbin.section(before, ".nv_fatbin")
-    (entries,) = fatbin.entries(before, where)
-    assert sorted(e.arch for e in entries if e.kind == fatbin.KIND_CUBIN) == [80, 90, 100]
+    (fat,) = fatbin.fat_binaries(before, fatbin.section(before, ".nv_fatbin"))
+    assert sorted(e.arch for e in fat.entries if e.kind == fatbin.KIND_CUBIN) == [80, 90, 100]
     data = bytearray(before)
     fatbin.keep_archs(data, {90})
-    for e in entries:
-        if e.arch == 90:
-            assert data[e.payload] == before[e.payload]
-        else:
-            assert not any(data[e.payload])
-    outside = bytearray(before)
-    for e in entries:
-        if e.arch != 90:
-            outside[e.payload] = bytes(e.payload.stop - e.payload.start)
-    assert data == outside
+    _slimmed_is_nvccs_own(data, before, _object(tmp_path, [90]))
+    (slim,) = fatbin.fat_binaries(data, fatbin.section(data, ".nv_fatbin"))
+    assert slim.start == fat.start and [e.arch for e in slim.entries] == [90]
+    (kept,) = [e for e in fat.entries if e.arch == 90]
+    assert data[slim.entries[0].payload] == before[kept.payload]
 
 
 @needs_nvcc
@@ -87,10 +93,35 @@ def test_ptx_at_or_below_the_kept_arch_counts_as_its_code(tmp_path):
     before = _object(tmp_path, [], "-gencode=arch=compute_80,code=[sm_80,compute_80]")
     data = bytearray(before)
     fatbin.keep_archs(data, {90})  # the driver compiles the PTX for sm_90
-    (entries,) = fatbin.entries(data, fatbin.section(data, ".nv_fatbin"))
-    ptx = [e for e in entries if e.kind == fatbin.KIND_PTX]
-    assert ptx and all(data[e.payload] == before[e.payload] for e in ptx)
-    assert all(not any(data[e.payload]) for e in entries if e.kind == fatbin.KIND_CUBIN)
+    _slimmed_is_nvccs_own(data, before, _object(tmp_path, [], "-gencode=arch=compute_80,code=compute_80"))
+
+
+@needs_nvcc
+@pytest.mark.skipif(fatbin.find_cuobjdump() is None, reason="cuobjdump not found (scripts/setup.sh installs it)")
+def test_cuobjdump_reads_a_slimmed_object_as_one_built_for_sm_90_alone(tmp_path):
+    """NVIDIA's own reader as the oracle: it lists the kept cubin only, and extracts it byte for
+    byte as nvcc builds it. (Zeroing the dropped images in place, the first slimming, made it
+    refuse the file.)"""
+    cuobjdump = fatbin.find_cuobjdump()
+    data = bytearray(_object(tmp_path, [80, 90, 100]))
+    fatbin.keep_archs(data, {90})
+    slimmed = tmp_path / "slimmed.o"
+    slimmed.write_bytes(data)
+    assert fatbin.cuobjdump_listing(cuobjdump, str(slimmed)) == ["sm_90"]
+    out = tmp_path / "x"
+    out.mkdir()
+    subprocess.run([cuobjdump, "-xelf", "all", str(slimmed)], cwd=out, check=True, capture_output=True)
+    (extracted,) = list(out.iterdir())
+    assert extracted.read_bytes() == _nvcc(tmp_path, "k90.cubin", "-cubin", "-arch=sm_90")
+    zeroed_in_place = bytearray(_object(tmp_path, [80, 90, 100]))
+    for fat in fatbin.fat_binaries(zeroed_in_place, fatbin.section(zeroed_in_place, ".nv_fatbin")):
+        for e in fat.entries:
+            if e.arch != 90:
+                zeroed_in_place[e.payload] = bytes(e.payload.stop - e.payload.start)
+    slimmed.write_bytes(zeroed_in_place)
+    with pytest.raises(fatbin.FatbinError, match="cuobjdump cannot read"):
+        fatbin.cuobjdump_listing(cuobjdump, str(slimmed))
+    assert fatbin.cuobjdump_listing(cuobjdump, str(tmp_path / "kernel.cu")) == []  # no device code
 
 
 def _fat_binary(images: list[tuple[int, int, bytes]], header_size: int = 16) -> bytes:
@@ -128,12 +159,26 @@ def test_fat_binaries_one_after_another_with_padding_are_slimmed_each():
     before = _elf(first + bytes(8) + second)
     data = bytearray(before)
     stats = fatbin.keep_archs(data, {90})
+    where = fatbin.section(data, ".nv_fatbin")
+    alone = [
+        _fat_binary([(fatbin.KIND_CUBIN, 90, payloads[0, 90])]),
+        _fat_binary([(fatbin.KIND_PTX, 80, b"ptx text"), (fatbin.KIND_CUBIN, 90, payloads[1, 90])]),
+    ]
+    expected = alone[0].ljust(len(first) + 8, b"\0") + alone[1].ljust(len(second), b"\0")
+    assert bytes(data[where]) == expected  # each where it was, its own header's size the new one
+    assert data[: where.start] == before[: where.start] and data[where.stop :] == before[where.stop :]
     assert stats["fatbins"] == 2
-    for (f, a), payload in payloads.items():
-        at = before.find(payload)
-        assert data[at : at + len(payload)] == (payload if a == 90 else bytes(len(payload))), (f, a)
-    assert b"ptx text" in data
-    assert stats["zeroed_bytes"] == sum(len(p) for (f, a), p in payloads.items() if a != 90)
+    assert stats["dropped_bytes"] == len(first) + len(second) - sum(len(a) for a in alone)
+    assert stats["kept_bytes"] == len(payloads[0, 90]) + len(payloads[1, 90]) + len(b"ptx text")
+
+
+def test_an_entry_that_would_move_off_its_alignment_is_refused_and_left_as_it_was():
+    section = _fat_binary([(fatbin.KIND_CUBIN, 80, b"a" * 60), (fatbin.KIND_CUBIN, 90, b"b" * 64)])
+    before = _elf(section)
+    data = bytearray(before)
+    with pytest.raises(fatbin.FatbinError, match="would move 124 bytes, off its 8-byte alignment"):
+        fatbin.keep_archs(data, {90})
+    assert data == before
 
 
 @pytest.mark.parametrize(
@@ -234,3 +279,11 @@ def test_bad_pack_arguments_are_named(tmp_path):
     with pytest.raises(SystemExit, match="holds files but no MANIFEST.json"):
         fbgemm_cuda_parts.main(["pack", "--wheel", wheel, "--out", str(tmp_path / "mine")])
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_a_cuobjdump_listing_other_than_the_kept_cubins_is_refused():
+    fbgemm_cuda_parts.check_listing(["sm_90a", "sm_90"], 2, {90}, "lib.so")
+    with pytest.raises(fatbin.FatbinError, match=r"lib\.so: cuobjdump lists 2 cubin\(s\) \(sm_100a, sm_90a\)"):
+        fbgemm_cuda_parts.check_listing(["sm_90a", "sm_100a"], 2, {90}, "lib.so")
+    with pytest.raises(fatbin.FatbinError, match=r"lists 1 cubin\(s\) \(sm_90\) after slimming, expected the 2 kept"):
+        fbgemm_cuda_parts.check_listing(["sm_90"], 2, {90}, "lib.so")

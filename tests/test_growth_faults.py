@@ -161,7 +161,7 @@ def test_an_index_that_cannot_be_allocated_is_a_growth_error(monkeypatch, reserv
     before = _rows_by_id(grown)
     real = table_growth.grown_tables
 
-    def no_memory(tables, capacities):
+    def no_memory(tables, capacities, sizes):
         raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {capacities[0] * 48} bytes")
 
     monkeypatch.setattr(table_growth, "grown_tables", no_memory)
@@ -208,7 +208,7 @@ def test_a_growth_error_from_within_a_growth_is_raised_as_it_is(monkeypatch):
     _step(grown, _batch(0, 40))
     inner = GrowthError("could not allocate the index of table 't0'")
 
-    def fails(tables, capacities):
+    def fails(tables, capacities, sizes):
         raise inner
 
     monkeypatch.setattr(table_growth, "grown_tables", fails)

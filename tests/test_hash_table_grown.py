@@ -5,13 +5,15 @@ their scores, each keeping its row; free rows to the empty slots, both ascending
 calls; rows must equal exactly, so the free-row assignment, evictions and refusals are checked too.
 """
 
+import warnings
+
 import pytest
 import torch
 
-from torchrec_ext import HashTable, ops, torch_kernels
+from torchrec_ext import HashTable, device_sync, ops, torch_kernels
 from torchrec_ext.modules.delta_placement import place_exactly
 from torchrec_ext.reference import ReferenceHashTable, bucket_pairs
-from torchrec_ext.table import find_or_insert_tables, place_keys
+from torchrec_ext.table import find_or_insert_tables, grown_tables, place_keys
 
 
 def _keys(gen, n):
@@ -174,3 +176,82 @@ def test_a_mapped_table_maps_no_slot_before_its_first_growth(monkeypatch):
     ref = ref.grown(512)
     more = _keys(gen, 100)
     assert grown.find_or_insert(more).rows.tolist() == ref.upsert(more.tolist())[0] and calls
+
+
+def test_tables_grown_together_give_the_reference_rows_with_one_placement_call(monkeypatch):
+    """``grown_tables`` of several tables (mixed policies, fills, one empty) places every table's
+    keys in one ``hash_upsert_tables`` call, exports with no sized op (on a GPU: no sync per
+    table), and each grown table then gives the reference's rows."""
+    gen = torch.Generator().manual_seed(5)
+    pairs = []
+    for capacity, policy, fill in [(96, "lru", 0.7), (64, "lfu", 0.5), (128, "lru", 0.0), (80, "lfu", 0.9)]:
+        table, ref = HashTable(capacity, policy=policy), ReferenceHashTable(capacity, policy)
+        keys = _keys(gen, int(capacity * fill))
+        assert table.find_or_insert(keys).rows.tolist() == ref.upsert(keys.tolist())[0]
+        pairs.append((table, ref))
+    real, calls = ops.hash_upsert_tables, []
+
+    def counted(*args):
+        calls.append(len(args[0]))
+        return real(*args)
+
+    def sized(*args, **kwargs):
+        raise AssertionError("a sized op (its output counted on the host) in grown_tables")
+
+    monkeypatch.setattr(ops, "hash_upsert_tables", counted)
+    for name in ("hash_export", "hash_upsert"):
+        monkeypatch.setattr(ops, name, sized)
+    grown = grown_tables([t for t, _ in pairs], [2 * t.capacity for t, _ in pairs])
+    monkeypatch.undo()
+    assert calls == [3]  # the three tables holding keys, in one call
+    for (table, row_map), (old, ref) in zip(grown, pairs):
+        before = old.state_dict()
+        assert table.find(before["keys"])[0].equal(before["rows"])
+        assert row_map[before["rows"]].equal(before["rows"])
+        ref = ref.grown(2 * ref.capacity)
+        for _ in range(3):
+            keys = _keys(gen, 150)
+            assert table.find_or_insert(keys).rows.tolist() == ref.upsert(keys.tolist())[0]
+
+
+def test_a_size_the_table_does_not_hold_is_refused_and_no_table_changes():
+    table = HashTable(64)
+    table.find_or_insert(torch.arange(30) * 7919)
+    before = table.state_dict()
+    for size in (29, 31):
+        with pytest.raises(RuntimeError, match=f"table 0 holds 30 live keys where its size read {size}"):
+            grown_tables([table], [128], [size])
+    with pytest.raises(ValueError, match="capacity must hold the table's 30 keys, got 16"):
+        table.grown(16)
+    after = table.state_dict()
+    assert all(torch.equal(v, after[k]) if isinstance(v, torch.Tensor) else v == after[k] for k, v in before.items())
+
+
+def test_growing_many_tables_reads_the_host_once(device):
+    """``grown_tables`` of 26 tables given their sizes: one counted read (keys placed), whatever
+    the table count; on a GPU also the one real sync (torch's sync debug mode: the export by
+    ``nonzero_static``, the batched placement and the row maps read nothing back)."""
+    gen = torch.Generator().manual_seed(9)
+    tables = []
+    for t in range(26):
+        table = HashTable(128, policy=("lru", "lfu")[t % 2], device=device, mapped_rows=t % 3 == 0)
+        table.find_or_insert_fixed(_keys(gen, 40 + t).to(device))
+        tables.append(table)
+    sizes = device_sync.host_list(torch.cat([t.size_tensor() for t in tables]), "test: sizes")
+    grown_tables(tables, [256] * 26, sizes)  # (warm: the caching allocator holds its blocks)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught, device_sync.recording() as counted:
+            warnings.simplefilter("always")
+            grown = grown_tables(tables, [256] * 26, sizes)
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+    assert dict(counted) == {"growth: keys placed": 1}
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == (1 if device == "cuda" else 0), syncs
+    for old, (table, _) in zip(tables, grown):
+        before = old.state_dict()
+        assert table.find(before["keys"])[0].equal(before["rows"])

@@ -111,8 +111,8 @@ GROWTH_RELAYOUT = ("growth: keys placed", "growth: rows carried")
 def test_a_growth_reads_the_host_the_same_times_whatever_the_table_count(deltas, device):
     """A growth's counted reads: 3 (the live rows, keys placed, rows carried), whether 1 table grows
     or 26 do, with or without the delta log (whose versions follow their rows without a read).
-    Not counted (an op's own sizing of its output, on a GPU): each grown table's ``hash_export``
-    and ``insert_or_assign`` in ``grown_tables`` (test_sync_patterns exempts them by name)."""
+    ``grown_tables`` calls no op that sizes its output on the host (test_sync_patterns; on a GPU,
+    test_hash_table_grown.py's sync debug count)."""
     per_count = {}
     for tables in (1, 2, TABLES):
         module = DynamicEmbeddingBagCollection(

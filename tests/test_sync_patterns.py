@@ -202,13 +202,8 @@ EXEMPT = {
     ): "optimizer_step: a CPU tensor by construction (the fused optimizer's step count)",
 }
 
-_INDEX_REBUILT = (
-    "a growth's new index (once a doubling, a grown table): the op sizes its output on the host, a sync "
-    "of the op's own that device_sync cannot count (test_sync_budget's growth count says so)"
-)
 EXEMPT.update(
     {
-        ("table.py", "grown_tables", "sized op"): _INDEX_REBUILT,
         (
             "modules/table_growth.py",
             "TableGrowth._relaid",

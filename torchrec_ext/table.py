@@ -179,6 +179,19 @@ def find_or_insert_tables(
     first._check_pending(where, pending, keys)
     if scores is None and any(index.policy == "custom" for index in indexes):
         raise ValueError(f"HashTable.{where}: the 'custom' policy needs scores, one per key")
+    return _upsert_tables(indexes, keys, offsets, scores, pending, assign=False)
+
+
+def _upsert_tables(
+    indexes: Sequence[HashTable],
+    keys: Tensor,
+    offsets: list[int],
+    scores: Tensor | None,
+    pending: Tensor | None,
+    assign: bool,
+) -> FixedInsertResult:
+    """One ``ops.hash_upsert_tables`` call over checked arguments, each table locked for writing
+    and its clock advanced as its own call would."""
     with ExitStack() as locks:
         for index in sorted(indexes, key=id):  # one order for every caller: no deadlock
             locks.enter_context(index._lock.write())
@@ -197,7 +210,7 @@ def find_or_insert_tables(
             [POLICIES[i.policy] for i in indexes],
             [i._clock for i in indexes],
             [i._epoch for i in indexes],
-            False,
+            assign,
         )
         maps = [index._row_map() for index in indexes]
         if any(m is not None for m in maps):
@@ -569,9 +582,10 @@ class HashTable:
         every key keeps its row (``row_map`` is the identity on the live rows): only the index is
         rebuilt, each key in a slot of its new buckets that takes the key's row (the free rows go
         to the empty slots); shrinking, the keys take the rows of their new slots. On the table's
-        device, with no host copy of the entries: the keys are inserted by one ``insert_or_assign``
-        with their scores; should some not fit (only in tiny tables, both buckets full), every key
-        is re-placed by ``place_keys`` instead. This table is unchanged. (``grown_tables``: many.)
+        device, with no host copy of the entries: the keys are inserted with their scores by one
+        fixed-size upsert; should some not fit (only in tiny tables, both buckets full), every key
+        is re-placed by ``place_keys`` instead. Two counted host reads: the size, and whether every
+        key was placed. This table is unchanged. (``grown_tables``: many at once.)
         """
         return grown_tables([self], [capacity])[0]
 
@@ -785,36 +799,75 @@ class HashTable:
         return scores
 
 
-def grown_tables(tables: Sequence[HashTable], capacities: Sequence[int]) -> list[tuple[HashTable, Tensor]]:
-    """``[t.grown(c) for t, c in zip(tables, capacities)]`` (see ``HashTable.grown``), with one
-    counted host read for all tables of whether any key missed its slot, not one per table (a
-    growth of many tables at once). Every table is unchanged."""
-    placed = []
-    for table, capacity in zip(tables, capacities):
+def grown_tables(
+    tables: Sequence[HashTable], capacities: Sequence[int], sizes: Sequence[int] | None = None
+) -> list[tuple[HashTable, Tensor]]:
+    """``[t.grown(c) for t, c in zip(tables, capacities)]`` (see ``HashTable.grown``) for many
+    tables at once, with no host read per table. ``sizes``: each table's live keys as the caller
+    read them on the host (``size_tensor``; a growth reads them for its plan), else read here in
+    one counted read. With the sizes known, a table's live slots are found by ``nonzero_static``
+    (no read of their count) and every twin's keys are placed by one ``hash_upsert_tables`` call
+    (fixed-size outputs); one counted read for all tables then says whether any key missed its slot
+    and whether each table held the keys its size says (else a RuntimeError: the table changed
+    since its size was read). Every table is unchanged."""
+    for capacity in capacities:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
             raise ValueError(f"HashTable.grown: capacity must be an int > 0, got {capacity!r}")
+    if sizes is None:
+        sizes = device_sync.host_list(torch.cat([t.size_tensor() for t in tables]), "growth: live rows")
+    for size, capacity in zip(sizes, capacities):
+        if size > capacity:
+            raise ValueError(f"HashTable.grown: capacity must hold the table's {size} keys, got {capacity}")
+    exported = []
+    for table, size in zip(tables, sizes):
         with table._lock.read():
-            keys, slots, scores = ops.hash_export(
-                table._digests, table._slot_keys, table._slot_scores, table._capacity, 0, table._num_slots
-            )
+            # hash_export's live slots, ascending, without its read of their count: rows past
+            # the capacity are never used.
+            occupied = table._digests[: min(table._num_slots, table._capacity)] != 0
+            slots = torch.nonzero_static(occupied, size=size).view(-1)
+            keys, scores = table._slot_keys[slots], table._slot_scores[slots]
             rows = table._rows_of_slots(slots)
-            clock, epoch = table._clock, table._epoch
-        if keys.numel() > capacity:
-            raise ValueError(f"HashTable.grown: capacity must hold the table's {keys.numel()} keys, got {capacity}")
+            exported.append((keys, rows, scores, occupied.sum(), table._clock, table._epoch))
+    twins = []
+    for table, capacity, (_, _, _, _, _, epoch) in zip(tables, capacities, exported):
         twin = HashTable(capacity, policy=table.policy, device=table.device, mapped_rows=table._slot_rows is not None)
         twin._epoch = epoch
-        new_slots = twin.insert_or_assign(keys, scores).rows if keys.numel() else keys
-        placed.append((table, capacity, twin, keys, rows, scores, new_slots, clock, epoch))
-    missed = [(p[6] < 0).any() for p in placed if p[3].numel()]
-    missed = iter(device_sync.host_list(torch.stack(missed), "growth: keys placed") if missed else [])
+        twins.append(twin)
+    filled = [t for t, size in enumerate(sizes) if size]
+    new_slots = [keys for keys, *_ in exported]  # (the empty tables': no keys, no slots)
+    if filled:
+        offsets = [0]
+        for t in filled:
+            offsets.append(offsets[-1] + sizes[t])
+        placed = _upsert_tables(
+            [twins[t] for t in filled],
+            torch.cat([exported[t][0] for t in filled]),
+            offsets,
+            torch.cat([exported[t][2] for t in filled]),
+            None,
+            assign=True,
+        ).rows
+        for t, begin, end in zip(filled, offsets, offsets[1:]):
+            new_slots[t] = placed[begin:end]
+    # Per table: whether a key missed its slot, and the live keys it held.
+    checks = [torch.stack([(new_slots[t] < 0).any().long(), exported[t][3]]) for t in range(len(tables))]
+    read = device_sync.host_list(torch.stack(checks).view(-1), "growth: keys placed")
+    missed, held = read[0::2], read[1::2]
+    for t, (size, live) in enumerate(zip(sizes, held)):
+        if live != size:
+            raise RuntimeError(
+                f"HashTable.grown: table {t} holds {live} live keys where its size read {size} before the "
+                "growth (it changed since): no table was changed"
+            )
     out = []
-    for table, capacity, twin, keys, rows, scores, new_slots, clock, epoch in placed:
-        if keys.numel() and next(missed):  # both buckets full at this capacity: an exact placement
+    for t, (table, capacity, twin) in enumerate(zip(tables, capacities, twins)):
+        keys, rows, scores, _, clock, epoch = exported[t]
+        if missed[t]:  # both buckets full at this capacity: an exact placement
             twin = HashTable(
                 capacity, policy=table.policy, device=table.device, mapped_rows=twin._slot_rows is not None
             )
-            new_slots = place_keys(keys, scores, capacity)
-            unplaced = int(device_sync.to_host((new_slots < 0).sum(), "growth: keys placed exactly"))
+            new_slots[t] = place_keys(keys, scores, capacity)
+            unplaced = int(device_sync.to_host((new_slots[t] < 0).sum(), "growth: keys placed exactly"))
             if unplaced:
                 raise ValueError(
                     f"HashTable.grown: {unplaced} of {keys.numel()} keys cannot be placed in capacity {capacity}"
@@ -827,16 +880,16 @@ def grown_tables(tables: Sequence[HashTable], capacities: Sequence[int]) -> list
                     "epoch": epoch,
                     "layout": LAYOUT_VERSION,
                     "keys": keys,
-                    "rows": new_slots,
+                    "rows": new_slots[t],
                     "scores": scores,
                 }
             )
         twin._clock, twin._epoch = clock, epoch
         row_map = torch.full((table._capacity,), -1, dtype=torch.int64, device=table.device)
         if capacity >= table._capacity:
-            twin._set_slot_rows(new_slots, rows)
+            twin._set_slot_rows(new_slots[t], rows)
             row_map[rows] = rows
         else:
-            row_map[rows] = new_slots
+            row_map[rows] = new_slots[t]
         out.append((twin, row_map))
     return out

@@ -154,7 +154,11 @@ class TableGrowth:
             if not targets:
                 return []
             # New indexes (nothing changed yet), with one read for all tables.
-            grown = dict(zip(targets, grown_tables([self.indexes[t] for t in targets], list(targets.values()))))
+            sizes = dict(zip(tables, live))
+            grown = grown_tables(
+                [self.indexes[t] for t in targets], list(targets.values()), [sizes[t] for t in targets]
+            )
+            grown = dict(zip(targets, grown))
         except Exception as e:
             if not _allocation_failed(e):
                 raise

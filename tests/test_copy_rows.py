@@ -132,3 +132,21 @@ def test_pread_rows_reads_runs_of_rows_in_one_call_each_as_a_copy_does():
     whole = torch.zeros(64, 5)
     _pread(whole, None, src, None)  # every row: one read
     assert torch.equal(whole, src)
+
+
+@pytest.mark.parametrize(
+    "dst, dst_rows, src, src_rows",
+    [
+        (torch.zeros(12, 5), torch.tensor([2, 7]), torch.randn(12, 5), None),  # src holds more rows than n
+        (torch.zeros(4, 5), None, torch.randn(12, 5), torch.tensor([3, 0, 11, 3])),
+        (torch.zeros(12), torch.tensor([1, 4]), torch.arange(12.0), torch.tensor([5, 6])),
+        (torch.zeros(6, 3), None, torch.randn(4, 3), None),
+    ],
+)
+def test_the_gpu_kernel_of_copy_rows_keeps_the_ops_contract(dst, dst_rows, src, src_rows):
+    """torch_kernels.copy_rows (the op's CUDA kernel), run on CPU tensors, copies what the C++
+    kernel copies: without src_rows, rows 0 .. n-1 of a src that may hold more."""
+    want, got = dst.clone(), dst.clone()
+    ops.copy_rows(want, dst_rows, src, src_rows)
+    torch_kernels.copy_rows(got, dst_rows, src, src_rows)
+    assert torch.equal(got, want)

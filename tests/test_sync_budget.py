@@ -251,7 +251,10 @@ def test_a_deferred_check_is_raised_at_the_next_read_of_its_thread(monkeypatch):
         verdicts.append(values)
         return ValueError(f"bad: {values}") if values[0] < 0 else None
 
-    device_sync.defer_check(torch.tensor([-1, 7]), verdict)
+    def fails(values):
+        return values[0] < 0
+
+    device_sync.defer_check(torch.tensor([-1, 7]), verdict, fails)
     assert verdicts == []  # not read yet
     other = threading.Thread(target=lambda: device_sync.to_host(torch.arange(2), "another thread's read"))
     other.start()
@@ -261,12 +264,12 @@ def test_a_deferred_check_is_raised_at_the_next_read_of_its_thread(monkeypatch):
         device_sync.to_host(torch.arange(3), "a read")
     assert dict(seen) == {"a read": 1}  # the check itself cost no read
     device_sync.to_host(torch.arange(4), "a later read")  # raised once, then gone
-    device_sync.defer_check(torch.tensor([1, 7]), verdict)
+    device_sync.defer_check(torch.tensor([1, 7]), verdict, fails)
     device_sync.settle()  # a passing check raises nothing
     assert verdicts == [[-1, 7], [1, 7]]
     monkeypatch.setattr(device_sync, "defer_on_cpu", False)
     with pytest.raises(ValueError, match="bad"):
-        device_sync.defer_check(torch.tensor([-2]), verdict)  # on CPU: at once
+        device_sync.defer_check(torch.tensor([-2]), verdict, fails)  # on CPU: at once
 
 
 def test_a_mirrored_tensor_dying_inside_the_modules_lock_does_not_deadlock():

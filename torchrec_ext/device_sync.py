@@ -176,7 +176,7 @@ class _Deferred:
         self,
         values: Tensor,
         verdict: Callable[[list], Exception | None],
-        fails: Callable[[Tensor], Tensor] | None = None,
+        fails: Callable[[Tensor], Tensor],
     ) -> None:
         self.verdict, self.values, self.fails = verdict, values, fails
         self.event = None
@@ -198,15 +198,15 @@ class _Deferred:
         return self.verdict(self.host.tolist())
 
 
-def defer_check(
-    values: Tensor, verdict: Callable[[list], Exception | None], fails: Callable[[Tensor], Tensor] | None = None
-) -> None:
+def defer_check(values: Tensor, verdict: Callable[[list], Exception | None], fails: Callable[[Tensor], Tensor]) -> None:
     """Checks ``values`` (a small device tensor computed by the caller) on the host later:
     ``verdict(values as a list)`` returns the error to raise, or None. Raised by the next counted
     read of this thread (``to_host``), or by ``settle``; on CPU right away (no sync to wait for).
     The caller must settle before it changes anything the error should leave unchanged.
-    fails: ``values`` -> a bool device scalar, True where the verdict will be an error, for
-    ``TakenChecks.failed`` (the sharded input dist tells its peers with it, without a sync)."""
+    fails: ``values`` -> a bool device scalar, True exactly where the verdict will be an error, for
+    ``TakenChecks.failed``: the sharded input dist tells its peers with it, without a sync. It is
+    required: a check its peers were not told of would raise on its own rank while they went on
+    into the data all-to-all and waited there."""
     if torch.compiler.is_compiling():
         return
     check = _Deferred(values.detach(), verdict, fails)
@@ -240,8 +240,8 @@ class TakenChecks:
 
     def failed(self) -> Tensor | None:
         """A bool device scalar, True where one of the checks will fail (computed on the device,
-        no sync); None when there are none (or none says how it fails)."""
-        flags = [check.fails(check.values).reshape(1) for check in self._checks if check.fails is not None]
+        no sync); None when there are none."""
+        flags = [check.fails(check.values).reshape(1) for check in self._checks]
         return torch.cat(flags).any() if flags else None
 
     def settle(self) -> None:

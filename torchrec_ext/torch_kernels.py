@@ -250,8 +250,15 @@ def hash_slot_rows(rows: Tensor, key_offsets: Sequence[int], slot_rows: Sequence
 
 
 def copy_rows(dst: Tensor, dst_rows: Tensor | None, src: Tensor, src_rows: Tensor | None) -> None:
-    """``copy_rows`` on a GPU: torch's row gather and scatter (a GPU copies rows in parallel)."""
-    values = src if src_rows is None else src.index_select(0, src_rows)
+    """``copy_rows`` on a GPU: torch's row gather and scatter (a GPU copies rows in parallel). As
+    the C++ kernel, without ``src_rows`` it takes rows 0 .. n-1 of ``src`` (which may hold more).
+    (A row out of range is a device-side assert here, where the C++ kernel raises first.)"""
+    if src_rows is not None:
+        values = src.index_select(0, src_rows)
+    elif dst_rows is not None:
+        values = src[: dst_rows.numel()]
+    else:
+        values = src
     if dst_rows is None:
         dst[: values.shape[0]].copy_(values)
     else:

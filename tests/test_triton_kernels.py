@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from matrix import ci_subset
+from matrix import FULL_MATRIX, ci_subset
 from mixed_dtype_helpers import assert_rows_within_a_rounding, bag_configs, rows_by_id, train_on_stream
 from torchrec_ext import DynamicEmbeddingBagCollection
 from torchrec_ext import reference as ref
@@ -545,10 +545,11 @@ floats = {"lr", "eps", "lerp_weight", "beta2", "one_minus_beta2", "adam_step_siz
 pointers = {"grad_ptr": "*fp32", "weights_ptr": "*fp32", "weights16_ptr": "*fp16", "weightsbf_ptr": "*bf16",
             "state1_ptr": "*fp32", "state2_ptr": "*fp32", "psw_ptr": "*fp32", "table_dtypes_ptr": "*i32",
             "feature_mean_ptr": "*i32"}
-const = dict(OPTIMIZER=0, FTRL_POWER=0, POOLED=True, HAS_WEIGHTS=False, HAS_WEIGHT_DECAY=False, HAS_DTYPES=True,
-             STOCHASTIC=True, BLOCK_N=16, BLOCK_D=64)
+base = dict(OPTIMIZER=0, FTRL_POWER=0, POOLED=True, HAS_WEIGHTS=False, HAS_WEIGHT_DECAY=False, HAS_DTYPES=True,
+            STOCHASTIC=True, BLOCK_N=16, BLOCK_D=64)
 out = {}
-for step_type in json.loads(sys.argv[1]):
+for variant in json.loads(sys.argv[1]):  # {"const": ..., "step_term": "i32"|"i64", "grad": "*fp32"|..., "num_warps"}
+    const = dict(base, **variant.get("const", {}))
     signature = {}
     for name in kernel.arg_names:
         if name in const:
@@ -557,14 +558,15 @@ for step_type in json.loads(sys.argv[1]):
             signature[name] = pointers.get(name, "*i64")
         else:
             signature[name] = "fp32" if name in floats else "i32"
-    signature["step_term"] = step_type
+    signature["step_term"] = variant.get("step_term", "i64")
+    signature["grad_ptr"] = variant.get("grad", "*fp32")
     src = ASTSource(fn=kernel, signature=signature,
                     constexprs={(kernel.arg_names.index(n),): v for n, v in const.items()})
     try:
-        triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 2})
-        out[step_type] = "ok"
-    except Exception as e:  # noqa: BLE001 - reported per type
-        out[step_type] = str(e).strip().splitlines()[-1]
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": variant.get("num_warps", 2)})
+        out[json.dumps(variant, sort_keys=True)] = "ok"
+    except Exception as e:  # noqa: BLE001 - reported per variant
+        out[json.dumps(variant, sort_keys=True)] = str(e).strip().splitlines()[-1]
 print(json.dumps(out))
 """
 
@@ -581,7 +583,59 @@ def test_fused_update_compiles_for_sm90_whatever_type_the_step_term_gets():
 
     terms = [_step_term(step) for step in (1, 2, 3, 1 << 20, (1 << 40) + 7)]
     assert all(-(2**63) <= t < 2**63 for t in terms) and any(t < 0 for t in terms)
-    assert _compile_for_sm90(_SM90_COMPILE_UPDATE, ["i32", "i64"]) == {"i32": "ok", "i64": "ok"}
+    got = _compile_for_sm90(_SM90_COMPILE_UPDATE, [{"step_term": "i32"}, {"step_term": "i64"}])
+    assert list(got.values()) == ["ok", "ok"], got
+
+
+def _update_variants(full: bool) -> list[dict]:
+    """The fused update's specialisations as ``fused_update`` launches them: every optimizer (FTRL
+    at its three powers), with and without coupled weight decay where it has one, pooled with or
+    without per-sample weights or sequence, float32 tables only or mixed dtypes rounded to nearest
+    or stochastically. In CI each (optimizer, decay) meets each input kind and each dtype kind once
+    (a Latin square, 36 compiles); all 108 with TORCHREC_EXT_FULL_MATRIX=1. Plus the block widths
+    and warps of the widest rows, and a bfloat16 gradient."""
+    from torchrec_ext.triton_kernels import embedding_update as eu
+
+    optimizers = [("sgd", 0), ("adagrad", 0), ("rowwise_adagrad", 0), ("adam", 0), ("adamw", 0)]
+    optimizers += [("ftrl", power) for power in (eu._FTRL_SQRT, eu._FTRL_ONE, eu._FTRL_POW)]
+    inputs = [dict(POOLED=True, HAS_WEIGHTS=True), dict(POOLED=True, HAS_WEIGHTS=False), dict(POOLED=False)]
+    dtypes = [
+        dict(HAS_DTYPES=False, STOCHASTIC=False),
+        dict(HAS_DTYPES=True, STOCHASTIC=False),
+        dict(HAS_DTYPES=True, STOCHASTIC=True),
+    ]
+    variants = []
+    for name, power in optimizers:
+        opt = eu.OPTIMIZERS[name]
+        for decay in (False, True) if name not in ("adamw", "ftrl") else (False,):
+            first = dict(OPTIMIZER=opt, FTRL_POWER=power, HAS_WEIGHT_DECAY=decay)
+            pairs = (
+                [(i, d) for i in range(3) for d in range(3)]
+                if full
+                else [(i, (i + len(variants)) % 3) for i in range(3)]
+            )
+            for i, d in pairs:
+                variants.append({"const": {**first, **inputs[i], **dtypes[d]}})
+    widest = dict(POOLED=True, HAS_WEIGHTS=False, HAS_DTYPES=True, STOCHASTIC=True)
+    variants += [
+        {"const": dict(widest, OPTIMIZER=eu.OPTIMIZERS["rowwise_adagrad"], BLOCK_N=4, BLOCK_D=1024), "num_warps": 8},
+        {"const": dict(widest, OPTIMIZER=eu.OPTIMIZERS["adam"], BLOCK_N=16, BLOCK_D=256), "num_warps": 4},
+        {"const": dict(widest, OPTIMIZER=eu.OPTIMIZERS["adagrad"]), "grad": "*bf16"},
+    ]
+    return variants
+
+
+def test_fused_update_compiles_for_sm90_in_every_variant_it_launches():
+    """The interpreter runs the kernels' Python, not Triton's compiler: a variant that would not
+    compile (a type mix in a branch, a constexpr only the GPU takes) shows here, on sm_90, without
+    a GPU."""
+    if _IN_CHILD:
+        pytest.skip("the compile runs in its own child process")
+    _need_triton_installed()
+    variants = _update_variants(FULL_MATRIX)
+    got = _compile_for_sm90(_SM90_COMPILE_UPDATE, variants)
+    assert len(got) == len(variants)
+    assert {k: v for k, v in got.items() if v != "ok"} == {}
 
 
 def test_every_kernel_launch_is_on_its_tensors_device():

@@ -44,9 +44,7 @@ def _extension():
     cxx_flags = ["-O3", "-fvisibility=hidden", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
     link_flags = ["-fopenmp"]
     if _want_cuda():
-        # The kernels by absolute path: their objects then land apart from their bindings' (x_cuda.cpp
-        # and x_cuda.cu would both make csrc/x_cuda.o, which ninja refuses: "multiple rules generate").
-        kernels = sorted(os.path.join(ROOT, s) for s in glob.glob("csrc/*.cu"))
+        kernels = sorted(glob.glob("csrc/*.cu"))  # (by absolute path at build time: _BuildExtension)
         sources = cpu_sources + cuda_binding + kernels
         print(f"torchrec_ext: building CPU + CUDA kernels ({len(sources)} sources, CUDA_HOME={CUDA_HOME})")
         return CUDAExtension(
@@ -73,8 +71,19 @@ def _extension():
     )
 
 
+class _BuildExtension(BuildExtension):
+    def build_extensions(self) -> None:
+        # The kernels by absolute path: their objects then land apart from their bindings' (x_cuda.cpp
+        # and x_cuda.cu would both make csrc/x_cuda.o, which ninja refuses: "multiple rules generate").
+        # Here only: setuptools refuses an absolute path among setup()'s arguments (egg_info,
+        # build_py, a wheel's build all read them).
+        for ext in self.extensions:
+            ext.sources = [os.path.join(ROOT, s) if s.endswith(".cu") else s for s in ext.sources]
+        super().build_extensions()
+
+
 setup(
     packages=find_packages(include=["torchrec_ext", "torchrec_ext.*"]),
     ext_modules=[_extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": _BuildExtension.with_options(use_ninja=True)},
 )

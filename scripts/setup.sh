@@ -8,13 +8,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${TORCHREC_EXT_VENV:-.venv}
-TORCH_VERSION=2.13.0
-FBGEMM_VERSION=1.8.0
-TORCHREC_VERSION=1.8.0
+# CI's set; scripts/test_versions.sh sets the older pairs (fbgemm releases pair with one torch).
+TORCH_VERSION=${TORCHREC_EXT_TORCH:-2.13.0}
+FBGEMM_VERSION=${TORCHREC_EXT_FBGEMM:-1.8.0}
+TORCHREC_VERSION=${TORCHREC_EXT_TORCHREC:-1.8.0}
+TRITON_VERSION=${TORCHREC_EXT_TRITON:-3.6.0}
 RUFF_VERSION=0.17.6          # scripts/lint.sh and .pre-commit-config.yaml use these two
 CLANG_FORMAT_VERSION=23.1.5
 CUOBJDUMP_VERSION=13.5.37    # NVIDIA's reader of device code: the check of scripts/fatbin.py's slimming
-DEPS_STAMP="$VENV/.torchrec_ext_deps_v4"  # bump when the list below changes
+DEPS_STAMP="$VENV/.torchrec_ext_deps_v4_torch$TORCH_VERSION"  # bump v4 when the list below changes
 BUILD_STAMP="$VENV/.torchrec_ext_build"
 
 pip_install() {
@@ -41,7 +43,7 @@ if [ ! -f "$DEPS_STAMP" ]; then
   pip_install "$fbgemm" "torch==$TORCH_VERSION"
   pip_install --no-deps "torchrec==$TORCHREC_VERSION"
   pip_install "torch==$TORCH_VERSION" tensordict "torchmetrics==1.0.3" tqdm pyre-extensions \
-    typing-inspect iopath "triton==3.6.0" "torchx==0.7.0" pytest numpy matplotlib tensorboard \
+    typing-inspect iopath "triton==$TRITON_VERSION" "torchx==0.7.0" pytest numpy matplotlib tensorboard \
     "ruff==$RUFF_VERSION" "clang-format==$CLANG_FORMAT_VERSION" "nvidia-cuda-cuobjdump==$CUOBJDUMP_VERSION"
   touch "$DEPS_STAMP"
 fi

@@ -300,6 +300,10 @@ def _parameters(cls):
     return list(inspect.signature(cls.__init__).parameters.values())[1:]  # without self
 
 
+# The constructor arguments TorchRec added after 1.6, the oldest TorchRec supported.
+TORCHREC_ADDED_SINCE_1_6 = {EmbeddingBagCollection: [], EmbeddingCollection: ["use_gather_select_per_sharding"]}
+
+
 @pytest.mark.parametrize(
     "ours,theirs",
     [(DynamicEmbeddingBagCollection, EmbeddingBagCollection), (DynamicEmbeddingCollection, EmbeddingCollection)],
@@ -307,12 +311,20 @@ def _parameters(cls):
 )
 def test_constructor_takes_torchrec_arguments(ours, theirs):
     """Every argument of TorchRec's constructor, in its position, with its default; ours then
-    adds optimizer / optimizer_kwargs / per_rank_tables. A new TorchRec argument fails here."""
+    adds optimizer / optimizer_kwargs / per_rank_tables. A new TorchRec argument fails here.
+    (Against an older TorchRec, ours also takes the arguments TorchRec added since, before ours:
+    EmbeddingCollection's use_gather_select_per_sharding came in 1.7.)"""
     their_params, our_params = _parameters(theirs), _parameters(ours)
     assert [(p.name, p.kind, p.default) for p in our_params[: len(their_params)]] == [
         (p.name, p.kind, p.default) for p in their_params
     ]
-    assert [p.name for p in our_params[len(their_params) :]] == ["optimizer", "optimizer_kwargs", "per_rank_tables"]
+    added_since = [n for n in TORCHREC_ADDED_SINCE_1_6[theirs] if n not in {p.name for p in their_params}]
+    assert [p.name for p in our_params[len(their_params) :]] == [
+        *added_since,
+        "optimizer",
+        "optimizer_kwargs",
+        "per_rank_tables",
+    ]
 
     bag = ours is DynamicEmbeddingBagCollection
     config = (EmbeddingBagConfig if bag else EmbeddingConfig)(

@@ -35,7 +35,17 @@ def _checkout_copy(destination: str) -> str:
         ROOT,
         destination,
         ignore=shutil.ignore_patterns(
-            ".git", ".venv", "build", "runs", "*.egg-info", "__pycache__", ".pytest_cache", "*.so"
+            ".git",
+            ".venv",
+            ".versions",  # (scripts/test_versions.sh's checkouts and their venvs)
+            ".whl",
+            ".fbgemm",
+            "build",
+            "runs",
+            "*.egg-info",
+            "__pycache__",
+            ".pytest_cache",
+            "*.so",
         ),
     )
     shutil.copy2(torchrec_ext._C.__file__, os.path.join(destination, "torchrec_ext"))

@@ -1511,8 +1511,11 @@ def install_default_planner_hook() -> None:
             return original_populate(self, sharding_options)
         original_populate(self, [o for o in sharding_options if not is_dynamic_option(o)])
         dynamic = [o for o in sharding_options if is_dynamic_option(o)]
+        # What TorchRec's own populate_estimates hands its estimators: from 1.7 the sharders'
+        # snapshots (_sharder_data_map), in 1.6 the sharders themselves (_sharder_map).
+        sharders = getattr(self, "_sharder_data_map", None)
         for estimator in ours:
-            estimator.estimate(dynamic, self._sharder_data_map)
+            estimator.estimate(dynamic, self._sharder_map if sharders is None else sharders)
 
     original_planner_init = EmbeddingShardingPlanner.__init__
 

@@ -16,6 +16,7 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.optim.fused import EmptyFusedOptimizer
 from torchrec.optim.keyed import KeyedOptimizer
 
+from torchrec_ext.modules.compiled_lookup import register_owner
 from torchrec_ext.modules.deltas import DeltaMixin
 from torchrec_ext.modules.dynamic_tables import DynamicTables
 from torchrec_ext.modules.features import LookupInput, LookupPlan, check_and_arrange
@@ -56,6 +57,7 @@ class DynamicCollectionMixin(DeltaMixin):
         per_rank_tables: bool = False,
     ) -> None:
         where = type(self).__name__
+        register_owner(self)  # (the compiled lookup's handle)
         self.per_rank_tables = bool(per_rank_tables)
         # Without a device, torch's default one, as TorchRec's modules (so ``with torch.device("meta"):``
         # builds a meta module).
@@ -86,6 +88,7 @@ class DynamicCollectionMixin(DeltaMixin):
         # attributes: re-point the copy's table parameters at the copy's storage, and give
         # them back the fused optimizer's markers (the copied optimizer already holds them).
         super().__setstate__(state)
+        register_owner(self)  # a copy is another module: the compiled lookup names it by its own id
         for table in self._table_modules():
             self._tables.register_parameter_owner(table)
         self._bind_parameters()
@@ -352,7 +355,7 @@ class DynamicCollectionMixin(DeltaMixin):
 
     def _lookup_rows(self, batch: LookupInput) -> RowLookup:
         self._tables.check_ready(type(self).__name__)
-        backward_follows = bool(self._differentiable_params())
+        backward_follows = len(self._differentiable_params()) > 0  # (not bool(): torch 2.11 cannot trace it)
         if self._replica_check_pending and backward_follows and self.training:
             self._replica_check_pending = not check_unsharded_replica(self)
         if self.training or backward_follows:

@@ -10,7 +10,7 @@ backward), so compiled training
 updates the tables exactly as eager training does.
 
 An op takes tensors and scalars, not modules: the module is named by a handle (its ``id``, kept
-in a weak registry when Dynamo traces the call). What the backward needs (the lookup's rows,
+in a weak registry from the module's construction: ``register_owner``). What the backward needs (the lookup's rows,
 the arranged batch) waits in ``_PENDING`` under a token the forward returns. The backward op's
 only effect is on the tables, so that no compiler drops it as dead code it returns the
 gradient of ``_ANCHOR``, an empty tensor that requires grad and that every forward op reads.
@@ -39,12 +39,13 @@ _ANCHOR = torch.zeros(0, requires_grad=True, device="cpu")
 KEY_SEPARATOR = "\x00"
 
 
-@torch.compiler.assume_constant_result
-def _owner_handle(module: Any) -> int:
-    # Runs when Dynamo traces the call (its result is a constant of the graph), so the module is
-    # registered before the compiled graph can run.
+def register_owner(module: Any) -> None:
+    """Names ``module`` to the compiled ops by its ``id`` (a weak entry). Each dynamic collection
+    registers when it is built, copied or unpickled, so before any graph can call it; Dynamo
+    takes ``id(module)`` into a graph as a constant. (Registering at trace time, through an
+    ``assume_constant_result`` function of the module, fails on torch 2.11, whose Dynamo passes
+    such a function constants only.)"""
     _OWNERS[id(module)] = module
-    return id(module)
 
 
 def _owner(handle: int) -> Any:
@@ -185,7 +186,7 @@ def compiled_pooled_forward(module: Any, features: KeyedJaggedTensor, backward_f
     """The pooled [batch_size, total_dim] output of ``module``'s lookup of ``features``, as one
     op of the graph Dynamo traces (``features`` has one batch size for all features)."""
     pooled, _token = torch.ops.torchrec_ext.compiled_pooled_lookup(
-        _owner_handle(module),
+        id(module),
         KEY_SEPARATOR.join(features.keys()),
         features.values(),
         features.lengths(),
@@ -260,7 +261,7 @@ def compiled_sequence_forward(module: Any, features: KeyedJaggedTensor, backward
     plan, per_key = module._plan, features.to_dict()
     jts = [per_key[f] for f in plan.features]
     vectors, _token = torch.ops.torchrec_ext.compiled_sequence_lookup(
-        _owner_handle(module),
+        id(module),
         KEY_SEPARATOR.join(features.keys()),
         features.values(),
         features.lengths(),

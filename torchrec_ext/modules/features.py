@@ -141,10 +141,13 @@ def check_and_arrange(
     per_key = nonfinite = None
     if torch.compiler.is_compiling():
         # torch.export / compile: values are symbolic, so these checks become the program's runtime asserts.
+        # (The messages take `where` as a default, not a closure: torch 2.11's dynamo refuses a
+        # torch._check message that closes over a variable, a graph break.)
         if lengths.numel():
-            torch._check(lengths.min().item() >= 0, lambda: f"{where}: KJT lengths must be >= 0")
+            torch._check(lengths.min().item() >= 0, lambda where=where: f"{where}: KJT lengths must be >= 0")
             torch._check(
-                lengths.sum().item() == values.numel(), lambda: f"{where}: KJT lengths must sum to the ids' count"
+                lengths.sum().item() == values.numel(),
+                lambda where=where: f"{where}: KJT lengths must sum to the ids' count",
             )
     elif not values.is_meta:
         read = None if variable or weights is None else [k in set(plan.features) for k in keys]

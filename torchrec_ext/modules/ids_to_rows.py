@@ -214,7 +214,10 @@ class IdsToRows:
             if exporting or training or end > start:
                 keys = unique[start:end]
                 rows, fresh = self._rows_for(t, keys, counts[start:end], training)
-                unique_rows[start:end] = rows
+                into = unique_rows[start:end]
+                if exporting:  # (torch 2.11's export gives each slice of symbolic bounds a size of its own)
+                    torch._check(rows.shape[0] == into.shape[0])
+                into.copy_(rows)
                 if fresh is not None:
                     inserted[start:end] = fresh
         new = self._defer_tables(unique_rows, inserted, unique, unique_table) if deferred else None

@@ -75,11 +75,16 @@ class _BuildExtension(BuildExtension):
     def build_extensions(self) -> None:
         # The kernels by absolute path: their objects then land apart from their bindings' (x_cuda.cpp
         # and x_cuda.cu would both make csrc/x_cuda.o, which ninja refuses: "multiple rules generate").
-        # Here only: setuptools refuses an absolute path among setup()'s arguments (egg_info,
-        # build_py, a wheel's build all read them).
+        # Here only, and put back after: setuptools refuses an absolute path among setup()'s
+        # arguments (egg_info, build_py, a wheel's build all read them, some after this).
+        relative = {id(ext): ext.sources for ext in self.extensions}
         for ext in self.extensions:
             ext.sources = [os.path.join(ROOT, s) if s.endswith(".cu") else s for s in ext.sources]
-        super().build_extensions()
+        try:
+            super().build_extensions()
+        finally:
+            for ext in self.extensions:
+                ext.sources = relative[id(ext)]
 
 
 setup(

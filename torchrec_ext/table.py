@@ -799,6 +799,17 @@ class HashTable:
         return scores
 
 
+class _Exported(NamedTuple):
+    """A table's live entries as ``grown_tables`` reads them (under the table's read lock)."""
+
+    keys: Tensor
+    rows: Tensor
+    scores: Tensor
+    held: Tensor  # the count of its live slots, on the device (checked against the size read)
+    clock: int
+    epoch: int
+
+
 def grown_tables(
     tables: Sequence[HashTable], capacities: Sequence[int], sizes: Sequence[int] | None = None
 ) -> list[tuple[HashTable, Tensor]]:
@@ -818,8 +829,8 @@ def grown_tables(
     for size, capacity in zip(sizes, capacities):
         if size > capacity:
             raise ValueError(f"HashTable.grown: capacity must hold the table's {size} keys, got {capacity}")
-    exported = []
-    for table, size in zip(tables, sizes):
+    exported, twins = [], []
+    for table, size, capacity in zip(tables, sizes, capacities):
         with table._lock.read():
             # hash_export's live slots, ascending, without its read of their count: rows past
             # the capacity are never used.
@@ -827,30 +838,28 @@ def grown_tables(
             slots = torch.nonzero_static(occupied, size=size).view(-1)
             keys, scores = table._slot_keys[slots], table._slot_scores[slots]
             rows = table._rows_of_slots(slots)
-            exported.append((keys, rows, scores, occupied.sum(), table._clock, table._epoch))
-    twins = []
-    for table, capacity, (_, _, _, _, _, epoch) in zip(tables, capacities, exported):
+            exported.append(_Exported(keys, rows, scores, occupied.sum(), table._clock, table._epoch))
         twin = HashTable(capacity, policy=table.policy, device=table.device, mapped_rows=table._slot_rows is not None)
-        twin._epoch = epoch
+        twin._epoch = exported[-1].epoch
         twins.append(twin)
     filled = [t for t, size in enumerate(sizes) if size]
-    new_slots = [keys for keys, *_ in exported]  # (the empty tables': no keys, no slots)
+    new_slots = [e.keys for e in exported]  # (the empty tables': no keys, no slots)
     if filled:
         offsets = [0]
         for t in filled:
             offsets.append(offsets[-1] + sizes[t])
         placed = _upsert_tables(
             [twins[t] for t in filled],
-            torch.cat([exported[t][0] for t in filled]),
+            torch.cat([exported[t].keys for t in filled]),
             offsets,
-            torch.cat([exported[t][2] for t in filled]),
+            torch.cat([exported[t].scores for t in filled]),
             None,
             assign=True,
         ).rows
         for t, begin, end in zip(filled, offsets, offsets[1:]):
             new_slots[t] = placed[begin:end]
     # Per table: whether a key missed its slot, and the live keys it held.
-    checks = [torch.stack([(new_slots[t] < 0).any().long(), exported[t][3]]) for t in range(len(tables))]
+    checks = [torch.stack([(new_slots[t] < 0).any().long(), exported[t].held]) for t in range(len(tables))]
     read = device_sync.host_list(torch.stack(checks).view(-1), "growth: keys placed")
     missed, held = read[0::2], read[1::2]
     for t, (size, live) in enumerate(zip(sizes, held)):

@@ -355,7 +355,7 @@ class DynamicCollectionMixin(DeltaMixin):
 
     def _lookup_rows(self, batch: LookupInput) -> RowLookup:
         self._tables.check_ready(type(self).__name__)
-        backward_follows = len(self._differentiable_params()) > 0  # (not bool(): torch 2.11 cannot trace it)
+        backward_follows = self._backward_follows()
         if self._replica_check_pending and backward_follows and self.training:
             self._replica_check_pending = not check_unsharded_replica(self)
         if self.training or backward_follows:
@@ -363,6 +363,11 @@ class DynamicCollectionMixin(DeltaMixin):
             if backward_follows and fused is not None:
                 fused.hyperparams()  # settings written since (by a scheduler) are refused before any id is inserted
         return self._tables.lookup(batch.ids, batch.segment_offsets, self.training, backward_follows=backward_follows)
+
+    def _backward_follows(self) -> bool:
+        """Whether a backward will follow this forward's lookup (a table weight it reads requires
+        grad). ``len``, not ``bool`` of the list: torch 2.11's Dynamo cannot trace ``bool(list)``."""
+        return len(self._differentiable_params()) > 0
 
     def _differentiable_params(self) -> list[Tensor]:
         if not torch.is_grad_enabled():

@@ -77,7 +77,7 @@ class DynamicEmbeddingBagCollection(DynamicCollectionMixin, EmbeddingBagCollecti
             features = weighted_features
         if isinstance(features, torch.fx.Proxy):  # symbolic tracing: a leaf
             return self._traced_call(features, KeyedTensor)
-        backward_follows = len(self._differentiable_params()) > 0  # (not bool(): torch 2.11 cannot trace it)
+        backward_follows = self._backward_follows()
         if lookup_is_one_op(self, features, backward_follows):  # torch.compile: so that fullgraph=True holds
             pooled = compiled_pooled_forward(self, features, backward_follows)
             return KeyedTensor(

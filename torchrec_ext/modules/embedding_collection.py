@@ -71,7 +71,7 @@ class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInte
         # not know; an EmbeddingCollection reads no weights (TorchRec gives its own EC only features).
         if isinstance(features, torch.fx.Proxy):  # symbolic tracing: a leaf
             return self._traced_call(features, dict)
-        backward_follows = len(self._differentiable_params()) > 0  # (not bool(): torch 2.11 cannot trace it)
+        backward_follows = self._backward_follows()
         if lookup_is_one_op(self, features, backward_follows):  # torch.compile: so that fullgraph=True holds
             return compiled_sequence_forward(self, features, backward_follows)
         batch = check_and_arrange(features, self._plan, False, type(self).__name__, self.device, variable_batch="pool")

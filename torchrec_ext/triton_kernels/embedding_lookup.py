@@ -57,6 +57,14 @@ def load_rows(w32_ptr, w16_ptr, wbf_ptr, base, offs, mask, dtype_code, HAS_DTYPE
 
 
 @triton.jit
+def _per_slot(per_bag, BLOCK_L: tl.constexpr, BLOCK_B: tl.constexpr):
+    """A [BLOCK_B] per-bag value as the [BLOCK_L * BLOCK_B] slots of the pooled kernel's tile
+    (slot l * BLOCK_B + b is id l of bag b), broadcast: slots of one bag a thread holds share
+    the bag's registers, where loading it per slot gave each its own copy."""
+    return tl.reshape(tl.broadcast_to(per_bag[None, :], [BLOCK_L, BLOCK_B]), [BLOCK_L * BLOCK_B])
+
+
+@triton.jit
 def _pooled_lookup_fwd_kernel(
     weights_ptr,  # the flat buffer of all tables, as float32
     weights16_ptr,  # the same, as float16
@@ -86,72 +94,84 @@ def _pooled_lookup_fwd_kernel(
     # many independent row loads in flight per program (one bag per program left the memory
     # system idle while its few rows' dependent loads ran one after the other). Bags of one tile
     # may belong to different features, hence tables, dims and dtypes: all per-bag vectors.
-    # Per-bag values in int32 where they fit (bags, features, tables, dims, columns: registers
-    # are what bounds the warps per SM); addresses and value positions in int64.
-    bags = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    # Per-bag values in int32 where they fit (registers bound the warps per SM); addresses and
+    # value positions in int64.
+    #
+    # The rows are gathered as a 2-D tile of BLOCK_L * BLOCK_B "slots" x BLOCK_D columns, slot
+    # l * BLOCK_B + b holding id l of bag b, and summed over l as [BLOCK_L, BLOCK_B, BLOCK_D]. A
+    # 3-D gather has two dims of no contiguity (bags, ids) and Triton's layout of it depends on
+    # how the version breaks that tie: triton 3.6 gave a thread the ids of one bag, 3.7 of two
+    # (80 and 106 registers at dim 64, half tables; up to 213 at ALIGN 1). One such dim leaves
+    # no tie: both versions lay it out alike.
     pid_d = tl.program_id(1)
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    bags = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     bag_ok = bags < num_bags
-    feature = bags // batch_size
-    sample = bags - feature * batch_size
+    table = tl.load(feature_table_ptr + bags // batch_size, mask=bag_ok, other=0).to(tl.int32)
+    bag_dim = tl.load(table_dims_ptr + table, mask=bag_ok, other=0).to(tl.int32)
+    bag_base = tl.load(table_offsets_ptr + table, mask=bag_ok, other=0).to(tl.int64)
+    bag_start = tl.load(offsets_ptr + bags, mask=bag_ok, other=0).to(tl.int64)
+    bag_end = tl.load(offsets_ptr + bags + 1, mask=bag_ok, other=0).to(tl.int64)
+    # A column block past a bag's dim (the grid covers the widest table) reads nothing.
+    bag_length = tl.where(bag_ok & (pid_d * BLOCK_D < bag_dim), bag_end - bag_start, 0)
+    longest = tl.max(bag_length, axis=0)
 
-    table = tl.load(feature_table_ptr + feature, mask=bag_ok, other=0).to(tl.int32)
-    col = tl.load(feature_col_ptr + feature, mask=bag_ok, other=0)
-    is_mean = tl.load(feature_mean_ptr + feature, mask=bag_ok, other=0)
-    # The hints let the compiler prove that a row's ALIGN elements are contiguous and aligned
-    # (the host checked every table): 16-byte loads of float32 rows from ALIGN 4, of half rows
-    # at 8 (a half table's element e is at half-word 2 * base + e: 2 * base keeps the alignment).
-    dim = tl.multiple_of(tl.load(table_dims_ptr + table, mask=bag_ok, other=0).to(tl.int32), ALIGN)
-    base = tl.multiple_of(tl.load(table_offsets_ptr + table, mask=bag_ok, other=0).to(tl.int64), ALIGN)
+    pos = tl.arange(0, BLOCK_L * BLOCK_B) // BLOCK_B  # each slot's id in its bag, at the first step
+    start = _per_slot(bag_start, BLOCK_L, BLOCK_B)
+    length = _per_slot(bag_length, BLOCK_L, BLOCK_B)
+    # dim and base as multiples of ALIGN the compiler can see (the host checked every table;
+    # tl.multiple_of does not pass a reshape): 16-byte loads of float32 rows from ALIGN 4, of
+    # half rows at 8 (a half table's element e is at half-word 2 * base + e: 2 * base keeps it).
+    dim = _per_slot(bag_dim // ALIGN, BLOCK_L, BLOCK_B) * ALIGN
+    base = _per_slot(bag_base // ALIGN, BLOCK_L, BLOCK_B) * ALIGN
     if HAS_DTYPES:
-        dtype_code = tl.load(table_dtypes_ptr + table, mask=bag_ok, other=0)[:, None, None]
+        bag_code = tl.load(table_dtypes_ptr + table, mask=bag_ok, other=0)
+        dtype_code = _per_slot(bag_code, BLOCK_L, BLOCK_B)[:, None]
     else:
         dtype_code = 0
-    start = tl.load(offsets_ptr + bags, mask=bag_ok, other=0).to(tl.int64)
-    end = tl.load(offsets_ptr + bags + 1, mask=bag_ok, other=0).to(tl.int64)
-
-    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_mask = d[None, :] < dim[:, None]  # [B, D]
-    # A column block past a bag's dim (the grid covers the widest table) reads nothing.
-    length = tl.where(bag_ok & (pid_d * BLOCK_D < dim), end - start, 0)
-    longest = tl.max(length, axis=0)
-    pos = tl.arange(0, BLOCK_L)
+    d_mask = d[None, :] < dim[:, None]  # [slots, D]
 
     # Software pipeline: the ids of step j + 1 are loaded before the rows of step j, so the id
     # loads' latency hides behind the row loads.
-    in_bag = pos[None, :] < length[:, None]  # [B, L]
-    row = tl.load(rows_ptr + start[:, None] + pos[None, :], mask=in_bag, other=-1).to(tl.int64)
+    in_bag = pos < length
+    row = tl.load(rows_ptr + start + pos, mask=in_bag, other=-1).to(tl.int64)
     acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
     j = 0
     while j < longest:
-        cur = j + pos[None, :]
+        cur = j + pos
         present = in_bag & (row >= 0)  # -1 rows read as zeros
         nxt = cur + BLOCK_L
-        next_in_bag = nxt < length[:, None]
-        next_row = tl.load(rows_ptr + start[:, None] + nxt, mask=next_in_bag, other=-1).to(tl.int64)
+        next_in_bag = nxt < length
+        next_row = tl.load(rows_ptr + start + nxt, mask=next_in_bag, other=-1).to(tl.int64)
         vals = load_rows(
             weights_ptr,
             weights16_ptr,
             weightsbf_ptr,
-            base[:, None, None],
-            (row * dim[:, None])[:, :, None] + d[None, None, :],
-            present[:, :, None] & d_mask[:, None, :],
+            base[:, None],
+            (row * dim)[:, None] + d[None, :],
+            present[:, None] & d_mask,
             dtype_code,
             HAS_DTYPES,
         )
         if HAS_WEIGHTS:
-            w = tl.load(psw_ptr + start[:, None] + cur, mask=present, other=0.0).to(tl.float32)
-            vals = vals * w[:, :, None]
-        acc += tl.sum(vals, axis=1)
+            w = tl.load(psw_ptr + start + cur, mask=present, other=0.0).to(tl.float32)
+            vals = vals * w[:, None]
+        acc += tl.sum(tl.reshape(vals, [BLOCK_L, BLOCK_B, BLOCK_D]), axis=0)
         row = next_row
         in_bag = next_in_bag
         j += BLOCK_L
 
+    # Where each bag's sum lands, and its mean's divisor.
+    feature = bags // batch_size
+    sample = bags - feature * batch_size
+    col = tl.load(feature_col_ptr + feature, mask=bag_ok, other=0)
+    is_mean = tl.load(feature_mean_ptr + feature, mask=bag_ok, other=0)
+    full = bag_end - bag_start
     # Mean divides by the bag's full length, -1 rows included; empty bags stay zero.
-    full = end - start
     scale = tl.where((is_mean != 0) & (full > 0), tl.maximum(full, 1).to(tl.float32), 1.0)
     acc = tl.div_rn(acc, scale[:, None])
     out = out_ptr + (sample.to(tl.int64) * total_dim + col)[:, None] + d[None, :]
-    tl.store(out, acc, mask=bag_ok[:, None] & d_mask)
+    tl.store(out, acc, mask=bag_ok[:, None] & (d[None, :] < bag_dim[:, None]))
 
 
 @triton.jit
@@ -244,8 +264,10 @@ def _pooled_blocks(max_dim: int, mean_bag: float, align: int = 8):
     address, at BLOCK_L 2 a thread holds the state of twice the bags, and at BLOCK_D <= 4 each
     element is its own row. Each of the three halves the tile (the same threads, half the
     elements each, at least 4): at 16 those tiles took 96-232 registers a thread on sm_90 (dim 12,
-    ALIGN 1, half tables, bags ~2: 232, two programs of 4 warps an SM), halved at most 90. The
-    others (ALIGN >= 4, dims over 4, bags of 3 or more ids) keep their tile (at most 98)."""
+    ALIGN 1, half tables, bags ~2: 232, two programs of 4 warps an SM), halved at most 80. The
+    others (ALIGN >= 4, dims over 4, bags of 3 or more ids) keep their tile (at most 102: half
+    tables, ALIGN 8, bags of ~3). Figures of triton 3.6 and 3.7 alike, over every tile:
+    benchmarks/count_pooled_registers.py."""
     block_d = min(triton.next_power_of_2(max(max_dim, 1)), 256)
     # At least 2: a tile of one id per bag spreads ~4 bags' values over each thread (~160
     # registers on sm_90 against ~80).

@@ -6,8 +6,8 @@
 #
 # 1. .whl/: torchrec, fbgemm-gpu-cpu, tensordict and their missing needs (the wheels script beside
 #    the checkout, WHEELS_SCRIPT, default ../shared/gpu/wheels.sh), pytest and pytest-xdist;
-# 2. .whl/lookup_before_*.py: the pooled-lookup kernel before 7a37695 and 42544ae (the A/B steps of
-#    benchmarks/results/gpu/issue13_audit.md's runbook);
+# 2. .whl/lookup_before_*.py: the pooled-lookup kernel before 7a37695, 42544ae and eab9927 (the A/B
+#    steps of benchmarks/results/gpu/issue13_audit.md's runbook);
 # 3. .fbgemm/: fbgemm-gpu's CUDA build slimmed to sm_90 in parts (scripts/fbgemm_cuda_parts.py),
 #    unless --no-fbgemm or a pack of the same version and slimming is already there.
 # Then it prints what each of the two device calls carries. PYTHON: the interpreter that downloads
@@ -35,7 +35,7 @@ run() {
 run bash "$wheels"
 run "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
   pytest pluggy iniconfig pytest-xdist execnet
-for commit in 7a37695 42544ae; do
+for commit in 7a37695 42544ae eab9927; do
   echo "+ git show $commit~1:torchrec_ext/triton_kernels/embedding_lookup.py > .whl/lookup_before_$commit.py"
   (( dry )) || git show "$commit~1:torchrec_ext/triton_kernels/embedding_lookup.py" > ".whl/lookup_before_$commit.py"
 done

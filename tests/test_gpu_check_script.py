@@ -138,9 +138,10 @@ def test_gpu_prepare_names_every_download_and_refuses_what_it_cannot_do(tmp_path
     commands = [line for line in proc.stdout.splitlines() if line.startswith("+ ")]
     assert commands[0] == f"+ bash {wheels}"
     assert "pytest pluggy iniconfig pytest-xdist execnet" in commands[1]
-    assert [c.split("> ")[-1] for c in commands[2:4]] == [
+    assert [c.split("> ")[-1] for c in commands[2:5]] == [
         ".whl/lookup_before_7a37695.py",
         ".whl/lookup_before_42544ae.py",
+        ".whl/lookup_before_eab9927.py",
     ]
     assert not any("fbgemm_cuda_parts.py" in c for c in commands)
     assert "device call" in proc.stdout or "every device call carries" in proc.stdout

@@ -353,9 +353,10 @@ class DynamicCollectionMixin(DeltaMixin):
         tracer = features.tracer
         return tracer.create_proxy("call_module", tracer.path_of_module(self), (features,), {}, type_expr=output_type)
 
-    def _lookup_rows(self, batch: LookupInput) -> RowLookup:
+    def _lookup_rows(self, batch: LookupInput, backward_follows: bool) -> RowLookup:
+        """The rows of ``batch``'s ids (inserting them in training); ``backward_follows``: the
+        forward's ``_backward_follows()``, taken once a step."""
         self._tables.check_ready(type(self).__name__)
-        backward_follows = self._backward_follows()
         if self._replica_check_pending and backward_follows and self.training:
             self._replica_check_pending = not check_unsharded_replica(self)
         if self.training or backward_follows:

@@ -103,8 +103,7 @@ def _arrange_and_look_up(module, keys, values, lengths, weights, stride, backwar
     batch = check_and_arrange(
         kjt, module._plan, getattr(module, "_is_weighted", False), type(module).__name__, module.device
     )
-    with torch.set_grad_enabled(backward_follows):  # the lookup's own test of whether a backward follows
-        return batch, module._lookup_rows(batch)
+    return batch, module._lookup_rows(batch, backward_follows)
 
 
 def _keep_for_backward(ctx: SimpleNamespace, backward_follows: bool) -> Tensor:

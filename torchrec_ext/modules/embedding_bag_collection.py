@@ -89,7 +89,7 @@ class DynamicEmbeddingBagCollection(DynamicCollectionMixin, EmbeddingBagCollecti
         if self.device.type == "meta":  # shapes only, as TorchRec's module on meta
             pooled = torch.empty(batch.batch_size, self._plan.total_dim, device=self.device)
         else:
-            lookup = self._lookup_rows(batch)
+            lookup = self._lookup_rows(batch, backward_follows)
             pooled = PooledLookupFunction.apply(
                 self._tables,
                 self._plan,

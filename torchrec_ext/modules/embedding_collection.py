@@ -78,7 +78,7 @@ class DynamicEmbeddingCollection(DynamicCollectionMixin, EmbeddingCollectionInte
         if self.device.type == "meta":  # shapes only, as TorchRec's module on meta
             vectors = torch.empty(batch.ids.numel(), self._embedding_dim, device=self.device)
         else:
-            lookup = self._lookup_rows(batch)
+            lookup = self._lookup_rows(batch, backward_follows)
             vectors = SequenceLookupFunction.apply(
                 self._tables, self._plan, self._hyperparams, lookup, batch, *self._differentiable_params()
             )

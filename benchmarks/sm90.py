@@ -15,11 +15,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-# The pooled lookup kernel's pointer arguments, in order (float32/float16/bfloat16 views of the
-# weights; table offsets, dtypes and dims, feature tables and columns as int64; the means as
-# bool; rows and bag offsets as int64; per-sample weights and the output as float32).
-POOLED_POINTERS = ["*fp32", "*fp16", "*bf16"] + ["*i64"] * 5 + ["*i1", "*i64", "*i64", "*fp32", "*fp32"]
-
 
 def compile_for_sm90(kernel, signature: dict[str, str], const: dict[str, object], num_warps: int, aligned=()):
     """``kernel`` compiled for sm_90 with the argument types ``signature`` (the constexprs
@@ -55,17 +50,28 @@ def registers_and_spills(compiled) -> tuple[int, int]:
     return registers, sum(int(n) for n in re.findall(r"(\d+) bytes spill", said.stderr))
 
 
+def compile_pooled_lookup(const: dict[str, object], num_warps: int):
+    """The pooled lookup kernel compiled for sm_90 with the constexprs ``const``. Its pointers: the
+    float32/float16/bfloat16 views of the weights; table offsets, dtypes and dims, feature tables
+    and columns as int64; the means as bool; rows and bag offsets as int64; per-sample weights and
+    the output as float32."""
+    from torchrec_ext.triton_kernels import embedding_lookup as el
+
+    kernel = el._pooled_lookup_fwd_kernel
+    pointers = ["*fp32", "*fp16", "*bf16"] + ["*i64"] * 5 + ["*i1", "*i64", "*i64", "*fp32", "*fp32"]
+    signature = dict(zip(kernel.arg_names, pointers), num_bags="i32", batch_size="i32", total_dim="i32")
+    return compile_for_sm90(kernel, signature, const, num_warps)
+
+
 def pooled_lookup_registers(max_dim: int, mean_bag: float, has_dtypes: bool, align: int) -> list[int]:
     """[registers a thread, warps, bytes spilled] of the pooled lookup kernel at the tile
     ``pooled_lookup`` launches for a widest dim, mean bag length and ALIGN (half tables among
     its tables or not), unweighted."""
     from torchrec_ext.triton_kernels import embedding_lookup as el
 
-    kernel = el._pooled_lookup_fwd_kernel
-    signature = dict(zip(kernel.arg_names, POOLED_POINTERS), num_bags="i32", batch_size="i32", total_dim="i32")
     block_b, block_l, block_d, num_warps = el._pooled_blocks(max_dim, mean_bag, align)
     const = dict(
         HAS_WEIGHTS=False, HAS_DTYPES=has_dtypes, ALIGN=align, BLOCK_B=block_b, BLOCK_L=block_l, BLOCK_D=block_d
     )
-    registers, spilled = registers_and_spills(compile_for_sm90(kernel, signature, const, num_warps))
+    registers, spilled = registers_and_spills(compile_pooled_lookup(const, num_warps))
     return [registers, num_warps, spilled]

@@ -390,15 +390,12 @@ def triton_next_pow2(n):
 _SM90_COMPILE = r"""
 import json, re, sys
 sys.path.insert(0, "benchmarks")
-from sm90 import POOLED_POINTERS, compile_for_sm90
-from torchrec_ext.triton_kernels import embedding_lookup as el
+from sm90 import compile_pooled_lookup
 
-kernel = el._pooled_lookup_fwd_kernel
-signature = dict(zip(kernel.arg_names, POOLED_POINTERS), num_bags="i32", batch_size="i32", total_dim="i32")
 out = {}
 for align, has_weights, has_dtypes in json.loads(sys.argv[1]):
     const = dict(HAS_WEIGHTS=has_weights, HAS_DTYPES=has_dtypes, ALIGN=align, BLOCK_B=16, BLOCK_L=4, BLOCK_D=64)
-    compiled = compile_for_sm90(kernel, signature, const, num_warps=8)
+    compiled = compile_pooled_lookup(const, num_warps=8)
     out[f"{align},{has_weights},{has_dtypes}"] = re.findall(r"ld\.global[\w.]*", compiled.asm["ptx"])
 print(json.dumps(out))
 """

@@ -107,7 +107,8 @@ def _pooled_lookup_fwd_kernel(
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     bags = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     bag_ok = bags < num_bags
-    table = tl.load(feature_table_ptr + bags // batch_size, mask=bag_ok, other=0).to(tl.int32)
+    feature = bags // batch_size
+    table = tl.load(feature_table_ptr + feature, mask=bag_ok, other=0).to(tl.int32)
     bag_dim = tl.load(table_dims_ptr + table, mask=bag_ok, other=0).to(tl.int32)
     bag_base = tl.load(table_offsets_ptr + table, mask=bag_ok, other=0).to(tl.int64)
     bag_start = tl.load(offsets_ptr + bags, mask=bag_ok, other=0).to(tl.int64)
@@ -162,7 +163,6 @@ def _pooled_lookup_fwd_kernel(
         j += BLOCK_L
 
     # Where each bag's sum lands, and its mean's divisor.
-    feature = bags // batch_size
     sample = bags - feature * batch_size
     col = tl.load(feature_col_ptr + feature, mask=bag_ok, other=0)
     is_mean = tl.load(feature_mean_ptr + feature, mask=bag_ok, other=0)
